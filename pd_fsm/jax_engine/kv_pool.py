@@ -1,0 +1,93 @@
+"""The paged KV pool layout and the page allocator.
+
+Layout (one array per layer), close to sgl-jax / tpu-inference:
+
+    kv[layer].shape == (num_pages, page_size, 2 * num_kv_heads, head_dim)
+
+K and V are interleaved along axis 2: K of kv-head ``h`` at ``2*h``, V at ``2*h + 1``. Page-major
+order makes a request's KV a gather along axis 0 and keeps every page one contiguous block, which
+is what the transfer path moves.
+
+Page 0 is reserved as the *null page*: padded token positions (prompt lengths rounded up to a
+bucket, padded batch rows, padded page lists) write there and read from there, so jitted code
+never needs a branch for padding. The allocator never hands it out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import attrs
+
+NULL_PAGE = 0
+
+
+@attrs.frozen
+class KVPoolConfig:
+    num_layers: int
+    num_pages: int  # including the reserved null page
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float32"
+
+    @property
+    def page_shape(self) -> tuple[int, int, int]:
+        return (self.page_size, 2 * self.num_kv_heads, self.head_dim)
+
+    @property
+    def layer_shape(self) -> tuple[int, int, int, int]:
+        return (self.num_pages, *self.page_shape)
+
+    @property
+    def usable_pages(self) -> int:
+        return self.num_pages - 1
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+
+class PageAllocatorError(RuntimeError):
+    """A caller asked for something the allocator's accounting forbids (double free, foreign page)."""
+
+
+class PageAllocator:
+    """Single owner of the free/used page accounting. Page ``NULL_PAGE`` is never handed out."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 2:
+            raise ValueError("num_pages must be >= 2 (page 0 is the reserved null page)")
+        self.total = num_pages - 1
+        # LIFO free list: recently freed pages are reused first (warm in cache).
+        self._free: list[int] = list(range(num_pages - 1, 0, -1))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._used)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` page ids, or ``None`` (nothing taken) when fewer than ``n`` are free."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > len(self._free):
+            return None
+        pages = [self._free.pop() for _ in range(n)]
+        self._used.update(pages)
+        return pages
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Return pages; refuses (and changes nothing) on a double free or a page never handed out."""
+        pages = list(pages)
+        bad = [p for p in pages if p not in self._used]
+        if bad or len(set(pages)) != len(pages):
+            raise PageAllocatorError(f"free of pages not in use (double free?): {sorted(set(bad))}")
+        self._used.difference_update(pages)
+        self._free.extend(pages)
