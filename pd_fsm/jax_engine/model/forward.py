@@ -1,0 +1,215 @@
+"""The Llama-architecture forward pass over the paged KV pool.
+
+One batched "extend" step serves both prefill and decode: every row ``b`` feeds ``num_new[b]`` new
+tokens starting at absolute position ``start_pos[b]`` (prefill: the prompt, or a chunk of it after
+``start_pos`` cached tokens; decode: one token). Each layer writes the new K/V into the row's pages,
+then attends over all of the row's pages through a padded page table. Rows and positions beyond
+``num_new`` are padding: they write to the null page and their outputs are ignored.
+
+Params are a plain pytree (dicts and a list of per-layer dicts, weights laid out ``[in, out]`` so a
+projection is ``x @ w``)::
+
+    {"embed": [V, H], "final_norm": [H], "lm_head": [H, V] (absent when tied to "embed"),
+     "layers": [{"attn_norm": [H], "wq": [H, Nh*D], "wk": [H, Nkv*D], "wv": [H, Nkv*D],
+                 "wo": [Nh*D, H], "mlp_norm": [H], "w_gate": [H, I], "w_up": [H, I],
+                 "w_down": [I, H], optional "bq"/"bk"/"bv" biases (Qwen2)}, ...]}
+
+Rotary embeddings use the rotate-half (HF) convention; loaders convert other layouts to it.
+The KV pool layout is the one in ``kv_pool.py``: per layer ``(pages, page_size, 2*Nkv, D)`` with
+K of kv-head ``h`` at ``2h`` and V at ``2h+1``. The kv list is donated: use the returned one.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pd_fsm.jax_engine.kv_pool import NULL_PAGE
+from pd_fsm.jax_engine.model.config import ModelConfig
+
+Params = dict[str, Any]
+KV = list[jax.Array]
+
+# Finite, not -inf: a fully masked padding row must give finite (ignored) values, because its K/V
+# lands in the null page that every real row also reads (masked) — a NaN there would poison them.
+_MASK_VALUE = float(jnp.finfo(jnp.float32).min)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return normed.astype(x.dtype) * weight
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotate-half rotary embedding. ``x``: ``[B, T, heads, D]``, ``positions``: ``[B, T]``."""
+    d = x.shape[-1]
+    half = d // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, half]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1 = x[..., :half].astype(jnp.float32)
+    x2 = x[..., half:].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _project(h: jax.Array, layer: Params, w: str, b: str) -> jax.Array:
+    y = h @ layer[w]
+    return y + layer[b] if b in layer else y
+
+
+def _extend(
+    params: Params,
+    kv: KV,
+    tokens: jax.Array,
+    start_pos: jax.Array,
+    num_new: jax.Array,
+    page_table: jax.Array,
+    *,
+    config: ModelConfig,
+    all_logits: bool,
+) -> tuple[jax.Array, KV]:
+    batch, t = tokens.shape
+    num_pages_row = page_table.shape[1]
+    page_size = kv[0].shape[1]
+    ctx_len = num_pages_row * page_size
+    nh, nkv, d, g = config.num_heads, config.num_kv_heads, config.head_dim, config.group_size
+
+    offsets = jnp.arange(t, dtype=jnp.int32)
+    positions = start_pos[:, None] + offsets[None, :]  # [B, T]
+    valid = offsets[None, :] < num_new[:, None]
+    page_slot = jnp.clip(positions // page_size, 0, num_pages_row - 1)
+    write_page = jnp.where(valid, jnp.take_along_axis(page_table, page_slot, axis=1), NULL_PAGE)
+    write_off = jnp.where(valid, positions % page_size, 0)
+    write_page, write_off = write_page.reshape(-1), write_off.reshape(-1)
+
+    # Context slot s of a row is absolute position s, because the page table lists pages in order.
+    key_pos = jnp.arange(ctx_len, dtype=jnp.int32)
+    kv_len = start_pos + num_new
+    mask = (key_pos[None, None, :] <= positions[:, :, None]) & (
+        key_pos[None, None, :] < kv_len[:, None, None]
+    )  # [B, T, S]
+    mask = mask[:, None, None, :, :]  # [B, 1, 1, T, S] against scores [B, Nkv, G, T, S]
+    scale = d**-0.5
+
+    x = params["embed"][tokens]
+    new_kv: KV = []
+    for layer, pool in zip(params["layers"], kv, strict=True):
+        h = rms_norm(x, layer["attn_norm"], config.rms_eps)
+        q = _project(h, layer, "wq", "bq").reshape(batch, t, nh, d)
+        k = _project(h, layer, "wk", "bk").reshape(batch, t, nkv, d)
+        v = _project(h, layer, "wv", "bv").reshape(batch, t, nkv, d)
+        q = rope(q, positions, config.rope_theta)
+        k = rope(k, positions, config.rope_theta)
+
+        interleaved = jnp.stack([k, v], axis=3).reshape(batch * t, 2 * nkv, d).astype(pool.dtype)
+        pool = pool.at[write_page, write_off].set(interleaved)
+        new_kv.append(pool)
+
+        ctx = pool[page_table].reshape(batch, ctx_len, nkv, 2, d)
+        k_ctx = ctx[:, :, :, 0, :]
+        v_ctx = ctx[:, :, :, 1, :]
+        qg = q.reshape(batch, t, nkv, g, d)
+        scores = jnp.einsum(
+            "btkgd,bskd->bkgts", qg, k_ctx, preferred_element_type=jnp.float32
+        ) * scale
+        scores = jnp.where(mask, scores, _MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v_ctx.dtype)
+        attn = jnp.einsum("bkgts,bskd->btkgd", probs, v_ctx).reshape(batch, t, nh * d)
+        x = x + attn @ layer["wo"]
+
+        h = rms_norm(x, layer["mlp_norm"], config.rms_eps)
+        x = x + (jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])) @ layer["w_down"]
+
+    x = rms_norm(x, params["final_norm"], config.rms_eps)
+    head = params["embed"].T if config.tie_embeddings else params["lm_head"]
+    if all_logits:
+        return (x @ head).astype(jnp.float32), new_kv
+    last = x[jnp.arange(batch), jnp.maximum(num_new - 1, 0)]
+    return (last @ head).astype(jnp.float32), new_kv
+
+
+_extend_jit = jax.jit(_extend, static_argnames=("config", "all_logits"), donate_argnames=("kv",))
+
+
+def extend(
+    params: Params,
+    kv: KV,
+    tokens: jax.Array,
+    start_pos: jax.Array,
+    num_new: jax.Array,
+    page_table: jax.Array,
+    *,
+    config: ModelConfig,
+    all_logits: bool = False,
+) -> tuple[jax.Array, KV]:
+    """Batched prefill (with an optional cached prefix per row) over the paged pool.
+
+    ``tokens[int32, B, T]``: row ``b`` feeds ``tokens[b, :num_new[b]]`` at positions
+    ``start_pos[b] + i``; ``page_table[int32, B, P]`` lists row ``b``'s pages in order (padded with
+    the null page). Returns logits of each row's last new token ``[B, V]`` (or ``[B, T, V]`` with
+    ``all_logits``) and the updated kv. Padding rows have ``num_new == 0``.
+    """
+    return _extend_jit(
+        params, kv, tokens, start_pos, num_new, page_table, config=config, all_logits=all_logits
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("config", "all_logits"), donate_argnames=("kv",))
+def prefill(
+    params: Params,
+    kv: KV,
+    tokens: jax.Array,
+    length: jax.Array | int,
+    page_ids: jax.Array,
+    start_pos: jax.Array | int = 0,
+    *,
+    config: ModelConfig,
+    all_logits: bool = False,
+) -> tuple[jax.Array, KV]:
+    """One prompt: ``tokens[int32, T_pad]`` of which the first ``length`` are real, written at
+    positions ``start_pos...`` into ``page_ids[int32, P_pad]`` (the request's pages in order).
+    Returns the last real token's logits ``[V]`` (``[T_pad, V]`` with ``all_logits``) and kv."""
+    logits, kv = _extend(
+        params,
+        kv,
+        tokens[None, :],
+        jnp.asarray(start_pos, jnp.int32).reshape(1),
+        jnp.asarray(length, jnp.int32).reshape(1),
+        page_ids[None, :],
+        config=config,
+        all_logits=all_logits,
+    )
+    return logits[0], kv
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("kv",))
+def decode(
+    params: Params,
+    kv: KV,
+    tokens: jax.Array,
+    positions: jax.Array,
+    page_table: jax.Array,
+    lengths: jax.Array,
+    *,
+    config: ModelConfig,
+) -> tuple[jax.Array, KV]:
+    """One decode step for a padded batch: row ``b`` feeds ``tokens[b]`` at ``positions[b]`` and
+    attends over ``lengths[b] == positions[b] + 1`` tokens in ``page_table[b]``. Padding rows have
+    ``lengths == 0`` (and a null-page page table). Returns ``logits[B_pad, V]`` and kv."""
+    num_new = jnp.clip(lengths - positions, 0, 1).astype(jnp.int32)
+    return _extend(
+        params,
+        kv,
+        tokens[:, None],
+        positions,
+        num_new,
+        page_table,
+        config=config,
+        all_logits=False,
+    )

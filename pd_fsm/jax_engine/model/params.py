@@ -1,0 +1,65 @@
+"""Parameter pytrees: random initialisation (the tiny test model) and KV pool allocation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pd_fsm.jax_engine.kv_pool import KVPoolConfig
+from pd_fsm.jax_engine.model.config import ModelConfig
+from pd_fsm.jax_engine.model.forward import KV, Params
+
+
+def random_params_np(config: ModelConfig, seed: int = 0) -> dict[str, object]:
+    """Deterministic random weights as numpy arrays (the same for a given seed on every machine).
+
+    Scales keep activations O(1) through the layers so that logits are well spread: greedy
+    decoding on the tiny model then produces varied tokens, which the scheduler tests rely on.
+    """
+    rng = np.random.default_rng(seed)
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    nh, nkv = config.num_heads, config.num_kv_heads
+
+    def dense(n_in: int, n_out: int) -> np.ndarray:
+        return (rng.standard_normal((n_in, n_out)) / np.sqrt(n_in)).astype(np.float32)
+
+    def norm() -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(h)).astype(np.float32)
+
+    layers = [
+        {
+            "attn_norm": norm(),
+            "wq": dense(h, nh * d),
+            "wk": dense(h, nkv * d),
+            "wv": dense(h, nkv * d),
+            "wo": dense(nh * d, h),
+            "mlp_norm": norm(),
+            "w_gate": dense(h, i),
+            "w_up": dense(h, i),
+            "w_down": dense(i, h),
+        }
+        for _ in range(config.num_layers)
+    ]
+    params: dict[str, object] = {
+        "embed": rng.standard_normal((config.vocab_size, h)).astype(np.float32),
+        "final_norm": norm(),
+        "layers": layers,
+    }
+    if not config.tie_embeddings:
+        params["lm_head"] = dense(h, config.vocab_size) * 4.0
+    return params
+
+
+def to_device(params_np: dict[str, object], dtype: str) -> Params:
+    """Numpy pytree -> device arrays of ``dtype``."""
+    return jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params_np)
+
+
+def random_params(config: ModelConfig, seed: int = 0) -> Params:
+    return to_device(random_params_np(config, seed), config.dtype)
+
+
+def new_kv_pool(pool: KVPoolConfig) -> KV:
+    """Zeroed pool arrays, one per layer, in the ``kv_pool.py`` layout."""
+    return [jnp.zeros(pool.layer_shape, dtype=pool.dtype) for _ in range(pool.num_layers)]
