@@ -3,15 +3,19 @@
 from pd_fsm.jax_engine.model.config import SMOLLM2_135M, TINY, ModelConfig
 from pd_fsm.jax_engine.model.forward import KV, Params, decode, extend, prefill
 from pd_fsm.jax_engine.model.params import new_kv_pool, random_params
+from pd_fsm.jax_engine.model.registry import MODEL_NAMES, LoadedModel, load_model
 
 __all__ = [
     "KV",
+    "MODEL_NAMES",
     "SMOLLM2_135M",
     "TINY",
+    "LoadedModel",
     "ModelConfig",
     "Params",
     "decode",
     "extend",
+    "load_model",
     "new_kv_pool",
     "prefill",
     "random_params",
