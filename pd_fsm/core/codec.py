@@ -1,0 +1,177 @@
+"""Wire codec for side-channel messages: msgpack via cattrs, versioned, optionally HMAC-signed.
+
+Frame layout::
+
+    b"PF" | version (1 B) | flags (1 B; bit 0 = signed) | msgpack payload | [HMAC-SHA256, 32 B]
+
+The payload is a msgpack map ``{"t": WIRE_NAME, "b": {field: value}}``. :func:`decode` turns any
+byte string into a :class:`~pd_fsm.core.messages.Message` or raises
+:class:`~pd_fsm.core.errors.RemoteProtocolError` — nothing else escapes. Fields are checked
+strictly (no int from a string, no bool as an int, ranges enforced) because a peer's bytes are not
+trusted; a receiver configured with a secret refuses unsigned frames.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Any
+
+import attrs
+import cattrs
+import msgpack
+
+from pd_fsm.core.errors import RemoteProtocolError
+from pd_fsm.core.messages import (
+    BY_WIRE_NAME,
+    MAX_PAGES,
+    MAX_REASON,
+    MAX_ROOM,
+    MAX_ROOMS_PER_HEARTBEAT,
+    MAX_TOKEN,
+    MAX_UUID,
+    WIRE_NAMES,
+    Message,
+)
+
+MAGIC = b"PF"
+VERSION = 1
+FLAG_SIGNED = 0x01
+MAC_SIZE = 32
+HEADER_SIZE = 4
+MAX_FRAME = 64 * 1024
+
+# Per-field ranges: [lo, hi) for ints. A field not listed here only needs the right type.
+_INT_RANGES: dict[str, tuple[int, int]] = {
+    "room": (0, MAX_ROOM),
+    "uuid": (0, MAX_UUID),
+    "n_pages": (0, MAX_PAGES + 1),
+    "first_token": (0, MAX_TOKEN),
+    "incarnation": (0, MAX_UUID),
+}
+
+
+def _strict_int(value: Any, _: type) -> int:
+    if type(value) is not int:  # bool is an int subclass: refuse it too
+        raise TypeError(f"expected int, got {type(value).__name__}")
+    return value
+
+
+def _strict_str(value: Any, _: type) -> str:
+    if type(value) is not str:
+        raise TypeError(f"expected str, got {type(value).__name__}")
+    if len(value) > MAX_REASON:
+        raise ValueError(f"string longer than {MAX_REASON}")
+    return value
+
+
+def _strict_bool(value: Any, _: type) -> bool:
+    if type(value) is not bool:
+        raise TypeError(f"expected bool, got {type(value).__name__}")
+    return value
+
+
+def _room_list(value: Any, _: type) -> tuple[int, ...]:
+    if type(value) is not list:
+        raise TypeError(f"expected a list of rooms, got {type(value).__name__}")
+    if len(value) > MAX_ROOMS_PER_HEARTBEAT:
+        raise ValueError(f"more than {MAX_ROOMS_PER_HEARTBEAT} rooms")
+    for r in value:
+        if type(r) is not int or not 0 <= r < MAX_ROOM:
+            raise ValueError(f"bad room id {r!r}")
+    return tuple(value)
+
+
+_converter = cattrs.Converter(forbid_extra_keys=True)
+_converter.register_structure_hook(int, _strict_int)
+_converter.register_structure_hook(str, _strict_str)
+_converter.register_structure_hook(bool, _strict_bool)
+_converter.register_structure_hook_func(lambda t: t == tuple[int, ...], _room_list)
+_converter.register_unstructure_hook(tuple, list)
+
+
+def _check_ranges(message: Message) -> None:
+    for field in attrs.fields(type(message)):
+        bounds = _INT_RANGES.get(field.name)
+        if bounds is not None:
+            value = getattr(message, field.name)
+            if not bounds[0] <= value < bounds[1]:
+                raise ValueError(f"{field.name}={value} outside [{bounds[0]}, {bounds[1]})")
+
+
+def _mac(secret: bytes, data: bytes) -> bytes:
+    return hmac.new(secret, data, hashlib.sha256).digest()
+
+
+def encode(message: Message, secret: bytes | None = None) -> bytes:
+    """Bytes for ``message``; signed when ``secret`` is given."""
+    body = _converter.unstructure(message)
+    payload: bytes = msgpack.packb({"t": WIRE_NAMES[type(message)], "b": body}, use_bin_type=True)
+    flags = FLAG_SIGNED if secret else 0
+    head = MAGIC + bytes((VERSION, flags))
+    if secret:
+        return head + payload + _mac(secret, head + payload)
+    return head + payload
+
+
+def decode(frame: bytes, secret: bytes | None = None) -> Message:
+    """The message in ``frame``, or :class:`RemoteProtocolError` saying what is wrong with it."""
+    if not isinstance(frame, bytes | bytearray | memoryview):
+        raise RemoteProtocolError(f"frame is {type(frame).__name__}, not bytes")
+    frame = bytes(frame)
+    if len(frame) > MAX_FRAME:
+        raise RemoteProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME}")
+    if len(frame) < HEADER_SIZE or frame[:2] != MAGIC:
+        raise RemoteProtocolError("not a pd_fsm frame (bad magic)")
+    if frame[2] != VERSION:
+        raise RemoteProtocolError(f"unsupported version {frame[2]} (this side speaks {VERSION})")
+    signed = bool(frame[3] & FLAG_SIGNED)
+    if frame[3] & ~FLAG_SIGNED:
+        raise RemoteProtocolError(f"unknown flags 0x{frame[3]:02x}")
+    if secret:
+        if not signed:
+            raise RemoteProtocolError("unsigned frame; this side requires a signature")
+        if len(frame) < HEADER_SIZE + MAC_SIZE:
+            raise RemoteProtocolError("signed frame too short for its MAC")
+        data, mac = frame[:-MAC_SIZE], frame[-MAC_SIZE:]
+        if not hmac.compare_digest(mac, _mac(secret, data)):
+            raise RemoteProtocolError("bad signature")
+        payload = data[HEADER_SIZE:]
+    else:
+        if signed:
+            raise RemoteProtocolError("signed frame but no cluster secret configured here")
+        payload = frame[HEADER_SIZE:]
+    try:
+        obj = msgpack.unpackb(
+            payload,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=MAX_REASON * 4,
+            max_bin_len=0,
+            max_array_len=MAX_ROOMS_PER_HEARTBEAT,
+            max_map_len=16,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises many types (ValueError, ExtraData, FormatError, ...)
+        raise RemoteProtocolError(f"payload is not msgpack: {exc.__class__.__name__}") from None
+    if type(obj) is not dict or set(obj) != {"t", "b"}:
+        raise RemoteProtocolError("payload must be a map with keys 't' and 'b'")
+    cls = BY_WIRE_NAME.get(obj["t"]) if type(obj["t"]) is str else None
+    if cls is None:
+        raise RemoteProtocolError(f"unknown message type {obj['t']!r:.40}")
+    if type(obj["b"]) is not dict:
+        raise RemoteProtocolError("message body must be a map")
+    try:
+        message: Message = _converter.structure(obj["b"], cls)
+        _check_ranges(message)
+    except Exception as exc:  # cattrs wraps field errors in ClassValidationError groups
+        raise RemoteProtocolError(f"bad {obj['t']} message: {_describe(exc)}") from None
+    return message
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_describe(e) for e in exc.exceptions)
+    note = getattr(exc, "__notes__", None)
+    text = f"missing field {exc}" if isinstance(exc, KeyError) else f"{exc}"
+    return text + (f" ({note[-1]})" if note else "")

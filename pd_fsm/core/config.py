@@ -1,0 +1,37 @@
+"""Timing rules (RFC-2 §7, DESIGN §5). Every window is a setting with these defaults."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class LeaseConfig:
+    """P side: how long a room's KV is held without word from D."""
+
+    initial: float = 30.0  # from the moment the room exists on P
+    extension: float = 20.0  # each heartbeat: expiry = max(old, now + extension)
+    recently_finished: int = 65536  # finished rooms remembered for late messages and poll()
+
+
+@attrs.frozen
+class DecodeConfig:
+    """D side: heartbeats to P and the deadline of each waiting state."""
+
+    heartbeat_interval: float = 5.0
+    peer_timeout: float = 15.0  # no HB_ACK (or any message) from P for this long: P is lost
+    resolve_timeout: float = 10.0  # bootstrap server lookup
+    queue_timeout: float = 300.0  # waiting for free pages (then 503)
+    ready_timeout: float = 300.0  # waiting for READY while P prefills (P alive, just slow)
+    transfer_timeout: float = 120.0  # backstop; the pull executor's own deadline is shorter
+    recently_finished: int = 65536
+
+
+@attrs.frozen
+class RegistryConfig:
+    ttl: float = 15.0  # = 3 x the 5 s heartbeat interval
+
+
+@attrs.frozen
+class RouterConfig:
+    room_timeout: float = 600.0

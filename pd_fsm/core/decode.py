@@ -1,0 +1,403 @@
+"""DecodeEndpoint: D's side of every room (table kv_receiver), plus per-P heartbeats.
+
+Rooms wait in per-state deadlines (resolve, queue, READY, transfer). P's liveness is tracked per
+P, not per room: one batched HB per P every ``heartbeat_interval`` lists the rooms D still wants;
+P's HB_ACK (or any message) proves P alive; silence for ``peer_timeout`` or a new incarnation in
+an ack fails every room of that P with PeerLost and drops the cached resolution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pd_fsm.core import effects as fx
+from pd_fsm.core import events as ev
+from pd_fsm.core.config import DecodeConfig
+from pd_fsm.core.errors import LocalProtocolError
+from pd_fsm.core.messages import (
+    MAX_ROOMS_PER_HEARTBEAT,
+    Abort,
+    Done,
+    Heartbeat,
+    HeartbeatAck,
+    Ready,
+    RecvInit,
+)
+from pd_fsm.core.rooms import RoomMachines
+from pd_fsm.core.tables import KV_RECEIVER
+from pd_fsm.core.timers import DeadlineHeap
+
+# HTTP status for the client when a room fails on a given trigger.
+_STATUS = {
+    "PeerUnresolved": 502,
+    "PeerLost": 502,
+    "PullFailed": 502,
+    "AbortReceived": 502,
+    "ProtocolViolated": 502,
+    "TimedOut": 504,
+    "Aborted": 499,  # client closed request (nginx's convention)
+}
+
+
+class _ReceiverRoom:
+    __slots__ = ("bootstrap_addr", "first_token", "n_pages", "peer", "room", "state", "uuid")
+
+    def __init__(self, room: int, bootstrap_addr: str, n_pages: int) -> None:
+        self.room = room
+        self.state = KV_RECEIVER.initial
+        self.bootstrap_addr = bootstrap_addr
+        self.n_pages = n_pages
+        self.peer: str | None = None
+        self.uuid = -1
+        self.first_token = -1
+
+
+class _Peer:
+    __slots__ = ("addr", "incarnation", "last_heard", "layout_hash", "rooms", "transfer_addr")
+
+    def __init__(self, addr: str, transfer_addr: str, layout_hash: str) -> None:
+        self.addr = addr
+        self.transfer_addr = transfer_addr
+        self.layout_hash = layout_hash
+        self.rooms: set[int] = set()  # rooms in the batched heartbeat
+        self.last_heard = 0.0
+        self.incarnation: int | None = None
+
+
+class _Why:
+    """Context passed to effects: the trigger that caused them and a reason for the client."""
+
+    __slots__ = ("reason", "status", "trigger")
+
+    def __init__(self, trigger: str, reason: str, status: int) -> None:
+        self.trigger = trigger
+        self.reason = reason
+        self.status = status
+
+
+class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
+    table = KV_RECEIVER
+
+    def __init__(self, identity: str, layout_hash: str, config: DecodeConfig | None = None) -> None:
+        self.config = config or DecodeConfig()
+        super().__init__(self.config.recently_finished)
+        self.identity = identity  # our reply_to: P answers the socket this names
+        self.layout_hash = layout_hash
+        self.peers: dict[str, _Peer] = {}
+        self._resolved: dict[str, str] = {}  # bootstrap_addr -> peer addr (cache)
+        self._resolving: dict[str, list[int]] = {}  # bootstrap_addr -> rooms waiting
+        self._hb_timers: DeadlineHeap[str] = DeadlineHeap()
+        self._live_timers: DeadlineHeap[str] = DeadlineHeap()
+        c = self.config
+        self._state_timeout = {
+            "RESOLVING": c.resolve_timeout,
+            "ALLOCATING": c.queue_timeout,
+            "WAITING_FOR_READY": c.ready_timeout,
+            "TRANSFERRING": c.transfer_timeout,
+            "CANCELLING": c.transfer_timeout,
+        }
+        self._handlers: dict[type, Callable[[Any, float, list[Any]], None]] = {
+            ev.DecodeRequestAccepted: self._on_request,
+            ev.PeerResolved: self._on_peer_resolved,
+            ev.PeerResolutionFailed: self._on_peer_unresolved,
+            ev.BlocksAllocated: self._on_blocks,
+            ev.PullSucceeded: self._on_pull_succeeded,
+            ev.PullFailed: self._on_pull_failed,
+            ev.Aborted: self._on_aborted,
+            ev.MessageReceived: self._on_message,
+            ev.TimeAdvanced: _ignore,
+        }
+
+    # -- entry point --------------------------------------------------------------------------
+
+    def handle(self, event: Any, now: float) -> list[Any]:
+        out: list[Any] = []
+        self.stats.events += 1
+        self._fire_due(now, out)
+        handler = self._handlers.get(type(event))
+        if handler is None:
+            raise LocalProtocolError(f"DecodeEndpoint cannot handle {type(event).__name__}")
+        handler(event, now, out)
+        return out
+
+    def next_deadline(self) -> float | None:
+        found = [
+            d
+            for d in (
+                self._room_timers.next_deadline(),
+                self._hb_timers.next_deadline(),
+                self._live_timers.next_deadline(),
+            )
+            if d is not None
+        ]
+        return min(found) if found else None
+
+    def room_deadline(self, room: int) -> float | None:
+        return self._room_timers.get(room)
+
+    # -- stepping with per-state deadlines -----------------------------------------------------
+
+    def _go(
+        self,
+        r: _ReceiverRoom,
+        trigger: str,
+        now: float,
+        out: list[Any],
+        reason: str = "",
+        status: int = 0,
+    ) -> None:
+        before = r.state
+        self._step(r, trigger, now, out, _Why(trigger, reason, status or _STATUS.get(trigger, 500)))
+        if r.state != before and r.room in self.rooms:
+            self._room_timers.set(r.room, now + self._state_timeout[r.state])
+
+    # -- local events -------------------------------------------------------------------------
+
+    def _on_request(self, e: ev.DecodeRequestAccepted, now: float, out: list[Any]) -> None:
+        if e.room in self.rooms:
+            self.stats.rejected += 1
+            out.append(fx.RejectRequest(e.room, f"bootstrap_room {e.room} is already live here"))
+            return
+        r = _ReceiverRoom(e.room, e.bootstrap_addr, e.n_pages)
+        self._admit(r)
+        self._go(r, "RequestAccepted", now, out)
+        if r.peer is not None:  # P was in the resolution cache: no lookup needed
+            self._go(r, "PeerResolved", now, out)
+
+    def _on_peer_resolved(self, e: ev.PeerResolved, now: float, out: list[Any]) -> None:
+        self._resolved[e.bootstrap_addr] = e.peer
+        peer = self.peers.get(e.peer)
+        if peer is None:
+            self.peers[e.peer] = _Peer(e.peer, e.transfer_addr, e.layout_hash)
+        else:
+            peer.transfer_addr = e.transfer_addr
+            peer.layout_hash = e.layout_hash
+        for room in self._resolving.pop(e.bootstrap_addr, ()):
+            r = self.rooms.get(room)
+            if r is not None and r.state == "RESOLVING":
+                r.peer = e.peer
+                self._go(r, "PeerResolved", now, out)
+
+    def _on_peer_unresolved(self, e: ev.PeerResolutionFailed, now: float, out: list[Any]) -> None:
+        reason = f"cannot resolve prefill at {e.bootstrap_addr}: {e.reason}"
+        for room in self._resolving.pop(e.bootstrap_addr, ()):
+            r = self.rooms.get(room)
+            if r is not None and r.state == "RESOLVING":
+                self._go(r, "PeerUnresolved", now, out, reason)
+
+    def _on_blocks(self, e: ev.BlocksAllocated, now: float, out: list[Any]) -> None:
+        r = self._live_local(e.room, "BlocksAllocated")
+        if r is not None:
+            self._go(r, "BlocksAllocated", now, out)
+
+    def _on_pull_succeeded(self, e: ev.PullSucceeded, now: float, out: list[Any]) -> None:
+        r = self._live_local(e.room, "PullSucceeded")
+        if r is not None:
+            self._go(r, "PullSucceeded", now, out)
+
+    def _on_pull_failed(self, e: ev.PullFailed, now: float, out: list[Any]) -> None:
+        r = self._live_local(e.room, "PullFailed")
+        if r is not None:
+            self._go(r, "PullFailed", now, out, f"KV transfer failed: {e.reason}")
+
+    def _on_aborted(self, e: ev.Aborted, now: float, out: list[Any]) -> None:
+        r = self.rooms.get(e.room)
+        if r is None:
+            self.stats.unknown_room += 1
+        elif self._has_row(r, "Aborted"):
+            self._go(r, "Aborted", now, out, e.reason)
+        else:
+            self.stats.late += 1
+
+    def _live_local(self, room: int, what: str) -> _ReceiverRoom | None:
+        r = self.rooms.get(room)
+        if r is None:
+            if room in self._finished:
+                self.stats.late += 1
+                return None
+            raise LocalProtocolError(f"{what} for room {room}, which was never accepted here")
+        return r
+
+    # -- messages from P ----------------------------------------------------------------------
+
+    def _on_message(self, e: ev.MessageReceived, now: float, out: list[Any]) -> None:
+        self.stats.messages += 1
+        m = e.message
+        peer = self.peers.get(e.peer)
+        if peer is not None:
+            peer.last_heard = now
+            if peer.rooms:
+                self._live_timers.set(e.peer, now + self.config.peer_timeout)
+        if isinstance(m, HeartbeatAck):
+            if peer is not None:
+                self._on_ack(peer, m, now, out)
+            else:
+                self.stats.unknown_room += 1
+            return
+        if isinstance(m, RecvInit | Done | Heartbeat):
+            self.stats.unexpected += 1
+            return
+        r = self.rooms.get(m.room)
+        if r is None:
+            if m.room in self._finished:
+                self.stats.late += 1
+            else:
+                self.stats.unknown_room += 1
+            return
+        if r.peer != e.peer:
+            self.stats.foreign_peer += 1
+            return
+        if isinstance(m, Ready):
+            problem = self._check_ready(r, m)
+            if problem:
+                self._violated(r, now, out, problem)
+                return
+            if r.state == "WAITING_FOR_READY":
+                r.uuid = m.uuid
+                r.first_token = m.first_token
+            self._remote(r, "ReadyReceived", now, out, "")
+        else:  # Abort
+            self._remote(r, "AbortReceived", now, out, f"prefill aborted the room: {m.reason}")
+
+    def _check_ready(self, r: _ReceiverRoom, m: Ready) -> str:
+        if m.layout_hash != self.layout_hash:
+            return f"KV layout mismatch (P {m.layout_hash}, D {self.layout_hash}); refusing to pull"
+        if m.n_pages != r.n_pages:
+            return f"P offers {m.n_pages} pages, we reserved {r.n_pages}; refusing to pull"
+        return ""
+
+    def _remote(
+        self, r: _ReceiverRoom, trigger: str, now: float, out: list[Any], reason: str
+    ) -> None:
+        if self._has_row(r, trigger):
+            self._go(r, trigger, now, out, reason)
+        else:
+            self._violated(r, now, out, f"P sent {trigger} while the room was {r.state}")
+
+    def _violated(self, r: _ReceiverRoom, now: float, out: list[Any], reason: str) -> None:
+        self.stats.remote_errors += 1
+        self._go(r, "ProtocolViolated", now, out, f"protocol error: {reason}")
+
+    def _on_ack(self, peer: _Peer, m: HeartbeatAck, now: float, out: list[Any]) -> None:
+        if peer.incarnation is not None and peer.incarnation != m.incarnation:
+            self._lose_peer(peer, now, out, f"prefill {peer.addr} restarted (its rooms are gone)")
+        peer.incarnation = m.incarnation
+        for room in m.failed_rooms:
+            r = self.rooms.get(room)
+            if r is not None and r.peer == peer.addr:
+                self._remote(r, "AbortReceived", now, out, "prefill reports the room failed")
+
+    # -- timers -------------------------------------------------------------------------------
+
+    def _fire_due(self, now: float, out: list[Any]) -> None:
+        for room in self._room_timers.pop_due(now):
+            r = self.rooms[room]
+            # Queue timeout is overload (503, retry elsewhere); the others are upstream timeouts.
+            status = 503 if r.state == "ALLOCATING" else 504
+            self._go(r, "TimedOut", now, out, self._timeout_reason(r), status)
+        for addr in self._live_timers.pop_due(now):
+            peer = self.peers.get(addr)
+            if peer is not None and peer.rooms:
+                silent = now - peer.last_heard
+                self._lose_peer(peer, now, out, f"prefill {addr} silent for {silent:.1f} s")
+        for addr in self._hb_timers.pop_due(now):
+            peer = self.peers.get(addr)
+            if peer is not None and peer.rooms:
+                rooms = sorted(peer.rooms)
+                for i in range(0, len(rooms), MAX_ROOMS_PER_HEARTBEAT):
+                    batch = tuple(rooms[i : i + MAX_ROOMS_PER_HEARTBEAT])
+                    out.append(fx.SendMessage(addr, Heartbeat(batch)))
+                self._hb_timers.set(addr, now + self.config.heartbeat_interval)
+
+    def _timeout_reason(self, r: _ReceiverRoom) -> str:
+        window = self._state_timeout[r.state]
+        return {
+            "RESOLVING": f"bootstrap lookup of {r.bootstrap_addr} took over {window:g} s",
+            "ALLOCATING": f"no free KV pages within the queue timeout ({window:g} s)",
+            "WAITING_FOR_READY": f"no READY from prefill within {window:g} s",
+        }.get(r.state, f"KV transfer not finished within {window:g} s")
+
+    def _lose_peer(self, peer: _Peer, now: float, out: list[Any], reason: str) -> None:
+        for addr in [a for a, p in self._resolved.items() if p == peer.addr]:
+            del self._resolved[addr]  # look P up again next time: it may have moved
+        peer.incarnation = None
+        for room in sorted(peer.rooms):
+            r = self.rooms.get(room)
+            if r is not None:
+                self._go(r, "PeerLost", now, out, reason)
+
+    # -- effects (names from the tables) ------------------------------------------------------
+
+    def _fx_ResolvePeer(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+        addr = r.bootstrap_addr
+        peer = self._resolved.get(addr)
+        if peer is not None:
+            r.peer = peer  # cached: _on_request steps PeerResolved right after this row
+            return
+        waiting = self._resolving.get(addr)
+        if waiting is None:
+            self._resolving[addr] = [r.room]
+            out.append(fx.ResolvePeer(addr))
+        else:
+            waiting.append(r.room)
+
+    def _fx_JoinHeartbeats(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+        assert r.peer is not None
+        peer = self.peers[r.peer]
+        if not peer.rooms:
+            # First room for an idle P: its silence is measured from now, not from long ago.
+            peer.last_heard = now
+            self._live_timers.set(peer.addr, now + self.config.peer_timeout)
+            self._hb_timers.set(peer.addr, now + self.config.heartbeat_interval)
+        peer.rooms.add(r.room)
+
+    def _fx_LeaveHeartbeats(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+        if r.peer is not None:
+            peer = self.peers.get(r.peer)
+            if peer is not None:
+                peer.rooms.discard(r.room)
+
+    def _fx_AllocateBlocks(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+        out.append(fx.AllocateBlocks(r.room, r.n_pages))
+
+    def _fx_CancelAllocation(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+        out.append(fx.CancelAllocation(r.room))
+
+    def _fx_SendRecvInit(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+        assert r.peer is not None
+        msg = RecvInit(r.room, self.identity, r.n_pages, self.layout_hash)
+        out.append(fx.SendMessage(r.peer, msg))
+
+    def _fx_StartPull(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+        assert r.peer is not None
+        peer = self.peers[r.peer]
+        out.append(fx.StartPull(r.room, r.peer, peer.transfer_addr, r.uuid, r.n_pages))
+
+    def _fx_SendDone(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+        assert r.peer is not None
+        out.append(fx.SendMessage(r.peer, Done(r.room, True)))
+
+    def _fx_SendDoneFailed(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+        assert r.peer is not None
+        out.append(fx.SendMessage(r.peer, Done(r.room, False, why.reason[:512])))
+
+    def _fx_SendAbort(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+        if r.peer is not None:
+            out.append(fx.SendMessage(r.peer, Abort(r.room, why.reason[:512])))
+
+    def _fx_ReleaseBlocks(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+        out.append(fx.ReleaseBlocks(r.room))
+
+    def _fx_CompleteTransfer(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+        out.append(fx.CompleteTransfer(r.room, r.first_token))
+
+    def _fx_FailRequest(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+        out.append(fx.FailRequest(r.room, why.reason, why.status))
+
+    def _fx_CountLate(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+        self.stats.late += 1
+
+
+def _ignore(event: Any, now: float, out: list[Any]) -> None:
+    pass

@@ -1,0 +1,152 @@
+"""Outputs of the endpoints: commands for the embedding code to carry out.
+
+Each names the room it is about. Effects that only change the endpoint's own bookkeeping (lease
+arithmetic, heartbeat membership, counting duplicates) appear in the tables but never leave the
+core.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from pd_fsm.core.messages import Message
+
+
+@attrs.frozen(slots=True)
+class SendMessage:
+    peer: str
+    message: Message
+
+
+# --- P ---------------------------------------------------------------------------------------
+
+
+@attrs.frozen(slots=True)
+class RegisterKV:
+    """Gather the room's pages and register them with the transfer server under ``uuid``."""
+
+    room: int
+    uuid: int
+
+
+@attrs.frozen(slots=True)
+class ReleaseKV:
+    """Unregister ``uuid`` (None: never registered) and free the room's pages. Once per room."""
+
+    room: int
+    uuid: int | None
+
+
+@attrs.frozen(slots=True)
+class CompleteRequest:
+    """P's HTTP leg can answer: the KV is handed off to D."""
+
+    room: int
+
+
+# --- D ---------------------------------------------------------------------------------------
+
+
+@attrs.frozen(slots=True)
+class ResolvePeer:
+    """Look up the P at ``bootstrap_addr``; answer PeerResolved / PeerResolutionFailed."""
+
+    bootstrap_addr: str
+
+
+@attrs.frozen(slots=True)
+class AllocateBlocks:
+    """Reserve ``n_pages`` for the room when possible; answer BlocksAllocated."""
+
+    room: int
+    n_pages: int
+
+
+@attrs.frozen(slots=True)
+class CancelAllocation:
+    room: int
+
+
+@attrs.frozen(slots=True)
+class StartPull:
+    room: int
+    peer: str
+    transfer_addr: str
+    uuid: int
+    n_pages: int
+
+
+@attrs.frozen(slots=True)
+class ReleaseBlocks:
+    """Free the room's reserved pages. Once per room, only when no pull can still write them."""
+
+    room: int
+
+
+@attrs.frozen(slots=True)
+class CompleteTransfer:
+    """The room's KV is in our pages: join the decode batch with ``first_token``."""
+
+    room: int
+    first_token: int
+
+
+# --- both ------------------------------------------------------------------------------------
+
+
+@attrs.frozen(slots=True)
+class FailRequest:
+    """Answer the HTTP leg of ``room`` with an error. ``status`` is the HTTP status to use."""
+
+    room: int
+    reason: str
+    status: int = 500
+
+
+@attrs.frozen(slots=True)
+class RejectRequest:
+    """A request the endpoint refused outright (e.g. a live ``bootstrap_room`` reused)."""
+
+    room: int
+    reason: str
+    status: int = 409
+
+
+# --- bootstrap registry ----------------------------------------------------------------------
+
+
+@attrs.frozen(slots=True)
+class InstanceExpired:
+    key: tuple[str, str, int, int, int, int]
+    record: Any
+
+
+# --- proxy -----------------------------------------------------------------------------------
+
+
+@attrs.frozen(slots=True)
+class DispatchRoom:
+    room: int
+    request_id: str
+    prefill: str
+    decode: str
+
+
+@attrs.frozen(slots=True)
+class RelayDecode:
+    room: int
+
+
+@attrs.frozen(slots=True)
+class AbortLeg:
+    room: int
+    leg: str  # "prefill" | "decode"
+    url: str
+
+
+@attrs.frozen(slots=True)
+class ReplyError:
+    room: int
+    reason: str

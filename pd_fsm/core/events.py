@@ -1,0 +1,146 @@
+"""Inputs to the endpoints. Frozen, slotted, past-tense (as h11's events).
+
+Local events come from the embedding scheduler or adapter; :class:`MessageReceived` carries a
+peer's message (remote). ``now`` is never part of an event: it is the second argument of
+``handle``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from pd_fsm.core.messages import Message
+
+
+@attrs.frozen(slots=True)
+class TimeAdvanced:
+    """Nothing happened but time: fire what is due (the adapter's wake-up at next_deadline())."""
+
+
+@attrs.frozen(slots=True)
+class MessageReceived:
+    """A decoded side-channel message from ``peer`` (P: D's socket identity; D: P's address)."""
+
+    peer: str
+    message: Message
+
+
+# --- P (PrefillEndpoint) ---------------------------------------------------------------------
+
+
+@attrs.frozen(slots=True)
+class PrefillRequestAccepted:
+    room: int
+
+
+@attrs.frozen(slots=True)
+class PrefillFinished:
+    room: int
+    first_token: int
+    n_pages: int
+
+
+@attrs.frozen(slots=True)
+class PrefillFailed:
+    room: int
+    reason: str
+
+
+# --- D (DecodeEndpoint) ----------------------------------------------------------------------
+
+
+@attrs.frozen(slots=True)
+class DecodeRequestAccepted:
+    room: int
+    bootstrap_addr: str  # "host:port" as the router injected it
+    n_pages: int
+
+
+@attrs.frozen(slots=True)
+class PeerResolved:
+    """The bootstrap server named the P behind ``bootstrap_addr``."""
+
+    bootstrap_addr: str
+    peer: str  # P's side-channel address: the key for SendMessage and heartbeats
+    transfer_addr: str
+    layout_hash: str = ""
+
+
+@attrs.frozen(slots=True)
+class PeerResolutionFailed:
+    bootstrap_addr: str
+    reason: str
+
+
+@attrs.frozen(slots=True)
+class BlocksAllocated:
+    room: int
+
+
+@attrs.frozen(slots=True)
+class PullSucceeded:
+    room: int
+
+
+@attrs.frozen(slots=True)
+class PullFailed:
+    room: int
+    reason: str
+
+
+# --- both sides ------------------------------------------------------------------------------
+
+
+@attrs.frozen(slots=True)
+class Aborted:
+    """Local abort: the client went away or /abort_request named the room."""
+
+    room: int
+    reason: str = "aborted"
+
+
+# --- bootstrap registry ----------------------------------------------------------------------
+
+InstanceKey = tuple[str, str, int, int, int, int]  # (role, instance_id, tp, cp, dp, pp)
+
+
+@attrs.frozen(slots=True)
+class InstanceRegistered:
+    key: InstanceKey
+    record: Any  # the adapter's validated registration (opaque to the core)
+    advertised: str | None = None  # "host:port" routers know it by (bootstrap_host/port)
+
+
+@attrs.frozen(slots=True)
+class InstanceHeartbeat:
+    key: InstanceKey
+
+
+@attrs.frozen(slots=True)
+class InstanceDeregistered:
+    key: InstanceKey
+
+
+# --- proxy rooms -----------------------------------------------------------------------------
+
+
+@attrs.frozen(slots=True)
+class RoomRequested:
+    """A client request arrived at the proxy: draw a room, pick P and D."""
+
+    request_id: str
+
+
+@attrs.frozen(slots=True)
+class LegResponded:
+    room: int
+    leg: str  # "prefill" | "decode"
+    ok: bool
+    reason: str = ""
+
+
+@attrs.frozen(slots=True)
+class ClientDisconnected:
+    room: int

@@ -1,0 +1,79 @@
+"""Side-channel messages between P and D (DESIGN §5). Plain data; encoding lives in codec.py."""
+
+from __future__ import annotations
+
+import attrs
+
+MAX_ROOM = 1 << 63  # rooms are uniform in [0, 2^63), as sglang's routers draw them
+MAX_UUID = 1 << 64  # jax.experimental.transfer uuids must fit in uint64
+MAX_PAGES = 1 << 20
+MAX_TOKEN = 1 << 31
+MAX_REASON = 1024
+MAX_ROOMS_PER_HEARTBEAT = 4096
+
+
+@attrs.frozen(slots=True)
+class RecvInit:
+    """D → P: pages reserved for ``room``; send READY to ``reply_to`` (D's identity)."""
+
+    room: int
+    reply_to: str
+    n_pages: int
+    layout_hash: str
+
+
+@attrs.frozen(slots=True)
+class Ready:
+    """P → D: the room's KV is registered under ``uuid``; pull it."""
+
+    room: int
+    uuid: int
+    first_token: int
+    n_pages: int
+    layout_hash: str
+
+
+@attrs.frozen(slots=True)
+class Done:
+    """D → P: the pull ended (``ok``) or failed (``reason``)."""
+
+    room: int
+    ok: bool
+    reason: str = ""
+
+
+@attrs.frozen(slots=True)
+class Heartbeat:
+    """D → P, batched per P: D still wants these rooms (extends their KV hold leases)."""
+
+    rooms: tuple[int, ...]
+
+
+@attrs.frozen(slots=True)
+class HeartbeatAck:
+    """P → D: P is alive (``incarnation`` changes when P restarts); rooms P has failed."""
+
+    incarnation: int
+    failed_rooms: tuple[int, ...] = ()
+
+
+@attrs.frozen(slots=True)
+class Abort:
+    """Either way: the sender gave up on ``room``."""
+
+    room: int
+    reason: str
+
+
+Message = RecvInit | Ready | Done | Heartbeat | HeartbeatAck | Abort
+
+# Wire names (also what statistics and logs call them).
+WIRE_NAMES: dict[type, str] = {
+    RecvInit: "RECV_INIT",
+    Ready: "READY",
+    Done: "DONE",
+    Heartbeat: "HB",
+    HeartbeatAck: "HB_ACK",
+    Abort: "ABORT",
+}
+BY_WIRE_NAME: dict[str, type] = {v: k for k, v in WIRE_NAMES.items()}

@@ -1,0 +1,313 @@
+"""PrefillEndpoint: P's side of every room (tables kv_sender + kv_hold_lease).
+
+One entry point, ``handle(event, now) -> list[effect]``. Due lease expiries fire first, then the
+event. Messages from D are validated here (layout hash, page count, which D owns the room); a
+message the tables have no row for fails that room through ``ProtocolViolated`` and the endpoint
+keeps serving.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+from pd_fsm.core import effects as fx
+from pd_fsm.core import events as ev
+from pd_fsm.core.config import LeaseConfig
+from pd_fsm.core.errors import LocalProtocolError
+from pd_fsm.core.kvpoll import KVPoll
+from pd_fsm.core.messages import Abort, Done, Heartbeat, HeartbeatAck, Ready, RecvInit
+from pd_fsm.core.rooms import RoomMachines
+from pd_fsm.core.tables import KV_HOLD_LEASE, KV_SENDER
+
+_LEASE = KV_HOLD_LEASE.transitions
+
+
+class _SenderRoom:
+    __slots__ = (
+        "d_pages",
+        "expires_at",
+        "first_token",
+        "has_request",
+        "lease",
+        "n_pages",
+        "peer",
+        "room",
+        "state",
+        "uuid",
+    )
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.state = KV_SENDER.initial
+        self.lease = KV_HOLD_LEASE.initial
+        self.expires_at = 0.0
+        self.peer: str | None = None
+        self.uuid: int | None = None
+        self.first_token = -1
+        self.n_pages = -1  # ours, known at PrefillFinished
+        self.d_pages = -1  # D's claim, from RECV_INIT
+        self.has_request = False
+
+
+class PrefillEndpoint(RoomMachines[_SenderRoom]):
+    table = KV_SENDER
+
+    def __init__(
+        self,
+        layout_hash: str,
+        rng: random.Random,
+        config: LeaseConfig | None = None,
+        incarnation: int | None = None,
+    ) -> None:
+        self.config = config or LeaseConfig()
+        super().__init__(self.config.recently_finished)
+        self.layout_hash = layout_hash
+        self._rng = rng
+        # Changes on every process start; D reads a change as "P restarted, its rooms are gone".
+        self.incarnation = rng.getrandbits(63) if incarnation is None else incarnation
+        self._handlers: dict[type, Callable[[Any, float, list[Any]], None]] = {
+            ev.PrefillRequestAccepted: self._on_request,
+            ev.PrefillFinished: self._on_prefill_finished,
+            ev.PrefillFailed: self._on_prefill_failed,
+            ev.Aborted: self._on_aborted,
+            ev.MessageReceived: self._on_message,
+            ev.TimeAdvanced: _ignore,
+        }
+        self._on_msg: dict[type, Callable[[str, Any, float, list[Any]], None]] = {
+            RecvInit: self._on_recv_init,
+            Done: self._on_done,
+            Abort: self._on_abort,
+            Heartbeat: self._on_heartbeat,
+        }
+
+    # -- entry point --------------------------------------------------------------------------
+
+    def handle(self, event: Any, now: float) -> list[Any]:
+        out: list[Any] = []
+        self.stats.events += 1
+        if self._room_timers._heap and self._room_timers._heap[0][0] <= now:
+            self._expire_leases(now, out)
+        handler = self._handlers.get(type(event))
+        if handler is None:
+            raise LocalProtocolError(f"PrefillEndpoint cannot handle {type(event).__name__}")
+        handler(event, now, out)
+        return out
+
+    def lease_expiry(self, room: int) -> float | None:
+        r = self.rooms.get(room)
+        return None if r is None or r.lease != "LEASED" else r.expires_at
+
+    # -- local events -------------------------------------------------------------------------
+
+    def _on_request(self, e: ev.PrefillRequestAccepted, now: float, out: list[Any]) -> None:
+        r = self.rooms.get(e.room)
+        if r is not None and (r.has_request or not self._has_row(r, "RequestAccepted")):
+            self.stats.rejected += 1
+            out.append(fx.RejectRequest(e.room, f"bootstrap_room {e.room} is already live here"))
+            return
+        if r is None:
+            r = _SenderRoom(e.room)
+            self._admit(r)
+        r.has_request = True
+        self._step(r, "RequestAccepted", now, out, e)
+
+    def _on_prefill_finished(self, e: ev.PrefillFinished, now: float, out: list[Any]) -> None:
+        r = self._live_local(e.room, "PrefillFinished")
+        if r is None:
+            return
+        r.first_token = e.first_token
+        r.n_pages = e.n_pages
+        if r.d_pages >= 0 and r.d_pages != e.n_pages:
+            self._violated(
+                r, now, out, f"D reserved {r.d_pages} pages, the prompt needs {e.n_pages}"
+            )
+            return
+        self._step(r, "PrefillFinished", now, out, e)
+
+    def _on_prefill_failed(self, e: ev.PrefillFailed, now: float, out: list[Any]) -> None:
+        r = self._live_local(e.room, "PrefillFailed")
+        if r is not None:
+            self._step(r, "PrefillFailed", now, out, e.reason)
+
+    def _on_aborted(self, e: ev.Aborted, now: float, out: list[Any]) -> None:
+        r = self.rooms.get(e.room)
+        if r is None:
+            self.stats.unknown_room += 1  # /abort_request for a room we do not hold: nothing to do
+            return
+        if self._has_row(r, "Aborted"):
+            self._step(r, "Aborted", now, out, e.reason)
+        else:
+            self.stats.late += 1
+
+    def _live_local(self, room: int, what: str) -> _SenderRoom | None:
+        r = self.rooms.get(room)
+        if r is None:
+            if room in self._finished:
+                self.stats.late += 1  # failed (lease, abort) while our forward was in flight
+                return None
+            raise LocalProtocolError(f"{what} for room {room}, which was never accepted here")
+        return r
+
+    # -- messages from D ----------------------------------------------------------------------
+
+    def _on_message(self, e: ev.MessageReceived, now: float, out: list[Any]) -> None:
+        self.stats.messages += 1
+        handler = self._on_msg.get(type(e.message))
+        if handler is None:
+            self.stats.unexpected += 1
+            return
+        handler(e.peer, e.message, now, out)
+
+    def _room_for(self, peer: str, room: int) -> _SenderRoom | None:
+        """The live room, if ``peer`` may speak for it; counts the reason otherwise."""
+        r = self.rooms.get(room)
+        if r is None:
+            if room in self._finished:
+                self.stats.late += 1
+            else:
+                self.stats.unknown_room += 1
+            return None
+        if r.peer is not None and r.peer != peer:
+            self.stats.foreign_peer += 1
+            return None
+        return r
+
+    def _remote(self, r: _SenderRoom, trigger: str, now: float, out: list[Any], ctx: Any) -> None:
+        if self._has_row(r, trigger):
+            self._step(r, trigger, now, out, ctx)
+        else:
+            self._violated(r, now, out, f"D sent {trigger} while the room was {r.state}")
+
+    def _violated(self, r: _SenderRoom, now: float, out: list[Any], reason: str) -> None:
+        self.stats.remote_errors += 1
+        self._step(r, "ProtocolViolated", now, out, f"protocol error: {reason}")
+
+    def _on_recv_init(self, peer: str, m: RecvInit, now: float, out: list[Any]) -> None:
+        r = self.rooms.get(m.room)
+        if r is None:
+            if m.room in self._finished:
+                self.stats.late += 1
+                out.append(fx.SendMessage(peer, Abort(m.room, "room already finished on P")))
+                return
+            r = _SenderRoom(m.room)
+            self._admit(r)
+        elif r.peer is not None and r.peer != peer:
+            self.stats.foreign_peer += 1
+            return
+        if r.peer is None:
+            r.peer = peer  # BindPeer reads it; set first so SendAbort below reaches this D
+        if m.layout_hash != self.layout_hash:
+            self._violated(
+                r, now, out, f"KV layout mismatch (D {m.layout_hash}, P {self.layout_hash})"
+            )
+            return
+        if r.n_pages >= 0 and m.n_pages != r.n_pages:
+            self._violated(
+                r, now, out, f"D reserved {m.n_pages} pages, the prompt needs {r.n_pages}"
+            )
+            return
+        r.d_pages = m.n_pages
+        self._remote(r, "RecvInitReceived", now, out, m)
+
+    def _on_done(self, peer: str, m: Done, now: float, out: list[Any]) -> None:
+        r = self._room_for(peer, m.room)
+        if r is not None:
+            trigger = "DoneReceived" if m.ok else "DoneFailedReceived"
+            self._remote(r, trigger, now, out, m.reason or "D reported a failed transfer")
+
+    def _on_abort(self, peer: str, m: Abort, now: float, out: list[Any]) -> None:
+        r = self._room_for(peer, m.room)
+        if r is not None:
+            self._remote(r, "AbortReceived", now, out, f"D aborted: {m.reason}")
+
+    def _on_heartbeat(self, peer: str, m: Heartbeat, now: float, out: list[Any]) -> None:
+        failed: list[int] = []
+        rooms, finished = self.rooms, self._finished
+        for room in m.rooms:
+            r = rooms.get(room)
+            if r is None:
+                if room in finished:
+                    if finished[room] is not KVPoll.Success:
+                        failed.append(room)
+                else:
+                    self.stats.unknown_room += 1  # D can be ahead of our own leg; not an error
+                continue
+            if r.peer is not None and r.peer != peer:
+                self.stats.foreign_peer += 1
+                continue
+            if r.lease == "LEASED":
+                # Table kv_hold_lease: LEASED + HeartbeatReceived -> LEASED [ExtendExpiry]
+                expiry = now + self.config.extension
+                if expiry > r.expires_at:
+                    r.expires_at = expiry
+                    self._room_timers.set(room, expiry)
+        out.append(fx.SendMessage(peer, HeartbeatAck(self.incarnation, tuple(failed))))
+
+    # -- the lease ----------------------------------------------------------------------------
+
+    def _lease_step(self, r: _SenderRoom, trigger: str) -> None:
+        tr = _LEASE.get((r.lease, trigger))
+        if tr is None:
+            raise LocalProtocolError(
+                f"kv_hold_lease: room {r.room} in {r.lease} has no row for {trigger}"
+            )
+        r.lease = tr.target
+
+    def _expire_leases(self, now: float, out: list[Any]) -> None:
+        for room in self._room_timers.pop_due(now):
+            r = self.rooms[room]
+            self._lease_step(r, "Expired")  # effect ExpireRoom:
+            self._step(
+                r,
+                "LeaseExpired",
+                now,
+                out,
+                f"KV hold lease expired at {r.expires_at:.3f}: no heartbeat from D",
+            )
+
+    # -- effects (names from the tables) ------------------------------------------------------
+
+    def _fx_GrantLease(self, r: _SenderRoom, now: float, out: list[Any], ctx: Any) -> None:
+        self._lease_step(r, "Granted")
+        r.expires_at = now + self.config.initial
+        self._room_timers.set(r.room, r.expires_at)
+
+    def _fx_ReleaseLease(self, r: _SenderRoom, now: float, out: list[Any], ctx: Any) -> None:
+        self._lease_step(r, "Released")
+        self._room_timers.cancel(r.room)
+
+    def _fx_BindPeer(self, r: _SenderRoom, now: float, out: list[Any], ctx: Any) -> None:
+        pass  # r.peer was set when the RECV_INIT was checked (before any abort could need it)
+
+    def _fx_RegisterKV(self, r: _SenderRoom, now: float, out: list[Any], ctx: Any) -> None:
+        # A fresh random uuid, not the room id: unguessable and never reused for another room.
+        r.uuid = self._rng.getrandbits(64)
+        out.append(fx.RegisterKV(r.room, r.uuid))
+
+    def _fx_SendReady(self, r: _SenderRoom, now: float, out: list[Any], ctx: Any) -> None:
+        assert r.peer is not None and r.uuid is not None
+        ready = Ready(r.room, r.uuid, r.first_token, r.n_pages, self.layout_hash)
+        out.append(fx.SendMessage(r.peer, ready))
+
+    def _fx_SendAbort(self, r: _SenderRoom, now: float, out: list[Any], ctx: Any) -> None:
+        if r.peer is not None:
+            out.append(fx.SendMessage(r.peer, Abort(r.room, _reason(ctx))))
+
+    def _fx_ReleaseKV(self, r: _SenderRoom, now: float, out: list[Any], ctx: Any) -> None:
+        out.append(fx.ReleaseKV(r.room, r.uuid))
+
+    def _fx_CompleteRequest(self, r: _SenderRoom, now: float, out: list[Any], ctx: Any) -> None:
+        out.append(fx.CompleteRequest(r.room))
+
+    def _fx_FailRequest(self, r: _SenderRoom, now: float, out: list[Any], ctx: Any) -> None:
+        out.append(fx.FailRequest(r.room, _reason(ctx), 500))
+
+
+def _reason(ctx: Any) -> str:
+    return ctx if isinstance(ctx, str) else "failed"
+
+
+def _ignore(event: Any, now: float, out: list[Any]) -> None:
+    pass

@@ -1,0 +1,147 @@
+"""BootstrapRegistry: the instance table behind the bootstrap server (table instance_lease).
+
+Keys are ``(role, instance_id, tp_rank, cp_rank, dp_rank, pp_rank)``. Records are opaque to the
+core (the adapter validates and serialises them); the registry only needs the address an
+instance is known by to routers (``advertised``, "host:port") to answer D's lookup by
+``bootstrap_host``/``bootstrap_port``. No persistence: a restarted registry is refilled by the
+next heartbeats (each answered "register again").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from pd_fsm.core import effects as fx
+from pd_fsm.core import events as ev
+from pd_fsm.core.config import RegistryConfig
+from pd_fsm.core.errors import LocalProtocolError
+from pd_fsm.core.tables import INSTANCE_LEASE
+from pd_fsm.core.timers import DeadlineHeap
+
+InstanceKey = ev.InstanceKey
+
+
+@attrs.frozen(slots=True)
+class RegistrationRequired:
+    """Effect: answer 404, the instance must register (PUT /route) again."""
+
+    key: InstanceKey
+
+
+@attrs.frozen(slots=True)
+class Acknowledged:
+    """Effect: the write was applied; ``expires_at`` is the instance's new TTL deadline."""
+
+    key: InstanceKey
+    expires_at: float
+
+
+@attrs.define(slots=True)
+class _Instance:
+    key: InstanceKey
+    state: str
+    record: Any = None
+    advertised: str | None = None
+    expires_at: float = 0.0
+
+
+class BootstrapRegistry:
+    table = INSTANCE_LEASE
+
+    def __init__(self, config: RegistryConfig | None = None) -> None:
+        self.config = config or RegistryConfig()
+        self._instances: dict[InstanceKey, _Instance] = {}
+        self._by_advertised: dict[str, set[InstanceKey]] = {}
+        self._timers: DeadlineHeap[InstanceKey] = DeadlineHeap()
+        self.expired_total = 0
+
+    # -- entry point --------------------------------------------------------------------------
+
+    def handle(self, event: Any, now: float) -> list[Any]:
+        out: list[Any] = []
+        for key in self._timers.pop_due(now):
+            inst = self._instances[key]
+            self._step(inst, "Expired", now, out, None)
+        if isinstance(event, ev.InstanceRegistered):
+            self._step(self._get(event.key), "Registered", now, out, event)
+        elif isinstance(event, ev.InstanceHeartbeat):
+            self._step(self._get(event.key), "HeartbeatReceived", now, out, event)
+        elif isinstance(event, ev.InstanceDeregistered):
+            self._step(self._get(event.key), "Deregistered", now, out, event)
+        elif not isinstance(event, ev.TimeAdvanced):
+            raise LocalProtocolError(f"BootstrapRegistry cannot handle {type(event).__name__}")
+        return out
+
+    def next_deadline(self) -> float | None:
+        return self._timers.next_deadline()
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def state_of(self, key: InstanceKey) -> str:
+        inst = self._instances.get(key)
+        return inst.state if inst is not None else self.table.initial
+
+    def lookup(self, key: InstanceKey) -> Any | None:
+        inst = self._instances.get(key)
+        return inst.record if inst is not None else None
+
+    def expires_at(self, key: InstanceKey) -> float | None:
+        inst = self._instances.get(key)
+        return inst.expires_at if inst is not None else None
+
+    def instances(self, role: str | None = None) -> list[Any]:
+        return [
+            i.record for k, i in sorted(self._instances.items()) if role is None or k[0] == role
+        ]
+
+    def resolve(self, advertised: str, role: str = "prefill") -> list[tuple[InstanceKey, Any]]:
+        """Instances of ``role`` known to routers as ``advertised`` ("host:port"), by key."""
+        keys = self._by_advertised.get(advertised, ())
+        return [(k, self._instances[k].record) for k in sorted(keys) if k[0] == role]
+
+    def __len__(self) -> int:
+        return len(self._instances)
+
+    # -- stepping -----------------------------------------------------------------------------
+
+    def _get(self, key: InstanceKey) -> _Instance:
+        return self._instances.get(key) or _Instance(key, self.table.initial)
+
+    def _step(self, inst: _Instance, trigger: str, now: float, out: list[Any], e: Any) -> None:
+        tr = self.table.step(inst.state, trigger)
+        if tr is None:
+            raise LocalProtocolError(f"instance_lease: {inst.state} has no row for {trigger}")
+        inst.state = tr.target
+        for name in tr.effects:
+            if name == "StoreRecord":
+                self._unindex(inst)
+                inst.record, inst.advertised = e.record, e.advertised
+                self._instances[inst.key] = inst
+                if inst.advertised is not None:
+                    self._by_advertised.setdefault(inst.advertised, set()).add(inst.key)
+            elif name == "RefreshTTL":
+                inst.expires_at = now + self.config.ttl
+                self._timers.set(inst.key, inst.expires_at)
+            elif name == "DropRecord":
+                self._unindex(inst)
+                self._timers.cancel(inst.key)
+                del self._instances[inst.key]
+                if trigger == "Expired":
+                    self.expired_total += 1
+                    out.append(fx.InstanceExpired(inst.key, inst.record))
+            elif name == "AskToRegister":
+                out.append(RegistrationRequired(inst.key))
+            else:  # a table effect with no code here: refuse loudly
+                raise LocalProtocolError(f"instance_lease effect {name!r} has no implementation")
+        if trigger != "Expired" and inst.state == "ALIVE":
+            out.append(Acknowledged(inst.key, inst.expires_at))
+
+    def _unindex(self, inst: _Instance) -> None:
+        if inst.advertised is not None:
+            keys = self._by_advertised.get(inst.advertised)
+            if keys is not None:
+                keys.discard(inst.key)
+                if not keys:
+                    del self._by_advertised[inst.advertised]

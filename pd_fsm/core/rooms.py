@@ -1,0 +1,109 @@
+"""What P's and D's endpoints share: rooms stepped through a compiled table.
+
+A subclass supplies the table and one ``_fx_<Effect>`` method per effect name in it (checked at
+construction, so a table effect without code fails at start-up, not mid-request). Finished rooms
+leave the live dict at once (bytes per live room stay small) and are remembered, bounded, in
+``_finished`` so late messages are told apart from unknown ones and ``poll()`` still answers.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from typing import Any, Generic, Protocol, TypeVar
+
+from pd_fsm.core.errors import LocalProtocolError
+from pd_fsm.core.kvpoll import KVPoll
+from pd_fsm.core.stats import EndpointStats
+from pd_fsm.core.tables import StateTable
+from pd_fsm.core.timers import DeadlineHeap
+
+
+class _HasRoomState(Protocol):
+    room: int
+    state: str
+
+
+R = TypeVar("R", bound=_HasRoomState)
+EffectFn = Callable[[Any, float, list[Any], Any], None]
+
+
+class RoomMachines(Generic[R]):
+    table: StateTable
+
+    def __init__(self, finished_capacity: int) -> None:
+        self.rooms: dict[int, R] = {}
+        self.stats = EndpointStats()
+        self.state_counts: Counter[str] = Counter()
+        self._finished: OrderedDict[int, KVPoll] = OrderedDict()
+        self._finished_capacity = finished_capacity
+        self._room_timers: DeadlineHeap[int] = DeadlineHeap()
+        missing = [e for e in self.table.effects if not hasattr(self, f"_fx_{e}")]
+        if missing:
+            raise TypeError(f"{type(self).__name__} has no code for effects {missing}")
+        self._fx: dict[str, EffectFn] = {e: getattr(self, f"_fx_{e}") for e in self.table.effects}
+        self._terminal = self.table.terminal
+        self._transitions = self.table.transitions
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def poll(self, room: int) -> KVPoll | None:
+        r = self.rooms.get(room)
+        if r is not None:
+            return self.table.poll_of[r.state]
+        return self._finished.get(room)
+
+    def state_of(self, room: int) -> str | None:
+        r = self.rooms.get(room)
+        return None if r is None else r.state
+
+    def was_finished(self, room: int) -> bool:
+        return room in self._finished
+
+    # -- stepping -----------------------------------------------------------------------------
+
+    def _step(self, r: R, trigger: str, now: float, out: list[Any], ctx: Any) -> None:
+        """Apply ``trigger``; the caller has already turned a missing remote row into
+        ProtocolViolated, so a missing row here is a local bug."""
+        tr = self._transitions.get((r.state, trigger))
+        if tr is None:
+            raise LocalProtocolError(
+                f"{self.table.name}: room {r.room} in {r.state} has no row for {trigger}"
+            )
+        counts = self.state_counts
+        counts[r.state] -= 1
+        r.state = tr.target
+        counts[r.state] += 1
+        fx = self._fx
+        for name in tr.effects:
+            fx[name](r, now, out, ctx)
+        if tr.target in self._terminal:
+            self._retire(r)
+
+    def _has_row(self, r: R, trigger: str) -> bool:
+        return (r.state, trigger) in self._transitions
+
+    def _admit(self, r: R) -> None:
+        self.rooms[r.room] = r
+        self._finished.pop(r.room, None)
+        self.state_counts[r.state] += 1
+
+    def _retire(self, r: R) -> None:
+        del self.rooms[r.room]
+        self._room_timers.cancel(r.room)
+        self.state_counts[r.state] -= 1
+        poll = self.table.poll_of[r.state]
+        if poll is KVPoll.Success:
+            self.stats.succeeded += 1
+        else:
+            self.stats.failed += 1
+        finished = self._finished
+        finished[r.room] = poll
+        if len(finished) > self._finished_capacity:
+            finished.popitem(last=False)
+
+    def _fx_CountDuplicate(self, r: R, now: float, out: list[Any], ctx: Any) -> None:
+        self.stats.duplicates += 1
+
+    def next_deadline(self) -> float | None:
+        return self._room_timers.next_deadline()

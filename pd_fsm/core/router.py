@@ -1,0 +1,139 @@
+"""RoomRouter: the proxy's rooms (table room). RFC-2 §5.7.
+
+Rooms are drawn uniform in [0, 2^63) from an injected RNG (never a live one twice); P is chosen
+round-robin; D is sticky to the room (the same room always maps to the same D, so a retried leg
+lands where its pages are).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import attrs
+
+from pd_fsm.core import effects as fx
+from pd_fsm.core import events as ev
+from pd_fsm.core.config import RouterConfig
+from pd_fsm.core.errors import LocalProtocolError
+from pd_fsm.core.messages import MAX_ROOM
+from pd_fsm.core.tables import ROOM
+from pd_fsm.core.timers import DeadlineHeap
+
+
+@attrs.define(slots=True)
+class _Room:
+    room: int
+    request_id: str
+    prefill: str
+    decode: str
+    state: str = ROOM.initial
+    reason: str = ""
+
+
+class RoomRouter:
+    table = ROOM
+
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        rng: random.Random,
+        config: RouterConfig | None = None,
+    ) -> None:
+        self.config = config or RouterConfig()
+        self._rng = rng
+        self._prefill: list[str] = []
+        self._decode: list[str] = []
+        self._next_prefill = 0
+        self.set_workers(prefill, decode)
+        self.rooms: dict[int, _Room] = {}
+        self._timers: DeadlineHeap[int] = DeadlineHeap()
+        self.outcomes: dict[str, int] = {s: 0 for s in ROOM.terminal}
+        self.dropped = 0  # responses for rooms already over, or that the table does not expect
+
+    def set_workers(self, prefill: list[str], decode: list[str]) -> None:
+        """Replace the worker lists (static flags or the bootstrap server's /list)."""
+        self._prefill = list(prefill)
+        self._decode = list(decode)
+        if self._prefill:
+            self._next_prefill %= len(self._prefill)
+
+    # -- entry point --------------------------------------------------------------------------
+
+    def handle(self, event: Any, now: float) -> list[Any]:
+        out: list[Any] = []
+        for room in self._timers.pop_due(now):
+            self._step(self.rooms[room], "TimedOut", out, "room deadline passed")
+        if isinstance(event, ev.RoomRequested):
+            self._dispatch(event, now, out)
+        elif isinstance(event, ev.LegResponded):
+            r = self.rooms.get(event.room)
+            trigger = ("Prefill" if event.leg == "prefill" else "Decode") + (
+                "Responded" if event.ok else "Failed"
+            )
+            if r is None or self.table.step(r.state, trigger) is None:
+                self.dropped += 1
+            else:
+                self._step(r, trigger, out, event.reason)
+        elif isinstance(event, ev.ClientDisconnected):
+            r = self.rooms.get(event.room)
+            if r is None:
+                self.dropped += 1
+            else:
+                self._step(r, "ClientDisconnected", out, "client disconnected")
+        elif not isinstance(event, ev.TimeAdvanced):
+            raise LocalProtocolError(f"RoomRouter cannot handle {type(event).__name__}")
+        return out
+
+    def next_deadline(self) -> float | None:
+        return self._timers.next_deadline()
+
+    def poll(self, room: int) -> str | None:
+        r = self.rooms.get(room)
+        return None if r is None else r.state
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _dispatch(self, e: ev.RoomRequested, now: float, out: list[Any]) -> None:
+        if not self._prefill or not self._decode:
+            missing = "prefill" if not self._prefill else "decode"
+            out.append(fx.ReplyError(-1, f"no {missing} workers available"))
+            return
+        room = self._rng.randrange(MAX_ROOM)
+        while room in self.rooms:
+            room = self._rng.randrange(MAX_ROOM)
+        prefill = self._prefill[self._next_prefill]
+        self._next_prefill = (self._next_prefill + 1) % len(self._prefill)
+        decode = self._decode[room % len(self._decode)]
+        r = _Room(room, e.request_id, prefill, decode)
+        self.rooms[room] = r
+        self._timers.set(room, now + self.config.room_timeout)
+        self._step(r, "Dispatched", out, "")
+
+    def _step(self, r: _Room, trigger: str, out: list[Any], reason: str) -> None:
+        tr = self.table.step(r.state, trigger)
+        if tr is None:
+            raise LocalProtocolError(f"room: {r.state} has no row for {trigger}")
+        r.state = tr.target
+        r.reason = reason or r.reason
+        for name in tr.effects:
+            if name == "PostBothLegs":
+                out.append(fx.DispatchRoom(r.room, r.request_id, r.prefill, r.decode))
+            elif name == "RelayDecode":
+                out.append(fx.RelayDecode(r.room))
+            elif name == "AbortDecodeLeg":
+                out.append(fx.AbortLeg(r.room, "decode", r.decode))
+            elif name == "AbortPrefillLeg":
+                out.append(fx.AbortLeg(r.room, "prefill", r.prefill))
+            elif name == "AbortBothLegs":
+                out.append(fx.AbortLeg(r.room, "prefill", r.prefill))
+                out.append(fx.AbortLeg(r.room, "decode", r.decode))
+            elif name == "ReplyError":
+                out.append(fx.ReplyError(r.room, r.reason))
+            else:
+                raise LocalProtocolError(f"room effect {name!r} has no implementation")
+        if tr.target in self.table.terminal:
+            del self.rooms[r.room]
+            self._timers.cancel(r.room)
+            self.outcomes[tr.target] += 1

@@ -1,0 +1,23 @@
+"""Per-endpoint counters: what was dropped and why (exported as metrics by the adapters)."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.define(slots=True)
+class EndpointStats:
+    events: int = 0
+    messages: int = 0
+    duplicates: int = 0  # a message the room had already seen (counted, dropped)
+    late: int = 0  # a message or local event for a room that already finished
+    unknown_room: int = 0  # a message for a room never seen here
+    foreign_peer: int = 0  # a message about a room bound to another peer (forgery or confusion)
+    remote_errors: int = 0  # peer broke the protocol: the room failed, the endpoint went on
+    unexpected: int = 0  # a message type this side never receives
+    rejected: int = 0  # requests refused outright (duplicate live bootstrap_room)
+    succeeded: int = 0
+    failed: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return attrs.asdict(self)

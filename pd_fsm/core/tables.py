@@ -1,0 +1,226 @@
+"""Loading, checking and compiling the state tables in ``spec/state_tables``.
+
+The TOML files are the single source of truth. Each is compiled once, at import, into a dict keyed
+by ``(state, trigger)``; a step on the hot path is one dict lookup. Checking (``check_table``)
+is separate from compiling so that ``pd-fsm spec check`` can report every problem at once, while
+import refuses a table with any problem.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from pd_fsm.core.kvpoll import KVPoll
+
+SAME = "@same"  # `to = "@same"`: a self-loop row shared by several `from` states
+
+TABLE_NAMES = ("kv_sender", "kv_receiver", "kv_hold_lease", "instance_lease", "room")
+
+
+def tables_dir() -> Path:
+    """The tables: next to the package in a wheel, at the repository root in a checkout."""
+    here = Path(__file__).resolve().parent.parent
+    for candidate in (here / "_state_tables", here.parent / "spec" / "state_tables"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError("spec/state_tables not found next to the pd_fsm package")
+
+
+@attrs.frozen(slots=True)
+class Transition:
+    target: str
+    effects: tuple[str, ...]
+    reason: str
+
+
+@attrs.frozen(slots=True)
+class Row:
+    source: str
+    trigger: str
+    target: str  # already resolved from "@same"
+    effects: tuple[str, ...]
+    reason: str
+
+
+@attrs.frozen(slots=True)
+class StateTable:
+    name: str
+    doc: str
+    initial: str
+    terminal: frozenset[str]
+    states: Mapping[str, str]  # state -> doc
+    poll_of: Mapping[str, KVPoll]  # empty for machines that do not expose KVPoll
+    triggers: Mapping[str, str]  # trigger -> doc
+    remote_triggers: frozenset[str]
+    effects: Mapping[str, str]  # effect -> doc
+    rows: tuple[Row, ...]
+    transitions: Mapping[tuple[str, str], Transition]
+
+    def step(self, state: str, trigger: str) -> Transition | None:
+        return self.transitions.get((state, trigger))
+
+    def pairs(self) -> Iterator[tuple[str, str]]:
+        """Every (state, trigger) pair, rows or not: the domain of the exhaustive tests."""
+        for state in self.states:
+            for trigger in self.triggers:
+                yield state, trigger
+
+
+class TableError(ValueError):
+    """A table that is malformed or fails the checks; the message lists every problem."""
+
+
+def _as_list(value: Any) -> list[str]:
+    return [value] if isinstance(value, str) else list(value)
+
+
+def parse_table(data: Mapping[str, Any], name: str) -> tuple[StateTable, list[str]]:
+    """Build a table from parsed TOML plus the list of problems ``check`` finds in it."""
+    problems: list[str] = []
+    states_raw: Mapping[str, Mapping[str, str]] = data.get("states", {})
+    states = {s: info.get("doc", "") for s, info in states_raw.items()}
+    poll_of: dict[str, KVPoll] = {}
+    for s, info in states_raw.items():
+        if "poll" in info:
+            try:
+                poll_of[s] = KVPoll[info["poll"]]
+            except KeyError:
+                problems.append(f"state {s}: unknown KVPoll value {info['poll']!r}")
+    if poll_of and set(poll_of) != set(states):
+        problems.append(f"states without a poll value: {sorted(set(states) - set(poll_of))}")
+    triggers_raw: Mapping[str, Mapping[str, Any]] = data.get("triggers", {})
+    triggers = {t: info.get("doc", "") for t, info in triggers_raw.items()}
+    remote = frozenset(t for t, info in triggers_raw.items() if info.get("remote", False))
+    effects: dict[str, str] = dict(data.get("effects", {}))
+    initial = data.get("initial", "")
+    terminal = frozenset(data.get("terminal", []))
+
+    rows: list[Row] = []
+    transitions: dict[tuple[str, str], Transition] = {}
+    for i, raw in enumerate(data.get("rows", [])):
+        where = f"row {i + 1}"
+        missing = [k for k in ("from", "on", "to", "why") if k not in raw]
+        if missing:
+            problems.append(f"{where}: missing keys {missing}")
+            continue
+        for source in _as_list(raw["from"]):
+            for trigger in _as_list(raw["on"]):
+                target = source if raw["to"] == SAME else raw["to"]
+                row = Row(source, trigger, target, tuple(raw.get("do", [])), raw["why"])
+                for st in (row.source, row.target):
+                    if st not in states:
+                        problems.append(f"{where}: unknown state {st!r}")
+                if trigger not in triggers:
+                    problems.append(f"{where}: unknown trigger {trigger!r}")
+                problems.extend(
+                    f"{where}: unknown effect {e!r}" for e in row.effects if e not in effects
+                )
+                if (source, trigger) in transitions:
+                    problems.append(f"{where}: duplicate row for ({source}, {trigger})")
+                transitions[(source, trigger)] = Transition(row.target, row.effects, row.reason)
+                rows.append(row)
+
+    table = StateTable(
+        name=data.get("name", name),
+        doc=data.get("doc", ""),
+        initial=initial,
+        terminal=terminal,
+        states=states,
+        poll_of=poll_of,
+        triggers=triggers,
+        remote_triggers=remote,
+        effects=effects,
+        rows=tuple(rows),
+        transitions=transitions,
+    )
+    problems.extend(check_table(table))
+    return table, problems
+
+
+def check_table(table: StateTable) -> list[str]:
+    """Structural checks: the ones ``pd-fsm spec check`` reports."""
+    problems: list[str] = []
+    if table.initial not in table.states:
+        problems.append(f"initial state {table.initial!r} is not a state")
+    problems.extend(
+        f"terminal state {t!r} is not a state" for t in table.terminal - set(table.states)
+    )
+    if not table.terminal:
+        problems.append("no terminal states")
+    # Reachability from the initial state.
+    seen = {table.initial}
+    frontier = [table.initial]
+    while frontier:
+        state = frontier.pop()
+        for row in table.rows:
+            if row.source == state and row.target not in seen:
+                seen.add(row.target)
+                frontier.append(row.target)
+    problems.extend(
+        f"state {s!r} is unreachable from {table.initial!r}" for s in table.states if s not in seen
+    )
+    problems.extend(
+        f"terminal state {r.source!r} has an exit on {r.trigger!r}"
+        for r in table.rows
+        if r.source in table.terminal
+    )
+    sources = {r.source for r in table.rows}
+    problems.extend(
+        f"non-terminal state {s!r} has no exits"
+        for s in table.states
+        if s not in table.terminal and s not in sources
+    )
+    used_triggers = {r.trigger for r in table.rows}
+    problems.extend(
+        f"trigger {t!r} is used by no row" for t in table.triggers if t not in used_triggers
+    )
+    used_effects = {e for r in table.rows for e in r.effects}
+    problems.extend(
+        f"effect {e!r} is used by no row" for e in table.effects if e not in used_effects
+    )
+    problems.extend(
+        f"remote trigger {t!r} is not declared" for t in table.remote_triggers - set(table.triggers)
+    )
+    return problems
+
+
+def load_table(name: str, directory: Path | None = None) -> StateTable:
+    path = (directory or tables_dir()) / f"{name}.toml"
+    with path.open("rb") as fh:
+        data = tomllib.load(fh)
+    table, problems = parse_table(data, name)
+    if problems:
+        raise TableError(f"{path}:\n  " + "\n  ".join(problems))
+    return table
+
+
+def check_all(directory: Path | None = None) -> dict[str, list[str]]:
+    """Problems per table file in ``directory`` (every ``*.toml``, not only the known names)."""
+    directory = directory or tables_dir()
+    report: dict[str, list[str]] = {}
+    for path in sorted(directory.glob("*.toml")):
+        try:
+            with path.open("rb") as fh:
+                data = tomllib.load(fh)
+        except tomllib.TOMLDecodeError as exc:
+            report[path.name] = [f"not valid TOML: {exc}"]
+            continue
+        _, problems = parse_table(data, path.stem)
+        report[path.name] = problems
+    return report
+
+
+# Compiled once, at import: everything below reads these.
+KV_SENDER = load_table("kv_sender")
+KV_RECEIVER = load_table("kv_receiver")
+KV_HOLD_LEASE = load_table("kv_hold_lease")
+INSTANCE_LEASE = load_table("instance_lease")
+ROOM = load_table("room")
+ALL_TABLES: Mapping[str, StateTable] = {
+    t.name: t for t in (KV_SENDER, KV_RECEIVER, KV_HOLD_LEASE, INSTANCE_LEASE, ROOM)
+}
