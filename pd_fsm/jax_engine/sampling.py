@@ -1,0 +1,131 @@
+"""Sampling parameters and the batched, jitted token sampler.
+
+Every row samples from its own key ``fold_in(PRNGKey(seed), step)`` where ``step`` is the index of
+the token being generated, so a seeded request draws the same tokens whatever else shares its batch.
+The returned log-prob is that of the chosen token under the model's raw distribution (softmax of the
+unmodified logits, before temperature / top-k / top-p), which is what ``return_logprob`` reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _non_negative(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value}")
+
+
+def _top_p_range(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {value}")
+
+
+def _to_tuple(value: Sequence[object] | str | None) -> tuple[object, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    max_new_tokens: int = attrs.field(default=128, validator=_non_negative)
+    # 0 means greedy (argmax).
+    temperature: float = attrs.field(default=1.0, validator=_non_negative)
+    top_p: float = attrs.field(default=1.0, validator=_top_p_range)
+    # <= 0 disables top-k.
+    top_k: int = -1
+    # None: the scheduler draws one from its own seeded generator (reproducible per scheduler run).
+    seed: int | None = None
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_to_tuple)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_to_tuple)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@jax.jit
+def _greedy(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+
+
+@jax.jit
+def _sample(
+    logits: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    seeds: jax.Array,
+    steps: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    vocab = logits.shape[-1]
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    is_greedy = temperature <= 0.0
+    scaled = logits / jnp.where(is_greedy, 1.0, temperature)[:, None]
+    order = jnp.argsort(-scaled, axis=-1)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    ranks = jnp.arange(vocab)[None, :]
+    keep = ranks < jnp.where(top_k > 0, top_k, vocab)[:, None]
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    # A token survives top-p when the mass strictly before it is below top_p: the first always does.
+    keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
+    masked = jnp.where(keep, sorted_logits, -jnp.inf)
+
+    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(seeds, steps)
+    picked = jax.vmap(jax.random.categorical)(keys, masked)
+    sampled = jnp.take_along_axis(order, picked[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    tokens = jnp.where(is_greedy, greedy_tokens, sampled)
+    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+
+
+def sample(
+    logits: jax.Array,
+    params: Sequence[SamplingParams | None],
+    seeds: Sequence[int],
+    steps: Sequence[int],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens ``[B]`` and their log-probs ``[B]`` (host arrays) for the first ``len(params)`` rows
+    of ``logits[B_pad, V]``; ``None`` rows (padding, or rows that need no token) are greedy.
+
+    An all-greedy batch skips the sort; otherwise param arrays are padded to ``B_pad`` so the
+    sampler compiles once per batch bucket.
+    """
+    n = len(params)
+    b_pad = logits.shape[0]
+    if all(p is None or p.greedy for p in params):
+        tokens, logprobs = _greedy(logits)
+    else:
+        temperature = np.zeros(b_pad, np.float32)
+        top_k = np.zeros(b_pad, np.int32)
+        top_p = np.ones(b_pad, np.float32)
+        seed_arr = np.zeros(b_pad, np.uint32)
+        step_arr = np.zeros(b_pad, np.int32)
+        for i, p in enumerate(params):
+            if p is None or p.greedy:
+                continue
+            temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
+            seed_arr[i] = seeds[i] & 0xFFFFFFFF
+            step_arr[i] = steps[i]
+        tokens, logprobs = _sample(
+            logits,
+            jnp.asarray(temperature),
+            jnp.asarray(top_k),
+            jnp.asarray(top_p),
+            jnp.asarray(seed_arr),
+            jnp.asarray(step_arr),
+        )
+    return np.asarray(tokens)[:n], np.asarray(logprobs)[:n]

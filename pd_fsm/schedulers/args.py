@@ -1,0 +1,36 @@
+"""The scheduler's knobs (RFC-2 §7 names where one exists)."""
+
+from __future__ import annotations
+
+import attrs
+
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+
+
+def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value <= 0:
+        raise ValueError(f"{attribute.name} must be > 0, got {value}")
+
+
+def _mode(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if value not in DISAGGREGATION_MODES:
+        raise ValueError(f"{attribute.name} must be one of {DISAGGREGATION_MODES}, got {value!r}")
+
+
+# kw_only so that the PD work can subclass and add fields (with or without defaults).
+@attrs.frozen(kw_only=True)
+class SchedulerArgs:
+    model: str = "smollm2"  # "smollm2" | "tiny"
+    dtype: str = "float32"
+    model_seed: int = 0  # weights of the random "tiny" model
+    num_pages: int = attrs.field(default=1024, validator=_positive)  # including the null page
+    page_size: int = attrs.field(default=16, validator=_positive)
+    max_running: int = attrs.field(default=8, validator=_positive)  # admitted requests, at most
+    # Padded tokens (rows x bucketed length) one prefill forward may process; longer prompts are
+    # prefilled in chunks of at most this many tokens.
+    max_batched_tokens: int = attrs.field(default=1024, validator=_positive)
+    # Longest sequence (prompt + output); None: the model's own context length.
+    context_length: int | None = None
+    # Seeds requests that did not bring their own, so a whole run is reproducible.
+    random_seed: int = 0
+    disaggregation_mode: str = attrs.field(default="null", validator=_mode)

@@ -1,0 +1,497 @@
+"""The colocated scheduler: continuous batching of prefill and decode over the paged KV pool.
+
+Synchronous and single-threaded: a caller (the HTTP worker's thread, a test, a benchmark) calls
+``step()``, which runs at most one prefill forward and one decode forward and returns the outputs
+they produced. It is not thread-safe; one thread drives it.
+
+Life of a request: ``add_request`` -> WAITING -> (pages for the whole sequence reserved, FIFO)
+PREFILLING -> (prompt in the pool, possibly over several chunked steps; first token sampled)
+RUNNING -> FINISHED. Pages are reserved up front for ``prompt + max_new_tokens`` tokens so a
+running request never needs pages mid-decode (no preemption); they are released exactly once, in
+``_finish``.
+
+Extension points for the PD mixins (RFC-2 §5.4) are the underscore methods below; the P mixin
+overrides ``_on_prefill_done`` (hand the KV to the transfer instead of decoding) and
+``_release_pages``; the D mixin reserves pages with ``reserve_pages``, scatters the transferred KV
+into them, and enters the request into the decode batch with ``add_prefilled_request``, skipping
+the prefill forward. Every read or replacement of the pool arrays goes through ``self.kv_pool``
+(``get()`` / ``apply()``), so a lock-guarded holder can be swapped in by overriding
+``_create_kv_pool_holder``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pd_fsm.jax_engine.buckets import bucket
+from pd_fsm.jax_engine.kv_pool import PageAllocator
+from pd_fsm.jax_engine.model import KV, LoadedModel, decode, extend, load_model, new_kv_pool
+from pd_fsm.jax_engine.sampling import SamplingParams, sample
+from pd_fsm.jax_engine.tokenizer import IncrementalDetokenizer
+from pd_fsm.schedulers.args import SchedulerArgs
+from pd_fsm.schedulers.request import FinishReason, Req, ReqState, RequestOutput
+
+R = TypeVar("R")
+
+# Smallest padded prompt length: tiny prompts share one compiled shape.
+MIN_PREFILL_BUCKET = 8
+
+
+class KVPoolHolder(Protocol):
+    """The scheduler's only handle on the pool arrays."""
+
+    def get(self) -> KV: ...
+
+    def apply(self, fn: Callable[[KV], tuple[R, KV]]) -> R:
+        """Run ``fn(arrays) -> (result, new_arrays)``, keep the new arrays, return the result.
+        ``fn`` may donate the arrays it is given."""
+        ...
+
+
+class KVPoolRef:
+    """Unguarded holder: enough when the scheduler's thread is the pool's only user."""
+
+    def __init__(self, arrays: KV) -> None:
+        self._arrays = arrays
+
+    def get(self) -> KV:
+        return self._arrays
+
+    def apply(self, fn: Callable[[KV], tuple[R, KV]]) -> R:
+        result, self._arrays = fn(self._arrays)
+        return result
+
+
+@attrs.frozen
+class PrefillRow:
+    req: Req
+    start: int  # first prompt position fed in this forward
+    length: int  # prompt tokens fed in this forward
+
+
+@attrs.frozen
+class PrefillBatch:
+    rows: tuple[PrefillRow, ...]
+    n_pad: int
+    t_pad: int
+    p_pad: int
+
+
+@attrs.frozen
+class DecodeBatch:
+    reqs: tuple[Req, ...]
+    b_pad: int
+    p_pad: int
+
+
+@attrs.frozen
+class SchedulerStats:
+    free_pages: int
+    total_pages: int  # usable pages (the null page excluded)
+    waiting: int
+    prefilling: int
+    running: int
+    forward_shapes: int  # distinct padded forward shapes used so far (each compiles once)
+
+
+class Scheduler:
+    def __init__(self, args: SchedulerArgs, *, model: LoadedModel | None = None) -> None:
+        self.args = args
+        self.model = model if model is not None else load_model(
+            args.model, args.dtype, args.model_seed
+        )
+        self.config = self.model.config
+        self.tokenizer = self.model.tokenizer
+        self.eos_token_ids = self.model.eos_token_ids
+        self.pool_config = self.config.kv_pool_config(args.num_pages, args.page_size)
+        self.allocator = PageAllocator(args.num_pages)
+        self.kv_pool: KVPoolHolder = self._create_kv_pool_holder(new_kv_pool(self.pool_config))
+        limit = args.context_length or self.config.max_position
+        self.context_length = min(limit, self.config.max_position)
+
+        self.reqs: dict[str, Req] = {}  # every live (unfinished) request
+        self.waiting: deque[Req] = deque()
+        self.prefilling: list[Req] = []
+        self.running: list[Req] = []
+        self.forward_shapes: set[tuple[int | str, ...]] = set()
+        self._dirty: dict[str, Req] = {}  # requests with unreported progress, in order
+        self._seed_rng = random.Random(args.random_seed)
+
+    # ----------------------------------------------------------------- public API
+
+    def make_request(
+        self,
+        rid: str,
+        prompt: str | Sequence[int],
+        sampling: SamplingParams | None = None,
+        **metadata: object,
+    ) -> Req:
+        """A request record; a string prompt is tokenized as is (no chat template)."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return Req(rid, ids, sampling or SamplingParams(), dict(metadata))
+
+    def add_request(self, req: Req) -> None:
+        """Queue a request; raises ``ValueError`` for one that can never be served."""
+        self._register(req)
+        self.waiting.append(req)
+
+    def add_prefilled_request(self, req: Req, first_token: int, first_logprob: float) -> None:
+        """Enter ``req`` straight into the decode batch: its prompt's K/V is already in
+        ``req.pages`` (e.g. transferred from a prefill worker) and its first token is sampled."""
+        if req.rid not in self.reqs:
+            self._register(req)
+        if req.pages is None or len(req.pages) < self._pages_needed(req):
+            raise ValueError(f"request {req.rid} entered decode without its pages reserved")
+        self._detach(req)
+        req.prefilled = len(req.input_ids)
+        self._enter_running(req, first_token, first_logprob)
+
+    def reserve_pages(self, req: Req) -> bool:
+        """Reserve ``req``'s pages now (a decode worker does so before the KV transfer)."""
+        return self._allocate_pages(req)
+
+    def abort(self, rid: str, message: str = "aborted") -> bool:
+        """Finish a live request with an abort reason and free its pages; False if unknown."""
+        req = self.reqs.get(rid)
+        if req is None:
+            return False
+        self._finish(req, FinishReason("abort", message=message))
+        return True
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling iteration; returns the outputs produced since the previous call."""
+        self._admit_waiting()
+        prefill = self._build_prefill_batch()
+        if prefill is not None:
+            self._run_prefill(prefill)
+        batch = self._build_decode_batch()
+        if batch is not None:
+            self._run_decode(batch)
+        return self.drain_outputs()
+
+    def drain_outputs(self) -> list[RequestOutput]:
+        outputs = [self._make_output(req) for req in self._dirty.values()]
+        self._dirty.clear()
+        return outputs
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running or self._dirty)
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> list[RequestOutput]:
+        """Step until nothing is left to do; all outputs in order (tests, benchmarks)."""
+        outputs: list[RequestOutput] = []
+        for _ in range(max_steps):
+            if not self.has_work():
+                return outputs
+            outputs.extend(self.step())
+        raise RuntimeError(f"scheduler still busy after {max_steps} steps")
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            free_pages=self.allocator.num_free,
+            total_pages=self.allocator.total,
+            waiting=len(self.waiting),
+            prefilling=len(self.prefilling),
+            running=len(self.running),
+            forward_shapes=len(self.forward_shapes),
+        )
+
+    # ----------------------------------------------------------------- hooks: pool and pages
+
+    def _create_kv_pool_holder(self, arrays: KV) -> KVPoolHolder:
+        return KVPoolRef(arrays)
+
+    def _pages_needed(self, req: Req) -> int:
+        tokens = min(len(req.input_ids) + req.sampling.max_new_tokens, self.context_length)
+        return self.pool_config.pages_for(tokens)
+
+    def _allocate_pages(self, req: Req) -> bool:
+        if req.pages is not None:
+            return True
+        pages = self.allocator.allocate(self._pages_needed(req))
+        if pages is None:
+            return False
+        req.pages = pages
+        return True
+
+    def _release_pages(self, req: Req) -> None:
+        # Clearing req.pages first makes a second call a no-op: pages go back exactly once.
+        pages, req.pages = req.pages, None
+        if pages:
+            self.allocator.free(pages)
+
+    # ----------------------------------------------------------------- hooks: admission
+
+    def _register(self, req: Req) -> None:
+        if req.rid in self.reqs:
+            raise ValueError(f"duplicate request id {req.rid!r}")
+        if not req.input_ids:
+            raise ValueError("empty prompt")
+        if min(req.input_ids) < 0 or max(req.input_ids) >= self.config.vocab_size:
+            raise ValueError("prompt token id outside the vocabulary")
+        if len(req.input_ids) >= self.context_length:
+            raise ValueError(
+                f"prompt of {len(req.input_ids)} tokens does not fit the context length "
+                f"{self.context_length}"
+            )
+        if self._pages_needed(req) > self.allocator.total:
+            raise ValueError(
+                f"request needs {self._pages_needed(req)} pages, the pool has "
+                f"{self.allocator.total}"
+            )
+        req.state = ReqState.WAITING
+        req.seed = (
+            req.sampling.seed if req.sampling.seed is not None else self._seed_rng.getrandbits(32)
+        )
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.sampling.skip_special_tokens)
+        self.reqs[req.rid] = req
+
+    def _num_admitted(self) -> int:
+        return len(self.prefilling) + len(self.running)
+
+    def _admit_waiting(self) -> None:
+        # Strict FIFO: a head request that does not fit yet blocks those behind it, so a large
+        # request is not starved by a stream of small ones.
+        while self.waiting and self._num_admitted() < self.args.max_running:
+            req = self.waiting[0]
+            if not self._allocate_pages(req):
+                return
+            self.waiting.popleft()
+            req.state = ReqState.PREFILLING
+            self.prefilling.append(req)
+
+    # ----------------------------------------------------------------- hooks: prefill
+
+    def _t_bucket(self, n: int) -> int:
+        return bucket(n, MIN_PREFILL_BUCKET)
+
+    def _build_prefill_batch(self) -> PrefillBatch | None:
+        budget = self.args.max_batched_tokens
+        rows: list[PrefillRow] = []
+        t_max = 0
+        for req in self.prefilling:
+            remaining = len(req.input_ids) - req.prefilled
+            if not rows:
+                n = min(remaining, budget)
+            else:
+                n_pad = bucket(len(rows) + 1)
+                if n_pad * self._t_bucket(max(t_max, remaining)) <= budget:
+                    n = remaining
+                elif n_pad * self._t_bucket(t_max) <= budget:
+                    n = min(remaining, self._t_bucket(t_max))
+                else:
+                    break
+            rows.append(PrefillRow(req, req.prefilled, n))
+            t_max = max(t_max, n)
+        if not rows:
+            return None
+        pages = max(self.pool_config.pages_for(r.start + r.length) for r in rows)
+        return PrefillBatch(tuple(rows), bucket(len(rows)), self._t_bucket(t_max), bucket(pages))
+
+    def _run_prefill(self, batch: PrefillBatch) -> None:
+        tokens = np.zeros((batch.n_pad, batch.t_pad), np.int32)
+        start = np.zeros(batch.n_pad, np.int32)
+        num_new = np.zeros(batch.n_pad, np.int32)
+        table = np.zeros((batch.n_pad, batch.p_pad), np.int32)
+        for i, row in enumerate(batch.rows):
+            req = row.req
+            assert req.pages is not None
+            tokens[i, : row.length] = req.input_ids[row.start : row.start + row.length]
+            start[i], num_new[i] = row.start, row.length
+            used = self.pool_config.pages_for(row.start + row.length)
+            table[i, :used] = req.pages[:used]
+        logits = self._forward_extend(tokens, start, num_new, table)
+
+        completed: list[Req | None] = []
+        for row in batch.rows:
+            row.req.prefilled += row.length
+            done = row.req.prefilled == len(row.req.input_ids)
+            completed.append(row.req if done else None)
+        if not any(completed):
+            return
+        self._on_logits("prefill", completed, logits)
+        sampled, logprobs = self._sample(logits, completed)
+        for req, token, logprob in zip(completed, sampled, logprobs, strict=True):
+            if req is not None:
+                self._on_prefill_done(req, int(token), float(logprob))
+
+    def _forward_extend(
+        self, tokens: np.ndarray, start: np.ndarray, num_new: np.ndarray, table: np.ndarray
+    ) -> jax.Array:
+        self.forward_shapes.add(("extend", *tokens.shape, table.shape[1]))
+        params, config = self.model.params, self.config
+
+        def run(kv: KV) -> tuple[jax.Array, KV]:
+            return extend(
+                params,
+                kv,
+                jnp.asarray(tokens),
+                jnp.asarray(start),
+                jnp.asarray(num_new),
+                jnp.asarray(table),
+                config=config,
+            )
+
+        return self.kv_pool.apply(run)
+
+    def _on_prefill_done(self, req: Req, first_token: int, first_logprob: float) -> None:
+        """The whole prompt is in the pool and the first token is sampled."""
+        self.prefilling.remove(req)
+        self._enter_running(req, first_token, first_logprob)
+
+    def _enter_running(self, req: Req, first_token: int, first_logprob: float) -> None:
+        if req.sampling.max_new_tokens == 0:
+            self._finish(req, FinishReason("length"))
+            return
+        req.state = ReqState.RUNNING
+        self.running.append(req)
+        self._append_token(req, first_token, first_logprob)
+
+    # ----------------------------------------------------------------- hooks: decode
+
+    def _build_decode_batch(self) -> DecodeBatch | None:
+        if not self.running:
+            return None
+        reqs = tuple(self.running)
+        pages = max(self.pool_config.pages_for(r.seq_len) for r in reqs)
+        return DecodeBatch(reqs, bucket(len(reqs)), bucket(pages))
+
+    def _run_decode(self, batch: DecodeBatch) -> None:
+        tokens = np.zeros(batch.b_pad, np.int32)
+        positions = np.zeros(batch.b_pad, np.int32)
+        table = np.zeros((batch.b_pad, batch.p_pad), np.int32)
+        for i, req in enumerate(batch.reqs):
+            assert req.pages is not None
+            tokens[i] = req.output_ids[-1]
+            positions[i] = req.seq_len - 1  # the last sampled token is fed now
+            used = self.pool_config.pages_for(req.seq_len)
+            table[i, :used] = req.pages[:used]
+        lengths = np.where(np.arange(batch.b_pad) < len(batch.reqs), positions + 1, 0)
+        logits = self._forward_decode(tokens, positions, table, lengths.astype(np.int32))
+        rows: list[Req | None] = list(batch.reqs)
+        self._on_logits("decode", rows, logits)
+        sampled, logprobs = self._sample(logits, rows)
+        for req, token, logprob in zip(batch.reqs, sampled, logprobs, strict=True):
+            self._append_token(req, int(token), float(logprob))
+
+    def _forward_decode(
+        self, tokens: np.ndarray, positions: np.ndarray, table: np.ndarray, lengths: np.ndarray
+    ) -> jax.Array:
+        self.forward_shapes.add(("decode", *table.shape))
+        params, config = self.model.params, self.config
+
+        def run(kv: KV) -> tuple[jax.Array, KV]:
+            return decode(
+                params,
+                kv,
+                jnp.asarray(tokens),
+                jnp.asarray(positions),
+                jnp.asarray(table),
+                jnp.asarray(lengths),
+                config=config,
+            )
+
+        return self.kv_pool.apply(run)
+
+    # ----------------------------------------------------------------- hooks: tokens and finish
+
+    def _on_logits(self, phase: str, reqs: Sequence[Req | None], logits: jax.Array) -> None:
+        """Called with each forward's logits ``[B_pad, V]`` before sampling (row ``i`` belongs to
+        ``reqs[i]``; None rows are padding or unfinished chunks). No-op; for checks and tests."""
+
+    def _sample(
+        self, logits: jax.Array, reqs: Sequence[Req | None]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        return sample(
+            logits,
+            [None if r is None else r.sampling for r in reqs],
+            [0 if r is None else r.seed for r in reqs],
+            [0 if r is None else len(r.output_ids) for r in reqs],
+        )
+
+    def _append_token(self, req: Req, token: int, logprob: float) -> None:
+        req.output_ids.append(token)
+        req.output_logprobs.append(logprob)
+        self._dirty[req.rid] = req
+        sp = req.sampling
+        detok = req.detokenizer
+        assert detok is not None
+        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
+            # The stop token's own text is not part of the output.
+            req.text += detok.flush()
+            self._finish(req, FinishReason("stop", matched=token))
+            return
+        scanned = len(req.text)
+        req.text += detok.push(token)
+        if sp.stop and self._trim_stop_string(req, scanned):
+            return
+        if len(req.output_ids) >= sp.max_new_tokens or req.seq_len >= self.context_length:
+            req.text += detok.flush()
+            if sp.stop and self._trim_stop_string(req, scanned):
+                return
+            self._finish(req, FinishReason("length"))
+
+    def _trim_stop_string(self, req: Req, scanned: int) -> bool:
+        """Finish ``req`` if a stop string appears in its text (only text beyond ``scanned`` can
+        complete one); the text is cut where the earliest stop string begins."""
+        longest = max(len(s) for s in req.sampling.stop)
+        from_pos = max(0, scanned - longest + 1)
+        hits = [
+            (idx, s) for s in req.sampling.stop if (idx := req.text.find(s, from_pos)) >= 0
+        ]
+        if not hits:
+            return False
+        idx, matched = min(hits)
+        req.text = req.text[:idx]
+        self._finish(req, FinishReason("stop", matched=matched))
+        return True
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        if req.state is ReqState.FINISHED:
+            return
+        req.state = ReqState.FINISHED
+        req.finish_reason = reason
+        self.reqs.pop(req.rid, None)
+        self._detach(req)
+        self._release_pages(req)
+        self._dirty[req.rid] = req
+
+    def _detach(self, req: Req) -> None:
+        """Remove ``req`` from every queue it may be in (mixins extend this with their own)."""
+        for queue in (self.prefilling, self.running):
+            if req in queue:
+                queue.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+
+    # ----------------------------------------------------------------- outputs
+
+    def _make_output(self, req: Req) -> RequestOutput:
+        if req.finished:
+            end = len(req.text)
+        else:
+            # Hold back text that could still turn out to be the start of a stop string.
+            hold = max((len(s) for s in req.sampling.stop), default=1) - 1
+            end = max(len(req.text) - hold, req.text_sent)
+        delta = req.text[req.text_sent : end]
+        new_ids = tuple(req.output_ids[req.tokens_sent :])
+        new_lps = tuple(req.output_logprobs[req.tokens_sent :])
+        req.text_sent, req.tokens_sent = end, len(req.output_ids)
+        return RequestOutput(
+            rid=req.rid,
+            new_token_ids=new_ids,
+            new_logprobs=new_lps,
+            text_delta=delta,
+            finish_reason=req.finish_reason,
+            prompt_tokens=len(req.input_ids),
+            completion_tokens=len(req.output_ids),
+        )
+
