@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import attrs
+import jax
+import jax.numpy as jnp
 
 NULL_PAGE = 0
 
@@ -48,7 +50,7 @@ class KVPoolConfig:
 
 
 class PageAllocatorError(RuntimeError):
-    """A caller asked for something the allocator's accounting forbids (double free, foreign page)."""
+    """A caller asked for what the allocator's accounting forbids (double free, foreign page)."""
 
 
 class PageAllocator:
@@ -84,10 +86,20 @@ class PageAllocator:
         return pages
 
     def free(self, pages: Iterable[int]) -> None:
-        """Return pages; refuses (and changes nothing) on a double free or a page never handed out."""
+        """Return pages; refuses (changing nothing) on a double free or a page never handed out."""
         pages = list(pages)
         bad = [p for p in pages if p not in self._used]
         if bad or len(set(pages)) != len(pages):
             raise PageAllocatorError(f"free of pages not in use (double free?): {sorted(set(bad))}")
         self._used.difference_update(pages)
         self._free.extend(pages)
+
+
+def allocate_kv_pool(cfg: KVPoolConfig, device: jax.Device | None = None) -> list[jax.Array]:
+    """A zeroed pool: ``cfg.num_layers`` arrays of ``cfg.layer_shape`` on ``device``."""
+    device = device if device is not None else jax.devices()[0]
+    zeros = jax.jit(
+        lambda: jnp.zeros(cfg.layer_shape, jnp.dtype(cfg.dtype)),
+        out_shardings=jax.sharding.SingleDeviceSharding(device),
+    )
+    return [zeros() for _ in range(cfg.num_layers)]

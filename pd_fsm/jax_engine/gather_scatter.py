@@ -1,0 +1,191 @@
+"""Gather (paged pool -> packed) and scatter (packed -> paged pool) of a request's KV pages.
+
+Wire format. One pool's KV for one request is ONE array ``packed[layer, i] == kv[layer][pages[i]]``
+of shape ``(num_layers, page_bucket(n), *page_shape)``: packed per layer along axis 1, the layers
+stacked on a leading axis. Stacking is deliberate: ``jax.experimental.transfer`` sends 64 or more
+arrays as one request each and many small arrays moved ~2x slower than one big one
+(shared/JAX_TRANSFER.md), so one array per pool is what crosses the wire.
+
+Bounded compilation. The page count is padded to :func:`page_bucket` (powers of two up to 8, then
+four steps per octave, so at most 25% padding). Every jitted function here is keyed only by the
+bucket (and the pool's own shape/dtype), never by the exact page count or the number of runs: the
+run table is padded to the bucket too and the loop trip count is a traced scalar. The gathered
+padding rows are zeros; on the scatter side the padding rows are never written (runs stop at ``n``),
+so no page of the destination other than ``pages`` is touched.
+
+Contiguous runs. Pages are allocated LIFO and freed per request, so a request's pages are mostly
+runs of consecutive ids. Both directions copy run by run; a run of length ``m`` is copied as the
+power-of-two pieces of ``m``'s binary form (static sizes, dynamic offsets) — that is what lets XLA
+and the Pallas DMA kernel work with static shapes. On CPU this was ~7x faster than an XLA
+``.at[ids].set`` scatter for the same bytes (11 vs 1.6 GB/s, 200 pages of 64 KiB x 8 layers).
+
+Donation. The scatter donates the destination pool arrays and returns new ones; callers must swap
+them in under :class:`pd_fsm.jax_engine.kv_holder.KVCacheHolder` (DESIGN §6 ordering hazard).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Sequence
+from typing import Literal
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pd_fsm.jax_engine.kv_pool import NULL_PAGE
+
+# Incremented from inside the traced Python functions, i.e. once per (re)compilation. Tests read it
+# to prove the compile count is bounded by the number of buckets.
+TRACE_COUNTS: Counter[str] = Counter()
+
+ScatterMethod = Literal["xla", "pallas"]
+
+
+def page_bucket(n: int) -> int:
+    """Padded page count for ``n`` pages: powers of two up to 8, then 4 evenly spaced steps per
+    octave (10, 12, 14, 16, 20, 24, 28, 32, 40, ...) so padding stays under 25%."""
+    if n <= 8:
+        return 1 << max(n - 1, 0).bit_length()
+    step = (1 << ((n - 1).bit_length() - 1)) // 4
+    return -(-n // step) * step
+
+
+def page_buckets_upto(max_pages: int) -> list[int]:
+    """Every bucket a request of 1..max_pages pages can land in (sorted)."""
+    return sorted({page_bucket(n) for n in range(1, max_pages + 1)})
+
+
+@attrs.frozen
+class PageRuns:
+    """Runs of consecutive pages padded to ``bucket`` rows: ``table[:, r] = (src, dst, length)``."""
+
+    table: np.ndarray  # int32, shape (3, bucket)
+    n_runs: int
+    n_pages: int
+    bucket: int
+
+
+def contiguous_runs(src: Sequence[int], dst: Sequence[int], bucket: int) -> PageRuns:
+    """Maximal runs where both ``src[i]`` and ``dst[i]`` advance by one."""
+    s = np.asarray(src, dtype=np.int64)
+    d = np.asarray(dst, dtype=np.int64)
+    n = len(s)
+    if len(d) != n:
+        raise ValueError(f"src has {n} entries, dst {len(d)}")
+    if n > bucket:
+        raise ValueError(f"{n} pages do not fit bucket {bucket}")
+    table = np.zeros((3, bucket), dtype=np.int32)
+    if n == 0:
+        return PageRuns(table, 0, 0, bucket)
+    breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [n])))
+    k = len(starts)
+    table[0, :k] = s[starts]
+    table[1, :k] = d[starts]
+    table[2, :k] = lengths
+    return PageRuns(table, k, n, bucket)
+
+
+def validate_pages(pages: Sequence[int], num_pages: int) -> None:
+    """Refuse empty lists, the null page, ids outside the pool and duplicates."""
+    arr = np.asarray(pages, dtype=np.int64)
+    if arr.size == 0:
+        raise ValueError("empty page list")
+    if arr.min() <= NULL_PAGE or arr.max() >= num_pages:
+        raise ValueError(f"page ids must be in [1, {num_pages}); got {arr.min()}..{arr.max()}")
+    if len(np.unique(arr)) != arr.size:
+        raise ValueError("duplicate page ids")
+
+
+def _copy_runs(
+    dst: jax.Array, src: jax.Array, table: jax.Array, n_runs: jax.Array, n_bits: int
+) -> jax.Array:
+    """``dst[d:d+m] = src[s:s+m]`` for every run, each run as its power-of-two pieces."""
+
+    def body(r: jax.Array, out: jax.Array) -> jax.Array:
+        s, d, m = table[0, r], table[1, r], table[2, r]
+        for k in range(n_bits):
+            size = 1 << k
+            off = m & (size - 1)  # pieces are laid out low bit first: piece k starts at m mod 2^k
+
+            def put(o: jax.Array, size: int = size, off: jax.Array = off) -> jax.Array:
+                piece = jax.lax.dynamic_slice_in_dim(src, s + off, size, 0)
+                return jax.lax.dynamic_update_slice_in_dim(o, piece, d + off, 0)
+
+            out = jax.lax.cond((m >> k) & 1 == 1, put, lambda o: o, out)
+        return out
+
+    return jax.lax.fori_loop(0, n_runs, body, dst)
+
+
+@jax.jit
+def _gather(kv_caches: list[jax.Array], table: jax.Array, n_runs: jax.Array) -> jax.Array:
+    TRACE_COUNTS["gather"] += 1
+    bucket = table.shape[1]
+    n_bits = bucket.bit_length()
+    layers = [
+        _copy_runs(jnp.zeros((bucket, *c.shape[1:]), c.dtype), c, table, n_runs, n_bits)
+        for c in kv_caches
+    ]
+    return jnp.stack(layers)
+
+
+def select_from_kv_caches(kv_caches: Sequence[jax.Array], pages: Sequence[int]) -> jax.Array:
+    """Gather ``pages`` of every layer into one packed array
+    ``(num_layers, page_bucket(len(pages)), *page_shape)``; rows past ``len(pages)`` are zeros."""
+    validate_pages(pages, kv_caches[0].shape[0])
+    bucket = page_bucket(len(pages))
+    runs = contiguous_runs(pages, range(len(pages)), bucket)
+    return _gather(list(kv_caches), jnp.asarray(runs.table), jnp.int32(runs.n_runs))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def multi_layer_copy(
+    kv_caches: list[jax.Array], packed: jax.Array, table: jax.Array, n_runs: jax.Array
+) -> list[jax.Array]:
+    """Portable XLA scatter: for every layer ``l`` and run ``(s, d, m)`` of ``table``,
+    ``kv_caches[l][d:d+m] = packed[l, s:s+m]``. ``kv_caches`` is donated."""
+    TRACE_COUNTS["multi_layer_copy"] += 1
+    n_bits = packed.shape[1].bit_length()
+    return [_copy_runs(c, packed[i], table, n_runs, n_bits) for i, c in enumerate(kv_caches)]
+
+
+def scatter_runs(pages: Sequence[int], bucket: int) -> PageRuns:
+    """Runs for writing packed rows ``0..n-1`` into destination ``pages``."""
+    return contiguous_runs(range(len(pages)), pages, bucket)
+
+
+def insert_kv_chunks(
+    kv_caches: Sequence[jax.Array],
+    packed: jax.Array,
+    pages: Sequence[int],
+    *,
+    method: ScatterMethod = "xla",
+    interpret: bool | None = None,
+) -> list[jax.Array]:
+    """Write packed rows ``0..len(pages)-1`` of every layer into ``pages`` of the pool; returns the
+    new per-layer arrays (the old ones are donated — never use them again)."""
+    if packed.shape[0] != len(kv_caches):
+        raise ValueError(f"packed has {packed.shape[0]} layers, pool {len(kv_caches)}")
+    if packed.shape[2:] != kv_caches[0].shape[1:] or packed.dtype != kv_caches[0].dtype:
+        raise ValueError(
+            f"packed page {packed.shape[2:]}/{packed.dtype} does not match pool page "
+            f"{kv_caches[0].shape[1:]}/{kv_caches[0].dtype}"
+        )
+    validate_pages(pages, kv_caches[0].shape[0])
+    runs = scatter_runs(pages, packed.shape[1])
+    table = jnp.asarray(runs.table)
+    n_runs = jnp.int32(runs.n_runs)
+    if method == "xla":
+        return multi_layer_copy(list(kv_caches), packed, table, n_runs)
+    if method == "pallas":
+        from pd_fsm.jax_engine.pallas_copy import multi_layer_copy_pallas
+
+        if interpret is None:
+            interpret = jax.default_backend() != "tpu"
+        return multi_layer_copy_pallas(list(kv_caches), packed, table, n_runs, interpret=interpret)
+    raise ValueError(f"unknown scatter method {method!r}")

@@ -1,0 +1,354 @@
+"""``JaxTransferKVEngine``: the KV transfer backend on ``jax.experimental.transfer``.
+
+One transfer server per process, started with explicit transport addresses (``host:0``): with an
+empty list the serving process aborted on a cross-process pull (shared/JAX_TRANSFER.md).
+
+transfer_size. 4 MiB instead of the library's 256 MiB default: measured ~1.8x faster at 64-256 MiB
+on this kind of machine (0.84-0.88 vs 0.27-0.47 GB/s); see bench/RESULTS_transfer.md for this
+code's own figures.
+
+Connections are cached per peer. A connection on which a pull failed stays poisoned (later pulls on
+it fail at once, even to a new server on the same port), so after any failure or timeout it is
+*retired*: removed from the cache so the next pull connects afresh, and, once no other pull of ours
+is still using it, poisoned with ``_poison_connection()``. Measured: poisoning makes every pull
+still outstanding on that connection fail at once ("RECOVERABLE InjectFailure") instead of hanging
+— a pull to a dead port, or for a uuid never registered, otherwise waits forever, even with the
+library's timeout, which the serving side only checks when its table is touched.
+
+Deadlines. ``pull()`` returns at once and errors surface at ``is_ready()`` /
+``block_until_ready()``; ``block_until_ready`` can hang. So :meth:`_JaxPendingPull.wait` polls
+``is_ready()`` (0.5 ms backoff to 10 ms) against our own monotonic deadline and never blocks on an
+array that is not ready.
+
+Releasing one registration (the library has no API for it; ``_reset_rendevous_table()`` drops
+*every* registration). A registration never pulled keeps its buffers alive in the C++ table after
+every Python reference is gone. Mechanism found by experiment (jax/jaxlib 0.10.2, CPU):
+
+1. Re-register the uuid with a tiny placeholder: re-registering *replaces* the entry, and the old
+   buffers are freed right away. Measured: 256 MiB registered, Python reference dropped, RSS
+   454 MiB; after the re-register 198 MiB, 15 ms later (test_transfer_lease measures it again).
+2. Pull the placeholder back over a connection from this server to itself. Registrations are
+   one-shot, so the pull erases the entry; and getting back the placeholder's unique marker proves
+   the table held our placeholder, i.e. the original buffers were replaced. That is the
+   verification (``ReleaseResult.verified``). If the marker does not come back within
+   ``release_verify_s`` (a peer's racing pull took the placeholder; it then fails on size), the
+   self-connection is poisoned and replaced and the result says ``verified=False``; the
+   placeholder was registered with a library timeout as well, so it expires at the next table
+   activity in any case.
+
+The same release runs for DONE (the entry was usually already erased by D's pull; step 1 then just
+adds a placeholder that step 2 consumes), abort and lease expiry. A reaper thread releases expired
+leases every ``reaper_interval_s``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import transfer
+
+from pd_fsm.jax_engine.transfer.base import (
+    UUID_LIMIT,
+    KVTransferEngine,
+    PendingPull,
+    PullError,
+    PullTimeout,
+    ReleaseResult,
+    new_uuid,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TRANSFER_SIZE = 4 << 20
+_POLL_MIN_S = 0.0005
+_POLL_MAX_S = 0.01
+
+
+def _library_timeout(seconds: float) -> datetime.datetime:
+    # Absolute, truncated to whole seconds by the library: round up and add one so that the
+    # library never gives up before our own deadline does.
+    return datetime.datetime.now() + datetime.timedelta(seconds=math.ceil(seconds) + 1)
+
+
+@attrs.define
+class _Conn:
+    peer: str
+    conn: Any  # jax.experimental.transfer.TransferConnection
+    inflight: int = 0
+    retired: bool = False
+    poisoned: bool = False
+
+
+@attrs.define
+class _Registration:
+    uuid: int
+    nbytes: int
+    expires_at: float
+
+
+def _wait_ready(
+    arrays: Sequence[jax.Array], deadline: float, clock: Callable[[], float]
+) -> str | None:
+    """None once every array is ready and error-free; an error text; or 'timeout'."""
+    pause = _POLL_MIN_S
+    while True:
+        try:
+            ready = all(a.is_ready() for a in arrays)
+            if ready:
+                jax.block_until_ready(list(arrays))
+                return None
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        if clock() >= deadline:
+            return "timeout"
+        time.sleep(pause)
+        pause = min(pause * 2, _POLL_MAX_S)
+
+
+class _JaxPendingPull(PendingPull):
+    def __init__(
+        self,
+        engine: JaxTransferKVEngine,
+        conn: _Conn,
+        uuid: int,
+        arrays: list[jax.Array],
+        deadline: float,
+    ) -> None:
+        self.peer = conn.peer
+        self.uuid = uuid
+        self.arrays = arrays
+        self._engine = engine
+        self._conn = conn
+        self._deadline = deadline
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            raise RuntimeError("PendingPull.wait() called twice")
+        self._done = True
+        err = _wait_ready(self.arrays, self._deadline, self._engine._clock)
+        self._engine._finish(self._conn, failed=err is not None)
+        if err == "timeout":
+            raise PullTimeout(f"pull of uuid {self.uuid} from {self.peer} not ready by deadline")
+        if err is not None:
+            raise PullError(f"pull of uuid {self.uuid} from {self.peer} failed: {err}")
+
+
+class JaxTransferKVEngine(KVTransferEngine):
+    """KV transfer over ``jax.experimental.transfer``; see the module docstring."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        *,
+        transfer_size: int = DEFAULT_TRANSFER_SIZE,
+        max_num_parallel_copies: int = 8,
+        device: jax.Device | None = None,
+        reaper_interval_s: float | None = 0.5,
+        release_verify_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._device = device if device is not None else jax.devices()[0]
+        self._sharding = jax.sharding.SingleDeviceSharding(self._device)
+        self._server = transfer.start_transfer_server(
+            self._device.client,
+            f"{host}:0",
+            [f"{host}:0"],
+            max_num_parallel_copies=max_num_parallel_copies,
+            transfer_size=transfer_size,
+        )
+        self._address: str = self._server.address()
+        self._clock = clock
+        self._release_verify_s = release_verify_s
+        self._lock = threading.Lock()  # guards _conns, _regs and _Conn counters
+        self._release_lock = threading.Lock()  # one release at a time: shares the self-connection
+        self._conns: dict[str, _Conn] = {}
+        self._regs: dict[int, _Registration] = {}
+        self._self_conn: _Conn | None = None
+        self._closed = threading.Event()
+        self._reaper: threading.Thread | None = None
+        if reaper_interval_s is not None:
+            self._reaper = threading.Thread(
+                target=self._reap_loop, args=(reaper_interval_s,), name="kv-lease-reaper",
+                daemon=True,
+            )
+            self._reaper.start()
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    @property
+    def sharding(self) -> jax.sharding.Sharding:
+        """Where pulled arrays land (pass it to ``PoolTransferSpec.pull_struct``)."""
+        return self._sharding
+
+    # sender side --------------------------------------------------------------------------------
+
+    def register(self, uuid: int, arrays: Sequence[jax.Array], lease_s: float) -> None:
+        if not 0 <= uuid < UUID_LIMIT:
+            raise ValueError(f"uuid {uuid} does not fit uint64")
+        arrays = list(arrays)
+        if not arrays:
+            raise ValueError("nothing to register")
+        nbytes = sum(int(a.nbytes) for a in arrays)
+        with self._lock:
+            if self._closed.is_set():
+                raise RuntimeError("engine closed")
+            if uuid in self._regs:
+                # Re-registering would silently replace the entry a peer may be about to pull.
+                raise ValueError(f"uuid {uuid} is already registered")
+            self._regs[uuid] = _Registration(uuid, nbytes, self._clock() + lease_s)
+        try:
+            self._server.await_pull(uuid, arrays)
+        except Exception:
+            with self._lock:
+                self._regs.pop(uuid, None)
+            raise
+
+    def extend_lease(self, uuid: int, lease_s: float) -> bool:
+        with self._lock:
+            reg = self._regs.get(uuid)
+            if reg is None:
+                return False
+            reg.expires_at = max(reg.expires_at, self._clock() + lease_s)
+            return True
+
+    def registrations(self) -> Mapping[int, int]:
+        with self._lock:
+            return {u: r.nbytes for u, r in self._regs.items()}
+
+    def release(self, uuid: int, reason: str) -> ReleaseResult:
+        start = self._clock()
+        with self._lock:
+            reg = self._regs.pop(uuid, None)
+        if reg is None:
+            return ReleaseResult(uuid, False, False, f"not registered ({reason})", 0, 0.0)
+        with self._release_lock:
+            verified, why = self._replace_and_consume(uuid)
+        if not verified:
+            log.warning("release of uuid %d not verified: %s", uuid, why)
+        return ReleaseResult(uuid, True, verified, f"{reason}; {why}", reg.nbytes,
+                             self._clock() - start)
+
+    def _replace_and_consume(self, uuid: int) -> tuple[bool, str]:
+        nonce = new_uuid()
+        marker_np = np.array(
+            [uuid & 0xFFFFFFFF, uuid >> 32, nonce & 0xFFFFFFFF, nonce >> 32], dtype=np.uint32
+        )
+        marker = jax.device_put(marker_np, self._sharding)
+        marker.block_until_ready()
+        # Step 1: replacing the entry frees the registered buffers.
+        self._server.await_pull(uuid, [marker], timeout=_library_timeout(self._release_verify_s))
+        # Step 2: consume the placeholder ourselves; seeing our marker proves the replacement.
+        conn = self._own_connection()
+        spec = jax.ShapeDtypeStruct(marker_np.shape, jnp.uint32, sharding=self._sharding)
+        try:
+            (got,) = conn.conn.pull(uuid, [spec], timeout=_library_timeout(self._release_verify_s))
+        except Exception as e:
+            self._finish(conn, failed=True)
+            return False, f"self-pull refused: {e}"
+        err = _wait_ready([got], self._clock() + self._release_verify_s, self._clock)
+        self._finish(conn, failed=err is not None)
+        if err is not None:
+            return False, f"placeholder not consumed ({err})"
+        if not np.array_equal(np.asarray(got), marker_np):
+            return False, "self-pull returned a foreign placeholder"
+        return True, "verified gone"
+
+    def reap_expired(self) -> list[ReleaseResult]:
+        now = self._clock()
+        with self._lock:
+            expired = [u for u, r in self._regs.items() if r.expires_at <= now]
+        return [self.release(u, "lease expired") for u in expired]
+
+    def _reap_loop(self, interval: float) -> None:
+        while not self._closed.wait(interval):
+            try:
+                for res in self.reap_expired():
+                    log.info("lease expired: %s", res)
+            except Exception:
+                log.exception("lease reaper")
+
+    # receiver side ------------------------------------------------------------------------------
+
+    def start_pull(
+        self, peer: str, uuid: int, specs: Sequence[jax.ShapeDtypeStruct], deadline_s: float
+    ) -> PendingPull:
+        if not 0 <= uuid < UUID_LIMIT:
+            raise ValueError(f"uuid {uuid} does not fit uint64")
+        deadline = self._clock() + deadline_s
+        conn = self._connection(peer)
+        try:
+            arrays = conn.conn.pull(uuid, list(specs), timeout=_library_timeout(deadline_s))
+        except Exception as e:
+            self._finish(conn, failed=True)
+            raise PullError(f"pull of uuid {uuid} from {peer} refused: {e}") from e
+        return _JaxPendingPull(self, conn, uuid, list(arrays), deadline)
+
+    def _connection(self, peer: str) -> _Conn:
+        with self._lock:
+            if self._closed.is_set():
+                raise RuntimeError("engine closed")
+            c = self._conns.get(peer)
+            if c is None:
+                c = _Conn(peer, self._server.connect(peer))
+                self._conns[peer] = c
+            c.inflight += 1
+            return c
+
+    def _own_connection(self) -> _Conn:
+        with self._lock:
+            if self._self_conn is None or self._self_conn.retired:
+                self._self_conn = _Conn(self._address, self._server.connect(self._address))
+            self._self_conn.inflight += 1
+            return self._self_conn
+
+    def _finish(self, c: _Conn, failed: bool) -> None:
+        """One pull on ``c`` is over. A failure retires ``c``; a retired connection is poisoned once
+        its last pull is over, so that pulls we abandoned fail instead of hanging forever."""
+        with self._lock:
+            c.inflight -= 1
+            if failed:
+                c.retired = True
+                if self._conns.get(c.peer) is c:
+                    del self._conns[c.peer]
+            poison = c.retired and c.inflight == 0 and not c.poisoned
+            if poison:
+                c.poisoned = True
+        if poison:
+            c.conn._poison_connection()
+
+    def drop_connection(self, peer: str, reason: str) -> None:
+        with self._lock:
+            c = self._conns.pop(peer, None)
+            if c is None:
+                return
+            c.retired = True
+            poison = c.inflight == 0 and not c.poisoned
+            if poison:
+                c.poisoned = True
+        log.info("dropped connection to %s: %s", peer, reason)
+        if poison:
+            c.conn._poison_connection()
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._reaper is not None:
+            self._reaper.join(timeout=5)
+        for u in list(self.registrations()):
+            self.release(u, "engine closed")
+        with self._lock:
+            peers = list(self._conns)
+        for p in peers:
+            self.drop_connection(p, "engine closed")

@@ -1,0 +1,28 @@
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pd_fsm.jax_engine.gather_scatter import insert_kv_chunks, select_from_kv_caches
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pallas_interpret_scatter_equals_xla(dtype: str) -> None:
+    rng = np.random.default_rng(7)
+    shape = (48, 2, 2, 8)
+    src = [jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+           for _ in range(3)]
+    base = [rng.standard_normal(shape).astype(np.float32) for _ in range(3)]
+    # fragmented destination: runs of 3, 1, 2, 5 pages and singletons
+    dst_pages = [5, 6, 7, 20, 30, 31, 40, 41, 42, 43, 44, 2, 11]
+    packed = select_from_kv_caches(src, rng.choice(np.arange(1, 48), len(dst_pages),
+                                                   replace=False).tolist())
+    xla = insert_kv_chunks([jnp.asarray(b).astype(dtype) for b in base], packed, dst_pages,
+                           method="xla")
+    pallas = insert_kv_chunks([jnp.asarray(b).astype(dtype) for b in base], packed, dst_pages,
+                              method="pallas", interpret=True)
+    for a, b in zip(xla, pallas, strict=True):
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    untouched = sorted(set(range(48)) - set(dst_pages))
+    got = np.asarray(pallas[0]).astype(np.float32)
+    assert np.array_equal(got[untouched],
+                          np.asarray(jnp.asarray(base[0]).astype(dtype)).astype(np.float32)[untouched])
