@@ -47,7 +47,7 @@ class Row:
     reason: str
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen(slots=True, eq=False)  # compared by identity: one compiled instance per table
 class StateTable:
     name: str
     doc: str
