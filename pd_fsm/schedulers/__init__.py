@@ -4,9 +4,8 @@ from pd_fsm.schedulers.args import DISAGGREGATION_MODES, SchedulerArgs
 from pd_fsm.schedulers.factory import make_scheduler
 from pd_fsm.schedulers.request import FinishReason, Req, ReqState, RequestOutput
 from pd_fsm.schedulers.scheduler import (
+    MAIN_KV,
     DecodeBatch,
-    KVPoolHolder,
-    KVPoolRef,
     PrefillBatch,
     PrefillRow,
     Scheduler,
@@ -15,10 +14,9 @@ from pd_fsm.schedulers.scheduler import (
 
 __all__ = [
     "DISAGGREGATION_MODES",
+    "MAIN_KV",
     "DecodeBatch",
     "FinishReason",
-    "KVPoolHolder",
-    "KVPoolRef",
     "PrefillBatch",
     "PrefillRow",
     "Req",

@@ -14,9 +14,9 @@ Extension points for the PD mixins (RFC-2 §5.4) are the underscore methods belo
 overrides ``_on_prefill_done`` (hand the KV to the transfer instead of decoding) and
 ``_release_pages``; the D mixin reserves pages with ``reserve_pages``, scatters the transferred KV
 into them, and enters the request into the decode batch with ``add_prefilled_request``, skipping
-the prefill forward. Every read or replacement of the pool arrays goes through ``self.kv_pool``
-(``get()`` / ``apply()``), so a lock-guarded holder can be swapped in by overriding
-``_create_kv_pool_holder``.
+the prefill forward. The pool arrays live in a ``KVCacheHolder`` (``self.kv_holder``, pool
+``"main_kv"``); every forward reads and replaces them through ``_with_kv`` under the holder's lock,
+so a pull thread's scatter (``holder.swap``) is ordered with forward steps (DESIGN §6).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import attrs
 import jax
@@ -32,8 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from pd_fsm.jax_engine.buckets import bucket
-from pd_fsm.jax_engine.kv_pool import PageAllocator
-from pd_fsm.jax_engine.model import KV, LoadedModel, decode, extend, load_model, new_kv_pool
+from pd_fsm.jax_engine.kv_holder import KVCacheHolder
+from pd_fsm.jax_engine.kv_pool import PageAllocator, allocate_kv_pool
+from pd_fsm.jax_engine.model import KV, LoadedModel, decode, extend, load_model
+from pd_fsm.jax_engine.pool_spec import PoolType
 from pd_fsm.jax_engine.sampling import SamplingParams, sample
 from pd_fsm.jax_engine.tokenizer import IncrementalDetokenizer
 from pd_fsm.schedulers.args import SchedulerArgs
@@ -44,30 +46,7 @@ R = TypeVar("R")
 # Smallest padded prompt length: tiny prompts share one compiled shape.
 MIN_PREFILL_BUCKET = 8
 
-
-class KVPoolHolder(Protocol):
-    """The scheduler's only handle on the pool arrays."""
-
-    def get(self) -> KV: ...
-
-    def apply(self, fn: Callable[[KV], tuple[R, KV]]) -> R:
-        """Run ``fn(arrays) -> (result, new_arrays)``, keep the new arrays, return the result.
-        ``fn`` may donate the arrays it is given."""
-        ...
-
-
-class KVPoolRef:
-    """Unguarded holder: enough when the scheduler's thread is the pool's only user."""
-
-    def __init__(self, arrays: KV) -> None:
-        self._arrays = arrays
-
-    def get(self) -> KV:
-        return self._arrays
-
-    def apply(self, fn: Callable[[KV], tuple[R, KV]]) -> R:
-        result, self._arrays = fn(self._arrays)
-        return result
+MAIN_KV = PoolType.MAIN_KV.value
 
 
 @attrs.frozen
@@ -113,7 +92,7 @@ class Scheduler:
         self.eos_token_ids = self.model.eos_token_ids
         self.pool_config = self.config.kv_pool_config(args.num_pages, args.page_size)
         self.allocator = PageAllocator(args.num_pages)
-        self.kv_pool: KVPoolHolder = self._create_kv_pool_holder(new_kv_pool(self.pool_config))
+        self.kv_holder = self._create_kv_holder()
         limit = args.context_length or self.config.max_position
         self.context_length = min(limit, self.config.max_position)
 
@@ -206,8 +185,15 @@ class Scheduler:
 
     # ----------------------------------------------------------------- hooks: pool and pages
 
-    def _create_kv_pool_holder(self, arrays: KV) -> KVPoolHolder:
-        return KVPoolRef(arrays)
+    def _create_kv_holder(self) -> KVCacheHolder:
+        return KVCacheHolder({MAIN_KV: allocate_kv_pool(self.pool_config)})
+
+    def _with_kv(self, fn: Callable[[KV], tuple[R, KV]]) -> R:
+        """Run ``fn(main_kv) -> (result, new_main_kv)`` under the holder's lock; ``fn`` may donate
+        the arrays it is given. The only place the scheduler touches the pool arrays."""
+        with self.kv_holder.locked() as pools:
+            result, pools[MAIN_KV] = fn(pools[MAIN_KV])
+        return result
 
     def _pages_needed(self, req: Req) -> int:
         tokens = min(len(req.input_ids) + req.sampling.max_new_tokens, self.context_length)
@@ -340,7 +326,7 @@ class Scheduler:
                 config=config,
             )
 
-        return self.kv_pool.apply(run)
+        return self._with_kv(run)
 
     def _on_prefill_done(self, req: Req, first_token: int, first_logprob: float) -> None:
         """The whole prompt is in the pool and the first token is sampled."""
@@ -399,7 +385,7 @@ class Scheduler:
                 config=config,
             )
 
-        return self.kv_pool.apply(run)
+        return self._with_kv(run)
 
     # ----------------------------------------------------------------- hooks: tokens and finish
 

@@ -13,6 +13,7 @@ from pd_fsm.jax_engine.model import LoadedModel, load_model
 from pd_fsm.jax_engine.sampling import SamplingParams
 from pd_fsm.jax_engine.tokenizer import CharTokenizer
 from pd_fsm.schedulers import (
+    MAIN_KV,
     FinishReason,
     Req,
     RequestOutput,
@@ -234,16 +235,17 @@ def test_prefilled_request_enters_decode_without_prefill_forward(tiny: LoadedMod
     d._register(dst)
     assert d.reserve_pages(dst) and dst.pages is not None
     n = d.pool_config.pages_for(len(prompt))
-    src_kv = p.kv_pool.get()
-    d.kv_pool.apply(
-        lambda kv: (
-            None,
-            [
-                dl.at[jnp.asarray(dst.pages[:n])].set(sl[jnp.asarray(src.pages[:n])])  # type: ignore[index]
-                for dl, sl in zip(kv, src_kv, strict=True)
-            ],
+    with p.kv_holder.locked() as src_pools:
+        src_kv = src_pools[MAIN_KV]
+        d._with_kv(
+            lambda kv: (
+                None,
+                [
+                    dl.at[jnp.asarray(dst.pages[:n])].set(sl[jnp.asarray(src.pages[:n])])  # type: ignore[index]
+                    for dl, sl in zip(kv, src_kv, strict=True)
+                ],
+            )
         )
-    )
     d.add_prefilled_request(dst, tok, lp)
     got = _collect(d.run_until_idle())["a"]
     assert not any(s[0] == "extend" for s in d.forward_shapes)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pd_fsm.jax_engine.kv_pool import KVPoolConfig
+from pd_fsm.jax_engine.kv_pool import KVPoolConfig, allocate_kv_pool
 from pd_fsm.jax_engine.model.config import ModelConfig
 from pd_fsm.jax_engine.model.forward import KV, Params
 
@@ -62,4 +62,4 @@ def random_params(config: ModelConfig, seed: int = 0) -> Params:
 
 def new_kv_pool(pool: KVPoolConfig) -> KV:
     """Zeroed pool arrays, one per layer, in the ``kv_pool.py`` layout."""
-    return [jnp.zeros(pool.layer_shape, dtype=pool.dtype) for _ in range(pool.num_layers)]
+    return allocate_kv_pool(pool)
