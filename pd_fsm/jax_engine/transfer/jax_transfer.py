@@ -156,6 +156,7 @@ class JaxTransferKVEngine(KVTransferEngine):
         device: jax.Device | None = None,
         reaper_interval_s: float | None = 0.5,
         release_verify_s: float = 2.0,
+        on_release: Callable[[ReleaseResult], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._device = device if device is not None else jax.devices()[0]
@@ -170,6 +171,7 @@ class JaxTransferKVEngine(KVTransferEngine):
         self._address: str = self._server.address()
         self._clock = clock
         self._release_verify_s = release_verify_s
+        self._on_release = on_release
         self._lock = threading.Lock()  # guards _conns, _regs and _Conn counters
         self._release_lock = threading.Lock()  # one release at a time: shares the self-connection
         self._conns: dict[str, _Conn] = {}
@@ -238,8 +240,15 @@ class JaxTransferKVEngine(KVTransferEngine):
             verified, why = self._replace_and_consume(uuid)
         if not verified:
             log.warning("release of uuid %d not verified: %s", uuid, why)
-        return ReleaseResult(uuid, True, verified, f"{reason}; {why}", reg.nbytes,
-                             self._clock() - start)
+        result = ReleaseResult(
+            uuid, True, verified, f"{reason}; {why}", reg.nbytes, self._clock() - start
+        )
+        if self._on_release is not None:
+            try:
+                self._on_release(result)
+            except Exception:
+                log.exception("release callback")
+        return result
 
     def _replace_and_consume(self, uuid: int) -> tuple[bool, str]:
         nonce = new_uuid()

@@ -1,0 +1,35 @@
+"""A registration D never pulls is released by P's lease reaper, and the memory really returns:
+measured as the serving process's VmRSS (/proc/PID/status), which stays up if the release does not
+happen (the transfer server keeps never-pulled buffers alive; shared/JAX_TRANSFER.md)."""
+
+from __future__ import annotations
+
+import time
+
+from tests.integration._procs.client import PServer
+
+MIB = 96
+
+
+def test_unpulled_registration_released_on_lease_expiry() -> None:
+    p = PServer(4, ["main_kv"])
+    try:
+        base = p.rss_kib()
+        reply = p.call(op="register_big", uuid=31337, mib=MIB, lease_s=1.5)
+        held = p.rss_kib()
+        assert reply["ok"]
+        # The registration (Python reference already dropped) holds the memory.
+        assert held - base >= (MIB // 2) << 10, (base, held)
+        deadline = time.monotonic() + 15
+        status = p.call(op="status")
+        while status["registrations"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+            status = p.call(op="status")
+        assert status["registrations"] == [], "lease never expired"
+        (released,) = status["released"]
+        assert released["uuid"] == 31337 and released["verified"], released
+        assert "lease expired" in released["reason"]
+        after = p.rss_kib()
+        assert held - after >= (MIB // 2) << 10, (base, held, after)
+    finally:
+        p.close()

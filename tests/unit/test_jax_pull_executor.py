@@ -1,0 +1,126 @@
+"""The pull executor and engine inside one process (two transfer servers); the cross-process cases
+are in tests/integration/test_transfer_*.py."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pd_fsm.jax_engine.kv_holder import KVCacheHolder
+from pd_fsm.jax_engine.kv_pool import KVPoolConfig
+from pd_fsm.jax_engine.pool_spec import KVArgs, PoolTransferSpec
+from pd_fsm.jax_engine.pull_executor import PullExecutor, PullRequest, PullResult
+from pd_fsm.jax_engine.room_kv import gather_room
+from pd_fsm.jax_engine.transfer import JaxTransferKVEngine
+from pd_fsm.jax_engine.transfer.base import KVTransferEngine, PendingPull
+
+CFG = KVPoolConfig(num_layers=2, num_pages=16, page_size=2, num_kv_heads=1, head_dim=4)
+ARGS = KVArgs([PoolTransferSpec.from_config("main_kv", CFG)])
+
+
+def _pool(seed: int) -> list[jax.Array]:
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.standard_normal(CFG.layer_shape).astype(np.float32))
+            for _ in range(CFG.num_layers)]
+
+
+class _NoPullEngine(KVTransferEngine):
+    """Counts pulls; any pull is a test failure for the refusal paths."""
+
+    def __init__(self) -> None:
+        self.pulls = 0
+
+    @property
+    def address(self) -> str:
+        return "nowhere:0"
+
+    def register(self, uuid: int, arrays: Sequence[jax.Array], lease_s: float) -> None:
+        raise AssertionError
+
+    def extend_lease(self, uuid: int, lease_s: float) -> bool:
+        raise AssertionError
+
+    def release(self, uuid: int, reason: str):  # type: ignore[no-untyped-def]
+        raise AssertionError
+
+    def reap_expired(self):  # type: ignore[no-untyped-def]
+        return []
+
+    def registrations(self) -> dict[int, int]:
+        return {}
+
+    def start_pull(self, peer: str, uuid: int, specs: Sequence[jax.ShapeDtypeStruct],
+                   deadline_s: float) -> PendingPull:
+        self.pulls += 1
+        raise AssertionError("must not pull")
+
+    def drop_connection(self, peer: str, reason: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_refusals_happen_before_any_pull() -> None:
+    engine = _NoPullEngine()
+    seen: list[PullResult] = []
+    ex = PullExecutor(engine, KVCacheHolder({"main_kv": _pool(0)}), ARGS, on_result=seen.append)
+    ex.submit(PullRequest(1, 5, "peer", [1, 2], "bad-hash"))
+    ex.submit(PullRequest(2, 6, "peer", [0, 1], ARGS.layout_hash))  # null page as destination
+    results = {r.room: r for r in (ex.get(5), ex.get(5))}
+    ex.close()
+    assert "layout mismatch" in results[1].reason and not results[1].ok
+    assert "bad destination pages" in results[2].reason and not results[2].ok
+    assert engine.pulls == 0
+    assert len(seen) == 2 and ex.poll() == []
+
+
+def test_in_process_pull_scatter_and_verified_release() -> None:
+    p_engine = JaxTransferKVEngine(reaper_interval_s=None)
+    d_engine = JaxTransferKVEngine(reaper_interval_s=None)
+    p_holder = KVCacheHolder({"main_kv": _pool(1)})
+    d_holder = KVCacheHolder({"main_kv": _pool(2)})
+    done = threading.Event()
+    ex = PullExecutor(d_engine, d_holder, ARGS, deadline_s=10, on_result=lambda r: done.set())
+    p_pages, d_pages = [2, 3, 4, 9], [15, 1, 2, 7]
+    arrays = gather_room(p_holder, ARGS, p_pages)
+    p_engine.register(7, arrays, lease_s=30)
+    ex.submit(PullRequest(70, 7, p_engine.address, d_pages, ARGS.layout_hash))
+    assert done.wait(15)
+    (r,) = ex.poll()
+    assert r.ok and r.bytes == ARGS.packed_nbytes(4), r
+    with p_holder.locked() as kv:
+        src = [np.asarray(a) for a in kv["main_kv"]]
+    with d_holder.locked() as kv:
+        got = [np.asarray(a) for a in kv["main_kv"]]
+    for layer in range(CFG.num_layers):
+        assert np.array_equal(got[layer][d_pages], src[layer][p_pages])
+    rel = p_engine.release(7, "done")
+    assert rel.released and rel.verified and p_engine.registrations() == {}
+    assert not p_engine.release(7, "done again").released  # idempotent
+    ex.close()
+    p_engine.close()
+    d_engine.close()
+
+
+def test_lease_extension_and_reap() -> None:
+    now = [100.0]
+    engine = JaxTransferKVEngine(reaper_interval_s=None, clock=lambda: now[0])
+    engine.register(1, [jnp.ones(4)], lease_s=5)
+    engine.register(2, [jnp.ones(4)], lease_s=5)
+    now[0] = 103.0
+    assert engine.extend_lease(1, 20)
+    assert engine.extend_lease(1, 1)  # never shortens
+    now[0] = 106.0
+    (r,) = engine.reap_expired()
+    assert r.uuid == 2 and r.verified
+    now[0] = 122.0
+    assert engine.reap_expired() == []
+    now[0] = 124.0
+    assert [r.uuid for r in engine.reap_expired()] == [1]
+    assert not engine.extend_lease(1, 5)
+    engine.close()
