@@ -1,0 +1,248 @@
+"""The instance's side of the bootstrap server: register, heartbeat, deregister, resolve.
+
+``run`` is a service: start it with ``await nursery.start(client.run)``. It registers (retrying
+with jittered exponential backoff while the server is unreachable), heartbeats every
+``heartbeat_interval``, registers again when a heartbeat answers 404 (the server restarted or our
+entry expired), and deregisters on the way out when cancelled. ``registered`` is the health
+condition a worker's ``/health`` can report. ``resolve`` is D's lookup of the P behind a request's
+``bootstrap_host``/``bootstrap_port``; :class:`BootstrapResolver` turns it into the core's
+``PeerResolved``/``PeerResolutionFailed`` events for the driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from types import TracebackType
+from typing import Any
+
+import httpx
+import trio
+
+from pd_fsm.core import events as ev
+from pd_fsm.io_trio.records import (
+    InstanceRecord,
+    KeyBody,
+    RecordError,
+    record_from_json,
+    split_host_port,
+    to_json,
+)
+
+log = logging.getLogger("pd_fsm.io_trio.bootstrap_client")
+
+
+class BootstrapError(Exception):
+    """The bootstrap server could not be reached or refused the request."""
+
+
+class ResolveError(BootstrapError):
+    """No live instance answers to the (host, port, role, ranks) asked for."""
+
+
+class BootstrapClient:
+    def __init__(
+        self,
+        base_url: str,
+        record: InstanceRecord | None = None,
+        *,
+        secret: bytes | None = None,
+        heartbeat_interval: float = 5.0,
+        request_timeout: float = 2.0,
+        backoff_initial: float = 0.2,
+        backoff_max: float = 5.0,
+        stale_after: float | None = None,
+        http: httpx.AsyncClient | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.record = record
+        self.heartbeat_interval = heartbeat_interval
+        self.request_timeout = request_timeout
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        # Past this long without an acknowledged write the server has (or soon will have)
+        # dropped us: 3 intervals, the default TTL's ratio.
+        self.stale_after = 3 * heartbeat_interval if stale_after is None else stale_after
+        headers = {"authorization": f"Bearer {secret.decode()}"} if secret else {}
+        self._http = http or httpx.AsyncClient(base_url=base_url, timeout=request_timeout)
+        self._http.headers.update(headers)
+        self._owns_http = http is None
+        self._rng = rng or random.Random()
+        self._acked_at: float | None = None
+        self.registrations = 0
+        self.heartbeats = 0
+        self.failures = 0
+
+    async def __aenter__(self) -> BootstrapClient:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._owns_http:
+            await self._http.aclose()
+
+    @property
+    def registered(self) -> bool:
+        """Health condition: the server acknowledged us within ``stale_after``."""
+        return (
+            self._acked_at is not None and trio.current_time() - self._acked_at < self.stale_after
+        )
+
+    # -- the service --------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Register, heartbeat, re-register on 404; deregister when cancelled."""
+        if self.record is None:
+            raise ValueError("BootstrapClient.run needs the instance's record")
+        task_status.started()
+        try:
+            while True:
+                await self._register_with_retry()
+                await self._heartbeat_until_gone()
+        finally:
+            # Shielded: we are usually here because of cancellation, and the DELETE is what
+            # spares routers a TTL's worth of requests sent to an instance that is gone.
+            with trio.CancelScope(shield=True), trio.move_on_after(self.request_timeout):
+                await self._deregister()
+
+    async def _register_with_retry(self) -> None:
+        delay = self.backoff_initial
+        while True:
+            try:
+                await self.register()
+                return
+            except BootstrapError as exc:
+                self.failures += 1
+                wait = delay * (0.5 + 0.5 * self._rng.random())
+                log.warning("bootstrap registration failed (%s); retrying in %.2f s", exc, wait)
+                await trio.sleep(wait)
+                delay = min(delay * 2, self.backoff_max)
+
+    async def _heartbeat_until_gone(self) -> None:
+        """Heartbeat on a fixed cadence; return when the server no longer knows us (404)."""
+        next_at = trio.current_time()
+        while True:
+            next_at += self.heartbeat_interval
+            now = trio.current_time()
+            if next_at < now:  # a slow heartbeat overran its slot: skip, do not burst
+                next_at = now + self.heartbeat_interval
+            await trio.sleep_until(next_at)
+            try:
+                status = await self._write("POST", "/heartbeat", to_json(self._key()))
+            except BootstrapError as exc:
+                self.failures += 1
+                log.warning("bootstrap heartbeat failed: %s", exc)
+                continue
+            if status == 404:
+                self._acked_at = None
+                log.info("bootstrap server does not know us (restarted or expired): registering")
+                return
+            self.heartbeats += 1
+
+    def _key(self) -> KeyBody:
+        assert self.record is not None
+        return KeyBody.of(self.record)
+
+    # -- single requests ----------------------------------------------------------------------
+
+    async def register(self) -> None:
+        assert self.record is not None
+        status = await self._write("PUT", "/route", to_json(self.record))
+        if status == 404:
+            raise BootstrapError("PUT /route answered 404")
+        self.registrations += 1
+        log.info("registered %s with the bootstrap server", self.record.key)
+
+    async def _deregister(self) -> None:
+        if self._acked_at is None:
+            return  # never registered, or the server already forgot us
+        try:
+            await self._write("DELETE", "/route", to_json(self._key()))
+        except BootstrapError as exc:
+            log.warning("deregistration failed (the TTL will expire us): %s", exc)
+        finally:
+            self._acked_at = None
+
+    async def _write(self, method: str, path: str, body: dict[str, Any]) -> int:
+        """Status 200 or 404; anything else raises :class:`BootstrapError`."""
+        response = await self._request(method, path, json=body)
+        if response.status_code == 200:
+            self._acked_at = trio.current_time()
+            return 200
+        if response.status_code == 404:
+            return 404
+        raise BootstrapError(f"{method} {path}: HTTP {response.status_code} {_detail(response)}")
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            with trio.fail_after(self.request_timeout):
+                return await self._http.request(method, path, **kwargs)
+        except trio.TooSlowError:
+            raise BootstrapError(
+                f"{method} {path}: no answer within {self.request_timeout:g} s"
+            ) from None
+        except httpx.HTTPError as exc:
+            raise BootstrapError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+
+    async def resolve(
+        self,
+        host: str,
+        port: int,
+        role: str = "prefill",
+        ranks: dict[str, int] | None = None,
+    ) -> list[InstanceRecord]:
+        """Live instances of ``role`` known to routers as ``host:port`` (filtered by ranks,
+        e.g. ``{"tp_rank": 0}``); :class:`ResolveError` if there are none."""
+        params: dict[str, Any] = {"host": host, "port": port, "role": role, **(ranks or {})}
+        response = await self._request("GET", "/route", params=params)
+        if response.status_code == 404:
+            raise ResolveError(f"no live {role} instance known as {host}:{port}")
+        if response.status_code != 200:
+            raise ResolveError(f"GET /route: HTTP {response.status_code} {_detail(response)}")
+        try:
+            return [record_from_json(r) for r in response.json()["instances"]]
+        except (ValueError, KeyError, TypeError, RecordError) as exc:
+            raise ResolveError(f"GET /route: unreadable answer ({exc})") from None
+
+    async def list(self, role: str | None = None) -> list[InstanceRecord]:
+        params = {"role": role} if role else {}
+        response = await self._request("GET", "/list", params=params)
+        if response.status_code != 200:
+            raise BootstrapError(f"GET /list: HTTP {response.status_code} {_detail(response)}")
+        return [record_from_json(r) for r in response.json()["instances"]]
+
+
+class BootstrapResolver:
+    """Answers the core's ResolvePeer: the P behind ``bootstrap_addr`` ("host:port") at the
+    ranks this D pairs with. Pass as ``resolver=`` to the decode side's EndpointDriver."""
+
+    def __init__(self, client: BootstrapClient, ranks: dict[str, int] | None = None) -> None:
+        self.client = client
+        self.ranks = ranks
+
+    async def __call__(self, bootstrap_addr: str) -> ev.PeerResolved | ev.PeerResolutionFailed:
+        try:
+            host, port = split_host_port(bootstrap_addr)
+        except ValueError as exc:
+            return ev.PeerResolutionFailed(bootstrap_addr, str(exc))
+        try:
+            records = await self.client.resolve(host, port, "prefill", self.ranks)
+        except BootstrapError as exc:
+            return ev.PeerResolutionFailed(bootstrap_addr, str(exc))
+        p = records[0]  # sorted by key on the server: deterministic when several match
+        return ev.PeerResolved(bootstrap_addr, p.zmq_addr, p.transfer_addr, p.layout_hash)
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:200]
+    if isinstance(body, dict) and "error" in body:
+        problems = body.get("problems")
+        return f"{body['error']}" + (f": {'; '.join(problems)}" if problems else "")
+    return str(body)[:200]

@@ -1,0 +1,325 @@
+"""The bootstrap server: an ASGI app (starlette) over the core's BootstrapRegistry, served by
+hypercorn's trio worker.
+
+Every write goes through the registry's driver task (one task owns the registry; TTL expiry is
+that task waking at ``next_deadline()``). Reads look at the registry directly, after letting the
+driver fire any expiry that is already due, so a read never lists an instance the core would have
+dropped by now. No persistence: after a restart, heartbeats get 404 and the instances register
+again.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from pd_fsm.core import effects as fx
+from pd_fsm.core import events as ev
+from pd_fsm.core.config import RegistryConfig
+from pd_fsm.core.registry import Acknowledged, BootstrapRegistry, RegistrationRequired
+from pd_fsm.io_trio.driver import EndpointDriver
+from pd_fsm.io_trio.records import (
+    RANK_AXES,
+    ROLES,
+    InstanceRecord,
+    RecordError,
+    parse_key,
+    parse_record,
+    to_json,
+)
+
+log = logging.getLogger("pd_fsm.io_trio.bootstrap_server")
+
+DEFAULT_MAX_BODY = 64 * 1024  # a registration is well under 2 KiB; mesh_meta leaves headroom
+CALL_TIMEOUT = 5.0
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def _error(status: int, error: str, problems: list[str] | None = None) -> JSONResponse:
+    body: dict[str, Any] = {"error": error}
+    if problems:
+        body["problems"] = problems
+    return JSONResponse(body, status_code=status)
+
+
+class _RegistrySink:
+    """Carries out the registry's effects that no HTTP caller waits for: TTL expiries."""
+
+    def __init__(self, keep: int = 1024) -> None:
+        self.expired: deque[tuple[float, tuple[Any, ...]]] = deque(maxlen=keep)
+
+    def apply(self, effect: Any, now: float) -> Iterable[Any]:
+        if isinstance(effect, fx.InstanceExpired):
+            self.expired.append((now, effect.key))
+            log.info("instance %s expired (no heartbeat within the TTL)", effect.key)
+        return ()
+
+
+class BootstrapServer:
+    """Registry + driver + ASGI app. ``run`` drives the registry; serve ``app`` with any ASGI
+    server on trio (``serve_bootstrap`` uses hypercorn)."""
+
+    def __init__(
+        self,
+        config: RegistryConfig | None = None,
+        *,
+        secret: bytes | None = None,
+        max_body: int = DEFAULT_MAX_BODY,
+    ) -> None:
+        self.registry = BootstrapRegistry(config)
+        self.sink = _RegistrySink()
+        self.driver = EndpointDriver(self.registry, self.sink, name="bootstrap")
+        self.secret = secret
+        self.max_body = max_body
+        self.bad_requests = 0
+        self.app = Starlette(
+            routes=[
+                Route("/route", self._put_route, methods=["PUT"]),
+                Route("/route", self._get_route, methods=["GET"]),
+                Route("/route", self._delete_route, methods=["DELETE"]),
+                Route("/list", self._list, methods=["GET"]),
+                Route("/heartbeat", self._heartbeat, methods=["POST"]),
+                Route("/health", self._health, methods=["GET"]),
+            ]
+        )
+
+    @property
+    def expired(self) -> deque[tuple[float, tuple[Any, ...]]]:
+        """(time, key) of the latest TTL expiries, oldest first."""
+        return self.sink.expired
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        await self.driver.run(task_status=task_status)
+
+    # -- request plumbing ---------------------------------------------------------------------
+
+    def _authorised(self, request: Request) -> bool:
+        if self.secret is None:
+            return True
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        # compare_digest on bytes of any length: no early exit that leaks the secret's prefix.
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode("utf-8", "surrogateescape"), self.secret
+        )
+
+    async def _read_json(self, request: Request) -> Any:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+            raise _BodyTooLarge
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body:  # chunked uploads declare no length: count as we read
+                raise _BodyTooLarge
+            chunks.append(chunk)
+        return json.loads(b"".join(chunks))
+
+    async def _write_body(self, request: Request) -> Any | JSONResponse:
+        """The decoded JSON body of a write, or the error response to send instead."""
+        if not self._authorised(request):
+            self.bad_requests += 1
+            return _error(401, "missing or wrong cluster secret (Authorization: Bearer ...)")
+        try:
+            return await self._read_json(request)
+        except _BodyTooLarge:
+            self.bad_requests += 1
+            return _error(413, f"body over {self.max_body} bytes")
+        except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+            self.bad_requests += 1
+            return _error(400, f"malformed JSON: {exc}")
+
+    def _invalid(self, exc: RecordError) -> JSONResponse:
+        self.bad_requests += 1
+        return _error(422, "invalid body", exc.problems)
+
+    async def _sync(self) -> None:
+        """Let the driver fire expiries that are due, so reads agree with the core's clock."""
+        deadline = self.registry.next_deadline()
+        if deadline is not None and deadline <= trio.current_time():
+            await self.driver.call(ev.TimeAdvanced(), CALL_TIMEOUT)
+
+    # -- endpoints ----------------------------------------------------------------------------
+
+    async def _put_route(self, request: Request) -> JSONResponse:
+        body = await self._write_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            record = parse_record(body)
+        except RecordError as exc:
+            return self._invalid(exc)
+        event = ev.InstanceRegistered(record.key, record, record.advertised)
+        effects = await self.driver.call(event, CALL_TIMEOUT)
+        log.debug("registered %s as %s", record.key, record.advertised)
+        return self._answer(effects, record.key)
+
+    async def _heartbeat(self, request: Request) -> JSONResponse:
+        body = await self._write_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            key = parse_key(body)
+        except RecordError as exc:
+            return self._invalid(exc)
+        return self._answer(
+            await self.driver.call(ev.InstanceHeartbeat(key.key), CALL_TIMEOUT), key.key
+        )
+
+    async def _delete_route(self, request: Request) -> JSONResponse:
+        body = await self._write_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            key = parse_key(body)
+        except RecordError as exc:
+            return self._invalid(exc)
+        effects = await self.driver.call(ev.InstanceDeregistered(key.key), CALL_TIMEOUT)
+        if any(isinstance(e, RegistrationRequired) for e in effects):
+            return _error(404, f"instance {list(key.key)} is not registered")
+        log.info("instance %s deregistered", key.key)
+        return JSONResponse({"ok": True, "key": list(key.key)})
+
+    def _answer(self, effects: list[Any], key: tuple[Any, ...]) -> JSONResponse:
+        for effect in effects:
+            if isinstance(effect, RegistrationRequired) and effect.key == key:
+                return _error(404, f"instance {list(key)} is not registered; PUT /route again")
+            if isinstance(effect, Acknowledged) and effect.key == key:
+                ttl = self.registry.config.ttl
+                return JSONResponse({"ok": True, "key": list(key), "ttl": ttl})
+        raise RuntimeError(f"registry gave no answer for {key}: {effects!r}")
+
+    async def _list(self, request: Request) -> JSONResponse:
+        role = request.query_params.get("role")
+        if role is not None and role not in ROLES:
+            self.bad_requests += 1
+            return _error(422, f"unknown role {role!r} (expected one of {', '.join(ROLES)})")
+        await self._sync()
+        records: list[InstanceRecord] = self.registry.instances(role)
+        return JSONResponse({"instances": [to_json(r) for r in records]})
+
+    async def _get_route(self, request: Request) -> JSONResponse:
+        q = request.query_params
+        role = q.get("role", "prefill")
+        if role not in ROLES:
+            self.bad_requests += 1
+            return _error(422, f"unknown role {role!r} (expected one of {', '.join(ROLES)})")
+        problems: list[str] = []
+        ranks: dict[str, int] = {}
+        for axis in RANK_AXES:
+            text = q.get(f"{axis}_rank")
+            if text is None:
+                continue
+            if not text.isdigit():
+                problems.append(f"{axis}_rank must be a non-negative integer, got {text!r}")
+            else:
+                ranks[f"{axis}_rank"] = int(text)
+        by_addr = "host" in q or "port" in q
+        if by_addr:
+            host, port = q.get("host", ""), q.get("port", "")
+            if not host:
+                problems.append("host is required with port")
+            if not port.isdigit() or not 0 < int(port) < 65536:
+                problems.append(f"port must be an integer in 1..65535, got {port!r}")
+        elif "instance_id" not in q:
+            problems.append("give either host and port, or instance_id and the four ranks")
+        else:
+            missing = [f"{a}_rank" for a in RANK_AXES if f"{a}_rank" not in q]
+            if missing:
+                problems.append(f"missing {', '.join(missing)} (lookup by key needs all four)")
+        if problems:
+            self.bad_requests += 1
+            return _error(422, "invalid query", problems)
+        await self._sync()
+        if by_addr:
+            advertised = f"{host}:{int(port)}"
+            found = [
+                r
+                for _, r in self.registry.resolve(advertised, role)
+                if all(getattr(r, name) == value for name, value in ranks.items())
+            ]
+            if not found:
+                return _error(404, f"no live {role} instance known as {advertised}")
+            return JSONResponse({"instances": [to_json(r) for r in found]})
+        key = (role, q["instance_id"], *(ranks[f"{a}_rank"] for a in RANK_AXES))
+        record = self.registry.lookup(key)
+        if record is None:
+            return _error(404, f"instance {list(key)} is not registered")
+        return JSONResponse(to_json(record))
+
+    async def _health(self, request: Request) -> JSONResponse:
+        await self._sync()
+        return JSONResponse(
+            {
+                "status": "ok",
+                "instances": len(self.registry),
+                "expired_total": self.registry.expired_total,
+            }
+        )
+
+
+def hypercorn_config(host: str, port: int) -> HypercornConfig:
+    config = HypercornConfig()
+    config.bind = [f"{host}:{port}"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("pd_fsm.io_trio.hypercorn")
+    config.graceful_timeout = 2.0
+    return config
+
+
+async def serve_bootstrap(
+    server: BootstrapServer,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    shutdown_trigger: Any = None,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the registry driver and hypercorn; ``started()`` with the base URL once listening.
+
+    ``port=0`` picks a free port (tests). ``shutdown_trigger`` (an async callable) stops the
+    HTTP server gracefully when it returns; cancellation stops everything.
+    """
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.run)
+        binds: list[str] = await nursery.start(
+            _serve_http,
+            server,
+            hypercorn_config(host, port),
+            shutdown_trigger,
+            nursery.cancel_scope,
+        )
+        task_status.started(binds[0])
+        log.info(
+            "bootstrap server listening on %s (ttl %g s)", binds[0], server.registry.config.ttl
+        )
+
+
+async def _serve_http(
+    server: BootstrapServer,
+    config: HypercornConfig,
+    shutdown_trigger: Any,
+    scope: trio.CancelScope,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    await hypercorn_serve(
+        server.app, config, shutdown_trigger=shutdown_trigger, task_status=task_status
+    )
+    scope.cancel()  # hypercorn shut down gracefully: the registry's driver has no one to serve

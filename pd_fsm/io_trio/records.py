@@ -1,0 +1,211 @@
+"""What an instance tells the bootstrap server about itself, validated strictly.
+
+The registry in the core keeps records opaque; this module is where the adapter decides what a
+well-formed registration is. Bodies come from the network, so structuring is strict: no int from
+a string, no bool as an int, no unknown keys (a typo such as ``tp_rnak`` is an error, not a field
+silently defaulted to 0), and every rank inside its size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import cattrs
+
+ROLES = ("prefill", "decode")
+MAX_STR = 256
+MAX_META_KEYS = 64
+
+InstanceKey = tuple[str, str, int, int, int, int]
+RANK_AXES = ("tp", "cp", "dp", "pp")
+
+
+class RecordError(ValueError):
+    """A body that is not a valid record; ``problems`` names each field at fault."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+@attrs.frozen(slots=True)
+class InstanceRecord:
+    """``PUT /route`` body (RFC-2 §5.3), plus the address routers know the instance by."""
+
+    role: str
+    instance_id: str
+    tp_rank: int
+    tp_size: int
+    cp_rank: int
+    cp_size: int
+    dp_rank: int
+    dp_size: int
+    pp_rank: int
+    pp_size: int
+    transfer_addr: str  # jax.experimental.transfer server, "host:port"
+    zmq_addr: str  # side channel ROUTER, "host:port" or "tcp://host:port"
+    page_size: int
+    kv_dtype: str
+    layout_hash: str
+    scheduler_addr: str | None = None
+    # DESIGN §5 "Who is P": the (host, port) routers inject as bootstrap_host/bootstrap_port.
+    # Default: the host and port of zmq_addr.
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    mesh_meta: dict[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def key(self) -> InstanceKey:
+        return (
+            self.role,
+            self.instance_id,
+            self.tp_rank,
+            self.cp_rank,
+            self.dp_rank,
+            self.pp_rank,
+        )
+
+    @property
+    def advertised(self) -> str:
+        """ "host:port" as routers know this instance (the registry's lookup key)."""
+        host, port = split_host_port(self.zmq_addr)
+        return f"{self.bootstrap_host or host}:{self.bootstrap_port or port}"
+
+
+@attrs.frozen(slots=True)
+class KeyBody:
+    """``POST /heartbeat`` and ``DELETE /route`` body: just the instance key."""
+
+    role: str
+    instance_id: str
+    tp_rank: int
+    cp_rank: int
+    dp_rank: int
+    pp_rank: int
+
+    @property
+    def key(self) -> InstanceKey:
+        return (self.role, self.instance_id, self.tp_rank, self.cp_rank, self.dp_rank, self.pp_rank)
+
+    @classmethod
+    def of(cls, record: InstanceRecord) -> KeyBody:
+        return cls(*record.key)
+
+
+def _strict_int(value: Any, _: type) -> int:
+    if type(value) is not int:  # bool is an int subclass: refuse it too
+        raise TypeError(f"expected int, got {type(value).__name__}")
+    return value
+
+
+def _strict_str(value: Any, _: type) -> str:
+    if type(value) is not str:
+        raise TypeError(f"expected str, got {type(value).__name__}")
+    if len(value) > MAX_STR:
+        raise ValueError(f"longer than {MAX_STR} characters")
+    return value
+
+
+def _meta(value: Any, _: type) -> dict[str, Any]:
+    if type(value) is not dict:
+        raise TypeError(f"expected an object, got {type(value).__name__}")
+    if len(value) > MAX_META_KEYS:
+        raise ValueError(f"more than {MAX_META_KEYS} keys")
+    return dict(value)  # JSON already guarantees str keys and plain values
+
+
+converter = cattrs.Converter(forbid_extra_keys=True)
+converter.register_structure_hook(int, _strict_int)
+converter.register_structure_hook(str, _strict_str)
+converter.register_structure_hook_func(lambda t: t == dict[str, Any], _meta)
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    """("host", port) from "host:port", "tcp://host:port" or "[v6]:port"; ValueError if not."""
+    rest = addr.split("://", 1)[1] if "://" in addr else addr
+    host, sep, port_text = rest.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ValueError(f"{addr!r} is not host:port")
+    port = int(port_text)
+    if not 0 < port < 65536:
+        raise ValueError(f"{addr!r}: port outside 1..65535")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, port
+
+
+def _check_key(role: str, instance_id: str, ranks: dict[str, int]) -> list[str]:
+    problems: list[str] = []
+    if role not in ROLES:
+        problems.append(f"unknown role {role!r} (expected one of {', '.join(ROLES)}) @ body.role")
+    if not instance_id:
+        problems.append("instance_id must not be empty @ body.instance_id")
+    for name, value in ranks.items():
+        if value < 0:
+            problems.append(f"{name} must be >= 0, got {value} @ body.{name}")
+    return problems
+
+
+def _check_record(r: InstanceRecord) -> list[str]:
+    ranks = {f"{a}_rank": getattr(r, f"{a}_rank") for a in RANK_AXES}
+    problems = _check_key(r.role, r.instance_id, ranks)
+    for axis in RANK_AXES:
+        rank, size = getattr(r, f"{axis}_rank"), getattr(r, f"{axis}_size")
+        if size < 1:
+            problems.append(f"{axis}_size must be >= 1, got {size} @ body.{axis}_size")
+        elif rank >= size:
+            problems.append(f"{axis}_rank {rank} must be < {axis}_size {size} @ body.{axis}_rank")
+    for name in ("transfer_addr", "zmq_addr", "scheduler_addr"):
+        value = getattr(r, name)
+        if value is not None:
+            try:
+                split_host_port(value)
+            except ValueError as exc:
+                problems.append(f"{exc} @ body.{name}")
+    if r.page_size < 1:
+        problems.append(f"page_size must be >= 1, got {r.page_size} @ body.page_size")
+    if not r.kv_dtype:
+        problems.append("kv_dtype must not be empty @ body.kv_dtype")
+    if r.bootstrap_port is not None and not 0 < r.bootstrap_port < 65536:
+        problems.append(f"bootstrap_port {r.bootstrap_port} outside 1..65535 @ body.bootstrap_port")
+    if r.bootstrap_host is not None and not r.bootstrap_host:
+        problems.append("bootstrap_host must not be empty @ body.bootstrap_host")
+    return problems
+
+
+def _structure(body: Any, cls: type[Any]) -> Any:
+    if type(body) is not dict:
+        raise RecordError([f"body must be a JSON object, got {type(body).__name__}"])
+    try:
+        return converter.structure(body, cls)
+    except Exception as exc:  # cattrs groups one error per field
+        raise RecordError(cattrs.transform_error(exc, path="body")) from None
+
+
+def parse_record(body: Any) -> InstanceRecord:
+    """A validated record from a decoded JSON body, or :class:`RecordError`."""
+    record: InstanceRecord = _structure(body, InstanceRecord)
+    problems = _check_record(record)
+    if problems:
+        raise RecordError(problems)
+    return record
+
+
+def parse_key(body: Any) -> KeyBody:
+    key: KeyBody = _structure(body, KeyBody)
+    ranks = {f"{a}_rank": getattr(key, f"{a}_rank") for a in RANK_AXES}
+    problems = _check_key(key.role, key.instance_id, ranks)
+    if problems:
+        raise RecordError(problems)
+    return key
+
+
+def to_json(record: InstanceRecord | KeyBody) -> dict[str, Any]:
+    out: dict[str, Any] = converter.unstructure(record)
+    return out
+
+
+def record_from_json(body: Any) -> InstanceRecord:
+    """The client's side: a record as the server returned it (validated the same way)."""
+    return parse_record(body)
