@@ -1,0 +1,308 @@
+"""The P↔D side channel: pyzmq sockets driven from trio, carrying the core's wire frames.
+
+P binds one ROUTER at its ``zmq_addr``; D opens one DEALER per P, whose routing id is D's
+identity (the ``reply_to`` in RECV_INIT and the ``peer`` P's core sees). No thread per socket:
+each socket has one reader task that waits on ``zmq.FD`` with ``trio.lowlevel.wait_readable`` and
+drains while ``zmq.EVENTS`` says POLLIN. That FD is edge-triggered and any send or recv on the
+socket may consume the edge, so the reader re-checks EVENTS before every wait and a send pokes
+the reader when it finds input pending.
+
+Everything is bounded so a dead or hostile peer cannot grow memory: HWMs on both directions,
+non-blocking sends that count a drop on EAGAIN, ``MAXMSGSIZE`` (libzmq drops a connection that
+sends more, counted as a disconnect by the socket monitor), the codec's ``MAX_FRAME``, and the
+driver's bounded inbox (when it is full the reader stops reading, and zmq pushes back).
+Malformed, unsigned or wrongly signed frames are counted and dropped; the socket keeps working.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+import trio
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from pd_fsm.core.codec import MAX_FRAME, decode, encode
+from pd_fsm.core.errors import RemoteProtocolError
+from pd_fsm.core.messages import Message
+
+log = logging.getLogger("pd_fsm.io_trio.side_channel")
+
+Deliver = Callable[[str, Message], Awaitable[None]]
+
+
+@attrs.frozen
+class SideChannelLimits:
+    max_frame: int = MAX_FRAME  # larger frames are counted as oversized and dropped
+    # libzmq's own cap: a message above it makes libzmq drop the sender's connection, so a
+    # peer cannot make us buffer a huge message before our own size check sees it.
+    max_msg_size: int = MAX_FRAME + 4096
+    sndhwm: int = 10_000  # messages queued per peer before sends fail with EAGAIN (dropped)
+    rcvhwm: int = 10_000
+    # IMMEDIATE=1 would refuse sends until a DEALER's TCP connection is up, which drops the
+    # first RECV_INIT to every newly resolved P. The HWM bounds the queue to a dead P instead
+    # (and the core stops talking to a P after peer_timeout).
+    immediate: bool = False
+    batch: int = 256  # frames drained per wake-up before yielding to other tasks
+
+
+@attrs.define
+class SideChannelStats:
+    received: int = 0
+    sent: int = 0
+    malformed: int = 0  # codec refused it: garbage, bad version, bad fields, bad/missing MAC
+    oversized: int = 0  # over max_frame
+    wrong_parts: int = 0  # not the multipart shape this socket type carries
+    send_full: int = 0  # EAGAIN: the peer's queue is at the HWM (or no connection yet)
+    send_unroutable: int = 0  # ROUTER: no connected peer has that identity
+    disconnects: int = 0  # connections libzmq closed (peer left, protocol error, over MAXMSGSIZE)
+
+    def as_dict(self) -> dict[str, int]:
+        return attrs.asdict(self)
+
+
+def zmq_endpoint(addr: str) -> str:
+    """ "host:port" → "tcp://host:port"; full zmq endpoints pass through."""
+    return addr if "://" in addr else f"tcp://{addr}"
+
+
+def _configure(sock: zmq.Socket[Any], limits: SideChannelLimits) -> None:
+    sock.setsockopt(zmq.LINGER, 0)  # closing never blocks on a dead peer
+    sock.setsockopt(zmq.SNDHWM, limits.sndhwm)
+    sock.setsockopt(zmq.RCVHWM, limits.rcvhwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_msg_size)
+
+
+class _Pump:
+    """Reads one zmq socket from trio without a thread (see the module docstring)."""
+
+    def __init__(
+        self,
+        sock: zmq.Socket[Any],
+        on_parts: Callable[[list[bytes]], Awaitable[None]],
+        batch: int,
+    ) -> None:
+        self.sock = sock
+        self._on_parts = on_parts
+        self._batch = batch
+        self._waiting: trio.CancelScope | None = None
+
+    def poke(self) -> None:
+        """Call after a send on this socket: it may have swallowed the FD's edge."""
+        if self._waiting is not None and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._waiting.cancel()
+
+    async def run(self) -> None:
+        sock = self.sock
+        fd = sock.getsockopt(zmq.FD)
+        try:
+            while True:
+                drained = 0
+                while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    try:
+                        parts = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    await self._on_parts(parts)
+                    drained += 1
+                    if drained >= self._batch:  # a flood must not starve the other tasks
+                        drained = 0
+                        await trio.lowlevel.checkpoint()
+                with trio.CancelScope() as scope:
+                    self._waiting = scope
+                    if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        await trio.lowlevel.wait_readable(fd)
+                self._waiting = None
+        finally:
+            self._waiting = None
+            trio.lowlevel.notify_closing(fd)  # unregisters the fd from trio before zmq closes it
+            sock.close(linger=0)
+
+
+class _Channel:
+    """What both ends share: the codec, the stats, the monitor."""
+
+    def __init__(self, deliver: Deliver, secret: bytes | None, limits: SideChannelLimits) -> None:
+        self._deliver = deliver
+        self._secret = secret
+        self.limits = limits
+        self.stats = SideChannelStats()
+        self._ctx = zmq.Context()
+
+    async def _accept(self, peer: str, frame: bytes) -> None:
+        if len(frame) > self.limits.max_frame:
+            self.stats.oversized += 1
+            log.debug("dropped a %d-byte frame from %r (limit %d)", len(frame), peer, MAX_FRAME)
+            return
+        try:
+            message = decode(frame, self._secret)
+        except RemoteProtocolError as exc:
+            self.stats.malformed += 1
+            log.debug("dropped a frame from %r: %s", peer, exc)
+            return
+        self.stats.received += 1
+        await self._deliver(peer, message)
+
+    async def _monitor(self, sock: zmq.Socket[Any]) -> None:
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+        async def on_event(parts: list[bytes]) -> None:
+            if parse_monitor_message(parts)["event"] == zmq.EVENT_DISCONNECTED:
+                self.stats.disconnects += 1
+
+        try:
+            await _Pump(monitor, on_event, self.limits.batch).run()
+        finally:
+            # disable_monitor needs the socket alive; the owning pump may have closed it first.
+            if not sock.closed:
+                sock.disable_monitor()
+
+    def _send(self, sock: zmq.Socket[Any], parts: list[bytes]) -> bool:
+        try:
+            sock.send_multipart(parts, zmq.NOBLOCK)
+        except zmq.Again:
+            self.stats.send_full += 1
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self.stats.send_unroutable += 1
+            return False
+        self.stats.sent += 1
+        return True
+
+
+class PrefillSideChannel(_Channel):
+    """P's ROUTER. ``await nursery.start(ch.run)`` returns the bound endpoint
+    (``tcp://127.0.0.1:PORT``; bind to port 0 for an ephemeral one)."""
+
+    def __init__(
+        self,
+        bind_addr: str,
+        deliver: Deliver,
+        *,
+        secret: bytes | None = None,
+        limits: SideChannelLimits | None = None,
+    ) -> None:
+        super().__init__(deliver, secret, limits or SideChannelLimits())
+        self.bind_addr = bind_addr
+        self.address: str | None = None
+        self._pump: _Pump | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        sock = self._ctx.socket(zmq.ROUTER)
+        try:
+            _configure(sock, self.limits)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown identity: EHOSTUNREACH, counted
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted D reclaims its identity
+            endpoint = zmq_endpoint(self.bind_addr)
+            if endpoint.endswith(":0"):
+                endpoint = endpoint[:-2] + ":*"
+            sock.bind(endpoint)
+            self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._pump = _Pump(sock, self._on_parts, self.limits.batch)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._monitor, sock)
+                task_status.started(self.address)
+                await self._pump.run()
+        finally:
+            self._pump = None
+            sock.close(linger=0)
+            self._ctx.destroy(linger=0)
+
+    async def _on_parts(self, parts: list[bytes]) -> None:
+        if len(parts) != 2:  # [identity, frame] from a DEALER; anything else is not ours
+            self.stats.wrong_parts += 1
+            return
+        # surrogateescape: any routing id round-trips to the same bytes when we answer it.
+        await self._accept(parts[0].decode("utf-8", "surrogateescape"), parts[1])
+
+    def send(self, peer: str, message: Message) -> bool:
+        pump = self._pump
+        if pump is None:
+            self.stats.send_unroutable += 1
+            return False
+        identity = peer.encode("utf-8", "surrogateescape")
+        ok = self._send(pump.sock, [identity, encode(message, self._secret)])
+        pump.poke()
+        return ok
+
+
+class DecodeSideChannel(_Channel):
+    """D's DEALERs, one per P (``peer`` = P's zmq_addr as the bootstrap server gave it),
+    opened on the first send to that P."""
+
+    def __init__(
+        self,
+        identity: str,
+        deliver: Deliver,
+        *,
+        secret: bytes | None = None,
+        limits: SideChannelLimits | None = None,
+    ) -> None:
+        super().__init__(deliver, secret, limits or SideChannelLimits())
+        if not identity or len(identity.encode()) > 255 or identity.startswith("\0"):
+            raise ValueError("identity must be 1..255 bytes and not start with NUL (zmq rule)")
+        self.identity = identity
+        self._pumps: dict[str, _Pump] = {}
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None
+            self._pumps.clear()  # each pump closed its socket when its task was cancelled
+            self._ctx.destroy(linger=0)
+
+    @property
+    def peers(self) -> list[str]:
+        return list(self._pumps)
+
+    def connect(self, peer: str) -> bool:
+        """Open the DEALER to ``peer`` now (optional: ``send`` does it on first use)."""
+        return self._pump_for(peer) is not None
+
+    def _pump_for(self, peer: str) -> _Pump | None:
+        pump = self._pumps.get(peer)
+        if pump is not None:
+            return pump
+        if self._nursery is None:
+            return None
+        sock = self._ctx.socket(zmq.DEALER)
+        _configure(sock, self.limits)
+        sock.setsockopt(zmq.IMMEDIATE, int(self.limits.immediate))
+        sock.setsockopt(zmq.ROUTING_ID, self.identity.encode())
+        try:
+            sock.connect(zmq_endpoint(peer))
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            log.warning("cannot connect to prefill side channel %r: %s", peer, exc)
+            return None
+
+        async def on_parts(parts: list[bytes]) -> None:
+            if len(parts) != 1:  # a DEALER receives the ROUTER's frame without the identity
+                self.stats.wrong_parts += 1
+                return
+            await self._accept(peer, parts[0])
+
+        pump = _Pump(sock, on_parts, self.limits.batch)
+        self._pumps[peer] = pump
+        self._nursery.start_soon(pump.run)
+        self._nursery.start_soon(self._monitor, sock)
+        return pump
+
+    def send(self, peer: str, message: Message) -> bool:
+        pump = self._pump_for(peer)
+        if pump is None:
+            self.stats.send_unroutable += 1
+            return False
+        ok = self._send(pump.sock, [encode(message, self._secret)])
+        pump.poke()
+        return ok
