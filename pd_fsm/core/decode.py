@@ -41,7 +41,16 @@ _STATUS = {
 
 
 class _ReceiverRoom:
-    __slots__ = ("bootstrap_addr", "first_token", "n_pages", "peer", "room", "state", "uuid")
+    __slots__ = (
+        "bootstrap_addr",
+        "first_token",
+        "hello_seq",
+        "n_pages",
+        "peer",
+        "room",
+        "state",
+        "uuid",
+    )
 
     def __init__(self, room: int, bootstrap_addr: str, n_pages: int) -> None:
         self.room = room
@@ -51,10 +60,19 @@ class _ReceiverRoom:
         self.peer: str | None = None
         self.uuid = -1
         self.first_token = -1
+        self.hello_seq = -1  # last heartbeat seq sent before our RECV_INIT
 
 
 class _Peer:
-    __slots__ = ("addr", "incarnation", "last_heard", "layout_hash", "rooms", "transfer_addr")
+    __slots__ = (
+        "addr",
+        "hb_seq",
+        "incarnation",
+        "last_heard",
+        "layout_hash",
+        "rooms",
+        "transfer_addr",
+    )
 
     def __init__(self, addr: str, transfer_addr: str, layout_hash: str) -> None:
         self.addr = addr
@@ -63,6 +81,7 @@ class _Peer:
         self.rooms: set[int] = set()  # rooms in the batched heartbeat
         self.last_heard = 0.0
         self.incarnation: int | None = None
+        self.hb_seq = 0
 
 
 class _Why:
@@ -287,6 +306,17 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
             r = self.rooms.get(room)
             if r is not None and r.peer == peer.addr:
                 self._remote(r, "AbortReceived", now, out, "prefill reports the room failed")
+        for room in m.unknown_rooms:
+            r = self.rooms.get(room)
+            # Only a room whose hello went out before this heartbeat: P should know it by now.
+            if (
+                r is not None
+                and r.peer == peer.addr
+                and r.state == "WAITING_FOR_READY"
+                and 0 <= r.hello_seq < m.seq
+            ):
+                reason = f"prefill {peer.addr} does not know the room (restarted or lost our hello)"
+                self._go(r, "PeerLost", now, out, reason)
 
     # -- timers -------------------------------------------------------------------------------
 
@@ -307,7 +337,8 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
                 rooms = sorted(peer.rooms)
                 for i in range(0, len(rooms), MAX_ROOMS_PER_HEARTBEAT):
                     batch = tuple(rooms[i : i + MAX_ROOMS_PER_HEARTBEAT])
-                    out.append(fx.SendMessage(addr, Heartbeat(batch)))
+                    peer.hb_seq += 1
+                    out.append(fx.SendMessage(addr, Heartbeat(peer.hb_seq, batch)))
                 self._hb_timers.set(addr, now + self.config.heartbeat_interval)
 
     def _timeout_reason(self, r: _ReceiverRoom) -> str:
@@ -366,6 +397,7 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
 
     def _fx_SendRecvInit(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
         assert r.peer is not None
+        r.hello_seq = self.peers[r.peer].hb_seq
         msg = RecvInit(r.room, self.identity, r.n_pages, self.layout_hash)
         out.append(fx.SendMessage(r.peer, msg))
 

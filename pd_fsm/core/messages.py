@@ -46,15 +46,23 @@ class Done:
 class Heartbeat:
     """D → P, batched per P: D still wants these rooms (extends their KV hold leases)."""
 
+    seq: int  # echoed in the ack, so D knows which of its messages P had seen when answering
     rooms: tuple[int, ...]
 
 
 @attrs.frozen(slots=True)
 class HeartbeatAck:
-    """P → D: P is alive (``incarnation`` changes when P restarts); rooms P has failed."""
+    """P → D: P is alive (``incarnation`` changes when P restarts).
+
+    ``failed_rooms``: rooms of the heartbeat that P failed. ``unknown_rooms``: rooms P has never
+    seen (or forgot in a restart); for a room whose RECV_INIT went out before heartbeat ``seq``,
+    that means P lost it, and D fails the room instead of waiting out its READY timeout.
+    """
 
     incarnation: int
+    seq: int
     failed_rooms: tuple[int, ...] = ()
+    unknown_rooms: tuple[int, ...] = ()
 
 
 @attrs.frozen(slots=True)

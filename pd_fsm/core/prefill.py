@@ -224,6 +224,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
 
     def _on_heartbeat(self, peer: str, m: Heartbeat, now: float, out: list[Any]) -> None:
         failed: list[int] = []
+        unknown: list[int] = []
         rooms, finished = self.rooms, self._finished
         for room in m.rooms:
             r = rooms.get(room)
@@ -232,7 +233,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
                     if finished[room] is not KVPoll.Success:
                         failed.append(room)
                 else:
-                    self.stats.unknown_room += 1  # D can be ahead of our own leg; not an error
+                    unknown.append(room)  # D can be ahead of our own leg; D decides what it means
                 continue
             if r.peer is not None and r.peer != peer:
                 self.stats.foreign_peer += 1
@@ -243,7 +244,8 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
                 if expiry > r.expires_at:
                     r.expires_at = expiry
                     self._room_timers.set(room, expiry)
-        out.append(fx.SendMessage(peer, HeartbeatAck(self.incarnation, tuple(failed))))
+        ack = HeartbeatAck(self.incarnation, m.seq, tuple(failed), tuple(unknown))
+        out.append(fx.SendMessage(peer, ack))
 
     # -- the lease ----------------------------------------------------------------------------
 

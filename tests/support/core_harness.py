@@ -53,7 +53,9 @@ class PrefillHarness:
     """One room on a PrefillEndpoint, fed by trigger names."""
 
     def __init__(self, seed: int = 0) -> None:
-        self.ep = PrefillEndpoint(LAYOUT, random.Random(seed), LeaseConfig(initial=30, extension=20))
+        self.ep = PrefillEndpoint(
+            LAYOUT, random.Random(seed), LeaseConfig(initial=30, extension=20)
+        )
         self.now = 0.0
         self.last: list[Any] = []
 
@@ -129,8 +131,8 @@ class DecodeHarness:
             # P restarted: an ack with a new incarnation after one with the old.
             from pd_fsm.core.messages import HeartbeatAck
 
-            self.ep.handle(ev.MessageReceived(P_ADDR, HeartbeatAck(1)), self.now)
-            self.last = self.ep.handle(ev.MessageReceived(P_ADDR, HeartbeatAck(2)), self.now)
+            self.ep.handle(ev.MessageReceived(P_ADDR, HeartbeatAck(1, 0)), self.now)
+            self.last = self.ep.handle(ev.MessageReceived(P_ADDR, HeartbeatAck(2, 0)), self.now)
             return self.last
         out: list[Any] = []
         for e in self.events_for(trigger):
@@ -150,7 +152,9 @@ def external_kinds(effects: list[Any]) -> list[str]:
             elif kind == "HeartbeatAck" or kind == "Heartbeat":
                 continue
             else:
-                names.append({"Ready": "SendReady", "Abort": "SendAbort", "RecvInit": "SendRecvInit"}[kind])
+                names.append(
+                    {"Ready": "SendReady", "Abort": "SendAbort", "RecvInit": "SendRecvInit"}[kind]
+                )
         else:
             names.append(type(e).__name__)
     return names

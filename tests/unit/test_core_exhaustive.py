@@ -15,7 +15,14 @@ from pd_fsm.core.errors import LocalProtocolError
 from pd_fsm.core.tables import ALL_TABLES, KV_RECEIVER, KV_SENDER
 from tests.support.core_harness import ROOM, DecodeHarness, PrefillHarness, external_kinds, path_to
 
-SENDER_EXTERNAL = {"RegisterKV", "SendReady", "SendAbort", "ReleaseKV", "CompleteRequest", "FailRequest"}
+SENDER_EXTERNAL = {
+    "RegisterKV",
+    "SendReady",
+    "SendAbort",
+    "ReleaseKV",
+    "CompleteRequest",
+    "FailRequest",
+}
 RECEIVER_EXTERNAL = {
     "ResolvePeer",
     "AllocateBlocks",
