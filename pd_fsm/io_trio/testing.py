@@ -14,6 +14,7 @@ import trio
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
+from pd_fsm.io_trio.records import InstanceRecord, parse_record
 
 
 class RecordingSink:
@@ -57,3 +58,26 @@ class RecordingSink:
                 if found is not None:
                     return found
                 await self._changed.wait()
+
+
+def sample_record(**overrides: Any) -> InstanceRecord:
+    """A valid prefill registration at rank (0, 0, 0, 0); override any field."""
+    fields: dict[str, Any] = {
+        "role": "prefill",
+        "instance_id": "p0",
+        "tp_rank": 0,
+        "tp_size": 1,
+        "cp_rank": 0,
+        "cp_size": 1,
+        "dp_rank": 0,
+        "dp_size": 1,
+        "pp_rank": 0,
+        "pp_size": 1,
+        "transfer_addr": "127.0.0.1:7001",
+        "zmq_addr": "127.0.0.1:7002",
+        "page_size": 16,
+        "kv_dtype": "bfloat16",
+        "layout_hash": "layout-1",
+    }
+    fields.update(overrides)
+    return parse_record(fields)
