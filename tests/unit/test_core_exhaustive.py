@@ -164,7 +164,7 @@ def test_every_state_has_a_documented_meaning(table) -> None:
     assert all(r.reason for r in table.rows)
 
 
-# --- instance_lease, through BootstrapRegistry ---------------------------------------------------
+# --- instance_lease, through BootstrapRegistry ---
 
 from pd_fsm.core import effects as fx  # noqa: E402
 from pd_fsm.core import events as ev  # noqa: E402
@@ -219,7 +219,7 @@ def test_instance_lease_pair(state: str, trigger: str) -> None:
         assert reg.resolve("127.0.0.1:8998") == []
 
 
-# --- room, through RoomRouter ----------------------------------------------------------------------
+# --- room, through RoomRouter ---
 
 _ROOM_EVENTS = {
     "PrefillResponded": ("prefill", True),

@@ -1,0 +1,302 @@
+"""Behaviour of the endpoints beyond single table rows: leases, timers, peers, trust, counting."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from pd_fsm.core import effects as fx
+from pd_fsm.core import events as ev
+from pd_fsm.core.config import DecodeConfig, LeaseConfig, RegistryConfig
+from pd_fsm.core.decode import DecodeEndpoint
+from pd_fsm.core.kvpoll import KVPoll
+from pd_fsm.core.messages import MAX_ROOM, Abort, Done, Heartbeat, HeartbeatAck, Ready, RecvInit
+from pd_fsm.core.prefill import PrefillEndpoint
+from pd_fsm.core.registry import BootstrapRegistry, RegistrationRequired
+from pd_fsm.core.router import RoomRouter
+from pd_fsm.core.timers import DeadlineHeap
+
+L = "layout"
+
+
+def _p(**kw: float) -> PrefillEndpoint:
+    return PrefillEndpoint(L, random.Random(0), LeaseConfig(**kw) if kw else None)
+
+
+def _kinds(out: list) -> list[str]:
+    return [type(o).__name__ for o in out]
+
+
+# --- the deadline heap ---
+
+
+def test_heap_extend_is_lazy_and_fires_once_at_the_real_deadline() -> None:
+    h: DeadlineHeap[int] = DeadlineHeap()
+    h.set(1, 10.0)
+    for t in range(20):
+        h.set(1, 10.0 + t)  # heartbeats: no new heap entries
+    assert len(h._heap) == 1
+    assert h.pop_due(15.0) == []
+    assert h.next_deadline() == 29.0
+    assert h.pop_due(29.0) == [1]
+    assert h.pop_due(100.0) == [] and h.next_deadline() is None
+
+
+def test_heap_shorten_cancel_and_order() -> None:
+    h: DeadlineHeap[str] = DeadlineHeap()
+    h.set("a", 5.0)
+    h.set("b", 3.0)
+    h.set("a", 1.0)  # earlier: must fire at 1, not 5
+    h.set("c", 2.0)
+    h.cancel("c")
+    assert h.pop_due(10.0) == ["a", "b"]
+
+
+# --- P: the KV hold lease ------------------------------------------------------------------------
+
+
+def test_lease_initial_then_extended_to_max_never_shorter() -> None:
+    p = _p(initial=30.0, extension=20.0)
+    p.handle(ev.PrefillRequestAccepted(1), 0.0)
+    assert p.lease_expiry(1) == 30.0
+    p.handle(ev.MessageReceived("d", Heartbeat(1, (1,))), 5.0)
+    assert p.lease_expiry(1) == 30.0  # 5 + 20 < 30: never shorter
+    p.handle(ev.MessageReceived("d", Heartbeat(2, (1,))), 25.0)
+    assert p.lease_expiry(1) == 45.0
+    assert p.handle(ev.TimeAdvanced(), 44.999) == []
+    out = p.handle(ev.TimeAdvanced(), 45.0)
+    assert _kinds(out) == ["ReleaseKV", "FailRequest"]
+    assert "lease expired" in out[1].reason
+    assert p.poll(1) == KVPoll.Failed
+
+
+def test_lease_expiry_releases_registered_kv_and_tells_d() -> None:
+    p = _p()
+    p.handle(ev.MessageReceived("d", RecvInit(1, "d", 2, L)), 0.0)
+    p.handle(ev.PrefillRequestAccepted(1), 0.0)
+    out = p.handle(ev.PrefillFinished(1, 5, 2), 1.0)
+    uuid = out[0].uuid
+    out = p.handle(ev.TimeAdvanced(), 30.0)  # D never pulled, never heartbeated
+    assert _kinds(out) == ["SendMessage", "ReleaseKV"]
+    assert isinstance(out[0].message, Abort) and out[1].uuid == uuid
+
+
+def test_heartbeat_ack_reports_failed_and_unknown_rooms() -> None:
+    p = _p()
+    p.handle(ev.PrefillRequestAccepted(1), 0.0)
+    p.handle(ev.PrefillFailed(1, "oom"), 0.0)
+    p.handle(ev.PrefillRequestAccepted(2), 0.0)
+    (ack,) = p.handle(ev.MessageReceived("d", Heartbeat(7, (1, 2, 3))), 1.0)
+    assert ack.message == HeartbeatAck(p.incarnation, 7, (1,), (3,))
+
+
+# --- P: trust and counting -----------------------------------------------------------------------
+
+
+def _p_transferring() -> tuple[PrefillEndpoint, int]:
+    p = _p()
+    p.handle(ev.PrefillRequestAccepted(1), 0.0)
+    p.handle(ev.MessageReceived("d-owner", RecvInit(1, "d-owner", 2, L)), 0.0)
+    out = p.handle(ev.PrefillFinished(1, 5, 2), 0.0)
+    return p, out[0].uuid
+
+
+def test_forged_done_and_abort_from_another_peer_change_nothing() -> None:
+    p, _ = _p_transferring()
+    assert p.handle(ev.MessageReceived("mallory", Done(1, True)), 1.0) == []
+    assert p.handle(ev.MessageReceived("mallory", Abort(1, "forged")), 1.0) == []
+    assert p.handle(ev.MessageReceived("mallory", RecvInit(1, "mallory", 2, L)), 1.0) == []
+    assert p.stats.foreign_peer == 3
+    assert p.poll(1) == KVPoll.Transferring
+    assert _kinds(p.handle(ev.MessageReceived("d-owner", Done(1, True)), 1.0)) == ["ReleaseKV"]
+
+
+def test_duplicate_late_and_unknown_messages_are_counted_and_dropped() -> None:
+    p, _ = _p_transferring()
+    out = p.handle(ev.MessageReceived("d-owner", RecvInit(1, "d-owner", 2, L)), 1.0)
+    assert p.stats.duplicates == 1 and _kinds(out) == []
+    p.handle(ev.MessageReceived("d-owner", Done(1, True)), 1.0)
+    assert p.handle(ev.MessageReceived("d-owner", Done(1, True)), 2.0) == []
+    assert p.stats.late == 1
+    assert p.handle(ev.MessageReceived("d-owner", Done(99, True)), 2.0) == []
+    assert p.stats.unknown_room == 1
+
+
+def test_duplicate_live_bootstrap_room_is_rejected_and_first_unaffected() -> None:
+    p, _ = _p_transferring()
+    out = p.handle(ev.PrefillRequestAccepted(1), 1.0)
+    assert _kinds(out) == ["RejectRequest"] and "already live" in out[0].reason
+    assert p.poll(1) == KVPoll.Transferring and p.stats.rejected == 1
+
+
+def test_layout_mismatch_fails_the_room_before_any_registration() -> None:
+    p = _p()
+    p.handle(ev.PrefillRequestAccepted(1), 0.0)
+    out = p.handle(ev.MessageReceived("d", RecvInit(1, "d", 2, "other")), 0.0)
+    assert _kinds(out) == ["SendMessage", "ReleaseKV", "FailRequest"]
+    assert "layout mismatch" in out[2].reason and out[1].uuid is None
+    assert p.stats.remote_errors == 1
+
+
+def test_page_count_disagreement_is_a_remote_error() -> None:
+    p = _p()
+    p.handle(ev.PrefillRequestAccepted(1), 0.0)
+    p.handle(ev.MessageReceived("d", RecvInit(1, "d", 3, L)), 0.0)
+    out = p.handle(ev.PrefillFinished(1, 5, 2), 0.0)
+    assert "reserved 3 pages" in out[-1].reason and p.poll(1) == KVPoll.Failed
+
+
+def test_endpoint_survives_remote_errors_and_serves_others() -> None:
+    p = _p()
+    p.handle(ev.PrefillRequestAccepted(1), 0.0)
+    p.handle(ev.PrefillRequestAccepted(2), 0.0)
+    p.handle(ev.MessageReceived("d", Done(1, True)), 0.0)  # DONE before READY: impossible
+    assert p.poll(1) == KVPoll.Failed and p.poll(2) == KVPoll.Bootstrapping
+
+
+# --- D ---
+
+
+def _d(**kw: float) -> DecodeEndpoint:
+    return DecodeEndpoint("d", L, DecodeConfig(**kw))
+
+
+def test_resolution_is_cached_per_prefill_and_refreshed_after_loss() -> None:
+    d = _d(peer_timeout=15.0, heartbeat_interval=5.0)
+    assert _kinds(d.handle(ev.DecodeRequestAccepted(1, "h:1", 1), 0.0)) == ["ResolvePeer"]
+    assert d.handle(ev.DecodeRequestAccepted(2, "h:1", 1), 0.0) == []  # lookup already in flight
+    out = d.handle(ev.PeerResolved("h:1", "p", "t", L), 0.0)
+    assert _kinds(out) == ["AllocateBlocks", "AllocateBlocks"]
+    assert _kinds(d.handle(ev.DecodeRequestAccepted(3, "h:1", 1), 0.0)) == ["AllocateBlocks"]
+    out = d.handle(ev.TimeAdvanced(), 15.0)  # P silent: rooms fail, cache dropped
+    assert Counter(_kinds(out))["FailRequest"] == 3
+    assert _kinds(d.handle(ev.DecodeRequestAccepted(4, "h:1", 1), 16.0)) == ["ResolvePeer"]
+
+
+def test_heartbeats_are_batched_per_prefill() -> None:
+    d = _d(heartbeat_interval=5.0, peer_timeout=100.0)
+    for room in range(64):
+        d.handle(ev.DecodeRequestAccepted(room, "h:1", 1), 0.0)
+    d.handle(ev.PeerResolved("h:1", "p", "t", L), 0.0)
+    out = d.handle(ev.TimeAdvanced(), 5.0)
+    assert len(out) == 1 and out[0].message == Heartbeat(1, tuple(range(64)))
+    assert d.next_deadline() == 10.0
+
+
+def test_ack_with_new_incarnation_fails_that_prefills_rooms() -> None:
+    d = _d()
+    d.handle(ev.DecodeRequestAccepted(1, "h:1", 1), 0.0)
+    d.handle(ev.PeerResolved("h:1", "p", "t", L), 0.0)
+    d.handle(ev.MessageReceived("p", HeartbeatAck(111, 0)), 1.0)
+    out = d.handle(ev.MessageReceived("p", HeartbeatAck(222, 1)), 2.0)
+    assert "restarted" in out[-1].reason and d.poll(1) == KVPoll.Failed
+
+
+def test_unknown_room_fails_only_after_our_hello_preceded_the_heartbeat() -> None:
+    d = _d(heartbeat_interval=1.0, peer_timeout=100.0)
+    d.handle(ev.DecodeRequestAccepted(1, "h:1", 1), 0.0)
+    d.handle(ev.PeerResolved("h:1", "p", "t", L), 0.0)
+    d.handle(ev.TimeAdvanced(), 1.0)  # HB seq 1, sent before the hello
+    d.handle(ev.BlocksAllocated(1), 1.5)  # RECV_INIT goes out after HB 1
+    assert d.handle(ev.MessageReceived("p", HeartbeatAck(9, 1, (), (1,))), 1.6) == []
+    d.handle(ev.TimeAdvanced(), 2.0)  # HB seq 2, after the hello
+    out = d.handle(ev.MessageReceived("p", HeartbeatAck(9, 2, (), (1,))), 2.1)
+    assert "does not know the room" in out[-1].reason
+    assert _kinds(out) == ["SendMessage", "ReleaseBlocks", "FailRequest"]
+
+
+def test_layout_mismatch_in_ready_is_refused_before_pulling() -> None:
+    d = _d()
+    d.handle(ev.DecodeRequestAccepted(1, "h:1", 2), 0.0)
+    d.handle(ev.PeerResolved("h:1", "p", "t", L), 0.0)
+    d.handle(ev.BlocksAllocated(1), 0.0)
+    out = d.handle(ev.MessageReceived("p", Ready(1, 5, 7, 2, "other")), 0.0)
+    assert "StartPull" not in _kinds(out) and "layout mismatch" in out[-1].reason
+
+
+def test_queue_timeout_is_503_and_ready_timeout_504() -> None:
+    d = _d(queue_timeout=10.0, ready_timeout=20.0, peer_timeout=1e9)
+    d.handle(ev.DecodeRequestAccepted(1, "h:1", 1), 0.0)
+    d.handle(ev.DecodeRequestAccepted(2, "h:1", 1), 0.0)
+    d.handle(ev.PeerResolved("h:1", "p", "t", L), 0.0)
+    d.handle(ev.BlocksAllocated(2), 0.0)
+    out = d.handle(ev.TimeAdvanced(), 10.0)
+    fails = [o for o in out if isinstance(o, fx.FailRequest)]
+    assert [(f.room, f.status) for f in fails] == [(1, 503)]
+    out = d.handle(ev.TimeAdvanced(), 20.0)
+    fails = [o for o in out if isinstance(o, fx.FailRequest)]
+    assert [(f.room, f.status) for f in fails] == [(2, 504)]
+    assert "ReleaseBlocks" in _kinds(out)
+
+
+def test_abort_mid_pull_keeps_pages_until_the_pull_reports() -> None:
+    d = _d()
+    d.handle(ev.DecodeRequestAccepted(1, "h:1", 1), 0.0)
+    d.handle(ev.PeerResolved("h:1", "p", "t", L), 0.0)
+    d.handle(ev.BlocksAllocated(1), 0.0)
+    d.handle(ev.MessageReceived("p", Ready(1, 5, 7, 1, L)), 0.0)
+    out = d.handle(ev.Aborted(1, "client gone"), 1.0)
+    assert "ReleaseBlocks" not in _kinds(out) and d.poll(1) == KVPoll.Failed
+    assert _kinds(d.handle(ev.PullSucceeded(1), 2.0)) == ["ReleaseBlocks"]
+
+
+# --- the registry ---
+
+KEY = ("prefill", "p0", 0, 0, 0, 0)
+
+
+def test_registry_ttl_heartbeat_and_reregistration() -> None:
+    reg = BootstrapRegistry(RegistryConfig(ttl=15.0))
+    reg.handle(ev.InstanceRegistered(KEY, {"v": 1}, "h:1"), 0.0)
+    reg.handle(ev.InstanceHeartbeat(KEY), 10.0)
+    assert reg.next_deadline() == 25.0
+    reg.handle(ev.InstanceRegistered(KEY, {"v": 2}, "h:2"), 11.0)
+    assert reg.resolve("h:1") == [] and reg.resolve("h:2") == [(KEY, {"v": 2})]
+    out = reg.handle(ev.TimeAdvanced(), 26.0)
+    assert _kinds(out) == ["InstanceExpired"] and len(reg) == 0
+    out = reg.handle(ev.InstanceHeartbeat(KEY), 27.0)
+    assert out == [RegistrationRequired(KEY)]
+
+
+def test_registry_lists_by_role() -> None:
+    reg = BootstrapRegistry()
+    reg.handle(ev.InstanceRegistered(KEY, "p", "h:1"), 0.0)
+    reg.handle(ev.InstanceRegistered(("decode", "d0", 0, 0, 0, 0), "d", None), 0.0)
+    assert reg.instances("prefill") == ["p"] and reg.instances("decode") == ["d"]
+    assert sorted(reg.instances()) == ["d", "p"]
+
+
+# --- the room router ---
+
+
+def test_router_round_robin_sticky_decode_uniform_rooms() -> None:
+    router = RoomRouter(["p0", "p1", "p2"], ["d0", "d1"], random.Random(1))
+    picks = []
+    for i in range(300):
+        (dispatch,) = router.handle(ev.RoomRequested(f"r{i}"), 0.0)
+        assert 0 <= dispatch.room < MAX_ROOM
+        assert dispatch.decode == ["d0", "d1"][dispatch.room % 2]
+        picks.append(dispatch.prefill)
+    assert picks[:6] == ["p0", "p1", "p2", "p0", "p1", "p2"]
+    rooms = list(router.rooms)
+    assert len(set(rooms)) == 300
+    assert sum(r >= MAX_ROOM // 2 for r in rooms) in range(110, 191)  # uniform, not sequential
+
+
+def test_router_without_workers_replies_error() -> None:
+    router = RoomRouter([], ["d0"], random.Random(1))
+    (err,) = router.handle(ev.RoomRequested("r"), 0.0)
+    assert isinstance(err, fx.ReplyError) and "no prefill workers" in err.reason
+
+
+def test_local_misuse_raises() -> None:
+    from pd_fsm.core.errors import LocalProtocolError
+
+    with pytest.raises(LocalProtocolError):
+        _p().handle(ev.PrefillFinished(5, 1, 1), 0.0)
+    with pytest.raises(LocalProtocolError):
+        _d().handle(ev.BlocksAllocated(5), 0.0)
+    with pytest.raises(LocalProtocolError):
+        _p().handle(ev.BlocksAllocated(5), 0.0)

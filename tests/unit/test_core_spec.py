@@ -1,0 +1,120 @@
+"""`pd-fsm spec check` finds every kind of table problem; `spec diagram` draws every table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pd_fsm.cli import main
+from pd_fsm.core.tables import ALL_TABLES, TABLE_NAMES, check_all, load_table, tables_dir
+
+GOOD = """
+name = "t"
+doc = "a test table"
+initial = "A"
+terminal = ["C"]
+[states]
+A = { doc = "a" }
+B = { doc = "b" }
+C = { doc = "c" }
+[triggers]
+go = { doc = "go" }
+stop = { remote = true, doc = "stop" }
+[effects]
+Ping = "ping"
+[[rows]]
+from = "A"
+on = "go"
+to = "B"
+do = ["Ping"]
+why = "because"
+[[rows]]
+from = "B"
+on = "stop"
+to = "C"
+why = "done"
+"""
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    (tmp_path / "t.toml").write_text(text)
+    return tmp_path
+
+
+def test_project_tables_are_clean() -> None:
+    assert check_all() == {f"{n}.toml": [] for n in sorted(TABLE_NAMES)}
+    assert main(["spec", "check"]) == 0
+
+
+def test_good_table_passes(tmp_path: Path) -> None:
+    assert check_all(_write(tmp_path, GOOD)) == {"t.toml": []}
+
+
+@pytest.mark.parametrize(
+    ("mutation", "problem"),
+    [
+        (('to = "C"', 'to = "Z"'), "unknown state 'Z'"),
+        (('D = { doc = "d" }', None), "state 'D' is unreachable"),
+        (("ADD_ROW_FROM_C", None), "terminal state 'C' has an exit"),
+        (("[effects]", '[effects]\nUnused = "x"'), "effect 'Unused' is used by no row"),
+        (("[triggers]", '[triggers]\nidle = { doc = "x" }'), "trigger 'idle' is used by no row"),
+        (('on = "go"', 'on = "went"'), "unknown trigger 'went'"),
+        (('do = ["Ping"]', 'do = ["Pong"]'), "unknown effect 'Pong'"),
+        (('initial = "A"', 'initial = "Q"'), "initial state 'Q' is not a state"),
+        (('B = { doc = "b" }', 'B = { doc = "b" }\nE = { doc = "dead end" }\n'), "unreachable"),
+    ],
+)
+def test_each_problem_is_reported(
+    tmp_path: Path, mutation: tuple[str, str | None], problem: str
+) -> None:
+    old, new = mutation
+    text = GOOD
+    if old == "ADD_ROW_FROM_C":
+        text += '[[rows]]\nfrom = "C"\non = "go"\nto = "A"\nwhy = "x"\n'
+    elif new is None:
+        text = text.replace("[triggers]", f"{old}\n[triggers]") if "doc" in old else text
+    else:
+        text = text.replace(old, new, 1)
+    problems = check_all(_write(tmp_path, text))["t.toml"]
+    assert any(problem in p for p in problems), problems
+    assert main(["spec", "check", "--tables", str(tmp_path)]) == 1
+
+
+def test_duplicate_rows_and_dead_ends(tmp_path: Path) -> None:
+    text = GOOD + '[[rows]]\nfrom = "A"\non = "go"\nto = "C"\nwhy = "again"\n'
+    text = text.replace('C = { doc = "c" }', 'C = { doc = "c" }\nD = { doc = "d" }')
+    text += '[[rows]]\nfrom = "A"\non = "stop"\nto = "D"\nwhy = "to a dead end"\n'
+    problems = check_all(_write(tmp_path, text))["t.toml"]
+    assert any("duplicate row for (A, go)" in p for p in problems)
+    assert any("non-terminal state 'D' has no exits" in p for p in problems)
+
+
+def test_invalid_toml_is_reported(tmp_path: Path) -> None:
+    assert "not valid TOML" in check_all(_write(tmp_path, "name = "))["t.toml"][0]
+
+
+def test_diagrams_written_for_every_table(tmp_path: Path) -> None:
+    assert main(["spec", "diagram", "--out", str(tmp_path)]) == 0
+    for name in TABLE_NAMES:
+        text = (tmp_path / f"{name}.md").read_text()
+        assert "stateDiagram-v2" in text
+        for row in ALL_TABLES[name].rows:
+            assert f"{row.source} --> {row.target}" in text
+
+
+def test_committed_diagrams_are_current(tmp_path: Path) -> None:
+    main(["spec", "diagram", "--out", str(tmp_path)])
+    committed = tables_dir().parent.parent / "docs" / "state_machines"
+    for name in TABLE_NAMES:
+        assert (committed / f"{name}.md").read_text() == (tmp_path / f"{name}.md").read_text(), (
+            f"docs/state_machines/{name}.md is stale: run `pd-fsm spec diagram`"
+        )
+
+
+def test_load_table_refuses_a_broken_table(tmp_path: Path) -> None:
+    from pd_fsm.core.tables import TableError
+
+    _write(tmp_path, GOOD.replace('to = "C"', 'to = "Z"'))
+    with pytest.raises(TableError, match="unknown state 'Z'"):
+        load_table("t", tmp_path)
