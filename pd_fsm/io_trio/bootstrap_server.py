@@ -140,7 +140,10 @@ class BootstrapServer:
             return await self._read_json(request)
         except _BodyTooLarge:
             self.bad_requests += 1
-            return _error(413, f"body over {self.max_body} bytes")
+            response = _error(413, f"body over {self.max_body} bytes")
+            # The rest of the body is still on the wire: the connection cannot be reused.
+            response.headers["connection"] = "close"
+            return response
         except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
             self.bad_requests += 1
             return _error(400, f"malformed JSON: {exc}")

@@ -1,0 +1,87 @@
+"""`pd-fsm bootstrap`: the bootstrap server as a process (DESIGN §8)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import trio
+
+from pd_fsm.core.config import RegistryConfig
+from pd_fsm.io_trio.bootstrap_server import DEFAULT_MAX_BODY, BootstrapServer, serve_bootstrap
+
+log = logging.getLogger("pd_fsm.io_trio.cli_bootstrap")
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("bootstrap", help="run the bootstrap server (instance registry)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8998, help="port to bind (0: any free port)")
+    p.add_argument(
+        "--ttl",
+        type=float,
+        default=RegistryConfig().ttl,
+        help="seconds an instance stays listed without a heartbeat (default 15)",
+    )
+    p.add_argument(
+        "--secret-file",
+        type=Path,
+        help="file holding the cluster secret; writes then need 'Authorization: Bearer <secret>'",
+    )
+    p.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY, help="request body limit")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=args.log_level.upper(),
+        format="pd-fsm bootstrap: %(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.ttl <= 0:
+        log.error("--ttl must be positive")
+        return 2
+    secret: bytes | None = None
+    if args.secret_file is not None:
+        try:
+            secret = args.secret_file.read_bytes().strip()
+        except OSError as exc:
+            log.error("cannot read --secret-file: %s", exc)
+            return 2
+        if not secret:
+            log.error("--secret-file %s is empty", args.secret_file)
+            return 2
+    server = BootstrapServer(RegistryConfig(ttl=args.ttl), secret=secret, max_body=args.max_body)
+    try:
+        trio.run(_run, server, args.host, args.port)
+    except OSError as exc:  # typically: the port is taken
+        log.error("cannot serve on %s:%s: %s", args.host, args.port, exc)
+        return 1
+    log.info("stopped")
+    return 0
+
+
+async def _run(server: BootstrapServer, host: str, port: int) -> None:
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_stop_on_signal, stop)
+        serve = functools.partial(serve_bootstrap, shutdown_trigger=stop.wait)
+        await nursery.start(serve, server, host, port)
+        log.info("secret %s", "required for writes" if server.secret else "not configured")
+        await stop.wait()
+        log.info("shutting down")
+        # hypercorn lets in-flight requests finish (graceful_timeout); this is the backstop.
+        nursery.cancel_scope.deadline = trio.current_time() + 5
+
+
+async def _stop_on_signal(stop: trio.Event) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("received %s", signal.Signals(signum).name)
+            stop.set()
+            return
