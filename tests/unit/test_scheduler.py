@@ -190,11 +190,11 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny: LoadedModel
 
 
 def test_compilations_bounded_over_many_request_sizes(tiny: LoadedModel) -> None:
-    from pd_fsm.jax_engine.model.forward import _extend_jit, decode
+    from pd_fsm.jax_engine.model.forward import _decode_forward, _forward_jit
 
     rng = np.random.default_rng(0)
     sched = Scheduler(_args(max_running=4, max_batched_tokens=64, page_size=8), model=tiny)
-    before = _extend_jit._cache_size() + decode._cache_size()
+    before = _forward_jit._cache_size() + _decode_forward._cache_size()
     for i in range(40):
         sp = attrs.evolve(GREEDY, max_new_tokens=int(rng.integers(1, 10)))
         sched.add_request(Req(f"r{i}", _prompt(i, int(rng.integers(1, 60))), sp))
@@ -206,7 +206,7 @@ def test_compilations_bounded_over_many_request_sizes(tiny: LoadedModel) -> None
     shapes = sched.forward_shapes
     assert len([s for s in shapes if s[0] == "extend"]) <= extend_bound
     assert len([s for s in shapes if s[0] == "decode"]) <= decode_bound
-    compiled = _extend_jit._cache_size() + decode._cache_size() - before
+    compiled = _forward_jit._cache_size() + _decode_forward._cache_size() - before
     assert compiled <= len(shapes)
 
 

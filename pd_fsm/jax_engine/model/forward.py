@@ -2,9 +2,15 @@
 
 One batched "extend" step serves both prefill and decode: every row ``b`` feeds ``num_new[b]`` new
 tokens starting at absolute position ``start_pos[b]`` (prefill: the prompt, or a chunk of it after
-``start_pos`` cached tokens; decode: one token). Each layer writes the new K/V into the row's pages,
-then attends over all of the row's pages through a padded page table. Rows and positions beyond
-``num_new`` are padding: they write to the null page and their outputs are ignored.
+``start_pos`` cached tokens; decode: one token). Each layer attends over the row's cached K/V
+(positions ``< start_pos``, gathered from its pages through a padded page table) plus the new
+tokens' own K/V (causally). Rows and positions beyond ``num_new`` are padding: they write to the
+null page and their outputs are ignored.
+
+The step is two jitted calls: the forward reads the pool without donating it and returns the new
+K/V entries; a second, donating call writes them into the pages. Done in one function, XLA:CPU
+copied every layer's whole pool on every step (it cannot prove the gathers precede the in-place
+update), which made decode time grow with the pool size instead of the batch.
 
 Params are a plain pytree (dicts and a list of per-layer dicts, weights laid out ``[in, out]`` so a
 projection is ``x @ w``)::
@@ -63,7 +69,7 @@ def _project(h: jax.Array, layer: Params, w: str, b: str) -> jax.Array:
     return y + layer[b] if b in layer else y
 
 
-def _extend(
+def _forward(
     params: Params,
     kv: KV,
     tokens: jax.Array,
@@ -73,7 +79,8 @@ def _extend(
     *,
     config: ModelConfig,
     all_logits: bool,
-) -> tuple[jax.Array, KV]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Logits, the new K/V entries ``[L, B*T, 2*Nkv, D]`` and the (page, offset) each goes to."""
     batch, t = tokens.shape
     num_pages_row = page_table.shape[1]
     page_size = kv[0].shape[1]
@@ -89,16 +96,16 @@ def _extend(
     write_page, write_off = write_page.reshape(-1), write_off.reshape(-1)
 
     # Context slot s of a row is absolute position s, because the page table lists pages in order.
+    # Only slots before start_pos hold this row's K/V; later ones may hold a previous owner's.
     key_pos = jnp.arange(ctx_len, dtype=jnp.int32)
-    kv_len = start_pos + num_new
-    mask = (key_pos[None, None, :] <= positions[:, :, None]) & (
-        key_pos[None, None, :] < kv_len[:, None, None]
-    )  # [B, T, S]
-    mask = mask[:, None, None, :, :]  # [B, 1, 1, T, S] against scores [B, Nkv, G, T, S]
+    ctx_mask = key_pos[None, None, :] < start_pos[:, None, None]  # [B, 1, S]
+    new_mask = (offsets[None, :, None] >= offsets[None, None, :]) & valid[:, None, :]  # [B, T, T]
+    mask = jnp.concatenate([jnp.broadcast_to(ctx_mask, (batch, t, ctx_len)), new_mask], axis=-1)
+    mask = mask[:, None, None, :, :]  # [B, 1, 1, T, S+T] against scores [B, Nkv, G, T, S+T]
     scale = d**-0.5
 
     x = params["embed"][tokens]
-    new_kv: KV = []
+    entries: list[jax.Array] = []
     for layer, pool in zip(params["layers"], kv, strict=True):
         h = rms_norm(x, layer["attn_norm"], config.rms_eps)
         q = _project(h, layer, "wq", "bq").reshape(batch, t, nh, d)
@@ -107,20 +114,18 @@ def _extend(
         q = rope(q, positions, config.rope_theta)
         k = rope(k, positions, config.rope_theta)
 
-        interleaved = jnp.stack([k, v], axis=3).reshape(batch * t, 2 * nkv, d).astype(pool.dtype)
-        pool = pool.at[write_page, write_off].set(interleaved)
-        new_kv.append(pool)
-
         ctx = pool[page_table].reshape(batch, ctx_len, nkv, 2, d)
-        k_ctx = ctx[:, :, :, 0, :]
-        v_ctx = ctx[:, :, :, 1, :]
+        k_all = jnp.concatenate([ctx[:, :, :, 0, :], k.astype(pool.dtype)], axis=1)
+        v_all = jnp.concatenate([ctx[:, :, :, 1, :], v.astype(pool.dtype)], axis=1)
+        entries.append(jnp.stack([k, v], axis=3).reshape(batch * t, 2 * nkv, d).astype(pool.dtype))
+
         qg = q.reshape(batch, t, nkv, g, d)
         scores = jnp.einsum(
-            "btkgd,bskd->bkgts", qg, k_ctx, preferred_element_type=jnp.float32
+            "btkgd,bskd->bkgts", qg, k_all, preferred_element_type=jnp.float32
         ) * scale
         scores = jnp.where(mask, scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v_ctx.dtype)
-        attn = jnp.einsum("bkgts,bskd->btkgd", probs, v_ctx).reshape(batch, t, nh * d)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v_all.dtype)
+        attn = jnp.einsum("bkgts,bskd->btkgd", probs, v_all).reshape(batch, t, nh * d)
         x = x + attn @ layer["wo"]
 
         h = rms_norm(x, layer["mlp_norm"], config.rms_eps)
@@ -128,13 +133,59 @@ def _extend(
 
     x = rms_norm(x, params["final_norm"], config.rms_eps)
     head = params["embed"].T if config.tie_embeddings else params["lm_head"]
-    if all_logits:
-        return (x @ head).astype(jnp.float32), new_kv
-    last = x[jnp.arange(batch), jnp.maximum(num_new - 1, 0)]
-    return (last @ head).astype(jnp.float32), new_kv
+    logits = x @ head if all_logits else x[jnp.arange(batch), jnp.maximum(num_new - 1, 0)] @ head
+    return logits.astype(jnp.float32), jnp.stack(entries), write_page, write_off
 
 
-_extend_jit = jax.jit(_extend, static_argnames=("config", "all_logits"), donate_argnames=("kv",))
+@functools.partial(jax.jit, donate_argnames=("kv",))
+def write_kv(kv: KV, entries: jax.Array, pages: jax.Array, offsets: jax.Array) -> KV:
+    """Write ``entries[layer, i]`` at ``(pages[i], offsets[i])`` of every layer, in place."""
+    return [pool.at[pages, offsets].set(entries[i]) for i, pool in enumerate(kv)]
+
+
+_forward_jit = jax.jit(_forward, static_argnames=("config", "all_logits"))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "all_logits"))
+def _prefill_forward(
+    params: Params,
+    kv: KV,
+    tokens: jax.Array,
+    length: jax.Array | int,
+    page_ids: jax.Array,
+    start_pos: jax.Array | int,
+    *,
+    config: ModelConfig,
+    all_logits: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    logits, entries, pages, offsets = _forward(
+        params,
+        kv,
+        tokens[None, :],
+        jnp.asarray(start_pos, jnp.int32).reshape(1),
+        jnp.asarray(length, jnp.int32).reshape(1),
+        page_ids[None, :],
+        config=config,
+        all_logits=all_logits,
+    )
+    return logits[0], entries, pages, offsets
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _decode_forward(
+    params: Params,
+    kv: KV,
+    tokens: jax.Array,
+    positions: jax.Array,
+    page_table: jax.Array,
+    lengths: jax.Array,
+    *,
+    config: ModelConfig,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    num_new = jnp.clip(lengths - positions, 0, 1).astype(jnp.int32)
+    return _forward(
+        params, kv, tokens[:, None], positions, num_new, page_table, config=config, all_logits=False
+    )
 
 
 def extend(
@@ -155,12 +206,12 @@ def extend(
     the null page). Returns logits of each row's last new token ``[B, V]`` (or ``[B, T, V]`` with
     ``all_logits``) and the updated kv. Padding rows have ``num_new == 0``.
     """
-    return _extend_jit(
+    logits, entries, pages, offsets = _forward_jit(
         params, kv, tokens, start_pos, num_new, page_table, config=config, all_logits=all_logits
     )
+    return logits, write_kv(kv, entries, pages, offsets)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "all_logits"), donate_argnames=("kv",))
 def prefill(
     params: Params,
     kv: KV,
@@ -175,20 +226,12 @@ def prefill(
     """One prompt: ``tokens[int32, T_pad]`` of which the first ``length`` are real, written at
     positions ``start_pos...`` into ``page_ids[int32, P_pad]`` (the request's pages in order).
     Returns the last real token's logits ``[V]`` (``[T_pad, V]`` with ``all_logits``) and kv."""
-    logits, kv = _extend(
-        params,
-        kv,
-        tokens[None, :],
-        jnp.asarray(start_pos, jnp.int32).reshape(1),
-        jnp.asarray(length, jnp.int32).reshape(1),
-        page_ids[None, :],
-        config=config,
-        all_logits=all_logits,
+    logits, entries, pages, offsets = _prefill_forward(
+        params, kv, tokens, length, page_ids, start_pos, config=config, all_logits=all_logits
     )
-    return logits[0], kv
+    return logits, write_kv(kv, entries, pages, offsets)
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("kv",))
 def decode(
     params: Params,
     kv: KV,
@@ -202,14 +245,7 @@ def decode(
     """One decode step for a padded batch: row ``b`` feeds ``tokens[b]`` at ``positions[b]`` and
     attends over ``lengths[b] == positions[b] + 1`` tokens in ``page_table[b]``. Padding rows have
     ``lengths == 0`` (and a null-page page table). Returns ``logits[B_pad, V]`` and kv."""
-    num_new = jnp.clip(lengths - positions, 0, 1).astype(jnp.int32)
-    return _extend(
-        params,
-        kv,
-        tokens[:, None],
-        positions,
-        num_new,
-        page_table,
-        config=config,
-        all_logits=False,
+    logits, entries, pages, offsets = _decode_forward(
+        params, kv, tokens, positions, page_table, lengths, config=config
     )
+    return logits, write_kv(kv, entries, pages, offsets)
