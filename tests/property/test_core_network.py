@@ -26,10 +26,10 @@ from pd_fsm.core import codec
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.config import DecodeConfig, LeaseConfig
-from pd_fsm.core.decode import DecodeEndpoint
+from pd_fsm.core.decode_endpoint import DecodeEndpoint
 from pd_fsm.core.kvpoll import KVPoll
 from pd_fsm.core.messages import Heartbeat
-from pd_fsm.core.prefill import PrefillEndpoint
+from pd_fsm.core.prefill_endpoint import PrefillEndpoint
 
 LAYOUT = "L1"
 P_ADDR = "tcp://p0"
@@ -173,7 +173,7 @@ class PDNetwork(RuleBasedStateMachine):
         for leg in legs:
             leg()
 
-    def _p_leg(self, room: int, pages: int):  # noqa: ANN202
+    def _p_leg(self, room: int, pages: int):
         def accept() -> None:
             self.p_pages[room] = pages
             self.p_pending_prefill.add(room)

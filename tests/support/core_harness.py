@@ -14,9 +14,9 @@ from typing import Any
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.config import DecodeConfig, LeaseConfig
-from pd_fsm.core.decode import DecodeEndpoint
+from pd_fsm.core.decode_endpoint import DecodeEndpoint
 from pd_fsm.core.messages import Abort, Done, Ready, RecvInit
-from pd_fsm.core.prefill import PrefillEndpoint
+from pd_fsm.core.prefill_endpoint import PrefillEndpoint
 from pd_fsm.core.tables import StateTable
 
 LAYOUT = "layout-A"

@@ -10,10 +10,10 @@ import pytest
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.config import DecodeConfig, LeaseConfig, RegistryConfig
-from pd_fsm.core.decode import DecodeEndpoint
+from pd_fsm.core.decode_endpoint import DecodeEndpoint
 from pd_fsm.core.kvpoll import KVPoll
 from pd_fsm.core.messages import MAX_ROOM, Abort, Done, Heartbeat, HeartbeatAck, Ready, RecvInit
-from pd_fsm.core.prefill import PrefillEndpoint
+from pd_fsm.core.prefill_endpoint import PrefillEndpoint
 from pd_fsm.core.registry import BootstrapRegistry, RegistrationRequired
 from pd_fsm.core.router import RoomRouter
 from pd_fsm.core.timers import DeadlineHeap
