@@ -135,6 +135,12 @@ def bench_gather_scatter(quick: bool) -> None:
         for layer in range(layers):
             np.take(pool_np[layer], src_pages, axis=0, out=out[layer])
 
+    def np_take_fresh() -> None:
+        # what the gather has to do: its output is new memory (held until D pulls it)
+        fresh = np.empty((layers, n, *page), np.float32)
+        for layer in range(layers):
+            np.take(pool_np[layer], src_pages, axis=0, out=fresh[layer])
+
     flat_src = np.concatenate([a[:n].ravel() for a in pool_np])
     flat_dst = np.empty_like(flat_src)
 
@@ -144,7 +150,9 @@ def bench_gather_scatter(quick: bool) -> None:
     reps = 5 if quick else 10
     rows = [(name, _median_s(fn, reps)) for name, fn in
             [("gather (jit, runs)", gather), ("scatter XLA (jit, runs, donated)", scatter),
-             ("numpy take (same pages)", np_take), ("numpy memcpy (contiguous)", np_memcpy)]]
+             ("numpy take (same pages, preallocated out)", np_take),
+             ("numpy take (same pages, fresh out)", np_take_fresh),
+             ("numpy memcpy (contiguous)", np_memcpy)]]
     memcpy_gbs = nbytes / rows[-1][1] / 1e9
     print(f"\n## gather / scatter: {layers} layers x {n} fragmented pages of "
           f"{int(np.prod(page)) * 4 // 1024} KiB = {nbytes / MIB:.0f} MiB\n")

@@ -16,8 +16,11 @@ so no page of the destination other than ``pages`` is touched.
 Contiguous runs. Pages are allocated LIFO and freed per request, so a request's pages are mostly
 runs of consecutive ids. Both directions copy run by run; a run of length ``m`` is copied as the
 power-of-two pieces of ``m``'s binary form (static sizes, dynamic offsets) — that is what lets XLA
-and the Pallas DMA kernel work with static shapes. On CPU this was ~7x faster than an XLA
-``.at[ids].set`` scatter for the same bytes (11 vs 1.6 GB/s, 200 pages of 64 KiB x 8 layers).
+and the Pallas DMA kernel work with static shapes. Measured on CPU (bench/RESULTS_transfer.md):
+the scatter moves 8 layers x 200 fragmented 64 KiB pages (100 MiB) in ~10-12 ms, ~7x faster
+than an XLA ``.at[ids].set`` scatter of the same bytes. The gather is slower on CPU because its
+output is fresh memory: allocating and first touching 100+ MiB costs ~50 ms of page faults there
+(a numpy ``take`` into a fresh array pays the same), which an accelerator does not.
 
 Donation. The scatter donates the destination pool arrays and returns new ones; callers must swap
 them in under :class:`pd_fsm.jax_engine.kv_holder.KVCacheHolder` (DESIGN §6 ordering hazard).
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import attrs
@@ -101,20 +104,27 @@ def validate_pages(pages: Sequence[int], num_pages: int) -> None:
         raise ValueError("duplicate page ids")
 
 
-def _copy_runs(
-    dst: jax.Array, src: jax.Array, table: jax.Array, n_runs: jax.Array, n_bits: int
-) -> jax.Array:
-    """``dst[d:d+m] = src[s:s+m]`` for every run, each run as its power-of-two pieces."""
+def _runs_loop(
+    dst: list[jax.Array],
+    piece: Callable[[int, jax.Array, int], list[jax.Array]],
+    place: Callable[[list[jax.Array], list[jax.Array], jax.Array], list[jax.Array]],
+    table: jax.Array,
+    n_runs: jax.Array,
+    n_bits: int,
+) -> list[jax.Array]:
+    """For every run ``(s, d, m)`` and every set bit ``k`` of ``m``: take ``piece(k, s + off, 2^k)``
+    and ``place`` it at ``d + off``, where ``off = m mod 2^k`` (pieces laid out low bit first).
 
-    def body(r: jax.Array, out: jax.Array) -> jax.Array:
+    One loop over runs carrying every layer, one ``cond`` per bit covering every layer: separate
+    loops per layer measured ~7x slower on CPU (the carries were copied)."""
+
+    def body(r: jax.Array, out: list[jax.Array]) -> list[jax.Array]:
         s, d, m = table[0, r], table[1, r], table[2, r]
         for k in range(n_bits):
-            size = 1 << k
-            off = m & (size - 1)  # pieces are laid out low bit first: piece k starts at m mod 2^k
+            off = m & ((1 << k) - 1)
 
-            def put(o: jax.Array, size: int = size, off: jax.Array = off) -> jax.Array:
-                piece = jax.lax.dynamic_slice_in_dim(src, s + off, size, 0)
-                return jax.lax.dynamic_update_slice_in_dim(o, piece, d + off, 0)
+            def put(o: list[jax.Array], k: int = k, off: jax.Array = off) -> list[jax.Array]:
+                return place(o, piece(k, s + off, 1 << k), d + off)
 
             out = jax.lax.cond((m >> k) & 1 == 1, put, lambda o: o, out)
         return out
@@ -122,16 +132,32 @@ def _copy_runs(
     return jax.lax.fori_loop(0, n_runs, body, dst)
 
 
-@jax.jit
-def _gather(kv_caches: list[jax.Array], table: jax.Array, n_runs: jax.Array) -> jax.Array:
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _packed_zeros(shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+    TRACE_COUNTS["gather_alloc"] += 1
+    return jnp.zeros(shape, dtype)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _gather_into(
+    out: jax.Array, kv_caches: list[jax.Array], table: jax.Array, n_runs: jax.Array
+) -> jax.Array:
     TRACE_COUNTS["gather"] += 1
-    bucket = table.shape[1]
-    n_bits = bucket.bit_length()
-    layers = [
-        _copy_runs(jnp.zeros((bucket, *c.shape[1:]), c.dtype), c, table, n_runs, n_bits)
-        for c in kv_caches
-    ]
-    return jnp.stack(layers)
+
+    def piece(k: int, start: jax.Array, size: int) -> list[jax.Array]:
+        return [jax.lax.dynamic_slice_in_dim(c, start, size, 0) for c in kv_caches]
+
+    def place(o: list[jax.Array], p: list[jax.Array], at: jax.Array) -> list[jax.Array]:
+        stacked = o[0]
+        for layer, x in enumerate(p):
+            index = (layer, at) + (0,) * (stacked.ndim - 2)
+            stacked = jax.lax.dynamic_update_slice(stacked, x[None], index)
+        return [stacked]
+
+    # The output is allocated by a separate call and donated: zeros created inside this jit and
+    # then filled by the loop measured ~1.3x slower on CPU.
+    (packed,) = _runs_loop([out], piece, place, table, n_runs, table.shape[1].bit_length())
+    return packed
 
 
 def select_from_kv_caches(kv_caches: Sequence[jax.Array], pages: Sequence[int]) -> jax.Array:
@@ -140,7 +166,9 @@ def select_from_kv_caches(kv_caches: Sequence[jax.Array], pages: Sequence[int]) 
     validate_pages(pages, kv_caches[0].shape[0])
     bucket = page_bucket(len(pages))
     runs = contiguous_runs(pages, range(len(pages)), bucket)
-    return _gather(list(kv_caches), jnp.asarray(runs.table), jnp.int32(runs.n_runs))
+    first = kv_caches[0]
+    out = _packed_zeros((len(kv_caches), bucket, *first.shape[1:]), first.dtype)
+    return _gather_into(out, list(kv_caches), jnp.asarray(runs.table), jnp.int32(runs.n_runs))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -150,8 +178,15 @@ def multi_layer_copy(
     """Portable XLA scatter: for every layer ``l`` and run ``(s, d, m)`` of ``table``,
     ``kv_caches[l][d:d+m] = packed[l, s:s+m]``. ``kv_caches`` is donated."""
     TRACE_COUNTS["multi_layer_copy"] += 1
-    n_bits = packed.shape[1].bit_length()
-    return [_copy_runs(c, packed[i], table, n_runs, n_bits) for i, c in enumerate(kv_caches)]
+
+    def piece(k: int, start: jax.Array, size: int) -> list[jax.Array]:
+        return [jax.lax.dynamic_slice_in_dim(packed[i], start, size, 0)
+                for i in range(len(kv_caches))]
+
+    def place(o: list[jax.Array], p: list[jax.Array], at: jax.Array) -> list[jax.Array]:
+        return [jax.lax.dynamic_update_slice_in_dim(c, x, at, 0) for c, x in zip(o, p, strict=True)]
+
+    return _runs_loop(list(kv_caches), piece, place, table, n_runs, packed.shape[1].bit_length())
 
 
 def scatter_runs(pages: Sequence[int], bucket: int) -> PageRuns:

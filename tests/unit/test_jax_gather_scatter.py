@@ -106,5 +106,7 @@ def test_compile_count_bounded_over_1000_sizes() -> None:
     n_buckets = len(page_buckets_upto(max_pages))
     gathers = TRACE_COUNTS["gather"] - before["gather"]
     scatters = TRACE_COUNTS["multi_layer_copy"] - before["multi_layer_copy"]
+    allocs = TRACE_COUNTS["gather_alloc"] - before["gather_alloc"]
     assert 0 < gathers <= n_buckets
+    assert 0 < allocs <= n_buckets
     assert 0 < scatters <= n_buckets
