@@ -321,6 +321,12 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
     # -- timers -------------------------------------------------------------------------------
 
     def _fire_due(self, now: float, out: list[Any]) -> None:
+        if not (
+            self._room_timers.maybe_due(now)
+            or self._live_timers.maybe_due(now)
+            or self._hb_timers.maybe_due(now)
+        ):
+            return
         for room in self._room_timers.pop_due(now):
             r = self.rooms[room]
             # Queue timeout is overload (503, retry elsewhere); the others are upstream timeouts.

@@ -87,7 +87,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
     def handle(self, event: Any, now: float) -> list[Any]:
         out: list[Any] = []
         self.stats.events += 1
-        if self._room_timers._heap and self._room_timers._heap[0][0] <= now:
+        if self._room_timers.maybe_due(now):
             self._expire_leases(now, out)
         handler = self._handlers.get(type(event))
         if handler is None:

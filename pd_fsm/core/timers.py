@@ -40,6 +40,11 @@ class DeadlineHeap(Generic[K]):
         self._due.pop(key, None)
         self._armed.pop(key, None)
 
+    def maybe_due(self, now: float) -> bool:
+        """Cheap pre-check for the hot path: False means nothing is due (True may be stale)."""
+        heap = self._heap
+        return bool(heap) and heap[0][0] <= now
+
     def next_deadline(self) -> float | None:
         heap, due = self._heap, self._due
         while heap:
