@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pd_fsm.jax_engine.buckets import bucket
+from pd_fsm.jax_engine.gather_scatter import page_bucket
 from pd_fsm.jax_engine.kv_holder import KVCacheHolder
 from pd_fsm.jax_engine.kv_pool import PageAllocator, allocate_kv_pool
 from pd_fsm.jax_engine.model import KV, LoadedModel, decode, extend, load_model
@@ -280,7 +281,9 @@ class Scheduler:
         if not rows:
             return None
         pages = max(self.pool_config.pages_for(r.start + r.length) for r in rows)
-        return PrefillBatch(tuple(rows), bucket(len(rows)), self._t_bucket(t_max), bucket(pages))
+        return PrefillBatch(
+            tuple(rows), bucket(len(rows)), self._t_bucket(t_max), page_bucket(pages)
+        )
 
     def _run_prefill(self, batch: PrefillBatch) -> None:
         tokens = np.zeros((batch.n_pad, batch.t_pad), np.int32)
@@ -348,7 +351,8 @@ class Scheduler:
             return None
         reqs = tuple(self.running)
         pages = max(self.pool_config.pages_for(r.seq_len) for r in reqs)
-        return DecodeBatch(reqs, bucket(len(reqs)), bucket(pages))
+        # Page tables pad to under 25% extra (not to a power of two): attention reads every slot.
+        return DecodeBatch(reqs, bucket(len(reqs)), page_bucket(pages))
 
     def _run_decode(self, batch: DecodeBatch) -> None:
         tokens = np.zeros(batch.b_pad, np.int32)

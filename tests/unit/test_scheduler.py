@@ -190,6 +190,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny: LoadedModel
 
 
 def test_compilations_bounded_over_many_request_sizes(tiny: LoadedModel) -> None:
+    from pd_fsm.jax_engine.gather_scatter import page_buckets_upto
     from pd_fsm.jax_engine.model.forward import _decode_forward, _forward_jit
 
     rng = np.random.default_rng(0)
@@ -200,9 +201,10 @@ def test_compilations_bounded_over_many_request_sizes(tiny: LoadedModel) -> None
         sched.add_request(Req(f"r{i}", _prompt(i, int(rng.integers(1, 60))), sp))
     outs = _collect(sched.run_until_idle())
     assert len(outs) == 40 and all(o["reason"].kind == "length" for o in outs.values())
-    # Rows {1,2,4} x lengths {8..64} x pages {1..8} for extend, rows x pages for decode.
-    extend_bound = 3 * 4 * 4
-    decode_bound = 3 * 4
+    # Rows {1,2,4} x lengths {8,16,32,64} x page buckets for extend; rows x page buckets for decode.
+    page_widths = len(page_buckets_upto(sched.pool_config.pages_for(60 + 10)))
+    extend_bound = 3 * 4 * page_widths
+    decode_bound = 3 * page_widths
     shapes = sched.forward_shapes
     assert len([s for s in shapes if s[0] == "extend"]) <= extend_bound
     assert len([s for s in shapes if s[0] == "decode"]) <= decode_bound
