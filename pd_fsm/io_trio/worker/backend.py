@@ -1,0 +1,72 @@
+"""The contract between the worker's HTTP layer and the scheduler behind it.
+
+The HTTP layer (routes, schemas, SSE, metrics) is the same for every disaggregation mode; what
+changes is the backend: colocated (a plain Scheduler), prefill (answers its leg once the room's KV
+is handed off to D) or decode (preallocates, pulls the KV, then decodes). A backend owns its
+scheduler and runs it from one trio task (`serve`), moving blocking JAX work to a worker thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+import attrs
+import trio
+
+from pd_fsm.jax_engine.sampling import SamplingParams
+from pd_fsm.schedulers.request import RequestOutput
+
+
+@attrs.frozen
+class BootstrapInfo:
+    """The three top-level fields a PD router injects (COMPAT.md)."""
+
+    host: str
+    port: int | None  # sglang's mini-lb may send null: the worker's default applies
+    room: int
+
+
+@attrs.frozen
+class GenerateJob:
+    rid: str
+    input_ids: tuple[int, ...]
+    sampling: SamplingParams
+    bootstrap: BootstrapInfo | None = None  # required by prefill/decode backends
+    return_logprob: bool = False
+
+
+class BackendError(Exception):
+    """A request the backend could not serve: HTTP ``status`` and a reason for the client."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+class Backend(Protocol):
+    mode: str  # "null" | "prefill" | "decode"
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the scheduler loop until cancelled; ``started()`` once requests can be accepted."""
+        ...
+
+    def generate(self, job: GenerateJob) -> AsyncIterator[RequestOutput]:
+        """Outputs of ``job`` in order; the last has ``finish_reason`` set. Raises BackendError
+        (before or during the stream) when the request fails; leaving the iterator early (the
+        client went away) aborts the request and frees everything it held."""
+        ...
+
+    def abort(self, rid: str) -> bool:
+        """Abort a live request by rid (``/abort_request``); False when unknown."""
+        ...
+
+    def ready(self) -> bool:
+        """True once the model is loaded and compiled and (PD) the worker is registered."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Gauges and counters for /metrics and /get_load: free/total pages, queue lengths,
+        KVPoll state counts, transfer bytes/seconds, requests by outcome."""
+        ...
