@@ -72,6 +72,12 @@ def _strict_bool(value: Any, _: type) -> bool:
     return value
 
 
+def _strict_float(value: Any, _: type) -> float:
+    if type(value) is not float or value != value or value in (float("inf"), float("-inf")):
+        raise TypeError(f"expected a finite float, got {value!r:.20}")
+    return value
+
+
 def _room_list(value: Any, _: type) -> tuple[int, ...]:
     if type(value) is not list:
         raise TypeError(f"expected a list of rooms, got {type(value).__name__}")
@@ -87,6 +93,7 @@ _converter = cattrs.Converter(forbid_extra_keys=True)
 _converter.register_structure_hook(int, _strict_int)
 _converter.register_structure_hook(str, _strict_str)
 _converter.register_structure_hook(bool, _strict_bool)
+_converter.register_structure_hook(float, _strict_float)
 _converter.register_structure_hook_func(lambda t: t == tuple[int, ...], _room_list)
 _converter.register_unstructure_hook(tuple, list)
 

@@ -43,6 +43,7 @@ _STATUS = {
 class _ReceiverRoom:
     __slots__ = (
         "bootstrap_addr",
+        "first_logprob",
         "first_token",
         "hello_seq",
         "n_pages",
@@ -60,6 +61,7 @@ class _ReceiverRoom:
         self.peer: str | None = None
         self.uuid = -1
         self.first_token = -1
+        self.first_logprob = 0.0
         self.hello_seq = -1  # last heartbeat seq sent before our RECV_INIT
 
 
@@ -275,6 +277,7 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
             if r.state == "WAITING_FOR_READY":
                 r.uuid = m.uuid
                 r.first_token = m.first_token
+                r.first_logprob = m.first_logprob
             self._remote(r, "ReadyReceived", now, out, "")
         else:  # Abort
             self._remote(r, "AbortReceived", now, out, f"prefill aborted the room: {m.reason}")
@@ -428,7 +431,7 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
         out.append(fx.ReleaseBlocks(r.room))
 
     def _fx_CompleteTransfer(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
-        out.append(fx.CompleteTransfer(r.room, r.first_token))
+        out.append(fx.CompleteTransfer(r.room, r.first_token, r.first_logprob))
 
     def _fx_FailRequest(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
         out.append(fx.FailRequest(r.room, why.reason, why.status))

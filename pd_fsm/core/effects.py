@@ -91,6 +91,7 @@ class CompleteTransfer:
 
     room: int
     first_token: int
+    first_logprob: float = 0.0
 
 
 # --- both ------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ class PrefillFinished:
     room: int
     first_token: int
     n_pages: int
+    first_logprob: float = 0.0
 
 
 @attrs.frozen(slots=True)

@@ -31,6 +31,7 @@ class Ready:
     first_token: int
     n_pages: int
     layout_hash: str
+    first_logprob: float = 0.0  # of first_token under P's distribution (for return_logprob)
 
 
 @attrs.frozen(slots=True)

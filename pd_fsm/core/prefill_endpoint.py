@@ -28,6 +28,7 @@ class _SenderRoom:
     __slots__ = (
         "d_pages",
         "expires_at",
+        "first_logprob",
         "first_token",
         "has_request",
         "lease",
@@ -46,6 +47,7 @@ class _SenderRoom:
         self.peer: str | None = None
         self.uuid: int | None = None
         self.first_token = -1
+        self.first_logprob = 0.0
         self.n_pages = -1  # ours, known at PrefillFinished
         self.d_pages = -1  # D's claim, from RECV_INIT
         self.has_request = False
@@ -118,6 +120,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
         if r is None:
             return
         r.first_token = e.first_token
+        r.first_logprob = e.first_logprob
         r.n_pages = e.n_pages
         if r.d_pages >= 0 and r.d_pages != e.n_pages:
             self._violated(
@@ -290,7 +293,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
 
     def _fx_SendReady(self, r: _SenderRoom, now: float, out: list[Any], ctx: Any) -> None:
         assert r.peer is not None and r.uuid is not None
-        ready = Ready(r.room, r.uuid, r.first_token, r.n_pages, self.layout_hash)
+        ready = Ready(r.room, r.uuid, r.first_token, r.n_pages, self.layout_hash, r.first_logprob)
         out.append(fx.SendMessage(r.peer, ready))
 
     def _fx_SendAbort(self, r: _SenderRoom, now: float, out: list[Any], ctx: Any) -> None:

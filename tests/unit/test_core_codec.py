@@ -33,6 +33,7 @@ messages: st.SearchStrategy[Message] = st.one_of(
         st.integers(0, (1 << 31) - 1),
         st.integers(0, 1 << 20),
         text,
+        st.floats(allow_nan=False, allow_infinity=False),
     ),
     st.builds(Done, rooms, st.booleans(), text),
     st.builds(Heartbeat, st.integers(0, MAX_UUID - 1), st.lists(rooms, max_size=50).map(tuple)),
@@ -92,6 +93,9 @@ def test_wrong_or_missing_signature_refused(message: Message) -> None:
         codec.decode(codec.encode(message, SECRET), None)
 
 
+_READY = {"room": 1, "uuid": 1, "first_token": 1, "n_pages": 1, "layout_hash": "h"}
+
+
 def _raw(payload: object, version: int = codec.VERSION) -> bytes:
     return codec.MAGIC + bytes((version, 0)) + msgpack.packb(payload)
 
@@ -111,6 +115,8 @@ def _raw(payload: object, version: int = codec.VERSION) -> bytes:
         (_raw({"t": "DONE", "b": {"room": -1, "ok": True}}), "outside"),
         (_raw({"t": "DONE", "b": {"room": 1, "ok": True, "x": 1}}), "Extra fields"),
         (_raw({"t": "ABORT", "b": {"room": 1}}), "missing field"),
+        (_raw({"t": "READY", "b": _READY | {"first_logprob": float("nan")}}), "finite"),
+        (_raw({"t": "READY", "b": _READY | {"first_logprob": 1}}), "finite float"),
         (_raw({"t": "HB", "b": {"seq": 1, "rooms": list(range(5000))}}), "not msgpack"),
         (codec.MAGIC + b"\x01\x00" + b"\xc1", "not msgpack"),
         (codec.MAGIC + b"\x01\x00" + b"x" * (codec.MAX_FRAME + 1), "exceeds"),
