@@ -102,8 +102,12 @@ class Scheduler:
         self.prefilling: list[Req] = []
         self.running: list[Req] = []
         self.forward_shapes: set[tuple[int | str, ...]] = set()
-        self._dirty: dict[str, Req] = {}  # requests with unreported progress, in order
+        # Requests with unreported progress, in order (an ordered set keyed by identity, not rid: a
+        # rejected duplicate must not hide the live request of the same rid).
+        self._dirty: dict[Req, None] = {}
         self._seed_rng = random.Random(args.random_seed)
+        # Requests and aborts handed over from other threads; deque append/popleft are atomic.
+        self._inbox: deque[Req | tuple[str, str]] = deque()
 
     # ----------------------------------------------------------------- public API
 
@@ -134,6 +138,21 @@ class Scheduler:
         req.prefilled = len(req.input_ids)
         self._enter_running(req, first_token, first_logprob)
 
+    def submit(self, req: Req) -> None:
+        """Thread-safe ``add_request``: queued for the next ``step()``. A request that can never
+        be served is then finished with an abort output carrying the reason."""
+        self._inbox.append(req)
+
+    def request_abort(self, rid: str, message: str = "aborted") -> None:
+        """Thread-safe ``abort``: applied at the start of the next ``step()``."""
+        self._inbox.append((rid, message))
+
+    def prompt_pages(self, req: Req) -> list[int]:
+        """The pages holding (or about to hold) ``req``'s prompt K/V, in position order: what a
+        prefill worker sends and a decode worker receives."""
+        assert req.pages is not None
+        return req.pages[: self.pool_config.pages_for(len(req.input_ids))]
+
     def reserve_pages(self, req: Req) -> bool:
         """Reserve ``req``'s pages now (a decode worker does so before the KV transfer)."""
         return self._allocate_pages(req)
@@ -148,6 +167,7 @@ class Scheduler:
 
     def step(self) -> list[RequestOutput]:
         """One scheduling iteration; returns the outputs produced since the previous call."""
+        self._process_inbox()
         self._admit_waiting()
         prefill = self._build_prefill_batch()
         if prefill is not None:
@@ -158,12 +178,12 @@ class Scheduler:
         return self.drain_outputs()
 
     def drain_outputs(self) -> list[RequestOutput]:
-        outputs = [self._make_output(req) for req in self._dirty.values()]
+        outputs = [self._make_output(req) for req in self._dirty]
         self._dirty.clear()
         return outputs
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running or self._dirty)
+        return bool(self._inbox or self.waiting or self.prefilling or self.running or self._dirty)
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> list[RequestOutput]:
         """Step until nothing is left to do; all outputs in order (tests, benchmarks)."""
@@ -240,6 +260,19 @@ class Scheduler:
         )
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.sampling.skip_special_tokens)
         self.reqs[req.rid] = req
+
+    def _process_inbox(self) -> None:
+        while self._inbox:
+            item = self._inbox.popleft()
+            if isinstance(item, tuple):
+                self.abort(*item)
+                continue
+            try:
+                self.add_request(item)
+            except ValueError as exc:
+                item.finish_reason = FinishReason("abort", message=str(exc))
+                item.state = ReqState.FINISHED
+                self._dirty[item] = None
 
     def _num_admitted(self) -> int:
         return len(self.prefilling) + len(self.running)
@@ -410,7 +443,7 @@ class Scheduler:
     def _append_token(self, req: Req, token: int, logprob: float) -> None:
         req.output_ids.append(token)
         req.output_logprobs.append(logprob)
-        self._dirty[req.rid] = req
+        self._dirty[req] = None
         sp = req.sampling
         detok = req.detokenizer
         assert detok is not None
@@ -452,7 +485,7 @@ class Scheduler:
         self.reqs.pop(req.rid, None)
         self._detach(req)
         self._release_pages(req)
-        self._dirty[req.rid] = req
+        self._dirty[req] = None
 
     def _detach(self, req: Req) -> None:
         """Remove ``req`` from every queue it may be in (mixins extend this with their own)."""

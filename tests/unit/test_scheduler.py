@@ -277,3 +277,23 @@ def test_make_scheduler_modes(tiny: LoadedModel) -> None:
             make_scheduler(_args(disaggregation_mode=mode), model=tiny)
     with pytest.raises(ValueError):
         _args(disaggregation_mode="both")
+
+
+def test_submit_and_request_abort_apply_at_the_next_step(tiny: LoadedModel) -> None:
+    """The thread-safe entry points: queued, applied by step(), rejections reported as output."""
+    sched = Scheduler(_args(num_pages=11), model=tiny)
+    sched.submit(Req("a", _prompt(1, 8), GREEDY))
+    sched.submit(Req("a", _prompt(2, 8), GREEDY))  # duplicate id
+    sched.submit(Req("huge", _prompt(3, 8), attrs.evolve(GREEDY, max_new_tokens=100)))
+    assert sched.stats().waiting == 0 and sched.has_work()
+    first = sched.step()
+    rejected = [o for o in first if o.finished]
+    assert [o.rid for o in rejected] == ["a", "huge"]
+    assert rejected[0].finish_reason is not None and "duplicate" in str(
+        rejected[0].finish_reason.message
+    )
+    assert sched.stats().running == 1
+    sched.request_abort("a", "bye")
+    outs = _collect(sched.run_until_idle())
+    assert outs["a"]["reason"] == FinishReason("abort", message="bye")
+    assert sched.stats().free_pages == sched.stats().total_pages
