@@ -59,7 +59,7 @@ class HFTokenizer:
     def __init__(
         self,
         tokenizer_json: str,
-        eos_token_id: int,
+        eos_token_id: int | Iterable[int],
         chat_template: str | None = None,
         bos_token_id: int | None = None,
         add_bos_token: bool = False,
@@ -67,7 +67,8 @@ class HFTokenizer:
         from tokenizers import Tokenizer as _HF
 
         self._tok = _HF.from_str(tokenizer_json)
-        self._eos = frozenset({eos_token_id})
+        eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+        self._eos = frozenset(eos)
         self.bos_token_id = bos_token_id
         self.add_bos_token = add_bos_token
         self.chat_template = chat_template

@@ -1,0 +1,125 @@
+"""Load a local Hugging Face Llama / Qwen2 checkpoint (``config.json`` + ``*.safetensors``).
+
+The safetensors format (8-byte little-endian header length, a JSON header, raw little-endian data)
+is read directly with numpy, so no extra dependency is needed. HF stores linear weights
+``[out, in]`` in the rotate-half rotary layout; we transpose to ``[in, out]`` and keep the layout.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pd_fsm.jax_engine.model.config import ModelConfig
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+_DTYPES: dict[str, np.dtype[Any]] = {
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"),  # widened to f32 below
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+}
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of one ``.safetensors`` file as float32 (floats) or its integer dtype."""
+    with path.open("rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    base = 8 + header_len
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    out: dict[str, np.ndarray] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}")
+        begin, end = info["data_offsets"]
+        arr = np.frombuffer(raw[base + begin : base + end], dtype=dtype).reshape(info["shape"])
+        if info["dtype"] == "BF16":
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        elif arr.dtype.kind == "f":
+            arr = arr.astype(np.float32)
+        out[name] = np.array(arr)  # detach from the memmap
+    return out
+
+
+def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r}; known: {SUPPORTED_MODEL_TYPES}")
+    if cfg.get("rope_scaling"):
+        raise ValueError(f"rope_scaling {cfg['rope_scaling']!r} is not implemented")
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    return ModelConfig(
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position=int(cfg.get("max_position_embeddings", 4096)),
+    )
+
+
+_LAYER = {
+    "input_layernorm.weight": ("attn_norm", False),
+    "self_attn.q_proj.weight": ("wq", True),
+    "self_attn.k_proj.weight": ("wk", True),
+    "self_attn.v_proj.weight": ("wv", True),
+    "self_attn.o_proj.weight": ("wo", True),
+    "self_attn.q_proj.bias": ("bq", False),
+    "self_attn.k_proj.bias": ("bk", False),
+    "self_attn.v_proj.bias": ("bv", False),
+    "post_attention_layernorm.weight": ("mlp_norm", False),
+    "mlp.gate_proj.weight": ("w_gate", True),
+    "mlp.up_proj.weight": ("w_up", True),
+    "mlp.down_proj.weight": ("w_down", True),
+}
+
+
+def hf_to_params(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[str, Any]:
+    layers = []
+    for i in range(config.num_layers):
+        layer: dict[str, np.ndarray] = {}
+        for suffix, (name, transpose) in _LAYER.items():
+            w = tensors.get(f"model.layers.{i}.{suffix}")
+            if w is None:
+                if name.startswith("b"):  # biases exist only in Qwen2-style checkpoints
+                    continue
+                raise KeyError(f"checkpoint lacks model.layers.{i}.{suffix}")
+            layer[name] = np.ascontiguousarray(w.T) if transpose else w
+        layers.append(layer)
+    params: dict[str, Any] = {
+        "embed": tensors["model.embed_tokens.weight"],
+        "final_norm": tensors["model.norm.weight"],
+        "layers": layers,
+    }
+    if not config.tie_embeddings:
+        params["lm_head"] = np.ascontiguousarray(tensors["lm_head.weight"].T)
+    return params
+
+
+def load_hf_checkpoint(directory: Path) -> tuple[ModelConfig, dict[str, Any], dict[str, Any]]:
+    """Config, numpy params pytree and the raw ``config.json`` of a checkpoint directory."""
+    raw_cfg = json.loads((directory / "config.json").read_text())
+    config = config_from_hf(raw_cfg)
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {directory}")
+    tensors: dict[str, np.ndarray] = {}
+    for path in files:
+        tensors.update(read_safetensors(path))
+    return config, hf_to_params(tensors, config), raw_cfg
