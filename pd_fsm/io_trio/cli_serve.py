@@ -1,0 +1,107 @@
+"""`pd-fsm serve`: a worker process (DESIGN §8): HTTP API + backend in one trio program.
+
+``--disaggregation-mode null`` serves a colocated scheduler; ``prefill`` / ``decode`` build the
+backend with ``pd_fsm.io_trio.worker.pd_backends.make_pd_backend(config)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import logging
+import signal
+import sys
+
+import trio
+
+from pd_fsm.io_trio.worker.backend import Backend
+from pd_fsm.io_trio.worker.config import ServeConfig, add_serve_arguments, config_from_args
+
+log = logging.getLogger("pd_fsm.io_trio.cli_serve")
+
+PD_BACKENDS_MODULE = "pd_fsm.io_trio.worker.pd_backends"
+
+
+class BackendUnavailable(Exception):
+    pass
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("serve", help="run a worker (colocated, prefill or decode)")
+    add_serve_arguments(p)
+    p.set_defaults(func=main)
+
+
+def make_backend(config: ServeConfig) -> Backend:
+    if config.disaggregation_mode == "null":
+        from pd_fsm.io_trio.worker.colocated import ColocatedBackend
+
+        return ColocatedBackend(config.scheduler_args(), max_queued=config.max_queued)
+    try:
+        module = importlib.import_module(PD_BACKENDS_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name != PD_BACKENDS_MODULE:
+            raise
+        raise BackendUnavailable(
+            "prefill/decode backends not built in this checkout "
+            f"({PD_BACKENDS_MODULE} is missing); use --disaggregation-mode null"
+        ) from None
+    backend: Backend = module.make_pd_backend(config)
+    return backend
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=args.log_level.upper(),
+        format=f"pd-fsm serve[{args.disaggregation_mode}]: %(asctime)s %(levelname)s "
+        "%(name)s: %(message)s",
+    )
+    try:
+        config = config_from_args(args)
+        config.cluster_secret()  # fail now, not at the first registration
+    except (ValueError, OSError) as exc:
+        log.error("%s", exc)
+        return 2
+    try:
+        backend = make_backend(config)
+    except BackendUnavailable as exc:
+        log.error("%s", exc)
+        return 2
+    from pd_fsm.io_trio.worker.app import WorkerApp
+
+    worker = WorkerApp(config, backend)
+    try:
+        trio.run(_run, worker)
+    except OSError as exc:  # typically: the port is taken
+        log.error("cannot serve on %s:%s: %s", config.host, config.port, exc)
+        return 1
+    log.info("stopped")
+    return 0
+
+
+async def _run(worker: object) -> None:
+    from pd_fsm.io_trio.worker.app import WorkerApp, serve_worker
+
+    assert isinstance(worker, WorkerApp)
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_stop_on_signal, stop, nursery.cancel_scope)
+        serve = functools.partial(serve_worker, shutdown_trigger=stop.wait)
+        url = await nursery.start(serve, worker, worker.config.host, worker.config.port)
+        # One machine-readable line for launchers (the cluster runner reads the port from it).
+        print(f"pd-fsm serve: listening on {url}", flush=True)
+        await stop.wait()
+        log.info("shutting down")
+        nursery.cancel_scope.deadline = trio.current_time() + 5
+
+
+async def _stop_on_signal(stop: trio.Event, scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("received %s", signal.Signals(signum).name)
+            stop.set()
+            # A model still loading in a thread cannot be interrupted; do not wait on it long.
+            scope.deadline = min(scope.deadline, trio.current_time() + 5)
+            return

@@ -1,0 +1,551 @@
+"""The worker's HTTP API (starlette, served by hypercorn's trio worker) over any Backend.
+
+Mode-independent: the same routes and schemas whether the backend is colocated, prefill or
+decode. The app owns the tokenizer and the chat template (loaded once; the backend's scheduler
+shares the memoised weights), turns bodies into ``GenerateJob``s and the backend's outputs into
+sglang / OpenAI bodies or SSE streams. Every generation wait races the client's disconnect, so a
+client that goes away aborts its request (and frees its pages) at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+from hypercorn.trio import serve as hypercorn_serve
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from pd_fsm.io_trio.bootstrap_server import hypercorn_config
+from pd_fsm.io_trio.worker import schemas
+from pd_fsm.io_trio.worker.backend import Backend, BackendError, GenerateJob
+from pd_fsm.io_trio.worker.config import ServeConfig
+from pd_fsm.io_trio.worker.metrics import WorkerMetrics
+from pd_fsm.io_trio.worker.responses import Accumulator
+from pd_fsm.io_trio.worker.schemas import ApiError, Limits, ParsedRequest
+from pd_fsm.io_trio.worker.sse import DONE, SSEResponse, event, until_disconnect
+from pd_fsm.jax_engine.model.registry import LoadedModel, load_model
+from pd_fsm.jax_engine.sampling import SamplingParams
+from pd_fsm.schedulers.request import RequestOutput
+
+log = logging.getLogger("pd_fsm.io_trio.worker.app")
+
+# Above these sizes, JSON decoding and tokenization move off the event loop.
+THREAD_JSON_BYTES = 256 * 1024
+THREAD_TOKENIZE_CHARS = 8 * 1024
+
+_PARSERS: dict[str, Callable[[Any, Limits], ParsedRequest]] = {
+    "generate": schemas.parse_generate,
+    "completion": schemas.parse_completion,
+    "chat": schemas.parse_chat,
+}
+
+
+def _version() -> str:
+    try:
+        return metadata.version("pd_fsm")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def model_path(name: str) -> str:
+    """A LOCAL path for /server_info's ``model_path``: routers try to download anything that
+    looks like a hub id. The tiny random model has no file: the package that defines it."""
+    if name == "smollm2":
+        from pd_fsm.jax_engine.model.gguf_loader import find_smollm2_gguf
+
+        return str(find_smollm2_gguf())
+    from pd_fsm.jax_engine.model import config as model_config
+
+    return str(Path(model_config.__file__).resolve().parent)
+
+
+@attrs.frozen(eq=False)
+class ModelMeta:
+    served_name: str
+    model: LoadedModel
+    context_length: int
+    path: str
+
+    @classmethod
+    def of(cls, model: LoadedModel, config: ServeConfig) -> ModelMeta:
+        limit = config.context_length or model.config.max_position
+        return cls(
+            served_name=config.model_name,
+            model=model,
+            context_length=min(limit, model.config.max_position),
+            path=model_path(config.model),
+        )
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.context_length, self.model.config.vocab_size)
+
+
+def _error(exc: ApiError) -> JSONResponse:
+    response = JSONResponse(exc.body(), status_code=exc.status)
+    if exc.status == 413:
+        # The rest of an oversized body may still be on the wire: the connection cannot be reused.
+        response.headers["connection"] = "close"
+    return response
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class WorkerApp:
+    def __init__(
+        self, config: ServeConfig, backend: Backend, *, model: LoadedModel | None = None
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.meta: ModelMeta | None = None if model is None else ModelMeta.of(model, config)
+        self.metrics = WorkerMetrics(self._stats)
+        self._live: set[str] = set()
+        self.bad_requests = 0
+        self.app = Starlette(
+            routes=[
+                Route("/generate", self._generate, methods=["POST"]),
+                Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/health", self._health, methods=["GET"]),
+                Route("/health_generate", self._health_generate, methods=["GET"]),
+                Route("/server_info", self._server_info, methods=["GET"]),
+                Route("/get_server_info", self._server_info, methods=["GET"]),
+                Route("/model_info", self._model_info, methods=["GET"]),
+                Route("/get_model_info", self._model_info, methods=["GET"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/get_load", self._get_load, methods=["GET"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
+                Route("/abort_request", self._abort_request, methods=["POST"]),
+            ],
+            exception_handlers={
+                ApiError: self._on_api_error,
+                HTTPException: self._on_http_exception,
+            },
+        )
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def ready(self) -> bool:
+        return self.meta is not None and self.backend.ready()
+
+    async def load(self) -> None:
+        """Load (and memoise) the model off the event loop; the backend reuses the weights."""
+        if self.meta is None:
+            c = self.config
+            model = await trio.to_thread.run_sync(
+                load_model, c.model, c.dtype, c.model_seed, abandon_on_cancel=True
+            )
+            self.meta = ModelMeta.of(model, c)
+
+    def _stats(self) -> dict[str, Any]:
+        stats = dict(self.backend.stats())
+        stats.setdefault("live_requests", len(self._live))
+        stats["ready"] = self.ready()
+        return stats
+
+    # ----------------------------------------------------------------- errors
+
+    async def _on_api_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return _error(exc)
+
+    async def _on_http_exception(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return _error(ApiError(exc.status_code, str(exc.detail)))
+
+    def _bad(self, endpoint: str, exc: ApiError) -> ApiError:
+        self.bad_requests += 1
+        outcome = "client_error" if exc.status < 500 else "server_error"
+        self.metrics.requests.labels(endpoint, outcome).inc()
+        return exc
+
+    # ----------------------------------------------------------------- request plumbing
+
+    async def _read_json(self, request: Request) -> Any:
+        limit = self.config.max_body
+        declared = request.headers.get("content-length")
+        try:
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                raise _BodyTooLarge
+            chunks: list[bytes] = []
+            size = 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:  # chunked uploads declare no length: count as we read
+                    raise _BodyTooLarge
+                chunks.append(chunk)
+        except _BodyTooLarge:
+            raise ApiError(413, f"request body over {limit} bytes") from None
+        raw = b"".join(chunks)
+        try:
+            if len(raw) > THREAD_JSON_BYTES:
+                return await trio.to_thread.run_sync(json.loads, raw)
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"malformed JSON: {exc}") from None
+
+    def _require_ready(self) -> ModelMeta:
+        if self.meta is None or not self.backend.ready():
+            raise ApiError(503, "the worker is not ready (model loading)")
+        return self.meta
+
+    async def _prompt_ids(self, meta: ModelMeta, parsed: ParsedRequest) -> tuple[int, ...]:
+        tok = meta.model.tokenizer
+        if parsed.input_ids is not None:
+            ids: tuple[int, ...] = parsed.input_ids
+        else:
+            if parsed.messages is not None:
+                try:
+                    text = tok.apply_chat_template(parsed.messages)
+                except ValueError as exc:
+                    raise ApiError(400, str(exc)) from None
+            else:
+                assert parsed.text is not None
+                text = parsed.text
+            if len(text) > THREAD_TOKENIZE_CHARS:
+                ids = tuple(await trio.to_thread.run_sync(tok.encode, text))
+            else:
+                ids = tuple(tok.encode(text))
+        if not ids:
+            raise ApiError(400, "the prompt is empty")
+        if len(ids) >= meta.context_length:
+            raise ApiError(
+                413,
+                f"prompt of {len(ids)} tokens does not fit the context length "
+                f"{meta.context_length}",
+            )
+        return ids
+
+    async def _job(self, request: Request, kind: str) -> tuple[ParsedRequest, GenerateJob]:
+        meta = self._require_ready()
+        body = await self._read_json(request)
+        parsed = _PARSERS[kind](body, meta.limits)
+        if parsed.model is not None and parsed.model != meta.served_name:
+            raise ApiError(
+                404, f"model {parsed.model!r} is not served here (serving {meta.served_name!r})",
+                "model_not_found",
+            )
+        rid = parsed.rid or uuid.uuid4().hex
+        if rid in self._live:
+            raise ApiError(400, f"request id {rid!r} is already in use")
+        ids = await self._prompt_ids(meta, parsed)
+        job = GenerateJob(
+            rid=rid,
+            input_ids=ids,
+            sampling=parsed.sampling,
+            bootstrap=parsed.bootstrap,
+            return_logprob=parsed.return_logprob,
+        )
+        return parsed, job
+
+    async def _outputs(self, job: GenerateJob) -> AsyncIterator[RequestOutput]:
+        """The backend's outputs, with the request counted as live while they flow."""
+        self._live.add(job.rid)
+        try:
+            async with aclosing(self.backend.generate(job)) as outputs:
+                async for out in outputs:
+                    yield out
+        finally:
+            self._live.discard(job.rid)
+
+    # ----------------------------------------------------------------- generation endpoints
+
+    async def _generate(self, request: Request) -> Any:
+        return await self._serve(request, "generate")
+
+    async def _completions(self, request: Request) -> Any:
+        return await self._serve(request, "completion")
+
+    async def _chat(self, request: Request) -> Any:
+        return await self._serve(request, "chat")
+
+    async def _serve(self, request: Request, kind: str) -> Any:
+        endpoint = request.url.path
+        start = trio.current_time()
+        try:
+            parsed, job = await self._job(request, kind)
+        except ApiError as exc:
+            raise self._bad(endpoint, exc) from None
+        self.metrics.prompt_tokens.inc(len(job.input_ids))
+        assert self.meta is not None
+        acc = Accumulator(
+            parsed.kind,
+            job.rid,
+            self.meta.served_name,
+            return_logprob=parsed.return_logprob,
+            include_usage=parsed.include_usage,
+        )
+        outputs = self._outputs(job)
+        timing = _Timing(self.metrics, start)
+
+        if not parsed.stream:
+            async def collect() -> ApiError | None:
+                try:
+                    async with aclosing(outputs):
+                        async for out in outputs:
+                            timing.output(out)
+                            acc.add(out)
+                except BackendError as exc:
+                    return ApiError(exc.status, exc.reason)
+                return None
+
+            connected, failure = await until_disconnect(request.receive, collect)
+            if not connected:
+                self.metrics.requests.labels(endpoint, "disconnected").inc()
+                return Response(status_code=499)
+            if failure is not None:
+                raise self._bad(endpoint, failure)
+            self._count_done(endpoint, acc)
+            body = acc.generate_body() if kind == "generate" else acc.openai_body()
+            return JSONResponse(body)
+
+        # Streaming: wait for the first output before answering, so that a request the backend
+        # refuses at once still gets its proper HTTP status instead of a 200 stream.
+        async def first() -> RequestOutput | ApiError | None:
+            try:
+                return await outputs.__anext__()
+            except BackendError as exc:
+                return ApiError(exc.status, exc.reason)
+            except StopAsyncIteration:
+                return None
+
+        connected, head = await until_disconnect(request.receive, first)
+        if not connected or isinstance(head, ApiError) or head is None:
+            with trio.CancelScope(shield=True):
+                await outputs.aclose()
+            if not connected:
+                self.metrics.requests.labels(endpoint, "disconnected").inc()
+                return Response(status_code=499)
+            if isinstance(head, ApiError):
+                raise self._bad(endpoint, head)
+            raise self._bad(endpoint, ApiError(500, "the backend produced no output"))
+
+        def gone() -> None:
+            self.metrics.requests.labels(endpoint, "disconnected").inc()
+
+        return SSEResponse(self._events(endpoint, head, outputs, acc, timing), on_disconnect=gone)
+
+    async def _events(
+        self,
+        endpoint: str,
+        head: RequestOutput,
+        outputs: AsyncIterator[RequestOutput],
+        acc: Accumulator,
+        timing: _Timing,
+    ) -> AsyncIterator[bytes]:
+        async with aclosing(outputs):  # type: ignore[type-var]
+            timing.output(head)
+            for payload in acc.chunks(head):
+                yield event(payload)
+            try:
+                async for out in outputs:
+                    timing.output(out)
+                    for payload in acc.chunks(out):
+                        yield event(payload)
+            except BackendError as exc:
+                # Headers are out: say so in a final chunk (sglang: finish_reason abort).
+                self.metrics.requests.labels(endpoint, "server_error").inc()
+                yield event(acc.error_chunk(exc.status, exc.reason))
+                yield DONE
+                return
+        self._count_done(endpoint, acc)
+        yield DONE
+
+    def _count_done(self, endpoint: str, acc: Accumulator) -> None:
+        kind = acc.finish.kind if acc.finish is not None else "none"
+        self.metrics.requests.labels(endpoint, "aborted" if kind == "abort" else "ok").inc()
+        self.metrics.completion_tokens.inc(acc.completion_tokens)
+
+    # ----------------------------------------------------------------- control endpoints
+
+    async def _abort_request(self, request: Request) -> Response:
+        body = await self._read_json(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        if body.get("abort_all") is True:
+            rids = sorted(self._live)
+        else:
+            rid = body.get("rid")
+            if not isinstance(rid, str) or not rid:
+                raise ApiError(400, "give rid (a string) or abort_all: true")
+            rids = [rid]
+        aborted = [rid for rid in rids if self.backend.abort(rid)]
+        return JSONResponse({"aborted": aborted})
+
+    async def _health(self, request: Request) -> Response:
+        if not self.ready():
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def _health_generate(self, request: Request) -> Response:
+        meta = self._require_ready()
+        if self.backend.mode != "null":
+            # A PD leg cannot run alone: it needs a room and its peer (the proxy's job).
+            return JSONResponse({"status": "ok", "generated": False, "mode": self.backend.mode})
+        job = GenerateJob(
+            rid=f"health-{uuid.uuid4().hex}",
+            input_ids=tuple(meta.model.tokenizer.encode("ping")) or (1,),
+            sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
+        )
+
+        async def run() -> ApiError | int:
+            n = 0
+            try:
+                async with aclosing(self._outputs(job)) as outputs:
+                    async for out in outputs:
+                        n += len(out.new_token_ids)
+            except BackendError as exc:
+                return ApiError(503, f"generation check failed: {exc.reason}")
+            return n
+
+        connected, result = await until_disconnect(request.receive, run)
+        if not connected:
+            return Response(status_code=499)
+        if isinstance(result, ApiError):
+            raise result
+        return JSONResponse({"status": "ok", "generated": True, "tokens": result})
+
+    def _info_common(self) -> dict[str, Any]:
+        meta = self.meta
+        c = self.config
+        info: dict[str, Any] = {
+            "model_path": meta.path if meta else model_path(c.model),
+            "tokenizer_path": meta.path if meta else model_path(c.model),
+            "served_model_name": c.model_name,
+        }
+        return info
+
+    async def _server_info(self, request: Request) -> Response:
+        c = self.config
+        info = self._info_common()
+        info.update(
+            version=_version(),
+            disaggregation_mode=c.disaggregation_mode,
+            disaggregation_transfer_backend=c.disaggregation_transfer_backend,
+            disaggregation_bootstrap_host=c.disaggregation_bootstrap_host,
+            disaggregation_bootstrap_port=c.disaggregation_bootstrap_port,
+            page_size=c.page_size,
+            max_total_num_tokens=(c.num_pages - 1) * c.page_size,
+            max_running_requests=c.max_running,
+            chunked_prefill_size=c.max_batched_tokens,
+            context_length=self.meta.context_length if self.meta else None,
+            dtype=c.dtype,
+            host=c.host,
+            port=c.port,
+            ready=self.ready(),
+            internal_states=[self._stats()],
+        )
+        return JSONResponse(info)
+
+    async def _model_info(self, request: Request) -> Response:
+        info = self._info_common()
+        info.update(
+            is_generation=True,
+            preferred_sampling_params=None,
+            weight_version="default",
+            has_image_understanding=False,
+            has_audio_understanding=False,
+            model_type="llama",
+            architectures=["LlamaForCausalLM"],
+        )
+        return JSONResponse(info)
+
+    async def _models(self, request: Request) -> Response:
+        entry: dict[str, Any] = {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pd_fsm",
+            "root": self.config.model_name,
+        }
+        if self.meta is not None:
+            entry["max_model_len"] = self.meta.context_length
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def _get_load(self, request: Request) -> Response:
+        s = self.backend.stats()
+        total = int(s.get("total_pages", 0))
+        free = int(s.get("free_pages", total))
+        waiting = int(s.get("waiting", 0)) + int(s.get("queued", 0))
+        reqs = waiting + int(s.get("prefilling", 0)) + int(s.get("running", 0))
+        return JSONResponse(
+            [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": reqs,
+                    "num_waiting_reqs": waiting,
+                    # KV tokens reserved right now (pages are reserved for the whole sequence).
+                    "num_tokens": (total - free) * self.config.page_size,
+                    "num_pages_free": free,
+                    "num_pages_total": total,
+                }
+            ]
+        )
+
+    async def _metrics(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+@attrs.define
+class _Timing:
+    metrics: WorkerMetrics
+    start: float
+    first_seen: bool = False
+
+    def output(self, out: RequestOutput) -> None:
+        now = trio.current_time()
+        if not self.first_seen and out.new_token_ids:
+            self.first_seen = True
+            self.metrics.ttft.observe(now - self.start)
+        if out.finished:
+            self.metrics.e2e.observe(now - self.start)
+
+
+async def serve_worker(
+    worker: WorkerApp,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    shutdown_trigger: Any = None,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve HTTP at once (``/health`` answers 503 while loading), then load the model and run
+    the backend; ``started()`` with the base URL as soon as the socket listens."""
+    async with trio.open_nursery() as nursery:
+        binds: list[str] = await nursery.start(
+            _serve_http, worker, hypercorn_config(host, port), shutdown_trigger,
+            nursery.cancel_scope,
+        )
+        task_status.started(binds[0])
+        log.info("worker (%s) listening on %s; loading %s", worker.backend.mode, binds[0],
+                 worker.config.model)
+        await worker.load()
+        await nursery.start(worker.backend.serve)
+        log.info("worker ready on %s", binds[0])
+
+
+async def _serve_http(
+    worker: WorkerApp,
+    config: Any,
+    shutdown_trigger: Any,
+    scope: trio.CancelScope,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    await hypercorn_serve(worker.app, config, shutdown_trigger=shutdown_trigger,
+                          task_status=task_status)
+    scope.cancel()  # HTTP shut down gracefully: nobody is left to serve

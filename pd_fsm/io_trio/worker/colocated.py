@@ -1,0 +1,273 @@
+"""The colocated backend: one Scheduler, driven from one trio task.
+
+The loop takes new jobs from a bounded memory channel and aborts from a set, runs
+``scheduler.step`` in a worker thread while there is work, and fans each step's outputs out to
+per-request channels. A per-request channel is bounded; when a slow consumer lets it fill up, the
+outputs wait in that request's own overflow deque (refilled by the consumer as it reads), so one
+slow client never blocks the loop and no token is ever dropped. The scheduler is touched only
+from this loop (it is not thread-safe) or, during a step, from the one worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+import attrs
+import trio
+
+from pd_fsm.io_trio.worker.backend import BackendError, GenerateJob
+from pd_fsm.jax_engine.sampling import SamplingParams
+from pd_fsm.schedulers.args import SchedulerArgs
+from pd_fsm.schedulers.factory import make_scheduler
+from pd_fsm.schedulers.request import RequestOutput
+from pd_fsm.schedulers.scheduler import Scheduler
+
+log = logging.getLogger("pd_fsm.io_trio.worker.colocated")
+
+STREAM_CAPACITY = 64  # outputs buffered in a request's channel before its overflow deque
+WARMUP_PROMPT = (1, 2, 3, 4)
+
+Item = RequestOutput | BackendError
+
+
+@attrs.define(eq=False)
+class _Stream:
+    """One live request as the loop sees it."""
+
+    job: GenerateJob
+    send: trio.MemorySendChannel[Item]
+    overflow: deque[Item] = attrs.field(factory=deque)
+    in_scheduler: bool = False
+    done: bool = False  # its last item (finish or error) has been handed over
+
+    def put(self, item: Item) -> None:
+        # Order: everything in the channel precedes everything in the overflow.
+        if not self.overflow:
+            try:
+                self.send.send_nowait(item)
+                return
+            except trio.WouldBlock:
+                pass
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                return  # the consumer is gone; its abort is already queued
+        self.overflow.append(item)
+
+    def refill(self) -> None:
+        while self.overflow:
+            try:
+                self.send.send_nowait(self.overflow[0])
+            except trio.WouldBlock:
+                return
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                self.overflow.clear()
+                return
+            self.overflow.popleft()
+
+
+class ColocatedBackend:
+    mode = "null"
+
+    def __init__(
+        self,
+        args: SchedulerArgs,
+        *,
+        max_queued: int = 1024,
+        scheduler: Scheduler | None = None,
+        warmup: bool = True,
+    ) -> None:
+        self.args = args
+        self.scheduler: Scheduler | None = scheduler
+        self._warmup = warmup
+        self._ready = False
+        self._jobs_send, self._jobs_recv = trio.open_memory_channel[_Stream](max_queued)
+        self._streams: dict[str, _Stream] = {}
+        self._aborts: set[str] = set()
+        self._wake = trio.Event()
+        # One step at a time; the limiter keeps JAX work off trio's default thread pool.
+        self._limiter = trio.CapacityLimiter(1)
+        self.outcomes: dict[str, int] = {"stop": 0, "length": 0, "abort": 0, "error": 0}
+        self.prompt_tokens_total = 0
+        self.generated_tokens_total = 0
+        self.steps_total = 0
+        self.step_seconds_total = 0.0
+
+    # ----------------------------------------------------------------- Backend protocol
+
+    def ready(self) -> bool:
+        return self._ready
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        if self.scheduler is None:
+            self.scheduler = await trio.to_thread.run_sync(
+                self._build, limiter=self._limiter, abandon_on_cancel=True
+            )
+        elif self._warmup:
+            await trio.to_thread.run_sync(self._warm, self.scheduler, limiter=self._limiter)
+        self._ready = True
+        task_status.started()
+        log.info("colocated backend ready (%d pages of %d tokens)",
+                 self.scheduler.allocator.total, self.args.page_size)
+        try:
+            await self._loop(self.scheduler)
+        finally:
+            self._ready = False
+            for stream in list(self._streams.values()):
+                self._fail(stream, BackendError(503, "worker shutting down"))
+
+    async def generate(self, job: GenerateJob) -> AsyncIterator[RequestOutput]:
+        if not self._ready:
+            raise BackendError(503, "the model is still loading")
+        if job.rid in self._streams:
+            raise BackendError(400, f"request id {job.rid!r} is already in use")
+        send, recv = trio.open_memory_channel[Item](STREAM_CAPACITY)
+        stream = _Stream(job, send)
+        try:
+            self._jobs_send.send_nowait(stream)
+        except trio.WouldBlock:
+            raise BackendError(503, "too many queued requests; retry later") from None
+        self._streams[job.rid] = stream
+        self._wake.set()
+        finished = False
+        try:
+            with recv:
+                while True:
+                    item = await recv.receive()
+                    stream.refill()
+                    if isinstance(item, BackendError):
+                        finished = True
+                        raise item
+                    finished = item.finished
+                    yield item
+                    if finished:
+                        return
+        finally:
+            if not finished:
+                # The consumer left early (client gone, cancelled): abort from the loop. No
+                # await here: this runs inside a cancelled scope too.
+                self._aborts.add(job.rid)
+                self._wake.set()
+
+    def abort(self, rid: str) -> bool:
+        stream = self._streams.get(rid)
+        if stream is None or stream.done:
+            return False
+        self._aborts.add(rid)
+        self._wake.set()
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "requests_total": dict(self.outcomes),
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generated_tokens_total": self.generated_tokens_total,
+            "steps_total": self.steps_total,
+            "step_seconds_total": self.step_seconds_total,
+            "queued": self._jobs_recv.statistics().current_buffer_used,
+            "live_requests": len(self._streams),
+            "page_size": self.args.page_size,
+        }
+        if self.scheduler is not None:
+            s = self.scheduler.stats()
+            out.update(
+                free_pages=s.free_pages,
+                total_pages=s.total_pages,
+                waiting=s.waiting,
+                prefilling=s.prefilling,
+                running=s.running,
+                forward_shapes=s.forward_shapes,
+            )
+        return out
+
+    # ----------------------------------------------------------------- the loop
+
+    def _build(self) -> Scheduler:
+        scheduler = make_scheduler(self.args)
+        if self._warmup:
+            self._warm(scheduler)
+        return scheduler
+
+    @staticmethod
+    def _warm(scheduler: Scheduler) -> None:
+        """Compile the smallest prefill and decode shapes before the first client waits on it."""
+        req = scheduler.make_request(
+            "__warmup__", WARMUP_PROMPT, SamplingParams(max_new_tokens=2, temperature=0.0)
+        )
+        scheduler.add_request(req)
+        scheduler.run_until_idle()
+
+    async def _loop(self, scheduler: Scheduler) -> None:
+        while True:
+            # A fresh event before intake: a job or abort arriving after this point wakes us.
+            self._wake = trio.Event()
+            self._intake(scheduler)
+            if scheduler.has_work():
+                start = trio.current_time()
+                try:
+                    outputs = await trio.to_thread.run_sync(scheduler.step, limiter=self._limiter)
+                except Exception as exc:
+                    # The scheduler's state is unknown now: fail everyone, let the process die.
+                    for stream in list(self._streams.values()):
+                        self._fail(stream, BackendError(500, f"scheduler step failed: {exc!r}"))
+                    raise
+                self.steps_total += 1
+                self.step_seconds_total += trio.current_time() - start
+                self._fan_out(outputs)
+            else:
+                await self._wake.wait()
+
+    def _intake(self, scheduler: Scheduler) -> None:
+        while True:
+            try:
+                stream = self._jobs_recv.receive_nowait()
+            except trio.WouldBlock:
+                break
+            rid = stream.job.rid
+            if rid in self._aborts:  # the client left before its job was taken
+                self._aborts.discard(rid)
+                self._finish(stream, "abort")
+                continue
+            job = stream.job
+            req = scheduler.make_request(job.rid, list(job.input_ids), job.sampling)
+            try:
+                scheduler.add_request(req)
+            except ValueError as exc:
+                self._fail(stream, BackendError(400, str(exc)))
+                continue
+            stream.in_scheduler = True
+            self.prompt_tokens_total += len(job.input_ids)
+        aborted = False
+        for rid in list(self._aborts):
+            self._aborts.discard(rid)
+            stream_or_none = self._streams.get(rid)
+            if stream_or_none is not None and stream_or_none.in_scheduler:
+                # Frees the request's pages now; its final (abort) output is drained below.
+                aborted |= scheduler.abort(rid, "aborted by request")
+        if aborted:
+            self._fan_out(scheduler.drain_outputs())
+
+    def _fan_out(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.rid)
+            self.generated_tokens_total += len(out.new_token_ids)
+            if stream is None:
+                continue  # the warm-up request, or one already failed
+            stream.put(out)
+            if out.finish_reason is not None:
+                self._finish(stream, out.finish_reason.kind)
+
+    def _fail(self, stream: _Stream, error: BackendError) -> None:
+        stream.put(error)
+        self._finish(stream, "error")
+
+    def _finish(self, stream: _Stream, outcome: str) -> None:
+        # Exactly once per request: the stream leaves the table here and nowhere else.
+        if stream.done:
+            return
+        stream.done = True
+        self.outcomes[outcome] += 1
+        # The send side stays open: the last item may still sit in the overflow deque, and the
+        # consumer stops by itself at the final output or error.
+        self._streams.pop(stream.job.rid, None)

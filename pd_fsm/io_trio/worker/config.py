@@ -1,0 +1,180 @@
+"""Everything `pd-fsm serve` is told, in one frozen object (RFC-2 §7 flag names).
+
+The same object reaches every backend: the colocated one reads the scheduler knobs; the prefill
+and decode backends (``pd_backends.make_pd_backend(config)``) read the ``disaggregation_*`` ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import attrs
+
+from pd_fsm.core.config import DecodeConfig
+from pd_fsm.jax_engine.model.registry import MODEL_NAMES
+from pd_fsm.schedulers.args import DISAGGREGATION_MODES, SchedulerArgs
+
+FAILURE_POLICIES = ("fail", "recompute")
+TRANSFER_BACKENDS = ("jax",)
+DEFAULT_MAX_BODY = 8 * 1024 * 1024  # a 100k-token prompt as JSON ids is ~700 KB
+
+
+@attrs.frozen(kw_only=True)
+class ServeConfig:
+    # -- HTTP
+    host: str = "127.0.0.1"
+    port: int = 30000
+    max_body: int = DEFAULT_MAX_BODY
+    served_model_name: str | None = None  # default: the model's name ("smollm2", "tiny")
+    # -- scheduler (SchedulerArgs)
+    model: str = "smollm2"
+    dtype: str = "float32"
+    model_seed: int = 0
+    num_pages: int = 1024
+    page_size: int = 16
+    max_running: int = 8
+    max_batched_tokens: int = 1024
+    context_length: int | None = None
+    random_seed: int = 0
+    max_queued: int = 1024  # jobs waiting to enter the scheduler; beyond that: 503
+    # -- disaggregation (RFC-2 §7)
+    disaggregation_mode: str = "null"
+    disaggregation_transfer_backend: str = "jax"
+    disaggregation_bootstrap_host: str = "127.0.0.1"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_bootstrap_heartbeat_interval: float = 5.0
+    disaggregation_bootstrap_heartbeat_ttl: float = 15.0
+    disaggregation_failure_policy: str = "fail"
+    disaggregation_queue_timeout: float = DecodeConfig().queue_timeout
+    # P's side channel port (0: any free port); also the port routers know P by by default.
+    disaggregation_side_channel_port: int = 0
+    cluster_secret_file: Path | None = None
+    log_level: str = "INFO"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def scheduler_args(self) -> SchedulerArgs:
+        return SchedulerArgs(
+            model=self.model,
+            dtype=self.dtype,
+            model_seed=self.model_seed,
+            num_pages=self.num_pages,
+            page_size=self.page_size,
+            max_running=self.max_running,
+            max_batched_tokens=self.max_batched_tokens,
+            context_length=self.context_length,
+            random_seed=self.random_seed,
+            disaggregation_mode=self.disaggregation_mode,
+        )
+
+    def cluster_secret(self) -> bytes | None:
+        """The secret's bytes (stripped), None when no file is configured; raises OSError or
+        ValueError for an unreadable or empty file."""
+        if self.cluster_secret_file is None:
+            return None
+        secret = self.cluster_secret_file.read_bytes().strip()
+        if not secret:
+            raise ValueError(f"--cluster-secret-file {self.cluster_secret_file} is empty")
+        return secret
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    d = ServeConfig()
+    p.add_argument("--host", default=d.host, help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=d.port, help="HTTP port (0: any free port)")
+    p.add_argument("--model", choices=MODEL_NAMES, default=d.model)
+    p.add_argument("--served-model-name", default=None, help="name clients use (default --model)")
+    p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16"))
+    p.add_argument("--model-seed", type=int, default=d.model_seed, help="tiny model weights")
+    p.add_argument("--num-pages", type=int, default=d.num_pages, help="KV pool pages (+null)")
+    p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
+    p.add_argument("--max-running", type=int, default=d.max_running, help="admitted requests")
+    p.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens)
+    p.add_argument("--context-length", type=int, default=None, help="default: the model's")
+    p.add_argument("--random-seed", type=int, default=d.random_seed)
+    p.add_argument("--max-queued", type=int, default=d.max_queued, help="then 503")
+    p.add_argument("--max-body", type=int, default=d.max_body, help="request body limit (bytes)")
+    p.add_argument("--disaggregation-mode", choices=DISAGGREGATION_MODES, default="null")
+    p.add_argument(
+        "--disaggregation-transfer-backend", choices=TRANSFER_BACKENDS, default="jax"
+    )
+    p.add_argument("--disaggregation-bootstrap-host", default=d.disaggregation_bootstrap_host)
+    p.add_argument(
+        "--disaggregation-bootstrap-port", type=int, default=d.disaggregation_bootstrap_port
+    )
+    p.add_argument(
+        "--disaggregation-bootstrap-heartbeat-interval",
+        type=float,
+        default=d.disaggregation_bootstrap_heartbeat_interval,
+        help="seconds between registry heartbeats (default 5)",
+    )
+    p.add_argument(
+        "--disaggregation-bootstrap-heartbeat-ttl",
+        type=float,
+        default=d.disaggregation_bootstrap_heartbeat_ttl,
+        help="registry TTL the heartbeats must beat (default 15)",
+    )
+    p.add_argument(
+        "--disaggregation-failure-policy", choices=FAILURE_POLICIES, default="fail",
+        help="on a failed KV transfer: fail the request, or recompute the prefill on D",
+    )
+    p.add_argument(
+        "--disaggregation-queue-timeout",
+        type=float,
+        default=d.disaggregation_queue_timeout,
+        help="D: seconds a request may wait for free pages (default 300)",
+    )
+    p.add_argument(
+        "--disaggregation-side-channel-port",
+        type=int,
+        default=0,
+        help="P: ZMQ side channel port, also its bootstrap port for routers (0: any free)",
+    )
+    p.add_argument("--cluster-secret-file", type=Path, default=None)
+    p.add_argument("--log-level", default=d.log_level, help="DEBUG, INFO, WARNING, ...")
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """The config for parsed ``serve`` arguments; raises ValueError naming a bad value."""
+    for name in ("num_pages", "page_size", "max_running", "max_batched_tokens", "max_queued",
+                 "max_body"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    if args.context_length is not None and args.context_length <= 1:
+        raise ValueError("--context-length must be > 1")
+    if not 0 <= args.port < 65536:
+        raise ValueError("--port must be in 0..65535")
+    for name in ("disaggregation_bootstrap_heartbeat_interval",
+                 "disaggregation_bootstrap_heartbeat_ttl", "disaggregation_queue_timeout"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    return ServeConfig(
+        host=args.host,
+        port=args.port,
+        max_body=args.max_body,
+        served_model_name=args.served_model_name,
+        model=args.model,
+        dtype=args.dtype,
+        model_seed=args.model_seed,
+        num_pages=args.num_pages,
+        page_size=args.page_size,
+        max_running=args.max_running,
+        max_batched_tokens=args.max_batched_tokens,
+        context_length=args.context_length,
+        random_seed=args.random_seed,
+        max_queued=args.max_queued,
+        disaggregation_mode=args.disaggregation_mode,
+        disaggregation_transfer_backend=args.disaggregation_transfer_backend,
+        disaggregation_bootstrap_host=args.disaggregation_bootstrap_host,
+        disaggregation_bootstrap_port=args.disaggregation_bootstrap_port,
+        disaggregation_bootstrap_heartbeat_interval=args.disaggregation_bootstrap_heartbeat_interval,
+        disaggregation_bootstrap_heartbeat_ttl=args.disaggregation_bootstrap_heartbeat_ttl,
+        disaggregation_failure_policy=args.disaggregation_failure_policy,
+        disaggregation_queue_timeout=args.disaggregation_queue_timeout,
+        disaggregation_side_channel_port=args.disaggregation_side_channel_port,
+        cluster_secret_file=args.cluster_secret_file,
+        log_level=args.log_level,
+    )

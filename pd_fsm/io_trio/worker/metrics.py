@@ -1,0 +1,100 @@
+"""Prometheus metrics of one worker: a registry per app (tests run several in one process).
+
+The HTTP layer counts requests by endpoint and outcome, tokens and latencies; whatever the
+backend's ``stats()`` returns is exported generically at scrape time: a number becomes a gauge
+(or a counter when its key ends in ``_total``), a dict of numbers a metric with a ``key`` label
+(e.g. KVPoll state counts, requests by outcome).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "pd_fsm_worker"
+_BAD = re.compile(r"[^a-zA-Z0-9_]")
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+def _name(key: str) -> str:
+    return _BAD.sub("_", key)
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, int | float):
+        return float(v)
+    return None
+
+
+class StatsCollector(Collector):
+    """Exports a ``stats()`` dict on every scrape."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], prefix: str) -> None:
+        self._stats = stats
+        self._prefix = prefix
+
+    def collect(self) -> Iterator[Metric]:
+        for key, value in sorted(self._stats().items()):
+            name = f"{self._prefix}_{_name(key)}"
+            is_counter = key.endswith("_total")
+            base = name[: -len("_total")] if is_counter else name
+            doc = f"backend stats()['{key}']"
+            if isinstance(value, dict):
+                family: Metric = (
+                    CounterMetricFamily(base, doc, labels=["key"])
+                    if is_counter
+                    else GaugeMetricFamily(base, doc, labels=["key"])
+                )
+                for sub, v in sorted(value.items(), key=lambda kv: str(kv[0])):
+                    n = _number(v)
+                    if n is not None:
+                        family.add_metric([str(sub)], n)  # type: ignore[attr-defined]
+                yield family
+                continue
+            n = _number(value)
+            if n is None:
+                continue
+            if is_counter:
+                yield CounterMetricFamily(base, doc, value=n)
+            else:
+                yield GaugeMetricFamily(name, doc, value=n)
+
+
+class WorkerMetrics:
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.requests = Counter(
+            f"{PREFIX}_http_requests",
+            "generation requests by endpoint and outcome",
+            ["endpoint", "outcome"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            f"{PREFIX}_prompt_tokens", "prompt tokens of accepted requests", registry=self.registry
+        )
+        self.completion_tokens = Counter(
+            f"{PREFIX}_completion_tokens", "tokens generated", registry=self.registry
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "request arrival to first output",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}_e2e_request_latency_seconds",
+            "request arrival to last output",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(StatsCollector(stats, f"{PREFIX}_backend"))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

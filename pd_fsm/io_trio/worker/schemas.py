@@ -1,0 +1,430 @@
+"""Request bodies of /generate (sglang), /v1/completions and /v1/chat/completions (OpenAI).
+
+Parsing is strict where a mistake would change the output silently and lenient where routers
+add fields of their own:
+
+* unknown *top-level* fields are ignored (sglang-router re-serialises bodies and adds defaults;
+  OpenAI clients send fields such as ``user``);
+* in ``sampling_params`` a field we do not know is a 400 (``max_new_token`` is a typo, not a
+  default), and a known sglang field we do not implement (penalties, ``min_p``, ``regex``, ...)
+  is accepted only at its neutral value (or null), a 400 otherwise: never an answer that
+  silently ignored what the client asked for;
+* types are exact: no int from a string or a bool, no float from a string.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import attrs
+
+from pd_fsm.core.messages import MAX_ROOM
+from pd_fsm.io_trio.worker.backend import BootstrapInfo
+from pd_fsm.jax_engine.sampling import SamplingParams
+from pd_fsm.jax_engine.tokenizer import ChatMessage
+
+Kind = Literal["generate", "completion", "chat"]
+
+# Defaults for the number of new tokens when the client names none.
+GENERATE_DEFAULT_MAX_NEW_TOKENS = 128  # sglang's SamplingParams default
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+# OpenAI's chat default is "the rest of the context"; pages are reserved up front for
+# prompt + max tokens, so a bounded default keeps one chat request from holding the whole pool.
+CHAT_DEFAULT_MAX_TOKENS = 512
+MAX_STOP_STRINGS = 16
+
+# sglang sampling fields we accept only at their neutral value.
+_NEUTRAL: dict[str, Any] = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "min_new_tokens": 0,
+    "n": 1,
+    "no_stop_trim": False,
+    "regex": None,
+    "json_schema": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "logit_bias": None,
+    "custom_params": None,
+}
+# sglang sampling fields that do not change the tokens produced.
+_NO_EFFECT = frozenset({"spaces_between_special_tokens", "stream_interval"})
+_SAMPLING_KEYS = frozenset(
+    {
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "sampling_seed",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "skip_special_tokens",
+    }
+)
+
+
+class ApiError(Exception):
+    """A request the worker refuses: HTTP ``status`` and an OpenAI-style error body."""
+
+    TYPES = {
+        400: "invalid_request_error",
+        404: "not_found_error",
+        413: "request_too_large",
+        499: "client_closed_request",
+        500: "internal_server_error",
+        502: "bad_gateway",
+        503: "service_unavailable",
+        504: "gateway_timeout",
+    }
+
+    def __init__(self, status: int, message: str, type_: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_ or self.TYPES.get(status, "error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "code": self.status}}
+
+
+@attrs.frozen
+class Limits:
+    context_length: int
+    vocab_size: int
+
+
+@attrs.frozen
+class ParsedRequest:
+    kind: Kind
+    sampling: SamplingParams
+    stream: bool = False
+    rid: str | None = None
+    return_logprob: bool = False
+    bootstrap: BootstrapInfo | None = None
+    model: str | None = None
+    include_usage: bool = False  # OpenAI stream_options.include_usage
+    text: str | None = None  # exactly one of text, input_ids, messages
+    input_ids: tuple[int, ...] | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+
+
+# ----------------------------------------------------------------------------- field readers
+
+
+def _where(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _int(d: dict[str, Any], key: str, path: str = "") -> int | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ApiError(400, f"{_where(path, key)} must be an integer, got {v!r}")
+    return v
+
+
+def _float(d: dict[str, Any], key: str, path: str = "") -> float | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise ApiError(400, f"{_where(path, key)} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _bool(d: dict[str, Any], key: str, path: str = "") -> bool | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise ApiError(400, f"{_where(path, key)} must be true or false, got {v!r}")
+    return v
+
+
+def _str(d: dict[str, Any], key: str, path: str = "") -> str | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise ApiError(400, f"{_where(path, key)} must be a string, got {v!r}")
+    return v
+
+
+def _stop(d: dict[str, Any], key: str, path: str = "") -> tuple[str, ...]:
+    v = d.get(key)
+    if v is None:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise ApiError(400, f"{_where(path, key)} must be a non-empty string or a list of them")
+    if len(items) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"{_where(path, key)}: at most {MAX_STOP_STRINGS} stop strings")
+    return tuple(items)
+
+
+def _token_ids(v: Any, what: str, limits: Limits) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in v
+    ):
+        raise ApiError(400, f"{what} must be a list of integer token ids")
+    bad = [t for t in v if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise ApiError(400, f"{what}: token id {bad[0]} outside the vocabulary "
+                            f"[0, {limits.vocab_size})")
+    return tuple(v)
+
+
+def _max_tokens(value: int | None, default: int, what: str, limits: Limits) -> int:
+    if value is None:
+        return min(default, limits.context_length)
+    if value < 0:
+        raise ApiError(400, f"{what} must be >= 0, got {value}")
+    if value > limits.context_length:
+        raise ApiError(
+            400, f"{what}={value} is more than the context length {limits.context_length}"
+        )
+    return value
+
+
+def _sampling(
+    d: dict[str, Any],
+    path: str,
+    limits: Limits,
+    *,
+    max_tokens_key: str,
+    default_max: int,
+    default_temperature: float,
+    max_tokens: int | None = None,
+) -> SamplingParams:
+    if max_tokens is None:
+        max_tokens = _int(d, max_tokens_key, path)
+    temperature = _float(d, "temperature", path)
+    top_p = _float(d, "top_p", path)
+    if temperature is not None and temperature < 0:
+        raise ApiError(400, f"{_where(path, 'temperature')} must be >= 0, got {temperature}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ApiError(400, f"{_where(path, 'top_p')} must be in (0, 1], got {top_p}")
+    seed = _int(d, "seed", path)
+    if seed is None:
+        seed = _int(d, "sampling_seed", path)
+    if seed is not None and not 0 <= seed < 2**63:
+        raise ApiError(400, f"{_where(path, 'seed')} must be in [0, 2^63), got {seed}")
+    stop_ids = d.get("stop_token_ids")
+    return SamplingParams(
+        max_new_tokens=_max_tokens(max_tokens, default_max, _where(path, max_tokens_key), limits),
+        temperature=default_temperature if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=_int(d, "top_k", path) or -1,
+        seed=seed,
+        stop=_stop(d, "stop", path),
+        stop_token_ids=()
+        if stop_ids is None
+        else _token_ids(stop_ids, _where(path, "stop_token_ids"), limits),
+        ignore_eos=bool(_bool(d, "ignore_eos", path)),
+        skip_special_tokens=_bool(d, "skip_special_tokens", path) is not False,
+    )
+
+
+def _check_neutral(d: dict[str, Any], keys: frozenset[str] | None, path: str) -> None:
+    """Unsupported knobs must be at their neutral value; with ``keys``, anything not in it (and
+    not a neutral knob) is an unknown field."""
+    for key, value in d.items():
+        if key in _NEUTRAL:
+            neutral = _NEUTRAL[key]
+            if value is not None and value != neutral and not (value == {} and neutral is None):
+                raise ApiError(
+                    400, f"{_where(path, key)}={value!r} is not supported (only {neutral!r})"
+                )
+        elif keys is not None and key not in keys and key not in _NO_EFFECT:
+            raise ApiError(400, f"unknown field {_where(path, key)}")
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return body
+
+
+def _rid(body: dict[str, Any]) -> str | None:
+    rid = body.get("rid")
+    if rid is None:
+        return None
+    if not isinstance(rid, str) or not rid or len(rid) > 256:
+        raise ApiError(400, "rid must be a non-empty string of at most 256 characters "
+                            "(batched requests are not supported)")
+    return rid
+
+
+def parse_bootstrap(body: dict[str, Any]) -> BootstrapInfo | None:
+    """The three top-level fields a PD router injects; None when none is present."""
+    host, port, room = (body.get(k) for k in ("bootstrap_host", "bootstrap_port",
+                                              "bootstrap_room"))
+    if host is None and port is None and room is None:
+        return None
+    if not isinstance(host, str) or not host:
+        raise ApiError(400, f"bootstrap_host must be a non-empty string, got {host!r}")
+    if port is not None and (
+        isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536
+    ):
+        raise ApiError(400, f"bootstrap_port must be an integer in 1..65535 or null, got {port!r}")
+    if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < MAX_ROOM:
+        raise ApiError(400, f"bootstrap_room must be an integer in [0, 2^63), got {room!r}")
+    return BootstrapInfo(host=host, port=port, room=room)
+
+
+def _common(body: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "stream": bool(_bool(body, "stream")),
+        "rid": _rid(body),
+        "bootstrap": parse_bootstrap(body),
+    }
+
+
+# ----------------------------------------------------------------------------- endpoints
+
+
+def parse_generate(body: Any, limits: Limits) -> ParsedRequest:
+    body = _object(body)
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise ApiError(400, "give exactly one of text and input_ids")
+    if isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list)):
+        raise ApiError(400, "batched requests (a list of prompts) are not supported")
+    if text is not None and not isinstance(text, str):
+        raise ApiError(400, f"text must be a string, got {text!r}")
+    sp = body.get("sampling_params")
+    if sp is None:
+        sp = {}
+    if not isinstance(sp, dict):
+        raise ApiError(400, "sampling_params must be a JSON object")
+    _check_neutral(sp, _SAMPLING_KEYS, "sampling_params")
+    return ParsedRequest(
+        kind="generate",
+        sampling=_sampling(
+            sp,
+            "sampling_params",
+            limits,
+            max_tokens_key="max_new_tokens",
+            default_max=GENERATE_DEFAULT_MAX_NEW_TOKENS,
+            default_temperature=1.0,
+        ),
+        return_logprob=bool(_bool(body, "return_logprob")),
+        text=text,
+        input_ids=None if ids is None else _token_ids(ids, "input_ids", limits),
+        **_common(body),
+    )
+
+
+def _openai_common(body: dict[str, Any]) -> dict[str, Any]:
+    n = _int(body, "n")
+    if n is not None and n != 1:
+        raise ApiError(400, f"n={n} is not supported (only n=1)")
+    best_of = _int(body, "best_of")
+    if best_of is not None and best_of != 1:
+        raise ApiError(400, f"best_of={best_of} is not supported")
+    if body.get("echo") or body.get("suffix"):
+        raise ApiError(400, "echo and suffix are not supported")
+    logprobs = body.get("logprobs")
+    if logprobs not in (None, False, 0):
+        raise ApiError(400, "logprobs are not supported on the OpenAI endpoints "
+                            "(use /generate with return_logprob)")
+    model = _str(body, "model")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise ApiError(400, "stream_options must be an object")
+    include_usage = bool(_bool(opts, "include_usage", "stream_options")) if opts else False
+    _check_neutral(
+        {k: v for k, v in body.items() if k in _NEUTRAL and k != "n"}, None, ""
+    )
+    return {"model": model, "include_usage": include_usage, **_common(body)}
+
+
+def parse_completion(body: Any, limits: Limits) -> ParsedRequest:
+    body = _object(body)
+    prompt = body.get("prompt")
+    text: str | None = None
+    ids: tuple[int, ...] | None = None
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        text = prompt
+    elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        ids = _token_ids(prompt, "prompt", limits)
+    elif isinstance(prompt, list):
+        raise ApiError(400, "batched prompts (a list of prompts) are not supported")
+    else:
+        raise ApiError(400, "prompt must be a string or a list of token ids")
+    return ParsedRequest(
+        kind="completion",
+        sampling=_sampling(
+            body,
+            "",
+            limits,
+            max_tokens_key="max_tokens",
+            default_max=COMPLETION_DEFAULT_MAX_TOKENS,
+            default_temperature=1.0,
+        ),
+        text=text,
+        input_ids=ids,
+        **_openai_common(body),
+    )
+
+
+_ROLES = ("system", "user", "assistant")
+
+
+def _content(v: Any, where: str) -> str:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list):
+        parts = []
+        for i, part in enumerate(v):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise ApiError(400, f"{where}[{i}]: only text content parts are supported")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ApiError(400, f"{where}[{i}].text must be a string")
+            parts.append(text)
+        return "".join(parts)
+    raise ApiError(400, f"{where} must be a string or a list of text parts")
+
+
+def parse_chat(body: Any, limits: Limits) -> ParsedRequest:
+    body = _object(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list")
+    parsed: list[ChatMessage] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{i}] must be an object")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(_ROLES)}")
+        parsed.append(ChatMessage(role, _content(m.get("content"), f"messages[{i}].content")))
+    # sglang-router renames max_tokens to max_completion_tokens for chat; accept either.
+    mct = _int(body, "max_completion_tokens")
+    mt = _int(body, "max_tokens")
+    if mct is not None and mt is not None and mct != mt:
+        raise ApiError(400, "max_tokens and max_completion_tokens disagree")
+    key = "max_completion_tokens" if mct is not None else "max_tokens"
+    return ParsedRequest(
+        kind="chat",
+        sampling=_sampling(
+            body,
+            "",
+            limits,
+            max_tokens_key=key,
+            default_max=CHAT_DEFAULT_MAX_TOKENS,
+            default_temperature=1.0,
+            max_tokens=mct if mct is not None else mt,
+        ),
+        messages=tuple(parsed),
+        **_openai_common(body),
+    )

@@ -1,0 +1,92 @@
+"""Server-sent events and client-disconnect detection at the ASGI level.
+
+Starlette's StreamingResponse notices a vanished client only when a write fails; a generation
+can run for a long time between writes (and a non-streaming one writes nothing until the end),
+so every long wait here runs next to a task that reads ``http.disconnect`` and cancels it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import trio
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+T = TypeVar("T")
+
+DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+def event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _watch(receive: Receive, scope: trio.CancelScope, gone: list[bool]) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            gone.append(True)
+            scope.cancel()
+            return
+
+
+async def until_disconnect(
+    receive: Receive, fn: Callable[[], Awaitable[T]]
+) -> tuple[bool, T | None]:
+    """Run ``fn()`` unless the client disconnects first: ``(True, result)`` or ``(False, None)``.
+
+    Call only after the request body is consumed: ``receive`` then yields nothing but the
+    disconnect. ``fn`` must not raise (return errors as values): nurseries wrap exceptions.
+    """
+    gone: list[bool] = []
+    result: list[T] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_watch, receive, nursery.cancel_scope, gone)
+        result.append(await fn())
+        nursery.cancel_scope.cancel()
+    if gone or not result:
+        return False, None
+    return True, result[0]
+
+
+class SSEResponse:
+    """An ASGI response that sends ``events`` as SSE, then ``data: [DONE]``; a client that goes
+    away cancels the iteration (which closes ``events``, aborting the request behind it)."""
+
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        on_disconnect: Callable[[], None] | None = None,
+    ) -> None:
+        self.events = events
+        self.on_disconnect = on_disconnect
+
+    async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        gone: list[bool] = []
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_watch, receive, nursery.cancel_scope, gone)
+                await self._pump(send)
+                nursery.cancel_scope.cancel()
+        finally:
+            aclose = getattr(self.events, "aclose", None)
+            if aclose is not None:
+                with trio.CancelScope(shield=True):
+                    await aclose()
+        if gone and self.on_disconnect is not None:
+            self.on_disconnect()
+        if not gone:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _pump(self, send: Send) -> None:
+        async for chunk in self.events:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
