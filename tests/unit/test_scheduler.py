@@ -272,9 +272,6 @@ def test_rejects_requests_that_can_never_run(tiny: LoadedModel) -> None:
 
 def test_make_scheduler_modes(tiny: LoadedModel) -> None:
     assert type(make_scheduler(_args(), model=tiny)) is Scheduler
-    for mode in ("prefill", "decode"):
-        with pytest.raises(ValueError, match="not built yet"):
-            make_scheduler(_args(disaggregation_mode=mode), model=tiny)
     with pytest.raises(ValueError):
         _args(disaggregation_mode="both")
 

@@ -1,0 +1,55 @@
+"""Knobs of the prefill/decode schedulers (RFC-2 §7 and DESIGN §5 defaults)."""
+
+from __future__ import annotations
+
+import attrs
+
+from pd_fsm.core.config import DecodeConfig, LeaseConfig
+from pd_fsm.schedulers.args import SchedulerArgs
+
+FAILURE_POLICIES = ("fail", "recompute")
+
+
+def _policy(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if value not in FAILURE_POLICIES:
+        raise ValueError(f"{attribute.name} must be one of {FAILURE_POLICIES}, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class DisaggregationArgs(SchedulerArgs):
+    # Identity on the side channel: D's reply_to / DEALER identity; P's instance id.
+    instance_id: str = "pd-fsm-0"
+    transfer_host: str = "127.0.0.1"
+    # P: the KV hold lease (initial window, extension per heartbeat).
+    lease_initial: float = 30.0
+    lease_extension: float = 20.0
+    # D: heartbeats to P and the deadline of each waiting state.
+    heartbeat_interval: float = 5.0
+    peer_timeout: float = 15.0
+    resolve_timeout: float = 10.0
+    queue_timeout: float = 300.0
+    ready_timeout: float = 300.0
+    transfer_timeout: float = 120.0
+    # The pull executor's own deadline: strictly shorter than transfer_timeout (the core's
+    # backstop), so pages are never freed while a pull may still write them.
+    pull_deadline: float = 60.0
+    pull_workers: int = 2
+    # D: what to do when the KV cannot be had: fail the request, or prefill it here.
+    failure_policy: str = attrs.field(default="fail", validator=_policy)
+
+    def __attrs_post_init__(self) -> None:
+        if self.pull_deadline >= self.transfer_timeout:
+            raise ValueError("pull_deadline must be shorter than transfer_timeout")
+
+    def lease_config(self) -> LeaseConfig:
+        return LeaseConfig(initial=self.lease_initial, extension=self.lease_extension)
+
+    def decode_config(self) -> DecodeConfig:
+        return DecodeConfig(
+            heartbeat_interval=self.heartbeat_interval,
+            peer_timeout=self.peer_timeout,
+            resolve_timeout=self.resolve_timeout,
+            queue_timeout=self.queue_timeout,
+            ready_timeout=self.ready_timeout,
+            transfer_timeout=self.transfer_timeout,
+        )

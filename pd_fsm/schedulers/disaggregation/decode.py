@@ -1,0 +1,162 @@
+"""The decode side (RFC-2 §5.4): ``SchedulerDisaggregationDecodeMixin`` and ``DecodeScheduler``.
+
+D opens the room in its core as soon as the request arrives; the core resolves P (through the
+I/O layer's bootstrap lookup), then asks for pages. Pages are reserved for the whole sequence
+(prompt + max_new_tokens) in FIFO order; while a request waits for them its P lease is kept alive
+by the batched heartbeats. On READY the pull executor pulls, waits for readiness and scatters the
+KV into the reserved pages under the pool lock, off the scheduler thread; the loop only submits,
+polls and moves requests. A transferred request joins the running decode batch with P's first
+token and never runs the prefill forward.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from pd_fsm.core import effects as fx
+from pd_fsm.core import events as ev
+from pd_fsm.core.decode_endpoint import DecodeEndpoint
+from pd_fsm.jax_engine.model import LoadedModel
+from pd_fsm.jax_engine.pull_executor import PullExecutor, PullRequest, PullResult
+from pd_fsm.jax_engine.transfer.base import KVTransferEngine
+from pd_fsm.jax_engine.transfer.jax_transfer import JaxTransferKVEngine
+from pd_fsm.schedulers.disaggregation.args import DisaggregationArgs
+from pd_fsm.schedulers.disaggregation.common import DisaggregationCommon
+from pd_fsm.schedulers.request import Req, RequestOutput
+from pd_fsm.schedulers.scheduler import Scheduler
+
+
+class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
+    core: DecodeEndpoint
+
+    def _init_decode(
+        self,
+        args: DisaggregationArgs,
+        engine: KVTransferEngine | None,
+        clock: Callable[[], float] | None,
+    ) -> None:
+        self._init_common(
+            engine or JaxTransferKVEngine(args.transfer_host, reaper_interval_s=None), clock
+        )
+        self.core = DecodeEndpoint(args.instance_id, self.layout_hash, args.decode_config())
+        self.recv_queue = self._create_recv_queue()
+        self.alloc_queue: deque[int] = deque()  # rooms waiting for pages, FIFO
+        self._held_pages: dict[int, list[int]] = {}  # failed rooms whose pull is still running
+        self.pull_executor = PullExecutor(
+            self.engine,
+            self.kv_holder,
+            self.kv_args,
+            max_workers=args.pull_workers,
+            deadline_s=args.pull_deadline,
+        )
+        self.transfer_stats = {"pulls_ok": 0, "pulls_failed": 0, "bytes": 0, "seconds": 0.0}
+
+    def _create_recv_queue(self) -> dict[int, Req]:
+        """Rooms between arrival and the end of their transfer."""
+        return {}
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add_pd_request(self, req: Req, bootstrap_addr: str, room: int) -> None:
+        """Open the D leg of ``room`` whose P registered as ``bootstrap_addr`` ("host:port");
+        raises ValueError (bad request) or DuplicateRoomError."""
+        accepted = ev.DecodeRequestAccepted(room, bootstrap_addr, self.prompt_pages(req))
+        self._admit_pd(req, accepted)
+        if self.core.state_of(room) is not None:
+            self.recv_queue[room] = req
+
+    def _event_loop_decode_disagg(self) -> list[RequestOutput]:
+        """One iteration of D's loop: collect finished pulls, let time act on the core (heart-
+        beats, deadlines), admit rooms to pages, then one ordinary step (the decode batch)."""
+        self._process_decode_queue()
+        return super().step()
+
+    def step(self) -> list[RequestOutput]:
+        return self._event_loop_decode_disagg()
+
+    def _process_decode_queue(self) -> None:
+        for result in self.pull_executor.poll():
+            self._handle_recv_complete(result)
+        self.deliver(ev.TimeAdvanced())
+
+    def _handle_recv_complete(self, result: PullResult) -> None:
+        stats = self.transfer_stats
+        if result.ok:
+            stats["pulls_ok"] += 1
+            stats["bytes"] += result.bytes
+            stats["seconds"] += result.seconds
+            self.deliver(ev.PullSucceeded(result.room))
+        else:
+            stats["pulls_failed"] += 1
+            self.deliver(ev.PullFailed(result.room, result.reason))
+
+    def has_work(self) -> bool:
+        return super().has_work() or bool(self.recv_queue) or self.pull_executor.inflight > 0
+
+    # -- the core's effects -----------------------------------------------------------------------
+
+    def _carry_out(self, e: Any) -> None:
+        if isinstance(e, fx.AllocateBlocks):
+            self.alloc_queue.append(e.room)
+        elif isinstance(e, fx.CancelAllocation):
+            self.alloc_queue.remove(e.room)
+        elif isinstance(e, fx.StartPull):
+            req = self.req_of[e.room]
+            assert req.pages is not None
+            self.pull_executor.submit(
+                PullRequest(
+                    e.room,
+                    e.uuid,
+                    e.transfer_addr,
+                    pages=req.pages[: e.n_pages],
+                    remote_layout_hash=self.layout_hash,  # the core compared READY's hash already
+                )
+            )
+        elif isinstance(e, fx.CompleteTransfer):
+            req = self.recv_queue.pop(e.room)
+            self.room_of.pop(req.rid, None)
+            self.add_prefilled_request(req, e.first_token, e.first_logprob)
+        elif isinstance(e, fx.ReleaseBlocks):
+            pages = self._held_pages.pop(e.room, None)
+            if pages is None:
+                req = self.req_of[e.room]
+                pages, req.pages = req.pages, None
+            if pages:
+                self.allocator.free(pages)
+        elif isinstance(e, fx.FailRequest):
+            self.recv_queue.pop(e.room, None)
+            req = self.req_of[e.room]
+            if req.pages is not None:
+                # A pull may still write these pages: the core frees them (ReleaseBlocks) once
+                # the pull has reported.
+                self._held_pages[e.room], req.pages = req.pages, None
+            self._fail_request(req, e.status, e.reason)
+        else:
+            raise TypeError(f"decode scheduler cannot carry out {e!r}")
+
+    def _after_effects(self) -> None:
+        # FIFO: the head waits for pages; those behind it wait too (no starvation of big ones).
+        while self.alloc_queue:
+            room = self.alloc_queue[0]
+            if not self.reserve_pages(self.req_of[room]):
+                return
+            self.alloc_queue.popleft()
+            self._deferred.append(ev.BlocksAllocated(room))
+
+    def close(self) -> None:
+        self.pull_executor.close(wait=True)
+
+
+class DecodeScheduler(SchedulerDisaggregationDecodeMixin, Scheduler):
+    def __init__(
+        self,
+        args: DisaggregationArgs,
+        *,
+        model: LoadedModel | None = None,
+        engine: KVTransferEngine | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        super().__init__(args, model=model)
+        self._init_decode(args, engine, clock)

@@ -1,0 +1,154 @@
+"""The prefill side (RFC-2 §5.4): ``SchedulerDisaggregationPrefillMixin`` and ``PrefillScheduler``.
+
+P runs the prefill forward as the colocated scheduler does, samples the first token, then hands
+the room to its core endpoint instead of decoding: the pages are gathered into packed arrays and
+registered with the transfer server, READY goes to D once D has said hello, and the pages stay
+held until D's DONE, an abort, or the lease runs out (``ReleaseKV``), which also removes the
+registration from the transfer server.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+from pd_fsm.core import effects as fx
+from pd_fsm.core import events as ev
+from pd_fsm.core.prefill_endpoint import PrefillEndpoint
+from pd_fsm.jax_engine.model import LoadedModel
+from pd_fsm.jax_engine.room_kv import gather_room
+from pd_fsm.jax_engine.transfer.base import KVTransferEngine
+from pd_fsm.jax_engine.transfer.jax_transfer import JaxTransferKVEngine
+from pd_fsm.schedulers.disaggregation.args import DisaggregationArgs
+from pd_fsm.schedulers.disaggregation.common import DisaggregationCommon
+from pd_fsm.schedulers.request import FinishReason, Req
+from pd_fsm.schedulers.scheduler import Scheduler
+
+# The core's lease is the one that counts; the engine's own reaper is off. This is only what the
+# engine records for a registration.
+_ENGINE_LEASE_S = 24 * 3600.0
+
+
+class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
+    core: PrefillEndpoint
+
+    def _init_prefill(
+        self,
+        args: DisaggregationArgs,
+        engine: KVTransferEngine | None,
+        clock: Callable[[], float] | None,
+        rng: random.Random | None,
+    ) -> None:
+        self._init_common(
+            engine or JaxTransferKVEngine(args.transfer_host, reaper_interval_s=None), clock
+        )
+        self.core = PrefillEndpoint(self.layout_hash, rng or random.Random(), args.lease_config())
+        self.send_queue = self._create_send_queue()
+        self._held_pages: dict[int, list[int]] = {}  # room -> pages, after the leg answered
+        self.transfer_stats = {
+            "registered": 0,
+            "released": 0,
+            "release_unverified": 0,
+            "registered_bytes": 0,
+        }
+
+    def _create_send_queue(self) -> dict[int, Req]:
+        """Rooms whose prefill is done, waiting for D's hello or D's DONE."""
+        return {}
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add_pd_request(self, req: Req, room: int) -> None:
+        """Queue the P leg of ``room``; raises ValueError (bad request) or DuplicateRoomError."""
+        self._admit_pd(req, ev.PrefillRequestAccepted(room))
+        self.waiting.append(req)
+
+    def _event_loop_prefill_disagg(self) -> Any:
+        """One iteration of P's loop: time-driven core work (lease expiry), then a step."""
+        self.deliver(ev.TimeAdvanced())
+        return super().step()
+
+    def step(self) -> Any:
+        return self._event_loop_prefill_disagg()
+
+    # -- the hand-off -----------------------------------------------------------------------------
+
+    def _on_prefill_done(self, req: Req, first_token: int, first_logprob: float) -> None:
+        room = self.room_of.get(req.rid)
+        if room is None:  # a plain request on a P worker: decode it here
+            super()._on_prefill_done(req, first_token, first_logprob)
+            return
+        self._handle_completed_prefill(req, room, first_token, first_logprob)
+
+    def _handle_completed_prefill(
+        self, req: Req, room: int, first_token: int, first_logprob: float
+    ) -> None:
+        self.prefilling.remove(req)
+        self.send_queue[room] = req
+        req.output_ids.append(first_token)
+        req.output_logprobs.append(first_logprob)
+        finished = ev.PrefillFinished(room, first_token, self.prompt_pages(req), first_logprob)
+        self._run(self.core.handle(finished, self.clock()))
+
+    # -- the core's effects -----------------------------------------------------------------------
+
+    def _carry_out(self, e: Any) -> None:
+        if isinstance(e, fx.RegisterKV):
+            self._register_kv(e.room, e.uuid)
+        elif isinstance(e, fx.CompleteRequest):
+            req = self.req_of[e.room]
+            # The leg is answered now; its pages stay held (apart from the request) until
+            # ReleaseKV, which comes on DONE, abort or lease expiry.
+            assert req.pages is not None
+            self._held_pages[e.room], req.pages = req.pages, None
+            self.room_of.pop(req.rid, None)
+            self._finish(req, FinishReason("length"))
+        elif isinstance(e, fx.ReleaseKV):
+            self._release_kv(e.room, e.uuid)
+        elif isinstance(e, fx.FailRequest):
+            req = self.req_of.get(e.room)
+            if req is not None:
+                self._fail_request(req, e.status, e.reason)
+        else:
+            raise TypeError(f"prefill scheduler cannot carry out {e!r}")
+
+    def _register_kv(self, room: int, uuid: int) -> None:
+        req = self.req_of[room]
+        assert req.pages is not None
+        try:
+            arrays = gather_room(self.kv_holder, self.kv_args, req.pages[: self.prompt_pages(req)])
+            self.engine.register(uuid, arrays, _ENGINE_LEASE_S)
+        except Exception as exc:  # the room fails cleanly; the worker keeps serving
+            self._deferred.append(ev.PrefillFailed(room, f"KV registration failed: {exc}"))
+            return
+        self.transfer_stats["registered"] += 1
+        self.transfer_stats["registered_bytes"] += sum(int(a.nbytes) for a in arrays)
+
+    def _release_kv(self, room: int, uuid: int | None) -> None:
+        if uuid is not None:
+            result = self.engine.release(uuid, "room over")
+            self.transfer_stats["released"] += 1
+            if result.released and not result.verified:
+                self.transfer_stats["release_unverified"] += 1
+        pages = self._held_pages.pop(room, None)
+        req = self.send_queue.pop(room, None) or self.req_of.get(room)
+        if pages is None and req is not None:
+            pages, req.pages = req.pages, None  # a leg still queued or prefilling
+            self._detach(req)
+        if pages:
+            self.allocator.free(pages)
+
+
+class PrefillScheduler(SchedulerDisaggregationPrefillMixin, Scheduler):
+    def __init__(
+        self,
+        args: DisaggregationArgs,
+        *,
+        model: LoadedModel | None = None,
+        engine: KVTransferEngine | None = None,
+        clock: Callable[[], float] | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        super().__init__(args, model=model)
+        self._init_prefill(args, engine, clock, rng)

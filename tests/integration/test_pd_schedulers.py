@@ -1,0 +1,253 @@
+"""Prefill + decode schedulers through the core and real transfer servers equal the colocated one.
+
+Greedy tokens of a batch of varied prompts (1 token to more than two pages) are identical, the
+logits of the first decode step agree to float tolerance, and afterwards every page is free on
+both sides and the transfer server holds no registration.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pd_fsm.jax_engine.model import LoadedModel, load_model
+from pd_fsm.jax_engine.sampling import SamplingParams
+from pd_fsm.jax_engine.tokenizer import ChatMessage
+from pd_fsm.schedulers import Req, Scheduler, SchedulerArgs
+from pd_fsm.schedulers.disaggregation import (
+    DecodeScheduler,
+    DisaggregationArgs,
+    DuplicateRoomError,
+    PrefillScheduler,
+)
+from tests.support.pd_pair import BOOT, PDPair, collect
+
+PAGE = 4
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+LENGTHS = [1, 2, 3, 4, 5, 7, 9, 11, 13, 17]  # up to more than four pages of 4 tokens
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return load_model("tiny")
+
+
+def _args(mode: str, **kw: Any) -> DisaggregationArgs:
+    base: dict[str, Any] = {
+        "model": "tiny",
+        "num_pages": 96,
+        "page_size": PAGE,
+        "max_running": 16,
+        "max_batched_tokens": 256,
+        "disaggregation_mode": mode,
+        "instance_id": f"{mode}-0",
+    }
+    base.update(kw)
+    return DisaggregationArgs(**base)
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [rng.integers(1, 256, size=n).tolist() for n in LENGTHS]
+
+
+class _FirstDecodeLogits:
+    """Mixin recording, per request, the logits of its first decode-phase forward."""
+
+    first_logits: dict[str, np.ndarray]
+
+    def _on_logits(self, phase: str, reqs: Any, logits: Any) -> None:
+        if phase != "decode":
+            return
+        host = np.asarray(logits)
+        for i, req in enumerate(reqs):
+            if req is not None and req.rid not in self.first_logits:
+                self.first_logits[req.rid] = host[i].copy()
+
+
+class RecordingScheduler(_FirstDecodeLogits, Scheduler):
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.first_logits = {}
+
+
+class RecordingDecode(_FirstDecodeLogits, DecodeScheduler):
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.first_logits = {}
+
+
+def _real_prompts(model: LoadedModel) -> list[list[int]]:
+    """Varied real prompts: one token, a word, sentences, a chat turn over two pages."""
+    texts = [
+        "The",
+        "Paris is",
+        "1 2 3 4 5 6",
+        "def fibonacci(n):",
+        "The quick brown fox jumps over the lazy dog.",
+        "Water boils at a temperature of",
+        "In 1969, the first humans landed on",
+    ]
+    ids = [model.tokenizer.encode(t) for t in texts]
+    chat = model.tokenizer.encode(
+        model.tokenizer.apply_chat_template(
+            [ChatMessage("user", "What is the capital of France? Answer in one word.")]
+        )
+    )
+    return [*ids, chat]
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "smollm2"])
+def test_pd_equals_colocated(model_name: str) -> None:
+    model = load_model(model_name)
+    prompts = _prompts() if model_name == "tiny" else _real_prompts(model)
+    assert len(prompts) >= 8 and max(map(len, prompts)) > 2 * PAGE and min(map(len, prompts)) == 1
+    colo = RecordingScheduler(
+        SchedulerArgs(
+            model=model_name, num_pages=96, page_size=PAGE, max_running=16, max_batched_tokens=256
+        ),
+        model=model,
+    )
+    for i, ids in enumerate(prompts):
+        colo.add_request(Req(f"r{i}", ids, GREEDY))
+    expected = collect(colo.run_until_idle())
+
+    pair = PDPair(
+        model,
+        _args("prefill", model=model_name),
+        _args("decode", model=model_name),
+        decode_cls=RecordingDecode,
+    )
+    try:
+        for i, ids in enumerate(prompts):
+            room = 1000 + i
+            # The router posts both legs at once; alternate which arrives first.
+            legs = [
+                lambda i=i, ids=ids, room=room: pair.d.add_pd_request(
+                    Req(f"r{i}", ids, GREEDY), BOOT, room
+                ),
+                lambda i=i, ids=ids, room=room: pair.p.add_pd_request(
+                    Req(f"r{i}", ids, GREEDY), room
+                ),
+            ]
+            for leg in legs if i % 2 else legs[::-1]:
+                leg()
+        pair.run(
+            lambda: (
+                len(collect(pair.d_outputs)) == len(prompts)
+                and all(v["reason"] for v in collect(pair.d_outputs).values())
+                and pair.books_balanced()
+            )
+        )
+        got = collect(pair.d_outputs)
+        for rid, exp in expected.items():
+            assert got[rid]["ids"] == exp["ids"], rid
+            assert got[rid]["reason"].kind == "length"
+            np.testing.assert_allclose(
+                pair.d.first_logits[rid], colo.first_logits[rid], atol=1e-4, rtol=0
+            )
+        # P answered each leg with exactly the first token D continued from.
+        p_got = collect(pair.p_outputs)
+        for rid, exp in expected.items():
+            assert p_got[rid]["ids"] == exp["ids"][:1]
+        assert pair.d.transfer_stats["pulls_ok"] == len(prompts)
+        assert pair.books_balanced()
+    finally:
+        pair.close()
+
+
+def test_duplicate_live_room_rejected_first_unaffected(tiny: LoadedModel) -> None:
+    pair = PDPair(tiny, _args("prefill"), _args("decode"))
+    try:
+        ids = _prompts()[5]
+        pair.p.add_pd_request(Req("a", ids, GREEDY), 7)
+        pair.d.add_pd_request(Req("a", ids, GREEDY), BOOT, 7)
+        with pytest.raises(DuplicateRoomError):
+            pair.p.add_pd_request(Req("b", ids, GREEDY), 7)
+        with pytest.raises(DuplicateRoomError):
+            pair.d.add_pd_request(Req("b", ids, GREEDY), BOOT, 7)
+        assert "b" not in pair.p.reqs and "b" not in pair.d.reqs
+        pair.run(
+            lambda: (
+                "a" in collect(pair.d_outputs)
+                and collect(pair.d_outputs)["a"]["reason"] is not None
+                and pair.books_balanced()
+            )
+        )
+        assert collect(pair.d_outputs)["a"]["reason"].kind == "length"
+    finally:
+        pair.close()
+
+
+def test_unresolvable_prefill_fails_fast_and_frees_everything(tiny: LoadedModel) -> None:
+    pair = PDPair(tiny, _args("prefill"), _args("decode"))
+    pair.resolvable = False
+    try:
+        pair.d.add_pd_request(Req("x", [1, 2, 3], GREEDY), BOOT, 9)
+        pair.pump()
+        out = collect(pair.d.drain_outputs())
+        assert out["x"]["reason"].kind == "abort"
+        status, reason = pair.d.pop_failure("x")
+        assert status == 502 and "cannot resolve prefill" in reason
+        assert pair.d.allocator.num_free == pair.d.allocator.total
+    finally:
+        pair.close()
+
+
+def test_abort_on_either_side_releases_both(tiny: LoadedModel) -> None:
+    pair = PDPair(tiny, _args("prefill"), _args("decode"))
+    try:
+        ids = _prompts()[8]
+        pair.d.add_pd_request(Req("a", ids, GREEDY), BOOT, 11)
+        pair.p.add_pd_request(Req("a", ids, GREEDY), 11)
+        pair.pump()
+        assert pair.d.abort("a", "client gone")
+        pair.pump()
+        pair.run(lambda: pair.books_balanced())
+        assert pair.d.pop_failure("a")[0] == 499
+        status, reason = pair.p.pop_failure("a")
+        assert status == 500 and "client gone" in reason
+    finally:
+        pair.close()
+
+
+def test_silent_prefill_fails_the_room_within_the_window(tiny: LoadedModel) -> None:
+    now = [0.0]
+    pair = PDPair(
+        tiny,
+        _args("prefill"),
+        _args("decode", heartbeat_interval=1.0, peer_timeout=3.0),
+        clock=lambda: now[0],
+    )
+    try:
+        pair.d.add_pd_request(Req("a", [5, 6, 7, 8, 9], GREEDY), BOOT, 12)
+        pair.pump()
+        pair.drop_to_p = True  # P hears nothing more and is never stepped: it is "dead"
+        for t in range(1, 5):
+            now[0] = float(t)
+            pair.d_outputs += pair.d.step()
+            pair.pump()
+        out = collect(pair.d_outputs)
+        assert out["a"]["reason"].kind == "abort"
+        status, reason = pair.d.pop_failure("a")
+        assert status == 502 and "silent" in reason
+        assert pair.d.allocator.num_free == pair.d.allocator.total
+    finally:
+        pair.close()
+
+
+def test_make_scheduler_builds_the_pd_schedulers(tiny: LoadedModel) -> None:
+    from pd_fsm.schedulers import make_scheduler
+
+    p = make_scheduler(SchedulerArgs(model="tiny", disaggregation_mode="prefill"), model=tiny)
+    d = make_scheduler(_args("decode"), model=tiny)
+    try:
+        assert isinstance(p, PrefillScheduler) and isinstance(d, DecodeScheduler)
+        assert p.layout_hash == d.layout_hash or p.pool_config != d.pool_config
+    finally:
+        assert isinstance(d, DecodeScheduler)
+        d.close()
+        p.engine.close()
+        d.engine.close()

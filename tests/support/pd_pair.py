@@ -1,0 +1,104 @@
+"""A PrefillScheduler and a DecodeScheduler in one process, wired through the core's wire codec
+(the side channel) and two real transfer servers (the data plane)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pd_fsm.core import codec
+from pd_fsm.core import effects as fx
+from pd_fsm.core import events as ev
+from pd_fsm.jax_engine.model import LoadedModel
+from pd_fsm.schedulers.disaggregation import DecodeScheduler, DisaggregationArgs, PrefillScheduler
+from pd_fsm.schedulers.request import RequestOutput
+
+BOOT = "127.0.0.1:8998"
+P_ADDR = "tcp://127.0.0.1:0"  # P's side-channel address as D knows it
+SECRET = b"test-secret"
+
+
+class PDPair:
+    def __init__(
+        self,
+        model: LoadedModel,
+        p_args: DisaggregationArgs,
+        d_args: DisaggregationArgs,
+        decode_cls: type[DecodeScheduler] = DecodeScheduler,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.p = PrefillScheduler(p_args, model=model, clock=clock)
+        self.d = decode_cls(d_args, model=model, clock=clock)
+        self.d_id = d_args.instance_id
+        self.p_outputs: list[RequestOutput] = []
+        self.d_outputs: list[RequestOutput] = []
+        self.resolvable = True
+        self.drop_to_p = False  # simulate a P that stopped answering
+
+    def pump(self) -> None:
+        """Move every pending side-channel message and lookup (through the real codec)."""
+        for _ in range(100):
+            moved = False
+            for e in self.p.take_outbox():
+                moved = True
+                assert isinstance(e, fx.SendMessage) and e.peer == self.d_id
+                msg = codec.decode(codec.encode(e.message, SECRET), SECRET)
+                self.d.deliver(ev.MessageReceived(P_ADDR, msg))
+            for e in self.d.take_outbox():
+                moved = True
+                if isinstance(e, fx.ResolvePeer):
+                    if self.resolvable:
+                        found = ev.PeerResolved(
+                            e.bootstrap_addr, P_ADDR, self.p.engine.address, self.p.layout_hash
+                        )
+                    else:
+                        found = ev.PeerResolutionFailed(e.bootstrap_addr, "no such prefill")
+                    self.d.deliver(found)
+                elif not self.drop_to_p:
+                    msg = codec.decode(codec.encode(e.message, SECRET), SECRET)
+                    self.p.deliver(ev.MessageReceived(self.d_id, msg))
+            if not moved:
+                return
+
+    def step(self) -> None:
+        self.pump()
+        self.p_outputs += self.p.step()
+        self.pump()
+        self.d_outputs += self.d.step()
+        self.pump()
+
+    def run(self, until: Callable[[], bool], max_steps: int = 2000) -> None:
+        import time
+
+        for _ in range(max_steps):
+            if until():
+                return
+            self.step()
+            if self.d.pull_executor.inflight:
+                time.sleep(0.001)  # let the pull threads run
+        raise AssertionError("PD pair did not finish")
+
+    def close(self) -> None:
+        self.d.close()
+        self.p.engine.close()
+        self.d.engine.close()
+
+    def books_balanced(self) -> bool:
+        return (
+            self.p.allocator.num_free == self.p.allocator.total
+            and self.d.allocator.num_free == self.d.allocator.total
+            and not self.p.engine.registrations()
+            and not self.p.core.rooms
+            and not self.d.core.rooms
+        )
+
+
+def collect(outputs: list[RequestOutput]) -> dict[str, Any]:
+    acc: dict[str, Any] = {}
+    for o in outputs:
+        entry = acc.setdefault(o.rid, {"ids": [], "text": "", "reason": None})
+        entry["ids"] += list(o.new_token_ids)
+        entry["text"] += o.text_delta
+        if o.finished:
+            entry["reason"] = o.finish_reason
+    return acc
