@@ -9,6 +9,7 @@ unmodified logits, before temperature / top-k / top-p), which is what ``return_l
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import jax
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _non_negative(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+def _non_negative(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if value < 0:
         raise ValueError(f"{attribute.name} must be >= 0, got {value}")
 

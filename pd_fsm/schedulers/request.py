@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import attrs
@@ -51,10 +52,14 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+def _int_list(ids: Iterable[int]) -> list[int]:
+    return [int(i) for i in ids]
+
+
 @attrs.define(eq=False)
 class Req:
     rid: str
-    input_ids: list[int] = attrs.field(converter=list)
+    input_ids: list[int] = attrs.field(converter=_int_list)
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
     # Opaque per-request data for layers above (e.g. bootstrap host/port/room for PD).
     metadata: dict[str, Any] = attrs.field(factory=dict)

@@ -147,7 +147,7 @@ class Scheduler:
         """Thread-safe ``abort``: applied at the start of the next ``step()``."""
         self._inbox.append((rid, message))
 
-    def prompt_pages(self, req: Req) -> list[int]:
+    def prompt_page_ids(self, req: Req) -> list[int]:
         """The pages holding (or about to hold) ``req``'s prompt K/V, in position order: what a
         prefill worker sends and a decode worker receives."""
         assert req.pages is not None
@@ -341,9 +341,9 @@ class Scheduler:
             return
         self._on_logits("prefill", completed, logits)
         sampled, logprobs = self._sample(logits, completed)
-        for req, token, logprob in zip(completed, sampled, logprobs, strict=True):
-            if req is not None:
-                self._on_prefill_done(req, int(token), float(logprob))
+        for done_req, token, logprob in zip(completed, sampled, logprobs, strict=True):
+            if done_req is not None:
+                self._on_prefill_done(done_req, int(token), float(logprob))
 
     def _forward_extend(
         self, tokens: np.ndarray, start: np.ndarray, num_new: np.ndarray, table: np.ndarray

@@ -143,7 +143,7 @@ def _read_tokenizer(reader: Any) -> TokenizerSpec:
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     # SmolLM's pre-tokenizer ("smollm" in llama.cpp): every digit on its own, then GPT-2 byte-level.
-    pre = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    pre: list[Any] = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
     if _field(reader, "tokenizer.ggml.pre") == "smollm":
         pre.insert(0, pre_tokenizers.Digits(individual_digits=True))
     tok.pre_tokenizer = pre_tokenizers.Sequence(pre)
@@ -187,7 +187,7 @@ def load_gguf(
     spec = _read_tokenizer(reader)
     if use_cache:
         buf = io.BytesIO()
-        np.savez(buf, **flat)
+        np.savez(buf, **flat)  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle
         atomic_write_bytes(npz_path, buf.getvalue())
         meta = {"config": attrs.asdict(config), "tokenizer": attrs.asdict(spec)}
         # The JSON is written last: its presence marks a complete entry.
