@@ -62,7 +62,8 @@ class PrefillBatch:
     rows: tuple[PrefillRow, ...]
     n_pad: int
     t_pad: int
-    p_pad: int
+    p_pad: int  # page-table width: pages up to the end of each row's chunk
+    ctx_pages: int  # leading columns holding cached context (0: every row starts at 0)
 
 
 @attrs.frozen
@@ -314,8 +315,13 @@ class Scheduler:
         if not rows:
             return None
         pages = max(self.pool_config.pages_for(r.start + r.length) for r in rows)
+        ctx = max(self.pool_config.pages_for(r.start) for r in rows)
         return PrefillBatch(
-            tuple(rows), bucket(len(rows)), self._t_bucket(t_max), page_bucket(pages)
+            tuple(rows),
+            bucket(len(rows)),
+            self._t_bucket(t_max),
+            page_bucket(pages),
+            page_bucket(ctx) if ctx else 0,
         )
 
     def _run_prefill(self, batch: PrefillBatch) -> None:
@@ -330,7 +336,7 @@ class Scheduler:
             start[i], num_new[i] = row.start, row.length
             used = self.pool_config.pages_for(row.start + row.length)
             table[i, :used] = req.pages[:used]
-        logits = self._forward_extend(tokens, start, num_new, table)
+        logits = self._forward_extend(tokens, start, num_new, table, batch.ctx_pages)
 
         completed: list[Req | None] = []
         for row in batch.rows:
@@ -346,9 +352,14 @@ class Scheduler:
                 self._on_prefill_done(done_req, int(token), float(logprob))
 
     def _forward_extend(
-        self, tokens: np.ndarray, start: np.ndarray, num_new: np.ndarray, table: np.ndarray
+        self,
+        tokens: np.ndarray,
+        start: np.ndarray,
+        num_new: np.ndarray,
+        table: np.ndarray,
+        ctx_pages: int | None = None,
     ) -> jax.Array:
-        self.forward_shapes.add(("extend", *tokens.shape, table.shape[1]))
+        self.forward_shapes.add(("extend", *tokens.shape, table.shape[1], ctx_pages or 0))
         params, config = self.model.params, self.config
 
         def run(kv: KV) -> tuple[jax.Array, KV]:
@@ -360,6 +371,7 @@ class Scheduler:
                 jnp.asarray(num_new),
                 jnp.asarray(table),
                 config=config,
+                ctx_pages=ctx_pages,
             )
 
         return self._with_kv(run)

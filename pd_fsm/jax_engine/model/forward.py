@@ -79,12 +79,17 @@ def _forward(
     *,
     config: ModelConfig,
     all_logits: bool,
+    ctx_pages: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Logits, the new K/V entries ``[L, B*T, 2*Nkv, D]`` and the (page, offset) each goes to."""
+    """Logits, the new K/V entries ``[L, B*T, 2*Nkv, D]`` and the (page, offset) each goes to.
+
+    Attention reads the first ``ctx_pages`` columns of the page table (all when None): they must
+    cover every row's ``start_pos``. A prefill of fresh prompts passes 0 and gathers nothing."""
     batch, t = tokens.shape
     num_pages_row = page_table.shape[1]
     page_size = kv[0].shape[1]
-    ctx_len = num_pages_row * page_size
+    ctx_table = page_table if ctx_pages is None else page_table[:, :ctx_pages]
+    ctx_len = ctx_table.shape[1] * page_size
     nh, nkv, d, g = config.num_heads, config.num_kv_heads, config.head_dim, config.group_size
 
     offsets = jnp.arange(t, dtype=jnp.int32)
@@ -114,7 +119,7 @@ def _forward(
         q = rope(q, positions, config.rope_theta)
         k = rope(k, positions, config.rope_theta)
 
-        ctx = pool[page_table].reshape(batch, ctx_len, nkv, 2, d)
+        ctx = pool[ctx_table].reshape(batch, ctx_len, nkv, 2, d)
         k_all = jnp.concatenate([ctx[:, :, :, 0, :], k.astype(pool.dtype)], axis=1)
         v_all = jnp.concatenate([ctx[:, :, :, 1, :], v.astype(pool.dtype)], axis=1)
         entries.append(jnp.stack([k, v], axis=3).reshape(batch * t, 2 * nkv, d).astype(pool.dtype))
@@ -143,10 +148,10 @@ def write_kv(kv: KV, entries: jax.Array, pages: jax.Array, offsets: jax.Array) -
     return [pool.at[pages, offsets].set(entries[i]) for i, pool in enumerate(kv)]
 
 
-_forward_jit = jax.jit(_forward, static_argnames=("config", "all_logits"))
+_forward_jit = jax.jit(_forward, static_argnames=("config", "all_logits", "ctx_pages"))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "all_logits"))
+@functools.partial(jax.jit, static_argnames=("config", "all_logits", "ctx_pages"))
 def _prefill_forward(
     params: Params,
     kv: KV,
@@ -157,6 +162,7 @@ def _prefill_forward(
     *,
     config: ModelConfig,
     all_logits: bool,
+    ctx_pages: int | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     logits, entries, pages, offsets = _forward(
         params,
@@ -167,6 +173,7 @@ def _prefill_forward(
         page_ids[None, :],
         config=config,
         all_logits=all_logits,
+        ctx_pages=ctx_pages,
     )
     return logits[0], entries, pages, offsets
 
@@ -198,16 +205,27 @@ def extend(
     *,
     config: ModelConfig,
     all_logits: bool = False,
+    ctx_pages: int | None = None,
 ) -> tuple[jax.Array, KV]:
     """Batched prefill (with an optional cached prefix per row) over the paged pool.
 
     ``tokens[int32, B, T]``: row ``b`` feeds ``tokens[b, :num_new[b]]`` at positions
     ``start_pos[b] + i``; ``page_table[int32, B, P]`` lists row ``b``'s pages in order (padded with
     the null page). Returns logits of each row's last new token ``[B, V]`` (or ``[B, T, V]`` with
-    ``all_logits``) and the updated kv. Padding rows have ``num_new == 0``.
+    ``all_logits``) and the updated kv. Padding rows have ``num_new == 0``. ``ctx_pages``
+    (static): how many leading page-table columns hold cached context (they must cover every
+    ``start_pos``); None reads them all, 0 (no row has a cached prefix) skips the gather.
     """
     logits, entries, pages, offsets = _forward_jit(
-        params, kv, tokens, start_pos, num_new, page_table, config=config, all_logits=all_logits
+        params,
+        kv,
+        tokens,
+        start_pos,
+        num_new,
+        page_table,
+        config=config,
+        all_logits=all_logits,
+        ctx_pages=ctx_pages,
     )
     return logits, write_kv(kv, entries, pages, offsets)
 
@@ -222,12 +240,22 @@ def prefill(
     *,
     config: ModelConfig,
     all_logits: bool = False,
+    ctx_pages: int | None = None,
 ) -> tuple[jax.Array, KV]:
     """One prompt: ``tokens[int32, T_pad]`` of which the first ``length`` are real, written at
     positions ``start_pos...`` into ``page_ids[int32, P_pad]`` (the request's pages in order).
-    Returns the last real token's logits ``[V]`` (``[T_pad, V]`` with ``all_logits``) and kv."""
+    Returns the last real token's logits ``[V]`` (``[T_pad, V]`` with ``all_logits``) and kv.
+    ``ctx_pages`` as in ``extend`` (0 when ``start_pos == 0``: nothing cached to read)."""
     logits, entries, pages, offsets = _prefill_forward(
-        params, kv, tokens, length, page_ids, start_pos, config=config, all_logits=all_logits
+        params,
+        kv,
+        tokens,
+        length,
+        page_ids,
+        start_pos,
+        config=config,
+        all_logits=all_logits,
+        ctx_pages=ctx_pages,
     )
     return logits, write_kv(kv, entries, pages, offsets)
 
