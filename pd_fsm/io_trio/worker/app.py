@@ -66,9 +66,11 @@ def model_path(name: str) -> str:
         from pd_fsm.jax_engine.model.gguf_loader import find_smollm2_gguf
 
         return str(find_smollm2_gguf())
-    from pd_fsm.jax_engine.model import config as model_config
+    if name == "tiny":
+        from pd_fsm.jax_engine.model import config as model_config
 
-    return str(Path(model_config.__file__).resolve().parent)
+        return str(Path(model_config.__file__).resolve().parent)
+    return str(Path(name).resolve())  # an HF checkpoint directory
 
 
 @attrs.frozen(eq=False)

@@ -77,10 +77,12 @@ class ColocatedBackend:
         max_queued: int = 1024,
         scheduler: Scheduler | None = None,
         warmup: bool = True,
+        stream_capacity: int = STREAM_CAPACITY,
     ) -> None:
         self.args = args
         self.scheduler: Scheduler | None = scheduler
         self._warmup = warmup
+        self._stream_capacity = stream_capacity
         self._ready = False
         self._jobs_send, self._jobs_recv = trio.open_memory_channel[_Stream](max_queued)
         self._streams: dict[str, _Stream] = {}
@@ -122,7 +124,7 @@ class ColocatedBackend:
             raise BackendError(503, "the model is still loading")
         if job.rid in self._streams:
             raise BackendError(400, f"request id {job.rid!r} is already in use")
-        send, recv = trio.open_memory_channel[Item](STREAM_CAPACITY)
+        send, recv = trio.open_memory_channel[Item](self._stream_capacity)
         stream = _Stream(job, send)
         try:
             self._jobs_send.send_nowait(stream)

@@ -54,7 +54,8 @@ class ServeConfig:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
+        # A checkpoint directory is served under its last path component.
+        return self.served_model_name or Path(self.model).name
 
     def scheduler_args(self) -> SchedulerArgs:
         return SchedulerArgs(
@@ -81,11 +82,24 @@ class ServeConfig:
         return secret
 
 
+def _model_arg(value: str) -> str:
+    if value in MODEL_NAMES or Path(value).is_dir():
+        return value
+    raise argparse.ArgumentTypeError(
+        f"unknown model {value!r} (expected {', '.join(MODEL_NAMES)} or a checkpoint directory)"
+    )
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     d = ServeConfig()
     p.add_argument("--host", default=d.host, help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=d.port, help="HTTP port (0: any free port)")
-    p.add_argument("--model", choices=MODEL_NAMES, default=d.model)
+    p.add_argument(
+        "--model",
+        type=_model_arg,
+        default=d.model,
+        help=f"{' | '.join(MODEL_NAMES)} | a local HF Llama/Qwen2 checkpoint directory",
+    )
     p.add_argument("--served-model-name", default=None, help="name clients use (default --model)")
     p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16"))
     p.add_argument("--model-seed", type=int, default=d.model_seed, help="tiny model weights")

@@ -1,0 +1,298 @@
+"""The colocated worker over real HTTP on 127.0.0.1 (tiny model): the three generation endpoints,
+streamed and not, against the Scheduler's own output; every bad input; disconnects and aborts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from pd_fsm.jax_engine.model import load_model
+from pd_fsm.jax_engine.sampling import SamplingParams
+from pd_fsm.jax_engine.tokenizer import ChatMessage
+from pd_fsm.schedulers import Scheduler
+from tests.integration.serve_support import TINY, sse_events, start_worker, wait_idle
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
+
+
+def _reference(prompt_ids: list[int], max_new: int = 10) -> list[int]:
+    """What the Scheduler itself produces for the prompt, greedily."""
+    from pd_fsm.io_trio.worker.config import ServeConfig
+
+    sched = Scheduler(ServeConfig(**TINY).scheduler_args())
+    req = sched.make_request(
+        "ref", prompt_ids, SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
+    )
+    sched.add_request(req)
+    sched.run_until_idle()
+    return list(req.output_ids)
+
+
+@pytest.fixture
+async def worker(nursery: trio.Nursery) -> tuple[str, Any]:
+    return await start_worker(nursery)
+
+
+async def test_three_endpoints_match_scheduler(worker: tuple[str, Any]) -> None:
+    url, _ = worker
+    tok = load_model("tiny").tokenizer
+    prompt = "The quick brown fox"
+    expected = _reference(tok.encode(prompt))
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        r = await http.post("/generate", json={"text": prompt, "sampling_params": GREEDY})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["output_ids"] == expected
+        assert body["text"] == tok.decode(expected)
+        meta = body["meta_info"]
+        assert meta["prompt_tokens"] == len(prompt)
+        assert meta["completion_tokens"] == 10
+        assert meta["finish_reason"] == {"type": "length", "length": 10}
+
+        r = await http.post(
+            "/generate",
+            json={"input_ids": tok.encode(prompt), "sampling_params": GREEDY, "stream": True,
+                  "return_logprob": True, "rid": "gen-stream"},
+        )
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]"
+        last = events[-2]
+        assert last["output_ids"] == expected and last["meta_info"]["id"] == "gen-stream"
+        lps = last["meta_info"]["output_token_logprobs"]
+        assert [t for _, t, _ in lps] == expected and all(lp <= 0 for lp, _, _ in lps)
+        # Cumulative text, as sglang streams it.
+        assert all(e["text"].startswith(events[0]["text"]) for e in events[:-1])
+
+        completion = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+                      "model": "tiny"}
+        r = await http.post("/v1/completions", json=completion)
+        assert r.status_code == 200, r.text
+        c = r.json()
+        assert c["choices"][0]["text"] == tok.decode(expected)
+        assert c["choices"][0]["finish_reason"] == "length"
+        assert c["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 10,
+                              "total_tokens": len(prompt) + 10}
+        r = await http.post("/v1/completions", json={**completion, "stream": True,
+                                                     "stream_options": {"include_usage": True}})
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]"
+        assert "".join(e["choices"][0]["text"] for e in events[:-2]) == tok.decode(expected)
+        assert events[-3]["choices"][0]["finish_reason"] == "length"
+        assert events[-2]["usage"]["completion_tokens"] == 10
+
+        messages = [{"role": "user", "content": "hi there"}]
+        chat_ids = tok.encode(tok.apply_chat_template([ChatMessage("user", "hi there")]))
+        chat_expected = _reference(chat_ids)
+        chat = {"messages": messages, "max_completion_tokens": 10, "temperature": 0,
+                "ignore_eos": True}
+        r = await http.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200, r.text
+        msg = r.json()["choices"][0]["message"]
+        assert msg == {"role": "assistant", "content": tok.decode(chat_expected)}
+        # max_tokens (OpenAI) and max_completion_tokens (what sglang-router sends) agree.
+        r2 = await http.post("/v1/chat/completions",
+                             json={"messages": messages, "max_tokens": 10, "temperature": 0,
+                                   "ignore_eos": True})
+        assert r2.json()["choices"][0]["message"] == msg
+        r = await http.post("/v1/chat/completions", json={**chat, "stream": True})
+        events = sse_events(r.text)
+        assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+        content = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
+        assert content == tok.decode(chat_expected)
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        await wait_idle(http)
+
+
+def _long(n: int) -> str:
+    return "a" * n
+
+
+BAD: list[tuple[str, str, Any, int]] = [
+    ("/generate", "malformed", b'{"text": "x",', 400),
+    ("/generate", "not an object", [1, 2], 400),
+    ("/generate", "no prompt", {"sampling_params": {}}, 400),
+    ("/generate", "both prompts", {"text": "a", "input_ids": [1]}, 400),
+    ("/generate", "text not str", {"text": 5}, 400),
+    ("/generate", "batched", {"text": ["a", "b"]}, 400),
+    ("/generate", "empty prompt", {"text": ""}, 400),
+    ("/generate", "ids out of vocab", {"input_ids": [1, 999]}, 400),
+    ("/generate", "ids as strings", {"input_ids": ["1"]}, 400),
+    ("/generate", "negative max", {"text": "a", "sampling_params": {"max_new_tokens": -1}}, 400),
+    ("/generate", "huge max", {"text": "a", "sampling_params": {"max_new_tokens": 10**9}}, 400),
+    ("/generate", "string max", {"text": "a", "sampling_params": {"max_new_tokens": "5"}}, 400),
+    ("/generate", "bool temperature", {"text": "a", "sampling_params": {"temperature": True}},
+     400),
+    ("/generate", "negative temperature", {"text": "a", "sampling_params": {"temperature": -1}},
+     400),
+    ("/generate", "top_p 0", {"text": "a", "sampling_params": {"top_p": 0}}, 400),
+    ("/generate", "typo field", {"text": "a", "sampling_params": {"max_new_token": 5}}, 400),
+    ("/generate", "unsupported penalty",
+     {"text": "a", "sampling_params": {"frequency_penalty": 0.5}}, 400),
+    ("/generate", "sampling not object", {"text": "a", "sampling_params": [1]}, 400),
+    ("/generate", "stop not strings", {"text": "a", "sampling_params": {"stop": [1]}}, 400),
+    ("/generate", "rid not string", {"text": "a", "rid": 7}, 400),
+    ("/generate", "stream not bool", {"text": "a", "stream": "yes"}, 400),
+    ("/generate", "room too big",
+     {"text": "a", "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 2**63}, 400),
+    ("/generate", "room negative",
+     {"text": "a", "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": -1}, 400),
+    ("/generate", "room string",
+     {"text": "a", "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": "5"}, 400),
+    ("/generate", "port string",
+     {"text": "a", "bootstrap_host": "h", "bootstrap_port": "1", "bootstrap_room": 5}, 400),
+    ("/generate", "host missing", {"text": "a", "bootstrap_room": 5}, 400),
+    ("/generate", "prompt too long", {"text": _long(300)}, 413),
+    ("/generate", "body too large", {"text": _long(70 * 1024)}, 413),
+    ("/v1/completions", "malformed", b"{", 400),
+    ("/v1/completions", "no prompt", {"max_tokens": 3}, 400),
+    ("/v1/completions", "n=2", {"prompt": "a", "n": 2}, 400),
+    ("/v1/completions", "negative max", {"prompt": "a", "max_tokens": -5}, 400),
+    ("/v1/completions", "huge max", {"prompt": "a", "max_tokens": 10**12}, 400),
+    ("/v1/completions", "float max", {"prompt": "a", "max_tokens": 2.5}, 400),
+    ("/v1/completions", "unknown model", {"prompt": "a", "model": "gpt-4"}, 404),
+    ("/v1/completions", "model not str", {"prompt": "a", "model": 3}, 400),
+    ("/v1/completions", "batched", {"prompt": ["a", "b"]}, 400),
+    ("/v1/completions", "logprobs", {"prompt": "a", "logprobs": 3}, 400),
+    ("/v1/completions", "prompt too long", {"prompt": _long(300)}, 413),
+    ("/v1/chat/completions", "malformed", b"not json", 400),
+    ("/v1/chat/completions", "no messages", {"messages": []}, 400),
+    ("/v1/chat/completions", "bad role", {"messages": [{"role": "x", "content": "a"}]}, 400),
+    ("/v1/chat/completions", "content not str",
+     {"messages": [{"role": "user", "content": 5}]}, 400),
+    ("/v1/chat/completions", "image part",
+     {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
+    ("/v1/chat/completions", "n=3", {"messages": [{"role": "user", "content": "a"}], "n": 3}, 400),
+    ("/v1/chat/completions", "unknown model",
+     {"messages": [{"role": "user", "content": "a"}], "model": "llama"}, 404),
+    ("/v1/chat/completions", "negative max",
+     {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": -1}, 400),
+    ("/v1/chat/completions", "maxes disagree",
+     {"messages": [{"role": "user", "content": "a"}], "max_tokens": 3,
+      "max_completion_tokens": 4}, 400),
+    ("/v1/chat/completions", "prompt too long",
+     {"messages": [{"role": "user", "content": _long(300)}]}, 413),
+    ("/abort_request", "malformed", b"{{", 400),
+    ("/abort_request", "no rid", {}, 400),
+    ("/abort_request", "rid not str", {"rid": 1}, 400),
+]
+
+
+async def test_bad_input_everywhere(worker: tuple[str, Any]) -> None:
+    url, w = worker
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        for path, what, body, status in BAD:
+            for stream in (False, True):
+                if stream and (not isinstance(body, dict) or path == "/abort_request"
+                               or "stream" in body):
+                    continue
+                payload = {**body, "stream": True} if stream else body
+                if isinstance(payload, bytes):
+                    r = await http.post(path, content=payload)
+                else:
+                    r = await http.post(path, json=payload)
+                label = f"{path} {what} stream={stream}"
+                assert r.status_code == status, f"{label}: {r.status_code} {r.text}"
+                err = r.json()["error"]
+                assert err["code"] == status and err["message"] and err["type"], label
+        r = await http.get("/nowhere")
+        assert r.status_code == 404 and r.json()["error"]["code"] == 404
+        r = await http.get("/generate")
+        assert r.status_code == 405
+        assert (await http.get("/health")).status_code == 200
+        load = await wait_idle(http)
+        assert load["num_pages_free"] == 95
+        # Still serves after all that.
+        r = await http.post("/generate", json={"text": "ok", "sampling_params": GREEDY})
+        assert r.status_code == 200
+    assert w.bad_requests >= len(BAD)
+
+
+async def test_disconnect_mid_stream_aborts(worker: tuple[str, Any]) -> None:
+    url, w = worker
+    body = {"text": "stream me", "stream": True, "rid": "leaver",
+            "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        async with http.stream("POST", "/generate", json=body) as r:
+            assert r.status_code == 200
+            seen = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                if seen == 3:
+                    break
+        # The response is closed with ~197 tokens still to go.
+        await wait_idle(http)
+        assert w.backend.outcomes["abort"] == 1
+        metrics = (await http.get("/metrics")).text
+        assert 'outcome="disconnected"' in metrics
+
+
+async def test_disconnect_non_streaming_aborts(worker: tuple[str, Any]) -> None:
+    url, w = worker
+    body = {"text": "wait for me", "sampling_params": {"max_new_tokens": 240, "temperature": 0,
+                                                       "ignore_eos": True}}
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        with trio.move_on_after(0.5):
+            await http.post("/generate", json=body)
+            pytest.fail("the request should still be running")
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        await wait_idle(http)
+    assert w.backend.outcomes["abort"] == 1
+
+
+async def test_abort_request(worker: tuple[str, Any], nursery: trio.Nursery) -> None:
+    url, w = worker
+    long = {"temperature": 0, "max_new_tokens": 240, "ignore_eos": True}
+    results: dict[str, Any] = {}
+
+    async def post(rid: str, http: httpx.AsyncClient) -> None:
+        r = await http.post("/generate", json={"text": rid, "rid": rid, "sampling_params": long})
+        results[rid] = r
+
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        async with trio.open_nursery() as n:
+            for rid in ("a1", "a2", "a3"):
+                n.start_soon(post, rid, http)
+            with trio.fail_after(10):
+                while len(w._live) < 3:
+                    await trio.sleep(0.02)
+            r = await http.post("/abort_request", json={"rid": "a1"})
+            assert r.json() == {"aborted": ["a1"]}
+            r = await http.post("/abort_request", json={"rid": "nobody"})
+            assert r.status_code == 200 and r.json() == {"aborted": []}
+            r = await http.post("/abort_request", json={"abort_all": True})
+            assert sorted(r.json()["aborted"]) == ["a2", "a3"]
+        for rid in ("a1", "a2", "a3"):
+            meta = results[rid].json()["meta_info"]
+            assert meta["finish_reason"]["type"] == "abort", meta
+            assert meta["completion_tokens"] < 240
+        await wait_idle(http)
+        assert (await http.get("/health")).status_code == 200
+
+
+async def test_info_endpoints(worker: tuple[str, Any]) -> None:
+    url, _ = worker
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        for path in ("/server_info", "/get_server_info"):
+            info = (await http.get(path)).json()
+            assert info["disaggregation_mode"] == "null"
+            assert info["page_size"] == 4 and info["max_total_num_tokens"] == 95 * 4
+            from pathlib import Path
+
+            assert Path(info["model_path"]).exists()
+        for path in ("/model_info", "/get_model_info"):
+            info = (await http.get(path)).json()
+            assert info["is_generation"] is True and Path(info["model_path"]).exists()
+        models = (await http.get("/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == ["tiny"]
+        hg = await http.get("/health_generate")
+        assert hg.status_code == 200 and hg.json()["tokens"] == 1
+        metrics = (await http.get("/metrics")).text
+        for name in ("pd_fsm_worker_backend_free_pages", "pd_fsm_worker_backend_total_pages",
+                     "pd_fsm_worker_backend_waiting", "pd_fsm_worker_backend_running",
+                     "pd_fsm_worker_http_requests_total",
+                     'pd_fsm_worker_backend_requests_total{key="stop"}'):
+            assert name in metrics, name

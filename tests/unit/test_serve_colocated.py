@@ -1,0 +1,138 @@
+"""ColocatedBackend without HTTP: fan-out to slow consumers, aborts, queue limit, page accounting;
+and the HTTP layer's answers before the backend is ready."""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+
+import httpx
+import pytest
+import trio
+import trio.testing
+
+from pd_fsm.io_trio.worker.app import WorkerApp
+from pd_fsm.io_trio.worker.backend import BackendError, GenerateJob
+from pd_fsm.io_trio.worker.colocated import ColocatedBackend
+from pd_fsm.io_trio.worker.config import ServeConfig
+from pd_fsm.jax_engine.sampling import SamplingParams
+from pd_fsm.schedulers import FinishReason, Scheduler, SchedulerArgs
+
+ARGS = SchedulerArgs(model="tiny", num_pages=96, page_size=4, max_running=4,
+                     max_batched_tokens=256, context_length=512)
+CAPACITY = 4
+N = CAPACITY * 3 + 2  # more outputs than one request's channel holds
+
+
+def _job(rid: str, prompt: tuple[int, ...], n: int = N) -> GenerateJob:
+    return GenerateJob(rid, prompt, SamplingParams(max_new_tokens=n, temperature=0.0,
+                                                   ignore_eos=True))
+
+
+@pytest.fixture
+async def backend(nursery: trio.Nursery) -> ColocatedBackend:
+    b = ColocatedBackend(ARGS, stream_capacity=CAPACITY)
+    await nursery.start(b.serve)
+    return b
+
+
+def _reference(prompt: tuple[int, ...], n: int = N) -> list[int]:
+    sched = Scheduler(ARGS)
+    req = sched.make_request("ref", list(prompt), SamplingParams(max_new_tokens=n,
+                                                                temperature=0.0,
+                                                                ignore_eos=True))
+    sched.add_request(req)
+    sched.run_until_idle()
+    return list(req.output_ids)
+
+
+async def test_slow_consumer_blocks_nobody_and_loses_nothing(backend: ColocatedBackend) -> None:
+    slow_prompt, fast_prompt = (5, 6, 7), (9, 10, 11, 12)
+    slow_gen = backend.generate(_job("slow", slow_prompt))
+    async with aclosing(slow_gen):
+        first = await slow_gen.__anext__()  # admitted; then not read while "fast" runs
+        fast: list[int] = []
+        async with aclosing(backend.generate(_job("fast", fast_prompt))) as outs:
+            async for out in outs:
+                fast.extend(out.new_token_ids)
+        assert fast == _reference(fast_prompt)
+        # The slow request kept running; its outputs waited in its channel and overflow.
+        slow = list(first.new_token_ids)
+        async for out in slow_gen:
+            slow.extend(out.new_token_ids)
+        assert slow == _reference(slow_prompt)
+    stats = backend.stats()
+    assert stats["free_pages"] == stats["total_pages"]
+    assert backend.outcomes["length"] == 2 and not backend._streams
+
+
+async def test_leaving_early_aborts_and_frees_pages(backend: ColocatedBackend) -> None:
+    async with aclosing(backend.generate(_job("gone", (1, 2, 3)))) as outs:
+        async for _ in outs:
+            break
+    with trio.fail_after(10):
+        while backend._streams:
+            await trio.sleep(0.01)
+    stats = backend.stats()
+    assert stats["free_pages"] == stats["total_pages"] and stats["running"] == 0
+    assert backend.outcomes["abort"] == 1
+
+
+async def test_abort_by_rid_ends_stream_with_abort_reason(backend: ColocatedBackend) -> None:
+    reasons: list[FinishReason | None] = []
+    async with aclosing(backend.generate(_job("victim", (4, 4, 4)))) as outs:
+        async for out in outs:
+            if out.finish_reason is None:
+                if not reasons:
+                    assert backend.abort("victim")
+                    reasons.append(None)
+            else:
+                reasons.append(out.finish_reason)
+    assert [r.kind for r in reasons if r is not None] == ["abort"]
+    assert not backend.abort("victim")  # gone now
+    stats = backend.stats()
+    assert stats["free_pages"] == stats["total_pages"]
+
+
+async def test_refused_requests(backend: ColocatedBackend) -> None:
+    # A request the scheduler can never serve (more pages than the pool holds).
+    with pytest.raises(BackendError) as info:
+        async with aclosing(backend.generate(_job("big", (1,) * 400, n=100))) as outs:
+            async for _ in outs:
+                pass
+    assert info.value.status == 400 and "pages" in info.value.reason
+    assert backend.outcomes["error"] == 1 and not backend._streams
+
+
+async def test_queue_limit_is_503(nursery: trio.Nursery) -> None:
+    # No loop runs: the first job sits in the channel (capacity 1), the second is refused.
+    b = ColocatedBackend(ARGS, max_queued=1)
+    b._ready = True
+    g1 = b.generate(_job("q1", (1, 2)))
+
+    async def wait_first() -> None:
+        async with aclosing(g1):
+            await g1.__anext__()
+
+    nursery.start_soon(wait_first)
+    await trio.testing.wait_all_tasks_blocked()
+    assert b.stats()["queued"] == 1
+    with pytest.raises(BackendError) as info:
+        async with aclosing(b.generate(_job("q2", (1, 2)))) as g2:
+            await g2.__anext__()
+    assert info.value.status == 503
+    nursery.cancel_scope.cancel()
+
+
+async def test_http_before_ready_is_503() -> None:
+    config = ServeConfig(model="tiny", num_pages=96, page_size=4)
+    worker = WorkerApp(config, ColocatedBackend(config.scheduler_args()))
+    transport = httpx.ASGITransport(app=worker.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://w") as http:
+        assert (await http.get("/health")).status_code == 503
+        r = await http.post("/generate", json={"text": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == 503
+        r = await http.post("/v1/chat/completions",
+                            json={"messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 503
+        info = (await http.get("/server_info")).json()
+        assert info["ready"] is False and info["disaggregation_mode"] == "null"
