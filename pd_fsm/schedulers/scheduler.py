@@ -2,7 +2,8 @@
 
 Synchronous and single-threaded: a caller (the HTTP worker's thread, a test, a benchmark) calls
 ``step()``, which runs at most one prefill forward and one decode forward and returns the outputs
-they produced. It is not thread-safe; one thread drives it.
+they produced. One thread drives it; only ``submit`` and ``request_abort`` may be called from other
+threads (they queue work that the next ``step()`` applies).
 
 Life of a request: ``add_request`` -> WAITING -> (pages for the whole sequence reserved, FIFO)
 PREFILLING -> (prompt in the pool, possibly over several chunked steps; first token sampled)
@@ -12,11 +13,14 @@ running request never needs pages mid-decode (no preemption); they are released 
 
 Extension points for the PD mixins (RFC-2 §5.4) are the underscore methods below; the P mixin
 overrides ``_on_prefill_done`` (hand the KV to the transfer instead of decoding) and
-``_release_pages``; the D mixin reserves pages with ``reserve_pages``, scatters the transferred KV
-into them, and enters the request into the decode batch with ``add_prefilled_request``, skipping
-the prefill forward. The pool arrays live in a ``KVCacheHolder`` (``self.kv_holder``, pool
-``"main_kv"``); every forward reads and replaces them through ``_with_kv`` under the holder's lock,
-so a pull thread's scatter (``holder.swap``) is ordered with forward steps (DESIGN §6).
+``_release_pages``; the D mixin registers a request (``_register``, so ``abort`` finds it),
+reserves its pages with ``reserve_pages``, scatters the transferred KV into ``prompt_page_ids``,
+and enters it into the decode batch with ``add_prefilled_request``, skipping the prefill forward.
+Mixins that keep requests in queues of their own extend ``_detach`` (and ``has_work``).
+
+The pool arrays live in a ``KVCacheHolder`` (``self.kv_holder``, pool ``"main_kv"``); every
+forward reads and replaces them through ``_with_kv`` under the holder's lock, so a pull thread's
+scatter (``holder.swap``) is ordered with forward steps (DESIGN §6).
 """
 
 from __future__ import annotations
