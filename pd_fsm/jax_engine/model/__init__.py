@@ -1,9 +1,9 @@
 """A Llama-architecture decoder in JAX over the paged KV pool, and its weights."""
 
 from pd_fsm.jax_engine.model.config import SMOLLM2_135M, TINY, ModelConfig
-from pd_fsm.jax_engine.model.forward import KV, Params, decode, extend, prefill
+from pd_fsm.jax_engine.model.forward import KV, Params, decode, extend, prefill, write_kv
 from pd_fsm.jax_engine.model.params import new_kv_pool, random_params
-from pd_fsm.jax_engine.model.registry import MODEL_NAMES, LoadedModel, load_model
+from pd_fsm.jax_engine.model.registry import MODEL_NAMES, LoadedModel, load_hf, load_model
 
 __all__ = [
     "KV",
@@ -15,8 +15,10 @@ __all__ = [
     "Params",
     "decode",
     "extend",
+    "load_hf",
     "load_model",
     "new_kv_pool",
     "prefill",
     "random_params",
+    "write_kv",
 ]
