@@ -19,7 +19,10 @@ class DecodeConfig:
     """D side: heartbeats to P and the deadline of each waiting state."""
 
     heartbeat_interval: float = 5.0
-    peer_timeout: float = 15.0  # no HB_ACK (or any message) from P for this long: P is lost
+    # P is lost when it has been silent this long AND has left this many of our heartbeats
+    # unanswered: a D that was itself stalled (a long compile) first asks again, then judges.
+    peer_timeout: float = 15.0
+    heartbeat_misses: int = 2
     resolve_timeout: float = 10.0  # bootstrap server lookup
     queue_timeout: float = 300.0  # waiting for free pages (then 503)
     ready_timeout: float = 300.0  # waiting for READY while P prefills (P alive, just slow)

@@ -74,6 +74,7 @@ class _Peer:
         "layout_hash",
         "rooms",
         "transfer_addr",
+        "unanswered",
     )
 
     def __init__(self, addr: str, transfer_addr: str, layout_hash: str) -> None:
@@ -84,6 +85,7 @@ class _Peer:
         self.last_heard = 0.0
         self.incarnation: int | None = None
         self.hb_seq = 0
+        self.unanswered = 0  # heartbeats sent since P last said anything
 
 
 class _Why:
@@ -248,6 +250,7 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
         peer = self.peers.get(e.peer)
         if peer is not None:
             peer.last_heard = now
+            peer.unanswered = 0
             if peer.rooms:
                 self._live_timers.set(e.peer, now + self.config.peer_timeout)
         if isinstance(m, HeartbeatAck):
@@ -337,13 +340,22 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
             self._go(r, "TimedOut", now, out, self._timeout_reason(r), status)
         for addr in self._live_timers.pop_due(now):
             peer = self.peers.get(addr)
-            if peer is not None and peer.rooms:
+            if peer is None or not peer.rooms:
+                continue
+            if peer.unanswered >= self.config.heartbeat_misses:
                 silent = now - peer.last_heard
-                self._lose_peer(peer, now, out, f"prefill {addr} silent for {silent:.1f} s")
+                reason = (
+                    f"prefill {addr} silent for {silent:.1f} s "
+                    f"({peer.unanswered} heartbeats unanswered)"
+                )
+                self._lose_peer(peer, now, out, reason)
+            else:  # we were not asking (stalled, or just started): ask, then judge
+                self._live_timers.set(addr, now + self.config.heartbeat_interval)
         for addr in self._hb_timers.pop_due(now):
             peer = self.peers.get(addr)
             if peer is not None and peer.rooms:
                 rooms = sorted(peer.rooms)
+                peer.unanswered += 1
                 for i in range(0, len(rooms), MAX_ROOMS_PER_HEARTBEAT):
                     batch = tuple(rooms[i : i + MAX_ROOMS_PER_HEARTBEAT])
                     peer.hb_seq += 1
@@ -388,6 +400,7 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
         if not peer.rooms:
             # First room for an idle P: its silence is measured from now, not from long ago.
             peer.last_heard = now
+            peer.unanswered = 0
             self._live_timers.set(peer.addr, now + self.config.peer_timeout)
             self._hb_timers.set(peer.addr, now + self.config.heartbeat_interval)
         peer.rooms.add(r.room)

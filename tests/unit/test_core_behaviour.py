@@ -170,8 +170,11 @@ def test_resolution_is_cached_per_prefill_and_refreshed_after_loss() -> None:
     out = d.handle(ev.PeerResolved("h:1", "p", "t", L), 0.0)
     assert _kinds(out) == ["AllocateBlocks", "AllocateBlocks"]
     assert _kinds(d.handle(ev.DecodeRequestAccepted(3, "h:1", 1), 0.0)) == ["AllocateBlocks"]
-    out = d.handle(ev.TimeAdvanced(), 15.0)  # P silent: rooms fail, cache dropped
+    out = []
+    for now in (5.0, 10.0, 15.0):  # two heartbeats unanswered and 15 s of silence
+        out = d.handle(ev.TimeAdvanced(), now)
     assert Counter(_kinds(out))["FailRequest"] == 3
+    assert "2 heartbeats unanswered" in out[-1].reason
     assert _kinds(d.handle(ev.DecodeRequestAccepted(4, "h:1", 1), 16.0)) == ["ResolvePeer"]
 
 
@@ -300,3 +303,19 @@ def test_local_misuse_raises() -> None:
         _d().handle(ev.BlocksAllocated(5), 0.0)
     with pytest.raises(LocalProtocolError):
         _p().handle(ev.BlocksAllocated(5), 0.0)
+
+
+def test_a_stalled_decode_asks_before_declaring_prefill_lost() -> None:
+    """D itself froze for 40 s (a long compile): it sends heartbeats first, judges after."""
+    d = _d(heartbeat_interval=5.0, peer_timeout=15.0)
+    d.handle(ev.DecodeRequestAccepted(1, "h:1", 1), 0.0)
+    d.handle(ev.PeerResolved("h:1", "p", "t", L), 0.0)
+    out = d.handle(ev.TimeAdvanced(), 40.0)
+    assert _kinds(out) == ["SendMessage"] and isinstance(out[0].message, Heartbeat)
+    d.handle(ev.MessageReceived("p", HeartbeatAck(3, out[0].message.seq)), 40.1)
+    for now in (45.0, 50.0, 54.0):
+        d.handle(ev.TimeAdvanced(), now)
+    assert d.poll(1) == KVPoll.Bootstrapping  # P answered: still alive, still waiting
+    for now in (55.0, 60.0):
+        out = d.handle(ev.TimeAdvanced(), now)
+    assert d.poll(1) == KVPoll.Failed and "unanswered" in out[-1].reason
