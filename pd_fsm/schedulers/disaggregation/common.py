@@ -54,10 +54,14 @@ class DisaggregationCommon(Scheduler, ABC):
 
     # -- the I/O layer's side ---------------------------------------------------------------------
 
-    def deliver(self, event: Any) -> None:
+    def deliver(self, event: Any, now: float | None = None) -> None:
         """Feed an event from the I/O layer (a side-channel message, a lookup answer, a local
-        abort, or just the passing of time) into the core and carry out what it says."""
-        self._run(self.core.handle(event, self.clock()))
+        abort, or just the passing of time) into the core and carry out what it says.
+
+        ``now`` is when the event happened on ``self.clock`` (default: now). A message that
+        arrived while a forward step ran should be delivered with its arrival time, so that a
+        heartbeat received in time extends a lease before the lease's expiry is judged."""
+        self._run(self.core.handle(event, self.clock() if now is None else now))
 
     def take_outbox(self) -> list[Any]:
         """Effects only the I/O layer can carry out (SendMessage, ResolvePeer), in order."""
