@@ -21,8 +21,8 @@ from __future__ import annotations
 import attrs
 import trio
 
-from pd_fsm.core.decode import DecodeEndpoint
-from pd_fsm.core.prefill import PrefillEndpoint
+from pd_fsm.core.decode_endpoint import DecodeEndpoint
+from pd_fsm.core.prefill_endpoint import PrefillEndpoint
 from pd_fsm.io_trio.driver import EffectSink, EndpointDriver, Resolver
 from pd_fsm.io_trio.side_channel import DecodeSideChannel, PrefillSideChannel, SideChannelLimits
 

@@ -118,8 +118,12 @@ class _Pump:
                 self._waiting = None
         finally:
             self._waiting = None
-            trio.lowlevel.notify_closing(fd)  # unregisters the fd from trio before zmq closes it
-            sock.close(linger=0)
+
+
+def _close(sock: zmq.Socket[Any]) -> None:
+    if not sock.closed:
+        trio.lowlevel.notify_closing(sock.getsockopt(zmq.FD))  # trio forgets the fd first
+        sock.close(linger=0)
 
 
 class _Channel:
@@ -131,6 +135,7 @@ class _Channel:
         self.limits = limits
         self.stats = SideChannelStats()
         self._ctx = zmq.Context()
+        self._monitors = 0
 
     async def _accept(self, peer: str, frame: bytes) -> None:
         if len(frame) > self.limits.max_frame:
@@ -146,19 +151,40 @@ class _Channel:
         self.stats.received += 1
         await self._deliver(peer, message)
 
-    async def _monitor(self, sock: zmq.Socket[Any]) -> None:
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    def _open(self, kind: int) -> tuple[zmq.Socket[Any], zmq.Socket[Any]]:
+        """A configured socket and the PAIR reading its monitor events. Call before bind or
+        connect, so no event can be emitted before the reader is connected."""
+        sock = self._ctx.socket(kind)
+        _configure(sock, self.limits)
+        self._monitors += 1
+        address = f"inproc://pd-fsm-monitor-{id(self)}-{self._monitors}"
+        sock.monitor(address, zmq.EVENT_DISCONNECTED)
+        reader = self._ctx.socket(zmq.PAIR)
+        reader.setsockopt(zmq.LINGER, 0)
+        # libzmq's I/O thread sends monitor events with a blocking send while holding the
+        # monitor lock; an unbounded pipe (RCVHWM 0) means it can never block on us, so
+        # disable_monitor below can never deadlock with it.
+        reader.setsockopt(zmq.RCVHWM, 0)
+        reader.connect(address)
+        return sock, reader
+
+    async def _serve(self, pump: _Pump, monitor: zmq.Socket[Any]) -> None:
+        """Run a socket's reader and its monitor's reader; close both in a safe order."""
 
         async def on_event(parts: list[bytes]) -> None:
             if parse_monitor_message(parts)["event"] == zmq.EVENT_DISCONNECTED:
                 self.stats.disconnects += 1
 
         try:
-            await _Pump(monitor, on_event, self.limits.batch).run()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(pump.run)
+                nursery.start_soon(_Pump(monitor, on_event, self.limits.batch).run)
         finally:
-            # disable_monitor needs the socket alive; the owning pump may have closed it first.
-            if not sock.closed:
-                sock.disable_monitor()
+            # Stop the monitor while its reader is still connected (see _open), then close.
+            if not pump.sock.closed:
+                pump.sock.disable_monitor()
+            _close(monitor)
+            _close(pump.sock)
 
     def _send(self, sock: zmq.Socket[Any], parts: list[bytes]) -> bool:
         try:
@@ -193,24 +219,26 @@ class PrefillSideChannel(_Channel):
         self._pump: _Pump | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-        sock = self._ctx.socket(zmq.ROUTER)
+        sock, monitor = self._open(zmq.ROUTER)
         try:
-            _configure(sock, self.limits)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown identity: EHOSTUNREACH, counted
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted D reclaims its identity
             endpoint = zmq_endpoint(self.bind_addr)
             if endpoint.endswith(":0"):
                 endpoint = endpoint[:-2] + ":*"
             sock.bind(endpoint)
-            self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._pump = _Pump(sock, self._on_parts, self.limits.batch)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._monitor, sock)
-                task_status.started(self.address)
-                await self._pump.run()
+        except BaseException:
+            _close(monitor)
+            _close(sock)
+            self._ctx.destroy(linger=0)
+            raise
+        self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._pump = _Pump(sock, self._on_parts, self.limits.batch)
+        task_status.started(self.address)
+        try:
+            await self._serve(self._pump, monitor)
         finally:
             self._pump = None
-            sock.close(linger=0)
             self._ctx.destroy(linger=0)
 
     async def _on_parts(self, parts: list[bytes]) -> None:
@@ -258,7 +286,7 @@ class DecodeSideChannel(_Channel):
                 await trio.sleep_forever()
         finally:
             self._nursery = None
-            self._pumps.clear()  # each pump closed its socket when its task was cancelled
+            self._pumps.clear()  # each _serve task closed its sockets when it was cancelled
             self._ctx.destroy(linger=0)
 
     @property
@@ -275,14 +303,15 @@ class DecodeSideChannel(_Channel):
             return pump
         if self._nursery is None:
             return None
-        sock = self._ctx.socket(zmq.DEALER)
-        _configure(sock, self.limits)
+        sock, monitor = self._open(zmq.DEALER)
         sock.setsockopt(zmq.IMMEDIATE, int(self.limits.immediate))
         sock.setsockopt(zmq.ROUTING_ID, self.identity.encode())
         try:
             sock.connect(zmq_endpoint(peer))
         except zmq.ZMQError as exc:
-            sock.close(linger=0)
+            sock.disable_monitor()
+            _close(monitor)
+            _close(sock)
             log.warning("cannot connect to prefill side channel %r: %s", peer, exc)
             return None
 
@@ -294,8 +323,7 @@ class DecodeSideChannel(_Channel):
 
         pump = _Pump(sock, on_parts, self.limits.batch)
         self._pumps[peer] = pump
-        self._nursery.start_soon(pump.run)
-        self._nursery.start_soon(self._monitor, sock)
+        self._nursery.start_soon(self._serve, pump, monitor)
         return pump
 
     def send(self, peer: str, message: Message) -> bool:

@@ -14,11 +14,11 @@ from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.codec import decode, encode
 from pd_fsm.core.config import DecodeConfig, LeaseConfig
-from pd_fsm.core.decode import DecodeEndpoint
+from pd_fsm.core.decode_endpoint import DecodeEndpoint
 from pd_fsm.core.errors import LocalProtocolError
 from pd_fsm.core.kvpoll import KVPoll
 from pd_fsm.core.messages import Message
-from pd_fsm.core.prefill import PrefillEndpoint
+from pd_fsm.core.prefill_endpoint import PrefillEndpoint
 from pd_fsm.io_trio.driver import EndpointDriver
 from pd_fsm.io_trio.testing import RecordingSink
 
