@@ -1,0 +1,542 @@
+"""The PD proxy (RFC-2 §5.7): every client request becomes a room of the core's RoomRouter.
+
+The router decides (room id uniform in [0, 2^63), P round-robin, D sticky to the room, what
+happens when a leg fails, times out or the client leaves); this adapter only carries out its
+effects and feeds it what happened:
+
+* ``DispatchRoom`` -> post the same body to P and D concurrently (one pooled httpx client), with
+  ``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room`` injected (and ``rid`` when the
+  client gave none, so the legs can be aborted by name);
+* ``RelayDecode`` -> the client gets D's status and body, SSE relayed chunk by chunk as it
+  arrives; with ``return_logprob`` P's ``input_token_logprobs`` are prepended to D's;
+* ``AbortLeg`` -> ``POST /abort_request {"rid"}`` to that worker, and the leg's HTTP request is
+  dropped;
+* ``ReplyError`` -> the failing leg's status and JSON error (a timeout: 504).
+
+P's leg runs in the proxy's own nursery: a client that got D's answer does not wait for P to be
+drained. Workers come from the command line or, refreshed periodically, from the bootstrap
+server's ``GET /list?role=prefill|decode``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import uuid
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+import attrs
+import httpx
+import trio
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from pd_fsm.core import effects as fx
+from pd_fsm.core import events as ev
+from pd_fsm.core.config import RouterConfig
+from pd_fsm.core.router import RoomRouter
+from pd_fsm.io_trio.worker.metrics import StatsCollector
+from pd_fsm.io_trio.worker.sse import Receive, Send
+
+log = logging.getLogger("pd_fsm.io_trio.proxy")
+
+GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+INFO_PATHS = ("/v1/models", "/model_info", "/get_model_info", "/server_info", "/get_server_info")
+FORWARD_HEADERS = ("authorization", "x-request-id")
+ABORT_TIMEOUT = 5.0
+MAX_BODY = 8 * 1024 * 1024
+
+
+@attrs.frozen
+class PrefillTarget:
+    """A P worker: its HTTP URL and the (host, port) routers inject as bootstrap_host/port."""
+
+    url: str
+    bootstrap_host: str
+    bootstrap_port: int | None
+
+    @classmethod
+    def from_url(cls, url: str, port: int | None) -> PrefillTarget:
+        return cls(url.rstrip("/"), urlsplit(url).hostname or "127.0.0.1", port)
+
+
+def _error_body(status: int, message: str, type_: str = "proxy_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "code": status}}
+
+
+def _json_or_text(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return _error_body(502, raw.decode("utf-8", "replace")[:2000])
+
+
+def _reason(body: Any, status: int) -> str:
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+    return f"HTTP {status}"
+
+
+@attrs.define(eq=False)
+class _Session:
+    request_id: str
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+    stream: bool
+    return_logprob: bool
+    room: int = -1
+    prefill: str = ""
+    decode: str = ""
+    rid: str = ""
+    relay: bool = False  # RelayDecode: D's answer goes to the client
+    error: tuple[int, Any] | None = None  # ReplyError: status and body to answer with
+    decided: trio.Event = attrs.field(factory=trio.Event)
+    relay_done: trio.Event = attrs.field(factory=trio.Event)
+    p_done: trio.Event = attrs.field(factory=trio.Event)
+    p_body: Any = None
+    p_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    d_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+
+
+class Proxy:
+    def __init__(
+        self,
+        prefill: list[PrefillTarget],
+        decode: list[str],
+        *,
+        bootstrap_url: str | None = None,
+        refresh_interval: float = 5.0,
+        room_timeout: float = RouterConfig().room_timeout,
+        rng: random.Random | None = None,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self._targets = {p.url: p for p in prefill}
+        self.router = RoomRouter(
+            [p.url for p in prefill],
+            [d.rstrip("/") for d in decode],
+            rng or random.Random(),
+            RouterConfig(room_timeout=room_timeout),
+        )
+        self.decode_urls = [d.rstrip("/") for d in decode]
+        self.bootstrap_url = bootstrap_url.rstrip("/") if bootstrap_url else None
+        self.refresh_interval = refresh_interval
+        self.room_timeout = room_timeout
+        self._client = client
+        self._own_client = client is None
+        self._sessions: dict[int, _Session] = {}
+        self._dispatching: dict[str, _Session] = {}
+        self._no_worker: str | None = None
+        self._nursery: trio.Nursery | None = None
+        self._timer_wake = trio.Event()
+        self.aborts_sent: dict[str, int] = {"prefill": 0, "decode": 0}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.requests = Counter("pd_fsm_proxy_http_requests", "client requests by path and status",
+                                ["path", "status"], registry=self.registry)
+        self.registry.register(StatsCollector(self.stats, "pd_fsm_proxy"))
+        routes = [Route(p, self._generation, methods=["POST"]) for p in GENERATION_PATHS]
+        routes += [Route(p, self._info, methods=["GET"]) for p in INFO_PATHS]
+        routes += [
+            Route("/health", self._health, methods=["GET"]),
+            Route("/metrics", self._metrics, methods=["GET"]),
+        ]
+        self.app = Starlette(routes=routes,
+                             exception_handlers={HTTPException: self._on_http_exception})
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        assert self._client is not None, "Proxy.run is not running"
+        return self._client
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        if self._client is None:
+            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None),
+                                             limits=limits)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._timer)
+                if self.bootstrap_url is not None:
+                    await nursery.start(self._discover)
+                task_status.started()
+        finally:
+            if self._own_client:
+                with trio.CancelScope(shield=True):
+                    await self._client.aclose()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "rooms_total": dict(self.router.outcomes),
+            "rooms_live": len(self.router.rooms),
+            "dropped_responses_total": self.router.dropped,
+            "aborts_sent_total": dict(self.aborts_sent),
+            "prefill_workers": len(self._targets),
+            "decode_workers": len(self.decode_urls),
+        }
+
+    # ------------------------------------------------------------------ the router
+
+    def _feed(self, event: Any, failure: tuple[int, Any] | None = None) -> None:
+        """Hand ``event`` to the router and carry out every effect it returns. ``failure`` is the
+        answer to give if this event fails its own room."""
+        effects = self.router.handle(event, trio.current_time())
+        room = getattr(event, "room", None)
+        for effect in effects:
+            self._apply(effect, failure if effect.room == room else None)
+
+    def _apply(self, effect: Any, failure: tuple[int, Any] | None) -> None:
+        if isinstance(effect, fx.DispatchRoom):
+            s = self._dispatching.pop(effect.request_id)
+            s.room, s.prefill, s.decode = effect.room, effect.prefill, effect.decode
+            self._sessions[effect.room] = s
+            self._timer_wake.set()
+            return
+        if isinstance(effect, fx.ReplyError) and effect.room == -1:
+            self._no_worker = effect.reason  # RoomRequested with no P or no D
+            return
+        s = self._sessions.get(effect.room)
+        if s is None:
+            return
+        if isinstance(effect, fx.RelayDecode):
+            s.relay = True
+            s.decided.set()
+        elif isinstance(effect, fx.ReplyError):
+            s.error = failure or (504, _error_body(504, effect.reason, "timeout"))
+            s.decided.set()
+        elif isinstance(effect, fx.AbortLeg):
+            (s.p_scope if effect.leg == "prefill" else s.d_scope).cancel()
+            assert self._nursery is not None
+            self._nursery.start_soon(self._post_abort, effect.leg, effect.url, s.rid)
+        else:
+            raise RuntimeError(f"proxy has no handler for effect {effect!r}")
+
+    async def _post_abort(self, leg: str, url: str, rid: str) -> None:
+        self.aborts_sent[leg] += 1
+        try:
+            with trio.fail_after(ABORT_TIMEOUT):
+                await self.client.post(f"{url}/abort_request", json={"rid": rid})
+        except (httpx.HTTPError, trio.TooSlowError) as exc:
+            log.warning("abort of %s leg %s at %s failed: %r", leg, rid, url, exc)
+
+    async def _timer(self) -> None:
+        while True:
+            self._timer_wake = trio.Event()
+            deadline = self.router.next_deadline()
+            with trio.move_on_at(math.inf if deadline is None else deadline):
+                await self._timer_wake.wait()
+                continue
+            self._feed(ev.TimeAdvanced())
+
+    # ------------------------------------------------------------------ discovery
+
+    async def _discover(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                        ) -> None:
+        started = False
+        while True:
+            try:
+                with trio.fail_after(max(self.refresh_interval, 2.0)):
+                    prefill = await self._list("prefill")
+                    decode = await self._list("decode")
+                self._set_workers(prefill, decode)
+            except (httpx.HTTPError, trio.TooSlowError, ValueError, KeyError) as exc:
+                log.warning("bootstrap %s: listing failed: %r", self.bootstrap_url, exc)
+            if not started:
+                task_status.started()
+                started = True
+            await trio.sleep(self.refresh_interval)
+
+    async def _list(self, role: str) -> list[dict[str, Any]]:
+        r = await self.client.get(f"{self.bootstrap_url}/list", params={"role": role})
+        r.raise_for_status()
+        records = r.json()["instances"]
+        return [rec for rec in records if isinstance(rec, dict)]
+
+    def _set_workers(self, prefill: list[dict[str, Any]], decode: list[dict[str, Any]]) -> None:
+        targets: dict[str, PrefillTarget] = {}
+        for rec in prefill:
+            url = _worker_url(rec)
+            if url is None or url in targets:
+                continue
+            host, port = _advertised(rec)
+            targets[url] = PrefillTarget(url, host, port)
+        decode_urls = sorted({u for u in map(_worker_url, decode) if u is not None})
+        if sorted(targets) != sorted(self._targets) or decode_urls != self.decode_urls:
+            log.info("workers: prefill %s, decode %s", sorted(targets), decode_urls)
+        self._targets = dict(sorted(targets.items()))
+        self.decode_urls = decode_urls
+        self.router.set_workers(list(self._targets), decode_urls)
+
+    # ------------------------------------------------------------------ HTTP
+
+    async def _on_http_exception(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return JSONResponse(_error_body(exc.status_code, str(exc.detail)),
+                            status_code=exc.status_code)
+
+    async def _health(self, request: Request) -> Response:
+        ok = bool(self._targets) and bool(self.decode_urls)
+        return JSONResponse(
+            {"status": "ok" if ok else "no workers", "prefill": len(self._targets),
+             "decode": len(self.decode_urls)},
+            status_code=200 if ok else 503,
+        )
+
+    async def _metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
+
+    async def _info(self, request: Request) -> Response:
+        """Pass-through to the first decode worker (then prefill)."""
+        for base in [*self.decode_urls, *self._targets]:
+            try:
+                r = await self.client.get(base + request.url.path)
+            except httpx.HTTPError:
+                continue
+            return Response(r.content, status_code=r.status_code,
+                            media_type=r.headers.get("content-type"))
+        return JSONResponse(_error_body(503, "no worker reachable"), status_code=503)
+
+    async def _generation(self, request: Request) -> Any:
+        path = request.url.path
+        raw = await request.body()
+        if len(raw) > MAX_BODY:
+            return self._reply_now(path, 413, _error_body(413, f"body over {MAX_BODY} bytes"))
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return self._reply_now(path, 400, _error_body(400, f"malformed JSON: {exc}",
+                                                          "invalid_request_error"))
+        if not isinstance(body, dict):
+            return self._reply_now(path, 400, _error_body(400, "the body must be a JSON object",
+                                                          "invalid_request_error"))
+        headers = {"content-type": "application/json"}
+        for name in FORWARD_HEADERS:
+            if name in request.headers:
+                headers[name] = request.headers[name]
+        s = _Session(
+            request_id=uuid.uuid4().hex,
+            path=path,
+            body=body,
+            headers=headers,
+            stream=body.get("stream") is True,
+            return_logprob=body.get("return_logprob") is True,
+        )
+        self._no_worker = None
+        self._dispatching[s.request_id] = s
+        self._feed(ev.RoomRequested(s.request_id))
+        if s.room < 0:
+            self._dispatching.pop(s.request_id, None)
+            reason = self._no_worker or "no workers available"
+            return self._reply_now(path, 503, _error_body(503, reason, "no_workers"))
+        target = self._targets.get(s.prefill)
+        rid = body.get("rid")
+        s.rid = rid if isinstance(rid, str) and rid else f"pdfsm-{s.room:016x}"
+        s.body = {
+            **body,
+            "rid": s.rid,
+            "bootstrap_host": target.bootstrap_host if target else urlsplit(s.prefill).hostname,
+            "bootstrap_port": target.bootstrap_port if target else None,
+            "bootstrap_room": s.room,
+        }
+        return _RoomResponse(self, s)
+
+    def _reply_now(self, path: str, status: int, body: Any) -> Response:
+        self.requests.labels(path, str(status)).inc()
+        return JSONResponse(body, status_code=status)
+
+    # ------------------------------------------------------------------ legs
+
+    async def _prefill_leg(self, s: _Session) -> None:
+        status, body = 0, None
+        try:
+            with s.p_scope:
+                s.p_scope.deadline = trio.current_time() + self.room_timeout
+                async with self.client.stream("POST", s.prefill + s.path, json=s.body,
+                                              headers=s.headers) as resp:
+                    raw = await resp.aread()  # drains an SSE leg too
+                    status = resp.status_code
+                    ok = 200 <= status < 300
+                    body = None if ok and s.stream else _json_or_text(raw)
+        except httpx.HTTPError as exc:
+            status, body = 502, _error_body(502, f"prefill worker {s.prefill}: {exc!r}",
+                                            "prefill_unreachable")
+        finally:
+            s.p_body = body
+            s.p_done.set()
+        if status == 0:
+            return  # aborted by the router (AbortLeg): nothing to report
+        if 200 <= status < 300:
+            self._feed(ev.LegResponded(s.room, "prefill", True))
+        else:
+            failure = (status, body if body is not None else _error_body(status, "prefill failed"))
+            self._feed(ev.LegResponded(s.room, "prefill", False, _reason(body, status)), failure)
+
+    async def _decode_leg(self, s: _Session, send: Send) -> None:
+        try:
+            with s.d_scope:
+                async with self.client.stream("POST", s.decode + s.path, json=s.body,
+                                              headers=s.headers) as resp:
+                    if not 200 <= resp.status_code < 300:
+                        body = _json_or_text(await resp.aread())
+                        self._feed(
+                            ev.LegResponded(s.room, "decode", False,
+                                            _reason(body, resp.status_code)),
+                            (resp.status_code, body),
+                        )
+                        return
+                    self._feed(ev.LegResponded(s.room, "decode", True))
+                    if not s.relay:
+                        return  # the room already failed; the client got that error
+                    await self._relay(s, resp, send)
+        except httpx.HTTPError as exc:
+            if not s.decided.is_set():
+                failure = (502, _error_body(502, f"decode worker {s.decode}: {exc!r}",
+                                            "decode_unreachable"))
+                self._feed(ev.LegResponded(s.room, "decode", False, repr(exc)), failure)
+            elif s.relay:
+                # D broke off mid-stream: the headers are out, end the stream saying so.
+                await _send_stream_error(send, f"decode worker broke off: {exc!r}")
+        finally:
+            s.relay_done.set()
+
+    async def _relay(self, s: _Session, resp: httpx.Response, send: Send) -> None:
+        headers = [(b"content-type", resp.headers.get("content-type", "application/json")
+                    .encode())]
+        self.requests.labels(s.path, str(resp.status_code)).inc()
+        if s.stream and resp.headers.get("content-type", "").startswith("text/event-stream"):
+            headers.append((b"cache-control", b"no-cache"))
+            await send({"type": "http.response.start", "status": resp.status_code,
+                        "headers": headers})
+            async for chunk in resp.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        raw = await resp.aread()
+        if s.return_logprob:
+            raw = await self._merge_logprobs(s, raw)
+        await send({"type": "http.response.start", "status": resp.status_code,
+                    "headers": headers})
+        await send({"type": "http.response.body", "body": raw, "more_body": False})
+
+    async def _merge_logprobs(self, s: _Session, raw: bytes) -> bytes:
+        """D's body with P's ``meta_info.input_token_logprobs`` prepended to its own."""
+        with trio.move_on_at(s.p_scope.deadline):
+            await s.p_done.wait()
+        try:
+            d_body = json.loads(raw)
+        except ValueError:
+            return raw
+        p_meta = s.p_body.get("meta_info") if isinstance(s.p_body, dict) else None
+        d_meta = d_body.get("meta_info") if isinstance(d_body, dict) else None
+        if not isinstance(p_meta, dict) or not isinstance(d_meta, dict):
+            return raw
+        p_lps = p_meta.get("input_token_logprobs")
+        if isinstance(p_lps, list):
+            d_lps = d_meta.get("input_token_logprobs")
+            d_meta["input_token_logprobs"] = p_lps + (d_lps if isinstance(d_lps, list) else [])
+        return json.dumps(d_body).encode()
+
+
+class _RoomResponse:
+    """The ASGI response of one room: both legs, the client's disconnect, and the one answer."""
+
+    def __init__(self, proxy: Proxy, session: _Session) -> None:
+        self.proxy = proxy
+        self.s = session
+
+    async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
+        proxy, s = self.proxy, self.s
+        assert proxy._nursery is not None
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_client, receive, nursery.cancel_scope)
+                proxy._nursery.start_soon(proxy._prefill_leg, s)
+                nursery.start_soon(proxy._decode_leg, s, send)
+                await s.decided.wait()
+                if s.error is not None:
+                    status, body = s.error
+                    proxy.requests.labels(s.path, str(status)).inc()
+                    await _send_json(send, status, body)
+                else:
+                    await s.relay_done.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            proxy._sessions.pop(s.room, None)
+
+    async def _watch_client(self, receive: Receive, scope: trio.CancelScope) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.proxy.requests.labels(self.s.path, "disconnected").inc()
+                self.proxy._feed(ev.ClientDisconnected(self.s.room))
+                scope.cancel()
+                return
+
+
+async def _send_json(send: Send, status: int, body: Any) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": json.dumps(body).encode(),
+                "more_body": False})
+
+
+async def _send_stream_error(send: Send, message: str) -> None:
+    chunk = {"error": {"message": message, "type": "stream_error", "code": 502},
+             "meta_info": {"finish_reason": {"type": "abort", "message": message}}}
+    data = b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n"
+    await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+def _worker_url(rec: dict[str, Any]) -> str | None:
+    addr = rec.get("scheduler_addr")
+    if not isinstance(addr, str) or not addr:
+        return None
+    return (addr if "://" in addr else f"http://{addr}").rstrip("/")
+
+
+def _advertised(rec: dict[str, Any]) -> tuple[str, int | None]:
+    zmq = str(rec.get("zmq_addr", "")).removeprefix("tcp://")
+    zhost, _, zport = zmq.rpartition(":")
+    host = rec.get("bootstrap_host") or zhost or "127.0.0.1"
+    port = rec.get("bootstrap_port") or (int(zport) if zport.isdigit() else None)
+    return str(host), port
+
+
+async def serve_proxy(
+    proxy: Proxy,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    shutdown_trigger: Callable[[], Any] | None = None,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the proxy's tasks and its HTTP server; ``started()`` with the base URL."""
+    from hypercorn.trio import serve as hypercorn_serve
+
+    from pd_fsm.io_trio.bootstrap_server import hypercorn_config
+
+    async def http(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
+                   ) -> None:
+        await hypercorn_serve(proxy.app, hypercorn_config(host, port),
+                              shutdown_trigger=shutdown_trigger, task_status=task_status)
+        nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(proxy.run)
+        binds: list[str] = await nursery.start(http)
+        task_status.started(binds[0])
+        log.info("proxy listening on %s", binds[0])
