@@ -525,14 +525,12 @@ async def serve_proxy(
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the proxy's tasks and its HTTP server; ``started()`` with the base URL."""
-    from hypercorn.trio import serve as hypercorn_serve
-
-    from pd_fsm.io_trio.bootstrap_server import hypercorn_config
+    from pd_fsm.io_trio.http_server import serve_app
 
     async def http(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
                    ) -> None:
-        await hypercorn_serve(proxy.app, hypercorn_config(host, port),
-                              shutdown_trigger=shutdown_trigger, task_status=task_status)
+        await serve_app(proxy.app, host, port, shutdown_trigger=shutdown_trigger,
+                        task_status=task_status)
         nursery.cancel_scope.cancel()
 
     async with trio.open_nursery() as nursery:

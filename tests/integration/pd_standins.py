@@ -11,13 +11,12 @@ from typing import Any
 
 import attrs
 import trio
-from hypercorn.trio import serve as hypercorn_serve
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pd_fsm.io_trio.bootstrap_server import hypercorn_config
+from pd_fsm.io_trio.http_server import serve_app
 
 
 def local_model_path() -> str:
@@ -176,7 +175,6 @@ async def _json(send: Any, status: int, body: Any) -> None:
 async def serve_standin(nursery: trio.Nursery, role: str) -> tuple[str, StandIn]:
     standin = StandIn(role)
     binds: list[str] = await nursery.start(
-        lambda task_status: hypercorn_serve(standin.app, hypercorn_config("127.0.0.1", 0),
-                                            task_status=task_status)
+        lambda task_status: serve_app(standin.app, "127.0.0.1", 0, task_status=task_status)
     )
     return binds[0], standin

@@ -20,14 +20,13 @@ from typing import Any
 
 import attrs
 import trio
-from hypercorn.trio import serve as hypercorn_serve
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pd_fsm.io_trio.bootstrap_server import hypercorn_config
+from pd_fsm.io_trio.http_server import serve_app
 from pd_fsm.io_trio.worker import schemas
 from pd_fsm.io_trio.worker.backend import Backend, BackendError, GenerateJob
 from pd_fsm.io_trio.worker.config import ServeConfig
@@ -529,8 +528,7 @@ async def serve_worker(
     the backend; ``started()`` with the base URL as soon as the socket listens."""
     async with trio.open_nursery() as nursery:
         binds: list[str] = await nursery.start(
-            _serve_http, worker, hypercorn_config(host, port), shutdown_trigger,
-            nursery.cancel_scope,
+            _serve_http, worker, host, port, shutdown_trigger, nursery.cancel_scope
         )
         task_status.started(binds[0])
         log.info("worker (%s) listening on %s; loading %s", worker.backend.mode, binds[0],
@@ -542,12 +540,13 @@ async def serve_worker(
 
 async def _serve_http(
     worker: WorkerApp,
-    config: Any,
+    host: str,
+    port: int,
     shutdown_trigger: Any,
     scope: trio.CancelScope,
     *,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    await hypercorn_serve(worker.app, config, shutdown_trigger=shutdown_trigger,
-                          task_status=task_status)
+    await serve_app(worker.app, host, port, shutdown_trigger=shutdown_trigger,
+                    task_status=task_status)
     scope.cancel()  # HTTP shut down gracefully: nobody is left to serve
