@@ -54,6 +54,10 @@ def _add_spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 # Each service module adds its own subcommand; imported lazily so `pd-fsm spec` needs no JAX.
 _REGISTRARS: list[str] = [
     "pd_fsm.io_trio.cli_bootstrap",
+    "pd_fsm.io_trio.cli_serve",
+    "pd_fsm.io_trio.cli_proxy",
+    "pd_fsm.io_trio.cluster",
+    "pd_fsm.io_trio.bench_client",
 ]
 
 

@@ -1,0 +1,357 @@
+"""`pd-fsm cluster`: bootstrap + N prefill + M decode workers + proxy (+ a colocated worker to
+compare with) as child processes of one trio program.
+
+Free ports are picked here and handed to the children. Every child's output is forwarded with a
+``[name]`` prefix (the last lines are kept for the error report). The runner waits for every
+``/health`` under one deadline, printing progress while models load, then prints the URLs. Ctrl-C
+or SIGTERM stops every child (SIGTERM, then SIGKILL after a grace period); a child that dies on
+its own stops the cluster with exit status 1 and that child's last log lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+log = logging.getLogger("pd_fsm.io_trio.cluster")
+
+TAIL_LINES = 40
+STOP_GRACE = 10.0
+PROGRESS_EVERY = 5.0
+HOST = "127.0.0.1"
+
+
+class ClusterFailed(Exception):
+    def __init__(self, message: str, child: Child | None = None) -> None:
+        super().__init__(message)
+        self.child = child
+
+
+@attrs.define(eq=False)
+class Child:
+    name: str
+    argv: list[str]
+    url: str | None = None  # has /health when set
+    extra: str = ""  # shown next to the URL
+    proc: trio.Process | None = None
+    tail: collections.deque[str] = attrs.field(
+        factory=lambda: collections.deque(maxlen=TAIL_LINES)
+    )
+    healthy: bool = False
+    status: str = "starting"
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free right now on 127.0.0.1 (the OS picks them)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((HOST, 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pd_fsm.cli", *args]
+
+
+def plan(args: argparse.Namespace) -> list[Child]:
+    """The children to start, in start order (the proxy last)."""
+    n_p, n_d = args.prefill, args.decode
+    ports = free_ports(2 + 2 * n_p + n_d + 1)
+    boot_port, proxy_port = ports[0], ports[1]
+    p_ports = ports[2 : 2 + n_p]
+    side_ports = ports[2 + n_p : 2 + 2 * n_p]
+    d_ports = ports[2 + 2 * n_p : 2 + 2 * n_p + n_d]
+    colo_port = ports[-1]
+    worker = ["--model", args.model, "--host", HOST, *shlex.split(args.worker_args or "")]
+    for flag in ("num_pages", "page_size", "max_running", "context_length"):
+        value = getattr(args, flag)
+        if value is not None:
+            worker += [f"--{flag.replace('_', '-')}", str(value)]
+    pd = ["--disaggregation-bootstrap-host", HOST,
+          "--disaggregation-bootstrap-port", str(boot_port)]
+    children: list[Child] = []
+    if n_p or n_d:
+        children.append(Child("bootstrap", _cli("bootstrap", "--host", HOST, "--port",
+                                                str(boot_port)), f"http://{HOST}:{boot_port}"))
+    for i, (port, side) in enumerate(zip(p_ports, side_ports, strict=True)):
+        children.append(Child(
+            f"prefill-{i}",
+            _cli("serve", *worker, "--port", str(port), "--disaggregation-mode", "prefill",
+                 *pd, "--disaggregation-side-channel-port", str(side)),
+            f"http://{HOST}:{port}", f"bootstrap port {side}",
+        ))
+    for i, port in enumerate(d_ports):
+        children.append(Child(
+            f"decode-{i}",
+            _cli("serve", *worker, "--port", str(port), "--disaggregation-mode", "decode", *pd),
+            f"http://{HOST}:{port}",
+        ))
+    if args.colocated:
+        children.append(Child(
+            "colocated",
+            _cli("serve", *worker, "--port", str(colo_port), "--disaggregation-mode", "null"),
+            f"http://{HOST}:{colo_port}",
+        ))
+    if n_p and n_d:
+        proxy_args = ["proxy", "--host", HOST, "--port", str(proxy_port)]
+        for child, side in zip(children[1 : 1 + n_p], side_ports, strict=True):
+            proxy_args += ["--prefill", str(child.url), str(side)]
+        for child in children[1 + n_p : 1 + n_p + n_d]:
+            proxy_args += ["--decode", str(child.url)]
+        children.append(Child("proxy", _cli(*proxy_args), f"http://{HOST}:{proxy_port}",
+                              f"{n_p} prefill, {n_d} decode"))
+    return children
+
+
+class Cluster:
+    def __init__(self, children: list[Child], *, startup_timeout: float) -> None:
+        self.children = children
+        self.startup_timeout = startup_timeout
+        self.stopping = False
+        self.failure: ClusterFailed | None = None
+
+    def by_name(self, name: str) -> Child | None:
+        return next((c for c in self.children if c.name == name), None)
+
+    async def run(self, ready_action: Any = None) -> int:
+        """Start everything, wait until healthy, then run ``ready_action()`` (returns an exit
+        status) or wait for a signal; always stops every child before returning."""
+        result = 0
+        try:
+            async with trio.open_nursery() as nursery:
+                for child in self.children:
+                    await self._start(child, nursery)
+                nursery.start_soon(self._signals, nursery.cancel_scope)
+                await self._wait_healthy()
+                self._print_ready()
+                if ready_action is not None:
+                    result = await ready_action(self)
+                    nursery.cancel_scope.cancel()
+                else:
+                    await trio.sleep_forever()
+        except ClusterFailed as exc:
+            self.failure = exc
+        finally:
+            self.stopping = True
+            with trio.CancelScope(shield=True):
+                await self._stop_all()
+        if self.failure is not None:
+            self._report(self.failure)
+            return 1
+        return result
+
+    async def _start(self, child: Child, nursery: trio.Nursery) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        child.proc = await trio.lowlevel.open_process(
+            child.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        nursery.start_soon(self._forward, child)
+        nursery.start_soon(self._watch, child, nursery.cancel_scope)
+
+    async def _forward(self, child: Child) -> None:
+        assert child.proc is not None and child.proc.stdout is not None
+        pending = b""
+        async for chunk in child.proc.stdout:
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for raw in lines:
+                self._line(child, raw.decode("utf-8", "replace"))
+        if pending:
+            self._line(child, pending.decode("utf-8", "replace"))
+
+    def _line(self, child: Child, line: str) -> None:
+        child.tail.append(line)
+        print(f"[{child.name}] {line}", flush=True)
+
+    async def _watch(self, child: Child, scope: trio.CancelScope) -> None:
+        assert child.proc is not None
+        code = await child.proc.wait()
+        child.status = f"exited {code}"
+        if not self.stopping and self.failure is None:
+            await trio.sleep(0.2)  # let the forwarder print the child's last lines
+            self.failure = ClusterFailed(f"{child.name} exited with status {code}", child)
+            scope.cancel()
+
+    async def _signals(self, scope: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                print(f"pd-fsm cluster: {signal.Signals(signum).name}, stopping", flush=True)
+                self.stopping = True
+                scope.cancel()
+                return
+
+    async def _wait_healthy(self) -> None:
+        start = trio.current_time()
+        last_progress = start
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            with trio.move_on_after(self.startup_timeout) as timeout:
+                while not all(c.healthy for c in self.children if c.url):
+                    for child in self.children:
+                        if child.url and not child.healthy:
+                            await self._probe(http, child)
+                    now = trio.current_time()
+                    if now - last_progress >= PROGRESS_EVERY:
+                        last_progress = now
+                        waiting = ", ".join(f"{c.name} ({c.status})" for c in self.children
+                                            if c.url and not c.healthy)
+                        print(f"pd-fsm cluster: {now - start:.0f} s, waiting for {waiting}",
+                              flush=True)
+                    await trio.sleep(0.5)
+            if timeout.cancelled_caught:
+                slow = next(c for c in self.children if c.url and not c.healthy)
+                raise ClusterFailed(
+                    f"{slow.name} not healthy after {self.startup_timeout:.0f} s", slow
+                )
+        self.ready_after = trio.current_time() - start
+
+    async def _probe(self, http: httpx.AsyncClient, child: Child) -> None:
+        try:
+            r = await http.get(f"{child.url}/health")
+        except httpx.HTTPError:
+            child.status = "not listening yet"
+            return
+        if r.status_code == 200:
+            child.healthy = True
+            child.status = "healthy"
+        else:
+            try:
+                child.status = str(r.json().get("status", r.status_code))
+            except (ValueError, AttributeError):
+                child.status = f"HTTP {r.status_code}"
+
+    def _print_ready(self) -> None:
+        print(f"pd-fsm cluster: ready in {self.ready_after:.1f} s", flush=True)
+        for child in self.children:
+            extra = f"  ({child.extra})" if child.extra else ""
+            print(f"  {child.name:<12} {child.url}{extra}", flush=True)
+
+    async def _stop_all(self) -> None:
+        # The proxy first (no new rooms), then workers, the bootstrap server last.
+        live = [c for c in reversed(self.children) if c.proc and c.proc.returncode is None]
+        for child in live:
+            assert child.proc is not None
+            child.proc.send_signal(signal.SIGTERM)
+        with trio.move_on_after(STOP_GRACE):
+            for child in live:
+                assert child.proc is not None
+                await child.proc.wait()
+        for child in live:
+            assert child.proc is not None
+            if child.proc.returncode is None:
+                print(f"pd-fsm cluster: {child.name} ignored SIGTERM, killing", flush=True)
+                child.proc.kill()
+                await child.proc.wait()
+
+    def _report(self, failure: ClusterFailed) -> None:
+        print(f"pd-fsm cluster: FAILED: {failure}", file=sys.stderr, flush=True)
+        if failure.child is not None:
+            print(f"--- last lines of {failure.child.name} ---", file=sys.stderr)
+            for line in failure.child.tail:
+                print(f"  {line}", file=sys.stderr)
+            sys.stderr.flush()
+
+
+# --------------------------------------------------------------------------------- --ask
+
+
+async def ask(cluster: Cluster, prompt: str, max_tokens: int) -> int:
+    """Send one chat prompt through the proxy and to the colocated worker; print both answers."""
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0}
+    answers: dict[str, str] = {}
+    status = 0
+    async with httpx.AsyncClient(timeout=300) as http:
+        for name in ("proxy", "colocated"):
+            child = cluster.by_name(name)
+            if child is None:
+                continue
+            r = await http.post(f"{child.url}/v1/chat/completions", json=body)
+            if r.status_code == 200:
+                answers[name] = r.json()["choices"][0]["message"]["content"]
+            else:
+                answers[name] = f"ERROR HTTP {r.status_code}: {r.text[:500]}"
+                status = 1
+    print(f"\nQ: {prompt}", flush=True)
+    pd = answers.get("proxy", "(no prefill/decode workers in this cluster)")
+    print(f"PD (proxy -> prefill + decode): {json.dumps(pd)}")
+    if "colocated" in answers:
+        print(f"colocated:                      {json.dumps(answers['colocated'])}")
+    if "proxy" in answers and "colocated" in answers:
+        same = answers["proxy"] == answers["colocated"]
+        print(f"identical: {same}")
+    sys.stdout.flush()
+    return status
+
+
+# --------------------------------------------------------------------------------- CLI
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("cluster", help="start bootstrap + prefill + decode + proxy locally")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    p.add_argument("--colocated", action="store_true", help="also start a colocated worker")
+    p.add_argument("--model", default="smollm2", help="smollm2 | tiny | checkpoint directory")
+    p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--page-size", type=int, default=None)
+    p.add_argument("--max-running", type=int, default=None)
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--worker-args", default="",
+                   help="more `pd-fsm serve` flags for every worker, as one quoted string")
+    p.add_argument("--startup-timeout", type=float, default=600.0,
+                   help="seconds for every child to answer /health (default 600)")
+    p.add_argument("--ask", metavar="PROMPT", default=None,
+                   help="once ready: send this chat prompt through the proxy and to the "
+                        "colocated worker, print both answers, stop")
+    p.add_argument("--max-tokens", type=int, default=32, help="for --ask (default 32)")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.prefill < 0 or args.decode < 0:
+        print("pd-fsm cluster: --prefill and --decode must be >= 0", file=sys.stderr)
+        return 2
+    if (args.prefill == 0) != (args.decode == 0):
+        print("pd-fsm cluster: PD needs both prefill and decode workers (or neither)",
+              file=sys.stderr)
+        return 2
+    if not (args.prefill or args.colocated):
+        print("pd-fsm cluster: nothing to start", file=sys.stderr)
+        return 2
+    cluster = Cluster(plan(args), startup_timeout=args.startup_timeout)
+    action = None
+    if args.ask is not None:
+        prompt, max_tokens = args.ask, args.max_tokens
+
+        async def action(c: Cluster) -> int:
+            return await ask(c, prompt, max_tokens)
+
+    return trio.run(cluster.run, action)
+
+
+def run(argv: Sequence[str]) -> int:
+    """``pd-fsm cluster ARGV`` in-process (tests)."""
+    from pd_fsm.cli import main as cli_main
+
+    return cli_main(["cluster", *argv])
