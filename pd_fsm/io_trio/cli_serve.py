@@ -12,11 +12,14 @@ import importlib
 import logging
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 import trio
 
-from pd_fsm.io_trio.worker.backend import Backend
 from pd_fsm.io_trio.worker.config import ServeConfig, add_serve_arguments, config_from_args
+
+if TYPE_CHECKING:
+    from pd_fsm.io_trio.worker.backend import Backend
 
 log = logging.getLogger("pd_fsm.io_trio.cli_serve")
 

@@ -8,12 +8,20 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 
 from pd_fsm.core.config import DecodeConfig
-from pd_fsm.jax_engine.model.registry import MODEL_NAMES
-from pd_fsm.schedulers.args import DISAGGREGATION_MODES, SchedulerArgs
+
+if TYPE_CHECKING:
+    from pd_fsm.schedulers.args import SchedulerArgs
+
+# The same tuples as pd_fsm.jax_engine.model.registry.MODEL_NAMES and
+# pd_fsm.schedulers.args.DISAGGREGATION_MODES (a test keeps them equal): importing those pulls in
+# JAX, and `pd-fsm --help` / `pd-fsm spec` must not pay for that.
+MODEL_NAMES = ("smollm2", "tiny")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 FAILURE_POLICIES = ("fail", "recompute")
 TRANSFER_BACKENDS = ("jax",)
@@ -58,6 +66,8 @@ class ServeConfig:
         return self.served_model_name or Path(self.model).name
 
     def scheduler_args(self) -> SchedulerArgs:
+        from pd_fsm.schedulers.args import SchedulerArgs
+
         return SchedulerArgs(
             model=self.model,
             dtype=self.dtype,

@@ -1,0 +1,89 @@
+"""`pd-fsm serve` / `pd-fsm proxy` flags: every RFC-2 §7 flag reaches the config object, bad
+values are refused, and the CLI's light constants match the modules they mirror."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from pd_fsm.cli import build_parser
+from pd_fsm.io_trio.cli_proxy import parse_prefill
+from pd_fsm.io_trio.cli_serve import PD_BACKENDS_MODULE, BackendUnavailable, make_backend
+from pd_fsm.io_trio.worker import config as cfg
+from pd_fsm.io_trio.worker.config import ServeConfig, config_from_args
+
+
+def test_constants_mirror_their_sources() -> None:
+    from pd_fsm.jax_engine.model.registry import MODEL_NAMES
+    from pd_fsm.schedulers.args import DISAGGREGATION_MODES
+
+    assert cfg.MODEL_NAMES == MODEL_NAMES
+    assert cfg.DISAGGREGATION_MODES == DISAGGREGATION_MODES
+
+
+def test_every_flag_reaches_the_config(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    args = build_parser().parse_args([
+        "serve", "--model", "tiny", "--host", "127.0.0.1", "--port", "31000",
+        "--disaggregation-mode", "decode", "--num-pages", "300", "--page-size", "8",
+        "--max-running", "3", "--max-batched-tokens", "512", "--context-length", "900",
+        "--disaggregation-bootstrap-host", "10.0.0.1", "--disaggregation-bootstrap-port", "9001",
+        "--disaggregation-bootstrap-heartbeat-interval", "2.5",
+        "--disaggregation-bootstrap-heartbeat-ttl", "7.5",
+        "--disaggregation-transfer-backend", "jax", "--cluster-secret-file", str(secret),
+        "--disaggregation-failure-policy", "recompute", "--disaggregation-queue-timeout", "42",
+        "--disaggregation-side-channel-port", "7002", "--served-model-name", "m",
+    ])
+    c = config_from_args(args)
+    assert c == ServeConfig(
+        host="127.0.0.1", port=31000, model="tiny", served_model_name="m",
+        disaggregation_mode="decode", num_pages=300, page_size=8, max_running=3,
+        max_batched_tokens=512, context_length=900,
+        disaggregation_bootstrap_host="10.0.0.1", disaggregation_bootstrap_port=9001,
+        disaggregation_bootstrap_heartbeat_interval=2.5,
+        disaggregation_bootstrap_heartbeat_ttl=7.5, disaggregation_transfer_backend="jax",
+        cluster_secret_file=secret, disaggregation_failure_policy="recompute",
+        disaggregation_queue_timeout=42.0, disaggregation_side_channel_port=7002,
+    )
+    assert c.cluster_secret() == b"s3cret"
+    sa = c.scheduler_args()
+    assert (sa.num_pages, sa.page_size, sa.context_length, sa.disaggregation_mode) == (
+        300, 8, 900, "decode")
+
+
+@pytest.mark.parametrize("flags", [
+    ["--num-pages", "0"], ["--page-size", "-1"], ["--context-length", "1"], ["--port", "70000"],
+    ["--disaggregation-queue-timeout", "0"],
+])
+def test_bad_values_refused(flags: list[str]) -> None:
+    args = build_parser().parse_args(["serve", "--model", "tiny", *flags])
+    with pytest.raises(ValueError):
+        config_from_args(args)
+
+
+@pytest.mark.parametrize("flags", [["--model", "gpt-5"], ["--disaggregation-mode", "both"],
+                                   ["--disaggregation-failure-policy", "retry"]])
+def test_argparse_refuses(flags: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", *flags])
+
+
+@pytest.mark.skipif(importlib.util.find_spec(PD_BACKENDS_MODULE) is not None,
+                    reason="the PD backends exist in this checkout")
+def test_pd_mode_without_backends_says_so() -> None:
+    with pytest.raises(BackendUnavailable, match="not built in this checkout"):
+        make_backend(ServeConfig(model="tiny", disaggregation_mode="prefill"))
+
+
+def test_proxy_prefill_args() -> None:
+    p = parse_prefill([["http://127.0.0.1:31001", "8998"], ["http://h2:5"], ["http://h3:6",
+                                                                              "none"]])
+    assert [(t.url, t.bootstrap_host, t.bootstrap_port) for t in p] == [
+        ("http://127.0.0.1:31001", "127.0.0.1", 8998), ("http://h2:5", "h2", None),
+        ("http://h3:6", "h3", None)]
+    for bad in ([["127.0.0.1:1"]], [["http://h:1", "x"]], [["http://h:1", "1", "2"]]):
+        with pytest.raises(ValueError):
+            parse_prefill(bad)
