@@ -15,7 +15,7 @@ import json
 import logging
 from collections import deque
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -33,6 +33,7 @@ from pd_fsm.io_trio.driver import EndpointDriver
 from pd_fsm.io_trio.records import (
     RANK_AXES,
     ROLES,
+    InstanceKey,
     InstanceRecord,
     RecordError,
     parse_key,
@@ -260,7 +261,8 @@ class BootstrapServer:
             if not found:
                 return _error(404, f"no live {role} instance known as {advertised}")
             return JSONResponse({"instances": [to_json(r) for r in found]})
-        key = (role, q["instance_id"], *(ranks[f"{a}_rank"] for a in RANK_AXES))
+        tp, cp, dp, pp = (ranks[f"{a}_rank"] for a in RANK_AXES)
+        key: InstanceKey = (role, q["instance_id"], tp, cp, dp, pp)
         record = self.registry.lookup(key)
         if record is None:
             return _error(404, f"instance {list(key)} is not registered")
@@ -322,7 +324,8 @@ async def _serve_http(
     *,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
+    # Starlette is an ASGI 3 app; hypercorn's annotation is narrower than the protocol.
     await hypercorn_serve(
-        server.app, config, shutdown_trigger=shutdown_trigger, task_status=task_status
+        cast(Any, server.app), config, shutdown_trigger=shutdown_trigger, task_status=task_status
     )
     scope.cancel()  # hypercorn shut down gracefully: the registry's driver has no one to serve

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import trio
@@ -76,6 +76,14 @@ def _configure(sock: zmq.Socket[Any], limits: SideChannelLimits) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, limits.max_msg_size)
 
 
+def _readable(sock: zmq.Socket[Any]) -> bool:
+    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+
+def _fd(sock: zmq.Socket[Any]) -> int:
+    return cast(int, sock.getsockopt(zmq.FD))
+
+
 class _Pump:
     """Reads one zmq socket from trio without a thread (see the module docstring)."""
 
@@ -92,16 +100,16 @@ class _Pump:
 
     def poke(self) -> None:
         """Call after a send on this socket: it may have swallowed the FD's edge."""
-        if self._waiting is not None and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if self._waiting is not None and _readable(self.sock):
             self._waiting.cancel()
 
     async def run(self) -> None:
         sock = self.sock
-        fd = sock.getsockopt(zmq.FD)
+        fd = _fd(sock)
         try:
             while True:
                 drained = 0
-                while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                while _readable(sock):
                     try:
                         parts = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
@@ -113,7 +121,7 @@ class _Pump:
                         await trio.lowlevel.checkpoint()
                 with trio.CancelScope() as scope:
                     self._waiting = scope
-                    if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    if not _readable(sock):
                         await trio.lowlevel.wait_readable(fd)
                 self._waiting = None
         finally:
@@ -122,7 +130,7 @@ class _Pump:
 
 def _close(sock: zmq.Socket[Any]) -> None:
     if not sock.closed:
-        trio.lowlevel.notify_closing(sock.getsockopt(zmq.FD))  # trio forgets the fd first
+        trio.lowlevel.notify_closing(_fd(sock))  # trio forgets the fd first
         sock.close(linger=0)
 
 
