@@ -51,11 +51,19 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class _Busy(Exception):
+    """The registry's driver did not answer in time (overload): 503, retry later."""
+
+
 def _error(status: int, error: str, problems: list[str] | None = None) -> JSONResponse:
     body: dict[str, Any] = {"error": error}
     if problems:
         body["problems"] = problems
     return JSONResponse(body, status_code=status)
+
+
+async def _busy(request: Request, exc: Exception) -> JSONResponse:
+    return _error(503, "registry busy; retry")
 
 
 class _RegistrySink:
@@ -89,6 +97,7 @@ class BootstrapServer:
         self.max_body = max_body
         self.bad_requests = 0
         self.app = Starlette(
+            exception_handlers={_Busy: _busy},
             routes=[
                 Route("/route", self._put_route, methods=["PUT"]),
                 Route("/route", self._get_route, methods=["GET"]),
@@ -96,7 +105,7 @@ class BootstrapServer:
                 Route("/list", self._list, methods=["GET"]),
                 Route("/heartbeat", self._heartbeat, methods=["POST"]),
                 Route("/health", self._health, methods=["GET"]),
-            ]
+            ],
         )
 
     @property
@@ -153,11 +162,17 @@ class BootstrapServer:
         self.bad_requests += 1
         return _error(422, "invalid body", exc.problems)
 
+    async def _call(self, event: Any, timeout: float) -> list[Any]:
+        try:
+            return await self.driver.call(event, timeout)
+        except trio.TooSlowError:
+            raise _Busy from None
+
     async def _sync(self) -> None:
         """Let the driver fire expiries that are due, so reads agree with the core's clock."""
         deadline = self.registry.next_deadline()
         if deadline is not None and deadline <= trio.current_time():
-            await self.driver.call(ev.TimeAdvanced(), CALL_TIMEOUT)
+            await self._call(ev.TimeAdvanced(), CALL_TIMEOUT)
 
     # -- endpoints ----------------------------------------------------------------------------
 
@@ -170,7 +185,7 @@ class BootstrapServer:
         except RecordError as exc:
             return self._invalid(exc)
         event = ev.InstanceRegistered(record.key, record, record.advertised)
-        effects = await self.driver.call(event, CALL_TIMEOUT)
+        effects = await self._call(event, CALL_TIMEOUT)
         log.debug("registered %s as %s", record.key, record.advertised)
         return self._answer(effects, record.key)
 
@@ -182,9 +197,7 @@ class BootstrapServer:
             key = parse_key(body)
         except RecordError as exc:
             return self._invalid(exc)
-        return self._answer(
-            await self.driver.call(ev.InstanceHeartbeat(key.key), CALL_TIMEOUT), key.key
-        )
+        return self._answer(await self._call(ev.InstanceHeartbeat(key.key), CALL_TIMEOUT), key.key)
 
     async def _delete_route(self, request: Request) -> JSONResponse:
         body = await self._write_body(request)
@@ -194,7 +207,7 @@ class BootstrapServer:
             key = parse_key(body)
         except RecordError as exc:
             return self._invalid(exc)
-        effects = await self.driver.call(ev.InstanceDeregistered(key.key), CALL_TIMEOUT)
+        effects = await self._call(ev.InstanceDeregistered(key.key), CALL_TIMEOUT)
         if any(isinstance(e, RegistrationRequired) for e in effects):
             return _error(404, f"instance {list(key.key)} is not registered")
         log.info("instance %s deregistered", key.key)

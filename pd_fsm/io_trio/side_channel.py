@@ -76,6 +76,13 @@ def _configure(sock: zmq.Socket[Any], limits: SideChannelLimits) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, limits.max_msg_size)
 
 
+def _log_drop(count: int, kind: str, peer: str, detail: str) -> None:
+    # Every drop is counted; the log gets the 1st, 2nd, 4th, 8th, ... so a flood of garbage
+    # stays visible without becoming a flood of log lines.
+    if count & (count - 1) == 0:
+        log.warning("dropped %s frame #%d from %r: %s", kind, count, peer, detail)
+
+
 def _readable(sock: zmq.Socket[Any]) -> bool:
     return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
@@ -148,13 +155,13 @@ class _Channel:
     async def _accept(self, peer: str, frame: bytes) -> None:
         if len(frame) > self.limits.max_frame:
             self.stats.oversized += 1
-            log.debug("dropped a %d-byte frame from %r (limit %d)", len(frame), peer, MAX_FRAME)
+            _log_drop(self.stats.oversized, "oversized", peer, f"{len(frame)} bytes")
             return
         try:
             message = decode(frame, self._secret)
         except RemoteProtocolError as exc:
             self.stats.malformed += 1
-            log.debug("dropped a frame from %r: %s", peer, exc)
+            _log_drop(self.stats.malformed, "malformed", peer, str(exc))
             return
         self.stats.received += 1
         await self._deliver(peer, message)
@@ -252,6 +259,7 @@ class PrefillSideChannel(_Channel):
     async def _on_parts(self, parts: list[bytes]) -> None:
         if len(parts) != 2:  # [identity, frame] from a DEALER; anything else is not ours
             self.stats.wrong_parts += 1
+            _log_drop(self.stats.wrong_parts, "misshapen", "?", f"{len(parts)} parts")
             return
         # surrogateescape: any routing id round-trips to the same bytes when we answer it.
         await self._accept(parts[0].decode("utf-8", "surrogateescape"), parts[1])
@@ -326,6 +334,7 @@ class DecodeSideChannel(_Channel):
         async def on_parts(parts: list[bytes]) -> None:
             if len(parts) != 1:  # a DEALER receives the ROUTER's frame without the identity
                 self.stats.wrong_parts += 1
+                _log_drop(self.stats.wrong_parts, "misshapen", peer, f"{len(parts)} parts")
                 return
             await self._accept(peer, parts[0])
 

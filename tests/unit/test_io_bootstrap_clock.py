@@ -20,6 +20,7 @@ from pd_fsm.io_trio.bootstrap_client import (
     ResolveError,
 )
 from pd_fsm.io_trio.bootstrap_server import BootstrapServer
+from pd_fsm.io_trio.records import to_json
 from pd_fsm.io_trio.testing import sample_record
 
 KEY = ("prefill", "p0", 0, 0, 0, 0)
@@ -215,3 +216,13 @@ async def test_resolve_and_resolver(autojump_clock: trio.testing.MockClock):
             await d.resolve("10.0.0.5", 8998)
         assert trio.current_time() - t == pytest.approx(2.0)
         nursery.cancel_scope.cancel()
+
+
+async def test_stalled_registry_answers_503(autojump_clock: trio.testing.MockClock):
+    server = BootstrapServer()  # its driver never runs: every write times out
+    transport = httpx.ASGITransport(app=server.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://b") as http:
+        t0 = trio.current_time()
+        r = await http.put("/route", json=to_json(sample_record()))
+        assert r.status_code == 503 and "busy" in r.json()["error"]
+        assert trio.current_time() - t0 == pytest.approx(5.0)
