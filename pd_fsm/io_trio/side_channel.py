@@ -292,6 +292,7 @@ class DecodeSideChannel(_Channel):
             raise ValueError("identity must be 1..255 bytes and not start with NUL (zmq rule)")
         self.identity = identity
         self._pumps: dict[str, _Pump] = {}
+        self._scopes: dict[str, trio.CancelScope] = {}
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -303,11 +304,28 @@ class DecodeSideChannel(_Channel):
         finally:
             self._nursery = None
             self._pumps.clear()  # each _serve task closed its sockets when it was cancelled
+            self._scopes.clear()
             self._ctx.destroy(linger=0)
 
     @property
     def peers(self) -> list[str]:
         return list(self._pumps)
+
+    def close_peer(self, peer: str) -> bool:
+        """Close the DEALER to ``peer`` (a P that is gone for good), dropping what is queued for
+        it; a later send opens a fresh one. False if there was none."""
+        scope = self._scopes.pop(peer, None)
+        self._pumps.pop(peer, None)
+        if scope is None:
+            return False
+        scope.cancel()
+        return True
+
+    async def _serve_peer(
+        self, scope: trio.CancelScope, pump: _Pump, monitor: zmq.Socket[Any]
+    ) -> None:
+        with scope:
+            await self._serve(pump, monitor)
 
     def connect(self, peer: str) -> bool:
         """Open the DEALER to ``peer`` now (optional: ``send`` does it on first use)."""
@@ -340,7 +358,8 @@ class DecodeSideChannel(_Channel):
 
         pump = _Pump(sock, on_parts, self.limits.batch)
         self._pumps[peer] = pump
-        self._nursery.start_soon(self._serve, pump, monitor)
+        scope = self._scopes[peer] = trio.CancelScope()
+        self._nursery.start_soon(self._serve_peer, scope, pump, monitor)
         return pump
 
     def send(self, peer: str, message: Message) -> bool:

@@ -210,3 +210,19 @@ async def test_round_trip_under_load_and_clean_shutdown(nursery: trio.Nursery) -
     assert [m.seq for _, m in d_in.got] == list(range(1, n + 1))  # type: ignore[union-attr]
     scope.cancel()
     await _until(lambda: p.stats.disconnects >= 1)  # D closed its DEALER on the way out
+
+
+async def test_close_peer_frees_its_dealer(nursery: trio.Nursery) -> None:
+    d = DecodeSideChannel("decode-10", Inbox().deliver, limits=SideChannelLimits(sndhwm=10))
+    await nursery.start(d.run)
+    with trio.socket.socket() as probe:
+        await probe.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{probe.getsockname()[1]}"
+    for _ in range(50):
+        d.send(dead, GOOD)
+    assert d.peers == [dead] and d.stats.send_full > 0
+    assert d.close_peer(dead) and not d.close_peer(dead)
+    assert d.peers == []
+    await trio.sleep(0.05)  # its task closes the socket and the queued frames with it
+    full = d.stats.send_full
+    assert d.send(dead, GOOD) and d.stats.send_full == full  # a fresh, empty DEALER
