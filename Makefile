@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test lint unit bench-core spec clean
+.PHONY: setup test lint unit bench-core spec clean demo
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,20 @@ spec: setup
 test: setup lint
 	$(VENV)/bin/pd-fsm spec check
 	$(PY) -m pytest -q
+
+# The main job: 1P1D SmolLM2 + a colocated worker, one chat prompt through the proxy, both answers
+# side by side, then everything stops. Without the PD backends, the colocated worker answers alone.
+DEMO_PROMPT ?= What is the capital of France?
+DEMO_FLAGS  := --model smollm2 --num-pages 256 --colocated --ask "$(DEMO_PROMPT)" --max-tokens 32
+demo: setup
+	@if $(PY) -c "import importlib.util as u, sys; \
+	sys.exit(u.find_spec('pd_fsm.io_trio.worker.pd_backends') is None)"; then \
+		$(VENV)/bin/pd-fsm cluster --prefill 1 --decode 1 $(DEMO_FLAGS); \
+	else \
+		echo "demo: the prefill/decode backends are not in this checkout yet:" \
+		     "running the colocated worker only"; \
+		$(VENV)/bin/pd-fsm cluster --prefill 0 --decode 0 $(DEMO_FLAGS); \
+	fi
 
 bench-core: setup
 	$(PY) bench/bench_core.py
