@@ -29,6 +29,7 @@ them in under :class:`pd_fsm.jax_engine.kv_holder.KVCacheHolder` (DESIGN §6 ord
 from __future__ import annotations
 
 import functools
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -189,6 +190,54 @@ def multi_layer_copy(
     return _runs_loop(list(kv_caches), piece, place, table, n_runs, packed.shape[1].bit_length())
 
 
+def check_packed(
+    kv_caches: Sequence[jax.Array | jax.ShapeDtypeStruct], packed: jax.Array, pages: Sequence[int]
+) -> None:
+    """Refuse a packed array that does not fit the pool (layers, page shape, dtype, page ids)."""
+    if packed.shape[0] != len(kv_caches):
+        raise ValueError(f"packed has {packed.shape[0]} layers, pool {len(kv_caches)}")
+    if packed.shape[2:] != kv_caches[0].shape[1:] or packed.dtype != kv_caches[0].dtype:
+        raise ValueError(
+            f"packed page {packed.shape[2:]}/{packed.dtype} does not match pool page "
+            f"{kv_caches[0].shape[1:]}/{kv_caches[0].dtype}"
+        )
+    validate_pages(pages, kv_caches[0].shape[0])
+
+
+_EXECUTABLES: dict[tuple[object, ...], jax.stages.Compiled] = {}
+_EXECUTABLES_LOCK = threading.Lock()
+
+
+def as_struct(a: jax.Array) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+
+
+def multi_layer_copy_executable(
+    pool: Sequence[jax.ShapeDtypeStruct], packed: jax.Array
+) -> jax.stages.Compiled:
+    """``multi_layer_copy`` compiled ahead of time for these shapes, cached.
+
+    A pull thread compiles here, *outside* the pool lock, so that a new page bucket's first
+    scatter (seconds of XLA compile for a 30-layer model) never holds up the forward steps that
+    wait on that lock; only the copy itself runs under it (bench/bench_pd.py measured a 6 s
+    decode stall before this)."""
+    key = (
+        tuple((s.shape, str(s.dtype), s.sharding) for s in pool),
+        packed.shape,
+        str(packed.dtype),
+        packed.sharding,
+    )
+    with _EXECUTABLES_LOCK:
+        exe = _EXECUTABLES.get(key)
+    if exe is None:
+        table = jax.ShapeDtypeStruct((3, packed.shape[1]), jnp.int32)
+        n_runs = jax.ShapeDtypeStruct((), jnp.int32)
+        exe = multi_layer_copy.lower(list(pool), as_struct(packed), table, n_runs).compile()
+        with _EXECUTABLES_LOCK:
+            exe = _EXECUTABLES.setdefault(key, exe)
+    return exe
+
+
 def scatter_runs(pages: Sequence[int], bucket: int) -> PageRuns:
     """Runs for writing packed rows ``0..n-1`` into destination ``pages``."""
     return contiguous_runs(range(len(pages)), pages, bucket)
@@ -204,14 +253,7 @@ def insert_kv_chunks(
 ) -> list[jax.Array]:
     """Write packed rows ``0..len(pages)-1`` of every layer into ``pages`` of the pool; returns the
     new per-layer arrays (the old ones are donated — never use them again)."""
-    if packed.shape[0] != len(kv_caches):
-        raise ValueError(f"packed has {packed.shape[0]} layers, pool {len(kv_caches)}")
-    if packed.shape[2:] != kv_caches[0].shape[1:] or packed.dtype != kv_caches[0].dtype:
-        raise ValueError(
-            f"packed page {packed.shape[2:]}/{packed.dtype} does not match pool page "
-            f"{kv_caches[0].shape[1:]}/{kv_caches[0].dtype}"
-        )
-    validate_pages(pages, kv_caches[0].shape[0])
+    check_packed(kv_caches, packed, pages)
     runs = scatter_runs(pages, packed.shape[1])
     table = jnp.asarray(runs.table)
     n_runs = jnp.int32(runs.n_runs)

@@ -9,10 +9,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from pd_fsm.jax_engine.gather_scatter import (
     ScatterMethod,
+    as_struct,
+    check_packed,
     insert_kv_chunks,
+    multi_layer_copy_executable,
+    scatter_runs,
     select_from_kv_caches,
 )
 from pd_fsm.jax_engine.kv_holder import KVCacheHolder
@@ -54,9 +59,25 @@ def scatter_room(
     by_pool = pages_by_pool(kv_args, pages)
     if len(arrays) != len(kv_args.pools):
         raise ValueError(f"{len(arrays)} arrays for {len(kv_args.pools)} pools")
+    if method != "xla":
+        with holder.locked(timeout=lock_timeout_s) as kv:
+            for spec, packed in zip(kv_args.pools, arrays, strict=True):
+                kv[spec.name] = insert_kv_chunks(
+                    kv[spec.name], packed, by_pool[spec.name], method=method
+                )
+            jax.block_until_ready([kv[spec.name] for spec in kv_args.pools])
+        return
+    # XLA path: check and compile outside the lock (compiling can take seconds), copy under it.
     with holder.locked(timeout=lock_timeout_s) as kv:
-        for spec, packed in zip(kv_args.pools, arrays, strict=True):
-            kv[spec.name] = insert_kv_chunks(
-                kv[spec.name], packed, by_pool[spec.name], method=method
-            )
+        structs = {spec.name: [as_struct(a) for a in kv[spec.name]] for spec in kv_args.pools}
+    plans = []
+    for spec, packed in zip(kv_args.pools, arrays, strict=True):
+        pool = structs[spec.name]
+        check_packed(pool, packed, by_pool[spec.name])
+        runs = scatter_runs(by_pool[spec.name], packed.shape[1])
+        exe = multi_layer_copy_executable(pool, packed)
+        plans.append((spec.name, exe, packed, jnp.asarray(runs.table), jnp.int32(runs.n_runs)))
+    with holder.locked(timeout=lock_timeout_s) as kv:
+        for name, exe, packed, table, n_runs in plans:
+            kv[name] = exe(list(kv[name]), packed, table, n_runs)
         jax.block_until_ready([kv[spec.name] for spec in kv_args.pools])

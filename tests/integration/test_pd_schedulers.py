@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from pd_fsm.core import events as ev
 from pd_fsm.jax_engine.model import LoadedModel, load_model
 from pd_fsm.jax_engine.sampling import SamplingParams
 from pd_fsm.jax_engine.tokenizer import ChatMessage
@@ -251,3 +252,30 @@ def test_make_scheduler_builds_the_pd_schedulers(tiny: LoadedModel) -> None:
         d.close()
         p.engine.close()
         d.engine.close()
+
+
+def test_room_failing_during_prefill_forward_is_skipped(tiny: LoadedModel) -> None:
+    """A lease that expires while a batch's forward runs: the finished leg is not handed off."""
+    now = [0.0]
+    pair = PDPair(tiny, _args("prefill", lease_initial=5.0), _args("decode"), clock=lambda: now[0])
+    try:
+        ids = _prompts()[6]
+        pair.p.add_pd_request(Req("a", ids, GREEDY), 21)
+        pair.p.add_pd_request(Req("b", ids, GREEDY), 22)
+        real_forward = pair.p._forward_extend
+
+        def slow_forward(*a: Any, **kw: Any) -> Any:
+            out = real_forward(*a, **kw)
+            now[0] = 10.0  # the forward "took" 10 s: both leases are past expiry
+            pair.p.deliver(ev.TimeAdvanced())
+            return out
+
+        pair.p._forward_extend = slow_forward  # type: ignore[method-assign]
+        outputs = pair.p.step()
+        reasons = {o.rid: o.finish_reason for o in outputs if o.finished}
+        assert reasons["a"].kind == reasons["b"].kind == "abort"
+        assert "lease expired" in pair.p.pop_failure("a")[1]
+        assert pair.p.allocator.num_free == pair.p.allocator.total
+        assert not pair.p.engine.registrations() and not pair.p.send_queue
+    finally:
+        pair.close()

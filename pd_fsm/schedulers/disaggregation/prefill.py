@@ -22,7 +22,7 @@ from pd_fsm.jax_engine.transfer.base import KVTransferEngine
 from pd_fsm.jax_engine.transfer.jax_transfer import JaxTransferKVEngine
 from pd_fsm.schedulers.disaggregation.args import DisaggregationArgs
 from pd_fsm.schedulers.disaggregation.common import DisaggregationCommon
-from pd_fsm.schedulers.request import FinishReason, Req
+from pd_fsm.schedulers.request import FinishReason, Req, ReqState
 from pd_fsm.schedulers.scheduler import Scheduler
 
 # The core's lease is the one that counts; the engine's own reaper is off. This is only what the
@@ -75,6 +75,8 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
     # -- the hand-off -----------------------------------------------------------------------------
 
     def _on_prefill_done(self, req: Req, first_token: int, first_logprob: float) -> None:
+        if req.state is ReqState.FINISHED:
+            return  # its room failed (lease, abort) while this batch's forward ran
         room = self.room_of.get(req.rid)
         if room is None:  # a plain request on a P worker: decode it here
             super()._on_prefill_done(req, first_token, first_logprob)
