@@ -57,6 +57,17 @@ class ServeConfig:
     disaggregation_queue_timeout: float = DecodeConfig().queue_timeout
     # P's side channel port (0: any free port); also the port routers know P by by default.
     disaggregation_side_channel_port: int = 0
+    # Name on the side channel and in the registry (default: "<mode>-<host>-<port>").
+    disaggregation_instance_id: str | None = None
+    # D: the P port to assume when a router sends bootstrap_port null (sglang's mini-lb can).
+    disaggregation_prefill_port: int | None = None
+    # The PD windows (DESIGN §5 defaults; shorten them to test failures quickly).
+    disaggregation_lease_initial: float = 30.0
+    disaggregation_lease_extension: float = 20.0
+    disaggregation_peer_timeout: float = 15.0
+    disaggregation_ready_timeout: float = 300.0
+    disaggregation_transfer_timeout: float = 120.0
+    disaggregation_pull_deadline: float = 60.0
     cluster_secret_file: Path | None = None
     log_level: str = "INFO"
 
@@ -81,6 +92,17 @@ class ServeConfig:
             disaggregation_mode=self.disaggregation_mode,
         )
 
+    def pd_windows(self) -> dict[str, float]:
+        """The PD windows as DisaggregationArgs fields."""
+        return {
+            "lease_initial": self.disaggregation_lease_initial,
+            "lease_extension": self.disaggregation_lease_extension,
+            "peer_timeout": self.disaggregation_peer_timeout,
+            "ready_timeout": self.disaggregation_ready_timeout,
+            "transfer_timeout": self.disaggregation_transfer_timeout,
+            "pull_deadline": self.disaggregation_pull_deadline,
+        }
+
     def cluster_secret(self) -> bytes | None:
         """The secret's bytes (stripped), None when no file is configured; raises OSError or
         ValueError for an unreadable or empty file."""
@@ -98,6 +120,16 @@ def _model_arg(value: str) -> str:
     raise argparse.ArgumentTypeError(
         f"unknown model {value!r} (expected {', '.join(MODEL_NAMES)} or a checkpoint directory)"
     )
+
+
+_WINDOWS = {
+    "lease-initial": "P: seconds a room's KV is held before D's first heartbeat (default 30)",
+    "lease-extension": "P: each D heartbeat extends the lease to now + this (default 20)",
+    "peer-timeout": "D: P silent this long (and 2 heartbeats unanswered) is lost (default 15)",
+    "ready-timeout": "D: seconds to wait for P's READY (default 300)",
+    "transfer-timeout": "D: backstop for one room's transfer (default 120)",
+    "pull-deadline": "D: the pull executor's own deadline, < transfer-timeout (default 60)",
+}
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -157,6 +189,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="P: ZMQ side channel port, also its bootstrap port for routers (0: any free)",
     )
+    p.add_argument("--disaggregation-instance-id", default=None,
+                   help="name on the side channel and in the registry")
+    p.add_argument("--disaggregation-prefill-port", type=int, default=None,
+                   help="D: P port to use when a router sends bootstrap_port null")
+    for flag, help_text in _WINDOWS.items():
+        name = flag.replace("-", "_")
+        p.add_argument(f"--disaggregation-{flag}", type=float,
+                       default=getattr(d, f"disaggregation_{name}"), help=help_text)
     p.add_argument("--cluster-secret-file", type=Path, default=None)
     p.add_argument("--log-level", default=d.log_level, help="DEBUG, INFO, WARNING, ...")
 
@@ -171,8 +211,10 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError("--context-length must be > 1")
     if not 0 <= args.port < 65536:
         raise ValueError("--port must be in 0..65535")
+    windows = tuple(f"disaggregation_{w.replace('-', '_')}" for w in _WINDOWS)
     for name in ("disaggregation_bootstrap_heartbeat_interval",
-                 "disaggregation_bootstrap_heartbeat_ttl", "disaggregation_queue_timeout"):
+                 "disaggregation_bootstrap_heartbeat_ttl", "disaggregation_queue_timeout",
+                 *windows):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
     return ServeConfig(
@@ -199,6 +241,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         disaggregation_failure_policy=args.disaggregation_failure_policy,
         disaggregation_queue_timeout=args.disaggregation_queue_timeout,
         disaggregation_side_channel_port=args.disaggregation_side_channel_port,
+        disaggregation_instance_id=args.disaggregation_instance_id,
+        disaggregation_prefill_port=args.disaggregation_prefill_port,
+        **{name: getattr(args, name) for name in windows},
         cluster_secret_file=args.cluster_secret_file,
         log_level=args.log_level,
     )

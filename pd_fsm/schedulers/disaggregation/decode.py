@@ -36,6 +36,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
         args: DisaggregationArgs,
         engine: KVTransferEngine | None,
         clock: Callable[[], float] | None,
+        on_pull_result: Callable[[PullResult], None] | None = None,
     ) -> None:
         self._init_common(
             engine or JaxTransferKVEngine(args.transfer_host, reaper_interval_s=None), clock
@@ -50,6 +51,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
             self.kv_args,
             max_workers=args.pull_workers,
             deadline_s=args.pull_deadline,
+            on_result=on_pull_result,  # e.g. wake the worker's loop (called on the pull thread)
         )
         self.transfer_stats = {"pulls_ok": 0, "pulls_failed": 0, "bytes": 0, "seconds": 0.0}
 
@@ -157,6 +159,7 @@ class DecodeScheduler(SchedulerDisaggregationDecodeMixin, Scheduler):
         model: LoadedModel | None = None,
         engine: KVTransferEngine | None = None,
         clock: Callable[[], float] | None = None,
+        on_pull_result: Callable[[PullResult], None] | None = None,
     ) -> None:
         super().__init__(args, model=model)
-        self._init_decode(args, engine, clock)
+        self._init_decode(args, engine, clock, on_pull_result)

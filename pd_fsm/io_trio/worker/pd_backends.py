@@ -1,0 +1,398 @@
+"""The prefill and decode backends of `pd-fsm serve --disaggregation-mode prefill|decode`.
+
+Each owns a PD scheduler (which owns its core endpoint) and everything a PD worker talks to: the
+side channel (P binds a ROUTER, D opens a DEALER per P), the bootstrap client (P and D register;
+D also resolves P through it) and the transfer engine (inside the scheduler). One trio task runs
+the loop; every touch of the scheduler happens in ``_tick``, on one worker thread at a time, so
+scheduler and core need no locks and blocking JAX work never runs on the event loop:
+
+    side-channel messages (stamped with their arrival time), lookup answers, new jobs, aborts
+        -> _tick (thread): deliver, admit, abort, step, collect outputs and the outbox
+        -> outbox: SendMessage -> side channel, ResolvePeer -> bootstrap lookup (a task)
+        -> outputs -> the requests' streams (a PD failure becomes BackendError(status))
+    then sleep until woken (a message, a job, a pull result) or the core's next deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from abc import ABC, abstractmethod
+from typing import Any
+
+import attrs
+import trio
+
+from pd_fsm.core import effects as fx
+from pd_fsm.core import events as ev
+from pd_fsm.core.messages import Message
+from pd_fsm.io_trio.bootstrap_client import BootstrapClient, BootstrapResolver
+from pd_fsm.io_trio.records import InstanceRecord, split_host_port
+from pd_fsm.io_trio.side_channel import DecodeSideChannel, PrefillSideChannel
+from pd_fsm.io_trio.worker.backend import BackendError
+from pd_fsm.io_trio.worker.colocated import ColocatedBackend, _Stream
+from pd_fsm.io_trio.worker.config import ServeConfig
+from pd_fsm.schedulers.disaggregation import (
+    DecodeScheduler,
+    DisaggregationArgs,
+    DuplicateRoomError,
+    PrefillScheduler,
+)
+from pd_fsm.schedulers.request import RequestOutput
+from pd_fsm.schedulers.scheduler import Scheduler
+
+log = logging.getLogger("pd_fsm.io_trio.worker.pd")
+
+INBOX_SIZE = 4096  # side-channel messages and lookup answers waiting for the loop
+
+
+@attrs.define
+class _TickResult:
+    outputs: list[RequestOutput]
+    failures: dict[str, tuple[int, str]]
+    refused: list[tuple[_Stream, BackendError]]
+    outbox: list[Any]
+    forward_work: bool
+    next_deadline: float | None  # on time.monotonic
+
+
+def make_pd_backend(config: ServeConfig) -> ColocatedBackend:
+    if config.disaggregation_mode == "prefill":
+        return PrefillBackend(config)
+    if config.disaggregation_mode == "decode":
+        return DecodeBackend(config)
+    raise ValueError(f"no PD backend for mode {config.disaggregation_mode!r}")
+
+
+def disaggregation_args(config: ServeConfig) -> DisaggregationArgs:
+    base = attrs.asdict(config.scheduler_args(), recurse=False)
+    return DisaggregationArgs(
+        **base,
+        instance_id=config.disaggregation_instance_id
+        or f"{config.disaggregation_mode}-{config.host}-{config.port}",
+        transfer_host=config.host,
+        heartbeat_interval=config.disaggregation_bootstrap_heartbeat_interval,
+        queue_timeout=config.disaggregation_queue_timeout,
+        failure_policy=config.disaggregation_failure_policy,
+        **config.pd_windows(),
+    )
+
+
+class _PDBackend(ColocatedBackend, ABC):
+    """What the two roles share: the loop, the inbox, the bootstrap client."""
+
+    scheduler: PrefillScheduler | DecodeScheduler | None  # type: ignore[assignment]
+
+    def __init__(self, config: ServeConfig) -> None:
+        super().__init__(config.scheduler_args(), max_queued=config.max_queued)
+        self.config = config
+        self.pd_args = disaggregation_args(config)
+        self.mode = config.disaggregation_mode
+        self._secret = config.cluster_secret()
+        self._inbox_send, self._inbox_recv = trio.open_memory_channel[tuple[float, Any]](INBOX_SIZE)
+        self._token: trio.lowlevel.TrioToken | None = None
+        self.bootstrap: BootstrapClient | None = None
+        self.inbox_dropped = 0
+
+    # -- Backend protocol ---
+
+    def ready(self) -> bool:
+        return self._ready and self.bootstrap is not None and self.bootstrap.registered
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        sched = self.scheduler
+        if sched is not None:
+            out["kvpoll"] = {k: v for k, v in sched.pd_stats().items() if k.startswith("state_")}
+            out["pd_events"] = {
+                k: v for k, v in sched.pd_stats().items() if not k.startswith("state_")
+            }
+            out["transfer"] = dict(sched.transfer_stats)
+        out["inbox_dropped_total"] = self.inbox_dropped
+        return out
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        sched = await trio.to_thread.run_sync(
+            self._build, limiter=self._limiter, abandon_on_cancel=True
+        )
+        self.scheduler = sched
+        try:
+            async with trio.open_nursery() as nursery:
+                record = await self._start_io(nursery, sched)
+                self.bootstrap = BootstrapClient(
+                    self._bootstrap_url(),
+                    record,
+                    secret=self._secret,
+                    heartbeat_interval=self.config.disaggregation_bootstrap_heartbeat_interval,
+                )
+                await nursery.start(self.bootstrap.run)
+                self._ready = True
+                task_status.started()
+                log.info("%s backend ready: %s", self.mode, record)
+                await self._pd_loop(sched, nursery)
+        finally:
+            self._ready = False
+            for stream in list(self._streams.values()):
+                self._fail(stream, BackendError(503, "worker shutting down"))
+            await trio.to_thread.run_sync(self._close, sched, limiter=self._limiter)
+
+    # -- pieces each role supplies ---
+
+    @abstractmethod
+    def _build(self) -> Scheduler:
+        """Build and warm the role's scheduler (runs in a worker thread)."""
+
+    @abstractmethod
+    async def _start_io(self, nursery: trio.Nursery, sched: Any) -> InstanceRecord:
+        """Start the side channel; return the record to register."""
+
+    @abstractmethod
+    def _send(self, peer: str, message: Message) -> bool:
+        """Send on the side channel (non-blocking; False when dropped)."""
+
+    @abstractmethod
+    def _admit(self, sched: Any, stream: _Stream) -> None:
+        """Open the request's room in the scheduler (raises ValueError / DuplicateRoomError)."""
+
+    def _close(self, sched: Any) -> None:
+        sched.engine.close()
+
+    # -- shared machinery ---
+
+    def _bootstrap_url(self) -> str:
+        c = self.config
+        return f"http://{c.disaggregation_bootstrap_host}:{c.disaggregation_bootstrap_port}"
+
+    def _record(self, sched: Any, zmq_addr: str, bootstrap_port: int | None) -> InstanceRecord:
+        c = self.config
+        return InstanceRecord(
+            role=self.mode,
+            instance_id=self.pd_args.instance_id,
+            tp_rank=0,
+            tp_size=1,
+            cp_rank=0,
+            cp_size=1,
+            dp_rank=0,
+            dp_size=1,
+            pp_rank=0,
+            pp_size=1,
+            transfer_addr=sched.engine.address,
+            zmq_addr=zmq_addr,
+            page_size=c.page_size,
+            kv_dtype=c.dtype,
+            layout_hash=sched.layout_hash,
+            scheduler_addr=f"http://{c.host}:{c.port}",
+            bootstrap_port=bootstrap_port,
+            mesh_meta={"model": c.model_name, "devices": 1},
+        )
+
+    async def _deliver_message(self, peer: str, message: Message) -> None:
+        """The side channel's callback: stamp the arrival time, queue, wake the loop."""
+        self._put(ev.MessageReceived(peer, message))
+
+    def _put(self, event: Any) -> None:
+        try:
+            self._inbox_send.send_nowait((time.monotonic(), event))
+        except trio.WouldBlock:
+            self.inbox_dropped += 1  # bounded: a flood is dropped and counted, never queued
+        self._wake.set()
+
+    def _wake_from_thread(self, _: object = None) -> None:
+        if self._token is not None:
+            with contextlib.suppress(trio.RunFinishedError):  # the worker is shutting down
+                trio.from_thread.run_sync(self._wake.set, trio_token=self._token)
+
+    async def _pd_loop(self, sched: Any, nursery: trio.Nursery) -> None:
+        while True:
+            self._wake = trio.Event()
+            inbox: list[tuple[float, Any]] = []
+            while True:
+                try:
+                    inbox.append(self._inbox_recv.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            jobs: list[_Stream] = []
+            while True:
+                try:
+                    jobs.append(self._jobs_recv.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            aborts = [rid for rid in self._aborts]
+            self._aborts.clear()
+            start = trio.current_time()
+            try:
+                result = await trio.to_thread.run_sync(
+                    self._tick, sched, inbox, jobs, aborts, limiter=self._limiter
+                )
+            except Exception as exc:
+                for stream in list(self._streams.values()):
+                    self._fail(stream, BackendError(500, f"scheduler step failed: {exc!r}"))
+                raise
+            self.steps_total += 1
+            self.step_seconds_total += trio.current_time() - start
+            for effect in result.outbox:
+                if isinstance(effect, fx.SendMessage):
+                    self._send(effect.peer, effect.message)
+                elif isinstance(effect, fx.ResolvePeer):
+                    nursery.start_soon(self._resolve, effect.bootstrap_addr)
+            for stream, error in result.refused:
+                self._fail(stream, error)
+            self._fan_out_pd(result.outputs, result.failures)
+            if result.forward_work:
+                continue
+            wake_at = math.inf
+            if result.next_deadline is not None:
+                wake_at = trio.current_time() + max(0.0, result.next_deadline - time.monotonic())
+            with trio.move_on_at(wake_at):
+                await self._wake.wait()
+
+    def _tick(
+        self, sched: Any, inbox: list[tuple[float, Any]], jobs: list[_Stream], aborts: list[str]
+    ) -> _TickResult:
+        """Everything that touches the scheduler, on one thread at a time (the limiter)."""
+        for arrived, event in inbox:
+            sched.deliver(event, now=arrived)
+        refused: list[tuple[_Stream, BackendError]] = []
+        for stream in jobs:
+            rid = stream.job.rid
+            if rid in aborts:
+                aborts.remove(rid)
+                refused.append((stream, BackendError(499, "aborted before it started")))
+                continue
+            try:
+                self._admit(sched, stream)
+            except DuplicateRoomError as exc:
+                refused.append((stream, BackendError(409, str(exc))))
+                continue
+            except ValueError as exc:
+                refused.append((stream, BackendError(400, str(exc))))
+                continue
+            stream.in_scheduler = True
+            self.prompt_tokens_total += len(stream.job.input_ids)
+        for rid in aborts:
+            stream_or_none = self._streams.get(rid)
+            if stream_or_none is not None and stream_or_none.in_scheduler:
+                sched.abort(rid, "aborted by request")
+        outputs = sched.step()
+        failures = {}
+        for out in outputs:
+            if out.finish_reason is not None and out.finish_reason.kind == "abort":
+                failure = sched.pop_failure(out.rid)
+                if failure is not None:
+                    failures[out.rid] = failure
+        return _TickResult(
+            outputs,
+            failures,
+            refused,
+            sched.take_outbox(),
+            Scheduler.has_work(sched),
+            sched.next_deadline(),
+        )
+
+    def _fan_out_pd(
+        self, outputs: list[RequestOutput], failures: dict[str, tuple[int, str]]
+    ) -> None:
+        plain = []
+        for out in outputs:
+            failure = failures.get(out.rid)
+            stream = self._streams.get(out.rid)
+            if failure is None or stream is None:
+                plain.append(out)
+                continue
+            self.generated_tokens_total += len(out.new_token_ids)
+            status, reason = failure
+            self._fail(stream, BackendError(status, reason))
+        self._fan_out(plain)
+
+    async def _resolve(self, bootstrap_addr: str) -> None:
+        assert self.bootstrap is not None
+        resolver = BootstrapResolver(
+            self.bootstrap, {"tp_rank": 0, "cp_rank": 0, "dp_rank": 0, "pp_rank": 0}
+        )
+        # Inside the core's own resolve deadline, so this clearer answer arrives first.
+        answer: Any = ev.PeerResolutionFailed(bootstrap_addr, "bootstrap lookup timed out")
+        with trio.move_on_after(self.pd_args.resolve_timeout * 0.9):
+            answer = await resolver(bootstrap_addr)
+        self._put(answer)
+
+
+class PrefillBackend(_PDBackend):
+    """P: answers its leg once the room's KV is handed off to D (READY sent)."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        super().__init__(config)
+        self.side: PrefillSideChannel | None = None
+
+    def _build(self) -> Scheduler:
+        sched = PrefillScheduler(self.pd_args)
+        self._warm(sched)
+        return sched
+
+    async def _start_io(self, nursery: trio.Nursery, sched: Any) -> InstanceRecord:
+        bind = f"{self.config.host}:{self.config.disaggregation_side_channel_port}"
+        self.side = PrefillSideChannel(bind, self._deliver_message, secret=self._secret)
+        address: str = await nursery.start(self.side.run)
+        host, port = split_host_port(address)
+        # Routers know P by its side-channel port (DESIGN §5 "Who is P").
+        return self._record(sched, f"{host}:{port}", port)
+
+    def _send(self, peer: str, message: Message) -> bool:
+        assert self.side is not None
+        return self.side.send(peer, message)
+
+    def _admit(self, sched: Any, stream: _Stream) -> None:
+        job = stream.job
+        if job.bootstrap is None:
+            raise ValueError(
+                "a prefill worker needs bootstrap_host, bootstrap_port and "
+                "bootstrap_room in the request (a PD router adds them)"
+            )
+        req = sched.make_request(job.rid, list(job.input_ids), job.sampling)
+        sched.add_pd_request(req, job.bootstrap.room)
+
+
+class DecodeBackend(_PDBackend):
+    """D: preallocates, pulls the KV from P, then streams the generation."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        super().__init__(config)
+        self.side: DecodeSideChannel | None = None
+
+    def _build(self) -> Scheduler:
+        sched = DecodeScheduler(self.pd_args, on_pull_result=self._wake_from_thread)
+        self._warm(sched)  # plain requests: D can serve those too (recompute, health checks)
+        return sched
+
+    async def _start_io(self, nursery: trio.Nursery, sched: Any) -> InstanceRecord:
+        self.side = DecodeSideChannel(
+            self.pd_args.instance_id, self._deliver_message, secret=self._secret
+        )
+        await nursery.start(self.side.run)
+        # D binds no side-channel socket; its record names its HTTP address for routers.
+        return self._record(sched, f"{self.config.host}:{self.config.port}", None)
+
+    def _send(self, peer: str, message: Message) -> bool:
+        assert self.side is not None
+        return self.side.send(peer, message)
+
+    def _admit(self, sched: Any, stream: _Stream) -> None:
+        job = stream.job
+        if job.bootstrap is None:
+            raise ValueError(
+                "a decode worker needs bootstrap_host, bootstrap_port and "
+                "bootstrap_room in the request (a PD router adds them)"
+            )
+        port = job.bootstrap.port or self.config.disaggregation_prefill_port
+        if port is None:
+            raise ValueError(
+                "bootstrap_port is null and no --disaggregation-prefill-port default is configured"
+            )
+        req = sched.make_request(job.rid, list(job.input_ids), job.sampling)
+        sched.add_pd_request(req, f"{job.bootstrap.host}:{port}", job.bootstrap.room)
+
+    def _close(self, sched: Any) -> None:
+        sched.close()
+        sched.engine.close()
