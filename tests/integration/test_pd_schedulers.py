@@ -279,3 +279,32 @@ def test_room_failing_during_prefill_forward_is_skipped(tiny: LoadedModel) -> No
         assert not pair.p.engine.registrations() and not pair.p.send_queue
     finally:
         pair.close()
+
+
+def test_recompute_policy_answers_correctly_when_prefill_is_gone(tiny: LoadedModel) -> None:
+    """P unreachable: with failure_policy=recompute, D prefills itself and the tokens are right."""
+    ids = _prompts()[7]
+    colo = Scheduler(
+        SchedulerArgs(
+            model="tiny", num_pages=96, page_size=PAGE, max_running=16, max_batched_tokens=256
+        ),
+        model=tiny,
+    )
+    colo.add_request(Req("r", ids, GREEDY))
+    expected = collect(colo.run_until_idle())["r"]["ids"]
+    pair = PDPair(tiny, _args("prefill"), _args("decode", failure_policy="recompute"))
+    pair.resolvable = False  # the bootstrap server knows no such P
+    try:
+        pair.d.add_pd_request(Req("r", ids, GREEDY), BOOT, 31)
+        pair.run(
+            lambda: (
+                "r" in collect(pair.d_outputs)
+                and collect(pair.d_outputs)["r"]["reason"] is not None
+                and pair.books_balanced()
+            )
+        )
+        got = collect(pair.d_outputs)["r"]
+        assert got["ids"] == expected and got["reason"].kind == "length"
+        assert pair.d.recomputed == 1 and pair.d.pop_failure("r") is None
+    finally:
+        pair.close()

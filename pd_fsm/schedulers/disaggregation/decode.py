@@ -11,6 +11,7 @@ token and never runs the prefill forward.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -24,8 +25,14 @@ from pd_fsm.jax_engine.transfer.base import KVTransferEngine
 from pd_fsm.jax_engine.transfer.jax_transfer import JaxTransferKVEngine
 from pd_fsm.schedulers.disaggregation.args import DisaggregationArgs
 from pd_fsm.schedulers.disaggregation.common import DisaggregationCommon
-from pd_fsm.schedulers.request import Req, RequestOutput
+from pd_fsm.schedulers.request import Req, ReqState, RequestOutput
 from pd_fsm.schedulers.scheduler import Scheduler
+
+log = logging.getLogger("pd_fsm.schedulers.decode")
+
+# Failures the recompute policy answers by prefilling on D: P or the transfer let us down (502,
+# 504). Not a client abort (499), not overload (503: no pages here either).
+RECOMPUTABLE = frozenset({500, 502, 504})
 
 
 class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
@@ -54,6 +61,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
             on_result=on_pull_result,  # e.g. wake the worker's loop (called on the pull thread)
         )
         self.transfer_stats = {"pulls_ok": 0, "pulls_failed": 0, "bytes": 0, "seconds": 0.0}
+        self.recomputed = 0
 
     def _create_recv_queue(self) -> dict[int, Req]:
         """Rooms between arrival and the end of their transfer."""
@@ -134,9 +142,22 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
                 # A pull may still write these pages: the core frees them (ReleaseBlocks) once
                 # the pull has reported.
                 self._held_pages[e.room], req.pages = req.pages, None
-            self._fail_request(req, e.status, e.reason)
+            if self.args.failure_policy == "recompute" and e.status in RECOMPUTABLE:
+                self._recompute(req, e.reason)
+            else:
+                self._fail_request(req, e.status, e.reason)
         else:
             raise TypeError(f"decode scheduler cannot carry out {e!r}")
+
+    def _recompute(self, req: Req, reason: str) -> None:
+        """The KV will not come from P: prefill the request here instead (fresh pages; the old
+        ones are released by the core's own ReleaseBlocks, once no pull can write them)."""
+        self.room_of.pop(req.rid, None)
+        req.state = ReqState.WAITING
+        req.prefilled = 0
+        self.waiting.append(req)
+        self.recomputed += 1
+        log.info("room of %s failed (%s): recomputing its prefill here", req.rid, reason)
 
     def _after_effects(self) -> None:
         # FIFO: the head waits for pages; those behind it wait too (no starvation of big ones).
