@@ -189,7 +189,10 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
             self._go(r, "PeerResolved", now, out)
 
     def _on_peer_resolved(self, e: ev.PeerResolved, now: float, out: list[Any]) -> None:
+        previous = self._resolved.get(e.bootstrap_addr)
         self._resolved[e.bootstrap_addr] = e.peer
+        if previous is not None and previous != e.peer:
+            self._forget_if_idle(previous, out)  # P moved: its old address is of no use now
         peer = self.peers.get(e.peer)
         if peer is None:
             self.peers[e.peer] = _Peer(e.peer, e.transfer_addr, e.layout_hash)
@@ -378,6 +381,17 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
             r = self.rooms.get(room)
             if r is not None:
                 self._go(r, "PeerLost", now, out, reason)
+        self._forget_if_idle(peer.addr, out)
+
+    def _forget_if_idle(self, addr: str, out: list[Any]) -> None:
+        """Drop what we keep for a P no room needs (rooms mid-pull still need it for DONE)."""
+        peer = self.peers.get(addr)
+        if peer is None or peer.rooms or addr in self._resolved.values():
+            return
+        del self.peers[addr]
+        self._hb_timers.cancel(addr)
+        self._live_timers.cancel(addr)
+        out.append(fx.ForgetPeer(addr))
 
     # -- effects (names from the tables) ------------------------------------------------------
 

@@ -50,6 +50,13 @@ class CompleteRequest:
 
 
 @attrs.frozen(slots=True)
+class ForgetPeer:
+    """P is gone (lost, restarted or moved) and no room needs it: close its connection."""
+
+    peer: str
+
+
+@attrs.frozen(slots=True)
 class ResolvePeer:
     """Look up the P at ``bootstrap_addr``; answer PeerResolved / PeerResolutionFailed."""
 

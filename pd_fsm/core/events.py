@@ -145,3 +145,10 @@ class LegResponded:
 @attrs.frozen(slots=True)
 class ClientDisconnected:
     room: int
+
+
+@attrs.frozen(slots=True)
+class RelayFinished:
+    """The last byte of D's answer went to the client: the room is over."""
+
+    room: int

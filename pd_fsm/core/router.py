@@ -76,12 +76,14 @@ class RoomRouter:
                 self.dropped += 1
             else:
                 self._step(r, trigger, out, event.reason)
-        elif isinstance(event, ev.ClientDisconnected):
+        elif isinstance(event, ev.ClientDisconnected | ev.RelayFinished):
             r = self.rooms.get(event.room)
-            if r is None:
-                self.dropped += 1
+            trigger = type(event).__name__
+            if r is None or self.table.step(r.state, trigger) is None:
+                self.dropped += 1  # e.g. the client left after its room had already failed
             else:
-                self._step(r, "ClientDisconnected", out, "client disconnected")
+                gone = isinstance(event, ev.ClientDisconnected)
+                self._step(r, trigger, out, "client disconnected" if gone else "")
         elif not isinstance(event, ev.TimeAdvanced):
             raise LocalProtocolError(f"RoomRouter cannot handle {type(event).__name__}")
         return out

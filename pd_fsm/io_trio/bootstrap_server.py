@@ -337,6 +337,11 @@ async def _serve_http(
     *,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
+    # Routers probe with HTTP/2 too; the probe-safe server survives them (see http_server.py).
+    # Imported here: http_server imports this module for hypercorn_config.
+    from pd_fsm.io_trio.http_server import install_probe_safe_server
+
+    install_probe_safe_server()
     # Starlette is an ASGI 3 app; hypercorn's annotation is narrower than the protocol.
     await hypercorn_serve(
         cast(Any, server.app), config, shutdown_trigger=shutdown_trigger, task_status=task_status

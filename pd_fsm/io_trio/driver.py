@@ -200,6 +200,11 @@ class EndpointDriver:
             else:
                 self.stats.messages_dropped += 1
             return ()
+        if isinstance(effect, fx.ForgetPeer):
+            close = getattr(self.side_channel, "close_peer", None)
+            if close is not None:
+                close(effect.peer)
+            return ()
         if isinstance(effect, fx.ResolvePeer):
             if self.resolver is None or self._nursery is None:
                 return (ev.PeerResolutionFailed(effect.bootstrap_addr, "no bootstrap resolver"),)

@@ -30,7 +30,7 @@ class _ClosingSafeTCPServer(TCPServer):
             await self.protocol.handle(Closed())
 
 
-def _install() -> None:
+def install_probe_safe_server() -> None:
     # hypercorn.trio.run builds its per-connection servers from this module global.
     if hypercorn_run.TCPServer is TCPServer:
         hypercorn_run.TCPServer = _ClosingSafeTCPServer  # type: ignore[misc]
@@ -45,6 +45,6 @@ async def serve_app(
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` on ``host:port`` (0: any free port); ``started()`` with the bound URLs."""
-    _install()
+    install_probe_safe_server()
     await hypercorn_serve(app, hypercorn_config(host, port), shutdown_trigger=shutdown_trigger,
                           task_status=task_status)

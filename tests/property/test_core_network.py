@@ -136,6 +136,10 @@ class PDNetwork(RuleBasedStateMachine):
                 self.d_success[i].add(e.room)
             elif isinstance(e, fx.FailRequest | fx.RejectRequest):
                 pass
+            elif isinstance(e, fx.ForgetPeer):
+                # Only a P that no live room still talks to may be forgotten.
+                d = self.ds[i]
+                assert all(d.rooms[r].peer != e.peer for r in d.rooms), "forgot a needed P"
             else:
                 raise AssertionError(f"unexpected D effect {e}")
 

@@ -155,6 +155,6 @@ def external_kinds(effects: list[Any]) -> list[str]:
                 names.append(
                     {"Ready": "SendReady", "Abort": "SendAbort", "RecvInit": "SendRecvInit"}[kind]
                 )
-        else:
+        elif not isinstance(e, fx.ForgetPeer):  # about a peer, not the room's row
             names.append(type(e).__name__)
     return names

@@ -174,7 +174,10 @@ def test_resolution_is_cached_per_prefill_and_refreshed_after_loss() -> None:
     for now in (5.0, 10.0, 15.0):  # two heartbeats unanswered and 15 s of silence
         out = d.handle(ev.TimeAdvanced(), now)
     assert Counter(_kinds(out))["FailRequest"] == 3
-    assert "2 heartbeats unanswered" in out[-1].reason
+    fails = [o for o in out if isinstance(o, fx.FailRequest)]
+    assert "2 heartbeats unanswered" in fails[-1].reason
+    assert out[-1] == fx.ForgetPeer("p")  # no room needs P any more: close its connection
+    assert "p" not in d.peers
     assert _kinds(d.handle(ev.DecodeRequestAccepted(4, "h:1", 1), 16.0)) == ["ResolvePeer"]
 
 
@@ -194,7 +197,8 @@ def test_ack_with_new_incarnation_fails_that_prefills_rooms() -> None:
     d.handle(ev.PeerResolved("h:1", "p", "t", L), 0.0)
     d.handle(ev.MessageReceived("p", HeartbeatAck(111, 0)), 1.0)
     out = d.handle(ev.MessageReceived("p", HeartbeatAck(222, 1)), 2.0)
-    assert "restarted" in out[-1].reason and d.poll(1) == KVPoll.Failed
+    fails = [o for o in out if isinstance(o, fx.FailRequest)]
+    assert "restarted" in fails[0].reason and d.poll(1) == KVPoll.Failed
 
 
 def test_unknown_room_fails_only_after_our_hello_preceded_the_heartbeat() -> None:
@@ -318,4 +322,16 @@ def test_a_stalled_decode_asks_before_declaring_prefill_lost() -> None:
     assert d.poll(1) == KVPoll.Bootstrapping  # P answered: still alive, still waiting
     for now in (55.0, 60.0):
         out = d.handle(ev.TimeAdvanced(), now)
-    assert d.poll(1) == KVPoll.Failed and "unanswered" in out[-1].reason
+    fails = [o for o in out if isinstance(o, fx.FailRequest)]
+    assert d.poll(1) == KVPoll.Failed and "unanswered" in fails[-1].reason
+
+
+def test_prefill_moving_address_forgets_the_old_connection() -> None:
+    d = _d()
+    d.handle(ev.DecodeRequestAccepted(1, "h:1", 1), 0.0)
+    d.handle(ev.PeerResolved("h:1", "p-old", "t", L), 0.0)
+    d.handle(ev.Aborted(1, "client gone"), 1.0)
+    d.handle(ev.DecodeRequestAccepted(2, "h:1", 1), 2.0)  # cached: still p-old, no lookup
+    d.handle(ev.Aborted(2, "client gone"), 3.0)
+    out = d.handle(ev.PeerResolved("h:1", "p-new", "t2", L), 4.0)  # a later lookup: P moved
+    assert out == [fx.ForgetPeer("p-old")] and "p-old" not in d.peers

@@ -238,6 +238,9 @@ class _PDBackend(ColocatedBackend, ABC):
                     self._send(effect.peer, effect.message)
                 elif isinstance(effect, fx.ResolvePeer):
                     nursery.start_soon(self._resolve, effect.bootstrap_addr)
+                elif isinstance(effect, fx.ForgetPeer) and isinstance(self, DecodeBackend):
+                    assert self.side is not None
+                    self.side.close_peer(effect.peer)
             for stream, error in result.refused:
                 self._fail(stream, error)
             self._fan_out_pd(result.outputs, result.failures)

@@ -22,7 +22,7 @@ from pd_fsm.schedulers.request import FinishReason, Req
 from pd_fsm.schedulers.scheduler import MAIN_KV, Scheduler
 
 # Effects the I/O layer carries out (side-channel sends, bootstrap lookups).
-IO_EFFECTS = (fx.SendMessage, fx.ResolvePeer)
+IO_EFFECTS = (fx.SendMessage, fx.ResolvePeer, fx.ForgetPeer)
 
 
 class DuplicateRoomError(ValueError):
