@@ -8,7 +8,9 @@ effects and feeds it what happened:
   ``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room`` injected (and ``rid`` when the
   client gave none, so the legs can be aborted by name);
 * ``RelayDecode`` -> the client gets D's status and body, SSE relayed chunk by chunk as it
-  arrives; with ``return_logprob`` P's ``input_token_logprobs`` are prepended to D's;
+  arrives; with ``return_logprob`` P's ``input_token_logprobs`` are prepended to D's. The room
+  stays live (RELAYING) until the last byte is out (``RelayFinished``), so a client that leaves
+  mid-stream still gets both legs aborted;
 * ``AbortLeg`` -> ``POST /abort_request {"rid"}`` to that worker, and the leg's HTTP request is
   dropped;
 * ``ReplyError`` -> the failing leg's status and JSON error (a timeout: 504).
@@ -102,6 +104,9 @@ class _Session:
     decode: str = ""
     rid: str = ""
     relay: bool = False  # RelayDecode: D's answer goes to the client
+    headers_sent: bool = False  # the client has a status line: errors go in-band from here
+    client_gone: bool = False
+    relay_finished: bool = False  # D's whole answer is out (or going out in the last send)
     error: tuple[int, Any] | None = None  # ReplyError: status and body to answer with
     decided: trio.Event = attrs.field(factory=trio.Event)
     relay_done: trio.Event = attrs.field(factory=trio.Event)
@@ -402,16 +407,28 @@ class Proxy:
                     if not s.relay:
                         return  # the room already failed; the client got that error
                     await self._relay(s, resp, send)
+            if s.relay and s.d_scope.cancelled_caught and not s.client_gone:
+                # The router ended the room mid-relay (its deadline): say so to the client.
+                await self._relay_error(s, send, 504, "room deadline passed during the relay")
         except httpx.HTTPError as exc:
             if not s.decided.is_set():
                 failure = (502, _error_body(502, f"decode worker {s.decode}: {exc!r}",
                                             "decode_unreachable"))
                 self._feed(ev.LegResponded(s.room, "decode", False, repr(exc)), failure)
             elif s.relay:
-                # D broke off mid-stream: the headers are out, end the stream saying so.
-                await _send_stream_error(send, f"decode worker broke off: {exc!r}")
+                # D broke off mid-relay: the room fails (P's leg is aborted) and the client is
+                # told, in-band when the headers are already out.
+                self._feed(ev.LegResponded(s.room, "decode", False, repr(exc)))
+                await self._relay_error(s, send, 502, f"decode worker broke off: {exc!r}")
         finally:
             s.relay_done.set()
+
+    async def _relay_error(self, s: _Session, send: Send, status: int, message: str) -> None:
+        if s.headers_sent:
+            await _send_stream_error(send, message, status)
+        else:
+            self.requests.labels(s.path, str(status)).inc()
+            await _send_json(send, status, _error_body(status, message))
 
     async def _relay(self, s: _Session, resp: httpx.Response, send: Send) -> None:
         headers = [(b"content-type", resp.headers.get("content-type", "application/json")
@@ -421,8 +438,10 @@ class Proxy:
             headers.append((b"cache-control", b"no-cache"))
             await send({"type": "http.response.start", "status": resp.status_code,
                         "headers": headers})
+            s.headers_sent = True
             async for chunk in resp.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            self._relay_finished(s)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         raw = await resp.aread()
@@ -430,7 +449,15 @@ class Proxy:
             raw = await self._merge_logprobs(s, raw)
         await send({"type": "http.response.start", "status": resp.status_code,
                     "headers": headers})
+        s.headers_sent = True
+        self._relay_finished(s)
         await send({"type": "http.response.body", "body": raw, "more_body": False})
+
+    def _relay_finished(self, s: _Session) -> None:
+        # Fed before the last send: once the response is complete the server reports the
+        # connection's end as http.disconnect, which must not read as a client leaving early.
+        s.relay_finished = True
+        self._feed(ev.RelayFinished(s.room))
 
     async def _merge_logprobs(self, s: _Session, raw: bytes) -> bytes:
         """D's body with P's ``meta_info.input_token_logprobs`` prepended to its own."""
@@ -481,6 +508,9 @@ class _RoomResponse:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
+                if self.s.relay_finished:
+                    return  # the end of a complete response, not a client leaving
+                self.s.client_gone = True
                 self.proxy.requests.labels(self.s.path, "disconnected").inc()
                 self.proxy._feed(ev.ClientDisconnected(self.s.room))
                 scope.cancel()
@@ -494,8 +524,8 @@ async def _send_json(send: Send, status: int, body: Any) -> None:
                 "more_body": False})
 
 
-async def _send_stream_error(send: Send, message: str) -> None:
-    chunk = {"error": {"message": message, "type": "stream_error", "code": 502},
+async def _send_stream_error(send: Send, message: str, status: int = 502) -> None:
+    chunk = {"error": {"message": message, "type": "stream_error", "code": status},
              "meta_info": {"finish_reason": {"type": "abort", "message": message}}}
     data = b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n"
     await send({"type": "http.response.body", "body": data, "more_body": False})

@@ -243,6 +243,8 @@ def _room_fire(router: RoomRouter, room: int, trigger: str) -> list:
         return router.handle(ev.LegResponded(room, leg, ok, "" if ok else "boom"), 1.0)
     if trigger == "ClientDisconnected":
         return router.handle(ev.ClientDisconnected(room), 1.0)
+    if trigger == "RelayFinished":
+        return router.handle(ev.RelayFinished(room), 1.0)
     if trigger == "TimedOut":
         return router.handle(ev.TimeAdvanced(), 1e9)
     raise AssertionError(trigger)
