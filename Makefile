@@ -28,19 +28,12 @@ test: setup lint
 	$(VENV)/bin/pd-fsm spec check
 	$(PY) -m pytest -q
 
-# The main job: 1P1D SmolLM2 + a colocated worker, one chat prompt through the proxy, both answers
-# side by side, then everything stops. Without the PD backends, the colocated worker answers alone.
+# The main job: 1P1D SmolLM2 + a colocated worker behind our proxy, one chat prompt through the
+# proxy, the PD answer printed next to the colocated one, then everything stops.
 DEMO_PROMPT ?= What is the capital of France?
-DEMO_FLAGS  := --model smollm2 --num-pages 256 --colocated --ask "$(DEMO_PROMPT)" --max-tokens 32
 demo: setup
-	@if $(PY) -c "import importlib.util as u, sys; \
-	sys.exit(u.find_spec('pd_fsm.io_trio.worker.pd_backends') is None)"; then \
-		$(VENV)/bin/pd-fsm cluster --prefill 1 --decode 1 $(DEMO_FLAGS); \
-	else \
-		echo "demo: the prefill/decode backends are not in this checkout yet:" \
-		     "running the colocated worker only"; \
-		$(VENV)/bin/pd-fsm cluster --prefill 0 --decode 0 $(DEMO_FLAGS); \
-	fi
+	$(VENV)/bin/pd-fsm cluster --prefill 1 --decode 1 --colocated --model smollm2 \
+		--num-pages 256 --ask "$(DEMO_PROMPT)" --max-tokens 32
 
 bench-core: setup
 	$(PY) bench/bench_core.py
