@@ -101,6 +101,12 @@ class _Why:
 
 class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
     table = KV_RECEIVER
+    peer_role = "P"
+
+    def _apply(
+        self, r: _ReceiverRoom, trigger: str, now: float, out: list[Any], reason: str
+    ) -> None:
+        self._go(r, trigger, now, out, reason)
 
     def __init__(self, identity: str, layout_hash: str, config: DecodeConfig | None = None) -> None:
         self.config = config or DecodeConfig()
@@ -294,18 +300,6 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
         if m.n_pages != r.n_pages:
             return f"P offers {m.n_pages} pages, we reserved {r.n_pages}; refusing to pull"
         return ""
-
-    def _remote(
-        self, r: _ReceiverRoom, trigger: str, now: float, out: list[Any], reason: str
-    ) -> None:
-        if self._has_row(r, trigger):
-            self._go(r, trigger, now, out, reason)
-        else:
-            self._violated(r, now, out, f"P sent {trigger} while the room was {r.state}")
-
-    def _violated(self, r: _ReceiverRoom, now: float, out: list[Any], reason: str) -> None:
-        self.stats.remote_errors += 1
-        self._go(r, "ProtocolViolated", now, out, f"protocol error: {reason}")
 
     def _on_ack(self, peer: _Peer, m: HeartbeatAck, now: float, out: list[Any]) -> None:
         if peer.incarnation is not None and peer.incarnation != m.incarnation:

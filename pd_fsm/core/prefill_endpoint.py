@@ -55,6 +55,7 @@ class _SenderRoom:
 
 class PrefillEndpoint(RoomMachines[_SenderRoom]):
     table = KV_SENDER
+    peer_role = "D"
 
     def __init__(
         self,
@@ -177,16 +178,6 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
             return None
         return r
 
-    def _remote(self, r: _SenderRoom, trigger: str, now: float, out: list[Any], ctx: Any) -> None:
-        if self._has_row(r, trigger):
-            self._step(r, trigger, now, out, ctx)
-        else:
-            self._violated(r, now, out, f"D sent {trigger} while the room was {r.state}")
-
-    def _violated(self, r: _SenderRoom, now: float, out: list[Any], reason: str) -> None:
-        self.stats.remote_errors += 1
-        self._step(r, "ProtocolViolated", now, out, f"protocol error: {reason}")
-
     def _on_recv_init(self, peer: str, m: RecvInit, now: float, out: list[Any]) -> None:
         r = self.rooms.get(m.room)
         if r is None:
@@ -212,7 +203,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
             )
             return
         r.d_pages = m.n_pages
-        self._remote(r, "RecvInitReceived", now, out, m)
+        self._remote(r, "RecvInitReceived", now, out, "")
 
     def _on_done(self, peer: str, m: Done, now: float, out: list[Any]) -> None:
         r = self._room_for(peer, m.room)

@@ -102,6 +102,27 @@ class RoomMachines(Generic[R]):
         if len(finished) > self._finished_capacity:
             finished.popitem(last=False)
 
+    # -- a peer's messages -----------------------------------------------------------------------
+
+    peer_role: str  # who sends this endpoint's remote triggers ("D" to P's endpoint, "P" to D's)
+
+    def _apply(self, r: R, trigger: str, now: float, out: list[Any], reason: str) -> None:
+        """Step ``r`` (subclasses that keep per-state deadlines override this)."""
+        self._step(r, trigger, now, out, reason)
+
+    def _remote(self, r: R, trigger: str, now: float, out: list[Any], reason: str) -> None:
+        """A trigger caused by the peer: a missing row is the peer's fault, not ours."""
+        if self._has_row(r, trigger):
+            self._apply(r, trigger, now, out, reason)
+        else:
+            self._violated(
+                r, now, out, f"{self.peer_role} sent {trigger} while the room was {r.state}"
+            )
+
+    def _violated(self, r: R, now: float, out: list[Any], reason: str) -> None:
+        self.stats.remote_errors += 1
+        self._apply(r, "ProtocolViolated", now, out, f"protocol error: {reason}")
+
     def _fx_CountDuplicate(self, r: R, now: float, out: list[Any], ctx: Any) -> None:
         self.stats.duplicates += 1
 
