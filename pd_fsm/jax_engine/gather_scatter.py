@@ -29,7 +29,6 @@ them in under :class:`pd_fsm.jax_engine.kv_holder.KVCacheHolder` (DESIGN §6 ord
 from __future__ import annotations
 
 import functools
-import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -204,38 +203,9 @@ def check_packed(
     validate_pages(pages, kv_caches[0].shape[0])
 
 
-_EXECUTABLES: dict[tuple[object, ...], jax.stages.Compiled] = {}
-_EXECUTABLES_LOCK = threading.Lock()
-
-
 def as_struct(a: jax.Array) -> jax.ShapeDtypeStruct:
+    """The abstract value of ``a`` (for ahead-of-time compilation)."""
     return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
-
-
-def multi_layer_copy_executable(
-    pool: Sequence[jax.ShapeDtypeStruct], packed: jax.Array
-) -> jax.stages.Compiled:
-    """``multi_layer_copy`` compiled ahead of time for these shapes, cached.
-
-    A pull thread compiles here, *outside* the pool lock, so that a new page bucket's first
-    scatter (seconds of XLA compile for a 30-layer model) never holds up the forward steps that
-    wait on that lock; only the copy itself runs under it (bench/bench_pd.py measured a 6 s
-    decode stall before this)."""
-    key = (
-        tuple((s.shape, str(s.dtype), s.sharding) for s in pool),
-        packed.shape,
-        str(packed.dtype),
-        packed.sharding,
-    )
-    with _EXECUTABLES_LOCK:
-        exe = _EXECUTABLES.get(key)
-    if exe is None:
-        table = jax.ShapeDtypeStruct((3, packed.shape[1]), jnp.int32)
-        n_runs = jax.ShapeDtypeStruct((), jnp.int32)
-        exe = multi_layer_copy.lower(list(pool), as_struct(packed), table, n_runs).compile()
-        with _EXECUTABLES_LOCK:
-            exe = _EXECUTABLES.setdefault(key, exe)
-    return exe
 
 
 def scatter_runs(pages: Sequence[int], bucket: int) -> PageRuns:

@@ -9,16 +9,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 
+from pd_fsm.jax_engine import tiered
 from pd_fsm.jax_engine.gather_scatter import (
     ScatterMethod,
     as_struct,
     check_packed,
     insert_kv_chunks,
-    multi_layer_copy_executable,
-    scatter_runs,
-    select_from_kv_caches,
+    validate_pages,
 )
 from pd_fsm.jax_engine.kv_holder import KVCacheHolder
 from pd_fsm.jax_engine.pool_spec import KVArgs
@@ -41,7 +39,11 @@ def gather_room(holder: KVCacheHolder, kv_args: KVArgs, pages: RoomPages) -> lis
     lock; the gathered arrays are new buffers, so later steps may donate the pool freely."""
     by_pool = pages_by_pool(kv_args, pages)
     with holder.locked() as kv:
-        return [select_from_kv_caches(kv[p.name], by_pool[p.name]) for p in kv_args.pools]
+        out = []
+        for p in kv_args.pools:
+            validate_pages(by_pool[p.name], kv[p.name][0].shape[0])
+            out.append(tiered.gather(kv[p.name], by_pool[p.name]))
+        return out
 
 
 def scatter_room(
@@ -74,10 +76,8 @@ def scatter_room(
     for spec, packed in zip(kv_args.pools, arrays, strict=True):
         pool = structs[spec.name]
         check_packed(pool, packed, by_pool[spec.name])
-        runs = scatter_runs(by_pool[spec.name], packed.shape[1])
-        exe = multi_layer_copy_executable(pool, packed)
-        plans.append((spec.name, exe, packed, jnp.asarray(runs.table), jnp.int32(runs.n_runs)))
+        plans.append((spec.name, tiered.scatter_plan(pool, packed, by_pool[spec.name])))
     with holder.locked(timeout=lock_timeout_s) as kv:
-        for name, exe, packed, table, n_runs in plans:
-            kv[name] = exe(list(kv[name]), packed, table, n_runs)
+        for name, run in plans:
+            kv[name] = run(list(kv[name]))
         jax.block_until_ready([kv[spec.name] for spec in kv_args.pools])
