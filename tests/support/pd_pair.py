@@ -67,16 +67,19 @@ class PDPair:
         self.d_outputs += self.d.step()
         self.pump()
 
-    def run(self, until: Callable[[], bool], max_steps: int = 2000) -> None:
+    def run(self, until: Callable[[], bool], timeout: float = 300.0) -> None:
+        """Step both sides until ``until()``; a deadline, not a step count: a first transfer of
+        a page bucket may wait seconds for its kernels to compile."""
         import time
 
-        for _ in range(max_steps):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
             if until():
                 return
             self.step()
             if self.d.pull_executor.inflight:
-                time.sleep(0.001)  # let the pull threads run
-        raise AssertionError("PD pair did not finish")
+                time.sleep(0.002)  # let the pull threads run
+        raise AssertionError(f"PD pair did not finish within {timeout:g} s")
 
     def close(self) -> None:
         self.d.close()

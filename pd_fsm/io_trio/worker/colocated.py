@@ -42,6 +42,7 @@ class _Stream:
     overflow: deque[Item] = attrs.field(factory=deque)
     in_scheduler: bool = False
     done: bool = False  # its last item (finish or error) has been handed over
+    abort_requested: bool = False  # /abort_request named it (reported once)
 
     def put(self, item: Item) -> None:
         # Order: everything in the channel precedes everything in the overflow.
@@ -154,8 +155,9 @@ class ColocatedBackend:
 
     def abort(self, rid: str) -> bool:
         stream = self._streams.get(rid)
-        if stream is None or stream.done:
-            return False
+        if stream is None or stream.done or stream.abort_requested:
+            return False  # unknown, over, or already being aborted: nothing new to report
+        stream.abort_requested = True
         self._aborts.add(rid)
         self._wake.set()
         return True
