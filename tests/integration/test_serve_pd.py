@@ -1,0 +1,359 @@
+"""PD end to end with real processes on 127.0.0.1: `pd-fsm cluster` (bootstrap, 2 prefill and
+2 decode workers, a colocated worker, the proxy over all of them) started once for the module,
+plus a second `pd-fsm proxy` over one P and one D and the real sglang-router (PyPI) over the
+same pair.
+
+Greedy answers through every PD path must equal the colocated worker's for the same request:
+text, token ids (/generate), finish reason and token count, streamed or not. After a burst of
+concurrent requests every worker is back to all pages free, nothing queued, no room live and (P)
+no KV registered with the transfer server. Bad PD input gets a JSON 4xx and hurts nobody, and a
+client leaving mid-stream gets both legs aborted.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import re
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+import trio
+
+from pd_fsm.io_trio.bench_client import WORDS
+from pd_fsm.io_trio.cluster import free_ports
+from tests.integration.serve_support import (
+    ENDPOINTS,
+    PATHS,
+    Answer,
+    PDCluster,
+    Proc,
+    cli,
+    fetch_answer,
+    request_body,
+    wait_http_ok,
+    worker_stats,
+)
+
+pytestmark = pytest.mark.slow
+
+HOST = "127.0.0.1"
+CLUSTER_ARGS = ["--prefill", "2", "--decode", "2", "--colocated", "--model", "tiny",
+                "--page-size", "4", "--num-pages", "512", "--max-running", "16",
+                "--context-length", "256", "--startup-timeout", "240",
+                # Cold XLA compiles (each new prefill / gather / scatter shape) stall a worker's
+                # loop for seconds on 2 shared cores; a burst of 32 new shapes can keep P from
+                # answering D's heartbeats past the 15 s peer timeout (measured: P0 spent 29.5 s
+                # in its first 16 steps). The windows are operator flags for exactly this.
+                "--worker-args", "--disaggregation-peer-timeout 90 "
+                                 "--disaggregation-lease-initial 90"]
+HAS_ROUTER = importlib.util.find_spec("sglang_router") is not None
+WORKERS = ("prefill-0", "prefill-1", "decode-0", "decode-1", "colocated")
+
+
+@attrs.frozen
+class Env:
+    cluster: PDCluster
+    proxy_1p1d: str  # our proxy over prefill-0 + decode-0 only
+    tmp: Path
+
+    def url(self, name: str) -> str:
+        return self.cluster.urls[name]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    cluster = PDCluster.start(CLUSTER_ARGS)
+    proxy: Proc | None = None
+    try:
+        (port,) = free_ports(1)
+        proxy = Proc.start("proxy-1p1d", cli(
+            "proxy", "--host", HOST, "--port", str(port),
+            "--prefill", cluster.urls["prefill-0"], str(cluster.bootstrap_ports["prefill-0"]),
+            "--decode", cluster.urls["decode-0"],
+        ))
+        url = f"http://{HOST}:{port}"
+        wait_http_ok(f"{url}/health", proxy)
+        yield Env(cluster, url, tmp_path_factory.mktemp("pd"))
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        cluster.stop()
+        # Kept for post-mortems (pytest's basetemp): every child's output, prefixed.
+        log = tmp_path_factory.getbasetemp() / "pd_cluster.log"
+        log.write_text("\n".join(cluster.proc.lines + (proxy.lines if proxy else [])))
+
+
+@pytest.fixture(scope="module")
+def router(env: Env) -> Iterator[str]:
+    """sglang-router 0.3.2 in --pd-disaggregation mode over prefill-0 (known by its side-channel
+    port, as our P registers itself) and decode-0."""
+    if not HAS_ROUTER:
+        pytest.skip("sglang-router is not installed (the 'test' extra)")
+    port, metrics_port = free_ports(2)
+    proc = Proc.start("sglang-router", [
+        sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+        "--prefill", env.url("prefill-0"), str(env.cluster.bootstrap_ports["prefill-0"]),
+        "--decode", env.url("decode-0"),
+        "--host", HOST, "--port", str(port), "--policy", "round_robin",
+        "--prometheus-host", HOST, "--prometheus-port", str(metrics_port),
+    ])
+    url = f"http://{HOST}:{port}"
+    try:
+        # Registered once a generation goes through (it checks each worker's health first).
+        body = request_body("generate", "warm up", 2, stream=False)
+        with httpx.Client(timeout=30) as http:
+            for _ in range(240):
+                if not proc.alive():
+                    raise RuntimeError(f"sglang-router exited:\n{proc.tail()}")
+                try:
+                    if http.post(f"{url}/generate", json=body).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+            else:
+                raise RuntimeError(f"sglang-router never relayed a request:\n{proc.tail()}")
+        yield url
+    finally:
+        proc.stop()
+
+
+PROMPTS = {
+    "generate": "The history of the river city",
+    "completions": "Once upon a time in a garden by the ocean",
+    "chat": "Tell me about mountain music",
+}
+
+
+async def _compare(base: str, colocated: str, endpoint: str, stream: bool,
+                   prompt: str, max_tokens: int = 12) -> tuple[Answer, Answer]:
+    async with httpx.AsyncClient(timeout=120) as http:
+        body = request_body(endpoint, prompt, max_tokens, stream=stream)
+        pd = await fetch_answer(http, base, endpoint, body)
+        ref = await fetch_answer(http, colocated, endpoint, body)
+    return pd, ref
+
+
+# ----------------------------------------------------------------------------- 1: our proxy
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+async def test_proxy_1p1d_equals_colocated(env: Env, endpoint: str, stream: bool) -> None:
+    pd, ref = await _compare(env.proxy_1p1d, env.url("colocated"), endpoint, stream,
+                             PROMPTS[endpoint])
+    assert pd == ref
+    assert pd.completion_tokens and pd.completion_tokens > 0
+
+
+# ----------------------------------------------------------------------------- 2: sglang-router
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+async def test_sglang_router_equals_colocated(env: Env, router: str, endpoint: str,
+                                              stream: bool) -> None:
+    pd, ref = await _compare(router, env.url("colocated"), endpoint, stream,
+                             PROMPTS[endpoint] + " again")
+    assert pd == ref
+    assert pd.completion_tokens and pd.completion_tokens > 0
+
+
+# ----------------------------------------------------------------------------- 4: bad input
+
+
+def _bootstrap(env: Env, room: int) -> dict[str, Any]:
+    return {"bootstrap_host": HOST, "bootstrap_port": env.cluster.bootstrap_ports["prefill-0"],
+            "bootstrap_room": room}
+
+
+async def _rooms_live(http: httpx.AsyncClient, url: str) -> int:
+    return int((await worker_stats(http, url))["pd_events"]["rooms_live"])
+
+
+async def _wait_rooms_live(http: httpx.AsyncClient, url: str, n: int) -> None:
+    with trio.fail_after(30):
+        while await _rooms_live(http, url) < n:
+            await trio.sleep(0.02)
+
+
+async def test_pd_leg_without_bootstrap_fields_is_400(env: Env) -> None:
+    async with httpx.AsyncClient(timeout=60) as http:
+        for name in ("prefill-0", "decode-0"):
+            for endpoint in ENDPOINTS:
+                for stream in (False, True):
+                    body = request_body(endpoint, "no room", 4, stream=stream)
+                    r = await http.post(env.url(name) + PATHS[endpoint], json=body)
+                    assert r.status_code == 400, (name, endpoint, stream, r.text)
+                    assert r.headers["content-type"].startswith("application/json")
+                    assert "bootstrap" in r.json()["error"]["message"]
+            assert (await http.get(env.url(name) + "/health")).status_code == 200
+
+
+@pytest.mark.parametrize("first_leg", ["prefill", "decode"])
+async def test_duplicate_live_room_is_409_and_first_request_unaffected(
+    env: Env, first_leg: str
+) -> None:
+    """One leg of room R is live (its peer leg not posted yet); a second request naming R at
+    the same worker is refused with 409; then the peer leg comes and the first request finishes
+    with the colocated answer."""
+    room = random.Random(first_leg).randrange(1 << 63)
+    prompt = f"duplicate room check for {first_leg}"
+    body = {**request_body("generate", prompt, 8, stream=False), **_bootstrap(env, room)}
+    p_url, d_url = env.url("prefill-0"), env.url("decode-0")
+    first_url, other_url = (p_url, d_url) if first_leg == "prefill" else (d_url, p_url)
+    results: dict[str, httpx.Response] = {}
+
+    async with httpx.AsyncClient(timeout=120) as http:
+        async def post(name: str, url: str, rid: str) -> None:
+            results[name] = await http.post(f"{url}/generate", json={**body, "rid": rid})
+
+        before = await _rooms_live(http, first_url)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(post, "first", first_url, f"dup-{first_leg}-1")
+            await _wait_rooms_live(http, first_url, before + 1)
+            dup = await http.post(f"{first_url}/generate",
+                                  json={**body, "rid": f"dup-{first_leg}-2"})
+            assert dup.status_code == 409, dup.text
+            assert dup.headers["content-type"].startswith("application/json")
+            assert str(room) in dup.json()["error"]["message"]
+            assert (await http.get(f"{first_url}/health")).status_code == 200
+            assert "first" not in results  # still waiting for its peer leg
+            nursery.start_soon(post, "peer", other_url, f"dup-{first_leg}-peer")
+        ref = await fetch_answer(http, env.url("colocated"), "generate",
+                                 request_body("generate", prompt, 8, stream=False))
+    for name in ("first", "peer"):
+        assert results[name].status_code == 200, (name, results[name].text)
+    d_body = results["peer" if first_leg == "prefill" else "first"].json()
+    assert (d_body["text"], tuple(d_body["output_ids"])) == (ref.text, ref.output_ids)
+
+
+# ----------------------------------------------------------------------------- 5: disconnect
+
+
+def _metric(text: str, name: str, key: str) -> float:
+    m = re.search(rf'^{name}\{{key="{key}"\}} ([0-9.e+-]+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+async def test_client_leaving_mid_stream_aborts_both_real_legs(env: Env) -> None:
+    d_url = env.url("decode-0")
+    async with httpx.AsyncClient(timeout=60) as http:
+        metrics = (await http.get(f"{env.proxy_1p1d}/metrics")).text
+        sent = {leg: _metric(metrics, "pd_fsm_proxy_aborts_sent_total", leg)
+                for leg in ("prefill", "decode")}
+        d_before = (await worker_stats(http, d_url))["requests_total"]
+        # Long enough that D is still generating when the client hangs up after one chunk.
+        body = request_body("generate", "a", 240, stream=True)
+        body["sampling_params"]["ignore_eos"] = True
+        async with http.stream("POST", f"{env.proxy_1p1d}/generate", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    break
+        with trio.fail_after(30):
+            while True:
+                metrics = (await http.get(f"{env.proxy_1p1d}/metrics")).text
+                now = {leg: _metric(metrics, "pd_fsm_proxy_aborts_sent_total", leg)
+                       for leg in ("prefill", "decode")}
+                if all(now[leg] >= sent[leg] + 1 for leg in now):
+                    break
+                await trio.sleep(0.05)
+        assert _metric(metrics, "pd_fsm_proxy_rooms_total", "CANCELLED") >= 1
+        with trio.fail_after(30):
+            while True:
+                d_after = (await worker_stats(http, d_url))["requests_total"]
+                if d_after["abort"] + d_after["error"] > d_before["abort"] + d_before["error"]:
+                    break
+                await trio.sleep(0.05)
+        assert d_after["length"] == d_before["length"]  # it did not run to its 240 tokens
+
+
+# ----------------------------------------------------------------------------- 3: 2P+2D burst
+
+
+def _prompts(n: int) -> list[tuple[str, str]]:
+    rng = random.Random(32)
+    out = []
+    for i in range(n):
+        # The tiny model's tokenizer makes ~4.5 tokens of a word; its context is 256 here.
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 36)))
+        out.append((ENDPOINTS[i % 3], words))
+    return out
+
+
+async def _all_idle(http: httpx.AsyncClient, env: Env) -> dict[str, dict[str, Any]]:
+    """Every worker's /get_load and stats once nothing is held anywhere (or fail)."""
+    seen: dict[str, dict[str, Any]] = {}
+    with trio.move_on_after(60):
+        while True:
+            for name in WORKERS:
+                load = (await http.get(env.url(name) + "/get_load")).json()[0]
+                stats = await worker_stats(http, env.url(name))
+                seen[name] = {"load": load, "stats": stats}
+            if all(_idle(v) for v in seen.values()):
+                return seen
+            await trio.sleep(0.1)
+    pytest.fail(f"workers not idle: {seen}")
+
+
+def _idle(v: dict[str, Any]) -> bool:
+    load, stats = v["load"], v["stats"]
+    queues = stats.get("pd_queues", {})
+    transfer = stats.get("transfer", {})
+    return (
+        load["num_pages_free"] == load["num_pages_total"]
+        and load["num_reqs"] == 0
+        and load["num_waiting_reqs"] == 0
+        and stats["live_requests"] == 0
+        and stats["queued"] == 0
+        and stats.get("pd_events", {}).get("rooms_live", 0) == 0
+        and not stats.get("kvpoll")
+        and all(n == 0 for n in queues.values())
+        # P: every KV registration was released (the transfer server holds nothing)
+        and stats.get("transfer_registrations", 0) == 0
+        and transfer.get("registered", 0) == transfer.get("released", 0)
+    )
+
+
+async def test_2p2d_32_concurrent_equal_colocated_then_all_idle(env: Env) -> None:
+    prompts = _prompts(32)
+    proxy = env.url("proxy")
+    pd: list[Answer | None] = [None] * len(prompts)
+    ref: list[Answer | None] = [None] * len(prompts)
+    async with httpx.AsyncClient(timeout=300,
+                                 limits=httpx.Limits(max_connections=80)) as http:
+        async def one(i: int, base: str, out: list[Answer | None]) -> None:
+            endpoint, prompt = prompts[i]
+            body = request_body(endpoint, prompt, 10, stream=i % 2 == 1)
+            out[i] = await fetch_answer(http, base, endpoint, body)
+
+        with trio.fail_after(240):
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(one, i, proxy, pd)
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(one, i, env.url("colocated"), ref)
+        mismatched = [i for i in range(len(prompts)) if pd[i] != ref[i]]
+        assert not mismatched, [(prompts[i], pd[i], ref[i]) for i in mismatched]
+        # Both P and both D served (round-robin P, rooms spread over D).
+        seen = await _all_idle(http, env)
+        for name in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
+            assert seen[name]["stats"]["prompt_tokens_total"] > 0, name
+        for name in ("prefill-0", "prefill-1"):
+            transfer = seen[name]["stats"]["transfer"]
+            assert transfer["registered"] > 0 and transfer["release_unverified"] == 0
+            assert seen[name]["stats"].get("transfer_registrations", 0) == 0
+        for name in WORKERS:
+            assert (await http.get(env.url(name) + "/health")).status_code == 200
+    metrics = httpx.get(f"{proxy}/metrics").text
+    assert _metric(metrics, "pd_fsm_proxy_rooms_total", "COMPLETED") >= 32
+    assert _metric(metrics, "pd_fsm_proxy_rooms_total", "FAILED") == 0
