@@ -22,7 +22,7 @@ from pd_fsm.io_trio.worker.backend import BackendError, GenerateJob
 from pd_fsm.jax_engine.sampling import SamplingParams
 from pd_fsm.schedulers.args import SchedulerArgs
 from pd_fsm.schedulers.factory import make_scheduler
-from pd_fsm.schedulers.request import RequestOutput
+from pd_fsm.schedulers.request import FinishReason, RequestOutput
 from pd_fsm.schedulers.scheduler import Scheduler
 
 log = logging.getLogger("pd_fsm.io_trio.worker.colocated")
@@ -229,9 +229,9 @@ class ColocatedBackend:
             except trio.WouldBlock:
                 break
             rid = stream.job.rid
-            if rid in self._aborts:  # the client left before its job was taken
+            if rid in self._aborts:  # aborted (or the client left) before its job was taken
                 self._aborts.discard(rid)
-                self._finish(stream, "abort")
+                self._abort_unstarted(stream)
                 continue
             job = stream.job
             req = scheduler.make_request(job.rid, list(job.input_ids), job.sampling)
@@ -261,6 +261,23 @@ class ColocatedBackend:
             stream.put(out)
             if out.finish_reason is not None:
                 self._finish(stream, out.finish_reason.kind)
+
+    def _abort_unstarted(self, stream: _Stream) -> None:
+        """A job aborted before the scheduler saw it still gets its final (abort) output, so a
+        client that is still waiting is answered like any other aborted request."""
+        job = stream.job
+        stream.put(
+            RequestOutput(
+                rid=job.rid,
+                new_token_ids=(),
+                new_logprobs=(),
+                text_delta="",
+                finish_reason=FinishReason("abort", message="aborted before it started"),
+                prompt_tokens=len(job.input_ids),
+                completion_tokens=0,
+            )
+        )
+        self._finish(stream, "abort")
 
     def _fail(self, stream: _Stream, error: BackendError) -> None:
         stream.put(error)
