@@ -141,7 +141,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
             self.stats.unknown_room += 1  # /abort_request for a room we do not hold: nothing to do
             return
         if self._has_row(r, "Aborted"):
-            self._step(r, "Aborted", now, out, e.reason)
+            self._step(r, "Aborted", now, out, _LocalAbort(e.reason))
         else:
             self.stats.late += 1
 
@@ -298,7 +298,13 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
         out.append(fx.CompleteRequest(r.room))
 
     def _fx_FailRequest(self, r: _SenderRoom, now: float, out: list[Any], ctx: Any) -> None:
-        out.append(fx.FailRequest(r.room, _reason(ctx), 500))
+        # Our own client's abort is not a server error: 499, as on D.
+        status = 499 if isinstance(ctx, _LocalAbort) else 500
+        out.append(fx.FailRequest(r.room, _reason(ctx), status))
+
+
+class _LocalAbort(str):
+    """The reason of a local abort (client gone, /abort_request)."""
 
 
 def _reason(ctx: Any) -> str:

@@ -73,7 +73,8 @@ class DisaggregationCommon(Scheduler, ABC):
         deadline: float | None = self.core.next_deadline()
         return deadline
 
-    def _run(self, effects: list[Any]) -> None:
+    def _run(self, effects: list[Any], now: float | None = None) -> None:
+        """Carry out ``effects``, then feed back deferred events (at ``now``, default: now)."""
         while True:
             rooms: set[int] = set()
             for e in effects:
@@ -88,7 +89,8 @@ class DisaggregationCommon(Scheduler, ABC):
             self._after_effects()
             if not self._deferred:
                 return
-            effects = self.core.handle(self._deferred.popleft(), self.clock())
+            effects = self.core.handle(self._deferred.popleft(),
+                                       self.clock() if now is None else now)
 
     @abstractmethod
     def _carry_out(self, effect: Any) -> None:

@@ -46,6 +46,7 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
         self.core = PrefillEndpoint(self.layout_hash, rng or random.Random(), args.lease_config())
         self.send_queue = self._create_send_queue()
         self._held_pages: dict[int, list[int]] = {}  # room -> pages, after the leg answered
+        self._step_started: float | None = None  # self.clock() when the current step began
         self.transfer_stats = {
             "registered": 0,
             "released": 0,
@@ -66,7 +67,8 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
 
     def _event_loop_prefill_disagg(self) -> Any:
         """One iteration of P's loop: time-driven core work (lease expiry), then a step."""
-        self.deliver(ev.TimeAdvanced())
+        self._step_started = self.clock()
+        self.deliver(ev.TimeAdvanced(), now=self._step_started)
         return super().step()
 
     def step(self) -> Any:
@@ -91,7 +93,12 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
         req.output_ids.append(first_token)
         req.output_logprobs.append(first_logprob)
         finished = ev.PrefillFinished(room, first_token, self.prompt_pages(req), first_logprob)
-        self._run(self.core.handle(finished, self.clock()))
+        # As of the step's start, not now: D's heartbeats that arrived during a long forward (a
+        # compile, a long prompt) still wait in the I/O layer's inbox, so judging leases at the
+        # end of the forward would expire rooms whose D is alive. Leases are judged at the next
+        # TimeAdvanced, after those heartbeats were delivered with their arrival times.
+        now = self.clock() if self._step_started is None else self._step_started
+        self._run(self.core.handle(finished, now), now)
 
     # -- the core's effects -----------------------------------------------------------------------
 

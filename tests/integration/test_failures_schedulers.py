@@ -1,0 +1,118 @@
+"""Regression tests, at the scheduler level with an injected clock, for bugs the process-level
+failure tests (test_failures_pd.py) found: the same faults, made exact in time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pd_fsm.core import events as ev
+from pd_fsm.core.messages import Heartbeat
+from pd_fsm.jax_engine.model import LoadedModel, load_model
+from pd_fsm.jax_engine.sampling import SamplingParams
+from pd_fsm.schedulers import Req, Scheduler, SchedulerArgs
+from pd_fsm.schedulers.disaggregation import DisaggregationArgs
+from tests.support.pd_pair import BOOT, PDPair, collect
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+IDS = [11, 22, 33, 44, 55, 66, 77]
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return load_model("tiny")
+
+
+def _args(mode: str, **kw: Any) -> DisaggregationArgs:
+    return DisaggregationArgs(model="tiny", num_pages=64, page_size=4, max_running=8,
+                              max_batched_tokens=256, disaggregation_mode=mode,
+                              instance_id=f"{mode}-0", **kw)
+
+
+def _colocated(model: LoadedModel) -> list[int]:
+    colo = Scheduler(SchedulerArgs(model="tiny", num_pages=64, page_size=4, max_running=8,
+                                   max_batched_tokens=256), model=model)
+    colo.add_request(Req("r", IDS, GREEDY))
+    return list(collect(colo.run_until_idle())["r"]["ids"])
+
+
+def test_heartbeat_received_during_a_long_forward_keeps_the_lease(tiny: LoadedModel) -> None:
+    """P's forward takes 10 s (a compile, a long prompt); D's heartbeat arrived at t=4, inside
+    the lease (initial 5 s), and waits in the worker's inbox until the step is over. The room
+    must be handed off, not failed: its lease is judged only once that heartbeat is delivered.
+    (Found end to end: a 100-token prefill compiling on a loaded P failed a room D kept
+    alive, "KV hold lease expired ... no heartbeat from D".)"""
+    now = [0.0]
+    pair = PDPair(tiny, _args("prefill", lease_initial=5.0, lease_extension=20.0),
+                  _args("decode"), clock=lambda: now[0])
+    try:
+        pair.d.add_pd_request(Req("r", IDS, GREEDY), BOOT, 51)
+        pair.pump()  # D resolved P, reserved pages, said hello: the lease runs from t=0
+        assert pair.p.core.state_of(51) == "EARLY_PEER"
+        pair.p.add_pd_request(Req("r", IDS, GREEDY), 51)
+        real_forward = pair.p._forward_extend
+
+        def slow_forward(*a: Any, **kw: Any) -> Any:
+            out = real_forward(*a, **kw)
+            now[0] = 10.0  # the forward "took" 10 s
+            return out
+
+        pair.p._forward_extend = slow_forward  # type: ignore[method-assign]
+        pair.p_outputs += pair.p.step()
+        # The worker's next tick: the inbox first, each message at its arrival time, then time.
+        pair.p.deliver(ev.MessageReceived(pair.d_id, Heartbeat(1, (51,))), now=4.0)
+        pair.p.deliver(ev.TimeAdvanced())
+        assert pair.p.core.state_of(51) == "TRANSFERRING"
+        assert pair.p.pop_failure("r") is None
+        pair.run(lambda: "r" in collect(pair.d_outputs)
+                 and collect(pair.d_outputs)["r"]["reason"] is not None
+                 and pair.books_balanced())
+        got = collect(pair.d_outputs)["r"]
+        assert got["reason"].kind == "length" and got["ids"] == _colocated(tiny)
+    finally:
+        pair.close()
+
+
+def test_lease_still_expires_when_no_heartbeat_came(tiny: LoadedModel) -> None:
+    """The other side of the fix: with no heartbeat during the long forward, the lease ends at
+    the next tick and P reclaims the KV and the registration."""
+    now = [0.0]
+    pair = PDPair(tiny, _args("prefill", lease_initial=5.0), _args("decode"),
+                  clock=lambda: now[0])
+    try:
+        pair.d.add_pd_request(Req("r", IDS, GREEDY), BOOT, 52)
+        pair.pump()
+        pair.p.add_pd_request(Req("r", IDS, GREEDY), 52)
+        real_forward = pair.p._forward_extend
+
+        def slow_forward(*a: Any, **kw: Any) -> Any:
+            out = real_forward(*a, **kw)
+            now[0] = 10.0
+            return out
+
+        pair.p._forward_extend = slow_forward  # type: ignore[method-assign]
+        pair.p.step()
+        pair.p.deliver(ev.TimeAdvanced())
+        assert pair.p.core.state_of(52) is None
+        assert not pair.p.engine.registrations()
+        assert pair.p.allocator.num_free == pair.p.allocator.total
+    finally:
+        pair.close()
+
+
+def test_local_abort_on_p_answers_499_not_500(tiny: LoadedModel) -> None:
+    """``/abort_request`` (or a client gone) on P's leg is the client's doing: 499, as on D,
+    not a 500 "internal server error". D's ABORT of the room stays a 500 on P's leg."""
+    pair = PDPair(tiny, _args("prefill"), _args("decode"))
+    try:
+        pair.p.add_pd_request(Req("mine", IDS, GREEDY), 53)
+        pair.p_outputs += pair.p.step()  # prefilled, KV registered, no D yet
+        assert pair.p.core.state_of(53) == "PREFILLED_NO_PEER"
+        assert pair.p.abort("mine", "aborted by request")
+        assert pair.p.pop_failure("mine") == (499, "aborted by request")
+        assert not pair.p.engine.registrations()
+        assert pair.p.allocator.num_free == pair.p.allocator.total
+    finally:
+        pair.close()
+
