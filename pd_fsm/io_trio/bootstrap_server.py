@@ -288,6 +288,8 @@ class BootstrapServer:
                 "status": "ok",
                 "instances": len(self.registry),
                 "expired_total": self.registry.expired_total,
+                # Refused writes (no or wrong cluster secret, bad bodies): visible, not just logged.
+                "bad_requests_total": self.bad_requests,
             }
         )
 

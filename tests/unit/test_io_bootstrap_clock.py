@@ -84,7 +84,9 @@ async def test_ttl_expiry_exactly_after_last_heartbeat(autojump_clock: trio.test
             assert server.expired[0] == (pytest.approx(t_hb + 15, abs=1e-9), KEY)
             assert (await http.get("/list")).json()["instances"] == []
             health = (await http.get("/health")).json()
-            assert health == {"status": "ok", "instances": 0, "expired_total": 1}
+            assert health == {
+                "status": "ok", "instances": 0, "expired_total": 1, "bad_requests_total": 0
+            }
             # A heartbeat after expiry is told to register again.
             r = await http.post(
                 "/heartbeat",

@@ -110,8 +110,23 @@ class _PDBackend(ColocatedBackend, ABC):
                 k: v for k, v in sched.pd_stats().items() if not k.startswith("state_")
             }
             out["transfer"] = dict(sched.transfer_stats)
+            # KV this process offers on its transfer server right now (P): each registration
+            # pins the room's packed KV until released, so 0 once every room is over.
+            out["transfer_registrations"] = len(sched.engine.registrations())
+            out["pd_queues"] = self._queue_stats(sched)
+            if isinstance(sched, DecodeScheduler):
+                out["recomputed_total"] = sched.recomputed
+        side = getattr(self, "side", None)
+        if side is not None:
+            # Refused frames (bad or missing signature: "malformed") must be visible to operators.
+            out["side_channel"] = side.stats.as_dict()
         out["inbox_dropped_total"] = self.inbox_dropped
         return out
+
+    @abstractmethod
+    def _queue_stats(self, sched: Any) -> dict[str, int]:
+        """What the role holds for rooms: all zero once every room is over. Read from the HTTP
+        task while a tick may run, so only len() and the engine's locked snapshot."""
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._token = trio.lowlevel.current_trio_token()
@@ -346,6 +361,12 @@ class PrefillBackend(_PDBackend):
         assert self.side is not None
         return self.side.send(peer, message)
 
+    def _queue_stats(self, sched: Any) -> dict[str, int]:
+        return {
+            "send_queue": len(sched.send_queue),
+            "held_rooms": len(sched._held_pages),
+        }
+
     def _admit(self, sched: Any, stream: _Stream) -> None:
         job = stream.job
         if job.bootstrap is None:
@@ -380,6 +401,14 @@ class DecodeBackend(_PDBackend):
     def _send(self, peer: str, message: Message) -> bool:
         assert self.side is not None
         return self.side.send(peer, message)
+
+    def _queue_stats(self, sched: Any) -> dict[str, int]:
+        return {
+            "recv_queue": len(sched.recv_queue),
+            "alloc_queue": len(sched.alloc_queue),
+            "held_rooms": len(sched._held_pages),
+            "pulls_inflight": sched.pull_executor.inflight,
+        }
 
     def _admit(self, sched: Any, stream: _Stream) -> None:
         job = stream.job
