@@ -54,6 +54,7 @@ GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 INFO_PATHS = ("/v1/models", "/model_info", "/get_model_info", "/server_info", "/get_server_info")
 FORWARD_HEADERS = ("authorization", "x-request-id")
 ABORT_TIMEOUT = 5.0
+_SSE_DONE = b"data: [DONE]\n\n"  # the last event of an sglang / OpenAI stream
 MAX_BODY = 8 * 1024 * 1024
 
 
@@ -107,6 +108,7 @@ class _Session:
     headers_sent: bool = False  # the client has a status line: errors go in-band from here
     client_gone: bool = False
     relay_finished: bool = False  # D's whole answer is out (or going out in the last send)
+    sse_done: bool = False  # D's "data: [DONE]" event is relayed: the client's stream is whole
     error: tuple[int, Any] | None = None  # ReplyError: status and body to answer with
     decided: trio.Event = attrs.field(factory=trio.Event)
     relay_done: trio.Event = attrs.field(factory=trio.Event)
@@ -415,6 +417,11 @@ class Proxy:
                 failure = (502, _error_body(502, f"decode worker {s.decode}: {exc!r}",
                                             "decode_unreachable"))
                 self._feed(ev.LegResponded(s.room, "decode", False, repr(exc)), failure)
+            elif s.relay and s.sse_done and not s.relay_finished:
+                # D broke off after its last event (killed before the chunked body's end): the
+                # client has the whole stream; an error chunk after [DONE] would corrupt it.
+                self._relay_finished(s)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
             elif s.relay:
                 # D broke off mid-relay: the room fails (P's leg is aborted) and the client is
                 # told, in-band when the headers are already out.
@@ -439,8 +446,11 @@ class Proxy:
             await send({"type": "http.response.start", "status": resp.status_code,
                         "headers": headers})
             s.headers_sent = True
+            tail = b""
             async for chunk in resp.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                tail = (tail + chunk)[-len(_SSE_DONE):]
+                s.sse_done = tail == _SSE_DONE
             self._relay_finished(s)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return

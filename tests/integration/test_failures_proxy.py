@@ -1,0 +1,101 @@
+"""The proxy when D dies mid-stream, made exact: a raw-socket D that streams SSE events over a
+chunked body and then drops the connection without the body's end, as a SIGKILLed worker does.
+
+Found by the soak (test_failures_soak.py): D killed right after its ``data: [DONE]`` event but
+before the chunked terminator made the proxy append an error chunk and a second ``[DONE]``
+after the client's complete stream (invalid SSE: events after ``[DONE]``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from pd_fsm.io_trio.proxy import PrefillTarget, Proxy, serve_proxy
+from tests.integration.pd_standins import serve_standin
+from tests.integration.serve_support import sse_events
+
+EVENTS = [{"text": "a", "output_ids": [1]}, {"text": "ab", "output_ids": [1, 2],
+                                               "meta_info": {"finish_reason": {"type": "length"}}}]
+
+
+def _chunk(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+async def _read_request(stream: trio.SocketStream) -> bytes:
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        data = await stream.receive_some(65536)
+        if not data:
+            return buf
+        buf += data
+    head, _, body = buf.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    while len(body) < length:
+        body += await stream.receive_some(65536)
+    return head.split(b"\r\n")[0]
+
+
+async def _dying_decode(nursery: trio.Nursery, with_done: bool) -> str:
+    """A D that streams EVENTS (and ``[DONE]`` if ``with_done``), then drops the connection
+    without the chunked body's terminator; ``/abort_request`` gets a plain 200."""
+
+    async def handle(stream: trio.SocketStream) -> None:
+        async with stream:
+            request_line = await _read_request(stream)
+            if b"/abort_request" in request_line:
+                body = b'{"aborted": []}'
+                await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                      b"connection: close\r\ncontent-length: "
+                                      + str(len(body)).encode() + b"\r\n\r\n" + body)
+                return
+            out = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                   b"transfer-encoding: chunked\r\n\r\n")
+            for e in EVENTS:
+                out += _chunk(b"data: " + json.dumps(e).encode() + b"\n\n")
+            if with_done:
+                out += _chunk(b"data: [DONE]\n\n")
+            await stream.send_all(out)
+            await trio.sleep(0.05)
+            # Leaving without b"0\r\n\r\n": what the proxy sees from a SIGKILLed worker.
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, handle, 0,
+                                                      host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("with_done", [True, False], ids=["after-done", "before-done"])
+async def test_decode_dying_mid_stream(nursery: trio.Nursery, with_done: bool) -> None:
+    """After ``[DONE]``: the client's stream is exactly D's (complete, no error chunk). Before
+    it: the stream ends with one abort/error chunk and one ``[DONE]``."""
+    p_url, _ = await serve_standin(nursery, "prefill")
+    d_url = await _dying_decode(nursery, with_done)
+    proxy = Proxy([PrefillTarget.from_url(p_url, 8998)], [d_url], rng=random.Random(1))
+    url: str = await nursery.start(serve_proxy, proxy, "127.0.0.1", 0)
+    body: dict[str, Any] = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 2}}
+    async with httpx.AsyncClient(timeout=10) as http:
+        r = await http.post(f"{url}/generate", json=body)
+    assert r.status_code == 200
+    events = sse_events(r.text)
+    assert events.count("[DONE]") == 1 and events[-1] == "[DONE]", events
+    if with_done:
+        assert events == [*EVENTS, "[DONE]"]
+    else:
+        assert events[:-2] == EVENTS
+        last = events[-2]
+        assert last["meta_info"]["finish_reason"]["type"] == "abort" and "error" in last
+    with trio.fail_after(5):
+        while proxy.stats()["rooms_live"]:
+            await trio.sleep(0.01)
