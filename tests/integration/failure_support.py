@@ -1,0 +1,398 @@
+"""Real `pd-fsm` processes for the failure tests: start, SIGSTOP/SIGCONT, SIGKILL, restart with
+the same flags, and the checks every failure test ends with (pages, rooms, registrations).
+
+Processes are plain ``subprocess.Popen`` children (module-scoped fixtures are synchronous; the
+tests themselves are trio). Each child's output goes to a log file under the test's temporary
+directory, and its last lines are attached to any failure that involves it.
+
+Windows are short (``WINDOWS``) so every fault is detected in seconds; every wait in a test is a
+deadline (the window plus generous ``SLACK``), never a performance threshold.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import attrs
+import httpx
+import trio
+
+HOST = "127.0.0.1"
+# Generous on purpose: 2 cores are shared with other test processes; a deadline, not a benchmark.
+SLACK = 8.0
+
+# The PD windows the failure tests run with (DESIGN §5 defaults in brackets).
+HEARTBEAT = 0.5  # D -> P heartbeats and registry heartbeats [5 s]
+PEER_TIMEOUT = 2.0  # D: P silent this long, 2 heartbeats unanswered -> lost [15 s]
+LEASE_INITIAL = 3.0  # P: KV held this long before D's first heartbeat [30 s]
+LEASE_EXTENSION = 2.0  # P: each heartbeat extends the lease to now + this [20 s]
+READY_TIMEOUT = 30.0  # D: waiting for READY (tests hold P's leg on purpose) [300 s]
+TRANSFER_TIMEOUT = 8.0  # D: backstop for one transfer [120 s]
+PULL_DEADLINE = 4.0  # D: the pull executor's own deadline [60 s]
+QUEUE_TIMEOUT = 8.0  # D: waiting for free pages, then 503 [300 s]
+REGISTRY_TTL = 3.0  # bootstrap: instance listed this long without a heartbeat [15 s]
+
+WINDOWS: dict[str, float] = {
+    "--disaggregation-bootstrap-heartbeat-interval": HEARTBEAT,
+    "--disaggregation-bootstrap-heartbeat-ttl": REGISTRY_TTL,
+    "--disaggregation-peer-timeout": PEER_TIMEOUT,
+    "--disaggregation-lease-initial": LEASE_INITIAL,
+    "--disaggregation-lease-extension": LEASE_EXTENSION,
+    "--disaggregation-ready-timeout": READY_TIMEOUT,
+    "--disaggregation-transfer-timeout": TRANSFER_TIMEOUT,
+    "--disaggregation-pull-deadline": PULL_DEADLINE,
+    "--disaggregation-queue-timeout": QUEUE_TIMEOUT,
+}
+
+PAGE_SIZE = 4
+# The tiny model everywhere; page size and model seed must match between P, D and colocated.
+TINY = ["--model", "tiny", "--page-size", str(PAGE_SIZE), "--max-running", "8",
+        "--max-batched-tokens", "256", "--context-length", "256"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pd_fsm.cli", *args]
+
+
+@attrs.define(eq=False)
+class Proc:
+    """One child process, restartable with exactly the same argv."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    url: str | None = None  # HTTP base URL that answers GET /health with 200 once ready
+    bootstrap_port: int | None = None  # P: the port routers and D know it by (side channel)
+    popen: subprocess.Popen[bytes] | None = None
+    pids: list[int] = attrs.field(factory=list)  # every pid this Proc has had, in order
+
+    def start(self) -> None:
+        with self.log_path.open("ab") as log:
+            log.write(f"==== start: {' '.join(self.argv)}\n".encode())
+            log.flush()
+            self.popen = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        self.pids.append(self.popen.pid)
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None, f"{self.name} was never started"
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def pause(self) -> None:
+        """SIGSTOP: freezes the process at a known stage (its sockets stay open)."""
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        """SIGKILL: the process dies without any cleanup of its own."""
+        assert self.popen is not None
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait(30)
+
+    def stop(self, grace: float = 10.0) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        self.popen.send_signal(signal.SIGCONT)  # a paused child cannot act on SIGTERM
+        self.popen.terminate()
+        try:
+            self.popen.wait(grace)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(30)
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        # Registry heartbeats (two a second per worker) would drown everything else.
+        lines = [line for line in lines if "/heartbeat" not in line]
+        return "\n".join(f"[{self.name}] {line}" for line in lines[-n:])
+
+
+def wait_healthy(procs: Iterable[Proc], timeout: float = 240.0) -> None:
+    """Block until every proc's /health answers 200; fail with the log tail of any that died."""
+    pending = [p for p in procs if p.url is not None]
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=2.0) as http:
+        while pending:
+            for p in list(pending):
+                if not p.alive():
+                    raise RuntimeError(f"{p.name} exited with {p.popen and p.popen.returncode}"
+                                       f":\n{p.tail()}")
+                try:
+                    if http.get(f"{p.url}/health").status_code == 200:
+                        pending.remove(p)
+                except httpx.HTTPError:
+                    pass
+            if pending and time.monotonic() > deadline:
+                tails = "\n".join(p.tail() for p in pending)
+                raise RuntimeError(f"not healthy within {timeout:g} s:\n{tails}")
+            if pending:
+                time.sleep(0.2)
+
+
+class Fleet:
+    """Named processes sharing one bootstrap server and (optionally) one cluster secret."""
+
+    def __init__(self, workdir: Path, *, secret: bool = False) -> None:
+        self.dir = workdir
+        self.procs: dict[str, Proc] = {}
+        self.boot_port = free_port()
+        self.secret: bytes | None = None
+        self.secret_file: Path | None = None
+        if secret:
+            self.secret = secrets.token_hex(16).encode()
+            self.secret_file = workdir / "cluster.secret"
+            self.secret_file.write_bytes(self.secret + b"\n")
+
+    def __getitem__(self, name: str) -> Proc:
+        return self.procs[name]
+
+    @property
+    def boot_url(self) -> str:
+        return f"http://{HOST}:{self.boot_port}"
+
+    def _add(self, name: str, argv: list[str], url: str | None, **kw: Any) -> Proc:
+        proc = Proc(name, argv, self.dir / f"{name}.log", url, **kw)
+        self.procs[name] = proc
+        return proc
+
+    def _secret_args(self, flag: str) -> list[str]:
+        return [flag, str(self.secret_file)] if self.secret_file is not None else []
+
+    def bootstrap(self, name: str = "bootstrap") -> Proc:
+        argv = cli("bootstrap", "--host", HOST, "--port", str(self.boot_port),
+                   "--ttl", str(REGISTRY_TTL), *self._secret_args("--secret-file"))
+        return self._add(name, argv, self.boot_url)
+
+    def _worker(self, name: str, mode: str, num_pages: int, extra: list[str]) -> tuple[
+            list[str], str]:
+        port = free_port()
+        argv = cli("serve", *TINY, "--host", HOST, "--port", str(port),
+                   "--num-pages", str(num_pages), "--disaggregation-mode", mode,
+                   "--disaggregation-bootstrap-host", HOST,
+                   "--disaggregation-bootstrap-port", str(self.boot_port),
+                   *[str(x) for kv in WINDOWS.items() for x in kv],
+                   *self._secret_args("--cluster-secret-file"), *extra)
+        return argv, f"http://{HOST}:{port}"
+
+    def prefill(self, name: str, num_pages: int = 64, extra: list[str] | None = None) -> Proc:
+        side = free_port()
+        argv, url = self._worker(name, "prefill", num_pages,
+                                 ["--disaggregation-side-channel-port", str(side),
+                                  *(extra or [])])
+        return self._add(name, argv, url, bootstrap_port=side)
+
+    def decode(self, name: str, num_pages: int = 64, extra: list[str] | None = None) -> Proc:
+        argv, url = self._worker(name, "decode", num_pages, extra or [])
+        return self._add(name, argv, url)
+
+    def colocated(self, name: str = "colocated") -> Proc:
+        port = free_port()
+        argv = cli("serve", *TINY, "--host", HOST, "--port", str(port), "--num-pages", "64",
+                   "--disaggregation-mode", "null")
+        return self._add(name, argv, f"http://{HOST}:{port}")
+
+    def proxy(self, name: str, prefill: list[Proc], decode: list[Proc]) -> Proc:
+        port = free_port()
+        argv = cli("proxy", "--host", HOST, "--port", str(port))
+        for p in prefill:
+            argv += ["--prefill", str(p.url), str(p.bootstrap_port)]
+        for d in decode:
+            argv += ["--decode", str(d.url)]
+        return self._add(name, argv, f"http://{HOST}:{port}")
+
+    def start(self, timeout: float = 240.0) -> None:
+        """Start every process not started yet (the bootstrap server first), wait for health."""
+        fresh = [p for p in self.procs.values() if p.popen is None]
+        for p in sorted(fresh, key=lambda p: p.name != "bootstrap"):
+            p.start()
+        try:
+            wait_healthy(fresh, timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def restart(self, name: str, timeout: float = 120.0) -> None:
+        """SIGKILL (if alive) and start again with the same argv, ports included."""
+        proc = self.procs[name]
+        if proc.alive():
+            proc.kill()
+        proc.start()
+        wait_healthy([proc], timeout)
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            p.stop()
+
+    def tails(self) -> str:
+        return "\n".join(p.tail(25) for p in self.procs.values())
+
+
+# ----------------------------------------------------------------------------- requests
+
+def leg(room: int, input_ids: list[int], max_new_tokens: int, prefill: Proc, *,
+        rid: str | None = None, stream: bool = False) -> dict[str, Any]:
+    """The body a PD router posts to both legs of ``room`` (the test is the router here)."""
+    return {
+        "input_ids": input_ids,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
+        "stream": stream,
+        "rid": rid or f"room-{room:x}",
+        "bootstrap_host": HOST,
+        "bootstrap_port": prefill.bootstrap_port,
+        "bootstrap_room": room,
+    }
+
+
+def new_room() -> int:
+    return secrets.randbits(63)
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    """``n`` token ids well inside the tiny model's vocabulary, different per seed."""
+    return [(7 + 13 * i + 31 * seed) % 250 + 3 for i in range(n)]
+
+
+async def greedy(http: httpx.AsyncClient, colocated: Proc, input_ids: list[int],
+                 max_new_tokens: int) -> list[int]:
+    """The colocated worker's greedy answer: what every PD answer must equal."""
+    r = await http.post(f"{colocated.url}/generate", json={
+        "input_ids": input_ids,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}})
+    assert r.status_code == 200, r.text
+    return list(r.json()["output_ids"])
+
+
+def error_message(r: httpx.Response) -> str:
+    """The message of a JSON error body (asserts the body is one)."""
+    body = r.json()
+    assert isinstance(body, dict) and isinstance(body.get("error"), dict), r.text
+    message = body["error"]["message"]
+    assert isinstance(message, str) and message, r.text
+    return message
+
+
+# ----------------------------------------------------------------------------- state checks
+
+async def stats(http: httpx.AsyncClient, proc: Proc) -> dict[str, Any]:
+    """The backend's stats() as /server_info reports them."""
+    r = await http.get(f"{proc.url}/server_info")
+    r.raise_for_status()
+    return dict(r.json()["internal_states"][0])
+
+
+def kvpoll(s: dict[str, Any], state: str) -> int:
+    return int(s.get("kvpoll", {}).get(f"state_{state}", 0))
+
+
+T = TypeVar("T")
+
+
+async def wait_until(check: Callable[[], Awaitable[T | None]], timeout: float, what: str,
+                     *, interval: float = 0.05) -> tuple[T, float]:
+    """Poll ``check`` until it returns something other than None; (value, seconds waited)."""
+    start = trio.current_time()
+    with trio.move_on_after(timeout):
+        while True:
+            value = await check()
+            if value is not None:
+                return value, trio.current_time() - start
+            await trio.sleep(interval)
+    raise AssertionError(f"not within {timeout:g} s: {what}")
+
+
+def leftovers(s: dict[str, Any]) -> list[str]:
+    """What a worker still holds for requests; empty when it is back to idle."""
+    out = []
+    if s.get("free_pages") != s.get("total_pages"):
+        out.append(f"pages free {s.get('free_pages')} of {s.get('total_pages')}")
+    for key in ("waiting", "prefilling", "running", "queued", "live_requests"):
+        if s.get(key):
+            out.append(f"{key} {s[key]}")
+    live = {k: v for k, v in s.get("kvpoll", {}).items() if v}
+    if live:
+        out.append(f"rooms {live}")
+    if s.get("pd_events", {}).get("rooms_live"):
+        out.append(f"rooms_live {s['pd_events']['rooms_live']}")
+    queues = {k: v for k, v in s.get("pd_queues", {}).items() if v}
+    if queues:
+        out.append(f"queues {queues}")
+    if s.get("transfer_registrations"):
+        out.append(f"transfer registrations {s['transfer_registrations']}")
+    return out
+
+
+async def wait_clean(http: httpx.AsyncClient, *procs: Proc, timeout: float) -> float:
+    """Wait until every worker in ``procs`` holds nothing (all pages free, no room, no queue,
+    no transfer registration); seconds waited. Fails naming what is still held."""
+    start = trio.current_time()
+    last: dict[str, list[str]] = {}
+    with trio.move_on_after(timeout):
+        while True:
+            last = {p.name: leftovers(await stats(http, p)) for p in procs}
+            if not any(last.values()):
+                return trio.current_time() - start
+            await trio.sleep(0.05)
+    raise AssertionError(f"not clean within {timeout:g} s: {last}")
+
+
+def listening_addresses(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every listening TCP socket the process owns (from /proc)."""
+    inodes = set()
+    fd_dir = Path(f"/proc/{pid}/fd")
+    for fd in fd_dir.iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            hex_addr, hex_port = local.split(":")
+            found.append((_ip(hex_addr, width), int(hex_port, 16)))
+    return found
+
+
+def _ip(hex_addr: str, width: int) -> str:
+    raw = bytes.fromhex(hex_addr)
+    if width == 8:
+        return socket.inet_ntop(socket.AF_INET, raw[::-1])
+    # /proc/net/tcp6: four little-endian 32-bit words.
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+    return socket.inet_ntop(socket.AF_INET6, words)
