@@ -111,7 +111,10 @@ class PullExecutor:
             if self._closed:
                 raise RuntimeError("pull executor closed")
             self._inflight += 1
-        self._pool.submit(self._run, req)
+        # The deadline runs from here, not from when a worker thread takes the job: the core
+        # frees the pages by its own backstop (transfer_timeout > pull_deadline) counted from
+        # the submit, so a job queued behind hung pulls must not write into them later.
+        self._pool.submit(self._run, req, self._clock())
 
     def poll(self) -> list[PullResult]:
         """Every result delivered so far (non-blocking)."""
@@ -134,8 +137,7 @@ class PullExecutor:
             self._closed = True
         self._pool.shutdown(wait=wait, cancel_futures=not wait)
 
-    def _run(self, req: PullRequest) -> None:
-        start = self._clock()
+    def _run(self, req: PullRequest, start: float) -> None:
         try:
             ok, reason, nbytes = self._pull(req, start)
         except Exception as e:  # a job must always report, whatever broke
@@ -164,12 +166,15 @@ class PullExecutor:
         except ValueError as e:
             return False, f"bad destination pages: {e}; not pulled", 0
         deadline_s = self._deadline_s if req.deadline_s is None else req.deadline_s
+        left = deadline_s - (self._clock() - start)
+        if left <= 0:
+            return False, f"not started within the {deadline_s:g}s deadline (queued); not pulled", 0
         specs = [
             p.pull_struct(len(pages[p.name]), self._sharding[p.name]) for p in self._kv_args.pools
         ]
         nbytes = sum(p.packed_nbytes(len(pages[p.name])) for p in self._kv_args.pools)
         try:
-            pending = self._engine.start_pull(req.peer, req.uuid, specs, deadline_s)
+            pending = self._engine.start_pull(req.peer, req.uuid, specs, left)
             pending.wait()
         except PullTimeout as e:
             return False, f"timeout after {deadline_s:g}s: {e}", 0

@@ -116,3 +116,86 @@ def test_local_abort_on_p_answers_499_not_500(tiny: LoadedModel) -> None:
     finally:
         pair.close()
 
+
+
+def test_queued_pull_reports_within_its_deadline_from_submit() -> None:
+    """D's pull deadline counts from the submit, not from when a worker thread takes the job:
+    the core frees a failed room's pages by its own backstop counted from the submit
+    (transfer_timeout > pull_deadline), so a pull queued behind hung ones (a dead P: each hangs
+    to its deadline) must give up instead of writing into those pages later."""
+    import time
+    from collections.abc import Sequence
+
+    import jax
+    import jax.numpy as jnp
+
+    from pd_fsm.jax_engine.kv_holder import KVCacheHolder
+    from pd_fsm.jax_engine.kv_pool import KVPoolConfig
+    from pd_fsm.jax_engine.pool_spec import KVArgs, PoolTransferSpec
+    from pd_fsm.jax_engine.pull_executor import PullExecutor, PullRequest
+    from pd_fsm.jax_engine.transfer.base import KVTransferEngine, PendingPull, PullTimeout
+
+    cfg = KVPoolConfig(num_layers=1, num_pages=8, page_size=2, num_kv_heads=1, head_dim=4)
+    args = KVArgs([PoolTransferSpec.from_config("main_kv", cfg)])
+    deadline = 0.6
+
+    class _Hung(PendingPull):
+        def __init__(self, seconds: float) -> None:
+            self.seconds = seconds
+
+        def wait(self) -> None:
+            time.sleep(self.seconds)  # what a pull to a dead P does: nothing, to the deadline
+            raise PullTimeout("no answer")
+
+    class _DeadPeer(KVTransferEngine):
+        def __init__(self) -> None:
+            self.pulls = 0
+
+        @property
+        def address(self) -> str:
+            return "d:0"
+
+        def register(self, uuid: int, arrays: Sequence[jax.Array], lease_s: float) -> None:
+            raise AssertionError
+
+        def extend_lease(self, uuid: int, lease_s: float) -> bool:
+            raise AssertionError
+
+        def release(self, uuid: int, reason: str):  # type: ignore[no-untyped-def]
+            raise AssertionError
+
+        def reap_expired(self):  # type: ignore[no-untyped-def]
+            return []
+
+        def registrations(self) -> dict[int, int]:
+            return {}
+
+        def start_pull(self, peer: str, uuid: int, specs: Sequence[jax.ShapeDtypeStruct],
+                       deadline_s: float) -> PendingPull:
+            self.pulls += 1
+            return _Hung(deadline_s)
+
+        def drop_connection(self, peer: str, reason: str) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    engine = _DeadPeer()
+    holder = KVCacheHolder({"main_kv": [jnp.zeros(cfg.layer_shape, jnp.float32)]})
+    ex = PullExecutor(engine, holder, args, max_workers=1, deadline_s=deadline)
+    try:
+        submitted = time.monotonic()
+        for room in (1, 2):
+            ex.submit(PullRequest(room, room, "dead-p:1", [room], args.layout_hash))
+        results = {}
+        for _ in range(2):
+            r = ex.get(timeout=5)
+            assert r is not None
+            results[r.room] = (r, time.monotonic() - submitted)
+        queued, took = results[2]
+        assert not queued.ok and "not started" in queued.reason, queued
+        assert took < deadline + 0.4, took  # not 2 x deadline
+        assert engine.pulls == 1
+    finally:
+        ex.close()
