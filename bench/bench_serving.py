@@ -1,0 +1,193 @@
+"""Serving benchmark over real processes: PD vs colocated, our proxy vs sglang-router, and the
+proxy's own overhead. Prints tables with a baseline measured in the same run; asserts nothing.
+
+Part ``pd`` (SmolLM2 by default): ``pd-fsm cluster --prefill 1 --decode 1 --colocated`` plus the
+real sglang-router (PyPI) over the same P and D. For each prompt set (short: 8-32 words, long:
+200-400 words) the same fixed-seed requests go, streamed, at a fixed concurrency, to
+
+    (a) our proxy -> 1P1D,   (b) sglang-router -> the same 1P1D,   (c) the colocated worker,
+
+and the tables give TTFT / ITL / E2E with (a)/(c) and (a)/(b). Every target first gets the same
+load once unmeasured (XLA compiles each new shape on first use; a cold pass would measure
+compilers). All processes share the machine's cores: PD runs two model processes where colocated
+runs one, and the idle ones still take their share of nothing.
+
+Part ``overhead`` (tiny model): a proxy needs a P and a D, so its cost is measured with two
+colocated workers A and B: ``pd-fsm proxy --prefill A none --decode B`` posts every request to
+both (A's answer is drained and dropped, B's relayed); baseline = the same requests straight to B.
+sglang-router over the same A and B is measured the same way. A's duplicate work competes for the
+same cores, so this is an upper bound on the proxy's added latency.
+
+    .venv/bin/python bench/bench_serving.py --part pd [--num-prompts 16 --concurrency 4]
+    .venv/bin/python bench/bench_serving.py --part overhead
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pd_fsm.io_trio.bench_client import Summary, make_prompts, render, run_load
+from pd_fsm.io_trio.cluster import free_ports
+from tests.integration.serve_support import PDCluster, Proc, cli, wait_http_ok
+
+HOST = "127.0.0.1"
+
+
+def _load_args(args: argparse.Namespace, model: str) -> argparse.Namespace:
+    return argparse.Namespace(endpoint=args.endpoint, max_tokens=args.max_tokens, model=model,
+                              request_rate=math.inf, max_concurrency=args.concurrency,
+                              timeout=600.0, seed=args.seed)
+
+
+def start_router(prefill: str, bootstrap_port: str, decode: str) -> tuple[Proc, str]:
+    port, metrics_port = free_ports(2)
+    proc = Proc.start("sglang-router", [
+        sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+        "--prefill", prefill, bootstrap_port, "--decode", decode,
+        "--host", HOST, "--port", str(port), "--policy", "round_robin",
+        "--prometheus-host", HOST, "--prometheus-port", str(metrics_port),
+    ])
+    return proc, f"http://{HOST}:{port}"
+
+
+def wait_router(url: str, proc: Proc, model: str) -> None:
+    """The router answers once it has registered both workers (health + info endpoints)."""
+    body = {"model": model, "prompt": "warm", "max_tokens": 1, "temperature": 0}
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError(f"sglang-router exited:\n{proc.tail()}")
+        try:
+            if httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"sglang-router never relayed a request:\n{proc.tail()}")
+
+
+async def measure(targets: dict[str, str], args: argparse.Namespace, model: str,
+                  dataset: str) -> dict[str, Summary]:
+    prompts = make_prompts(dataset, args.num_prompts, args.seed)
+    load = _load_args(args, model)
+    for url in targets.values():  # unmeasured: compiles every shape this load will use
+        await run_load(url, load, prompts)
+    # Rounds rotate the order: the machine is shared, and a neighbour's burst should not land
+    # on one target only. A target's rounds are merged (all requests, summed durations).
+    names = list(targets)
+    runs: dict[str, list[Summary]] = {name: [] for name in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            runs[name].append(await run_load(targets[name], load, prompts))
+    return {name: Summary([x for s in ss for x in s.results], sum(s.duration for s in ss))
+            for name, ss in runs.items()}
+
+
+def table(title: str, a: Summary, b: Summary, a_name: str, b_name: str) -> str:
+    return f"### {title}\n\n```\n{render(a, b, a_name, b_name)}\n```\n"
+
+
+def part_pd(args: argparse.Namespace) -> None:
+    cluster = PDCluster.start(["--model", args.model, "--prefill", "1", "--decode", "1",
+                               "--colocated", "--num-pages", "512", "--startup-timeout", "400",
+                               "--worker-args", "--disaggregation-peer-timeout 120 "
+                               "--disaggregation-lease-initial 120"], timeout=420)
+    router: Proc | None = None
+    try:
+        u = cluster.urls
+        targets = {"proxy->1P1D": u["proxy"], "colocated": u["colocated"]}
+        if importlib.util.find_spec("sglang_router") is not None:
+            router, router_url = start_router(u["prefill-0"],
+                                              str(cluster.bootstrap_ports["prefill-0"]),
+                                              u["decode-0"])
+            wait_router(router_url, router, args.model)
+            targets["sglang-router->1P1D"] = router_url
+        for dataset in args.datasets:
+            results = trio.run(measure, targets, args, args.model, dataset)
+            head = (f"{dataset} prompts, {args.num_prompts} requests x {args.rounds} rounds, "
+                    f"concurrency {args.concurrency}, {args.max_tokens} output tokens, "
+                    f"{args.endpoint}")
+            print(table(f"PD vs colocated: {head}", results["proxy->1P1D"],
+                        results["colocated"], "proxy->1P1D", "colocated"), flush=True)
+            if "sglang-router->1P1D" in results:
+                print(table(f"our proxy vs sglang-router, same 1P1D: {head}",
+                            results["proxy->1P1D"], results["sglang-router->1P1D"],
+                            "proxy->1P1D", "sglang-router->1P1D"), flush=True)
+    finally:
+        if router is not None:
+            router.stop()
+        cluster.stop()
+
+
+def part_overhead(args: argparse.Namespace) -> None:
+    procs: list[Proc] = []
+    try:
+        a_port, b_port, proxy_port = free_ports(3)
+        worker = ["--model", "tiny", "--host", HOST, "--num-pages", "512", "--page-size", "4",
+                  "--context-length", "512"]
+        a = Proc.start("worker-a", cli("serve", *worker, "--port", str(a_port)))
+        b = Proc.start("worker-b", cli("serve", *worker, "--port", str(b_port)))
+        procs += [a, b]
+        a_url, b_url = f"http://{HOST}:{a_port}", f"http://{HOST}:{b_port}"
+        proxy = Proc.start("proxy", cli("proxy", "--host", HOST, "--port", str(proxy_port),
+                                        "--prefill", a_url, "none", "--decode", b_url))
+        procs.append(proxy)
+        proxy_url = f"http://{HOST}:{proxy_port}"
+        for url, proc in ((a_url, a), (b_url, b), (proxy_url, proxy)):
+            wait_http_ok(f"{url}/health", proc, timeout=300)
+        targets = {"direct B": b_url, "proxy(A,B)": proxy_url}
+        if importlib.util.find_spec("sglang_router") is not None:
+            router, router_url = start_router(a_url, "none", b_url)
+            procs.append(router)
+            wait_router(router_url, router, "tiny")
+            targets["sglang-router(A,B)"] = router_url
+        for concurrency in (1, 4):
+            args.concurrency = concurrency
+            results = trio.run(measure, targets, args, "tiny", "short")
+            head = (f"tiny model, short prompts, {args.num_prompts} requests x {args.rounds} "
+                    f"rounds, concurrency {concurrency}, {args.max_tokens} output tokens, "
+                    f"{args.endpoint}")
+            print(table(f"proxy overhead: {head}", results["proxy(A,B)"],
+                        results["direct B"], "proxy(A,B)", "direct B"), flush=True)
+            if "sglang-router(A,B)" in results:
+                print(table(f"sglang-router overhead: {head}", results["sglang-router(A,B)"],
+                            results["direct B"], "sglang-router(A,B)", "direct B"),
+                      flush=True)
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--part", choices=("pd", "overhead"), required=True)
+    p.add_argument("--model", default="smollm2", help="part pd: smollm2 | tiny")
+    p.add_argument("--datasets", nargs="+", default=["short", "long"])
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--endpoint", choices=("completions", "generate", "chat"),
+                   default="completions")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measured passes per target, in rotated order, merged")
+    args = p.parse_args()
+    if args.part == "pd":
+        part_pd(args)
+    else:
+        part_overhead(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
