@@ -53,6 +53,7 @@ class _TickResult:
     outputs: list[RequestOutput]
     failures: dict[str, tuple[int, str]]
     refused: list[tuple[_Stream, BackendError]]
+    unstarted: list[_Stream]  # aborted before they reached the scheduler
     outbox: list[Any]
     forward_work: bool
     next_deadline: float | None  # on time.monotonic
@@ -258,6 +259,8 @@ class _PDBackend(ColocatedBackend, ABC):
                     self.side.close_peer(effect.peer)
             for stream, error in result.refused:
                 self._fail(stream, error)
+            for stream in result.unstarted:
+                self._abort_unstarted(stream)
             self._fan_out_pd(result.outputs, result.failures)
             if result.forward_work:
                 continue
@@ -274,11 +277,12 @@ class _PDBackend(ColocatedBackend, ABC):
         for arrived, event in inbox:
             sched.deliver(event, now=arrived)
         refused: list[tuple[_Stream, BackendError]] = []
+        unstarted: list[_Stream] = []
         for stream in jobs:
             rid = stream.job.rid
             if rid in aborts:
                 aborts.remove(rid)
-                refused.append((stream, BackendError(499, "aborted before it started")))
+                unstarted.append(stream)
                 continue
             try:
                 self._admit(sched, stream)
@@ -305,6 +309,7 @@ class _PDBackend(ColocatedBackend, ABC):
             outputs,
             failures,
             refused,
+            unstarted,
             sched.take_outbox(),
             Scheduler.has_work(sched),
             sched.next_deadline(),
