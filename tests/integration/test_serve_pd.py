@@ -46,13 +46,10 @@ pytestmark = pytest.mark.slow
 HOST = "127.0.0.1"
 CLUSTER_ARGS = ["--prefill", "2", "--decode", "2", "--colocated", "--model", "tiny",
                 "--page-size", "4", "--num-pages", "512", "--max-running", "16",
-                "--context-length", "256", "--startup-timeout", "240",
-                # Cold XLA compiles (each new prefill / gather / scatter shape) stall a worker's
-                # loop for seconds on 2 shared cores; a burst of 32 new shapes can keep P from
-                # answering D's heartbeats past the 15 s peer timeout (measured: P0 spent 29.5 s
-                # in its first 16 steps). The windows are operator flags for exactly this.
-                "--worker-args", "--disaggregation-peer-timeout 90 "
-                                 "--disaggregation-lease-initial 90"]
+                "--context-length", "256", "--startup-timeout", "240"]
+# Default PD windows: cold XLA compiles stall a worker's loop for seconds (P0 once spent 29.5 s
+# in its first 16 steps), and the workers keep liveness going meanwhile (P acks heartbeats at
+# once while busy; D repeats its last heartbeats), so no window needs stretching here.
 HAS_ROUTER = importlib.util.find_spec("sglang_router") is not None
 WORKERS = ("prefill-0", "prefill-1", "decode-0", "decode-1", "colocated")
 

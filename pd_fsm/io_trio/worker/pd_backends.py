@@ -27,7 +27,7 @@ import trio
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
-from pd_fsm.core.messages import Message
+from pd_fsm.core.messages import MAX_ROOMS_PER_HEARTBEAT, Heartbeat, HeartbeatAck, Message
 from pd_fsm.io_trio.bootstrap_client import BootstrapClient, BootstrapResolver
 from pd_fsm.io_trio.records import InstanceRecord, split_host_port
 from pd_fsm.io_trio.side_channel import DecodeSideChannel, PrefillSideChannel
@@ -96,6 +96,10 @@ class _PDBackend(ColocatedBackend, ABC):
         self._token: trio.lowlevel.TrioToken | None = None
         self.bootstrap: BootstrapClient | None = None
         self.inbox_dropped = 0
+        # trio time the running scheduler tick began (None between ticks): a first forward of a
+        # new shape compiles for many seconds, and liveness must not wait for it.
+        self.busy_since: float | None = None
+        self.busy_liveness_total = 0
 
     # -- Backend protocol ---
 
@@ -122,6 +126,7 @@ class _PDBackend(ColocatedBackend, ABC):
             # Refused frames (bad or missing signature: "malformed") must be visible to operators.
             out["side_channel"] = side.stats.as_dict()
         out["inbox_dropped_total"] = self.inbox_dropped
+        out["busy_liveness_total"] = self.busy_liveness_total
         return out
 
     @abstractmethod
@@ -207,7 +212,11 @@ class _PDBackend(ColocatedBackend, ABC):
 
     async def _deliver_message(self, peer: str, message: Message) -> None:
         """The side channel's callback: stamp the arrival time, queue, wake the loop."""
+        self._while_busy(peer, message)
         self._put(ev.MessageReceived(peer, message))
+
+    def _while_busy(self, peer: str, message: Message) -> None:
+        """Hook: liveness traffic that cannot wait for a long step (see PrefillBackend)."""
 
     def _put(self, event: Any) -> None:
         try:
@@ -239,6 +248,7 @@ class _PDBackend(ColocatedBackend, ABC):
             aborts = [rid for rid in self._aborts]
             self._aborts.clear()
             start = trio.current_time()
+            self.busy_since = start
             try:
                 result = await trio.to_thread.run_sync(
                     self._tick, sched, inbox, jobs, aborts, limiter=self._limiter
@@ -247,6 +257,8 @@ class _PDBackend(ColocatedBackend, ABC):
                 for stream in list(self._streams.values()):
                     self._fail(stream, BackendError(500, f"scheduler step failed: {exc!r}"))
                 raise
+            finally:
+                self.busy_since = None
             self.steps_total += 1
             self.step_seconds_total += trio.current_time() - start
             for effect in result.outbox:
@@ -305,6 +317,7 @@ class _PDBackend(ColocatedBackend, ABC):
                 failure = sched.pop_failure(out.rid)
                 if failure is not None:
                     failures[out.rid] = failure
+        self._snapshot_heartbeats(sched)
         return _TickResult(
             outputs,
             failures,
@@ -314,6 +327,9 @@ class _PDBackend(ColocatedBackend, ABC):
             Scheduler.has_work(sched),
             sched.next_deadline(),
         )
+
+    def _snapshot_heartbeats(self, sched: Any) -> None:
+        """Hook (runs at the end of each tick, in its thread): D records whom it heartbeats."""
 
     def _fan_out_pd(
         self, outputs: list[RequestOutput], failures: dict[str, tuple[int, str]]
@@ -366,6 +382,17 @@ class PrefillBackend(_PDBackend):
         assert self.side is not None
         return self.side.send(peer, message)
 
+    def _while_busy(self, peer: str, message: Message) -> None:
+        # While a step runs (seconds, when a new shape compiles), answer D's heartbeat at once
+        # with a bare "alive" ack, so D does not take a busy P for a dead one. The heartbeat
+        # itself still reaches the core after the step, stamped with its arrival time: leases
+        # are extended then, and the core's own ack (with failed and unknown rooms) follows.
+        sched = self.scheduler
+        if self.busy_since is None or sched is None or not isinstance(message, Heartbeat):
+            return
+        self.busy_liveness_total += 1
+        self._send(peer, HeartbeatAck(sched.core.incarnation, message.seq))
+
     def _queue_stats(self, sched: Any) -> dict[str, int]:
         return {
             "send_queue": len(sched.send_queue),
@@ -389,6 +416,32 @@ class DecodeBackend(_PDBackend):
     def __init__(self, config: ServeConfig) -> None:
         super().__init__(config)
         self.side: DecodeSideChannel | None = None
+        # P address -> (last heartbeat seq, rooms) as of the last tick: what to keep sending
+        # while a long tick runs, so P's leases do not lapse because D is compiling.
+        self._hb_snapshot: dict[str, tuple[int, tuple[int, ...]]] = {}
+
+    def _snapshot_heartbeats(self, sched: Any) -> None:
+        self._hb_snapshot = {
+            addr: (peer.hb_seq, tuple(sorted(peer.rooms)))
+            for addr, peer in sched.core.peers.items()
+            if peer.rooms
+        }
+
+    async def _keepalive(self) -> None:
+        """While one tick runs longer than a heartbeat interval, repeat the last heartbeats.
+
+        The seq is the core's last one, not a new one: P's ack then proves P alive without
+        telling the core anything about rooms it has not asked about yet."""
+        interval = self.pd_args.heartbeat_interval
+        while True:
+            await trio.sleep(interval)
+            busy = self.busy_since
+            if busy is None or trio.current_time() - busy < interval:
+                continue
+            for addr, (seq, rooms) in self._hb_snapshot.items():
+                for i in range(0, len(rooms), MAX_ROOMS_PER_HEARTBEAT):
+                    self._send(addr, Heartbeat(seq, rooms[i : i + MAX_ROOMS_PER_HEARTBEAT]))
+                self.busy_liveness_total += 1
 
     def _build(self) -> Scheduler:
         sched = DecodeScheduler(self.pd_args, on_pull_result=self._wake_from_thread)
@@ -400,6 +453,7 @@ class DecodeBackend(_PDBackend):
             self.pd_args.instance_id, self._deliver_message, secret=self._secret
         )
         await nursery.start(self.side.run)
+        nursery.start_soon(self._keepalive)
         # D binds no side-channel socket; its record names its HTTP address for routers.
         return self._record(sched, f"{self.config.host}:{self.config.port}", None)
 
