@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import logging
 import signal
 import sys
@@ -23,13 +22,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pd_fsm.io_trio.cli_serve")
 
-PD_BACKENDS_MODULE = "pd_fsm.io_trio.worker.pd_backends"
-
-
-class BackendUnavailable(Exception):
-    pass
-
-
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run a worker (colocated, prefill or decode)")
     add_serve_arguments(p)
@@ -41,17 +33,10 @@ def make_backend(config: ServeConfig) -> Backend:
         from pd_fsm.io_trio.worker.colocated import ColocatedBackend
 
         return ColocatedBackend(config.scheduler_args(), max_queued=config.max_queued)
-    try:
-        module = importlib.import_module(PD_BACKENDS_MODULE)
-    except ModuleNotFoundError as exc:
-        if exc.name != PD_BACKENDS_MODULE:
-            raise
-        raise BackendUnavailable(
-            "prefill/decode backends not built in this checkout "
-            f"({PD_BACKENDS_MODULE} is missing); use --disaggregation-mode null"
-        ) from None
-    backend: Backend = module.make_pd_backend(config)
-    return backend
+    # Imported here: the PD backends bring the transfer engine and the side channel.
+    from pd_fsm.io_trio.worker.pd_backends import make_pd_backend
+
+    return make_pd_backend(config)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -67,11 +52,7 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         log.error("%s", exc)
         return 2
-    try:
-        backend = make_backend(config)
-    except BackendUnavailable as exc:
-        log.error("%s", exc)
-        return 2
+    backend = make_backend(config)
     from pd_fsm.io_trio.worker.app import WorkerApp
 
     worker = WorkerApp(config, backend)

@@ -3,14 +3,13 @@ values are refused, and the CLI's light constants match the modules they mirror.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
 from pd_fsm.cli import build_parser
 from pd_fsm.io_trio.cli_proxy import parse_prefill
-from pd_fsm.io_trio.cli_serve import PD_BACKENDS_MODULE, BackendUnavailable, make_backend
+from pd_fsm.io_trio.cli_serve import make_backend
 from pd_fsm.io_trio.worker import config as cfg
 from pd_fsm.io_trio.worker.config import ServeConfig, config_from_args
 
@@ -71,11 +70,14 @@ def test_argparse_refuses(flags: list[str]) -> None:
         build_parser().parse_args(["serve", *flags])
 
 
-@pytest.mark.skipif(importlib.util.find_spec(PD_BACKENDS_MODULE) is not None,
-                    reason="the PD backends exist in this checkout")
-def test_pd_mode_without_backends_says_so() -> None:
-    with pytest.raises(BackendUnavailable, match="not built in this checkout"):
-        make_backend(ServeConfig(model="tiny", disaggregation_mode="prefill"))
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_pd_modes_build_pd_backends(mode: str) -> None:
+    from pd_fsm.io_trio.worker.pd_backends import DecodeBackend, PrefillBackend
+
+    backend = make_backend(ServeConfig(model="tiny", disaggregation_mode=mode, port=31234))
+    assert isinstance(backend, PrefillBackend if mode == "prefill" else DecodeBackend)
+    assert backend.mode == mode and not backend.ready()  # nothing starts before serve()
+    assert backend.pd_args.instance_id == f"{mode}-127.0.0.1-31234"
 
 
 def test_proxy_prefill_args() -> None:
