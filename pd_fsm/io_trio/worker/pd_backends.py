@@ -343,6 +343,8 @@ class _PDBackend(ColocatedBackend, ABC):
                 continue
             self.generated_tokens_total += len(out.new_token_ids)
             status, reason = failure
+            # Operators see every failed room with its reason (counters alone say how many).
+            log.info("%s request %s failed (%d): %s", self.mode, out.rid, status, reason)
             self._fail(stream, BackendError(status, reason))
         self._fan_out(plain)
 
