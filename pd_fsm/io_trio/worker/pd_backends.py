@@ -31,7 +31,7 @@ from pd_fsm.core.messages import MAX_ROOMS_PER_HEARTBEAT, Heartbeat, HeartbeatAc
 from pd_fsm.io_trio.bootstrap_client import BootstrapClient, BootstrapResolver
 from pd_fsm.io_trio.records import InstanceRecord, split_host_port
 from pd_fsm.io_trio.side_channel import DecodeSideChannel, PrefillSideChannel
-from pd_fsm.io_trio.worker.backend import BackendError
+from pd_fsm.io_trio.worker.backend import BackendError, BootstrapInfo
 from pd_fsm.io_trio.worker.colocated import ColocatedBackend, _Stream
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.schedulers.disaggregation import (
@@ -182,6 +182,15 @@ class _PDBackend(ColocatedBackend, ABC):
         sched.engine.close()
 
     # -- shared machinery ---
+
+    def _bootstrap_of(self, stream: _Stream) -> BootstrapInfo:
+        """The router's three fields; a PD leg without them is a 400."""
+        if stream.job.bootstrap is None:
+            raise ValueError(
+                f"a {self.mode} worker needs bootstrap_host, bootstrap_port and "
+                "bootstrap_room in the request (a PD router adds them)"
+            )
+        return stream.job.bootstrap
 
     def _bootstrap_url(self) -> str:
         c = self.config
@@ -402,14 +411,9 @@ class PrefillBackend(_PDBackend):
         }
 
     def _admit(self, sched: Any, stream: _Stream) -> None:
-        job = stream.job
-        if job.bootstrap is None:
-            raise ValueError(
-                "a prefill worker needs bootstrap_host, bootstrap_port and "
-                "bootstrap_room in the request (a PD router adds them)"
-            )
+        job, boot = stream.job, self._bootstrap_of(stream)
         req = sched.make_request(job.rid, list(job.input_ids), job.sampling)
-        sched.add_pd_request(req, job.bootstrap.room)
+        sched.add_pd_request(req, boot.room)
 
 
 class DecodeBackend(_PDBackend):
@@ -472,19 +476,14 @@ class DecodeBackend(_PDBackend):
         }
 
     def _admit(self, sched: Any, stream: _Stream) -> None:
-        job = stream.job
-        if job.bootstrap is None:
-            raise ValueError(
-                "a decode worker needs bootstrap_host, bootstrap_port and "
-                "bootstrap_room in the request (a PD router adds them)"
-            )
-        port = job.bootstrap.port or self.config.disaggregation_prefill_port
+        job, boot = stream.job, self._bootstrap_of(stream)
+        port = boot.port or self.config.disaggregation_prefill_port
         if port is None:
             raise ValueError(
                 "bootstrap_port is null and no --disaggregation-prefill-port default is configured"
             )
         req = sched.make_request(job.rid, list(job.input_ids), job.sampling)
-        sched.add_pd_request(req, f"{job.bootstrap.host}:{port}", job.bootstrap.room)
+        sched.add_pd_request(req, f"{boot.host}:{port}", boot.room)
 
     def _close(self, sched: Any) -> None:
         sched.close()
