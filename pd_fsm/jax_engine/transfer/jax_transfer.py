@@ -73,6 +73,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TRANSFER_SIZE = 4 << 20
 _POLL_MIN_S = 50e-6
+_SPIN_S = 2e-3  # poll without sleeping for the first 2 ms of a wait
 _POLL_MAX_S = 2e-3
 
 
@@ -119,6 +120,9 @@ def _wait_ready(
         now = clock()
         if now >= deadline:
             return "timeout"
+        if now - start < _SPIN_S:
+            time.sleep(0)  # a small pull is done within a millisecond: yield, do not nap
+            continue
         time.sleep(min(max((now - start) / 20, _POLL_MIN_S), _POLL_MAX_S, deadline - now))
 
 
