@@ -31,6 +31,8 @@ from pd_fsm.jax_engine.transfer.base import KVTransferEngine, PullError, PullTim
 
 log = logging.getLogger(__name__)
 
+_MIN_PULL_S = 0.05  # the least time left worth starting a pull with
+
 
 def _frozen_pages(value: Mapping[str, Sequence[int]] | Sequence[int]) -> object:
     if isinstance(value, Mapping):
@@ -167,7 +169,9 @@ class PullExecutor:
             return False, f"bad destination pages: {e}; not pulled", 0
         deadline_s = self._deadline_s if req.deadline_s is None else req.deadline_s
         left = deadline_s - (self._clock() - start)
-        if left <= 0:
+        # A pull left with a sliver of its deadline (queued behind hung ones) cannot finish: do
+        # not start it (and do not open a connection) only to time it out.
+        if left <= min(_MIN_PULL_S, deadline_s / 10):
             return False, f"not started within the {deadline_s:g}s deadline (queued); not pulled", 0
         specs = [
             p.pull_struct(len(pages[p.name]), self._sharding[p.name]) for p in self._kv_args.pools
