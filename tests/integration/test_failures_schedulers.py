@@ -124,16 +124,15 @@ def test_queued_pull_reports_within_its_deadline_from_submit() -> None:
     (transfer_timeout > pull_deadline), so a pull queued behind hung ones (a dead P: each hangs
     to its deadline) must give up instead of writing into those pages later."""
     import time
-    from collections.abc import Sequence
 
-    import jax
     import jax.numpy as jnp
 
     from pd_fsm.jax_engine.kv_holder import KVCacheHolder
     from pd_fsm.jax_engine.kv_pool import KVPoolConfig
     from pd_fsm.jax_engine.pool_spec import KVArgs, PoolTransferSpec
     from pd_fsm.jax_engine.pull_executor import PullExecutor, PullRequest
-    from pd_fsm.jax_engine.transfer.base import KVTransferEngine, PendingPull, PullTimeout
+    from pd_fsm.jax_engine.transfer.base import PendingPull, PullTimeout
+    from tests.support.fake_engine import FakeEngine
 
     cfg = KVPoolConfig(num_layers=1, num_pages=8, page_size=2, num_kv_heads=1, head_dim=4)
     args = KVArgs([PoolTransferSpec.from_config("main_kv", cfg)])
@@ -147,41 +146,7 @@ def test_queued_pull_reports_within_its_deadline_from_submit() -> None:
             time.sleep(self.seconds)  # what a pull to a dead P does: nothing, to the deadline
             raise PullTimeout("no answer")
 
-    class _DeadPeer(KVTransferEngine):
-        def __init__(self) -> None:
-            self.pulls = 0
-
-        @property
-        def address(self) -> str:
-            return "d:0"
-
-        def register(self, uuid: int, arrays: Sequence[jax.Array], lease_s: float) -> None:
-            raise AssertionError
-
-        def extend_lease(self, uuid: int, lease_s: float) -> bool:
-            raise AssertionError
-
-        def release(self, uuid: int, reason: str):  # type: ignore[no-untyped-def]
-            raise AssertionError
-
-        def reap_expired(self):  # type: ignore[no-untyped-def]
-            return []
-
-        def registrations(self) -> dict[int, int]:
-            return {}
-
-        def start_pull(self, peer: str, uuid: int, specs: Sequence[jax.ShapeDtypeStruct],
-                       deadline_s: float) -> PendingPull:
-            self.pulls += 1
-            return _Hung(deadline_s)
-
-        def drop_connection(self, peer: str, reason: str) -> None:
-            pass
-
-        def close(self) -> None:
-            pass
-
-    engine = _DeadPeer()
+    engine = FakeEngine(_Hung)
     holder = KVCacheHolder({"main_kv": [jnp.zeros(cfg.layer_shape, jnp.float32)]})
     ex = PullExecutor(engine, holder, args, max_workers=1, deadline_s=deadline)
     try:

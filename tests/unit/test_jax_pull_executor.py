@@ -4,7 +4,6 @@ are in tests/integration/test_transfer_*.py."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,8 @@ from pd_fsm.jax_engine.pool_spec import KVArgs, PoolTransferSpec
 from pd_fsm.jax_engine.pull_executor import PullExecutor, PullRequest, PullResult
 from pd_fsm.jax_engine.room_kv import gather_room
 from pd_fsm.jax_engine.transfer import JaxTransferKVEngine
-from pd_fsm.jax_engine.transfer.base import KVTransferEngine, PendingPull
+from pd_fsm.jax_engine.transfer.base import PendingPull
+from tests.support.fake_engine import FakeEngine
 
 CFG = KVPoolConfig(num_layers=2, num_pages=16, page_size=2, num_kv_heads=1, head_dim=4)
 ARGS = KVArgs([PoolTransferSpec.from_config("main_kv", CFG)])
@@ -28,45 +28,12 @@ def _pool(seed: int) -> list[jax.Array]:
             for _ in range(CFG.num_layers)]
 
 
-class _NoPullEngine(KVTransferEngine):
-    """Counts pulls; any pull is a test failure for the refusal paths."""
-
-    def __init__(self) -> None:
-        self.pulls = 0
-
-    @property
-    def address(self) -> str:
-        return "nowhere:0"
-
-    def register(self, uuid: int, arrays: Sequence[jax.Array], lease_s: float) -> None:
-        raise AssertionError
-
-    def extend_lease(self, uuid: int, lease_s: float) -> bool:
-        raise AssertionError
-
-    def release(self, uuid: int, reason: str):  # type: ignore[no-untyped-def]
-        raise AssertionError
-
-    def reap_expired(self):  # type: ignore[no-untyped-def]
-        return []
-
-    def registrations(self) -> dict[int, int]:
-        return {}
-
-    def start_pull(self, peer: str, uuid: int, specs: Sequence[jax.ShapeDtypeStruct],
-                   deadline_s: float) -> PendingPull:
-        self.pulls += 1
-        raise AssertionError("must not pull")
-
-    def drop_connection(self, peer: str, reason: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+def _no_pull(deadline_s: float) -> PendingPull:
+    raise AssertionError("must not pull")
 
 
 def test_refusals_happen_before_any_pull() -> None:
-    engine = _NoPullEngine()
+    engine = FakeEngine(_no_pull)
     seen: list[PullResult] = []
     ex = PullExecutor(engine, KVCacheHolder({"main_kv": _pool(0)}), ARGS, on_result=seen.append)
     ex.submit(PullRequest(1, 5, "peer", [1, 2], "bad-hash"))
