@@ -52,7 +52,8 @@ _INT_RANGES: dict[str, tuple[int, int]] = {
 }
 
 
-def _strict_int(value: Any, _: type) -> int:
+def strict_int(value: Any, _: type) -> int:
+    """cattrs hook: an int and nothing else (no bool, no str, no float); shared with io_trio."""
     if type(value) is not int:  # bool is an int subclass: refuse it too
         raise TypeError(f"expected int, got {type(value).__name__}")
     return value
@@ -90,7 +91,7 @@ def _room_list(value: Any, _: type) -> tuple[int, ...]:
 
 
 _converter = cattrs.Converter(forbid_extra_keys=True)
-_converter.register_structure_hook(int, _strict_int)
+_converter.register_structure_hook(int, strict_int)
 _converter.register_structure_hook(str, _strict_str)
 _converter.register_structure_hook(bool, _strict_bool)
 _converter.register_structure_hook(float, _strict_float)

@@ -13,6 +13,8 @@ from typing import Any
 import attrs
 import cattrs
 
+from pd_fsm.core.codec import strict_int
+
 ROLES = ("prefill", "decode")
 MAX_STR = 256
 MAX_META_KEYS = 64
@@ -93,12 +95,6 @@ class KeyBody:
         return cls(*record.key)
 
 
-def _strict_int(value: Any, _: type) -> int:
-    if type(value) is not int:  # bool is an int subclass: refuse it too
-        raise TypeError(f"expected int, got {type(value).__name__}")
-    return value
-
-
 def _strict_str(value: Any, _: type) -> str:
     if type(value) is not str:
         raise TypeError(f"expected str, got {type(value).__name__}")
@@ -116,7 +112,7 @@ def _meta(value: Any, _: type) -> dict[str, Any]:
 
 
 converter = cattrs.Converter(forbid_extra_keys=True)
-converter.register_structure_hook(int, _strict_int)
+converter.register_structure_hook(int, strict_int)
 converter.register_structure_hook(str, _strict_str)
 converter.register_structure_hook_func(lambda t: t == dict[str, Any], _meta)
 
