@@ -5,10 +5,19 @@ asserts nothing.
     .venv/bin/python bench/bench_transfer.py            # 1, 16, 64, 256 MiB
     .venv/bin/python bench/bench_transfer.py --quick    # small sizes, few repetitions
 
-P is a second process (multiprocessing, spawn) hosting three servers: a ``JaxTransferKVEngine``, a
-transfer server started with the library's default settings, and a raw TCP server. D (this
-process) times, for each size, request -> every byte ready on D, interleaving the three methods
-repetition by repetition so that machine noise hits them alike; the median is reported.
+Transfers run between pairs of processes (multiprocessing, spawn), each set up the way it is used:
+
+* ``engine``: a P and a D process configured as ``pd-fsm serve`` configures a worker (host heap
+  policy ``retain``, pd_fsm.jax_engine.host_memory), each with a ``JaxTransferKVEngine``.
+  The same two processes also host a transfer server with the library's default settings, so that
+  ``default, retained heap`` shows what the heap policy alone gives the library.
+* ``library default``: a P and a D process left as a user of the library gets them (glibc's default
+  heap, ``start_transfer_server`` with default settings), plus a raw TCP server/client pair.
+
+The coordinator (this process) times nothing itself: for each size and repetition it asks each P to
+register, then the matching D to pull and report the time from request to every byte ready on D.
+Methods are interleaved repetition by repetition so that machine noise hits them alike; the median
+is reported.
 """
 
 from __future__ import annotations
@@ -25,13 +34,14 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MIB = 1 << 20
 
 
-# --------------------------------------------------------------------------- P process
+# --------------------------------------------------------------------------- P and D processes
 
 
 def _raw_server(sock: socket.socket, payload: bytes) -> None:
@@ -47,26 +57,42 @@ def _raw_server(sock: socket.socket, payload: bytes) -> None:
                 conn.sendall(memoryview(payload)[:n])
 
 
-def _p_main(pipe: Connection, sizes_mib: list[int]) -> None:
+def _setup(retain_heap: bool) -> None:
+    if retain_heap:
+        from pd_fsm.jax_engine.host_memory import retain_freed_host_memory
+
+        retain_freed_host_memory()
+
+
+def _p_main(pipe: Connection, retain_heap: bool, sizes_mib: list[int]) -> None:
+    """P: registers a prepared array of the asked size with the asked server."""
+    _setup(retain_heap)
     import jax
     import jax.numpy as jnp
     from jax.experimental import transfer
 
     from pd_fsm.jax_engine.transfer import JaxTransferKVEngine
 
-    engine = JaxTransferKVEngine("127.0.0.1", reaper_interval_s=None)
-    default = transfer.start_transfer_server(
-        jax.devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"]
-    )
-    raw = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(
-        target=_raw_server, args=(raw, os.urandom(max(sizes_mib) * MIB)), daemon=True
-    ).start()
+    servers: dict[str, Any] = {
+        "default": transfer.start_transfer_server(
+            jax.devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"]
+        )
+    }
+    addresses = {"default": servers["default"].address()}
+    if retain_heap:  # the engine pair
+        engine = JaxTransferKVEngine("127.0.0.1", reaper_interval_s=None)
+        addresses["engine"] = engine.address
+    else:  # the library-default pair also serves the raw socket
+        raw = socket.create_server(("127.0.0.1", 0))
+        threading.Thread(
+            target=_raw_server, args=(raw, os.urandom(max(sizes_mib) * MIB)), daemon=True
+        ).start()
+        addresses["raw"] = str(raw.getsockname()[1])
     arrays = {
         m: jax.jit(lambda n=m * MIB // 4: jnp.arange(n, dtype=jnp.float32))() for m in sizes_mib
     }
     jax.block_until_ready(list(arrays.values()))
-    pipe.send((engine.address, default.address(), raw.getsockname()[1]))
+    pipe.send(addresses)
     while True:
         msg = pipe.recv()
         if msg[0] == "quit":
@@ -75,8 +101,96 @@ def _p_main(pipe: Connection, sizes_mib: list[int]) -> None:
         if which == "engine":
             engine.register(uuid, [arrays[mib]], lease_s=600)
         else:
-            default.await_pull(uuid, [arrays[mib]])
+            servers[which].await_pull(uuid, [arrays[mib]])
         pipe.send("ok")
+
+
+def _d_main(pipe: Connection, retain_heap: bool, addresses: dict[str, str]) -> None:
+    """D: pulls (or reads the raw socket) when told and reports seconds to every byte ready."""
+    _setup(retain_heap)
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import transfer
+
+    from pd_fsm.jax_engine.transfer import JaxTransferKVEngine
+
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    default = transfer.start_transfer_server(
+        jax.devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"]
+    )
+    default_conn = default.connect(addresses["default"])
+    engine = JaxTransferKVEngine("127.0.0.1", reaper_interval_s=None) if retain_heap else None
+    raw: socket.socket | None = None
+    if "raw" in addresses:
+        raw = socket.create_connection(("127.0.0.1", int(addresses["raw"])))
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = bytearray()
+
+    def spec(mib: int) -> Any:
+        return jax.ShapeDtypeStruct((mib * MIB // 4,), jnp.float32, sharding=sharding)
+
+    pipe.send("ready")
+    while True:
+        msg = pipe.recv()
+        if msg[0] == "quit":
+            return
+        _, which, uuid, mib = msg
+        t = time.perf_counter()
+        if which == "engine":
+            assert engine is not None
+            engine.start_pull(addresses["engine"], uuid, [spec(mib)], deadline_s=120).wait()
+        elif which == "default":
+            (x,) = default_conn.pull(uuid, [spec(mib)])
+            x.block_until_ready()
+        else:
+            assert raw is not None
+            n = mib * MIB
+            if len(buf) < n:
+                buf = bytearray(n)
+            view = memoryview(buf)[:n]
+            raw.sendall(struct.pack("!Q", n))
+            got = 0
+            while got < n:
+                got += raw.recv_into(view[got:])
+        pipe.send(time.perf_counter() - t)
+
+
+class _Pair:
+    """A P and a D process, both with or without the retained heap."""
+
+    def __init__(self, retain_heap: bool, sizes_mib: list[int]) -> None:
+        ctx = mp.get_context("spawn")
+        self.p, p_end = ctx.Pipe()
+        self.d, d_end = ctx.Pipe()
+        self.procs = [ctx.Process(target=_p_main, args=(p_end, retain_heap, sizes_mib),
+                                  daemon=True)]
+        self.procs[0].start()
+        if not self.p.poll(180):
+            raise SystemExit("P process did not start")
+        addresses = self.p.recv()
+        self.procs.append(ctx.Process(target=_d_main, args=(d_end, retain_heap, addresses),
+                                      daemon=True))
+        self.procs[1].start()
+        if not self.d.poll(180) or self.d.recv() != "ready":
+            raise SystemExit("D process did not start")
+        self._uuid = 1
+
+    def run(self, which: str, mib: int) -> float:
+        self._uuid += 1
+        if which != "raw":
+            self.p.send(("register", which, self._uuid, mib))
+            if not self.p.poll(60) or self.p.recv() != "ok":
+                raise SystemExit("P did not register")
+        self.d.send(("pull", which, self._uuid, mib))
+        if not self.d.poll(180):
+            raise SystemExit(f"D did not finish a {which} pull of {mib} MiB")
+        return float(self.d.recv())
+
+    def close(self) -> None:
+        for pipe in (self.p, self.d):
+            pipe.send(("quit",))
+        for proc in self.procs:
+            proc.join(10)
 
 
 # --------------------------------------------------------------------------- measurements
@@ -163,99 +277,63 @@ def bench_gather_scatter(quick: bool) -> None:
 
 
 def bench_transfer(quick: bool) -> None:
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental import transfer
-
-    from pd_fsm.jax_engine.transfer import JaxTransferKVEngine
-
     sizes = [1, 4, 16] if quick else [1, 16, 64, 256]
-    reps = 3 if quick else 7
-    ctx = mp.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_p_main, args=(theirs, sizes), daemon=True)
-    proc.start()
-    if not ours.poll(120):
-        raise SystemExit("P process did not start")
-    engine_addr, default_addr, raw_port = ours.recv()
 
-    engine = JaxTransferKVEngine("127.0.0.1", reaper_interval_s=None)
-    default = transfer.start_transfer_server(
-        jax.devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"]
-    )
-    default_conn = default.connect(default_addr)
-    raw = socket.create_connection(("127.0.0.1", raw_port))
-    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    uuid = [1]
+    def reps(mib: int) -> int:
+        # Small pulls take a millisecond and scatter widely on a shared machine: take more.
+        return 3 if quick else (25 if mib < 64 else 9)
 
-    def register(which: str, mib: int) -> int:
-        uuid[0] += 1
-        ours.send(("register", which, uuid[0], mib))
-        if not ours.poll(60) or ours.recv() != "ok":
-            raise SystemExit("P did not register")
-        return uuid[0]
-
-    def spec(mib: int) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct((mib * MIB // 4,), jnp.float32, sharding=sharding)
-
-    def run_engine(mib: int) -> float:
-        u = register("engine", mib)
-        t = time.perf_counter()
-        engine.start_pull(engine_addr, u, [spec(mib)], deadline_s=120).wait()
-        return time.perf_counter() - t
-
-    def run_default(mib: int) -> float:
-        u = register("default", mib)
-        t = time.perf_counter()
-        (x,) = default_conn.pull(u, [spec(mib)])
-        x.block_until_ready()
-        return time.perf_counter() - t
-
-    buf = bytearray(max(sizes) * MIB)
-
-    def run_raw(mib: int) -> float:
-        n = mib * MIB
-        view = memoryview(buf)[:n]
-        t = time.perf_counter()
-        raw.sendall(struct.pack("!Q", n))
-        got = 0
-        while got < n:
-            got += raw.recv_into(view[got:])
-        return time.perf_counter() - t
-
-    methods = {"engine": run_engine, "library default": run_default, "raw socket": run_raw}
+    tuned, plain = _Pair(True, sizes), _Pair(False, sizes)
+    # (column, pair, what that pair's processes run)
+    methods = [
+        ("engine", tuned, "engine"),
+        ("library default", plain, "default"),
+        ("default, retained heap", tuned, "default"),
+        ("raw socket", plain, "raw"),
+    ]
     results: dict[tuple[str, int], float] = {}
-    for mib in sizes:
-        for fn in methods.values():
-            fn(mib)  # warm up
-        times: dict[str, list[float]] = {k: [] for k in methods}
-        for _ in range(reps):
-            for name, fn in methods.items():
-                times[name].append(fn(mib))
-        for name in methods:
-            results[(name, mib)] = statistics.median(times[name])
-    ours.send(("quit",))
-    proc.join(10)
+    try:
+        for mib in sizes:
+            for _, pair, which in methods:
+                pair.run(which, mib)  # warm up: compile, connect
+            times: dict[str, list[float]] = {name: [] for name, _, _ in methods}
+            for _ in range(reps(mib)):
+                for name, pair, which in methods:
+                    times[name].append(pair.run(which, mib))
+            for name in times:
+                results[(name, mib)] = statistics.median(times[name])
+    finally:
+        tuned.close()
+        plain.close()
 
-    print(f"\n## P -> D transfer, two processes on 127.0.0.1 (median of {reps}, GB/s)\n")
-    print("| size | engine (4 MiB transfer_size) | library default | raw socket "
-          "| engine / default | engine / raw |\n|---|---|---|---|---|---|")
+    counts = ", ".join(f"{reps(m)} at {m} MiB" for m in sizes)
+    print(f"\n## P -> D transfer, two processes on 127.0.0.1 (GB/s, medians of {counts})\n")
+    print("| size | engine | library default | default, retained heap | raw socket "
+          "| engine / default | engine / default, retained heap | engine / raw |")
+    print("|---|---|---|---|---|---|---|---|")
     for mib in sizes:
-        g = {k: mib * MIB / results[(k, mib)] / 1e9 for k in methods}
+        g = {name: mib * MIB / results[(name, mib)] / 1e9 for name, _, _ in methods}
         print(f"| {mib} MiB | {g['engine']:.2f} | {g['library default']:.2f} | "
-              f"{g['raw socket']:.2f} | {g['engine'] / g['library default']:.2f}x | "
+              f"{g['default, retained heap']:.2f} | {g['raw socket']:.2f} | "
+              f"{g['engine'] / g['library default']:.2f}x | "
+              f"{g['engine'] / g['default, retained heap']:.2f}x | "
               f"{g['engine'] / g['raw socket']:.2f}x |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
+    parser.add_argument(
+        "--host-heap", choices=("retain", "default"), default="retain",
+        help="heap policy of this process for the gather/scatter part (workers use retain)",
+    )
     args = parser.parse_args()
+    _setup(args.host_heap == "retain")
     import jax
 
     print(f"# bench_transfer ({'quick' if args.quick else 'full'}); jax {jax.__version__}, "
-          f"{jax.default_backend()}, {os.cpu_count()} CPUs")
+          f"{jax.default_backend()}, {os.cpu_count()} CPUs; gather/scatter with host heap "
+          f"{args.host_heap}")
     bench_gather_scatter(args.quick)
     bench_transfer(args.quick)
 

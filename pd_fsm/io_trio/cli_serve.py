@@ -52,6 +52,11 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         log.error("%s", exc)
         return 2
+    if config.host_heap == "retain":
+        # Before the model and the KV pool are allocated: see pd_fsm.jax_engine.host_memory.
+        from pd_fsm.jax_engine.host_memory import retain_freed_host_memory
+
+        retain_freed_host_memory()
     backend = make_backend(config)
     from pd_fsm.io_trio.worker.app import WorkerApp
 

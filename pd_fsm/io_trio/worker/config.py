@@ -25,6 +25,7 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 FAILURE_POLICIES = ("fail", "recompute")
 TRANSFER_BACKENDS = ("jax",)
+HOST_HEAP_POLICIES = ("retain", "default")  # pd_fsm.jax_engine.host_memory
 DEFAULT_MAX_BODY = 8 * 1024 * 1024  # a 100k-token prompt as JSON ids is ~700 KB
 
 
@@ -70,6 +71,8 @@ class ServeConfig:
     disaggregation_pull_deadline: float = 60.0
     cluster_secret_file: Path | None = None
     log_level: str = "INFO"
+    # "retain": keep freed host memory for reuse (pd_fsm.jax_engine.host_memory); "default": glibc
+    host_heap: str = "retain"
 
     @property
     def model_name(self) -> str:
@@ -199,6 +202,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                        default=getattr(d, f"disaggregation_{name}"), help=help_text)
     p.add_argument("--cluster-secret-file", type=Path, default=None)
     p.add_argument("--log-level", default=d.log_level, help="DEBUG, INFO, WARNING, ...")
+    p.add_argument(
+        "--host-heap", choices=HOST_HEAP_POLICIES, default=d.host_heap,
+        help="retain: keep freed host memory for reuse (faster pulls on CPU); default: glibc's",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -246,4 +253,5 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         **{name: getattr(args, name) for name in windows},
         cluster_secret_file=args.cluster_secret_file,
         log_level=args.log_level,
+        host_heap=args.host_heap,
     )
