@@ -45,6 +45,11 @@ DCFG = DecodeConfig(
     transfer_timeout=30.0,
 )
 _ORDER = {KVPoll.Bootstrapping: 1, KVPoll.WaitingForInput: 2, KVPoll.Transferring: 3}
+# The pull executor's contract (pd_fsm.jax_engine.pull_executor): every pull reports by this long
+# after its submit, strictly within the core's transfer_timeout (DisaggregationArgs checks it). The
+# core's CANCELLING backstop relies on it; a simulated pull still pending at its deadline fails.
+PULL_DEADLINE = 20.0
+assert DCFG.transfer_timeout > PULL_DEADLINE
 
 
 class PDNetwork(RuleBasedStateMachine):
@@ -69,6 +74,7 @@ class PDNetwork(RuleBasedStateMachine):
         self.d_pages: list[dict[int, int]] = []
         self.d_waiting_alloc: list[dict[int, int]] = []
         self.d_pulls: list[dict[int, int]] = []  # room -> uuid
+        self.d_pull_deadline: list[dict[int, float]] = []  # room -> when the executor reports
         self.d_resolving: list[set[str]] = []
         self.d_success: list[set[int]] = []
         self.polls: dict[tuple[str, int], KVPoll] = {}
@@ -125,6 +131,7 @@ class PDNetwork(RuleBasedStateMachine):
             elif isinstance(e, fx.StartPull):
                 assert e.room in self.d_pages[i]
                 self.d_pulls[i][e.room] = e.uuid
+                self.d_pull_deadline[i][e.room] = self.now + PULL_DEADLINE
             elif isinstance(e, fx.ReleaseBlocks):
                 assert e.room in self.d_pages[i], f"room {e.room}: D released pages twice"
                 assert e.room not in self.d_pulls[i], "pages freed while a pull may write them"
@@ -137,9 +144,12 @@ class PDNetwork(RuleBasedStateMachine):
             elif isinstance(e, fx.FailRequest | fx.RejectRequest):
                 pass
             elif isinstance(e, fx.ForgetPeer):
-                # Only a P that no live room still talks to may be forgotten.
+                # Only a P that no live room still talks to may be forgotten. A CANCELLING room
+                # sends P nothing more; its in-flight pull holds its own transfer connection.
                 d = self.ds[i]
-                assert all(d.rooms[r].peer != e.peer for r in d.rooms), "forgot a needed P"
+                assert all(
+                    d.rooms[r].peer != e.peer or d.state_of(r) == "CANCELLING" for r in d.rooms
+                ), "forgot a needed P"
             else:
                 raise AssertionError(f"unexpected D effect {e}")
 
@@ -157,6 +167,7 @@ class PDNetwork(RuleBasedStateMachine):
             self.d_pages.append({})
             self.d_waiting_alloc.append({})
             self.d_pulls.append({})
+            self.d_pull_deadline.append({})
             self.d_resolving.append(set())
             self.d_success.append(set())
 
@@ -222,7 +233,7 @@ class PDNetwork(RuleBasedStateMachine):
     def d_pull_finishes(self, data: st.DataObject, network_ok: bool) -> None:
         i = data.draw(st.sampled_from([i for i, p in enumerate(self.d_pulls) if p]))
         room = data.draw(st.sampled_from(sorted(self.d_pulls[i])))
-        uuid = self.d_pulls[i].pop(room)
+        uuid = self._pop_pull(i, room)
         # One-shot registration, as jax.experimental.transfer: a pull consumes it.
         if network_ok and self.p_registered.get(uuid) == room:
             del self.p_registered[uuid]
@@ -264,11 +275,15 @@ class PDNetwork(RuleBasedStateMachine):
     def _finish_pulls(self) -> None:
         for i in range(len(self.ds)):
             for room in sorted(self.d_pulls[i]):
-                uuid = self.d_pulls[i].pop(room)
+                uuid = self._pop_pull(i, room)
                 ok = self.p_registered.get(uuid) == room
                 if ok:  # one-shot registration, as jax.experimental.transfer: a pull consumes it
                     del self.p_registered[uuid]
                 self._d_handle(i, ev.PullSucceeded(room) if ok else ev.PullFailed(room, "gone"))
+
+    def _pop_pull(self, i: int, room: int) -> int:
+        del self.d_pull_deadline[i][room]
+        return self.d_pulls[i].pop(room)
 
     def _deliver(self, src: str, dst: str, frame: bytes) -> None:
         message = codec.decode(frame, SECRET)
@@ -279,7 +294,21 @@ class PDNetwork(RuleBasedStateMachine):
 
     @rule(dt=st.one_of(st.sampled_from([0.5, 2.5, 5.0, 6.0, 16.0]), st.floats(0.1, 40.0)))
     def clock(self, dt: float) -> None:
-        self.now += dt
+        target = self.now + dt
+        while True:  # pulls the executor gives up on in the meantime report at their deadline
+            due = [
+                (t, i, room)
+                for i, pulls in enumerate(self.d_pull_deadline)
+                for room, t in pulls.items()
+                if t <= target
+            ]
+            if not due:
+                break
+            t, i, room = min(due)
+            self.now = max(self.now, t)
+            self._pop_pull(i, room)
+            self._d_handle(i, ev.PullFailed(room, "not ready by the pull deadline"))
+        self.now = target
         self._tick_all()
 
     @rule(data=st.data())
@@ -313,6 +342,7 @@ class PDNetwork(RuleBasedStateMachine):
         self.d_pages[i].clear()
         self.d_waiting_alloc[i].clear()
         self.d_pulls[i].clear()
+        self.d_pull_deadline[i].clear()
         self.d_resolving[i].clear()
         self.net = [m for m in self.net if m[1] != self._d_name(i)]
         self.polls = {k: v for k, v in self.polls.items() if k[0] != f"d{i}"}
