@@ -2,7 +2,13 @@
 
 Frame layout::
 
-    b"PF" | version (1 B) | flags (1 B; bit 0 = signed) | msgpack payload | [HMAC-SHA256, 32 B]
+    b"PF" | version (1 B) | flags (1 B; bit 0 = signed) | [sent_ms (8 B) | nonce (8 B)]
+          | msgpack payload | [HMAC-SHA256, 32 B]
+
+The bracketed parts are present in signed frames only: the sender's wall-clock time in ms and a
+random nonce, both under the MAC, so that a receiver holding a
+:class:`~pd_fsm.core.replay.ReplayGuard` refuses a frame captured and sent again
+(:mod:`pd_fsm.core.replay`). The caller supplies both: the core reads no clock.
 
 The payload is a msgpack map ``{"t": WIRE_NAME, "b": {field: value}}``. :func:`decode` turns any
 byte string into a :class:`~pd_fsm.core.messages.Message` or raises
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import struct
 from typing import Any
 
 import attrs
@@ -33,12 +40,14 @@ from pd_fsm.core.messages import (
     WIRE_NAMES,
     Message,
 )
+from pd_fsm.core.replay import ReplayGuard
 
 MAGIC = b"PF"
-VERSION = 1
+VERSION = 2  # 2: signed frames carry sent_ms and a nonce
 FLAG_SIGNED = 0x01
 MAC_SIZE = 32
 HEADER_SIZE = 4
+_FRESHNESS = struct.Struct("!QQ")  # sent_ms, nonce
 MAX_FRAME = 64 * 1024
 
 # Per-field ranges: [lo, hi) for ints. A field not listed here only needs the right type.
@@ -112,19 +121,41 @@ def _mac(secret: bytes, data: bytes) -> bytes:
     return hmac.new(secret, data, hashlib.sha256).digest()
 
 
-def encode(message: Message, secret: bytes | None = None) -> bytes:
-    """Bytes for ``message``; signed when ``secret`` is given."""
+def encode(
+    message: Message, secret: bytes | None = None, *, sent_at: float = 0.0, nonce: int = 0
+) -> bytes:
+    """Bytes for ``message``; signed when ``secret`` is given.
+
+    A signed frame also carries ``sent_at`` (the sender's wall-clock seconds) and ``nonce`` (64
+    random bits): receivers with a replay guard refuse frames whose time is off by more than their
+    window, or whose MAC they have seen. Adapters pass ``time.time()`` and ``secrets.randbits(64)``.
+    """
     body = _converter.unstructure(message)
     payload: bytes = msgpack.packb({"t": WIRE_NAMES[type(message)], "b": body}, use_bin_type=True)
-    flags = FLAG_SIGNED if secret else 0
-    head = MAGIC + bytes((VERSION, flags))
-    if secret:
-        return head + payload + _mac(secret, head + payload)
-    return head + payload
+    if not secret:
+        return MAGIC + bytes((VERSION, 0)) + payload
+    if not 0 <= sent_at < 2**63 / 1000 or not 0 <= nonce < 2**64:
+        raise ValueError("sent_at must be >= 0 and nonce must fit 64 bits")
+    data = MAGIC + bytes((VERSION, FLAG_SIGNED)) + _FRESHNESS.pack(round(sent_at * 1000), nonce)
+    data += payload
+    return data + _mac(secret, data)
 
 
-def decode(frame: bytes, secret: bytes | None = None) -> Message:
-    """The message in ``frame``, or :class:`RemoteProtocolError` saying what is wrong with it."""
+def decode(
+    frame: bytes,
+    secret: bytes | None = None,
+    *,
+    guard: ReplayGuard | None = None,
+    now: float = 0.0,
+) -> Message:
+    """The message in ``frame``, or :class:`RemoteProtocolError` saying what is wrong with it.
+
+    With a ``guard`` (which needs a ``secret``), a signed frame is also checked against the
+    receiver's wall clock ``now`` and the MACs already accepted: :class:`~pd_fsm.core.replay.
+    StaleFrame` or :class:`~pd_fsm.core.replay.ReplayedFrame` (both remote protocol errors).
+    """
+    if guard is not None and not secret:
+        raise ValueError("a replay guard needs a secret: unsigned frames carry no time")
     if not isinstance(frame, bytes | bytearray | memoryview):
         raise RemoteProtocolError(f"frame is {type(frame).__name__}, not bytes")
     frame = bytes(frame)
@@ -140,12 +171,15 @@ def decode(frame: bytes, secret: bytes | None = None) -> Message:
     if secret:
         if not signed:
             raise RemoteProtocolError("unsigned frame; this side requires a signature")
-        if len(frame) < HEADER_SIZE + MAC_SIZE:
-            raise RemoteProtocolError("signed frame too short for its MAC")
+        if len(frame) < HEADER_SIZE + _FRESHNESS.size + MAC_SIZE:
+            raise RemoteProtocolError("signed frame too short for its time, nonce and MAC")
         data, mac = frame[:-MAC_SIZE], frame[-MAC_SIZE:]
         if not hmac.compare_digest(mac, _mac(secret, data)):
             raise RemoteProtocolError("bad signature")
-        payload = data[HEADER_SIZE:]
+        if guard is not None:
+            sent_ms, _nonce = _FRESHNESS.unpack_from(data, HEADER_SIZE)
+            guard.admit(sent_ms / 1000, mac, now)
+        payload = data[HEADER_SIZE + _FRESHNESS.size :]
     else:
         if signed:
             raise RemoteProtocolError("signed frame but no cluster secret configured here")

@@ -12,11 +12,16 @@ non-blocking sends that count a drop on EAGAIN, ``MAXMSGSIZE`` (libzmq drops a c
 sends more, counted as a disconnect by the socket monitor), the codec's ``MAX_FRAME``, and the
 driver's bounded inbox (when it is full the reader stops reading, and zmq pushes back).
 Malformed, unsigned or wrongly signed frames are counted and dropped; the socket keeps working.
+With a cluster secret, every frame is also stamped with the sender's wall-clock time and a nonce,
+and the receiver drops (and counts) frames outside its replay window or seen before
+(:mod:`pd_fsm.core.replay`).
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
@@ -28,6 +33,7 @@ from zmq.utils.monitor import parse_monitor_message
 from pd_fsm.core.codec import MAX_FRAME, decode, encode
 from pd_fsm.core.errors import RemoteProtocolError
 from pd_fsm.core.messages import Message
+from pd_fsm.core.replay import DEFAULT_WINDOW_S, ReplayedFrame, ReplayGuard, StaleFrame
 
 log = logging.getLogger("pd_fsm.io_trio.side_channel")
 
@@ -47,6 +53,9 @@ class SideChannelLimits:
     # (and the core stops talking to a P after peer_timeout).
     immediate: bool = False
     batch: int = 256  # frames drained per wake-up before yielding to other tasks
+    # Signed frames: how far the sender's clock may be from ours, and how long a MAC is
+    # remembered to refuse a replay (pd_fsm.core.replay).
+    replay_window_s: float = DEFAULT_WINDOW_S
 
 
 @attrs.define
@@ -54,6 +63,8 @@ class SideChannelStats:
     received: int = 0
     sent: int = 0
     malformed: int = 0  # codec refused it: garbage, bad version, bad fields, bad/missing MAC
+    stale: int = 0  # signed, but sent outside the replay window (a late replay, or clock skew)
+    replayed: int = 0  # signed, and its MAC was already accepted: a replay
     oversized: int = 0  # over max_frame
     wrong_parts: int = 0  # not the multipart shape this socket type carries
     send_full: int = 0  # EAGAIN: the peer's queue is at the HWM (or no connection yet)
@@ -62,6 +73,13 @@ class SideChannelStats:
 
     def as_dict(self) -> dict[str, int]:
         return attrs.asdict(self)
+
+
+def frame_now(message: Message, secret: bytes | None) -> bytes:
+    """The wire frame for ``message``; signed frames are stamped with now and a fresh nonce."""
+    if secret is None:
+        return encode(message)
+    return encode(message, secret, sent_at=time.time(), nonce=secrets.randbits(64))
 
 
 def zmq_endpoint(addr: str) -> str:
@@ -147,6 +165,7 @@ class _Channel:
     def __init__(self, deliver: Deliver, secret: bytes | None, limits: SideChannelLimits) -> None:
         self._deliver = deliver
         self._secret = secret
+        self._guard = ReplayGuard(limits.replay_window_s) if secret else None
         self.limits = limits
         self.stats = SideChannelStats()
         self._ctx = zmq.Context()
@@ -158,7 +177,15 @@ class _Channel:
             _log_drop(self.stats.oversized, "oversized", peer, f"{len(frame)} bytes")
             return
         try:
-            message = decode(frame, self._secret)
+            message = decode(frame, self._secret, guard=self._guard, now=time.time())
+        except StaleFrame as exc:
+            self.stats.stale += 1
+            _log_drop(self.stats.stale, "stale", peer, str(exc))
+            return
+        except ReplayedFrame as exc:
+            self.stats.replayed += 1
+            _log_drop(self.stats.replayed, "replayed", peer, str(exc))
+            return
         except RemoteProtocolError as exc:
             self.stats.malformed += 1
             _log_drop(self.stats.malformed, "malformed", peer, str(exc))
@@ -270,7 +297,7 @@ class PrefillSideChannel(_Channel):
             self.stats.send_unroutable += 1
             return False
         identity = peer.encode("utf-8", "surrogateescape")
-        ok = self._send(pump.sock, [identity, encode(message, self._secret)])
+        ok = self._send(pump.sock, [identity, frame_now(message, self._secret)])
         pump.poke()
         return ok
 
@@ -367,6 +394,6 @@ class DecodeSideChannel(_Channel):
         if pump is None:
             self.stats.send_unroutable += 1
             return False
-        ok = self._send(pump.sock, [encode(message, self._secret)])
+        ok = self._send(pump.sock, [frame_now(message, self._secret)])
         pump.poke()
         return ok

@@ -28,6 +28,7 @@ import zmq
 
 from pd_fsm.core.codec import encode
 from pd_fsm.core.messages import Abort, Done
+from pd_fsm.io_trio.side_channel import frame_now
 from tests.integration.failure_support import (
     HEARTBEAT,
     HOST,
@@ -503,16 +504,19 @@ async def test_secret_refuses_unsigned_writes_and_forgeries(fleet: Fleet) -> Non
             s0 = await stats(http, p1)
             unsigned = [encode(Done(room, True), None), encode(Abort(room, "forged"), None),
                         encode(Done(room, True), b"not-the-secret"), b"\x00garbage"]
-            signed = [encode(Done(room, True), fleet.secret),
-                      encode(Abort(room, "forged"), fleet.secret)]
-            await trio.to_thread.run_sync(_send_frames, p1, unsigned + signed)
+            signed = [frame_now(Done(room, True), fleet.secret),
+                      frame_now(Abort(room, "forged"), fleet.secret)]
+            replayed = signed[:1]  # captured off the wire and sent again
+            await trio.to_thread.run_sync(_send_frames, p1, unsigned + signed + replayed)
 
             async def counted() -> dict[str, Any] | None:
                 s = await stats(http, p1)
                 done = (s["side_channel"]["malformed"] - s0["side_channel"]["malformed"]
                         == len(unsigned)
                         and s["pd_events"]["foreign_peer"] - s0["pd_events"]["foreign_peer"]
-                        == len(signed))
+                        == len(signed)
+                        and s["side_channel"]["replayed"] - s0["side_channel"]["replayed"]
+                        == len(replayed))
                 return s if done else None
 
             s1, _ = await wait_until(counted, SLACK, "forgeries counted")

@@ -1,9 +1,10 @@
-"""The side channel under abuse, on real ZMQ sockets: garbage, unsigned, wrongly signed,
-oversized and misshapen frames are counted and dropped, raw TCP garbage is survived, sends to a
-dead peer are bounded, and the socket keeps working after each."""
+"""The side channel under abuse, on real ZMQ sockets: garbage, unsigned, wrongly signed, stale,
+replayed, oversized and misshapen frames are counted and dropped, raw TCP garbage is survived,
+sends to a dead peer are bounded, and the socket keeps working after each."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -11,12 +12,13 @@ import pytest
 import trio
 import zmq
 
-from pd_fsm.core.codec import MAX_FRAME, encode
+from pd_fsm.core.codec import MAX_FRAME, decode, encode
 from pd_fsm.core.messages import Abort, Heartbeat, HeartbeatAck, Message
 from pd_fsm.io_trio.side_channel import (
     DecodeSideChannel,
     PrefillSideChannel,
     SideChannelLimits,
+    frame_now,
 )
 
 SECRET = b"k"
@@ -64,30 +66,36 @@ async def test_p_counts_and_drops_bad_frames(nursery: trio.Nursery, ctx: Any) ->
     inbox = Inbox()
     p, address = await _start_p(nursery, inbox)
     rogue = _raw_dealer(ctx, address, b"rogue")
+    good = frame_now(GOOD, SECRET)
     bad = [
         [b"\x00garbage"],  # not a pd_fsm frame
         [encode(GOOD)],  # unsigned, but this side has a secret
-        [encode(GOOD, b"wrong")],  # wrongly signed
-        [encode(GOOD, SECRET)[:-1] + b"\x00"],  # MAC tampered with
-        [encode(GOOD, SECRET)[:3]],  # truncated
+        [frame_now(GOOD, b"wrong")],  # wrongly signed
+        [good[:-1] + b"\x00"],  # MAC tampered with
+        [good[:3]],  # truncated
         [b"x" * (MAX_FRAME + 10)],  # over MAX_FRAME, under MAXMSGSIZE
         [b"a", b"b"],  # three parts at the ROUTER
         [b""],  # empty
+        [encode(GOOD, SECRET, sent_at=time.time() - 3600, nonce=1)],  # signed an hour ago
+        [encode(GOOD, SECRET, sent_at=time.time() + 3600, nonce=2)],  # an hour ahead
     ]
     for parts in bad:
         rogue.send_multipart(parts)
-    rogue.send_multipart([encode(GOOD, SECRET)])  # and then a good one
+    rogue.send_multipart([good])  # and then a good one ...
     await _until(lambda: inbox.got)
+    rogue.send_multipart([good])  # ... replayed
+    await _until(lambda: p.stats.replayed)
     assert inbox.got == [("rogue", GOOD)]
     s = p.stats
-    assert (s.malformed, s.oversized, s.wrong_parts, s.received) == (6, 1, 1, 1)
+    counts = (s.malformed, s.oversized, s.wrong_parts, s.stale, s.replayed, s.received)
+    assert counts == (6, 1, 1, 2, 1, 1)
 
     # P answers the rogue's identity; an identity nobody holds is counted, not raised.
     assert p.send("rogue", HeartbeatAck(incarnation=1, seq=1))
     assert not p.send("nobody", HeartbeatAck(incarnation=1, seq=1))
     assert p.stats.send_unroutable == 1
     await _until(lambda: rogue.poll(0))
-    assert rogue.recv_multipart(zmq.NOBLOCK)[0] == encode(HeartbeatAck(1, 1), SECRET)
+    assert decode(rogue.recv_multipart(zmq.NOBLOCK)[0], SECRET) == HeartbeatAck(1, 1)
     rogue.close()
 
 
@@ -102,7 +110,7 @@ async def test_over_maxmsgsize_drops_the_connection_not_the_socket(
     await _until(lambda: p.stats.disconnects >= 1)
     assert p.stats.received == 0
     honest = _raw_dealer(ctx, address, b"honest")
-    honest.send(encode(GOOD, SECRET))
+    honest.send(frame_now(GOOD, SECRET))
     await _until(lambda: inbox.got)
     assert inbox.got == [("honest", GOOD)]
     huge.close()
@@ -124,7 +132,7 @@ async def test_raw_tcp_garbage_is_survived(nursery: trio.Nursery, ctx: Any) -> N
         finally:
             await stream.aclose()
     ok = _raw_dealer(ctx, address, b"after")
-    ok.send(encode(GOOD, SECRET))
+    ok.send(frame_now(GOOD, SECRET))
     await _until(lambda: inbox.got)
     assert inbox.got == [("after", GOOD)] and p.stats.received == 1
     ok.close()
@@ -141,10 +149,10 @@ async def test_d_counts_garbage_from_a_rogue_p(nursery: trio.Nursery, ctx: Any) 
     assert d.send(peer, GOOD)  # opens the DEALER; the rogue P learns our identity
     await _until(lambda: router.poll(0))
     identity, frame = router.recv_multipart(zmq.NOBLOCK)
-    assert identity == b"decode-7" and frame == encode(GOOD, SECRET)
+    assert identity == b"decode-7" and decode(frame, SECRET) == GOOD
     for parts in ([b"junk"], [encode(Abort(1, "x"))], [b"a", b"b"], [b"y" * (MAX_FRAME + 1)]):
         router.send_multipart([identity, *parts])
-    router.send_multipart([identity, encode(Abort(1, "real"), SECRET)])
+    router.send_multipart([identity, frame_now(Abort(1, "real"), SECRET)])
     await _until(lambda: inbox.got)
     assert inbox.got == [(peer, Abort(1, "real"))]
     s = d.stats

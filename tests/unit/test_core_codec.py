@@ -20,6 +20,7 @@ from pd_fsm.core.messages import (
     Ready,
     RecvInit,
 )
+from pd_fsm.core.replay import ReplayedFrame, ReplayGuard, StaleFrame
 
 SECRET = b"s3cret"
 rooms = st.integers(0, MAX_ROOM - 1)
@@ -106,7 +107,7 @@ def _raw(payload: object, version: int = codec.VERSION) -> bytes:
         (b"", "bad magic"),
         (b"XX\x01\x00", "bad magic"),
         (_raw({"t": "DONE", "b": {"room": 1, "ok": True}}, version=9), "unsupported version 9"),
-        (codec.MAGIC + b"\x01\x80" + msgpack.packb({}), "unknown flags"),
+        (codec.MAGIC + bytes((codec.VERSION, 0x80)) + msgpack.packb({}), "unknown flags"),
         (_raw([1, 2]), "map with keys"),
         (_raw({"t": "NOPE", "b": {}}), "unknown message type"),
         (_raw({"t": "DONE", "b": {"room": 1, "ok": 1}}), "expected bool"),
@@ -118,8 +119,9 @@ def _raw(payload: object, version: int = codec.VERSION) -> bytes:
         (_raw({"t": "READY", "b": _READY | {"first_logprob": float("nan")}}), "finite"),
         (_raw({"t": "READY", "b": _READY | {"first_logprob": 1}}), "finite float"),
         (_raw({"t": "HB", "b": {"seq": 1, "rooms": list(range(5000))}}), "not msgpack"),
-        (codec.MAGIC + b"\x01\x00" + b"\xc1", "not msgpack"),
-        (codec.MAGIC + b"\x01\x00" + b"x" * (codec.MAX_FRAME + 1), "exceeds"),
+        (codec.MAGIC + bytes((codec.VERSION, 0)) + b"\xc1", "not msgpack"),
+        (codec.MAGIC + bytes((codec.VERSION, 0)) + b"x" * (codec.MAX_FRAME + 1), "exceeds"),
+        (_raw({"t": "DONE", "b": {"room": 1, "ok": True}}, version=1), "unsupported version 1"),
     ],
 )
 def test_each_malformation_is_named(frame: bytes, problem: str) -> None:
@@ -130,3 +132,62 @@ def test_each_malformation_is_named(frame: bytes, problem: str) -> None:
 def test_decode_refuses_non_bytes() -> None:
     with pytest.raises(RemoteProtocolError):
         codec.decode("text")  # type: ignore[arg-type]
+
+
+# -- replay protection (signed frames carry sent time and nonce under the MAC) -------------------
+
+T0 = 1_800_000_000.0  # a wall-clock time
+
+
+def _signed(message: Message, sent_at: float = T0, nonce: int = 7) -> bytes:
+    return codec.encode(message, SECRET, sent_at=sent_at, nonce=nonce)
+
+
+@given(messages, st.floats(0, 4e9), st.integers(0, 2**64 - 1))
+def test_signed_round_trip_through_a_guard(message: Message, sent: float, nonce: int) -> None:
+    guard = ReplayGuard(window_s=60)
+    frame = codec.encode(message, SECRET, sent_at=sent, nonce=nonce)
+    assert codec.decode(frame, SECRET, guard=guard, now=sent + 59) == message
+
+
+def test_replayed_frame_refused_fresh_ones_accepted() -> None:
+    guard = ReplayGuard(window_s=60)
+    frame = _signed(Abort(5, "client gone"))
+    assert codec.decode(frame, SECRET, guard=guard, now=T0 + 1) == Abort(5, "client gone")
+    with pytest.raises(ReplayedFrame):
+        codec.decode(frame, SECRET, guard=guard, now=T0 + 2)
+    # The same message sent again by the peer is a new frame (new nonce): accepted.
+    again = _signed(Abort(5, "client gone"), nonce=8)
+    assert codec.decode(again, SECRET, guard=guard, now=T0 + 2) == Abort(5, "client gone")
+    # After the window the replay is stale, and the guard has forgotten the MAC.
+    with pytest.raises(StaleFrame, match="ago"):
+        codec.decode(frame, SECRET, guard=guard, now=T0 + 60.5)
+    assert len(guard) == 0
+
+
+def test_frame_from_the_future_refused() -> None:
+    with pytest.raises(StaleFrame, match="future"):
+        codec.decode(_signed(Done(1, True)), SECRET, guard=ReplayGuard(60), now=T0 - 61)
+
+
+def test_freshness_is_under_the_mac() -> None:
+    frame = bytearray(_signed(Heartbeat(1, (2,))))
+    frame[codec.HEADER_SIZE + 3] ^= 1  # move the sent time
+    with pytest.raises(RemoteProtocolError, match="bad signature"):
+        codec.decode(bytes(frame), SECRET, guard=ReplayGuard(60), now=T0)
+
+
+def test_guard_bounded() -> None:
+    guard = ReplayGuard(window_s=60, max_entries=2)
+    for nonce in (1, 2):
+        codec.decode(_signed(Done(1, True), nonce=nonce), SECRET, guard=guard, now=T0)
+    with pytest.raises(RemoteProtocolError, match="replay guard full"):
+        codec.decode(_signed(Done(1, True), nonce=3), SECRET, guard=guard, now=T0)
+    # Once the window has passed, room again.
+    later = _signed(Done(1, True), sent_at=T0 + 61, nonce=4)
+    assert codec.decode(later, SECRET, guard=guard, now=T0 + 61) == Done(1, True)
+
+
+def test_guard_needs_a_secret() -> None:
+    with pytest.raises(ValueError, match="needs a secret"):
+        codec.decode(codec.encode(Done(1, True)), None, guard=ReplayGuard(), now=T0)

@@ -1,0 +1,82 @@
+"""Replay protection for signed side-channel frames.
+
+A signed frame proves who sent it, not when: without more, anyone who can capture a frame on the
+network can send it again. A replayed heartbeat would keep extending a room's KV lease on P, and a
+replayed ABORT would fail a room someone else is serving. So a signed frame carries, inside its
+MAC, the sender's wall-clock time (ms) and a random nonce (:mod:`pd_fsm.core.codec`), and the
+receiver admits it only
+
+* if it was sent within ``window_s`` of the receiver's own wall clock, either way (clock skew
+  between P and D machines must stay below that: keep NTP running), and
+* if its MAC was not seen before inside that window.
+
+A frame older than the window is refused as stale, so only the MACs of the last two windows need
+remembering. Memory is bounded by ``max_entries``; at the bound a fresh frame is refused (counted
+by the adapter) rather than forgetting a MAC that may still be replayed.
+
+Sans-IO like the rest of the core: the caller passes the receiver's wall-clock time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pd_fsm.core.errors import RemoteProtocolError
+
+DEFAULT_WINDOW_S = 60.0
+DEFAULT_MAX_ENTRIES = 1_000_000  # ~16k frames/s sustained over a 60 s window
+_KEY_BYTES = 16  # a MAC prefix: 128 bits still make an accidental collision impossible
+
+
+class StaleFrame(RemoteProtocolError):
+    """A signed frame sent outside the replay window (replayed late, or the clocks disagree)."""
+
+
+class ReplayedFrame(RemoteProtocolError):
+    """A signed frame already accepted once."""
+
+
+class ReplayGuard:
+    """Remembers the MACs of recently accepted frames; see the module docstring."""
+
+    def __init__(
+        self, window_s: float = DEFAULT_WINDOW_S, max_entries: int = DEFAULT_MAX_ENTRIES
+    ) -> None:
+        if window_s <= 0 or max_entries <= 0:
+            raise ValueError("window_s and max_entries must be > 0")
+        self.window_s = window_s
+        self.max_entries = max_entries
+        self._seen: set[bytes] = set()
+        # (forget_at, key) in acceptance order. forget_at = sent + window and frames arrive a
+        # little out of order, so the queue is only roughly sorted: popping from the front while
+        # due may keep a key longer than needed (never shorter), within a window or two.
+        self._expiry: deque[tuple[float, bytes]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def admit(self, sent_at: float, mac: bytes, now: float) -> None:
+        """Accept a frame signed with ``mac`` and sent at ``sent_at``, or raise."""
+        self._forget(now)
+        age = now - sent_at
+        if age > self.window_s:
+            raise StaleFrame(f"frame sent {age:.1f} s ago, outside the {self.window_s:g} s window")
+        if -age > self.window_s:
+            raise StaleFrame(
+                f"frame sent {-age:.1f} s in the future, outside the {self.window_s:g} s window "
+                "(are the machines' clocks in sync?)"
+            )
+        key = mac[:_KEY_BYTES]
+        if key in self._seen:
+            raise ReplayedFrame("frame replayed (its signature was already accepted)")
+        if len(self._seen) >= self.max_entries:
+            raise RemoteProtocolError(
+                f"replay guard full ({self.max_entries} frames in {self.window_s:g} s)"
+            )
+        self._seen.add(key)
+        # Kept until the frame would be refused as stale anyway.
+        self._expiry.append((sent_at + self.window_s, key))
+
+    def _forget(self, now: float) -> None:
+        while self._expiry and self._expiry[0][0] < now:
+            self._seen.discard(self._expiry.popleft()[1])
