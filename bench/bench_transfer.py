@@ -8,9 +8,10 @@ asserts nothing.
 Transfers run between pairs of processes (multiprocessing, spawn), each set up the way it is used:
 
 * ``engine``: a P and a D process configured as ``pd-fsm serve`` configures a worker (host heap
-  policy ``retain``, pd_fsm.jax_engine.host_memory), each with a ``JaxTransferKVEngine``.
-  The same two processes also host a transfer server with the library's default settings, so that
-  ``default, retained heap`` shows what the heap policy alone gives the library.
+  policy ``hugepages``: started with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``,
+  pd_fsm.jax_engine.host_memory), each with a ``JaxTransferKVEngine``. The same two processes
+  also host a transfer server with the library's default settings, so that ``default, huge pages``
+  shows what the heap policy alone gives the library.
 * ``library default``: a P and a D process left as a user of the library gets them (glibc's default
   heap, ``start_transfer_server`` with default settings), plus a raw TCP server/client pair.
 
@@ -57,16 +58,16 @@ def _raw_server(sock: socket.socket, payload: bytes) -> None:
                 conn.sendall(memoryview(payload)[:n])
 
 
-def _setup(retain_heap: bool) -> None:
-    if retain_heap:
-        from pd_fsm.jax_engine.host_memory import retain_freed_host_memory
+def _check_heap(hugepages: bool) -> None:
+    from pd_fsm.jax_engine.host_memory import hugepages_in_force
 
-        retain_freed_host_memory()
+    if hugepages_in_force() != hugepages:
+        raise SystemExit(f"process heap is not as configured (huge pages wanted: {hugepages})")
 
 
-def _p_main(pipe: Connection, retain_heap: bool, sizes_mib: list[int]) -> None:
+def _p_main(pipe: Connection, hugepages: bool, sizes_mib: list[int]) -> None:
     """P: registers a prepared array of the asked size with the asked server."""
-    _setup(retain_heap)
+    _check_heap(hugepages)
     import jax
     import jax.numpy as jnp
     from jax.experimental import transfer
@@ -79,7 +80,7 @@ def _p_main(pipe: Connection, retain_heap: bool, sizes_mib: list[int]) -> None:
         )
     }
     addresses = {"default": servers["default"].address()}
-    if retain_heap:  # the engine pair
+    if hugepages:  # the engine pair
         engine = JaxTransferKVEngine("127.0.0.1", reaper_interval_s=None)
         addresses["engine"] = engine.address
     else:  # the library-default pair also serves the raw socket
@@ -105,9 +106,9 @@ def _p_main(pipe: Connection, retain_heap: bool, sizes_mib: list[int]) -> None:
         pipe.send("ok")
 
 
-def _d_main(pipe: Connection, retain_heap: bool, addresses: dict[str, str]) -> None:
+def _d_main(pipe: Connection, hugepages: bool, addresses: dict[str, str]) -> None:
     """D: pulls (or reads the raw socket) when told and reports seconds to every byte ready."""
-    _setup(retain_heap)
+    _check_heap(hugepages)
     import jax
     import jax.numpy as jnp
     from jax.experimental import transfer
@@ -119,7 +120,7 @@ def _d_main(pipe: Connection, retain_heap: bool, addresses: dict[str, str]) -> N
         jax.devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"]
     )
     default_conn = default.connect(addresses["default"])
-    engine = JaxTransferKVEngine("127.0.0.1", reaper_interval_s=None) if retain_heap else None
+    engine = JaxTransferKVEngine("127.0.0.1", reaper_interval_s=None) if hugepages else None
     raw: socket.socket | None = None
     if "raw" in addresses:
         raw = socket.create_connection(("127.0.0.1", int(addresses["raw"])))
@@ -156,19 +157,33 @@ def _d_main(pipe: Connection, retain_heap: bool, addresses: dict[str, str]) -> N
 
 
 class _Pair:
-    """A P and a D process, both with or without the retained heap."""
+    """A P and a D process, both with or without huge pages for the host heap."""
 
-    def __init__(self, retain_heap: bool, sizes_mib: list[int]) -> None:
+    def __init__(self, hugepages: bool, sizes_mib: list[int]) -> None:
+        from pd_fsm.jax_engine.host_memory import hugepage_env
+
+        # Spawned children start from this environment; glibc reads GLIBC_TUNABLES at start-up.
+        saved = dict(os.environ)
+        os.environ.pop("GLIBC_TUNABLES", None)
+        if hugepages:
+            os.environ.update(hugepage_env(os.environ) or {})
+        try:
+            self._start(hugepages, sizes_mib)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+    def _start(self, hugepages: bool, sizes_mib: list[int]) -> None:
         ctx = mp.get_context("spawn")
         self.p, p_end = ctx.Pipe()
         self.d, d_end = ctx.Pipe()
-        self.procs = [ctx.Process(target=_p_main, args=(p_end, retain_heap, sizes_mib),
+        self.procs = [ctx.Process(target=_p_main, args=(p_end, hugepages, sizes_mib),
                                   daemon=True)]
         self.procs[0].start()
         if not self.p.poll(180):
             raise SystemExit("P process did not start")
         addresses = self.p.recv()
-        self.procs.append(ctx.Process(target=_d_main, args=(d_end, retain_heap, addresses),
+        self.procs.append(ctx.Process(target=_d_main, args=(d_end, hugepages, addresses),
                                       daemon=True))
         self.procs[1].start()
         if not self.d.poll(180) or self.d.recv() != "ready":
@@ -288,7 +303,7 @@ def bench_transfer(quick: bool) -> None:
     methods = [
         ("engine", tuned, "engine"),
         ("library default", plain, "default"),
-        ("default, retained heap", tuned, "default"),
+        ("default, huge pages", tuned, "default"),
         ("raw socket", plain, "raw"),
     ]
     results: dict[tuple[str, int], float] = {}
@@ -308,15 +323,15 @@ def bench_transfer(quick: bool) -> None:
 
     counts = ", ".join(f"{reps(m)} at {m} MiB" for m in sizes)
     print(f"\n## P -> D transfer, two processes on 127.0.0.1 (GB/s, medians of {counts})\n")
-    print("| size | engine | library default | default, retained heap | raw socket "
-          "| engine / default | engine / default, retained heap | engine / raw |")
+    print("| size | engine | library default | default, huge pages | raw socket "
+          "| engine / default | engine / default, huge pages | engine / raw |")
     print("|---|---|---|---|---|---|---|---|")
     for mib in sizes:
         g = {name: mib * MIB / results[(name, mib)] / 1e9 for name, _, _ in methods}
         print(f"| {mib} MiB | {g['engine']:.2f} | {g['library default']:.2f} | "
-              f"{g['default, retained heap']:.2f} | {g['raw socket']:.2f} | "
+              f"{g['default, huge pages']:.2f} | {g['raw socket']:.2f} | "
               f"{g['engine'] / g['library default']:.2f}x | "
-              f"{g['engine'] / g['default, retained heap']:.2f}x | "
+              f"{g['engine'] / g['default, huge pages']:.2f}x | "
               f"{g['engine'] / g['raw socket']:.2f}x |")
 
 
@@ -324,11 +339,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
     parser.add_argument(
-        "--host-heap", choices=("retain", "default"), default="retain",
-        help="heap policy of this process for the gather/scatter part (workers use retain)",
+        "--host-heap", choices=("hugepages", "default"), default="hugepages",
+        help="heap policy of this process for the gather/scatter part (workers use hugepages)",
     )
     args = parser.parse_args()
-    _setup(args.host_heap == "retain")
+    if args.host_heap == "hugepages":
+        from pd_fsm.jax_engine.host_memory import reexec_with_hugepages
+
+        reexec_with_hugepages()
     import jax
 
     print(f"# bench_transfer ({'quick' if args.quick else 'full'}); jax {jax.__version__}, "

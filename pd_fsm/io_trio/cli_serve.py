@@ -52,11 +52,12 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         log.error("%s", exc)
         return 2
-    if config.host_heap == "retain":
-        # Before the model and the KV pool are allocated: see pd_fsm.jax_engine.host_memory.
-        from pd_fsm.jax_engine.host_memory import retain_freed_host_memory
+    if config.host_heap == "hugepages":
+        # glibc reads the tunable at start-up only: this re-executes the process once (same PID).
+        from pd_fsm.jax_engine.host_memory import hugepages_in_force, reexec_with_hugepages
 
-        retain_freed_host_memory()
+        reexec_with_hugepages()
+        log.info("host heap: huge pages %s", "on" if hugepages_in_force() else "unavailable")
     backend = make_backend(config)
     from pd_fsm.io_trio.worker.app import WorkerApp
 

@@ -1,68 +1,80 @@
-"""Host heap policy for a worker process: keep freed memory resident so that it is reused.
+"""Host heap policy for a worker process: large host buffers on transparent huge pages.
 
 Why. On the CPU backend every pulled KV array, and every fresh XLA output, is new host memory from
 glibc malloc. A block above malloc's mmap threshold (dynamic, at most 32 MiB) is mapped afresh on
-every allocation and unmapped on free, so each use pays a page fault per 4 KiB page and the kernel
-zeroing that page. Measured here (2 vCPU, jax 0.10.2): a jitted 256 MiB ``jnp.zeros`` took 50 ms,
-and 9 ms once freed memory is kept; D's CPU time for a 256 MiB pull fell from ~200 ms to ~80 ms
-(bench/RESULTS_transfer.md). On GPU and TPU the KV lives in device memory and this changes only
-host-side buffers.
+every allocation and unmapped on free, so each use pays a page fault per 4 KiB page. Measured here
+(2 vCPU, jax 0.10.2, THP in ``madvise`` mode): a jitted 256 MiB ``jnp.zeros`` took 50 ms, and
+13.5 ms with ``glibc.malloc.hugetlb=1`` (malloc then asks for transparent huge pages on its
+mappings: one fault per 2 MiB); a 256 MiB pull of our engine went from 1.4 to 2.3 GB/s
+(bench/RESULTS_transfer.md).
+On GPU and TPU the KV lives in device memory and this changes only host-side buffers.
 
-What. ``mallopt(M_MMAP_MAX, 0)`` serves every block from the heap, and ``M_TRIM_THRESHOLD`` keeps up
-to ``keep_bytes`` of free memory at the top of the heap instead of handing it back to the kernel.
+Rejected alternative, measured: ``mallopt(M_MMAP_MAX, 0)`` with a high trim threshold (serve every
+block from the heap and keep freed memory) was faster still (3.0 GB/s), but small long-lived
+allocations carve the freed holes, so the next large block no longer fits: resident memory grew by
+the block size on every register/release cycle (96 MiB per cycle, 12 cycles: 297 -> 1257 MiB),
+where glibc's default and this policy stayed flat (201-209 MiB).
 
-Cost. It is process-wide and should run before the process makes large allocations. Resident
-memory stays at the working set plus up to ``keep_bytes``; free blocks in the middle of the heap
-are reused but never returned to the kernel (a fragmented heap keeps its high-water mark). A
-long-lived server with a preallocated KV pool and same-sized transient buffers is the case it fits;
-``pd-fsm serve --host-heap default`` opts out.
+How. glibc reads its tunables once, at process start, from ``GLIBC_TUNABLES``. So
+``pd-fsm serve`` (``--host-heap hugepages``, the default) re-executes itself once with the tunable
+added when it is missing (:func:`reexec_with_hugepages`); ``--host-heap default`` opts out. Nothing
+happens where the C library is not glibc or transparent huge pages are off (``[never]``).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KEEP_BYTES = 1 << 30
-
-# glibc's mallopt parameter numbers (malloc.h)
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_MAX = -4
-
-_applied: int | None = None  # keep_bytes of the call that took effect
+TUNABLE = "glibc.malloc.hugetlb=1"
+_THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def _glibc() -> ctypes.CDLL | None:
-    libc = ctypes.CDLL(None)
+def _is_glibc() -> bool:
     try:
-        libc.gnu_get_libc_version  # noqa: B018 - probing: only glibc has it
-        libc.mallopt  # noqa: B018
-    except AttributeError:
+        return os.confstr("CS_GNU_LIBC_VERSION") is not None
+    except (ValueError, OSError, AttributeError):
+        return False
+
+
+def _thp_available() -> bool:
+    try:
+        return "[never]" not in _THP_ENABLED.read_text()
+    except OSError:
+        return False
+
+
+def hugepage_env(env: Mapping[str, str]) -> dict[str, str] | None:
+    """``env`` with the tunable added to ``GLIBC_TUNABLES``; None if it is already there."""
+    current = env.get("GLIBC_TUNABLES", "")
+    if TUNABLE in current.split(":"):
         return None
-    return libc
+    return {**env, "GLIBC_TUNABLES": f"{current}:{TUNABLE}" if current else TUNABLE}
 
 
-def retain_freed_host_memory(keep_bytes: int = DEFAULT_KEEP_BYTES) -> bool:
-    """Apply the policy above to this process; True if it is in force (now or from an earlier call).
+def hugepages_in_force() -> bool:
+    """True if this process was started with the tunable (and it can take effect here)."""
+    return _is_glibc() and _thp_available() and hugepage_env(os.environ) is None
 
-    False where the C library is not glibc (musl, macOS): nothing is changed there.
+
+def reexec_with_hugepages() -> None:
+    """Re-execute this process with the tunable, unless it already has it or it cannot help.
+
+    Call first thing in ``main``: the new image starts from the same command line and the same
+    PID, with the same open descriptors.
     """
-    global _applied
-    if keep_bytes < 0:
-        raise ValueError("keep_bytes must be >= 0")
-    if _applied is not None:
-        return True
-    libc = _glibc()
-    if libc is None:
-        log.info("host heap policy not applied: the C library is not glibc")
-        return False
-    # mallopt's value is a C int; a trim threshold above 2 GiB - 1 cannot be expressed.
-    trim = min(keep_bytes, (1 << 31) - 1)
-    if not (libc.mallopt(_M_MMAP_MAX, 0) and libc.mallopt(_M_TRIM_THRESHOLD, trim)):
-        log.warning("host heap policy: mallopt refused")
-        return False
-    _applied = trim
-    log.info("host heap: large blocks from the heap, up to %d MiB of free memory kept", trim >> 20)
-    return True
+    if not (_is_glibc() and _thp_available()):
+        log.info("host heap: huge pages not applied (not glibc, or THP disabled)")
+        return
+    env = hugepage_env(os.environ)
+    argv = getattr(sys, "orig_argv", None)
+    if env is None or not argv:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *argv[1:]], env)

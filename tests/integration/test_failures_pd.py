@@ -18,6 +18,7 @@ queue, no transfer-server registration. Times are deadlines (window + SLACK), no
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -29,6 +30,7 @@ import zmq
 from pd_fsm.core.codec import encode
 from pd_fsm.core.messages import Abort, Done
 from pd_fsm.io_trio.side_channel import frame_now
+from pd_fsm.jax_engine import host_memory
 from tests.integration.failure_support import (
     HEARTBEAT,
     HOST,
@@ -533,6 +535,16 @@ async def test_secret_refuses_unsigned_writes_and_forgeries(fleet: Fleet) -> Non
             addrs = listening_addresses(proc.pid)
             assert addrs, proc.name
             assert {a for a, _ in addrs} == {HOST}, (proc.name, addrs)
+
+    # -- workers re-executed themselves with the huge-page heap (--host-heap's default), same PID.
+    if host_memory._is_glibc() and host_memory._thp_available():
+        for proc in fleet.procs.values():
+            if proc.alive() and "serve" in proc.argv:
+                environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
+                assert any(
+                    e.startswith(b"GLIBC_TUNABLES=") and host_memory.TUNABLE.encode() in e
+                    for e in environ
+                ), proc.name
 
 
 def _send_frames(p: Proc, frames: list[bytes]) -> None:

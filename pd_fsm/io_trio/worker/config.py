@@ -25,7 +25,7 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 FAILURE_POLICIES = ("fail", "recompute")
 TRANSFER_BACKENDS = ("jax",)
-HOST_HEAP_POLICIES = ("retain", "default")  # pd_fsm.jax_engine.host_memory
+HOST_HEAP_POLICIES = ("hugepages", "default")  # pd_fsm.jax_engine.host_memory
 DEFAULT_MAX_BODY = 8 * 1024 * 1024  # a 100k-token prompt as JSON ids is ~700 KB
 
 
@@ -71,8 +71,8 @@ class ServeConfig:
     disaggregation_pull_deadline: float = 60.0
     cluster_secret_file: Path | None = None
     log_level: str = "INFO"
-    # "retain": keep freed host memory for reuse (pd_fsm.jax_engine.host_memory); "default": glibc
-    host_heap: str = "retain"
+    # "hugepages": large host buffers on transparent huge pages (pd_fsm.jax_engine.host_memory)
+    host_heap: str = "hugepages"
 
     @property
     def model_name(self) -> str:
@@ -204,7 +204,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=d.log_level, help="DEBUG, INFO, WARNING, ...")
     p.add_argument(
         "--host-heap", choices=HOST_HEAP_POLICIES, default=d.host_heap,
-        help="retain: keep freed host memory for reuse (faster pulls on CPU); default: glibc's",
+        help="hugepages: large host buffers on huge pages (faster pulls on CPU); default: glibc's",
     )
 
 

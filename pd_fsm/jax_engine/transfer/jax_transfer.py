@@ -8,15 +8,17 @@ Settings, each chosen by measurement against the library's defaults (two process
 
 * ``transfer_size`` 512 KiB instead of 256 MiB: the chunks pipeline through the sender's and the
   receiver's staging buffers (8 x 512 KiB stay in cache) instead of one chunk covering the whole
-  array. 256 MiB, one process pair, retained heap: 512 KiB 3.0 GB/s, 1 MiB 2.5-2.7, 4 MiB 2.3-2.5,
-  256 KiB 2.2; the library default 1.4; 512 KiB was also ahead or level at 1, 16 and 64 MiB.
+  array. 256 MiB, one process pair (with page faults on D taken out of the picture by keeping
+  freed memory, see :mod:`pd_fsm.jax_engine.host_memory`): 512 KiB 3.0 GB/s, 1 MiB 2.5-2.7,
+  4 MiB 2.3-2.5, 256 KiB 2.2, the library default 1.4; 512 KiB was also ahead or level at 1, 16
+  and 64 MiB.
 * ``use_raw_buffers=True``: the sender reads the registered buffers through raw aliases instead of
   the PjRt buffer copy path (256 MiB, 4 MiB chunks: 1.19-1.55 GB/s against 0.94-1.31; also
   ahead at 1-64 MiB). Measured safe: the alias keeps the memory alive after every Python
   reference is dropped and after an explicit ``delete()`` (bit-exact pull after churning the
   allocator), and re-registering the uuid still frees it (the release below).
 * ``transport_streams`` 2: two bulk-transport sockets per connection. Ahead at 16-64 MiB and with
-  the host allocator tuned (:mod:`pd_fsm.jax_engine.host_memory`), within noise otherwise.
+  D's page faults taken out, within noise otherwise.
 
 Connections are cached per peer. A connection on which a pull failed stays poisoned (later pulls on
 it fail at once, even to a new server on the same port), so after any failure or timeout it is

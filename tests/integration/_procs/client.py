@@ -13,12 +13,19 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from pd_fsm.jax_engine.host_memory import hugepage_env
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
 class PServer:
-    def __init__(self, seed: int, pools: list[str], start_timeout: float = 60.0) -> None:
+    def __init__(
+        self, seed: int, pools: list[str], start_timeout: float = 60.0, host_heap: str = "default"
+    ) -> None:
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+        env.pop("GLIBC_TUNABLES", None)
+        if host_heap == "hugepages":  # as `pd-fsm serve --host-heap hugepages` starts a worker
+            env = hugepage_env(env) or env
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.integration._procs.p_server", str(seed), ",".join(pools)],
             cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
