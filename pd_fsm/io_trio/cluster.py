@@ -247,8 +247,16 @@ class Cluster:
             print(f"  {child.name:<12} {child.url}{extra}", flush=True)
 
     async def _stop_all(self) -> None:
-        # The proxy first (no new rooms), then workers, the bootstrap server last.
-        live = [c for c in reversed(self.children) if c.proc and c.proc.returncode is None]
+        # In tiers: the proxy first (no new rooms), then the workers, the bootstrap server last,
+        # so that workers deregister from a registry that is still there.
+        def tier(child: Child) -> int:
+            return {"proxy": 0, "bootstrap": 2}.get(child.name, 1)
+
+        for level in (0, 1, 2):
+            await self._stop([c for c in self.children if tier(c) == level])
+
+    async def _stop(self, children: list[Child]) -> None:
+        live = [c for c in children if c.proc and c.proc.returncode is None]
         for child in live:
             assert child.proc is not None
             child.proc.send_signal(signal.SIGTERM)
