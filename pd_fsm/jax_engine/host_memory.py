@@ -18,7 +18,7 @@ where glibc's default and this policy stayed flat (201-209 MiB).
 How. glibc reads its tunables once, at process start, from ``GLIBC_TUNABLES``. So
 ``pd-fsm serve`` (``--host-heap hugepages``, the default) re-executes itself once with the tunable
 added when it is missing (:func:`reexec_with_hugepages`); ``--host-heap default`` opts out. Nothing
-happens where the C library is not glibc or transparent huge pages are off (``[never]``).
+happens where the C library is not glibc 2.35+ or transparent huge pages are off (``[never]``).
 """
 
 from __future__ import annotations
@@ -36,10 +36,13 @@ _THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def _is_glibc() -> bool:
+    """glibc 2.35 or newer: the first with the ``glibc.malloc.hugetlb`` tunable."""
     try:
-        return os.confstr("CS_GNU_LIBC_VERSION") is not None
+        name, version = (os.confstr("CS_GNU_LIBC_VERSION") or "").split()
+        major, minor = (int(x) for x in version.split(".")[:2])
     except (ValueError, OSError, AttributeError):
         return False
+    return name == "glibc" and (major, minor) >= (2, 35)
 
 
 def _thp_available() -> bool:
@@ -69,7 +72,7 @@ def reexec_with_hugepages() -> None:
     PID, with the same open descriptors.
     """
     if not (_is_glibc() and _thp_available()):
-        log.info("host heap: huge pages not applied (not glibc, or THP disabled)")
+        log.info("host heap: huge pages not applied (not glibc 2.35+, or THP disabled)")
         return
     env = hugepage_env(os.environ)
     argv = getattr(sys, "orig_argv", None)
