@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import signal
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import trio
 
 from pd_fsm.core.config import RegistryConfig
 from pd_fsm.io_trio.bootstrap_server import DEFAULT_MAX_BODY, BootstrapServer, serve_bootstrap
+from pd_fsm.io_trio.cli_common import STOP_GRACE_S, run_service, stop_on_signal
 
 log = logging.getLogger("pd_fsm.io_trio.cli_bootstrap")
 
@@ -57,31 +57,17 @@ def main(args: argparse.Namespace) -> int:
             log.error("--secret-file %s is empty", args.secret_file)
             return 2
     server = BootstrapServer(RegistryConfig(ttl=args.ttl), secret=secret, max_body=args.max_body)
-    try:
-        trio.run(_run, server, args.host, args.port)
-    except OSError as exc:  # typically: the port is taken
-        log.error("cannot serve on %s:%s: %s", args.host, args.port, exc)
-        return 1
-    log.info("stopped")
-    return 0
+    return run_service(_run, server, args.host, args.port, host=args.host, port=args.port, log=log)
 
 
 async def _run(server: BootstrapServer, host: str, port: int) -> None:
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_stop_on_signal, stop)
+        nursery.start_soon(stop_on_signal, stop, log)
         serve = functools.partial(serve_bootstrap, shutdown_trigger=stop.wait)
         await nursery.start(serve, server, host, port)
         log.info("secret %s", "required for writes" if server.secret else "not configured")
         await stop.wait()
         log.info("shutting down")
         # hypercorn lets in-flight requests finish (graceful_timeout); this is the backstop.
-        nursery.cancel_scope.deadline = trio.current_time() + 5
-
-
-async def _stop_on_signal(stop: trio.Event) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for signum in signals:
-            log.info("received %s", signal.Signals(signum).name)
-            stop.set()
-            return
+        nursery.cancel_scope.deadline = trio.current_time() + STOP_GRACE_S

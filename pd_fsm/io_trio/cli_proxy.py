@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import signal
 import sys
 
 import trio
 
 from pd_fsm.core.config import RouterConfig
+from pd_fsm.io_trio.cli_common import STOP_GRACE_S, run_service, stop_on_signal
 from pd_fsm.io_trio.proxy import PrefillTarget, Proxy, serve_proxy
 
 log = logging.getLogger("pd_fsm.io_trio.cli_proxy")
@@ -76,29 +76,15 @@ def main(args: argparse.Namespace) -> int:
         return 2
     proxy = Proxy(prefill, args.decode, bootstrap_url=args.bootstrap_url,
                   refresh_interval=args.refresh_interval, room_timeout=args.room_timeout)
-    try:
-        trio.run(_run, proxy, args.host, args.port)
-    except OSError as exc:
-        log.error("cannot serve on %s:%s: %s", args.host, args.port, exc)
-        return 1
-    log.info("stopped")
-    return 0
+    return run_service(_run, proxy, args.host, args.port, host=args.host, port=args.port, log=log)
 
 
 async def _run(proxy: Proxy, host: str, port: int) -> None:
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_stop_on_signal, stop)
+        nursery.start_soon(stop_on_signal, stop, log)
         url = await nursery.start(functools.partial(serve_proxy, shutdown_trigger=stop.wait),
                                   proxy, host, port)
         print(f"pd-fsm proxy: listening on {url}", flush=True)
         await stop.wait()
-        nursery.cancel_scope.deadline = trio.current_time() + 5
-
-
-async def _stop_on_signal(stop: trio.Event) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for signum in signals:
-            log.info("received %s", signal.Signals(signum).name)
-            stop.set()
-            return
+        nursery.cancel_scope.deadline = trio.current_time() + STOP_GRACE_S

@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import signal
 import sys
 from typing import TYPE_CHECKING
 
 import trio
 
+from pd_fsm.io_trio.cli_common import STOP_GRACE_S, run_service, stop_on_signal
 from pd_fsm.io_trio.worker.config import ServeConfig, add_serve_arguments, config_from_args
 
 if TYPE_CHECKING:
@@ -62,13 +62,7 @@ def main(args: argparse.Namespace) -> int:
     from pd_fsm.io_trio.worker.app import WorkerApp
 
     worker = WorkerApp(config, backend)
-    try:
-        trio.run(_run, worker)
-    except OSError as exc:  # typically: the port is taken
-        log.error("cannot serve on %s:%s: %s", config.host, config.port, exc)
-        return 1
-    log.info("stopped")
-    return 0
+    return run_service(_run, worker, host=config.host, port=config.port, log=log)
 
 
 async def _run(worker: object) -> None:
@@ -77,21 +71,11 @@ async def _run(worker: object) -> None:
     assert isinstance(worker, WorkerApp)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_stop_on_signal, stop, nursery.cancel_scope)
+        nursery.start_soon(stop_on_signal, stop, log, nursery.cancel_scope)
         serve = functools.partial(serve_worker, shutdown_trigger=stop.wait)
         url = await nursery.start(serve, worker, worker.config.host, worker.config.port)
         # One machine-readable line for launchers (the cluster runner reads the port from it).
         print(f"pd-fsm serve: listening on {url}", flush=True)
         await stop.wait()
         log.info("shutting down")
-        nursery.cancel_scope.deadline = trio.current_time() + 5
-
-
-async def _stop_on_signal(stop: trio.Event, scope: trio.CancelScope) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for signum in signals:
-            log.info("received %s", signal.Signals(signum).name)
-            stop.set()
-            # A model still loading in a thread cannot be interrupted; do not wait on it long.
-            scope.deadline = min(scope.deadline, trio.current_time() + 5)
-            return
+        nursery.cancel_scope.deadline = trio.current_time() + STOP_GRACE_S

@@ -94,6 +94,10 @@ def _configure(sock: zmq.Socket[Any], limits: SideChannelLimits) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, limits.max_msg_size)
 
 
+# Refusals the stats count apart from "malformed" (a stats field of the same name each).
+_DROP_KINDS: dict[type[RemoteProtocolError], str] = {StaleFrame: "stale", ReplayedFrame: "replayed"}
+
+
 def _log_drop(count: int, kind: str, peer: str, detail: str) -> None:
     # Every drop is counted; the log gets the 1st, 2nd, 4th, 8th, ... so a flood of garbage
     # stays visible without becoming a flood of log lines.
@@ -178,17 +182,11 @@ class _Channel:
             return
         try:
             message = decode(frame, self._secret, guard=self._guard, now=time.time())
-        except StaleFrame as exc:
-            self.stats.stale += 1
-            _log_drop(self.stats.stale, "stale", peer, str(exc))
-            return
-        except ReplayedFrame as exc:
-            self.stats.replayed += 1
-            _log_drop(self.stats.replayed, "replayed", peer, str(exc))
-            return
         except RemoteProtocolError as exc:
-            self.stats.malformed += 1
-            _log_drop(self.stats.malformed, "malformed", peer, str(exc))
+            kind = _DROP_KINDS.get(type(exc), "malformed")
+            count = getattr(self.stats, kind) + 1
+            setattr(self.stats, kind, count)
+            _log_drop(count, kind, peer, str(exc))
             return
         self.stats.received += 1
         await self._deliver(peer, message)
