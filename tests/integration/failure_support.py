@@ -59,10 +59,21 @@ TINY = ["--model", "tiny", "--page-size", str(PAGE_SIZE), "--max-running", "8",
         "--max-batched-tokens", "256", "--context-length", "256"]
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+    """A port free now and never handed out before in this test run. Ports are picked before
+    the processes that bind them start, so without the set two picks (the bootstrap's and a
+    worker's, seen once) can return the same number: the worker then fails to bind while the
+    health check of its URL is answered by the other process."""
+    while True:
+        with socket.socket() as s:
+            s.bind((HOST, 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def cli(*args: str) -> list[str]:

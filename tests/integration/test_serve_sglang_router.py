@@ -6,7 +6,6 @@ what the router reads, so this pins the wire shape both sides agree on."""
 from __future__ import annotations
 
 import importlib.util
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 import trio
 
 from pd_fsm.core.messages import MAX_ROOM
+from pd_fsm.io_trio.cluster import free_ports
 from tests.integration.pd_standins import serve_standin
 
 pytestmark = pytest.mark.skipif(
@@ -24,18 +24,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def test_sglang_router_pd_mode_registers_and_relays(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     p_url, p = await serve_standin(nursery, "prefill")
     d_url, d = await serve_standin(nursery, "decode")
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_ports(2)  # held together while picked: never the same
     log = (tmp_path / "router.log").open("wb")
     cmd = [
         sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
