@@ -22,6 +22,8 @@ import attrs
 import httpx
 import trio
 
+from pd_fsm.io_trio.api_key import bearer
+
 _WORD_TEXT = (
     "the of and to in is was for on that with as by at from his her they this which be or "
     "had are not but have an were one all their there been has when who will more no if out "
@@ -174,7 +176,9 @@ async def run_load(url: str, args: argparse.Namespace, prompts: list[Prompt]) ->
     results: list[Result] = [Result() for _ in prompts]
     limiter = trio.CapacityLimiter(args.max_concurrency or len(prompts) or 1)
     limits = httpx.Limits(max_connections=max(limiter.total_tokens, 1) + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as http:
+    headers = bearer(args.api_key) if getattr(args, "api_key", None) else {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits,
+                                 headers=headers) as http:
         start = trio.current_time()
 
         async def send(i: int, prompt: Prompt) -> None:
@@ -239,6 +243,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.set_defaults(func=main)
 
 

@@ -20,6 +20,7 @@ import httpx
 import trio
 
 from pd_fsm.core import events as ev
+from pd_fsm.io_trio.http_server import http_client
 from pd_fsm.io_trio.records import (
     InstanceRecord,
     KeyBody,
@@ -30,6 +31,11 @@ from pd_fsm.io_trio.records import (
 )
 
 log = logging.getLogger("pd_fsm.io_trio.bootstrap_client")
+
+
+# What a connection closed by the server under a reused request looks like (a fresh connection
+# that cannot be made is a ConnectError: the server is down, and retrying at once won't help).
+_STALE_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
 class BootstrapError(Exception):
@@ -64,14 +70,17 @@ class BootstrapClient:
         # dropped us: 3 intervals, the default TTL's ratio.
         self.stale_after = 3 * heartbeat_interval if stale_after is None else stale_after
         headers = {"authorization": f"Bearer {secret.decode()}"} if secret else {}
-        self._http = http or httpx.AsyncClient(base_url=base_url, timeout=request_timeout)
+        self._http = http or http_client(base_url=base_url, timeout=request_timeout)
         self._http.headers.update(headers)
         self._owns_http = http is None
         self._rng = rng or random.Random()
         self._acked_at: float | None = None
         self.registrations = 0
         self.heartbeats = 0
-        self.failures = 0
+        self.failures = 0  # registrations and heartbeats that failed (each logged)
+        self.heartbeat_failures = 0
+        # Requests that met a connection the server had closed and went through on a retry.
+        self.stale_retries = 0
 
     async def __aenter__(self) -> BootstrapClient:
         return self
@@ -135,6 +144,7 @@ class BootstrapClient:
                 status = await self._write("POST", "/heartbeat", to_json(self._key()))
             except BootstrapError as exc:
                 self.failures += 1
+                self.heartbeat_failures += 1
                 log.warning("bootstrap heartbeat failed: %s", exc)
                 continue
             if status == 404:
@@ -178,15 +188,35 @@ class BootstrapClient:
         raise BootstrapError(f"{method} {path}: HTTP {response.status_code} {_detail(response)}")
 
     async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """One request under ``request_timeout``; retried once at once when the connection
+        failed before any answer (every call here is idempotent: PUT, DELETE, a heartbeat,
+        GET). A pooled connection that the server closed for idleness just as we reused it
+        fails exactly so; a second failure is real and raises :class:`BootstrapError`."""
         try:
             with trio.fail_after(self.request_timeout):
-                return await self._http.request(method, path, **kwargs)
+                try:
+                    return await self._http.request(method, path, **kwargs)
+                except _STALE_CONNECTION as exc:
+                    log.debug("%s %s: %s on a reused connection; retrying", method, path, exc)
+                    response = await self._http.request(method, path, **kwargs)
+                    self.stale_retries += 1
+                    return response
         except trio.TooSlowError:
             raise BootstrapError(
                 f"{method} {path}: no answer within {self.request_timeout:g} s"
             ) from None
         except httpx.HTTPError as exc:
             raise BootstrapError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+
+    def stats(self) -> dict[str, int]:
+        """Counters for the owner's ``/metrics`` (read on the trio thread that mutates them)."""
+        return {
+            "registrations_total": self.registrations,
+            "heartbeats_total": self.heartbeats,
+            "heartbeat_failures_total": self.heartbeat_failures,
+            "failures_total": self.failures,
+            "stale_connection_retries_total": self.stale_retries,
+        }
 
     async def resolve(
         self,

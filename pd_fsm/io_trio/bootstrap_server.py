@@ -15,13 +15,12 @@ import json
 import logging
 from collections import deque
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import Any
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
@@ -30,6 +29,7 @@ from pd_fsm.core import events as ev
 from pd_fsm.core.config import RegistryConfig
 from pd_fsm.core.registry import Acknowledged, BootstrapRegistry, RegistrationRequired
 from pd_fsm.io_trio.driver import EndpointDriver
+from pd_fsm.io_trio.http_server import SERVER_KEEP_ALIVE_S, hypercorn_config, serve_app
 from pd_fsm.io_trio.records import (
     RANK_AXES,
     ROLES,
@@ -96,6 +96,7 @@ class BootstrapServer:
         self.secret = secret
         self.max_body = max_body
         self.bad_requests = 0
+        self.client_disconnects = 0
         self.app = Starlette(
             exception_handlers={_Busy: _busy},
             routes=[
@@ -148,6 +149,10 @@ class BootstrapServer:
             return _error(401, "missing or wrong cluster secret (Authorization: Bearer ...)")
         try:
             return await self._read_json(request)
+        except ClientDisconnect:
+            # A client leaving mid-body is normal (a worker stopping): counted, no traceback.
+            self.client_disconnects += 1
+            return _error(499, "client closed the request")
         except _BodyTooLarge:
             self.bad_requests += 1
             response = _error(413, f"body over {self.max_body} bytes")
@@ -290,17 +295,9 @@ class BootstrapServer:
                 "expired_total": self.registry.expired_total,
                 # Refused writes (no or wrong cluster secret, bad bodies): visible, not just logged.
                 "bad_requests_total": self.bad_requests,
+                "client_disconnects_total": self.client_disconnects,
             }
         )
-
-
-def hypercorn_config(host: str, port: int) -> HypercornConfig:
-    config = HypercornConfig()
-    config.bind = [f"{host}:{port}"]
-    config.accesslog = None
-    config.errorlog = logging.getLogger("pd_fsm.io_trio.hypercorn")
-    config.graceful_timeout = 2.0
-    return config
 
 
 async def serve_bootstrap(
@@ -309,19 +306,21 @@ async def serve_bootstrap(
     port: int = 0,
     *,
     shutdown_trigger: Any = None,
+    keep_alive: float = SERVER_KEEP_ALIVE_S,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the registry driver and hypercorn; ``started()`` with the base URL once listening.
 
     ``port=0`` picks a free port (tests). ``shutdown_trigger`` (an async callable) stops the
-    HTTP server gracefully when it returns; cancellation stops everything.
+    HTTP server gracefully when it returns; cancellation stops everything. ``keep_alive`` is
+    the idle-connection timeout (see ``http_server.py``; tests shorten it to race clients).
     """
     async with trio.open_nursery() as nursery:
         await nursery.start(server.run)
         binds: list[str] = await nursery.start(
             _serve_http,
             server,
-            hypercorn_config(host, port),
+            hypercorn_config(host, port, keep_alive=keep_alive),
             shutdown_trigger,
             nursery.cancel_scope,
         )
@@ -339,13 +338,8 @@ async def _serve_http(
     *,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    # Routers probe with HTTP/2 too; the probe-safe server survives them (see http_server.py).
-    # Imported here: http_server imports this module for hypercorn_config.
-    from pd_fsm.io_trio.http_server import install_probe_safe_server
-
-    install_probe_safe_server()
-    # Starlette is an ASGI 3 app; hypercorn's annotation is narrower than the protocol.
-    await hypercorn_serve(
-        cast(Any, server.app), config, shutdown_trigger=shutdown_trigger, task_status=task_status
+    await serve_app(
+        server.app, "", 0, config=config, shutdown_trigger=shutdown_trigger,
+        task_status=task_status,
     )
     scope.cancel()  # hypercorn shut down gracefully: the registry's driver has no one to serve

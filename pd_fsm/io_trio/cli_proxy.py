@@ -14,6 +14,7 @@ import sys
 import trio
 
 from pd_fsm.core.config import RouterConfig
+from pd_fsm.io_trio.api_key import add_api_key_arguments, api_key_from_args
 from pd_fsm.io_trio.cli_common import STOP_GRACE_S, run_service, stop_on_signal
 from pd_fsm.io_trio.proxy import PrefillTarget, Proxy, serve_proxy
 
@@ -36,6 +37,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="INFO")
+    add_api_key_arguments(p)
+    add_api_key_arguments(p, "worker-", who="the proxy sends to every worker; workers expect")
     p.set_defaults(func=main)
 
 
@@ -71,11 +74,14 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("give --prefill and --decode workers, or --bootstrap-url")
         if args.refresh_interval <= 0 or args.room_timeout <= 0:
             raise ValueError("--refresh-interval and --room-timeout must be positive")
+        api_key = api_key_from_args(args)
+        worker_api_key = api_key_from_args(args, "worker-")
     except ValueError as exc:
         log.error("%s", exc)
         return 2
     proxy = Proxy(prefill, args.decode, bootstrap_url=args.bootstrap_url,
-                  refresh_interval=args.refresh_interval, room_timeout=args.room_timeout)
+                  refresh_interval=args.refresh_interval, room_timeout=args.room_timeout,
+                  api_key=api_key, worker_api_key=worker_api_key)
     return run_service(_run, proxy, args.host, args.port, host=args.host, port=args.port, log=log)
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from pd_fsm.io_trio.cli_common import STOP_GRACE_S, run_service, stop_on_signal
+from pd_fsm.io_trio.cpu_placement import parse_cpus, pin_to
 from pd_fsm.io_trio.worker.config import ServeConfig, add_serve_arguments, config_from_args
 
 if TYPE_CHECKING:
@@ -49,6 +50,10 @@ def main(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         config.cluster_secret()  # fail now, not at the first registration
+        if config.cpus is not None:
+            # Before anything starts JAX: XLA sizes its thread pools from the affinity.
+            pinned = pin_to(parse_cpus(config.cpus))
+            log.info("pinned to cores %s", ",".join(map(str, sorted(pinned))))
     except (ValueError, OSError) as exc:
         log.error("%s", exc)
         return 2

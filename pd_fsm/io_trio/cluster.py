@@ -21,11 +21,14 @@ import socket
 import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
 import httpx
 import trio
+
+from pd_fsm.io_trio.api_key import bearer
 
 log = logging.getLogger("pd_fsm.io_trio.cluster")
 
@@ -83,6 +86,10 @@ def plan(args: argparse.Namespace) -> list[Child]:
     d_ports = ports[2 + 2 * n_p : 2 + 2 * n_p + n_d]
     colo_port = ports[-1]
     worker = ["--model", args.model, "--host", HOST, *shlex.split(args.worker_args or "")]
+    # One key file for every public endpoint: workers require it, the proxy requires it and
+    # sends it to the workers (the key itself never appears on a command line).
+    keyed = [] if args.api_key_file is None else ["--api-key-file", str(args.api_key_file)]
+    worker += keyed
     for flag in ("num_pages", "page_size", "max_running", "context_length"):
         value = getattr(args, flag)
         if value is not None:
@@ -93,27 +100,36 @@ def plan(args: argparse.Namespace) -> list[Child]:
     if n_p or n_d:
         children.append(Child("bootstrap", _cli("bootstrap", "--host", HOST, "--port",
                                                 str(boot_port)), f"http://{HOST}:{boot_port}"))
+    def pinned(role: str) -> list[str]:
+        cpus = getattr(args, f"{role}_cpus")
+        return [] if cpus is None else ["--cpus", cpus]
+
     for i, (port, side) in enumerate(zip(p_ports, side_ports, strict=True)):
         children.append(Child(
             f"prefill-{i}",
-            _cli("serve", *worker, "--port", str(port), "--disaggregation-mode", "prefill",
-                 *pd, "--disaggregation-side-channel-port", str(side)),
+            _cli("serve", *worker, *pinned("prefill"), "--port", str(port),
+                 "--disaggregation-mode", "prefill", *pd,
+                 "--disaggregation-side-channel-port", str(side)),
             f"http://{HOST}:{port}", f"bootstrap port {side}",
         ))
     for i, port in enumerate(d_ports):
         children.append(Child(
             f"decode-{i}",
-            _cli("serve", *worker, "--port", str(port), "--disaggregation-mode", "decode", *pd),
+            _cli("serve", *worker, *pinned("decode"), "--port", str(port),
+                 "--disaggregation-mode", "decode", *pd),
             f"http://{HOST}:{port}",
         ))
     if args.colocated:
         children.append(Child(
             "colocated",
-            _cli("serve", *worker, "--port", str(colo_port), "--disaggregation-mode", "null"),
+            _cli("serve", *worker, *pinned("colocated"), "--port", str(colo_port),
+                 "--disaggregation-mode", "null"),
             f"http://{HOST}:{colo_port}",
         ))
     if n_p and n_d:
-        proxy_args = ["proxy", "--host", HOST, "--port", str(proxy_port)]
+        proxy_args = ["proxy", "--host", HOST, "--port", str(proxy_port), *keyed]
+        if keyed:
+            proxy_args += ["--worker-api-key-file", str(args.api_key_file)]
         for child, side in zip(children[1 : 1 + n_p], side_ports, strict=True):
             proxy_args += ["--prefill", str(child.url), str(side)]
         for child in children[1 + n_p : 1 + n_p + n_d]:
@@ -283,13 +299,13 @@ class Cluster:
 # --------------------------------------------------------------------------------- --ask
 
 
-async def ask(cluster: Cluster, prompt: str, max_tokens: int) -> int:
+async def ask(cluster: Cluster, prompt: str, max_tokens: int, headers: dict[str, str]) -> int:
     """Send one chat prompt through the proxy and to the colocated worker; print both answers."""
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0}
     answers: dict[str, str] = {}
     status = 0
-    async with httpx.AsyncClient(timeout=300) as http:
+    async with httpx.AsyncClient(timeout=300, headers=headers) as http:
         for name in ("proxy", "colocated"):
             child = cluster.by_name(name)
             if child is None:
@@ -325,6 +341,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--page-size", type=int, default=None)
     p.add_argument("--max-running", type=int, default=None)
     p.add_argument("--context-length", type=int, default=None)
+    for role in ("prefill", "decode", "colocated"):
+        p.add_argument(f"--{role}-cpus", default=None, metavar="LIST",
+                       help=f"pin every {role} worker to these cores (`pd-fsm serve --cpus`)")
+    p.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
+                   help="workers and proxy require 'Authorization: Bearer <key in FILE>'")
     p.add_argument("--worker-args", default="",
                    help="more `pd-fsm serve` flags for every worker, as one quoted string")
     p.add_argument("--startup-timeout", type=float, default=600.0,
@@ -352,8 +373,10 @@ def main(args: argparse.Namespace) -> int:
     if args.ask is not None:
         prompt, max_tokens = args.ask, args.max_tokens
 
+        headers = {} if args.api_key_file is None else bearer(args.api_key_file.read_text().strip())
+
         async def action(c: Cluster) -> int:
-            return await ask(c, prompt, max_tokens)
+            return await ask(c, prompt, max_tokens, headers)
 
     return trio.run(cluster.run, action)
 

@@ -1,8 +1,20 @@
-"""Serving an ASGI app with hypercorn's trio worker, robust to the probes routers send.
+"""HTTP plumbing every pd_fsm service shares: hypercorn on trio for the servers, one client
+factory for the httpx clients, and the keep-alive contract between the two.
 
-sglang-router opens HTTP/2 prior-knowledge (gRPC) probes against every worker. Hypercorn 0.18's
-trio TCPServer then races its connection close (``send_eof``) against a pending ``send_all``;
-the loser raises ``trio.BusyResourceError``, which nothing catches, so it escapes
+**Keep-alive.** A pooled connection that the server closes for idleness at the moment a client
+reuses it fails that request ("Server disconnected without sending a response", or a reset).
+Measured under load (issue 18): hypercorn's default keep-alive is 5 s, httpx keeps idle
+connections 5 s, and workers heartbeat the registry every 5 s, so the two timers raced and 12
+heartbeats failed in 5 minutes. The rule now: every pd_fsm server keeps an idle connection
+``SERVER_KEEP_ALIVE_S`` (120 s), clearly longer than any client of ours keeps one idle
+(``CLIENT_KEEPALIVE_EXPIRY_S``, 30 s) and than reqwest's default pool idle timeout (90 s, the
+sglang-router's client). A client then always drops an idle connection before the server does.
+Idempotent calls (the registry's) also retry once at once on a connection-level error of a
+reused connection (``bootstrap_client.py``), for servers that are not ours.
+
+**Probes.** sglang-router opens HTTP/2 prior-knowledge (gRPC) probes against every worker.
+Hypercorn 0.18's trio TCPServer then races its connection close (``send_eof``) against a pending
+``send_all``; the loser raises ``trio.BusyResourceError``, which nothing catches, so it escapes
 ``serve_listeners`` and takes the whole server down (measured here: the router's first probe
 killed a worker). The subclass below treats that error like the ``BrokenResourceError`` hypercorn
 already handles: the connection is closing anyway, the data has nowhere to go.
@@ -10,16 +22,20 @@ already handles: the connection is closing anyway, the data has nowhere to go.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
+import httpx
 import trio
+from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, Event
 from hypercorn.trio import run as hypercorn_run
 from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.tcp_server import TCPServer
 
-from pd_fsm.io_trio.bootstrap_server import hypercorn_config
+SERVER_KEEP_ALIVE_S = 120.0
+CLIENT_KEEPALIVE_EXPIRY_S = 30.0
 
 
 class _ClosingSafeTCPServer(TCPServer):
@@ -36,15 +52,52 @@ def install_probe_safe_server() -> None:
         hypercorn_run.TCPServer = _ClosingSafeTCPServer  # type: ignore[misc]
 
 
+def hypercorn_config(
+    host: str, port: int, *, keep_alive: float = SERVER_KEEP_ALIVE_S
+) -> HypercornConfig:
+    config = HypercornConfig()
+    config.bind = [f"{host}:{port}"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("pd_fsm.io_trio.hypercorn")
+    config.graceful_timeout = 2.0
+    config.keep_alive_timeout = keep_alive
+    return config
+
+
+def http_client(
+    *,
+    base_url: str = "",
+    timeout: float | httpx.Timeout = 10.0,
+    max_connections: int = 100,
+    max_keepalive: int = 20,
+    keepalive_expiry: float = CLIENT_KEEPALIVE_EXPIRY_S,
+) -> httpx.AsyncClient:
+    """An httpx client that drops idle connections before any pd_fsm server closes them."""
+    if keepalive_expiry >= SERVER_KEEP_ALIVE_S:
+        raise ValueError("a client must expire idle connections before the server closes them")
+    limits = httpx.Limits(
+        max_connections=max_connections,
+        max_keepalive_connections=max_keepalive,
+        keepalive_expiry=keepalive_expiry,
+    )
+    return httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits)
+
+
 async def serve_app(
     app: Any,
     host: str,
     port: int,
     *,
+    config: HypercornConfig | None = None,
     shutdown_trigger: Callable[[], Awaitable[Any]] | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` on ``host:port`` (0: any free port); ``started()`` with the bound URLs."""
     install_probe_safe_server()
-    await hypercorn_serve(app, hypercorn_config(host, port), shutdown_trigger=shutdown_trigger,
-                          task_status=task_status)
+    # Starlette is an ASGI 3 app; hypercorn's annotation is narrower than the protocol.
+    await hypercorn_serve(
+        cast(Any, app),
+        config or hypercorn_config(host, port),
+        shutdown_trigger=shutdown_trigger,
+        task_status=task_status,
+    )

@@ -37,7 +37,7 @@ import trio
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -45,6 +45,8 @@ from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.config import RouterConfig
 from pd_fsm.core.router import RoomRouter
+from pd_fsm.io_trio.api_key import ApiKeyGate, bearer
+from pd_fsm.io_trio.http_server import http_client, serve_app
 from pd_fsm.io_trio.worker.metrics import StatsCollector
 from pd_fsm.io_trio.worker.sse import Receive, Send
 
@@ -129,8 +131,13 @@ class Proxy:
         room_timeout: float = RouterConfig().room_timeout,
         rng: random.Random | None = None,
         client: httpx.AsyncClient | None = None,
+        api_key: str | None = None,
+        worker_api_key: str | None = None,
     ) -> None:
         self._targets = {p.url: p for p in prefill}
+        # Sent to workers on every call (legs, aborts, info). Without it a leg carries the
+        # client's own Authorization header, as sglang-router forwards it.
+        self._worker_headers = bearer(worker_api_key) if worker_api_key else {}
         self.router = RoomRouter(
             [p.url for p in prefill],
             [d.rstrip("/") for d in decode],
@@ -159,8 +166,10 @@ class Proxy:
             Route("/health", self._health, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
         ]
-        self.app = Starlette(routes=routes,
-                             exception_handlers={HTTPException: self._on_http_exception})
+        self.app: Starlette | ApiKeyGate = Starlette(
+            routes=routes, exception_handlers={HTTPException: self._on_http_exception})
+        if api_key is not None:
+            self.app = ApiKeyGate(self.app, api_key)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -171,9 +180,8 @@ class Proxy:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         if self._client is None:
-            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None),
-                                             limits=limits)
+            self._client = http_client(timeout=httpx.Timeout(10.0, read=None),
+                                       max_connections=1024, max_keepalive=256)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -236,7 +244,8 @@ class Proxy:
         self.aborts_sent[leg] += 1
         try:
             with trio.fail_after(ABORT_TIMEOUT):
-                await self.client.post(f"{url}/abort_request", json={"rid": rid})
+                await self.client.post(f"{url}/abort_request", json={"rid": rid},
+                                       headers=self._worker_headers)
         except (httpx.HTTPError, trio.TooSlowError) as exc:
             log.warning("abort of %s leg %s at %s failed: %r", leg, rid, url, exc)
 
@@ -310,7 +319,7 @@ class Proxy:
         """Pass-through to the first decode worker (then prefill)."""
         for base in [*self.decode_urls, *self._targets]:
             try:
-                r = await self.client.get(base + request.url.path)
+                r = await self.client.get(base + request.url.path, headers=self._worker_headers)
             except httpx.HTTPError:
                 continue
             return Response(r.content, status_code=r.status_code,
@@ -319,7 +328,11 @@ class Proxy:
 
     async def _generation(self, request: Request) -> Any:
         path = request.url.path
-        raw = await request.body()
+        try:
+            raw = await request.body()
+        except ClientDisconnect:  # a client leaving mid-body is normal: counted, no traceback
+            log.info("%s: client left while sending its body", path)
+            return self._reply_now(path, 499, _error_body(499, "client closed the request"))
         if len(raw) > MAX_BODY:
             return self._reply_now(path, 413, _error_body(413, f"body over {MAX_BODY} bytes"))
         try:
@@ -334,6 +347,7 @@ class Proxy:
         for name in FORWARD_HEADERS:
             if name in request.headers:
                 headers[name] = request.headers[name]
+        headers.update(self._worker_headers)
         s = _Session(
             request_id=uuid.uuid4().hex,
             path=path,
@@ -565,7 +579,6 @@ async def serve_proxy(
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the proxy's tasks and its HTTP server; ``started()`` with the base URL."""
-    from pd_fsm.io_trio.http_server import serve_app
 
     async def http(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
                    ) -> None:

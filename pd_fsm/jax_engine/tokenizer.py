@@ -1,4 +1,4 @@
-"""Tokenizers, the chat template and incremental (streaming) detokenization.
+"""Tokenizers, their chat templates and incremental (streaming) detokenization.
 
 ``HFTokenizer`` wraps a ``tokenizers.Tokenizer`` (byte-level BPE built from GGUF metadata);
 ``CharTokenizer`` maps ids 0..255 to the Latin-1 characters for the tiny random-weight model, so
@@ -7,14 +7,17 @@ that any id sequence decodes to text and the text-level logic (stop strings) is 
 
 from __future__ import annotations
 
-import re
+import copy
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Protocol, Self
 
 import attrs
 
-CHATML_DEFAULT_SYSTEM_RE = re.compile(
-    r"messages\[0\]\['role'\] != 'system'.*?<\|im_start\|>system\n(.*?)<\|im_end\|>", re.S
+from pd_fsm.jax_engine.chat_template import (
+    CHATML_TEMPLATE,
+    NO_TEMPLATE_MESSAGE,
+    ChatTemplate,
+    ChatTemplateError,
 )
 
 
@@ -39,23 +42,15 @@ class Tokenizer(Protocol):
         self, messages: Iterable[ChatMessage], add_generation_prompt: bool = True
     ) -> str: ...
 
-
-def render_chatml(
-    messages: Iterable[ChatMessage], default_system: str | None, add_generation_prompt: bool
-) -> str:
-    """``<|im_start|>role\\ncontent<|im_end|>\\n`` per message, as SmolLM2's template does
-    (including its default system message when the conversation does not start with one)."""
-    msgs = list(messages)
-    parts = []
-    if default_system is not None and (not msgs or msgs[0].role != "system"):
-        parts.append(f"<|im_start|>system\n{default_system}<|im_end|>\n")
-    parts.extend(f"<|im_start|>{m.role}\n{m.content}<|im_end|>\n" for m in msgs)
-    if add_generation_prompt:
-        parts.append("<|im_start|>assistant\n")
-    return "".join(parts)
+    def with_chat_template(self, source: str) -> Self: ...
 
 
 class HFTokenizer:
+    """``bos_token`` / ``eos_token`` are the strings the chat template sees; by default the
+    vocabulary's spelling of ``bos_token_id`` and of the first ``eos_token_id`` (GGUF metadata
+    only has ids). An HF checkpoint passes its ``tokenizer_config.json`` strings instead, since
+    its config may list several EOS ids of which the template means one."""
+
     def __init__(
         self,
         tokenizer_json: str,
@@ -63,17 +58,23 @@ class HFTokenizer:
         chat_template: str | None = None,
         bos_token_id: int | None = None,
         add_bos_token: bool = False,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
     ) -> None:
         from tokenizers import Tokenizer as _HF
 
         self._tok = _HF.from_str(tokenizer_json)
-        eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
-        self._eos = frozenset(eos)
+        eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        self._eos = frozenset(eos_ids)
         self.bos_token_id = bos_token_id
         self.add_bos_token = add_bos_token
+        self.bos_token = bos_token if bos_token is not None else self.id_to_token(bos_token_id)
+        if eos_token is None and eos_ids:
+            eos_token = self.id_to_token(eos_ids[0])
+        self.eos_token = eos_token
         self.chat_template = chat_template
-        match = CHATML_DEFAULT_SYSTEM_RE.search(chat_template or "")
-        self._default_system = match.group(1) if match else None
+        # Compiled now: a template with a syntax error fails the model load, not a request.
+        self._template = None if chat_template is None else ChatTemplate(chat_template)
 
     @property
     def vocab_size(self) -> int:
@@ -96,22 +97,45 @@ class HFTokenizer:
         result = self._tok.token_to_id(token)
         return None if result is None else int(result)
 
+    def id_to_token(self, token_id: int | None) -> str | None:
+        result = None if token_id is None else self._tok.id_to_token(token_id)
+        return None if result is None else str(result)
+
     def apply_chat_template(
         self, messages: Iterable[ChatMessage], add_generation_prompt: bool = True
     ) -> str:
-        if self.chat_template is not None and "<|im_start|>" not in self.chat_template:
-            raise ValueError("only ChatML chat templates are supported")
-        return render_chatml(messages, self._default_system, add_generation_prompt)
+        """The checkpoint's template rendered; ChatTemplateError when it has none or refuses."""
+        if self._template is None:
+            raise ChatTemplateError(NO_TEMPLATE_MESSAGE)
+        return self._template.render(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
+
+    def with_chat_template(self, source: str) -> Self:
+        """The same tokenizer (sharing the vocabulary) with ``source`` as its template
+        (``--chat-template``)."""
+        other = copy.copy(self)
+        other._template = ChatTemplate(source)
+        other.chat_template = source
+        return other
 
 
 class CharTokenizer:
     """Id ``i`` <-> ``chr(i)`` for ``i < vocab_size <= 256``; ``eos`` decodes to nothing."""
 
-    def __init__(self, vocab_size: int = 256, eos_token_id: int = 0) -> None:
+    def __init__(
+        self, vocab_size: int = 256, eos_token_id: int = 0, chat_template: str = CHATML_TEMPLATE
+    ) -> None:
         if vocab_size > 256:
             raise ValueError("CharTokenizer covers Latin-1 only (vocab_size <= 256)")
         self._vocab = vocab_size
         self._eos = frozenset({eos_token_id})
+        # ChatML through the same Jinja path as real checkpoints, so the tiny model tests it.
+        self.chat_template = chat_template
+        self._template = ChatTemplate(chat_template)
 
     @property
     def vocab_size(self) -> int:
@@ -133,7 +157,17 @@ class CharTokenizer:
     def apply_chat_template(
         self, messages: Iterable[ChatMessage], add_generation_prompt: bool = True
     ) -> str:
-        return render_chatml(messages, None, add_generation_prompt)
+        # No special-token spellings (eos decodes to nothing): empty, so that a --chat-template
+        # written for a real model (``bos_token + ...``) still renders here.
+        return self._template.render(
+            messages, add_generation_prompt=add_generation_prompt, bos_token="", eos_token=""
+        )
+
+    def with_chat_template(self, source: str) -> Self:
+        other = copy.copy(self)
+        other._template = ChatTemplate(source)
+        other.chat_template = source
+        return other
 
 
 class IncrementalDetokenizer:

@@ -243,6 +243,36 @@ async def test_disconnect_non_streaming_aborts(worker: tuple[str, Any]) -> None:
     assert w.backend.outcomes["abort"] == 1
 
 
+async def test_client_leaving_mid_body_is_counted_not_a_traceback(
+    worker: tuple[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 18: a client that disconnects while its body is being read is a 499 outcome in the
+    metrics and at most one log line, never an "Error in ASGI Framework" traceback."""
+    url, w = worker
+    host, port = url.removeprefix("http://").split(":")
+    for path in ("/generate", "/v1/chat/completions"):
+        stream = await trio.open_tcp_stream(host, int(port))
+        head = (f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+                "content-length: 5000\r\n\r\n")
+        await stream.send_all(head.encode() + b'{"text": "half a bo')
+        await trio.sleep(0.2)  # the app is now waiting for the rest of the body
+        await stream.aclose()
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        with trio.fail_after(10):
+            while True:
+                metrics = (await http.get("/metrics")).text
+                if metrics.count('outcome="disconnected"') >= 2:
+                    break
+                await trio.sleep(0.05)
+        assert 'endpoint="/generate",outcome="disconnected"} 1.0' in metrics
+        r = await http.post("/generate", json={"text": "still here", "sampling_params": GREEDY})
+        assert r.status_code == 200
+    assert w.bad_requests == 0
+    errors = [rec for rec in caplog.records if rec.levelno >= 40]  # ERROR and up
+    assert not errors, [rec.getMessage() for rec in errors]
+    assert not any(rec.exc_info for rec in caplog.records)
+
+
 async def test_abort_request(worker: tuple[str, Any], nursery: trio.Nursery) -> None:
     url, w = worker
     long = {"temperature": 0, "max_new_tokens": 240, "ignore_eos": True}

@@ -85,7 +85,8 @@ async def test_ttl_expiry_exactly_after_last_heartbeat(autojump_clock: trio.test
             assert (await http.get("/list")).json()["instances"] == []
             health = (await http.get("/health")).json()
             assert health == {
-                "status": "ok", "instances": 0, "expired_total": 1, "bad_requests_total": 0
+                "status": "ok", "instances": 0, "expired_total": 1, "bad_requests_total": 0,
+                "client_disconnects_total": 0,
             }
             # A heartbeat after expiry is told to register again.
             r = await http.post(

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 import attrs
 
 from pd_fsm.core.config import DecodeConfig
+from pd_fsm.io_trio.api_key import add_api_key_arguments, api_key_from_args
+from pd_fsm.io_trio.cpu_placement import parse_cpus
 
 if TYPE_CHECKING:
     from pd_fsm.schedulers.args import SchedulerArgs
@@ -36,6 +38,8 @@ class ServeConfig:
     port: int = 30000
     max_body: int = DEFAULT_MAX_BODY
     served_model_name: str | None = None  # default: the model's name ("smollm2", "tiny")
+    # --chat-template FILE's text (read and compiled at start): replaces the model's template.
+    chat_template: str | None = attrs.field(default=None, repr=False)
     # -- scheduler (SchedulerArgs)
     model: str = "smollm2"
     dtype: str = "float32"
@@ -73,6 +77,10 @@ class ServeConfig:
     log_level: str = "INFO"
     # "hugepages": large host buffers on transparent huge pages (pd_fsm.jax_engine.host_memory)
     host_heap: str = "hugepages"
+    # Cores this worker may run on ("0", "0-1", "0,2"): set before JAX starts (cpu_placement.py).
+    cpus: str | None = None
+    # Clients of the OpenAI / sglang endpoints must send "Authorization: Bearer <key>".
+    api_key: str | None = attrs.field(default=None, repr=False)
 
     @property
     def model_name(self) -> str:
@@ -146,6 +154,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help=f"{' | '.join(MODEL_NAMES)} | a local HF Llama/Qwen2 checkpoint directory",
     )
     p.add_argument("--served-model-name", default=None, help="name clients use (default --model)")
+    p.add_argument(
+        "--chat-template", default=None, metavar="FILE",
+        help="Jinja chat template to use instead of the model's own",
+    )
     p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16"))
     p.add_argument("--model-seed", type=int, default=d.model_seed, help="tiny model weights")
     p.add_argument("--num-pages", type=int, default=d.num_pages, help="KV pool pages (+null)")
@@ -206,6 +218,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--host-heap", choices=HOST_HEAP_POLICIES, default=d.host_heap,
         help="hugepages: large host buffers on huge pages (faster pulls on CPU); default: glibc's",
     )
+    p.add_argument("--cpus", default=None, metavar="LIST",
+                   help="pin the worker to these cores, e.g. 0 or 0-1 or 0,2 (default: all)")
+    add_api_key_arguments(p)
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -218,17 +233,26 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError("--context-length must be > 1")
     if not 0 <= args.port < 65536:
         raise ValueError("--port must be in 0..65535")
+    if args.cpus is not None:
+        parse_cpus(args.cpus)  # a bad list fails here, naming itself
     windows = tuple(f"disaggregation_{w.replace('-', '_')}" for w in _WINDOWS)
     for name in ("disaggregation_bootstrap_heartbeat_interval",
                  "disaggregation_bootstrap_heartbeat_ttl", "disaggregation_queue_timeout",
                  *windows):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    chat_template = None
+    if args.chat_template is not None:
+        # Imported here: jinja2 is not needed for `pd-fsm --help`.
+        from pd_fsm.jax_engine.chat_template import read_chat_template
+
+        chat_template = read_chat_template(args.chat_template)
     return ServeConfig(
         host=args.host,
         port=args.port,
         max_body=args.max_body,
         served_model_name=args.served_model_name,
+        chat_template=chat_template,
         model=args.model,
         dtype=args.dtype,
         model_seed=args.model_seed,
@@ -254,4 +278,6 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         cluster_secret_file=args.cluster_secret_file,
         log_level=args.log_level,
         host_heap=args.host_heap,
+        cpus=args.cpus,
+        api_key=api_key_from_args(args),
     )

@@ -127,6 +127,9 @@ class _PDBackend(ColocatedBackend, ABC):
             out["side_channel"] = side.stats.as_dict()
         out["inbox_dropped_total"] = self.inbox_dropped
         out["busy_liveness_total"] = self.busy_liveness_total
+        if self.bootstrap is not None:
+            # Registry heartbeats that failed would make a healthy instance flap out of routing.
+            out.update({f"bootstrap_{k}": v for k, v in self.bootstrap.stats().items()})
         return out
 
     @abstractmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -61,22 +62,43 @@ def load_hf(directory: str | Path, dtype: str = "float32") -> LoadedModel:
     tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.exists() else {}
     tokenizer_json = (path / "tokenizer.json").read_text()
     eos = raw_cfg.get("eos_token_id")
+    eos_token, bos_token = _token_string(tok_cfg, "eos_token"), _token_string(tok_cfg, "bos_token")
     if eos is None:
         from tokenizers import Tokenizer as _HF
 
-        eos_token = tok_cfg.get("eos_token")
-        eos_token = eos_token.get("content") if isinstance(eos_token, dict) else eos_token
         eos = _HF.from_str(tokenizer_json).token_to_id(eos_token) if eos_token else None
     if eos is None:
         raise ValueError(f"{path}: no eos_token_id in config.json or tokenizer_config.json")
     tokenizer = HFTokenizer(
         tokenizer_json,
         eos_token_id=eos,
-        chat_template=tok_cfg.get("chat_template"),
+        chat_template=_hf_chat_template(path, tok_cfg),
         bos_token_id=raw_cfg.get("bos_token_id"),
         add_bos_token=bool(tok_cfg.get("add_bos_token", False)),
+        bos_token=bos_token,
+        eos_token=eos_token,
     )
     return LoadedModel(str(path), config, to_device(params_np, dtype), tokenizer)
+
+
+def _token_string(tok_cfg: dict[str, Any], key: str) -> str | None:
+    """``tokenizer_config.json`` spells a special token as a string or an AddedToken dict."""
+    value = tok_cfg.get(key)
+    value = value.get("content") if isinstance(value, dict) else value
+    return value if isinstance(value, str) else None
+
+
+def _hf_chat_template(path: Path, tok_cfg: dict[str, Any]) -> str | None:
+    """The template as transformers finds it: ``tokenizer_config.json``'s ``chat_template`` (a
+    string, or a list of named templates of which we serve ``default``), else the
+    ``chat_template.jinja`` file that newer checkpoints ship beside it."""
+    template = tok_cfg.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is None and (path / "chat_template.jinja").exists():
+        template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+    return template if isinstance(template, str) else None
 
 
 @functools.cache
