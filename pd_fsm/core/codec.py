@@ -15,6 +15,11 @@ byte string into a :class:`~pd_fsm.core.messages.Message` or raises
 :class:`~pd_fsm.core.errors.RemoteProtocolError` — nothing else escapes. Fields are checked
 strictly (no int from a string, no bool as an int, ranges enforced) because a peer's bytes are not
 trusted; a receiver configured with a secret refuses unsigned frames.
+
+The ``secret`` of :func:`encode` and :func:`decode` is the HMAC key itself. The adapters pass
+:func:`pd_fsm.core.keys.side_channel_key` of the cluster secret, never the cluster secret: the
+registry signs its requests with another key derived from it, and a MAC made with one key never
+verifies under the other.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from pd_fsm.core.messages import (
 from pd_fsm.core.replay import ReplayGuard
 
 MAGIC = b"PF"
-VERSION = 2  # 2: signed frames carry sent_ms and a nonce
+VERSION = 3  # 2: signed frames carry sent_ms and a nonce; 3: incarnations, READY.transfer_addr
 FLAG_SIGNED = 0x01
 MAC_SIZE = 32
 HEADER_SIZE = 4

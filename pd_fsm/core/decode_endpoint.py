@@ -8,6 +8,7 @@ an ack fails every room of that P with PeerLost and drops the cached resolution.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,8 @@ from pd_fsm.core.rooms import RoomMachines
 from pd_fsm.core.tables import KV_RECEIVER
 from pd_fsm.core.timers import DeadlineHeap
 
+_HOST_PORT = re.compile(r"[A-Za-z0-9.\-]{1,253}:[0-9]{1,5}|\[[0-9A-Fa-f:.]{2,45}\]:[0-9]{1,5}")
+
 # HTTP status for the client when a room fails on a given trigger.
 _STATUS = {
     "PeerUnresolved": 502,
@@ -46,10 +49,12 @@ class _ReceiverRoom:
         "first_logprob",
         "first_token",
         "hello_seq",
+        "incarnation",
         "n_pages",
         "peer",
         "room",
         "state",
+        "transfer_addr",
         "uuid",
     )
 
@@ -63,6 +68,8 @@ class _ReceiverRoom:
         self.first_token = -1
         self.first_logprob = 0.0
         self.hello_seq = -1  # last heartbeat seq sent before our RECV_INIT
+        self.incarnation = 0  # of the P process that sent READY (0: none yet, or not said)
+        self.transfer_addr = ""  # where READY said to pull from ("": the registry's address)
 
 
 class _Peer:
@@ -108,11 +115,19 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
     ) -> None:
         self._go(r, trigger, now, out, reason)
 
-    def __init__(self, identity: str, layout_hash: str, config: DecodeConfig | None = None) -> None:
+    def __init__(
+        self,
+        identity: str,
+        layout_hash: str,
+        config: DecodeConfig | None = None,
+        incarnation: int = 0,
+    ) -> None:
         self.config = config or DecodeConfig()
         super().__init__(self.config.recently_finished)
         self.identity = identity  # our reply_to: P answers the socket this names
         self.layout_hash = layout_hash
+        # Ours, new on every process start (0: not said): P frees a restarted D's old rooms.
+        self.incarnation = incarnation
         self.peers: dict[str, _Peer] = {}
         self._resolved: dict[str, str] = {}  # bootstrap_addr -> peer addr (cache)
         self._resolving: dict[str, list[int]] = {}  # bootstrap_addr -> rooms waiting
@@ -286,10 +301,16 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
             if problem:
                 self._violated(r, now, out, problem)
                 return
+            if peer is not None:
+                self._note_incarnation(peer, m.incarnation, now, out)
+                if m.transfer_addr:
+                    peer.transfer_addr = m.transfer_addr
             if r.state == "WAITING_FOR_READY":
                 r.uuid = m.uuid
                 r.first_token = m.first_token
                 r.first_logprob = m.first_logprob
+                r.incarnation = m.incarnation
+                r.transfer_addr = m.transfer_addr
             self._remote(r, "ReadyReceived", now, out, "")
         else:  # Abort
             self._remote(r, "AbortReceived", now, out, f"prefill aborted the room: {m.reason}")
@@ -299,12 +320,12 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
             return f"KV layout mismatch (P {m.layout_hash}, D {self.layout_hash}); refusing to pull"
         if m.n_pages != r.n_pages:
             return f"P offers {m.n_pages} pages, we reserved {r.n_pages}; refusing to pull"
+        if m.transfer_addr and not _HOST_PORT.fullmatch(m.transfer_addr):
+            return f"READY names an unusable transfer address {m.transfer_addr[:80]!r}"
         return ""
 
     def _on_ack(self, peer: _Peer, m: HeartbeatAck, now: float, out: list[Any]) -> None:
-        if peer.incarnation is not None and peer.incarnation != m.incarnation:
-            self._lose_peer(peer, now, out, f"prefill {peer.addr} restarted (its rooms are gone)")
-        peer.incarnation = m.incarnation
+        self._note_incarnation(peer, m.incarnation, now, out)
         for room in m.failed_rooms:
             r = self.rooms.get(room)
             if r is not None and r.peer == peer.addr:
@@ -320,6 +341,26 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
             ):
                 reason = f"prefill {peer.addr} does not know the room (restarted or lost our hello)"
                 self._go(r, "PeerLost", now, out, reason)
+
+    def _note_incarnation(self, peer: _Peer, incarnation: int, now: float, out: list[Any]) -> None:
+        """P names its incarnation in every ack and READY. A new one means P restarted (at the
+        same side-channel address): what its previous process held is gone. Rooms READY'd by that
+        process fail now (their KV died with it); rooms still waiting for READY are judged by the
+        new process's acks (``unknown_rooms``), since the new P may well hold their hello. The
+        route stays (P is back where it was) but not the transfer connection: one to a dead
+        transfer server fails every later pull on it."""
+        if incarnation == 0 or peer.incarnation == incarnation:
+            return
+        previous, peer.incarnation = peer.incarnation, incarnation
+        if previous is None:
+            return
+        self.stats.peer_restarts += 1
+        reason = f"prefill {peer.addr} restarted (its rooms are gone)"
+        for room in sorted(peer.rooms):
+            r = self.rooms.get(room)
+            if r is not None and r.incarnation not in (0, incarnation):
+                self._go(r, "PeerLost", now, out, reason)
+        out.append(fx.ForgetTransfer(peer.transfer_addr))
 
     # -- timers -------------------------------------------------------------------------------
 
@@ -356,7 +397,8 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
                 for i in range(0, len(rooms), MAX_ROOMS_PER_HEARTBEAT):
                     batch = tuple(rooms[i : i + MAX_ROOMS_PER_HEARTBEAT])
                     peer.hb_seq += 1
-                    out.append(fx.SendMessage(addr, Heartbeat(peer.hb_seq, batch)))
+                    heartbeat = Heartbeat(peer.hb_seq, batch, self.incarnation)
+                    out.append(fx.SendMessage(addr, heartbeat))
                 self._hb_timers.set(addr, now + self.config.heartbeat_interval)
 
     def _timeout_reason(self, r: _ReceiverRoom) -> str:
@@ -428,13 +470,14 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
     def _fx_SendRecvInit(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
         assert r.peer is not None
         r.hello_seq = self.peers[r.peer].hb_seq
-        msg = RecvInit(r.room, self.identity, r.n_pages, self.layout_hash)
+        msg = RecvInit(r.room, self.identity, r.n_pages, self.layout_hash, self.incarnation)
         out.append(fx.SendMessage(r.peer, msg))
 
     def _fx_StartPull(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
         assert r.peer is not None
         peer = self.peers[r.peer]
-        out.append(fx.StartPull(r.room, r.peer, peer.transfer_addr, r.uuid, r.n_pages))
+        transfer_addr = r.transfer_addr or peer.transfer_addr
+        out.append(fx.StartPull(r.room, r.peer, transfer_addr, r.uuid, r.n_pages))
 
     def _fx_SendDone(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
         assert r.peer is not None

@@ -57,6 +57,15 @@ class ForgetPeer:
 
 
 @attrs.frozen(slots=True)
+class ForgetTransfer:
+    """P restarted: drop the cached transfer connection to where its previous process served
+    (a connection to a dead transfer server fails every later pull on it, even when the new
+    process listens on the same address)."""
+
+    transfer_addr: str
+
+
+@attrs.frozen(slots=True)
 class ResolvePeer:
     """Look up the P at ``bootstrap_addr``; answer PeerResolved / PeerResolutionFailed."""
 

@@ -20,6 +20,9 @@ class RecvInit:
     reply_to: str
     n_pages: int
     layout_hash: str
+    # D's incarnation (0: not said). P reads a new one from the same D as "D restarted: the rooms
+    # its previous process claimed are gone" and frees their KV at once, not at lease expiry.
+    incarnation: int = 0
 
 
 @attrs.frozen(slots=True)
@@ -32,6 +35,11 @@ class Ready:
     n_pages: int
     layout_hash: str
     first_logprob: float = 0.0  # of first_token under P's distribution (for return_logprob)
+    # P's incarnation (0: not said) and where to pull from. A restarted P comes back on the same
+    # side-channel port with a new transfer port: D pulls from the address the READY names, and
+    # a new incarnation tells D that rooms READY'd by the previous process are gone.
+    incarnation: int = 0
+    transfer_addr: str = ""
 
 
 @attrs.frozen(slots=True)
@@ -49,6 +57,7 @@ class Heartbeat:
 
     seq: int  # echoed in the ack, so D knows which of its messages P had seen when answering
     rooms: tuple[int, ...]
+    incarnation: int = 0  # D's, as in RecvInit
 
 
 @attrs.frozen(slots=True)

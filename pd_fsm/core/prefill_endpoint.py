@@ -26,6 +26,7 @@ _LEASE = KV_HOLD_LEASE.transitions
 
 class _SenderRoom:
     __slots__ = (
+        "d_incarnation",
         "d_pages",
         "expires_at",
         "first_logprob",
@@ -34,6 +35,7 @@ class _SenderRoom:
         "lease",
         "n_pages",
         "peer",
+        "refusal",
         "room",
         "state",
         "uuid",
@@ -50,7 +52,9 @@ class _SenderRoom:
         self.first_logprob = 0.0
         self.n_pages = -1  # ours, known at PrefillFinished
         self.d_pages = -1  # D's claim, from RECV_INIT
+        self.d_incarnation = 0  # of the D process whose RECV_INIT bound the room (0: not said)
         self.has_request = False
+        self.refusal = ""  # D's reason, for a room D aborted before our leg arrived (REFUSED)
 
 
 class PrefillEndpoint(RoomMachines[_SenderRoom]):
@@ -63,6 +67,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
         rng: random.Random,
         config: LeaseConfig | None = None,
         incarnation: int | None = None,
+        transfer_addr: str = "",
     ) -> None:
         self.config = config or LeaseConfig()
         super().__init__(self.config.recently_finished)
@@ -70,6 +75,9 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
         self._rng = rng
         # Changes on every process start; D reads a change as "P restarted, its rooms are gone".
         self.incarnation = rng.getrandbits(63) if incarnation is None else incarnation
+        # Named in every READY: D pulls from here, not from a route it cached before we restarted.
+        self.transfer_addr = transfer_addr
+        self._d_incarnations: dict[str, int] = {}  # D identity -> its current process
         self._handlers: dict[type, Callable[[Any, float, list[Any]], None]] = {
             ev.PrefillRequestAccepted: self._on_request,
             ev.PrefillFinished: self._on_prefill_finished,
@@ -114,7 +122,11 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
             r = _SenderRoom(e.room)
             self._admit(r)
         r.has_request = True
-        self._step(r, "RequestAccepted", now, out, e)
+        # REFUSED (D aborted the room first): the row fails our leg at once, with D's reason.
+        ctx: Any = e
+        if r.refusal:
+            ctx = _Refused(f"D aborted the room before this leg arrived: {r.refusal}")
+        self._step(r, "RequestAccepted", now, out, ctx)
 
     def _on_prefill_finished(self, e: ev.PrefillFinished, now: float, out: list[Any]) -> None:
         r = self._live_local(e.room, "PrefillFinished")
@@ -190,8 +202,10 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
         elif r.peer is not None and r.peer != peer:
             self.stats.foreign_peer += 1
             return
+        self._note_d_incarnation(peer, m.incarnation, now, out)
         if r.peer is None:
             r.peer = peer  # BindPeer reads it; set first so SendAbort below reaches this D
+            r.d_incarnation = m.incarnation
         if m.layout_hash != self.layout_hash:
             self._violated(
                 r, now, out, f"KV layout mismatch (D {m.layout_hash}, P {self.layout_hash})"
@@ -207,16 +221,55 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
 
     def _on_done(self, peer: str, m: Done, now: float, out: list[Any]) -> None:
         r = self._room_for(peer, m.room)
-        if r is not None:
-            trigger = "DoneReceived" if m.ok else "DoneFailedReceived"
-            self._remote(r, trigger, now, out, m.reason or "D reported a failed transfer")
+        if r is None:
+            return
+        if r.peer is None:
+            # No D has sent RECV_INIT for this room, so none can have pulled it: this DONE is
+            # not from the room's peer. Counted and dropped; it must not fail (as a protocol
+            # violation) a room that its real D has yet to claim.
+            self.stats.foreign_peer += 1
+            return
+        trigger = "DoneReceived" if m.ok else "DoneFailedReceived"
+        self._remote(r, trigger, now, out, m.reason or "D reported a failed transfer")
 
     def _on_abort(self, peer: str, m: Abort, now: float, out: list[Any]) -> None:
+        # Unlike DONE, an ABORT counts on a room no D has claimed yet: D aborts a room it gave up
+        # on while still waiting for pages, before its RECV_INIT (kv_receiver ALLOCATING rows),
+        # so that P frees the KV now rather than at lease expiry. Once bound, only that D.
+        if m.room not in self.rooms and m.room not in self._finished:
+            # Before our own leg: D refused its leg (a null bootstrap_port) or gave up on it.
+            # Remember the room (REFUSED, for a lease window) so our leg fails when it arrives
+            # instead of waiting a whole lease for a RECV_INIT that will never come.
+            fresh = _SenderRoom(m.room)
+            fresh.refusal = m.reason or "aborted"
+            self._admit(fresh)
+            self._remote(fresh, "AbortReceived", now, out, f"D aborted: {m.reason}")
+            return
         r = self._room_for(peer, m.room)
         if r is not None:
             self._remote(r, "AbortReceived", now, out, f"D aborted: {m.reason}")
 
+    def _note_d_incarnation(self, peer: str, incarnation: int, now: float, out: list[Any]) -> None:
+        """A D that restarted keeps its identity (the same instance id, so the same reply_to)
+        but names a new incarnation. Rooms its previous process claimed will never be pulled or
+        heartbeated again: free their KV now rather than at lease expiry. A scan of the live
+        rooms, paid once per D restart."""
+        if incarnation == 0:
+            return
+        previous = self._d_incarnations.get(peer)
+        self._d_incarnations[peer] = incarnation
+        if previous is None or previous == incarnation:
+            return
+        self.stats.peer_restarts += 1
+        gone = [
+            r for r in self.rooms.values()
+            if r.peer == peer and r.d_incarnation not in (0, incarnation)
+        ]
+        for r in gone:
+            self._remote(r, "AbortReceived", now, out, f"decode {peer} restarted (room gone)")
+
     def _on_heartbeat(self, peer: str, m: Heartbeat, now: float, out: list[Any]) -> None:
+        self._note_d_incarnation(peer, m.incarnation, now, out)
         failed: list[int] = []
         unknown: list[int] = []
         rooms, finished = self.rooms, self._finished
@@ -284,7 +337,10 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
 
     def _fx_SendReady(self, r: _SenderRoom, now: float, out: list[Any], ctx: Any) -> None:
         assert r.peer is not None and r.uuid is not None
-        ready = Ready(r.room, r.uuid, r.first_token, r.n_pages, self.layout_hash, r.first_logprob)
+        ready = Ready(
+            r.room, r.uuid, r.first_token, r.n_pages, self.layout_hash, r.first_logprob,
+            self.incarnation, self.transfer_addr,
+        )
         out.append(fx.SendMessage(r.peer, ready))
 
     def _fx_SendAbort(self, r: _SenderRoom, now: float, out: list[Any], ctx: Any) -> None:
@@ -298,13 +354,18 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
         out.append(fx.CompleteRequest(r.room))
 
     def _fx_FailRequest(self, r: _SenderRoom, now: float, out: list[Any], ctx: Any) -> None:
-        # Our own client's abort is not a server error: 499, as on D.
-        status = 499 if isinstance(ctx, _LocalAbort) else 500
+        # Our own client's abort is not a server error: 499, as on D. A room D refused before
+        # our leg arrived: 502, the other half of the request failed.
+        status = 499 if isinstance(ctx, _LocalAbort) else 502 if isinstance(ctx, _Refused) else 500
         out.append(fx.FailRequest(r.room, _reason(ctx), status))
 
 
 class _LocalAbort(str):
     """The reason of a local abort (client gone, /abort_request)."""
+
+
+class _Refused(str):
+    """The reason our leg fails with when D aborted its room before the leg arrived."""
 
 
 def _reason(ctx: Any) -> str:

@@ -1,4 +1,4 @@
-"""Replay protection for signed side-channel frames.
+"""Replay protection for signed side-channel frames and signed registry requests.
 
 A signed frame proves who sent it, not when: without more, anyone who can capture a frame on the
 network can send it again. A replayed heartbeat would keep extending a room's KV lease on P, and a
@@ -13,6 +13,16 @@ receiver admits it only
 A frame older than the window is refused as stale, so only the MACs of the last two windows need
 remembering. Memory is bounded by ``max_entries``; at the bound a fresh frame is refused (counted
 by the adapter) rather than forgetting a MAC that may still be replayed.
+
+A restart empties the memory of seen MACs, which alone would let frames captured in the last
+window before the restart be replayed to the new process. So a guard also has a floor,
+``not_before``: the wall-clock time its owner started (the adapter passes it). A frame sent before
+it is refused as stale: no frame meant for this process can predate it. Clocks again: a sender
+whose clock is ``s`` seconds behind the receiver's has its frames refused for the first ``s``
+seconds after the receiver starts, which NTP keeps to milliseconds.
+
+The bootstrap registry uses the same guard for signed writes (:mod:`pd_fsm.core.request_auth`);
+``what`` names the thing in the errors ("frame", "request").
 
 Sans-IO like the rest of the core: the caller passes the receiver's wall-clock time.
 """
@@ -29,7 +39,8 @@ _KEY_BYTES = 16  # a MAC prefix: 128 bits still make an accidental collision imp
 
 
 class StaleFrame(RemoteProtocolError):
-    """A signed frame sent outside the replay window (replayed late, or the clocks disagree)."""
+    """A signed frame sent outside the replay window or before the receiver started (replayed
+    late, replayed across a restart, or the clocks disagree)."""
 
 
 class ReplayedFrame(RemoteProtocolError):
@@ -40,12 +51,19 @@ class ReplayGuard:
     """Remembers the MACs of recently accepted frames; see the module docstring."""
 
     def __init__(
-        self, window_s: float = DEFAULT_WINDOW_S, max_entries: int = DEFAULT_MAX_ENTRIES
+        self,
+        window_s: float = DEFAULT_WINDOW_S,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        *,
+        not_before: float | None = None,
+        what: str = "frame",
     ) -> None:
         if window_s <= 0 or max_entries <= 0:
             raise ValueError("window_s and max_entries must be > 0")
         self.window_s = window_s
         self.max_entries = max_entries
+        self.not_before = not_before  # the owner's start (wall clock); None: no floor
+        self.what = what
         self._seen: set[bytes] = set()
         # (forget_at, key) in acceptance order. forget_at = sent + window and frames arrive a
         # little out of order, so the queue is only roughly sorted: popping from the front while
@@ -58,20 +76,26 @@ class ReplayGuard:
     def admit(self, sent_at: float, mac: bytes, now: float) -> None:
         """Accept a frame signed with ``mac`` and sent at ``sent_at``, or raise."""
         self._forget(now)
+        what = self.what
         age = now - sent_at
         if age > self.window_s:
-            raise StaleFrame(f"frame sent {age:.1f} s ago, outside the {self.window_s:g} s window")
+            raise StaleFrame(f"{what} sent {age:.1f} s ago, outside the {self.window_s:g} s window")
         if -age > self.window_s:
             raise StaleFrame(
-                f"frame sent {-age:.1f} s in the future, outside the {self.window_s:g} s window "
+                f"{what} sent {-age:.1f} s in the future, outside the {self.window_s:g} s window "
                 "(are the machines' clocks in sync?)"
+            )
+        if self.not_before is not None and sent_at < self.not_before:
+            raise StaleFrame(
+                f"{what} sent {self.not_before - sent_at:.3f} s before this process started "
+                "(a replay from before a restart, or the sender's clock is behind ours)"
             )
         key = mac[:_KEY_BYTES]
         if key in self._seen:
-            raise ReplayedFrame("frame replayed (its signature was already accepted)")
+            raise ReplayedFrame(f"{what} replayed (its signature was already accepted)")
         if len(self._seen) >= self.max_entries:
             raise RemoteProtocolError(
-                f"replay guard full ({self.max_entries} frames in {self.window_s:g} s)"
+                f"replay guard full ({self.max_entries} {what}s in {self.window_s:g} s)"
             )
         self._seen.add(key)
         # Kept until the frame would be refused as stale anyway.

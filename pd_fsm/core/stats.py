@@ -18,6 +18,7 @@ class EndpointStats:
     rejected: int = 0  # requests refused outright (duplicate live bootstrap_room)
     succeeded: int = 0
     failed: int = 0
+    peer_restarts: int = 0  # a peer came back as a new process (a new incarnation)
 
     def as_dict(self) -> dict[str, int]:
         return attrs.asdict(self)

@@ -7,12 +7,21 @@ entry expired), and deregisters on the way out when cancelled. ``registered`` is
 condition a worker's ``/health`` can report. ``resolve`` is D's lookup of the P behind a request's
 ``bootstrap_host``/``bootstrap_port``; :class:`BootstrapResolver` turns it into the core's
 ``PeerResolved``/``PeerResolutionFailed`` events for the driver.
+
+With a cluster secret, every write is signed (:mod:`pd_fsm.core.request_auth`) with the registry
+key derived from it (:func:`pd_fsm.core.keys.registry_key`): the secret and the keys never leave
+the process; a write carries the sender's wall-clock time, a fresh nonce and a MAC over them and
+the request. Reads (``GET``) are not signed: the registry answers them to anyone.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import random
+import secrets
+import time
+from collections.abc import Callable, Generator
 from types import TracebackType
 from typing import Any
 
@@ -20,6 +29,8 @@ import httpx
 import trio
 
 from pd_fsm.core import events as ev
+from pd_fsm.core.keys import registry_key
+from pd_fsm.core.request_auth import NONCE_BYTES, sign_request
 from pd_fsm.io_trio.http_server import http_client
 from pd_fsm.io_trio.records import (
     InstanceRecord,
@@ -36,6 +47,35 @@ log = logging.getLogger("pd_fsm.io_trio.bootstrap_client")
 # What a connection closed by the server under a reused request looks like (a fresh connection
 # that cannot be made is a ConnectError: the server is down, and retrying at once won't help).
 _STALE_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
+class RegistrySigner(httpx.Auth):
+    """httpx auth that signs registry writes (every method but GET) with the registry key derived
+    from the cluster secret (:mod:`pd_fsm.core.request_auth`); only the key is kept.
+
+    httpx runs it for every request it sends, so each attempt gets its own time and nonce: a
+    retried write whose first attempt did reach the server is not refused as a replay. Usable
+    with any ``httpx.AsyncClient`` (``auth=RegistrySigner(secret)``), e.g. from tools and tests.
+    """
+
+    requires_request_body = True  # the MAC covers the exact body bytes
+
+    def __init__(self, secret: bytes, wall_clock: Callable[[], float] = time.time) -> None:
+        self._key = registry_key(secret)
+        self._wall_clock = wall_clock
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        if request.method != "GET":  # reads are open: nothing to sign
+            headers = sign_request(
+                self._key,
+                request.method,
+                request.url.path,
+                request.content,
+                sent_at=self._wall_clock(),
+                nonce=secrets.token_bytes(NONCE_BYTES),
+            )
+            request.headers.update(headers)
+        yield request
 
 
 class BootstrapError(Exception):
@@ -60,6 +100,7 @@ class BootstrapClient:
         stale_after: float | None = None,
         http: httpx.AsyncClient | None = None,
         rng: random.Random | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.record = record
         self.heartbeat_interval = heartbeat_interval
@@ -69,9 +110,11 @@ class BootstrapClient:
         # Past this long without an acknowledged write the server has (or soon will have)
         # dropped us: 3 intervals, the default TTL's ratio.
         self.stale_after = 3 * heartbeat_interval if stale_after is None else stale_after
-        headers = {"authorization": f"Bearer {secret.decode()}"} if secret else {}
+        self.server_ttl: float | None = None  # the registry's own, from its last answer
+        # ``secret`` is the cluster secret: only the signer's derived key is kept, nothing is sent
+        # but MACs. ``wall_clock`` stamps signed writes; the server checks it against its own.
+        self._signer = RegistrySigner(secret, wall_clock) if secret else None
         self._http = http or http_client(base_url=base_url, timeout=request_timeout)
-        self._http.headers.update(headers)
         self._owns_http = http is None
         self._rng = rng or random.Random()
         self._acked_at: float | None = None
@@ -167,6 +210,25 @@ class BootstrapClient:
         self.registrations += 1
         log.info("registered %s with the bootstrap server", self.record.key)
 
+    def _learn_ttl(self, response: httpx.Response) -> None:
+        """The registry answers every write with its TTL: from then on that, not the TTL we
+        assumed, says when it would drop us; a cadence that cannot beat it is said once."""
+        try:
+            ttl = response.json().get("ttl")
+        except (ValueError, AttributeError):
+            return
+        if not isinstance(ttl, int | float) or isinstance(ttl, bool) or ttl <= 0:
+            return
+        if ttl != self.server_ttl:
+            self.server_ttl = float(ttl)
+            self.stale_after = self.server_ttl
+            if 2 * self.heartbeat_interval > self.server_ttl:
+                log.warning(
+                    "the registry's TTL is %g s: heartbeats every %g s leave no room for a lost "
+                    "one (keep the interval under half the TTL)",
+                    self.server_ttl, self.heartbeat_interval,
+                )
+
     async def _deregister(self) -> None:
         if self._acked_at is None:
             return  # never registered, or the server already forgot us
@@ -179,26 +241,36 @@ class BootstrapClient:
 
     async def _write(self, method: str, path: str, body: dict[str, Any]) -> int:
         """Status 200 or 404; anything else raises :class:`BootstrapError`."""
-        response = await self._request(method, path, json=body)
+        content = json.dumps(body, separators=(",", ":")).encode()
+        response = await self._request(method, path, content=content)
         if response.status_code == 200:
             self._acked_at = trio.current_time()
+            self._learn_ttl(response)
             return 200
         if response.status_code == 404:
             return 404
         raise BootstrapError(f"{method} {path}: HTTP {response.status_code} {_detail(response)}")
 
-    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, Any] | None = None,
+        content: bytes | None = None,
+    ) -> httpx.Response:
         """One request under ``request_timeout``; retried once at once when the connection
         failed before any answer (every call here is idempotent: PUT, DELETE, a heartbeat,
         GET). A pooled connection that the server closed for idleness just as we reused it
-        fails exactly so; a second failure is real and raises :class:`BootstrapError`."""
+        fails exactly so; a second failure is real and raises :class:`BootstrapError`.
+        A write (``content`` given) is signed per attempt: see :meth:`_attempt`."""
         try:
             with trio.fail_after(self.request_timeout):
                 try:
-                    return await self._http.request(method, path, **kwargs)
+                    return await self._attempt(method, path, params, content)
                 except _STALE_CONNECTION as exc:
                     log.debug("%s %s: %s on a reused connection; retrying", method, path, exc)
-                    response = await self._http.request(method, path, **kwargs)
+                    response = await self._attempt(method, path, params, content)
                     self.stale_retries += 1
                     return response
         except trio.TooSlowError:
@@ -207,6 +279,19 @@ class BootstrapClient:
             ) from None
         except httpx.HTTPError as exc:
             raise BootstrapError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+
+    async def _attempt(
+        self, method: str, path: str, params: dict[str, Any] | None, content: bytes | None
+    ) -> httpx.Response:
+        """Send once. A write is signed by :class:`RegistrySigner` as part of this call, with
+        this attempt's time and a fresh nonce: the first attempt of a retried request may well
+        have reached the server (only the answer was lost), and the server's replay guard would
+        refuse the same signature a second time."""
+        headers = {"content-type": "application/json"} if content is not None else {}
+        auth = self._signer if self._signer is not None else httpx.USE_CLIENT_DEFAULT
+        return await self._http.request(
+            method, path, params=params, content=content, headers=headers, auth=auth
+        )
 
     def stats(self) -> dict[str, int]:
         """Counters for the owner's ``/metrics`` (read on the trio thread that mutates them)."""

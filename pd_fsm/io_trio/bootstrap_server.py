@@ -6,15 +6,22 @@ that task waking at ``next_deadline()``). Reads look at the registry directly, a
 driver fire any expiry that is already due, so a read never lists an instance the core would have
 dropped by now. No persistence: after a restart, heartbeats get 404 and the instances register
 again.
+
+With a cluster secret, writes must be signed with the registry key derived from it
+(:mod:`pd_fsm.core.request_auth`): a request with a bad or missing signature, one sent again
+(replayed), one sent outside the replay window, or one sent before this server started (a replay
+across a restart; instances' clocks must agree with ours, NTP) is answered 401 with the reason and
+counted in ``bad_requests_total``. So is any ``Authorization`` header: the old scheme sent the
+cluster secret itself as a bearer token. Reads are open.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import trio
@@ -27,7 +34,11 @@ from starlette.routing import Route
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.config import RegistryConfig
+from pd_fsm.core.errors import RemoteProtocolError
+from pd_fsm.core.keys import registry_key
 from pd_fsm.core.registry import Acknowledged, BootstrapRegistry, RegistrationRequired
+from pd_fsm.core.replay import DEFAULT_WINDOW_S, ReplayGuard
+from pd_fsm.core.request_auth import verify_request
 from pd_fsm.io_trio.driver import EndpointDriver
 from pd_fsm.io_trio.http_server import SERVER_KEEP_ALIVE_S, hypercorn_config, serve_app
 from pd_fsm.io_trio.records import (
@@ -81,7 +92,10 @@ class _RegistrySink:
 
 class BootstrapServer:
     """Registry + driver + ASGI app. ``run`` drives the registry; serve ``app`` with any ASGI
-    server on trio (``serve_bootstrap`` uses hypercorn)."""
+    server on trio (``serve_bootstrap`` uses hypercorn).
+
+    ``secret`` is the cluster secret: only the registry key derived from it is kept. ``wall_clock``
+    is read when the server is created (the replay guard's floor) and for each signed write."""
 
     def __init__(
         self,
@@ -89,11 +103,21 @@ class BootstrapServer:
         *,
         secret: bytes | None = None,
         max_body: int = DEFAULT_MAX_BODY,
+        replay_window_s: float = DEFAULT_WINDOW_S,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.registry = BootstrapRegistry(config)
         self.sink = _RegistrySink()
         self.driver = EndpointDriver(self.registry, self.sink, name="bootstrap")
-        self.secret = secret
+        self._key = registry_key(secret) if secret else None
+        self._wall_clock = wall_clock
+        self.started_at = wall_clock()
+        # Floor at our start: requests captured before a restart cannot be replayed to us.
+        self._guard = (
+            ReplayGuard(replay_window_s, not_before=self.started_at, what="request")
+            if self._key is not None
+            else None
+        )
         self.max_body = max_body
         self.bad_requests = 0
         self.client_disconnects = 0
@@ -119,17 +143,30 @@ class BootstrapServer:
 
     # -- request plumbing ---------------------------------------------------------------------
 
-    def _authorised(self, request: Request) -> bool:
-        if self.secret is None:
-            return True
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        # compare_digest on bytes of any length: no early exit that leaks the secret's prefix.
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode("utf-8", "surrogateescape"), self.secret
-        )
+    @property
+    def signed_writes(self) -> bool:
+        """Whether writes must be signed (a cluster secret is configured)."""
+        return self._key is not None
 
-    async def _read_json(self, request: Request) -> Any:
+    def _refusal(self, request: Request, body: bytes) -> str | None:
+        """Why this write is not authenticated, or None when it is (or no secret is set)."""
+        if self._key is None:
+            return None
+        try:
+            verify_request(
+                self._key,
+                request.method,
+                request.url.path,
+                body,
+                request.headers,
+                guard=self._guard,
+                now=self._wall_clock(),
+            )
+        except RemoteProtocolError as exc:  # bad MAC, stale, replayed, Authorization header
+            return str(exc)
+        return None
+
+    async def _read_body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body:
             raise _BodyTooLarge
@@ -140,15 +177,13 @@ class BootstrapServer:
             if size > self.max_body:  # chunked uploads declare no length: count as we read
                 raise _BodyTooLarge
             chunks.append(chunk)
-        return json.loads(b"".join(chunks))
+        return b"".join(chunks)
 
     async def _write_body(self, request: Request) -> Any | JSONResponse:
         """The decoded JSON body of a write, or the error response to send instead."""
-        if not self._authorised(request):
-            self.bad_requests += 1
-            return _error(401, "missing or wrong cluster secret (Authorization: Bearer ...)")
+        # The whole body first (bounded by max_body): the signature covers its exact bytes.
         try:
-            return await self._read_json(request)
+            raw = await self._read_body(request)
         except ClientDisconnect:
             # A client leaving mid-body is normal (a worker stopping): counted, no traceback.
             self.client_disconnects += 1
@@ -159,6 +194,13 @@ class BootstrapServer:
             # The rest of the body is still on the wire: the connection cannot be reused.
             response.headers["connection"] = "close"
             return response
+        refusal = self._refusal(request, raw)
+        if refusal is not None:
+            self.bad_requests += 1
+            log.debug("refused %s %s: %s", request.method, request.url.path, refusal)
+            return _error(401, refusal)
+        try:
+            return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
             self.bad_requests += 1
             return _error(400, f"malformed JSON: {exc}")
@@ -293,7 +335,7 @@ class BootstrapServer:
                 "status": "ok",
                 "instances": len(self.registry),
                 "expired_total": self.registry.expired_total,
-                # Refused writes (no or wrong cluster secret, bad bodies): visible, not just logged.
+                # Refused writes (unsigned, forged, stale or replayed; bad bodies): visible.
                 "bad_requests_total": self.bad_requests,
                 "client_disconnects_total": self.client_disconnects,
             }

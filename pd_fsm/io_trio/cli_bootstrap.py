@@ -23,6 +23,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--port", type=int, default=8998, help="port to bind (0: any free port)")
     p.add_argument(
         "--ttl",
+        "--disaggregation-bootstrap-heartbeat-ttl",  # RFC-2 §7's name
+        dest="ttl",
         type=float,
         default=RegistryConfig().ttl,
         help="seconds an instance stays listed without a heartbeat (default 15)",
@@ -30,7 +32,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--secret-file",
         type=Path,
-        help="file holding the cluster secret; writes then need 'Authorization: Bearer <secret>'",
+        help="file holding the cluster secret; writes must then be signed with the registry key "
+        "derived from it (HMAC-SHA256; the secret itself is never sent)",
     )
     p.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY, help="request body limit")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
@@ -66,7 +69,10 @@ async def _run(server: BootstrapServer, host: str, port: int) -> None:
         nursery.start_soon(stop_on_signal, stop, log)
         serve = functools.partial(serve_bootstrap, shutdown_trigger=stop.wait)
         await nursery.start(serve, server, host, port)
-        log.info("secret %s", "required for writes" if server.secret else "not configured")
+        log.info(
+            "cluster secret %s",
+            "set: writes must be signed" if server.signed_writes else "not configured",
+        )
         await stop.wait()
         log.info("shutting down")
         # hypercorn lets in-flight requests finish (graceful_timeout); this is the backstop.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,12 @@ import trio
 
 from pd_fsm.io_trio.cli_common import STOP_GRACE_S, run_service, stop_on_signal
 from pd_fsm.io_trio.cpu_placement import parse_cpus, pin_to
-from pd_fsm.io_trio.worker.config import ServeConfig, add_serve_arguments, config_from_args
+from pd_fsm.io_trio.worker.config import (
+    ServeConfig,
+    add_serve_arguments,
+    check_environment,
+    config_from_args,
+)
 
 if TYPE_CHECKING:
     from pd_fsm.io_trio.worker.backend import Backend
@@ -49,6 +55,7 @@ def main(args: argparse.Namespace) -> int:
     )
     try:
         config = config_from_args(args)
+        check_environment(os.environ)
         config.cluster_secret()  # fail now, not at the first registration
         if config.cpus is not None:
             # Before anything starts JAX: XLA sizes its thread pools from the affinity.

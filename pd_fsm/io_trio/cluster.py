@@ -85,7 +85,11 @@ def plan(args: argparse.Namespace) -> list[Child]:
     side_ports = ports[2 + n_p : 2 + 2 * n_p]
     d_ports = ports[2 + 2 * n_p : 2 + 2 * n_p + n_d]
     colo_port = ports[-1]
-    worker = ["--model", args.model, "--host", HOST, *shlex.split(args.worker_args or "")]
+    # Children log at WARNING by default: INFO would print every registry heartbeat of every
+    # process; the runner prints its own progress (who is up, how long the warm-up took).
+    quiet = ["--log-level", args.log_level]
+    worker = ["--model", args.model, "--host", HOST, *quiet,
+              *shlex.split(args.worker_args or "")]
     # One key file for every public endpoint: workers require it, the proxy requires it and
     # sends it to the workers (the key itself never appears on a command line).
     keyed = [] if args.api_key_file is None else ["--api-key-file", str(args.api_key_file)]
@@ -99,7 +103,8 @@ def plan(args: argparse.Namespace) -> list[Child]:
     children: list[Child] = []
     if n_p or n_d:
         children.append(Child("bootstrap", _cli("bootstrap", "--host", HOST, "--port",
-                                                str(boot_port)), f"http://{HOST}:{boot_port}"))
+                                                str(boot_port), *quiet),
+                              f"http://{HOST}:{boot_port}"))
     def pinned(role: str) -> list[str]:
         cpus = getattr(args, f"{role}_cpus")
         return [] if cpus is None else ["--cpus", cpus]
@@ -127,7 +132,7 @@ def plan(args: argparse.Namespace) -> list[Child]:
             f"http://{HOST}:{colo_port}",
         ))
     if n_p and n_d:
-        proxy_args = ["proxy", "--host", HOST, "--port", str(proxy_port), *keyed]
+        proxy_args = ["proxy", "--host", HOST, "--port", str(proxy_port), *keyed, *quiet]
         if keyed:
             proxy_args += ["--worker-api-key-file", str(args.api_key_file)]
         for child, side in zip(children[1 : 1 + n_p], side_ports, strict=True):
@@ -226,6 +231,9 @@ class Cluster:
                     for child in self.children:
                         if child.url and not child.healthy:
                             await self._probe(http, child)
+                            if child.healthy:  # model loaded and warmed up (or no model)
+                                print(f"pd-fsm cluster: {child.name} up after "
+                                      f"{trio.current_time() - start:.1f} s", flush=True)
                     now = trio.current_time()
                     if now - last_progress >= PROGRESS_EVERY:
                         last_progress = now
@@ -344,6 +352,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     for role in ("prefill", "decode", "colocated"):
         p.add_argument(f"--{role}-cpus", default=None, metavar="LIST",
                        help=f"pin every {role} worker to these cores (`pd-fsm serve --cpus`)")
+    p.add_argument("--log-level", default="WARNING",
+                   help="of every child process (default WARNING; INFO shows each heartbeat)")
     p.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
                    help="workers and proxy require 'Authorization: Bearer <key in FILE>'")
     p.add_argument("--worker-args", default="",

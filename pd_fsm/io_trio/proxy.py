@@ -56,6 +56,7 @@ GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 INFO_PATHS = ("/v1/models", "/model_info", "/get_model_info", "/server_info", "/get_server_info")
 FORWARD_HEADERS = ("authorization", "x-request-id")
 ABORT_TIMEOUT = 5.0
+HEALTH_PROBE_S = 2.0  # a worker that does not answer its /health within this is not healthy
 _SSE_DONE = b"data: [DONE]\n\n"  # the last event of an sglang / OpenAI stream
 MAX_BODY = 8 * 1024 * 1024
 
@@ -305,12 +306,34 @@ class Proxy:
                             status_code=exc.status_code)
 
     async def _health(self, request: Request) -> Response:
-        ok = bool(self._targets) and bool(self.decode_urls)
-        return JSONResponse(
-            {"status": "ok" if ok else "no workers", "prefill": len(self._targets),
-             "decode": len(self.decode_urls)},
-            status_code=200 if ok else 503,
-        )
+        """200 only while at least one prefill and one decode worker answer their own /health
+        (probed now, concurrently, within HEALTH_PROBE_S): routers and load balancers poll this
+        to decide whether to send traffic, and a proxy with a dead side can only fail it."""
+        sides = {"prefill": list(self._targets), "decode": list(self.decode_urls)}
+        healthy: dict[str, int] = {"prefill": 0, "decode": 0}
+
+        async def probe(side: str, url: str) -> None:
+            try:
+                with trio.fail_after(HEALTH_PROBE_S):
+                    r = await self.client.get(f"{url}/health", headers=self._worker_headers)
+                if r.status_code == 200:
+                    healthy[side] += 1
+            except (httpx.HTTPError, trio.TooSlowError):
+                pass
+
+        async with trio.open_nursery() as nursery:
+            for side, urls in sides.items():
+                for url in urls:
+                    nursery.start_soon(probe, side, url)
+        missing = [side for side in sides if healthy[side] == 0]
+        body: dict[str, Any] = {
+            "status": "ok" if not missing else f"no healthy {' or '.join(missing)} worker",
+            **{side: {"healthy": healthy[side], "configured": len(urls)}
+               for side, urls in sides.items()},
+        }
+        if missing:
+            body["missing"] = missing
+        return JSONResponse(body, status_code=503 if missing else 200)
 
     async def _metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")

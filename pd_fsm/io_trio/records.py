@@ -49,7 +49,9 @@ class InstanceRecord:
     zmq_addr: str  # side channel ROUTER, "host:port" or "tcp://host:port"
     page_size: int
     kv_dtype: str
-    layout_hash: str
+    # Ours, not the RFC's: a record without it is accepted, and the layout is then only checked
+    # at the handshake (D compares READY's layout hash with its own before any pull).
+    layout_hash: str = ""
     scheduler_addr: str | None = None
     # DESIGN §5 "Who is P": the (host, port) routers inject as bootstrap_host/bootstrap_port.
     # Default: the host and port of zmq_addr.

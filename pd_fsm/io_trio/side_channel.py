@@ -12,9 +12,12 @@ non-blocking sends that count a drop on EAGAIN, ``MAXMSGSIZE`` (libzmq drops a c
 sends more, counted as a disconnect by the socket monitor), the codec's ``MAX_FRAME``, and the
 driver's bounded inbox (when it is full the reader stops reading, and zmq pushes back).
 Malformed, unsigned or wrongly signed frames are counted and dropped; the socket keeps working.
-With a cluster secret, every frame is also stamped with the sender's wall-clock time and a nonce,
-and the receiver drops (and counts) frames outside its replay window or seen before
-(:mod:`pd_fsm.core.replay`).
+With a cluster secret, frames are signed with the side-channel key derived from it
+(:func:`pd_fsm.core.keys.side_channel_key`; the secret itself is never used as a key nor sent),
+every frame is also stamped with the sender's wall-clock time and a nonce, and the receiver drops
+(and counts) frames outside its replay window, seen before, or sent before this channel was
+created (a restart does not reopen the window: :mod:`pd_fsm.core.replay`). P's and D's clocks
+must agree (NTP).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from pd_fsm.core.codec import MAX_FRAME, decode, encode
 from pd_fsm.core.errors import RemoteProtocolError
+from pd_fsm.core.keys import side_channel_key
 from pd_fsm.core.messages import Message
 from pd_fsm.core.replay import DEFAULT_WINDOW_S, ReplayedFrame, ReplayGuard, StaleFrame
 
@@ -75,11 +79,12 @@ class SideChannelStats:
         return attrs.asdict(self)
 
 
-def frame_now(message: Message, secret: bytes | None) -> bytes:
-    """The wire frame for ``message``; signed frames are stamped with now and a fresh nonce."""
-    if secret is None:
+def frame_now(message: Message, key: bytes | None) -> bytes:
+    """The wire frame for ``message``, signed with ``key`` (the side-channel key, not the cluster
+    secret) when given; signed frames are stamped with now and a fresh nonce."""
+    if key is None:
         return encode(message)
-    return encode(message, secret, sent_at=time.time(), nonce=secrets.randbits(64))
+    return encode(message, key, sent_at=time.time(), nonce=secrets.randbits(64))
 
 
 def zmq_endpoint(addr: str) -> str:
@@ -164,12 +169,20 @@ def _close(sock: zmq.Socket[Any]) -> None:
 
 
 class _Channel:
-    """What both ends share: the codec, the stats, the monitor."""
+    """What both ends share: the codec, the stats, the monitor. ``secret`` is the cluster
+    secret; frames are signed and checked with :func:`~pd_fsm.core.keys.side_channel_key` of it."""
 
     def __init__(self, deliver: Deliver, secret: bytes | None, limits: SideChannelLimits) -> None:
         self._deliver = deliver
-        self._secret = secret
-        self._guard = ReplayGuard(limits.replay_window_s) if secret else None
+        # Only the derived key is kept: the cluster secret signs nothing here.
+        self._key = side_channel_key(secret) if secret else None
+        # Floor at our own start: frames captured before a restart are not replayable to us.
+        self.started_at = time.time()
+        self._guard = (
+            ReplayGuard(limits.replay_window_s, not_before=self.started_at)
+            if self._key is not None
+            else None
+        )
         self.limits = limits
         self.stats = SideChannelStats()
         self._ctx = zmq.Context()
@@ -181,7 +194,7 @@ class _Channel:
             _log_drop(self.stats.oversized, "oversized", peer, f"{len(frame)} bytes")
             return
         try:
-            message = decode(frame, self._secret, guard=self._guard, now=time.time())
+            message = decode(frame, self._key, guard=self._guard, now=time.time())
         except RemoteProtocolError as exc:
             kind = _DROP_KINDS.get(type(exc), "malformed")
             count = getattr(self.stats, kind) + 1
@@ -295,7 +308,7 @@ class PrefillSideChannel(_Channel):
             self.stats.send_unroutable += 1
             return False
         identity = peer.encode("utf-8", "surrogateescape")
-        ok = self._send(pump.sock, [identity, frame_now(message, self._secret)])
+        ok = self._send(pump.sock, [identity, frame_now(message, self._key)])
         pump.poke()
         return ok
 
@@ -392,6 +405,6 @@ class DecodeSideChannel(_Channel):
         if pump is None:
             self.stats.send_unroutable += 1
             return False
-        ok = self._send(pump.sock, [frame_now(message, self._secret)])
+        ok = self._send(pump.sock, [frame_now(message, self._key)])
         pump.poke()
         return ok

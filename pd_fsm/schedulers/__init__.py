@@ -1,6 +1,14 @@
 """Schedulers: the colocated one, and (built from mixins) the prefill and decode ones."""
 
 from pd_fsm.schedulers.args import DISAGGREGATION_MODES, SchedulerArgs
+from pd_fsm.schedulers.disaggregation.decode import (
+    DecodeScheduler,
+    SchedulerDisaggregationDecodeMixin,
+)
+from pd_fsm.schedulers.disaggregation.prefill import (
+    PrefillScheduler,
+    SchedulerDisaggregationPrefillMixin,
+)
 from pd_fsm.schedulers.factory import make_scheduler
 from pd_fsm.schedulers.request import FinishReason, Req, ReqState, RequestOutput
 from pd_fsm.schedulers.scheduler import (
@@ -16,14 +24,18 @@ __all__ = [
     "DISAGGREGATION_MODES",
     "MAIN_KV",
     "DecodeBatch",
+    "DecodeScheduler",
     "FinishReason",
     "PrefillBatch",
     "PrefillRow",
+    "PrefillScheduler",
     "Req",
     "ReqState",
     "RequestOutput",
     "Scheduler",
     "SchedulerArgs",
+    "SchedulerDisaggregationDecodeMixin",
+    "SchedulerDisaggregationPrefillMixin",
     "SchedulerStats",
     "make_scheduler",
 ]

@@ -88,6 +88,7 @@ class Proc:
     argv: list[str]
     log_path: Path
     url: str | None = None  # HTTP base URL that answers GET /health with 200 once ready
+    base: str | None = None  # HTTP base URL of a process without our /health (a router)
     bootstrap_port: int | None = None  # P: the port routers and D know it by (side channel)
     popen: subprocess.Popen[bytes] | None = None
     pids: list[int] = attrs.field(factory=list)  # every pid this Proc has had, in order
@@ -170,8 +171,13 @@ def wait_healthy(procs: Iterable[Proc], timeout: float = 240.0) -> None:
 class Fleet:
     """Named processes sharing one bootstrap server and (optionally) one cluster secret."""
 
-    def __init__(self, workdir: Path, *, secret: bool = False) -> None:
+    def __init__(self, workdir: Path, *, secret: bool = False,
+                 windows: dict[str, float] | None = None, ttl: float = REGISTRY_TTL) -> None:
+        """``windows``: the PD flags every worker gets (default: the short ``WINDOWS``; ``{}``
+        for the production defaults); ``ttl``: the registry's."""
         self.dir = workdir
+        self.windows = WINDOWS if windows is None else windows
+        self.ttl = ttl
         self.procs: dict[str, Proc] = {}
         self.boot_port = free_port()
         self.secret: bytes | None = None
@@ -198,7 +204,7 @@ class Fleet:
 
     def bootstrap(self, name: str = "bootstrap") -> Proc:
         argv = cli("bootstrap", "--host", HOST, "--port", str(self.boot_port),
-                   "--ttl", str(REGISTRY_TTL), *self._secret_args("--secret-file"))
+                   "--ttl", str(self.ttl), *self._secret_args("--secret-file"))
         return self._add(name, argv, self.boot_url)
 
     def _worker(self, name: str, mode: str, num_pages: int, extra: list[str]) -> tuple[
@@ -208,7 +214,7 @@ class Fleet:
                    "--num-pages", str(num_pages), "--disaggregation-mode", mode,
                    "--disaggregation-bootstrap-host", HOST,
                    "--disaggregation-bootstrap-port", str(self.boot_port),
-                   *[str(x) for kv in WINDOWS.items() for x in kv],
+                   *[str(x) for kv in self.windows.items() for x in kv],
                    *self._secret_args("--cluster-secret-file"), *extra)
         return argv, f"http://{HOST}:{port}"
 
@@ -237,6 +243,19 @@ class Fleet:
         for d in decode:
             argv += ["--decode", str(d.url)]
         return self._add(name, argv, f"http://{HOST}:{port}")
+
+    def sglang_router(self, name: str, prefill: Proc, decode: Proc) -> Proc:
+        """The real sglang-router (PyPI) in PD mode over one P and one D; it has no /health of
+        ours to wait on: ready once it relays a request (``wait_relays``)."""
+        port, metrics = free_port(), free_port()
+        argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                "--prefill", str(prefill.url), str(prefill.bootstrap_port),
+                "--decode", str(decode.url), "--host", HOST, "--port", str(port),
+                "--policy", "round_robin", "--prometheus-host", HOST,
+                "--prometheus-port", str(metrics)]
+        proc = self._add(name, argv, None)
+        proc.base = f"http://{HOST}:{port}"
+        return proc
 
     def start(self, timeout: float = 240.0) -> None:
         """Start every process not started yet (the bootstrap server first), wait for health."""

@@ -5,7 +5,8 @@ workers (``p1`` serves, ``p2`` is the one that dies), three decode workers (``df
 default failure policy and scarce pages, ``drec`` with ``--disaggregation-failure-policy
 recompute``, ``d3`` the one that dies), a colocated worker for the reference answers, and a proxy
 over ``p1`` + ``dfail``. Everything runs with a cluster secret and the short windows of
-``failure_support.WINDOWS``.
+``failure_support.WINDOWS``, except ``plong`` + ``dlong``: the abort test's pair, whose leases and
+waits are LONG so that only an abort can release their rooms within the test's bound.
 
 The test is the router: it posts P's and D's legs itself, so the stage a fault hits is chosen,
 not raced. "Mid-transfer" is made deterministic by freezing D (SIGSTOP) while P hands the room
@@ -17,6 +18,9 @@ queue, no transfer-server registration. Times are deadlines (window + SLACK), no
 
 from __future__ import annotations
 
+import json
+import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +32,9 @@ import trio
 import zmq
 
 from pd_fsm.core.codec import encode
+from pd_fsm.core.keys import registry_key, side_channel_key
 from pd_fsm.core.messages import Abort, Done
+from pd_fsm.core.request_auth import sign_request
 from pd_fsm.io_trio.side_channel import frame_now
 from pd_fsm.jax_engine import host_memory
 from tests.integration.failure_support import (
@@ -59,6 +65,18 @@ pytestmark = pytest.mark.slow
 
 DFAIL_PAGES = 40  # 39 usable: one 100-token prompt + 40 new tokens (35 pages) starves the rest
 
+# The abort test's own P and D (``plong``, ``dlong``): every window that could end a room without
+# the abort (P's lease, initial and extended; D's READY and page-queue waits) is LONG, so a room
+# released within the test's bound (SLACK) was released by the abort, not by a timer. Later flags
+# win: these override WINDOWS.
+LONG = 120.0
+LONG_WINDOWS = ["--disaggregation-lease-initial", str(LONG),
+                "--disaggregation-lease-extension", str(LONG),
+                "--disaggregation-ready-timeout", str(LONG),
+                "--disaggregation-queue-timeout", str(LONG)]
+assert SLACK * 10 <= LONG
+FIRST_USE = 60.0  # a wait that may include a fresh worker's first compile (not a bound)
+
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
@@ -69,6 +87,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     dfail = f.decode("dfail", num_pages=DFAIL_PAGES)
     f.decode("drec", extra=["--disaggregation-failure-policy", "recompute"])
     f.decode("d3")
+    f.prefill("plong", extra=LONG_WINDOWS)
+    f.decode("dlong", num_pages=DFAIL_PAGES, extra=LONG_WINDOWS)
     f.colocated()
     f.proxy("proxy", [p1], [dfail])
     f.start()
@@ -325,8 +345,14 @@ STAGES = ["d-waiting-for-ready", "p-prefilled-no-peer", "d-queued-for-pages",
 async def test_abort_or_disconnect_releases_both_legs(fleet: Fleet, stage: str) -> None:
     """``/abort_request`` or a client that goes away, at each stage, releases both legs on both
     sides: the aborted leg answers 499 (JSON) while it is still answering, and P and D end with
-    every page free, no room, no queue and no transfer registration — well before any lease or
-    timeout could have done it (the deadline is SLACK, below LEASE_INITIAL + SLACK).
+    every page free, no room, no queue and no transfer registration within SLACK of the abort.
+
+    Nothing but the abort can do it that fast: the first three stages run on ``plong`` +
+    ``dlong``, whose KV hold lease (initial and extension) and READY / page-queue waits are LONG
+    (15 x SLACK), so a P that ignored D's ABORT, or a D that ignored the abort, would hold the room
+    far past the bound. In the two disconnect stages the room is already over on P (D pulled the
+    KV) and only D's generation is left to stop: there D must also have generated fewer tokens
+    than the request's max_new_tokens (a disconnect that released nothing would run to the end).
 
     * d-waiting-for-ready: D's leg only (P bound the room, no P leg): abort on D; D's ABORT
       closes P's room.
@@ -338,62 +364,69 @@ async def test_abort_or_disconnect_releases_both_legs(fleet: Fleet, stage: str) 
       leaves; the proxy aborts both legs.
     """
     p1, dfail, drec, proxy = fleet["p1"], fleet["dfail"], fleet["drec"], fleet["proxy"]
+    plong, dlong = fleet["plong"], fleet["dlong"]
+    workers = (plong, dlong, p1, dfail, drec)
     room = new_room()
     async with client() as http:
-        await wait_clean(http, p1, dfail, drec, timeout=SLACK)
+        await wait_clean(http, *workers, timeout=SLACK)
+        generated0 = {d.name: (await stats(http, d))["generated_tokens_total"]
+                      for d in (dfail, drec)}
         start = trio.current_time()
+        max_new = 0  # the disconnect stages: D must stop before generating this many tokens
+        decoder = drec
         if stage == "d-waiting-for-ready":
-            body = leg(room, prompt(8, seed=8), 6, p1)
+            body = leg(room, prompt(8, seed=8), 6, plong)
             d_leg = Outcome()
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(post, http, f"{dfail.url}/generate", body, d_leg)
-                await wait_until(lambda: p_state(http, p1, "EARLY_PEER", 1), SLACK, "hello")
+                nursery.start_soon(post, http, f"{dlong.url}/generate", body, d_leg)
+                await wait_until(lambda: p_state(http, plong, "EARLY_PEER", 1), SLACK, "hello")
                 start = trio.current_time()
-                await _abort(http, dfail, body["rid"])
+                await _abort(http, dlong, body["rid"])
             assert d_leg.status == 499 and "abort" in error_message_of(d_leg), d_leg
         elif stage == "p-prefilled-no-peer":
-            body = leg(room, prompt(8, seed=9), 6, p1)
+            body = leg(room, prompt(8, seed=9), 6, plong)
             p_leg = Outcome()
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(post, http, f"{p1.url}/generate", body, p_leg)
+                nursery.start_soon(post, http, f"{plong.url}/generate", body, p_leg)
 
                 async def registered() -> bool | None:
-                    s = await stats(http, p1)
+                    s = await stats(http, plong)
                     return True if s["transfer_registrations"] == 1 else None
 
-                await wait_until(registered, SLACK, "P's KV registered")
-                assert kvpoll(await stats(http, p1), "PREFILLED_NO_PEER") == 1
+                await wait_until(registered, FIRST_USE, "P's KV registered")
+                assert kvpoll(await stats(http, plong), "PREFILLED_NO_PEER") == 1
                 start = trio.current_time()
-                await _abort(http, p1, body["rid"])
+                await _abort(http, plong, body["rid"])
             assert p_leg.status == 499 and "abort" in error_message_of(p_leg), p_leg
         elif stage == "d-queued-for-pages":
-            hold = leg(new_room(), prompt(100, seed=10), 40, p1)  # 35 of dfail's 39 pages
-            body = leg(room, prompt(12, seed=11), 8, p1)
+            hold = leg(new_room(), prompt(100, seed=10), 40, plong)  # 35 of dlong's 39 pages
+            body = leg(room, prompt(12, seed=11), 8, plong)
             hold_leg, d_leg, p_leg = Outcome(), Outcome(), Outcome()
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(post, http, f"{dfail.url}/generate", hold, hold_leg)
-                await wait_until(lambda: p_state(http, p1, "EARLY_PEER", 1), SLACK, "hold")
-                nursery.start_soon(post, http, f"{dfail.url}/generate", body, d_leg)
-                nursery.start_soon(post, http, f"{p1.url}/generate", body, p_leg)
+                nursery.start_soon(post, http, f"{dlong.url}/generate", hold, hold_leg)
+                await wait_until(lambda: p_state(http, plong, "EARLY_PEER", 1), SLACK, "hold")
+                nursery.start_soon(post, http, f"{dlong.url}/generate", body, d_leg)
+                nursery.start_soon(post, http, f"{plong.url}/generate", body, p_leg)
 
                 async def queued() -> bool | None:
-                    d, p = await stats(http, dfail), await stats(http, p1)
+                    d, p = await stats(http, dlong), await stats(http, plong)
                     return True if (d["pd_queues"]["alloc_queue"] == 1
                                     and p["transfer_registrations"] == 1) else None
 
-                await wait_until(queued, SLACK, "room queued on D, KV held on P")
+                await wait_until(queued, FIRST_USE, "room queued on D, KV held on P")
                 start = trio.current_time()
-                await _abort(http, dfail, body["rid"])
-                await wait_until(lambda: p_state(http, p1, "PREFILLED_NO_PEER", 0), SLACK,
+                await _abort(http, dlong, body["rid"])
+                await wait_until(lambda: p_state(http, plong, "PREFILLED_NO_PEER", 0), SLACK,
                                  "P's room closed by D's ABORT")
-                await _abort(http, dfail, hold["rid"])
+                await _abort(http, dlong, hold["rid"])
             assert d_leg.status == 499, d_leg
             assert p_leg.status is not None and p_leg.status >= 400, p_leg
             error_message_of(p_leg)  # P's leg fails with a JSON reason (D aborted)
             assert hold_leg.status == 499, hold_leg
         elif stage == "d-decoding-disconnect":
             ids = prompt(8, seed=12)
-            body = leg(room, ids, 240, p1, stream=True)  # 62 of drec's 63 pages
+            max_new = 240
+            body = leg(room, ids, max_new, p1, stream=True)  # 62 of drec's 63 pages
             p_leg = Outcome()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(post, http, f"{p1.url}/generate", body, p_leg)
@@ -402,14 +435,20 @@ async def test_abort_or_disconnect_releases_both_legs(fleet: Fleet, stage: str) 
             assert seen == 2
             assert p_leg.status == 200, p_leg
         else:
+            max_new, decoder = 120, dfail
             body = {"input_ids": prompt(8, seed=13), "stream": True,
-                    "sampling_params": {"max_new_tokens": 120, "temperature": 0.0}}
+                    "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0}}
             seen = await _read_chunks_then_leave(http, f"{proxy.url}/generate", body, 2)
             start = trio.current_time()
             assert seen == 2
-        took = await wait_clean(http, p1, dfail, drec, timeout=SLACK)
+        took = await wait_clean(http, *workers, timeout=SLACK)
         print(f"{stage}: both sides clean {trio.current_time() - start:.2f} s after the abort")
-        assert took < SLACK
+        assert took < SLACK < LONG
+        if max_new:
+            generated = ((await stats(http, decoder))["generated_tokens_total"]
+                         - generated0[decoder.name])
+            print(f"{stage}: D generated {generated} of {max_new} tokens")
+            assert 1 <= generated < max_new, "the disconnect did not stop D's generation"
 
 
 # ----------------------------------------------------------------------------- duplicate room
@@ -463,11 +502,13 @@ async def test_duplicate_live_room_is_rejected_first_unaffected(fleet: Fleet) ->
 
 
 async def test_secret_refuses_unsigned_writes_and_forgeries(fleet: Fleet) -> None:
-    """With a cluster secret: registry writes without the right bearer token are refused (401)
-    and counted; side-channel frames without a valid signature are dropped and counted
-    (``malformed``); correctly signed DONE and ABORT for a room bound to another D are dropped
-    and counted (``foreign_peer``) and change nothing: the room completes correctly. Every
-    listening socket of every process is on 127.0.0.1."""
+    """With a cluster secret: registry writes not signed with the registry key (unsigned, any
+    bearer token, the cluster secret itself as one, signed with the side-channel key) and a
+    signed write sent again are refused (401) and counted; side-channel frames without a valid
+    side-channel signature (unsigned, signed with another key, the registry key or the secret
+    itself) are dropped and counted (``malformed``); correctly signed DONE and ABORT for a room
+    bound to another D are dropped and counted (``foreign_peer``) and change nothing: the room
+    completes correctly. Every listening socket of every process is on 127.0.0.1."""
     boot, p1, dfail, colo = fleet["bootstrap"], fleet["p1"], fleet["dfail"], fleet["colocated"]
     assert fleet.secret is not None
     ids = prompt(9, seed=16)
@@ -483,18 +524,35 @@ async def test_secret_refuses_unsigned_writes_and_forgeries(fleet: Fleet) -> Non
         key = {k: p_record[k] for k in ("role", "instance_id", "tp_rank", "cp_rank", "dp_rank",
                                         "pp_rank")}
         forged = {**p_record, "zmq_addr": "127.0.0.1:1", "transfer_addr": "127.0.0.1:1"}
+
+        def signed(method: str, path: str, body: bytes, key: bytes) -> dict[str, str]:
+            return sign_request(key, method, path, body, sent_at=time.time(),
+                                nonce=secrets.token_bytes(16))
+
+        wrong_key = side_channel_key(fleet.secret)
         attempts = [
             ("DELETE", "/route", key, {}),
             ("DELETE", "/route", key, {"authorization": "Bearer wrong"}),
+            ("DELETE", "/route", key, {"authorization": f"Bearer {fleet.secret.decode()}"}),
             ("PUT", "/route", forged, {}),
             ("PUT", "/route", forged, {"authorization": "Bearer " + "x" * 32}),
+            ("PUT", "/route", forged, signed("PUT", "/route", json.dumps(forged).encode(),
+                                             wrong_key)),
             ("POST", "/heartbeat", key, {"authorization": "Basic abc"}),
         ]
         for method, path, body, headers in attempts:
-            r = await http.request(method, f"{boot.url}{path}", json=body, headers=headers)
+            content = json.dumps(body).encode()
+            r = await http.request(method, f"{boot.url}{path}", content=content, headers=headers)
             assert r.status_code == 401, (method, path, r.text)
+        # A good heartbeat for p1, recorded and sent again: the copy is refused.
+        beat = json.dumps(key).encode()
+        beat_headers = signed("POST", "/heartbeat", beat, registry_key(fleet.secret))
+        for status in (200, 401):
+            r = await http.post(f"{boot.url}/heartbeat", content=beat, headers=beat_headers)
+            assert r.status_code == status, r.text
+        assert "replayed" in r.json()["error"]
         health1 = (await http.get(f"{boot.url}/health")).json()
-        assert health1["bad_requests_total"] == health0["bad_requests_total"] + len(attempts)
+        assert health1["bad_requests_total"] == health0["bad_requests_total"] + len(attempts) + 1
         listed = (await http.get(f"{boot.url}/list")).json()["instances"]
         assert [rec for rec in listed if rec["scheduler_addr"] == p1.url] == [p_record]
 
@@ -505,18 +563,22 @@ async def test_secret_refuses_unsigned_writes_and_forgeries(fleet: Fleet) -> Non
             await wait_until(lambda: p_state(http, p1, "EARLY_PEER", 1), SLACK, "D's hello")
             s0 = await stats(http, p1)
             unsigned = [encode(Done(room, True), None), encode(Abort(room, "forged"), None),
-                        encode(Done(room, True), b"not-the-secret"), b"\x00garbage"]
-            signed = [frame_now(Done(room, True), fleet.secret),
-                      frame_now(Abort(room, "forged"), fleet.secret)]
-            replayed = signed[:1]  # captured off the wire and sent again
-            await trio.to_thread.run_sync(_send_frames, p1, unsigned + signed + replayed)
+                        frame_now(Done(room, True), b"not-the-secret"), b"\x00garbage",
+                        # keys of this cluster, but not the side channel's
+                        frame_now(Done(room, True), registry_key(fleet.secret)),
+                        frame_now(Abort(room, "forged"), fleet.secret)]
+            side_key = side_channel_key(fleet.secret)
+            frames = [frame_now(Done(room, True), side_key),
+                      frame_now(Abort(room, "forged"), side_key)]
+            replayed = frames[:1]  # captured off the wire and sent again
+            await trio.to_thread.run_sync(_send_frames, p1, unsigned + frames + replayed)
 
             async def counted() -> dict[str, Any] | None:
                 s = await stats(http, p1)
                 done = (s["side_channel"]["malformed"] - s0["side_channel"]["malformed"]
                         == len(unsigned)
                         and s["pd_events"]["foreign_peer"] - s0["pd_events"]["foreign_peer"]
-                        == len(signed)
+                        == len(frames)
                         and s["side_channel"]["replayed"] - s0["side_channel"]["replayed"]
                         == len(replayed))
                 return s if done else None

@@ -1,13 +1,19 @@
 """The bootstrap server over real HTTP (hypercorn on 127.0.0.1): every bad input gets a 4xx JSON
-body naming the problem, and the server keeps serving; the CLI starts and stops cleanly."""
+body naming the problem, and the server keeps serving; the CLI starts and stops cleanly. With a
+cluster secret, writes are signed (pd_fsm.core.request_auth): unsigned, bearer, forged, replayed
+and stale writes are refused with 401 and counted."""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +21,9 @@ import httpx
 import pytest
 import trio
 
-from pd_fsm.io_trio.bootstrap_client import BootstrapClient, BootstrapError
+from pd_fsm.core.keys import registry_key, side_channel_key
+from pd_fsm.core.request_auth import sign_request
+from pd_fsm.io_trio.bootstrap_client import BootstrapClient, BootstrapError, RegistrySigner
 from pd_fsm.io_trio.bootstrap_server import BootstrapServer, serve_bootstrap
 from pd_fsm.io_trio.records import to_json
 from pd_fsm.io_trio.testing import sample_record
@@ -23,7 +31,7 @@ from pd_fsm.io_trio.testing import sample_record
 SECRET = b"s3cret-token"
 GOOD = to_json(sample_record())
 KEY = {k: GOOD[k] for k in ("role", "instance_id", "tp_rank", "cp_rank", "dp_rank", "pp_rank")}
-AUTH = {"authorization": f"Bearer {SECRET.decode()}"}
+SIGNED = RegistrySigner(SECRET)  # httpx auth: signs each write afresh
 
 
 @pytest.fixture
@@ -35,7 +43,7 @@ async def url(nursery: trio.Nursery) -> str:
 
 async def _ok_still(http: httpx.AsyncClient) -> None:
     assert (await http.get("/health")).status_code == 200
-    assert (await http.put("/route", json=GOOD, headers=AUTH)).status_code == 200
+    assert (await http.put("/route", json=GOOD, auth=SIGNED)).status_code == 200
 
 
 def _with(**patch: Any) -> dict[str, Any]:
@@ -70,44 +78,184 @@ BAD_BODIES: list[tuple[str, Any, int, str]] = [
 async def test_put_route_rejects(url: str, what: str, body: Any, status: int, needle: str) -> None:
     async with httpx.AsyncClient(base_url=url) as http:
         if isinstance(body, bytes):
-            r = await http.put("/route", content=body, headers=AUTH)
+            r = await http.put("/route", content=body, auth=SIGNED)
         else:
-            r = await http.put("/route", json=body, headers=AUTH)
+            r = await http.put("/route", json=body, auth=SIGNED)
         assert r.status_code == status, r.text
         payload = r.json()
         assert needle in payload["error"] + " ".join(payload.get("problems", [])), payload
         await _ok_still(http)
 
 
+async def test_put_route_takes_exactly_the_rfc_payload(url: str) -> None:
+    """RFC-2 §5.3's PUT /route payload, nothing more: no layout_hash (ours, optional; the layout
+    is then checked at the handshake) and no bootstrap_host/port (defaulting to zmq_addr's)."""
+    rfc = {
+        "role": "prefill", "instance_id": "rfc-p0",
+        "tp_rank": 0, "tp_size": 1, "cp_rank": 0, "cp_size": 1,
+        "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
+        "transfer_addr": "10.0.0.5:7000", "zmq_addr": "10.0.0.5:7001",
+        "scheduler_addr": "10.0.0.5:7002", "page_size": 16, "kv_dtype": "bfloat16",
+        "mesh_meta": {"devices": 4},
+    }
+    async with httpx.AsyncClient(base_url=url) as http:
+        for body in (rfc, {k: v for k, v in rfc.items()
+                           if k not in ("scheduler_addr", "mesh_meta")}):
+            r = await http.put("/route", json=body, auth=SIGNED)
+            assert r.status_code == 200, r.text
+        r = await http.get("/route", params={"host": "10.0.0.5", "port": 7001})
+        assert r.status_code == 200, r.text
+        (record,) = r.json()["instances"]
+        assert record["instance_id"] == "rfc-p0" and record["layout_hash"] == ""
+
+
 async def test_body_over_limit_is_413(url: str) -> None:
+    # Unsigned: the size limit is checked while reading, before the signature (which covers the
+    # whole body) can be.
     async with httpx.AsyncClient(base_url=url) as http:
         big = _with(mesh_meta={"pad": "x" * 8000})
-        r = await http.put("/route", json=big, headers=AUTH)
+        r = await http.put("/route", json=big)
         assert r.status_code == 413 and "over 4096 bytes" in r.json()["error"]
 
         async def chunks() -> Any:  # no Content-Length: the limit is counted while reading
             for _ in range(10):
                 yield b" " * 1000
 
-        r = await http.put("/route", content=chunks(), headers=AUTH)
+        r = await http.put("/route", content=chunks())
         assert r.status_code == 413
         await _ok_still(http)
 
 
-async def test_writes_need_the_secret(url: str) -> None:
+async def test_writes_need_a_signature(url: str) -> None:
     async with httpx.AsyncClient(base_url=url) as http:
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Basic x"}):
             assert (await http.put("/route", json=GOOD, headers=headers)).status_code == 401
             assert (await http.post("/heartbeat", json=KEY, headers=headers)).status_code == 401
             r = await http.request("DELETE", "/route", json=KEY, headers=headers)
-            assert r.status_code == 401 and "secret" in r.json()["error"]
+            assert r.status_code == 401 and "cluster secret" in r.json()["error"]
         # Reads are open (routers list instances without the secret).
         assert (await http.get("/list")).status_code == 200
+        assert (await http.get("/health")).json()["bad_requests_total"] == 9
         await _ok_still(http)
 
 
+async def test_the_old_bearer_secret_is_refused(url: str) -> None:
+    """The old scheme sent the cluster secret itself on every heartbeat: refused outright, even
+    next to a valid signature, so a client still doing it fails loudly instead of leaking it."""
+    bearer = {"authorization": f"Bearer {SECRET.decode()}"}
+    async with httpx.AsyncClient(base_url=url) as http:
+        for auth in (None, SIGNED):
+            r = await http.put("/route", json=GOOD, headers=bearer, auth=auth)
+            assert r.status_code == 401, r.text
+            assert "Authorization header (Bearer) refused" in r.json()["error"]
+        assert (await http.get("/list")).json()["instances"] == []
+
+
+def _signed(method: str, path: str, body: Any, *, key: bytes | None = None,
+            sent_at: float | None = None) -> tuple[bytes, dict[str, str]]:
+    """The body bytes and headers of one signed write, to send (and send again) by hand."""
+    content = json.dumps(body).encode()
+    headers = sign_request(
+        registry_key(SECRET) if key is None else key, method, path, content,
+        sent_at=time.time() if sent_at is None else sent_at, nonce=secrets.token_bytes(16),
+    )
+    return content, {"content-type": "application/json", **headers}
+
+
+async def test_replayed_stale_altered_and_wrong_key_writes_are_refused(url: str) -> None:
+    async with httpx.AsyncClient(base_url=url) as http:
+        assert (await http.put("/route", json=GOOD, auth=SIGNED)).status_code == 200
+        health0 = (await http.get("/health")).json()
+
+        # A heartbeat recorded off the wire and sent again: the first counts, the copy does not.
+        content, headers = _signed("POST", "/heartbeat", KEY)
+        assert (await http.post("/heartbeat", content=content, headers=headers)).is_success
+        r = await http.post("/heartbeat", content=content, headers=headers)
+        assert r.status_code == 401 and "request replayed" in r.json()["error"], r.text
+
+        # Signed two minutes ago: outside the 60 s window.
+        content, headers = _signed("POST", "/heartbeat", KEY, sent_at=time.time() - 120)
+        r = await http.post("/heartbeat", content=content, headers=headers)
+        assert r.status_code == 401 and "outside the 60 s window" in r.json()["error"], r.text
+
+        # A valid signature over another body: a forged registration in a signed envelope.
+        content, headers = _signed("PUT", "/route", GOOD)
+        forged = json.dumps(_with(zmq_addr="10.6.6.6:1")).encode()
+        r = await http.put("/route", content=forged, headers=headers)
+        assert r.status_code == 401 and "bad signature" in r.json()["error"], r.text
+        # ... or another method or path under the same signature.
+        content, headers = _signed("DELETE", "/route", KEY)
+        r = await http.post("/heartbeat", content=content, headers=headers)
+        assert r.status_code == 401 and "bad signature" in r.json()["error"]
+
+        # Signed with the side-channel key of the same secret: not a registry key.
+        content, headers = _signed("DELETE", "/route", KEY, key=side_channel_key(SECRET))
+        r = await http.request("DELETE", "/route", content=content, headers=headers)
+        assert r.status_code == 401 and "bad signature" in r.json()["error"]
+
+        health = (await http.get("/health")).json()
+        assert health["bad_requests_total"] == health0["bad_requests_total"] + 5
+        [record] = (await http.get("/list")).json()["instances"]
+        assert record == GOOD  # registered once, never deleted nor replaced
+        await _ok_still(http)
+
+
+async def test_a_write_signed_before_a_restart_is_refused_after_it(nursery: trio.Nursery) -> None:
+    """A fresh server has no memory of accepted MACs; its floor (its start) refuses what was
+    signed before it, though that is well inside the 60 s window."""
+    content, headers = _signed("PUT", "/route", GOOD)
+    await trio.sleep(0.01)  # past the signature's ms
+    restarted = BootstrapServer(secret=SECRET)
+    url = await nursery.start(serve_bootstrap, restarted, "127.0.0.1", 0)
+    async with httpx.AsyncClient(base_url=url) as http:
+        r = await http.put("/route", content=content, headers=headers)
+        assert r.status_code == 401 and "before this process started" in r.json()["error"]
+        assert (await http.put("/route", json=GOOD, auth=SIGNED)).status_code == 200
+
+
+def _forms(secret: bytes) -> list[bytes]:
+    encoded = (secret.hex().encode(), base64.b64encode(secret), base64.urlsafe_b64encode(secret))
+    return [secret, *(e.rstrip(b"=") for e in encoded)]
+
+
+async def test_nothing_the_client_sends_contains_the_secret_or_a_key() -> None:
+    """Every byte BootstrapClient puts on the wire (request line, headers, body), over a whole
+    life: register, heartbeats, lookups, deregistration; none holds the cluster secret or either
+    derived key, in any common encoding. Its writes are signed, its reads are not."""
+    wire: list[bytes] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        head = [f"{request.method} {request.url}".encode()]
+        head += [name + b": " + value for name, value in request.headers.raw]
+        wire.append(b"\r\n".join(head) + b"\r\n\r\n" + request.content)
+        if request.method == "GET":
+            return httpx.Response(200, json={"instances": [GOOD]})
+        return httpx.Response(200, json={"ok": True, "ttl": 15.0})
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(answer), base_url="http://b")
+    client = BootstrapClient("http://b", sample_record(), secret=SECRET, heartbeat_interval=0.01,
+                             http=http)
+    async with http, trio.open_nursery() as nursery:
+        nursery.start_soon(client.run)
+        with trio.fail_after(10):
+            while client.heartbeats < 3:
+                await trio.sleep(0.01)
+        await client.resolve("127.0.0.1", 7002)
+        await client.list()
+        nursery.cancel_scope.cancel()  # deregisters on the way out
+    methods = [w.split(b" ", 1)[0] for w in wire]
+    assert methods.count(b"PUT") == 1 and methods.count(b"POST") >= 3
+    assert methods.count(b"GET") == 2 and methods[-1] == b"DELETE"
+    forbidden = [f for s in (SECRET, registry_key(SECRET), side_channel_key(SECRET))
+                 for f in _forms(s)]
+    for sent in wire:
+        assert not [f for f in forbidden if f in sent], sent
+        assert b"authorization" not in sent.lower()
+        assert (b"x-pd-fsm-mac: " in sent) == (not sent.startswith(b"GET "))
+
+
 async def test_endpoints_and_lookups(url: str) -> None:
-    async with httpx.AsyncClient(base_url=url, headers=AUTH) as http:
+    async with httpx.AsyncClient(base_url=url, auth=SIGNED) as http:
         decode = _with(role="decode", instance_id="d0", zmq_addr="127.0.0.1:9000")
         p1 = _with(instance_id="p0", tp_rank=1, tp_size=2, bootstrap_port=8998)
         p0 = _with(instance_id="p0", tp_rank=0, tp_size=2, bootstrap_port=8998)
@@ -189,7 +337,7 @@ def test_cli_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
         assert base is not None
         assert httpx.get(f"{base}/health", timeout=5).json()["status"] == "ok"
         assert httpx.put(f"{base}/route", json=GOOD, timeout=5).status_code == 401
-        r = httpx.put(f"{base}/route", json=GOOD, headers=AUTH, timeout=5)
+        r = httpx.put(f"{base}/route", json=GOOD, auth=SIGNED, timeout=5)
         assert r.json()["ttl"] == 3.0
         proc.send_signal(signal.SIGTERM)
         rest = proc.stderr.read()

@@ -1,9 +1,12 @@
-"""The side channel under abuse, on real ZMQ sockets: garbage, unsigned, wrongly signed, stale,
-replayed, oversized and misshapen frames are counted and dropped, raw TCP garbage is survived,
-sends to a dead peer are bounded, and the socket keeps working after each."""
+"""The side channel under abuse, on real ZMQ sockets: garbage, unsigned, wrongly signed (the
+registry's key and the cluster secret itself included), stale, replayed (across a restart too),
+oversized and misshapen frames are counted and dropped, raw TCP garbage is survived, sends to a
+dead peer are bounded, and the socket keeps working after each. Nothing either end sends holds
+the cluster secret or a key."""
 
 from __future__ import annotations
 
+import base64
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +16,7 @@ import trio
 import zmq
 
 from pd_fsm.core.codec import MAX_FRAME, decode, encode
+from pd_fsm.core.keys import registry_key, side_channel_key
 from pd_fsm.core.messages import Abort, Heartbeat, HeartbeatAck, Message
 from pd_fsm.io_trio.side_channel import (
     DecodeSideChannel,
@@ -21,7 +25,8 @@ from pd_fsm.io_trio.side_channel import (
     frame_now,
 )
 
-SECRET = b"k"
+SECRET = b"cluster-secret-for-the-side-channel-tests"
+KEY = side_channel_key(SECRET)  # what the channels sign with, given SECRET
 GOOD = Heartbeat(seq=1, rooms=(1, 2, 3))
 
 
@@ -66,18 +71,20 @@ async def test_p_counts_and_drops_bad_frames(nursery: trio.Nursery, ctx: Any) ->
     inbox = Inbox()
     p, address = await _start_p(nursery, inbox)
     rogue = _raw_dealer(ctx, address, b"rogue")
-    good = frame_now(GOOD, SECRET)
+    good = frame_now(GOOD, KEY)
     bad = [
         [b"\x00garbage"],  # not a pd_fsm frame
         [encode(GOOD)],  # unsigned, but this side has a secret
         [frame_now(GOOD, b"wrong")],  # wrongly signed
+        [frame_now(GOOD, registry_key(SECRET))],  # this cluster's registry key: not for frames
+        [frame_now(GOOD, SECRET)],  # the cluster secret itself is no key either
         [good[:-1] + b"\x00"],  # MAC tampered with
         [good[:3]],  # truncated
         [b"x" * (MAX_FRAME + 10)],  # over MAX_FRAME, under MAXMSGSIZE
         [b"a", b"b"],  # three parts at the ROUTER
         [b""],  # empty
-        [encode(GOOD, SECRET, sent_at=time.time() - 3600, nonce=1)],  # signed an hour ago
-        [encode(GOOD, SECRET, sent_at=time.time() + 3600, nonce=2)],  # an hour ahead
+        [encode(GOOD, KEY, sent_at=time.time() - 3600, nonce=1)],  # signed an hour ago
+        [encode(GOOD, KEY, sent_at=time.time() + 3600, nonce=2)],  # an hour ahead
     ]
     for parts in bad:
         rogue.send_multipart(parts)
@@ -88,14 +95,14 @@ async def test_p_counts_and_drops_bad_frames(nursery: trio.Nursery, ctx: Any) ->
     assert inbox.got == [("rogue", GOOD)]
     s = p.stats
     counts = (s.malformed, s.oversized, s.wrong_parts, s.stale, s.replayed, s.received)
-    assert counts == (6, 1, 1, 2, 1, 1)
+    assert counts == (8, 1, 1, 2, 1, 1)
 
     # P answers the rogue's identity; an identity nobody holds is counted, not raised.
     assert p.send("rogue", HeartbeatAck(incarnation=1, seq=1))
     assert not p.send("nobody", HeartbeatAck(incarnation=1, seq=1))
     assert p.stats.send_unroutable == 1
     await _until(lambda: rogue.poll(0))
-    assert decode(rogue.recv_multipart(zmq.NOBLOCK)[0], SECRET) == HeartbeatAck(1, 1)
+    assert decode(rogue.recv_multipart(zmq.NOBLOCK)[0], KEY) == HeartbeatAck(1, 1)
     rogue.close()
 
 
@@ -110,7 +117,7 @@ async def test_over_maxmsgsize_drops_the_connection_not_the_socket(
     await _until(lambda: p.stats.disconnects >= 1)
     assert p.stats.received == 0
     honest = _raw_dealer(ctx, address, b"honest")
-    honest.send(frame_now(GOOD, SECRET))
+    honest.send(frame_now(GOOD, KEY))
     await _until(lambda: inbox.got)
     assert inbox.got == [("honest", GOOD)]
     huge.close()
@@ -132,7 +139,7 @@ async def test_raw_tcp_garbage_is_survived(nursery: trio.Nursery, ctx: Any) -> N
         finally:
             await stream.aclose()
     ok = _raw_dealer(ctx, address, b"after")
-    ok.send(frame_now(GOOD, SECRET))
+    ok.send(frame_now(GOOD, KEY))
     await _until(lambda: inbox.got)
     assert inbox.got == [("after", GOOD)] and p.stats.received == 1
     ok.close()
@@ -149,10 +156,10 @@ async def test_d_counts_garbage_from_a_rogue_p(nursery: trio.Nursery, ctx: Any) 
     assert d.send(peer, GOOD)  # opens the DEALER; the rogue P learns our identity
     await _until(lambda: router.poll(0))
     identity, frame = router.recv_multipart(zmq.NOBLOCK)
-    assert identity == b"decode-7" and decode(frame, SECRET) == GOOD
+    assert identity == b"decode-7" and decode(frame, KEY) == GOOD
     for parts in ([b"junk"], [encode(Abort(1, "x"))], [b"a", b"b"], [b"y" * (MAX_FRAME + 1)]):
         router.send_multipart([identity, *parts])
-    router.send_multipart([identity, frame_now(Abort(1, "real"), SECRET)])
+    router.send_multipart([identity, frame_now(Abort(1, "real"), KEY)])
     await _until(lambda: inbox.got)
     assert inbox.got == [(peer, Abort(1, "real"))]
     s = d.stats
@@ -234,3 +241,73 @@ async def test_close_peer_frees_its_dealer(nursery: trio.Nursery) -> None:
     await trio.sleep(0.05)  # its task closes the socket and the queued frames with it
     full = d.stats.send_full
     assert d.send(dead, GOOD) and d.stats.send_full == full  # a fresh, empty DEALER
+
+
+async def test_frames_from_before_a_restart_are_refused(nursery: trio.Nursery, ctx: Any) -> None:
+    """A restarted P remembers no MAC it accepted before; frames captured then (here: D's real
+    frames, as the first P saw them) are still inside the 60 s window, yet refused as stale
+    because they were sent before the new P started. The new D frames after it pass."""
+    router = ctx.socket(zmq.ROUTER)  # the first incarnation of P, recording what arrives
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    d = DecodeSideChannel("decode-11", Inbox().deliver, secret=SECRET)
+    await nursery.start(d.run)
+    for seq in range(3):
+        assert d.send(f"127.0.0.1:{port}", Heartbeat(seq, (1,)))
+    captured = []
+    while len(captured) < 3:
+        await _until(lambda: router.poll(0))
+        captured.append(router.recv_multipart(zmq.NOBLOCK)[1])
+    router.close()
+    await trio.sleep(0.01)  # the frames' ms stamps are now strictly before the restart
+
+    inbox = Inbox()
+    p, address = await _start_p(nursery, inbox)  # P again: a new process, an empty guard
+    sent_at = [int.from_bytes(f[4:12], "big") / 1000 for f in captured]  # signed frames' stamps
+    assert p.started_at - 60 < min(sent_at) <= max(sent_at) < p.started_at  # in the window, before
+    replayer = _raw_dealer(ctx, address, b"decode-11")
+    for frame in captured:
+        replayer.send(frame)
+    replayer.send(frame_now(Heartbeat(3, (1,)), KEY))  # sent after the restart: accepted
+    await _until(lambda: inbox.got)
+    assert inbox.got == [("decode-11", Heartbeat(3, (1,)))]
+    assert (p.stats.stale, p.stats.replayed, p.stats.malformed) == (3, 0, 0)
+    replayer.close()
+
+
+def _forms(secret: bytes) -> list[bytes]:
+    encoded = (secret.hex().encode(), base64.b64encode(secret), base64.urlsafe_b64encode(secret))
+    return [secret, *(e.rstrip(b"=") for e in encoded)]
+
+
+async def test_nothing_either_end_sends_holds_the_secret_or_a_key(
+    nursery: trio.Nursery, ctx: Any
+) -> None:
+    """Every frame D and P put on the wire (read off raw sockets) is signed, and holds neither
+    the cluster secret nor the side-channel key nor the registry key, in any common encoding."""
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    d = DecodeSideChannel("decode-12", Inbox().deliver, secret=SECRET)
+    await nursery.start(d.run)
+    sent: list[bytes] = []
+    for message in (GOOD, Abort(7, "client gone"), Heartbeat(2, tuple(range(100)))):
+        assert d.send(f"127.0.0.1:{port}", message)
+        await _until(lambda: router.poll(0))
+        sent.append(router.recv_multipart(zmq.NOBLOCK)[1])
+
+    p, address = await _start_p(nursery, Inbox())
+    dealer = _raw_dealer(ctx, address, b"decode-13")
+    dealer.send(frame_now(GOOD, KEY))  # P learns the identity, then answers it
+    await _until(lambda: p.stats.received)
+    assert p.send("decode-13", HeartbeatAck(incarnation=5, seq=1, failed_rooms=(3,)))
+    await _until(lambda: dealer.poll(0))
+    sent.append(dealer.recv_multipart(zmq.NOBLOCK)[0])
+
+    forbidden = [f for s in (SECRET, KEY, registry_key(SECRET)) for f in _forms(s)]
+    for frame in sent:
+        assert frame[3] & 1, "unsigned frame"  # FLAG_SIGNED
+        assert decode(frame, KEY) is not None
+        assert not [f for f in forbidden if f in frame], frame
+    router.close()
+    dealer.close()

@@ -14,6 +14,7 @@ import trio
 
 from pd_fsm.core.messages import MAX_ROOM
 from pd_fsm.io_trio.bootstrap_server import BootstrapServer, serve_bootstrap
+from pd_fsm.io_trio.cluster import free_ports
 from pd_fsm.io_trio.proxy import PrefillTarget, Proxy, serve_proxy
 from pd_fsm.io_trio.records import to_json
 from pd_fsm.io_trio.testing import sample_record
@@ -180,7 +181,10 @@ async def test_client_disconnect_aborts_both_legs(cluster: dict[str, Any]) -> No
 
 async def test_health_models_metrics_and_bad_input(cluster: dict[str, Any]) -> None:
     async with httpx.AsyncClient(base_url=cluster["url"], timeout=10) as http:
-        assert (await http.get("/health")).json() == {"status": "ok", "prefill": 2, "decode": 2}
+        assert (await http.get("/health")).json() == {
+            "status": "ok", "prefill": {"healthy": 2, "configured": 2},
+            "decode": {"healthy": 2, "configured": 2},
+        }
         models = (await http.get("/v1/models")).json()
         assert models["data"][0]["id"] == "standin"
         r = await http.post("/generate", content=b"{nope")
@@ -202,6 +206,22 @@ async def test_no_workers_is_503(nursery: trio.Nursery) -> None:
         assert (await http.get("/health")).status_code == 503
         r = await http.post("/generate", json=GEN)
         assert r.status_code == 503 and "no prefill workers" in r.json()["error"]["message"]
+
+
+async def test_health_is_503_naming_the_side_with_no_reachable_worker(
+    nursery: trio.Nursery,
+) -> None:
+    """Configured is not reachable: a proxy whose every decode worker is down says so."""
+    p_url, _ = await serve_standin(nursery, "prefill")
+    (dead,) = free_ports(1)  # nothing listens there
+    proxy = Proxy([PrefillTarget.from_url(p_url, 7100)], [f"http://127.0.0.1:{dead}"])
+    url: str = await nursery.start(serve_proxy, proxy, "127.0.0.1", 0)
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        r = await http.get("/health")
+        assert r.status_code == 503, r.text
+        assert r.json()["missing"] == ["decode"]
+        assert r.json()["prefill"] == {"healthy": 1, "configured": 1}
+        assert "decode" in r.json()["status"]
 
 
 async def test_discovery_from_bootstrap_server(nursery: trio.Nursery) -> None:

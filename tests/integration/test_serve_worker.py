@@ -326,3 +326,16 @@ async def test_info_endpoints(worker: tuple[str, Any]) -> None:
                      "pd_fsm_worker_http_requests_total",
                      'pd_fsm_worker_backend_requests_total{key="stop"}'):
             assert name in metrics, name
+
+
+async def test_model_default_and_the_served_name_are_accepted(worker: tuple[str, Any]) -> None:
+    """sglang's documentation sends "model": "default" everywhere; any other name is a 404."""
+    url, _ = worker
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        for model in ("default", "tiny"):
+            r = await http.post("/v1/completions", json={"model": model, "prompt": "hi",
+                                                         "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200, (model, r.text)
+        r = await http.post("/v1/chat/completions", json={
+            "model": "gpt-4", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 404 and r.json()["error"]["type"] == "model_not_found"

@@ -66,6 +66,9 @@ def _run(table: StateTable, harness, triggers: list[str], can_fire) -> None:
 def _sender_can_fire(h: PrefillHarness, trigger: str) -> bool:
     if h.state in (None, "NEW") and trigger != "RequestAccepted" and trigger != "RecvInitReceived":
         return False
+    if trigger in ("DoneReceived", "DoneFailedReceived"):
+        room = h.ep.rooms.get(ROOM)
+        return room is not None and room.peer is not None  # before RECV_INIT: counted as foreign
     return trigger != "LeaseExpired" or h.ep.lease_expiry(ROOM) is not None
 
 

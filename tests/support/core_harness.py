@@ -15,7 +15,7 @@ from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.config import DecodeConfig, LeaseConfig
 from pd_fsm.core.decode_endpoint import DecodeEndpoint
-from pd_fsm.core.messages import Abort, Done, Ready, RecvInit
+from pd_fsm.core.messages import Abort, Done, Heartbeat, HeartbeatAck, Ready, RecvInit
 from pd_fsm.core.prefill_endpoint import PrefillEndpoint
 from pd_fsm.core.tables import StateTable
 
@@ -96,7 +96,9 @@ class DecodeHarness:
     """One room on a DecodeEndpoint, fed by trigger names."""
 
     def __init__(self) -> None:
-        self.config = DecodeConfig(heartbeat_interval=5, peer_timeout=1e9)
+        # A P silent for 40 s with 2 heartbeats unanswered is lost (PeerLost); every state's
+        # own deadline is longer, and firing TimedOut keeps P talking until then.
+        self.config = DecodeConfig(heartbeat_interval=5, peer_timeout=40)
         self.ep = DecodeEndpoint(D_ID, LAYOUT, self.config)
         self.now = 0.0
         self.last: list[Any] = []
@@ -124,15 +126,26 @@ class DecodeHarness:
         if trigger == "TimedOut":
             deadline = self.ep.room_deadline(ROOM)
             assert deadline is not None
+            # P answered just before: the room's own deadline fires, not P's silence.
+            self.ep.handle(ev.MessageReceived(P_ADDR, HeartbeatAck(1, 0)), deadline - 1e-3)
             self.now = deadline
             self.last = self.ep.handle(ev.TimeAdvanced(), self.now)
             return self.last
         if trigger == "PeerLost":
-            # P restarted: an ack with a new incarnation after one with the old.
-            from pd_fsm.core.messages import HeartbeatAck
-
-            self.ep.handle(ev.MessageReceived(P_ADDR, HeartbeatAck(1, 0)), self.now)
-            self.last = self.ep.handle(ev.MessageReceived(P_ADDR, HeartbeatAck(2, 0)), self.now)
+            # P falls silent: heartbeats go unanswered until the peer timeout has passed. Only
+            # a room in P's heartbeat set can hear of it; others would just see time pass.
+            room = self.ep.rooms.get(ROOM)
+            peer = self.ep.peers.get(room.peer) if room is not None and room.peer else None
+            if peer is None or ROOM not in peer.rooms:
+                self.last = []
+                return self.last
+            out = []
+            for _ in range(20):
+                self.now += self.config.heartbeat_interval
+                out.extend(self.ep.handle(ev.TimeAdvanced(), self.now))
+                if any(isinstance(e, fx.FailRequest | fx.ReleaseBlocks) for e in out):
+                    break
+            self.last = [e for e in out if not _is_heartbeat(e)]
             return self.last
         out: list[Any] = []
         for e in self.events_for(trigger):
@@ -158,3 +171,7 @@ def external_kinds(effects: list[Any]) -> list[str]:
         elif not isinstance(e, fx.ForgetPeer):  # about a peer, not the room's row
             names.append(type(e).__name__)
     return names
+
+
+def _is_heartbeat(effect: Any) -> bool:
+    return isinstance(effect, fx.SendMessage) and isinstance(effect.message, Heartbeat)

@@ -152,8 +152,22 @@ def test_endpoint_survives_remote_errors_and_serves_others() -> None:
     p = _p()
     p.handle(ev.PrefillRequestAccepted(1), 0.0)
     p.handle(ev.PrefillRequestAccepted(2), 0.0)
+    p.handle(ev.MessageReceived("d", RecvInit(1, "d", 2, L)), 0.0)
     p.handle(ev.MessageReceived("d", Done(1, True)), 0.0)  # DONE before READY: impossible
     assert p.poll(1) == KVPoll.Failed and p.poll(2) == KVPoll.Bootstrapping
+
+
+def test_done_for_a_room_no_d_has_claimed_counts_as_foreign() -> None:
+    """Before any RECV_INIT no D is bound to the room, so no DONE can be its peer's: a signed
+    DONE from anyone is counted (``foreign_peer``) and the room goes on; the real D binds it."""
+    p = _p()
+    p.handle(ev.PrefillRequestAccepted(1), 0.0)
+    for ok in (True, False):
+        assert p.handle(ev.MessageReceived("mallory", Done(1, ok, "forged")), 1.0) == []
+    assert p.stats.foreign_peer == 2 and p.stats.remote_errors == 0
+    assert p.poll(1) == KVPoll.Bootstrapping
+    p.handle(ev.MessageReceived("d-owner", RecvInit(1, "d-owner", 2, L)), 1.0)
+    assert p.poll(1) == KVPoll.WaitingForInput
 
 
 # --- D ---
@@ -191,14 +205,80 @@ def test_heartbeats_are_batched_per_prefill() -> None:
     assert d.next_deadline() == 10.0
 
 
-def test_ack_with_new_incarnation_fails_that_prefills_rooms() -> None:
-    d = _d()
-    d.handle(ev.DecodeRequestAccepted(1, "h:1", 1), 0.0)
-    d.handle(ev.PeerResolved("h:1", "p", "t", L), 0.0)
-    d.handle(ev.MessageReceived("p", HeartbeatAck(111, 0)), 1.0)
-    out = d.handle(ev.MessageReceived("p", HeartbeatAck(222, 1)), 2.0)
-    fails = [o for o in out if isinstance(o, fx.FailRequest)]
-    assert "restarted" in fails[0].reason and d.poll(1) == KVPoll.Failed
+def _d_with_rooms(states: dict[int, str]) -> DecodeEndpoint:
+    """D with one P ("p", transfer address "t-old", incarnation 111) and rooms brought to the
+    given states: ALLOCATING, WAITING_FOR_READY (hello sent, before heartbeat seq 1) or
+    TRANSFERRING (READY'd by incarnation 111)."""
+    d = _d(heartbeat_interval=1.0, peer_timeout=100.0)
+    for room in states:
+        d.handle(ev.DecodeRequestAccepted(room, "h:1", 1), 0.0)
+    d.handle(ev.PeerResolved("h:1", "p", "t-old", L), 0.0)
+    d.handle(ev.MessageReceived("p", HeartbeatAck(111, 0)), 0.0)
+    for room, state in states.items():
+        if state != "ALLOCATING":
+            d.handle(ev.BlocksAllocated(room), 0.0)
+        if state == "TRANSFERRING":
+            ready = Ready(room, 5, 7, 1, L, incarnation=111, transfer_addr="h:7001")
+            d.handle(ev.MessageReceived("p", ready), 0.0)
+    assert {room: d.state_of(room) for room in states} == states
+    d.handle(ev.TimeAdvanced(), 1.0)  # heartbeat seq 1 (after every hello)
+    return d
+
+
+def test_a_restarted_prefill_fails_only_what_its_previous_process_held() -> None:
+    d = _d_with_rooms({1: "ALLOCATING", 2: "WAITING_FOR_READY", 3: "WAITING_FOR_READY",
+                       4: "TRANSFERRING"})
+    # The new process answers heartbeat 1: it knows room 3 (its hello reached the new P), not 2.
+    out = d.handle(ev.MessageReceived("p", HeartbeatAck(222, 1, unknown_rooms=(2,))), 2.0)
+    fails = {o.room: o.reason for o in out if isinstance(o, fx.FailRequest)}
+    assert set(fails) == {2, 4}
+    assert "restarted" in fails[4] and "does not know the room" in fails[2]
+    assert fx.ForgetTransfer("h:7001") in out  # the connection to the dead transfer server
+    assert d.state_of(1) == "ALLOCATING" and d.state_of(3) == "WAITING_FOR_READY"
+    assert d.state_of(4) == "CANCELLING"  # its pull may still write: pages held until it reports
+    assert d.stats.peer_restarts == 1 and d.peers["p"].incarnation == 222
+    assert "h:1" in d._resolved  # P is back where it was: the route stays
+
+
+def test_ready_from_a_new_incarnation_pulls_from_where_it_says() -> None:
+    d = _d_with_rooms({1: "WAITING_FOR_READY", 2: "TRANSFERRING"})
+    ready = Ready(1, 9, 7, 1, L, incarnation=222, transfer_addr="h:7002")
+    out = d.handle(ev.MessageReceived("p", ready), 2.0)
+    assert fx.ForgetTransfer("h:7001") in out
+    assert [o.room for o in out if isinstance(o, fx.FailRequest)] == [2]
+    pulls = [o for o in out if isinstance(o, fx.StartPull)]
+    assert pulls == [fx.StartPull(1, "p", "h:7002", 9, 1)]  # not the cached "t-old"
+    # The same incarnation again (or one not said) changes nothing.
+    assert not [o for o in d.handle(ev.MessageReceived("p", HeartbeatAck(222, 2)), 3.0)
+                if isinstance(o, fx.FailRequest | fx.ForgetTransfer)]
+    assert d.stats.peer_restarts == 1
+
+
+def test_ready_with_an_unusable_transfer_address_is_refused() -> None:
+    d = _d_with_rooms({1: "WAITING_FOR_READY"})
+    ready = Ready(1, 9, 7, 1, L, incarnation=111, transfer_addr="not an address")
+    out = d.handle(ev.MessageReceived("p", ready), 2.0)
+    assert not [o for o in out if isinstance(o, fx.StartPull)]
+    assert d.poll(1) == KVPoll.Failed
+
+
+def test_a_restarted_decode_frees_what_its_previous_process_claimed() -> None:
+    p = _p()
+    for room in (1, 2):
+        p.handle(ev.PrefillRequestAccepted(room), 0.0)
+        p.handle(ev.PrefillFinished(room, 7, 1), 0.0)
+        p.handle(ev.MessageReceived("d", RecvInit(room, "d", 1, L, incarnation=5)), 0.0)
+    assert p.poll(1) == KVPoll.Transferring
+    # The same identity, a new process: it claims room 3 and heartbeats only that.
+    p.handle(ev.PrefillRequestAccepted(3), 1.0)
+    out = p.handle(ev.MessageReceived("d", RecvInit(3, "d", 1, L, incarnation=6)), 1.0)
+    released = sorted(o.room for o in out if isinstance(o, fx.ReleaseKV))
+    assert released == [1, 2] and p.poll(1) == KVPoll.Failed and p.poll(2) == KVPoll.Failed
+    assert p.state_of(3) is not None and p.stats.peer_restarts == 1
+    # Another D's rooms are not touched by this D's restart, and an old process is not
+    # mistaken for a new one by a heartbeat that does not say.
+    out = p.handle(ev.MessageReceived("d", Heartbeat(1, (3,))), 2.0)
+    assert not [o for o in out if isinstance(o, fx.ReleaseKV)]
 
 
 def test_unknown_room_fails_only_after_our_hello_preceded_the_heartbeat() -> None:
@@ -335,3 +415,51 @@ def test_prefill_moving_address_forgets_the_old_connection() -> None:
     d.handle(ev.Aborted(2, "client gone"), 3.0)
     out = d.handle(ev.PeerResolved("h:1", "p-new", "t2", L), 4.0)  # a later lookup: P moved
     assert out == [fx.ForgetPeer("p-old")] and "p-old" not in d.peers
+
+
+# --- P: D refused the room before P's leg arrived (a null bootstrap_port) ---
+
+
+def test_abort_before_our_leg_fails_the_leg_at_once_with_nothing_allocated() -> None:
+    """D refused its leg (``bootstrap_port`` null) and sent ABORT before P's own leg arrived:
+    P remembers the room (REFUSED) and fails the leg the moment it arrives, with D's reason,
+    instead of holding it for a whole lease waiting for a RECV_INIT that never comes."""
+    p = _p(initial=30.0)
+    out = p.handle(ev.MessageReceived("d", Abort(1, "decode refused: bootstrap_port is null")), 0.0)
+    assert out == [] and p.state_of(1) == "REFUSED" and p.poll(1) == KVPoll.Failed
+    assert p.handle(ev.MessageReceived("d", Abort(1, "again")), 0.1) == []  # counted duplicate
+    assert p.stats.duplicates == 1 and p.stats.unknown_room == 0
+    out = p.handle(ev.PrefillRequestAccepted(1), 0.5)
+    assert _kinds(out) == ["FailRequest"]  # no ReleaseKV: nothing was ever allocated
+    assert out[0].status == 502
+    assert "before this leg arrived" in out[0].reason and "bootstrap_port is null" in out[0].reason
+    assert p.state_of(1) is None and p.poll(1) == KVPoll.Failed and not p.rooms
+    assert p.next_deadline() is None  # the lease went with the room
+    assert p.handle(ev.TimeAdvanced(), 100.0) == []  # and never releases anything later
+    # Once answered, the room id is over: a later abort is late, a new request starts afresh.
+    assert p.handle(ev.MessageReceived("d", Abort(1, "late")), 101.0) == []
+    assert p.stats.late == 1
+    assert _kinds(p.handle(ev.PrefillRequestAccepted(1), 102.0)) == []
+    assert p.state_of(1) == "BOOTSTRAPPING"
+
+
+def test_a_refused_room_whose_leg_never_comes_is_forgotten_at_lease_expiry() -> None:
+    p = _p(initial=30.0)
+    p.handle(ev.MessageReceived("d", Abort(1, "refused")), 0.0)
+    assert p.lease_expiry(1) == 30.0
+    assert p.handle(ev.TimeAdvanced(), 30.0) == []  # D already knows: nothing to send or free
+    assert not p.rooms and p.poll(1) == KVPoll.Failed
+
+
+def test_abort_after_our_leg_fails_the_waiting_leg_at_once() -> None:
+    """The other order: P's leg is in (prefill running or done, no D yet) when D's ABORT for
+    the refused room comes: the leg fails now and its pages are freed once."""
+    p = _p(initial=30.0)
+    p.handle(ev.PrefillRequestAccepted(1), 0.0)
+    out = p.handle(ev.MessageReceived("d", Abort(1, "bootstrap_port is null")), 0.2)
+    assert _kinds(out) == ["ReleaseKV", "FailRequest"]
+    assert "bootstrap_port is null" in out[1].reason and p.state_of(1) is None
+    p.handle(ev.PrefillRequestAccepted(2), 0.0)
+    uuid = p.handle(ev.PrefillFinished(2, 5, 2), 0.1)[0].uuid
+    out = p.handle(ev.MessageReceived("d", Abort(2, "bootstrap_port is null")), 0.2)
+    assert _kinds(out) == ["ReleaseKV", "FailRequest"] and out[0].uuid == uuid

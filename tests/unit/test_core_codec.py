@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pd_fsm.core import codec
+from pd_fsm.core import codec, keys
 from pd_fsm.core.errors import RemoteProtocolError
 from pd_fsm.core.messages import (
     MAX_ROOM,
@@ -191,3 +191,31 @@ def test_guard_bounded() -> None:
 def test_guard_needs_a_secret() -> None:
     with pytest.raises(ValueError, match="needs a secret"):
         codec.decode(codec.encode(Done(1, True)), None, guard=ReplayGuard(), now=T0)
+
+
+def test_guard_floor_refuses_frames_sent_before_the_receiver_started() -> None:
+    """A restarted receiver has forgotten every MAC it accepted; its floor (its own start) keeps
+    frames captured before the restart from being replayed to it, though they are in the window."""
+    before = _signed(Heartbeat(1, (2,)), sent_at=T0 - 5)
+    first = ReplayGuard(window_s=60)
+    assert codec.decode(before, SECRET, guard=first, now=T0 - 4) == Heartbeat(1, (2,))
+    restarted = ReplayGuard(window_s=60, not_before=T0)  # the receiver started again at T0
+    with pytest.raises(StaleFrame, match=r"5\.000 s before this process started"):
+        codec.decode(before, SECRET, guard=restarted, now=T0 + 1)
+    # Frames sent from the start on are admitted, once.
+    after = _signed(Heartbeat(1, (2,)), sent_at=T0, nonce=8)
+    assert codec.decode(after, SECRET, guard=restarted, now=T0 + 1) == Heartbeat(1, (2,))
+    with pytest.raises(ReplayedFrame):
+        codec.decode(after, SECRET, guard=restarted, now=T0 + 1)
+
+
+def test_frames_signed_with_another_derived_key_are_refused() -> None:
+    """The side channel signs with the side-channel key: a frame made with the registry key (or
+    with the cluster secret itself) of the same secret does not verify."""
+    side, registry = keys.side_channel_key(SECRET), keys.registry_key(SECRET)
+    frame = codec.encode(Done(1, True), side, sent_at=T0, nonce=1)
+    assert codec.decode(frame, side) == Done(1, True)
+    for wrong in (registry, SECRET):
+        forged = codec.encode(Done(1, True), wrong, sent_at=T0, nonce=1)
+        with pytest.raises(RemoteProtocolError, match="bad signature"):
+            codec.decode(forged, side)

@@ -1,6 +1,7 @@
 """Bootstrap server and client on trio's MockClock (autojump): TTLs fire at exactly the
 configured times. The ASGI app runs in-process (httpx.ASGITransport), so no real socket can make
-the clock jump while a request is in flight."""
+the clock jump while a request is in flight. Signed writes (cluster secret) read a wall clock the
+tests inject where it matters: a retry is signed afresh, a restart refuses earlier signatures."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from pd_fsm.io_trio.records import to_json
 from pd_fsm.io_trio.testing import sample_record
 
 KEY = ("prefill", "p0", 0, 0, 0, 0)
+SECRET = b"cluster-secret-for-the-clock-tests"
 
 
 class SwitchableTransport(httpx.AsyncBaseTransport):
@@ -33,8 +35,10 @@ class SwitchableTransport(httpx.AsyncBaseTransport):
         self.server: BootstrapServer | None = None
         self.cut = False  # this client's network is gone (simulates a crash: no DELETE)
         self.hang = False
+        self.seen: list[httpx.Request] = []  # every request sent, as sent (a wire recording)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.seen.append(request)
         if self.hang:
             await trio.sleep_forever()
         if self.server is None or self.cut:
@@ -43,7 +47,7 @@ class SwitchableTransport(httpx.AsyncBaseTransport):
         return await inner.handle_async_request(request)
 
 
-def _client(transport: SwitchableTransport, **kw: Any) -> BootstrapClient:
+def _client(transport: httpx.AsyncBaseTransport, **kw: Any) -> BootstrapClient:
     http = httpx.AsyncClient(transport=transport, base_url="http://bootstrap")
     kw.setdefault("rng", random.Random(0))
     return BootstrapClient("http://bootstrap", sample_record(), http=http, **kw)
@@ -229,3 +233,81 @@ async def test_stalled_registry_answers_503(autojump_clock: trio.testing.MockClo
         r = await http.put("/route", json=to_json(sample_record()))
         assert r.status_code == 503 and "busy" in r.json()["error"]
         assert trio.current_time() - t0 == pytest.approx(5.0)
+
+
+class LosesEveryOtherAnswer(httpx.AsyncBaseTransport):
+    """Every request reaches the server and is handled; the answer to every other one is lost the
+    way a pooled connection the server closed under a reused request loses it."""
+
+    def __init__(self, server: BootstrapServer) -> None:
+        self.server = server
+        self.seen: list[httpx.Request] = []
+        self._lose = True
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.seen.append(request)
+        response = await httpx.ASGITransport(app=self.server.app).handle_async_request(request)
+        lose, self._lose = self._lose, not self._lose
+        if lose:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response")
+        return response
+
+
+async def test_a_retried_write_is_signed_afresh(autojump_clock: trio.testing.MockClock):
+    """The client retries at once a write whose answer was lost. The first attempt did reach the
+    server, which remembers its MAC: only a retry signed with a new nonce (and time) is accepted,
+    and it is, every time; the same bytes sent twice are refused as a replay."""
+    async with trio.open_nursery() as nursery:
+        server = BootstrapServer(secret=SECRET)
+        await nursery.start(server.run)
+        transport = LosesEveryOtherAnswer(server)
+        client = _client(transport, secret=SECRET, heartbeat_interval=5.0)
+        await nursery.start(client.run)
+        await trio.sleep(31)  # register, then heartbeats at 5, 10, ..., 30 s
+        assert client.registered and client.registrations == 1 and client.heartbeats == 6
+        assert client.stale_retries == 7 and client.failures == 0
+        assert server.bad_requests == 0 and len(server.registry) == 1
+        nonces = [r.headers["x-pd-fsm-nonce"] for r in transport.seen]
+        assert len(nonces) == 14 == len(set(nonces))
+        last = transport.seen[-1]  # accepted: resend it exactly as it was sent
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=server.app), base_url="http://b"
+        ) as http:
+            r = await http.post("/heartbeat", content=last.content, headers=last.headers)
+        assert r.status_code == 401 and "request replayed" in r.json()["error"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_writes_signed_before_a_restart_are_refused(autojump_clock: trio.testing.MockClock):
+    """A restarted server has forgotten the MACs it accepted. A registration recorded before the
+    restart is well inside the 60 s window, yet refused: it was signed before the server started.
+    The instance's own writes, signed after, are accepted."""
+    wall = [1_800_000_000.0]
+
+    def clock() -> float:
+        return wall[0]
+
+    transport = SwitchableTransport()
+    async with trio.open_nursery() as nursery:
+        transport.server = first = BootstrapServer(secret=SECRET, wall_clock=clock)
+        await nursery.start(first.run)
+        client = _client(transport, secret=SECRET, wall_clock=clock)
+        await client.register()
+        [recorded] = transport.seen
+
+        wall[0] += 10  # ten seconds later the server restarts, empty
+        transport.server = second = BootstrapServer(secret=SECRET, wall_clock=clock)
+        await nursery.start(second.run)
+        async with httpx.AsyncClient(transport=transport, base_url="http://b") as http:
+            r = await http.put("/route", content=recorded.content, headers=recorded.headers)
+            assert r.status_code == 401, r.text
+            assert "10.000 s before this process started" in r.json()["error"]
+            assert len(second.registry) == 0 and second.bad_requests == 1
+            await client.register()  # signed now: after the restart
+            assert len(second.registry) == 1
+            # Unsigned, or signed by a process holding another secret: refused as before.
+            assert (await http.put("/route", json=to_json(sample_record()))).status_code == 401
+        wrong = _client(transport, secret=b"another-cluster", wall_clock=clock)
+        with pytest.raises(BootstrapError, match="401 bad signature"):
+            await wrong.register()
+        nursery.cancel_scope.cancel()

@@ -56,6 +56,9 @@ def test_every_flag_reaches_the_config(tmp_path: Path) -> None:
 @pytest.mark.parametrize("flags", [
     ["--num-pages", "0"], ["--page-size", "-1"], ["--context-length", "1"], ["--port", "70000"],
     ["--disaggregation-queue-timeout", "0"],
+    # A heartbeat every 10 s cannot keep a 15 s registration alive through one lost heartbeat.
+    ["--disaggregation-bootstrap-heartbeat-interval", "10"],
+    ["--cpus", "one"], ["--cpus", "3-1"], ["--cpus", ""], ["--api-key", ""], ["--api-key", "a b"],
 ])
 def test_bad_values_refused(flags: list[str]) -> None:
     args = build_parser().parse_args(["serve", "--model", "tiny", *flags])
@@ -89,3 +92,19 @@ def test_proxy_prefill_args() -> None:
     for bad in ([["127.0.0.1:1"]], [["http://h:1", "x"]], [["http://h:1", "1", "2"]]):
         with pytest.raises(ValueError):
             parse_prefill(bad)
+
+
+def test_d2h_transfer_switch_is_read_not_ignored() -> None:
+    from pd_fsm.io_trio.worker.config import check_environment
+
+    check_environment({})
+    check_environment({"TPU_ENABLE_D2H_TRANSFER": "0"})
+    with pytest.raises(ValueError, match="not implemented"):
+        check_environment({"TPU_ENABLE_D2H_TRANSFER": "1"})
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        check_environment({"TPU_ENABLE_D2H_TRANSFER": "yes"})
+
+
+def test_bootstrap_takes_the_rfc_ttl_name() -> None:
+    args = build_parser().parse_args(["bootstrap", "--disaggregation-bootstrap-heartbeat-ttl", "9"])
+    assert args.ttl == 9.0

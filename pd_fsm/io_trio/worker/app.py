@@ -41,6 +41,8 @@ from pd_fsm.schedulers.request import RequestOutput
 
 log = logging.getLogger("pd_fsm.io_trio.worker.app")
 
+DEFAULT_MODEL_NAME = "default"
+
 # Above these sizes, JSON decoding and tokenization move off the event loop.
 THREAD_JSON_BYTES = 256 * 1024
 THREAD_TOKENIZE_CHARS = 8 * 1024
@@ -251,9 +253,12 @@ class WorkerApp:
         meta = self._require_ready()
         body = await self._read_json(request)
         parsed = _PARSERS[kind](body, meta.limits)
-        if parsed.model is not None and parsed.model != meta.served_name:
+        # "default" is what sglang's documentation sends everywhere; any other name must be ours.
+        if parsed.model not in (None, DEFAULT_MODEL_NAME, meta.served_name):
             raise ApiError(
-                404, f"model {parsed.model!r} is not served here (serving {meta.served_name!r})",
+                404,
+                f"model {parsed.model!r} is not served here (serving {meta.served_name!r}, "
+                f"also known as {DEFAULT_MODEL_NAME!r})",
                 "model_not_found",
             )
         rid = parsed.rid or uuid.uuid4().hex

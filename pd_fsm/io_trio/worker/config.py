@@ -7,6 +7,7 @@ and decode backends (``pd_backends.make_pd_backend(config)``) read the ``disaggr
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -116,7 +117,8 @@ class ServeConfig:
 
     def cluster_secret(self) -> bytes | None:
         """The secret's bytes (stripped), None when no file is configured; raises OSError or
-        ValueError for an unreadable or empty file."""
+        ValueError for an unreadable or empty file. The side channel and the bootstrap client
+        each derive their own key from it (:mod:`pd_fsm.core.keys`) and keep only that."""
         if self.cluster_secret_file is None:
             return None
         secret = self.cluster_secret_file.read_bytes().strip()
@@ -186,7 +188,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--disaggregation-bootstrap-heartbeat-ttl",
         type=float,
         default=d.disaggregation_bootstrap_heartbeat_ttl,
-        help="registry TTL the heartbeats must beat (default 15)",
+        help="registry TTL this worker assumes until the registry names its own: the interval "
+        "must be at most half of it; /health turns 503 once no write was acknowledged for that "
+        "long (default 15)",
     )
     p.add_argument(
         "--disaggregation-failure-policy", choices=FAILURE_POLICIES, default="fail",
@@ -212,7 +216,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         name = flag.replace("-", "_")
         p.add_argument(f"--disaggregation-{flag}", type=float,
                        default=getattr(d, f"disaggregation_{name}"), help=help_text)
-    p.add_argument("--cluster-secret-file", type=Path, default=None)
+    p.add_argument(
+        "--cluster-secret-file", type=Path, default=None,
+        help="file holding the cluster secret: keys derived from it sign side-channel frames "
+        "and registry writes (the secret itself is never sent)",
+    )
     p.add_argument("--log-level", default=d.log_level, help="DEBUG, INFO, WARNING, ...")
     p.add_argument(
         "--host-heap", choices=HOST_HEAP_POLICIES, default=d.host_heap,
@@ -221,6 +229,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpus", default=None, metavar="LIST",
                    help="pin the worker to these cores, e.g. 0 or 0-1 or 0,2 (default: all)")
     add_api_key_arguments(p)
+
+
+def check_environment(environ: Mapping[str, str]) -> None:
+    """RFC-2 §7's environment switches, read at start: a value we do not implement stops the
+    worker with a clear message instead of being silently ignored."""
+    d2h = environ.get("TPU_ENABLE_D2H_TRANSFER")
+    if d2h is None or d2h.strip() in ("", "0"):
+        return  # device-resident KV pulls: what the JAX transfer engine does
+    if d2h.strip() == "1":
+        raise ValueError(
+            "TPU_ENABLE_D2H_TRANSFER=1 (stage KV through host memory, RFC-2 §7) is not "
+            "implemented: unset it or set it to 0"
+        )
+    raise ValueError(f"TPU_ENABLE_D2H_TRANSFER must be 0 or 1, got {d2h!r}")
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -233,6 +255,14 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError("--context-length must be > 1")
     if not 0 <= args.port < 65536:
         raise ValueError("--port must be in 0..65535")
+    interval = args.disaggregation_bootstrap_heartbeat_interval
+    ttl = args.disaggregation_bootstrap_heartbeat_ttl
+    if interval > 0 and ttl > 0 and 2 * interval > ttl:
+        raise ValueError(
+            f"--disaggregation-bootstrap-heartbeat-interval {interval:g} cannot keep a "
+            f"registration alive under --disaggregation-bootstrap-heartbeat-ttl {ttl:g}: "
+            "keep it at most half the TTL, so one lost heartbeat does not expire it"
+        )
     if args.cpus is not None:
         parse_cpus(args.cpus)  # a bad list fails here, naming itself
     windows = tuple(f"disaggregation_{w.replace('-', '_')}" for w in _WINDOWS)

@@ -20,6 +20,7 @@ import logging
 import math
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from typing import Any
 
 import attrs
@@ -27,8 +28,14 @@ import trio
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
-from pd_fsm.core.messages import MAX_ROOMS_PER_HEARTBEAT, Heartbeat, HeartbeatAck, Message
-from pd_fsm.io_trio.bootstrap_client import BootstrapClient, BootstrapResolver
+from pd_fsm.core.messages import (
+    MAX_ROOMS_PER_HEARTBEAT,
+    Abort,
+    Heartbeat,
+    HeartbeatAck,
+    Message,
+)
+from pd_fsm.io_trio.bootstrap_client import BootstrapClient, BootstrapError, BootstrapResolver
 from pd_fsm.io_trio.records import InstanceRecord, split_host_port
 from pd_fsm.io_trio.side_channel import DecodeSideChannel, PrefillSideChannel
 from pd_fsm.io_trio.worker.backend import BackendError, BootstrapInfo
@@ -46,6 +53,8 @@ from pd_fsm.schedulers.scheduler import Scheduler
 log = logging.getLogger("pd_fsm.io_trio.worker.pd")
 
 INBOX_SIZE = 4096  # side-channel messages and lookup answers waiting for the loop
+# D: refused legs whose P(s) are still to be told (bounded: a flood drops the oldest).
+REFUSALS_PENDING = 1024
 
 
 @attrs.define
@@ -91,6 +100,8 @@ class _PDBackend(ColocatedBackend, ABC):
         self.config = config
         self.pd_args = disaggregation_args(config)
         self.mode = config.disaggregation_mode
+        # The side channel and the BootstrapClient each derive their own key from it
+        # (pd_fsm.core.keys); neither sends it.
         self._secret = config.cluster_secret()
         self._inbox_send, self._inbox_recv = trio.open_memory_channel[tuple[float, Any]](INBOX_SIZE)
         self._token: trio.lowlevel.TrioToken | None = None
@@ -151,6 +162,8 @@ class _PDBackend(ColocatedBackend, ABC):
                     record,
                     secret=self._secret,
                     heartbeat_interval=self.config.disaggregation_bootstrap_heartbeat_interval,
+                    # The TTL assumed until the registry names its own (--...-heartbeat-ttl).
+                    stale_after=self.config.disaggregation_bootstrap_heartbeat_ttl,
                 )
                 await nursery.start(self.bootstrap.run)
                 self._ready = True
@@ -283,6 +296,7 @@ class _PDBackend(ColocatedBackend, ABC):
                     self.side.close_peer(effect.peer)
             for stream, error in result.refused:
                 self._fail(stream, error)
+            self._after_refusals(nursery)
             for stream in result.unstarted:
                 self._abort_unstarted(stream)
             self._fan_out_pd(result.outputs, result.failures)
@@ -342,6 +356,9 @@ class _PDBackend(ColocatedBackend, ABC):
 
     def _snapshot_heartbeats(self, sched: Any) -> None:
         """Hook (runs at the end of each tick, in its thread): D records whom it heartbeats."""
+
+    def _after_refusals(self, nursery: trio.Nursery) -> None:
+        """Hook (on the loop, after a tick's refused legs were answered): D tells their P."""
 
     def _fan_out_pd(
         self, outputs: list[RequestOutput], failures: dict[str, tuple[int, str]]
@@ -428,8 +445,16 @@ class DecodeBackend(_PDBackend):
         # P address -> (last heartbeat seq, rooms) as of the last tick: what to keep sending
         # while a long tick runs, so P's leases do not lapse because D is compiling.
         self._hb_snapshot: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self._incarnation = 0  # the core's, as of the last tick
+        # (bootstrap_host, room, reason) of PD legs refused before any room opened here (a null
+        # bootstrap_port, no default): their P leg would wait a whole lease for our RECV_INIT.
+        # Appended in the tick's thread, drained by _tell_prefills on the loop.
+        self._refusals: deque[tuple[str, int, str]] = deque(maxlen=REFUSALS_PENDING)
+        self._telling = False
+        self.refusals_told_total = 0  # ABORTs sent to Ps for such legs
 
     def _snapshot_heartbeats(self, sched: Any) -> None:
+        self._incarnation = sched.core.incarnation
         self._hb_snapshot = {
             addr: (peer.hb_seq, tuple(sorted(peer.rooms)))
             for addr, peer in sched.core.peers.items()
@@ -449,7 +474,8 @@ class DecodeBackend(_PDBackend):
                 continue
             for addr, (seq, rooms) in self._hb_snapshot.items():
                 for i in range(0, len(rooms), MAX_ROOMS_PER_HEARTBEAT):
-                    self._send(addr, Heartbeat(seq, rooms[i : i + MAX_ROOMS_PER_HEARTBEAT]))
+                    batch = rooms[i : i + MAX_ROOMS_PER_HEARTBEAT]
+                    self._send(addr, Heartbeat(seq, batch, self._incarnation))
                 self.busy_liveness_total += 1
 
     def _build(self) -> Scheduler:
@@ -482,11 +508,54 @@ class DecodeBackend(_PDBackend):
         job, boot = stream.job, self._bootstrap_of(stream)
         port = boot.port or self.config.disaggregation_prefill_port
         if port is None:
-            raise ValueError(
+            reason = (
                 "bootstrap_port is null and no --disaggregation-prefill-port default is configured"
             )
+            self._refusals.append((boot.host, boot.room, reason))  # told after our 400 is out
+            raise ValueError(reason)
         req = sched.make_request(job.rid, list(job.input_ids), job.sampling)
         sched.add_pd_request(req, f"{boot.host}:{port}", boot.room)
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        out["refused_rooms_told_total"] = self.refusals_told_total
+        return out
+
+    def _after_refusals(self, nursery: trio.Nursery) -> None:
+        if self._refusals and not self._telling:
+            self._telling = True
+            nursery.start_soon(self._tell_prefills)
+
+    async def _tell_prefills(self) -> None:
+        """ABORT each refused leg's room to every P registered at its ``bootstrap_host``, so P's
+        leg of the room fails at once (kv_sender REFUSED) rather than at lease expiry. Without
+        the port we cannot tell which P the router picked: the others just forget the room at
+        their lease expiry. One registry read per batch; never delays our own 400."""
+        try:
+            while self._refusals:
+                batch = []
+                while self._refusals:
+                    batch.append(self._refusals.popleft())
+                assert self.bootstrap is not None
+                try:
+                    with trio.fail_after(self.pd_args.resolve_timeout):
+                        records = await self.bootstrap.list("prefill")
+                except (BootstrapError, trio.TooSlowError) as exc:
+                    log.warning("cannot tell the prefill of %d refused rooms: %s", len(batch), exc)
+                    continue
+                for host, room, reason in batch:
+                    peers = sorted({
+                        r.zmq_addr for r in records
+                        if split_host_port(r.advertised)[0].lower() == host.lower()
+                    })
+                    why = f"decode refused the request: {reason} (HTTP 400)"
+                    for peer in peers:
+                        self._send(peer, Abort(room, why))
+                        self.refusals_told_total += 1
+                    log.info("refused room %d (%s): told %d prefill(s) at %s",
+                             room, reason, len(peers), host)
+        finally:
+            self._telling = False
 
     def _close(self, sched: Any) -> None:
         sched.close()

@@ -82,7 +82,9 @@ class DisaggregationCommon(Scheduler, ABC):
                     self.outbox.append(e)
                 else:
                     self._carry_out(e)
-                    rooms.add(e.room)
+                    room = getattr(e, "room", None)  # ForgetTransfer is about a peer
+                    if room is not None:
+                        rooms.add(room)
             for room in rooms:
                 if self.core.state_of(room) is None:  # the room is over on our side
                     self.req_of.pop(room, None)

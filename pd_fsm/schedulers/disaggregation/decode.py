@@ -12,6 +12,7 @@ token and never runs the prefill forward.
 from __future__ import annotations
 
 import logging
+import random
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -48,7 +49,11 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
         self._init_common(
             engine or JaxTransferKVEngine(args.transfer_host, reaper_interval_s=None), clock
         )
-        self.core = DecodeEndpoint(args.instance_id, self.layout_hash, args.decode_config())
+        # A fresh incarnation per process: P frees what our previous process claimed.
+        self.core = DecodeEndpoint(
+            args.instance_id, self.layout_hash, args.decode_config(),
+            incarnation=random.SystemRandom().getrandbits(63) | 1,
+        )
         self.recv_queue = self._create_recv_queue()
         self.alloc_queue: deque[int] = deque()  # rooms waiting for pages, FIFO
         self._held_pages: dict[int, list[int]] = {}  # failed rooms whose pull is still running
@@ -124,6 +129,8 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
                     remote_layout_hash=self.layout_hash,  # the core compared READY's hash already
                 )
             )
+        elif isinstance(e, fx.ForgetTransfer):
+            self.engine.drop_connection(e.transfer_addr, "prefill restarted")
         elif isinstance(e, fx.CompleteTransfer):
             req = self.recv_queue.pop(e.room)
             self.room_of.pop(req.rid, None)

@@ -43,7 +43,10 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
         self._init_common(
             engine or JaxTransferKVEngine(args.transfer_host, reaper_interval_s=None), clock
         )
-        self.core = PrefillEndpoint(self.layout_hash, rng or random.Random(), args.lease_config())
+        self.core = PrefillEndpoint(
+            self.layout_hash, rng or random.Random(), args.lease_config(),
+            transfer_addr=self.engine.address,
+        )
         self.send_queue = self._create_send_queue()
         self._held_pages: dict[int, list[int]] = {}  # room -> pages, after the leg answered
         self._step_started: float | None = None  # self.clock() when the current step began
@@ -63,7 +66,8 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
     def add_pd_request(self, req: Req, room: int) -> None:
         """Queue the P leg of ``room``; raises ValueError (bad request) or DuplicateRoomError."""
         self._admit_pd(req, ev.PrefillRequestAccepted(room))
-        self.waiting.append(req)
+        if req.state is not ReqState.FINISHED:  # failed at once: D refused the room first
+            self.waiting.append(req)
 
     def _event_loop_prefill_disagg(self) -> Any:
         """One iteration of P's loop: time-driven core work (lease expiry), then a step."""
