@@ -14,6 +14,7 @@ a worker (``/list`` polled every second). Asserts nothing; the figures go to
 from __future__ import annotations
 
 import argparse
+import collections
 import math
 import re
 import sys
@@ -120,6 +121,9 @@ def main() -> int:
           f"{seen['prefill_missing']} / {seen['decode_missing']} / {seen['poll_errors']} "
           f"of {seen['polls']} |")
     print(f"| log lines with a traceback, an ASGI error or a failed heartbeat | {len(bad)} |")
+    errors = collections.Counter(r.error[:120] for r in summary.results if not r.ok)
+    for error, n in errors.most_common(5):
+        print(f"| failed requests: {error} | {n} |")
     for line in bad[:20]:
         print(f"    {line}")
     return 0

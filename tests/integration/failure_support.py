@@ -300,6 +300,30 @@ def leg(room: int, input_ids: list[int], max_new_tokens: int, prefill: Proc, *,
     }
 
 
+def warm_pd(prefills: list[Proc], decode: Proc, lengths: tuple[int, ...]) -> None:
+    """One PD request per (P, prompt length), both legs at once: every P compiles the prefill
+    and gather shapes the tests will use before any test holds it to a 3 s lease (a cold
+    compile on a loaded 2-core machine can take longer than that)."""
+
+    async def one(http: httpx.AsyncClient, p: Proc, n: int) -> None:
+        body = leg(new_room(), prompt(n, seed=99), 2, p)
+        async def post(url: str) -> None:
+            r = await http.post(url, json=body)
+            assert r.status_code == 200, f"warm-up {url}: {r.text}"
+
+        async with trio.open_nursery() as nursery:
+            for proc in (p, decode):
+                nursery.start_soon(post, f"{proc.url}/generate")
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=120.0)) as http:
+            for p in prefills:
+                for n in lengths:
+                    await one(http, p, n)
+
+    trio.run(main)
+
+
 def new_room() -> int:
     return secrets.randbits(63)
 

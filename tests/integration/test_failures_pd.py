@@ -59,6 +59,7 @@ from tests.integration.failure_support import (
     wait_clean,
     wait_healthy,
     wait_until,
+    warm_pd,
 )
 
 pytestmark = pytest.mark.slow
@@ -92,6 +93,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     f.colocated()
     f.proxy("proxy", [p1], [dfail])
     f.start()
+    warm_pd([p1, f["p2"]], dfail, (9, 13))
     yield f
     f.close()
 

@@ -15,8 +15,10 @@ pages and the transfer server's registrations, and check the core's effects agai
   drop, never delivered and never a crash.
 
 The run is steered, and checked for reach. Delivering is weighted over dropping and duplicating,
-the two crashes are one rule, prefills, lookups and pulls succeed three times in four, aborts pick
-live rooms (and ``abort_mid_pull`` rooms whose pull is in flight), P's leg may be held back so
+the two crashes are one rule, prefills, lookups and pulls succeed three times in four, aborts
+favour rooms whose pull is in flight (``abort_mid_pull`` picks only those) or whose P leg is held
+back, a pull started in
+``progress`` is still running after it, P's leg may be held back so
 that D's hello arrives first, and the teardown lets every room finish (so rooms get far enough to
 succeed, or to be cancelled mid-pull); ``hypothesis.target`` pushes towards rooms cancelled
 mid-pull, a higher share of rooms that succeed and more distinct table rows per example.
@@ -260,7 +262,8 @@ class PDNetwork(RuleBasedStateMachine):
     )
     def new_request(self, d: int, pages: int, order: str) -> None:
         """The router posts both legs; either may arrive first, or P's may be held up (it then
-        arrives in ``p_leg_arrives`` or ``progress``, maybe after D's RECV_INIT: EARLY_PEER)."""
+        arrives in ``p_leg_arrives`` or at teardown, maybe after D's RECV_INIT: EARLY_PEER, or
+        after D's ABORT: REFUSED)."""
         d %= len(self.ds)
         room = self.next_room
         self.next_room += 1
@@ -286,6 +289,10 @@ class PDNetwork(RuleBasedStateMachine):
 
     def _p_leg(self, room: int, pages: int):
         def accept() -> None:
+            if self.p.state_of(room) is None and self.p.poll(room) is not None:
+                # P already ended this room (D's ABORT, or D's hello and then the lease, came
+                # before this held-back leg): the leg opens a new room under the same id.
+                self.polls.pop(("p", room), None)
             self.p_pages[room] = pages
             self.p_pending_prefill.add(room)
             self._p_handle(ev.PrefillRequestAccepted(room))
@@ -351,13 +358,13 @@ class PDNetwork(RuleBasedStateMachine):
 
     @rule()
     def progress(self) -> None:
-        """Everything pending goes well once: messages in order, held P legs, lookups, pages,
-        prefills, pulls."""
+        """Everything pending goes well once: messages in order, lookups, pages, prefills, and
+        the pulls that were already running (a pull this step starts is still in flight after
+        it, as a real one would be). Held-back P legs stay held (``p_leg_arrives``)."""
+        running = [(i, room) for i, pulls in enumerate(self.d_pulls) for room in sorted(pulls)]
         net, self.net = self.net, []
         for src, dst, frame in net:
             self._deliver(src, dst, frame)
-        for room in sorted(self.p_legs_held):
-            self._p_leg(room, self.p_legs_held.pop(room))()
         for i in range(len(self.ds)):
             while self.d_resolving[i]:
                 self._d_handle(i, ev.PeerResolved(self.d_resolving[i].pop(), P_ADDR, "t", LAYOUT))
@@ -369,11 +376,11 @@ class PDNetwork(RuleBasedStateMachine):
             if room in self.p_pending_prefill and self.p.state_of(room) is not None:
                 self.p_pending_prefill.discard(room)
                 self._p_handle(ev.PrefillFinished(room, self.first_token[room], self.p_pages[room]))
-        self._finish_pulls()
+        self._finish_pulls(running)
 
-    def _finish_pulls(self) -> None:
-        for i in range(len(self.ds)):
-            for room in sorted(self.d_pulls[i]):
+    def _finish_pulls(self, which: list[tuple[int, int]]) -> None:
+        for i, room in which:
+            if room in self.d_pulls[i]:
                 uuid = self._pop_pull(i, room)
                 ok = self.p_registered.get(uuid) == room
                 if ok:  # one-shot registration, as jax.experimental.transfer: a pull consumes it
@@ -441,9 +448,11 @@ class PDNetwork(RuleBasedStateMachine):
     def abort(self, data: st.DataObject) -> None:
         if not self.rooms:
             return
-        # A live room when there is one (an abort of a finished room only counts "late").
-        live = sorted(set(self.p.rooms).union(*(d.rooms for d in self.ds)))
-        room = data.draw(st.sampled_from(live or self.rooms))
+        # Any room, finished ones too (a late abort only counts); drawn more often: a room whose
+        # pull is in flight (CANCELLING) or whose P leg is held back (D's ABORT may reach P
+        # before the leg: REFUSED).
+        pulling = sorted(set().union(*self.d_pulls))
+        room = data.draw(st.sampled_from(pulling * 4 + sorted(self.p_legs_held) * 2 + self.rooms))
         if data.draw(st.booleans()):
             self._p_handle(ev.Aborted(room, "client gone"))
         else:
@@ -552,9 +561,12 @@ class PDNetwork(RuleBasedStateMachine):
     def teardown(self) -> None:
         """Quiesce: the network heals and the schedulers catch up (what ``progress`` does: every
         message delivered, lookup answered, page request granted, prefill run, pull finished),
-        every deadline passes; then check the books."""
-        for _ in range(60):
+        the held-back P legs arrive, every deadline passes; then check the books."""
+        for round_ in range(60):
             self.progress()
+            if round_ == 2:  # the held-back P legs, after what D had to say has arrived
+                for room in sorted(self.p_legs_held):
+                    self._p_leg(room, self.p_legs_held.pop(room))()
             self.now += 7.0
             self._tick_all()
         rooms = len(self.rooms)
