@@ -112,6 +112,8 @@ class InstanceRegistered:
     key: InstanceKey
     record: Any  # the adapter's validated registration (opaque to the core)
     advertised: str | None = None  # "host:port" routers know it by (bootstrap_host/port)
+    # The TTL the instance heartbeats against (RFC-2 §7 heartbeat_ttl); None: the registry's.
+    ttl: float | None = None
 
 
 @attrs.frozen(slots=True)

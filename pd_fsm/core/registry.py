@@ -45,6 +45,7 @@ class _Instance:
     record: Any = None
     advertised: str | None = None
     expires_at: float = 0.0
+    ttl: float | None = None  # the instance's own, when it named one
 
 
 class BootstrapRegistry:
@@ -91,6 +92,11 @@ class BootstrapRegistry:
         inst = self._instances.get(key)
         return inst.expires_at if inst is not None else None
 
+    def ttl_of(self, key: InstanceKey) -> float:
+        """The instance's own TTL if it named one at registration, else the registry's."""
+        inst = self._instances.get(key)
+        return inst.ttl if inst is not None and inst.ttl is not None else self.config.ttl
+
     def instances(self, role: str | None = None) -> list[Any]:
         return [
             i.record for k, i in sorted(self._instances.items()) if role is None or k[0] == role
@@ -117,12 +123,12 @@ class BootstrapRegistry:
         for name in tr.effects:
             if name == "StoreRecord":
                 self._unindex(inst)
-                inst.record, inst.advertised = e.record, e.advertised
+                inst.record, inst.advertised, inst.ttl = e.record, e.advertised, e.ttl
                 self._instances[inst.key] = inst
                 if inst.advertised is not None:
                     self._by_advertised.setdefault(inst.advertised, set()).add(inst.key)
             elif name == "RefreshTTL":
-                inst.expires_at = now + self.config.ttl
+                inst.expires_at = now + self.ttl_of(inst.key)
                 self._timers.set(inst.key, inst.expires_at)
             elif name == "DropRecord":
                 self._unindex(inst)

@@ -231,7 +231,8 @@ class BootstrapServer:
             record = parse_record(body)
         except RecordError as exc:
             return self._invalid(exc)
-        event = ev.InstanceRegistered(record.key, record, record.advertised)
+        event = ev.InstanceRegistered(record.key, record, record.advertised,
+                                      record.heartbeat_ttl)
         effects = await self._call(event, CALL_TIMEOUT)
         log.debug("registered %s as %s", record.key, record.advertised)
         return self._answer(effects, record.key)
@@ -265,7 +266,7 @@ class BootstrapServer:
             if isinstance(effect, RegistrationRequired) and effect.key == key:
                 return _error(404, f"instance {list(key)} is not registered; PUT /route again")
             if isinstance(effect, Acknowledged) and effect.key == key:
-                ttl = self.registry.config.ttl
+                ttl = self.registry.ttl_of(key)  # the instance's own, if it named one
                 return JSONResponse({"ok": True, "key": list(key), "ttl": ttl})
         raise RuntimeError(f"registry gave no answer for {key}: {effects!r}")
 

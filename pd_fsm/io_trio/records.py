@@ -58,6 +58,10 @@ class InstanceRecord:
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     mesh_meta: dict[str, Any] = attrs.field(factory=dict)
+    # Ours, not the RFC's: the TTL this instance heartbeats against (its
+    # --disaggregation-bootstrap-heartbeat-ttl); the registry expires it after that long without
+    # a heartbeat instead of after its own --ttl. Absent: the registry's.
+    heartbeat_ttl: float | None = None
 
     @property
     def key(self) -> InstanceKey:
@@ -113,9 +117,20 @@ def _meta(value: Any, _: type) -> dict[str, Any]:
     return dict(value)  # JSON already guarantees str keys and plain values
 
 
+MAX_HEARTBEAT_TTL = 3600.0
+
+
+def _strict_number(value: Any, _: type) -> float:
+    """A JSON number (int or float), never a bool or a string."""
+    if type(value) not in (int, float):
+        raise TypeError(f"expected a number, got {type(value).__name__}")
+    return float(value)
+
+
 converter = cattrs.Converter(forbid_extra_keys=True)
 converter.register_structure_hook(int, strict_int)
 converter.register_structure_hook(str, _strict_str)
+converter.register_structure_hook(float, _strict_number)
 converter.register_structure_hook_func(lambda t: t == dict[str, Any], _meta)
 
 
@@ -167,6 +182,11 @@ def _check_record(r: InstanceRecord) -> list[str]:
         problems.append("kv_dtype must not be empty @ body.kv_dtype")
     if r.bootstrap_port is not None and not 0 < r.bootstrap_port < 65536:
         problems.append(f"bootstrap_port {r.bootstrap_port} outside 1..65535 @ body.bootstrap_port")
+    if r.heartbeat_ttl is not None and not 0 < r.heartbeat_ttl <= MAX_HEARTBEAT_TTL:
+        problems.append(
+            f"heartbeat_ttl must be in (0, {MAX_HEARTBEAT_TTL:g}] s, got {r.heartbeat_ttl} "
+            "@ body.heartbeat_ttl"
+        )
     if r.bootstrap_host is not None and not r.bootstrap_host:
         problems.append("bootstrap_host must not be empty @ body.bootstrap_host")
     return problems

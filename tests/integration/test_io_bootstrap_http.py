@@ -71,6 +71,10 @@ BAD_BODIES: list[tuple[str, Any, int, str]] = [
     ("bad port", _with(transfer_addr="h:70000"), 422, "port outside 1..65535"),
     ("mesh_meta list", _with(mesh_meta=[1]), 422, "body.mesh_meta"),
     ("zero page size", _with(page_size=0), 422, "page_size must be >= 1"),
+    ("zero ttl", _with(heartbeat_ttl=0), 422, "heartbeat_ttl must be in"),
+    ("huge ttl", _with(heartbeat_ttl=1e9), 422, "heartbeat_ttl must be in"),
+    ("string ttl", _with(heartbeat_ttl="15"), 422, "expected float | None @ body.heartbeat_ttl"),
+    ("bool ttl", _with(heartbeat_ttl=True), 422, "expected float | None @ body.heartbeat_ttl"),
 ]
 
 

@@ -16,8 +16,8 @@ pages and the transfer server's registrations, and check the core's effects agai
 
 The run is steered, and checked for reach. Delivering is weighted over dropping and duplicating,
 the two crashes are one rule, prefills, lookups and pulls succeed three times in four, aborts
-favour rooms whose pull is in flight (``abort_mid_pull`` picks only those) or whose P leg is held
-back, a pull started in
+favour rooms whose pull is in flight (``abort_mid_pull`` picks only those;
+``d_gives_up_before_p_leg`` aborts rooms queued on D whose P leg is held back), a pull started in
 ``progress`` is still running after it, P's leg may be held back so
 that D's hello arrives first, and the teardown lets every room finish (so rooms get far enough to
 succeed, or to be cancelled mid-pull); ``hypothesis.target`` pushes towards rooms cancelled
@@ -448,11 +448,10 @@ class PDNetwork(RuleBasedStateMachine):
     def abort(self, data: st.DataObject) -> None:
         if not self.rooms:
             return
-        # Any room, finished ones too (a late abort only counts); drawn more often: a room whose
-        # pull is in flight (CANCELLING) or whose P leg is held back (D's ABORT may reach P
-        # before the leg: REFUSED).
+        # Any room, finished ones too (a late abort only counts); a room whose pull is in flight
+        # is drawn more often: an abort then is the CANCELLING case.
         pulling = sorted(set().union(*self.d_pulls))
-        room = data.draw(st.sampled_from(pulling * 4 + sorted(self.p_legs_held) * 2 + self.rooms))
+        room = data.draw(st.sampled_from(pulling * 4 + self.rooms))
         if data.draw(st.booleans()):
             self._p_handle(ev.Aborted(room, "client gone"))
         else:
@@ -470,6 +469,22 @@ class PDNetwork(RuleBasedStateMachine):
             self._p_handle(ev.Aborted(room, "client gone"))
         else:
             self._d_handle(i, ev.Aborted(room, "client gone"))
+
+    def _queued_before_p_leg(self) -> list[tuple[int, int]]:
+        return [
+            (i, room)
+            for room in sorted(self.p_legs_held)
+            for i, d in enumerate(self.ds)
+            if d.state_of(room) == "ALLOCATING"
+        ]
+
+    @precondition(lambda self: bool(self._queued_before_p_leg()))
+    @rule(data=st.data())
+    def d_gives_up_before_p_leg(self, data: st.DataObject) -> None:
+        """The client leaves while D's leg waits for pages and P's leg has not reached P: D's
+        ABORT can reach P before the leg does (REFUSED: P fails the leg at once when it comes)."""
+        i, room = data.draw(st.sampled_from(self._queued_before_p_leg()))
+        self._d_handle(i, ev.Aborted(room, "client gone"))
 
     @precondition(lambda self: bool(self.rooms))
     @rule(who=st.integers(-1, 1))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -310,4 +311,26 @@ async def test_writes_signed_before_a_restart_are_refused(autojump_clock: trio.t
         wrong = _client(transport, secret=b"another-cluster", wall_clock=clock)
         with pytest.raises(BootstrapError, match="401 bad signature"):
             await wrong.register()
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_instance_heartbeats_against_its_own_ttl(autojump_clock: trio.testing.MockClock):
+    """--disaggregation-bootstrap-heartbeat-ttl travels in the record: the registry expires the
+    instance after its own TTL (4 s here, the registry's being 15 s), answers every write with
+    it, and the client judges its own registration by it."""
+    transport = SwitchableTransport()
+    async with trio.open_nursery() as nursery:
+        transport.server = server = await _start_server(nursery)
+        client = BootstrapClient(
+            "http://bootstrap", attrs.evolve(sample_record(), heartbeat_ttl=4.0),
+            http=httpx.AsyncClient(transport=transport, base_url="http://bootstrap"),
+            heartbeat_interval=1.0, stale_after=15.0, rng=random.Random(0),
+        )
+        t0 = trio.current_time()
+        await client.register()
+        assert server.registry.expires_at(KEY) == t0 + 4
+        assert client.server_ttl == 4.0 and client.stale_after == 4.0
+        await _wait(lambda: server.expired)
+        assert server.expired[0] == (pytest.approx(t0 + 4, abs=1e-9), KEY)
+        assert not client.registered
         nursery.cancel_scope.cancel()

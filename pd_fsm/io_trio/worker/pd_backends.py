@@ -233,6 +233,7 @@ class _PDBackend(ColocatedBackend, ABC):
             scheduler_addr=f"http://{c.host}:{c.port}",
             bootstrap_port=bootstrap_port,
             mesh_meta={"model": c.model_name, "devices": 1},
+            heartbeat_ttl=c.disaggregation_bootstrap_heartbeat_ttl,
         )
 
     async def _deliver_message(self, peer: str, message: Message) -> None:
