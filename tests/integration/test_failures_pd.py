@@ -98,13 +98,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     f.close()
 
 
-@pytest.fixture(autouse=True)
-def _logs_on_failure(fleet: Fleet) -> Iterator[None]:
-    yield
-    # Printed in teardown: pytest shows it only for a failing test.
-    print(f"logs in {fleet.dir}\n{fleet.tails()}")
-
-
 @attrs.define
 class Outcome:
     """What a client saw: a status and body, or a transport error; and when."""

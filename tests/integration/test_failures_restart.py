@@ -58,12 +58,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     f.close()
 
 
-@pytest.fixture(autouse=True)
-def _logs_on_failure(fleet: Fleet) -> Iterator[None]:
-    yield
-    print(f"logs in {fleet.dir}\n{fleet.tails()}")
-
-
 def _body(n: int, max_tokens: int = 6) -> dict[str, object]:
     return {"model": "tiny", "prompt": f"{QUESTION} {n}", "max_tokens": max_tokens,
             "temperature": 0}

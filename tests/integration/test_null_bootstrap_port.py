@@ -54,12 +54,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     f.close()
 
 
-@pytest.fixture(autouse=True)
-def _logs_on_failure(fleet: Fleet) -> Iterator[None]:
-    yield
-    print(f"logs in {fleet.dir}\n{fleet.tails()}")  # pytest shows it only for a failing test
-
-
 @attrs.define
 class Outcome:
     status: int | None = None

@@ -118,15 +118,6 @@ DEAD_ROWS = {
 }
 
 KNOWN_BUGS: dict[tuple[str, str, str], str] = {
-    ("kv_sender", "NEW", "ProtocolViolated"): (
-        "a first RECV_INIT with a wrong layout hash (D's hello before P's own leg) admits the "
-        "room, then finds no (NEW, ProtocolViolated) row: handle() raises LocalProtocolError on a "
-        "peer's fault and the room is left live in NEW (no lease, no timer: never cleaned up)"
-    ),
-    ("kv_receiver", "CANCELLING", "ProtocolViolated"): (
-        "a READY with a wrong layout hash or page count for a CANCELLING room finds no "
-        "(CANCELLING, ProtocolViolated) row: handle() raises LocalProtocolError on a peer's fault"
-    ),
 }
 
 def _path(table: StateTable, target: str) -> list[str]:
