@@ -60,7 +60,6 @@ def main() -> None:
             args.prompt_len,
             jnp.asarray(page_rows[row]),
             config=cfg,
-            ctx_pages=0,  # a fresh prompt: nothing cached to attend to, as the scheduler runs it
         )
         return logits.block_until_ready()
 

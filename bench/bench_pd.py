@@ -142,7 +142,7 @@ def main() -> None:
         route_d_outbox()
         d.step()
     n_arrivals -= 1
-    tiered.EXECUTABLES.wait_idle(600)  # the run-based kernels finish compiling before we measure
+    tiered.KV_COPIES.wait_idle(600)  # the run-based kernels finish compiling before we measure
     quiet = phase(arrivals=False)
     busy = phase(arrivals=True)
     deadline = time.time() + 60

@@ -6,6 +6,11 @@ inter-token latencies (ITL, the gaps between streamed chunks), and its end-to-en
 ``--compare URL`` runs the same load against a second server (typically a colocated worker) and
 prints the ratio next to each figure: the machines are shared and noisy, ratios from one run are
 what compare.
+
+Then where the target's TTFT went: the ``/metrics`` of the target, of the workers a pd-fsm proxy
+names at ``GET /workers``, and of every ``--metrics-url`` are scraped before and after the run;
+the bucket deltas of each phase histogram (``pd_fsm.io_trio.worker.phases``) give its p50/p99
+this run, interpolated in the buckets as Prometheus' ``histogram_quantile`` does.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from typing import Any
 import attrs
 import httpx
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 from pd_fsm.io_trio.api_key import bearer
+from pd_fsm.io_trio.worker.phases import PHASE_BY_KEY, PHASES, TTFT_NAME
 
 _WORD_TEXT = (
     "the of and to in is was for on that with as by at from his her they this which be or "
@@ -215,6 +222,156 @@ def render(target: Summary, compare: Summary | None, url: str, compare_url: str 
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- phases
+
+Buckets = dict[float, float]  # upper bound (inf for +Inf) -> cumulative count
+Histograms = dict[str, Buckets]  # metric name -> its buckets (label sets summed)
+
+
+def histogram_quantile(q: float, buckets: Buckets) -> float:
+    """The ``q`` quantile (0..1) of a histogram's cumulative bucket counts, interpolated
+    linearly inside the bucket it falls in, as Prometheus' ``histogram_quantile`` does: the
+    first bucket starts at 0, a rank in the +Inf bucket answers the highest finite bound; NaN
+    without observations."""
+    bounds = sorted(buckets)
+    if not bounds or not math.isinf(bounds[-1]):
+        return math.nan
+    total = buckets[bounds[-1]]
+    if total <= 0:
+        return math.nan
+    rank = q * total
+    prev_bound, prev_count = 0.0, 0.0
+    for i, bound in enumerate(bounds):
+        count = buckets[bound]
+        if count >= rank:
+            if math.isinf(bound):
+                return bounds[i - 1] if i > 0 else math.nan
+            if i == 0 and bound <= 0:
+                return bound
+            if count == prev_count:
+                return bound
+            return prev_bound + (bound - prev_bound) * (rank - prev_count) / (count - prev_count)
+        prev_bound, prev_count = bound, count
+    return math.nan
+
+
+def parse_histograms(text: str) -> Histograms:
+    """Every histogram in a Prometheus text exposition, its label sets summed per bound."""
+    out: Histograms = {}
+    for family in text_string_to_metric_families(text):
+        if family.type != "histogram":
+            continue
+        buckets = out.setdefault(family.name, {})
+        for sample in family.samples:
+            if sample.name.endswith("_bucket") and "le" in sample.labels:
+                le = float(sample.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + sample.value
+    return out
+
+
+def diff_histograms(before: Histograms, after: Histograms) -> Histograms:
+    """``after - before`` per bucket: what a run added (a process that restarted in between
+    counts from zero)."""
+    out: Histograms = {}
+    for name, buckets in after.items():
+        old = before.get(name, {})
+        delta = {le: n - old.get(le, 0.0) for le, n in buckets.items()}
+        out[name] = buckets if any(v < 0 for v in delta.values()) else delta
+    return out
+
+
+def side_of(hists: Histograms) -> str:
+    """Who exposed these histograms: "proxy", "P", "D" or "worker" (colocated, or unknown)."""
+    names = set(hists)
+    roles = {p.role for p in PHASES if p.name in names}
+    if "proxy" in roles or any(n.startswith("pd_fsm_proxy_") for n in names):
+        return "proxy"
+    if "prefill" in roles:
+        return "P"
+    if "decode" in roles:
+        return "D"
+    return "worker"
+
+
+_SIDES = ("D", "P", "worker", "proxy")
+# Rows in the order a PD request meets them; the workers' TTFT after their own phases.
+_ROWS = ([p.name for p in PHASES if p.role != "proxy"] + [TTFT_NAME]
+         + [p.name for p in PHASES if p.role == "proxy"])
+_LABEL = {p.name: p.key.removeprefix("proxy_") for p in PHASES} | {TTFT_NAME: "time_to_first_token"}
+
+
+def _fmt(value: float, name: str) -> str:
+    if not math.isfinite(value):
+        return "-"
+    if name.endswith("_seconds"):
+        return f"{value * 1000:.1f} ms"
+    if name.endswith("_bytes"):
+        return f"{value / 1e6:.2f} MB"
+    if name == PHASE_BY_KEY["kv_transfer_gbps"].name:
+        return f"{value:.3f} GB/s"
+    return f"{value:.3g}"
+
+
+def phase_table(before: dict[str, Histograms], after: dict[str, Histograms]) -> str:
+    """The per-phase table of one run from ``/metrics`` scrapes (URL -> histograms) taken
+    before and after it: p50, p99 and count per (side, phase), summed over a side's workers."""
+    merged: dict[tuple[str, str], Buckets] = {}
+    for url, hists in after.items():
+        side = side_of(hists)
+        for name, buckets in diff_histograms(before.get(url, {}), hists).items():
+            if name not in _LABEL:
+                continue
+            into = merged.setdefault((side, name), {})
+            for le, n in buckets.items():
+                into[le] = into.get(le, 0.0) + n
+    head = f"{'side':<8}{'phase':<24}{'p50':>14}{'p99':>14}{'count':>8}"
+    lines = ["where the time went (p50/p99 interpolated in /metrics histogram buckets, this run)",
+             head, "-" * len(head)]
+    for name in _ROWS:
+        for side in _SIDES:
+            row = merged.get((side, name))
+            if row is None:
+                continue
+            count = row.get(math.inf, 0.0)
+            p50, p99 = histogram_quantile(0.5, row), histogram_quantile(0.99, row)
+            lines.append(f"{side:<8}{_LABEL[name]:<24}{_fmt(p50, name):>14}"
+                         f"{_fmt(p99, name):>14}{count:>8.0f}")
+    if len(lines) == 3:
+        lines.append(f"no phase histograms at {', '.join(after) or 'any metrics URL'}")
+    return "\n".join(lines)
+
+
+async def metrics_urls(http: httpx.AsyncClient, url: str, extra: Sequence[str] = ()) -> list[str]:
+    """The target, the workers a pd-fsm proxy names at ``/workers`` (nothing for a worker or
+    another router), and ``extra``; each once."""
+    urls = [url.rstrip("/")]
+    try:
+        r = await http.get(f"{urls[0]}/workers")
+        body = r.json() if r.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        body = {}
+    if isinstance(body, dict):
+        for role in ("prefill", "decode"):
+            listed = body.get(role)
+            if isinstance(listed, list):
+                urls += [u.rstrip("/") for u in listed if isinstance(u, str)]
+    urls += [u.rstrip("/") for u in extra]
+    return list(dict.fromkeys(urls))
+
+
+async def scrape(http: httpx.AsyncClient, urls: Sequence[str]) -> dict[str, Histograms]:
+    """Each URL's ``/metrics`` histograms; a URL that does not answer is left out."""
+    out: dict[str, Histograms] = {}
+    for url in urls:
+        try:
+            r = await http.get(f"{url}/metrics")
+            if r.status_code == 200:
+                out[url] = parse_histograms(r.text)
+        except (httpx.HTTPError, ValueError):
+            continue
+    return out
+
+
 async def _main(args: argparse.Namespace) -> int:
     prompts = make_prompts(args.dataset, args.num_prompts, args.seed)
     if args.warmup:
@@ -222,9 +379,15 @@ async def _main(args: argparse.Namespace) -> int:
         warm = argparse.Namespace(**{**vars(args), "request_rate": math.inf})
         for url in filter(None, (args.url, args.compare)):
             await run_load(url, warm, prompts[:1])
-    target = await run_load(args.url, args, prompts)
+    headers = bearer(args.api_key) if args.api_key else {}
+    async with httpx.AsyncClient(timeout=10, headers=headers) as http:
+        urls = await metrics_urls(http, args.url, args.metrics_url)
+        before = await scrape(http, urls)
+        target = await run_load(args.url, args, prompts)
+        after = await scrape(http, urls)
     compare = await run_load(args.compare, args, prompts) if args.compare else None
     print(render(target, compare, args.url, args.compare), flush=True)
+    print(phase_table(before, after), flush=True)
     return 0 if all(r.ok for r in target.results) else 1
 
 
@@ -244,6 +407,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--metrics-url", action="append", default=[], metavar="URL",
+                   help="also scrape URL/metrics for the phase table (repeatable); a pd-fsm "
+                        "proxy's workers are found without it")
     p.set_defaults(func=main)
 
 

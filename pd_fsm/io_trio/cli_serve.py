@@ -39,7 +39,9 @@ def make_backend(config: ServeConfig) -> Backend:
     if config.disaggregation_mode == "null":
         from pd_fsm.io_trio.worker.colocated import ColocatedBackend
 
-        return ColocatedBackend(config.scheduler_args(), max_queued=config.max_queued)
+        return ColocatedBackend(
+            config.scheduler_args(), max_queued=config.max_queued, warmup=config.warmup
+        )
     # Imported here: the PD backends bring the transfer engine and the side channel.
     from pd_fsm.io_trio.worker.pd_backends import make_pd_backend
 
@@ -61,6 +63,13 @@ def main(args: argparse.Namespace) -> int:
             # Before anything starts JAX: XLA sizes its thread pools from the affinity.
             pinned = pin_to(parse_cpus(config.cpus))
             log.info("pinned to cores %s", ",".join(map(str, sorted(pinned))))
+        if config.compilation_cache:
+            from pd_fsm.jax_engine import compilation_cache
+
+            where = compilation_cache.enable(
+                config.compilation_cache_dir or compilation_cache.default_dir()
+            )
+            log.info("compilation cache: %s", where)
     except (ValueError, OSError) as exc:
         log.error("%s", exc)
         return 2

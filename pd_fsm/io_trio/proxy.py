@@ -17,7 +17,9 @@ effects and feeds it what happened:
 
 P's leg runs in the proxy's own nursery: a client that got D's answer does not wait for P to be
 drained. Workers come from the command line or, refreshed periodically, from the bootstrap
-server's ``GET /list?role=prefill|decode``.
+server's ``GET /list?role=prefill|decode``; ``GET /workers`` names the current ones (the bench
+scrapes their ``/metrics``). ``/metrics`` has histograms of each leg and of D's first byte
+(``pd_fsm.io_trio.worker.phases``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from pd_fsm.core.router import RoomRouter
 from pd_fsm.io_trio.api_key import ApiKeyGate, bearer
 from pd_fsm.io_trio.http_server import http_client, serve_app
 from pd_fsm.io_trio.worker.metrics import StatsCollector
+from pd_fsm.io_trio.worker.phases import PhaseHistograms
 from pd_fsm.io_trio.worker.sse import Receive, Send
 
 log = logging.getLogger("pd_fsm.io_trio.proxy")
@@ -117,6 +120,7 @@ class _Session:
     relay_done: trio.Event = attrs.field(factory=trio.Event)
     p_done: trio.Event = attrs.field(factory=trio.Event)
     p_body: Any = None
+    d_posted: float = 0.0  # trio time D's leg was posted
     p_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     d_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
 
@@ -161,11 +165,13 @@ class Proxy:
         self.requests = Counter("pd_fsm_proxy_http_requests", "client requests by path and status",
                                 ["path", "status"], registry=self.registry)
         self.registry.register(StatsCollector(self.stats, "pd_fsm_proxy"))
+        self.phases = PhaseHistograms(self.registry, "proxy")
         routes = [Route(p, self._generation, methods=["POST"]) for p in GENERATION_PATHS]
         routes += [Route(p, self._info, methods=["GET"]) for p in INFO_PATHS]
         routes += [
             Route("/health", self._health, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
+            Route("/workers", self._workers, methods=["GET"]),
         ]
         self.app: Starlette | ApiKeyGate = Starlette(
             routes=routes, exception_handlers={HTTPException: self._on_http_exception})
@@ -338,6 +344,10 @@ class Proxy:
     async def _metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
 
+    async def _workers(self, request: Request) -> Response:
+        """The workers routed to now, by role: their HTTP URLs."""
+        return JSONResponse({"prefill": list(self._targets), "decode": list(self.decode_urls)})
+
     async def _info(self, request: Request) -> Response:
         """Pass-through to the first decode worker (then prefill)."""
         for base in [*self.decode_urls, *self._targets]:
@@ -408,13 +418,16 @@ class Proxy:
         status, body = 0, None
         try:
             with s.p_scope:
-                s.p_scope.deadline = trio.current_time() + self.room_timeout
+                posted = trio.current_time()
+                s.p_scope.deadline = posted + self.room_timeout
                 async with self.client.stream("POST", s.prefill + s.path, json=s.body,
                                               headers=s.headers) as resp:
                     raw = await resp.aread()  # drains an SSE leg too
                     status = resp.status_code
                     ok = 200 <= status < 300
                     body = None if ok and s.stream else _json_or_text(raw)
+                    if ok:
+                        self.phases.observe("proxy_prefill_leg", trio.current_time() - posted)
         except httpx.HTTPError as exc:
             status, body = 502, _error_body(502, f"prefill worker {s.prefill}: {exc!r}",
                                             "prefill_unreachable")
@@ -432,6 +445,7 @@ class Proxy:
     async def _decode_leg(self, s: _Session, send: Send) -> None:
         try:
             with s.d_scope:
+                s.d_posted = trio.current_time()
                 async with self.client.stream("POST", s.decode + s.path, json=s.body,
                                               headers=s.headers) as resp:
                     if not 200 <= resp.status_code < 300:
@@ -446,6 +460,7 @@ class Proxy:
                     if not s.relay:
                         return  # the room already failed; the client got that error
                     await self._relay(s, resp, send)
+                    self.phases.observe("proxy_decode_leg", trio.current_time() - s.d_posted)
             if s.relay and s.d_scope.cancelled_caught and not s.client_gone:
                 # The router ended the room mid-relay (its deadline): say so to the client.
                 await self._relay_error(s, send, 504, "room deadline passed during the relay")
@@ -484,7 +499,11 @@ class Proxy:
                         "headers": headers})
             s.headers_sent = True
             tail = b""
+            first = True
             async for chunk in resp.aiter_raw():
+                if first and chunk:
+                    first = False
+                    self._first_byte(s)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 tail = (tail + chunk)[-len(_SSE_DONE):]
                 s.sse_done = tail == _SSE_DONE
@@ -492,6 +511,7 @@ class Proxy:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         raw = await resp.aread()
+        self._first_byte(s)  # a plain answer is read whole: its first byte is its last
         if s.return_logprob:
             raw = await self._merge_logprobs(s, raw)
         await send({"type": "http.response.start", "status": resp.status_code,
@@ -499,6 +519,9 @@ class Proxy:
         s.headers_sent = True
         self._relay_finished(s)
         await send({"type": "http.response.body", "body": raw, "more_body": False})
+
+    def _first_byte(self, s: _Session) -> None:
+        self.phases.observe("proxy_decode_first_byte", trio.current_time() - s.d_posted)
 
     def _relay_finished(self, s: _Session) -> None:
         # Fed before the last send: once the response is complete the server reports the

@@ -67,8 +67,13 @@ class PullResult:
     ok: bool
     reason: str
     bytes: int
-    seconds: float
+    seconds: float  # submit -> this result (everything the job took)
     peer: str = ""
+    # Where the time went (0 for a step not reached): submit -> KV ready (a wait for a free
+    # thread included), start_pull -> KV ready (the transfer alone), the scatter.
+    pull_seconds: float = 0.0
+    transfer_seconds: float = 0.0
+    scatter_seconds: float = 0.0
 
 
 class PullExecutor:
@@ -140,12 +145,18 @@ class PullExecutor:
         self._pool.shutdown(wait=wait, cancel_futures=not wait)
 
     def _run(self, req: PullRequest, start: float) -> None:
+        timing: dict[str, float] = {}  # filled by _pull as it goes (this thread only)
         try:
-            ok, reason, nbytes = self._pull(req, start)
+            ok, reason, nbytes = self._pull(req, start, timing)
         except Exception as e:  # a job must always report, whatever broke
             log.exception("pull job for room %d", req.room)
             ok, reason, nbytes = False, f"internal error: {type(e).__name__}: {e}", 0
-        result = PullResult(req.room, req.uuid, ok, reason, nbytes, self._clock() - start, req.peer)
+        result = PullResult(
+            req.room, req.uuid, ok, reason, nbytes, self._clock() - start, req.peer,
+            pull_seconds=timing.get("pull", 0.0),
+            transfer_seconds=timing.get("transfer", 0.0),
+            scatter_seconds=timing.get("scatter", 0.0),
+        )
         with self._lock:
             self._inflight -= 1
         self._results.put(result)
@@ -155,7 +166,9 @@ class PullExecutor:
             except Exception:
                 log.exception("pull result callback")
 
-    def _pull(self, req: PullRequest, start: float) -> tuple[bool, str, int]:
+    def _pull(
+        self, req: PullRequest, start: float, timing: dict[str, float]
+    ) -> tuple[bool, str, int]:
         if req.remote_layout_hash != self._kv_args.layout_hash:
             return False, (
                 f"layout mismatch: local {self._kv_args.layout_hash}, "
@@ -178,13 +191,16 @@ class PullExecutor:
         ]
         nbytes = sum(p.packed_nbytes(len(pages[p.name])) for p in self._kv_args.pools)
         try:
+            started = self._clock()
             pending = self._engine.start_pull(req.peer, req.uuid, specs, left)
             pending.wait()
         except PullTimeout as e:
             return False, f"timeout after {deadline_s:g}s: {e}", 0
         except PullError as e:
             return False, str(e), 0
-        left = deadline_s - (self._clock() - start)
+        ready = self._clock()
+        timing.update(pull=ready - start, transfer=ready - started)
+        left = deadline_s - (ready - start)
         try:
             scatter_room(
                 self._holder, self._kv_args, pending.arrays, pages,
@@ -192,4 +208,5 @@ class PullExecutor:
             )
         except TimeoutError:
             return False, "scatter: KV holder lock not acquired before the deadline", 0
+        timing["scatter"] = self._clock() - ready
         return True, "ok", nbytes

@@ -16,6 +16,7 @@ from pd_fsm.jax_engine.gather_scatter import (
     as_struct,
     check_packed,
     insert_kv_chunks,
+    page_buckets_upto,
     validate_pages,
 )
 from pd_fsm.jax_engine.kv_holder import KVCacheHolder
@@ -81,3 +82,12 @@ def scatter_room(
         for name, run in plans:
             kv[name] = run(list(kv[name]))
         jax.block_until_ready([kv[spec.name] for spec in kv_args.pools])
+
+
+def warm_room_copies(holder: KVCacheHolder, kv_args: KVArgs, max_pages: int, what: str) -> int:
+    """Compile the quick-tier gather (P) or scatter (D) of every page bucket a room of up to
+    ``max_pages`` pages lands in, in every pool; returns how many executables were compiled."""
+    with holder.locked() as kv:
+        structs = {spec.name: [as_struct(a) for a in kv[spec.name]] for spec in kv_args.pools}
+    buckets = page_buckets_upto(max_pages)
+    return sum(tiered.warm(structs[spec.name], buckets, what) for spec in kv_args.pools)

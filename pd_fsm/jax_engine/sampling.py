@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pd_fsm.jax_engine.executables import EXECUTABLES
+
 
 def _non_negative(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if value < 0:
@@ -108,7 +110,7 @@ def sample(
     n = len(params)
     b_pad = logits.shape[0]
     if all(p is None or p.greedy for p in params):
-        tokens, logprobs = _greedy(logits)
+        tokens, logprobs = EXECUTABLES.call(_greedy, {}, logits)
     else:
         temperature = np.zeros(b_pad, np.float32)
         top_k = np.zeros(b_pad, np.int32)
@@ -121,7 +123,9 @@ def sample(
             temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
             seed_arr[i] = seeds[i] & 0xFFFFFFFF
             step_arr[i] = steps[i]
-        tokens, logprobs = _sample(
+        tokens, logprobs = EXECUTABLES.call(
+            _sample,
+            {},
             logits,
             jnp.asarray(temperature),
             jnp.asarray(top_k),
@@ -130,3 +134,13 @@ def sample(
             jnp.asarray(step_arr),
         )
     return np.asarray(tokens)[:n], np.asarray(logprobs)[:n]
+
+
+def compile_samplers(batch: int, vocab: int) -> None:
+    """Compile, without running, both samplers for ``logits[batch, vocab]`` (see ``sample``)."""
+    logits = jax.ShapeDtypeStruct((batch, vocab), jnp.float32)
+    EXECUTABLES.compile(_greedy, {}, logits)
+    f32, i32, u32 = (
+        jax.ShapeDtypeStruct((batch,), t) for t in (jnp.float32, jnp.int32, jnp.uint32)
+    )
+    EXECUTABLES.compile(_sample, {}, logits, f32, i32, f32, u32, i32)

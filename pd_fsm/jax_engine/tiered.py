@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pd_fsm.jax_engine.executables import EXECUTABLES as FORWARD_EXECUTABLES
 from pd_fsm.jax_engine.gather_scatter import (
     _gather_into,
     _packed_zeros,
@@ -70,6 +71,7 @@ class _Executables:
             queue.SimpleQueue()
         )
         self._thread: threading.Thread | None = None
+        self.quick_compiles = 0  # quick-tier executables compiled (a request waited for each)
 
     def get(self, key: Key) -> jax.stages.Compiled | None:
         with self._lock:
@@ -81,6 +83,7 @@ class _Executables:
         if exe is None:
             exe = build()
             with self._lock:
+                self.quick_compiles += 1
                 exe = self._ready.setdefault(key, exe)
         return exe
 
@@ -124,7 +127,43 @@ class _Executables:
                 self._pending.discard(key)
 
 
-EXECUTABLES = _Executables()
+KV_COPIES = _Executables()
+
+
+def _quick_gather(pool: Sequence[jax.ShapeDtypeStruct], bucket: int) -> jax.stages.Compiled:
+    return KV_COPIES.now(
+        _key(pool, bucket, "gather_take"),
+        lambda: _take_gather.lower(pool, jax.ShapeDtypeStruct((bucket,), jnp.int32)).compile(),
+    )
+
+
+def _quick_scatter(
+    pool: Sequence[jax.ShapeDtypeStruct], packed: jax.ShapeDtypeStruct
+) -> jax.stages.Compiled:
+    bucket = packed.shape[1]
+    return KV_COPIES.now(
+        _key(pool, bucket, "scatter_take"),
+        lambda: _take_scatter.lower(
+            list(pool), packed, jax.ShapeDtypeStruct((bucket,), jnp.int32)
+        ).compile(),
+    )
+
+
+def warm(pool: Sequence[jax.ShapeDtypeStruct], buckets: Sequence[int], what: str) -> int:
+    """Compile the quick tier of ``what`` ("gather" or "scatter") for every page bucket now;
+    returns how many were compiled. The run-based tier still compiles in the background at a
+    bucket's first use: all of them at start would take minutes of both cores for SmolLM2."""
+    before = KV_COPIES.quick_compiles
+    first = pool[0]
+    sharding = getattr(first, "sharding", None)
+    for bucket in buckets:
+        if what == "gather":
+            _quick_gather(pool, bucket)
+        else:
+            shape = (len(pool), bucket, *first.shape[1:])
+            packed = jax.ShapeDtypeStruct(shape, first.dtype, sharding=sharding)
+            _quick_scatter(pool, packed)
+    return KV_COPIES.quick_compiles - before
 
 
 def gather(kv: Sequence[jax.Array], pages: Sequence[int]) -> jax.Array:
@@ -136,7 +175,7 @@ def gather(kv: Sequence[jax.Array], pages: Sequence[int]) -> jax.Array:
     first = kv[0]
     out_shape = (len(kv), bucket, *first.shape[1:])
     runs_key = _key(pool, bucket, "gather_runs")
-    exe = EXECUTABLES.get(runs_key)
+    exe = KV_COPIES.get(runs_key)
     if exe is not None:
         TIER_COUNTS["gather_runs"] += 1
         runs = contiguous_runs(pages, range(len(pages)), bucket)
@@ -148,13 +187,10 @@ def gather(kv: Sequence[jax.Array], pages: Sequence[int]) -> jax.Array:
         table = jax.ShapeDtypeStruct((3, bucket), jnp.int32)
         return _gather_into.lower(out, pool, table, jax.ShapeDtypeStruct((), jnp.int32)).compile()
 
-    EXECUTABLES.later(runs_key, build_runs)
+    KV_COPIES.later(runs_key, build_runs)
     ids = np.full(bucket, NULL_PAGE, np.int32)
     ids[: len(pages)] = pages
-    quick = EXECUTABLES.now(
-        _key(pool, bucket, "gather_take"),
-        lambda: _take_gather.lower(pool, jax.ShapeDtypeStruct((bucket,), jnp.int32)).compile(),
-    )
+    quick = _quick_gather(pool, bucket)
     TIER_COUNTS["gather_quick"] += 1
     return quick(kv, jnp.asarray(ids))  # type: ignore[no-any-return]
 
@@ -166,7 +202,7 @@ def scatter_plan(
     ``pages``; returns ``run(kv) -> new kv`` to call under the lock (it donates ``kv``)."""
     bucket = packed.shape[1]
     runs_key = _key(pool, bucket, "scatter_runs")
-    exe = EXECUTABLES.get(runs_key)
+    exe = KV_COPIES.get(runs_key)
     if exe is not None:
         runs = scatter_runs(pages, bucket)
         table, n_runs = jnp.asarray(runs.table), jnp.int32(runs.n_runs)
@@ -182,13 +218,8 @@ def scatter_plan(
         n = jax.ShapeDtypeStruct((), jnp.int32)
         return multi_layer_copy.lower(list(pool), as_struct(packed), table, n).compile()
 
-    EXECUTABLES.later(runs_key, build_runs)
-    quick = EXECUTABLES.now(
-        _key(pool, bucket, "scatter_take"),
-        lambda: _take_scatter.lower(
-            list(pool), as_struct(packed), jax.ShapeDtypeStruct((bucket,), jnp.int32)
-        ).compile(),
-    )
+    KV_COPIES.later(runs_key, build_runs)
+    quick = _quick_scatter(pool, as_struct(packed))
     ids = np.full(bucket, np.iinfo(np.int32).max, np.int32)  # out of range: dropped
     ids[: len(pages)] = pages
     ids_dev = jnp.asarray(ids)
@@ -198,3 +229,10 @@ def scatter_plan(
         return quick(kv, packed, ids_dev)  # type: ignore[no-any-return]
 
     return run_quick
+
+
+def total_compiles() -> int:
+    """Executables this process compiled so far: the forward and samplers
+    (``executables.EXECUTABLES``) and the quick-tier KV copies (the run-based tier compiles in
+    the background and makes no request wait)."""
+    return FORWARD_EXECUTABLES.stats().compiles + KV_COPIES.quick_compiles

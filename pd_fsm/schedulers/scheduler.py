@@ -26,6 +26,7 @@ scatter (``holder.swap``) is ordered with forward steps (DESIGN §6).
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -36,12 +37,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from pd_fsm.jax_engine.buckets import bucket
-from pd_fsm.jax_engine.gather_scatter import page_bucket
+from pd_fsm.jax_engine.executables import EXECUTABLES
 from pd_fsm.jax_engine.kv_holder import KVCacheHolder
 from pd_fsm.jax_engine.kv_pool import PageAllocator, allocate_kv_pool
-from pd_fsm.jax_engine.model import KV, LoadedModel, decode, extend, load_model
+from pd_fsm.jax_engine.model import (
+    KV,
+    LoadedModel,
+    compile_forward,
+    decode,
+    extend,
+    load_model,
+    table_width,
+)
 from pd_fsm.jax_engine.pool_spec import PoolType
-from pd_fsm.jax_engine.sampling import SamplingParams, sample
+from pd_fsm.jax_engine.sampling import SamplingParams, compile_samplers, sample
 from pd_fsm.jax_engine.tokenizer import IncrementalDetokenizer
 from pd_fsm.schedulers.args import SchedulerArgs
 from pd_fsm.schedulers.request import FinishReason, Req, ReqState, RequestOutput
@@ -66,15 +75,21 @@ class PrefillBatch:
     rows: tuple[PrefillRow, ...]
     n_pad: int
     t_pad: int
-    p_pad: int  # page-table width: pages up to the end of each row's chunk
-    ctx_pages: int  # leading columns holding cached context (0: every row starts at 0)
 
 
 @attrs.frozen
 class DecodeBatch:
     reqs: tuple[Req, ...]
     b_pad: int
-    p_pad: int
+
+
+@attrs.frozen
+class WarmupReport:
+    """What a warm-up compiled: forward shapes ``(rows, tokens)`` and executables, and how long."""
+
+    shapes: tuple[tuple[int, int], ...]
+    executables: int
+    seconds: float
 
 
 @attrs.frozen
@@ -101,6 +116,10 @@ class Scheduler:
         self.kv_holder = self._create_kv_holder()
         limit = args.context_length or self.config.max_position
         self.context_length = min(limit, self.config.max_position)
+        # Every forward's page table has this width (the longest sequence admitted, in whole
+        # context chunks), so the compiled shapes are the batch buckets alone.
+        longest = min(self.pool_config.pages_for(self.context_length), args.num_pages - 1)
+        self.table_width = table_width(longest, args.page_size)
 
         self.reqs: dict[str, Req] = {}  # every live (unfinished) request
         self.waiting: deque[Req] = deque()
@@ -208,6 +227,43 @@ class Scheduler:
             running=len(self.running),
             forward_shapes=len(self.forward_shapes),
         )
+
+    # ----------------------------------------------------------------- compiled shapes
+
+    def shape_plan(self) -> list[tuple[int, int]]:
+        """Every padded forward shape ``(rows, tokens)`` this scheduler can run, from its knobs:
+        decode ``(b, 1)`` for each batch bucket up to ``max_running``; prefill ``(1, t)`` for each
+        length bucket a first row can take, and ``(n, t)`` with ``n * t`` within
+        ``max_batched_tokens`` for batches of several rows (``_build_prefill_batch``'s rule).
+        The page table's width is fixed (``table_width``), so nothing else varies."""
+        a = self.args
+        rows = [bucket(n) for n in range(1, a.max_running + 1)]
+        row_buckets = sorted(set(rows))
+        longest = self._t_bucket(min(a.max_batched_tokens, self.context_length))
+        t_buckets = [t for t in (1 << i for i in range(32)) if MIN_PREFILL_BUCKET <= t <= longest]
+        plan = [(b, 1) for b in row_buckets]
+        plan += [(1, t) for t in t_buckets]
+        budget = a.max_batched_tokens
+        plan += [(n, t) for n in row_buckets if n > 1 for t in t_buckets if n * t <= budget]
+        return plan
+
+    def warm_up(self) -> WarmupReport:
+        """Compile, without running a step, every executable ``shape_plan`` needs (the forward's
+        and the samplers'), so no request after this waits for a compile. Idempotent: shapes
+        already compiled in this process cost a lookup."""
+        start = time.perf_counter()
+        before = EXECUTABLES.stats().compiles
+        plan = self.shape_plan()
+        with self.kv_holder.locked() as pools:
+            kv = pools[MAIN_KV]  # read for shapes only
+            for rows, tokens in plan:
+                compile_forward(
+                    self.model.params, kv, rows, tokens, self.table_width, config=self.config
+                )
+        for rows in sorted({r for r, _ in plan}):
+            compile_samplers(rows, self.config.vocab_size)
+        compiled = EXECUTABLES.stats().compiles - before
+        return WarmupReport(tuple(plan), compiled, time.perf_counter() - start)
 
     # ----------------------------------------------------------------- hooks: pool and pages
 
@@ -318,21 +374,13 @@ class Scheduler:
             t_max = max(t_max, n)
         if not rows:
             return None
-        pages = max(self.pool_config.pages_for(r.start + r.length) for r in rows)
-        ctx = max(self.pool_config.pages_for(r.start) for r in rows)
-        return PrefillBatch(
-            tuple(rows),
-            bucket(len(rows)),
-            self._t_bucket(t_max),
-            page_bucket(pages),
-            page_bucket(ctx) if ctx else 0,
-        )
+        return PrefillBatch(tuple(rows), bucket(len(rows)), self._t_bucket(t_max))
 
     def _run_prefill(self, batch: PrefillBatch) -> None:
         tokens = np.zeros((batch.n_pad, batch.t_pad), np.int32)
         start = np.zeros(batch.n_pad, np.int32)
         num_new = np.zeros(batch.n_pad, np.int32)
-        table = np.zeros((batch.n_pad, batch.p_pad), np.int32)
+        table = np.zeros((batch.n_pad, self.table_width), np.int32)
         for i, row in enumerate(batch.rows):
             req = row.req
             assert req.pages is not None
@@ -340,7 +388,7 @@ class Scheduler:
             start[i], num_new[i] = row.start, row.length
             used = self.pool_config.pages_for(row.start + row.length)
             table[i, :used] = req.pages[:used]
-        logits = self._forward_extend(tokens, start, num_new, table, batch.ctx_pages)
+        logits = self._forward_extend(tokens, start, num_new, table)
 
         completed: list[Req | None] = []
         for row in batch.rows:
@@ -361,9 +409,8 @@ class Scheduler:
         start: np.ndarray,
         num_new: np.ndarray,
         table: np.ndarray,
-        ctx_pages: int | None = None,
     ) -> jax.Array:
-        self.forward_shapes.add(("extend", *tokens.shape, table.shape[1], ctx_pages or 0))
+        self.forward_shapes.add(("extend", *tokens.shape))
         params, config = self.model.params, self.config
 
         def run(kv: KV) -> tuple[jax.Array, KV]:
@@ -375,7 +422,6 @@ class Scheduler:
                 jnp.asarray(num_new),
                 jnp.asarray(table),
                 config=config,
-                ctx_pages=ctx_pages,
             )
 
         return self._with_kv(run)
@@ -399,14 +445,12 @@ class Scheduler:
         if not self.running:
             return None
         reqs = tuple(self.running)
-        pages = max(self.pool_config.pages_for(r.seq_len) for r in reqs)
-        # Page tables pad to under 25% extra (not to a power of two): attention reads every slot.
-        return DecodeBatch(reqs, bucket(len(reqs)), page_bucket(pages))
+        return DecodeBatch(reqs, bucket(len(reqs)))
 
     def _run_decode(self, batch: DecodeBatch) -> None:
         tokens = np.zeros(batch.b_pad, np.int32)
         positions = np.zeros(batch.b_pad, np.int32)
-        table = np.zeros((batch.b_pad, batch.p_pad), np.int32)
+        table = np.zeros((batch.b_pad, self.table_width), np.int32)
         for i, req in enumerate(batch.reqs):
             assert req.pages is not None
             tokens[i] = req.output_ids[-1]
@@ -424,7 +468,7 @@ class Scheduler:
     def _forward_decode(
         self, tokens: np.ndarray, positions: np.ndarray, table: np.ndarray, lengths: np.ndarray
     ) -> jax.Array:
-        self.forward_shapes.add(("decode", *table.shape))
+        self.forward_shapes.add(("decode", len(tokens)))
         params, config = self.model.params, self.config
 
         def run(kv: KV) -> tuple[jax.Array, KV]:

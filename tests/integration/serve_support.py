@@ -29,12 +29,15 @@ TINY = {
     "max_batched_tokens": 256,
     "context_length": 256,
     "max_body": 64 * 1024,
+    "warmup": "minimal",  # tests/conftest.py says why
 }
 
 
 async def start_worker(nursery: trio.Nursery, **overrides: Any) -> tuple[str, WorkerApp]:
     config = ServeConfig(**{**TINY, **overrides, "port": 0})
-    backend = ColocatedBackend(config.scheduler_args(), max_queued=config.max_queued)
+    backend = ColocatedBackend(
+        config.scheduler_args(), max_queued=config.max_queued, warmup=config.warmup
+    )
     worker = WorkerApp(config, backend)
     url: str = await nursery.start(serve_worker, worker, "127.0.0.1", 0)
     with trio.fail_after(120):

@@ -185,6 +185,29 @@ def test_duplicate_live_room_rejected_first_unaffected(tiny: LoadedModel) -> Non
         pair.close()
 
 
+def test_every_phase_is_sampled_once_per_room_on_its_side(tiny: LoadedModel) -> None:
+    """The phase samples the worker turns into histograms (phases.py): each of a role's phases
+    once per room, on that role only, and nothing left stamped once the rooms are over."""
+    from pd_fsm.io_trio.worker.phases import PHASE_BY_KEY, role_phases
+
+    pair = PDPair(tiny, _args("prefill"), _args("decode"))
+    try:
+        for room, ids in ((31, _prompts()[4]), (32, _prompts()[9])):
+            pair.d.add_pd_request(Req(f"r{room}", ids, GREEDY), BOOT, room)
+            pair.p.add_pd_request(Req(f"r{room}", ids, GREEDY), room)
+        pair.run(lambda: len(collect(pair.d_outputs)) == 2 and pair.books_balanced())
+        for sched, role in ((pair.p, "prefill"), (pair.d, "decode")):
+            samples = sched.take_phase_samples()
+            keys = sorted(key for key, _ in samples)
+            assert keys == sorted(2 * [p.key for p in role_phases(role)])
+            assert all(PHASE_BY_KEY[k].role == role for k in keys)
+            assert all(v >= 0 for _, v in samples)
+            assert sched.take_phase_samples() == []
+            assert not sched._stamps
+    finally:
+        pair.close()
+
+
 def test_unresolvable_prefill_fails_fast_and_frees_everything(tiny: LoadedModel) -> None:
     pair = PDPair(tiny, _args("prefill"), _args("decode"))
     pair.resolvable = False

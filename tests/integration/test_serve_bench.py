@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import math
 
+import pytest
 import trio
 
-from pd_fsm.io_trio.bench_client import make_prompts, render, run_load
+from pd_fsm.io_trio.bench_client import _main, add_parser, make_prompts, render, run_load
 from tests.integration.serve_support import start_worker
 
 
@@ -35,3 +36,20 @@ async def test_bench_measures_every_request(nursery: trio.Nursery) -> None:
         assert 0 < rows["TTFT p50 ms"] <= rows["E2E p99 ms"]
     table = render(summary, summary, url, url)
     assert "TTFT p90 ms" in table and "target/compare" in table
+
+
+async def test_bench_prints_where_the_time_went(nursery: trio.Nursery,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The whole command against a colocated worker: its table, then the phase table from the
+    worker's /metrics (a colocated worker has no PD phases, only its TTFT)."""
+    url, _ = await start_worker(nursery, num_pages=256)
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--url", url, "--num-prompts", "3", "--max-tokens", "2",
+                              "--dataset", "short", "--model", "tiny",
+                              "--metrics-url", url])  # the same URL twice: scraped once
+    assert await _main(args) == 0
+    out = capsys.readouterr().out
+    assert "TTFT p50 ms" in out and "where the time went" in out
+    ttft = [line.split() for line in out.splitlines() if "time_to_first_token" in line]
+    assert len(ttft) == 1 and ttft[0][0] == "worker" and ttft[0][-1] == "3"

@@ -13,6 +13,7 @@ client leaving mid-stream gets both legs aborted.
 from __future__ import annotations
 
 import importlib.util
+import math
 import random
 import re
 import sys
@@ -26,8 +27,15 @@ import httpx
 import pytest
 import trio
 
-from pd_fsm.io_trio.bench_client import WORDS
+from pd_fsm.io_trio.bench_client import (
+    WORDS,
+    diff_histograms,
+    metrics_urls,
+    phase_table,
+    scrape,
+)
 from pd_fsm.io_trio.cluster import free_ports
+from pd_fsm.io_trio.worker.phases import PHASES, TTFT_NAME
 from tests.integration.serve_support import (
     ENDPOINTS,
     PATHS,
@@ -148,6 +156,38 @@ async def test_proxy_1p1d_equals_colocated(env: Env, endpoint: str, stream: bool
                              PROMPTS[endpoint])
     assert pd == ref
     assert pd.completion_tokens and pd.completion_tokens > 0
+
+
+async def test_every_phase_has_a_histogram_on_its_side(env: Env) -> None:
+    """After one PD request through the 1P1D proxy every phase histogram has counted it on the
+    side doing that phase, and only there (counts, never timings); the bench finds P and D from
+    the proxy's /workers and lists every phase in its table."""
+    sides = {role: url.rstrip("/") for role, url in (
+        ("proxy", env.proxy_1p1d), ("prefill", env.url("prefill-0")),
+        ("decode", env.url("decode-0")))}
+    async with httpx.AsyncClient(timeout=120) as http:
+        urls = await metrics_urls(http, env.proxy_1p1d)
+        assert sorted(urls) == sorted(sides.values())
+        before = await scrape(http, urls)
+        body = request_body("generate", "where does the time go", 4, stream=True)
+        await fetch_answer(http, env.proxy_1p1d, "generate", body)
+        # P's leg may reach the proxy after the client has D's answer: wait for it, bounded.
+        with trio.fail_after(60):
+            while True:
+                after = await scrape(http, urls)
+                deltas = {url: diff_histograms(before[url], after[url]) for url in urls}
+                if all(deltas[sides[p.role]].get(p.name, {}).get(math.inf, 0) >= 1
+                       for p in PHASES):
+                    break
+                await trio.sleep(0.1)
+    for phase in PHASES:
+        for role, url in sides.items():
+            assert (phase.name in after[url]) == (role == phase.role), (phase.name, role)
+    assert deltas[sides["decode"]][TTFT_NAME][math.inf] >= 1
+    table = phase_table(before, after)
+    for phase in PHASES:
+        side = {"prefill": "P", "decode": "D", "proxy": "proxy"}[phase.role]
+        assert re.search(rf"^{side}\s+{phase.key.removeprefix('proxy_')}\s", table, re.M), table
 
 
 # ----------------------------------------------------------------------------- 2: sglang-router

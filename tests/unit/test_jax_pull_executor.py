@@ -42,6 +42,7 @@ def test_refusals_happen_before_any_pull() -> None:
     ex.close()
     assert "layout mismatch" in results[1].reason and not results[1].ok
     assert "bad destination pages" in results[2].reason and not results[2].ok
+    assert all(r.pull_seconds == r.scatter_seconds == 0 for r in results.values())
     assert engine.pulls == 0
     assert len(seen) == 2 and ex.poll() == []
 
@@ -60,6 +61,9 @@ def test_in_process_pull_scatter_and_verified_release() -> None:
     assert done.wait(15)
     (r,) = ex.poll()
     assert r.ok and r.bytes == ARGS.packed_nbytes(4), r
+    # Where the job's time went (the phase histograms): parts of the whole, in order.
+    assert 0 < r.transfer_seconds <= r.pull_seconds <= r.seconds
+    assert 0 < r.scatter_seconds <= r.seconds - r.pull_seconds
     with p_holder.locked() as kv:
         src = [np.asarray(a) for a in kv["main_kv"]]
     with d_holder.locked() as kv:

@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pd_fsm.jax_engine import tiered
+from pd_fsm.jax_engine.gather_scatter import page_buckets_upto
 from pd_fsm.jax_engine.kv_holder import KVCacheHolder
 from pd_fsm.jax_engine.kv_pool import KVPoolConfig
 from pd_fsm.jax_engine.pool_spec import KVArgs, PoolTransferSpec
-from pd_fsm.jax_engine.room_kv import gather_room, scatter_room
+from pd_fsm.jax_engine.room_kv import gather_room, scatter_room, warm_room_copies
 
 # A pool shape no other test uses, so the executable cache starts cold for it.
 CFG = KVPoolConfig(num_layers=3, num_pages=37, page_size=4, num_kv_heads=1, head_dim=8)
@@ -45,6 +46,29 @@ def test_quick_then_runs_tier_same_bytes() -> None:
         if round_ == 0:
             assert tiered.TIER_COUNTS["gather_quick"] == before["gather_quick"] + 1
             assert tiered.TIER_COUNTS["scatter_quick"] == before["scatter_quick"] + 1
-            assert tiered.EXECUTABLES.wait_idle(120), "background compile never finished"
+            assert tiered.KV_COPIES.wait_idle(120), "background compile never finished"
     assert tiered.TIER_COUNTS["gather_runs"] == before["gather_runs"] + 1
     assert tiered.TIER_COUNTS["scatter_runs"] == before["scatter_runs"] + 1
+
+
+def test_warmed_buckets_compile_nothing_when_rooms_move() -> None:
+    """``warm_room_copies`` compiles the quick tier of every page bucket up to the longest room,
+    so gathers and scatters of rooms of any size up to it compile nothing on the request path."""
+    cfg = KVPoolConfig(num_layers=2, num_pages=29, page_size=4, num_kv_heads=1, head_dim=8)
+    kv_args = KVArgs([PoolTransferSpec.from_config("main_kv", cfg)])
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal(cfg.layer_shape).astype(np.float32) for _ in range(2)]
+    src = KVCacheHolder({"main_kv": [jnp.asarray(a) for a in arrays]})
+    dst = KVCacheHolder({"main_kv": [jnp.zeros(cfg.layer_shape, jnp.float32) for _ in range(2)]})
+    n_gather = warm_room_copies(src, kv_args, 12, "gather")
+    n_scatter = warm_room_copies(dst, kv_args, 12, "scatter")
+    assert n_gather == n_scatter == len(page_buckets_upto(12))  # 1 2 4 8 10 12
+    assert warm_room_copies(src, kv_args, 12, "gather") == 0  # idempotent
+    before = tiered.KV_COPIES.quick_compiles
+    for n in (1, 3, 5, 9, 11, 12):
+        (packed,) = gather_room(src, kv_args, list(range(1, n + 1)))
+        scatter_room(dst, kv_args, [packed], list(range(28 - n, 28)))
+        with dst.locked() as kv:
+            got = np.asarray(kv["main_kv"][1])[28 - n : 28]
+        np.testing.assert_array_equal(got, arrays[1][1 : n + 1])
+    assert tiered.KV_COPIES.quick_compiles == before

@@ -138,7 +138,7 @@ def test_batched_extend_with_prefix_matches_numpy(tiny: tuple[dict, dict]) -> No
     split = 6
     t_pad = 8
     toks = jnp.asarray(b[:split] + [0] * (t_pad - split), dtype=jnp.int32)
-    _, kv = prefill(params, kv, toks, split, _page_row(pages_b, 4), config=TINY, ctx_pages=0)
+    _, kv = prefill(params, kv, toks, split, _page_row(pages_b, 4), config=TINY, )
 
     tokens = np.zeros((2, t_pad), np.int32)
     tokens[0, : len(a)] = a
@@ -153,7 +153,6 @@ def test_batched_extend_with_prefix_matches_numpy(tiny: tuple[dict, dict]) -> No
         jnp.asarray(table),
         config=TINY,
         all_logits=True,
-        ctx_pages=2,  # covers start_pos 6 with page size 4
     )
     out = np.asarray(logits)
     np.testing.assert_allclose(out[0, : len(a)], reference_logits(p_np, TINY, a), atol=1e-4)

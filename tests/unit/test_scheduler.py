@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pd_fsm.jax_engine.executables import EXECUTABLES
 from pd_fsm.jax_engine.model import LoadedModel, load_model
 from pd_fsm.jax_engine.sampling import SamplingParams
 from pd_fsm.jax_engine.tokenizer import CharTokenizer
@@ -189,28 +190,29 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny: LoadedModel
     assert runs[0] == runs[1]
 
 
-def test_compilations_bounded_over_many_request_sizes(tiny: LoadedModel) -> None:
-    from pd_fsm.jax_engine.gather_scatter import page_buckets_upto
-    from pd_fsm.jax_engine.model.forward import _decode_forward, _forward_jit
-
+def test_warm_up_compiles_every_shape_later_requests_use(tiny: LoadedModel) -> None:
+    """After ``warm_up`` nothing compiles: prompts of every length (some chunked: longer than the
+    token budget), batches of every size, greedy and sampled."""
     rng = np.random.default_rng(0)
     sched = Scheduler(_args(max_running=4, max_batched_tokens=64, page_size=8), model=tiny)
-    before = _forward_jit._cache_size() + _decode_forward._cache_size()
+    report = sched.warm_up()
+    assert set(report.shapes) == set(sched.shape_plan())
+    assert sched.warm_up().executables == 0  # idempotent
+    before = EXECUTABLES.stats().compiles
     for i in range(40):
-        sp = attrs.evolve(GREEDY, max_new_tokens=int(rng.integers(1, 10)))
-        sched.add_request(Req(f"r{i}", _prompt(i, int(rng.integers(1, 60))), sp))
+        sp = attrs.evolve(
+            GREEDY,
+            max_new_tokens=int(rng.integers(1, 10)),
+            temperature=float(rng.choice([0.0, 0.8])),
+        )
+        sched.add_request(Req(f"r{i}", _prompt(i, int(rng.integers(1, 100))), sp))
     outs = _collect(sched.run_until_idle())
     assert len(outs) == 40 and all(o["reason"].kind == "length" for o in outs.values())
-    # Rows {1,2,4} x lengths {8,16,32,64} x page buckets x context page buckets (or 0) for
-    # extend; rows x page buckets for decode.
-    page_widths = len(page_buckets_upto(sched.pool_config.pages_for(60 + 10)))
-    extend_bound = 3 * 4 * page_widths * (page_widths + 1)
-    decode_bound = 3 * page_widths
-    shapes = sched.forward_shapes
-    assert len([s for s in shapes if s[0] == "extend"]) <= extend_bound
-    assert len([s for s in shapes if s[0] == "decode"]) <= decode_bound
-    compiled = _forward_jit._cache_size() + _decode_forward._cache_size() - before
-    assert compiled <= len(shapes)
+    assert EXECUTABLES.stats().compiles == before
+    used = {(s[1], s[2]) if s[0] == "extend" else (s[1], 1) for s in sched.forward_shapes}
+    assert used <= set(report.shapes)
+    assert any(t > 1 and n > 1 for n, t in used)  # batched prefills happened
+    assert any(t == 1 and n > 1 for n, t in used)  # and batched decodes
 
 
 def test_prefilled_request_enters_decode_without_prefill_forward(tiny: LoadedModel) -> None:

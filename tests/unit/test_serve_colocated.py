@@ -30,7 +30,7 @@ def _job(rid: str, prompt: tuple[int, ...], n: int = N) -> GenerateJob:
 
 @pytest.fixture
 async def backend(nursery: trio.Nursery) -> ColocatedBackend:
-    b = ColocatedBackend(ARGS, stream_capacity=CAPACITY)
+    b = ColocatedBackend(ARGS, stream_capacity=CAPACITY, warmup="minimal")
     await nursery.start(b.serve)
     return b
 
@@ -105,7 +105,7 @@ async def test_refused_requests(backend: ColocatedBackend) -> None:
 
 async def test_queue_limit_is_503(nursery: trio.Nursery) -> None:
     # No loop runs: the first job sits in the channel (capacity 1), the second is refused.
-    b = ColocatedBackend(ARGS, max_queued=1)
+    b = ColocatedBackend(ARGS, max_queued=1, warmup="minimal")
     b._ready = True
     g1 = b.generate(_job("q1", (1, 2)))
 
@@ -125,7 +125,7 @@ async def test_queue_limit_is_503(nursery: trio.Nursery) -> None:
 
 async def test_http_before_ready_is_503() -> None:
     config = ServeConfig(model="tiny", num_pages=96, page_size=4)
-    worker = WorkerApp(config, ColocatedBackend(config.scheduler_args()))
+    worker = WorkerApp(config, ColocatedBackend(config.scheduler_args(), warmup="minimal"))
     transport = httpx.ASGITransport(app=worker.app)
     async with httpx.AsyncClient(transport=transport, base_url="http://w") as http:
         assert (await http.get("/health")).status_code == 503

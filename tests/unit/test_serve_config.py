@@ -35,6 +35,7 @@ def test_every_flag_reaches_the_config(tmp_path: Path) -> None:
         "--disaggregation-transfer-backend", "jax", "--cluster-secret-file", str(secret),
         "--disaggregation-failure-policy", "recompute", "--disaggregation-queue-timeout", "42",
         "--disaggregation-side-channel-port", "7002", "--served-model-name", "m",
+        "--warmup", "minimal", "--compilation-cache-dir", str(tmp_path / "xla"),
     ])
     c = config_from_args(args)
     assert c == ServeConfig(
@@ -46,6 +47,7 @@ def test_every_flag_reaches_the_config(tmp_path: Path) -> None:
         disaggregation_bootstrap_heartbeat_ttl=7.5, disaggregation_transfer_backend="jax",
         cluster_secret_file=secret, disaggregation_failure_policy="recompute",
         disaggregation_queue_timeout=42.0, disaggregation_side_channel_port=7002,
+        warmup="minimal", compilation_cache_dir=tmp_path / "xla",
     )
     assert c.cluster_secret() == b"s3cret"
     sa = c.scheduler_args()
@@ -59,11 +61,25 @@ def test_every_flag_reaches_the_config(tmp_path: Path) -> None:
     # A heartbeat every 10 s cannot keep a 15 s registration alive through one lost heartbeat.
     ["--disaggregation-bootstrap-heartbeat-interval", "10"],
     ["--cpus", "one"], ["--cpus", "3-1"], ["--cpus", ""], ["--api-key", ""], ["--api-key", "a b"],
+    ["--no-compilation-cache", "--compilation-cache-dir", "/tmp/x"],
 ])
 def test_bad_values_refused(flags: list[str]) -> None:
     args = build_parser().parse_args(["serve", "--model", "tiny", *flags])
     with pytest.raises(ValueError):
         config_from_args(args)
+
+
+def test_warmup_default_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PD_FSM_WARMUP", "full")
+    assert config_from_args(build_parser().parse_args(["serve"])).warmup == "full"
+    monkeypatch.delenv("PD_FSM_WARMUP")
+    assert config_from_args(build_parser().parse_args(["serve"])).warmup == "full"
+    monkeypatch.setenv("PD_FSM_WARMUP", "some")  # argparse does not check defaults: we do
+    with pytest.raises(ValueError, match="--warmup must be one of full, minimal"):
+        config_from_args(build_parser().parse_args(["serve"]))
+    monkeypatch.delenv("PD_FSM_WARMUP")
+    cfg_off = config_from_args(build_parser().parse_args(["serve", "--no-compilation-cache"]))
+    assert not cfg_off.compilation_cache
 
 
 @pytest.mark.parametrize("flags", [["--model", "gpt-5"], ["--disaggregation-mode", "both"],

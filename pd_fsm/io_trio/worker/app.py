@@ -119,7 +119,9 @@ class WorkerApp:
         self.config = config
         self.backend = backend
         self.meta: ModelMeta | None = None if model is None else ModelMeta.of(model, config)
-        self.metrics = WorkerMetrics(self._stats)
+        self.metrics = WorkerMetrics(self._stats, backend.mode)
+        if hasattr(backend, "phase_observer"):  # a PD backend: its per-phase histograms
+            backend.phase_observer = self.metrics.phases.observe
         self._live: set[str] = set()
         self.bad_requests = 0
         self.app: Starlette | ApiKeyGate = Starlette(

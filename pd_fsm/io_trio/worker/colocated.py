@@ -11,15 +11,19 @@ from this loop (it is not thread-safe) or, during a step, from the one worker th
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 import attrs
 import trio
 
 from pd_fsm.io_trio.worker.backend import BackendError, GenerateJob
+from pd_fsm.io_trio.worker.config import WARMUP_MODES
+from pd_fsm.jax_engine import compilation_cache
 from pd_fsm.jax_engine.sampling import SamplingParams
+from pd_fsm.jax_engine.tiered import total_compiles
 from pd_fsm.schedulers.args import SchedulerArgs
 from pd_fsm.schedulers.factory import make_scheduler
 from pd_fsm.schedulers.request import FinishReason, RequestOutput
@@ -31,6 +35,7 @@ STREAM_CAPACITY = 64  # outputs buffered in a request's channel before its overf
 WARMUP_PROMPT = (1, 2, 3, 4)
 
 Item = RequestOutput | BackendError
+R = TypeVar("R")
 
 
 @attrs.define(eq=False)
@@ -43,6 +48,8 @@ class _Stream:
     in_scheduler: bool = False
     done: bool = False  # its last item (finish or error) has been handed over
     abort_requested: bool = False  # /abort_request named it (reported once)
+    # time.monotonic() when the backend took the job: where a PD leg's first phase starts.
+    accepted: float = attrs.field(factory=time.monotonic)
 
     def put(self, item: Item) -> None:
         # Order: everything in the channel precedes everything in the overflow.
@@ -77,12 +84,19 @@ class ColocatedBackend:
         *,
         max_queued: int = 1024,
         scheduler: Scheduler | None = None,
-        warmup: bool = True,
+        warmup: str = "full",
         stream_capacity: int = STREAM_CAPACITY,
     ) -> None:
         self.args = args
         self.scheduler: Scheduler | None = scheduler
+        if warmup not in WARMUP_MODES:
+            raise ValueError(f"warmup must be one of {WARMUP_MODES}, got {warmup!r}")
+        # "full": compile every shape before ready; "minimal": one short request only.
         self._warmup = warmup
+        # Seconds each start-up phase took (model_load, forward_compile, kv_copy_compile,
+        # first_request), and the compile count when ready: compiles after it are a request's.
+        self.ready_seconds: dict[str, float] = {}
+        self._compiles_at_ready: int | None = None
         self._stream_capacity = stream_capacity
         self._ready = False
         self._jobs_send, self._jobs_recv = trio.open_memory_channel[_Stream](max_queued)
@@ -107,7 +121,7 @@ class ColocatedBackend:
             self.scheduler = await trio.to_thread.run_sync(
                 self._build, limiter=self._limiter, abandon_on_cancel=True
             )
-        elif self._warmup:
+        else:
             await trio.to_thread.run_sync(self._warm, self.scheduler, limiter=self._limiter)
         self._ready = True
         task_status.started()
@@ -172,6 +186,8 @@ class ColocatedBackend:
             "queued": self._jobs_recv.statistics().current_buffer_used,
             "live_requests": len(self._streams),
             "page_size": self.args.page_size,
+            "ready_seconds": dict(self.ready_seconds),
+            **self._compile_stats(),
         }
         if self.scheduler is not None:
             s = self.scheduler.stats()
@@ -188,19 +204,49 @@ class ColocatedBackend:
     # ----------------------------------------------------------------- the loop
 
     def _build(self) -> Scheduler:
-        scheduler = make_scheduler(self.args)
-        if self._warmup:
-            self._warm(scheduler)
+        scheduler = self._timed("model_load", lambda: make_scheduler(self.args))
+        self._warm(scheduler)
         return scheduler
 
-    @staticmethod
-    def _warm(scheduler: Scheduler) -> None:
-        """Compile the smallest prefill and decode shapes before the first client waits on it."""
+    def _timed(self, phase: str, fn: Callable[[], R]) -> R:
+        start = time.perf_counter()
+        out = fn()
+        self.ready_seconds[phase] = time.perf_counter() - start
+        return out
+
+    def _warm(self, scheduler: Scheduler) -> None:
+        """Before ready (in the scheduler's thread): with ``full``, compile every shape the
+        scheduler can run (``Scheduler.warm_up``) and whatever the role adds (``_warm_role``);
+        then one short request through the whole path, which also proves it works."""
+        if self._warmup == "full":
+            report = self._timed("forward_compile", scheduler.warm_up)
+            log.info("compiled %d executables for %d forward shapes in %.1f s",
+                     report.executables, len(report.shapes), report.seconds)
+            self._warm_role(scheduler)
         req = scheduler.make_request(
             "__warmup__", WARMUP_PROMPT, SamplingParams(max_new_tokens=2, temperature=0.0)
         )
         scheduler.add_request(req)
-        scheduler.run_until_idle()
+        self._timed("first_request", scheduler.run_until_idle)
+        self._compiles_at_ready = total_compiles()
+        phases = ", ".join(f"{k} {v:.1f} s" for k, v in self.ready_seconds.items())
+        log.info("ready after %s", phases)
+
+    def _warm_role(self, scheduler: Scheduler) -> None:
+        """What a role compiles besides the forward (the PD roles: their KV copies)."""
+
+    def _compile_stats(self) -> dict[str, int]:
+        now = total_compiles()
+        at_ready = self._compiles_at_ready
+        # Before ready every compile is the warm-up's; after, each one made a request wait.
+        cache = compilation_cache.counts()
+        return {
+            "compiles_total": now,
+            "compiles_after_ready_total": 0 if at_ready is None else now - at_ready,
+            # Of those, loaded from the persistent compilation cache / compiled afresh.
+            "compilation_cache_hits_total": cache["hits"],
+            "compilation_cache_misses_total": cache["misses"],
+        }
 
     async def _loop(self, scheduler: Scheduler) -> None:
         while True:

@@ -7,6 +7,7 @@ and decode backends (``pd_backends.make_pd_backend(config)``) read the ``disaggr
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,6 +30,7 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 FAILURE_POLICIES = ("fail", "recompute")
 TRANSFER_BACKENDS = ("jax",)
 HOST_HEAP_POLICIES = ("hugepages", "default")  # pd_fsm.jax_engine.host_memory
+WARMUP_MODES = ("full", "minimal")
 DEFAULT_MAX_BODY = 8 * 1024 * 1024  # a 100k-token prompt as JSON ids is ~700 KB
 
 
@@ -82,6 +84,13 @@ class ServeConfig:
     cpus: str | None = None
     # Clients of the OpenAI / sglang endpoints must send "Authorization: Bearer <key>".
     api_key: str | None = attrs.field(default=None, repr=False)
+    # Before ready: "full" compiles every shape the scheduler can run (no request waits for a
+    # compile); "minimal" runs one short request (quicker start; requests compile new shapes).
+    warmup: str = "full"
+    # JAX's persistent compilation cache (pd_fsm.jax_engine.compilation_cache); None: its
+    # default directory.
+    compilation_cache: bool = True
+    compilation_cache_dir: Path | None = None
 
     @property
     def model_name(self) -> str:
@@ -228,6 +237,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--cpus", default=None, metavar="LIST",
                    help="pin the worker to these cores, e.g. 0 or 0-1 or 0,2 (default: all)")
+    p.add_argument(
+        "--warmup", choices=WARMUP_MODES, default=os.environ.get("PD_FSM_WARMUP", d.warmup),
+        help="before ready: full = compile every shape the scheduler can run (default, or "
+        "$PD_FSM_WARMUP); minimal = one short request (faster start; new shapes compile on "
+        "first use, on the request path)",
+    )
+    p.add_argument(
+        "--compilation-cache-dir", type=Path, default=None, metavar="DIR",
+        help="JAX's persistent compilation cache (default: ~/.cache/pd_fsm/xla, or "
+        "$PD_FSM_CACHE_DIR/xla)",
+    )
+    p.add_argument("--no-compilation-cache", action="store_true",
+                   help="compile everything afresh at every start")
     add_api_key_arguments(p)
 
 
@@ -265,6 +287,10 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         )
     if args.cpus is not None:
         parse_cpus(args.cpus)  # a bad list fails here, naming itself
+    if args.warmup not in WARMUP_MODES:  # argparse does not check a default ($PD_FSM_WARMUP)
+        raise ValueError(f"--warmup must be one of {', '.join(WARMUP_MODES)}, got {args.warmup!r}")
+    if args.no_compilation_cache and args.compilation_cache_dir is not None:
+        raise ValueError("--compilation-cache-dir and --no-compilation-cache contradict")
     windows = tuple(f"disaggregation_{w.replace('-', '_')}" for w in _WINDOWS)
     for name in ("disaggregation_bootstrap_heartbeat_interval",
                  "disaggregation_bootstrap_heartbeat_ttl", "disaggregation_queue_timeout",
@@ -310,4 +336,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         host_heap=args.host_heap,
         cpus=args.cpus,
         api_key=api_key_from_args(args),
+        warmup=args.warmup,
+        compilation_cache=not args.no_compilation_cache,
+        compilation_cache_dir=args.compilation_cache_dir,
     )

@@ -3,7 +3,8 @@
 The HTTP layer counts requests by endpoint and outcome, tokens and latencies; whatever the
 backend's ``stats()`` returns is exported generically at scrape time: a number becomes a gauge
 (or a counter when its key ends in ``_total``), a dict of numbers a metric with a ``key`` label
-(e.g. KVPoll state counts, requests by outcome).
+(e.g. KVPoll state counts, requests by outcome). A PD worker also has one histogram per phase
+of a PD request that its role carries out (``phases.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from pd_fsm.io_trio.worker.phases import PhaseHistograms
 
 PREFIX = "pd_fsm_worker"
 _BAD = re.compile(r"[^a-zA-Z0-9_]")
@@ -68,7 +71,7 @@ class StatsCollector(Collector):
 
 
 class WorkerMetrics:
-    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, Any]], role: str = "null") -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.requests = Counter(
             f"{PREFIX}_http_requests",
@@ -94,6 +97,7 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.phases = PhaseHistograms(self.registry, role)
         self.registry.register(StatsCollector(stats, f"{PREFIX}_backend"))
 
     def render(self) -> bytes:

@@ -10,6 +10,7 @@ scheduler and core need no locks and blocking JAX work never runs on the event l
         -> _tick (thread): deliver, admit, abort, step, collect outputs and the outbox
         -> outbox: SendMessage -> side channel, ResolvePeer -> bootstrap lookup (a task)
         -> outputs -> the requests' streams (a PD failure becomes BackendError(status))
+        -> phase samples (taken in the tick's thread) -> ``phase_observer`` (the histograms)
     then sleep until woken (a message, a job, a pull result) or the core's next deadline.
 """
 
@@ -21,6 +22,7 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -66,6 +68,7 @@ class _TickResult:
     outbox: list[Any]
     forward_work: bool
     next_deadline: float | None  # on time.monotonic
+    phases: list[tuple[str, float]]  # (phase key, value) samples of this tick (phases.py)
 
 
 def make_pd_backend(config: ServeConfig) -> ColocatedBackend:
@@ -96,7 +99,9 @@ class _PDBackend(ColocatedBackend, ABC):
     scheduler: PrefillScheduler | DecodeScheduler | None  # type: ignore[assignment]
 
     def __init__(self, config: ServeConfig) -> None:
-        super().__init__(config.scheduler_args(), max_queued=config.max_queued)
+        super().__init__(
+            config.scheduler_args(), max_queued=config.max_queued, warmup=config.warmup
+        )
         self.config = config
         self.pd_args = disaggregation_args(config)
         self.mode = config.disaggregation_mode
@@ -111,6 +116,8 @@ class _PDBackend(ColocatedBackend, ABC):
         # new shape compiles for many seconds, and liveness must not wait for it.
         self.busy_since: float | None = None
         self.busy_liveness_total = 0
+        # Where each tick's phase samples go (the worker app sets its histograms' observe).
+        self.phase_observer: Callable[[str, float], None] | None = None
 
     # -- Backend protocol ---
 
@@ -175,6 +182,11 @@ class _PDBackend(ColocatedBackend, ABC):
             for stream in list(self._streams.values()):
                 self._fail(stream, BackendError(503, "worker shutting down"))
             await trio.to_thread.run_sync(self._close, sched, limiter=self._limiter)
+
+    def _warm_role(self, scheduler: Scheduler) -> None:
+        assert isinstance(scheduler, PrefillScheduler | DecodeScheduler)
+        n = self._timed("kv_copy_compile", scheduler.warm_kv_copies)
+        log.info("compiled the KV %s for %d page buckets", scheduler.KV_COPY, n)
 
     # -- pieces each role supplies ---
 
@@ -287,6 +299,9 @@ class _PDBackend(ColocatedBackend, ABC):
                 self.busy_since = None
             self.steps_total += 1
             self.step_seconds_total += trio.current_time() - start
+            if self.phase_observer is not None:
+                for phase, value in result.phases:
+                    self.phase_observer(phase, value)
             for effect in result.outbox:
                 if isinstance(effect, fx.SendMessage):
                     self._send(effect.peer, effect.message)
@@ -353,6 +368,7 @@ class _PDBackend(ColocatedBackend, ABC):
             sched.take_outbox(),
             Scheduler.has_work(sched),
             sched.next_deadline(),
+            sched.take_phase_samples(),
         )
 
     def _snapshot_heartbeats(self, sched: Any) -> None:
@@ -398,8 +414,8 @@ class PrefillBackend(_PDBackend):
         self.side: PrefillSideChannel | None = None
 
     def _build(self) -> Scheduler:
-        sched = PrefillScheduler(self.pd_args)
-        self._warm(sched)
+        sched = self._timed("model_load", lambda: PrefillScheduler(self.pd_args))
+        self._warm(sched)  # plain requests: P decodes those itself
         return sched
 
     async def _start_io(self, nursery: trio.Nursery, sched: Any) -> InstanceRecord:
@@ -434,7 +450,7 @@ class PrefillBackend(_PDBackend):
     def _admit(self, sched: Any, stream: _Stream) -> None:
         job, boot = stream.job, self._bootstrap_of(stream)
         req = sched.make_request(job.rid, list(job.input_ids), job.sampling)
-        sched.add_pd_request(req, boot.room)
+        sched.add_pd_request(req, boot.room, accepted=stream.accepted)
 
 
 class DecodeBackend(_PDBackend):
@@ -480,7 +496,10 @@ class DecodeBackend(_PDBackend):
                 self.busy_liveness_total += 1
 
     def _build(self) -> Scheduler:
-        sched = DecodeScheduler(self.pd_args, on_pull_result=self._wake_from_thread)
+        sched = self._timed(
+            "model_load",
+            lambda: DecodeScheduler(self.pd_args, on_pull_result=self._wake_from_thread),
+        )
         self._warm(sched)  # plain requests: D can serve those too (recompute, health checks)
         return sched
 
@@ -515,7 +534,7 @@ class DecodeBackend(_PDBackend):
             self._refusals.append((boot.host, boot.room, reason))  # told after our 400 is out
             raise ValueError(reason)
         req = sched.make_request(job.rid, list(job.input_ids), job.sampling)
-        sched.add_pd_request(req, f"{boot.host}:{port}", boot.room)
+        sched.add_pd_request(req, f"{boot.host}:{port}", boot.room, accepted=stream.accepted)
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()

@@ -1,7 +1,16 @@
 """A Llama-architecture decoder in JAX over the paged KV pool, and its weights."""
 
 from pd_fsm.jax_engine.model.config import SMOLLM2_135M, TINY, ModelConfig
-from pd_fsm.jax_engine.model.forward import KV, Params, decode, extend, prefill, write_kv
+from pd_fsm.jax_engine.model.forward import (
+    KV,
+    Params,
+    compile_forward,
+    decode,
+    extend,
+    prefill,
+    table_width,
+    write_kv,
+)
 from pd_fsm.jax_engine.model.params import new_kv_pool, random_params
 from pd_fsm.jax_engine.model.registry import MODEL_NAMES, LoadedModel, load_hf, load_model
 
@@ -13,6 +22,7 @@ __all__ = [
     "LoadedModel",
     "ModelConfig",
     "Params",
+    "compile_forward",
     "decode",
     "extend",
     "load_hf",
@@ -20,5 +30,6 @@ __all__ = [
     "new_kv_pool",
     "prefill",
     "random_params",
+    "table_width",
     "write_kv",
 ]

@@ -7,7 +7,7 @@ import attrs
 from pd_fsm.jax_engine.kv_pool import KVPoolConfig
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # a static jit argument: hashed on every model call
 class ModelConfig:
     vocab_size: int
     hidden_size: int

@@ -4,6 +4,10 @@ and the outbox of effects that only the I/O layer can carry out.
 Threading: a PD scheduler is driven by one thread at a time (the worker serialises ``step`` and
 ``deliver`` calls), so its core endpoint needs no lock. The core never reads a clock: the mixin
 reads ``self.clock`` (``time.monotonic`` unless injected) and passes ``now`` in.
+
+Phases: each room carries stamps (``self.clock`` times) of the boundaries it passed; ``_lap``
+turns two stamps into a ``(phase key, seconds)`` sample, queued for the worker to take with
+``take_phase_samples`` after the step (pd_fsm/io_trio/worker/phases.py names every phase).
 """
 
 from __future__ import annotations
@@ -17,12 +21,16 @@ from typing import Any
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.jax_engine.pool_spec import KVArgs, PoolTransferSpec
+from pd_fsm.jax_engine.room_kv import warm_room_copies
 from pd_fsm.jax_engine.transfer.base import KVTransferEngine
 from pd_fsm.schedulers.request import FinishReason, Req
 from pd_fsm.schedulers.scheduler import MAIN_KV, Scheduler
 
 # Effects the I/O layer carries out (side-channel sends, bootstrap lookups).
 IO_EFFECTS = (fx.SendMessage, fx.ResolvePeer, fx.ForgetPeer)
+# Phase samples kept until the worker takes them (a scheduler driven without a worker drops the
+# oldest).
+PHASE_SAMPLES_MAX = 4096
 
 
 class DuplicateRoomError(ValueError):
@@ -47,10 +55,22 @@ class DisaggregationCommon(Scheduler, ABC):
         # Events an effect produced for the core itself (e.g. a failed registration); fed back
         # after the current batch of effects, never re-entrantly.
         self._deferred: deque[Any] = deque()
+        # bootstrap_room -> boundary name -> self.clock() time, while the room is live here.
+        self._stamps: dict[int, dict[str, float]] = {}
+        self._phase_samples: deque[tuple[str, float]] = deque(maxlen=PHASE_SAMPLES_MAX)
 
     @property
     def layout_hash(self) -> str:
         return self.kv_args.layout_hash
+
+    # Which side of a room's KV copy this role runs: P gathers, D scatters.
+    KV_COPY: str
+
+    def warm_kv_copies(self) -> int:
+        """Compile this role's KV copy for every page bucket a prompt can need (see
+        ``room_kv.warm_room_copies``); returns how many executables that compiled."""
+        longest = min(self.pool_config.pages_for(self.context_length), self.allocator.total)
+        return warm_room_copies(self.kv_holder, self.kv_args, longest, self.KV_COPY)
 
     # -- the I/O layer's side ---------------------------------------------------------------------
 
@@ -88,6 +108,7 @@ class DisaggregationCommon(Scheduler, ABC):
             for room in rooms:
                 if self.core.state_of(room) is None:  # the room is over on our side
                     self.req_of.pop(room, None)
+                    self._stamps.pop(room, None)
             self._after_effects()
             if not self._deferred:
                 return
@@ -101,16 +122,19 @@ class DisaggregationCommon(Scheduler, ABC):
     def _after_effects(self) -> None:
         """Hook run after each batch of effects (D: try the page queue)."""
 
-    def _admit_pd(self, req: Req, event: Any) -> None:
-        """Register ``req`` and open its room in the core, or raise and keep nothing."""
+    def _admit_pd(self, req: Req, event: Any, accepted: float | None = None) -> None:
+        """Register ``req`` and open its room in the core, or raise and keep nothing.
+        ``accepted``: when the worker took the leg (``self.clock`` time; default now)."""
         self._register(req)  # ValueError for a request that can never be served
-        effects = self.core.handle(event, self.clock())
+        now = self.clock()
+        effects = self.core.handle(event, now)
         rejected = [e for e in effects if isinstance(e, fx.RejectRequest)]
         if rejected:
             del self.reqs[req.rid]
             raise DuplicateRoomError(rejected[0].reason)
         self.room_of[req.rid] = event.room
         self.req_of[event.room] = req
+        self._stamps[event.room] = {"accepted": now if accepted is None else min(accepted, now)}
         self._run(effects)
 
     def abort(self, rid: str, message: str = "aborted") -> bool:
@@ -138,6 +162,28 @@ class DisaggregationCommon(Scheduler, ABC):
 
     def pop_failure(self, rid: str) -> tuple[int, str] | None:
         return self.failures.pop(rid, None)
+
+    # -- phases -----------------------------------------------------------------------------------
+
+    def take_phase_samples(self) -> list[tuple[str, float]]:
+        """``(phase key, value)`` samples since the last call (the worker observes them)."""
+        out = list(self._phase_samples)
+        self._phase_samples.clear()
+        return out
+
+    def _phase_sample(self, phase: str, value: float) -> None:
+        self._phase_samples.append((phase, value))
+
+    def _lap(self, room: int, phase: str, since: str, mark: str) -> None:
+        """Stamp ``room`` with ``mark`` now and record ``phase`` = now - its ``since`` stamp;
+        once per room (a room already stamped ``mark`` is left as it is)."""
+        stamps = self._stamps.get(room)
+        if stamps is None or mark in stamps:
+            return
+        now = stamps[mark] = self.clock()
+        start = stamps.get(since)
+        if start is not None:
+            self._phase_sample(phase, max(0.0, now - start))
 
     def prompt_pages(self, req: Req) -> int:
         """Pages holding the prompt's KV: what crosses from P to D."""

@@ -37,7 +37,14 @@ RECOMPUTABLE = frozenset({500, 502, 504})
 
 
 class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
+    KV_COPY = "scatter"
     core: DecodeEndpoint
+
+    def shape_plan(self) -> list[tuple[int, int]]:
+        """D prefills only plain requests and recomputes (``--disaggregation-failure-policy
+        recompute``): every decode batch, and prefill one row at a time. Several prefills in one
+        batch compile on first use (``compiles_after_ready_total`` counts it)."""
+        return [(n, t) for n, t in super().shape_plan() if t == 1 or n == 1]
 
     def _init_decode(
         self,
@@ -74,11 +81,14 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def add_pd_request(self, req: Req, bootstrap_addr: str, room: int) -> None:
+    def add_pd_request(
+        self, req: Req, bootstrap_addr: str, room: int, accepted: float | None = None
+    ) -> None:
         """Open the D leg of ``room`` whose P registered as ``bootstrap_addr`` ("host:port");
-        raises ValueError (bad request) or DuplicateRoomError."""
-        accepted = ev.DecodeRequestAccepted(room, bootstrap_addr, self.prompt_pages(req))
-        self._admit_pd(req, accepted)
+        raises ValueError (bad request) or DuplicateRoomError. ``accepted``: when the worker
+        took the leg, on ``self.clock`` (default: now)."""
+        event = ev.DecodeRequestAccepted(room, bootstrap_addr, self.prompt_pages(req))
+        self._admit_pd(req, event, accepted)
         if self.core.state_of(room) is not None:
             self.recv_queue[room] = req
 
@@ -102,6 +112,14 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
             stats["pulls_ok"] += 1
             stats["bytes"] += result.bytes
             stats["seconds"] += result.seconds
+            self._phase_sample("kv_pull", result.pull_seconds)
+            self._phase_sample("kv_scatter", result.scatter_seconds)
+            self._phase_sample("kv_transfer_bytes", result.bytes)
+            if result.transfer_seconds > 0:
+                self._phase_sample("kv_transfer_gbps", result.bytes / result.transfer_seconds / 1e9)
+            stamps = self._stamps.get(result.room)
+            if stamps is not None and "pull" in stamps:  # the pull thread's end, on our clock
+                stamps["pulled"] = stamps["pull"] + result.seconds
             self.deliver(ev.PullSucceeded(result.room))
         else:
             stats["pulls_failed"] += 1
@@ -114,10 +132,12 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
 
     def _carry_out(self, e: Any) -> None:
         if isinstance(e, fx.AllocateBlocks):
+            self._lap(e.room, "decode_bootstrap", "accepted", "page_request")
             self.alloc_queue.append(e.room)
         elif isinstance(e, fx.CancelAllocation):
             self.alloc_queue.remove(e.room)
         elif isinstance(e, fx.StartPull):
+            self._lap(e.room, "decode_ready_wait", "pages", "pull")
             req = self.req_of[e.room]
             assert req.pages is not None
             self.pull_executor.submit(
@@ -132,6 +152,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
         elif isinstance(e, fx.ForgetTransfer):
             self.engine.drop_connection(e.transfer_addr, "prefill restarted")
         elif isinstance(e, fx.CompleteTransfer):
+            self._lap(e.room, "decode_pull_report", "pulled", "entered")
             req = self.recv_queue.pop(e.room)
             self.room_of.pop(req.rid, None)
             self.add_prefilled_request(req, e.first_token, e.first_logprob)
@@ -173,6 +194,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
             if not self.reserve_pages(self.req_of[room]):
                 return
             self.alloc_queue.popleft()
+            self._lap(room, "decode_page_wait", "page_request", "pages")
             self._deferred.append(ev.BlocksAllocated(room))
 
     def close(self) -> None:

@@ -31,7 +31,14 @@ _ENGINE_LEASE_S = 24 * 3600.0
 
 
 class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
+    KV_COPY = "gather"
     core: PrefillEndpoint
+
+    def shape_plan(self) -> list[tuple[int, int]]:
+        """P decodes only plain requests (a health check, a client that skipped the router):
+        every prefill shape, and decode one row at a time. A batch of several plain requests
+        compiles on first use (``compiles_after_ready_total`` counts it)."""
+        return [(n, t) for n, t in super().shape_plan() if t > 1 or n == 1]
 
     def _init_prefill(
         self,
@@ -63,9 +70,10 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def add_pd_request(self, req: Req, room: int) -> None:
-        """Queue the P leg of ``room``; raises ValueError (bad request) or DuplicateRoomError."""
-        self._admit_pd(req, ev.PrefillRequestAccepted(room))
+    def add_pd_request(self, req: Req, room: int, accepted: float | None = None) -> None:
+        """Queue the P leg of ``room``; raises ValueError (bad request) or DuplicateRoomError.
+        ``accepted``: when the worker took the leg, on ``self.clock`` (default: now)."""
+        self._admit_pd(req, ev.PrefillRequestAccepted(room), accepted)
         if req.state is not ReqState.FINISHED:  # failed at once: D refused the room first
             self.waiting.append(req)
 
@@ -77,6 +85,14 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
 
     def step(self) -> Any:
         return self._event_loop_prefill_disagg()
+
+    def _admit_waiting(self) -> None:
+        before = len(self.prefilling)
+        super()._admit_waiting()
+        for req in self.prefilling[before:]:  # admitted just now (appended in FIFO order)
+            room = self.room_of.get(req.rid)
+            if room is not None:
+                self._lap(room, "prefill_queue", "accepted", "admitted")
 
     # -- the hand-off -----------------------------------------------------------------------------
 
@@ -92,6 +108,7 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
     def _handle_completed_prefill(
         self, req: Req, room: int, first_token: int, first_logprob: float
     ) -> None:
+        self._lap(room, "prefill_forward", "admitted", "prefilled")
         self.prefilling.remove(req)
         self.send_queue[room] = req
         req.output_ids.append(first_token)
@@ -130,11 +147,15 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
         req = self.req_of[room]
         assert req.pages is not None
         try:
+            start = self.clock()
             arrays = gather_room(self.kv_holder, self.kv_args, req.pages[: self.prompt_pages(req)])
+            gathered = self.clock()
             self.engine.register(uuid, arrays, _ENGINE_LEASE_S)
         except Exception as exc:  # the room fails cleanly; the worker keeps serving
             self._deferred.append(ev.PrefillFailed(room, f"KV registration failed: {exc}"))
             return
+        self._phase_sample("kv_gather", gathered - start)
+        self._phase_sample("kv_register", self.clock() - gathered)
         self.transfer_stats["registered"] += 1
         self.transfer_stats["registered_bytes"] += sum(int(a.nbytes) for a in arrays)
 
