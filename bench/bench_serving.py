@@ -18,8 +18,18 @@ both (A's answer is drained and dropped, B's relayed); baseline = the same reque
 sglang-router over the same A and B is measured the same way. A's duplicate work competes for the
 same cores, so this is an upper bound on the proxy's added latency.
 
+Part ``goodput`` (issue 13 §4, DistServe's measure): equal hardware, each side alone on it. ``pd-fsm
+cluster`` pins P to core 0 and D to core 1 (``--prefill-cpus 0 --decode-cpus 1``) and the colocated
+worker to cores 0-1; the same mixed prompts (short and long alternating) arrive as a Poisson
+process at each ``--rates`` value, first at the proxy, then at the colocated worker (the order
+alternates between rates; the side not measured is idle). Per target: TTFT and ITL p50/p99,
+output tokens/s, and goodput: requests per second that met both the TTFT target and the
+time-per-output-token target (a request's mean ITL). After each PD pass, where its time went
+(phase histograms of P, D and the proxy) and whether any request waited for a compile.
+
     .venv/bin/python bench/bench_serving.py --part pd [--num-prompts 16 --concurrency 4]
     .venv/bin/python bench/bench_serving.py --part overhead
+    .venv/bin/python bench/bench_serving.py --part goodput [--rates 0.5 1 1.5 --num-prompts 24]
 """
 
 from __future__ import annotations
@@ -36,7 +46,15 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pd_fsm.io_trio.bench_client import Summary, make_prompts, render, run_load
+from pd_fsm.io_trio.bench_client import (
+    Summary,
+    make_prompts,
+    metrics_urls,
+    phase_table,
+    render,
+    run_load,
+    scrape,
+)
 from pd_fsm.io_trio.cluster import free_ports
 from tests.integration.serve_support import PDCluster, Proc, cli, wait_http_ok
 
@@ -168,9 +186,77 @@ def part_overhead(args: argparse.Namespace) -> None:
             proc.stop()
 
 
+def goodput(s: Summary, ttft_s: float, tpot_s: float) -> tuple[int, float]:
+    """Requests (and requests per second) that met both targets: TTFT, and the mean gap between
+    their output tokens (DistServe's TPOT)."""
+    met = [r for r in s.results
+           if r.ok and r.ttft <= ttft_s and (sum(r.itl) / len(r.itl) if r.itl else 0.0) <= tpot_s]
+    return len(met), len(met) / s.duration if s.duration else math.nan
+
+
+async def _compiles_after_ready(http: httpx.AsyncClient, urls: list[str]) -> dict[str, float]:
+    out = {}
+    for url in urls:
+        r = await http.get(f"{url}/metrics")
+        for line in r.text.splitlines():
+            if line.startswith("pd_fsm_worker_backend_compiles_after_ready_total "):
+                out[url] = float(line.split()[1])
+    return out
+
+
+async def measure_goodput(proxy: str, colocated: str, args: argparse.Namespace) -> None:
+    prompts = make_prompts("mixed", args.num_prompts, args.seed)
+    targets = {"PD (P core 0, D core 1)": proxy, "colocated (cores 0-1)": colocated}
+    async with httpx.AsyncClient(timeout=30) as http:
+        urls = await metrics_urls(http, proxy)
+        workers = [u for u in urls if u != proxy] + [colocated]
+        # Unmeasured: the first use of each KV page bucket queues its fast kernel's compile.
+        warm = _load_args(args, args.model)
+        for url in targets.values():
+            await run_load(url, warm, prompts)
+        for i, rate in enumerate(args.rates):
+            load = _load_args(args, args.model)
+            load.request_rate, load.max_concurrency = rate, None
+            names = list(targets) if i % 2 == 0 else list(reversed(targets))
+            results: dict[str, Summary] = {}
+            phases = ""
+            for name in names:
+                before = await scrape(http, urls)
+                results[name] = await run_load(targets[name], load, prompts)
+                if targets[name] == proxy:
+                    phases = phase_table(before, await scrape(http, urls))
+            pd, colo = (results[name] for name in targets)
+            head = (f"{args.num_prompts} mixed prompts, Poisson {rate:g} req/s, "
+                    f"{args.max_tokens} output tokens, {args.endpoint}")
+            print(table(f"goodput: PD vs colocated at equal cores: {head}", pd, colo,
+                        "PD (proxy)", "colocated"), flush=True)
+            slo = f"TTFT <= {args.slo_ttft:g} s and TPOT <= {args.slo_tpot * 1000:g} ms"
+            for name, summary in (("PD (proxy)", pd), ("colocated", colo)):
+                n, rps = goodput(summary, args.slo_ttft, args.slo_tpot)
+                print(f"goodput {name}: {n}/{len(summary.results)} requests met {slo}: "
+                      f"{rps:.3f} req/s", flush=True)
+            print(f"\n```\n{phases}\n```\n", flush=True)
+            print(f"compiles after ready: {await _compiles_after_ready(http, workers)}\n",
+                  flush=True)
+
+
+def part_goodput(args: argparse.Namespace) -> None:
+    cluster = PDCluster.start([
+        "--model", args.model, "--prefill", "1", "--decode", "1", "--colocated",
+        "--num-pages", "256", "--prefill-cpus", "0", "--decode-cpus", "1",
+        "--colocated-cpus", "0-1", "--startup-timeout", "1200",
+        # A cold start compiles for minutes on these cores: long windows for the first rooms.
+        "--worker-args", "--disaggregation-peer-timeout 120 --disaggregation-lease-initial 120",
+    ], timeout=1260)
+    try:
+        trio.run(measure_goodput, cluster.urls["proxy"], cluster.urls["colocated"], args)
+    finally:
+        cluster.stop()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=("pd", "overhead"), required=True)
+    p.add_argument("--part", choices=("pd", "overhead", "goodput"), required=True)
     p.add_argument("--model", default="smollm2", help="part pd: smollm2 | tiny")
     p.add_argument("--datasets", nargs="+", default=["short", "long"])
     p.add_argument("--num-prompts", type=int, default=16)
@@ -181,11 +267,14 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=1,
                    help="measured passes per target, in rotated order, merged")
+    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5],
+                   help="part goodput: Poisson arrival rates (requests/s)")
+    p.add_argument("--slo-ttft", type=float, default=3.0, help="part goodput: TTFT target (s)")
+    p.add_argument("--slo-tpot", type=float, default=0.2,
+                   help="part goodput: time-per-output-token target (s)")
     args = p.parse_args()
-    if args.part == "pd":
-        part_pd(args)
-    else:
-        part_overhead(args)
+    parts = {"pd": part_pd, "overhead": part_overhead, "goodput": part_goodput}
+    parts[args.part](args)
     return 0
 
 

@@ -80,10 +80,12 @@ def test_no_request_compiles_after_a_full_warmup_and_a_restart_compiles_nothing(
         assert _metric(text, f"{prefix}compiles_after_ready_total") == 0
         for phase in ("model_load", "forward_compile", "first_request"):
             assert _metric(text, f"{prefix}ready_seconds", phase) >= 0
-    # The first start compiled and stored; the second loaded every executable from disk.
-    assert _metric(cold, f"{prefix}compilation_cache_misses_total") > 20
-    assert _metric(restart, f"{prefix}compilation_cache_misses_total") == 0
-    assert _metric(restart, f"{prefix}compilation_cache_hits_total") >= _metric(
+    # The first start compiled and stored; the second loaded every executable of its start-up
+    # from disk. (After ready, a stray jnp op of a batch that formed only in one run may still
+    # compile: JAX counts those too, so the totals are not compared.)
+    assert _metric(cold, f"{prefix}compilation_cache_misses_before_ready") > 20
+    assert _metric(restart, f"{prefix}compilation_cache_misses_before_ready") == 0
+    assert _metric(restart, f"{prefix}compilation_cache_hits_before_ready") >= _metric(
         restart, f"{prefix}compiles_total"
     )
     assert any(cache.iterdir())

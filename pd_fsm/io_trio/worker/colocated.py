@@ -97,6 +97,7 @@ class ColocatedBackend:
         # first_request), and the compile count when ready: compiles after it are a request's.
         self.ready_seconds: dict[str, float] = {}
         self._compiles_at_ready: int | None = None
+        self._cache_at_ready: dict[str, int] = {}
         self._stream_capacity = stream_capacity
         self._ready = False
         self._jobs_send, self._jobs_recv = trio.open_memory_channel[_Stream](max_queued)
@@ -229,6 +230,7 @@ class ColocatedBackend:
         scheduler.add_request(req)
         self._timed("first_request", scheduler.run_until_idle)
         self._compiles_at_ready = total_compiles()
+        self._cache_at_ready = compilation_cache.counts()
         phases = ", ".join(f"{k} {v:.1f} s" for k, v in self.ready_seconds.items())
         log.info("ready after %s", phases)
 
@@ -243,9 +245,12 @@ class ColocatedBackend:
         return {
             "compiles_total": now,
             "compiles_after_ready_total": 0 if at_ready is None else now - at_ready,
-            # Of those, loaded from the persistent compilation cache / compiled afresh.
+            # Executables JAX loaded from the persistent compilation cache / compiled afresh
+            # (ours and any other jit), and of those the start-up's own.
             "compilation_cache_hits_total": cache["hits"],
             "compilation_cache_misses_total": cache["misses"],
+            "compilation_cache_hits_before_ready": self._cache_at_ready.get("hits", 0),
+            "compilation_cache_misses_before_ready": self._cache_at_ready.get("misses", 0),
         }
 
     async def _loop(self, scheduler: Scheduler) -> None:
