@@ -29,7 +29,17 @@ time-per-output-token target (a request's mean ITL). After each PD pass, where i
 
     .venv/bin/python bench/bench_serving.py --part pd [--num-prompts 16 --concurrency 4]
     .venv/bin/python bench/bench_serving.py --part overhead
-    .venv/bin/python bench/bench_serving.py --part goodput [--rates 0.5 1 1.5 --num-prompts 24]
+    .venv/bin/python bench/bench_serving.py --part goodput [--rates 0.15 0.3 --num-prompts 16]
+    .venv/bin/python bench/bench_serving.py --part tax [--num-prompts 16 --rounds 2]
+
+Part ``pulls`` (issue 13 §2): D's pull and scatter times under the mixed load at concurrency 1
+(each pull alone: the baseline for the same sizes) and at 6 and 16, from D's phase histograms,
+next to D's mean forward step in the same run.
+
+    .venv/bin/python bench/bench_serving.py --part pulls [--num-prompts 24 --concurrencies 6 16]
+
+Part ``tax`` (issue 13 §5): the price of disaggregation at concurrency 1, short prompts:
+TTFT(PD via proxy) - TTFT(colocated), unpinned (one target runs at a time), and PD's phases.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import trio
@@ -48,14 +59,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pd_fsm.io_trio.bench_client import (
     Summary,
+    diff_histograms,
+    histogram_quantile,
     make_prompts,
     metrics_urls,
+    parse_histograms,
     phase_table,
     render,
     run_load,
     scrape,
 )
 from pd_fsm.io_trio.cluster import free_ports
+from pd_fsm.io_trio.worker.phases import PHASE_BY_KEY
 from tests.integration.serve_support import PDCluster, Proc, cli, wait_http_ok
 
 HOST = "127.0.0.1"
@@ -240,23 +255,119 @@ async def measure_goodput(proxy: str, colocated: str, args: argparse.Namespace) 
                   flush=True)
 
 
-def part_goodput(args: argparse.Namespace) -> None:
+async def measure_tax(proxy: str, colocated: str, args: argparse.Namespace) -> None:
+    """Concurrency 1, short prompts: TTFT(PD via proxy) - TTFT(colocated), and PD's phases."""
+    prompts = make_prompts("short", args.num_prompts, args.seed)
+    load = _load_args(args, args.model)
+    load.max_concurrency = 1
+    async with httpx.AsyncClient(timeout=30) as http:
+        urls = await metrics_urls(http, proxy)
+        for url in (proxy, colocated):  # unmeasured: KV page buckets' first use
+            await run_load(url, load, prompts)
+        results: dict[str, Summary] = {}
+        phases = ""
+        for r in range(args.rounds):
+            for name, url in (("PD", proxy), ("colocated", colocated))[:: 1 if r % 2 == 0 else -1]:
+                before = await scrape(http, urls) if url == proxy else {}
+                got = await run_load(url, load, prompts)
+                if url == proxy:
+                    phases = phase_table(before, await scrape(http, urls))
+                old = results.get(name)
+                results[name] = got if old is None else Summary(
+                    old.results + got.results, old.duration + got.duration)
+    pd, colo = results["PD"], results["colocated"]
+    head = (f"short prompts, {len(pd.results)} requests one at a time, {args.max_tokens} output "
+            f"tokens, {args.endpoint}")
+    print(table(f"PD tax: {head}", pd, colo, "PD (proxy)", "colocated"), flush=True)
+    tax = pd.rows()["TTFT p50 ms"] - colo.rows()["TTFT p50 ms"]
+    print(f"TTFT p50 PD - colocated: {tax:+.1f} ms\n\n```\n{phases}\n```\n", flush=True)
+
+
+def _counter(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return math.nan
+
+
+async def measure_pulls(proxy: str, args: argparse.Namespace) -> None:
+    """The same mixed prompts at concurrency 1 (each pull alone: the baseline for the same
+    sizes), then at each ``--concurrencies``: D's pull and scatter p50/p99 from its phase
+    histograms, and D's mean forward step over the same run (a scatter waits for one at most)."""
+    prompts = make_prompts("mixed", args.num_prompts, args.seed)
+    async with httpx.AsyncClient(timeout=30) as http:
+        workers = (await http.get(f"{proxy}/workers")).json()
+        d_url = workers["decode"][0]
+        await run_load(proxy, _load_args(args, args.model), prompts)  # unmeasured
+        rows = []
+        for c in (1, *args.concurrencies):
+            load = _load_args(args, args.model)
+            load.max_concurrency = c
+            before_text = (await http.get(f"{d_url}/metrics")).text
+            summary = await run_load(proxy, load, prompts)
+            after_text = (await http.get(f"{d_url}/metrics")).text
+            hists = diff_histograms(parse_histograms(before_text), parse_histograms(after_text))
+            q = {key: (histogram_quantile(0.5, hists[PHASE_BY_KEY[key].name]),
+                       histogram_quantile(0.99, hists[PHASE_BY_KEY[key].name]))
+                 for key in ("kv_pull", "kv_scatter")}
+            steps = [_counter(t, "pd_fsm_worker_backend_steps_total")
+                     for t in (before_text, after_text)]
+            secs = [_counter(t, "pd_fsm_worker_backend_step_seconds_total")
+                    for t in (before_text, after_text)]
+            step_ms = (secs[1] - secs[0]) / max(steps[1] - steps[0], 1) * 1000
+            rows.append((c, q, step_ms, summary.rows()))
+    print(f"D's pulls under concurrency: {args.num_prompts} mixed prompts, {args.max_tokens} "
+          f"output tokens, unpinned 1P1D\n")
+    head = (f"{'concurrency':>11}{'pull p50 ms':>13}{'pull p99 ms':>13}{'p99 / alone':>13}"
+            f"{'scatter p50':>13}{'scatter p99':>13}{'D step ms':>11}{'TTFT p99 ms':>13}")
+    print(head)
+    print("-" * len(head))
+    alone = rows[0][1]["kv_pull"][1]
+    for c, q, step_ms, r in rows:
+        print(f"{c:>11}{q['kv_pull'][0] * 1000:>13.1f}{q['kv_pull'][1] * 1000:>13.1f}"
+              f"{q['kv_pull'][1] / alone:>13.2f}{q['kv_scatter'][0] * 1000:>13.1f}"
+              f"{q['kv_scatter'][1] * 1000:>13.1f}{step_ms:>11.1f}{r['TTFT p99 ms']:>13.0f}")
+
+
+def _run_on_cluster(args: argparse.Namespace, cluster_args: list[str], measure: Any) -> None:
+    """``pd-fsm cluster`` (1P1D SmolLM2 by default, ``--num-pages 256``) plus ``cluster_args``,
+    then ``trio.run(measure, urls, args)``; the cluster stops whatever happens."""
     cluster = PDCluster.start([
-        "--model", args.model, "--prefill", "1", "--decode", "1", "--colocated",
-        "--num-pages", "256", "--prefill-cpus", "0", "--decode-cpus", "1",
-        "--colocated-cpus", "0-1", "--startup-timeout", "1200",
+        "--model", args.model, "--prefill", "1", "--decode", "1", "--num-pages", "256",
+        "--startup-timeout", "1200", *cluster_args,
         # A cold start compiles for minutes on these cores: long windows for the first rooms.
         "--worker-args", "--disaggregation-peer-timeout 120 --disaggregation-lease-initial 120",
     ], timeout=1260)
     try:
-        trio.run(measure_goodput, cluster.urls["proxy"], cluster.urls["colocated"], args)
+        trio.run(measure, cluster.urls, args)
     finally:
         cluster.stop()
 
 
+def part_pulls(args: argparse.Namespace) -> None:
+    # 16 concurrent mixed requests hold up to ~430 pages of 16 tokens on D.
+    _run_on_cluster(args, ["--num-pages", "512"],
+                    lambda urls, a: measure_pulls(urls["proxy"], a))
+
+
+def part_tax(args: argparse.Namespace) -> None:
+    # Not pinned: P, D and the colocated worker each get the machine (one runs at a time).
+    _run_on_cluster(args, ["--colocated"],
+                    lambda urls, a: measure_tax(urls["proxy"], urls["colocated"], a))
+
+
+def part_goodput(args: argparse.Namespace) -> None:
+    pinned = ["--colocated", "--prefill-cpus", "0", "--decode-cpus", "1", "--colocated-cpus", "0-1"]
+    _run_on_cluster(args, pinned,
+                    lambda urls, a: measure_goodput(urls["proxy"], urls["colocated"], a))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=("pd", "overhead", "goodput"), required=True)
+    p.add_argument("--part", choices=("pd", "overhead", "goodput", "tax", "pulls"),
+                   required=True)
+    p.add_argument("--concurrencies", type=int, nargs="+", default=[6, 16],
+                   help="part pulls: concurrencies after the concurrency-1 baseline")
     p.add_argument("--model", default="smollm2", help="part pd: smollm2 | tiny")
     p.add_argument("--datasets", nargs="+", default=["short", "long"])
     p.add_argument("--num-prompts", type=int, default=16)
@@ -273,7 +384,8 @@ def main() -> int:
     p.add_argument("--slo-tpot", type=float, default=0.2,
                    help="part goodput: time-per-output-token target (s)")
     args = p.parse_args()
-    parts = {"pd": part_pd, "overhead": part_overhead, "goodput": part_goodput}
+    parts = {"pd": part_pd, "overhead": part_overhead, "goodput": part_goodput, "tax": part_tax,
+             "pulls": part_pulls}
     parts[args.part](args)
     return 0
 

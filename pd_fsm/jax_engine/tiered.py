@@ -131,10 +131,10 @@ class _Executables:
 
 def _lower_own_priority() -> None:
     """Run this thread at the lowest CPU priority (Linux: nice is per thread). A run-based
-    compile takes 10-27 s of a core for SmolLM2; at normal priority the first minutes of a
-    worker pinned to one core spent them instead of prefilling (measured: P's prefill p50 9 s
-    where the same prompts took ~2 s colocated, bench/RESULTS_goodput.md). At nice 19 it gets
-    the core when serving leaves it idle."""
+    compile takes 10-27 s of a core for SmolLM2, queued at each page bucket's first use; on a
+    worker pinned to one core they compete with serving for minutes after start (a goodput run
+    saw P's prefill p50 at 9 s, bench/RESULTS_goodput.md). At nice 19 a compile gets the core
+    when serving leaves it idle."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError) as exc:  # not Linux, or not allowed: compile anyway
