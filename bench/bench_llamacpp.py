@@ -7,14 +7,15 @@ next to our converted weights. llama.cpp on the original Q4_1 file is a second r
 
 llama.cpp runs through llama-cpp-python in its own interpreter (``--llama-python``), a long-lived
 child process that keeps both models loaded; it is never part of the project's environment. Each
-round times, in turn: ours at batch 1, llama.cpp F32, llama.cpp Q4_1, ours at batch 8 — all with the
-same prompt token ids, greedy, after one warm-up of each (compiles and first-touch excluded). Both
-engines use both cores (llama.cpp ``--threads``, XLA's CPU thread pool by default).
+round times, in turn: ours at batch 1 (scheduler), llama.cpp F32, ours at batch 1 (forward only),
+llama.cpp Q4_1, ours at batch 8 — all with the same prompt token ids, greedy, after one warm-up of
+each (compiles and first-touch excluded). Both engines use both cores (llama.cpp ``--threads``,
+XLA's CPU thread pool by default).
 
 "decode ms/token" is the wall time of a decode step that feeds one token per sequence and picks
 the next greedily: for ours, a ``Scheduler.step()`` with every sequence running (forward, sampling,
-detokenising); for llama.cpp, ``Llama.eval([token])`` plus an argmax over the logits. The prompt's
-prefill is excluded from both.
+detokenising) and, as a split, the bare ``decode`` forward plus a device argmax; for llama.cpp,
+``Llama.eval([token])`` plus an argmax over the logits. The prompt's prefill is excluded.
 
 Prints numbers; asserts nothing. Run:
 ``.venv/bin/python bench/bench_llamacpp.py --llama-python /work/llamacpp-venv/bin/python``
@@ -33,7 +34,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pd_fsm.jax_engine.model import load_model
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pd_fsm.jax_engine.model import LoadedModel, decode, load_model, new_kv_pool, prefill
 from pd_fsm.jax_engine.model.gguf_loader import find_smollm2_gguf
 from pd_fsm.jax_engine.model.weight_cache import cache_dir, source_key
 from pd_fsm.jax_engine.sampling import SamplingParams
@@ -98,7 +103,6 @@ def f32_gguf(source: Path) -> tuple[Path, bool]:
     if target.exists():
         return target, False
     import gguf
-    import numpy as np
     from gguf.quants import dequantize
 
     reader = gguf.GGUFReader(str(source))
@@ -167,6 +171,38 @@ def ours_decode(
     sched.drain_outputs()
     assert sched.stats().free_pages == sched.stats().total_pages
     return elapsed / steps, tokens
+
+
+class ForwardOnly:
+    """Our model without the scheduler: ``decode`` plus a device argmax per step, batch 1, the
+    same page-table width as the scheduler's (what the scheduler adds is the difference)."""
+
+    def __init__(self, model: LoadedModel, table_width: int, n_ctx: int, page_size: int) -> None:
+        self.model, self.cfg = model, model.config
+        n_pages = -(-n_ctx // page_size)
+        self.kv = new_kv_pool(self.cfg.kv_pool_config(1 + n_pages, page_size))
+        self.pages = np.arange(1, 1 + n_pages, dtype=np.int32)
+        self.table = jnp.asarray(np.pad(self.pages, (0, table_width - n_pages))[None])
+
+    def run(self, prompt_ids: list[int], steps: int) -> tuple[float, list[int]]:
+        params, cfg = self.model.params, self.cfg
+        logits, self.kv = prefill(
+            params, self.kv, jnp.asarray(prompt_ids, jnp.int32), len(prompt_ids),
+            jnp.asarray(self.pages), config=cfg,
+        )
+        tok = int(jnp.argmax(logits))
+        out, pos = [tok], len(prompt_ids)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            positions = jnp.asarray([pos], jnp.int32)
+            logits, self.kv = decode(
+                params, self.kv, jnp.asarray([tok], jnp.int32), positions, self.table,
+                positions + 1, config=cfg,
+            )
+            tok = int(jnp.argmax(logits[0]))
+            out.append(tok)
+            pos += 1
+        return (time.perf_counter() - t0) / steps, out
 
 
 # ----------------------------------------------------------------------------- llama.cpp
@@ -250,8 +286,6 @@ def main() -> None:
         model=model,
     )
 
-    import jax
-
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; "
           f"jax {jax.__version__} backend {jax.default_backend()}; "
           f"prompt {len(prompt_ids)} tokens, {steps} decode steps timed per run, "
@@ -261,21 +295,24 @@ def main() -> None:
     print(f"llama-cpp-python {child.hello['version']}, {args.threads} threads; "
           f"{child.hello['system_info'].strip()}")
     q4_path = source
+    fwd = ForwardOnly(model, sched.table_width, args.n_ctx, page_size)
 
     # Warm-up: compiles (ours), model load and first touch (llama.cpp); not timed.
     t0 = time.perf_counter()
     _, ours_tokens = ours_decode(sched, prompt_ids, 1, steps)
     _, ours_batch_tokens = ours_decode(sched, prompt_ids, args.batch, steps)
+    _, fwd_tokens = fwd.run(prompt_ids, steps)
     print(f"warm-up ours: {time.perf_counter() - t0:.1f}s")
     warm_f32 = child.run(f32_path, prompt_ids, steps)
     warm_q4 = child.run(q4_path, prompt_ids, steps)
     print(f"warm-up llama.cpp: load F32 {warm_f32['load_s']:.1f}s, Q4_1 {warm_q4['load_s']:.1f}s")
 
-    keys = ("ours b1", "llama F32", "llama Q4_1", "ours bN")
+    keys = ("ours b1", "ours fwd", "llama F32", "llama Q4_1", "ours bN")
     times: dict[str, list[float]] = {k: [] for k in keys}
     seqs: dict[str, list[int]] = {
         "ours b1": ours_tokens,
         "ours bN": ours_batch_tokens,
+        "ours fwd": fwd_tokens,
         "llama F32": warm_f32["tokens"],
         "llama Q4_1": warm_q4["tokens"],
     }
@@ -285,24 +322,28 @@ def main() -> None:
         assert toks == seqs["ours b1"], "our greedy output changed between runs"
         res = child.run(f32_path, prompt_ids, steps)
         times["llama F32"].append(res["decode_s"] / steps)
+        per_f, _ = fwd.run(prompt_ids, steps)
+        times["ours fwd"].append(per_f)
         res_q = child.run(q4_path, prompt_ids, steps)
         times["llama Q4_1"].append(res_q["decode_s"] / steps)
         per_b, _ = ours_decode(sched, prompt_ids, args.batch, steps)
         times["ours bN"].append(per_b)
-        print(f"round {r + 1}: ours b1 {per * 1e3:.2f} ms/token, llama.cpp F32 "
+        print(f"round {r + 1}: ours b1 {per * 1e3:.2f} ms/token (forward only "
+              f"{per_f * 1e3:.2f}), llama.cpp F32 "
               f"{res['decode_s'] / steps * 1e3:.2f}, Q4_1 {res_q['decode_s'] / steps * 1e3:.2f}; "
               f"ours b{args.batch} {per_b * 1e3:.2f} ms/step; load average "
               f"{os.getloadavg()[0]:.2f}")
     child.close()
 
     b = args.batch
-    ours_med, ours_min = statistics.median(times["ours b1"]), min(times["ours b1"])
+    ref_med, ref_min = statistics.median(times["llama F32"]), min(times["llama F32"])
     print()
-    print("| engine | decode ms/token, min | median | tokens/s (median) | ours batch 1 ÷ this, "
-          "median (min) |")
+    print("| engine | decode ms/token, min | median | tokens/s (median) | ms/token ÷ llama.cpp "
+          "F32, median (min) |")
     print("|---|---|---|---|---|")
     rows = [
         ("ours (JAX), F32, batch 1", "ours b1", 1),
+        ("ours (JAX), F32, batch 1, forward + argmax only", "ours fwd", 1),
         ("llama.cpp, F32, batch 1", "llama F32", 1),
         ("llama.cpp, Q4_1, batch 1", "llama Q4_1", 1),
         (f"ours (JAX), F32, batch {b}", "ours bN", b),
@@ -311,7 +352,8 @@ def main() -> None:
         lo, med = min(times[key]), statistics.median(times[key])
         # Per token at batch N: one step yields N tokens.
         ms_lo, ms_med = lo * 1e3 / rows_per_step, med * 1e3 / rows_per_step
-        ratio = "" if key.startswith("ours") else f"{ours_med / med:.2f}x ({ours_min / lo:.2f}x)"
+        r_med, r_min = med / rows_per_step / ref_med, lo / rows_per_step / ref_min
+        ratio = f"{r_med:.2f}x ({r_min:.2f}x)"
         print(f"| {label} | {ms_lo:.2f} | {ms_med:.2f} | {rows_per_step / med:.1f} | {ratio} |")
     print(f"(batch {b}: {min(times['ours bN']) * 1e3:.1f} / "
           f"{statistics.median(times['ours bN']) * 1e3:.1f} ms per step, min / median)")
@@ -319,7 +361,7 @@ def main() -> None:
     print()
     print("greedy agreement (tokens after the prompt, the first from prefill):")
     n = 1 + steps
-    for key in ("llama F32", "llama Q4_1", "ours bN"):
+    for key in ("llama F32", "llama Q4_1", "ours bN", "ours fwd"):
         same = _common_prefix(seqs["ours b1"], seqs[key])
         print(f"  ours b1 vs {key}: first {same} of {n} tokens identical")
     same = _common_prefix(seqs["llama F32"], seqs["llama Q4_1"])

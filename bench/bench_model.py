@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pd_fsm.jax_engine.gather_scatter import page_bucket
-from pd_fsm.jax_engine.model import decode, load_model, new_kv_pool, prefill
+from pd_fsm.jax_engine.model import decode, load_model, new_kv_pool, prefill, table_width
 
 
 def _median_s(fn: object, repeats: int) -> float:
@@ -74,8 +73,9 @@ def main() -> None:
 
     for b in args.batches:
         tokens = jnp.asarray(rng.integers(100, cfg.vocab_size, size=b).astype(np.int32))
-        # Padded to a bucket, as the scheduler pads page tables.
-        width = page_bucket(n_pages_seq)
+        # Whole context chunks wide, as the scheduler's tables are (its width covers the longest
+        # sequence it admits; attention reads only up to each row's position either way).
+        width = table_width(n_pages_seq, args.page_size)
         table = jnp.asarray(np.pad(page_rows[:b], ((0, 0), (0, width - n_pages_seq))))
 
         def step(pos: int, b: int = b, toks: jax.Array = tokens, tab: jax.Array = table) -> None:
