@@ -40,7 +40,8 @@ class Executables:
 
     def __init__(self) -> None:
         self._table: dict[Hashable, _Entry] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the dicts and counters, never held to compile
+        self._compiling: dict[Hashable, threading.Event] = {}
         self._compiles = 0
         self._seconds = 0.0
 
@@ -48,19 +49,34 @@ class Executables:
         leaves, treedef = jax.tree_util.tree_flatten(args)
         # Arrays and ShapeDtypeStructs alike: a warm-up and a real call share the key.
         key = (fn, *static.items(), treedef, *[(x.shape, x.dtype) for x in leaves])
-        entry = self._table.get(key)
-        if entry is not None:
-            return entry
-        with self._lock:  # one compile per key even if two threads miss at once
+        while True:
             entry = self._table.get(key)
-            if entry is None:
-                start = time.perf_counter()
-                lowered = fn.lower(*args, **static)
-                entry = _Entry(lowered.compile(), lowered.out_info)
+            if entry is not None:
+                return entry
+            # One compile per key; different keys compile at once (XLA releases the GIL while it
+            # compiles, so a warm-up on two threads uses two cores).
+            with self._lock:
+                entry = self._table.get(key)
+                if entry is not None:
+                    return entry
+                busy = self._compiling.get(key)
+                if busy is None:
+                    self._compiling[key] = threading.Event()
+            if busy is None:
+                break
+            busy.wait()  # then look again: the other thread's compile may have failed
+        try:
+            start = time.perf_counter()
+            lowered = fn.lower(*args, **static)
+            entry = _Entry(lowered.compile(), lowered.out_info)
+            with self._lock:
                 self._seconds += time.perf_counter() - start
                 self._compiles += 1
                 self._table[key] = entry
-        return entry
+            return entry
+        finally:
+            with self._lock:
+                self._compiling.pop(key).set()
 
     def call(self, fn: Any, static: Mapping[str, Hashable], *args: Any) -> Any:
         """``fn(*args, **static)`` through the table (``fn`` is a ``jax.jit`` function)."""

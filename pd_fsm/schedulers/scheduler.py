@@ -29,6 +29,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import attrs
@@ -38,6 +39,7 @@ import numpy as np
 
 from pd_fsm.jax_engine.buckets import bucket
 from pd_fsm.jax_engine.executables import EXECUTABLES
+from pd_fsm.jax_engine.gather_scatter import as_struct
 from pd_fsm.jax_engine.kv_holder import KVCacheHolder
 from pd_fsm.jax_engine.kv_pool import PageAllocator, allocate_kv_pool
 from pd_fsm.jax_engine.model import (
@@ -56,6 +58,9 @@ from pd_fsm.schedulers.args import SchedulerArgs
 from pd_fsm.schedulers.request import FinishReason, Req, ReqState, RequestOutput
 
 R = TypeVar("R")
+
+# Threads compiling the forward shapes at warm-up.
+WARMUP_THREADS = 2
 
 # Smallest padded prompt length: tiny prompts share one compiled shape.
 MIN_PREFILL_BUCKET = 8
@@ -255,11 +260,16 @@ class Scheduler:
         before = EXECUTABLES.stats().compiles
         plan = self.shape_plan()
         with self.kv_holder.locked() as pools:
-            kv = pools[MAIN_KV]  # read for shapes only
-            for rows, tokens in plan:
-                compile_forward(
-                    self.model.params, kv, rows, tokens, self.table_width, config=self.config
-                )
+            kv = [as_struct(a) for a in pools[MAIN_KV]]  # shapes only: nothing runs here
+        params, config, width = self.model.params, self.config, self.table_width
+
+        def shape(rows_tokens: tuple[int, int]) -> None:
+            rows, tokens = rows_tokens
+            compile_forward(params, kv, rows, tokens, width, config=config)
+
+        # Two threads: XLA compiles without the GIL, so a start uses two cores.
+        with ThreadPoolExecutor(WARMUP_THREADS, thread_name_prefix="warm-up") as pool:
+            list(pool.map(shape, plan))
         for rows in sorted({r for r, _ in plan}):
             compile_samplers(rows, self.config.vocab_size)
         compiled = EXECUTABLES.stats().compiles - before
