@@ -209,14 +209,16 @@ def goodput(s: Summary, ttft_s: float, tpot_s: float) -> tuple[int, float]:
     return len(met), len(met) / s.duration if s.duration else math.nan
 
 
+def _counter(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return math.nan
+
+
 async def _compiles_after_ready(http: httpx.AsyncClient, urls: list[str]) -> dict[str, float]:
-    out = {}
-    for url in urls:
-        r = await http.get(f"{url}/metrics")
-        for line in r.text.splitlines():
-            if line.startswith("pd_fsm_worker_backend_compiles_after_ready_total "):
-                out[url] = float(line.split()[1])
-    return out
+    name = "pd_fsm_worker_backend_compiles_after_ready_total"
+    return {url: _counter((await http.get(f"{url}/metrics")).text, name) for url in urls}
 
 
 async def measure_goodput(proxy: str, colocated: str, args: argparse.Namespace) -> None:
@@ -281,13 +283,6 @@ async def measure_tax(proxy: str, colocated: str, args: argparse.Namespace) -> N
     print(table(f"PD tax: {head}", pd, colo, "PD (proxy)", "colocated"), flush=True)
     tax = pd.rows()["TTFT p50 ms"] - colo.rows()["TTFT p50 ms"]
     print(f"TTFT p50 PD - colocated: {tax:+.1f} ms\n\n```\n{phases}\n```\n", flush=True)
-
-
-def _counter(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return math.nan
 
 
 async def measure_pulls(proxy: str, args: argparse.Namespace) -> None:
