@@ -10,7 +10,12 @@ Three starts of one `pd-fsm serve` (colocated, SmolLM2 by default), one after th
 For each: wall time from launch to /health 200, the worker's own ready phases
 (``pd_fsm_worker_backend_ready_seconds``), then the same load twice (mixed prompts, a fixed
 concurrency): TTFT p50/p99 of the first and of the second pass, and the compiles after ready.
-Prints a table; asserts nothing.
+
+Then the whole PD cluster (``--cluster-starts N``, 0 to skip): ``pd-fsm cluster --ask`` (bootstrap,
+one P, one D and the proxy, all started at once on this machine's cores) once with an empty
+compilation cache and N more times with it filled; "ready" is the launcher's own "ready in" (every
+child answering /health), and the asked answer must be the same every time.
+Prints tables; asserts nothing.
 
     .venv/bin/python bench/bench_startup.py [--model smollm2 --num-prompts 16 --concurrency 4]
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -71,6 +77,20 @@ def one_start(label: str, extra: list[str], args: argparse.Namespace) -> dict[st
             "second": second, "compiles_after_ready": after}
 
 
+def cluster_start(model: str, cache: str) -> tuple[float, str]:
+    """One ``pd-fsm cluster --ask``: its "ready in" seconds and the PD answer it printed."""
+    out = subprocess.run(
+        cli("cluster", "--model", model, "--ask", "Hi", "--max-tokens", "4",
+            "--worker-args", f"--compilation-cache-dir {cache}"),
+        capture_output=True, text=True, timeout=1800,
+    )
+    ready = re.search(r"ready in ([\d.]+) s", out.stdout + out.stderr)
+    answer = re.search(r"^PD .*$", out.stdout, re.M)
+    if out.returncode != 0 or ready is None or answer is None:
+        raise RuntimeError(f"pd-fsm cluster failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
+    return float(ready.group(1)), answer.group(0)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
@@ -79,6 +99,8 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cluster-starts", type=int, default=3,
+                   help="second starts of the PD cluster to time (0: skip the cluster)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         cache = str(Path(tmp) / "xla")
@@ -109,6 +131,17 @@ def main() -> int:
         phases = r["phases"]
         assert isinstance(phases, dict)
         print(f"  {r['label']:<20}" + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
+    if args.cluster_starts > 0:
+        with tempfile.TemporaryDirectory() as tmp:
+            cache = str(Path(tmp) / "xla")
+            starts = [cluster_start(args.model, cache) for _ in range(1 + args.cluster_starts)]
+        print(f"\npd-fsm cluster (bootstrap + 1 P + 1 D + proxy), {args.model}: ready in s")
+        print(f"  cold cache     {starts[0][0]:.1f}")
+        warm = sorted(r for r, _ in starts[1:])
+        print(f"  second starts  {', '.join(f'{r:.1f}' for r, _ in starts[1:])}"
+              f"  (median {warm[len(warm) // 2]:.1f})")
+        same = len({answer for _, answer in starts}) == 1
+        print(f"  answers        {'the same every start' if same else 'DIFFER'}: {starts[0][1]}")
     return 0
 
 

@@ -51,23 +51,30 @@ def _add_spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     diagram.set_defaults(func=_spec_diagram)
 
 
-# Each service module adds its own subcommand; imported lazily so `pd-fsm spec` needs no JAX.
-_REGISTRARS: list[str] = [
-    "pd_fsm.io_trio.cli_bootstrap",
-    "pd_fsm.io_trio.cli_serve",
-    "pd_fsm.io_trio.cli_proxy",
-    "pd_fsm.io_trio.cluster",
-    "pd_fsm.io_trio.bench_client",
-]
+# Each service module adds its own subcommand; imported lazily so `pd-fsm spec` needs no JAX,
+# and only the one named on the command line is imported: importing all of them cost every
+# `pd-fsm` process ~1 s of CPU at start (a cluster starts four at once on two cores).
+_REGISTRARS: dict[str, str] = {
+    "bootstrap": "pd_fsm.io_trio.cli_bootstrap",
+    "serve": "pd_fsm.io_trio.cli_serve",
+    "proxy": "pd_fsm.io_trio.cli_proxy",
+    "cluster": "pd_fsm.io_trio.cluster",
+    "bench": "pd_fsm.io_trio.bench_client",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``argv`` naming a subcommand, only that subcommand's module is
+    imported (``--help`` and anything else import them all)."""
     parser = argparse.ArgumentParser(prog="pd-fsm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_spec(sub)
     import importlib
 
-    for module_name in _REGISTRARS:
+    first = next(iter(argv), None) if argv else None
+    names = [first] if first in _REGISTRARS else list(_REGISTRARS)
+    for name in names:
+        module_name = _REGISTRARS[name]
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -78,8 +85,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _host_heap(argv: Sequence[str]) -> str:
+    """``serve``'s ``--host-heap`` value as given on the command line (its default otherwise)."""
+    for i, arg in enumerate(argv):
+        if arg == "--host-heap" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--host-heap="):
+            return arg.split("=", 1)[1]
+    return "hugepages"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    if argv is None:
+        argv = sys.argv[1:]
+        if argv[:1] == ["serve"] and _host_heap(argv) == "hugepages":
+            # Before importing anything heavy: the huge-page tunable needs a re-executed process
+            # (``host_memory``), and every import before it is paid twice (~1-2 s of a start).
+            from pd_fsm.jax_engine.host_memory import reexec_with_hugepages
+
+            reexec_with_hugepages()
+    argv = list(argv)
+    args = build_parser(argv).parse_args(argv)
     func: Command = args.func
     return func(args)
 

@@ -59,6 +59,13 @@ def main(args: argparse.Namespace) -> int:
         config = config_from_args(args)
         check_environment(os.environ)
         config.cluster_secret()  # fail now, not at the first registration
+        if config.host_heap == "hugepages":
+            # glibc reads the tunable at start-up only: this re-executes the process once (same
+            # PID) - first thing, so the first run imports nothing heavy it would throw away.
+            from pd_fsm.jax_engine.host_memory import hugepages_in_force, reexec_with_hugepages
+
+            reexec_with_hugepages()
+            log.info("host heap: huge pages %s", "on" if hugepages_in_force() else "unavailable")
         if config.cpus is not None:
             # Before anything starts JAX: XLA sizes its thread pools from the affinity.
             pinned = pin_to(parse_cpus(config.cpus))
@@ -73,12 +80,6 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         log.error("%s", exc)
         return 2
-    if config.host_heap == "hugepages":
-        # glibc reads the tunable at start-up only: this re-executes the process once (same PID).
-        from pd_fsm.jax_engine.host_memory import hugepages_in_force, reexec_with_hugepages
-
-        reexec_with_hugepages()
-        log.info("host heap: huge pages %s", "on" if hugepages_in_force() else "unavailable")
     backend = make_backend(config)
     from pd_fsm.io_trio.worker.app import WorkerApp
 

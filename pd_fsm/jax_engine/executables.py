@@ -7,7 +7,9 @@ through an :class:`Executables` table instead: ``call`` looks the executable up 
 its static arguments and the shapes and dtypes of the others, compiles it on a miss, and runs it;
 ``compile`` fills an entry from ``jax.ShapeDtypeStruct`` s without running anything. A warm-up can
 therefore compile every shape a scheduler will use before ``/health`` says ready, and
-``stats().compiles`` says whether any request paid for one since.
+``stats()`` says whether any request paid for one since. With a store (``use_store``, set by
+``compilation_cache.enable``), a miss first looks on disk, where the table keeps every executable
+it compiles: a second start loads them without tracing or lowering (``executable_store``).
 """
 
 from __future__ import annotations
@@ -20,19 +22,41 @@ from typing import Any
 import attrs
 import jax
 
+from pd_fsm.jax_engine.executable_store import ExecutableStore, fresh_compile, key_text
+
 
 @attrs.frozen
 class CompileStats:
-    """A snapshot: executables compiled since start and the seconds spent compiling them."""
+    """A snapshot: executables compiled since start and the seconds spent compiling them; and
+    those loaded from the store instead, and the seconds that took."""
 
     compiles: int
     seconds: float
+    loads: int = 0
+    load_seconds: float = 0.0
+
+    @property
+    def built(self) -> int:
+        """Executables added to the table either way: each one after ready made a request wait."""
+        return self.compiles + self.loads
 
 
 @attrs.frozen
 class _Entry:
     executable: Any  # jax.stages.Compiled
     out_info: Any  # the outputs' ShapeDtypeStructs
+
+
+@attrs.frozen
+class Built:
+    """An executable from ``Executables.build``, and whether it came from the store."""
+
+    entry: _Entry
+    loaded: bool
+
+    @property
+    def executable(self) -> Any:  # jax.stages.Compiled
+        return self.entry.executable
 
 
 class Executables:
@@ -44,6 +68,13 @@ class Executables:
         self._compiling: dict[Hashable, threading.Event] = {}
         self._compiles = 0
         self._seconds = 0.0
+        self._loads = 0
+        self._load_seconds = 0.0
+        self._store: ExecutableStore | None = None
+
+    def use_store(self, store: ExecutableStore | None) -> None:
+        """Load misses from, and save compiles to, ``store`` (None: compile only)."""
+        self._store = store
 
     def _get(self, fn: Any, static: Mapping[str, Hashable], args: tuple[Any, ...]) -> _Entry:
         leaves, treedef = jax.tree_util.tree_flatten(args)
@@ -66,17 +97,41 @@ class Executables:
                 break
             busy.wait()  # then look again: the other thread's compile may have failed
         try:
-            start = time.perf_counter()
-            lowered = fn.lower(*args, **static)
-            entry = _Entry(lowered.compile(), lowered.out_info)
+            built = self.build(fn, static, *args)
             with self._lock:
-                self._seconds += time.perf_counter() - start
-                self._compiles += 1
-                self._table[key] = entry
-            return entry
+                self._table[key] = built.entry
+            return built.entry
         finally:
             with self._lock:
                 self._compiling.pop(key).set()
+
+    def build(
+        self, fn: Any, static: Mapping[str, Hashable], *args: Any, counted: bool = True
+    ) -> Built:
+        """Load ``fn``'s executable for these arguments from the store, or lower and compile it
+        (and store it); not put in the table (the KV copies keep their own). ``counted=False``
+        leaves it out of ``stats()``: a background compile no request waits for."""
+        store = self._store
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        text = None if store is None else key_text(fn, static, treedef, leaves)
+        start = time.perf_counter()
+        loaded = None if store is None or text is None else store.load(text)
+        if loaded is not None:
+            if counted:
+                with self._lock:
+                    self._load_seconds += time.perf_counter() - start
+                    self._loads += 1
+            return Built(_Entry(*loaded), loaded=True)
+        with fresh_compile() as fresh:
+            lowered = fn.lower(*args, **static)
+            entry = _Entry(lowered.compile(), lowered.out_info)
+        if counted:
+            with self._lock:
+                self._seconds += time.perf_counter() - start
+                self._compiles += 1
+        if store is not None and text is not None and fresh.fresh:
+            store.save(text, entry.executable, entry.out_info)
+        return Built(entry, loaded=False)
 
     def call(self, fn: Any, static: Mapping[str, Hashable], *args: Any) -> Any:
         """``fn(*args, **static)`` through the table (``fn`` is a ``jax.jit`` function)."""
@@ -88,7 +143,14 @@ class Executables:
         return self._get(fn, static, args).out_info
 
     def stats(self) -> CompileStats:
-        return CompileStats(self._compiles, self._seconds)
+        with self._lock:
+            return CompileStats(self._compiles, self._seconds, self._loads, self._load_seconds)
+
+    def store_counts(self) -> dict[str, int]:
+        """The store's counters (all zero without one)."""
+        if self._store is None:
+            return {"loads": 0, "misses": 0, "writes": 0, "corrupt": 0, "write_errors": 0}
+        return self._store.counts()
 
 
 # The process's table: the model's forward and the samplers run through it; warm-ups fill it and

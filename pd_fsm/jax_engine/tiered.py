@@ -72,7 +72,7 @@ class _Executables:
             queue.SimpleQueue()
         )
         self._thread: threading.Thread | None = None
-        self.quick_compiles = 0  # quick-tier executables compiled (a request waited for each)
+        self.quick_compiles = 0  # quick-tier executables built (a request waited for each)
 
     def get(self, key: Key) -> jax.stages.Compiled | None:
         with self._lock:
@@ -144,10 +144,16 @@ def _lower_own_priority() -> None:
 KV_COPIES = _Executables()
 
 
+def _build(fn: Callable[..., object], *args: object, counted: bool = True) -> jax.stages.Compiled:
+    """``fn.lower(*args).compile()``, through the compilation cache when it is on."""
+    built = FORWARD_EXECUTABLES.build(fn, {}, *args, counted=counted)
+    return built.executable  # type: ignore[no-any-return]
+
+
 def _quick_gather(pool: Sequence[jax.ShapeDtypeStruct], bucket: int) -> jax.stages.Compiled:
     return KV_COPIES.now(
         _key(pool, bucket, "gather_take"),
-        lambda: _take_gather.lower(pool, jax.ShapeDtypeStruct((bucket,), jnp.int32)).compile(),
+        lambda: _build(_take_gather, pool, jax.ShapeDtypeStruct((bucket,), jnp.int32)),
     )
 
 
@@ -157,9 +163,9 @@ def _quick_scatter(
     bucket = packed.shape[1]
     return KV_COPIES.now(
         _key(pool, bucket, "scatter_take"),
-        lambda: _take_scatter.lower(
-            list(pool), packed, jax.ShapeDtypeStruct((bucket,), jnp.int32)
-        ).compile(),
+        lambda: _build(
+            _take_scatter, list(pool), packed, jax.ShapeDtypeStruct((bucket,), jnp.int32)
+        ),
     )
 
 
@@ -199,7 +205,8 @@ def gather(kv: Sequence[jax.Array], pages: Sequence[int]) -> jax.Array:
     def build_runs() -> jax.stages.Compiled:
         out = jax.ShapeDtypeStruct(out_shape, first.dtype, sharding=first.sharding)
         table = jax.ShapeDtypeStruct((3, bucket), jnp.int32)
-        return _gather_into.lower(out, pool, table, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+        return _build(_gather_into, out, pool, table, jax.ShapeDtypeStruct((), jnp.int32),
+                      counted=False)
 
     KV_COPIES.later(runs_key, build_runs)
     ids = np.full(bucket, NULL_PAGE, np.int32)
@@ -230,7 +237,7 @@ def scatter_plan(
     def build_runs() -> jax.stages.Compiled:
         table = jax.ShapeDtypeStruct((3, bucket), jnp.int32)
         n = jax.ShapeDtypeStruct((), jnp.int32)
-        return multi_layer_copy.lower(list(pool), as_struct(packed), table, n).compile()
+        return _build(multi_layer_copy, list(pool), as_struct(packed), table, n, counted=False)
 
     KV_COPIES.later(runs_key, build_runs)
     quick = _quick_scatter(pool, as_struct(packed))
@@ -245,8 +252,9 @@ def scatter_plan(
     return run_quick
 
 
-def total_compiles() -> int:
-    """Executables this process compiled so far: the forward and samplers
-    (``executables.EXECUTABLES``) and the quick-tier KV copies (the run-based tier compiles in
-    the background and makes no request wait)."""
-    return FORWARD_EXECUTABLES.stats().compiles + KV_COPIES.quick_compiles
+def total_compiles() -> tuple[int, int]:
+    """Executables this process has (compiled, loaded from the compilation cache) so far: the
+    forward and samplers and the quick-tier KV copies, all counted by ``executables.EXECUTABLES``
+    (the run-based tier is built in the background and makes no request wait)."""
+    stats = FORWARD_EXECUTABLES.stats()
+    return stats.compiles, stats.loads

@@ -257,7 +257,7 @@ class Scheduler:
         and the samplers'), so no request after this waits for a compile. Idempotent: shapes
         already compiled in this process cost a lookup."""
         start = time.perf_counter()
-        before = EXECUTABLES.stats().compiles
+        before = EXECUTABLES.stats().built
         plan = self.shape_plan()
         with self.kv_holder.locked() as pools:
             kv = [as_struct(a) for a in pools[MAIN_KV]]  # shapes only: nothing runs here
@@ -272,7 +272,7 @@ class Scheduler:
             list(pool.map(shape, plan))
         for rows in sorted({r for r, _ in plan}):
             compile_samplers(rows, self.config.vocab_size)
-        compiled = EXECUTABLES.stats().compiles - before
+        compiled = EXECUTABLES.stats().built - before
         return WarmupReport(tuple(plan), compiled, time.perf_counter() - start)
 
     # ----------------------------------------------------------------- hooks: pool and pages

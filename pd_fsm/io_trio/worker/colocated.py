@@ -229,7 +229,7 @@ class ColocatedBackend:
         )
         scheduler.add_request(req)
         self._timed("first_request", scheduler.run_until_idle)
-        self._compiles_at_ready = total_compiles()
+        self._compiles_at_ready = sum(total_compiles())
         self._cache_at_ready = compilation_cache.counts()
         phases = ", ".join(f"{k} {v:.1f} s" for k, v in self.ready_seconds.items())
         log.info("ready after %s", phases)
@@ -238,13 +238,20 @@ class ColocatedBackend:
         """What a role compiles besides the forward (the PD roles: their KV copies)."""
 
     def _compile_stats(self) -> dict[str, int]:
-        now = total_compiles()
+        compiled, loaded = total_compiles()
         at_ready = self._compiles_at_ready
-        # Before ready every compile is the warm-up's; after, each one made a request wait.
+        # Before ready every compile or load is the warm-up's; after, each made a request wait.
         cache = compilation_cache.counts()
         return {
-            "compiles_total": now,
-            "compiles_after_ready_total": 0 if at_ready is None else now - at_ready,
+            "compiles_total": compiled,
+            "compiles_after_ready_total": (
+                0 if at_ready is None else compiled + loaded - at_ready
+            ),
+            # The compilation cache (``executable_store``): executables loaded, not found,
+            # written, and files that failed to load (removed and compiled afresh).
+            "compilation_cache_writes_total": cache["writes"],
+            "compilation_cache_corrupt_total": cache["corrupt"],
+            "compilation_cache_write_errors_total": cache["write_errors"],
             # Executables JAX loaded from the persistent compilation cache / compiled afresh
             # (ours and any other jit), and of those the start-up's own.
             "compilation_cache_hits_total": cache["hits"],

@@ -8,7 +8,6 @@ Matrices are stored ``[out, in]`` (like torch) and transposed to our ``[in, out]
 from __future__ import annotations
 
 import importlib.util
-import io
 import json
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,8 @@ from pd_fsm.jax_engine.model.config import ModelConfig
 from pd_fsm.jax_engine.model.weight_cache import (
     atomic_write_bytes,
     cache_dir,
+    load_params,
+    save_params,
     source_key,
 )
 
@@ -171,25 +172,22 @@ def load_gguf(
     """Config, numpy params pytree and tokenizer spec of a GGUF (converted once, then cached)."""
     key = source_key(path)
     root = cache_dir()
-    npz_path, meta_path = root / f"{key}.npz", root / f"{key}.json"
-    if use_cache and npz_path.exists() and meta_path.exists():
-        meta = json.loads(meta_path.read_text())
-        config = ModelConfig(**meta["config"])
-        with np.load(npz_path) as npz:
-            flat = {name: npz[name] for name in npz.files}
-        return config, flat_to_params(flat, config), TokenizerSpec(**meta["tokenizer"])
+    params_dir, meta_path = root / f"{key}.params", root / f"{key}.json"
+    if use_cache and meta_path.exists():
+        params = load_params(params_dir)
+        if params is not None:
+            meta = json.loads(meta_path.read_text())
+            return ModelConfig(**meta["config"]), params, TokenizerSpec(**meta["tokenizer"])
 
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     config = _read_config(reader)
-    flat = _read_weights(reader, config)
+    params = flat_to_params(_read_weights(reader, config), config)
     spec = _read_tokenizer(reader)
     if use_cache:
-        buf = io.BytesIO()
-        np.savez(buf, **flat)  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle
-        atomic_write_bytes(npz_path, buf.getvalue())
+        save_params(params_dir, params)
         meta = {"config": attrs.asdict(config), "tokenizer": attrs.asdict(spec)}
         # The JSON is written last: its presence marks a complete entry.
         atomic_write_bytes(meta_path, json.dumps(meta).encode())
-    return config, flat_to_params(flat, config), spec
+    return config, params, spec
