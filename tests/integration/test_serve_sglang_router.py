@@ -55,6 +55,16 @@ async def test_sglang_router_pd_mode_registers_and_relays(
                         pass
                     await trio.sleep(0.5)
             assert r is not None and r.json()["served_by"] == "decode"
+            p_body = p.generations()[-1].body
+            d_body = d.generations()[-1].body
+            # The OpenAI endpoints: the router re-serialises chat with defaults of its own.
+            chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 3}
+            assert (await http.post("/v1/chat/completions", json=chat)).status_code == 200
+            chat_body = p.generations()[-1].body
+            completion = {"model": "m", "prompt": "hi", "max_tokens": 3}
+            assert (await http.post("/v1/completions", json=completion)).status_code == 200
+            completion_body = p.generations()[-1].body
     finally:
         proc.terminate()
         with trio.move_on_after(10):
@@ -66,14 +76,17 @@ async def test_sglang_router_pd_mode_registers_and_relays(
     for standin in (p, d):
         assert "/health" in standin.gets
         assert {"/server_info", "/get_server_info"} & set(standin.gets), standin.gets
-    p_body = p.generations()[-1].body
-    d_body = d.generations()[-1].body
     assert p_body["bootstrap_host"] == "127.0.0.1" and p_body["bootstrap_port"] == 8998
     assert 0 <= p_body["bootstrap_room"] < MAX_ROOM
     assert d_body["bootstrap_room"] == p_body["bootstrap_room"]
     assert p_body["text"] == "hello"
     # What the router re-serialises must be a valid request for our own worker.
-    from pd_fsm.io_trio.worker.schemas import Limits, parse_generate
+    from pd_fsm.io_trio.worker.schemas import Limits, parse_chat, parse_completion, parse_generate
 
-    parsed = parse_generate(p_body, Limits(context_length=1024, vocab_size=50000))
+    limits = Limits(context_length=1024, vocab_size=50000)
+    parsed = parse_generate(p_body, limits)
     assert parsed.bootstrap is not None and parsed.bootstrap.room == p_body["bootstrap_room"]
+    # Every default it fills in is one the worker accepts (schemas._TOP_LEVEL), and nothing it
+    # adds is refused as unimplemented.
+    assert parse_chat(chat_body, limits).sampling.max_new_tokens == 3
+    assert parse_completion(completion_body, limits).text == "hi"

@@ -3,12 +3,13 @@
 Parsing is strict where a mistake would change the output silently and lenient where routers
 add fields of their own:
 
-* unknown *top-level* fields are ignored (sglang-router re-serialises bodies and adds defaults;
-  OpenAI clients send fields such as ``user``);
-* in ``sampling_params`` a field we do not know is a 400 (``max_new_token`` is a typo, not a
-  default), and a known sglang field we do not implement (penalties, ``min_p``, ``regex``, ...)
-  is accepted only at its neutral value (or null), a 400 otherwise: never an answer that
-  silently ignored what the client asked for;
+* every field has a row in a table per endpoint (``_TOP_LEVEL``, ``_SAMPLING_PARAMS``): one the
+  parser implements; one it does not implement, accepted only at the value that asks for nothing
+  (null, or a default such as ``"tools": []`` or ``"return_hidden_states": false``: sglang-router
+  re-serialises bodies and fills those in); one that cannot change the tokens (``user``,
+  ``log_metrics``). Anything else is a 400 that names the field (``response_format``, ``tools``,
+  a typo such as ``max_new_token``): never an answer that silently ignored what the client asked
+  for;
 * types are exact: no int from a string or a bool, no float from a string.
 """
 
@@ -34,37 +35,112 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/comple
 CHAT_DEFAULT_MAX_TOKENS = 512
 MAX_STOP_STRINGS = 16
 
-# sglang sampling fields we accept only at their neutral value.
-_NEUTRAL: dict[str, Any] = {
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_p": 0.0,
-    "min_new_tokens": 0,
-    "n": 1,
-    "no_stop_trim": False,
-    "regex": None,
-    "json_schema": None,
-    "ebnf": None,
-    "structural_tag": None,
-    "logit_bias": None,
-    "custom_params": None,
+# Top-level fields of each endpoint besides the sampling ones, as sglang-router 0.3.2 sends them
+# (its re-serialised bodies, recorded in COMPAT.md) and as the OpenAI API defines them:
+# - read: the parser implements them;
+# - neutral: not implemented; accepted only at one of these values (or null), which ask for
+#   nothing;
+# - no effect: cannot change the tokens or the response's shape.
+_COMMON_READ = frozenset({"stream", "rid", "bootstrap_host", "bootstrap_port", "bootstrap_room"})
+_OPENAI_SAMPLING = frozenset({"temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+                              "ignore_eos", "skip_special_tokens"})
+
+
+@attrs.frozen
+class _Fields:
+    read: frozenset[str]
+    neutral: dict[str, tuple[Any, ...]]
+    no_effect: frozenset[str]
+
+
+_OPENAI_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": ("",),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "min_p": (0, 0.0),
+    "min_tokens": (0,),
+    "no_stop_trim": (False,),
+    "regex": (),
+    "json_schema": (),
+    "ebnf": (),
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "parallel_tool_calls": (True, False),
+    "return_hidden_states": (False,),
+    "continue_final_message": (False,),
+    "lora_path": (),
+    "chat_template_kwargs": ({},),
 }
-# sglang sampling fields that do not change the tokens produced.
-_NO_EFFECT = frozenset({"spaces_between_special_tokens", "stream_interval"})
-_SAMPLING_KEYS = frozenset(
-    {
-        "max_new_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "seed",
-        "sampling_seed",
-        "stop",
-        "stop_token_ids",
-        "ignore_eos",
-        "skip_special_tokens",
-    }
+_OPENAI_NO_EFFECT = frozenset({
+    "user", "metadata", "store", "service_tier",
+    # sglang: how a reasoning parser would split the text; this worker runs none.
+    "separate_reasoning", "stream_reasoning",
+})
+_TOP_LEVEL: dict[str, _Fields] = {
+    "generate": _Fields(
+        read=_COMMON_READ | {"text", "input_ids", "sampling_params", "return_logprob"},
+        neutral={
+            "logprob_start_len": (-1,),
+            "top_logprobs_num": (0,),
+            "token_ids_logprob": (),
+            "return_text_in_logprobs": (False,),
+            "return_hidden_states": (False,),
+            "return_entropy": (False,),
+            "return_bytes": (False,),
+            "background": (False,),
+            "lora_path": (),
+            "image_data": (),
+            "input_embeds": (),
+            "session_params": (),
+            "custom_logit_processor": (),
+            "data_parallel_rank": (),
+            "modalities": ([],),
+        },
+        no_effect=frozenset({"model", "log_metrics", "no_logs"}),
+    ),
+    "completion": _Fields(
+        read=_COMMON_READ | _OPENAI_SAMPLING | {"model", "prompt", "max_tokens", "stream_options"},
+        neutral=_OPENAI_NEUTRAL,
+        no_effect=_OPENAI_NO_EFFECT,
+    ),
+    "chat": _Fields(
+        read=_COMMON_READ | _OPENAI_SAMPLING
+        | {"model", "messages", "max_tokens", "max_completion_tokens", "stream_options"},
+        neutral=_OPENAI_NEUTRAL,
+        no_effect=_OPENAI_NO_EFFECT,
+    ),
+}
+
+# sglang's sampling_params, in the same three kinds.
+_SAMPLING_PARAMS = _Fields(
+    read=frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "seed", "sampling_seed",
+                    "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens"}),
+    neutral={
+        "frequency_penalty": (0, 0.0),
+        "presence_penalty": (0, 0.0),
+        "repetition_penalty": (1, 1.0),
+        "min_p": (0, 0.0),
+        "min_new_tokens": (0,),
+        "n": (1,),
+        "no_stop_trim": (False,),
+        "regex": (),
+        "json_schema": (),
+        "ebnf": (),
+        "structural_tag": (),
+        "logit_bias": ({},),
+        "custom_params": ({},),
+    },
+    no_effect=frozenset({"spaces_between_special_tokens", "stream_interval"}),
 )
 
 
@@ -231,18 +307,27 @@ def _sampling(
     )
 
 
-def _check_neutral(d: dict[str, Any], keys: frozenset[str] | None, path: str) -> None:
-    """Unsupported knobs must be at their neutral value; with ``keys``, anything not in it (and
-    not a neutral knob) is an unknown field."""
+_HINTS = {"logprobs": "; /generate has return_logprob",
+          "top_logprobs": "; /generate has return_logprob"}
+
+
+def _check_fields(d: dict[str, Any], fields: _Fields, path: str = "") -> None:
+    """Every field of ``d`` is one the endpoint reads, one it does not implement at a value that
+    asks for nothing, or one without effect; otherwise a 400 naming it."""
     for key, value in d.items():
-        if key in _NEUTRAL:
-            neutral = _NEUTRAL[key]
-            if value is not None and value != neutral and not (value == {} and neutral is None):
-                raise ApiError(
-                    400, f"{_where(path, key)}={value!r} is not supported (only {neutral!r})"
-                )
-        elif keys is not None and key not in keys and key not in _NO_EFFECT:
-            raise ApiError(400, f"unknown field {_where(path, key)}")
+        if key in fields.read or key in fields.no_effect or value is None:
+            continue
+        allowed = fields.neutral.get(key)
+        if allowed is None:
+            raise ApiError(400, f"unknown field {_where(path, key)} "
+                                "(this worker does not implement it)")
+        if not any(value == a and isinstance(value, bool) == isinstance(a, bool)
+                   for a in allowed):
+            neutral = " or ".join(repr(a) for a in (*allowed, None))
+            hint = _HINTS.get(key, "")
+            raise ApiError(
+                400, f"{_where(path, key)}={value!r} is not supported (only {neutral}){hint}"
+            )
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -291,6 +376,7 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
 
 def parse_generate(body: Any, limits: Limits) -> ParsedRequest:
     body = _object(body)
+    _check_fields(body, _TOP_LEVEL["generate"])
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise ApiError(400, "give exactly one of text and input_ids")
@@ -303,7 +389,7 @@ def parse_generate(body: Any, limits: Limits) -> ParsedRequest:
         sp = {}
     if not isinstance(sp, dict):
         raise ApiError(400, "sampling_params must be a JSON object")
-    _check_neutral(sp, _SAMPLING_KEYS, "sampling_params")
+    _check_fields(sp, _SAMPLING_PARAMS, "sampling_params")
     return ParsedRequest(
         kind="generate",
         sampling=_sampling(
@@ -322,31 +408,17 @@ def parse_generate(body: Any, limits: Limits) -> ParsedRequest:
 
 
 def _openai_common(body: dict[str, Any]) -> dict[str, Any]:
-    n = _int(body, "n")
-    if n is not None and n != 1:
-        raise ApiError(400, f"n={n} is not supported (only n=1)")
-    best_of = _int(body, "best_of")
-    if best_of is not None and best_of != 1:
-        raise ApiError(400, f"best_of={best_of} is not supported")
-    if body.get("echo") or body.get("suffix"):
-        raise ApiError(400, "echo and suffix are not supported")
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, False, 0):
-        raise ApiError(400, "logprobs are not supported on the OpenAI endpoints "
-                            "(use /generate with return_logprob)")
     model = _str(body, "model")
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise ApiError(400, "stream_options must be an object")
     include_usage = bool(_bool(opts, "include_usage", "stream_options")) if opts else False
-    _check_neutral(
-        {k: v for k, v in body.items() if k in _NEUTRAL and k != "n"}, None, ""
-    )
     return {"model": model, "include_usage": include_usage, **_common(body)}
 
 
 def parse_completion(body: Any, limits: Limits) -> ParsedRequest:
     body = _object(body)
+    _check_fields(body, _TOP_LEVEL["completion"])
     prompt = body.get("prompt")
     text: str | None = None
     ids: tuple[int, ...] | None = None
@@ -397,6 +469,7 @@ def _content(v: Any, where: str) -> str:
 
 def parse_chat(body: Any, limits: Limits) -> ParsedRequest:
     body = _object(body)
+    _check_fields(body, _TOP_LEVEL["chat"])
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list")

@@ -1,0 +1,89 @@
+"""Every request field is read, accepted only at a value that asks for nothing, or refused by
+name (``schemas._TOP_LEVEL``): what sglang-router 0.3.2 re-serialises parses; what a client asks
+and the worker does not implement is a 400 naming the field, never a 200 that ignored it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pd_fsm.io_trio.worker.schemas import (
+    ApiError,
+    Limits,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+)
+
+LIMITS = Limits(context_length=256, vocab_size=1000)
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+COMPLETION = {"model": "m", "prompt": "hi", "max_tokens": 3}
+GENERATE = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+BOOT = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 5}
+
+# The bodies sglang-router 0.3.2 sent a stand-in P in PD mode (recorded from the real router;
+# tests/integration/test_serve_sglang_router.py checks it still sends what parses).
+ROUTER_CHAT = {**BOOT, "continue_final_message": False, "ignore_eos": False, "logprobs": False,
+               "max_completion_tokens": 3, "messages": [{"content": "hi", "role": "user"}],
+               "model": "m", "no_stop_trim": False, "return_hidden_states": False,
+               "separate_reasoning": True, "skip_special_tokens": True, "stream": False,
+               "stream_reasoning": True}
+ROUTER_COMPLETION = {**BOOT, "echo": False, "ignore_eos": False, "max_tokens": 3, "model": "m",
+                     "no_stop_trim": False, "prompt": "hi", "return_hidden_states": False,
+                     "skip_special_tokens": True, "stream": False}
+ROUTER_GENERATE = {**BOOT, "background": False, "log_metrics": True, "model": None,
+                   "no_logs": False, "return_bytes": False, "return_entropy": False,
+                   "return_hidden_states": False, "return_text_in_logprobs": False,
+                   "sampling_params": {"max_new_tokens": 2}, "stream": False, "text": "hi"}
+
+
+def test_what_sglang_router_sends_parses() -> None:
+    assert parse_chat(ROUTER_CHAT, LIMITS).sampling.max_new_tokens == 3
+    assert parse_completion(ROUTER_COMPLETION, LIMITS).text == "hi"
+    assert parse_generate(ROUTER_GENERATE, LIMITS).bootstrap is not None
+
+
+@pytest.mark.parametrize("extra", [
+    {"tools": []}, {"tools": None}, {"response_format": {"type": "text"}}, {"logit_bias": {}},
+    {"n": 1}, {"tool_choice": "none"}, {"user": "alice"}, {"metadata": {"k": "v"}},
+    {"frequency_penalty": 0}, {"presence_penalty": 0.0}, {"logprobs": False},
+    {"top_logprobs": 0}, {"parallel_tool_calls": True},
+])
+def test_a_field_at_the_value_that_asks_for_nothing_is_accepted(extra: dict[str, Any]) -> None:
+    parse_chat({**CHAT, **extra}, LIMITS)
+
+
+@pytest.mark.parametrize(("parse", "base", "extra", "named"), [
+    (parse_chat, CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+    (parse_chat, CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (parse_chat, CHAT, {"tool_choice": "required"}, "tool_choice"),
+    (parse_chat, CHAT, {"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    (parse_chat, CHAT, {"n": 2}, "n"),
+    (parse_chat, CHAT, {"n": True}, "n"),
+    (parse_chat, CHAT, {"logit_bias": {"5": 10}}, "logit_bias"),
+    (parse_chat, CHAT, {"frequency_penalty": 0.5}, "frequency_penalty"),
+    (parse_chat, CHAT, {"reasoning_effort": "high"}, "reasoning_effort"),
+    (parse_chat, CHAT, {"return_hidden_states": True}, "return_hidden_states"),
+    (parse_completion, COMPLETION, {"echo": True}, "echo"),
+    (parse_completion, COMPLETION, {"suffix": "end"}, "suffix"),
+    (parse_completion, COMPLETION, {"best_of": 3}, "best_of"),
+    (parse_completion, COMPLETION, {"logprobs": 2}, "logprobs"),
+    (parse_completion, COMPLETION, {"max_token": 5}, "max_token"),  # a typo is no default
+    (parse_generate, GENERATE, {"logprob_start_len": 0}, "logprob_start_len"),
+    (parse_generate, GENERATE, {"top_logprobs_num": 3}, "top_logprobs_num"),
+    (parse_generate, GENERATE, {"image_data": "x.png"}, "image_data"),
+    (parse_generate, GENERATE, {"lora_path": "adapter"}, "lora_path"),
+    (parse_generate, GENERATE, {"sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
+    (parse_generate, GENERATE, {"sampling_params": {"json_schema": "{}"}},
+     "sampling_params.json_schema"),
+    (parse_generate, GENERATE, {"sampling_params": {"max_new_token": 5}},
+     "sampling_params.max_new_token"),
+])
+def test_an_unimplemented_field_is_refused_by_name(
+    parse: Any, base: dict[str, Any], extra: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(ApiError) as err:
+        parse({**base, **extra}, LIMITS)
+    assert err.value.status == 400
+    assert err.value.message.startswith((f"{named}=", f"unknown field {named} ")), err.value.message
