@@ -1,15 +1,24 @@
-"""D's pull executor: a bounded thread pool running pull -> readiness wait -> scatter -> report.
+"""D's pull executor: a bounded thread pool running pull -> readiness wait, then the scatter and
+the report on the thread that runs the forward steps.
 
-Each job ends in exactly one :class:`PullResult` (a plain frozen value the scheduler turns into a
-core event), delivered to ``on_result`` (called on the worker thread) and to a thread-safe queue the
-scheduler drains with :meth:`PullExecutor.poll` / :meth:`PullExecutor.get`.
+A pull thread only pulls: once the KV has arrived it queues the pulled arrays and is free for the
+next pull. :meth:`PullExecutor.poll` / :meth:`PullExecutor.get`, called by the scheduler between
+two steps (on the thread that dispatches them), scatter everything queued with one hold of the
+holder's lock, dispatching the copies without waiting for them: the next step runs on the pool
+they return, so JAX orders it after them. Each job ends in exactly one :class:`PullResult` (a
+plain frozen value the scheduler turns into a core event). ``on_result(room)`` is called on the
+pull thread when a job is ready to collect, to wake the scheduler.
+
+Why not scatter on the pull thread: measured under 6 and 16 concurrent requests
+(``bench/RESULTS_pulls.md``), a scatter dispatched from a pull thread while a step ran was
+ordered after the whole step and blocked its thread (and the lock) until its copy had run:
+scatter p99 ~470 ms against a 177 ms step, and pulls queued for a free thread behind scatters.
 
 Nothing waits without a deadline: the layout hash is compared before anything is pulled; the pull
 and readiness wait are bounded by the engine (which polls ``is_ready()`` against the deadline and,
 on a timeout or failure, retires the peer's connection so the next pull connects afresh); the
-scatter waits for the holder's lock at most for what is left of the deadline (1 s at least).
-The scatter goes through :class:`~pd_fsm.jax_engine.kv_holder.KVCacheHolder`, so it never races a
-forward step (DESIGN §6).
+scatter waits for the holder's lock at most ``SCATTER_LOCK_S``. The scatter goes through
+:class:`~pd_fsm.jax_engine.kv_holder.KVCacheHolder`, so it never races a forward step (DESIGN §6).
 """
 
 from __future__ import annotations
@@ -20,18 +29,22 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import attrs
 
 from pd_fsm.jax_engine.gather_scatter import ScatterMethod, validate_pages
 from pd_fsm.jax_engine.kv_holder import KVCacheHolder
 from pd_fsm.jax_engine.pool_spec import KVArgs
-from pd_fsm.jax_engine.room_kv import pages_by_pool, scatter_room
+from pd_fsm.jax_engine.room_kv import RoomPages, pages_by_pool, scatter_rooms
 from pd_fsm.jax_engine.transfer.base import KVTransferEngine, PullError, PullTimeout
 
 log = logging.getLogger(__name__)
 
 _MIN_PULL_S = 0.05  # the least time left worth starting a pull with
+# The scatter runs between two steps on the thread that runs them, so the lock is free then; the
+# bound only guards against a caller on another thread holding it.
+SCATTER_LOCK_S = 5.0
 
 
 def _frozen_pages(value: Mapping[str, Sequence[int]] | Sequence[int]) -> object:
@@ -76,6 +89,19 @@ class PullResult:
     scatter_seconds: float = 0.0
 
 
+@attrs.frozen
+class _Pulled:
+    """A pull whose KV has arrived, waiting for the forward thread to scatter it."""
+
+    req: PullRequest
+    start: float  # submit
+    ready: float  # KV ready
+    transfer_seconds: float
+    arrays: tuple[Any, ...]  # the pulled jax.Arrays, one per pool
+    pages: RoomPages
+    nbytes: int
+
+
 class PullExecutor:
     """Runs pulls for D on at most ``max_workers`` threads."""
 
@@ -87,7 +113,7 @@ class PullExecutor:
         *,
         max_workers: int = 2,
         deadline_s: float = 30.0,
-        on_result: Callable[[PullResult], None] | None = None,
+        on_result: Callable[[int], None] | None = None,
         scatter_method: ScatterMethod = "xla",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -98,7 +124,8 @@ class PullExecutor:
         self._on_result = on_result
         self._method: ScatterMethod = scatter_method
         self._clock = clock
-        self._results: queue.SimpleQueue[PullResult] = queue.SimpleQueue()
+        # Finished jobs: a result (a refusal or a failed pull), or pulled KV still to scatter.
+        self._done: queue.SimpleQueue[PullResult | _Pulled] = queue.SimpleQueue()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-pull")
         self._closed = False
         self._lock = threading.Lock()
@@ -124,20 +151,56 @@ class PullExecutor:
         self._pool.submit(self._run, req, self._clock())
 
     def poll(self) -> list[PullResult]:
-        """Every result delivered so far (non-blocking)."""
-        out: list[PullResult] = []
+        """Every job finished so far (non-blocking), pulled KV scattered first. Call between two
+        forward steps, on the thread that runs them."""
+        items: list[PullResult | _Pulled] = []
         while True:
             try:
-                out.append(self._results.get_nowait())
+                items.append(self._done.get_nowait())
             except queue.Empty:
-                return out
+                return self._finish(items)
 
     def get(self, timeout: float) -> PullResult | None:
-        """The next result, or None after ``timeout`` seconds."""
+        """The next finished job (scattered, if it pulled), or None after ``timeout`` seconds;
+        same thread rule as :meth:`poll`."""
         try:
-            return self._results.get(timeout=timeout)
+            item = self._done.get(timeout=timeout)
         except queue.Empty:
             return None
+        return self._finish([item])[0]
+
+    def _finish(self, items: list[PullResult | _Pulled]) -> list[PullResult]:
+        pulled = [item for item in items if isinstance(item, _Pulled)]
+        errors: dict[int, Exception | None] = {}
+        if pulled:
+            try:
+                found = scatter_rooms(
+                    self._holder, self._kv_args, [(p.arrays, p.pages) for p in pulled],
+                    method=self._method, lock_timeout_s=SCATTER_LOCK_S,
+                )
+            except TimeoutError as exc:
+                found = [exc] * len(pulled)
+            errors = {id(p): e for p, e in zip(pulled, found, strict=True)}
+        scattered = self._clock()
+        results = []
+        for item in items:
+            if isinstance(item, PullResult):
+                results.append(item)
+                continue
+            error = errors[id(item)]
+            if error is not None:
+                log.warning("scatter for room %d failed: %r", item.req.room, error)
+            results.append(PullResult(
+                item.req.room, item.req.uuid, error is None,
+                "ok" if error is None else f"scatter: {error}",
+                item.nbytes if error is None else 0, scattered - item.start, item.req.peer,
+                pull_seconds=item.ready - item.start,
+                transfer_seconds=item.transfer_seconds,
+                scatter_seconds=scattered - item.ready,
+            ))
+        with self._lock:
+            self._inflight -= len(items)
+        return results
 
     def close(self, wait: bool = True) -> None:
         with self._lock:
@@ -145,47 +208,41 @@ class PullExecutor:
         self._pool.shutdown(wait=wait, cancel_futures=not wait)
 
     def _run(self, req: PullRequest, start: float) -> None:
-        timing: dict[str, float] = {}  # filled by _pull as it goes (this thread only)
         try:
-            ok, reason, nbytes = self._pull(req, start, timing)
+            done = self._pull(req, start)
         except Exception as e:  # a job must always report, whatever broke
             log.exception("pull job for room %d", req.room)
-            ok, reason, nbytes = False, f"internal error: {type(e).__name__}: {e}", 0
-        result = PullResult(
-            req.room, req.uuid, ok, reason, nbytes, self._clock() - start, req.peer,
-            pull_seconds=timing.get("pull", 0.0),
-            transfer_seconds=timing.get("transfer", 0.0),
-            scatter_seconds=timing.get("scatter", 0.0),
-        )
-        with self._lock:
-            self._inflight -= 1
-        self._results.put(result)
+            done = self._failed(req, start, f"internal error: {type(e).__name__}: {e}")
+        self._done.put(done)
         if self._on_result is not None:
             try:
-                self._on_result(result)
+                self._on_result(req.room)
             except Exception:
                 log.exception("pull result callback")
 
-    def _pull(
-        self, req: PullRequest, start: float, timing: dict[str, float]
-    ) -> tuple[bool, str, int]:
+    def _failed(self, req: PullRequest, start: float, reason: str) -> PullResult:
+        return PullResult(req.room, req.uuid, False, reason, 0, self._clock() - start, req.peer)
+
+    def _pull(self, req: PullRequest, start: float) -> PullResult | _Pulled:
         if req.remote_layout_hash != self._kv_args.layout_hash:
-            return False, (
+            return self._failed(req, start, (
                 f"layout mismatch: local {self._kv_args.layout_hash}, "
                 f"peer {req.remote_layout_hash}; not pulled"
-            ), 0
+            ))
         pages = pages_by_pool(self._kv_args, req.page_map())
         try:
             for name, ids in pages.items():
                 validate_pages(ids, self._num_pages[name])
         except ValueError as e:
-            return False, f"bad destination pages: {e}; not pulled", 0
+            return self._failed(req, start, f"bad destination pages: {e}; not pulled")
         deadline_s = self._deadline_s if req.deadline_s is None else req.deadline_s
         left = deadline_s - (self._clock() - start)
         # A pull left with a sliver of its deadline (queued behind hung ones) cannot finish: do
         # not start it (and do not open a connection) only to time it out.
         if left <= min(_MIN_PULL_S, deadline_s / 10):
-            return False, f"not started within the {deadline_s:g}s deadline (queued); not pulled", 0
+            return self._failed(
+                req, start, f"not started within the {deadline_s:g}s deadline (queued); not pulled"
+            )
         specs = [
             p.pull_struct(len(pages[p.name]), self._sharding[p.name]) for p in self._kv_args.pools
         ]
@@ -195,18 +252,8 @@ class PullExecutor:
             pending = self._engine.start_pull(req.peer, req.uuid, specs, left)
             pending.wait()
         except PullTimeout as e:
-            return False, f"timeout after {deadline_s:g}s: {e}", 0
+            return self._failed(req, start, f"timeout after {deadline_s:g}s: {e}")
         except PullError as e:
-            return False, str(e), 0
+            return self._failed(req, start, str(e))
         ready = self._clock()
-        timing.update(pull=ready - start, transfer=ready - started)
-        left = deadline_s - (ready - start)
-        try:
-            scatter_room(
-                self._holder, self._kv_args, pending.arrays, pages,
-                method=self._method, lock_timeout_s=max(left, 1.0),
-            )
-        except TimeoutError:
-            return False, "scatter: KV holder lock not acquired before the deadline", 0
-        timing["scatter"] = self._clock() - ready
-        return True, "ok", nbytes
+        return _Pulled(req, start, ready, ready - started, tuple(pending.arrays), pages, nbytes)

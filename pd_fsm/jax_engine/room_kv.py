@@ -6,7 +6,7 @@ page ids in every pool). Arrays are in ``kv_args.pools`` order, which is the wir
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 
@@ -56,32 +56,79 @@ def scatter_room(
     method: ScatterMethod = "xla",
     lock_timeout_s: float = -1,
 ) -> None:
-    """D side: write the pulled arrays into the room's preallocated pages. Blocks (under the lock)
-    until the scatter is done, so that returning means "the pool holds this room's KV" and any
-    error of the scatter surfaces here rather than in a later forward step."""
-    by_pool = pages_by_pool(kv_args, pages)
-    if len(arrays) != len(kv_args.pools):
-        raise ValueError(f"{len(arrays)} arrays for {len(kv_args.pools)} pools")
+    """D side: write the pulled arrays into the room's preallocated pages and wait until the pool
+    holds them, so any error of the scatter surfaces here (tests, tools; D's pull executor uses
+    :func:`scatter_rooms` on its forward thread instead)."""
+    (error,) = scatter_rooms(holder, kv_args, [(arrays, pages)], method=method,
+                             lock_timeout_s=lock_timeout_s)
+    if error is not None:
+        raise error
+    with holder.locked(timeout=lock_timeout_s) as kv:
+        jax.block_until_ready([kv[spec.name] for spec in kv_args.pools])
+
+
+def scatter_rooms(
+    holder: KVCacheHolder,
+    kv_args: KVArgs,
+    rooms: Sequence[tuple[Sequence[jax.Array], RoomPages]],
+    *,
+    method: ScatterMethod = "xla",
+    lock_timeout_s: float = -1,
+) -> list[Exception | None]:
+    """D side: write several pulled rooms into their preallocated pages with one hold of the
+    lock, dispatching the copies without waiting for them; one error (or None) per room.
+
+    Call it on the thread that dispatches the forward steps, between two steps: the next step's
+    forward then runs on the pool the copies return, so JAX orders it after them, and no copy
+    ever waits for a step in flight (a copy dispatched from another thread while a step runs is
+    ordered after that whole step, and used to hold the lock, and its pull thread, meanwhile).
+    Checks and compiles happen outside the lock; a room that fails them is skipped."""
+    errors: list[Exception | None] = [None] * len(rooms)
     if method != "xla":
         with holder.locked(timeout=lock_timeout_s) as kv:
-            for spec, packed in zip(kv_args.pools, arrays, strict=True):
-                kv[spec.name] = insert_kv_chunks(
-                    kv[spec.name], packed, by_pool[spec.name], method=method
-                )
-            jax.block_until_ready([kv[spec.name] for spec in kv_args.pools])
-        return
-    # XLA path: check and compile outside the lock (compiling can take seconds), copy under it.
+            for i, (arrays, pages) in enumerate(rooms):
+                try:
+                    _check_count(kv_args, arrays)
+                    by_pool = pages_by_pool(kv_args, pages)
+                    for spec, packed in zip(kv_args.pools, arrays, strict=True):
+                        kv[spec.name] = insert_kv_chunks(
+                            kv[spec.name], packed, by_pool[spec.name], method=method
+                        )
+                except Exception as exc:  # one room's bad input fails that room alone
+                    errors[i] = exc
+        return errors
     with holder.locked(timeout=lock_timeout_s) as kv:
         structs = {spec.name: [as_struct(a) for a in kv[spec.name]] for spec in kv_args.pools}
-    plans = []
-    for spec, packed in zip(kv_args.pools, arrays, strict=True):
-        pool = structs[spec.name]
-        check_packed(pool, packed, by_pool[spec.name])
-        plans.append((spec.name, tiered.scatter_plan(pool, packed, by_pool[spec.name])))
+    plans: list[tuple[int, list[tuple[str, Callable[[list[jax.Array]], list[jax.Array]]]]]] = []
+    for i, (arrays, pages) in enumerate(rooms):
+        try:
+            _check_count(kv_args, arrays)
+            by_pool = pages_by_pool(kv_args, pages)
+            room_plans = []
+            for spec, packed in zip(kv_args.pools, arrays, strict=True):
+                pool = structs[spec.name]
+                check_packed(pool, packed, by_pool[spec.name])
+                room_plans.append(
+                    (spec.name, tiered.scatter_plan(pool, packed, by_pool[spec.name]))
+                )
+            plans.append((i, room_plans))
+        except Exception as exc:
+            errors[i] = exc
+    if not plans:
+        return errors
     with holder.locked(timeout=lock_timeout_s) as kv:
-        for name, run in plans:
-            kv[name] = run(list(kv[name]))
-        jax.block_until_ready([kv[spec.name] for spec in kv_args.pools])
+        for i, room_plans in plans:
+            try:
+                for name, run in room_plans:
+                    kv[name] = run(list(kv[name]))
+            except Exception as exc:
+                errors[i] = exc
+    return errors
+
+
+def _check_count(kv_args: KVArgs, arrays: Sequence[jax.Array]) -> None:
+    if len(arrays) != len(kv_args.pools):
+        raise ValueError(f"{len(arrays)} arrays for {len(kv_args.pools)} pools")
 
 
 def warm_room_copies(holder: KVCacheHolder, kv_args: KVArgs, max_pages: int, what: str) -> int:

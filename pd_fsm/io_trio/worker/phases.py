@@ -30,10 +30,11 @@ Decode worker (D):
   queue, prefill, gather and registration as D sees them, plus the side channel).
 - ``kv_pull``: pull submitted to the executor -> the KV arrived (``is_ready``), including a wait
   for a free pull thread.
-- ``kv_scatter``: the pulled arrays written into the reserved pages (holder lock wait included,
-  until the writes are done).
-- ``decode_pull_report``: scatter done on the pull thread -> the scheduler loop took the
-  result and the request joined the decode batch with P's first token.
+- ``kv_scatter``: KV arrived -> its copy into the reserved pages dispatched by the forward
+  thread between two steps (the wait for the step in flight included; the copy itself runs
+  before the next step, which JAX orders after it).
+- ``decode_pull_report``: scatter dispatched -> the scheduler loop took the result and the
+  request joined the decode batch with P's first token.
 - ``kv_transfer_bytes`` / ``kv_transfer_gbps``: bytes of one successful pull, and those bytes
   over the pull's own time (``start_pull`` -> ready, without the wait for a thread), in GB/s.
 
@@ -91,8 +92,8 @@ PHASES: tuple[Phase, ...] = (
     _w("kv_register", "prefill", "P: registration with the transfer server"),
     _w("decode_ready_wait", "decode", "D: pages reserved -> READY received, pull submitted"),
     _w("kv_pull", "decode", "D: pull submitted -> KV arrived"),
-    _w("kv_scatter", "decode", "D: pulled KV written into the reserved pages"),
-    _w("decode_pull_report", "decode", "D: scatter done -> request in the decode batch"),
+    _w("kv_scatter", "decode", "D: KV arrived -> its copy dispatched between two steps"),
+    _w("decode_pull_report", "decode", "D: scatter dispatched -> request in the decode batch"),
     Phase("kv_transfer_bytes", "decode", "pd_fsm_worker_kv_transfer_bytes",
           "D: bytes of one successful pull", BYTES_BUCKETS),
     Phase("kv_transfer_gbps", "decode", "pd_fsm_worker_kv_transfer_gigabytes_per_second",

@@ -51,7 +51,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
         args: DisaggregationArgs,
         engine: KVTransferEngine | None,
         clock: Callable[[], float] | None,
-        on_pull_result: Callable[[PullResult], None] | None = None,
+        on_pull_result: Callable[[int], None] | None = None,
     ) -> None:
         self._init_common(
             engine or JaxTransferKVEngine(args.transfer_host, reaper_interval_s=None), clock
@@ -209,7 +209,7 @@ class DecodeScheduler(SchedulerDisaggregationDecodeMixin, Scheduler):
         model: LoadedModel | None = None,
         engine: KVTransferEngine | None = None,
         clock: Callable[[], float] | None = None,
-        on_pull_result: Callable[[PullResult], None] | None = None,
+        on_pull_result: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__(args, model=model)
         self._init_decode(args, engine, clock, on_pull_result)
