@@ -304,7 +304,7 @@ async def measure_pulls(proxy: str, args: argparse.Namespace) -> None:
             hists = diff_histograms(parse_histograms(before_text), parse_histograms(after_text))
             q = {key: (histogram_quantile(0.5, hists[PHASE_BY_KEY[key].name]),
                        histogram_quantile(0.99, hists[PHASE_BY_KEY[key].name]))
-                 for key in ("kv_pull", "kv_scatter")}
+                 for key in ("kv_pull", "kv_scatter", "decode_pull_report")}
             steps = [_counter(t, "pd_fsm_worker_backend_steps_total")
                      for t in (before_text, after_text)]
             secs = [_counter(t, "pd_fsm_worker_backend_step_seconds_total")
@@ -314,14 +314,18 @@ async def measure_pulls(proxy: str, args: argparse.Namespace) -> None:
     print(f"D's pulls under concurrency: {args.num_prompts} mixed prompts, {args.max_tokens} "
           f"output tokens, unpinned 1P1D\n")
     head = (f"{'concurrency':>11}{'pull p50 ms':>13}{'pull p99 ms':>13}{'p99 / alone':>13}"
-            f"{'scatter p50':>13}{'scatter p99':>13}{'D step ms':>11}{'TTFT p99 ms':>13}")
+            f"{'scatter p50':>13}{'scatter p99':>13}{'report p50':>12}{'report p99':>12}"
+            f"{'D step ms':>11}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}")
     print(head)
     print("-" * len(head))
     alone = rows[0][1]["kv_pull"][1]
     for c, q, step_ms, r in rows:
+        report = q["decode_pull_report"]
         print(f"{c:>11}{q['kv_pull'][0] * 1000:>13.1f}{q['kv_pull'][1] * 1000:>13.1f}"
               f"{q['kv_pull'][1] / alone:>13.2f}{q['kv_scatter'][0] * 1000:>13.1f}"
-              f"{q['kv_scatter'][1] * 1000:>13.1f}{step_ms:>11.1f}{r['TTFT p99 ms']:>13.0f}")
+              f"{q['kv_scatter'][1] * 1000:>13.1f}{report[0] * 1000:>12.1f}"
+              f"{report[1] * 1000:>12.1f}{step_ms:>11.1f}{r['TTFT p50 ms']:>13.0f}"
+              f"{r['TTFT p99 ms']:>13.0f}")
 
 
 def _run_on_cluster(args: argparse.Namespace, cluster_args: list[str], measure: Any) -> None:
