@@ -65,6 +65,29 @@ def test_openai_client_with_the_key_pd_equals_colocated(cluster: PDCluster) -> N
     assert done.choices[0].finish_reason == "length"
 
 
+def test_openai_client_logprobs_pd_equals_colocated(cluster: PDCluster) -> None:
+    """Issue 17 §1, the sampled tokens' own logprobs: through PD (P's first token and its
+    logprob, D's after it) they are the colocated worker's, token for token."""
+    answers = {}
+    for name in ("proxy", "colocated"):
+        client = openai.OpenAI(base_url=f"{cluster.urls[name]}/v1", api_key=KEY, max_retries=0,
+                               timeout=60)
+        chat = client.chat.completions.create(
+            model="tiny", messages=QUESTION, max_tokens=8, temperature=0,  # type: ignore[arg-type]
+            logprobs=True, top_logprobs=0,
+        )
+        content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+        done = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=4,
+                                         temperature=0, logprobs=0)
+        lps = done.choices[0].logprobs
+        assert content is not None and lps is not None
+        answers[name] = ([(t.token, t.logprob) for t in content],
+                         list(zip(lps.tokens or [], lps.token_logprobs or [], strict=True)))
+    for pd, colo in zip(answers["proxy"], answers["colocated"], strict=True):
+        assert [t for t, _ in pd] == [t for t, _ in colo] and len(pd) in (4, 8)
+        assert [lp for _, lp in pd] == pytest.approx([lp for _, lp in colo], abs=1e-4)
+
+
 def test_openai_client_with_a_wrong_key_is_refused(cluster: PDCluster) -> None:
     for name in NAMES:
         with pytest.raises(openai.AuthenticationError) as err:

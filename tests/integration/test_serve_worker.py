@@ -210,6 +210,42 @@ async def test_bad_input_everywhere(worker: tuple[str, Any]) -> None:
     assert w.bad_requests >= len(BAD)
 
 
+async def test_openai_logprobs_are_the_sampled_tokens_own(worker: tuple[str, Any]) -> None:
+    """chat ``logprobs: true`` and completions ``logprobs: 0``, whole and streamed: the same
+    values as /generate's ``output_token_logprobs`` for the same prompt, one entry per token."""
+    url, _ = worker
+    prompt = "The quick brown fox"
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        r = await http.post("/generate", json={"text": prompt, "sampling_params": GREEDY,
+                                               "return_logprob": True})
+        want = [lp for lp, _, _ in r.json()["meta_info"]["output_token_logprobs"]]
+        completion = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+                      "logprobs": 0}
+        c = (await http.post("/v1/completions", json=completion)).json()["choices"][0]
+        lp = c["logprobs"]
+        assert lp["token_logprobs"] == want and lp["top_logprobs"] is None
+        assert "".join(lp["tokens"]) == c["text"]
+        assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(10)]
+        r = await http.post("/v1/completions", json={**completion, "stream": True})
+        streamed = [e["choices"][0]["logprobs"] for e in sse_events(r.text)[:-1]]
+        assert [x for e in streamed if e for x in e["token_logprobs"]] == want
+
+        chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 10,
+                "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 0}
+        c = (await http.post("/v1/chat/completions", json=chat)).json()["choices"][0]
+        content = c["logprobs"]["content"]
+        assert len(content) == 10 and all(t["logprob"] <= 0 and t["top_logprobs"] == []
+                                          for t in content)
+        assert "".join(t["token"] for t in content) == c["message"]["content"]
+        assert all(bytes(t["bytes"]).decode() == t["token"] for t in content)
+        r = await http.post("/v1/chat/completions", json={**chat, "stream": True})
+        chunks = [e["choices"][0] for e in sse_events(r.text)[:-1] if e["choices"]]
+        assert [t for ch in chunks if ch["logprobs"] for t in ch["logprobs"]["content"]] == content
+        # Without asking, none.
+        r = await http.post("/v1/chat/completions", json={**chat, "logprobs": False})
+        assert r.json()["choices"][0]["logprobs"] is None
+
+
 async def test_disconnect_mid_stream_aborts(worker: tuple[str, Any]) -> None:
     url, w = worker
     body = {"text": "stream me", "stream": True, "rid": "leaver",

@@ -38,6 +38,14 @@ ROUTER_GENERATE = {**BOOT, "background": False, "log_metrics": True, "model": No
                    "sampling_params": {"max_new_tokens": 2}, "stream": False, "text": "hi"}
 
 
+def test_logprobs_of_the_sampled_tokens_are_read() -> None:
+    assert parse_chat({**CHAT, "logprobs": True}, LIMITS).return_logprob
+    assert parse_chat({**CHAT, "logprobs": True, "top_logprobs": 0}, LIMITS).return_logprob
+    assert not parse_chat({**CHAT, "logprobs": False}, LIMITS).return_logprob
+    assert parse_completion({**COMPLETION, "logprobs": 0}, LIMITS).return_logprob
+    assert not parse_completion(COMPLETION, LIMITS).return_logprob
+
+
 def test_what_sglang_router_sends_parses() -> None:
     assert parse_chat(ROUTER_CHAT, LIMITS).sampling.max_new_tokens == 3
     assert parse_completion(ROUTER_COMPLETION, LIMITS).text == "hi"
@@ -58,7 +66,8 @@ def test_a_field_at_the_value_that_asks_for_nothing_is_accepted(extra: dict[str,
     (parse_chat, CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
     (parse_chat, CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (parse_chat, CHAT, {"tool_choice": "required"}, "tool_choice"),
-    (parse_chat, CHAT, {"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    (parse_chat, CHAT, {"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+    (parse_chat, CHAT, {"logprobs": 1}, "logprobs"),  # a bool, not a number
     (parse_chat, CHAT, {"n": 2}, "n"),
     (parse_chat, CHAT, {"n": True}, "n"),
     (parse_chat, CHAT, {"logit_bias": {"5": 10}}, "logit_bias"),
@@ -68,7 +77,8 @@ def test_a_field_at_the_value_that_asks_for_nothing_is_accepted(extra: dict[str,
     (parse_completion, COMPLETION, {"echo": True}, "echo"),
     (parse_completion, COMPLETION, {"suffix": "end"}, "suffix"),
     (parse_completion, COMPLETION, {"best_of": 3}, "best_of"),
-    (parse_completion, COMPLETION, {"logprobs": 2}, "logprobs"),
+    (parse_completion, COMPLETION, {"logprobs": 2}, "logprobs"),  # alternatives: not computed
+    (parse_completion, COMPLETION, {"logprobs": True}, "logprobs"),  # a number, not a bool
     (parse_completion, COMPLETION, {"max_token": 5}, "max_token"),  # a typo is no default
     (parse_generate, GENERATE, {"logprob_start_len": 0}, "logprob_start_len"),
     (parse_generate, GENERATE, {"top_logprobs_num": 3}, "top_logprobs_num"),
@@ -86,4 +96,5 @@ def test_an_unimplemented_field_is_refused_by_name(
     with pytest.raises(ApiError) as err:
         parse({**base, **extra}, LIMITS)
     assert err.value.status == 400
-    assert err.value.message.startswith((f"{named}=", f"unknown field {named} ")), err.value.message
+    prefixes = (f"{named}=", f"{named} must", f"unknown field {named} ")
+    assert err.value.message.startswith(prefixes), err.value.message

@@ -9,6 +9,7 @@ client that goes away aborts its request (and frees its pages) at once.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import uuid
@@ -37,6 +38,7 @@ from pd_fsm.io_trio.worker.schemas import ApiError, Limits, ParsedRequest
 from pd_fsm.io_trio.worker.sse import DONE, SSEResponse, event, until_disconnect
 from pd_fsm.jax_engine.model.registry import LoadedModel, load_model
 from pd_fsm.jax_engine.sampling import SamplingParams
+from pd_fsm.jax_engine.tokenizer import Tokenizer
 from pd_fsm.schedulers.request import RequestOutput
 
 log = logging.getLogger("pd_fsm.io_trio.worker.app")
@@ -312,6 +314,7 @@ class WorkerApp:
             self.meta.served_name,
             return_logprob=parsed.return_logprob,
             include_usage=parsed.include_usage,
+            token_text=functools.partial(_token_text, self.meta.model.tokenizer),
         )
         outputs = self._outputs(job)
         timing = _Timing(self.metrics, start)
@@ -537,6 +540,12 @@ class _Timing:
             self.metrics.ttft.observe(now - self.start)
         if out.finished:
             self.metrics.e2e.observe(now - self.start)
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    """One output token's text for the OpenAI logprobs: the id decoded alone, special tokens
+    spelled out (the client asked for every token it was charged for)."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 async def serve_worker(

@@ -5,6 +5,7 @@ SSE chunks. One ``Accumulator`` per request folds the backend's incremental outp
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pd_fsm.io_trio.worker.schemas import Kind
@@ -24,6 +25,7 @@ class Accumulator:
         *,
         return_logprob: bool = False,
         include_usage: bool = False,
+        token_text: Callable[[int], str] = str,
     ) -> None:
         self.kind = kind
         self.rid = rid
@@ -37,6 +39,10 @@ class Accumulator:
         self.prompt_tokens = 0
         self.finish: FinishReason | None = None
         self._role_sent = False
+        self._token_text = token_text  # one token id -> its text, for the OpenAI logprobs
+        self._logprobs_sent = 0  # output tokens whose logprobs a stream chunk carried already
+        self._texts: list[str] = []  # output tokens' texts so far, and where each starts
+        self._offsets: list[int] = [0]
 
     @property
     def completion_tokens(self) -> int:
@@ -83,6 +89,24 @@ class Accumulator:
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
 
+    def _openai_logprobs(self, start: int, end: int) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for output tokens ``start:end`` (None unless asked): the
+        sampled tokens' own logprobs, no alternatives. A token's text is its id decoded alone
+        (a token that ends inside a UTF-8 character decodes to U+FFFD)."""
+        if not self.return_logprob:
+            return None
+        for tid in self.output_ids[len(self._texts):end]:  # each token decoded once
+            self._texts.append(self._token_text(tid))
+            self._offsets.append(self._offsets[-1] + len(self._texts[-1]))
+        texts, lps = self._texts[start:end], self.logprobs[start:end]
+        if self.kind == "chat":
+            return {"content": [
+                {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
+                for t, lp in zip(texts, lps, strict=True)
+            ]}
+        return {"tokens": texts, "token_logprobs": list(lps), "top_logprobs": None,
+                "text_offset": self._offsets[start:end]}
+
     def _finish_str(self) -> str | None:
         return None if self.finish is None else _OPENAI_FINISH[self.finish.kind]
 
@@ -91,12 +115,13 @@ class Accumulator:
             choice: dict[str, Any] = {
                 "index": 0,
                 "message": {"role": "assistant", "content": self.text},
-                "logprobs": None,
+                "logprobs": self._openai_logprobs(0, self.completion_tokens),
                 "finish_reason": self._finish_str(),
             }
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": self.text, "logprobs": None,
+            choice = {"index": 0, "text": self.text,
+                      "logprobs": self._openai_logprobs(0, self.completion_tokens),
                       "finish_reason": self._finish_str()}
             obj = "text_completion"
         if self.finish is not None and self.finish.kind == "stop":
@@ -105,16 +130,23 @@ class Accumulator:
                 "choices": [choice], "usage": self._usage()}
 
     def _openai_chunk(self, delta_text: str, finish: str | None) -> dict[str, Any]:
+        # A chunk carries the logprobs of the tokens since the previous chunk (text held back
+        # for a possible stop string comes later; its tokens' logprobs ride with it).
+        logprobs = None
+        if self.return_logprob and (delta_text or finish is not None):
+            logprobs = self._openai_logprobs(self._logprobs_sent, self.completion_tokens)
+            self._logprobs_sent = self.completion_tokens
         if self.kind == "chat":
             delta: dict[str, Any] = {"content": delta_text}
             if not self._role_sent:
                 delta["role"] = "assistant"
                 self._role_sent = True
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs,
                                       "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": delta_text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": delta_text, "logprobs": logprobs,
+                      "finish_reason": finish}
             obj = "text_completion"
         return {"id": self._id(), "object": obj, "created": self.created, "model": self.model,
                 "choices": [choice]}

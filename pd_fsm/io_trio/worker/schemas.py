@@ -58,7 +58,6 @@ _OPENAI_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
-    "logprobs": (False, 0),
     "top_logprobs": (0,),
     "logit_bias": ({},),
     "frequency_penalty": (0, 0.0),
@@ -109,13 +108,15 @@ _TOP_LEVEL: dict[str, _Fields] = {
         no_effect=frozenset({"model", "log_metrics", "no_logs"}),
     ),
     "completion": _Fields(
-        read=_COMMON_READ | _OPENAI_SAMPLING | {"model", "prompt", "max_tokens", "stream_options"},
+        read=_COMMON_READ | _OPENAI_SAMPLING
+        | {"model", "prompt", "max_tokens", "stream_options", "logprobs"},
         neutral=_OPENAI_NEUTRAL,
         no_effect=_OPENAI_NO_EFFECT,
     ),
     "chat": _Fields(
         read=_COMMON_READ | _OPENAI_SAMPLING
-        | {"model", "messages", "max_tokens", "max_completion_tokens", "stream_options"},
+        | {"model", "messages", "max_tokens", "max_completion_tokens", "stream_options",
+           "logprobs"},
         neutral=_OPENAI_NEUTRAL,
         no_effect=_OPENAI_NO_EFFECT,
     ),
@@ -307,8 +308,7 @@ def _sampling(
     )
 
 
-_HINTS = {"logprobs": "; /generate has return_logprob",
-          "top_logprobs": "; /generate has return_logprob"}
+_HINTS = {"top_logprobs": ": the sampled tokens' own logprobs only (logprobs: true)"}
 
 
 def _check_fields(d: dict[str, Any], fields: _Fields, path: str = "") -> None:
@@ -407,6 +407,16 @@ def parse_generate(body: Any, limits: Limits) -> ParsedRequest:
     )
 
 
+def _completion_logprobs(body: dict[str, Any]) -> bool:
+    """``logprobs: N`` on /v1/completions: 0 returns the sampled tokens' own logprobs; the N most
+    likely alternatives (N > 0) are not computed."""
+    n = _int(body, "logprobs")
+    if n is not None and n != 0:
+        raise ApiError(400, f"logprobs={n} is not supported (only 0: the sampled tokens' own "
+                            "logprobs, without alternatives)")
+    return n == 0
+
+
 def _openai_common(body: dict[str, Any]) -> dict[str, Any]:
     model = _str(body, "model")
     opts = body.get("stream_options")
@@ -444,6 +454,7 @@ def parse_completion(body: Any, limits: Limits) -> ParsedRequest:
         ),
         text=text,
         input_ids=ids,
+        return_logprob=_completion_logprobs(body),
         **_openai_common(body),
     )
 
@@ -499,5 +510,6 @@ def parse_chat(body: Any, limits: Limits) -> ParsedRequest:
             max_tokens=mct if mct is not None else mt,
         ),
         messages=tuple(parsed),
+        return_logprob=bool(_bool(body, "logprobs")),
         **_openai_common(body),
     )
