@@ -20,6 +20,7 @@ from pd_fsm.jax_engine.model.weight_cache import (
     atomic_write_bytes,
     cache_dir,
     load_params,
+    remove_other_entries,
     save_params,
     source_key,
 )
@@ -190,4 +191,5 @@ def load_gguf(
         meta = {"config": attrs.asdict(config), "tokenizer": attrs.asdict(spec)}
         # The JSON is written last: its presence marks a complete entry.
         atomic_write_bytes(meta_path, json.dumps(meta).encode())
+        remove_other_entries(key, path.stem)
     return config, params, spec

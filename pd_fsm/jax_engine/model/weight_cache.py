@@ -9,8 +9,11 @@ at once.
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -27,8 +30,38 @@ def cache_dir() -> Path:
 
 
 def source_key(source: Path) -> str:
+    """``<stem>-<size>-<sha256 prefix of the content>``: the same file installed twice (a new
+    virtualenv, a reinstalled package: a new mtime) shares one converted entry. The digest is
+    computed once per (path, size, mtime) and remembered in a small file beside the entries
+    (hashing SmolLM2's 98 MB GGUF takes ~0.25 s)."""
     st = source.stat()
-    return f"{source.stem}-{st.st_size}-{st.st_mtime_ns}"
+    stamp = hashlib.sha256(f"{source.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
+    memo = cache_dir() / f"digest-{stamp.hexdigest()[:24]}.txt"
+    try:
+        digest = memo.read_text().strip()
+    except OSError:
+        digest = ""
+    if len(digest) != 64:
+        h = hashlib.sha256()
+        with source.open("rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        digest = h.hexdigest()
+        atomic_write_bytes(memo, digest.encode())
+    return f"{source.stem}-{st.st_size}-{digest[:16]}"
+
+
+def remove_other_entries(keep: str, stem: str) -> None:
+    """Remove converted entries of ``stem`` other than ``keep``'s: earlier formats and entries
+    keyed by a file's mtime, 540 MB each for SmolLM2 (they are never read again)."""
+    entry = re.compile(rf"{re.escape(stem)}-\d+-[0-9a-f]+\.(json|npz|params)")
+    for path in cache_dir().glob(f"{glob.escape(stem)}-*"):
+        if not entry.fullmatch(path.name) or path.name.startswith(keep + "."):
+            continue
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
