@@ -24,6 +24,11 @@ def _non_negative(_: object, attribute: attrs.Attribute[Any], value: float) -> N
         raise ValueError(f"{attribute.name} must be >= 0, got {value}")
 
 
+def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"{attribute.name} must be > 0, got {value}")
+
+
 def _top_p_range(_: object, attribute: attrs.Attribute[float], value: float) -> None:
     if not 0.0 < value <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {value}")
@@ -51,10 +56,24 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_to_tuple)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Penalties on the tokens generated so far (sglang's and OpenAI's semantics, output tokens
+    # only): frequency subtracts penalty x count, presence subtracts it once; repetition divides
+    # a positive logit by it and multiplies a negative one (1 = off).
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = attrs.field(default=1.0, validator=_positive)
+    # No EOS or stop token before this many new tokens.
+    min_new_tokens: int = attrs.field(default=0, validator=_non_negative)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits need adjusting before a token is chosen (``adjust_logits``)."""
+        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.repetition_penalty != 1.0 or self.min_new_tokens > 0)
 
 
 @jax.jit
@@ -95,20 +114,76 @@ def _sample(
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
 
+@attrs.frozen
+class Adjustment:
+    """What a row's logits need before its token is chosen: the tokens it generated so far
+    (for the penalties) and the ids it may not choose yet (``min_new_tokens``)."""
+
+    output_ids: tuple[int, ...]
+    banned: frozenset[int]
+
+
+def adjust_logits(row: np.ndarray, sp: SamplingParams, adjustment: Adjustment) -> None:
+    """Apply ``sp``'s penalties and bans to one row of logits, in place (host side: the
+    shapes never change, so nothing compiles; only batches with a penalized row pay the copy)."""
+    if adjustment.output_ids:
+        ids, counts = np.unique(np.asarray(adjustment.output_ids, np.int64), return_counts=True)
+        if sp.repetition_penalty != 1.0:
+            seen = row[ids]
+            row[ids] = np.where(seen > 0, seen / sp.repetition_penalty,
+                                seen * sp.repetition_penalty)
+        row[ids] -= sp.frequency_penalty * counts + sp.presence_penalty
+    if adjustment.banned:
+        row[np.fromiter(adjustment.banned, np.int64)] = -np.inf
+
+
+def _log_softmax_at(logits: np.ndarray, token: int) -> float:
+    top = float(np.max(logits))
+    return float(logits[token] - top - np.log(np.sum(np.exp(logits - top))))
+
+
 def sample(
     logits: jax.Array,
     params: Sequence[SamplingParams | None],
     seeds: Sequence[int],
     steps: Sequence[int],
+    adjustments: Sequence[Adjustment | None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Tokens ``[B]`` and their log-probs ``[B]`` (host arrays) for the first ``len(params)`` rows
     of ``logits[B_pad, V]``; ``None`` rows (padding, or rows that need no token) are greedy.
 
     An all-greedy batch skips the sort; otherwise param arrays are padded to ``B_pad`` so the
-    sampler compiles once per batch bucket.
+    sampler compiles once per batch bucket. Rows with an ``Adjustment`` (penalties, bans) choose
+    from adjusted logits; their log-probs are still those of the raw distribution.
     """
     n = len(params)
     b_pad = logits.shape[0]
+    adjusted = [i for i, a in enumerate(adjustments or ()) if a is not None and params[i]]
+    raw: np.ndarray | None = None
+    if adjusted:
+        raw = np.asarray(logits)
+        host = raw.copy()
+        for i in adjusted:
+            sp, adjustment = params[i], adjustments[i]  # type: ignore[index]
+            assert sp is not None and adjustment is not None
+            adjust_logits(host[i], sp, adjustment)
+        logits = jnp.asarray(host)
+    tokens, logprobs = _choose(logits, params, seeds, steps, n, b_pad)
+    if raw is not None:
+        logprobs = logprobs.copy()
+        for i in adjusted:
+            logprobs[i] = _log_softmax_at(raw[i], int(tokens[i]))
+    return tokens, logprobs
+
+
+def _choose(
+    logits: jax.Array,
+    params: Sequence[SamplingParams | None],
+    seeds: Sequence[int],
+    steps: Sequence[int],
+    n: int,
+    b_pad: int,
+) -> tuple[np.ndarray, np.ndarray]:
     if all(p is None or p.greedy for p in params):
         tokens, logprobs = EXECUTABLES.call(_greedy, {}, logits)
     else:

@@ -52,7 +52,7 @@ from pd_fsm.jax_engine.model import (
     table_width,
 )
 from pd_fsm.jax_engine.pool_spec import PoolType
-from pd_fsm.jax_engine.sampling import SamplingParams, compile_samplers, sample
+from pd_fsm.jax_engine.sampling import Adjustment, SamplingParams, compile_samplers, sample
 from pd_fsm.jax_engine.tokenizer import IncrementalDetokenizer
 from pd_fsm.schedulers.args import SchedulerArgs
 from pd_fsm.schedulers.request import FinishReason, Req, ReqState, RequestOutput
@@ -508,7 +508,20 @@ class Scheduler:
             [None if r is None else r.sampling for r in reqs],
             [0 if r is None else r.seed for r in reqs],
             [0 if r is None else len(r.output_ids) for r in reqs],
+            [None if r is None or not r.sampling.penalized else self._adjustment(r) for r in reqs],
         )
+
+    def _adjustment(self, req: Req) -> Adjustment:
+        """The penalties' history (this request's output so far: on D, P's first token too) and,
+        below ``min_new_tokens``, the tokens that would end it."""
+        sp = req.sampling
+        banned: frozenset[int] = frozenset()
+        if len(req.output_ids) < sp.min_new_tokens:
+            ends = set(sp.stop_token_ids)
+            if not sp.ignore_eos:
+                ends |= self.eos_token_ids
+            banned = frozenset(ends)
+        return Adjustment(tuple(req.output_ids), banned)
 
     def _append_token(self, req: Req, token: int, logprob: float) -> None:
         req.output_ids.append(token)

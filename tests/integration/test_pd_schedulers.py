@@ -162,6 +162,40 @@ def test_pd_equals_colocated(model_name: str) -> None:
         pair.close()
 
 
+PENALIZED = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True,
+                           repetition_penalty=1.6, frequency_penalty=0.8, presence_penalty=0.3,
+                           min_new_tokens=4)
+
+
+def test_penalties_and_min_tokens_pd_equals_colocated(tiny: LoadedModel) -> None:
+    """Issue 17 §6: the penalties see each request's output so far (on D, P's first token
+    too): PD's tokens are the colocated ones, and differ from plain greedy's. (The bans of
+    ``min_new_tokens`` are checked in tests/unit/test_model_sampling.py.)"""
+    prompts = _prompts()[:6]
+    args = SchedulerArgs(model="tiny", num_pages=96, page_size=PAGE, max_running=16,
+                         max_batched_tokens=256)
+    outputs = {}
+    plain = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    for name, sp in (("plain", plain), ("penalized", PENALIZED)):
+        colo = Scheduler(args, model=tiny)
+        for i, ids in enumerate(prompts):
+            colo.add_request(Req(f"r{i}", ids, sp))
+        outputs[name] = collect(colo.run_until_idle())
+    assert any(outputs["plain"][r]["ids"] != outputs["penalized"][r]["ids"]
+               for r in outputs["plain"])
+    pair = PDPair(tiny, _args("prefill", lease_initial=600.0), _args("decode"))
+    try:
+        for i, ids in enumerate(prompts):
+            pair.p.add_pd_request(Req(f"r{i}", ids, PENALIZED), 2000 + i)
+            pair.d.add_pd_request(Req(f"r{i}", ids, PENALIZED), BOOT, 2000 + i)
+        pair.run(lambda: len(collect(pair.d_outputs)) == len(prompts) and pair.books_balanced())
+        got = collect(pair.d_outputs)
+        for rid, exp in outputs["penalized"].items():
+            assert got[rid]["ids"] == exp["ids"], rid
+    finally:
+        pair.close()
+
+
 def test_duplicate_live_room_rejected_first_unaffected(tiny: LoadedModel) -> None:
     pair = PDPair(tiny, _args("prefill"), _args("decode"))
     try:

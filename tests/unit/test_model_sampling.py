@@ -57,3 +57,38 @@ def test_invalid_params_are_rejected() -> None:
     with pytest.raises(ValueError):
         SamplingParams(top_p=0.0)
     assert SamplingParams(stop="x").stop == ("x",)
+
+
+def _raw_logprob(row: np.ndarray, token: int) -> float:
+    row = row.astype(np.float64)
+    return float(row[token] - row.max() - np.log(np.exp(row - row.max()).sum()))
+
+
+def test_penalties_and_bans_change_the_choice_not_the_reported_logprob() -> None:
+    from pd_fsm.jax_engine.sampling import Adjustment
+
+    row = np.array([0.0, 1.0, 3.0, 2.5, -1.0, 2.9], np.float32)
+    logits = jnp.asarray(np.stack([row, row, row, row]))
+    plain = SamplingParams(temperature=0.0)
+    freq = SamplingParams(temperature=0.0, frequency_penalty=0.3)
+    rep = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    ban = SamplingParams(temperature=0.0, min_new_tokens=2)
+    adjustments = [None, Adjustment((2, 2), frozenset()), Adjustment((2, 5), frozenset()),
+                   Adjustment((), frozenset({2, 5}))]
+    tokens, logprobs = sample(logits, [plain, freq, rep, ban], [0] * 4, [0] * 4, adjustments)
+    # 2 wins plain; -0.6 for two 2s leaves 5 (2.9) on top; 3.0/2 and 2.9/2 leave 3 (2.5); with 2
+    # and 5 banned, 3 again.
+    assert tokens.tolist() == [2, 5, 3, 3]
+    for token, lp in zip(tokens, logprobs, strict=True):
+        assert lp == pytest.approx(_raw_logprob(row, int(token)), abs=1e-5)
+
+
+def test_a_negative_logit_is_multiplied_by_the_repetition_penalty() -> None:
+    from pd_fsm.jax_engine.sampling import Adjustment, adjust_logits
+
+    row = np.array([-1.0, 2.0, 0.5], np.float32)
+    adjust_logits(row, SamplingParams(repetition_penalty=2.0, presence_penalty=0.1),
+                  Adjustment((0, 1, 1), frozenset()))
+    assert row.tolist() == pytest.approx([-2.1, 0.9, 0.5])
+    with pytest.raises(ValueError):
+        SamplingParams(repetition_penalty=0.0)

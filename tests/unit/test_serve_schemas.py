@@ -46,6 +46,17 @@ def test_logprobs_of_the_sampled_tokens_are_read() -> None:
     assert not parse_completion(COMPLETION, LIMITS).return_logprob
 
 
+def test_penalties_and_min_tokens_are_read() -> None:
+    sp = parse_chat({**CHAT, "frequency_penalty": 0.5, "presence_penalty": -0.5,
+                     "repetition_penalty": 1.2, "min_tokens": 2}, LIMITS).sampling
+    assert (sp.frequency_penalty, sp.presence_penalty, sp.repetition_penalty,
+            sp.min_new_tokens) == (0.5, -0.5, 1.2, 2)
+    sp = parse_generate({"text": "hi", "sampling_params": {
+        "max_new_tokens": 4, "min_new_tokens": 4, "repetition_penalty": 1.1}}, LIMITS).sampling
+    assert sp.min_new_tokens == 4 and sp.repetition_penalty == 1.1 and sp.penalized
+    assert not parse_chat(CHAT, LIMITS).sampling.penalized
+
+
 def test_what_sglang_router_sends_parses() -> None:
     assert parse_chat(ROUTER_CHAT, LIMITS).sampling.max_new_tokens == 3
     assert parse_completion(ROUTER_COMPLETION, LIMITS).text == "hi"
@@ -71,7 +82,11 @@ def test_a_field_at_the_value_that_asks_for_nothing_is_accepted(extra: dict[str,
     (parse_chat, CHAT, {"n": 2}, "n"),
     (parse_chat, CHAT, {"n": True}, "n"),
     (parse_chat, CHAT, {"logit_bias": {"5": 10}}, "logit_bias"),
-    (parse_chat, CHAT, {"frequency_penalty": 0.5}, "frequency_penalty"),
+    (parse_chat, CHAT, {"frequency_penalty": 2.5}, "frequency_penalty"),
+    (parse_chat, CHAT, {"repetition_penalty": 0}, "repetition_penalty"),
+    (parse_chat, CHAT, {"min_tokens": 4}, "min_tokens"),  # more than max_tokens=3
+    (parse_generate, GENERATE, {"sampling_params": {"min_new_tokens": -1}},
+     "sampling_params.min_new_tokens"),
     (parse_chat, CHAT, {"reasoning_effort": "high"}, "reasoning_effort"),
     (parse_chat, CHAT, {"return_hidden_states": True}, "return_hidden_states"),
     (parse_completion, COMPLETION, {"echo": True}, "echo"),

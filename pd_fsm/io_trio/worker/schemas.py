@@ -43,7 +43,8 @@ MAX_STOP_STRINGS = 16
 # - no effect: cannot change the tokens or the response's shape.
 _COMMON_READ = frozenset({"stream", "rid", "bootstrap_host", "bootstrap_port", "bootstrap_room"})
 _OPENAI_SAMPLING = frozenset({"temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                              "ignore_eos", "skip_special_tokens"})
+                              "ignore_eos", "skip_special_tokens", "frequency_penalty",
+                              "presence_penalty", "repetition_penalty", "min_tokens"})
 
 
 @attrs.frozen
@@ -60,11 +61,7 @@ _OPENAI_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
     "top_logprobs": (0,),
     "logit_bias": ({},),
-    "frequency_penalty": (0, 0.0),
-    "presence_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
     "min_p": (0, 0.0),
-    "min_tokens": (0,),
     "no_stop_trim": (False,),
     "regex": (),
     "json_schema": (),
@@ -125,13 +122,11 @@ _TOP_LEVEL: dict[str, _Fields] = {
 # sglang's sampling_params, in the same three kinds.
 _SAMPLING_PARAMS = _Fields(
     read=frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "seed", "sampling_seed",
-                    "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens"}),
+                    "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+                    "frequency_penalty", "presence_penalty", "repetition_penalty",
+                    "min_new_tokens"}),
     neutral={
-        "frequency_penalty": (0, 0.0),
-        "presence_penalty": (0, 0.0),
-        "repetition_penalty": (1, 1.0),
         "min_p": (0, 0.0),
-        "min_new_tokens": (0,),
         "n": (1,),
         "no_stop_trim": (False,),
         "regex": (),
@@ -293,8 +288,28 @@ def _sampling(
     if seed is not None and not 0 <= seed < 2**63:
         raise ApiError(400, f"{_where(path, 'seed')} must be in [0, 2^63), got {seed}")
     stop_ids = d.get("stop_token_ids")
+    penalties = {}
+    for key, low, high in (("frequency_penalty", -2.0, 2.0), ("presence_penalty", -2.0, 2.0)):
+        value = _float(d, key, path)
+        if value is not None and not low <= value <= high:
+            raise ApiError(400, f"{_where(path, key)} must be in [{low}, {high}], got {value}")
+        penalties[key] = value or 0.0
+    repetition = _float(d, "repetition_penalty", path)
+    if repetition is not None and not 0.0 < repetition <= 2.0:
+        raise ApiError(400, f"{_where(path, 'repetition_penalty')} must be in (0, 2], "
+                            f"got {repetition}")
+    min_key = "min_new_tokens" if max_tokens_key == "max_new_tokens" else "min_tokens"
+    max_new = _max_tokens(max_tokens, default_max, _where(path, max_tokens_key), limits)
+    min_new = _int(d, min_key, path) or 0
+    if not 0 <= min_new <= max_new:
+        raise ApiError(400, f"{_where(path, min_key)} must be in [0, {max_tokens_key}={max_new}], "
+                            f"got {min_new}")
     return SamplingParams(
-        max_new_tokens=_max_tokens(max_tokens, default_max, _where(path, max_tokens_key), limits),
+        max_new_tokens=max_new,
+        frequency_penalty=penalties["frequency_penalty"],
+        presence_penalty=penalties["presence_penalty"],
+        repetition_penalty=1.0 if repetition is None else repetition,
+        min_new_tokens=min_new,
         temperature=default_temperature if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
         top_k=_int(d, "top_k", path) or -1,
