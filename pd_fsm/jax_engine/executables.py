@@ -105,6 +105,17 @@ class Executables:
             with self._lock:
                 self._compiling.pop(key).set()
 
+    def load_only(self, fn: Any, static: Mapping[str, Hashable], *args: Any) -> Built | None:
+        """``fn``'s executable for these arguments if the store has it, else None (nothing
+        compiles; not counted in ``stats()``)."""
+        store = self._store
+        if store is None:
+            return None
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        text = key_text(fn, static, treedef, leaves)
+        loaded = None if text is None else store.load(text)
+        return None if loaded is None else Built(_Entry(*loaded), loaded=True)
+
     def build(
         self, fn: Any, static: Mapping[str, Hashable], *args: Any, counted: bool = True
     ) -> Built:

@@ -88,6 +88,11 @@ class _Executables:
                 exe = self._ready.setdefault(key, exe)
         return exe
 
+    def put(self, key: Key, exe: jax.stages.Compiled) -> None:
+        """An executable built elsewhere (loaded from the compilation cache at warm-up)."""
+        with self._lock:
+            self._ready.setdefault(key, exe)
+
     def later(self, key: Key, build: Callable[[], jax.stages.Compiled]) -> None:
         """Compile ``key`` on the background thread (once)."""
         with self._lock:
@@ -169,6 +174,26 @@ def _quick_scatter(
     )
 
 
+def _runs_build(
+    pool: Sequence[jax.ShapeDtypeStruct],
+    bucket: int,
+    what: str,
+    packed: jax.ShapeDtypeStruct | None = None,
+) -> tuple[Callable[..., object], tuple[object, ...]]:
+    """The run-based kernel of ``what`` ("gather" or "scatter") for ``bucket`` and the abstract
+    arguments it is compiled for (the packed array as the pool's unless given): one place, so
+    a warm-up's lookup and a first use's compile share their key in the compilation cache."""
+    first = pool[0]
+    if packed is None:
+        packed = jax.ShapeDtypeStruct((len(pool), bucket, *first.shape[1:]), first.dtype,
+                                      sharding=getattr(first, "sharding", None))
+    table = jax.ShapeDtypeStruct((3, bucket), jnp.int32)
+    n = jax.ShapeDtypeStruct((), jnp.int32)
+    if what == "gather":
+        return _gather_into, (packed, list(pool), table, n)
+    return multi_layer_copy, (list(pool), packed, table, n)
+
+
 def warm(pool: Sequence[jax.ShapeDtypeStruct], buckets: Sequence[int], what: str) -> int:
     """Compile the quick tier of ``what`` ("gather" or "scatter") for every page bucket now;
     returns how many were compiled. The run-based tier still compiles in the background at a
@@ -183,6 +208,14 @@ def warm(pool: Sequence[jax.ShapeDtypeStruct], buckets: Sequence[int], what: str
             shape = (len(pool), bucket, *first.shape[1:])
             packed = jax.ShapeDtypeStruct(shape, first.dtype, sharding=sharding)
             _quick_scatter(pool, packed)
+        # The run-based tier too, when the compilation cache holds it (a second start): then
+        # nothing compiles in the background, whose tracing holds the GIL against serving.
+        runs_key = _key(pool, bucket, f"{what}_runs")
+        if KV_COPIES.get(runs_key) is None:
+            fn, args = _runs_build(pool, bucket, what)
+            built = FORWARD_EXECUTABLES.load_only(fn, {}, *args)
+            if built is not None:
+                KV_COPIES.put(runs_key, built.executable)
     return KV_COPIES.quick_compiles - before
 
 
@@ -203,10 +236,8 @@ def gather(kv: Sequence[jax.Array], pages: Sequence[int]) -> jax.Array:
         return exe(out, kv, jnp.asarray(runs.table), jnp.int32(runs.n_runs))  # type: ignore[no-any-return]
 
     def build_runs() -> jax.stages.Compiled:
-        out = jax.ShapeDtypeStruct(out_shape, first.dtype, sharding=first.sharding)
-        table = jax.ShapeDtypeStruct((3, bucket), jnp.int32)
-        return _build(_gather_into, out, pool, table, jax.ShapeDtypeStruct((), jnp.int32),
-                      counted=False)
+        fn, args = _runs_build(pool, bucket, "gather")
+        return _build(fn, *args, counted=False)
 
     KV_COPIES.later(runs_key, build_runs)
     ids = np.full(bucket, NULL_PAGE, np.int32)
@@ -235,9 +266,8 @@ def scatter_plan(
         return run_runs
 
     def build_runs() -> jax.stages.Compiled:
-        table = jax.ShapeDtypeStruct((3, bucket), jnp.int32)
-        n = jax.ShapeDtypeStruct((), jnp.int32)
-        return _build(multi_layer_copy, list(pool), as_struct(packed), table, n, counted=False)
+        fn, args = _runs_build(pool, bucket, "scatter", as_struct(packed))
+        return _build(fn, *args, counted=False)
 
     KV_COPIES.later(runs_key, build_runs)
     quick = _quick_scatter(pool, as_struct(packed))

@@ -3,8 +3,11 @@ over once compiled, and both give the same bytes in the pages that matter."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from pd_fsm.jax_engine import tiered
 from pd_fsm.jax_engine.gather_scatter import page_buckets_upto
@@ -72,3 +75,31 @@ def test_warmed_buckets_compile_nothing_when_rooms_move() -> None:
             got = np.asarray(kv["main_kv"][1])[28 - n : 28]
         np.testing.assert_array_equal(got, arrays[1][1 : n + 1])
     assert tiered.KV_COPIES.quick_compiles == before
+
+
+def test_a_warm_up_loads_the_run_tier_the_compilation_cache_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second start: the run-based kernels a first start compiled (in the background, into
+    the compilation cache) are loaded by the warm-up, so nothing compiles in the background."""
+    from pd_fsm.jax_engine.executable_store import ExecutableStore
+    from pd_fsm.jax_engine.executables import EXECUTABLES
+    from pd_fsm.jax_engine.gather_scatter import as_struct
+
+    cfg = KVPoolConfig(num_layers=2, num_pages=11, page_size=2, num_kv_heads=1, head_dim=4)
+    pool = [as_struct(jnp.zeros(cfg.layer_shape, jnp.float32)) for _ in range(cfg.num_layers)]
+    EXECUTABLES.use_store(ExecutableStore(tmp_path))
+    try:
+        for what in ("gather", "scatter"):
+            first_start = tiered._Executables()
+            monkeypatch.setattr(tiered, "KV_COPIES", first_start)
+            tiered.warm(pool, [4], what)  # an empty cache: nothing to load
+            assert first_start.get(tiered._key(pool, 4, f"{what}_runs")) is None
+            fn, args = tiered._runs_build(pool, 4, what)
+            tiered._build(fn, *args, counted=False)  # what a first use compiles and stores
+            second_start = tiered._Executables()
+            monkeypatch.setattr(tiered, "KV_COPIES", second_start)
+            tiered.warm(pool, [4], what)
+            assert second_start.get(tiered._key(pool, 4, f"{what}_runs")) is not None
+    finally:
+        EXECUTABLES.use_store(None)
