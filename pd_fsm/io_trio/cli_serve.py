@@ -61,7 +61,8 @@ def main(args: argparse.Namespace) -> int:
         config.cluster_secret()  # fail now, not at the first registration
         if config.host_heap == "hugepages":
             # glibc reads the tunable at start-up only: this re-executes the process once (same
-            # PID) - first thing, so the first run imports nothing heavy it would throw away.
+            # PID). `pd-fsm serve` has done so already, before its imports (pd_fsm/cli.py); here
+            # it is a no-op then, and covers a caller that enters this function directly.
             from pd_fsm.jax_engine.host_memory import hugepages_in_force, reexec_with_hugepages
 
             reexec_with_hugepages()

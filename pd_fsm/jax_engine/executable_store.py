@@ -148,17 +148,19 @@ class ExecutableStore:
         with self._lock:
             self._counts[what] += 1
 
-    def load(self, text: str) -> tuple[Any, Any] | None:
-        """``(compiled, out_info)`` stored under ``text``, or None (a miss, or a bad file)."""
+    def load(self, text: str, *, count_miss: bool = True) -> tuple[Any, Any] | None:
+        """``(compiled, out_info)`` stored under ``text``, or None (a miss, or a bad file).
+        ``count_miss=False``: a lookup that compiles nothing when it misses (a warm-up looking
+        for the KV copies' background tier), so ``misses`` keeps meaning "compiled for want of
+        an entry"."""
         path = self._path(text)
         try:
             blob = path.read_bytes()
-        except FileNotFoundError:
-            self._count("misses")
-            return None
         except OSError as exc:
-            log.warning("executable store: cannot read %s: %s", path, exc)
-            self._count("misses")
+            if not isinstance(exc, FileNotFoundError):
+                log.warning("executable store: cannot read %s: %s", path, exc)
+            if count_miss:
+                self._count("misses")
             return None
         try:
             fmt, stored_text, serialized, out_info = pickle.loads(blob)

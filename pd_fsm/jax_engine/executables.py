@@ -105,16 +105,23 @@ class Executables:
             with self._lock:
                 self._compiling.pop(key).set()
 
-    def load_only(self, fn: Any, static: Mapping[str, Hashable], *args: Any) -> Built | None:
-        """``fn``'s executable for these arguments if the store has it, else None (nothing
-        compiles; not counted in ``stats()``)."""
+    def _lookup(
+        self, fn: Any, static: Mapping[str, Hashable], args: tuple[Any, ...], *, count_miss: bool
+    ) -> tuple[str | None, Built | None]:
+        """The store key of ``fn`` for these arguments (None: not storable, or no store) and
+        the executable stored under it, if any."""
         store = self._store
         if store is None:
-            return None
+            return None, None
         leaves, treedef = jax.tree_util.tree_flatten(args)
         text = key_text(fn, static, treedef, leaves)
-        loaded = None if text is None else store.load(text)
-        return None if loaded is None else Built(_Entry(*loaded), loaded=True)
+        loaded = None if text is None else store.load(text, count_miss=count_miss)
+        return text, None if loaded is None else Built(_Entry(*loaded), loaded=True)
+
+    def load_only(self, fn: Any, static: Mapping[str, Hashable], *args: Any) -> Built | None:
+        """``fn``'s executable for these arguments if the store has it, else None (nothing
+        compiles; not in ``stats()``, and a miss is not counted by the store)."""
+        return self._lookup(fn, static, args, count_miss=False)[1]
 
     def build(
         self, fn: Any, static: Mapping[str, Hashable], *args: Any, counted: bool = True
@@ -122,17 +129,14 @@ class Executables:
         """Load ``fn``'s executable for these arguments from the store, or lower and compile it
         (and store it); not put in the table (the KV copies keep their own). ``counted=False``
         leaves it out of ``stats()``: a background compile no request waits for."""
-        store = self._store
-        leaves, treedef = jax.tree_util.tree_flatten(args)
-        text = None if store is None else key_text(fn, static, treedef, leaves)
         start = time.perf_counter()
-        loaded = None if store is None or text is None else store.load(text)
+        text, loaded = self._lookup(fn, static, args, count_miss=True)
         if loaded is not None:
             if counted:
                 with self._lock:
                     self._load_seconds += time.perf_counter() - start
                     self._loads += 1
-            return Built(_Entry(*loaded), loaded=True)
+            return loaded
         with fresh_compile() as fresh:
             lowered = fn.lower(*args, **static)
             entry = _Entry(lowered.compile(), lowered.out_info)
@@ -140,8 +144,8 @@ class Executables:
             with self._lock:
                 self._seconds += time.perf_counter() - start
                 self._compiles += 1
-        if store is not None and text is not None and fresh.fresh:
-            store.save(text, entry.executable, entry.out_info)
+        if self._store is not None and text is not None and fresh.fresh:
+            self._store.save(text, entry.executable, entry.out_info)
         return Built(entry, loaded=False)
 
     def call(self, fn: Any, static: Mapping[str, Hashable], *args: Any) -> Any:

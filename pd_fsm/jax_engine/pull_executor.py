@@ -171,7 +171,7 @@ class PullExecutor:
 
     def _finish(self, items: list[PullResult | _Pulled]) -> list[PullResult]:
         pulled = [item for item in items if isinstance(item, _Pulled)]
-        errors: dict[int, Exception | None] = {}
+        found: list[Exception | None] = []
         if pulled:
             try:
                 found = scatter_rooms(
@@ -180,14 +180,14 @@ class PullExecutor:
                 )
             except TimeoutError as exc:
                 found = [exc] * len(pulled)
-            errors = {id(p): e for p, e in zip(pulled, found, strict=True)}
+        errors = iter(found)  # one per pulled item, in the order of ``items``
         scattered = self._clock()
         results = []
         for item in items:
             if isinstance(item, PullResult):
                 results.append(item)
                 continue
-            error = errors[id(item)]
+            error = next(errors)
             if error is not None:
                 log.warning("scatter for room %d failed: %r", item.req.room, error)
             results.append(PullResult(

@@ -252,8 +252,8 @@ class ColocatedBackend:
             "compilation_cache_writes_total": cache["writes"],
             "compilation_cache_corrupt_total": cache["corrupt"],
             "compilation_cache_write_errors_total": cache["write_errors"],
-            # Executables JAX loaded from the persistent compilation cache / compiled afresh
-            # (ours and any other jit), and of those the start-up's own.
+            # Executables loaded from the cache / compiled for want of an entry, and of those
+            # the start-up's own.
             "compilation_cache_hits_total": cache["hits"],
             "compilation_cache_misses_total": cache["misses"],
             "compilation_cache_hits_before_ready": self._cache_at_ready.get("hits", 0),

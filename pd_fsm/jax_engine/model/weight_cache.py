@@ -2,9 +2,9 @@
 
 Opening and dequantising the GGUF takes seconds; the converted f32 arrays, already in the
 params layout, are memory-mapped from one ``.npy`` per array in a fraction of that. Entries are
-keyed by the source file's name, size and mtime, so a changed source is converted again. Writes go
-to a temporary name and are renamed into place, because several test processes may fill the cache
-at once.
+keyed by the source file's name, size and content digest (``source_key``), so a changed source is
+converted again and a reinstalled one is not. Writes go to a temporary name and are renamed into
+place, because several test processes may fill the cache at once.
 """
 
 from __future__ import annotations
