@@ -37,6 +37,7 @@ Part ``pulls`` (issue 13 §2): D's pull and scatter times under the mixed load a
 next to D's mean forward step in the same run.
 
     .venv/bin/python bench/bench_serving.py --part pulls [--num-prompts 24 --concurrencies 6 16]
+        [--transfer-nice 0]   # the workers' transfer threads left at normal priority (A/B)
 
 Part ``tax`` (issue 13 §5): the price of disaggregation at concurrency 1, short prompts:
 TTFT(PD via proxy) - TTFT(colocated), unpinned (one target runs at a time), and PD's phases.
@@ -305,27 +306,45 @@ async def measure_pulls(proxy: str, args: argparse.Namespace) -> None:
             q = {key: (histogram_quantile(0.5, hists[PHASE_BY_KEY[key].name]),
                        histogram_quantile(0.99, hists[PHASE_BY_KEY[key].name]))
                  for key in ("kv_pull", "kv_scatter", "decode_pull_report")}
+            rate = hists[PHASE_BY_KEY["kv_transfer_gbps"].name]
+            gbps = (histogram_quantile(0.5, rate), histogram_quantile(0.01, rate))
+            waited = _scatter_steps(hists.get(PHASE_BY_KEY["kv_scatter_steps"].name, {}))
             steps = [_counter(t, "pd_fsm_worker_backend_steps_total")
                      for t in (before_text, after_text)]
             secs = [_counter(t, "pd_fsm_worker_backend_step_seconds_total")
                     for t in (before_text, after_text)]
             step_ms = (secs[1] - secs[0]) / max(steps[1] - steps[0], 1) * 1000
-            rows.append((c, q, step_ms, summary.rows()))
+            rows.append((c, q, gbps, waited, step_ms, summary.rows()))
     print(f"D's pulls under concurrency: {args.num_prompts} mixed prompts, {args.max_tokens} "
-          f"output tokens, unpinned 1P1D\n")
+          f"output tokens, unpinned 1P1D, workers' --transfer-nice "
+          f"{'default' if args.transfer_nice is None else args.transfer_nice}\n")
     head = (f"{'concurrency':>11}{'pull p50 ms':>13}{'pull p99 ms':>13}{'p99 / alone':>13}"
-            f"{'scatter p50':>13}{'scatter p99':>13}{'report p50':>12}{'report p99':>12}"
-            f"{'D step ms':>11}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}")
+            f"{'GB/s p50':>10}{'GB/s p1':>9}"
+            f"{'scatter p50':>13}{'scatter p99':>13}{'<=1 step':>10}{'max steps':>11}"
+            f"{'report p50':>12}{'report p99':>12}{'D step ms':>11}{'TTFT p50 ms':>13}"
+            f"{'TTFT p99 ms':>13}")
     print(head)
     print("-" * len(head))
     alone = rows[0][1]["kv_pull"][1]
-    for c, q, step_ms, r in rows:
+    for c, q, (rate50, rate1), (share, most), step_ms, r in rows:
         report = q["decode_pull_report"]
         print(f"{c:>11}{q['kv_pull'][0] * 1000:>13.1f}{q['kv_pull'][1] * 1000:>13.1f}"
-              f"{q['kv_pull'][1] / alone:>13.2f}{q['kv_scatter'][0] * 1000:>13.1f}"
-              f"{q['kv_scatter'][1] * 1000:>13.1f}{report[0] * 1000:>12.1f}"
+              f"{q['kv_pull'][1] / alone:>13.2f}{rate50:>10.2f}{rate1:>9.2f}"
+              f"{q['kv_scatter'][0] * 1000:>13.1f}"
+              f"{q['kv_scatter'][1] * 1000:>13.1f}{share:>9.0%} {most:>11}"
+              f"{report[0] * 1000:>12.1f}"
               f"{report[1] * 1000:>12.1f}{step_ms:>11.1f}{r['TTFT p50 ms']:>13.0f}"
               f"{r['TTFT p99 ms']:>13.0f}")
+
+
+def _scatter_steps(buckets: dict[float, float]) -> tuple[float, str]:
+    """From D's ``kv_scatter_steps`` histogram (cumulative counts by upper bound): the share of
+    scatters that waited at most one loop iteration, and the most any waited ("<= bound")."""
+    total = buckets.get(float("inf"), 0.0)
+    if total <= 0:
+        return float("nan"), "-"
+    most = min(le for le, n in buckets.items() if n >= total)
+    return buckets.get(1.0, 0.0) / total, "inf" if most == float("inf") else f"{most:g}"
 
 
 def _run_on_cluster(args: argparse.Namespace, cluster_args: list[str], measure: Any) -> None:
@@ -335,7 +354,8 @@ def _run_on_cluster(args: argparse.Namespace, cluster_args: list[str], measure: 
         "--model", args.model, "--prefill", "1", "--decode", "1", "--num-pages", "256",
         "--startup-timeout", "1200", *cluster_args,
         # A cold start compiles for minutes on these cores: long windows for the first rooms.
-        "--worker-args", "--disaggregation-peer-timeout 120 --disaggregation-lease-initial 120",
+        "--worker-args", "--disaggregation-peer-timeout 120 --disaggregation-lease-initial 120"
+        + (f" --transfer-nice {args.transfer_nice}" if args.transfer_nice is not None else ""),
     ], timeout=1260)
     try:
         trio.run(measure, cluster.urls, args)
@@ -365,6 +385,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--part", choices=("pd", "overhead", "goodput", "tax", "pulls"),
                    required=True)
+    p.add_argument("--transfer-nice", type=int, default=None,
+                   help="parts on a cluster: the workers' --transfer-nice (default: theirs)")
     p.add_argument("--concurrencies", type=int, nargs="+", default=[6, 16],
                    help="part pulls: concurrencies after the concurrency-1 baseline")
     p.add_argument("--model", default="smollm2", help="part pd: smollm2 | tiny")

@@ -38,6 +38,7 @@ from pd_fsm.jax_engine.kv_holder import KVCacheHolder
 from pd_fsm.jax_engine.pool_spec import KVArgs
 from pd_fsm.jax_engine.room_kv import RoomPages, pages_by_pool, scatter_rooms
 from pd_fsm.jax_engine.transfer.base import KVTransferEngine, PullError, PullTimeout
+from pd_fsm.jax_engine.transfer.thread_priority import raise_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,9 @@ class PullResult:
     pull_seconds: float = 0.0
     transfer_seconds: float = 0.0
     scatter_seconds: float = 0.0
+    # Iterations of D's loop that ended between the KV's arrival and its scatter: 1 = it waited
+    # for the step in flight, 0 = it arrived between two steps (-1: no scatter, or not counted).
+    scatter_iterations: int = -1
 
 
 @attrs.frozen
@@ -96,6 +100,7 @@ class _Pulled:
     req: PullRequest
     start: float  # submit
     ready: float  # KV ready
+    ready_iteration: int  # loop iterations ended when the KV was ready
     transfer_seconds: float
     arrays: tuple[Any, ...]  # the pulled jax.Arrays, one per pool
     pages: RoomPages
@@ -116,7 +121,13 @@ class PullExecutor:
         on_result: Callable[[int], None] | None = None,
         scatter_method: ScatterMethod = "xla",
         clock: Callable[[], float] = time.monotonic,
+        iterations: Callable[[], int] = lambda: -1,
+        thread_nice: int = 0,
     ) -> None:
+        """``iterations``: how many iterations of the forward thread's loop have ended; read on
+        the pull threads, so it must return a value the loop publishes (an int it rebinds).
+        ``thread_nice``: the pull threads' nice value (< 0 raises them above compute, where
+        allowed; thread_priority.py)."""
         self._engine = engine
         self._holder = holder
         self._kv_args = kv_args
@@ -124,9 +135,13 @@ class PullExecutor:
         self._on_result = on_result
         self._method: ScatterMethod = scatter_method
         self._clock = clock
+        self._iterations = iterations
         # Finished jobs: a result (a refusal or a failed pull), or pulled KV still to scatter.
         self._done: queue.SimpleQueue[PullResult | _Pulled] = queue.SimpleQueue()
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-pull")
+        self._pool = ThreadPoolExecutor(
+            max_workers=max_workers, thread_name_prefix="kv-pull",
+            initializer=raise_this_thread, initargs=(thread_nice,),
+        )
         self._closed = False
         self._lock = threading.Lock()
         self._inflight = 0
@@ -182,6 +197,7 @@ class PullExecutor:
                 found = [exc] * len(pulled)
         errors = iter(found)  # one per pulled item, in the order of ``items``
         scattered = self._clock()
+        iteration = self._iterations()
         results = []
         for item in items:
             if isinstance(item, PullResult):
@@ -197,6 +213,9 @@ class PullExecutor:
                 pull_seconds=item.ready - item.start,
                 transfer_seconds=item.transfer_seconds,
                 scatter_seconds=scattered - item.ready,
+                scatter_iterations=(
+                    iteration - item.ready_iteration if item.ready_iteration >= 0 else -1
+                ),
             ))
         with self._lock:
             self._inflight -= len(items)
@@ -255,5 +274,8 @@ class PullExecutor:
             return self._failed(req, start, f"timeout after {deadline_s:g}s: {e}")
         except PullError as e:
             return self._failed(req, start, str(e))
-        ready = self._clock()
-        return _Pulled(req, start, ready, ready - started, tuple(pending.arrays), pages, nbytes)
+        ready, ready_iteration = self._clock(), self._iterations()
+        return _Pulled(
+            req, start, ready, ready_iteration, ready - started, tuple(pending.arrays), pages,
+            nbytes,
+        )

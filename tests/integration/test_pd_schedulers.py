@@ -236,6 +236,9 @@ def test_every_phase_is_sampled_once_per_room_on_its_side(tiny: LoadedModel) -> 
             assert keys == sorted(2 * [p.key for p in role_phases(role)])
             assert all(PHASE_BY_KEY[k].role == role for k in keys)
             assert all(v >= 0 for _, v in samples)
+            # A scatter waits for the step in flight at most (issue 13 §2): it happens at the
+            # start of the loop's next iteration.
+            assert all(v in (0, 1) for k, v in samples if k == "kv_scatter_steps"), samples
             assert sched.take_phase_samples() == []
             assert not sched._stamps
     finally:

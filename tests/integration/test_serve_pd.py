@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import random
 import re
 import sys
@@ -389,6 +390,15 @@ async def test_2p2d_32_concurrent_equal_colocated_then_all_idle(env: Env) -> Non
             transfer = seen[name]["stats"]["transfer"]
             assert transfer["registered"] > 0 and transfer["release_unverified"] == 0
             assert seen[name]["stats"].get("transfer_registrations", 0) == 0
+        for name in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
+            # The transfer threads (a pair per server, one per connection) were raised above
+            # compute where this process may (root here; elsewhere the refusal is recorded).
+            priority = seen[name]["stats"]["transfer_thread_priority"]
+            assert priority["nice"] == -10, priority
+            if os.geteuid() == 0:
+                assert priority["refused"] is None and priority["raised_total"] >= 2, priority
+            else:
+                assert priority["refused"], priority
         for name in WORKERS:
             assert (await http.get(env.url(name) + "/health")).status_code == 200
     metrics = httpx.get(f"{proxy}/metrics").text

@@ -82,6 +82,9 @@ class ServeConfig:
     host_heap: str = "hugepages"
     # Cores this worker may run on ("0", "0-1", "0,2"): set before JAX starts (cpu_placement.py).
     cpus: str | None = None
+    # P/D: nice value for the transfer server's socket threads (-20..0; 0 leaves them), so a
+    # pull is not queued behind compute (pd_fsm.jax_engine.transfer.thread_priority).
+    transfer_nice: int = -10
     # Clients of the OpenAI / sglang endpoints must send "Authorization: Bearer <key>".
     api_key: str | None = attrs.field(default=None, repr=False)
     # Before ready: "full" compiles every shape the scheduler can run (no request waits for a
@@ -237,6 +240,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--cpus", default=None, metavar="LIST",
                    help="pin the worker to these cores, e.g. 0 or 0-1 or 0,2 (default: all)")
+    p.add_argument("--transfer-nice", type=int, default=d.transfer_nice, metavar="N",
+                   help="P/D: nice value (-20..0) for the KV transfer threads, ahead of "
+                   "compute; needs CAP_SYS_NICE (else logged and left); 0: leave them "
+                   f"(default {d.transfer_nice})")
     p.add_argument(
         "--warmup", choices=WARMUP_MODES, default=os.environ.get("PD_FSM_WARMUP", d.warmup),
         help="before ready: full = compile every shape the scheduler can run (default, or "
@@ -287,6 +294,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         )
     if args.cpus is not None:
         parse_cpus(args.cpus)  # a bad list fails here, naming itself
+    if not -20 <= args.transfer_nice <= 0:
+        raise ValueError(f"--transfer-nice must be in -20..0, got {args.transfer_nice}")
     if args.warmup not in WARMUP_MODES:  # argparse does not check a default ($PD_FSM_WARMUP)
         raise ValueError(f"--warmup must be one of {', '.join(WARMUP_MODES)}, got {args.warmup!r}")
     if args.no_compilation_cache and args.compilation_cache_dir is not None:
@@ -335,6 +344,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         log_level=args.log_level,
         host_heap=args.host_heap,
         cpus=args.cpus,
+        transfer_nice=args.transfer_nice,
         api_key=api_key_from_args(args),
         warmup=args.warmup,
         compilation_cache=not args.no_compilation_cache,

@@ -43,6 +43,7 @@ from pd_fsm.io_trio.side_channel import DecodeSideChannel, PrefillSideChannel
 from pd_fsm.io_trio.worker.backend import BackendError, BootstrapInfo
 from pd_fsm.io_trio.worker.colocated import ColocatedBackend, _Stream
 from pd_fsm.io_trio.worker.config import ServeConfig
+from pd_fsm.jax_engine.transfer.thread_priority import DataPlanePriority
 from pd_fsm.schedulers.disaggregation import (
     DecodeScheduler,
     DisaggregationArgs,
@@ -55,6 +56,7 @@ from pd_fsm.schedulers.scheduler import Scheduler
 log = logging.getLogger("pd_fsm.io_trio.worker.pd")
 
 INBOX_SIZE = 4096  # side-channel messages and lookup answers waiting for the loop
+DATA_PLANE_SCAN_S = 0.5  # how often new transfer threads are looked for (a connection's pair)
 # D: refused legs whose P(s) are still to be told (bounded: a flood drops the oldest).
 REFUSALS_PENDING = 1024
 
@@ -89,6 +91,7 @@ def disaggregation_args(config: ServeConfig) -> DisaggregationArgs:
         heartbeat_interval=config.disaggregation_bootstrap_heartbeat_interval,
         queue_timeout=config.disaggregation_queue_timeout,
         failure_policy=config.disaggregation_failure_policy,
+        pull_thread_nice=config.transfer_nice,
         **config.pd_windows(),
     )
 
@@ -118,6 +121,7 @@ class _PDBackend(ColocatedBackend, ABC):
         self.busy_liveness_total = 0
         # Where each tick's phase samples go (the worker app sets its histograms' observe).
         self.phase_observer: Callable[[str, float], None] | None = None
+        self.data_plane = DataPlanePriority(config.transfer_nice)
 
     # -- Backend protocol ---
 
@@ -144,6 +148,7 @@ class _PDBackend(ColocatedBackend, ABC):
             # Refused frames (bad or missing signature: "malformed") must be visible to operators.
             out["side_channel"] = side.stats.as_dict()
         out["inbox_dropped_total"] = self.inbox_dropped
+        out["transfer_thread_priority"] = self.data_plane.as_dict()
         out["busy_liveness_total"] = self.busy_liveness_total
         if self.bootstrap is not None:
             # Registry heartbeats that failed would make a healthy instance flap out of routing.
@@ -164,6 +169,7 @@ class _PDBackend(ColocatedBackend, ABC):
         try:
             async with trio.open_nursery() as nursery:
                 record = await self._start_io(nursery, sched)
+                nursery.start_soon(self._raise_data_plane)
                 self.bootstrap = BootstrapClient(
                     self._bootstrap_url(),
                     record,
@@ -182,6 +188,12 @@ class _PDBackend(ColocatedBackend, ABC):
             for stream in list(self._streams.values()):
                 self._fail(stream, BackendError(503, "worker shutting down"))
             await trio.to_thread.run_sync(self._close, sched, limiter=self._limiter)
+
+    async def _raise_data_plane(self) -> None:
+        # The transfer server starts a thread pair per connection: look again now and then.
+        while self.data_plane.refused is None and self.data_plane.nice != 0:
+            self.data_plane.apply()
+            await trio.sleep(DATA_PLANE_SCAN_S)
 
     def _warm_role(self, scheduler: Scheduler) -> None:
         assert isinstance(scheduler, PrefillScheduler | DecodeScheduler)

@@ -34,6 +34,9 @@ class DisaggregationArgs(SchedulerArgs):
     # backstop), so pages are never freed while a pull may still write them.
     pull_deadline: float = 60.0
     pull_workers: int = 2
+    # D: nice value of the pull threads (they poll the transfer; 0 leaves them): a pull thread
+    # waiting for a core behind compute finishes its pull late (thread_priority.py).
+    pull_thread_nice: int = 0
     # D: what to do when the KV cannot be had: fail the request, or prefill it here.
     failure_policy: str = attrs.field(default="fail", validator=_policy)
 

@@ -71,9 +71,14 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
             max_workers=args.pull_workers,
             deadline_s=args.pull_deadline,
             on_result=on_pull_result,  # e.g. wake the worker's loop (called on the pull thread)
+            iterations=lambda: self.loop_iterations,
+            thread_nice=args.pull_thread_nice,
         )
         self.transfer_stats = {"pulls_ok": 0, "pulls_failed": 0, "bytes": 0, "seconds": 0.0}
         self.recomputed = 0
+        # Iterations of this loop ended so far. Only the forward thread rebinds it; the pull
+        # threads read it (an int, so they always see one published value).
+        self.loop_iterations = 0
 
     def _create_recv_queue(self) -> dict[int, Req]:
         """Rooms between arrival and the end of their transfer."""
@@ -96,7 +101,9 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
         """One iteration of D's loop: collect finished pulls, let time act on the core (heart-
         beats, deadlines), admit rooms to pages, then one ordinary step (the decode batch)."""
         self._process_decode_queue()
-        return super().step()
+        outputs = super().step()
+        self.loop_iterations += 1
+        return outputs
 
     def step(self) -> list[RequestOutput]:
         return self._event_loop_decode_disagg()
@@ -114,6 +121,8 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
             stats["seconds"] += result.seconds
             self._phase_sample("kv_pull", result.pull_seconds)
             self._phase_sample("kv_scatter", result.scatter_seconds)
+            if result.scatter_iterations >= 0:
+                self._phase_sample("kv_scatter_steps", result.scatter_iterations)
             self._phase_sample("kv_transfer_bytes", result.bytes)
             if result.transfer_seconds > 0:
                 self._phase_sample("kv_transfer_gbps", result.bytes / result.transfer_seconds / 1e9)
