@@ -317,7 +317,8 @@ async def measure_pulls(proxy: str, args: argparse.Namespace) -> None:
             rows.append((c, q, gbps, waited, step_ms, summary.rows()))
     print(f"D's pulls under concurrency: {args.num_prompts} mixed prompts, {args.max_tokens} "
           f"output tokens, unpinned 1P1D, workers' --transfer-nice "
-          f"{'default' if args.transfer_nice is None else args.transfer_nice}\n")
+          f"{'default' if args.transfer_nice is None else args.transfer_nice} "
+          f"{args.worker_args}\n")
     head = (f"{'concurrency':>11}{'pull p50 ms':>13}{'pull p99 ms':>13}{'p99 / alone':>13}"
             f"{'GB/s p50':>10}{'GB/s p1':>9}"
             f"{'scatter p50':>13}{'scatter p99':>13}{'<=1 step':>10}{'max steps':>11}"
@@ -355,7 +356,8 @@ def _run_on_cluster(args: argparse.Namespace, cluster_args: list[str], measure: 
         "--startup-timeout", "1200", *cluster_args,
         # A cold start compiles for minutes on these cores: long windows for the first rooms.
         "--worker-args", "--disaggregation-peer-timeout 120 --disaggregation-lease-initial 120"
-        + (f" --transfer-nice {args.transfer_nice}" if args.transfer_nice is not None else ""),
+        + (f" --transfer-nice {args.transfer_nice}" if args.transfer_nice is not None else "")
+        + (f" {args.worker_args}" if args.worker_args else ""),
     ], timeout=1260)
     try:
         trio.run(measure, cluster.urls, args)
@@ -385,6 +387,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--part", choices=("pd", "overhead", "goodput", "tax", "pulls"),
                    required=True)
+    p.add_argument("--worker-args", default="",
+                   help="parts on a cluster: more flags for every worker (one string)")
     p.add_argument("--transfer-nice", type=int, default=None,
                    help="parts on a cluster: the workers' --transfer-nice (default: theirs)")
     p.add_argument("--concurrencies", type=int, nargs="+", default=[6, 16],

@@ -36,6 +36,7 @@ def test_every_flag_reaches_the_config(tmp_path: Path) -> None:
         "--disaggregation-failure-policy", "recompute", "--disaggregation-queue-timeout", "42",
         "--disaggregation-side-channel-port", "7002", "--served-model-name", "m",
         "--warmup", "minimal", "--compilation-cache-dir", str(tmp_path / "xla"),
+        "--disaggregation-pull-workers", "4", "--transfer-nice", "-5",
     ])
     c = config_from_args(args)
     assert c == ServeConfig(
@@ -48,11 +49,16 @@ def test_every_flag_reaches_the_config(tmp_path: Path) -> None:
         cluster_secret_file=secret, disaggregation_failure_policy="recompute",
         disaggregation_queue_timeout=42.0, disaggregation_side_channel_port=7002,
         warmup="minimal", compilation_cache_dir=tmp_path / "xla",
+        disaggregation_pull_workers=4, transfer_nice=-5,
     )
     assert c.cluster_secret() == b"s3cret"
     sa = c.scheduler_args()
     assert (sa.num_pages, sa.page_size, sa.context_length, sa.disaggregation_mode) == (
         300, 8, 900, "decode")
+    from pd_fsm.io_trio.worker.pd_backends import disaggregation_args
+
+    da = disaggregation_args(c)
+    assert (da.pull_workers, da.pull_thread_nice) == (4, -5)
 
 
 @pytest.mark.parametrize("flags", [
@@ -62,6 +68,7 @@ def test_every_flag_reaches_the_config(tmp_path: Path) -> None:
     ["--disaggregation-bootstrap-heartbeat-interval", "10"],
     ["--cpus", "one"], ["--cpus", "3-1"], ["--cpus", ""], ["--api-key", ""], ["--api-key", "a b"],
     ["--no-compilation-cache", "--compilation-cache-dir", "/tmp/x"],
+    ["--disaggregation-pull-workers", "0"], ["--transfer-nice", "1"], ["--transfer-nice", "-21"],
 ])
 def test_bad_values_refused(flags: list[str]) -> None:
     args = build_parser().parse_args(["serve", "--model", "tiny", *flags])

@@ -76,6 +76,8 @@ class ServeConfig:
     disaggregation_ready_timeout: float = 300.0
     disaggregation_transfer_timeout: float = 120.0
     disaggregation_pull_deadline: float = 60.0
+    # D: threads that run pulls (each only waits on its transfer; the forward thread scatters).
+    disaggregation_pull_workers: int = 2
     cluster_secret_file: Path | None = None
     log_level: str = "INFO"
     # "hugepages": large host buffers on transparent huge pages (pd_fsm.jax_engine.host_memory)
@@ -240,6 +242,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--cpus", default=None, metavar="LIST",
                    help="pin the worker to these cores, e.g. 0 or 0-1 or 0,2 (default: all)")
+    p.add_argument("--disaggregation-pull-workers", type=int, default=d.disaggregation_pull_workers,
+                   metavar="N", help="D: pulls run at once, at most (default "
+                   f"{d.disaggregation_pull_workers}; more queue for a free thread)")
     p.add_argument("--transfer-nice", type=int, default=d.transfer_nice, metavar="N",
                    help="P/D: nice value (-20..0) for the KV transfer threads, ahead of "
                    "compute; needs CAP_SYS_NICE (else logged and left); 0: leave them "
@@ -294,6 +299,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         )
     if args.cpus is not None:
         parse_cpus(args.cpus)  # a bad list fails here, naming itself
+    if args.disaggregation_pull_workers < 1:
+        raise ValueError("--disaggregation-pull-workers must be >= 1")
     if not -20 <= args.transfer_nice <= 0:
         raise ValueError(f"--transfer-nice must be in -20..0, got {args.transfer_nice}")
     if args.warmup not in WARMUP_MODES:  # argparse does not check a default ($PD_FSM_WARMUP)
@@ -345,6 +352,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         host_heap=args.host_heap,
         cpus=args.cpus,
         transfer_nice=args.transfer_nice,
+        disaggregation_pull_workers=args.disaggregation_pull_workers,
         api_key=api_key_from_args(args),
         warmup=args.warmup,
         compilation_cache=not args.no_compilation_cache,

@@ -92,6 +92,7 @@ def disaggregation_args(config: ServeConfig) -> DisaggregationArgs:
         queue_timeout=config.disaggregation_queue_timeout,
         failure_policy=config.disaggregation_failure_policy,
         pull_thread_nice=config.transfer_nice,
+        pull_workers=config.disaggregation_pull_workers,
         **config.pd_windows(),
     )
 
