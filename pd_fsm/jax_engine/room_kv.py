@@ -88,8 +88,7 @@ def scatter_rooms(
         with holder.locked(timeout=lock_timeout_s) as kv:
             for i, (arrays, pages) in enumerate(rooms):
                 try:
-                    _check_count(kv_args, arrays)
-                    by_pool = pages_by_pool(kv_args, pages)
+                    by_pool = _room_pages(kv_args, arrays, pages)
                     for spec, packed in zip(kv_args.pools, arrays, strict=True):
                         kv[spec.name] = insert_kv_chunks(
                             kv[spec.name], packed, by_pool[spec.name], method=method
@@ -102,8 +101,7 @@ def scatter_rooms(
     plans: list[tuple[int, list[tuple[str, Callable[[list[jax.Array]], list[jax.Array]]]]]] = []
     for i, (arrays, pages) in enumerate(rooms):
         try:
-            _check_count(kv_args, arrays)
-            by_pool = pages_by_pool(kv_args, pages)
+            by_pool = _room_pages(kv_args, arrays, pages)
             room_plans = []
             for spec, packed in zip(kv_args.pools, arrays, strict=True):
                 pool = structs[spec.name]
@@ -126,9 +124,13 @@ def scatter_rooms(
     return errors
 
 
-def _check_count(kv_args: KVArgs, arrays: Sequence[jax.Array]) -> None:
+def _room_pages(
+    kv_args: KVArgs, arrays: Sequence[jax.Array], pages: RoomPages
+) -> dict[str, tuple[int, ...]]:
+    """One room's destination pages per pool, after checking it brought one array per pool."""
     if len(arrays) != len(kv_args.pools):
         raise ValueError(f"{len(arrays)} arrays for {len(kv_args.pools)} pools")
+    return pages_by_pool(kv_args, pages)
 
 
 def warm_room_copies(holder: KVCacheHolder, kv_args: KVArgs, max_pages: int, what: str) -> int:
