@@ -50,6 +50,7 @@ from pd_fsm.io_trio.records import (
     parse_key,
     parse_record,
     to_json,
+    unreachable_fields,
 )
 
 log = logging.getLogger("pd_fsm.io_trio.bootstrap_server")
@@ -231,6 +232,10 @@ class BootstrapServer:
             record = parse_record(body)
         except RecordError as exc:
             return self._invalid(exc)
+        client = request.client.host if request.client is not None else None
+        unreachable = unreachable_fields(record, client)
+        if unreachable:
+            return self._invalid(RecordError([f"{why} @ body.{name}" for name, why in unreachable]))
         event = ev.InstanceRegistered(record.key, record, record.advertised,
                                       record.heartbeat_ttl)
         effects = await self._call(event, CALL_TIMEOUT)

@@ -14,6 +14,7 @@ import attrs
 import cattrs
 
 from pd_fsm.core.codec import strict_int
+from pd_fsm.io_trio.addresses import unreachable_from
 
 ROLES = ("prefill", "decode")
 MAX_STR = 256
@@ -148,6 +149,29 @@ def split_host_port(addr: str) -> tuple[str, int]:
     return host, port
 
 
+def unreachable_fields(r: InstanceRecord, client_host: str | None) -> list[tuple[str, str]]:
+    """(field, why) for each address a peer could not dial (pd_fsm.io_trio.addresses): a
+    malformed one, a wildcard, or loopback sent from ``client_host`` on another host."""
+    out: list[tuple[str, str]] = []
+    for name in ("transfer_addr", "zmq_addr", "scheduler_addr"):
+        value = getattr(r, name)
+        if value is None:
+            continue
+        try:
+            host = split_host_port(value)[0]
+        except ValueError as exc:
+            out.append((name, str(exc)))
+            continue
+        why = unreachable_from(host, client_host)
+        if why is not None:
+            out.append((name, why))
+    if r.bootstrap_host:
+        why = unreachable_from(r.bootstrap_host, client_host)
+        if why is not None:
+            out.append(("bootstrap_host", why))
+    return out
+
+
 def _check_key(role: str, instance_id: str, ranks: dict[str, int]) -> list[str]:
     problems: list[str] = []
     if role not in ROLES:
@@ -169,13 +193,7 @@ def _check_record(r: InstanceRecord) -> list[str]:
             problems.append(f"{axis}_size must be >= 1, got {size} @ body.{axis}_size")
         elif rank >= size:
             problems.append(f"{axis}_rank {rank} must be < {axis}_size {size} @ body.{axis}_rank")
-    for name in ("transfer_addr", "zmq_addr", "scheduler_addr"):
-        value = getattr(r, name)
-        if value is not None:
-            try:
-                split_host_port(value)
-            except ValueError as exc:
-                problems.append(f"{exc} @ body.{name}")
+    problems += [f"{why} @ body.{name}" for name, why in unreachable_fields(r, None)]
     if r.page_size < 1:
         problems.append(f"page_size must be >= 1, got {r.page_size} @ body.page_size")
     if not r.kv_dtype:

@@ -69,6 +69,10 @@ BAD_BODIES: list[tuple[str, Any, int, str]] = [
     ("zero size", _with(pp_size=0), 422, "pp_size must be >= 1"),
     ("bad address", _with(zmq_addr="nohost"), 422, "is not host:port @ body.zmq_addr"),
     ("bad port", _with(transfer_addr="h:70000"), 422, "port outside 1..65535"),
+    ("wildcard transfer", _with(transfer_addr="0.0.0.0:7001"), 422,
+     "advertises the wildcard address 0.0.0.0, which no peer can dial @ body.transfer_addr"),
+    ("wildcard bootstrap_host", _with(bootstrap_host="::"), 422,
+     "advertises the wildcard address ::, which no peer can dial @ body.bootstrap_host"),
     ("mesh_meta list", _with(mesh_meta=[1]), 422, "body.mesh_meta"),
     ("zero page size", _with(page_size=0), 422, "page_size must be >= 1"),
     ("zero ttl", _with(heartbeat_ttl=0), 422, "heartbeat_ttl must be in"),
@@ -89,6 +93,23 @@ async def test_put_route_rejects(url: str, what: str, body: Any, status: int, ne
         payload = r.json()
         assert needle in payload["error"] + " ".join(payload.get("problems", [])), payload
         await _ok_still(http)
+
+
+async def test_loopback_registered_from_another_host_is_refused_by_field() -> None:
+    """A worker on 10.77.0.9 advertising 127.0.0.1 would send every peer to itself: 422 naming
+    each field, and the registry stays empty. (The real app over httpx's ASGI transport, which
+    lets the test set the client's address; the namespaced test does the same over a link.)"""
+    server = BootstrapServer(max_body=4096)
+    transport = httpx.ASGITransport(app=server.app, client=("10.77.0.9", 40000))
+    async with httpx.AsyncClient(transport=transport, base_url="http://b") as http:
+        r = await http.put("/route", json=GOOD)
+    assert r.status_code == 422, r.text
+    detail = " ".join(r.json()["problems"])
+    for field in ("transfer_addr", "zmq_addr"):
+        assert f"advertises loopback 127.0.0.1 but registered from 10.77.0.9: peers on other " \
+            f"hosts would dial themselves (start it with --advertise-host) @ body.{field}" in detail
+    assert server.registry.instances(None) == []
+    assert server.bad_requests == 1
 
 
 async def test_put_route_takes_exactly_the_rfc_payload(url: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from pd_fsm.io_trio.records import (
@@ -10,6 +11,7 @@ from pd_fsm.io_trio.records import (
     parse_record,
     split_host_port,
     to_json,
+    unreachable_fields,
 )
 from pd_fsm.io_trio.side_channel import zmq_endpoint
 from pd_fsm.io_trio.testing import sample_record
@@ -78,3 +80,17 @@ def test_key_body_is_strict() -> None:
 def test_zmq_endpoint() -> None:
     assert zmq_endpoint("127.0.0.1:5") == "tcp://127.0.0.1:5"
     assert zmq_endpoint("ipc:///tmp/x") == "ipc:///tmp/x"
+
+
+def test_addresses_a_peer_could_not_dial_are_named() -> None:
+    record = attrs.evolve(sample_record(), transfer_addr="0.0.0.0:7001",
+                          zmq_addr="tcp://10.0.0.1:7002", scheduler_addr="http://[::]:30000")
+    assert unreachable_fields(record, None) == [
+        ("transfer_addr", "advertises the wildcard address 0.0.0.0, which no peer can dial"),
+        ("scheduler_addr", "advertises the wildcard address ::, which no peer can dial"),
+    ]
+    loop = sample_record()  # 127.0.0.1 everywhere: fine from loopback, not from another host
+    assert unreachable_fields(loop, "127.0.0.1") == []
+    assert [name for name, _ in unreachable_fields(loop, "10.77.0.2")] == [
+        "transfer_addr", "zmq_addr"
+    ]

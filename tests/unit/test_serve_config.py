@@ -37,10 +37,12 @@ def test_every_flag_reaches_the_config(tmp_path: Path) -> None:
         "--disaggregation-side-channel-port", "7002", "--served-model-name", "m",
         "--warmup", "minimal", "--compilation-cache-dir", str(tmp_path / "xla"),
         "--disaggregation-pull-workers", "4", "--transfer-nice", "-5",
+        "--advertise-host", "10.0.0.2",
     ])
     c = config_from_args(args)
     assert c == ServeConfig(
-        host="127.0.0.1", port=31000, model="tiny", served_model_name="m",
+        host="127.0.0.1", port=31000, advertise_host="10.0.0.2", model="tiny",
+        served_model_name="m",
         disaggregation_mode="decode", num_pages=300, page_size=8, max_running=3,
         max_batched_tokens=512, context_length=900,
         disaggregation_bootstrap_host="10.0.0.1", disaggregation_bootstrap_port=9001,

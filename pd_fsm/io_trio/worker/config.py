@@ -39,6 +39,10 @@ class ServeConfig:
     # -- HTTP
     host: str = "127.0.0.1"
     port: int = 30000
+    # The host peers are told (registry records, instance id); None: ``host``. Resolved and
+    # checked at start (pd_fsm.io_trio.addresses): never a wildcard, never loopback to a
+    # registry on another host. The transfer data plane binds this address only.
+    advertise_host: str | None = None
     max_body: int = DEFAULT_MAX_BODY
     served_model_name: str | None = None  # default: the model's name ("smollm2", "tiny")
     # --chat-template FILE's text (read and compiled at start): replaces the model's template.
@@ -96,6 +100,11 @@ class ServeConfig:
     # default directory.
     compilation_cache: bool = True
     compilation_cache_dir: Path | None = None
+
+    @property
+    def public_host(self) -> str:
+        """The address peers reach this worker at (what the registry stores)."""
+        return self.advertise_host or self.host
 
     @property
     def model_name(self) -> str:
@@ -163,6 +172,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     d = ServeConfig()
     p.add_argument("--host", default=d.host, help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=d.port, help="HTTP port (0: any free port)")
+    p.add_argument(
+        "--advertise-host", default=None, metavar="IP",
+        help="P/D: the address peers on other hosts reach this worker at (registry records; "
+        "the KV transfer server binds it); needed with --host 0.0.0.0 (default: --host)",
+    )
+    p.add_argument(
+        "--advertise-interface", default=None, metavar="NAME",
+        help="P/D: advertise the IPv4 address of this network interface instead",
+    )
     p.add_argument(
         "--model",
         type=_model_arg,
@@ -313,6 +331,17 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                  *windows):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    advertise = args.advertise_host
+    if args.disaggregation_mode != "null":
+        # Imported here like the rest of io_trio's helpers; raises AddressError (a ValueError).
+        from pd_fsm.io_trio.addresses import advertised_host
+
+        advertise = advertised_host(
+            args.host, args.advertise_host, args.advertise_interface,
+            registry_host=args.disaggregation_bootstrap_host,
+        )
+    elif args.advertise_interface is not None:
+        raise ValueError("--advertise-interface is for P and D workers (--disaggregation-mode)")
     chat_template = None
     if args.chat_template is not None:
         # Imported here: jinja2 is not needed for `pd-fsm --help`.
@@ -322,6 +351,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
         host=args.host,
         port=args.port,
+        advertise_host=advertise,
         max_body=args.max_body,
         served_model_name=args.served_model_name,
         chat_template=chat_template,

@@ -86,8 +86,9 @@ def disaggregation_args(config: ServeConfig) -> DisaggregationArgs:
     return DisaggregationArgs(
         **base,
         instance_id=config.disaggregation_instance_id
-        or f"{config.disaggregation_mode}-{config.host}-{config.port}",
-        transfer_host=config.host,
+        or f"{config.disaggregation_mode}-{config.public_host}-{config.port}",
+        # The data plane has no authentication: it listens on the advertised interface only.
+        transfer_host=config.public_host,
         heartbeat_interval=config.disaggregation_bootstrap_heartbeat_interval,
         queue_timeout=config.disaggregation_queue_timeout,
         failure_policy=config.disaggregation_failure_policy,
@@ -255,7 +256,7 @@ class _PDBackend(ColocatedBackend, ABC):
             page_size=c.page_size,
             kv_dtype=c.dtype,
             layout_hash=sched.layout_hash,
-            scheduler_addr=f"http://{c.host}:{c.port}",
+            scheduler_addr=f"http://{c.public_host}:{c.port}",
             bootstrap_port=bootstrap_port,
             mesh_meta={"model": c.model_name, "devices": 1},
             heartbeat_ttl=c.disaggregation_bootstrap_heartbeat_ttl,
@@ -435,9 +436,9 @@ class PrefillBackend(_PDBackend):
         bind = f"{self.config.host}:{self.config.disaggregation_side_channel_port}"
         self.side = PrefillSideChannel(bind, self._deliver_message, secret=self._secret)
         address: str = await nursery.start(self.side.run)
-        host, port = split_host_port(address)
+        _, port = split_host_port(address)  # the bound host may be 0.0.0.0: advertise ours
         # Routers know P by its side-channel port (DESIGN §5 "Who is P").
-        return self._record(sched, f"{host}:{port}", port)
+        return self._record(sched, f"{self.config.public_host}:{port}", port)
 
     def _send(self, peer: str, message: Message) -> bool:
         assert self.side is not None
@@ -523,7 +524,7 @@ class DecodeBackend(_PDBackend):
         await nursery.start(self.side.run)
         nursery.start_soon(self._keepalive)
         # D binds no side-channel socket; its record names its HTTP address for routers.
-        return self._record(sched, f"{self.config.host}:{self.config.port}", None)
+        return self._record(sched, f"{self.config.public_host}:{self.config.port}", None)
 
     def _send(self, peer: str, message: Message) -> bool:
         assert self.side is not None

@@ -1,0 +1,178 @@
+"""Two hosts on one machine: network namespaces joined by a veth pair (``../shared/MULTIHOST.md``).
+
+``Hosts`` makes namespaces A and B with addresses from 10.77.0.0/24 and removes them (after
+killing whatever still runs in them). Processes go in with ``ip netns exec``. The test process
+itself stays in the root namespace and can reach neither, so HTTP calls to the namespaces go
+through ``NsClient``: a small child process inside one namespace that runs the requests it is sent
+(several at once, each with its own timeout) and answers with status, body and elapsed time.
+
+Only the namespaces' own addresses are contacted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+
+
+def namespaces_unavailable() -> str | None:
+    """Why this machine cannot make namespaces (the test's skip reason), or None."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (CI runs as root)"
+    if shutil.which("ip") is None:
+        return "the `ip` tool (iproute2) is not installed"
+    probe = f"pdfsm-probe-{uuid.uuid4().hex[:6]}"
+    made = _ip("netns", "add", probe, check=False)
+    if made.returncode != 0:
+        return f"`ip netns add` failed: {made.stderr.strip()}"
+    _ip("netns", "del", probe, check=False)
+    return None
+
+
+@attrs.define
+class Hosts:
+    """Namespaces ``a`` and ``b`` (10.77.0.1 and 10.77.0.2) on veth ends ``if_a`` / ``if_b``."""
+
+    a: str
+    b: str
+    if_a: str
+    if_b: str
+    ip_a: str = "10.77.0.1"
+    ip_b: str = "10.77.0.2"
+
+    @classmethod
+    def make(cls) -> Hosts:
+        tag = uuid.uuid4().hex[:6]
+        hosts = cls(f"pdfsm-a-{tag}", f"pdfsm-b-{tag}", f"pva{tag}", f"pvb{tag}")
+        try:
+            for ns in (hosts.a, hosts.b):
+                _ip("netns", "add", ns)
+            _ip("link", "add", hosts.if_a, "type", "veth", "peer", "name", hosts.if_b)
+            for ns, dev, addr in ((hosts.a, hosts.if_a, hosts.ip_a),
+                                  (hosts.b, hosts.if_b, hosts.ip_b)):
+                _ip("link", "set", dev, "netns", ns)
+                _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+                _ip("-n", ns, "link", "set", dev, "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+        except BaseException:
+            hosts.remove()
+            raise
+        return hosts
+
+    def exec(self, ns: str, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", ns, *argv]
+
+    def link(self, up: bool) -> None:
+        """Partition (down) or heal (up) the link, from A's end."""
+        _ip("-n", self.a, "link", "set", self.if_a, "up" if up else "down")
+
+    def pids(self, ns: str) -> list[int]:
+        out = _ip("netns", "pids", ns, check=False).stdout.split()
+        return [int(p) for p in out if p.isdigit()]
+
+    def remove(self) -> None:
+        """Kill what still runs in either namespace, then delete both (the veth pair goes with
+        them)."""
+        for ns in (self.a, self.b):
+            for pid in self.pids(ns):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(self.pids(ns) for ns in (self.a, self.b)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for ns in (self.a, self.b):
+            _ip("netns", "del", ns, check=False)
+
+
+_CLIENT = r"""
+import concurrent.futures, json, sys, time
+import httpx
+
+def one(req):
+    t0 = time.monotonic()
+    try:
+        with httpx.Client(timeout=req.get("timeout", 30)) as http:
+            r = http.request(req["method"], req["url"], json=req.get("json"))
+        return {"status": r.status_code, "body": r.text, "elapsed": time.monotonic() - t0}
+    except httpx.HTTPError as exc:
+        return {"status": None, "body": f"{type(exc).__name__}: {exc}",
+                "elapsed": time.monotonic() - t0}
+
+pool = concurrent.futures.ThreadPoolExecutor(64)
+for line in sys.stdin:
+    reqs = json.loads(line)
+    print(json.dumps(list(pool.map(one, reqs))), flush=True)
+"""
+
+
+class NsClient:
+    """An HTTP client process inside namespace ``ns``: ``call`` sends a batch of requests (run
+    at once) and waits for all their answers; ``send`` / ``receive`` split that in two, so the
+    test can act (take the link down) while the batch is in flight."""
+
+    def __init__(self, hosts: Hosts, ns: str) -> None:
+        self.proc = subprocess.Popen(
+            hosts.exec(ns, [sys.executable, "-c", _CLIENT]),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+
+    def send(self, reqs: list[dict[str, Any]]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(reqs) + "\n")
+        self.proc.stdin.flush()
+
+    def receive(self) -> list[dict[str, Any]]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()  # every request inside carries its own timeout
+        if not line:
+            raise RuntimeError("the namespace's HTTP client exited")
+        answers: list[dict[str, Any]] = json.loads(line)
+        return answers
+
+    def call(self, reqs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        self.send(reqs)
+        return self.receive()
+
+    def get(self, url: str, timeout: float = 10) -> dict[str, Any]:
+        return self.call([{"method": "GET", "url": url, "timeout": timeout}])[0]
+
+    def json(self, method: str, url: str, body: Any = None, timeout: float = 60) -> Any:
+        answer = self.call([{"method": method, "url": url, "json": body, "timeout": timeout}])[0]
+        assert answer["status"] == 200, f"{method} {url}: {answer}"
+        return json.loads(answer["body"])
+
+    def wait_ok(self, urls: list[str], timeout: float = 240, logs: list[Path] = ()) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(urls)
+        while pending:
+            answers = self.call([{"method": "GET", "url": u, "timeout": 2} for u in pending])
+            pending = [u for u, a in zip(pending, answers, strict=True) if a["status"] != 200]
+            if pending and time.monotonic() > deadline:
+                tails = "\n".join(p.read_text(errors="replace")[-3000:] for p in logs)
+                raise RuntimeError(f"not ready within {timeout:g} s: {pending}\n{tails}")
+            if pending:
+                time.sleep(0.3)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

@@ -1,0 +1,188 @@
+"""A partition between P's host and D's host while transfers and decodes are in flight.
+
+Host A (10.77.0.1): bootstrap server and P. Host B (10.77.0.2): D and the proxy. The tiny model and
+the failure tests' short windows (failure_support.WINDOWS: peer timeout 2 s, lease 3 s + 2 s per
+heartbeat, pull deadline 4 s, transfer backstop 8 s, registry TTL 3 s). A batch of streamed and
+plain requests is sent, the veth link goes down under it, and stays down past every window:
+
+- every client gets exactly one answer (a 200, or an error status / an in-band error chunk) by
+  the README's deadline for a lost P (the transfer backstop plus slack);
+- P reclaims every room by lease and releases every transfer registration; D frees its pages;
+- the link comes back up and, without restarting anything, new requests through the proxy are
+  answered and equal what they were before the partition (D re-registers when its registry
+  heartbeat is refused as unknown).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.failure_support import SLACK, TINY, TRANSFER_TIMEOUT, WINDOWS, Proc, cli
+from tests.integration.netns_support import Hosts, NsClient, namespaces_unavailable
+
+pytestmark = [pytest.mark.slow]
+
+_WHY_NOT = namespaces_unavailable()
+if _WHY_NOT is not None:
+    pytest.skip(f"separate hosts need network namespaces: {_WHY_NOT}", allow_module_level=True)
+
+BOOT_PORT, P_PORT, P_SIDE, D_PORT, PROXY_PORT = 8998, 30000, 31000, 30001, 8000
+FLAGS = [*TINY, *(x for kv in WINDOWS.items() for x in (kv[0], str(kv[1])))]
+# The latest a client may wait for its answer once its P is unreachable: the transfer backstop.
+ANSWER_DEADLINE = TRANSFER_TIMEOUT + SLACK
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Hosts, NsClient, dict[str, Proc]]]:
+    hosts = Hosts.make()
+    logs = tmp_path_factory.mktemp("partition")
+    procs: dict[str, Proc] = {}
+    client: NsClient | None = None
+    a, b = hosts.ip_a, hosts.ip_b
+
+    def start(name: str, ns: str, argv: list[str]) -> None:
+        procs[name] = Proc(name, hosts.exec(ns, argv), Path(logs) / f"{name}.log")
+        procs[name].start()
+
+    boot = ["--disaggregation-bootstrap-host", a, "--disaggregation-bootstrap-port", str(BOOT_PORT)]
+    try:
+        ttl = str(WINDOWS["--disaggregation-bootstrap-heartbeat-ttl"])
+        start("bootstrap", hosts.a,
+              cli("bootstrap", "--host", a, "--port", str(BOOT_PORT), "--ttl", ttl))
+        start("prefill", hosts.a, cli(
+            "serve", *FLAGS, "--disaggregation-mode", "prefill", "--host", a,
+            "--port", str(P_PORT), "--disaggregation-side-channel-port", str(P_SIDE), *boot))
+        start("decode", hosts.b, cli(
+            "serve", *FLAGS, "--disaggregation-mode", "decode", "--host", b,
+            "--port", str(D_PORT), *boot))
+        client = NsClient(hosts, hosts.b)
+        client.wait_ok([f"http://{a}:{BOOT_PORT}/health", f"http://{a}:{P_PORT}/health",
+                        f"http://{b}:{D_PORT}/health"],
+                       logs=[p.log_path for p in procs.values()])
+        start("proxy", hosts.b, cli("proxy", "--host", b, "--port", str(PROXY_PORT),
+                                    "--prefill", f"http://{a}:{P_PORT}", str(P_SIDE),
+                                    "--decode", f"http://{b}:{D_PORT}"))
+        client.wait_ok([f"http://{b}:{PROXY_PORT}/health"], logs=[procs["proxy"].log_path])
+        yield hosts, client, procs
+    finally:
+        for proc in procs.values():
+            proc.stop()
+        if client is not None:
+            client.close()
+        hosts.remove()
+
+
+def _body(i: int, max_tokens: int) -> dict[str, Any]:
+    return {"text": f"Partition test prompt number {i}: tell a long story.", "stream": i % 2 == 1,
+            "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0,
+                                "ignore_eos": True}}
+
+
+def _outcome(answer: dict[str, Any]) -> str:
+    """"ok" for a complete answer, else the failure as the client saw it."""
+    if answer["status"] != 200:
+        return f"HTTP {answer['status']}: {answer['body'][:200]}"
+    body = answer["body"]
+    if body.lstrip().startswith("data:"):
+        if '"error"' in body or not body.rstrip().endswith("[DONE]"):
+            return f"stream error: {body[-200:]}"
+        return "ok"
+    return "ok"
+
+
+def _text(answer: dict[str, Any]) -> str:
+    body = answer["body"]
+    if body.lstrip().startswith("data:"):
+        chunks = [c[len("data: "):] for c in body.split("\n\n") if c.startswith("data: {")]
+        return str(json.loads(chunks[-1])["text"])
+    return str(json.loads(body)["text"])
+
+
+def _idle(client: NsClient, hosts: Hosts) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for name, base in (("P", f"http://{hosts.ip_a}:{P_PORT}"),
+                       ("D", f"http://{hosts.ip_b}:{D_PORT}")):
+        load = client.json("GET", f"{base}/get_load")[0]
+        stats = client.json("GET", f"{base}/server_info")["internal_states"][0]
+        transfer = stats.get("transfer", {})
+        seen[name] = {"free": load["num_pages_free"], "total": load["num_pages_total"],
+                      "reqs": load["num_reqs"], "regs": stats.get("transfer_registrations", 0),
+                      "registered": transfer.get("registered", 0),
+                      "released": transfer.get("released", 0)}
+    return seen
+
+
+def _is_idle(seen: dict[str, Any]) -> bool:
+    return all(v["free"] == v["total"] and v["reqs"] == 0 and v["regs"] == 0
+               and v["registered"] == v["released"] for v in seen.values())
+
+
+def test_partition_mid_flight_then_heal(cluster: tuple[Hosts, NsClient, dict[str, Proc]]) -> None:
+    hosts, client, procs = cluster
+    proxy = f"http://{hosts.ip_b}:{PROXY_PORT}/generate"
+    before = client.call([{"method": "POST", "url": proxy, "json": _body(i, 16), "timeout": 60}
+                          for i in range(4)])
+    assert [_outcome(a) for a in before] == ["ok"] * 4, before
+
+    # In flight: 12 requests, long enough that some are decoding and some wait for their KV.
+    batch = [{"method": "POST", "url": proxy, "json": _body(i, 200), "timeout": 120}
+             for i in range(12)]
+    client.send(batch)
+    time.sleep(0.5)
+    hosts.link(up=False)
+    t_down = time.monotonic()
+    try:
+        answers = client.receive()
+    finally:
+        down_for = time.monotonic() - t_down
+    outcomes = [_outcome(a) for a in answers]
+    tails = "\n".join(p.tail(20) for p in procs.values())
+    assert len(answers) == len(batch)
+    late = [(o, a["elapsed"]) for o, a in zip(outcomes, answers, strict=True)
+            if a["elapsed"] > ANSWER_DEADLINE + 0.5]
+    assert not late, (late, tails)
+    seen_by_client = [(o[:90], round(a["elapsed"], 2))
+                      for o, a in zip(outcomes, answers, strict=True)]
+    # Requests already decoding on D finish (D needs nothing more from P); the rest are cut.
+    assert any(o != "ok" for o in outcomes), ("nothing was cut by the partition", seen_by_client)
+    assert all(o == "ok" or "silent for" in o or "KV transfer failed" in o for o in outcomes), (
+        seen_by_client, tails)
+
+    # D side (reachable from B): its pages come back while the link is still down.
+    d_base = f"http://{hosts.ip_b}:{D_PORT}"
+    deadline = time.monotonic() + ANSWER_DEADLINE
+    while True:
+        load = client.json("GET", f"{d_base}/get_load")[0]
+        if load["num_pages_free"] == load["num_pages_total"] and load["num_reqs"] == 0:
+            break
+        assert time.monotonic() < deadline, (load, tails)
+        time.sleep(0.2)
+    # Keep the partition past P's lease (initial + extension) so P reclaims on its own.
+    time.sleep(max(0.0, WINDOWS["--disaggregation-lease-initial"] + SLACK / 2 - down_for))
+    hosts.link(up=True)
+
+    deadline = time.monotonic() + 30
+    while not _is_idle(seen := _idle(client, hosts)):
+        assert time.monotonic() < deadline, (seen, tails)
+        time.sleep(0.2)
+    # Serving resumes without a restart: the same four answers as before the partition.
+    deadline = time.monotonic() + 30
+    while True:
+        after = client.call([{"method": "POST", "url": proxy, "json": _body(i, 16), "timeout": 60}
+                             for i in range(4)])
+        if [_outcome(a) for a in after] == ["ok"] * 4:
+            break
+        assert time.monotonic() < deadline, (after, tails)
+        time.sleep(1)
+    assert [_text(a) for a in after] == [_text(a) for a in before]
+    assert all(p.alive() for p in procs.values())
+    assert len(procs["prefill"].pids) == len(procs["decode"].pids) == 1  # never restarted
+    assert _is_idle(_idle(client, hosts))
