@@ -76,6 +76,23 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "pd_fsm.cli", *args]
 
 
+def worker_flags(args: argparse.Namespace) -> list[str]:
+    """The `pd-fsm serve` flags every worker gets, whatever launches it (here or on Ray)."""
+    # Children log at WARNING by default: INFO would print every registry heartbeat of every
+    # process; the runner prints its own progress (who is up, how long the warm-up took).
+    worker = ["--model", args.model, "--log-level", args.log_level,
+              *shlex.split(args.worker_args or "")]
+    # One key file for every public endpoint: workers require it, the proxy requires it and
+    # sends it to the workers (the key itself never appears on a command line).
+    if args.api_key_file is not None:
+        worker += ["--api-key-file", str(args.api_key_file)]
+    for flag in ("num_pages", "page_size", "max_running", "context_length"):
+        value = getattr(args, flag)
+        if value is not None:
+            worker += [f"--{flag.replace('_', '-')}", str(value)]
+    return worker
+
+
 def plan(args: argparse.Namespace) -> list[Child]:
     """The children to start, in start order (the proxy last)."""
     n_p, n_d = args.prefill, args.decode
@@ -85,19 +102,9 @@ def plan(args: argparse.Namespace) -> list[Child]:
     side_ports = ports[2 + n_p : 2 + 2 * n_p]
     d_ports = ports[2 + 2 * n_p : 2 + 2 * n_p + n_d]
     colo_port = ports[-1]
-    # Children log at WARNING by default: INFO would print every registry heartbeat of every
-    # process; the runner prints its own progress (who is up, how long the warm-up took).
     quiet = ["--log-level", args.log_level]
-    worker = ["--model", args.model, "--host", HOST, *quiet,
-              *shlex.split(args.worker_args or "")]
-    # One key file for every public endpoint: workers require it, the proxy requires it and
-    # sends it to the workers (the key itself never appears on a command line).
+    worker = ["--host", HOST, *worker_flags(args)]
     keyed = [] if args.api_key_file is None else ["--api-key-file", str(args.api_key_file)]
-    worker += keyed
-    for flag in ("num_pages", "page_size", "max_running", "context_length"):
-        value = getattr(args, flag)
-        if value is not None:
-            worker += [f"--{flag.replace('_', '-')}", str(value)]
     pd = ["--disaggregation-bootstrap-host", HOST,
           "--disaggregation-bootstrap-port", str(boot_port)]
     children: list[Child] = []
@@ -307,18 +314,18 @@ class Cluster:
 # --------------------------------------------------------------------------------- --ask
 
 
-async def ask(cluster: Cluster, prompt: str, max_tokens: int, headers: dict[str, str]) -> int:
-    """Send one chat prompt through the proxy and to the colocated worker; print both answers."""
+async def ask(urls: dict[str, str], prompt: str, max_tokens: int, headers: dict[str, str]) -> int:
+    """Send one chat prompt through the proxy and to the colocated worker (``urls`` by service
+    name); print both answers."""
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0}
     answers: dict[str, str] = {}
     status = 0
     async with httpx.AsyncClient(timeout=300, headers=headers) as http:
         for name in ("proxy", "colocated"):
-            child = cluster.by_name(name)
-            if child is None:
+            if name not in urls:
                 continue
-            r = await http.post(f"{child.url}/v1/chat/completions", json=body)
+            r = await http.post(f"{urls[name]}/v1/chat/completions", json=body)
             if r.status_code == 200:
                 answers[name] = r.json()["choices"][0]["message"]["content"]
             else:
@@ -364,6 +371,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="once ready: send this chat prompt through the proxy and to the "
                         "colocated worker, print both answers, stop")
     p.add_argument("--max-tokens", type=int, default=32, help="for --ask (default 32)")
+    ray = p.add_argument_group("on Ray (pd_fsm[ray]): every service a Ray actor on a chosen node")
+    ray.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                     help="place the services on the Ray cluster at ADDRESS (default: auto, "
+                     "the one this machine is part of)")
+    for role, what in (("prefill", "P workers"), ("decode", "D workers")):
+        ray.add_argument(f"--{role}-nodes", default=None, metavar="LIST",
+                         help=f"{what}: comma-separated node IPs or resource:NAME (a Ray custom "
+                         "resource), round robin (default: the driver's node)")
+    for role in ("bootstrap", "proxy", "colocated"):
+        ray.add_argument(f"--{role}-node", dest=f"{role}_nodes", default=None, metavar="NODE",
+                         help=f"the {role} service's node: an IP or resource:NAME")
+    ray.add_argument("--ray-max-restarts", type=int, default=3, metavar="N",
+                     help="Ray restarts a service whose process died, at most N times (default 3)")
     p.set_defaults(func=main)
 
 
@@ -378,6 +398,10 @@ def main(args: argparse.Namespace) -> int:
     if not (args.prefill or args.colocated):
         print("pd-fsm cluster: nothing to start", file=sys.stderr)
         return 2
+    if args.ray is not None:
+        from pd_fsm.io_trio import ray_cluster
+
+        return ray_cluster.main(args, worker_flags(args), ["--log-level", args.log_level])
     cluster = Cluster(plan(args), startup_timeout=args.startup_timeout)
     action = None
     if args.ask is not None:
@@ -386,7 +410,8 @@ def main(args: argparse.Namespace) -> int:
         headers = {} if args.api_key_file is None else bearer(args.api_key_file.read_text().strip())
 
         async def action(c: Cluster) -> int:
-            return await ask(c, prompt, max_tokens, headers)
+            return await ask({ch.name: str(ch.url) for ch in c.children if ch.url}, prompt,
+                             max_tokens, headers)
 
     return trio.run(cluster.run, action)
 

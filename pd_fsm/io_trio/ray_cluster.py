@@ -1,0 +1,440 @@
+"""`pd-fsm cluster --ray [ADDRESS]`: the same services as the local runner, placed on the nodes of
+an existing Ray cluster (optional extra ``pd_fsm[ray]``).
+
+Each service (bootstrap server, P and D workers, a colocated worker, the proxy) is a Ray actor
+that runs the real ``pd-fsm`` process on its node, bound to the node's Ray address (which is also
+what it advertises). Placement by role: ``--prefill-nodes`` / ``--decode-nodes`` (and
+``--bootstrap-node``, ``--proxy-node``) take node IPs or ``resource:NAME`` (a Ray custom
+resource); worker i of a role goes to the role's i-th node, round robin. Defaults: the driver's
+node.
+
+Restarts: a service whose process exits takes its actor down with it, and Ray restarts the actor
+(``--ray-max-restarts``). The restarted actor finds its state file on the node (ports, old pid),
+kills what is left of the old process, and starts the service again **on the same ports**, so
+routers holding its URL keep working and the worker re-registers with the bootstrap server. The
+proxy finds workers through the registry (``--bootstrap-url``), so a restarted worker is routed to
+again as soon as it is listed.
+
+Logs: the driver pulls each actor's new output lines and prints them as ``[name] line``. Stop
+(Ctrl-C or SIGTERM): in tiers, proxy first, then the workers, the bootstrap server last; each
+actor stops its process (SIGTERM, then SIGKILL after a grace period) and is killed without
+restart. The actors belong to the driver, so if the driver dies Ray kills them, and each service
+process dies with its actor (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+MAX_LINES = 5000  # per actor, kept until the driver reads them
+STOP_GRACE = 10.0
+PROGRESS_EVERY = 5.0
+POLL = 0.5
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the actor process that started it dies."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _free_ports(host: str, n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _is_ours(pid: int) -> bool:
+    """Is ``pid`` a live pd-fsm service (so that a stale state file never kills a stranger)?"""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"pd_fsm.cli" in cmdline
+
+
+class ServiceActor:
+    """One pd-fsm service process on this node (used as a Ray actor; see the module docstring).
+
+    ``argv`` may contain ``{host}`` (this node's Ray address) and ``{port0}``, ``{port1}``, ...:
+    ``n_ports`` ports free on this node, chosen once and kept across restarts.
+    """
+
+    def __init__(self, name: str, cluster_id: str, argv: list[str], n_ports: int,
+                 health_port: int | None) -> None:
+        import ray
+
+        self.name = name
+        self.host: str = ray.util.get_node_ip_address()
+        state_dir = Path(tempfile.gettempdir()) / "pd_fsm_ray" / cluster_id
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self._state_file = state_dir / f"{name}.json"
+        state: dict[str, Any] = {}
+        with contextlib.suppress(OSError, ValueError):
+            state = json.loads(self._state_file.read_text())
+        old_pid = state.get("pid")
+        if isinstance(old_pid, int) and _is_ours(old_pid):
+            # The previous incarnation's process outlived its actor: it holds our ports.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(old_pid, signal.SIGKILL)
+            for _ in range(100):
+                if not _is_ours(old_pid):
+                    break
+                time.sleep(0.05)
+        self.ports: list[int] = state.get("ports") or _free_ports(self.host, n_ports)
+        self.restarts: int = int(state.get("restarts", -1)) + 1
+        self.health_port = None if health_port is None else self.ports[health_port]
+        fields = {"host": self.host, **{f"port{i}": p for i, p in enumerate(self.ports)}}
+        self.argv = [a.format(**fields) for a in argv]
+        self._lines: collections.deque[tuple[int, str]] = collections.deque(maxlen=MAX_LINES)
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._stopping = False
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pd_fsm.cli", *self.argv],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_die_with_parent,
+        )
+        self._state_file.write_text(json.dumps(
+            {"ports": self.ports, "pid": self.proc.pid, "restarts": self.restarts}))
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            with self._lock:
+                self._seq += 1
+                self._lines.append((self._seq, raw.decode("utf-8", "replace").rstrip("\n")))
+
+    def _watch(self) -> None:
+        code = self.proc.wait()
+        if not self._stopping:
+            # The service died on its own: take the actor down so that Ray restarts it. Its
+            # last lines stay beside the state file for an operator (the driver may have
+            # missed them).
+            with contextlib.suppress(OSError):
+                tail = "\n".join(line for _, line in list(self._lines)[-40:])
+                self._state_file.with_suffix(".last").write_text(f"exit {code}\n{tail}")
+            os._exit(1)
+
+    def info(self) -> dict[str, Any]:
+        return {"name": self.name, "host": self.host, "ports": self.ports,
+                "pid": self.proc.pid, "actor_pid": os.getpid(), "restarts": self.restarts}
+
+    def lines(self, since: int) -> tuple[int, list[str]]:
+        """Output lines after sequence number ``since``, and the newest sequence number."""
+        with self._lock:
+            return self._seq, [line for seq, line in self._lines if seq > since]
+
+    def health(self) -> int | None:
+        """The service's GET /health status, None while it does not answer."""
+        if self.health_port is None:
+            return 200 if self.proc.poll() is None else None
+        try:
+            url = f"http://{self.host}:{self.health_port}/health"
+            with urllib.request.urlopen(url, timeout=2) as r:
+                return int(r.status)
+        except urllib.error.HTTPError as exc:
+            return int(exc.code)
+        except (OSError, ValueError):
+            return None
+
+    def stop(self, grace: float = STOP_GRACE) -> int | None:
+        """Stop the service for good (no restart follows): SIGTERM, then SIGKILL."""
+        self._stopping = True
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for leftover in (self._state_file, self._state_file.with_suffix(".last")):
+            with contextlib.suppress(OSError):
+                leftover.unlink()
+        with contextlib.suppress(OSError):
+            self._state_file.parent.rmdir()  # the last service of this cluster on this node
+        return self.proc.returncode
+
+
+@attrs.define(eq=False)
+class Service:
+    name: str
+    tier: int  # stop order: 0 proxy, 1 workers, 2 bootstrap
+    handle: Any
+    info: dict[str, Any] = attrs.field(factory=dict)
+    seq: int = 0
+    healthy: bool = False
+    restarts: int = 0
+    down_since: float | None = None
+    url_port: int = 0
+    extra: str = ""
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.info['host']}:{self.info['ports'][self.url_port]}"
+
+
+class RayLaunchError(Exception):
+    pass
+
+
+def _placement(spec: str, nodes: list[dict[str, Any]]) -> dict[str, float]:
+    """Ray resources that pin an actor to ``spec``: a node IP or ``resource:NAME``."""
+    if spec.startswith("resource:"):
+        name = spec.split(":", 1)[1]
+        if not any(n["Resources"].get(name) for n in nodes):
+            raise RayLaunchError(f"no live Ray node has the custom resource {name!r}")
+        return {name: 0.001}
+    ips = sorted(n["NodeManagerAddress"] for n in nodes)
+    if spec not in ips:
+        raise RayLaunchError(f"no live Ray node at {spec} (nodes: {', '.join(ips)})")
+    return {f"node:{spec}": 0.001}
+
+
+class RayCluster:
+    def __init__(self, args: argparse.Namespace, worker_argv: list[str], quiet: list[str]) -> None:
+        import ray
+
+        self.ray = ray
+        self.args = args
+        self.worker_argv = worker_argv
+        self.quiet = quiet
+        self.cluster_id = uuid.uuid4().hex[:12]
+        self.services: list[Service] = []
+        self.stop_requested = False
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        here = ray.util.get_node_ip_address()
+        self.node_specs = {
+            role: [s for s in (getattr(args, f"{role}_nodes") or here).split(",") if s]
+            for role in ("prefill", "decode", "bootstrap", "proxy", "colocated")
+        }
+        self.placements = {role: [_placement(s, nodes) for s in specs]
+                           for role, specs in self.node_specs.items()}
+        self.actor_class = ray.remote(ServiceActor)
+
+    def _spawn(self, name: str, role: str, index: int, tier: int, argv: list[str], n_ports: int,
+               health_port: int | None, extra: str = "") -> Service:
+        places = self.placements[role]
+        handle = self.actor_class.options(
+            name=f"pd-fsm-{self.cluster_id}-{name}", num_cpus=0,
+            resources=places[index % len(places)],
+            max_restarts=self.args.ray_max_restarts, max_task_retries=0,
+        ).remote(name, self.cluster_id, argv, n_ports, health_port)
+        service = Service(name, tier, handle, extra=extra)
+        self.services.append(service)
+        return service
+
+    def _info(self, service: Service) -> None:
+        service.info = self.ray.get(service.handle.info.remote(), timeout=60)
+        service.restarts = int(service.info["restarts"])
+
+    def _wait_healthy(self, services: list[Service], deadline: float, start: float) -> None:
+        last_progress = time.monotonic()
+        while True:
+            self._pump()
+            for s in services:
+                if not s.healthy and self._health(s) == 200:
+                    s.healthy = True
+                    print(f"pd-fsm cluster: {s.name} up on {s.info['host']} after "
+                          f"{time.monotonic() - start:.1f} s", flush=True)
+            waiting = [s.name for s in services if not s.healthy]
+            if not waiting:
+                return
+            now = time.monotonic()
+            if now > deadline:
+                raise RayLaunchError(f"{waiting[0]} not healthy after "
+                                     f"{self.args.startup_timeout:.0f} s")
+            if now - last_progress >= PROGRESS_EVERY:
+                last_progress = now
+                print(f"pd-fsm cluster: {now - start:.0f} s, waiting for {', '.join(waiting)}",
+                      flush=True)
+            time.sleep(POLL)
+
+    def _health(self, s: Service) -> int | None:
+        try:
+            status: int | None = self.ray.get(s.handle.health.remote(), timeout=10)
+        except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
+            return None
+        return status
+
+    def _pump(self) -> None:
+        """Print every service's new output lines, ``[name] line``."""
+        for s in self.services:
+            try:
+                seq, lines = self.ray.get(s.handle.lines.remote(s.seq), timeout=10)
+            except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
+                continue
+            if seq < s.seq:  # a restarted actor counts from zero again
+                s.seq = 0
+                continue
+            s.seq = seq
+            for line in lines:
+                print(f"[{s.name}] {line}", flush=True)
+
+    def start(self) -> None:
+        a = self.args
+        start = time.monotonic()
+        deadline = start + a.startup_timeout
+        boot = self._spawn("bootstrap", "bootstrap", 0, 2,
+                           ["bootstrap", "--host", "{host}", "--port", "{port0}", *self.quiet],
+                           1, 0)
+        self._info(boot)
+        self._wait_healthy([boot], deadline, start)
+        boot_host, boot_port = boot.info["host"], boot.info["ports"][0]
+        pd = ["--disaggregation-bootstrap-host", boot_host,
+              "--disaggregation-bootstrap-port", str(boot_port)]
+        serve = ["serve", *self.worker_argv, "--host", "{host}", "--port", "{port0}"]
+        workers = []
+        for i in range(a.prefill):
+            workers.append(self._spawn(
+                f"prefill-{i}", "prefill", i, 1,
+                [*serve, "--disaggregation-mode", "prefill", *pd,
+                 "--disaggregation-side-channel-port", "{port1}"], 2, 0))
+        for i in range(a.decode):
+            workers.append(self._spawn(f"decode-{i}", "decode", i, 1,
+                                       [*serve, "--disaggregation-mode", "decode", *pd], 1, 0))
+        if a.colocated:
+            workers.append(self._spawn("colocated", "colocated", 0, 1,
+                                       [*serve, "--disaggregation-mode", "null"], 1, 0))
+        for w in workers:
+            self._info(w)
+            if w.name.startswith("prefill"):
+                w.extra = f"bootstrap port {w.info['ports'][1]}"
+        self._wait_healthy(workers, deadline, start)
+        if a.prefill:
+            proxy_argv = ["proxy", "--host", "{host}", "--port", "{port0}", "--bootstrap-url",
+                          f"http://{boot_host}:{boot_port}", "--refresh-interval", "1",
+                          *self.quiet]
+            proxy = self._spawn("proxy", "proxy", 0, 0, proxy_argv, 1, 0,
+                                extra=f"{a.prefill} prefill, {a.decode} decode")
+            self._info(proxy)
+            self._wait_healthy([proxy], deadline, start)
+        print(f"pd-fsm cluster: ready in {time.monotonic() - start:.1f} s (Ray, cluster "
+              f"{self.cluster_id})", flush=True)
+        for s in self.services:
+            extra = f"  ({s.extra})" if s.extra else ""
+            print(f"  {s.name:<12} {s.url}{extra}  [node {s.info['host']}, actor pid "
+                  f"{s.info['actor_pid']}, process pid {s.info['pid']}]", flush=True)
+
+    def urls(self) -> dict[str, str]:
+        return {s.name: s.url for s in self.services}
+
+    def monitor(self) -> None:
+        """Until a stop is requested: print logs, report deaths and Ray's restarts; raise when a
+        service is down for good (restarts used up)."""
+        while not self.stop_requested:
+            self._pump()
+            for s in self.services:
+                try:
+                    info = self.ray.get(s.handle.info.remote(), timeout=10)
+                except (self.ray.exceptions.RayActorError,
+                        self.ray.exceptions.GetTimeoutError):
+                    now = time.monotonic()
+                    if s.down_since is None:
+                        s.down_since = now
+                        print(f"pd-fsm cluster: {s.name} is down; Ray restarts it "
+                              f"(at most {self.args.ray_max_restarts} times)", flush=True)
+                    elif now - s.down_since > self.args.startup_timeout:
+                        raise RayLaunchError(
+                            f"{s.name} down for {now - s.down_since:.0f} s: Ray did not restart "
+                            "it (restarts used up, or its node is gone)") from None
+                    continue
+                if int(info["restarts"]) != s.restarts:
+                    s.info, s.restarts, s.seq, s.down_since = info, int(info["restarts"]), 0, None
+                    print(f"pd-fsm cluster: {s.name} restarted by Ray (restart {s.restarts}) on "
+                          f"{info['host']}, same URL {s.url}, actor pid {info['actor_pid']}, "
+                          f"process pid {info['pid']}", flush=True)
+            time.sleep(POLL)
+
+    def stop(self) -> None:
+        """In tiers: proxy, workers, bootstrap; each actor stops its process, then is killed
+        without restart."""
+        for tier in (0, 1, 2):
+            group = [s for s in self.services if s.tier == tier]
+            refs = [(s, s.handle.stop.remote()) for s in group]
+            for s, ref in refs:
+                with contextlib.suppress(Exception):
+                    self.ray.get(ref, timeout=STOP_GRACE + 5)
+                with contextlib.suppress(Exception):
+                    self.ray.kill(s.handle, no_restart=True)
+        self._pump()
+
+
+def main(args: argparse.Namespace, worker_argv: list[str], quiet: list[str]) -> int:
+    """Run the cluster on Ray until Ctrl-C / SIGTERM (or ``--ask`` is answered)."""
+    try:
+        import ray
+    except ImportError:
+        print("pd-fsm cluster: --ray needs Ray: pip install 'pd_fsm[ray]'", file=sys.stderr)
+        return 2
+    if args.api_key_file is not None:
+        # The key file would have to exist on every node; refuse rather than start unkeyed.
+        print("pd-fsm cluster: --api-key-file is not supported with --ray yet", file=sys.stderr)
+        return 2
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(address=args.ray, log_to_driver=False, namespace="pd_fsm",
+             configure_logging=False)
+    cluster: RayCluster | None = None
+    status = 0
+
+    def _stop(signum: int, _frame: Any) -> None:
+        print(f"pd-fsm cluster: {signal.Signals(signum).name}, stopping", flush=True)
+        if cluster is not None:
+            cluster.stop_requested = True
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        cluster = RayCluster(args, worker_argv, quiet)
+        cluster.start()
+        if args.ask is not None:
+            import trio
+
+            from pd_fsm.io_trio.cluster import ask
+
+            status = trio.run(ask, cluster.urls(), args.ask, args.max_tokens, {})
+        else:
+            cluster.monitor()
+    except KeyboardInterrupt:
+        pass
+    except RayLaunchError as exc:
+        print(f"pd-fsm cluster: FAILED: {exc}", file=sys.stderr, flush=True)
+        status = 1
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if cluster is not None:
+            with contextlib.suppress(KeyboardInterrupt):
+                cluster.stop()
+        print("pd-fsm cluster: stopped", flush=True)
+        ray.shutdown()
+    return status

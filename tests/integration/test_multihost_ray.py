@@ -1,0 +1,180 @@
+"""`pd-fsm cluster --ray` on a two-node Ray cluster whose nodes are separate hosts (network
+namespaces A = 10.77.0.1 and B = 10.77.0.2, netns_support.py).
+
+`ray start --head` in A, `ray start --address` in B (Ray from PyPI, the test extra). The launcher
+runs in A and places P on A by node IP and D on B by a custom resource (``hostB``); the bootstrap
+server, the proxy and a colocated worker go to the driver's node (A). Then:
+
+- answers through the proxy equal the colocated worker's;
+- the P actor is SIGKILLed: its service process dies with it, Ray restarts the actor, the new one
+  starts P again on the same URL, P re-registers, and the next requests are answered correctly;
+- SIGINT to the launcher stops everything in tiers: no pd-fsm process is left on either host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.netns_support import Hosts, NsClient, namespaces_unavailable
+from tests.integration.serve_support import Proc, cli
+
+pytestmark = [pytest.mark.slow]
+
+_WHY_NOT = namespaces_unavailable()
+if _WHY_NOT is not None:
+    pytest.skip(f"separate hosts need network namespaces: {_WHY_NOT}", allow_module_level=True)
+pytest.importorskip("ray", reason="Ray is the test extra's (pip install -e .[test])")
+
+RAY = str(Path(sys.executable).with_name("ray"))
+RAY_PORT = 6379
+_ROW = re.compile(r"^\s+(\S+)\s+(http://\S+).*\[node (\S+), actor pid (\d+), process pid (\d+)\]")
+
+
+def _ray_start(hosts: Hosts, ns: str, *args: str, temp: Path) -> None:
+    argv = [RAY, "start", "--num-cpus", "1", "--object-store-memory", "100000000",
+            "--disable-usage-stats", "--temp-dir", str(temp), *args]
+    done = subprocess.run(hosts.exec(ns, argv), capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def ray_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
+    hosts = Hosts.make()
+    # Short: Ray's socket paths must stay under 108 bytes.
+    temps = [Path(f"/tmp/ray-{hosts.a[-6:]}-{side}") for side in "ab"]
+    try:
+        _ray_start(hosts, hosts.a, "--head", "--node-ip-address", hosts.ip_a, "--port",
+                   str(RAY_PORT), "--include-dashboard=false", "--resources", '{"hostA": 1}',
+                   temp=temps[0])
+        _ray_start(hosts, hosts.b, "--address", f"{hosts.ip_a}:{RAY_PORT}", "--node-ip-address",
+                   hosts.ip_b, "--resources", '{"hostB": 1}', temp=temps[1])
+        yield hosts
+    finally:
+        hosts.remove()  # Ray's own processes included: they run inside the namespaces
+        for t in temps:
+            subprocess.run(["rm", "-rf", str(t)], check=False)
+
+
+def _services(lines: list[str], start: int) -> dict[str, dict[str, str]]:
+    out = {}
+    for line in lines[start:]:
+        m = _ROW.match(line)
+        if m:
+            out[m.group(1)] = {"url": m.group(2), "node": m.group(3), "actor_pid": m.group(4),
+                               "pid": m.group(5)}
+    return out
+
+
+def _wait_line(proc: Proc, needle: str, timeout: float, after: int = 0) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        for i, line in enumerate(proc.lines[after:], after):
+            if needle in line:
+                return i
+        assert proc.alive() and time.monotonic() < deadline, f"no {needle!r}:\n{proc.tail(80)}"
+        time.sleep(0.2)
+
+
+def _answers(client: NsClient, base: str, n: int = 3) -> list[str]:
+    reqs = [{"method": "POST", "url": f"{base}/generate", "timeout": 60,
+             "json": {"text": f"Ray test prompt {i}", "stream": i % 2 == 1,
+                      "sampling_params": {"max_new_tokens": 8, "temperature": 0}}}
+            for i in range(n)]
+    out = []
+    for a in client.call(reqs):
+        assert a["status"] == 200, a
+        body = a["body"]
+        if body.startswith("data:"):
+            body = [c[len("data: "):] for c in body.split("\n\n") if c.startswith("data: {")][-1]
+        out.append(json.loads(body)["text"])
+    return out
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an exited child waiting for its new parent to reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _pd_fsm_pids(hosts: Hosts) -> list[str]:
+    found = []
+    for ns in (hosts.a, hosts.b):
+        for pid in hosts.pids(ns):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "pd_fsm.cli" in cmd:
+                found.append(f"{ns} {pid} {cmd[:120]}")
+    return found
+
+
+def test_ray_launch_restart_and_stop(ray_hosts: Hosts) -> None:
+    hosts = ray_hosts
+    argv = cli("cluster", "--ray", f"{hosts.ip_a}:{RAY_PORT}", "--model", "tiny",
+               "--page-size", "4", "--context-length", "256", "--colocated",
+               "--prefill-nodes", hosts.ip_a, "--decode-nodes", "resource:hostB",
+               "--ray-max-restarts", "2", "--startup-timeout", "300",
+               "--worker-args", "--disaggregation-bootstrap-heartbeat-interval 1 "
+               "--disaggregation-bootstrap-heartbeat-ttl 3")
+    launcher = Proc.start("cluster", hosts.exec(hosts.a, argv))
+    client = NsClient(hosts, hosts.a)
+    try:
+        ready = _wait_line(launcher, "pd-fsm cluster: ready in", 300)
+        time.sleep(0.3)  # the table follows the ready line
+        services = _services(launcher.lines, ready)
+        assert set(services) == {"bootstrap", "prefill-0", "decode-0", "colocated", "proxy"}
+        assert services["prefill-0"]["node"] == hosts.ip_a
+        assert services["decode-0"]["node"] == hosts.ip_b
+        assert services["decode-0"]["url"].startswith(f"http://{hosts.ip_b}:")
+        proxy, colocated = services["proxy"]["url"], services["colocated"]["url"]
+        reference = _answers(client, colocated)
+        assert _answers(client, proxy) == reference
+
+        # Kill the P actor's process: P's service dies with it, Ray restarts the actor.
+        old = services["prefill-0"]
+        os.kill(int(old["actor_pid"]), signal.SIGKILL)
+        restarted = _wait_line(launcher, "prefill-0 restarted by Ray", 120, ready)
+        assert f"same URL {old['url']}" in launcher.lines[restarted]
+        new_pid = re.search(r"process pid (\d+)", launcher.lines[restarted])
+        assert new_pid and new_pid.group(1) != old["pid"]
+        deadline = time.monotonic() + 10  # SIGKILLed with its actor; gone once reaped
+        while _running(int(old["pid"])):
+            assert time.monotonic() < deadline, "P's old process outlived its actor"
+            time.sleep(0.1)
+        client.wait_ok([f"{old['url']}/health"], timeout=120)
+        deadline = time.monotonic() + 60
+        while True:  # the first requests may still meet the old P's rooms ending
+            try:
+                after = _answers(client, proxy)
+                break
+            except AssertionError:
+                assert time.monotonic() < deadline, launcher.tail(80)
+                time.sleep(1)
+        assert after == reference
+        assert _answers(client, proxy) == reference  # and it stays so
+
+        launcher.popen.send_signal(signal.SIGINT)
+        assert launcher.popen.wait(60) == 0, launcher.tail(80)
+        assert launcher.lines[-1] == "pd-fsm cluster: stopped", launcher.tail(20)
+        deadline = time.monotonic() + 15
+        while (left := _pd_fsm_pids(hosts)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left, left
+    finally:
+        client.close()
+        launcher.stop()
