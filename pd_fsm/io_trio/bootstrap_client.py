@@ -40,6 +40,7 @@ from pd_fsm.io_trio.records import (
     split_host_port,
     to_json,
 )
+from pd_fsm.io_trio.tls import NO_TLS, TLS
 
 log = logging.getLogger("pd_fsm.io_trio.bootstrap_client")
 
@@ -100,6 +101,7 @@ class BootstrapClient:
         stale_after: float | None = None,
         http: httpx.AsyncClient | None = None,
         rng: random.Random | None = None,
+        tls: TLS = NO_TLS,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.record = record
@@ -114,7 +116,7 @@ class BootstrapClient:
         # ``secret`` is the cluster secret: only the signer's derived key is kept, nothing is sent
         # but MACs. ``wall_clock`` stamps signed writes; the server checks it against its own.
         self._signer = RegistrySigner(secret, wall_clock) if secret else None
-        self._http = http or http_client(base_url=base_url, timeout=request_timeout)
+        self._http = http or http_client(base_url=base_url, timeout=request_timeout, tls=tls)
         self._owns_http = http is None
         self._rng = rng or random.Random()
         self._acked_at: float | None = None
@@ -335,9 +337,17 @@ class BootstrapResolver:
     """Answers the core's ResolvePeer: the P behind ``bootstrap_addr`` ("host:port") at the
     ranks this D pairs with. Pass as ``resolver=`` to the decode side's EndpointDriver."""
 
-    def __init__(self, client: BootstrapClient, ranks: dict[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        client: BootstrapClient,
+        ranks: dict[str, int] | None = None,
+        check: Callable[[InstanceRecord], str | None] | None = None,
+    ) -> None:
+        """``check(record)``: the reason D must not use that P (e.g. an untrusted CURVE key),
+        or None."""
         self.client = client
         self.ranks = ranks
+        self.check = check
 
     async def __call__(self, bootstrap_addr: str) -> ev.PeerResolved | ev.PeerResolutionFailed:
         try:
@@ -349,6 +359,9 @@ class BootstrapResolver:
         except BootstrapError as exc:
             return ev.PeerResolutionFailed(bootstrap_addr, str(exc))
         p = records[0]  # sorted by key on the server: deterministic when several match
+        refusal = self.check(p) if self.check is not None else None
+        if refusal is not None:
+            return ev.PeerResolutionFailed(bootstrap_addr, refusal)
         return ev.PeerResolved(bootstrap_addr, p.zmq_addr, p.transfer_addr, p.layout_hash)
 
 

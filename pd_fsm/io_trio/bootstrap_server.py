@@ -52,6 +52,7 @@ from pd_fsm.io_trio.records import (
     to_json,
     unreachable_fields,
 )
+from pd_fsm.io_trio.tls import NO_TLS, TLS
 
 log = logging.getLogger("pd_fsm.io_trio.bootstrap_server")
 
@@ -355,6 +356,7 @@ async def serve_bootstrap(
     *,
     shutdown_trigger: Any = None,
     keep_alive: float = SERVER_KEEP_ALIVE_S,
+    tls: TLS = NO_TLS,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the registry driver and hypercorn; ``started()`` with the base URL once listening.
@@ -368,7 +370,7 @@ async def serve_bootstrap(
         binds: list[str] = await nursery.start(
             _serve_http,
             server,
-            hypercorn_config(host, port, keep_alive=keep_alive),
+            hypercorn_config(host, port, keep_alive=keep_alive, tls=tls),
             shutdown_trigger,
             nursery.cancel_scope,
         )

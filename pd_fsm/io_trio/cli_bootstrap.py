@@ -13,6 +13,7 @@ import trio
 from pd_fsm.core.config import RegistryConfig
 from pd_fsm.io_trio.bootstrap_server import DEFAULT_MAX_BODY, BootstrapServer, serve_bootstrap
 from pd_fsm.io_trio.cli_common import STOP_GRACE_S, run_service, stop_on_signal
+from pd_fsm.io_trio.tls import TLS, add_tls_arguments, tls_from_args
 
 log = logging.getLogger("pd_fsm.io_trio.cli_bootstrap")
 
@@ -37,6 +38,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY, help="request body limit")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    add_tls_arguments(p, client=False)
     p.set_defaults(func=main)
 
 
@@ -59,15 +61,21 @@ def main(args: argparse.Namespace) -> int:
         if not secret:
             log.error("--secret-file %s is empty", args.secret_file)
             return 2
+    try:
+        tls = tls_from_args(args)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
     server = BootstrapServer(RegistryConfig(ttl=args.ttl), secret=secret, max_body=args.max_body)
-    return run_service(_run, server, args.host, args.port, host=args.host, port=args.port, log=log)
+    return run_service(_run, server, args.host, args.port, tls, host=args.host, port=args.port,
+                       log=log)
 
 
-async def _run(server: BootstrapServer, host: str, port: int) -> None:
+async def _run(server: BootstrapServer, host: str, port: int, tls: TLS) -> None:
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stop_on_signal, stop, log)
-        serve = functools.partial(serve_bootstrap, shutdown_trigger=stop.wait)
+        serve = functools.partial(serve_bootstrap, shutdown_trigger=stop.wait, tls=tls)
         await nursery.start(serve, server, host, port)
         log.info(
             "cluster secret %s",

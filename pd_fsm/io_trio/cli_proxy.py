@@ -17,6 +17,7 @@ from pd_fsm.core.config import RouterConfig
 from pd_fsm.io_trio.api_key import add_api_key_arguments, api_key_from_args
 from pd_fsm.io_trio.cli_common import STOP_GRACE_S, run_service, stop_on_signal
 from pd_fsm.io_trio.proxy import PrefillTarget, Proxy, serve_proxy
+from pd_fsm.io_trio.tls import add_tls_arguments, tls_from_args
 
 log = logging.getLogger("pd_fsm.io_trio.cli_proxy")
 
@@ -37,6 +38,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="INFO")
+    add_tls_arguments(p)
     add_api_key_arguments(p)
     add_api_key_arguments(p, "worker-", who="the proxy sends to every worker; workers expect")
     p.set_defaults(func=main)
@@ -76,12 +78,13 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("--refresh-interval and --room-timeout must be positive")
         api_key = api_key_from_args(args)
         worker_api_key = api_key_from_args(args, "worker-")
+        tls = tls_from_args(args)
     except ValueError as exc:
         log.error("%s", exc)
         return 2
     proxy = Proxy(prefill, args.decode, bootstrap_url=args.bootstrap_url,
                   refresh_interval=args.refresh_interval, room_timeout=args.room_timeout,
-                  api_key=api_key, worker_api_key=worker_api_key)
+                  api_key=api_key, worker_api_key=worker_api_key, tls=tls)
     return run_service(_run, proxy, args.host, args.port, host=args.host, port=args.port, log=log)
 
 

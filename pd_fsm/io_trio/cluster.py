@@ -11,15 +11,18 @@ its own stops the cluster with exit status 1 and that child's last log lines.
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,8 @@ import httpx
 import trio
 
 from pd_fsm.io_trio.api_key import bearer
+from pd_fsm.io_trio.http_server import http_client
+from pd_fsm.io_trio.tls import NO_TLS, TLS, throwaway_ca
 
 log = logging.getLogger("pd_fsm.io_trio.cluster")
 
@@ -93,8 +98,9 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
     return worker
 
 
-def plan(args: argparse.Namespace) -> list[Child]:
-    """The children to start, in start order (the proxy last)."""
+def plan(args: argparse.Namespace, tls: TLS = NO_TLS) -> list[Child]:
+    """The children to start, in start order (the proxy last); with ``tls``, every one serves
+    HTTPS with its certificate and verifies the others against its CA."""
     n_p, n_d = args.prefill, args.decode
     ports = free_ports(2 + 2 * n_p + n_d + 1)
     boot_port, proxy_port = ports[0], ports[1]
@@ -103,15 +109,17 @@ def plan(args: argparse.Namespace) -> list[Child]:
     d_ports = ports[2 + 2 * n_p : 2 + 2 * n_p + n_d]
     colo_port = ports[-1]
     quiet = ["--log-level", args.log_level]
-    worker = ["--host", HOST, *worker_flags(args)]
+    scheme = tls.scheme
+    worker = ["--host", HOST, *worker_flags(args), *tls.argv()]
     keyed = [] if args.api_key_file is None else ["--api-key-file", str(args.api_key_file)]
     pd = ["--disaggregation-bootstrap-host", HOST,
           "--disaggregation-bootstrap-port", str(boot_port)]
     children: list[Child] = []
     if n_p or n_d:
+        serving = TLS(tls.certfile, tls.keyfile)  # the bootstrap server calls nobody
         children.append(Child("bootstrap", _cli("bootstrap", "--host", HOST, "--port",
-                                                str(boot_port), *quiet),
-                              f"http://{HOST}:{boot_port}"))
+                                                str(boot_port), *quiet, *serving.argv()),
+                              f"{scheme}://{HOST}:{boot_port}"))
     def pinned(role: str) -> list[str]:
         cpus = getattr(args, f"{role}_cpus")
         return [] if cpus is None else ["--cpus", cpus]
@@ -122,38 +130,41 @@ def plan(args: argparse.Namespace) -> list[Child]:
             _cli("serve", *worker, *pinned("prefill"), "--port", str(port),
                  "--disaggregation-mode", "prefill", *pd,
                  "--disaggregation-side-channel-port", str(side)),
-            f"http://{HOST}:{port}", f"bootstrap port {side}",
+            f"{scheme}://{HOST}:{port}", f"bootstrap port {side}",
         ))
     for i, port in enumerate(d_ports):
         children.append(Child(
             f"decode-{i}",
             _cli("serve", *worker, *pinned("decode"), "--port", str(port),
                  "--disaggregation-mode", "decode", *pd),
-            f"http://{HOST}:{port}",
+            f"{scheme}://{HOST}:{port}",
         ))
     if args.colocated:
         children.append(Child(
             "colocated",
             _cli("serve", *worker, *pinned("colocated"), "--port", str(colo_port),
                  "--disaggregation-mode", "null"),
-            f"http://{HOST}:{colo_port}",
+            f"{scheme}://{HOST}:{colo_port}",
         ))
     if n_p and n_d:
-        proxy_args = ["proxy", "--host", HOST, "--port", str(proxy_port), *keyed, *quiet]
+        proxy_args = ["proxy", "--host", HOST, "--port", str(proxy_port), *keyed, *quiet,
+                      *tls.argv()]
         if keyed:
             proxy_args += ["--worker-api-key-file", str(args.api_key_file)]
         for child, side in zip(children[1 : 1 + n_p], side_ports, strict=True):
             proxy_args += ["--prefill", str(child.url), str(side)]
         for child in children[1 + n_p : 1 + n_p + n_d]:
             proxy_args += ["--decode", str(child.url)]
-        children.append(Child("proxy", _cli(*proxy_args), f"http://{HOST}:{proxy_port}",
+        children.append(Child("proxy", _cli(*proxy_args), f"{scheme}://{HOST}:{proxy_port}",
                               f"{n_p} prefill, {n_d} decode"))
     return children
 
 
 class Cluster:
-    def __init__(self, children: list[Child], *, startup_timeout: float) -> None:
+    def __init__(self, children: list[Child], *, startup_timeout: float,
+                 tls: TLS = NO_TLS) -> None:
         self.children = children
+        self.tls = tls
         self.startup_timeout = startup_timeout
         self.stopping = False
         self.failure: ClusterFailed | None = None
@@ -232,7 +243,7 @@ class Cluster:
     async def _wait_healthy(self) -> None:
         start = trio.current_time()
         last_progress = start
-        async with httpx.AsyncClient(timeout=2.0) as http:
+        async with http_client(timeout=2.0, tls=self.tls) as http:
             with trio.move_on_after(self.startup_timeout) as timeout:
                 while not all(c.healthy for c in self.children if c.url):
                     for child in self.children:
@@ -314,14 +325,16 @@ class Cluster:
 # --------------------------------------------------------------------------------- --ask
 
 
-async def ask(urls: dict[str, str], prompt: str, max_tokens: int, headers: dict[str, str]) -> int:
+async def ask(urls: dict[str, str], prompt: str, max_tokens: int, headers: dict[str, str],
+              tls: TLS = NO_TLS) -> int:
     """Send one chat prompt through the proxy and to the colocated worker (``urls`` by service
     name); print both answers."""
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0}
     answers: dict[str, str] = {}
     status = 0
-    async with httpx.AsyncClient(timeout=300, headers=headers) as http:
+    async with http_client(timeout=300, tls=tls) as http:
+        http.headers.update(headers)
         for name in ("proxy", "colocated"):
             if name not in urls:
                 continue
@@ -371,6 +384,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="once ready: send this chat prompt through the proxy and to the "
                         "colocated worker, print both answers, stop")
     p.add_argument("--max-tokens", type=int, default=32, help="for --ask (default 32)")
+    p.add_argument("--tls", action="store_true",
+                   help="HTTPS everywhere, with a throwaway CA made for this run (openssl)")
     ray = p.add_argument_group("on Ray (pd_fsm[ray]): every service a Ray actor on a chosen node")
     ray.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
                      help="place the services on the Ray cluster at ADDRESS (default: auto, "
@@ -402,7 +417,14 @@ def main(args: argparse.Namespace) -> int:
         from pd_fsm.io_trio import ray_cluster
 
         return ray_cluster.main(args, worker_flags(args), ["--log-level", args.log_level])
-    cluster = Cluster(plan(args), startup_timeout=args.startup_timeout)
+    tls = NO_TLS
+    if args.tls:
+        # A throwaway CA for this run, in a directory that goes with it (key readable by us only).
+        tls_dir = Path(tempfile.mkdtemp(prefix="pd-fsm-tls-"))
+        atexit.register(shutil.rmtree, tls_dir, ignore_errors=True)
+        tls = throwaway_ca(tls_dir, [HOST, "localhost"])
+        print(f"pd-fsm cluster: TLS on, throwaway CA {tls.ca_file} (curl --cacert it)", flush=True)
+    cluster = Cluster(plan(args, tls), startup_timeout=args.startup_timeout, tls=tls)
     action = None
     if args.ask is not None:
         prompt, max_tokens = args.ask, args.max_tokens
@@ -411,7 +433,7 @@ def main(args: argparse.Namespace) -> int:
 
         async def action(c: Cluster) -> int:
             return await ask({ch.name: str(ch.url) for ch in c.children if ch.url}, prompt,
-                             max_tokens, headers)
+                             max_tokens, headers, tls)
 
     return trio.run(cluster.run, action)
 

@@ -23,6 +23,7 @@ already handles: the connection is closing anyway, the data has nowhere to go.
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
@@ -33,6 +34,8 @@ from hypercorn.events import Closed, Event
 from hypercorn.trio import run as hypercorn_run
 from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.tcp_server import TCPServer
+
+from pd_fsm.io_trio.tls import NO_TLS, TLS
 
 SERVER_KEEP_ALIVE_S = 120.0
 CLIENT_KEEPALIVE_EXPIRY_S = 30.0
@@ -53,10 +56,13 @@ def install_probe_safe_server() -> None:
 
 
 def hypercorn_config(
-    host: str, port: int, *, keep_alive: float = SERVER_KEEP_ALIVE_S
+    host: str, port: int, *, keep_alive: float = SERVER_KEEP_ALIVE_S, tls: TLS = NO_TLS
 ) -> HypercornConfig:
     config = HypercornConfig()
     config.bind = [f"{host}:{port}"]
+    if tls.serving:  # hypercorn then serves HTTPS only, and reports https:// binds
+        config.certfile = str(tls.certfile)
+        config.keyfile = str(tls.keyfile)
     config.accesslog = None
     config.errorlog = logging.getLogger("pd_fsm.io_trio.hypercorn")
     config.graceful_timeout = 2.0
@@ -71,8 +77,10 @@ def http_client(
     max_connections: int = 100,
     max_keepalive: int = 20,
     keepalive_expiry: float = CLIENT_KEEPALIVE_EXPIRY_S,
+    tls: TLS = NO_TLS,
 ) -> httpx.AsyncClient:
-    """An httpx client that drops idle connections before any pd_fsm server closes them."""
+    """An httpx client that drops idle connections before any pd_fsm server closes them, and
+    verifies HTTPS servers against ``tls.ca_file`` when one is given."""
     if keepalive_expiry >= SERVER_KEEP_ALIVE_S:
         raise ValueError("a client must expire idle connections before the server closes them")
     limits = httpx.Limits(
@@ -80,7 +88,8 @@ def http_client(
         max_keepalive_connections=max_keepalive,
         keepalive_expiry=keepalive_expiry,
     )
-    return httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits)
+    verify: ssl.SSLContext | bool = tls.client_context() if tls.ca_file is not None else True
+    return httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits, verify=verify)
 
 
 async def serve_app(
@@ -89,6 +98,7 @@ async def serve_app(
     port: int,
     *,
     config: HypercornConfig | None = None,
+    tls: TLS = NO_TLS,
     shutdown_trigger: Callable[[], Awaitable[Any]] | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -97,7 +107,7 @@ async def serve_app(
     # Starlette is an ASGI 3 app; hypercorn's annotation is narrower than the protocol.
     await hypercorn_serve(
         cast(Any, app),
-        config or hypercorn_config(host, port),
+        config or hypercorn_config(host, port, tls=tls),
         shutdown_trigger=shutdown_trigger,
         task_status=task_status,
     )

@@ -49,6 +49,7 @@ from pd_fsm.core.config import RouterConfig
 from pd_fsm.core.router import RoomRouter
 from pd_fsm.io_trio.api_key import ApiKeyGate, bearer
 from pd_fsm.io_trio.http_server import http_client, serve_app
+from pd_fsm.io_trio.tls import NO_TLS, TLS
 from pd_fsm.io_trio.worker.metrics import StatsCollector
 from pd_fsm.io_trio.worker.phases import PhaseHistograms
 from pd_fsm.io_trio.worker.sse import Receive, Send
@@ -138,7 +139,9 @@ class Proxy:
         client: httpx.AsyncClient | None = None,
         api_key: str | None = None,
         worker_api_key: str | None = None,
+        tls: TLS = NO_TLS,
     ) -> None:
+        self.tls = tls  # serves HTTPS if it has a certificate; verifies workers against its CA
         self._targets = {p.url: p for p in prefill}
         # Sent to workers on every call (legs, aborts, info). Without it a leg carries the
         # client's own Authorization header, as sglang-router forwards it.
@@ -187,7 +190,7 @@ class Proxy:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         if self._client is None:
-            self._client = http_client(timeout=httpx.Timeout(10.0, read=None),
+            self._client = http_client(timeout=httpx.Timeout(10.0, read=None), tls=self.tls,
                                        max_connections=1024, max_keepalive=256)
         try:
             async with trio.open_nursery() as nursery:
@@ -628,7 +631,7 @@ async def serve_proxy(
 
     async def http(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
                    ) -> None:
-        await serve_app(proxy.app, host, port, shutdown_trigger=shutdown_trigger,
+        await serve_app(proxy.app, host, port, tls=proxy.tls, shutdown_trigger=shutdown_trigger,
                         task_status=task_status)
         nursery.cancel_scope.cancel()
 

@@ -396,6 +396,10 @@ def main(args: argparse.Namespace, worker_argv: list[str], quiet: list[str]) -> 
     except ImportError:
         print("pd-fsm cluster: --ray needs Ray: pip install 'pd_fsm[ray]'", file=sys.stderr)
         return 2
+    if args.tls:
+        print("pd-fsm cluster: --tls is not supported with --ray yet (each node needs its own "
+              "certificate)", file=sys.stderr)
+        return 2
     if args.api_key_file is not None:
         # The key file would have to exist on every node; refuse rather than start unkeyed.
         print("pd-fsm cluster: --api-key-file is not supported with --ray yet", file=sys.stderr)

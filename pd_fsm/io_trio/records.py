@@ -15,6 +15,7 @@ import cattrs
 
 from pd_fsm.core.codec import strict_int
 from pd_fsm.io_trio.addresses import unreachable_from
+from pd_fsm.io_trio.curve import is_z85_key
 
 ROLES = ("prefill", "decode")
 MAX_STR = 256
@@ -63,6 +64,9 @@ class InstanceRecord:
     # --disaggregation-bootstrap-heartbeat-ttl); the registry expires it after that long without
     # a heartbeat instead of after its own --ttl. Absent: the registry's.
     heartbeat_ttl: float | None = None
+    # Ours: P's CURVE public key (z85) when its side channel runs CURVE (pd_fsm.io_trio.curve);
+    # D dials only a P whose key it trusts.
+    curve_public_key: str | None = None
 
     @property
     def key(self) -> InstanceKey:
@@ -205,6 +209,9 @@ def _check_record(r: InstanceRecord) -> list[str]:
             f"heartbeat_ttl must be in (0, {MAX_HEARTBEAT_TTL:g}] s, got {r.heartbeat_ttl} "
             "@ body.heartbeat_ttl"
         )
+    if r.curve_public_key is not None and not is_z85_key(r.curve_public_key):
+        problems.append("curve_public_key must be a 40-character Z85 CURVE key "
+                        "@ body.curve_public_key")
     if r.bootstrap_host is not None and not r.bootstrap_host:
         problems.append("bootstrap_host must not be empty @ body.bootstrap_host")
     return problems

@@ -38,6 +38,7 @@ from pd_fsm.core.errors import RemoteProtocolError
 from pd_fsm.core.keys import side_channel_key
 from pd_fsm.core.messages import Message
 from pd_fsm.core.replay import DEFAULT_WINDOW_S, ReplayedFrame, ReplayGuard, StaleFrame
+from pd_fsm.io_trio.curve import ZAP_ENDPOINT, CurveKeys, zap_reply
 
 log = logging.getLogger("pd_fsm.io_trio.side_channel")
 
@@ -74,6 +75,11 @@ class SideChannelStats:
     send_full: int = 0  # EAGAIN: the peer's queue is at the HWM (or no connection yet)
     send_unroutable: int = 0  # ROUTER: no connected peer has that identity
     disconnects: int = 0  # connections libzmq closed (peer left, protocol error, over MAXMSGSIZE)
+    curve_refused: int = 0  # P: CURVE handshakes refused (client key not trusted), by ZAP
+    # Handshakes libzmq failed: another security mechanism (a plain client of a CURVE server),
+    # a bad CURVE exchange, or a ZAP refusal (also counted above).
+    handshake_failed: int = 0
+    curve_untrusted_server: int = 0  # D: P's registry key missing or not trusted: not dialled
 
     def as_dict(self) -> dict[str, int]:
         return attrs.asdict(self)
@@ -108,6 +114,13 @@ def _log_drop(count: int, kind: str, peer: str, detail: str) -> None:
     # stays visible without becoming a flood of log lines.
     if count & (count - 1) == 0:
         log.warning("dropped %s frame #%d from %r: %s", kind, count, peer, detail)
+
+
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 def _readable(sock: zmq.Socket[Any]) -> bool:
@@ -172,8 +185,10 @@ class _Channel:
     """What both ends share: the codec, the stats, the monitor. ``secret`` is the cluster
     secret; frames are signed and checked with :func:`~pd_fsm.core.keys.side_channel_key` of it."""
 
-    def __init__(self, deliver: Deliver, secret: bytes | None, limits: SideChannelLimits) -> None:
+    def __init__(self, deliver: Deliver, secret: bytes | None, limits: SideChannelLimits,
+                 curve: CurveKeys | None = None) -> None:
         self._deliver = deliver
+        self.curve = curve
         # Only the derived key is kept: the cluster secret signs nothing here.
         self._key = side_channel_key(secret) if secret else None
         # Floor at our own start: frames captured before a restart are not replayable to us.
@@ -211,7 +226,7 @@ class _Channel:
         _configure(sock, self.limits)
         self._monitors += 1
         address = f"inproc://pd-fsm-monitor-{id(self)}-{self._monitors}"
-        sock.monitor(address, zmq.EVENT_DISCONNECTED)
+        sock.monitor(address, zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
         reader = self._ctx.socket(zmq.PAIR)
         reader.setsockopt(zmq.LINGER, 0)
         # libzmq's I/O thread sends monitor events with a blocking send while holding the
@@ -225,8 +240,11 @@ class _Channel:
         """Run a socket's reader and its monitor's reader; close both in a safe order."""
 
         async def on_event(parts: list[bytes]) -> None:
-            if parse_monitor_message(parts)["event"] == zmq.EVENT_DISCONNECTED:
+            event = parse_monitor_message(parts)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
                 self.stats.disconnects += 1
+            elif event & _HANDSHAKE_FAILED:
+                self.stats.handshake_failed += 1
 
         try:
             async with trio.open_nursery() as nursery:
@@ -265,15 +283,19 @@ class PrefillSideChannel(_Channel):
         *,
         secret: bytes | None = None,
         limits: SideChannelLimits | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
-        super().__init__(deliver, secret, limits or SideChannelLimits())
+        super().__init__(deliver, secret, limits or SideChannelLimits(), curve)
         self.bind_addr = bind_addr
         self.address: str | None = None
         self._pump: _Pump | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        zap = self._zap_socket() if self.curve is not None else None
         sock, monitor = self._open(zmq.ROUTER)
         try:
+            if self.curve is not None:
+                self.curve.make_server(sock)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown identity: EHOSTUNREACH, counted
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted D reclaims its identity
             endpoint = zmq_endpoint(self.bind_addr)
@@ -283,16 +305,47 @@ class PrefillSideChannel(_Channel):
         except BaseException:
             _close(monitor)
             _close(sock)
+            if zap is not None:
+                _close(zap)
             self._ctx.destroy(linger=0)
             raise
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._pump = _Pump(sock, self._on_parts, self.limits.batch)
         task_status.started(self.address)
         try:
-            await self._serve(self._pump, monitor)
+            async with trio.open_nursery() as nursery:
+                if zap is not None:
+                    nursery.start_soon(self._serve_zap, zap)
+                await self._serve(self._pump, monitor)
+                nursery.cancel_scope.cancel()
         finally:
             self._pump = None
+            if zap is not None:
+                _close(zap)
             self._ctx.destroy(linger=0)
+
+    def _zap_socket(self) -> zmq.Socket[Any]:
+        """The ZAP handler's socket, bound before the ROUTER so no handshake goes unchecked."""
+        zap = self._ctx.socket(zmq.REP)
+        zap.setsockopt(zmq.LINGER, 0)
+        zap.bind(ZAP_ENDPOINT)
+        return zap
+
+    async def _serve_zap(self, zap: zmq.Socket[Any]) -> None:
+        """Answer libzmq's ZAP requests: admit a D whose CURVE key is trusted, refuse and count
+        any other. Runs on the loop (a REP answers before its next request is read)."""
+        assert self.curve is not None
+        keys = self.curve
+
+        async def on_request(parts: list[bytes]) -> None:
+            reply, admitted = zap_reply(parts, keys)
+            if not admitted:
+                self.stats.curve_refused += 1
+                _log_drop(self.stats.curve_refused, "CURVE handshake", "?", "key not trusted")
+            if reply:
+                zap.send_multipart(reply)
+
+        await _Pump(zap, on_request, self.limits.batch).run()
 
     async def _on_parts(self, parts: list[bytes]) -> None:
         if len(parts) != 2:  # [identity, frame] from a DEALER; anything else is not ours
@@ -324,8 +377,11 @@ class DecodeSideChannel(_Channel):
         *,
         secret: bytes | None = None,
         limits: SideChannelLimits | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
-        super().__init__(deliver, secret, limits or SideChannelLimits())
+        super().__init__(deliver, secret, limits or SideChannelLimits(), curve)
+        # With CURVE: P's public key per peer address, from its registry record (set_server_key).
+        self._server_keys: dict[str, bytes] = {}
         if not identity or len(identity.encode()) > 255 or identity.startswith("\0"):
             raise ValueError("identity must be 1..255 bytes and not start with NUL (zmq rule)")
         self.identity = identity
@@ -344,6 +400,21 @@ class DecodeSideChannel(_Channel):
             self._pumps.clear()  # each _serve task closed its sockets when it was cancelled
             self._scopes.clear()
             self._ctx.destroy(linger=0)
+
+    def set_server_key(self, peer: str, public_z85: str | None) -> str | None:
+        """With CURVE, remember the key ``peer`` (a P) published; the reason it cannot be
+        dialled (no key, or one not among ours), counted, or None. Without CURVE: None."""
+        if self.curve is None:
+            return None
+        if not public_z85 or not self.curve.trusts(public_z85):
+            self.stats.curve_untrusted_server += 1
+            what = "published no CURVE key" if not public_z85 else "has a CURVE key not trusted"
+            return f"prefill side channel {peer} {what} (--side-channel-curve-peers)"
+        key = public_z85.encode()
+        if self._server_keys.get(peer, key) != key:
+            self.close_peer(peer)  # a new P at that address: the old DEALER has the old key
+        self._server_keys[peer] = key
+        return None
 
     @property
     def peers(self) -> list[str]:
@@ -375,7 +446,13 @@ class DecodeSideChannel(_Channel):
             return pump
         if self._nursery is None:
             return None
+        server_key = self._server_keys.get(peer)
+        if self.curve is not None and server_key is None:
+            self.stats.curve_untrusted_server += 1
+            return None  # never dial a P whose key we have not checked
         sock, monitor = self._open(zmq.DEALER)
+        if self.curve is not None and server_key is not None:
+            self.curve.make_client(sock, server_key)
         sock.setsockopt(zmq.IMMEDIATE, int(self.limits.immediate))
         sock.setsockopt(zmq.ROUTING_ID, self.identity.encode())
         try:

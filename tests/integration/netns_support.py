@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,16 +101,19 @@ class Hosts:
 
 
 _CLIENT = r"""
-import concurrent.futures, json, sys, time
+import concurrent.futures, json, ssl, sys, time
 import httpx
 
 def one(req):
     t0 = time.monotonic()
+    ca = req.get("ca")  # verify HTTPS against this CA file
+    verify = ssl.create_default_context(cafile=ca) if ca else True
     try:
-        with httpx.Client(timeout=req.get("timeout", 30)) as http:
-            r = http.request(req["method"], req["url"], json=req.get("json"))
+        with httpx.Client(timeout=req.get("timeout", 30), verify=verify) as http:
+            r = http.request(req["method"], req["url"], json=req.get("json"),
+                             content=req.get("content"))
         return {"status": r.status_code, "body": r.text, "elapsed": time.monotonic() - t0}
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, ssl.SSLError) as exc:
         return {"status": None, "body": f"{type(exc).__name__}: {exc}",
                 "elapsed": time.monotonic() - t0}
 
@@ -118,6 +122,72 @@ for line in sys.stdin:
     reqs = json.loads(line)
     print(json.dumps(list(pool.map(one, reqs))), flush=True)
 """
+
+
+_SNIFFER = r"""
+import socket, sys
+# Every frame on one interface, as a packet capture would see it (AF_PACKET, root in the
+# namespace), appended to a file until stdin closes.
+iface, out = sys.argv[1], sys.argv[2]
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(0x0003))
+s.bind((iface, 0))
+s.settimeout(0.1)
+print("capturing", flush=True)
+import select
+with open(out, "wb") as f:
+    while True:
+        try:
+            frame = s.recv(65536)
+            f.write(len(frame).to_bytes(4, "big") + frame)
+        except socket.timeout:
+            pass
+        if select.select([sys.stdin], [], [], 0)[0] and not sys.stdin.read(1):
+            break
+"""
+
+
+class Sniffer:
+    """A packet capture of one interface inside a namespace, without tcpdump: every frame the
+    interface sees (both directions), appended raw to ``path`` until ``stop``."""
+
+    def __init__(self, hosts: Hosts, ns: str, iface: str, path: Path) -> None:
+        self.path = path
+        self.proc = subprocess.Popen(
+            hosts.exec(ns, [sys.executable, "-c", _SNIFFER, iface, str(path)]),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        assert self.proc.stdout is not None
+        assert self.proc.stdout.readline().strip() == "capturing"
+
+    def stop(self) -> list[bytes]:
+        """The captured Ethernet frames, in order."""
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        raw, frames, at = self.path.read_bytes(), [], 0
+        while at + 4 <= len(raw):
+            n = int.from_bytes(raw[at:at + 4], "big")
+            frames.append(raw[at + 4:at + 4 + n])
+            at += 4 + n
+        return frames
+
+
+def tcp_ports(frames: list[bytes]) -> set[int]:
+    """Source and destination ports of the IPv4 TCP segments among Ethernet ``frames``."""
+    ports: set[int] = set()
+    for f in frames:
+        if len(f) < 34 or f[12:14] != b"\x08\x00" or f[23] != 6:  # IPv4, TCP
+            continue
+        ihl = (f[14] & 0x0F) * 4
+        tcp = 14 + ihl
+        if len(f) >= tcp + 4:
+            ports.add(int.from_bytes(f[tcp:tcp + 2], "big"))
+            ports.add(int.from_bytes(f[tcp + 2:tcp + 4], "big"))
+    return ports
 
 
 class NsClient:
@@ -148,19 +218,24 @@ class NsClient:
         self.send(reqs)
         return self.receive()
 
-    def get(self, url: str, timeout: float = 10) -> dict[str, Any]:
-        return self.call([{"method": "GET", "url": url, "timeout": timeout}])[0]
+    def get(self, url: str, timeout: float = 10, ca: Path | None = None) -> dict[str, Any]:
+        return self.call([{"method": "GET", "url": url, "timeout": timeout,
+                           "ca": ca and str(ca)}])[0]
 
-    def json(self, method: str, url: str, body: Any = None, timeout: float = 60) -> Any:
-        answer = self.call([{"method": method, "url": url, "json": body, "timeout": timeout}])[0]
+    def json(self, method: str, url: str, body: Any = None, timeout: float = 60,
+             ca: Path | None = None) -> Any:
+        answer = self.call([{"method": method, "url": url, "json": body, "timeout": timeout,
+                             "ca": ca and str(ca)}])[0]
         assert answer["status"] == 200, f"{method} {url}: {answer}"
         return json.loads(answer["body"])
 
-    def wait_ok(self, urls: list[str], timeout: float = 240, logs: list[Path] = ()) -> None:
+    def wait_ok(self, urls: list[str], timeout: float = 240, logs: Sequence[Path] = (),
+                ca: Path | None = None) -> None:
         deadline = time.monotonic() + timeout
         pending = list(urls)
         while pending:
-            answers = self.call([{"method": "GET", "url": u, "timeout": 2} for u in pending])
+            answers = self.call([{"method": "GET", "url": u, "timeout": 2, "ca": ca and str(ca)}
+                                 for u in pending])
             pending = [u for u, a in zip(pending, answers, strict=True) if a["status"] != 200]
             if pending and time.monotonic() > deadline:
                 tails = "\n".join(p.read_text(errors="replace")[-3000:] for p in logs)

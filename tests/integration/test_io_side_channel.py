@@ -9,15 +9,18 @@ from __future__ import annotations
 import base64
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 import zmq
+import zmq.auth
 
 from pd_fsm.core.codec import MAX_FRAME, decode, encode
 from pd_fsm.core.keys import registry_key, side_channel_key
 from pd_fsm.core.messages import Abort, Heartbeat, HeartbeatAck, Message
+from pd_fsm.io_trio.curve import CurveError, CurveKeys
 from pd_fsm.io_trio.side_channel import (
     DecodeSideChannel,
     PrefillSideChannel,
@@ -311,3 +314,97 @@ async def test_nothing_either_end_sends_holds_the_secret_or_a_key(
         assert not [f for f in forbidden if f in frame], frame
     router.close()
     dealer.close()
+
+
+# ----------------------------------------------------------------------------- CURVE
+
+
+def _curve_dir(tmp_path: Path, *names: str) -> dict[str, CurveKeys]:
+    """A key pair per name; ``trusted/`` holds the public keys of the names not starting with
+    "rogue" (what an operator distributes)."""
+    trusted = tmp_path / "trusted"
+    trusted.mkdir(exist_ok=True)
+    keys = {}
+    for name in names:
+        zmq.auth.create_certificates(tmp_path, name)
+        if not name.startswith("rogue"):
+            (trusted / f"{name}.key").write_bytes((tmp_path / f"{name}.key").read_bytes())
+    for name in names:
+        keys[name] = CurveKeys.load(tmp_path / f"{name}.key_secret", trusted)
+    return keys
+
+
+async def _curve_pair(
+    nursery: trio.Nursery, p_keys: CurveKeys, d_keys: CurveKeys, identity: str = "d0"
+) -> tuple[PrefillSideChannel, DecodeSideChannel, Inbox, Inbox, str]:
+    p_inbox, d_inbox = Inbox(), Inbox()
+    p, address = await _start_p(nursery, p_inbox, curve=p_keys)
+    d = DecodeSideChannel(identity, d_inbox.deliver, secret=SECRET, curve=d_keys)
+    await nursery.start(d.run)
+    return p, d, p_inbox, d_inbox, address
+
+
+async def test_curve_round_trip_between_trusted_keys(nursery: trio.Nursery,
+                                                     tmp_path: Path) -> None:
+    keys = _curve_dir(tmp_path, "p0", "d0")
+    p, d, p_inbox, d_inbox, address = await _curve_pair(nursery, keys["p0"], keys["d0"])
+    assert d.send(address, GOOD) is False  # P's key not checked yet: D does not dial
+    assert d.stats.curve_untrusted_server == 1
+    assert d.set_server_key(address, keys["p0"].public.decode()) is None
+    assert d.send(address, GOOD)
+    await _until(lambda: p_inbox.got)
+    assert p_inbox.got == [("d0", GOOD)]
+    assert p.send("d0", HeartbeatAck(incarnation=7, seq=1))
+    await _until(lambda: d_inbox.got)
+    assert d_inbox.got == [(address, HeartbeatAck(incarnation=7, seq=1))]
+    assert p.stats.curve_refused == p.stats.handshake_failed == 0
+
+
+async def test_curve_refuses_untrusted_and_plain_clients(nursery: trio.Nursery, ctx: Any,
+                                                         tmp_path: Path) -> None:
+    keys = _curve_dir(tmp_path, "p0", "d0", "rogue")
+    p, _, p_inbox, _, address = await _curve_pair(nursery, keys["p0"], keys["d0"])
+    # A D with a CURVE key P does not trust: refused by ZAP during the handshake.
+    rogue = DecodeSideChannel("rogue", Inbox().deliver, secret=SECRET, curve=keys["rogue"])
+    await nursery.start(rogue.run)
+    # The rogue trusts P (it has P's public key): only P's refusal stops it.
+    assert rogue.set_server_key(address, keys["p0"].public.decode()) is None
+    assert rogue.send(address, GOOD)
+    await _until(lambda: p.stats.curve_refused >= 1)
+    # A plain ZMQ client (no CURVE at all), sending a correctly signed frame: the handshake
+    # fails on the mechanism; nothing reaches P's core.
+    plain = _raw_dealer(ctx, address, b"plain")
+    plain.send(frame_now(GOOD, KEY))
+    await _until(lambda: p.stats.handshake_failed >= 2)
+    await trio.sleep(0.2)
+    assert p_inbox.got == []
+    assert p.stats.received == 0
+    # And P still serves the trusted D.
+    d = DecodeSideChannel("d0", Inbox().deliver, secret=SECRET, curve=keys["d0"])
+    await nursery.start(d.run)
+    assert d.set_server_key(address, keys["p0"].public.decode()) is None
+    assert d.send(address, GOOD)
+    await _until(lambda: p_inbox.got)
+
+
+async def test_d_never_dials_a_p_whose_key_it_does_not_trust(nursery: trio.Nursery,
+                                                           tmp_path: Path) -> None:
+    keys = _curve_dir(tmp_path, "d0", "rogue")
+    d = DecodeSideChannel("d0", Inbox().deliver, secret=SECRET, curve=keys["d0"])
+    await nursery.start(d.run)
+    why = d.set_server_key("10.0.0.9:5000", keys["rogue"].public.decode())
+    assert why is not None and "not trusted" in why
+    assert "published no CURVE key" in (d.set_server_key("10.0.0.9:5000", None) or "")
+    assert not d.send("10.0.0.9:5000", GOOD)
+    assert d.peers == [] and d.stats.curve_untrusted_server == 3
+
+
+def test_curve_key_files_are_checked(tmp_path: Path) -> None:
+    zmq.auth.create_certificates(tmp_path, "p0")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CurveError, match="no secret key"):
+        CurveKeys.load(tmp_path / "p0.key", tmp_path)
+    with pytest.raises(CurveError, match=r"no \*\.key files"):
+        CurveKeys.load(tmp_path / "p0.key_secret", tmp_path / "empty")
+    with pytest.raises(CurveError, match="not a directory"):
+        CurveKeys.load(tmp_path / "p0.key_secret", tmp_path / "missing")

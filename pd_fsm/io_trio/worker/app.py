@@ -579,6 +579,6 @@ async def _serve_http(
     *,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    await serve_app(worker.app, host, port, shutdown_trigger=shutdown_trigger,
-                    task_status=task_status)
+    await serve_app(worker.app, host, port, tls=worker.config.tls,
+                    shutdown_trigger=shutdown_trigger, task_status=task_status)
     scope.cancel()  # HTTP shut down gracefully: nobody is left to serve

@@ -17,8 +17,10 @@ import attrs
 from pd_fsm.core.config import DecodeConfig
 from pd_fsm.io_trio.api_key import add_api_key_arguments, api_key_from_args
 from pd_fsm.io_trio.cpu_placement import parse_cpus
+from pd_fsm.io_trio.tls import NO_TLS, TLS, add_tls_arguments, tls_from_args
 
 if TYPE_CHECKING:
+    from pd_fsm.io_trio.curve import CurveKeys
     from pd_fsm.schedulers.args import SchedulerArgs
 
 # The same tuples as pd_fsm.jax_engine.model.registry.MODEL_NAMES and
@@ -83,6 +85,12 @@ class ServeConfig:
     # D: threads that run pulls (each only waits on its transfer; the forward thread scatters).
     disaggregation_pull_workers: int = 2
     cluster_secret_file: Path | None = None
+    # HTTPS for this worker's server, its registry calls and its advertised URL (tls.py).
+    tls: TLS = NO_TLS
+    # CURVE on the side channel (pd_fsm.io_trio.curve): this worker's key pair file, and the
+    # directory of the public keys it trusts. Both or neither.
+    side_channel_curve_key: Path | None = None
+    side_channel_curve_peers: Path | None = None
     log_level: str = "INFO"
     # "hugepages": large host buffers on transparent huge pages (pd_fsm.jax_engine.host_memory)
     host_heap: str = "hugepages"
@@ -137,6 +145,14 @@ class ServeConfig:
             "transfer_timeout": self.disaggregation_transfer_timeout,
             "pull_deadline": self.disaggregation_pull_deadline,
         }
+
+    def curve_keys(self) -> CurveKeys | None:
+        """The side channel's CURVE keys (raises CurveError naming the flag), or None."""
+        if self.side_channel_curve_key is None or self.side_channel_curve_peers is None:
+            return None
+        from pd_fsm.io_trio.curve import CurveKeys
+
+        return CurveKeys.load(self.side_channel_curve_key, self.side_channel_curve_peers)
 
     def cluster_secret(self) -> bytes | None:
         """The secret's bytes (stripped), None when no file is configured; raises OSError or
@@ -281,6 +297,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compilation-cache", action="store_true",
                    help="compile everything afresh at every start")
     add_api_key_arguments(p)
+    add_tls_arguments(p)
+    p.add_argument("--side-channel-curve-key", type=Path, default=None, metavar="FILE",
+                   help="P/D: CURVE-encrypt the side channel with this key pair (pyzmq's "
+                   "NAME.key_secret, from zmq.auth.create_certificates)")
+    p.add_argument("--side-channel-curve-peers", type=Path, default=None, metavar="DIR",
+                   help="P/D: the public keys (*.key) of the peers to accept: P admits only "
+                   "these D, D dials only these P")
 
 
 def check_environment(environ: Mapping[str, str]) -> None:
@@ -342,6 +365,14 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         )
     elif args.advertise_interface is not None:
         raise ValueError("--advertise-interface is for P and D workers (--disaggregation-mode)")
+    if (args.side_channel_curve_key is None) != (args.side_channel_curve_peers is None):
+        raise ValueError("--side-channel-curve-key and --side-channel-curve-peers go together")
+    if args.side_channel_curve_key is not None:
+        if args.disaggregation_mode == "null":
+            raise ValueError("--side-channel-curve-key is for P and D workers")
+        from pd_fsm.io_trio.curve import CurveKeys
+
+        CurveKeys.load(args.side_channel_curve_key, args.side_channel_curve_peers)  # fail now
     chat_template = None
     if args.chat_template is not None:
         # Imported here: jinja2 is not needed for `pd-fsm --help`.
@@ -378,6 +409,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         disaggregation_prefill_port=args.disaggregation_prefill_port,
         **{name: getattr(args, name) for name in windows},
         cluster_secret_file=args.cluster_secret_file,
+        tls=tls_from_args(args),
+        side_channel_curve_key=args.side_channel_curve_key,
+        side_channel_curve_peers=args.side_channel_curve_peers,
         log_level=args.log_level,
         host_heap=args.host_heap,
         cpus=args.cpus,

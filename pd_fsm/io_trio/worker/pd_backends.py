@@ -113,6 +113,8 @@ class _PDBackend(ColocatedBackend, ABC):
         # The side channel and the BootstrapClient each derive their own key from it
         # (pd_fsm.core.keys); neither sends it.
         self._secret = config.cluster_secret()
+        # CURVE keys for the side channel (pd_fsm.io_trio.curve), or None: plain TCP.
+        self._curve = config.curve_keys()
         self._inbox_send, self._inbox_recv = trio.open_memory_channel[tuple[float, Any]](INBOX_SIZE)
         self._token: trio.lowlevel.TrioToken | None = None
         self.bootstrap: BootstrapClient | None = None
@@ -179,6 +181,7 @@ class _PDBackend(ColocatedBackend, ABC):
                     heartbeat_interval=self.config.disaggregation_bootstrap_heartbeat_interval,
                     # The TTL assumed until the registry names its own (--...-heartbeat-ttl).
                     stale_after=self.config.disaggregation_bootstrap_heartbeat_ttl,
+                    tls=self.config.tls,
                 )
                 await nursery.start(self.bootstrap.run)
                 self._ready = True
@@ -236,7 +239,9 @@ class _PDBackend(ColocatedBackend, ABC):
 
     def _bootstrap_url(self) -> str:
         c = self.config
-        return f"http://{c.disaggregation_bootstrap_host}:{c.disaggregation_bootstrap_port}"
+        # TLS is on for the whole cluster or none of it (pd_fsm.io_trio.tls).
+        return (f"{c.tls.scheme}://{c.disaggregation_bootstrap_host}:"
+                f"{c.disaggregation_bootstrap_port}")
 
     def _record(self, sched: Any, zmq_addr: str, bootstrap_port: int | None) -> InstanceRecord:
         c = self.config
@@ -256,11 +261,16 @@ class _PDBackend(ColocatedBackend, ABC):
             page_size=c.page_size,
             kv_dtype=c.dtype,
             layout_hash=sched.layout_hash,
-            scheduler_addr=f"http://{c.public_host}:{c.port}",
+            scheduler_addr=f"{c.tls.scheme}://{c.public_host}:{c.port}",
             bootstrap_port=bootstrap_port,
             mesh_meta={"model": c.model_name, "devices": 1},
             heartbeat_ttl=c.disaggregation_bootstrap_heartbeat_ttl,
+            curve_public_key=self._curve.public.decode() if self._curve is not None else None,
         )
+
+    def _check_peer(self, record: InstanceRecord) -> str | None:
+        """Hook: why D must not use the P in ``record`` (DecodeBackend: its CURVE key)."""
+        return None
 
     async def _deliver_message(self, peer: str, message: Message) -> None:
         """The side channel's callback: stamp the arrival time, queue, wake the loop."""
@@ -411,7 +421,8 @@ class _PDBackend(ColocatedBackend, ABC):
     async def _resolve(self, bootstrap_addr: str) -> None:
         assert self.bootstrap is not None
         resolver = BootstrapResolver(
-            self.bootstrap, {"tp_rank": 0, "cp_rank": 0, "dp_rank": 0, "pp_rank": 0}
+            self.bootstrap, {"tp_rank": 0, "cp_rank": 0, "dp_rank": 0, "pp_rank": 0},
+            check=self._check_peer,
         )
         # Inside the core's own resolve deadline, so this clearer answer arrives first.
         answer: Any = ev.PeerResolutionFailed(bootstrap_addr, "bootstrap lookup timed out")
@@ -434,7 +445,8 @@ class PrefillBackend(_PDBackend):
 
     async def _start_io(self, nursery: trio.Nursery, sched: Any) -> InstanceRecord:
         bind = f"{self.config.host}:{self.config.disaggregation_side_channel_port}"
-        self.side = PrefillSideChannel(bind, self._deliver_message, secret=self._secret)
+        self.side = PrefillSideChannel(bind, self._deliver_message, secret=self._secret,
+                                       curve=self._curve)
         address: str = await nursery.start(self.side.run)
         _, port = split_host_port(address)  # the bound host may be 0.0.0.0: advertise ours
         # Routers know P by its side-channel port (DESIGN §5 "Who is P").
@@ -492,6 +504,10 @@ class DecodeBackend(_PDBackend):
             if peer.rooms
         }
 
+    def _check_peer(self, record: InstanceRecord) -> str | None:
+        assert self.side is not None
+        return self.side.set_server_key(record.zmq_addr, record.curve_public_key)
+
     async def _keepalive(self) -> None:
         """While one tick runs longer than a heartbeat interval, repeat the last heartbeats.
 
@@ -519,7 +535,8 @@ class DecodeBackend(_PDBackend):
 
     async def _start_io(self, nursery: trio.Nursery, sched: Any) -> InstanceRecord:
         self.side = DecodeSideChannel(
-            self.pd_args.instance_id, self._deliver_message, secret=self._secret
+            self.pd_args.instance_id, self._deliver_message, secret=self._secret,
+            curve=self._curve,
         )
         await nursery.start(self.side.run)
         nursery.start_soon(self._keepalive)

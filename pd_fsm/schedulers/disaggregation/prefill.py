@@ -51,7 +51,9 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
             engine or JaxTransferKVEngine(args.transfer_host, reaper_interval_s=None), clock
         )
         self.core = PrefillEndpoint(
-            self.layout_hash, rng or random.Random(), args.lease_config(),
+            # The OS's CSPRNG by default: transfer uuids are the data plane's only guard
+            # (README "Security model"); tests pass a seeded Random.
+            self.layout_hash, rng or random.SystemRandom(), args.lease_config(),
             transfer_addr=self.engine.address,
         )
         self.send_queue = self._create_send_queue()
