@@ -63,13 +63,13 @@ class Child:
     status: str = "starting"
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free right now on 127.0.0.1 (the OS picks them)."""
+def free_ports(n: int, host: str = HOST) -> list[int]:
+    """``n`` distinct ports free right now on ``host`` (the OS picks them)."""
     socks = []
     try:
         for _ in range(n):
             s = socket.socket()
-            s.bind((HOST, 0))
+            s.bind((host, 0))
             socks.append(s)
         return [int(s.getsockname()[1]) for s in socks]
     finally:

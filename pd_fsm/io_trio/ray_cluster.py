@@ -31,7 +31,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,8 @@ from typing import Any
 
 import attrs
 
+from pd_fsm.io_trio.cluster import free_ports
+
 MAX_LINES = 5000  # per actor, kept until the driver reads them
 STOP_GRACE = 10.0
 PROGRESS_EVERY = 5.0
@@ -56,19 +57,6 @@ def _die_with_parent() -> None:
     """In the child, before exec: SIGKILL when the actor process that started it dies."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-def _free_ports(host: str, n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((host, 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _is_ours(pid: int) -> bool:
@@ -108,7 +96,7 @@ class ServiceActor:
                 if not _is_ours(old_pid):
                     break
                 time.sleep(0.05)
-        self.ports: list[int] = state.get("ports") or _free_ports(self.host, n_ports)
+        self.ports: list[int] = state.get("ports") or free_ports(n_ports, self.host)
         self.restarts: int = int(state.get("restarts", -1)) + 1
         self.health_port = None if health_port is None else self.ports[health_port]
         fields = {"host": self.host, **{f"port{i}": p for i, p in enumerate(self.ports)}}

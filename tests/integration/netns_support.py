@@ -124,6 +124,17 @@ for line in sys.stdin:
 """
 
 
+def _end(proc: subprocess.Popen[str]) -> None:
+    """Close a helper's stdin (its signal to finish) and reap it; kill it if it lingers."""
+    if proc.stdin is not None:
+        proc.stdin.close()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 _SNIFFER = r"""
 import socket, sys
 # Every frame on one interface, as a packet capture would see it (AF_PACKET, root in the
@@ -161,13 +172,7 @@ class Sniffer:
 
     def stop(self) -> list[bytes]:
         """The captured Ethernet frames, in order."""
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        _end(self.proc)
         raw, frames, at = self.path.read_bytes(), [], 0
         while at + 4 <= len(raw):
             n = int.from_bytes(raw[at:at + 4], "big")
@@ -244,10 +249,40 @@ class NsClient:
                 time.sleep(0.3)
 
     def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
+        _end(self.proc)
+
+
+class NsFleet:
+    """Processes started in the namespaces of ``hosts`` (``start``), each logging to a file in
+    ``logs``, and one HTTP client in ``client_ns``; ``close`` stops them all and removes the
+    namespaces. For the module fixtures of the multi-host tests."""
+
+    def __init__(self, logs: Path, client_ns: str = "b") -> None:
+        from tests.integration.failure_support import Proc
+
+        self._proc_class = Proc
+        self.hosts = Hosts.make()
+        self.logs = logs
+        self.procs: dict[str, Proc] = {}
         try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self.client = NsClient(self.hosts, getattr(self.hosts, client_ns))
+        except BaseException:
+            self.hosts.remove()
+            raise
+
+    def start(self, name: str, ns: str, argv: list[str]) -> None:
+        proc = self._proc_class(name, self.hosts.exec(ns, argv), self.logs / f"{name}.log")
+        self.procs[name] = proc
+        proc.start()
+
+    def wait_ok(self, urls: list[str], ca: Path | None = None) -> None:
+        self.client.wait_ok(urls, logs=[p.log_path for p in self.procs.values()], ca=ca)
+
+    def tails(self, n: int = 20) -> str:
+        return "\n".join(p.tail(n) for p in self.procs.values())
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            proc.stop()
+        self.client.close()
+        self.hosts.remove()

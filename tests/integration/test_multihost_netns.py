@@ -19,8 +19,8 @@ from typing import Any
 import attrs
 import pytest
 
-from tests.integration.failure_support import Proc, cli
-from tests.integration.netns_support import Hosts, NsClient, namespaces_unavailable
+from tests.integration.failure_support import cli
+from tests.integration.netns_support import Hosts, NsClient, NsFleet, namespaces_unavailable
 
 pytestmark = [pytest.mark.slow]
 
@@ -35,9 +35,15 @@ BOOT_PORT, P_PORT, P_SIDE, D_PORT, COLOC_PORT, PROXY_PORT = 8998, 30000, 31000, 
 
 @attrs.define
 class TwoHosts:
-    hosts: Hosts
-    procs: dict[str, Proc]
-    client_b: NsClient
+    fleet: NsFleet
+
+    @property
+    def hosts(self) -> Hosts:
+        return self.fleet.hosts
+
+    @property
+    def client_b(self) -> NsClient:
+        return self.fleet.client
 
     @property
     def proxy(self) -> str:
@@ -56,52 +62,40 @@ class TwoHosts:
         return f"http://{self.hosts.ip_a}:{BOOT_PORT}"
 
     def tails(self) -> str:
-        return "\n".join(p.tail() for p in self.procs.values())
+        return self.fleet.tails(40)
 
 
 @pytest.fixture(scope="module")
 def two_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoHosts]:
-    hosts = Hosts.make()
-    logs = tmp_path_factory.mktemp("netns")
-    procs: dict[str, Proc] = {}
-    client: NsClient | None = None
+    fleet = NsFleet(Path(tmp_path_factory.mktemp("netns")))
+    env = TwoHosts(fleet)
+    hosts = fleet.hosts
     a, b = hosts.ip_a, hosts.ip_b
-
-    def start(name: str, ns: str, argv: list[str]) -> None:
-        procs[name] = Proc(name, hosts.exec(ns, argv), Path(logs) / f"{name}.log")
-        procs[name].start()
-
     try:
-        start("bootstrap", hosts.a, cli("bootstrap", "--host", a, "--port", str(BOOT_PORT)))
-        start("prefill", hosts.a, cli(
+        fleet.start("bootstrap", hosts.a, cli("bootstrap", "--host", a, "--port", str(BOOT_PORT)))
+        fleet.start("prefill", hosts.a, cli(
             "serve", *SMOL, "--disaggregation-mode", "prefill", "--host", "0.0.0.0",
             "--advertise-host", a, "--port", str(P_PORT),
             "--disaggregation-side-channel-port", str(P_SIDE),
             "--disaggregation-bootstrap-host", a,
             "--disaggregation-bootstrap-port", str(BOOT_PORT)))
-        start("decode", hosts.b, cli(
+        fleet.start("decode", hosts.b, cli(
             "serve", *SMOL, "--disaggregation-mode", "decode", "--host", "0.0.0.0",
             "--advertise-interface", hosts.if_b, "--port", str(D_PORT),
             "--disaggregation-bootstrap-host", a,
             "--disaggregation-bootstrap-port", str(BOOT_PORT)))
-        start("colocated", hosts.b, cli(
+        fleet.start("colocated", hosts.b, cli(
             "serve", *SMOL, "--host", "127.0.0.1", "--port", str(COLOC_PORT)))
-        client = NsClient(hosts, hosts.b)
-        env = TwoHosts(hosts, procs, client)
-        client.wait_ok([f"{env.boot_url}/health", f"{env.p_url}/health", f"{env.d_url}/health",
-                        f"http://127.0.0.1:{COLOC_PORT}/health"],
-                       logs=[p.log_path for p in procs.values()])
+        fleet.wait_ok([f"{env.boot_url}/health", f"{env.p_url}/health", f"{env.d_url}/health",
+                       f"http://127.0.0.1:{COLOC_PORT}/health"])
         # The proxy learns both workers from the registry: only advertised addresses in it.
-        start("proxy", hosts.b, cli("proxy", "--host", b, "--port", str(PROXY_PORT),
-                                    "--bootstrap-url", env.boot_url, "--refresh-interval", "1"))
-        client.wait_ok([f"{env.proxy}/health"], logs=[procs["proxy"].log_path])
+        fleet.start("proxy", hosts.b, cli("proxy", "--host", b, "--port", str(PROXY_PORT),
+                                          "--bootstrap-url", env.boot_url,
+                                          "--refresh-interval", "1"))
+        fleet.wait_ok([f"{env.proxy}/health"])
         yield env
     finally:
-        for proc in procs.values():
-            proc.stop()
-        if client is not None:
-            client.close()
-        hosts.remove()
+        fleet.close()
 
 
 def _chat(prompt: str) -> dict[str, Any]:

@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from tests.integration.failure_support import SLACK, TINY, TRANSFER_TIMEOUT, WINDOWS, Proc, cli
-from tests.integration.netns_support import Hosts, NsClient, namespaces_unavailable
+from tests.integration.failure_support import SLACK, TINY, TRANSFER_TIMEOUT, WINDOWS, cli
+from tests.integration.netns_support import Hosts, NsClient, NsFleet, namespaces_unavailable
 
 pytestmark = [pytest.mark.slow]
 
@@ -39,45 +39,30 @@ ANSWER_DEADLINE = TRANSFER_TIMEOUT + SLACK
 
 
 @pytest.fixture(scope="module")
-def cluster(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tuple[Hosts, NsClient, dict[str, Proc]]]:
-    hosts = Hosts.make()
-    logs = tmp_path_factory.mktemp("partition")
-    procs: dict[str, Proc] = {}
-    client: NsClient | None = None
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NsFleet]:
+    fleet = NsFleet(Path(tmp_path_factory.mktemp("partition")))
+    hosts = fleet.hosts
     a, b = hosts.ip_a, hosts.ip_b
-
-    def start(name: str, ns: str, argv: list[str]) -> None:
-        procs[name] = Proc(name, hosts.exec(ns, argv), Path(logs) / f"{name}.log")
-        procs[name].start()
-
     boot = ["--disaggregation-bootstrap-host", a, "--disaggregation-bootstrap-port", str(BOOT_PORT)]
     try:
         ttl = str(WINDOWS["--disaggregation-bootstrap-heartbeat-ttl"])
-        start("bootstrap", hosts.a,
-              cli("bootstrap", "--host", a, "--port", str(BOOT_PORT), "--ttl", ttl))
-        start("prefill", hosts.a, cli(
+        fleet.start("bootstrap", hosts.a,
+                    cli("bootstrap", "--host", a, "--port", str(BOOT_PORT), "--ttl", ttl))
+        fleet.start("prefill", hosts.a, cli(
             "serve", *FLAGS, "--disaggregation-mode", "prefill", "--host", a,
             "--port", str(P_PORT), "--disaggregation-side-channel-port", str(P_SIDE), *boot))
-        start("decode", hosts.b, cli(
+        fleet.start("decode", hosts.b, cli(
             "serve", *FLAGS, "--disaggregation-mode", "decode", "--host", b,
             "--port", str(D_PORT), *boot))
-        client = NsClient(hosts, hosts.b)
-        client.wait_ok([f"http://{a}:{BOOT_PORT}/health", f"http://{a}:{P_PORT}/health",
-                        f"http://{b}:{D_PORT}/health"],
-                       logs=[p.log_path for p in procs.values()])
-        start("proxy", hosts.b, cli("proxy", "--host", b, "--port", str(PROXY_PORT),
-                                    "--prefill", f"http://{a}:{P_PORT}", str(P_SIDE),
-                                    "--decode", f"http://{b}:{D_PORT}"))
-        client.wait_ok([f"http://{b}:{PROXY_PORT}/health"], logs=[procs["proxy"].log_path])
-        yield hosts, client, procs
+        fleet.wait_ok([f"http://{a}:{BOOT_PORT}/health", f"http://{a}:{P_PORT}/health",
+                       f"http://{b}:{D_PORT}/health"])
+        fleet.start("proxy", hosts.b, cli("proxy", "--host", b, "--port", str(PROXY_PORT),
+                                          "--prefill", f"http://{a}:{P_PORT}", str(P_SIDE),
+                                          "--decode", f"http://{b}:{D_PORT}"))
+        fleet.wait_ok([f"http://{b}:{PROXY_PORT}/health"])
+        yield fleet
     finally:
-        for proc in procs.values():
-            proc.stop()
-        if client is not None:
-            client.close()
-        hosts.remove()
+        fleet.close()
 
 
 def _body(i: int, max_tokens: int) -> dict[str, Any]:
@@ -125,8 +110,8 @@ def _is_idle(seen: dict[str, Any]) -> bool:
                and v["registered"] == v["released"] for v in seen.values())
 
 
-def test_partition_mid_flight_then_heal(cluster: tuple[Hosts, NsClient, dict[str, Proc]]) -> None:
-    hosts, client, procs = cluster
+def test_partition_mid_flight_then_heal(cluster: NsFleet) -> None:
+    hosts, client, procs = cluster.hosts, cluster.client, cluster.procs
     proxy = f"http://{hosts.ip_b}:{PROXY_PORT}/generate"
     before = client.call([{"method": "POST", "url": proxy, "json": _body(i, 16), "timeout": 60}
                           for i in range(4)])

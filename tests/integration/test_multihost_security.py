@@ -36,10 +36,11 @@ from zmq.utils import z85
 
 from pd_fsm.core.keys import registry_key, side_channel_key
 from pd_fsm.io_trio.tls import TLS, throwaway_ca
-from tests.integration.failure_support import TINY, WINDOWS, Proc, cli
+from tests.integration.failure_support import TINY, WINDOWS, cli
 from tests.integration.netns_support import (
     Hosts,
     NsClient,
+    NsFleet,
     Sniffer,
     namespaces_unavailable,
     tcp_ports,
@@ -58,13 +59,19 @@ MARKER = "Zanzibar-7f3c"  # in every prompt: must never be seen on the wire
 
 @attrs.define
 class Secure:
-    hosts: Hosts
-    client: NsClient
-    procs: dict[str, Proc]
+    fleet: NsFleet
     tls: TLS
     secret: bytes
     curve_secrets: list[bytes]
     work: Path
+
+    @property
+    def hosts(self) -> Hosts:
+        return self.fleet.hosts
+
+    @property
+    def client(self) -> NsClient:
+        return self.fleet.client
 
     @property
     def ca(self) -> Path:
@@ -77,65 +84,53 @@ class Secure:
 
 @pytest.fixture(scope="module")
 def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secure]:
-    hosts = Hosts.make()
     work = Path(tmp_path_factory.mktemp("secure"))
+    fleet = NsFleet(work)
+    hosts = fleet.hosts
     a, b = hosts.ip_a, hosts.ip_b
-    tls = throwaway_ca(work / "tls", [a, b])
-    keys = work / "curve"
-    trusted = keys / "trusted"
-    trusted.mkdir(parents=True)
-    curve_secrets = []
-    for name in ("p0", "d0"):
-        zmq.auth.create_certificates(keys, name)
-        (trusted / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
-        curve_secrets.append(zmq.auth.load_certificate(keys / f"{name}.key_secret")[1])
-    secret = secrets.token_hex(16).encode()
-    (work / "cluster.secret").write_bytes(secret + b"\n")
-    procs: dict[str, Proc] = {}
-    client: NsClient | None = None
-
-    def start(name: str, ns: str, argv: list[str]) -> None:
-        procs[name] = Proc(name, hosts.exec(ns, argv), work / f"{name}.log")
-        procs[name].start()
-
-    def secured(name: str) -> list[str]:
-        return [*tls.argv(), "--cluster-secret-file", str(work / "cluster.secret"),
-                "--side-channel-curve-key", str(keys / f"{name}.key_secret"),
-                "--side-channel-curve-peers", str(trusted),
-                "--disaggregation-bootstrap-host", a,
-                "--disaggregation-bootstrap-port", str(BOOT_PORT)]
-
     try:
-        start("bootstrap", hosts.a, cli(
+        tls = throwaway_ca(work / "tls", [a, b])
+        keys = work / "curve"
+        trusted = keys / "trusted"
+        trusted.mkdir(parents=True)
+        curve_secrets = []
+        for name in ("p0", "d0"):
+            zmq.auth.create_certificates(keys, name)
+            (trusted / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+            curve_secrets.append(zmq.auth.load_certificate(keys / f"{name}.key_secret")[1])
+        secret = secrets.token_hex(16).encode()
+        (work / "cluster.secret").write_bytes(secret + b"\n")
+
+        def secured(name: str) -> list[str]:
+            return [*tls.argv(), "--cluster-secret-file", str(work / "cluster.secret"),
+                    "--side-channel-curve-key", str(keys / f"{name}.key_secret"),
+                    "--side-channel-curve-peers", str(trusted),
+                    "--disaggregation-bootstrap-host", a,
+                    "--disaggregation-bootstrap-port", str(BOOT_PORT)]
+
+        fleet.start("bootstrap", hosts.a, cli(
             "bootstrap", "--host", a, "--port", str(BOOT_PORT), "--secret-file",
             str(work / "cluster.secret"), "--ssl-certfile", str(tls.certfile),
             "--ssl-keyfile", str(tls.keyfile), "--ttl",
             str(WINDOWS["--disaggregation-bootstrap-heartbeat-ttl"])))
-        start("prefill", hosts.a, cli(
+        fleet.start("prefill", hosts.a, cli(
             "serve", *FLAGS, "--disaggregation-mode", "prefill", "--host", a, "--port",
             str(P_PORT), "--disaggregation-side-channel-port", str(P_SIDE), *secured("p0")))
-        start("decode", hosts.b, cli(
+        fleet.start("decode", hosts.b, cli(
             "serve", *FLAGS, "--disaggregation-mode", "decode", "--host", b, "--port",
             str(D_PORT), *secured("d0")))
-        start("colocated", hosts.b, cli("serve", *TINY, "--host", "127.0.0.1", "--port",
-                                        str(COLOC_PORT)))
-        client = NsClient(hosts, hosts.b)
-        logs = [p.log_path for p in procs.values()]
-        client.wait_ok([f"https://{a}:{BOOT_PORT}/health", f"https://{a}:{P_PORT}/health",
-                        f"https://{b}:{D_PORT}/health"], logs=logs, ca=tls.ca_file)
-        client.wait_ok([f"http://127.0.0.1:{COLOC_PORT}/health"], logs=logs)
-        start("proxy", hosts.b, cli("proxy", "--host", b, "--port", str(PROXY_PORT),
-                                    "--bootstrap-url", f"https://{a}:{BOOT_PORT}",
-                                    "--refresh-interval", "1", *tls.argv()))
-        client.wait_ok([f"https://{b}:{PROXY_PORT}/health"], logs=[procs["proxy"].log_path],
-                       ca=tls.ca_file)
-        yield Secure(hosts, client, procs, tls, secret, curve_secrets, work)
+        fleet.start("colocated", hosts.b, cli("serve", *TINY, "--host", "127.0.0.1", "--port",
+                                              str(COLOC_PORT)))
+        fleet.wait_ok([f"https://{a}:{BOOT_PORT}/health", f"https://{a}:{P_PORT}/health",
+                       f"https://{b}:{D_PORT}/health"], ca=tls.ca_file)
+        fleet.wait_ok([f"http://127.0.0.1:{COLOC_PORT}/health"])
+        fleet.start("proxy", hosts.b, cli("proxy", "--host", b, "--port", str(PROXY_PORT),
+                                          "--bootstrap-url", f"https://{a}:{BOOT_PORT}",
+                                          "--refresh-interval", "1", *tls.argv()))
+        fleet.wait_ok([f"https://{b}:{PROXY_PORT}/health"], ca=tls.ca_file)
+        yield Secure(fleet, tls, secret, curve_secrets, work)
     finally:
-        for proc in procs.values():
-            proc.stop()
-        if client is not None:
-            client.close()
-        hosts.remove()
+        fleet.close()
 
 
 def _generate(base: str, i: int, ca: Path | None) -> dict[str, Any]:
