@@ -307,6 +307,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
     def _expire_leases(self, now: float, out: list[Any]) -> None:
         for room in self._room_timers.pop_due(now):
             r = self.rooms[room]
+            self.stats.lease_expired += 1
             self._lease_step(r, "Expired")  # effect ExpireRoom:
             self._step(
                 r,

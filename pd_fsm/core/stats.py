@@ -19,6 +19,7 @@ class EndpointStats:
     succeeded: int = 0
     failed: int = 0
     peer_restarts: int = 0  # a peer came back as a new process (a new incarnation)
+    lease_expired: int = 0  # P: rooms whose KV hold lease ran out (no heartbeat from D)
 
     def as_dict(self) -> dict[str, int]:
         return attrs.asdict(self)

@@ -91,6 +91,15 @@ def _text(answer: dict[str, Any]) -> str:
     return str(json.loads(body)["text"])
 
 
+def _p_events(client: NsClient, hosts: Hosts) -> dict[str, int]:
+    info = client.json("GET", f"http://{hosts.ip_a}:{P_PORT}/server_info")
+    return dict(info["internal_states"][0].get("pd_events", {}))
+
+
+def _rooms_on_p(client: NsClient, hosts: Hosts) -> int:
+    return _p_events(client, hosts).get("rooms_live", 0)
+
+
 def _idle(client: NsClient, hosts: Hosts) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     for name, base in (("P", f"http://{hosts.ip_a}:{P_PORT}"),
@@ -117,29 +126,37 @@ def test_partition_mid_flight_then_heal(cluster: NsFleet) -> None:
                           for i in range(4)])
     assert [_outcome(a) for a in before] == ["ok"] * 4, before
 
-    # In flight: 12 requests, long enough that some are decoding and some wait for their KV.
-    batch = [{"method": "POST", "url": proxy, "json": _body(i, 200), "timeout": 120}
+    # In flight when the link goes down: 12 long requests, sent until P holds at least one room
+    # (probed from B by a second client: the first waits on the batch), so some decode on D
+    # while P still holds their KV; then 4 more, whose legs meet the partition.
+    batch = [{"method": "POST", "url": proxy, "json": _body(i, 240), "timeout": 120}
              for i in range(12)]
     client.send(batch)
-    time.sleep(0.5)
-    hosts.link(up=False)
-    t_down = time.monotonic()
+    late_client = NsClient(hosts, hosts.b)
     try:
+        deadline = time.monotonic() + 30
+        while _rooms_on_p(late_client, hosts) == 0:
+            assert time.monotonic() < deadline, "P never held a room"
+            time.sleep(0.02)
+        hosts.link(up=False)
+        t_down = time.monotonic()
+        late_client.send([{"method": "POST", "url": proxy, "json": _body(100 + i, 16),
+                           "timeout": 120} for i in range(4)])
         answers = client.receive()
-    finally:
+        late = late_client.receive()
         down_for = time.monotonic() - t_down
-    outcomes = [_outcome(a) for a in answers]
+    finally:
+        late_client.close()
     tails = "\n".join(p.tail(20) for p in procs.values())
-    assert len(answers) == len(batch)
-    late = [(o, a["elapsed"]) for o, a in zip(outcomes, answers, strict=True)
-            if a["elapsed"] > ANSWER_DEADLINE + 0.5]
-    assert not late, (late, tails)
-    seen_by_client = [(o[:90], round(a["elapsed"], 2))
-                      for o, a in zip(outcomes, answers, strict=True)]
-    # Requests already decoding on D finish (D needs nothing more from P); the rest are cut.
-    assert any(o != "ok" for o in outcomes), ("nothing was cut by the partition", seen_by_client)
-    assert all(o == "ok" or "silent for" in o or "KV transfer failed" in o for o in outcomes), (
-        seen_by_client, tails)
+    seen_by_client = [(_outcome(a)[:90], round(a["elapsed"], 2)) for a in answers + late]
+    assert len(answers) == len(batch) and len(late) == 4
+    # Every client is answered by the deadline for a lost P, with a 200 (requests whose KV D
+    # had already pulled: D needs nothing more from P) or a clean error naming P's silence or
+    # the failed transfer. The late ones never reach P: all cut.
+    assert all(a["elapsed"] <= ANSWER_DEADLINE + 0.5 for a in answers + late), seen_by_client
+    assert all(o == "ok" or "silent for" in o or "KV transfer failed" in o
+               for o, _ in seen_by_client), (seen_by_client, tails)
+    assert all(_outcome(a) != "ok" for a in late), seen_by_client
 
     # D side (reachable from B): its pages come back while the link is still down.
     d_base = f"http://{hosts.ip_b}:{D_PORT}"
@@ -168,6 +185,8 @@ def test_partition_mid_flight_then_heal(cluster: NsFleet) -> None:
         assert time.monotonic() < deadline, (after, tails)
         time.sleep(1)
     assert [_text(a) for a in after] == [_text(a) for a in before]
+    # P reclaimed the rooms it held by lease while D could not reach it.
+    assert _p_events(client, hosts)["lease_expired"] >= 1
     assert all(p.alive() for p in procs.values())
     assert len(procs["prefill"].pids) == len(procs["decode"].pids) == 1  # never restarted
     assert _is_idle(_idle(client, hosts))
