@@ -9,8 +9,6 @@ an ack fails every room of that P with PeerLost and drops the cached resolution.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from typing import Any
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
@@ -25,9 +23,11 @@ from pd_fsm.core.messages import (
     Ready,
     RecvInit,
 )
-from pd_fsm.core.rooms import RoomMachines
+from pd_fsm.core.rooms import Cause, RoomMachines
 from pd_fsm.core.tables import KV_RECEIVER
 from pd_fsm.core.timers import DeadlineHeap
+
+_Fx = fx.DecodeEffect
 
 _HOST_PORT = re.compile(r"[A-Za-z0-9.\-]{1,253}:[0-9]{1,5}|\[[0-9A-Fa-f:.]{2,45}\]:[0-9]{1,5}")
 
@@ -95,23 +95,12 @@ class _Peer:
         self.unanswered = 0  # heartbeats sent since P last said anything
 
 
-class _Why:
-    """Context passed to effects: the trigger that caused them and a reason for the client."""
-
-    __slots__ = ("reason", "status", "trigger")
-
-    def __init__(self, trigger: str, reason: str, status: int) -> None:
-        self.trigger = trigger
-        self.reason = reason
-        self.status = status
-
-
-class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
+class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
     table = KV_RECEIVER
     peer_role = "P"
 
     def _apply(
-        self, r: _ReceiverRoom, trigger: str, now: float, out: list[Any], reason: str
+        self, r: _ReceiverRoom, trigger: str, now: float, out: list[_Fx], reason: str
     ) -> None:
         self._go(r, trigger, now, out, reason)
 
@@ -141,28 +130,35 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
             "TRANSFERRING": c.transfer_timeout,
             "CANCELLING": c.transfer_timeout,
         }
-        self._handlers: dict[type, Callable[[Any, float, list[Any]], None]] = {
-            ev.DecodeRequestAccepted: self._on_request,
-            ev.PeerResolved: self._on_peer_resolved,
-            ev.PeerResolutionFailed: self._on_peer_unresolved,
-            ev.BlocksAllocated: self._on_blocks,
-            ev.PullSucceeded: self._on_pull_succeeded,
-            ev.PullFailed: self._on_pull_failed,
-            ev.Aborted: self._on_aborted,
-            ev.MessageReceived: self._on_message,
-            ev.TimeAdvanced: _ignore,
-        }
 
     # -- entry point --------------------------------------------------------------------------
 
-    def handle(self, event: Any, now: float) -> list[Any]:
-        out: list[Any] = []
+    def handle(self, event: ev.DecodeEvent, now: float) -> list[fx.DecodeEffect]:
+        """The one entry point: ``event`` at time ``now``; the effects to carry out, in order."""
+        out: list[fx.DecodeEffect] = []
         self.stats.events += 1
         self._fire_due(now, out)
-        handler = self._handlers.get(type(event))
-        if handler is None:
-            raise LocalProtocolError(f"DecodeEndpoint cannot handle {type(event).__name__}")
-        handler(event, now, out)
+        match event:
+            case ev.MessageReceived():
+                self._on_message(event, now, out)
+            case ev.DecodeRequestAccepted():
+                self._on_request(event, now, out)
+            case ev.PeerResolved():
+                self._on_peer_resolved(event, now, out)
+            case ev.PeerResolutionFailed():
+                self._on_peer_unresolved(event, now, out)
+            case ev.BlocksAllocated():
+                self._on_blocks(event, now, out)
+            case ev.PullSucceeded():
+                self._on_pull_succeeded(event, now, out)
+            case ev.PullFailed():
+                self._on_pull_failed(event, now, out)
+            case ev.Aborted():
+                self._on_aborted(event, now, out)
+            case ev.TimeAdvanced():
+                pass  # what is due fired above
+            case _:  # an embedder without a type checker
+                raise LocalProtocolError(f"DecodeEndpoint cannot handle {type(event).__name__}")
         return out
 
     def next_deadline(self) -> float | None:
@@ -187,18 +183,19 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
         r: _ReceiverRoom,
         trigger: str,
         now: float,
-        out: list[Any],
+        out: list[_Fx],
         reason: str = "",
         status: int = 0,
     ) -> None:
         before = r.state
-        self._step(r, trigger, now, out, _Why(trigger, reason, status or _STATUS.get(trigger, 500)))
+        self._step(r, trigger, now, out,
+                   Cause(trigger, reason, status or _STATUS.get(trigger, 500)))
         if r.state != before and r.room in self.rooms:
             self._room_timers.set(r.room, now + self._state_timeout[r.state])
 
     # -- local events -------------------------------------------------------------------------
 
-    def _on_request(self, e: ev.DecodeRequestAccepted, now: float, out: list[Any]) -> None:
+    def _on_request(self, e: ev.DecodeRequestAccepted, now: float, out: list[_Fx]) -> None:
         if e.room in self.rooms:
             self.stats.rejected += 1
             out.append(fx.RejectRequest(e.room, f"bootstrap_room {e.room} is already live here"))
@@ -209,7 +206,7 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
         if r.peer is not None:  # P was in the resolution cache: no lookup needed
             self._go(r, "PeerResolved", now, out)
 
-    def _on_peer_resolved(self, e: ev.PeerResolved, now: float, out: list[Any]) -> None:
+    def _on_peer_resolved(self, e: ev.PeerResolved, now: float, out: list[_Fx]) -> None:
         previous = self._resolved.get(e.bootstrap_addr)
         self._resolved[e.bootstrap_addr] = e.peer
         if previous is not None and previous != e.peer:
@@ -226,29 +223,29 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
                 r.peer = e.peer
                 self._go(r, "PeerResolved", now, out)
 
-    def _on_peer_unresolved(self, e: ev.PeerResolutionFailed, now: float, out: list[Any]) -> None:
+    def _on_peer_unresolved(self, e: ev.PeerResolutionFailed, now: float, out: list[_Fx]) -> None:
         reason = f"cannot resolve prefill at {e.bootstrap_addr}: {e.reason}"
         for room in self._resolving.pop(e.bootstrap_addr, ()):
             r = self.rooms.get(room)
             if r is not None and r.state == "RESOLVING":
                 self._go(r, "PeerUnresolved", now, out, reason)
 
-    def _on_blocks(self, e: ev.BlocksAllocated, now: float, out: list[Any]) -> None:
+    def _on_blocks(self, e: ev.BlocksAllocated, now: float, out: list[_Fx]) -> None:
         r = self._live_local(e.room, "BlocksAllocated")
         if r is not None:
             self._go(r, "BlocksAllocated", now, out)
 
-    def _on_pull_succeeded(self, e: ev.PullSucceeded, now: float, out: list[Any]) -> None:
+    def _on_pull_succeeded(self, e: ev.PullSucceeded, now: float, out: list[_Fx]) -> None:
         r = self._live_local(e.room, "PullSucceeded")
         if r is not None:
             self._go(r, "PullSucceeded", now, out)
 
-    def _on_pull_failed(self, e: ev.PullFailed, now: float, out: list[Any]) -> None:
+    def _on_pull_failed(self, e: ev.PullFailed, now: float, out: list[_Fx]) -> None:
         r = self._live_local(e.room, "PullFailed")
         if r is not None:
             self._go(r, "PullFailed", now, out, f"KV transfer failed: {e.reason}")
 
-    def _on_aborted(self, e: ev.Aborted, now: float, out: list[Any]) -> None:
+    def _on_aborted(self, e: ev.Aborted, now: float, out: list[_Fx]) -> None:
         r = self.rooms.get(e.room)
         if r is None:
             self.stats.unknown_room += 1
@@ -268,7 +265,7 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
 
     # -- messages from P ----------------------------------------------------------------------
 
-    def _on_message(self, e: ev.MessageReceived, now: float, out: list[Any]) -> None:
+    def _on_message(self, e: ev.MessageReceived, now: float, out: list[_Fx]) -> None:
         self.stats.messages += 1
         m = e.message
         peer = self.peers.get(e.peer)
@@ -324,7 +321,7 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
             return f"READY names an unusable transfer address {m.transfer_addr[:80]!r}"
         return ""
 
-    def _on_ack(self, peer: _Peer, m: HeartbeatAck, now: float, out: list[Any]) -> None:
+    def _on_ack(self, peer: _Peer, m: HeartbeatAck, now: float, out: list[_Fx]) -> None:
         self._note_incarnation(peer, m.incarnation, now, out)
         for room in m.failed_rooms:
             r = self.rooms.get(room)
@@ -342,7 +339,7 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
                 reason = f"prefill {peer.addr} does not know the room (restarted or lost our hello)"
                 self._go(r, "PeerLost", now, out, reason)
 
-    def _note_incarnation(self, peer: _Peer, incarnation: int, now: float, out: list[Any]) -> None:
+    def _note_incarnation(self, peer: _Peer, incarnation: int, now: float, out: list[_Fx]) -> None:
         """P names its incarnation in every ack and READY. A new one means P restarted (at the
         same side-channel address): what its previous process held is gone. Rooms READY'd by that
         process fail now (their KV died with it); rooms still waiting for READY are judged by the
@@ -364,7 +361,7 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
 
     # -- timers -------------------------------------------------------------------------------
 
-    def _fire_due(self, now: float, out: list[Any]) -> None:
+    def _fire_due(self, now: float, out: list[_Fx]) -> None:
         if not (
             self._room_timers.maybe_due(now)
             or self._live_timers.maybe_due(now)
@@ -409,7 +406,7 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
             "WAITING_FOR_READY": f"no READY from prefill within {window:g} s",
         }.get(r.state, f"KV transfer not finished within {window:g} s")
 
-    def _lose_peer(self, peer: _Peer, now: float, out: list[Any], reason: str) -> None:
+    def _lose_peer(self, peer: _Peer, now: float, out: list[_Fx], reason: str) -> None:
         for addr in [a for a, p in self._resolved.items() if p == peer.addr]:
             del self._resolved[addr]  # look P up again next time: it may have moved
         peer.incarnation = None
@@ -419,7 +416,7 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
                 self._go(r, "PeerLost", now, out, reason)
         self._forget_if_idle(peer.addr, out)
 
-    def _forget_if_idle(self, addr: str, out: list[Any]) -> None:
+    def _forget_if_idle(self, addr: str, out: list[_Fx]) -> None:
         """Drop what we keep for a P no room needs (rooms mid-pull still need it for DONE)."""
         peer = self.peers.get(addr)
         if peer is None or peer.rooms or addr in self._resolved.values():
@@ -431,7 +428,7 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
 
     # -- effects (names from the tables) ------------------------------------------------------
 
-    def _fx_ResolvePeer(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+    def _fx_ResolvePeer(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
         addr = r.bootstrap_addr
         peer = self._resolved.get(addr)
         if peer is not None:
@@ -444,7 +441,7 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
         else:
             waiting.append(r.room)
 
-    def _fx_JoinHeartbeats(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+    def _fx_JoinHeartbeats(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
         assert r.peer is not None
         peer = self.peers[r.peer]
         if not peer.rooms:
@@ -455,54 +452,54 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom]):
             self._hb_timers.set(peer.addr, now + self.config.heartbeat_interval)
         peer.rooms.add(r.room)
 
-    def _fx_LeaveHeartbeats(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+    def _fx_LeaveHeartbeats(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
         if r.peer is not None:
             peer = self.peers.get(r.peer)
             if peer is not None:
                 peer.rooms.discard(r.room)
 
-    def _fx_AllocateBlocks(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+    def _fx_AllocateBlocks(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
         out.append(fx.AllocateBlocks(r.room, r.n_pages))
 
-    def _fx_CancelAllocation(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+    def _fx_CancelAllocation(
+        self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause
+    ) -> None:
         out.append(fx.CancelAllocation(r.room))
 
-    def _fx_SendRecvInit(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+    def _fx_SendRecvInit(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
         assert r.peer is not None
         r.hello_seq = self.peers[r.peer].hb_seq
         msg = RecvInit(r.room, self.identity, r.n_pages, self.layout_hash, self.incarnation)
         out.append(fx.SendMessage(r.peer, msg))
 
-    def _fx_StartPull(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+    def _fx_StartPull(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
         assert r.peer is not None
         peer = self.peers[r.peer]
         transfer_addr = r.transfer_addr or peer.transfer_addr
         out.append(fx.StartPull(r.room, r.peer, transfer_addr, r.uuid, r.n_pages))
 
-    def _fx_SendDone(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+    def _fx_SendDone(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
         assert r.peer is not None
         out.append(fx.SendMessage(r.peer, Done(r.room, True)))
 
-    def _fx_SendDoneFailed(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+    def _fx_SendDoneFailed(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
         assert r.peer is not None
         out.append(fx.SendMessage(r.peer, Done(r.room, False, why.reason[:512])))
 
-    def _fx_SendAbort(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+    def _fx_SendAbort(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
         if r.peer is not None:
             out.append(fx.SendMessage(r.peer, Abort(r.room, why.reason[:512])))
 
-    def _fx_ReleaseBlocks(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+    def _fx_ReleaseBlocks(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
         out.append(fx.ReleaseBlocks(r.room))
 
-    def _fx_CompleteTransfer(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+    def _fx_CompleteTransfer(
+        self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause
+    ) -> None:
         out.append(fx.CompleteTransfer(r.room, r.first_token, r.first_logprob))
 
-    def _fx_FailRequest(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+    def _fx_FailRequest(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
         out.append(fx.FailRequest(r.room, why.reason, why.status))
 
-    def _fx_CountLate(self, r: _ReceiverRoom, now: float, out: list[Any], why: _Why) -> None:
+    def _fx_CountLate(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
         self.stats.late += 1
-
-
-def _ignore(event: Any, now: float, out: list[Any]) -> None:
-    pass

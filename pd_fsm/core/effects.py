@@ -7,7 +7,7 @@ core.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Generic, TypeVar
 
 import attrs
 
@@ -131,13 +131,27 @@ class RejectRequest:
     status: int = 409
 
 
+# What each endpoint's ``handle`` returns: closed unions (an embedder's dispatch can be checked
+# for exhaustiveness with ``assert_never``).
+PrefillEffect = (
+    SendMessage | RegisterKV | ReleaseKV | CompleteRequest | FailRequest | RejectRequest
+)
+DecodeEffect = (
+    SendMessage | ForgetPeer | ForgetTransfer | ResolvePeer | AllocateBlocks | CancelAllocation
+    | StartPull | ReleaseBlocks | CompleteTransfer | FailRequest | RejectRequest
+)
+
+
 # --- bootstrap registry ----------------------------------------------------------------------
 
 
+Rec = TypeVar("Rec")
+
+
 @attrs.frozen(slots=True)
-class InstanceExpired:
+class InstanceExpired(Generic[Rec]):
     key: tuple[str, str, int, int, int, int]
-    record: Any
+    record: Rec
 
 
 # --- proxy -----------------------------------------------------------------------------------
@@ -167,3 +181,6 @@ class AbortLeg:
 class ReplyError:
     room: int
     reason: str
+
+
+RouterEffect = DispatchRoom | RelayDecode | AbortLeg | ReplyError

@@ -7,7 +7,7 @@ peer's message (remote). ``now`` is never part of an event: it is the second arg
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Generic, TypeVar
 
 import attrs
 
@@ -102,15 +102,28 @@ class Aborted:
     reason: str = "aborted"
 
 
+# What each endpoint's ``handle`` takes: a closed union, so an embedder's wrong event is a type
+# error (at run time, still a LocalProtocolError).
+PrefillEvent = (
+    TimeAdvanced | MessageReceived | PrefillRequestAccepted | PrefillFinished | PrefillFailed
+    | Aborted
+)
+DecodeEvent = (
+    TimeAdvanced | MessageReceived | DecodeRequestAccepted | PeerResolved | PeerResolutionFailed
+    | BlocksAllocated | PullSucceeded | PullFailed | Aborted
+)
+
+
 # --- bootstrap registry ----------------------------------------------------------------------
 
 InstanceKey = tuple[str, str, int, int, int, int]  # (role, instance_id, tp, cp, dp, pp)
+Rec = TypeVar("Rec")  # the adapter's record type: opaque to the core, kept as given
 
 
 @attrs.frozen(slots=True)
-class InstanceRegistered:
+class InstanceRegistered(Generic[Rec]):
     key: InstanceKey
-    record: Any  # the adapter's validated registration (opaque to the core)
+    record: Rec  # the adapter's validated registration
     advertised: str | None = None  # "host:port" routers know it by (bootstrap_host/port)
     # The TTL the instance heartbeats against (RFC-2 §7 heartbeat_ttl); None: the registry's.
     ttl: float | None = None
@@ -154,3 +167,7 @@ class RelayFinished:
     """The last byte of D's answer went to the client: the room is over."""
 
     room: int
+
+
+RegistryEvent = TimeAdvanced | InstanceRegistered[Rec] | InstanceHeartbeat | InstanceDeregistered
+RouterEvent = TimeAdvanced | RoomRequested | LegResponded | ClientDisconnected | RelayFinished

@@ -9,8 +9,6 @@ keeps serving.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
-from typing import Any
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
@@ -18,8 +16,10 @@ from pd_fsm.core.config import LeaseConfig
 from pd_fsm.core.errors import LocalProtocolError
 from pd_fsm.core.kvpoll import KVPoll
 from pd_fsm.core.messages import Abort, Done, Heartbeat, HeartbeatAck, Ready, RecvInit
-from pd_fsm.core.rooms import RoomMachines
+from pd_fsm.core.rooms import Cause, RoomMachines
 from pd_fsm.core.tables import KV_HOLD_LEASE, KV_SENDER
+
+_Fx = fx.PrefillEffect
 
 _LEASE = KV_HOLD_LEASE.transitions
 
@@ -57,7 +57,7 @@ class _SenderRoom:
         self.refusal = ""  # D's reason, for a room D aborted before our leg arrived (REFUSED)
 
 
-class PrefillEndpoint(RoomMachines[_SenderRoom]):
+class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
     table = KV_SENDER
     peer_role = "D"
 
@@ -78,32 +78,30 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
         # Named in every READY: D pulls from here, not from a route it cached before we restarted.
         self.transfer_addr = transfer_addr
         self._d_incarnations: dict[str, int] = {}  # D identity -> its current process
-        self._handlers: dict[type, Callable[[Any, float, list[Any]], None]] = {
-            ev.PrefillRequestAccepted: self._on_request,
-            ev.PrefillFinished: self._on_prefill_finished,
-            ev.PrefillFailed: self._on_prefill_failed,
-            ev.Aborted: self._on_aborted,
-            ev.MessageReceived: self._on_message,
-            ev.TimeAdvanced: _ignore,
-        }
-        self._on_msg: dict[type, Callable[[str, Any, float, list[Any]], None]] = {
-            RecvInit: self._on_recv_init,
-            Done: self._on_done,
-            Abort: self._on_abort,
-            Heartbeat: self._on_heartbeat,
-        }
 
     # -- entry point --------------------------------------------------------------------------
 
-    def handle(self, event: Any, now: float) -> list[Any]:
-        out: list[Any] = []
+    def handle(self, event: ev.PrefillEvent, now: float) -> list[fx.PrefillEffect]:
+        """The one entry point: ``event`` at time ``now``; the effects to carry out, in order."""
+        out: list[fx.PrefillEffect] = []
         self.stats.events += 1
         if self._room_timers.maybe_due(now):
             self._expire_leases(now, out)
-        handler = self._handlers.get(type(event))
-        if handler is None:
-            raise LocalProtocolError(f"PrefillEndpoint cannot handle {type(event).__name__}")
-        handler(event, now, out)
+        match event:
+            case ev.MessageReceived():
+                self._on_message(event, now, out)
+            case ev.PrefillRequestAccepted():
+                self._on_request(event, now, out)
+            case ev.PrefillFinished():
+                self._on_prefill_finished(event, now, out)
+            case ev.PrefillFailed():
+                self._on_prefill_failed(event, now, out)
+            case ev.Aborted():
+                self._on_aborted(event, now, out)
+            case ev.TimeAdvanced():
+                pass  # leases that are due were expired above
+            case _:  # an embedder without a type checker
+                raise LocalProtocolError(f"PrefillEndpoint cannot handle {type(event).__name__}")
         return out
 
     def lease_expiry(self, room: int) -> float | None:
@@ -112,7 +110,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
 
     # -- local events -------------------------------------------------------------------------
 
-    def _on_request(self, e: ev.PrefillRequestAccepted, now: float, out: list[Any]) -> None:
+    def _on_request(self, e: ev.PrefillRequestAccepted, now: float, out: list[_Fx]) -> None:
         r = self.rooms.get(e.room)
         if r is not None and (r.has_request or not self._has_row(r, "RequestAccepted")):
             self.stats.rejected += 1
@@ -122,13 +120,15 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
             r = _SenderRoom(e.room)
             self._admit(r)
         r.has_request = True
-        # REFUSED (D aborted the room first): the row fails our leg at once, with D's reason.
-        ctx: Any = e
+        # REFUSED (D aborted the room first): the row fails our leg at once, with D's reason:
+        # 502, the other half of the request failed.
+        cause = Cause("RequestAccepted", _NO_REASON)
         if r.refusal:
-            ctx = _Refused(f"D aborted the room before this leg arrived: {r.refusal}")
-        self._step(r, "RequestAccepted", now, out, ctx)
+            cause = Cause("RequestAccepted",
+                          f"D aborted the room before this leg arrived: {r.refusal}", 502)
+        self._step(r, "RequestAccepted", now, out, cause)
 
-    def _on_prefill_finished(self, e: ev.PrefillFinished, now: float, out: list[Any]) -> None:
+    def _on_prefill_finished(self, e: ev.PrefillFinished, now: float, out: list[_Fx]) -> None:
         r = self._live_local(e.room, "PrefillFinished")
         if r is None:
             return
@@ -140,20 +140,21 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
                 r, now, out, f"D reserved {r.d_pages} pages, the prompt needs {e.n_pages}"
             )
             return
-        self._step(r, "PrefillFinished", now, out, e)
+        self._step(r, "PrefillFinished", now, out, Cause("PrefillFinished", _NO_REASON))
 
-    def _on_prefill_failed(self, e: ev.PrefillFailed, now: float, out: list[Any]) -> None:
+    def _on_prefill_failed(self, e: ev.PrefillFailed, now: float, out: list[_Fx]) -> None:
         r = self._live_local(e.room, "PrefillFailed")
         if r is not None:
-            self._step(r, "PrefillFailed", now, out, e.reason)
+            self._step(r, "PrefillFailed", now, out, Cause("PrefillFailed", e.reason))
 
-    def _on_aborted(self, e: ev.Aborted, now: float, out: list[Any]) -> None:
+    def _on_aborted(self, e: ev.Aborted, now: float, out: list[_Fx]) -> None:
         r = self.rooms.get(e.room)
         if r is None:
             self.stats.unknown_room += 1  # /abort_request for a room we do not hold: nothing to do
             return
         if self._has_row(r, "Aborted"):
-            self._step(r, "Aborted", now, out, _LocalAbort(e.reason))
+            # Our own client's abort is not a server error: 499, as on D.
+            self._step(r, "Aborted", now, out, Cause("Aborted", e.reason, 499))
         else:
             self.stats.late += 1
 
@@ -168,13 +169,20 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
 
     # -- messages from D ----------------------------------------------------------------------
 
-    def _on_message(self, e: ev.MessageReceived, now: float, out: list[Any]) -> None:
+    def _on_message(self, e: ev.MessageReceived, now: float, out: list[fx.PrefillEffect]) -> None:
         self.stats.messages += 1
-        handler = self._on_msg.get(type(e.message))
-        if handler is None:
-            self.stats.unexpected += 1
-            return
-        handler(e.peer, e.message, now, out)
+        m = e.message
+        match m:
+            case Heartbeat():
+                self._on_heartbeat(e.peer, m, now, out)
+            case RecvInit():
+                self._on_recv_init(e.peer, m, now, out)
+            case Done():
+                self._on_done(e.peer, m, now, out)
+            case Abort():
+                self._on_abort(e.peer, m, now, out)
+            case _:
+                self.stats.unexpected += 1  # READY / HB_ACK: only D receives those
 
     def _room_for(self, peer: str, room: int) -> _SenderRoom | None:
         """The live room, if ``peer`` may speak for it; counts the reason otherwise."""
@@ -190,7 +198,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
             return None
         return r
 
-    def _on_recv_init(self, peer: str, m: RecvInit, now: float, out: list[Any]) -> None:
+    def _on_recv_init(self, peer: str, m: RecvInit, now: float, out: list[_Fx]) -> None:
         r = self.rooms.get(m.room)
         if r is None:
             if m.room in self._finished:
@@ -219,7 +227,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
         r.d_pages = m.n_pages
         self._remote(r, "RecvInitReceived", now, out, "")
 
-    def _on_done(self, peer: str, m: Done, now: float, out: list[Any]) -> None:
+    def _on_done(self, peer: str, m: Done, now: float, out: list[_Fx]) -> None:
         r = self._room_for(peer, m.room)
         if r is None:
             return
@@ -232,7 +240,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
         trigger = "DoneReceived" if m.ok else "DoneFailedReceived"
         self._remote(r, trigger, now, out, m.reason or "D reported a failed transfer")
 
-    def _on_abort(self, peer: str, m: Abort, now: float, out: list[Any]) -> None:
+    def _on_abort(self, peer: str, m: Abort, now: float, out: list[_Fx]) -> None:
         # Unlike DONE, an ABORT counts on a room no D has claimed yet: D aborts a room it gave up
         # on while still waiting for pages, before its RECV_INIT (kv_receiver ALLOCATING rows),
         # so that P frees the KV now rather than at lease expiry. Once bound, only that D.
@@ -249,7 +257,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
         if r is not None:
             self._remote(r, "AbortReceived", now, out, f"D aborted: {m.reason}")
 
-    def _note_d_incarnation(self, peer: str, incarnation: int, now: float, out: list[Any]) -> None:
+    def _note_d_incarnation(self, peer: str, incarnation: int, now: float, out: list[_Fx]) -> None:
         """A D that restarted keeps its identity (the same instance id, so the same reply_to)
         but names a new incarnation. Rooms its previous process claimed will never be pulled or
         heartbeated again: free their KV now rather than at lease expiry. A scan of the live
@@ -268,7 +276,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
         for r in gone:
             self._remote(r, "AbortReceived", now, out, f"decode {peer} restarted (room gone)")
 
-    def _on_heartbeat(self, peer: str, m: Heartbeat, now: float, out: list[Any]) -> None:
+    def _on_heartbeat(self, peer: str, m: Heartbeat, now: float, out: list[_Fx]) -> None:
         self._note_d_incarnation(peer, m.incarnation, now, out)
         failed: list[int] = []
         unknown: list[int] = []
@@ -304,39 +312,34 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
             )
         r.lease = tr.target
 
-    def _expire_leases(self, now: float, out: list[Any]) -> None:
+    def _expire_leases(self, now: float, out: list[_Fx]) -> None:
         for room in self._room_timers.pop_due(now):
             r = self.rooms[room]
             self.stats.lease_expired += 1
             self._lease_step(r, "Expired")  # effect ExpireRoom:
-            self._step(
-                r,
-                "LeaseExpired",
-                now,
-                out,
-                f"KV hold lease expired at {r.expires_at:.3f}: no heartbeat from D",
-            )
+            why = f"KV hold lease expired at {r.expires_at:.3f}: no heartbeat from D"
+            self._step(r, "LeaseExpired", now, out, Cause("LeaseExpired", why))
 
     # -- effects (names from the tables) ------------------------------------------------------
 
-    def _fx_GrantLease(self, r: _SenderRoom, now: float, out: list[Any], ctx: Any) -> None:
+    def _fx_GrantLease(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
         self._lease_step(r, "Granted")
         r.expires_at = now + self.config.initial
         self._room_timers.set(r.room, r.expires_at)
 
-    def _fx_ReleaseLease(self, r: _SenderRoom, now: float, out: list[Any], ctx: Any) -> None:
+    def _fx_ReleaseLease(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
         self._lease_step(r, "Released")
         self._room_timers.cancel(r.room)
 
-    def _fx_BindPeer(self, r: _SenderRoom, now: float, out: list[Any], ctx: Any) -> None:
+    def _fx_BindPeer(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
         pass  # r.peer was set when the RECV_INIT was checked (before any abort could need it)
 
-    def _fx_RegisterKV(self, r: _SenderRoom, now: float, out: list[Any], ctx: Any) -> None:
+    def _fx_RegisterKV(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
         # A fresh random uuid, not the room id: unguessable and never reused for another room.
         r.uuid = self._rng.getrandbits(64)
         out.append(fx.RegisterKV(r.room, r.uuid))
 
-    def _fx_SendReady(self, r: _SenderRoom, now: float, out: list[Any], ctx: Any) -> None:
+    def _fx_SendReady(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
         assert r.peer is not None and r.uuid is not None
         ready = Ready(
             r.room, r.uuid, r.first_token, r.n_pages, self.layout_hash, r.first_logprob,
@@ -344,34 +347,19 @@ class PrefillEndpoint(RoomMachines[_SenderRoom]):
         )
         out.append(fx.SendMessage(r.peer, ready))
 
-    def _fx_SendAbort(self, r: _SenderRoom, now: float, out: list[Any], ctx: Any) -> None:
+    def _fx_SendAbort(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
         if r.peer is not None:
-            out.append(fx.SendMessage(r.peer, Abort(r.room, _reason(ctx))))
+            out.append(fx.SendMessage(r.peer, Abort(r.room, cause.reason)))
 
-    def _fx_ReleaseKV(self, r: _SenderRoom, now: float, out: list[Any], ctx: Any) -> None:
+    def _fx_ReleaseKV(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
         out.append(fx.ReleaseKV(r.room, r.uuid))
 
-    def _fx_CompleteRequest(self, r: _SenderRoom, now: float, out: list[Any], ctx: Any) -> None:
+    def _fx_CompleteRequest(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
         out.append(fx.CompleteRequest(r.room))
 
-    def _fx_FailRequest(self, r: _SenderRoom, now: float, out: list[Any], ctx: Any) -> None:
-        # Our own client's abort is not a server error: 499, as on D. A room D refused before
-        # our leg arrived: 502, the other half of the request failed.
-        status = 499 if isinstance(ctx, _LocalAbort) else 502 if isinstance(ctx, _Refused) else 500
-        out.append(fx.FailRequest(r.room, _reason(ctx), status))
+    def _fx_FailRequest(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
+        out.append(fx.FailRequest(r.room, cause.reason, cause.status))
 
 
-class _LocalAbort(str):
-    """The reason of a local abort (client gone, /abort_request)."""
-
-
-class _Refused(str):
-    """The reason our leg fails with when D aborted its room before the leg arrived."""
-
-
-def _reason(ctx: Any) -> str:
-    return ctx if isinstance(ctx, str) else "failed"
-
-
-def _ignore(event: Any, now: float, out: list[Any]) -> None:
-    pass
+# A step caused by our own event, which carries no reason of its own: what a client would read.
+_NO_REASON = "failed"

@@ -9,7 +9,7 @@ next heartbeats (each answered "register again").
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Generic, TypeVar
 
 import attrs
 
@@ -21,6 +21,7 @@ from pd_fsm.core.tables import INSTANCE_LEASE
 from pd_fsm.core.timers import DeadlineHeap
 
 InstanceKey = ev.InstanceKey
+Rec = TypeVar("Rec")  # the adapter's record type (pd_fsm.io_trio.records.InstanceRecord)
 
 
 @attrs.frozen(slots=True)
@@ -38,41 +39,50 @@ class Acknowledged:
     expires_at: float
 
 
+# What the registry's ``handle`` returns.
+RegistryEffect = RegistrationRequired | Acknowledged | fx.InstanceExpired[Rec]
+
+
 @attrs.define(slots=True)
-class _Instance:
+class _Instance(Generic[Rec]):
     key: InstanceKey
     state: str
-    record: Any = None
+    record: Rec | None = None
     advertised: str | None = None
     expires_at: float = 0.0
     ttl: float | None = None  # the instance's own, when it named one
 
 
-class BootstrapRegistry:
+class BootstrapRegistry(Generic[Rec]):
     table = INSTANCE_LEASE
 
     def __init__(self, config: RegistryConfig | None = None) -> None:
         self.config = config or RegistryConfig()
-        self._instances: dict[InstanceKey, _Instance] = {}
+        self._instances: dict[InstanceKey, _Instance[Rec]] = {}
         self._by_advertised: dict[str, set[InstanceKey]] = {}
         self._timers: DeadlineHeap[InstanceKey] = DeadlineHeap()
         self.expired_total = 0
 
     # -- entry point --------------------------------------------------------------------------
 
-    def handle(self, event: Any, now: float) -> list[Any]:
-        out: list[Any] = []
+    def handle(self, event: ev.RegistryEvent[Rec], now: float) -> list[RegistryEffect[Rec]]:
+        out: list[RegistryEffect[Rec]] = []
         for key in self._timers.pop_due(now):
             inst = self._instances[key]
             self._step(inst, "Expired", now, out, None)
-        if isinstance(event, ev.InstanceRegistered):
-            self._step(self._get(event.key), "Registered", now, out, event)
-        elif isinstance(event, ev.InstanceHeartbeat):
-            self._step(self._get(event.key), "HeartbeatReceived", now, out, event)
-        elif isinstance(event, ev.InstanceDeregistered):
-            self._step(self._get(event.key), "Deregistered", now, out, event)
-        elif not isinstance(event, ev.TimeAdvanced):
-            raise LocalProtocolError(f"BootstrapRegistry cannot handle {type(event).__name__}")
+        match event:
+            case ev.InstanceRegistered():
+                self._step(self._get(event.key), "Registered", now, out, event)
+            case ev.InstanceHeartbeat():
+                self._step(self._get(event.key), "HeartbeatReceived", now, out, None)
+            case ev.InstanceDeregistered():
+                self._step(self._get(event.key), "Deregistered", now, out, None)
+            case ev.TimeAdvanced():
+                pass
+            case _:
+                raise LocalProtocolError(
+                    f"BootstrapRegistry cannot handle {type(event).__name__}"
+                )
         return out
 
     def next_deadline(self) -> float | None:
@@ -84,7 +94,7 @@ class BootstrapRegistry:
         inst = self._instances.get(key)
         return inst.state if inst is not None else self.table.initial
 
-    def lookup(self, key: InstanceKey) -> Any | None:
+    def lookup(self, key: InstanceKey) -> Rec | None:
         inst = self._instances.get(key)
         return inst.record if inst is not None else None
 
@@ -97,31 +107,42 @@ class BootstrapRegistry:
         inst = self._instances.get(key)
         return inst.ttl if inst is not None and inst.ttl is not None else self.config.ttl
 
-    def instances(self, role: str | None = None) -> list[Any]:
+    def instances(self, role: str | None = None) -> list[Rec]:
         return [
-            i.record for k, i in sorted(self._instances.items()) if role is None or k[0] == role
+            i.record for k, i in sorted(self._instances.items())
+            if (role is None or k[0] == role) and i.record is not None
         ]
 
-    def resolve(self, advertised: str, role: str = "prefill") -> list[tuple[InstanceKey, Any]]:
+    def resolve(self, advertised: str, role: str = "prefill") -> list[tuple[InstanceKey, Rec]]:
         """Instances of ``role`` known to routers as ``advertised`` ("host:port"), by key."""
         keys = self._by_advertised.get(advertised, ())
-        return [(k, self._instances[k].record) for k in sorted(keys) if k[0] == role]
+        found = [(k, self._instances[k].record) for k in sorted(keys) if k[0] == role]
+        return [(k, record) for k, record in found if record is not None]
 
     def __len__(self) -> int:
         return len(self._instances)
 
     # -- stepping -----------------------------------------------------------------------------
 
-    def _get(self, key: InstanceKey) -> _Instance:
+    def _get(self, key: InstanceKey) -> _Instance[Rec]:
         return self._instances.get(key) or _Instance(key, self.table.initial)
 
-    def _step(self, inst: _Instance, trigger: str, now: float, out: list[Any], e: Any) -> None:
+    def _step(
+        self,
+        inst: _Instance[Rec],
+        trigger: str,
+        now: float,
+        out: list[RegistryEffect[Rec]],
+        e: ev.InstanceRegistered[Rec] | None,
+    ) -> None:
         tr = self.table.step(inst.state, trigger)
         if tr is None:
             raise LocalProtocolError(f"instance_lease: {inst.state} has no row for {trigger}")
         inst.state = tr.target
         for name in tr.effects:
             if name == "StoreRecord":
+                if e is None:
+                    raise LocalProtocolError(f"instance_lease: StoreRecord on {trigger}")
                 self._unindex(inst)
                 inst.record, inst.advertised, inst.ttl = e.record, e.advertised, e.ttl
                 self._instances[inst.key] = inst
@@ -134,7 +155,7 @@ class BootstrapRegistry:
                 self._unindex(inst)
                 self._timers.cancel(inst.key)
                 del self._instances[inst.key]
-                if trigger == "Expired":
+                if trigger == "Expired" and inst.record is not None:
                     self.expired_total += 1
                     out.append(fx.InstanceExpired(inst.key, inst.record))
             elif name == "AskToRegister":
@@ -144,7 +165,7 @@ class BootstrapRegistry:
         if trigger != "Expired" and inst.state == "ALIVE":
             out.append(Acknowledged(inst.key, inst.expires_at))
 
-    def _unindex(self, inst: _Instance) -> None:
+    def _unindex(self, inst: _Instance[Rec]) -> None:
         if inst.advertised is not None:
             keys = self._by_advertised.get(inst.advertised)
             if keys is not None:

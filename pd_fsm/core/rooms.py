@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
+
+import attrs
 
 from pd_fsm.core.errors import LocalProtocolError
 from pd_fsm.core.kvpoll import KVPoll
@@ -25,10 +27,20 @@ class _HasRoomState(Protocol):
 
 
 R = TypeVar("R", bound=_HasRoomState)
-EffectFn = Callable[[Any, float, list[Any], Any], None]
+E = TypeVar("E")  # the endpoint's effect union
 
 
-class RoomMachines(Generic[R]):
+@attrs.frozen(slots=True)
+class Cause:
+    """What a step's effects are told: the trigger, the reason a client or peer is given, and
+    the HTTP status a failure maps to (500 unless the trigger's own)."""
+
+    trigger: str
+    reason: str = ""
+    status: int = 500
+
+
+class RoomMachines(Generic[R, E]):
     table: StateTable
 
     def __init__(self, finished_capacity: int) -> None:
@@ -41,7 +53,9 @@ class RoomMachines(Generic[R]):
         missing = [e for e in self.table.effects if not hasattr(self, f"_fx_{e}")]
         if missing:
             raise TypeError(f"{type(self).__name__} has no code for effects {missing}")
-        self._fx: dict[str, EffectFn] = {e: getattr(self, f"_fx_{e}") for e in self.table.effects}
+        self._fx: dict[str, Callable[[R, float, list[E], Cause], None]] = {
+            e: getattr(self, f"_fx_{e}") for e in self.table.effects
+        }
         self._terminal = self.table.terminal
         self._transitions = self.table.transitions
 
@@ -62,7 +76,7 @@ class RoomMachines(Generic[R]):
 
     # -- stepping -----------------------------------------------------------------------------
 
-    def _step(self, r: R, trigger: str, now: float, out: list[Any], ctx: Any) -> None:
+    def _step(self, r: R, trigger: str, now: float, out: list[E], cause: Cause) -> None:
         """Apply ``trigger``; the caller has already turned a missing remote row into
         ProtocolViolated, so a missing row here is a local bug."""
         tr = self._transitions.get((r.state, trigger))
@@ -76,7 +90,7 @@ class RoomMachines(Generic[R]):
         counts[r.state] += 1
         fx = self._fx
         for name in tr.effects:
-            fx[name](r, now, out, ctx)
+            fx[name](r, now, out, cause)
         if tr.target in self._terminal:
             self._retire(r)
 
@@ -106,11 +120,11 @@ class RoomMachines(Generic[R]):
 
     peer_role: str  # who sends this endpoint's remote triggers ("D" to P's endpoint, "P" to D's)
 
-    def _apply(self, r: R, trigger: str, now: float, out: list[Any], reason: str) -> None:
+    def _apply(self, r: R, trigger: str, now: float, out: list[E], reason: str) -> None:
         """Step ``r`` (subclasses that keep per-state deadlines override this)."""
-        self._step(r, trigger, now, out, reason)
+        self._step(r, trigger, now, out, Cause(trigger, reason))
 
-    def _remote(self, r: R, trigger: str, now: float, out: list[Any], reason: str) -> None:
+    def _remote(self, r: R, trigger: str, now: float, out: list[E], reason: str) -> None:
         """A trigger caused by the peer: a missing row is the peer's fault, not ours."""
         if self._has_row(r, trigger):
             self._apply(r, trigger, now, out, reason)
@@ -119,11 +133,11 @@ class RoomMachines(Generic[R]):
                 r, now, out, f"{self.peer_role} sent {trigger} while the room was {r.state}"
             )
 
-    def _violated(self, r: R, now: float, out: list[Any], reason: str) -> None:
+    def _violated(self, r: R, now: float, out: list[E], reason: str) -> None:
         self.stats.remote_errors += 1
         self._apply(r, "ProtocolViolated", now, out, f"protocol error: {reason}")
 
-    def _fx_CountDuplicate(self, r: R, now: float, out: list[Any], ctx: Any) -> None:
+    def _fx_CountDuplicate(self, r: R, now: float, out: list[E], cause: Cause) -> None:
         self.stats.duplicates += 1
 
     def next_deadline(self) -> float | None:

@@ -8,7 +8,6 @@ lands where its pages are).
 from __future__ import annotations
 
 import random
-from typing import Any
 
 import attrs
 
@@ -61,8 +60,8 @@ class RoomRouter:
 
     # -- entry point --------------------------------------------------------------------------
 
-    def handle(self, event: Any, now: float) -> list[Any]:
-        out: list[Any] = []
+    def handle(self, event: ev.RouterEvent, now: float) -> list[fx.RouterEffect]:
+        out: list[fx.RouterEffect] = []
         for room in self._timers.pop_due(now):
             self._step(self.rooms[room], "TimedOut", out, "room deadline passed")
         if isinstance(event, ev.RoomRequested):
@@ -97,7 +96,7 @@ class RoomRouter:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _dispatch(self, e: ev.RoomRequested, now: float, out: list[Any]) -> None:
+    def _dispatch(self, e: ev.RoomRequested, now: float, out: list[fx.RouterEffect]) -> None:
         if not self._prefill or not self._decode:
             missing = "prefill" if not self._prefill else "decode"
             out.append(fx.ReplyError(-1, f"no {missing} workers available"))
@@ -113,7 +112,7 @@ class RoomRouter:
         self._timers.set(room, now + self.config.room_timeout)
         self._step(r, "Dispatched", out, "")
 
-    def _step(self, r: _Room, trigger: str, out: list[Any], reason: str) -> None:
+    def _step(self, r: _Room, trigger: str, out: list[fx.RouterEffect], reason: str) -> None:
         tr = self.table.step(r.state, trigger)
         if tr is None:
             raise LocalProtocolError(f"room: {r.state} has no row for {trigger}")
