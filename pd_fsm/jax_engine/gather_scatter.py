@@ -29,7 +29,6 @@ them in under :class:`pd_fsm.jax_engine.kv_holder.KVCacheHolder` (DESIGN §6 ord
 from __future__ import annotations
 
 import functools
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -38,11 +37,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pd_fsm.jax_engine.counters import SharedCounter
 from pd_fsm.jax_engine.kv_pool import NULL_PAGE
 
 # Incremented from inside the traced Python functions, i.e. once per (re)compilation. Tests read it
 # to prove the compile count is bounded by the number of buckets.
-TRACE_COUNTS: Counter[str] = Counter()
+TRACE_COUNTS = SharedCounter()
 
 ScatterMethod = Literal["xla", "pallas"]
 
@@ -134,7 +134,7 @@ def _runs_loop(
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _packed_zeros(shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
-    TRACE_COUNTS["gather_alloc"] += 1
+    TRACE_COUNTS.bump("gather_alloc")
     return jnp.zeros(shape, dtype)
 
 
@@ -142,7 +142,7 @@ def _packed_zeros(shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
 def _gather_into(
     out: jax.Array, kv_caches: list[jax.Array], table: jax.Array, n_runs: jax.Array
 ) -> jax.Array:
-    TRACE_COUNTS["gather"] += 1
+    TRACE_COUNTS.bump("gather")
 
     def piece(k: int, start: jax.Array, size: int) -> list[jax.Array]:
         return [jax.lax.dynamic_slice_in_dim(c, start, size, 0) for c in kv_caches]
@@ -177,7 +177,7 @@ def multi_layer_copy(
 ) -> list[jax.Array]:
     """Portable XLA scatter: for every layer ``l`` and run ``(s, d, m)`` of ``table``,
     ``kv_caches[l][d:d+m] = packed[l, s:s+m]``. ``kv_caches`` is donated."""
-    TRACE_COUNTS["multi_layer_copy"] += 1
+    TRACE_COUNTS.bump("multi_layer_copy")
 
     def piece(k: int, start: jax.Array, size: int) -> list[jax.Array]:
         return [jax.lax.dynamic_slice_in_dim(packed[i], start, size, 0)

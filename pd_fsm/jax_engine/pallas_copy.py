@@ -68,7 +68,7 @@ def multi_layer_copy_pallas(
     interpret: bool = False,
 ) -> list[jax.Array]:
     """Scatter ``packed`` into ``kv_caches`` by DMA. ``kv_caches`` is donated."""
-    TRACE_COUNTS["multi_layer_copy_pallas"] += 1
+    TRACE_COUNTS.bump("multi_layer_copy_pallas")
     n_layers = len(kv_caches)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(

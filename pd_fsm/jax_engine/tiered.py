@@ -19,13 +19,13 @@ import logging
 import os
 import queue
 import threading
-from collections import Counter
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pd_fsm.jax_engine.counters import SharedCounter
 from pd_fsm.jax_engine.executables import EXECUTABLES as FORWARD_EXECUTABLES
 from pd_fsm.jax_engine.gather_scatter import (
     _gather_into,
@@ -41,7 +41,7 @@ from pd_fsm.jax_engine.kv_pool import NULL_PAGE
 log = logging.getLogger("pd_fsm.jax_engine.tiered")
 
 # Which tier served each call ("gather_quick", "gather_runs", "scatter_quick", "scatter_runs").
-TIER_COUNTS: Counter[str] = Counter()
+TIER_COUNTS = SharedCounter()
 
 Key = tuple[object, ...]
 
@@ -230,7 +230,7 @@ def gather(kv: Sequence[jax.Array], pages: Sequence[int]) -> jax.Array:
     runs_key = _key(pool, bucket, "gather_runs")
     exe = KV_COPIES.get(runs_key)
     if exe is not None:
-        TIER_COUNTS["gather_runs"] += 1
+        TIER_COUNTS.bump("gather_runs")
         runs = contiguous_runs(pages, range(len(pages)), bucket)
         out = _packed_zeros(out_shape, first.dtype)
         return exe(out, kv, jnp.asarray(runs.table), jnp.int32(runs.n_runs))  # type: ignore[no-any-return]
@@ -243,7 +243,7 @@ def gather(kv: Sequence[jax.Array], pages: Sequence[int]) -> jax.Array:
     ids = np.full(bucket, NULL_PAGE, np.int32)
     ids[: len(pages)] = pages
     quick = _quick_gather(pool, bucket)
-    TIER_COUNTS["gather_quick"] += 1
+    TIER_COUNTS.bump("gather_quick")
     return quick(kv, jnp.asarray(ids))  # type: ignore[no-any-return]
 
 
@@ -260,7 +260,7 @@ def scatter_plan(
         table, n_runs = jnp.asarray(runs.table), jnp.int32(runs.n_runs)
 
         def run_runs(kv: list[jax.Array]) -> list[jax.Array]:
-            TIER_COUNTS["scatter_runs"] += 1
+            TIER_COUNTS.bump("scatter_runs")
             return exe(kv, packed, table, n_runs)  # type: ignore[no-any-return]
 
         return run_runs
@@ -276,7 +276,7 @@ def scatter_plan(
     ids_dev = jnp.asarray(ids)
 
     def run_quick(kv: list[jax.Array]) -> list[jax.Array]:
-        TIER_COUNTS["scatter_quick"] += 1
+        TIER_COUNTS.bump("scatter_quick")
         return quick(kv, packed, ids_dev)  # type: ignore[no-any-return]
 
     return run_quick

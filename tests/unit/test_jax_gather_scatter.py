@@ -94,7 +94,7 @@ def test_compile_count_bounded_over_1000_sizes() -> None:
     dst = _pool(rng, layers=1)
     r = random.Random(5)
     max_pages = 64
-    before = TRACE_COUNTS.copy()
+    before = TRACE_COUNTS.snapshot()
     for i in range(1000):
         n = r.randint(1, max_pages)
         pages = r.sample(range(1, NUM_PAGES), n)

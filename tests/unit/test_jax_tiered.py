@@ -35,7 +35,7 @@ def test_quick_then_runs_tier_same_bytes() -> None:
     src, dst = _holder(src_np), _holder(dst_np)
     src_pages = [5, 6, 7, 20, 3]
     expected = [d.copy() for d in dst_np]
-    before = tiered.TIER_COUNTS.copy()
+    before = tiered.TIER_COUNTS.snapshot()
 
     for round_, dst_pages in enumerate(([9, 10, 30, 31, 2], [11, 12, 13, 33, 1])):
         (packed,) = gather_room(src, kv_args, src_pages)

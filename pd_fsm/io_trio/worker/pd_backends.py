@@ -126,6 +126,9 @@ class _PDBackend(ColocatedBackend, ABC):
         # Where each tick's phase samples go (the worker app sets its histograms' observe).
         self.phase_observer: Callable[[str, float], None] | None = None
         self.data_plane = DataPlanePriority(config.transfer_nice)
+        # The core's counts and the transfer counters, as the tick thread last left them: the
+        # HTTP task reads this snapshot, never the live objects the tick mutates.
+        self._pd_snapshot: tuple[dict[str, Any], dict[str, int]] = ({}, {})
 
     # -- Backend protocol ---
 
@@ -136,11 +139,10 @@ class _PDBackend(ColocatedBackend, ABC):
         out = super().stats()
         sched = self.scheduler
         if sched is not None:
-            out["kvpoll"] = {k: v for k, v in sched.pd_stats().items() if k.startswith("state_")}
-            out["pd_events"] = {
-                k: v for k, v in sched.pd_stats().items() if not k.startswith("state_")
-            }
-            out["transfer"] = dict(sched.transfer_stats)
+            pd_stats, transfer = self._pd_snapshot  # one reference read: a consistent pair
+            out["kvpoll"] = {k: v for k, v in pd_stats.items() if k.startswith("state_")}
+            out["pd_events"] = {k: v for k, v in pd_stats.items() if not k.startswith("state_")}
+            out["transfer"] = dict(transfer)
             # KV this process offers on its transfer server right now (P): each registration
             # pins the room's packed KV until released, so 0 once every room is over.
             out["transfer_registrations"] = len(sched.engine.registrations())
@@ -170,6 +172,7 @@ class _PDBackend(ColocatedBackend, ABC):
             self._build, limiter=self._limiter, abandon_on_cancel=True
         )
         self.scheduler = sched
+        self._publish_stats(sched)  # no tick runs yet: the first snapshot, before any request
         try:
             async with trio.open_nursery() as nursery:
                 record = await self._start_io(nursery, sched)
@@ -384,6 +387,7 @@ class _PDBackend(ColocatedBackend, ABC):
                 if failure is not None:
                     failures[out.rid] = failure
         self._snapshot_heartbeats(sched)
+        self._publish_stats(sched)
         return _TickResult(
             outputs,
             failures,
@@ -394,6 +398,10 @@ class _PDBackend(ColocatedBackend, ABC):
             sched.next_deadline(),
             sched.take_phase_samples(),
         )
+
+    def _publish_stats(self, sched: Any) -> None:
+        """In the tick's thread, after the tick: copies for the HTTP task (see ``stats``)."""
+        self._pd_snapshot = (sched.pd_stats(), dict(sched.transfer_stats))
 
     def _snapshot_heartbeats(self, sched: Any) -> None:
         """Hook (runs at the end of each tick, in its thread): D records whom it heartbeats."""
