@@ -38,10 +38,11 @@ from pd_fsm.io_trio.driver import NullSink
 from pd_fsm.io_trio.records import to_json
 from pd_fsm.io_trio.services import serve_prefill
 from pd_fsm.io_trio.side_channel import DecodeSideChannel
-from pd_fsm.io_trio.testing import sample_record
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the test doubles live under tests/
 
+from tests.support.io_doubles import sample_record  # noqa: E402
 
 # -- bootstrap ----------------------------------------------------------------------------------
 

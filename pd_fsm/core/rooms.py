@@ -71,9 +71,6 @@ class RoomMachines(Generic[R, E]):
         r = self.rooms.get(room)
         return None if r is None else r.state
 
-    def was_finished(self, room: int) -> bool:
-        return room in self._finished
-
     # -- stepping -----------------------------------------------------------------------------
 
     def _step(self, r: R, trigger: str, now: float, out: list[E], cause: Cause) -> None:

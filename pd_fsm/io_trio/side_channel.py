@@ -9,8 +9,11 @@ the reader when it finds input pending.
 
 Everything is bounded so a dead or hostile peer cannot grow memory: HWMs on both directions,
 non-blocking sends that count a drop on EAGAIN, ``MAXMSGSIZE`` (libzmq drops a connection that
-sends more, counted as a disconnect by the socket monitor), the codec's ``MAX_FRAME``, and the
-driver's bounded inbox (when it is full the reader stops reading, and zmq pushes back).
+sends more, counted as a disconnect by the socket monitor), the codec's ``MAX_FRAME``, and a
+bounded inbox behind ``deliver``: the ``EndpointDriver``'s waits when full (the reader stops
+reading and zmq pushes back to the sender's HWM), the worker's drops and counts
+(``inbox_dropped_total``: a step can take seconds, and liveness frames must not queue behind
+it).
 Malformed, unsigned or wrongly signed frames are counted and dropped; the socket keeps working.
 With a cluster secret, frames are signed with the side-channel key derived from it
 (:func:`pd_fsm.core.keys.side_channel_key`; the secret itself is never used as a key nor sent),

@@ -14,7 +14,7 @@ running request never needs pages mid-decode (no preemption); they are released 
 Extension points for the PD mixins (RFC-2 §5.4) are the underscore methods below; the P mixin
 overrides ``_on_prefill_done`` (hand the KV to the transfer instead of decoding) and
 ``_release_pages``; the D mixin registers a request (``_register``, so ``abort`` finds it),
-reserves its pages with ``reserve_pages``, scatters the transferred KV into ``prompt_page_ids``,
+reserves its pages with ``reserve_pages``, scatters the transferred KV into the prompt's pages,
 and enters it into the decode batch with ``add_prefilled_request``, skipping the prefill forward.
 Mixins that keep requests in queues of their own extend ``_detach`` (and ``has_work``).
 
@@ -175,12 +175,6 @@ class Scheduler:
     def request_abort(self, rid: str, message: str = "aborted") -> None:
         """Thread-safe ``abort``: applied at the start of the next ``step()``."""
         self._inbox.append((rid, message))
-
-    def prompt_page_ids(self, req: Req) -> list[int]:
-        """The pages holding (or about to hold) ``req``'s prompt K/V, in position order: what a
-        prefill worker sends and a decode worker receives."""
-        assert req.pages is not None
-        return req.pages[: self.pool_config.pages_for(len(req.input_ids))]
 
     def reserve_pages(self, req: Req) -> bool:
         """Reserve ``req``'s pages now (a decode worker does so before the KV transfer)."""

@@ -26,7 +26,7 @@ from pd_fsm.core.request_auth import sign_request
 from pd_fsm.io_trio.bootstrap_client import BootstrapClient, BootstrapError, RegistrySigner
 from pd_fsm.io_trio.bootstrap_server import BootstrapServer, serve_bootstrap
 from pd_fsm.io_trio.records import to_json
-from pd_fsm.io_trio.testing import sample_record
+from tests.support.io_doubles import sample_record
 
 SECRET = b"s3cret-token"
 GOOD = to_json(sample_record())

@@ -21,7 +21,7 @@ import trio
 from pd_fsm.io_trio.bootstrap_client import BootstrapClient
 from pd_fsm.io_trio.bootstrap_server import BootstrapServer, serve_bootstrap
 from pd_fsm.io_trio.http_server import http_client
-from pd_fsm.io_trio.testing import sample_record
+from tests.support.io_doubles import sample_record
 
 HEARTBEATS = 12
 

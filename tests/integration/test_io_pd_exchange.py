@@ -20,7 +20,7 @@ from pd_fsm.io_trio.bootstrap_client import BootstrapClient, BootstrapResolver
 from pd_fsm.io_trio.bootstrap_server import BootstrapServer, serve_bootstrap
 from pd_fsm.io_trio.records import split_host_port
 from pd_fsm.io_trio.services import DecodeIO, PrefillIO, serve_decode, serve_prefill
-from pd_fsm.io_trio.testing import RecordingSink, sample_record
+from tests.support.io_doubles import RecordingSink, sample_record
 
 SECRET = b"cluster-secret"
 ROOM = 5882942782861604684  # a router-drawn room: uniform in [0, 2^63)

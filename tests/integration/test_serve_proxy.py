@@ -17,9 +17,9 @@ from pd_fsm.io_trio.bootstrap_server import BootstrapServer, serve_bootstrap
 from pd_fsm.io_trio.cluster import free_ports
 from pd_fsm.io_trio.proxy import PrefillTarget, Proxy, serve_proxy
 from pd_fsm.io_trio.records import to_json
-from pd_fsm.io_trio.testing import sample_record
 from tests.integration.pd_standins import StandIn, serve_standin
 from tests.integration.serve_support import sse_events
+from tests.support.io_doubles import sample_record
 
 GEN = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
 

@@ -23,7 +23,7 @@ from pd_fsm.io_trio.bootstrap_client import (
 )
 from pd_fsm.io_trio.bootstrap_server import BootstrapServer
 from pd_fsm.io_trio.records import to_json
-from pd_fsm.io_trio.testing import sample_record
+from tests.support.io_doubles import sample_record
 
 KEY = ("prefill", "p0", 0, 0, 0, 0)
 SECRET = b"cluster-secret-for-the-clock-tests"

@@ -20,7 +20,7 @@ from pd_fsm.core.kvpoll import KVPoll
 from pd_fsm.core.messages import Message
 from pd_fsm.core.prefill_endpoint import PrefillEndpoint
 from pd_fsm.io_trio.driver import EndpointDriver
-from pd_fsm.io_trio.testing import RecordingSink
+from tests.support.io_doubles import RecordingSink
 
 P_ADDR = "p:1"  # P's side-channel address, as D's core knows it
 D_ID = "d-1"  # D's identity, as P's core knows it

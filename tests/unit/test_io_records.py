@@ -14,7 +14,7 @@ from pd_fsm.io_trio.records import (
     unreachable_fields,
 )
 from pd_fsm.io_trio.side_channel import zmq_endpoint
-from pd_fsm.io_trio.testing import sample_record
+from tests.support.io_doubles import sample_record
 
 
 def test_round_trip_and_key() -> None:

@@ -3,10 +3,12 @@
 * KVManager  -> :class:`KVTransferEngine`: one per process; owns the transfer server, the
   connections to peers and the table of registrations.
 * KVSender   -> the sender half of the engine, used per room on P:
-  :meth:`~KVTransferEngine.register` the packed KV under a uuid with a lease,
-  :meth:`~KVTransferEngine.extend_lease` on heartbeats,
-  :meth:`~KVTransferEngine.release` on DONE / abort (and the engine releases by itself on lease
-  expiry).
+  :meth:`~KVTransferEngine.register` the packed KV under a uuid,
+  :meth:`~KVTransferEngine.release` it when the core says so (``ReleaseKV``: DONE, abort, or the
+  core's kv_hold_lease running out). The engine also has a lease and a reaper of its own
+  (:meth:`~KVTransferEngine.extend_lease`, ``reap_expired``) for embedders without the core;
+  pd_fsm's schedulers turn the reaper off (``reaper_interval_s=None``) so that exactly one owner,
+  the core's table, decides when a registration goes.
 * KVReceiver -> the receiver half, used per room on D through
   :class:`pd_fsm.jax_engine.pull_executor.PullExecutor`: :meth:`~KVTransferEngine.start_pull`
   returns a :class:`PendingPull` whose :meth:`~PendingPull.wait` is bounded by a deadline.
