@@ -31,17 +31,6 @@ _Fx = fx.DecodeEffect
 
 _HOST_PORT = re.compile(r"[A-Za-z0-9.\-]{1,253}:[0-9]{1,5}|\[[0-9A-Fa-f:.]{2,45}\]:[0-9]{1,5}")
 
-# HTTP status for the client when a room fails on a given trigger.
-_STATUS = {
-    "PeerUnresolved": 502,
-    "PeerLost": 502,
-    "PullFailed": 502,
-    "AbortReceived": 502,
-    "ProtocolViolated": 502,
-    "TimedOut": 504,
-    "Aborted": 499,  # client closed request (nginx's convention)
-}
-
 
 class _ReceiverRoom:
     __slots__ = (
@@ -122,13 +111,14 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
         self._resolving: dict[str, list[int]] = {}  # bootstrap_addr -> rooms waiting
         self._hb_timers: DeadlineHeap[str] = DeadlineHeap()
         self._live_timers: DeadlineHeap[str] = DeadlineHeap()
-        c = self.config
-        self._state_timeout = {
-            "RESOLVING": c.resolve_timeout,
-            "ALLOCATING": c.queue_timeout,
-            "WAITING_FOR_READY": c.ready_timeout,
-            "TRANSFERRING": c.transfer_timeout,
-            "CANCELLING": c.transfer_timeout,
+        # Each waiting state's window, as the table names it (a column, not Python): a name
+        # that is no config field fails here, at construction.
+        unknown = [t.window for t in self.table.timeouts.values()
+                   if not isinstance(getattr(self.config, t.window, None), float)]
+        if unknown:
+            raise TypeError(f"kv_receiver [timeouts] name no DecodeConfig window: {unknown}")
+        self._state_timeout: dict[str, float] = {
+            s: getattr(self.config, t.window) for s, t in self.table.timeouts.items()
         }
 
     # -- entry point --------------------------------------------------------------------------
@@ -188,8 +178,8 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
         status: int = 0,
     ) -> None:
         before = r.state
-        self._step(r, trigger, now, out,
-                   Cause(trigger, reason, status or _STATUS.get(trigger, 500)))
+        cause = Cause(trigger, reason, status or self.table.status(trigger))
+        self._step(r, trigger, now, out, cause)
         if r.state != before and r.room in self.rooms:
             self._room_timers.set(r.room, now + self._state_timeout[r.state])
 
@@ -370,9 +360,11 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
             return
         for room in self._room_timers.pop_due(now):
             r = self.rooms[room]
-            # Queue timeout is overload (503, retry elsewhere); the others are upstream timeouts.
-            status = 503 if r.state == "ALLOCATING" else 504
-            self._go(r, "TimedOut", now, out, self._timeout_reason(r), status)
+            # The state's own status: a queue timeout is overload (503, retry elsewhere), the
+            # others are upstream timeouts (504).
+            timeout = self.table.timeouts[r.state]
+            why = timeout.message(self._state_timeout[r.state], r.bootstrap_addr)
+            self._go(r, "TimedOut", now, out, why, timeout.status)
         for addr in self._live_timers.pop_due(now):
             peer = self.peers.get(addr)
             if peer is None or not peer.rooms:
@@ -397,14 +389,6 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
                     heartbeat = Heartbeat(peer.hb_seq, batch, self.incarnation)
                     out.append(fx.SendMessage(addr, heartbeat))
                 self._hb_timers.set(addr, now + self.config.heartbeat_interval)
-
-    def _timeout_reason(self, r: _ReceiverRoom) -> str:
-        window = self._state_timeout[r.state]
-        return {
-            "RESOLVING": f"bootstrap lookup of {r.bootstrap_addr} took over {window:g} s",
-            "ALLOCATING": f"no free KV pages within the queue timeout ({window:g} s)",
-            "WAITING_FOR_READY": f"no READY from prefill within {window:g} s",
-        }.get(r.state, f"KV transfer not finished within {window:g} s")
 
     def _lose_peer(self, peer: _Peer, now: float, out: list[_Fx], reason: str) -> None:
         for addr in [a for a, p in self._resolved.items() if p == peer.addr]:

@@ -153,8 +153,8 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
             self.stats.unknown_room += 1  # /abort_request for a room we do not hold: nothing to do
             return
         if self._has_row(r, "Aborted"):
-            # Our own client's abort is not a server error: 499, as on D.
-            self._step(r, "Aborted", now, out, Cause("Aborted", e.reason, 499))
+            # Our own client's abort is not a server error (the table's status: 499, as on D).
+            self._step(r, "Aborted", now, out, self._cause("Aborted", e.reason))
         else:
             self.stats.late += 1
 

@@ -117,9 +117,13 @@ class RoomMachines(Generic[R, E]):
 
     peer_role: str  # who sends this endpoint's remote triggers ("D" to P's endpoint, "P" to D's)
 
+    def _cause(self, trigger: str, reason: str) -> Cause:
+        """``trigger``'s cause, with the HTTP status the table gives that trigger."""
+        return Cause(trigger, reason, self.table.status(trigger))
+
     def _apply(self, r: R, trigger: str, now: float, out: list[E], reason: str) -> None:
         """Step ``r`` (subclasses that keep per-state deadlines override this)."""
-        self._step(r, trigger, now, out, Cause(trigger, reason))
+        self._step(r, trigger, now, out, self._cause(trigger, reason))
 
     def _remote(self, r: R, trigger: str, now: float, out: list[E], reason: str) -> None:
         """A trigger caused by the peer: a missing row is the peer's fault, not ours."""

@@ -47,6 +47,19 @@ class Row:
     reason: str
 
 
+@attrs.frozen(slots=True)
+class StateTimeout:
+    """A waiting state's deadline (``[timeouts]``): the config window it lasts, and what the
+    client is told when it passes."""
+
+    window: str  # a field of the endpoint's config (DecodeConfig)
+    status: int
+    reason: str  # format fields: {window} (seconds), {bootstrap_addr}
+
+    def message(self, seconds: float, bootstrap_addr: str) -> str:
+        return self.reason.format(window=seconds, bootstrap_addr=bootstrap_addr)
+
+
 @attrs.frozen(slots=True, eq=False)  # compared by identity: one compiled instance per table
 class StateTable:
     name: str
@@ -60,6 +73,13 @@ class StateTable:
     effects: Mapping[str, str]  # effect -> doc
     rows: tuple[Row, ...]
     transitions: Mapping[tuple[str, str], Transition]
+    status_of: Mapping[str, int] = attrs.field(factory=dict)  # trigger -> HTTP status on failure
+    timeouts: Mapping[str, StateTimeout] = attrs.field(factory=dict)  # state -> its deadline
+
+    def status(self, trigger: str) -> int:
+        """The HTTP status a room failing on ``trigger`` answers with (500 unless the table
+        says otherwise)."""
+        return self.status_of.get(trigger, 500)
 
     def step(self, state: str, trigger: str) -> Transition | None:
         return self.transitions.get((state, trigger))
@@ -96,6 +116,26 @@ def parse_table(data: Mapping[str, Any], name: str) -> tuple[StateTable, list[st
     triggers_raw: Mapping[str, Mapping[str, Any]] = data.get("triggers", {})
     triggers = {t: info.get("doc", "") for t, info in triggers_raw.items()}
     remote = frozenset(t for t, info in triggers_raw.items() if info.get("remote", False))
+    status_of: dict[str, int] = {}
+    for t, info in triggers_raw.items():
+        if "status" in info:
+            code: object = info["status"]
+            if not isinstance(code, int) or isinstance(code, bool) or not 400 <= code <= 599:
+                problems.append(f"trigger {t}: status must be an HTTP error code, got {code!r}")
+            else:
+                status_of[t] = code
+    timeouts: dict[str, StateTimeout] = {}
+    for s, info in data.get("timeouts", {}).items():
+        if s not in states:
+            problems.append(f"timeout for unknown state {s!r}")
+            continue
+        try:
+            timeout = StateTimeout(str(info["window"]), int(info["status"]), str(info["reason"]))
+            timeout.message(1.0, "host:1")  # the template names only the fields it may
+        except (KeyError, ValueError, TypeError, IndexError) as exc:
+            problems.append(f"timeout of {s}: needs window, status and a reason template ({exc})")
+            continue
+        timeouts[s] = timeout
     effects: dict[str, str] = dict(data.get("effects", {}))
     initial = data.get("initial", "")
     terminal = frozenset(data.get("terminal", []))
@@ -137,6 +177,8 @@ def parse_table(data: Mapping[str, Any], name: str) -> tuple[StateTable, list[st
         effects=effects,
         rows=tuple(rows),
         transitions=transitions,
+        status_of=status_of,
+        timeouts=timeouts,
     )
     problems.extend(check_table(table))
     return table, problems

@@ -63,6 +63,14 @@ def test_good_table_passes(tmp_path: Path) -> None:
         (('do = ["Ping"]', 'do = ["Pong"]'), "unknown effect 'Pong'"),
         (('initial = "A"', 'initial = "Q"'), "initial state 'Q' is not a state"),
         (('B = { doc = "b" }', 'B = { doc = "b" }\nE = { doc = "dead end" }\n'), "unreachable"),
+        (('go = { doc = "go" }', 'go = { status = 200, doc = "go" }'),
+         "trigger go: status must be an HTTP error code, got 200"),
+        (("[triggers]", '[timeouts]\nZ = { window = "w", status = 504, reason = "r" }\n'
+          "[triggers]"), "timeout for unknown state 'Z'"),
+        (("[triggers]", '[timeouts]\nB = { window = "w", status = 504, reason = "{room}" }\n'
+          "[triggers]"), "timeout of B: needs window, status and a reason template"),
+        (("[triggers]", '[timeouts]\nB = { window = "w", reason = "r" }\n[triggers]'),
+         "timeout of B: needs window, status and a reason template"),
     ],
 )
 def test_each_problem_is_reported(
@@ -118,3 +126,27 @@ def test_load_table_refuses_a_broken_table(tmp_path: Path) -> None:
     _write(tmp_path, GOOD.replace('to = "C"', 'to = "Z"'))
     with pytest.raises(TableError, match="unknown state 'Z'"):
         load_table("t", tmp_path)
+
+
+def test_status_and_timeout_columns_are_compiled(tmp_path: Path) -> None:
+    text = GOOD.replace('go = { doc = "go" }', 'go = { status = 503, doc = "go" }').replace(
+        "[triggers]", '[timeouts]\nB = { window = "w", status = 504, '
+        'reason = "none from {bootstrap_addr} in {window:g} s" }\n[triggers]')
+    table = load_table("t", _write(tmp_path, text))
+    assert table.status("go") == 503 and table.status("stop") == 500
+    assert table.timeouts["B"].status == 504
+    assert table.timeouts["B"].message(2.5, "p:1") == "none from p:1 in 2.5 s"
+
+
+def test_a_timeout_window_that_is_no_config_field_fails_at_construction() -> None:
+    import attrs
+
+    from pd_fsm.core.decode_endpoint import DecodeEndpoint
+    from pd_fsm.core.tables import KV_RECEIVER, StateTimeout
+
+    class Misnamed(DecodeEndpoint):
+        table = attrs.evolve(KV_RECEIVER, timeouts={
+            **KV_RECEIVER.timeouts, "RESOLVING": StateTimeout("resolve_timeot", 504, "x")})
+
+    with pytest.raises(TypeError, match="resolve_timeot"):
+        Misnamed("d0", "layout")
