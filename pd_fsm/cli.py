@@ -24,6 +24,17 @@ def _spec_check(args: argparse.Namespace) -> int:
     if not report:
         print("no tables found", file=sys.stderr)
         return 2
+    if directory is None:  # the project's tables: also every effect against its code
+        from pd_fsm.core.dispatch import core_machines, handler_problems
+
+        for owner, tables in core_machines():
+            problems = handler_problems(owner, tables)
+            names = "+".join(t.name for t in tables)
+            print(f"{owner.__name__} runs {names}: "
+                  f"{'every effect has its handler' if not problems else 'mismatch'}")
+            for p in problems:
+                print(f"  - {p}")
+            bad += len(problems)
     return 1 if bad else 0
 
 

@@ -58,6 +58,7 @@ class _SenderRoom:
 
 
 class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
+    extra_tables = (KV_HOLD_LEASE,)
     table = KV_SENDER
     peer_role = "D"
 
@@ -293,42 +294,52 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
             if r.peer is not None and r.peer != peer:
                 self.stats.foreign_peer += 1
                 continue
-            if r.lease == "LEASED":
-                # Table kv_hold_lease: LEASED + HeartbeatReceived -> LEASED [ExtendExpiry]
-                expiry = now + self.config.extension
-                if expiry > r.expires_at:
-                    r.expires_at = expiry
-                    self._room_timers.set(room, expiry)
+            if (r.lease, "HeartbeatReceived") in _LEASE:  # a heartbeat extends a held lease
+                self._lease_step(r, "HeartbeatReceived", now, out)
         ack = HeartbeatAck(self.incarnation, m.seq, tuple(failed), tuple(unknown))
         out.append(fx.SendMessage(peer, ack))
 
     # -- the lease ----------------------------------------------------------------------------
 
-    def _lease_step(self, r: _SenderRoom, trigger: str) -> None:
+    def _lease_step(self, r: _SenderRoom, trigger: str, now: float, out: list[_Fx]) -> None:
+        """Step the room's kv_hold_lease machine and run its row's effects."""
         tr = _LEASE.get((r.lease, trigger))
         if tr is None:
             raise LocalProtocolError(
                 f"kv_hold_lease: room {r.room} in {r.lease} has no row for {trigger}"
             )
         r.lease = tr.target
+        for name in tr.effects:
+            self._fx[name](r, now, out, Cause(trigger))
 
     def _expire_leases(self, now: float, out: list[_Fx]) -> None:
         for room in self._room_timers.pop_due(now):
-            r = self.rooms[room]
-            self.stats.lease_expired += 1
-            self._lease_step(r, "Expired")  # effect ExpireRoom:
-            why = f"KV hold lease expired at {r.expires_at:.3f}: no heartbeat from D"
-            self._step(r, "LeaseExpired", now, out, Cause("LeaseExpired", why))
+            self._lease_step(self.rooms[room], "Expired", now, out)
+
+    # -- effects of kv_hold_lease ---------------------------------------------------------------
+
+    def _fx_SetExpiry(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
+        r.expires_at = now + self.config.initial
+        self._room_timers.set(r.room, r.expires_at)
+
+    def _fx_ExtendExpiry(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
+        expiry = now + self.config.extension  # never shorter: max(old, now + extension)
+        if expiry > r.expires_at:
+            r.expires_at = expiry
+            self._room_timers.set(r.room, expiry)
+
+    def _fx_ExpireRoom(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
+        self.stats.lease_expired += 1
+        why = f"KV hold lease expired at {r.expires_at:.3f}: no heartbeat from D"
+        self._step(r, "LeaseExpired", now, out, Cause("LeaseExpired", why))
 
     # -- effects (names from the tables) ------------------------------------------------------
 
     def _fx_GrantLease(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
-        self._lease_step(r, "Granted")
-        r.expires_at = now + self.config.initial
-        self._room_timers.set(r.room, r.expires_at)
+        self._lease_step(r, "Granted", now, out)  # SetExpiry
 
     def _fx_ReleaseLease(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
-        self._lease_step(r, "Released")
+        self._lease_step(r, "Released", now, out)
         self._room_timers.cancel(r.room)
 
     def _fx_BindPeer(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:

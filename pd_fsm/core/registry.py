@@ -16,6 +16,7 @@ import attrs
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.config import RegistryConfig
+from pd_fsm.core.dispatch import bind_effects
 from pd_fsm.core.errors import LocalProtocolError
 from pd_fsm.core.tables import INSTANCE_LEASE
 from pd_fsm.core.timers import DeadlineHeap
@@ -62,6 +63,7 @@ class BootstrapRegistry(Generic[Rec]):
         self._by_advertised: dict[str, set[InstanceKey]] = {}
         self._timers: DeadlineHeap[InstanceKey] = DeadlineHeap()
         self.expired_total = 0
+        self._fx = bind_effects(self, self.table)
 
     # -- entry point --------------------------------------------------------------------------
 
@@ -140,30 +142,43 @@ class BootstrapRegistry(Generic[Rec]):
             raise LocalProtocolError(f"instance_lease: {inst.state} has no row for {trigger}")
         inst.state = tr.target
         for name in tr.effects:
-            if name == "StoreRecord":
-                if e is None:
-                    raise LocalProtocolError(f"instance_lease: StoreRecord on {trigger}")
-                self._unindex(inst)
-                inst.record, inst.advertised, inst.ttl = e.record, e.advertised, e.ttl
-                self._instances[inst.key] = inst
-                if inst.advertised is not None:
-                    self._by_advertised.setdefault(inst.advertised, set()).add(inst.key)
-            elif name == "RefreshTTL":
-                inst.expires_at = now + self.ttl_of(inst.key)
-                self._timers.set(inst.key, inst.expires_at)
-            elif name == "DropRecord":
-                self._unindex(inst)
-                self._timers.cancel(inst.key)
-                del self._instances[inst.key]
-                if trigger == "Expired" and inst.record is not None:
-                    self.expired_total += 1
-                    out.append(fx.InstanceExpired(inst.key, inst.record))
-            elif name == "AskToRegister":
-                out.append(RegistrationRequired(inst.key))
-            else:  # a table effect with no code here: refuse loudly
-                raise LocalProtocolError(f"instance_lease effect {name!r} has no implementation")
+            self._fx[name](inst, trigger, now, out, e)
         if trigger != "Expired" and inst.state == "ALIVE":
             out.append(Acknowledged(inst.key, inst.expires_at))
+
+    # -- effects (names from the table) --------------------------------------------------------
+
+    def _fx_StoreRecord(self, inst: _Instance[Rec], trigger: str, now: float,
+                        out: list[RegistryEffect[Rec]], e: ev.InstanceRegistered[Rec] | None,
+                        ) -> None:
+        if e is None:
+            raise LocalProtocolError(f"instance_lease: StoreRecord on {trigger}, not a write")
+        self._unindex(inst)
+        inst.record, inst.advertised, inst.ttl = e.record, e.advertised, e.ttl
+        self._instances[inst.key] = inst
+        if inst.advertised is not None:
+            self._by_advertised.setdefault(inst.advertised, set()).add(inst.key)
+
+    def _fx_RefreshTTL(self, inst: _Instance[Rec], trigger: str, now: float,
+                       out: list[RegistryEffect[Rec]], e: ev.InstanceRegistered[Rec] | None,
+                       ) -> None:
+        inst.expires_at = now + self.ttl_of(inst.key)
+        self._timers.set(inst.key, inst.expires_at)
+
+    def _fx_DropRecord(self, inst: _Instance[Rec], trigger: str, now: float,
+                       out: list[RegistryEffect[Rec]], e: ev.InstanceRegistered[Rec] | None,
+                       ) -> None:
+        self._unindex(inst)
+        self._timers.cancel(inst.key)
+        del self._instances[inst.key]
+        if trigger == "Expired" and inst.record is not None:
+            self.expired_total += 1
+            out.append(fx.InstanceExpired(inst.key, inst.record))
+
+    def _fx_AskToRegister(self, inst: _Instance[Rec], trigger: str, now: float,
+                          out: list[RegistryEffect[Rec]], e: ev.InstanceRegistered[Rec] | None,
+                          ) -> None:
+        out.append(RegistrationRequired(inst.key))
 
     def _unindex(self, inst: _Instance[Rec]) -> None:
         if inst.advertised is not None:

@@ -14,6 +14,7 @@ from typing import Generic, Protocol, TypeVar
 
 import attrs
 
+from pd_fsm.core.dispatch import bind_effects
 from pd_fsm.core.errors import LocalProtocolError
 from pd_fsm.core.kvpoll import KVPoll
 from pd_fsm.core.stats import EndpointStats
@@ -42,6 +43,8 @@ class Cause:
 
 class RoomMachines(Generic[R, E]):
     table: StateTable
+    # Tables whose effects this endpoint also runs (P: kv_hold_lease, stepped per room too).
+    extra_tables: tuple[StateTable, ...] = ()
 
     def __init__(self, finished_capacity: int) -> None:
         self.rooms: dict[int, R] = {}
@@ -50,12 +53,10 @@ class RoomMachines(Generic[R, E]):
         self._finished: OrderedDict[int, KVPoll] = OrderedDict()
         self._finished_capacity = finished_capacity
         self._room_timers: DeadlineHeap[int] = DeadlineHeap()
-        missing = [e for e in self.table.effects if not hasattr(self, f"_fx_{e}")]
-        if missing:
-            raise TypeError(f"{type(self).__name__} has no code for effects {missing}")
-        self._fx: dict[str, Callable[[R, float, list[E], Cause], None]] = {
-            e: getattr(self, f"_fx_{e}") for e in self.table.effects
-        }
+        # One handler per effect of our tables, and no handler without one (TypeError).
+        self._fx: dict[str, Callable[[R, float, list[E], Cause], None]] = bind_effects(
+            self, self.table, *self.extra_tables
+        )
         self._terminal = self.table.terminal
         self._transitions = self.table.transitions
 

@@ -14,6 +14,7 @@ import attrs
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.config import RouterConfig
+from pd_fsm.core.dispatch import bind_effects
 from pd_fsm.core.errors import LocalProtocolError
 from pd_fsm.core.messages import MAX_ROOM
 from pd_fsm.core.tables import ROOM
@@ -50,6 +51,7 @@ class RoomRouter:
         self._timers: DeadlineHeap[int] = DeadlineHeap()
         self.outcomes: dict[str, int] = {s: 0 for s in ROOM.terminal}
         self.dropped = 0  # responses for rooms already over, or that the table does not expect
+        self._fx = bind_effects(self, self.table)
 
     def set_workers(self, prefill: list[str], decode: list[str]) -> None:
         """Replace the worker lists (static flags or the bootstrap server's /list)."""
@@ -119,22 +121,29 @@ class RoomRouter:
         r.state = tr.target
         r.reason = reason or r.reason
         for name in tr.effects:
-            if name == "PostBothLegs":
-                out.append(fx.DispatchRoom(r.room, r.request_id, r.prefill, r.decode))
-            elif name == "RelayDecode":
-                out.append(fx.RelayDecode(r.room))
-            elif name == "AbortDecodeLeg":
-                out.append(fx.AbortLeg(r.room, "decode", r.decode))
-            elif name == "AbortPrefillLeg":
-                out.append(fx.AbortLeg(r.room, "prefill", r.prefill))
-            elif name == "AbortBothLegs":
-                out.append(fx.AbortLeg(r.room, "prefill", r.prefill))
-                out.append(fx.AbortLeg(r.room, "decode", r.decode))
-            elif name == "ReplyError":
-                out.append(fx.ReplyError(r.room, r.reason))
-            else:
-                raise LocalProtocolError(f"room effect {name!r} has no implementation")
+            self._fx[name](r, out)
         if tr.target in self.table.terminal:
             del self.rooms[r.room]
             self._timers.cancel(r.room)
             self.outcomes[tr.target] += 1
+
+    # -- effects (names from the table) --------------------------------------------------------
+
+    def _fx_PostBothLegs(self, r: _Room, out: list[fx.RouterEffect]) -> None:
+        out.append(fx.DispatchRoom(r.room, r.request_id, r.prefill, r.decode))
+
+    def _fx_RelayDecode(self, r: _Room, out: list[fx.RouterEffect]) -> None:
+        out.append(fx.RelayDecode(r.room))
+
+    def _fx_AbortDecodeLeg(self, r: _Room, out: list[fx.RouterEffect]) -> None:
+        out.append(fx.AbortLeg(r.room, "decode", r.decode))
+
+    def _fx_AbortPrefillLeg(self, r: _Room, out: list[fx.RouterEffect]) -> None:
+        out.append(fx.AbortLeg(r.room, "prefill", r.prefill))
+
+    def _fx_AbortBothLegs(self, r: _Room, out: list[fx.RouterEffect]) -> None:
+        self._fx_AbortPrefillLeg(r, out)
+        self._fx_AbortDecodeLeg(r, out)
+
+    def _fx_ReplyError(self, r: _Room, out: list[fx.RouterEffect]) -> None:
+        out.append(fx.ReplyError(r.room, r.reason))

@@ -106,18 +106,10 @@ class _Prefill(PrefillEndpoint):
         super()._step(r, trigger, now, out, ctx)
         _saw("kv_sender", source, trigger, r.state)
 
-    def _lease_step(self, r: Any, trigger: str) -> None:
+    def _lease_step(self, r: Any, trigger: str, now: float, out: list[Any]) -> None:
         source = r.lease
-        super()._lease_step(r, trigger)
+        super()._lease_step(r, trigger, now, out)
         _saw("kv_hold_lease", source, trigger, r.lease)
-
-    def _on_heartbeat(self, peer: str, m: Heartbeat, now: float, out: list[Any]) -> None:
-        # kv_hold_lease LEASED + HeartbeatReceived is hand-coded there (no _lease_step).
-        for room in m.rooms:
-            r = self.rooms.get(room)
-            if r is not None and r.lease == "LEASED" and r.peer in (None, peer):
-                _saw("kv_hold_lease", "LEASED", "HeartbeatReceived", "LEASED")
-        super()._on_heartbeat(peer, m, now, out)
 
 
 class _Decode(DecodeEndpoint):

@@ -220,9 +220,9 @@ class Prefill:
                     Step(source, trigger, r.state, out[n:], r.peer is not None, inner)
                 )
 
-        def recorded_lease_step(r: Any, trigger: str) -> None:
+        def recorded_lease_step(r: Any, trigger: str, now: float, out: list[Any]) -> None:
             source = r.lease
-            lease_step(r, trigger)
+            lease_step(r, trigger, now, out)
             if r.room == ROOM:
                 self.seen.lease_steps.append((source, trigger, r.lease))
                 if self._inner_lease is not None:
@@ -533,9 +533,10 @@ def _lease_pair(state: str, trigger: str) -> None:
     if exp.kind == "row":
         assert row is not None
         if trigger == "HeartbeatReceived":
-            # Hand-coded in PrefillEndpoint._on_heartbeat (the row quoted there): no _lease_step,
-            # the lease stays LEASED and expiry = max(old, now + extension), never shorter.
-            assert not seen.lease_steps and _lease_state(p, "?") == row.target
+            # The row's ExtendExpiry: the lease stays LEASED and expiry = max(old, now +
+            # extension), never shorter.
+            assert seen.lease_steps == [(state, trigger, row.target)]
+            assert _lease_state(p, "?") == row.target
             assert old_expiry is not None
             assert p.ep.lease_expiry(ROOM) == max(old_expiry, now + cfg.extension)
             assert now + cfg.extension < old_expiry  # so that was "never shorter"
@@ -570,7 +571,7 @@ def _lease_pair(state: str, trigger: str) -> None:
     if row is None:  # the guard refuses the pair had the code ever fed it
         stand_in = attrs.make_class("StandIn", ["room", "lease"])(-1, state)
         with pytest.raises(LocalProtocolError):
-            type(p.ep)._lease_step(p.ep, stand_in, trigger)
+            type(p.ep)._lease_step(p.ep, stand_in, trigger, p.h.now, [])
 
 
 # --- instance_lease: BootstrapRegistry ----------------------------------------------------------

@@ -150,3 +150,31 @@ def test_a_timeout_window_that_is_no_config_field_fails_at_construction() -> Non
 
     with pytest.raises(TypeError, match="resolve_timeot"):
         Misnamed("d0", "layout")
+
+
+def test_spec_check_matches_every_effect_with_its_handler(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["spec", "check"]) == 0
+    out = capsys.readouterr().out
+    for owner in ("PrefillEndpoint runs kv_sender+kv_hold_lease", "DecodeEndpoint runs kv_receiver",
+                  "BootstrapRegistry runs instance_lease", "RoomRouter runs room"):
+        assert f"{owner}: every effect has its handler" in out, out
+
+
+def test_an_effect_without_a_handler_or_a_handler_without_an_effect_is_refused() -> None:
+    from pd_fsm.core.dispatch import bind_effects, handler_problems
+    from pd_fsm.core.router import RoomRouter
+    from pd_fsm.core.tables import ROOM
+
+    class Forgetful(RoomRouter):
+        _fx_ReplyError = None  # type: ignore[assignment]  # the handler is gone
+
+        def _fx_Teleport(self) -> None:  # a handler no row names
+            pass
+
+    problems = handler_problems(Forgetful, (ROOM,))
+    assert any("method _fx_Teleport runs no effect of room" in p for p in problems), problems
+    assert any("effect 'ReplyError' of room has no _fx_ReplyError" in p for p in problems)
+    with pytest.raises(TypeError, match="_fx_Teleport"):
+        bind_effects(object.__new__(Forgetful), ROOM)
