@@ -114,11 +114,11 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
         # Each waiting state's window, as the table names it (a column, not Python): a name
         # that is no config field fails here, at construction.
         unknown = [t.window for t in self.table.timeouts.values()
-                   if not isinstance(getattr(self.config, t.window, None), float)]
+                   if not _is_seconds(getattr(self.config, t.window, None))]
         if unknown:
             raise TypeError(f"kv_receiver [timeouts] name no DecodeConfig window: {unknown}")
         self._state_timeout: dict[str, float] = {
-            s: getattr(self.config, t.window) for s, t in self.table.timeouts.items()
+            s: float(getattr(self.config, t.window)) for s, t in self.table.timeouts.items()
         }
 
     # -- entry point --------------------------------------------------------------------------
@@ -487,3 +487,8 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
 
     def _fx_CountLate(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
         self.stats.late += 1
+
+
+def _is_seconds(value: object) -> bool:
+    """A window's value: a number of seconds (an int is fine, a bool or a missing field not)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
