@@ -1,4 +1,5 @@
-"""Loading, checking and compiling the state tables in ``spec/state_tables``.
+"""Loading, checking and compiling the state tables (``pd_fsm/core/state_tables/*.toml``, package
+data read with ``importlib.resources``; ``spec/state_tables`` links there).
 
 The TOML files are the single source of truth. Each is compiled once, at import, into a dict keyed
 by ``(state, trigger)``; a step on the hot path is one dict lookup. Checking (``check_table``)
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import tomllib
 from collections.abc import Iterator, Mapping
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +25,9 @@ SAME = "@same"  # `to = "@same"`: a self-loop row shared by several `from` state
 TABLE_NAMES = ("kv_sender", "kv_receiver", "kv_hold_lease", "instance_lease", "room")
 
 
-def tables_dir() -> Path:
-    """The tables: next to the package in a wheel, at the repository root in a checkout."""
-    here = Path(__file__).resolve().parent.parent
-    for candidate in (here / "_state_tables", here.parent / "spec" / "state_tables"):
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError("spec/state_tables not found next to the pd_fsm package")
+def tables_dir() -> Traversable:
+    """The project's tables, as package data (a checkout and an installed wheel alike)."""
+    return resources.files("pd_fsm.core") / "state_tables"
 
 
 @attrs.frozen(slots=True)
@@ -232,27 +231,27 @@ def check_table(table: StateTable) -> list[str]:
 
 
 def load_table(name: str, directory: Path | None = None) -> StateTable:
-    path = (directory or tables_dir()) / f"{name}.toml"
-    with path.open("rb") as fh:
-        data = tomllib.load(fh)
+    source: Path | Traversable = (directory or tables_dir()) / f"{name}.toml"
+    data = tomllib.loads(source.read_text(encoding="utf-8"))
     table, problems = parse_table(data, name)
     if problems:
-        raise TableError(f"{path}:\n  " + "\n  ".join(problems))
+        raise TableError(f"{source}:\n  " + "\n  ".join(problems))
     return table
 
 
 def check_all(directory: Path | None = None) -> dict[str, list[str]]:
     """Problems per table file in ``directory`` (every ``*.toml``, not only the known names)."""
-    directory = directory or tables_dir()
+    where: Path | Traversable = directory or tables_dir()
     report: dict[str, list[str]] = {}
-    for path in sorted(directory.glob("*.toml")):
+    for path in sorted(where.iterdir(), key=lambda p: p.name):
+        if not path.name.endswith(".toml"):
+            continue
         try:
-            with path.open("rb") as fh:
-                data = tomllib.load(fh)
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as exc:
             report[path.name] = [f"not valid TOML: {exc}"]
             continue
-        _, problems = parse_table(data, path.stem)
+        _, problems = parse_table(data, path.name.removesuffix(".toml"))
         report[path.name] = problems
     return report
 

@@ -113,7 +113,7 @@ def test_diagrams_written_for_every_table(tmp_path: Path) -> None:
 
 def test_committed_diagrams_are_current(tmp_path: Path) -> None:
     main(["spec", "diagram", "--out", str(tmp_path)])
-    committed = tables_dir().parent.parent / "docs" / "state_machines"
+    committed = Path(__file__).resolve().parents[2] / "docs" / "state_machines"
     for name in TABLE_NAMES:
         assert (committed / f"{name}.md").read_text() == (tmp_path / f"{name}.md").read_text(), (
             f"docs/state_machines/{name}.md is stale: run `pd-fsm spec diagram`"
@@ -178,3 +178,11 @@ def test_an_effect_without_a_handler_or_a_handler_without_an_effect_is_refused()
     assert any("effect 'ReplyError' of room has no _fx_ReplyError" in p for p in problems)
     with pytest.raises(TypeError, match="_fx_Teleport"):
         bind_effects(object.__new__(Forgetful), ROOM)
+
+
+def test_tables_are_package_data_and_spec_links_there() -> None:
+
+    shipped = sorted(p.name for p in tables_dir().iterdir() if p.name.endswith(".toml"))
+    assert shipped == sorted(f"{n}.toml" for n in TABLE_NAMES)
+    link = Path(__file__).resolve().parents[2] / "spec" / "state_tables"
+    assert link.resolve() == Path(str(tables_dir())).resolve()
