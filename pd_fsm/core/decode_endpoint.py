@@ -178,8 +178,7 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
         status: int = 0,
     ) -> None:
         before = r.state
-        cause = Cause(trigger, reason, status or self.table.status(trigger))
-        self._step(r, trigger, now, out, cause)
+        self._step(r, trigger, now, out, self._cause(trigger, reason, status))
         if r.state != before and r.room in self.rooms:
             self._room_timers.set(r.room, now + self._state_timeout[r.state])
 

@@ -118,9 +118,9 @@ class RoomMachines(Generic[R, E]):
 
     peer_role: str  # who sends this endpoint's remote triggers ("D" to P's endpoint, "P" to D's)
 
-    def _cause(self, trigger: str, reason: str) -> Cause:
-        """``trigger``'s cause, with the HTTP status the table gives that trigger."""
-        return Cause(trigger, reason, self.table.status(trigger))
+    def _cause(self, trigger: str, reason: str, status: int = 0) -> Cause:
+        """``trigger``'s cause, with ``status`` or else the HTTP status the table gives it."""
+        return Cause(trigger, reason, status or self.table.status(trigger))
 
     def _apply(self, r: R, trigger: str, now: float, out: list[E], reason: str) -> None:
         """Step ``r`` (subclasses that keep per-state deadlines override this)."""

@@ -84,9 +84,12 @@ def is_z85_key(text: str) -> bool:
 
 
 def zap_reply(request: list[bytes], keys: CurveKeys) -> tuple[list[bytes], bool]:
-    """The ZAP reply for one request (RFC 27), and whether the client was admitted."""
-    if len(request) < 6:
-        return [], False  # not a ZAP request: nothing to answer (libzmq never sends these)
+    """The ZAP reply for one request (RFC 27), and whether the client was admitted. Every
+    request gets a reply, even a malformed one: a REP socket that skips one is stuck."""
+    if len(request) < 6:  # libzmq never sends these; refuse rather than wedge the handler
+        version = request[0] if request else b"1.0"
+        request_id = request[1] if len(request) > 1 else b""
+        return [version, request_id, b"500", b"malformed ZAP request", b"", b""], False
     version, request_id, _domain, _address, _identity, mechanism = request[:6]
     credentials = request[6:]
     admitted = (

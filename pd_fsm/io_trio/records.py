@@ -157,22 +157,20 @@ def unreachable_fields(r: InstanceRecord, client_host: str | None) -> list[tuple
     """(field, why) for each address a peer could not dial (pd_fsm.io_trio.addresses): a
     malformed one, a wildcard, or loopback sent from ``client_host`` on another host."""
     out: list[tuple[str, str]] = []
+    hosts: list[tuple[str, str]] = []
     for name in ("transfer_addr", "zmq_addr", "scheduler_addr"):
         value = getattr(r, name)
-        if value is None:
-            continue
-        try:
-            host = split_host_port(value)[0]
-        except ValueError as exc:
-            out.append((name, str(exc)))
-            continue
+        if value is not None:
+            try:
+                hosts.append((name, split_host_port(value)[0]))
+            except ValueError as exc:
+                out.append((name, str(exc)))
+    if r.bootstrap_host:
+        hosts.append(("bootstrap_host", r.bootstrap_host))
+    for name, host in hosts:
         why = unreachable_from(host, client_host)
         if why is not None:
             out.append((name, why))
-    if r.bootstrap_host:
-        why = unreachable_from(r.bootstrap_host, client_host)
-        if why is not None:
-            out.append(("bootstrap_host", why))
     return out
 
 

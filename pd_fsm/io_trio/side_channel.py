@@ -345,8 +345,7 @@ class PrefillSideChannel(_Channel):
             if not admitted:
                 self.stats.curve_refused += 1
                 _log_drop(self.stats.curve_refused, "CURVE handshake", "?", "key not trusted")
-            if reply:
-                zap.send_multipart(reply)
+            zap.send_multipart(reply)
 
         await _Pump(zap, on_request, self.limits.batch).run()
 

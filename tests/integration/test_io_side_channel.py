@@ -408,3 +408,14 @@ def test_curve_key_files_are_checked(tmp_path: Path) -> None:
         CurveKeys.load(tmp_path / "p0.key_secret", tmp_path / "empty")
     with pytest.raises(CurveError, match="not a directory"):
         CurveKeys.load(tmp_path / "p0.key_secret", tmp_path / "missing")
+
+
+def test_zap_answers_even_a_malformed_request(tmp_path: Path) -> None:
+    """A REP socket that skips a reply is stuck: every request gets one (a refusal here)."""
+    from pd_fsm.io_trio.curve import zap_reply
+
+    keys = _curve_dir(tmp_path, "p0")["p0"]
+    assert zap_reply([b"1.0", b"7"], keys) == (
+        [b"1.0", b"7", b"500", b"malformed ZAP request", b"", b""], False)
+    reply, admitted = zap_reply([b"1.0", b"8", b"d", b"a", b"i", b"NULL"], keys)
+    assert reply[:3] == [b"1.0", b"8", b"400"] and not admitted

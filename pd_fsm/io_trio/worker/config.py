@@ -87,10 +87,9 @@ class ServeConfig:
     cluster_secret_file: Path | None = None
     # HTTPS for this worker's server, its registry calls and its advertised URL (tls.py).
     tls: TLS = NO_TLS
-    # CURVE on the side channel (pd_fsm.io_trio.curve): this worker's key pair file, and the
-    # directory of the public keys it trusts. Both or neither.
-    side_channel_curve_key: Path | None = None
-    side_channel_curve_peers: Path | None = None
+    # CURVE on the side channel (pd_fsm.io_trio.curve): this worker's key pair and the public
+    # keys it trusts, loaded (and checked) once from the two flags' files at start.
+    side_channel_curve: CurveKeys | None = attrs.field(default=None, repr=False)
     log_level: str = "INFO"
     # "hugepages": large host buffers on transparent huge pages (pd_fsm.jax_engine.host_memory)
     host_heap: str = "hugepages"
@@ -145,14 +144,6 @@ class ServeConfig:
             "transfer_timeout": self.disaggregation_transfer_timeout,
             "pull_deadline": self.disaggregation_pull_deadline,
         }
-
-    def curve_keys(self) -> CurveKeys | None:
-        """The side channel's CURVE keys (raises CurveError naming the flag), or None."""
-        if self.side_channel_curve_key is None or self.side_channel_curve_peers is None:
-            return None
-        from pd_fsm.io_trio.curve import CurveKeys
-
-        return CurveKeys.load(self.side_channel_curve_key, self.side_channel_curve_peers)
 
     def cluster_secret(self) -> bytes | None:
         """The secret's bytes (stripped), None when no file is configured; raises OSError or
@@ -367,12 +358,14 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError("--advertise-interface is for P and D workers (--disaggregation-mode)")
     if (args.side_channel_curve_key is None) != (args.side_channel_curve_peers is None):
         raise ValueError("--side-channel-curve-key and --side-channel-curve-peers go together")
+    curve = None
     if args.side_channel_curve_key is not None:
         if args.disaggregation_mode == "null":
             raise ValueError("--side-channel-curve-key is for P and D workers")
         from pd_fsm.io_trio.curve import CurveKeys
 
-        CurveKeys.load(args.side_channel_curve_key, args.side_channel_curve_peers)  # fail now
+        # Raises CurveError (a ValueError) naming the flag.
+        curve = CurveKeys.load(args.side_channel_curve_key, args.side_channel_curve_peers)
     chat_template = None
     if args.chat_template is not None:
         # Imported here: jinja2 is not needed for `pd-fsm --help`.
@@ -410,8 +403,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         **{name: getattr(args, name) for name in windows},
         cluster_secret_file=args.cluster_secret_file,
         tls=tls_from_args(args),
-        side_channel_curve_key=args.side_channel_curve_key,
-        side_channel_curve_peers=args.side_channel_curve_peers,
+        side_channel_curve=curve,
         log_level=args.log_level,
         host_heap=args.host_heap,
         cpus=args.cpus,

@@ -114,7 +114,7 @@ class _PDBackend(ColocatedBackend, ABC):
         # (pd_fsm.core.keys); neither sends it.
         self._secret = config.cluster_secret()
         # CURVE keys for the side channel (pd_fsm.io_trio.curve), or None: plain TCP.
-        self._curve = config.curve_keys()
+        self._curve = config.side_channel_curve
         self._inbox_send, self._inbox_recv = trio.open_memory_channel[tuple[float, Any]](INBOX_SIZE)
         self._token: trio.lowlevel.TrioToken | None = None
         self.bootstrap: BootstrapClient | None = None
