@@ -41,14 +41,18 @@ from pd_fsm.core.messages import (
     MAX_ROOM,
     MAX_ROOMS_PER_HEARTBEAT,
     MAX_TOKEN,
+    MAX_TOP_LOGPROBS,
     MAX_UUID,
     WIRE_NAMES,
     Message,
+    TokenLogprob,
 )
 from pd_fsm.core.replay import ReplayGuard
 
 MAGIC = b"PF"
-VERSION = 3  # 2: signed frames carry sent_ms and a nonce; 3: incarnations, READY.transfer_addr
+# 2: signed frames carry sent_ms and a nonce; 3: incarnations, READY.transfer_addr;
+# 4: READY.first_top (a peer of version 3 would refuse the field by name; the version says why).
+VERSION = 4
 FLAG_SIGNED = 0x01
 MAC_SIZE = 32
 HEADER_SIZE = 4
@@ -104,12 +108,33 @@ def _room_list(value: Any, _: type) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _top_list(value: Any, _: type) -> tuple[TokenLogprob, ...]:
+    """A position's top logprobs: at most MAX_TOP_LOGPROBS ``[token, logprob]`` pairs."""
+    if type(value) is not list:
+        raise TypeError(f"expected a list of [token, logprob] pairs, got {type(value).__name__}")
+    if len(value) > MAX_TOP_LOGPROBS:
+        raise ValueError(f"more than {MAX_TOP_LOGPROBS} top logprobs")
+    out = []
+    for pair in value:
+        if type(pair) is not list or len(pair) != 2:
+            raise ValueError(f"bad [token, logprob] pair {pair!r:.40}")
+        token, logprob = strict_int(pair[0], int), _strict_float(pair[1], float)
+        if not 0 <= token < MAX_TOKEN or logprob > 0.0:
+            raise ValueError(f"bad [token, logprob] pair {pair!r:.40}")
+        out.append(TokenLogprob(token, logprob))
+    return tuple(out)
+
+
 _converter = cattrs.Converter(forbid_extra_keys=True)
 _converter.register_structure_hook(int, strict_int)
 _converter.register_structure_hook(str, _strict_str)
 _converter.register_structure_hook(bool, _strict_bool)
 _converter.register_structure_hook(float, _strict_float)
 _converter.register_structure_hook_func(lambda t: t == tuple[int, ...], _room_list)
+_converter.register_structure_hook_func(lambda t: t == tuple[TokenLogprob, ...], _top_list)
+_converter.register_unstructure_hook_func(
+    lambda t: t == tuple[TokenLogprob, ...], lambda v: [[t.token, t.logprob] for t in v]
+)
 _converter.register_unstructure_hook(tuple, list)
 
 

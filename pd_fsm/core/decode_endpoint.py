@@ -22,6 +22,7 @@ from pd_fsm.core.messages import (
     HeartbeatAck,
     Ready,
     RecvInit,
+    TokenLogprob,
 )
 from pd_fsm.core.rooms import Cause, RoomMachines
 from pd_fsm.core.tables import KV_RECEIVER
@@ -37,6 +38,7 @@ class _ReceiverRoom:
         "bootstrap_addr",
         "first_logprob",
         "first_token",
+        "first_top",
         "hello_seq",
         "incarnation",
         "n_pages",
@@ -56,6 +58,7 @@ class _ReceiverRoom:
         self.uuid = -1
         self.first_token = -1
         self.first_logprob = 0.0
+        self.first_top: tuple[TokenLogprob, ...] = ()
         self.hello_seq = -1  # last heartbeat seq sent before our RECV_INIT
         self.incarnation = 0  # of the P process that sent READY (0: none yet, or not said)
         self.transfer_addr = ""  # where READY said to pull from ("": the registry's address)
@@ -295,6 +298,7 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
                 r.uuid = m.uuid
                 r.first_token = m.first_token
                 r.first_logprob = m.first_logprob
+                r.first_top = m.first_top
                 r.incarnation = m.incarnation
                 r.transfer_addr = m.transfer_addr
             self._remote(r, "ReadyReceived", now, out, "")
@@ -479,7 +483,7 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
     def _fx_CompleteTransfer(
         self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause
     ) -> None:
-        out.append(fx.CompleteTransfer(r.room, r.first_token, r.first_logprob))
+        out.append(fx.CompleteTransfer(r.room, r.first_token, r.first_logprob, r.first_top))
 
     def _fx_FailRequest(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
         out.append(fx.FailRequest(r.room, why.reason, why.status))

@@ -11,7 +11,7 @@ from typing import Generic, TypeVar
 
 import attrs
 
-from pd_fsm.core.messages import Message
+from pd_fsm.core.messages import Message, TokenLogprob
 
 
 @attrs.frozen(slots=True)
@@ -108,6 +108,7 @@ class CompleteTransfer:
     room: int
     first_token: int
     first_logprob: float = 0.0
+    first_top: tuple[TokenLogprob, ...] = ()
 
 
 # --- both ------------------------------------------------------------------------------------

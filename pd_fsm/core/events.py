@@ -11,7 +11,7 @@ from typing import Generic, TypeVar
 
 import attrs
 
-from pd_fsm.core.messages import Message
+from pd_fsm.core.messages import Message, TokenLogprob
 
 
 @attrs.frozen(slots=True)
@@ -41,6 +41,7 @@ class PrefillFinished:
     first_token: int
     n_pages: int
     first_logprob: float = 0.0
+    first_top: tuple[TokenLogprob, ...] = ()  # the first position's top logprobs, when asked
 
 
 @attrs.frozen(slots=True)

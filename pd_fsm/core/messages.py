@@ -10,6 +10,15 @@ MAX_PAGES = 1 << 20
 MAX_TOKEN = 1 << 31
 MAX_REASON = 1024
 MAX_ROOMS_PER_HEARTBEAT = 4096
+MAX_TOP_LOGPROBS = 20  # alternatives per position: OpenAI's top_logprobs maximum
+
+
+@attrs.frozen(slots=True)
+class TokenLogprob:
+    """One alternative of a position's top log-probabilities: a token and its log-prob."""
+
+    token: int
+    logprob: float
 
 
 @attrs.frozen(slots=True)
@@ -40,6 +49,9 @@ class Ready:
     # a new incarnation tells D that rooms READY'd by the previous process are gone.
     incarnation: int = 0
     transfer_addr: str = ""
+    # The first position's most likely tokens, when the request asked for top logprobs: D
+    # reports them as P computed them (the sampled token's own is first_logprob).
+    first_top: tuple[TokenLogprob, ...] = ()
 
 
 @attrs.frozen(slots=True)

@@ -15,7 +15,15 @@ from pd_fsm.core import events as ev
 from pd_fsm.core.config import LeaseConfig
 from pd_fsm.core.errors import LocalProtocolError
 from pd_fsm.core.kvpoll import KVPoll
-from pd_fsm.core.messages import Abort, Done, Heartbeat, HeartbeatAck, Ready, RecvInit
+from pd_fsm.core.messages import (
+    Abort,
+    Done,
+    Heartbeat,
+    HeartbeatAck,
+    Ready,
+    RecvInit,
+    TokenLogprob,
+)
 from pd_fsm.core.rooms import Cause, RoomMachines
 from pd_fsm.core.tables import KV_HOLD_LEASE, KV_SENDER
 
@@ -31,6 +39,7 @@ class _SenderRoom:
         "expires_at",
         "first_logprob",
         "first_token",
+        "first_top",
         "has_request",
         "lease",
         "n_pages",
@@ -50,6 +59,7 @@ class _SenderRoom:
         self.uuid: int | None = None
         self.first_token = -1
         self.first_logprob = 0.0
+        self.first_top: tuple[TokenLogprob, ...] = ()
         self.n_pages = -1  # ours, known at PrefillFinished
         self.d_pages = -1  # D's claim, from RECV_INIT
         self.d_incarnation = 0  # of the D process whose RECV_INIT bound the room (0: not said)
@@ -135,6 +145,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
             return
         r.first_token = e.first_token
         r.first_logprob = e.first_logprob
+        r.first_top = e.first_top
         r.n_pages = e.n_pages
         if r.d_pages >= 0 and r.d_pages != e.n_pages:
             self._violated(
@@ -354,7 +365,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
         assert r.peer is not None and r.uuid is not None
         ready = Ready(
             r.room, r.uuid, r.first_token, r.n_pages, self.layout_hash, r.first_logprob,
-            self.incarnation, self.transfer_addr,
+            self.incarnation, self.transfer_addr, r.first_top,
         )
         out.append(fx.SendMessage(r.peer, ready))
 

@@ -8,7 +8,8 @@ effects and feeds it what happened:
   ``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room`` injected (and ``rid`` when the
   client gave none, so the legs can be aborted by name);
 * ``RelayDecode`` -> the client gets D's status and body, SSE relayed chunk by chunk as it
-  arrives; with ``return_logprob`` P's ``input_token_logprobs`` are prepended to D's. The room
+  arrives; prompt log-probs, which only P computes, are put into D's answer from P's
+  (``logprob_merge``: P's leg then goes unstreamed, and D's is relayed once P's is in). The room
   stays live (RELAYING) until the last byte is out (``RelayFinished``), so a client that leaves
   mid-stream still gets both legs aborted;
 * ``AbortLeg`` -> ``POST /abort_request {"rid"}`` to that worker, and the leg's HTTP request is
@@ -49,6 +50,7 @@ from pd_fsm.core.config import RouterConfig
 from pd_fsm.core.router import RoomRouter
 from pd_fsm.io_trio.api_key import ApiKeyGate, bearer
 from pd_fsm.io_trio.http_server import http_client, serve_app
+from pd_fsm.io_trio.logprob_merge import SseRewriter, merge, wants_prompt_logprobs
 from pd_fsm.io_trio.tls import NO_TLS, TLS
 from pd_fsm.io_trio.worker.metrics import StatsCollector
 from pd_fsm.io_trio.worker.phases import PhaseHistograms
@@ -107,6 +109,7 @@ class _Session:
     headers: dict[str, str]
     stream: bool
     return_logprob: bool
+    prompt_logprobs: bool = False  # P's answer has positions D's lacks (logprob_merge)
     room: int = -1
     prefill: str = ""
     decode: str = ""
@@ -391,6 +394,7 @@ class Proxy:
             headers=headers,
             stream=body.get("stream") is True,
             return_logprob=body.get("return_logprob") is True,
+            prompt_logprobs=wants_prompt_logprobs(path, body),
         )
         self._no_worker = None
         self._dispatching[s.request_id] = s
@@ -423,12 +427,14 @@ class Proxy:
             with s.p_scope:
                 posted = trio.current_time()
                 s.p_scope.deadline = posted + self.room_timeout
-                async with self.client.stream("POST", s.prefill + s.path, json=s.body,
+                # A leg whose body the relay needs is asked for one JSON answer.
+                leg = {**s.body, "stream": False} if s.prompt_logprobs else s.body
+                async with self.client.stream("POST", s.prefill + s.path, json=leg,
                                               headers=s.headers) as resp:
                     raw = await resp.aread()  # drains an SSE leg too
                     status = resp.status_code
                     ok = 200 <= status < 300
-                    body = None if ok and s.stream else _json_or_text(raw)
+                    body = None if ok and leg.get("stream") is True else _json_or_text(raw)
                     if ok:
                         self.phases.observe("proxy_prefill_leg", trio.current_time() - posted)
         except httpx.HTTPError as exc:
@@ -503,19 +509,27 @@ class Proxy:
             s.headers_sent = True
             tail = b""
             first = True
+            rewriter = None
+            if s.prompt_logprobs:
+                p_body = await self._prefill_body(s)
+                rewriter = SseRewriter(lambda event: merge(s.path, p_body, event),
+                                       once=s.path != "/generate")
             async for chunk in resp.aiter_raw():
                 if first and chunk:
                     first = False
                     self._first_byte(s)
+                if rewriter is not None:
+                    chunk = rewriter.feed(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 tail = (tail + chunk)[-len(_SSE_DONE):]
                 s.sse_done = tail == _SSE_DONE
+            rest = rewriter.flush() if rewriter is not None else b""
             self._relay_finished(s)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.body", "body": rest, "more_body": False})
             return
         raw = await resp.aread()
         self._first_byte(s)  # a plain answer is read whole: its first byte is its last
-        if s.return_logprob:
+        if s.return_logprob or s.prompt_logprobs:
             raw = await self._merge_logprobs(s, raw)
         await send({"type": "http.response.start", "status": resp.status_code,
                     "headers": headers})
@@ -532,23 +546,20 @@ class Proxy:
         s.relay_finished = True
         self._feed(ev.RelayFinished(s.room))
 
-    async def _merge_logprobs(self, s: _Session, raw: bytes) -> bytes:
-        """D's body with P's ``meta_info.input_token_logprobs`` prepended to its own."""
+    async def _prefill_body(self, s: _Session) -> Any:
+        """P's answer, once its leg is over (None if it never came within the room's time)."""
         with trio.move_on_at(s.p_scope.deadline):
             await s.p_done.wait()
+        return s.p_body
+
+    async def _merge_logprobs(self, s: _Session, raw: bytes) -> bytes:
+        """D's body with P's prompt log-probs put in (``logprob_merge``)."""
+        p_body = await self._prefill_body(s)
         try:
             d_body = json.loads(raw)
         except ValueError:
             return raw
-        p_meta = s.p_body.get("meta_info") if isinstance(s.p_body, dict) else None
-        d_meta = d_body.get("meta_info") if isinstance(d_body, dict) else None
-        if not isinstance(p_meta, dict) or not isinstance(d_meta, dict):
-            return raw
-        p_lps = p_meta.get("input_token_logprobs")
-        if isinstance(p_lps, list):
-            d_lps = d_meta.get("input_token_logprobs")
-            d_meta["input_token_logprobs"] = p_lps + (d_lps if isinstance(d_lps, list) else [])
-        return json.dumps(d_body).encode()
+        return json.dumps(d_body).encode() if merge(s.path, p_body, d_body) else raw
 
 
 class _RoomResponse:

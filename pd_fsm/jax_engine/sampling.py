@@ -1,4 +1,4 @@
-"""Sampling parameters and the batched, jitted token sampler.
+"""Sampling parameters, the batched, jitted token sampler, and the log-probs a request can ask for.
 
 Every row samples from its own key ``fold_in(PRNGKey(seed), step)`` where ``step`` is the index of
 the token being generated, so a seeded request draws the same tokens whatever else shares its batch.
@@ -8,6 +8,7 @@ unmodified logits, before temperature / top-k / top-p), which is what ``return_l
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -211,10 +212,76 @@ def _choose(
     return np.asarray(tokens)[:n], np.asarray(logprobs)[:n]
 
 
+# Alternatives per position (OpenAI's top_logprobs maximum). Always this many are computed, and
+# each row keeps its own first k: one compiled shape per batch bucket, whatever k a request asks.
+TOP_LOGPROBS_COMPUTED = 20
+
+
+@jax.jit
+def _top_logprobs(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    values, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), TOP_LOGPROBS_COMPUTED)
+    return ids.astype(jnp.int32), values
+
+
+# A position's most likely tokens: (token id, log-prob) pairs, most likely first.
+TopLogprobs = tuple[tuple[int, float], ...]
+
+
+def top_logprobs(logits: jax.Array, ks: Sequence[int]) -> list[TopLogprobs]:
+    """For row ``i`` of ``logits[B_pad, V]`` (raw), its ``ks[i]`` most likely tokens and their
+    log-probs, most likely first (ties: lower id first); rows with ``k == 0`` get ``()``."""
+    if not any(ks):
+        return [() for _ in ks]
+    ids, values = (np.asarray(a) for a in EXECUTABLES.call(_top_logprobs, {}, logits))
+    return [
+        tuple(zip(ids[i, :k].tolist(), values[i, :k].tolist(), strict=True))
+        for i, k in enumerate(ks)
+    ]
+
+
+@functools.partial(jax.jit, static_argnames=("top",))
+def _prompt_logprobs(
+    logits: jax.Array, next_ids: jax.Array, top: bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``logits[B, T, V]`` of a prefill chunk and the prompt token after each position
+    ``next_ids[B, T]``: each next token's log-prob ``[B, T]`` and, with ``top``, each position's
+    ``TOP_LOGPROBS_COMPUTED`` most likely tokens ``[B, T, K]`` (ids, log-probs)."""
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logprobs, next_ids[..., None], axis=-1)[..., 0]
+    if not top:
+        empty = jnp.zeros((*next_ids.shape, 0))
+        return chosen, empty.astype(jnp.int32), empty
+    values, ids = jax.lax.top_k(logprobs, TOP_LOGPROBS_COMPUTED)
+    return chosen, ids.astype(jnp.int32), values
+
+
+def prompt_logprobs(
+    logits: jax.Array, next_ids: np.ndarray, top: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Host arrays of :func:`_prompt_logprobs` (compiled on first use for each chunk shape:
+    only prefills that ask for prompt log-probs run it)."""
+    chosen, ids, values = EXECUTABLES.call(
+        _prompt_logprobs, {"top": top}, logits, jnp.asarray(next_ids)
+    )
+    return np.asarray(chosen), np.asarray(ids), np.asarray(values)
+
+
+@jax.jit
+def _last_logits(logits: jax.Array, num_new: jax.Array) -> jax.Array:
+    """Each row's last new token's logits ``[B, V]`` out of ``logits[B, T, V]``."""
+    return logits[jnp.arange(logits.shape[0]), jnp.maximum(num_new - 1, 0)]
+
+
+def last_logits(logits: jax.Array, num_new: np.ndarray) -> jax.Array:
+    return EXECUTABLES.call(_last_logits, {}, logits, jnp.asarray(num_new))
+
+
 def compile_samplers(batch: int, vocab: int) -> None:
-    """Compile, without running, both samplers for ``logits[batch, vocab]`` (see ``sample``)."""
+    """Compile, without running, both samplers and the top-logprobs pass for
+    ``logits[batch, vocab]`` (see ``sample``)."""
     logits = jax.ShapeDtypeStruct((batch, vocab), jnp.float32)
     EXECUTABLES.compile(_greedy, {}, logits)
+    EXECUTABLES.compile(_top_logprobs, {}, logits)
     f32, i32, u32 = (
         jax.ShapeDtypeStruct((batch,), t) for t in (jnp.float32, jnp.int32, jnp.uint32)
     )

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import attrs
 
-from pd_fsm.jax_engine.sampling import SamplingParams
+from pd_fsm.jax_engine.sampling import TOP_LOGPROBS_COMPUTED, SamplingParams, TopLogprobs
 from pd_fsm.jax_engine.tokenizer import IncrementalDetokenizer
 
 
@@ -34,6 +34,43 @@ class FinishReason:
         return {"type": "stop", "matched": self.matched}
 
 
+def _top_range(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if not 0 <= value <= TOP_LOGPROBS_COMPUTED:
+        raise ValueError(f"top must be in [0, {TOP_LOGPROBS_COMPUTED}], got {value}")
+
+
+@attrs.frozen
+class LogprobSpec:
+    """The log-probs a request reports besides its sampled tokens' own (which are always kept).
+
+    ``top``: the most likely alternatives at each reported position (sglang's
+    ``top_logprobs_num``, OpenAI's ``top_logprobs`` / completions' ``logprobs``).
+    ``prompt_from``: the first prompt position whose token's log-prob is reported (sglang's
+    ``logprob_start_len``; OpenAI's ``echo``: 0); -1 for none. Computed by the worker that
+    prefills: it runs those prefills with every position's logits.
+    """
+
+    top: int = attrs.field(default=0, validator=_top_range)
+    prompt_from: int = -1
+
+    @property
+    def prompt(self) -> bool:
+        return self.prompt_from >= 0
+
+
+NO_LOGPROBS = LogprobSpec()
+
+
+@attrs.frozen
+class PromptLogprobs:
+    """Prompt positions ``start..`` : each token's log-prob given the tokens before it (None for
+    position 0, which nothing predicts) and, when asked, each position's top alternatives."""
+
+    start: int
+    logprobs: tuple[float | None, ...]
+    top: tuple[TopLogprobs | None, ...] = ()
+
+
 @attrs.frozen
 class RequestOutput:
     """What one ``step()`` produced for one request: the increment since its previous output."""
@@ -46,6 +83,10 @@ class RequestOutput:
     finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
+    # Each new token's position's top alternatives (when the request asked for them).
+    new_top_logprobs: tuple[TopLogprobs, ...] = ()
+    # In the request's first output only, when it asked for them and this worker prefilled it.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -63,6 +104,7 @@ class Req:
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
     # Opaque per-request data for layers above (e.g. bootstrap host/port/room for PD).
     metadata: dict[str, Any] = attrs.field(factory=dict)
+    logprobs: LogprobSpec = attrs.field(factory=LogprobSpec)
 
     state: ReqState = ReqState.WAITING
     # Pool pages reserved for the whole sequence, in position order; None when none are held.
@@ -71,6 +113,12 @@ class Req:
     prefilled: int = 0
     output_ids: list[int] = attrs.field(factory=list)
     output_logprobs: list[float] = attrs.field(factory=list)
+    output_top: list[TopLogprobs] = attrs.field(factory=list)  # only with logprobs.top
+    # Prompt log-probs from logprobs.prompt_from on, filled chunk by chunk by the prefill.
+    prompt_logprobs: list[float | None] = attrs.field(factory=list)
+    prompt_top: list[TopLogprobs | None] = attrs.field(factory=list)
+    prompt_logprobs_ready: bool = False  # the prefill (here) computed all of them
+    prompt_logprobs_sent: bool = False
     finish_reason: FinishReason | None = None
     seed: int = 0  # resolved sampling seed
     # Output text so far (after stop-string trimming) and how much of it was already reported.

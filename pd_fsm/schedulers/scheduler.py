@@ -52,10 +52,26 @@ from pd_fsm.jax_engine.model import (
     table_width,
 )
 from pd_fsm.jax_engine.pool_spec import PoolType
-from pd_fsm.jax_engine.sampling import Adjustment, SamplingParams, compile_samplers, sample
+from pd_fsm.jax_engine.sampling import (
+    Adjustment,
+    SamplingParams,
+    TopLogprobs,
+    compile_samplers,
+    last_logits,
+    prompt_logprobs,
+    sample,
+    top_logprobs,
+)
 from pd_fsm.jax_engine.tokenizer import IncrementalDetokenizer
 from pd_fsm.schedulers.args import SchedulerArgs
-from pd_fsm.schedulers.request import FinishReason, Req, ReqState, RequestOutput
+from pd_fsm.schedulers.request import (
+    FinishReason,
+    LogprobSpec,
+    PromptLogprobs,
+    Req,
+    ReqState,
+    RequestOutput,
+)
 
 R = TypeVar("R")
 
@@ -145,18 +161,23 @@ class Scheduler:
         rid: str,
         prompt: str | Sequence[int],
         sampling: SamplingParams | None = None,
+        *,
+        logprobs: LogprobSpec | None = None,
         **metadata: object,
     ) -> Req:
         """A request record; a string prompt is tokenized as is (no chat template)."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return Req(rid, ids, sampling or SamplingParams(), dict(metadata))
+        return Req(rid, ids, sampling or SamplingParams(), dict(metadata),
+                   logprobs or LogprobSpec())
 
     def add_request(self, req: Req) -> None:
         """Queue a request; raises ``ValueError`` for one that can never be served."""
         self._register(req)
         self.waiting.append(req)
 
-    def add_prefilled_request(self, req: Req, first_token: int, first_logprob: float) -> None:
+    def add_prefilled_request(
+        self, req: Req, first_token: int, first_logprob: float, first_top: TopLogprobs = ()
+    ) -> None:
         """Enter ``req`` straight into the decode batch: its prompt's K/V is already in
         ``req.pages`` (e.g. transferred from a prefill worker) and its first token is sampled."""
         if req.rid not in self.reqs:
@@ -165,7 +186,7 @@ class Scheduler:
             raise ValueError(f"request {req.rid} entered decode without its pages reserved")
         self._detach(req)
         req.prefilled = len(req.input_ids)
-        self._enter_running(req, first_token, first_logprob)
+        self._enter_running(req, first_token, first_logprob, first_top)
 
     def submit(self, req: Req) -> None:
         """Thread-safe ``add_request``: queued for the next ``step()``. A request that can never
@@ -392,7 +413,13 @@ class Scheduler:
             start[i], num_new[i] = row.start, row.length
             used = self.pool_config.pages_for(row.start + row.length)
             table[i, :used] = req.pages[:used]
-        logits = self._forward_extend(tokens, start, num_new, table)
+        # Prompt log-probs need every position's logits: only batches with a row that asks for
+        # them pay for the wider head (and its compile, on first use of each chunk shape).
+        every_position = any(row.req.logprobs.prompt for row in batch.rows)
+        logits = self._forward_extend(tokens, start, num_new, table, all_logits=every_position)
+        if every_position:
+            self._record_prompt_logprobs(batch, logits)
+            logits = last_logits(logits, num_new)
 
         completed: list[Req | None] = []
         for row in batch.rows:
@@ -403,9 +430,41 @@ class Scheduler:
             return
         self._on_logits("prefill", completed, logits)
         sampled, logprobs = self._sample(logits, completed)
-        for done_req, token, logprob in zip(completed, sampled, logprobs, strict=True):
+        tops = self._top_logprobs(logits, completed)
+        for done_req, token, logprob, top in zip(completed, sampled, logprobs, tops, strict=True):
             if done_req is not None:
-                self._on_prefill_done(done_req, int(token), float(logprob))
+                self._on_prefill_done(done_req, int(token), float(logprob), top)
+
+    def _record_prompt_logprobs(self, batch: PrefillBatch, logits: jax.Array) -> None:
+        """Append, for each row that asks, the log-prob of every prompt token this chunk
+        predicts (position ``p`` predicts token ``p + 1``) from ``logprobs.prompt_from`` on."""
+        next_ids = np.zeros((batch.n_pad, batch.t_pad), np.int32)
+        for i, row in enumerate(batch.rows):
+            ids = row.req.input_ids[row.start + 1 : row.start + row.length + 1]
+            next_ids[i, : len(ids)] = ids
+        top = any(row.req.logprobs.top for row in batch.rows if row.req.logprobs.prompt)
+        chosen, top_ids, top_values = prompt_logprobs(logits, next_ids, top)
+        for i, row in enumerate(batch.rows):
+            req, spec = row.req, row.req.logprobs
+            if not spec.prompt:
+                continue
+            if row.start == 0 and spec.prompt_from == 0:
+                req.prompt_logprobs.append(None)  # nothing predicts the first token
+                if spec.top:
+                    req.prompt_top.append(None)
+            for j in range(row.length):
+                position = row.start + j + 1
+                if position >= len(req.input_ids):
+                    break  # the last position predicts the first output token
+                if position < spec.prompt_from:
+                    continue
+                req.prompt_logprobs.append(float(chosen[i, j]))
+                if spec.top:
+                    req.prompt_top.append(tuple(zip(top_ids[i, j, : spec.top].tolist(),
+                                                    top_values[i, j, : spec.top].tolist(),
+                                                    strict=True)))
+            if row.start + row.length == len(req.input_ids):
+                req.prompt_logprobs_ready = True
 
     def _forward_extend(
         self,
@@ -413,8 +472,10 @@ class Scheduler:
         start: np.ndarray,
         num_new: np.ndarray,
         table: np.ndarray,
+        *,
+        all_logits: bool = False,
     ) -> jax.Array:
-        self.forward_shapes.add(("extend", *tokens.shape))
+        self.forward_shapes.add(("extend-all" if all_logits else "extend", *tokens.shape))
         params, config = self.model.params, self.config
 
         def run(kv: KV) -> tuple[jax.Array, KV]:
@@ -426,22 +487,27 @@ class Scheduler:
                 jnp.asarray(num_new),
                 jnp.asarray(table),
                 config=config,
+                all_logits=all_logits,
             )
 
         return self._with_kv(run)
 
-    def _on_prefill_done(self, req: Req, first_token: int, first_logprob: float) -> None:
+    def _on_prefill_done(
+        self, req: Req, first_token: int, first_logprob: float, first_top: TopLogprobs = ()
+    ) -> None:
         """The whole prompt is in the pool and the first token is sampled."""
         self.prefilling.remove(req)
-        self._enter_running(req, first_token, first_logprob)
+        self._enter_running(req, first_token, first_logprob, first_top)
 
-    def _enter_running(self, req: Req, first_token: int, first_logprob: float) -> None:
+    def _enter_running(
+        self, req: Req, first_token: int, first_logprob: float, first_top: TopLogprobs = ()
+    ) -> None:
         if req.sampling.max_new_tokens == 0:
             self._finish(req, FinishReason("length"))
             return
         req.state = ReqState.RUNNING
         self.running.append(req)
-        self._append_token(req, first_token, first_logprob)
+        self._append_token(req, first_token, first_logprob, first_top)
 
     # ----------------------------------------------------------------- hooks: decode
 
@@ -466,8 +532,9 @@ class Scheduler:
         rows: list[Req | None] = list(batch.reqs)
         self._on_logits("decode", rows, logits)
         sampled, logprobs = self._sample(logits, rows)
-        for req, token, logprob in zip(batch.reqs, sampled, logprobs, strict=True):
-            self._append_token(req, int(token), float(logprob))
+        tops = self._top_logprobs(logits, rows)
+        for req, token, logprob, top in zip(batch.reqs, sampled, logprobs, tops, strict=True):
+            self._append_token(req, int(token), float(logprob), top)
 
     def _forward_decode(
         self, tokens: np.ndarray, positions: np.ndarray, table: np.ndarray, lengths: np.ndarray
@@ -505,6 +572,10 @@ class Scheduler:
             [None if r is None or not r.sampling.penalized else self._adjustment(r) for r in reqs],
         )
 
+    def _top_logprobs(self, logits: jax.Array, reqs: Sequence[Req | None]) -> list[TopLogprobs]:
+        """Each row's top alternatives under the raw distribution, as its request asks."""
+        return top_logprobs(logits, [0 if r is None else r.logprobs.top for r in reqs])
+
     def _adjustment(self, req: Req) -> Adjustment:
         """The penalties' history (this request's output so far: on D, P's first token too) and,
         below ``min_new_tokens``, the tokens that would end it."""
@@ -517,9 +588,13 @@ class Scheduler:
             banned = frozenset(ends)
         return Adjustment(tuple(req.output_ids), banned)
 
-    def _append_token(self, req: Req, token: int, logprob: float) -> None:
+    def _append_token(
+        self, req: Req, token: int, logprob: float, top: TopLogprobs = ()
+    ) -> None:
         req.output_ids.append(token)
         req.output_logprobs.append(logprob)
+        if req.logprobs.top:
+            req.output_top.append(top)
         self._dirty[req] = None
         sp = req.sampling
         detok = req.detokenizer
@@ -584,6 +659,12 @@ class Scheduler:
         delta = req.text[req.text_sent : end]
         new_ids = tuple(req.output_ids[req.tokens_sent :])
         new_lps = tuple(req.output_logprobs[req.tokens_sent :])
+        new_tops = tuple(req.output_top[req.tokens_sent :])
+        prompt = None
+        if req.prompt_logprobs_ready and not req.prompt_logprobs_sent:
+            req.prompt_logprobs_sent = True
+            start = req.logprobs.prompt_from
+            prompt = PromptLogprobs(start, tuple(req.prompt_logprobs), tuple(req.prompt_top))
         req.text_sent, req.tokens_sent = end, len(req.output_ids)
         return RequestOutput(
             rid=req.rid,
@@ -593,5 +674,7 @@ class Scheduler:
             finish_reason=req.finish_reason,
             prompt_tokens=len(req.input_ids),
             completion_tokens=len(req.output_ids),
+            new_top_logprobs=new_tops,
+            prompt_logprobs=prompt,
         )
 

@@ -46,6 +46,7 @@ from tests.integration.serve_support import (
     cli,
     fetch_answer,
     request_body,
+    sse_events,
     wait_http_ok,
     worker_stats,
 )
@@ -202,6 +203,113 @@ async def test_sglang_router_equals_colocated(env: Env, router: str, endpoint: s
                              PROMPTS[endpoint] + " again")
     assert pd == ref
     assert pd.completion_tokens and pd.completion_tokens > 0
+
+
+# ----------------------------------------------------------------------------- 3: logprobs
+
+
+def _same(pd: Any, colo: Any, where: str = "") -> None:
+    """Equal JSON, floats within 1e-4 (P's and the colocated worker's prefill batches may be
+    padded differently, which moves float32 sums in the last places)."""
+    if isinstance(colo, float) and isinstance(pd, float):
+        assert pd == pytest.approx(colo, abs=1e-4), where
+    elif isinstance(colo, dict):
+        assert isinstance(pd, dict) and pd.keys() == colo.keys(), (where, pd, colo)
+        for k in colo:
+            _same(pd[k], colo[k], f"{where}.{k}")
+    elif isinstance(colo, list):
+        assert isinstance(pd, list) and len(pd) == len(colo), (where, pd, colo)
+        for i, (a, b) in enumerate(zip(pd, colo, strict=True)):
+            _same(a, b, f"{where}[{i}]")
+    else:
+        assert pd == colo, (where, pd, colo)
+
+
+def _openai(base: str) -> Any:
+    import openai  # the official client: a test dependency
+
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _logprob_calls(client: Any) -> dict[str, Any]:
+    """What an evaluation harness and a chat client ask for, each whole and streamed."""
+    prompt = "Once upon a time in a garden"
+    out: dict[str, Any] = {}
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "Tell me about rivers"}],
+                max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    out["chat"] = client.chat.completions.create(**chat).choices[0].logprobs.model_dump()
+    out["chat-stream"] = [c.choices[0].logprobs.model_dump()
+                          for c in client.chat.completions.create(**chat, stream=True)
+                          if c.choices and c.choices[0].logprobs is not None]
+    for name, extra in (("top", {"logprobs": 2}), ("echo", {"logprobs": 2, "echo": True}),
+                        ("harness", {"logprobs": 1, "echo": True, "max_tokens": 0})):
+        call = {"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0, **extra}
+        whole = client.completions.create(**call).choices[0]
+        out[name] = (whole.text, whole.logprobs.model_dump())
+        out[f"{name}-stream"] = [(c.choices[0].text, c.choices[0].logprobs.model_dump())
+                                 for c in client.completions.create(**call, stream=True)
+                                 if c.choices and c.choices[0].logprobs is not None]
+    return out
+
+
+def test_openai_logprobs_through_pd_equal_colocated(env: Env) -> None:
+    """Issue 17 §1 with the official client: top alternatives (the first token's come from P in
+    READY), echo with the prompt's log-probs (P computes them, the proxy puts them into D's
+    answer, whole and streamed) and the harness call (echo, max_tokens=0)."""
+    pd = _logprob_calls(_openai(env.proxy_1p1d))
+    colo = _logprob_calls(_openai(env.url("colocated")))
+    _same(pd, colo)
+    assert len(colo["chat"]["content"]) == 6
+    assert all(len(t["top_logprobs"]) == 3 for t in colo["chat"]["content"])
+    text, harness = colo["harness"]
+    assert text == "Once upon a time in a garden"  # the prompt alone: no token generated
+    assert harness["token_logprobs"][0] is None and len(harness["token_logprobs"]) > 5
+    assert all(isinstance(lp, float) for lp in harness["token_logprobs"][1:])
+    echo_text, echo = colo["echo"]
+    assert echo_text.startswith(text) and len(echo["tokens"]) == len(harness["tokens"]) + 5
+    assert echo["text_offset"] == sorted(echo["text_offset"])
+
+
+def _generate_logprobs(base: str, stream: bool) -> Any:
+    body = {"text": "The history of the river city", "return_logprob": True,
+            "top_logprobs_num": 2, "logprob_start_len": 0, "return_text_in_logprobs": True,
+            "stream": stream, "sampling_params": {"max_new_tokens": 5, "temperature": 0}}
+    with httpx.Client(timeout=120) as http:
+        r = http.post(f"{base}/generate", json=body)
+    assert r.status_code == 200, r.text
+    if not stream:
+        return r.json()["meta_info"]
+    events = [e for e in sse_events(r.text) if e != "[DONE]"]
+    assert all("input_token_logprobs" in e["meta_info"] for e in events)
+    return events[-1]["meta_info"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_generate_logprobs_through_pd_equal_colocated(env: Env, stream: bool) -> None:
+    """sglang's fields on /generate: input and output log-probs, their top alternatives, and
+    each entry's text."""
+    pd = _generate_logprobs(env.proxy_1p1d, stream)
+    colo = _generate_logprobs(env.url("colocated"), stream)
+    for meta in (pd, colo):
+        meta.pop("id")
+    _same(pd, colo)
+    assert colo["input_token_logprobs"][0][0] is None
+    assert len(colo["input_top_logprobs"]) == colo["prompt_tokens"]
+    assert len(colo["output_top_logprobs"]) == 5
+    assert all(isinstance(e[2], str) for e in colo["output_token_logprobs"])
+
+
+def test_sglang_router_carries_output_alternatives_and_input_logprobs(
+    env: Env, router: str
+) -> None:
+    """Through sglang-router 0.3.2: output log-probs and their alternatives are D's own (the
+    first position's from P, in READY), so they equal colocated; of the prompt's, the router
+    prepends P's ``input_token_logprobs`` and not ``input_top_logprobs`` (README: use our
+    proxy for those)."""
+    pd = _generate_logprobs(router, stream=False)
+    colo = _generate_logprobs(env.url("colocated"), stream=False)
+    for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs"):
+        _same(pd[key], colo[key], key)
 
 
 # ----------------------------------------------------------------------------- 4: bad input

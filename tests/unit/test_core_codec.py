@@ -11,6 +11,7 @@ from pd_fsm.core import codec, keys
 from pd_fsm.core.errors import RemoteProtocolError
 from pd_fsm.core.messages import (
     MAX_ROOM,
+    MAX_TOP_LOGPROBS,
     MAX_UUID,
     Abort,
     Done,
@@ -19,6 +20,7 @@ from pd_fsm.core.messages import (
     Message,
     Ready,
     RecvInit,
+    TokenLogprob,
 )
 from pd_fsm.core.replay import ReplayedFrame, ReplayGuard, StaleFrame
 
@@ -35,6 +37,13 @@ messages: st.SearchStrategy[Message] = st.one_of(
         st.integers(0, 1 << 20),
         text,
         st.floats(allow_nan=False, allow_infinity=False),
+        st.integers(0, MAX_UUID - 1),
+        text,
+        st.lists(
+            st.builds(TokenLogprob, st.integers(0, (1 << 31) - 1),
+                      st.floats(max_value=0.0, allow_nan=False, allow_infinity=False)),
+            max_size=MAX_TOP_LOGPROBS,
+        ).map(tuple),
     ),
     st.builds(Done, rooms, st.booleans(), text),
     st.builds(Heartbeat, st.integers(0, MAX_UUID - 1), st.lists(rooms, max_size=50).map(tuple)),
@@ -125,6 +134,24 @@ def _raw(payload: object, version: int = codec.VERSION) -> bytes:
     ],
 )
 def test_each_malformation_is_named(frame: bytes, problem: str) -> None:
+    with pytest.raises(RemoteProtocolError, match=problem):
+        codec.decode(frame)
+
+
+@pytest.mark.parametrize(
+    ("top", "problem"),
+    [
+        ([[1, -0.5]] * (MAX_TOP_LOGPROBS + 1), "more than"),
+        ([[1, 0.5]], "bad \\[token, logprob\\] pair"),  # a log-prob above 0
+        ([[-1, -0.5]], "bad \\[token, logprob\\] pair"),
+        ([[1]], "bad \\[token, logprob\\] pair"),
+        ([[1, "x"]], "finite float"),
+        ([[True, -0.5]], "expected int"),
+        ({"1": -0.5}, "list of \\[token, logprob\\] pairs"),
+    ],
+)
+def test_ready_top_logprobs_checked(top: object, problem: str) -> None:
+    frame = _raw({"t": "READY", "b": {**_READY, "first_top": top}})
     with pytest.raises(RemoteProtocolError, match=problem):
         codec.decode(frame)
 

@@ -224,7 +224,9 @@ def test_prefilled_request_enters_decode_without_prefill_forward(tiny: LoadedMod
     class PrefillOnly(Scheduler):
         handed_off: list[tuple[Req, int, float]]
 
-        def _on_prefill_done(self, req: Req, first_token: int, first_logprob: float) -> None:
+        def _on_prefill_done(
+            self, req: Req, first_token: int, first_logprob: float, first_top: object = ()
+        ) -> None:
             self.prefilling.remove(req)
             self.handed_off.append((req, first_token, first_logprob))
 

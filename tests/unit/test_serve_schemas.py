@@ -15,6 +15,7 @@ from pd_fsm.io_trio.worker.schemas import (
     parse_completion,
     parse_generate,
 )
+from pd_fsm.schedulers.request import LogprobSpec
 
 LIMITS = Limits(context_length=256, vocab_size=1000)
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -44,6 +45,21 @@ def test_logprobs_of_the_sampled_tokens_are_read() -> None:
     assert not parse_chat({**CHAT, "logprobs": False}, LIMITS).return_logprob
     assert parse_completion({**COMPLETION, "logprobs": 0}, LIMITS).return_logprob
     assert not parse_completion(COMPLETION, LIMITS).return_logprob
+
+
+def test_top_alternatives_and_prompt_logprobs_are_read() -> None:
+    chat = parse_chat({**CHAT, "logprobs": True, "top_logprobs": 3}, LIMITS)
+    assert chat.logprobs == LogprobSpec(top=3)
+    echo = parse_completion({**COMPLETION, "logprobs": 2, "echo": True}, LIMITS)
+    assert echo.echo and echo.return_logprob and echo.logprobs == LogprobSpec(2, prompt_from=0)
+    plain_echo = parse_completion({**COMPLETION, "echo": True}, LIMITS)
+    assert plain_echo.echo and not plain_echo.return_logprob
+    gen = parse_generate({**GENERATE, "return_logprob": True, "top_logprobs_num": 4,
+                          "logprob_start_len": 1, "return_text_in_logprobs": True}, LIMITS)
+    assert gen.logprobs == LogprobSpec(top=4, prompt_from=1) and gen.return_text_in_logprobs
+    # Without return_logprob, sglang's other two fields ask for nothing.
+    quiet = parse_generate({**GENERATE, "top_logprobs_num": 4, "logprob_start_len": 0}, LIMITS)
+    assert not quiet.return_logprob and quiet.logprobs == LogprobSpec()
 
 
 def test_penalties_and_min_tokens_are_read() -> None:
@@ -77,7 +93,8 @@ def test_a_field_at_the_value_that_asks_for_nothing_is_accepted(extra: dict[str,
     (parse_chat, CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
     (parse_chat, CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (parse_chat, CHAT, {"tool_choice": "required"}, "tool_choice"),
-    (parse_chat, CHAT, {"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+    (parse_chat, CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (parse_chat, CHAT, {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     (parse_chat, CHAT, {"logprobs": 1}, "logprobs"),  # a bool, not a number
     (parse_chat, CHAT, {"n": 2}, "n"),
     (parse_chat, CHAT, {"n": True}, "n"),
@@ -89,14 +106,15 @@ def test_a_field_at_the_value_that_asks_for_nothing_is_accepted(extra: dict[str,
      "sampling_params.min_new_tokens"),
     (parse_chat, CHAT, {"reasoning_effort": "high"}, "reasoning_effort"),
     (parse_chat, CHAT, {"return_hidden_states": True}, "return_hidden_states"),
-    (parse_completion, COMPLETION, {"echo": True}, "echo"),
+    (parse_completion, COMPLETION, {"echo": 1}, "echo"),
     (parse_completion, COMPLETION, {"suffix": "end"}, "suffix"),
     (parse_completion, COMPLETION, {"best_of": 3}, "best_of"),
-    (parse_completion, COMPLETION, {"logprobs": 2}, "logprobs"),  # alternatives: not computed
+    (parse_completion, COMPLETION, {"logprobs": 21}, "logprobs"),  # OpenAI's maximum is 20
     (parse_completion, COMPLETION, {"logprobs": True}, "logprobs"),  # a number, not a bool
     (parse_completion, COMPLETION, {"max_token": 5}, "max_token"),  # a typo is no default
-    (parse_generate, GENERATE, {"logprob_start_len": 0}, "logprob_start_len"),
-    (parse_generate, GENERATE, {"top_logprobs_num": 3}, "top_logprobs_num"),
+    (parse_generate, GENERATE, {"logprob_start_len": -2}, "logprob_start_len"),
+    (parse_generate, GENERATE, {"top_logprobs_num": 21}, "top_logprobs_num"),
+    (parse_generate, GENERATE, {"top_logprobs_num": "3"}, "top_logprobs_num"),
     (parse_generate, GENERATE, {"image_data": "x.png"}, "image_data"),
     (parse_generate, GENERATE, {"lora_path": "adapter"}, "lora_path"),
     (parse_generate, GENERATE, {"sampling_params": {"regex": "a+"}}, "sampling_params.regex"),

@@ -275,6 +275,7 @@ class WorkerApp:
             sampling=parsed.sampling,
             bootstrap=parsed.bootstrap,
             return_logprob=parsed.return_logprob,
+            logprobs=parsed.logprobs,
         )
         return parsed, job
 
@@ -308,13 +309,22 @@ class WorkerApp:
             raise self._bad(endpoint, exc) from None
         self.metrics.prompt_tokens.inc(len(job.input_ids))
         assert self.meta is not None
+        tokenizer = self.meta.model.tokenizer
+        echo = None
+        if parsed.echo:  # the prompt as given, or its ids decoded
+            echo = parsed.text if parsed.text is not None else tokenizer.decode(
+                list(job.input_ids), skip_special_tokens=False)
         acc = Accumulator(
             parsed.kind,
             job.rid,
             self.meta.served_name,
             return_logprob=parsed.return_logprob,
+            logprobs=parsed.logprobs,
             include_usage=parsed.include_usage,
-            token_text=functools.partial(_token_text, self.meta.model.tokenizer),
+            token_text=functools.partial(_token_text, tokenizer),
+            prompt_ids=job.input_ids,
+            echo=echo,
+            text_in_logprobs=parsed.return_text_in_logprobs,
         )
         outputs = self._outputs(job)
         timing = _Timing(self.metrics, start)
@@ -543,7 +553,7 @@ class _Timing:
 
 
 def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
-    """One output token's text for the OpenAI logprobs: the id decoded alone, special tokens
+    """One token's text for the logprobs: the id decoded alone, special tokens
     spelled out (the client asked for every token it was charged for)."""
     return tokenizer.decode([token_id], skip_special_tokens=False)
 

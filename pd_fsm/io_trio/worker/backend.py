@@ -15,7 +15,7 @@ import attrs
 import trio
 
 from pd_fsm.jax_engine.sampling import SamplingParams
-from pd_fsm.schedulers.request import RequestOutput
+from pd_fsm.schedulers.request import NO_LOGPROBS, LogprobSpec, RequestOutput
 
 
 @attrs.frozen
@@ -34,6 +34,7 @@ class GenerateJob:
     sampling: SamplingParams
     bootstrap: BootstrapInfo | None = None  # required by prefill/decode backends
     return_logprob: bool = False
+    logprobs: LogprobSpec = NO_LOGPROBS
 
 
 class BackendError(Exception):

@@ -292,7 +292,8 @@ class ColocatedBackend:
                 self._abort_unstarted(stream)
                 continue
             job = stream.job
-            req = scheduler.make_request(job.rid, list(job.input_ids), job.sampling)
+            req = scheduler.make_request(job.rid, list(job.input_ids), job.sampling,
+                                             logprobs=job.logprobs)
             try:
                 scheduler.add_request(req)
             except ValueError as exc:

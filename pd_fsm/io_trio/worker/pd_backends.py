@@ -483,7 +483,7 @@ class PrefillBackend(_PDBackend):
 
     def _admit(self, sched: Any, stream: _Stream) -> None:
         job, boot = stream.job, self._bootstrap_of(stream)
-        req = sched.make_request(job.rid, list(job.input_ids), job.sampling)
+        req = sched.make_request(job.rid, list(job.input_ids), job.sampling, logprobs=job.logprobs)
         sched.add_pd_request(req, boot.room, accepted=stream.accepted)
 
 
@@ -572,7 +572,7 @@ class DecodeBackend(_PDBackend):
             )
             self._refusals.append((boot.host, boot.room, reason))  # told after our 400 is out
             raise ValueError(reason)
-        req = sched.make_request(job.rid, list(job.input_ids), job.sampling)
+        req = sched.make_request(job.rid, list(job.input_ids), job.sampling, logprobs=job.logprobs)
         sched.add_pd_request(req, f"{boot.host}:{port}", boot.room, accepted=stream.accepted)
 
     def stats(self) -> dict[str, Any]:

@@ -5,13 +5,33 @@ SSE chunks. One ``Accumulator`` per request folds the backend's incremental outp
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import attrs
+
 from pd_fsm.io_trio.worker.schemas import Kind
-from pd_fsm.schedulers.request import FinishReason, RequestOutput
+from pd_fsm.jax_engine.sampling import TopLogprobs
+from pd_fsm.schedulers.request import (
+    NO_LOGPROBS,
+    FinishReason,
+    LogprobSpec,
+    PromptLogprobs,
+    RequestOutput,
+)
 
 _OPENAI_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+@attrs.frozen
+class _Entry:
+    """One reported position: its token's text, id and log-prob (None: nothing predicts it),
+    and its top alternatives (None: not reported at this position)."""
+
+    text: str
+    token: int
+    logprob: float | None
+    top: TopLogprobs | None
 
 
 class Accumulator:
@@ -24,25 +44,41 @@ class Accumulator:
         model: str,
         *,
         return_logprob: bool = False,
+        logprobs: LogprobSpec = NO_LOGPROBS,
         include_usage: bool = False,
         token_text: Callable[[int], str] = str,
+        prompt_ids: Sequence[int] = (),
+        echo: str | None = None,
+        text_in_logprobs: bool = False,
     ) -> None:
         self.kind = kind
         self.rid = rid
         self.model = model
         self.return_logprob = return_logprob
+        self.spec = logprobs
         self.include_usage = include_usage
         self.created = int(time.time())
         self.text = ""
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.tops: list[TopLogprobs] = []
+        self.prompt: PromptLogprobs | None = None  # when this worker prefilled the prompt
         self.prompt_tokens = 0
         self.finish: FinishReason | None = None
         self._role_sent = False
         self._token_text = token_text  # one token id -> its text, for the OpenAI logprobs
+        self._prompt_ids = tuple(prompt_ids)
+        self._echo = echo  # completions' echo: the prompt's text, sent before the output's
+        self._echo_sent = False
+        self._text_in_logprobs = text_in_logprobs
         self._logprobs_sent = 0  # output tokens whose logprobs a stream chunk carried already
-        self._texts: list[str] = []  # output tokens' texts so far, and where each starts
-        self._offsets: list[int] = [0]
+        self._texts: dict[int, str] = {}
+        # Completions' text_offset: output tokens start after the echoed prompt's tokens.
+        self._base_offset = (
+            sum(len(self._text_of(t)) for t in self._prompt_ids)
+            if echo is not None and return_logprob else 0
+        )
+        self._offsets: list[int] = [self._base_offset]
 
     @property
     def completion_tokens(self) -> int:
@@ -52,11 +88,48 @@ class Accumulator:
         self.text += out.text_delta
         self.output_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.new_logprobs)
+        self.tops.extend(out.new_top_logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt = out.prompt_logprobs
         self.prompt_tokens = out.prompt_tokens
         if out.finish_reason is not None:
             self.finish = out.finish_reason
 
+    def _text_of(self, token: int) -> str:
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self._token_text(token)
+        return text
+
+    def _output_entries(self, start: int, end: int) -> list[_Entry]:
+        tops: Sequence[TopLogprobs | None] = (
+            self.tops[start:end] if self.spec.top else [None] * (end - start)
+        )
+        return [
+            _Entry(self._text_of(t), t, lp, top)
+            for t, lp, top in zip(self.output_ids[start:end], self.logprobs[start:end], tops,
+                                  strict=True)
+        ]
+
+    def _prompt_entries(self) -> list[_Entry]:
+        part = self.prompt
+        if part is None:
+            return []
+        ids = self._prompt_ids[part.start : part.start + len(part.logprobs)]
+        tops: Sequence[TopLogprobs | None] = part.top if self.spec.top else [None] * len(ids)
+        return [
+            _Entry(self._text_of(t), t, lp, top)
+            for t, lp, top in zip(ids, part.logprobs, tops, strict=True)
+        ]
+
     # ------------------------------------------------------------------ sglang /generate
+
+    def _triple(self, logprob: float | None, token: int) -> list[Any]:
+        # sglang's (logprob, token_id, text) triples; text only with return_text_in_logprobs.
+        return [logprob, token, self._text_of(token) if self._text_in_logprobs else None]
+
+    def _top_triples(self, top: TopLogprobs | None) -> list[list[Any]] | None:
+        return None if top is None else [self._triple(lp, t) for t, lp in top]
 
     def _meta(self, finish: FinishReason | None) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -67,10 +140,18 @@ class Accumulator:
             "finish_reason": None if finish is None else finish.to_json(self.completion_tokens),
         }
         if self.return_logprob:
-            # sglang's (logprob, token_id, text) triples; text only with return_text_in_logprobs.
-            meta["output_token_logprobs"] = [
-                [lp, tid, None] for lp, tid in zip(self.logprobs, self.output_ids, strict=True)
-            ]
+            entries = self._output_entries(0, self.completion_tokens)
+            meta["output_token_logprobs"] = [self._triple(e.logprob, e.token) for e in entries]
+            if self.spec.top:
+                meta["output_top_logprobs"] = [self._top_triples(e.top) for e in entries]
+            # Only the worker that prefilled has them. Under PD, D's lists are empty and a
+            # router prepends P's (sglang-router does, for input_token_logprobs only when D's
+            # answer has the key).
+            if self.spec.prompt:
+                prompt = self._prompt_entries()
+                meta["input_token_logprobs"] = [self._triple(e.logprob, e.token) for e in prompt]
+                if self.spec.top:
+                    meta["input_top_logprobs"] = [self._top_triples(e.top) for e in prompt]
         return meta
 
     def generate_body(self) -> dict[str, Any]:
@@ -89,40 +170,54 @@ class Accumulator:
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
 
-    def _openai_logprobs(self, start: int, end: int) -> dict[str, Any] | None:
-        """OpenAI's logprobs object for output tokens ``start:end`` (None unless asked): the
-        sampled tokens' own logprobs, no alternatives. A token's text is its id decoded alone
-        (a token that ends inside a UTF-8 character decodes to U+FFFD)."""
+    def _openai_logprobs(self, start: int, end: int, *, prompt: bool) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for output tokens ``start:end`` (None unless asked), after
+        the prompt's positions when ``prompt`` (completions' echo, where this worker has them).
+        A token's text is its id decoded alone (a token that ends inside a UTF-8 character
+        decodes to U+FFFD)."""
         if not self.return_logprob:
             return None
-        for tid in self.output_ids[len(self._texts):end]:  # each token decoded once
-            self._texts.append(self._token_text(tid))
-            self._offsets.append(self._offsets[-1] + len(self._texts[-1]))
-        texts, lps = self._texts[start:end], self.logprobs[start:end]
+        out = self._output_entries(start, end)
         if self.kind == "chat":
             return {"content": [
-                {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-                for t, lp in zip(texts, lps, strict=True)
+                {**_chat_entry(e.text, e.logprob),
+                 "top_logprobs": [_chat_entry(self._text_of(t), lp) for t, lp in e.top or ()]}
+                for e in out
             ]}
-        return {"tokens": texts, "token_logprobs": list(lps), "top_logprobs": None,
-                "text_offset": self._offsets[start:end]}
+        for e in self._output_entries(len(self._offsets) - 1, end):  # offsets once per token
+            self._offsets.append(self._offsets[-1] + len(e.text))
+        offsets = self._offsets[start:end]
+        entries = out
+        if prompt:
+            head = self._prompt_entries()
+            entries = head + out
+            offsets = _cumulative(e.text for e in head) + offsets
+        return {
+            "tokens": [e.text for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": None if not self.spec.top else [
+                None if e.top is None else {self._text_of(t): lp for t, lp in e.top}
+                for e in entries
+            ],
+            "text_offset": offsets,
+        }
 
     def _finish_str(self) -> str | None:
         return None if self.finish is None else _OPENAI_FINISH[self.finish.kind]
 
     def openai_body(self) -> dict[str, Any]:
+        logprobs = self._openai_logprobs(0, self.completion_tokens, prompt=True)
         if self.kind == "chat":
             choice: dict[str, Any] = {
                 "index": 0,
                 "message": {"role": "assistant", "content": self.text},
-                "logprobs": self._openai_logprobs(0, self.completion_tokens),
+                "logprobs": logprobs,
                 "finish_reason": self._finish_str(),
             }
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": self.text,
-                      "logprobs": self._openai_logprobs(0, self.completion_tokens),
-                      "finish_reason": self._finish_str()}
+            choice = {"index": 0, "text": (self._echo or "") + self.text,
+                      "logprobs": logprobs, "finish_reason": self._finish_str()}
             obj = "text_completion"
         if self.finish is not None and self.finish.kind == "stop":
             choice["matched_stop"] = self.finish.matched  # sglang's extension
@@ -133,9 +228,14 @@ class Accumulator:
         # A chunk carries the logprobs of the tokens since the previous chunk (text held back
         # for a possible stop string comes later; its tokens' logprobs ride with it).
         logprobs = None
-        if self.return_logprob and (delta_text or finish is not None):
-            logprobs = self._openai_logprobs(self._logprobs_sent, self.completion_tokens)
+        echo = self._echo is not None and not self._echo_sent
+        if self.return_logprob and (delta_text or finish is not None or echo):
+            logprobs = self._openai_logprobs(self._logprobs_sent, self.completion_tokens,
+                                             prompt=echo)
             self._logprobs_sent = self.completion_tokens
+        if echo:
+            self._echo_sent = True
+            delta_text = (self._echo or "") + delta_text
         if self.kind == "chat":
             delta: dict[str, Any] = {"content": delta_text}
             if not self._role_sent:
@@ -160,7 +260,8 @@ class Accumulator:
             # sglang streams cumulative text and ids (its default, non-incremental output).
             return [self.generate_body()]
         events: list[dict[str, Any]] = []
-        if out.text_delta or not self._role_sent:
+        first_echo = self._echo is not None and not self._echo_sent
+        if out.text_delta or (self.kind == "chat" and not self._role_sent) or first_echo:
             events.append(self._openai_chunk(out.text_delta, None))
         if out.finish_reason is not None:
             events.append(self._openai_chunk("", self._finish_str()))
@@ -179,3 +280,16 @@ class Accumulator:
         chunk = self._openai_chunk("", "abort")
         chunk["error"] = {"message": message, "type": "stream_error", "code": status}
         return chunk
+
+
+def _chat_entry(text: str, logprob: float | None) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _cumulative(texts: Iterable[str]) -> list[int]:
+    """Each text's start offset when they are laid end to end from 0."""
+    offsets, at = [], 0
+    for text in texts:
+        offsets.append(at)
+        at += len(text)
+    return offsets

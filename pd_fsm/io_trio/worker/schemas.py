@@ -22,8 +22,9 @@ import attrs
 
 from pd_fsm.core.messages import MAX_ROOM
 from pd_fsm.io_trio.worker.backend import BootstrapInfo
-from pd_fsm.jax_engine.sampling import SamplingParams
+from pd_fsm.jax_engine.sampling import TOP_LOGPROBS_COMPUTED, SamplingParams
 from pd_fsm.jax_engine.tokenizer import ChatMessage
+from pd_fsm.schedulers.request import NO_LOGPROBS, LogprobSpec
 
 Kind = Literal["generate", "completion", "chat"]
 
@@ -57,9 +58,7 @@ class _Fields:
 _OPENAI_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (1,),
     "best_of": (1,),
-    "echo": (False,),
     "suffix": ("",),
-    "top_logprobs": (0,),
     "logit_bias": ({},),
     "min_p": (0, 0.0),
     "no_stop_trim": (False,),
@@ -84,12 +83,10 @@ _OPENAI_NO_EFFECT = frozenset({
 })
 _TOP_LEVEL: dict[str, _Fields] = {
     "generate": _Fields(
-        read=_COMMON_READ | {"text", "input_ids", "sampling_params", "return_logprob"},
+        read=_COMMON_READ | {"text", "input_ids", "sampling_params", "return_logprob",
+                             "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs"},
         neutral={
-            "logprob_start_len": (-1,),
-            "top_logprobs_num": (0,),
             "token_ids_logprob": (),
-            "return_text_in_logprobs": (False,),
             "return_hidden_states": (False,),
             "return_entropy": (False,),
             "return_bytes": (False,),
@@ -106,14 +103,14 @@ _TOP_LEVEL: dict[str, _Fields] = {
     ),
     "completion": _Fields(
         read=_COMMON_READ | _OPENAI_SAMPLING
-        | {"model", "prompt", "max_tokens", "stream_options", "logprobs"},
+        | {"model", "prompt", "max_tokens", "stream_options", "logprobs", "echo"},
         neutral=_OPENAI_NEUTRAL,
         no_effect=_OPENAI_NO_EFFECT,
     ),
     "chat": _Fields(
         read=_COMMON_READ | _OPENAI_SAMPLING
         | {"model", "messages", "max_tokens", "max_completion_tokens", "stream_options",
-           "logprobs"},
+           "logprobs", "top_logprobs"},
         neutral=_OPENAI_NEUTRAL,
         no_effect=_OPENAI_NO_EFFECT,
     ),
@@ -177,6 +174,9 @@ class ParsedRequest:
     stream: bool = False
     rid: str | None = None
     return_logprob: bool = False
+    logprobs: LogprobSpec = NO_LOGPROBS  # top alternatives, prompt log-probs
+    echo: bool = False  # completions: the prompt's text (and log-probs) before the output
+    return_text_in_logprobs: bool = False  # /generate: each logprob entry carries its text
     bootstrap: BootstrapInfo | None = None
     model: str | None = None
     include_usage: bool = False  # OpenAI stream_options.include_usage
@@ -323,7 +323,11 @@ def _sampling(
     )
 
 
-_HINTS = {"top_logprobs": ": the sampled tokens' own logprobs only (logprobs: true)"}
+def _top_count(d: dict[str, Any], key: str) -> int:
+    n = _int(d, key) or 0
+    if not 0 <= n <= TOP_LOGPROBS_COMPUTED:
+        raise ApiError(400, f"{key} must be in [0, {TOP_LOGPROBS_COMPUTED}], got {n}")
+    return n
 
 
 def _check_fields(d: dict[str, Any], fields: _Fields, path: str = "") -> None:
@@ -339,10 +343,7 @@ def _check_fields(d: dict[str, Any], fields: _Fields, path: str = "") -> None:
         if not any(value == a and isinstance(value, bool) == isinstance(a, bool)
                    for a in allowed):
             neutral = " or ".join(repr(a) for a in (*allowed, None))
-            hint = _HINTS.get(key, "")
-            raise ApiError(
-                400, f"{_where(path, key)}={value!r} is not supported (only {neutral}){hint}"
-            )
+            raise ApiError(400, f"{_where(path, key)}={value!r} is not supported (only {neutral})")
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -415,21 +416,47 @@ def parse_generate(body: Any, limits: Limits) -> ParsedRequest:
             default_max=GENERATE_DEFAULT_MAX_NEW_TOKENS,
             default_temperature=1.0,
         ),
-        return_logprob=bool(_bool(body, "return_logprob")),
         text=text,
         input_ids=None if ids is None else _token_ids(ids, "input_ids", limits),
+        return_text_in_logprobs=bool(_bool(body, "return_text_in_logprobs")),
+        **_generate_logprobs(body),
         **_common(body),
     )
 
 
-def _completion_logprobs(body: dict[str, Any]) -> bool:
-    """``logprobs: N`` on /v1/completions: 0 returns the sampled tokens' own logprobs; the N most
-    likely alternatives (N > 0) are not computed."""
-    n = _int(body, "logprobs")
-    if n is not None and n != 0:
-        raise ApiError(400, f"logprobs={n} is not supported (only 0: the sampled tokens' own "
-                            "logprobs, without alternatives)")
-    return n == 0
+def _generate_logprobs(body: dict[str, Any]) -> dict[str, Any]:
+    """sglang's fields: ``return_logprob`` turns log-probs on; then ``top_logprobs_num``
+    alternatives per position and, from prompt position ``logprob_start_len`` on (-1: none),
+    the prompt tokens' too. Without ``return_logprob`` the other two ask for nothing."""
+    start = _int(body, "logprob_start_len")
+    if start is not None and start < -1:
+        raise ApiError(400, f"logprob_start_len must be >= -1, got {start}")
+    top = _top_count(body, "top_logprobs_num")
+    if not _bool(body, "return_logprob"):
+        return {}
+    spec = LogprobSpec(top=top, prompt_from=-1 if start is None else start)
+    return {"return_logprob": True, "logprobs": spec}
+
+
+def _completion_logprobs(body: dict[str, Any]) -> dict[str, Any]:
+    """``logprobs: N`` on /v1/completions: the sampled tokens' own log-probs and the N most likely
+    alternatives at each position; with ``echo``, the prompt's tokens' too (from position 0)."""
+    echo = bool(_bool(body, "echo"))
+    if body.get("logprobs") is None:
+        return {"echo": echo}
+    top = _top_count(body, "logprobs")
+    spec = LogprobSpec(top=top, prompt_from=0 if echo else -1)
+    return {"echo": echo, "return_logprob": True, "logprobs": spec}
+
+
+def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:
+    """``logprobs: true`` and ``top_logprobs: N`` (which OpenAI allows only with logprobs)."""
+    top = _top_count(body, "top_logprobs")
+    if not _bool(body, "logprobs"):
+        if top:
+            raise ApiError(400, "top_logprobs must come with logprobs: true")
+        return {}
+    return {"return_logprob": True, "logprobs": LogprobSpec(top=top)}
 
 
 def _openai_common(body: dict[str, Any]) -> dict[str, Any]:
@@ -469,7 +496,7 @@ def parse_completion(body: Any, limits: Limits) -> ParsedRequest:
         ),
         text=text,
         input_ids=ids,
-        return_logprob=_completion_logprobs(body),
+        **_completion_logprobs(body),
         **_openai_common(body),
     )
 
@@ -525,6 +552,6 @@ def parse_chat(body: Any, limits: Limits) -> ParsedRequest:
             max_tokens=mct if mct is not None else mt,
         ),
         messages=tuple(parsed),
-        return_logprob=bool(_bool(body, "logprobs")),
+        **_chat_logprobs(body),
         **_openai_common(body),
     )

@@ -164,7 +164,8 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
             self._lap(e.room, "decode_pull_report", "pulled", "entered")
             req = self.recv_queue.pop(e.room)
             self.room_of.pop(req.rid, None)
-            self.add_prefilled_request(req, e.first_token, e.first_logprob)
+            first_top = tuple((t.token, t.logprob) for t in e.first_top)
+            self.add_prefilled_request(req, e.first_token, e.first_logprob, first_top)
         elif isinstance(e, fx.ReleaseBlocks):
             pages = self._held_pages.pop(e.room, None)
             if pages is None:

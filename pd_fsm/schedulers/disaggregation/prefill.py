@@ -15,9 +15,11 @@ from typing import Any
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
+from pd_fsm.core.messages import TokenLogprob
 from pd_fsm.core.prefill_endpoint import PrefillEndpoint
 from pd_fsm.jax_engine.model import LoadedModel
 from pd_fsm.jax_engine.room_kv import gather_room
+from pd_fsm.jax_engine.sampling import TopLogprobs
 from pd_fsm.jax_engine.transfer.base import KVTransferEngine
 from pd_fsm.jax_engine.transfer.jax_transfer import JaxTransferKVEngine
 from pd_fsm.schedulers.disaggregation.args import DisaggregationArgs
@@ -98,24 +100,32 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
 
     # -- the hand-off -----------------------------------------------------------------------------
 
-    def _on_prefill_done(self, req: Req, first_token: int, first_logprob: float) -> None:
+    def _on_prefill_done(
+        self, req: Req, first_token: int, first_logprob: float, first_top: TopLogprobs = ()
+    ) -> None:
         if req.state is ReqState.FINISHED:
             return  # its room failed (lease, abort) while this batch's forward ran
         room = self.room_of.get(req.rid)
         if room is None:  # a plain request on a P worker: decode it here
-            super()._on_prefill_done(req, first_token, first_logprob)
+            super()._on_prefill_done(req, first_token, first_logprob, first_top)
             return
-        self._handle_completed_prefill(req, room, first_token, first_logprob)
+        self._handle_completed_prefill(req, room, first_token, first_logprob, first_top)
 
     def _handle_completed_prefill(
-        self, req: Req, room: int, first_token: int, first_logprob: float
+        self, req: Req, room: int, first_token: int, first_logprob: float,
+        first_top: TopLogprobs = (),
     ) -> None:
         self._lap(room, "prefill_forward", "admitted", "prefilled")
         self.prefilling.remove(req)
         self.send_queue[room] = req
         req.output_ids.append(first_token)
         req.output_logprobs.append(first_logprob)
-        finished = ev.PrefillFinished(room, first_token, self.prompt_pages(req), first_logprob)
+        if req.logprobs.top:
+            req.output_top.append(first_top)
+        finished = ev.PrefillFinished(
+            room, first_token, self.prompt_pages(req), first_logprob,
+            tuple(TokenLogprob(t, lp) for t, lp in first_top),
+        )
         # As of the step's start, not now: D's heartbeats that arrived during a long forward (a
         # compile, a long prompt) still wait in the I/O layer's inbox, so judging leases at the
         # end of the forward would expire rooms whose D is alive. Leases are judged at the next
