@@ -54,6 +54,7 @@ from pd_fsm.io_trio.logprob_merge import SseRewriter, merge, wants_prompt_logpro
 from pd_fsm.io_trio.tls import NO_TLS, TLS
 from pd_fsm.io_trio.worker.metrics import StatsCollector
 from pd_fsm.io_trio.worker.phases import PhaseHistograms
+from pd_fsm.io_trio.worker.schemas import ApiError, split_batch
 from pd_fsm.io_trio.worker.sse import Receive, Send
 
 log = logging.getLogger("pd_fsm.io_trio.proxy")
@@ -382,6 +383,11 @@ class Proxy:
         if not isinstance(body, dict):
             return self._reply_now(path, 400, _error_body(400, "the body must be a JSON object",
                                                           "invalid_request_error"))
+        if _is_batch(path, body):
+            # One room carries one prompt: a batch would need a room per prompt (not built).
+            return self._reply_now(path, 400, _error_body(
+                400, "a batch of prompts is not served through PD: send one request per prompt",
+                "invalid_request_error"))
         headers = {"content-type": "application/json"}
         for name in FORWARD_HEADERS:
             if name in request.headers:
@@ -613,6 +619,14 @@ async def _send_stream_error(send: Send, message: str, status: int = 502) -> Non
              "meta_info": {"finish_reason": {"type": "abort", "message": message}}}
     data = b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n"
     await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+def _is_batch(path: str, body: dict[str, Any]) -> bool:
+    kind = {"/generate": "generate", "/v1/completions": "completion"}.get(path)
+    try:
+        return kind is not None and split_batch(kind, body) is not None  # type: ignore[arg-type]
+    except ApiError:
+        return False  # a malformed batch: the workers' 400 names what is wrong
 
 
 def _worker_url(rec: dict[str, Any]) -> str | None:

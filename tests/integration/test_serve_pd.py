@@ -315,6 +315,15 @@ def test_sglang_router_carries_output_alternatives_and_input_logprobs(
 # ----------------------------------------------------------------------------- 4: bad input
 
 
+def test_a_batch_of_prompts_is_refused_through_pd(env: Env) -> None:
+    """A room carries one prompt: the proxy refuses a batch by name (the workers would too)."""
+    with httpx.Client(timeout=30) as http:
+        for path, body in (("/generate", {"text": ["a", "b"]}),
+                           ("/v1/completions", {"prompt": ["a", "b"], "model": "tiny"})):
+            r = http.post(env.proxy_1p1d + path, json=body)
+            assert r.status_code == 400 and "batch" in r.json()["error"]["message"], r.text
+
+
 def _bootstrap(env: Env, room: int) -> dict[str, Any]:
     return {"bootstrap_host": HOST, "bootstrap_port": env.cluster.bootstrap_ports["prefill-0"],
             "bootstrap_room": room}

@@ -116,7 +116,11 @@ BAD: list[tuple[str, str, Any, int]] = [
     ("/generate", "no prompt", {"sampling_params": {}}, 400),
     ("/generate", "both prompts", {"text": "a", "input_ids": [1]}, 400),
     ("/generate", "text not str", {"text": 5}, 400),
-    ("/generate", "batched", {"text": ["a", "b"]}, 400),
+    ("/generate", "batch of mixed prompts", {"text": ["a", 5]}, 400),
+    ("/generate", "empty batch", {"text": []}, 400),
+    ("/generate", "batch with one rid", {"text": ["a", "b"], "rid": "x"}, 400),
+    ("/generate", "batch as a PD leg",
+     {"text": ["a", "b"], "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 5}, 400),
     ("/generate", "empty prompt", {"text": ""}, 400),
     ("/generate", "ids out of vocab", {"input_ids": [1, 999]}, 400),
     ("/generate", "ids as strings", {"input_ids": ["1"]}, 400),
@@ -156,8 +160,9 @@ BAD: list[tuple[str, str, Any, int]] = [
     ("/v1/completions", "float max", {"prompt": "a", "max_tokens": 2.5}, 400),
     ("/v1/completions", "unknown model", {"prompt": "a", "model": "gpt-4"}, 404),
     ("/v1/completions", "model not str", {"prompt": "a", "model": 3}, 400),
-    ("/v1/completions", "batched", {"prompt": ["a", "b"]}, 400),
-    ("/v1/completions", "logprobs", {"prompt": "a", "logprobs": 3}, 400),
+    ("/v1/completions", "batch of mixed prompts", {"prompt": ["a", [1, 2]]}, 400),
+    ("/v1/completions", "batch of 65", {"prompt": ["a"] * 65}, 400),
+    ("/v1/completions", "logprobs", {"prompt": "a", "logprobs": 21}, 400),
     ("/v1/completions", "prompt too long", {"prompt": _long(300)}, 413),
     ("/v1/chat/completions", "malformed", b"not json", 400),
     ("/v1/chat/completions", "no messages", {"messages": []}, 400),
@@ -210,6 +215,36 @@ async def test_bad_input_everywhere(worker: tuple[str, Any]) -> None:
         r = await http.post("/generate", json={"text": "ok", "sampling_params": GREEDY})
         assert r.status_code == 200
     assert w.bad_requests >= len(BAD)
+
+
+async def test_a_batch_of_prompts_answers_each_as_alone(worker: tuple[str, Any]) -> None:
+    """Issue 17 §3: a list of prompts (strings or token ids) is one request per prompt, all in
+    the scheduler at once; the answer keeps the prompts' order (and ids, when given)."""
+    url, _ = worker
+    tok = load_model("tiny").tokenizer
+    prompts = ["The quick brown fox", "A cat", "Rivers run to the sea"]
+    expected = [_reference(tok.encode(p), 6) for p in prompts]
+    sp = {**GREEDY, "max_new_tokens": 6}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        r = await http.post("/generate", json={"text": prompts, "sampling_params": sp,
+                                               "rid": ["b0", "b1", "b2"]})
+        assert r.status_code == 200, r.text
+        assert [b["output_ids"] for b in r.json()] == expected
+        assert [b["meta_info"]["id"] for b in r.json()] == ["b0", "b1", "b2"]
+        ids = [tok.encode(p) for p in prompts]
+        r = await http.post("/generate", json={"input_ids": ids, "sampling_params": sp})
+        assert [b["output_ids"] for b in r.json()] == expected
+        r = await http.post("/v1/completions", json={
+            "prompt": prompts, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+        assert [c["text"] for c in body["choices"]] == [tok.decode(e) for e in expected]
+        assert body["usage"]["completion_tokens"] == 18
+        assert body["usage"]["prompt_tokens"] == sum(len(i) for i in ids)
+        r = await http.post("/v1/completions", json={"prompt": prompts, "stream": True})
+        assert r.status_code == 400 and "stream" in r.json()["error"]["message"]
+        await wait_idle(http)
 
 
 async def test_openai_logprobs_are_the_sampled_tokens_own(worker: tuple[str, Any]) -> None:

@@ -253,9 +253,8 @@ class WorkerApp:
             )
         return ids
 
-    async def _job(self, request: Request, kind: str) -> tuple[ParsedRequest, GenerateJob]:
+    async def _job(self, body: Any, kind: str) -> tuple[ParsedRequest, GenerateJob]:
         meta = self._require_ready()
-        body = await self._read_json(request)
         parsed = _PARSERS[kind](body, meta.limits)
         # "default" is what sglang's documentation sends everywhere; any other name must be ours.
         if parsed.model not in (None, DEFAULT_MODEL_NAME, meta.served_name):
@@ -304,28 +303,18 @@ class WorkerApp:
         endpoint = request.url.path
         start = trio.current_time()
         try:
-            parsed, job = await self._job(request, kind)
+            self._require_ready()
+            body = await self._read_json(request)
+            batch = schemas.split_batch(kind, body)  # type: ignore[arg-type]  # kind: a Kind
+            if batch is not None:
+                jobs = [await self._job(item, kind) for item in batch]
+            else:
+                parsed, job = await self._job(body, kind)
         except ApiError as exc:
             raise self._bad(endpoint, exc) from None
-        self.metrics.prompt_tokens.inc(len(job.input_ids))
-        assert self.meta is not None
-        tokenizer = self.meta.model.tokenizer
-        echo = None
-        if parsed.echo:  # the prompt as given, or its ids decoded
-            echo = parsed.text if parsed.text is not None else tokenizer.decode(
-                list(job.input_ids), skip_special_tokens=False)
-        acc = Accumulator(
-            parsed.kind,
-            job.rid,
-            self.meta.served_name,
-            return_logprob=parsed.return_logprob,
-            logprobs=parsed.logprobs,
-            include_usage=parsed.include_usage,
-            token_text=functools.partial(_token_text, tokenizer),
-            prompt_ids=job.input_ids,
-            echo=echo,
-            text_in_logprobs=parsed.return_text_in_logprobs,
-        )
+        if batch is not None:
+            return await self._serve_batch(request, endpoint, jobs, start)
+        acc = self._accumulator(parsed, job)
         outputs = self._outputs(job)
         timing = _Timing(self.metrics, start)
 
@@ -375,6 +364,75 @@ class WorkerApp:
             self.metrics.requests.labels(endpoint, "disconnected").inc()
 
         return SSEResponse(self._events(endpoint, head, outputs, acc, timing), on_disconnect=gone)
+
+    def _accumulator(self, parsed: ParsedRequest, job: GenerateJob) -> Accumulator:
+        self.metrics.prompt_tokens.inc(len(job.input_ids))
+        assert self.meta is not None
+        tokenizer = self.meta.model.tokenizer
+        echo = None
+        if parsed.echo:  # the prompt as given, or its ids decoded
+            echo = parsed.text if parsed.text is not None else tokenizer.decode(
+                list(job.input_ids), skip_special_tokens=False)
+        return Accumulator(
+            parsed.kind,
+            job.rid,
+            self.meta.served_name,
+            return_logprob=parsed.return_logprob,
+            logprobs=parsed.logprobs,
+            include_usage=parsed.include_usage,
+            token_text=functools.partial(_token_text, tokenizer),
+            prompt_ids=job.input_ids,
+            echo=echo,
+            text_in_logprobs=parsed.return_text_in_logprobs,
+        )
+
+    async def _serve_batch(
+        self,
+        request: Request,
+        endpoint: str,
+        jobs: list[tuple[ParsedRequest, GenerateJob]],
+        start: float,
+    ) -> Response:
+        """A batch of prompts (``schemas.split_batch``): every prompt is a request of its own,
+        all in the scheduler at once; one answer, in the prompts' order (sglang's list of
+        results; OpenAI's choices with their index). The first failure fails the batch and
+        aborts the rest."""
+        accs = [self._accumulator(parsed, job) for parsed, job in jobs]
+        failures: list[ApiError] = []
+
+        async def one(job: GenerateJob, acc: Accumulator, scope: trio.CancelScope) -> None:
+            timing = _Timing(self.metrics, start)
+            try:
+                async with aclosing(self._outputs(job)) as outputs:
+                    async for out in outputs:
+                        timing.output(out)
+                        acc.add(out)
+            except BackendError as exc:
+                failures.append(ApiError(exc.status, exc.reason))
+                scope.cancel()
+
+        async def collect() -> ApiError | None:
+            async with trio.open_nursery() as nursery:
+                for (_, job), acc in zip(jobs, accs, strict=True):
+                    nursery.start_soon(one, job, acc, nursery.cancel_scope)
+            return failures[0] if failures else None
+
+        connected, failure = await until_disconnect(request.receive, collect)
+        if not connected:
+            self.metrics.requests.labels(endpoint, "disconnected").inc()
+            return Response(status_code=499)
+        if failure is not None:
+            raise self._bad(endpoint, failure)
+        for acc in accs:
+            self._count_done(endpoint, acc)
+        if jobs[0][0].kind == "generate":
+            return JSONResponse([acc.generate_body() for acc in accs])
+        body = accs[0].openai_body()
+        body["choices"] = [{**acc.openai_body()["choices"][0], "index": i}
+                           for i, acc in enumerate(accs)]
+        body["usage"] = {key: sum(acc.openai_body()["usage"][key] for acc in accs)
+                         for key in body["usage"]}
+        return JSONResponse(body)
 
     async def _events(
         self,

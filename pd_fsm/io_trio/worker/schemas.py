@@ -35,6 +35,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/comple
 # prompt + max tokens, so a bounded default keeps one chat request from holding the whole pool.
 CHAT_DEFAULT_MAX_TOKENS = 512
 MAX_STOP_STRINGS = 16
+MAX_BATCH = 64  # prompts in one batched request
 
 # Top-level fields of each endpoint besides the sampling ones, as sglang-router 0.3.2 sends them
 # (its re-serialised bodies, recorded in COMPAT.md) and as the OpenAI API defines them:
@@ -357,8 +358,8 @@ def _rid(body: dict[str, Any]) -> str | None:
     if rid is None:
         return None
     if not isinstance(rid, str) or not rid or len(rid) > 256:
-        raise ApiError(400, "rid must be a non-empty string of at most 256 characters "
-                            "(batched requests are not supported)")
+        raise ApiError(400, "rid must be a non-empty string of at most 256 characters (a list "
+                            "of them only for a batch of prompts)")
     return rid
 
 
@@ -385,6 +386,55 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
         "rid": _rid(body),
         "bootstrap": parse_bootstrap(body),
     }
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def _is_ids(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
+def split_batch(kind: Kind, body: Any) -> list[dict[str, Any]] | None:
+    """A batched request as one body per prompt, or None for a single one: completions'
+    ``prompt`` as a list of strings or of token-id lists (two or more), ``/generate``'s ``text``
+    as a list of strings or ``input_ids`` as a list of lists. ``rid`` is then a list with one
+    distinct id per prompt (or absent). Each body is parsed as a request of its own."""
+    if kind == "chat" or not isinstance(body, dict):
+        return None
+    if kind == "completion":
+        key, prompts = "prompt", body.get("prompt")
+        if not isinstance(prompts, list) or len(prompts) < 2 or _is_ids(prompts):
+            return None
+        if not (all(isinstance(p, str) for p in prompts) or all(_is_ids(p) for p in prompts)):
+            raise ApiError(400, "prompt must be a string, a list of token ids, or a list of "
+                                "either (a batch)")
+    else:
+        text, ids = body.get("text"), body.get("input_ids")
+        if isinstance(text, list):
+            key, prompts = "text", text
+            if not all(isinstance(p, str) for p in prompts):
+                raise ApiError(400, "text must be a string or a list of strings (a batch)")
+        elif isinstance(ids, list) and ids and isinstance(ids[0], list):
+            key, prompts = "input_ids", ids
+        else:
+            return None
+    if not prompts:
+        raise ApiError(400, f"{key} is an empty batch")
+    if len(prompts) > MAX_BATCH:
+        raise ApiError(400, f"{key}: at most {MAX_BATCH} prompts in a batch, got {len(prompts)}")
+    if _bool(body, "stream"):
+        raise ApiError(400, "stream=true with a batch of prompts is not supported (stream "
+                            "one request per prompt)")
+    if parse_bootstrap(body) is not None:
+        raise ApiError(400, "a batch of prompts cannot be a PD leg: send one request per prompt")
+    rids = body.get("rid")
+    if rids is not None and (not isinstance(rids, list) or len(rids) != len(prompts)
+                             or len(set(map(str, rids))) != len(rids)):
+        raise ApiError(400, f"rid of a batch must be a list of {len(prompts)} distinct ids, "
+                            "one per prompt")
+    return [{**body, key: p, "rid": None if rids is None else rids[i]}
+            for i, p in enumerate(prompts)]
 
 
 # ----------------------------------------------------------------------------- endpoints
