@@ -313,31 +313,12 @@ class WorkerApp:
         except ApiError as exc:
             raise self._bad(endpoint, exc) from None
         if batch is not None:
-            return await self._serve_batch(request, endpoint, jobs, start)
+            return await self._serve_whole(request, endpoint, jobs, start, batch=True)
+        if not parsed.stream:
+            return await self._serve_whole(request, endpoint, [(parsed, job)], start, batch=False)
         acc = self._accumulator(parsed, job)
         outputs = self._outputs(job)
         timing = _Timing(self.metrics, start)
-
-        if not parsed.stream:
-            async def collect() -> ApiError | None:
-                try:
-                    async with aclosing(outputs):
-                        async for out in outputs:
-                            timing.output(out)
-                            acc.add(out)
-                except BackendError as exc:
-                    return ApiError(exc.status, exc.reason)
-                return None
-
-            connected, failure = await until_disconnect(request.receive, collect)
-            if not connected:
-                self.metrics.requests.labels(endpoint, "disconnected").inc()
-                return Response(status_code=499)
-            if failure is not None:
-                raise self._bad(endpoint, failure)
-            self._count_done(endpoint, acc)
-            body = acc.generate_body() if kind == "generate" else acc.openai_body()
-            return JSONResponse(body)
 
         # Streaming: wait for the first output before answering, so that a request the backend
         # refuses at once still gets its proper HTTP status instead of a 200 stream.
@@ -386,17 +367,19 @@ class WorkerApp:
             text_in_logprobs=parsed.return_text_in_logprobs,
         )
 
-    async def _serve_batch(
+    async def _serve_whole(
         self,
         request: Request,
         endpoint: str,
         jobs: list[tuple[ParsedRequest, GenerateJob]],
         start: float,
+        *,
+        batch: bool,
     ) -> Response:
-        """A batch of prompts (``schemas.split_batch``): every prompt is a request of its own,
-        all in the scheduler at once; one answer, in the prompts' order (sglang's list of
-        results; OpenAI's choices with their index). The first failure fails the batch and
-        aborts the rest."""
+        """One answer once every job is done (not streamed). A batch of prompts
+        (``schemas.split_batch``) is a request per prompt, all in the scheduler at once, answered
+        in the prompts' order (sglang's list of results; OpenAI's choices with their index); its
+        first failure fails it and aborts the rest."""
         accs = [self._accumulator(parsed, job) for parsed, job in jobs]
         failures: list[ApiError] = []
 
@@ -426,8 +409,11 @@ class WorkerApp:
         for acc in accs:
             self._count_done(endpoint, acc)
         if jobs[0][0].kind == "generate":
-            return JSONResponse([acc.generate_body() for acc in accs])
+            bodies = [acc.generate_body() for acc in accs]
+            return JSONResponse(bodies if batch else bodies[0])
         body = accs[0].openai_body()
+        if not batch:
+            return JSONResponse(body)
         body["choices"] = [{**acc.openai_body()["choices"][0], "index": i}
                            for i, acc in enumerate(accs)]
         body["usage"] = {key: sum(acc.openai_body()["usage"][key] for acc in accs)
