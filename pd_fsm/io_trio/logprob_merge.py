@@ -78,6 +78,15 @@ def merge(path: str, p_body: Any, d_body: Any) -> bool:
     return True
 
 
+def split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
+    """The whole SSE events at the start of ``buffer`` (each with its blank line) and the rest."""
+    events = []
+    while (end := buffer.find(_EVENT_END)) >= 0:
+        events.append(buffer[: end + 2])
+        buffer = buffer[end + 2 :]
+    return events, buffer
+
+
 class SseRewriter:
     """Rewrites the JSON ``data:`` events of an SSE byte stream through ``rewrite`` (which edits an
     event in place and says whether it is done: later events pass untouched) until it is done.
@@ -92,12 +101,12 @@ class SseRewriter:
     def feed(self, chunk: bytes) -> bytes:
         if self._done:
             return chunk
-        self._pending += chunk
+        events, self._pending = split_events(self._pending + chunk)
         out = []
-        while (end := self._pending.find(_EVENT_END)) >= 0:
-            event, self._pending = self._pending[: end + 2], self._pending[end + 2 :]
+        for i, event in enumerate(events):
             out.append(self._event(event))
-            if self._done:
+            if self._done:  # the rest passes untouched
+                out.extend(events[i + 1 :])
                 out.append(self._pending)
                 self._pending = b""
                 break

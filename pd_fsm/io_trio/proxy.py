@@ -51,6 +51,7 @@ from pd_fsm.core.router import RoomRouter
 from pd_fsm.io_trio.api_key import ApiKeyGate, bearer
 from pd_fsm.io_trio.http_server import http_client, serve_app
 from pd_fsm.io_trio.logprob_merge import SseRewriter, merge, wants_prompt_logprobs
+from pd_fsm.io_trio.proxy_batch import BatchResponse
 from pd_fsm.io_trio.tls import NO_TLS, TLS
 from pd_fsm.io_trio.worker.metrics import StatsCollector
 from pd_fsm.io_trio.worker.phases import PhaseHistograms
@@ -383,16 +384,22 @@ class Proxy:
         if not isinstance(body, dict):
             return self._reply_now(path, 400, _error_body(400, "the body must be a JSON object",
                                                           "invalid_request_error"))
-        if _is_batch(path, body):
-            # One room carries one prompt: a batch would need a room per prompt (not built).
-            return self._reply_now(path, 400, _error_body(
-                400, "a batch of prompts is not served through PD: send one request per prompt",
-                "invalid_request_error"))
         headers = {"content-type": "application/json"}
         for name in FORWARD_HEADERS:
             if name in request.headers:
                 headers[name] = request.headers[name]
         headers.update(self._worker_headers)
+        try:
+            items = _batch(path, body)
+        except ApiError as exc:
+            return self._reply_now(path, exc.status, exc.body())
+        if items is not None:  # a room per prompt (proxy_batch)
+            return BatchResponse(self, path, items, headers, stream=body.get("stream") is True)
+        return self.open_room(path, body, headers)
+
+    def open_room(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
+        """A room for one prompt: its ASGI response (a :class:`RoomResponse`), or the error to
+        answer with (no worker)."""
         s = _Session(
             request_id=uuid.uuid4().hex,
             path=path,
@@ -419,7 +426,11 @@ class Proxy:
             "bootstrap_port": target.bootstrap_port if target else None,
             "bootstrap_room": s.room,
         }
-        return _RoomResponse(self, s)
+        return RoomResponse(self, s)
+
+    @staticmethod
+    def is_room(response: Any) -> bool:
+        return isinstance(response, RoomResponse)
 
     def _reply_now(self, path: str, status: int, body: Any) -> Response:
         self.requests.labels(path, str(status)).inc()
@@ -568,7 +579,7 @@ class Proxy:
         return json.dumps(d_body).encode() if merge(s.path, p_body, d_body) else raw
 
 
-class _RoomResponse:
+class RoomResponse:
     """The ASGI response of one room: both legs, the client's disconnect, and the one answer."""
 
     def __init__(self, proxy: Proxy, session: _Session) -> None:
@@ -621,12 +632,10 @@ async def _send_stream_error(send: Send, message: str, status: int = 502) -> Non
     await send({"type": "http.response.body", "body": data, "more_body": False})
 
 
-def _is_batch(path: str, body: dict[str, Any]) -> bool:
+def _batch(path: str, body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """A batched request's bodies, one per prompt (``schemas.split_batch``)."""
     kind = {"/generate": "generate", "/v1/completions": "completion"}.get(path)
-    try:
-        return kind is not None and split_batch(kind, body) is not None  # type: ignore[arg-type]
-    except ApiError:
-        return False  # a malformed batch: the workers' 400 names what is wrong
+    return None if kind is None else split_batch(kind, body)  # type: ignore[arg-type]
 
 
 def _worker_url(rec: dict[str, Any]) -> str | None:

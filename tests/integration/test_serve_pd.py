@@ -315,13 +315,50 @@ def test_sglang_router_carries_output_alternatives_and_input_logprobs(
 # ----------------------------------------------------------------------------- 4: bad input
 
 
-def test_a_batch_of_prompts_is_refused_through_pd(env: Env) -> None:
-    """A room carries one prompt: the proxy refuses a batch by name (the workers would too)."""
-    with httpx.Client(timeout=30) as http:
-        for path, body in (("/generate", {"text": ["a", "b"]}),
-                           ("/v1/completions", {"prompt": ["a", "b"], "model": "tiny"})):
-            r = http.post(env.proxy_1p1d + path, json=body)
-            assert r.status_code == 400 and "batch" in r.json()["error"]["message"], r.text
+BATCH = ["The river city", "A garden by the ocean", "Mountain music"]
+
+
+def _batch_answers(base: str, path: str, stream: bool) -> list[Any]:
+    """Each prompt's answer out of a batched request: (text, token ids or finish reason)."""
+    if path == "/generate":
+        body: dict[str, Any] = {"text": BATCH, "sampling_params": {
+            "max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
+    else:
+        body = {"prompt": BATCH, "model": "tiny", "max_tokens": 5, "temperature": 0,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
+    with httpx.Client(timeout=120) as http:
+        r = http.post(base + path, json={**body, "stream": stream})
+    assert r.status_code == 200, r.text
+    if not stream:
+        out = r.json()
+        if path == "/generate":
+            return [(b["text"], b["output_ids"]) for b in out]
+        assert out["usage"]["completion_tokens"] == 15
+        return [(c["text"], c["index"]) for c in out["choices"]]
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    texts: dict[int, str] = {}
+    if path == "/generate":
+        for e in events[:-1]:
+            texts[e["index"]] = e["text"]  # cumulative
+    else:
+        usage = [e for e in events[:-1] if not e["choices"]]
+        assert len(usage) == 1 and usage[0]["usage"]["completion_tokens"] == 15
+        for e in events[:-1]:
+            for c in e["choices"]:
+                texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    return [texts[i] for i in range(len(BATCH))]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+def test_a_batch_of_prompts_through_pd_equals_colocated(env: Env, path: str,
+                                                       stream: bool) -> None:
+    """Issue 17 §3: the proxy opens a room per prompt (proxy_batch) and answers once, in the
+    prompts' order, as the colocated worker answers the same batch."""
+    pd = _batch_answers(env.proxy_1p1d, path, stream)
+    assert pd == _batch_answers(env.url("colocated"), path, stream)
+    assert len(pd) == len(BATCH)
 
 
 def _bootstrap(env: Env, room: int) -> dict[str, Any]:

@@ -242,8 +242,24 @@ async def test_a_batch_of_prompts_answers_each_as_alone(worker: tuple[str, Any])
         assert [c["text"] for c in body["choices"]] == [tok.decode(e) for e in expected]
         assert body["usage"]["completion_tokens"] == 18
         assert body["usage"]["prompt_tokens"] == sum(len(i) for i in ids)
-        r = await http.post("/v1/completions", json={"prompt": prompts, "stream": True})
-        assert r.status_code == 400 and "stream" in r.json()["error"]["message"]
+        r = await http.post("/v1/completions", json={
+            "prompt": prompts, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}})
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]"
+        usage = [e for e in events[:-1] if not e["choices"]]
+        assert len(usage) == 1 and usage[0]["usage"]["completion_tokens"] == 18
+        texts = ["", "", ""]
+        for e in events[:-1]:
+            for c in e["choices"]:
+                texts[c["index"]] += c["text"]
+        assert texts == [tok.decode(e) for e in expected]
+        r = await http.post("/generate", json={"text": prompts, "sampling_params": sp,
+                                               "stream": True})
+        last: dict[int, Any] = {}
+        for e in sse_events(r.text)[:-1]:
+            last[e["index"]] = e  # cumulative: each item's last chunk has its whole output
+        assert [last[i]["output_ids"] for i in range(3)] == expected
         await wait_idle(http)
 
 

@@ -33,7 +33,7 @@ from pd_fsm.io_trio.worker import schemas
 from pd_fsm.io_trio.worker.backend import Backend, BackendError, GenerateJob
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.metrics import WorkerMetrics
-from pd_fsm.io_trio.worker.responses import Accumulator
+from pd_fsm.io_trio.worker.responses import Accumulator, batch_body, indexed, summed_usage
 from pd_fsm.io_trio.worker.schemas import ApiError, Limits, ParsedRequest
 from pd_fsm.io_trio.worker.sse import DONE, SSEResponse, event, until_disconnect
 from pd_fsm.jax_engine.model.registry import LoadedModel, load_model
@@ -313,6 +313,8 @@ class WorkerApp:
         except ApiError as exc:
             raise self._bad(endpoint, exc) from None
         if batch is not None:
+            if jobs[0][0].stream:
+                return self._stream_batch(endpoint, jobs, start)
             return await self._serve_whole(request, endpoint, jobs, start, batch=True)
         if not parsed.stream:
             return await self._serve_whole(request, endpoint, [(parsed, job)], start, batch=False)
@@ -408,17 +410,58 @@ class WorkerApp:
             raise self._bad(endpoint, failure)
         for acc in accs:
             self._count_done(endpoint, acc)
-        if jobs[0][0].kind == "generate":
-            bodies = [acc.generate_body() for acc in accs]
-            return JSONResponse(bodies if batch else bodies[0])
-        body = accs[0].openai_body()
-        if not batch:
-            return JSONResponse(body)
-        body["choices"] = [{**acc.openai_body()["choices"][0], "index": i}
-                           for i, acc in enumerate(accs)]
-        body["usage"] = {key: sum(acc.openai_body()["usage"][key] for acc in accs)
-                         for key in body["usage"]}
-        return JSONResponse(body)
+        kind = jobs[0][0].kind
+        bodies = [acc.generate_body() if kind == "generate" else acc.openai_body()
+                  for acc in accs]
+        return JSONResponse(batch_body(kind, bodies) if batch else bodies[0])
+
+    def _stream_batch(
+        self, endpoint: str, jobs: list[tuple[ParsedRequest, GenerateJob]], start: float
+    ) -> SSEResponse:
+        """A batch of prompts, streamed: every request's chunks as they come, each marked with
+        its prompt's ``index`` (OpenAI's choices; sglang's top-level ``index``); one usage chunk
+        (summed) and one ``[DONE]`` at the end. A request that fails ends with its own error
+        chunk; the others go on."""
+        accs = [self._accumulator(parsed, job) for parsed, job in jobs]
+        include_usage = jobs[0][0].include_usage
+        for acc in accs:
+            acc.include_usage = False  # one usage chunk for the whole batch
+        send_ch, recv_ch = trio.open_memory_channel[bytes](len(jobs))
+
+        async def item(index: int, job: GenerateJob, acc: Accumulator,
+                       out: trio.MemorySendChannel[bytes]) -> None:
+            timing = _Timing(self.metrics, start)
+            async with out:
+                try:
+                    async with aclosing(self._outputs(job)) as outputs:
+                        async for output in outputs:
+                            timing.output(output)
+                            for payload in acc.chunks(output):
+                                await out.send(event(indexed(payload, index)))
+                except BackendError as exc:
+                    self.metrics.requests.labels(endpoint, "server_error").inc()
+                    await out.send(event(indexed(acc.error_chunk(exc.status, exc.reason),
+                                                  index)))
+                    return
+                self._count_done(endpoint, acc)
+
+        def start_items(nursery: trio.Nursery) -> None:
+            for index, ((_, job), acc) in enumerate(zip(jobs, accs, strict=True)):
+                nursery.start_soon(item, index, job, acc, send_ch.clone())
+            send_ch.close()
+
+        async def events() -> AsyncIterator[bytes]:
+            async with recv_ch:
+                async for chunk in recv_ch:
+                    yield chunk
+            if include_usage:
+                yield event(accs[0].usage_chunk(summed_usage([acc.usage() for acc in accs])))
+            yield DONE
+
+        def gone() -> None:
+            self.metrics.requests.labels(endpoint, "disconnected").inc()
+
+        return SSEResponse(events(), on_disconnect=gone, background=start_items)
 
     async def _events(
         self,

@@ -163,7 +163,7 @@ class Accumulator:
     def _id(self) -> str:
         return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.rid
 
-    def _usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, int]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
@@ -222,7 +222,7 @@ class Accumulator:
         if self.finish is not None and self.finish.kind == "stop":
             choice["matched_stop"] = self.finish.matched  # sglang's extension
         return {"id": self._id(), "object": obj, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": self._usage()}
+                "choices": [choice], "usage": self.usage()}
 
     def _openai_chunk(self, delta_text: str, finish: str | None) -> dict[str, Any]:
         # A chunk carries the logprobs of the tokens since the previous chunk (text held back
@@ -266,11 +266,16 @@ class Accumulator:
         if out.finish_reason is not None:
             events.append(self._openai_chunk("", self._finish_str()))
             if self.include_usage:
-                usage = self._openai_chunk("", None)
-                usage["choices"] = []
-                usage["usage"] = self._usage()
-                events.append(usage)
+                events.append(self.usage_chunk(self.usage()))
         return events
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        """The stream's last chunk with ``stream_options.include_usage``: no choices, ``usage``
+        (a batch's is the sum of its requests')."""
+        chunk = self._openai_chunk("", None)
+        chunk["choices"] = []
+        chunk["usage"] = usage
+        return chunk
 
     def error_chunk(self, status: int, message: str) -> dict[str, Any]:
         """The last event of a stream that failed after it started."""
@@ -293,3 +298,35 @@ def _cumulative(texts: Iterable[str]) -> list[int]:
         offsets.append(at)
         at += len(text)
     return offsets
+
+
+# ------------------------------------------------------------------ batches of prompts
+
+
+def summed_usage(usages: Sequence[dict[str, int]]) -> dict[str, int]:
+    """A batch's usage: its requests' added up."""
+    return {key: sum(u.get(key, 0) for u in usages) for key in usages[0]}
+
+
+def batch_body(kind: Kind, bodies: Sequence[dict[str, Any]]) -> Any:
+    """A batch's whole answer from its requests' own, in order: sglang's list of results, or
+    one OpenAI completion whose ``choices`` carry their prompt's ``index``."""
+    if kind == "generate":
+        return list(bodies)
+    out = dict(bodies[0])
+    out["choices"] = [{**body["choices"][0], "index": i} for i, body in enumerate(bodies)]
+    out["usage"] = summed_usage([body["usage"] for body in bodies])
+    return out
+
+
+def indexed(payload: dict[str, Any], index: int) -> dict[str, Any]:
+    """A batch's stream event, marked with its prompt's place: OpenAI's choices' ``index``,
+    sglang's top-level ``index``."""
+    choices = payload.get("choices")
+    if isinstance(choices, list):
+        for choice in choices:
+            if isinstance(choice, dict):
+                choice["index"] = index
+    else:
+        payload["index"] = index
+    return payload

@@ -423,9 +423,6 @@ def split_batch(kind: Kind, body: Any) -> list[dict[str, Any]] | None:
         raise ApiError(400, f"{key} is an empty batch")
     if len(prompts) > MAX_BATCH:
         raise ApiError(400, f"{key}: at most {MAX_BATCH} prompts in a batch, got {len(prompts)}")
-    if _bool(body, "stream"):
-        raise ApiError(400, "stream=true with a batch of prompts is not supported (stream "
-                            "one request per prompt)")
     if parse_bootstrap(body) is not None:
         raise ApiError(400, "a batch of prompts cannot be a PD leg: send one request per prompt")
     rids = body.get("rid")

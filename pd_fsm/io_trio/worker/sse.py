@@ -58,16 +58,20 @@ async def until_disconnect(
 
 
 class SSEResponse:
-    """An ASGI response that sends ``events`` as SSE, then ``data: [DONE]``; a client that goes
-    away cancels the iteration (which closes ``events``, aborting the request behind it)."""
+    """An ASGI response that sends ``events`` as SSE; a client that goes away cancels the
+    iteration (which closes ``events``, aborting the request behind it). ``background`` starts
+    the tasks that feed ``events`` (a batch's requests), in the response's own nursery: they are
+    cancelled with it."""
 
     def __init__(
         self,
         events: AsyncIterator[bytes],
         on_disconnect: Callable[[], None] | None = None,
+        background: Callable[[trio.Nursery], None] | None = None,
     ) -> None:
         self.events = events
         self.on_disconnect = on_disconnect
+        self.background = background
 
     async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
@@ -75,6 +79,8 @@ class SSEResponse:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_watch, receive, nursery.cancel_scope, gone)
+                if self.background is not None:
+                    self.background(nursery)
                 await self._pump(send)
                 nursery.cancel_scope.cancel()
         finally:

@@ -1,0 +1,179 @@
+"""A batch of prompts through PD: one room per prompt, one answer for the client.
+
+A room carries one prompt (one KV hand-off, one P leg and one D leg), so the proxy opens a room
+per prompt of the batch (``schemas.split_batch`` gives their bodies) and runs each room's own
+response (:class:`~pd_fsm.io_trio.proxy.RoomResponse`, with its legs, deadlines and aborts) into
+a capture instead of the client's socket:
+
+* unstreamed: one answer in the prompts' order (sglang's list of results; OpenAI's ``choices``
+  with their ``index``, usage summed). The first room that fails answers for the batch, and the
+  others are abandoned (each sees its client leave: both its legs are aborted);
+* streamed: every room's events as they come, each marked with its prompt's ``index``; one usage
+  chunk (summed) and one ``[DONE]`` at the end; a room that fails sends its error as an event
+  with its index, and the others go on.
+
+A client that leaves abandons every room.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from pd_fsm.io_trio.logprob_merge import split_events
+from pd_fsm.io_trio.worker.responses import batch_body, indexed, summed_usage
+from pd_fsm.io_trio.worker.sse import DONE, SSE_HEADERS, Receive, Send, event
+
+if TYPE_CHECKING:
+    from pd_fsm.io_trio.proxy import Proxy
+
+_DISCONNECT = {"type": "http.disconnect"}
+
+
+class _Capture:
+    """What one room's response sent: its status and body bytes."""
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.body = b""
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        elif message["type"] == "http.response.body":
+            self.body += message.get("body", b"")
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.body)
+        except ValueError:
+            return {"error": {"message": self.body.decode("utf-8", "replace")[:2000],
+                              "code": self.status}}
+
+
+class BatchResponse:
+    """The ASGI response of a batch of prompts (see the module's docstring)."""
+
+    def __init__(self, proxy: Proxy, path: str, items: list[dict[str, Any]],
+                 headers: dict[str, str], *, stream: bool) -> None:
+        self.proxy = proxy
+        self.path = path
+        self.items = items
+        self.headers = headers
+        self.stream = stream
+        self.abandon = trio.Event()  # the client left, or (unstreamed) one room failed
+
+    async def _room_receive(self) -> dict[str, Any]:
+        await self.abandon.wait()
+        return _DISCONNECT
+
+    async def _watch_client(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.abandon.set()
+
+    async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
+        rooms = [self.proxy.open_room(self.path, item, self.headers) for item in self.items]
+        refused = [r for r in rooms if not self.proxy.is_room(r)]
+        if refused:  # no worker: the rooms opened already are abandoned at once
+            self.abandon.set()
+            async with trio.open_nursery() as nursery:
+                for room in rooms:
+                    if self.proxy.is_room(room):
+                        nursery.start_soon(room, scope, self._room_receive, _Capture().send)
+            await refused[0](scope, receive, send)
+            return
+        if self.stream:
+            await self._streamed(scope, receive, send, rooms)
+        else:
+            await self._whole(scope, receive, send, rooms)
+
+    async def _whole(self, scope: Any, receive: Receive, send: Send, rooms: list[Any]) -> None:
+        captures = [_Capture() for _ in rooms]
+
+        async def run(room: Any, capture: _Capture) -> None:
+            await room(scope, self._room_receive, capture.send)
+            if capture.status != 200:
+                self.abandon.set()  # the batch fails: the other rooms are aborted
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_client, receive)
+            async with trio.open_nursery() as room_tasks:
+                for room, capture in zip(rooms, captures, strict=True):
+                    room_tasks.start_soon(run, room, capture)
+            nursery.cancel_scope.cancel()
+        failed = next((c for c in captures if c.status != 200), None)
+        if failed is not None:
+            status, body = failed.status or 499, failed.json()
+        else:
+            kind = "generate" if self.path == "/generate" else "completion"
+            status, body = 200, batch_body(kind, [c.json() for c in captures])
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": json.dumps(body).encode(),
+                    "more_body": False})
+
+    async def _streamed(self, scope: Any, receive: Receive, send: Send, rooms: list[Any]) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        usages: list[dict[str, Any]] = []
+        last_usage_chunk: list[dict[str, Any]] = []
+        send_ch, recv_ch = trio.open_memory_channel[bytes](64)
+
+        async def run(index: int, room: Any, out: trio.MemorySendChannel[bytes]) -> None:
+            capture = _Capture()
+            pending = b""
+
+            async def forward(message: dict[str, Any]) -> None:
+                nonlocal pending
+                if message["type"] == "http.response.start" or capture.status != 200:
+                    await capture.send(message)  # a failed room's body: its error, kept whole
+                if capture.status != 200 or message["type"] != "http.response.body":
+                    return
+                pending += message.get("body", b"")
+                events, pending = split_events(pending)
+                for raw in events:
+                    payload = _payload(raw)
+                    if payload is None:
+                        continue  # [DONE]: one for the batch, at the end
+                    if payload.get("choices") == [] and isinstance(payload.get("usage"), dict):
+                        usages.append(payload["usage"])  # one usage chunk for the batch
+                        last_usage_chunk[:] = [payload]
+                        continue
+                    await out.send(event(indexed(payload, index)))
+
+            async with out:
+                await room(scope, self._room_receive, forward)
+                if capture.status not in (0, 200):
+                    body = capture.json()
+                    await out.send(event({**body, "index": index}))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_client, receive)
+            async with send_ch:
+                for index, room in enumerate(rooms):
+                    nursery.start_soon(run, index, room, send_ch.clone())
+            async with recv_ch:
+                async for chunk in recv_ch:
+                    if not self.abandon.is_set():
+                        await send({"type": "http.response.body", "body": chunk,
+                                    "more_body": True})
+            nursery.cancel_scope.cancel()
+        if self.abandon.is_set():
+            return  # the client left: nothing more to send
+        tail = b""
+        if last_usage_chunk:
+            tail = event({**last_usage_chunk[0], "usage": summed_usage(usages)})
+        await send({"type": "http.response.body", "body": tail + DONE, "more_body": False})
+
+
+def _payload(raw: bytes) -> dict[str, Any] | None:
+    data = raw.strip().removeprefix(b"data: ")
+    if data == b"[DONE]":
+        return None
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
