@@ -15,6 +15,7 @@ never needs a branch for padding. The allocator never hands it out.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import attrs
@@ -63,6 +64,8 @@ class PageAllocator:
         # LIFO free list: recently freed pages are reused first (warm in cache).
         self._free: list[int] = list(range(num_pages - 1, 0, -1))
         self._used: set[int] = set()
+        # Pages with more than one holder (sequences forked from one prompt): their count.
+        self._holders: dict[int, int] = {}
 
     @property
     def num_free(self) -> int:
@@ -85,14 +88,35 @@ class PageAllocator:
         self._used.update(pages)
         return pages
 
+    def share(self, pages: Iterable[int], holders: int) -> None:
+        """``holders`` more holders of each of ``pages`` (in use): a page goes back to the free
+        list only when every holder has freed it."""
+        pages = list(pages)
+        bad = [p for p in pages if p not in self._used]
+        if bad or holders < 0:
+            raise PageAllocatorError(f"cannot share pages not in use: {sorted(set(bad))}")
+        for p in pages:
+            self._holders[p] = self._holders.get(p, 1) + holders
+
+    def holders(self, page: int) -> int:
+        return self._holders.get(page, 1 if page in self._used else 0)
+
     def free(self, pages: Iterable[int]) -> None:
-        """Return pages; refuses (changing nothing) on a double free or a page never handed out."""
+        """Give pages up (a shared page: one holder's share); refuses (changing nothing) on a
+        double free or a page never handed out."""
         pages = list(pages)
         bad = [p for p in pages if p not in self._used]
         if bad or len(set(pages)) != len(pages):
             raise PageAllocatorError(f"free of pages not in use (double free?): {sorted(set(bad))}")
-        self._used.difference_update(pages)
-        self._free.extend(pages)
+        released = []
+        for p in pages:
+            held = self._holders.pop(p, 1) - 1
+            if held > 1:
+                self._holders[p] = held
+            elif held == 0:
+                released.append(p)
+        self._used.difference_update(released)
+        self._free.extend(released)
 
 
 def allocate_kv_pool(cfg: KVPoolConfig, device: jax.Device | None = None) -> list[jax.Array]:
@@ -103,3 +127,10 @@ def allocate_kv_pool(cfg: KVPoolConfig, device: jax.Device | None = None) -> lis
         out_shardings=jax.sharding.SingleDeviceSharding(device),
     )
     return [zeros() for _ in range(cfg.num_layers)]
+
+
+@functools.partial(jax.jit, donate_argnames=("kv",))
+def copy_pages(kv: list[jax.Array], src: jax.Array, dst: jax.Array) -> list[jax.Array]:
+    """Page ``src[i]`` copied onto page ``dst[i]`` in every layer, in place (a forked sequence's
+    own copy of the page it will write next)."""
+    return [pool.at[dst].set(pool[src]) for pool in kv]

@@ -35,6 +35,14 @@ def _top_p_range(_: object, attribute: attrs.Attribute[float], value: float) -> 
         raise ValueError(f"top_p must be in (0, 1], got {value}")
 
 
+MAX_N = 16
+
+
+def _n_range(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if not 1 <= value <= MAX_N:
+        raise ValueError(f"n must be in [1, {MAX_N}], got {value}")
+
+
 def _to_tuple(value: Sequence[object] | str | None) -> tuple[object, ...]:
     if value is None:
         return ()
@@ -65,6 +73,9 @@ class SamplingParams:
     repetition_penalty: float = attrs.field(default=1.0, validator=_positive)
     # No EOS or stop token before this many new tokens.
     min_new_tokens: int = attrs.field(default=0, validator=_non_negative)
+    # Sequences sampled from the prompt (OpenAI's and sglang's n): the prompt is prefilled once
+    # and the sequences share its pages (``Scheduler._fork``).
+    n: int = attrs.field(default=1, validator=_n_range)
 
     @property
     def greedy(self) -> bool:

@@ -87,10 +87,15 @@ class RequestOutput:
     new_top_logprobs: tuple[TopLogprobs, ...] = ()
     # In the request's first output only, when it asked for them and this worker prefilled it.
     prompt_logprobs: PromptLogprobs | None = None
+    # Which of the request's n sequences this is (sampling n > 1), and whether others of them
+    # are still running when this one finished.
+    index: int = 0
+    more: bool = False
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        """The request is over: this sequence finished and no other is left."""
+        return self.finish_reason is not None and not self.more
 
 
 def _int_list(ids: Iterable[int]) -> list[int]:
@@ -117,6 +122,10 @@ class Req:
     # Prompt log-probs from logprobs.prompt_from on, filled chunk by chunk by the prefill.
     prompt_logprobs: list[float | None] = attrs.field(factory=list)
     prompt_top: list[TopLogprobs | None] = attrs.field(factory=list)
+    # Sampling n > 1: the sequence's place, and (on the first) every sequence of the request.
+    index: int = 0
+    family: list[Req] = attrs.field(factory=list)
+    parent: Req | None = None
     prompt_logprobs_ready: bool = False  # the prefill (here) computed all of them
     prompt_logprobs_sent: bool = False
     finish_reason: FinishReason | None = None
@@ -134,3 +143,14 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.state is ReqState.FINISHED
+
+    @property
+    def root(self) -> Req:
+        """The request's first sequence (itself unless it was forked from one)."""
+        return self.parent if self.parent is not None else self
+
+    @property
+    def last_token(self) -> int:
+        """The token the next decode step feeds: a fork's first step feeds the prompt's last
+        token again (its position's KV is rewritten in the fork's own copy of that page)."""
+        return self.output_ids[-1] if self.output_ids else self.input_ids[-1]

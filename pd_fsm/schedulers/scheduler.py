@@ -41,7 +41,7 @@ from pd_fsm.jax_engine.buckets import bucket
 from pd_fsm.jax_engine.executables import EXECUTABLES
 from pd_fsm.jax_engine.gather_scatter import as_struct
 from pd_fsm.jax_engine.kv_holder import KVCacheHolder
-from pd_fsm.jax_engine.kv_pool import PageAllocator, allocate_kv_pool
+from pd_fsm.jax_engine.kv_pool import PageAllocator, allocate_kv_pool, copy_pages
 from pd_fsm.jax_engine.model import (
     KV,
     LoadedModel,
@@ -202,11 +202,13 @@ class Scheduler:
         return self._allocate_pages(req)
 
     def abort(self, rid: str, message: str = "aborted") -> bool:
-        """Finish a live request with an abort reason and free its pages; False if unknown."""
+        """Finish a live request (every sequence of it) with an abort reason and free its
+        pages; False if unknown."""
         req = self.reqs.get(rid)
         if req is None:
             return False
-        self._finish(req, FinishReason("abort", message=message))
+        for seq in req.family or [req]:
+            self._finish(seq, FinishReason("abort", message=message))
         return True
 
     def step(self) -> list[RequestOutput]:
@@ -224,6 +226,8 @@ class Scheduler:
     def drain_outputs(self) -> list[RequestOutput]:
         outputs = [self._make_output(req) for req in self._dirty]
         self._dirty.clear()
+        if any(out.index for out in outputs) or any(r.family for r in self.reqs.values()):
+            outputs = _mark_more(outputs, self.reqs)
         return outputs
 
     def has_work(self) -> bool:
@@ -303,8 +307,25 @@ class Scheduler:
         return result
 
     def _pages_needed(self, req: Req) -> int:
+        """The sequence's pages, and with sampling n > 1 each fork's own (reserved with the
+        request, so a fork never waits for pages; ``_fork`` hands them out)."""
+        return self._sequence_pages(req) + (req.sampling.n - 1) * self._fork_pages(req)
+
+    def _sequence_pages(self, req: Req) -> int:
         tokens = min(len(req.input_ids) + req.sampling.max_new_tokens, self.context_length)
         return self.pool_config.pages_for(tokens)
+
+    def _fork_pages(self, req: Req) -> int:
+        """A fork's own pages: from the page holding the prompt's last token (the fork rewrites
+        that position) to the end of its sequence; those before it are shared."""
+        if not self._forks(req):
+            return 0
+        return self._sequence_pages(req) - (len(req.input_ids) - 1) // self.args.page_size
+
+    def _forks(self, req: Req) -> bool:
+        """Whether this scheduler runs ``req``'s n sequences itself (a P worker hands its rooms
+        to D, which forks them)."""
+        return True
 
     def _allocate_pages(self, req: Req) -> bool:
         if req.pages is not None:
@@ -502,12 +523,52 @@ class Scheduler:
     def _enter_running(
         self, req: Req, first_token: int, first_logprob: float, first_top: TopLogprobs = ()
     ) -> None:
+        forks = self._fork(req)
         if req.sampling.max_new_tokens == 0:
-            self._finish(req, FinishReason("length"))
+            for seq in (req, *forks):
+                self._finish(seq, FinishReason("length"))
             return
         req.state = ReqState.RUNNING
         self.running.append(req)
+        self.running.extend(forks)
         self._append_token(req, first_token, first_logprob, first_top)
+
+    def _fork(self, req: Req) -> list[Req]:
+        """Sampling n > 1: sequences 1..n-1 of ``req``, which has just been prefilled (here or
+        on P). They share the prompt's pages before the one holding its last token; each gets
+        its own copy of that page (copy-on-write: it rewrites that position's KV with its first
+        step, which samples its first token from the prompt's last logits with its own seed)."""
+        n = req.sampling.n
+        if n == 1 or req.family:
+            return []
+        assert req.pages is not None
+        own = self._sequence_pages(req)
+        cut = (len(req.input_ids) - 1) // self.args.page_size  # the prompt's last page
+        shared, reserve = req.pages[:cut], req.pages[own:]
+        req.pages = req.pages[:own]
+        each = own - cut
+        self.allocator.share(shared, n - 1)
+        forks: list[Req] = []
+        for i in range(1, n):
+            fork = Req(req.rid, req.input_ids, req.sampling, req.metadata,
+                       attrs.evolve(req.logprobs, prompt_from=-1))
+            fork.index, fork.parent = i, req
+            fork.pages = shared + reserve[(i - 1) * each : i * each]
+            fork.prefilled = len(req.input_ids)
+            fork.state = ReqState.RUNNING
+            fork.seed = (req.seed + i) & 0xFFFFFFFFFFFFFFFF
+            fork.detokenizer = IncrementalDetokenizer(self.tokenizer,
+                                                      req.sampling.skip_special_tokens)
+            forks.append(fork)
+        src = np.full(n - 1, req.pages[cut], np.int32)
+        dst = np.array([f.pages[cut] for f in forks], np.int32)  # type: ignore[index]
+
+        def run(kv: KV) -> tuple[None, KV]:
+            return None, EXECUTABLES.call(copy_pages, {}, kv, jnp.asarray(src), jnp.asarray(dst))
+
+        self._with_kv(run)
+        req.family = [req, *forks]
+        return forks
 
     # ----------------------------------------------------------------- hooks: decode
 
@@ -523,7 +584,7 @@ class Scheduler:
         table = np.zeros((batch.b_pad, self.table_width), np.int32)
         for i, req in enumerate(batch.reqs):
             assert req.pages is not None
-            tokens[i] = req.output_ids[-1]
+            tokens[i] = req.last_token
             positions[i] = req.seq_len - 1  # the last sampled token is fed now
             used = self.pool_config.pages_for(req.seq_len)
             table[i, :used] = req.pages[:used]
@@ -634,7 +695,8 @@ class Scheduler:
             return
         req.state = ReqState.FINISHED
         req.finish_reason = reason
-        self.reqs.pop(req.rid, None)
+        if all(seq.finished for seq in req.root.family or [req]):
+            self.reqs.pop(req.rid, None)  # the request is over when its last sequence is
         self._detach(req)
         self._release_pages(req)
         self._dirty[req] = None
@@ -676,5 +738,22 @@ class Scheduler:
             completion_tokens=len(req.output_ids),
             new_top_logprobs=new_tops,
             prompt_logprobs=prompt,
+            index=req.index,
         )
 
+
+
+def _mark_more(outputs: list[RequestOutput], live: dict[str, Req]) -> list[RequestOutput]:
+    """Sampling n > 1: a sequence's final output says ``more`` unless it ends the request (the
+    last final output of a request no longer live), so a consumer waits for all n."""
+    out = list(outputs)
+    ended: set[str] = set()
+    for i in range(len(out) - 1, -1, -1):
+        o = out[i]
+        if o.finish_reason is None:
+            continue
+        if o.rid in live or o.rid in ended:
+            out[i] = attrs.evolve(o, more=True)
+        else:
+            ended.add(o.rid)
+    return out

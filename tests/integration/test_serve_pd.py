@@ -312,6 +312,43 @@ def test_sglang_router_carries_output_alternatives_and_input_logprobs(
         _same(pd[key], colo[key], key)
 
 
+def _n_calls(base: str) -> dict[str, Any]:
+    """n > 1 and best_of, seeded sampling, through each endpoint, whole and streamed."""
+    client = _openai(base)
+    out: dict[str, Any] = {}
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "Tell me about rivers"}],
+                max_tokens=6, temperature=1.0, seed=5, n=3)
+    out["chat"] = [c.message.content for c in client.chat.completions.create(**chat).choices]
+    texts: dict[int, str] = {}
+    for chunk in client.chat.completions.create(**chat, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    out["chat-stream"] = texts
+    done = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5,
+                                     temperature=1.0, seed=9, n=2, best_of=4)
+    out["best_of"] = [c.text for c in done.choices]
+    out["usage"] = done.usage.model_dump()
+    with httpx.Client(timeout=120) as http:
+        r = http.post(f"{base}/generate", json={"text": "The river city", "sampling_params": {
+            "max_new_tokens": 5, "temperature": 1.0, "sampling_seed": 3, "n": 2}})
+    assert r.status_code == 200, r.text
+    out["generate"] = [b["output_ids"] for b in r.json()]
+    return out
+
+
+def test_n_sequences_through_pd_equal_colocated(env: Env) -> None:
+    """Issue 17 §2: the prompt is prefilled on P and transferred once; D forks the n sequences
+    from its pages (sequence 0 goes on from P's first token); with the same seed the answers
+    are the colocated worker's. Then every worker is idle again (pages all back)."""
+    pd = _n_calls(env.proxy_1p1d)
+    colo = _n_calls(env.url("colocated"))
+    assert pd == colo
+    assert len(colo["chat"]) == 3 and len(set(colo["chat"])) > 1
+    assert colo["chat-stream"] == dict(enumerate(colo["chat"]))
+    assert len(colo["best_of"]) == 2 and colo["usage"]["completion_tokens"] == 20
+    assert len(colo["generate"]) == 2
+
+
 # ----------------------------------------------------------------------------- 4: bad input
 
 

@@ -3,6 +3,7 @@ each position's top alternatives, checked against a plain numpy Llama on the tin
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 
@@ -103,3 +104,49 @@ def test_prompt_logprobs_without_new_tokens(tiny: LoadedModel, ref_logprobs: np.
 def test_top_is_bounded() -> None:
     with pytest.raises(ValueError, match="top must be in"):
         LogprobSpec(top=21)
+
+
+# ----------------------------------------------------------------------------- n > 1: forks
+
+
+def _sequences(outputs: list[RequestOutput]) -> dict[int, list[int]]:
+    seqs: dict[int, list[int]] = {}
+    for o in outputs:
+        seqs.setdefault(o.index, []).extend(o.new_token_ids)
+    return seqs
+
+
+@pytest.mark.parametrize("prompt_len", [29, 28])  # the last prompt page partial, and full
+def test_n_sequences_fork_from_one_prefill(tiny: LoadedModel, prompt_len: int) -> None:
+    """n sequences share the prompt's pages (one prefill); each samples with its own seed, and
+    sequence i equals a plain request with seed + i. Every page comes back once (``_run``)."""
+    prompt = PROMPT[:prompt_len]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=11, n=3)
+    outputs = _run(tiny, Req("a", prompt, sp))
+    finals = [o for o in outputs if o.finish_reason is not None]
+    assert len(finals) == 3 and [o.finished for o in finals] == [False, False, True]
+    seqs = _sequences(outputs)
+    assert sorted(seqs) == [0, 1, 2]
+    for i in range(3):
+        alone = attrs.evolve(sp, n=1, seed=11 + i)
+        assert seqs[i] == _sequences(_run(tiny, Req("b", prompt, alone)))[0], i
+    assert len({tuple(s) for s in seqs.values()}) > 1, "seeds differ: so do the samples"
+
+
+def test_n_sequences_abort_frees_every_page(tiny: LoadedModel) -> None:
+    args = SchedulerArgs(model="tiny", num_pages=64, page_size=4, max_running=4,
+                         max_batched_tokens=256)
+    sched = Scheduler(args, model=tiny)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True, n=4)
+    sched.add_request(Req("a", PROMPT, sp))
+    for _ in range(3):
+        sched.step()
+    assert sched.stats().running == 4
+    shared = (len(PROMPT) - 1) // 4
+    assert sched.allocator.holders(sched.reqs["a"].pages[0]) == 4
+    assert sched.abort("a")
+    finals = [o for o in sched.drain_outputs() if o.finish_reason is not None]
+    assert {o.index for o in finals} == {0, 1, 2, 3} and sum(o.finished for o in finals) == 1
+    stats = sched.stats()
+    assert stats.free_pages == stats.total_pages and stats.running == 0
+    assert shared > 0

@@ -96,7 +96,9 @@ def test_a_field_at_the_value_that_asks_for_nothing_is_accepted(extra: dict[str,
     (parse_chat, CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     (parse_chat, CHAT, {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     (parse_chat, CHAT, {"logprobs": 1}, "logprobs"),  # a bool, not a number
-    (parse_chat, CHAT, {"n": 2}, "n"),
+    (parse_chat, CHAT, {"n": 17}, "n"),
+    (parse_completion, COMPLETION, {"n": 2, "best_of": 1}, "best_of"),
+    (parse_generate, GENERATE, {"sampling_params": {"n": 0}}, "sampling_params.n"),
     (parse_chat, CHAT, {"n": True}, "n"),
     (parse_chat, CHAT, {"logit_bias": {"5": 10}}, "logit_bias"),
     (parse_chat, CHAT, {"frequency_penalty": 2.5}, "frequency_penalty"),
@@ -108,7 +110,7 @@ def test_a_field_at_the_value_that_asks_for_nothing_is_accepted(extra: dict[str,
     (parse_chat, CHAT, {"return_hidden_states": True}, "return_hidden_states"),
     (parse_completion, COMPLETION, {"echo": 1}, "echo"),
     (parse_completion, COMPLETION, {"suffix": "end"}, "suffix"),
-    (parse_completion, COMPLETION, {"best_of": 3}, "best_of"),
+    (parse_completion, COMPLETION, {"best_of": 17}, "best_of"),
     (parse_completion, COMPLETION, {"logprobs": 21}, "logprobs"),  # OpenAI's maximum is 20
     (parse_completion, COMPLETION, {"logprobs": True}, "logprobs"),  # a number, not a bool
     (parse_completion, COMPLETION, {"max_token": 5}, "max_token"),  # a typo is no default
@@ -131,3 +133,12 @@ def test_an_unimplemented_field_is_refused_by_name(
     assert err.value.status == 400
     prefixes = (f"{named}=", f"{named} must", f"unknown field {named} ")
     assert err.value.message.startswith(prefixes), err.value.message
+
+
+def test_n_and_best_of_are_read() -> None:
+    chat = parse_chat({**CHAT, "n": 3}, LIMITS)
+    assert chat.sampling.n == chat.n == 3
+    best = parse_completion({**COMPLETION, "n": 2, "best_of": 4}, LIMITS)
+    assert best.sampling.n == 4 and best.n == 2
+    gen = parse_generate({**GENERATE, "sampling_params": {"n": 2}}, LIMITS)
+    assert gen.sampling.n == gen.n == 2

@@ -33,7 +33,7 @@ from pd_fsm.io_trio.worker import schemas
 from pd_fsm.io_trio.worker.backend import Backend, BackendError, GenerateJob
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.metrics import WorkerMetrics
-from pd_fsm.io_trio.worker.responses import Accumulator, batch_body, indexed, summed_usage
+from pd_fsm.io_trio.worker.responses import Accumulator, batch_body, indexed
 from pd_fsm.io_trio.worker.schemas import ApiError, Limits, ParsedRequest
 from pd_fsm.io_trio.worker.sse import DONE, SSEResponse, event, until_disconnect
 from pd_fsm.jax_engine.model.registry import LoadedModel, load_model
@@ -312,13 +312,15 @@ class WorkerApp:
                 parsed, job = await self._job(body, kind)
         except ApiError as exc:
             raise self._bad(endpoint, exc) from None
-        if batch is not None:
+        if batch is None:
+            jobs = [(parsed, job)]
+        if len(jobs) > 1 or jobs[0][1].sampling.n > 1:
             if jobs[0][0].stream:
-                return self._stream_batch(endpoint, jobs, start)
-            return await self._serve_whole(request, endpoint, jobs, start, batch=True)
+                return self._stream_many(endpoint, jobs, start)
+            return await self._serve_whole(request, endpoint, jobs, start, many=True)
         if not parsed.stream:
-            return await self._serve_whole(request, endpoint, [(parsed, job)], start, batch=False)
-        acc = self._accumulator(parsed, job)
+            return await self._serve_whole(request, endpoint, jobs, start, many=False)
+        (acc,) = self._accumulators(parsed, job)
         outputs = self._outputs(job)
         timing = _Timing(self.metrics, start)
 
@@ -348,8 +350,12 @@ class WorkerApp:
 
         return SSEResponse(self._events(endpoint, head, outputs, acc, timing), on_disconnect=gone)
 
-    def _accumulator(self, parsed: ParsedRequest, job: GenerateJob) -> Accumulator:
+    def _accumulators(self, parsed: ParsedRequest, job: GenerateJob) -> list[Accumulator]:
+        """One per sequence the job samples (``n``; ``best_of`` when larger)."""
         self.metrics.prompt_tokens.inc(len(job.input_ids))
+        return [self._accumulator(parsed, job) for _ in range(job.sampling.n)]
+
+    def _accumulator(self, parsed: ParsedRequest, job: GenerateJob) -> Accumulator:
         assert self.meta is not None
         tokenizer = self.meta.model.tokenizer
         echo = None
@@ -376,30 +382,31 @@ class WorkerApp:
         jobs: list[tuple[ParsedRequest, GenerateJob]],
         start: float,
         *,
-        batch: bool,
+        many: bool,
     ) -> Response:
-        """One answer once every job is done (not streamed). A batch of prompts
-        (``schemas.split_batch``) is a request per prompt, all in the scheduler at once, answered
-        in the prompts' order (sglang's list of results; OpenAI's choices with their index); its
-        first failure fails it and aborts the rest."""
-        accs = [self._accumulator(parsed, job) for parsed, job in jobs]
+        """One answer once every job is done (not streamed). Several answers in one — a batch of
+        prompts (``schemas.split_batch``: a request per prompt, all in the scheduler at once) or
+        n > 1 sequences of a prompt — come in order (sglang's list of results; OpenAI's choices
+        with their index); the first failure fails the request and aborts the rest."""
+        units = [(parsed, job, self._accumulators(parsed, job)) for parsed, job in jobs]
         failures: list[ApiError] = []
 
-        async def one(job: GenerateJob, acc: Accumulator, scope: trio.CancelScope) -> None:
+        async def one(job: GenerateJob, accs: list[Accumulator],
+                      scope: trio.CancelScope) -> None:
             timing = _Timing(self.metrics, start)
             try:
                 async with aclosing(self._outputs(job)) as outputs:
                     async for out in outputs:
                         timing.output(out)
-                        acc.add(out)
+                        accs[out.index].add(out)
             except BackendError as exc:
                 failures.append(ApiError(exc.status, exc.reason))
                 scope.cancel()
 
         async def collect() -> ApiError | None:
             async with trio.open_nursery() as nursery:
-                for (_, job), acc in zip(jobs, accs, strict=True):
-                    nursery.start_soon(one, job, acc, nursery.cancel_scope)
+                for _, job, accs in units:
+                    nursery.start_soon(one, job, accs, nursery.cancel_scope)
             return failures[0] if failures else None
 
         connected, failure = await until_disconnect(request.receive, collect)
@@ -408,27 +415,35 @@ class WorkerApp:
             return Response(status_code=499)
         if failure is not None:
             raise self._bad(endpoint, failure)
-        for acc in accs:
-            self._count_done(endpoint, acc)
         kind = jobs[0][0].kind
+        chosen: list[Accumulator] = []
+        for parsed, _, accs in units:
+            for acc in accs:
+                self._count_done(endpoint, acc)
+            chosen += _best(accs, parsed.n)
         bodies = [acc.generate_body() if kind == "generate" else acc.openai_body()
-                  for acc in accs]
-        return JSONResponse(batch_body(kind, bodies) if batch else bodies[0])
+                  for acc in chosen]
+        if not many:
+            return JSONResponse(bodies[0])
+        return JSONResponse(batch_body(kind, bodies, _usage(units)))
 
-    def _stream_batch(
+    def _stream_many(
         self, endpoint: str, jobs: list[tuple[ParsedRequest, GenerateJob]], start: float
     ) -> SSEResponse:
-        """A batch of prompts, streamed: every request's chunks as they come, each marked with
-        its prompt's ``index`` (OpenAI's choices; sglang's top-level ``index``); one usage chunk
-        (summed) and one ``[DONE]`` at the end. A request that fails ends with its own error
-        chunk; the others go on."""
-        accs = [self._accumulator(parsed, job) for parsed, job in jobs]
+        """Several answers streamed (a batch of prompts, n > 1): every sequence's chunks as
+        they come, each marked with its ``index`` (OpenAI's choices; sglang's top-level
+        ``index``); one usage chunk and one ``[DONE]`` at the end. A request that fails ends
+        with its own error chunk; the others go on."""
+        units = [(parsed, job, self._accumulators(parsed, job)) for parsed, job in jobs]
         include_usage = jobs[0][0].include_usage
-        for acc in accs:
-            acc.include_usage = False  # one usage chunk for the whole batch
+        firsts = []  # each job's first index in the answer
+        for _, _, accs in units:
+            firsts.append(sum(len(u[2]) for u in units[: len(firsts)]))
+            for acc in accs:
+                acc.include_usage = False  # one usage chunk for the whole answer
         send_ch, recv_ch = trio.open_memory_channel[bytes](len(jobs))
 
-        async def item(index: int, job: GenerateJob, acc: Accumulator,
+        async def item(first: int, job: GenerateJob, accs: list[Accumulator],
                        out: trio.MemorySendChannel[bytes]) -> None:
             timing = _Timing(self.metrics, start)
             async with out:
@@ -436,18 +451,19 @@ class WorkerApp:
                     async with aclosing(self._outputs(job)) as outputs:
                         async for output in outputs:
                             timing.output(output)
-                            for payload in acc.chunks(output):
-                                await out.send(event(indexed(payload, index)))
+                            for payload in accs[output.index].chunks(output):
+                                await out.send(event(indexed(payload, first + output.index)))
                 except BackendError as exc:
                     self.metrics.requests.labels(endpoint, "server_error").inc()
-                    await out.send(event(indexed(acc.error_chunk(exc.status, exc.reason),
-                                                  index)))
+                    await out.send(event(indexed(accs[0].error_chunk(exc.status, exc.reason),
+                                                 first)))
                     return
-                self._count_done(endpoint, acc)
+                for acc in accs:
+                    self._count_done(endpoint, acc)
 
         def start_items(nursery: trio.Nursery) -> None:
-            for index, ((_, job), acc) in enumerate(zip(jobs, accs, strict=True)):
-                nursery.start_soon(item, index, job, acc, send_ch.clone())
+            for first, (_, job, accs) in zip(firsts, units, strict=True):
+                nursery.start_soon(item, first, job, accs, send_ch.clone())
             send_ch.close()
 
         async def events() -> AsyncIterator[bytes]:
@@ -455,7 +471,7 @@ class WorkerApp:
                 async for chunk in recv_ch:
                     yield chunk
             if include_usage:
-                yield event(accs[0].usage_chunk(summed_usage([acc.usage() for acc in accs])))
+                yield event(units[0][2][0].usage_chunk(_usage(units)))
             yield DONE
 
         def gone() -> None:
@@ -637,6 +653,23 @@ class _Timing:
             self.metrics.ttft.observe(now - self.start)
         if out.finished:
             self.metrics.e2e.observe(now - self.start)
+
+
+def _best(accs: list[Accumulator], n: int) -> list[Accumulator]:
+    """``best_of``: the ``n`` sequences of highest log-probability (sum over their tokens), in
+    the order they were sampled; all of them without it."""
+    if len(accs) == n:
+        return accs
+    ranked = sorted(range(len(accs)), key=lambda i: -sum(accs[i].logprobs))[:n]
+    return [accs[i] for i in sorted(ranked)]
+
+
+def _usage(units: list[tuple[ParsedRequest, GenerateJob, list[Accumulator]]]) -> dict[str, int]:
+    """Usage of several answers in one: each prompt counted once, every sequence's tokens."""
+    prompt = sum(len(job.input_ids) for _, job, _ in units)
+    completion = sum(acc.completion_tokens for _, _, accs in units for acc in accs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
 
 
 def _token_text(tokenizer: Tokenizer, token_id: int) -> str:

@@ -318,7 +318,8 @@ class ColocatedBackend:
             if stream is None:
                 continue  # the warm-up request, or one already failed
             stream.put(out)
-            if out.finish_reason is not None:
+            if out.finished:  # with n > 1: its last sequence
+                assert out.finish_reason is not None
                 self._finish(stream, out.finish_reason.kind)
 
     def _abort_unstarted(self, stream: _Stream) -> None:

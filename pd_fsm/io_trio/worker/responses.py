@@ -308,14 +308,17 @@ def summed_usage(usages: Sequence[dict[str, int]]) -> dict[str, int]:
     return {key: sum(u.get(key, 0) for u in usages) for key in usages[0]}
 
 
-def batch_body(kind: Kind, bodies: Sequence[dict[str, Any]]) -> Any:
-    """A batch's whole answer from its requests' own, in order: sglang's list of results, or
-    one OpenAI completion whose ``choices`` carry their prompt's ``index``."""
+def batch_body(kind: Kind, bodies: Sequence[dict[str, Any]],
+               usage: dict[str, int] | None = None) -> Any:
+    """Several answers as one, in order (a batch's prompts, a prompt's n sequences): sglang's
+    list of results, or one OpenAI answer whose ``choices`` carry their ``index``, with
+    ``usage`` (default: the answers' own added up)."""
     if kind == "generate":
         return list(bodies)
     out = dict(bodies[0])
-    out["choices"] = [{**body["choices"][0], "index": i} for i, body in enumerate(bodies)]
-    out["usage"] = summed_usage([body["usage"] for body in bodies])
+    choices = [choice for body in bodies for choice in body["choices"]]
+    out["choices"] = [{**choice, "index": i} for i, choice in enumerate(choices)]
+    out["usage"] = usage or summed_usage([body["usage"] for body in bodies])
     return out
 
 

@@ -22,7 +22,7 @@ import attrs
 
 from pd_fsm.core.messages import MAX_ROOM
 from pd_fsm.io_trio.worker.backend import BootstrapInfo
-from pd_fsm.jax_engine.sampling import TOP_LOGPROBS_COMPUTED, SamplingParams
+from pd_fsm.jax_engine.sampling import MAX_N, TOP_LOGPROBS_COMPUTED, SamplingParams
 from pd_fsm.jax_engine.tokenizer import ChatMessage
 from pd_fsm.schedulers.request import NO_LOGPROBS, LogprobSpec
 
@@ -46,7 +46,7 @@ MAX_BATCH = 64  # prompts in one batched request
 _COMMON_READ = frozenset({"stream", "rid", "bootstrap_host", "bootstrap_port", "bootstrap_room"})
 _OPENAI_SAMPLING = frozenset({"temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
                               "ignore_eos", "skip_special_tokens", "frequency_penalty",
-                              "presence_penalty", "repetition_penalty", "min_tokens"})
+                              "presence_penalty", "repetition_penalty", "min_tokens", "n"})
 
 
 @attrs.frozen
@@ -57,7 +57,6 @@ class _Fields:
 
 
 _OPENAI_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
     "best_of": (1,),
     "suffix": ("",),
     "logit_bias": ({},),
@@ -104,7 +103,7 @@ _TOP_LEVEL: dict[str, _Fields] = {
     ),
     "completion": _Fields(
         read=_COMMON_READ | _OPENAI_SAMPLING
-        | {"model", "prompt", "max_tokens", "stream_options", "logprobs", "echo"},
+        | {"model", "prompt", "max_tokens", "stream_options", "logprobs", "echo", "best_of"},
         neutral=_OPENAI_NEUTRAL,
         no_effect=_OPENAI_NO_EFFECT,
     ),
@@ -122,10 +121,9 @@ _SAMPLING_PARAMS = _Fields(
     read=frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "seed", "sampling_seed",
                     "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
                     "frequency_penalty", "presence_penalty", "repetition_penalty",
-                    "min_new_tokens"}),
+                    "min_new_tokens", "n"}),
     neutral={
         "min_p": (0, 0.0),
-        "n": (1,),
         "no_stop_trim": (False,),
         "regex": (),
         "json_schema": (),
@@ -181,9 +179,16 @@ class ParsedRequest:
     bootstrap: BootstrapInfo | None = None
     model: str | None = None
     include_usage: bool = False  # OpenAI stream_options.include_usage
+    # Sequences answered when fewer than sampled (completions' best_of); 0: all of them.
+    best_n: int = 0
     text: str | None = None  # exactly one of text, input_ids, messages
     input_ids: tuple[int, ...] | None = None
     messages: tuple[ChatMessage, ...] | None = None
+
+    @property
+    def n(self) -> int:
+        """Sequences in the answer."""
+        return self.best_n or self.sampling.n
 
 
 # ----------------------------------------------------------------------------- field readers
@@ -299,6 +304,9 @@ def _sampling(
     if repetition is not None and not 0.0 < repetition <= 2.0:
         raise ApiError(400, f"{_where(path, 'repetition_penalty')} must be in (0, 2], "
                             f"got {repetition}")
+    n = _int(d, "n", path)
+    if n is not None and not 1 <= n <= MAX_N:
+        raise ApiError(400, f"{_where(path, 'n')} must be in [1, {MAX_N}], got {n}")
     min_key = "min_new_tokens" if max_tokens_key == "max_new_tokens" else "min_tokens"
     max_new = _max_tokens(max_tokens, default_max, _where(path, max_tokens_key), limits)
     min_new = _int(d, min_key, path) or 0
@@ -321,6 +329,7 @@ def _sampling(
         else _token_ids(stop_ids, _where(path, "stop_token_ids"), limits),
         ignore_eos=bool(_bool(d, "ignore_eos", path)),
         skip_special_tokens=_bool(d, "skip_special_tokens", path) is not False,
+        n=n or 1,
     )
 
 
@@ -515,6 +524,19 @@ def _openai_common(body: dict[str, Any]) -> dict[str, Any]:
     return {"model": model, "include_usage": include_usage, **_common(body)}
 
 
+def _best_of(body: dict[str, Any], sampling: SamplingParams) -> dict[str, Any]:
+    """Completions' ``best_of``: sample that many sequences, answer the ``n`` most likely
+    (not streamable, as OpenAI's)."""
+    best_of = _int(body, "best_of")
+    if best_of is None or best_of == sampling.n:
+        return {"sampling": sampling}
+    if not sampling.n <= best_of <= MAX_N:
+        raise ApiError(400, f"best_of must be in [n={sampling.n}, {MAX_N}], got {best_of}")
+    if _bool(body, "stream"):
+        raise ApiError(400, "best_of must be n (or absent) when stream is true")
+    return {"sampling": attrs.evolve(sampling, n=best_of), "best_n": sampling.n}
+
+
 def parse_completion(body: Any, limits: Limits) -> ParsedRequest:
     body = _object(body)
     _check_fields(body, _TOP_LEVEL["completion"])
@@ -531,16 +553,17 @@ def parse_completion(body: Any, limits: Limits) -> ParsedRequest:
         raise ApiError(400, "batched prompts (a list of prompts) are not supported")
     else:
         raise ApiError(400, "prompt must be a string or a list of token ids")
+    sampling = _sampling(
+        body,
+        "",
+        limits,
+        max_tokens_key="max_tokens",
+        default_max=COMPLETION_DEFAULT_MAX_TOKENS,
+        default_temperature=1.0,
+    )
     return ParsedRequest(
         kind="completion",
-        sampling=_sampling(
-            body,
-            "",
-            limits,
-            max_tokens_key="max_tokens",
-            default_max=COMPLETION_DEFAULT_MAX_TOKENS,
-            default_temperature=1.0,
-        ),
+        **_best_of(body, sampling),
         text=text,
         input_ids=ids,
         **_completion_logprobs(body),

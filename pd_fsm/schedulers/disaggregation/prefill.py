@@ -100,6 +100,9 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
 
     # -- the hand-off -----------------------------------------------------------------------------
 
+    def _forks(self, req: Req) -> bool:
+        return req.rid not in self.room_of  # D forks a room's sequences, not P
+
     def _on_prefill_done(
         self, req: Req, first_token: int, first_logprob: float, first_top: TopLogprobs = ()
     ) -> None:
