@@ -40,6 +40,24 @@ def test_double_free_refused_and_changes_nothing() -> None:
     assert (alloc.num_used, alloc.num_free) == (2, 3)
 
 
+def test_a_shared_page_comes_back_when_its_last_holder_frees_it() -> None:
+    alloc = PageAllocator(6)
+    pages = alloc.allocate(3)
+    assert pages is not None
+    alloc.share(pages[:2], 2)  # three holders of the first two pages
+    assert [alloc.holders(p) for p in pages] == [3, 3, 1]
+    alloc.free(pages)  # one holder's share of each; the unshared page is free now
+    assert (alloc.num_used, alloc.num_free) == (2, 3)
+    alloc.free(pages[:2])
+    assert (alloc.num_used, alloc.num_free) == (2, 3)
+    alloc.free(pages[:2])
+    assert (alloc.num_used, alloc.num_free) == (0, 5)
+    with pytest.raises(PageAllocatorError):
+        alloc.free(pages[:1])  # more frees than holders
+    with pytest.raises(PageAllocatorError):
+        alloc.share(pages[:1], 1)  # not in use
+
+
 def test_allocate_kv_pool_layout() -> None:
     cfg = KVPoolConfig(num_layers=2, num_pages=5, page_size=4, num_kv_heads=3, head_dim=8,
                        dtype="bfloat16")
