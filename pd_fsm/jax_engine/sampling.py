@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pd_fsm.jax_engine.executables import EXECUTABLES
+from pd_fsm.jax_engine.grammar import Constraint, bitmask_words
 
 
 def _non_negative(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
@@ -76,6 +77,8 @@ class SamplingParams:
     # Sequences sampled from the prompt (OpenAI's and sglang's n): the prompt is prefilled once
     # and the sequences share its pages (``Scheduler._fork``).
     n: int = attrs.field(default=1, validator=_n_range)
+    # Structured output: every token keeps the text inside this grammar (grammar.py).
+    constraint: Constraint | None = None
 
     @property
     def greedy(self) -> bool:
@@ -88,9 +91,17 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0 or self.min_new_tokens > 0)
 
 
+def _allowed(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """``logits`` with every token the row's bitmask forbids at -inf (bit ``t % 32`` of word
+    ``t // 32``; an unconstrained row's words are all ones)."""
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, : logits.shape[-1]]
+    return jnp.where(allowed == 1, logits, -jnp.inf)
+
+
 @jax.jit
-def _greedy(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def _greedy(logits: jax.Array, bitmask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    tokens = jnp.argmax(_allowed(logits, bitmask), axis=-1).astype(jnp.int32)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
@@ -103,13 +114,15 @@ def _sample(
     top_p: jax.Array,
     seeds: jax.Array,
     steps: jax.Array,
+    bitmask: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
     vocab = logits.shape[-1]
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    allowed = _allowed(logits, bitmask)
+    greedy_tokens = jnp.argmax(allowed, axis=-1).astype(jnp.int32)
 
     is_greedy = temperature <= 0.0
-    scaled = logits / jnp.where(is_greedy, 1.0, temperature)[:, None]
+    scaled = allowed / jnp.where(is_greedy, 1.0, temperature)[:, None]
     order = jnp.argsort(-scaled, axis=-1)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
     ranks = jnp.arange(vocab)[None, :]
@@ -160,9 +173,12 @@ def sample(
     seeds: Sequence[int],
     steps: Sequence[int],
     adjustments: Sequence[Adjustment | None] | None = None,
+    bitmask: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Tokens ``[B]`` and their log-probs ``[B]`` (host arrays) for the first ``len(params)`` rows
     of ``logits[B_pad, V]``; ``None`` rows (padding, or rows that need no token) are greedy.
+    ``bitmask`` (``[B_pad, ceil(V / 32)]`` int32, see grammar.py) says which tokens each row
+    may choose; without it, any.
 
     An all-greedy batch skips the sort; otherwise param arrays are padded to ``B_pad`` so the
     sampler compiles once per batch bucket. Rows with an ``Adjustment`` (penalties, bans) choose
@@ -180,7 +196,9 @@ def sample(
             assert sp is not None and adjustment is not None
             adjust_logits(host[i], sp, adjustment)
         logits = jnp.asarray(host)
-    tokens, logprobs = _choose(logits, params, seeds, steps, n, b_pad)
+    if bitmask is None:
+        bitmask = np.full((b_pad, bitmask_words(logits.shape[-1])), -1, np.int32)
+    tokens, logprobs = _choose(logits, params, seeds, steps, n, b_pad, jnp.asarray(bitmask))
     if raw is not None:
         logprobs = logprobs.copy()
         for i in adjusted:
@@ -195,9 +213,10 @@ def _choose(
     steps: Sequence[int],
     n: int,
     b_pad: int,
+    bitmask: jax.Array,
 ) -> tuple[np.ndarray, np.ndarray]:
     if all(p is None or p.greedy for p in params):
-        tokens, logprobs = EXECUTABLES.call(_greedy, {}, logits)
+        tokens, logprobs = EXECUTABLES.call(_greedy, {}, logits, bitmask)
     else:
         temperature = np.zeros(b_pad, np.float32)
         top_k = np.zeros(b_pad, np.int32)
@@ -219,6 +238,7 @@ def _choose(
             jnp.asarray(top_p),
             jnp.asarray(seed_arr),
             jnp.asarray(step_arr),
+            bitmask,
         )
     return np.asarray(tokens)[:n], np.asarray(logprobs)[:n]
 
@@ -291,9 +311,10 @@ def compile_samplers(batch: int, vocab: int) -> None:
     """Compile, without running, both samplers and the top-logprobs pass for
     ``logits[batch, vocab]`` (see ``sample``)."""
     logits = jax.ShapeDtypeStruct((batch, vocab), jnp.float32)
-    EXECUTABLES.compile(_greedy, {}, logits)
+    bitmask = jax.ShapeDtypeStruct((batch, bitmask_words(vocab)), jnp.int32)
+    EXECUTABLES.compile(_greedy, {}, logits, bitmask)
     EXECUTABLES.compile(_top_logprobs, {}, logits)
     f32, i32, u32 = (
         jax.ShapeDtypeStruct((batch,), t) for t in (jnp.float32, jnp.int32, jnp.uint32)
     )
-    EXECUTABLES.compile(_sample, {}, logits, f32, i32, f32, u32, i32)
+    EXECUTABLES.compile(_sample, {}, logits, f32, i32, f32, u32, i32, bitmask)

@@ -80,6 +80,10 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
+    def to_json(self) -> str:
+        """The ``tokenizers`` JSON (the grammar engine builds its own view from it)."""
+        return str(self._tok.to_str())
+
     @property
     def eos_token_ids(self) -> frozenset[int]:
         return self._eos

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import attrs
 
+from pd_fsm.jax_engine.grammar import Matcher
 from pd_fsm.jax_engine.sampling import TOP_LOGPROBS_COMPUTED, SamplingParams, TopLogprobs
 from pd_fsm.jax_engine.tokenizer import IncrementalDetokenizer
 
@@ -135,6 +136,7 @@ class Req:
     text_sent: int = 0
     tokens_sent: int = 0
     detokenizer: IncrementalDetokenizer | None = None
+    matcher: Matcher | None = None  # structured output: this sequence's place in its grammar
 
     @property
     def seq_len(self) -> int:

@@ -40,6 +40,7 @@ import numpy as np
 from pd_fsm.jax_engine.buckets import bucket
 from pd_fsm.jax_engine.executables import EXECUTABLES
 from pd_fsm.jax_engine.gather_scatter import as_struct
+from pd_fsm.jax_engine.grammar import GrammarError, bitmask_words, compiler_for
 from pd_fsm.jax_engine.kv_holder import KVCacheHolder
 from pd_fsm.jax_engine.kv_pool import PageAllocator, allocate_kv_pool, copy_pages
 from pd_fsm.jax_engine.model import (
@@ -366,6 +367,10 @@ class Scheduler:
             req.sampling.seed if req.sampling.seed is not None else self._seed_rng.getrandbits(32)
         )
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.sampling.skip_special_tokens)
+        if req.sampling.constraint is not None:  # GrammarError (a ValueError) if it is bad
+            compiler = compiler_for(self.tokenizer, self.config.vocab_size)
+            compiler.check(req.sampling.constraint)
+            req.matcher = compiler.matcher(req.sampling.constraint)
         self.reqs[req.rid] = req
 
     def _process_inbox(self) -> None:
@@ -559,6 +564,7 @@ class Scheduler:
             fork.seed = (req.seed + i) & 0xFFFFFFFFFFFFFFFF
             fork.detokenizer = IncrementalDetokenizer(self.tokenizer,
                                                       req.sampling.skip_special_tokens)
+            fork.matcher = None if req.matcher is None else req.matcher.fork()
             forks.append(fork)
         src = np.full(n - 1, req.pages[cut], np.int32)
         dst = np.array([f.pages[cut] for f in forks], np.int32)  # type: ignore[index]
@@ -631,7 +637,18 @@ class Scheduler:
             [0 if r is None else r.seed for r in reqs],
             [0 if r is None else len(r.output_ids) for r in reqs],
             [None if r is None or not r.sampling.penalized else self._adjustment(r) for r in reqs],
+            self._bitmask(logits.shape[0], reqs),
         )
+
+    def _bitmask(self, rows: int, reqs: Sequence[Req | None]) -> np.ndarray | None:
+        """The tokens each row's grammar allows next (None: no row has one)."""
+        if not any(r is not None and r.matcher is not None for r in reqs):
+            return None
+        bitmask = np.full((rows, bitmask_words(self.config.vocab_size)), -1, np.int32)
+        for i, r in enumerate(reqs):
+            if r is not None and r.matcher is not None:
+                r.matcher.fill(bitmask, i)
+        return bitmask
 
     def _top_logprobs(self, logits: jax.Array, reqs: Sequence[Req | None]) -> list[TopLogprobs]:
         """Each row's top alternatives under the raw distribution, as its request asks."""
@@ -656,6 +673,12 @@ class Scheduler:
         req.output_logprobs.append(logprob)
         if req.logprobs.top:
             req.output_top.append(top)
+        if req.matcher is not None:
+            try:
+                req.matcher.consume(token)  # on D, P's first token too
+            except GrammarError as exc:
+                self._finish(req, FinishReason("abort", message=str(exc)))
+                return
         self._dirty[req] = None
         sp = req.sampling
         detok = req.detokenizer
@@ -674,6 +697,11 @@ class Scheduler:
             if sp.stop and self._trim_stop_string(req, scanned):
                 return
             self._finish(req, FinishReason("length"))
+        elif req.matcher is not None and req.matcher.done:
+            # The grammar is complete (its end was sampled, EOS ignored or not): nothing more
+            # may follow.
+            req.text += detok.flush()
+            self._finish(req, FinishReason("stop"))
 
     def _trim_stop_string(self, req: Req, scanned: int) -> bool:
         """Finish ``req`` if a stop string appears in its text (only text beyond ``scanned`` can

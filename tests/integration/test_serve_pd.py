@@ -13,6 +13,7 @@ client leaving mid-stream gets both legs aborted.
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import random
@@ -347,6 +348,59 @@ def test_n_sequences_through_pd_equal_colocated(env: Env) -> None:
     assert colo["chat-stream"] == dict(enumerate(colo["chat"]))
     assert len(colo["best_of"]) == 2 and colo["usage"]["completion_tokens"] == 20
     assert len(colo["generate"]) == 2
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "tag"],
+          "properties": {"ok": {"type": "boolean"},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "tag": {"enum": ["red", "green", "blue"]}}}
+
+
+def _structured_calls(base: str) -> dict[str, Any]:
+    client = _openai(base)
+    out: dict[str, Any] = {}
+    messages = [{"role": "user", "content": "Describe a river as JSON"}]
+    formats = {"schema": {"type": "json_schema",
+                          "json_schema": {"name": "river", "schema": SCHEMA, "strict": True}},
+               "object": {"type": "json_object"}}
+    for name, fmt in formats.items():
+        chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=80,
+                                              temperature=1.0, seed=4, n=2, response_format=fmt)
+        out[name] = [c.message.content for c in chat.choices]
+        text = ""
+        for chunk in client.chat.completions.create(model="tiny", messages=messages,
+                                                    max_tokens=80, temperature=1.0, seed=4,
+                                                    response_format=fmt, stream=True):
+            text += "".join(c.delta.content or "" for c in chunk.choices)
+        out[f"{name}-stream"] = text
+    with httpx.Client(timeout=120) as http:
+        for key, source in (("regex", "(red|green)-[0-9]{2}"),
+                            ("ebnf", 'root ::= "yes" | "no" | "maybe"')):
+            r = http.post(f"{base}/generate", json={"text": "Answer:", "sampling_params": {
+                "max_new_tokens": 20, "temperature": 1.0, "sampling_seed": 8, key: source}})
+            assert r.status_code == 200, r.text
+            out[key] = r.json()["text"]
+        bad = http.post(f"{base}/generate", json={"text": "x", "sampling_params": {
+            "max_new_tokens": 4, "regex": "[a-"}})
+        out["bad"] = (bad.status_code, "unclosed character class" in bad.text)
+    return out
+
+
+def test_structured_output_through_pd_equals_colocated(env: Env) -> None:
+    """Issue 17 §4: P's first token obeys the grammar (P gets the same constraint), D's matcher
+    takes it and goes on; every answer parses against its schema, and equals colocated."""
+    import jsonschema
+
+    pd = _structured_calls(env.proxy_1p1d)
+    colo = _structured_calls(env.url("colocated"))
+    assert pd == colo
+    for text in [*colo["schema"], colo["schema-stream"]]:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    for text in [*colo["object"], colo["object-stream"]]:
+        assert isinstance(json.loads(text), dict)
+    assert re.fullmatch("(red|green)-[0-9]{2}", colo["regex"])
+    assert colo["ebnf"] in ("yes", "no", "maybe")
+    assert colo["bad"] == (400, True)
 
 
 # ----------------------------------------------------------------------------- 4: bad input

@@ -17,6 +17,7 @@ import pytest
 
 from pd_fsm.jax_engine.executable_store import ExecutableStore, key_text
 from pd_fsm.jax_engine.executables import Executables
+from pd_fsm.jax_engine.grammar import bitmask_words
 from pd_fsm.jax_engine.model.weight_cache import load_params, save_params
 from pd_fsm.jax_engine.sampling import _greedy
 
@@ -27,22 +28,27 @@ def _table(directory: Path) -> Executables:
     return table
 
 
+def _everything(logits: jax.Array) -> jax.Array:
+    """The sampler's bitmask that allows every token."""
+    return jnp.full((logits.shape[0], bitmask_words(logits.shape[1])), -1, jnp.int32)
+
+
 def test_a_second_table_loads_what_the_first_compiled(tmp_path: Path) -> None:
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(3, 50)), jnp.float32)
     first = _table(tmp_path)
-    want = first.call(_greedy, {}, logits)
+    want = first.call(_greedy, {}, logits, _everything(logits))
     assert (first.stats().compiles, first.stats().loads) == (1, 0)
     assert first.store_counts()["writes"] == 1 and len(list(tmp_path.glob("*.exe"))) == 1
 
     second = _table(tmp_path)
-    got = second.call(_greedy, {}, logits)
+    got = second.call(_greedy, {}, logits, _everything(logits))
     assert (second.stats().compiles, second.stats().loads) == (0, 1)
     assert second.store_counts() == {"loads": 1, "misses": 0, "writes": 0, "corrupt": 0,
                                      "write_errors": 0}
     for a, b in zip(want, got, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # Another shape is another entry.
-    second.call(_greedy, {}, logits[:2])
+    second.call(_greedy, {}, logits[:2], _everything(logits[:2]))
     assert second.stats().compiles == 1 and len(list(tmp_path.glob("*.exe"))) == 2
 
 
@@ -51,17 +57,18 @@ def test_a_bad_file_is_dropped_compiled_again_and_rewritten(
     tmp_path: Path, damage: bytes | None
 ) -> None:
     logits = jnp.ones((2, 40), jnp.float32)
-    _table(tmp_path).call(_greedy, {}, logits)
+    _table(tmp_path).call(_greedy, {}, logits, _everything(logits))
     (path,) = tmp_path.glob("*.exe")
     good = path.read_bytes()
     # None: a complete file written for another key (a hash collision, or a file moved).
     path.write_bytes(good.replace(b"_greedy", b"_gre3dy") if damage is None else damage)
     table = _table(tmp_path)
-    tokens, _ = table.call(_greedy, {}, logits)
+    tokens, _ = table.call(_greedy, {}, logits, _everything(logits))
     assert np.asarray(tokens).tolist() == [0, 0]
     counts = table.store_counts()
     assert (counts["corrupt"], counts["writes"], table.stats().compiles) == (1, 1, 1)
-    assert _table(tmp_path).call(_greedy, {}, logits) is not None  # the rewritten file loads
+    rewritten = _table(tmp_path).call(_greedy, {}, logits, _everything(logits))
+    assert rewritten is not None  # the rewritten file loads
 
 
 def test_only_stable_module_level_jax_engine_functions_have_a_key() -> None:
@@ -91,7 +98,7 @@ _JAX_CACHE_RUN = textwrap.dedent("""
     from pd_fsm.jax_engine.sampling import _greedy
     table = Executables()
     table.use_store(ExecutableStore(Path(sys.argv[2])))
-    table.call(_greedy, {}, jnp.ones((2, 30), jnp.float32))
+    table.call(_greedy, {}, jnp.ones((2, 30), jnp.float32), jnp.full((2, 1), -1, jnp.int32))
     print(table.store_counts()["writes"])
 """)
 

@@ -4,6 +4,7 @@ and the worker does not implement is a 400 naming the field, never a 200 that ig
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from pd_fsm.io_trio.worker.schemas import (
     parse_completion,
     parse_generate,
 )
+from pd_fsm.jax_engine.grammar import Constraint
 from pd_fsm.schedulers.request import LogprobSpec
 
 LIMITS = Limits(context_length=256, vocab_size=1000)
@@ -90,7 +92,8 @@ def test_a_field_at_the_value_that_asks_for_nothing_is_accepted(extra: dict[str,
 
 
 @pytest.mark.parametrize(("parse", "base", "extra", "named"), [
-    (parse_chat, CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+    (parse_chat, CHAT, {"response_format": {"type": "xml"}}, "response_format"),
+    (parse_chat, CHAT, {"response_format": {"type": "json_schema"}}, "response_format"),
     (parse_chat, CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (parse_chat, CHAT, {"tool_choice": "required"}, "tool_choice"),
     (parse_chat, CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -119,8 +122,8 @@ def test_a_field_at_the_value_that_asks_for_nothing_is_accepted(extra: dict[str,
     (parse_generate, GENERATE, {"top_logprobs_num": "3"}, "top_logprobs_num"),
     (parse_generate, GENERATE, {"image_data": "x.png"}, "image_data"),
     (parse_generate, GENERATE, {"lora_path": "adapter"}, "lora_path"),
-    (parse_generate, GENERATE, {"sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
-    (parse_generate, GENERATE, {"sampling_params": {"json_schema": "{}"}},
+    (parse_generate, GENERATE, {"sampling_params": {"regex": 5}}, "sampling_params.regex"),
+    (parse_generate, GENERATE, {"sampling_params": {"json_schema": "{"}},
      "sampling_params.json_schema"),
     (parse_generate, GENERATE, {"sampling_params": {"max_new_token": 5}},
      "sampling_params.max_new_token"),
@@ -131,7 +134,7 @@ def test_an_unimplemented_field_is_refused_by_name(
     with pytest.raises(ApiError) as err:
         parse({**base, **extra}, LIMITS)
     assert err.value.status == 400
-    prefixes = (f"{named}=", f"{named} must", f"unknown field {named} ")
+    prefixes = (f"{named}=", f"{named} must", f"{named}.", f"unknown field {named} ")
     assert err.value.message.startswith(prefixes), err.value.message
 
 
@@ -142,3 +145,21 @@ def test_n_and_best_of_are_read() -> None:
     assert best.sampling.n == 4 and best.n == 2
     gen = parse_generate({**GENERATE, "sampling_params": {"n": 2}}, LIMITS)
     assert gen.sampling.n == gen.n == 2
+
+
+def test_structured_output_constraints_are_read() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    chat = parse_chat({**CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}, LIMITS)
+    assert chat.sampling.constraint == Constraint("json_schema", json.dumps(schema))
+    obj = parse_chat({**CHAT, "response_format": {"type": "json_object"}}, LIMITS)
+    assert obj.sampling.constraint == Constraint("json_schema", '{"type": "object"}')
+    assert parse_chat({**CHAT, "response_format": {"type": "text"}}, LIMITS).sampling.constraint \
+        is None
+    gen = parse_generate({**GENERATE, "sampling_params": {"regex": "[ab]+"}}, LIMITS)
+    assert gen.sampling.constraint == Constraint("regex", "[ab]+")
+    ebnf = parse_completion({**COMPLETION, "ebnf": 'root ::= "y"'}, LIMITS)
+    assert ebnf.sampling.constraint == Constraint("ebnf", 'root ::= "y"')
+
+    with pytest.raises(ApiError, match="at most one of regex"):
+        parse_chat({**CHAT, "regex": "a", "response_format": {"type": "json_object"}}, LIMITS)

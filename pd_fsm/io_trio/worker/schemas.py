@@ -15,6 +15,7 @@ add fields of their own:
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Literal
 
@@ -22,6 +23,7 @@ import attrs
 
 from pd_fsm.core.messages import MAX_ROOM
 from pd_fsm.io_trio.worker.backend import BootstrapInfo
+from pd_fsm.jax_engine.grammar import Constraint
 from pd_fsm.jax_engine.sampling import MAX_N, TOP_LOGPROBS_COMPUTED, SamplingParams
 from pd_fsm.jax_engine.tokenizer import ChatMessage
 from pd_fsm.schedulers.request import NO_LOGPROBS, LogprobSpec
@@ -46,7 +48,8 @@ MAX_BATCH = 64  # prompts in one batched request
 _COMMON_READ = frozenset({"stream", "rid", "bootstrap_host", "bootstrap_port", "bootstrap_room"})
 _OPENAI_SAMPLING = frozenset({"temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
                               "ignore_eos", "skip_special_tokens", "frequency_penalty",
-                              "presence_penalty", "repetition_penalty", "min_tokens", "n"})
+                              "presence_penalty", "repetition_penalty", "min_tokens", "n",
+                              "regex", "json_schema", "ebnf", "response_format"})
 
 
 @attrs.frozen
@@ -62,10 +65,6 @@ _OPENAI_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logit_bias": ({},),
     "min_p": (0, 0.0),
     "no_stop_trim": (False,),
-    "regex": (),
-    "json_schema": (),
-    "ebnf": (),
-    "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none", "auto"),
     "functions": ([],),
@@ -121,13 +120,10 @@ _SAMPLING_PARAMS = _Fields(
     read=frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "seed", "sampling_seed",
                     "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
                     "frequency_penalty", "presence_penalty", "repetition_penalty",
-                    "min_new_tokens", "n"}),
+                    "min_new_tokens", "n", "regex", "json_schema", "ebnf"}),
     neutral={
         "min_p": (0, 0.0),
         "no_stop_trim": (False,),
-        "regex": (),
-        "json_schema": (),
-        "ebnf": (),
         "structural_tag": (),
         "logit_bias": ({},),
         "custom_params": ({},),
@@ -330,7 +326,54 @@ def _sampling(
         ignore_eos=bool(_bool(d, "ignore_eos", path)),
         skip_special_tokens=_bool(d, "skip_special_tokens", path) is not False,
         n=n or 1,
+        constraint=_constraint(d, path),
     )
+
+
+def _constraint(d: dict[str, Any], path: str) -> Constraint | None:
+    """Structured output: sglang's ``regex`` / ``json_schema`` (JSON text) / ``ebnf``, or
+    OpenAI's ``response_format`` (``json_object``, ``json_schema``); at most one."""
+    found: list[Constraint] = []
+    for key in ("regex", "json_schema", "ebnf"):
+        source = _str(d, key, path)
+        if source is not None:
+            if key == "json_schema":
+                _json_text(source, _where(path, key))
+            found.append(Constraint(key, source))  # type: ignore[arg-type]
+    fmt = d.get("response_format")
+    if fmt is not None:
+        found += _response_format(fmt)
+    if len(found) > 1:
+        raise ApiError(400, f"give at most one of {_where(path, 'regex')}, json_schema, ebnf "
+                            "and response_format")
+    return found[0] if found else None
+
+
+def _json_text(source: str, what: str) -> Any:
+    try:
+        return json.loads(source)
+    except ValueError as exc:
+        raise ApiError(400, f"{what} must be a JSON schema as JSON text: {exc}") from None
+
+
+def _response_format(fmt: Any) -> list[Constraint]:
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise ApiError(400, "response_format must be an object with a type")
+    kind = fmt["type"]
+    if kind == "text":
+        return []
+    if kind == "json_object":
+        return [Constraint("json_schema", '{"type": "object"}')]
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise ApiError(400, "response_format.json_schema must be an object with a schema")
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict | bool):
+            raise ApiError(400, "response_format.json_schema.schema must be a JSON schema")
+        return [Constraint("json_schema", json.dumps(schema))]
+    raise ApiError(400, f"response_format.type={kind!r} is not supported (only 'text', "
+                        "'json_object' or 'json_schema')")
 
 
 def _top_count(d: dict[str, Any], key: str) -> int:
