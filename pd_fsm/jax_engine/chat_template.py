@@ -108,7 +108,7 @@ class ChatTemplate:
         """The prompt text. An unknown bos/eos token is left undefined (renders as ``""``, and
         ``is defined`` tests see it), as transformers does for a tokenizer without one."""
         variables: dict[str, Any] = {
-            "messages": [{"role": m.role, "content": m.content} for m in messages],
+            "messages": [_message(m) for m in messages],
             "add_generation_prompt": add_generation_prompt,
             "tools": tools,
             **kwargs,
@@ -121,6 +121,18 @@ class ChatTemplate:
             return self._template.render(**variables)
         except _RENDER_ERRORS as exc:
             raise ChatTemplateError(f"chat template error: {exc}") from None
+
+
+def _message(m: ChatMessage) -> dict[str, Any]:
+    """A message as templates read it (transformers' shape: tool fields only when present).
+    An assistant turn with only tool calls has content "" (OpenAI's null): templates that know
+    no tools concatenate it."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+    if m.tool_calls:
+        out["tool_calls"] = list(m.tool_calls)
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
 
 
 def read_chat_template(path: str) -> str:

@@ -32,7 +32,7 @@ import numpy as np
 
 from pd_fsm.jax_engine.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 
-ConstraintKind = Literal["json_schema", "regex", "ebnf"]
+ConstraintKind = Literal["json_schema", "regex", "ebnf", "lark"]
 _COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Sequence
-from typing import Protocol, Self
+from typing import Any, Protocol, Self
 
 import attrs
 
@@ -24,7 +24,11 @@ from pd_fsm.jax_engine.chat_template import (
 @attrs.frozen
 class ChatMessage:
     role: str
-    content: str
+    content: str | None
+    # An assistant turn's tool calls (OpenAI's objects), and a tool turn's answer's call id:
+    # what chat templates that support tools render.
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    tool_call_id: str | None = None
 
 
 class Tokenizer(Protocol):
@@ -39,7 +43,10 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
     def apply_chat_template(
-        self, messages: Iterable[ChatMessage], add_generation_prompt: bool = True
+        self,
+        messages: Iterable[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str: ...
 
     def with_chat_template(self, source: str) -> Self: ...
@@ -106,7 +113,10 @@ class HFTokenizer:
         return None if result is None else str(result)
 
     def apply_chat_template(
-        self, messages: Iterable[ChatMessage], add_generation_prompt: bool = True
+        self,
+        messages: Iterable[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The checkpoint's template rendered; ChatTemplateError when it has none or refuses."""
         if self._template is None:
@@ -116,6 +126,7 @@ class HFTokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
+            tools=tools,
         )
 
     def with_chat_template(self, source: str) -> Self:
@@ -159,12 +170,16 @@ class CharTokenizer:
         )
 
     def apply_chat_template(
-        self, messages: Iterable[ChatMessage], add_generation_prompt: bool = True
+        self,
+        messages: Iterable[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         # No special-token spellings (eos decodes to nothing): empty, so that a --chat-template
         # written for a real model (``bos_token + ...``) still renders here.
         return self._template.render(
-            messages, add_generation_prompt=add_generation_prompt, bos_token="", eos_token=""
+            messages, add_generation_prompt=add_generation_prompt, bos_token="", eos_token="",
+            tools=tools,
         )
 
     def with_chat_template(self, source: str) -> Self:

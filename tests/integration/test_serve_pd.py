@@ -403,6 +403,73 @@ def test_structured_output_through_pd_equals_colocated(env: Env) -> None:
     assert colo["bad"] == (400, True)
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                  "unit": {"enum": ["C", "F"]}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def _tool_calls(base: str) -> dict[str, Any]:
+    client = _openai(base)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
+    out: dict[str, Any] = {}
+    for name, choice in (("required", "required"), ("auto", "auto"),
+                         ("named", {"type": "function", "function": {"name": "get_time"}})):
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=150,
+                                           temperature=1.0, seed=2, tools=[WEATHER, CLOCK],
+                                           tool_choice=choice)
+        c = r.choices[0]
+        calls = [(t.function.name, json.loads(t.function.arguments))
+                 for t in c.message.tool_calls or []]
+        out[name] = (c.finish_reason, c.message.content, calls)
+        streamed: list[Any] = []
+        finish = None
+        for chunk in client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=150, temperature=1.0, seed=2,
+                tools=[WEATHER, CLOCK], tool_choice=choice, stream=True):
+            for ch in chunk.choices:
+                finish = ch.finish_reason or finish
+                for t in ch.delta.tool_calls or []:
+                    streamed.append((t.function.name, json.loads(t.function.arguments)))
+        out[f"{name}-stream"] = (finish, streamed)
+    # A second turn: the call and the tool's answer go back through the chat template.
+    call = r.choices[0].message.tool_calls
+    if call:
+        follow = [*messages, {"role": "assistant", "content": None,
+                              "tool_calls": [t.model_dump() for t in call]},
+                  {"role": "tool", "tool_call_id": call[0].id, "content": "12 C"}]
+        r2 = client.chat.completions.create(model="tiny", messages=follow, max_tokens=5,
+                                            temperature=0, tools=[WEATHER, CLOCK],
+                                            tool_choice="none")
+        out["second-turn"] = r2.choices[0].finish_reason
+    return out
+
+
+def test_tool_calls_through_pd_equal_colocated(env: Env) -> None:
+    """Issue 17 §5: tools by grammar — required, a named tool and auto (text or a Hermes-form
+    call) — with calls whose arguments match the tool's schema, whole and streamed, PD equal
+    to colocated."""
+    import jsonschema
+
+    pd = _tool_calls(env.proxy_1p1d)
+    colo = _tool_calls(env.url("colocated"))
+    assert pd == colo
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+    for name in ("required", "named"):
+        finish, content, calls = colo[name]
+        assert finish == "tool_calls" and content is None and len(calls) == 1, colo[name]
+        assert colo[f"{name}-stream"] == (finish, calls)
+        jsonschema.validate(calls[0][1], schemas[calls[0][0]])
+    assert colo["named"][2][0][0] == "get_time"
+    finish, content, calls = colo["auto"]
+    assert (finish, content is None, len(calls)) in (("tool_calls", True, 1), ("length", False, 0),
+                                                     ("stop", False, 0))
+
+
 # ----------------------------------------------------------------------------- 4: bad input
 
 

@@ -94,7 +94,14 @@ def test_a_field_at_the_value_that_asks_for_nothing_is_accepted(extra: dict[str,
 @pytest.mark.parametrize(("parse", "base", "extra", "named"), [
     (parse_chat, CHAT, {"response_format": {"type": "xml"}}, "response_format"),
     (parse_chat, CHAT, {"response_format": {"type": "json_schema"}}, "response_format"),
-    (parse_chat, CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (parse_chat, CHAT, {"tools": [{"type": "function", "function": {"name": "f g"}}]},
+     "tools[0].function.name"),
+    (parse_chat, CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}],
+                        "tool_choice": {"type": "function", "function": {"name": "h"}}},
+     "tool_choice"),
+    (parse_chat, CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}],
+                        "response_format": {"type": "json_object"}}, "tools"),
+    (parse_completion, COMPLETION, {"tools": [{"type": "function"}]}, "tools"),
     (parse_chat, CHAT, {"tool_choice": "required"}, "tool_choice"),
     (parse_chat, CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     (parse_chat, CHAT, {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
@@ -163,3 +170,20 @@ def test_structured_output_constraints_are_read() -> None:
 
     with pytest.raises(ApiError, match="at most one of regex"):
         parse_chat({**CHAT, "regex": "a", "response_format": {"type": "json_object"}}, LIMITS)
+
+
+def test_tools_are_read() -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    auto = parse_chat({**CHAT, "tools": [tool]}, LIMITS)
+    assert auto.tools is not None and auto.tools.mode == "auto"
+    assert auto.sampling.constraint is not None and auto.sampling.constraint.kind == "lark"
+    named = parse_chat({**CHAT, "tools": [tool], "tool_choice": {
+        "type": "function", "function": {"name": "f"}}}, LIMITS)
+    assert named.tools is not None and named.tools.names == ("f",)
+    assert parse_chat({**CHAT, "tools": [tool], "tool_choice": "none"}, LIMITS).tools is None
+    turn = parse_chat({**CHAT, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "done"}]}, LIMITS)
+    assert turn.messages is not None and turn.messages[2].tool_call_id == "c1"

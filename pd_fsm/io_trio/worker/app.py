@@ -248,7 +248,8 @@ class WorkerApp:
         else:
             if parsed.messages is not None:
                 try:
-                    text = tok.apply_chat_template(parsed.messages)
+                    tools = None if parsed.tools is None else list(parsed.tools.definitions)
+                    text = tok.apply_chat_template(parsed.messages, tools=tools)
                 except ValueError as exc:
                     raise ApiError(400, str(exc)) from None
             else:
@@ -371,9 +372,10 @@ class WorkerApp:
     def _accumulators(self, parsed: ParsedRequest, job: GenerateJob) -> list[Accumulator]:
         """One per sequence the job samples (``n``; ``best_of`` when larger)."""
         self.metrics.prompt_tokens.inc(len(job.input_ids))
-        return [self._accumulator(parsed, job) for _ in range(job.sampling.n)]
+        return [self._accumulator(parsed, job, i) for i in range(job.sampling.n)]
 
-    def _accumulator(self, parsed: ParsedRequest, job: GenerateJob) -> Accumulator:
+    def _accumulator(self, parsed: ParsedRequest, job: GenerateJob, index: int = 0
+                     ) -> Accumulator:
         assert self.meta is not None
         tokenizer = self.meta.model.tokenizer
         echo = None
@@ -391,6 +393,8 @@ class WorkerApp:
             prompt_ids=job.input_ids,
             echo=echo,
             text_in_logprobs=parsed.return_text_in_logprobs,
+            tools=parsed.tools,
+            index=index,
         )
 
     async def _serve_whole(

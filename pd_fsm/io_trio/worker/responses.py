@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 
 from pd_fsm.io_trio.worker.schemas import Kind
+from pd_fsm.io_trio.worker.tools import Tools, call_id
 from pd_fsm.jax_engine.sampling import TopLogprobs
 from pd_fsm.schedulers.request import (
     NO_LOGPROBS,
@@ -50,6 +51,8 @@ class Accumulator:
         prompt_ids: Sequence[int] = (),
         echo: str | None = None,
         text_in_logprobs: bool = False,
+        tools: Tools | None = None,
+        index: int = 0,
     ) -> None:
         self.kind = kind
         self.rid = rid
@@ -71,6 +74,9 @@ class Accumulator:
         self._echo = echo  # completions' echo: the prompt's text, sent before the output's
         self._echo_sent = False
         self._text_in_logprobs = text_in_logprobs
+        self._tools = tools  # chat: the answer may be a tool call (tools.py)
+        self._call_id = call_id(rid, index)
+        self._content_sent = 0  # chat with tools: the text streamed as content so far
         self._logprobs_sent = 0  # output tokens whose logprobs a stream chunk carried already
         self._texts: dict[int, str] = {}
         # Completions' text_offset: output tokens start after the echoed prompt's tokens.
@@ -203,14 +209,26 @@ class Accumulator:
         }
 
     def _finish_str(self) -> str | None:
+        if self._tool_calls() is not None:
+            return "tool_calls"
         return None if self.finish is None else _OPENAI_FINISH[self.finish.kind]
+
+    def _tool_calls(self) -> list[dict[str, Any]] | None:
+        """The answer's tool calls, once it is complete and is one."""
+        if self._tools is None or self.finish is None or self.finish.kind != "stop":
+            return None
+        return self._tools.calls_in(self.text, self._call_id)
 
     def openai_body(self) -> dict[str, Any]:
         logprobs = self._openai_logprobs(0, self.completion_tokens, prompt=True)
         if self.kind == "chat":
+            calls = self._tool_calls()
+            message: dict[str, Any] = {"role": "assistant", "content": self.text}
+            if calls is not None:
+                message = {"role": "assistant", "content": None, "tool_calls": calls}
             choice: dict[str, Any] = {
                 "index": 0,
-                "message": {"role": "assistant", "content": self.text},
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": self._finish_str(),
             }
@@ -224,7 +242,10 @@ class Accumulator:
         return {"id": self._id(), "object": obj, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": self.usage()}
 
-    def _openai_chunk(self, delta_text: str, finish: str | None) -> dict[str, Any]:
+    def _openai_chunk(
+        self, delta_text: str, finish: str | None,
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
         # A chunk carries the logprobs of the tokens since the previous chunk (text held back
         # for a possible stop string comes later; its tokens' logprobs ride with it).
         logprobs = None
@@ -238,6 +259,9 @@ class Accumulator:
             delta_text = (self._echo or "") + delta_text
         if self.kind == "chat":
             delta: dict[str, Any] = {"content": delta_text}
+            if tool_calls is not None:
+                delta = {"content": None,
+                         "tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]}
             if not self._role_sent:
                 delta["role"] = "assistant"
                 self._role_sent = True
@@ -259,10 +283,36 @@ class Accumulator:
         if self.kind == "generate":
             # sglang streams cumulative text and ids (its default, non-incremental output).
             return [self.generate_body()]
+        if self._tools is not None:
+            return self._tool_chunks(out)
         events: list[dict[str, Any]] = []
         first_echo = self._echo is not None and not self._echo_sent
         if out.text_delta or (self.kind == "chat" and not self._role_sent) or first_echo:
             events.append(self._openai_chunk(out.text_delta, None))
+        if out.finish_reason is not None:
+            events.append(self._openai_chunk("", self._finish_str()))
+            if self.include_usage:
+                events.append(self.usage_chunk(self.usage()))
+        return events
+
+    def _tool_chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
+        """Chat with tools, streamed: text that may still turn out to be a call is held back
+        (all of it with ``required`` or a named tool; with ``auto``, text starting with ``<``);
+        a call goes out whole, in one ``tool_calls`` delta, when the answer is complete."""
+        assert self._tools is not None
+        may_be_call = self._tools.mode != "auto" or self.text[:1] in ("", "<")
+        events: list[dict[str, Any]] = []
+        if out.finish_reason is None and may_be_call:
+            if not self._role_sent:
+                events.append(self._openai_chunk("", None))
+            return events
+        calls = self._tool_calls()
+        pending = self.text[self._content_sent :]
+        self._content_sent = len(self.text)
+        if calls is not None:
+            events.append(self._openai_chunk("", None, calls))
+        elif pending or not self._role_sent:
+            events.append(self._openai_chunk(pending, None))
         if out.finish_reason is not None:
             events.append(self._openai_chunk("", self._finish_str()))
             if self.include_usage:

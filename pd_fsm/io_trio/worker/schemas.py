@@ -23,6 +23,7 @@ import attrs
 
 from pd_fsm.core.messages import MAX_ROOM
 from pd_fsm.io_trio.worker.backend import BootstrapInfo
+from pd_fsm.io_trio.worker.tools import ToolError, Tools, parse_tools
 from pd_fsm.jax_engine.grammar import Constraint
 from pd_fsm.jax_engine.sampling import MAX_N, TOP_LOGPROBS_COMPUTED, SamplingParams
 from pd_fsm.jax_engine.tokenizer import ChatMessage
@@ -109,7 +110,7 @@ _TOP_LEVEL: dict[str, _Fields] = {
     "chat": _Fields(
         read=_COMMON_READ | _OPENAI_SAMPLING
         | {"model", "messages", "max_tokens", "max_completion_tokens", "stream_options",
-           "logprobs", "top_logprobs"},
+           "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"},
         neutral=_OPENAI_NEUTRAL,
         no_effect=_OPENAI_NO_EFFECT,
     ),
@@ -180,6 +181,7 @@ class ParsedRequest:
     text: str | None = None  # exactly one of text, input_ids, messages
     input_ids: tuple[int, ...] | None = None
     messages: tuple[ChatMessage, ...] | None = None
+    tools: Tools | None = None  # chat: tools the answer may call (tools.py)
 
     @property
     def n(self) -> int:
@@ -614,7 +616,7 @@ def parse_completion(body: Any, limits: Limits) -> ParsedRequest:
     )
 
 
-_ROLES = ("system", "user", "assistant")
+_ROLES = ("system", "user", "assistant", "tool")
 
 
 def _content(v: Any, where: str) -> str:
@@ -633,38 +635,62 @@ def _content(v: Any, where: str) -> str:
     raise ApiError(400, f"{where} must be a string or a list of text parts")
 
 
+def _message(m: Any, i: int) -> ChatMessage:
+    """One chat message: text content; an assistant's earlier tool calls; a tool's answer."""
+    if not isinstance(m, dict):
+        raise ApiError(400, f"messages[{i}] must be an object")
+    role = m.get("role")
+    if role not in _ROLES:
+        raise ApiError(400, f"messages[{i}].role must be one of {', '.join(_ROLES)}")
+    calls = m.get("tool_calls")
+    if calls is not None and (role != "assistant" or not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)):
+        raise ApiError(400, f"messages[{i}].tool_calls must be an assistant's list of calls")
+    content = m.get("content")
+    text = None if content is None and calls else _content(content, f"messages[{i}].content")
+    call_id = m.get("tool_call_id")
+    if role == "tool" and not isinstance(call_id, str):
+        raise ApiError(400, f"messages[{i}].tool_call_id must be a string (a tool's answer)")
+    return ChatMessage(role, text, tuple(calls or ()), call_id if role == "tool" else None)
+
+
 def parse_chat(body: Any, limits: Limits) -> ParsedRequest:
     body = _object(body)
     _check_fields(body, _TOP_LEVEL["chat"])
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list")
-    parsed: list[ChatMessage] = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ApiError(400, f"messages[{i}] must be an object")
-        role = m.get("role")
-        if role not in _ROLES:
-            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(_ROLES)}")
-        parsed.append(ChatMessage(role, _content(m.get("content"), f"messages[{i}].content")))
+    parsed = [_message(m, i) for i, m in enumerate(messages)]
+    _bool(body, "parallel_tool_calls")  # one call per answer either way (tools.py)
+    try:
+        tools = parse_tools(body.get("tools"), body.get("tool_choice"))
+    except ToolError as exc:
+        raise ApiError(400, str(exc)) from None
     # sglang-router renames max_tokens to max_completion_tokens for chat; accept either.
     mct = _int(body, "max_completion_tokens")
     mt = _int(body, "max_tokens")
     if mct is not None and mt is not None and mct != mt:
         raise ApiError(400, "max_tokens and max_completion_tokens disagree")
     key = "max_completion_tokens" if mct is not None else "max_tokens"
+    sampling = _sampling(
+        body,
+        "",
+        limits,
+        max_tokens_key=key,
+        default_max=CHAT_DEFAULT_MAX_TOKENS,
+        default_temperature=1.0,
+        max_tokens=mct if mct is not None else mt,
+    )
+    if tools is not None:  # the tools' grammar is the request's constraint
+        if sampling.constraint is not None:
+            raise ApiError(400, "tools must not come with response_format, regex, "
+                                "json_schema or ebnf (unless tool_choice is \"none\")")
+        sampling = attrs.evolve(sampling, constraint=tools.constraint())
     return ParsedRequest(
         kind="chat",
-        sampling=_sampling(
-            body,
-            "",
-            limits,
-            max_tokens_key=key,
-            default_max=CHAT_DEFAULT_MAX_TOKENS,
-            default_temperature=1.0,
-            max_tokens=mct if mct is not None else mt,
-        ),
+        sampling=sampling,
         messages=tuple(parsed),
+        tools=tools,
         **_chat_logprobs(body),
         **_openai_common(body),
     )
