@@ -470,6 +470,38 @@ def test_tool_calls_through_pd_equal_colocated(env: Env) -> None:
                                                      ("stop", False, 0))
 
 
+def _router_calls(base: str) -> dict[str, Any]:
+    """What sglang-router 0.3.2 relays to PD legs as lists of bootstrap values (a batch of
+    prompts, n > 1) and the features D answers alone (alternatives, grammars, tools)."""
+    client = _openai(base)
+    out: dict[str, Any] = {}
+    done = client.completions.create(model="tiny", prompt=BATCH, max_tokens=5, temperature=0)
+    out["batch"] = [(c.index, c.text) for c in done.choices]
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Tell me about rivers"}],
+        max_tokens=6, temperature=1.0, seed=5, n=2, logprobs=True, top_logprobs=2)
+    out["n"] = [(c.message.content, [(t.token, [a.token for a in t.top_logprobs])
+                                     for t in c.logprobs.content]) for c in chat.choices]
+    fmt = {"type": "json_schema", "json_schema": {"name": "river", "schema": SCHEMA}}
+    out["schema"] = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "JSON"}], max_tokens=80,
+        temperature=1.0, seed=4, response_format=fmt).choices[0].message.content
+    call = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Weather?"}], max_tokens=150,
+        temperature=1.0, seed=2, tools=[WEATHER, CLOCK], tool_choice="required").choices[0]
+    out["tools"] = [(t.function.name, t.function.arguments) for t in call.message.tool_calls]
+    return out
+
+
+def test_sglang_router_relays_the_api_surface(env: Env, router: str) -> None:
+    """Issue 17 through the real sglang-router in PD mode: batches and n > 1 arrive with a
+    bootstrap value per sequence (a batch: a room per prompt; n: the first room, D forks), and
+    the answers equal the colocated worker's. (A /generate batch the router refuses itself.)"""
+    pd = _router_calls(router)
+    assert pd == _router_calls(env.url("colocated"))
+    assert len(pd["batch"]) == len(BATCH) and len(pd["n"]) == 2 and pd["tools"]
+
+
 # ----------------------------------------------------------------------------- 4: bad input
 
 

@@ -9,12 +9,15 @@ from typing import Any
 
 import pytest
 
+from pd_fsm.io_trio.worker.backend import BootstrapInfo
 from pd_fsm.io_trio.worker.schemas import (
     ApiError,
     Limits,
     parse_chat,
     parse_completion,
     parse_generate,
+    single_bootstrap,
+    split_batch,
 )
 from pd_fsm.jax_engine.grammar import Constraint
 from pd_fsm.schedulers.request import LogprobSpec
@@ -187,3 +190,18 @@ def test_tools_are_read() -> None:
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "done"}]}, LIMITS)
     assert turn.messages is not None and turn.messages[2].tool_call_id == "c1"
+
+
+def test_sglang_router_bootstrap_lists() -> None:
+    """A batch gets a room per prompt (its first sequence's); n > 1 one room, the first."""
+    lists = {"bootstrap_host": ["h", "h", "h", "h"], "bootstrap_port": [1, 1, 1, 1],
+             "bootstrap_room": [10, 11, 12, 13]}
+    items = split_batch("completion", {**COMPLETION, "prompt": ["a", "b"], "n": 2, **lists})
+    assert items is not None and [i["bootstrap_room"] for i in items] == [10, 12]
+    one = single_bootstrap("chat", {**CHAT, "n": 4, **lists})
+    assert one["bootstrap_room"] == 10 and one["bootstrap_host"] == "h"
+    assert parse_chat(one, LIMITS).bootstrap == BootstrapInfo("h", 1, 10)
+    with pytest.raises(ApiError, match="for n=2"):
+        single_bootstrap("chat", {**CHAT, "n": 2, **lists})
+    with pytest.raises(ApiError, match="one length"):
+        single_bootstrap("chat", {**CHAT, **lists, "bootstrap_port": 1})

@@ -328,6 +328,7 @@ class WorkerApp:
             if batch is not None:
                 jobs = [await self._job(item, kind) for item in batch]
             else:
+                body = schemas.single_bootstrap(kind, body)  # type: ignore[arg-type]
                 parsed, job = await self._job(body, kind)
         except ApiError as exc:
             raise self._bad(endpoint, exc) from None

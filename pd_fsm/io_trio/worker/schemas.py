@@ -449,11 +449,54 @@ def _is_ids(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
 
+_BOOTSTRAP = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
+def _bootstrap_lists(body: dict[str, Any]) -> int | None:
+    """sglang-router's PD form of a batch or of n > 1: the three bootstrap fields as lists of
+    one value per sequence (prompt-major); their length, or None when they are not lists."""
+    values = [body.get(k) for k in _BOOTSTRAP]
+    if not any(isinstance(v, list) for v in values):
+        return None
+    lengths = {len(v) for v in values if isinstance(v, list)}
+    if len(lengths) != 1 or not all(isinstance(v, list) for v in values):
+        raise ApiError(400, "bootstrap_host, bootstrap_port and bootstrap_room must be lists of "
+                            "one length, or none of them lists")
+    return lengths.pop()
+
+
+def _sequences(kind: Kind, body: dict[str, Any]) -> int:
+    """The n of a body, before it is parsed (1 when absent or not a number)."""
+    where = body.get("sampling_params") if kind == "generate" else body
+    n = where.get("n") if isinstance(where, dict) else None
+    return n if type(n) is int and n > 0 else 1
+
+
+def _bootstrap_at(body: dict[str, Any], index: int) -> dict[str, Any]:
+    return {k: body[k][index] for k in _BOOTSTRAP}
+
+
+def single_bootstrap(kind: Kind, body: Any) -> Any:
+    """A single prompt's body with sglang-router's bootstrap lists (n > 1: one room per
+    sequence) reduced to the first sequence's: the request is one room here (D forks the
+    sequences), and P and D both take the first."""
+    if not isinstance(body, dict):
+        return body
+    count = _bootstrap_lists(body)
+    if count is None:
+        return body
+    n = _sequences(kind, body)
+    if count != n:
+        raise ApiError(400, f"bootstrap lists of {count} values for n={n}")
+    return {**body, **_bootstrap_at(body, 0)}
+
+
 def split_batch(kind: Kind, body: Any) -> list[dict[str, Any]] | None:
     """A batched request as one body per prompt, or None for a single one: completions'
     ``prompt`` as a list of strings or of token-id lists (two or more), ``/generate``'s ``text``
     as a list of strings or ``input_ids`` as a list of lists. ``rid`` is then a list with one
-    distinct id per prompt (or absent). Each body is parsed as a request of its own."""
+    distinct id per prompt (or absent). Each body is parsed as a request of its own; under PD
+    (sglang-router's bootstrap lists, a value per sequence) each is a room of its own."""
     if kind == "chat" or not isinstance(body, dict):
         return None
     if kind == "completion":
@@ -477,14 +520,20 @@ def split_batch(kind: Kind, body: Any) -> list[dict[str, Any]] | None:
         raise ApiError(400, f"{key} is an empty batch")
     if len(prompts) > MAX_BATCH:
         raise ApiError(400, f"{key}: at most {MAX_BATCH} prompts in a batch, got {len(prompts)}")
-    if parse_bootstrap(body) is not None:
-        raise ApiError(400, "a batch of prompts cannot be a PD leg: send one request per prompt")
+    count, n = _bootstrap_lists(body), _sequences(kind, body)
+    if count is None and parse_bootstrap(body) is not None:
+        raise ApiError(400, "a batch of prompts as a PD leg needs bootstrap lists, a value per "
+                            "sequence")
+    if count is not None and count != len(prompts) * n:
+        raise ApiError(400, f"bootstrap lists of {count} values for {len(prompts)} prompts "
+                            f"and n={n}")
     rids = body.get("rid")
     if rids is not None and (not isinstance(rids, list) or len(rids) != len(prompts)
                              or len(set(map(str, rids))) != len(rids)):
         raise ApiError(400, f"rid of a batch must be a list of {len(prompts)} distinct ids, "
                             "one per prompt")
-    return [{**body, key: p, "rid": None if rids is None else rids[i]}
+    return [{**body, key: p, "rid": None if rids is None else rids[i],
+             **(_bootstrap_at(body, i * n) if count is not None else {})}
             for i, p in enumerate(prompts)]
 
 
