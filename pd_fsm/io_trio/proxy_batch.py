@@ -64,6 +64,7 @@ class BatchResponse:
         self.headers = headers
         self.stream = stream
         self.abandon = trio.Event()  # the client left, or (unstreamed) one room failed
+        self.client_gone = False
 
     async def _room_receive(self) -> dict[str, Any]:
         await self.abandon.wait()
@@ -72,6 +73,7 @@ class BatchResponse:
     async def _watch_client(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
+        self.client_gone = True
         self.abandon.set()
 
     async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
@@ -104,6 +106,8 @@ class BatchResponse:
                 for room, capture in zip(rooms, captures, strict=True):
                     room_tasks.start_soon(run, room, capture)
             nursery.cancel_scope.cancel()
+        if self.client_gone:
+            return  # every room saw it leave: both legs of each are aborted
         failed = next((c for c in captures if c.status != 200), None)
         if failed is not None:
             status, body = failed.status or 499, failed.json()
@@ -156,11 +160,11 @@ class BatchResponse:
                     nursery.start_soon(run, index, room, send_ch.clone())
             async with recv_ch:
                 async for chunk in recv_ch:
-                    if not self.abandon.is_set():
+                    if not self.client_gone:
                         await send({"type": "http.response.body", "body": chunk,
                                     "more_body": True})
             nursery.cancel_scope.cancel()
-        if self.abandon.is_set():
+        if self.client_gone:
             return  # the client left: nothing more to send
         tail = b""
         if last_usage_chunk:
