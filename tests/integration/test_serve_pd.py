@@ -658,6 +658,23 @@ async def test_client_leaving_mid_stream_aborts_both_real_legs(env: Env) -> None
         assert d_after["length"] == d_before["length"]  # it did not run to its 240 tokens
 
 
+async def test_client_leaving_a_streamed_batch_and_n_frees_everything(env: Env) -> None:
+    """A client that leaves a streamed batch (a room per prompt) and a streamed n=4 (forked
+    pages shared on D) after the first event: every room is aborted, every worker gets every
+    page, room and transfer registration back."""
+    async with httpx.AsyncClient(timeout=60) as http:
+        for body in ({"prompt": BATCH, "model": "tiny", "max_tokens": 200, "ignore_eos": True,
+                      "stream": True},
+                     {"prompt": "Once upon a time", "model": "tiny", "max_tokens": 200,
+                      "ignore_eos": True, "n": 4, "temperature": 1.0, "stream": True}):
+            async with http.stream("POST", f"{env.proxy_1p1d}/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        break
+        await _all_idle(http, env)
+
+
 # ----------------------------------------------------------------------------- 3: 2P+2D burst
 
 
