@@ -34,3 +34,6 @@ class SchedulerArgs:
     # Seeds requests that did not bring their own, so a whole run is reproducible.
     random_seed: int = 0
     disaggregation_mode: str = attrs.field(default="null", validator=_mode)
+    # A prefix cache of KV pages (radix_cache.py): prompts sharing a cached prefix prefill only
+    # the rest. Requests this scheduler prefills and decodes itself (not PD rooms, yet).
+    radix_cache: bool = False

@@ -84,6 +84,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     # Each new token's position's top alternatives (when the request asked for them).
     new_top_logprobs: tuple[TopLogprobs, ...] = ()
     # In the request's first output only, when it asked for them and this worker prefilled it.
@@ -117,6 +118,7 @@ class Req:
     pages: list[int] | None = None
     # Prompt tokens whose K/V is in the pages (chunked prefill progress).
     prefilled: int = 0
+    cached_tokens: int = 0  # of those, from the prefix cache
     output_ids: list[int] = attrs.field(factory=list)
     output_logprobs: list[float] = attrs.field(factory=list)
     output_top: list[TopLogprobs] = attrs.field(factory=list)  # only with logprobs.top

@@ -65,6 +65,7 @@ from pd_fsm.jax_engine.sampling import (
 )
 from pd_fsm.jax_engine.tokenizer import IncrementalDetokenizer
 from pd_fsm.schedulers.args import SchedulerArgs
+from pd_fsm.schedulers.radix_cache import RadixCache
 from pd_fsm.schedulers.request import (
     FinishReason,
     LogprobSpec,
@@ -117,6 +118,7 @@ class WarmupReport:
 @attrs.frozen
 class SchedulerStats:
     free_pages: int
+    cached_pages: int  # held by the prefix cache alone: freed when pages are wanted
     total_pages: int  # usable pages (the null page excluded)
     waiting: int
     prefilling: int
@@ -135,6 +137,7 @@ class Scheduler:
         self.eos_token_ids = self.model.eos_token_ids
         self.pool_config = self.config.kv_pool_config(args.num_pages, args.page_size)
         self.allocator = PageAllocator(args.num_pages)
+        self.cache = RadixCache(self.allocator, args.page_size) if args.radix_cache else None
         self.kv_holder = self._create_kv_holder()
         limit = args.context_length or self.config.max_position
         self.context_length = min(limit, self.config.max_position)
@@ -246,6 +249,7 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             free_pages=self.allocator.num_free,
+            cached_pages=0 if self.cache is None else self.cache.evictable(),
             total_pages=self.allocator.total,
             waiting=len(self.waiting),
             prefilling=len(self.prefilling),
@@ -329,19 +333,46 @@ class Scheduler:
         return True
 
     def _allocate_pages(self, req: Req) -> bool:
+        """The request's pages: with the prefix cache, those of its prompt's longest cached
+        prefix (shared; at least its last token is left to prefill, for its logits) and new
+        ones for the rest, evicting cached pages nobody uses when too few are free."""
         if req.pages is not None:
             return True
-        pages = self.allocator.allocate(self._pages_needed(req))
+        cached: list[int] = []
+        if self.cache is not None and self._caches(req):
+            cached = self.cache.match(req.input_ids[:-1])
+        wanted = self._pages_needed(req) - len(cached)
+        pages = self.allocator.allocate(wanted)
+        if pages is None and self.cache is not None:
+            self.cache.evict(wanted - self.allocator.num_free)
+            pages = self.allocator.allocate(wanted)
         if pages is None:
+            if cached:
+                self.allocator.free(cached)  # our shares back: the pages stay in the cache
             return False
-        req.pages = pages
+        req.pages = cached + pages
+        req.prefilled = req.cached_tokens = len(cached) * self.args.page_size
+        return True
+
+    def _caches(self, req: Req) -> bool:
+        """Whether ``req``'s KV goes through the prefix cache (PD rooms do not, yet)."""
         return True
 
     def _release_pages(self, req: Req) -> None:
         # Clearing req.pages first makes a second call a no-op: pages go back exactly once.
         pages, req.pages = req.pages, None
+        if pages and self.cache is not None and self._caches(req):
+            self.cache.insert(self._tokens_with_kv(req), pages)
         if pages:
             self.allocator.free(pages)
+
+    @staticmethod
+    def _tokens_with_kv(req: Req) -> list[int]:
+        """The tokens whose KV is in the request's pages: the prompt as far as it was
+        prefilled, then every output token but the last (fed by a step that never ran)."""
+        if req.prefilled < len(req.input_ids):
+            return req.input_ids[: req.prefilled]
+        return req.input_ids + req.output_ids[:-1]
 
     # ----------------------------------------------------------------- hooks: admission
 
@@ -764,6 +795,7 @@ class Scheduler:
             finish_reason=req.finish_reason,
             prompt_tokens=len(req.input_ids),
             completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
             new_top_logprobs=new_tops,
             prompt_logprobs=prompt,
             index=req.index,

@@ -74,7 +74,8 @@ async def test_three_endpoints_match_scheduler(worker: tuple[str, Any]) -> None:
         assert c["choices"][0]["text"] == tok.decode(expected)
         assert c["choices"][0]["finish_reason"] == "length"
         assert c["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 10,
-                              "total_tokens": len(prompt) + 10}
+                              "total_tokens": len(prompt) + 10,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
         r = await http.post("/v1/completions", json={**completion, "stream": True,
                                                      "stream_options": {"include_usage": True}})
         events = sse_events(r.text)
@@ -445,3 +446,31 @@ async def test_model_default_and_the_served_name_are_accepted(worker: tuple[str,
         r = await http.post("/v1/chat/completions", json={
             "model": "gpt-4", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert r.status_code == 404 and r.json()["error"]["type"] == "model_not_found"
+
+
+async def test_radix_cache_reports_hits_and_changes_no_token(nursery: trio.Nursery) -> None:
+    """Issue 16 §1 over HTTP: with --radix-cache, a prompt sharing a cached prefix prefills
+    only the rest (usage.prompt_tokens_details.cached_tokens, meta_info.cached_tokens), and the
+    answers equal a worker without the cache; idle, its pages are free or evictable."""
+    cached_url, _ = await start_worker(nursery, radix_cache=True)
+    plain_url, _ = await start_worker(nursery)
+    system = "You are a careful assistant who answers in one short line. " * 2
+    async with httpx.AsyncClient(timeout=60) as http:
+        answers: dict[str, list[Any]] = {"cached": [], "plain": []}
+        for question in ("Where is Paris?", "Where is Rome?", "Where is Paris?"):
+            for name, url in (("cached", cached_url), ("plain", plain_url)):
+                r = await http.post(f"{url}/v1/completions", json={
+                    "prompt": system + question, "max_tokens": 6, "temperature": 0})
+                assert r.status_code == 200, r.text
+                body = r.json()
+                answers[name].append((body["choices"][0]["text"],
+                                      body["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        assert [t for t, _ in answers["cached"]] == [t for t, _ in answers["plain"]]
+        hits = [c for _, c in answers["cached"]]
+        assert hits[0] == 0 and hits[1] >= len(system) - 16 and hits[2] > hits[1], hits
+        assert all(c == 0 for _, c in answers["plain"])
+        r = await http.post(f"{cached_url}/generate", json={
+            "text": system + "Where is Oslo?", "sampling_params": {"max_new_tokens": 2}})
+        assert r.json()["meta_info"]["cached_tokens"] >= len(system) - 16
+        stats = (await http.get(f"{cached_url}/metrics")).text
+        assert "cached_pages" in stats

@@ -654,6 +654,8 @@ class WorkerApp:
                     # KV tokens reserved right now (pages are reserved for the whole sequence).
                     "num_tokens": (total - free) * self.config.page_size,
                     "num_pages_free": free,
+                    # Held by the prefix cache alone (--radix-cache): evicted when wanted.
+                    "num_pages_cached": int(s.get("cached_pages", 0)),
                     "num_pages_total": total,
                 }
             ]
@@ -687,12 +689,14 @@ def _best(accs: list[Accumulator], n: int) -> list[Accumulator]:
     return [accs[i] for i in sorted(ranked)]
 
 
-def _usage(units: list[tuple[ParsedRequest, GenerateJob, list[Accumulator]]]) -> dict[str, int]:
+def _usage(units: list[tuple[ParsedRequest, GenerateJob, list[Accumulator]]]) -> dict[str, Any]:
     """Usage of several answers in one: each prompt counted once, every sequence's tokens."""
     prompt = sum(len(job.input_ids) for _, job, _ in units)
     completion = sum(acc.completion_tokens for _, _, accs in units for acc in accs)
+    cached = sum(accs[0].cached_tokens for _, _, accs in units)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _token_text(tokenizer: Tokenizer, token_id: int) -> str:

@@ -194,6 +194,7 @@ class ColocatedBackend:
             s = self.scheduler.stats()
             out.update(
                 free_pages=s.free_pages,
+                cached_pages=s.cached_pages,
                 total_pages=s.total_pages,
                 waiting=s.waiting,
                 prefilling=s.prefilling,

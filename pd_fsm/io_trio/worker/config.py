@@ -59,6 +59,7 @@ class ServeConfig:
     max_batched_tokens: int = 1024
     context_length: int | None = None
     random_seed: int = 0
+    radix_cache: bool = False  # the prefix cache (schedulers/radix_cache.py)
     max_queued: int = 1024  # jobs waiting to enter the scheduler; beyond that: 503
     # -- disaggregation (RFC-2 §7)
     disaggregation_mode: str = "null"
@@ -132,6 +133,7 @@ class ServeConfig:
             context_length=self.context_length,
             random_seed=self.random_seed,
             disaggregation_mode=self.disaggregation_mode,
+            radix_cache=self.radix_cache,
         )
 
     def pd_windows(self) -> dict[str, float]:
@@ -207,6 +209,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens)
     p.add_argument("--context-length", type=int, default=None, help="default: the model's")
     p.add_argument("--random-seed", type=int, default=d.random_seed)
+    p.add_argument("--radix-cache", action="store_true",
+                   help="a prefix cache of KV pages: prompts sharing a cached prefix prefill "
+                        "only the rest (requests this worker prefills and decodes itself)")
     p.add_argument("--max-queued", type=int, default=d.max_queued, help="then 503")
     p.add_argument("--max-body", type=int, default=d.max_body, help="request body limit (bytes)")
     p.add_argument("--disaggregation-mode", choices=DISAGGREGATION_MODES, default="null")
@@ -388,6 +393,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_batched_tokens=args.max_batched_tokens,
         context_length=args.context_length,
         random_seed=args.random_seed,
+        radix_cache=args.radix_cache,
         max_queued=args.max_queued,
         disaggregation_mode=args.disaggregation_mode,
         disaggregation_transfer_backend=args.disaggregation_transfer_backend,

@@ -67,6 +67,7 @@ class Accumulator:
         self.tops: list[TopLogprobs] = []
         self.prompt: PromptLogprobs | None = None  # when this worker prefilled the prompt
         self.prompt_tokens = 0
+        self.cached_tokens = 0  # of the prompt's, served from the prefix cache
         self.finish: FinishReason | None = None
         self._role_sent = False
         self._token_text = token_text  # one token id -> its text, for the OpenAI logprobs
@@ -98,6 +99,7 @@ class Accumulator:
         if out.prompt_logprobs is not None:
             self.prompt = out.prompt_logprobs
         self.prompt_tokens = out.prompt_tokens
+        self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
         if out.finish_reason is not None:
             self.finish = out.finish_reason
 
@@ -142,7 +144,7 @@ class Accumulator:
             "id": self.rid,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
-            "cached_tokens": 0,
+            "cached_tokens": self.cached_tokens,
             "finish_reason": None if finish is None else finish.to_json(self.completion_tokens),
         }
         if self.return_logprob:
@@ -169,11 +171,12 @@ class Accumulator:
     def _id(self) -> str:
         return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.rid
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
     def _openai_logprobs(self, start: int, end: int, *, prompt: bool) -> dict[str, Any] | None:
@@ -353,13 +356,19 @@ def _cumulative(texts: Iterable[str]) -> list[int]:
 # ------------------------------------------------------------------ batches of prompts
 
 
-def summed_usage(usages: Sequence[dict[str, int]]) -> dict[str, int]:
-    """A batch's usage: its requests' added up."""
-    return {key: sum(u.get(key, 0) for u in usages) for key in usages[0]}
+def summed_usage(usages: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A batch's usage: its requests' added up (``prompt_tokens_details`` too)."""
+    out: dict[str, Any] = {}
+    for key, first in usages[0].items():
+        if isinstance(first, dict):
+            out[key] = summed_usage([u.get(key) or {} for u in usages])
+        else:
+            out[key] = sum(u.get(key, 0) for u in usages)
+    return out
 
 
 def batch_body(kind: Kind, bodies: Sequence[dict[str, Any]],
-               usage: dict[str, int] | None = None) -> Any:
+               usage: dict[str, Any] | None = None) -> Any:
     """Several answers as one, in order (a batch's prompts, a prompt's n sequences): sglang's
     list of results, or one OpenAI answer whose ``choices`` carry their ``index``, with
     ``usage`` (default: the answers' own added up)."""

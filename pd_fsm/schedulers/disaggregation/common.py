@@ -185,6 +185,11 @@ class DisaggregationCommon(Scheduler, ABC):
         if start is not None:
             self._phase_sample(phase, max(0.0, now - start))
 
+    def _caches(self, req: Req) -> bool:
+        # A room's pages are the transfer's (P gathers them, D scatters into them): no prefix
+        # cache on either side yet (issue 16 §2-§3). A plain request on a PD worker may use it.
+        return req.rid not in self.room_of
+
     def prompt_pages(self, req: Req) -> int:
         """Pages holding the prompt's KV: what crosses from P to D."""
         return self.pool_config.pages_for(len(req.input_ids))
