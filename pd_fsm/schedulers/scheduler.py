@@ -340,7 +340,11 @@ class Scheduler:
             return True
         cached: list[int] = []
         if self.cache is not None and self._caches(req):
-            cached = self.cache.match(req.input_ids[:-1])
+            # Prompt log-probs from position p need the logits of p - 1: computed, not cached.
+            limit = len(req.input_ids) - 1
+            if req.logprobs.prompt:
+                limit = min(limit, max(req.logprobs.prompt_from - 1, 0))
+            cached = self.cache.match(req.input_ids[:limit])
         wanted = self._pages_needed(req) - len(cached)
         pages = self.allocator.allocate(wanted)
         if pages is None and self.cache is not None:

@@ -121,3 +121,20 @@ def test_shared_prefixes_prefill_only_their_suffix(tiny: LoadedModel) -> None:
     stats = cached.stats()
     assert stats.free_pages + stats.cached_pages == stats.total_pages
     assert cached.cache is not None and cached.cache.evicted > 0
+
+
+def test_prompt_logprobs_are_computed_not_cached(tiny: LoadedModel) -> None:
+    from pd_fsm.schedulers.request import LogprobSpec
+
+    args = SchedulerArgs(model="tiny", num_pages=40, page_size=4, max_running=2,
+                         max_batched_tokens=64, radix_cache=True)
+    sched = Scheduler(args, model=tiny)
+    prompt = np.random.default_rng(5).integers(1, 256, size=30).tolist()
+    sp = SamplingParams(temperature=0.0, max_new_tokens=2)
+    _run(sched, [Req("warm", prompt, sp)])
+    for start, cached in ((0, 0), (9, 8)):
+        sched.add_request(Req(f"lp{start}", prompt, sp, logprobs=LogprobSpec(prompt_from=start)))
+        outs = sched.run_until_idle()
+        part = next(o.prompt_logprobs for o in outs if o.prompt_logprobs is not None)
+        assert len(part.logprobs) == len(prompt) - start
+        assert outs[-1].cached_tokens == cached
