@@ -371,3 +371,38 @@ def test_recompute_policy_answers_correctly_when_prefill_is_gone(tiny: LoadedMod
         assert pair.d.recomputed == 1 and pair.d.pop_failure("r") is None
     finally:
         pair.close()
+
+
+def test_prefill_prefix_cache_pd_equals_colocated_and_books_balance(tiny: LoadedModel) -> None:
+    """Issue 16 §2: P with the prefix cache prefills only each room's uncached suffix and
+    gathers the whole prompt for D; D's tokens equal colocated's. A room aborted while P holds
+    shared pages gives up its share only: the accounting closes with the cache's pages."""
+    system = np.random.default_rng(1).integers(1, 256, size=22).tolist()
+    prompts = [system + np.random.default_rng(20 + i).integers(1, 256, size=5).tolist()
+               for i in range(4)]
+    colo = Scheduler(SchedulerArgs(model="tiny", num_pages=96, page_size=PAGE, max_running=16,
+                                   max_batched_tokens=256), model=tiny)
+    for i, ids in enumerate(prompts):
+        colo.add_request(Req(f"r{i}", ids, GREEDY))
+    expected = collect(colo.run_until_idle())
+    pair = PDPair(tiny, _args("prefill", radix_cache=True), _args("decode"))
+    try:
+        cached = []
+        for i, ids in enumerate(prompts):  # one room after another: each finds the last
+            pair.d.add_pd_request(Req(f"r{i}", ids, GREEDY), BOOT, 500 + i)
+            pair.p.add_pd_request(Req(f"r{i}", ids, GREEDY), 500 + i)
+            pair.run(lambda i=i: collect(pair.d_outputs).get(f"r{i}", {}).get("reason")
+                     is not None and pair.books_balanced())
+            cached.append(max(o.cached_tokens for o in pair.p_outputs if o.rid == f"r{i}"))
+        got = collect(pair.d_outputs)
+        assert {rid: v["ids"] for rid, v in got.items()} == {
+            rid: v["ids"] for rid, v in expected.items()}
+        assert cached[0] == 0 and all(c == 20 for c in cached[1:]), cached  # 5 whole pages
+        # Abort a room while P holds its (partly shared) pages and waits for D.
+        pair.p.add_pd_request(Req("x", prompts[0], GREEDY), 600)
+        pair.p.step()
+        assert pair.p.abort("x")
+        pair.run(pair.books_balanced)
+        assert pair.p.cache is not None and pair.p.cache.pages >= 5
+    finally:
+        pair.close()

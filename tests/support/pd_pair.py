@@ -87,9 +87,11 @@ class PDPair:
         self.d.engine.close()
 
     def books_balanced(self) -> bool:
+        """Every page free (or held by a prefix cache alone), no registration, no room."""
+        p, d = self.p.stats(), self.d.stats()
         return (
-            self.p.allocator.num_free == self.p.allocator.total
-            and self.d.allocator.num_free == self.d.allocator.total
+            p.free_pages + p.cached_pages == p.total_pages
+            and d.free_pages + d.cached_pages == d.total_pages
             and not self.p.engine.registrations()
             and not self.p.core.rooms
             and not self.d.core.rooms

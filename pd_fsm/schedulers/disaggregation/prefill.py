@@ -103,6 +103,13 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
     def _forks(self, req: Req) -> bool:
         return req.rid not in self.room_of  # D forks a room's sequences, not P
 
+    def _caches(self, req: Req) -> bool:
+        # P's rooms use the prefix cache (issue 16 §2): a room prefills only its uncached
+        # suffix and gathers the whole prompt's pages; the pages it shares are counted per
+        # holder, so DONE, an abort or a lease expiry gives up the room's share only, and the
+        # registration holds a gathered copy that no eviction can touch.
+        return True
+
     def _on_prefill_done(
         self, req: Req, first_token: int, first_logprob: float, first_top: TopLogprobs = ()
     ) -> None:
@@ -146,6 +153,8 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
             # The leg is answered now; its pages stay held (apart from the request) until
             # ReleaseKV, which comes on DONE, abort or lease expiry.
             assert req.pages is not None
+            if self.cache is not None:  # the prompt's whole pages, for the rooms after it
+                self.cache.insert(req.input_ids, req.pages)
             self._held_pages[e.room], req.pages = req.pages, None
             self.room_of.pop(req.rid, None)
             self._finish(req, FinishReason("length"))
