@@ -164,3 +164,38 @@ def test_queued_pull_reports_within_its_deadline_from_submit() -> None:
         assert engine.pulls == 1
     finally:
         ex.close()
+
+
+def test_lease_expiry_gives_up_shared_pages_once(tiny: LoadedModel) -> None:
+    """Issue 16 §2: P with the prefix cache. A room whose prompt shares cached pages loses its
+    lease (D never said hello): P gives up the room's share of each page exactly once — the
+    cached pages stay, every other page is free, the registration is released — and the next
+    room with the same prompt still reads the cached prefix, answering as colocated."""
+    now = [0.0]
+    pair = PDPair(tiny, _args("prefill", lease_initial=5.0, radix_cache=True),
+                  _args("decode"), clock=lambda: now[0])
+    try:
+        pair.d.add_pd_request(Req("first", IDS, GREEDY), BOOT, 70)
+        pair.p.add_pd_request(Req("first", IDS, GREEDY), 70)
+        pair.run(lambda: collect(pair.d_outputs).get("first", {}).get("reason") is not None
+                 and pair.books_balanced())
+        assert pair.p.cache is not None
+        cached = pair.p.cache.pages
+        assert cached > 0
+        pair.p.add_pd_request(Req("orphan", IDS, GREEDY), 71)  # no D leg ever comes
+        pair.p.step()
+        assert pair.p.engine.registrations()
+        now[0] = 10.0
+        pair.p.deliver(ev.TimeAdvanced())
+        assert pair.p.core.state_of(71) is None and not pair.p.engine.registrations()
+        stats = pair.p.stats()
+        assert stats.free_pages + stats.cached_pages == stats.total_pages
+        assert pair.p.cache.pages == cached
+        pair.d.add_pd_request(Req("again", IDS, GREEDY), BOOT, 72)
+        pair.p.add_pd_request(Req("again", IDS, GREEDY), 72)
+        pair.run(lambda: collect(pair.d_outputs).get("again", {}).get("reason") is not None
+                 and pair.books_balanced())
+        assert collect(pair.d_outputs)["again"]["ids"] == _colocated(tiny)
+        assert max(o.cached_tokens for o in pair.p_outputs if o.rid == "again") > 0
+    finally:
+        pair.close()
