@@ -64,6 +64,7 @@ _INT_RANGES: dict[str, tuple[int, int]] = {
     "room": (0, MAX_ROOM),
     "uuid": (0, MAX_UUID),
     "n_pages": (0, MAX_PAGES + 1),
+    "skip_pages": (0, MAX_PAGES + 1),
     "first_token": (0, MAX_TOKEN),
     "incarnation": (0, MAX_UUID),
     "seq": (0, MAX_UUID),

@@ -44,6 +44,7 @@ class _ReceiverRoom:
         "n_pages",
         "peer",
         "room",
+        "skip",
         "state",
         "transfer_addr",
         "uuid",
@@ -53,7 +54,8 @@ class _ReceiverRoom:
         self.room = room
         self.state = KV_RECEIVER.initial
         self.bootstrap_addr = bootstrap_addr
-        self.n_pages = n_pages
+        self.n_pages = n_pages  # the prompt's
+        self.skip = 0  # of those, held already (our prefix cache): not pulled
         self.peer: str | None = None
         self.uuid = -1
         self.first_token = -1
@@ -225,6 +227,12 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
     def _on_blocks(self, e: ev.BlocksAllocated, now: float, out: list[_Fx]) -> None:
         r = self._live_local(e.room, "BlocksAllocated")
         if r is not None:
+            if not 0 <= e.skip_pages < r.n_pages:
+                raise LocalProtocolError(
+                    f"room {e.room}: {e.skip_pages} cached pages of {r.n_pages} (at least the "
+                    "last prompt page comes from P)"
+                )
+            r.skip = e.skip_pages
             self._go(r, "BlocksAllocated", now, out)
 
     def _on_pull_succeeded(self, e: ev.PullSucceeded, now: float, out: list[_Fx]) -> None:
@@ -308,8 +316,9 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
     def _check_ready(self, r: _ReceiverRoom, m: Ready) -> str:
         if m.layout_hash != self.layout_hash:
             return f"KV layout mismatch (P {m.layout_hash}, D {self.layout_hash}); refusing to pull"
-        if m.n_pages != r.n_pages:
-            return f"P offers {m.n_pages} pages, we reserved {r.n_pages}; refusing to pull"
+        if m.n_pages != r.n_pages - r.skip:
+            return (f"P offers {m.n_pages} pages, we wait for {r.n_pages - r.skip}; refusing "
+                    "to pull")
         if m.transfer_addr and not _HOST_PORT.fullmatch(m.transfer_addr):
             return f"READY names an unusable transfer address {m.transfer_addr[:80]!r}"
         return ""
@@ -456,14 +465,16 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
     def _fx_SendRecvInit(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
         assert r.peer is not None
         r.hello_seq = self.peers[r.peer].hb_seq
-        msg = RecvInit(r.room, self.identity, r.n_pages, self.layout_hash, self.incarnation)
+        msg = RecvInit(r.room, self.identity, r.n_pages, self.layout_hash, self.incarnation,
+                       r.skip)
         out.append(fx.SendMessage(r.peer, msg))
 
     def _fx_StartPull(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
         assert r.peer is not None
         peer = self.peers[r.peer]
         transfer_addr = r.transfer_addr or peer.transfer_addr
-        out.append(fx.StartPull(r.room, r.peer, transfer_addr, r.uuid, r.n_pages))
+        out.append(fx.StartPull(r.room, r.peer, transfer_addr, r.uuid, r.n_pages - r.skip,
+                                r.skip))
 
     def _fx_SendDone(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
         assert r.peer is not None

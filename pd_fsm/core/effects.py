@@ -25,10 +25,23 @@ class SendMessage:
 
 @attrs.frozen(slots=True)
 class RegisterKV:
-    """Gather the room's pages and register them with the transfer server under ``uuid``."""
+    """Gather the room's pages and register them with the transfer server under ``uuid``
+    (the prompt's pages after the first ``skip_pages``, which D holds already)."""
 
     room: int
     uuid: int
+    skip_pages: int = 0
+
+
+@attrs.frozen(slots=True)
+class NarrowKV:
+    """D said late that it holds the prompt's first ``skip_pages``: release the room's
+    registration ``replaces`` and register only the rest under ``uuid``."""
+
+    room: int
+    uuid: int
+    skip_pages: int
+    replaces: int
 
 
 @attrs.frozen(slots=True)
@@ -87,11 +100,14 @@ class CancelAllocation:
 
 @attrs.frozen(slots=True)
 class StartPull:
+    """Pull ``n_pages`` into the room's pages after its first ``skip_pages`` (held already)."""
+
     room: int
     peer: str
     transfer_addr: str
     uuid: int
     n_pages: int
+    skip_pages: int = 0
 
 
 @attrs.frozen(slots=True)
@@ -135,7 +151,7 @@ class RejectRequest:
 # What each endpoint's ``handle`` returns: closed unions (an embedder's dispatch can be checked
 # for exhaustiveness with ``assert_never``).
 PrefillEffect = (
-    SendMessage | RegisterKV | ReleaseKV | CompleteRequest | FailRequest | RejectRequest
+    SendMessage | RegisterKV | NarrowKV | ReleaseKV | CompleteRequest | FailRequest | RejectRequest
 )
 DecodeEffect = (
     SendMessage | ForgetPeer | ForgetTransfer | ResolvePeer | AllocateBlocks | CancelAllocation

@@ -79,6 +79,7 @@ class PeerResolutionFailed:
 @attrs.frozen(slots=True)
 class BlocksAllocated:
     room: int
+    skip_pages: int = 0  # leading prompt pages already held (D's prefix cache): not pulled
 
 
 @attrs.frozen(slots=True)

@@ -32,6 +32,9 @@ class RecvInit:
     # D's incarnation (0: not said). P reads a new one from the same D as "D restarted: the rooms
     # its previous process claimed are gone" and frees their KV at once, not at lease expiry.
     incarnation: int = 0
+    # Leading pages of the prompt (of ``n_pages``) D already holds from its prefix cache: P
+    # registers only the rest (delta-only transfer, issue 16 §3).
+    skip_pages: int = 0
 
 
 @attrs.frozen(slots=True)
@@ -41,7 +44,7 @@ class Ready:
     room: int
     uuid: int
     first_token: int
-    n_pages: int
+    n_pages: int  # pages registered: the prompt's after RECV_INIT's skip_pages
     layout_hash: str
     first_logprob: float = 0.0  # of first_token under P's distribution (for return_logprob)
     # P's incarnation (0: not said) and where to pull from. A restarted P comes back on the same

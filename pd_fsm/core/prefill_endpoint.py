@@ -36,6 +36,7 @@ class _SenderRoom:
     __slots__ = (
         "d_incarnation",
         "d_pages",
+        "d_skip",
         "expires_at",
         "first_logprob",
         "first_token",
@@ -62,6 +63,7 @@ class _SenderRoom:
         self.first_top: tuple[TokenLogprob, ...] = ()
         self.n_pages = -1  # ours, known at PrefillFinished
         self.d_pages = -1  # D's claim, from RECV_INIT
+        self.d_skip = 0  # leading pages D holds already (RECV_INIT): not registered
         self.d_incarnation = 0  # of the D process whose RECV_INIT bound the room (0: not said)
         self.has_request = False
         self.refusal = ""  # D's reason, for a room D aborted before our leg arrived (REFUSED)
@@ -236,8 +238,13 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
                 r, now, out, f"D reserved {m.n_pages} pages, the prompt needs {r.n_pages}"
             )
             return
-        r.d_pages = m.n_pages
-        self._remote(r, "RecvInitReceived", now, out, "")
+        if m.skip_pages >= max(m.n_pages, 1):
+            self._violated(r, now, out, f"D holds {m.skip_pages} of {m.n_pages} pages: the "
+                                        "last prompt page always comes from P")
+            return
+        r.d_pages, r.d_skip = m.n_pages, m.skip_pages
+        trigger = "PartialRecvInitReceived" if m.skip_pages else "RecvInitReceived"
+        self._remote(r, trigger, now, out, "")
 
     def _on_done(self, peer: str, m: Done, now: float, out: list[_Fx]) -> None:
         r = self._room_for(peer, m.room)
@@ -359,12 +366,18 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
     def _fx_RegisterKV(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
         # A fresh random uuid, not the room id: unguessable and never reused for another room.
         r.uuid = self._rng.getrandbits(64)
-        out.append(fx.RegisterKV(r.room, r.uuid))
+        out.append(fx.RegisterKV(r.room, r.uuid, r.d_skip))
+
+    def _fx_NarrowKV(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
+        old, r.uuid = r.uuid, self._rng.getrandbits(64)
+        assert old is not None  # PREFILLED_NO_PEER: registered at PrefillFinished
+        out.append(fx.NarrowKV(r.room, r.uuid, r.d_skip, old))
 
     def _fx_SendReady(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
         assert r.peer is not None and r.uuid is not None
         ready = Ready(
-            r.room, r.uuid, r.first_token, r.n_pages, self.layout_hash, r.first_logprob,
+            r.room, r.uuid, r.first_token, r.n_pages - r.d_skip, self.layout_hash,
+            r.first_logprob,
             self.incarnation, self.transfer_addr, r.first_top,
         )
         out.append(fx.SendMessage(r.peer, ready))

@@ -406,3 +406,47 @@ def test_prefill_prefix_cache_pd_equals_colocated_and_books_balance(tiny: Loaded
         assert pair.p.cache is not None and pair.p.cache.pages >= 5
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize(("p_cache", "p_first"), [(False, False), (True, False), (True, True)])
+def test_decode_prefix_cache_pulls_only_the_delta(
+    tiny: LoadedModel, p_cache: bool, p_first: bool
+) -> None:
+    """Issue 16 §3: D with the prefix cache tells P in RECV_INIT how many leading pages it
+    holds; P registers only the rest, D pulls them after its cached pages and puts the finished
+    sequence into its cache. Tokens equal colocated's, with or without P's own cache, and the
+    bytes pulled shrink to the uncached pages. ``p_first``: P prefilled and registered the whole
+    prompt before D's hello came: it narrows the registration to what D lacks (NarrowKV)."""
+    system = np.random.default_rng(2).integers(1, 256, size=30).tolist()
+    prompts = [system + np.random.default_rng(40 + i).integers(1, 256, size=6).tolist()
+               for i in range(3)]
+    colo = Scheduler(SchedulerArgs(model="tiny", num_pages=96, page_size=PAGE, max_running=16,
+                                   max_batched_tokens=256), model=tiny)
+    for i, ids in enumerate(prompts):
+        colo.add_request(Req(f"r{i}", ids, GREEDY))
+    expected = collect(colo.run_until_idle())
+    pair = PDPair(tiny, _args("prefill", radix_cache=p_cache), _args("decode", radix_cache=True))
+    try:
+        pulled = []
+        for i, ids in enumerate(prompts):
+            before = pair.d.transfer_stats["bytes"]
+            if p_first:
+                pair.p.add_pd_request(Req(f"r{i}", ids, GREEDY), 800 + i)
+                pair.p_outputs += pair.p.step()  # prefilled, whole prompt registered
+                assert pair.p.core.state_of(800 + i) == "PREFILLED_NO_PEER"
+            pair.d.add_pd_request(Req(f"r{i}", ids, GREEDY), BOOT, 800 + i)
+            if not p_first:
+                pair.p.add_pd_request(Req(f"r{i}", ids, GREEDY), 800 + i)
+            pair.run(lambda i=i: collect(pair.d_outputs).get(f"r{i}", {}).get("reason")
+                     is not None and pair.books_balanced())
+            pulled.append(pair.d.transfer_stats["bytes"] - before)
+        got = collect(pair.d_outputs)
+        assert {r: v["ids"] for r, v in got.items()} == {r: v["ids"] for r, v in expected.items()}
+        # The first room pulls its whole 36-token prompt (9 pages); the later ones share 30
+        # tokens, 7 whole pages cached on D, and pull the other 2.
+        cfg = tiny.config
+        page_bytes = cfg.num_layers * PAGE * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+        assert pulled[1] == pulled[2] == 2 * page_bytes < pulled[0] / 4, pulled
+        assert pair.d.cache is not None and pair.d.cache.hits >= 14
+    finally:
+        pair.close()

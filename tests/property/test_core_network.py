@@ -134,6 +134,7 @@ class PDNetwork(RuleBasedStateMachine):
         self.first_token: dict[int, int] = {}
         # P's simulated scheduler and transfer server
         self.p_pages: dict[int, int] = {}  # room -> pages held
+        self.d_skip: dict[int, int] = {}  # room -> leading pages D's prefix cache held
         self.p_registered: dict[int, int] = {}  # uuid -> room
         self.p_released: set[int] = set()  # rooms whose KV P released (ever, this incarnation)
         self.p_pending_prefill: set[int] = set()
@@ -176,6 +177,8 @@ class PDNetwork(RuleBasedStateMachine):
                 self._send(P_ADDR, e.peer, e.message)
             elif isinstance(e, fx.RegisterKV):
                 assert e.room in self.p_pages, "registered KV of a room without pages"
+                # Only what the D that bound the room lacks (its prefix cache holds the rest).
+                assert e.skip_pages == self.d_skip.get(e.room, 0), "P sends the wrong pages"
                 self.p_registered[e.uuid] = e.room
             elif isinstance(e, fx.ReleaseKV):
                 assert e.room not in self.p_released, f"room {e.room}: P released KV twice"
@@ -204,6 +207,9 @@ class PDNetwork(RuleBasedStateMachine):
                 assert self.d_waiting_alloc[i].pop(e.room, None) is not None
             elif isinstance(e, fx.StartPull):
                 assert e.room in self.d_pages[i]
+                assert (e.skip_pages, e.skip_pages + e.n_pages) == (
+                    self.d_skip.get(e.room, 0), self.d_pages[i][e.room]
+                ), "the pull must fill exactly the pages after the cached ones"
                 self.d_pulls[i][e.room] = e.uuid
                 self.d_pull_deadline[i][e.room] = self.now + PULL_DEADLINE
             elif isinstance(e, fx.ReleaseBlocks):
@@ -320,8 +326,10 @@ class PDNetwork(RuleBasedStateMachine):
     def d_allocate(self, data: st.DataObject) -> None:
         i = data.draw(st.sampled_from([i for i, w in enumerate(self.d_waiting_alloc) if w]))
         room = data.draw(st.sampled_from(sorted(self.d_waiting_alloc[i])))
-        self.d_pages[i][room] = self.d_waiting_alloc[i].pop(room)
-        self._d_handle(i, ev.BlocksAllocated(room))
+        pages = self.d_pages[i][room] = self.d_waiting_alloc[i].pop(room)
+        # D's prefix cache may hold any leading pages but the last (delta-only transfer).
+        self.d_skip[room] = data.draw(st.integers(0, pages - 1))
+        self._d_handle(i, ev.BlocksAllocated(room, self.d_skip[room]))
 
     @precondition(lambda self: any(self.d_pulls))
     @rule(data=st.data(), network_ok=_MOSTLY_OK)

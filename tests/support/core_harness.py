@@ -68,6 +68,7 @@ class PrefillHarness:
         return {
             "RequestAccepted": [ev.PrefillRequestAccepted(ROOM)],
             "RecvInitReceived": [msg(RecvInit(ROOM, D_ID, PAGES, LAYOUT))],
+            "PartialRecvInitReceived": [msg(RecvInit(ROOM, D_ID, PAGES, LAYOUT, skip_pages=1))],
             "PrefillFinished": [ev.PrefillFinished(ROOM, 7, PAGES)],
             "PrefillFailed": [ev.PrefillFailed(ROOM, "forward failed")],
             "DoneReceived": [msg(Done(ROOM, True))],

@@ -191,8 +191,8 @@ def _counters(obj: Any) -> dict[str, int]:
 
 # --- kv_sender and kv_hold_lease: PrefillEndpoint ------------------------------------------------
 
-SENDER_EXTERNAL = {"RegisterKV", "SendReady", "SendAbort", "ReleaseKV", "CompleteRequest",
-                   "FailRequest"}
+SENDER_EXTERNAL = {"RegisterKV", "NarrowKV", "SendReady", "SendAbort", "ReleaseKV",
+                   "CompleteRequest", "FailRequest"}
 RECEIVER_EXTERNAL = {"ResolvePeer", "AllocateBlocks", "CancelAllocation", "SendRecvInit",
                      "StartPull", "SendDone", "SendDoneFailed", "SendAbort", "ReleaseBlocks",
                      "CompleteTransfer", "FailRequest"}
@@ -380,7 +380,8 @@ def _no_row(table: StateTable, state: str, trigger: str, live: bool, bound: bool
             return Expect("counted", _NOT_LIVE, "unknown_room")
         if terminal and remote:
             # P answers a late hello (RECV_INIT, the impossible one too) with ABORT: D stops.
-            hello = name == "kv_sender" and trigger in ("RecvInitReceived", "ProtocolViolated")
+            hello = name == "kv_sender" and trigger in (
+                "RecvInitReceived", "PartialRecvInitReceived", "ProtocolViolated")
             return Expect("counted", _NOT_LIVE, "late", ("SendAbort",) if hello else ())
         if terminal:  # a local report (prefill, pages, pull) that raced the room's end
             return Expect("counted", "a local report for a room that just ended", "late")

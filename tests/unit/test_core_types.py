@@ -37,7 +37,7 @@ def test_a_correct_embedding_checks(cache: Path) -> None:
         effects: list[fx.PrefillEffect] = p.handle(ev.PrefillRequestAccepted(1), 0.0)
         for e in effects:
             match e:
-                case fx.SendMessage() | fx.RegisterKV() | fx.ReleaseKV():
+                case fx.SendMessage() | fx.RegisterKV() | fx.NarrowKV() | fx.ReleaseKV():
                     pass
                 case fx.CompleteRequest() | fx.FailRequest() | fx.RejectRequest():
                     pass
@@ -59,7 +59,7 @@ def test_a_forgotten_effect_is_a_type_error(cache: Path) -> None:
     out, status = _mypy(cache, """
         for e in p.handle(ev.TimeAdvanced(), 0.0):
             match e:
-                case fx.SendMessage() | fx.RegisterKV() | fx.ReleaseKV():
+                case fx.SendMessage() | fx.RegisterKV() | fx.NarrowKV() | fx.ReleaseKV():
                     pass
                 case fx.CompleteRequest() | fx.FailRequest():
                     pass

@@ -154,7 +154,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
                     e.room,
                     e.uuid,
                     e.transfer_addr,
-                    pages=req.pages[: e.n_pages],
+                    pages=req.pages[e.skip_pages : e.skip_pages + e.n_pages],
                     remote_layout_hash=self.layout_hash,  # the core compared READY's hash already
                 )
             )
@@ -205,10 +205,19 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
                 return
             self.alloc_queue.popleft()
             self._lap(room, "decode_page_wait", "page_request", "pages")
-            self._deferred.append(ev.BlocksAllocated(room))
+            # The prompt's leading pages our prefix cache held (shared, pinned by the room)
+            # are not pulled: P registers only the rest (issue 16 §3).
+            cached = self.req_of[room].cached_tokens // self.args.page_size
+            self._deferred.append(ev.BlocksAllocated(room, cached))
 
     def close(self) -> None:
         self.pull_executor.close(wait=True)
+
+    def _caches(self, req: Req) -> bool:
+        # D's rooms use its prefix cache (issue 16 §3): the pages of the prompt's longest
+        # cached prefix are the room's (pinned: shared per holder, never evicted while it
+        # lives), P sends only the rest, and the finished sequence goes into the cache.
+        return True
 
 
 class DecodeScheduler(SchedulerDisaggregationDecodeMixin, Scheduler):

@@ -147,7 +147,10 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
 
     def _carry_out(self, e: Any) -> None:
         if isinstance(e, fx.RegisterKV):
-            self._register_kv(e.room, e.uuid)
+            self._register_kv(e.room, e.uuid, e.skip_pages)
+        elif isinstance(e, fx.NarrowKV):  # only what D lacks goes: the whole prompt's is let go
+            self._release_registration(e.replaces, "narrowed to the pages D lacks")
+            self._register_kv(e.room, e.uuid, e.skip_pages)
         elif isinstance(e, fx.CompleteRequest):
             req = self.req_of[e.room]
             # The leg is answered now; its pages stay held (apart from the request) until
@@ -167,12 +170,14 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
         else:
             raise TypeError(f"prefill scheduler cannot carry out {e!r}")
 
-    def _register_kv(self, room: int, uuid: int) -> None:
+    def _register_kv(self, room: int, uuid: int, skip_pages: int = 0) -> None:
+        """Gather and register the prompt's pages after the ``skip_pages`` D holds already."""
         req = self.req_of[room]
         assert req.pages is not None
         try:
             start = self.clock()
-            arrays = gather_room(self.kv_holder, self.kv_args, req.pages[: self.prompt_pages(req)])
+            pages = req.pages[skip_pages : self.prompt_pages(req)]
+            arrays = gather_room(self.kv_holder, self.kv_args, pages)
             gathered = self.clock()
             self.engine.register(uuid, arrays, _ENGINE_LEASE_S)
         except Exception as exc:  # the room fails cleanly; the worker keeps serving
@@ -183,12 +188,15 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
         self.transfer_stats["registered"] += 1
         self.transfer_stats["registered_bytes"] += sum(int(a.nbytes) for a in arrays)
 
+    def _release_registration(self, uuid: int, why: str) -> None:
+        result = self.engine.release(uuid, why)
+        self.transfer_stats["released"] += 1
+        if result.released and not result.verified:
+            self.transfer_stats["release_unverified"] += 1
+
     def _release_kv(self, room: int, uuid: int | None) -> None:
         if uuid is not None:
-            result = self.engine.release(uuid, "room over")
-            self.transfer_stats["released"] += 1
-            if result.released and not result.verified:
-                self.transfer_stats["release_unverified"] += 1
+            self._release_registration(uuid, "room over")
         pages = self._held_pages.pop(room, None)
         req = self.send_queue.pop(room, None) or self.req_of.get(room)
         if pages is None and req is not None:
