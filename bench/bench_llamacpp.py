@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pd_fsm.io_trio.bench_client import common_prefix
 from pd_fsm.jax_engine.model import LoadedModel, decode, load_model, new_kv_pool, prefill
 from pd_fsm.jax_engine.model.gguf_loader import find_smollm2_gguf
 from pd_fsm.jax_engine.model.weight_cache import cache_dir, source_key
@@ -241,15 +242,6 @@ class LlamaChild:
 # ----------------------------------------------------------------------------- report
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--llama-python", required=True, help="python of a venv with llama-cpp-python")
@@ -362,9 +354,9 @@ def main() -> None:
     print("greedy agreement (tokens after the prompt, the first from prefill):")
     n = 1 + steps
     for key in ("llama F32", "llama Q4_1", "ours bN", "ours fwd"):
-        same = _common_prefix(seqs["ours b1"], seqs[key])
+        same = common_prefix(seqs["ours b1"], seqs[key])
         print(f"  ours b1 vs {key}: first {same} of {n} tokens identical")
-    same = _common_prefix(seqs["llama F32"], seqs["llama Q4_1"])
+    same = common_prefix(seqs["llama F32"], seqs["llama Q4_1"])
     print(f"  llama F32 vs llama Q4_1: first {same} of {n} tokens identical")
     for key in ("ours b1", "llama F32", "llama Q4_1"):
         text = tok.decode(seqs[key][:32], skip_special_tokens=False)

@@ -188,6 +188,16 @@ class RelayDecode:
 
 
 @attrs.frozen(slots=True)
+class DispatchLocal:
+    """Post the request to D alone, without bootstrap fields: D prefills it (issue 16 §4)."""
+
+    room: int
+    request_id: str
+    decode: str
+    reason: str  # "short_prompt" | "prefill_busy"
+
+
+@attrs.frozen(slots=True)
 class AbortLeg:
     room: int
     leg: str  # "prefill" | "decode"
@@ -200,4 +210,4 @@ class ReplyError:
     reason: str
 
 
-RouterEffect = DispatchRoom | RelayDecode | AbortLeg | ReplyError
+RouterEffect = DispatchRoom | DispatchLocal | RelayDecode | AbortLeg | ReplyError

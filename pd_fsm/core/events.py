@@ -12,6 +12,7 @@ from typing import Generic, TypeVar
 import attrs
 
 from pd_fsm.core.messages import Message, TokenLogprob
+from pd_fsm.core.routing import Prompt
 
 
 @attrs.frozen(slots=True)
@@ -146,9 +147,11 @@ class InstanceDeregistered:
 
 @attrs.frozen(slots=True)
 class RoomRequested:
-    """A client request arrived at the proxy: draw a room, pick P and D."""
+    """A client request arrived at the proxy: draw a room, pick P and D (or D alone)."""
 
     request_id: str
+    # For cache_aware routing and conditional disaggregation.
+    prompt: Prompt = attrs.field(factory=Prompt)
 
 
 @attrs.frozen(slots=True)

@@ -1,13 +1,15 @@
 """RoomRouter: the proxy's rooms (table room). RFC-2 §5.7.
 
-Rooms are drawn uniform in [0, 2^63) from an injected RNG (never a live one twice); P is chosen
-round-robin; D is sticky to the room (the same room always maps to the same D, so a retried leg
-lands where its pages are).
+Rooms are drawn uniform in [0, 2^63) from an injected RNG (never a live one twice); P and D are
+chosen by the routing policies (``routing.RoutePlanner``: round-robin by default), or D alone
+when conditional disaggregation says D should prefill the room itself. A room keeps its workers
+to its end (a retried leg lands where its pages are).
 """
 
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import attrs
 
@@ -17,6 +19,7 @@ from pd_fsm.core.config import RouterConfig
 from pd_fsm.core.dispatch import bind_effects
 from pd_fsm.core.errors import LocalProtocolError
 from pd_fsm.core.messages import MAX_ROOM
+from pd_fsm.core.routing import RoutePlanner, RoutingConfig
 from pd_fsm.core.tables import ROOM
 from pd_fsm.core.timers import DeadlineHeap
 
@@ -25,10 +28,11 @@ from pd_fsm.core.timers import DeadlineHeap
 class _Room:
     room: int
     request_id: str
-    prefill: str
+    prefill: str  # "" for a room D prefills alone
     decode: str
     state: str = ROOM.initial
     reason: str = ""
+    route: str = ""  # why D prefills it alone (a local room)
 
 
 class RoomRouter:
@@ -40,12 +44,14 @@ class RoomRouter:
         decode: list[str],
         rng: random.Random,
         config: RouterConfig | None = None,
+        routing: RoutingConfig | None = None,
     ) -> None:
         self.config = config or RouterConfig()
         self._rng = rng
+        self.planner = RoutePlanner(routing or RoutingConfig(), rng)
         self._prefill: list[str] = []
         self._decode: list[str] = []
-        self._next_prefill = 0
+        self._live: Counter[str] = Counter()  # live rooms per worker (the planner's load)
         self.set_workers(prefill, decode)
         self.rooms: dict[int, _Room] = {}
         self._timers: DeadlineHeap[int] = DeadlineHeap()
@@ -57,8 +63,7 @@ class RoomRouter:
         """Replace the worker lists (static flags or the bootstrap server's /list)."""
         self._prefill = list(prefill)
         self._decode = list(decode)
-        if self._prefill:
-            self._next_prefill %= len(self._prefill)
+        self.planner.keep(self._prefill, self._decode)
 
     # -- entry point --------------------------------------------------------------------------
 
@@ -106,13 +111,13 @@ class RoomRouter:
         room = self._rng.randrange(MAX_ROOM)
         while room in self.rooms:
             room = self._rng.randrange(MAX_ROOM)
-        prefill = self._prefill[self._next_prefill]
-        self._next_prefill = (self._next_prefill + 1) % len(self._prefill)
-        decode = self._decode[room % len(self._decode)]
-        r = _Room(room, e.request_id, prefill, decode)
+        route = self.planner.plan(self._prefill, self._decode, e.prompt, self._live)
+        r = _Room(room, e.request_id, route.prefill or "", route.decode,
+                  route=route.prefill_reason)
         self.rooms[room] = r
+        self._live.update(w for w in (r.prefill, r.decode) if w)
         self._timers.set(room, now + self.config.room_timeout)
-        self._step(r, "Dispatched", out, "")
+        self._step(r, "Dispatched" if route.prefill else "DispatchedLocal", out, "")
 
     def _step(self, r: _Room, trigger: str, out: list[fx.RouterEffect], reason: str) -> None:
         tr = self.table.step(r.state, trigger)
@@ -124,6 +129,7 @@ class RoomRouter:
             self._fx[name](r, out)
         if tr.target in self.table.terminal:
             del self.rooms[r.room]
+            self._live.subtract(w for w in (r.prefill, r.decode) if w)
             self._timers.cancel(r.room)
             self.outcomes[tr.target] += 1
 
@@ -131,6 +137,9 @@ class RoomRouter:
 
     def _fx_PostBothLegs(self, r: _Room, out: list[fx.RouterEffect]) -> None:
         out.append(fx.DispatchRoom(r.room, r.request_id, r.prefill, r.decode))
+
+    def _fx_PostDecodeAlone(self, r: _Room, out: list[fx.RouterEffect]) -> None:
+        out.append(fx.DispatchLocal(r.room, r.request_id, r.decode, r.route))
 
     def _fx_RelayDecode(self, r: _Room, out: list[fx.RouterEffect]) -> None:
         out.append(fx.RelayDecode(r.room))

@@ -16,6 +16,7 @@ this run, interpolated in the buckets as Prometheus' ``histogram_quantile`` does
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import random
@@ -53,16 +54,67 @@ class Prompt:
     words: int
 
 
-def make_prompts(dataset: str, n: int, seed: int) -> list[Prompt]:
-    """``n`` prompts drawn from a fixed word list: the same for a given (dataset, n, seed)."""
+SHARED = ("shared-prefix", "multi-turn")  # datasets whose prompts share prefixes
+
+
+def _words(rng: random.Random, k: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(k))
+
+
+def make_prompts(dataset: str, n: int, seed: int, groups: int = 4,
+                 prefix_words: int = 300) -> list[Prompt]:
+    """``n`` prompts drawn from a fixed word list: the same for given arguments.
+
+    ``shared-prefix``: ``groups`` system prompts of ``prefix_words`` words, prompt i the
+    (i mod groups)-th one and a question of 8 to 32 words. ``multi-turn``: ``groups``
+    conversations, prompt i the next turn of conversation i mod groups: a system prompt of
+    ``prefix_words`` words, every earlier turn (question and a 16-word answer) and a new
+    question of 8 to 16 words, so each turn resends the history."""
     rng = random.Random(seed)
+    if dataset in SHARED:
+        systems = [_words(rng, prefix_words) for _ in range(groups)]
+        history = list(systems)
+        prompts = []
+        for i in range(n):
+            g = i % groups
+            if dataset == "shared-prefix":
+                text = f"{systems[g]} Question: {_words(rng, rng.randint(8, 32))}"
+            else:
+                text = f"{history[g]} Question: {_words(rng, rng.randint(8, 16))}"
+                history[g] = f"{text} Answer: {_words(rng, 16)}"
+            prompts.append(Prompt(text, len(text.split())))
+        return prompts
     prompts = []
     for i in range(n):
         kind = dataset if dataset != "mixed" else ("short" if i % 2 == 0 else "long")
         lo, hi = DATASETS[kind]
         k = rng.randint(lo, hi)
-        prompts.append(Prompt(" ".join(rng.choice(WORDS) for _ in range(k)), k))
+        prompts.append(Prompt(_words(rng, k), k))
     return prompts
+
+
+def common_prefix(a: Sequence[object], b: Sequence[object]) -> int:
+    """How many leading items ``a`` and ``b`` share (characters of strings, token ids)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def prefix_reuse(prompts: Sequence[Prompt]) -> float:
+    """The share of the prompts' characters that begin like an earlier prompt (the longest
+    common prefix with any earlier one): what a perfect prefix cache could skip."""
+    earlier: list[str] = []  # sorted: the longest common prefix is with a neighbour
+    total = shared = 0
+    for p in prompts:
+        total += len(p.text)
+        at = bisect.bisect_left(earlier, p.text)
+        shared += max((common_prefix(p.text, q) for q in earlier[max(at - 1, 0) : at + 1]),
+                      default=0)
+        earlier.insert(at, p.text)
+    return shared / total if total else 0.0
 
 
 @attrs.define
@@ -372,8 +424,69 @@ async def scrape(http: httpx.AsyncClient, urls: Sequence[str]) -> dict[str, Hist
     return out
 
 
+# Samples summed per side for the cache and transfer lines (counters and a histogram's sum).
+_TOTALS = {
+    "kv_bytes": "pd_fsm_worker_kv_transfer_bytes_sum",
+    "prompt_tokens": "pd_fsm_worker_backend_prompt_tokens_total",
+    "cached_tokens": "pd_fsm_worker_backend_prefix_cache_hit_tokens_total",
+    "route": "pd_fsm_proxy_route_decisions_total",
+}
+
+
+async def scrape_totals(http: httpx.AsyncClient, urls: Sequence[str]
+                        ) -> dict[str, dict[str, float]]:
+    """Each URL's ``_TOTALS`` samples (a labelled one as ``what:label``)."""
+    wanted = {v: k for k, v in _TOTALS.items()}
+    out: dict[str, dict[str, float]] = {}
+    for url in urls:
+        try:
+            r = await http.get(f"{url}/metrics")
+        except httpx.HTTPError:
+            continue
+        if r.status_code != 200:
+            continue
+        row = out.setdefault(url, {})
+        for family in text_string_to_metric_families(r.text):
+            for sample in family.samples:
+                what = wanted.get(sample.name)
+                if what is not None:
+                    key = ":".join([what, *sample.labels.values()])
+                    row[key] = row.get(key, 0.0) + sample.value
+    return out
+
+
+def cache_lines(prompts: Sequence[Prompt], completed: int, sides: dict[str, str],
+                before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+                ) -> str:
+    """Prefix reuse of the prompt set, and what this run's caches, transfers and routing did:
+    KV bytes D pulled per completed request, prompt tokens each side's prefix cache served,
+    the proxy's routing decisions."""
+    delta: dict[str, dict[str, float]] = {}
+    for url, row in after.items():
+        side = delta.setdefault(sides.get(url, "worker"), {})
+        for key, value in row.items():
+            side[key] = side.get(key, 0.0) + value - before.get(url, {}).get(key, 0.0)
+    lines = [f"prefix reuse of the prompt set: {100 * prefix_reuse(prompts):.1f} % "
+             "(characters that begin like an earlier prompt)"]
+    pulled = delta.get("D", {}).get("kv_bytes", 0.0)
+    lines.append(f"KV bytes pulled per request: {pulled / max(completed, 1) / 1e6:.3f} MB "
+                 f"({pulled / 1e6:.1f} MB in all)")
+    for side in ("P", "D", "worker"):
+        d = delta.get(side, {})
+        if d.get("prompt_tokens"):
+            lines.append(f"{side}: prompt tokens from its prefix cache "
+                         f"{100 * d.get('cached_tokens', 0.0) / d['prompt_tokens']:.1f} % "
+                         f"({d.get('cached_tokens', 0.0):.0f} of {d['prompt_tokens']:.0f})")
+    routes = {k.removeprefix("route:"): v for k, v in delta.get("proxy", {}).items()
+              if k.startswith("route:") and v}
+    if routes:
+        lines.append("routing: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(routes.items())))
+    return "\n".join(lines)
+
+
 async def _main(args: argparse.Namespace) -> int:
-    prompts = make_prompts(args.dataset, args.num_prompts, args.seed)
+    prompts = make_prompts(args.dataset, args.num_prompts, args.seed, args.num_prefixes,
+                           args.prefix_words)
     if args.warmup:
         # One request per server first: compiles and caches warm outside the measurement.
         warm = argparse.Namespace(**{**vars(args), "request_rate": math.inf})
@@ -383,11 +496,16 @@ async def _main(args: argparse.Namespace) -> int:
     async with httpx.AsyncClient(timeout=10, headers=headers) as http:
         urls = await metrics_urls(http, args.url, args.metrics_url)
         before = await scrape(http, urls)
+        totals_before = await scrape_totals(http, urls)
         target = await run_load(args.url, args, prompts)
         after = await scrape(http, urls)
+        totals_after = await scrape_totals(http, urls)
     compare = await run_load(args.compare, args, prompts) if args.compare else None
     print(render(target, compare, args.url, args.compare), flush=True)
     print(phase_table(before, after), flush=True)
+    sides = {url: side_of(hists) for url, hists in after.items()}
+    completed = sum(r.ok for r in target.results)
+    print(cache_lines(prompts, completed, sides, totals_before, totals_after), flush=True)
     return 0 if all(r.ok for r in target.results) else 1
 
 
@@ -396,7 +514,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--url", required=True, help="server (proxy or worker) base URL")
     p.add_argument("--compare", default=None, help="run the same load against this URL too")
     p.add_argument("--endpoint", choices=tuple(PATHS), default="completions")
-    p.add_argument("--dataset", choices=("short", "long", "mixed"), default="mixed")
+    p.add_argument("--dataset", choices=("short", "long", "mixed", *SHARED), default="mixed",
+                   help="short / long / mixed random prompts; shared-prefix: system prompts "
+                        "and questions; multi-turn: conversations resending their history")
+    p.add_argument("--num-prefixes", type=int, default=4,
+                   help="shared-prefix / multi-turn: system prompts or conversations (4)")
+    p.add_argument("--prefix-words", type=int, default=300,
+                   help="shared-prefix / multi-turn: words in each system prompt (300)")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests per second, Poisson arrivals (default: all at once)")
@@ -414,8 +538,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.num_prompts <= 0 or args.max_tokens <= 0 or args.request_rate <= 0:
-        print("pd-fsm bench: --num-prompts, --max-tokens, --request-rate must be > 0",
+    if (args.num_prompts <= 0 or args.max_tokens <= 0 or args.request_rate <= 0
+            or args.num_prefixes <= 0 or args.prefix_words < 0):
+        print("pd-fsm bench: --num-prompts, --max-tokens, --request-rate, --num-prefixes must "
+              "be > 0 (--prefix-words >= 0)",
               file=sys.stderr)
         return 2
     return trio.run(_main, args)

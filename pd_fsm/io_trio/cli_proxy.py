@@ -14,6 +14,7 @@ import sys
 import trio
 
 from pd_fsm.core.config import RouterConfig
+from pd_fsm.core.routing import POLICIES, RoutingConfig
 from pd_fsm.io_trio.api_key import add_api_key_arguments, api_key_from_args
 from pd_fsm.io_trio.cli_common import STOP_GRACE_S, run_service, stop_on_signal
 from pd_fsm.io_trio.proxy import PrefillTarget, Proxy, serve_proxy
@@ -35,6 +36,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="seconds between /list refreshes (default 5)")
     p.add_argument("--room-timeout", type=float, default=RouterConfig().room_timeout,
                    help="every room ends by this many seconds (default 600)")
+    add_routing_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="INFO")
@@ -42,6 +44,60 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_api_key_arguments(p)
     add_api_key_arguments(p, "worker-", who="the proxy sends to every worker; workers expect")
     p.set_defaults(func=main)
+
+
+def add_routing_arguments(p: argparse.ArgumentParser) -> None:
+    d = RoutingConfig()
+    g = p.add_argument_group("routing (core/routing.py)")
+    for leg in ("prefill", "decode"):
+        g.add_argument(f"--{leg}-policy", choices=POLICIES, default=getattr(d, f"{leg}_policy"),
+                       help=f"how a {leg} worker is chosen (default round_robin)")
+    g.add_argument("--cache-threshold", type=float, default=d.cache_threshold,
+                   help="cache_aware: share of the prompt a worker's index must hold to be "
+                        "chosen for it (default 0.5)")
+    g.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs,
+                   help="cache_aware routes by load alone when the loads differ by more than "
+                        "this ... (default 32)")
+    g.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel,
+                   help="... and the largest is above this times the smallest (default 1.5)")
+    g.add_argument("--max-tree-blocks", type=int, default=d.index_blocks,
+                   help="cache_aware: prompt blocks remembered per worker (default 65536)")
+    g.add_argument("--local-prefill-tokens", type=int, default=0, metavar="N",
+                   help="conditional disaggregation: D prefills alone a prompt whose uncached "
+                        "part is at most N tokens (text estimated at 4 characters a token; "
+                        "default 0: off)")
+    g.add_argument("--local-prefill-queue", type=int, default=0, metavar="N",
+                   help="conditional disaggregation: D prefills alone while every prefill "
+                        "worker has at least N requests (default 0: off)")
+    g.add_argument("--load-interval", type=float, default=1.0,
+                   help="seconds between polls of the workers' /get_load, for power_of_two, "
+                        "cache_aware and --local-prefill-queue (default 1)")
+
+
+def routing_from_args(args: argparse.Namespace) -> RoutingConfig:
+    """Raises ValueError naming a bad value."""
+    if args.load_interval <= 0:
+        raise ValueError("--load-interval must be positive")
+    try:
+        return RoutingConfig(
+            prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
+            cache_threshold=args.cache_threshold, balance_abs=args.balance_abs_threshold,
+            balance_rel=args.balance_rel_threshold, index_blocks=args.max_tree_blocks,
+            local_prefill_tokens=args.local_prefill_tokens,
+            local_prefill_queue=args.local_prefill_queue,
+        )
+    except ValueError as exc:
+        message = str(exc)
+        for attr, flag in _FLAG_OF.items():
+            message = message.replace(f"'{attr}'", flag).replace(attr, flag)
+        raise ValueError(message) from None
+
+
+_FLAG_OF = {"balance_abs": "--balance-abs-threshold", "balance_rel": "--balance-rel-threshold",
+            "index_blocks": "--max-tree-blocks", "prefill_policy": "--prefill-policy",
+            "decode_policy": "--decode-policy", "cache_threshold": "--cache-threshold",
+            "local_prefill_tokens": "--local-prefill-tokens",
+            "local_prefill_queue": "--local-prefill-queue"}
 
 
 def parse_prefill(items: list[list[str]]) -> list[PrefillTarget]:
@@ -79,12 +135,14 @@ def main(args: argparse.Namespace) -> int:
         api_key = api_key_from_args(args)
         worker_api_key = api_key_from_args(args, "worker-")
         tls = tls_from_args(args)
+        routing = routing_from_args(args)
     except ValueError as exc:
         log.error("%s", exc)
         return 2
     proxy = Proxy(prefill, args.decode, bootstrap_url=args.bootstrap_url,
                   refresh_interval=args.refresh_interval, room_timeout=args.room_timeout,
-                  api_key=api_key, worker_api_key=worker_api_key, tls=tls)
+                  api_key=api_key, worker_api_key=worker_api_key, tls=tls, routing=routing,
+                  load_interval=args.load_interval)
     return run_service(_run, proxy, args.host, args.port, host=args.host, port=args.port, log=log)
 
 

@@ -148,7 +148,7 @@ def plan(args: argparse.Namespace, tls: TLS = NO_TLS) -> list[Child]:
         ))
     if n_p and n_d:
         proxy_args = ["proxy", "--host", HOST, "--port", str(proxy_port), *keyed, *quiet,
-                      *tls.argv()]
+                      *tls.argv(), *shlex.split(args.proxy_args or "")]
         if keyed:
             proxy_args += ["--worker-api-key-file", str(args.api_key_file)]
         for child, side in zip(children[1 : 1 + n_p], side_ports, strict=True):
@@ -378,6 +378,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="workers and proxy require 'Authorization: Bearer <key in FILE>'")
     p.add_argument("--worker-args", default="",
                    help="more `pd-fsm serve` flags for every worker, as one quoted string")
+    p.add_argument("--proxy-args", default="",
+                   help="more `pd-fsm proxy` flags, as one quoted string (e.g. "
+                        "'--prefill-policy cache_aware --local-prefill-tokens 32')")
     p.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds for every child to answer /health (default 600)")
     p.add_argument("--ask", metavar="PROMPT", default=None,

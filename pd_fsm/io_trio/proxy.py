@@ -1,12 +1,14 @@
 """The PD proxy (RFC-2 §5.7): every client request becomes a room of the core's RoomRouter.
 
-The router decides (room id uniform in [0, 2^63), P round-robin, D sticky to the room, what
-happens when a leg fails, times out or the client leaves); this adapter only carries out its
-effects and feeds it what happened:
+The router decides (room id uniform in [0, 2^63), which P and D by the routing policies of
+``core.routing`` — or D alone, conditional disaggregation — what happens when a leg fails, times
+out or the client leaves); this adapter only carries out its effects and feeds it what happened
+(and, for the load-aware policies, the workers' ``/get_load`` polled every ``load_interval``):
 
 * ``DispatchRoom`` -> post the same body to P and D concurrently (one pooled httpx client), with
   ``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room`` injected (and ``rid`` when the
   client gave none, so the legs can be aborted by name);
+* ``DispatchLocal`` -> post the body to D alone, without bootstrap fields: D prefills it;
 * ``RelayDecode`` -> the client gets D's status and body, SSE relayed chunk by chunk as it
   arrives; prompt log-probs, which only P computes, are put into D's answer from P's
   (``logprob_merge``: P's leg then goes unstreamed, and D's is relayed once P's is in). The room
@@ -48,9 +50,11 @@ from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.config import RouterConfig
 from pd_fsm.core.router import RoomRouter
+from pd_fsm.core.routing import RoutingConfig
 from pd_fsm.io_trio.api_key import ApiKeyGate, bearer
 from pd_fsm.io_trio.http_server import http_client, serve_app
 from pd_fsm.io_trio.logprob_merge import SseRewriter, merge, wants_prompt_logprobs
+from pd_fsm.io_trio.prompt_key import prompt_of
 from pd_fsm.io_trio.proxy_batch import BatchResponse
 from pd_fsm.io_trio.tls import NO_TLS, TLS
 from pd_fsm.io_trio.worker.metrics import StatsCollector
@@ -65,8 +69,10 @@ INFO_PATHS = ("/v1/models", "/model_info", "/get_model_info", "/server_info", "/
 FORWARD_HEADERS = ("authorization", "x-request-id")
 ABORT_TIMEOUT = 5.0
 HEALTH_PROBE_S = 2.0  # a worker that does not answer its /health within this is not healthy
+LOAD_PROBE_S = 2.0  # a worker whose /get_load takes longer keeps no polled load this round
 _SSE_DONE = b"data: [DONE]\n\n"  # the last event of an sglang / OpenAI stream
 MAX_BODY = 8 * 1024 * 1024
+BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
 @attrs.frozen
@@ -113,7 +119,7 @@ class _Session:
     return_logprob: bool
     prompt_logprobs: bool = False  # P's answer has positions D's lacks (logprob_merge)
     room: int = -1
-    prefill: str = ""
+    prefill: str = ""  # "" when D prefills the room alone (DispatchLocal)
     decode: str = ""
     rid: str = ""
     relay: bool = False  # RelayDecode: D's answer goes to the client
@@ -145,6 +151,8 @@ class Proxy:
         api_key: str | None = None,
         worker_api_key: str | None = None,
         tls: TLS = NO_TLS,
+        routing: RoutingConfig | None = None,
+        load_interval: float = 1.0,
     ) -> None:
         self.tls = tls  # serves HTTPS if it has a certificate; verifies workers against its CA
         self._targets = {p.url: p for p in prefill}
@@ -156,7 +164,10 @@ class Proxy:
             [d.rstrip("/") for d in decode],
             rng or random.Random(),
             RouterConfig(room_timeout=room_timeout),
+            routing,
         )
+        self.load_interval = load_interval
+        self.load_polls_failed = 0
         self.decode_urls = [d.rstrip("/") for d in decode]
         self.bootstrap_url = bootstrap_url.rstrip("/") if bootstrap_url else None
         self.refresh_interval = refresh_interval
@@ -203,6 +214,8 @@ class Proxy:
                 nursery.start_soon(self._timer)
                 if self.bootstrap_url is not None:
                     await nursery.start(self._discover)
+                if self.router.planner.wants_loads:
+                    nursery.start_soon(self._poll_loads)
                 task_status.started()
         finally:
             if self._own_client:
@@ -217,6 +230,9 @@ class Proxy:
             "aborts_sent_total": dict(self.aborts_sent),
             "prefill_workers": len(self._targets),
             "decode_workers": len(self.decode_urls),
+            # "prefill:cache_hit", "decode:round_robin", "local:short_prompt", ...
+            "route_decisions_total": dict(self.router.planner.decisions),
+            "load_polls_failed_total": self.load_polls_failed,
         }
 
     # ------------------------------------------------------------------ the router
@@ -230,9 +246,10 @@ class Proxy:
             self._apply(effect, failure if effect.room == room else None)
 
     def _apply(self, effect: Any, failure: tuple[int, Any] | None) -> None:
-        if isinstance(effect, fx.DispatchRoom):
+        if isinstance(effect, fx.DispatchRoom | fx.DispatchLocal):
             s = self._dispatching.pop(effect.request_id)
-            s.room, s.prefill, s.decode = effect.room, effect.prefill, effect.decode
+            s.room, s.decode = effect.room, effect.decode
+            s.prefill = effect.prefill if isinstance(effect, fx.DispatchRoom) else ""
             self._sessions[effect.room] = s
             self._timer_wake.set()
             return
@@ -272,6 +289,28 @@ class Proxy:
                 await self._timer_wake.wait()
                 continue
             self._feed(ev.TimeAdvanced())
+
+    # ------------------------------------------------------------------ loads
+
+    async def _poll_loads(self) -> None:
+        """Every ``load_interval``, each worker's ``/get_load`` (its ``num_reqs``, all ranks) for
+        the load-aware policies; a worker that does not answer keeps no polled load."""
+        while True:
+            loads: dict[str, int] = {}
+            async with trio.open_nursery() as nursery:
+                for url in {*self._targets, *self.decode_urls}:
+                    nursery.start_soon(self._probe_load, url, loads)
+            self.router.planner.set_loads(loads)
+            await trio.sleep(self.load_interval)
+
+    async def _probe_load(self, url: str, loads: dict[str, int]) -> None:
+        try:
+            with trio.fail_after(LOAD_PROBE_S):
+                r = await self.client.get(f"{url}/get_load", headers=self._worker_headers)
+            r.raise_for_status()
+            loads[url] = sum(int(rank["num_reqs"]) for rank in r.json())
+        except (httpx.HTTPError, trio.TooSlowError, ValueError, KeyError, TypeError):
+            self.load_polls_failed += 1
 
     # ------------------------------------------------------------------ discovery
 
@@ -411,14 +450,20 @@ class Proxy:
         )
         self._no_worker = None
         self._dispatching[s.request_id] = s
-        self._feed(ev.RoomRequested(s.request_id))
+        self._feed(ev.RoomRequested(s.request_id, prompt_of(path, body)))
         if s.room < 0:
             self._dispatching.pop(s.request_id, None)
             reason = self._no_worker or "no workers available"
             return self._reply_now(path, 503, _error_body(503, reason, "no_workers"))
-        target = self._targets.get(s.prefill)
         rid = body.get("rid")
         s.rid = rid if isinstance(rid, str) and rid else f"pdfsm-{s.room:016x}"
+        if not s.prefill:  # D prefills it: a plain request, D computes its prompt log-probs too
+            s.body = {k: v for k, v in body.items() if k not in BOOTSTRAP_FIELDS}
+            s.body["rid"] = s.rid
+            s.prompt_logprobs = False
+            s.p_done.set()
+            return RoomResponse(self, s)
+        target = self._targets.get(s.prefill)
         s.body = {
             **body,
             "rid": s.rid,
@@ -546,7 +591,7 @@ class Proxy:
             return
         raw = await resp.aread()
         self._first_byte(s)  # a plain answer is read whole: its first byte is its last
-        if s.return_logprob or s.prompt_logprobs:
+        if s.prefill and (s.return_logprob or s.prompt_logprobs):
             raw = await self._merge_logprobs(s, raw)
         await send({"type": "http.response.start", "status": resp.status_code,
                     "headers": headers})
@@ -592,7 +637,8 @@ class RoomResponse:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_client, receive, nursery.cancel_scope)
-                proxy._nursery.start_soon(proxy._prefill_leg, s)
+                if s.prefill:
+                    proxy._nursery.start_soon(proxy._prefill_leg, s)
                 nursery.start_soon(proxy._decode_leg, s, send)
                 await s.decided.wait()
                 if s.error is not None:

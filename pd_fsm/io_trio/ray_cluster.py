@@ -30,6 +30,7 @@ import contextlib
 import ctypes
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -321,7 +322,7 @@ class RayCluster:
         if a.prefill:
             proxy_argv = ["proxy", "--host", "{host}", "--port", "{port0}", "--bootstrap-url",
                           f"http://{boot_host}:{boot_port}", "--refresh-interval", "1",
-                          *self.quiet]
+                          *self.quiet, *shlex.split(a.proxy_args or "")]
             proxy = self._spawn("proxy", "proxy", 0, 0, proxy_argv, 1, 0,
                                 extra=f"{a.prefill} prefill, {a.decode} decode")
             self._info(proxy)

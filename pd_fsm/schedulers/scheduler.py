@@ -124,6 +124,8 @@ class SchedulerStats:
     prefilling: int
     running: int
     forward_shapes: int  # distinct padded forward shapes used so far (each compiles once)
+    cache_hit_tokens: int = 0  # prompt tokens served from the prefix cache, ever
+    cache_evicted_pages: int = 0
 
 
 class Scheduler:
@@ -138,6 +140,7 @@ class Scheduler:
         self.pool_config = self.config.kv_pool_config(args.num_pages, args.page_size)
         self.allocator = PageAllocator(args.num_pages)
         self.cache = RadixCache(self.allocator, args.page_size) if args.radix_cache else None
+        self.cache_hit_tokens = 0  # counted once per request that got its pages
         self.kv_holder = self._create_kv_holder()
         limit = args.context_length or self.config.max_position
         self.context_length = min(limit, self.config.max_position)
@@ -255,6 +258,8 @@ class Scheduler:
             prefilling=len(self.prefilling),
             running=len(self.running),
             forward_shapes=len(self.forward_shapes),
+            cache_hit_tokens=self.cache_hit_tokens,
+            cache_evicted_pages=0 if self.cache is None else self.cache.evicted,
         )
 
     # ----------------------------------------------------------------- compiled shapes
@@ -356,6 +361,7 @@ class Scheduler:
             return False
         req.pages = cached + pages
         req.prefilled = req.cached_tokens = len(cached) * self.args.page_size
+        self.cache_hit_tokens += req.cached_tokens
         return True
 
     def _caches(self, req: Req) -> bool:

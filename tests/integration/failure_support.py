@@ -384,8 +384,10 @@ async def wait_until(check: Callable[[], Awaitable[T | None]], timeout: float, w
 def leftovers(s: dict[str, Any]) -> list[str]:
     """What a worker still holds for requests; empty when it is back to idle."""
     out = []
-    if s.get("free_pages") != s.get("total_pages"):
-        out.append(f"pages free {s.get('free_pages')} of {s.get('total_pages')}")
+    # Pages held by the prefix cache alone are no request's (evicted when wanted).
+    if s.get("free_pages", 0) + s.get("cached_pages", 0) != s.get("total_pages"):
+        out.append(f"pages free {s.get('free_pages')} (+{s.get('cached_pages', 0)} cached) "
+                   f"of {s.get('total_pages')}")
     for key in ("waiting", "prefilling", "running", "queued", "live_requests"):
         if s.get(key):
             out.append(f"{key} {s[key]}")

@@ -59,12 +59,19 @@ def sse_events(raw: str) -> list[Any]:
     return out
 
 
+def idle_pages(load: dict[str, Any]) -> bool:
+    """A /get_load row whose pages are all free or held by the prefix cache alone."""
+    return bool(load["num_pages_free"] + load.get("num_pages_cached", 0)
+                == load["num_pages_total"])
+
+
 async def wait_idle(http: httpx.AsyncClient, timeout: float = 30) -> dict[str, Any]:
-    """/get_load once nothing is running and every page is free again."""
+    """/get_load once nothing is running and every page is free again (or held by the prefix
+    cache alone: evictable, no request's)."""
     with trio.fail_after(timeout):
         while True:
             load = (await http.get("/get_load")).json()[0]
-            if load["num_reqs"] == 0 and load["num_pages_free"] == load["num_pages_total"]:
+            if load["num_reqs"] == 0 and idle_pages(load):
                 return dict(load)
             await trio.sleep(0.05)
 

@@ -21,6 +21,7 @@ import pytest
 
 from tests.integration.failure_support import cli
 from tests.integration.netns_support import Hosts, NsClient, NsFleet, namespaces_unavailable
+from tests.integration.serve_support import idle_pages
 
 pytestmark = [pytest.mark.slow]
 
@@ -158,7 +159,7 @@ def _all_idle(env: TwoHosts, timeout: float = 60) -> None:
             transfer = stats.get("transfer", {})
             seen[base] = (load, stats.get("transfer_registrations", 0), transfer)
         if all(
-            load["num_pages_free"] == load["num_pages_total"] and load["num_reqs"] == 0
+            idle_pages(load) and load["num_reqs"] == 0
             and regs == 0 and transfer.get("registered", 0) == transfer.get("released", 0)
             for load, regs, transfer in seen.values()
         ):

@@ -9,7 +9,16 @@ import math
 import pytest
 import trio
 
-from pd_fsm.io_trio.bench_client import _main, add_parser, make_prompts, render, run_load
+from pd_fsm.io_trio.bench_client import (
+    Prompt,
+    _main,
+    add_parser,
+    cache_lines,
+    make_prompts,
+    prefix_reuse,
+    render,
+    run_load,
+)
 from tests.integration.serve_support import start_worker
 
 
@@ -53,3 +62,29 @@ async def test_bench_prints_where_the_time_went(nursery: trio.Nursery,
     assert "TTFT p50 ms" in out and "where the time went" in out
     ttft = [line.split() for line in out.splitlines() if "time_to_first_token" in line]
     assert len(ttft) == 1 and ttft[0][0] == "worker" and ttft[0][-1] == "3"
+
+
+def test_shared_prefix_datasets_share_what_they_say() -> None:
+    shared = make_prompts("shared-prefix", 12, seed=1, groups=3, prefix_words=50)
+    system = [p.text.split(" Question: ")[0] for p in shared]
+    assert system[:3] == system[3:6] == system[9:12] and len(set(system[:3])) == 3
+    turns = make_prompts("multi-turn", 9, seed=1, groups=3, prefix_words=20)
+    for i in range(6):  # each turn resends its conversation's previous turn and answer
+        assert turns[i + 3].text.startswith(turns[i].text + " Answer: ")
+    assert prefix_reuse([Prompt("abcd", 1), Prompt("abxy", 1)]) == 2 / 8
+    assert prefix_reuse(make_prompts("mixed", 8, seed=0)) < 0.05
+    assert prefix_reuse(make_prompts("shared-prefix", 32, seed=0)) > 0.8
+
+
+def test_cache_lines_report_this_run_per_side() -> None:
+    before = {"http://d": {"kv_bytes": 1e6, "prompt_tokens": 10.0},
+              "http://p": {"prompt_tokens": 100.0, "cached_tokens": 0.0},
+              "http://x": {"route:prefill:cache_hit": 2.0}}
+    after = {"http://d": {"kv_bytes": 5e6, "prompt_tokens": 10.0},
+             "http://p": {"prompt_tokens": 300.0, "cached_tokens": 150.0},
+             "http://x": {"route:prefill:cache_hit": 6.0, "route:prefill:cache_miss": 1.0}}
+    sides = {"http://d": "D", "http://p": "P", "http://x": "proxy"}
+    text = cache_lines([Prompt("a", 1)], 4, sides, before, after)
+    assert "KV bytes pulled per request: 1.000 MB" in text
+    assert "P: prompt tokens from its prefix cache 75.0 % (150 of 200)" in text
+    assert "routing: prefill:cache_hit 4, prefill:cache_miss 1" in text

@@ -135,6 +135,7 @@ class PDNetwork(RuleBasedStateMachine):
         # P's simulated scheduler and transfer server
         self.p_pages: dict[int, int] = {}  # room -> pages held
         self.d_skip: dict[int, int] = {}  # room -> leading pages D's prefix cache held
+        self.p_reg_skip: dict[int, int] = {}  # uuid -> leading pages its registration left out
         self.p_registered: dict[int, int] = {}  # uuid -> room
         self.p_released: set[int] = set()  # rooms whose KV P released (ever, this incarnation)
         self.p_pending_prefill: set[int] = set()
@@ -177,9 +178,16 @@ class PDNetwork(RuleBasedStateMachine):
                 self._send(P_ADDR, e.peer, e.message)
             elif isinstance(e, fx.RegisterKV):
                 assert e.room in self.p_pages, "registered KV of a room without pages"
-                # Only what the D that bound the room lacks (its prefix cache holds the rest).
-                assert e.skip_pages == self.d_skip.get(e.room, 0), "P sends the wrong pages"
+                # Before D's RECV_INIT the whole prompt (narrowed when it comes), after it only
+                # what D lacks (its prefix cache holds the rest).
+                assert e.skip_pages in (0, self.d_skip.get(e.room, 0)), "P sends the wrong pages"
                 self.p_registered[e.uuid] = e.room
+                self.p_reg_skip[e.uuid] = e.skip_pages
+            elif isinstance(e, fx.NarrowKV):
+                assert self.p_registered.pop(e.replaces, None) == e.room, "narrowed a stranger"
+                assert e.skip_pages == self.d_skip.get(e.room, 0) > 0, "narrowed to wrong pages"
+                self.p_registered[e.uuid] = e.room
+                self.p_reg_skip[e.uuid] = e.skip_pages
             elif isinstance(e, fx.ReleaseKV):
                 assert e.room not in self.p_released, f"room {e.room}: P released KV twice"
                 assert e.room in self.p_pages, f"room {e.room}: release of pages never held"
@@ -210,6 +218,8 @@ class PDNetwork(RuleBasedStateMachine):
                 assert (e.skip_pages, e.skip_pages + e.n_pages) == (
                     self.d_skip.get(e.room, 0), self.d_pages[i][e.room]
                 ), "the pull must fill exactly the pages after the cached ones"
+                # ... from a registration of exactly those pages (P's, when it still holds it).
+                assert self.p_reg_skip.get(e.uuid, e.skip_pages) == e.skip_pages
                 self.d_pulls[i][e.room] = e.uuid
                 self.d_pull_deadline[i][e.room] = self.now + PULL_DEADLINE
             elif isinstance(e, fx.ReleaseBlocks):

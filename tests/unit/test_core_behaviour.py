@@ -358,15 +358,16 @@ def test_registry_lists_by_role() -> None:
 # --- the room router ---
 
 
-def test_router_round_robin_sticky_decode_uniform_rooms() -> None:
+def test_router_round_robin_both_legs_uniform_rooms() -> None:
     router = RoomRouter(["p0", "p1", "p2"], ["d0", "d1"], random.Random(1))
     picks = []
     for i in range(300):
         (dispatch,) = router.handle(ev.RoomRequested(f"r{i}"), 0.0)
         assert 0 <= dispatch.room < MAX_ROOM
-        assert dispatch.decode == ["d0", "d1"][dispatch.room % 2]
-        picks.append(dispatch.prefill)
-    assert picks[:6] == ["p0", "p1", "p2", "p0", "p1", "p2"]
+        picks.append((dispatch.prefill, dispatch.decode))
+    assert [p for p, _ in picks[:6]] == ["p0", "p1", "p2", "p0", "p1", "p2"]
+    assert [d for _, d in picks[:4]] == ["d0", "d1", "d0", "d1"]
+    assert router.planner.decisions == {"prefill:round_robin": 300, "decode:round_robin": 300}
     rooms = list(router.rooms)
     assert len(set(rooms)) == 300
     assert sum(r >= MAX_ROOM // 2 for r in rooms) in range(110, 191)  # uniform, not sequential

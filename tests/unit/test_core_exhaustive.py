@@ -40,6 +40,7 @@ from pd_fsm.core.errors import LocalProtocolError
 from pd_fsm.core.messages import MAX_ROOM, Heartbeat, HeartbeatAck
 from pd_fsm.core.registry import BootstrapRegistry
 from pd_fsm.core.router import RoomRouter
+from pd_fsm.core.routing import Prompt, RoutingConfig
 from pd_fsm.core.tables import (
     ALL_TABLES,
     INSTANCE_LEASE,
@@ -103,8 +104,10 @@ UNREACHABLE: dict[tuple[str, str, str], str] = {
         "a room is drawn and dispatched in one call (RoomRequested): no event finds it ALLOCATED"
     ),
     **{
-        ("room", s, "Dispatched"): _DISPATCH
-        for s in ("DISPATCHED", "PREFILL_DONE", "RELAYING", "COMPLETED", "FAILED", "CANCELLED")
+        ("room", s, t): _DISPATCH
+        for s in ("DISPATCHED", "PREFILL_DONE", "RELAYING", "COMPLETED", "FAILED", "CANCELLED",
+                  "LOCAL", "LOCAL_RELAYING")
+        for t in ("Dispatched", "DispatchedLocal")
     },
     ("room", "COMPLETED", "TimedOut"): _NO_TIMER,
     ("room", "FAILED", "TimedOut"): _NO_TIMER,
@@ -661,6 +664,7 @@ def _instance_pair(state: str, trigger: str) -> None:
 
 _ROOM_EFFECTS = {
     "PostBothLegs": ["DispatchRoom"],
+    "PostDecodeAlone": ["DispatchLocal"],
     "RelayDecode": ["RelayDecode"],
     "AbortDecodeLeg": ["AbortLeg:decode"],
     "AbortPrefillLeg": ["AbortLeg:prefill"],
@@ -673,6 +677,8 @@ _LEG_EVENTS = {
     "DecodeResponded": ("decode", True),
     "DecodeFailed": ("decode", False),
 }
+_DISPATCH_PROMPTS = {"Dispatched": Prompt("a long prompt " * 20, 60),
+                     "DispatchedLocal": Prompt("hi", 1)}
 _ROUTER_SEED = 3
 PROXY_ROOM = random.Random(_ROUTER_SEED).randrange(MAX_ROOM)  # the router's first draw
 
@@ -683,7 +689,9 @@ def _effect_name(o: Any) -> str:
 
 class Router:
     def __init__(self) -> None:
-        self.router = RoomRouter(["http://p0"], ["http://d0"], random.Random(_ROUTER_SEED))
+        # Conditional disaggregation on: a short prompt goes to D alone (DispatchedLocal).
+        self.router = RoomRouter(["http://p0"], ["http://d0"], random.Random(_ROUTER_SEED),
+                                 routing=RoutingConfig(local_prefill_tokens=8))
         self.now = 0.0
         self.seen = Seen()
         step = self.router._step
@@ -700,8 +708,9 @@ class Router:
         room = PROXY_ROOM
 
         def go() -> list[Any]:
-            if trigger == "Dispatched":
-                return self.router.handle(ev.RoomRequested("req"), self.now)
+            if trigger in _DISPATCH_PROMPTS:
+                prompt = _DISPATCH_PROMPTS[trigger]
+                return self.router.handle(ev.RoomRequested("req", prompt), self.now)
             if trigger == "TimedOut":
                 self.now += 1e6
                 return self.router.handle(ev.TimeAdvanced(), self.now)

@@ -200,6 +200,9 @@ class ColocatedBackend:
                 prefilling=s.prefilling,
                 running=s.running,
                 forward_shapes=s.forward_shapes,
+                # Prompt tokens a prefix cache served (whole pages) and pages it gave back.
+                prefix_cache_hit_tokens_total=s.cache_hit_tokens,
+                prefix_cache_evicted_pages_total=s.cache_evicted_pages,
             )
         return out
 

@@ -59,7 +59,10 @@ class ServeConfig:
     max_batched_tokens: int = 1024
     context_length: int | None = None
     random_seed: int = 0
-    radix_cache: bool = False  # the prefix cache (schedulers/radix_cache.py)
+    # The prefix cache (schedulers/radix_cache.py): on for colocated and prefill workers (as in
+    # sglang), opt-in on decode workers, whose cached pages compete with running sequences.
+    radix_cache: bool = True
+    decode_radix_cache: bool = False
     max_queued: int = 1024  # jobs waiting to enter the scheduler; beyond that: 503
     # -- disaggregation (RFC-2 §7)
     disaggregation_mode: str = "null"
@@ -133,7 +136,8 @@ class ServeConfig:
             context_length=self.context_length,
             random_seed=self.random_seed,
             disaggregation_mode=self.disaggregation_mode,
-            radix_cache=self.radix_cache,
+            radix_cache=(self.decode_radix_cache if self.disaggregation_mode == "decode"
+                         else self.radix_cache),
         )
 
     def pd_windows(self) -> dict[str, float]:
@@ -209,9 +213,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens)
     p.add_argument("--context-length", type=int, default=None, help="default: the model's")
     p.add_argument("--random-seed", type=int, default=d.random_seed)
-    p.add_argument("--radix-cache", action="store_true",
-                   help="a prefix cache of KV pages: prompts sharing a cached prefix prefill "
-                        "only the rest (requests this worker prefills and decodes itself)")
+    # Each names the roles it acts on, so one set of flags can go to every worker of a cluster
+    # (`pd-fsm cluster --worker-args`).
+    p.add_argument("--disable-radix-cache", action="store_true",
+                   help="colocated and prefill workers: no prefix cache of KV pages (on by "
+                        "default: a prompt sharing a cached prefix prefills only the rest)")
+    p.add_argument("--decode-radix-cache", action="store_true",
+                   help="decode workers: a prefix cache of KV pages, and pulls of only the "
+                        "pages it lacks (delta-only transfer; off by default)")
     p.add_argument("--max-queued", type=int, default=d.max_queued, help="then 503")
     p.add_argument("--max-body", type=int, default=d.max_body, help="request body limit (bytes)")
     p.add_argument("--disaggregation-mode", choices=DISAGGREGATION_MODES, default="null")
@@ -393,7 +402,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_batched_tokens=args.max_batched_tokens,
         context_length=args.context_length,
         random_seed=args.random_seed,
-        radix_cache=args.radix_cache,
+        radix_cache=not args.disable_radix_cache,
+        decode_radix_cache=args.decode_radix_cache,
         max_queued=args.max_queued,
         disaggregation_mode=args.disaggregation_mode,
         disaggregation_transfer_backend=args.disaggregation_transfer_backend,

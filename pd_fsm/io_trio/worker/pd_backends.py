@@ -503,6 +503,7 @@ class DecodeBackend(_PDBackend):
         self._refusals: deque[tuple[str, int, str]] = deque(maxlen=REFUSALS_PENDING)
         self._telling = False
         self.refusals_told_total = 0  # ABORTs sent to Ps for such legs
+        self.local_prefills_total = 0  # requests without bootstrap fields, prefilled here
 
     def _snapshot_heartbeats(self, sched: Any) -> None:
         self._incarnation = sched.core.incarnation
@@ -564,7 +565,15 @@ class DecodeBackend(_PDBackend):
         }
 
     def _admit(self, sched: Any, stream: _Stream) -> None:
-        job, boot = stream.job, self._bootstrap_of(stream)
+        job = stream.job
+        if job.bootstrap is None:
+            # No P leg (a router's conditional disaggregation, or a plain client): D prefills it
+            # itself, with its prefix cache if it runs one.
+            sched.add_request(sched.make_request(job.rid, list(job.input_ids), job.sampling,
+                                                 logprobs=job.logprobs))
+            self.local_prefills_total += 1
+            return
+        boot = job.bootstrap
         port = boot.port or self.config.disaggregation_prefill_port
         if port is None:
             reason = (
@@ -578,6 +587,7 @@ class DecodeBackend(_PDBackend):
     def stats(self) -> dict[str, Any]:
         out = super().stats()
         out["refused_rooms_told_total"] = self.refusals_told_total
+        out["local_prefills_total"] = self.local_prefills_total
         return out
 
     def _after_refusals(self, nursery: trio.Nursery) -> None:

@@ -1,0 +1,167 @@
+"""The proxy's routing policies and conditional disaggregation (issue 16 §4): core.routing
+through the RoomRouter that embeds it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pd_fsm.core import effects as fx
+from pd_fsm.core import events as ev
+from pd_fsm.core.router import RoomRouter
+from pd_fsm.core.routing import (
+    BLOCK_CHARS,
+    PrefixIndex,
+    Prompt,
+    RoutingConfig,
+    block_chain,
+)
+
+SYSTEM = "You are a museum guide. " * 12  # 288 characters: 4 whole blocks
+
+
+def _router(prefill: int = 2, decode: int = 2, **routing: object) -> RoomRouter:
+    return RoomRouter([f"p{i}" for i in range(prefill)], [f"d{i}" for i in range(decode)],
+                      random.Random(7), routing=RoutingConfig(**routing))  # type: ignore[arg-type]
+
+
+def _send(router: RoomRouter, text: str, tokens: int | None = None) -> fx.RouterEffect:
+    prompt = Prompt(text, len(text) // 4 if tokens is None else tokens)
+    (effect,) = router.handle(ev.RoomRequested(f"r{len(router.rooms)}", prompt), 0.0)
+    return effect
+
+
+def _finish(router: RoomRouter, room: int) -> None:
+    router.handle(ev.LegResponded(room, "prefill", True), 0.0)
+    router.handle(ev.LegResponded(room, "decode", True), 0.0)
+    router.handle(ev.RelayFinished(room), 0.0)
+
+
+def test_config_refuses_unknown_policies_and_negative_thresholds() -> None:
+    with pytest.raises(ValueError, match="prefill_policy must be one of"):
+        RoutingConfig(prefill_policy="random")
+    with pytest.raises(ValueError):
+        RoutingConfig(local_prefill_tokens=-1)
+
+
+def test_cache_aware_sends_a_shared_prefix_to_one_worker_and_spreads_the_rest() -> None:
+    router = _router(prefill=3, decode=2, prefill_policy="cache_aware",
+                     decode_policy="cache_aware")
+    first = _send(router, SYSTEM + "Where is the Mona Lisa?")
+    assert isinstance(first, fx.DispatchRoom)
+    for q in ("When do you close?", "Is there a café?", "How much is a ticket?"):
+        e = _send(router, SYSTEM + q)
+        assert isinstance(e, fx.DispatchRoom)
+        assert (e.prefill, e.decode) == (first.prefill, first.decode)
+    # Unrelated prompts go where the index is smallest: the other workers, in turn.
+    others = {_send(router, f"{i} " + "unrelated text " * 20).prefill  # type: ignore[union-attr]
+              for i in range(2)}
+    assert others == {"p0", "p1", "p2"} - {first.prefill}
+    d = router.planner.decisions
+    assert d["prefill:cache_hit"] == 3 and d["prefill:cache_miss"] == 3
+    assert d["decode:cache_hit"] == 3
+
+
+def test_cache_aware_routes_by_load_when_out_of_balance() -> None:
+    router = _router(prefill=2, decode=1, prefill_policy="cache_aware", balance_abs=4,
+                     balance_rel=1.5)
+    first = _send(router, SYSTEM + "q")
+    assert isinstance(first, fx.DispatchRoom)
+    for _ in range(4):  # live rooms pile up on the cached worker ...
+        assert _send(router, SYSTEM + "q").prefill == first.prefill  # type: ignore[union-attr]
+    # ... until the spread passes 4 rooms (5 live against 0): the other worker takes the
+    # next one, cached or not.
+    e = _send(router, SYSTEM + "q")
+    assert isinstance(e, fx.DispatchRoom) and e.prefill != first.prefill
+    assert router.planner.decisions["prefill:load_balance"] == 1
+    # Rooms that end stop counting: the cached worker is in balance again.
+    for room in [r for r, x in router.rooms.items() if x.prefill == first.prefill]:
+        _finish(router, room)
+    assert _send(router, SYSTEM + "q").prefill == first.prefill  # type: ignore[union-attr]
+    assert router.planner._load(first.prefill, router._live) == 1
+
+
+def test_power_of_two_picks_the_less_loaded_of_two() -> None:
+    router = _router(prefill=2, decode=3, prefill_policy="power_of_two",
+                     decode_policy="power_of_two")
+    router.planner.set_loads({"p0": 9, "p1": 2, "d0": 0, "d1": 50, "d2": 50})
+    picks = []
+    for _ in range(40):
+        picks.append(_send(router, "x"))
+        _finish(router, picks[-1].room)  # the polled loads stay the larger
+    assert {e.prefill for e in picks} == {"p1"}  # type: ignore[union-attr]
+    # With three D the two drawn may both be loaded; d0 wins whenever it is drawn.
+    assert sum(e.decode == "d0" for e in picks) > 20  # type: ignore[union-attr]
+    assert router.planner.decisions["prefill:power_of_two"] == 40
+
+
+def test_a_short_prompt_goes_to_decode_alone() -> None:
+    router = _router(local_prefill_tokens=32)
+    local = _send(router, "What is the capital of France?", tokens=8)
+    assert isinstance(local, fx.DispatchLocal) and local.reason == "short_prompt"
+    assert router.poll(local.room) == "LOCAL"
+    pd = _send(router, SYSTEM, tokens=72)
+    assert isinstance(pd, fx.DispatchRoom)
+    unknown = _send(router, "", tokens=0)  # the adapter could not size it: never local
+    assert isinstance(unknown, fx.DispatchRoom)
+    # The local room's life: D answers, the relay ends; no P leg is ever aborted.
+    router.handle(ev.LegResponded(local.room, "decode", True), 0.0)
+    assert router.poll(local.room) == "LOCAL_RELAYING"
+    assert router.handle(ev.LegResponded(local.room, "prefill", True), 0.0) == []
+    assert router.dropped == 1  # a P answer for a room without a P leg is counted, not taken
+    router.handle(ev.RelayFinished(local.room), 0.0)
+    assert router.poll(local.room) is None and router.outcomes["COMPLETED"] == 1
+    assert router.planner.decisions["local:short_prompt"] == 1
+
+
+def test_a_local_room_aborts_only_its_decode_leg() -> None:
+    router = _router(local_prefill_tokens=32)
+    local = _send(router, "hi", tokens=1)
+    out = router.handle(ev.ClientDisconnected(local.room), 0.0)
+    assert out == [fx.AbortLeg(local.room, "decode", local.decode)]  # type: ignore[union-attr]
+    late = _send(router, "hi", tokens=1)
+    out = router.handle(ev.TimeAdvanced(), 1e9)
+    assert out == [fx.AbortLeg(late.room, "decode", late.decode),  # type: ignore[union-attr]
+                   fx.ReplyError(late.room, "room deadline passed")]
+
+
+def test_every_prefill_busy_sends_rooms_to_decode_alone() -> None:
+    router = _router(prefill=2, local_prefill_queue=4)
+    router.planner.set_loads({"p0": 4, "p1": 3})
+    assert isinstance(_send(router, SYSTEM), fx.DispatchRoom)  # p1 still has room
+    router.planner.set_loads({"p0": 4, "p1": 4})
+    busy = _send(router, SYSTEM)
+    assert isinstance(busy, fx.DispatchLocal) and busy.reason == "prefill_busy"
+
+
+def test_uncached_share_uses_the_decode_index() -> None:
+    """With cache_aware on D, a long prompt whose prefix D was sent before is short enough."""
+    router = _router(decode=1, decode_policy="cache_aware", local_prefill_tokens=40)
+    assert isinstance(_send(router, SYSTEM + "first question", tokens=80), fx.DispatchRoom)
+    again = _send(router, SYSTEM + "second question", tokens=80)
+    assert isinstance(again, fx.DispatchLocal)  # 256 of its 303 characters D was sent
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=400), st.text(max_size=400))
+def test_index_matches_the_common_prefix_in_whole_blocks(a: str, b: str) -> None:
+    index = PrefixIndex(max_blocks=1000)
+    index.insert("w", block_chain(a))
+    common = 0
+    while common < min(len(a), len(b)) and a[common] == b[common]:
+        common += 1
+    assert index.matched("w", block_chain(b)) == min(common, len(a), len(b)) // BLOCK_CHARS
+    assert index.size("w") == len(a) // BLOCK_CHARS
+
+
+def test_index_evicts_the_least_recently_routed_continuation_first() -> None:
+    index = PrefixIndex(max_blocks=5)
+    index.insert("w", block_chain(SYSTEM + "A" * 64))  # 5 blocks
+    index.insert("w", block_chain(SYSTEM + "B" * 64))  # 1 new block: A's tail goes
+    assert index.matched("w", block_chain(SYSTEM + "B" * 64)) == 5
+    assert index.matched("w", block_chain(SYSTEM + "A" * 64)) == 4
+    index.keep(["other"])
+    assert index.size("w") == 0
