@@ -111,7 +111,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--datasets", nargs="+", default=["shared-prefix", "multi-turn"])
-    ap.add_argument("--num-prompts", type=int, default=24)
+    ap.add_argument("--num-prompts", type=int, default=40)
     ap.add_argument("--num-prefixes", type=int, default=4)
     ap.add_argument("--prefix-words", type=int, default=300)
     ap.add_argument("--concurrency", type=int, default=4)
@@ -147,6 +147,10 @@ def main() -> int:
                   f"tokens each\n{head}\n{'-' * len(head)}", flush=True)
             rows = {n: _report(n, runs[n]) for n in names}
             print("\n".join(rows.values()), flush=True)
+            for n in names:
+                errors = [r.error for s, _ in runs[n] for r in s.results if not r.ok]
+                if errors:
+                    print(f"  {n}: first failure: {errors[0][:300]}", flush=True)
     finally:
         for proc, _ in (proxies or {}).values():
             proc.stop()
