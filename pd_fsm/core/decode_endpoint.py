@@ -150,7 +150,19 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
                 self._on_pull_failed(event, now, out)
             case ev.Aborted():
                 self._on_aborted(event, now, out)
-            case ev.TimeAdvanced():
+            case ev.StepStarted():
+                self.stats.busy_steps += 1
+                repeat = [
+                    fx.SendMessage(addr, Heartbeat(peer.hb_seq, batch, self.incarnation))
+                    for addr, peer in sorted(self.peers.items())
+                    for batch in _batches(sorted(peer.rooms))
+                ]
+                out.append(fx.RepeatWhileBusy(tuple(repeat), self.config.heartbeat_interval))
+            case ev.LegRefused():
+                self.stats.refusals_told += len(event.prefills)
+                out.extend(fx.SendMessage(peer, Abort(event.room, event.reason))
+                           for peer in event.prefills)
+            case ev.TimeAdvanced() | ev.StepEnded():
                 pass  # what is due fired above
             case _:  # an embedder without a type checker
                 raise LocalProtocolError(f"DecodeEndpoint cannot handle {type(event).__name__}")
@@ -393,10 +405,8 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
         for addr in self._hb_timers.pop_due(now):
             peer = self.peers.get(addr)
             if peer is not None and peer.rooms:
-                rooms = sorted(peer.rooms)
                 peer.unanswered += 1
-                for i in range(0, len(rooms), MAX_ROOMS_PER_HEARTBEAT):
-                    batch = tuple(rooms[i : i + MAX_ROOMS_PER_HEARTBEAT])
+                for batch in _batches(sorted(peer.rooms)):
                     peer.hb_seq += 1
                     heartbeat = Heartbeat(peer.hb_seq, batch, self.incarnation)
                     out.append(fx.SendMessage(addr, heartbeat))
@@ -506,3 +516,9 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
 def _is_seconds(value: object) -> bool:
     """A window's value: a number of seconds (an int is fine, a bool or a missing field not)."""
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _batches(rooms: list[int]) -> list[tuple[int, ...]]:
+    """A peer's rooms in heartbeat-sized batches (none without rooms)."""
+    return [tuple(rooms[i : i + MAX_ROOMS_PER_HEARTBEAT])
+            for i in range(0, len(rooms), MAX_ROOMS_PER_HEARTBEAT)]

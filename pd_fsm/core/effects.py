@@ -11,13 +11,42 @@ from typing import Generic, TypeVar
 
 import attrs
 
-from pd_fsm.core.messages import Message, TokenLogprob
+from pd_fsm.core.messages import Heartbeat, HeartbeatAck, Message, TokenLogprob
 
 
 @attrs.frozen(slots=True)
 class SendMessage:
     peer: str
     message: Message
+
+
+# --- while a step keeps the embedder busy (ev.StepStarted .. ev.StepEnded) -------------------
+
+
+@attrs.frozen(slots=True)
+class AckWhileBusy:
+    """P, until ``StepEnded``: answer each HEARTBEAT at once with a bare "alive" HB_ACK (no
+    failed or unknown rooms). D then does not take a busy P for a dead one; the heartbeat itself
+    reaches the endpoint after the step (stamped with its arrival time), extends the leases, and
+    the endpoint's own ack follows."""
+
+    incarnation: int
+
+    def answer(self, message: Message) -> Message | None:
+        """The reply to ``message`` while busy, if it gets one now."""
+        if isinstance(message, Heartbeat):
+            return HeartbeatAck(self.incarnation, message.seq)
+        return None
+
+
+@attrs.frozen(slots=True)
+class RepeatWhileBusy:
+    """D, until ``StepEnded``: while the step has lasted longer than ``interval``, send these
+    heartbeats again every ``interval``. Each carries the last seq sent to its P, so P's ack
+    proves P alive without telling the endpoint about rooms it has not asked about yet."""
+
+    heartbeats: tuple[SendMessage, ...]
+    interval: float
 
 
 # --- P ---------------------------------------------------------------------------------------
@@ -152,10 +181,12 @@ class RejectRequest:
 # for exhaustiveness with ``assert_never``).
 PrefillEffect = (
     SendMessage | RegisterKV | NarrowKV | ReleaseKV | CompleteRequest | FailRequest | RejectRequest
+    | AckWhileBusy
 )
 DecodeEffect = (
     SendMessage | ForgetPeer | ForgetTransfer | ResolvePeer | AllocateBlocks | CancelAllocation
     | StartPull | ReleaseBlocks | CompleteTransfer | FailRequest | RejectRequest
+    | RepeatWhileBusy
 )
 
 

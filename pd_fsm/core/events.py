@@ -21,6 +21,20 @@ class TimeAdvanced:
 
 
 @attrs.frozen(slots=True)
+class StepStarted:
+    """The embedder starts a step that keeps it from feeding the endpoint for a while (a forward
+    pass: seconds when a shape compiles). The endpoint answers with what keeps peers from taking
+    it for dead meanwhile (``fx.AckWhileBusy`` on P, ``fx.RepeatWhileBusy`` on D), which the I/O
+    side carries out until ``StepEnded``; what arrives meanwhile is fed after the step, stamped
+    with its arrival time."""
+
+
+@attrs.frozen(slots=True)
+class StepEnded:
+    """The step is over: the while-busy effect of ``StepStarted`` no longer applies."""
+
+
+@attrs.frozen(slots=True)
 class MessageReceived:
     """A decoded side-channel message from ``peer`` (P: D's socket identity; D: P's address)."""
 
@@ -109,11 +123,23 @@ class Aborted:
 # error (at run time, still a LocalProtocolError).
 PrefillEvent = (
     TimeAdvanced | MessageReceived | PrefillRequestAccepted | PrefillFinished | PrefillFailed
-    | Aborted
+    | Aborted | StepStarted | StepEnded
 )
+@attrs.frozen(slots=True)
+class LegRefused:
+    """D refused a leg before any room opened here (no address for its P): tell the Ps it may
+    have gone to (``prefills``, their side-channel addresses), so P's leg fails now rather than
+    at its lease expiry. P remembers a room aborted before its leg arrives."""
+
+    room: int
+    prefills: tuple[str, ...]
+    reason: str
+
+
 DecodeEvent = (
     TimeAdvanced | MessageReceived | DecodeRequestAccepted | PeerResolved | PeerResolutionFailed
-    | BlocksAllocated | PullSucceeded | PullFailed | Aborted
+    | BlocksAllocated | PullSucceeded | PullFailed | Aborted | StepStarted | StepEnded
+    | LegRefused
 )
 
 

@@ -111,7 +111,10 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
                 self._on_prefill_failed(event, now, out)
             case ev.Aborted():
                 self._on_aborted(event, now, out)
-            case ev.TimeAdvanced():
+            case ev.StepStarted():
+                self.stats.busy_steps += 1
+                out.append(fx.AckWhileBusy(self.incarnation))
+            case ev.TimeAdvanced() | ev.StepEnded():
                 pass  # leases that are due were expired above
             case _:  # an embedder without a type checker
                 raise LocalProtocolError(f"PrefillEndpoint cannot handle {type(event).__name__}")

@@ -20,6 +20,8 @@ class EndpointStats:
     failed: int = 0
     peer_restarts: int = 0  # a peer came back as a new process (a new incarnation)
     lease_expired: int = 0  # P: rooms whose KV hold lease ran out (no heartbeat from D)
+    refusals_told: int = 0  # D: ABORTs sent for legs refused before their room opened (LegRefused)
+    busy_steps: int = 0  # StepStarted: steps the embedder announced (liveness kept meanwhile)
 
     def as_dict(self) -> dict[str, int]:
         return attrs.asdict(self)

@@ -38,10 +38,47 @@ class Endpoint(Protocol):
     def next_deadline(self) -> float | None: ...
 
 
-class MessageSender(Protocol):
-    """The side channel as the driver sees it: a non-blocking send that may drop (and count)."""
+class SideChannel(Protocol):
+    """The side channel as a driver sees it: a non-blocking send that may drop (and count), and
+    closing what is kept for a peer the core forgot."""
 
     def send(self, peer: str, message: Message) -> bool: ...
+
+    def close_peer(self, peer: str) -> bool: ...
+
+
+IOEffect = fx.SendMessage | fx.ForgetPeer | fx.ResolvePeer
+
+
+def carry_out_io(effect: IOEffect, side: SideChannel | None,
+                 start_resolve: Callable[[str], None]) -> bool:
+    """The one place a core's I/O effects are carried out, by the worker's loop and by
+    :class:`EndpointDriver`: False for a message the side channel dropped. A lookup needs no
+    side channel; a message or a forgotten peer without one is the embedder's bug."""
+    if isinstance(effect, fx.ResolvePeer):
+        start_resolve(effect.bootstrap_addr)
+        return True
+    if side is None:
+        raise RuntimeError(f"{type(effect).__name__} but no side channel")
+    if isinstance(effect, fx.SendMessage):
+        return side.send(effect.peer, effect.message)
+    side.close_peer(effect.peer)
+    return True
+
+
+async def resolve_within(resolver: Resolver, bootstrap_addr: str, timeout: float,
+                         name: str) -> Resolution:
+    """``resolver``'s answer, or a failure naming why: it took over ``timeout`` (set it inside
+    the core's own resolve deadline, so this clearer answer arrives first) or it raised (a
+    resolver bug or a transport error fails the rooms waiting on it, never the caller)."""
+    with trio.move_on_after(timeout):
+        try:
+            return await resolver(bootstrap_addr)
+        except Exception as exc:
+            log.warning("%s: resolving %s failed: %r", name, bootstrap_addr, exc)
+            return ev.PeerResolutionFailed(bootstrap_addr, f"{type(exc).__name__}: {exc}")
+    return ev.PeerResolutionFailed(bootstrap_addr,
+                                   f"bootstrap lookup took over {timeout:g} s")
 
 
 class EffectSink(Protocol):
@@ -89,7 +126,7 @@ class EndpointDriver:
         endpoint: Endpoint,
         sink: EffectSink,
         *,
-        side_channel: MessageSender | None = None,
+        side_channel: SideChannel | None = None,
         resolver: Resolver | None = None,
         resolve_timeout: float = 10.0,
         inbox_size: int = 4096,
@@ -192,39 +229,27 @@ class EndpointDriver:
             call.done.set()
 
     def _execute(self, effect: Any, now: float) -> Iterable[Any]:
+        if not isinstance(effect, IOEffect):
+            return self.sink.apply(effect, now)
+        if isinstance(effect, fx.ResolvePeer) and (self.resolver is None or self._nursery is None):
+            return (ev.PeerResolutionFailed(effect.bootstrap_addr, "no bootstrap resolver"),)
+        sent = carry_out_io(effect, self.side_channel, self._start_resolve)
         if isinstance(effect, fx.SendMessage):
-            if self.side_channel is None:
-                raise RuntimeError(f"{self.name}: SendMessage but no side channel configured")
-            if self.side_channel.send(effect.peer, effect.message):
+            if sent:
                 self.stats.messages_sent += 1
             else:
                 self.stats.messages_dropped += 1
-            return ()
-        if isinstance(effect, fx.ForgetPeer):
-            close = getattr(self.side_channel, "close_peer", None)
-            if close is not None:
-                close(effect.peer)
-            return ()
-        if isinstance(effect, fx.ResolvePeer):
-            if self.resolver is None or self._nursery is None:
-                return (ev.PeerResolutionFailed(effect.bootstrap_addr, "no bootstrap resolver"),)
-            self._nursery.start_soon(self._resolve, effect.bootstrap_addr)
-            return ()
-        return self.sink.apply(effect, now)
+        return ()
+
+    def _start_resolve(self, bootstrap_addr: str) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(self._resolve, bootstrap_addr)
 
     async def _resolve(self, bootstrap_addr: str) -> None:
         assert self.resolver is not None
         self.stats.resolutions += 1
-        result: Resolution = ev.PeerResolutionFailed(
-            bootstrap_addr, f"bootstrap lookup took over {self.resolve_timeout:g} s"
-        )
-        with trio.move_on_after(self.resolve_timeout):
-            try:
-                result = await self.resolver(bootstrap_addr)
-            except Exception as exc:  # a resolver bug or transport error: fail the rooms, go on
-                log.warning("%s: resolving %s failed: %r", self.name, bootstrap_addr, exc)
-                result = ev.PeerResolutionFailed(bootstrap_addr, f"{type(exc).__name__}: {exc}")
-        await self.submit(result)
+        await self.submit(await resolve_within(self.resolver, bootstrap_addr,
+                                               self.resolve_timeout, self.name))
 
 
 class NullSink:

@@ -357,6 +357,11 @@ class PrefillSideChannel(_Channel):
         # surrogateescape: any routing id round-trips to the same bytes when we answer it.
         await self._accept(parts[0].decode("utf-8", "surrogateescape"), parts[1])
 
+    def close_peer(self, peer: str) -> bool:
+        """Nothing to close: one ROUTER socket serves every D (the core of P never forgets a
+        peer this way; the method makes both sides one ``driver.SideChannel``)."""
+        return False
+
     def send(self, peer: str, message: Message) -> bool:
         pump = self._pump
         if pump is None:

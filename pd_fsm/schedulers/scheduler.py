@@ -340,11 +340,17 @@ class Scheduler:
     def _allocate_pages(self, req: Req) -> bool:
         """The request's pages: with the prefix cache, those of its prompt's longest cached
         prefix (shared; at least its last token is left to prefill, for its logits) and new
-        ones for the rest, evicting cached pages nobody uses when too few are free."""
+        ones for the rest, evicting cached pages nobody uses when too few are free.
+
+        PD rooms too (issue 16 §2-§3). P prefills only the uncached suffix and gathers the
+        whole prompt's pages; D's cached pages are the room's, pinned by it, and P sends only
+        the rest. Shared pages are counted per holder, so a room's DONE, abort or lease expiry
+        gives up its share only, and P's registration holds a gathered copy that no eviction
+        can touch."""
         if req.pages is not None:
             return True
         cached: list[int] = []
-        if self.cache is not None and self._caches(req):
+        if self.cache is not None:
             # Prompt log-probs from position p need the logits of p - 1: computed, not cached.
             limit = len(req.input_ids) - 1
             if req.logprobs.prompt:
@@ -364,14 +370,10 @@ class Scheduler:
         self.cache_hit_tokens += req.cached_tokens
         return True
 
-    def _caches(self, req: Req) -> bool:
-        """Whether ``req``'s KV goes through the prefix cache (PD rooms do not, yet)."""
-        return True
-
     def _release_pages(self, req: Req) -> None:
         # Clearing req.pages first makes a second call a no-op: pages go back exactly once.
         pages, req.pages = req.pages, None
-        if pages and self.cache is not None and self._caches(req):
+        if pages and self.cache is not None:
             self.cache.insert(self._tokens_with_kv(req), pages)
         if pages:
             self.allocator.free(pages)

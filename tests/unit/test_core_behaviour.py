@@ -464,3 +464,44 @@ def test_abort_after_our_leg_fails_the_waiting_leg_at_once() -> None:
     uuid = p.handle(ev.PrefillFinished(2, 5, 2), 0.1)[0].uuid
     out = p.handle(ev.MessageReceived("d", Abort(2, "bootstrap_port is null")), 0.2)
     assert _kinds(out) == ["ReleaseKV", "FailRequest"] and out[0].uuid == uuid
+
+
+# --- liveness while the embedder is busy (StepStarted / StepEnded) ---
+
+
+def test_p_answers_heartbeats_while_busy_through_its_own_effect() -> None:
+    p = _p()
+    (busy,) = p.handle(ev.StepStarted(), 0.0)
+    assert isinstance(busy, fx.AckWhileBusy) and busy.incarnation == p.incarnation
+    ack = busy.answer(Heartbeat(7, (1, 2), 3))
+    assert ack == HeartbeatAck(p.incarnation, 7)  # alive; no room judged while busy
+    assert busy.answer(HeartbeatAck(1, 1)) is None  # nothing else is answered meanwhile
+    assert p.handle(ev.StepEnded(), 1.0) == [] and p.stats.busy_steps == 1
+
+
+def test_a_busy_p_still_expires_leases_that_came_due() -> None:
+    p = _p(initial=5.0)
+    p.handle(ev.PrefillRequestAccepted(1), 0.0)
+    out = p.handle(ev.StepStarted(), 6.0)
+    assert _kinds(out) == ["ReleaseKV", "FailRequest", "AckWhileBusy"]
+
+
+def test_d_repeats_its_last_heartbeats_while_busy() -> None:
+    d = _d(heartbeat_interval=5.0)
+    for room in (1, 2):
+        d.handle(ev.DecodeRequestAccepted(room, "h:1", 1), 0.0)
+    d.handle(ev.PeerResolved("h:1", "p", "t", L), 0.0)
+    d.handle(ev.TimeAdvanced(), 5.0)  # the first heartbeat: seq 1
+    (busy,) = d.handle(ev.StepStarted(), 6.0)
+    assert isinstance(busy, fx.RepeatWhileBusy) and busy.interval == 5.0
+    assert busy.heartbeats == (fx.SendMessage("p", Heartbeat(1, (1, 2), d.incarnation)),)
+    assert d.handle(ev.StepEnded(), 7.0) == []
+    idle = _d()
+    assert idle.handle(ev.StepStarted(), 0.0) == [fx.RepeatWhileBusy((), 5.0)]
+
+
+def test_d_tells_the_prefills_of_a_leg_it_refused_before_any_room() -> None:
+    d = _d()
+    out = d.handle(ev.LegRefused(9, ("p:1", "p:2"), "no port"), 0.0)
+    assert out == [fx.SendMessage(p, Abort(9, "no port")) for p in ("p:1", "p:2")]
+    assert d.stats.refusals_told == 2 and not d.rooms

@@ -41,6 +41,8 @@ def test_a_correct_embedding_checks(cache: Path) -> None:
                     pass
                 case fx.CompleteRequest() | fx.FailRequest() | fx.RejectRequest():
                     pass
+                case fx.AckWhileBusy():
+                    pass
                 case _:
                     assert_never(e)
         d_effects: list[fx.DecodeEffect] = d.handle(ev.TimeAdvanced(), 0.0)

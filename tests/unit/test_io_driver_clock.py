@@ -42,6 +42,9 @@ class Loopback:
         self.sent.append(message)
         return self.other.submit_nowait(ev.MessageReceived(self.me, decode(encode(message))))
 
+    def close_peer(self, peer: str) -> bool:
+        return False  # one loopback link: nothing per peer to close
+
 
 async def _resolve(addr: str) -> ev.PeerResolved:
     return ev.PeerResolved(addr, P_ADDR, "p:transfer", "L")

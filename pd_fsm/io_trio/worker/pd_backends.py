@@ -23,6 +23,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import attrs
@@ -31,13 +32,10 @@ import trio
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.messages import (
-    MAX_ROOMS_PER_HEARTBEAT,
-    Abort,
-    Heartbeat,
-    HeartbeatAck,
     Message,
 )
 from pd_fsm.io_trio.bootstrap_client import BootstrapClient, BootstrapError, BootstrapResolver
+from pd_fsm.io_trio.driver import SideChannel, carry_out_io, resolve_within
 from pd_fsm.io_trio.records import InstanceRecord, split_host_port
 from pd_fsm.io_trio.side_channel import DecodeSideChannel, PrefillSideChannel
 from pd_fsm.io_trio.worker.backend import BackendError, BootstrapInfo
@@ -122,6 +120,10 @@ class _PDBackend(ColocatedBackend, ABC):
         # trio time the running scheduler tick began (None between ticks): a first forward of a
         # new shape compiles for many seconds, and liveness must not wait for it.
         self.busy_since: float | None = None
+        # What the core said to do while the running tick keeps it busy (ev.StepStarted):
+        # published by the tick's thread at its start, emptied at its end; the loop's tasks
+        # read the reference (a tuple of frozen effects) and carry it out.
+        self._while_busy_effects: tuple[Any, ...] = ()
         self.busy_liveness_total = 0
         # Where each tick's phase samples go (the worker app sets its histograms' observe).
         self.phase_observer: Callable[[str, float], None] | None = None
@@ -219,8 +221,12 @@ class _PDBackend(ColocatedBackend, ABC):
         """Start the side channel; return the record to register."""
 
     @abstractmethod
+    def _side(self) -> SideChannel:
+        """The running side channel."""
+
     def _send(self, peer: str, message: Message) -> bool:
         """Send on the side channel (non-blocking; False when dropped)."""
+        return self._side().send(peer, message)
 
     @abstractmethod
     def _admit(self, sched: Any, stream: _Stream) -> None:
@@ -276,12 +282,14 @@ class _PDBackend(ColocatedBackend, ABC):
         return None
 
     async def _deliver_message(self, peer: str, message: Message) -> None:
-        """The side channel's callback: stamp the arrival time, queue, wake the loop."""
-        self._while_busy(peer, message)
+        """The side channel's callback: stamp the arrival time, queue, wake the loop; while a
+        tick runs, answer at once what the core's ``AckWhileBusy`` answers."""
+        for effect in self._while_busy_effects:
+            reply = effect.answer(message) if isinstance(effect, fx.AckWhileBusy) else None
+            if reply is not None:
+                self.busy_liveness_total += 1
+                self._send(peer, reply)
         self._put(ev.MessageReceived(peer, message))
-
-    def _while_busy(self, peer: str, message: Message) -> None:
-        """Hook: liveness traffic that cannot wait for a long step (see PrefillBackend)."""
 
     def _put(self, event: Any) -> None:
         try:
@@ -330,13 +338,7 @@ class _PDBackend(ColocatedBackend, ABC):
                 for phase, value in result.phases:
                     self.phase_observer(phase, value)
             for effect in result.outbox:
-                if isinstance(effect, fx.SendMessage):
-                    self._send(effect.peer, effect.message)
-                elif isinstance(effect, fx.ResolvePeer):
-                    nursery.start_soon(self._resolve, effect.bootstrap_addr)
-                elif isinstance(effect, fx.ForgetPeer) and isinstance(self, DecodeBackend):
-                    assert self.side is not None
-                    self.side.close_peer(effect.peer)
+                carry_out_io(effect, self._side(), partial(nursery.start_soon, self._resolve))
             for stream, error in result.refused:
                 self._fail(stream, error)
             self._after_refusals(nursery)
@@ -355,6 +357,16 @@ class _PDBackend(ColocatedBackend, ABC):
         self, sched: Any, inbox: list[tuple[float, Any]], jobs: list[_Stream], aborts: list[str]
     ) -> _TickResult:
         """Everything that touches the scheduler, on one thread at a time (the limiter)."""
+        self._while_busy_effects = tuple(sched.step_started())
+        try:
+            return self._tick_busy(sched, inbox, jobs, aborts)
+        finally:
+            sched.step_ended()
+            self._while_busy_effects = ()
+
+    def _tick_busy(
+        self, sched: Any, inbox: list[tuple[float, Any]], jobs: list[_Stream], aborts: list[str]
+    ) -> _TickResult:
         for arrived, event in inbox:
             sched.deliver(event, now=arrived)
         refused: list[tuple[_Stream, BackendError]] = []
@@ -386,7 +398,6 @@ class _PDBackend(ColocatedBackend, ABC):
                 failure = sched.pop_failure(out.rid)
                 if failure is not None:
                     failures[out.rid] = failure
-        self._snapshot_heartbeats(sched)
         self._publish_stats(sched)
         return _TickResult(
             outputs,
@@ -402,9 +413,6 @@ class _PDBackend(ColocatedBackend, ABC):
     def _publish_stats(self, sched: Any) -> None:
         """In the tick's thread, after the tick: copies for the HTTP task (see ``stats``)."""
         self._pd_snapshot = (sched.pd_stats(), dict(sched.transfer_stats))
-
-    def _snapshot_heartbeats(self, sched: Any) -> None:
-        """Hook (runs at the end of each tick, in its thread): D records whom it heartbeats."""
 
     def _after_refusals(self, nursery: trio.Nursery) -> None:
         """Hook (on the loop, after a tick's refused legs were answered): D tells their P."""
@@ -433,10 +441,8 @@ class _PDBackend(ColocatedBackend, ABC):
             check=self._check_peer,
         )
         # Inside the core's own resolve deadline, so this clearer answer arrives first.
-        answer: Any = ev.PeerResolutionFailed(bootstrap_addr, "bootstrap lookup timed out")
-        with trio.move_on_after(self.pd_args.resolve_timeout * 0.9):
-            answer = await resolver(bootstrap_addr)
-        self._put(answer)
+        self._put(await resolve_within(resolver, bootstrap_addr,
+                                       self.pd_args.resolve_timeout * 0.9, self.mode))
 
 
 class PrefillBackend(_PDBackend):
@@ -460,20 +466,9 @@ class PrefillBackend(_PDBackend):
         # Routers know P by its side-channel port (DESIGN §5 "Who is P").
         return self._record(sched, f"{self.config.public_host}:{port}", port)
 
-    def _send(self, peer: str, message: Message) -> bool:
+    def _side(self) -> SideChannel:
         assert self.side is not None
-        return self.side.send(peer, message)
-
-    def _while_busy(self, peer: str, message: Message) -> None:
-        # While a step runs (seconds, when a new shape compiles), answer D's heartbeat at once
-        # with a bare "alive" ack, so D does not take a busy P for a dead one. The heartbeat
-        # itself still reaches the core after the step, stamped with its arrival time: leases
-        # are extended then, and the core's own ack (with failed and unknown rooms) follows.
-        sched = self.scheduler
-        if self.busy_since is None or sched is None or not isinstance(message, Heartbeat):
-            return
-        self.busy_liveness_total += 1
-        self._send(peer, HeartbeatAck(sched.core.incarnation, message.seq))
+        return self.side
 
     def _queue_stats(self, sched: Any) -> dict[str, int]:
         return {
@@ -495,8 +490,6 @@ class DecodeBackend(_PDBackend):
         self.side: DecodeSideChannel | None = None
         # P address -> (last heartbeat seq, rooms) as of the last tick: what to keep sending
         # while a long tick runs, so P's leases do not lapse because D is compiling.
-        self._hb_snapshot: dict[str, tuple[int, tuple[int, ...]]] = {}
-        self._incarnation = 0  # the core's, as of the last tick
         # (bootstrap_host, room, reason) of PD legs refused before any room opened here (a null
         # bootstrap_port, no default): their P leg would wait a whole lease for our RECV_INIT.
         # Appended in the tick's thread, drained by _tell_prefills on the loop.
@@ -505,33 +498,23 @@ class DecodeBackend(_PDBackend):
         self.refusals_told_total = 0  # ABORTs sent to Ps for such legs
         self.local_prefills_total = 0  # requests without bootstrap fields, prefilled here
 
-    def _snapshot_heartbeats(self, sched: Any) -> None:
-        self._incarnation = sched.core.incarnation
-        self._hb_snapshot = {
-            addr: (peer.hb_seq, tuple(sorted(peer.rooms)))
-            for addr, peer in sched.core.peers.items()
-            if peer.rooms
-        }
-
     def _check_peer(self, record: InstanceRecord) -> str | None:
         assert self.side is not None
         return self.side.set_server_key(record.zmq_addr, record.curve_public_key)
 
     async def _keepalive(self) -> None:
-        """While one tick runs longer than a heartbeat interval, repeat the last heartbeats.
-
-        The seq is the core's last one, not a new one: P's ack then proves P alive without
-        telling the core anything about rooms it has not asked about yet."""
-        interval = self.pd_args.heartbeat_interval
+        """Carry out the core's ``RepeatWhileBusy`` while a tick outlasts its interval (a first
+        forward of a new shape compiles for seconds): P's acks keep D from losing it."""
         while True:
-            await trio.sleep(interval)
-            busy = self.busy_since
-            if busy is None or trio.current_time() - busy < interval:
-                continue
-            for addr, (seq, rooms) in self._hb_snapshot.items():
-                for i in range(0, len(rooms), MAX_ROOMS_PER_HEARTBEAT):
-                    batch = rooms[i : i + MAX_ROOMS_PER_HEARTBEAT]
-                    self._send(addr, Heartbeat(seq, batch, self._incarnation))
+            await trio.sleep(self.pd_args.heartbeat_interval)
+            since = self.busy_since
+            for effect in self._while_busy_effects:
+                if not isinstance(effect, fx.RepeatWhileBusy) or since is None:
+                    continue
+                if trio.current_time() - since < effect.interval:
+                    continue
+                for send in effect.heartbeats:
+                    self._send(send.peer, send.message)
                 self.busy_liveness_total += 1
 
     def _build(self) -> Scheduler:
@@ -552,9 +535,9 @@ class DecodeBackend(_PDBackend):
         # D binds no side-channel socket; its record names its HTTP address for routers.
         return self._record(sched, f"{self.config.public_host}:{self.config.port}", None)
 
-    def _send(self, peer: str, message: Message) -> bool:
+    def _side(self) -> SideChannel:
         assert self.side is not None
-        return self.side.send(peer, message)
+        return self.side
 
     def _queue_stats(self, sched: Any) -> dict[str, int]:
         return {
@@ -618,9 +601,8 @@ class DecodeBackend(_PDBackend):
                         if split_host_port(r.advertised)[0].lower() == host.lower()
                     })
                     why = f"decode refused the request: {reason} (HTTP 400)"
-                    for peer in peers:
-                        self._send(peer, Abort(room, why))
-                        self.refusals_told_total += 1
+                    self._put(ev.LegRefused(room, tuple(peers), why))  # the core sends the ABORTs
+                    self.refusals_told_total += len(peers)
                     log.info("refused room %d (%s): told %d prefill(s) at %s",
                              room, reason, len(peers), host)
         finally:

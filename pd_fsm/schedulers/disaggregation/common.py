@@ -83,6 +83,20 @@ class DisaggregationCommon(Scheduler, ABC):
         heartbeat received in time extends a lease before the lease's expiry is judged."""
         self._run(self.core.handle(event, self.clock() if now is None else now))
 
+    def step_started(self) -> list[fx.AckWhileBusy | fx.RepeatWhileBusy]:
+        """Tell the core a step starts (``ev.StepStarted``): what the I/O side must do until
+        :meth:`step_ended` to keep peers from taking this busy worker for a dead one. Other
+        effects of the event (a lease come due) are carried out as usual."""
+        busy: list[fx.AckWhileBusy | fx.RepeatWhileBusy] = []
+        rest = []
+        for e in self.core.handle(ev.StepStarted(), self.clock()):
+            (busy if isinstance(e, fx.AckWhileBusy | fx.RepeatWhileBusy) else rest).append(e)
+        self._run(rest)
+        return busy
+
+    def step_ended(self) -> None:
+        self.deliver(ev.StepEnded())
+
     def take_outbox(self) -> list[Any]:
         """Effects only the I/O layer can carry out (SendMessage, ResolvePeer), in order."""
         out, self.outbox = self.outbox, []
@@ -184,11 +198,6 @@ class DisaggregationCommon(Scheduler, ABC):
         start = stamps.get(since)
         if start is not None:
             self._phase_sample(phase, max(0.0, now - start))
-
-    def _caches(self, req: Req) -> bool:
-        # A room's pages are the transfer's (P gathers them, D scatters into them): no prefix
-        # cache on either side yet (issue 16 §2-§3). A plain request on a PD worker may use it.
-        return req.rid not in self.room_of
 
     def prompt_pages(self, req: Req) -> int:
         """Pages holding the prompt's KV: what crosses from P to D."""

@@ -213,12 +213,6 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
     def close(self) -> None:
         self.pull_executor.close(wait=True)
 
-    def _caches(self, req: Req) -> bool:
-        # D's rooms use its prefix cache (issue 16 §3): the pages of the prompt's longest
-        # cached prefix are the room's (pinned: shared per holder, never evicted while it
-        # lives), P sends only the rest, and the finished sequence goes into the cache.
-        return True
-
 
 class DecodeScheduler(SchedulerDisaggregationDecodeMixin, Scheduler):
     def __init__(

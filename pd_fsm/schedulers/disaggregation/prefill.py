@@ -103,13 +103,6 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
     def _forks(self, req: Req) -> bool:
         return req.rid not in self.room_of  # D forks a room's sequences, not P
 
-    def _caches(self, req: Req) -> bool:
-        # P's rooms use the prefix cache (issue 16 §2): a room prefills only its uncached
-        # suffix and gathers the whole prompt's pages; the pages it shares are counted per
-        # holder, so DONE, an abort or a lease expiry gives up the room's share only, and the
-        # registration holds a gathered copy that no eviction can touch.
-        return True
-
     def _on_prefill_done(
         self, req: Req, first_token: int, first_logprob: float, first_top: TopLogprobs = ()
     ) -> None:
