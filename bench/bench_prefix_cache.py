@@ -13,7 +13,7 @@ import argparse
 import statistics
 import time
 
-from pd_fsm.jax_engine.sampling import SamplingParams
+from pd_fsm.jax_engine.sampling_params import SamplingParams
 from pd_fsm.schedulers import Req, Scheduler, SchedulerArgs
 
 SYSTEM = ("<|im_start|>system\nYou are a museum guide in Paris. You answer visitors' questions "

@@ -545,9 +545,3 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     return trio.run(_main, args)
-
-
-def run(argv: Sequence[str]) -> int:
-    from pd_fsm.cli import main as cli_main
-
-    return cli_main(["bench", *argv])

@@ -23,7 +23,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -439,10 +438,3 @@ def main(args: argparse.Namespace) -> int:
                              max_tokens, headers, tls)
 
     return trio.run(cluster.run, action)
-
-
-def run(argv: Sequence[str]) -> int:
-    """``pd-fsm cluster ARGV`` in-process (tests)."""
-    from pd_fsm.cli import main as cli_main
-
-    return cli_main(["cluster", *argv])

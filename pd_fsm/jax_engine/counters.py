@@ -28,3 +28,10 @@ class SharedCounter:
         """A copy, consistent at one instant."""
         with self._lock:
             return Counter(self._counts)
+
+
+# How many times each KV copy function was traced, bumped from inside the traced Python
+# functions, i.e. once per (re)compilation: tests read it to prove the compile count is bounded
+# by the number of buckets. The copies of gather_scatter and pallas_copy both bump it; it lives
+# here so that those two modules need not import each other.
+TRACE_COUNTS = SharedCounter()

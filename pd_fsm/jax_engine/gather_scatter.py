@@ -37,12 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pd_fsm.jax_engine.counters import SharedCounter
+from pd_fsm.jax_engine.counters import TRACE_COUNTS
 from pd_fsm.jax_engine.kv_pool import NULL_PAGE
-
-# Incremented from inside the traced Python functions, i.e. once per (re)compilation. Tests read it
-# to prove the compile count is bounded by the number of buckets.
-TRACE_COUNTS = SharedCounter()
 
 ScatterMethod = Literal["xla", "pallas"]
 

@@ -22,7 +22,7 @@ import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pd_fsm.jax_engine.gather_scatter import TRACE_COUNTS
+from pd_fsm.jax_engine.counters import TRACE_COUNTS
 
 
 def _kernel(

@@ -9,7 +9,7 @@ from typing import Any, Literal
 import attrs
 
 from pd_fsm.jax_engine.grammar import Matcher
-from pd_fsm.jax_engine.sampling import TOP_LOGPROBS_COMPUTED, SamplingParams, TopLogprobs
+from pd_fsm.jax_engine.sampling_params import TOP_LOGPROBS_COMPUTED, SamplingParams, TopLogprobs
 from pd_fsm.jax_engine.tokenizer import IncrementalDetokenizer
 
 

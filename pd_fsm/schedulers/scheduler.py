@@ -55,14 +55,13 @@ from pd_fsm.jax_engine.model import (
 from pd_fsm.jax_engine.pool_spec import PoolType
 from pd_fsm.jax_engine.sampling import (
     Adjustment,
-    SamplingParams,
-    TopLogprobs,
     compile_samplers,
     last_logits,
     prompt_logprobs,
     sample,
     top_logprobs,
 )
+from pd_fsm.jax_engine.sampling_params import SamplingParams, TopLogprobs
 from pd_fsm.jax_engine.tokenizer import IncrementalDetokenizer
 from pd_fsm.schedulers.args import SchedulerArgs
 from pd_fsm.schedulers.radix_cache import RadixCache

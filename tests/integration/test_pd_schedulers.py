@@ -14,7 +14,7 @@ import pytest
 
 from pd_fsm.core import events as ev
 from pd_fsm.jax_engine.model import LoadedModel, load_model
-from pd_fsm.jax_engine.sampling import SamplingParams
+from pd_fsm.jax_engine.sampling_params import SamplingParams
 from pd_fsm.jax_engine.tokenizer import ChatMessage
 from pd_fsm.schedulers import Req, Scheduler, SchedulerArgs
 from pd_fsm.schedulers.disaggregation import (

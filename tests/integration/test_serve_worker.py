@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from pd_fsm.jax_engine.model import load_model
-from pd_fsm.jax_engine.sampling import SamplingParams
+from pd_fsm.jax_engine.sampling_params import SamplingParams
 from pd_fsm.jax_engine.tokenizer import ChatMessage
 from pd_fsm.schedulers import Scheduler
 from tests.integration.serve_support import TINY, sse_events, start_worker, wait_idle

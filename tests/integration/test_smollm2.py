@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pd_fsm.jax_engine.model import LoadedModel, load_model
-from pd_fsm.jax_engine.sampling import SamplingParams
+from pd_fsm.jax_engine.sampling_params import SamplingParams
 from pd_fsm.jax_engine.tokenizer import ChatMessage
 from pd_fsm.schedulers import Scheduler, SchedulerArgs
 

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pd_fsm.jax_engine.sampling import SamplingParams, sample
+from pd_fsm.jax_engine.sampling import sample
+from pd_fsm.jax_engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +93,14 @@ def test_a_negative_logit_is_multiplied_by_the_repetition_penalty() -> None:
     assert row.tolist() == pytest.approx([-2.1, 0.9, 0.5])
     with pytest.raises(ValueError):
         SamplingParams(repetition_penalty=0.0)
+
+
+def test_sampling_params_are_a_value_type_without_jax() -> None:
+    """The HTTP layer builds and checks SamplingParams; that must not start JAX (issue 12 §4)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from pd_fsm.jax_engine.sampling_params import SamplingParams; "
+            "SamplingParams(n=2); print('jax' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

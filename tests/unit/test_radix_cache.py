@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from pd_fsm.jax_engine.kv_pool import PageAllocator
 from pd_fsm.jax_engine.model import LoadedModel, load_model
-from pd_fsm.jax_engine.sampling import SamplingParams
+from pd_fsm.jax_engine.sampling_params import SamplingParams
 from pd_fsm.schedulers import Req, RequestOutput, Scheduler, SchedulerArgs
 from pd_fsm.schedulers.radix_cache import RadixCache
 

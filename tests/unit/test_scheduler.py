@@ -11,7 +11,7 @@ import pytest
 
 from pd_fsm.jax_engine.executables import EXECUTABLES
 from pd_fsm.jax_engine.model import LoadedModel, load_model
-from pd_fsm.jax_engine.sampling import SamplingParams
+from pd_fsm.jax_engine.sampling_params import SamplingParams
 from pd_fsm.jax_engine.tokenizer import CharTokenizer
 from pd_fsm.schedulers import (
     MAIN_KV,

@@ -38,7 +38,7 @@ from pd_fsm.io_trio.worker.schemas import ApiError, Limits, ParsedRequest
 from pd_fsm.io_trio.worker.sse import DONE, SSEResponse, event, until_disconnect
 from pd_fsm.jax_engine.grammar import Constraint, GrammarError, compiler_for
 from pd_fsm.jax_engine.model.registry import LoadedModel, load_model
-from pd_fsm.jax_engine.sampling import SamplingParams
+from pd_fsm.jax_engine.sampling_params import SamplingParams
 from pd_fsm.jax_engine.tokenizer import Tokenizer
 from pd_fsm.schedulers.request import RequestOutput
 

@@ -22,7 +22,7 @@ import trio
 from pd_fsm.io_trio.worker.backend import BackendError, GenerateJob
 from pd_fsm.io_trio.worker.config import WARMUP_MODES
 from pd_fsm.jax_engine import compilation_cache
-from pd_fsm.jax_engine.sampling import SamplingParams
+from pd_fsm.jax_engine.sampling_params import SamplingParams
 from pd_fsm.jax_engine.tiered import total_compiles
 from pd_fsm.schedulers.args import SchedulerArgs
 from pd_fsm.schedulers.factory import make_scheduler

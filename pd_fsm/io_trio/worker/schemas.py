@@ -25,7 +25,7 @@ from pd_fsm.core.messages import MAX_ROOM
 from pd_fsm.io_trio.worker.backend import BootstrapInfo
 from pd_fsm.io_trio.worker.tools import ToolError, Tools, parse_tools
 from pd_fsm.jax_engine.grammar import Constraint
-from pd_fsm.jax_engine.sampling import MAX_N, TOP_LOGPROBS_COMPUTED, SamplingParams
+from pd_fsm.jax_engine.sampling_params import MAX_N, TOP_LOGPROBS_COMPUTED, SamplingParams
 from pd_fsm.jax_engine.tokenizer import ChatMessage
 from pd_fsm.schedulers.request import NO_LOGPROBS, LogprobSpec
 
