@@ -18,7 +18,7 @@ setup: $(STAMP)
 
 lint: setup
 	$(VENV)/bin/ruff check pd_fsm tests bench
-	$(VENV)/bin/mypy --strict pd_fsm/core
+	$(VENV)/bin/mypy --strict pd_fsm/core pd_fsm/sim
 
 spec: setup
 	$(VENV)/bin/pd-fsm spec check

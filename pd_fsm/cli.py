@@ -71,6 +71,7 @@ _REGISTRARS: dict[str, str] = {
     "proxy": "pd_fsm.io_trio.cli_proxy",
     "cluster": "pd_fsm.io_trio.cluster",
     "bench": "pd_fsm.io_trio.bench_client",
+    "sim": "pd_fsm.sim.cli",
 }
 
 

@@ -38,3 +38,6 @@ class RegistryConfig:
 @attrs.frozen
 class RouterConfig:
     room_timeout: float = 600.0
+    # The decode workers run the recompute failure policy: a failed prefill leg does not fail the
+    # room (D prefills it itself), D's answer does.
+    decode_recomputes: bool = False

@@ -78,6 +78,8 @@ class RoomRouter:
             trigger = ("Prefill" if event.leg == "prefill" else "Decode") + (
                 "Responded" if event.ok else "Failed"
             )
+            if trigger == "PrefillFailed" and self.config.decode_recomputes:
+                trigger = "PrefillFailedRecoverable"
             if r is None or self.table.step(r.state, trigger) is None:
                 self.dropped += 1
             else:

@@ -36,6 +36,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="seconds between /list refreshes (default 5)")
     p.add_argument("--room-timeout", type=float, default=RouterConfig().room_timeout,
                    help="every room ends by this many seconds (default 600)")
+    p.add_argument("--decode-recomputes", action="store_true",
+                   help="the decode workers run --disaggregation-failure-policy recompute: a "
+                        "failed prefill leg leaves the room to D's answer instead of failing it")
     add_routing_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -142,7 +145,7 @@ def main(args: argparse.Namespace) -> int:
     proxy = Proxy(prefill, args.decode, bootstrap_url=args.bootstrap_url,
                   refresh_interval=args.refresh_interval, room_timeout=args.room_timeout,
                   api_key=api_key, worker_api_key=worker_api_key, tls=tls, routing=routing,
-                  load_interval=args.load_interval)
+                  load_interval=args.load_interval, decode_recomputes=args.decode_recomputes)
     return run_service(_run, proxy, args.host, args.port, host=args.host, port=args.port, log=log)
 
 

@@ -153,6 +153,7 @@ class Proxy:
         tls: TLS = NO_TLS,
         routing: RoutingConfig | None = None,
         load_interval: float = 1.0,
+        decode_recomputes: bool = False,
     ) -> None:
         self.tls = tls  # serves HTTPS if it has a certificate; verifies workers against its CA
         self._targets = {p.url: p for p in prefill}
@@ -163,7 +164,7 @@ class Proxy:
             [p.url for p in prefill],
             [d.rstrip("/") for d in decode],
             rng or random.Random(),
-            RouterConfig(room_timeout=room_timeout),
+            RouterConfig(room_timeout=room_timeout, decode_recomputes=decode_recomputes),
             routing,
         )
         self.load_interval = load_interval

@@ -505,3 +505,18 @@ def test_d_tells_the_prefills_of_a_leg_it_refused_before_any_room() -> None:
     out = d.handle(ev.LegRefused(9, ("p:1", "p:2"), "no port"), 0.0)
     assert out == [fx.SendMessage(p, Abort(9, "no port")) for p in ("p:1", "p:2")]
     assert d.stats.refusals_told == 2 and not d.rooms
+
+
+def test_a_router_whose_decode_recomputes_leaves_a_failed_prefill_to_d() -> None:
+    from pd_fsm.core.config import RouterConfig
+
+    router = RoomRouter(["p0"], ["d0"], random.Random(1), RouterConfig(decode_recomputes=True))
+    (dispatch,) = router.handle(ev.RoomRequested("r"), 0.0)
+    room = dispatch.room
+    assert router.handle(ev.LegResponded(room, "prefill", False, "P died"), 0.1) == []
+    assert router.poll(room) == "PREFILL_DONE"  # D's answer decides
+    assert _kinds(router.handle(ev.LegResponded(room, "decode", True), 0.2)) == ["RelayDecode"]
+    plain = RoomRouter(["p0"], ["d0"], random.Random(1))
+    (dispatch,) = plain.handle(ev.RoomRequested("r"), 0.0)
+    out = plain.handle(ev.LegResponded(dispatch.room, "prefill", False, "P died"), 0.1)
+    assert _kinds(out) == ["AbortLeg", "ReplyError"]

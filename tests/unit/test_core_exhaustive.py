@@ -36,6 +36,7 @@ import pytest
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
+from pd_fsm.core.config import RouterConfig
 from pd_fsm.core.errors import LocalProtocolError
 from pd_fsm.core.messages import MAX_ROOM, Heartbeat, HeartbeatAck
 from pd_fsm.core.registry import BootstrapRegistry
@@ -674,6 +675,7 @@ _ROOM_EFFECTS = {
 _LEG_EVENTS = {
     "PrefillResponded": ("prefill", True),
     "PrefillFailed": ("prefill", False),
+    "PrefillFailedRecoverable": ("prefill", False),  # a router whose D recompute
     "DecodeResponded": ("decode", True),
     "DecodeFailed": ("decode", False),
 }
@@ -706,6 +708,10 @@ class Router:
 
     def fire(self, trigger: str) -> Seen:
         room = PROXY_ROOM
+
+        # A failed prefill leg is recoverable for a router whose decode workers recompute.
+        self.router.config = RouterConfig(
+            decode_recomputes=trigger == "PrefillFailedRecoverable")
 
         def go() -> list[Any]:
             if trigger in _DISPATCH_PROMPTS:

@@ -1,0 +1,452 @@
+"""The simulated workers (``pd_fsm.sim``): each runs its real core endpoint; its scheduler, its
+transfer server and its HTTP legs are modelled here."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from pd_fsm.core import effects as fx
+from pd_fsm.core import events as ev
+from pd_fsm.core.decode_endpoint import DecodeEndpoint
+from pd_fsm.core.messages import Done
+from pd_fsm.core.prefill_endpoint import PrefillEndpoint
+from pd_fsm.sim.config import (
+    DECODE,
+    LAYOUT,
+    LEASE,
+    PULL_DEADLINE,
+    RECOMPUTABLE,
+    REGISTRY_HEARTBEAT,
+    VOCAB,
+    Violation,
+)
+
+if TYPE_CHECKING:
+    from pd_fsm.sim.world import World
+
+
+@attrs.define(eq=False)
+class Client:
+    id: int
+    text: str
+    tokens: int
+    out: int
+    answer: tuple[int, tuple[int, ...] | str] | None = None
+
+    def first_token(self) -> int:
+        return (self.id * 7919 + len(self.text)) % VOCAB
+
+    def expected(self, first: int | None = None) -> tuple[int, ...]:
+        """The answer: P's first token, then what D decodes from it."""
+        f = self.first_token() if first is None else first
+        return (f, *((f * 31 + k * (self.id + 1)) % VOCAB for k in range(1, self.out)))
+
+
+class Pool:
+    """A worker's pages: every page freed exactly once."""
+
+    def __init__(self, world: World, name: str, size: int) -> None:
+        self.world, self.name, self.size = world, name, size
+        self.free = set(range(1, size + 1))
+
+    def take(self, n: int) -> list[int] | None:
+        if n > len(self.free):
+            return None
+        pages = sorted(self.free)[:n]
+        self.free.difference_update(pages)
+        return pages
+
+    def give(self, pages: list[int], why: str) -> None:
+        twice = [p for p in pages if p in self.free]
+        if twice:
+            raise Violation(f"{self.name}: pages {twice} freed twice ({why})")
+        self.free.update(pages)
+
+
+class Node:
+    """A worker process: alive or not, its generation (a restart is a new one)."""
+
+    def __init__(self, world: World, name: str) -> None:
+        self.world, self.name = world, name
+        self.alive = False
+        self.gen = 0
+        self.wake = math.inf
+
+    def local(self) -> float:
+        return self.world.now + self.world.skew[self.name]
+
+    def schedule_wake(self, deadline: float | None) -> None:
+        if deadline is None:
+            return
+        # A hair after: the node reads now + skew, which must not round to just before it.
+        at = deadline - self.world.skew[self.name] + 1e-6
+        if at < self.wake:
+            self.wake = at
+            gen = self.gen
+            self.world.at_time(at, f"{self.name} timers", self._on_wake, gen, at)
+
+    def _on_wake(self, gen: int, at: float) -> None:
+        if gen == self.gen and self.alive and at == self.wake:
+            self.wake = math.inf
+            self.feed(ev.TimeAdvanced())
+
+    def feed(self, event: Any) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def receive(self, peer: str, message: Any) -> None:
+        raise NotImplementedError
+
+    def leftovers(self) -> str:
+        """What this worker still holds ("" when idle): rooms, pages, registrations."""
+        raise NotImplementedError
+
+
+class PrefillWorker(Node):
+    def __init__(self, world: World, index: int) -> None:
+        super().__init__(world, f"p{index}")
+        self.advertised = f"{self.name}:8998"
+        self.side = f"{self.name}:side"
+        self.core: PrefillEndpoint
+        self.pool = Pool(world, self.name, world.config.pages)
+        self.held: dict[int, list[int]] = {}  # room -> pages
+        self.regs: dict[int, int] = {}  # uuid -> room: the transfer server
+        self.legs: dict[int, tuple[int, Client]] = {}  # room -> (router gen, client): open legs
+        self.transfer = ""
+
+    def start(self) -> None:
+        w = self.world
+        self.gen += 1
+        self.alive, self.wake = True, math.inf
+        self.transfer = f"{self.name}:{17000 + self.gen}"  # a new port per process
+        cls = ShorteningPrefill if w.config.plant == "lease-shortens" else PrefillEndpoint
+        self.core = cls(LAYOUT, random.Random(w.rng.getrandbits(64)), LEASE,
+                        transfer_addr=self.transfer)
+        self.pool = Pool(w, self.name, w.config.pages)
+        self.held, self.regs, self.legs = {}, {}, {}
+        w.register(self)
+        w.at(REGISTRY_HEARTBEAT, f"{self.name} registry heartbeat", self._heartbeat, self.gen)
+
+    def crash(self) -> None:
+        self.alive = False
+        for room, (gen, _) in sorted(self.legs.items()):
+            self.world.leg_answer(gen, room, "prefill", False, "prefill connection reset")
+        self.legs = {}
+
+    def _heartbeat(self, gen: int) -> None:
+        if gen != self.gen or not self.alive:
+            return
+        self.world.registry_heartbeat(self)
+        self.world.at(REGISTRY_HEARTBEAT, f"{self.name} registry heartbeat", self._heartbeat, gen)
+
+    def leg(self, gen: int, room: int, client: Client) -> None:
+        """The proxy's leg arrives (HTTP POST)."""
+        if not self.alive:
+            self.world.leg_answer(gen, room, "prefill", False, "prefill connection refused")
+            return
+        self.legs[room] = (gen, client)
+        self.feed(ev.PrefillRequestAccepted(room))
+        if self.core.state_of(room) is None or room in self.held:
+            return  # refused (the leg was answered), or a duplicate of a live room
+        pages = self.pool.take(self.world.prompt_pages(client))  # P holds the prompt's KV only
+        if pages is None:
+            self.feed(ev.PrefillFailed(room, "no free pages"))
+            return
+        self.held[room] = pages
+        w = self.world
+        if w.config.faults and w.rng.random() < 0.02:
+            w.trace_line(f"{self.name}: the forward of room {room:x} hangs")
+            return  # only the lease (or an abort) ends this room now
+        cost = 0.02 + client.tokens * 0.0005
+        w.at(cost, f"{self.name} prefill of room {room:x}", self._prefilled, self.gen, room)
+
+    def _prefilled(self, gen: int, room: int) -> None:
+        if gen != self.gen or not self.alive or self.core.state_of(room) is None:
+            return
+        client = self.legs.get(room, (0, None))[1]
+        first = client.first_token() if client is not None else 0
+        self.feed(ev.PrefillFinished(room, first, len(self.held[room])))
+
+    def abort(self, room: int) -> None:
+        if self.alive and self.core.state_of(room) is not None:
+            self.feed(ev.Aborted(room, "aborted by the proxy"))
+
+    def receive(self, peer: str, message: Any) -> None:
+        self.feed(ev.MessageReceived(peer, message))
+
+    def feed(self, event: Any) -> None:
+        w = self.world
+        for e in w.handle(self, self.core, event):
+            match e:
+                case fx.SendMessage():
+                    w.send(self.side, e.peer, e.message)
+                case fx.RegisterKV():
+                    self.regs[e.uuid] = e.room
+                case fx.NarrowKV():
+                    self.regs.pop(e.replaces, None)
+                    self.regs[e.uuid] = e.room
+                case fx.ReleaseKV():
+                    if e.uuid is not None and self.regs.pop(e.uuid, None) is None:
+                        raise Violation(f"{self.name}: registration {e.uuid} released twice")
+                    pages = self.held.pop(e.room, None)
+                    done = isinstance(event, ev.MessageReceived) and isinstance(event.message,
+                                                                                Done)
+                    if pages is not None and not (done and w.plant("missing-release-on-done")):
+                        self.pool.give(pages, f"ReleaseKV of room {e.room:x}")
+                case fx.CompleteRequest():
+                    self._answer_leg(e.room, True, "")
+                case fx.FailRequest():
+                    self._answer_leg(e.room, False, e.reason)
+                case fx.RejectRequest():
+                    self._answer_leg(e.room, False, e.reason)
+                case fx.AckWhileBusy():
+                    pass  # the simulated steps never keep the endpoint busy
+        self.schedule_wake(self.core.next_deadline())
+
+    def leftovers(self) -> str:
+        held = self.pool.size - len(self.pool.free)
+        parts = [f"rooms {sorted(self.core.rooms)}"] if self.core.rooms else []
+        parts += [f"{held} pages never freed"] if held else []
+        parts += [f"{len(self.regs)} registrations"] if self.regs else []
+        return ", ".join(parts)
+
+    def _answer_leg(self, room: int, ok: bool, reason: str) -> None:
+        gen_client = self.legs.pop(room, None)
+        if gen_client is not None:
+            self.world.leg_answer(gen_client[0], room, "prefill", ok, reason)
+
+
+class ShorteningPrefill(PrefillEndpoint):
+    """Planted bug: a heartbeat moves the lease to now + half the extension, shorter or not."""
+
+    def _fx_ExtendExpiry(self, r: Any, now: float, out: list[Any], cause: Any) -> None:
+        r.expires_at = now + self.config.extension / 2
+        self._room_timers.set(r.room, r.expires_at)
+
+
+class DecodeWorker(Node):
+    def __init__(self, world: World, index: int) -> None:
+        super().__init__(world, f"d{index}")
+        self.core: DecodeEndpoint
+        self.pool = Pool(world, self.name, world.config.pages)
+        self.held: dict[int, list[int]] = {}  # room -> pages
+        self.legs: dict[int, tuple[int, Client]] = {}  # room -> (router gen, client)
+        self.waiting: list[int] = []  # rooms waiting for pages, FIFO
+        self.pulls: dict[int, int] = {}  # room -> pull id in flight
+        self._pull_ids = itertools.count(1)
+        self.relaying: set[int] = set()  # rooms whose answer goes out (D's leg answered 200)
+        self.pull_failed: set[int] = set()  # rooms whose pull failed (the double-free plant)
+
+    def start(self) -> None:
+        w = self.world
+        self.gen += 1
+        self.alive, self.wake = True, math.inf
+        self.core = DecodeEndpoint(self.name, LAYOUT, DECODE, incarnation=w.rng.getrandbits(62) | 1)
+        if w.plant("no-ready-timeout"):
+            self.core._state_timeout["WAITING_FOR_READY"] = math.inf  # the planted bug
+        self.pool = Pool(w, self.name, w.config.pages)
+        self.held, self.legs, self.waiting, self.pulls, self.relaying = {}, {}, [], {}, set()
+        self.pull_failed = set()
+
+    def crash(self) -> None:
+        self.alive = False
+        for room, (gen, _) in sorted(self.legs.items()):
+            self.world.leg_answer(gen, room, "decode", False, "decode connection reset")
+        self.legs = {}
+
+    def leg(self, gen: int, room: int, client: Client, prefill: PrefillWorker | None) -> None:
+        if not self.alive:
+            self.world.leg_answer(gen, room, "decode", False, "decode connection refused")
+            return
+        if room in self.legs:
+            self.world.leg_answer(gen, room, "decode", False, f"room {room:x} is live here")
+            return
+        self.legs[room] = (gen, client)
+        if prefill is None:  # no bootstrap fields: D prefills it itself
+            self._prefill_here(room, client)
+            return
+        n = self.world.prompt_pages(client)
+        self.feed(ev.DecodeRequestAccepted(room, prefill.advertised, n))
+
+    def _prefill_here(self, room: int, client: Client) -> None:
+        pages = self.pool.take(self.world.pages_for(client))
+        if pages is None:
+            self._fail_leg(room, "no free pages for a local prefill")
+            return
+        self.held[room] = pages
+        cost = 0.02 + client.tokens * 0.0005
+        self.world.at(cost, f"{self.name} local prefill of room {room:x}", self._first_token,
+                      self.gen, room, client.first_token())
+
+    def _first_token(self, gen: int, room: int, first: int) -> None:
+        if gen != self.gen or room not in self.legs:
+            return
+        router_gen, client = self.legs[room]
+        self.relaying.add(room)
+        self.world.leg_answer(router_gen, room, "decode", True, "")
+        cost = client.out * 0.005
+        self.world.at(cost, f"{self.name} decode of room {room:x}", self._decoded, self.gen, room,
+                      client.expected(first))
+
+    def _decoded(self, gen: int, room: int, tokens: tuple[int, ...]) -> None:
+        if gen != self.gen or room not in self.legs:
+            return
+        router_gen, client = self.legs.pop(room)
+        self.relaying.discard(room)
+        self.pool.give(self.held.pop(room), f"room {room:x} finished decoding")
+        self.world.relayed(router_gen, room, client, tokens)
+        self._allocate_waiting()
+
+    def leftovers(self) -> str:
+        held = self.pool.size - len(self.pool.free)
+        parts = [f"rooms {sorted(self.core.rooms)}"] if self.core.rooms else []
+        parts += [f"{held} pages never freed"] if held else []
+        parts += [f"legs {sorted(self.legs)}"] if self.legs else []
+        parts += [f"waiting {self.waiting}"] if self.waiting else []
+        return ", ".join(parts)
+
+    def _fail_leg(self, room: int, reason: str) -> None:
+        gen_client = self.legs.pop(room, None)
+        if gen_client is not None:
+            self.world.leg_answer(gen_client[0], room, "decode", False, reason)
+
+    def abort(self, room: int) -> None:
+        if not self.alive:
+            return
+        if self.core.state_of(room) is not None:
+            self.feed(ev.Aborted(room, "aborted by the proxy"))
+        elif room in self.legs:  # decoding (or a local prefill): the scheduler's own abort
+            self.legs.pop(room)
+            self.relaying.discard(room)
+            pages = self.held.pop(room, None)
+            if pages is not None:
+                self.pool.give(pages, f"abort of room {room:x}")
+            self._allocate_waiting()
+
+    def receive(self, peer: str, message: Any) -> None:
+        self.feed(ev.MessageReceived(peer, message))
+
+    def resolved(self, gen: int, answer: Any) -> None:
+        if gen == self.gen and self.alive:
+            self.feed(answer)
+
+    def feed(self, event: Any) -> None:
+        w = self.world
+        events = [event]
+        while events:
+            for e in w.handle(self, self.core, events.pop(0)):
+                events.extend(self._carry_out(e))
+        self.schedule_wake(self.core.next_deadline())
+
+    def _carry_out(self, e: Any) -> list[Any]:
+        w = self.world
+        match e:
+            case fx.SendMessage():
+                w.send(self.name, e.peer, e.message)
+            case fx.ResolvePeer():
+                w.resolve(self, e.bootstrap_addr)
+            case fx.ForgetPeer() | fx.ForgetTransfer() | fx.RepeatWhileBusy():
+                pass
+            case fx.AllocateBlocks():
+                self.waiting.append(e.room)
+                return self._allocate_waiting(feed=False)
+            case fx.CancelAllocation():
+                self.waiting.remove(e.room)
+            case fx.StartPull():
+                self._pull(e)
+            case fx.ReleaseBlocks():
+                pages = self.held.pop(e.room)
+                self.pool.give(pages, f"ReleaseBlocks of room {e.room:x}")
+                if w.plant("double-free") and e.room in self.pull_failed:
+                    self.pool.give(pages, f"ReleaseBlocks of room {e.room:x} (planted)")
+                return self._allocate_waiting(feed=False)
+            case fx.CompleteTransfer():
+                gen_client = self.legs.get(e.room)
+                if gen_client is not None:
+                    w.at(0.001, f"{self.name} room {e.room:x} joins the batch", self._first_token,
+                         self.gen, e.room, e.first_token)
+            case fx.FailRequest():
+                self._failed(e)
+            case fx.RejectRequest():
+                self._fail_leg(e.room, e.reason)
+        return []
+
+    def _failed(self, e: fx.FailRequest) -> None:
+        gen_client = self.legs.get(e.room)
+        if gen_client is None:
+            return
+        if self.world.config.recompute and e.status in RECOMPUTABLE:
+            self.world.trace_line(f"{self.name}: recomputes room {e.room:x} ({e.reason})")
+            self.world.at(0.001, f"{self.name} recompute of room {e.room:x}",
+                          self._recompute, self.gen, e.room)
+            return
+        self._fail_leg(e.room, e.reason)
+
+    def _recompute(self, gen: int, room: int) -> None:
+        if gen != self.gen or room not in self.legs or room in self.held:
+            # Its old pages are still held until the core's ReleaseBlocks: wait for them.
+            if gen == self.gen and room in self.legs:
+                self.world.at(0.05, f"{self.name} recompute of room {room:x}", self._recompute,
+                              gen, room)
+            return
+        self._prefill_here(room, self.legs[room][1])
+
+    def _allocate_waiting(self, feed: bool = True) -> list[Any]:
+        out: list[Any] = []
+        while self.waiting:
+            room = self.waiting[0]
+            gen_client = self.legs.get(room)
+            n = self.world.pages_for(gen_client[1]) if gen_client else 1
+            pages = self.pool.take(n)
+            if pages is None:
+                break
+            self.waiting.pop(0)
+            self.held[room] = pages
+            out.append(ev.BlocksAllocated(room))
+        if feed:
+            for event in out:
+                self.feed(event)
+            return []
+        return out
+
+    def _pull(self, e: fx.StartPull) -> None:
+        w = self.world
+        pull = next(self._pull_ids)
+        self.pulls[e.room] = pull
+        took = w.rng.uniform(0.005, 0.05)
+        fails = False
+        if w.config.faults:
+            r = w.rng.random()
+            if r < 0.04:
+                took = w.rng.uniform(1.0, 2 * PULL_DEADLINE)  # slow: maybe past its deadline
+            elif r < 0.07:
+                fails = True
+        took = min(took, PULL_DEADLINE)
+        w.at(took, f"{self.name} pull of room {e.room:x}", self._pulled, self.gen, e.room, pull,
+             e.uuid, e.transfer_addr, fails, took >= PULL_DEADLINE)
+
+    def _pulled(self, gen: int, room: int, pull: int, uuid: int, addr: str, fails: bool,
+                late: bool) -> None:
+        if gen != self.gen or self.pulls.get(room) != pull:
+            return
+        del self.pulls[room]
+        source = self.world.transfer_server(addr)
+        if late:
+            reason = f"pull not finished within its {PULL_DEADLINE:g} s deadline"
+        elif fails:
+            reason = "injected transfer failure"
+        elif source is None or uuid not in source.regs or not self.world.reachable(
+                self.name, source.name):
+            reason = f"nothing registered as {uuid} at {addr}"
+        else:
+            self.feed(ev.PullSucceeded(room))
+            return
+        self.pull_failed.add(room)
+        self.feed(ev.PullFailed(room, reason))
