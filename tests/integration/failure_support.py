@@ -235,9 +235,10 @@ class Fleet:
                    "--disaggregation-mode", "null")
         return self._add(name, argv, f"http://{HOST}:{port}")
 
-    def proxy(self, name: str, prefill: list[Proc], decode: list[Proc]) -> Proc:
+    def proxy(self, name: str, prefill: list[Proc], decode: list[Proc],
+              extra: list[str] | None = None) -> Proc:
         port = free_port()
-        argv = cli("proxy", "--host", HOST, "--port", str(port))
+        argv = cli("proxy", "--host", HOST, "--port", str(port), *(extra or []))
         for p in prefill:
             argv += ["--prefill", str(p.url), str(p.bootstrap_port)]
         for d in decode:

@@ -92,6 +92,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     f.decode("dlong", num_pages=DFAIL_PAGES, extra=LONG_WINDOWS)
     f.colocated()
     f.proxy("proxy", [p1], [dfail])
+    # The prefill that dies under two proxies over drec: one told that D recomputes.
+    p4 = f.prefill("p4")
+    f.proxy("proxy_rec", [p4], [f["drec"]], ["--decode-recomputes"])
+    f.proxy("proxy_norec", [p4], [f["drec"]])
     f.start()
     warm_pd([p1, f["p2"]], dfail, (9, 13))
     yield f
@@ -247,6 +251,42 @@ async def test_p_dies_d_fails_cleanly_or_recomputes(fleet: Fleet) -> None:
 
         await wait_clean(http, dfail, drec, timeout=PULL_DEADLINE + SLACK)
         assert (await stats(http, drec))["recomputed_total"] == recomputed_before + 2
+
+
+async def test_a_proxy_told_decode_recomputes_leaves_a_dead_prefill_to_d(fleet: Fleet) -> None:
+    """Found by `pd-fsm sim`: with D's recompute policy behind our proxy, P's leg failing made
+    the proxy fail the room at once, although D would have answered it. P (``p4``) is frozen
+    before two requests arrive, one through each proxy over ``drec``; once D waits for READY on
+    both, P is SIGKILLed: its legs break. The proxy run with ``--decode-recomputes`` leaves the
+    room to D, which declares P lost and prefills it: 200, the colocated answer. The other fails
+    the room on P's broken leg: 502, and D's recomputation is aborted."""
+    p4, drec, colo = fleet["p4"], fleet["drec"], fleet["colocated"]
+    proxies = {"rec": fleet["proxy_rec"], "norec": fleet["proxy_norec"]}
+    ids = {"rec": prompt(10, seed=7), "norec": prompt(12, seed=8)}
+    async with client() as http:
+        await wait_clean(http, drec, timeout=SLACK)
+        want = await greedy(http, colo, ids["rec"], 6)
+        outcomes = {name: Outcome() for name in proxies}
+        p4.pause()
+        try:
+            async with trio.open_nursery() as nursery:
+                for name, proxy in proxies.items():
+                    body = {"input_ids": ids[name],
+                            "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+                    nursery.start_soon(post, http, f"{proxy.url}/generate", body,
+                                       outcomes[name])
+                await wait_until(lambda: p_state(http, drec, "WAITING_FOR_READY", 2), SLACK,
+                                 "D waiting for READY from the frozen P")
+                killed = trio.current_time()
+                p4.kill()
+        finally:
+            if p4.alive():  # the wait failed before the kill: let the fleet stop it
+                p4.resume()
+        assert outcomes["rec"].ok_ids() == want
+        assert outcomes["rec"].at - killed <= PEER_TIMEOUT + 2 * HEARTBEAT + SLACK
+        assert outcomes["norec"].status == 502, outcomes["norec"]
+        assert "prefill" in error_message_of(outcomes["norec"])
+        await wait_clean(http, drec, timeout=PULL_DEADLINE + SLACK)
 
 
 def error_message_of(out: Outcome) -> str:
