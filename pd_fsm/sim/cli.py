@@ -10,8 +10,8 @@ from collections import Counter
 import attrs
 
 from pd_fsm.core.routing import POLICIES, RoutingConfig
-from pd_fsm.sim.config import PLANTS, SimConfig
-from pd_fsm.sim.world import run_seed
+from pd_fsm.sim.config import PLANTS, SimConfig, Violation, Workload
+from pd_fsm.sim.world import run_seed, run_workload
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -36,6 +36,22 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--requests", type=int, default=10, help="clients per seed (default 10)")
     p.add_argument("--policy", choices=POLICIES, default="round_robin",
                    help="the proxy's routing policy, both legs (default round_robin)")
+    w = p.add_argument_group("workload mode: try P:D ratios and routing policies on the "
+                             "cost model (no faults)")
+    w.add_argument("--workload", action="store_true",
+                   help="Poisson arrivals through each ratio x policy; print TTFT, TPOT, "
+                        "throughput and goodput")
+    w.add_argument("--rate", type=float, default=2.0, help="requests per second (default 2)")
+    w.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals (60)")
+    w.add_argument("--groups", type=int, default=8,
+                   help="shared prompt prefixes (default 8; 0: none)")
+    w.add_argument("--prefix-tokens", type=int, default=200, help="tokens of each prefix (200)")
+    w.add_argument("--max-output", type=int, default=32, help="output tokens, 1..N (32)")
+    w.add_argument("--ratios", default="1:3,2:2,3:1", help="P:D ratios (default 1:3,2:2,3:1)")
+    w.add_argument("--policies", default=",".join(POLICIES),
+                   help="routing policies to compare (default all)")
+    w.add_argument("--ttft-target", type=float, default=2.0, help="goodput: TTFT (s, 2)")
+    w.add_argument("--tpot-target", type=float, default=0.2, help="goodput: TPOT (s, 0.2)")
     p.set_defaults(func=main)
 
 
@@ -47,6 +63,8 @@ def _seeds(text: str) -> range:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.workload:
+        return _workload(args)
     try:
         seeds = _seeds(args.seeds)
         if min(args.prefill, args.decode, args.requests) < 1:
@@ -87,3 +105,51 @@ def main(args: argparse.Namespace) -> int:
     print(f"{len(seeds)} seeds, {failed} failing, {len(seeds) / took:.0f} seeds/s "
           f"({steps / len(seeds):.0f} steps a seed); answers {dict(sorted(answers.items()))}")
     return 1 if failed else 0
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+
+
+def _workload(args: argparse.Namespace) -> int:
+    try:
+        ratios = [tuple(int(x) for x in r.split(":")) for r in args.ratios.split(",")]
+        if any(len(r) != 2 or min(r) < 1 for r in ratios):
+            raise ValueError(f"--ratios takes P:D pairs such as 1:3,2:2, got {args.ratios!r}")
+        policies = args.policies.split(",")
+        bad = [x for x in policies if x not in POLICIES]
+        if bad:
+            raise ValueError(f"--policies: unknown {bad}; one of {', '.join(POLICIES)}")
+        workload = Workload(rate=args.rate, duration=args.duration, groups=args.groups,
+                            prefix_tokens=args.prefix_tokens, max_output=args.max_output)
+        if min(args.rate, args.duration, args.max_output) <= 0 or args.groups < 0:
+            raise ValueError("--rate, --duration, --max-output must be > 0, --groups >= 0")
+    except ValueError as exc:
+        print(f"pd-fsm sim: {exc}", file=sys.stderr)
+        return 2
+    seed = args.seed if args.seed is not None else 0
+    print(f"workload: {args.rate:g} req/s for {args.duration:g} s, {args.groups} prefixes of "
+          f"{args.prefix_tokens} tokens, 1-{args.max_output} tokens out, seed {seed}; goodput: "
+          f"TTFT <= {args.ttft_target:g} s and TPOT <= {args.tpot_target:g} s "
+          f"(cost model: pd_fsm/sim/config.py CostModel)")
+    head = (f"{'P:D':<6}{'policy':<14}{'TTFT p50':>9}{'p99 s':>8}{'TPOT p50':>10}"
+            f"{'tok/s':>8}{'goodput':>9}{'done':>6}{'failed':>7}")
+    print(head + "\n" + "-" * len(head))
+    for n_p, n_d in ratios:
+        for policy in policies:
+            config = SimConfig(prefill=n_p, decode=n_d, faults=False, pages=4096,
+                               recompute=args.recompute, workload=workload,
+                               routing=RoutingConfig(prefill_policy=policy,
+                                                     decode_policy=policy))
+            try:
+                r = run_workload(config, seed, args.ttft_target, args.tpot_target)
+            except Violation as exc:
+                print(f"{n_p}:{n_d:<4}{policy:<14}invariant broken: {exc}")
+                return 1
+            print(f"{n_p}:{n_d:<4}{policy:<14}{_pct(r.ttft, 50):>9.2f}{_pct(r.ttft, 99):>8.2f}"
+                  f"{_pct(r.tpot, 50):>10.3f}{r.rate(r.output_tokens):>8.1f}"
+                  f"{r.rate(r.good):>9.2f}{r.completed:>6}{r.failed:>7}", flush=True)
+    return 0

@@ -37,6 +37,42 @@ class Violation(Exception):
 
 
 @attrs.frozen
+class CostModel:
+    """What work costs in virtual time. Defaults: SmolLM2-135M F32, one role per CPU core of
+    this project's machine (bench/RESULTS_*.md: prefill ~400 tokens/s, decode ~50 ms/token at
+    batch 1 and ~25 ms at batch 8), a KV pull at ~1 GB/s of 46 KB a token."""
+
+    prefill_fixed: float = 0.02  # seconds a prefill costs whatever its length
+    prefill_per_token: float = 0.0025
+    decode_step: float = 0.05  # one token at batch 1 ...
+    decode_step_per_row: float = 0.022  # ... plus this per other row in the batch
+    kv_bytes_per_token: int = 46_080
+    pull_bytes_per_second: float = 1e9
+
+    def prefill(self, tokens: int) -> float:
+        return self.prefill_fixed + self.prefill_per_token * tokens
+
+    def step(self, rows: int) -> float:
+        return self.decode_step + self.decode_step_per_row * max(rows - 1, 0)
+
+    def pull(self, tokens: int) -> float:
+        return tokens * self.kv_bytes_per_token / self.pull_bytes_per_second
+
+
+@attrs.frozen
+class Workload:
+    """Poisson arrivals at ``rate`` per second for ``duration`` seconds; each prompt is one of
+    ``groups`` shared prefixes of ``prefix_tokens`` (0 groups: none) and a question of 8-64
+    tokens; 1-``max_output`` tokens out."""
+
+    rate: float = 2.0
+    duration: float = 60.0
+    groups: int = 8
+    prefix_tokens: int = 200
+    max_output: int = 32
+
+
+@attrs.frozen
 class SimConfig:
     prefill: int = 2
     decode: int = 2
@@ -48,6 +84,8 @@ class SimConfig:
     routing: RoutingConfig = attrs.field(factory=RoutingConfig)
     pages: int = 48  # per worker
     skew: float = 2.0  # each host's clock is off by up to this many seconds
+    cost: CostModel = attrs.field(factory=CostModel)
+    workload: Workload | None = None  # Poisson arrivals instead of ``requests`` spread uniformly
 
 
 @attrs.define

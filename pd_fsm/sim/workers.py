@@ -37,6 +37,11 @@ class Client:
     tokens: int
     out: int
     answer: tuple[int, tuple[int, ...] | str] | None = None
+    group: int = -1  # the shared prefix it starts with (-1: none)
+    prefix: int = 0  # that prefix's tokens
+    arrived: float = 0.0
+    first_at: float = math.nan  # when D's first token left (TTFT = first_at - arrived)
+    done_at: float = math.nan
 
     def first_token(self) -> int:
         return (self.id * 7919 + len(self.text)) % VOCAB
@@ -120,6 +125,8 @@ class PrefillWorker(Node):
         self.regs: dict[int, int] = {}  # uuid -> room: the transfer server
         self.legs: dict[int, tuple[int, Client]] = {}  # room -> (router gen, client): open legs
         self.transfer = ""
+        self.busy_until = 0.0  # one prefill at a time
+        self.cached_groups: set[int] = set()  # shared prefixes its prefix cache holds
 
     def start(self) -> None:
         w = self.world
@@ -131,6 +138,7 @@ class PrefillWorker(Node):
                         transfer_addr=self.transfer)
         self.pool = Pool(w, self.name, w.config.pages)
         self.held, self.regs, self.legs = {}, {}, {}
+        self.busy_until, self.cached_groups = 0.0, set()
         w.register(self)
         w.at(REGISTRY_HEARTBEAT, f"{self.name} registry heartbeat", self._heartbeat, self.gen)
 
@@ -164,8 +172,14 @@ class PrefillWorker(Node):
         if w.config.faults and w.rng.random() < 0.02:
             w.trace_line(f"{self.name}: the forward of room {room:x} hangs")
             return  # only the lease (or an abort) ends this room now
-        cost = 0.02 + client.tokens * 0.0005
-        w.at(cost, f"{self.name} prefill of room {room:x}", self._prefilled, self.gen, room)
+        uncached = client.tokens
+        if client.group >= 0:
+            if client.group in self.cached_groups:
+                uncached -= client.prefix
+            self.cached_groups.add(client.group)
+        self.busy_until = max(w.now, self.busy_until) + w.config.cost.prefill(uncached)
+        w.at(self.busy_until - w.now, f"{self.name} prefill of room {room:x}", self._prefilled,
+             self.gen, room)
 
     def _prefilled(self, gen: int, room: int) -> None:
         if gen != self.gen or not self.alive or self.core.state_of(room) is None:
@@ -281,7 +295,7 @@ class DecodeWorker(Node):
             self._fail_leg(room, "no free pages for a local prefill")
             return
         self.held[room] = pages
-        cost = 0.02 + client.tokens * 0.0005
+        cost = self.world.config.cost.prefill(client.tokens)
         self.world.at(cost, f"{self.name} local prefill of room {room:x}", self._first_token,
                       self.gen, room, client.first_token())
 
@@ -290,8 +304,11 @@ class DecodeWorker(Node):
             return
         router_gen, client = self.legs[room]
         self.relaying.add(room)
+        client.first_at = self.world.now
         self.world.leg_answer(router_gen, room, "decode", True, "")
-        cost = client.out * 0.005
+        # The batch it decodes in, as it joins: the simple model of a continuous batch.
+        cost = (client.out - 1) * self.world.config.cost.step(len(self.relaying))
+        cost = max(cost, 0.002)  # the body's end never reaches the proxy before its headers
         self.world.at(cost, f"{self.name} decode of room {room:x}", self._decoded, self.gen, room,
                       client.expected(first))
 
@@ -420,7 +437,9 @@ class DecodeWorker(Node):
         w = self.world
         pull = next(self._pull_ids)
         self.pulls[e.room] = pull
-        took = w.rng.uniform(0.005, 0.05)
+        gen_client = self.legs.get(e.room)
+        tokens = gen_client[1].tokens if gen_client is not None else 0
+        took = w.config.cost.pull(tokens) + w.rng.uniform(0.001, 0.005)
         fails = False
         if w.config.faults:
             r = w.rng.random()

@@ -31,6 +31,8 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+import attrs
+
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.codec import decode, encode
@@ -111,12 +113,21 @@ class World:
 
     def run(self) -> None:
         c = self.config
-        for i in range(c.requests):
-            self.at(self.rng.uniform(0.0, c.arrival_window), f"client {i} arrives", self._arrive,
-                    i)
+        if c.workload is not None:
+            t, i = self.rng.expovariate(c.workload.rate), 0
+            while t < c.workload.duration:
+                self.at(t, f"client {i} arrives", self._arrive, i)
+                t += self.rng.expovariate(c.workload.rate)
+                i += 1
+            window = c.workload.duration
+        else:
+            for i in range(c.requests):
+                self.at(self.rng.uniform(0.0, c.arrival_window), f"client {i} arrives",
+                        self._arrive, i)
+            window = c.arrival_window
         if c.faults:
             self._draw_faults()
-        end = c.arrival_window + DRAIN
+        end = window + DRAIN
         while self._queue and self._queue[0][0] <= end:
             t, _, what, fn, args = heapq.heappop(self._queue)
             self.now = t
@@ -177,12 +188,22 @@ class World:
     # -- clients and the proxy ----------------------------------------------------------------
 
     def _arrive(self, i: int) -> None:
-        rng = self.rng
-        words = rng.randint(4, 200)
-        text = " ".join(f"w{rng.randint(0, 50)}" for _ in range(words))
-        client = Client(i, text, words, rng.randint(1, 8))
+        rng, w = self.rng, self.config.workload
+        if w is None:
+            words = rng.randint(4, 200)
+            text = " ".join(f"w{rng.randint(0, 50)}" for _ in range(words))
+            client = Client(i, text, words, rng.randint(1, 8))
+        else:
+            group = rng.randrange(w.groups) if w.groups else -1
+            prefix = " ".join(f"s{group}.{k}" for k in range(w.prefix_tokens)) if w.groups else ""
+            question = rng.randint(8, 64)
+            text = prefix + " " + " ".join(f"q{rng.randint(0, 999)}" for _ in range(question))
+            client = Client(i, text, (w.prefix_tokens if w.groups else 0) + question,
+                            rng.randint(1, w.max_output), group=group,
+                            prefix=w.prefix_tokens if w.groups else 0)
+        client.arrived = self.now
         self.clients.append(client)
-        self._route(ev.RoomRequested(str(i), Prompt(text, words)), client)
+        self._route(ev.RoomRequested(str(i), Prompt(text, client.tokens)), client)
 
     def _route(self, event: Any, client: Client | None = None) -> None:
         gen = self.router_gen
@@ -248,6 +269,7 @@ class World:
         if self.router.poll(room) not in ("RELAYING", "LOCAL_RELAYING"):
             return  # the room already failed (its client got that error)
         del self.rooms[(gen, room)]
+        client.done_at = self.now
         self._answer(client, 200, tokens)
         self._route(ev.RelayFinished(room))
 
@@ -442,3 +464,38 @@ def run_seed(seed: int, config: SimConfig | None = None, trace: bool = False) ->
     except Violation as exc:
         violation = f"t={world.now:.3f}: {exc}"
     return SimResult(seed, violation, world.answered(), world.steps, world.trace)
+
+
+@attrs.frozen
+class WorkloadResult:
+    """One workload run's clients, as a serving benchmark sees them (virtual seconds)."""
+
+    ttft: list[float]
+    tpot: list[float]  # per client with more than one token: (last - first) / (tokens - 1)
+    completed: int
+    failed: int
+    duration: float  # first arrival to last answer
+    output_tokens: int
+    good: int  # clients within both targets
+
+    def rate(self, n: int) -> float:
+        return n / self.duration if self.duration > 0 else math.nan
+
+
+def run_workload(config: SimConfig, seed: int, ttft_target: float, tpot_target: float
+                 ) -> WorkloadResult:
+    """``config.workload`` (faults as ``config`` says) through the simulated cluster; a broken
+    invariant raises ``Violation``."""
+    assert config.workload is not None, "run_workload needs SimConfig.workload"
+    world = World(seed, config)
+    world.run()
+    done = [c for c in world.clients if c.answer is not None and c.answer[0] == 200]
+    ttft = [c.first_at - c.arrived for c in done]
+    tpot_of = {c.id: (c.done_at - c.first_at) / (c.out - 1) for c in done if c.out > 1}
+    good = sum(1 for c in done if c.first_at - c.arrived <= ttft_target
+               and tpot_of.get(c.id, 0.0) <= tpot_target)
+    start = min((c.arrived for c in world.clients), default=0.0)
+    end = max((c.done_at for c in done), default=start)
+    return WorkloadResult(ttft, list(tpot_of.values()), len(done),
+                          len(world.clients) - len(done), end - start,
+                          sum(c.out for c in done), good)

@@ -10,6 +10,8 @@ import pytest
 
 from pd_fsm.cli import main as cli_main
 from pd_fsm.sim import PLANTS, SimConfig, World, run_seed
+from pd_fsm.sim.config import Workload
+from pd_fsm.sim.world import run_workload
 
 SEEDS = 2000  # issue 12 §5: at least 2,000 seeds in CI
 
@@ -66,3 +68,23 @@ def test_the_command(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "client 0 arrives" in out and "every invariant held" in out
     assert cli_main(["sim", "--seeds", "5:5"]) == 2
+
+
+def test_workload_mode_compares_ratios_and_policies(capsys: pytest.CaptureFixture[str]) -> None:
+    """Poisson arrivals on the cost model: at a light load every client is served within the
+    targets; a P-starved ratio under heavy load shows it in TTFT."""
+    light = SimConfig(prefill=1, decode=1, faults=False, pages=4096,
+                      workload=Workload(rate=0.5, duration=20.0, groups=2))
+    r = run_workload(light, 0, ttft_target=2.0, tpot_target=0.2)
+    assert r.failed == 0 and r.completed == r.good > 0
+    assert all(t > 0 for t in r.ttft)
+    heavy = Workload(rate=6.0, duration=30.0, groups=8)
+    one_p = run_workload(SimConfig(prefill=1, decode=3, faults=False, pages=4096,
+                                   workload=heavy), 0, 2.0, 0.2)
+    two_p = run_workload(SimConfig(prefill=2, decode=2, faults=False, pages=4096,
+                                   workload=heavy), 0, 2.0, 0.2)
+    assert sorted(one_p.ttft)[len(one_p.ttft) // 2] > sorted(two_p.ttft)[len(two_p.ttft) // 2]
+    assert cli_main(["sim", "--workload", "--duration", "10", "--ratios", "1:1",
+                     "--policies", "round_robin,cache_aware"]) == 0
+    out = capsys.readouterr().out
+    assert "1:1   round_robin" in out and "1:1   cache_aware" in out
