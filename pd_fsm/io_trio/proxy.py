@@ -168,7 +168,8 @@ class Proxy:
             routing,
         )
         self.load_interval = load_interval
-        self.load_polls_failed = 0
+        self.load_polls = {"ok": 0, "failed": 0}  # /get_load calls (load-aware routing)
+        self._polls_failing: set[str] = set()  # workers whose last poll failed (logged once)
         self.decode_urls = [d.rstrip("/") for d in decode]
         self.bootstrap_url = bootstrap_url.rstrip("/") if bootstrap_url else None
         self.refresh_interval = refresh_interval
@@ -233,7 +234,7 @@ class Proxy:
             "decode_workers": len(self.decode_urls),
             # "prefill:cache_hit", "decode:round_robin", "local:short_prompt", ...
             "route_decisions_total": dict(self.router.planner.decisions),
-            "load_polls_failed_total": self.load_polls_failed,
+            "load_polls_total": dict(self.load_polls),
         }
 
     # ------------------------------------------------------------------ the router
@@ -310,8 +311,15 @@ class Proxy:
                 r = await self.client.get(f"{url}/get_load", headers=self._worker_headers)
             r.raise_for_status()
             loads[url] = sum(int(rank["num_reqs"]) for rank in r.json())
-        except (httpx.HTTPError, trio.TooSlowError, ValueError, KeyError, TypeError):
-            self.load_polls_failed += 1
+            self.load_polls["ok"] += 1
+            if url in self._polls_failing:
+                self._polls_failing.discard(url)
+                log.info("load poll of %s answers again", url)
+        except (httpx.HTTPError, trio.TooSlowError, ValueError, KeyError, TypeError) as exc:
+            self.load_polls["failed"] += 1
+            if url not in self._polls_failing:  # once per outage, not every interval
+                self._polls_failing.add(url)
+                log.warning("load poll of %s failed: %r", url, exc)
 
     # ------------------------------------------------------------------ discovery
 

@@ -67,6 +67,7 @@ def test_cache_aware_sends_a_shared_prefix_to_one_prefill(cluster: PDCluster) ->
     with httpx.Client(timeout=120) as http:
         before = {p: _prompt_tokens(http, cluster, p) for p in ("prefill-0", "prefill-1")}
         decisions = _decisions(http, cluster)
+        polls_before = _metric(http, cluster, "pd_fsm_proxy_load_polls_total")
         sent = [0, 0]  # prompt tokens of each system prompt's requests
         for question in QUESTIONS[:3]:
             for i, system in enumerate(systems):
@@ -81,6 +82,11 @@ def test_cache_aware_sends_a_shared_prefix_to_one_prefill(cluster: PDCluster) ->
         after = _decisions(http, cluster)
         delta = {k: after.get(k, 0) - decisions.get(k, 0) for k in after}
         assert delta["prefill:cache_hit"] == 5 and delta.get("prefill:cache_miss") == 1, delta
+        # cache_aware polls every worker's /get_load (its load balance); none failed while the
+        # requests ran (a poll before a worker listened, at start, is counted and harmless).
+        polls = _metric(http, cluster, "pd_fsm_proxy_load_polls_total")
+        assert polls.get("ok", 0) > polls_before.get("ok", 0), polls
+        assert polls.get("failed", 0) == polls_before.get("failed", 0), polls
         _check_idle(http, cluster)
 
 
@@ -127,9 +133,14 @@ def _prompt_tokens(http: httpx.Client, cluster: PDCluster, name: str) -> int:
 
 def _decisions(http: httpx.Client, cluster: PDCluster) -> dict[str, float]:
     """The proxy's route_decisions_total counter, by key."""
+    return _metric(http, cluster, "pd_fsm_proxy_route_decisions_total")
+
+
+def _metric(http: httpx.Client, cluster: PDCluster, name: str) -> dict[str, float]:
+    """A labelled counter of the proxy's /metrics, by its key label."""
     out = {}
     for line in http.get(cluster.urls["proxy"] + "/metrics").text.splitlines():
-        if line.startswith("pd_fsm_proxy_route_decisions_total{"):
+        if line.startswith(name + "{"):
             key = line.split('key="', 1)[1].split('"', 1)[0]
             out[key] = float(line.rsplit(" ", 1)[1])
     return out
