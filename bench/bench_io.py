@@ -34,10 +34,10 @@ from pd_fsm.core import events as ev
 from pd_fsm.core.codec import encode
 from pd_fsm.core.messages import Heartbeat, HeartbeatAck, Message, RecvInit
 from pd_fsm.core.prefill_endpoint import PrefillEndpoint
+from pd_fsm.io_trio.bootstrap.records import to_json
 from pd_fsm.io_trio.driver import NullSink
-from pd_fsm.io_trio.records import to_json
 from pd_fsm.io_trio.services import serve_prefill
-from pd_fsm.io_trio.side_channel import DecodeSideChannel
+from pd_fsm.io_trio.side_channel.channel import DecodeSideChannel
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the test doubles live under tests/
@@ -174,7 +174,7 @@ async def bench_bootstrap(url: str, instances: int, seconds: float) -> dict[str,
 
 async def bench_app_in_process(n: int = 3000) -> float:
     """Microseconds per heartbeat through the app alone (httpx ASGITransport, no sockets)."""
-    from pd_fsm.io_trio.bootstrap_server import BootstrapServer
+    from pd_fsm.io_trio.bootstrap.server import BootstrapServer
 
     server = BootstrapServer()
     async with trio.open_nursery() as nursery:

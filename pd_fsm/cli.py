@@ -66,10 +66,10 @@ def _add_spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 # and only the one named on the command line is imported: importing all of them cost every
 # `pd-fsm` process ~1 s of CPU at start (a cluster starts four at once on two cores).
 _REGISTRARS: dict[str, str] = {
-    "bootstrap": "pd_fsm.io_trio.cli_bootstrap",
-    "serve": "pd_fsm.io_trio.cli_serve",
-    "proxy": "pd_fsm.io_trio.cli_proxy",
-    "cluster": "pd_fsm.io_trio.cluster",
+    "bootstrap": "pd_fsm.io_trio.bootstrap.cli",
+    "serve": "pd_fsm.io_trio.worker.cli",
+    "proxy": "pd_fsm.io_trio.proxy.cli",
+    "cluster": "pd_fsm.io_trio.cluster.local",
     "bench": "pd_fsm.io_trio.bench_client",
     "sim": "pd_fsm.sim.cli",
 }

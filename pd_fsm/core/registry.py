@@ -22,7 +22,7 @@ from pd_fsm.core.tables import INSTANCE_LEASE
 from pd_fsm.core.timers import DeadlineHeap
 
 InstanceKey = ev.InstanceKey
-Rec = TypeVar("Rec")  # the adapter's record type (pd_fsm.io_trio.records.InstanceRecord)
+Rec = TypeVar("Rec")  # the adapter's record type (pd_fsm.io_trio.bootstrap.records.InstanceRecord)
 
 
 @attrs.frozen(slots=True)

@@ -10,7 +10,7 @@ heartbeats failed in 5 minutes. The rule now: every pd_fsm server keeps an idle 
 (``CLIENT_KEEPALIVE_EXPIRY_S``, 30 s) and than reqwest's default pool idle timeout (90 s, the
 sglang-router's client). A client then always drops an idle connection before the server does.
 Idempotent calls (the registry's) also retry once at once on a connection-level error of a
-reused connection (``bootstrap_client.py``), for servers that are not ours.
+reused connection (``bootstrap/client.py``), for servers that are not ours.
 
 **Probes.** sglang-router opens HTTP/2 prior-knowledge (gRPC) probes against every worker.
 Hypercorn 0.18's trio TCPServer then races its connection close (``send_eof``) against a pending

@@ -24,7 +24,11 @@ import trio
 from pd_fsm.core.decode_endpoint import DecodeEndpoint
 from pd_fsm.core.prefill_endpoint import PrefillEndpoint
 from pd_fsm.io_trio.driver import EffectSink, EndpointDriver, Resolver
-from pd_fsm.io_trio.side_channel import DecodeSideChannel, PrefillSideChannel, SideChannelLimits
+from pd_fsm.io_trio.side_channel.channel import (
+    DecodeSideChannel,
+    PrefillSideChannel,
+    SideChannelLimits,
+)
 
 
 @attrs.frozen

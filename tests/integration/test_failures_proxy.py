@@ -17,7 +17,7 @@ import httpx
 import pytest
 import trio
 
-from pd_fsm.io_trio.proxy import PrefillTarget, Proxy, serve_proxy
+from pd_fsm.io_trio.proxy.server import PrefillTarget, Proxy, serve_proxy
 from tests.integration.pd_standins import serve_standin
 from tests.integration.serve_support import sse_events
 

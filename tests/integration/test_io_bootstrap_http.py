@@ -23,9 +23,9 @@ import trio
 
 from pd_fsm.core.keys import registry_key, side_channel_key
 from pd_fsm.core.request_auth import sign_request
-from pd_fsm.io_trio.bootstrap_client import BootstrapClient, BootstrapError, RegistrySigner
-from pd_fsm.io_trio.bootstrap_server import BootstrapServer, serve_bootstrap
-from pd_fsm.io_trio.records import to_json
+from pd_fsm.io_trio.bootstrap.client import BootstrapClient, BootstrapError, RegistrySigner
+from pd_fsm.io_trio.bootstrap.records import to_json
+from pd_fsm.io_trio.bootstrap.server import BootstrapServer, serve_bootstrap
 from tests.support.io_doubles import sample_record
 
 SECRET = b"s3cret-token"

@@ -18,8 +18,8 @@ import functools
 
 import trio
 
-from pd_fsm.io_trio.bootstrap_client import BootstrapClient
-from pd_fsm.io_trio.bootstrap_server import BootstrapServer, serve_bootstrap
+from pd_fsm.io_trio.bootstrap.client import BootstrapClient
+from pd_fsm.io_trio.bootstrap.server import BootstrapServer, serve_bootstrap
 from pd_fsm.io_trio.http_server import http_client
 from tests.support.io_doubles import sample_record
 

@@ -16,9 +16,9 @@ from pd_fsm.core.config import DecodeConfig, LeaseConfig
 from pd_fsm.core.decode_endpoint import DecodeEndpoint
 from pd_fsm.core.kvpoll import KVPoll
 from pd_fsm.core.prefill_endpoint import PrefillEndpoint
-from pd_fsm.io_trio.bootstrap_client import BootstrapClient, BootstrapResolver
-from pd_fsm.io_trio.bootstrap_server import BootstrapServer, serve_bootstrap
-from pd_fsm.io_trio.records import split_host_port
+from pd_fsm.io_trio.bootstrap.client import BootstrapClient, BootstrapResolver
+from pd_fsm.io_trio.bootstrap.records import split_host_port
+from pd_fsm.io_trio.bootstrap.server import BootstrapServer, serve_bootstrap
 from pd_fsm.io_trio.services import DecodeIO, PrefillIO, serve_decode, serve_prefill
 from tests.support.io_doubles import RecordingSink, sample_record
 

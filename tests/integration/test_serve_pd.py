@@ -36,7 +36,7 @@ from pd_fsm.io_trio.bench_client import (
     phase_table,
     scrape,
 )
-from pd_fsm.io_trio.cluster import free_ports
+from pd_fsm.io_trio.cluster.local import free_ports
 from pd_fsm.io_trio.worker.phases import PHASES, TTFT_NAME
 from tests.integration.serve_support import (
     ENDPOINTS,
@@ -548,7 +548,7 @@ def _batch_answers(base: str, path: str, stream: bool) -> list[Any]:
 @pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
 def test_a_batch_of_prompts_through_pd_equals_colocated(env: Env, path: str,
                                                        stream: bool) -> None:
-    """Issue 17 §3: the proxy opens a room per prompt (proxy_batch) and answers once, in the
+    """Issue 17 §3: the proxy opens a room per prompt (proxy/batch.py) and answers once, in the
     prompts' order, as the colocated worker answers the same batch."""
     pd = _batch_answers(env.proxy_1p1d, path, stream)
     assert pd == _batch_answers(env.url("colocated"), path, stream)

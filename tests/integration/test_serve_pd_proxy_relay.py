@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import trio
 
-from pd_fsm.io_trio.proxy import PrefillTarget, Proxy, serve_proxy
+from pd_fsm.io_trio.proxy.server import PrefillTarget, Proxy, serve_proxy
 from tests.integration.pd_standins import StandIn, serve_standin
 from tests.integration.serve_support import sse_events
 

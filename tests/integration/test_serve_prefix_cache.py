@@ -7,6 +7,7 @@ left."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -84,8 +85,11 @@ def test_cache_aware_sends_a_shared_prefix_to_one_prefill(cluster: PDCluster) ->
         assert delta["prefill:cache_hit"] == 5 and delta.get("prefill:cache_miss") == 1, delta
         # cache_aware polls every worker's /get_load (its load balance); none failed while the
         # requests ran (a poll before a worker listened, at start, is counted and harmless).
-        polls = _metric(http, cluster, "pd_fsm_proxy_load_polls_total")
-        assert polls.get("ok", 0) > polls_before.get("ok", 0), polls
+        deadline = time.monotonic() + 10  # the proxy polls every second (--load-interval)
+        while (polls := _metric(http, cluster, "pd_fsm_proxy_load_polls_total")).get(
+                "ok", 0) <= polls_before.get("ok", 0):
+            assert time.monotonic() < deadline, polls
+            time.sleep(0.2)
         assert polls.get("failed", 0) == polls_before.get("failed", 0), polls
         _check_idle(http, cluster)
 

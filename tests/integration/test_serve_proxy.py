@@ -13,10 +13,10 @@ import pytest
 import trio
 
 from pd_fsm.core.messages import MAX_ROOM
-from pd_fsm.io_trio.bootstrap_server import BootstrapServer, serve_bootstrap
-from pd_fsm.io_trio.cluster import free_ports
-from pd_fsm.io_trio.proxy import PrefillTarget, Proxy, serve_proxy
-from pd_fsm.io_trio.records import to_json
+from pd_fsm.io_trio.bootstrap.records import to_json
+from pd_fsm.io_trio.bootstrap.server import BootstrapServer, serve_bootstrap
+from pd_fsm.io_trio.cluster.local import free_ports
+from pd_fsm.io_trio.proxy.server import PrefillTarget, Proxy, serve_proxy
 from tests.integration.pd_standins import StandIn, serve_standin
 from tests.integration.serve_support import sse_events
 from tests.support.io_doubles import sample_record

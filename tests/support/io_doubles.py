@@ -14,7 +14,7 @@ import trio
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
-from pd_fsm.io_trio.records import InstanceRecord, parse_record
+from pd_fsm.io_trio.bootstrap.records import InstanceRecord, parse_record
 
 
 class RecordingSink:

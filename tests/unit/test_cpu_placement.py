@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from pd_fsm.cli import build_parser
-from pd_fsm.io_trio.cluster import plan
-from pd_fsm.io_trio.cpu_placement import parse_cpus
+from pd_fsm.io_trio.cluster.cpu_placement import parse_cpus
+from pd_fsm.io_trio.cluster.local import plan
 
 
 @pytest.mark.parametrize(("spec", "cpus"), [
@@ -29,12 +29,13 @@ def test_parse_refuses(spec: str) -> None:
 
 def test_pinning_restricts_the_process() -> None:
     first = min(os.sched_getaffinity(0))
-    code = ("import os; from pd_fsm.io_trio.cpu_placement import pin_to; "
+    code = ("import os; from pd_fsm.io_trio.cluster.cpu_placement import pin_to; "
             f"print(sorted(pin_to(frozenset({{{first}}}))), sorted(os.sched_getaffinity(0)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == [f"[{first}]", f"[{first}]"]
     missing = max(os.sched_getaffinity(0)) + 64
-    code = f"from pd_fsm.io_trio.cpu_placement import pin_to; pin_to(frozenset({{{missing}}}))"
+    code = ("from pd_fsm.io_trio.cluster.cpu_placement import pin_to; "
+            f"pin_to(frozenset({{{missing}}}))")
     bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert bad.returncode != 0 and "not available here" in bad.stderr
 

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from pd_fsm.io_trio.addresses import (
+from pd_fsm.io_trio.bootstrap.addresses import (
     AddressError,
     advertised_host,
     interface_address,

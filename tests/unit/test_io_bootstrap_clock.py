@@ -15,14 +15,14 @@ import trio
 
 from pd_fsm.core import events as ev
 from pd_fsm.core.config import RegistryConfig
-from pd_fsm.io_trio.bootstrap_client import (
+from pd_fsm.io_trio.bootstrap.client import (
     BootstrapClient,
     BootstrapError,
     BootstrapResolver,
     ResolveError,
 )
-from pd_fsm.io_trio.bootstrap_server import BootstrapServer
-from pd_fsm.io_trio.records import to_json
+from pd_fsm.io_trio.bootstrap.records import to_json
+from pd_fsm.io_trio.bootstrap.server import BootstrapServer
 from tests.support.io_doubles import sample_record
 
 KEY = ("prefill", "p0", 0, 0, 0, 0)

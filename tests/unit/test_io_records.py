@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from pd_fsm.io_trio.records import (
+from pd_fsm.io_trio.bootstrap.records import (
     RecordError,
     parse_key,
     parse_record,
@@ -13,7 +13,7 @@ from pd_fsm.io_trio.records import (
     to_json,
     unreachable_fields,
 )
-from pd_fsm.io_trio.side_channel import zmq_endpoint
+from pd_fsm.io_trio.side_channel.channel import zmq_endpoint
 from tests.support.io_doubles import sample_record
 
 

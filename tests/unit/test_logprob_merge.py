@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from pd_fsm.io_trio.logprob_merge import SseRewriter, merge, wants_prompt_logprobs
+from pd_fsm.io_trio.proxy.logprob_merge import SseRewriter, merge, wants_prompt_logprobs
 
 P_COMPLETION = {
     "choices": [{"text": "ab!", "logprobs": {

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from pd_fsm.cli import build_parser
-from pd_fsm.io_trio.cli_proxy import parse_prefill
-from pd_fsm.io_trio.cli_serve import make_backend
+from pd_fsm.io_trio.proxy.cli import parse_prefill
 from pd_fsm.io_trio.worker import config as cfg
+from pd_fsm.io_trio.worker.cli import make_backend
 from pd_fsm.io_trio.worker.config import ServeConfig, config_from_args
 
 

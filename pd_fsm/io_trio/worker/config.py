@@ -16,11 +16,11 @@ import attrs
 
 from pd_fsm.core.config import DecodeConfig
 from pd_fsm.io_trio.api_key import add_api_key_arguments, api_key_from_args
-from pd_fsm.io_trio.cpu_placement import parse_cpus
+from pd_fsm.io_trio.cluster.cpu_placement import parse_cpus
 from pd_fsm.io_trio.tls import NO_TLS, TLS, add_tls_arguments, tls_from_args
 
 if TYPE_CHECKING:
-    from pd_fsm.io_trio.curve import CurveKeys
+    from pd_fsm.io_trio.side_channel.curve import CurveKeys
     from pd_fsm.schedulers.args import SchedulerArgs
 
 # The same tuples as pd_fsm.jax_engine.model.registry.MODEL_NAMES and
@@ -42,7 +42,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     # The host peers are told (registry records, instance id); None: ``host``. Resolved and
-    # checked at start (pd_fsm.io_trio.addresses): never a wildcard, never loopback to a
+    # checked at start (pd_fsm.io_trio.bootstrap.addresses): never a wildcard, never loopback to a
     # registry on another host. The transfer data plane binds this address only.
     advertise_host: str | None = None
     max_body: int = DEFAULT_MAX_BODY
@@ -91,8 +91,8 @@ class ServeConfig:
     cluster_secret_file: Path | None = None
     # HTTPS for this worker's server, its registry calls and its advertised URL (tls.py).
     tls: TLS = NO_TLS
-    # CURVE on the side channel (pd_fsm.io_trio.curve): this worker's key pair and the public
-    # keys it trusts, loaded (and checked) once from the two flags' files at start.
+    # CURVE on the side channel (pd_fsm.io_trio.side_channel.curve): this worker's key pair and
+    # the public keys it trusts, loaded (and checked) once from the two flags' files at start.
     side_channel_curve: CurveKeys | None = attrs.field(default=None, repr=False)
     log_level: str = "INFO"
     # "hugepages": large host buffers on transparent huge pages (pd_fsm.jax_engine.host_memory)
@@ -362,7 +362,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     advertise = args.advertise_host
     if args.disaggregation_mode != "null":
         # Imported here like the rest of io_trio's helpers; raises AddressError (a ValueError).
-        from pd_fsm.io_trio.addresses import advertised_host
+        from pd_fsm.io_trio.bootstrap.addresses import advertised_host
 
         advertise = advertised_host(
             args.host, args.advertise_host, args.advertise_interface,
@@ -376,7 +376,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     if args.side_channel_curve_key is not None:
         if args.disaggregation_mode == "null":
             raise ValueError("--side-channel-curve-key is for P and D workers")
-        from pd_fsm.io_trio.curve import CurveKeys
+        from pd_fsm.io_trio.side_channel.curve import CurveKeys
 
         # Raises CurveError (a ValueError) naming the flag.
         curve = CurveKeys.load(args.side_channel_curve_key, args.side_channel_curve_peers)

@@ -34,10 +34,10 @@ from pd_fsm.core import events as ev
 from pd_fsm.core.messages import (
     Message,
 )
-from pd_fsm.io_trio.bootstrap_client import BootstrapClient, BootstrapError, BootstrapResolver
+from pd_fsm.io_trio.bootstrap.client import BootstrapClient, BootstrapError, BootstrapResolver
+from pd_fsm.io_trio.bootstrap.records import InstanceRecord, split_host_port
 from pd_fsm.io_trio.driver import SideChannel, carry_out_io, resolve_within
-from pd_fsm.io_trio.records import InstanceRecord, split_host_port
-from pd_fsm.io_trio.side_channel import DecodeSideChannel, PrefillSideChannel
+from pd_fsm.io_trio.side_channel.channel import DecodeSideChannel, PrefillSideChannel
 from pd_fsm.io_trio.worker.backend import BackendError, BootstrapInfo
 from pd_fsm.io_trio.worker.colocated import ColocatedBackend, _Stream
 from pd_fsm.io_trio.worker.config import ServeConfig
@@ -111,7 +111,7 @@ class _PDBackend(ColocatedBackend, ABC):
         # The side channel and the BootstrapClient each derive their own key from it
         # (pd_fsm.core.keys); neither sends it.
         self._secret = config.cluster_secret()
-        # CURVE keys for the side channel (pd_fsm.io_trio.curve), or None: plain TCP.
+        # CURVE keys for the side channel (pd_fsm.io_trio.side_channel.curve), or None: plain TCP.
         self._curve = config.side_channel_curve
         self._inbox_send, self._inbox_recv = trio.open_memory_channel[tuple[float, Any]](INBOX_SIZE)
         self._token: trio.lowlevel.TrioToken | None = None

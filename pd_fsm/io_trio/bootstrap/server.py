@@ -39,9 +39,7 @@ from pd_fsm.core.keys import registry_key
 from pd_fsm.core.registry import Acknowledged, BootstrapRegistry, RegistrationRequired
 from pd_fsm.core.replay import DEFAULT_WINDOW_S, ReplayGuard
 from pd_fsm.core.request_auth import verify_request
-from pd_fsm.io_trio.driver import EndpointDriver
-from pd_fsm.io_trio.http_server import SERVER_KEEP_ALIVE_S, hypercorn_config, serve_app
-from pd_fsm.io_trio.records import (
+from pd_fsm.io_trio.bootstrap.records import (
     RANK_AXES,
     ROLES,
     InstanceKey,
@@ -52,9 +50,11 @@ from pd_fsm.io_trio.records import (
     to_json,
     unreachable_fields,
 )
+from pd_fsm.io_trio.driver import EndpointDriver
+from pd_fsm.io_trio.http_server import SERVER_KEEP_ALIVE_S, hypercorn_config, serve_app
 from pd_fsm.io_trio.tls import NO_TLS, TLS
 
-log = logging.getLogger("pd_fsm.io_trio.bootstrap_server")
+log = logging.getLogger("pd_fsm.io_trio.bootstrap.server")
 
 DEFAULT_MAX_BODY = 64 * 1024  # a registration is well under 2 KiB; mesh_meta leaves headroom
 CALL_TIMEOUT = 5.0

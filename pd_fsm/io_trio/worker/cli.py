@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from pd_fsm.io_trio.cli_common import STOP_GRACE_S, run_service, stop_on_signal
-from pd_fsm.io_trio.cpu_placement import parse_cpus, pin_to
+from pd_fsm.io_trio.cluster.cpu_placement import parse_cpus, pin_to
 from pd_fsm.io_trio.worker.config import (
     ServeConfig,
     add_serve_arguments,
@@ -27,7 +27,7 @@ from pd_fsm.io_trio.worker.config import (
 if TYPE_CHECKING:
     from pd_fsm.io_trio.worker.backend import Backend
 
-log = logging.getLogger("pd_fsm.io_trio.cli_serve")
+log = logging.getLogger("pd_fsm.io_trio.worker.cli")
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run a worker (colocated, prefill or decode)")

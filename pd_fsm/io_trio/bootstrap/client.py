@@ -31,8 +31,7 @@ import trio
 from pd_fsm.core import events as ev
 from pd_fsm.core.keys import registry_key
 from pd_fsm.core.request_auth import NONCE_BYTES, sign_request
-from pd_fsm.io_trio.http_server import http_client
-from pd_fsm.io_trio.records import (
+from pd_fsm.io_trio.bootstrap.records import (
     InstanceRecord,
     KeyBody,
     RecordError,
@@ -40,9 +39,10 @@ from pd_fsm.io_trio.records import (
     split_host_port,
     to_json,
 )
+from pd_fsm.io_trio.http_server import http_client
 from pd_fsm.io_trio.tls import NO_TLS, TLS
 
-log = logging.getLogger("pd_fsm.io_trio.bootstrap_client")
+log = logging.getLogger("pd_fsm.io_trio.bootstrap.client")
 
 
 # What a connection closed by the server under a reused request looks like (a fresh connection

@@ -17,10 +17,10 @@ from pd_fsm.core.config import RouterConfig
 from pd_fsm.core.routing import POLICIES, RoutingConfig
 from pd_fsm.io_trio.api_key import add_api_key_arguments, api_key_from_args
 from pd_fsm.io_trio.cli_common import STOP_GRACE_S, run_service, stop_on_signal
-from pd_fsm.io_trio.proxy import PrefillTarget, Proxy, serve_proxy
+from pd_fsm.io_trio.proxy.server import PrefillTarget, Proxy, serve_proxy
 from pd_fsm.io_trio.tls import add_tls_arguments, tls_from_args
 
-log = logging.getLogger("pd_fsm.io_trio.cli_proxy")
+log = logging.getLogger("pd_fsm.io_trio.proxy.cli")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

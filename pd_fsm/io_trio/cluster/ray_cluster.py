@@ -45,7 +45,7 @@ from typing import Any
 
 import attrs
 
-from pd_fsm.io_trio.cluster import free_ports
+from pd_fsm.io_trio.cluster.local import free_ports
 
 MAX_LINES = 5000  # per actor, kept until the driver reads them
 STOP_GRACE = 10.0
@@ -412,7 +412,7 @@ def main(args: argparse.Namespace, worker_argv: list[str], quiet: list[str]) -> 
         if args.ask is not None:
             import trio
 
-            from pd_fsm.io_trio.cluster import ask
+            from pd_fsm.io_trio.cluster.local import ask
 
             status = trio.run(ask, cluster.urls(), args.ask, args.max_tokens, {})
         else:

@@ -53,16 +53,16 @@ from pd_fsm.core.router import RoomRouter
 from pd_fsm.core.routing import RoutingConfig
 from pd_fsm.io_trio.api_key import ApiKeyGate, bearer
 from pd_fsm.io_trio.http_server import http_client, serve_app
-from pd_fsm.io_trio.logprob_merge import SseRewriter, merge, wants_prompt_logprobs
-from pd_fsm.io_trio.prompt_key import prompt_of
-from pd_fsm.io_trio.proxy_batch import BatchResponse
+from pd_fsm.io_trio.proxy.batch import BatchResponse
+from pd_fsm.io_trio.proxy.logprob_merge import SseRewriter, merge, wants_prompt_logprobs
+from pd_fsm.io_trio.proxy.prompt_key import prompt_of
 from pd_fsm.io_trio.tls import NO_TLS, TLS
 from pd_fsm.io_trio.worker.metrics import StatsCollector
 from pd_fsm.io_trio.worker.phases import PhaseHistograms
 from pd_fsm.io_trio.worker.schemas import ApiError, split_batch
 from pd_fsm.io_trio.worker.sse import Receive, Send
 
-log = logging.getLogger("pd_fsm.io_trio.proxy")
+log = logging.getLogger("pd_fsm.io_trio.proxy.server")
 
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 INFO_PATHS = ("/v1/models", "/model_info", "/get_model_info", "/server_info", "/get_server_info")

@@ -14,8 +14,8 @@ import attrs
 import cattrs
 
 from pd_fsm.core.codec import strict_int
-from pd_fsm.io_trio.addresses import unreachable_from
-from pd_fsm.io_trio.curve import is_z85_key
+from pd_fsm.io_trio.bootstrap.addresses import unreachable_from
+from pd_fsm.io_trio.side_channel.curve import is_z85_key
 
 ROLES = ("prefill", "decode")
 MAX_STR = 256
@@ -64,8 +64,8 @@ class InstanceRecord:
     # --disaggregation-bootstrap-heartbeat-ttl); the registry expires it after that long without
     # a heartbeat instead of after its own --ttl. Absent: the registry's.
     heartbeat_ttl: float | None = None
-    # Ours: P's CURVE public key (z85) when its side channel runs CURVE (pd_fsm.io_trio.curve);
-    # D dials only a P whose key it trusts.
+    # Ours: P's CURVE public key (z85) when its side channel runs CURVE
+    # (pd_fsm.io_trio.side_channel.curve); D dials only a P whose key it trusts.
     curve_public_key: str | None = None
 
     @property
@@ -154,7 +154,7 @@ def split_host_port(addr: str) -> tuple[str, int]:
 
 
 def unreachable_fields(r: InstanceRecord, client_host: str | None) -> list[tuple[str, str]]:
-    """(field, why) for each address a peer could not dial (pd_fsm.io_trio.addresses): a
+    """(field, why) for each address a peer could not dial (pd_fsm.io_trio.bootstrap.addresses): a
     malformed one, a wildcard, or loopback sent from ``client_host`` on another host."""
     out: list[tuple[str, str]] = []
     hosts: list[tuple[str, str]] = []

@@ -11,11 +11,11 @@ from pathlib import Path
 import trio
 
 from pd_fsm.core.config import RegistryConfig
-from pd_fsm.io_trio.bootstrap_server import DEFAULT_MAX_BODY, BootstrapServer, serve_bootstrap
+from pd_fsm.io_trio.bootstrap.server import DEFAULT_MAX_BODY, BootstrapServer, serve_bootstrap
 from pd_fsm.io_trio.cli_common import STOP_GRACE_S, run_service, stop_on_signal
 from pd_fsm.io_trio.tls import TLS, add_tls_arguments, tls_from_args
 
-log = logging.getLogger("pd_fsm.io_trio.cli_bootstrap")
+log = logging.getLogger("pd_fsm.io_trio.bootstrap.cli")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

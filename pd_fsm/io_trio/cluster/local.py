@@ -34,7 +34,7 @@ from pd_fsm.io_trio.api_key import bearer
 from pd_fsm.io_trio.http_server import http_client
 from pd_fsm.io_trio.tls import NO_TLS, TLS, throwaway_ca
 
-log = logging.getLogger("pd_fsm.io_trio.cluster")
+log = logging.getLogger("pd_fsm.io_trio.cluster.local")
 
 TAIL_LINES = 40
 STOP_GRACE = 10.0
@@ -416,7 +416,7 @@ def main(args: argparse.Namespace) -> int:
         print("pd-fsm cluster: nothing to start", file=sys.stderr)
         return 2
     if args.ray is not None:
-        from pd_fsm.io_trio import ray_cluster
+        from pd_fsm.io_trio.cluster import ray_cluster
 
         return ray_cluster.main(args, worker_flags(args), ["--log-level", args.log_level])
     tls = NO_TLS

@@ -41,9 +41,9 @@ from pd_fsm.core.errors import RemoteProtocolError
 from pd_fsm.core.keys import side_channel_key
 from pd_fsm.core.messages import Message
 from pd_fsm.core.replay import DEFAULT_WINDOW_S, ReplayedFrame, ReplayGuard, StaleFrame
-from pd_fsm.io_trio.curve import ZAP_ENDPOINT, CurveKeys, zap_reply
+from pd_fsm.io_trio.side_channel.curve import ZAP_ENDPOINT, CurveKeys, zap_reply
 
-log = logging.getLogger("pd_fsm.io_trio.side_channel")
+log = logging.getLogger("pd_fsm.io_trio.side_channel.channel")
 
 Deliver = Callable[[str, Message], Awaitable[None]]
 

@@ -2,8 +2,8 @@
 
 A room carries one prompt (one KV hand-off, one P leg and one D leg), so the proxy opens a room
 per prompt of the batch (``schemas.split_batch`` gives their bodies) and runs each room's own
-response (:class:`~pd_fsm.io_trio.proxy.RoomResponse`, with its legs, deadlines and aborts) into
-a capture instead of the client's socket:
+response (:class:`~pd_fsm.io_trio.proxy.server.RoomResponse`, with its legs, deadlines and
+aborts) into a capture instead of the client's socket:
 
 * unstreamed: one answer in the prompts' order (sglang's list of results; OpenAI's ``choices``
   with their ``index``, usage summed). The first room that fails answers for the batch, and the
@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from pd_fsm.io_trio.logprob_merge import split_events
+from pd_fsm.io_trio.proxy.logprob_merge import split_events
 from pd_fsm.io_trio.worker.responses import batch_body, indexed, summed_usage
 from pd_fsm.io_trio.worker.sse import DONE, SSE_HEADERS, Receive, Send, event
 
 if TYPE_CHECKING:
-    from pd_fsm.io_trio.proxy import Proxy
+    from pd_fsm.io_trio.proxy.server import Proxy
 
 _DISCONNECT = {"type": "http.disconnect"}
 
