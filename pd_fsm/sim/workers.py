@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -73,7 +74,7 @@ class Pool:
         self.free.update(pages)
 
 
-class Node:
+class Node(ABC):
     """A worker process: alive or not, its generation (a restart is a new one)."""
 
     def __init__(self, world: World, name: str) -> None:
@@ -100,18 +101,21 @@ class Node:
             self.wake = math.inf
             self.feed(ev.TimeAdvanced())
 
+    @abstractmethod
     def feed(self, event: Any) -> None:
-        raise NotImplementedError
+        """Hand ``event`` to the worker's core and carry out what it returns."""
 
+    @abstractmethod
     def start(self) -> None:
-        raise NotImplementedError
+        """Start (or restart) the process: a new generation, a fresh core and pool."""
 
+    @abstractmethod
     def receive(self, peer: str, message: Any) -> None:
-        raise NotImplementedError
+        """A side-channel message arrived from ``peer``."""
 
+    @abstractmethod
     def leftovers(self) -> str:
         """What this worker still holds ("" when idle): rooms, pages, registrations."""
-        raise NotImplementedError
 
 
 class PrefillWorker(Node):

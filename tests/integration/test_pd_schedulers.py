@@ -373,18 +373,25 @@ def test_recompute_policy_answers_correctly_when_prefill_is_gone(tiny: LoadedMod
         pair.close()
 
 
-def test_prefill_prefix_cache_pd_equals_colocated_and_books_balance(tiny: LoadedModel) -> None:
-    """Issue 16 §2: P with the prefix cache prefills only each room's uncached suffix and
-    gathers the whole prompt for D; D's tokens equal colocated's. A room aborted while P holds
-    shared pages gives up its share only: the accounting closes with the cache's pages."""
-    system = np.random.default_rng(1).integers(1, 256, size=22).tolist()
-    prompts = [system + np.random.default_rng(20 + i).integers(1, 256, size=5).tolist()
-               for i in range(4)]
+def _shared_prefix(tiny: LoadedModel, *, seed: int, system: int, suffix: int, n: int
+                   ) -> tuple[list[list[int]], dict[str, Any]]:
+    """``n`` prompts sharing a ``system``-token prefix, and the colocated scheduler's answers
+    to them (prompt i's suffix drawn from seed 20 * seed + i)."""
+    head = np.random.default_rng(seed).integers(1, 256, size=system).tolist()
+    prompts = [head + np.random.default_rng(20 * seed + i).integers(1, 256, size=suffix).tolist()
+               for i in range(n)]
     colo = Scheduler(SchedulerArgs(model="tiny", num_pages=96, page_size=PAGE, max_running=16,
                                    max_batched_tokens=256), model=tiny)
     for i, ids in enumerate(prompts):
         colo.add_request(Req(f"r{i}", ids, GREEDY))
-    expected = collect(colo.run_until_idle())
+    return prompts, collect(colo.run_until_idle())
+
+
+def test_prefill_prefix_cache_pd_equals_colocated_and_books_balance(tiny: LoadedModel) -> None:
+    """Issue 16 §2: P with the prefix cache prefills only each room's uncached suffix and
+    gathers the whole prompt for D; D's tokens equal colocated's. A room aborted while P holds
+    shared pages gives up its share only: the accounting closes with the cache's pages."""
+    prompts, expected = _shared_prefix(tiny, seed=1, system=22, suffix=5, n=4)
     pair = PDPair(tiny, _args("prefill", radix_cache=True), _args("decode"))
     try:
         cached = []
@@ -417,14 +424,7 @@ def test_decode_prefix_cache_pulls_only_the_delta(
     sequence into its cache. Tokens equal colocated's, with or without P's own cache, and the
     bytes pulled shrink to the uncached pages. ``p_first``: P prefilled and registered the whole
     prompt before D's hello came: it narrows the registration to what D lacks (NarrowKV)."""
-    system = np.random.default_rng(2).integers(1, 256, size=30).tolist()
-    prompts = [system + np.random.default_rng(40 + i).integers(1, 256, size=6).tolist()
-               for i in range(3)]
-    colo = Scheduler(SchedulerArgs(model="tiny", num_pages=96, page_size=PAGE, max_running=16,
-                                   max_batched_tokens=256), model=tiny)
-    for i, ids in enumerate(prompts):
-        colo.add_request(Req(f"r{i}", ids, GREEDY))
-    expected = collect(colo.run_until_idle())
+    prompts, expected = _shared_prefix(tiny, seed=2, system=30, suffix=6, n=3)
     pair = PDPair(tiny, _args("prefill", radix_cache=p_cache), _args("decode", radix_cache=True))
     try:
         pulled = []
