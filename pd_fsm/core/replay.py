@@ -29,6 +29,7 @@ Sans-IO like the rest of the core: the caller passes the receiver's wall-clock t
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from pd_fsm.core.errors import RemoteProtocolError
@@ -62,7 +63,10 @@ class ReplayGuard:
             raise ValueError("window_s and max_entries must be > 0")
         self.window_s = window_s
         self.max_entries = max_entries
-        self.not_before = not_before  # the owner's start (wall clock); None: no floor
+        # The owner's start (wall clock), at the wire's resolution: frames carry their time in
+        # whole milliseconds (rounded), so one sent in the millisecond the owner started can read
+        # as up to 0.5 ms before it. None: no floor.
+        self.not_before = None if not_before is None else math.floor(not_before * 1000) / 1000
         self.what = what
         self._seen: set[bytes] = set()
         # (forget_at, key) in acceptance order. forget_at = sent + window and frames arrive a

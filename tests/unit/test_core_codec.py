@@ -246,3 +246,16 @@ def test_frames_signed_with_another_derived_key_are_refused() -> None:
         forged = codec.encode(Done(1, True), wrong, sent_at=T0, nonce=1)
         with pytest.raises(RemoteProtocolError, match="bad signature"):
             codec.decode(forged, side)
+
+
+def test_guard_floor_admits_a_frame_sent_in_the_millisecond_the_receiver_started() -> None:
+    """Frames carry their time in whole milliseconds (rounded): a frame sent 0.1 ms after the
+    receiver started reads as 0.3 ms before it, and must still be admitted (a test of the side
+    channel saw exactly that refusal once)."""
+    started = T0 + 0.0003
+    sent = _signed(Heartbeat(1, (2,)), sent_at=started + 0.0001, nonce=9)  # on the wire: T0
+    guard = ReplayGuard(window_s=60, not_before=started)
+    assert codec.decode(sent, SECRET, guard=guard, now=started + 0.01) == Heartbeat(1, (2,))
+    early = _signed(Heartbeat(1, (2,)), sent_at=T0 - 0.002, nonce=10)
+    with pytest.raises(StaleFrame):
+        codec.decode(early, SECRET, guard=guard, now=started + 0.01)
