@@ -79,8 +79,23 @@ class Hosts:
         return ["ip", "netns", "exec", ns, *argv]
 
     def link(self, up: bool) -> None:
-        """Partition (down) or heal (up) the link, from A's end."""
+        """Partition (down) or heal (up) the link, from A's end.
+
+        Healing returns once both ends have carrier again, with both neighbour caches flushed:
+        during the partition B's entry for A went FAILED, and until it is probed again a connect
+        from B fails at once with "No route to host" (a CI run hit exactly that right after the
+        link came back up)."""
         _ip("-n", self.a, "link", "set", self.if_a, "up" if up else "down")
+        if not up:
+            return
+        deadline = time.monotonic() + 10
+        while not all("LOWER_UP" in _ip("-n", ns, "link", "show", dev).stdout
+                      for ns, dev in ((self.a, self.if_a), (self.b, self.if_b))):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.if_a}/{self.if_b} have no carrier 10 s after link up")
+            time.sleep(0.05)
+        for ns in (self.a, self.b):
+            _ip("-n", ns, "neigh", "flush", "all", check=False)
 
     def pids(self, ns: str) -> list[int]:
         out = _ip("netns", "pids", ns, check=False).stdout.split()

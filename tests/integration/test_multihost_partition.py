@@ -172,6 +172,8 @@ def test_partition_mid_flight_then_heal(cluster: NsFleet) -> None:
     # Keep the partition past P's lease (initial + extension) so P reclaims on its own.
     time.sleep(max(0.0, WINDOWS["--disaggregation-lease-initial"] + SLACK / 2 - down_for))
     hosts.link(up=True)
+    # B reaches A again before the idle check reads P (a refused connect is not a failed check).
+    client.wait_ok([f"http://{hosts.ip_a}:{P_PORT}/health"], timeout=30)
 
     deadline = time.monotonic() + 30
     while not _is_idle(seen := _idle(client, hosts)):
