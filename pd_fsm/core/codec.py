@@ -36,6 +36,7 @@ import msgpack
 from pd_fsm.core.errors import RemoteProtocolError
 from pd_fsm.core.messages import (
     BY_WIRE_NAME,
+    MAX_KV_SHARDS,
     MAX_PAGES,
     MAX_REASON,
     MAX_ROOM,
@@ -51,8 +52,9 @@ from pd_fsm.core.replay import ReplayGuard
 
 MAGIC = b"PF"
 # 2: signed frames carry sent_ms and a nonce; 3: incarnations, READY.transfer_addr;
-# 4: READY.first_top (a peer of version 3 would refuse the field by name; the version says why).
-VERSION = 4
+# 4: READY.first_top (a peer of version 3 would refuse the field by name; the version says why);
+# 5: READY.kv_shards (P's KV as one array per kv-head shard: tensor parallelism, issue 15).
+VERSION = 5
 FLAG_SIGNED = 0x01
 MAC_SIZE = 32
 HEADER_SIZE = 4
@@ -68,6 +70,7 @@ _INT_RANGES: dict[str, tuple[int, int]] = {
     "first_token": (0, MAX_TOKEN),
     "incarnation": (0, MAX_UUID),
     "seq": (0, MAX_UUID),
+    "kv_shards": (1, MAX_KV_SHARDS + 1),
 }
 
 

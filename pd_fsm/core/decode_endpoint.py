@@ -41,6 +41,7 @@ class _ReceiverRoom:
         "first_top",
         "hello_seq",
         "incarnation",
+        "kv_shards",
         "n_pages",
         "peer",
         "room",
@@ -64,6 +65,7 @@ class _ReceiverRoom:
         self.hello_seq = -1  # last heartbeat seq sent before our RECV_INIT
         self.incarnation = 0  # of the P process that sent READY (0: none yet, or not said)
         self.transfer_addr = ""  # where READY said to pull from ("": the registry's address)
+        self.kv_shards = 1  # arrays per pool P registered (READY's)
 
 
 class _Peer:
@@ -104,11 +106,15 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
         layout_hash: str,
         config: DecodeConfig | None = None,
         incarnation: int = 0,
+        pullable_kv_shards: frozenset[int] = frozenset({1}),
     ) -> None:
         self.config = config or DecodeConfig()
         super().__init__(self.config.recently_finished)
         self.identity = identity  # our reply_to: P answers the socket this names
         self.layout_hash = layout_hash
+        # The per-pool shard counts a READY may name: those our KV regroups from (P's tp sizes
+        # that split our kv-heads evenly). Any other is refused before a pull.
+        self.pullable_kv_shards = pullable_kv_shards
         # Ours, new on every process start (0: not said): P frees a restarted D's old rooms.
         self.incarnation = incarnation
         self.peers: dict[str, _Peer] = {}
@@ -321,6 +327,7 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
                 r.first_top = m.first_top
                 r.incarnation = m.incarnation
                 r.transfer_addr = m.transfer_addr
+                r.kv_shards = m.kv_shards
             self._remote(r, "ReadyReceived", now, out, "")
         else:  # Abort
             self._remote(r, "AbortReceived", now, out, f"prefill aborted the room: {m.reason}")
@@ -328,6 +335,9 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
     def _check_ready(self, r: _ReceiverRoom, m: Ready) -> str:
         if m.layout_hash != self.layout_hash:
             return f"KV layout mismatch (P {m.layout_hash}, D {self.layout_hash}); refusing to pull"
+        if m.kv_shards not in self.pullable_kv_shards:
+            return (f"P registered its KV as {m.kv_shards} kv-head shards; this D regroups "
+                    f"only {sorted(self.pullable_kv_shards)}; refusing to pull")
         if m.n_pages != r.n_pages - r.skip:
             return (f"P offers {m.n_pages} pages, we wait for {r.n_pages - r.skip}; refusing "
                     "to pull")
@@ -484,7 +494,7 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
         peer = self.peers[r.peer]
         transfer_addr = r.transfer_addr or peer.transfer_addr
         out.append(fx.StartPull(r.room, r.peer, transfer_addr, r.uuid, r.n_pages - r.skip,
-                                r.skip))
+                                r.skip, r.kv_shards))
 
     def _fx_SendDone(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
         assert r.peer is not None

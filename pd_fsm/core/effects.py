@@ -137,6 +137,7 @@ class StartPull:
     uuid: int
     n_pages: int
     skip_pages: int = 0
+    kv_shards: int = 1  # arrays per pool P registered (READY's kv_shards)
 
 
 @attrs.frozen(slots=True)

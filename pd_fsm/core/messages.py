@@ -11,6 +11,7 @@ MAX_TOKEN = 1 << 31
 MAX_REASON = 1024
 MAX_ROOMS_PER_HEARTBEAT = 4096
 MAX_TOP_LOGPROBS = 20  # alternatives per position: OpenAI's top_logprobs maximum
+MAX_KV_SHARDS = 1024  # arrays per pool in one registration (P's tensor-parallel size)
 
 
 @attrs.frozen(slots=True)
@@ -55,6 +56,9 @@ class Ready:
     # The first position's most likely tokens, when the request asked for top logprobs: D
     # reports them as P computed them (the sampled token's own is first_logprob).
     first_top: tuple[TokenLogprob, ...] = ()
+    # How P registered each pool: one array per kv-head shard (P's tensor-parallel size). D pulls
+    # that many and regroups them onto its own devices, or refuses a count it cannot regroup.
+    kv_shards: int = 1
 
 
 @attrs.frozen(slots=True)

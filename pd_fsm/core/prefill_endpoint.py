@@ -81,6 +81,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
         config: LeaseConfig | None = None,
         incarnation: int | None = None,
         transfer_addr: str = "",
+        kv_shards: int = 1,
     ) -> None:
         self.config = config or LeaseConfig()
         super().__init__(self.config.recently_finished)
@@ -90,6 +91,8 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
         self.incarnation = rng.getrandbits(63) if incarnation is None else incarnation
         # Named in every READY: D pulls from here, not from a route it cached before we restarted.
         self.transfer_addr = transfer_addr
+        # Named in every READY: how many arrays per pool a registration holds (our tp size).
+        self.kv_shards = kv_shards
         self._d_incarnations: dict[str, int] = {}  # D identity -> its current process
 
     # -- entry point --------------------------------------------------------------------------
@@ -381,7 +384,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
         ready = Ready(
             r.room, r.uuid, r.first_token, r.n_pages - r.d_skip, self.layout_hash,
             r.first_logprob,
-            self.incarnation, self.transfer_addr, r.first_top,
+            self.incarnation, self.transfer_addr, r.first_top, self.kv_shards,
         )
         out.append(fx.SendMessage(r.peer, ready))
 

@@ -59,6 +59,13 @@ class Built:
         return self.entry.executable
 
 
+def _on_mesh(leaf: Any) -> jax.sharding.NamedSharding | None:
+    """``leaf``'s sharding if it is placed on a mesh; None for one device or unplaced (a batch
+    input made from numpy goes wherever the executable wants it)."""
+    sharding = getattr(leaf, "sharding", None)
+    return sharding if isinstance(sharding, jax.sharding.NamedSharding) else None
+
+
 class Executables:
     """Compiled executables of jitted functions, keyed by (function, static args, arg shapes)."""
 
@@ -78,8 +85,10 @@ class Executables:
 
     def _get(self, fn: Any, static: Mapping[str, Hashable], args: tuple[Any, ...]) -> _Entry:
         leaves, treedef = jax.tree_util.tree_flatten(args)
-        # Arrays and ShapeDtypeStructs alike: a warm-up and a real call share the key.
-        key = (fn, *static.items(), treedef, *[(x.shape, x.dtype) for x in leaves])
+        # Arrays and ShapeDtypeStructs alike: a warm-up and a real call share the key. A leaf
+        # placed on a mesh (tensor parallelism) keys by its sharding too: a program is compiled
+        # for it, and instances of different tp sizes share this table.
+        key = (fn, *static.items(), treedef, *[(x.shape, x.dtype, _on_mesh(x)) for x in leaves])
         while True:
             entry = self._table.get(key)
             if entry is not None:
@@ -154,8 +163,14 @@ class Executables:
 
     def compile(self, fn: Any, static: Mapping[str, Hashable], *args: Any) -> Any:
         """Compile ``fn`` for these argument shapes (arrays or ``ShapeDtypeStruct`` s); returns
-        the output's ``ShapeDtypeStruct`` s, to chain the next function's warm-up."""
-        return self._get(fn, static, args).out_info
+        the output's ``ShapeDtypeStruct`` s, to chain the next function's warm-up. They carry
+        the executable's output shardings (``out_info`` has none): on a mesh, the next
+        function is then compiled for, and keyed by, what a real call will pass it."""
+        entry = self._get(fn, static, args)
+        return jax.tree.map(
+            lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
+            entry.out_info, entry.executable.output_shardings,
+        )
 
     def stats(self) -> CompileStats:
         with self._lock:

@@ -39,6 +39,7 @@ import numpy as np
 
 from pd_fsm.jax_engine.counters import TRACE_COUNTS
 from pd_fsm.jax_engine.kv_pool import NULL_PAGE
+from pd_fsm.jax_engine.tensor_parallel import packed_sharding
 
 ScatterMethod = Literal["xla", "pallas"]
 
@@ -128,10 +129,15 @@ def _runs_loop(
     return jax.lax.fori_loop(0, n_runs, body, dst)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _packed_zeros(shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _packed_zeros(
+    shape: tuple[int, ...], dtype: jnp.dtype, sharding: jax.sharding.Sharding | None = None
+) -> jax.Array:
+    """Zeros for a packed array, placed as ``sharding`` (that of the pool's packed arrays:
+    ``tensor_parallel.packed_sharding``), or on the default device."""
     TRACE_COUNTS.bump("gather_alloc")
-    return jnp.zeros(shape, dtype)
+    zeros = jnp.zeros(shape, dtype)
+    return zeros if sharding is None else jax.lax.with_sharding_constraint(zeros, sharding)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -163,7 +169,9 @@ def select_from_kv_caches(kv_caches: Sequence[jax.Array], pages: Sequence[int]) 
     bucket = page_bucket(len(pages))
     runs = contiguous_runs(pages, range(len(pages)), bucket)
     first = kv_caches[0]
-    out = _packed_zeros((len(kv_caches), bucket, *first.shape[1:]), first.dtype)
+    out = _packed_zeros(
+        (len(kv_caches), bucket, *first.shape[1:]), first.dtype, packed_sharding(first.sharding)
+    )
     return _gather_into(out, list(kv_caches), jnp.asarray(runs.table), jnp.int32(runs.n_runs))
 
 
@@ -226,9 +234,11 @@ def insert_kv_chunks(
     if method == "xla":
         return multi_layer_copy(list(kv_caches), packed, table, n_runs)
     if method == "pallas":
-        from pd_fsm.jax_engine.pallas_copy import multi_layer_copy_pallas
+        from pd_fsm.jax_engine.pallas_copy import multi_layer_copy_pallas_per_shard
 
         if interpret is None:
             interpret = jax.default_backend() != "tpu"
-        return multi_layer_copy_pallas(list(kv_caches), packed, table, n_runs, interpret=interpret)
+        return multi_layer_copy_pallas_per_shard(
+            list(kv_caches), packed, table, n_runs, interpret=interpret
+        )
     raise ValueError(f"unknown scatter method {method!r}")

@@ -119,13 +119,15 @@ class PageAllocator:
         self._free.extend(released)
 
 
-def allocate_kv_pool(cfg: KVPoolConfig, device: jax.Device | None = None) -> list[jax.Array]:
-    """A zeroed pool: ``cfg.num_layers`` arrays of ``cfg.layer_shape`` on ``device``."""
-    device = device if device is not None else jax.devices()[0]
-    zeros = jax.jit(
-        lambda: jnp.zeros(cfg.layer_shape, jnp.dtype(cfg.dtype)),
-        out_shardings=jax.sharding.SingleDeviceSharding(device),
-    )
+def allocate_kv_pool(
+    cfg: KVPoolConfig, sharding: jax.sharding.Sharding | None = None
+) -> list[jax.Array]:
+    """A zeroed pool: ``cfg.num_layers`` arrays of ``cfg.layer_shape`` placed as ``sharding``
+    (default: the first device; a tensor-parallel instance passes its mesh's pool sharding)."""
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    zeros = jax.jit(lambda: jnp.zeros(cfg.layer_shape, jnp.dtype(cfg.dtype)),
+                    out_shardings=sharding)
     return [zeros() for _ in range(cfg.num_layers)]
 
 

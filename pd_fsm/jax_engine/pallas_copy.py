@@ -9,6 +9,10 @@ VMEM. A run of ``m`` pages is copied as the power-of-two pieces of ``m`` (DMA sl
 static; offsets may be dynamic). Per run, the DMAs of *all* layers are started before any is
 waited on, so the copies of different layers overlap (one DMA semaphore per layer).
 
+On a tensor-parallel pool (sharded on its K/V-entry axis) the kernel runs once per shard under
+``shard_map``: each device copies its own kv-heads' slice of the same pages, the run table
+replicated; nothing crosses devices.
+
 On CPU the kernel runs in Pallas TPU interpret mode (``pltpu.InterpretParams``), which simulates
 the DMAs and semaphores; the tests check it against the XLA path bit for bit.
 """
@@ -21,6 +25,7 @@ from typing import Any
 import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pd_fsm.jax_engine.counters import TRACE_COUNTS
 
@@ -87,4 +92,49 @@ def multi_layer_copy_pallas(
         input_output_aliases={3 + i: i for i in range(n_layers)},
         interpret=pltpu.InterpretParams() if interpret else False,
     )(table, n_runs.reshape(1), packed, *kv_caches)
+    return out
+
+
+def multi_layer_copy_pallas_per_shard(
+    kv_caches: list[jax.Array],
+    packed: jax.Array,
+    table: jax.Array,
+    n_runs: jax.Array,
+    *,
+    interpret: bool = False,
+) -> list[jax.Array]:
+    """:func:`multi_layer_copy_pallas` on every shard of a pool placed on a mesh (on one device:
+    the kernel itself). ``kv_caches`` is donated."""
+    sharding = kv_caches[0].sharding
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.size == 1:
+        return multi_layer_copy_pallas(kv_caches, packed, table, n_runs, interpret=interpret)
+    return _per_shard(kv_caches, packed, table, n_runs, mesh=sharding.mesh,
+                      pool_spec=sharding.spec, interpret=interpret)
+
+
+@functools.partial(
+    jax.jit, donate_argnums=(0,), static_argnames=("mesh", "pool_spec", "interpret")
+)
+def _per_shard(
+    kv_caches: list[jax.Array],
+    packed: jax.Array,
+    table: jax.Array,
+    n_runs: jax.Array,
+    *,
+    mesh: Mesh,
+    pool_spec: PartitionSpec,
+    interpret: bool,
+) -> list[jax.Array]:
+    pools = [pool_spec] * len(kv_caches)
+
+    def copy(caches: list[jax.Array], rows: jax.Array, runs: jax.Array, n: jax.Array
+             ) -> list[jax.Array]:
+        return list(multi_layer_copy_pallas(caches, rows, runs, n, interpret=interpret))
+
+    per_shard = jax.shard_map(
+        copy, mesh=mesh,
+        in_specs=(pools, PartitionSpec(None, *pool_spec), PartitionSpec(), PartitionSpec()),
+        out_specs=pools, check_vma=False,
+    )
+    out: list[jax.Array] = per_shard(kv_caches, packed, table, n_runs)
     return out

@@ -27,8 +27,10 @@ import numpy as np
 from pd_fsm.jax_engine.gather_scatter import page_bucket
 from pd_fsm.jax_engine.kv_pool import KVPoolConfig
 
-# Bump when the packing in gather_scatter changes (layer stacking, page_bucket rule).
-PACKING_SCHEME = "stacked-layers/page_bucket-pow2-then-4-per-octave/v1"
+# Bump when the packing in gather_scatter changes (layer stacking, page_bucket rule) or how a
+# packed array is cut for the wire (v2: one array per kv-head shard, READY names how many; the
+# shapes below are the whole array's, its K/V-entry axis split evenly).
+PACKING_SCHEME = "stacked-layers/page_bucket-pow2-then-4-per-octave/kv-head-shards/v2"
 
 
 class PoolType(StrEnum):
@@ -86,12 +88,6 @@ class PoolTransferSpec:
     def packed_nbytes(self, n_pages: int) -> int:
         return int(np.prod(self.packed_shape(n_pages))) * jax.numpy.dtype(self.dtype).itemsize
 
-    def pull_struct(self, n_pages: int, sharding: jax.sharding.Sharding) -> jax.ShapeDtypeStruct:
-        """The spec D passes to ``pull`` for a request of ``n_pages`` pages."""
-        return jax.ShapeDtypeStruct(
-            self.packed_shape(n_pages), jax.numpy.dtype(self.dtype), sharding=sharding
-        )
-
     def canonical(self) -> dict[str, object]:
         return {
             "name": self.name,
@@ -120,6 +116,9 @@ class KVArgs:
     registration and in a pull."""
 
     pools: tuple[PoolTransferSpec, ...] = attrs.field(converter=_pools)
+    # Arrays per pool this worker registers (its tensor-parallel size). Not in the hash: D
+    # regroups any count that splits its kv-heads, and READY names P's.
+    kv_shards: int = 1
     layout_hash: str = attrs.field(init=False)
 
     @layout_hash.default

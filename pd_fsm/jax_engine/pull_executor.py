@@ -32,11 +32,18 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import attrs
+import jax
 
 from pd_fsm.jax_engine.gather_scatter import ScatterMethod, validate_pages
 from pd_fsm.jax_engine.kv_holder import KVCacheHolder
 from pd_fsm.jax_engine.pool_spec import KVArgs
 from pd_fsm.jax_engine.room_kv import RoomPages, pages_by_pool, scatter_rooms
+from pd_fsm.jax_engine.tensor_parallel import (
+    TensorParallelError,
+    packed_sharding,
+    regroup,
+    shard_structs,
+)
 from pd_fsm.jax_engine.transfer.base import KVTransferEngine, PullError, PullTimeout
 from pd_fsm.jax_engine.transfer.thread_priority import raise_this_thread
 
@@ -67,6 +74,7 @@ class PullRequest:
     )
     remote_layout_hash: str
     deadline_s: float | None = None  # None: the executor's default
+    kv_shards: int = 1  # arrays per pool P registered (READY's kv_shards), regrouped here
 
     def page_map(self) -> Mapping[str, Sequence[int]] | Sequence[int]:
         if self.pages and isinstance(self.pages[0], tuple):
@@ -147,7 +155,9 @@ class PullExecutor:
         self._inflight = 0
         with holder.locked() as kv:
             # Pulled arrays land where the pool lives.
-            self._sharding = {p.name: kv[p.name][0].sharding for p in kv_args.pools}
+            self._sharding = {
+                p.name: packed_sharding(kv[p.name][0].sharding) for p in kv_args.pools
+            }
             self._num_pages = {p.name: kv[p.name][0].shape[0] for p in kv_args.pools}
 
     @property
@@ -262,9 +272,18 @@ class PullExecutor:
             return self._failed(
                 req, start, f"not started within the {deadline_s:g}s deadline (queued); not pulled"
             )
-        specs = [
-            p.pull_struct(len(pages[p.name]), self._sharding[p.name]) for p in self._kv_args.pools
-        ]
+        shards = req.kv_shards
+        try:
+            specs = [
+                struct
+                for p in self._kv_args.pools
+                for struct in shard_structs(
+                    p.packed_shape(len(pages[p.name])), jax.numpy.dtype(p.dtype), shards,
+                    self._sharding[p.name],
+                )
+            ]
+        except TensorParallelError as e:
+            return self._failed(req, start, f"cannot regroup P's KV: {e}; not pulled")
         nbytes = sum(p.packed_nbytes(len(pages[p.name])) for p in self._kv_args.pools)
         try:
             started = self._clock()
@@ -275,7 +294,13 @@ class PullExecutor:
         except PullError as e:
             return self._failed(req, start, str(e))
         ready, ready_iteration = self._clock(), self._iterations()
+        pulled = list(pending.arrays)
+        # P's shards onto our own devices: dispatched here, on the pull thread (no copy at all
+        # when P's tp equals ours).
+        arrays = tuple(
+            regroup(pulled[i * shards : (i + 1) * shards], self._sharding[p.name])
+            for i, p in enumerate(self._kv_args.pools)
+        )
         return _Pulled(
-            req, start, ready, ready_iteration, ready - started, tuple(pending.arrays), pages,
-            nbytes,
+            req, start, ready, ready_iteration, ready - started, arrays, pages, nbytes,
         )

@@ -21,6 +21,7 @@ from pd_fsm.jax_engine.gather_scatter import (
 )
 from pd_fsm.jax_engine.kv_holder import KVCacheHolder
 from pd_fsm.jax_engine.pool_spec import KVArgs
+from pd_fsm.jax_engine.tensor_parallel import split_shards
 
 RoomPages = Mapping[str, Sequence[int]] | Sequence[int]
 
@@ -36,14 +37,17 @@ def pages_by_pool(kv_args: KVArgs, pages: RoomPages) -> dict[str, tuple[int, ...
 
 
 def gather_room(holder: KVCacheHolder, kv_args: KVArgs, pages: RoomPages) -> list[jax.Array]:
-    """P side: the packed arrays to register, one per pool. Only the dispatch happens under the
-    lock; the gathered arrays are new buffers, so later steps may donate the pool freely."""
+    """P side: the arrays to register, ``kv_args.kv_shards`` per pool (one single-device array
+    per kv-head shard; ``tensor_parallel.split_shards``), pools in wire order. Only the dispatch
+    happens under the lock; the gathered arrays are new buffers, so later steps may donate the
+    pool freely."""
     by_pool = pages_by_pool(kv_args, pages)
     with holder.locked() as kv:
         out = []
         for p in kv_args.pools:
             validate_pages(by_pool[p.name], kv[p.name][0].shape[0])
-            out.append(tiered.gather(kv[p.name], by_pool[p.name]))
+            packed = tiered.gather(kv[p.name], by_pool[p.name])
+            out.extend(split_shards(packed, kv_args.kv_shards))
         return out
 
 

@@ -229,10 +229,13 @@ def last_logits(logits: jax.Array, num_new: np.ndarray) -> jax.Array:
     return EXECUTABLES.call(_last_logits, {}, logits, jnp.asarray(num_new))
 
 
-def compile_samplers(batch: int, vocab: int) -> None:
+def compile_samplers(
+    batch: int, vocab: int, sharding: jax.sharding.Sharding | None = None
+) -> None:
     """Compile, without running, both samplers and the top-logprobs pass for
-    ``logits[batch, vocab]`` (see ``sample``)."""
-    logits = jax.ShapeDtypeStruct((batch, vocab), jnp.float32)
+    ``logits[batch, vocab]`` (see ``sample``) placed as ``sharding`` (the forward's logits: on
+    a tensor-parallel instance, replicated over its mesh)."""
+    logits = jax.ShapeDtypeStruct((batch, vocab), jnp.float32, sharding=sharding)
     bitmask = jax.ShapeDtypeStruct((batch, bitmask_words(vocab)), jnp.int32)
     EXECUTABLES.compile(_greedy, {}, logits, bitmask)
     EXECUTABLES.compile(_top_logprobs, {}, logits)

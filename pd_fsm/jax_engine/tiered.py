@@ -37,6 +37,7 @@ from pd_fsm.jax_engine.gather_scatter import (
     scatter_runs,
 )
 from pd_fsm.jax_engine.kv_pool import NULL_PAGE
+from pd_fsm.jax_engine.tensor_parallel import packed_sharding
 
 log = logging.getLogger("pd_fsm.jax_engine.tiered")
 
@@ -55,6 +56,12 @@ def _take_gather(kv: list[jax.Array], ids: jax.Array) -> jax.Array:
 def _take_scatter(kv: list[jax.Array], packed: jax.Array, ids: jax.Array) -> list[jax.Array]:
     # Padding rows carry an out-of-range id and are dropped: no page but the room's is touched.
     return [c.at[ids].set(packed[i], mode="drop") for i, c in enumerate(kv)]
+
+
+def _packed_sharding(layer: jax.ShapeDtypeStruct | jax.Array) -> jax.sharding.Sharding | None:
+    """The packed array's sharding for a pool whose layers are placed like ``layer``."""
+    sharding = getattr(layer, "sharding", None)
+    return None if sharding is None else packed_sharding(sharding)
 
 
 def _key(pool: Sequence[jax.ShapeDtypeStruct], bucket: int, what: str) -> Key:
@@ -186,7 +193,7 @@ def _runs_build(
     first = pool[0]
     if packed is None:
         packed = jax.ShapeDtypeStruct((len(pool), bucket, *first.shape[1:]), first.dtype,
-                                      sharding=getattr(first, "sharding", None))
+                                      sharding=_packed_sharding(first))
     table = jax.ShapeDtypeStruct((3, bucket), jnp.int32)
     n = jax.ShapeDtypeStruct((), jnp.int32)
     if what == "gather":
@@ -200,7 +207,7 @@ def warm(pool: Sequence[jax.ShapeDtypeStruct], buckets: Sequence[int], what: str
     bucket's first use: all of them at start would take minutes of both cores for SmolLM2."""
     before = KV_COPIES.quick_compiles
     first = pool[0]
-    sharding = getattr(first, "sharding", None)
+    sharding = _packed_sharding(first)
     for bucket in buckets:
         if what == "gather":
             _quick_gather(pool, bucket)
@@ -232,7 +239,7 @@ def gather(kv: Sequence[jax.Array], pages: Sequence[int]) -> jax.Array:
     if exe is not None:
         TIER_COUNTS.bump("gather_runs")
         runs = contiguous_runs(pages, range(len(pages)), bucket)
-        out = _packed_zeros(out_shape, first.dtype)
+        out = _packed_zeros(out_shape, first.dtype, packed_sharding(first.sharding))
         return exe(out, kv, jnp.asarray(runs.table), jnp.int32(runs.n_runs))  # type: ignore[no-any-return]
 
     def build_runs() -> jax.stages.Compiled:

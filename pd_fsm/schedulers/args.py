@@ -37,3 +37,6 @@ class SchedulerArgs:
     # A prefix cache of KV pages (radix_cache.py): prompts sharing a cached prefix prefill only
     # the rest. Requests this scheduler prefills and decodes itself (not PD rooms, yet).
     radix_cache: bool = False
+    # Devices this instance's model and KV pool are sharded over (tensor parallelism,
+    # jax_engine/tensor_parallel.py): the first ``tp_size`` devices of the process.
+    tp_size: int = attrs.field(default=1, validator=_positive)

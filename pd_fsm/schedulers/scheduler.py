@@ -62,6 +62,12 @@ from pd_fsm.jax_engine.sampling import (
     top_logprobs,
 )
 from pd_fsm.jax_engine.sampling_params import SamplingParams, TopLogprobs
+from pd_fsm.jax_engine.tensor_parallel import (
+    check_tp,
+    logits_sharding,
+    pool_sharding,
+    sharded_params,
+)
 from pd_fsm.jax_engine.tokenizer import IncrementalDetokenizer
 from pd_fsm.schedulers.args import SchedulerArgs
 from pd_fsm.schedulers.radix_cache import RadixCache
@@ -134,6 +140,10 @@ class Scheduler:
             args.model, args.dtype, args.model_seed
         )
         self.config = self.model.config
+        check_tp(self.config, args.tp_size, len(jax.devices()))
+        # The weights on this instance's devices (the loaded model itself is shared and stays
+        # where it was loaded: sharded copies are made once per tp size).
+        self.params = sharded_params(self.model, args.tp_size)
         self.tokenizer = self.model.tokenizer
         self.eos_token_ids = self.model.eos_token_ids
         self.pool_config = self.config.kv_pool_config(args.num_pages, args.page_size)
@@ -289,7 +299,7 @@ class Scheduler:
         plan = self.shape_plan()
         with self.kv_holder.locked() as pools:
             kv = [as_struct(a) for a in pools[MAIN_KV]]  # shapes only: nothing runs here
-        params, config, width = self.model.params, self.config, self.table_width
+        params, config, width = self.params, self.config, self.table_width
 
         def shape(rows_tokens: tuple[int, int]) -> None:
             rows, tokens = rows_tokens
@@ -299,14 +309,16 @@ class Scheduler:
         with ThreadPoolExecutor(WARMUP_THREADS, thread_name_prefix="warm-up") as pool:
             list(pool.map(shape, plan))
         for rows in sorted({r for r, _ in plan}):
-            compile_samplers(rows, self.config.vocab_size)
+            compile_samplers(rows, self.config.vocab_size, logits_sharding(self.args.tp_size))
         compiled = EXECUTABLES.stats().built - before
         return WarmupReport(tuple(plan), compiled, time.perf_counter() - start)
 
     # ----------------------------------------------------------------- hooks: pool and pages
 
     def _create_kv_holder(self) -> KVCacheHolder:
-        return KVCacheHolder({MAIN_KV: allocate_kv_pool(self.pool_config)})
+        return KVCacheHolder(
+            {MAIN_KV: allocate_kv_pool(self.pool_config, pool_sharding(self.args.tp_size))}
+        )
 
     def _with_kv(self, fn: Callable[[KV], tuple[R, KV]]) -> R:
         """Run ``fn(main_kv) -> (result, new_main_kv)`` under the holder's lock; ``fn`` may donate
@@ -544,7 +556,7 @@ class Scheduler:
         all_logits: bool = False,
     ) -> jax.Array:
         self.forward_shapes.add(("extend-all" if all_logits else "extend", *tokens.shape))
-        params, config = self.model.params, self.config
+        params, config = self.params, self.config
 
         def run(kv: KV) -> tuple[jax.Array, KV]:
             return extend(
@@ -649,7 +661,7 @@ class Scheduler:
         self, tokens: np.ndarray, positions: np.ndarray, table: np.ndarray, lengths: np.ndarray
     ) -> jax.Array:
         self.forward_shapes.add(("decode", len(tokens)))
-        params, config = self.model.params, self.config
+        params, config = self.params, self.config
 
         def run(kv: KV) -> tuple[jax.Array, KV]:
             return decode(

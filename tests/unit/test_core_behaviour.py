@@ -303,6 +303,23 @@ def test_layout_mismatch_in_ready_is_refused_before_pulling() -> None:
     assert "StartPull" not in _kinds(out) and "layout mismatch" in out[-1].reason
 
 
+def test_ready_naming_shards_d_cannot_regroup_is_refused_before_pulling() -> None:
+    """P registered its KV as 3 shards a pool; this D regroups from 1, 2 or 4 (its kv-heads'
+    divisors): the room fails naming both, and nothing is pulled."""
+    d = DecodeEndpoint("d", L, DecodeConfig(), pullable_kv_shards=frozenset({1, 2, 4}))
+    d.handle(ev.DecodeRequestAccepted(1, "h:1", 2), 0.0)
+    d.handle(ev.PeerResolved("h:1", "p", "t", L), 0.0)
+    d.handle(ev.BlocksAllocated(1), 0.0)
+    out = d.handle(ev.MessageReceived("p", Ready(1, 5, 7, 2, L, kv_shards=3)), 0.0)
+    assert "StartPull" not in _kinds(out)
+    assert "as 3 kv-head shards; this D regroups only [1, 2, 4]" in out[-1].reason
+    d.handle(ev.DecodeRequestAccepted(2, "h:1", 2), 0.0)
+    d.handle(ev.BlocksAllocated(2), 0.0)
+    out = d.handle(ev.MessageReceived("p", Ready(2, 6, 7, 2, L, kv_shards=4)), 0.0)
+    (pull,) = [o for o in out if isinstance(o, fx.StartPull)]
+    assert pull.kv_shards == 4
+
+
 def test_queue_timeout_is_503_and_ready_timeout_504() -> None:
     d = _d(queue_timeout=10.0, ready_timeout=20.0, peer_timeout=1e9)
     d.handle(ev.DecodeRequestAccepted(1, "h:1", 1), 0.0)

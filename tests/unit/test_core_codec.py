@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from pd_fsm.core import codec, keys
 from pd_fsm.core.errors import RemoteProtocolError
 from pd_fsm.core.messages import (
+    MAX_KV_SHARDS,
     MAX_ROOM,
     MAX_TOP_LOGPROBS,
     MAX_UUID,
@@ -44,6 +45,7 @@ messages: st.SearchStrategy[Message] = st.one_of(
                       st.floats(max_value=0.0, allow_nan=False, allow_infinity=False)),
             max_size=MAX_TOP_LOGPROBS,
         ).map(tuple),
+        st.integers(1, MAX_KV_SHARDS),
     ),
     st.builds(Done, rooms, st.booleans(), text),
     st.builds(Heartbeat, st.integers(0, MAX_UUID - 1), st.lists(rooms, max_size=50).map(tuple)),
@@ -127,6 +129,9 @@ def _raw(payload: object, version: int = codec.VERSION) -> bytes:
         (_raw({"t": "ABORT", "b": {"room": 1}}), "missing field"),
         (_raw({"t": "READY", "b": _READY | {"first_logprob": float("nan")}}), "finite"),
         (_raw({"t": "READY", "b": _READY | {"first_logprob": 1}}), "finite float"),
+        (_raw({"t": "READY", "b": _READY | {"kv_shards": 0}}), "outside"),
+        (_raw({"t": "READY", "b": _READY | {"kv_shards": MAX_KV_SHARDS + 1}}), "outside"),
+        (_raw({"t": "READY", "b": _READY | {"kv_shards": 2}}, version=4), "unsupported version 4"),
         (_raw({"t": "HB", "b": {"seq": 1, "rooms": list(range(5000))}}), "not msgpack"),
         (codec.MAGIC + bytes((codec.VERSION, 0)) + b"\xc1", "not msgpack"),
         (codec.MAGIC + bytes((codec.VERSION, 0)) + b"x" * (codec.MAX_FRAME + 1), "exceeds"),

@@ -120,8 +120,10 @@ def plan(args: argparse.Namespace, tls: TLS = NO_TLS) -> list[Child]:
                                                 str(boot_port), *quiet, *serving.argv()),
                               f"{scheme}://{HOST}:{boot_port}"))
     def pinned(role: str) -> list[str]:
-        cpus = getattr(args, f"{role}_cpus")
-        return [] if cpus is None else ["--cpus", cpus]
+        """The role's own flags: its cores and its tensor-parallel size."""
+        cpus, tp = getattr(args, f"{role}_cpus"), getattr(args, f"{role}_tp", None)
+        flags = [] if cpus is None else ["--cpus", cpus]
+        return flags + ([] if tp is None else ["--tp", str(tp)])
 
     for i, (port, side) in enumerate(zip(p_ports, side_ports, strict=True)):
         children.append(Child(
@@ -371,6 +373,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     for role in ("prefill", "decode", "colocated"):
         p.add_argument(f"--{role}-cpus", default=None, metavar="LIST",
                        help=f"pin every {role} worker to these cores (`pd-fsm serve --cpus`)")
+        p.add_argument(f"--{role}-tp", type=int, default=None, metavar="N",
+                       help=f"every {role} worker tensor-parallel over N devices (`pd-fsm serve "
+                            "--tp`); P and D may differ: D regroups P's KV shards")
     p.add_argument("--log-level", default="WARNING",
                    help="of every child process (default WARNING; INFO shows each heartbeat)")
     p.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",

@@ -22,6 +22,7 @@ from pd_fsm.io_trio.worker.config import (
     add_serve_arguments,
     check_environment,
     config_from_args,
+    force_host_devices,
 )
 
 if TYPE_CHECKING:
@@ -71,6 +72,10 @@ def main(args: argparse.Namespace) -> int:
             # Before anything starts JAX: XLA sizes its thread pools from the affinity.
             pinned = pin_to(parse_cpus(config.cpus))
             log.info("pinned to cores %s", ",".join(map(str, sorted(pinned))))
+        if config.tp_size > 1:
+            # Read when JAX first starts a backend, which nothing has done yet. Only the host
+            # (CPU) platform reads it: on an accelerator the devices are the chips.
+            force_host_devices(os.environ, config.tp_size)
         if config.compilation_cache:
             from pd_fsm.jax_engine import compilation_cache
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -59,6 +59,9 @@ class ServeConfig:
     max_batched_tokens: int = 1024
     context_length: int | None = None
     random_seed: int = 0
+    # Devices the model and KV pool are sharded over (tensor parallelism; on CPU the worker
+    # forces that many host devices before JAX starts).
+    tp_size: int = 1
     # The prefix cache (schedulers/radix_cache.py): on for colocated and prefill workers (as in
     # sglang), opt-in on decode workers, whose cached pages compete with running sequences.
     radix_cache: bool = True
@@ -135,6 +138,7 @@ class ServeConfig:
             max_batched_tokens=self.max_batched_tokens,
             context_length=self.context_length,
             random_seed=self.random_seed,
+            tp_size=self.tp_size,
             disaggregation_mode=self.disaggregation_mode,
             radix_cache=(self.decode_radix_cache if self.disaggregation_mode == "decode"
                          else self.radix_cache),
@@ -213,6 +217,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens)
     p.add_argument("--context-length", type=int, default=None, help="default: the model's")
     p.add_argument("--random-seed", type=int, default=d.random_seed)
+    p.add_argument("--tp", "--tp-size", dest="tp_size", type=int, default=d.tp_size,
+                   help="tensor parallelism: shard the model and the KV pool (on its kv-head "
+                        "axis) over this many devices; must divide the model's kv-heads "
+                        "(SmolLM2 3, tiny 4). On CPU the worker makes that many host devices")
     # Each names the roles it acts on, so one set of flags can go to every worker of a cluster
     # (`pd-fsm cluster --worker-args`).
     p.add_argument("--disable-radix-cache", action="store_true",
@@ -311,6 +319,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "these D, D dials only these P")
 
 
+HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+
+
+def force_host_devices(environ: MutableMapping[str, str], n: int) -> None:
+    """Make JAX's host (CPU) platform show ``n`` devices, unless ``XLA_FLAGS`` already sets a
+    count (the user's wins; the scheduler refuses a tp size it cannot place). Must run before
+    anything starts a JAX backend."""
+    flags = environ.get("XLA_FLAGS", "")
+    if HOST_DEVICES_FLAG not in flags:
+        environ["XLA_FLAGS"] = f"{flags} {HOST_DEVICES_FLAG}={n}".strip()
+
+
 def check_environment(environ: Mapping[str, str]) -> None:
     """RFC-2 §7's environment switches, read at start: a value we do not implement stops the
     worker with a clear message instead of being silently ignored."""
@@ -328,7 +348,7 @@ def check_environment(environ: Mapping[str, str]) -> None:
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The config for parsed ``serve`` arguments; raises ValueError naming a bad value."""
     for name in ("num_pages", "page_size", "max_running", "max_batched_tokens", "max_queued",
-                 "max_body"):
+                 "max_body", "tp_size"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
     if args.context_length is not None and args.context_length <= 1:
@@ -402,6 +422,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_batched_tokens=args.max_batched_tokens,
         context_length=args.context_length,
         random_seed=args.random_seed,
+        tp_size=args.tp_size,
         radix_cache=not args.disable_radix_cache,
         decode_radix_cache=args.decode_radix_cache,
         max_queued=args.max_queued,

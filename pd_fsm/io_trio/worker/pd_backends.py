@@ -257,8 +257,10 @@ class _PDBackend(ColocatedBackend, ABC):
         return InstanceRecord(
             role=self.mode,
             instance_id=self.pd_args.instance_id,
+            # One process drives every tp rank of the instance (its devices form one mesh), so
+            # it registers as rank 0 of tp_size, and D's lookups name rank 0 in full.
             tp_rank=0,
-            tp_size=1,
+            tp_size=c.tp_size,
             cp_rank=0,
             cp_size=1,
             dp_rank=0,
@@ -272,7 +274,7 @@ class _PDBackend(ColocatedBackend, ABC):
             layout_hash=sched.layout_hash,
             scheduler_addr=f"{c.tls.scheme}://{c.public_host}:{c.port}",
             bootstrap_port=bootstrap_port,
-            mesh_meta={"model": c.model_name, "devices": 1},
+            mesh_meta={"model": c.model_name, "devices": c.tp_size, "kv_shards": c.tp_size},
             heartbeat_ttl=c.disaggregation_bootstrap_heartbeat_ttl,
             curve_public_key=self._curve.public.decode() if self._curve is not None else None,
         )

@@ -60,15 +60,16 @@ SMOLLM2_135M = ModelConfig(
 )
 
 # Same code path, random weights, small enough that a forward step compiles and runs in well under
-# a second: the configuration the fast tests use.
+# a second: the configuration the fast tests use. Four kv-heads in groups of two query heads:
+# grouped-query attention, and tensor parallelism at tp 1, 2 and 4.
 TINY = ModelConfig(
     vocab_size=256,
     hidden_size=64,
     intermediate_size=128,
     num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=8,
     rope_theta=10000.0,
     rms_eps=1e-5,
     tie_embeddings=False,

@@ -222,7 +222,7 @@ class JaxTransferKVEngine(KVTransferEngine):
 
     @property
     def sharding(self) -> jax.sharding.Sharding:
-        """Where pulled arrays land (pass it to ``PoolTransferSpec.pull_struct``)."""
+        """The device this engine's own placeholders live on."""
         return self._sharding
 
     # sender side --------------------------------------------------------------------------------

@@ -46,7 +46,8 @@ class DisaggregationCommon(Scheduler, ABC):
     def _init_common(self, engine: KVTransferEngine, clock: Callable[[], float] | None) -> None:
         self.clock = clock or time.monotonic
         self.engine = engine
-        self.kv_args = KVArgs([PoolTransferSpec.from_config(MAIN_KV, self.pool_config)])
+        self.kv_args = KVArgs([PoolTransferSpec.from_config(MAIN_KV, self.pool_config)],
+                              kv_shards=self.args.tp_size)
         self.outbox: list[Any] = []
         self.room_of: dict[str, int] = {}  # rid -> bootstrap_room
         self.req_of: dict[int, Req] = {}  # bootstrap_room -> request, while the room holds it

@@ -22,6 +22,7 @@ from pd_fsm.core import events as ev
 from pd_fsm.core.decode_endpoint import DecodeEndpoint
 from pd_fsm.jax_engine.model import LoadedModel
 from pd_fsm.jax_engine.pull_executor import PullExecutor, PullRequest, PullResult
+from pd_fsm.jax_engine.tensor_parallel import kv_shard_counts
 from pd_fsm.jax_engine.transfer.base import KVTransferEngine
 from pd_fsm.jax_engine.transfer.jax_transfer import JaxTransferKVEngine
 from pd_fsm.schedulers.disaggregation.args import DisaggregationArgs
@@ -60,6 +61,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
         self.core = DecodeEndpoint(
             args.instance_id, self.layout_hash, args.decode_config(),
             incarnation=random.SystemRandom().getrandbits(63) | 1,
+            pullable_kv_shards=kv_shard_counts(self.config.num_kv_heads),
         )
         self.recv_queue = self._create_recv_queue()
         self.alloc_queue: deque[int] = deque()  # rooms waiting for pages, FIFO
@@ -156,6 +158,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
                     e.transfer_addr,
                     pages=req.pages[e.skip_pages : e.skip_pages + e.n_pages],
                     remote_layout_hash=self.layout_hash,  # the core compared READY's hash already
+                    kv_shards=e.kv_shards,
                 )
             )
         elif isinstance(e, fx.ForgetTransfer):

@@ -56,7 +56,7 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
             # The OS's CSPRNG by default: transfer uuids are the data plane's only guard
             # (README "Security model"); tests pass a seeded Random.
             self.layout_hash, rng or random.SystemRandom(), args.lease_config(),
-            transfer_addr=self.engine.address,
+            transfer_addr=self.engine.address, kv_shards=self.kv_args.kv_shards,
         )
         self.send_queue = self._create_send_queue()
         self._held_pages: dict[int, list[int]] = {}  # room -> pages, after the leg answered
