@@ -63,7 +63,8 @@ async def test_pd_between_tp_sizes_equals_colocated(fleet: Fleet, p: str, d: str
             body = leg(new_room(), ids, NEW_TOKENS, fleet[p])
             answers: dict[str, httpx.Response] = {}
 
-            async def post(name: str, body: dict[str, object] = body) -> None:
+            async def post(name: str, body: dict[str, object] = body,
+                           answers: dict[str, httpx.Response] = answers) -> None:
                 answers[name] = await http.post(f"{fleet[name].url}/generate", json=body)
 
             async with trio.open_nursery() as nursery:
