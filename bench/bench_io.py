@@ -36,13 +36,13 @@ from pd_fsm.core.messages import Heartbeat, HeartbeatAck, Message, RecvInit
 from pd_fsm.core.prefill_endpoint import PrefillEndpoint
 from pd_fsm.io_trio.bootstrap.records import to_json
 from pd_fsm.io_trio.driver import NullSink
-from pd_fsm.io_trio.services import serve_prefill
 from pd_fsm.io_trio.side_channel.channel import DecodeSideChannel
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the test doubles live under tests/
 
 from tests.support.io_doubles import sample_record  # noqa: E402
+from tests.support.services import serve_prefill  # noqa: E402
 
 # -- bootstrap ----------------------------------------------------------------------------------
 

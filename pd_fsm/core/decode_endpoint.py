@@ -28,6 +28,9 @@ from pd_fsm.core.rooms import Cause, RoomMachines
 from pd_fsm.core.tables import KV_RECEIVER
 from pd_fsm.core.timers import DeadlineHeap
 
+# The table's names as attributes (tables.Names): never spelled as strings here.
+_S, _T = KV_RECEIVER.S, KV_RECEIVER.T
+
 _Fx = fx.DecodeEffect
 
 _HOST_PORT = re.compile(r"[A-Za-z0-9.\-]{1,253}:[0-9]{1,5}|\[[0-9A-Fa-f:.]{2,45}\]:[0-9]{1,5}")
@@ -214,9 +217,9 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
             return
         r = _ReceiverRoom(e.room, e.bootstrap_addr, e.n_pages)
         self._admit(r)
-        self._go(r, "RequestAccepted", now, out)
+        self._go(r, _T.RequestAccepted, now, out)
         if r.peer is not None:  # P was in the resolution cache: no lookup needed
-            self._go(r, "PeerResolved", now, out)
+            self._go(r, _T.PeerResolved, now, out)
 
     def _on_peer_resolved(self, e: ev.PeerResolved, now: float, out: list[_Fx]) -> None:
         previous = self._resolved.get(e.bootstrap_addr)
@@ -231,19 +234,19 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
             peer.layout_hash = e.layout_hash
         for room in self._resolving.pop(e.bootstrap_addr, ()):
             r = self.rooms.get(room)
-            if r is not None and r.state == "RESOLVING":
+            if r is not None and r.state == _S.RESOLVING:
                 r.peer = e.peer
-                self._go(r, "PeerResolved", now, out)
+                self._go(r, _T.PeerResolved, now, out)
 
     def _on_peer_unresolved(self, e: ev.PeerResolutionFailed, now: float, out: list[_Fx]) -> None:
         reason = f"cannot resolve prefill at {e.bootstrap_addr}: {e.reason}"
         for room in self._resolving.pop(e.bootstrap_addr, ()):
             r = self.rooms.get(room)
-            if r is not None and r.state == "RESOLVING":
-                self._go(r, "PeerUnresolved", now, out, reason)
+            if r is not None and r.state == _S.RESOLVING:
+                self._go(r, _T.PeerUnresolved, now, out, reason)
 
     def _on_blocks(self, e: ev.BlocksAllocated, now: float, out: list[_Fx]) -> None:
-        r = self._live_local(e.room, "BlocksAllocated")
+        r = self._live_local(e.room, _T.BlocksAllocated)
         if r is not None:
             if not 0 <= e.skip_pages < r.n_pages:
                 raise LocalProtocolError(
@@ -251,24 +254,24 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
                     "last prompt page comes from P)"
                 )
             r.skip = e.skip_pages
-            self._go(r, "BlocksAllocated", now, out)
+            self._go(r, _T.BlocksAllocated, now, out)
 
     def _on_pull_succeeded(self, e: ev.PullSucceeded, now: float, out: list[_Fx]) -> None:
-        r = self._live_local(e.room, "PullSucceeded")
+        r = self._live_local(e.room, _T.PullSucceeded)
         if r is not None:
-            self._go(r, "PullSucceeded", now, out)
+            self._go(r, _T.PullSucceeded, now, out)
 
     def _on_pull_failed(self, e: ev.PullFailed, now: float, out: list[_Fx]) -> None:
-        r = self._live_local(e.room, "PullFailed")
+        r = self._live_local(e.room, _T.PullFailed)
         if r is not None:
-            self._go(r, "PullFailed", now, out, f"KV transfer failed: {e.reason}")
+            self._go(r, _T.PullFailed, now, out, f"KV transfer failed: {e.reason}")
 
     def _on_aborted(self, e: ev.Aborted, now: float, out: list[_Fx]) -> None:
         r = self.rooms.get(e.room)
         if r is None:
             self.stats.unknown_room += 1
-        elif self._has_row(r, "Aborted"):
-            self._go(r, "Aborted", now, out, e.reason)
+        elif self._has_row(r, _T.Aborted):
+            self._go(r, _T.Aborted, now, out, e.reason)
         else:
             self.stats.late += 1
 
@@ -320,7 +323,7 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
                 self._note_incarnation(peer, m.incarnation, now, out)
                 if m.transfer_addr:
                     peer.transfer_addr = m.transfer_addr
-            if r.state == "WAITING_FOR_READY":
+            if r.state == _S.WAITING_FOR_READY:
                 r.uuid = m.uuid
                 r.first_token = m.first_token
                 r.first_logprob = m.first_logprob
@@ -328,9 +331,9 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
                 r.incarnation = m.incarnation
                 r.transfer_addr = m.transfer_addr
                 r.kv_shards = m.kv_shards
-            self._remote(r, "ReadyReceived", now, out, "")
+            self._remote(r, _T.ReadyReceived, now, out, "")
         else:  # Abort
-            self._remote(r, "AbortReceived", now, out, f"prefill aborted the room: {m.reason}")
+            self._remote(r, _T.AbortReceived, now, out, f"prefill aborted the room: {m.reason}")
 
     def _check_ready(self, r: _ReceiverRoom, m: Ready) -> str:
         if m.layout_hash != self.layout_hash:
@@ -350,18 +353,18 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
         for room in m.failed_rooms:
             r = self.rooms.get(room)
             if r is not None and r.peer == peer.addr:
-                self._remote(r, "AbortReceived", now, out, "prefill reports the room failed")
+                self._remote(r, _T.AbortReceived, now, out, "prefill reports the room failed")
         for room in m.unknown_rooms:
             r = self.rooms.get(room)
             # Only a room whose hello went out before this heartbeat: P should know it by now.
             if (
                 r is not None
                 and r.peer == peer.addr
-                and r.state == "WAITING_FOR_READY"
+                and r.state == _S.WAITING_FOR_READY
                 and 0 <= r.hello_seq < m.seq
             ):
                 reason = f"prefill {peer.addr} does not know the room (restarted or lost our hello)"
-                self._go(r, "PeerLost", now, out, reason)
+                self._go(r, _T.PeerLost, now, out, reason)
 
     def _note_incarnation(self, peer: _Peer, incarnation: int, now: float, out: list[_Fx]) -> None:
         """P names its incarnation in every ack and READY. A new one means P restarted (at the
@@ -380,7 +383,7 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
         for room in sorted(peer.rooms):
             r = self.rooms.get(room)
             if r is not None and r.incarnation not in (0, incarnation):
-                self._go(r, "PeerLost", now, out, reason)
+                self._go(r, _T.PeerLost, now, out, reason)
         out.append(fx.ForgetTransfer(peer.transfer_addr))
 
     # -- timers -------------------------------------------------------------------------------
@@ -398,7 +401,7 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
             # others are upstream timeouts (504).
             timeout = self.table.timeouts[r.state]
             why = timeout.message(self._state_timeout[r.state], r.bootstrap_addr)
-            self._go(r, "TimedOut", now, out, why, timeout.status)
+            self._go(r, _T.TimedOut, now, out, why, timeout.status)
         for addr in self._live_timers.pop_due(now):
             peer = self.peers.get(addr)
             if peer is None or not peer.rooms:
@@ -429,7 +432,7 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
         for room in sorted(peer.rooms):
             r = self.rooms.get(room)
             if r is not None:
-                self._go(r, "PeerLost", now, out, reason)
+                self._go(r, _T.PeerLost, now, out, reason)
         self._forget_if_idle(peer.addr, out)
 
     def _forget_if_idle(self, addr: str, out: list[_Fx]) -> None:

@@ -27,6 +27,10 @@ from pd_fsm.core.messages import (
 from pd_fsm.core.rooms import Cause, RoomMachines
 from pd_fsm.core.tables import KV_HOLD_LEASE, KV_SENDER
 
+# The tables' names as attributes (tables.Names): never spelled as strings here.
+_T = KV_SENDER.T
+_LS, _LT = KV_HOLD_LEASE.S, KV_HOLD_LEASE.T
+
 _Fx = fx.PrefillEffect
 
 _LEASE = KV_HOLD_LEASE.transitions
@@ -125,13 +129,13 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
 
     def lease_expiry(self, room: int) -> float | None:
         r = self.rooms.get(room)
-        return None if r is None or r.lease != "LEASED" else r.expires_at
+        return None if r is None or r.lease != _LS.LEASED else r.expires_at
 
     # -- local events -------------------------------------------------------------------------
 
     def _on_request(self, e: ev.PrefillRequestAccepted, now: float, out: list[_Fx]) -> None:
         r = self.rooms.get(e.room)
-        if r is not None and (r.has_request or not self._has_row(r, "RequestAccepted")):
+        if r is not None and (r.has_request or not self._has_row(r, _T.RequestAccepted)):
             self.stats.rejected += 1
             out.append(fx.RejectRequest(e.room, f"bootstrap_room {e.room} is already live here"))
             return
@@ -141,14 +145,14 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
         r.has_request = True
         # REFUSED (D aborted the room first): the row fails our leg at once, with D's reason:
         # 502, the other half of the request failed.
-        cause = Cause("RequestAccepted", _NO_REASON)
+        cause = Cause(_T.RequestAccepted, _NO_REASON)
         if r.refusal:
-            cause = Cause("RequestAccepted",
+            cause = Cause(_T.RequestAccepted,
                           f"D aborted the room before this leg arrived: {r.refusal}", 502)
-        self._step(r, "RequestAccepted", now, out, cause)
+        self._step(r, _T.RequestAccepted, now, out, cause)
 
     def _on_prefill_finished(self, e: ev.PrefillFinished, now: float, out: list[_Fx]) -> None:
-        r = self._live_local(e.room, "PrefillFinished")
+        r = self._live_local(e.room, _T.PrefillFinished)
         if r is None:
             return
         r.first_token = e.first_token
@@ -160,21 +164,21 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
                 r, now, out, f"D reserved {r.d_pages} pages, the prompt needs {e.n_pages}"
             )
             return
-        self._step(r, "PrefillFinished", now, out, Cause("PrefillFinished", _NO_REASON))
+        self._step(r, _T.PrefillFinished, now, out, Cause(_T.PrefillFinished, _NO_REASON))
 
     def _on_prefill_failed(self, e: ev.PrefillFailed, now: float, out: list[_Fx]) -> None:
-        r = self._live_local(e.room, "PrefillFailed")
+        r = self._live_local(e.room, _T.PrefillFailed)
         if r is not None:
-            self._step(r, "PrefillFailed", now, out, Cause("PrefillFailed", e.reason))
+            self._step(r, _T.PrefillFailed, now, out, Cause(_T.PrefillFailed, e.reason))
 
     def _on_aborted(self, e: ev.Aborted, now: float, out: list[_Fx]) -> None:
         r = self.rooms.get(e.room)
         if r is None:
             self.stats.unknown_room += 1  # /abort_request for a room we do not hold: nothing to do
             return
-        if self._has_row(r, "Aborted"):
+        if self._has_row(r, _T.Aborted):
             # Our own client's abort is not a server error (the table's status: 499, as on D).
-            self._step(r, "Aborted", now, out, self._cause("Aborted", e.reason))
+            self._step(r, _T.Aborted, now, out, self._cause(_T.Aborted, e.reason))
         else:
             self.stats.late += 1
 
@@ -249,7 +253,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
                                         "last prompt page always comes from P")
             return
         r.d_pages, r.d_skip = m.n_pages, m.skip_pages
-        trigger = "PartialRecvInitReceived" if m.skip_pages else "RecvInitReceived"
+        trigger = _T.PartialRecvInitReceived if m.skip_pages else _T.RecvInitReceived
         self._remote(r, trigger, now, out, "")
 
     def _on_done(self, peer: str, m: Done, now: float, out: list[_Fx]) -> None:
@@ -262,7 +266,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
             # violation) a room that its real D has yet to claim.
             self.stats.foreign_peer += 1
             return
-        trigger = "DoneReceived" if m.ok else "DoneFailedReceived"
+        trigger = _T.DoneReceived if m.ok else _T.DoneFailedReceived
         self._remote(r, trigger, now, out, m.reason or "D reported a failed transfer")
 
     def _on_abort(self, peer: str, m: Abort, now: float, out: list[_Fx]) -> None:
@@ -276,11 +280,11 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
             fresh = _SenderRoom(m.room)
             fresh.refusal = m.reason or "aborted"
             self._admit(fresh)
-            self._remote(fresh, "AbortReceived", now, out, f"D aborted: {m.reason}")
+            self._remote(fresh, _T.AbortReceived, now, out, f"D aborted: {m.reason}")
             return
         r = self._room_for(peer, m.room)
         if r is not None:
-            self._remote(r, "AbortReceived", now, out, f"D aborted: {m.reason}")
+            self._remote(r, _T.AbortReceived, now, out, f"D aborted: {m.reason}")
 
     def _note_d_incarnation(self, peer: str, incarnation: int, now: float, out: list[_Fx]) -> None:
         """A D that restarted keeps its identity (the same instance id, so the same reply_to)
@@ -299,7 +303,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
             if r.peer == peer and r.d_incarnation not in (0, incarnation)
         ]
         for r in gone:
-            self._remote(r, "AbortReceived", now, out, f"decode {peer} restarted (room gone)")
+            self._remote(r, _T.AbortReceived, now, out, f"decode {peer} restarted (room gone)")
 
     def _on_heartbeat(self, peer: str, m: Heartbeat, now: float, out: list[_Fx]) -> None:
         self._note_d_incarnation(peer, m.incarnation, now, out)
@@ -318,8 +322,8 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
             if r.peer is not None and r.peer != peer:
                 self.stats.foreign_peer += 1
                 continue
-            if (r.lease, "HeartbeatReceived") in _LEASE:  # a heartbeat extends a held lease
-                self._lease_step(r, "HeartbeatReceived", now, out)
+            if (r.lease, _LT.HeartbeatReceived) in _LEASE:  # a heartbeat extends a held lease
+                self._lease_step(r, _LT.HeartbeatReceived, now, out)
         ack = HeartbeatAck(self.incarnation, m.seq, tuple(failed), tuple(unknown))
         out.append(fx.SendMessage(peer, ack))
 
@@ -338,7 +342,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
 
     def _expire_leases(self, now: float, out: list[_Fx]) -> None:
         for room in self._room_timers.pop_due(now):
-            self._lease_step(self.rooms[room], "Expired", now, out)
+            self._lease_step(self.rooms[room], _LT.Expired, now, out)
 
     # -- effects of kv_hold_lease ---------------------------------------------------------------
 
@@ -355,15 +359,15 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
     def _fx_ExpireRoom(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
         self.stats.lease_expired += 1
         why = f"KV hold lease expired at {r.expires_at:.3f}: no heartbeat from D"
-        self._step(r, "LeaseExpired", now, out, Cause("LeaseExpired", why))
+        self._step(r, _T.LeaseExpired, now, out, Cause(_T.LeaseExpired, why))
 
     # -- effects (names from the tables) ------------------------------------------------------
 
     def _fx_GrantLease(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
-        self._lease_step(r, "Granted", now, out)  # SetExpiry
+        self._lease_step(r, _LT.Granted, now, out)  # SetExpiry
 
     def _fx_ReleaseLease(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
-        self._lease_step(r, "Released", now, out)
+        self._lease_step(r, _LT.Released, now, out)
         self._room_timers.cancel(r.room)
 
     def _fx_BindPeer(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:

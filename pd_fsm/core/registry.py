@@ -21,6 +21,9 @@ from pd_fsm.core.errors import LocalProtocolError
 from pd_fsm.core.tables import INSTANCE_LEASE
 from pd_fsm.core.timers import DeadlineHeap
 
+# The table's names as attributes (tables.Names): never spelled as strings here.
+_S, _T = INSTANCE_LEASE.S, INSTANCE_LEASE.T
+
 InstanceKey = ev.InstanceKey
 Rec = TypeVar("Rec")  # the adapter's record type (pd_fsm.io_trio.bootstrap.records.InstanceRecord)
 
@@ -71,14 +74,14 @@ class BootstrapRegistry(Generic[Rec]):
         out: list[RegistryEffect[Rec]] = []
         for key in self._timers.pop_due(now):
             inst = self._instances[key]
-            self._step(inst, "Expired", now, out, None)
+            self._step(inst, _T.Expired, now, out, None)
         match event:
             case ev.InstanceRegistered():
-                self._step(self._get(event.key), "Registered", now, out, event)
+                self._step(self._get(event.key), _T.Registered, now, out, event)
             case ev.InstanceHeartbeat():
-                self._step(self._get(event.key), "HeartbeatReceived", now, out, None)
+                self._step(self._get(event.key), _T.HeartbeatReceived, now, out, None)
             case ev.InstanceDeregistered():
-                self._step(self._get(event.key), "Deregistered", now, out, None)
+                self._step(self._get(event.key), _T.Deregistered, now, out, None)
             case ev.TimeAdvanced():
                 pass
             case _:
@@ -143,7 +146,7 @@ class BootstrapRegistry(Generic[Rec]):
         inst.state = tr.target
         for name in tr.effects:
             self._fx[name](inst, trigger, now, out, e)
-        if trigger != "Expired" and inst.state == "ALIVE":
+        if trigger != _T.Expired and inst.state == _S.ALIVE:
             out.append(Acknowledged(inst.key, inst.expires_at))
 
     # -- effects (names from the table) --------------------------------------------------------
@@ -171,7 +174,7 @@ class BootstrapRegistry(Generic[Rec]):
         self._unindex(inst)
         self._timers.cancel(inst.key)
         del self._instances[inst.key]
-        if trigger == "Expired" and inst.record is not None:
+        if trigger == _T.Expired and inst.record is not None:
             self.expired_total += 1
             out.append(fx.InstanceExpired(inst.key, inst.record))
 

@@ -137,7 +137,7 @@ class RoomMachines(Generic[R, E]):
 
     def _violated(self, r: R, now: float, out: list[E], reason: str) -> None:
         self.stats.remote_errors += 1
-        self._apply(r, "ProtocolViolated", now, out, f"protocol error: {reason}")
+        self._apply(r, self.table.T.ProtocolViolated, now, out, f"protocol error: {reason}")
 
     def _fx_CountDuplicate(self, r: R, now: float, out: list[E], cause: Cause) -> None:
         self.stats.duplicates += 1

@@ -23,6 +23,16 @@ from pd_fsm.core.routing import RoutePlanner, RoutingConfig
 from pd_fsm.core.tables import ROOM
 from pd_fsm.core.timers import DeadlineHeap
 
+# The table's names as attributes (tables.Names): never spelled as strings here.
+_T = ROOM.T
+# A leg's response as a room trigger: (is it P's leg, did it succeed).
+_LEG_TRIGGERS = {
+    (True, True): _T.PrefillResponded,
+    (True, False): _T.PrefillFailed,
+    (False, True): _T.DecodeResponded,
+    (False, False): _T.DecodeFailed,
+}
+
 
 @attrs.define(slots=True)
 class _Room:
@@ -70,23 +80,22 @@ class RoomRouter:
     def handle(self, event: ev.RouterEvent, now: float) -> list[fx.RouterEffect]:
         out: list[fx.RouterEffect] = []
         for room in self._timers.pop_due(now):
-            self._step(self.rooms[room], "TimedOut", out, "room deadline passed")
+            self._step(self.rooms[room], _T.TimedOut, out, "room deadline passed")
         if isinstance(event, ev.RoomRequested):
             self._dispatch(event, now, out)
         elif isinstance(event, ev.LegResponded):
             r = self.rooms.get(event.room)
-            trigger = ("Prefill" if event.leg == "prefill" else "Decode") + (
-                "Responded" if event.ok else "Failed"
-            )
-            if trigger == "PrefillFailed" and self.config.decode_recomputes:
-                trigger = "PrefillFailedRecoverable"
+            trigger = _LEG_TRIGGERS[event.leg == "prefill", event.ok]
+            if trigger == _T.PrefillFailed and self.config.decode_recomputes:
+                trigger = _T.PrefillFailedRecoverable
             if r is None or self.table.step(r.state, trigger) is None:
                 self.dropped += 1
             else:
                 self._step(r, trigger, out, event.reason)
         elif isinstance(event, ev.ClientDisconnected | ev.RelayFinished):
             r = self.rooms.get(event.room)
-            trigger = type(event).__name__
+            trigger = _T.ClientDisconnected if isinstance(
+                event, ev.ClientDisconnected) else _T.RelayFinished
             if r is None or self.table.step(r.state, trigger) is None:
                 self.dropped += 1  # e.g. the client left after its room had already failed
             else:
@@ -119,7 +128,7 @@ class RoomRouter:
         self.rooms[room] = r
         self._live.update(w for w in (r.prefill, r.decode) if w)
         self._timers.set(room, now + self.config.room_timeout)
-        self._step(r, "Dispatched" if route.prefill else "DispatchedLocal", out, "")
+        self._step(r, _T.Dispatched if route.prefill else _T.DispatchedLocal, out, "")
 
     def _step(self, r: _Room, trigger: str, out: list[fx.RouterEffect], reason: str) -> None:
         tr = self.table.step(r.state, trigger)

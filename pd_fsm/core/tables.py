@@ -59,6 +59,26 @@ class StateTimeout:
         return self.reason.format(window=seconds, bootstrap_addr=bootstrap_addr)
 
 
+class Names:
+    """A table's state or trigger names as attributes, so Python code never spells one as a
+    string: ``KV_RECEIVER.T.PeerLost`` is ``"PeerLost"``, and a name the table lacks is
+    an ``AttributeError`` naming the table (``tests/unit/test_core_names.py`` reads every such
+    attribute in the core's source and checks it against its table)."""
+
+    __slots__ = ("_kind", "_names", "_table")
+
+    def __init__(self, table: str, kind: str, names: frozenset[str]) -> None:
+        self._table, self._kind, self._names = table, kind, names
+
+    def __getattr__(self, name: str) -> str:
+        if name in self._names:
+            return name
+        raise AttributeError(f"table {self._table} has no {self._kind} {name!r}")
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+
 @attrs.frozen(slots=True, eq=False)  # compared by identity: one compiled instance per table
 class StateTable:
     name: str
@@ -74,6 +94,17 @@ class StateTable:
     transitions: Mapping[tuple[str, str], Transition]
     status_of: Mapping[str, int] = attrs.field(factory=dict)  # trigger -> HTTP status on failure
     timeouts: Mapping[str, StateTimeout] = attrs.field(factory=dict)  # state -> its deadline
+    # The names as attributes (``Names``): ``table.S.RESOLVING``, ``table.T.PeerLost``.
+    S: Names = attrs.field(init=False)
+    T: Names = attrs.field(init=False)
+
+    @S.default
+    def _state_names(self) -> Names:
+        return Names(self.name, "state", frozenset(self.states))
+
+    @T.default
+    def _trigger_names(self) -> Names:
+        return Names(self.name, "trigger", frozenset(self.triggers))
 
     def status(self, trigger: str) -> int:
         """The HTTP status a room failing on ``trigger`` answers with (500 unless the table

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
@@ -21,6 +20,7 @@ import trio
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
+from pd_fsm.core.drive import drive
 from pd_fsm.core.errors import LocalProtocolError
 from pd_fsm.core.messages import Message
 
@@ -206,25 +206,26 @@ class EndpointDriver:
 
     def _feed(self, item: Any, now: float) -> None:
         call = item if isinstance(item, _Call) else None
-        queue: deque[Any] = deque((call.event if call else item,))
-        while queue:
-            event = queue.popleft()
+
+        def handle(event: Any, at: float) -> list[Any]:
             self.stats.events += 1
-            try:
-                effects = self.endpoint.handle(event, now)
-            except LocalProtocolError as exc:
-                # Our own side fed something the tables forbid: a bug to fix, but one room's bug
-                # must not stop every other room, so it is logged loudly and the loop goes on.
-                self.stats.local_errors += 1
-                log.error("%s: %s (event %r)", self.name, exc, event)
-                if call is not None and event is call.event:
-                    call.error = exc
-                continue
+            return self.endpoint.handle(event, at)
+
+        def carry_out(effect: Any) -> Iterable[Any]:
+            self.stats.effects += 1
             if call is not None:
-                call.result.extend(effects)
-            for effect in effects:
-                self.stats.effects += 1
-                queue.extend(self._execute(effect, now))
+                call.result.append(effect)
+            return self._execute(effect, now)
+
+        def local_error(event: Any, exc: LocalProtocolError) -> None:
+            # Our own side fed something the tables forbid: a bug to fix, but one room's bug
+            # must not stop every other room, so it is logged loudly and the loop goes on.
+            self.stats.local_errors += 1
+            log.error("%s: %s (event %r)", self.name, exc, event)
+            if call is not None and event is call.event:
+                call.error = exc
+
+        drive(handle, call.event if call else item, now, carry_out, on_local_error=local_error)
         if call is not None:
             call.done.set()
 

@@ -3,6 +3,7 @@ transfer server and its HTTP legs are modelled here."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import random
@@ -14,8 +15,10 @@ import attrs
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.decode_endpoint import DecodeEndpoint
+from pd_fsm.core.drive import drive
 from pd_fsm.core.messages import Done
 from pd_fsm.core.prefill_endpoint import PrefillEndpoint
+from pd_fsm.core.tables import KV_RECEIVER
 from pd_fsm.sim.config import (
     DECODE,
     LAYOUT,
@@ -201,32 +204,38 @@ class PrefillWorker(Node):
 
     def feed(self, event: Any) -> None:
         w = self.world
-        for e in w.handle(self, self.core, event):
-            match e:
-                case fx.SendMessage():
-                    w.send(self.side, e.peer, e.message)
-                case fx.RegisterKV():
-                    self.regs[e.uuid] = e.room
-                case fx.NarrowKV():
-                    self.regs.pop(e.replaces, None)
-                    self.regs[e.uuid] = e.room
-                case fx.ReleaseKV():
-                    if e.uuid is not None and self.regs.pop(e.uuid, None) is None:
-                        raise Violation(f"{self.name}: registration {e.uuid} released twice")
-                    pages = self.held.pop(e.room, None)
-                    done = isinstance(event, ev.MessageReceived) and isinstance(event.message,
-                                                                                Done)
-                    if pages is not None and not (done and w.plant("missing-release-on-done")):
-                        self.pool.give(pages, f"ReleaseKV of room {e.room:x}")
-                case fx.CompleteRequest():
-                    self._answer_leg(e.room, True, "")
-                case fx.FailRequest():
-                    self._answer_leg(e.room, False, e.reason)
-                case fx.RejectRequest():
-                    self._answer_leg(e.room, False, e.reason)
-                case fx.AckWhileBusy():
-                    pass  # the simulated steps never keep the endpoint busy
+        drive(functools.partial(w.handle, self, self.core), event, self.local(),
+              functools.partial(self._carry_out, event))
         self.schedule_wake(self.core.next_deadline())
+
+    def _carry_out(self, event: Any, e: Any) -> tuple[Any, ...]:
+        """One effect of ``event`` (the event fed: the planted missing release looks at it)."""
+        w = self.world
+        match e:
+            case fx.SendMessage():
+                w.send(self.side, e.peer, e.message)
+            case fx.RegisterKV():
+                self.regs[e.uuid] = e.room
+            case fx.NarrowKV():
+                self.regs.pop(e.replaces, None)
+                self.regs[e.uuid] = e.room
+            case fx.ReleaseKV():
+                if e.uuid is not None and self.regs.pop(e.uuid, None) is None:
+                    raise Violation(f"{self.name}: registration {e.uuid} released twice")
+                pages = self.held.pop(e.room, None)
+                done = isinstance(event, ev.MessageReceived) and isinstance(event.message,
+                                                                            Done)
+                if pages is not None and not (done and w.plant("missing-release-on-done")):
+                    self.pool.give(pages, f"ReleaseKV of room {e.room:x}")
+            case fx.CompleteRequest():
+                self._answer_leg(e.room, True, "")
+            case fx.FailRequest():
+                self._answer_leg(e.room, False, e.reason)
+            case fx.RejectRequest():
+                self._answer_leg(e.room, False, e.reason)
+            case fx.AckWhileBusy():
+                pass  # the simulated steps never keep the endpoint busy
+        return ()
 
     def leftovers(self) -> str:
         held = self.pool.size - len(self.pool.free)
@@ -268,7 +277,7 @@ class DecodeWorker(Node):
         self.alive, self.wake = True, math.inf
         self.core = DecodeEndpoint(self.name, LAYOUT, DECODE, incarnation=w.rng.getrandbits(62) | 1)
         if w.plant("no-ready-timeout"):
-            self.core._state_timeout["WAITING_FOR_READY"] = math.inf  # the planted bug
+            self.core._state_timeout[KV_RECEIVER.S.WAITING_FOR_READY] = math.inf  # planted bug
         self.pool = Pool(w, self.name, w.config.pages)
         self.held, self.legs, self.waiting, self.pulls, self.relaying = {}, {}, [], {}, set()
         self.pull_failed = set()
@@ -359,11 +368,8 @@ class DecodeWorker(Node):
             self.feed(answer)
 
     def feed(self, event: Any) -> None:
-        w = self.world
-        events = [event]
-        while events:
-            for e in w.handle(self, self.core, events.pop(0)):
-                events.extend(self._carry_out(e))
+        drive(functools.partial(self.world.handle, self, self.core), event, self.local(),
+              self._carry_out)
         self.schedule_wake(self.core.next_deadline())
 
     def _carry_out(self, e: Any) -> list[Any]:

@@ -42,7 +42,7 @@ from pd_fsm.core.kvpoll import KVPoll
 from pd_fsm.core.registry import BootstrapRegistry, RegistrationRequired
 from pd_fsm.core.router import RoomRouter
 from pd_fsm.core.routing import Prompt
-from pd_fsm.core.tables import KV_RECEIVER
+from pd_fsm.core.tables import KV_RECEIVER, ROOM
 from pd_fsm.sim.config import (
     DECODE,
     DRAIN,
@@ -266,7 +266,7 @@ class World:
         """D's whole answer reached the proxy, which relays it."""
         if gen != self.router_gen or (gen, room) not in self.rooms:
             return
-        if self.router.poll(room) not in ("RELAYING", "LOCAL_RELAYING"):
+        if self.router.poll(room) not in (ROOM.S.RELAYING, ROOM.S.LOCAL_RELAYING):
             return  # the room already failed (its client got that error)
         del self.rooms[(gen, room)]
         client.done_at = self.now
@@ -296,9 +296,11 @@ class World:
     def pages_for(self, client: Client) -> int:
         return max(1, math.ceil((client.tokens + client.out) / PAGE_TOKENS))
 
-    def handle(self, node: Node, core: Any, event: Any) -> list[Any]:
+    def handle(self, node: Node, core: Any, event: Any, now: float) -> list[Any]:
+        """``core.handle`` for ``node`` at its local time ``now``, a local protocol error made a
+        violation, the effects traced."""
         try:
-            effects: list[Any] = core.handle(event, node.local())
+            effects: list[Any] = core.handle(event, now)
         except LocalProtocolError as exc:
             raise Violation(f"{node.name}: {exc} (event {event!r})") from None
         if self.tracing:

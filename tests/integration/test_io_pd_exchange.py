@@ -19,8 +19,8 @@ from pd_fsm.core.prefill_endpoint import PrefillEndpoint
 from pd_fsm.io_trio.bootstrap.client import BootstrapClient, BootstrapResolver
 from pd_fsm.io_trio.bootstrap.records import split_host_port
 from pd_fsm.io_trio.bootstrap.server import BootstrapServer, serve_bootstrap
-from pd_fsm.io_trio.services import DecodeIO, PrefillIO, serve_decode, serve_prefill
 from tests.support.io_doubles import RecordingSink, sample_record
+from tests.support.services import DecodeIO, PrefillIO, serve_decode, serve_prefill
 
 SECRET = b"cluster-secret"
 ROOM = 5882942782861604684  # a router-drawn room: uniform in [0, 2^63)

@@ -49,6 +49,7 @@ from starlette.routing import Route
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.config import RouterConfig
+from pd_fsm.core.drive import drive
 from pd_fsm.core.router import RoomRouter
 from pd_fsm.core.routing import RoutingConfig
 from pd_fsm.io_trio.api_key import ApiKeyGate, bearer
@@ -242,10 +243,13 @@ class Proxy:
     def _feed(self, event: Any, failure: tuple[int, Any] | None = None) -> None:
         """Hand ``event`` to the router and carry out every effect it returns. ``failure`` is the
         answer to give if this event fails its own room."""
-        effects = self.router.handle(event, trio.current_time())
         room = getattr(event, "room", None)
-        for effect in effects:
+
+        def carry_out(effect: Any) -> tuple[()]:
             self._apply(effect, failure if effect.room == room else None)
+            return ()
+
+        drive(self.router.handle, event, trio.current_time(), carry_out)
 
     def _apply(self, effect: Any, failure: tuple[int, Any] | None) -> None:
         if isinstance(effect, fx.DispatchRoom | fx.DispatchLocal):

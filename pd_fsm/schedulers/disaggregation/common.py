@@ -15,11 +15,12 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
+from pd_fsm.core.drive import drive
 from pd_fsm.jax_engine.pool_spec import KVArgs, PoolTransferSpec
 from pd_fsm.jax_engine.room_kv import warm_room_copies
 from pd_fsm.jax_engine.transfer.base import KVTransferEngine
@@ -56,6 +57,7 @@ class DisaggregationCommon(Scheduler, ABC):
         # Events an effect produced for the core itself (e.g. a failed registration); fed back
         # after the current batch of effects, never re-entrantly.
         self._deferred: deque[Any] = deque()
+        self._touched: set[int] = set()  # rooms an effect of the current event was about
         # bootstrap_room -> boundary name -> self.clock() time, while the room is live here.
         self._stamps: dict[int, dict[str, float]] = {}
         self._phase_samples: deque[tuple[str, float]] = deque(maxlen=PHASE_SAMPLES_MAX)
@@ -82,17 +84,21 @@ class DisaggregationCommon(Scheduler, ABC):
         ``now`` is when the event happened on ``self.clock`` (default: now). A message that
         arrived while a forward step ran should be delivered with its arrival time, so that a
         heartbeat received in time extends a lease before the lease's expiry is judged."""
-        self._run(self.core.handle(event, self.clock() if now is None else now))
+        self._drive(event, self.clock() if now is None else now)
 
     def step_started(self) -> list[fx.AckWhileBusy | fx.RepeatWhileBusy]:
         """Tell the core a step starts (``ev.StepStarted``): what the I/O side must do until
         :meth:`step_ended` to keep peers from taking this busy worker for a dead one. Other
         effects of the event (a lease come due) are carried out as usual."""
         busy: list[fx.AckWhileBusy | fx.RepeatWhileBusy] = []
-        rest = []
-        for e in self.core.handle(ev.StepStarted(), self.clock()):
-            (busy if isinstance(e, fx.AckWhileBusy | fx.RepeatWhileBusy) else rest).append(e)
-        self._run(rest)
+
+        def dispatch(e: Any) -> Iterable[Any]:
+            if isinstance(e, fx.AckWhileBusy | fx.RepeatWhileBusy):
+                busy.append(e)
+                return ()
+            return self._dispatch(e)
+
+        self._drive(ev.StepStarted(), self.clock(), dispatch=dispatch)
         return busy
 
     def step_ended(self) -> None:
@@ -108,27 +114,46 @@ class DisaggregationCommon(Scheduler, ABC):
         deadline: float | None = self.core.next_deadline()
         return deadline
 
-    def _run(self, effects: list[Any], now: float | None = None) -> None:
-        """Carry out ``effects``, then feed back deferred events (at ``now``, default: now)."""
-        while True:
-            rooms: set[int] = set()
-            for e in effects:
-                if isinstance(e, IO_EFFECTS):
-                    self.outbox.append(e)
-                else:
-                    self._carry_out(e)
-                    room = getattr(e, "room", None)  # ForgetTransfer is about a peer
-                    if room is not None:
-                        rooms.add(room)
-            for room in rooms:
-                if self.core.state_of(room) is None:  # the room is over on our side
-                    self.req_of.pop(room, None)
-                    self._stamps.pop(room, None)
-            self._after_effects()
-            if not self._deferred:
-                return
-            effects = self.core.handle(self._deferred.popleft(),
-                                       self.clock() if now is None else now)
+    def _drive(
+        self,
+        event: Any,
+        now: float,
+        *,
+        handle: Callable[[Any, float], list[Any]] | None = None,
+        dispatch: Callable[[Any], Iterable[Any]] | None = None,
+    ) -> None:
+        """Feed ``event`` through the one driver step (``pd_fsm.core.drive``): effects carried
+        out in order, the events they yield fed back at ``now``."""
+        drive(handle or self.core.handle, event, now, dispatch or self._dispatch,
+              after_effects=self._after_batch)
+
+    def _dispatch(self, e: Any) -> Iterable[Any]:
+        """One effect: the I/O layer's go to the outbox, the rest are carried out here; the
+        events that yields at once (deferred by the effect's code) come back."""
+        if isinstance(e, IO_EFFECTS):
+            self.outbox.append(e)
+            return ()
+        self._carry_out(e)
+        room = getattr(e, "room", None)  # ForgetTransfer is about a peer
+        if room is not None:
+            self._touched.add(room)
+        return self._take_deferred()
+
+    def _after_batch(self) -> Iterable[Any]:
+        """After one event's effects: forget rooms that are over on our side, run the role's
+        hook (D: the page queue), and return the events that produced."""
+        for room in self._touched:
+            if self.core.state_of(room) is None:
+                self.req_of.pop(room, None)
+                self._stamps.pop(room, None)
+        self._touched.clear()
+        self._after_effects()
+        return self._take_deferred()
+
+    def _take_deferred(self) -> list[Any]:
+        out = list(self._deferred)
+        self._deferred.clear()
+        return out
 
     @abstractmethod
     def _carry_out(self, effect: Any) -> None:
@@ -142,15 +167,22 @@ class DisaggregationCommon(Scheduler, ABC):
         ``accepted``: when the worker took the leg (``self.clock`` time; default now)."""
         self._register(req)  # ValueError for a request that can never be served
         now = self.clock()
-        effects = self.core.handle(event, now)
-        rejected = [e for e in effects if isinstance(e, fx.RejectRequest)]
-        if rejected:
-            del self.reqs[req.rid]
-            raise DuplicateRoomError(rejected[0].reason)
-        self.room_of[req.rid] = event.room
-        self.req_of[event.room] = req
-        self._stamps[event.room] = {"accepted": now if accepted is None else min(accepted, now)}
-        self._run(effects)
+
+        def admit(e: Any, at: float) -> list[Any]:
+            effects = self.core.handle(e, at)
+            if e is not event:
+                return effects
+            rejected = [x for x in effects if isinstance(x, fx.RejectRequest)]
+            if rejected:  # nothing carried out: the live room of that number is unaffected
+                del self.reqs[req.rid]
+                raise DuplicateRoomError(rejected[0].reason)
+            self.room_of[req.rid] = event.room
+            self.req_of[event.room] = req
+            self._stamps[event.room] = {"accepted": now if accepted is None
+                                        else min(accepted, now)}
+            return effects
+
+        self._drive(event, now, handle=admit)
 
     def abort(self, rid: str, message: str = "aborted") -> bool:
         """A local abort: while the room is live the core decides what to release and whom to

@@ -134,7 +134,7 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
         # end of the forward would expire rooms whose D is alive. Leases are judged at the next
         # TimeAdvanced, after those heartbeats were delivered with their arrival times.
         now = self.clock() if self._step_started is None else self._step_started
-        self._run(self.core.handle(finished, now), now)
+        self._drive(finished, now)
 
     # -- the core's effects -----------------------------------------------------------------------
 

@@ -1,4 +1,6 @@
-"""Wiring for a worker: an endpoint, its driver and its side channel, started as one service.
+"""Test and bench wiring: an endpoint, its EndpointDriver and its side channel, started as one
+service (the workers embed their endpoint in their PD scheduler instead; both run the core through
+``pd_fsm.core.drive``).
 
 A prefill worker::
 

@@ -1,0 +1,58 @@
+"""The one driver step every embedder runs a core endpoint through.
+
+An embedder feeds an event to an endpoint, carries out the effects it returns in order, and feeds
+back the events that carrying them out yields at once (pages free right now: ``BlocksAllocated``;
+a registration that failed: ``PrefillFailed``) — first in, first out, and never re-entrantly, so
+an effect never runs in the middle of another event's effects. That loop is :func:`drive`. The
+PD schedulers of the workers (``schedulers/disaggregation/common.py``), the trio
+``EndpointDriver`` (the bootstrap server, tests, benches; ``io_trio/driver.py``) and the
+simulator's workers (``pd_fsm/sim``) all run it; what differs between them is only what happens
+between two calls (a trio task waiting on a channel, a worker thread between forward steps, a
+virtual clock) and how each effect is carried out.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+from pd_fsm.core.errors import LocalProtocolError
+
+Ev = TypeVar("Ev")
+Fx = TypeVar("Fx")
+
+
+def drive(
+    handle: Callable[[Ev, float], list[Fx]],
+    event: Ev,
+    now: float,
+    carry_out: Callable[[Fx], Iterable[Ev]],
+    *,
+    after_effects: Callable[[], Iterable[Ev]] | None = None,
+    on_local_error: Callable[[Ev, LocalProtocolError], None] | None = None,
+) -> int:
+    """Feed ``event`` (at ``now``) to ``handle`` and carry out every effect in order; the events
+    ``carry_out`` returns, and then those ``after_effects`` returns once an event's effects are
+    all carried out, are fed next at the same ``now``, in order. Returns how many effects ran.
+
+    ``on_local_error``: a ``LocalProtocolError`` (the embedder fed an event the tables forbid)
+    is passed to it and the loop goes on with the next queued event; without it, it propagates.
+    """
+    queue: deque[Ev] = deque((event,))
+    ran = 0
+    while queue:
+        current = queue.popleft()
+        try:
+            effects = handle(current, now)
+        except LocalProtocolError as exc:
+            if on_local_error is None:
+                raise
+            on_local_error(current, exc)
+            continue
+        for effect in effects:
+            ran += 1
+            queue.extend(carry_out(effect))
+        if after_effects is not None:
+            queue.extend(after_effects())
+    return ran
