@@ -166,14 +166,18 @@ class PullExecutor:
             return self._inflight
 
     def submit(self, req: PullRequest) -> None:
+        self._pool.submit(self._run, req, self._accept())
+
+    def _accept(self) -> float:
+        """Count a job in; when its deadline starts. It runs from here, not from when a worker
+        thread takes the job: the core frees the pages by its own backstop (transfer_timeout >
+        pull_deadline) counted from the submit, so a job queued behind hung pulls must not
+        write into them later."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("pull executor closed")
             self._inflight += 1
-        # The deadline runs from here, not from when a worker thread takes the job: the core
-        # frees the pages by its own backstop (transfer_timeout > pull_deadline) counted from
-        # the submit, so a job queued behind hung pulls must not write into them later.
-        self._pool.submit(self._run, req, self._clock())
+        return self._clock()
 
     def poll(self) -> list[PullResult]:
         """Every job finished so far (non-blocking), pulled KV scattered first. Call between two

@@ -14,12 +14,14 @@ directly, never under the pool lock: only the copy itself runs under it (DESIGN 
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +70,9 @@ def _key(pool: Sequence[jax.ShapeDtypeStruct], bucket: int, what: str) -> Key:
     return (what, bucket, tuple((s.shape, str(s.dtype), s.sharding) for s in pool))
 
 
+_STOP = object()  # the compile thread's signal to end
+
+
 class _Executables:
     """Compiled executables by key; the slow tier compiles on one background thread."""
 
@@ -75,10 +80,9 @@ class _Executables:
         self._ready: dict[Key, jax.stages.Compiled] = {}
         self._pending: set[Key] = set()
         self._lock = threading.Lock()
-        self._jobs: queue.SimpleQueue[tuple[Key, Callable[[], jax.stages.Compiled]]] = (
-            queue.SimpleQueue()
-        )
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()  # jobs, or _STOP
         self._thread: threading.Thread | None = None
+        self._stopping = False
         self.quick_compiles = 0  # quick-tier executables built (a request waited for each)
 
     def get(self, key: Key) -> jax.stages.Compiled | None:
@@ -103,7 +107,7 @@ class _Executables:
     def later(self, key: Key, build: Callable[[], jax.stages.Compiled]) -> None:
         """Compile ``key`` on the background thread (once)."""
         with self._lock:
-            if key in self._ready or key in self._pending:
+            if key in self._ready or key in self._pending or self._stopping:
                 return
             self._pending.add(key)
             if self._thread is None:
@@ -125,10 +129,23 @@ class _Executables:
             time.sleep(0.01)
         return False
 
+    def stop(self, timeout: float) -> None:
+        """Let the compile in progress finish (at most ``timeout`` s) and start no other. Run
+        at interpreter exit: a daemon thread killed inside an XLA compile aborts the whole
+        process ("terminate called after throwing an instance of ''", exit status 134)."""
+        with self._lock:
+            thread, self._stopping = self._thread, True
+        if thread is not None:
+            self._jobs.put(_STOP)
+            thread.join(timeout)
+
     def _compile_loop(self) -> None:
         _lower_own_priority()
         while True:
-            key, build = self._jobs.get()
+            job = self._jobs.get()
+            if job is _STOP or self._stopping:
+                return
+            key, build = job
             try:
                 exe = build()
             except Exception:  # the quick tier keeps serving this bucket
@@ -154,6 +171,7 @@ def _lower_own_priority() -> None:
 
 
 KV_COPIES = _Executables()
+atexit.register(KV_COPIES.stop, 120.0)
 
 
 def _build(fn: Callable[..., object], *args: object, counted: bool = True) -> jax.stages.Compiled:

@@ -10,7 +10,7 @@ from collections import Counter
 import attrs
 
 from pd_fsm.core.routing import POLICIES, RoutingConfig
-from pd_fsm.sim.config import PLANTS, SimConfig, Violation, Workload
+from pd_fsm.sim.config import PLANTS, REAL_ONLY_PLANTS, SimConfig, Violation, Workload
 from pd_fsm.sim.world import run_seed, run_workload
 
 
@@ -27,6 +27,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--plants", action="store_true",
                    help="run every planted bug over the seeds; print the first seed that caught "
                         "each")
+    p.add_argument("--schedulers", choices=("modelled", "real"), default="modelled",
+                   help="modelled schedulers (default; thousands of seeds a minute) or the real "
+                        "PD schedulers on the tiny model, every step run (sim/real.py)")
     p.add_argument("--no-faults", dest="faults", action="store_false",
                    help="no crashes, partitions, lost or corrupt frames, failing pulls")
     p.add_argument("--recompute", action="store_true",
@@ -75,7 +78,10 @@ def main(args: argparse.Namespace) -> int:
     routing = RoutingConfig(prefill_policy=args.policy, decode_policy=args.policy)
     config = SimConfig(prefill=args.prefill, decode=args.decode, requests=args.requests,
                        faults=args.faults, recompute=args.recompute, plant=args.plant,
-                       routing=routing)
+                       routing=routing, schedulers=args.schedulers)
+    if args.plant in REAL_ONLY_PLANTS and args.schedulers != "real":
+        print(f"pd-fsm sim: --plant {args.plant} needs --schedulers real", file=sys.stderr)
+        return 2
     if args.seed is not None:
         result = run_seed(args.seed, config, trace=args.trace)
         if args.trace:
@@ -85,6 +91,8 @@ def main(args: argparse.Namespace) -> int:
         return 1 if result.violation else 0
     if args.plants:
         for plant in sorted(PLANTS):
+            if plant in REAL_ONLY_PLANTS and args.schedulers != "real":
+                continue
             planted = attrs.evolve(config, plant=plant)
             first = next((s for s in seeds if run_seed(s, planted).violation), None)
             found = f"first caught by seed {first}" if first is not None else "NOT caught"

@@ -29,7 +29,9 @@ PLANTS = {
     "lease-shortens": "a heartbeat sets P's lease to now + half the extension",
     "no-ready-timeout": "D waits for READY forever (its WAITING_FOR_READY timeout removed)",
     "double-free": "D frees the pages of a room whose pull failed twice",
+    "kv-pages-reversed": "D scatters a pulled room's pages in reverse order (real schedulers)",
 }
+REAL_ONLY_PLANTS = frozenset({"kv-pages-reversed"})
 
 
 class Violation(Exception):
@@ -86,6 +88,14 @@ class SimConfig:
     skew: float = 2.0  # each host's clock is off by up to this many seconds
     cost: CostModel = attrs.field(factory=CostModel)
     workload: Workload | None = None  # Poisson arrivals instead of ``requests`` spread uniformly
+    # "modelled": schedulers, pools and the transfer server are modelled (fast: thousands of
+    # seeds); "real": the real PD schedulers on the tiny model run every step (sim/real.py).
+    schedulers: str = attrs.field(default="modelled")
+
+    @schedulers.validator
+    def _known(self, _: object, value: str) -> None:
+        if value not in ("modelled", "real"):
+            raise ValueError(f"schedulers must be 'modelled' or 'real', got {value!r}")
 
 
 @attrs.define

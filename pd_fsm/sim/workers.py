@@ -46,12 +46,17 @@ class Client:
     arrived: float = 0.0
     first_at: float = math.nan  # when D's first token left (TTFT = first_at - arrived)
     done_at: float = math.nan
+    # The colocated model's answer, when real schedulers compute the answers (sim/real.py).
+    reference: tuple[int, ...] | None = None
 
     def first_token(self) -> int:
         return (self.id * 7919 + len(self.text)) % VOCAB
 
     def expected(self, first: int | None = None) -> tuple[int, ...]:
-        """The answer: P's first token, then what D decodes from it."""
+        """The answer: P's first token, then what D decodes from it (with real schedulers: the
+        colocated model's greedy answer)."""
+        if self.reference is not None:
+            return self.reference
         f = self.first_token() if first is None else first
         return (f, *((f * 31 + k * (self.id + 1)) % VOCAB for k in range(1, self.out)))
 
@@ -79,6 +84,8 @@ class Pool:
 
 class Node(ABC):
     """A worker process: alive or not, its generation (a restart is a new one)."""
+
+    role = ""  # "prefill" or "decode"
 
     def __init__(self, world: World, name: str) -> None:
         self.world, self.name = world, name
@@ -122,6 +129,8 @@ class Node(ABC):
 
 
 class PrefillWorker(Node):
+    role = "prefill"
+
     def __init__(self, world: World, index: int) -> None:
         super().__init__(world, f"p{index}")
         self.advertised = f"{self.name}:8998"
@@ -259,6 +268,8 @@ class ShorteningPrefill(PrefillEndpoint):
 
 
 class DecodeWorker(Node):
+    role = "decode"
+
     def __init__(self, world: World, index: int) -> None:
         super().__init__(world, f"d{index}")
         self.core: DecodeEndpoint

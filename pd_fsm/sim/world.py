@@ -1,14 +1,16 @@
 """One simulated cluster: the real cores of every worker, the proxy's router and the registry,
 driven on a virtual clock by one seeded random generator (``pd_fsm.sim``).
 
-Modelled, not run: the schedulers (a page pool per worker; a prefill or a decode takes time
-proportional to its tokens; P's first token and D's continuation are functions of the prompt, so
-an answer built from another room's KV is wrong), the transfer server (a dict of registrations;
-a pull succeeds only if P's process that registered it is alive and still holds it, and always
-reports by its deadline, as the pull executor's contract says), HTTP (legs and aborts take a
-millisecond or two, and fail at once against a dead process) and the side channel (the real
-codec's signed frames, each delayed, dropped, duplicated, delayed out of order or corrupted as
-the seed says; partitions cut P from D for a while).
+With ``SimConfig.schedulers == "real"`` the workers are the real PD schedulers (``real.py``);
+otherwise they are modelled, not run: the schedulers (a page pool per worker; a prefill or a
+decode takes time proportional to its tokens; P's first token and D's continuation are
+functions of the prompt, so an answer built from another room's KV is wrong), the transfer
+server (a dict of registrations; a pull succeeds only if P's process that registered it is
+alive and still holds it, and always reports by its deadline, as the pull executor's contract
+says). Either way HTTP is modelled (legs and aborts take a millisecond or two, and fail at once
+against a dead process), and the side channel is the real codec's signed frames, each delayed,
+dropped, duplicated, delayed out of order or corrupted as the seed says; partitions cut P from
+D for a while.
 
 Faults drawn from the seed: crash and restart of a P, a D, the registry or the proxy; a
 partition; slow, failing and hung steps; clock skew between hosts (each host reads the global
@@ -74,8 +76,14 @@ class World:
         self._queue: list[tuple[float, int, str, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = itertools.count()
         c = self.config
-        self.prefills = [PrefillWorker(self, i) for i in range(c.prefill)]
-        self.decodes = [DecodeWorker(self, i) for i in range(c.decode)]
+        if c.schedulers == "real":
+            from pd_fsm.sim.real import RealDecodeWorker, RealPrefillWorker
+
+            self.prefills: list[Any] = [RealPrefillWorker(self, i) for i in range(c.prefill)]
+            self.decodes: list[Any] = [RealDecodeWorker(self, i) for i in range(c.decode)]
+        else:
+            self.prefills = [PrefillWorker(self, i) for i in range(c.prefill)]
+            self.decodes = [DecodeWorker(self, i) for i in range(c.decode)]
         hosts = [n.name for n in (*self.prefills, *self.decodes)] + ["registry", "proxy"]
         self.skew = {h: self.rng.uniform(-c.skew, c.skew) for h in hosts}
         self.registry: BootstrapRegistry[tuple[str, str]] = BootstrapRegistry(
@@ -188,7 +196,7 @@ class World:
     # -- clients and the proxy ----------------------------------------------------------------
 
     def _arrive(self, i: int) -> None:
-        rng, w = self.rng, self.config.workload
+        rng, w, c = self.rng, self.config.workload, self.config
         if w is None:
             words = rng.randint(4, 200)
             text = " ".join(f"w{rng.randint(0, 50)}" for _ in range(words))
@@ -202,6 +210,10 @@ class World:
                             rng.randint(1, w.max_output), group=group,
                             prefix=w.prefix_tokens if w.groups else 0)
         client.arrived = self.now
+        if c.schedulers == "real":
+            from pd_fsm.sim.real import prompt_ids, reference
+
+            client.reference = reference().answer(prompt_ids(client), client.out)
         self.clients.append(client)
         self._route(ev.RoomRequested(str(i), Prompt(text, client.tokens)), client)
 
@@ -284,10 +296,11 @@ class World:
 
     # -- workers' world -----------------------------------------------------------------------
 
-    def _prefill(self, name: str) -> PrefillWorker:
+    # Workers are modelled (workers.py) or run the real schedulers (real.py): the same calls.
+    def _prefill(self, name: str) -> Any:
         return next(p for p in self.prefills if p.name == name)
 
-    def _decode(self, name: str) -> DecodeWorker:
+    def _decode(self, name: str) -> Any:
         return next(d for d in self.decodes if d.name == name)
 
     def prompt_pages(self, client: Client) -> int:
@@ -383,14 +396,14 @@ class World:
     # -- invariants ---------------------------------------------------------------------------
 
     def _check(self) -> None:
-        nodes: list[PrefillWorker | DecodeWorker] = [*self.prefills, *self.decodes]
+        nodes: list[Any] = [*self.prefills, *self.decodes]
         for node in nodes:
             if not node.alive:
                 continue
             now = node.local()
             for room in list(node.core.rooms):
                 self._monotonic(node.name, node.gen, room, node.core.poll(room))
-                if isinstance(node, PrefillWorker):
+                if node.role == "prefill":
                     self._check_lease(node, room, now)
                 else:
                     self._check_state(node, room, now)

@@ -45,9 +45,9 @@ from pd_fsm.jax_engine.transfer.thread_priority import DataPlanePriority
 from pd_fsm.schedulers.disaggregation import (
     DecodeScheduler,
     DisaggregationArgs,
-    DuplicateRoomError,
     PrefillScheduler,
 )
+from pd_fsm.schedulers.disaggregation.tick import TickResult, run_tick
 from pd_fsm.schedulers.request import RequestOutput
 from pd_fsm.schedulers.scheduler import Scheduler
 
@@ -57,18 +57,6 @@ INBOX_SIZE = 4096  # side-channel messages and lookup answers waiting for the lo
 DATA_PLANE_SCAN_S = 0.5  # how often new transfer threads are looked for (a connection's pair)
 # D: refused legs whose P(s) are still to be told (bounded: a flood drops the oldest).
 REFUSALS_PENDING = 1024
-
-
-@attrs.define
-class _TickResult:
-    outputs: list[RequestOutput]
-    failures: dict[str, tuple[int, str]]
-    refused: list[tuple[_Stream, BackendError]]
-    unstarted: list[_Stream]  # aborted before they reached the scheduler
-    outbox: list[Any]
-    forward_work: bool
-    next_deadline: float | None  # on time.monotonic
-    phases: list[tuple[str, float]]  # (phase key, value) samples of this tick (phases.py)
 
 
 def make_pd_backend(config: ServeConfig) -> ColocatedBackend:
@@ -341,8 +329,8 @@ class _PDBackend(ColocatedBackend, ABC):
                     self.phase_observer(phase, value)
             for effect in result.outbox:
                 carry_out_io(effect, self._side(), partial(nursery.start_soon, self._resolve))
-            for stream, error in result.refused:
-                self._fail(stream, error)
+            for stream, status, reason in result.refused:
+                self._fail(stream, BackendError(status, reason))
             self._after_refusals(nursery)
             for stream in result.unstarted:
                 self._abort_unstarted(stream)
@@ -357,60 +345,26 @@ class _PDBackend(ColocatedBackend, ABC):
 
     def _tick(
         self, sched: Any, inbox: list[tuple[float, Any]], jobs: list[_Stream], aborts: list[str]
-    ) -> _TickResult:
-        """Everything that touches the scheduler, on one thread at a time (the limiter)."""
-        self._while_busy_effects = tuple(sched.step_started())
-        try:
-            return self._tick_busy(sched, inbox, jobs, aborts)
-        finally:
-            sched.step_ended()
-            self._while_busy_effects = ()
+    ) -> TickResult[_Stream]:
+        """Everything that touches the scheduler, on one thread at a time (the limiter): the
+        one tick the simulator runs too (``schedulers/disaggregation/tick.py``)."""
 
-    def _tick_busy(
-        self, sched: Any, inbox: list[tuple[float, Any]], jobs: list[_Stream], aborts: list[str]
-    ) -> _TickResult:
-        for arrived, event in inbox:
-            sched.deliver(event, now=arrived)
-        refused: list[tuple[_Stream, BackendError]] = []
-        unstarted: list[_Stream] = []
-        for stream in jobs:
-            rid = stream.job.rid
-            if rid in aborts:
-                aborts.remove(rid)
-                unstarted.append(stream)
-                continue
-            try:
-                self._admit(sched, stream)
-            except DuplicateRoomError as exc:
-                refused.append((stream, BackendError(409, str(exc))))
-                continue
-            except ValueError as exc:
-                refused.append((stream, BackendError(400, str(exc))))
-                continue
+        def admitted(stream: _Stream) -> None:
             stream.in_scheduler = True
             self.prompt_tokens_total += len(stream.job.input_ids)
-        for rid in aborts:
-            stream_or_none = self._streams.get(rid)
-            if stream_or_none is not None and stream_or_none.in_scheduler:
-                sched.abort(rid, "aborted by request")
-        outputs = sched.step()
-        failures = {}
-        for out in outputs:
-            if out.finish_reason is not None and out.finish_reason.kind == "abort":
-                failure = sched.pop_failure(out.rid)
-                if failure is not None:
-                    failures[out.rid] = failure
+
+        def may_abort(rid: str) -> bool:
+            stream = self._streams.get(rid)
+            return stream is not None and stream.in_scheduler
+
+        def busy(effects: tuple[Any, ...]) -> None:
+            self._while_busy_effects = effects
+
+        result = run_tick(sched, inbox, jobs, aborts, rid=lambda s: s.job.rid,
+                          admit=partial(self._admit, sched), on_admitted=admitted,
+                          on_busy=busy, may_abort=may_abort)
         self._publish_stats(sched)
-        return _TickResult(
-            outputs,
-            failures,
-            refused,
-            unstarted,
-            sched.take_outbox(),
-            Scheduler.has_work(sched),
-            sched.next_deadline(),
-            sched.take_phase_samples(),
-        )
+        return result
 
     def _publish_stats(self, sched: Any) -> None:
         """In the tick's thread, after the tick: copies for the HTTP task (see ``stats``)."""

@@ -66,7 +66,18 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
         self.recv_queue = self._create_recv_queue()
         self.alloc_queue: deque[int] = deque()  # rooms waiting for pages, FIFO
         self._held_pages: dict[int, list[int]] = {}  # failed rooms whose pull is still running
-        self.pull_executor = PullExecutor(
+        self.pull_executor = self._create_pull_executor(args, on_pull_result)
+        self.transfer_stats = {"pulls_ok": 0, "pulls_failed": 0, "bytes": 0, "seconds": 0.0}
+        self.recomputed = 0
+        # Iterations of this loop ended so far. Only the forward thread rebinds it; the pull
+        # threads read it (an int, so they always see one published value).
+        self.loop_iterations = 0
+
+    def _create_pull_executor(
+        self, args: DisaggregationArgs, on_pull_result: Callable[[int], None] | None
+    ) -> PullExecutor:
+        """The pulls' executor (the simulator runs its pulls on the virtual clock instead)."""
+        return PullExecutor(
             self.engine,
             self.kv_holder,
             self.kv_args,
@@ -76,11 +87,6 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
             iterations=lambda: self.loop_iterations,
             thread_nice=args.pull_thread_nice,
         )
-        self.transfer_stats = {"pulls_ok": 0, "pulls_failed": 0, "bytes": 0, "seconds": 0.0}
-        self.recomputed = 0
-        # Iterations of this loop ended so far. Only the forward thread rebinds it; the pull
-        # threads read it (an int, so they always see one published value).
-        self.loop_iterations = 0
 
     def _create_recv_queue(self) -> dict[int, Req]:
         """Rooms between arrival and the end of their transfer."""

@@ -1,0 +1,92 @@
+"""One iteration of a PD worker's loop, without I/O: everything that touches the scheduler.
+
+The worker (``io_trio/worker/pd_backends.py``) runs :func:`run_tick` on its scheduler thread, one
+call at a time; the simulator (``pd_fsm/sim``, with real schedulers) runs the same function on its
+virtual clock. In order: the step starts (``ev.StepStarted``: what the I/O side must do meanwhile
+goes to ``on_busy``), side-channel messages and lookup answers are delivered with their arrival
+times, new legs are admitted (or refused: 409 for a live room's number, 400 otherwise) unless
+aborted first, aborts of admitted legs are applied, one scheduler step runs, and the step ends.
+What comes back is for the caller to carry out: outputs (a PD failure named with its status),
+refusals, the I/O effects (``SendMessage``, ``ResolvePeer``, ``ForgetPeer``), whether forward work
+remains and when the core next needs time to pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+import attrs
+
+from pd_fsm.schedulers.disaggregation.common import DisaggregationCommon, DuplicateRoomError
+from pd_fsm.schedulers.request import RequestOutput
+from pd_fsm.schedulers.scheduler import Scheduler
+
+L = TypeVar("L")  # a leg, as the embedder tracks it (an HTTP stream, a simulated client)
+
+
+@attrs.frozen
+class TickResult(Generic[L]):
+    outputs: list[RequestOutput]
+    failures: dict[str, tuple[int, str]]  # rid -> (HTTP status, reason) of failed PD requests
+    refused: list[tuple[L, int, str]]  # legs never admitted: (leg, HTTP status, reason)
+    unstarted: list[L]  # aborted before they reached the scheduler
+    outbox: list[Any]  # the I/O layer's effects, in order
+    forward_work: bool
+    next_deadline: float | None  # on the scheduler's clock
+    phases: list[tuple[str, float]]  # (phase key, value) samples of this tick
+
+
+def run_tick(
+    sched: DisaggregationCommon,
+    inbox: Sequence[tuple[float, Any]],
+    legs: Sequence[L],
+    aborts: list[str],
+    *,
+    rid: Callable[[L], str],
+    admit: Callable[[L], None],
+    on_admitted: Callable[[L], None] = lambda leg: None,
+    on_busy: Callable[[tuple[Any, ...]], None] = lambda effects: None,
+    may_abort: Callable[[str], bool] = lambda rid: True,
+) -> TickResult[L]:
+    """One iteration (see the module docstring). ``inbox``: ``(arrived, event)`` pairs on the
+    scheduler's clock; ``admit(leg)`` hands a leg to the scheduler (raises ``ValueError`` or
+    ``DuplicateRoomError`` to refuse it); ``aborts``: rids to abort (consumed; one of a leg
+    admitted earlier only if ``may_abort`` says so)."""
+    on_busy(tuple(sched.step_started()))
+    try:
+        for arrived, event in inbox:
+            sched.deliver(event, now=arrived)
+        refused: list[tuple[L, int, str]] = []
+        unstarted: list[L] = []
+        for leg in legs:
+            if rid(leg) in aborts:
+                aborts.remove(rid(leg))
+                unstarted.append(leg)
+                continue
+            try:
+                admit(leg)
+            except DuplicateRoomError as exc:
+                refused.append((leg, 409, str(exc)))
+                continue
+            except ValueError as exc:
+                refused.append((leg, 400, str(exc)))
+                continue
+            on_admitted(leg)
+        for r in aborts:
+            if may_abort(r):
+                sched.abort(r, "aborted by request")
+        outputs = sched.step()
+        failures = {}
+        for out in outputs:
+            if out.finish_reason is not None and out.finish_reason.kind == "abort":
+                failure = sched.pop_failure(out.rid)
+                if failure is not None:
+                    failures[out.rid] = failure
+        return TickResult(
+            outputs, failures, refused, unstarted, sched.take_outbox(),
+            Scheduler.has_work(sched), sched.next_deadline(), sched.take_phase_samples(),
+        )
+    finally:
+        sched.step_ended()
+        on_busy(())
