@@ -6,10 +6,12 @@ one 32-byte key per purpose, told apart by a label (HKDF's ``info``):
 
 * :func:`side_channel_key` — the HMAC key of P↔D side-channel frames (:mod:`pd_fsm.core.codec`);
 * :func:`registry_key` — the HMAC key of writes to the bootstrap registry
-  (:mod:`pd_fsm.core.request_auth`).
+  (:mod:`pd_fsm.core.request_auth`);
+* :func:`spmd_key` — the HMAC key of the command stream from rank 0 of a multi-process instance
+  to its other ranks (:mod:`pd_fsm.io_trio.worker.spmd`).
 
-The two keys are independent outputs of a pseudo-random function: knowing one (or any number of
-MACs made with it) tells nothing about the secret or the other key, and a MAC made with one key
+The keys are independent outputs of a pseudo-random function: knowing one (or any number of
+MACs made with it) tells nothing about the secret or another key, and a MAC made with one key
 never verifies under the other. HKDF is not a password hash: the secret must be random (for
 instance ``openssl rand -hex 32``), not a word someone chose.
 
@@ -28,6 +30,7 @@ KEY_LEN = 32
 SALT = b"pd-fsm cluster keys v1"
 SIDE_CHANNEL_LABEL = b"pd-fsm/v1 side-channel frame MAC"
 REGISTRY_LABEL = b"pd-fsm/v1 registry request MAC"
+SPMD_LABEL = b"pd-fsm/v1 spmd command MAC"
 
 
 def hkdf_extract(salt: bytes, ikm: bytes) -> bytes:
@@ -66,3 +69,8 @@ def side_channel_key(secret: bytes) -> bytes:
 def registry_key(secret: bytes) -> bytes:
     """The key that signs and verifies registry writes (never the side channel's)."""
     return _derive(secret, REGISTRY_LABEL)
+
+
+def spmd_key(secret: bytes) -> bytes:
+    """The key that signs and verifies a multi-process instance's command frames."""
+    return _derive(secret, SPMD_LABEL)

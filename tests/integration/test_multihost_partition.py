@@ -124,9 +124,19 @@ def _is_idle(seen: dict[str, Any]) -> bool:
 def test_partition_mid_flight_then_heal(cluster: NsFleet) -> None:
     hosts, client, procs = cluster.hosts, cluster.client, cluster.procs
     proxy = f"http://{hosts.ip_b}:{PROXY_PORT}/generate"
-    before = client.call([{"method": "POST", "url": proxy, "json": _body(i, 16), "timeout": 60}
-                          for i in range(4)])
-    assert [_outcome(a) for a in before] == ["ok"] * 4, before
+    # The reference answers. The first requests of a cold cluster can meet the test's 3 s
+    # initial lease while a starved D is slow to take its first room (seen once, with the two
+    # cores shared with other JAX processes): a clean 502, retried; the partition is what is
+    # tested here.
+    deadline = time.monotonic() + 60
+    while True:
+        before = client.call([{"method": "POST", "url": proxy, "json": _body(i, 16),
+                               "timeout": 60} for i in range(4)])
+        if [_outcome(a) for a in before] == ["ok"] * 4:
+            break
+        assert all(_outcome(a) == "ok" or "lease expired" in _outcome(a) for a in before), before
+        assert time.monotonic() < deadline, before
+        time.sleep(1)
 
     # In flight when the link goes down: 12 long requests, sent until P holds at least one room
     # (probed from B by a second client: the first waits on the batch), so some decode on D

@@ -64,9 +64,10 @@ def test_hkdf_refuses_impossible_lengths() -> None:
 
 def test_derived_keys_are_distinct_and_never_the_secret() -> None:
     side, registry = keys.side_channel_key(SECRET), keys.registry_key(SECRET)
-    assert len(side) == len(registry) == 32
-    assert len({side, registry, SECRET}) == 3
-    assert SECRET not in side + registry
+    spmd = keys.spmd_key(SECRET)
+    assert len(side) == len(registry) == len(spmd) == 32
+    assert len({side, registry, spmd, SECRET}) == 4
+    assert SECRET not in side + registry + spmd
     assert keys.side_channel_key(SECRET) == side  # deterministic: every process agrees
     assert keys.side_channel_key(SECRET + b"x") != side
     with pytest.raises(ValueError, match="empty"):

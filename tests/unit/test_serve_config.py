@@ -78,6 +78,33 @@ def test_bad_values_refused(flags: list[str]) -> None:
         config_from_args(args)
 
 
+@pytest.mark.parametrize(("flags", "reason"), [
+    (["--nnodes", "0"], "--nnodes must be >= 1"),
+    (["--node-rank", "1"], "for --nnodes > 1"),
+    (["--dist-init-addr", "h:1"], "for --nnodes > 1"),
+    (["--nnodes", "2", "--tp", "2"], "needs --dist-init-addr HOST:PORT"),
+    (["--nnodes", "2", "--tp", "2", "--dist-init-addr", "h:65535"], "PORT < 65535"),
+    (["--nnodes", "2", "--tp", "3", "--dist-init-addr", "h:1"], "does not split"),
+    (["--nnodes", "2", "--tp", "2", "--node-rank", "2", "--dist-init-addr", "h:1"],
+     "--node-rank must be in 0..1"),
+    # Not built: P and D ranks of one instance would each need their own transfer and pull.
+    (["--nnodes", "2", "--tp", "2", "--dist-init-addr", "h:1", "--disaggregation-mode",
+      "prefill"], "colocated workers only"),
+])
+def test_multi_process_flags_refused_by_name(flags: list[str], reason: str) -> None:
+    args = build_parser().parse_args(["serve", "--model", "tiny", *flags])
+    with pytest.raises(ValueError, match=reason.replace("(", r"\(").replace(")", r"\)")):
+        config_from_args(args)
+
+
+def test_multi_process_flags_reach_the_config() -> None:
+    c = config_from_args(build_parser().parse_args([
+        "serve", "--model", "tiny", "--tp", "4", "--nnodes", "2", "--node-rank", "1",
+        "--dist-init-addr", "10.0.0.1:7000"]))
+    assert (c.tp_size, c.nnodes, c.node_rank, c.dist_init_addr) == (4, 2, 1, "10.0.0.1:7000")
+    assert c.spmd_addr() == "10.0.0.1:7001"
+
+
 def test_warmup_default_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PD_FSM_WARMUP", "full")
     assert config_from_args(build_parser().parse_args(["serve"])).warmup == "full"

@@ -47,6 +47,8 @@ log = logging.getLogger("pd_fsm.io_trio.worker.app")
 DEFAULT_MODEL_NAME = "default"
 
 # Above these sizes, JSON decoding and tokenization move off the event loop.
+# A failed backend ends the process after the HTTP server stopped gracefully, or after this.
+FAILED_ANSWERS_GRACE_S = 5.0
 THREAD_JSON_BYTES = 256 * 1024
 THREAD_TOKENIZE_CHARS = 8 * 1024
 
@@ -714,17 +716,44 @@ async def serve_worker(
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve HTTP at once (``/health`` answers 503 while loading), then load the model and run
-    the backend; ``started()`` with the base URL as soon as the socket listens."""
+    the backend; ``started()`` with the base URL as soon as the socket listens. A backend that
+    fails (a scheduler step raised; a rank of the instance is gone) ends the process with its
+    error, after the HTTP server shut down gracefully: the requests it failed get their 500."""
+    backend_failed = trio.Event()
+    http_stopped = trio.Event()
+
+    async def stop_http() -> None:  # hypercorn's shutdown trigger: the caller's, or a failure
+        async with trio.open_nursery() as first:
+            for trigger in (shutdown_trigger, backend_failed.wait):
+                if trigger is not None:
+                    first.start_soon(_then_cancel, trigger, first.cancel_scope)
+
+    async def run_backend(*, task_status: trio.TaskStatus[None]) -> None:
+        try:
+            await worker.backend.serve(task_status=task_status)
+        except Exception:
+            backend_failed.set()
+            # Shielded: the HTTP task cancels this nursery once it stopped, and the error
+            # must still reach the caller (a non-zero exit), not a silent cancellation.
+            with trio.CancelScope(shield=True), trio.move_on_after(FAILED_ANSWERS_GRACE_S):
+                await http_stopped.wait()
+            raise
+
     async with trio.open_nursery() as nursery:
         binds: list[str] = await nursery.start(
-            _serve_http, worker, host, port, shutdown_trigger, nursery.cancel_scope
+            _serve_http, worker, host, port, stop_http, nursery.cancel_scope, http_stopped
         )
         task_status.started(binds[0])
         log.info("worker (%s) listening on %s; loading %s", worker.backend.mode, binds[0],
                  worker.config.model)
         await worker.load()
-        await nursery.start(worker.backend.serve)
+        await nursery.start(run_backend)
         log.info("worker ready on %s", binds[0])
+
+
+async def _then_cancel(wait: Any, scope: trio.CancelScope) -> None:
+    await wait()
+    scope.cancel()
 
 
 async def _serve_http(
@@ -733,9 +762,11 @@ async def _serve_http(
     port: int,
     shutdown_trigger: Any,
     scope: trio.CancelScope,
+    stopped: trio.Event,
     *,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     await serve_app(worker.app, host, port, tls=worker.config.tls,
                     shutdown_trigger=shutdown_trigger, task_status=task_status)
+    stopped.set()
     scope.cancel()  # HTTP shut down gracefully: nobody is left to serve

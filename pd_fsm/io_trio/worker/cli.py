@@ -36,12 +36,25 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=main)
 
 
+def _spmd_key(config: ServeConfig) -> bytes | None:
+    from pd_fsm.core.keys import spmd_key
+
+    secret = config.cluster_secret()
+    return None if secret is None else spmd_key(secret)
+
+
 def make_backend(config: ServeConfig) -> Backend:
     if config.disaggregation_mode == "null":
         from pd_fsm.io_trio.worker.colocated import ColocatedBackend
 
+        spmd = None
+        if config.nnodes > 1:
+            from pd_fsm.io_trio.worker.spmd.leader import SpmdLeader
+
+            spmd = SpmdLeader(config.spmd_addr(), config.nnodes, _spmd_key(config))
         return ColocatedBackend(
-            config.scheduler_args(), max_queued=config.max_queued, warmup=config.warmup
+            config.scheduler_args(), max_queued=config.max_queued, warmup=config.warmup,
+            spmd=spmd,
         )
     # Imported here: the PD backends bring the transfer engine and the side channel.
     from pd_fsm.io_trio.worker.pd_backends import make_pd_backend
@@ -75,8 +88,18 @@ def main(args: argparse.Namespace) -> int:
         if config.tp_size > 1:
             # Read when JAX first starts a backend, which nothing has done yet. Only the host
             # (CPU) platform reads it: on an accelerator the devices are the chips.
-            force_host_devices(os.environ, config.tp_size)
-        if config.compilation_cache:
+            force_host_devices(os.environ, config.tp_size // config.nnodes)
+        if config.nnodes > 1:
+            from pd_fsm.jax_engine import distributed
+
+            log.info("rank %d of %d: joining the instance at %s", config.node_rank,
+                     config.nnodes, config.dist_init_addr)
+            assert config.dist_init_addr is not None
+            distributed.initialize(config.dist_init_addr, config.nnodes, config.node_rank)
+            if config.compilation_cache:
+                # Not tried with executables spanning processes: every rank compiles.
+                log.info("compilation cache: off (a multi-process instance)")
+        elif config.compilation_cache:
             from pd_fsm.jax_engine import compilation_cache
 
             where = compilation_cache.enable(
@@ -86,11 +109,28 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         log.error("%s", exc)
         return 2
+    except RuntimeError as exc:  # jax.distributed: the other ranks did not join in time
+        log.error("cannot join the instance: %s", exc)
+        return 1
+    if config.node_rank > 0:
+        return _follow(config)
     backend = make_backend(config)
     from pd_fsm.io_trio.worker.app import WorkerApp
 
     worker = WorkerApp(config, backend)
     return run_service(_run, worker, host=config.host, port=config.port, log=log)
+
+
+def _follow(config: ServeConfig) -> int:
+    """A rank > 0: its replica of rank 0's scheduler, built and warmed in step with rank 0's,
+    then rank 0's commands until it stops (spmd/follower.py)."""
+    from pd_fsm.io_trio.worker.colocated import ColocatedBackend
+    from pd_fsm.io_trio.worker.spmd.follower import follow
+
+    backend = ColocatedBackend(config.scheduler_args(), warmup=config.warmup)
+    scheduler = backend.build_scheduler()
+    log.info("rank %d ready: following rank 0 at %s", config.node_rank, config.spmd_addr())
+    return follow(scheduler, config.spmd_addr(), config.node_rank, _spmd_key(config))
 
 
 async def _run(worker: object) -> None:

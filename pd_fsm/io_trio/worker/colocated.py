@@ -14,13 +14,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import trio
 
 from pd_fsm.io_trio.worker.backend import BackendError, GenerateJob
 from pd_fsm.io_trio.worker.config import WARMUP_MODES
+from pd_fsm.io_trio.worker.spmd.frames import Command, RequestAborted, RequestAdded
 from pd_fsm.jax_engine import compilation_cache
 from pd_fsm.jax_engine.sampling_params import SamplingParams
 from pd_fsm.jax_engine.tiered import total_compiles
@@ -29,9 +30,16 @@ from pd_fsm.schedulers.factory import make_scheduler
 from pd_fsm.schedulers.request import FinishReason, RequestOutput
 from pd_fsm.schedulers.scheduler import Scheduler
 
+if TYPE_CHECKING:
+    from pd_fsm.io_trio.worker.spmd.leader import SpmdLeader
+
 log = logging.getLogger("pd_fsm.io_trio.worker.colocated")
 
 STREAM_CAPACITY = 64  # outputs buffered in a request's channel before its overflow deque
+# A multi-process instance's rank 0 pings the others this often while idle (they give up on a
+# rank 0 silent for much longer: spmd/follower.py).
+SPMD_PING_S = 5.0
+SPMD_JOIN_TIMEOUT_S = 120.0
 WARMUP_PROMPT = (1, 2, 3, 4)
 
 Item = RequestOutput | BackendError
@@ -86,8 +94,13 @@ class ColocatedBackend:
         scheduler: Scheduler | None = None,
         warmup: str = "full",
         stream_capacity: int = STREAM_CAPACITY,
+        spmd: SpmdLeader | None = None,
     ) -> None:
         self.args = args
+        # Rank 0 of a multi-process instance: every scheduler input goes to the other ranks too
+        # (spmd/), batched until the next step.
+        self._spmd = spmd
+        self._spmd_pending: list[Command] = []
         self.scheduler: Scheduler | None = scheduler
         if warmup not in WARMUP_MODES:
             raise ValueError(f"warmup must be one of {WARMUP_MODES}, got {warmup!r}")
@@ -124,6 +137,12 @@ class ColocatedBackend:
             )
         else:
             await trio.to_thread.run_sync(self._warm, self.scheduler, limiter=self._limiter)
+        if self._spmd is not None:
+            # The other ranks built and warmed the same scheduler in step with this one (the
+            # warm-up's sharded computations ran on all of them); they connect once done.
+            await trio.to_thread.run_sync(
+                self._spmd.wait_for_ranks, SPMD_JOIN_TIMEOUT_S, limiter=self._limiter
+            )
         self._ready = True
         task_status.started()
         log.info("colocated backend ready (%d pages of %d tokens)",
@@ -134,6 +153,9 @@ class ColocatedBackend:
             self._ready = False
             for stream in list(self._streams.values()):
                 self._fail(stream, BackendError(503, "worker shutting down"))
+            if self._spmd is not None:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(self._spmd.stop, limiter=self._limiter)
 
     async def generate(self, job: GenerateJob) -> AsyncIterator[RequestOutput]:
         if not self._ready:
@@ -208,6 +230,11 @@ class ColocatedBackend:
 
     # ----------------------------------------------------------------- the loop
 
+    def build_scheduler(self) -> Scheduler:
+        """The scheduler this backend serves with, loaded and warmed as ``serve`` does (a
+        multi-process instance's other ranks build their replicas with it)."""
+        return self._build()
+
     def _build(self) -> Scheduler:
         scheduler = self._timed("model_load", lambda: make_scheduler(self.args))
         self._warm(scheduler)
@@ -271,18 +298,32 @@ class ColocatedBackend:
             self._intake(scheduler)
             if scheduler.has_work():
                 start = trio.current_time()
+                commands, self._spmd_pending = tuple(self._spmd_pending), []
                 try:
-                    outputs = await trio.to_thread.run_sync(scheduler.step, limiter=self._limiter)
+                    outputs = await trio.to_thread.run_sync(
+                        self._step, scheduler, commands, limiter=self._limiter
+                    )
                 except Exception as exc:
-                    # The scheduler's state is unknown now: fail everyone, let the process die.
+                    # The scheduler's state is unknown now: fail everyone, let the process die
+                    # (serve_worker first lets the HTTP server send those answers).
                     for stream in list(self._streams.values()):
                         self._fail(stream, BackendError(500, f"scheduler step failed: {exc!r}"))
                     raise
                 self.steps_total += 1
                 self.step_seconds_total += trio.current_time() - start
                 self._fan_out(outputs)
-            else:
+            elif self._spmd is None:
                 await self._wake.wait()
+            else:
+                with trio.move_on_after(SPMD_PING_S) as idle:
+                    await self._wake.wait()
+                if idle.cancelled_caught:
+                    await trio.to_thread.run_sync(self._spmd.ping, limiter=self._limiter)
+
+    def _step(self, scheduler: Scheduler, commands: tuple[Command, ...]) -> list[RequestOutput]:
+        if self._spmd is not None:
+            self._spmd.step_started(commands)
+        return scheduler.step()
 
     def _intake(self, scheduler: Scheduler) -> None:
         while True:
@@ -305,6 +346,10 @@ class ColocatedBackend:
                 continue
             stream.in_scheduler = True
             self.prompt_tokens_total += len(job.input_ids)
+            if self._spmd is not None:
+                self._spmd_pending.append(
+                    RequestAdded(job.rid, tuple(job.input_ids), job.sampling, req.logprobs)
+                )
         aborted = False
         for rid in list(self._aborts):
             self._aborts.discard(rid)
@@ -312,6 +357,8 @@ class ColocatedBackend:
             if stream_or_none is not None and stream_or_none.in_scheduler:
                 # Frees the request's pages now; its final (abort) output is drained below.
                 aborted |= scheduler.abort(rid, "aborted by request")
+                if self._spmd is not None:
+                    self._spmd_pending.append(RequestAborted(rid, "aborted by request"))
         if aborted:
             self._fan_out(scheduler.drain_outputs())
 

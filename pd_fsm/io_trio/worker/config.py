@@ -62,6 +62,11 @@ class ServeConfig:
     # Devices the model and KV pool are sharded over (tensor parallelism; on CPU the worker
     # forces that many host devices before JAX starts).
     tp_size: int = 1
+    # One instance over several processes (sglang's flags): ``tp_size`` devices in all, split
+    # evenly; rank 0 serves HTTP and commands the others (io_trio/worker/spmd). None: one process.
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # host:port of rank 0's jax.distributed coordinator
     # The prefix cache (schedulers/radix_cache.py): on for colocated and prefill workers (as in
     # sglang), opt-in on decode workers, whose cached pages compete with running sequences.
     radix_cache: bool = True
@@ -155,6 +160,12 @@ class ServeConfig:
             "pull_deadline": self.disaggregation_pull_deadline,
         }
 
+    def spmd_addr(self) -> str:
+        """Where rank 0 takes the other ranks' connections: the coordinator's host, its port + 1."""
+        assert self.dist_init_addr is not None
+        host, _, port = self.dist_init_addr.rpartition(":")
+        return f"{host}:{int(port) + 1}"
+
     def cluster_secret(self) -> bytes | None:
         """The secret's bytes (stripped), None when no file is configured; raises OSError or
         ValueError for an unreadable or empty file. The side channel and the bootstrap client
@@ -221,6 +232,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="tensor parallelism: shard the model and the KV pool (on its kv-head "
                         "axis) over this many devices; must divide the model's kv-heads "
                         "(SmolLM2 3, tiny 4). On CPU the worker makes that many host devices")
+    p.add_argument("--nnodes", type=int, default=d.nnodes,
+                   help="colocated: processes (one per host) one tensor-parallel instance spans; "
+                        "--tp counts the devices of all of them")
+    p.add_argument("--node-rank", type=int, default=d.node_rank,
+                   help="this process's rank among --nnodes: 0 serves HTTP, the others follow it")
+    p.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                   help="with --nnodes > 1: rank 0's address; JAX's coordinator binds PORT on "
+                        "rank 0 and rank 0 takes the other ranks' command connections on PORT+1")
     # Each names the roles it acts on, so one set of flags can go to every worker of a cluster
     # (`pd-fsm cluster --worker-args`).
     p.add_argument("--disable-radix-cache", action="store_true",
@@ -345,6 +364,29 @@ def check_environment(environ: Mapping[str, str]) -> None:
     raise ValueError(f"TPU_ENABLE_D2H_TRANSFER must be 0 or 1, got {d2h!r}")
 
 
+def _check_nodes(args: argparse.Namespace) -> None:
+    if args.nnodes < 1:
+        raise ValueError("--nnodes must be >= 1")
+    if args.nnodes == 1:
+        if args.node_rank != 0 or args.dist_init_addr is not None:
+            raise ValueError("--node-rank and --dist-init-addr are for --nnodes > 1")
+        return
+    if args.disaggregation_mode != "null":
+        # Not built: P and D ranks would each need their own transfer server, registration
+        # and pull (RFC-2 §6.2's N:N pairing); see the README's "What is not built".
+        raise ValueError("--nnodes > 1 is implemented for colocated workers only "
+                         "(--disaggregation-mode null)")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"--node-rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
+    if args.tp_size % args.nnodes:
+        raise ValueError(f"--tp {args.tp_size} does not split over --nnodes {args.nnodes}")
+    addr = args.dist_init_addr
+    host, _, port = (addr or "").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65535:
+        raise ValueError(f"--nnodes > 1 needs --dist-init-addr HOST:PORT (PORT < 65535: PORT+1 "
+                         f"is used too), got {addr!r}")
+
+
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The config for parsed ``serve`` arguments; raises ValueError naming a bad value."""
     for name in ("num_pages", "page_size", "max_running", "max_batched_tokens", "max_queued",
@@ -365,6 +407,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         )
     if args.cpus is not None:
         parse_cpus(args.cpus)  # a bad list fails here, naming itself
+    _check_nodes(args)
     if args.disaggregation_pull_workers < 1:
         raise ValueError("--disaggregation-pull-workers must be >= 1")
     if not -20 <= args.transfer_nice <= 0:
@@ -423,6 +466,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         context_length=args.context_length,
         random_seed=args.random_seed,
         tp_size=args.tp_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        dist_init_addr=args.dist_init_addr,
         radix_cache=not args.disable_radix_cache,
         decode_radix_cache=args.decode_radix_cache,
         max_queued=args.max_queued,

@@ -1,0 +1,99 @@
+"""A rank > 0 of a multi-process instance: no HTTP, only a replica of rank 0's scheduler that
+applies rank 0's commands (``frames``) and runs the same steps, so that every sharded
+computation has all its processes. Its outputs are rank 0's too, and are dropped here.
+
+A plain blocking loop, not a trio program: it does one thing at a time and has nothing to do
+concurrently. Every wait has a deadline: a rank 0 silent for ``silence`` seconds (it pings every
+few seconds while idle) is taken for dead and this rank exits with an error.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import zmq
+
+from pd_fsm.io_trio.worker.spmd.frames import (
+    MAX_FRAME,
+    Hello,
+    Pinged,
+    RequestAdded,
+    SpmdProtocolError,
+    StepStarted,
+    Stopped,
+    decode,
+    encode,
+)
+from pd_fsm.schedulers.scheduler import Scheduler
+
+log = logging.getLogger("pd_fsm.io_trio.worker.spmd")
+
+
+class Divergence(RuntimeError):
+    """This replica no longer does what rank 0's scheduler did: it cannot stay in step."""
+
+
+def apply_step(scheduler: Scheduler, frame: StepStarted) -> None:
+    """Rank 0's commands, then its step, on this rank's replica."""
+    for command in frame.commands:
+        if isinstance(command, RequestAdded):
+            req = scheduler.make_request(command.rid, list(command.input_ids), command.sampling,
+                                         logprobs=command.logprobs)
+            try:
+                scheduler.add_request(req)
+            except ValueError as exc:
+                raise Divergence(f"rank 0 took request {command.rid!r}, this rank refuses it: "
+                                 f"{exc}") from None
+        else:
+            scheduler.abort(command.rid, command.message)
+    scheduler.drain_outputs()
+    if not scheduler.has_work():
+        raise Divergence("rank 0 steps, this rank's scheduler has nothing to do")
+    scheduler.step()
+
+
+def follow(scheduler: Scheduler, leader: str, rank: int, key: bytes | None, *,
+           silence: float = 60.0) -> int:
+    """Connect to rank 0 at ``leader`` (``host:port``), say hello, and replay its commands until
+    it stops (exit status 0) or fails to be followed (1)."""
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{leader}")
+    sock.send(encode(Hello(rank), 0, key))
+    expected, steps, dropped = 1, 0, 0
+    try:
+        while True:
+            if not sock.poll(int(silence * 1000)):
+                log.error("rank 0 at %s silent for %g s: leaving the instance", leader, silence)
+                return 1
+            try:
+                seq, frame = decode(sock.recv(), key)
+            except SpmdProtocolError as exc:
+                dropped += 1
+                log.warning("dropped a frame from rank 0 (%d so far): %s", dropped, exc)
+                continue
+            if seq < expected or isinstance(frame, Hello):
+                dropped += 1
+                log.warning("dropped a replayed or misdirected frame (seq %d, expecting %d)",
+                            seq, expected)
+                continue
+            if seq > expected:
+                log.error("frames %d..%d from rank 0 never arrived: out of step", expected,
+                          seq - 1)
+                return 1
+            expected += 1
+            if isinstance(frame, StepStarted):
+                try:
+                    apply_step(scheduler, frame)
+                except Divergence as exc:
+                    log.error("%s", exc)
+                    return 1
+                steps += 1
+            elif isinstance(frame, Stopped):
+                log.info("rank 0 stopped after %d steps: leaving", steps)
+                return 0
+            else:
+                assert isinstance(frame, Pinged)
+    finally:
+        sock.close(linger=0)

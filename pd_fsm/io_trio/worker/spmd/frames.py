@@ -1,0 +1,182 @@
+"""The frames of a multi-process instance's command stream: rank 0 to every other rank.
+
+A tensor-parallel instance may span several processes (one per host), each driving its own
+devices of one global mesh (``jax.distributed``). JAX runs a sharded computation only when every
+process calls it, in the same order, with the same arguments; the scheduler is deterministic
+given its inputs (its seed generator included), so every rank runs a replica of it and rank 0,
+the one that serves HTTP, sends the others exactly those inputs: requests added, requests
+aborted, and "step now". The replicas then make the same decisions and launch the same sharded
+computations; their outputs are identical and thrown away.
+
+Frame layout::
+
+    b"PS" | version (1 B) | kind (1 B) | seq (8 B, big-endian) | msgpack payload
+          | [HMAC-SHA256 of everything before it, 32 B: with a cluster secret]
+
+``seq`` numbers rank 0's frames 1, 2, ... (a ``Hello`` is 0): a rank applies frame ``n`` only
+right after frame ``n - 1``, so nothing is replayed, reordered or skipped unnoticed. :func:`decode`
+turns any bytes into a frame or raises :class:`SpmdProtocolError`; nothing else escapes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from typing import Any
+
+import attrs
+import cattrs
+import msgpack
+
+from pd_fsm.core.errors import RemoteProtocolError
+from pd_fsm.jax_engine.sampling_params import SamplingParams
+from pd_fsm.schedulers.request import LogprobSpec
+
+MAGIC = b"PS"
+VERSION = 1
+MAC_SIZE = 32
+_HEADER = struct.Struct(">2sBBQ")
+# A batch carries whole prompts: a few hundred thousand token ids at most.
+MAX_FRAME = 16 * 1024 * 1024
+MAX_COMMANDS = 65_536
+MAX_RANKS = 1024
+
+
+class SpmdProtocolError(RemoteProtocolError):
+    """A frame of the command stream that cannot be applied (malformed, unsigned, forged, or
+    out of sequence)."""
+
+
+@attrs.frozen
+class Hello:
+    """A rank > 0, connected and ready: sent once, the first thing on its connection."""
+
+    rank: int
+
+
+@attrs.frozen
+class RequestAdded:
+    """Rank 0's scheduler took this request (``Scheduler.make_request`` + ``add_request``)."""
+
+    rid: str
+    input_ids: tuple[int, ...]
+    sampling: SamplingParams
+    logprobs: LogprobSpec
+
+
+@attrs.frozen
+class RequestAborted:
+    """Rank 0's scheduler aborted this request (``Scheduler.abort``)."""
+
+    rid: str
+    message: str
+
+
+Command = RequestAdded | RequestAborted
+
+
+@attrs.frozen
+class StepStarted:
+    """Apply ``commands`` in order, then run one scheduler step: rank 0 is running it."""
+
+    commands: tuple[Command, ...]
+
+
+@attrs.frozen
+class Pinged:
+    """Rank 0 is alive and idle (a rank that hears nothing for long gives up on it)."""
+
+
+@attrs.frozen
+class Stopped:
+    """Rank 0 is shutting down: the other ranks exit too."""
+
+
+Frame = Hello | StepStarted | Pinged | Stopped
+_KINDS: dict[int, type[Frame]] = {1: Hello, 2: StepStarted, 3: Pinged, 4: Stopped}
+_KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
+
+_converter = cattrs.Converter(forbid_extra_keys=True)
+
+
+def _strict(kind: type) -> None:
+    # cattrs would turn "5" into 5; a frame says what it means or is refused.
+    def check(value: Any, _: type) -> Any:
+        ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if not ok:
+            raise ValueError(f"expected {kind.__name__}, got {type(value).__name__}")
+        return value
+
+    _converter.register_structure_hook(kind, check)
+
+
+for _kind in (int, float, str, bool):
+    _strict(_kind)
+_converter.register_unstructure_hook(
+    StepStarted,
+    lambda s: [[type(c).__name__, _converter.unstructure(c)] for c in s.commands],
+)
+
+
+def _structure_step(raw: Any, _: type) -> StepStarted:
+    if not isinstance(raw, list) or len(raw) > MAX_COMMANDS:
+        raise ValueError(f"commands must be a list of at most {MAX_COMMANDS}")
+    by_name: dict[str, type[Command]] = {"RequestAdded": RequestAdded,
+                                          "RequestAborted": RequestAborted}
+    commands: list[Command] = []
+    for item in raw:
+        if not (isinstance(item, list) and len(item) == 2 and item[0] in by_name):
+            raise ValueError(f"not a command: {item!r:.80}")
+        commands.append(_converter.structure(item[1], by_name[item[0]]))
+    return StepStarted(tuple(commands))
+
+
+_converter.register_structure_hook(StepStarted, _structure_step)
+
+
+def encode(frame: Frame, seq: int, key: bytes | None) -> bytes:
+    """``frame`` as bytes, numbered ``seq``, signed with ``key`` (the instance's
+    :func:`pd_fsm.core.keys.spmd_key`) when there is one."""
+    payload: bytes = msgpack.packb(_converter.unstructure(frame), use_bin_type=True)
+    body = _HEADER.pack(MAGIC, VERSION, _KIND_OF[type(frame)], seq) + payload
+    if key is not None:
+        body += hmac.new(key, body, hashlib.sha256).digest()
+    if len(body) > MAX_FRAME:
+        raise ValueError(f"a frame of {len(body)} bytes is over the {MAX_FRAME}-byte limit")
+    return body
+
+
+def decode(data: bytes, key: bytes | None) -> tuple[int, Frame]:
+    """``(seq, frame)`` from bytes a peer sent; :class:`SpmdProtocolError` for anything else."""
+    if len(data) > MAX_FRAME:
+        raise SpmdProtocolError(f"frame of {len(data)} bytes is over {MAX_FRAME}")
+    if key is not None:
+        if len(data) < _HEADER.size + MAC_SIZE:
+            raise SpmdProtocolError("frame too short to be signed")
+        data, mac = data[:-MAC_SIZE], data[-MAC_SIZE:]
+        if not hmac.compare_digest(mac, hmac.new(key, data, hashlib.sha256).digest()):
+            raise SpmdProtocolError("bad MAC (unsigned, forged, or another cluster's key)")
+    if len(data) < _HEADER.size:
+        raise SpmdProtocolError("frame shorter than its header")
+    magic, version, kind, seq = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise SpmdProtocolError(f"not a command frame (magic {magic!r})")
+    if version != VERSION:
+        raise SpmdProtocolError(f"command frame version {version}, this rank speaks {VERSION}")
+    cls = _KINDS.get(kind)
+    if cls is None:
+        raise SpmdProtocolError(f"unknown frame kind {kind}")
+    try:
+        raw = msgpack.unpackb(data[_HEADER.size:], raw=False, strict_map_key=True)
+        frame = _converter.structure(raw, cls)
+    except cattrs.BaseValidationError as exc:
+        why = "; ".join(cattrs.transform_error(exc, path=cls.__name__))
+        raise SpmdProtocolError(f"malformed {cls.__name__}: {why}") from None
+    except Exception as exc:  # msgpack, and the value types' own validators
+        raise SpmdProtocolError(f"malformed {cls.__name__}: {exc}") from None
+    if isinstance(frame, Hello) and not 0 < frame.rank < MAX_RANKS:
+        raise SpmdProtocolError(f"hello from rank {frame.rank}: ranks > 0 say hello")
+    return seq, frame

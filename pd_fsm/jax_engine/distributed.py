@@ -1,0 +1,36 @@
+"""One instance over several processes: ``jax.distributed`` joins them into one set of devices.
+
+After :func:`initialize`, ``jax.devices()`` lists every process's devices (rank 0's first) and a
+``Mesh`` over them runs a jitted computation as one program, each process computing on its own
+devices, as long as every process makes the same calls in the same order (``io_trio/worker/spmd``
+sees to that). On the CPU backend the cross-process collectives go over gloo (TCP). Measured on
+CPU (2 processes x 2 forced devices, the tiny model at tp=4): tokens equal tp=1's in one process.
+
+A process that dies is noticed by the others through the coordination service's heartbeats
+(``heartbeat_timeout`` seconds; measured: rank 0 ended 28 s after its rank 1 was killed, with
+``SIGABRT`` and "Terminating process because the JAX distributed service detected fatal
+errors"), which then end them too: a sharded instance cannot run on
+without one of its parts, and a process that hung in a collective forever would be worse.
+"""
+
+from __future__ import annotations
+
+import jax
+
+
+def initialize(coordinator: str, processes: int, rank: int, *, timeout: int = 300,
+               heartbeat_timeout: int = 30, shutdown_timeout: int = 15) -> None:
+    """Join the instance: ``coordinator`` is ``host:port`` of rank 0's coordination service
+    (rank 0 binds it). Must run before anything starts a JAX backend; blocks until every
+    process joined or ``timeout`` seconds passed (then raises)."""
+    if not 0 <= rank < processes:
+        raise ValueError(f"rank {rank} is not in 0..{processes - 1}")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=coordinator, num_processes=processes, process_id=rank,
+        # Rank 0's coordination service listens on the address given, not on every interface.
+        coordinator_bind_address=coordinator,
+        initialization_timeout=timeout, heartbeat_timeout_seconds=heartbeat_timeout,
+        # At exit every process waits for the others at a barrier: not for five minutes.
+        shutdown_timeout_seconds=shutdown_timeout,
+    )
