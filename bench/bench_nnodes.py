@@ -2,7 +2,7 @@
 collectives cost, against the same instance in one process, in the same run.
 
 Three colocated workers of the tiny model (4 kv-heads), started one after the other on this
-machine, each given the same load (mixed prompts, fixed concurrency, greedy):
+machine, each given the same load (short prompts, fixed concurrency, greedy):
 
     tp1            one process, one device (the baseline)
     tp2            one process, two forced CPU devices, one mesh
@@ -35,7 +35,7 @@ from tests.integration.serve_support import Proc, cli, wait_http_ok
 
 HOST = "127.0.0.1"
 WORKER = ["--model", "tiny", "--page-size", "4", "--num-pages", "512", "--max-running", "8",
-          "--context-length", "512", "--warmup", "full", "--no-compilation-cache"]
+          "--context-length", "1024", "--warmup", "full", "--no-compilation-cache"]
 
 
 async def _answers(url: str, prompts: list[str], max_tokens: int) -> list[list[int]]:
@@ -65,7 +65,7 @@ def one(label: str, extra: list[str], ranks: int, args: argparse.Namespace,
         load = argparse.Namespace(endpoint="completions", max_tokens=args.max_tokens,
                                   model=None, request_rate=math.inf,
                                   max_concurrency=args.concurrency, timeout=600.0, seed=args.seed)
-        prompts = make_prompts("mixed", args.num_prompts, args.seed)
+        prompts = make_prompts("short", args.num_prompts, args.seed)
         trio.run(run_load, url, load, prompts[: args.concurrency])  # settle in
         before = httpx.get(f"{url}/server_info").json()["internal_states"][0]
         rows = trio.run(run_load, url, load, prompts).rows()
@@ -92,17 +92,17 @@ def main() -> None:
     results = [base,
                one("tp2", ["--tp", "2"], 1, args, base["answers"]),  # type: ignore[arg-type]
                one("tp2 nnodes2", ["--tp", "2"], 2, args, base["answers"])]  # type: ignore[arg-type]
-    print(f"tiny model; load: {args.num_prompts} mixed prompts, concurrency {args.concurrency}, "
+    print(f"tiny model; load: {args.num_prompts} short prompts, concurrency {args.concurrency}, "
           f"{args.max_tokens} tokens, greedy")
-    keys = ["requests/s", "output tokens/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+    keys = ["completed", "requests/s", "output tokens/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
             "ITL p99 ms"]
-    head = f"{'':<14}" + "".join(f"{k:>17}" for k in keys) + f"{'step ms':>10}{'= tp1':>7}"
+    head = f"{'':<14}" + "".join(f"{k:>16}" for k in keys) + f"{'step ms':>10}{'= tp1':>7}"
     print(head)
     print("-" * len(head))
     for r in results:
         rows = r["rows"]
         assert isinstance(rows, dict)
-        print(f"{r['label']:<14}" + "".join(f"{rows[k]:>17.2f}" for k in keys)
+        print(f"{r['label']:<14}" + "".join(f"{rows[k]:>16.2f}" for k in keys)
               + f"{r['step ms']:>10.2f}{r['same']:>7}")
 
 
