@@ -94,8 +94,8 @@ def main() -> None:
                one("tp2 nnodes2", ["--tp", "2"], 2, args, base["answers"])]  # type: ignore[arg-type]
     print(f"tiny model; load: {args.num_prompts} short prompts, concurrency {args.concurrency}, "
           f"{args.max_tokens} tokens, greedy")
-    keys = ["completed", "requests/s", "output tokens/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
-            "ITL p99 ms"]
+    keys = ["completed", "requests/s", "output tokens/s", "TTFT p50 ms", "TTFT p99 ms",
+            "ITL p50 ms", "ITL p99 ms"]
     head = f"{'':<14}" + "".join(f"{k:>16}" for k in keys) + f"{'step ms':>10}{'= tp1':>7}"
     print(head)
     print("-" * len(head))

@@ -141,6 +141,8 @@ def test_two_process_instance_answers_as_one_process(fleet: Fleet) -> None:
                     await trio.sleep(0.2)
             assert s["free_pages"] + s["cached_pages"] == s["total_pages"], s
             assert s["requests_total"]["error"] == 0, s
+            assert s["spmd"]["joined"] == 1 and s["spmd"]["frames_dropped"] == 0, s
+            assert s["spmd"]["frames_sent"] >= s["steps_total"], s  # a frame before each step
 
     trio.run(main)
     # SIGTERM to rank 0: it tells rank 1 to stop; both leave cleanly.

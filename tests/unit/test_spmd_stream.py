@@ -29,7 +29,7 @@ from pd_fsm.io_trio.worker.spmd.frames import (
     decode,
     encode,
 )
-from pd_fsm.io_trio.worker.spmd.leader import SpmdError, SpmdLeader
+from pd_fsm.io_trio.worker.spmd.leader import SpmdError, SpmdLeader, SpmdStats
 from pd_fsm.jax_engine.grammar import Constraint
 from pd_fsm.jax_engine.sampling_params import SamplingParams
 from pd_fsm.schedulers.args import SchedulerArgs
@@ -120,7 +120,7 @@ def test_rank0_names_the_ranks_that_never_joined_and_drops_junk() -> None:
         socks[2].send(encode(Hello(2), 0, KEY))
         with pytest.raises(SpmdError, match=r"ranks \[1\] did not join within 0.5 s"):
             leader.wait_for_ranks(0.5)
-        assert leader.dropped_frames == 2
+        assert leader.stats == SpmdStats(ranks=3, joined=1, frames_sent=0, frames_dropped=2)
         socks[0].send(encode(Hello(2), 0, KEY))
         with pytest.raises(SpmdError, match="rank 2 said hello twice"):
             leader.wait_for_ranks(5)

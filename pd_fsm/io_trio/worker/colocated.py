@@ -208,6 +208,8 @@ class ColocatedBackend:
             "step_seconds_total": self.step_seconds_total,
             "queued": self._jobs_recv.statistics().current_buffer_used,
             "live_requests": len(self._streams),
+            # A multi-process instance (spmd/): ranks, joined, frames sent and dropped.
+            **({} if self._spmd is None else {"spmd": attrs.asdict(self._spmd.stats)}),
             "page_size": self.args.page_size,
             "ready_seconds": dict(self.ready_seconds),
             **self._compile_stats(),

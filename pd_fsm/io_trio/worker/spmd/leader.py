@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
+import attrs
 import zmq
 
 from pd_fsm.io_trio.worker.spmd.frames import (
@@ -31,6 +32,17 @@ from pd_fsm.io_trio.worker.spmd.frames import (
 log = logging.getLogger("pd_fsm.io_trio.worker.spmd")
 
 
+@attrs.frozen
+class SpmdStats:
+    """What ``/server_info`` shows of the command stream: a snapshot the leader publishes from
+    its (scheduler) thread after every change, read as a whole from the HTTP task."""
+
+    ranks: int
+    joined: int  # ranks > 0 that said hello
+    frames_sent: int
+    frames_dropped: int  # on the rank socket: not a valid hello
+
+
 class SpmdError(RuntimeError):
     """The instance cannot go on as one: a rank did not join, or is gone."""
 
@@ -44,7 +56,8 @@ class SpmdLeader:
         self._key = key
         self._seq = 0
         self._peers: dict[int, bytes] = {}  # rank -> its ZMQ routing id
-        self.dropped_frames = 0
+        self._dropped = 0
+        self.stats = SpmdStats(ranks, 0, 0, 0)
         self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.SNDTIMEO, int(send_timeout * 1000))
@@ -65,18 +78,16 @@ class SpmdLeader:
             try:
                 _, frame = decode(data, self._key)
             except SpmdProtocolError as exc:
-                self.dropped_frames += 1
-                log.warning("dropped a frame on the rank socket: %s", exc)
+                self._drop(f"a frame: {exc}")
                 continue
             if not isinstance(frame, Hello) or frame.rank >= self.ranks:
-                self.dropped_frames += 1
-                log.warning("dropped %r on the rank socket (instance of %d ranks)",
-                            frame, self.ranks)
+                self._drop(f"{frame!r} (an instance of {self.ranks} ranks)")
                 continue
             if frame.rank in self._peers:
                 raise SpmdError(f"rank {frame.rank} said hello twice (two processes with "
                                 "one --node-rank?)")
             self._peers[frame.rank] = routing_id
+            self._publish()
             log.info("rank %d joined (%d of %d)", frame.rank, len(self._peers) + 1, self.ranks)
 
     def step_started(self, commands: tuple[Command, ...]) -> None:
@@ -93,11 +104,20 @@ class SpmdLeader:
         except SpmdError as exc:
             log.info("could not tell every rank to stop: %s", exc)
 
+    def _drop(self, what: str) -> None:
+        self._dropped += 1
+        self._publish()
+        log.warning("dropped %s on the rank socket", what)
+
+    def _publish(self) -> None:
+        self.stats = SpmdStats(self.ranks, len(self._peers), self._seq, self._dropped)
+
     def close(self) -> None:
         self._sock.close(linger=0)
 
     def _send(self, frame: Frame) -> None:
         self._seq += 1
+        self._publish()
         data = encode(frame, self._seq, self._key)
         for rank, routing_id in sorted(self._peers.items()):
             try:
