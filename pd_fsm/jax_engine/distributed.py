@@ -15,7 +15,42 @@ without one of its parts, and a process that hung in a collective forever would 
 
 from __future__ import annotations
 
+import ipaddress
+import socket
+
 import jax
+
+
+def collectives_address_problem(coordinator_host: str, hostname: str,
+                                resolved: str | None) -> str | None:
+    """Why gloo's collectives could not reach the other hosts, or None. Gloo binds the address
+    this host's name resolves to (JAX gives it no other): a name resolving to loopback works
+    for processes of one host only. Seen on namespaced hosts: every connect went to 127.0.0.1
+    and was refused, and the instance died at its first collective."""
+    if resolved is None:
+        return (f"this host's name {hostname!r} does not resolve: gloo's collectives bind the "
+                "address it resolves to (DNS or /etc/hosts)")
+    if _loopback(resolved) and not _loopback(coordinator_host):
+        return (f"this host's name {hostname!r} resolves to {resolved}, a loopback address, "
+                f"but the instance spans hosts (--dist-init-addr {coordinator_host}): gloo's "
+                f"collectives bind the address the host's name resolves to, so make "
+                f"{hostname!r} resolve to this host's address on the instance's network "
+                "(DNS or /etc/hosts)")
+    return None
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _resolve(name: str) -> str | None:
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return None
 
 
 def initialize(coordinator: str, processes: int, rank: int, *, timeout: int = 300,
@@ -25,6 +60,11 @@ def initialize(coordinator: str, processes: int, rank: int, *, timeout: int = 30
     process joined or ``timeout`` seconds passed (then raises)."""
     if not 0 <= rank < processes:
         raise ValueError(f"rank {rank} is not in 0..{processes - 1}")
+    hostname = socket.gethostname()
+    problem = collectives_address_problem(coordinator.rpartition(":")[0], hostname,
+                                          _resolve(hostname))
+    if problem is not None:
+        raise ValueError(problem)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=coordinator, num_processes=processes, process_id=rank,

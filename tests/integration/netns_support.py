@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -75,6 +76,16 @@ class Hosts:
             raise
         return hosts
 
+    def name_each_host(self) -> None:
+        """Make this machine's host name resolve, inside each namespace, to that namespace's own
+        address, as on real hosts (``ip netns exec`` mounts ``/etc/netns/NS/hosts`` over
+        ``/etc/hosts``). Gloo's collectives bind the address the host name resolves to."""
+        name = socket.gethostname()
+        for ns, addr in ((self.a, self.ip_a), (self.b, self.ip_b)):
+            folder = Path("/etc/netns") / ns
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "hosts").write_text(f"127.0.0.1 localhost\n{addr} {name}\n")
+
     def exec(self, ns: str, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", ns, *argv]
 
@@ -113,6 +124,7 @@ class Hosts:
             time.sleep(0.1)
         for ns in (self.a, self.b):
             _ip("netns", "del", ns, check=False)
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
 
 
 _CLIENT = r"""
