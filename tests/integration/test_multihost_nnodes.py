@@ -87,3 +87,4 @@ def test_one_instance_across_two_hosts_answers_as_one_process(nsfleet: NsFleet,
     rank0.stop(grace=EXIT_SLACK)
     assert rank0.popen is not None and rank0.popen.returncode == 0, rank0.tail()
     assert rank1.popen is not None and rank1.popen.wait(EXIT_SLACK) == 0, rank1.tail()
+    assert "rank 0 stopped after" in rank1.tail(), rank1.tail()  # told, not timed out
