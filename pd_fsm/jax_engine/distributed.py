@@ -40,10 +40,8 @@ def collectives_address_problem(coordinator_host: str, hostname: str,
 
 
 def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
+    addr = _resolve(host)
+    return addr is not None and ipaddress.ip_address(addr).is_loopback
 
 
 def _resolve(name: str) -> str | None:

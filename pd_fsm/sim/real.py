@@ -18,6 +18,7 @@ reused, fails the seed; page, registration and room accounting is the schedulers
 
 from __future__ import annotations
 
+import abc
 import functools
 import math
 import random
@@ -296,11 +297,12 @@ class _RealWorker(Node):
     def _side_name(self) -> str:
         return self.name
 
-    def _admit(self, leg: tuple[int, Client, Any]) -> None:
-        raise NotImplementedError
+    # Each role's own: P and D admit a leg and answer its client differently.
+    @abc.abstractmethod
+    def _admit(self, leg: tuple[int, Client, Any]) -> None: ...
 
-    def _outputs(self, result: TickResult[Any]) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _outputs(self, result: TickResult[Any]) -> None: ...
 
     def _fail_leg(self, room: int, reason: str) -> None:
         gen_client = self.legs.pop(room, None)

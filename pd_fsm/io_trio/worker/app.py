@@ -13,7 +13,7 @@ import functools
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from importlib import metadata
 from pathlib import Path
@@ -751,7 +751,7 @@ async def serve_worker(
         log.info("worker ready on %s", binds[0])
 
 
-async def _then_cancel(wait: Any, scope: trio.CancelScope) -> None:
+async def _then_cancel(wait: Callable[[], Awaitable[object]], scope: trio.CancelScope) -> None:
     await wait()
     scope.cancel()
 

@@ -40,6 +40,7 @@ STREAM_CAPACITY = 64  # outputs buffered in a request's channel before its overf
 # rank 0 silent for much longer: spmd/follower.py).
 SPMD_PING_S = 5.0
 SPMD_JOIN_TIMEOUT_S = 120.0
+ABORTED_BY_REQUEST = "aborted by request"
 WARMUP_PROMPT = (1, 2, 3, 4)
 
 Item = RequestOutput | BackendError
@@ -358,9 +359,9 @@ class ColocatedBackend:
             stream_or_none = self._streams.get(rid)
             if stream_or_none is not None and stream_or_none.in_scheduler:
                 # Frees the request's pages now; its final (abort) output is drained below.
-                aborted |= scheduler.abort(rid, "aborted by request")
+                aborted |= scheduler.abort(rid, ABORTED_BY_REQUEST)
                 if self._spmd is not None:
-                    self._spmd_pending.append(RequestAborted(rid, "aborted by request"))
+                    self._spmd_pending.append(RequestAborted(rid, ABORTED_BY_REQUEST))
         if aborted:
             self._fan_out(scheduler.drain_outputs())
 

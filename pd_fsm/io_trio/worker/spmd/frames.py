@@ -121,16 +121,17 @@ _converter.register_unstructure_hook(
 )
 
 
+_COMMANDS: dict[str, type[Command]] = {c.__name__: c for c in (RequestAdded, RequestAborted)}
+
+
 def _structure_step(raw: Any, _: type) -> StepStarted:
     if not isinstance(raw, list) or len(raw) > MAX_COMMANDS:
         raise ValueError(f"commands must be a list of at most {MAX_COMMANDS}")
-    by_name: dict[str, type[Command]] = {"RequestAdded": RequestAdded,
-                                          "RequestAborted": RequestAborted}
     commands: list[Command] = []
     for item in raw:
-        if not (isinstance(item, list) and len(item) == 2 and item[0] in by_name):
+        if not (isinstance(item, list) and len(item) == 2 and item[0] in _COMMANDS):
             raise ValueError(f"not a command: {item!r:.80}")
-        commands.append(_converter.structure(item[1], by_name[item[0]]))
+        commands.append(_converter.structure(item[1], _COMMANDS[item[0]]))
     return StepStarted(tuple(commands))
 
 
