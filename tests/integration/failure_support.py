@@ -12,6 +12,7 @@ deadline (the window plus generous ``SLACK``), never a performance threshold.
 from __future__ import annotations
 
 import os
+import random
 import secrets
 import signal
 import socket
@@ -62,18 +63,53 @@ TINY = ["--model", "tiny", "--page-size", str(PAGE_SIZE), "--max-running", "8",
 _HANDED_OUT: set[int] = set()
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+_PORTS = random.Random()
+
+
 def free_port() -> int:
-    """A port free now and never handed out before in this test run. Ports are picked before
-    the processes that bind them start, so without the set two picks (the bootstrap's and a
-    worker's, seen once) can return the same number: the worker then fails to bind while the
-    health check of its URL is answered by the other process."""
+    """A port free now, never handed out before in this test run, and outside the kernel's
+    ephemeral range. Ports are picked before the processes that bind them start: without the
+    set two picks (the bootstrap's and a worker's, seen once) could return the same number; and
+    a port from the ephemeral range (what binding port 0 gives) can meanwhile become the local
+    end of some process's outgoing connection (seen once in CI: a worker's "Address already in
+    use" at start)."""
+    low, high = _ephemeral_range()
+    candidates = range(20000, low) if low > 21000 else range(high + 1, 65000)
     while True:
+        port = _PORTS.choice(candidates)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
-            s.bind((HOST, 0))
-            port = int(s.getsockname()[1])
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+
+
+def free_port_pair() -> int:
+    """A port for which ``free_port``'s promises hold for it and its successor (a rank 0 of a
+    multi-process instance binds both)."""
+    while True:
+        port = free_port()
+        if port + 1 in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((HOST, port + 1))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port + 1)
+        return port
 
 
 def cli(*args: str) -> list[str]:

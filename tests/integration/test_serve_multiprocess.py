@@ -8,7 +8,6 @@ the coordination service's heartbeat timeout."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +22,7 @@ from tests.integration.failure_support import (
     Proc,
     cli,
     free_port,
+    free_port_pair,
     stats,
     wait_healthy,
 )
@@ -33,20 +33,8 @@ HEARTBEAT_TIMEOUT = 30  # pd_fsm.jax_engine.distributed.initialize's default
 EXIT_SLACK = 60  # on top of it: 2 cores shared with the rest of the suite
 
 
-def _port_pair() -> int:
-    """A free port whose successor is free too (rank 0 binds both)."""
-    while True:
-        port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind((HOST, port + 1))
-            except OSError:
-                continue
-        return port
-
-
 def _instance(fleet: Fleet, name: str) -> tuple[Proc, Proc]:
-    port, coordinator = free_port(), _port_pair()
+    port, coordinator = free_port(), free_port_pair()
     ranks = []
     for rank in range(2):
         argv = cli("serve", *TINY, "--host", HOST, "--port", str(port), "--num-pages", "64",
