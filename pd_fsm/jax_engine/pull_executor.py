@@ -41,6 +41,7 @@ from pd_fsm.jax_engine.room_kv import RoomPages, pages_by_pool, scatter_rooms
 from pd_fsm.jax_engine.tensor_parallel import (
     TensorParallelError,
     packed_sharding,
+    process_shards,
     regroup,
     shard_structs,
 )
@@ -115,6 +116,10 @@ class _Pulled:
     nbytes: int
 
 
+def _room(item: PullResult | _Pulled) -> int:
+    return item.req.room if isinstance(item, _Pulled) else item.room
+
+
 class PullExecutor:
     """Runs pulls for D on at most ``max_workers`` threads."""
 
@@ -131,11 +136,15 @@ class PullExecutor:
         clock: Callable[[], float] = time.monotonic,
         iterations: Callable[[], int] = lambda: -1,
         thread_nice: int = 0,
+        peer_for: Callable[[str], str] | None = None,
     ) -> None:
         """``iterations``: how many iterations of the forward thread's loop have ended; read on
         the pull threads, so it must return a value the loop publishes (an int it rebinds).
         ``thread_nice``: the pull threads' nice value (< 0 raises them above compute, where
-        allowed; thread_priority.py)."""
+        allowed; thread_priority.py). ``peer_for(transfer_addr)``: where this process pulls
+        what READY says is at ``transfer_addr`` (a rank > 0 of an instance spanning processes:
+        the P rank it pairs with, RFC-2 §6.2); called on the pull thread, raises
+        ``PullError``."""
         self._engine = engine
         self._holder = holder
         self._kv_args = kv_args
@@ -144,6 +153,9 @@ class PullExecutor:
         self._method: ScatterMethod = scatter_method
         self._clock = clock
         self._iterations = iterations
+        self._peer_for = peer_for
+        # Finished jobs taken off ``_done`` by ready() and not yet collected (forward thread).
+        self._held: list[PullResult | _Pulled] = []
         # Finished jobs: a result (a refusal or a failed pull), or pulled KV still to scatter.
         self._done: queue.SimpleQueue[PullResult | _Pulled] = queue.SimpleQueue()
         self._pool = ThreadPoolExecutor(
@@ -179,19 +191,43 @@ class PullExecutor:
             self._inflight += 1
         return self._clock()
 
-    def poll(self) -> list[PullResult]:
-        """Every job finished so far (non-blocking), pulled KV scattered first. Call between two
-        forward steps, on the thread that runs them."""
-        items: list[PullResult | _Pulled] = []
+    def _take_done(self) -> None:
         while True:
             try:
-                items.append(self._done.get_nowait())
+                self._held.append(self._done.get_nowait())
             except queue.Empty:
-                return self._finish(items)
+                return
+
+    def ready(self) -> dict[int, str]:
+        """Rooms whose job has finished and waits to be collected: "" if its KV arrived, else
+        why it failed (non-blocking; the forward thread's, like :meth:`poll`)."""
+        self._take_done()
+        return {_room(i): "" if isinstance(i, _Pulled) else i.reason for i in self._held}
+
+    def poll(self, only: Mapping[int, str] | None = None) -> list[PullResult]:
+        """Every job finished so far (non-blocking), pulled KV scattered first. Call between two
+        forward steps, on the thread that runs them.
+
+        ``only``: collect just these rooms (room -> "" or why the room failed elsewhere: its
+        pulled KV is then dropped, not scattered, and the room fails with that reason). Every
+        rank of an instance spanning processes collects the same rooms in the same tick, since
+        the scatter is one computation over all of them."""
+        self._take_done()
+        if only is None:
+            items, self._held = self._held, []
+            return self._finish(items)
+        items = [i for i in self._held if _room(i) in only]
+        self._held = [i for i in self._held if _room(i) not in only]
+        for n, item in enumerate(items):
+            if isinstance(item, _Pulled) and only[item.req.room]:
+                items[n] = self._failed(item.req, item.start, only[item.req.room])
+        return self._finish(items)
 
     def get(self, timeout: float) -> PullResult | None:
         """The next finished job (scattered, if it pulled), or None after ``timeout`` seconds;
         same thread rule as :meth:`poll`."""
+        if self._held:
+            return self._finish([self._held.pop(0)])[0]
         try:
             item = self._done.get(timeout=timeout)
         except queue.Empty:
@@ -278,20 +314,28 @@ class PullExecutor:
             )
         shards = req.kv_shards
         try:
+            # All of P's shards, or in an instance spanning processes those on our devices
+            # (what the P rank we pair with registered).
+            mine = process_shards(shards, next(iter(self._sharding.values())))
             specs = [
                 struct
                 for p in self._kv_args.pools
-                for struct in shard_structs(
+                for j, struct in enumerate(shard_structs(
                     p.packed_shape(len(pages[p.name])), jax.numpy.dtype(p.dtype), shards,
                     self._sharding[p.name],
-                )
+                ))
+                if j in mine
             ]
+            peer = req.peer if self._peer_for is None else self._peer_for(req.peer)
         except TensorParallelError as e:
             return self._failed(req, start, f"cannot regroup P's KV: {e}; not pulled")
+        except PullError as e:
+            return self._failed(req, start, f"no P rank to pair with: {e}; not pulled")
         nbytes = sum(p.packed_nbytes(len(pages[p.name])) for p in self._kv_args.pools)
+        left = deadline_s - (self._clock() - start)  # the pairing lookup may have taken some
         try:
             started = self._clock()
-            pending = self._engine.start_pull(req.peer, req.uuid, specs, left)
+            pending = self._engine.start_pull(peer, req.uuid, specs, left)
             pending.wait()
         except PullTimeout as e:
             return self._failed(req, start, f"timeout after {deadline_s:g}s: {e}")
@@ -301,8 +345,9 @@ class PullExecutor:
         pulled = list(pending.arrays)
         # P's shards onto our own devices: dispatched here, on the pull thread (no copy at all
         # when P's tp equals ours).
+        n = len(mine)
         arrays = tuple(
-            regroup(pulled[i * shards : (i + 1) * shards], self._sharding[p.name])
+            regroup(pulled[i * n : (i + 1) * n], self._sharding[p.name], shards)
             for i, p in enumerate(self._kv_args.pools)
         )
         return _Pulled(

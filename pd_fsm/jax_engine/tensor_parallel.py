@@ -189,18 +189,45 @@ def shard_structs(
     ]
 
 
+def process_shards(p_shards: int, d_sharding: jax.sharding.Sharding) -> list[int]:
+    """D side: which of P's ``p_shards`` shards this process pulls. All of them, unless the
+    instance spans processes: then the shards landing on this process's own devices, which P
+    registered on the transfer server of its rank of the same place (RFC-2 §6.2's N:N
+    pairing); that needs P's shards to be D's devices one for one."""
+    if jax.process_count() == 1:
+        return list(range(p_shards))
+    devices = _devices(d_sharding)
+    if p_shards != len(devices):
+        raise TensorParallelError(
+            f"an instance spanning processes pairs with its P rank for rank: P's {p_shards} "
+            f"shards must be its {len(devices)} devices one for one"
+        )
+    return [j for j, dev in enumerate(devices) if dev.process_index == jax.process_index()]
+
+
 def _devices(sharding: jax.sharding.Sharding) -> list[jax.Device]:
     if isinstance(sharding, NamedSharding):
         return list(sharding.mesh.devices.flat)
     return sorted(sharding.device_set, key=lambda d: d.id)
 
 
-def regroup(shards: Sequence[jax.Array], d_sharding: jax.sharding.Sharding) -> jax.Array:
+def regroup(
+    shards: Sequence[jax.Array], d_sharding: jax.sharding.Sharding, p_shards: int | None = None
+) -> jax.Array:
     """D side: P's shards (pulled per :func:`shard_structs`) as one packed array sharded as
     ``d_sharding`` (the packed sharding of D's pool). Each D device gets exactly its kv-heads'
     entries: the P shards covering them, sliced where a boundary falls inside one, moved to it
-    and concatenated in order."""
+    and concatenated in order. In an instance spanning processes, ``shards`` are this
+    process's (:func:`process_shards`) of ``p_shards`` in all, one per local device."""
     devices = _devices(d_sharding)
+    if p_shards is not None and len(shards) != p_shards:
+        own_devices = [dev for dev in devices if dev.process_index == jax.process_index()]
+        shape = list(shards[0].shape)
+        shape[PACKED_KV_AXIS] *= p_shards
+        return jax.make_array_from_single_device_arrays(
+            tuple(shape), d_sharding,
+            [jax.device_put(s, dev) for s, dev in zip(shards, own_devices, strict=True)],
+        )
     p, d = len(shards), len(devices)
     if p == 1 and d == 1:
         return shards[0]

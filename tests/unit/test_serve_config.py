@@ -87,9 +87,6 @@ def test_bad_values_refused(flags: list[str]) -> None:
     (["--nnodes", "2", "--tp", "3", "--dist-init-addr", "h:1"], "does not split"),
     (["--nnodes", "2", "--tp", "2", "--node-rank", "2", "--dist-init-addr", "h:1"],
      "--node-rank must be in 0..1"),
-    # Not built: P and D ranks of one instance would each need their own transfer and pull.
-    (["--nnodes", "2", "--tp", "2", "--dist-init-addr", "h:1", "--disaggregation-mode",
-      "prefill"], "colocated workers only"),
 ])
 def test_multi_process_flags_refused_by_name(flags: list[str], reason: str) -> None:
     args = build_parser().parse_args(["serve", "--model", "tiny", *flags])

@@ -92,7 +92,7 @@ def _raw(kind: int, payload: object, seq: int = 1) -> bytes:
     (_raw(1, {"rank": "1"}), None, "expected int @ Hello.rank"),
     (_raw(1, {"rank": True}), None, "expected int @ Hello.rank"),
     (_raw(1, {"rank": 1, "extra": 2}), None, "extra fields found (extra)"),
-    (_raw(1, {"rank": 0}), None, "ranks > 0 say hello"),
+    (_raw(1, {"rank": 0}), None, "only ranks > 0 send it"),
     (_raw(9, {}), None, "unknown frame kind 9"),
     (_raw(2, [["RequestAdded", {"rid": "a", "input_ids": [1], "logprobs": {},
                                 "sampling": {"temperature": -1.0}}]]), None, "sampling"),

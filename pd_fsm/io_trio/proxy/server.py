@@ -347,7 +347,9 @@ class Proxy:
         r = await self.client.get(f"{self.bootstrap_url}/list", params={"role": role})
         r.raise_for_status()
         records = r.json()["instances"]
-        return [rec for rec in records if isinstance(rec, dict)]
+        # An instance spanning processes registers every P rank's transfer server; routers
+        # send requests to its entry, rank 0 (the others serve no HTTP).
+        return [rec for rec in records if isinstance(rec, dict) and rec.get("tp_rank", 0) == 0]
 
     def _set_workers(self, prefill: list[dict[str, Any]], decode: list[dict[str, Any]]) -> None:
         targets: dict[str, PrefillTarget] = {}

@@ -44,14 +44,14 @@ def _spmd_key(config: ServeConfig) -> bytes | None:
 
 
 def make_backend(config: ServeConfig) -> Backend:
+    spmd = None
+    if config.nnodes > 1:
+        from pd_fsm.io_trio.worker.spmd.leader import SpmdLeader
+
+        spmd = SpmdLeader(config.spmd_addr(), config.nnodes, _spmd_key(config))
     if config.disaggregation_mode == "null":
         from pd_fsm.io_trio.worker.colocated import ColocatedBackend
 
-        spmd = None
-        if config.nnodes > 1:
-            from pd_fsm.io_trio.worker.spmd.leader import SpmdLeader
-
-            spmd = SpmdLeader(config.spmd_addr(), config.nnodes, _spmd_key(config))
         return ColocatedBackend(
             config.scheduler_args(), max_queued=config.max_queued, warmup=config.warmup,
             spmd=spmd,
@@ -59,7 +59,7 @@ def make_backend(config: ServeConfig) -> Backend:
     # Imported here: the PD backends bring the transfer engine and the side channel.
     from pd_fsm.io_trio.worker.pd_backends import make_pd_backend
 
-    return make_pd_backend(config)
+    return make_pd_backend(config, spmd)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -123,7 +123,11 @@ def main(args: argparse.Namespace) -> int:
 
 def _follow(config: ServeConfig) -> int:
     """A rank > 0: its replica of rank 0's scheduler, built and warmed in step with rank 0's,
-    then rank 0's commands until it stops (spmd/follower.py)."""
+    then rank 0's commands until it stops (spmd/follower.py; a PD role: spmd/pd_replica.py)."""
+    if config.disaggregation_mode != "null":
+        from pd_fsm.io_trio.worker.spmd.pd_replica import run_replica
+
+        return trio.run(run_replica, config, _spmd_key(config))
     from pd_fsm.io_trio.worker.colocated import ColocatedBackend
     from pd_fsm.io_trio.worker.spmd.follower import follow
 

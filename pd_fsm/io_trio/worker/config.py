@@ -371,11 +371,6 @@ def _check_nodes(args: argparse.Namespace) -> None:
         if args.node_rank != 0 or args.dist_init_addr is not None:
             raise ValueError("--node-rank and --dist-init-addr are for --nnodes > 1")
         return
-    if args.disaggregation_mode != "null":
-        # Not built: P and D ranks would each need their own transfer server, registration
-        # and pull (RFC-2 §6.2's N:N pairing); see the README's "What is not built".
-        raise ValueError("--nnodes > 1 is implemented for colocated workers only "
-                         "(--disaggregation-mode null)")
     if not 0 <= args.node_rank < args.nnodes:
         raise ValueError(f"--node-rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
     if args.tp_size % args.nnodes:

@@ -17,6 +17,7 @@ scheduler and core need no locks and blocking JAX work never runs on the event l
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import time
@@ -24,7 +25,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -35,21 +36,27 @@ from pd_fsm.core.messages import (
     Message,
 )
 from pd_fsm.io_trio.bootstrap.client import BootstrapClient, BootstrapError, BootstrapResolver
-from pd_fsm.io_trio.bootstrap.records import InstanceRecord, split_host_port
+from pd_fsm.io_trio.bootstrap.records import InstanceRecord, split_host_port, to_json
 from pd_fsm.io_trio.driver import SideChannel, carry_out_io, resolve_within
 from pd_fsm.io_trio.side_channel.channel import DecodeSideChannel, PrefillSideChannel
-from pd_fsm.io_trio.worker.backend import BackendError, BootstrapInfo
-from pd_fsm.io_trio.worker.colocated import ColocatedBackend, _Stream
+from pd_fsm.io_trio.worker.backend import BackendError, BootstrapInfo, GenerateJob
+from pd_fsm.io_trio.worker.colocated import SPMD_JOIN_TIMEOUT_S, ColocatedBackend, _Stream
 from pd_fsm.io_trio.worker.config import ServeConfig
+from pd_fsm.io_trio.worker.spmd.frames import Arrival, LegAdded, PullAgreed, TickStarted
+from pd_fsm.io_trio.worker.spmd.tick_inputs import TickInputs, shared_key
 from pd_fsm.jax_engine.transfer.thread_priority import DataPlanePriority
 from pd_fsm.schedulers.disaggregation import (
     DecodeScheduler,
     DisaggregationArgs,
     PrefillScheduler,
 )
+from pd_fsm.schedulers.disaggregation.decode import PeerPairing
 from pd_fsm.schedulers.disaggregation.tick import TickResult, run_tick
 from pd_fsm.schedulers.request import RequestOutput
 from pd_fsm.schedulers.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from pd_fsm.io_trio.worker.spmd.leader import SpmdLeader
 
 log = logging.getLogger("pd_fsm.io_trio.worker.pd")
 
@@ -57,14 +64,49 @@ INBOX_SIZE = 4096  # side-channel messages and lookup answers waiting for the lo
 DATA_PLANE_SCAN_S = 0.5  # how often new transfer threads are looked for (a connection's pair)
 # D: refused legs whose P(s) are still to be told (bounded: a flood drops the oldest).
 REFUSALS_PENDING = 1024
+# An instance spanning processes: how often rank 0 looks for the other ranks' pull reports
+# while a pull is under way, and the longest it stays silent (each tick is a frame to them).
+SPMD_REPORTS_S = 0.01
+SPMD_IDLE_TICK_S = 5.0
 
 
-def make_pd_backend(config: ServeConfig) -> ColocatedBackend:
+def make_pd_backend(
+    config: ServeConfig, spmd: SpmdLeader | None = None, pairing: PeerPairing | None = None
+) -> _PDBackend:
+    """The role's backend; ``spmd``: rank 0 of an instance spanning processes; ``pairing``: a
+    D rank > 0's way to its P rank (its backend only builds the replica)."""
     if config.disaggregation_mode == "prefill":
-        return PrefillBackend(config)
+        return PrefillBackend(config, spmd)
     if config.disaggregation_mode == "decode":
-        return DecodeBackend(config)
+        return DecodeBackend(config, spmd, pairing)
     raise ValueError(f"no PD backend for mode {config.disaggregation_mode!r}")
+
+
+def _always(rid: str) -> bool:
+    return True
+
+
+def fingerprint(sched: Any) -> str:
+    """What two replicas of one PD scheduler must agree on after every tick (cheap to take)."""
+    s = sched.stats()
+    states = sorted((k, v) for k, v in sched.pd_stats().items() if k.startswith("state_"))
+    # The transfer registrations too: a rank > 0 whose KV offers leak (it has no HTTP to show
+    # them) leaves the instance at the next tick.
+    return repr((states, s.free_pages, s.waiting, s.prefilling, s.running, s.cached_pages,
+                 len(sched.engine.registrations())))
+
+
+def job_of(leg: LegAdded) -> GenerateJob:
+    boot = (None if leg.room is None or leg.bootstrap_host is None
+            else BootstrapInfo(leg.bootstrap_host, leg.bootstrap_port, leg.room))
+    return GenerateJob(leg.rid, leg.input_ids, leg.sampling, boot, logprobs=leg.logprobs)
+
+
+def leg_of(job: GenerateJob, accepted: float) -> LegAdded:
+    boot = job.bootstrap
+    return LegAdded(job.rid, job.input_ids, job.sampling, job.logprobs, accepted,
+                    None if boot is None else boot.host, None if boot is None else boot.port,
+                    None if boot is None else boot.room)
 
 
 def disaggregation_args(config: ServeConfig) -> DisaggregationArgs:
@@ -89,11 +131,19 @@ class _PDBackend(ColocatedBackend, ABC):
 
     scheduler: PrefillScheduler | DecodeScheduler | None  # type: ignore[assignment]
 
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(self, config: ServeConfig, spmd: SpmdLeader | None = None) -> None:
         super().__init__(
-            config.scheduler_args(), max_queued=config.max_queued, warmup=config.warmup
+            config.scheduler_args(), max_queued=config.max_queued, warmup=config.warmup,
+            spmd=spmd,
         )
         self.config = config
+        # An instance spanning processes: every rank's clock and random numbers (tick_inputs),
+        # the ticks sent so far, rank 0's state after the last one, and (D) the other ranks'
+        # finished pulls: room -> rank -> "" or why it failed.
+        self.tick_inputs: TickInputs | None = None
+        self._ticks = 0
+        self._fingerprint = ""
+        self._rank_pulls: dict[int, dict[int, str]] = {}
         self.pd_args = disaggregation_args(config)
         self.mode = config.disaggregation_mode
         # The side channel and the BootstrapClient each derive their own key from it
@@ -166,6 +216,12 @@ class _PDBackend(ColocatedBackend, ABC):
         try:
             async with trio.open_nursery() as nursery:
                 record = await self._start_io(nursery, sched)
+                if self._spmd is not None:
+                    # The other ranks built and warmed the same scheduler alongside this one.
+                    await trio.to_thread.run_sync(self._spmd.wait_for_ranks, SPMD_JOIN_TIMEOUT_S,
+                                                  limiter=self._limiter)
+                    await trio.to_thread.run_sync(
+                        self._spmd.announce, json.dumps(to_json(record)), limiter=self._limiter)
                 nursery.start_soon(self._raise_data_plane)
                 self.bootstrap = BootstrapClient(
                     self._bootstrap_url(),
@@ -185,7 +241,10 @@ class _PDBackend(ColocatedBackend, ABC):
             self._ready = False
             for stream in list(self._streams.values()):
                 self._fail(stream, BackendError(503, "worker shutting down"))
-            await trio.to_thread.run_sync(self._close, sched, limiter=self._limiter)
+            with trio.CancelScope(shield=True):
+                if self._spmd is not None:
+                    await trio.to_thread.run_sync(self._spmd.stop, limiter=self._limiter)
+                await trio.to_thread.run_sync(self._close, sched, limiter=self._limiter)
 
     async def _raise_data_plane(self) -> None:
         # The transfer server starts a thread pair per connection: look again now and then.
@@ -200,9 +259,18 @@ class _PDBackend(ColocatedBackend, ABC):
 
     # -- pieces each role supplies ---
 
-    @abstractmethod
     def _build(self) -> Scheduler:
-        """Build and warm the role's scheduler (runs in a worker thread)."""
+        """Build and warm the role's scheduler (runs in a worker thread; every rank of an
+        instance spanning processes builds its replica here, in step)."""
+        if self.config.nnodes > 1:
+            self.tick_inputs = TickInputs(shared_key())
+        sched = self._timed("model_load", self._new_scheduler)
+        self._warm(sched)  # plain requests: either role can serve those too
+        return sched
+
+    @abstractmethod
+    def _new_scheduler(self) -> Scheduler:
+        """The role's scheduler, with ``tick_inputs``' clock and random source if any."""
 
     @abstractmethod
     async def _start_io(self, nursery: trio.Nursery, sched: Any) -> InstanceRecord:
@@ -217,22 +285,23 @@ class _PDBackend(ColocatedBackend, ABC):
         return self._side().send(peer, message)
 
     @abstractmethod
-    def _admit(self, sched: Any, stream: _Stream) -> None:
-        """Open the request's room in the scheduler (raises ValueError / DuplicateRoomError)."""
+    def admit_job(self, sched: Any, job: GenerateJob, accepted: float) -> None:
+        """Open the request's room in the scheduler (raises ValueError / DuplicateRoomError);
+        ``accepted``: when the worker took it. A rank > 0 admits rank 0's legs with it too."""
 
     def _close(self, sched: Any) -> None:
         sched.engine.close()
 
     # -- shared machinery ---
 
-    def _bootstrap_of(self, stream: _Stream) -> BootstrapInfo:
+    def _bootstrap_of(self, job: GenerateJob) -> BootstrapInfo:
         """The router's three fields; a PD leg without them is a 400."""
-        if stream.job.bootstrap is None:
+        if job.bootstrap is None:
             raise ValueError(
                 f"a {self.mode} worker needs bootstrap_host, bootstrap_port and "
                 "bootstrap_room in the request (a PD router adds them)"
             )
-        return stream.job.bootstrap
+        return job.bootstrap
 
     def _bootstrap_url(self) -> str:
         c = self.config
@@ -245,8 +314,9 @@ class _PDBackend(ColocatedBackend, ABC):
         return InstanceRecord(
             role=self.mode,
             instance_id=self.pd_args.instance_id,
-            # One process drives every tp rank of the instance (its devices form one mesh), so
-            # it registers as rank 0 of tp_size, and D's lookups name rank 0 in full.
+            # Rank 0 of the instance; in one spanning processes each P process registers its
+            # own transfer server under its first tp rank (spmd/pd_replica.py), and D's ranks
+            # look theirs up by the full rank tuple (RFC-2 §6.2).
             tp_rank=0,
             tp_size=c.tp_size,
             cp_rank=0,
@@ -262,7 +332,8 @@ class _PDBackend(ColocatedBackend, ABC):
             layout_hash=sched.layout_hash,
             scheduler_addr=f"{c.tls.scheme}://{c.public_host}:{c.port}",
             bootstrap_port=bootstrap_port,
-            mesh_meta={"model": c.model_name, "devices": c.tp_size, "kv_shards": c.tp_size},
+            mesh_meta={"model": c.model_name, "devices": c.tp_size, "kv_shards": c.tp_size,
+                       "processes": c.nnodes},
             heartbeat_ttl=c.disaggregation_bootstrap_heartbeat_ttl,
             curve_public_key=self._curve.public.decode() if self._curve is not None else None,
         )
@@ -340,6 +411,11 @@ class _PDBackend(ColocatedBackend, ABC):
             wake_at = math.inf
             if result.next_deadline is not None:
                 wake_at = trio.current_time() + max(0.0, result.next_deadline - time.monotonic())
+            if self._spmd is not None:
+                # The other ranks hear a tick at least this often (they leave a silent rank 0),
+                # and their pull reports are looked for while a pull is under way.
+                wake_at = min(wake_at, trio.current_time() + (
+                    SPMD_REPORTS_S if self._pulls_under_way(sched) else SPMD_IDLE_TICK_S))
             with trio.move_on_at(wake_at):
                 await self._wake.wait()
 
@@ -360,11 +436,47 @@ class _PDBackend(ColocatedBackend, ABC):
         def busy(effects: tuple[Any, ...]) -> None:
             self._while_busy_effects = effects
 
+        if self._spmd is not None:
+            aborts = self._tell_ranks(sched, inbox, jobs, aborts, may_abort)
+            may_abort = _always  # decided above, for every rank alike
         result = run_tick(sched, inbox, jobs, aborts, rid=lambda s: s.job.rid,
-                          admit=partial(self._admit, sched), on_admitted=admitted,
-                          on_busy=busy, may_abort=may_abort)
+                          admit=lambda s: self.admit_job(sched, s.job, s.accepted),
+                          on_admitted=admitted, on_busy=busy, may_abort=may_abort)
+        if self._spmd is not None:
+            self._fingerprint = fingerprint(sched)
         self._publish_stats(sched)
         return result
+
+    def _tell_ranks(
+        self, sched: Any, inbox: list[tuple[float, Any]], jobs: list[_Stream], aborts: list[str],
+        may_abort: Callable[[str], bool],
+    ) -> list[str]:
+        """An instance spanning processes, before a tick (in the tick's thread): send the other
+        ranks this tick's inputs and set this rank's clock and random source as theirs. Returns
+        the aborts every rank applies."""
+        assert self._spmd is not None and self.tick_inputs is not None
+        rids = {s.job.rid for s in jobs}
+        aborts = [r for r in aborts if r in rids or may_abort(r)]
+        gate = self._agree_pulls(sched)
+        self._ticks += 1
+        now = time.monotonic()
+        self._spmd.tick_started(TickStarted(
+            self._ticks, now, self._fingerprint,
+            tuple(Arrival(at, event) for at, event in inbox),
+            tuple(leg_of(s.job, s.accepted) for s in jobs), tuple(aborts),
+            tuple(PullAgreed(room, why) for room, why in (gate or {}).items()),
+        ))
+        self.tick_inputs.start(self._ticks, now)
+        if gate is not None:
+            sched.set_pull_gate(gate)
+        return aborts
+
+    def _agree_pulls(self, sched: Any) -> dict[int, str] | None:
+        """Hook (D): the finished pulls every rank collects in this tick."""
+        return None
+
+    def _pulls_under_way(self, sched: Any) -> bool:
+        return False
 
     def _publish_stats(self, sched: Any) -> None:
         """In the tick's thread, after the tick: copies for the HTTP task (see ``stats``)."""
@@ -404,14 +516,15 @@ class _PDBackend(ColocatedBackend, ABC):
 class PrefillBackend(_PDBackend):
     """P: answers its leg once the room's KV is handed off to D (READY sent)."""
 
-    def __init__(self, config: ServeConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: ServeConfig, spmd: SpmdLeader | None = None) -> None:
+        super().__init__(config, spmd)
         self.side: PrefillSideChannel | None = None
 
-    def _build(self) -> Scheduler:
-        sched = self._timed("model_load", lambda: PrefillScheduler(self.pd_args))
-        self._warm(sched)  # plain requests: P decodes those itself
-        return sched
+    def _new_scheduler(self) -> Scheduler:
+        ti = self.tick_inputs
+        if ti is None:
+            return PrefillScheduler(self.pd_args)
+        return PrefillScheduler(self.pd_args, clock=ti.clock, rng=ti.rng)
 
     async def _start_io(self, nursery: trio.Nursery, sched: Any) -> InstanceRecord:
         bind = f"{self.config.host}:{self.config.disaggregation_side_channel_port}"
@@ -432,17 +545,19 @@ class PrefillBackend(_PDBackend):
             "held_rooms": len(sched._held_pages),
         }
 
-    def _admit(self, sched: Any, stream: _Stream) -> None:
-        job, boot = stream.job, self._bootstrap_of(stream)
+    def admit_job(self, sched: Any, job: GenerateJob, accepted: float) -> None:
+        boot = self._bootstrap_of(job)
         req = sched.make_request(job.rid, list(job.input_ids), job.sampling, logprobs=job.logprobs)
-        sched.add_pd_request(req, boot.room, accepted=stream.accepted)
+        sched.add_pd_request(req, boot.room, accepted=accepted)
 
 
 class DecodeBackend(_PDBackend):
     """D: preallocates, pulls the KV from P, then streams the generation."""
 
-    def __init__(self, config: ServeConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: ServeConfig, spmd: SpmdLeader | None = None,
+                 pairing: PeerPairing | None = None) -> None:
+        super().__init__(config, spmd)
+        self._pairing = pairing
         self.side: DecodeSideChannel | None = None
         # P address -> (last heartbeat seq, rooms) as of the last tick: what to keep sending
         # while a long tick runs, so P's leases do not lapse because D is compiling.
@@ -456,7 +571,31 @@ class DecodeBackend(_PDBackend):
 
     def _check_peer(self, record: InstanceRecord) -> str | None:
         assert self.side is not None
+        processes = record.mesh_meta.get("processes", 1)
+        if processes != self.config.nnodes:
+            # Each rank pulls from the P rank in its own place (RFC-2 §6.2): one for one.
+            return (f"prefill {record.instance_id} spans {processes} process(es), this decode "
+                    f"{self.config.nnodes}: an instance spanning processes pairs rank for rank")
         return self.side.set_server_key(record.zmq_addr, record.curve_public_key)
+
+    def _agree_pulls(self, sched: Any) -> dict[int, str] | None:
+        """Rooms whose pull has finished on this rank and on every other (their reports), each
+        with "" or the first failure: every rank then scatters, or fails, the same rooms."""
+        assert self._spmd is not None
+        for report in self._spmd.reports():
+            self._rank_pulls.setdefault(report.room, {})[report.rank] = (
+                "" if report.ok else f"rank {report.rank}: {report.reason}")
+        gate = {}
+        for room, why in sched.pull_executor.ready().items():
+            theirs = self._rank_pulls.get(room, {})
+            if len(theirs) < self._spmd.ranks - 1:
+                continue
+            gate[room] = why or next((w for _, w in sorted(theirs.items()) if w), "")
+            del self._rank_pulls[room]
+        return gate
+
+    def _pulls_under_way(self, sched: Any) -> bool:
+        return bool(sched.pull_executor.inflight)
 
     async def _keepalive(self) -> None:
         """Carry out the core's ``RepeatWhileBusy`` while a tick outlasts its interval (a first
@@ -473,13 +612,15 @@ class DecodeBackend(_PDBackend):
                     self._send(send.peer, send.message)
                 self.busy_liveness_total += 1
 
-    def _build(self) -> Scheduler:
-        sched = self._timed(
-            "model_load",
-            lambda: DecodeScheduler(self.pd_args, on_pull_result=self._wake_from_thread),
+    def _new_scheduler(self) -> Scheduler:
+        ti = self.tick_inputs
+        if ti is None:
+            return DecodeScheduler(self.pd_args, on_pull_result=self._wake_from_thread)
+        return DecodeScheduler(
+            self.pd_args, clock=ti.clock, on_pull_result=self._wake_from_thread,
+            # One incarnation for every rank (the replicas' cores check P's answers with it).
+            incarnation=ti.rng.getrandbits(63) | 1, pairing=self._pairing,
         )
-        self._warm(sched)  # plain requests: D can serve those too (recompute, health checks)
-        return sched
 
     async def _start_io(self, nursery: trio.Nursery, sched: Any) -> InstanceRecord:
         self.side = DecodeSideChannel(
@@ -503,8 +644,7 @@ class DecodeBackend(_PDBackend):
             "pulls_inflight": sched.pull_executor.inflight,
         }
 
-    def _admit(self, sched: Any, stream: _Stream) -> None:
-        job = stream.job
+    def admit_job(self, sched: Any, job: GenerateJob, accepted: float) -> None:
         if job.bootstrap is None:
             # No P leg (a router's conditional disaggregation, or a plain client): D prefills it
             # itself, with its prefix cache if it runs one.
@@ -521,7 +661,7 @@ class DecodeBackend(_PDBackend):
             self._refusals.append((boot.host, boot.room, reason))  # told after our 400 is out
             raise ValueError(reason)
         req = sched.make_request(job.rid, list(job.input_ids), job.sampling, logprobs=job.logprobs)
-        sched.add_pd_request(req, f"{boot.host}:{port}", boot.room, accepted=stream.accepted)
+        sched.add_pd_request(req, f"{boot.host}:{port}", boot.room, accepted=accepted)
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()

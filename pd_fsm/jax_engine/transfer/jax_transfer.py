@@ -186,7 +186,9 @@ class JaxTransferKVEngine(KVTransferEngine):
         on_release: Callable[[ReleaseResult], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._device = device if device is not None else jax.devices()[0]
+        # This process's first device (in an instance spanning processes, jax.devices()[0] is
+        # rank 0's, which no other process can put a placeholder on).
+        self._device = device if device is not None else jax.local_devices()[0]
         self._sharding = jax.sharding.SingleDeviceSharding(self._device)
         if transport_streams < 1:
             raise ValueError("transport_streams must be >= 1")

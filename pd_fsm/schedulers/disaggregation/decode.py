@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 import random
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
@@ -37,6 +37,18 @@ log = logging.getLogger("pd_fsm.schedulers.decode")
 RECOMPUTABLE = frozenset({500, 502, 504})
 
 
+class PeerPairing(Protocol):
+    """A rank > 0 of a D instance spanning processes pulls from the P rank it pairs with, not
+    from the transfer address READY names (P's rank 0): RFC-2 §6.2's N:N pairing."""
+
+    def paired(self, transfer_addr: str) -> str:
+        """Where this rank pulls what P's rank 0 at ``transfer_addr`` offers (blocking; raises
+        ``PullError``)."""
+
+    def forget(self, transfer_addr: str) -> str | None:
+        """Drop what was learnt about that P (it restarted); the paired address, if known."""
+
+
 class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
     KV_COPY = "scatter"
     core: DecodeEndpoint
@@ -53,14 +65,20 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
         engine: KVTransferEngine | None,
         clock: Callable[[], float] | None,
         on_pull_result: Callable[[int], None] | None = None,
+        incarnation: int | None = None,
+        pairing: PeerPairing | None = None,
     ) -> None:
+        self._pairing = pairing
+        # None: collect every finished pull; else only these rooms (see set_pull_gate).
+        self._pull_gate: Mapping[int, str] | None = None
         self._init_common(
             engine or JaxTransferKVEngine(args.transfer_host, reaper_interval_s=None), clock
         )
         # A fresh incarnation per process: P frees what our previous process claimed.
         self.core = DecodeEndpoint(
             args.instance_id, self.layout_hash, args.decode_config(),
-            incarnation=random.SystemRandom().getrandbits(63) | 1,
+            incarnation=(random.SystemRandom().getrandbits(63) | 1 if incarnation is None
+                         else incarnation),
             pullable_kv_shards=kv_shard_counts(self.config.num_kv_heads),
         )
         self.recv_queue = self._create_recv_queue()
@@ -86,6 +104,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
             on_result=on_pull_result,  # e.g. wake the worker's loop (called on the pull thread)
             iterations=lambda: self.loop_iterations,
             thread_nice=args.pull_thread_nice,
+            peer_for=None if self._pairing is None else self._pairing.paired,
         )
 
     def _create_recv_queue(self) -> dict[int, Req]:
@@ -116,8 +135,14 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
     def step(self) -> list[RequestOutput]:
         return self._event_loop_decode_disagg()
 
+    def set_pull_gate(self, rooms: Mapping[int, str] | None) -> None:
+        """From now on collect only the finished pulls of ``rooms`` (room -> "" or why it failed
+        on another rank: then it fails here too); None: every finished pull. An instance
+        spanning processes sets it before each tick: every rank scatters the same rooms."""
+        self._pull_gate = rooms
+
     def _process_decode_queue(self) -> None:
-        for result in self.pull_executor.poll():
+        for result in self.pull_executor.poll(self._pull_gate):
             self._handle_recv_complete(result)
         self.deliver(ev.TimeAdvanced())
 
@@ -168,7 +193,10 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
                 )
             )
         elif isinstance(e, fx.ForgetTransfer):
-            self.engine.drop_connection(e.transfer_addr, "prefill restarted")
+            addr = e.transfer_addr if self._pairing is None else self._pairing.forget(
+                e.transfer_addr)
+            if addr is not None:
+                self.engine.drop_connection(addr, "prefill restarted")
         elif isinstance(e, fx.CompleteTransfer):
             self._lap(e.room, "decode_pull_report", "pulled", "entered")
             req = self.recv_queue.pop(e.room)
@@ -232,6 +260,8 @@ class DecodeScheduler(SchedulerDisaggregationDecodeMixin, Scheduler):
         engine: KVTransferEngine | None = None,
         clock: Callable[[], float] | None = None,
         on_pull_result: Callable[[int], None] | None = None,
+        incarnation: int | None = None,
+        pairing: PeerPairing | None = None,
     ) -> None:
         super().__init__(args, model=model)
-        self._init_decode(args, engine, clock, on_pull_result)
+        self._init_decode(args, engine, clock, on_pull_result, incarnation, pairing)

@@ -8,6 +8,10 @@ the one that serves HTTP, sends the others exactly those inputs: requests added,
 aborted, and "step now". The replicas then make the same decisions and launch the same sharded
 computations; their outputs are identical and thrown away.
 
+A prefill or decode instance sends :class:`TickStarted` instead of :class:`StepStarted`: the
+whole tick's inputs (rank 0's clock, side-channel and registry arrivals, legs, aborts) and, on
+D, the pulls every rank has finished, which the ranks report back (:class:`PullReported`).
+
 Frame layout::
 
     b"PS" | version (1 B) | kind (1 B) | seq (8 B, big-endian) | msgpack payload
@@ -29,6 +33,8 @@ import attrs
 import cattrs
 import msgpack
 
+from pd_fsm.core import codec
+from pd_fsm.core import events as ev
 from pd_fsm.core.errors import RemoteProtocolError
 from pd_fsm.jax_engine.sampling_params import SamplingParams
 from pd_fsm.schedulers.request import LogprobSpec
@@ -93,8 +99,79 @@ class Stopped:
     """Rank 0 is shutting down: the other ranks exit too."""
 
 
-Frame = Hello | StepStarted | Pinged | Stopped
-_KINDS: dict[int, type[Frame]] = {1: Hello, 2: StepStarted, 3: Pinged, 4: Stopped}
+# -- a prefill or decode instance (RFC-2 §6.2's N:N pairing): rank 0 runs the PD protocol, every
+# rank runs the same tick (``schedulers/disaggregation/tick.py``) on the same inputs.
+
+InboxEvent = ev.MessageReceived | ev.PeerResolved | ev.PeerResolutionFailed | ev.LegRefused
+
+
+@attrs.frozen
+class Arrival:
+    """One entry of rank 0's inbox: what came from the side channel or the registry, and when
+    (rank 0's ``time.monotonic()``)."""
+
+    arrived: float
+    event: InboxEvent
+
+
+@attrs.frozen
+class LegAdded:
+    """A PD leg (or a plain request, ``room`` None) rank 0 hands to its tick."""
+
+    rid: str
+    input_ids: tuple[int, ...]
+    sampling: SamplingParams
+    logprobs: LogprobSpec
+    accepted: float
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    room: int | None = None
+
+
+@attrs.frozen
+class PullAgreed:
+    """D: collect this room's pull in this tick; ``failure`` "" when it arrived on every rank,
+    else why some rank's failed (then every rank fails it)."""
+
+    room: int
+    failure: str = ""
+
+
+@attrs.frozen
+class TickStarted:
+    """Run one PD tick with rank 0's inputs: its clock, inbox, legs, aborts and (D) the pulls
+    every rank has. ``fingerprint``: rank 0's state after the previous tick, to compare."""
+
+    tick: int
+    now: float
+    fingerprint: str
+    arrivals: tuple[Arrival, ...] = ()
+    legs: tuple[LegAdded, ...] = ()
+    aborts: tuple[str, ...] = ()
+    pulls: tuple[PullAgreed, ...] = ()
+
+
+@attrs.frozen
+class PullReported:
+    """A rank > 0 to rank 0: its share of ``room``'s KV arrived (``ok``) or failed (``reason``)."""
+
+    rank: int
+    room: int
+    ok: bool
+    reason: str = ""
+
+
+@attrs.frozen
+class Announced:
+    """Rank 0's registry record (JSON), once, before any tick: a P rank registers its own
+    transfer server under the same instance and entry address, with its own ``tp_rank``."""
+
+    record: str
+
+
+Frame = Hello | StepStarted | Pinged | Stopped | TickStarted | PullReported | Announced
+_KINDS: dict[int, type[Frame]] = {1: Hello, 2: StepStarted, 3: Pinged, 4: Stopped,
+                                  5: TickStarted, 6: PullReported, 7: Announced}
 _KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
 
 _converter = cattrs.Converter(forbid_extra_keys=True)
@@ -137,6 +214,39 @@ def _structure_step(raw: Any, _: type) -> StepStarted:
 
 _converter.register_structure_hook(StepStarted, _structure_step)
 
+_EVENTS: dict[str, type[InboxEvent]] = {
+    c.__name__: c for c in (ev.MessageReceived, ev.PeerResolved, ev.PeerResolutionFailed,
+                            ev.LegRefused)
+}
+
+
+def _unstructure_arrival(a: Arrival) -> list[Any]:
+    e = a.event
+    if isinstance(e, ev.MessageReceived):  # the side channel's own codec, unsigned here
+        body: Any = [e.peer, codec.encode(e.message)]
+    else:
+        body = _converter.unstructure(e)
+    return [a.arrived, type(e).__name__, body]
+
+
+def _structure_arrival(raw: Any, _: type) -> Arrival:
+    if not (isinstance(raw, list) and len(raw) == 3 and raw[1] in _EVENTS):
+        raise ValueError(f"not an arrival: {raw!r:.80}")
+    arrived = _converter.structure(raw[0], float)
+    kind, body = _EVENTS[raw[1]], raw[2]
+    if kind is ev.MessageReceived:
+        if not (isinstance(body, list) and len(body) == 2 and isinstance(body[1], bytes)):
+            raise ValueError("a message arrival is [peer, bytes]")
+        event: InboxEvent = ev.MessageReceived(_converter.structure(body[0], str),
+                                               codec.decode(body[1]))
+    else:
+        event = _converter.structure(body, kind)
+    return Arrival(arrived, event)
+
+
+_converter.register_unstructure_hook(Arrival, _unstructure_arrival)
+_converter.register_structure_hook(Arrival, _structure_arrival)
+
 
 def encode(frame: Frame, seq: int, key: bytes | None) -> bytes:
     """``frame`` as bytes, numbered ``seq``, signed with ``key`` (the instance's
@@ -178,6 +288,6 @@ def decode(data: bytes, key: bytes | None) -> tuple[int, Frame]:
         raise SpmdProtocolError(f"malformed {cls.__name__}: {why}") from None
     except Exception as exc:  # msgpack, and the value types' own validators
         raise SpmdProtocolError(f"malformed {cls.__name__}: {exc}") from None
-    if isinstance(frame, Hello) and not 0 < frame.rank < MAX_RANKS:
-        raise SpmdProtocolError(f"hello from rank {frame.rank}: ranks > 0 say hello")
+    if isinstance(frame, Hello | PullReported) and not 0 < frame.rank < MAX_RANKS:
+        raise SpmdProtocolError(f"{cls.__name__} from rank {frame.rank}: only ranks > 0 send it")
     return seq, frame

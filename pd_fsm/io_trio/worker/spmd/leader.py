@@ -18,13 +18,16 @@ import zmq
 
 from pd_fsm.io_trio.worker.spmd.frames import (
     MAX_FRAME,
+    Announced,
     Command,
     Frame,
     Hello,
     Pinged,
+    PullReported,
     SpmdProtocolError,
     StepStarted,
     Stopped,
+    TickStarted,
     decode,
     encode,
 )
@@ -56,6 +59,7 @@ class SpmdLeader:
         self._key = key
         self._seq = 0
         self._peers: dict[int, bytes] = {}  # rank -> its ZMQ routing id
+        self._reported: dict[int, int] = {}  # rank -> seq of its last report taken
         self._dropped = 0
         self.stats = SpmdStats(ranks, 0, 0, 0)
         self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
@@ -93,6 +97,36 @@ class SpmdLeader:
     def step_started(self, commands: tuple[Command, ...]) -> None:
         """Before rank 0 runs a scheduler step: the others apply ``commands`` and step too."""
         self._send(StepStarted(commands))
+
+    def announce(self, record_json: str) -> None:
+        """Rank 0's registry record, before its first tick (see ``Announced``)."""
+        self._send(Announced(record_json))
+
+    def tick_started(self, frame: TickStarted) -> None:
+        """Before rank 0 runs a PD tick: the others run it too, on the same inputs."""
+        self._send(frame)
+
+    def reports(self) -> list[PullReported]:
+        """What the ranks reported since the last call (never blocks): each rank's reports in
+        its own numbering; a frame not from a joined rank, out of order or invalid is dropped
+        and counted."""
+        out = []
+        while self._sock.poll(0):
+            routing_id, data = self._sock.recv_multipart()
+            try:
+                seq, frame = decode(data, self._key)
+            except SpmdProtocolError as exc:
+                self._drop(f"a frame: {exc}")
+                continue
+            if not isinstance(frame, PullReported) or self._peers.get(frame.rank) != routing_id:
+                self._drop(f"{type(frame).__name__} not from the rank it names")
+                continue
+            if seq <= self._reported.get(frame.rank, 0):
+                self._drop(f"a replayed report of rank {frame.rank} (seq {seq})")
+                continue
+            self._reported[frame.rank] = seq
+            out.append(frame)
+        return out
 
     def ping(self) -> None:
         self._send(Pinged())
