@@ -113,5 +113,24 @@ async def test_a_one_process_decode_is_refused_by_name(fleet: Fleet) -> None:
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=120.0)) as http:
         answers = await _pd(http, p, d, prompt(9))
         assert answers[d.name].status_code == 502, answers[d.name].text
-        assert "spans 2 process(es), this decode 1" in error_message(answers[d.name])
+        assert "spans 2 process(es) at tp 2, this decode 1 at tp 2" in error_message(
+            answers[d.name])
         await wait_clean(http, p, d, timeout=60)
+
+
+async def test_a_killed_prefill_rank_fails_its_instance_loudly_and_decode_cleanly(
+        fleet: Fleet) -> None:
+    """Last (it breaks P): P's rank 1 gone, P's rank 0 answers its leg with a 500 naming it and
+    exits; D answers its leg with a 502 once P is silent, and holds nothing afterwards, on
+    either of its ranks (rank 1 would leave on any difference from rank 0)."""
+    p, d = fleet["p-rank0"], fleet["d-rank0"]
+    fleet["p-rank1"].kill()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=120.0)) as http:
+        answers = await _pd(http, p, d, prompt(7, 3))
+        assert answers[p.name].status_code == 500, answers[p.name].text
+        assert "rank 1 is gone" in answers[p.name].text
+        assert answers[d.name].status_code == 502, answers[d.name].text
+        await wait_clean(http, d, timeout=60)
+    assert p.popen is not None
+    assert await trio.to_thread.run_sync(p.popen.wait, 90) != 0, p.tail()
+    assert fleet["d-rank1"].alive(), fleet["d-rank1"].tail()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import msgpack
 import pytest
@@ -15,17 +16,25 @@ import zmq
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pd_fsm.core import events as ev
 from pd_fsm.core.keys import side_channel_key, spmd_key
+from pd_fsm.core.messages import Abort, Heartbeat
 from pd_fsm.io_trio.worker.spmd import frames
 from pd_fsm.io_trio.worker.spmd.follower import Divergence, apply_step, follow
 from pd_fsm.io_trio.worker.spmd.frames import (
+    Announced,
+    Arrival,
     Hello,
+    LegAdded,
     Pinged,
+    PullAgreed,
+    PullReported,
     RequestAborted,
     RequestAdded,
     SpmdProtocolError,
     StepStarted,
     Stopped,
+    TickStarted,
     decode,
     encode,
 )
@@ -57,10 +66,39 @@ _command = st.one_of(
                                  prompt_from=st.integers(-1, 100))),
     st.builds(RequestAborted, rid=st.text(max_size=40), message=st.text(max_size=40)),
 )
+_text = st.text(max_size=30)
+_event = st.one_of(
+    st.builds(ev.MessageReceived, peer=_text, message=st.one_of(
+        st.builds(Heartbeat, seq=st.integers(0, 2**31),
+                  rooms=st.lists(st.integers(0, 2**62), max_size=4).map(tuple)),
+        st.builds(Abort, room=st.integers(0, 2**62), reason=_text))),
+    st.builds(ev.PeerResolved, bootstrap_addr=_text, peer=_text, transfer_addr=_text,
+              layout_hash=_text),
+    st.builds(ev.PeerResolutionFailed, bootstrap_addr=_text, reason=_text),
+    st.builds(ev.LegRefused, room=st.integers(0, 2**62),
+              prefills=st.lists(_text, max_size=3).map(tuple), reason=_text),
+)
+_leg = st.builds(
+    LegAdded, rid=_text, input_ids=st.lists(st.integers(0, 2**31), max_size=20).map(tuple),
+    sampling=_sampling, logprobs=st.just(LogprobSpec()), accepted=st.floats(0, 1e9),
+    bootstrap_host=st.none() | _text, bootstrap_port=st.none() | st.integers(1, 65535),
+    room=st.none() | st.integers(0, 2**62),
+)
+_tick = st.builds(
+    TickStarted, tick=st.integers(1, 2**62), now=st.floats(0, 1e9), fingerprint=_text,
+    arrivals=st.lists(st.builds(Arrival, arrived=st.floats(0, 1e9), event=_event),
+                      max_size=4).map(tuple),
+    legs=st.lists(_leg, max_size=3).map(tuple), aborts=st.lists(_text, max_size=3).map(tuple),
+    pulls=st.lists(st.builds(PullAgreed, room=st.integers(0, 2**62), failure=_text),
+                   max_size=3).map(tuple),
+)
 _frame = st.one_of(
     st.builds(Hello, rank=st.integers(1, frames.MAX_RANKS - 1)),
     st.builds(StepStarted, commands=st.lists(_command, max_size=5).map(tuple)),
-    st.just(Pinged()), st.just(Stopped()),
+    st.just(Pinged()), st.just(Stopped()), _tick,
+    st.builds(PullReported, rank=st.integers(1, frames.MAX_RANKS - 1),
+              room=st.integers(0, 2**62), ok=st.booleans(), reason=_text),
+    st.builds(Announced, record=_text),
 )
 
 
@@ -97,6 +135,13 @@ def _raw(kind: int, payload: object, seq: int = 1) -> bytes:
     (_raw(2, [["RequestAdded", {"rid": "a", "input_ids": [1], "logprobs": {},
                                 "sampling": {"temperature": -1.0}}]]), None, "sampling"),
     (_raw(2, [["Unplanned", {}]]), None, "not a command"),
+    (_raw(5, {"tick": 1, "now": 0.0, "fingerprint": "", "arrivals": [[0.0, "MessageReceived",
+                                                                       ["p", b"junk"]]]}),
+     None, "not a pd_fsm frame"),  # the side channel's codec refuses the message inside
+    (_raw(5, {"tick": 1, "now": 0.0, "fingerprint": "", "arrivals": [[0.0, "TimeAdvanced",
+                                                                       {}]]}),
+     None, "expected Arrival @ TickStarted.arrivals"),  # not an event a tick takes
+    (_raw(6, {"rank": 0, "room": 1, "ok": True, "reason": ""}), None, "only ranks > 0"),
     (b"XX" + bytes(20), None, "not a command frame"),
     (b"PS\x07" + bytes(20), None, "version 7"),
     (b"P", None, "shorter than its header"),
@@ -221,3 +266,34 @@ def test_follower_leaves_a_silent_rank0(scheduler: Scheduler) -> None:
         assert result == [1]
     finally:
         rank0.close()
+
+
+def test_rank0_takes_each_ranks_reports_once_and_only_from_that_rank() -> None:
+    port = free_port()
+    leader = SpmdLeader(f"{HOST}:{port}", 2, KEY)
+    ctx = zmq.Context.instance()
+    rank1, stranger = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        for s in (rank1, stranger):
+            s.connect(f"tcp://{HOST}:{port}")
+        rank1.send(encode(Hello(1), 0, KEY))
+        leader.wait_for_ranks(5)
+        ok, failed = PullReported(1, 7, True), PullReported(1, 8, False, "timeout")
+        rank1.send(encode(ok, 1, KEY))
+        rank1.send(encode(ok, 1, KEY))  # a replay
+        stranger.send(encode(failed, 2, KEY))  # names rank 1, is not its connection
+        rank1.send(encode(failed, 2, b"y" * 32))  # forged
+        rank1.send(encode(failed, 2, KEY))
+        got: list[PullReported] = []
+        deadline = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            got += leader.reports()
+            time.sleep(0.01)
+        time.sleep(0.1)  # nothing more comes: the rest was dropped
+        got += leader.reports()
+        assert got == [ok, failed]
+        assert leader.stats.frames_dropped == 3
+    finally:
+        for s in (rank1, stranger):
+            s.close(linger=0)
+        leader.close()

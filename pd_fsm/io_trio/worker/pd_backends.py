@@ -262,7 +262,7 @@ class _PDBackend(ColocatedBackend, ABC):
     def _build(self) -> Scheduler:
         """Build and warm the role's scheduler (runs in a worker thread; every rank of an
         instance spanning processes builds its replica here, in step)."""
-        if self.config.nnodes > 1:
+        if self.tick_inputs is None and self.config.nnodes > 1:
             self.tick_inputs = TickInputs(shared_key())
         sched = self._timed("model_load", self._new_scheduler)
         self._warm(sched)  # plain requests: either role can serve those too
@@ -572,10 +572,13 @@ class DecodeBackend(_PDBackend):
     def _check_peer(self, record: InstanceRecord) -> str | None:
         assert self.side is not None
         processes = record.mesh_meta.get("processes", 1)
-        if processes != self.config.nnodes:
-            # Each rank pulls from the P rank in its own place (RFC-2 §6.2): one for one.
-            return (f"prefill {record.instance_id} spans {processes} process(es), this decode "
-                    f"{self.config.nnodes}: an instance spanning processes pairs rank for rank")
+        if processes != self.config.nnodes or (processes > 1
+                                               and record.tp_size != self.config.tp_size):
+            # Each rank pulls from the P rank in its own place (RFC-2 §6.2): one for one, the
+            # same shards on the same places (a one-process D regroups any P tp instead).
+            return (f"prefill {record.instance_id} spans {processes} process(es) at tp "
+                    f"{record.tp_size}, this decode {self.config.nnodes} at tp "
+                    f"{self.config.tp_size}: instances spanning processes pair rank for rank")
         return self.side.set_server_key(record.zmq_addr, record.curve_public_key)
 
     def _agree_pulls(self, sched: Any) -> dict[int, str] | None:
