@@ -32,7 +32,7 @@ from pd_fsm.io_trio.bench_client import (
     scrape_totals,
     side_of,
 )
-from pd_fsm.io_trio.cluster.local import free_ports
+from pd_fsm.io_trio.ports import free_ports
 from tests.integration.serve_support import PDCluster, Proc, cli, wait_http_ok
 
 POLICIES = ("round_robin", "cache_aware", "power_of_two")

@@ -37,7 +37,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pd_fsm.io_trio.bench_client import make_prompts, run_load
-from pd_fsm.io_trio.cluster.local import free_ports
+from pd_fsm.io_trio.ports import free_ports
 from tests.integration.serve_support import Proc, cli, wait_http_ok
 
 HOST = "127.0.0.1"

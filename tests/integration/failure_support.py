@@ -12,7 +12,6 @@ deadline (the window plus generous ``SLACK``), never a performance threshold.
 from __future__ import annotations
 
 import os
-import random
 import secrets
 import signal
 import socket
@@ -26,6 +25,8 @@ from typing import Any, TypeVar
 import attrs
 import httpx
 import trio
+
+from pd_fsm.io_trio.ports import free_port, free_port_pair  # noqa: F401 (the tests' helpers)
 
 HOST = "127.0.0.1"
 # Generous on purpose: 2 cores are shared with other test processes; a deadline, not a benchmark.
@@ -58,58 +59,6 @@ PAGE_SIZE = 4
 # The tiny model everywhere; page size and model seed must match between P, D and colocated.
 TINY = ["--model", "tiny", "--page-size", str(PAGE_SIZE), "--max-running", "8",
         "--max-batched-tokens", "256", "--context-length", "256"]
-
-
-_HANDED_OUT: set[int] = set()
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-_PORTS = random.Random()
-
-
-def free_port() -> int:
-    """A port free now, never handed out before in this test run, and outside the kernel's
-    ephemeral range. Ports are picked before the processes that bind them start: without the
-    set two picks (the bootstrap's and a worker's, seen once) could return the same number; and
-    a port from the ephemeral range (what binding port 0 gives) can meanwhile become the local
-    end of some process's outgoing connection (seen once in CI: a worker's "Address already in
-    use" at start)."""
-    low, high = _ephemeral_range()
-    candidates = range(20000, low) if low > 21000 else range(high + 1, 65000)
-    while True:
-        port = _PORTS.choice(candidates)
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind((HOST, port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
-        return port
-
-
-def free_port_pair() -> int:
-    """A port for which ``free_port``'s promises hold for it and its successor (a rank 0 of a
-    multi-process instance binds both)."""
-    while True:
-        port = free_port()
-        if port + 1 in _HANDED_OUT:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind((HOST, port + 1))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port + 1)
-        return port
 
 
 def cli(*args: str) -> list[str]:

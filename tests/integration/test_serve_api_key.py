@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from pd_fsm.io_trio.cluster.local import free_ports
+from pd_fsm.io_trio.ports import free_ports
 from tests.integration.serve_support import PDCluster, Proc, request_body
 from tests.integration.test_serve_pd import HAS_ROUTER
 

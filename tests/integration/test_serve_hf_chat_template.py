@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from pd_fsm.io_trio.cluster.local import free_ports
+from pd_fsm.io_trio.ports import free_ports
 from pd_fsm.jax_engine.chat_template import CHATML_TEMPLATE
 from pd_fsm.jax_engine.model import TINY
 from pd_fsm.jax_engine.model.params import random_params_np

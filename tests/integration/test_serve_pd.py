@@ -36,7 +36,7 @@ from pd_fsm.io_trio.bench_client import (
     phase_table,
     scrape,
 )
-from pd_fsm.io_trio.cluster.local import free_ports
+from pd_fsm.io_trio.ports import free_ports
 from pd_fsm.io_trio.worker.phases import PHASES, TTFT_NAME
 from tests.integration.serve_support import (
     ENDPOINTS,

@@ -15,7 +15,7 @@ import trio
 from pd_fsm.core.messages import MAX_ROOM
 from pd_fsm.io_trio.bootstrap.records import to_json
 from pd_fsm.io_trio.bootstrap.server import BootstrapServer, serve_bootstrap
-from pd_fsm.io_trio.cluster.local import free_ports
+from pd_fsm.io_trio.ports import free_ports
 from pd_fsm.io_trio.proxy.server import PrefillTarget, Proxy, serve_proxy
 from tests.integration.pd_standins import StandIn, serve_standin
 from tests.integration.serve_support import sse_events

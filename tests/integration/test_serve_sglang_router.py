@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from pd_fsm.core.messages import MAX_ROOM
-from pd_fsm.io_trio.cluster.local import free_ports
+from pd_fsm.io_trio.ports import free_ports
 from tests.integration.pd_standins import serve_standin
 
 pytestmark = pytest.mark.skipif(

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from pd_fsm.io_trio.cluster.local import free_ports
+from pd_fsm.io_trio.ports import free_ports
 from tests.integration.serve_support import Proc, cli, wait_http_ok
 
 HOST = "127.0.0.1"

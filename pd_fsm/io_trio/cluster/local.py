@@ -19,7 +19,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ import trio
 
 from pd_fsm.io_trio.api_key import bearer
 from pd_fsm.io_trio.http_server import http_client
+from pd_fsm.io_trio.ports import free_port_pair, free_ports
 from pd_fsm.io_trio.tls import NO_TLS, TLS, throwaway_ca
 
 log = logging.getLogger("pd_fsm.io_trio.cluster.local")
@@ -60,20 +60,6 @@ class Child:
     )
     healthy: bool = False
     status: str = "starting"
-
-
-def free_ports(n: int, host: str = HOST) -> list[int]:
-    """``n`` distinct ports free right now on ``host`` (the OS picks them)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((host, 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _cli(*args: str) -> list[str]:
@@ -125,36 +111,50 @@ def plan(args: argparse.Namespace, tls: TLS = NO_TLS) -> list[Child]:
         flags = [] if cpus is None else ["--cpus", cpus]
         return flags + ([] if tp is None else ["--tp", str(tp)])
 
-    for i, (port, side) in enumerate(zip(p_ports, side_ports, strict=True)):
-        children.append(Child(
-            f"prefill-{i}",
-            _cli("serve", *worker, *pinned("prefill"), "--port", str(port),
-                 "--disaggregation-mode", "prefill", *pd,
-                 "--disaggregation-side-channel-port", str(side)),
-            f"{scheme}://{HOST}:{port}", f"bootstrap port {side}",
-        ))
-    for i, port in enumerate(d_ports):
-        children.append(Child(
-            f"decode-{i}",
-            _cli("serve", *worker, *pinned("decode"), "--port", str(port),
-                 "--disaggregation-mode", "decode", *pd),
-            f"{scheme}://{HOST}:{port}",
-        ))
+    def instance(name: str, role: str, argv: list[str], url: str, extra: str = "") -> Child:
+        """One instance: a child, or with ``--ROLE-nnodes N`` N children of one instance (rank
+        0 serves HTTP; the others have no URL, and one that dies stops the cluster too)."""
+        nnodes = getattr(args, f"{role}_nnodes", 1) or 1
+        if nnodes == 1:
+            children.append(Child(name, argv, url, extra))
+            return children[-1]
+        addr = f"{HOST}:{free_port_pair()}"
+        for rank in range(nnodes):
+            ranked = [*argv, "--nnodes", str(nnodes), "--node-rank", str(rank),
+                      "--dist-init-addr", addr]
+            children.append(Child(name, ranked, url, extra) if rank == 0 else
+                                Child(f"{name}-rank{rank}", ranked,
+                                      extra=f"rank {rank} of {name}"))
+        return children[-nnodes]
+
+    prefills = [
+        instance(f"prefill-{i}", "prefill",
+                 _cli("serve", *worker, *pinned("prefill"), "--port", str(port),
+                      "--disaggregation-mode", "prefill", *pd,
+                      "--disaggregation-side-channel-port", str(side)),
+                 f"{scheme}://{HOST}:{port}", f"bootstrap port {side}")
+        for i, (port, side) in enumerate(zip(p_ports, side_ports, strict=True))
+    ]
+    decodes = [
+        instance(f"decode-{i}", "decode",
+                 _cli("serve", *worker, *pinned("decode"), "--port", str(port),
+                      "--disaggregation-mode", "decode", *pd),
+                 f"{scheme}://{HOST}:{port}")
+        for i, port in enumerate(d_ports)
+    ]
     if args.colocated:
-        children.append(Child(
-            "colocated",
-            _cli("serve", *worker, *pinned("colocated"), "--port", str(colo_port),
-                 "--disaggregation-mode", "null"),
-            f"{scheme}://{HOST}:{colo_port}",
-        ))
+        instance("colocated", "colocated",
+                 _cli("serve", *worker, *pinned("colocated"), "--port", str(colo_port),
+                      "--disaggregation-mode", "null"),
+                 f"{scheme}://{HOST}:{colo_port}")
     if n_p and n_d:
         proxy_args = ["proxy", "--host", HOST, "--port", str(proxy_port), *keyed, *quiet,
                       *tls.argv(), *shlex.split(args.proxy_args or "")]
         if keyed:
             proxy_args += ["--worker-api-key-file", str(args.api_key_file)]
-        for child, side in zip(children[1 : 1 + n_p], side_ports, strict=True):
+        for child, side in zip(prefills, side_ports, strict=True):
             proxy_args += ["--prefill", str(child.url), str(side)]
-        for child in children[1 + n_p : 1 + n_p + n_d]:
+        for child in decodes:
             proxy_args += ["--decode", str(child.url)]
         children.append(Child("proxy", _cli(*proxy_args), f"{scheme}://{HOST}:{proxy_port}",
                               f"{n_p} prefill, {n_d} decode"))
@@ -287,7 +287,7 @@ class Cluster:
         print(f"pd-fsm cluster: ready in {self.ready_after:.1f} s", flush=True)
         for child in self.children:
             extra = f"  ({child.extra})" if child.extra else ""
-            print(f"  {child.name:<12} {child.url}{extra}", flush=True)
+            print(f"  {child.name:<12} {child.url or '-'}{extra}", flush=True)
 
     async def _stop_all(self) -> None:
         # In tiers: the proxy first (no new rooms), then the workers, the bootstrap server last,
@@ -376,6 +376,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         p.add_argument(f"--{role}-tp", type=int, default=None, metavar="N",
                        help=f"every {role} worker tensor-parallel over N devices (`pd-fsm serve "
                             "--tp`); P and D may differ: D regroups P's KV shards")
+        p.add_argument(f"--{role}-nnodes", type=int, default=1, metavar="N",
+                       help=f"every {role} instance over N processes (`pd-fsm serve --nnodes`; "
+                            f"--{role}-tp a multiple of N); multi-process P and D pair rank for "
+                            "rank, so both need the same N and tp")
     p.add_argument("--log-level", default="WARNING",
                    help="of every child process (default WARNING; INFO shows each heartbeat)")
     p.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
@@ -419,6 +423,16 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if not (args.prefill or args.colocated):
         print("pd-fsm cluster: nothing to start", file=sys.stderr)
+        return 2
+    for role in ("prefill", "decode", "colocated"):
+        nnodes, tp = getattr(args, f"{role}_nnodes"), getattr(args, f"{role}_tp") or 1
+        if nnodes < 1 or tp % nnodes:
+            print(f"pd-fsm cluster: --{role}-nnodes {nnodes} must be >= 1 and divide "
+                  f"--{role}-tp {tp}", file=sys.stderr)
+            return 2
+    if args.ray is not None and max(args.prefill_nnodes, args.decode_nnodes,
+                                    args.colocated_nnodes) > 1:
+        print("pd-fsm cluster: --ROLE-nnodes is for the local runner (not --ray)", file=sys.stderr)
         return 2
     if args.ray is not None:
         from pd_fsm.io_trio.cluster import ray_cluster

@@ -45,7 +45,7 @@ from typing import Any
 
 import attrs
 
-from pd_fsm.io_trio.cluster.local import free_ports
+from pd_fsm.io_trio.ports import free_ports
 
 MAX_LINES = 5000  # per actor, kept until the driver reads them
 STOP_GRACE = 10.0

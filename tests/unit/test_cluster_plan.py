@@ -1,0 +1,50 @@
+"""`pd-fsm cluster --ROLE-nnodes N`: each instance of the role becomes N processes of one
+instance (one coordinator address, ranks 0..N-1, the role's tp), only rank 0 has a URL and is
+what the proxy routes to; flags that cannot make such an instance are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from pd_fsm.cli import build_parser
+from pd_fsm.io_trio.cluster.local import main, plan
+
+
+def _flag(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+def test_each_instance_is_n_processes_and_the_proxy_knows_rank_0() -> None:
+    args = build_parser().parse_args([
+        "cluster", "--model", "tiny", "--prefill", "2", "--decode", "1",
+        "--prefill-tp", "2", "--decode-tp", "4", "--prefill-nnodes", "2", "--decode-nnodes", "2"])
+    children = {c.name: c for c in plan(args)}
+    assert sorted(children) == ["bootstrap", "decode-0", "decode-0-rank1", "prefill-0",
+                                "prefill-0-rank1", "prefill-1", "prefill-1-rank1", "proxy"]
+    addrs = set()
+    for name in ("prefill-0", "prefill-1", "decode-0"):
+        rank0, rank1 = children[name], children[f"{name}-rank1"]
+        assert rank0.url is not None and rank1.url is None
+        assert [_flag(c.argv, "--node-rank") for c in (rank0, rank1)] == ["0", "1"]
+        assert {_flag(c.argv, "--nnodes") for c in (rank0, rank1)} == {"2"}
+        addr = {_flag(c.argv, "--dist-init-addr") for c in (rank0, rank1)}
+        assert len(addr) == 1
+        addrs |= addr
+        # The same instance: identical flags but the rank.
+        assert [a for a in rank0.argv if a not in ("0", "1")] == [
+            a for a in rank1.argv if a not in ("0", "1")]
+    assert len(addrs) == 3  # one coordinator per instance
+    proxy = children["proxy"].argv
+    assert [proxy[i + 1] for i, a in enumerate(proxy) if a in ("--prefill", "--decode")] == [
+        children["prefill-0"].url, children["prefill-1"].url, children["decode-0"].url]
+
+
+@pytest.mark.parametrize(("flags", "reason"), [
+    (["--prefill-nnodes", "2"], "--prefill-nnodes 2 must be >= 1 and divide --prefill-tp 1"),
+    (["--decode-tp", "2", "--decode-nnodes", "0"], "--decode-nnodes 0 must be >= 1"),
+])
+def test_impossible_instances_are_refused(flags: list[str], reason: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    args = build_parser().parse_args(["cluster", "--model", "tiny", *flags])
+    assert main(args) == 2
+    assert reason in capsys.readouterr().err
