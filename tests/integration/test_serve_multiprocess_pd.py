@@ -3,8 +3,8 @@
 of each runs the PD protocol; rank 1 runs the same ticks on rank 0's inputs. Each P rank
 registers its own transfer server (its own ``tp_rank``) and its shard of every room's KV; each D
 rank pulls its shard from the P rank in its place, found by ``GET /route`` with its full rank
-tuple, and the ranks scatter a room's KV in the same tick once all have it. Answers equal the
-one-process colocated tp=1 worker's; afterwards every page, room and registration is released
+tuple, and the ranks scatter a room's KV in the same tick once all have it. Answers equal a
+one-process worker's; afterwards every page, room and registration is released
 (rank 1's too: it would leave the instance on a mismatch with rank 0). A one-process D is
 refused by name before any pull."""
 
@@ -54,10 +54,11 @@ def _ranks(fleet: Fleet, name: str, mode: str) -> Proc:
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     fleet = Fleet(tmp_path_factory.mktemp("nnodes-pd"), secret=True, windows={})
     fleet.bootstrap()
-    fleet.colocated()
     _ranks(fleet, "p", "prefill")
     _ranks(fleet, "d", "decode")
-    fleet.decode("d-one", extra=["--tp", "2"])  # one process: not a partner for p
+    # One process: not a partner for p. Its own prefills of plain requests are the reference
+    # (tp=2 in one process answers as tp=1: test_serve_tp.py, tests/tp).
+    fleet.decode("d-one", extra=["--tp", "2"])
     try:
         fleet.start(timeout=300)
         yield fleet
@@ -84,7 +85,7 @@ async def test_two_process_pd_equals_colocated(fleet: Fleet) -> None:
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=120.0)) as http:
         for seed, n in enumerate(LENGTHS):
             ids = prompt(n, seed)
-            want = await greedy(http, fleet["colocated"], ids, NEW_TOKENS)
+            want = await greedy(http, fleet["d-one"], ids, NEW_TOKENS)
             answers = await _pd(http, p, d, ids)
             assert answers[p.name].status_code == 200, answers[p.name].text
             assert answers[d.name].status_code == 200, answers[d.name].text
@@ -109,13 +110,13 @@ async def test_two_process_pd_equals_colocated(fleet: Fleet) -> None:
 
 
 async def test_a_one_process_decode_is_refused_by_name(fleet: Fleet) -> None:
+    """D's leg alone (P's would end at its KV lease, as with any P that D refuses)."""
     p, d = fleet["p-rank0"], fleet["d-one"]
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=120.0)) as http:
-        answers = await _pd(http, p, d, prompt(9))
-        assert answers[d.name].status_code == 502, answers[d.name].text
-        assert "spans 2 process(es) at tp 2, this decode 1 at tp 2" in error_message(
-            answers[d.name])
-        await wait_clean(http, p, d, timeout=60)
+        r = await http.post(f"{d.url}/generate", json=leg(new_room(), prompt(9), NEW_TOKENS, p))
+        assert r.status_code == 502, r.text
+        assert "spans 2 process(es) at tp 2, this decode 1 at tp 2" in error_message(r)
+        await wait_clean(http, d, timeout=60)
 
 
 async def test_a_killed_prefill_rank_fails_its_instance_loudly_and_decode_cleanly(

@@ -42,7 +42,13 @@ from pd_fsm.io_trio.side_channel.channel import DecodeSideChannel, PrefillSideCh
 from pd_fsm.io_trio.worker.backend import BackendError, BootstrapInfo, GenerateJob
 from pd_fsm.io_trio.worker.colocated import SPMD_JOIN_TIMEOUT_S, ColocatedBackend, _Stream
 from pd_fsm.io_trio.worker.config import ServeConfig
-from pd_fsm.io_trio.worker.spmd.frames import Arrival, LegAdded, PullAgreed, TickStarted
+from pd_fsm.io_trio.worker.spmd.frames import (
+    Arrival,
+    InboxEvent,
+    LegAdded,
+    PullAgreed,
+    TickStarted,
+)
 from pd_fsm.io_trio.worker.spmd.tick_inputs import TickInputs, shared_key
 from pd_fsm.jax_engine.transfer.thread_priority import DataPlanePriority
 from pd_fsm.schedulers.disaggregation import (
@@ -72,7 +78,7 @@ SPMD_IDLE_TICK_S = 5.0
 
 def make_pd_backend(
     config: ServeConfig, spmd: SpmdLeader | None = None, pairing: PeerPairing | None = None
-) -> _PDBackend:
+) -> PDBackend:
     """The role's backend; ``spmd``: rank 0 of an instance spanning processes; ``pairing``: a
     D rank > 0's way to its P rank (its backend only builds the replica)."""
     if config.disaggregation_mode == "prefill":
@@ -126,7 +132,7 @@ def disaggregation_args(config: ServeConfig) -> DisaggregationArgs:
     )
 
 
-class _PDBackend(ColocatedBackend, ABC):
+class PDBackend(ColocatedBackend, ABC):
     """What the two roles share: the loop, the inbox, the bootstrap client."""
 
     scheduler: PrefillScheduler | DecodeScheduler | None  # type: ignore[assignment]
@@ -151,7 +157,8 @@ class _PDBackend(ColocatedBackend, ABC):
         self._secret = config.cluster_secret()
         # CURVE keys for the side channel (pd_fsm.io_trio.side_channel.curve), or None: plain TCP.
         self._curve = config.side_channel_curve
-        self._inbox_send, self._inbox_recv = trio.open_memory_channel[tuple[float, Any]](INBOX_SIZE)
+        self._inbox_send, self._inbox_recv = trio.open_memory_channel[tuple[float, InboxEvent]](
+            INBOX_SIZE)
         self._token: trio.lowlevel.TrioToken | None = None
         self.bootstrap: BootstrapClient | None = None
         self.inbox_dropped = 0
@@ -352,7 +359,7 @@ class _PDBackend(ColocatedBackend, ABC):
                 self._send(peer, reply)
         self._put(ev.MessageReceived(peer, message))
 
-    def _put(self, event: Any) -> None:
+    def _put(self, event: InboxEvent) -> None:
         try:
             self._inbox_send.send_nowait((time.monotonic(), event))
         except trio.WouldBlock:
@@ -513,7 +520,7 @@ class _PDBackend(ColocatedBackend, ABC):
                                        self.pd_args.resolve_timeout * 0.9, self.mode))
 
 
-class PrefillBackend(_PDBackend):
+class PrefillBackend(PDBackend):
     """P: answers its leg once the room's KV is handed off to D (READY sent)."""
 
     def __init__(self, config: ServeConfig, spmd: SpmdLeader | None = None) -> None:
@@ -551,7 +558,7 @@ class PrefillBackend(_PDBackend):
         sched.add_pd_request(req, boot.room, accepted=accepted)
 
 
-class DecodeBackend(_PDBackend):
+class DecodeBackend(PDBackend):
     """D: preallocates, pulls the KV from P, then streams the generation."""
 
     def __init__(self, config: ServeConfig, spmd: SpmdLeader | None = None,

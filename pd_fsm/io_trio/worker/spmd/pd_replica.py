@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -31,7 +32,7 @@ import trio
 from pd_fsm.io_trio.bootstrap.client import BootstrapClient, BootstrapError
 from pd_fsm.io_trio.bootstrap.records import InstanceRecord, record_from_json, split_host_port
 from pd_fsm.io_trio.worker.config import ServeConfig
-from pd_fsm.io_trio.worker.pd_backends import fingerprint, job_of, make_pd_backend
+from pd_fsm.io_trio.worker.pd_backends import PDBackend, fingerprint, job_of, make_pd_backend
 from pd_fsm.io_trio.worker.spmd.follower import Divergence, follow
 from pd_fsm.io_trio.worker.spmd.frames import Announced, Frame, PullReported, TickStarted
 from pd_fsm.jax_engine.transfer.base import PullError
@@ -104,8 +105,8 @@ class RankPairing:
 class PDReplica:
     """Rank 0's frames applied to this rank's PD scheduler (``follower.Replica``)."""
 
-    def __init__(self, backend: Any, sched: Any, rank: int,
-                 announced: Any = None) -> None:
+    def __init__(self, backend: PDBackend, sched: Any, rank: int,
+                 announced: Callable[[InstanceRecord], None] | None = None) -> None:
         """``announced(record)``: called with rank 0's registry record (P: register ours)."""
         self._backend = backend
         self._sched = sched
@@ -127,6 +128,7 @@ class PDReplica:
                              f"this rank's {self._fingerprint}")
         sched = self._sched
         inputs = self._backend.tick_inputs
+        assert inputs is not None  # a replica's backend is built with them
         inputs.start(frame.tick, frame.now)
         if self._decode:
             gate = {p.room: p.failure for p in frame.pulls}
