@@ -19,6 +19,7 @@ setup: $(STAMP)
 lint: setup
 	$(VENV)/bin/ruff check pd_fsm tests bench
 	$(VENV)/bin/mypy --strict pd_fsm/core pd_fsm/sim
+	$(VENV)/bin/mypy pd_fsm
 
 spec: setup
 	$(VENV)/bin/pd-fsm spec check

@@ -233,8 +233,9 @@ class Summary:
 async def run_load(url: str, args: argparse.Namespace, prompts: list[Prompt]) -> Summary:
     rng = random.Random(args.seed + 1)  # arrivals: the same schedule for both servers
     results: list[Result] = [Result() for _ in prompts]
-    limiter = trio.CapacityLimiter(args.max_concurrency or len(prompts) or 1)
-    limits = httpx.Limits(max_connections=max(limiter.total_tokens, 1) + 4)
+    capacity: int = args.max_concurrency or len(prompts) or 1  # --max-concurrency: an int
+    limiter = trio.CapacityLimiter(capacity)
+    limits = httpx.Limits(max_connections=max(capacity, 1) + 4)
     headers = bearer(args.api_key) if getattr(args, "api_key", None) else {}
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits,
                                  headers=headers) as http:
@@ -463,9 +464,9 @@ def cache_lines(prompts: Sequence[Prompt], completed: int, sides: dict[str, str]
     the proxy's routing decisions."""
     delta: dict[str, dict[str, float]] = {}
     for url, row in after.items():
-        side = delta.setdefault(sides.get(url, "worker"), {})
+        totals = delta.setdefault(sides.get(url, "worker"), {})
         for key, value in row.items():
-            side[key] = side.get(key, 0.0) + value - before.get(url, {}).get(key, 0.0)
+            totals[key] = totals.get(key, 0.0) + value - before.get(url, {}).get(key, 0.0)
     lines = [f"prefix reuse of the prompt set: {100 * prefix_reuse(prompts):.1f} % "
              "(characters that begin like an earlier prompt)"]
     pulled = delta.get("D", {}).get("kv_bytes", 0.0)

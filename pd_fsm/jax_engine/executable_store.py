@@ -93,8 +93,9 @@ def fingerprint() -> str:
         f"devices={len(devices)}",
         f"platform_version={first.client.platform_version}",
         f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}",
-        f"x64={jax.config.jax_enable_x64}",
-        f"precision={jax.config.jax_default_matmul_precision}",
+        # jax adds its options to Config as properties at import time (setattr): no stub has them.
+        f"x64={jax.config.jax_enable_x64}",  # type: ignore[attr-defined]
+        f"precision={jax.config.jax_default_matmul_precision}",  # type: ignore[attr-defined]
     ]
     if first.platform == "cpu":
         parts.append(f"cpu_flags={_cpu_flags()}")

@@ -50,6 +50,11 @@ def _metadata(
     return tuple(sorted((str(k), str(v)) for k, v in items))
 
 
+def _shape(value: Iterable[int]) -> tuple[int, ...]:
+    # A typed `tuple`: mypy's attrs plugin cannot take the generic builtin as a converter.
+    return tuple(value)
+
+
 @attrs.frozen
 class PoolTransferSpec:
     """One pool as it crosses the wire: per request one array
@@ -59,7 +64,7 @@ class PoolTransferSpec:
     pool_type: PoolType
     dtype: str
     num_layers: int
-    page_shape: tuple[int, ...] = attrs.field(converter=tuple)
+    page_shape: tuple[int, ...] = attrs.field(converter=_shape)
     sharding: str = "single_device"
     metadata: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_metadata)
 

@@ -79,7 +79,7 @@ class PullRequest:
 
     def page_map(self) -> Mapping[str, Sequence[int]] | Sequence[int]:
         if self.pages and isinstance(self.pages[0], tuple):
-            return dict(self.pages)  # type: ignore[arg-type]
+            return dict(self.pages)
         return self.pages  # type: ignore[return-value]
 
 

@@ -5,7 +5,7 @@ and ``--chat-template FILE`` replaces the model's template."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -252,7 +252,7 @@ class _IdleBackend:
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
 
-    async def generate(self, job: GenerateJob) -> AsyncIterator[RequestOutput]:
+    async def generate(self, job: GenerateJob) -> AsyncGenerator[RequestOutput, None]:
         raise AssertionError("the chat template should have failed first")
         yield  # pragma: no cover
 

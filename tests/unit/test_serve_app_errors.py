@@ -3,7 +3,7 @@ a stream starts, and as a final abort chunk + [DONE] once it has; bootstrap fiel
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import httpx
@@ -31,7 +31,7 @@ class ScriptedBackend:
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
 
-    async def generate(self, job: GenerateJob) -> AsyncIterator[RequestOutput]:
+    async def generate(self, job: GenerateJob) -> AsyncGenerator[RequestOutput, None]:
         self.jobs.append(job)
         for i in range(self.tokens):
             await trio.sleep(0)

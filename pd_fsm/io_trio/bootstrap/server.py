@@ -108,7 +108,7 @@ class BootstrapServer:
         replay_window_s: float = DEFAULT_WINDOW_S,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        self.registry = BootstrapRegistry(config)
+        self.registry: BootstrapRegistry[InstanceRecord] = BootstrapRegistry(config)
         self.sink = _RegistrySink()
         self.driver = EndpointDriver(self.registry, self.sink, name="bootstrap")
         self._key = registry_key(secret) if secret else None

@@ -24,6 +24,7 @@ import trio
 
 from pd_fsm.io_trio.proxy.logprob_merge import split_events
 from pd_fsm.io_trio.worker.responses import batch_body, indexed, summed_usage
+from pd_fsm.io_trio.worker.schemas import Kind
 from pd_fsm.io_trio.worker.sse import DONE, SSE_HEADERS, Receive, Send, event
 
 if TYPE_CHECKING:
@@ -112,7 +113,7 @@ class BatchResponse:
         if failed is not None:
             status, body = failed.status or 499, failed.json()
         else:
-            kind = "generate" if self.path == "/generate" else "completion"
+            kind: Kind = "generate" if self.path == "/generate" else "completion"
             status, body = 200, batch_body(kind, [c.json() for c in captures])
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json")]})

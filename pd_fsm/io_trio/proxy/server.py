@@ -253,10 +253,10 @@ class Proxy:
 
     def _apply(self, effect: Any, failure: tuple[int, Any] | None) -> None:
         if isinstance(effect, fx.DispatchRoom | fx.DispatchLocal):
-            s = self._dispatching.pop(effect.request_id)
-            s.room, s.decode = effect.room, effect.decode
-            s.prefill = effect.prefill if isinstance(effect, fx.DispatchRoom) else ""
-            self._sessions[effect.room] = s
+            started = self._dispatching.pop(effect.request_id)
+            started.room, started.decode = effect.room, effect.decode
+            started.prefill = effect.prefill if isinstance(effect, fx.DispatchRoom) else ""
+            self._sessions[effect.room] = started
             self._timer_wake.set()
             return
         if isinstance(effect, fx.ReplyError) and effect.room == -1:

@@ -13,7 +13,7 @@ import functools
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from importlib import metadata
 from pathlib import Path
@@ -299,7 +299,7 @@ class WorkerApp:
         )
         return parsed, job
 
-    async def _outputs(self, job: GenerateJob) -> AsyncIterator[RequestOutput]:
+    async def _outputs(self, job: GenerateJob) -> AsyncGenerator[RequestOutput, None]:
         """The backend's outputs, with the request counted as live while they flow."""
         self._live.add(job.rid)
         try:
@@ -461,7 +461,7 @@ class WorkerApp:
         with its own error chunk; the others go on."""
         units = [(parsed, job, self._accumulators(parsed, job)) for parsed, job in jobs]
         include_usage = jobs[0][0].include_usage
-        firsts = []  # each job's first index in the answer
+        firsts: list[int] = []  # each job's first index in the answer
         for _, _, accs in units:
             firsts.append(sum(len(u[2]) for u in units[: len(firsts)]))
             for acc in accs:
@@ -508,11 +508,11 @@ class WorkerApp:
         self,
         endpoint: str,
         head: RequestOutput,
-        outputs: AsyncIterator[RequestOutput],
+        outputs: AsyncGenerator[RequestOutput, None],
         acc: Accumulator,
         timing: _Timing,
     ) -> AsyncIterator[bytes]:
-        async with aclosing(outputs):  # type: ignore[type-var]
+        async with aclosing(outputs):
             timing.output(head)
             for payload in acc.chunks(head):
                 yield event(payload)

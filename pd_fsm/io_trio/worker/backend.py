@@ -8,7 +8,7 @@ scheduler and runs it from one trio task (`serve`), moving blocking JAX work to 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
 import attrs
@@ -53,7 +53,7 @@ class Backend(Protocol):
         """Run the scheduler loop until cancelled; ``started()`` once requests can be accepted."""
         ...
 
-    def generate(self, job: GenerateJob) -> AsyncIterator[RequestOutput]:
+    def generate(self, job: GenerateJob) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of ``job`` in order; the last has ``finish_reason`` set. Raises BackendError
         (before or during the stream) when the request fails; leaving the iterator early (the
         client went away) aborts the request and frees everything it held."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
@@ -158,7 +158,7 @@ class ColocatedBackend:
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(self._spmd.stop, limiter=self._limiter)
 
-    async def generate(self, job: GenerateJob) -> AsyncIterator[RequestOutput]:
+    async def generate(self, job: GenerateJob) -> AsyncGenerator[RequestOutput, None]:
         if not self._ready:
             raise BackendError(503, "the model is still loading")
         if job.rid in self._streams:

@@ -10,7 +10,7 @@ import argparse
 import os
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 import attrs
 
@@ -34,6 +34,17 @@ TRANSFER_BACKENDS = ("jax",)
 HOST_HEAP_POLICIES = ("hugepages", "default")  # pd_fsm.jax_engine.host_memory
 WARMUP_MODES = ("full", "minimal")
 DEFAULT_MAX_BODY = 8 * 1024 * 1024  # a 100k-token prompt as JSON ids is ~700 KB
+
+
+class PDWindows(TypedDict):
+    """``ServeConfig.pd_windows()``: the PD windows, named as DisaggregationArgs' fields."""
+
+    lease_initial: float
+    lease_extension: float
+    peer_timeout: float
+    ready_timeout: float
+    transfer_timeout: float
+    pull_deadline: float
 
 
 @attrs.frozen(kw_only=True)
@@ -149,7 +160,7 @@ class ServeConfig:
                          else self.radix_cache),
         )
 
-    def pd_windows(self) -> dict[str, float]:
+    def pd_windows(self) -> PDWindows:
         """The PD windows as DisaggregationArgs fields."""
         return {
             "lease_initial": self.disaggregation_lease_initial,

@@ -24,7 +24,6 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -135,7 +134,7 @@ def disaggregation_args(config: ServeConfig) -> DisaggregationArgs:
 class PDBackend(ColocatedBackend, ABC):
     """What the two roles share: the loop, the inbox, the bootstrap client."""
 
-    scheduler: PrefillScheduler | DecodeScheduler | None  # type: ignore[assignment]
+    scheduler: PrefillScheduler | DecodeScheduler | None
 
     def __init__(self, config: ServeConfig, spmd: SpmdLeader | None = None) -> None:
         super().__init__(
@@ -266,7 +265,7 @@ class PDBackend(ColocatedBackend, ABC):
 
     # -- pieces each role supplies ---
 
-    def _build(self) -> Scheduler:
+    def _build(self) -> PrefillScheduler | DecodeScheduler:
         """Build and warm the role's scheduler (runs in a worker thread; every rank of an
         instance spanning processes builds its replica here, in step)."""
         if self.tick_inputs is None and self.config.nnodes > 1:
@@ -276,7 +275,7 @@ class PDBackend(ColocatedBackend, ABC):
         return sched
 
     @abstractmethod
-    def _new_scheduler(self) -> Scheduler:
+    def _new_scheduler(self) -> PrefillScheduler | DecodeScheduler:
         """The role's scheduler, with ``tick_inputs``' clock and random source if any."""
 
     @abstractmethod
@@ -372,6 +371,9 @@ class PDBackend(ColocatedBackend, ABC):
                 trio.from_thread.run_sync(self._wake.set, trio_token=self._token)
 
     async def _pd_loop(self, sched: Any, nursery: trio.Nursery) -> None:
+        def start_resolve(bootstrap_addr: str) -> None:
+            nursery.start_soon(self._resolve, bootstrap_addr)
+
         while True:
             self._wake = trio.Event()
             inbox: list[tuple[float, Any]] = []
@@ -406,7 +408,7 @@ class PDBackend(ColocatedBackend, ABC):
                 for phase, value in result.phases:
                     self.phase_observer(phase, value)
             for effect in result.outbox:
-                carry_out_io(effect, self._side(), partial(nursery.start_soon, self._resolve))
+                carry_out_io(effect, self._side(), start_resolve)
             for stream, status, reason in result.refused:
                 self._fail(stream, BackendError(status, reason))
             self._after_refusals(nursery)
@@ -527,7 +529,7 @@ class PrefillBackend(PDBackend):
         super().__init__(config, spmd)
         self.side: PrefillSideChannel | None = None
 
-    def _new_scheduler(self) -> Scheduler:
+    def _new_scheduler(self) -> PrefillScheduler:
         ti = self.tick_inputs
         if ti is None:
             return PrefillScheduler(self.pd_args)
@@ -622,7 +624,7 @@ class DecodeBackend(PDBackend):
                     self._send(send.peer, send.message)
                 self.busy_liveness_total += 1
 
-    def _new_scheduler(self) -> Scheduler:
+    def _new_scheduler(self) -> DecodeScheduler:
         ti = self.tick_inputs
         if ti is None:
             return DecodeScheduler(self.pd_args, on_pull_result=self._wake_from_thread)

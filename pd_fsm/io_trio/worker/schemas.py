@@ -341,7 +341,7 @@ def _constraint(d: dict[str, Any], path: str) -> Constraint | None:
         if source is not None:
             if key == "json_schema":
                 _json_text(source, _where(path, key))
-            found.append(Constraint(key, source))  # type: ignore[arg-type]
+            found.append(Constraint(key, source))
     fmt = d.get("response_format")
     if fmt is not None:
         found += _response_format(fmt)

@@ -8,12 +8,12 @@ so every long wait here runs next to a task that reads ``http.disconnect`` and c
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any, TypeVar
 
 import trio
 
-Receive = Callable[[], Awaitable[dict[str, Any]]]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]  # as starlette types an ASGI receive
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 T = TypeVar("T")
 

@@ -29,6 +29,7 @@ K of kv-head ``h`` at ``2h`` and V at ``2h+1``. The kv list is donated: use the 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -361,7 +362,7 @@ def decode(
 
 def compile_forward(
     params: Params,
-    kv: KV,
+    kv: Sequence[jax.Array | jax.ShapeDtypeStruct],
     batch: int,
     t: int,
     width: int,
@@ -370,7 +371,8 @@ def compile_forward(
     all_logits: bool = False,
 ) -> None:
     """Compile, without running anything, every executable that ``extend`` (``decode`` when
-    ``t == 1``) runs for ``tokens[batch, t]`` over a ``width``-page table, into ``EXECUTABLES``."""
+    ``t == 1``) runs for ``tokens[batch, t]`` over a ``width``-page table, into ``EXECUTABLES``.
+    ``kv``: the pools, or only their shapes (``ShapeDtypeStruct`` s)."""
 
     def i32(*shape: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, jnp.int32)

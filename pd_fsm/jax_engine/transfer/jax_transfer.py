@@ -126,7 +126,8 @@ def _wait_ready(
     start = clock()
     while True:
         try:
-            if all(a.is_ready() for a in arrays):
+            # is_ready() comes from jaxlib's C++ ArrayImpl (a concrete jax.Array); no stub has it.
+            if all(a.is_ready() for a in arrays):  # type: ignore[attr-defined]
                 jax.block_until_ready(list(arrays))  # ready: returns at once, raises on error
                 return None
         except Exception as e:

@@ -24,6 +24,7 @@ from pd_fsm.core.drive import drive
 from pd_fsm.jax_engine.pool_spec import KVArgs, PoolTransferSpec
 from pd_fsm.jax_engine.room_kv import warm_room_copies
 from pd_fsm.jax_engine.transfer.base import KVTransferEngine
+from pd_fsm.schedulers.disaggregation.args import DisaggregationArgs
 from pd_fsm.schedulers.request import FinishReason, Req
 from pd_fsm.schedulers.scheduler import MAIN_KV, Scheduler
 
@@ -39,6 +40,7 @@ class DuplicateRoomError(ValueError):
 
 
 class DisaggregationCommon(Scheduler, ABC):
+    args: DisaggregationArgs  # P's and D's constructors take these (Scheduler stores them)
     clock: Callable[[], float]
     engine: KVTransferEngine
     kv_args: KVArgs

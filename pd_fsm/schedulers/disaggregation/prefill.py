@@ -157,9 +157,9 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
         elif isinstance(e, fx.ReleaseKV):
             self._release_kv(e.room, e.uuid)
         elif isinstance(e, fx.FailRequest):
-            req = self.req_of.get(e.room)
-            if req is not None:
-                self._fail_request(req, e.status, e.reason)
+            failed = self.req_of.get(e.room)
+            if failed is not None:
+                self._fail_request(failed, e.status, e.reason)
         else:
             raise TypeError(f"prefill scheduler cannot carry out {e!r}")
 
