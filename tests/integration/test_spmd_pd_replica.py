@@ -15,7 +15,14 @@ from pd_fsm.core.messages import Done, RecvInit
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.pd_backends import fingerprint, make_pd_backend
 from pd_fsm.io_trio.worker.spmd.follower import Divergence
-from pd_fsm.io_trio.worker.spmd.frames import Arrival, LegAdded, Pinged, StepStarted, TickStarted
+from pd_fsm.io_trio.worker.spmd.frames import (
+    Announced,
+    Arrival,
+    LegAdded,
+    Pinged,
+    StepStarted,
+    TickStarted,
+)
 from pd_fsm.io_trio.worker.spmd.pd_replica import PDReplica
 from pd_fsm.io_trio.worker.spmd.tick_inputs import TickInputs
 from pd_fsm.jax_engine.sampling_params import SamplingParams
@@ -86,3 +93,11 @@ def test_a_frame_the_replica_cannot_follow_is_a_divergence(
     with pytest.raises(Divergence, match="cannot apply Pinged"):
         replica.apply(Pinged())
     assert fingerprint(sched)  # untouched and still readable
+
+
+def test_an_unreadable_record_from_rank0_is_a_divergence(
+        replicas: list[tuple[PDReplica, object]]) -> None:
+    replica, _ = replicas[0]
+    for junk in ("not json", '{"role": "prefill"}'):
+        with pytest.raises(Divergence, match="registry record is unreadable"):
+            replica.apply(Announced(junk))

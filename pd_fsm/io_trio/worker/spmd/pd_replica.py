@@ -30,7 +30,11 @@ import attrs
 import trio
 
 from pd_fsm.io_trio.bootstrap.client import BootstrapClient, BootstrapError
-from pd_fsm.io_trio.bootstrap.records import InstanceRecord, record_from_json, split_host_port
+from pd_fsm.io_trio.bootstrap.records import (
+    InstanceRecord,
+    record_from_json,
+    split_host_port,
+)
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.pd_backends import PDBackend, fingerprint, job_of, make_pd_backend
 from pd_fsm.io_trio.worker.spmd.follower import Divergence, follow
@@ -118,8 +122,12 @@ class PDReplica:
 
     def apply(self, frame: Frame) -> None:
         if isinstance(frame, Announced):
+            try:
+                record = record_from_json(json.loads(frame.record))
+            except ValueError as exc:  # json's, and RecordError's (a ValueError)
+                raise Divergence(f"rank 0's registry record is unreadable: {exc}") from None
             if self._announced is not None:
-                self._announced(record_from_json(json.loads(frame.record)))
+                self._announced(record)
             return
         if not isinstance(frame, TickStarted):
             raise Divergence(f"a PD rank cannot apply {type(frame).__name__}")
