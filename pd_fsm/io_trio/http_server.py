@@ -18,6 +18,13 @@ Hypercorn 0.18's trio TCPServer then races its connection close (``send_eof``) a
 ``serve_listeners`` and takes the whole server down (measured here: the router's first probe
 killed a worker). The subclass below treats that error like the ``BrokenResourceError`` hypercorn
 already handles: the connection is closing anyway, the data has nowhere to go.
+
+**One connection never takes the server down.** The same probes met another hypercorn 0.18 bug
+in a CI run: an HTTP/2 event for a stream its h2 protocol had already dropped (``KeyError: 1``
+in ``H2Protocol._handle_events``), which also escaped ``serve_listeners`` and ended a prefill
+worker in the middle of a test module. Whatever a connection's handler raises is now logged and
+counted (:func:`connection_failures`, ``http_connection_failures_total`` in a worker's stats);
+hypercorn has closed that connection already, and every other one is served as before.
 """
 
 from __future__ import annotations
@@ -41,7 +48,25 @@ SERVER_KEEP_ALIVE_S = 120.0
 CLIENT_KEEPALIVE_EXPIRY_S = 30.0
 
 
+log = logging.getLogger("pd_fsm.io_trio.http_server")
+_failures = 0  # connections whose handler raised (trio's thread only: no lock needed)
+
+
+def connection_failures() -> int:
+    """Connections of this process's HTTP servers whose protocol handler failed (each closed)."""
+    return _failures
+
+
 class _ClosingSafeTCPServer(TCPServer):
+    async def run(self) -> None:
+        global _failures
+        try:
+            await super().run()  # closes the connection in its own ``finally``
+        except Exception as exc:  # contained: one connection, not the server
+            _failures += 1
+            log.warning("closed an HTTP connection whose handler failed (%d so far): %r",
+                        _failures, exc)
+
     async def protocol_send(self, event: Event) -> None:
         try:
             await super().protocol_send(event)

@@ -87,7 +87,7 @@ def plan(args: argparse.Namespace, tls: TLS = NO_TLS) -> list[Child]:
     """The children to start, in start order (the proxy last); with ``tls``, every one serves
     HTTPS with its certificate and verifies the others against its CA."""
     n_p, n_d = args.prefill, args.decode
-    ports = free_ports(2 + 2 * n_p + n_d + 1)
+    ports = free_ports(2 + 2 * n_p + n_d + 1, launcher=True)
     boot_port, proxy_port = ports[0], ports[1]
     p_ports = ports[2 : 2 + n_p]
     side_ports = ports[2 + n_p : 2 + 2 * n_p]
@@ -118,7 +118,7 @@ def plan(args: argparse.Namespace, tls: TLS = NO_TLS) -> list[Child]:
         if nnodes == 1:
             children.append(Child(name, argv, url, extra))
             return children[-1]
-        addr = f"{HOST}:{free_port_pair()}"
+        addr = f"{HOST}:{free_port_pair(launcher=True)}"
         for rank in range(nnodes):
             ranked = [*argv, "--nnodes", str(nnodes), "--node-rank", str(rank),
                       "--dist-init-addr", addr]

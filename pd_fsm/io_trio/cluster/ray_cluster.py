@@ -97,7 +97,7 @@ class ServiceActor:
                 if not _is_ours(old_pid):
                     break
                 time.sleep(0.05)
-        self.ports: list[int] = state.get("ports") or free_ports(n_ports, self.host)
+        self.ports: list[int] = state.get("ports") or free_ports(n_ports, self.host, launcher=True)
         self.restarts: int = int(state.get("restarts", -1)) + 1
         self.health_port = None if health_port is None else self.ports[health_port]
         fields = {"host": self.host, **{f"port{i}": p for i, p in enumerate(self.ports)}}

@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pd_fsm.io_trio.api_key import ApiKeyGate
-from pd_fsm.io_trio.http_server import serve_app
+from pd_fsm.io_trio.http_server import connection_failures, serve_app
 from pd_fsm.io_trio.worker import schemas
 from pd_fsm.io_trio.worker.backend import Backend, BackendError, GenerateJob
 from pd_fsm.io_trio.worker.config import ServeConfig
@@ -171,6 +171,8 @@ class WorkerApp:
         stats = dict(self.backend.stats())
         stats.setdefault("live_requests", len(self._live))
         stats["ready"] = self.ready()
+        # Connections a protocol error closed (http_server.py): the server kept serving.
+        stats["http_connection_failures_total"] = connection_failures()
         return stats
 
     # ----------------------------------------------------------------- errors
