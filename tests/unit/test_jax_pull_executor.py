@@ -95,3 +95,40 @@ def test_lease_extension_and_reap() -> None:
     assert [r.uuid for r in engine.reap_expired()] == [1]
     assert not engine.extend_lease(1, 5)
     engine.close()
+
+
+def test_a_gate_collects_only_its_rooms_and_fails_what_another_rank_lost() -> None:
+    """An instance spanning processes (``DecodeScheduler.set_pull_gate``): finished pulls wait
+    (``ready``) until the gate names them; a room another rank failed is failed here too with
+    that rank's reason, its pulled KV dropped, not scattered."""
+    p_engine = JaxTransferKVEngine(reaper_interval_s=None)
+    d_engine = JaxTransferKVEngine(reaper_interval_s=None)
+    p_holder = KVCacheHolder({"main_kv": _pool(3)})
+    d_holder = KVCacheHolder({"main_kv": _pool(4)})
+    with d_holder.locked() as kv:
+        untouched = [np.asarray(a) for a in kv["main_kv"]]
+    arrived = threading.Semaphore(0)
+    ex = PullExecutor(d_engine, d_holder, ARGS, deadline_s=10,
+                      on_result=lambda room: arrived.release())
+    for uuid, room, d_pages in ((8, 80, [1, 2]), (9, 90, [3, 4])):
+        p_engine.register(uuid, gather_room(p_holder, ARGS, [5, 6]), lease_s=30)
+        ex.submit(PullRequest(room, uuid, p_engine.address, d_pages, ARGS.layout_hash))
+    assert arrived.acquire(timeout=15) and arrived.acquire(timeout=15)
+    assert ex.ready() == {80: "", 90: ""}
+    assert ex.poll({}) == [] and ex.inflight == 2  # nothing named: nothing collected
+    (lost,) = ex.poll({90: "rank 1: timeout after 60s"})
+    assert (lost.room, lost.ok, lost.reason) == (90, False, "rank 1: timeout after 60s")
+    (kept,) = ex.poll({80: ""})
+    assert kept.ok and ex.ready() == {} and ex.inflight == 0
+    with p_holder.locked() as kv:
+        src = [np.asarray(a) for a in kv["main_kv"]]
+    with d_holder.locked() as kv:
+        got = [np.asarray(a) for a in kv["main_kv"]]
+    for layer in range(CFG.num_layers):
+        assert np.array_equal(got[layer][[1, 2]], src[layer][[5, 6]])  # room 80 scattered
+        assert np.array_equal(got[layer][[3, 4]], untouched[layer][[3, 4]])  # 90's dropped
+    ex.close()
+    for uuid in (8, 9):
+        p_engine.release(uuid, "done")
+    p_engine.close()
+    d_engine.close()
