@@ -25,6 +25,11 @@ InstanceKey = tuple[str, str, int, int, int, int]
 RANK_AXES = ("tp", "cp", "dp", "pp")
 
 
+def rank_query(tp_rank: int = 0) -> dict[str, int]:
+    """The full rank tuple a lookup names (``GET /route``): ``tp_rank``, the other axes 0."""
+    return {f"{a}_rank": tp_rank if a == "tp" else 0 for a in RANK_AXES}
+
+
 class RecordError(ValueError):
     """A body that is not a valid record; ``problems`` names each field at fault."""
 

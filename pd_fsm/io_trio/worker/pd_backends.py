@@ -35,7 +35,12 @@ from pd_fsm.core.messages import (
     Message,
 )
 from pd_fsm.io_trio.bootstrap.client import BootstrapClient, BootstrapError, BootstrapResolver
-from pd_fsm.io_trio.bootstrap.records import InstanceRecord, split_host_port, to_json
+from pd_fsm.io_trio.bootstrap.records import (
+    InstanceRecord,
+    rank_query,
+    split_host_port,
+    to_json,
+)
 from pd_fsm.io_trio.driver import SideChannel, carry_out_io, resolve_within
 from pd_fsm.io_trio.side_channel.channel import DecodeSideChannel, PrefillSideChannel
 from pd_fsm.io_trio.worker.backend import BackendError, BootstrapInfo, GenerateJob
@@ -514,7 +519,7 @@ class PDBackend(ColocatedBackend, ABC):
     async def _resolve(self, bootstrap_addr: str) -> None:
         assert self.bootstrap is not None
         resolver = BootstrapResolver(
-            self.bootstrap, {"tp_rank": 0, "cp_rank": 0, "dp_rank": 0, "pp_rank": 0},
+            self.bootstrap, rank_query(),
             check=self._check_peer,
         )
         # Inside the core's own resolve deadline, so this clearer answer arrives first.

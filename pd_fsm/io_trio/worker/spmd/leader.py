@@ -78,12 +78,10 @@ class SpmdLeader:
             if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
                 missing = sorted(set(range(1, self.ranks)) - set(self._peers))
                 raise SpmdError(f"ranks {missing} did not join within {timeout:g} s")
-            routing_id, data = self._sock.recv_multipart()
-            try:
-                _, frame = decode(data, self._key)
-            except SpmdProtocolError as exc:
-                self._drop(f"a frame: {exc}")
+            received = self._receive()
+            if received is None:
                 continue
+            routing_id, _, frame = received
             if not isinstance(frame, Hello) or frame.rank >= self.ranks:
                 self._drop(f"{frame!r} (an instance of {self.ranks} ranks)")
                 continue
@@ -112,12 +110,10 @@ class SpmdLeader:
         and counted."""
         out = []
         while self._sock.poll(0):
-            routing_id, data = self._sock.recv_multipart()
-            try:
-                seq, frame = decode(data, self._key)
-            except SpmdProtocolError as exc:
-                self._drop(f"a frame: {exc}")
+            received = self._receive()
+            if received is None:
                 continue
+            routing_id, seq, frame = received
             if not isinstance(frame, PullReported) or self._peers.get(frame.rank) != routing_id:
                 self._drop(f"{type(frame).__name__} not from the rank it names")
                 continue
@@ -137,6 +133,17 @@ class SpmdLeader:
             self._send(Stopped())
         except SpmdError as exc:
             log.info("could not tell every rank to stop: %s", exc)
+
+    def _receive(self) -> tuple[bytes, int, Frame] | None:
+        """The next frame on the rank socket with its sender and number (blocks until one is
+        there: poll first); None when it does not decode (dropped and counted)."""
+        routing_id, data = self._sock.recv_multipart()
+        try:
+            seq, frame = decode(data, self._key)
+        except SpmdProtocolError as exc:
+            self._drop(f"a frame: {exc}")
+            return None
+        return routing_id, seq, frame
 
     def _drop(self, what: str) -> None:
         self._dropped += 1

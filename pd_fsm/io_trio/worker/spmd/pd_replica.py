@@ -32,6 +32,7 @@ import trio
 from pd_fsm.io_trio.bootstrap.client import BootstrapClient, BootstrapError
 from pd_fsm.io_trio.bootstrap.records import (
     InstanceRecord,
+    rank_query,
     record_from_json,
     split_host_port,
 )
@@ -92,8 +93,8 @@ class RankPairing:
                                      f"{transfer_addr}")
             entry = entries[0]
             host, port = split_host_port(entry.advertised)
-            ranks = {"tp_rank": self._tp_rank, "cp_rank": 0, "dp_rank": 0, "pp_rank": 0}
-            records = [r for r in await self._client.resolve(host, port, "prefill", ranks)
+            records = [r for r in await self._client.resolve(host, port, "prefill",
+                                                             rank_query(self._tp_rank))
                        if r.instance_id == entry.instance_id]
         if not records:
             raise BootstrapError(f"prefill {entry.instance_id} has no tp_rank {self._tp_rank}")
