@@ -42,6 +42,7 @@ from hypercorn.trio import run as hypercorn_run
 from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.tcp_server import TCPServer
 
+from pd_fsm.io_trio.http_edge import contained
 from pd_fsm.io_trio.tls import NO_TLS, TLS
 
 SERVER_KEEP_ALIVE_S = 120.0
@@ -127,11 +128,13 @@ async def serve_app(
     shutdown_trigger: Callable[[], Awaitable[Any]] | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` on ``host:port`` (0: any free port); ``started()`` with the bound URLs."""
+    """Serve ``app`` on ``host:port`` (0: any free port); ``started()`` with the bound URLs.
+    A request whose handler raises is answered 500 and counted, never the server's end
+    (``http_edge.Contained``)."""
     install_probe_safe_server()
     # Starlette is an ASGI 3 app; hypercorn's annotation is narrower than the protocol.
     await hypercorn_serve(
-        cast(Any, app),
+        cast(Any, contained(app)),
         config or hypercorn_config(host, port, tls=tls),
         shutdown_trigger=shutdown_trigger,
         task_status=task_status,

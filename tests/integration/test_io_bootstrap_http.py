@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import re
 import secrets
@@ -79,10 +80,24 @@ BAD_BODIES: list[tuple[str, Any, int, str]] = [
     ("huge ttl", _with(heartbeat_ttl=1e9), 422, "heartbeat_ttl must be in"),
     ("string ttl", _with(heartbeat_ttl="15"), 422, "expected float | None @ body.heartbeat_ttl"),
     ("bool ttl", _with(heartbeat_ttl=True), 422, "expected float | None @ body.heartbeat_ttl"),
+    # Issue 34: what Python's json accepts and JSON does not, refused before it is stored.
+    ("lone surrogate", json.dumps(_with(instance_id="p\ud800")).encode(), 400,
+     "body.instance_id has a lone surrogate U+D800"),
+    ("NaN ttl", json.dumps(_with(heartbeat_ttl=math.nan)).encode(), 400,
+     "body.heartbeat_ttl is NaN"),
+    ("overflowing ttl", json.dumps(_with(heartbeat_ttl=1.5)).replace("1.5", "1e400").encode(),
+     400, "body.heartbeat_ttl is 1e400"),
+    ("NaN in mesh_meta", json.dumps(_with(mesh_meta={"x": [math.inf]})).encode(), 400,
+     "body.mesh_meta.x[0] is Infinity"),
+    ("deep mesh_meta", json.dumps(_with(mesh_meta={"x": 0})).replace(
+        "0}", "[" * 1_500 + "]" * 1_500 + "}").encode(), 400, "deeper than 64 levels"),
+    ("duplicate key", json.dumps(GOOD).replace('{"role"', '{"role": "decode", "role"').encode(),
+     400, "body has the key 'role' more than once"),
 ]
 
 
-@pytest.mark.parametrize(("what", "body", "status", "needle"), BAD_BODIES, ids=lambda x: x)
+@pytest.mark.parametrize(("what", "body", "status", "needle"), BAD_BODIES,
+                         ids=[row[0] for row in BAD_BODIES])
 async def test_put_route_rejects(url: str, what: str, body: Any, status: int, needle: str) -> None:
     async with httpx.AsyncClient(base_url=url) as http:
         if isinstance(body, bytes):
@@ -93,6 +108,8 @@ async def test_put_route_rejects(url: str, what: str, body: Any, status: int, ne
         payload = r.json()
         assert needle in payload["error"] + " ".join(payload.get("problems", [])), payload
         await _ok_still(http)
+        listed = await http.get("/list", params={"role": "prefill"})  # nothing poisoned
+        assert listed.status_code == 200 and len(listed.json()["instances"]) == 1
 
 
 async def test_loopback_registered_from_another_host_is_refused_by_field() -> None:

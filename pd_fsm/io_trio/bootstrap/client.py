@@ -31,10 +31,10 @@ import trio
 from pd_fsm.core import events as ev
 from pd_fsm.core.keys import registry_key
 from pd_fsm.core.request_auth import NONCE_BYTES, sign_request
+from pd_fsm.io_trio import strict_json
 from pd_fsm.io_trio.bootstrap.records import (
     InstanceRecord,
     KeyBody,
-    RecordError,
     record_from_json,
     split_host_port,
     to_json,
@@ -321,8 +321,8 @@ class BootstrapClient:
         if response.status_code != 200:
             raise ResolveError(f"GET /route: HTTP {response.status_code} {_detail(response)}")
         try:
-            return [record_from_json(r) for r in response.json()["instances"]]
-        except (ValueError, KeyError, TypeError, RecordError) as exc:
+            return _records(response)
+        except ValueError as exc:
             raise ResolveError(f"GET /route: unreadable answer ({exc})") from None
 
     async def list(self, role: str | None = None) -> list[InstanceRecord]:
@@ -330,7 +330,10 @@ class BootstrapClient:
         response = await self._request("GET", "/list", params=params)
         if response.status_code != 200:
             raise BootstrapError(f"GET /list: HTTP {response.status_code} {_detail(response)}")
-        return [record_from_json(r) for r in response.json()["instances"]]
+        try:
+            return _records(response)
+        except ValueError as exc:
+            raise BootstrapError(f"GET /list: unreadable answer ({exc})") from None
 
 
 class BootstrapResolver:
@@ -363,6 +366,16 @@ class BootstrapResolver:
         if refusal is not None:
             return ev.PeerResolutionFailed(bootstrap_addr, refusal)
         return ev.PeerResolved(bootstrap_addr, p.zmq_addr, p.transfer_addr, p.layout_hash)
+
+
+def _records(response: httpx.Response) -> list[InstanceRecord]:
+    """The records of a ``{"instances": [...]}`` answer, parsed as strictly as the server parses
+    what it stores; ValueError (RecordError and JsonError are ValueErrors) if it is not that."""
+    body = strict_json.loads(response.content, what="answer")
+    instances = body.get("instances") if isinstance(body, dict) else None
+    if not isinstance(instances, list):
+        raise ValueError("no list of instances")
+    return [record_from_json(r) for r in instances]
 
 
 def _detail(response: httpx.Response) -> str:

@@ -8,12 +8,14 @@ silently defaulted to 0), and every rank inside its size.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import attrs
 import cattrs
 
 from pd_fsm.core.codec import strict_int
+from pd_fsm.io_trio import strict_json
 from pd_fsm.io_trio.bootstrap.addresses import unreachable_from
 from pd_fsm.io_trio.side_channel.curve import is_z85_key
 
@@ -232,16 +234,26 @@ def _structure(body: Any, cls: type[Any]) -> Any:
 def parse_record(body: Any) -> InstanceRecord:
     """A validated record from a decoded JSON body, or :class:`RecordError`."""
     record: InstanceRecord = _structure(body, InstanceRecord)
-    problems = _check_record(record)
+    problems = _check_record(record) + _unservable(record)
     if problems:
         raise RecordError(problems)
     return record
 
 
+def _unservable(record: InstanceRecord | KeyBody) -> list[str]:
+    """Why ``record`` could not be listed back as strict JSON (a NaN, a lone surrogate): a
+    record is refused when written, so that ``GET /list`` can never fail for everyone."""
+    try:
+        strict_json.loads(json.dumps(to_json(record)), what="body")
+    except strict_json.JsonError as exc:
+        return [f"cannot be served back as JSON: {exc.message}"]
+    return []
+
+
 def parse_key(body: Any) -> KeyBody:
     key: KeyBody = _structure(body, KeyBody)
     ranks = {f"{a}_rank": getattr(key, f"{a}_rank") for a in RANK_AXES}
-    problems = _check_key(key.role, key.instance_id, ranks)
+    problems = _check_key(key.role, key.instance_id, ranks) + _unservable(key)
     if problems:
         raise RecordError(problems)
     return key

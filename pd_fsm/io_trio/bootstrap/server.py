@@ -17,7 +17,6 @@ cluster secret itself as a bearer token. Reads are open.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import deque
@@ -26,8 +25,7 @@ from typing import Any
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from starlette.applications import Starlette
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
@@ -51,6 +49,7 @@ from pd_fsm.io_trio.bootstrap.records import (
     unreachable_fields,
 )
 from pd_fsm.io_trio.driver import EndpointDriver
+from pd_fsm.io_trio.http_edge import BodyError, edge_app, parse_json, read_body, request_failures
 from pd_fsm.io_trio.http_server import SERVER_KEEP_ALIVE_S, hypercorn_config, serve_app
 from pd_fsm.io_trio.tls import NO_TLS, TLS
 
@@ -58,10 +57,6 @@ log = logging.getLogger("pd_fsm.io_trio.bootstrap.server")
 
 DEFAULT_MAX_BODY = 64 * 1024  # a registration is well under 2 KiB; mesh_meta leaves headroom
 CALL_TIMEOUT = 5.0
-
-
-class _BodyTooLarge(Exception):
-    pass
 
 
 class _Busy(Exception):
@@ -123,7 +118,7 @@ class BootstrapServer:
         self.max_body = max_body
         self.bad_requests = 0
         self.client_disconnects = 0
-        self.app = Starlette(
+        self.app = edge_app(
             exception_handlers={_Busy: _busy},
             routes=[
                 Route("/route", self._put_route, methods=["PUT"]),
@@ -168,31 +163,18 @@ class BootstrapServer:
             return str(exc)
         return None
 
-    async def _read_body(self, request: Request) -> bytes:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
-            raise _BodyTooLarge
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body:  # chunked uploads declare no length: count as we read
-                raise _BodyTooLarge
-            chunks.append(chunk)
-        return b"".join(chunks)
-
     async def _write_body(self, request: Request) -> Any | JSONResponse:
         """The decoded JSON body of a write, or the error response to send instead."""
         # The whole body first (bounded by max_body): the signature covers its exact bytes.
         try:
-            raw = await self._read_body(request)
-        except ClientDisconnect:
-            # A client leaving mid-body is normal (a worker stopping): counted, no traceback.
-            self.client_disconnects += 1
-            return _error(499, "client closed the request")
-        except _BodyTooLarge:
+            raw = await read_body(request, self.max_body)
+        except BodyError as exc:
+            if exc.status == 499:
+                # A client leaving mid-body is normal (a worker stopping): counted, no traceback.
+                self.client_disconnects += 1
+                return _error(499, "client closed the request")
             self.bad_requests += 1
-            response = _error(413, f"body over {self.max_body} bytes")
+            response = _error(exc.status, exc.message)
             # The rest of the body is still on the wire: the connection cannot be reused.
             response.headers["connection"] = "close"
             return response
@@ -202,10 +184,10 @@ class BootstrapServer:
             log.debug("refused %s %s: %s", request.method, request.url.path, refusal)
             return _error(401, refusal)
         try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+            return await parse_json(raw)  # strict: what is stored must be served back
+        except BodyError as exc:
             self.bad_requests += 1
-            return _error(400, f"malformed JSON: {exc}")
+            return _error(exc.status, exc.message)
 
     def _invalid(self, exc: RecordError) -> JSONResponse:
         self.bad_requests += 1
@@ -345,6 +327,8 @@ class BootstrapServer:
                 # Refused writes (unsigned, forged, stale or replayed; bad bodies): visible.
                 "bad_requests_total": self.bad_requests,
                 "client_disconnects_total": self.client_disconnects,
+                # Requests whose handler raised: answered 500, the registry kept serving.
+                "request_failures_total": request_failures(),
             }
         )
 

@@ -42,7 +42,7 @@ import trio
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -53,10 +53,12 @@ from pd_fsm.core.drive import drive
 from pd_fsm.core.router import RoomRouter
 from pd_fsm.core.routing import RoutingConfig
 from pd_fsm.io_trio.api_key import ApiKeyGate, bearer
+from pd_fsm.io_trio.http_edge import BodyError, edge_app, read_json, request_failures
 from pd_fsm.io_trio.http_server import http_client, serve_app
 from pd_fsm.io_trio.proxy.batch import BatchResponse
 from pd_fsm.io_trio.proxy.logprob_merge import SseRewriter, merge, wants_prompt_logprobs
 from pd_fsm.io_trio.proxy.prompt_key import prompt_of
+from pd_fsm.io_trio.strict_json import loads as strict_loads
 from pd_fsm.io_trio.tls import NO_TLS, TLS
 from pd_fsm.io_trio.worker.metrics import StatsCollector
 from pd_fsm.io_trio.worker.phases import PhaseHistograms
@@ -170,6 +172,8 @@ class Proxy:
         )
         self.load_interval = load_interval
         self.load_polls = {"ok": 0, "failed": 0}  # /get_load calls (load-aware routing)
+        # Exceptions contained to one room (http_edge's count has the requests' own).
+        self.contained = {"prefill_leg": 0, "room": 0}
         self._polls_failing: set[str] = set()  # workers whose last poll failed (logged once)
         self.decode_urls = [d.rstrip("/") for d in decode]
         self.bootstrap_url = bootstrap_url.rstrip("/") if bootstrap_url else None
@@ -195,8 +199,8 @@ class Proxy:
             Route("/metrics", self._metrics, methods=["GET"]),
             Route("/workers", self._workers, methods=["GET"]),
         ]
-        self.app: Starlette | ApiKeyGate = Starlette(
-            routes=routes, exception_handlers={HTTPException: self._on_http_exception})
+        self.app: Starlette | ApiKeyGate = edge_app(
+            routes, exception_handlers={HTTPException: self._on_http_exception})
         if api_key is not None:
             self.app = ApiKeyGate(self.app, api_key)
 
@@ -236,6 +240,8 @@ class Proxy:
             # "prefill:cache_hit", "decode:round_robin", "local:short_prompt", ...
             "route_decisions_total": dict(self.router.planner.decisions),
             "load_polls_total": dict(self.load_polls),
+            "contained_failures_total": dict(self.contained),
+            "request_failures_total": request_failures(),
         }
 
     # ------------------------------------------------------------------ the router
@@ -346,7 +352,10 @@ class Proxy:
     async def _list(self, role: str) -> list[dict[str, Any]]:
         r = await self.client.get(f"{self.bootstrap_url}/list", params={"role": role})
         r.raise_for_status()
-        records = r.json()["instances"]
+        answer = strict_loads(r.content, what="the registry's answer")
+        records = answer["instances"] if isinstance(answer, dict) else None
+        if not isinstance(records, list):
+            raise ValueError("the registry's answer has no list of instances")
         # An instance spanning processes registers every P rank's transfer server; routers
         # send requests to its entry, rank 0 (the others serve no HTTP).
         return [rec for rec in records if isinstance(rec, dict) and rec.get("tp_rank", 0) == 0]
@@ -424,17 +433,13 @@ class Proxy:
     async def _generation(self, request: Request) -> Any:
         path = request.url.path
         try:
-            raw = await request.body()
-        except ClientDisconnect:  # a client leaving mid-body is normal: counted, no traceback
-            log.info("%s: client left while sending its body", path)
-            return self._reply_now(path, 499, _error_body(499, "client closed the request"))
-        if len(raw) > MAX_BODY:
-            return self._reply_now(path, 413, _error_body(413, f"body over {MAX_BODY} bytes"))
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            return self._reply_now(path, 400, _error_body(400, f"malformed JSON: {exc}",
-                                                          "invalid_request_error"))
+            body = await read_json(request, MAX_BODY)  # strict JSON: what the legs can carry
+        except BodyError as exc:
+            if exc.status == 499:  # a client leaving mid-body is normal: counted, no traceback
+                log.info("%s: %s", path, exc.message)
+            kind = {400: "invalid_request_error", 413: "request_too_large",
+                    499: "client_closed_request"}.get(exc.status, "invalid_request_error")
+            return self._reply_now(path, exc.status, _error_body(exc.status, exc.message, kind))
         if not isinstance(body, dict):
             return self._reply_now(path, 400, _error_body(400, "the body must be a JSON object",
                                                           "invalid_request_error"))
@@ -498,7 +503,35 @@ class Proxy:
 
     # ------------------------------------------------------------------ legs
 
+    def _contain(self, where: str, s: _Session, exc: Exception) -> tuple[int, Any]:
+        """An exception in one room's work: counted, logged, and the room failed in the router
+        (its other leg aborted) if it is still live. Returns the answer the client should get."""
+        self.contained[where] += 1
+        # The prefill leg's traceback is logged here; a room's by the edge that answers it.
+        log.error("room %d: contained a failure of its %s: %r", s.room, where, exc,
+                  exc_info=exc if where == "prefill_leg" else None)
+        text = f"{type(exc).__name__}: {exc}".encode("utf-8", "backslashreplace").decode()
+        failure = (500, _error_body(500, f"proxy: {where} failed: {text[:500]}",
+                                    "internal_server_error"))
+        leg = "prefill" if where == "prefill_leg" else "decode"
+        if s.room in self.router.rooms:
+            try:
+                self._feed(ev.LegResponded(s.room, leg, False, failure[1]["error"]["message"]),
+                           failure)
+            except Exception:  # the router itself failed: the deadline still ends the room
+                log.exception("room %d: could not fail the room", s.room)
+        return failure
+
     async def _prefill_leg(self, s: _Session) -> None:
+        """P's leg, in the proxy's own nursery: nothing it raises may reach that nursery (it
+        would end the proxy), so an unexpected exception fails this room alone."""
+        try:
+            await self._post_prefill(s)
+        except Exception as exc:
+            self._contain("prefill_leg", s, exc)
+            s.p_done.set()
+
+    async def _post_prefill(self, s: _Session) -> None:
         status, body = 0, None
         try:
             with s.p_scope:
@@ -663,6 +696,11 @@ class RoomResponse:
                 else:
                     await s.relay_done.wait()
                 nursery.cancel_scope.cancel()
+        except Exception as exc:
+            # The room ends with this request: failed in the router (P's leg aborted); the
+            # server's edge (http_edge.Contained) answers the client and keeps serving.
+            proxy._contain("room", s, exc)
+            raise
         finally:
             proxy._sessions.pop(s.room, None)
 

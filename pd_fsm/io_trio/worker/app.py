@@ -10,7 +10,6 @@ client that goes away aborts its request (and frees its pages) at once.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -23,11 +22,12 @@ import attrs
 import trio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pd_fsm.io_trio.api_key import ApiKeyGate
+from pd_fsm.io_trio.http_edge import BodyError, edge_app, read_json, request_failures
 from pd_fsm.io_trio.http_server import connection_failures, serve_app
 from pd_fsm.io_trio.worker import schemas
 from pd_fsm.io_trio.worker.backend import Backend, BackendError, GenerateJob
@@ -46,10 +46,9 @@ log = logging.getLogger("pd_fsm.io_trio.worker.app")
 
 DEFAULT_MODEL_NAME = "default"
 
-# Above these sizes, JSON decoding and tokenization move off the event loop.
 # A failed backend ends the process after the HTTP server stopped gracefully, or after this.
 FAILED_ANSWERS_GRACE_S = 5.0
-THREAD_JSON_BYTES = 256 * 1024
+# Above this size, tokenization moves off the event loop (JSON: http_edge.THREAD_JSON_BYTES).
 THREAD_TOKENIZE_CHARS = 8 * 1024
 
 _PARSERS: dict[str, Callable[[Any, Limits], ParsedRequest]] = {
@@ -113,10 +112,6 @@ def _error(exc: ApiError) -> JSONResponse:
     return response
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
 class WorkerApp:
     def __init__(
         self, config: ServeConfig, backend: Backend, *, model: LoadedModel | None = None
@@ -129,7 +124,7 @@ class WorkerApp:
             backend.phase_observer = self.metrics.phases.observe
         self._live: set[str] = set()
         self.bad_requests = 0
-        self.app: Starlette | ApiKeyGate = Starlette(
+        self.app: Starlette | ApiKeyGate = edge_app(
             routes=[
                 Route("/generate", self._generate, methods=["POST"]),
                 Route("/v1/completions", self._completions, methods=["POST"]),
@@ -173,6 +168,8 @@ class WorkerApp:
         stats["ready"] = self.ready()
         # Connections a protocol error closed (http_server.py): the server kept serving.
         stats["http_connection_failures_total"] = connection_failures()
+        # Requests whose handler raised (http_edge.Contained): answered 500, the server lives.
+        stats["request_failures_total"] = request_failures()
         return stats
 
     # ----------------------------------------------------------------- errors
@@ -198,33 +195,11 @@ class WorkerApp:
     # ----------------------------------------------------------------- request plumbing
 
     async def _read_json(self, request: Request) -> Any:
-        limit = self.config.max_body
-        declared = request.headers.get("content-length")
-        chunks: list[bytes] = []
-        size = 0
+        """The body as strict JSON (``http_edge``): one parse for every pd_fsm server."""
         try:
-            if declared is not None and declared.isdigit() and int(declared) > limit:
-                raise _BodyTooLarge
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:  # chunked uploads declare no length: count as we read
-                    raise _BodyTooLarge
-                chunks.append(chunk)
-        except _BodyTooLarge:
-            raise ApiError(413, f"request body over {limit} bytes") from None
-        except ClientDisconnect:
-            # A client that leaves while sending its body is normal under load: one line, a
-            # 499 outcome in the metrics, never a traceback (the answer has nowhere to go).
-            raise ApiError(
-                499, f"client left after {size} bytes of its body", "client_closed_request"
-            ) from None
-        raw = b"".join(chunks)
-        try:
-            if len(raw) > THREAD_JSON_BYTES:
-                return await trio.to_thread.run_sync(json.loads, raw)
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"malformed JSON: {exc}") from None
+            return await read_json(request, self.config.max_body)
+        except BodyError as exc:
+            raise ApiError(exc.status, exc.message) from None
 
     def _require_ready(self) -> ModelMeta:
         if self.meta is None or not self.backend.ready():

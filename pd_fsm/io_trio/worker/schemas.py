@@ -22,6 +22,7 @@ from typing import Any, Literal
 import attrs
 
 from pd_fsm.core.messages import MAX_ROOM
+from pd_fsm.io_trio import strict_json
 from pd_fsm.io_trio.worker.backend import BootstrapInfo
 from pd_fsm.io_trio.worker.tools import ToolError, Tools, parse_tools
 from pd_fsm.jax_engine.grammar import Constraint
@@ -353,7 +354,7 @@ def _constraint(d: dict[str, Any], path: str) -> Constraint | None:
 
 def _json_text(source: str, what: str) -> Any:
     try:
-        return json.loads(source)
+        return strict_json.loads(source, what=what)
     except ValueError as exc:
         raise ApiError(400, f"{what} must be a JSON schema as JSON text: {exc}") from None
 

@@ -20,7 +20,6 @@ something else. Its outputs and I/O effects are rank 0's business and are droppe
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from typing import Any
 import attrs
 import trio
 
+from pd_fsm.io_trio import strict_json
 from pd_fsm.io_trio.bootstrap.client import BootstrapClient, BootstrapError
 from pd_fsm.io_trio.bootstrap.records import (
     InstanceRecord,
@@ -124,7 +124,7 @@ class PDReplica:
     def apply(self, frame: Frame) -> None:
         if isinstance(frame, Announced):
             try:
-                record = record_from_json(json.loads(frame.record))
+                record = record_from_json(strict_json.loads(frame.record, what="record"))
             except ValueError as exc:  # json's, and RecordError's (a ValueError)
                 raise Divergence(f"rank 0's registry record is unreadable: {exc}") from None
             if self._announced is not None:
