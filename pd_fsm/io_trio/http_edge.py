@@ -90,14 +90,23 @@ def request_failures() -> int:
     return _failures
 
 
+def describe(exc: BaseException, limit: int = 500) -> str:
+    """``Type: message`` of ``exc`` — of each exception inside a group (a trio nursery's), which
+    is where the cause is — safe to put in a JSON answer, at most ``limit`` characters."""
+    if isinstance(exc, BaseExceptionGroup):
+        text = "; ".join(describe(e, limit) for e in exc.exceptions)
+    else:
+        text = f"{type(exc).__name__}: {exc}"
+    # backslashreplace: the text must encode even if the exception quotes a lone surrogate.
+    return text.encode("utf-8", "backslashreplace").decode()[:limit]
+
+
 def _count_failure(scope: Scope, exc: BaseException) -> str:
     global _failures
     _failures += 1
     where = f"{scope.get('method', '?')} {scope.get('path', '?')}"
     log.error("contained a failure of %s (%d so far)", where, _failures, exc_info=exc)
-    # backslashreplace: the message must encode even if the exception quotes a lone surrogate.
-    text = f"{type(exc).__name__}: {exc}".encode("utf-8", "backslashreplace").decode()
-    return f"internal error while handling {where}: {text[:500]}"
+    return f"internal error while handling {where}: {describe(exc)}"
 
 
 class Contained:

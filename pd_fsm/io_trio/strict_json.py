@@ -123,8 +123,8 @@ def loads(data: bytes | str, limits: JsonLimits = DEFAULT_LIMITS, *, what: str =
         value: JsonValue = json.loads(text, parse_constant=constant, parse_float=number,
                                       object_pairs_hook=pairs)
     except json.JSONDecodeError as exc:
-        raise JsonError(400, f"malformed JSON: {exc.msg} at line {exc.lineno} column "
-                             f"{exc.colno} (char {exc.pos})") from None
+        raise JsonError(400, f"malformed JSON: {exc.msg} (line {exc.lineno}, column "
+                             f"{exc.colno}, char {exc.pos})") from None
     except RecursionError:  # the C decoder recurses per level; far past our bound anyway
         raise JsonError(400, f"{what} nests arrays/objects deeper than {limits.max_depth} "
                              "levels") from None

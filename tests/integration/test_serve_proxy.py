@@ -4,6 +4,8 @@ leaves."""
 
 from __future__ import annotations
 
+import json
+import math
 import random
 from collections import Counter
 from typing import Any
@@ -15,6 +17,7 @@ import trio
 from pd_fsm.core.messages import MAX_ROOM
 from pd_fsm.io_trio.bootstrap.records import to_json
 from pd_fsm.io_trio.bootstrap.server import BootstrapServer, serve_bootstrap
+from pd_fsm.io_trio.http_edge import contained
 from pd_fsm.io_trio.ports import free_ports
 from pd_fsm.io_trio.proxy.server import PrefillTarget, Proxy, serve_proxy
 from tests.integration.pd_standins import StandIn, serve_standin
@@ -202,6 +205,71 @@ async def test_health_models_metrics_and_bad_input(cluster: dict[str, Any]) -> N
             "prefill": cluster["p_urls"], "decode": cluster["d_urls"]}
     # Nothing reached the workers for the bad bodies.
     assert sum(len(p.generations()) for p in cluster["p"]) == 1
+
+
+# Issue 34's rows: each killed the proxy process (httpx could not re-encode the body for the legs,
+# and that error escaped the proxy's nursery) or answered 500.
+HOSTILE = [
+    (b'{"text":"hi","sampling_params":{"max_new_tokens":2,"temperature":NaN}}',
+     "body.sampling_params.temperature is NaN"),
+    (b'{"text":"hi","rid":NaN,"sampling_params":{"max_new_tokens":2}}', "body.rid is NaN"),
+    (b'{"text":"hi","sampling_params":{"max_new_tokens":1e400}}',
+     "body.sampling_params.max_new_tokens is 1e400"),
+    (b'{"text":"\\ud800\\udfff\\ud800","sampling_params":{"max_new_tokens":2}}',
+     "body.text has a lone surrogate U+D800"),
+    (b'{"text":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "deeper than 64 levels"),
+    (b'{"text":"hi","text":"ho"}', "body has the key 'text' more than once"),
+]
+
+
+async def test_hostile_json_is_refused_by_name_and_reaches_no_worker(
+        cluster: dict[str, Any]) -> None:
+    async with httpx.AsyncClient(base_url=cluster["url"], timeout=10) as http:
+        for raw, words in HOSTILE:
+            for path in ("/generate", "/v1/completions"):
+                r = await http.post(path, content=raw)
+                assert r.status_code == 400, (raw[:80], r.text)
+                assert words in r.json()["error"]["message"], r.text
+        r = await http.post("/generate", json=GEN)
+        assert r.status_code == 200 and r.json()["served_by"] == "decode"
+    assert sum(len(p.generations()) for p in cluster["p"]) == 1
+
+
+async def test_an_exception_in_a_room_fails_that_room_not_the_proxy(
+        cluster: dict[str, Any]) -> None:
+    """Past the edge (a body the strict parse would refuse, handed to the room directly), both
+    legs fail to encode it: the prefill leg in the proxy's own nursery, the decode leg in the
+    request's. Each is contained: the room fails (counted), the client gets a JSON 500 naming the
+    cause, and the proxy goes on serving."""
+    proxy: Proxy = cluster["proxy"]
+    response = proxy.open_room("/generate", {**GEN, "temperature": math.nan},
+                               {"content-type": "application/json"})
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        await trio.sleep_forever()
+        raise AssertionError
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(dict(message))
+
+    with trio.fail_after(10):
+        await contained(response)({"type": "http", "method": "POST", "path": "/generate"},
+                                  receive, send)
+    assert sent[0]["status"] == 500
+    message = json.loads(sent[1]["body"])["error"]["message"]
+    assert "Out of range float values are not JSON compliant" in message, message
+    with trio.fail_after(5):
+        while proxy.contained["prefill_leg"] == 0:  # P's leg runs on in the proxy's nursery
+            await trio.sleep(0.01)
+    assert proxy.contained["room"] == 1 and not proxy.router.rooms
+    assert proxy.router.outcomes["FAILED"] == 1
+    async with httpx.AsyncClient(base_url=cluster["url"], timeout=10) as http:
+        r = await http.post("/generate", json=GEN)
+        assert r.status_code == 200
+        metrics = (await http.get("/metrics")).text
+    assert 'pd_fsm_proxy_contained_failures_total{key="prefill_leg"} 1.0' in metrics
+    assert 'pd_fsm_proxy_contained_failures_total{key="room"} 1.0' in metrics
 
 
 async def test_no_workers_is_503(nursery: trio.Nursery) -> None:

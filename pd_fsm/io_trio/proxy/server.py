@@ -53,7 +53,13 @@ from pd_fsm.core.drive import drive
 from pd_fsm.core.router import RoomRouter
 from pd_fsm.core.routing import RoutingConfig
 from pd_fsm.io_trio.api_key import ApiKeyGate, bearer
-from pd_fsm.io_trio.http_edge import BodyError, edge_app, read_json, request_failures
+from pd_fsm.io_trio.http_edge import (
+    BodyError,
+    describe,
+    edge_app,
+    read_json,
+    request_failures,
+)
 from pd_fsm.io_trio.http_server import http_client, serve_app
 from pd_fsm.io_trio.proxy.batch import BatchResponse
 from pd_fsm.io_trio.proxy.logprob_merge import SseRewriter, merge, wants_prompt_logprobs
@@ -510,8 +516,7 @@ class Proxy:
         # The prefill leg's traceback is logged here; a room's by the edge that answers it.
         log.error("room %d: contained a failure of its %s: %r", s.room, where, exc,
                   exc_info=exc if where == "prefill_leg" else None)
-        text = f"{type(exc).__name__}: {exc}".encode("utf-8", "backslashreplace").decode()
-        failure = (500, _error_body(500, f"proxy: {where} failed: {text[:500]}",
+        failure = (500, _error_body(500, f"proxy: {where} failed: {describe(exc)}",
                                     "internal_server_error"))
         leg = "prefill" if where == "prefill_leg" else "decode"
         if s.room in self.router.rooms:
