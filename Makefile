@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test lint unit bench-core spec clean demo
+.PHONY: setup test lint unit bench-core spec clean demo prometheus
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,15 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# Prometheus (Debian's) for tests/integration/test_observability.py and `pd-fsm cluster
+# --prometheus`. Best effort: where apt-get cannot install it, those tests skip and say why.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+		echo "installing Debian's prometheus (for the observability tests)"; \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			--no-install-recommends prometheus >/dev/null; } \
+		|| echo "prometheus could not be installed: tests/integration/test_observability.py will skip"; }
+
 lint: setup
 	$(VENV)/bin/ruff check pd_fsm tests bench
 	$(VENV)/bin/mypy --strict pd_fsm/core pd_fsm/sim
@@ -25,7 +34,7 @@ spec: setup
 	$(VENV)/bin/pd-fsm spec check
 	$(VENV)/bin/pd-fsm spec diagram
 
-test: setup lint
+test: setup lint prometheus
 	$(VENV)/bin/pd-fsm spec check
 	$(PY) -m pytest -q
 

@@ -25,8 +25,9 @@ from typing import Any
 
 import trio
 from hypercorn.config import Config as HypercornConfig
+from prometheus_client import CollectorRegistry, generate_latest
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pd_fsm.core import effects as fx
@@ -52,6 +53,7 @@ from pd_fsm.io_trio.driver import EndpointDriver
 from pd_fsm.io_trio.http_edge import BodyError, edge_app, parse_json, read_body, request_failures
 from pd_fsm.io_trio.http_server import SERVER_KEEP_ALIVE_S, hypercorn_config, serve_app
 from pd_fsm.io_trio.tls import NO_TLS, TLS
+from pd_fsm.io_trio.worker.metrics import StatsCollector
 
 log = logging.getLogger("pd_fsm.io_trio.bootstrap.server")
 
@@ -118,6 +120,9 @@ class BootstrapServer:
         self.max_body = max_body
         self.bad_requests = 0
         self.client_disconnects = 0
+        self.writes = {"registered": 0, "heartbeat": 0, "deregistered": 0, "not_registered": 0}
+        self.metrics = CollectorRegistry(auto_describe=False)
+        self.metrics.register(StatsCollector(self.stats, "pd_fsm_bootstrap"))
         self.app = edge_app(
             exception_handlers={_Busy: _busy},
             routes=[
@@ -127,6 +132,7 @@ class BootstrapServer:
                 Route("/list", self._list, methods=["GET"]),
                 Route("/heartbeat", self._heartbeat, methods=["POST"]),
                 Route("/health", self._health, methods=["GET"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
             ],
         )
 
@@ -223,7 +229,7 @@ class BootstrapServer:
                                       record.heartbeat_ttl)
         effects = await self._call(event, CALL_TIMEOUT)
         log.debug("registered %s as %s", record.key, record.advertised)
-        return self._answer(effects, record.key)
+        return self._answer(effects, record.key, "registered")
 
     async def _heartbeat(self, request: Request) -> JSONResponse:
         body = await self._write_body(request)
@@ -233,7 +239,8 @@ class BootstrapServer:
             key = parse_key(body)
         except RecordError as exc:
             return self._invalid(exc)
-        return self._answer(await self._call(ev.InstanceHeartbeat(key.key), CALL_TIMEOUT), key.key)
+        effects = await self._call(ev.InstanceHeartbeat(key.key), CALL_TIMEOUT)
+        return self._answer(effects, key.key, "heartbeat")
 
     async def _delete_route(self, request: Request) -> JSONResponse:
         body = await self._write_body(request)
@@ -245,15 +252,19 @@ class BootstrapServer:
             return self._invalid(exc)
         effects = await self._call(ev.InstanceDeregistered(key.key), CALL_TIMEOUT)
         if any(isinstance(e, RegistrationRequired) for e in effects):
+            self.writes["not_registered"] += 1
             return _error(404, f"instance {list(key.key)} is not registered")
+        self.writes["deregistered"] += 1
         log.info("instance %s deregistered", key.key)
         return JSONResponse({"ok": True, "key": list(key.key)})
 
-    def _answer(self, effects: list[Any], key: tuple[Any, ...]) -> JSONResponse:
+    def _answer(self, effects: list[Any], key: tuple[Any, ...], write: str) -> JSONResponse:
         for effect in effects:
             if isinstance(effect, RegistrationRequired) and effect.key == key:
+                self.writes["not_registered"] += 1
                 return _error(404, f"instance {list(key)} is not registered; PUT /route again")
             if isinstance(effect, Acknowledged) and effect.key == key:
+                self.writes[write] += 1
                 ttl = self.registry.ttl_of(key)  # the instance's own, if it named one
                 return JSONResponse({"ok": True, "key": list(key), "ttl": ttl})
         raise RuntimeError(f"registry gave no answer for {key}: {effects!r}")
@@ -317,20 +328,34 @@ class BootstrapServer:
             return _error(404, f"instance {list(key)} is not registered")
         return JSONResponse(to_json(record))
 
+    def stats(self) -> dict[str, Any]:
+        """What ``/health`` and ``/metrics`` report (``pd_fsm_bootstrap_<key>``)."""
+        by_role = {role: 0 for role in ROLES}
+        for record in self.registry.instances(None):
+            by_role[record.role] = by_role.get(record.role, 0) + 1
+        return {
+            "instances": len(self.registry),
+            "instances_by_role": by_role,
+            "expired_total": self.registry.expired_total,
+            # Writes answered, by what they did (not_registered: a heartbeat or DELETE for an
+            # instance the registry does not know, answered 404: PUT /route again).
+            "writes_total": dict(self.writes),
+            # Refused writes (unsigned, forged, stale or replayed; bad bodies): visible.
+            "bad_requests_total": self.bad_requests,
+            "client_disconnects_total": self.client_disconnects,
+            # Requests whose handler raised: answered 500, the registry kept serving.
+            "request_failures_total": request_failures(),
+        }
+
     async def _health(self, request: Request) -> JSONResponse:
         await self._sync()
-        return JSONResponse(
-            {
-                "status": "ok",
-                "instances": len(self.registry),
-                "expired_total": self.registry.expired_total,
-                # Refused writes (unsigned, forged, stale or replayed; bad bodies): visible.
-                "bad_requests_total": self.bad_requests,
-                "client_disconnects_total": self.client_disconnects,
-                # Requests whose handler raised: answered 500, the registry kept serving.
-                "request_failures_total": request_failures(),
-            }
-        )
+        stats = self.stats()
+        del stats["instances_by_role"]
+        return JSONResponse({"status": "ok", **stats})
+
+    async def _metrics(self, request: Request) -> Response:
+        await self._sync()
+        return Response(generate_latest(self.metrics), media_type="text/plain; version=0.0.4")
 
 
 async def serve_bootstrap(

@@ -30,6 +30,7 @@ import httpx
 import trio
 
 from pd_fsm.io_trio.api_key import bearer
+from pd_fsm.io_trio.cluster import observability
 from pd_fsm.io_trio.http_server import http_client
 from pd_fsm.io_trio.ports import free_port_pair, free_ports
 from pd_fsm.io_trio.tls import NO_TLS, TLS, throwaway_ca
@@ -60,6 +61,7 @@ class Child:
     )
     healthy: bool = False
     status: str = "starting"
+    health_path: str = "/health"  # Prometheus answers on /-/ready
 
 
 def _cli(*args: str) -> list[str]:
@@ -270,7 +272,7 @@ class Cluster:
 
     async def _probe(self, http: httpx.AsyncClient, child: Child) -> None:
         try:
-            r = await http.get(f"{child.url}/health")
+            r = await http.get(f"{child.url}{child.health_path}")
         except httpx.HTTPError:
             child.status = "not listening yet"
             return
@@ -293,7 +295,7 @@ class Cluster:
         # In tiers: the proxy first (no new rooms), then the workers, the bootstrap server last,
         # so that workers deregister from a registry that is still there.
         def tier(child: Child) -> int:
-            return {"proxy": 0, "bootstrap": 2}.get(child.name, 1)
+            return {"proxy": 0, "prometheus": 0, "bootstrap": 2}.get(child.name, 1)
 
         for level in (0, 1, 2):
             await self._stop([c for c in self.children if tier(c) == level])
@@ -321,6 +323,24 @@ class Cluster:
             for line in failure.child.tail:
                 print(f"  {line}", file=sys.stderr)
             sys.stderr.flush()
+
+
+def prometheus_child(urls: dict[str, str], tls: TLS) -> Child:
+    """Prometheus beside the cluster, with the shipped configuration and rules
+    (``deploy/prometheus``) and this cluster's processes as its targets, in a folder that goes
+    with the run."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        raise FileNotFoundError("no `prometheus` on PATH (Debian: apt-get install prometheus)")
+    folder = Path(tempfile.mkdtemp(prefix="pd-fsm-prometheus-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    config = observability.prepare_prometheus(folder / "config", urls, ca_file=tls.ca_file)
+    (port,) = free_ports(1, launcher=True)
+    return Child("prometheus", [binary, f"--config.file={config}",
+                                f"--storage.tsdb.path={folder / 'data'}",
+                                f"--web.listen-address={HOST}:{port}", "--log.level=warn"],
+                 f"http://{HOST}:{port}", "dashboard: deploy/grafana/pd_fsm.json",
+                 health_path="/-/ready")
 
 
 # --------------------------------------------------------------------------------- --ask
@@ -395,6 +415,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="once ready: send this chat prompt through the proxy and to the "
                         "colocated worker, print both answers, stop")
     p.add_argument("--max-tokens", type=int, default=32, help="for --ask (default 32)")
+    p.add_argument("--prometheus", action="store_true",
+                   help="also start Prometheus (Debian's `prometheus`) scraping every process "
+                        "with deploy/prometheus's config, recording and alert rules; prints "
+                        "its URL (import deploy/grafana/pd_fsm.json into Grafana over it)")
+    p.add_argument("--prometheus-targets", type=Path, default=None, metavar="FILE",
+                   help="write a Prometheus file-based service discovery file naming every "
+                        "process (labels role and name), e.g. into deploy/prometheus/targets/")
     p.add_argument("--tls", action="store_true",
                    help="HTTPS everywhere, with a throwaway CA made for this run (openssl)")
     ray = p.add_argument_group("on Ray (pd_fsm[ray]): every service a Ray actor on a chosen node")
@@ -434,6 +461,10 @@ def main(args: argparse.Namespace) -> int:
                                     args.colocated_nnodes) > 1:
         print("pd-fsm cluster: --ROLE-nnodes is for the local runner (not --ray)", file=sys.stderr)
         return 2
+    if args.ray is not None and (args.prometheus or args.prometheus_targets is not None):
+        print("pd-fsm cluster: --prometheus and --prometheus-targets are for the local runner "
+              "(not --ray)", file=sys.stderr)
+        return 2
     if args.ray is not None:
         from pd_fsm.io_trio.cluster import ray_cluster
 
@@ -445,7 +476,17 @@ def main(args: argparse.Namespace) -> int:
         atexit.register(shutil.rmtree, tls_dir, ignore_errors=True)
         tls = throwaway_ca(tls_dir, [HOST, "localhost"])
         print(f"pd-fsm cluster: TLS on, throwaway CA {tls.ca_file} (curl --cacert it)", flush=True)
-    cluster = Cluster(plan(args, tls), startup_timeout=args.startup_timeout, tls=tls)
+    children = plan(args, tls)
+    urls = {c.name: c.url for c in children if c.url}
+    if args.prometheus_targets is not None:  # for a Prometheus of the operator's own
+        observability.write_targets(args.prometheus_targets, urls)
+    if args.prometheus:
+        try:
+            children.append(prometheus_child(urls, tls))
+        except FileNotFoundError as exc:
+            print(f"pd-fsm cluster: --prometheus: {exc}", file=sys.stderr)
+            return 2
+    cluster = Cluster(children, startup_timeout=args.startup_timeout, tls=tls)
     action = None
     if args.ask is not None:
         prompt, max_tokens = args.ask, args.max_tokens

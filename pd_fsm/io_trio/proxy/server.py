@@ -134,7 +134,7 @@ class _Session:
     relay: bool = False  # RelayDecode: D's answer goes to the client
     headers_sent: bool = False  # the client has a status line: errors go in-band from here
     client_gone: bool = False
-    relay_finished: bool = False  # D's whole answer is out (or going out in the last send)
+    relay_finished: bool = False  # the answer (D's, or an error) is out or in the last send
     sse_done: bool = False  # D's "data: [DONE]" event is relayed: the client's stream is whole
     error: tuple[int, Any] | None = None  # ReplyError: status and body to answer with
     decided: trio.Event = attrs.field(factory=trio.Event)
@@ -697,6 +697,9 @@ class RoomResponse:
                 if s.error is not None:
                     status, body = s.error
                     proxy.requests.labels(s.path, str(status)).inc()
+                    # The answer is whole: the disconnect the server reports after it is its
+                    # end, not a client leaving (it was counted as "disconnected" too).
+                    s.relay_finished = True
                     await _send_json(send, status, body)
                 else:
                     await s.relay_done.wait()

@@ -119,7 +119,7 @@ class WorkerApp:
         self.config = config
         self.backend = backend
         self.meta: ModelMeta | None = None if model is None else ModelMeta.of(model, config)
-        self.metrics = WorkerMetrics(self._stats, backend.mode)
+        self.metrics = WorkerMetrics(self._stats, backend.mode, (config.slo_ttft, config.slo_itl))
         if hasattr(backend, "phase_observer"):  # a PD backend: its per-phase histograms
             backend.phase_observer = self.metrics.phases.observe
         self._live: set[str] = set()
@@ -646,17 +646,39 @@ class WorkerApp:
 
 @attrs.define
 class _Timing:
+    """One sequence's latencies as its outputs leave the scheduler: TTFT, each inter-token
+    interval, end to end, and whether it met the SLO (TTFT and mean inter-token latency)."""
+
     metrics: WorkerMetrics
     start: float
-    first_seen: bool = False
+    first_at: float | None = None
+    last_at: float = 0.0
+    tokens: int = 0
 
     def output(self, out: RequestOutput) -> None:
         now = trio.current_time()
-        if not self.first_seen and out.new_token_ids:
-            self.first_seen = True
+        n = len(out.new_token_ids)
+        if n and self.first_at is None:
+            self.first_at = self.last_at = now
             self.metrics.ttft.observe(now - self.start)
+            n -= 1  # the first token has no interval before it
+        for _ in range(n):  # tokens that come out together share their interval
+            self.metrics.itl.observe((now - self.last_at) / n)
+        if out.new_token_ids:
+            self.last_at = now
+            self.tokens += len(out.new_token_ids)
         if out.finished:
             self.metrics.e2e.observe(now - self.start)
+            self._count_slo(now)
+
+    def _count_slo(self, now: float) -> None:
+        m = self.metrics
+        if self.first_at is None:  # nothing generated (max_tokens 0, an error): not goodput
+            m.slo.labels("false").inc()
+            return
+        itl = (now - self.first_at) / (self.tokens - 1) if self.tokens > 1 else 0.0
+        met = self.first_at - self.start <= m.slo_ttft and itl <= m.slo_itl
+        m.slo.labels("true" if met else "false").inc()
 
 
 def _best(accs: list[Accumulator], n: int) -> list[Accumulator]:

@@ -57,6 +57,10 @@ class ServeConfig:
     # registry on another host. The transfer data plane binds this address only.
     advertise_host: str | None = None
     max_body: int = DEFAULT_MAX_BODY
+    # The service-level objective a request is counted against in /metrics (goodput,
+    # DistServe's: time to first token and mean inter-token latency both within bounds).
+    slo_ttft: float = 2.0
+    slo_itl: float = 0.1
     served_model_name: str | None = None  # default: the model's name ("smollm2", "tiny")
     # --chat-template FILE's text (read and compiled at start): replaces the model's template.
     chat_template: str | None = attrs.field(default=None, repr=False)
@@ -261,6 +265,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "pages it lacks (delta-only transfer; off by default)")
     p.add_argument("--max-queued", type=int, default=d.max_queued, help="then 503")
     p.add_argument("--max-body", type=int, default=d.max_body, help="request body limit (bytes)")
+    p.add_argument("--slo-ttft", type=float, default=d.slo_ttft, metavar="SECONDS",
+                   help="goodput's time-to-first-token bound: each finished request is counted "
+                        "in pd_fsm_worker_requests_slo_total{met=true|false}")
+    p.add_argument("--slo-itl", type=float, default=d.slo_itl, metavar="SECONDS",
+                   help="goodput's bound on a request's mean inter-token latency")
     p.add_argument("--disaggregation-mode", choices=DISAGGREGATION_MODES, default="null")
     p.add_argument(
         "--disaggregation-transfer-backend", choices=TRANSFER_BACKENDS, default="jax"
@@ -396,7 +405,7 @@ def _check_nodes(args: argparse.Namespace) -> None:
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The config for parsed ``serve`` arguments; raises ValueError naming a bad value."""
     for name in ("num_pages", "page_size", "max_running", "max_batched_tokens", "max_queued",
-                 "max_body", "tp_size"):
+                 "max_body", "tp_size", "slo_ttft", "slo_itl"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
     if args.context_length is not None and args.context_length <= 1:
@@ -460,6 +469,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         port=args.port,
         advertise_host=advertise,
         max_body=args.max_body,
+        slo_ttft=args.slo_ttft,
+        slo_itl=args.slo_itl,
         served_model_name=args.served_model_name,
         chat_template=chat_template,
         model=args.model,

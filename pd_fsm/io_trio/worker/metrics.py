@@ -21,7 +21,10 @@ from pd_fsm.io_trio.worker.phases import PhaseHistograms
 
 PREFIX = "pd_fsm_worker"
 _BAD = re.compile(r"[^a-zA-Z0-9_]")
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# 2 s and 100 ms are bounds: the default SLO's (--slo-ttft, --slo-itl) quantiles are exact there.
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 2.5, 5, 10, 30, 60, 120, 300)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1,
+               2.5, 5, 10)
 
 
 def _name(key: str) -> str:
@@ -71,7 +74,9 @@ class StatsCollector(Collector):
 
 
 class WorkerMetrics:
-    def __init__(self, stats: Callable[[], dict[str, Any]], role: str = "null") -> None:
+    def __init__(self, stats: Callable[[], dict[str, Any]], role: str = "null",
+                 slo: tuple[float, float] = (2.0, 0.1)) -> None:
+        self.slo_ttft, self.slo_itl = slo
         self.registry = CollectorRegistry(auto_describe=False)
         self.requests = Counter(
             f"{PREFIX}_http_requests",
@@ -97,6 +102,21 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.itl = Histogram(
+            f"{PREFIX}_inter_token_latency_seconds",
+            "time between a request's consecutive output tokens (tokens sent together share "
+            "the interval)",
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.slo = Counter(
+            f"{PREFIX}_requests_slo",
+            "finished requests by whether they met --slo-ttft and --slo-itl (goodput: met=true)",
+            ["met"],
+            registry=self.registry,
+        )
+        for met in ("true", "false"):
+            self.slo.labels(met)  # both series exist from the start: rates need no guesswork
         self.phases = PhaseHistograms(self.registry, role)
         self.registry.register(StatsCollector(stats, f"{PREFIX}_backend"))
 
