@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import plots  # bench/, beside this script (the first entry of sys.path)
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -132,6 +134,7 @@ def part_transfer(hosts: Any, sizes: list[int], reps: int) -> None:
               f"(median of {reps}, first pull of each size discarded)")
         print(f"{'MiB':>6} {'engine s':>10} {'engine GB/s':>12} {'raw s':>10} {'raw GB/s':>10} "
               f"{'engine/raw':>11}")
+        rates: dict[str, list[float]] = {"engine": [], "raw socket": []}
         for mib in sizes:
             times: dict[str, list[float]] = {"engine": [], "raw": []}
             for rep in range(reps + 1):
@@ -146,6 +149,10 @@ def part_transfer(hosts: Any, sizes: list[int], reps: int) -> None:
             gb = mib * MIB / 1e9
             print(f"{mib:>6} {e:>10.4f} {gb / e:>12.2f} {r:>10.4f} {gb / r:>10.2f} "
                   f"{e / r:>10.2f}x", flush=True)
+            rates["engine"].append(gb / e)
+            rates["raw socket"].append(gb / r)
+        plots.rate_vs_size("multihost_transfer", "KV pull across a veth link vs a raw socket",
+                           sizes, rates, reference="raw socket")
     finally:
         for proc in (p, d):
             proc.kill()

@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Any
 
+import plots  # bench/, beside this script
+
 from pd_fsm.core import codec
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
@@ -163,6 +165,11 @@ def main() -> None:
           f"   p50 ratio: {percentile(busy, 0.5) / percentile(quiet, 0.5):.2f}")
     print(f"pulls completed in the arriving phase: {ok} of {nxt_total(args, n_arrivals)}, "
           f"{mb:.1f} MiB pulled in all, pull failures {d.transfer_stats['pulls_failed']}")
+    plots.latency_cdf("pd_itl_kv_arriving",
+                      "D's decode steps (batch 8, SmolLM2): KV arriving vs none",
+                      {"no KV arriving (baseline)": [x / 1000 for x in quiet],
+                       "KV arriving concurrently": [x / 1000 for x in busy]},
+                      "time between decode steps")
     p_thread.inbox.put(None)
     d.close()
 

@@ -13,6 +13,8 @@ import argparse
 import statistics
 import time
 
+import plots  # bench/, beside this script
+
 from pd_fsm.jax_engine.sampling_params import SamplingParams
 from pd_fsm.schedulers import Req, Scheduler, SchedulerArgs
 
@@ -84,6 +86,8 @@ def main() -> None:
                   f"({prefilled[name] / total:.0%})")
         speedup = statistics.median(ttft["off"]) / statistics.median(ttft["on"])
         print(f"  TTFT p50 with the cache: {speedup:.2f}x better")
+        plots.latency_cdf(f"prefix_cache_{kind}", f"Prefix cache, {kind} prompts one at a time",
+                          {f"cache {name}": ttft[name] for name in ("off", "on")}, "TTFT")
     assert cached.cache is not None
     print(f"\ncache: {cached.cache.hits} pages handed out, {cached.cache.pages} cached, "
           f"{cached.cache.evicted} evicted")

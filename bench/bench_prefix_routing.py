@@ -19,6 +19,7 @@ import argparse
 import math
 
 import httpx
+import plots  # bench/, beside this script
 import trio
 
 from pd_fsm.io_trio.bench_client import (
@@ -147,6 +148,10 @@ def main() -> int:
                   f"tokens each\n{head}\n{'-' * len(head)}", flush=True)
             rows = {n: _report(n, runs[n]) for n in names}
             print("\n".join(rows.values()), flush=True)
+            plots.latency_cdf(
+                f"prefix_routing_{dataset}", f"TTFT through 2P2D, {dataset}",
+                {n: [r.ttft for s, _ in runs[n] for r in s.results if r.ok] for n in names},
+                "TTFT")
             for n in names:
                 errors = [r.error for s, _ in runs[n] for r in s.results if not r.ok]
                 if errors:

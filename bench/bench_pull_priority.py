@@ -29,6 +29,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import plots  # bench/, beside this script
+
 MIB = 1 << 20
 
 
@@ -163,6 +165,9 @@ def main() -> None:
             p90 = ts[min(len(ts) - 1, int(0.9 * len(ts)))]
             print(f"{case:<12}{name:<10}{statistics.median(ts) * 1e3:>9.1f}{p90 * 1e3:>9.1f}"
                   f"{ts[-1] * 1e3:>9.1f}{statistics.median(ts) / base:>13.2f}")
+        plots.latency_cdf("pull_priority", f"One {args.mib} MiB pull P -> D, alone and under "
+                          "compute", {f"{case}, {name}": times[(case, name)]
+                                      for case, name, _ in cases}, "pull time")
     finally:
         for pair in pairs.values():
             pair.close()

@@ -58,6 +58,8 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import plots  # bench/, beside this script
+
 from pd_fsm.io_trio.bench_client import (
     Summary,
     diff_histograms,
@@ -65,6 +67,7 @@ from pd_fsm.io_trio.bench_client import (
     make_prompts,
     metrics_urls,
     parse_histograms,
+    phase_rows,
     phase_table,
     render,
     run_load,
@@ -127,6 +130,18 @@ async def measure(targets: dict[str, str], args: argparse.Namespace, model: str,
             for name, ss in runs.items()}
 
 
+def _cdfs(name: str, what: str, results: dict[str, Summary],
+          targets: tuple[float, float] | None = None) -> None:
+    """TTFT and ITL CDFs of each target's requests (``targets``: the SLO's, drawn as lines)."""
+    ok = {label: [r for r in s.results if r.ok] for label, s in results.items()}
+    plots.latency_cdf(f"{name}_ttft_cdf", f"TTFT: {what}",
+                      {label: [r.ttft for r in rs] for label, rs in ok.items()}, "TTFT",
+                      targets[0] if targets else None)
+    plots.latency_cdf(f"{name}_itl_cdf", f"ITL: {what}",
+                      {label: [x for r in rs for x in r.itl] for label, rs in ok.items()},
+                      "inter-token latency", targets[1] if targets else None)
+
+
 def table(title: str, a: Summary, b: Summary, a_name: str, b_name: str) -> str:
     return f"### {title}\n\n```\n{render(a, b, a_name, b_name)}\n```\n"
 
@@ -157,6 +172,8 @@ def part_pd(args: argparse.Namespace) -> None:
                 print(table(f"our proxy vs sglang-router, same 1P1D: {head}",
                             results["proxy->1P1D"], results["sglang-router->1P1D"],
                             "proxy->1P1D", "sglang-router->1P1D"), flush=True)
+            _cdfs(f"pd_{dataset}", f"{dataset} prompts, concurrency {args.concurrency}",
+                  results)
     finally:
         if router is not None:
             router.stop()
@@ -232,6 +249,9 @@ async def measure_goodput(proxy: str, colocated: str, args: argparse.Namespace) 
         warm = _load_args(args, args.model)
         for url in targets.values():
             await run_load(url, warm, prompts)
+        curves: dict[str, list[tuple[float, float]]] = {name: [] for name in targets}
+        samples: dict[str, Summary] = {}
+        phase_data: list[Any] = []
         for i, rate in enumerate(args.rates):
             load = _load_args(args, args.model)
             load.request_rate, load.max_concurrency = rate, None
@@ -242,7 +262,8 @@ async def measure_goodput(proxy: str, colocated: str, args: argparse.Namespace) 
                 before = await scrape(http, urls)
                 results[name] = await run_load(targets[name], load, prompts)
                 if targets[name] == proxy:
-                    phases = phase_table(before, await scrape(http, urls))
+                    after = await scrape(http, urls)
+                    phases, phase_data = phase_table(before, after), phase_rows(before, after)
             pd, colo = (results[name] for name in targets)
             head = (f"{args.num_prompts} mixed prompts, Poisson {rate:g} req/s, "
                     f"{args.max_tokens} output tokens, {args.endpoint}")
@@ -253,9 +274,19 @@ async def measure_goodput(proxy: str, colocated: str, args: argparse.Namespace) 
                 n, rps = goodput(summary, args.slo_ttft, args.slo_tpot)
                 print(f"goodput {name}: {n}/{len(summary.results)} requests met {slo}: "
                       f"{rps:.3f} req/s", flush=True)
+            for name in targets:
+                curves[name].append((rate, goodput(results[name], args.slo_ttft,
+                                                   args.slo_tpot)[1]))
+                samples[f"{name} @ {rate:g} req/s"] = results[name]
             print(f"\n```\n{phases}\n```\n", flush=True)
             print(f"compiles after ready: {await _compiles_after_ready(http, workers)}\n",
                   flush=True)
+    what = f"{args.num_prompts} mixed prompts, {args.max_tokens} tokens out"
+    plots.goodput_vs_rate("goodput_vs_rate", f"Goodput at equal cores: {what}", curves,
+                          f"TTFT ≤ {args.slo_ttft:g} s, TPOT ≤ {args.slo_tpot * 1000:g} ms")
+    _cdfs("goodput", what, samples, (args.slo_ttft, args.slo_tpot))
+    plots.phase_bars("goodput_phases", f"PD phases at {args.rates[-1]:g} req/s: {what}",
+                     plots.phases_by_side(phase_data))
 
 
 async def measure_tax(proxy: str, colocated: str, args: argparse.Namespace) -> None:
@@ -269,12 +300,14 @@ async def measure_tax(proxy: str, colocated: str, args: argparse.Namespace) -> N
             await run_load(url, load, prompts)
         results: dict[str, Summary] = {}
         phases = ""
+        phase_data: list[Any] = []
         for r in range(args.rounds):
             for name, url in (("PD", proxy), ("colocated", colocated))[:: 1 if r % 2 == 0 else -1]:
                 before = await scrape(http, urls) if url == proxy else {}
                 got = await run_load(url, load, prompts)
                 if url == proxy:
-                    phases = phase_table(before, await scrape(http, urls))
+                    after = await scrape(http, urls)
+                    phases, phase_data = phase_table(before, after), phase_rows(before, after)
                 old = results.get(name)
                 results[name] = got if old is None else Summary(
                     old.results + got.results, old.duration + got.duration)
@@ -284,6 +317,9 @@ async def measure_tax(proxy: str, colocated: str, args: argparse.Namespace) -> N
     print(table(f"PD tax: {head}", pd, colo, "PD (proxy)", "colocated"), flush=True)
     tax = pd.rows()["TTFT p50 ms"] - colo.rows()["TTFT p50 ms"]
     print(f"TTFT p50 PD - colocated: {tax:+.1f} ms\n\n```\n{phases}\n```\n", flush=True)
+    _cdfs("tax", f"short prompts one at a time, {args.max_tokens} tokens out", results)
+    plots.phase_bars("tax_phases", "PD phases, short prompts one at a time",
+                     plots.phases_by_side(phase_data))
 
 
 async def measure_pulls(proxy: str, args: argparse.Namespace) -> None:

@@ -27,6 +27,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import plots  # bench/, beside this script
+
 MIB = 1 << 20
 # A page of every layer: 8 layers x 16 tokens x 4 kv-heads (K and V) x 64 dims x f32 = 256 KiB.
 LAYERS, PAGE_SIZE, KV_HEADS, HEAD_DIM = 8, 16, 4, 64
@@ -130,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| room | P tp -> D tp | shards pulled | pull ms | GB/s | + regroup ms | GB/s "
           "| vs 1 -> 1 |")
     print("|---|---|---|---|---|---|---|---|")
+    curves: dict[str, list[float]] = {f"{p} -> {d}": [] for p, d in PAIRS}
     for mib in sizes_mib:
         base = statistics.median(t for _, t in times[(mib, 1, 1)])
         for p, d in PAIRS:
@@ -139,6 +142,9 @@ def main(argv: list[str] | None = None) -> None:
             gb = mib * MIB / 1e9
             print(f"| {mib} MiB | {p} -> {d} | {p} | {pull * 1e3:.1f} | {gb / pull:.2f} "
                   f"| {total * 1e3:.1f} | {gb / total:.2f} | {base / total:.2f}x |")
+            curves[f"{p} -> {d}"].append(gb / total)
+    plots.rate_vs_size("tp_transfer", "KV pull + regroup between tp sizes (P tp -> D tp)",
+                       sizes_mib, curves, reference="1 -> 1")
 
 
 if __name__ == "__main__":

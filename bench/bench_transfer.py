@@ -39,6 +39,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import plots  # bench/, beside this script
+
 MIB = 1 << 20
 
 
@@ -333,6 +335,10 @@ def bench_transfer(quick: bool) -> None:
               f"{g['engine'] / g['library default']:.2f}x | "
               f"{g['engine'] / g['default, huge pages']:.2f}x | "
               f"{g['engine'] / g['raw socket']:.2f}x |")
+    plots.rate_vs_size(
+        "transfer_rate_vs_size", "P → D KV transfer, two processes on 127.0.0.1",
+        sizes, {name: [mib * MIB / results[(name, mib)] / 1e9 for mib in sizes]
+                for name, _, _ in methods}, reference="raw socket")
 
 
 def main() -> None:

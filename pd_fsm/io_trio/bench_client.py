@@ -365,9 +365,22 @@ def _fmt(value: float, name: str) -> str:
     return f"{value:.3g}"
 
 
-def phase_table(before: dict[str, Histograms], after: dict[str, Histograms]) -> str:
-    """The per-phase table of one run from ``/metrics`` scrapes (URL -> histograms) taken
-    before and after it: p50, p99 and count per (side, phase), summed over a side's workers."""
+@attrs.frozen
+class PhaseRow:
+    """One (side, phase) of a run: p50, p99 (in the metric's unit) and the observations."""
+
+    side: str  # "P", "D", "worker" or "proxy"
+    name: str  # the metric
+    label: str  # the phase's short name
+    p50: float
+    p99: float
+    count: float
+
+
+def phase_rows(before: dict[str, Histograms], after: dict[str, Histograms]) -> list[PhaseRow]:
+    """The phases of one run from ``/metrics`` scrapes (URL -> histograms) taken before and
+    after it: p50, p99 and count per (side, phase), summed over a side's workers, in the order a
+    PD request meets them."""
     merged: dict[tuple[str, str], Buckets] = {}
     for url, hists in after.items():
         side = side_of(hists)
@@ -377,18 +390,20 @@ def phase_table(before: dict[str, Histograms], after: dict[str, Histograms]) -> 
             into = merged.setdefault((side, name), {})
             for le, n in buckets.items():
                 into[le] = into.get(le, 0.0) + n
+    return [PhaseRow(side, name, _LABEL[name], histogram_quantile(0.5, row),
+                     histogram_quantile(0.99, row), row.get(math.inf, 0.0))
+            for name in _ROWS for side in _SIDES
+            if (row := merged.get((side, name))) is not None]
+
+
+def phase_table(before: dict[str, Histograms], after: dict[str, Histograms]) -> str:
+    """:func:`phase_rows` as the table the benchmarks print."""
     head = f"{'side':<8}{'phase':<24}{'p50':>14}{'p99':>14}{'count':>8}"
     lines = ["where the time went (p50/p99 interpolated in /metrics histogram buckets, this run)",
              head, "-" * len(head)]
-    for name in _ROWS:
-        for side in _SIDES:
-            row = merged.get((side, name))
-            if row is None:
-                continue
-            count = row.get(math.inf, 0.0)
-            p50, p99 = histogram_quantile(0.5, row), histogram_quantile(0.99, row)
-            lines.append(f"{side:<8}{_LABEL[name]:<24}{_fmt(p50, name):>14}"
-                         f"{_fmt(p99, name):>14}{count:>8.0f}")
+    for r in phase_rows(before, after):
+        lines.append(f"{r.side:<8}{r.label:<24}{_fmt(r.p50, r.name):>14}"
+                     f"{_fmt(r.p99, r.name):>14}{r.count:>8.0f}")
     if len(lines) == 3:
         lines.append(f"no phase histograms at {', '.join(after) or 'any metrics URL'}")
     return "\n".join(lines)
