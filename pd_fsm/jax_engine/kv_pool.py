@@ -32,7 +32,16 @@ class KVPoolConfig:
     page_size: int
     num_kv_heads: int
     head_dim: int
-    dtype: str = "float32"
+    dtype: str = "float32"  # what the KV is: float32 or bfloat16
+
+    @property
+    def storage_dtype(self) -> str:
+        """What the pool's arrays hold: bf16 KV is kept as its bits in uint16. XLA:CPU updates a
+        donated bf16 array by copying all of it (3.3 ms per layer for 12 MB, against 0.06 ms in
+        place for uint16, measured here), which made a bf16 pool's decode step 4.6x and its
+        scatter 30x slower; integer updates stay in place. ``forward.kv_encode`` /
+        ``kv_decode`` convert at the two ends (round to nearest even, and a shift)."""
+        return "uint16" if self.dtype == "bfloat16" else self.dtype
 
     @property
     def page_shape(self) -> tuple[int, int, int]:
@@ -126,7 +135,7 @@ def allocate_kv_pool(
     (default: the first device; a tensor-parallel instance passes its mesh's pool sharding)."""
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    zeros = jax.jit(lambda: jnp.zeros(cfg.layer_shape, jnp.dtype(cfg.dtype)),
+    zeros = jax.jit(lambda: jnp.zeros(cfg.layer_shape, jnp.dtype(cfg.storage_dtype)),
                     out_shardings=sharding)
     return [zeros() for _ in range(cfg.num_layers)]
 

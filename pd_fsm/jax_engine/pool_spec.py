@@ -80,7 +80,7 @@ class PoolTransferSpec:
         return cls(
             name=name,
             pool_type=pool_type,
-            dtype=str(jax.numpy.dtype(cfg.dtype)),
+            dtype=str(jax.numpy.dtype(cfg.storage_dtype)),  # the bytes moved (bf16: uint16)
             num_layers=cfg.num_layers,
             page_shape=cfg.page_shape,
             sharding=sharding,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import attrs
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
+KV_DTYPES = ("float32", "bfloat16")
 
 
 def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -22,6 +23,10 @@ def _mode(_: object, attribute: attrs.Attribute[str], value: str) -> None:
 class SchedulerArgs:
     model: str = "smollm2"  # "smollm2" | "tiny"
     dtype: str = "float32"
+    # The KV pool's dtype (pool, gather, transfer, scatter); None: ``dtype``. Attention
+    # accumulates in f32 either way.
+    kv_dtype: str | None = attrs.field(default=None, validator=attrs.validators.optional(
+        attrs.validators.in_(KV_DTYPES)))
     model_seed: int = 0  # weights of the random "tiny" model
     num_pages: int = attrs.field(default=1024, validator=_positive)  # including the null page
     page_size: int = attrs.field(default=16, validator=_positive)

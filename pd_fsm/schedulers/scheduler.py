@@ -146,7 +146,8 @@ class Scheduler:
         self.params = sharded_params(self.model, args.tp_size)
         self.tokenizer = self.model.tokenizer
         self.eos_token_ids = self.model.eos_token_ids
-        self.pool_config = self.config.kv_pool_config(args.num_pages, args.page_size)
+        self.pool_config = self.config.kv_pool_config(args.num_pages, args.page_size,
+                                                      args.kv_dtype)
         self.allocator = PageAllocator(args.num_pages)
         self.cache = RadixCache(self.allocator, args.page_size) if args.radix_cache else None
         self.cache_hit_tokens = 0  # counted once per request that got its pages

@@ -214,10 +214,10 @@ class Fleet:
         argv, url = self._worker(name, "decode", num_pages, extra or [])
         return self._add(name, argv, url)
 
-    def colocated(self, name: str = "colocated") -> Proc:
+    def colocated(self, name: str = "colocated", extra: list[str] | None = None) -> Proc:
         port = free_port()
         argv = cli("serve", *TINY, "--host", HOST, "--port", str(port), "--num-pages", "64",
-                   "--disaggregation-mode", "null")
+                   "--disaggregation-mode", "null", *(extra or []))
         return self._add(name, argv, f"http://{HOST}:{port}")
 
     def proxy(self, name: str, prefill: list[Proc], decode: list[Proc],

@@ -100,14 +100,18 @@ def _real_prompts(model: LoadedModel) -> list[list[int]]:
     return [*ids, chat]
 
 
-@pytest.mark.parametrize("model_name", ["tiny", "smollm2"])
-def test_pd_equals_colocated(model_name: str) -> None:
+@pytest.mark.parametrize(("model_name", "kv_dtype"),
+                         [("tiny", None), ("tiny", "bfloat16"), ("smollm2", None)])
+def test_pd_equals_colocated(model_name: str, kv_dtype: str | None) -> None:
+    """The same with the KV in bf16 (``--kv-dtype``): both sides' pools and every pull are bf16,
+    and PD equals the colocated bf16 worker."""
     model = load_model(model_name)
     prompts = _prompts() if model_name == "tiny" else _real_prompts(model)
     assert len(prompts) >= 8 and max(map(len, prompts)) > 2 * PAGE and min(map(len, prompts)) == 1
     colo = RecordingScheduler(
         SchedulerArgs(
-            model=model_name, num_pages=96, page_size=PAGE, max_running=16, max_batched_tokens=256
+            model=model_name, num_pages=96, page_size=PAGE, max_running=16, max_batched_tokens=256,
+            kv_dtype=kv_dtype,
         ),
         model=model,
     )
@@ -120,10 +124,20 @@ def test_pd_equals_colocated(model_name: str) -> None:
         # P and D step in turn here, never at once: while P compiles a new shape (tens of
         # seconds for SmolLM2 on a loaded machine) D cannot heartbeat, which a real D would.
         # This test is about equivalence, so P's lease outlasts any compile.
-        _args("prefill", model=model_name, lease_initial=600.0, lease_extension=600.0),
-        _args("decode", model=model_name),
+        _args("prefill", model=model_name, lease_initial=600.0, lease_extension=600.0,
+              kv_dtype=kv_dtype),
+        _args("decode", model=model_name, kv_dtype=kv_dtype),
         decode_cls=RecordingDecode,
     )
+    # bf16 KV is kept as its bits (uint16: XLA:CPU updates those in place, kv_pool.py).
+    storage = {"bfloat16": "uint16"}.get(kv_dtype or "float32", "float32")
+    dtypes = set()
+    for sched in (colo, pair.p, pair.d):
+        assert sched.pool_config.dtype == (kv_dtype or "float32")
+        with sched.kv_holder.locked() as held:
+            dtypes |= {str(a.dtype) for name in held.names() for a in held[name]}
+    assert dtypes == {storage}
+    assert {p.dtype for p in pair.d.kv_args.pools} == {storage}
     try:
         for i, ids in enumerate(prompts):
             room = 1000 + i
@@ -157,6 +171,10 @@ def test_pd_equals_colocated(model_name: str) -> None:
         for rid, exp in expected.items():
             assert p_got[rid]["ids"] == exp["ids"][:1]
         assert pair.d.transfer_stats["pulls_ok"] == len(prompts)
+        # The bytes pulled are the pools' packed pages at the pools' dtype (bf16: half of f32).
+        assert pair.d.transfer_stats["bytes"] == sum(
+            spec.packed_nbytes(-(-len(ids) // PAGE)) for ids in prompts
+            for spec in pair.d.kv_args.pools)
         assert pair.books_balanced()
     finally:
         pair.close()

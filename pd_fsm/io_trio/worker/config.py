@@ -67,6 +67,7 @@ class ServeConfig:
     # -- scheduler (SchedulerArgs)
     model: str = "smollm2"
     dtype: str = "float32"
+    kv_dtype: str | None = None  # the KV cache's (--kv-dtype); None: ``dtype``
     model_seed: int = 0
     num_pages: int = 1024
     page_size: int = 16
@@ -151,6 +152,7 @@ class ServeConfig:
         return SchedulerArgs(
             model=self.model,
             dtype=self.dtype,
+            kv_dtype=self.kv_dtype,
             model_seed=self.model_seed,
             num_pages=self.num_pages,
             page_size=self.page_size,
@@ -235,7 +237,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--chat-template", default=None, metavar="FILE",
         help="Jinja chat template to use instead of the model's own",
     )
-    p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16"))
+    p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16"),
+                   help="the weights' (bfloat16 runs XLA:CPU's products slowly: see README)")
+    p.add_argument("--kv-dtype", default=None, choices=("float32", "bfloat16"),
+                   help="the KV cache's: pool, gather, transfer and scatter (default: --dtype); "
+                        "bfloat16 halves the bytes each room moves; attention accumulates in f32. "
+                        "P and D must agree (a D refuses a P of another --kv-dtype by name)")
     p.add_argument("--model-seed", type=int, default=d.model_seed, help="tiny model weights")
     p.add_argument("--num-pages", type=int, default=d.num_pages, help="KV pool pages (+null)")
     p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
@@ -475,6 +482,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         chat_template=chat_template,
         model=args.model,
         dtype=args.dtype,
+        kv_dtype=args.kv_dtype,
         model_seed=args.model_seed,
         num_pages=args.num_pages,
         page_size=args.page_size,

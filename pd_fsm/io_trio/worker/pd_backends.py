@@ -339,7 +339,7 @@ class PDBackend(ColocatedBackend, ABC):
             transfer_addr=sched.engine.address,
             zmq_addr=zmq_addr,
             page_size=c.page_size,
-            kv_dtype=c.dtype,
+            kv_dtype=sched.pool_config.dtype,
             layout_hash=sched.layout_hash,
             scheduler_addr=f"{c.tls.scheme}://{c.public_host}:{c.port}",
             bootstrap_port=bootstrap_port,
@@ -585,6 +585,12 @@ class DecodeBackend(PDBackend):
 
     def _check_peer(self, record: InstanceRecord) -> str | None:
         assert self.side is not None
+        ours = None if self.scheduler is None else self.scheduler.pool_config.dtype
+        if ours is not None and record.kv_dtype != ours:
+            # The layout hashes differ too (READY would be refused); this says why, and before
+            # any page is reserved for the room.
+            return (f"prefill {record.instance_id} keeps its KV in {record.kv_dtype}, this "
+                    f"decode in {ours}: start P and D with the same --kv-dtype")
         processes = record.mesh_meta.get("processes", 1)
         if processes != self.config.nnodes or (processes > 1
                                                and record.tp_size != self.config.tp_size):

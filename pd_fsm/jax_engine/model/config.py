@@ -33,14 +33,18 @@ class ModelConfig:
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    def kv_pool_config(self, num_pages: int, page_size: int) -> KVPoolConfig:
+    def kv_pool_config(self, num_pages: int, page_size: int, dtype: str | None = None
+                       ) -> KVPoolConfig:
+        """The pool for this model; ``dtype`` (the KV's, ``--kv-dtype``) defaults to the
+        weights'. The forward casts new K/V to the pool's dtype and attends in f32 whatever it
+        is, so a bf16 pool halves the KV's bytes (and each transfer's) at f32 accumulation."""
         return KVPoolConfig(
             num_layers=self.num_layers,
             num_pages=num_pages,
             page_size=page_size,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
-            dtype=self.dtype,
+            dtype=dtype or self.dtype,
         )
 
 

@@ -47,6 +47,23 @@ KV = list[jax.Array]
 _MASK_VALUE = float(jnp.finfo(jnp.float32).min)
 
 
+def kv_encode(x: jax.Array, storage: jnp.dtype) -> jax.Array:
+    """K/V values as the pool stores them: cast, or for a bf16 pool (stored as ``uint16``,
+    ``KVPoolConfig.storage_dtype``) the bf16 bits, rounded to nearest even as a cast would."""
+    if storage != jnp.uint16:
+        return x.astype(storage)
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    rounded = bits + ((bits >> 16) & 1) + 0x7FFF
+    return (rounded >> 16).astype(jnp.uint16)
+
+
+def kv_decode(x: jax.Array) -> jax.Array:
+    """Pool values as f32, what attention accumulates in (bf16 bits: a shift)."""
+    if x.dtype != jnp.uint16:
+        return x.astype(jnp.float32)
+    return jax.lax.bitcast_convert_type(x.astype(jnp.uint32) << 16, jnp.float32)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -139,7 +156,7 @@ def _attend(
     q = q.astype(jnp.float32) * scale
 
     def scores_of(keys: jax.Array, mask: jax.Array) -> jax.Array:  # mask [B, T|1, S]
-        s = jnp.einsum("btkgd,bskd->bkgts", q, keys.astype(jnp.float32))
+        s = jnp.einsum("btkgd,bskd->bkgts", q, kv_decode(keys))
         return jnp.where(mask[:, None, None, :, :], s, _MASK_VALUE)
 
     def step(
@@ -179,7 +196,7 @@ def _merge(
     p = jnp.where(mask[:, None, None, :, :], jnp.exp(scores - m_new[..., None]), 0.0)
     corr = jnp.exp(m - m_new)
     denom = denom * corr + jnp.sum(p, axis=-1)
-    acc = acc * corr[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p, values.astype(jnp.float32))
+    acc = acc * corr[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p, kv_decode(values))
     return m_new, denom, acc
 
 
@@ -204,8 +221,9 @@ def _layer(
     k = _project(h, layer, "wk", "bk").reshape(batch, t, nkv, d)
     v = _project(h, layer, "wv", "bv").reshape(batch, t, nkv, d)
     q = rope(q, positions, config.rope_theta)
-    k = rope(k, positions, config.rope_theta).astype(pool.dtype)
-    v = v.astype(pool.dtype)
+    # As the pool keeps them, so that a token attends to itself as later tokens will.
+    k = kv_encode(rope(k, positions, config.rope_theta), pool.dtype)
+    v = kv_encode(v, pool.dtype)
     entry = jnp.stack([k, v], axis=3).reshape(batch * t, 2 * nkv, d)
 
     attn = _attend(q.reshape(batch, t, nkv, g, d), k, v, new_mask, pool, table, start_pos)
