@@ -118,7 +118,7 @@ def test_hf_checkpoint_loads_to_the_same_logits(
             layer["bv"] = rng.standard_normal(cfg.num_kv_heads * cfg.head_dim).astype(np.float32)
     _export(tmp_path, p, model_type, tied)
     loaded = load_hf(tmp_path)
-    assert loaded.config == cfg
+    assert loaded.config == attrs.evolve(cfg, model_type=model_type)
     assert loaded.tokenizer.eos_token_ids == frozenset({3, 4})
     assert loaded.tokenizer.decode(loaded.tokenizer.encode("héllo 12")) == "héllo 12"
 

@@ -22,6 +22,7 @@ class ModelConfig:
     max_position: int = 8192
     # f32 by default: XLA:CPU runs bf16 matmuls several times slower than f32.
     dtype: str = "float32"
+    model_type: str = "llama"  # the checkpoint's architecture (hf_loader.SUPPORTED_MODEL_TYPES)
 
     def __attrs_post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -220,6 +220,9 @@ def _layer(
     q = _project(h, layer, "wq", "bq").reshape(batch, t, nh, d)
     k = _project(h, layer, "wk", "bk").reshape(batch, t, nkv, d)
     v = _project(h, layer, "wv", "bv").reshape(batch, t, nkv, d)
+    if "q_norm" in layer:  # Qwen3: each head's q and k normalised before the rotation
+        q = rms_norm(q, layer["q_norm"], config.rms_eps)
+        k = rms_norm(k, layer["k_norm"], config.rms_eps)
     q = rope(q, positions, config.rope_theta)
     # As the pool keeps them, so that a token attends to itself as later tokens will.
     k = kv_encode(rope(k, positions, config.rope_theta), pool.dtype)

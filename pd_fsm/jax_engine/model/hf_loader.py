@@ -16,7 +16,7 @@ import numpy as np
 
 from pd_fsm.jax_engine.model.config import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3")
 
 _DTYPES: dict[str, np.dtype[Any]] = {
     "F64": np.dtype("<f8"),
@@ -58,6 +58,11 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         raise ValueError(f"unsupported model_type {model_type!r}; known: {SUPPORTED_MODEL_TYPES}")
     if cfg.get("rope_scaling"):
         raise ValueError(f"rope_scaling {cfg['rope_scaling']!r} is not implemented")
+    # transformers 5 writes the rotation's settings as rope_parameters (4.x: rope_theta).
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_parameters {rope!r}: only the default rotation is implemented")
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     return ModelConfig(
         vocab_size=int(cfg["vocab_size"]),
@@ -67,11 +72,21 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rope_theta=float(theta),
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position=int(cfg.get("max_position_embeddings", 4096)),
+        max_position=_context(cfg),
+        model_type=str(model_type),
     )
+
+
+def _context(cfg: dict[str, Any]) -> int:
+    """The longest sequence served exactly: the model's, or its sliding attention window when
+    one applies (Mistral v0.1's 4,096; the attention here is over the whole context, which
+    equals the windowed one only up to the window)."""
+    longest = int(cfg.get("max_position_embeddings", 4096))
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    return min(longest, int(window)) if window else longest
 
 
 _LAYER = {
@@ -83,6 +98,9 @@ _LAYER = {
     "self_attn.q_proj.bias": ("bq", False),
     "self_attn.k_proj.bias": ("bk", False),
     "self_attn.v_proj.bias": ("bv", False),
+    # Qwen3: an RMSNorm over each head's dimension of q and of k, before the rotation.
+    "self_attn.q_norm.weight": ("q_norm", False),
+    "self_attn.k_norm.weight": ("k_norm", False),
     "post_attention_layernorm.weight": ("mlp_norm", False),
     "mlp.gate_proj.weight": ("w_gate", True),
     "mlp.up_proj.weight": ("w_up", True),
@@ -97,8 +115,9 @@ def hf_to_params(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[st
         for suffix, (name, transpose) in _LAYER.items():
             w = tensors.get(f"model.layers.{i}.{suffix}")
             if w is None:
-                if name.startswith("b"):  # biases exist only in Qwen2-style checkpoints
-                    continue
+                if name.startswith("b") or (name.endswith("_norm") and name[0] in "qk"
+                                            and config.model_type != "qwen3"):
+                    continue  # biases exist only in Qwen2-style checkpoints, q/k norms in Qwen3
                 raise KeyError(f"checkpoint lacks model.layers.{i}.{suffix}")
             layer[name] = np.ascontiguousarray(w.T) if transpose else w
         layers.append(layer)
