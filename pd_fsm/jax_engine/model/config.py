@@ -23,6 +23,13 @@ class ModelConfig:
     # f32 by default: XLA:CPU runs bf16 matmuls several times slower than f32.
     dtype: str = "float32"
     model_type: str = "llama"  # the checkpoint's architecture (hf_loader.SUPPORTED_MODEL_TYPES)
+    # Mixture of experts (qwen3_moe): the layers whose MLP is ``num_experts`` experts of which
+    # each token takes the ``experts_per_token`` its router ranks first (their weights
+    # renormalised to sum to 1 with ``norm_topk_prob``). 0 experts: every MLP dense.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    norm_topk_prob: bool = True
+    sparse_layers: tuple[int, ...] = ()
 
     def __attrs_post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

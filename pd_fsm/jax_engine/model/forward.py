@@ -233,7 +233,28 @@ def _layer(
     x = x + attn.reshape(batch, t, nh * d).astype(x.dtype) @ layer["wo"]
 
     h = rms_norm(x, layer["mlp_norm"], config.rms_eps)
+    if "router" in layer:
+        return x + _experts(h, layer, config), entry
     return x + (jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])) @ layer["w_down"], entry
+
+
+def _experts(h: jax.Array, layer: Params, config: ModelConfig) -> jax.Array:
+    """A mixture-of-experts MLP (Qwen3-MoE): the router's softmax (in f32) over the experts,
+    each token's ``experts_per_token`` best, weighted. Every expert runs on every token and the
+    others get weight 0: exact, and E times the MLP's work — right for the small models this
+    runs on CPU; a token-to-expert dispatch is what a large one needs."""
+    shape = h.shape
+    x = h.reshape(-1, shape[-1])
+    probs = jax.nn.softmax((x @ layer["router"]).astype(jnp.float32), axis=-1)
+    top, which = jax.lax.top_k(probs, config.experts_per_token)
+    if config.norm_topk_prob:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    weights = jnp.sum(jax.nn.one_hot(which, config.num_experts, dtype=jnp.float32)
+                      * top[..., None], axis=1).astype(x.dtype)  # [N, E]
+    gate = jnp.einsum("nh,ehi->eni", x, layer["e_gate"])
+    up = jnp.einsum("nh,ehi->eni", x, layer["e_up"])
+    out = jnp.einsum("eni,eih->enh", jax.nn.silu(gate) * up, layer["e_down"])
+    return jnp.einsum("ne,enh->nh", weights, out).reshape(shape)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "all_logits", "tied"))

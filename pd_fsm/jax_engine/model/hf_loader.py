@@ -16,7 +16,7 @@ import numpy as np
 
 from pd_fsm.jax_engine.model.config import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe")
 
 _DTYPES: dict[str, np.dtype[Any]] = {
     "F64": np.dtype("<f8"),
@@ -77,7 +77,23 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position=_context(cfg),
         model_type=str(model_type),
+        **_experts(cfg),
     )
+
+
+def _experts(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's expert settings, and which layers are sparse (transformers' rule: every
+    ``decoder_sparse_step``-th layer not in ``mlp_only_layers``)."""
+    n = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # 4.x / 5.x names
+    if not n:
+        return {}
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ValueError("a shared expert is not implemented")
+    step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
+    sparse = tuple(i for i in range(int(cfg["num_hidden_layers"]))
+                   if i not in dense and (i + 1) % step == 0)
+    return {"num_experts": n, "experts_per_token": int(cfg["num_experts_per_tok"]),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)), "sparse_layers": sparse}
 
 
 def _context(cfg: dict[str, Any]) -> int:
@@ -112,7 +128,12 @@ def hf_to_params(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[st
     layers = []
     for i in range(config.num_layers):
         layer: dict[str, np.ndarray] = {}
+        sparse = i in config.sparse_layers
+        if sparse:
+            layer.update(_expert_params(tensors, i, config.num_experts))
         for suffix, (name, transpose) in _LAYER.items():
+            if sparse and suffix.startswith("mlp."):
+                continue  # the experts replace the dense MLP
             w = tensors.get(f"model.layers.{i}.{suffix}")
             if w is None:
                 if name.startswith("b") or (name.endswith("_norm") and name[0] in "qk"
@@ -129,6 +150,22 @@ def hf_to_params(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[st
     if not config.tie_embeddings:
         params["lm_head"] = np.ascontiguousarray(tensors["lm_head.weight"].T)
     return params
+
+
+def _expert_params(tensors: dict[str, np.ndarray], i: int, n: int) -> dict[str, np.ndarray]:
+    """Layer ``i``'s router ``[H, E]`` and its experts stacked: gate and up ``[E, H, I]``, down
+    ``[E, I, H]`` (transformers saves each expert's ``[out, in]`` linears apart)."""
+    prefix = f"model.layers.{i}.mlp"
+
+    def stacked(proj: str) -> np.ndarray:
+        try:
+            return np.stack([tensors[f"{prefix}.experts.{e}.{proj}.weight"].T for e in range(n)])
+        except KeyError as exc:
+            raise KeyError(f"checkpoint lacks {exc.args[0]}") from None
+
+    return {"router": np.ascontiguousarray(tensors[f"{prefix}.gate.weight"].T),
+            "e_gate": stacked("gate_proj"), "e_up": stacked("up_proj"),
+            "e_down": stacked("down_proj")}
 
 
 def load_hf_checkpoint(directory: Path) -> tuple[ModelConfig, dict[str, Any], dict[str, Any]]:
