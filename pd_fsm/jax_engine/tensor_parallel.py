@@ -42,8 +42,13 @@ AXIS = "tp"
 POOL_KV_AXIS = 2
 PACKED_KV_AXIS = 3
 
-_COLUMN = frozenset({"wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up"})
-_ROW = frozenset({"wo", "w_down"})
+# Split along their last axis (output columns): heads, and the MLP's intermediate dimension —
+# an expert's too (``e_gate``/``e_up``: ``[E, H, I]``). Split along their second-to-last axis
+# (input rows, summed by an all-reduce): ``wo``, ``w_down`` and the experts' ``e_down``
+# ``[E, I, H]``. So every expert is cut in tp parts of its intermediate dimension, as sglang's
+# "TP MoE" does; the router and the q/k norms are replicated.
+_COLUMN = frozenset({"wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up", "e_gate", "e_up"})
+_ROW = frozenset({"wo", "w_down", "e_down"})
 
 
 class TensorParallelError(ValueError):
@@ -118,7 +123,7 @@ def _param_spec(name: str, ndim: int) -> PartitionSpec:
     if name in _COLUMN:
         return _split(ndim, ndim - 1)
     if name in _ROW:
-        return _split(ndim, 0)
+        return _split(ndim, ndim - 2)
     return PartitionSpec()
 
 
