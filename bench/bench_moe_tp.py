@@ -1,8 +1,9 @@
 """A tiny mixture-of-experts model (the Qwen3-MoE reference checkpoint,
-``tests/fixtures/hf/qwen3_moe``: 4 experts, 2 per token, 2 kv-heads) at tp 1 and 2 on forced CPU
-devices, against the dense Qwen3 reference checkpoint (the same attention shapes; one dense MLP
-of 128 where the MoE has 4 experts of 48 in its first layer) in the same run: prefill tokens/s
-and decode ms/step at batch 4. Asserts nothing. Their kv-heads allow tp 1 and 2 only.
+``tests/fixtures/hf/qwen3_moe``: 4 experts, 2 per token, 4 kv-heads) at tp 1, 2 and 4 on forced
+CPU devices (each expert cut along its intermediate dimension), against the dense Qwen3
+reference checkpoint (the same attention widths; one dense MLP of 128 where the MoE has 4
+experts of 48 in its first layer) in the same run: prefill tokens/s and decode ms/step at batch
+4. Asserts nothing. The dense one's 2 kv-heads allow tp 1 and 2.
 
     .venv/bin/python bench/bench_moe_tp.py [--repeats 5]
 """
@@ -14,7 +15,7 @@ import sys
 
 # Before JAX starts (the pd_fsm imports below): it fixes its device count then.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=2").strip()
+                           + " --xla_force_host_platform_device_count=4").strip()
 
 import argparse
 import statistics
@@ -62,7 +63,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    configs = [(m, tp) for m in ("qwen3_moe", "qwen3") for tp in (1, 2)]
+    configs = [("qwen3_moe", 1), ("qwen3_moe", 2), ("qwen3_moe", 4), ("qwen3", 1), ("qwen3", 2)]
     scheds = {c: _sched(*c) for c in configs}
     for c, s in scheds.items():  # warm: compile every shape used below
         _prefill_s(s, f"w{c}")
@@ -73,7 +74,7 @@ def main() -> None:
         for c in configs if r % 2 == 0 else configs[::-1]:
             pre[c].append(_prefill_s(scheds[c], f"p{r}{c}"))
             step[c].append(_step_s(scheds[c], f"s{r}{c}"))
-    print(f"# tiny MoE vs the dense Qwen3 fixture at tp 1 and 2 (forced CPU devices), "
+    print(f"# tiny MoE vs the dense Qwen3 fixture at tp 1, 2, 4 (forced CPU devices), "
           f"{args.repeats} repetitions alternated, medians\n")
     print("| model | tp | prefill tokens/s (200 tokens) | decode ms/step (batch 4) |")
     print("|---|---|---|---|")

@@ -64,4 +64,4 @@ def test_allocate_kv_pool_layout() -> None:
     pool = allocate_kv_pool(cfg)
     assert len(pool) == 2
     assert pool[0].shape == (5, 4, 6, 8)
-    assert str(pool[0].dtype) == "bfloat16"
+    assert str(pool[0].dtype) == "uint16"  # bf16 KV is stored as its bits (storage_dtype)

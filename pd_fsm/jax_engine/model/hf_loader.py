@@ -16,7 +16,12 @@ import numpy as np
 
 from pd_fsm.jax_engine.model.config import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral")
+# Where a mixture of experts keeps its router and experts, and its experts' gate, up and down.
+_MOE_NAMES = {
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+}
 
 _DTYPES: dict[str, np.dtype[Any]] = {
     "F64": np.dtype("<f8"),
@@ -82,8 +87,9 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
 
 
 def _experts(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3-MoE's expert settings, and which layers are sparse (transformers' rule: every
-    ``decoder_sparse_step``-th layer not in ``mlp_only_layers``)."""
+    """A mixture of experts' settings, and which layers are sparse (transformers' rule for
+    Qwen3-MoE: every ``decoder_sparse_step``-th layer not in ``mlp_only_layers``; Mixtral: all,
+    its top-k weights always renormalised)."""
     n = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # 4.x / 5.x names
     if not n:
         return {}
@@ -92,8 +98,10 @@ def _experts(cfg: dict[str, Any]) -> dict[str, Any]:
     step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
     sparse = tuple(i for i in range(int(cfg["num_hidden_layers"]))
                    if i not in dense and (i + 1) % step == 0)
+    mixtral = cfg.get("model_type") == "mixtral"
     return {"num_experts": n, "experts_per_token": int(cfg["num_experts_per_tok"]),
-            "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)), "sparse_layers": sparse}
+            "norm_topk_prob": mixtral or bool(cfg.get("norm_topk_prob", True)),
+            "sparse_layers": sparse}
 
 
 def _context(cfg: dict[str, Any]) -> int:
@@ -130,7 +138,7 @@ def hf_to_params(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[st
         layer: dict[str, np.ndarray] = {}
         sparse = i in config.sparse_layers
         if sparse:
-            layer.update(_expert_params(tensors, i, config.num_experts))
+            layer.update(_expert_params(tensors, i, config))
         for suffix, (name, transpose) in _LAYER.items():
             if sparse and suffix.startswith("mlp."):
                 continue  # the experts replace the dense MLP
@@ -152,20 +160,22 @@ def hf_to_params(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[st
     return params
 
 
-def _expert_params(tensors: dict[str, np.ndarray], i: int, n: int) -> dict[str, np.ndarray]:
+def _expert_params(tensors: dict[str, np.ndarray], i: int, config: ModelConfig
+                   ) -> dict[str, np.ndarray]:
     """Layer ``i``'s router ``[H, E]`` and its experts stacked: gate and up ``[E, H, I]``, down
     ``[E, I, H]`` (transformers saves each expert's ``[out, in]`` linears apart)."""
-    prefix = f"model.layers.{i}.mlp"
+    block, (gate, up, down) = _MOE_NAMES[config.model_type]
+    prefix = f"model.layers.{i}.{block}"
 
     def stacked(proj: str) -> np.ndarray:
         try:
-            return np.stack([tensors[f"{prefix}.experts.{e}.{proj}.weight"].T for e in range(n)])
+            return np.stack([tensors[f"{prefix}.experts.{e}.{proj}.weight"].T
+                             for e in range(config.num_experts)])
         except KeyError as exc:
             raise KeyError(f"checkpoint lacks {exc.args[0]}") from None
 
     return {"router": np.ascontiguousarray(tensors[f"{prefix}.gate.weight"].T),
-            "e_gate": stacked("gate_proj"), "e_up": stacked("up_proj"),
-            "e_down": stacked("down_proj")}
+            "e_gate": stacked(gate), "e_up": stacked(up), "e_down": stacked(down)}
 
 
 def load_hf_checkpoint(directory: Path) -> tuple[ModelConfig, dict[str, Any], dict[str, Any]]:

@@ -35,13 +35,17 @@ def kv_args(names: list[str] | None = None) -> KVArgs:
 
 
 def pool_np(name: str, seed: int, num_pages: int | None = None) -> list[np.ndarray]:
-    """Deterministic contents of pool ``name`` for ``seed`` (per layer, numpy, pool dtype)."""
+    """Deterministic contents of pool ``name`` for ``seed`` (per layer, numpy, as the pool
+    stores them: bf16 values as their uint16 bits, ``KVPoolConfig.storage_dtype``)."""
     cfg = config(name, num_pages)
-    dtype = ml_dtypes.bfloat16 if cfg.dtype == "bfloat16" else np.dtype(cfg.dtype)
     out = []
     for layer in range(cfg.num_layers):
         rng = np.random.default_rng([seed, list(POOLS).index(name), layer])
-        out.append(rng.standard_normal(cfg.layer_shape).astype(np.float32).astype(dtype))
+        values = rng.standard_normal(cfg.layer_shape).astype(np.float32)
+        if cfg.dtype == "bfloat16":
+            out.append(values.astype(ml_dtypes.bfloat16).view(np.uint16))
+        else:
+            out.append(values.astype(cfg.storage_dtype))
     return out
 
 

@@ -1,15 +1,20 @@
-"""The Qwen3-MoE reference checkpoint (``tests/fixtures/hf/qwen3_moe``) at tp 2 equals tp 1 and
-transformers: attention sharded by kv-head as for dense models, every expert cut in two along its
+"""The Qwen3-MoE reference checkpoint (``tests/fixtures/hf/qwen3_moe``) at tp 2 and 4 equals tp 1
+and transformers: attention sharded by kv-head as for dense models, every expert cut along its
 intermediate dimension (gate/up by columns, down by rows, summed by an all-reduce), the router
-replicated."""
+replicated; P and D of different tp serve it as transformers does."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
+
+from pd_fsm.jax_engine.model import load_model
 from pd_fsm.jax_engine.sampling_params import SamplingParams
 from pd_fsm.schedulers import Req, Scheduler, SchedulerArgs
+from pd_fsm.schedulers.disaggregation import DisaggregationArgs
+from tests.support.pd_pair import BOOT, PDPair, collect
 
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "hf" / "qwen3_moe"
 
@@ -31,13 +36,41 @@ def _run(tp: int) -> tuple[Scheduler, dict[str, list[int]]]:
     return sched, out
 
 
-def test_moe_at_tp2_equals_tp1_and_transformers() -> None:
+def test_moe_at_tp2_and_tp4_equals_tp1_and_transformers() -> None:
     ref = json.loads((FIXTURE / "reference.json").read_text())
     expected = {f"r{i}": g for i, g in enumerate(ref["greedy"])}
     assert _greedy(1) == expected
-    sched, got = _run(2)
-    assert got == expected
-    layer = sched.params["layers"][0]
-    assert tuple(layer["e_gate"].sharding.spec) == (None, None, "tp")
-    assert tuple(layer["e_down"].sharding.spec) == (None, "tp", None)
-    assert layer["router"].sharding.is_fully_replicated
+    for tp in (2, 4):
+        sched, got = _run(tp)
+        assert got == expected, tp
+        layer = sched.params["layers"][0]
+        assert tuple(layer["e_gate"].sharding.spec) == (None, None, "tp")
+        assert tuple(layer["e_down"].sharding.spec) == (None, "tp", None)
+        assert layer["router"].sharding.is_fully_replicated
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
+def test_moe_pd_between_tp_sizes_equals_transformers(p_tp: int, d_tp: int) -> None:
+    """P and D of different tp: D regroups P's KV shards (the MoE does not change the KV)."""
+    ref = json.loads((FIXTURE / "reference.json").read_text())
+    model = load_model(str(FIXTURE))
+
+    def args(mode: str, tp: int) -> DisaggregationArgs:
+        return DisaggregationArgs(model=str(FIXTURE), num_pages=64, page_size=4, max_running=4,
+                                  max_batched_tokens=64, tp_size=tp, disaggregation_mode=mode,
+                                  instance_id=f"{mode}-0")
+
+    pair = PDPair(model, args("prefill", p_tp), args("decode", d_tp))
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=ref["new_tokens"], ignore_eos=True)
+    try:
+        for i, ids in enumerate(ref["prompts"]):
+            pair.d.add_pd_request(Req(f"r{i}", ids, sampling), BOOT, 200 + i)
+            pair.p.add_pd_request(Req(f"r{i}", ids, sampling), 200 + i)
+        pair.run(lambda: len(collect(pair.d_outputs)) == len(ref["prompts"])
+                 and all(v["reason"] for v in collect(pair.d_outputs).values())
+                 and pair.books_balanced())
+        got = collect(pair.d_outputs)
+    finally:
+        pair.close()
+    assert {rid: v["ids"] for rid, v in got.items()} == {
+        f"r{i}": g for i, g in enumerate(ref["greedy"])}
