@@ -10,8 +10,9 @@ from pd_fsm.core import codec
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.jax_engine.model import LoadedModel
+from pd_fsm.jax_engine.sampling_params import SamplingParams
 from pd_fsm.schedulers.disaggregation import DecodeScheduler, DisaggregationArgs, PrefillScheduler
-from pd_fsm.schedulers.request import RequestOutput
+from pd_fsm.schedulers.request import Req, RequestOutput
 
 BOOT = "127.0.0.1:8998"
 P_ADDR = "tcp://127.0.0.1:0"  # P's side-channel address as D knows it
@@ -107,3 +108,20 @@ def collect(outputs: list[RequestOutput]) -> dict[str, Any]:
         if o.finished:
             entry["reason"] = o.finish_reason
     return acc
+
+
+def serve_through(pair: PDPair, prompts: list[list[int]], sampling: SamplingParams,
+                  first_room: int) -> dict[str, Any]:
+    """Each prompt as one room (``r0``, ``r1``, ... from ``first_room``), both legs posted, run
+    until every answer is whole and the books balance; then the pair is closed. The answers, by
+    rid (:func:`collect`)."""
+    try:
+        for i, ids in enumerate(prompts):
+            pair.d.add_pd_request(Req(f"r{i}", ids, sampling), BOOT, first_room + i)
+            pair.p.add_pd_request(Req(f"r{i}", ids, sampling), first_room + i)
+        pair.run(lambda: len(collect(pair.d_outputs)) == len(prompts)
+                 and all(v["reason"] for v in collect(pair.d_outputs).values())
+                 and pair.books_balanced())
+        return collect(pair.d_outputs)
+    finally:
+        pair.close()

@@ -24,7 +24,7 @@ from pd_fsm.jax_engine.model.hf_loader import SUPPORTED_MODEL_TYPES
 from pd_fsm.jax_engine.sampling_params import SamplingParams
 from pd_fsm.schedulers import Req, Scheduler, SchedulerArgs
 from pd_fsm.schedulers.disaggregation import DisaggregationArgs
-from tests.support.pd_pair import BOOT, PDPair, collect
+from tests.support.pd_pair import PDPair, collect, serve_through
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf"
 TYPES = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").exists())
@@ -74,16 +74,7 @@ def test_logits_and_greedy_tokens_equal_transformers(model_type: str) -> None:
                                                    instance_id="prefill-0")),
                   DisaggregationArgs(**_args(path, disaggregation_mode="decode",
                                              instance_id="decode-0")))
-    try:
-        for i, ids in enumerate(ref["prompts"]):
-            pair.d.add_pd_request(Req(f"r{i}", ids, greedy), BOOT, 100 + i)
-            pair.p.add_pd_request(Req(f"r{i}", ids, greedy), 100 + i)
-        pair.run(lambda: len(collect(pair.d_outputs)) == len(ref["prompts"])
-                 and all(v["reason"] for v in collect(pair.d_outputs).values())
-                 and pair.books_balanced())
-        got_pd = collect(pair.d_outputs)
-    finally:
-        pair.close()
+    got_pd = serve_through(pair, ref["prompts"], greedy, 100)
     for i, expected in enumerate(ref["greedy"]):
         assert got_colo[f"r{i}"]["ids"] == expected, (model_type, i)
         assert got_pd[f"r{i}"]["ids"] == expected, (model_type, i)

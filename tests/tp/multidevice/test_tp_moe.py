@@ -14,7 +14,7 @@ from pd_fsm.jax_engine.model import load_model
 from pd_fsm.jax_engine.sampling_params import SamplingParams
 from pd_fsm.schedulers import Req, Scheduler, SchedulerArgs
 from pd_fsm.schedulers.disaggregation import DisaggregationArgs
-from tests.support.pd_pair import BOOT, PDPair, collect
+from tests.support.pd_pair import PDPair, serve_through
 
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "hf" / "qwen3_moe"
 
@@ -60,17 +60,8 @@ def test_moe_pd_between_tp_sizes_equals_transformers(p_tp: int, d_tp: int) -> No
                                   max_batched_tokens=64, tp_size=tp, disaggregation_mode=mode,
                                   instance_id=f"{mode}-0")
 
-    pair = PDPair(model, args("prefill", p_tp), args("decode", d_tp))
     sampling = SamplingParams(temperature=0.0, max_new_tokens=ref["new_tokens"], ignore_eos=True)
-    try:
-        for i, ids in enumerate(ref["prompts"]):
-            pair.d.add_pd_request(Req(f"r{i}", ids, sampling), BOOT, 200 + i)
-            pair.p.add_pd_request(Req(f"r{i}", ids, sampling), 200 + i)
-        pair.run(lambda: len(collect(pair.d_outputs)) == len(ref["prompts"])
-                 and all(v["reason"] for v in collect(pair.d_outputs).values())
-                 and pair.books_balanced())
-        got = collect(pair.d_outputs)
-    finally:
-        pair.close()
+    got = serve_through(PDPair(model, args("prefill", p_tp), args("decode", d_tp)),
+                        ref["prompts"], sampling, 200)
     assert {rid: v["ids"] for rid, v in got.items()} == {
         f"r{i}": g for i, g in enumerate(ref["greedy"])}
