@@ -12,6 +12,7 @@ from typing import Generic, TypeVar
 import attrs
 
 from pd_fsm.core.messages import Heartbeat, HeartbeatAck, Message, TokenLogprob
+from pd_fsm.core.routing import Attempts
 
 
 @attrs.frozen(slots=True)
@@ -242,4 +243,16 @@ class ReplyError:
     reason: str
 
 
-RouterEffect = DispatchRoom | DispatchLocal | RelayDecode | AbortLeg | ReplyError
+@attrs.frozen(slots=True)
+class ReopenRoom:
+    """The room ended RETRIED or MIGRATED: feed ``RoomRequested`` again for its request, after
+    ``delay`` (a retry's backoff; 0 for a migration), with ``attempts``."""
+
+    room: int
+    request_id: str
+    cause: str  # "retry" | "migration"
+    delay: float
+    attempts: Attempts
+
+
+RouterEffect = DispatchRoom | DispatchLocal | RelayDecode | AbortLeg | ReplyError | ReopenRoom

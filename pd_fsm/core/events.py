@@ -12,7 +12,7 @@ from typing import Generic, TypeVar
 import attrs
 
 from pd_fsm.core.messages import Message, TokenLogprob
-from pd_fsm.core.routing import Prompt
+from pd_fsm.core.routing import Attempts, Prompt
 
 
 @attrs.frozen(slots=True)
@@ -178,6 +178,11 @@ class RoomRequested:
     request_id: str
     # For cache_aware routing and conditional disaggregation.
     prompt: Prompt = attrs.field(factory=Prompt)
+    # A later room of the same request (ReopenRoom's): what the earlier ones used up.
+    attempts: Attempts = attrs.field(factory=Attempts)
+    # The proxy can continue this request's stream exactly on another worker (the prompt plus
+    # the tokens so far): a decode worker breaking off mid-relay migrates it, not fails it.
+    migratable: bool = False
 
 
 @attrs.frozen(slots=True)
@@ -186,6 +191,9 @@ class LegResponded:
     leg: str  # "prefill" | "decode"
     ok: bool
     reason: str = ""
+    # The worker refused the leg or could not be reached before any byte of its answer
+    # (connect error, 503): nothing of the request ran there, so it may retry elsewhere.
+    refused: bool = False
 
 
 @attrs.frozen(slots=True)

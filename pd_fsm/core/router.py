@@ -4,6 +4,13 @@ Rooms are drawn uniform in [0, 2^63) from an injected RNG (never a live one twic
 chosen by the routing policies (``routing.RoutePlanner``: round-robin by default), or D alone
 when conditional disaggregation says D should prefill the room itself. A room keeps its workers
 to its end (a retried leg lands where its pages are).
+
+A request may outlive its room (issue 32): a leg refused before any byte of its answer ends the
+room RETRIED and a stream whose decode worker broke off ends it MIGRATED, each with a
+``ReopenRoom`` effect that hands the proxy what the request used up (``routing.Attempts``); the
+proxy feeds it back in the request's next ``RoomRequested``, which avoids the workers that failed
+it while others are up. Whether a failure retries or migrates is decided here, from the limits in
+``RouterConfig``.
 """
 
 from __future__ import annotations
@@ -19,12 +26,13 @@ from pd_fsm.core.config import RouterConfig
 from pd_fsm.core.dispatch import bind_effects
 from pd_fsm.core.errors import LocalProtocolError
 from pd_fsm.core.messages import MAX_ROOM
-from pd_fsm.core.routing import RoutePlanner, RoutingConfig
+from pd_fsm.core.routing import Attempts, RoutePlanner, RoutingConfig
 from pd_fsm.core.tables import ROOM
 from pd_fsm.core.timers import DeadlineHeap
 
 # The table's names as attributes (tables.Names): never spelled as strings here.
 _T = ROOM.T
+_S = ROOM.S
 # A leg's response as a room trigger: (is it P's leg, did it succeed).
 _LEG_TRIGGERS = {
     (True, True): _T.PrefillResponded,
@@ -40,9 +48,14 @@ class _Room:
     request_id: str
     prefill: str  # "" for a room D prefills alone
     decode: str
+    deadline: float
+    attempts: Attempts = attrs.field(factory=Attempts)
+    migratable: bool = False
     state: str = ROOM.initial
     reason: str = ""
     route: str = ""  # why D prefills it alone (a local room)
+    backoff: float = 0.0  # the delay of the retry this room ends with (RETRIED)
+    failed: str = ""  # the worker whose failure retries or migrates the request
 
 
 class RoomRouter:
@@ -86,6 +99,8 @@ class RoomRouter:
         elif isinstance(event, ev.LegResponded):
             r = self.rooms.get(event.room)
             trigger = _LEG_TRIGGERS[event.leg == "prefill", event.ok]
+            if r is not None and not event.ok:
+                trigger = self._failure_trigger(r, event, now, trigger)
             if trigger == _T.PrefillFailed and self.config.decode_recomputes:
                 trigger = _T.PrefillFailedRecoverable
             if r is None or self.table.step(r.state, trigger) is None:
@@ -114,6 +129,24 @@ class RoomRouter:
 
     # -- internals ----------------------------------------------------------------------------
 
+    def _failure_trigger(self, r: _Room, e: ev.LegResponded, now: float, trigger: str) -> str:
+        """A failed leg's trigger: a retry or a migration while the request has one left."""
+        cfg, used = self.config, r.attempts
+        worker = r.prefill if e.leg == "prefill" else r.decode
+        if e.leg == "decode" and r.state in (_S.RELAYING, _S.LOCAL_RELAYING):
+            if r.migratable and used.migrations < cfg.migration_limit:
+                r.failed = worker
+                return _T.DecodeBroke
+            return trigger
+        if not e.refused or used.retries >= cfg.retry_limit:
+            return trigger
+        step = min(cfg.retry_backoff_max, cfg.retry_backoff * 2 ** used.retries)
+        backoff = step * (0.5 + self._rng.random() / 2)  # jitter: retries do not march in step
+        if now + backoff >= r.deadline:
+            return trigger  # no time left for another room
+        r.backoff, r.failed = backoff, worker
+        return _T.PrefillRefused if e.leg == "prefill" else _T.DecodeRefused
+
     def _dispatch(self, e: ev.RoomRequested, now: float, out: list[fx.RouterEffect]) -> None:
         if not self._prefill or not self._decode:
             missing = "prefill" if not self._prefill else "decode"
@@ -122,12 +155,19 @@ class RoomRouter:
         room = self._rng.randrange(MAX_ROOM)
         while room in self.rooms:
             room = self._rng.randrange(MAX_ROOM)
-        route = self.planner.plan(self._prefill, self._decode, e.prompt, self._live)
-        r = _Room(room, e.request_id, route.prefill or "", route.decode,
-                  route=route.prefill_reason)
+        avoid = set(e.attempts.avoid)
+        # Around the workers that failed this request, unless that leaves none of a role.
+        prefill = [p for p in self._prefill if p not in avoid] or self._prefill
+        decode = [d for d in self._decode if d not in avoid] or self._decode
+        route = self.planner.plan(prefill, decode, e.prompt, self._live)
+        deadline = now + self.config.room_timeout
+        if e.attempts.deadline is not None:
+            deadline = min(deadline, e.attempts.deadline)
+        r = _Room(room, e.request_id, route.prefill or "", route.decode, deadline, e.attempts,
+                  e.migratable, route=route.prefill_reason)
         self.rooms[room] = r
         self._live.update(w for w in (r.prefill, r.decode) if w)
-        self._timers.set(room, now + self.config.room_timeout)
+        self._timers.set(room, deadline)
         self._step(r, _T.Dispatched if route.prefill else _T.DispatchedLocal, out, "")
 
     def _step(self, r: _Room, trigger: str, out: list[fx.RouterEffect], reason: str) -> None:
@@ -167,3 +207,15 @@ class RoomRouter:
 
     def _fx_ReplyError(self, r: _Room, out: list[fx.RouterEffect]) -> None:
         out.append(fx.ReplyError(r.room, r.reason))
+
+    def _fx_ReopenRoom(self, r: _Room, out: list[fx.RouterEffect]) -> None:
+        used = r.attempts
+        if r.state == _S.MIGRATED:
+            cause, delay = "migration", 0.0
+            # A migrated stream starts a fresh deadline: it may have run long by now.
+            attempts = attrs.evolve(used, migrations=used.migrations + 1, deadline=None)
+        else:
+            cause, delay = "retry", r.backoff
+            attempts = attrs.evolve(used, retries=used.retries + 1, deadline=r.deadline)
+        attempts = attrs.evolve(attempts, avoid=(*used.avoid, r.failed))
+        out.append(fx.ReopenRoom(r.room, r.request_id, cause, delay, attempts))

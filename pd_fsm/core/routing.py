@@ -72,6 +72,18 @@ class Prompt:
 
 
 @attrs.frozen(slots=True)
+class Attempts:
+    """What a request's earlier rooms used up, handed back to the router with its next room (a
+    retry or a migration): the router keeps nothing of a request between its rooms, so nothing
+    of it can leak when a client leaves during a backoff."""
+
+    retries: int = 0
+    migrations: int = 0
+    avoid: tuple[str, ...] = ()  # workers that failed it: routed around while others are up
+    deadline: float | None = None  # a retried room keeps its request's first deadline
+
+
+@attrs.frozen(slots=True)
 class Route:
     prefill: str | None  # None: D prefills the room alone
     decode: str

@@ -100,6 +100,16 @@ class RequestOutput:
         return self.finish_reason is not None and not self.more
 
 
+@attrs.frozen
+class Resume:
+    """Tokens a request already generated on a worker that failed (request migration, issue
+    32): the prompt is prefilled with them appended and generation goes on at the next position,
+    so a greedy or seeded request continues exactly as it would have run uninterrupted."""
+
+    output_ids: tuple[int, ...]
+    text_sent: int = 0  # characters of their text the client already has
+
+
 def _int_list(ids: Iterable[int]) -> list[int]:
     return [int(i) for i in ids]
 
@@ -139,6 +149,9 @@ class Req:
     tokens_sent: int = 0
     detokenizer: IncrementalDetokenizer | None = None
     matcher: Matcher | None = None  # structured output: this sequence's place in its grammar
+    # A resumed request (``Resume``): its last ``resumed`` input ids are output it generated
+    # elsewhere; they count as output (max tokens, usage, sampling positions, stop strings).
+    resumed: int = 0
 
     @property
     def seq_len(self) -> int:
@@ -147,6 +160,18 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.state is ReqState.FINISHED
+
+    @property
+    def position(self) -> int:
+        """The output position of the next sampled token: the sampler's key is a function of
+        (seed, position), so a resumed request draws what it would have drawn."""
+        return self.resumed + len(self.output_ids)
+
+    @property
+    def history(self) -> tuple[int, ...]:
+        """Every token this request generated, here or (resumed) before."""
+        done = self.input_ids[len(self.input_ids) - self.resumed :] if self.resumed else []
+        return (*done, *self.output_ids)
 
     @property
     def root(self) -> Req:

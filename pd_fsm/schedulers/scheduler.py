@@ -78,6 +78,7 @@ from pd_fsm.schedulers.request import (
     Req,
     ReqState,
     RequestOutput,
+    Resume,
 )
 
 R = TypeVar("R")
@@ -180,12 +181,24 @@ class Scheduler:
         sampling: SamplingParams | None = None,
         *,
         logprobs: LogprobSpec | None = None,
+        resume: Resume | None = None,
         **metadata: object,
     ) -> Req:
-        """A request record; a string prompt is tokenized as is (no chat template)."""
+        """A request record; a string prompt is tokenized as is (no chat template). ``resume``:
+        tokens it generated before elsewhere, prefilled after the prompt and counted as output
+        (its token limits are what is left of them)."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return Req(rid, ids, sampling or SamplingParams(), dict(metadata),
-                   logprobs or LogprobSpec())
+        sp = sampling or SamplingParams()
+        if resume is None or not resume.output_ids:
+            return Req(rid, ids, sp, dict(metadata), logprobs or LogprobSpec())
+        done = len(resume.output_ids)
+        if done >= sp.max_new_tokens:
+            raise ValueError(f"resume has {done} tokens: no fewer than max_new_tokens "
+                             f"({sp.max_new_tokens})")
+        sp = attrs.evolve(sp, max_new_tokens=sp.max_new_tokens - done,
+                          min_new_tokens=max(0, sp.min_new_tokens - done))
+        return Req(rid, [*ids, *resume.output_ids], sp, dict(metadata),
+                   logprobs or LogprobSpec(), resumed=done, text_sent=resume.text_sent)
 
     def add_request(self, req: Req) -> None:
         """Queue a request; raises ``ValueError`` for one that can never be served."""
@@ -426,7 +439,22 @@ class Scheduler:
             compiler = compiler_for(self.tokenizer, self.config.vocab_size)
             compiler.check(req.sampling.constraint)
             req.matcher = compiler.matcher(req.sampling.constraint)
+        if req.resumed:
+            self._replay(req)
         self.reqs[req.rid] = req
+
+    def _replay(self, req: Req) -> None:
+        """A resumed request's earlier tokens, as if generated here: their text (so a stop
+        string spanning the break is found, and text the client has not seen yet is sent) and
+        its grammar's place (a GrammarError if they break it)."""
+        detok = req.detokenizer
+        assert detok is not None
+        done = req.history
+        req.text = "".join(detok.push(t) for t in done)
+        req.text_sent = min(req.text_sent, len(req.text))
+        if req.matcher is not None:
+            for token in done:
+                req.matcher.consume(token)
 
     def _process_inbox(self) -> None:
         while self._inbox:
@@ -690,7 +718,7 @@ class Scheduler:
             logits,
             [None if r is None else r.sampling for r in reqs],
             [0 if r is None else r.seed for r in reqs],
-            [0 if r is None else len(r.output_ids) for r in reqs],
+            [0 if r is None else r.position for r in reqs],
             [None if r is None or not r.sampling.penalized else self._adjustment(r) for r in reqs],
             self._bitmask(logits.shape[0], reqs),
         )
@@ -719,7 +747,7 @@ class Scheduler:
             if not sp.ignore_eos:
                 ends |= self.eos_token_ids
             banned = frozenset(ends)
-        return Adjustment(tuple(req.output_ids), banned)
+        return Adjustment(req.history, banned)
 
     def _append_token(
         self, req: Req, token: int, logprob: float, top: TopLogprobs = ()
@@ -817,8 +845,8 @@ class Scheduler:
             new_logprobs=new_lps,
             text_delta=delta,
             finish_reason=req.finish_reason,
-            prompt_tokens=len(req.input_ids),
-            completion_tokens=len(req.output_ids),
+            prompt_tokens=len(req.input_ids) - req.resumed,
+            completion_tokens=req.position,
             cached_tokens=req.cached_tokens,
             new_top_logprobs=new_tops,
             prompt_logprobs=prompt,

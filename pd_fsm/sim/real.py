@@ -370,7 +370,8 @@ class RealPrefillWorker(_RealWorker):
 
     def leg(self, gen: int, room: int, client: Client) -> None:
         if not self.alive:
-            self.world.leg_answer(gen, room, "prefill", False, "prefill connection refused")
+            self.world.leg_answer(gen, room, "prefill", False, "prefill connection refused",
+                                  refused=True)
             return
         self.legs[room] = (gen, client)
         self.jobs.append((room, client, None))
@@ -437,7 +438,8 @@ class RealDecodeWorker(_RealWorker):
 
     def leg(self, gen: int, room: int, client: Client, prefill: Any) -> None:
         if not self.alive:
-            self.world.leg_answer(gen, room, "decode", False, "decode connection refused")
+            self.world.leg_answer(gen, room, "decode", False, "decode connection refused",
+                                  refused=True)
             return
         if room in self.legs:
             self.world.leg_answer(gen, room, "decode", False, f"room {room:x} is live here")

@@ -173,7 +173,8 @@ class PrefillWorker(Node):
     def leg(self, gen: int, room: int, client: Client) -> None:
         """The proxy's leg arrives (HTTP POST)."""
         if not self.alive:
-            self.world.leg_answer(gen, room, "prefill", False, "prefill connection refused")
+            self.world.leg_answer(gen, room, "prefill", False, "prefill connection refused",
+                                  refused=True)
             return
         self.legs[room] = (gen, client)
         self.feed(ev.PrefillRequestAccepted(room))
@@ -301,7 +302,8 @@ class DecodeWorker(Node):
 
     def leg(self, gen: int, room: int, client: Client, prefill: PrefillWorker | None) -> None:
         if not self.alive:
-            self.world.leg_answer(gen, room, "decode", False, "decode connection refused")
+            self.world.leg_answer(gen, room, "decode", False, "decode connection refused",
+                                  refused=True)
             return
         if room in self.legs:
             self.world.leg_answer(gen, room, "decode", False, f"room {room:x} is live here")
@@ -396,7 +398,12 @@ class DecodeWorker(Node):
                 self.waiting.append(e.room)
                 return self._allocate_waiting(feed=False)
             case fx.CancelAllocation():
-                self.waiting.remove(e.room)
+                if e.room in self.waiting:
+                    self.waiting.remove(e.room)
+                else:
+                    # Granted earlier in this same batch of effects (its BlocksAllocated is not
+                    # fed yet, and will find the room over): the pages go back now.
+                    self.pool.give(self.held.pop(e.room), f"cancelled allocation of {e.room:x}")
             case fx.StartPull():
                 self._pull(e)
             case fx.ReleaseBlocks():

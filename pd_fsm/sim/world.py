@@ -93,6 +93,7 @@ class World:
         self.router = self._new_router()
         self.rooms: dict[tuple[int, int], tuple[Client, float]] = {}  # (gen, room) -> client
         self._errors: dict[int, str] = {}  # room -> the router's ReplyError reason
+        self.reopened = {"retry": 0, "migration": 0}  # ReopenRoom effects, by cause
         self.clients: list[Client] = []
         self.cut: set[frozenset[str]] = set()  # host pairs partitioned now
         # Invariant books.
@@ -215,7 +216,8 @@ class World:
 
             client.reference = reference().answer(prompt_ids(client), client.out)
         self.clients.append(client)
-        self._route(ev.RoomRequested(str(i), Prompt(text, client.tokens)), client)
+        self._route(ev.RoomRequested(str(i), Prompt(text, client.tokens), migratable=True),
+                    client)
 
     def _route(self, event: Any, client: Client | None = None) -> None:
         gen = self.router_gen
@@ -245,6 +247,13 @@ class World:
                         self._answer(client, 503, e.reason)
                     else:
                         self._errors[e.room] = e.reason
+                case fx.ReopenRoom():
+                    # The request goes on in a new room: its client is not answered now. A
+                    # model answer is whole, so a migrated room relays all of it again.
+                    got, _ = self.rooms.pop((gen, e.room))
+                    self.reopened[e.cause] += 1
+                    self.at(max(e.delay, 0.001), f"reopen {e.cause} of room {e.room:x}",
+                            self._reopen, gen, e, got)
         # A room that ended without relaying D's whole answer: its client gets the error (a
         # JSON error, or an error chunk in a stream whose headers were out).
         for key in [k for k in self.rooms if k[0] == gen]:
@@ -253,6 +262,14 @@ class World:
                 if got.answer is None:
                     self._answer(got, 502, self._errors.pop(key[1], "relay broke off"))
         self._schedule_router()
+
+    def _reopen(self, gen: int, e: fx.ReopenRoom, client: Client) -> None:
+        if gen != self.router_gen:
+            # The proxy restarted during the backoff: this client's connection went with it.
+            self._answer(client, 502, "proxy connection reset")
+            return
+        prompt = Prompt(client.text, client.tokens)
+        self._route(ev.RoomRequested(e.request_id, prompt, e.attempts, migratable=True), client)
 
     def _schedule_router(self) -> None:
         deadline = self.router.next_deadline()
@@ -265,14 +282,17 @@ class World:
         if gen == self.router_gen:
             self._route(ev.TimeAdvanced())
 
-    def leg_answer(self, gen: int, room: int, leg: str, ok: bool, reason: str) -> None:
-        """A worker answered a leg (or its connection broke): the proxy hears it next."""
+    def leg_answer(self, gen: int, room: int, leg: str, ok: bool, reason: str,
+                   refused: bool = False) -> None:
+        """A worker answered a leg (or its connection broke, or it refused the connection: a
+        dead worker's port): the proxy hears it next."""
         self.at(0.001, f"{leg} leg of room {room:x} answers {'ok' if ok else reason}",
-                self._leg_answered, gen, room, leg, ok, reason)
+                self._leg_answered, gen, room, leg, ok, reason, refused)
 
-    def _leg_answered(self, gen: int, room: int, leg: str, ok: bool, reason: str) -> None:
+    def _leg_answered(self, gen: int, room: int, leg: str, ok: bool, reason: str,
+                      refused: bool) -> None:
         if gen == self.router_gen:
-            self._route(ev.LegResponded(room, leg, ok, reason))
+            self._route(ev.LegResponded(room, leg, ok, reason, refused))
 
     def relayed(self, gen: int, room: int, client: Client, tokens: tuple[int, ...]) -> None:
         """D's whole answer reached the proxy, which relays it."""

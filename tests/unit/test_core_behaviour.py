@@ -537,3 +537,81 @@ def test_a_router_whose_decode_recomputes_leaves_a_failed_prefill_to_d() -> None
     (dispatch,) = plain.handle(ev.RoomRequested("r"), 0.0)
     out = plain.handle(ev.LegResponded(dispatch.room, "prefill", False, "P died"), 0.1)
     assert _kinds(out) == ["AbortLeg", "ReplyError"]
+
+
+# --- retries and migrations (issue 32) --------------------------------------------------------
+
+
+def _reopen(out: list[fx.RouterEffect]) -> fx.ReopenRoom:
+    (reopen,) = [e for e in out if isinstance(e, fx.ReopenRoom)]
+    return reopen
+
+
+def test_a_refused_leg_retries_on_other_workers_with_growing_jittered_backoff() -> None:
+    from pd_fsm.core.config import RouterConfig
+
+    cfg = RouterConfig(retry_limit=3, retry_backoff=0.1, room_timeout=60.0)
+    router = RoomRouter(["p0", "p1"], ["d0", "d1"], random.Random(7), cfg)
+    (first,) = router.handle(ev.RoomRequested("r"), 0.0)
+    out = router.handle(ev.LegResponded(first.room, "decode", False, "refused", refused=True), 1)
+    assert _kinds(out) == ["AbortLeg", "ReopenRoom"] and out[0].leg == "prefill"
+    reopen = _reopen(out)
+    assert reopen.cause == "retry" and 0.05 <= reopen.delay < 0.1
+    assert reopen.attempts.retries == 1 and reopen.attempts.avoid == (first.decode,)
+    assert reopen.attempts.deadline == 60.0  # the first room's deadline goes on
+    assert router.outcomes["RETRIED"] == 1 and not router.rooms
+    # The next room avoids the worker that refused it.
+    (second,) = router.handle(ev.RoomRequested("r", attempts=reopen.attempts), 2.0)
+    assert second.decode != first.decode
+    out = router.handle(ev.LegResponded(second.room, "prefill", False, "refused", refused=True), 2)
+    assert _kinds(out) == ["AbortLeg", "ReopenRoom"] and out[0].leg == "decode"
+    again = _reopen(out)
+    assert 0.1 <= again.delay < 0.2 and again.attempts.avoid == (first.decode, second.prefill)
+    assert router.next_deadline() is None
+
+
+def test_retries_stop_at_the_limit_and_at_the_request_deadline() -> None:
+    from pd_fsm.core.config import RouterConfig
+    from pd_fsm.core.routing import Attempts
+
+    router = RoomRouter(["p0"], ["d0"], random.Random(7), RouterConfig(retry_limit=1))
+    spent = Attempts(retries=1)
+    (room,) = router.handle(ev.RoomRequested("r", attempts=spent), 0.0)
+    out = router.handle(ev.LegResponded(room.room, "decode", False, "no", refused=True), 0.1)
+    assert _kinds(out) == ["AbortLeg", "ReplyError"]  # no retry left: the room fails
+    late = Attempts(deadline=5.0)
+    (room,) = router.handle(ev.RoomRequested("r", attempts=late), 4.99)
+    assert router.next_deadline() == 5.0  # a retried room keeps its request's deadline
+    out = router.handle(ev.LegResponded(room.room, "decode", False, "no", refused=True), 4.99)
+    assert _kinds(out) == ["AbortLeg", "ReplyError"]  # a backoff would pass the deadline
+    # A failure that is not a refusal (a 500 after work began) never retries.
+    (room,) = router.handle(ev.RoomRequested("r"), 0.0)
+    out = router.handle(ev.LegResponded(room.room, "decode", False, "HTTP 500"), 0.1)
+    assert _kinds(out) == ["AbortLeg", "ReplyError"]
+
+
+def test_a_decode_worker_breaking_off_mid_relay_migrates_a_migratable_request() -> None:
+    from pd_fsm.core.config import RouterConfig
+
+    router = RoomRouter(["p0"], ["d0", "d1"], random.Random(7), RouterConfig(migration_limit=1))
+    (room,) = router.handle(ev.RoomRequested("r", migratable=True), 0.0)
+    router.handle(ev.LegResponded(room.room, "decode", True), 0.5)
+    assert router.poll(room.room) == "RELAYING"
+    out = router.handle(ev.LegResponded(room.room, "decode", False, "reset"), 1.0)
+    assert _kinds(out) == ["AbortLeg", "ReopenRoom"]
+    reopen = _reopen(out)
+    assert (reopen.cause, reopen.delay, reopen.attempts.migrations) == ("migration", 0.0, 1)
+    assert reopen.attempts.avoid == (room.decode,) and reopen.attempts.deadline is None
+    assert router.outcomes["MIGRATED"] == 1
+    # The limit reached, the next break fails the room as before (the stream ends in error).
+    (second,) = router.handle(ev.RoomRequested("r", attempts=reopen.attempts, migratable=True),
+                              1.0)
+    assert second.decode != room.decode
+    router.handle(ev.LegResponded(second.room, "decode", True), 1.5)
+    out = router.handle(ev.LegResponded(second.room, "decode", False, "reset"), 2.0)
+    assert _kinds(out) == ["AbortLeg"] and router.outcomes["FAILED"] == 1
+    # A request the proxy cannot continue exactly is never migrated.
+    (third,) = router.handle(ev.RoomRequested("r"), 3.0)
+    router.handle(ev.LegResponded(third.room, "decode", True), 3.5)
+    out = router.handle(ev.LegResponded(third.room, "decode", False, "reset"), 4.0)
+    assert _kinds(out) == ["AbortLeg"]

@@ -107,12 +107,28 @@ UNREACHABLE: dict[tuple[str, str, str], str] = {
     **{
         ("room", s, t): _DISPATCH
         for s in ("DISPATCHED", "PREFILL_DONE", "RELAYING", "COMPLETED", "FAILED", "CANCELLED",
-                  "LOCAL", "LOCAL_RELAYING")
+                  "LOCAL", "LOCAL_RELAYING", "RETRIED", "MIGRATED")
         for t in ("Dispatched", "DispatchedLocal")
     },
     ("room", "COMPLETED", "TimedOut"): _NO_TIMER,
     ("room", "FAILED", "TimedOut"): _NO_TIMER,
     ("room", "CANCELLED", "TimedOut"): _NO_TIMER,
+    **{
+        ("room", s, "DecodeBroke"): (
+            "DecodeBroke is what a decode leg failing mid-relay becomes: before the relay the "
+            "same failure is DecodeFailed or DecodeRefused"
+        )
+        for s in ("DISPATCHED", "PREFILL_DONE", "LOCAL")
+    },
+    **{
+        ("room", s, "DecodeRefused"): (
+            "a decode leg failing mid-relay has sent bytes: it is DecodeBroke or DecodeFailed, "
+            "never refused"
+        )
+        for s in ("RELAYING", "LOCAL_RELAYING")
+    },
+    ("room", "RETRIED", "TimedOut"): _NO_TIMER,
+    ("room", "MIGRATED", "TimedOut"): _NO_TIMER,
 }
 # Rows no input can ever take (they are in UNREACHABLE): harmless, but a row added for an
 # unreachable pair must be seen, so the set is asserted exactly.
@@ -671,13 +687,18 @@ _ROOM_EFFECTS = {
     "AbortPrefillLeg": ["AbortLeg:prefill"],
     "AbortBothLegs": ["AbortLeg:prefill", "AbortLeg:decode"],
     "ReplyError": ["ReplyError"],
+    "ReopenRoom": ["ReopenRoom"],
 }
+# trigger -> (leg, ok, refused)
 _LEG_EVENTS = {
-    "PrefillResponded": ("prefill", True),
-    "PrefillFailed": ("prefill", False),
-    "PrefillFailedRecoverable": ("prefill", False),  # a router whose D recompute
-    "DecodeResponded": ("decode", True),
-    "DecodeFailed": ("decode", False),
+    "PrefillResponded": ("prefill", True, False),
+    "PrefillFailed": ("prefill", False, False),
+    "PrefillFailedRecoverable": ("prefill", False, False),  # a router whose D recompute
+    "PrefillRefused": ("prefill", False, True),
+    "DecodeResponded": ("decode", True, False),
+    "DecodeFailed": ("decode", False, False),  # mid-relay: a router with no migrations left
+    "DecodeRefused": ("decode", False, True),
+    "DecodeBroke": ("decode", False, False),  # mid-relay, a migratable request
 }
 _DISPATCH_PROMPTS = {"Dispatched": Prompt("a long prompt " * 20, 60),
                      "DispatchedLocal": Prompt("hi", 1)}
@@ -709,20 +730,23 @@ class Router:
     def fire(self, trigger: str) -> Seen:
         room = PROXY_ROOM
 
-        # A failed prefill leg is recoverable for a router whose decode workers recompute.
+        # A failed prefill leg is recoverable for a router whose decode workers recompute; a
+        # decode leg breaking off mid-relay fails the room once no migration is left.
         self.router.config = RouterConfig(
-            decode_recomputes=trigger == "PrefillFailedRecoverable")
+            decode_recomputes=trigger == "PrefillFailedRecoverable",
+            migration_limit=0 if trigger == "DecodeFailed" else 3)
 
         def go() -> list[Any]:
             if trigger in _DISPATCH_PROMPTS:
                 prompt = _DISPATCH_PROMPTS[trigger]
-                return self.router.handle(ev.RoomRequested("req", prompt), self.now)
+                return self.router.handle(
+                    ev.RoomRequested("req", prompt, migratable=True), self.now)
             if trigger == "TimedOut":
                 self.now += 1e6
                 return self.router.handle(ev.TimeAdvanced(), self.now)
             if trigger in _LEG_EVENTS:
-                leg, ok = _LEG_EVENTS[trigger]
-                event: Any = ev.LegResponded(room, leg, ok, "" if ok else "boom")
+                leg, ok, refused = _LEG_EVENTS[trigger]
+                event: Any = ev.LegResponded(room, leg, ok, "" if ok else "boom", refused)
             else:
                 event = {"ClientDisconnected": ev.ClientDisconnected(room),
                          "RelayFinished": ev.RelayFinished(room)}[trigger]
@@ -741,6 +765,10 @@ def _room_pair_router(state: str, trigger: str) -> None:
     exp = _expect(table, state, trigger, live, False)
     before, state_before = _counters(r.router), r.router.poll(PROXY_ROOM)
     seen = r.fire(trigger)
+    if exp.kind == "unreachable" and trigger in ("DecodeBroke", "DecodeRefused"):
+        # The leg event these triggers come from takes another row here: never this one.
+        assert not seen.took(state, trigger), seen.steps
+        return
     for s in seen.steps:
         row = table.step(s.source, s.trigger)
         assert row is not None and row.target == s.target, (s.source, s.trigger)

@@ -1,0 +1,99 @@
+"""Resumed requests (request migration, issue 32): a request given the tokens it generated on a
+worker that failed goes on exactly as the uninterrupted run would have, on the tiny model."""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import pytest
+
+from pd_fsm.jax_engine.model import LoadedModel, load_model
+from pd_fsm.jax_engine.sampling_params import SamplingParams
+from pd_fsm.schedulers import FinishReason, RequestOutput, Scheduler, SchedulerArgs
+from pd_fsm.schedulers.request import Resume
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=14, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=42, max_new_tokens=14,
+                        ignore_eos=True)
+PENALIZED = attrs.evolve(SEEDED, frequency_penalty=0.8, presence_penalty=0.5)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return load_model("tiny")
+
+
+def _sched(tiny: LoadedModel) -> Scheduler:
+    return Scheduler(SchedulerArgs(model="tiny", num_pages=128, page_size=4, max_running=8,
+                                   max_batched_tokens=256), model=tiny)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(1, 256, size=n).tolist()
+
+
+def _run(tiny: LoadedModel, prompt: list[int], sp: SamplingParams,
+         resume: Resume | None = None) -> tuple[list[RequestOutput], Scheduler]:
+    sched = _sched(tiny)
+    sched.add_request(sched.make_request("r", prompt, sp, resume=resume))
+    outputs = sched.run_until_idle()
+    stats = sched.stats()
+    assert stats.free_pages == stats.total_pages  # nothing held after the request
+    return outputs, sched
+
+
+def _ids(outputs: list[RequestOutput]) -> list[int]:
+    return [t for o in outputs for t in o.new_token_ids]
+
+
+def _text(outputs: list[RequestOutput]) -> str:
+    return "".join(o.text_delta for o in outputs)
+
+
+@pytest.mark.parametrize("sp", [GREEDY, SEEDED, PENALIZED], ids=["greedy", "seeded", "penalized"])
+@pytest.mark.parametrize("cut", [1, 5, 13])
+def test_a_resumed_request_continues_the_uninterrupted_one(
+    tiny: LoadedModel, sp: SamplingParams, cut: int
+) -> None:
+    prompt = _prompt(3, 9)
+    whole, _ = _run(tiny, prompt, sp)
+    ids, text = _ids(whole), _text(whole)
+    done = Resume(tuple(ids[:cut]), text_sent=cut)  # the char tokenizer: a token is a character
+    rest, _ = _run(tiny, prompt, sp, done)
+    assert _ids(rest) == ids[cut:]
+    assert _text(rest) == text[cut:]
+    last = rest[-1]
+    # Usage counts the prompt once and every output token once, wherever it was generated.
+    assert (last.prompt_tokens, last.completion_tokens) == (len(prompt), len(ids))
+    assert last.finish_reason == FinishReason("length")
+
+
+def test_text_the_client_has_not_seen_yet_is_sent_by_the_new_worker(tiny: LoadedModel) -> None:
+    prompt = _prompt(4, 7)
+    whole, _ = _run(tiny, prompt, GREEDY)
+    ids, text = _ids(whole), _text(whole)
+    # The first worker held the text of tokens 4 and 5 back (a possible stop string) when it
+    # died: the client has 4 characters of 6 tokens.
+    rest, _ = _run(tiny, prompt, GREEDY, Resume(tuple(ids[:6]), text_sent=4))
+    assert _ids(rest) == ids[6:]
+    assert _text(rest) == text[4:]
+
+
+def test_a_stop_string_spanning_the_break_is_found(tiny: LoadedModel) -> None:
+    prompt = _prompt(8, 6)
+    whole, _ = _run(tiny, prompt, GREEDY)
+    ids, text = _ids(whole), _text(whole)
+    stop = text[5:8]  # starts in what the first worker generated, ends after the break
+    cut = text.find(stop)
+    sp = attrs.evolve(GREEDY, stop=(stop,))
+    plain, _ = _run(tiny, prompt, sp)
+    rest, _ = _run(tiny, prompt, sp, Resume(tuple(ids[:cut + 1]), text_sent=cut))
+    assert rest[-1].finish_reason == plain[-1].finish_reason == FinishReason("stop", matched=stop)
+    assert _text(rest) == ""  # the text before the stop was all sent before the break
+    assert _ids(plain)[cut + 1:] == _ids(rest)
+
+
+def test_resume_is_refused_when_it_leaves_nothing_to_generate(tiny: LoadedModel) -> None:
+    sched = _sched(tiny)
+    with pytest.raises(ValueError, match="resume has 14 tokens"):
+        sched.make_request("r", _prompt(1, 5), GREEDY, resume=Resume(tuple(range(1, 15))))
