@@ -78,8 +78,9 @@ async def _dying_decode(nursery: trio.Nursery, with_done: bool) -> str:
 
 @pytest.mark.parametrize("with_done", [True, False], ids=["after-done", "before-done"])
 async def test_decode_dying_mid_stream(nursery: trio.Nursery, with_done: bool) -> None:
-    """After ``[DONE]``: the client's stream is exactly D's (complete, no error chunk). Before
-    it: the stream ends with one abort/error chunk and one ``[DONE]``."""
+    """After ``[DONE]``, or after its finish event and before ``[DONE]``: the client's stream is
+    exactly D's, complete, with no error chunk (nothing was left to generate; the proxy ends
+    the stream as D would have)."""
     p_url, _ = await serve_standin(nursery, "prefill")
     d_url = await _dying_decode(nursery, with_done)
     proxy = Proxy([PrefillTarget.from_url(p_url, 8998)], [d_url], rng=random.Random(1))
@@ -89,13 +90,7 @@ async def test_decode_dying_mid_stream(nursery: trio.Nursery, with_done: bool) -
         r = await http.post(f"{url}/generate", json=body)
     assert r.status_code == 200
     events = sse_events(r.text)
-    assert events.count("[DONE]") == 1 and events[-1] == "[DONE]", events
-    if with_done:
-        assert events == [*EVENTS, "[DONE]"]
-    else:
-        assert events[:-2] == EVENTS
-        last = events[-2]
-        assert last["meta_info"]["finish_reason"]["type"] == "abort" and "error" in last
+    assert events == [*EVENTS, "[DONE]"]
     with trio.fail_after(5):
         while proxy.stats()["rooms_live"]:
             await trio.sleep(0.01)

@@ -39,6 +39,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--decode-recomputes", action="store_true",
                    help="the decode workers run --disaggregation-failure-policy recompute: a "
                         "failed prefill leg leaves the room to D's answer instead of failing it")
+    rc = RouterConfig()
+    p.add_argument("--retry-limit", type=int, default=rc.retry_limit,
+                   help="a leg refused before any byte of its answer (connect error, 503) is "
+                        "retried on other workers, with exponential backoff and jitter, at most "
+                        f"this many times per request, within its room timeout (default "
+                        f"{rc.retry_limit}; 0: never)")
+    p.add_argument("--migration-limit", type=int, default=rc.migration_limit,
+                   help="a stream whose decode worker breaks off goes on in a new room from the "
+                        "tokens the client has, at most this many times per request (default "
+                        f"{rc.migration_limit}; 0: the stream ends in an error, as before)")
     add_routing_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -145,7 +155,8 @@ def main(args: argparse.Namespace) -> int:
     proxy = Proxy(prefill, args.decode, bootstrap_url=args.bootstrap_url,
                   refresh_interval=args.refresh_interval, room_timeout=args.room_timeout,
                   api_key=api_key, worker_api_key=worker_api_key, tls=tls, routing=routing,
-                  load_interval=args.load_interval, decode_recomputes=args.decode_recomputes)
+                  load_interval=args.load_interval, decode_recomputes=args.decode_recomputes,
+                  retry_limit=args.retry_limit, migration_limit=args.migration_limit)
     return run_service(_run, proxy, args.host, args.port, host=args.host, port=args.port, log=log)
 
 

@@ -51,7 +51,7 @@ from pd_fsm.core import events as ev
 from pd_fsm.core.config import RouterConfig
 from pd_fsm.core.drive import drive
 from pd_fsm.core.router import RoomRouter
-from pd_fsm.core.routing import RoutingConfig
+from pd_fsm.core.routing import Attempts, RoutingConfig
 from pd_fsm.io_trio.api_key import ApiKeyGate, bearer
 from pd_fsm.io_trio.http_edge import (
     BodyError,
@@ -63,6 +63,7 @@ from pd_fsm.io_trio.http_edge import (
 from pd_fsm.io_trio.http_server import http_client, serve_app
 from pd_fsm.io_trio.proxy.batch import BatchResponse
 from pd_fsm.io_trio.proxy.logprob_merge import SseRewriter, merge, wants_prompt_logprobs
+from pd_fsm.io_trio.proxy.migration import Progress, migratable
 from pd_fsm.io_trio.proxy.prompt_key import prompt_of
 from pd_fsm.io_trio.strict_json import loads as strict_loads
 from pd_fsm.io_trio.tls import NO_TLS, TLS
@@ -144,6 +145,18 @@ class _Session:
     d_posted: float = 0.0  # trio time D's leg was posted
     p_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     d_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    # Across the request's rooms (a retry or a migration opens the next one, ReopenRoom).
+    client_body: dict[str, Any] = attrs.field(factory=dict)  # the body as the client sent it
+    migratable: bool = False
+    progress: Progress | None = None  # what the client has of a migratable answer
+    reopen: fx.ReopenRoom | None = None  # this room ended RETRIED or MIGRATED
+
+    def next_room(self) -> _Session:
+        """The session of the request's next room: what belongs to the request carries over."""
+        return _Session(self.request_id, self.path, self.client_body, self.headers, self.stream,
+                        self.return_logprob, self.prompt_logprobs, headers_sent=self.headers_sent,
+                        client_body=self.client_body, migratable=self.migratable,
+                        progress=self.progress)
 
 
 class Proxy:
@@ -163,6 +176,8 @@ class Proxy:
         routing: RoutingConfig | None = None,
         load_interval: float = 1.0,
         decode_recomputes: bool = False,
+        retry_limit: int = RouterConfig().retry_limit,
+        migration_limit: int = RouterConfig().migration_limit,
     ) -> None:
         self.tls = tls  # serves HTTPS if it has a certificate; verifies workers against its CA
         self._targets = {p.url: p for p in prefill}
@@ -173,13 +188,16 @@ class Proxy:
             [p.url for p in prefill],
             [d.rstrip("/") for d in decode],
             rng or random.Random(),
-            RouterConfig(room_timeout=room_timeout, decode_recomputes=decode_recomputes),
+            RouterConfig(room_timeout=room_timeout, decode_recomputes=decode_recomputes,
+                         retry_limit=retry_limit, migration_limit=migration_limit),
             routing,
         )
         self.load_interval = load_interval
         self.load_polls = {"ok": 0, "failed": 0}  # /get_load calls (load-aware routing)
         # Exceptions contained to one room (http_edge's count has the requests' own).
         self.contained = {"prefill_leg": 0, "room": 0}
+        # Rooms reopened for their request (ReopenRoom), by cause: "retry", "migration".
+        self.reopened = {"retry": 0, "migration": 0}
         self._polls_failing: set[str] = set()  # workers whose last poll failed (logged once)
         self.decode_urls = [d.rstrip("/") for d in decode]
         self.bootstrap_url = bootstrap_url.rstrip("/") if bootstrap_url else None
@@ -247,6 +265,7 @@ class Proxy:
             "route_decisions_total": dict(self.router.planner.decisions),
             "load_polls_total": dict(self.load_polls),
             "contained_failures_total": dict(self.contained),
+            "rooms_reopened_total": dict(self.reopened),
             "request_failures_total": request_failures(),
         }
 
@@ -282,6 +301,13 @@ class Proxy:
             s.decided.set()
         elif isinstance(effect, fx.ReplyError):
             s.error = failure or (504, _error_body(504, effect.reason, "timeout"))
+            s.decided.set()
+        elif isinstance(effect, fx.ReopenRoom):
+            self.reopened[effect.cause] += 1
+            log.info("room %d: %s of request %s (%s) after %.3f s", effect.room, effect.cause,
+                     s.request_id, s.decode if effect.cause == "migration" else "refused",
+                     effect.delay)
+            s.reopen = effect
             s.decided.set()
         elif isinstance(effect, fx.AbortLeg):
             (s.p_scope if effect.leg == "prefill" else s.d_scope).cancel()
@@ -473,22 +499,37 @@ class Proxy:
             stream=body.get("stream") is True,
             return_logprob=body.get("return_logprob") is True,
             prompt_logprobs=wants_prompt_logprobs(path, body),
+            client_body=body,
+            migratable=self.router.config.migration_limit > 0 and migratable(path, body),
         )
+        if s.migratable:
+            s.progress = Progress(path, s.stream, body.get("return_token_ids") is True)
+        reason = self._dispatch(s, Attempts())
+        if reason is not None:
+            return self._reply_now(path, 503, _error_body(503, reason, "no_workers"))
+        return RoomResponse(self, s)
+
+    def _dispatch(self, s: _Session, attempts: Attempts) -> str | None:
+        """Draw the session's room (its request's first, or a later one after a retry or a
+        migration) and build its legs' body; the reason when no worker can take it."""
         self._no_worker = None
         self._dispatching[s.request_id] = s
-        self._feed(ev.RoomRequested(s.request_id, prompt_of(path, body)))
+        self._feed(ev.RoomRequested(s.request_id, prompt_of(s.path, s.client_body), attempts,
+                                    s.migratable))
         if s.room < 0:
             self._dispatching.pop(s.request_id, None)
-            reason = self._no_worker or "no workers available"
-            return self._reply_now(path, 503, _error_body(503, reason, "no_workers"))
+            return self._no_worker or "no workers available"
+        body = s.progress.leg_body(s.client_body) if s.progress is not None else s.client_body
         rid = body.get("rid")
         s.rid = rid if isinstance(rid, str) and rid else f"pdfsm-{s.room:016x}"
+        if attempts.retries or attempts.migrations:  # a name of its own on every worker
+            s.rid = f"{s.rid}.{attempts.retries + attempts.migrations}"
         if not s.prefill:  # D prefills it: a plain request, D computes its prompt log-probs too
             s.body = {k: v for k, v in body.items() if k not in BOOTSTRAP_FIELDS}
             s.body["rid"] = s.rid
             s.prompt_logprobs = False
             s.p_done.set()
-            return RoomResponse(self, s)
+            return None
         target = self._targets.get(s.prefill)
         s.body = {
             **body,
@@ -497,7 +538,17 @@ class Proxy:
             "bootstrap_port": target.bootstrap_port if target else None,
             "bootstrap_room": s.room,
         }
-        return RoomResponse(self, s)
+        return None
+
+    async def reopen(self, s: _Session) -> _Session | str:
+        """The request's next room after ``s`` ended RETRIED or MIGRATED (after the retry's
+        backoff): its session, or why no worker could take it."""
+        reopen = s.reopen
+        assert reopen is not None
+        await trio.sleep(reopen.delay)
+        nxt = s.next_room()
+        reason = self._dispatch(nxt, reopen.attempts)
+        return nxt if reason is None else reason
 
     @staticmethod
     def is_room(response: Any) -> bool:
@@ -537,7 +588,7 @@ class Proxy:
             s.p_done.set()
 
     async def _post_prefill(self, s: _Session) -> None:
-        status, body = 0, None
+        status, body, refused = 0, None, False
         try:
             with s.p_scope:
                 posted = trio.current_time()
@@ -553,6 +604,7 @@ class Proxy:
                     if ok:
                         self.phases.observe("proxy_prefill_leg", trio.current_time() - posted)
         except httpx.HTTPError as exc:
+            refused = isinstance(exc, httpx.ConnectError)
             status, body = 502, _error_body(502, f"prefill worker {s.prefill}: {exc!r}",
                                             "prefill_unreachable")
         finally:
@@ -564,7 +616,8 @@ class Proxy:
             self._feed(ev.LegResponded(s.room, "prefill", True))
         else:
             failure = (status, body if body is not None else _error_body(status, "prefill failed"))
-            self._feed(ev.LegResponded(s.room, "prefill", False, _reason(body, status)), failure)
+            self._feed(ev.LegResponded(s.room, "prefill", False, _reason(body, status),
+                                       refused or status == 503), failure)
 
     async def _decode_leg(self, s: _Session, send: Send) -> None:
         try:
@@ -576,7 +629,8 @@ class Proxy:
                         body = _json_or_text(await resp.aread())
                         self._feed(
                             ev.LegResponded(s.room, "decode", False,
-                                            _reason(body, resp.status_code)),
+                                            _reason(body, resp.status_code),
+                                            resp.status_code == 503),
                             (resp.status_code, body),
                         )
                         return
@@ -592,17 +646,26 @@ class Proxy:
             if not s.decided.is_set():
                 failure = (502, _error_body(502, f"decode worker {s.decode}: {exc!r}",
                                             "decode_unreachable"))
-                self._feed(ev.LegResponded(s.room, "decode", False, repr(exc)), failure)
+                self._feed(ev.LegResponded(s.room, "decode", False, repr(exc),
+                                           isinstance(exc, httpx.ConnectError)), failure)
+            elif (s.relay and s.progress is not None and s.progress.finished and s.stream
+                  and not s.sse_done):
+                # D broke off after its finish event, before [DONE]: nothing is left to
+                # generate; the client's stream is ended as D would have ended it.
+                self._relay_finished(s)
+                await send({"type": "http.response.body", "body": _SSE_DONE, "more_body": False})
             elif s.relay and s.sse_done and not s.relay_finished:
                 # D broke off after its last event (killed before the chunked body's end): the
                 # client has the whole stream; an error chunk after [DONE] would corrupt it.
                 self._relay_finished(s)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             elif s.relay:
-                # D broke off mid-relay: the room fails (P's leg is aborted) and the client is
-                # told, in-band when the headers are already out.
+                # D broke off mid-relay: the request migrates to a new room (ReopenRoom), or
+                # the room fails (P's leg is aborted) and the client is told, in-band when the
+                # headers are already out.
                 self._feed(ev.LegResponded(s.room, "decode", False, repr(exc)))
-                await self._relay_error(s, send, 502, f"decode worker broke off: {exc!r}")
+                if s.reopen is None:
+                    await self._relay_error(s, send, 502, f"decode worker broke off: {exc!r}")
         finally:
             s.relay_done.set()
 
@@ -619,9 +682,10 @@ class Proxy:
         self.requests.labels(s.path, str(resp.status_code)).inc()
         if s.stream and resp.headers.get("content-type", "").startswith("text/event-stream"):
             headers.append((b"cache-control", b"no-cache"))
-            await send({"type": "http.response.start", "status": resp.status_code,
-                        "headers": headers})
-            s.headers_sent = True
+            if not s.headers_sent:  # a migrated request's stream goes on under its headers
+                await send({"type": "http.response.start", "status": resp.status_code,
+                            "headers": headers})
+                s.headers_sent = True
             tail = b""
             first = True
             rewriter = None
@@ -629,6 +693,8 @@ class Proxy:
                 p_body = await self._prefill_body(s)
                 rewriter = SseRewriter(lambda event: merge(s.path, p_body, event),
                                        once=s.path != "/generate")
+            elif s.progress is not None:
+                rewriter = SseRewriter(s.progress.observe, once=False)
             async for chunk in resp.aiter_raw():
                 if first and chunk:
                     first = False
@@ -685,32 +751,54 @@ class RoomResponse:
         self.s = session
 
     async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
-        proxy, s = self.proxy, self.s
-        assert proxy._nursery is not None
+        proxy = self.proxy
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_client, receive, nursery.cancel_scope)
-                if s.prefill:
-                    proxy._nursery.start_soon(proxy._prefill_leg, s)
-                nursery.start_soon(proxy._decode_leg, s, send)
-                await s.decided.wait()
-                if s.error is not None:
-                    status, body = s.error
-                    proxy.requests.labels(s.path, str(status)).inc()
-                    # The answer is whole: the disconnect the server reports after it is its
-                    # end, not a client leaving (it was counted as "disconnected" too).
-                    s.relay_finished = True
-                    await _send_json(send, status, body)
-                else:
-                    await s.relay_done.wait()
+                while await self._room(send):  # a retry or a migration: the next room
+                    nxt = await proxy.reopen(self.s)
+                    if isinstance(nxt, str):
+                        await self._answer_error(send, 503, _error_body(503, nxt, "no_workers"))
+                        break
+                    self.s = nxt
                 nursery.cancel_scope.cancel()
         except Exception as exc:
             # The room ends with this request: failed in the router (P's leg aborted); the
             # server's edge (http_edge.Contained) answers the client and keeps serving.
-            proxy._contain("room", s, exc)
+            proxy._contain("room", self.s, exc)
             raise
         finally:
-            proxy._sessions.pop(s.room, None)
+            proxy._sessions.pop(self.s.room, None)
+
+    async def _room(self, send: Send) -> bool:
+        """Run the current room to its end: True when the request goes on in a new room."""
+        proxy, s = self.proxy, self.s
+        assert proxy._nursery is not None
+        async with trio.open_nursery() as legs:
+            if s.prefill:
+                proxy._nursery.start_soon(proxy._prefill_leg, s)
+            legs.start_soon(proxy._decode_leg, s, send)
+            await s.decided.wait()
+            if s.reopen is None and s.error is not None:
+                await self._answer_error(send, *s.error)
+            elif s.reopen is None:
+                await s.relay_done.wait()  # a migration may end the relay (ReopenRoom)
+            legs.cancel_scope.cancel()
+        proxy._sessions.pop(s.room, None)
+        return s.reopen is not None
+
+    async def _answer_error(self, send: Send, status: int, body: Any) -> None:
+        """The request's error: a JSON answer, or an error chunk in a stream already begun (a
+        room after a migration)."""
+        s = self.s
+        # The answer is whole: the disconnect the server reports after it is its end, not a
+        # client leaving (it was counted as "disconnected" too).
+        s.relay_finished = True
+        if s.headers_sent:
+            await _send_stream_error(send, _reason(body, status), status)
+            return
+        self.proxy.requests.labels(s.path, str(status)).inc()
+        await _send_json(send, status, body)
 
     async def _watch_client(self, receive: Receive, scope: trio.CancelScope) -> None:
         while True:

@@ -273,6 +273,7 @@ class WorkerApp:
             bootstrap=parsed.bootstrap,
             return_logprob=parsed.return_logprob,
             logprobs=parsed.logprobs,
+            resume=parsed.resume,
         )
         return parsed, job
 
@@ -375,6 +376,9 @@ class WorkerApp:
             text_in_logprobs=parsed.return_text_in_logprobs,
             tools=parsed.tools,
             index=index,
+            resume=parsed.resume.output_ids if parsed.resume else (),
+            resume_text=parsed.resume_text,
+            token_ids=parsed.return_token_ids,
         )
 
     async def _serve_whole(

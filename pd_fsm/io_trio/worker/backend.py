@@ -15,7 +15,8 @@ import attrs
 import trio
 
 from pd_fsm.jax_engine.sampling_params import SamplingParams
-from pd_fsm.schedulers.request import NO_LOGPROBS, LogprobSpec, RequestOutput
+from pd_fsm.schedulers.request import NO_LOGPROBS, LogprobSpec, Req, RequestOutput, Resume
+from pd_fsm.schedulers.scheduler import Scheduler
 
 
 @attrs.frozen
@@ -35,6 +36,13 @@ class GenerateJob:
     bootstrap: BootstrapInfo | None = None  # required by prefill/decode backends
     return_logprob: bool = False
     logprobs: LogprobSpec = NO_LOGPROBS
+    resume: Resume | None = None  # tokens generated before, on a worker that failed
+
+
+def request_of(scheduler: Scheduler, job: GenerateJob) -> Req:
+    """The scheduler's record of ``job`` (made on the scheduler's thread, like every call)."""
+    return scheduler.make_request(job.rid, list(job.input_ids), job.sampling,
+                                  logprobs=job.logprobs, resume=job.resume)
 
 
 class BackendError(Exception):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import attrs
 import trio
 
-from pd_fsm.io_trio.worker.backend import BackendError, GenerateJob
+from pd_fsm.io_trio.worker.backend import BackendError, GenerateJob, request_of
 from pd_fsm.io_trio.worker.config import WARMUP_MODES
 from pd_fsm.io_trio.worker.spmd.frames import Command, RequestAborted, RequestAdded
 from pd_fsm.jax_engine import compilation_cache
@@ -340,8 +340,7 @@ class ColocatedBackend:
                 self._abort_unstarted(stream)
                 continue
             job = stream.job
-            req = scheduler.make_request(job.rid, list(job.input_ids), job.sampling,
-                                             logprobs=job.logprobs)
+            req = request_of(scheduler, job)
             try:
                 scheduler.add_request(req)
             except ValueError as exc:

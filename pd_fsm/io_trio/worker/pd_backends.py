@@ -43,7 +43,7 @@ from pd_fsm.io_trio.bootstrap.records import (
 )
 from pd_fsm.io_trio.driver import SideChannel, carry_out_io, resolve_within
 from pd_fsm.io_trio.side_channel.channel import DecodeSideChannel, PrefillSideChannel
-from pd_fsm.io_trio.worker.backend import BackendError, BootstrapInfo, GenerateJob
+from pd_fsm.io_trio.worker.backend import BackendError, BootstrapInfo, GenerateJob, request_of
 from pd_fsm.io_trio.worker.colocated import SPMD_JOIN_TIMEOUT_S, ColocatedBackend, _Stream
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.spmd.frames import (
@@ -561,7 +561,7 @@ class PrefillBackend(PDBackend):
 
     def admit_job(self, sched: Any, job: GenerateJob, accepted: float) -> None:
         boot = self._bootstrap_of(job)
-        req = sched.make_request(job.rid, list(job.input_ids), job.sampling, logprobs=job.logprobs)
+        req = request_of(sched, job)
         sched.add_pd_request(req, boot.room, accepted=accepted)
 
 
@@ -671,8 +671,7 @@ class DecodeBackend(PDBackend):
         if job.bootstrap is None:
             # No P leg (a router's conditional disaggregation, or a plain client): D prefills it
             # itself, with its prefix cache if it runs one.
-            sched.add_request(sched.make_request(job.rid, list(job.input_ids), job.sampling,
-                                                 logprobs=job.logprobs))
+            sched.add_request(request_of(sched, job))
             self.local_prefills_total += 1
             return
         boot = job.bootstrap
@@ -683,7 +682,7 @@ class DecodeBackend(PDBackend):
             )
             self._refusals.append((boot.host, boot.room, reason))  # told after our 400 is out
             raise ValueError(reason)
-        req = sched.make_request(job.rid, list(job.input_ids), job.sampling, logprobs=job.logprobs)
+        req = request_of(sched, job)
         sched.add_pd_request(req, f"{boot.host}:{port}", boot.room, accepted=accepted)
 
     def stats(self) -> dict[str, Any]:

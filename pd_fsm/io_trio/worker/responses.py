@@ -53,6 +53,9 @@ class Accumulator:
         text_in_logprobs: bool = False,
         tools: Tools | None = None,
         index: int = 0,
+        resume: tuple[int, ...] = (),
+        resume_text: str = "",
+        token_ids: bool = False,
     ) -> None:
         self.kind = kind
         self.rid = rid
@@ -86,6 +89,16 @@ class Accumulator:
             if echo is not None and return_logprob else 0
         )
         self._offsets: list[int] = [self._base_offset]
+        self._token_ids = token_ids  # OpenAI choices carry their token ids (return_token_ids)
+        self._ids_sent = 0  # output tokens whose ids a stream chunk carried already
+        if resume:
+            # A resumed answer (request migration): the client has the earlier tokens' stream
+            # (their text up to ``resume_text``), its role chunk and its echo; usage counts
+            # them as this answer's output.
+            self.output_ids = list(resume)
+            self.text = resume_text
+            self._ids_sent = len(resume)
+            self._role_sent = self._echo_sent = True
 
     @property
     def completion_tokens(self) -> int:
@@ -242,6 +255,8 @@ class Accumulator:
             obj = "text_completion"
         if self.finish is not None and self.finish.kind == "stop":
             choice["matched_stop"] = self.finish.matched  # sglang's extension
+        if self._token_ids:
+            choice["token_ids"] = list(self.output_ids)
         return {"id": self._id(), "object": obj, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": self.usage()}
 
@@ -275,6 +290,9 @@ class Accumulator:
             choice = {"index": 0, "text": delta_text, "logprobs": logprobs,
                       "finish_reason": finish}
             obj = "text_completion"
+        if self._token_ids:
+            choice["token_ids"] = self.output_ids[self._ids_sent :]
+            self._ids_sent = len(self.output_ids)
         return {"id": self._id(), "object": obj, "created": self.created, "model": self.model,
                 "choices": [choice]}
 

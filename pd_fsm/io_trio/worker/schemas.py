@@ -28,7 +28,7 @@ from pd_fsm.io_trio.worker.tools import ToolError, Tools, parse_tools
 from pd_fsm.jax_engine.grammar import Constraint
 from pd_fsm.jax_engine.sampling_params import MAX_N, TOP_LOGPROBS_COMPUTED, SamplingParams
 from pd_fsm.jax_engine.tokenizer import ChatMessage
-from pd_fsm.schedulers.request import NO_LOGPROBS, LogprobSpec
+from pd_fsm.schedulers.request import NO_LOGPROBS, LogprobSpec, Resume
 
 Kind = Literal["generate", "completion", "chat"]
 
@@ -47,7 +47,8 @@ MAX_BATCH = 64  # prompts in one batched request
 # - neutral: not implemented; accepted only at one of these values (or null), which ask for
 #   nothing;
 # - no effect: cannot change the tokens or the response's shape.
-_COMMON_READ = frozenset({"stream", "rid", "bootstrap_host", "bootstrap_port", "bootstrap_room"})
+_COMMON_READ = frozenset({"stream", "rid", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+                          "resume", "return_token_ids"})
 _OPENAI_SAMPLING = frozenset({"temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
                               "ignore_eos", "skip_special_tokens", "frequency_penalty",
                               "presence_penalty", "repetition_penalty", "min_tokens", "n",
@@ -183,6 +184,26 @@ class ParsedRequest:
     input_ids: tuple[int, ...] | None = None
     messages: tuple[ChatMessage, ...] | None = None
     tools: Tools | None = None  # chat: tools the answer may call (tools.py)
+    # Request migration (issue 32): the tokens it generated on a worker that failed, and how
+    # much of their text the client has; the answer goes on from there.
+    resume: Resume | None = None
+    resume_text: str = ""
+    # vLLM's return_token_ids: each OpenAI choice (each stream chunk's) carries its token ids,
+    # which is what lets a proxy resume a stream elsewhere.
+    return_token_ids: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.resume is None:
+            return
+        # What a resumed answer could not continue exactly is refused by name.
+        for name, used in (("n > 1", self.n > 1), ("logprobs", self.return_logprob),
+                           ("echo", self.echo)):
+            if used:
+                raise ApiError(400, f"resume cannot be combined with {name}")
+        if len(self.resume.output_ids) >= self.sampling.max_new_tokens:
+            raise ApiError(400, f"resume.output_ids has {len(self.resume.output_ids)} tokens: "
+                                f"it must be fewer than the request's maximum "
+                                f"({self.sampling.max_new_tokens})")
 
     @property
     def n(self) -> int:
@@ -435,11 +456,30 @@ def parse_bootstrap(body: dict[str, Any]) -> BootstrapInfo | None:
     return BootstrapInfo(host=host, port=port, room=room)
 
 
-def _common(body: dict[str, Any]) -> dict[str, Any]:
+def _resume(body: dict[str, Any], limits: Limits) -> tuple[Resume | None, str]:
+    """``resume``: the tokens a failed worker generated and the text of them the client has."""
+    v = body.get("resume")
+    if v is None:
+        return None, ""
+    if not isinstance(v, dict):
+        raise ApiError(400, "resume must be an object {output_ids, text}")
+    unknown = sorted(set(v) - {"output_ids", "text"})
+    if unknown:
+        raise ApiError(400, f"resume.{unknown[0]} is not a field of resume (output_ids, text)")
+    ids = _token_ids(v.get("output_ids"), "resume.output_ids", limits)
+    if not ids:
+        raise ApiError(400, "resume.output_ids must not be empty")
+    text = _str(v, "text", "resume") or ""
+    return Resume(ids, len(text)), text
+
+
+def _common(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
     return {
         "stream": bool(_bool(body, "stream")),
         "rid": _rid(body),
         "bootstrap": parse_bootstrap(body),
+        **dict(zip(("resume", "resume_text"), _resume(body, limits), strict=True)),
+        "return_token_ids": bool(_bool(body, "return_token_ids")),
     }
 
 
@@ -571,7 +611,7 @@ def parse_generate(body: Any, limits: Limits) -> ParsedRequest:
         input_ids=None if ids is None else _token_ids(ids, "input_ids", limits),
         return_text_in_logprobs=bool(_bool(body, "return_text_in_logprobs")),
         **_generate_logprobs(body),
-        **_common(body),
+        **_common(body, limits),
     )
 
 
@@ -610,13 +650,13 @@ def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:
     return {"return_logprob": True, "logprobs": LogprobSpec(top=top)}
 
 
-def _openai_common(body: dict[str, Any]) -> dict[str, Any]:
+def _openai_common(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
     model = _str(body, "model")
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise ApiError(400, "stream_options must be an object")
     include_usage = bool(_bool(opts, "include_usage", "stream_options")) if opts else False
-    return {"model": model, "include_usage": include_usage, **_common(body)}
+    return {"model": model, "include_usage": include_usage, **_common(body, limits)}
 
 
 def _best_of(body: dict[str, Any], sampling: SamplingParams) -> dict[str, Any]:
@@ -662,7 +702,7 @@ def parse_completion(body: Any, limits: Limits) -> ParsedRequest:
         text=text,
         input_ids=ids,
         **_completion_logprobs(body),
-        **_openai_common(body),
+        **_openai_common(body, limits),
     )
 
 
@@ -742,5 +782,5 @@ def parse_chat(body: Any, limits: Limits) -> ParsedRequest:
         messages=tuple(parsed),
         tools=tools,
         **_chat_logprobs(body),
-        **_openai_common(body),
+        **_openai_common(body, limits),
     )

@@ -1,0 +1,95 @@
+"""Request migration (issue 32 §1): what a client already has of a streamed answer, so that when
+its decode worker breaks off a new room can go on from there.
+
+The proxy reads each relayed SSE event: sglang's ``/generate`` events carry the cumulative
+``output_ids`` and ``text``; OpenAI chunks carry their text delta and, because the proxy asks D
+for them (vLLM's ``return_token_ids``), their token ids, which it strips again unless the client
+asked for them too. The next room's body carries ``resume: {output_ids, text}``: the worker
+prefills the prompt plus those tokens and streams only what follows, so the client's stream goes
+on with no token repeated or missing (``schedulers.request.Resume``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeGuard
+
+import attrs
+
+from pd_fsm.io_trio.proxy.logprob_merge import wants_prompt_logprobs
+
+_OPENAI = ("/v1/completions", "/v1/chat/completions")
+
+
+def migratable(path: str, body: dict[str, Any]) -> bool:
+    """Whether an answer to ``body`` can be continued exactly by another worker: one sequence,
+    no log-probs (a new worker could not report the earlier tokens'), no echo, not a batch."""
+    if path == "/generate":
+        sp = body.get("sampling_params")
+        n = sp.get("n", 1) if isinstance(sp, dict) else 1
+        single = isinstance(body.get("text"), str) or _flat_ids(body.get("input_ids"))
+        return bool(single) and n in (1, None) and not body.get("return_logprob")
+    if path not in _OPENAI:
+        return False
+    if body.get("n") not in (1, None) or body.get("best_of") not in (1, None):
+        return False
+    if body.get("logprobs") or body.get("top_logprobs") or body.get("echo"):
+        return False
+    return not wants_prompt_logprobs(path, body)
+
+
+def _flat_ids(v: Any) -> TypeGuard[list[int]]:
+    return isinstance(v, list) and all(isinstance(t, int) for t in v)
+
+
+@attrs.define
+class Progress:
+    """What the client has of one answer: its tokens and their text, and whether the answer is
+    complete (a finish reason was relayed: nothing is left to continue)."""
+
+    path: str
+    stream: bool
+    client_wants_ids: bool = False  # the client asked for return_token_ids itself
+    output_ids: list[int] = attrs.field(factory=list)
+    text: str = ""
+    finished: bool = False
+
+    def leg_body(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The body a decode leg gets: with ``return_token_ids`` on OpenAI streams (so the ids
+        can be followed) and, after a break, ``resume`` with what the client has."""
+        out = dict(body)
+        if self.stream and self.path in _OPENAI:
+            out["return_token_ids"] = True
+        if self.output_ids:
+            out["resume"] = {"output_ids": list(self.output_ids), "text": self.text}
+        return out
+
+    def observe(self, event: Any) -> bool:
+        """One relayed SSE event (edited in place: ids the client did not ask for are taken
+        out). Returns False: every event is read (``SseRewriter`` contract)."""
+        if not isinstance(event, dict):
+            return False
+        if self.path == "/generate":
+            ids, text = event.get("output_ids"), event.get("text")
+            if _flat_ids(ids) and isinstance(text, str):
+                self.output_ids, self.text = list(ids), text
+            meta = event.get("meta_info")
+            if isinstance(meta, dict) and meta.get("finish_reason") is not None:
+                self.finished = True
+            return False
+        choices = event.get("choices")
+        if not isinstance(choices, list):
+            return False  # the usage chunk
+        for choice in choices:
+            if not isinstance(choice, dict):
+                continue
+            ids = choice.get("token_ids") if self.client_wants_ids else choice.pop(
+                "token_ids", None)
+            if _flat_ids(ids):
+                self.output_ids.extend(ids)
+            delta = choice.get("delta")
+            piece = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+            if isinstance(piece, str):
+                self.text += piece
+            if choice.get("finish_reason") is not None:
+                self.finished = True
+        return False

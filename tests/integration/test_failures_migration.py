@@ -1,0 +1,165 @@
+"""Nothing lost mid-stream (issue 32 §1, §3): real `pd-fsm` processes (tiny model) behind our
+proxy, 1 P and 2 D.
+
+- A decode worker SIGKILLed while it streams: the client's stream goes on in a new room (the
+  prompt plus the tokens the client has, on the other D) and ends equal to the colocated
+  answer, token for token, with usage counting each token once; for /generate, completions and
+  chat, greedy and seeded sampling.
+- A decode worker that is down (its port refuses connections) while the proxy still lists it:
+  every request is retried on the other one and answered.
+Afterwards every worker holds nothing (pages, rooms, queues, transfer registrations).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from tests.integration.failure_support import SLACK, Fleet, Proc, wait_clean
+from tests.integration.serve_support import PATHS, fetch_answer, request_body, sse_events
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Tell me about the river city"
+MAX_TOKENS = 150  # long enough that the break lands mid-stream; the chat prompt fits too
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    # Production windows: a busy machine must not fail a room by a short lease here.
+    f = Fleet(tmp_path_factory.mktemp("migration"), windows={})
+    f.bootstrap()
+    p = f.prefill("p")
+    d0, d1 = f.decode("d0"), f.decode("d1")
+    f.colocated()
+    f.proxy("proxy", [p], [d0, d1])
+    f.start()
+    yield f
+    f.close()
+
+
+async def _num_reqs(http: httpx.AsyncClient, d: Proc) -> int:
+    r = await http.get(f"{d.url}/get_load", timeout=5)
+    r.raise_for_status()
+    return sum(int(rank["num_reqs"]) for rank in r.json())
+
+
+async def _kill_the_streaming_decode(http: httpx.AsyncClient, fleet: Fleet) -> Proc:
+    """Freeze both D, find the one holding the request (thawing each alone for its /get_load),
+    SIGKILL it and let the other go on: the break lands mid-stream, whatever the speeds."""
+    ds = [fleet["d0"], fleet["d1"]]
+    for d in ds:
+        os.kill(d.pid, signal.SIGSTOP)
+    victim = None
+    for d in ds:
+        os.kill(d.pid, signal.SIGCONT)
+        busy = await _num_reqs(http, d)
+        os.kill(d.pid, signal.SIGSTOP)
+        if busy and victim is None:
+            victim = d
+    assert victim is not None, "no decode worker holds the streaming request"
+    victim.kill()
+    for d in ds:
+        if d is not victim:
+            os.kill(d.pid, signal.SIGCONT)
+    return victim
+
+
+async def _proxy_stats(http: httpx.AsyncClient, proxy: Proc) -> dict[str, Any]:
+    r = await http.get(f"{proxy.url}/metrics")
+    r.raise_for_status()
+    out: dict[str, Any] = {}
+    for line in r.text.splitlines():
+        if line.startswith("pd_fsm_proxy_rooms_reopened_total{"):
+            cause = line.split('key="')[1].split('"')[0]
+            out[cause] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _fold(endpoint: str, events: list[Any]) -> tuple[str, int | None, list[Any]]:
+    """(text, completion tokens, chunks) of a streamed answer."""
+    chunks = [e for e in events if isinstance(e, dict)]
+    if endpoint == "generate":
+        last = chunks[-1]
+        return last["text"], last["meta_info"]["completion_tokens"], chunks
+    text, usage = "", None
+    for c in chunks:
+        for choice in c.get("choices") or []:
+            piece = choice["delta"].get("content") if endpoint == "chat" else choice.get("text")
+            text += piece or ""
+        if c.get("usage"):
+            usage = c["usage"]["completion_tokens"]
+    return text, usage, chunks
+
+
+@pytest.mark.parametrize(("endpoint", "sampling"), [
+    ("generate", "greedy"), ("completions", "greedy"), ("chat", "greedy"), ("chat", "seeded"),
+])
+async def test_a_stream_survives_its_decode_worker_dying(
+    fleet: Fleet, endpoint: str, sampling: str
+) -> None:
+    body = request_body(endpoint, PROMPT, MAX_TOKENS, stream=True)
+    params = body["sampling_params"] if endpoint == "generate" else body
+    params["ignore_eos"] = True  # every answer MAX_TOKENS long
+    if sampling == "seeded":
+        params.update(temperature=1.0, top_k=40, seed=1234)
+    proxy, colocated = fleet["proxy"], fleet["colocated"]
+    async with httpx.AsyncClient(timeout=60) as http:
+        reference = await fetch_answer(http, str(colocated.url), endpoint,
+                                       {**body, "stream": False})
+        before = await _proxy_stats(http, proxy)
+        raw = b""
+        killed: Proc | None = None
+        async with http.stream("POST", f"{proxy.url}{PATHS[endpoint]}", json=body) as r:
+            assert r.status_code == 200
+            async for chunk in r.aiter_raw():
+                raw += chunk
+                if killed is None and raw.count(b"data: ") >= 6:
+                    killed = await _kill_the_streaming_decode(http, fleet)
+        assert killed is not None
+        events = sse_events(raw.decode())
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1, raw[-800:]
+        text, usage, chunks = _fold(endpoint, events)
+        assert not any("error" in c for c in chunks), raw[-800:]
+        assert text == reference.text  # no token repeated or missing
+        assert usage == reference.completion_tokens == MAX_TOKENS  # each token counted once
+        if endpoint != "generate":
+            # The proxy asked D for token ids to follow the stream; the client did not.
+            assert not any("token_ids" in ch for c in chunks for ch in c.get("choices") or [])
+        if endpoint == "chat":
+            roles = [ch["delta"].get("role") for c in chunks for ch in c.get("choices") or []]
+            assert roles.count("assistant") == 1  # one role chunk, as an uninterrupted stream
+        after = await _proxy_stats(http, proxy)
+        assert after.get("migration", 0) == before.get("migration", 0) + 1
+        fleet.restart(killed.name)
+        await wait_clean(http, fleet["p"], fleet["d0"], fleet["d1"], timeout=SLACK * 2)
+
+
+async def test_a_decode_worker_that_is_down_costs_a_retry_not_an_error(fleet: Fleet) -> None:
+    proxy, colocated = fleet["proxy"], fleet["colocated"]
+    down = fleet["d1"]
+    down.kill()
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
+            before = await _proxy_stats(http, proxy)
+            body = request_body("completions", PROMPT, 12, stream=False)
+            reference = await fetch_answer(http, str(colocated.url), "completions", body)
+
+            async def one() -> None:
+                got = await fetch_answer(http, str(proxy.url), "completions", body)
+                assert got == reference
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(6):  # round robin sends about half to the dead port
+                    nursery.start_soon(one)
+            after = await _proxy_stats(http, proxy)
+            assert after.get("retry", 0) > before.get("retry", 0)
+            await wait_clean(http, fleet["p"], fleet["d0"], timeout=SLACK * 2)
+    finally:
+        fleet.restart(down.name)
