@@ -25,7 +25,8 @@ def _spec_check(args: argparse.Namespace) -> int:
         print("no tables found", file=sys.stderr)
         return 2
     if directory is None:  # the project's tables: also every effect against its code
-        from pd_fsm.core.dispatch import core_machines, handler_problems
+        from pd_fsm.core.dispatch import handler_problems
+        from pd_fsm.core.machines import core_machines
 
         for owner, tables in core_machines():
             problems = handler_problems(owner, tables)

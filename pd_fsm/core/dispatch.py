@@ -4,7 +4,9 @@ An owner (an endpoint, the registry, the router) has one ``_fx_<Effect>`` method
 tables name, and no other ``_fx_`` method. ``bind_effects`` checks both directions and returns the
 bound methods by name, so a step calls ``handlers[name](...)`` for each effect of its row: an
 effect runs because the row names it. A mismatch fails when the owner is built (at import for the
-module-level tables, at start-up for a worker) and in ``pd-fsm spec check`` (``handler_problems``).
+module-level tables, at start-up for a worker) and in ``pd-fsm spec check`` (``handler_problems``
+over ``machines.core_machines``, which lists the owners: it lives above them, since they import
+this module).
 """
 
 from __future__ import annotations
@@ -37,18 +39,3 @@ def bind_effects(owner: object, *tables: StateTable) -> dict[str, Callable[..., 
     if problems:
         raise TypeError("; ".join(problems))
     return {e: getattr(owner, PREFIX + e) for t in tables for e in t.effects}
-
-
-def core_machines() -> list[tuple[type, tuple[StateTable, ...]]]:
-    """Every owner in the core with the tables whose effects it runs (for ``spec check``)."""
-    from pd_fsm.core.decode_endpoint import DecodeEndpoint
-    from pd_fsm.core.prefill_endpoint import PrefillEndpoint
-    from pd_fsm.core.registry import BootstrapRegistry
-    from pd_fsm.core.router import RoomRouter
-
-    return [
-        (PrefillEndpoint, (PrefillEndpoint.table, *PrefillEndpoint.extra_tables)),
-        (DecodeEndpoint, (DecodeEndpoint.table, *DecodeEndpoint.extra_tables)),
-        (BootstrapRegistry, (BootstrapRegistry.table,)),
-        (RoomRouter, (RoomRouter.table,)),
-    ]

@@ -15,14 +15,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
+import attrs
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-if TYPE_CHECKING:
-    from pd_fsm.jax_engine.tokenizer import ChatMessage
 
 # The format the tiny model has always used (it has no checkpoint): SmolLM2's template without
 # its default system message.
@@ -34,6 +32,19 @@ CHATML_TEMPLATE = (
 )
 
 NO_TEMPLATE_MESSAGE = "this model has no chat template; pass --chat-template FILE"
+
+
+@attrs.frozen
+class ChatMessage:
+    """One turn of a conversation, as a template renders it (here, not in ``tokenizer``, which
+    renders through this module and re-exports it)."""
+
+    role: str
+    content: str | None
+    # An assistant turn's tool calls (OpenAI's objects), and a tool turn's answer's call id:
+    # what chat templates that support tools render.
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    tool_call_id: str | None = None
 
 
 class ChatTemplateError(ValueError):

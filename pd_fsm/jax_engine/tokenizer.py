@@ -11,24 +11,17 @@ import copy
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, Self
 
-import attrs
-
 from pd_fsm.jax_engine.chat_template import (
     CHATML_TEMPLATE,
     NO_TEMPLATE_MESSAGE,
+    ChatMessage,
     ChatTemplate,
     ChatTemplateError,
 )
 
-
-@attrs.frozen
-class ChatMessage:
-    role: str
-    content: str | None
-    # An assistant turn's tool calls (OpenAI's objects), and a tool turn's answer's call id:
-    # what chat templates that support tools render.
-    tool_calls: tuple[dict[str, Any], ...] = ()
-    tool_call_id: str | None = None
+# ChatMessage is defined in chat_template (which renders it) and is part of this module's
+# interface too: a Tokenizer's apply_chat_template takes them.
+__all__ = ["CharTokenizer", "ChatMessage", "HFTokenizer", "IncrementalDetokenizer", "Tokenizer"]
 
 
 class Tokenizer(Protocol):

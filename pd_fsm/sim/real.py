@@ -23,7 +23,7 @@ import functools
 import math
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import jax
@@ -47,10 +47,7 @@ from pd_fsm.schedulers.disaggregation import (
 )
 from pd_fsm.schedulers.disaggregation.tick import TickResult, run_tick
 from pd_fsm.sim.config import DECODE, LEASE, PULL_DEADLINE, REGISTRY_HEARTBEAT, Violation
-from pd_fsm.sim.workers import Client, Node, ShorteningPrefill
-
-if TYPE_CHECKING:
-    from pd_fsm.sim.world import World
+from pd_fsm.sim.workers import Client, Node, ShorteningPrefill, WorldView
 
 PAGE_SIZE = 4
 MODEL = "tiny"
@@ -127,7 +124,7 @@ class _Pending(PendingPull):
 class SimTransferEngine(KVTransferEngine):
     """A process's transfer server: registrations held until released or pulled (once)."""
 
-    def __init__(self, world: World, node: Node, address: str) -> None:
+    def __init__(self, world: WorldView, node: Node, address: str) -> None:
         self.world, self.node, self._address = world, node, address
         self.regs: dict[int, list[jax.Array]] = {}
         self.fail_next: dict[int, str] = {}  # uuid -> the failure the seed drew for its pull
@@ -218,7 +215,7 @@ class _RealWorker(Node):
     mode = ""
     sched: Any
 
-    def __init__(self, world: World, name: str) -> None:
+    def __init__(self, world: WorldView, name: str) -> None:
         super().__init__(world, name)
         self.legs: dict[int, tuple[int, Client]] = {}  # room -> (router gen, client)
         self.rid_room: dict[str, int] = {}
@@ -337,7 +334,7 @@ class _RealWorker(Node):
 class RealPrefillWorker(_RealWorker):
     mode = role = "prefill"
 
-    def __init__(self, world: World, index: int) -> None:
+    def __init__(self, world: WorldView, index: int) -> None:
         super().__init__(world, f"p{index}")
         self.advertised = f"{self.name}:8998"
         self.side = f"{self.name}:side"
@@ -402,7 +399,7 @@ class RealPrefillWorker(_RealWorker):
 class RealDecodeWorker(_RealWorker):
     mode = role = "decode"
 
-    def __init__(self, world: World, index: int) -> None:
+    def __init__(self, world: WorldView, index: int) -> None:
         super().__init__(world, f"d{index}")
         self.tokens: dict[int, list[int]] = {}  # room -> output so far
         self.relaying: set[int] = set()

@@ -8,7 +8,8 @@ import itertools
 import math
 import random
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import attrs
 
@@ -27,11 +28,9 @@ from pd_fsm.sim.config import (
     RECOMPUTABLE,
     REGISTRY_HEARTBEAT,
     VOCAB,
+    SimConfig,
     Violation,
 )
-
-if TYPE_CHECKING:
-    from pd_fsm.sim.world import World
 
 
 @attrs.define(eq=False)
@@ -61,10 +60,53 @@ class Client:
         return (f, *((f * 31 + k * (self.id + 1)) % VOCAB for k in range(1, self.out)))
 
 
+class WorldView(Protocol):
+    """The world as a worker sees it (``world.World`` is the one there is): its clock, random
+    generator and config, and what a worker asks of the proxy, the registry, the side channel and
+    the network. Spelled out here, not imported, because the world imports the workers to build
+    them: the workers naming ``World`` would close an import circle."""
+
+    config: SimConfig
+    rng: random.Random
+    now: float
+    skew: dict[str, float]  # host -> its clock's offset
+
+    def at(self, delay: float, what: str, fn: Callable[..., None], *args: Any) -> None: ...
+
+    def at_time(self, t: float, what: str, fn: Callable[..., None], *args: Any) -> None: ...
+
+    def trace_line(self, line: str) -> None: ...
+
+    def plant(self, name: str) -> bool: ...
+
+    def handle(self, node: Node, core: Any, event: Any, now: float) -> list[Any]: ...
+
+    def leg_answer(self, gen: int, room: int, leg: str, ok: bool, reason: str,
+                   refused: bool = False) -> None: ...
+
+    def relayed(self, gen: int, room: int, client: Client, tokens: tuple[int, ...]) -> None: ...
+
+    def prompt_pages(self, client: Client) -> int: ...
+
+    def pages_for(self, client: Client) -> int: ...
+
+    def reachable(self, a: str, b: str) -> bool: ...
+
+    def send(self, src: str, dst: str, message: Any) -> None: ...
+
+    def transfer_server(self, addr: str) -> PrefillWorker | None: ...
+
+    def register(self, p: PrefillWorker) -> None: ...
+
+    def registry_heartbeat(self, p: PrefillWorker) -> None: ...
+
+    def resolve(self, d: DecodeWorker, bootstrap_addr: str) -> None: ...
+
+
 class Pool:
     """A worker's pages: every page freed exactly once."""
 
-    def __init__(self, world: World, name: str, size: int) -> None:
+    def __init__(self, world: WorldView, name: str, size: int) -> None:
         self.world, self.name, self.size = world, name, size
         self.free = set(range(1, size + 1))
 
@@ -87,7 +129,7 @@ class Node(ABC):
 
     role = ""  # "prefill" or "decode"
 
-    def __init__(self, world: World, name: str) -> None:
+    def __init__(self, world: WorldView, name: str) -> None:
         self.world, self.name = world, name
         self.alive = False
         self.gen = 0
@@ -131,7 +173,7 @@ class Node(ABC):
 class PrefillWorker(Node):
     role = "prefill"
 
-    def __init__(self, world: World, index: int) -> None:
+    def __init__(self, world: WorldView, index: int) -> None:
         super().__init__(world, f"p{index}")
         self.advertised = f"{self.name}:8998"
         self.side = f"{self.name}:side"
@@ -271,7 +313,7 @@ class ShorteningPrefill(PrefillEndpoint):
 class DecodeWorker(Node):
     role = "decode"
 
-    def __init__(self, world: World, index: int) -> None:
+    def __init__(self, world: WorldView, index: int) -> None:
         super().__init__(world, f"d{index}")
         self.core: DecodeEndpoint
         self.pool = Pool(world, self.name, world.config.pages)

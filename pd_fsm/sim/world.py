@@ -77,6 +77,8 @@ class World:
         self._seq = itertools.count()
         c = self.config
         if c.schedulers == "real":
+            # Imported here, not at the top: real.py brings JAX and the schedulers, which a
+            # modelled run (the default, thousands of seeds) has no use for.
             from pd_fsm.sim.real import RealDecodeWorker, RealPrefillWorker
 
             self.prefills: list[Any] = [RealPrefillWorker(self, i) for i in range(c.prefill)]
@@ -212,7 +214,7 @@ class World:
                             prefix=w.prefix_tokens if w.groups else 0)
         client.arrived = self.now
         if c.schedulers == "real":
-            from pd_fsm.sim.real import prompt_ids, reference
+            from pd_fsm.sim.real import prompt_ids, reference  # JAX: only for real schedulers
 
             client.reference = reference().answer(prompt_ids(client), client.out)
         self.clients.append(client)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import collections
-import json
 import logging
 import os
 import shlex
@@ -30,7 +29,8 @@ import httpx
 import trio
 
 from pd_fsm.io_trio.api_key import bearer
-from pd_fsm.io_trio.cluster import observability
+from pd_fsm.io_trio.cluster import observability, ray_cluster
+from pd_fsm.io_trio.cluster.ask import ask
 from pd_fsm.io_trio.http_server import http_client
 from pd_fsm.io_trio.ports import free_port_pair, free_ports
 from pd_fsm.io_trio.tls import NO_TLS, TLS, throwaway_ca
@@ -343,40 +343,6 @@ def prometheus_child(urls: dict[str, str], tls: TLS) -> Child:
                  health_path="/-/ready")
 
 
-# --------------------------------------------------------------------------------- --ask
-
-
-async def ask(urls: dict[str, str], prompt: str, max_tokens: int, headers: dict[str, str],
-              tls: TLS = NO_TLS) -> int:
-    """Send one chat prompt through the proxy and to the colocated worker (``urls`` by service
-    name); print both answers."""
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0}
-    answers: dict[str, str] = {}
-    status = 0
-    async with http_client(timeout=300, tls=tls) as http:
-        http.headers.update(headers)
-        for name in ("proxy", "colocated"):
-            if name not in urls:
-                continue
-            r = await http.post(f"{urls[name]}/v1/chat/completions", json=body)
-            if r.status_code == 200:
-                answers[name] = r.json()["choices"][0]["message"]["content"]
-            else:
-                answers[name] = f"ERROR HTTP {r.status_code}: {r.text[:500]}"
-                status = 1
-    print(f"\nQ: {prompt}", flush=True)
-    pd = answers.get("proxy", "(no prefill/decode workers in this cluster)")
-    print(f"PD (proxy -> prefill + decode): {json.dumps(pd)}")
-    if "colocated" in answers:
-        print(f"colocated:                      {json.dumps(answers['colocated'])}")
-    if "proxy" in answers and "colocated" in answers:
-        same = answers["proxy"] == answers["colocated"]
-        print(f"identical: {same}")
-    sys.stdout.flush()
-    return status
-
-
 # --------------------------------------------------------------------------------- CLI
 
 
@@ -466,8 +432,6 @@ def main(args: argparse.Namespace) -> int:
               "(not --ray)", file=sys.stderr)
         return 2
     if args.ray is not None:
-        from pd_fsm.io_trio.cluster import ray_cluster
-
         return ray_cluster.main(args, worker_flags(args), ["--log-level", args.log_level])
     tls = NO_TLS
     if args.tls:

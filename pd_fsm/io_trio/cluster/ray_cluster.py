@@ -410,9 +410,11 @@ def main(args: argparse.Namespace, worker_argv: list[str], quiet: list[str]) -> 
         cluster = RayCluster(args, worker_argv, quiet)
         cluster.start()
         if args.ask is not None:
+            # Imported here, not at the top: every Ray actor process imports this module (for
+            # ServiceActor), and only the driver, only with --ask, needs trio and httpx.
             import trio
 
-            from pd_fsm.io_trio.cluster.local import ask
+            from pd_fsm.io_trio.cluster.ask import ask
 
             status = trio.run(ask, cluster.urls(), args.ask, args.max_tokens, {})
         else:

@@ -18,7 +18,7 @@ A client that leaves abandons every room.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import trio
 
@@ -27,10 +27,20 @@ from pd_fsm.io_trio.worker.responses import batch_body, indexed, summed_usage
 from pd_fsm.io_trio.worker.schemas import Kind
 from pd_fsm.io_trio.worker.sse import DONE, SSE_HEADERS, Receive, Send, event
 
-if TYPE_CHECKING:
-    from pd_fsm.io_trio.proxy.server import Proxy
-
 _DISCONNECT = {"type": "http.disconnect"}
+
+
+class RoomOpener(Protocol):
+    """What a batch needs of the proxy (``server.Proxy``, which builds the batch: naming it here
+    would close an import circle)."""
+
+    def open_room(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
+        """One prompt's room: its ASGI response, or the error to answer with (no worker)."""
+        ...
+
+    def is_room(self, response: Any) -> bool:
+        """Is ``response`` (from ``open_room``) a room, not an error?"""
+        ...
 
 
 class _Capture:
@@ -57,7 +67,7 @@ class _Capture:
 class BatchResponse:
     """The ASGI response of a batch of prompts (see the module's docstring)."""
 
-    def __init__(self, proxy: Proxy, path: str, items: list[dict[str, Any]],
+    def __init__(self, proxy: RoomOpener, path: str, items: list[dict[str, Any]],
                  headers: dict[str, str], *, stream: bool) -> None:
         self.proxy = proxy
         self.path = path

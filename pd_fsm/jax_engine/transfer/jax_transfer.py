@@ -23,8 +23,9 @@ Settings, each chosen by measurement against the library's defaults (two process
 Connections are cached per peer. A connection on which a pull failed stays poisoned (later pulls on
 it fail at once, even to a new server on the same port), so after any failure or timeout it is
 *retired*: removed from the cache so the next pull connects afresh, and, once no other pull of ours
-is still using it, poisoned with ``_poison_connection()``. Measured: poisoning makes every pull
-still outstanding on that connection fail at once ("RECOVERABLE InjectFailure") instead of hanging
+is still using it, poisoned with ``_poison_connection()`` (private to the library: called through
+:mod:`~pd_fsm.jax_engine.transfer.jax_private` only). Measured: poisoning makes every pull still
+outstanding on that connection fail at once ("RECOVERABLE InjectFailure") instead of hanging
 — a pull to a dead port, or for a uuid never registered, otherwise waits forever, even with the
 library's timeout, which the serving side only checks when its table is touched.
 
@@ -72,6 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import transfer
 
+from pd_fsm.jax_engine.transfer import jax_private
 from pd_fsm.jax_engine.transfer.base import (
     UUID_LIMIT,
     KVTransferEngine,
@@ -369,7 +371,7 @@ class JaxTransferKVEngine(KVTransferEngine):
             if poison:
                 c.poisoned = True
         if poison:
-            c.conn._poison_connection()
+            jax_private.poison(c.conn)
 
     def drop_connection(self, peer: str, reason: str) -> None:
         with self._lock:
@@ -382,7 +384,7 @@ class JaxTransferKVEngine(KVTransferEngine):
                 c.poisoned = True
         log.info("dropped connection to %s: %s", peer, reason)
         if poison:
-            c.conn._poison_connection()
+            jax_private.poison(c.conn)
 
     def close(self) -> None:
         self._closed.set()

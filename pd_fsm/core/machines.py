@@ -1,0 +1,24 @@
+"""Every owner of effects in the core, with the tables whose effects it runs (for ``pd-fsm spec
+check``, which holds each against ``dispatch.handler_problems``).
+
+Its own module because it names the owners: they import ``dispatch`` to bind their handlers, so
+the list cannot live there without an import circle.
+"""
+
+from __future__ import annotations
+
+from pd_fsm.core.decode_endpoint import DecodeEndpoint
+from pd_fsm.core.prefill_endpoint import PrefillEndpoint
+from pd_fsm.core.registry import BootstrapRegistry
+from pd_fsm.core.router import RoomRouter
+from pd_fsm.core.tables import StateTable
+
+
+def core_machines() -> list[tuple[type, tuple[StateTable, ...]]]:
+    """Every owner in the core with the tables whose effects it runs."""
+    return [
+        (PrefillEndpoint, (PrefillEndpoint.table, *PrefillEndpoint.extra_tables)),
+        (DecodeEndpoint, (DecodeEndpoint.table, *DecodeEndpoint.extra_tables)),
+        (BootstrapRegistry, (BootstrapRegistry.table,)),
+        (RoomRouter, (RoomRouter.table,)),
+    ]
