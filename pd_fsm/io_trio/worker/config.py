@@ -61,6 +61,9 @@ class ServeConfig:
     # DistServe's: time to first token and mean inter-token latency both within bounds).
     slo_ttft: float = 2.0
     slo_itl: float = 0.1
+    # On SIGTERM: out of the registry, new requests refused with 503 and Retry-After, and this
+    # long for the requests in flight to finish before the process stops (issue 32 §3).
+    drain_timeout: float = 30.0
     served_model_name: str | None = None  # default: the model's name ("smollm2", "tiny")
     # --chat-template FILE's text (read and compiled at start): replaces the model's template.
     chat_template: str | None = attrs.field(default=None, repr=False)
@@ -277,6 +280,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "in pd_fsm_worker_requests_slo_total{met=true|false}")
     p.add_argument("--slo-itl", type=float, default=d.slo_itl, metavar="SECONDS",
                    help="goodput's bound on a request's mean inter-token latency")
+    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout, metavar="SECONDS",
+                   help="on SIGTERM: leave the registry, answer new requests 503 with "
+                        "Retry-After, and let the requests in flight finish for at most this "
+                        "long before stopping (default 30)")
     p.add_argument("--disaggregation-mode", choices=DISAGGREGATION_MODES, default="null")
     p.add_argument(
         "--disaggregation-transfer-backend", choices=TRANSFER_BACKENDS, default="jax"
@@ -412,7 +419,7 @@ def _check_nodes(args: argparse.Namespace) -> None:
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The config for parsed ``serve`` arguments; raises ValueError naming a bad value."""
     for name in ("num_pages", "page_size", "max_running", "max_batched_tokens", "max_queued",
-                 "max_body", "tp_size", "slo_ttft", "slo_itl"):
+                 "max_body", "tp_size", "slo_ttft", "slo_itl", "drain_timeout"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
     if args.context_length is not None and args.context_length <= 1:
@@ -478,6 +485,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_body=args.max_body,
         slo_ttft=args.slo_ttft,
         slo_itl=args.slo_itl,
+        drain_timeout=args.drain_timeout,
         served_model_name=args.served_model_name,
         chat_template=chat_template,
         model=args.model,
