@@ -7,6 +7,8 @@ proxy, 1 P and 2 D.
   chat, greedy and seeded sampling.
 - A decode worker that is down (its port refuses connections) while the proxy still lists it:
   every request is retried on the other one and answered.
+- A decode worker SIGTERMed while it streams drains: it leaves the registry, the stream it
+  serves finishes there (no migration, no re-prefill) and it exits 0.
 Afterwards every worker holds nothing (pages, rooms, queues, transfer registrations).
 """
 
@@ -50,9 +52,11 @@ async def _num_reqs(http: httpx.AsyncClient, d: Proc) -> int:
     return sum(int(rank["num_reqs"]) for rank in r.json())
 
 
-async def _kill_the_streaming_decode(http: httpx.AsyncClient, fleet: Fleet) -> Proc:
+async def _kill_the_streaming_decode(http: httpx.AsyncClient, fleet: Fleet,
+                                     how: signal.Signals = signal.SIGKILL) -> Proc:
     """Freeze both D, find the one holding the request (thawing each alone for its /get_load),
-    SIGKILL it and let the other go on: the break lands mid-stream, whatever the speeds."""
+    signal it (SIGKILL; a SIGTERM waits for the thaw) and let them go on: the signal lands
+    mid-stream, whatever the speeds."""
     ds = [fleet["d0"], fleet["d1"]]
     for d in ds:
         os.kill(d.pid, signal.SIGSTOP)
@@ -64,9 +68,12 @@ async def _kill_the_streaming_decode(http: httpx.AsyncClient, fleet: Fleet) -> P
         if busy and victim is None:
             victim = d
     assert victim is not None, "no decode worker holds the streaming request"
-    victim.kill()
+    if how == signal.SIGKILL:
+        victim.kill()
+    else:
+        os.kill(victim.pid, how)
     for d in ds:
-        if d is not victim:
+        if d.alive():
             os.kill(d.pid, signal.SIGCONT)
     return victim
 
@@ -163,3 +170,32 @@ async def test_a_decode_worker_that_is_down_costs_a_retry_not_an_error(fleet: Fl
             await wait_clean(http, fleet["p"], fleet["d0"], timeout=SLACK * 2)
     finally:
         fleet.restart(down.name)
+
+
+async def test_a_decode_worker_sigtermed_mid_stream_finishes_it_and_exits_0(fleet: Fleet) -> None:
+    body = request_body("generate", PROMPT, MAX_TOKENS, stream=True)
+    body["sampling_params"]["ignore_eos"] = True
+    proxy, colocated = fleet["proxy"], fleet["colocated"]
+    async with httpx.AsyncClient(timeout=60) as http:
+        reference = await fetch_answer(http, str(colocated.url), "generate",
+                                       {**body, "stream": False})
+        before = await _proxy_stats(http, proxy)
+        raw = b""
+        drained: Proc | None = None
+        async with http.stream("POST", f"{proxy.url}/generate", json=body) as r:
+            assert r.status_code == 200
+            async for chunk in r.aiter_raw():
+                raw += chunk
+                if drained is None and raw.count(b"data: ") >= 6:
+                    drained = await _kill_the_streaming_decode(http, fleet, signal.SIGTERM)
+        assert drained is not None and drained.popen is not None
+        events = sse_events(raw.decode())
+        assert events[-1] == "[DONE]", raw[-500:]
+        assert events[-2]["text"] == reference.text  # finished on the draining worker
+        assert await _proxy_stats(http, proxy) == before  # no retry, no migration
+        assert await trio.to_thread.run_sync(drained.popen.wait, 30) == 0
+        r = await http.get(f"{fleet.boot_url}/list", params={"role": "decode"})
+        listed = {rec.get("scheduler_addr") for rec in r.json()["instances"]}
+        assert not any(str(addr).endswith(str(drained.url).rsplit(":", 1)[1]) for addr in listed)
+        fleet.restart(drained.name)
+        await wait_clean(http, fleet["p"], fleet["d0"], fleet["d1"], timeout=SLACK * 2)

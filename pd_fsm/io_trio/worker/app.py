@@ -30,7 +30,7 @@ from pd_fsm.io_trio.api_key import ApiKeyGate
 from pd_fsm.io_trio.http_edge import BodyError, edge_app, read_json, request_failures
 from pd_fsm.io_trio.http_server import connection_failures, serve_app
 from pd_fsm.io_trio.worker import schemas
-from pd_fsm.io_trio.worker.backend import Backend, BackendError, GenerateJob
+from pd_fsm.io_trio.worker.backend import Backend, BackendError, GenerateJob, in_flight
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.metrics import WorkerMetrics
 from pd_fsm.io_trio.worker.responses import Accumulator, batch_body, indexed
@@ -48,6 +48,8 @@ DEFAULT_MODEL_NAME = "default"
 
 # A failed backend ends the process after the HTTP server stopped gracefully, or after this.
 FAILED_ANSWERS_GRACE_S = 5.0
+DRAIN_RETRY_AFTER_S = 1  # a draining worker's Retry-After: another worker can take it now
+DRAIN_POLL_S = 0.05  # how often a draining worker looks whether its work is over
 # Above this size, tokenization moves off the event loop (JSON: http_edge.THREAD_JSON_BYTES).
 THREAD_TOKENIZE_CHARS = 8 * 1024
 
@@ -106,6 +108,8 @@ class ModelMeta:
 
 def _error(exc: ApiError) -> JSONResponse:
     response = JSONResponse(exc.body(), status_code=exc.status)
+    if exc.retry_after is not None:
+        response.headers["retry-after"] = str(exc.retry_after)
     if exc.status == 413:
         # The rest of an oversized body may still be on the wire: the connection cannot be reused.
         response.headers["connection"] = "close"
@@ -123,6 +127,7 @@ class WorkerApp:
         if hasattr(backend, "phase_observer"):  # a PD backend: its per-phase histograms
             backend.phase_observer = self.metrics.phases.observe
         self._live: set[str] = set()
+        self.draining = False  # SIGTERM: new requests get 503 + Retry-After (drain())
         self.bad_requests = 0
         self.app: Starlette | ApiKeyGate = edge_app(
             routes=[
@@ -200,6 +205,23 @@ class WorkerApp:
             return await read_json(request, self.config.max_body)
         except BodyError as exc:
             raise ApiError(exc.status, exc.message) from None
+
+    def _refuse_if_draining(self) -> None:
+        if self.draining:
+            # 503 with Retry-After: a router retries it elsewhere (pd-fsm proxy does, at once).
+            raise ApiError(503, "the worker is draining (shutting down): send the request to "
+                                "another worker", retry_after=DRAIN_RETRY_AFTER_S)
+
+    async def drain(self) -> None:
+        """SIGTERM's graceful part (issue 32 §3): out of the registry first, new requests
+        refused, then wait until the requests in flight are over (the caller's deadline bounds
+        it: ``--drain-timeout``)."""
+        self.draining = True
+        await self.backend.withdraw()
+        log.info("draining: %d requests in flight", len(self._live))
+        while self._live or in_flight(self.backend.stats()):
+            await trio.sleep(DRAIN_POLL_S)
+        log.info("drained: nothing in flight")
 
     def _require_ready(self) -> ModelMeta:
         if self.meta is None or not self.backend.ready():
@@ -302,6 +324,7 @@ class WorkerApp:
         endpoint = request.url.path
         start = trio.current_time()
         try:
+            self._refuse_if_draining()
             self._require_ready()
             body = await self._read_json(request)
             batch = schemas.split_batch(kind, body)  # type: ignore[arg-type]  # kind: a Kind
@@ -533,6 +556,9 @@ class WorkerApp:
         return JSONResponse({"aborted": aborted})
 
     async def _health(self, request: Request) -> Response:
+        if self.draining:  # load balancers stop sending here
+            return JSONResponse({"status": "draining"}, status_code=503,
+                                headers={"retry-after": str(DRAIN_RETRY_AFTER_S)})
         if not self.ready():
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok"})

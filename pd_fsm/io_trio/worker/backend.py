@@ -79,3 +79,18 @@ class Backend(Protocol):
         """Gauges and counters for /metrics and /get_load: free/total pages, queue lengths,
         KVPoll state counts, transfer bytes/seconds, requests by outcome."""
         ...
+
+    async def withdraw(self) -> None:
+        """Drain's first step: leave the registry, so that routers discovering workers there
+        stop sending requests (a colocated worker is in none)."""
+        ...
+
+
+def in_flight(stats: dict[str, Any]) -> list[str]:
+    """What a backend's ``stats()`` says it still holds for requests (rooms, queues, transfer
+    registrations): empty once a draining worker may stop without failing anyone's request."""
+    out = [f"rooms {k}={v}" for k, v in stats.get("kvpoll", {}).items() if v]
+    out += [f"queue {k}={v}" for k, v in stats.get("pd_queues", {}).items() if v]
+    if stats.get("transfer_registrations"):
+        out.append(f"transfer registrations {stats['transfer_registrations']}")
+    return out

@@ -141,13 +141,20 @@ async def _run(worker: object) -> None:
     from pd_fsm.io_trio.worker.app import WorkerApp, serve_worker
 
     assert isinstance(worker, WorkerApp)
-    stop = trio.Event()
+    stop, drained = trio.Event(), trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(stop_on_signal, stop, log, nursery.cancel_scope)
-        serve = functools.partial(serve_worker, shutdown_trigger=stop.wait)
+        nursery.start_soon(stop_on_signal, stop, log)
+        serve = functools.partial(serve_worker, shutdown_trigger=drained.wait)
         url = await nursery.start(serve, worker, worker.config.host, worker.config.port)
         # One machine-readable line for launchers (the cluster runner reads the port from it).
         print(f"pd-fsm serve: listening on {url}", flush=True)
         await stop.wait()
+        timeout = worker.config.drain_timeout
+        with trio.move_on_after(timeout) as waited:
+            await worker.drain()
+        if waited.cancelled_caught:
+            log.warning("drain timeout (%g s) passed with requests in flight: they fail now",
+                        timeout)
         log.info("shutting down")
+        drained.set()
         nursery.cancel_scope.deadline = trio.current_time() + STOP_GRACE_S

@@ -191,6 +191,9 @@ class ColocatedBackend:
                 self._aborts.add(job.rid)
                 self._wake.set()
 
+    async def withdraw(self) -> None:
+        """In no registry: nothing to leave."""
+
     def abort(self, rid: str) -> bool:
         stream = self._streams.get(rid)
         if stream is None or stream.done or stream.abort_requested:

@@ -180,6 +180,7 @@ class PDBackend(ColocatedBackend, ABC):
         # The core's counts and the transfer counters, as the tick thread last left them: the
         # HTTP task reads this snapshot, never the live objects the tick mutates.
         self._pd_snapshot: tuple[dict[str, Any], dict[str, int]] = ({}, {})
+        self._registration = trio.CancelScope()  # withdraw() cancels the registry record
 
     # -- Backend protocol ---
 
@@ -243,7 +244,7 @@ class PDBackend(ColocatedBackend, ABC):
                     stale_after=self.config.disaggregation_bootstrap_heartbeat_ttl,
                     tls=self.config.tls,
                 )
-                await nursery.start(self.bootstrap.run)
+                await nursery.start(self._registration_task, self.bootstrap)
                 self._ready = True
                 task_status.started()
                 log.info("%s backend ready: %s", self.mode, record)
@@ -256,6 +257,17 @@ class PDBackend(ColocatedBackend, ABC):
                 if self._spmd is not None:
                     await trio.to_thread.run_sync(self._spmd.stop, limiter=self._limiter)
                 await trio.to_thread.run_sync(self._close, sched, limiter=self._limiter)
+
+    async def _registration_task(
+        self, client: BootstrapClient, *, task_status: trio.TaskStatus[None]
+    ) -> None:
+        """The registry record's heartbeats, until ``withdraw`` (or the end): its cancellation
+        deregisters us (BootstrapClient.run)."""
+        with self._registration:
+            await client.run(task_status=task_status)
+
+    async def withdraw(self) -> None:
+        self._registration.cancel()
 
     async def _raise_data_plane(self) -> None:
         # The transfer server starts a thread pair per connection: look again now and then.

@@ -149,11 +149,13 @@ class ApiError(Exception):
         504: "gateway_timeout",
     }
 
-    def __init__(self, status: int, message: str, type_: str | None = None) -> None:
+    def __init__(self, status: int, message: str, type_: str | None = None, *,
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_ or self.TYPES.get(status, "error")
+        self.retry_after = retry_after  # seconds, sent as Retry-After (a 503 while draining)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "code": self.status}}
