@@ -52,3 +52,8 @@ class RouterConfig:
     # tokens so far) at most this many times per request; only requests the proxy can continue
     # exactly ask for it (RoomRequested.migratable).
     migration_limit: int = 3
+    # A worker with this many consecutive worker faults (refused, broke off mid-relay) is routed
+    # around for breaker_cooldown seconds, then probed by one request (table worker_breaker);
+    # 0: no breaker.
+    breaker_threshold: int = 3
+    breaker_cooldown: float = 5.0

@@ -255,4 +255,16 @@ class ReopenRoom:
     attempts: Attempts
 
 
-RouterEffect = DispatchRoom | DispatchLocal | RelayDecode | AbortLeg | ReplyError | ReopenRoom
+@attrs.frozen(slots=True)
+class BreakerChanged:
+    """A worker's circuit breaker changed state (table worker_breaker): log it, count it."""
+
+    worker: str
+    old: str
+    new: str
+
+
+RouterEffect = (
+    DispatchRoom | DispatchLocal | RelayDecode | AbortLeg | ReplyError | ReopenRoom
+    | BreakerChanged
+)

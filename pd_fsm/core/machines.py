@@ -7,6 +7,7 @@ the list cannot live there without an import circle.
 
 from __future__ import annotations
 
+from pd_fsm.core.breakers import WorkerBreakers
 from pd_fsm.core.decode_endpoint import DecodeEndpoint
 from pd_fsm.core.prefill_endpoint import PrefillEndpoint
 from pd_fsm.core.registry import BootstrapRegistry
@@ -21,4 +22,5 @@ def core_machines() -> list[tuple[type, tuple[StateTable, ...]]]:
         (DecodeEndpoint, (DecodeEndpoint.table, *DecodeEndpoint.extra_tables)),
         (BootstrapRegistry, (BootstrapRegistry.table,)),
         (RoomRouter, (RoomRouter.table,)),
+        (WorkerBreakers, (WorkerBreakers.table,)),
     ]

@@ -22,6 +22,7 @@ import attrs
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
+from pd_fsm.core.breakers import WorkerBreakers
 from pd_fsm.core.config import RouterConfig
 from pd_fsm.core.dispatch import bind_effects
 from pd_fsm.core.errors import LocalProtocolError
@@ -75,6 +76,8 @@ class RoomRouter:
         self._prefill: list[str] = []
         self._decode: list[str] = []
         self._live: Counter[str] = Counter()  # live rooms per worker (the planner's load)
+        self.breakers = WorkerBreakers(self.config.breaker_threshold,
+                                       self.config.breaker_cooldown)
         self.set_workers(prefill, decode)
         self.rooms: dict[int, _Room] = {}
         self._timers: DeadlineHeap[int] = DeadlineHeap()
@@ -87,11 +90,13 @@ class RoomRouter:
         self._prefill = list(prefill)
         self._decode = list(decode)
         self.planner.keep(self._prefill, self._decode)
+        self.breakers.keep([*self._prefill, *self._decode])
 
     # -- entry point --------------------------------------------------------------------------
 
     def handle(self, event: ev.RouterEvent, now: float) -> list[fx.RouterEffect]:
         out: list[fx.RouterEffect] = []
+        self.breakers.advance(now, out)
         for room in self._timers.pop_due(now):
             self._step(self.rooms[room], _T.TimedOut, out, "room deadline passed")
         if isinstance(event, ev.RoomRequested):
@@ -99,6 +104,8 @@ class RoomRouter:
         elif isinstance(event, ev.LegResponded):
             r = self.rooms.get(event.room)
             trigger = _LEG_TRIGGERS[event.leg == "prefill", event.ok]
+            if r is not None:
+                self._judge_worker(r, event, now, out)
             if r is not None and not event.ok:
                 trigger = self._failure_trigger(r, event, now, trigger)
             if trigger == _T.PrefillFailed and self.config.decode_recomputes:
@@ -121,13 +128,23 @@ class RoomRouter:
         return out
 
     def next_deadline(self) -> float | None:
-        return self._timers.next_deadline()
+        due = [d for d in (self._timers.next_deadline(), self.breakers.next_deadline())
+               if d is not None]
+        return min(due, default=None)
 
     def poll(self, room: int) -> str | None:
         r = self.rooms.get(room)
         return None if r is None else r.state
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _judge_worker(self, r: _Room, e: ev.LegResponded, now: float,
+                      out: list[fx.RouterEffect]) -> None:
+        """A leg's outcome for its worker's breaker: a refusal, or D breaking off mid-relay,
+        is the worker's fault; other failures (a 4xx, D failing because P did) are not."""
+        worker = r.prefill if e.leg == "prefill" else r.decode
+        broke = e.leg == "decode" and r.state in (_S.RELAYING, _S.LOCAL_RELAYING)
+        self.breakers.outcome(worker, e.ok, not e.ok and (e.refused or broke), now, out)
 
     def _failure_trigger(self, r: _Room, e: ev.LegResponded, now: float, trigger: str) -> str:
         """A failed leg's trigger: a retry or a migration while the request has one left."""
@@ -159,7 +176,11 @@ class RoomRouter:
         # Around the workers that failed this request, unless that leaves none of a role.
         prefill = [p for p in self._prefill if p not in avoid] or self._prefill
         decode = [d for d in self._decode if d not in avoid] or self._decode
-        route = self.planner.plan(prefill, decode, e.prompt, self._live)
+        route = self.planner.plan(self.breakers.routable(prefill),
+                                  self.breakers.routable(decode), e.prompt, self._live)
+        for worker in (route.prefill, route.decode):
+            if worker:
+                self.breakers.dispatched(worker)
         deadline = now + self.config.room_timeout
         if e.attempts.deadline is not None:
             deadline = min(deadline, e.attempts.deadline)

@@ -22,7 +22,8 @@ from pd_fsm.core.kvpoll import KVPoll
 
 SAME = "@same"  # `to = "@same"`: a self-loop row shared by several `from` states
 
-TABLE_NAMES = ("kv_sender", "kv_receiver", "kv_hold_lease", "instance_lease", "room")
+TABLE_NAMES = ("kv_sender", "kv_receiver", "kv_hold_lease", "instance_lease", "room",
+               "worker_breaker")
 
 
 def tables_dir() -> Traversable:
@@ -293,6 +294,8 @@ KV_RECEIVER = load_table("kv_receiver")
 KV_HOLD_LEASE = load_table("kv_hold_lease")
 INSTANCE_LEASE = load_table("instance_lease")
 ROOM = load_table("room")
+WORKER_BREAKER = load_table("worker_breaker")
 ALL_TABLES: Mapping[str, StateTable] = {
-    t.name: t for t in (KV_SENDER, KV_RECEIVER, KV_HOLD_LEASE, INSTANCE_LEASE, ROOM)
+    t.name: t for t in (KV_SENDER, KV_RECEIVER, KV_HOLD_LEASE, INSTANCE_LEASE, ROOM,
+                        WORKER_BREAKER)
 }

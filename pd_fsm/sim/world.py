@@ -239,7 +239,7 @@ class World:
                                 p.leg, gen, e.room, client)
                     self.at(self.rng.uniform(0.001, 0.003), f"D leg of room {e.room:x}", d.leg,
                             gen, e.room, client, p)
-                case fx.RelayDecode():
+                case fx.RelayDecode() | fx.BreakerChanged():
                     pass  # the relay ends with the decode worker's answer (relayed)
                 case fx.AbortLeg():
                     node = self._prefill(e.url) if e.leg == "prefill" else self._decode(e.url)

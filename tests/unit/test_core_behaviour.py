@@ -615,3 +615,55 @@ def test_a_decode_worker_breaking_off_mid_relay_migrates_a_migratable_request() 
     router.handle(ev.LegResponded(third.room, "decode", True), 3.5)
     out = router.handle(ev.LegResponded(third.room, "decode", False, "reset"), 4.0)
     assert _kinds(out) == ["AbortLeg"]
+
+
+def test_a_worker_that_keeps_failing_is_routed_around_then_probed() -> None:
+    from pd_fsm.core.config import RouterConfig
+
+    cfg = RouterConfig(breaker_threshold=2, breaker_cooldown=10.0, retry_limit=0)
+    router = RoomRouter(["p0"], ["d0", "d1"], random.Random(3), cfg)
+
+    def room_on(decode: str, now: float) -> int:
+        for _ in range(20):
+            (d,) = [e for e in router.handle(ev.RoomRequested("r"), now)
+                    if isinstance(e, fx.DispatchRoom)]
+            if d.decode == decode:
+                return d.room
+            router.handle(ev.LegResponded(d.room, "decode", True), now)
+            router.handle(ev.RelayFinished(d.room), now)
+        raise AssertionError(f"never routed to {decode}")
+
+    out: list[fx.RouterEffect] = []
+    for now in (1.0, 2.0):  # two refusals in a row: the second trips it
+        out += router.handle(ev.LegResponded(room_on("d0", now), "decode", False, "refused",
+                                             refused=True), now)
+    assert router.breakers.state("d0") == "OPEN"
+    assert [e for e in out if isinstance(e, fx.BreakerChanged)] == [
+        fx.BreakerChanged("d0", "CLOSED", "OPEN")]
+    # Open: every room goes to d1 for the cool-down.
+    for i in range(6):
+        (d,) = [e for e in router.handle(ev.RoomRequested(f"x{i}"), 3.0)
+                if isinstance(e, fx.DispatchRoom)]
+        assert d.decode == "d1"
+        router.handle(ev.LegResponded(d.room, "decode", True), 3.0)
+        router.handle(ev.RelayFinished(d.room), 3.0)
+    assert router.next_deadline() == 12.0  # the cool-down's end
+    changed = router.handle(ev.TimeAdvanced(), 12.0)
+    assert changed == [fx.BreakerChanged("d0", "OPEN", "HALF_OPEN")]
+    probe = room_on("d0", 12.5)
+    assert router.breakers.state("d0") == "PROBING"
+    out = router.handle(ev.LegResponded(probe, "decode", True), 13.0)
+    assert fx.BreakerChanged("d0", "PROBING", "CLOSED") in out
+    assert router.breakers.changes == {"CLOSED->OPEN": 1, "OPEN->HALF_OPEN": 1,
+                                       "PROBING->CLOSED": 1}
+
+
+def test_failures_that_are_not_the_workers_do_not_open_its_breaker() -> None:
+    from pd_fsm.core.config import RouterConfig
+
+    router = RoomRouter(["p0"], ["d0"], random.Random(3), RouterConfig(breaker_threshold=1))
+    (d,) = router.handle(ev.RoomRequested("r"), 0.0)
+    router.handle(ev.LegResponded(d.room, "decode", False, "HTTP 400: bad max_tokens"), 0.1)
+    assert router.breakers.state("d0") == "CLOSED"
+    router.set_workers(["p0"], [])  # a worker that leaves the lists is forgotten
+    assert router.breakers.states() == {"p0": "CLOSED"}

@@ -36,6 +36,7 @@ import pytest
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
+from pd_fsm.core.breakers import WorkerBreakers
 from pd_fsm.core.config import RouterConfig
 from pd_fsm.core.errors import LocalProtocolError
 from pd_fsm.core.messages import MAX_ROOM, Heartbeat, HeartbeatAck
@@ -48,6 +49,7 @@ from pd_fsm.core.tables import (
     KV_HOLD_LEASE,
     KV_RECEIVER,
     KV_SENDER,
+    WORKER_BREAKER,
     StateTable,
 )
 from pd_fsm.core.tables import ROOM as ROOM_TABLE
@@ -127,6 +129,17 @@ UNREACHABLE: dict[tuple[str, str, str], str] = {
         )
         for s in ("RELAYING", "LOCAL_RELAYING")
     },
+    **{("worker_breaker", s, "CooledDown"): "only an OPEN breaker has a cool-down running"
+       for s in ("CLOSED", "HALF_OPEN", "PROBING")},
+    **{("worker_breaker", s, "ProbeDispatched"): (
+        "a room routed to a worker is its probe only while HALF_OPEN (OPEN and PROBING workers "
+        "are routed to only when every worker of the role is, and then it is no probe)")
+       for s in ("CLOSED", "OPEN", "PROBING")},
+    **{("worker_breaker", "FORGOTTEN", t): (
+        "a worker no longer listed has no breaker: its late legs are ignored, nothing routes "
+        "to it, and listed again it starts a new one, CLOSED")
+       for t in ("LegSucceeded", "LegFaulted", "Tripped", "CooledDown", "ProbeDispatched",
+                 "WorkerRemoved")},
     ("room", "RETRIED", "TimedOut"): _NO_TIMER,
     ("room", "MIGRATED", "TimedOut"): _NO_TIMER,
 }
@@ -791,6 +804,75 @@ def _room_pair_router(state: str, trigger: str) -> None:
             type(r.router)._step(r.router, stand_in, trigger, [], "")
 
 
+# --- worker_breaker: WorkerBreakers -------------------------------------------------------------
+
+_BREAKER_EFFECTS = {"CountFault": [], "ResetFaults": [], "StartCooldown": [],
+                    "ReportChange": ["BreakerChanged"]}
+WORKER = "http://w"
+
+
+class Breakers:
+    def __init__(self) -> None:
+        self.b = WorkerBreakers(threshold=3, cooldown=1.0)
+        self.b.keep([WORKER])
+        self.now = 0.0
+        self.seen = Seen()
+        step = self.b._step
+
+        def recorded(br: Any, trigger: str, out: list[Any]) -> None:
+            source, n = br.state, len(out)
+            step(br, trigger, out)
+            if br.worker == WORKER:
+                self.seen.steps.append(Step(source, trigger, br.state, out[n:]))
+
+        self.b._step = recorded  # type: ignore[method-assign]
+
+    def fire(self, trigger: str) -> Seen:
+        def go() -> list[Any]:
+            out: list[Any] = []
+            if trigger in ("LegSucceeded", "LegFaulted", "Tripped"):
+                # A fault trips the breaker or not by the threshold: set so it does exactly
+                # when the trigger is Tripped.
+                self.b.threshold = 1 if trigger == "Tripped" else 100
+                self.b.outcome(WORKER, trigger == "LegSucceeded", trigger != "LegSucceeded",
+                               self.now, out)
+            elif trigger == "CooledDown":
+                self.now += 1e6
+                self.b.advance(self.now, out)
+            elif trigger == "ProbeDispatched":
+                self.b.dispatched(WORKER)
+            else:
+                self.b.keep([])
+            return out
+
+        return _fire(self.seen, go)
+
+
+def _breaker_pair(state: str, trigger: str) -> None:
+    r = Breakers()
+    for step in _path(WORKER_BREAKER, state):
+        assert r.fire(step).error is None
+    table = WORKER_BREAKER
+    live = WORKER in r.b.states()
+    assert r.b.states()[WORKER] == state if live else state in table.terminal
+    exp = _expect(table, state, trigger, live, False)
+    seen = r.fire(trigger)
+    for s in seen.steps:
+        row = table.step(s.source, s.trigger)
+        assert row is not None and row.target == s.target, (s.source, s.trigger)
+        assert [type(o).__name__ for o in s.effects] == [
+            k for e in row.effects for k in _BREAKER_EFFECTS[e]]
+    after = r.b.states().get(WORKER)
+    if exp.kind == "unreachable":
+        assert not seen.took(state, trigger), seen.steps
+        assert after == (state if live else None)
+        return
+    assert exp.kind == "row", exp
+    row = table.step(state, trigger)
+    assert row is not None and seen.steps and seen.steps[0].source == state
+    assert after == (None if row.target in table.terminal else row.target)
+
+
 # --- the pairs ----------------------------------------------------------------------------------
 
 DRIVERS: dict[str, Callable[[str, str], None]] = {
@@ -799,6 +881,7 @@ DRIVERS: dict[str, Callable[[str, str], None]] = {
     "kv_hold_lease": _lease_pair,
     "instance_lease": _instance_pair,
     "room": _room_pair_router,
+    "worker_breaker": _breaker_pair,
 }
 
 ALL_PAIRS = [(t.name, s, trig) for t in ALL_TABLES.values() for s, trig in t.pairs()]

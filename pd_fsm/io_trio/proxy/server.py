@@ -83,6 +83,7 @@ LOAD_PROBE_S = 2.0  # a worker whose /get_load takes longer keeps no polled load
 _SSE_DONE = b"data: [DONE]\n\n"  # the last event of an sglang / OpenAI stream
 MAX_BODY = 8 * 1024 * 1024
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+_BREAKER_LEVEL = {"CLOSED": 0, "HALF_OPEN": 1, "PROBING": 1, "OPEN": 2}
 
 
 @attrs.frozen
@@ -266,6 +267,10 @@ class Proxy:
             "load_polls_total": dict(self.load_polls),
             "contained_failures_total": dict(self.contained),
             "rooms_reopened_total": dict(self.reopened),
+            # Per worker: 0 closed, 1 half-open or probing, 2 open (table worker_breaker).
+            "breaker_state": {w: _BREAKER_LEVEL[st]
+                              for w, st in self.router.breakers.states().items()},
+            "breaker_transitions_total": dict(self.router.breakers.changes),
             "request_failures_total": request_failures(),
         }
 
@@ -289,6 +294,11 @@ class Proxy:
             started.prefill = effect.prefill if isinstance(effect, fx.DispatchRoom) else ""
             self._sessions[effect.room] = started
             self._timer_wake.set()
+            return
+        if isinstance(effect, fx.BreakerChanged):
+            level = logging.WARNING if effect.new == "OPEN" else logging.INFO
+            log.log(level, "worker %s: circuit breaker %s -> %s", effect.worker, effect.old,
+                    effect.new)
             return
         if isinstance(effect, fx.ReplyError) and effect.room == -1:
             self._no_worker = effect.reason  # RoomRequested with no P or no D
@@ -448,8 +458,10 @@ class Proxy:
         return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
 
     async def _workers(self, request: Request) -> Response:
-        """The workers routed to now, by role: their HTTP URLs."""
-        return JSONResponse({"prefill": list(self._targets), "decode": list(self.decode_urls)})
+        """The workers routed to now, by role (their HTTP URLs), and each one's circuit breaker
+        (CLOSED, OPEN, HALF_OPEN, PROBING)."""
+        return JSONResponse({"prefill": list(self._targets), "decode": list(self.decode_urls),
+                             "breakers": self.router.breakers.states()})
 
     async def _info(self, request: Request) -> Response:
         """Pass-through to the first decode worker (then prefill)."""
