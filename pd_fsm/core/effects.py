@@ -264,7 +264,17 @@ class BreakerChanged:
     new: str
 
 
+@attrs.frozen(slots=True)
+class ShedRequest:
+    """Every worker of ``role`` is at its queue bound (RoutingConfig.max_queue): answer the
+    request 429 with Retry-After now; no room is drawn."""
+
+    request_id: str
+    role: str
+    retry_after: float
+
+
 RouterEffect = (
     DispatchRoom | DispatchLocal | RelayDecode | AbortLeg | ReplyError | ReopenRoom
-    | BreakerChanged
+    | BreakerChanged | ShedRequest
 )

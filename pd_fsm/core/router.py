@@ -35,6 +35,7 @@ from pd_fsm.core.timers import DeadlineHeap
 _T = ROOM.T
 _S = ROOM.S
 # A leg's response as a room trigger: (is it P's leg, did it succeed).
+SHED_RETRY_AFTER_S = 1.0  # a shed request's Retry-After: about one request's time to drain
 _LEG_TRIGGERS = {
     (True, True): _T.PrefillResponded,
     (True, False): _T.PrefillFailed,
@@ -83,6 +84,7 @@ class RoomRouter:
         self._timers: DeadlineHeap[int] = DeadlineHeap()
         self.outcomes: dict[str, int] = {s: 0 for s in ROOM.terminal}
         self.dropped = 0  # responses for rooms already over, or that the table does not expect
+        self.shed: Counter[str] = Counter()  # requests answered 429, by the role that was full
         self._fx = bind_effects(self, self.table)
 
     def set_workers(self, prefill: list[str], decode: list[str]) -> None:
@@ -169,15 +171,20 @@ class RoomRouter:
             missing = "prefill" if not self._prefill else "decode"
             out.append(fx.ReplyError(-1, f"no {missing} workers available"))
             return
-        room = self._rng.randrange(MAX_ROOM)
-        while room in self.rooms:
-            room = self._rng.randrange(MAX_ROOM)
         avoid = set(e.attempts.avoid)
         # Around the workers that failed this request, unless that leaves none of a role.
         prefill = [p for p in self._prefill if p not in avoid] or self._prefill
         decode = [d for d in self._decode if d not in avoid] or self._decode
-        route = self.planner.plan(self.breakers.routable(prefill),
-                                  self.breakers.routable(decode), e.prompt, self._live)
+        prefill, decode = self.breakers.routable(prefill), self.breakers.routable(decode)
+        full = self.planner.overloaded(prefill, decode, self._live)
+        if full is not None:
+            self.shed[full] += 1
+            out.append(fx.ShedRequest(e.request_id, full, SHED_RETRY_AFTER_S))
+            return
+        room = self._rng.randrange(MAX_ROOM)
+        while room in self.rooms:
+            room = self._rng.randrange(MAX_ROOM)
+        route = self.planner.plan(prefill, decode, e.prompt, self._live)
         for worker in (route.prefill, route.decode):
             if worker:
                 self.breakers.dispatched(worker)

@@ -60,6 +60,10 @@ class RoutingConfig:
     index_blocks: int = attrs.field(default=1 << 16, validator=_GE0_INT)  # per worker
     local_prefill_tokens: int = attrs.field(default=0, validator=_GE0_INT)
     local_prefill_queue: int = attrs.field(default=0, validator=_GE0_INT)
+    # Load shedding (issue 32 §3): when every routable worker of a role has at least this many
+    # requests (the proxy's own live rooms, or its last polled /get_load if higher), a new
+    # request is answered 429 with Retry-After at once instead of queueing; 0: never.
+    max_queue: int = attrs.field(default=0, validator=_GE0_INT)
 
 
 @attrs.frozen(slots=True)
@@ -152,7 +156,7 @@ class RoutePlanner:
     def wants_loads(self) -> bool:
         """Whether the adapter should poll the workers' /get_load for this planner."""
         c = self.config
-        return (c.local_prefill_queue > 0
+        return (c.local_prefill_queue > 0 or c.max_queue > 0
                 or any(p != "round_robin" for p in (c.prefill_policy, c.decode_policy)))
 
     def set_loads(self, loads: Mapping[str, int]) -> None:
@@ -162,6 +166,18 @@ class RoutePlanner:
     def keep(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
         self._index["prefill"].keep(prefill)
         self._index["decode"].keep(decode)
+
+    def overloaded(self, prefill: Sequence[str], decode: Sequence[str],
+                   live: Mapping[str, int]) -> str | None:
+        """The role every one of whose workers is at ``max_queue`` (shed the request), if
+        any."""
+        bound = self.config.max_queue
+        if not bound:
+            return None
+        for role, workers in (("decode", decode), ("prefill", prefill)):
+            if all(self._load(w, live) >= bound for w in workers):
+                return role
+        return None
 
     def plan(self, prefill: Sequence[str], decode: Sequence[str], prompt: Prompt,
              live: Mapping[str, int]) -> Route:

@@ -244,6 +244,9 @@ class World:
                 case fx.AbortLeg():
                     node = self._prefill(e.url) if e.leg == "prefill" else self._decode(e.url)
                     self.at(0.002, f"abort {e.leg} leg of room {e.room:x}", node.abort, e.room)
+                case fx.ShedRequest():
+                    assert client is not None
+                    self._answer(client, 429, f"every {e.role} worker is full")
                 case fx.ReplyError():
                     if e.room == -1 and client is not None:
                         self._answer(client, 503, e.reason)

@@ -94,3 +94,53 @@ async def test_decode_dying_mid_stream(nursery: trio.Nursery, with_done: bool) -
     with trio.fail_after(5):
         while proxy.stats()["rooms_live"]:
             await trio.sleep(0.01)
+
+
+async def test_a_decode_worker_answering_503_is_retried_on_another(nursery: trio.Nursery) -> None:
+    """A 503 (a draining worker) is a refusal: the request goes to the other D, the refused
+    room's P leg is aborted, and the client gets the other D's answer."""
+    p_url, p = await serve_standin(nursery, "prefill")
+    d0_url, d0 = await serve_standin(nursery, "decode")
+    d1_url, d1 = await serve_standin(nursery, "decode")
+    d0.script.status = 503
+    proxy = Proxy([PrefillTarget.from_url(p_url, 8998)], [d0_url, d1_url], rng=random.Random(1))
+    url: str = await nursery.start(serve_proxy, proxy, "127.0.0.1", 0)
+    async with httpx.AsyncClient(timeout=10) as http:
+        for _ in range(4):  # round robin: some go to d0 first
+            r = await http.post(f"{url}/generate", json={"text": "hi"})
+            assert r.status_code == 200, r.text
+    assert d0.generations() and len(d1.generations()) == 4
+    stats = proxy.stats()
+    assert stats["rooms_reopened_total"]["retry"] == len(d0.generations())
+    assert stats["rooms_total"]["RETRIED"] == len(d0.generations())
+    assert stats["rooms_total"]["COMPLETED"] == 4
+    with trio.fail_after(5):  # each refused room's P leg is aborted (its KV dropped now)
+        while len(p.aborts) < len(d0.generations()):
+            await trio.sleep(0.01)
+
+
+async def test_requests_over_every_workers_queue_bound_get_429_at_once(
+    nursery: trio.Nursery,
+) -> None:
+    from pd_fsm.core.routing import RoutingConfig
+
+    p_url, _ = await serve_standin(nursery, "prefill")
+    d_url, d = await serve_standin(nursery, "decode")
+    held = trio.Event()
+    d.script.wait_for = held  # D holds its first answer: one request in flight
+    proxy = Proxy([PrefillTarget.from_url(p_url, 8998)], [d_url], rng=random.Random(1),
+                  routing=RoutingConfig(max_queue=1))
+    url: str = await nursery.start(serve_proxy, proxy, "127.0.0.1", 0)
+    async with httpx.AsyncClient(timeout=10) as http:
+        async with trio.open_nursery() as inner:
+            inner.start_soon(functools.partial(http.post, f"{url}/generate", json={"text": "a"}))
+            with trio.fail_after(5):
+                await d.arrived.wait()
+            r = await http.post(f"{url}/generate", json={"text": "b"})
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            assert "every decode worker is at its queue bound" in r.json()["error"]["message"]
+            held.set()
+        assert proxy.stats()["shed_total"] == {"decode": 1}
+        r = await http.post(f"{url}/generate", json={"text": "c"})  # room again: served
+        assert r.status_code == 200
+    assert len(d.generations()) == 2  # the shed request never reached a worker

@@ -49,6 +49,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="a stream whose decode worker breaks off goes on in a new room from the "
                         "tokens the client has, at most this many times per request (default "
                         f"{rc.migration_limit}; 0: the stream ends in an error, as before)")
+    p.add_argument("--breaker-threshold", type=int, default=rc.breaker_threshold,
+                   help="a worker with this many consecutive faults (refused, broke off "
+                        "mid-stream) is skipped for --breaker-cooldown, then probed by one "
+                        f"request (default {rc.breaker_threshold}; 0: no breaker)")
+    p.add_argument("--breaker-cooldown", type=float, default=rc.breaker_cooldown,
+                   help=f"seconds an open breaker keeps its worker out (default "
+                        f"{rc.breaker_cooldown:g})")
     add_routing_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -82,6 +89,10 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--local-prefill-queue", type=int, default=0, metavar="N",
                    help="conditional disaggregation: D prefills alone while every prefill "
                         "worker has at least N requests (default 0: off)")
+    g.add_argument("--max-queue-per-worker", type=int, default=0, metavar="N",
+                   help="shed load: when every worker of a role has at least N requests (the "
+                        "proxy's own, or its last polled /get_load), answer 429 with "
+                        "Retry-After at once (default 0: off)")
     g.add_argument("--load-interval", type=float, default=1.0,
                    help="seconds between polls of the workers' /get_load, for power_of_two, "
                         "cache_aware and --local-prefill-queue (default 1)")
@@ -98,6 +109,7 @@ def routing_from_args(args: argparse.Namespace) -> RoutingConfig:
             balance_rel=args.balance_rel_threshold, index_blocks=args.max_tree_blocks,
             local_prefill_tokens=args.local_prefill_tokens,
             local_prefill_queue=args.local_prefill_queue,
+            max_queue=args.max_queue_per_worker,
         )
     except ValueError as exc:
         message = str(exc)
@@ -110,7 +122,8 @@ _FLAG_OF = {"balance_abs": "--balance-abs-threshold", "balance_rel": "--balance-
             "index_blocks": "--max-tree-blocks", "prefill_policy": "--prefill-policy",
             "decode_policy": "--decode-policy", "cache_threshold": "--cache-threshold",
             "local_prefill_tokens": "--local-prefill-tokens",
-            "local_prefill_queue": "--local-prefill-queue"}
+            "local_prefill_queue": "--local-prefill-queue",
+            "max_queue": "--max-queue-per-worker"}
 
 
 def parse_prefill(items: list[list[str]]) -> list[PrefillTarget]:
@@ -156,7 +169,9 @@ def main(args: argparse.Namespace) -> int:
                   refresh_interval=args.refresh_interval, room_timeout=args.room_timeout,
                   api_key=api_key, worker_api_key=worker_api_key, tls=tls, routing=routing,
                   load_interval=args.load_interval, decode_recomputes=args.decode_recomputes,
-                  retry_limit=args.retry_limit, migration_limit=args.migration_limit)
+                  retry_limit=args.retry_limit, migration_limit=args.migration_limit,
+                  breaker_threshold=args.breaker_threshold,
+                  breaker_cooldown=args.breaker_cooldown)
     return run_service(_run, proxy, args.host, args.port, host=args.host, port=args.port, log=log)
 
 

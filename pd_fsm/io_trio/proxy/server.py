@@ -120,6 +120,19 @@ def _reason(body: Any, status: int) -> str:
     return f"HTTP {status}"
 
 
+@attrs.frozen
+class _Refusal:
+    """Why a request got no room: no worker of a role (503), or every one full (429)."""
+
+    status: int
+    reason: str
+    type: str
+    retry_after: float | None = None
+
+    def body(self) -> dict[str, Any]:
+        return _error_body(self.status, self.reason, self.type)
+
+
 @attrs.define(eq=False)
 class _Session:
     request_id: str
@@ -179,6 +192,8 @@ class Proxy:
         decode_recomputes: bool = False,
         retry_limit: int = RouterConfig().retry_limit,
         migration_limit: int = RouterConfig().migration_limit,
+        breaker_threshold: int = RouterConfig().breaker_threshold,
+        breaker_cooldown: float = RouterConfig().breaker_cooldown,
     ) -> None:
         self.tls = tls  # serves HTTPS if it has a certificate; verifies workers against its CA
         self._targets = {p.url: p for p in prefill}
@@ -190,7 +205,9 @@ class Proxy:
             [d.rstrip("/") for d in decode],
             rng or random.Random(),
             RouterConfig(room_timeout=room_timeout, decode_recomputes=decode_recomputes,
-                         retry_limit=retry_limit, migration_limit=migration_limit),
+                         retry_limit=retry_limit, migration_limit=migration_limit,
+                         breaker_threshold=breaker_threshold,
+                         breaker_cooldown=breaker_cooldown),
             routing,
         )
         self.load_interval = load_interval
@@ -208,7 +225,7 @@ class Proxy:
         self._own_client = client is None
         self._sessions: dict[int, _Session] = {}
         self._dispatching: dict[str, _Session] = {}
-        self._no_worker: str | None = None
+        self._no_worker: _Refusal | None = None
         self._nursery: trio.Nursery | None = None
         self._timer_wake = trio.Event()
         self.aborts_sent: dict[str, int] = {"prefill": 0, "decode": 0}
@@ -264,6 +281,7 @@ class Proxy:
             "decode_workers": len(self.decode_urls),
             # "prefill:cache_hit", "decode:round_robin", "local:short_prompt", ...
             "route_decisions_total": dict(self.router.planner.decisions),
+            "shed_total": dict(self.router.shed),  # answered 429, by the full role
             "load_polls_total": dict(self.load_polls),
             "contained_failures_total": dict(self.contained),
             "rooms_reopened_total": dict(self.reopened),
@@ -282,7 +300,9 @@ class Proxy:
         room = getattr(event, "room", None)
 
         def carry_out(effect: Any) -> tuple[()]:
-            self._apply(effect, failure if effect.room == room else None)
+            # Room effects carry their room; a breaker's or a shed request's do not.
+            mine = getattr(effect, "room", None) == room
+            self._apply(effect, failure if mine else None)
             return ()
 
         drive(self.router.handle, event, trio.current_time(), carry_out)
@@ -301,7 +321,12 @@ class Proxy:
                     effect.new)
             return
         if isinstance(effect, fx.ReplyError) and effect.room == -1:
-            self._no_worker = effect.reason  # RoomRequested with no P or no D
+            self._no_worker = _Refusal(503, effect.reason, "no_workers")  # no P or no D
+            return
+        if isinstance(effect, fx.ShedRequest):
+            self._no_worker = _Refusal(
+                429, f"every {effect.role} worker is at its queue bound: retry later",
+                "overloaded", effect.retry_after)
             return
         s = self._sessions.get(effect.room)
         if s is None:
@@ -516,21 +541,24 @@ class Proxy:
         )
         if s.migratable:
             s.progress = Progress(path, s.stream, body.get("return_token_ids") is True)
-        reason = self._dispatch(s, Attempts())
-        if reason is not None:
-            return self._reply_now(path, 503, _error_body(503, reason, "no_workers"))
+        refusal = self._dispatch(s, Attempts())
+        if refusal is not None:
+            response = self._reply_now(path, refusal.status, refusal.body())
+            if refusal.retry_after is not None:
+                response.headers["retry-after"] = f"{math.ceil(refusal.retry_after)}"
+            return response
         return RoomResponse(self, s)
 
-    def _dispatch(self, s: _Session, attempts: Attempts) -> str | None:
+    def _dispatch(self, s: _Session, attempts: Attempts) -> _Refusal | None:
         """Draw the session's room (its request's first, or a later one after a retry or a
-        migration) and build its legs' body; the reason when no worker can take it."""
+        migration) and build its legs' body; why not when no worker can take it."""
         self._no_worker = None
         self._dispatching[s.request_id] = s
         self._feed(ev.RoomRequested(s.request_id, prompt_of(s.path, s.client_body), attempts,
                                     s.migratable))
         if s.room < 0:
             self._dispatching.pop(s.request_id, None)
-            return self._no_worker or "no workers available"
+            return self._no_worker or _Refusal(503, "no workers available", "no_workers")
         body = s.progress.leg_body(s.client_body) if s.progress is not None else s.client_body
         rid = body.get("rid")
         s.rid = rid if isinstance(rid, str) and rid else f"pdfsm-{s.room:016x}"
@@ -552,15 +580,15 @@ class Proxy:
         }
         return None
 
-    async def reopen(self, s: _Session) -> _Session | str:
+    async def reopen(self, s: _Session) -> _Session | _Refusal:
         """The request's next room after ``s`` ended RETRIED or MIGRATED (after the retry's
         backoff): its session, or why no worker could take it."""
         reopen = s.reopen
         assert reopen is not None
         await trio.sleep(reopen.delay)
         nxt = s.next_room()
-        reason = self._dispatch(nxt, reopen.attempts)
-        return nxt if reason is None else reason
+        refusal = self._dispatch(nxt, reopen.attempts)
+        return nxt if refusal is None else refusal
 
     @staticmethod
     def is_room(response: Any) -> bool:
@@ -769,8 +797,8 @@ class RoomResponse:
                 nursery.start_soon(self._watch_client, receive, nursery.cancel_scope)
                 while await self._room(send):  # a retry or a migration: the next room
                     nxt = await proxy.reopen(self.s)
-                    if isinstance(nxt, str):
-                        await self._answer_error(send, 503, _error_body(503, nxt, "no_workers"))
+                    if isinstance(nxt, _Refusal):
+                        await self._answer_error(send, nxt.status, nxt.body())
                         break
                     self.s = nxt
                 nursery.cancel_scope.cancel()
