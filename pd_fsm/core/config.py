@@ -41,8 +41,9 @@ class RouterConfig:
     # The decode workers run the recompute failure policy: a failed prefill leg does not fail the
     # room (D prefills it itself), D's answer does.
     decode_recomputes: bool = False
-    # A leg refused before any byte of its answer (connect error, 503) opens a new room on other
-    # workers, at most this many times per request, after an exponential backoff with jitter
+    # A leg that failed before any byte reached the client, not by the request's fault (refused,
+    # connection lost, a 5xx), opens a new room on other workers, at most this many times per
+    # request, after an exponential backoff with jitter
     # (retry_backoff * 2^retry, at most retry_backoff_max, times a uniform [0.5, 1)), and only
     # while that leaves the request inside its first room's deadline.
     retry_limit: int = 2

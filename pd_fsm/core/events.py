@@ -191,9 +191,12 @@ class LegResponded:
     leg: str  # "prefill" | "decode"
     ok: bool
     reason: str = ""
-    # The worker refused the leg or could not be reached before any byte of its answer
-    # (connect error, 503): nothing of the request ran there, so it may retry elsewhere.
+    # The worker refused the leg or failed it at the transport (connect error, connection
+    # lost, 503): the worker's fault, counted by its circuit breaker.
     refused: bool = False
+    # The leg failed before any byte reached the client, and not by the request's fault (a
+    # refusal, or a 5xx): the request may go on in a new room on other workers.
+    retryable: bool = False
 
 
 @attrs.frozen(slots=True)

@@ -157,14 +157,16 @@ class RoomRouter:
                 r.failed = worker
                 return _T.DecodeBroke
             return trigger
-        if not e.refused or used.retries >= cfg.retry_limit:
+        if not (e.refused or e.retryable) or used.retries >= cfg.retry_limit:
             return trigger
+        if e.leg == "prefill" and cfg.decode_recomputes:
+            return trigger  # D prefills it itself: cheaper than a new room
         step = min(cfg.retry_backoff_max, cfg.retry_backoff * 2 ** used.retries)
         backoff = step * (0.5 + self._rng.random() / 2)  # jitter: retries do not march in step
         if now + backoff >= r.deadline:
             return trigger  # no time left for another room
         r.backoff, r.failed = backoff, worker
-        return _T.PrefillRefused if e.leg == "prefill" else _T.DecodeRefused
+        return _T.PrefillRetryable if e.leg == "prefill" else _T.DecodeRetryable
 
     def _dispatch(self, e: ev.RoomRequested, now: float, out: list[fx.RouterEffect]) -> None:
         if not self._prefill or not self._decode:

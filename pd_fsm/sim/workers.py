@@ -203,7 +203,8 @@ class PrefillWorker(Node):
     def crash(self) -> None:
         self.alive = False
         for room, (gen, _) in sorted(self.legs.items()):
-            self.world.leg_answer(gen, room, "prefill", False, "prefill connection reset")
+            self.world.leg_answer(gen, room, "prefill", False, "prefill connection reset",
+                                  refused=True)
         self.legs = {}
 
     def _heartbeat(self, gen: int) -> None:
@@ -339,7 +340,8 @@ class DecodeWorker(Node):
     def crash(self) -> None:
         self.alive = False
         for room, (gen, _) in sorted(self.legs.items()):
-            self.world.leg_answer(gen, room, "decode", False, "decode connection reset")
+            self.world.leg_answer(gen, room, "decode", False, "decode connection reset",
+                                  refused=True)
         self.legs = {}
 
     def leg(self, gen: int, room: int, client: Client, prefill: PrefillWorker | None) -> None:

@@ -88,3 +88,17 @@ def test_workload_mode_compares_ratios_and_policies(capsys: pytest.CaptureFixtur
                      "--policies", "round_robin,cache_aware"]) == 0
     out = capsys.readouterr().out
     assert "1:1   round_robin" in out and "1:1   cache_aware" in out
+
+
+def test_retries_and_migrations_happen_and_keep_every_invariant() -> None:
+    """Legs refused by dead workers retry on others, streams whose D died mid-relay migrate,
+    and every client is still answered once, with the right tokens when 200."""
+    reopened: Counter[str] = Counter()
+    answers: Counter[str] = Counter()
+    for seed in range(200):
+        world = World(seed, SimConfig())
+        world.run()  # raises Violation on any broken invariant
+        reopened.update(world.reopened)
+        answers.update(str(c.answer[0]) for c in world.clients if c.answer is not None)
+    assert reopened["retry"] > 0 and reopened["migration"] > 0, reopened
+    assert answers["200"] > 0

@@ -118,12 +118,12 @@ UNREACHABLE: dict[tuple[str, str, str], str] = {
     **{
         ("room", s, "DecodeBroke"): (
             "DecodeBroke is what a decode leg failing mid-relay becomes: before the relay the "
-            "same failure is DecodeFailed or DecodeRefused"
+            "same failure is DecodeFailed or DecodeRetryable"
         )
         for s in ("DISPATCHED", "PREFILL_DONE", "LOCAL")
     },
     **{
-        ("room", s, "DecodeRefused"): (
+        ("room", s, "DecodeRetryable"): (
             "a decode leg failing mid-relay has sent bytes: it is DecodeBroke or DecodeFailed, "
             "never refused"
         )
@@ -707,10 +707,10 @@ _LEG_EVENTS = {
     "PrefillResponded": ("prefill", True, False),
     "PrefillFailed": ("prefill", False, False),
     "PrefillFailedRecoverable": ("prefill", False, False),  # a router whose D recompute
-    "PrefillRefused": ("prefill", False, True),
+    "PrefillRetryable": ("prefill", False, True),
     "DecodeResponded": ("decode", True, False),
     "DecodeFailed": ("decode", False, False),  # mid-relay: a router with no migrations left
-    "DecodeRefused": ("decode", False, True),
+    "DecodeRetryable": ("decode", False, True),
     "DecodeBroke": ("decode", False, False),  # mid-relay, a migratable request
 }
 _DISPATCH_PROMPTS = {"Dispatched": Prompt("a long prompt " * 20, 60),
@@ -778,7 +778,7 @@ def _room_pair_router(state: str, trigger: str) -> None:
     exp = _expect(table, state, trigger, live, False)
     before, state_before = _counters(r.router), r.router.poll(PROXY_ROOM)
     seen = r.fire(trigger)
-    if exp.kind == "unreachable" and trigger in ("DecodeBroke", "DecodeRefused"):
+    if exp.kind == "unreachable" and trigger in ("DecodeBroke", "DecodeRetryable"):
         # The leg event these triggers come from takes another row here: never this one.
         assert not seen.took(state, trigger), seen.steps
         return

@@ -644,7 +644,7 @@ class Proxy:
                     if ok:
                         self.phases.observe("proxy_prefill_leg", trio.current_time() - posted)
         except httpx.HTTPError as exc:
-            refused = isinstance(exc, httpx.ConnectError)
+            refused = True  # unreachable, or the connection was lost: the worker's fault
             status, body = 502, _error_body(502, f"prefill worker {s.prefill}: {exc!r}",
                                             "prefill_unreachable")
         finally:
@@ -657,7 +657,7 @@ class Proxy:
         else:
             failure = (status, body if body is not None else _error_body(status, "prefill failed"))
             self._feed(ev.LegResponded(s.room, "prefill", False, _reason(body, status),
-                                       refused or status == 503), failure)
+                                       refused or status == 503, status >= 500), failure)
 
     async def _decode_leg(self, s: _Session, send: Send) -> None:
         try:
@@ -670,7 +670,7 @@ class Proxy:
                         self._feed(
                             ev.LegResponded(s.room, "decode", False,
                                             _reason(body, resp.status_code),
-                                            resp.status_code == 503),
+                                            resp.status_code == 503, resp.status_code >= 500),
                             (resp.status_code, body),
                         )
                         return
@@ -686,8 +686,8 @@ class Proxy:
             if not s.decided.is_set():
                 failure = (502, _error_body(502, f"decode worker {s.decode}: {exc!r}",
                                             "decode_unreachable"))
-                self._feed(ev.LegResponded(s.room, "decode", False, repr(exc),
-                                           isinstance(exc, httpx.ConnectError)), failure)
+                self._feed(ev.LegResponded(s.room, "decode", False, repr(exc), True),
+                           failure)
             elif (s.relay and s.progress is not None and s.progress.finished and s.stream
                   and not s.sse_done):
                 # D broke off after its finish event, before [DONE]: nothing is left to
