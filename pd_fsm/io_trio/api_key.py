@@ -22,6 +22,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
+from pd_fsm.io_trio.flag_spec import Flag, add_flags
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -31,15 +33,22 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
 
 
+def api_key_flags(prefix: str = "", who: str = "clients") -> tuple[Flag, Flag]:
+    """``--{prefix}api-key KEY`` and ``--{prefix}api-key-file F`` (a file keeps the key out of
+    ``ps``); one or the other."""
+    group = f"{prefix}api-key"
+    return (
+        Flag(f"--{prefix}api-key", f"{who} must send 'Authorization: Bearer KEY'",
+             metavar="KEY", exclusive=group, sglang="--api-key" if not prefix else None),
+        Flag(f"--{prefix}api-key-file",
+             "the same, read from FILE (keeps the key out of the process list)",
+             type=Path, metavar="FILE", exclusive=group),
+    )
+
+
 def add_api_key_arguments(p: argparse.ArgumentParser, prefix: str = "", who: str = "clients"
                           ) -> None:
-    """``--{prefix}api-key KEY`` and ``--{prefix}api-key-file F`` (a file keeps the key out of
-    ``ps``)."""
-    group = p.add_mutually_exclusive_group()
-    group.add_argument(f"--{prefix}api-key", default=None, metavar="KEY",
-                       help=f"{who} must send 'Authorization: Bearer KEY'")
-    group.add_argument(f"--{prefix}api-key-file", type=Path, default=None, metavar="FILE",
-                       help="the same, read from FILE (keeps the key out of the process list)")
+    add_flags(p, api_key_flags(prefix, who))
 
 
 def api_key_from_args(args: argparse.Namespace, prefix: str = "") -> str | None:

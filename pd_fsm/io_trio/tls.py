@@ -18,6 +18,8 @@ from pathlib import Path
 
 import attrs
 
+from pd_fsm.io_trio.flag_spec import Flag, add_flags
+
 
 class TLSError(ValueError):
     """A TLS setting that cannot work (names the flag)."""
@@ -57,16 +59,26 @@ class TLS:
 NO_TLS = TLS()
 
 
+def tls_flags(*, client: bool = True) -> tuple[Flag, ...]:
+    """``--ssl-certfile``/``--ssl-keyfile`` (serving), and for a process that calls HTTPS
+    servers (``client``) ``--ssl-ca-certs``."""
+    serving = (
+        Flag("--ssl-certfile", "serve HTTPS with this certificate (chain); then every URL this "
+             "process advertises or calls in its cluster is https://",
+             type=Path, metavar="PEM", sglang="--ssl-certfile"),
+        Flag("--ssl-keyfile", "the certificate's private key",
+             type=Path, metavar="PEM", sglang="--ssl-keyfile"),
+    )
+    if not client:
+        return serving
+    return (*serving, Flag(
+        "--ssl-ca-certs", "verify the HTTPS servers this process calls against these CAs "
+        "(default: the system's)", type=Path, metavar="PEM", sglang="--ssl-ca-certs",
+    ))
+
+
 def add_tls_arguments(p: argparse.ArgumentParser, *, client: bool = True) -> None:
-    p.add_argument("--ssl-certfile", type=Path, default=None, metavar="PEM",
-                   help="serve HTTPS with this certificate (chain); then every URL this "
-                   "process advertises or calls in its cluster is https://")
-    p.add_argument("--ssl-keyfile", type=Path, default=None, metavar="PEM",
-                   help="the certificate's private key")
-    if client:
-        p.add_argument("--ssl-ca-certs", type=Path, default=None, metavar="PEM",
-                       help="verify the HTTPS servers this process calls against these CAs "
-                       "(default: the system's)")
+    add_flags(p, tls_flags(client=client))
 
 
 def tls_from_args(args: argparse.Namespace) -> TLS:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
+from attrs import AttrsInstance
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 KV_DTYPES = ("float32", "bfloat16")
@@ -45,3 +48,19 @@ class SchedulerArgs:
     # Devices this instance's model and KV pool are sharded over (tensor parallelism,
     # jax_engine/tensor_parallel.py): the first ``tp_size`` devices of the process.
     tp_size: int = attrs.field(default=1, validator=_positive)
+
+
+def same_named(source: AttrsInstance, target: type[AttrsInstance], prefix: str = ""
+               ) -> dict[str, Any]:
+    """``source``'s values for the fields of ``target`` it has by name: ``name``, else ``prefix +
+    name`` (``disaggregation_peer_timeout`` for ``peer_timeout``). How one config is built from
+    another without copying each field by hand: the caller names only the fields that differ, and
+    the rest keep ``target``'s defaults (tests/unit/test_config_derivation.py lists which)."""
+    have = attrs.fields_dict(type(source))
+    values = {}
+    for field in attrs.fields(target):
+        for name in (field.name, prefix + field.name) if prefix else (field.name,):
+            if name in have:
+                values[field.name] = getattr(source, name)
+                break
+    return values

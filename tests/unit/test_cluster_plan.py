@@ -1,13 +1,15 @@
 """`pd-fsm cluster --ROLE-nnodes N`: each instance of the role becomes N processes of one
 instance (one coordinator address, ranks 0..N-1, the role's tp), only rank 0 has a URL and is
-what the proxy routes to; flags that cannot make such an instance are refused by name."""
+what the proxy routes to; flags that cannot make such an instance are refused by name. Every
+worker command line the runners build is one `pd-fsm serve` accepts."""
 
 from __future__ import annotations
 
 import pytest
 
 from pd_fsm.cli import build_parser
-from pd_fsm.io_trio.cluster.local import main, plan
+from pd_fsm.io_trio.cluster.local import main, plan, worker_flags
+from pd_fsm.io_trio.worker.config import config_from_args
 
 
 def _flag(argv: list[str], flag: str) -> str | None:
@@ -48,3 +50,25 @@ def test_impossible_instances_are_refused(flags: list[str], reason: str,
     args = build_parser().parse_args(["cluster", "--model", "tiny", *flags])
     assert main(args) == 2
     assert reason in capsys.readouterr().err
+
+
+def test_worker_command_lines_are_ones_serve_accepts() -> None:
+    # The runners spell serve's flags out; a flag renamed in serve's declarations (flags.py)
+    # must not leave them behind.
+    args = build_parser().parse_args([
+        "cluster", "--model", "tiny", "--prefill", "1", "--decode", "1", "--colocated",
+        "--num-pages", "64", "--page-size", "8", "--max-running", "2", "--context-length", "256",
+        "--prefill-tp", "2", "--decode-nnodes", "1", "--prefill-cpus", "0",
+        "--worker-args", "--warmup minimal --decode-radix-cache"])
+    workers = [c for c in plan(args) if c.argv[3:4] == ["serve"]]
+    assert [c.name for c in workers] == ["prefill-0", "decode-0", "colocated"]
+    for child in workers:
+        serve_args = build_parser(child.argv[3:]).parse_args(child.argv[3:])
+        config = config_from_args(serve_args)
+        assert (config.model, config.num_pages, config.warmup) == ("tiny", 64, "minimal")
+    # The Ray runner adds --host, --port and the PD flags above to the same worker flags.
+    ray_argv = ["serve", *worker_flags(args), "--host", "127.0.0.1", "--port", "0",
+                "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-host",
+                "127.0.0.1", "--disaggregation-bootstrap-port", "8998",
+                "--disaggregation-side-channel-port", "0"]
+    assert config_from_args(build_parser(ray_argv).parse_args(ray_argv)).max_running == 2

@@ -9,17 +9,20 @@ import pytest
 
 from pd_fsm.cli import build_parser
 from pd_fsm.io_trio.proxy.cli import parse_prefill
-from pd_fsm.io_trio.worker import config as cfg
+from pd_fsm.io_trio.worker import flags as cfg
 from pd_fsm.io_trio.worker.cli import make_backend
 from pd_fsm.io_trio.worker.config import ServeConfig, config_from_args
 
 
 def test_constants_mirror_their_sources() -> None:
     from pd_fsm.jax_engine.model.registry import MODEL_NAMES
-    from pd_fsm.schedulers.args import DISAGGREGATION_MODES
+    from pd_fsm.schedulers.args import DISAGGREGATION_MODES, KV_DTYPES
+    from pd_fsm.schedulers.disaggregation.args import FAILURE_POLICIES
 
     assert cfg.MODEL_NAMES == MODEL_NAMES
     assert cfg.DISAGGREGATION_MODES == DISAGGREGATION_MODES
+    assert cfg.FAILURE_POLICIES == FAILURE_POLICIES
+    assert cfg.DTYPES == KV_DTYPES
 
 
 def test_every_flag_reaches_the_config(tmp_path: Path) -> None:

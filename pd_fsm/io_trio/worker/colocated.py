@@ -20,7 +20,7 @@ import attrs
 import trio
 
 from pd_fsm.io_trio.worker.backend import BackendError, GenerateJob, request_of
-from pd_fsm.io_trio.worker.config import WARMUP_MODES
+from pd_fsm.io_trio.worker.flags import WARMUP_MODES
 from pd_fsm.io_trio.worker.spmd.frames import Command, RequestAborted, RequestAdded
 from pd_fsm.jax_engine import compilation_cache
 from pd_fsm.jax_engine.sampling_params import SamplingParams

@@ -55,6 +55,7 @@ from pd_fsm.io_trio.worker.spmd.frames import (
 )
 from pd_fsm.io_trio.worker.spmd.tick_inputs import TickInputs, shared_key
 from pd_fsm.jax_engine.transfer.thread_priority import DataPlanePriority
+from pd_fsm.schedulers.args import same_named
 from pd_fsm.schedulers.disaggregation import (
     DecodeScheduler,
     DisaggregationArgs,
@@ -120,20 +121,18 @@ def leg_of(job: GenerateJob, accepted: float) -> LegAdded:
 
 
 def disaggregation_args(config: ServeConfig) -> DisaggregationArgs:
-    base = attrs.asdict(config.scheduler_args(), recurse=False)
-    return DisaggregationArgs(
-        **base,
-        instance_id=config.disaggregation_instance_id
+    """The PD scheduler's knobs: the config's fields named ``x`` or ``disaggregation_x``, the
+    scheduler's as ``scheduler_args`` makes them, and these, which differ."""
+    return DisaggregationArgs(**{
+        **same_named(config, DisaggregationArgs, prefix="disaggregation_"),
+        **attrs.asdict(config.scheduler_args(), recurse=False),
+        "instance_id": config.disaggregation_instance_id
         or f"{config.disaggregation_mode}-{config.public_host}-{config.port}",
         # The data plane has no authentication: it listens on the advertised interface only.
-        transfer_host=config.public_host,
-        heartbeat_interval=config.disaggregation_bootstrap_heartbeat_interval,
-        queue_timeout=config.disaggregation_queue_timeout,
-        failure_policy=config.disaggregation_failure_policy,
-        pull_thread_nice=config.transfer_nice,
-        pull_workers=config.disaggregation_pull_workers,
-        **config.pd_windows(),
-    )
+        "transfer_host": config.public_host,
+        "heartbeat_interval": config.disaggregation_bootstrap_heartbeat_interval,
+        "pull_thread_nice": config.transfer_nice,
+    })
 
 
 class PDBackend(ColocatedBackend, ABC):

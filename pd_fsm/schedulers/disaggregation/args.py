@@ -5,9 +5,12 @@ from __future__ import annotations
 import attrs
 
 from pd_fsm.core.config import DecodeConfig, LeaseConfig
-from pd_fsm.schedulers.args import SchedulerArgs
+from pd_fsm.schedulers.args import SchedulerArgs, same_named
 
 FAILURE_POLICIES = ("fail", "recompute")
+# The core's defaults for the windows these knobs configure (DESIGN §5), named once there.
+_LEASE = LeaseConfig()
+_DECODE = DecodeConfig()
 
 
 def _policy(_: object, attribute: attrs.Attribute[str], value: str) -> None:
@@ -21,15 +24,15 @@ class DisaggregationArgs(SchedulerArgs):
     instance_id: str = "pd-fsm-0"
     transfer_host: str = "127.0.0.1"
     # P: the KV hold lease (initial window, extension per heartbeat).
-    lease_initial: float = 30.0
-    lease_extension: float = 20.0
+    lease_initial: float = _LEASE.initial
+    lease_extension: float = _LEASE.extension
     # D: heartbeats to P and the deadline of each waiting state.
-    heartbeat_interval: float = 5.0
-    peer_timeout: float = 15.0
-    resolve_timeout: float = 10.0
-    queue_timeout: float = 300.0
-    ready_timeout: float = 300.0
-    transfer_timeout: float = 120.0
+    heartbeat_interval: float = _DECODE.heartbeat_interval
+    peer_timeout: float = _DECODE.peer_timeout
+    resolve_timeout: float = _DECODE.resolve_timeout
+    queue_timeout: float = _DECODE.queue_timeout
+    ready_timeout: float = _DECODE.ready_timeout
+    transfer_timeout: float = _DECODE.transfer_timeout
     # The pull executor's own deadline: strictly shorter than transfer_timeout (the core's
     # backstop), so pages are never freed while a pull may still write them.
     pull_deadline: float = 60.0
@@ -45,14 +48,7 @@ class DisaggregationArgs(SchedulerArgs):
             raise ValueError("pull_deadline must be shorter than transfer_timeout")
 
     def lease_config(self) -> LeaseConfig:
-        return LeaseConfig(initial=self.lease_initial, extension=self.lease_extension)
+        return LeaseConfig(**same_named(self, LeaseConfig, prefix="lease_"))
 
     def decode_config(self) -> DecodeConfig:
-        return DecodeConfig(
-            heartbeat_interval=self.heartbeat_interval,
-            peer_timeout=self.peer_timeout,
-            resolve_timeout=self.resolve_timeout,
-            queue_timeout=self.queue_timeout,
-            ready_timeout=self.ready_timeout,
-            transfer_timeout=self.transfer_timeout,
-        )
+        return DecodeConfig(**same_named(self, DecodeConfig))

@@ -1,0 +1,111 @@
+"""The `pd-fsm serve` flags that are not copied to ``ServeConfig`` as they are: checked against
+each other, read from files at start, or turned around (``--disable-radix-cache``). One ``Hook``
+each, in the order ``config_from_args`` runs them, naming the flags it reads and the field it
+sets (``flag_spec.unaccounted`` checks the names).
+
+The heavier readers (addresses, CURVE keys, Jinja) are imported when their flag is given:
+``pd-fsm --help`` must stay light.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from pd_fsm.io_trio.api_key import api_key_flags, api_key_from_args
+from pd_fsm.io_trio.flag_spec import Hook
+from pd_fsm.io_trio.tls import tls_flags, tls_from_args
+
+if TYPE_CHECKING:
+    from pd_fsm.io_trio.side_channel.curve import CurveKeys
+
+
+def _check_heartbeat(args: argparse.Namespace) -> None:
+    interval = args.disaggregation_bootstrap_heartbeat_interval
+    ttl = args.disaggregation_bootstrap_heartbeat_ttl
+    if 2 * interval > ttl:
+        raise ValueError(
+            f"--disaggregation-bootstrap-heartbeat-interval {interval:g} cannot keep a "
+            f"registration alive under --disaggregation-bootstrap-heartbeat-ttl {ttl:g}: "
+            "keep it at most half the TTL, so one lost heartbeat does not expire it"
+        )
+
+
+def _check_nodes(args: argparse.Namespace) -> None:
+    # --nnodes >= 1 is the flag's own check, run before this.
+    if args.nnodes == 1:
+        if args.node_rank != 0 or args.dist_init_addr is not None:
+            raise ValueError("--node-rank and --dist-init-addr are for --nnodes > 1")
+        return
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"--node-rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
+    if args.tp_size % args.nnodes:
+        raise ValueError(f"--tp {args.tp_size} does not split over --nnodes {args.nnodes}")
+    addr = args.dist_init_addr
+    host, _, port = (addr or "").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65535:
+        raise ValueError(f"--nnodes > 1 needs --dist-init-addr HOST:PORT (PORT < 65535: PORT+1 "
+                         f"is used too), got {addr!r}")
+
+
+def _compilation_cache(args: argparse.Namespace) -> bool:
+    if args.no_compilation_cache and args.compilation_cache_dir is not None:
+        raise ValueError("--compilation-cache-dir and --no-compilation-cache contradict")
+    return not args.no_compilation_cache
+
+
+def _advertise_host(args: argparse.Namespace) -> str | None:
+    if args.disaggregation_mode == "null":
+        if args.advertise_interface is not None:
+            raise ValueError(
+                "--advertise-interface is for P and D workers (--disaggregation-mode)"
+            )
+        return args.advertise_host  # type: ignore[no-any-return]
+    # Raises AddressError (a ValueError) naming the flag to set.
+    from pd_fsm.io_trio.bootstrap.addresses import advertised_host
+
+    return advertised_host(
+        args.host, args.advertise_host, args.advertise_interface,
+        registry_host=args.disaggregation_bootstrap_host,
+    )
+
+
+def _side_channel_curve(args: argparse.Namespace) -> CurveKeys | None:
+    if (args.side_channel_curve_key is None) != (args.side_channel_curve_peers is None):
+        raise ValueError("--side-channel-curve-key and --side-channel-curve-peers go together")
+    if args.side_channel_curve_key is None:
+        return None
+    if args.disaggregation_mode == "null":
+        raise ValueError("--side-channel-curve-key is for P and D workers")
+    from pd_fsm.io_trio.side_channel.curve import CurveKeys
+
+    # Raises CurveError (a ValueError) naming the flag.
+    return CurveKeys.load(args.side_channel_curve_key, args.side_channel_curve_peers)
+
+
+def _chat_template(args: argparse.Namespace) -> str | None:
+    """The file's text, compiled once here so that a broken template stops the worker at start."""
+    if args.chat_template is None:
+        return None
+    # Imported here: jinja2 is not needed for `pd-fsm --help`.
+    from pd_fsm.jax_engine.chat_template import read_chat_template
+
+    return read_chat_template(args.chat_template)
+
+
+SERVE_HOOKS: tuple[Hook, ...] = (
+    Hook(None, ("disaggregation_bootstrap_heartbeat_interval",
+                "disaggregation_bootstrap_heartbeat_ttl"), _check_heartbeat),
+    Hook(None, ("nnodes", "node_rank", "tp_size", "dist_init_addr"), _check_nodes),
+    Hook("radix_cache", ("disable_radix_cache",), lambda args: not args.disable_radix_cache),
+    Hook("compilation_cache", ("no_compilation_cache", "compilation_cache_dir"),
+         _compilation_cache),
+    Hook("advertise_host", ("host", "advertise_host", "advertise_interface",
+                            "disaggregation_mode", "disaggregation_bootstrap_host"),
+         _advertise_host),
+    Hook("side_channel_curve", ("side_channel_curve_key", "side_channel_curve_peers",
+                                "disaggregation_mode"), _side_channel_curve),
+    Hook("chat_template", ("chat_template",), _chat_template),
+    Hook("tls", tuple(flag.dest for flag in tls_flags()), tls_from_args),
+    Hook("api_key", tuple(flag.dest for flag in api_key_flags()), api_key_from_args),
+)
