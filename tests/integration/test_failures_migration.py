@@ -78,6 +78,22 @@ async def _kill_the_streaming_decode(http: httpx.AsyncClient, fleet: Fleet,
     return victim
 
 
+async def _stream_and_signal(http: httpx.AsyncClient, fleet: Fleet, endpoint: str,
+                             body: dict[str, Any], how: signal.Signals) -> tuple[bytes, Proc]:
+    """Stream ``body`` through the proxy, signalling the D that serves it after the 6th event;
+    the whole stream the client got and the D signalled."""
+    raw, victim = b"", None
+    url = f"{fleet['proxy'].url}{PATHS[endpoint]}"
+    async with http.stream("POST", url, json=body) as r:
+        assert r.status_code == 200
+        async for chunk in r.aiter_raw():
+            raw += chunk
+            if victim is None and raw.count(b"data: ") >= 6:
+                victim = await _kill_the_streaming_decode(http, fleet, how)
+    assert victim is not None, "the stream ended before its 6th event"
+    return raw, victim
+
+
 async def _proxy_stats(http: httpx.AsyncClient, proxy: Proc) -> dict[str, Any]:
     r = await http.get(f"{proxy.url}/metrics")
     r.raise_for_status()
@@ -121,15 +137,7 @@ async def test_a_stream_survives_its_decode_worker_dying(
         reference = await fetch_answer(http, str(colocated.url), endpoint,
                                        {**body, "stream": False})
         before = await _proxy_stats(http, proxy)
-        raw = b""
-        killed: Proc | None = None
-        async with http.stream("POST", f"{proxy.url}{PATHS[endpoint]}", json=body) as r:
-            assert r.status_code == 200
-            async for chunk in r.aiter_raw():
-                raw += chunk
-                if killed is None and raw.count(b"data: ") >= 6:
-                    killed = await _kill_the_streaming_decode(http, fleet)
-        assert killed is not None
+        raw, killed = await _stream_and_signal(http, fleet, endpoint, body, signal.SIGKILL)
         events = sse_events(raw.decode())
         assert events[-1] == "[DONE]" and events.count("[DONE]") == 1, raw[-800:]
         text, usage, chunks = _fold(endpoint, events)
@@ -180,15 +188,8 @@ async def test_a_decode_worker_sigtermed_mid_stream_finishes_it_and_exits_0(flee
         reference = await fetch_answer(http, str(colocated.url), "generate",
                                        {**body, "stream": False})
         before = await _proxy_stats(http, proxy)
-        raw = b""
-        drained: Proc | None = None
-        async with http.stream("POST", f"{proxy.url}/generate", json=body) as r:
-            assert r.status_code == 200
-            async for chunk in r.aiter_raw():
-                raw += chunk
-                if drained is None and raw.count(b"data: ") >= 6:
-                    drained = await _kill_the_streaming_decode(http, fleet, signal.SIGTERM)
-        assert drained is not None and drained.popen is not None
+        raw, drained = await _stream_and_signal(http, fleet, "generate", body, signal.SIGTERM)
+        assert drained.popen is not None
         events = sse_events(raw.decode())
         assert events[-1] == "[DONE]", raw[-500:]
         assert events[-2]["text"] == reference.text  # finished on the draining worker
