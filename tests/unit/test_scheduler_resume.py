@@ -97,3 +97,21 @@ def test_resume_is_refused_when_it_leaves_nothing_to_generate(tiny: LoadedModel)
     sched = _sched(tiny)
     with pytest.raises(ValueError, match="resume has 14 tokens"):
         sched.make_request("r", _prompt(1, 5), GREEDY, resume=Resume(tuple(range(1, 15))))
+
+
+def test_a_resumed_request_keeps_its_grammar_place(tiny: LoadedModel) -> None:
+    from pd_fsm.jax_engine.grammar import Constraint
+
+    sp = attrs.evolve(SEEDED, max_new_tokens=40, ignore_eos=False,
+                      constraint=Constraint("regex", "[a-c]{6,12}x"))
+    prompt = _prompt(5, 6)
+    whole, _ = _run(tiny, prompt, sp)
+    ids, text = _ids(whole), _text(whole)
+    assert text[-1] == "x" and set(text[:-1]) <= set("abc")  # the grammar held
+    rest, _ = _run(tiny, prompt, sp, Resume(tuple(ids[:4]), text_sent=4))
+    assert _ids(rest) == ids[4:] and text[:4] + _text(rest) == text
+    # Tokens that break the grammar cannot be resumed: refused when the request is queued.
+    sched = _sched(tiny)
+    bad = sched.make_request("r", prompt, sp, resume=Resume((ord("z"),)))
+    with pytest.raises(ValueError):
+        sched.add_request(bad)
