@@ -244,6 +244,16 @@ class ReplyError:
 
 
 @attrs.frozen(slots=True)
+class RedirectDecode:
+    """Post the room's decode leg again, same body (same bootstrap_room), to ``decode``: the
+    first D refused it before taking the room, so P's KV waits for a D to claim it."""
+
+    room: int
+    prefill: str  # the room's P, which holds its KV
+    decode: str
+
+
+@attrs.frozen(slots=True)
 class ReopenRoom:
     """The room ended RETRIED or MIGRATED: feed ``RoomRequested`` again for its request, after
     ``delay`` (a retry's backoff; 0 for a migration), with ``attempts``."""
@@ -276,5 +286,5 @@ class ShedRequest:
 
 RouterEffect = (
     DispatchRoom | DispatchLocal | RelayDecode | AbortLeg | ReplyError | ReopenRoom
-    | BreakerChanged | ShedRequest
+    | RedirectDecode | BreakerChanged | ShedRequest
 )

@@ -191,12 +191,15 @@ class LegResponded:
     leg: str  # "prefill" | "decode"
     ok: bool
     reason: str = ""
-    # The worker refused the leg or failed it at the transport (connect error, connection
-    # lost, 503): the worker's fault, counted by its circuit breaker.
+    # The worker did not take the leg (connect error, a 503 while draining): nothing of the
+    # room is there, so D's leg may go to another D in the same room.
     refused: bool = False
     # The leg failed before any byte reached the client, and not by the request's fault (a
-    # refusal, or a 5xx): the request may go on in a new room on other workers.
+    # refusal, a lost connection, a 5xx): the request may go on in a new room.
     retryable: bool = False
+    # The connection to the worker was lost before its answer ended: the worker's fault (with
+    # a refusal, what its circuit breaker counts).
+    lost: bool = False
 
 
 @attrs.frozen(slots=True)

@@ -58,6 +58,7 @@ class _Room:
     route: str = ""  # why D prefills it alone (a local room)
     backoff: float = 0.0  # the delay of the retry this room ends with (RETRIED)
     failed: str = ""  # the worker whose failure retries or migrates the request
+    redirects: int = 0  # decode legs re-posted to another D in this room (DecodeRefused)
 
 
 class RoomRouter:
@@ -142,11 +143,12 @@ class RoomRouter:
 
     def _judge_worker(self, r: _Room, e: ev.LegResponded, now: float,
                       out: list[fx.RouterEffect]) -> None:
-        """A leg's outcome for its worker's breaker: a refusal, or D breaking off mid-relay,
-        is the worker's fault; other failures (a 4xx, D failing because P did) are not."""
+        """A leg's outcome for its worker's breaker: a refusal, a lost connection, or D
+        breaking off mid-relay is the worker's fault; other failures (a 4xx, D failing because
+        P did) are not."""
         worker = r.prefill if e.leg == "prefill" else r.decode
         broke = e.leg == "decode" and r.state in (_S.RELAYING, _S.LOCAL_RELAYING)
-        self.breakers.outcome(worker, e.ok, not e.ok and (e.refused or broke), now, out)
+        self.breakers.outcome(worker, e.ok, not e.ok and (e.refused or e.lost or broke), now, out)
 
     def _failure_trigger(self, r: _Room, e: ev.LegResponded, now: float, trigger: str) -> str:
         """A failed leg's trigger: a retry or a migration while the request has one left."""
@@ -157,7 +159,12 @@ class RoomRouter:
                 r.failed = worker
                 return _T.DecodeBroke
             return trigger
-        if not (e.refused or e.retryable) or used.retries >= cfg.retry_limit:
+        if e.leg == "decode" and e.refused and r.state in (_S.DISPATCHED, _S.PREFILL_DONE):
+            other = self._other_decode(r)
+            if other is not None and r.redirects < cfg.retry_limit:
+                r.failed = other  # the D its leg goes to next (RedirectDecodeLeg)
+                return _T.DecodeRefused
+        if not (e.refused or e.retryable or e.lost) or used.retries >= cfg.retry_limit:
             return trigger
         if e.leg == "prefill" and cfg.decode_recomputes:
             return trigger  # D prefills it itself: cheaper than a new room
@@ -167,6 +174,13 @@ class RoomRouter:
             return trigger  # no time left for another room
         r.backoff, r.failed = backoff, worker
         return _T.PrefillRetryable if e.leg == "prefill" else _T.DecodeRetryable
+
+    def _other_decode(self, r: _Room) -> str | None:
+        """A D other than the room's (and than those that failed its request) to take over its
+        decode leg: the one with the fewest live rooms here; None if there is none."""
+        avoid = {r.decode, *r.attempts.avoid}
+        others = [d for d in self.breakers.routable(self._decode) if d not in avoid]
+        return min(others, key=lambda d: self._live[d], default=None)
 
     def _dispatch(self, e: ev.RoomRequested, now: float, out: list[fx.RouterEffect]) -> None:
         if not self._prefill or not self._decode:
@@ -237,6 +251,12 @@ class RoomRouter:
 
     def _fx_ReplyError(self, r: _Room, out: list[fx.RouterEffect]) -> None:
         out.append(fx.ReplyError(r.room, r.reason))
+
+    def _fx_RedirectDecodeLeg(self, r: _Room, out: list[fx.RouterEffect]) -> None:
+        self._live.subtract([r.decode])
+        r.decode, r.redirects = r.failed, r.redirects + 1
+        self._live.update([r.decode])
+        out.append(fx.RedirectDecode(r.room, r.prefill, r.decode))
 
     def _fx_ReopenRoom(self, r: _Room, out: list[fx.RouterEffect]) -> None:
         used = r.attempts

@@ -248,7 +248,7 @@ class _RealWorker(Node):
         self._tick_at = math.inf
         for room, (gen, _) in sorted(self.legs.items()):
             self.world.leg_answer(gen, room, self.mode, False, f"{self.mode} connection reset",
-                                  refused=True)
+                                  lost=True)
         self.legs, self.rid_room, self.jobs, self.inbox, self.aborts = {}, {}, [], [], []
 
     def _restart_books(self) -> None:

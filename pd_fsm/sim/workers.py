@@ -82,7 +82,7 @@ class WorldView(Protocol):
     def handle(self, node: Node, core: Any, event: Any, now: float) -> list[Any]: ...
 
     def leg_answer(self, gen: int, room: int, leg: str, ok: bool, reason: str,
-                   refused: bool = False) -> None: ...
+                   refused: bool = False, lost: bool = False) -> None: ...
 
     def relayed(self, gen: int, room: int, client: Client, tokens: tuple[int, ...]) -> None: ...
 
@@ -204,7 +204,7 @@ class PrefillWorker(Node):
         self.alive = False
         for room, (gen, _) in sorted(self.legs.items()):
             self.world.leg_answer(gen, room, "prefill", False, "prefill connection reset",
-                                  refused=True)
+                                  lost=True)
         self.legs = {}
 
     def _heartbeat(self, gen: int) -> None:
@@ -341,7 +341,7 @@ class DecodeWorker(Node):
         self.alive = False
         for room, (gen, _) in sorted(self.legs.items()):
             self.world.leg_answer(gen, room, "decode", False, "decode connection reset",
-                                  refused=True)
+                                  lost=True)
         self.legs = {}
 
     def leg(self, gen: int, room: int, client: Client, prefill: PrefillWorker | None) -> None:

@@ -95,7 +95,8 @@ class World:
         self.router = self._new_router()
         self.rooms: dict[tuple[int, int], tuple[Client, float]] = {}  # (gen, room) -> client
         self._errors: dict[int, str] = {}  # room -> the router's ReplyError reason
-        self.reopened = {"retry": 0, "migration": 0}  # ReopenRoom effects, by cause
+        # ReopenRoom effects by cause, and decode legs redirected within their room.
+        self.reopened = {"retry": 0, "migration": 0, "redirect": 0}
         self.clients: list[Client] = []
         self.cut: set[frozenset[str]] = set()  # host pairs partitioned now
         # Invariant books.
@@ -252,6 +253,12 @@ class World:
                         self._answer(client, 503, e.reason)
                     else:
                         self._errors[e.room] = e.reason
+                case fx.RedirectDecode():
+                    got, _ = self.rooms[(gen, e.room)]
+                    self.reopened["redirect"] += 1
+                    self.at(self.rng.uniform(0.001, 0.003), f"D leg of room {e.room:x} again",
+                            self._decode(e.decode).leg, gen, e.room, got,
+                            self._prefill(e.prefill))
                 case fx.ReopenRoom():
                     # The request goes on in a new room: its client is not answered now. A
                     # model answer is whole, so a migrated room relays all of it again.
@@ -288,16 +295,16 @@ class World:
             self._route(ev.TimeAdvanced())
 
     def leg_answer(self, gen: int, room: int, leg: str, ok: bool, reason: str,
-                   refused: bool = False) -> None:
+                   refused: bool = False, lost: bool = False) -> None:
         """A worker answered a leg (or its connection broke, or it refused the connection: a
         dead worker's port): the proxy hears it next."""
         self.at(0.001, f"{leg} leg of room {room:x} answers {'ok' if ok else reason}",
-                self._leg_answered, gen, room, leg, ok, reason, refused)
+                self._leg_answered, gen, room, leg, ok, reason, refused, lost)
 
     def _leg_answered(self, gen: int, room: int, leg: str, ok: bool, reason: str,
-                      refused: bool) -> None:
+                      refused: bool, lost: bool) -> None:
         if gen == self.router_gen:
-            self._route(ev.LegResponded(room, leg, ok, reason, refused))
+            self._route(ev.LegResponded(room, leg, ok, reason, refused, refused, lost))
 
     def relayed(self, gen: int, room: int, client: Client, tokens: tuple[int, ...]) -> None:
         """D's whole answer reached the proxy, which relays it."""

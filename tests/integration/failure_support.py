@@ -157,10 +157,13 @@ class Fleet:
     """Named processes sharing one bootstrap server and (optionally) one cluster secret."""
 
     def __init__(self, workdir: Path, *, secret: bool = False,
-                 windows: dict[str, float] | None = None, ttl: float = REGISTRY_TTL) -> None:
+                 windows: dict[str, float] | None = None, ttl: float = REGISTRY_TTL,
+                 model: list[str] | None = None) -> None:
         """``windows``: the PD flags every worker gets (default: the short ``WINDOWS``; ``{}``
-        for the production defaults); ``ttl``: the registry's."""
+        for the production defaults); ``ttl``: the registry's; ``model``: the workers' model
+        flags (default ``TINY``; benches run SmolLM2)."""
         self.dir = workdir
+        self.model = TINY if model is None else model
         self.windows = WINDOWS if windows is None else windows
         self.ttl = ttl
         self.procs: dict[str, Proc] = {}
@@ -195,7 +198,7 @@ class Fleet:
     def _worker(self, name: str, mode: str, num_pages: int, extra: list[str]) -> tuple[
             list[str], str]:
         port = free_port()
-        argv = cli("serve", *TINY, "--host", HOST, "--port", str(port),
+        argv = cli("serve", *self.model, "--host", HOST, "--port", str(port),
                    "--num-pages", str(num_pages), "--disaggregation-mode", mode,
                    "--disaggregation-bootstrap-host", HOST,
                    "--disaggregation-bootstrap-port", str(self.boot_port),
@@ -216,8 +219,8 @@ class Fleet:
 
     def colocated(self, name: str = "colocated", extra: list[str] | None = None) -> Proc:
         port = free_port()
-        argv = cli("serve", *TINY, "--host", HOST, "--port", str(port), "--num-pages", "64",
-                   "--disaggregation-mode", "null", *(extra or []))
+        argv = cli("serve", *self.model, "--host", HOST, "--port", str(port), "--num-pages",
+                   "64", "--disaggregation-mode", "null", *(extra or []))
         return self._add(name, argv, f"http://{HOST}:{port}")
 
     def proxy(self, name: str, prefill: list[Proc], decode: list[Proc],

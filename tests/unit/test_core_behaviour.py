@@ -553,7 +553,8 @@ def test_a_refused_leg_retries_on_other_workers_with_growing_jittered_backoff() 
     cfg = RouterConfig(retry_limit=3, retry_backoff=0.1, room_timeout=60.0)
     router = RoomRouter(["p0", "p1"], ["d0", "d1"], random.Random(7), cfg)
     (first,) = router.handle(ev.RoomRequested("r"), 0.0)
-    out = router.handle(ev.LegResponded(first.room, "decode", False, "refused", refused=True), 1)
+    out = router.handle(ev.LegResponded(first.room, "decode", False, "HTTP 500", retryable=True),
+                        1)
     assert _kinds(out) == ["AbortLeg", "ReopenRoom"] and out[0].leg == "prefill"
     reopen = _reopen(out)
     assert reopen.cause == "retry" and 0.05 <= reopen.delay < 0.1
@@ -667,3 +668,22 @@ def test_failures_that_are_not_the_workers_do_not_open_its_breaker() -> None:
     assert router.breakers.state("d0") == "CLOSED"
     router.set_workers(["p0"], [])  # a worker that leaves the lists is forgotten
     assert router.breakers.states() == {"p0": "CLOSED"}
+
+
+def test_a_decode_leg_refused_before_taking_the_room_moves_to_another_d_in_the_room() -> None:
+    """P's prefill is not redone: the other D claims the KV P holds for the same room."""
+    router = RoomRouter(["p0"], ["d0", "d1"], random.Random(7))
+    (room,) = router.handle(ev.RoomRequested("r"), 0.0)
+    out = router.handle(ev.LegResponded(room.room, "decode", False, "connect error",
+                                        refused=True, retryable=True), 0.1)
+    other = "d1" if room.decode == "d0" else "d0"
+    assert out == [fx.RedirectDecode(room.room, "p0", other)]
+    assert router.poll(room.room) == "DISPATCHED"  # the same room, P's leg untouched
+    router.handle(ev.LegResponded(room.room, "decode", True), 0.5)
+    assert router.poll(room.room) == "RELAYING"
+    # With no other D, the refusal retries the whole request instead.
+    alone = RoomRouter(["p0"], ["d0"], random.Random(7))
+    (room,) = alone.handle(ev.RoomRequested("r"), 0.0)
+    out = alone.handle(ev.LegResponded(room.room, "decode", False, "connect error",
+                                       refused=True, retryable=True), 0.1)
+    assert _kinds(out) == ["AbortLeg", "ReopenRoom"]

@@ -123,12 +123,17 @@ UNREACHABLE: dict[tuple[str, str, str], str] = {
         for s in ("DISPATCHED", "PREFILL_DONE", "LOCAL")
     },
     **{
-        ("room", s, "DecodeRetryable"): (
+        ("room", s, t): (
             "a decode leg failing mid-relay has sent bytes: it is DecodeBroke or DecodeFailed, "
-            "never refused"
+            "never refused or retryable"
         )
         for s in ("RELAYING", "LOCAL_RELAYING")
+        for t in ("DecodeRetryable", "DecodeRefused")
     },
+    ("room", "LOCAL", "DecodeRefused"): (
+        "a room D prefills alone has no P holding KV: a refused leg retries the whole request "
+        "(DecodeRetryable), nothing is redirected"
+    ),
     **{("worker_breaker", s, "CooledDown"): "only an OPEN breaker has a cool-down running"
        for s in ("CLOSED", "HALF_OPEN", "PROBING")},
     **{("worker_breaker", s, "ProbeDispatched"): (
@@ -701,17 +706,19 @@ _ROOM_EFFECTS = {
     "AbortBothLegs": ["AbortLeg:prefill", "AbortLeg:decode"],
     "ReplyError": ["ReplyError"],
     "ReopenRoom": ["ReopenRoom"],
+    "RedirectDecodeLeg": ["RedirectDecode"],
 }
-# trigger -> (leg, ok, refused)
+# trigger -> (leg, ok, refused, retryable)
 _LEG_EVENTS = {
-    "PrefillResponded": ("prefill", True, False),
-    "PrefillFailed": ("prefill", False, False),
-    "PrefillFailedRecoverable": ("prefill", False, False),  # a router whose D recompute
-    "PrefillRetryable": ("prefill", False, True),
-    "DecodeResponded": ("decode", True, False),
-    "DecodeFailed": ("decode", False, False),  # mid-relay: a router with no migrations left
-    "DecodeRetryable": ("decode", False, True),
-    "DecodeBroke": ("decode", False, False),  # mid-relay, a migratable request
+    "PrefillResponded": ("prefill", True, False, False),
+    "PrefillFailed": ("prefill", False, False, False),
+    "PrefillFailedRecoverable": ("prefill", False, False, False),  # a router whose D recompute
+    "PrefillRetryable": ("prefill", False, True, True),
+    "DecodeResponded": ("decode", True, False, False),
+    "DecodeFailed": ("decode", False, False, False),  # mid-relay: no migrations left
+    "DecodeRefused": ("decode", False, True, True),  # another D can take the room
+    "DecodeRetryable": ("decode", False, False, True),  # a 5xx before any byte
+    "DecodeBroke": ("decode", False, False, False),  # mid-relay, a migratable request
 }
 _DISPATCH_PROMPTS = {"Dispatched": Prompt("a long prompt " * 20, 60),
                      "DispatchedLocal": Prompt("hi", 1)}
@@ -726,7 +733,9 @@ def _effect_name(o: Any) -> str:
 class Router:
     def __init__(self) -> None:
         # Conditional disaggregation on: a short prompt goes to D alone (DispatchedLocal).
-        self.router = RoomRouter(["http://p0"], ["http://d0"], random.Random(_ROUTER_SEED),
+        # Two D: a refused decode leg can move to the other in the same room (DecodeRefused).
+        self.router = RoomRouter(["http://p0"], ["http://d0", "http://d1"],
+                                 random.Random(_ROUTER_SEED),
                                  routing=RoutingConfig(local_prefill_tokens=8))
         self.now = 0.0
         self.seen = Seen()
@@ -758,8 +767,9 @@ class Router:
                 self.now += 1e6
                 return self.router.handle(ev.TimeAdvanced(), self.now)
             if trigger in _LEG_EVENTS:
-                leg, ok, refused = _LEG_EVENTS[trigger]
-                event: Any = ev.LegResponded(room, leg, ok, "" if ok else "boom", refused)
+                leg, ok, refused, retryable = _LEG_EVENTS[trigger]
+                event: Any = ev.LegResponded(room, leg, ok, "" if ok else "boom", refused,
+                                             retryable)
             else:
                 event = {"ClientDisconnected": ev.ClientDisconnected(room),
                          "RelayFinished": ev.RelayFinished(room)}[trigger]
@@ -778,7 +788,8 @@ def _room_pair_router(state: str, trigger: str) -> None:
     exp = _expect(table, state, trigger, live, False)
     before, state_before = _counters(r.router), r.router.poll(PROXY_ROOM)
     seen = r.fire(trigger)
-    if exp.kind == "unreachable" and trigger in ("DecodeBroke", "DecodeRetryable"):
+    if exp.kind == "unreachable" and trigger in ("DecodeBroke", "DecodeRetryable",
+                                                 "DecodeRefused"):
         # The leg event these triggers come from takes another row here: never this one.
         assert not seen.took(state, trigger), seen.steps
         return

@@ -40,3 +40,18 @@ def test_converting_removes_only_the_same_sources_other_entries(
     (tmp_path / f"{keep}.params").mkdir()
     remove_other_entries(keep, "m")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*others, f"{keep}.params"])
+
+
+def test_a_config_read_back_from_json_is_hashable() -> None:
+    """The cache keeps the model's config as JSON, where tuples come back as lists; the config
+    is a static jit argument, so it must still hash (a SmolLM2 worker started from the cache
+    failed its warm-up with "unhashable type: 'list'")."""
+    import json
+
+    import attrs
+
+    from pd_fsm.jax_engine.model.config import SMOLLM2_135M, ModelConfig
+
+    moe = attrs.evolve(SMOLLM2_135M, sparse_layers=(0, 2))
+    again = ModelConfig(**json.loads(json.dumps(attrs.asdict(moe))))
+    assert again == moe and hash(again) == hash(moe)

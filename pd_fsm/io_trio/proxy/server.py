@@ -164,6 +164,7 @@ class _Session:
     migratable: bool = False
     progress: Progress | None = None  # what the client has of a migratable answer
     reopen: fx.ReopenRoom | None = None  # this room ended RETRIED or MIGRATED
+    redirect: bool = False  # RedirectDecode: post the decode leg again, to s.decode
 
     def next_room(self) -> _Session:
         """The session of the request's next room: what belongs to the request carries over."""
@@ -215,7 +216,7 @@ class Proxy:
         # Exceptions contained to one room (http_edge's count has the requests' own).
         self.contained = {"prefill_leg": 0, "room": 0}
         # Rooms reopened for their request (ReopenRoom), by cause: "retry", "migration".
-        self.reopened = {"retry": 0, "migration": 0}
+        self.reopened = {"retry": 0, "migration": 0, "redirect": 0}
         self._polls_failing: set[str] = set()  # workers whose last poll failed (logged once)
         self.decode_urls = [d.rstrip("/") for d in decode]
         self.bootstrap_url = bootstrap_url.rstrip("/") if bootstrap_url else None
@@ -337,6 +338,13 @@ class Proxy:
         elif isinstance(effect, fx.ReplyError):
             s.error = failure or (504, _error_body(504, effect.reason, "timeout"))
             s.decided.set()
+        elif isinstance(effect, fx.RedirectDecode):
+            self.reopened["redirect"] += 1
+            log.info("room %d: decode leg refused by %s, posted to %s", effect.room, s.decode,
+                     effect.decode)
+            # A scope of its own for the new leg (the old one is spent), armed now so that an
+            # abort from here on reaches it.
+            s.decode, s.redirect, s.d_scope = effect.decode, True, trio.CancelScope()
         elif isinstance(effect, fx.ReopenRoom):
             self.reopened[effect.cause] += 1
             log.info("room %d: %s of request %s (%s) after %.3f s", effect.room, effect.cause,
@@ -628,7 +636,7 @@ class Proxy:
             s.p_done.set()
 
     async def _post_prefill(self, s: _Session) -> None:
-        status, body, refused = 0, None, False
+        status, body, refused, lost = 0, None, False, False
         try:
             with s.p_scope:
                 posted = trio.current_time()
@@ -644,7 +652,8 @@ class Proxy:
                     if ok:
                         self.phases.observe("proxy_prefill_leg", trio.current_time() - posted)
         except httpx.HTTPError as exc:
-            refused = True  # unreachable, or the connection was lost: the worker's fault
+            refused = isinstance(exc, httpx.ConnectError)  # else lost: P may have started
+            lost = not refused
             status, body = 502, _error_body(502, f"prefill worker {s.prefill}: {exc!r}",
                                             "prefill_unreachable")
         finally:
@@ -657,9 +666,21 @@ class Proxy:
         else:
             failure = (status, body if body is not None else _error_body(status, "prefill failed"))
             self._feed(ev.LegResponded(s.room, "prefill", False, _reason(body, status),
-                                       refused or status == 503, status >= 500), failure)
+                                       refused or status == 503, status >= 500, lost), failure)
 
     async def _decode_leg(self, s: _Session, send: Send) -> None:
+        """D's leg; posted again to another D while the router redirects it (RedirectDecode:
+        the D refused it before taking the room)."""
+        try:
+            while True:
+                await self._post_decode(s, send)
+                if not s.redirect:
+                    return
+                s.redirect = False
+        finally:
+            s.relay_done.set()
+
+    async def _post_decode(self, s: _Session, send: Send) -> None:
         try:
             with s.d_scope:
                 s.d_posted = trio.current_time()
@@ -686,8 +707,10 @@ class Proxy:
             if not s.decided.is_set():
                 failure = (502, _error_body(502, f"decode worker {s.decode}: {exc!r}",
                                             "decode_unreachable"))
-                self._feed(ev.LegResponded(s.room, "decode", False, repr(exc), True),
-                           failure)
+                # Unreachable: D never took the room. Lost: it may have (a new room, then).
+                refused = isinstance(exc, httpx.ConnectError)
+                self._feed(ev.LegResponded(s.room, "decode", False, repr(exc), refused, True,
+                                           lost=not refused), failure)
             elif (s.relay and s.progress is not None and s.progress.finished and s.stream
                   and not s.sse_done):
                 # D broke off after its finish event, before [DONE]: nothing is left to
@@ -703,11 +726,9 @@ class Proxy:
                 # D broke off mid-relay: the request migrates to a new room (ReopenRoom), or
                 # the room fails (P's leg is aborted) and the client is told, in-band when the
                 # headers are already out.
-                self._feed(ev.LegResponded(s.room, "decode", False, repr(exc)))
+                self._feed(ev.LegResponded(s.room, "decode", False, repr(exc), lost=True))
                 if s.reopen is None:
                     await self._relay_error(s, send, 502, f"decode worker broke off: {exc!r}")
-        finally:
-            s.relay_done.set()
 
     async def _relay_error(self, s: _Session, send: Send, status: int, message: str) -> None:
         if s.headers_sent:

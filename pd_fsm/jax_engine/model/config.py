@@ -29,7 +29,9 @@ class ModelConfig:
     num_experts: int = 0
     experts_per_token: int = 0
     norm_topk_prob: bool = True
-    sparse_layers: tuple[int, ...] = ()
+    # A tuple whatever it is read from: the weight cache's JSON gives a list, which would make
+    # the config unhashable (it is a static jit argument).
+    sparse_layers: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
     def __attrs_post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
