@@ -32,10 +32,13 @@ from typing import Any
 import attrs
 import cattrs
 import msgpack
+from cattrs.gen import make_dict_structure_fn, override
 
 from pd_fsm.core.errors import RemoteProtocolError
 from pd_fsm.core.messages import (
     BY_WIRE_NAME,
+    KV_CHECKSUM_LIMIT,
+    MAX_KV_CHECKSUMS,
     MAX_KV_SHARDS,
     MAX_PAGES,
     MAX_REASON,
@@ -46,6 +49,7 @@ from pd_fsm.core.messages import (
     MAX_UUID,
     WIRE_NAMES,
     Message,
+    Ready,
     TokenLogprob,
 )
 from pd_fsm.core.replay import ReplayGuard
@@ -53,8 +57,10 @@ from pd_fsm.core.replay import ReplayGuard
 MAGIC = b"PF"
 # 2: signed frames carry sent_ms and a nonce; 3: incarnations, READY.transfer_addr;
 # 4: READY.first_top (a peer of version 3 would refuse the field by name; the version says why);
-# 5: READY.kv_shards (P's KV as one array per kv-head shard: tensor parallelism, issue 15).
-VERSION = 5
+# 5: READY.kv_shards (P's KV as one array per kv-head shard: tensor parallelism, issue 15);
+# 6: READY.kv_checksums and READY.repull_uuid (KV checked on arrival, issue 31 §3). A peer of
+# another version is refused by its version number before anything else is read.
+VERSION = 6
 FLAG_SIGNED = 0x01
 MAC_SIZE = 32
 HEADER_SIZE = 4
@@ -71,6 +77,7 @@ _INT_RANGES: dict[str, tuple[int, int]] = {
     "incarnation": (0, MAX_UUID),
     "seq": (0, MAX_UUID),
     "kv_shards": (1, MAX_KV_SHARDS + 1),
+    "repull_uuid": (0, MAX_UUID),
 }
 
 
@@ -112,6 +119,19 @@ def _room_list(value: Any, _: type) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _checksum_list(value: Any, _: type) -> tuple[int, ...]:
+    """READY's kv_checksums: at most MAX_KV_CHECKSUMS 32-bit words (a hook of that field alone:
+    other int tuples are room lists, with their own bounds)."""
+    if type(value) is not list:
+        raise TypeError(f"expected a list of checksums, got {type(value).__name__}")
+    if len(value) > MAX_KV_CHECKSUMS:
+        raise ValueError(f"more than {MAX_KV_CHECKSUMS} checksums")
+    for c in value:
+        if type(c) is not int or not 0 <= c < KV_CHECKSUM_LIMIT:
+            raise ValueError(f"bad checksum {c!r:.40} (a 32-bit word)")
+    return tuple(value)
+
+
 def _top_list(value: Any, _: type) -> tuple[TokenLogprob, ...]:
     """A position's top logprobs: at most MAX_TOP_LOGPROBS ``[token, logprob]`` pairs."""
     if type(value) is not list:
@@ -140,6 +160,10 @@ _converter.register_unstructure_hook_func(
     lambda t: t == tuple[TokenLogprob, ...], lambda v: [[t.token, t.logprob] for t in v]
 )
 _converter.register_unstructure_hook(tuple, list)
+_converter.register_structure_hook(
+    Ready,
+    make_dict_structure_fn(Ready, _converter, kv_checksums=override(struct_hook=_checksum_list)),
+)
 
 
 def _check_ranges(message: Message) -> None:

@@ -44,9 +44,11 @@ class _ReceiverRoom:
         "first_top",
         "hello_seq",
         "incarnation",
+        "kv_checksums",
         "kv_shards",
         "n_pages",
         "peer",
+        "repull_uuid",
         "room",
         "skip",
         "state",
@@ -69,6 +71,10 @@ class _ReceiverRoom:
         self.incarnation = 0  # of the P process that sent READY (0: none yet, or not said)
         self.transfer_addr = ""  # where READY said to pull from ("": the registry's address)
         self.kv_shards = 1  # arrays per pool P registered (READY's)
+        # READY's, when we verify pulls (kv_checksum): what each pulled array must sum to, and
+        # the spare registration a re-pull takes after a mismatch (0: none).
+        self.kv_checksums: tuple[int, ...] = ()
+        self.repull_uuid = 0
 
 
 class _Peer:
@@ -110,6 +116,7 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
         config: DecodeConfig | None = None,
         incarnation: int = 0,
         pullable_kv_shards: frozenset[int] = frozenset({1}),
+        kv_checksum: bool = False,
     ) -> None:
         self.config = config or DecodeConfig()
         super().__init__(self.config.recently_finished)
@@ -118,6 +125,9 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
         # The per-pool shard counts a READY may name: those our KV regroups from (P's tp sizes
         # that split our kv-heads evenly). Any other is refused before a pull.
         self.pullable_kv_shards = pullable_kv_shards
+        # Verify every pull against READY's checksums, re-pull once on a mismatch; a READY
+        # without them is refused (P and D must agree: both run kv checksums, or neither).
+        self.kv_checksum = kv_checksum
         # Ours, new on every process start (0: not said): P frees a restarted D's old rooms.
         self.incarnation = incarnation
         self.peers: dict[str, _Peer] = {}
@@ -157,6 +167,8 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
                 self._on_pull_succeeded(event, now, out)
             case ev.PullFailed():
                 self._on_pull_failed(event, now, out)
+            case ev.ChecksumMismatched():
+                self._on_checksum_mismatched(event, now, out)
             case ev.Aborted():
                 self._on_aborted(event, now, out)
             case ev.StepStarted():
@@ -266,6 +278,20 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
         if r is not None:
             self._go(r, _T.PullFailed, now, out, f"KV transfer failed: {e.reason}")
 
+    def _on_checksum_mismatched(
+        self, e: ev.ChecksumMismatched, now: float, out: list[_Fx]
+    ) -> None:
+        r = self._live_local(e.room, _T.ChecksumMismatched)
+        if r is not None and not r.kv_checksums:
+            raise LocalProtocolError(
+                f"ChecksumMismatched for room {e.room}, whose pull had no checksums to verify"
+            )
+        self.stats.kv_checksum_mismatches += 1  # every one, also those of a room already over
+        if r is None:
+            return
+        again = " (and on the re-pull)" if r.state == _S.REPULLING else ""
+        self._go(r, _T.ChecksumMismatched, now, out, f"KV corrupted in flight{again}: {e.reason}")
+
     def _on_aborted(self, e: ev.Aborted, now: float, out: list[_Fx]) -> None:
         r = self.rooms.get(e.room)
         if r is None:
@@ -331,6 +357,8 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
                 r.incarnation = m.incarnation
                 r.transfer_addr = m.transfer_addr
                 r.kv_shards = m.kv_shards
+                if self.kv_checksum:  # else READY's are not ours to verify (see _check_ready)
+                    r.kv_checksums, r.repull_uuid = m.kv_checksums, m.repull_uuid
             self._remote(r, _T.ReadyReceived, now, out, "")
         else:  # Abort
             self._remote(r, _T.AbortReceived, now, out, f"prefill aborted the room: {m.reason}")
@@ -346,6 +374,17 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
                     "to pull")
         if m.transfer_addr and not _HOST_PORT.fullmatch(m.transfer_addr):
             return f"READY names an unusable transfer address {m.transfer_addr[:80]!r}"
+        if self.kv_checksum:
+            # A D that verifies never takes unverifiable KV for verified: P without checksums is
+            # refused (the adapter refuses such a P earlier, from its registry record, naming
+            # the flag). A D that does not verify ignores READY's checksums: P's cost, no harm.
+            if not m.kv_checksums or m.repull_uuid in (0, m.uuid):
+                return ("READY carries no KV checksums (or no spare registration), and this D "
+                        "verifies every pull: P and D must both run KV checksums; refusing to "
+                        "pull")
+            if len(m.kv_checksums) % m.kv_shards:
+                return (f"READY carries {len(m.kv_checksums)} KV checksums for {m.kv_shards} "
+                        "shards per pool; refusing to pull")
         return ""
 
     def _on_ack(self, peer: _Peer, m: HeartbeatAck, now: float, out: list[_Fx]) -> None:
@@ -493,11 +532,20 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
         out.append(fx.SendMessage(r.peer, msg))
 
     def _fx_StartPull(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
+        out.append(self._pull(r, r.uuid))
+
+    def _fx_StartRepull(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
+        # The same pull, of the spare registration: the first one was consumed by the pull
+        # that brought the corrupted bytes (registrations are one-shot).
+        assert r.repull_uuid
+        self.stats.kv_checksum_repulls += 1
+        out.append(self._pull(r, r.repull_uuid, repull=True))
+
+    def _pull(self, r: _ReceiverRoom, uuid: int, repull: bool = False) -> fx.StartPull:
         assert r.peer is not None
-        peer = self.peers[r.peer]
-        transfer_addr = r.transfer_addr or peer.transfer_addr
-        out.append(fx.StartPull(r.room, r.peer, transfer_addr, r.uuid, r.n_pages - r.skip,
-                                r.skip, r.kv_shards))
+        transfer_addr = r.transfer_addr or self.peers[r.peer].transfer_addr
+        return fx.StartPull(r.room, r.peer, transfer_addr, uuid, r.n_pages - r.skip, r.skip,
+                            r.kv_shards, r.kv_checksums, repull)
 
     def _fx_SendDone(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
         assert r.peer is not None

@@ -56,30 +56,38 @@ class RepeatWhileBusy:
 @attrs.frozen(slots=True)
 class RegisterKV:
     """Gather the room's pages and register them with the transfer server under ``uuid``
-    (the prompt's pages after the first ``skip_pages``, which D holds already)."""
+    (the prompt's pages after the first ``skip_pages``, which D holds already). With KV
+    checksums on, also under ``spare_uuid`` (the same arrays: D's one re-pull after a checksum
+    mismatch, since a registration is pulled once), and answer ``KVChecksummed``."""
 
     room: int
     uuid: int
     skip_pages: int = 0
+    spare_uuid: int | None = None
 
 
 @attrs.frozen(slots=True)
 class NarrowKV:
     """D said late that it holds the prompt's first ``skip_pages``: release the room's
-    registration ``replaces`` and register only the rest under ``uuid``."""
+    registration ``replaces`` (and ``replaces_spare``) and register only the rest under
+    ``uuid`` (and ``spare_uuid``, as ``RegisterKV`` does)."""
 
     room: int
     uuid: int
     skip_pages: int
     replaces: int
+    spare_uuid: int | None = None
+    replaces_spare: int | None = None
 
 
 @attrs.frozen(slots=True)
 class ReleaseKV:
-    """Unregister ``uuid`` (None: never registered) and free the room's pages. Once per room."""
+    """Unregister ``uuid`` (None: never registered) and ``spare_uuid`` (KV checksums on) and
+    free the room's pages. Once per room."""
 
     room: int
     uuid: int | None
+    spare_uuid: int | None = None
 
 
 @attrs.frozen(slots=True)
@@ -130,7 +138,10 @@ class CancelAllocation:
 
 @attrs.frozen(slots=True)
 class StartPull:
-    """Pull ``n_pages`` into the room's pages after its first ``skip_pages`` (held already)."""
+    """Pull ``n_pages`` into the room's pages after its first ``skip_pages`` (held already).
+    ``kv_checksums``: READY's, to verify the pulled arrays against before any is scattered
+    (empty: verify nothing); ``repull``: this is the room's second pull, of READY's spare
+    registration, after the first one's checksums did not match."""
 
     room: int
     peer: str
@@ -139,6 +150,8 @@ class StartPull:
     n_pages: int
     skip_pages: int = 0
     kv_shards: int = 1  # arrays per pool P registered (READY's kv_shards)
+    kv_checksums: tuple[int, ...] = ()
+    repull: bool = False
 
 
 @attrs.frozen(slots=True)

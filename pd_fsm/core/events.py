@@ -65,6 +65,18 @@ class PrefillFailed:
     reason: str
 
 
+@attrs.frozen(slots=True)
+class KVChecksummed:
+    """P, with KV checksums on: the checksums of the arrays the room's ``RegisterKV`` (or
+    ``NarrowKV``) registered under ``uuid``, one per array in registration order. They exist
+    only once the gather has run, after the row that sends READY was decided, so that row's
+    READY waits for this event (fed back in the same driver step: it is never late)."""
+
+    room: int
+    uuid: int
+    checksums: tuple[int, ...]
+
+
 # --- D (DecodeEndpoint) ----------------------------------------------------------------------
 
 
@@ -108,6 +120,15 @@ class PullFailed:
     reason: str
 
 
+@attrs.frozen(slots=True)
+class ChecksumMismatched:
+    """The pulled KV's checksums differ from READY's: corrupted in flight. Nothing was
+    scattered, so the room's pages hold nothing of it and no pull is in flight any more."""
+
+    room: int
+    reason: str
+
+
 # --- both sides ------------------------------------------------------------------------------
 
 
@@ -123,7 +144,7 @@ class Aborted:
 # error (at run time, still a LocalProtocolError).
 PrefillEvent = (
     TimeAdvanced | MessageReceived | PrefillRequestAccepted | PrefillFinished | PrefillFailed
-    | Aborted | StepStarted | StepEnded
+    | KVChecksummed | Aborted | StepStarted | StepEnded
 )
 @attrs.frozen(slots=True)
 class LegRefused:
@@ -138,8 +159,8 @@ class LegRefused:
 
 DecodeEvent = (
     TimeAdvanced | MessageReceived | DecodeRequestAccepted | PeerResolved | PeerResolutionFailed
-    | BlocksAllocated | PullSucceeded | PullFailed | Aborted | StepStarted | StepEnded
-    | LegRefused
+    | BlocksAllocated | PullSucceeded | PullFailed | ChecksumMismatched | Aborted | StepStarted
+    | StepEnded | LegRefused
 )
 
 

@@ -12,6 +12,8 @@ MAX_REASON = 1024
 MAX_ROOMS_PER_HEARTBEAT = 4096
 MAX_TOP_LOGPROBS = 20  # alternatives per position: OpenAI's top_logprobs maximum
 MAX_KV_SHARDS = 1024  # arrays per pool in one registration (P's tensor-parallel size)
+MAX_KV_CHECKSUMS = 4096  # arrays in one registration (pools x shards), each with its checksum
+KV_CHECKSUM_LIMIT = 1 << 32  # a checksum is a 32-bit word (pd_fsm.jax_engine.kv_checksum)
 
 
 @attrs.frozen(slots=True)
@@ -59,6 +61,12 @@ class Ready:
     # How P registered each pool: one array per kv-head shard (P's tensor-parallel size). D pulls
     # that many and regroups them onto its own devices, or refuses a count it cannot regroup.
     kv_shards: int = 1
+    # With KV checksums on (both sides' --disaggregation-kv-checksum): one per registered array,
+    # in registration order, of the bytes P registered, so D can tell KV corrupted in flight
+    # from good KV before scattering it; and a second registration of the same arrays, for D's
+    # one re-pull after a mismatch (a registration is pulled once). (): checksums not in use.
+    kv_checksums: tuple[int, ...] = ()
+    repull_uuid: int = 0
 
 
 @attrs.frozen(slots=True)

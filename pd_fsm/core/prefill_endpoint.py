@@ -46,11 +46,14 @@ class _SenderRoom:
         "first_token",
         "first_top",
         "has_request",
+        "kv_checksums",
         "lease",
         "n_pages",
         "peer",
+        "ready_held",
         "refusal",
         "room",
+        "spare_uuid",
         "state",
         "uuid",
     )
@@ -71,6 +74,11 @@ class _SenderRoom:
         self.d_incarnation = 0  # of the D process whose RECV_INIT bound the room (0: not said)
         self.has_request = False
         self.refusal = ""  # D's reason, for a room D aborted before our leg arrived (REFUSED)
+        # KV checksums on: the spare registration (D's re-pull), the checksums of the current
+        # registration (None until KVChecksummed), and whether a row's READY waits for them.
+        self.spare_uuid: int | None = None
+        self.kv_checksums: tuple[int, ...] | None = None
+        self.ready_held = False
 
 
 class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
@@ -86,6 +94,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
         incarnation: int | None = None,
         transfer_addr: str = "",
         kv_shards: int = 1,
+        kv_checksum: bool = False,
     ) -> None:
         self.config = config or LeaseConfig()
         super().__init__(self.config.recently_finished)
@@ -97,6 +106,9 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
         self.transfer_addr = transfer_addr
         # Named in every READY: how many arrays per pool a registration holds (our tp size).
         self.kv_shards = kv_shards
+        # READY names the checksums of what we registered (the embedder computes them after its
+        # gather: KVChecksummed) and a spare registration of it, for D's one re-pull.
+        self.kv_checksum = kv_checksum
         self._d_incarnations: dict[str, int] = {}  # D identity -> its current process
 
     # -- entry point --------------------------------------------------------------------------
@@ -116,6 +128,8 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
                 self._on_prefill_finished(event, now, out)
             case ev.PrefillFailed():
                 self._on_prefill_failed(event, now, out)
+            case ev.KVChecksummed():
+                self._on_kv_checksummed(event, now, out)
             case ev.Aborted():
                 self._on_aborted(event, now, out)
             case ev.StepStarted():
@@ -170,6 +184,18 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
         r = self._live_local(e.room, _T.PrefillFailed)
         if r is not None:
             self._step(r, _T.PrefillFailed, now, out, Cause(_T.PrefillFailed, e.reason))
+
+    def _on_kv_checksummed(self, e: ev.KVChecksummed, now: float, out: list[_Fx]) -> None:
+        if not self.kv_checksum:
+            raise LocalProtocolError("KVChecksummed, but this endpoint runs no KV checksums")
+        r = self.rooms.get(e.room)
+        if r is None or r.uuid != e.uuid:
+            self.stats.late += 1  # the room ended, or NarrowKV replaced that registration
+            return
+        r.kv_checksums = e.checksums
+        if r.ready_held:
+            r.ready_held = False
+            out.append(self._ready(r))
 
     def _on_aborted(self, e: ev.Aborted, now: float, out: list[_Fx]) -> None:
         r = self.rooms.get(e.room)
@@ -374,30 +400,48 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
         pass  # r.peer was set when the RECV_INIT was checked (before any abort could need it)
 
     def _fx_RegisterKV(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
-        # A fresh random uuid, not the room id: unguessable and never reused for another room.
-        r.uuid = self._rng.getrandbits(64)
-        out.append(fx.RegisterKV(r.room, r.uuid, r.d_skip))
+        uuid = self._new_registration(r)
+        out.append(fx.RegisterKV(r.room, uuid, r.d_skip, r.spare_uuid))
 
     def _fx_NarrowKV(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
-        old, r.uuid = r.uuid, self._rng.getrandbits(64)
+        old, old_spare = r.uuid, r.spare_uuid
         assert old is not None  # PREFILLED_NO_PEER: registered at PrefillFinished
-        out.append(fx.NarrowKV(r.room, r.uuid, r.d_skip, old))
+        uuid = self._new_registration(r)
+        out.append(fx.NarrowKV(r.room, uuid, r.d_skip, old, r.spare_uuid, old_spare))
+
+    def _new_registration(self, r: _SenderRoom) -> int:
+        # Fresh random uuids, not the room id: unguessable and never reused for another room.
+        # (The spare is drawn only with checksums on, so without them the draws are as before.)
+        r.uuid = uuid = self._rng.getrandbits(64)
+        r.spare_uuid = self._rng.getrandbits(64) if self.kv_checksum else None
+        r.kv_checksums = None  # the new registration's come with KVChecksummed
+        return uuid
 
     def _fx_SendReady(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
+        if self.kv_checksum and r.kv_checksums is None:
+            # Registered in this same step (RegisterKV / NarrowKV just ran): READY goes as soon
+            # as the embedder has the checksums of what it registered (KVChecksummed, fed back
+            # before the step's messages leave), never without them.
+            r.ready_held = True
+            return
+        out.append(self._ready(r))
+
+    def _ready(self, r: _SenderRoom) -> fx.SendMessage:
         assert r.peer is not None and r.uuid is not None
         ready = Ready(
             r.room, r.uuid, r.first_token, r.n_pages - r.d_skip, self.layout_hash,
             r.first_logprob,
             self.incarnation, self.transfer_addr, r.first_top, self.kv_shards,
+            r.kv_checksums or (), r.spare_uuid or 0,
         )
-        out.append(fx.SendMessage(r.peer, ready))
+        return fx.SendMessage(r.peer, ready)
 
     def _fx_SendAbort(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
         if r.peer is not None:
             out.append(fx.SendMessage(r.peer, Abort(r.room, cause.reason)))
 
     def _fx_ReleaseKV(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
-        out.append(fx.ReleaseKV(r.room, r.uuid))
+        out.append(fx.ReleaseKV(r.room, r.uuid, r.spare_uuid))
 
     def _fx_CompleteRequest(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
         out.append(fx.CompleteRequest(r.room))

@@ -22,6 +22,8 @@ class EndpointStats:
     lease_expired: int = 0  # P: rooms whose KV hold lease ran out (no heartbeat from D)
     refusals_told: int = 0  # D: ABORTs sent for legs refused before their room opened (LegRefused)
     busy_steps: int = 0  # StepStarted: steps the embedder announced (liveness kept meanwhile)
+    kv_checksum_mismatches: int = 0  # D: pulls whose KV failed READY's checksums (any state)
+    kv_checksum_repulls: int = 0  # D: second pulls started after a mismatch
 
     def as_dict(self) -> dict[str, int]:
         return attrs.asdict(self)

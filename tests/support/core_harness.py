@@ -25,6 +25,10 @@ D_ID = "decode-0"
 P_ADDR = "tcp://p0"
 BOOT = "127.0.0.1:8998"
 PAGES = 3
+# D's harness verifies pulls (kv_checksum): READY carries a checksum per array and a spare
+# registration, so every row of kv_receiver (the re-pull's too) can be driven.
+CHECKSUMS = (0x1234ABCD,)
+SPARE = 98
 
 
 def path_to(table: StateTable, target: str, start: str | None = None) -> list[str]:
@@ -100,7 +104,7 @@ class DecodeHarness:
         # A P silent for 40 s with 2 heartbeats unanswered is lost (PeerLost); every state's
         # own deadline is longer, and firing TimedOut keeps P talking until then.
         self.config = DecodeConfig(heartbeat_interval=5, peer_timeout=40)
-        self.ep = DecodeEndpoint(D_ID, LAYOUT, self.config)
+        self.ep = DecodeEndpoint(D_ID, LAYOUT, self.config, kv_checksum=True)
         self.now = 0.0
         self.last: list[Any] = []
 
@@ -115,10 +119,12 @@ class DecodeHarness:
             "PeerResolved": [ev.PeerResolved(BOOT, P_ADDR, "tcp://p0-transfer", LAYOUT)],
             "PeerUnresolved": [ev.PeerResolutionFailed(BOOT, "no such prefill")],
             "BlocksAllocated": [ev.BlocksAllocated(ROOM)],
-            "ReadyReceived": [msg(Ready(ROOM, 99, 7, PAGES, LAYOUT))],
+            "ReadyReceived": [msg(Ready(ROOM, 99, 7, PAGES, LAYOUT, kv_checksums=CHECKSUMS,
+                                        repull_uuid=SPARE))],
             "AbortReceived": [msg(Abort(ROOM, "p gave up"))],
             "PullSucceeded": [ev.PullSucceeded(ROOM)],
             "PullFailed": [ev.PullFailed(ROOM, "connection closed")],
+            "ChecksumMismatched": [ev.ChecksumMismatched(ROOM, "array 0 sums to 0x1 here")],
             "Aborted": [ev.Aborted(ROOM, "client gone")],
             "ProtocolViolated": [msg(Ready(ROOM, 99, 7, PAGES, "other-layout"))],
         }[trigger]
@@ -169,6 +175,8 @@ def external_kinds(effects: list[Any]) -> list[str]:
                 names.append(
                     {"Ready": "SendReady", "Abort": "SendAbort", "RecvInit": "SendRecvInit"}[kind]
                 )
+        elif isinstance(e, fx.StartPull) and e.repull:
+            names.append("StartRepull")
         elif not isinstance(e, fx.ForgetPeer):  # about a peer, not the room's row
             names.append(type(e).__name__)
     return names

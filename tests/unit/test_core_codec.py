@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from pd_fsm.core import codec, keys
 from pd_fsm.core.errors import RemoteProtocolError
 from pd_fsm.core.messages import (
+    KV_CHECKSUM_LIMIT,
+    MAX_KV_CHECKSUMS,
     MAX_KV_SHARDS,
     MAX_ROOM,
     MAX_TOP_LOGPROBS,
@@ -46,6 +48,8 @@ messages: st.SearchStrategy[Message] = st.one_of(
             max_size=MAX_TOP_LOGPROBS,
         ).map(tuple),
         st.integers(1, MAX_KV_SHARDS),
+        st.lists(st.integers(0, KV_CHECKSUM_LIMIT - 1), max_size=64).map(tuple),
+        st.integers(0, MAX_UUID - 1),
     ),
     st.builds(Done, rooms, st.booleans(), text),
     st.builds(Heartbeat, st.integers(0, MAX_UUID - 1), st.lists(rooms, max_size=50).map(tuple)),
@@ -132,6 +136,14 @@ def _raw(payload: object, version: int = codec.VERSION) -> bytes:
         (_raw({"t": "READY", "b": _READY | {"kv_shards": 0}}), "outside"),
         (_raw({"t": "READY", "b": _READY | {"kv_shards": MAX_KV_SHARDS + 1}}), "outside"),
         (_raw({"t": "READY", "b": _READY | {"kv_shards": 2}}, version=4), "unsupported version 4"),
+        (_raw({"t": "READY", "b": _READY | {"kv_checksums": [-1]}}), "bad checksum -1"),
+        (_raw({"t": "READY", "b": _READY | {"kv_checksums": [KV_CHECKSUM_LIMIT]}}),
+         "bad checksum"),
+        (_raw({"t": "READY", "b": _READY | {"kv_checksums": [True]}}), "bad checksum"),
+        (_raw({"t": "READY", "b": _READY | {"kv_checksums": 5}}), "list of checksums"),
+        (_raw({"t": "READY", "b": _READY | {"kv_checksums": [0] * (MAX_KV_CHECKSUMS + 1)}}),
+         "not msgpack"),  # longer than any list this side reads
+        (_raw({"t": "READY", "b": _READY | {"repull_uuid": -1}}), "outside"),
         (_raw({"t": "HB", "b": {"seq": 1, "rooms": list(range(5000))}}), "not msgpack"),
         (codec.MAGIC + bytes((codec.VERSION, 0)) + b"\xc1", "not msgpack"),
         (codec.MAGIC + bytes((codec.VERSION, 0)) + b"x" * (codec.MAX_FRAME + 1), "exceeds"),
@@ -159,6 +171,24 @@ def test_ready_top_logprobs_checked(top: object, problem: str) -> None:
     frame = _raw({"t": "READY", "b": {**_READY, "first_top": top}})
     with pytest.raises(RemoteProtocolError, match=problem):
         codec.decode(frame)
+
+
+def test_a_peer_of_the_previous_version_is_refused_by_version_both_ways(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Version 6 added READY's kv_checksums and repull_uuid. A version-5 peer's frame is refused
+    here by its version number, before its fields are read, and ours by a version-5 peer: each
+    side names both versions (never a READY silently read without the checksums)."""
+    ready = Ready(1, 2, 3, 4, "h", kv_checksums=(5, 6), repull_uuid=7)
+    old = _raw({"t": "READY", "b": _READY}, version=codec.VERSION - 1)
+    with pytest.raises(RemoteProtocolError, match=f"unsupported version {codec.VERSION - 1} "
+                       rf"\(this side speaks {codec.VERSION}\)"):
+        codec.decode(old)
+    ours = codec.encode(ready, SECRET)
+    monkeypatch.setattr(codec, "VERSION", codec.VERSION - 1)  # this process now speaks 5
+    with pytest.raises(RemoteProtocolError, match=f"unsupported version {codec.VERSION + 1} "
+                       rf"\(this side speaks {codec.VERSION}\)"):
+        codec.decode(ours, SECRET)
 
 
 def test_decode_refuses_non_bytes() -> None:

@@ -82,8 +82,8 @@ UNREACHABLE: dict[tuple[str, str, str], str] = {
     ("kv_receiver", "FAILED", "TimedOut"): _NO_TIMER,
     **{
         ("kv_receiver", s, t): _LOOKUP
-        for s in ("NEW", "ALLOCATING", "WAITING_FOR_READY", "TRANSFERRING", "CANCELLING",
-                  "SUCCEEDED", "FAILED")
+        for s in ("NEW", "ALLOCATING", "WAITING_FOR_READY", "TRANSFERRING", "REPULLING",
+                  "CANCELLING", "SUCCEEDED", "FAILED")
         for t in ("PeerResolved", "PeerUnresolved")
     },
     ("kv_receiver", "NEW", "PeerLost"): _NOT_IN_HB,
@@ -232,8 +232,8 @@ def _counters(obj: Any) -> dict[str, int]:
 SENDER_EXTERNAL = {"RegisterKV", "NarrowKV", "SendReady", "SendAbort", "ReleaseKV",
                    "CompleteRequest", "FailRequest"}
 RECEIVER_EXTERNAL = {"ResolvePeer", "AllocateBlocks", "CancelAllocation", "SendRecvInit",
-                     "StartPull", "SendDone", "SendDoneFailed", "SendAbort", "ReleaseBlocks",
-                     "CompleteTransfer", "FailRequest"}
+                     "StartPull", "StartRepull", "SendDone", "SendDoneFailed", "SendAbort",
+                     "ReleaseBlocks", "CompleteTransfer", "FailRequest"}
 
 
 class Prefill:
