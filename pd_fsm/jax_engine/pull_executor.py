@@ -14,6 +14,12 @@ Why not scatter on the pull thread: measured under 6 and 16 concurrent requests
 ordered after the whole step and blocked its thread (and the lock) until its copy had run:
 scatter p99 ~470 ms against a 177 ms step, and pulls queued for a free thread behind scatters.
 
+With READY's checksums (``PullRequest.kv_checksums``, ``--disaggregation-kv-checksum``) the pull
+thread checks every pulled array against P's checksum of what it registered before the KV is
+queued for its scatter (:mod:`~pd_fsm.jax_engine.kv_checksum`): KV corrupted in flight is
+reported (``PullResult.checksum_mismatch``) and never written into the room's pages, which stay as
+they were, so the room can be pulled again into them.
+
 Nothing waits without a deadline: the layout hash is compared before anything is pulled; the pull
 and readiness wait are bounded by the engine (which polls ``is_ready()`` against the deadline and,
 on a timeout or failure, retires the peer's connection so the next pull connects afresh); the
@@ -35,6 +41,7 @@ import attrs
 import jax
 
 from pd_fsm.jax_engine.gather_scatter import ScatterMethod, validate_pages
+from pd_fsm.jax_engine.kv_checksum import kv_checksum
 from pd_fsm.jax_engine.kv_holder import KVCacheHolder
 from pd_fsm.jax_engine.pool_spec import KVArgs
 from pd_fsm.jax_engine.room_kv import RoomPages, pages_by_pool, scatter_rooms
@@ -76,6 +83,9 @@ class PullRequest:
     remote_layout_hash: str
     deadline_s: float | None = None  # None: the executor's default
     kv_shards: int = 1  # arrays per pool P registered (READY's kv_shards), regrouped here
+    # P's checksum of each array it registered, pools in wire order, shards within each (READY's
+    # kv_checksums); () verifies nothing.
+    kv_checksums: tuple[int, ...] = ()
 
     def page_map(self) -> Mapping[str, Sequence[int]] | Sequence[int]:
         if self.pages and isinstance(self.pages[0], tuple):
@@ -93,13 +103,16 @@ class PullResult:
     seconds: float  # submit -> this result (everything the job took)
     peer: str = ""
     # Where the time went (0 for a step not reached): submit -> KV ready (a wait for a free
-    # thread included), start_pull -> KV ready (the transfer alone), the scatter.
+    # thread included; with checksums, ready means verified), start_pull -> KV arrived (the
+    # transfer alone), the scatter.
     pull_seconds: float = 0.0
     transfer_seconds: float = 0.0
     scatter_seconds: float = 0.0
     # Iterations of D's loop that ended between the KV's arrival and its scatter: 1 = it waited
     # for the step in flight, 0 = it arrived between two steps (-1: no scatter, or not counted).
     scatter_iterations: int = -1
+    # The KV arrived but failed P's checksums (``reason`` says which array): nothing scattered.
+    checksum_mismatch: bool = False
 
 
 @attrs.frozen
@@ -289,8 +302,11 @@ class PullExecutor:
             except Exception:
                 log.exception("pull result callback")
 
-    def _failed(self, req: PullRequest, start: float, reason: str) -> PullResult:
-        return PullResult(req.room, req.uuid, False, reason, 0, self._clock() - start, req.peer)
+    def _failed(
+        self, req: PullRequest, start: float, reason: str, checksum_mismatch: bool = False
+    ) -> PullResult:
+        return PullResult(req.room, req.uuid, False, reason, 0, self._clock() - start, req.peer,
+                          checksum_mismatch=checksum_mismatch)
 
     def _pull(self, req: PullRequest, start: float) -> PullResult | _Pulled:
         if req.remote_layout_hash != self._kv_args.layout_hash:
@@ -313,6 +329,12 @@ class PullExecutor:
                 req, start, f"not started within the {deadline_s:g}s deadline (queued); not pulled"
             )
         shards = req.kv_shards
+        registered = len(self._kv_args.pools) * shards
+        if req.kv_checksums and len(req.kv_checksums) != registered:
+            return self._failed(req, start, (
+                f"READY carries {len(req.kv_checksums)} KV checksums for {registered} registered "
+                "arrays; not pulled"
+            ))
         try:
             # All of P's shards, or in an instance spanning processes those on our devices
             # (what the P rank we pair with registered).
@@ -341,8 +363,16 @@ class PullExecutor:
             return self._failed(req, start, f"timeout after {deadline_s:g}s: {e}")
         except PullError as e:
             return self._failed(req, start, str(e))
-        ready, ready_iteration = self._clock(), self._iterations()
+        arrived = self._clock()
         pulled = list(pending.arrays)
+        if req.kv_checksums:
+            # Here, on the pull thread, before anything reaches the scatter: corrupted KV is
+            # never written into the room's pages.
+            wrong = self._checksum_mismatch(req.kv_checksums, pulled, mine, shards)
+            if wrong:
+                return self._failed(req, start, wrong, checksum_mismatch=True)
+        # Ready to scatter (verified, when checked): the pull phase ends here.
+        ready, ready_iteration = self._clock(), self._iterations()
         # P's shards onto our own devices: dispatched here, on the pull thread (no copy at all
         # when P's tp equals ours).
         n = len(mine)
@@ -351,5 +381,21 @@ class PullExecutor:
             for i, p in enumerate(self._kv_args.pools)
         )
         return _Pulled(
-            req, start, ready, ready_iteration, ready - started, arrays, pages, nbytes,
+            req, start, ready, ready_iteration, arrived - started, arrays, pages, nbytes,
         )
+
+    def _checksum_mismatch(
+        self, expected: tuple[int, ...], pulled: list[Any], mine: list[int], shards: int
+    ) -> str:
+        """"" when every pulled array sums to what P registered, else what differs. ``pulled``
+        holds this process's shards (``mine``) of each pool, pools in wire order, as P
+        registered them (pool-major)."""
+        pools = self._kv_args.pools
+        for k, array in enumerate(pulled):
+            pool, shard = divmod(k, len(mine))
+            index = pool * shards + mine[shard]
+            got = kv_checksum(array)
+            if got != expected[index]:
+                return (f"KV checksum mismatch: array {index} ({pools[pool].name}, shard "
+                        f"{mine[shard]}) sums to {got:#010x} here, {expected[index]:#010x} on P")
+        return ""

@@ -34,6 +34,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="no crashes, partitions, lost or corrupt frames, failing pulls")
     p.add_argument("--recompute", action="store_true",
                    help="D prefills a room itself when P or the transfer fails it")
+    p.add_argument("--kv-checksum", action="store_true",
+                   help="P and D run KV checksums (--disaggregation-kv-checksum), and some pulls "
+                        "arrive corrupted among the faults")
     p.add_argument("--prefill", type=int, default=2)
     p.add_argument("--decode", type=int, default=2)
     p.add_argument("--requests", type=int, default=10, help="clients per seed (default 10)")
@@ -78,6 +81,7 @@ def main(args: argparse.Namespace) -> int:
     routing = RoutingConfig(prefill_policy=args.policy, decode_policy=args.policy)
     config = SimConfig(prefill=args.prefill, decode=args.decode, requests=args.requests,
                        faults=args.faults, recompute=args.recompute, plant=args.plant,
+                       kv_checksum=args.kv_checksum,
                        routing=routing, schedulers=args.schedulers)
     if args.plant in REAL_ONLY_PLANTS and args.schedulers != "real":
         print(f"pd-fsm sim: --plant {args.plant} needs --schedulers real", file=sys.stderr)

@@ -30,6 +30,8 @@ PLANTS = {
     "no-ready-timeout": "D waits for READY forever (its WAITING_FOR_READY timeout removed)",
     "double-free": "D frees the pages of a room whose pull failed twice",
     "kv-pages-reversed": "D scatters a pulled room's pages in reverse order (real schedulers)",
+    "unverified-kv": "D decodes from a pull whose KV arrived corrupted (its checksum check "
+                     "skipped)",
 }
 REAL_ONLY_PLANTS = frozenset({"kv-pages-reversed"})
 
@@ -82,6 +84,9 @@ class SimConfig:
     arrival_window: float = 15.0  # arrivals spread uniformly over this many seconds
     faults: bool = True
     recompute: bool = False  # D prefills a room itself when P or the transfer fails it
+    # KV checksums on every P and D (--disaggregation-kv-checksum), and among the faults some
+    # pulls whose bytes arrive corrupted (which only the checksums can see).
+    kv_checksum: bool = False
     plant: str | None = None
     routing: RoutingConfig = attrs.field(factory=RoutingConfig)
     pages: int = 48  # per worker
@@ -91,6 +96,11 @@ class SimConfig:
     # "modelled": schedulers, pools and the transfer server are modelled (fast: thousands of
     # seeds); "real": the real PD schedulers on the tiny model run every step (sim/real.py).
     schedulers: str = attrs.field(default="modelled")
+
+    @property
+    def checksums(self) -> bool:
+        """Whether the cluster runs KV checksums: the flag, or the planted bug of that path."""
+        return self.kv_checksum or self.plant == "unverified-kv"
 
     @schedulers.validator
     def _known(self, _: object, value: str) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 
 import attrs
 import jax
+import numpy as np
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
@@ -56,7 +57,7 @@ MAX_PROMPT = 40  # tokens: short prompts keep a seed's real forwards quick
 POOL_PAGES = 96  # per worker, the null page included
 
 
-def _args(mode: str, name: str, recompute: bool) -> DisaggregationArgs:
+def _args(mode: str, name: str, recompute: bool, kv_checksum: bool) -> DisaggregationArgs:
     return DisaggregationArgs(
         model=MODEL, num_pages=POOL_PAGES, page_size=PAGE_SIZE, max_running=8,
         max_batched_tokens=256, context_length=128, disaggregation_mode=mode,
@@ -65,7 +66,7 @@ def _args(mode: str, name: str, recompute: bool) -> DisaggregationArgs:
         resolve_timeout=DECODE.resolve_timeout, queue_timeout=DECODE.queue_timeout,
         ready_timeout=DECODE.ready_timeout, transfer_timeout=DECODE.transfer_timeout,
         pull_deadline=PULL_DEADLINE, failure_policy="recompute" if recompute else "fail",
-        radix_cache=mode == "prefill",
+        radix_cache=mode == "prefill", kv_checksum=kv_checksum,
     )
 
 
@@ -107,6 +108,20 @@ def reference() -> Reference:
 
 
 # ------------------------------------------------------------------------------ transfer
+
+
+def corrupted(array: jax.Array, garbage: bool = False) -> jax.Array:
+    """A copy of ``array`` damaged as in flight: one bit flipped in its middle byte, the least
+    a checksum must catch; or, ``garbage``, its first 4 KiB (the room's first page of layer 0)
+    overwritten with 0xFF bytes (NaN in float32), which changes what a model computes from it."""
+    host = np.array(array)  # a copy: the pulled array itself stays as it arrived
+    raw = host.reshape(-1).view(np.uint8)
+    if garbage:
+        raw[: 4096] = 0xFF
+    else:
+        raw[raw.size // 2] ^= 0x10
+    damaged: jax.Array = jax.device_put(host, array.sharding)
+    return damaged
 
 
 @attrs.define
@@ -194,6 +209,10 @@ class SimPullExecutor(PullExecutor):
                 took = w.rng.uniform(1.0, 2 * PULL_DEADLINE)  # slow: maybe past its deadline
             elif r < 0.07:
                 node.failing_pulls.add(req.uuid)
+            elif r < 0.13 and w.config.checksums:
+                node.corrupt_pulls.add(req.uuid)  # arrives, damaged: only a checksum can tell
+        if w.plant("unverified-kv"):
+            req = attrs.evolve(req, kv_checksums=())  # the planted bug: nothing is verified
         w.at(min(took, PULL_DEADLINE), f"{node.name} pull of room {req.room:x}", self._virtual_run,
              node.gen, req, start)
 
@@ -351,12 +370,13 @@ class RealPrefillWorker(_RealWorker):
         self.transfer = f"{self.name}:{17000 + self.gen}"  # a new port per process
         self.engine = SimTransferEngine(w, self, self.transfer)
         cls = _LeakyPrefill if w.plant("missing-release-on-done") else PrefillScheduler
-        self.sched = cls(_args("prefill", self.name, w.config.recompute), engine=self.engine,
-                         clock=self.local, rng=random.Random(w.rng.getrandbits(64)))
+        self.sched = cls(_args("prefill", self.name, w.config.recompute, w.config.checksums),
+                         engine=self.engine, clock=self.local,
+                         rng=random.Random(w.rng.getrandbits(64)))
         if w.plant("lease-shortens"):  # the planted bug: the same endpoint, shortening leases
             self.sched.core = ShorteningPrefill(
                 self.sched.layout_hash, random.Random(w.rng.getrandbits(64)), LEASE,
-                transfer_addr=self.engine.address)
+                transfer_addr=self.engine.address, kv_checksum=w.config.checksums)
         w.register(self)  # type: ignore[arg-type]
         w.at(REGISTRY_HEARTBEAT, f"{self.name} registry heartbeat", self._heartbeat, self.gen)
 
@@ -405,11 +425,12 @@ class RealDecodeWorker(_RealWorker):
         self.tokens: dict[int, list[int]] = {}  # room -> output so far
         self.relaying: set[int] = set()
         self.failing_pulls: set[int] = set()  # uuids whose pull the seed made fail
+        self.corrupt_pulls: set[int] = set()  # uuids whose pull the seed made arrive damaged
 
     def start(self) -> None:
         w = self.world
         self._restart_books()
-        self.tokens, self.relaying, self.failing_pulls = {}, set(), set()
+        self.tokens, self.relaying, self.failing_pulls, self.corrupt_pulls = {}, set(), set(), set()
         engine = _FailingPulls(w, self, f"{self.name}:transfer")
         node = self
 
@@ -425,8 +446,9 @@ class RealDecodeWorker(_RealWorker):
                 if isinstance(e, fx.ReleaseBlocks) and held and w.plant("double-free"):
                     self.allocator.free(held)  # the planted bug: a failed room's pages again
 
-        self.sched = _Decode(_args("decode", self.name, w.config.recompute), engine=engine,
-                             clock=self.local, on_pull_result=lambda room: node.poke())
+        self.sched = _Decode(_args("decode", self.name, w.config.recompute, w.config.checksums),
+                             engine=engine, clock=self.local,
+                             on_pull_result=lambda room: node.poke())
         if w.plant("no-ready-timeout"):  # the planted bug
             self.sched.core._state_timeout[KV_RECEIVER.S.WAITING_FOR_READY] = math.inf
 
@@ -502,7 +524,8 @@ class _LeakyPrefill(PrefillScheduler):
 
 
 class _FailingPulls(SimTransferEngine):
-    """D's engine: a pull the seed made fail fails, whatever P holds."""
+    """D's engine: a pull the seed made fail fails, whatever P holds; one it made arrive damaged
+    hands over a copy of P's first array with its first page overwritten."""
 
     def start_pull(self, peer: str, uuid: int, specs: Sequence[jax.ShapeDtypeStruct],
                    deadline_s: float) -> PendingPull:
@@ -511,4 +534,9 @@ class _FailingPulls(SimTransferEngine):
         if uuid in node.failing_pulls:
             node.failing_pulls.discard(uuid)
             return _Pending(peer, uuid, [], "injected transfer failure")
-        return super().start_pull(peer, uuid, specs, deadline_s)
+        pending = super().start_pull(peer, uuid, specs, deadline_s)
+        if uuid in node.corrupt_pulls and isinstance(pending, _Pending) and pending.arrays:
+            node.corrupt_pulls.discard(uuid)
+            first, *rest = pending.arrays
+            pending.arrays = [corrupted(first, garbage=True), *rest]
+        return pending

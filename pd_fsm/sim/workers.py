@@ -193,7 +193,7 @@ class PrefillWorker(Node):
         self.transfer = f"{self.name}:{17000 + self.gen}"  # a new port per process
         cls = ShorteningPrefill if w.config.plant == "lease-shortens" else PrefillEndpoint
         self.core = cls(LAYOUT, random.Random(w.rng.getrandbits(64)), LEASE,
-                        transfer_addr=self.transfer)
+                        transfer_addr=self.transfer, kv_checksum=w.config.checksums)
         self.pool = Pool(w, self.name, w.config.pages)
         self.held, self.regs, self.legs = {}, {}, {}
         self.busy_until, self.cached_groups = 0.0, set()
@@ -268,13 +268,16 @@ class PrefillWorker(Node):
             case fx.SendMessage():
                 w.send(self.side, e.peer, e.message)
             case fx.RegisterKV():
-                self.regs[e.uuid] = e.room
+                return self._register(e.room, e.uuid, e.spare_uuid)
             case fx.NarrowKV():
                 self.regs.pop(e.replaces, None)
-                self.regs[e.uuid] = e.room
+                if e.replaces_spare is not None:
+                    self.regs.pop(e.replaces_spare, None)
+                return self._register(e.room, e.uuid, e.spare_uuid)
             case fx.ReleaseKV():
-                if e.uuid is not None and self.regs.pop(e.uuid, None) is None:
-                    raise Violation(f"{self.name}: registration {e.uuid} released twice")
+                for uuid in (e.uuid, e.spare_uuid):
+                    if uuid is not None and self.regs.pop(uuid, None) is None:
+                        raise Violation(f"{self.name}: registration {uuid} released twice")
                 pages = self.held.pop(e.room, None)
                 done = isinstance(event, ev.MessageReceived) and isinstance(event.message,
                                                                             Done)
@@ -289,6 +292,15 @@ class PrefillWorker(Node):
             case fx.AckWhileBusy():
                 pass  # the simulated steps never keep the endpoint busy
         return ()
+
+    def _register(self, room: int, uuid: int, spare: int | None) -> tuple[Any, ...]:
+        """The transfer server takes the KV (twice with checksums on: the spare is D's re-pull)
+        and, with checksums on, P's scheduler reports them (the room stands for its bytes)."""
+        self.regs[uuid] = room
+        if spare is None:
+            return ()
+        self.regs[spare] = room
+        return (ev.KVChecksummed(room, uuid, (room % (1 << 32),)),)
 
     def leftovers(self) -> str:
         held = self.pool.size - len(self.pool.free)
@@ -325,17 +337,19 @@ class DecodeWorker(Node):
         self._pull_ids = itertools.count(1)
         self.relaying: set[int] = set()  # rooms whose answer goes out (D's leg answered 200)
         self.pull_failed: set[int] = set()  # rooms whose pull failed (the double-free plant)
+        self.bad_kv: set[int] = set()  # rooms decoding from corrupted KV (the unverified plant)
 
     def start(self) -> None:
         w = self.world
         self.gen += 1
         self.alive, self.wake = True, math.inf
-        self.core = DecodeEndpoint(self.name, LAYOUT, DECODE, incarnation=w.rng.getrandbits(62) | 1)
+        self.core = DecodeEndpoint(self.name, LAYOUT, DECODE, incarnation=w.rng.getrandbits(62) | 1,
+                                   kv_checksum=w.config.checksums)
         if w.plant("no-ready-timeout"):
             self.core._state_timeout[KV_RECEIVER.S.WAITING_FOR_READY] = math.inf  # planted bug
         self.pool = Pool(w, self.name, w.config.pages)
         self.held, self.legs, self.waiting, self.pulls, self.relaying = {}, {}, [], {}, set()
-        self.pull_failed = set()
+        self.pull_failed, self.bad_kv = set(), set()
 
     def crash(self) -> None:
         self.alive = False
@@ -365,6 +379,7 @@ class DecodeWorker(Node):
             self._fail_leg(room, "no free pages for a local prefill")
             return
         self.held[room] = pages
+        self.bad_kv.discard(room)  # a recompute: this KV is our own
         cost = self.world.config.cost.prefill(client.tokens)
         self.world.at(cost, f"{self.name} local prefill of room {room:x}", self._first_token,
                       self.gen, room, client.first_token())
@@ -379,8 +394,11 @@ class DecodeWorker(Node):
         # The batch it decodes in, as it joins: the simple model of a continuous batch.
         cost = (client.out - 1) * self.world.config.cost.step(len(self.relaying))
         cost = max(cost, 0.002)  # the body's end never reaches the proxy before its headers
+        tokens = client.expected(first)
+        if room in self.bad_kv:  # D continues from KV that is not P's: its tokens are not either
+            tokens = (tokens[0], *((t + 1) % VOCAB for t in tokens[1:]))
         self.world.at(cost, f"{self.name} decode of room {room:x}", self._decoded, self.gen, room,
-                      client.expected(first))
+                      tokens)
 
     def _decoded(self, gen: int, room: int, tokens: tuple[int, ...]) -> None:
         if gen != self.gen or room not in self.legs:
@@ -512,19 +530,21 @@ class DecodeWorker(Node):
         gen_client = self.legs.get(e.room)
         tokens = gen_client[1].tokens if gen_client is not None else 0
         took = w.config.cost.pull(tokens) + w.rng.uniform(0.001, 0.005)
-        fails = False
+        fails = corrupted = False
         if w.config.faults:
             r = w.rng.random()
             if r < 0.04:
                 took = w.rng.uniform(1.0, 2 * PULL_DEADLINE)  # slow: maybe past its deadline
             elif r < 0.07:
                 fails = True
+            elif r < 0.13 and w.config.checksums:
+                corrupted = True  # the bytes arrive, damaged: only the checksums can tell
         took = min(took, PULL_DEADLINE)
         w.at(took, f"{self.name} pull of room {e.room:x}", self._pulled, self.gen, e.room, pull,
-             e.uuid, e.transfer_addr, fails, took >= PULL_DEADLINE)
+             e.uuid, e.transfer_addr, fails, took >= PULL_DEADLINE, corrupted)
 
     def _pulled(self, gen: int, room: int, pull: int, uuid: int, addr: str, fails: bool,
-                late: bool) -> None:
+                late: bool, corrupted: bool) -> None:
         if gen != self.gen or self.pulls.get(room) != pull:
             return
         del self.pulls[room]
@@ -536,7 +556,12 @@ class DecodeWorker(Node):
         elif source is None or uuid not in source.regs or not self.world.reachable(
                 self.name, source.name):
             reason = f"nothing registered as {uuid} at {addr}"
+        elif corrupted and not self.world.plant("unverified-kv"):
+            self.feed(ev.ChecksumMismatched(room, "array 0 differs from P's checksum"))
+            return
         else:
+            if corrupted:
+                self.bad_kv.add(room)  # the planted bug: the check that would catch it skipped
             self.feed(ev.PullSucceeded(room))
             return
         self.pull_failed.add(room)

@@ -44,12 +44,14 @@ def test_without_faults_every_client_gets_the_right_answer() -> None:
     assert answers == {"200": 1000}  # the invariant checks each 200 carries the right tokens
 
 
-def test_with_recompute_only_a_decode_or_proxy_death_fails_a_client() -> None:
+@pytest.mark.parametrize("kv_checksum", [False, True])
+def test_with_recompute_only_a_decode_or_proxy_death_fails_a_client(kv_checksum: bool) -> None:
     """D prefills what P or the transfer could not give it, and the proxy (decode_recomputes)
-    leaves the room to D's answer: every failure P causes is recovered."""
+    leaves the room to D's answer: every failure P causes is recovered (with KV checksums, a
+    room whose pulls arrived corrupted twice too)."""
     reasons: Counter[str] = Counter()
     for seed in range(200):
-        world = World(seed, SimConfig(recompute=True))
+        world = World(seed, SimConfig(recompute=True, kv_checksum=kv_checksum))
         world.run()
         for client in world.clients:
             assert client.answer is not None
@@ -58,6 +60,21 @@ def test_with_recompute_only_a_decode_or_proxy_death_fails_a_client() -> None:
     allowed = {"decode connection refused", "decode connection reset",
                "proxy connection reset", "relay broke off"}
     assert reasons and set(reasons) <= allowed, reasons
+
+
+def test_with_kv_checksums_corrupted_pulls_are_pulled_again_or_fail_cleanly(
+    receiver_rows: Counter[tuple[str, str]],
+) -> None:
+    """Issue 31 §3: with KV checksums on, some pulls arrive corrupted among the faults. Every
+    invariant holds (a 200 carries the right tokens: no room decodes from the bad KV), and the
+    seeds take kv_receiver's new rows: a re-pull that succeeds, one corrupted again, one cut
+    short by P's loss."""
+    config = SimConfig(kv_checksum=True)
+    failing = [r for r in (run_seed(s, config) for s in range(500)) if r.violation]
+    assert not failing, [(r.seed, r.violation) for r in failing[:5]]
+    new_rows = {("TRANSFERRING", "ChecksumMismatched"), ("REPULLING", "PullSucceeded"),
+                ("REPULLING", "ChecksumMismatched"), ("REPULLING", "PeerLost")}
+    assert new_rows <= set(receiver_rows), new_rows - set(receiver_rows)
 
 
 def test_the_command(capsys: pytest.CaptureFixture[str]) -> None:

@@ -36,6 +36,19 @@ def test_recompute_keeps_every_invariant() -> None:
     assert not failing, [(r.seed, r.violation) for r in failing[:3]]
 
 
+def test_kv_checksums_keep_every_invariant(receiver_rows: Counter[tuple[str, str]]) -> None:
+    """Issue 31 §3 with the real schedulers: some pulls arrive with a page overwritten; P's
+    checksums catch each on D, which pulls P's spare registration again, and every 200 is still
+    the colocated answer (``test_each_planted_bug_in_the_real_schedulers_is_caught`` shows the
+    same fault, unchecked, reaching an answer: ``unverified-kv``)."""
+    config = SimConfig(schedulers="real", requests=6, kv_checksum=True)
+    results = [run_seed(s, config) for s in range(8)]
+    assert not [r for r in results if r.violation], [
+        (r.seed, r.violation) for r in results if r.violation][:3]
+    assert receiver_rows[("TRANSFERRING", "ChecksumMismatched")] > 0
+    assert receiver_rows[("REPULLING", "PullSucceeded")] > 0
+
+
 def test_without_faults_every_answer_is_the_colocated_one() -> None:
     config = SimConfig(schedulers="real", requests=6, faults=False)
     for seed in range(6):

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pd_fsm.jax_engine.kv_checksum import kv_checksums
 from pd_fsm.jax_engine.kv_holder import KVCacheHolder
 from pd_fsm.jax_engine.kv_pool import KVPoolConfig
 from pd_fsm.jax_engine.pool_spec import KVArgs, PoolTransferSpec
@@ -73,6 +74,52 @@ def test_in_process_pull_scatter_and_verified_release() -> None:
     rel = p_engine.release(7, "done")
     assert rel.released and rel.verified and p_engine.registrations() == {}
     assert not p_engine.release(7, "done again").released  # idempotent
+    ex.close()
+    p_engine.close()
+    d_engine.close()
+
+
+def test_a_pull_that_fails_its_checksums_is_reported_and_never_scattered() -> None:
+    """READY's checksums (``PullRequest.kv_checksums``): the pulled arrays are checked on the
+    pull thread; KV that differs is reported as a mismatch naming the array and leaves D's pages
+    as they were, KV that matches is scattered; a count that does not describe the registration
+    is refused before any pull."""
+    p_engine = JaxTransferKVEngine(reaper_interval_s=None)
+    d_engine = JaxTransferKVEngine(reaper_interval_s=None)
+    p_holder = KVCacheHolder({"main_kv": _pool(5)})
+    d_holder = KVCacheHolder({"main_kv": _pool(6)})
+    with d_holder.locked() as kv:
+        before = [np.asarray(a).copy() for a in kv["main_kv"]]
+    arrived = threading.Semaphore(0)
+    ex = PullExecutor(d_engine, d_holder, ARGS, deadline_s=10,
+                      on_result=lambda room: arrived.release())
+    arrays = gather_room(p_holder, ARGS, [5, 6])
+    (good,) = kv_checksums(arrays)
+    for uuid in (10, 11):  # two registrations of the same arrays: P's with its spare
+        p_engine.register(uuid, arrays, lease_s=30)
+    ex.submit(PullRequest(100, 10, p_engine.address, [1, 2], ARGS.layout_hash,
+                          kv_checksums=(good ^ 1,)))
+    ex.submit(PullRequest(101, 11, p_engine.address, [3, 4], ARGS.layout_hash,
+                          kv_checksums=(good, good)))  # two sums for one registered array
+    assert arrived.acquire(timeout=15) and arrived.acquire(timeout=15)
+    results = {r.room: r for r in ex.poll()}
+    bad, miscounted = results[100], results[101]
+    assert not bad.ok and bad.checksum_mismatch and bad.bytes == 0
+    assert bad.reason == (f"KV checksum mismatch: array 0 (main_kv, shard 0) sums to "
+                          f"{good:#010x} here, {good ^ 1:#010x} on P")
+    assert not miscounted.ok and not miscounted.checksum_mismatch
+    assert "READY carries 2 KV checksums for 1 registered arrays; not pulled" in miscounted.reason
+    with d_holder.locked() as kv:
+        assert all(np.array_equal(np.asarray(a), b) for a, b in zip(kv["main_kv"], before,
+                                                                    strict=True))
+    ex.submit(PullRequest(102, 11, p_engine.address, [3, 4], ARGS.layout_hash,
+                          kv_checksums=(good,)))
+    assert arrived.acquire(timeout=15)
+    (ok,) = ex.poll()
+    assert ok.ok and not ok.checksum_mismatch, ok
+    with d_holder.locked() as kv:
+        assert np.array_equal(np.asarray(kv["main_kv"][0])[[3, 4]],
+                              np.asarray(arrays[0])[0, :2])
     ex.close()
     p_engine.close()
     d_engine.close()

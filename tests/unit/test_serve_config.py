@@ -40,7 +40,7 @@ def test_every_flag_reaches_the_config(tmp_path: Path) -> None:
         "--disaggregation-side-channel-port", "7002", "--served-model-name", "m",
         "--warmup", "minimal", "--compilation-cache-dir", str(tmp_path / "xla"),
         "--disaggregation-pull-workers", "4", "--transfer-nice", "-5",
-        "--advertise-host", "10.0.0.2",
+        "--advertise-host", "10.0.0.2", "--disaggregation-kv-checksum",
     ])
     c = config_from_args(args)
     assert c == ServeConfig(
@@ -54,7 +54,7 @@ def test_every_flag_reaches_the_config(tmp_path: Path) -> None:
         cluster_secret_file=secret, disaggregation_failure_policy="recompute",
         disaggregation_queue_timeout=42.0, disaggregation_side_channel_port=7002,
         warmup="minimal", compilation_cache_dir=tmp_path / "xla",
-        disaggregation_pull_workers=4, transfer_nice=-5,
+        disaggregation_pull_workers=4, transfer_nice=-5, disaggregation_kv_checksum=True,
     )
     assert c.cluster_secret() == b"s3cret"
     sa = c.scheduler_args()
@@ -63,7 +63,8 @@ def test_every_flag_reaches_the_config(tmp_path: Path) -> None:
     from pd_fsm.io_trio.worker.pd_backends import disaggregation_args
 
     da = disaggregation_args(c)
-    assert (da.pull_workers, da.pull_thread_nice) == (4, -5)
+    assert (da.pull_workers, da.pull_thread_nice, da.kv_checksum) == (4, -5, True)
+    assert not disaggregation_args(ServeConfig(disaggregation_mode="decode")).kv_checksum
 
 
 @pytest.mark.parametrize("flags", [
@@ -90,6 +91,8 @@ def test_bad_values_refused(flags: list[str]) -> None:
     (["--nnodes", "2", "--tp", "3", "--dist-init-addr", "h:1"], "does not split"),
     (["--nnodes", "2", "--tp", "2", "--node-rank", "2", "--dist-init-addr", "h:1"],
      "--node-rank must be in 0..1"),
+    (["--nnodes", "2", "--tp", "2", "--dist-init-addr", "h:1", "--disaggregation-kv-checksum"],
+     "--disaggregation-kv-checksum is not supported with --nnodes > 1"),
 ])
 def test_multi_process_flags_refused_by_name(flags: list[str], reason: str) -> None:
     args = build_parser().parse_args(["serve", "--model", "tiny", *flags])

@@ -83,6 +83,9 @@ class ServeConfig:
     disaggregation_bootstrap_heartbeat_interval: float = _DECODE.heartbeat_interval
     disaggregation_bootstrap_heartbeat_ttl: float = 15.0
     disaggregation_failure_policy: str = "fail"
+    # P: checksum each registered KV array (READY carries them, and a spare registration); D:
+    # verify every pull, re-pull once on a mismatch. P and D must both have it or neither.
+    disaggregation_kv_checksum: bool = False
     disaggregation_queue_timeout: float = _DECODE.queue_timeout
     # P's side channel port (0: any free port); also the port routers know P by by default.
     disaggregation_side_channel_port: int = 0

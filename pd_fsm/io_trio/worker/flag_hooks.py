@@ -48,6 +48,14 @@ def _check_nodes(args: argparse.Namespace) -> None:
                          f"is used too), got {addr!r}")
 
 
+def _check_kv_checksum(args: argparse.Namespace) -> None:
+    if args.disaggregation_kv_checksum and args.nnodes > 1:
+        # Each P rank registers its own shards, but READY comes from rank 0 alone: it could not
+        # carry the other ranks' checksums.
+        raise ValueError("--disaggregation-kv-checksum is not supported with --nnodes > 1 "
+                         "(READY would carry only rank 0's checksums)")
+
+
 def _compilation_cache(args: argparse.Namespace) -> bool:
     if args.no_compilation_cache and args.compilation_cache_dir is not None:
         raise ValueError("--compilation-cache-dir and --no-compilation-cache contradict")
@@ -97,6 +105,7 @@ SERVE_HOOKS: tuple[Hook, ...] = (
     Hook(None, ("disaggregation_bootstrap_heartbeat_interval",
                 "disaggregation_bootstrap_heartbeat_ttl"), _check_heartbeat),
     Hook(None, ("nnodes", "node_rank", "tp_size", "dist_init_addr"), _check_nodes),
+    Hook(None, ("disaggregation_kv_checksum", "nnodes"), _check_kv_checksum),
     Hook("radix_cache", ("disable_radix_cache",), lambda args: not args.disable_radix_cache),
     Hook("compilation_cache", ("no_compilation_cache", "compilation_cache_dir"),
          _compilation_cache),

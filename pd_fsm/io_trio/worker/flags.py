@@ -264,6 +264,27 @@ _DISAGGREGATION = (
              "deadline")),
     Flag("--disaggregation-failure-policy", choices=FAILURE_POLICIES,
          help="on a failed KV transfer: fail the request, or recompute the prefill on D"),
+    Flag("--disaggregation-kv-checksum", shown_default="off", help=(
+        "P/D: P checksums the KV it registers and D verifies every pull before scattering it, "
+        "pulling once more on a mismatch (then the failure policy applies); P and D must both "
+        "have it (a D refuses a P that differs, by name); not with --nnodes > 1"), doc=(
+        "KV checked on arrival. P checksums each array it registers for a room, after its "
+        "gather (`pd_fsm/jax_engine/kv_checksum.py`: 32-bit words summed per 64 KiB row, rows "
+        "weighted 2r+1, mod 2^32 — any flipped bit or misplaced row changes it; numpy on the "
+        "CPU buffer, jitted on an accelerator), registers the arrays twice, and READY carries "
+        "the checksums and the spare registration. D's pull thread checks every pulled array "
+        "before the scatter: on a mismatch nothing is written and D pulls the spare once more "
+        "(kv_receiver `REPULLING`); a second mismatch fails the room with 502 \"KV corrupted in "
+        "flight (and on the re-pull): KV checksum mismatch: array 0 … sums to 0x… here, 0x… on "
+        "P\", or under `recompute` D prefills the prompt itself. Counted in `/metrics`: "
+        "`pd_fsm_worker_backend_kv_checksum_mismatches_total`, `…_kv_checksum_repulls_total`, "
+        "`…_transfer{key=\"pulls_corrupted\"}`. P and D must both have it: P says so in its "
+        "registry record (`mesh_meta.kv_checksum`) and a D that differs refuses that P by name "
+        "before reserving a page, either way round (\"start P and D both with or both without "
+        "--disaggregation-kv-checksum\"); a D with it also refuses a READY without checksums. "
+        "Not with `--nnodes > 1` (refused at start: READY comes from rank 0 alone). A colocated "
+        "worker ignores it. Cost: \"Performance\". It guards against corruption, not forgery "
+        "(no key: see \"Security model\")")),
     Flag("--transfer-nice", metavar="N", check=within(-20, 0, show_value=True), help=(
         "P/D: nice value (-20..0) for the KV transfer threads, ahead of compute; needs "
         "CAP_SYS_NICE (else logged and left); 0: leave them (default %(default)s)"), doc=(

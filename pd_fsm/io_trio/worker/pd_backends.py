@@ -200,6 +200,10 @@ class PDBackend(ColocatedBackend, ABC):
             out["pd_queues"] = self._queue_stats(sched)
             if isinstance(sched, DecodeScheduler):
                 out["recomputed_total"] = sched.recomputed
+                # Pulls whose KV failed READY's checksums (corrupted in flight) and the second
+                # pulls they caused (also under pd_events, without the _total).
+                out["kv_checksum_mismatches_total"] = pd_stats.get("kv_checksum_mismatches", 0)
+                out["kv_checksum_repulls_total"] = pd_stats.get("kv_checksum_repulls", 0)
         side = getattr(self, "side", None)
         if side is not None:
             # Refused frames (bad or missing signature: "malformed") must be visible to operators.
@@ -354,8 +358,10 @@ class PDBackend(ColocatedBackend, ABC):
             layout_hash=sched.layout_hash,
             scheduler_addr=f"{c.tls.scheme}://{c.public_host}:{c.port}",
             bootstrap_port=bootstrap_port,
+            # kv_checksum: whether this P's READY carries KV checksums (D refuses a P that
+            # disagrees with it, by name, before reserving a page).
             mesh_meta={"model": c.model_name, "devices": c.tp_size, "kv_shards": c.tp_size,
-                       "processes": c.nnodes},
+                       "processes": c.nnodes, "kv_checksum": c.disaggregation_kv_checksum},
             heartbeat_ttl=c.disaggregation_bootstrap_heartbeat_ttl,
             curve_public_key=self._curve.public.decode() if self._curve is not None else None,
         )
@@ -602,6 +608,15 @@ class DecodeBackend(PDBackend):
             # any page is reserved for the room.
             return (f"prefill {record.instance_id} keeps its KV in {record.kv_dtype}, this "
                     f"decode in {ours}: start P and D with the same --kv-dtype")
+        theirs = record.mesh_meta.get("kv_checksum", False) is True
+        if theirs != self.config.disaggregation_kv_checksum:
+            # Checked at READY too (a D that verifies refuses KV without checksums); this says
+            # why, and before any page is reserved for the room. Refused both ways: checksums
+            # nobody verifies would only cost P time and suggest a protection that is not there.
+            p_side = "checksums its KV" if theirs else "sends no KV checksums"
+            d_side = "does not verify them" if theirs else "verifies every pull"
+            return (f"prefill {record.instance_id} {p_side}, this decode {d_side}: start P and D "
+                    "both with or both without --disaggregation-kv-checksum")
         processes = record.mesh_meta.get("processes", 1)
         if processes != self.config.nnodes or (processes > 1
                                                and record.tp_size != self.config.tp_size):

@@ -42,6 +42,9 @@ class DisaggregationArgs(SchedulerArgs):
     pull_thread_nice: int = 0
     # D: what to do when the KV cannot be had: fail the request, or prefill it here.
     failure_policy: str = attrs.field(default="fail", validator=_policy)
+    # P: checksum every registered KV array and register it twice (READY names both); D: verify
+    # every pull against READY's checksums, pull once more on a mismatch. P and D must agree.
+    kv_checksum: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.pull_deadline >= self.transfer_timeout:

@@ -80,12 +80,15 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
             incarnation=(random.SystemRandom().getrandbits(63) | 1 if incarnation is None
                          else incarnation),
             pullable_kv_shards=kv_shard_counts(self.config.num_kv_heads),
+            kv_checksum=args.kv_checksum,
         )
         self.recv_queue = self._create_recv_queue()
         self.alloc_queue: deque[int] = deque()  # rooms waiting for pages, FIFO
         self._held_pages: dict[int, list[int]] = {}  # failed rooms whose pull is still running
         self.pull_executor = self._create_pull_executor(args, on_pull_result)
-        self.transfer_stats = {"pulls_ok": 0, "pulls_failed": 0, "bytes": 0, "seconds": 0.0}
+        # pulls_corrupted: the KV arrived but failed READY's checksums (not scattered).
+        self.transfer_stats = {"pulls_ok": 0, "pulls_failed": 0, "pulls_corrupted": 0,
+                               "bytes": 0, "seconds": 0.0}
         self.recomputed = 0
         # Iterations of this loop ended so far. Only the forward thread rebinds it; the pull
         # threads read it (an int, so they always see one published value).
@@ -163,6 +166,10 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
             if stamps is not None and "pull" in stamps:  # the pull thread's end, on our clock
                 stamps["pulled"] = stamps["pull"] + result.seconds
             self.deliver(ev.PullSucceeded(result.room))
+        elif result.checksum_mismatch:
+            stats["pulls_corrupted"] += 1
+            log.warning("room %d: %s", result.room, result.reason)
+            self.deliver(ev.ChecksumMismatched(result.room, result.reason))
         else:
             stats["pulls_failed"] += 1
             self.deliver(ev.PullFailed(result.room, result.reason))
@@ -180,6 +187,9 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
             self.alloc_queue.remove(e.room)
         elif isinstance(e, fx.StartPull):
             self._lap(e.room, "decode_ready_wait", "pages", "pull")
+            stamps = self._stamps.get(e.room)
+            if e.repull and stamps is not None:  # the pull that counts starts now
+                stamps["pull"] = self.clock()
             req = self.req_of[e.room]
             assert req.pages is not None
             self.pull_executor.submit(
@@ -190,6 +200,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
                     pages=req.pages[e.skip_pages : e.skip_pages + e.n_pages],
                     remote_layout_hash=self.layout_hash,  # the core compared READY's hash already
                     kv_shards=e.kv_shards,
+                    kv_checksums=e.kv_checksums,
                 )
             )
         elif isinstance(e, fx.ForgetTransfer):

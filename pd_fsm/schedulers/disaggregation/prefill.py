@@ -17,6 +17,7 @@ from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.messages import TokenLogprob
 from pd_fsm.core.prefill_endpoint import PrefillEndpoint
+from pd_fsm.jax_engine.kv_checksum import kv_checksums
 from pd_fsm.jax_engine.model import LoadedModel
 from pd_fsm.jax_engine.room_kv import gather_room
 from pd_fsm.jax_engine.sampling_params import TopLogprobs
@@ -57,6 +58,7 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
             # (README "Security model"); tests pass a seeded Random.
             self.layout_hash, rng or random.SystemRandom(), args.lease_config(),
             transfer_addr=self.engine.address, kv_shards=self.kv_args.kv_shards,
+            kv_checksum=args.kv_checksum,
         )
         self.send_queue = self._create_send_queue()
         self._held_pages: dict[int, list[int]] = {}  # room -> pages, after the leg answered
@@ -140,10 +142,12 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
 
     def _carry_out(self, e: Any) -> None:
         if isinstance(e, fx.RegisterKV):
-            self._register_kv(e.room, e.uuid, e.skip_pages)
+            self._register_kv(e.room, e.uuid, e.skip_pages, e.spare_uuid)
         elif isinstance(e, fx.NarrowKV):  # only what D lacks goes: the whole prompt's is let go
-            self._release_registration(e.replaces, "narrowed to the pages D lacks")
-            self._register_kv(e.room, e.uuid, e.skip_pages)
+            for old in (e.replaces, e.replaces_spare):
+                if old is not None:
+                    self._release_registration(old, "narrowed to the pages D lacks")
+            self._register_kv(e.room, e.uuid, e.skip_pages, e.spare_uuid)
         elif isinstance(e, fx.CompleteRequest):
             req = self.req_of[e.room]
             # The leg is answered now; its pages stay held (apart from the request) until
@@ -155,6 +159,8 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
             self.room_of.pop(req.rid, None)
             self._finish(req, FinishReason("length"))
         elif isinstance(e, fx.ReleaseKV):
+            if e.spare_uuid is not None:  # usually never pulled: D's pull needed no second go
+                self._release_registration(e.spare_uuid, "room over")
             self._release_kv(e.room, e.uuid)
         elif isinstance(e, fx.FailRequest):
             failed = self.req_of.get(e.room)
@@ -163,22 +169,33 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
         else:
             raise TypeError(f"prefill scheduler cannot carry out {e!r}")
 
-    def _register_kv(self, room: int, uuid: int, skip_pages: int = 0) -> None:
-        """Gather and register the prompt's pages after the ``skip_pages`` D holds already."""
+    def _register_kv(
+        self, room: int, uuid: int, skip_pages: int = 0, spare_uuid: int | None = None
+    ) -> None:
+        """Gather and register the prompt's pages after the ``skip_pages`` D holds already;
+        with KV checksums (``spare_uuid``), checksum them and register them under the spare
+        too (for D's one re-pull: a registration is pulled once), then tell the core."""
         req = self.req_of[room]
         assert req.pages is not None
         try:
             start = self.clock()
             pages = req.pages[skip_pages : self.prompt_pages(req)]
             arrays = gather_room(self.kv_holder, self.kv_args, pages)
+            # The checksums wait for the gather to run (its dispatch alone is what the phase
+            # measures without them): "kv_gather" then lasts until the bytes are summed.
+            sums = kv_checksums(arrays) if spare_uuid is not None else ()
             gathered = self.clock()
-            self.engine.register(uuid, arrays, _ENGINE_LEASE_S)
+            for registration in (uuid, spare_uuid):
+                if registration is not None:
+                    self.engine.register(registration, arrays, _ENGINE_LEASE_S)
+                    self.transfer_stats["registered"] += 1
         except Exception as exc:  # the room fails cleanly; the worker keeps serving
             self._deferred.append(ev.PrefillFailed(room, f"KV registration failed: {exc}"))
             return
+        if spare_uuid is not None:  # READY waits for these (the core holds it until then)
+            self._deferred.append(ev.KVChecksummed(room, uuid, sums))
         self._phase_sample("kv_gather", gathered - start)
         self._phase_sample("kv_register", self.clock() - gathered)
-        self.transfer_stats["registered"] += 1
         self.transfer_stats["registered_bytes"] += sum(int(a.nbytes) for a in arrays)
 
     def _release_registration(self, uuid: int, why: str) -> None:
