@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -108,28 +109,28 @@ def _strict_float(value: Any, _: type) -> float:
     return value
 
 
-def _room_list(value: Any, _: type) -> tuple[int, ...]:
-    if type(value) is not list:
-        raise TypeError(f"expected a list of rooms, got {type(value).__name__}")
-    if len(value) > MAX_ROOMS_PER_HEARTBEAT:
-        raise ValueError(f"more than {MAX_ROOMS_PER_HEARTBEAT} rooms")
-    for r in value:
-        if type(r) is not int or not 0 <= r < MAX_ROOM:
-            raise ValueError(f"bad room id {r!r}")
-    return tuple(value)
+def _int_list(
+    items: str, item: str, most: int, limit: int
+) -> Callable[[Any, type], tuple[int, ...]]:
+    """A cattrs hook: a list of at most ``most`` ints in [0, ``limit``); errors name ``items``."""
+
+    def structure(value: Any, _: type) -> tuple[int, ...]:
+        if type(value) is not list:
+            raise TypeError(f"expected a list of {items}, got {type(value).__name__}")
+        if len(value) > most:
+            raise ValueError(f"more than {most} {items}")
+        for v in value:
+            if type(v) is not int or not 0 <= v < limit:
+                raise ValueError(f"bad {item} {v!r:.40}")
+        return tuple(value)
+
+    return structure
 
 
-def _checksum_list(value: Any, _: type) -> tuple[int, ...]:
-    """READY's kv_checksums: at most MAX_KV_CHECKSUMS 32-bit words (a hook of that field alone:
-    other int tuples are room lists, with their own bounds)."""
-    if type(value) is not list:
-        raise TypeError(f"expected a list of checksums, got {type(value).__name__}")
-    if len(value) > MAX_KV_CHECKSUMS:
-        raise ValueError(f"more than {MAX_KV_CHECKSUMS} checksums")
-    for c in value:
-        if type(c) is not int or not 0 <= c < KV_CHECKSUM_LIMIT:
-            raise ValueError(f"bad checksum {c!r:.40} (a 32-bit word)")
-    return tuple(value)
+_room_list = _int_list("rooms", "room id", MAX_ROOMS_PER_HEARTBEAT, MAX_ROOM)
+# READY's kv_checksums, 32-bit words: the hook of that field alone (every other int tuple is a
+# list of rooms).
+_checksum_list = _int_list("checksums", "checksum", MAX_KV_CHECKSUMS, KV_CHECKSUM_LIMIT)
 
 
 def _top_list(value: Any, _: type) -> tuple[TokenLogprob, ...]:

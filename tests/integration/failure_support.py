@@ -289,6 +289,34 @@ def leg(room: int, input_ids: list[int], max_new_tokens: int, prefill: Proc, *,
     }
 
 
+async def both_legs(http: httpx.AsyncClient, p: Proc, d: Proc, body: dict[str, Any]
+                         ) -> tuple[httpx.Response, httpx.Response]:
+    """P's and D's answers to ``body`` (``leg``), both legs posted at once as a router does."""
+    out: dict[str, httpx.Response] = {}
+
+    async def post(name: str, proc: Proc) -> None:
+        out[name] = await http.post(f"{proc.url}/generate", json=body)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(post, "p", p)
+        nursery.start_soon(post, "d", d)
+    return out["p"], out["d"]
+
+
+async def refused_by_name(http: httpx.AsyncClient, p: Proc, d: Proc, input_ids: list[int]
+                          ) -> str:
+    """D refuses a PD request for a P it must not use (its registry record says why): D's leg is
+    a JSON error, P's leg ends too (no D ever claims the room), nothing is pulled, and both hold
+    nothing afterwards. D's message, for the test to check it names the reason."""
+    before = (await stats(http, d))["transfer"]
+    p_r, d_r = await both_legs(http, p, d, leg(new_room(), input_ids, 4, p))
+    assert d_r.status_code >= 400, d_r.text
+    assert p_r.status_code >= 400, p_r.text
+    assert (await stats(http, d))["transfer"] == before  # nothing pulled
+    await wait_clean(http, p, d, timeout=SLACK)
+    return error_message(d_r)
+
+
 def warm_pd(prefills: list[Proc], decode: Proc, lengths: tuple[int, ...]) -> None:
     """One PD request per (P, prompt length), both legs at once: every P compiles the prefill
     and gather shapes the tests will use before any test holds it to a 3 s lease (a cold

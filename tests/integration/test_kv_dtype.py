@@ -9,21 +9,19 @@ the tiny model, ``failure_support``'s short windows."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
-import trio
 
 from tests.integration.failure_support import (
     SLACK,
     Fleet,
-    Proc,
-    error_message,
+    both_legs,
     greedy,
     leg,
     new_room,
     prompt,
+    refused_by_name,
     stats,
     wait_clean,
 )
@@ -48,19 +46,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     f.close()
 
 
-async def _pd(http: httpx.AsyncClient, p: Proc, d: Proc, body: dict[str, Any]
-              ) -> tuple[httpx.Response, httpx.Response]:
-    out: dict[str, httpx.Response] = {}
-
-    async def post(name: str, proc: Proc) -> None:
-        out[name] = await http.post(f"{proc.url}/generate", json=body)
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(post, "p", p)
-        nursery.start_soon(post, "d", d)
-    return out["p"], out["d"]
-
-
 async def test_bf16_pd_equals_bf16_colocated_and_moves_half_the_bytes(fleet: Fleet) -> None:
     ids = prompt(23, seed=5)  # six pages of 4 tokens
     pulled: dict[str, int] = {}
@@ -68,7 +53,7 @@ async def test_bf16_pd_equals_bf16_colocated_and_moves_half_the_bytes(fleet: Fle
         for p, d, c in (("p16", "d16", "c16"), ("p32", "d32", "c32")):
             expected = await greedy(http, fleet[c], ids, 6)
             before = int((await stats(http, fleet[d]))["transfer"]["bytes"])
-            p_r, d_r = await _pd(http, fleet[p], fleet[d], leg(new_room(), ids, 6, fleet[p]))
+            p_r, d_r = await both_legs(http, fleet[p], fleet[d], leg(new_room(), ids, 6, fleet[p]))
             assert p_r.status_code == 200 and d_r.status_code == 200, (p_r.text, d_r.text)
             assert d_r.json()["output_ids"] == expected, (d, c)
             pulled[d] = int((await stats(http, fleet[d]))["transfer"]["bytes"]) - before
@@ -81,13 +66,6 @@ async def test_bf16_pd_equals_bf16_colocated_and_moves_half_the_bytes(fleet: Fle
 
 async def test_a_decode_of_another_kv_dtype_refuses_the_prefill_by_name(fleet: Fleet) -> None:
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=60.0)) as http:
-        before = (await stats(http, fleet["d32"]))["transfer"]
-        p_r, d_r = await _pd(http, fleet["p16"], fleet["d32"],
-                             leg(new_room(), prompt(9, seed=6), 4, fleet["p16"]))
-        assert d_r.status_code >= 400, d_r.text
-        message = error_message(d_r)
-        assert "keeps its KV in bfloat16, this decode in float32" in message, message
-        assert "--kv-dtype" in message, message
-        assert p_r.status_code >= 400, p_r.text  # P's leg ends too (no D ever claims it)
-        assert (await stats(http, fleet["d32"]))["transfer"] == before  # nothing pulled
-        await wait_clean(http, fleet["p16"], fleet["d32"], timeout=SLACK)
+        message = await refused_by_name(http, fleet["p16"], fleet["d32"], prompt(9, seed=6))
+    assert "keeps its KV in bfloat16, this decode in float32" in message, message
+    assert "--kv-dtype" in message, message

@@ -17,7 +17,9 @@ Prefill worker (P), in the order a room passes them:
   all its chunks and the steps between them).
 - ``kv_gather``: the gather of the room's prompt pages into packed arrays, as the scheduler
   thread spends it (the pool lock, the copy's dispatch, a compile if the shape is new; the
-  device copy itself may still run afterwards, before D's pull reads it).
+  device copy itself may still run afterwards, before D's pull reads it). With
+  ``--disaggregation-kv-checksum`` it lasts until the arrays' checksums are computed, which
+  waits for the copy itself.
 - ``kv_register``: registering those arrays with the transfer server.
 
 Decode worker (D):
@@ -29,7 +31,8 @@ Decode worker (D):
 - ``decode_ready_wait``: pages reserved -> P's READY received and the pull submitted (P's
   queue, prefill, gather and registration as D sees them, plus the side channel).
 - ``kv_pull``: pull submitted to the executor -> the KV arrived (``is_ready``), including a wait
-  for a free pull thread.
+  for a free pull thread; with ``--disaggregation-kv-checksum``, -> the KV arrived and passed its
+  checksums (of the re-pull alone, when the first pull's failed them).
 - ``kv_scatter``: KV arrived -> its copy into the reserved pages dispatched by the forward
   thread between two steps (the wait for the step in flight included; the copy itself runs
   before the next step, which JAX orders after it).
