@@ -6,6 +6,7 @@ per-shard arrays and the regroup for every pair of tp sizes, and a real
 from __future__ import annotations
 
 import itertools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,11 @@ import pytest
 
 from pd_fsm.jax_engine import tiered
 from pd_fsm.jax_engine.gather_scatter import insert_kv_chunks, select_from_kv_caches
+from pd_fsm.jax_engine.kv_checksum import kv_checksums
+from pd_fsm.jax_engine.kv_holder import KVCacheHolder
 from pd_fsm.jax_engine.kv_pool import KVPoolConfig, allocate_kv_pool
+from pd_fsm.jax_engine.pool_spec import KVArgs, PoolTransferSpec
+from pd_fsm.jax_engine.pull_executor import PullExecutor, PullRequest
 from pd_fsm.jax_engine.tensor_parallel import (
     PACKED_KV_AXIS,
     packed_sharding,
@@ -104,6 +109,44 @@ def test_real_pull_between_tp_sizes(p: int, d: int) -> None:
         np.testing.assert_array_equal(got[:, dest], p_values[:, PAGES])
         assert all(a.sharding == pool_sharding(d) for a in out)
     finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize(("p", "d"), [(2, 1), (1, 2), (4, 2)])
+def test_checksums_are_checked_per_shard_between_tp_sizes(p: int, d: int) -> None:
+    """``--disaggregation-kv-checksum`` across tp sizes: READY carries one checksum per shard P
+    registered, D's pull executor checks each pulled shard against its own (not against the
+    regrouped array): the right ones pass and the KV is scattered, one wrong shard's is named."""
+    sender, receiver = JaxTransferKVEngine(reaper_interval_s=None), JaxTransferKVEngine(
+        reaper_interval_s=None)
+    args = KVArgs([PoolTransferSpec.from_config("main_kv", CFG)])
+    holder = KVCacheHolder({"main_kv": allocate_kv_pool(CFG, pool_sharding(d))})
+    done = threading.Semaphore(0)
+    ex = PullExecutor(receiver, holder, args, deadline_s=30, on_result=lambda room: done.release())
+    try:
+        p_kv, p_values = _pool(p, 5)
+        shards = split_shards(tiered.gather(p_kv, PAGES), p)
+        sums = kv_checksums(shards)
+        wrong = (*sums[:-1], sums[-1] ^ 1)
+        for uuid in (80, 81):
+            sender.register(uuid, shards, lease_s=30)
+        dest = [9, 10, 11, 1, 2, 22]
+        ex.submit(PullRequest(1, 80, sender.address, dest, args.layout_hash, kv_shards=p,
+                              kv_checksums=wrong))
+        assert done.acquire(timeout=30)
+        (bad,) = ex.poll()
+        assert bad.checksum_mismatch and f"array {p - 1} (main_kv, shard {p - 1})" in bad.reason
+        ex.submit(PullRequest(2, 81, sender.address, dest, args.layout_hash, kv_shards=p,
+                              kv_checksums=sums))
+        assert done.acquire(timeout=30)
+        (good,) = ex.poll()
+        assert good.ok, good.reason
+        with holder.locked() as kv:
+            got = np.stack([np.asarray(a) for a in kv["main_kv"]])
+        np.testing.assert_array_equal(got[:, dest], p_values[:, PAGES])
+    finally:
+        ex.close()
         sender.close()
         receiver.close()
 
