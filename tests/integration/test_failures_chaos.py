@@ -116,5 +116,10 @@ async def test_every_stream_completes_while_workers_die_and_come_back(
         broken = [tail for got, expected, tail in results if tail or got != expected]
         assert not broken, f"{len(broken)} of {len(results)} streams broken: {broken[:3]}"
         assert len(results) >= CLIENTS * FAULTS[how]  # load ran through every fault
+        if how == signal.SIGTERM:
+            # Drains: streams finish where they are (no migration, no re-prefill); a drained D's
+            # 503 moves the leg to the other D in the same room (redirect), a drained P's 503
+            # retries before any prefill was done.
+            assert after["migration"] == before["migration"], after - before
         print(f"{how.name}: {len(results)} streams, reopened {dict(after - before)}")
         await wait_clean(http, *(fleet[w] for w in WORKERS), timeout=SLACK * 4)
