@@ -15,12 +15,27 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from pd_fsm.core.errors import LocalProtocolError
 
 Ev = TypeVar("Ev")
 Fx = TypeVar("Fx")
+Ev_contra = TypeVar("Ev_contra", contravariant=True)
+
+
+class Endpoint(Protocol[Ev_contra, Fx]):
+    """What an embedder needs of a core owner: ``handle`` from its closed event union to a list
+    of its closed effect union, and when it next needs ``TimeAdvanced``. ``PrefillEndpoint`` is
+    an ``Endpoint[ev.PrefillEvent, fx.PrefillEffect]``, ``DecodeEndpoint`` an
+    ``Endpoint[ev.DecodeEvent, fx.DecodeEffect]``, ``RoomRouter`` an
+    ``Endpoint[ev.RouterEvent, fx.RouterEffect]`` and ``BootstrapRegistry[R]`` an
+    ``Endpoint[ev.RegistryEvent[R], RegistryEffect[R]]`` (checked in tests/unit/test_core_types.py).
+    """
+
+    def handle(self, event: Ev_contra, now: float) -> list[Fx]: ...
+
+    def next_deadline(self) -> float | None: ...
 
 
 def drive(

@@ -50,6 +50,9 @@ class RepeatWhileBusy:
     interval: float
 
 
+BusyEffect = AckWhileBusy | RepeatWhileBusy  # what StepStarted asks of the I/O side
+
+
 # --- P ---------------------------------------------------------------------------------------
 
 
@@ -203,6 +206,9 @@ DecodeEffect = (
     | StartPull | ReleaseBlocks | CompleteTransfer | FailRequest | RejectRequest
     | RepeatWhileBusy
 )
+# The endpoints' effects only the I/O layer carries out (side channel, bootstrap lookup); the
+# schedulers queue them in their outbox.
+IOEffect = SendMessage | ForgetPeer | ResolvePeer
 
 
 # --- bootstrap registry ----------------------------------------------------------------------

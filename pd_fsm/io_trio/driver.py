@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, Protocol
+from typing import Any, Protocol, assert_never
 
 import attrs
 import trio
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
+from pd_fsm.core.drive import Endpoint as Endpoint  # what the driver needs of a core owner
 from pd_fsm.core.drive import drive
 from pd_fsm.core.errors import LocalProtocolError
 from pd_fsm.core.messages import Message
@@ -28,14 +29,6 @@ log = logging.getLogger("pd_fsm.io_trio.driver")
 
 Resolution = ev.PeerResolved | ev.PeerResolutionFailed
 Resolver = Callable[[str], Awaitable[Resolution]]
-
-
-class Endpoint(Protocol):
-    """What the driver needs of a core endpoint (Prefill/DecodeEndpoint, BootstrapRegistry)."""
-
-    def handle(self, event: Any, now: float) -> list[Any]: ...
-
-    def next_deadline(self) -> float | None: ...
 
 
 class SideChannel(Protocol):
@@ -47,7 +40,7 @@ class SideChannel(Protocol):
     def close_peer(self, peer: str) -> bool: ...
 
 
-IOEffect = fx.SendMessage | fx.ForgetPeer | fx.ResolvePeer
+IOEffect = fx.IOEffect
 
 
 def carry_out_io(effect: IOEffect, side: SideChannel | None,
@@ -55,15 +48,23 @@ def carry_out_io(effect: IOEffect, side: SideChannel | None,
     """The one place a core's I/O effects are carried out, by the worker's loop and by
     :class:`EndpointDriver`: False for a message the side channel dropped. A lookup needs no
     side channel; a message or a forgotten peer without one is the embedder's bug."""
-    if isinstance(effect, fx.ResolvePeer):
-        start_resolve(effect.bootstrap_addr)
-        return True
+    match effect:
+        case fx.ResolvePeer():
+            start_resolve(effect.bootstrap_addr)
+            return True
+        case fx.SendMessage():
+            return _needs_side(side, effect).send(effect.peer, effect.message)
+        case fx.ForgetPeer():
+            _needs_side(side, effect).close_peer(effect.peer)
+            return True
+        case _:
+            assert_never(effect)
+
+
+def _needs_side(side: SideChannel | None, effect: IOEffect) -> SideChannel:
     if side is None:
         raise RuntimeError(f"{type(effect).__name__} but no side channel")
-    if isinstance(effect, fx.SendMessage):
-        return side.send(effect.peer, effect.message)
-    side.close_peer(effect.peer)
-    return True
+    return side
 
 
 async def resolve_within(resolver: Resolver, bootstrap_addr: str, timeout: float,
@@ -123,7 +124,9 @@ class EndpointDriver:
 
     def __init__(
         self,
-        endpoint: Endpoint,
+        # Any endpoint: the driver feeds each its own TimeAdvanced, MessageReceived and lookup
+        # answers, which no event type variable can say is in the endpoint's union.
+        endpoint: Endpoint[Any, Any],
         sink: EffectSink,
         *,
         side_channel: SideChannel | None = None,
@@ -229,17 +232,20 @@ class EndpointDriver:
         if call is not None:
             call.done.set()
 
-    def _execute(self, effect: Any, now: float) -> Iterable[Any]:
-        if not isinstance(effect, IOEffect):
-            return self.sink.apply(effect, now)
-        if isinstance(effect, fx.ResolvePeer) and (self.resolver is None or self._nursery is None):
-            return (ev.PeerResolutionFailed(effect.bootstrap_addr, "no bootstrap resolver"),)
-        sent = carry_out_io(effect, self.side_channel, self._start_resolve)
-        if isinstance(effect, fx.SendMessage):
-            if sent:
-                self.stats.messages_sent += 1
-            else:
-                self.stats.messages_dropped += 1
+    def _execute(self, effect: object, now: float) -> Iterable[Any]:
+        # An open dispatch (any endpoint's effects): the I/O ones here, the rest to the sink.
+        match effect:
+            case fx.ResolvePeer() if self.resolver is None or self._nursery is None:
+                return (ev.PeerResolutionFailed(effect.bootstrap_addr, "no bootstrap resolver"),)
+            case fx.SendMessage():
+                if carry_out_io(effect, self.side_channel, self._start_resolve):
+                    self.stats.messages_sent += 1
+                else:
+                    self.stats.messages_dropped += 1
+            case fx.ResolvePeer() | fx.ForgetPeer():
+                carry_out_io(effect, self.side_channel, self._start_resolve)
+            case _:
+                return self.sink.apply(effect, now)
         return ()
 
     def _start_resolve(self, bootstrap_addr: str) -> None:

@@ -23,7 +23,7 @@ import functools
 import math
 import random
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, assert_never
 
 import attrs
 import jax
@@ -306,10 +306,15 @@ class _RealWorker(Node):
     def _carry_out(self, result: TickResult[Any]) -> None:
         w = self.world
         for e in result.outbox:
-            if isinstance(e, fx.SendMessage):
-                w.send(self._side_name(), e.peer, e.message)
-            elif isinstance(e, fx.ResolvePeer):
-                w.resolve(self, e.bootstrap_addr)  # type: ignore[arg-type]
+            match e:
+                case fx.SendMessage():
+                    w.send(self._side_name(), e.peer, e.message)
+                case fx.ResolvePeer():
+                    w.resolve(self, e.bootstrap_addr)  # type: ignore[arg-type]
+                case fx.ForgetPeer():
+                    pass  # the modelled side channel keeps nothing per peer
+                case _:
+                    assert_never(e)
 
     def _side_name(self) -> str:
         return self.name

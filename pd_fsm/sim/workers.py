@@ -9,14 +9,14 @@ import math
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, assert_never
 
 import attrs
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.decode_endpoint import DecodeEndpoint
-from pd_fsm.core.drive import drive
+from pd_fsm.core.drive import Endpoint, Ev, Fx, drive
 from pd_fsm.core.messages import Done
 from pd_fsm.core.prefill_endpoint import PrefillEndpoint
 from pd_fsm.core.tables import KV_RECEIVER
@@ -79,7 +79,7 @@ class WorldView(Protocol):
 
     def plant(self, name: str) -> bool: ...
 
-    def handle(self, node: Node, core: Any, event: Any, now: float) -> list[Any]: ...
+    def handle(self, node: Node, core: Endpoint[Ev, Fx], event: Ev, now: float) -> list[Fx]: ...
 
     def leg_answer(self, gen: int, room: int, leg: str, ok: bool, reason: str,
                    refused: bool = False, lost: bool = False) -> None: ...
@@ -154,7 +154,7 @@ class Node(ABC):
             self.feed(ev.TimeAdvanced())
 
     @abstractmethod
-    def feed(self, event: Any) -> None:
+    def feed(self, event: Any) -> None:  # Any: each role's own event union
         """Hand ``event`` to the worker's core and carry out what it returns."""
 
     @abstractmethod
@@ -255,13 +255,13 @@ class PrefillWorker(Node):
     def receive(self, peer: str, message: Any) -> None:
         self.feed(ev.MessageReceived(peer, message))
 
-    def feed(self, event: Any) -> None:
+    def feed(self, event: ev.PrefillEvent) -> None:
         w = self.world
         drive(functools.partial(w.handle, self, self.core), event, self.local(),
               functools.partial(self._carry_out, event))
         self.schedule_wake(self.core.next_deadline())
 
-    def _carry_out(self, event: Any, e: Any) -> tuple[Any, ...]:
+    def _carry_out(self, event: ev.PrefillEvent, e: fx.PrefillEffect) -> tuple[Any, ...]:
         """One effect of ``event`` (the event fed: the planted missing release looks at it)."""
         w = self.world
         match e:
@@ -291,6 +291,8 @@ class PrefillWorker(Node):
                 self._answer_leg(e.room, False, e.reason)
             case fx.AckWhileBusy():
                 pass  # the simulated steps never keep the endpoint busy
+            case _:
+                assert_never(e)
         return ()
 
     def _register(self, room: int, uuid: int, spare: int | None) -> tuple[Any, ...]:
@@ -442,12 +444,12 @@ class DecodeWorker(Node):
         if gen == self.gen and self.alive:
             self.feed(answer)
 
-    def feed(self, event: Any) -> None:
+    def feed(self, event: ev.DecodeEvent) -> None:
         drive(functools.partial(self.world.handle, self, self.core), event, self.local(),
               self._carry_out)
         self.schedule_wake(self.core.next_deadline())
 
-    def _carry_out(self, e: Any) -> list[Any]:
+    def _carry_out(self, e: fx.DecodeEffect) -> list[ev.DecodeEvent]:
         w = self.world
         match e:
             case fx.SendMessage():
@@ -483,6 +485,8 @@ class DecodeWorker(Node):
                 self._failed(e)
             case fx.RejectRequest():
                 self._fail_leg(e.room, e.reason)
+            case _:
+                assert_never(e)
         return []
 
     def _failed(self, e: fx.FailRequest) -> None:

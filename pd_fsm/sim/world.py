@@ -31,7 +31,7 @@ import itertools
 import math
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import Any, assert_never
 
 import attrs
 
@@ -39,6 +39,7 @@ from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.codec import decode, encode
 from pd_fsm.core.config import RegistryConfig, RouterConfig
+from pd_fsm.core.drive import Endpoint, Ev, Fx
 from pd_fsm.core.errors import LocalProtocolError, RemoteProtocolError
 from pd_fsm.core.kvpoll import KVPoll
 from pd_fsm.core.registry import BootstrapRegistry, RegistrationRequired
@@ -222,7 +223,7 @@ class World:
         self._route(ev.RoomRequested(str(i), Prompt(text, client.tokens), migratable=True),
                     client)
 
-    def _route(self, event: Any, client: Client | None = None) -> None:
+    def _route(self, event: ev.RouterEvent, client: Client | None = None) -> None:
         gen = self.router_gen
         try:
             effects = self.router.handle(event, self.now + self.skew["proxy"])
@@ -266,6 +267,8 @@ class World:
                     self.reopened[e.cause] += 1
                     self.at(max(e.delay, 0.001), f"reopen {e.cause} of room {e.room:x}",
                             self._reopen, gen, e, got)
+                case _:
+                    assert_never(e)
         # A room that ended without relaying D's whole answer: its client gets the error (a
         # JSON error, or an error chunk in a stream whose headers were out).
         for key in [k for k in self.rooms if k[0] == gen]:
@@ -341,17 +344,18 @@ class World:
     def pages_for(self, client: Client) -> int:
         return max(1, math.ceil((client.tokens + client.out) / PAGE_TOKENS))
 
-    def handle(self, node: Node, core: Any, event: Any, now: float) -> list[Any]:
+    def handle(self, node: Node, core: Endpoint[Ev, Fx], event: Ev, now: float) -> list[Fx]:
         """``core.handle`` for ``node`` at its local time ``now``, a local protocol error made a
         violation, the effects traced."""
         try:
-            effects: list[Any] = core.handle(event, now)
+            effects = core.handle(event, now)
         except LocalProtocolError as exc:
             raise Violation(f"{node.name}: {exc} (event {event!r})") from None
         if self.tracing:
             for e in effects:
+                room = getattr(e, "room", None)  # any endpoint's effects; some name no room
                 self.trace_line(f"  {node.name} -> {type(e).__name__} "
-                                f"{getattr(e, 'room', '') and hex(e.room)}")
+                                f"{'' if room is None else room and hex(room)}")
         return effects
 
     def reachable(self, a: str, b: str) -> bool:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable
+from typing import Any, assert_never
 
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -35,7 +35,12 @@ from pd_fsm.core import events as ev
 from pd_fsm.core.config import RegistryConfig
 from pd_fsm.core.errors import RemoteProtocolError
 from pd_fsm.core.keys import registry_key
-from pd_fsm.core.registry import Acknowledged, BootstrapRegistry, RegistrationRequired
+from pd_fsm.core.registry import (
+    Acknowledged,
+    BootstrapRegistry,
+    RegistrationRequired,
+    RegistryEffect,
+)
 from pd_fsm.core.replay import DEFAULT_WINDOW_S, ReplayGuard
 from pd_fsm.core.request_auth import verify_request
 from pd_fsm.io_trio.bootstrap.records import (
@@ -82,10 +87,15 @@ class _RegistrySink:
     def __init__(self, keep: int = 1024) -> None:
         self.expired: deque[tuple[float, tuple[Any, ...]]] = deque(maxlen=keep)
 
-    def apply(self, effect: Any, now: float) -> Iterable[Any]:
-        if isinstance(effect, fx.InstanceExpired):
-            self.expired.append((now, effect.key))
-            log.info("instance %s expired (no heartbeat within the TTL)", effect.key)
+    def apply(self, effect: RegistryEffect[InstanceRecord], now: float) -> tuple[()]:
+        match effect:
+            case fx.InstanceExpired():
+                self.expired.append((now, effect.key))
+                log.info("instance %s expired (no heartbeat within the TTL)", effect.key)
+            case RegistrationRequired() | Acknowledged():
+                pass  # a write's answer: EndpointDriver.call hands it to the HTTP handler
+            case _:
+                assert_never(effect)
         return ()
 
 

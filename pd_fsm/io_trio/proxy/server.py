@@ -33,7 +33,7 @@ import math
 import random
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, assert_never
 from urllib.parse import urlsplit
 
 import attrs
@@ -99,6 +99,10 @@ class PrefillTarget:
         return cls(url.rstrip("/"), urlsplit(url).hostname or "127.0.0.1", port)
 
 
+# An HTTP status and the JSON body to answer with (Any: a JSON value, as _error_body builds it).
+Failure = tuple[int, Any]
+
+
 def _error_body(status: int, message: str, type_: str = "proxy_error") -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "code": status}}
 
@@ -151,7 +155,7 @@ class _Session:
     client_gone: bool = False
     relay_finished: bool = False  # the answer (D's, or an error) is out or in the last send
     sse_done: bool = False  # D's "data: [DONE]" event is relayed: the client's stream is whole
-    error: tuple[int, Any] | None = None  # ReplyError: status and body to answer with
+    error: Failure | None = None  # ReplyError: status and body to answer with
     decided: trio.Event = attrs.field(factory=trio.Event)
     relay_done: trio.Event = attrs.field(factory=trio.Event)
     p_done: trio.Event = attrs.field(factory=trio.Event)
@@ -172,6 +176,20 @@ class _Session:
                         self.return_logprob, self.prompt_logprobs, headers_sent=self.headers_sent,
                         client_body=self.client_body, migratable=self.migratable,
                         progress=self.progress)
+
+
+def _room_of(item: ev.RouterEvent | fx.RouterEffect) -> int | None:
+    """The room an event or effect of the router is about; None for those about no room (a new
+    request, the passing of time, a breaker, a shed request)."""
+    match item:
+        case ev.TimeAdvanced() | ev.RoomRequested() | fx.BreakerChanged() | fx.ShedRequest():
+            return None
+        case (ev.LegResponded() | ev.ClientDisconnected() | ev.RelayFinished() | fx.DispatchRoom()
+              | fx.DispatchLocal() | fx.RelayDecode() | fx.AbortLeg() | fx.ReplyError()
+              | fx.RedirectDecode() | fx.ReopenRoom()):
+            return item.room
+        case _:
+            assert_never(item)
 
 
 class Proxy:
@@ -295,69 +313,77 @@ class Proxy:
 
     # ------------------------------------------------------------------ the router
 
-    def _feed(self, event: Any, failure: tuple[int, Any] | None = None) -> None:
+    def _feed(self, event: ev.RouterEvent, failure: Failure | None = None) -> None:
         """Hand ``event`` to the router and carry out every effect it returns. ``failure`` is the
         answer to give if this event fails its own room."""
-        room = getattr(event, "room", None)
+        room = _room_of(event)
 
-        def carry_out(effect: Any) -> tuple[()]:
+        def carry_out(effect: fx.RouterEffect) -> tuple[()]:
             # Room effects carry their room; a breaker's or a shed request's do not.
-            mine = getattr(effect, "room", None) == room
+            mine = _room_of(effect) == room
             self._apply(effect, failure if mine else None)
             return ()
 
         drive(self.router.handle, event, trio.current_time(), carry_out)
 
-    def _apply(self, effect: Any, failure: tuple[int, Any] | None) -> None:
-        if isinstance(effect, fx.DispatchRoom | fx.DispatchLocal):
-            started = self._dispatching.pop(effect.request_id)
-            started.room, started.decode = effect.room, effect.decode
-            started.prefill = effect.prefill if isinstance(effect, fx.DispatchRoom) else ""
-            self._sessions[effect.room] = started
-            self._timer_wake.set()
-            return
-        if isinstance(effect, fx.BreakerChanged):
-            level = logging.WARNING if effect.new == "OPEN" else logging.INFO
-            log.log(level, "worker %s: circuit breaker %s -> %s", effect.worker, effect.old,
-                    effect.new)
-            return
-        if isinstance(effect, fx.ReplyError) and effect.room == -1:
-            self._no_worker = _Refusal(503, effect.reason, "no_workers")  # no P or no D
-            return
-        if isinstance(effect, fx.ShedRequest):
-            self._no_worker = _Refusal(
-                429, f"every {effect.role} worker is at its queue bound: retry later",
-                "overloaded", effect.retry_after)
-            return
-        s = self._sessions.get(effect.room)
-        if s is None:
-            return
-        if isinstance(effect, fx.RelayDecode):
-            s.relay = True
-            s.decided.set()
-        elif isinstance(effect, fx.ReplyError):
-            s.error = failure or (504, _error_body(504, effect.reason, "timeout"))
-            s.decided.set()
-        elif isinstance(effect, fx.RedirectDecode):
-            self.reopened["redirect"] += 1
-            log.info("room %d: decode leg refused by %s, posted to %s", effect.room, s.decode,
-                     effect.decode)
-            # A scope of its own for the new leg (the old one is spent), armed now so that an
-            # abort from here on reaches it.
-            s.decode, s.redirect, s.d_scope = effect.decode, True, trio.CancelScope()
-        elif isinstance(effect, fx.ReopenRoom):
-            self.reopened[effect.cause] += 1
-            log.info("room %d: %s of request %s (%s) after %.3f s", effect.room, effect.cause,
-                     s.request_id, s.decode if effect.cause == "migration" else "refused",
-                     effect.delay)
-            s.reopen = effect
-            s.decided.set()
-        elif isinstance(effect, fx.AbortLeg):
-            (s.p_scope if effect.leg == "prefill" else s.d_scope).cancel()
-            assert self._nursery is not None
-            self._nursery.start_soon(self._post_abort, effect.leg, effect.url, s.rid)
-        else:
-            raise RuntimeError(f"proxy has no handler for effect {effect!r}")
+    def _apply(self, effect: fx.RouterEffect, failure: Failure | None) -> None:
+        match effect:
+            case fx.DispatchRoom() | fx.DispatchLocal():
+                started = self._dispatching.pop(effect.request_id)
+                started.room, started.decode = effect.room, effect.decode
+                started.prefill = effect.prefill if isinstance(effect, fx.DispatchRoom) else ""
+                self._sessions[effect.room] = started
+                self._timer_wake.set()
+            case fx.BreakerChanged():
+                level = logging.WARNING if effect.new == "OPEN" else logging.INFO
+                log.log(level, "worker %s: circuit breaker %s -> %s", effect.worker, effect.old,
+                        effect.new)
+            case fx.ReplyError(room=-1):
+                self._no_worker = _Refusal(503, effect.reason, "no_workers")  # no P or no D
+            case fx.ShedRequest():
+                self._no_worker = _Refusal(
+                    429, f"every {effect.role} worker is at its queue bound: retry later",
+                    "overloaded", effect.retry_after)
+            case (fx.RelayDecode() | fx.ReplyError() | fx.RedirectDecode() | fx.ReopenRoom()
+                  | fx.AbortLeg()):
+                s = self._sessions.get(effect.room)
+                if s is not None:
+                    self._apply_to_session(s, effect, failure)
+            case _:
+                assert_never(effect)
+
+    def _apply_to_session(
+        self, s: _Session,
+        effect: fx.RelayDecode | fx.ReplyError | fx.RedirectDecode | fx.ReopenRoom | fx.AbortLeg,
+        failure: Failure | None,
+    ) -> None:
+        match effect:
+            case fx.RelayDecode():
+                s.relay = True
+                s.decided.set()
+            case fx.ReplyError():
+                s.error = failure or (504, _error_body(504, effect.reason, "timeout"))
+                s.decided.set()
+            case fx.RedirectDecode():
+                self.reopened["redirect"] += 1
+                log.info("room %d: decode leg refused by %s, posted to %s", effect.room, s.decode,
+                         effect.decode)
+                # A scope of its own for the new leg (the old one is spent), armed now so that an
+                # abort from here on reaches it.
+                s.decode, s.redirect, s.d_scope = effect.decode, True, trio.CancelScope()
+            case fx.ReopenRoom():
+                self.reopened[effect.cause] += 1
+                log.info("room %d: %s of request %s (%s) after %.3f s", effect.room, effect.cause,
+                         s.request_id, s.decode if effect.cause == "migration" else "refused",
+                         effect.delay)
+                s.reopen = effect
+                s.decided.set()
+            case fx.AbortLeg():
+                (s.p_scope if effect.leg == "prefill" else s.d_scope).cancel()
+                assert self._nursery is not None
+                self._nursery.start_soon(self._post_abort, effect.leg, effect.url, s.rid)
+            case _:
+                assert_never(effect)
 
     async def _post_abort(self, leg: str, url: str, rid: str) -> None:
         self.aborts_sent[leg] += 1
@@ -608,7 +634,7 @@ class Proxy:
 
     # ------------------------------------------------------------------ legs
 
-    def _contain(self, where: str, s: _Session, exc: Exception) -> tuple[int, Any]:
+    def _contain(self, where: str, s: _Session, exc: Exception) -> Failure:
         """An exception in one room's work: counted, logged, and the room failed in the router
         (its other leg aborted) if it is still live. Returns the answer the client should get."""
         self.contained[where] += 1

@@ -171,7 +171,7 @@ class PDBackend(ColocatedBackend, ABC):
         # What the core said to do while the running tick keeps it busy (ev.StepStarted):
         # published by the tick's thread at its start, emptied at its end; the loop's tasks
         # read the reference (a tuple of frozen effects) and carry it out.
-        self._while_busy_effects: tuple[Any, ...] = ()
+        self._while_busy_effects: tuple[fx.BusyEffect, ...] = ()
         self.busy_liveness_total = 0
         # Where each tick's phase samples go (the worker app sets its histograms' observe).
         self.phase_observer: Callable[[str, float], None] | None = None
@@ -464,7 +464,7 @@ class PDBackend(ColocatedBackend, ABC):
             stream = self._streams.get(rid)
             return stream is not None and stream.in_scheduler
 
-        def busy(effects: tuple[Any, ...]) -> None:
+        def busy(effects: tuple[fx.BusyEffect, ...]) -> None:
             self._while_busy_effects = effects
 
         if self._spmd is not None:

@@ -28,8 +28,6 @@ from pd_fsm.schedulers.disaggregation.args import DisaggregationArgs
 from pd_fsm.schedulers.request import FinishReason, Req
 from pd_fsm.schedulers.scheduler import MAIN_KV, Scheduler
 
-# Effects the I/O layer carries out (side-channel sends, bootstrap lookups).
-IO_EFFECTS = (fx.SendMessage, fx.ResolvePeer, fx.ForgetPeer)
 # Phase samples kept until the worker takes them (a scheduler driven without a worker drops the
 # oldest).
 PHASE_SAMPLES_MAX = 4096
@@ -51,7 +49,7 @@ class DisaggregationCommon(Scheduler, ABC):
         self.engine = engine
         self.kv_args = KVArgs([PoolTransferSpec.from_config(MAIN_KV, self.pool_config)],
                               kv_shards=self.args.tp_size)
-        self.outbox: list[Any] = []
+        self.outbox: list[fx.IOEffect] = []
         self.room_of: dict[str, int] = {}  # rid -> bootstrap_room
         self.req_of: dict[int, Req] = {}  # bootstrap_room -> request, while the room holds it
         # rid -> (HTTP status, reason) of requests the PD protocol failed (read by the worker)
@@ -88,14 +86,14 @@ class DisaggregationCommon(Scheduler, ABC):
         heartbeat received in time extends a lease before the lease's expiry is judged."""
         self._drive(event, self.clock() if now is None else now)
 
-    def step_started(self) -> list[fx.AckWhileBusy | fx.RepeatWhileBusy]:
+    def step_started(self) -> list[fx.BusyEffect]:
         """Tell the core a step starts (``ev.StepStarted``): what the I/O side must do until
         :meth:`step_ended` to keep peers from taking this busy worker for a dead one. Other
         effects of the event (a lease come due) are carried out as usual."""
-        busy: list[fx.AckWhileBusy | fx.RepeatWhileBusy] = []
+        busy: list[fx.BusyEffect] = []
 
-        def dispatch(e: Any) -> Iterable[Any]:
-            if isinstance(e, fx.AckWhileBusy | fx.RepeatWhileBusy):
+        def dispatch(e: fx.PrefillEffect | fx.DecodeEffect) -> Iterable[Any]:
+            if isinstance(e, fx.BusyEffect):
                 busy.append(e)
                 return ()
             return self._dispatch(e)
@@ -106,7 +104,7 @@ class DisaggregationCommon(Scheduler, ABC):
     def step_ended(self) -> None:
         self.deliver(ev.StepEnded())
 
-    def take_outbox(self) -> list[Any]:
+    def take_outbox(self) -> list[fx.IOEffect]:
         """Effects only the I/O layer can carry out (SendMessage, ResolvePeer), in order."""
         out, self.outbox = self.outbox, []
         return out
@@ -129,10 +127,10 @@ class DisaggregationCommon(Scheduler, ABC):
         drive(handle or self.core.handle, event, now, dispatch or self._dispatch,
               after_effects=self._after_batch)
 
-    def _dispatch(self, e: Any) -> Iterable[Any]:
+    def _dispatch(self, e: fx.PrefillEffect | fx.DecodeEffect) -> Iterable[Any]:
         """One effect: the I/O layer's go to the outbox, the rest are carried out here; the
         events that yields at once (deferred by the effect's code) come back."""
-        if isinstance(e, IO_EFFECTS):
+        if isinstance(e, fx.IOEffect):  # side-channel sends, bootstrap lookups
             self.outbox.append(e)
             return ()
         self._carry_out(e)
@@ -158,7 +156,7 @@ class DisaggregationCommon(Scheduler, ABC):
         return out
 
     @abstractmethod
-    def _carry_out(self, effect: Any) -> None:
+    def _carry_out(self, effect: Any) -> None:  # Any: each role takes its own effect union
         """Carry out one scheduler-side effect of the core (pages, transfer, requests)."""
 
     def _after_effects(self) -> None:
@@ -171,7 +169,7 @@ class DisaggregationCommon(Scheduler, ABC):
         now = self.clock()
 
         def admit(e: Any, at: float) -> list[Any]:
-            effects = self.core.handle(e, at)
+            effects: list[Any] = self.core.handle(e, at)  # Any: core is either role's endpoint
             if e is not event:
                 return effects
             rejected = [x for x in effects if isinstance(x, fx.RejectRequest)]

@@ -15,7 +15,7 @@ import logging
 import random
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Protocol, assert_never
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
@@ -179,7 +179,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
 
     # -- the core's effects -----------------------------------------------------------------------
 
-    def _carry_out(self, e: Any) -> None:
+    def _carry_out(self, e: fx.DecodeEffect) -> None:
         if isinstance(e, fx.AllocateBlocks):
             self._lap(e.room, "decode_bootstrap", "accepted", "page_request")
             self.alloc_queue.append(e.room)
@@ -232,8 +232,11 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
                 self._recompute(req, e.reason)
             else:
                 self._fail_request(req, e.status, e.reason)
-        else:
+        elif isinstance(e, fx.IOEffect | fx.RejectRequest | fx.RepeatWhileBusy):
+            # Not ours: the outbox (_dispatch), _admit_pd and step_started take these.
             raise TypeError(f"decode scheduler cannot carry out {e!r}")
+        else:
+            assert_never(e)
 
     def _recompute(self, req: Req, reason: str) -> None:
         """The KV will not come from P: prefill the request here instead (fresh pages; the old

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import Any, assert_never
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
@@ -140,34 +140,38 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
 
     # -- the core's effects -----------------------------------------------------------------------
 
-    def _carry_out(self, e: Any) -> None:
-        if isinstance(e, fx.RegisterKV):
-            self._register_kv(e.room, e.uuid, e.skip_pages, e.spare_uuid)
-        elif isinstance(e, fx.NarrowKV):  # only what D lacks goes: the whole prompt's is let go
-            for old in (e.replaces, e.replaces_spare):
-                if old is not None:
-                    self._release_registration(old, "narrowed to the pages D lacks")
-            self._register_kv(e.room, e.uuid, e.skip_pages, e.spare_uuid)
-        elif isinstance(e, fx.CompleteRequest):
-            req = self.req_of[e.room]
-            # The leg is answered now; its pages stay held (apart from the request) until
-            # ReleaseKV, which comes on DONE, abort or lease expiry.
-            assert req.pages is not None
-            if self.cache is not None:  # the prompt's whole pages, for the rooms after it
-                self.cache.insert(req.input_ids, req.pages)
-            self._held_pages[e.room], req.pages = req.pages, None
-            self.room_of.pop(req.rid, None)
-            self._finish(req, FinishReason("length"))
-        elif isinstance(e, fx.ReleaseKV):
-            if e.spare_uuid is not None:  # usually never pulled: D's pull needed no second go
-                self._release_registration(e.spare_uuid, "room over")
-            self._release_kv(e.room, e.uuid)
-        elif isinstance(e, fx.FailRequest):
-            failed = self.req_of.get(e.room)
-            if failed is not None:
-                self._fail_request(failed, e.status, e.reason)
-        else:
-            raise TypeError(f"prefill scheduler cannot carry out {e!r}")
+    def _carry_out(self, e: fx.PrefillEffect) -> None:
+        match e:
+            case fx.RegisterKV():
+                self._register_kv(e.room, e.uuid, e.skip_pages, e.spare_uuid)
+            case fx.NarrowKV():  # only what D lacks goes: the whole prompt's is let go
+                for old in (e.replaces, e.replaces_spare):
+                    if old is not None:
+                        self._release_registration(old, "narrowed to the pages D lacks")
+                self._register_kv(e.room, e.uuid, e.skip_pages, e.spare_uuid)
+            case fx.CompleteRequest():
+                req = self.req_of[e.room]
+                # The leg is answered now; its pages stay held (apart from the request) until
+                # ReleaseKV, which comes on DONE, abort or lease expiry.
+                assert req.pages is not None
+                if self.cache is not None:  # the prompt's whole pages, for the rooms after it
+                    self.cache.insert(req.input_ids, req.pages)
+                self._held_pages[e.room], req.pages = req.pages, None
+                self.room_of.pop(req.rid, None)
+                self._finish(req, FinishReason("length"))
+            case fx.ReleaseKV():
+                if e.spare_uuid is not None:  # usually never pulled: D's pull needed no second go
+                    self._release_registration(e.spare_uuid, "room over")
+                self._release_kv(e.room, e.uuid)
+            case fx.FailRequest():
+                failed = self.req_of.get(e.room)
+                if failed is not None:
+                    self._fail_request(failed, e.status, e.reason)
+            case fx.SendMessage() | fx.RejectRequest() | fx.AckWhileBusy():
+                # Not ours: the outbox (_dispatch), _admit_pd and step_started take these.
+                raise TypeError(f"prefill scheduler cannot carry out {e!r}")
+            case _:
+                assert_never(e)
 
     def _register_kv(
         self, room: int, uuid: int, skip_pages: int = 0, spare_uuid: int | None = None

@@ -18,6 +18,7 @@ from typing import Any, Generic, TypeVar
 
 import attrs
 
+from pd_fsm.core import effects as fx
 from pd_fsm.schedulers.disaggregation.common import DisaggregationCommon, DuplicateRoomError
 from pd_fsm.schedulers.request import RequestOutput
 from pd_fsm.schedulers.scheduler import Scheduler
@@ -31,7 +32,7 @@ class TickResult(Generic[L]):
     failures: dict[str, tuple[int, str]]  # rid -> (HTTP status, reason) of failed PD requests
     refused: list[tuple[L, int, str]]  # legs never admitted: (leg, HTTP status, reason)
     unstarted: list[L]  # aborted before they reached the scheduler
-    outbox: list[Any]  # the I/O layer's effects, in order
+    outbox: list[fx.IOEffect]  # the I/O layer's effects, in order
     forward_work: bool
     next_deadline: float | None  # on the scheduler's clock
     phases: list[tuple[str, float]]  # (phase key, value) samples of this tick
@@ -46,7 +47,7 @@ def run_tick(
     rid: Callable[[L], str],
     admit: Callable[[L], None],
     on_admitted: Callable[[L], None] = lambda leg: None,
-    on_busy: Callable[[tuple[Any, ...]], None] = lambda effects: None,
+    on_busy: Callable[[tuple[fx.BusyEffect, ...]], None] = lambda effects: None,
     may_abort: Callable[[str], bool] = lambda rid: True,
 ) -> TickResult[L]:
     """One iteration (see the module docstring). ``inbox``: ``(arrived, event)`` pairs on the
