@@ -25,9 +25,9 @@ from tests.integration.serve_support import sse_events
 
 pytestmark = pytest.mark.slow
 
-CLIENTS = 4
+CLIENTS = 3
 # One worker down at a time (never every worker of a role); few, to fit the suite's budget.
-FAULTS = {signal.SIGKILL: 3, signal.SIGTERM: 2}
+FAULTS = {signal.SIGKILL: 2, signal.SIGTERM: 2}
 WORKERS = ("p0", "p1", "d0", "d1")
 
 

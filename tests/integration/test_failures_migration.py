@@ -122,7 +122,7 @@ def _fold(endpoint: str, events: list[Any]) -> tuple[str, int | None, list[Any]]
 
 
 @pytest.mark.parametrize(("endpoint", "sampling"), [
-    ("generate", "greedy"), ("completions", "greedy"), ("chat", "greedy"), ("chat", "seeded"),
+    ("generate", "greedy"), ("completions", "greedy"), ("chat", "seeded"),
 ])
 async def test_a_stream_survives_its_decode_worker_dying(
     fleet: Fleet, endpoint: str, sampling: str
@@ -174,7 +174,10 @@ async def test_a_decode_worker_that_is_down_costs_a_retry_not_an_error(fleet: Fl
                 for _ in range(6):  # round robin sends about half to the dead port
                     nursery.start_soon(one)
             after = await _proxy_stats(http, proxy)
-            assert after.get("retry", 0) > before.get("retry", 0)
+            # Refused before D took the room: the leg went to the other D in the same room
+            # (redirect), or the request to a new room.
+            moved = sum(after.get(k, 0) - before.get(k, 0) for k in ("redirect", "retry"))
+            assert moved > 0, (before, after)
             await wait_clean(http, fleet["p"], fleet["d0"], timeout=SLACK * 2)
     finally:
         fleet.restart(down.name)

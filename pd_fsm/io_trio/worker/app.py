@@ -224,8 +224,13 @@ class WorkerApp:
         log.info("drained: nothing in flight")
 
     def _require_ready(self) -> ModelMeta:
-        if self.meta is None or not self.backend.ready():
+        if self.meta is None:
             raise ApiError(503, "the worker is not ready (model loading)")
+        if not self.backend.ready():
+            # A PD worker is ready only while the registry acknowledges it (a partition from
+            # the bootstrap server makes it unready too).
+            raise ApiError(503, "the worker is not ready (warming up, or not registered with "
+                                "the bootstrap server)")
         return self.meta
 
     async def _check_grammar(self, meta: ModelMeta, constraint: Constraint) -> None:
