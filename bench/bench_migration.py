@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import random
-import signal
 import statistics
 import sys
 import tempfile
@@ -32,7 +30,7 @@ import httpx
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.integration.failure_support import Fleet, Proc
+from tests.integration.failure_support import Fleet, signal_streaming_decode
 
 KILL_AFTER = 8  # events before the decode worker dies
 
@@ -47,31 +45,6 @@ def _body(length: int, max_tokens: int, seed: int) -> dict[str, Any]:
     return {"input_ids": ids, "stream": True,
             "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0,
                                 "ignore_eos": True}}
-
-
-async def _busy(http: httpx.AsyncClient, d: Proc) -> int:
-    r = await http.get(f"{d.url}/get_load", timeout=10)
-    return sum(int(rank["num_reqs"]) for rank in r.json())
-
-
-async def _kill_streaming(http: httpx.AsyncClient, fleet: Fleet) -> Proc:
-    """Freeze both D, find the one with the request, SIGKILL it, thaw the other."""
-    ds = [fleet["d0"], fleet["d1"]]
-    for d in ds:
-        os.kill(d.pid, signal.SIGSTOP)
-    victim = None
-    for d in ds:
-        os.kill(d.pid, signal.SIGCONT)
-        busy = await _busy(http, d)
-        os.kill(d.pid, signal.SIGSTOP)
-        if busy and victim is None:
-            victim = d
-    assert victim is not None, "no decode worker holds the stream"
-    victim.kill()
-    for d in ds:
-        if d.alive():
-            os.kill(d.pid, signal.SIGCONT)
-    return victim
 
 
 async def _stream(http: httpx.AsyncClient, fleet: Fleet, body: dict[str, Any],
@@ -89,7 +62,7 @@ async def _stream(http: httpx.AsyncClient, fleet: Fleet, body: dict[str, Any],
             times.append(trio.current_time() - start)
             if kill and victim is None and len(times) == KILL_AFTER:
                 killed_at = trio.current_time() - start
-                victim = await _kill_streaming(http, fleet)
+                victim = await signal_streaming_decode(http, [fleet["d0"], fleet["d1"]])
     gaps = [b - a for a, b in itertools.pairwise(times)]
     out = {"ttft": times[0], "itl": statistics.mean(gaps[: KILL_AFTER - 1])}
     if kill:

@@ -275,6 +275,32 @@ class Fleet:
 
 # ----------------------------------------------------------------------------- requests
 
+async def signal_streaming_decode(http: httpx.AsyncClient, decodes: list[Proc],
+                                  how: signal.Signals = signal.SIGKILL) -> Proc:
+    """Freeze every D, find the one holding a request (thawing each alone for its /get_load),
+    signal it (SIGKILL; a SIGTERM waits for the thaw) and let the others go on: the signal
+    lands mid-stream, whatever the speeds."""
+    for d in decodes:
+        os.kill(d.pid, signal.SIGSTOP)
+    victim = None
+    for d in decodes:
+        os.kill(d.pid, signal.SIGCONT)
+        r = await http.get(f"{d.url}/get_load", timeout=10)
+        busy = sum(int(rank["num_reqs"]) for rank in r.json())
+        os.kill(d.pid, signal.SIGSTOP)
+        if busy and victim is None:
+            victim = d
+    assert victim is not None, "no decode worker holds the streaming request"
+    if how == signal.SIGKILL:
+        victim.kill()
+    else:
+        os.kill(victim.pid, how)
+    for d in decodes:
+        if d.alive():
+            os.kill(d.pid, signal.SIGCONT)
+    return victim
+
+
 def leg(room: int, input_ids: list[int], max_new_tokens: int, prefill: Proc, *,
         rid: str | None = None, stream: bool = False) -> dict[str, Any]:
     """The body a PD router posts to both legs of ``room`` (the test is the router here)."""

@@ -14,7 +14,6 @@ Afterwards every worker holds nothing (pages, rooms, queues, transfer registrati
 
 from __future__ import annotations
 
-import os
 import signal
 from collections.abc import Iterator
 from typing import Any
@@ -23,7 +22,13 @@ import httpx
 import pytest
 import trio
 
-from tests.integration.failure_support import SLACK, Fleet, Proc, wait_clean
+from tests.integration.failure_support import (
+    SLACK,
+    Fleet,
+    Proc,
+    signal_streaming_decode,
+    wait_clean,
+)
 from tests.integration.serve_support import PATHS, fetch_answer, request_body, sse_events
 
 pytestmark = pytest.mark.slow
@@ -46,38 +51,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     f.close()
 
 
-async def _num_reqs(http: httpx.AsyncClient, d: Proc) -> int:
-    r = await http.get(f"{d.url}/get_load", timeout=5)
-    r.raise_for_status()
-    return sum(int(rank["num_reqs"]) for rank in r.json())
-
-
-async def _kill_the_streaming_decode(http: httpx.AsyncClient, fleet: Fleet,
-                                     how: signal.Signals = signal.SIGKILL) -> Proc:
-    """Freeze both D, find the one holding the request (thawing each alone for its /get_load),
-    signal it (SIGKILL; a SIGTERM waits for the thaw) and let them go on: the signal lands
-    mid-stream, whatever the speeds."""
-    ds = [fleet["d0"], fleet["d1"]]
-    for d in ds:
-        os.kill(d.pid, signal.SIGSTOP)
-    victim = None
-    for d in ds:
-        os.kill(d.pid, signal.SIGCONT)
-        busy = await _num_reqs(http, d)
-        os.kill(d.pid, signal.SIGSTOP)
-        if busy and victim is None:
-            victim = d
-    assert victim is not None, "no decode worker holds the streaming request"
-    if how == signal.SIGKILL:
-        victim.kill()
-    else:
-        os.kill(victim.pid, how)
-    for d in ds:
-        if d.alive():
-            os.kill(d.pid, signal.SIGCONT)
-    return victim
-
-
 async def _stream_and_signal(http: httpx.AsyncClient, fleet: Fleet, endpoint: str,
                              body: dict[str, Any], how: signal.Signals) -> tuple[bytes, Proc]:
     """Stream ``body`` through the proxy, signalling the D that serves it after the 6th event;
@@ -89,7 +62,7 @@ async def _stream_and_signal(http: httpx.AsyncClient, fleet: Fleet, endpoint: st
         async for chunk in r.aiter_raw():
             raw += chunk
             if victim is None and raw.count(b"data: ") >= 6:
-                victim = await _kill_the_streaming_decode(http, fleet, how)
+                victim = await signal_streaming_decode(http, [fleet["d0"], fleet["d1"]], how)
     assert victim is not None, "the stream ended before its 6th event"
     return raw, victim
 
