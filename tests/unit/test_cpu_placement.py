@@ -52,3 +52,37 @@ def test_cluster_pins_each_role() -> None:
 
     assert (cpus("prefill-0"), cpus("decode-0"), cpus("colocated")) == ("0", "1", "0-1")
     assert "--cpus" not in argv["bootstrap"] and "--cpus" not in argv["proxy"]
+
+
+def test_nice_is_every_later_thread_s() -> None:
+    # In a child (the runner keeps its priority): threads started after set_nice, as XLA's pools
+    # are, run at its value too; Linux keeps nice per thread.
+    code = ("import os, threading; from pd_fsm.io_trio.cluster.cpu_placement import set_nice; "
+            "print(set_nice(7)); seen = []; "
+            "t = threading.Thread(target=lambda: seen.append("
+            "os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))); "
+            "t.start(); t.join(); print(seen[0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["7", "7"]
+
+
+@pytest.mark.parametrize("nice", [-21, 20])
+def test_nice_out_of_range_is_refused(nice: int) -> None:
+    from pd_fsm.io_trio.cluster.cpu_placement import set_nice
+
+    with pytest.raises(ValueError, match=f"--nice {nice}"):
+        set_nice(nice)
+
+
+def test_cluster_gives_each_role_its_priority() -> None:
+    args = build_parser().parse_args(["cluster", "--model", "tiny", "--colocated",
+                                      "--prefill-nice", "10", "--decode-nice", "-5"])
+    argv = {child.name: child.argv for child in plan(args)}
+
+    def nice(name: str) -> str | None:
+        a = argv[name]
+        return a[a.index("--nice") + 1] if "--nice" in a else None
+
+    assert (nice("prefill-0"), nice("decode-0"), nice("colocated")) == ("10", "-5", None)
+    serve = build_parser(argv["decode-0"][3:]).parse_args(argv["decode-0"][3:])
+    assert serve.nice == -5

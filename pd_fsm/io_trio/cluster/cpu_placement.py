@@ -1,10 +1,16 @@
-"""CPU placement: pin a process to a set of cores before JAX starts (``--cpus``).
+"""CPU placement: pin a process to a set of cores (``--cpus``) and give it a CPU priority
+(``--nice``) before JAX starts.
 
 Fair PD-vs-colocated comparisons need P and D each on their own cores (DistServe's "equal
 hardware"), and a pinned process shows what an operator sees when a worker shares a host. XLA's
 CPU client sizes its thread pools from the schedulable CPUs (``sched_getaffinity``) when it is
 created, so the affinity must be set before the first JAX call: ``pd-fsm serve`` does it first
 thing, before the huge-page re-exec (affinity survives ``exec``).
+
+Priority: P and D may share the same cores with D above P (issue 30 §3), so that a decode step
+takes a core from a running prefill instead of waiting for it. Linux's nice is per thread and a
+thread starts with its creator's, so the main thread's value, set before XLA starts its pools,
+is the whole process's.
 """
 
 from __future__ import annotations
@@ -39,3 +45,18 @@ def pin_to(cpus: frozenset[int]) -> frozenset[int]:
         raise ValueError(f"--cpus: cores {missing} are not available here (have {sorted(allowed)})")
     os.sched_setaffinity(0, cpus)
     return frozenset(os.sched_getaffinity(0))
+
+
+def set_nice(nice: int) -> int:
+    """Give this thread, and every thread it starts later, the nice value ``nice`` (-20..19;
+    lower runs first). Returns the value now in force. A value this process may not take (a
+    negative one needs CAP_SYS_NICE or an RLIMIT_NICE that allows it) is a ValueError naming the
+    flag, not a silent no-op."""
+    if not -20 <= nice <= 19:
+        raise ValueError(f"--nice {nice}: must be in -20..19")
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    except PermissionError:
+        raise ValueError(f"--nice {nice}: not allowed here (a negative value needs "
+                         "CAP_SYS_NICE or an RLIMIT_NICE that allows it)") from None
+    return os.getpriority(os.PRIO_PROCESS, 0)

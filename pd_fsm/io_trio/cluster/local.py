@@ -108,9 +108,11 @@ def plan(args: argparse.Namespace, tls: TLS = NO_TLS) -> list[Child]:
                                                 str(boot_port), *quiet, *serving.argv()),
                               f"{scheme}://{HOST}:{boot_port}"))
     def pinned(role: str) -> list[str]:
-        """The role's own flags: its cores and its tensor-parallel size."""
+        """The role's own flags: its cores, its CPU priority and its tensor-parallel size."""
         cpus, tp = getattr(args, f"{role}_cpus"), getattr(args, f"{role}_tp", None)
+        nice = getattr(args, f"{role}_nice", None)
         flags = [] if cpus is None else ["--cpus", cpus]
+        flags += [] if nice is None else ["--nice", str(nice)]
         return flags + ([] if tp is None else ["--tp", str(tp)])
 
     def instance(name: str, role: str, argv: list[str], url: str, extra: str = "") -> Child:
@@ -359,6 +361,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     for role in ("prefill", "decode", "colocated"):
         p.add_argument(f"--{role}-cpus", default=None, metavar="LIST",
                        help=f"pin every {role} worker to these cores (`pd-fsm serve --cpus`)")
+        p.add_argument(f"--{role}-nice", type=int, default=None, metavar="N",
+                       help=f"CPU priority of every {role} worker (`pd-fsm serve --nice`, "
+                            "-20..19, lower first)")
         p.add_argument(f"--{role}-tp", type=int, default=None, metavar="N",
                        help=f"every {role} worker tensor-parallel over N devices (`pd-fsm serve "
                             "--tp`); P and D may differ: D regroups P's KV shards")

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from pd_fsm.io_trio.cli_common import STOP_GRACE_S, run_service, stop_on_signal
-from pd_fsm.io_trio.cluster.cpu_placement import parse_cpus, pin_to
+from pd_fsm.io_trio.cluster.cpu_placement import parse_cpus, pin_to, set_nice
 from pd_fsm.io_trio.worker.config import (
     ServeConfig,
     add_serve_arguments,
@@ -85,6 +85,9 @@ def main(args: argparse.Namespace) -> int:
             # Before anything starts JAX: XLA sizes its thread pools from the affinity.
             pinned = pin_to(parse_cpus(config.cpus))
             log.info("pinned to cores %s", ",".join(map(str, sorted(pinned))))
+        if config.nice != 0:
+            # Before anything starts a thread: each inherits its creator's nice (Linux).
+            log.info("nice %d", set_nice(config.nice))
         if config.tp_size > 1:
             # Read when JAX first starts a backend, which nothing has done yet. Only the host
             # (CPU) platform reads it: on an accelerator the devices are the chips.

@@ -113,6 +113,9 @@ class ServeConfig:
     host_heap: str = "hugepages"
     # Cores this worker may run on ("0", "0-1", "0,2"): set before JAX starts (cpu_placement.py).
     cpus: str | None = None
+    # CPU priority of every thread of the worker (-20..19), set before JAX starts: with P and D
+    # on the same cores, D above P (cpu_placement.set_nice).
+    nice: int = 0
     # P/D: nice value for the transfer server's socket threads (-20..0; 0 leaves them), so a
     # pull is not queued behind compute (pd_fsm.jax_engine.transfer.thread_priority).
     transfer_nice: int = -10

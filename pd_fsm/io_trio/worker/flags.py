@@ -199,6 +199,13 @@ _PROCESS = (
              "pin the worker to these cores (`0`, `0-1`, `0,2`) before JAX starts: XLA sizes "
              "its thread pools from the affinity. `pd-fsm cluster --prefill-cpus / "
              "--decode-cpus / --colocated-cpus` pass it per role")),
+    Flag("--nice", metavar="N", check=within(-20, 19, show_value=True), help=(
+        "CPU priority of every worker thread (-20..19, lower first), set before JAX starts; "
+        "a negative value needs CAP_SYS_NICE"), doc=(
+        "CPU priority of every thread of the worker (-20..19, lower runs first), set before "
+        "JAX starts its pools. P and D sharing cores: D above P, so a decode step takes a core "
+        "from a prefill instead of waiting (`pd-fsm cluster --prefill-nice / --decode-nice`). "
+        "A value the process may not take stops it at start, naming the flag")),
     Flag("--host-heap", choices=HOST_HEAP_POLICIES, help=(
         "hugepages: large host buffers on huge pages (faster pulls on CPU); default: glibc's"),
         doc=("hugepages: the worker re-executes itself once with "

@@ -1,0 +1,158 @@
+"""Where P and D run, and at which priority (issue 30 §3): goodput of every static placement of
+one P and one D on this machine's cores, next to a colocated worker on the same cores, in one run.
+
+Placements (each a ``pd-fsm cluster`` of its own, all started before the first measurement and
+left idle while another is measured):
+
+    colocated          one worker on every core              (--colocated)
+    PD pinned          P on core 0, D on core 1              (--prefill-cpus 0 --decode-cpus 1)
+    PD shared          P and D on every core, equal priority (no flags)
+    PD shared, nice    P and D on every core, P at nice P, D at nice D
+                       (--prefill-nice P --decode-nice D; one placement per --nice-pairs item)
+
+The same prompts arrive as a Poisson process at each ``--rates`` value, at every placement in
+turn; the order rotates from rate to rate (the machine is shared: a neighbour's burst should not
+land on one placement only). Every placement first gets the prompts once, unmeasured (each new
+shape's first use). Goodput (DistServe): requests per second that met both the TTFT target and
+the time-per-output-token target (a request's mean inter-token gap); also at a tighter TPOT
+target. Nothing is asserted; ratios to colocated are printed (machines differ in speed).
+
+    .venv/bin/python bench/bench_placement.py [--rates 0.25 0.5 1 1.5 --num-prompts 24
+        --nice-pairs 10,-5 19,-5 --repeats 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_serving import _load_args, goodput  # bench/, beside this script
+
+from pd_fsm.io_trio.bench_client import Summary, make_prompts, run_load
+from tests.integration.serve_support import PDCluster
+
+COLOCATED = "colocated (cores 0-1)"
+PINNED = "PD pinned (P core 0, D core 1)"
+SHARED = "PD shared (cores 0-1, equal priority)"
+
+
+def placements(args: argparse.Namespace) -> dict[str, tuple[list[str], str]]:
+    """name -> (the cluster's flags, which of its URLs to measure)."""
+    out: dict[str, tuple[list[str], str]] = {
+        COLOCATED: (["--prefill", "0", "--decode", "0", "--colocated"], "colocated"),
+        PINNED: (["--prefill-cpus", "0", "--decode-cpus", "1"], "proxy"),
+        SHARED: ([], "proxy"),
+    }
+    for pair in args.nice_pairs:
+        p, d = (int(x) for x in pair.split(","))
+        out[f"PD shared, nice P {p:+d} / D {d:+d}"] = (
+            ["--prefill-nice", str(p), "--decode-nice", str(d)], "proxy")
+    return out
+
+
+def start(flags: list[str], args: argparse.Namespace) -> PDCluster:
+    return PDCluster.start([
+        "--model", args.model, "--prefill", "1", "--decode", "1", "--num-pages", "256",
+        "--startup-timeout", "1200", *flags,
+        # Compiles while another cluster starts take minutes: long windows for first rooms.
+        "--worker-args", "--disaggregation-peer-timeout 120 --disaggregation-lease-initial 120",
+    ], timeout=1260)
+
+
+def row(name: str, s: Summary, args: argparse.Namespace, base: float) -> str:
+    r = s.rows()
+    _, rps = goodput(s, args.slo_ttft, args.slo_tpot)
+    _, tight = goodput(s, args.slo_ttft, args.tight_tpot)
+    ratio = rps / base if base > 0 else math.inf if rps > 0 else math.nan
+    return (f"| {name} | {r['TTFT p50 ms']:.0f} / {r['TTFT p99 ms']:.0f} | "
+            f"{r['ITL p50 ms']:.0f} / {r['ITL p99 ms']:.0f} | {r['output tokens/s']:.2f} | "
+            f"{rps:.3f} ({goodput(s, args.slo_ttft, args.slo_tpot)[0]}/{len(s.results)}) | "
+            f"{ratio:.2f}x | {tight:.3f} |")
+
+
+async def measure(targets: dict[str, str], args: argparse.Namespace) -> None:
+    prompts = make_prompts(args.dataset, args.num_prompts, args.seed)
+    warm = _load_args(args, args.model)
+    for url in targets.values():  # unmeasured: every shape's first use
+        await run_load(url, warm, prompts)
+    names = list(targets)
+    totals: dict[str, list[float]] = {name: [0.0, 0.0] for name in names}  # met, seconds
+    step = 0
+    for repeat in range(args.repeats):
+        for rate in args.rates:
+            load = _load_args(args, args.model)
+            load.request_rate, load.max_concurrency = rate, None
+            results: dict[str, Summary] = {}
+            for name in names[step % len(names):] + names[: step % len(names)]:
+                results[name] = await run_load(targets[name], load, prompts)
+            step += 1
+            base = goodput(results[COLOCATED], args.slo_ttft, args.slo_tpot)[1]
+            print(f"\n### Poisson {rate:g} req/s, {args.num_prompts} {args.dataset} prompts, "
+                  f"{args.max_tokens} tokens out (repeat {repeat + 1})\n\n"
+                  f"| placement | TTFT p50 / p99 ms | ITL p50 / p99 ms | output tok/s | "
+                  f"goodput req/s (met) at TTFT <= {args.slo_ttft:g} s, TPOT <= "
+                  f"{args.slo_tpot * 1000:g} ms | vs colocated | goodput at TPOT <= "
+                  f"{args.tight_tpot * 1000:g} ms |\n|---|---|---|---|---|---|---|", flush=True)
+            for name in names:
+                print(row(name, results[name], args, base), flush=True)
+                met, _ = goodput(results[name], args.slo_ttft, args.slo_tpot)
+                totals[name][0] += met
+                totals[name][1] += results[name].duration
+    print("\n### Over the whole run (requests that met the SLO / seconds under load)\n",
+          flush=True)
+    base = totals[COLOCATED][0] / totals[COLOCATED][1]
+    for name in names:
+        met, secs = totals[name]
+        print(f"- {name}: {met / secs:.3f} req/s ({met:.0f} met in {secs:.0f} s), "
+              f"{met / secs / base if base else math.nan:.2f}x colocated", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dataset", default="mixed", help="bench_client prompts (default mixed)")
+    p.add_argument("--num-prompts", type=int, default=24)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--endpoint", default="completions")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--concurrency", type=int, default=4, help="the unmeasured pass")
+    p.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 1.0, 1.5])
+    p.add_argument("--repeats", type=int, default=1, help="passes over every rate")
+    p.add_argument("--nice-pairs", nargs="*", default=["0,-10", "10,-5"], metavar="P,D",
+                   help="one shared placement per P,D pair of nice values (default 0,-10 and "
+                        "10,-5: P at 0 keeps its share against the machine's other work)")
+    p.add_argument("--only", nargs="*", default=None, metavar="NAME",
+                   help="placements to run (substrings of their names; colocated always runs)")
+    p.add_argument("--slo-ttft", type=float, default=2.0)
+    p.add_argument("--slo-tpot", type=float, default=0.1)
+    p.add_argument("--tight-tpot", type=float, default=0.05)
+    args = p.parse_args()
+    chosen = placements(args)
+    if args.only:
+        chosen = {k: v for k, v in chosen.items()
+                  if k == COLOCATED or any(s in k for s in args.only)}
+    began = time.monotonic()
+    clusters: list[PDCluster] = []
+    try:
+        targets: dict[str, str] = {}
+        for name, (flags, which) in chosen.items():
+            clusters.append(start(flags, args))
+            targets[name] = clusters[-1].urls[which]
+            print(f"started {name} after {time.monotonic() - began:.0f} s", flush=True)
+        trio.run(measure, targets, args)
+    finally:
+        for c in clusters:
+            c.stop()
+    print(f"\nwhole run: {time.monotonic() - began:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
