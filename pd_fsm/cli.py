@@ -73,6 +73,7 @@ _REGISTRARS: dict[str, str] = {
     "cluster": "pd_fsm.io_trio.cluster.local",
     "bench": "pd_fsm.io_trio.bench_client",
     "sim": "pd_fsm.sim.cli",
+    "profile": "pd_fsm.sim.profiler",
 }
 
 

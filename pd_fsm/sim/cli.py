@@ -10,6 +10,7 @@ from collections import Counter
 import attrs
 
 from pd_fsm.core.routing import POLICIES, RoutingConfig
+from pd_fsm.sim import perf_cli
 from pd_fsm.sim.config import PLANTS, REAL_ONLY_PLANTS, SimConfig, Violation, Workload
 from pd_fsm.sim.world import run_seed, run_workload
 
@@ -58,6 +59,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="routing policies to compare (default all)")
     w.add_argument("--ttft-target", type=float, default=2.0, help="goodput: TTFT (s, 2)")
     w.add_argument("--tpot-target", type=float, default=0.2, help="goodput: TPOT (s, 0.2)")
+    perf_cli.add_arguments(p)
     p.set_defaults(func=main)
 
 
@@ -69,6 +71,8 @@ def _seeds(text: str) -> range:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.profile is not None:
+        return perf_cli.main(args)
     if args.workload:
         return _workload(args)
     try:

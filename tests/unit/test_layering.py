@@ -46,6 +46,12 @@ LAYERS: dict[str, frozenset[str]] = {
     "pd_fsm.sim.real": frozenset(
         {"pd_fsm.sim.real", "pd_fsm.sim", "pd_fsm.core", "pd_fsm.jax_engine", "pd_fsm.schedulers"}
     ),
+    # ... and profiler.py (`pd-fsm profile`), which measures the real engine for the performance
+    # model (perf.py) and pins itself to cores as a worker does.
+    "pd_fsm.sim.profiler": frozenset(
+        {"pd_fsm.sim.profiler", "pd_fsm.sim", "pd_fsm.core", "pd_fsm.jax_engine",
+         "pd_fsm.schedulers", "pd_fsm.io_trio"}
+    ),
     # The processes: trio adapters around the core, the workers around the schedulers, the
     # proxy, the bootstrap server, the cluster runners. Not the simulator.
     "pd_fsm.io_trio": frozenset(
@@ -54,7 +60,8 @@ LAYERS: dict[str, frozenset[str]] = {
     # The `pd-fsm` command, the top: it may import every layer, and no layer imports it (it is
     # only ever run, ``python -m pd_fsm.cli`` in the cluster runners).
     "pd_fsm.cli": frozenset(
-        {"pd_fsm.cli", "pd_fsm.io_trio", "pd_fsm.sim", "pd_fsm.sim.real", "pd_fsm.schedulers",
+        {"pd_fsm.cli", "pd_fsm.io_trio", "pd_fsm.sim", "pd_fsm.sim.real", "pd_fsm.sim.profiler",
+         "pd_fsm.schedulers",
          "pd_fsm.jax_engine", "pd_fsm.core"}
     ),
     # The package's own __init__ (empty): it imports nothing.

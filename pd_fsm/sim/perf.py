@@ -1,0 +1,277 @@
+"""The performance model (issue 30 §4): replay a workload over a placement of workers whose
+prefills, decode steps and KV moves take the times a profile measured (``perf_profile.py``),
+and predict each request's TTFT and inter-token gaps, hence goodput.
+
+What is modelled, after the real scheduler (``schedulers/scheduler.py``) and PD path:
+
+- A worker steps in a loop: admit waiting requests while ``max_running`` and its pages allow
+  (pages for prompt + output reserved at admission), prefill the admitted ones in one padded
+  batch of at most ``max_batched_tokens`` (costed as a prefill of rows x longest tokens), then
+  decode every running row once (costed by rows and mean context). A step's tokens leave when
+  it ends; a request prefilled in a step is also decoded in it (its first two tokens leave
+  together), as the real loop does.
+- PD: P's step prefills, then gathers each room's KV (a device copy of its bytes); D pulls it
+  (a loopback pull of those bytes, on its pull threads: no compute) and scatters it in its own
+  loop (a copy), then decodes it; P's token and D's first leave at the end of that step.
+- Cores: a pinned worker runs at its core count's profile. Workers sharing cores share them as
+  Linux's CFS does: each busy worker gets cores in proportion to its nice weight (at most the
+  cores it can use), and a step on ``c`` cores runs at the speed the one- and all-core profiles
+  give, linearly between them.
+
+Not modelled: the proxy and HTTP (a few ms), page-table chunking of prompts longer than one
+batch, the radix cache, XLA's serial fractions beyond what the two profiles capture.
+Time advances in fixed ticks (``TICK``): a request's timings are exact to a tick.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from collections.abc import Sequence
+
+import attrs
+
+from pd_fsm.sim.perf_profile import CoreProfile, Profile
+
+TICK = 0.001  # seconds of simulated time per tick
+
+
+def nice_weight(nice: int) -> float:
+    """CFS's weight for a nice value (kernel/sched: 1024 at 0, x1.25 per step)."""
+    return 1024.0 / (1.25 ** nice)
+
+
+def bucket(n: int, least: int = 1) -> int:
+    """The next power of two (the real scheduler pads batch rows and tokens so)."""
+    b = least
+    while b < n:
+        b *= 2
+    return b
+
+
+@attrs.frozen
+class Placement:
+    """One static split: a colocated worker, or one P and one D, pinned to their own cores or
+    sharing ``cores`` at the given nice values."""
+
+    name: str
+    colocated: bool = False
+    cores: int = 2  # the machine's (a colocated worker's, or the shared ones)
+    shared: bool = False  # PD: P and D both on every core (else P and D on cores/2 each)
+    nice_p: int = 0
+    nice_d: int = 0
+
+
+@attrs.define(eq=False)
+class Request:
+    arrival: float
+    prompt: int
+    out: int
+    token_times: list[float] = attrs.field(factory=list)
+    kv_ready: float = math.inf  # PD: when its KV is on D (pulled), scatter still to do
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.arrival if self.token_times else math.inf
+
+    @property
+    def tpot(self) -> float:
+        """Mean gap between output tokens (DistServe's TPOT)."""
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0
+
+
+@attrs.define(eq=False)
+class _Job:
+    """A step in progress: ``left`` of it to do (1.0 = all), and what it yields when done."""
+
+    alone_s: float  # its time with the worker's whole share of cores
+    slow_s: float  # its time on one core
+    left: float = 1.0
+    prefilled: list[Request] = attrs.field(factory=list)
+    decoded: list[Request] = attrs.field(factory=list)
+    scattered: list[Request] = attrs.field(factory=list)
+
+
+class _Worker:
+    def __init__(self, role: str, profile: Profile, cores: int, nice: int) -> None:
+        self.role, self.profile, self.cores, self.nice = role, profile, cores, nice
+        self.fast: CoreProfile = profile.on(cores)
+        self.slow: CoreProfile = profile.on(1)
+        self.waiting: deque[Request] = deque()
+        self.arriving: list[Request] = []  # D: KV being pulled
+        self.running: list[Request] = []
+        self.pages_free = PAGES
+        self.job: _Job | None = None
+
+    def _pages(self, r: Request) -> int:
+        return -(-(r.prompt + r.out) // self.profile.page_size)
+
+    def _cost(self, of: str, *a: float) -> tuple[float, float]:
+        """(seconds on this worker's cores alone, seconds on one core)."""
+        fast = getattr(self.fast, of)(*a)
+        return fast, getattr(self.slow, of)(*a)
+
+    def next_job(self, now: float) -> _Job | None:
+        """The next step's work, as the real loop would build it now (None: nothing to do)."""
+        alone = slow = 0.0
+        job = _Job(0.0, 0.0)
+        kv = self.profile.kv_bytes_per_token
+        if self.role == "decode":
+            for r in [r for r in self.arriving if r.kv_ready <= now]:
+                if len(self.running) + len(job.scattered) >= self.profile.max_running:
+                    break
+                self.arriving.remove(r)
+                a, s = self._cost("copy_s", r.prompt * kv)  # scatter
+                alone, slow = alone + a, slow + s
+                job.scattered.append(r)
+        else:
+            rows: list[Request] = []
+            longest = 0
+            while self.waiting and len(self.running) + len(rows) < self.profile.max_running:
+                r = self.waiting[0]
+                t_pad = bucket(max(longest, r.prompt), 16)
+                if rows and bucket(len(rows) + 1) * t_pad > self.profile.max_batched_tokens:
+                    break
+                if self._pages(r) > self.pages_free:
+                    break
+                self.pages_free -= self._pages(r)
+                rows.append(self.waiting.popleft())
+                longest = max(longest, r.prompt)
+            if rows:
+                padded = bucket(len(rows)) * bucket(longest, 16)
+                a, s = self._cost("prefill_s", padded)
+                alone, slow = alone + a, slow + s
+                job.prefilled = rows
+            if rows and self.role == "prefill":  # P gathers each room's KV for its pull
+                for r in rows:
+                    a, s = self._cost("copy_s", r.prompt * kv)
+                    alone, slow = alone + a, slow + s
+        decoding = list(self.running) + (job.prefilled if self.role == "colocated" else [])
+        decoding += job.scattered
+        if decoding:
+            context = sum(r.prompt + len(r.token_times) for r in decoding) / len(decoding)
+            a, s = self._cost("decode_s", len(decoding), context)
+            alone, slow = alone + a, slow + s
+            job.decoded = decoding
+        if not (job.prefilled or job.decoded):
+            return None
+        job.alone_s, job.slow_s = alone, slow
+        return job
+
+    def finish(self, job: _Job, now: float, d: _Worker | None) -> None:
+        if self.role == "prefill":
+            kv = self.profile.kv_bytes_per_token
+            for r in job.prefilled:
+                r.token_times.append(math.nan)  # the first token rides with the KV to D
+                self.pages_free += self._pages(r)  # released when D has pulled: close enough
+                assert d is not None
+                r.kv_ready = now + d.fast.pull_s(r.prompt * kv)
+                d.arriving.append(r)
+            return
+        self.running.extend(job.prefilled if self.role == "colocated" else job.scattered)
+        for r in job.decoded:
+            if r.token_times and math.isnan(r.token_times[0]):
+                r.token_times[0] = now  # P's token, relayed with the step's first on D
+                r.token_times.append(now)
+            else:
+                r.token_times.append(now)
+            if self.role == "colocated" and r in job.prefilled:
+                r.token_times.insert(0, now)  # the prefill's token and the step's together
+        for r in [r for r in self.running if len(r.token_times) >= r.out]:
+            del r.token_times[r.out:]
+            self.running.remove(r)
+            self.pages_free += self._pages(r)
+
+
+PAGES = 255  # usable pages per worker (the benches' --num-pages 256, less the null page)
+
+
+def _speeds(busy: Sequence[_Worker], shared: bool, cores: int) -> dict[_Worker, float]:
+    """Each busy worker's progress per second on its current step."""
+    out: dict[_Worker, float] = {}
+    total = sum(nice_weight(w.nice) for w in busy)
+    for w in busy:
+        job = w.job
+        assert job is not None
+        c = min(w.cores, cores * nice_weight(w.nice) / total) if shared else w.cores
+        if c >= w.cores or job.slow_s <= 0:
+            out[w] = 1.0 / max(job.alone_s, 1e-9)
+            continue
+        # Between one core's speed and all of the worker's cores', linearly in cores.
+        one, full = 1.0 / max(job.slow_s, 1e-9), 1.0 / max(job.alone_s, 1e-9)
+        out[w] = c * one if c <= 1 else one + (full - one) * (c - 1) / max(w.cores - 1, 1)
+    return out
+
+
+def simulate(profile: Profile, placement: Placement, requests: Sequence[Request],
+             horizon: float = 3600.0) -> list[Request]:
+    """Run ``requests`` (their ``arrival``, ``prompt``, ``out``) through ``placement``; returns
+    them with their token times filled in (a request still unfinished at ``horizon`` keeps
+    what it got)."""
+    if placement.colocated:
+        workers = [_Worker("colocated", profile, placement.cores, 0)]
+        p = d = None
+    else:
+        half = placement.cores if placement.shared else max(placement.cores // 2, 1)
+        p = _Worker("prefill", profile, half, placement.nice_p)
+        d = _Worker("decode", profile, half, placement.nice_d)
+        workers = [p, d]
+    entry = workers[0]
+    pending = deque(sorted(requests, key=lambda r: r.arrival))
+    now = 0.0
+    while now < horizon:
+        while pending and pending[0].arrival <= now:
+            entry.waiting.append(pending.popleft())
+        for w in workers:
+            if w.job is None:
+                w.job = w.next_job(now)
+        busy = [w for w in workers if w.job is not None]
+        if not busy and not pending and not (d and d.arriving):
+            break
+        for w, speed in _speeds(busy, placement.shared, placement.cores).items():
+            assert w.job is not None
+            w.job.left -= speed * TICK
+            if w.job.left <= 0:
+                job, w.job = w.job, None
+                w.finish(job, now + TICK, d)
+        now += TICK
+    return list(requests)
+
+
+@attrs.frozen
+class Outcome:
+    ttft_p50: float
+    tpot_p50: float
+    goodput: float  # requests per second that met both targets
+    met: int
+    finished: int
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))] if s else math.nan
+
+
+def outcome(done: Sequence[Request], ttft_s: float, tpot_s: float) -> Outcome:
+    """Goodput as the benches measure it: met requests over the span from the first arrival to
+    the last token."""
+    ok = [r for r in done if len(r.token_times) >= r.out and not math.isnan(r.token_times[0])]
+    met = [r for r in ok if r.ttft <= ttft_s and r.tpot <= tpot_s]
+    start = min((r.arrival for r in done), default=0.0)
+    end = max((r.token_times[-1] for r in ok), default=start)
+    span = end - start
+    return Outcome(_pct([r.ttft for r in ok], 50), _pct([r.tpot for r in ok], 50),
+                   len(met) / span if span > 0 else 0.0, len(met), len(ok))
+
+
+def poisson(rate: float, prompts: Sequence[int], out: int, seed: int = 1) -> list[Request]:
+    """Arrivals at ``rate`` per second, one per prompt length (the benches' schedule: the same
+    exponential gaps from ``random.Random(seed)``)."""
+    rng = random.Random(seed)
+    t, reqs = 0.0, []
+    for n in prompts:
+        reqs.append(Request(t, n, out))
+        t += rng.expovariate(rate)
+    return reqs

@@ -1,0 +1,163 @@
+"""``pd-fsm profile``: measure the real engine for the performance model (issue 30 §4).
+
+It runs the colocated scheduler (the same forwards P and D run) through its public API, on the
+cores it is given (``--cpus``, set before JAX starts: XLA sizes its pools from the affinity):
+
+- a prefill of one prompt of each length (the step that prefills a request of one output token);
+- a decode step by batch rows at two context lengths (every row in the decode batch);
+- a device copy of a KV-sized buffer (what gather and scatter move) and a pull of it through
+  ``jax.experimental.transfer`` over loopback, by bytes.
+
+Each shape runs once unmeasured (its compile), then ``--repeats`` times; the median is kept.
+``--merge FILE`` adds this run's core count to an existing profile, so one file holds the
+pinned (one core) and the colocated (all cores) costs:
+
+    pd-fsm profile --cpus 0 --out prof.json && pd-fsm profile --cpus 0-1 --merge prof.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pd_fsm.io_trio.cluster.cpu_placement import parse_cpus, pin_to
+from pd_fsm.sim.perf_profile import CoreProfile, Profile
+
+PREFILL_TOKENS = (16, 64, 128, 256, 512, 1024)
+DECODE_ROWS = (1, 2, 4, 8)
+DECODE_CONTEXTS = (64, 512)
+COPY_MIB = (1, 4, 16, 64)
+
+
+def _median(fn: Callable[[], float], repeats: int) -> float:
+    fn()  # its compile
+    return statistics.median(fn() for _ in range(repeats))
+
+
+def _measure(args: argparse.Namespace) -> Profile:
+    import jax
+    import jax.numpy as jnp
+
+    from pd_fsm.jax_engine.sampling_params import SamplingParams
+    from pd_fsm.jax_engine.transfer import JaxTransferKVEngine
+    from pd_fsm.schedulers.args import SchedulerArgs
+    from pd_fsm.schedulers.scheduler import Scheduler
+
+    sched = Scheduler(SchedulerArgs(model=args.model, num_pages=args.num_pages,
+                                    max_running=max(args.decode_rows),
+                                    max_batched_tokens=args.max_batched_tokens))
+    cfg = sched.config
+    rid = iter(range(1 << 30))
+
+    def prompt(n: int) -> list[int]:
+        return [(7 * i + 3) % (cfg.vocab_size - 1) + 1 for i in range(n)]
+
+    def prefill(n: int) -> float:
+        sched.add_request(sched.make_request(f"p{next(rid)}", prompt(n), SamplingParams(
+            max_new_tokens=1, temperature=0.0, ignore_eos=True)))
+        start = time.perf_counter()
+        sched.run_until_idle()
+        return time.perf_counter() - start
+
+    def decode(rows: int, context: int) -> float:
+        for _ in range(rows):
+            sched.add_request(sched.make_request(f"d{next(rid)}", prompt(context), SamplingParams(
+                max_new_tokens=64, temperature=0.0, ignore_eos=True)))
+        while sched.waiting or sched.prefilling or len(sched.running) < rows:
+            sched.step()
+        laps = []
+        for _ in range(8):
+            start = time.perf_counter()
+            sched.step()
+            laps.append(time.perf_counter() - start)
+        for req in list(sched.running):
+            sched.abort(req.rid)
+        sched.drain_outputs()
+        return statistics.median(laps)
+
+    rows = [(n, _median(lambda n=n: prefill(n), args.repeats)) for n in args.prefill_tokens]
+    print(f"prefill: {rows}", flush=True)
+    steps = [(b, c, _median(lambda b=b, c=c: decode(b, c), args.repeats))
+             for c in args.decode_contexts for b in args.decode_rows]
+    print(f"decode: {steps}", flush=True)
+
+    engine = JaxTransferKVEngine("127.0.0.1", reaper_interval_s=None)
+    copies, pulls = [], []
+    uuid = iter(range(1, 1 << 30))
+    try:
+        for mib in args.copy_mib:
+            n = mib << 20
+            x = jnp.ones((n // 4,), jnp.float32)
+            x.block_until_ready()
+
+            def copy(x: jax.Array = x) -> float:
+                start = time.perf_counter()
+                (x + 0).block_until_ready()
+                return time.perf_counter() - start
+
+            def pull(x: jax.Array = x) -> float:
+                u = next(uuid)
+                engine.register(u, [x], lease_s=60)
+                start = time.perf_counter()
+                engine.start_pull(engine.address, u, [jax.ShapeDtypeStruct(
+                    x.shape, x.dtype, sharding=engine.sharding)], deadline_s=60).wait()
+                took = time.perf_counter() - start
+                engine.release(u, "profiled")
+                return took
+
+            copies.append((n, _median(copy, args.repeats)))
+            pulls.append((n, _median(pull, args.repeats)))
+    finally:
+        engine.close()
+    print(f"copy: {copies}\npull: {pulls}", flush=True)
+    kv_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(
+        sched.pool_config.storage_dtype).itemsize
+    return Profile(model=args.model, kv_bytes_per_token=int(kv_bytes),
+                   page_size=sched.args.page_size, max_batched_tokens=args.max_batched_tokens,
+                   max_running=args.max_running, by_cores=(CoreProfile(
+                       cores=len(os.sched_getaffinity(0)), prefill=tuple(rows),
+                       decode=tuple(steps), copy=tuple(copies), pull=tuple(pulls)),))
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("profile", help="measure the engine's prefill, decode and KV-move costs "
+                       "for the performance model (pd-fsm sim --profile)")
+    p.add_argument("--model", default="smollm2", help="smollm2 | tiny (default smollm2)")
+    p.add_argument("--cpus", default=None, metavar="LIST",
+                   help="measure on these cores (e.g. 0 or 0-1), set before JAX starts")
+    p.add_argument("--num-pages", type=int, default=512)
+    p.add_argument("--max-batched-tokens", type=int, default=1024)
+    p.add_argument("--max-running", type=int, default=8,
+                   help="the workers' --max-running the model will assume (default 8)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per shape (median)")
+    p.add_argument("--prefill-tokens", type=int, nargs="+", default=list(PREFILL_TOKENS))
+    p.add_argument("--decode-rows", type=int, nargs="+", default=list(DECODE_ROWS))
+    p.add_argument("--decode-contexts", type=int, nargs="+", default=list(DECODE_CONTEXTS))
+    p.add_argument("--copy-mib", type=int, nargs="+", default=list(COPY_MIB),
+                   help="KV-sized buffers to copy and pull (MiB)")
+    out = p.add_mutually_exclusive_group(required=True)
+    out.add_argument("--out", type=Path, help="write a new profile here")
+    out.add_argument("--merge", type=Path, help="add this core count to this profile")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.cpus is not None:
+        try:
+            pin_to(parse_cpus(args.cpus))  # before JAX: XLA sizes its pools from it once
+        except (ValueError, OSError) as exc:
+            print(f"pd-fsm profile: {exc}", file=sys.stderr)
+            return 2
+    profile = _measure(args)
+    if args.merge is not None:
+        profile = Profile.load(args.merge).merged(profile) if args.merge.exists() else profile
+        profile.dump(args.merge)
+    else:
+        profile.dump(args.out)
+    print(f"wrote {args.merge or args.out}: cores {[c.cores for c in profile.by_cores]}")
+    return 0

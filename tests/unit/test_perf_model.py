@@ -1,0 +1,117 @@
+"""The performance model (pd_fsm/sim/perf.py) on a made-up profile whose answers can be worked
+out by hand: the model must reproduce them, and order placements the way the costs say."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from pd_fsm.sim.perf import Placement, Request, nice_weight, outcome, poisson, simulate
+from pd_fsm.sim.perf_profile import CoreProfile, Profile, interpolate
+
+# One core: prefill 1 ms a token, a decode step 20 ms (+5 ms a row); two cores: twice as fast.
+ONE = CoreProfile(cores=1, prefill=((16, 0.016), (1024, 1.024)),
+                  decode=((1, 64, 0.020), (8, 64, 0.055), (1, 512, 0.020), (8, 512, 0.055)),
+                  copy=((0, 0.0), (1 << 30, 1.0)), pull=((0, 0.0), (1 << 30, 1.0)))
+TWO = CoreProfile(cores=2, prefill=((16, 0.008), (1024, 0.512)),
+                  decode=((1, 64, 0.010), (8, 64, 0.0275), (1, 512, 0.010), (8, 512, 0.0275)),
+                  copy=ONE.copy, pull=ONE.pull)
+PROFILE = Profile(model="made-up", kv_bytes_per_token=1024, page_size=16,
+                  max_batched_tokens=1024, max_running=8, by_cores=(ONE, TWO))
+COLOCATED = Placement("colocated", colocated=True)
+PINNED = Placement("pinned")
+SHARED = Placement("shared", shared=True)
+PRIORITY = Placement("shared, D above P", shared=True, nice_p=10, nice_d=-5)
+
+
+def test_interpolation_is_linear_and_continues_past_the_ends() -> None:
+    pts = [(0.0, 0.0), (10.0, 1.0), (20.0, 3.0)]
+    assert interpolate(pts, 5) == pytest.approx(0.5)
+    assert interpolate(pts, 15) == pytest.approx(2.0)
+    assert interpolate(pts, 30) == pytest.approx(5.0)  # the last segment's slope
+    assert interpolate([(1.0, 2.0)], 9) == 2.0
+
+
+def test_one_request_alone_takes_what_the_profile_says() -> None:
+    # 64-token prompt, 4 tokens out, colocated on two cores: the first step prefills (64 tokens
+    # at 0.5 ms) and decodes the new row (10 ms): two tokens at ~74 ms; two more steps of 10 ms.
+    (r,) = simulate(PROFILE, COLOCATED, [Request(0.0, 64, 4)])
+    assert r.ttft == pytest.approx(0.032 + 0.010, abs=0.003)
+    assert r.token_times[-1] == pytest.approx(0.042 + 0.020, abs=0.004)
+    assert len(r.token_times) == 4
+
+
+def test_pd_adds_the_pull_and_runs_each_side_on_its_own_core() -> None:
+    (r,) = simulate(PROFILE, PINNED, [Request(0.0, 512, 3)])
+    kv = 512 * 1024 / (1 << 30)  # gather, pull, scatter of 512 tokens' KV: 1 s a GiB each
+    assert r.ttft == pytest.approx(0.512 + 3 * kv + 0.020, abs=0.004)  # one core's prefill
+    assert r.tpot == pytest.approx(0.020 / 2, abs=0.002)  # P's token + D's first leave together
+
+
+def test_priorities_let_d_take_the_cores_from_p() -> None:
+    # A long prompt arrives while another request decodes: with equal priority D's steps slow
+    # to P's share; with D far above P they keep (almost) their speed.
+    load = [Request(0.0, 64, 40), Request(0.3, 1024, 2)]
+    equal = simulate(PROFILE, SHARED, [Request(r.arrival, r.prompt, r.out) for r in load])
+    ahead = simulate(PROFILE, PRIORITY, [Request(r.arrival, r.prompt, r.out) for r in load])
+    assert max(_gaps(ahead[0])) < max(_gaps(equal[0]))
+    assert nice_weight(-5) / nice_weight(10) == pytest.approx(1.25 ** 15)  # CFS: x1.25 a step
+
+
+def _gaps(r: Request) -> list[float]:
+    return [b - a for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
+
+
+def test_goodput_counts_requests_meeting_both_targets() -> None:
+    done = simulate(PROFILE, COLOCATED, poisson(1.0, [64, 256] * 6, 16, seed=3))
+    got = outcome(done, ttft_s=2.0, tpot_s=0.1)
+    assert got.finished == 12 and got.met == 12
+    strict = outcome(done, ttft_s=0.001, tpot_s=0.1)
+    assert strict.met == 0 and strict.goodput == 0.0
+    assert math.isfinite(got.ttft_p50) and got.goodput > 0
+
+
+def test_more_load_than_capacity_loses_goodput() -> None:
+    light = outcome(simulate(PROFILE, PINNED, poisson(0.5, [900] * 16, 32)), 2.0, 0.1)
+    heavy = outcome(simulate(PROFILE, PINNED, poisson(8.0, [900] * 16, 32)), 2.0, 0.1)
+    assert heavy.met < light.met
+
+
+def test_profile_round_trips_and_merges(tmp_path: Path) -> None:
+    one = Profile(model="m", kv_bytes_per_token=8, page_size=16, max_batched_tokens=1024,
+                  max_running=8, by_cores=(ONE,))
+    two = Profile(model="m", kv_bytes_per_token=8, page_size=16, max_batched_tokens=1024,
+                  max_running=8, by_cores=(TWO,))
+    both = one.merged(two)
+    both.dump(tmp_path / "p.json")
+    back = Profile.load(tmp_path / "p.json")
+    assert back == both and back.on(1) == ONE and back.on(2) == TWO and back.on(16) == TWO
+    other = Profile(model="n", kv_bytes_per_token=8, page_size=16, max_batched_tokens=1024,
+                    max_running=8, by_cores=(TWO,))
+    with pytest.raises(ValueError, match="different models"):
+        one.merged(other)
+
+
+def test_profile_measures_the_real_engine(tmp_path: Path) -> None:
+    # `pd-fsm profile` on the tiny model, a few shapes: every cost it writes is a real,
+    # positive time, and the model reads it back.
+    import subprocess
+    import sys
+
+    out = tmp_path / "tiny.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "pd_fsm.cli", "profile", "--model", "tiny", "--num-pages", "64",
+         "--prefill-tokens", "16", "64", "--decode-rows", "1", "2", "--decode-contexts", "32",
+         "--copy-mib", "1", "--repeats", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    profile = Profile.load(out)
+    (core,) = profile.by_cores
+    assert [t for t, _ in core.prefill] == [16, 64] and all(s > 0 for _, s in core.prefill)
+    assert [(b, c) for b, c, _ in core.decode] == [(1, 32), (2, 32)]
+    assert all(s > 0 for *_, s in core.decode) and core.pull[0][1] > 0
+    assert profile.kv_bytes_per_token > 0
+    (r,) = simulate(profile, COLOCATED, [Request(0.0, 40, 3)])
+    assert len(r.token_times) == 3 and r.ttft > 0
