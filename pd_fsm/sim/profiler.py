@@ -18,6 +18,7 @@ pinned (one core) and the colocated (all cores) costs:
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -80,9 +81,9 @@ def _measure(args: argparse.Namespace) -> Profile:
         sched.drain_outputs()
         return statistics.median(laps)
 
-    rows = [(n, _median(lambda n=n: prefill(n), args.repeats)) for n in args.prefill_tokens]
+    rows = [(n, _median(functools.partial(prefill, n), args.repeats)) for n in args.prefill_tokens]
     print(f"prefill: {rows}", flush=True)
-    steps = [(b, c, _median(lambda b=b, c=c: decode(b, c), args.repeats))
+    steps = [(b, c, _median(functools.partial(decode, b, c), args.repeats))
              for c in args.decode_contexts for b in args.decode_rows]
     print(f"decode: {steps}", flush=True)
 
@@ -104,8 +105,9 @@ def _measure(args: argparse.Namespace) -> Profile:
                 u = next(uuid)
                 engine.register(u, [x], lease_s=60)
                 start = time.perf_counter()
-                engine.start_pull(engine.address, u, [jax.ShapeDtypeStruct(
-                    x.shape, x.dtype, sharding=engine.sharding)], deadline_s=60).wait()
+                spec = jax.ShapeDtypeStruct(  # type: ignore[no-untyped-call]  # jax's own
+                    x.shape, x.dtype, sharding=engine.sharding)
+                engine.start_pull(engine.address, u, [spec], deadline_s=60).wait()
                 took = time.perf_counter() - start
                 engine.release(u, "profiled")
                 return took
