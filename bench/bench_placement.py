@@ -24,10 +24,12 @@ target. Nothing is asserted; ratios to colocated are printed (machines differ in
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -43,17 +45,20 @@ PINNED = "PD pinned (P core 0, D core 1)"
 SHARED = "PD shared (cores 0-1, equal priority)"
 
 
-def placements(args: argparse.Namespace) -> dict[str, tuple[list[str], str]]:
-    """name -> (the cluster's flags, which of its URLs to measure)."""
-    out: dict[str, tuple[list[str], str]] = {
-        COLOCATED: (["--prefill", "0", "--decode", "0", "--colocated"], "colocated"),
-        PINNED: (["--prefill-cpus", "0", "--decode-cpus", "1"], "proxy"),
-        SHARED: ([], "proxy"),
+def placements(args: argparse.Namespace) -> dict[str, tuple[list[str], str, dict[str, Any]]]:
+    """name -> (the cluster's flags, which of its URLs to measure, the placement as the
+    performance model takes it: pd_fsm.sim.perf.Placement's fields)."""
+    out: dict[str, tuple[list[str], str, dict[str, Any]]] = {
+        COLOCATED: (["--prefill", "0", "--decode", "0", "--colocated"], "colocated",
+                    {"colocated": True}),
+        PINNED: (["--prefill-cpus", "0", "--decode-cpus", "1"], "proxy", {}),
+        SHARED: ([], "proxy", {"shared": True}),
     }
     for pair in args.nice_pairs:
         p, d = (int(x) for x in pair.split(","))
         out[f"PD shared, nice P {p:+d} / D {d:+d}"] = (
-            ["--prefill-nice", str(p), "--decode-nice", str(d)], "proxy")
+            ["--prefill-nice", str(p), "--decode-nice", str(d)], "proxy",
+            {"shared": True, "nice_p": p, "nice_d": d})
     return out
 
 
@@ -78,6 +83,11 @@ def row(name: str, s: Summary, args: argparse.Namespace, base: float) -> str:
 
 
 async def measure(targets: dict[str, str], args: argparse.Namespace) -> None:
+    record: dict[str, Any] = {"settings": {k: getattr(args, k) for k in (
+        "model", "dataset", "num_prompts", "max_tokens", "seed", "rates", "repeats",
+        "slo_ttft", "slo_tpot", "tight_tpot")},
+        "placements": {name: args.placement_fields[name] for name in targets},
+        "runs": []}
     prompts = make_prompts(args.dataset, args.num_prompts, args.seed)
     warm = _load_args(args, args.model)
     for url in targets.values():  # unmeasured: every shape's first use
@@ -102,9 +112,18 @@ async def measure(targets: dict[str, str], args: argparse.Namespace) -> None:
                   f"{args.tight_tpot * 1000:g} ms |\n|---|---|---|---|---|---|---|", flush=True)
             for name in names:
                 print(row(name, results[name], args, base), flush=True)
+                r = results[name].rows()
+                record["runs"].append({
+                    "placement": name, "rate": rate, "repeat": repeat,
+                    "goodput": goodput(results[name], args.slo_ttft, args.slo_tpot)[1],
+                    "goodput_tight": goodput(results[name], args.slo_ttft, args.tight_tpot)[1],
+                    "ttft_p50": r["TTFT p50 ms"] / 1000, "itl_p50": r["ITL p50 ms"] / 1000,
+                    "completed": r["completed"]})
                 met, _ = goodput(results[name], args.slo_ttft, args.slo_tpot)
                 totals[name][0] += met
                 totals[name][1] += results[name].duration
+    if args.json is not None:
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
     print("\n### Over the whole run (requests that met the SLO / seconds under load)\n",
           flush=True)
     base = totals[COLOCATED][0] / totals[COLOCATED][1]
@@ -133,6 +152,8 @@ def main() -> int:
     p.add_argument("--slo-ttft", type=float, default=2.0)
     p.add_argument("--slo-tpot", type=float, default=0.1)
     p.add_argument("--tight-tpot", type=float, default=0.05)
+    p.add_argument("--json", type=Path, default=None,
+                   help="also write every run's figures here (bench_perf_model.py reads it)")
     args = p.parse_args()
     chosen = placements(args)
     if args.only:
@@ -142,7 +163,8 @@ def main() -> int:
     clusters: list[PDCluster] = []
     try:
         targets: dict[str, str] = {}
-        for name, (flags, which) in chosen.items():
+        args.placement_fields = {name: fields for name, (_, _, fields) in chosen.items()}
+        for name, (flags, which, _) in chosen.items():
             clusters.append(start(flags, args))
             targets[name] = clusters[-1].urls[which]
             print(f"started {name} after {time.monotonic() - began:.0f} s", flush=True)

@@ -1,0 +1,75 @@
+"""Validate the performance model (issue 30 §4): predict what bench_placement.py measured.
+
+Reads a ``pd-fsm profile`` file and a ``bench_placement.py --json`` record; rebuilds that run's
+workload (the same prompts, tokenized by the model's tokenizer, and the same Poisson arrival
+schedule as ``bench_client.run_load``); runs ``pd_fsm.sim.perf`` for every placement and rate
+the bench measured; prints predicted against measured goodput (and TTFT, ITL p50), with the
+error. The goal the issue sets: predicted goodput within ±20 % of the measured.
+
+    .venv/bin/pd-fsm profile --cpus 0 --out bench/profile_smollm2.json
+    .venv/bin/pd-fsm profile --cpus 0-1 --merge bench/profile_smollm2.json
+    .venv/bin/python bench/bench_placement.py --json /tmp/placement.json
+    .venv/bin/python bench/bench_perf_model.py --profile bench/profile_smollm2.json \\
+        --measured /tmp/placement.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pd_fsm.io_trio.bench_client import make_prompts
+from pd_fsm.jax_engine.model.registry import load_model
+from pd_fsm.sim.perf import Placement, outcome, poisson, simulate
+from pd_fsm.sim.perf_profile import Profile
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--profile", type=Path, required=True)
+    p.add_argument("--measured", type=Path, required=True)
+    args = p.parse_args()
+    profile = Profile.load(args.profile)
+    record = json.loads(args.measured.read_text())
+    s = record["settings"]
+    tokenizer = load_model(s["model"]).tokenizer
+    prompts = make_prompts(s["dataset"], s["num_prompts"], s["seed"])
+    lengths = [len(tokenizer.encode(x.text)) for x in prompts]
+    print(f"{s['model']}, {s['num_prompts']} {s['dataset']} prompts ({min(lengths)}-"
+          f"{max(lengths)} tokens), {s['max_tokens']} out; goodput at TTFT <= {s['slo_ttft']:g} "
+          f"s and TPOT <= {s['slo_tpot'] * 1000:g} ms\n")
+    print("| placement | rate | measured goodput | predicted | error | TTFT p50 measured / "
+          "predicted s | ITL p50 measured / predicted ms |\n|---|---|---|---|---|---|---|")
+    errors = []
+    for name, fields in record["placements"].items():
+        placement = Placement(name, **fields)
+        for rate in s["rates"]:
+            runs = [r for r in record["runs"] if r["placement"] == name and r["rate"] == rate]
+            if not runs:
+                continue
+            done = simulate(profile, placement,
+                            poisson(rate, lengths, s["max_tokens"], seed=s["seed"] + 1))
+            got = outcome(done, s["slo_ttft"], s["slo_tpot"])
+            measured = statistics.mean(r["goodput"] for r in runs)
+            err = (got.goodput - measured) / measured if measured > 0 else math.nan
+            if math.isfinite(err):
+                errors.append(abs(err))
+            print(f"| {name} | {rate:g} | {measured:.3f} | {got.goodput:.3f} | "
+                  f"{err * 100:+.0f} % | {statistics.mean(r['ttft_p50'] for r in runs):.2f} / "
+                  f"{got.ttft_p50:.2f} | {statistics.mean(r['itl_p50'] for r in runs) * 1000:.0f}"
+                  f" / {got.tpot_p50 * 1000:.0f} |", flush=True)
+    if errors:
+        within = sum(e <= 0.2 for e in errors)
+        print(f"\n{within} of {len(errors)} predictions within ±20 % (where the measured goodput "
+              f"was > 0); median |error| {statistics.median(errors) * 100:.0f} %")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
