@@ -303,7 +303,19 @@ class ShedRequest:
     retry_after: float
 
 
+@attrs.frozen(slots=True)
+class NoWorkers:
+    """The proxy lists no worker of ``role``: answer the request 503 now; no room is drawn."""
+
+    request_id: str
+    role: str  # "prefill" | "decode"
+
+    @property
+    def reason(self) -> str:
+        return f"no {self.role} workers available"
+
+
 RouterEffect = (
     DispatchRoom | DispatchLocal | RelayDecode | AbortLeg | ReplyError | ReopenRoom
-    | RedirectDecode | BreakerChanged | ShedRequest
+    | RedirectDecode | BreakerChanged | ShedRequest | NoWorkers
 )

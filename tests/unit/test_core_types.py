@@ -110,7 +110,7 @@ def test_a_router_embedding_is_checked_for_every_effect(cache: Path) -> None:
                     pass
                 case fx.ReplyError() | fx.ReopenRoom() | fx.BreakerChanged():
                     pass
-                case fx.RedirectDecode() | fx.ShedRequest():
+                case fx.RedirectDecode() | fx.ShedRequest() | fx.NoWorkers():
                     pass
                 case _:
                     assert_never(e)

@@ -182,7 +182,8 @@ def _room_of(item: ev.RouterEvent | fx.RouterEffect) -> int | None:
     """The room an event or effect of the router is about; None for those about no room (a new
     request, the passing of time, a breaker, a shed request)."""
     match item:
-        case ev.TimeAdvanced() | ev.RoomRequested() | fx.BreakerChanged() | fx.ShedRequest():
+        case (ev.TimeAdvanced() | ev.RoomRequested() | fx.BreakerChanged() | fx.ShedRequest()
+              | fx.NoWorkers()):
             return None
         case (ev.LegResponded() | ev.ClientDisconnected() | ev.RelayFinished() | fx.DispatchRoom()
               | fx.DispatchLocal() | fx.RelayDecode() | fx.AbortLeg() | fx.ReplyError()
@@ -338,8 +339,8 @@ class Proxy:
                 level = logging.WARNING if effect.new == "OPEN" else logging.INFO
                 log.log(level, "worker %s: circuit breaker %s -> %s", effect.worker, effect.old,
                         effect.new)
-            case fx.ReplyError(room=-1):
-                self._no_worker = _Refusal(503, effect.reason, "no_workers")  # no P or no D
+            case fx.NoWorkers():
+                self._no_worker = _Refusal(503, effect.reason, "no_workers")
             case fx.ShedRequest():
                 self._no_worker = _Refusal(
                     429, f"every {effect.role} worker is at its queue bound: retry later",
