@@ -319,3 +319,20 @@ RouterEffect = (
     DispatchRoom | DispatchLocal | RelayDecode | AbortLeg | ReplyError | ReopenRoom
     | RedirectDecode | BreakerChanged | ShedRequest | NoWorkers
 )
+
+
+# --- the client's side of a proxy request (table proxy_session) --------------------------------
+
+
+@attrs.frozen(slots=True)
+class ReportRelayFinished:
+    """Feed ``RelayFinished`` to the router for the request's current room."""
+
+
+@attrs.frozen(slots=True)
+class ReportDisconnect:
+    """Count the request as disconnected and feed ``ClientDisconnected`` to the router for the
+    request's current room."""
+
+
+SessionEffect = ReportRelayFinished | ReportDisconnect
