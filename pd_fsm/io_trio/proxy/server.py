@@ -16,13 +16,17 @@ out or the client leaves); this adapter only carries out its effects and feeds i
   mid-stream still gets both legs aborted;
 * ``AbortLeg`` -> ``POST /abort_request {"rid"}`` to that worker, and the leg's HTTP request is
   dropped;
-* ``ReplyError`` -> the failing leg's status and JSON error (a timeout: 504).
+* ``ReplyError`` -> the failing leg's status and JSON error (a timeout: 504);
+* ``NoWorkers`` / ``ShedRequest`` -> no room: 503 (no worker of a role) or 429 (every one full).
 
 P's leg runs in the proxy's own nursery: a client that got D's answer does not wait for P to be
-drained. Workers come from the command line or, refreshed periodically, from the bootstrap
-server's ``GET /list?role=prefill|decode``; ``GET /workers`` names the current ones (the bench
-scrapes their ``/metrics``). ``/metrics`` has histograms of each leg and of D's first byte
-(``pd_fsm.io_trio.worker.phases``).
+drained. A request's rooms, their legs and the relay are ``room.py`` (:class:`RoomResponse`, which
+reaches this class only through ``room.RoomHost``: ``feed``, ``count``, ``contain``,
+``start_soon``, ``reopen``, ``room_over``); what the client has of its answer across the rooms is
+the core's ``ProxySession`` (table proxy_session). Workers (``workers.py``) come from the command
+line or, refreshed periodically, from the bootstrap server's ``GET /list?role=prefill|decode``;
+``GET /workers`` names the current ones (the bench scrapes their ``/metrics``). ``/metrics`` has
+histograms of each leg and of D's first byte (``pd_fsm.io_trio.worker.phases``).
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any, assert_never
 from urllib.parse import urlsplit
 
-import attrs
 import httpx
 import trio
 from prometheus_client import CollectorRegistry, Counter, generate_latest
@@ -66,7 +69,7 @@ from pd_fsm.io_trio.proxy.logprob_merge import wants_prompt_logprobs
 from pd_fsm.io_trio.proxy.migration import Progress, migratable
 from pd_fsm.io_trio.proxy.prompt_key import prompt_of
 from pd_fsm.io_trio.proxy.room import ClientRequest, Reply, Room, RoomResponse
-from pd_fsm.io_trio.strict_json import loads as strict_loads
+from pd_fsm.io_trio.proxy.workers import PrefillTarget, Workers
 from pd_fsm.io_trio.tls import NO_TLS, TLS
 from pd_fsm.io_trio.worker.metrics import StatsCollector
 from pd_fsm.io_trio.worker.phases import PhaseHistograms
@@ -78,24 +81,9 @@ GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 INFO_PATHS = ("/v1/models", "/model_info", "/get_model_info", "/server_info", "/get_server_info")
 FORWARD_HEADERS = ("authorization", "x-request-id")
 ABORT_TIMEOUT = 5.0
-HEALTH_PROBE_S = 2.0  # a worker that does not answer its /health within this is not healthy
-LOAD_PROBE_S = 2.0  # a worker whose /get_load takes longer keeps no polled load this round
 MAX_BODY = 8 * 1024 * 1024
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 _BREAKER_LEVEL = {"CLOSED": 0, "HALF_OPEN": 1, "PROBING": 1, "OPEN": 2}
-
-
-@attrs.frozen
-class PrefillTarget:
-    """A P worker: its HTTP URL and the (host, port) routers inject as bootstrap_host/port."""
-
-    url: str
-    bootstrap_host: str
-    bootstrap_port: int | None
-
-    @classmethod
-    def from_url(cls, url: str, port: int | None) -> PrefillTarget:
-        return cls(url.rstrip("/"), urlsplit(url).hostname or "127.0.0.1", port)
 
 
 def _room_of(item: ev.RouterEvent | fx.RouterEffect) -> int | None:
@@ -136,10 +124,6 @@ class Proxy:
         breaker_cooldown: float = RouterConfig().breaker_cooldown,
     ) -> None:
         self.tls = tls  # serves HTTPS if it has a certificate; verifies workers against its CA
-        self._targets = {p.url: p for p in prefill}
-        # Sent to workers on every call (legs, aborts, info). Without it a leg carries the
-        # client's own Authorization header, as sglang-router forwards it.
-        self._worker_headers = bearer(worker_api_key) if worker_api_key else {}
         self.router = RoomRouter(
             [p.url for p in prefill],
             [d.rstrip("/") for d in decode],
@@ -150,16 +134,15 @@ class Proxy:
                          breaker_cooldown=breaker_cooldown),
             routing,
         )
-        self.load_interval = load_interval
-        self.load_polls = {"ok": 0, "failed": 0}  # /get_load calls (load-aware routing)
+        self.workers = Workers(
+            self.router, lambda: self.client, prefill, decode,
+            headers=bearer(worker_api_key) if worker_api_key else {},
+            bootstrap_url=bootstrap_url, refresh_interval=refresh_interval,
+            load_interval=load_interval)
         # Exceptions contained to one room (http_edge's count has the requests' own).
         self.contained = {"prefill_leg": 0, "room": 0}
         # Rooms reopened for their request (ReopenRoom), by cause: "retry", "migration".
         self.reopened = {"retry": 0, "migration": 0, "redirect": 0}
-        self._polls_failing: set[str] = set()  # workers whose last poll failed (logged once)
-        self.decode_urls = [d.rstrip("/") for d in decode]
-        self.bootstrap_url = bootstrap_url.rstrip("/") if bootstrap_url else None
-        self.refresh_interval = refresh_interval
         self.room_timeout = room_timeout
         self._client = client
         self._own_client = client is None
@@ -174,17 +157,7 @@ class Proxy:
                                 ["path", "status"], registry=self.registry)
         self.registry.register(StatsCollector(self.stats, "pd_fsm_proxy"))
         self.phases = PhaseHistograms(self.registry, "proxy")
-        routes = [Route(p, self._generation, methods=["POST"]) for p in GENERATION_PATHS]
-        routes += [Route(p, self._info, methods=["GET"]) for p in INFO_PATHS]
-        routes += [
-            Route("/health", self._health, methods=["GET"]),
-            Route("/metrics", self._metrics, methods=["GET"]),
-            Route("/workers", self._workers, methods=["GET"]),
-        ]
-        self.app: Starlette | ApiKeyGate = edge_app(
-            routes, exception_handlers={HTTPException: self._on_http_exception})
-        if api_key is not None:
-            self.app = ApiKeyGate(self.app, api_key)
+        self.app = _app(self, api_key)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -201,10 +174,10 @@ class Proxy:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._timer)
-                if self.bootstrap_url is not None:
-                    await nursery.start(self._discover)
+                if self.workers.bootstrap_url is not None:
+                    await nursery.start(self.workers.discover)
                 if self.router.planner.wants_loads:
-                    nursery.start_soon(self._poll_loads)
+                    nursery.start_soon(self.workers.poll_loads)
                 task_status.started()
         finally:
             if self._own_client:
@@ -217,12 +190,12 @@ class Proxy:
             "rooms_live": len(self.router.rooms),
             "dropped_responses_total": self.router.dropped,
             "aborts_sent_total": dict(self.aborts_sent),
-            "prefill_workers": len(self._targets),
-            "decode_workers": len(self.decode_urls),
+            "prefill_workers": len(self.workers.targets),
+            "decode_workers": len(self.workers.decode_urls),
             # "prefill:cache_hit", "decode:round_robin", "local:short_prompt", ...
             "route_decisions_total": dict(self.router.planner.decisions),
             "shed_total": dict(self.router.shed),  # answered 429, by the full role
-            "load_polls_total": dict(self.load_polls),
+            "load_polls_total": dict(self.workers.load_polls),
             "contained_failures_total": dict(self.contained),
             "rooms_reopened_total": dict(self.reopened),
             # Per worker: 0 closed, 1 half-open or probing, 2 open (table worker_breaker).
@@ -308,7 +281,7 @@ class Proxy:
         try:
             with trio.fail_after(ABORT_TIMEOUT):
                 await self.client.post(f"{url}/abort_request", json={"rid": rid},
-                                       headers=self._worker_headers)
+                                       headers=self.workers.headers)
         except (httpx.HTTPError, trio.TooSlowError) as exc:
             log.warning("abort of %s leg %s at %s failed: %r", leg, rid, url, exc)
 
@@ -321,137 +294,9 @@ class Proxy:
                 continue
             self.feed(ev.TimeAdvanced())
 
-    # ------------------------------------------------------------------ loads
-
-    async def _poll_loads(self) -> None:
-        """Every ``load_interval``, each worker's ``/get_load`` (its ``num_reqs``, all ranks) for
-        the load-aware policies; a worker that does not answer keeps no polled load."""
-        while True:
-            loads: dict[str, int] = {}
-            async with trio.open_nursery() as nursery:
-                for url in {*self._targets, *self.decode_urls}:
-                    nursery.start_soon(self._probe_load, url, loads)
-            self.router.planner.set_loads(loads)
-            await trio.sleep(self.load_interval)
-
-    async def _probe_load(self, url: str, loads: dict[str, int]) -> None:
-        try:
-            with trio.fail_after(LOAD_PROBE_S):
-                r = await self.client.get(f"{url}/get_load", headers=self._worker_headers)
-            r.raise_for_status()
-            loads[url] = sum(int(rank["num_reqs"]) for rank in r.json())
-            self.load_polls["ok"] += 1
-            if url in self._polls_failing:
-                self._polls_failing.discard(url)
-                log.info("load poll of %s answers again", url)
-        except (httpx.HTTPError, trio.TooSlowError, ValueError, KeyError, TypeError) as exc:
-            self.load_polls["failed"] += 1
-            if url not in self._polls_failing:  # once per outage, not every interval
-                self._polls_failing.add(url)
-                log.warning("load poll of %s failed: %r", url, exc)
-
-    # ------------------------------------------------------------------ discovery
-
-    async def _discover(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-                        ) -> None:
-        started = False
-        while True:
-            try:
-                with trio.fail_after(max(self.refresh_interval, 2.0)):
-                    prefill = await self._list("prefill")
-                    decode = await self._list("decode")
-                self._set_workers(prefill, decode)
-            except (httpx.HTTPError, trio.TooSlowError, ValueError, KeyError) as exc:
-                log.warning("bootstrap %s: listing failed: %r", self.bootstrap_url, exc)
-            if not started:
-                task_status.started()
-                started = True
-            await trio.sleep(self.refresh_interval)
-
-    async def _list(self, role: str) -> list[dict[str, Any]]:
-        r = await self.client.get(f"{self.bootstrap_url}/list", params={"role": role})
-        r.raise_for_status()
-        answer = strict_loads(r.content, what="the registry's answer")
-        records = answer["instances"] if isinstance(answer, dict) else None
-        if not isinstance(records, list):
-            raise ValueError("the registry's answer has no list of instances")
-        # An instance spanning processes registers every P rank's transfer server; routers
-        # send requests to its entry, rank 0 (the others serve no HTTP).
-        return [rec for rec in records if isinstance(rec, dict) and rec.get("tp_rank", 0) == 0]
-
-    def _set_workers(self, prefill: list[dict[str, Any]], decode: list[dict[str, Any]]) -> None:
-        targets: dict[str, PrefillTarget] = {}
-        for rec in prefill:
-            url = _worker_url(rec)
-            if url is None or url in targets:
-                continue
-            host, port = _advertised(rec)
-            targets[url] = PrefillTarget(url, host, port)
-        decode_urls = sorted({u for u in map(_worker_url, decode) if u is not None})
-        if sorted(targets) != sorted(self._targets) or decode_urls != self.decode_urls:
-            log.info("workers: prefill %s, decode %s", sorted(targets), decode_urls)
-        self._targets = dict(sorted(targets.items()))
-        self.decode_urls = decode_urls
-        self.router.set_workers(list(self._targets), decode_urls)
-
     # ------------------------------------------------------------------ HTTP
 
-    async def _on_http_exception(self, request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)),
-                            status_code=exc.status_code)
-
-    async def _health(self, request: Request) -> Response:
-        """200 only while at least one prefill and one decode worker answer their own /health
-        (probed now, concurrently, within HEALTH_PROBE_S): routers and load balancers poll this
-        to decide whether to send traffic, and a proxy with a dead side can only fail it."""
-        sides = {"prefill": list(self._targets), "decode": list(self.decode_urls)}
-        healthy: dict[str, int] = {"prefill": 0, "decode": 0}
-
-        async def probe(side: str, url: str) -> None:
-            try:
-                with trio.fail_after(HEALTH_PROBE_S):
-                    r = await self.client.get(f"{url}/health", headers=self._worker_headers)
-                if r.status_code == 200:
-                    healthy[side] += 1
-            except (httpx.HTTPError, trio.TooSlowError):
-                pass
-
-        async with trio.open_nursery() as nursery:
-            for side, urls in sides.items():
-                for url in urls:
-                    nursery.start_soon(probe, side, url)
-        missing = [side for side in sides if healthy[side] == 0]
-        body: dict[str, Any] = {
-            "status": "ok" if not missing else f"no healthy {' or '.join(missing)} worker",
-            **{side: {"healthy": healthy[side], "configured": len(urls)}
-               for side, urls in sides.items()},
-        }
-        if missing:
-            body["missing"] = missing
-        return JSONResponse(body, status_code=503 if missing else 200)
-
-    async def _metrics(self, request: Request) -> Response:
-        return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
-
-    async def _workers(self, request: Request) -> Response:
-        """The workers routed to now, by role (their HTTP URLs), and each one's circuit breaker
-        (CLOSED, OPEN, HALF_OPEN, PROBING)."""
-        return JSONResponse({"prefill": list(self._targets), "decode": list(self.decode_urls),
-                             "breakers": self.router.breakers.states()})
-
-    async def _info(self, request: Request) -> Response:
-        """Pass-through to the first decode worker (then prefill)."""
-        for base in [*self.decode_urls, *self._targets]:
-            try:
-                r = await self.client.get(base + request.url.path, headers=self._worker_headers)
-            except httpx.HTTPError:
-                continue
-            return Response(r.content, status_code=r.status_code,
-                            media_type=r.headers.get("content-type"))
-        return JSONResponse(error_body(503, "no worker reachable"), status_code=503)
-
-    async def _generation(self, request: Request) -> Any:
+    async def generation(self, request: Request) -> Any:
         path = request.url.path
         try:
             body = await read_json(request, MAX_BODY)  # strict JSON: what the legs can carry
@@ -468,7 +313,7 @@ class Proxy:
         for name in FORWARD_HEADERS:
             if name in request.headers:
                 headers[name] = request.headers[name]
-        headers.update(self._worker_headers)
+        headers.update(self.workers.headers)
         try:
             items = _batch(path, body)
         except ApiError as exc:
@@ -524,7 +369,7 @@ class Proxy:
             q.prompt_logprobs = False
             s.p_done.set()
             return None
-        target = self._targets.get(s.prefill)
+        target = self.workers.targets.get(s.prefill)
         s.body = {
             **body,
             "rid": s.rid,
@@ -583,25 +428,34 @@ class Proxy:
         return failure
 
 
+def _app(proxy: Proxy, api_key: str | None) -> Starlette | ApiKeyGate:
+    """The proxy's HTTP routes: generation (a room per prompt), the workers' own, /metrics."""
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(proxy.registry), media_type="text/plain; version=0.0.4")
+
+    w = proxy.workers
+    routes = [Route(p, proxy.generation, methods=["POST"]) for p in GENERATION_PATHS]
+    routes += [Route(p, w.info, methods=["GET"]) for p in INFO_PATHS]
+    routes += [
+        Route("/health", w.health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/workers", w.listing, methods=["GET"]),
+    ]
+    app = edge_app(routes, exception_handlers={HTTPException: _on_http_exception})
+    return app if api_key is None else ApiKeyGate(app, api_key)
+
+
+async def _on_http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return JSONResponse(error_body(exc.status_code, str(exc.detail)),
+                        status_code=exc.status_code)
+
+
 def _batch(path: str, body: dict[str, Any]) -> list[dict[str, Any]] | None:
     """A batched request's bodies, one per prompt (``schemas.split_batch``)."""
     kind = {"/generate": "generate", "/v1/completions": "completion"}.get(path)
     return None if kind is None else split_batch(kind, body)  # type: ignore[arg-type]
-
-
-def _worker_url(rec: dict[str, Any]) -> str | None:
-    addr = rec.get("scheduler_addr")
-    if not isinstance(addr, str) or not addr:
-        return None
-    return (addr if "://" in addr else f"http://{addr}").rstrip("/")
-
-
-def _advertised(rec: dict[str, Any]) -> tuple[str, int | None]:
-    zmq = str(rec.get("zmq_addr", "")).removeprefix("tcp://")
-    zhost, _, zport = zmq.rpartition(":")
-    host = rec.get("bootstrap_host") or zhost or "127.0.0.1"
-    port = rec.get("bootstrap_port") or (int(zport) if zport.isdigit() else None)
-    return str(host), port
 
 
 async def serve_proxy(
