@@ -345,6 +345,8 @@ class RoomResponse:
                 await self._relay_error(s, send, 502, f"decode worker broke off: {exc!r}")
 
     async def _relay_error(self, s: Room, send: Send, status: int, message: str) -> None:
+        if s.request.client.gone:
+            return  # D broke off as the client left: nobody reads it, the legs are cancelled
         if s.request.client.headers_sent:
             await send_stream_error(send, message, status)
         else:
