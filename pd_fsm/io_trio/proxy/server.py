@@ -88,7 +88,7 @@ _BREAKER_LEVEL = {"CLOSED": 0, "HALF_OPEN": 1, "PROBING": 1, "OPEN": 2}
 
 def _room_of(item: ev.RouterEvent | fx.RouterEffect) -> int | None:
     """The room an event or effect of the router is about; None for those about no room (a new
-    request, the passing of time, a breaker, a shed request)."""
+    request, the passing of time, a breaker, a request shed or without workers)."""
     match item:
         case (ev.TimeAdvanced() | ev.RoomRequested() | fx.BreakerChanged() | fx.ShedRequest()
               | fx.NoWorkers()):
