@@ -303,7 +303,36 @@ class ShedRequest:
     retry_after: float
 
 
+@attrs.frozen(slots=True)
+class NoWorkers:
+    """The proxy lists no worker of ``role``: answer the request 503 now; no room is drawn."""
+
+    request_id: str
+    role: str  # "prefill" | "decode"
+
+    @property
+    def reason(self) -> str:
+        return f"no {self.role} workers available"
+
+
 RouterEffect = (
     DispatchRoom | DispatchLocal | RelayDecode | AbortLeg | ReplyError | ReopenRoom
-    | RedirectDecode | BreakerChanged | ShedRequest
+    | RedirectDecode | BreakerChanged | ShedRequest | NoWorkers
 )
+
+
+# --- the client's side of a proxy request (table proxy_session) --------------------------------
+
+
+@attrs.frozen(slots=True)
+class ReportRelayFinished:
+    """Feed ``RelayFinished`` to the router for the request's current room."""
+
+
+@attrs.frozen(slots=True)
+class ReportDisconnect:
+    """Count the request as disconnected and feed ``ClientDisconnected`` to the router for the
+    request's current room."""
+
+
+SessionEffect = ReportRelayFinished | ReportDisconnect

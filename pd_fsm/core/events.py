@@ -235,5 +235,41 @@ class RelayFinished:
     room: int
 
 
+# --- the client's side of a proxy request (table proxy_session) --------------------------------
+
+
+@attrs.frozen(slots=True)
+class HeadersSent:
+    """The status line of a streamed answer went to the client: errors go in-band from here."""
+
+
+@attrs.frozen(slots=True)
+class ChunkRelayed:
+    """A chunk of D's stream went to the client, not ending with its ``[DONE]`` event."""
+
+
+@attrs.frozen(slots=True)
+class DoneRelayed:
+    """A chunk of D's stream ending with its ``[DONE]`` event went to the client."""
+
+
+@attrs.frozen(slots=True)
+class AnswerRelayed:
+    """D's answer is whole: its last bytes are in the send about to go."""
+
+
+@attrs.frozen(slots=True)
+class ErrorAnswered:
+    """The proxy's error answer is in the send about to go."""
+
+
+@attrs.frozen(slots=True)
+class ClientLeft:
+    """The server reported the client's connection ended (after a whole answer: its end)."""
+
+
 RegistryEvent = TimeAdvanced | InstanceRegistered[Rec] | InstanceHeartbeat | InstanceDeregistered
 RouterEvent = TimeAdvanced | RoomRequested | LegResponded | ClientDisconnected | RelayFinished
+SessionEvent = (
+    HeadersSent | ChunkRelayed | DoneRelayed | AnswerRelayed | ErrorAnswered | ClientLeft
+)

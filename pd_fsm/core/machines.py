@@ -12,6 +12,7 @@ from pd_fsm.core.decode_endpoint import DecodeEndpoint
 from pd_fsm.core.prefill_endpoint import PrefillEndpoint
 from pd_fsm.core.registry import BootstrapRegistry
 from pd_fsm.core.router import RoomRouter
+from pd_fsm.core.session import ProxySession
 from pd_fsm.core.tables import StateTable
 
 
@@ -23,4 +24,5 @@ def core_machines() -> list[tuple[type, tuple[StateTable, ...]]]:
         (BootstrapRegistry, (BootstrapRegistry.table,)),
         (RoomRouter, (RoomRouter.table,)),
         (WorkerBreakers, (WorkerBreakers.table,)),
+        (ProxySession, (ProxySession.table,)),
     ]

@@ -184,8 +184,7 @@ class RoomRouter:
 
     def _dispatch(self, e: ev.RoomRequested, now: float, out: list[fx.RouterEffect]) -> None:
         if not self._prefill or not self._decode:
-            missing = "prefill" if not self._prefill else "decode"
-            out.append(fx.ReplyError(-1, f"no {missing} workers available"))
+            out.append(fx.NoWorkers(e.request_id, "prefill" if not self._prefill else "decode"))
             return
         avoid = set(e.attempts.avoid)
         # Around the workers that failed this request, unless that leaves none of a role.

@@ -249,11 +249,11 @@ class World:
                 case fx.ShedRequest():
                     assert client is not None
                     self._answer(client, 429, f"every {e.role} worker is full")
+                case fx.NoWorkers():
+                    assert client is not None
+                    self._answer(client, 503, e.reason)
                 case fx.ReplyError():
-                    if e.room == -1 and client is not None:
-                        self._answer(client, 503, e.reason)
-                    else:
-                        self._errors[e.room] = e.reason
+                    self._errors[e.room] = e.reason
                 case fx.RedirectDecode():
                     got, _ = self.rooms[(gen, e.room)]
                     self.reopened["redirect"] += 1

@@ -393,7 +393,7 @@ def test_router_round_robin_both_legs_uniform_rooms() -> None:
 def test_router_without_workers_replies_error() -> None:
     router = RoomRouter([], ["d0"], random.Random(1))
     (err,) = router.handle(ev.RoomRequested("r"), 0.0)
-    assert isinstance(err, fx.ReplyError) and "no prefill workers" in err.reason
+    assert err == fx.NoWorkers("r", "prefill") and "no prefill workers" in err.reason
 
 
 def test_local_misuse_raises() -> None:

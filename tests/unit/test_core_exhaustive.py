@@ -3,7 +3,8 @@
 The pairs are generated from the compiled tables (``ALL_TABLES``: every table, every state x every
 trigger), and each is driven through the code that executes that table: kv_sender and
 kv_hold_lease through PrefillEndpoint, kv_receiver through DecodeEndpoint, instance_lease through
-BootstrapRegistry, room through RoomRouter. The room (lease, key) is brought into ``state`` along
+BootstrapRegistry, room through RoomRouter, worker_breaker through WorkerBreakers, proxy_session
+through ProxySession. The room (lease, key) is brought into ``state`` along
 a path of the table's own rows, the event(s) that make ``trigger`` are fed in, and what the code
 did is recorded (every step it took, with that step's effects; an error; its counters). Then:
 
@@ -43,12 +44,14 @@ from pd_fsm.core.messages import MAX_ROOM, Heartbeat, HeartbeatAck
 from pd_fsm.core.registry import BootstrapRegistry
 from pd_fsm.core.router import RoomRouter
 from pd_fsm.core.routing import Prompt, RoutingConfig
+from pd_fsm.core.session import ProxySession
 from pd_fsm.core.tables import (
     ALL_TABLES,
     INSTANCE_LEASE,
     KV_HOLD_LEASE,
     KV_RECEIVER,
     KV_SENDER,
+    PROXY_SESSION,
     WORKER_BREAKER,
     StateTable,
 )
@@ -436,6 +439,8 @@ def _no_row(table: StateTable, state: str, trigger: str, live: bool, bound: bool
     if name == "room":
         return Expect("counted", "a response or client event the room does not expect (or for "
                       "a room not live): dropped and counted", "dropped")
+    if name == "proxy_session":
+        return Expect("local_error", "the proxy fed what it sent in an order the table forbids")
     if name == "instance_lease" and terminal:
         return Expect("forgotten", "a key in a terminal state is forgotten: it is NONE again")
     if name == "kv_hold_lease" and trigger == "HeartbeatReceived":
@@ -884,6 +889,45 @@ def _breaker_pair(state: str, trigger: str) -> None:
     assert after == (None if row.target in table.terminal else row.target)
 
 
+# --- proxy_session: ProxySession -----------------------------------------------------------------
+
+_SESSION_EVENTS: dict[str, Callable[[], ev.SessionEvent]] = {
+    "HeadersSent": ev.HeadersSent, "ChunkRelayed": ev.ChunkRelayed,
+    "DoneRelayed": ev.DoneRelayed, "AnswerRelayed": ev.AnswerRelayed,
+    "ErrorAnswered": ev.ErrorAnswered, "ClientLeft": ev.ClientLeft,
+}
+_SESSION_EFFECTS = {"ReportRelayFinished": "ReportRelayFinished",
+                    "ReportDisconnect": "ReportDisconnect"}
+
+
+def _session_fire(s: ProxySession, trigger: str) -> Seen:
+    seen = Seen()
+    source = s.state
+
+    def go() -> list[Any]:
+        out = s.handle(_SESSION_EVENTS[trigger](), 0.0)
+        seen.steps.append(Step(source, trigger, s.state, list(out)))
+        return out
+
+    return _fire(seen, go)
+
+
+def _session_pair(state: str, trigger: str) -> None:
+    table = PROXY_SESSION
+    s = ProxySession()
+    for step in _path(table, state):
+        assert _session_fire(s, step).error is None
+    assert s.state == state
+    exp = _expect(table, state, trigger, True, False)
+    seen = _session_fire(s, trigger)
+    for st in seen.steps:
+        row = table.step(st.source, st.trigger)
+        assert row is not None and row.target == st.target, (st.source, st.trigger)
+        assert [type(o).__name__ for o in st.effects] == [_SESSION_EFFECTS[e]
+                                                         for e in row.effects]
+    _check_pair_outcome(table, state, trigger, exp, seen, {}, {}, s.state, state)
+
+
 # --- the pairs ----------------------------------------------------------------------------------
 
 DRIVERS: dict[str, Callable[[str, str], None]] = {
@@ -893,6 +937,7 @@ DRIVERS: dict[str, Callable[[str, str], None]] = {
     "instance_lease": _instance_pair,
     "room": _room_pair_router,
     "worker_breaker": _breaker_pair,
+    "proxy_session": _session_pair,
 }
 
 ALL_PAIRS = [(t.name, s, trig) for t in ALL_TABLES.values() for s, trig in t.pairs()]

@@ -25,10 +25,12 @@ from pd_fsm.core import events as ev
 from pd_fsm.core.drive import Endpoint
 from pd_fsm.core.registry import BootstrapRegistry, RegistryEffect
 from pd_fsm.core.router import RoomRouter
+from pd_fsm.core.session import ProxySession
 p = PrefillEndpoint("layout", rng=random.Random(1))
 d = DecodeEndpoint(identity="d0", layout_hash="layout")
 r = RoomRouter(["p0"], ["d0"], rng=random.Random(1))
 reg: BootstrapRegistry[str] = BootstrapRegistry()
+ps = ProxySession()
 """
 
 
@@ -89,6 +91,7 @@ def test_each_owner_is_an_endpoint_of_its_own_unions(cache: Path) -> None:
         de: Endpoint[ev.DecodeEvent, fx.DecodeEffect] = d
         re: Endpoint[ev.RouterEvent, fx.RouterEffect] = r
         rg: Endpoint[ev.RegistryEvent[str], RegistryEffect[str]] = reg
+        se: Endpoint[ev.SessionEvent, fx.SessionEffect] = ps
         # Events are contravariant: an endpoint of P's events serves a driver of fewer.
         narrower: Endpoint[ev.TimeAdvanced, fx.PrefillEffect] = p
     """)
@@ -110,7 +113,7 @@ def test_a_router_embedding_is_checked_for_every_effect(cache: Path) -> None:
                     pass
                 case fx.ReplyError() | fx.ReopenRoom() | fx.BreakerChanged():
                     pass
-                case fx.RedirectDecode() | fx.ShedRequest():
+                case fx.RedirectDecode() | fx.ShedRequest() | fx.NoWorkers():
                     pass
                 case _:
                     assert_never(e)
@@ -127,6 +130,7 @@ UNIONS = {
     "DecodeEffect": fx.DecodeEffect,
     "RouterEffect": fx.RouterEffect,
     "RegistryEffect": registry.RegistryEffect,
+    "SessionEffect": fx.SessionEffect,
 }
 OWNERS = {
     "prefill_endpoint.py": "PrefillEffect",
@@ -134,6 +138,7 @@ OWNERS = {
     "router.py": "RouterEffect",
     "breakers.py": "RouterEffect",  # the router's breakers build its BreakerChanged
     "registry.py": "RegistryEffect",
+    "session.py": "SessionEffect",
 }
 
 

@@ -2,7 +2,7 @@
 
 A room carries one prompt (one KV hand-off, one P leg and one D leg), so the proxy opens a room
 per prompt of the batch (``schemas.split_batch`` gives their bodies) and runs each room's own
-response (:class:`~pd_fsm.io_trio.proxy.server.RoomResponse`, with its legs, deadlines and
+response (:class:`~pd_fsm.io_trio.proxy.room.RoomResponse`, with its legs, deadlines and
 aborts) into a capture instead of the client's socket:
 
 * unstreamed: one answer in the prompts' order (sglang's list of results; OpenAI's ``choices``
