@@ -26,7 +26,11 @@ records what was routed, not what the worker still caches.
 Conditional disaggregation: D prefills a room alone (no P leg, no transfer) when the prompt's
 uncached part is at most ``local_prefill_tokens`` — uncached on the chosen D by its index when
 the decode policy is ``cache_aware``, else the whole prompt — or when every P's load is at least
-``local_prefill_queue``. Each is off at 0.
+``local_prefill_queue``, or (Dynamo's cached-to-raw threshold) when the chosen D's index holds
+at least ``local_prefill_cached_ratio`` of the prompt, so what is left to compute is small next
+to what would move. Each is off at 0. The decode-busy guard: no local prefill at all while the
+chosen D has ``local_prefill_decode_guard`` or more requests (D's own decode batch would wait
+behind the prefill); off at 0.
 """
 
 from __future__ import annotations
@@ -60,6 +64,9 @@ class RoutingConfig:
     index_blocks: int = attrs.field(default=1 << 16, validator=_GE0_INT)  # per worker
     local_prefill_tokens: int = attrs.field(default=0, validator=_GE0_INT)
     local_prefill_queue: int = attrs.field(default=0, validator=_GE0_INT)
+    local_prefill_cached_ratio: float = attrs.field(default=0.0, validator=[
+        _GE0, attrs.validators.le(1.0)])
+    local_prefill_decode_guard: int = attrs.field(default=0, validator=_GE0_INT)
     # Load shedding (issue 32 §3): when every routable worker of a role has at least this many
     # requests (the proxy's own live rooms, or its last polled /get_load if higher), a new
     # request is answered 429 with Retry-After at once instead of queueing; 0: never.
@@ -156,7 +163,7 @@ class RoutePlanner:
     def wants_loads(self) -> bool:
         """Whether the adapter should poll the workers' /get_load for this planner."""
         c = self.config
-        return (c.local_prefill_queue > 0 or c.max_queue > 0
+        return (c.local_prefill_queue > 0 or c.max_queue > 0 or c.local_prefill_decode_guard > 0
                 or any(p != "round_robin" for p in (c.prefill_policy, c.decode_policy)))
 
     def set_loads(self, loads: Mapping[str, int]) -> None:
@@ -184,7 +191,7 @@ class RoutePlanner:
         """Choose D, then whether D prefills alone, then P. Both lists are non-empty."""
         chain = block_chain(prompt.text) if self._indexed() else []
         d, d_reason, d_matched = self._choose("decode", decode, prompt, chain, live)
-        local = self._local_reason(prefill, prompt, d_matched, live)
+        local = self._local_reason(prefill, d, prompt, d_matched, live)
         if local is not None:
             self._record("decode", d, d_reason, chain)
             self.decisions[f"local:{local}"] += 1
@@ -237,13 +244,26 @@ class RoutePlanner:
         fresh = min(workers, key=lambda w: (index.size(w), loads[w]))
         return fresh, "cache_miss", matched[fresh] * BLOCK_CHARS
 
-    def _local_reason(self, prefill: Sequence[str], prompt: Prompt, d_matched: int,
+    def _local_reason(self, prefill: Sequence[str], d: str, prompt: Prompt, d_matched: int,
                       live: Mapping[str, int]) -> str | None:
         c = self.config
-        if c.local_prefill_tokens and prompt.tokens > 0:  # 0: the adapter could not tell
-            share = 1.0 - d_matched / len(prompt.text) if prompt.text else 1.0
-            if prompt.tokens * share <= c.local_prefill_tokens:
-                return "short_prompt"
+        if c.local_prefill_decode_guard and self._load(d, live) >= c.local_prefill_decode_guard:
+            if self._local_reason_unguarded(prefill, prompt, d_matched, live) is not None:
+                self.decisions["local_refused:decode_busy"] += 1
+            return None
+        return self._local_reason_unguarded(prefill, prompt, d_matched, live)
+
+    def _local_reason_unguarded(self, prefill: Sequence[str], prompt: Prompt, d_matched: int,
+                                live: Mapping[str, int]) -> str | None:
+        c = self.config
+        share = 1.0 - min(d_matched / len(prompt.text), 1.0) if prompt.text else 1.0
+        # prompt.tokens 0: the adapter could not tell.
+        if c.local_prefill_tokens and prompt.tokens > 0 and (
+                prompt.tokens * share <= c.local_prefill_tokens):
+            return "short_prompt"
+        if c.local_prefill_cached_ratio and prompt.text and (
+                1.0 - share >= c.local_prefill_cached_ratio):
+            return "cached_on_decode"
         if c.local_prefill_queue and all(
             self._load(p, live) >= c.local_prefill_queue for p in prefill
         ):

@@ -165,3 +165,27 @@ def test_index_evicts_the_least_recently_routed_continuation_first() -> None:
     assert index.matched("w", block_chain(SYSTEM + "A" * 64)) == 4
     index.keep(["other"])
     assert index.size("w") == 0
+
+
+def test_a_prompt_mostly_cached_on_decode_is_prefilled_there() -> None:
+    """Dynamo's cached-to-raw threshold: D's index holds most of the prompt, so D computes the
+    rest itself instead of pulling all of it."""
+    router = _router(decode=1, decode_policy="cache_aware", local_prefill_cached_ratio=0.8)
+    assert isinstance(_send(router, SYSTEM + "first question", tokens=80), fx.DispatchRoom)
+    again = _send(router, SYSTEM + "second question", tokens=80)  # 256 of 303 characters: 0.84
+    assert isinstance(again, fx.DispatchLocal) and again.reason == "cached_on_decode"
+    other = _send(router, "an unrelated prompt " * 8, tokens=40)
+    assert isinstance(other, fx.DispatchRoom)
+
+
+def test_a_busy_decode_worker_never_prefills_locally() -> None:
+    """The decode-busy guard: whatever rule would send a room to D alone, not while that D has
+    the guard's count of requests; the refusal is counted."""
+    router = _router(decode=1, local_prefill_tokens=32, local_prefill_decode_guard=2)
+    router.planner.set_loads({"d0": 1})
+    assert isinstance(_send(router, "hi", tokens=1), fx.DispatchLocal)
+    router.planner.set_loads({"d0": 2})
+    busy = _send(router, "hi", tokens=1)
+    assert isinstance(busy, fx.DispatchRoom)
+    assert router.planner.decisions["local_refused:decode_busy"] == 1
+    assert router.planner.wants_loads

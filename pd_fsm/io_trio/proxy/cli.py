@@ -89,6 +89,13 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--local-prefill-queue", type=int, default=0, metavar="N",
                    help="conditional disaggregation: D prefills alone while every prefill "
                         "worker has at least N requests (default 0: off)")
+    g.add_argument("--local-prefill-cached-ratio", type=float, default=0.0, metavar="R",
+                   help="conditional disaggregation (Dynamo's cached-to-raw threshold): D "
+                        "prefills alone a prompt of which its cache_aware index holds at least "
+                        "R (0..1; default 0: off)")
+    g.add_argument("--local-prefill-decode-guard", type=int, default=0, metavar="N",
+                   help="decode-busy guard: no local prefill on a D that has N or more "
+                        "requests, whatever the rules above say (default 0: off)")
     g.add_argument("--max-queue-per-worker", type=int, default=0, metavar="N",
                    help="shed load: when every worker of a role has at least N requests (the "
                         "proxy's own, or its last polled /get_load), answer 429 with "
@@ -109,6 +116,8 @@ def routing_from_args(args: argparse.Namespace) -> RoutingConfig:
             balance_rel=args.balance_rel_threshold, index_blocks=args.max_tree_blocks,
             local_prefill_tokens=args.local_prefill_tokens,
             local_prefill_queue=args.local_prefill_queue,
+            local_prefill_cached_ratio=args.local_prefill_cached_ratio,
+            local_prefill_decode_guard=args.local_prefill_decode_guard,
             max_queue=args.max_queue_per_worker,
         )
     except ValueError as exc:
@@ -123,6 +132,8 @@ _FLAG_OF = {"balance_abs": "--balance-abs-threshold", "balance_rel": "--balance-
             "decode_policy": "--decode-policy", "cache_threshold": "--cache-threshold",
             "local_prefill_tokens": "--local-prefill-tokens",
             "local_prefill_queue": "--local-prefill-queue",
+            "local_prefill_cached_ratio": "--local-prefill-cached-ratio",
+            "local_prefill_decode_guard": "--local-prefill-decode-guard",
             "max_queue": "--max-queue-per-worker"}
 
 
