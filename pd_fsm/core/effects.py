@@ -246,7 +246,7 @@ class DispatchLocal:
     room: int
     request_id: str
     decode: str
-    reason: str  # "short_prompt" | "prefill_busy"
+    reason: str  # "short_prompt" | "prefill_busy" | "handoff" (D pulls a handed-off stream)
 
 
 @attrs.frozen(slots=True)
@@ -274,12 +274,13 @@ class RedirectDecode:
 
 @attrs.frozen(slots=True)
 class ReopenRoom:
-    """The room ended RETRIED or MIGRATED: feed ``RoomRequested`` again for its request, after
-    ``delay`` (a retry's backoff; 0 for a migration), with ``attempts``."""
+    """The room ended RETRIED, MIGRATED or HANDED_OFF: feed ``RoomRequested`` again for its
+    request, after ``delay`` (a retry's backoff; 0 for a migration or a hand-off), with
+    ``attempts`` (and, for a hand-off, ``handoff=True``: D alone, no P leg)."""
 
     room: int
     request_id: str
-    cause: str  # "retry" | "migration"
+    cause: str  # "retry" | "migration" | "handoff"
     delay: float
     attempts: Attempts
 

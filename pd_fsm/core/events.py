@@ -204,6 +204,9 @@ class RoomRequested:
     # The proxy can continue this request's stream exactly on another worker (the prompt plus
     # the tokens so far): a decode worker breaking off mid-relay migrates it, not fails it.
     migratable: bool = False
+    # The room continues a stream a draining D handed off: D alone, no P leg (the new D pulls
+    # the KV the draining D registered).
+    handoff: bool = False
 
 
 @attrs.frozen(slots=True)
@@ -221,6 +224,9 @@ class LegResponded:
     # The connection to the worker was lost before its answer ended: the worker's fault (with
     # a refusal, what its circuit breaker counts).
     lost: bool = False
+    # D ended its stream mid-relay with a hand-off ticket (it is draining, issue 32 §2): not a
+    # fault of D's; the request goes on on another D, which pulls the KV D registered.
+    handoff: bool = False
 
 
 @attrs.frozen(slots=True)

@@ -147,6 +147,35 @@ UNREACHABLE: dict[tuple[str, str, str], str] = {
                  "WorkerRemoved")},
     ("room", "RETRIED", "TimedOut"): _NO_TIMER,
     ("room", "MIGRATED", "TimedOut"): _NO_TIMER,
+    ("room", "HANDED_OFF", "TimedOut"): _NO_TIMER,
+    **{
+        ("room", s, "DispatchedHandoff"): _DISPATCH
+        for s in ("DISPATCHED", "PREFILL_DONE", "RELAYING", "COMPLETED", "FAILED", "CANCELLED",
+                  "LOCAL", "LOCAL_RELAYING", "RETRIED", "MIGRATED", "HANDED_OFF", "HANDOFF")
+    },
+    **{("room", s, t): _DISPATCH for s in ("HANDED_OFF", "HANDOFF")
+       for t in ("Dispatched", "DispatchedLocal")},
+    **{
+        ("room", s, "HandoffFailed"): (
+            "HandoffFailed is what a failed leg becomes in a HANDOFF room only: elsewhere the "
+            "same failure is DecodeFailed, DecodeRetryable, DecodeRefused or DecodeBroke"
+        )
+        for s in ("DISPATCHED", "PREFILL_DONE", "RELAYING", "LOCAL", "LOCAL_RELAYING")
+    },
+    **{
+        ("room", s, "DecodeHandedOff"): (
+            "D sends a hand-off ticket only in its stream, which the proxy reads only while it "
+            "relays it: before the relay there is no ticket to read"
+        )
+        for s in ("DISPATCHED", "PREFILL_DONE", "LOCAL", "HANDOFF")
+    },
+    **{
+        ("room", "HANDOFF", t): (
+            "a failed hand-off leg becomes HandoffFailed (a migration left) or DecodeFailed: it "
+            "is never a retry, a redirect or a break mid-relay"
+        )
+        for t in ("DecodeRetryable", "DecodeRefused", "DecodeBroke")
+    },
 }
 # Rows no input can ever take (they are in UNREACHABLE): harmless, but a row added for an
 # unreachable pair must be seen, so the set is asserted exactly.
@@ -707,6 +736,7 @@ _ROOM_EFFECTS = {
     "ReplyError": ["ReplyError"],
     "ReopenRoom": ["ReopenRoom"],
     "RedirectDecodeLeg": ["RedirectDecode"],
+    "PostHandoffLeg": ["DispatchLocal"],
 }
 # trigger -> (leg, ok, refused, retryable)
 _LEG_EVENTS = {
@@ -719,6 +749,7 @@ _LEG_EVENTS = {
     "DecodeRefused": ("decode", False, True, True),  # another D can take the room
     "DecodeRetryable": ("decode", False, False, True),  # a 5xx before any byte
     "DecodeBroke": ("decode", False, False, False),  # mid-relay, a migratable request
+    "HandoffFailed": ("decode", False, False, True),  # the hand-off leg, before any byte
 }
 _DISPATCH_PROMPTS = {"Dispatched": Prompt("a long prompt " * 20, 60),
                      "DispatchedLocal": Prompt("hi", 1)}
@@ -763,6 +794,13 @@ class Router:
                 prompt = _DISPATCH_PROMPTS[trigger]
                 return self.router.handle(
                     ev.RoomRequested("req", prompt, migratable=True), self.now)
+            if trigger == "DispatchedHandoff":
+                return self.router.handle(
+                    ev.RoomRequested("req", Prompt("hi", 1), migratable=True, handoff=True),
+                    self.now)
+            if trigger == "DecodeHandedOff":
+                return self.router.handle(
+                    ev.LegResponded(room, "decode", False, "handed off", handoff=True), self.now)
             if trigger == "TimedOut":
                 self.now += 1e6
                 return self.router.handle(ev.TimeAdvanced(), self.now)
@@ -789,7 +827,8 @@ def _room_pair_router(state: str, trigger: str) -> None:
     before, state_before = _counters(r.router), r.router.poll(PROXY_ROOM)
     seen = r.fire(trigger)
     if exp.kind == "unreachable" and trigger in ("DecodeBroke", "DecodeRetryable",
-                                                 "DecodeRefused"):
+                                                 "DecodeRefused", "HandoffFailed",
+                                                 "DecodeHandedOff"):
         # The leg event these triggers come from takes another row here: never this one.
         assert not seen.took(state, trigger), seen.steps
         return
