@@ -167,15 +167,24 @@ class _Session:
     client_body: dict[str, Any] = attrs.field(factory=dict)  # the body as the client sent it
     migratable: bool = False
     progress: Progress | None = None  # what the client has of a migratable answer
-    reopen: fx.ReopenRoom | None = None  # this room ended RETRIED or MIGRATED
+    reopen: fx.ReopenRoom | None = None  # this room ended RETRIED, MIGRATED or HANDED_OFF
     redirect: bool = False  # RedirectDecode: post the decode leg again, to s.decode
+    # A hand-off room (issue 32 §2): the ticket its D pulls from, and the draining D that
+    # offers it (told to release it once pulled, or once the pull failed).
+    ticket: dict[str, Any] | None = None
+    handoff_from: str = ""
 
     def next_room(self) -> _Session:
         """The session of the request's next room: what belongs to the request carries over."""
+        handoff = self.reopen is not None and self.reopen.cause == "handoff"
+        ticket = self.progress.ticket if handoff and self.progress is not None else None
+        if self.progress is not None:
+            self.progress.ticket = None  # one room uses it
         return _Session(self.request_id, self.path, self.client_body, self.headers, self.stream,
                         self.return_logprob, self.prompt_logprobs, headers_sent=self.headers_sent,
                         client_body=self.client_body, migratable=self.migratable,
-                        progress=self.progress)
+                        progress=self.progress, ticket=ticket,
+                        handoff_from=self.decode if ticket is not None else "")
 
 
 def _room_of(item: ev.RouterEvent | fx.RouterEffect) -> int | None:
@@ -233,8 +242,12 @@ class Proxy:
         self.load_polls = {"ok": 0, "failed": 0}  # /get_load calls (load-aware routing)
         # Exceptions contained to one room (http_edge's count has the requests' own).
         self.contained = {"prefill_leg": 0, "room": 0}
-        # Rooms reopened for their request (ReopenRoom), by cause: "retry", "migration".
-        self.reopened = {"retry": 0, "migration": 0, "redirect": 0}
+        # Rooms reopened for their request (ReopenRoom), by cause: "retry", "migration",
+        # "handoff"; and decode legs redirected within their room.
+        self.reopened = {"retry": 0, "migration": 0, "redirect": 0, "handoff": 0}
+        # Hand-off rooms by outcome: the new D pulled the KV and streams on ("taken"), or not,
+        # and the request migrated by re-prefill ("fell_back") or failed ("failed").
+        self.handoffs = {"taken": 0, "fell_back": 0, "failed": 0}
         self._polls_failing: set[str] = set()  # workers whose last poll failed (logged once)
         self.decode_urls = [d.rstrip("/") for d in decode]
         self.bootstrap_url = bootstrap_url.rstrip("/") if bootstrap_url else None
@@ -304,6 +317,7 @@ class Proxy:
             "load_polls_total": dict(self.load_polls),
             "contained_failures_total": dict(self.contained),
             "rooms_reopened_total": dict(self.reopened),
+            "handoffs_total": dict(self.handoffs),
             # Per worker: 0 closed, 1 half-open or probing, 2 open (table worker_breaker).
             "breaker_state": {w: _BREAKER_LEVEL[st]
                               for w, st in self.router.breakers.states().items()},
@@ -357,6 +371,11 @@ class Proxy:
         effect: fx.RelayDecode | fx.ReplyError | fx.RedirectDecode | fx.ReopenRoom | fx.AbortLeg,
         failure: Failure | None,
     ) -> None:
+        if s.ticket is not None and isinstance(effect, fx.RelayDecode | fx.ReplyError
+                                               | fx.ReopenRoom):
+            self._handoff_over(s, "taken" if isinstance(effect, fx.RelayDecode)
+                               else "failed" if isinstance(effect, fx.ReplyError)
+                               else "fell_back")
         match effect:
             case fx.RelayDecode():
                 s.relay = True
@@ -374,7 +393,7 @@ class Proxy:
             case fx.ReopenRoom():
                 self.reopened[effect.cause] += 1
                 log.info("room %d: %s of request %s (%s) after %.3f s", effect.room, effect.cause,
-                         s.request_id, s.decode if effect.cause == "migration" else "refused",
+                         s.request_id, "refused" if effect.cause == "retry" else s.decode,
                          effect.delay)
                 s.reopen = effect
                 s.decided.set()
@@ -384,6 +403,25 @@ class Proxy:
                 self._nursery.start_soon(self._post_abort, effect.leg, effect.url, s.rid)
             case _:
                 assert_never(effect)
+
+    def _handoff_over(self, s: _Session, outcome: str) -> None:
+        """A hand-off room's leg answered: the KV was pulled (its 2xx comes after the pull) or
+        will not be. Either way the draining D may drop the registration now."""
+        assert s.ticket is not None
+        self.handoffs[outcome] += 1
+        log.info("room %d: hand-off from %s %s", s.room, s.handoff_from, outcome)
+        uuid_, s.ticket = s.ticket.get("uuid"), None
+        assert self._nursery is not None
+        self._nursery.start_soon(self._post_release, s.handoff_from, uuid_)
+
+    async def _post_release(self, url: str, uuid_: Any) -> None:
+        try:
+            with trio.fail_after(ABORT_TIMEOUT):
+                await self.client.post(f"{url}/handoff_release", json={"uuid": uuid_},
+                                       headers=self._worker_headers)
+        except (httpx.HTTPError, trio.TooSlowError) as exc:
+            # Its lease releases it (within the draining D's --drain-timeout).
+            log.warning("hand-off release at %s failed: %r", url, exc)
 
     async def _post_abort(self, leg: str, url: str, rid: str) -> None:
         self.aborts_sent[leg] += 1
@@ -589,7 +627,7 @@ class Proxy:
         self._no_worker = None
         self._dispatching[s.request_id] = s
         self._feed(ev.RoomRequested(s.request_id, prompt_of(s.path, s.client_body), attempts,
-                                    s.migratable))
+                                    s.migratable, handoff=s.ticket is not None))
         if s.room < 0:
             self._dispatching.pop(s.request_id, None)
             return self._no_worker or _Refusal(503, "no workers available", "no_workers")
@@ -601,6 +639,8 @@ class Proxy:
         if not s.prefill:  # D prefills it: a plain request, D computes its prompt log-probs too
             s.body = {k: v for k, v in body.items() if k not in BOOTSTRAP_FIELDS}
             s.body["rid"] = s.rid
+            if s.ticket is not None:  # D pulls the KV the draining D registered
+                s.body["handoff"] = s.ticket
             s.prompt_logprobs = False
             s.p_done.set()
             return None
@@ -781,7 +821,8 @@ class Proxy:
                 rewriter = SseRewriter(lambda event: merge(s.path, p_body, event),
                                        once=s.path != "/generate")
             elif s.progress is not None:
-                rewriter = SseRewriter(s.progress.observe, once=False)
+                rewriter = SseRewriter(s.progress.observe, once=False,
+                                       drop=s.progress.take_handoff)
             async for chunk in resp.aiter_raw():
                 if first and chunk:
                     first = False
@@ -792,6 +833,14 @@ class Proxy:
                 tail = (tail + chunk)[-len(_SSE_DONE):]
                 s.sse_done = tail == _SSE_DONE
             rest = rewriter.flush() if rewriter is not None else b""
+            if s.progress is not None and s.progress.ticket is not None:
+                # D is draining and handed the stream off: it goes on in the next room, under
+                # the headers already sent (or, if the router will not, ends in an error chunk).
+                self._feed(ev.LegResponded(s.room, "decode", False, "handed off", handoff=True))
+                if s.reopen is None:
+                    s.progress.ticket = None
+                    await self._relay_error(s, send, 502, "decode worker drained mid-stream")
+                return
             self._relay_finished(s)
             await send({"type": "http.response.body", "body": rest, "more_body": False})
             return

@@ -274,6 +274,8 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
         # The client has that token and its text already: only what follows is new.
         req.tokens_sent = len(req.output_ids)
         req.text_sent = max(req.text_sent, min(text_sent, len(req.text)))
+        if not req.finished:  # nothing new yet: its next step's output is the first
+            self._dirty.pop(req, None)
 
     def abort(self, rid: str, message: str = "aborted") -> bool:
         for room, (req, _, _) in self._handoffs_in.items():

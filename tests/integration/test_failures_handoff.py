@@ -1,0 +1,107 @@
+"""Live KV hand-off when a decode worker drains (issue 32 §2): real `pd-fsm` processes (tiny
+model) behind our proxy, 1 P and 2 D started with `--drain-handoff`.
+
+The D that streams a long greedy answer gets SIGTERM mid-stream: it registers the stream's KV
+and ends its leg with a hand-off ticket; the proxy posts the request to the other D alone, which
+pulls that KV and goes on. The client's stream is whole and equals the colocated answer; the
+proxy counted a hand-off, not a migration; P prefilled nothing more (no re-prefill); the drained
+D released its registration (the proxy told it the KV was pulled) and exited 0; afterwards every
+live worker holds nothing (pages, rooms, queues, transfer registrations).
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import trio
+
+from tests.integration.failure_support import (
+    SLACK,
+    Fleet,
+    signal_streaming_decode,
+    stats,
+    wait_clean,
+)
+from tests.integration.serve_support import PATHS, fetch_answer, request_body, sse_events
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Tell me about the river city"
+MAX_TOKENS = 150
+DRAIN = ["--drain-handoff", "--drain-timeout", "20"]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    f = Fleet(tmp_path_factory.mktemp("handoff"), windows={})
+    f.bootstrap()
+    p = f.prefill("p")
+    d0, d1 = f.decode("d0", extra=DRAIN), f.decode("d1", extra=DRAIN)
+    f.colocated()
+    f.proxy("proxy", [p], [d0, d1])
+    f.start()
+    yield f
+    f.close()
+
+
+async def _proxy_counts(http: httpx.AsyncClient, url: str) -> dict[str, float]:
+    r = await http.get(f"{url}/metrics")
+    r.raise_for_status()
+    out: dict[str, float] = {}
+    for line in r.text.splitlines():
+        for family in ("rooms_reopened_total", "handoffs_total"):
+            if line.startswith(f"pd_fsm_proxy_{family}{{"):
+                key = line.split('key="')[1].split('"')[0]
+                out[f"{family}:{key}"] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def test_a_sigtermed_decode_worker_hands_its_stream_off_without_a_prefill(
+        fleet: Fleet) -> None:
+    body = request_body("generate", PROMPT, MAX_TOKENS, stream=True)
+    body["sampling_params"]["ignore_eos"] = True
+    proxy, colocated, p = fleet["proxy"], fleet["colocated"], fleet["p"]
+    decodes = [fleet["d0"], fleet["d1"]]
+    async with httpx.AsyncClient(timeout=60) as http:
+        reference = await fetch_answer(http, str(colocated.url), "generate",
+                                       {**body, "stream": False})
+        before = await _proxy_counts(http, str(proxy.url))
+        raw, drained, p_before = b"", None, None
+        async with http.stream("POST", f"{proxy.url}{PATHS['generate']}", json=body) as r:
+            assert r.status_code == 200
+            async for chunk in r.aiter_raw():
+                raw += chunk
+                if drained is None and raw.count(b"data: ") >= 6:
+                    p_before = await stats(http, p)
+                    drained = await signal_streaming_decode(http, decodes, signal.SIGTERM)
+        assert drained is not None and drained.popen is not None and p_before is not None
+        events = sse_events(raw.decode())
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1, raw[-800:]
+        chunks = [e for e in events if isinstance(e, dict)]
+        assert not any("error" in c or "transfer_addr" in c for c in chunks), raw[-800:]
+        assert b"pd_fsm.handoff" not in raw  # the ticket is the proxy's, never the client's
+        assert chunks[-1]["text"] == reference.text  # no token repeated or missing
+        assert chunks[-1]["meta_info"]["completion_tokens"] == MAX_TOKENS
+
+        after = await _proxy_counts(http, str(proxy.url))
+        moved = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        assert moved.get("rooms_reopened_total:handoff") == 1, moved
+        assert moved.get("handoffs_total:taken") == 1, moved
+        assert not moved.get("rooms_reopened_total:migration"), moved  # no re-prefill
+        p_after = await stats(http, p)
+        assert p_after["prompt_tokens_total"] == p_before["prompt_tokens_total"]
+        assert p_after["requests_total"] == p_before["requests_total"]
+
+        assert await trio.to_thread.run_sync(drained.popen.wait, 30) == 0
+        log = drained.log_path.read_text()
+        assert "handed off" in log and "drained: nothing in flight" in log
+        assert "hand-off lease expired" not in log  # released on the proxy's word, not a timer
+        other = next(d for d in decodes if d is not drained)
+        taken = (await stats(http, other))["handoffs_total"]
+        assert taken["taken"] == 1 and taken["take_failed"] == 0
+        await wait_clean(http, p, other, timeout=SLACK * 2)
+        fleet.restart(drained.name)
+        await wait_clean(http, p, *decodes, timeout=SLACK * 2)
