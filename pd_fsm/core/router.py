@@ -198,7 +198,7 @@ class RoomRouter:
 
     def _dispatch(self, e: ev.RoomRequested, now: float, out: list[fx.RouterEffect]) -> None:
         if (not self._prefill and not e.handoff) or not self._decode:
-            missing = "prefill" if self._decode else "decode"
+            missing = "prefill" if not self._prefill and not e.handoff else "decode"
             out.append(fx.ReplyError(-1, f"no {missing} workers available"))
             return
         avoid = set(e.attempts.avoid)
