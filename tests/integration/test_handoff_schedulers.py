@@ -16,7 +16,8 @@ from pd_fsm.jax_engine.model import LoadedModel, load_model
 from pd_fsm.jax_engine.sampling_params import SamplingParams
 from pd_fsm.schedulers import Req, Scheduler, SchedulerArgs
 from pd_fsm.schedulers.disaggregation import DecodeScheduler, DisaggregationArgs
-from pd_fsm.schedulers.request import Resume
+from pd_fsm.schedulers.disaggregation.handoff import HandoffTicket
+from pd_fsm.schedulers.request import RequestOutput, Resume
 from tests.support.pd_pair import collect
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
@@ -52,6 +53,29 @@ def _uninterrupted(tiny: LoadedModel) -> list[int]:
     return list(collect(colo.run_until_idle())["r"]["ids"])
 
 
+def _decode_then_hand_off(d1: DecodeScheduler, tokens: int, lease_s: float
+                          ) -> tuple[list[int], HandoffTicket]:
+    """D1 prefills and decodes the request (no P in these tests) until the client has at least
+    ``tokens`` tokens, then hands it off: those tokens and the ticket."""
+    d1.add_request(Req("r", IDS, GREEDY))
+    seen: list[int] = []
+    while len(seen) < tokens:
+        seen += collect(d1.step()).get("r", {"ids": []})["ids"]
+    [(rid, ticket)] = d1.hand_off({"r"}, lease_s)
+    assert rid == "r"
+    return seen, ticket
+
+
+def _until_finished(d: DecodeScheduler, timeout: float) -> list[RequestOutput]:
+    out: list[RequestOutput] = []
+    deadline = time.monotonic() + timeout
+    while not any(o.finished for o in out):
+        assert time.monotonic() < deadline
+        out += d.step()
+        time.sleep(0.002)  # let the pull threads run
+    return out
+
+
 def _idle(d: DecodeScheduler) -> bool:
     s = d.stats()
     return (s.free_pages + s.cached_pages == s.total_pages and not d.engine.registrations()
@@ -61,25 +85,15 @@ def _idle(d: DecodeScheduler) -> bool:
 def test_a_handed_off_sequence_continues_exactly_without_a_prefill(
         tiny: LoadedModel, pair: tuple[DecodeScheduler, DecodeScheduler]) -> None:
     d1, d2 = pair
-    d1.add_request(Req("r", IDS, GREEDY))  # D prefills it alone (no P in this test)
-    seen: list[int] = []
-    while len(seen) < 7:
-        seen += collect(d1.step()).get("r", {"ids": []})["ids"]
-    [(rid, ticket)] = d1.hand_off({"r"}, lease_s=30.0)
-    assert rid == "r" and ticket.kv_tokens == len(IDS) + len(seen) - 1
+    seen, ticket = _decode_then_hand_off(d1, 7, lease_s=30.0)
+    assert ticket.kv_tokens == len(IDS) + len(seen) - 1
     assert ticket.next_token == seen[-1] and not d1.reqs and d1.handoffs_outstanding == 1
     assert d1.stats().free_pages == d1.stats().total_pages  # pages back at once
     assert d1.step() == []  # no final output: the stream ends with the ticket
 
     req = d2.make_request("r", IDS, GREEDY, resume=Resume(tuple(seen[:-1])))
     d2.add_handoff_request(req, ticket, text_sent=0)
-    out: list[Any] = []
-    deadline = time.monotonic() + 120
-    while not any(o.finished for o in out):
-        assert time.monotonic() < deadline
-        out += d2.step()
-        time.sleep(0.002)
-    got = collect(out)["r"]
+    got = collect(_until_finished(d2, 120))["r"]
     assert seen + got["ids"] == _uninterrupted(tiny)
     assert got["reason"].kind == "length"
     assert {s[0] for s in d2.forward_shapes} == {"decode"}  # no prefill ran on D2
@@ -94,11 +108,7 @@ def test_a_handed_off_sequence_continues_exactly_without_a_prefill(
 def test_an_unclaimed_hand_off_expires_once_and_a_failed_pull_fails_the_request(
         tiny: LoadedModel, pair: tuple[DecodeScheduler, DecodeScheduler]) -> None:
     d1, d2 = pair
-    d1.add_request(Req("r", IDS, GREEDY))
-    seen: list[int] = []
-    while len(seen) < 3:
-        seen += collect(d1.step()).get("r", {"ids": []})["ids"]
-    [(_, ticket)] = d1.hand_off({"r"}, lease_s=0.2)
+    seen, ticket = _decode_then_hand_off(d1, 3, lease_s=0.2)
     assert d1.next_deadline() is not None
     time.sleep(0.3)
     d1.step()
@@ -108,12 +118,7 @@ def test_an_unclaimed_hand_off_expires_once_and_a_failed_pull_fails_the_request(
     # migrates it by re-prefill); its pages go back.
     req = d2.make_request("r", IDS, GREEDY, resume=Resume(tuple(seen[:-1])))
     d2.add_handoff_request(req, ticket, text_sent=0)
-    out: list[Any] = []
-    deadline = time.monotonic() + 60
-    while not any(o.finished for o in out):
-        assert time.monotonic() < deadline
-        out += d2.step()
-        time.sleep(0.01)
+    _until_finished(d2, 60)
     assert d2.pop_failure("r") is not None and d2.handoff_stats["take_failed"] == 1
     assert _idle(d1) and _idle(d2)
 
@@ -121,11 +126,7 @@ def test_an_unclaimed_hand_off_expires_once_and_a_failed_pull_fails_the_request(
 def test_a_ticket_that_does_not_fit_is_refused_before_any_page(
         pair: tuple[DecodeScheduler, DecodeScheduler]) -> None:
     d1, d2 = pair
-    d1.add_request(Req("r", IDS, GREEDY))
-    seen: list[int] = []
-    while len(seen) < 3:
-        seen += collect(d1.step()).get("r", {"ids": []})["ids"]
-    [(_, ticket)] = d1.hand_off({"r"}, lease_s=30.0)
+    seen, ticket = _decode_then_hand_off(d1, 3, lease_s=30.0)
     wrong = d2.make_request("r", IDS, GREEDY, resume=Resume(tuple(seen)))  # one token too many
     with pytest.raises(ValueError, match="covers"):
         d2.add_handoff_request(wrong, ticket, text_sent=0)
