@@ -7,12 +7,19 @@ pulls that KV and goes on. The client's stream is whole and equals the colocated
 proxy counted a hand-off, not a migration; P prefilled nothing more (no re-prefill); the drained
 D released its registration (the proxy told it the KV was pulled) and exited 0; afterwards every
 live worker holds nothing (pages, rooms, queues, transfer registrations).
+
+The fallback: the other D is frozen while the draining one hands off, so the ticket's lease
+(the drain timeout less 0.5 s) ends and the drained D exits before the pull; thawed, the other D's
+pull fails, and the proxy migrates the stream by re-prefill: it still completes, equal to the
+colocated answer, counted as a hand-off that fell back.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -31,7 +38,9 @@ pytestmark = pytest.mark.slow
 
 PROMPT = "Tell me about the river city"
 MAX_TOKENS = 150
-DRAIN = ["--drain-handoff", "--drain-timeout", "20"]
+# A drain short enough that an unclaimed ticket expires within the fallback test, and a pull
+# deadline that ends the pull from the drained (gone) D soon after.
+DRAIN = ["--drain-handoff", "--drain-timeout", "2", "--disaggregation-pull-deadline", "3"]
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +68,26 @@ async def _proxy_counts(http: httpx.AsyncClient, url: str) -> dict[str, float]:
     return out
 
 
-async def test_a_sigtermed_decode_worker_hands_its_stream_off_without_a_prefill(
-        fleet: Fleet) -> None:
+def _body() -> dict[str, Any]:
     body = request_body("generate", PROMPT, MAX_TOKENS, stream=True)
     body["sampling_params"]["ignore_eos"] = True
+    return body
+
+
+def _whole(raw: bytes, reference: Any) -> None:
+    """The client's stream is the uninterrupted answer: one [DONE], no error, no ticket."""
+    events = sse_events(raw.decode())
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1, raw[-800:]
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert not any("error" in c or "transfer_addr" in c for c in chunks), raw[-800:]
+    assert b"pd_fsm.handoff" not in raw  # the ticket is the proxy's, never the client's
+    assert chunks[-1]["text"] == reference.text  # no token repeated or missing
+    assert chunks[-1]["meta_info"]["completion_tokens"] == MAX_TOKENS
+
+
+async def test_a_sigtermed_decode_worker_hands_its_stream_off_without_a_prefill(
+        fleet: Fleet) -> None:
+    body = _body()
     proxy, colocated, p = fleet["proxy"], fleet["colocated"], fleet["p"]
     decodes = [fleet["d0"], fleet["d1"]]
     async with httpx.AsyncClient(timeout=60) as http:
@@ -78,13 +103,7 @@ async def test_a_sigtermed_decode_worker_hands_its_stream_off_without_a_prefill(
                     p_before = await stats(http, p)
                     drained = await signal_streaming_decode(http, decodes, signal.SIGTERM)
         assert drained is not None and drained.popen is not None and p_before is not None
-        events = sse_events(raw.decode())
-        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1, raw[-800:]
-        chunks = [e for e in events if isinstance(e, dict)]
-        assert not any("error" in c or "transfer_addr" in c for c in chunks), raw[-800:]
-        assert b"pd_fsm.handoff" not in raw  # the ticket is the proxy's, never the client's
-        assert chunks[-1]["text"] == reference.text  # no token repeated or missing
-        assert chunks[-1]["meta_info"]["completion_tokens"] == MAX_TOKENS
+        _whole(raw, reference)
 
         after = await _proxy_counts(http, str(proxy.url))
         moved = {k: after.get(k, 0) - before.get(k, 0) for k in after}
@@ -98,10 +117,45 @@ async def test_a_sigtermed_decode_worker_hands_its_stream_off_without_a_prefill(
         assert await trio.to_thread.run_sync(drained.popen.wait, 30) == 0
         log = drained.log_path.read_text()
         assert "handed off" in log and "drained: nothing in flight" in log
-        assert "hand-off lease expired" not in log  # released on the proxy's word, not a timer
+        assert "not claimed within its lease" not in log  # released on the proxy's word, not a timer
         other = next(d for d in decodes if d is not drained)
         taken = (await stats(http, other))["handoffs_total"]
         assert taken["taken"] == 1 and taken["take_failed"] == 0
         await wait_clean(http, p, other, timeout=SLACK * 2)
+        fleet.restart(drained.name)
+        await wait_clean(http, p, *decodes, timeout=SLACK * 2)
+
+
+async def test_a_hand_off_that_cannot_be_pulled_falls_back_to_a_migration(fleet: Fleet) -> None:
+    body = _body()
+    proxy, colocated, p = fleet["proxy"], fleet["colocated"], fleet["p"]
+    decodes = [fleet["d0"], fleet["d1"]]
+    async with httpx.AsyncClient(timeout=60) as http:
+        reference = await fetch_answer(http, str(colocated.url), "generate",
+                                       {**body, "stream": False})
+        before = await _proxy_counts(http, str(proxy.url))
+        raw, drained, other = b"", None, None
+        async with http.stream("POST", f"{proxy.url}{PATHS['generate']}", json=body) as r:
+            assert r.status_code == 200
+            async for chunk in r.aiter_raw():
+                raw += chunk
+                if drained is None and raw.count(b"data: ") >= 6:
+                    for d in decodes:  # which one streams: the one holding a request
+                        busy = (await stats(http, d))["running"]
+                        drained, other = (d, next(o for o in decodes if o is not d)) if busy \
+                            else (drained, other)
+                    assert drained is not None and other is not None
+                    other.pause()  # the hand-off leg waits in its socket
+                    os.kill(drained.pid, signal.SIGTERM)
+                    assert await trio.to_thread.run_sync(drained.popen.wait, 30) == 0  # type: ignore[union-attr]
+                    os.kill(other.pid, signal.SIGCONT)
+        _whole(raw, reference)
+        after = await _proxy_counts(http, str(proxy.url))
+        moved = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        assert moved.get("rooms_reopened_total:handoff") == 1, moved
+        assert moved.get("handoffs_total:fell_back") == 1, moved
+        assert moved.get("rooms_reopened_total:migration") == 1, moved  # the re-prefill
+        assert "not claimed within its lease" in drained.log_path.read_text()
+        assert (await stats(http, other))["handoffs_total"]["take_failed"] == 1
         fleet.restart(drained.name)
         await wait_clean(http, p, *decodes, timeout=SLACK * 2)
