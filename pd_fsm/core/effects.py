@@ -304,6 +304,58 @@ class ShedRequest:
     retry_after: float
 
 
+# -- live KV hand-off between decode workers (table kv_handoff, issue 32 §2) ---------------------
+
+
+@attrs.frozen(slots=True)
+class ReleaseOffer:
+    """Drop hand-off ``uuid``'s registration from this D's transfer server."""
+
+    uuid: int
+    reason: str
+
+
+@attrs.frozen(slots=True)
+class StartHandoffPull:
+    """Pull the ticket of hand-off ``room`` into the pages reserved for it."""
+
+    room: int
+
+
+@attrs.frozen(slots=True)
+class EnterDecode:
+    """Hand-off ``room``'s KV is in its pages: its request joins the decode batch."""
+
+    room: int
+
+
+@attrs.frozen(slots=True)
+class FailHandoff:
+    """Hand-off ``room``'s pull failed: free its pages, fail its request (502)."""
+
+    room: int
+    reason: str
+
+
+@attrs.frozen(slots=True)
+class FinishAborted:
+    """Finish hand-off ``room``'s aborted request; its pages stay held until its pull reports."""
+
+    room: int
+    reason: str
+
+
+@attrs.frozen(slots=True)
+class FreeHeldPages:
+    """Hand-off ``room``'s aborted pull reported: free the pages it held."""
+
+    room: int
+
+
+HandoffEffect = (
+    ReleaseOffer | StartHandoffPull | EnterDecode | FailHandoff | FinishAborted | FreeHeldPages
+)
+
 RouterEffect = (
     DispatchRoom | DispatchLocal | RelayDecode | AbortLeg | ReplyError | ReopenRoom
     | RedirectDecode | BreakerChanged | ShedRequest

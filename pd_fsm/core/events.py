@@ -243,3 +243,36 @@ class RelayFinished:
 
 RegistryEvent = TimeAdvanced | InstanceRegistered[Rec] | InstanceHeartbeat | InstanceDeregistered
 RouterEvent = TimeAdvanced | RoomRequested | LegResponded | ClientDisconnected | RelayFinished
+
+
+# -- live KV hand-off between decode workers (table kv_handoff, issue 32 §2) ---------------------
+
+
+@attrs.frozen(slots=True)
+class HandoffOffered:
+    """A draining D registered a running sequence's KV under ``uuid`` for ``lease_s``."""
+
+    uuid: int
+    lease_s: float
+
+
+@attrs.frozen(slots=True)
+class HandoffPulled:
+    """The proxy says the taking D answered (after its pull) or failed: ``uuid`` may go."""
+
+    uuid: int
+
+
+@attrs.frozen(slots=True)
+class HandoffClaimed:
+    """The taking D accepted a ticket and reserved its pages; ``room``: its pull's number."""
+
+    room: int
+
+
+# A hand-off's pull reports as any pull does (PullSucceeded / PullFailed, by its room); a local
+# abort of its request is Aborted.
+HandoffEvent = (
+    TimeAdvanced | HandoffOffered | HandoffPulled | HandoffClaimed | PullSucceeded | PullFailed
+    | Aborted
+)

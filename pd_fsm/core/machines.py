@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pd_fsm.core.breakers import WorkerBreakers
 from pd_fsm.core.decode_endpoint import DecodeEndpoint
+from pd_fsm.core.handoff import HandoffLedger
 from pd_fsm.core.prefill_endpoint import PrefillEndpoint
 from pd_fsm.core.registry import BootstrapRegistry
 from pd_fsm.core.router import RoomRouter
@@ -23,4 +24,5 @@ def core_machines() -> list[tuple[type, tuple[StateTable, ...]]]:
         (BootstrapRegistry, (BootstrapRegistry.table,)),
         (RoomRouter, (RoomRouter.table,)),
         (WorkerBreakers, (WorkerBreakers.table,)),
+        (HandoffLedger, (HandoffLedger.table,)),
     ]

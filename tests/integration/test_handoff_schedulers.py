@@ -2,7 +2,8 @@
 transfer servers: D1 decodes a request part way, hands it off (gathers and registers its KV,
 releases its pages), D2 pulls that KV and goes on. The tokens equal an uninterrupted run; no
 prefill runs on D2; every page and registration is released on both sides, the registration
-exactly once (on D2's report, or at its lease's expiry when nobody pulls it)."""
+exactly once (on D2's report, or at its lease's expiry when nobody pulls it); a request aborted
+while its pull runs keeps its pages until the pull reports (table kv_handoff)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from pd_fsm.core.tables import KV_HANDOFF
 from pd_fsm.jax_engine.model import LoadedModel, load_model
 from pd_fsm.jax_engine.sampling_params import SamplingParams
 from pd_fsm.schedulers import Req, Scheduler, SchedulerArgs
@@ -99,7 +101,7 @@ def test_a_handed_off_sequence_continues_exactly_without_a_prefill(
     assert {s[0] for s in d2.forward_shapes} == {"decode"}  # no prefill ran on D2
     assert d2.handoff_stats["taken"] == 1
 
-    assert d1.release_handoff(ticket.uuid, "pulled") and not d1.release_handoff(ticket.uuid, "x")
+    assert d1.release_handoff(ticket.uuid) and not d1.release_handoff(ticket.uuid)
     assert d1.handoff_stats == {"given": 1, "released": 1, "expired": 0, "taken": 0,
                                 "take_failed": 0}
     assert _idle(d1) and _idle(d2)
@@ -113,7 +115,7 @@ def test_an_unclaimed_hand_off_expires_once_and_a_failed_pull_fails_the_request(
     time.sleep(0.3)
     d1.step()
     assert d1.handoff_stats["expired"] == 1 and not d1.engine.registrations()
-    assert not d1.release_handoff(ticket.uuid, "late")  # released exactly once
+    assert not d1.release_handoff(ticket.uuid)  # released exactly once
     # D2 pulls the expired ticket: the pull fails and so does the request (the proxy then
     # migrates it by re-prefill); its pages go back.
     req = d2.make_request("r", IDS, GREEDY, resume=Resume(tuple(seen[:-1])))
@@ -131,5 +133,25 @@ def test_a_ticket_that_does_not_fit_is_refused_before_any_page(
     with pytest.raises(ValueError, match="covers"):
         d2.add_handoff_request(wrong, ticket, text_sent=0)
     assert not d2.reqs and _idle(d2)
-    d1.release_handoff(ticket.uuid, "refused")
+    d1.release_handoff(ticket.uuid)
     assert _idle(d1)
+
+
+def test_an_abort_during_the_pull_frees_the_pages_only_once_the_pull_reports(
+        pair: tuple[DecodeScheduler, DecodeScheduler]) -> None:
+    d1, d2 = pair
+    seen, ticket = _decode_then_hand_off(d1, 3, lease_s=30.0)
+    d1.release_handoff(ticket.uuid)  # gone before D2 pulls: the pull hangs to its deadline
+    req = d2.make_request("r", IDS, GREEDY, resume=Resume(tuple(seen[:-1])))
+    d2.add_handoff_request(req, ticket, text_sent=0)
+    assert d2.abort("r", "client left")
+    (out,) = d2.step()
+    assert out.finish_reason is not None and out.finish_reason.kind == "abort"
+    s = d2.stats()
+    assert s.free_pages < s.total_pages  # held: the pull may still write them
+    deadline = time.monotonic() + 30
+    while not _idle(d2):
+        assert time.monotonic() < deadline
+        d2.step()
+        time.sleep(0.01)
+    assert d2.handoffs.outcomes[KV_HANDOFF.S.DROPPED] == 1 and _idle(d1)

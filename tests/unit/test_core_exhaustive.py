@@ -39,6 +39,7 @@ from pd_fsm.core import events as ev
 from pd_fsm.core.breakers import WorkerBreakers
 from pd_fsm.core.config import RouterConfig
 from pd_fsm.core.errors import LocalProtocolError
+from pd_fsm.core.handoff import HandoffLedger
 from pd_fsm.core.messages import MAX_ROOM, Heartbeat, HeartbeatAck
 from pd_fsm.core.registry import BootstrapRegistry
 from pd_fsm.core.router import RoomRouter
@@ -46,6 +47,7 @@ from pd_fsm.core.routing import Prompt, RoutingConfig
 from pd_fsm.core.tables import (
     ALL_TABLES,
     INSTANCE_LEASE,
+    KV_HANDOFF,
     KV_HOLD_LEASE,
     KV_RECEIVER,
     KV_SENDER,
@@ -148,6 +150,9 @@ UNREACHABLE: dict[tuple[str, str, str], str] = {
     ("room", "RETRIED", "TimedOut"): _NO_TIMER,
     ("room", "MIGRATED", "TimedOut"): _NO_TIMER,
     ("room", "HANDED_OFF", "TimedOut"): _NO_TIMER,
+    **{("kv_handoff", s, "LeaseExpired"): "only an OFFERED hand-off has a lease running"
+       for s in ("NONE", "RELEASED", "EXPIRED", "PULLING", "ABANDONED", "TAKEN", "FAILED",
+                 "DROPPED")},
     **{
         ("room", s, "DispatchedHandoff"): _DISPATCH
         for s in ("DISPATCHED", "PREFILL_DONE", "RELAYING", "COMPLETED", "FAILED", "CANCELLED",
@@ -923,6 +928,87 @@ def _breaker_pair(state: str, trigger: str) -> None:
     assert after == (None if row.target in table.terminal else row.target)
 
 
+_HANDOFF_T = KV_HANDOFF.T
+
+# --- kv_handoff: HandoffLedger -------------------------------------------------------------------
+
+_HANDOFF_EFFECTS = {"ArmLease": [], "ReleaseOffer": ["ReleaseOffer"],
+                    "StartHandoffPull": ["StartHandoffPull"], "EnterDecode": ["EnterDecode"],
+                    "FailHandoff": ["FailHandoff"], "FinishAborted": ["FinishAborted"],
+                    "FreeHeldPages": ["FreeHeldPages"]}
+HANDOFF_KEY = 7
+
+
+class Handoffs:
+    def __init__(self) -> None:
+        self.ledger = HandoffLedger()
+        self.now = 0.0
+        self.seen = Seen()
+        step = self.ledger._step
+
+        def recorded(h: Any, trigger: str, out: list[Any], reason: str) -> None:
+            source, n = h.state, len(out)
+            step(h, trigger, out, reason)
+            if h.key == HANDOFF_KEY:
+                self.seen.steps.append(Step(source, trigger, h.state, out[n:]))
+
+        self.ledger._step = recorded  # type: ignore[method-assign]
+
+    def fire(self, trigger: str) -> Seen:
+        def go() -> list[Any]:
+            if trigger == "LeaseExpired":
+                self.now += 1e6
+                return self.ledger.handle(ev.TimeAdvanced(), self.now)
+            event: Any = {
+                "Offered": ev.HandoffOffered(HANDOFF_KEY, 1.0),
+                "Pulled": ev.HandoffPulled(HANDOFF_KEY),
+                "Claimed": ev.HandoffClaimed(HANDOFF_KEY),
+                "PullSucceeded": ev.PullSucceeded(HANDOFF_KEY),
+                "PullFailed": ev.PullFailed(HANDOFF_KEY, "boom"),
+                "Aborted": ev.Aborted(HANDOFF_KEY, "gone"),
+            }[trigger]
+            return self.ledger.handle(event, self.now)
+
+        return _fire(self.seen, go)
+
+
+def _handoff_pair(state: str, trigger: str) -> None:
+    h = Handoffs()
+    for step in _path(KV_HANDOFF, state):
+        assert h.fire(step).error is None
+    table = KV_HANDOFF
+    live = h.ledger.state_of(HANDOFF_KEY) is not None
+    assert h.ledger.state_of(HANDOFF_KEY) == (state if live else None)
+    assert live == (state not in table.terminal and state != table.initial)
+    late = h.ledger.late
+    seen = h.fire(trigger)
+    if ("kv_handoff", state, trigger) in UNREACHABLE:
+        assert not seen.took(state, trigger) and seen.error is None and not seen.out
+        assert h.ledger.state_of(HANDOFF_KEY) == (state if live else None)
+        return
+    row = table.step(state, trigger) if live or state == table.initial else None
+    if row is None and trigger in (_HANDOFF_T.Offered, _HANDOFF_T.Claimed):
+        if live:  # uuids and pull rooms are drawn fresh: a repeat is our own bug
+            assert isinstance(seen.error, LocalProtocolError)
+        else:  # a finished key drawn again is a new hand-off
+            assert seen.steps and seen.steps[0].source == table.initial
+        return
+    if row is None:  # a report its state does not expect, or for no live hand-off
+        assert seen.error is None and not seen.steps and not seen.out
+        assert h.ledger.late == late + 1
+        return
+    assert seen.error is None and seen.steps and seen.steps[0].source == state
+    for s_ in seen.steps:
+        r = table.step(s_.source, s_.trigger)
+        assert r is not None and r.target == s_.target
+        assert [type(o).__name__ for o in s_.effects] == [
+            k for e in r.effects for k in _HANDOFF_EFFECTS[e]]
+    after = h.ledger.state_of(HANDOFF_KEY)
+    assert after == (None if row.target in table.terminal else row.target)
+    if row.target in table.terminal:
+        assert h.ledger.outcomes[row.target] == 1
+
+
 # --- the pairs ----------------------------------------------------------------------------------
 
 DRIVERS: dict[str, Callable[[str, str], None]] = {
@@ -931,6 +1017,7 @@ DRIVERS: dict[str, Callable[[str, str], None]] = {
     "kv_hold_lease": _lease_pair,
     "instance_lease": _instance_pair,
     "room": _room_pair_router,
+    "kv_handoff": _handoff_pair,
     "worker_breaker": _breaker_pair,
 }
 

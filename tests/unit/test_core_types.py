@@ -23,6 +23,7 @@ from pd_fsm.core import DecodeEndpoint, PrefillEndpoint
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.drive import Endpoint
+from pd_fsm.core.handoff import HandoffLedger
 from pd_fsm.core.registry import BootstrapRegistry, RegistryEffect
 from pd_fsm.core.router import RoomRouter
 p = PrefillEndpoint("layout", rng=random.Random(1))
@@ -89,6 +90,7 @@ def test_each_owner_is_an_endpoint_of_its_own_unions(cache: Path) -> None:
         de: Endpoint[ev.DecodeEvent, fx.DecodeEffect] = d
         re: Endpoint[ev.RouterEvent, fx.RouterEffect] = r
         rg: Endpoint[ev.RegistryEvent[str], RegistryEffect[str]] = reg
+        ho: Endpoint[ev.HandoffEvent, fx.HandoffEffect] = HandoffLedger()
         # Events are contravariant: an endpoint of P's events serves a driver of fewer.
         narrower: Endpoint[ev.TimeAdvanced, fx.PrefillEffect] = p
     """)
@@ -127,6 +129,7 @@ UNIONS = {
     "DecodeEffect": fx.DecodeEffect,
     "RouterEffect": fx.RouterEffect,
     "RegistryEffect": registry.RegistryEffect,
+    "HandoffEffect": fx.HandoffEffect,
 }
 OWNERS = {
     "prefill_endpoint.py": "PrefillEffect",
@@ -134,6 +137,7 @@ OWNERS = {
     "router.py": "RouterEffect",
     "breakers.py": "RouterEffect",  # the router's breakers build its BreakerChanged
     "registry.py": "RegistryEffect",
+    "handoff.py": "HandoffEffect",
 }
 
 

@@ -732,7 +732,7 @@ class DecodeBackend(PDBackend):
     ) -> TickResult[_Stream]:
         result = super()._tick(sched, inbox, jobs, aborts)
         while self._releases:
-            sched.release_handoff(self._releases.popleft(), "pulled by another decode worker")
+            sched.release_handoff(self._releases.popleft())
         until = self._handoff_until
         if until is not None and until - time.monotonic() > 0:
             # The streams' earlier outputs are in ``result``: they go out before the tickets.

@@ -20,6 +20,9 @@ from typing import Protocol, assert_never
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.decode_endpoint import DecodeEndpoint
+from pd_fsm.core.drive import drive
+from pd_fsm.core.handoff import HandoffLedger
+from pd_fsm.core.tables import KV_HANDOFF as _HANDOFF
 from pd_fsm.jax_engine.kv_checksum import kv_checksums
 from pd_fsm.jax_engine.model import LoadedModel
 from pd_fsm.jax_engine.pull_executor import PullExecutor, PullRequest, PullResult
@@ -93,14 +96,14 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
         self.transfer_stats = {"pulls_ok": 0, "pulls_failed": 0, "pulls_corrupted": 0,
                                "bytes": 0, "seconds": 0.0}
         self.recomputed = 0
-        # Live hand-off (issue 32 §2). Given: uuid -> when its registration expires (self.clock).
-        # Taken: pull room (negative: never a core room) -> (request, ticket, text the client
-        # has); those aborted meanwhile keep their pages in _held_pages until the pull reports.
-        self._handoffs_out: dict[int, float] = {}
+        # Live hand-off (issue 32 §2): each one's lifecycle is the core's (table kv_handoff),
+        # keyed by the offer's uuid here as the draining D, or by the pull's room (negative:
+        # never a PD room's) as the taking D. What a taken one needs: room -> (request, ticket,
+        # text the client has); an aborted one's pages wait in _held_pages for its pull.
+        self.handoffs = HandoffLedger()
         self._handoffs_in: dict[int, tuple[Req, HandoffTicket, int]] = {}
         self._handoff_rooms = 0
-        self.handoff_stats = {"given": 0, "released": 0, "expired": 0, "taken": 0,
-                              "take_failed": 0}
+        self._handoffs_given = 0
         # Iterations of this loop ended so far. Only the forward thread rebinds it; the pull
         # threads read it (an int, so they always see one published value).
         self.loop_iterations = 0
@@ -161,7 +164,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
                 self._handoff_pulled(result)
             else:
                 self._handle_recv_complete(result)
-        self._expire_handoffs()
+        self._drive_handoff(ev.TimeAdvanced())  # leases come due
         self.deliver(ev.TimeAdvanced())
 
     # -- live hand-off (issue 32 §2) ------------------------------------------------------------
@@ -187,8 +190,8 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
             except Exception as exc:  # it finishes here instead: nothing is lost
                 log.warning("request %s: hand-off registration failed (%r)", req.rid, exc)
                 continue
-            self._handoffs_out[uuid] = self.clock() + lease_s
-            self.handoff_stats["given"] += 1
+            self._handoffs_given += 1
+            self._drive_handoff(ev.HandoffOffered(uuid, lease_s))
             out.append((req.rid, HandoffTicket(
                 self.engine.address, uuid, kv_tokens, req.output_ids[-1], self.layout_hash,
                 self.kv_args.kv_shards, sums)))
@@ -200,30 +203,75 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
             self._dirty.pop(req, None)
         return out
 
-    def release_handoff(self, uuid: int, why: str) -> bool:
-        """The KV of hand-off ``uuid`` was pulled (or will never be): drop its registration.
-        False when it is not (or no longer) ours: released once, here or at its expiry."""
-        if self._handoffs_out.pop(uuid, None) is None:
+    def release_handoff(self, uuid: int) -> bool:
+        """The proxy says hand-off ``uuid``'s KV was pulled (or never will be): drop its
+        registration. False when it is not (or no longer) offered here: released once, on this
+        word or at the lease's end."""
+        if self.handoffs.state_of(uuid) != _HANDOFF.S.OFFERED:
             return False
-        self.engine.release(uuid, why)
-        self.handoff_stats["released"] += 1
+        self._drive_handoff(ev.HandoffPulled(uuid))
         return True
 
     @property
     def handoffs_outstanding(self) -> int:
-        return len(self._handoffs_out)
+        return sum(h.state == _HANDOFF.S.OFFERED for h in self.handoffs.handoffs.values())
 
-    def _expire_handoffs(self) -> None:
-        now = self.clock()
-        for uuid, expiry in list(self._handoffs_out.items()):
-            if expiry <= now and self.release_handoff(uuid, "hand-off lease expired"):
-                self.handoff_stats["expired"] += 1
-                log.warning("hand-off %d was not claimed within its lease: released", uuid)
+    @property
+    def handoff_stats(self) -> dict[str, int]:
+        """Offers given and how they ended (released on the proxy's word, expired), pulls
+        taken or failed here."""
+        done = self.handoffs.outcomes
+        return {"given": self._handoffs_given, "released": done[_HANDOFF.S.RELEASED],
+                "expired": done[_HANDOFF.S.EXPIRED], "taken": done[_HANDOFF.S.TAKEN],
+                "take_failed": done[_HANDOFF.S.FAILED]}
 
     def next_deadline(self) -> float | None:
-        own = min(self._handoffs_out.values(), default=None)
+        own = self.handoffs.next_deadline()
         core = super().next_deadline()
         return own if core is None else core if own is None else min(own, core)
+
+    def _drive_handoff(self, event: ev.HandoffEvent) -> None:
+        drive(self.handoffs.handle, event, self.clock(), self._carry_out_handoff)
+
+    def _carry_out_handoff(self, e: fx.HandoffEffect) -> tuple[()]:
+        match e:
+            case fx.ReleaseOffer():
+                if e.reason == "hand-off lease expired":
+                    log.warning("hand-off %d was not claimed within its lease: released", e.uuid)
+                self.engine.release(e.uuid, e.reason)
+            case fx.StartHandoffPull():
+                req, ticket, _ = self._handoffs_in[e.room]
+                assert req.pages is not None
+                self.pull_executor.submit(PullRequest(
+                    e.room, ticket.uuid, ticket.transfer_addr,
+                    pages=req.pages[: self.pool_config.pages_for(ticket.kv_tokens)],
+                    remote_layout_hash=self.layout_hash, kv_shards=ticket.kv_shards,
+                    kv_checksums=ticket.kv_checksums))
+            case fx.EnterDecode():
+                req, ticket, text_sent = self._handoffs_in.pop(e.room)
+                self.add_prefilled_request(req, ticket.next_token, 0.0)
+                # The client has that token and its text already: only what follows is new.
+                req.tokens_sent = len(req.output_ids)
+                req.text_sent = max(req.text_sent, min(text_sent, len(req.text)))
+                if not req.finished:  # nothing new yet: its next step's output is the first
+                    self._dirty.pop(req, None)
+            case fx.FailHandoff():
+                req = self._handoffs_in.pop(e.room)[0]
+                self._release_pages(req)
+                self._fail_request(req, 502, f"hand-off pull failed: {e.reason}")
+            case fx.FinishAborted():
+                req = self._handoffs_in[e.room][0]
+                if req.pages is not None:  # the pull may still write them
+                    self._held_pages[e.room], req.pages = req.pages, None
+                self._finish(req, FinishReason("abort", message=e.reason))
+            case fx.FreeHeldPages():
+                self._handoffs_in.pop(e.room)
+                held = self._held_pages.pop(e.room, None)
+                if held:
+                    self.allocator.free(held)
+            case _:
+                assert_never(e)
+        return ()
 
     def add_handoff_request(self, req: Req, ticket: HandoffTicket, text_sent: int) -> None:
         """Take over a sequence another D handed off: ``req`` was made with every output token
@@ -246,44 +294,22 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
         if not self.reserve_pages(req):
             del self.reqs[req.rid]
             raise ValueError("no free KV pages for the hand-off")
-        assert req.pages is not None
         self._handoff_rooms -= 1
         room = self._handoff_rooms
         self._handoffs_in[room] = (req, ticket, text_sent)
-        self.pull_executor.submit(PullRequest(
-            room, ticket.uuid, ticket.transfer_addr,
-            pages=req.pages[: self.pool_config.pages_for(ticket.kv_tokens)],
-            remote_layout_hash=self.layout_hash, kv_shards=ticket.kv_shards,
-            kv_checksums=ticket.kv_checksums))
+        self._drive_handoff(ev.HandoffClaimed(room))
 
     def _handoff_pulled(self, result: PullResult) -> None:
-        req, ticket, text_sent = self._handoffs_in.pop(result.room)
-        held = self._held_pages.pop(result.room, None)
-        if req.state is ReqState.FINISHED:  # aborted while the pull ran: free the pages now
-            if held:
-                self.allocator.free(held)
-            return
-        if not result.ok:
-            self.handoff_stats["take_failed"] += 1
-            self._release_pages(req)
-            self._fail_request(req, 502, f"hand-off pull failed: {result.reason}")
-            return
-        self.handoff_stats["taken"] += 1
-        self._phase_sample("kv_pull", result.pull_seconds)
-        self.add_prefilled_request(req, ticket.next_token, 0.0)
-        # The client has that token and its text already: only what follows is new.
-        req.tokens_sent = len(req.output_ids)
-        req.text_sent = max(req.text_sent, min(text_sent, len(req.text)))
-        if not req.finished:  # nothing new yet: its next step's output is the first
-            self._dirty.pop(req, None)
+        if result.ok:
+            self._phase_sample("kv_pull", result.pull_seconds)
+            self._drive_handoff(ev.PullSucceeded(result.room))
+        else:
+            self._drive_handoff(ev.PullFailed(result.room, result.reason))
 
     def abort(self, rid: str, message: str = "aborted") -> bool:
         for room, (req, _, _) in self._handoffs_in.items():
-            if req.rid == rid and req.state is not ReqState.FINISHED:
-                # The pull may still write the pages: held until it reports.
-                if req.pages is not None:
-                    self._held_pages[room], req.pages = req.pages, None
-                self._finish(req, FinishReason("abort", message=message))
+            if req.rid == rid and self.handoffs.state_of(room) == _HANDOFF.S.PULLING:
+                self._drive_handoff(ev.Aborted(room, message))
                 return True
         return super().abort(rid, message)
 
