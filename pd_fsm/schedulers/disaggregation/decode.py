@@ -196,7 +196,8 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
                 self.engine.address, uuid, kv_tokens, req.output_ids[-1], self.layout_hash,
                 self.kv_args.kv_shards, sums)))
             # Gone from here: no output (what it produced so far was drained before this call).
-            req.state, req.finish_reason = ReqState.FINISHED, FinishReason("abort", "handed off")
+            req.state = ReqState.FINISHED
+            req.finish_reason = FinishReason("abort", message="handed off")
             self.reqs.pop(req.rid, None)
             self._detach(req)
             self._release_pages(req)
