@@ -246,7 +246,7 @@ class DispatchLocal:
     room: int
     request_id: str
     decode: str
-    reason: str  # "short_prompt" | "prefill_busy"
+    reason: str  # "short_prompt" | "prefill_busy" | "handoff" (D pulls a handed-off stream)
 
 
 @attrs.frozen(slots=True)
@@ -274,12 +274,13 @@ class RedirectDecode:
 
 @attrs.frozen(slots=True)
 class ReopenRoom:
-    """The room ended RETRIED or MIGRATED: feed ``RoomRequested`` again for its request, after
-    ``delay`` (a retry's backoff; 0 for a migration), with ``attempts``."""
+    """The room ended RETRIED, MIGRATED or HANDED_OFF: feed ``RoomRequested`` again for its
+    request, after ``delay`` (a retry's backoff; 0 for a migration or a hand-off), with
+    ``attempts`` (and, for a hand-off, ``handoff=True``: D alone, no P leg)."""
 
     room: int
     request_id: str
-    cause: str  # "retry" | "migration"
+    cause: str  # "retry" | "migration" | "handoff"
     delay: float
     attempts: Attempts
 
@@ -314,6 +315,58 @@ class NoWorkers:
     def reason(self) -> str:
         return f"no {self.role} workers available"
 
+
+# -- live KV hand-off between decode workers (table kv_handoff, issue 32 §2) ---------------------
+
+
+@attrs.frozen(slots=True)
+class ReleaseOffer:
+    """Drop hand-off ``uuid``'s registration from this D's transfer server."""
+
+    uuid: int
+    reason: str
+
+
+@attrs.frozen(slots=True)
+class StartHandoffPull:
+    """Pull the ticket of hand-off ``room`` into the pages reserved for it."""
+
+    room: int
+
+
+@attrs.frozen(slots=True)
+class EnterDecode:
+    """Hand-off ``room``'s KV is in its pages: its request joins the decode batch."""
+
+    room: int
+
+
+@attrs.frozen(slots=True)
+class FailHandoff:
+    """Hand-off ``room``'s pull failed: free its pages, fail its request (502)."""
+
+    room: int
+    reason: str
+
+
+@attrs.frozen(slots=True)
+class FinishAborted:
+    """Finish hand-off ``room``'s aborted request; its pages stay held until its pull reports."""
+
+    room: int
+    reason: str
+
+
+@attrs.frozen(slots=True)
+class FreeHeldPages:
+    """Hand-off ``room``'s aborted pull reported: free the pages it held."""
+
+    room: int
+
+
+HandoffEffect = (
+    ReleaseOffer | StartHandoffPull | EnterDecode | FailHandoff | FinishAborted | FreeHeldPages
+)
 
 RouterEffect = (
     DispatchRoom | DispatchLocal | RelayDecode | AbortLeg | ReplyError | ReopenRoom

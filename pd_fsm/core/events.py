@@ -204,6 +204,9 @@ class RoomRequested:
     # The proxy can continue this request's stream exactly on another worker (the prompt plus
     # the tokens so far): a decode worker breaking off mid-relay migrates it, not fails it.
     migratable: bool = False
+    # The room continues a stream a draining D handed off: D alone, no P leg (the new D pulls
+    # the KV the draining D registered).
+    handoff: bool = False
 
 
 @attrs.frozen(slots=True)
@@ -221,6 +224,9 @@ class LegResponded:
     # The connection to the worker was lost before its answer ended: the worker's fault (with
     # a refusal, what its circuit breaker counts).
     lost: bool = False
+    # D ended its stream mid-relay with a hand-off ticket (it is draining, issue 32 §2): not a
+    # fault of D's; the request goes on on another D, which pulls the KV D registered.
+    handoff: bool = False
 
 
 @attrs.frozen(slots=True)
@@ -272,4 +278,37 @@ RegistryEvent = TimeAdvanced | InstanceRegistered[Rec] | InstanceHeartbeat | Ins
 RouterEvent = TimeAdvanced | RoomRequested | LegResponded | ClientDisconnected | RelayFinished
 SessionEvent = (
     HeadersSent | ChunkRelayed | DoneRelayed | AnswerRelayed | ErrorAnswered | ClientLeft
+)
+
+
+# -- live KV hand-off between decode workers (table kv_handoff, issue 32 §2) ---------------------
+
+
+@attrs.frozen(slots=True)
+class HandoffOffered:
+    """A draining D registered a running sequence's KV under ``uuid`` for ``lease_s``."""
+
+    uuid: int
+    lease_s: float
+
+
+@attrs.frozen(slots=True)
+class HandoffPulled:
+    """The proxy says the taking D answered (after its pull) or failed: ``uuid`` may go."""
+
+    uuid: int
+
+
+@attrs.frozen(slots=True)
+class HandoffClaimed:
+    """The taking D accepted a ticket and reserved its pages; ``room``: its pull's number."""
+
+    room: int
+
+
+# A hand-off's pull reports as any pull does (PullSucceeded / PullFailed, by its room); a local
+# abort of its request is Aborted.
+HandoffEvent = (
+    TimeAdvanced | HandoffOffered | HandoffPulled | HandoffClaimed | PullSucceeded | PullFailed
+    | Aborted
 )

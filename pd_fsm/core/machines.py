@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pd_fsm.core.breakers import WorkerBreakers
 from pd_fsm.core.decode_endpoint import DecodeEndpoint
+from pd_fsm.core.handoff import HandoffLedger
 from pd_fsm.core.prefill_endpoint import PrefillEndpoint
 from pd_fsm.core.registry import BootstrapRegistry
 from pd_fsm.core.router import RoomRouter
@@ -25,4 +26,5 @@ def core_machines() -> list[tuple[type, tuple[StateTable, ...]]]:
         (RoomRouter, (RoomRouter.table,)),
         (WorkerBreakers, (WorkerBreakers.table,)),
         (ProxySession, (ProxySession.table,)),
+        (HandoffLedger, (HandoffLedger.table,)),
     ]

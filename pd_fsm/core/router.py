@@ -6,7 +6,8 @@ when conditional disaggregation says D should prefill the room itself. A room ke
 to its end (a retried leg lands where its pages are).
 
 A request may outlive its room (issue 32): a leg refused before any byte of its answer ends the
-room RETRIED and a stream whose decode worker broke off ends it MIGRATED, each with a
+room RETRIED, a stream whose decode worker broke off ends it MIGRATED, and one a draining decode
+worker handed off (its KV registered for another D to pull) ends it HANDED_OFF, each with a
 ``ReopenRoom`` effect that hands the proxy what the request used up (``routing.Attempts``); the
 proxy feeds it back in the request's next ``RoomRequested``, which avoids the workers that failed
 it while others are up. Whether a failure retries or migrates is decided here, from the limits in
@@ -27,7 +28,7 @@ from pd_fsm.core.config import RouterConfig
 from pd_fsm.core.dispatch import bind_effects
 from pd_fsm.core.errors import LocalProtocolError
 from pd_fsm.core.messages import MAX_ROOM
-from pd_fsm.core.routing import Attempts, RoutePlanner, RoutingConfig
+from pd_fsm.core.routing import Attempts, Route, RoutePlanner, RoutingConfig
 from pd_fsm.core.tables import ROOM
 from pd_fsm.core.timers import DeadlineHeap
 
@@ -148,12 +149,25 @@ class RoomRouter:
         P did) are not."""
         worker = r.prefill if e.leg == "prefill" else r.decode
         broke = e.leg == "decode" and r.state in (_S.RELAYING, _S.LOCAL_RELAYING)
+        if e.handoff:  # a draining D handing its stream off does what it should
+            return
         self.breakers.outcome(worker, e.ok, not e.ok and (e.refused or e.lost or broke), now, out)
 
     def _failure_trigger(self, r: _Room, e: ev.LegResponded, now: float, trigger: str) -> str:
         """A failed leg's trigger: a retry or a migration while the request has one left."""
         cfg, used = self.config, r.attempts
         worker = r.prefill if e.leg == "prefill" else r.decode
+        if e.leg == "decode" and r.state == _S.HANDOFF:
+            # The KV could not be had from the draining D: a migration (a re-prefill) is left.
+            if used.migrations < cfg.migration_limit:
+                r.failed = worker
+                return _T.HandoffFailed
+            return trigger
+        if e.handoff and e.leg == "decode" and r.state in (_S.RELAYING, _S.LOCAL_RELAYING):
+            if r.migratable:
+                r.failed = worker  # draining: routed around
+                return _T.DecodeHandedOff
+            return trigger
         if e.leg == "decode" and r.state in (_S.RELAYING, _S.LOCAL_RELAYING):
             if r.migratable and used.migrations < cfg.migration_limit:
                 r.failed = worker
@@ -183,8 +197,9 @@ class RoomRouter:
         return min(others, key=lambda d: self._live[d], default=None)
 
     def _dispatch(self, e: ev.RoomRequested, now: float, out: list[fx.RouterEffect]) -> None:
-        if not self._prefill or not self._decode:
-            out.append(fx.NoWorkers(e.request_id, "prefill" if not self._prefill else "decode"))
+        if (not self._prefill and not e.handoff) or not self._decode:
+            missing = "prefill" if not self._prefill and not e.handoff else "decode"
+            out.append(fx.NoWorkers(e.request_id, missing))
             return
         avoid = set(e.attempts.avoid)
         # Around the workers that failed this request, unless that leaves none of a role.
@@ -199,7 +214,11 @@ class RoomRouter:
         room = self._rng.randrange(MAX_ROOM)
         while room in self.rooms:
             room = self._rng.randrange(MAX_ROOM)
-        route = self.planner.plan(prefill, decode, e.prompt, self._live)
+        if e.handoff:  # D alone: the least loaded (the draining D is avoided)
+            least = min(decode, key=lambda d: self._live[d])
+            route = Route(None, least, "handoff", "handoff")
+        else:
+            route = self.planner.plan(prefill, decode, e.prompt, self._live)
         for worker in (route.prefill, route.decode):
             if worker:
                 self.breakers.dispatched(worker)
@@ -211,7 +230,9 @@ class RoomRouter:
         self.rooms[room] = r
         self._live.update(w for w in (r.prefill, r.decode) if w)
         self._timers.set(room, deadline)
-        self._step(r, _T.Dispatched if route.prefill else _T.DispatchedLocal, out, "")
+        first = (_T.DispatchedHandoff if e.handoff else _T.Dispatched if route.prefill
+                 else _T.DispatchedLocal)
+        self._step(r, first, out, "")
 
     def _step(self, r: _Room, trigger: str, out: list[fx.RouterEffect], reason: str) -> None:
         tr = self.table.step(r.state, trigger)
@@ -233,6 +254,9 @@ class RoomRouter:
         out.append(fx.DispatchRoom(r.room, r.request_id, r.prefill, r.decode))
 
     def _fx_PostDecodeAlone(self, r: _Room, out: list[fx.RouterEffect]) -> None:
+        out.append(fx.DispatchLocal(r.room, r.request_id, r.decode, r.route))
+
+    def _fx_PostHandoffLeg(self, r: _Room, out: list[fx.RouterEffect]) -> None:
         out.append(fx.DispatchLocal(r.room, r.request_id, r.decode, r.route))
 
     def _fx_RelayDecode(self, r: _Room, out: list[fx.RouterEffect]) -> None:
@@ -259,7 +283,10 @@ class RoomRouter:
 
     def _fx_ReopenRoom(self, r: _Room, out: list[fx.RouterEffect]) -> None:
         used = r.attempts
-        if r.state == _S.MIGRATED:
+        if r.state == _S.HANDED_OFF:
+            cause, delay = "handoff", 0.0
+            attempts = attrs.evolve(used, handoffs=used.handoffs + 1, deadline=None)
+        elif r.state == _S.MIGRATED:
             cause, delay = "migration", 0.0
             # A migrated stream starts a fresh deadline: it may have run long by now.
             attempts = attrs.evolve(used, migrations=used.migrations + 1, deadline=None)

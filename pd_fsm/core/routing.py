@@ -90,6 +90,7 @@ class Attempts:
 
     retries: int = 0
     migrations: int = 0
+    handoffs: int = 0  # streams a draining D handed off (they use up no migration)
     avoid: tuple[str, ...] = ()  # workers that failed it: routed around while others are up
     deadline: float | None = None  # a retried room keeps its request's first deadline
 

@@ -97,7 +97,7 @@ class World:
         self.rooms: dict[tuple[int, int], tuple[Client, float]] = {}  # (gen, room) -> client
         self._errors: dict[int, str] = {}  # room -> the router's ReplyError reason
         # ReopenRoom effects by cause, and decode legs redirected within their room.
-        self.reopened = {"retry": 0, "migration": 0, "redirect": 0}
+        self.reopened = {"retry": 0, "migration": 0, "redirect": 0, "handoff": 0}
         self.clients: list[Client] = []
         self.cut: set[frozenset[str]] = set()  # host pairs partitioned now
         # Invariant books.

@@ -2,8 +2,9 @@
 proxy. Clients stream greedy requests without pause while one worker at a time is SIGKILLed (or
 SIGTERMed) and started again. Every stream that started completes and equals the colocated
 answer token for token (a leg lost before any byte reached the client retries in a new room; a
-stream whose D died migrates; a SIGTERMed worker drains), and afterwards every worker holds
-nothing: pages, rooms, queues, transfer registrations.
+stream whose D died migrates; a SIGTERMed worker drains, a D handing its streams off to the
+other D with `--drain-handoff`), and afterwards every worker holds nothing: pages, rooms, queues,
+transfer registrations.
 
 Sized for the suite: a few faults over ~30 s of load.
 """
@@ -37,7 +38,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     f = Fleet(tmp_path_factory.mktemp("chaos"), windows={})
     f.bootstrap()
     p0, p1 = f.prefill("p0"), f.prefill("p1")
-    d0, d1 = f.decode("d0"), f.decode("d1")
+    # A SIGTERMed D hands its streams to the other D (issue 32 §2): their KV is pulled, not
+    # prefilled again. SIGKILL never drains, so the flag changes nothing there.
+    d0, d1 = f.decode("d0", extra=["--drain-handoff"]), f.decode("d1", extra=["--drain-handoff"])
     f.colocated()
     f.proxy("proxy", [p0, p1], [d0, d1])
     f.start()
@@ -117,8 +120,9 @@ async def test_every_stream_completes_while_workers_die_and_come_back(
         assert not broken, f"{len(broken)} of {len(results)} streams broken: {broken[:3]}"
         assert len(results) >= CLIENTS * FAULTS[how]  # load ran through every fault
         if how == signal.SIGTERM:
-            # Drains: streams finish where they are (no migration, no re-prefill); a drained D's
-            # 503 moves the leg to the other D in the same room (redirect), a drained P's 503
+            # Drains: a drained D's streams are handed off (their KV pulled by the other D) or
+            # finish there, P's finish there: no migration, no re-prefill; a drained D's 503
+            # moves the leg to the other D in the same room (redirect), a drained P's 503
             # retries before any prefill was done.
             assert after["migration"] == before["migration"], after - before
         print(f"{how.name}: {len(results)} streams, reopened {dict(after - before)}")

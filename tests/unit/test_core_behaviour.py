@@ -618,6 +618,41 @@ def test_a_decode_worker_breaking_off_mid_relay_migrates_a_migratable_request() 
     assert _kinds(out) == ["AbortLeg"]
 
 
+def test_a_draining_decode_worker_hands_its_stream_off_and_a_failed_hand_off_migrates() -> None:
+    from pd_fsm.core.config import RouterConfig
+
+    router = RoomRouter(["p0"], ["d0", "d1"], random.Random(7),
+                        RouterConfig(migration_limit=1, breaker_threshold=1))
+    (room,) = router.handle(ev.RoomRequested("r", migratable=True), 0.0)
+    router.handle(ev.LegResponded(room.room, "decode", True), 0.5)
+    out = router.handle(ev.LegResponded(room.room, "decode", False, "drain", handoff=True), 1.0)
+    assert _kinds(out) == ["AbortLeg", "ReopenRoom"]  # no BreakerChanged: not a fault of D's
+    reopen = _reopen(out)
+    assert (reopen.cause, reopen.delay, reopen.attempts.handoffs) == ("handoff", 0.0, 1)
+    assert reopen.attempts.migrations == 0 and reopen.attempts.avoid == (room.decode,)
+    assert router.outcomes["HANDED_OFF"] == 1
+    # The hand-off room: D alone (the other one), no P leg.
+    (leg,) = router.handle(ev.RoomRequested("r", attempts=reopen.attempts, migratable=True,
+                                            handoff=True), 1.0)
+    assert isinstance(leg, fx.DispatchLocal) and leg.reason == "handoff"
+    assert leg.decode != room.decode and router.poll(leg.room) == "HANDOFF"
+    # Its pull failed before any byte: the request falls back to a migration (a re-prefill).
+    out = router.handle(ev.LegResponded(leg.room, "decode", False, "pull failed", False, True),
+                        1.5)
+    assert _kinds(out)[-1] == "ReopenRoom" and _reopen(out).cause == "migration"
+    assert router.outcomes["MIGRATED"] == 1
+    # A hand-off that succeeds relays like a room D prefilled alone.
+    (ok,) = router.handle(ev.RoomRequested("r", attempts=reopen.attempts, migratable=True,
+                                           handoff=True), 2.0)
+    assert _kinds(router.handle(ev.LegResponded(ok.room, "decode", True), 2.5)) == ["RelayDecode"]
+    assert router.poll(ok.room) == "LOCAL_RELAYING"
+    # A request the proxy cannot continue is never handed off: the ticket fails the room.
+    (plain,) = router.handle(ev.RoomRequested("q"), 3.0)
+    router.handle(ev.LegResponded(plain.room, "decode", True), 3.5)
+    out = router.handle(ev.LegResponded(plain.room, "decode", False, "drain", handoff=True), 4.0)
+    assert "ReopenRoom" not in _kinds(out)
+
+
 def test_a_worker_that_keeps_failing_is_routed_around_then_probed() -> None:
     from pd_fsm.core.config import RouterConfig
 

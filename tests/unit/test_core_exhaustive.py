@@ -40,6 +40,7 @@ from pd_fsm.core import events as ev
 from pd_fsm.core.breakers import WorkerBreakers
 from pd_fsm.core.config import RouterConfig
 from pd_fsm.core.errors import LocalProtocolError
+from pd_fsm.core.handoff import HandoffLedger
 from pd_fsm.core.messages import MAX_ROOM, Heartbeat, HeartbeatAck
 from pd_fsm.core.registry import BootstrapRegistry
 from pd_fsm.core.router import RoomRouter
@@ -48,6 +49,7 @@ from pd_fsm.core.session import ProxySession
 from pd_fsm.core.tables import (
     ALL_TABLES,
     INSTANCE_LEASE,
+    KV_HANDOFF,
     KV_HOLD_LEASE,
     KV_RECEIVER,
     KV_SENDER,
@@ -150,6 +152,38 @@ UNREACHABLE: dict[tuple[str, str, str], str] = {
                  "WorkerRemoved")},
     ("room", "RETRIED", "TimedOut"): _NO_TIMER,
     ("room", "MIGRATED", "TimedOut"): _NO_TIMER,
+    ("room", "HANDED_OFF", "TimedOut"): _NO_TIMER,
+    **{("kv_handoff", s, "LeaseExpired"): "only an OFFERED hand-off has a lease running"
+       for s in ("NONE", "RELEASED", "EXPIRED", "PULLING", "ABANDONED", "TAKEN", "FAILED",
+                 "DROPPED")},
+    **{
+        ("room", s, "DispatchedHandoff"): _DISPATCH
+        for s in ("DISPATCHED", "PREFILL_DONE", "RELAYING", "COMPLETED", "FAILED", "CANCELLED",
+                  "LOCAL", "LOCAL_RELAYING", "RETRIED", "MIGRATED", "HANDED_OFF", "HANDOFF")
+    },
+    **{("room", s, t): _DISPATCH for s in ("HANDED_OFF", "HANDOFF")
+       for t in ("Dispatched", "DispatchedLocal")},
+    **{
+        ("room", s, "HandoffFailed"): (
+            "HandoffFailed is what a failed leg becomes in a HANDOFF room only: elsewhere the "
+            "same failure is DecodeFailed, DecodeRetryable, DecodeRefused or DecodeBroke"
+        )
+        for s in ("DISPATCHED", "PREFILL_DONE", "RELAYING", "LOCAL", "LOCAL_RELAYING")
+    },
+    **{
+        ("room", s, "DecodeHandedOff"): (
+            "D sends a hand-off ticket only in its stream, which the proxy reads only while it "
+            "relays it: before the relay there is no ticket to read"
+        )
+        for s in ("DISPATCHED", "PREFILL_DONE", "LOCAL", "HANDOFF")
+    },
+    **{
+        ("room", "HANDOFF", t): (
+            "a failed hand-off leg becomes HandoffFailed (a migration left) or DecodeFailed: it "
+            "is never a retry, a redirect or a break mid-relay"
+        )
+        for t in ("DecodeRetryable", "DecodeRefused", "DecodeBroke")
+    },
 }
 # Rows no input can ever take (they are in UNREACHABLE): harmless, but a row added for an
 # unreachable pair must be seen, so the set is asserted exactly.
@@ -712,6 +746,7 @@ _ROOM_EFFECTS = {
     "ReplyError": ["ReplyError"],
     "ReopenRoom": ["ReopenRoom"],
     "RedirectDecodeLeg": ["RedirectDecode"],
+    "PostHandoffLeg": ["DispatchLocal"],
 }
 # trigger -> (leg, ok, refused, retryable)
 _LEG_EVENTS = {
@@ -724,6 +759,7 @@ _LEG_EVENTS = {
     "DecodeRefused": ("decode", False, True, True),  # another D can take the room
     "DecodeRetryable": ("decode", False, False, True),  # a 5xx before any byte
     "DecodeBroke": ("decode", False, False, False),  # mid-relay, a migratable request
+    "HandoffFailed": ("decode", False, False, True),  # the hand-off leg, before any byte
 }
 _DISPATCH_PROMPTS = {"Dispatched": Prompt("a long prompt " * 20, 60),
                      "DispatchedLocal": Prompt("hi", 1)}
@@ -768,6 +804,13 @@ class Router:
                 prompt = _DISPATCH_PROMPTS[trigger]
                 return self.router.handle(
                     ev.RoomRequested("req", prompt, migratable=True), self.now)
+            if trigger == "DispatchedHandoff":
+                return self.router.handle(
+                    ev.RoomRequested("req", Prompt("hi", 1), migratable=True, handoff=True),
+                    self.now)
+            if trigger == "DecodeHandedOff":
+                return self.router.handle(
+                    ev.LegResponded(room, "decode", False, "handed off", handoff=True), self.now)
             if trigger == "TimedOut":
                 self.now += 1e6
                 return self.router.handle(ev.TimeAdvanced(), self.now)
@@ -794,7 +837,8 @@ def _room_pair_router(state: str, trigger: str) -> None:
     before, state_before = _counters(r.router), r.router.poll(PROXY_ROOM)
     seen = r.fire(trigger)
     if exp.kind == "unreachable" and trigger in ("DecodeBroke", "DecodeRetryable",
-                                                 "DecodeRefused"):
+                                                 "DecodeRefused", "HandoffFailed",
+                                                 "DecodeHandedOff"):
         # The leg event these triggers come from takes another row here: never this one.
         assert not seen.took(state, trigger), seen.steps
         return
@@ -928,6 +972,87 @@ def _session_pair(state: str, trigger: str) -> None:
     _check_pair_outcome(table, state, trigger, exp, seen, {}, {}, s.state, state)
 
 
+_HANDOFF_T = KV_HANDOFF.T
+
+# --- kv_handoff: HandoffLedger -------------------------------------------------------------------
+
+_HANDOFF_EFFECTS = {"ArmLease": [], "ReleaseOffer": ["ReleaseOffer"],
+                    "StartHandoffPull": ["StartHandoffPull"], "EnterDecode": ["EnterDecode"],
+                    "FailHandoff": ["FailHandoff"], "FinishAborted": ["FinishAborted"],
+                    "FreeHeldPages": ["FreeHeldPages"]}
+HANDOFF_KEY = 7
+
+
+class Handoffs:
+    def __init__(self) -> None:
+        self.ledger = HandoffLedger()
+        self.now = 0.0
+        self.seen = Seen()
+        step = self.ledger._step
+
+        def recorded(h: Any, trigger: str, out: list[Any], reason: str) -> None:
+            source, n = h.state, len(out)
+            step(h, trigger, out, reason)
+            if h.key == HANDOFF_KEY:
+                self.seen.steps.append(Step(source, trigger, h.state, out[n:]))
+
+        self.ledger._step = recorded  # type: ignore[method-assign]
+
+    def fire(self, trigger: str) -> Seen:
+        def go() -> list[Any]:
+            if trigger == "LeaseExpired":
+                self.now += 1e6
+                return self.ledger.handle(ev.TimeAdvanced(), self.now)
+            event: Any = {
+                "Offered": ev.HandoffOffered(HANDOFF_KEY, 1.0),
+                "Pulled": ev.HandoffPulled(HANDOFF_KEY),
+                "Claimed": ev.HandoffClaimed(HANDOFF_KEY),
+                "PullSucceeded": ev.PullSucceeded(HANDOFF_KEY),
+                "PullFailed": ev.PullFailed(HANDOFF_KEY, "boom"),
+                "Aborted": ev.Aborted(HANDOFF_KEY, "gone"),
+            }[trigger]
+            return self.ledger.handle(event, self.now)
+
+        return _fire(self.seen, go)
+
+
+def _handoff_pair(state: str, trigger: str) -> None:
+    h = Handoffs()
+    for step in _path(KV_HANDOFF, state):
+        assert h.fire(step).error is None
+    table = KV_HANDOFF
+    live = h.ledger.state_of(HANDOFF_KEY) is not None
+    assert h.ledger.state_of(HANDOFF_KEY) == (state if live else None)
+    assert live == (state not in table.terminal and state != table.initial)
+    late = h.ledger.late
+    seen = h.fire(trigger)
+    if ("kv_handoff", state, trigger) in UNREACHABLE:
+        assert not seen.took(state, trigger) and seen.error is None and not seen.out
+        assert h.ledger.state_of(HANDOFF_KEY) == (state if live else None)
+        return
+    row = table.step(state, trigger) if live or state == table.initial else None
+    if row is None and trigger in (_HANDOFF_T.Offered, _HANDOFF_T.Claimed):
+        if live:  # uuids and pull rooms are drawn fresh: a repeat is our own bug
+            assert isinstance(seen.error, LocalProtocolError)
+        else:  # a finished key drawn again is a new hand-off
+            assert seen.steps and seen.steps[0].source == table.initial
+        return
+    if row is None:  # a report its state does not expect, or for no live hand-off
+        assert seen.error is None and not seen.steps and not seen.out
+        assert h.ledger.late == late + 1
+        return
+    assert seen.error is None and seen.steps and seen.steps[0].source == state
+    for s_ in seen.steps:
+        r = table.step(s_.source, s_.trigger)
+        assert r is not None and r.target == s_.target
+        assert [type(o).__name__ for o in s_.effects] == [
+            k for e in r.effects for k in _HANDOFF_EFFECTS[e]]
+    after = h.ledger.state_of(HANDOFF_KEY)
+    assert after == (None if row.target in table.terminal else row.target)
+    if row.target in table.terminal:
+        assert h.ledger.outcomes[row.target] == 1
+
+
 # --- the pairs ----------------------------------------------------------------------------------
 
 DRIVERS: dict[str, Callable[[str, str], None]] = {
@@ -936,6 +1061,7 @@ DRIVERS: dict[str, Callable[[str, str], None]] = {
     "kv_hold_lease": _lease_pair,
     "instance_lease": _instance_pair,
     "room": _room_pair_router,
+    "kv_handoff": _handoff_pair,
     "worker_breaker": _breaker_pair,
     "proxy_session": _session_pair,
 }

@@ -23,6 +23,7 @@ from pd_fsm.core import DecodeEndpoint, PrefillEndpoint
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.drive import Endpoint
+from pd_fsm.core.handoff import HandoffLedger
 from pd_fsm.core.registry import BootstrapRegistry, RegistryEffect
 from pd_fsm.core.router import RoomRouter
 from pd_fsm.core.session import ProxySession
@@ -92,6 +93,7 @@ def test_each_owner_is_an_endpoint_of_its_own_unions(cache: Path) -> None:
         re: Endpoint[ev.RouterEvent, fx.RouterEffect] = r
         rg: Endpoint[ev.RegistryEvent[str], RegistryEffect[str]] = reg
         se: Endpoint[ev.SessionEvent, fx.SessionEffect] = ps
+        ho: Endpoint[ev.HandoffEvent, fx.HandoffEffect] = HandoffLedger()
         # Events are contravariant: an endpoint of P's events serves a driver of fewer.
         narrower: Endpoint[ev.TimeAdvanced, fx.PrefillEffect] = p
     """)
@@ -131,6 +133,7 @@ UNIONS = {
     "RouterEffect": fx.RouterEffect,
     "RegistryEffect": registry.RegistryEffect,
     "SessionEffect": fx.SessionEffect,
+    "HandoffEffect": fx.HandoffEffect,
 }
 OWNERS = {
     "prefill_endpoint.py": "PrefillEffect",
@@ -139,6 +142,7 @@ OWNERS = {
     "breakers.py": "RouterEffect",  # the router's breakers build its BreakerChanged
     "registry.py": "RegistryEffect",
     "session.py": "SessionEffect",
+    "handoff.py": "HandoffEffect",
 }
 
 

@@ -205,3 +205,29 @@ def test_sglang_router_bootstrap_lists() -> None:
         single_bootstrap("chat", {**CHAT, "n": 2, **lists})
     with pytest.raises(ApiError, match="one length"):
         single_bootstrap("chat", {**CHAT, **lists, "bootstrap_port": 1})
+
+
+TICKET = {"transfer_addr": "127.0.0.1:4000", "uuid": 12345, "kv_tokens": 9, "next_token": 7,
+          "layout_hash": "abc", "kv_shards": 1, "kv_checksums": []}
+
+
+def test_a_hand_off_ticket_is_read_with_its_tokens_and_refused_by_name_when_malformed() -> None:
+    body = {**GENERATE, "sampling_params": {"max_new_tokens": 20}, "stream": True,
+            "resume": {"output_ids": [5, 7], "text": "ab"}, "handoff": TICKET,
+            "accept_handoff": True}
+    parsed = parse_generate(body, LIMITS)
+    assert parsed.handoff is not None and parsed.handoff.to_json() == TICKET
+    assert parsed.accept_handoff and parsed.resume is not None
+    assert not parse_generate(GENERATE, LIMITS).accept_handoff
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({k: v for k, v in body.items() if k != "resume"}, "handoff needs resume"),
+        ({**body, "handoff": [1]}, "handoff must be an object"),
+        ({**body, "handoff": {**TICKET, "uuid": "1"}}, "handoff.uuid must be a int"),
+        ({**body, "handoff": {**TICKET, "extra": 1}}, "handoff.extra is not a field"),
+        ({**body, "handoff": {**TICKET, "kv_checksums": [-1]}}, "32-bit words"),
+        ({**body, "handoff": {**TICKET, "kv_tokens": 0}}, "out of range"),
+        ({**body, "accept_handoff": 1}, "accept_handoff must be true or false"),
+    ]
+    for b, why in bad:
+        with pytest.raises(ApiError, match=why):
+            parse_generate(b, LIMITS)

@@ -92,8 +92,10 @@ class SseRewriter:
     event in place and says whether it is done: later events pass untouched) until it is done.
     Bytes are held only up to the end of the event they belong to."""
 
-    def __init__(self, rewrite: Callable[[Any], bool], *, once: bool) -> None:
+    def __init__(self, rewrite: Callable[[Any], bool], *, once: bool,
+                 drop: Callable[[bytes], bool] | None = None) -> None:
         self._rewrite = rewrite
+        self._drop = drop  # events it returns True for are read by it and not passed on
         self._once = once
         self._done = False
         self._pending = b""
@@ -117,6 +119,8 @@ class SseRewriter:
         return rest
 
     def _event(self, event: bytes) -> bytes:
+        if self._drop is not None and self._drop(event):
+            return b""
         if not event.startswith(_DATA) or event.startswith(_DATA + b"[DONE]"):
             return event
         try:

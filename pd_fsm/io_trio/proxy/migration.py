@@ -7,6 +7,11 @@ for them (vLLM's ``return_token_ids``), their token ids, which it strips again u
 asked for them too. The next room's body carries ``resume: {output_ids, text}``: the worker
 prefills the prompt plus those tokens and streams only what follows, so the client's stream goes
 on with no token repeated or missing (``schedulers.request.Resume``).
+
+A draining D (``pd-fsm serve --drain-handoff``) may instead end a stream it was allowed to
+(``accept_handoff``) with a hand-off ticket (issue 32 §2): the KV it registered for the stream.
+The proxy keeps the ticket, never relays the event, and posts the next room to another D alone
+with ``resume`` and ``handoff``: that D pulls the KV, no prefill runs.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any, TypeGuard
 import attrs
 
 from pd_fsm.io_trio.proxy.logprob_merge import wants_prompt_logprobs
+from pd_fsm.io_trio.worker.sse import handoff_ticket
 
 _OPENAI = ("/v1/completions", "/v1/chat/completions")
 
@@ -52,6 +58,9 @@ class Progress:
     output_ids: list[int] = attrs.field(factory=list)
     text: str = ""
     finished: bool = False
+    # A draining D ended the stream with this hand-off ticket (issue 32 §2): the next room's D
+    # pulls the KV it names. Cleared when a room is opened without it.
+    ticket: dict[str, Any] | None = None
 
     def leg_body(self, body: dict[str, Any]) -> dict[str, Any]:
         """The body a decode leg gets: with ``return_token_ids`` on OpenAI streams (so the ids
@@ -59,9 +68,22 @@ class Progress:
         out = dict(body)
         if self.stream and self.path in _OPENAI:
             out["return_token_ids"] = True
+        if self.stream:
+            # A draining D may end this stream with a hand-off ticket (not relayed) rather than
+            # finish it: another D goes on from its KV.
+            out["accept_handoff"] = True
         if self.output_ids:
             out["resume"] = {"output_ids": list(self.output_ids), "text": self.text}
         return out
+
+    def take_handoff(self, raw: bytes) -> bool:
+        """One SSE event's bytes: True (and the ticket kept) for D's hand-off event, which the
+        client never sees (``SseRewriter``'s ``drop``)."""
+        ticket = handoff_ticket(raw)
+        if ticket is None:
+            return False
+        self.ticket = ticket
+        return True
 
     def observe(self, event: Any) -> bool:
         """One relayed SSE event (edited in place: ids the client did not ask for are taken

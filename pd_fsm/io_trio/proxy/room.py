@@ -95,6 +95,10 @@ class Room:
     p_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     # D's leg; RedirectDecode arms a new one, and the leg is posted again in it.
     d_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    # A hand-off room (issue 32 §2): the ticket its D pulls from, and the draining D that
+    # offers it (told to release it once pulled, or once the pull failed).
+    ticket: dict[str, Any] | None = None
+    handoff_from: str = ""
 
     @property
     def relaying(self) -> bool:
@@ -103,7 +107,7 @@ class Room:
 
     @property
     def reopen(self) -> fx.ReopenRoom | None:
-        """The room ended RETRIED or MIGRATED: the request goes on in a new room."""
+        """The room ended RETRIED, MIGRATED or HANDED_OFF: the request goes on in a new room."""
         return self.outcome if isinstance(self.outcome, fx.ReopenRoom) else None
 
     def decide(self, outcome: Outcome) -> None:
@@ -388,7 +392,8 @@ class RoomResponse:
             rewriter = SseRewriter(lambda event: merge(q.path, p_body, event),
                                    once=q.path != "/generate")
         elif q.progress is not None:
-            rewriter = SseRewriter(q.progress.observe, once=False)
+            rewriter = SseRewriter(q.progress.observe, once=False,
+                                   drop=q.progress.take_handoff)
         async for chunk in resp.aiter_raw():
             if first and chunk:
                 first = False
@@ -399,6 +404,14 @@ class RoomResponse:
             tail = (tail + chunk)[-len(SSE_DONE):]
             self.tell(s, ev.DoneRelayed() if tail == SSE_DONE else ev.ChunkRelayed())
         rest = rewriter.flush() if rewriter is not None else b""
+        if q.progress is not None and q.progress.ticket is not None:
+            # D is draining and handed the stream off: it goes on in the next room, under the
+            # headers already sent (or, if the router will not, ends in an error chunk).
+            self.host.feed(ev.LegResponded(s.room, "decode", False, "handed off", handoff=True))
+            if s.reopen is None:
+                q.progress.ticket = None
+                await self._relay_error(s, send, 502, "decode worker drained mid-stream")
+            return
         self.tell(s, ev.AnswerRelayed())
         await send({"type": "http.response.body", "body": rest, "more_body": False})
 

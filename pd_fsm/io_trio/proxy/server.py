@@ -141,8 +141,12 @@ class Proxy:
             load_interval=load_interval)
         # Exceptions contained to one room (http_edge's count has the requests' own).
         self.contained = {"prefill_leg": 0, "room": 0}
-        # Rooms reopened for their request (ReopenRoom), by cause: "retry", "migration".
-        self.reopened = {"retry": 0, "migration": 0, "redirect": 0}
+        # Rooms reopened for their request (ReopenRoom), by cause: "retry", "migration",
+        # "handoff"; and decode legs redirected within their room.
+        self.reopened = {"retry": 0, "migration": 0, "redirect": 0, "handoff": 0}
+        # Hand-off rooms by outcome: the new D pulled the KV and streams on ("taken"), or not,
+        # and the request migrated by re-prefill ("fell_back") or failed ("failed").
+        self.handoffs = {"taken": 0, "fell_back": 0, "failed": 0}
         self.room_timeout = room_timeout
         self._client = client
         self._own_client = client is None
@@ -198,6 +202,7 @@ class Proxy:
             "load_polls_total": dict(self.workers.load_polls),
             "contained_failures_total": dict(self.contained),
             "rooms_reopened_total": dict(self.reopened),
+            "handoffs_total": dict(self.handoffs),
             # Per worker: 0 closed, 1 half-open or probing, 2 open (table worker_breaker).
             "breaker_state": {w: _BREAKER_LEVEL[st]
                               for w, st in self.router.breakers.states().items()},
@@ -251,6 +256,11 @@ class Proxy:
         effect: fx.RelayDecode | fx.ReplyError | fx.RedirectDecode | fx.ReopenRoom | fx.AbortLeg,
         failure: Failure | None,
     ) -> None:
+        if s.ticket is not None and isinstance(effect, fx.RelayDecode | fx.ReplyError
+                                               | fx.ReopenRoom):
+            self._handoff_over(s, "taken" if isinstance(effect, fx.RelayDecode)
+                               else "failed" if isinstance(effect, fx.ReplyError)
+                               else "fell_back")
         match effect:
             case fx.RelayDecode():
                 s.decide(effect)
@@ -267,7 +277,7 @@ class Proxy:
                 self.reopened[effect.cause] += 1
                 log.info("room %d: %s of request %s (%s) after %.3f s", effect.room, effect.cause,
                          s.request.request_id,
-                         s.decode if effect.cause == "migration" else "refused", effect.delay)
+                         "refused" if effect.cause == "retry" else s.decode, effect.delay)
                 s.decide(effect)
             case fx.AbortLeg():
                 (s.p_scope if effect.leg == "prefill" else s.d_scope).cancel()
@@ -275,6 +285,25 @@ class Proxy:
                 self._nursery.start_soon(self._post_abort, effect.leg, effect.url, s.rid)
             case _:
                 assert_never(effect)
+
+    def _handoff_over(self, s: Room, outcome: str) -> None:
+        """A hand-off room's leg answered: the KV was pulled (its 2xx comes after the pull) or
+        will not be. Either way the draining D may drop the registration now."""
+        assert s.ticket is not None
+        self.handoffs[outcome] += 1
+        log.info("room %d: hand-off from %s %s", s.room, s.handoff_from, outcome)
+        uuid_, s.ticket = s.ticket.get("uuid"), None
+        assert self._nursery is not None
+        self._nursery.start_soon(self._post_release, s.handoff_from, uuid_)
+
+    async def _post_release(self, url: str, uuid_: Any) -> None:
+        try:
+            with trio.fail_after(ABORT_TIMEOUT):
+                await self.client.post(f"{url}/handoff_release", json={"uuid": uuid_},
+                                       headers=self.workers.headers)
+        except (httpx.HTTPError, trio.TooSlowError) as exc:
+            # Its lease releases it (within the draining D's --drain-timeout).
+            log.warning("hand-off release at %s failed: %r", url, exc)
 
     async def _post_abort(self, leg: str, url: str, rid: str) -> None:
         self.aborts_sent[leg] += 1
@@ -354,7 +383,7 @@ class Proxy:
         self._no_worker = None
         self._dispatching[q.request_id] = s
         self.feed(ev.RoomRequested(q.request_id, prompt_of(q.path, q.client_body), attempts,
-                                   q.migratable))
+                                   q.migratable, handoff=s.ticket is not None))
         if s.room < 0:
             self._dispatching.pop(q.request_id, None)
             return self._no_worker or Refusal(503, "no workers available", "no_workers")
@@ -366,6 +395,8 @@ class Proxy:
         if not s.prefill:  # D prefills it: a plain request, D computes its prompt log-probs too
             s.body = {k: v for k, v in body.items() if k not in BOOTSTRAP_FIELDS}
             s.body["rid"] = s.rid
+            if s.ticket is not None:  # D pulls the KV the draining D registered
+                s.body["handoff"] = s.ticket
             q.prompt_logprobs = False
             s.p_done.set()
             return None
@@ -390,12 +421,17 @@ class Proxy:
     # ------------------------------------------------------------------ for rooms (RoomHost)
 
     async def reopen(self, s: Room) -> Room | Refusal:
-        """The request's next room after ``s`` ended RETRIED or MIGRATED (after the retry's
-        backoff), or why no worker could take it."""
+        """The request's next room after ``s`` ended RETRIED, MIGRATED or HANDED_OFF (after
+        the retry's backoff), or why no worker could take it."""
         reopen = s.reopen
         assert reopen is not None
         await trio.sleep(reopen.delay)
         nxt = Room(s.request)
+        progress = s.request.progress
+        if progress is not None:
+            if reopen.cause == "handoff" and progress.ticket is not None:
+                nxt.ticket, nxt.handoff_from = progress.ticket, s.decode
+            progress.ticket = None  # one room uses it
         refusal = self._dispatch(nxt, reopen.attempts)
         return nxt if refusal is None else refusal
 

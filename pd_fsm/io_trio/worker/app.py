@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
@@ -30,12 +31,24 @@ from pd_fsm.io_trio.api_key import ApiKeyGate
 from pd_fsm.io_trio.http_edge import BodyError, edge_app, read_json, request_failures
 from pd_fsm.io_trio.http_server import connection_failures, serve_app
 from pd_fsm.io_trio.worker import schemas
-from pd_fsm.io_trio.worker.backend import Backend, BackendError, GenerateJob, in_flight
+from pd_fsm.io_trio.worker.backend import (
+    Backend,
+    BackendError,
+    GenerateJob,
+    HandedOff,
+    in_flight,
+)
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.metrics import WorkerMetrics
 from pd_fsm.io_trio.worker.responses import Accumulator, batch_body, indexed
 from pd_fsm.io_trio.worker.schemas import ApiError, Limits, ParsedRequest
-from pd_fsm.io_trio.worker.sse import DONE, SSEResponse, event, until_disconnect
+from pd_fsm.io_trio.worker.sse import (
+    DONE,
+    SSEResponse,
+    event,
+    handoff_event,
+    until_disconnect,
+)
 from pd_fsm.jax_engine.grammar import Constraint, GrammarError, compiler_for
 from pd_fsm.jax_engine.model.registry import LoadedModel, load_model
 from pd_fsm.jax_engine.sampling_params import SamplingParams
@@ -50,6 +63,10 @@ DEFAULT_MODEL_NAME = "default"
 FAILED_ANSWERS_GRACE_S = 5.0
 DRAIN_RETRY_AFTER_S = 1  # a draining worker's Retry-After: another worker can take it now
 DRAIN_POLL_S = 0.05  # how often a draining worker looks whether its work is over
+# A hand-off's lease ends this long before the drain timeout (so it is released before the
+# process stops), and lasts at least the minimum.
+HANDOFF_LEASE_MARGIN_S = 0.5
+HANDOFF_LEASE_MIN_S = 0.5
 # Above this size, tokenization moves off the event loop (JSON: http_edge.THREAD_JSON_BYTES).
 THREAD_TOKENIZE_CHARS = 8 * 1024
 
@@ -144,6 +161,7 @@ class WorkerApp:
                 Route("/get_load", self._get_load, methods=["GET"]),
                 Route("/metrics", self._metrics, methods=["GET"]),
                 Route("/abort_request", self._abort_request, methods=["POST"]),
+                Route("/handoff_release", self._handoff_release, methods=["POST"]),
             ],
             exception_handlers={
                 ApiError: self._on_api_error,
@@ -217,8 +235,14 @@ class WorkerApp:
         refused, then wait until the requests in flight are over (the caller's deadline bounds
         it: ``--drain-timeout``)."""
         self.draining = True
+        started = time.monotonic()
         await self.backend.withdraw()
         log.info("draining: %d requests in flight", len(self._live))
+        hand_off = getattr(self.backend, "hand_off", None)
+        if self.config.drain_handoff and hand_off is not None:
+            # Registrations must be claimed or released before the timeout stops the process.
+            left = self.config.drain_timeout - (time.monotonic() - started)
+            hand_off(max(HANDOFF_LEASE_MIN_S, left - HANDOFF_LEASE_MARGIN_S))
         while self._live or in_flight(self.backend.stats()):
             await trio.sleep(DRAIN_POLL_S)
         log.info("drained: nothing in flight")
@@ -289,6 +313,8 @@ class WorkerApp:
         constraint = parsed.sampling.constraint
         if constraint is not None:
             await self._check_grammar(meta, constraint)
+        if parsed.handoff is not None and self.backend.mode != "decode":
+            raise ApiError(400, "only a decode worker takes a hand-off (handoff)")
         rid = parsed.rid or uuid.uuid4().hex
         if rid in self._live:
             raise ApiError(400, f"request id {rid!r} is already in use")
@@ -301,6 +327,9 @@ class WorkerApp:
             return_logprob=parsed.return_logprob,
             logprobs=parsed.logprobs,
             resume=parsed.resume,
+            handoff=parsed.handoff,
+            # Only a single stream can end with a ticket the proxy continues elsewhere.
+            accept_handoff=parsed.accept_handoff and parsed.stream and parsed.n == 1,
         )
         return parsed, job
 
@@ -530,6 +559,12 @@ class WorkerApp:
                     timing.output(out)
                     for payload in acc.chunks(out):
                         yield event(payload)
+            except HandedOff as handed:
+                # For the proxy, which asked for it (accept_handoff) and does not relay it: the
+                # stream goes on on another D. No [DONE]: this answer is not whole.
+                self.metrics.requests.labels(endpoint, "handed_off").inc()
+                yield handoff_event(handed.ticket)
+                return
             except BackendError as exc:
                 # Headers are out: say so in a final chunk (sglang: finish_reason abort).
                 self.metrics.requests.labels(endpoint, "server_error").inc()
@@ -545,6 +580,17 @@ class WorkerApp:
         self.metrics.completion_tokens.inc(acc.completion_tokens)
 
     # ----------------------------------------------------------------- control endpoints
+
+    async def _handoff_release(self, request: Request) -> Response:
+        """The KV of a stream this worker handed off was pulled (or never will be): drop its
+        registration now rather than at its lease's end (the proxy posts it; issue 32 §2)."""
+        body = await self._read_json(request)
+        uuid_ = body.get("uuid") if isinstance(body, dict) else None
+        if isinstance(uuid_, bool) or not isinstance(uuid_, int):
+            raise ApiError(400, "give uuid (an integer): the hand-off ticket's")
+        release = getattr(self.backend, "release_handoff", None)
+        queued = release is not None and release(uuid_)
+        return JSONResponse({"queued": queued})
 
     async def _abort_request(self, request: Request) -> Response:
         body = await self._read_json(request)

@@ -15,6 +15,7 @@ import attrs
 import trio
 
 from pd_fsm.jax_engine.sampling_params import SamplingParams
+from pd_fsm.schedulers.disaggregation.handoff import HandoffTicket
 from pd_fsm.schedulers.request import NO_LOGPROBS, LogprobSpec, Req, RequestOutput, Resume
 from pd_fsm.schedulers.scheduler import Scheduler
 
@@ -37,6 +38,10 @@ class GenerateJob:
     return_logprob: bool = False
     logprobs: LogprobSpec = NO_LOGPROBS
     resume: Resume | None = None  # tokens generated before, on a worker that failed
+    # Live hand-off (issue 32 §2): the KV another D offers for those tokens (a decode worker
+    # pulls it instead of prefilling), and whether this stream may end with a ticket of ours.
+    handoff: HandoffTicket | None = None
+    accept_handoff: bool = False
 
 
 def request_of(scheduler: Scheduler, job: GenerateJob) -> Req:
@@ -52,6 +57,15 @@ class BackendError(Exception):
         super().__init__(reason)
         self.status = status
         self.reason = reason
+
+
+class HandedOff(BackendError):
+    """Not a failure: a draining decode worker gave this stream to another (issue 32 §2). The
+    stream ends with ``ticket`` for the proxy, which continues it on another D."""
+
+    def __init__(self, ticket: HandoffTicket) -> None:
+        super().__init__(200, "handed off to another decode worker")
+        self.ticket = ticket
 
 
 class Backend(Protocol):

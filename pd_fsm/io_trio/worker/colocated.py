@@ -120,7 +120,8 @@ class ColocatedBackend:
         self._wake = trio.Event()
         # One step at a time; the limiter keeps JAX work off trio's default thread pool.
         self._limiter = trio.CapacityLimiter(1)
-        self.outcomes: dict[str, int] = {"stop": 0, "length": 0, "abort": 0, "error": 0}
+        self.outcomes: dict[str, int] = {"stop": 0, "length": 0, "abort": 0, "error": 0,
+                                         "handed_off": 0}
         self.prompt_tokens_total = 0
         self.generated_tokens_total = 0
         self.steps_total = 0

@@ -48,6 +48,9 @@ class ServeConfig:
     # On SIGTERM: out of the registry, new requests refused with 503 and Retry-After, and this
     # long for the requests in flight to finish before the process stops (issue 32 §3).
     drain_timeout: float = 30.0
+    # A draining decode worker hands its running streams (those the proxy let it: accept_handoff)
+    # to another D: their KV is pulled, not prefilled again (issue 32 §2).
+    drain_handoff: bool = False
     served_model_name: str | None = None  # default: the model's name ("smollm2", "tiny")
     # --chat-template FILE's text (read and compiled at start): replaces the model's template.
     chat_template: str | None = attrs.field(default=None, repr=False)

@@ -43,7 +43,13 @@ from pd_fsm.io_trio.bootstrap.records import (
 )
 from pd_fsm.io_trio.driver import SideChannel, carry_out_io, resolve_within
 from pd_fsm.io_trio.side_channel.channel import DecodeSideChannel, PrefillSideChannel
-from pd_fsm.io_trio.worker.backend import BackendError, BootstrapInfo, GenerateJob, request_of
+from pd_fsm.io_trio.worker.backend import (
+    BackendError,
+    BootstrapInfo,
+    GenerateJob,
+    HandedOff,
+    request_of,
+)
 from pd_fsm.io_trio.worker.colocated import SPMD_JOIN_TIMEOUT_S, ColocatedBackend, _Stream
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.spmd.frames import (
@@ -62,8 +68,9 @@ from pd_fsm.schedulers.disaggregation import (
     PrefillScheduler,
 )
 from pd_fsm.schedulers.disaggregation.decode import PeerPairing
+from pd_fsm.schedulers.disaggregation.handoff import HandoffTicket
 from pd_fsm.schedulers.disaggregation.tick import TickResult, run_tick
-from pd_fsm.schedulers.request import RequestOutput
+from pd_fsm.schedulers.request import RequestOutput, Resume
 from pd_fsm.schedulers.scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -437,6 +444,7 @@ class PDBackend(ColocatedBackend, ABC):
             for stream in result.unstarted:
                 self._abort_unstarted(stream)
             self._fan_out_pd(result.outputs, result.failures)
+            self._after_tick()
             if result.forward_work:
                 continue
             wake_at = math.inf
@@ -501,6 +509,9 @@ class PDBackend(ColocatedBackend, ABC):
         if gate is not None:
             sched.set_pull_gate(gate)
         return aborts
+
+    def _after_tick(self) -> None:
+        """Hook (on the loop, after a tick's outputs went out): D ends handed-off streams."""
 
     def _agree_pulls(self, sched: Any) -> dict[int, str] | None:
         """Hook (D): the finished pulls every rank collects in this tick."""
@@ -599,6 +610,12 @@ class DecodeBackend(PDBackend):
         self._telling = False
         self.refusals_told_total = 0  # ABORTs sent to Ps for such legs
         self.local_prefills_total = 0  # requests without bootstrap fields, prefilled here
+        # Live hand-off (issue 32 §2). While draining with --drain-handoff: until when (time.
+        # monotonic) running streams are handed off; tickets a tick made, for the loop to end
+        # their streams with; hand-offs whose KV was pulled, to release on the next tick.
+        self._handoff_until: float | None = None
+        self._handed: list[tuple[str, HandoffTicket]] = []
+        self._releases: deque[int] = deque(maxlen=REFUSALS_PENDING)
 
     def _check_peer(self, record: InstanceRecord) -> str | None:
         assert self.side is not None
@@ -693,7 +710,62 @@ class DecodeBackend(PDBackend):
             "pulls_inflight": sched.pull_executor.inflight,
         }
 
+    # -- live hand-off (issue 32 §2) ---
+
+    def hand_off(self, lease_s: float) -> None:
+        """Draining: from the next tick on, hand each running stream that allows it to another
+        D (its KV registered for ``lease_s`` at most, counted from now)."""
+        if self._spmd is not None:
+            log.warning("hand-off is not supported across processes: streams finish here")
+            return
+        self._handoff_until = time.monotonic() + lease_s
+        self._wake.set()
+
+    def release_handoff(self, uuid: int) -> bool:
+        """Another D pulled hand-off ``uuid`` (the proxy says so): released on the next tick."""
+        self._releases.append(uuid)
+        self._wake.set()
+        return True
+
+    def _tick(
+        self, sched: Any, inbox: list[tuple[float, Any]], jobs: list[_Stream], aborts: list[str]
+    ) -> TickResult[_Stream]:
+        result = super()._tick(sched, inbox, jobs, aborts)
+        while self._releases:
+            sched.release_handoff(self._releases.popleft())
+        until = self._handoff_until
+        if until is not None and until - time.monotonic() > 0:
+            # The streams' earlier outputs are in ``result``: they go out before the tickets.
+            allowed = {s.job.rid for s in list(self._streams.values())
+                       if s.job.accept_handoff and s.in_scheduler and not s.done}
+            self._handed += sched.hand_off(allowed, until - time.monotonic())
+        self._publish_stats(sched)
+        return result
+
+    def _after_tick(self) -> None:
+        handed, self._handed = self._handed, []
+        for rid, ticket in handed:
+            stream = self._streams.get(rid)
+            if stream is None:  # its client left meanwhile: the ticket's lease releases it
+                continue
+            log.info("request %s handed off (KV of %d positions, uuid %d)", rid,
+                     ticket.kv_tokens, ticket.uuid)
+            stream.put(HandedOff(ticket))
+            self._finish(stream, "handed_off")
+
     def admit_job(self, sched: Any, job: GenerateJob, accepted: float) -> None:
+        if job.handoff is not None:
+            if self._spmd is not None:
+                raise ValueError("this decode instance spans processes: it takes no hand-off")
+            assert job.resume is not None  # the schema requires it with handoff
+            done = job.resume.output_ids
+            if done[-1] != job.handoff.next_token:
+                raise ValueError("hand-off ticket: its next token is not resume's last")
+            # The KV covers the prompt and every token but the last, which the next step feeds.
+            req = sched.make_request(job.rid, list(job.input_ids), job.sampling,
+                                     logprobs=job.logprobs, resume=Resume(done[:-1]))
+            sched.add_handoff_request(req, job.handoff, job.resume.text_sent)
+            return
         if job.bootstrap is None:
             # No P leg (a router's conditional disaggregation, or a plain client): D prefills it
             # itself, with its prefix cache if it runs one.
@@ -715,6 +787,10 @@ class DecodeBackend(PDBackend):
         out = super().stats()
         out["refused_rooms_told_total"] = self.refusals_told_total
         out["local_prefills_total"] = self.local_prefills_total
+        sched = self.scheduler
+        if isinstance(sched, DecodeScheduler):
+            # given / released / expired by this worker, taken (pulled) / take_failed here.
+            out["handoffs_total"] = dict(sched.handoff_stats)
         return out
 
     def _after_refusals(self, nursery: trio.Nursery) -> None:

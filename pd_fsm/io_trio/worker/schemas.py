@@ -21,13 +21,14 @@ from typing import Any, Literal
 
 import attrs
 
-from pd_fsm.core.messages import MAX_ROOM
+from pd_fsm.core.messages import KV_CHECKSUM_LIMIT, MAX_KV_CHECKSUMS, MAX_ROOM
 from pd_fsm.io_trio import strict_json
 from pd_fsm.io_trio.worker.backend import BootstrapInfo
 from pd_fsm.io_trio.worker.tools import ToolError, Tools, parse_tools
 from pd_fsm.jax_engine.grammar import Constraint
 from pd_fsm.jax_engine.sampling_params import MAX_N, TOP_LOGPROBS_COMPUTED, SamplingParams
 from pd_fsm.jax_engine.tokenizer import ChatMessage
+from pd_fsm.schedulers.disaggregation.handoff import HandoffTicket
 from pd_fsm.schedulers.request import NO_LOGPROBS, LogprobSpec, Resume
 
 Kind = Literal["generate", "completion", "chat"]
@@ -48,7 +49,7 @@ MAX_BATCH = 64  # prompts in one batched request
 #   nothing;
 # - no effect: cannot change the tokens or the response's shape.
 _COMMON_READ = frozenset({"stream", "rid", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-                          "resume", "return_token_ids"})
+                          "resume", "return_token_ids", "handoff", "accept_handoff"})
 _OPENAI_SAMPLING = frozenset({"temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
                               "ignore_eos", "skip_special_tokens", "frequency_penalty",
                               "presence_penalty", "repetition_penalty", "min_tokens", "n",
@@ -193,8 +194,14 @@ class ParsedRequest:
     # vLLM's return_token_ids: each OpenAI choice (each stream chunk's) carries its token ids,
     # which is what lets a proxy resume a stream elsewhere.
     return_token_ids: bool = False
+    # Live hand-off (issue 32 §2): the KV a draining decode worker registered for this stream
+    # (the proxy posts it with ``resume``), and the proxy's leave to end a stream with a ticket.
+    handoff: HandoffTicket | None = None
+    accept_handoff: bool = False
 
     def __attrs_post_init__(self) -> None:
+        if self.handoff is not None and self.resume is None:
+            raise ApiError(400, "handoff needs resume (the tokens the ticket's KV covers)")
         if self.resume is None:
             return
         # What a resumed answer could not continue exactly is refused by name.
@@ -475,6 +482,35 @@ def _resume(body: dict[str, Any], limits: Limits) -> tuple[Resume | None, str]:
     return Resume(ids, len(text)), text
 
 
+_TICKET = {"transfer_addr": str, "uuid": int, "kv_tokens": int, "next_token": int,
+           "layout_hash": str, "kv_shards": int, "kv_checksums": list}
+
+
+def _handoff(body: dict[str, Any]) -> HandoffTicket | None:
+    """``handoff``: where a draining decode worker offers this stream's KV (its ticket)."""
+    v = body.get("handoff")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ApiError(400, "handoff must be an object (a hand-off ticket)")
+    for key, kind in _TICKET.items():
+        got = v.get(key)
+        if not isinstance(got, kind) or isinstance(got, bool):
+            raise ApiError(400, f"handoff.{key} must be a {kind.__name__}, got {got!r}")
+    unknown = sorted(set(v) - set(_TICKET))
+    if unknown:
+        raise ApiError(400, f"handoff.{unknown[0]} is not a field of a hand-off ticket")
+    sums = v["kv_checksums"]
+    if len(sums) > MAX_KV_CHECKSUMS or not all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x < KV_CHECKSUM_LIMIT
+            for x in sums):
+        raise ApiError(400, "handoff.kv_checksums must be 32-bit words, one per array")
+    if not 0 <= v["uuid"] < 2**63 or v["kv_tokens"] < 1 or v["kv_shards"] < 1:
+        raise ApiError(400, "handoff: uuid, kv_tokens or kv_shards out of range")
+    return HandoffTicket(v["transfer_addr"], v["uuid"], v["kv_tokens"], v["next_token"],
+                         v["layout_hash"], v["kv_shards"], tuple(sums))
+
+
 def _common(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
     return {
         "stream": bool(_bool(body, "stream")),
@@ -482,6 +518,8 @@ def _common(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
         "bootstrap": parse_bootstrap(body),
         **dict(zip(("resume", "resume_text"), _resume(body, limits), strict=True)),
         "return_token_ids": bool(_bool(body, "return_token_ids")),
+        "handoff": _handoff(body),
+        "accept_handoff": bool(_bool(body, "accept_handoff")),
     }
 
 

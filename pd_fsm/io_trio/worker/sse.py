@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
+
+if TYPE_CHECKING:
+    from pd_fsm.schedulers.disaggregation.handoff import HandoffTicket
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]  # as starlette types an ASGI receive
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -27,6 +30,27 @@ SSE_HEADERS = [
 
 def event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+# Live hand-off (issue 32 §2): a draining decode worker ends a stream the proxy let it hand off
+# (accept_handoff) with this event, which is no ``data:``-only event, so that a client that
+# somehow gets one does not take it for output. The proxy reads it and never relays it.
+HANDOFF_EVENT = b"event: pd_fsm.handoff\n"
+
+
+def handoff_event(ticket: HandoffTicket) -> bytes:
+    return HANDOFF_EVENT + event(ticket.to_json())
+
+
+def handoff_ticket(raw: bytes) -> dict[str, Any] | None:
+    """The ticket of a hand-off event (one SSE event's bytes), else None."""
+    if not raw.startswith(HANDOFF_EVENT + b"data: "):
+        return None
+    try:
+        ticket = json.loads(raw[len(HANDOFF_EVENT) + len(b"data: "):])
+    except ValueError:
+        return None
+    return ticket if isinstance(ticket, dict) else None
 
 
 async def _watch(receive: Receive, scope: trio.CancelScope, gone: list[bool]) -> None:

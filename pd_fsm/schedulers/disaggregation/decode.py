@@ -14,20 +14,26 @@ from __future__ import annotations
 import logging
 import random
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Protocol, assert_never
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.decode_endpoint import DecodeEndpoint
+from pd_fsm.core.drive import drive
+from pd_fsm.core.handoff import HandoffLedger
+from pd_fsm.core.tables import KV_HANDOFF as _HANDOFF
+from pd_fsm.jax_engine.kv_checksum import kv_checksums
 from pd_fsm.jax_engine.model import LoadedModel
 from pd_fsm.jax_engine.pull_executor import PullExecutor, PullRequest, PullResult
+from pd_fsm.jax_engine.room_kv import gather_room
 from pd_fsm.jax_engine.tensor_parallel import kv_shard_counts
-from pd_fsm.jax_engine.transfer.base import KVTransferEngine
+from pd_fsm.jax_engine.transfer.base import KVTransferEngine, new_uuid
 from pd_fsm.jax_engine.transfer.jax_transfer import JaxTransferKVEngine
 from pd_fsm.schedulers.disaggregation.args import DisaggregationArgs
 from pd_fsm.schedulers.disaggregation.common import DisaggregationCommon
-from pd_fsm.schedulers.request import Req, ReqState, RequestOutput
+from pd_fsm.schedulers.disaggregation.handoff import HandoffTicket
+from pd_fsm.schedulers.request import FinishReason, Req, ReqState, RequestOutput
 from pd_fsm.schedulers.scheduler import Scheduler
 
 log = logging.getLogger("pd_fsm.schedulers.decode")
@@ -90,6 +96,14 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
         self.transfer_stats = {"pulls_ok": 0, "pulls_failed": 0, "pulls_corrupted": 0,
                                "bytes": 0, "seconds": 0.0}
         self.recomputed = 0
+        # Live hand-off (issue 32 §2): each one's lifecycle is the core's (table kv_handoff),
+        # keyed by the offer's uuid here as the draining D, or by the pull's room (negative:
+        # never a PD room's) as the taking D. What a taken one needs: room -> (request, ticket,
+        # text the client has); an aborted one's pages wait in _held_pages for its pull.
+        self.handoffs = HandoffLedger()
+        self._handoffs_in: dict[int, tuple[Req, HandoffTicket, int]] = {}
+        self._handoff_rooms = 0
+        self._handoffs_given = 0
         # Iterations of this loop ended so far. Only the forward thread rebinds it; the pull
         # threads read it (an int, so they always see one published value).
         self.loop_iterations = 0
@@ -146,8 +160,159 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
 
     def _process_decode_queue(self) -> None:
         for result in self.pull_executor.poll(self._pull_gate):
-            self._handle_recv_complete(result)
+            if result.room in self._handoffs_in:
+                self._handoff_pulled(result)
+            else:
+                self._handle_recv_complete(result)
+        self._drive_handoff(ev.TimeAdvanced())  # leases come due
         self.deliver(ev.TimeAdvanced())
+
+    # -- live hand-off (issue 32 §2) ------------------------------------------------------------
+
+    def hand_off(self, rids: Collection[str], lease_s: float) -> list[tuple[str, HandoffTicket]]:
+        """Give away the running sequences of ``rids`` (single-sequence requests): each one's KV
+        is gathered and registered for another D to pull within ``lease_s``, its pages go back at
+        once (the gathered arrays are buffers of their own), and it leaves this scheduler without
+        a final output: its stream ends with the ticket. A sequence whose KV cannot be registered
+        stays and finishes here."""
+        out: list[tuple[str, HandoffTicket]] = []
+        for req in list(self.running):
+            if (req.rid not in rids or req.family or req.parent is not None
+                    or req.pages is None or not req.output_ids):
+                continue
+            kv_tokens = req.seq_len - 1  # the last output token has no KV yet
+            pages = req.pages[: self.pool_config.pages_for(kv_tokens)]
+            try:
+                arrays = gather_room(self.kv_holder, self.kv_args, pages)
+                sums = kv_checksums(arrays) if self.args.kv_checksum else ()
+                uuid = new_uuid()
+                self.engine.register(uuid, arrays, lease_s)
+            except Exception as exc:  # it finishes here instead: nothing is lost
+                log.warning("request %s: hand-off registration failed (%r)", req.rid, exc)
+                continue
+            self._handoffs_given += 1
+            self._drive_handoff(ev.HandoffOffered(uuid, lease_s))
+            out.append((req.rid, HandoffTicket(
+                self.engine.address, uuid, kv_tokens, req.output_ids[-1], self.layout_hash,
+                self.kv_args.kv_shards, sums)))
+            # Gone from here: no output (what it produced so far was drained before this call).
+            req.state = ReqState.FINISHED
+            req.finish_reason = FinishReason("abort", message="handed off")
+            self.reqs.pop(req.rid, None)
+            self._detach(req)
+            self._release_pages(req)
+            self._dirty.pop(req, None)
+        return out
+
+    def release_handoff(self, uuid: int) -> bool:
+        """The proxy says hand-off ``uuid``'s KV was pulled (or never will be): drop its
+        registration. False when it is not (or no longer) offered here: released once, on this
+        word or at the lease's end."""
+        if self.handoffs.state_of(uuid) != _HANDOFF.S.OFFERED:
+            return False
+        self._drive_handoff(ev.HandoffPulled(uuid))
+        return True
+
+    @property
+    def handoffs_outstanding(self) -> int:
+        return sum(h.state == _HANDOFF.S.OFFERED for h in self.handoffs.handoffs.values())
+
+    @property
+    def handoff_stats(self) -> dict[str, int]:
+        """Offers given and how they ended (released on the proxy's word, expired), pulls
+        taken or failed here."""
+        done = self.handoffs.outcomes
+        return {"given": self._handoffs_given, "released": done[_HANDOFF.S.RELEASED],
+                "expired": done[_HANDOFF.S.EXPIRED], "taken": done[_HANDOFF.S.TAKEN],
+                "take_failed": done[_HANDOFF.S.FAILED]}
+
+    def next_deadline(self) -> float | None:
+        own = self.handoffs.next_deadline()
+        core = super().next_deadline()
+        return own if core is None else core if own is None else min(own, core)
+
+    def _drive_handoff(self, event: ev.HandoffEvent) -> None:
+        drive(self.handoffs.handle, event, self.clock(), self._carry_out_handoff)
+
+    def _carry_out_handoff(self, e: fx.HandoffEffect) -> tuple[()]:
+        match e:
+            case fx.ReleaseOffer():
+                if e.reason == "hand-off lease expired":
+                    log.warning("hand-off %d was not claimed within its lease: released", e.uuid)
+                self.engine.release(e.uuid, e.reason)
+            case fx.StartHandoffPull():
+                req, ticket, _ = self._handoffs_in[e.room]
+                assert req.pages is not None
+                self.pull_executor.submit(PullRequest(
+                    e.room, ticket.uuid, ticket.transfer_addr,
+                    pages=req.pages[: self.pool_config.pages_for(ticket.kv_tokens)],
+                    remote_layout_hash=self.layout_hash, kv_shards=ticket.kv_shards,
+                    kv_checksums=ticket.kv_checksums))
+            case fx.EnterDecode():
+                req, ticket, text_sent = self._handoffs_in.pop(e.room)
+                self.add_prefilled_request(req, ticket.next_token, 0.0)
+                # The client has that token and its text already: only what follows is new.
+                req.tokens_sent = len(req.output_ids)
+                req.text_sent = max(req.text_sent, min(text_sent, len(req.text)))
+                if not req.finished:  # nothing new yet: its next step's output is the first
+                    self._dirty.pop(req, None)
+            case fx.FailHandoff():
+                req = self._handoffs_in.pop(e.room)[0]
+                self._release_pages(req)
+                self._fail_request(req, 502, f"hand-off pull failed: {e.reason}")
+            case fx.FinishAborted():
+                req = self._handoffs_in[e.room][0]
+                if req.pages is not None:  # the pull may still write them
+                    self._held_pages[e.room], req.pages = req.pages, None
+                self._finish(req, FinishReason("abort", message=e.reason))
+            case fx.FreeHeldPages():
+                self._handoffs_in.pop(e.room)
+                held = self._held_pages.pop(e.room, None)
+                if held:
+                    self.allocator.free(held)
+            case _:
+                assert_never(e)
+        return ()
+
+    def add_handoff_request(self, req: Req, ticket: HandoffTicket, text_sent: int) -> None:
+        """Take over a sequence another D handed off: ``req`` was made with every output token
+        but the last as its resumed tokens (their KV is what the ticket offers); reserve its
+        pages and pull. ``text_sent``: characters of the output the client already has. Raises
+        ValueError for a ticket this worker cannot take (the proxy then re-prefills)."""
+        if ticket.layout_hash != self.layout_hash:
+            raise ValueError("hand-off ticket: the KV layout differs from this worker's "
+                             f"({ticket.layout_hash} != {self.layout_hash})")
+        if ticket.kv_tokens != len(req.input_ids):
+            raise ValueError(f"hand-off ticket covers {ticket.kv_tokens} positions, the prompt "
+                             f"and resumed tokens are {len(req.input_ids)}")
+        if ticket.kv_shards not in kv_shard_counts(self.config.num_kv_heads):
+            raise ValueError(f"hand-off ticket: {ticket.kv_shards} KV shards do not split this "
+                             "model's kv-heads")
+        if bool(ticket.kv_checksums) != self.args.kv_checksum:
+            raise ValueError("hand-off ticket: KV checksums on one side only "
+                             "(--disaggregation-kv-checksum)")
+        self._register(req)  # ValueError for a request that can never be served
+        if not self.reserve_pages(req):
+            del self.reqs[req.rid]
+            raise ValueError("no free KV pages for the hand-off")
+        self._handoff_rooms -= 1
+        room = self._handoff_rooms
+        self._handoffs_in[room] = (req, ticket, text_sent)
+        self._drive_handoff(ev.HandoffClaimed(room))
+
+    def _handoff_pulled(self, result: PullResult) -> None:
+        if result.ok:
+            self._phase_sample("kv_pull", result.pull_seconds)
+            self._drive_handoff(ev.PullSucceeded(result.room))
+        else:
+            self._drive_handoff(ev.PullFailed(result.room, result.reason))
+
+    def abort(self, rid: str, message: str = "aborted") -> bool:
+        for room, (req, _, _) in self._handoffs_in.items():
+            if req.rid == rid and self.handoffs.state_of(room) == _HANDOFF.S.PULLING:
+                self._drive_handoff(ev.Aborted(room, message))
+                return True
+        return super().abort(rid, message)
 
     def _handle_recv_complete(self, result: PullResult) -> None:
         stats = self.transfer_stats

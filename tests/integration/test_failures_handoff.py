@@ -1,0 +1,163 @@
+"""Live KV hand-off when a decode worker drains (issue 32 §2): real `pd-fsm` processes (tiny
+model) behind our proxy, 1 P and 2 D started with `--drain-handoff`.
+
+The D that streams a long greedy answer gets SIGTERM mid-stream: it registers the stream's KV
+and ends its leg with a hand-off ticket; the proxy posts the request to the other D alone, which
+pulls that KV and goes on. The client's stream is whole and equals the colocated answer; the
+proxy counted a hand-off, not a migration; P prefilled nothing more (no re-prefill); the drained
+D released its registration (the proxy told it the KV was pulled) and exited 0; afterwards every
+live worker holds nothing (pages, rooms, queues, transfer registrations).
+
+The fallback: the other D is frozen while the draining one hands off, so the ticket's lease
+(the drain timeout less 0.5 s) ends and the drained D exits before the pull; thawed, the other D's
+pull fails, and the proxy migrates the stream by re-prefill: it still completes, equal to the
+colocated answer, counted as a hand-off that fell back.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from tests.integration.failure_support import (
+    SLACK,
+    Fleet,
+    signal_streaming_decode,
+    stats,
+    wait_clean,
+)
+from tests.integration.serve_support import PATHS, fetch_answer, request_body, sse_events
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Tell me about the river city"
+MAX_TOKENS = 150
+# A drain short enough that an unclaimed ticket expires within the fallback test, and a pull
+# deadline that ends the pull from the drained (gone) D soon after.
+DRAIN = ["--drain-handoff", "--drain-timeout", "2", "--disaggregation-pull-deadline", "3"]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    f = Fleet(tmp_path_factory.mktemp("handoff"), windows={})
+    f.bootstrap()
+    p = f.prefill("p")
+    d0, d1 = f.decode("d0", extra=DRAIN), f.decode("d1", extra=DRAIN)
+    f.colocated()
+    f.proxy("proxy", [p], [d0, d1])
+    f.start()
+    yield f
+    f.close()
+
+
+async def _proxy_counts(http: httpx.AsyncClient, url: str) -> dict[str, float]:
+    r = await http.get(f"{url}/metrics")
+    r.raise_for_status()
+    out: dict[str, float] = {}
+    for line in r.text.splitlines():
+        for family in ("rooms_reopened_total", "handoffs_total"):
+            if line.startswith(f"pd_fsm_proxy_{family}{{"):
+                key = line.split('key="')[1].split('"')[0]
+                out[f"{family}:{key}"] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _body() -> dict[str, Any]:
+    body = request_body("generate", PROMPT, MAX_TOKENS, stream=True)
+    body["sampling_params"]["ignore_eos"] = True
+    return body
+
+
+def _whole(raw: bytes, reference: Any) -> None:
+    """The client's stream is the uninterrupted answer: one [DONE], no error, no ticket."""
+    events = sse_events(raw.decode())
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1, raw[-800:]
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert not any("error" in c or "transfer_addr" in c for c in chunks), raw[-800:]
+    assert b"pd_fsm.handoff" not in raw  # the ticket is the proxy's, never the client's
+    assert chunks[-1]["text"] == reference.text  # no token repeated or missing
+    assert chunks[-1]["meta_info"]["completion_tokens"] == MAX_TOKENS
+
+
+async def test_a_sigtermed_decode_worker_hands_its_stream_off_without_a_prefill(
+        fleet: Fleet) -> None:
+    body = _body()
+    proxy, colocated, p = fleet["proxy"], fleet["colocated"], fleet["p"]
+    decodes = [fleet["d0"], fleet["d1"]]
+    async with httpx.AsyncClient(timeout=60) as http:
+        reference = await fetch_answer(http, str(colocated.url), "generate",
+                                       {**body, "stream": False})
+        before = await _proxy_counts(http, str(proxy.url))
+        raw, drained, p_before = b"", None, None
+        async with http.stream("POST", f"{proxy.url}{PATHS['generate']}", json=body) as r:
+            assert r.status_code == 200
+            async for chunk in r.aiter_raw():
+                raw += chunk
+                if drained is None and raw.count(b"data: ") >= 6:
+                    p_before = await stats(http, p)
+                    drained = await signal_streaming_decode(http, decodes, signal.SIGTERM)
+        assert drained is not None and drained.popen is not None and p_before is not None
+        _whole(raw, reference)
+
+        after = await _proxy_counts(http, str(proxy.url))
+        moved = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        assert moved.get("rooms_reopened_total:handoff") == 1, moved
+        assert moved.get("handoffs_total:taken") == 1, moved
+        assert not moved.get("rooms_reopened_total:migration"), moved  # no re-prefill
+        p_after = await stats(http, p)
+        assert p_after["prompt_tokens_total"] == p_before["prompt_tokens_total"]
+        assert p_after["requests_total"] == p_before["requests_total"]
+
+        assert await trio.to_thread.run_sync(drained.popen.wait, 30) == 0
+        log = drained.log_path.read_text()
+        assert "handed off" in log and "drained: nothing in flight" in log
+        # Released on the proxy's word (the KV was pulled), not by its lease's timer.
+        assert "not claimed within its lease" not in log
+        other = next(d for d in decodes if d is not drained)
+        taken = (await stats(http, other))["handoffs_total"]
+        assert taken["taken"] == 1 and taken["take_failed"] == 0
+        await wait_clean(http, p, other, timeout=SLACK * 2)
+        fleet.restart(drained.name)
+        await wait_clean(http, p, *decodes, timeout=SLACK * 2)
+
+
+async def test_a_hand_off_that_cannot_be_pulled_falls_back_to_a_migration(fleet: Fleet) -> None:
+    body = _body()
+    proxy, colocated, p = fleet["proxy"], fleet["colocated"], fleet["p"]
+    decodes = [fleet["d0"], fleet["d1"]]
+    async with httpx.AsyncClient(timeout=60) as http:
+        reference = await fetch_answer(http, str(colocated.url), "generate",
+                                       {**body, "stream": False})
+        before = await _proxy_counts(http, str(proxy.url))
+        raw, drained, other = b"", None, None
+        async with http.stream("POST", f"{proxy.url}{PATHS['generate']}", json=body) as r:
+            assert r.status_code == 200
+            async for chunk in r.aiter_raw():
+                raw += chunk
+                if drained is None and raw.count(b"data: ") >= 6:
+                    # The one that streams holds a request; the other is frozen, so the
+                    # hand-off leg waits in its socket until the drained D is gone.
+                    running = [(await stats(http, d))["running"] for d in decodes]
+                    drained, other = decodes if running[0] else decodes[::-1]
+                    other.pause()
+                    os.kill(drained.pid, signal.SIGTERM)
+                    assert drained.popen is not None
+                    assert await trio.to_thread.run_sync(drained.popen.wait, 30) == 0
+                    os.kill(other.pid, signal.SIGCONT)
+        assert drained is not None and other is not None
+        _whole(raw, reference)
+        after = await _proxy_counts(http, str(proxy.url))
+        moved = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        assert moved.get("rooms_reopened_total:handoff") == 1, moved
+        assert moved.get("handoffs_total:fell_back") == 1, moved
+        assert moved.get("rooms_reopened_total:migration") == 1, moved  # the re-prefill
+        assert "not claimed within its lease" in drained.log_path.read_text()
+        assert (await stats(http, other))["handoffs_total"]["take_failed"] == 1
+        fleet.restart(drained.name)
+        await wait_clean(http, p, *decodes, timeout=SLACK * 2)
