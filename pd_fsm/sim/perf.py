@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -70,6 +70,8 @@ class Request:
     out: int
     token_times: list[float] = attrs.field(factory=list)
     kv_ready: float = math.inf  # PD: when its KV is on D (pulled), scatter still to do
+    prefill_by: str = ""  # the workers that served it (the planner's per-worker latencies)
+    decode_by: str = ""
 
     @property
     def ttft(self) -> float:
@@ -94,9 +96,15 @@ class _Job:
     scattered: list[Request] = attrs.field(factory=list)
 
 
-class _Worker:
-    def __init__(self, role: str, profile: Profile, cores: int, nice: int) -> None:
+class Worker:
+    """One modelled worker: its queues and the step it runs (``next_job`` builds a step as the
+    real loop would, ``finish`` applies it). ``role`` may change between steps (a role switch,
+    ``perf_cluster.py``)."""
+
+    def __init__(self, role: str, profile: Profile, cores: int, nice: int = 0,
+                 name: str = "") -> None:
         self.role, self.profile, self.cores, self.nice = role, profile, cores, nice
+        self.name = name or role
         self.fast: CoreProfile = profile.on(cores)
         self.slow: CoreProfile = profile.on(1)
         self.waiting: deque[Request] = deque()
@@ -105,7 +113,7 @@ class _Worker:
         self.pages_free = PAGES
         self.job: _Job | None = None
 
-    def _pages(self, r: Request) -> int:
+    def pages_for(self, r: Request) -> int:
         return -(-(r.prompt + r.out) // self.profile.page_size)
 
     def _cost(self, of: str, *a: float) -> tuple[float, float]:
@@ -134,9 +142,9 @@ class _Worker:
                 t_pad = bucket(max(longest, r.prompt), 16)
                 if rows and bucket(len(rows) + 1) * t_pad > self.profile.max_batched_tokens:
                     break
-                if self._pages(r) > self.pages_free:
+                if self.pages_for(r) > self.pages_free:
                     break
-                self.pages_free -= self._pages(r)
+                self.pages_free -= self.pages_for(r)
                 rows.append(self.waiting.popleft())
                 longest = max(longest, r.prompt)
             if rows:
@@ -160,16 +168,23 @@ class _Worker:
         job.alone_s, job.slow_s = alone, slow
         return job
 
-    def finish(self, job: _Job, now: float, d: _Worker | None) -> None:
+    def finish(self, job: _Job, now: float, pick_decode: Callable[[Request], Worker] | None
+               ) -> list[Request]:
+        """Apply a finished step at ``now``; returns the requests it sent to a D (P) or
+        finished (colocated, D)."""
         if self.role == "prefill":
             kv = self.profile.kv_bytes_per_token
             for r in job.prefilled:
                 r.token_times.append(math.nan)  # the first token rides with the KV to D
-                self.pages_free += self._pages(r)  # released when D has pulled: close enough
-                assert d is not None
-                r.kv_ready = now + d.fast.pull_s(r.prompt * kv)
+                r.prefill_by = self.name
+                self.pages_free += self.pages_for(r)  # released when D has pulled: close enough
+                assert pick_decode is not None
+                d = pick_decode(r)  # it may set kv_ready itself, to wake D then
+                if not math.isfinite(r.kv_ready):
+                    r.kv_ready = now + d.fast.pull_s(r.prompt * kv)
+                r.decode_by = d.name
                 d.arriving.append(r)
-            return
+            return list(job.prefilled)
         self.running.extend(job.prefilled if self.role == "colocated" else job.scattered)
         for r in job.decoded:
             if r.token_times and math.isnan(r.token_times[0]):
@@ -179,18 +194,23 @@ class _Worker:
                 r.token_times.append(now)
             if self.role == "colocated" and r in job.prefilled:
                 r.token_times.insert(0, now)  # the prefill's token and the step's together
-        for r in [r for r in self.running if len(r.token_times) >= r.out]:
+        if self.role == "colocated":
+            for r in job.prefilled:
+                r.prefill_by = r.decode_by = self.name
+        done = [r for r in self.running if len(r.token_times) >= r.out]
+        for r in done:
             del r.token_times[r.out:]
             self.running.remove(r)
-            self.pages_free += self._pages(r)
+            self.pages_free += self.pages_for(r)
+        return done
 
 
 PAGES = 255  # usable pages per worker (the benches' --num-pages 256, less the null page)
 
 
-def _speeds(busy: Sequence[_Worker], shared: bool, cores: int) -> dict[_Worker, float]:
+def _speeds(busy: Sequence[Worker], shared: bool, cores: int) -> dict[Worker, float]:
     """Each busy worker's progress per second on its current step."""
-    out: dict[_Worker, float] = {}
+    out: dict[Worker, float] = {}
     total = sum(nice_weight(w.nice) for w in busy)
     for w in busy:
         job = w.job
@@ -211,14 +231,19 @@ def simulate(profile: Profile, placement: Placement, requests: Sequence[Request]
     them with their token times filled in (a request still unfinished at ``horizon`` keeps
     what it got)."""
     if placement.colocated:
-        workers = [_Worker("colocated", profile, placement.cores, 0)]
+        workers = [Worker("colocated", profile, placement.cores, 0)]
         p = d = None
     else:
         half = placement.cores if placement.shared else max(placement.cores // 2, 1)
-        p = _Worker("prefill", profile, half, placement.nice_p)
-        d = _Worker("decode", profile, half, placement.nice_d)
+        p = Worker("prefill", profile, half, placement.nice_p)
+        d = Worker("decode", profile, half, placement.nice_d)
         workers = [p, d]
     entry = workers[0]
+
+    def pick(_: Request) -> Worker:
+        assert d is not None
+        return d
+
     pending = deque(sorted(requests, key=lambda r: r.arrival))
     now = 0.0
     while now < horizon:
@@ -235,7 +260,7 @@ def simulate(profile: Profile, placement: Placement, requests: Sequence[Request]
             w.job.left -= speed * TICK
             if w.job.left <= 0:
                 job, w.job = w.job, None
-                w.finish(job, now + TICK, d)
+                w.finish(job, now + TICK, pick)
         now += TICK
     return list(requests)
 

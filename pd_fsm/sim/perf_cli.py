@@ -29,6 +29,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="shared placements with these nice values (default 0,-10 10,-5)")
     g.add_argument("--tpot-targets", type=float, nargs="+", default=[0.1, 0.05],
                    help="goodput's TPOT targets (default 0.1 0.05; TTFT: --ttft-target)")
+    c = p.add_argument_group("performance model over a cluster: static splits against the SLA "
+                             "planner under a workload that shifts (with --profile)")
+    c.add_argument("--workers", type=int, default=0, metavar="N",
+                   help="N workers, each on --cores-per-worker cores: every static P:D split "
+                        "in steps of N/4, N colocated workers, and the planner from N/2:N/2")
+    c.add_argument("--cores-per-worker", type=int, default=1)
+    c.add_argument("--phases", default="long:60,short:60,long:60,short:60", metavar="KIND:S,..",
+                   help="the workload's phases: long (prompts --long-prompt, answers "
+                        "--long-prompt-out) or short (--short-prompt, --short-prompt-out), "
+                        "seconds each")
+    c.add_argument("--rate-per-worker", type=float, default=0.1,
+                   help="Poisson arrivals per second per worker (default 0.1)")
+    c.add_argument("--long-prompt", default="300-500", metavar="A-B")
+    c.add_argument("--long-prompt-out", default="4-8", metavar="A-B")
+    c.add_argument("--short-prompt", default="20-60", metavar="A-B")
+    c.add_argument("--short-prompt-out", default="48-96", metavar="A-B")
+    c.add_argument("--planner-interval", type=float, default=5.0)
+    c.add_argument("--planner-cooldown", type=float, default=15.0)
+    c.add_argument("--planner-patience", type=int, default=2)
 
 
 def placements(cores: int, nice_pairs: list[str]) -> list[Placement]:
@@ -52,6 +71,8 @@ def prompt_lengths(spec: str, n: int, seed: int) -> list[int]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.workers:
+        return cluster_main(args)
     try:
         profile = Profile.load(args.profile)
         lengths = prompt_lengths(args.prompt_tokens, args.prompts, args.seed or 0)
@@ -72,4 +93,64 @@ def main(args: argparse.Namespace) -> int:
             got = [outcome(done, args.ttft_target, t) for t in args.tpot_targets]
             print(f"| {placement.name} | {got[0].ttft_p50:.2f} | {got[0].tpot_p50 * 1000:.0f} | "
                   + " / ".join(f"{o.goodput:.3f} ({o.met})" for o in got) + " |", flush=True)
+    return 0
+
+
+def _range(spec: str) -> tuple[int, int]:
+    lo, _, hi = spec.partition("-")
+    return int(lo), int(hi or lo)
+
+
+def cluster_main(args: argparse.Namespace) -> int:
+    """Every static split, colocated, and the planner, over one shifting workload."""
+    from pd_fsm.core.planner import PlannerConfig
+    from pd_fsm.sim.perf_cluster import ClusterConfig, Phase, goodput, run_cluster, shifting
+
+    try:
+        profile = Profile.load(args.profile)
+        n = args.workers
+        if n < 2:
+            raise ValueError("--workers must be >= 2")
+        rate = args.rate_per_worker * n
+        kinds = {"long": (_range(args.long_prompt), _range(args.long_prompt_out)),
+                 "short": (_range(args.short_prompt), _range(args.short_prompt_out))}
+        phases = []
+        for item in args.phases.split(","):
+            kind, _, secs = item.partition(":")
+            prompt, out = kinds[kind]
+            phases.append(Phase(float(secs), rate, prompt, out))
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"pd-fsm sim --workers: {exc}", file=sys.stderr)
+        return 2
+    requests = shifting(phases, seed=args.seed or 0)
+    step = max(n // 4, 1)
+    configs = {f"static {p}P:{n - p}D": ClusterConfig(prefill=p, decode=n - p,
+                                                       cores=args.cores_per_worker)
+               for p in range(step, n, step)}
+    configs[f"colocated x{n}"] = ClusterConfig(colocated=n, cores=args.cores_per_worker)
+    planner = PlannerConfig(ttft_slo=args.ttft_target, itl_slo=args.tpot_targets[0],
+                            cooldown=args.planner_cooldown, patience=args.planner_patience)
+    configs[f"adaptive (from {n // 2}P:{n - n // 2}D)"] = ClusterConfig(
+        prefill=n // 2, decode=n - n // 2, cores=args.cores_per_worker, planner=planner,
+        interval=args.planner_interval)
+    bounds, t = [], 0.0
+    for ph in phases:
+        bounds.append((t, t + ph.seconds))
+        t += ph.seconds
+    print(f"{profile.model}, {n} workers x {args.cores_per_worker} core(s), {len(requests)} "
+          f"requests at {rate:g} req/s, phases {args.phases}; goodput at TTFT <= "
+          f"{args.ttft_target:g} s and TPOT <= {args.tpot_targets[0] * 1000:g} ms (predicted)\n")
+    names = [f"{k} {b[0]:.0f}-{b[1]:.0f} s" for k, b in zip(
+        (i.partition(":")[0] for i in args.phases.split(",")), bounds, strict=True)]
+    print("| cluster | " + " | ".join(names) + " | whole run | decisions |")
+    print("|---" * (len(names) + 3) + "|")
+    for name, cfg in configs.items():
+        run = run_cluster(profile, cfg, requests)
+        per = [goodput(run.requests, a, b, args.ttft_target, args.tpot_targets[0])
+               for a, b in bounds]
+        whole = goodput(run.requests, 0.0, t, args.ttft_target, args.tpot_targets[0])
+        print(f"| {name} | " + " | ".join(f"{g:.2f}" for g in per) + f" | {whole:.2f} | "
+              f"{len(run.decisions)} |", flush=True)
+        for at, decision in run.decisions:
+            print(f"    {at:7.1f} s  {decision}", flush=True)
     return 0

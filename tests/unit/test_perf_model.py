@@ -115,3 +115,25 @@ def test_profile_measures_the_real_engine(tmp_path: Path) -> None:
     assert profile.kv_bytes_per_token > 0
     (r,) = simulate(profile, COLOCATED, [Request(0.0, 40, 3)])
     assert len(r.token_times) == 3 and r.ttft > 0
+
+
+def test_cluster_model_static_splits_and_the_planner() -> None:
+    from pd_fsm.core.planner import PlannerConfig, SwitchRole
+    from pd_fsm.sim.perf_cluster import ClusterConfig, Phase, goodput, run_cluster, shifting
+
+    # Long prompts with one-token answers: prefill is all the work, so 3P:1D beats 1P:3D, and a
+    # planner started at 1P:3D moves decode workers over to prefill.
+    reqs = shifting([Phase(60.0, 3.0, (900, 1000), (2, 2))], seed=2)
+    few_p = run_cluster(PROFILE, ClusterConfig(prefill=1, decode=3), reqs)
+    many_p = run_cluster(PROFILE, ClusterConfig(prefill=3, decode=1), reqs)
+    assert goodput(many_p.requests, 0, 60, 2.0, 0.1) > goodput(few_p.requests, 0, 60, 2.0, 0.1)
+    planned = run_cluster(PROFILE, ClusterConfig(
+        prefill=1, decode=3, interval=2.0, switch_s=1.0,
+        planner=PlannerConfig(patience=2, cooldown=5.0)), reqs)
+    assert planned.decisions and all(isinstance(d, SwitchRole) and d.to == "prefill"
+                                     for _, d in planned.decisions)
+    assert planned.roles[-1][1:] == (3, 1)  # it stops at min_decode 1
+    assert goodput(planned.requests, 0, 60, 2.0, 0.1) > goodput(few_p.requests, 0, 60, 2.0, 0.1)
+    # Every request is served to its last token, in every cluster.
+    for run in (few_p, many_p, planned):
+        assert all(len(r.token_times) == r.out for r in run.requests)

@@ -1,0 +1,99 @@
+"""The SLA planner's policy (pd_fsm/core/planner.py): classification, hysteresis, cooldown,
+floors, scaling, and that every decision says why."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pd_fsm.core.planner import (
+    Planner,
+    PlannerConfig,
+    ScaleDown,
+    ScaleUp,
+    SwitchRole,
+    WorkerSnapshot,
+)
+
+
+def cluster(p_ttft: float, d_itl: float, n_p: int = 2, n_d: int = 2,
+            **extra: float) -> list[WorkerSnapshot]:
+    ps = [WorkerSnapshot(f"p{i}", "prefill", waiting=i, ttft_p90=p_ttft) for i in range(n_p)]
+    ds = [WorkerSnapshot(f"d{i}", "decode", running=i, itl_p90=d_itl, **extra)  # type: ignore[arg-type]
+          for i in range(n_d)]
+    return ps + ds
+
+
+def test_classes() -> None:
+    planner = Planner(PlannerConfig(ttft_slo=2.0, itl_slo=0.1))
+    assert planner.classify(cluster(3.0, 0.05)) == "prefill_bound"
+    assert planner.classify(cluster(0.5, 0.2)) == "decode_bound"
+    assert planner.classify(cluster(3.0, 0.2)) == "both"
+    assert planner.classify(cluster(0.2, 0.01)) == "idle"
+    assert planner.classify(cluster(1.0, 0.05)) == "balanced"
+    # No finished request yet: queues and KV still speak.
+    assert planner.classify(cluster(math.nan, math.nan)) == "idle"
+    assert planner.classify(cluster(math.nan, math.nan, kv_usage=0.95)) == "decode_bound"
+    busy = [WorkerSnapshot("p0", "prefill", waiting=9), WorkerSnapshot("d0", "decode")]
+    assert planner.classify(busy) == "prefill_bound"
+
+
+def test_hysteresis_then_a_switch_of_the_least_loaded_donor() -> None:
+    planner = Planner(PlannerConfig(patience=3, cooldown=10.0))
+    snap = cluster(3.0, 0.05, n_p=1, n_d=3)
+    assert planner.observe(snap, 0.0) == [] and planner.observe(snap, 1.0) == []
+    (decision,) = planner.observe(snap, 2.0)
+    assert isinstance(decision, SwitchRole)
+    assert (decision.worker, decision.to) == ("d0", "prefill")  # d0 runs the fewest rows
+    assert "prefill pressure 1.50" in decision.reason
+    # Cooldown: the same pressure decides nothing for 10 s, and the run starts again after it.
+    assert all(planner.observe(snap, t) == [] for t in (3.0, 5.0, 11.0, 12.0, 13.0))
+    assert planner.observe(snap, 14.0) != []
+    assert [t for t, _ in planner.decisions] == [2.0, 14.0]
+
+
+def test_a_broken_run_starts_the_count_again() -> None:
+    planner = Planner(PlannerConfig(patience=2, cooldown=0.0))
+    hot, calm = cluster(3.0, 0.05), cluster(1.0, 0.05)
+    assert planner.observe(hot, 0) == []
+    assert planner.observe(calm, 1) == []
+    assert planner.observe(hot, 2) == []
+    assert planner.observe(hot, 3) != []
+
+
+def test_never_below_the_floor_nor_a_worker_already_switching() -> None:
+    planner = Planner(PlannerConfig(patience=1, cooldown=0.0, min_decode=1))
+    lone = cluster(3.0, 0.05, n_p=1, n_d=1)
+    assert planner.observe(lone, 0.0) == []  # the only D stays a D
+    draining = [*cluster(3.0, 0.05, n_p=1, n_d=1),
+                WorkerSnapshot("d9", "decode", switching=True)]
+    assert planner.observe(draining, 1.0) == []  # d9 is mid-switch, not a donor
+
+
+def test_a_cluster_that_may_grow_asks_for_a_worker_and_gives_one_back() -> None:
+    planner = Planner(PlannerConfig(patience=1, cooldown=0.0, max_workers=6, min_workers=2))
+    (up,) = planner.observe(cluster(0.5, 0.3), 0.0)
+    assert isinstance(up, ScaleUp) and up.role == "decode"
+    (both,) = planner.observe(cluster(5.0, 0.15), 1.0)
+    assert isinstance(both, ScaleUp) and both.role == "prefill"  # the worse side first
+    (down,) = planner.observe(cluster(0.1, 0.01, n_p=2, n_d=3), 2.0)
+    assert isinstance(down, ScaleDown) and down.worker in ("p0", "d0")
+    assert "every side under" in down.reason
+    full = cluster(0.5, 0.3, n_p=3, n_d=3)
+    assert planner.observe(full, 3.0) != [] and isinstance(planner.decisions[-1][1],
+                                                            SwitchRole)
+
+
+def test_both_over_moves_toward_the_much_worse_side_only() -> None:
+    planner = Planner(PlannerConfig(patience=1, cooldown=0.0, imbalance=1.5))
+    assert planner.observe(cluster(2.4, 0.11), 0.0) == []  # 1.2 vs 1.1: hold
+    (move,) = planner.observe(cluster(6.0, 0.11), 1.0)  # 3.0 vs 1.1: P gains a worker
+    assert isinstance(move, SwitchRole) and move.to == "prefill" and "worse" in move.reason
+
+
+def test_config_is_checked() -> None:
+    with pytest.raises(ValueError):
+        PlannerConfig(patience=0)
+    with pytest.raises(ValueError):
+        PlannerConfig(cooldown=-1.0)
