@@ -40,7 +40,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     p0, p1 = f.prefill("p0"), f.prefill("p1")
     # A SIGTERMed D hands its streams to the other D (issue 32 §2): their KV is pulled, not
     # prefilled again. SIGKILL never drains, so the flag changes nothing there.
-    d0, d1 = f.decode("d0", extra=["--drain-handoff"]), f.decode("d1", extra=["--drain-handoff"])
+    # Each D has pages for every stream of both (3 clients, up to 256 tokens each, 4 a page):
+    # a D without free pages refuses a hand-off by design, and the stream then re-prefills
+    # (seen under load with 64 pages; counted as handoffs_total{fell_back}).
+    d0, d1 = (f.decode(name, num_pages=256, extra=["--drain-handoff"]) for name in ("d0", "d1"))
     f.colocated()
     f.proxy("proxy", [p0, p1], [d0, d1])
     f.start()

@@ -76,6 +76,16 @@ class Progress:
             out["resume"] = {"output_ids": list(self.output_ids), "text": self.text}
         return out
 
+    def adopt_next_token(self, ticket: dict[str, Any]) -> None:
+        """Defensive: should the client not have the ticket's ``next_token`` (the draining D's
+        newest token, whose event the worker sends before the ticket), count it as generated,
+        its text not yet sent, so that the next D streams it too. A ticket covering positions
+        other than the prompt and these tokens is refused by that D, and the request
+        re-prefills."""
+        nxt = ticket.get("next_token")
+        if isinstance(nxt, int) and (not self.output_ids or self.output_ids[-1] != nxt):
+            self.output_ids.append(nxt)
+
     def take_handoff(self, raw: bytes) -> bool:
         """One SSE event's bytes: True (and the ticket kept) for D's hand-off event, which the
         client never sees (``SseRewriter``'s ``drop``)."""

@@ -16,6 +16,7 @@ neither is a flag of its own:
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, assert_never
 
@@ -41,6 +42,7 @@ from pd_fsm.io_trio.proxy.migration import Progress
 from pd_fsm.io_trio.worker.phases import PhaseHistograms
 from pd_fsm.io_trio.worker.sse import Receive, Send
 
+log = logging.getLogger("pd_fsm.io_trio.proxy.server")  # one logger for the proxy
 SSE_DONE = b"data: [DONE]\n\n"  # the last event of an sglang / OpenAI stream
 
 
@@ -303,6 +305,9 @@ class RoomResponse:
                                                    headers=q.headers) as resp:
                     if not 200 <= resp.status_code < 300:
                         body = json_or_text(await resp.aread())
+                        if s.ticket is not None:  # why a hand-off falls back to a re-prefill
+                            log.info("room %d: hand-off leg refused by %s (%d): %s", s.room,
+                                     s.decode, resp.status_code, reason(body, resp.status_code))
                         self.host.feed(
                             ev.LegResponded(s.room, "decode", False,
                                             reason(body, resp.status_code),

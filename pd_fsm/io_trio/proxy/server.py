@@ -431,6 +431,7 @@ class Proxy:
         if progress is not None:
             if reopen.cause == "handoff" and progress.ticket is not None:
                 nxt.ticket, nxt.handoff_from = progress.ticket, s.decode
+                progress.adopt_next_token(progress.ticket)
             progress.ticket = None  # one room uses it
         refusal = self._dispatch(nxt, reopen.attempts)
         return nxt if refusal is None else refusal
