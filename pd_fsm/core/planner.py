@@ -66,6 +66,9 @@ class PlannerConfig:
     min_decode: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     min_workers: int = 2
     max_workers: int = 0  # 0: the cluster does not grow or shrink, only switches roles
+    # Switches decided at once, at most (0: as many as the pressures ask). 1 by default: in the
+    # modelled 64-worker run (bench/RESULTS_planner_sim.md) the proportional step overshot.
+    max_step: int = 1
 
 
 @attrs.frozen
@@ -127,7 +130,8 @@ class Planner:
         return "balanced"
 
     def observe(self, snapshots: Sequence[WorkerSnapshot], now: float) -> list[Decision]:
-        """One observation of every worker; the decisions to act on now (at most one)."""
+        """One observation of every worker; the decisions to act on now (several switches at
+        once when the pressure asks for them, else at most one)."""
         if now < self._quiet_until:  # the last decision's effect is not in the figures yet
             return []
         pressure = self.classify(snapshots)
@@ -135,16 +139,16 @@ class Planner:
         self._run = (pressure, count + 1 if kind == pressure else 1)
         if self._run[1] < self.config.patience:
             return []
-        decision = self._decide(pressure, snapshots)
-        if decision is None:
+        decisions = self._decide(pressure, snapshots)
+        if not decisions:
             return []
-        self.decisions.append((now, decision))
+        self.decisions.extend((now, d) for d in decisions)
         self._quiet_until = now + self.config.cooldown
         self._run = ("balanced", 0)
-        return [decision]
+        return decisions
 
     def _decide(self, pressure: Pressure, snapshots: Sequence[WorkerSnapshot]
-                ) -> Decision | None:
+                ) -> list[Decision]:
         c = self.config
         live = [s for s in snapshots if not s.switching]
         count = {r: sum(s.role == r for s in live) for r in ("prefill", "decode")}
@@ -154,30 +158,39 @@ class Planner:
         worse: Role = "prefill" if p_load >= d_load else "decode"
         if pressure == "both":
             if grow:
-                return ScaleUp(worse, f"{why}: both over {c.headroom:g}")
+                return [ScaleUp(worse, f"{why}: both over {c.headroom:g}")]
             if max(p_load, d_load) < c.imbalance * min(p_load, d_load):
-                return None
+                return []
             pressure = "prefill_bound" if worse == "prefill" else "decode_bound"
             why = f"{why}: both over {c.headroom:g}, {worse} {c.imbalance:g}x worse"
         if pressure in ("prefill_bound", "decode_bound"):
             starved: Role = "prefill" if pressure == "prefill_bound" else "decode"
             donor: Role = "decode" if starved == "prefill" else "prefill"
             if grow:
-                return ScaleUp(starved, f"{why}: {starved} over {c.headroom:g}")
+                return [ScaleUp(starved, f"{why}: {starved} over {c.headroom:g}")]
             floor = c.min_decode if donor == "decode" else c.min_prefill
             if count[donor] <= floor:
-                return None
-            spare = min((s for s in live if s.role == donor), key=_load)
-            return SwitchRole(spare.worker, starved, f"{why}: {starved} over {c.headroom:g}, "
-                              f"{donor} under it")
+                return []
+            loads = {"prefill": p_load, "decode": d_load}
+            # As many as bring the starved side back to headroom, as many as the donor can
+            # give while staying under it (one when both are over), within its floor.
+            need = math.ceil(count[starved] * (loads[starved] / c.headroom - 1.0))
+            spare = (math.floor(count[donor] * (1.0 - loads[donor] / c.headroom))
+                     if loads[donor] < c.headroom else 1)
+            k = max(1, min(need, spare, count[donor] - floor))
+            if c.max_step:
+                k = min(k, c.max_step)
+            donors = sorted((s for s in live if s.role == donor), key=_load)[:k]
+            return [SwitchRole(d.worker, starved, f"{why}: {starved} over {c.headroom:g}, "
+                               f"{donor} under it ({k} of {count[donor]})") for d in donors]
         if pressure == "idle" and c.max_workers > 0 and len(live) > c.min_workers:
             side: Role = "prefill" if p_load <= d_load else "decode"
             floor = c.min_prefill if side == "prefill" else c.min_decode
             if count[side] <= floor:
-                return None
-            spare = min((s for s in live if s.role == side), key=_load)
-            return ScaleDown(spare.worker, f"{why}: every side under {c.idle_below:g}")
-        return None
+                return []
+            idlest = min((s for s in live if s.role == side), key=_load)
+            return [ScaleDown(idlest.worker, f"{why}: every side under {c.idle_below:g}")]
+        return []
 
 
 def _load(s: WorkerSnapshot) -> tuple[int, str]:

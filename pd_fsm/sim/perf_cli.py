@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--planner-interval", type=float, default=5.0)
     c.add_argument("--planner-cooldown", type=float, default=15.0)
     c.add_argument("--planner-patience", type=int, default=2)
+    c.add_argument("--planner-max-step", type=int, default=1,
+                   help="role switches decided at once, at most (0: as many as the pressures "
+                        "ask; default 1)")
 
 
 def placements(cores: int, nice_pairs: list[str]) -> list[Placement]:
@@ -129,7 +132,8 @@ def cluster_main(args: argparse.Namespace) -> int:
                for p in range(step, n, step)}
     configs[f"colocated x{n}"] = ClusterConfig(colocated=n, cores=args.cores_per_worker)
     planner = PlannerConfig(ttft_slo=args.ttft_target, itl_slo=args.tpot_targets[0],
-                            cooldown=args.planner_cooldown, patience=args.planner_patience)
+                            cooldown=args.planner_cooldown, patience=args.planner_patience,
+                            max_step=args.planner_max_step)
     configs[f"adaptive (from {n // 2}P:{n - n // 2}D)"] = ClusterConfig(
         prefill=n // 2, decode=n - n // 2, cores=args.cores_per_worker, planner=planner,
         interval=args.planner_interval)

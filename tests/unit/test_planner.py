@@ -92,6 +92,18 @@ def test_both_over_moves_toward_the_much_worse_side_only() -> None:
     assert isinstance(move, SwitchRole) and move.to == "prefill" and "worse" in move.reason
 
 
+def test_a_large_gap_moves_several_workers_at_once() -> None:
+    # P at 2x its target on 4 workers needs 6 more to get back to headroom (0.8); 12 D at a quarter
+    # of theirs can give 9 and stay under it: 6 switch in one decision, the least loaded first.
+    planner = Planner(PlannerConfig(patience=1, cooldown=0.0, headroom=0.8, max_step=0))
+    moves = planner.observe(cluster(4.0, 0.02, n_p=4, n_d=12), 0.0)
+    assert len(moves) == 6 and all(isinstance(m, SwitchRole) and m.to == "prefill"
+                                   for m in moves)
+    assert [m.worker for m in moves] == [f"d{i}" for i in range(6)]  # type: ignore[union-attr]
+    capped = Planner(PlannerConfig(patience=1, cooldown=0.0, max_step=2))
+    assert len(capped.observe(cluster(4.0, 0.02, n_p=4, n_d=12), 0.0)) == 2
+
+
 def test_config_is_checked() -> None:
     with pytest.raises(ValueError):
         PlannerConfig(patience=0)
