@@ -137,3 +137,22 @@ def test_cluster_model_static_splits_and_the_planner() -> None:
     # Every request is served to its last token, in every cluster.
     for run in (few_p, many_p, planned):
         assert all(len(r.token_times) == r.out for r in run.requests)
+
+
+def test_sim_cli_prints_every_placement_and_cluster(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from pd_fsm.cli import build_parser
+
+    PROFILE.dump(tmp_path / "p.json")
+    argv = ["sim", "--profile", str(tmp_path / "p.json"), "--rates", "1", "--prompts", "6"]
+    args = build_parser(argv).parse_args(argv)
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert out.count("| PD shared") == 3 and "| colocated" in out and "| PD pinned" in out
+    argv = ["sim", "--profile", str(tmp_path / "p.json"), "--workers", "4",
+            "--phases", "long:10,short:10"]
+    args = build_parser(argv).parse_args(argv)
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    for name in ("static 1P:3D", "static 2P:2D", "static 3P:1D", "colocated x4", "adaptive"):
+        assert f"| {name}" in out
