@@ -85,15 +85,27 @@ def _whole(raw: bytes, reference: Any) -> None:
     assert chunks[-1]["meta_info"]["completion_tokens"] == MAX_TOKENS
 
 
+async def _reference_and_counts(http: httpx.AsyncClient, fleet: Fleet, body: dict[str, Any]
+                                ) -> tuple[Any, dict[str, float]]:
+    """The colocated answer to ``body`` and the proxy's counters before the stream."""
+    reference = await fetch_answer(http, str(fleet["colocated"].url), "generate",
+                                   {**body, "stream": False})
+    return reference, await _proxy_counts(http, str(fleet["proxy"].url))
+
+
+async def _moved_since(http: httpx.AsyncClient, url: str, before: dict[str, float]
+                       ) -> dict[str, float]:
+    after = await _proxy_counts(http, url)
+    return {k: after.get(k, 0) - before.get(k, 0) for k in after}
+
+
 async def test_a_sigtermed_decode_worker_hands_its_stream_off_without_a_prefill(
         fleet: Fleet) -> None:
     body = _body()
-    proxy, colocated, p = fleet["proxy"], fleet["colocated"], fleet["p"]
+    proxy, p = fleet["proxy"], fleet["p"]
     decodes = [fleet["d0"], fleet["d1"]]
     async with httpx.AsyncClient(timeout=60) as http:
-        reference = await fetch_answer(http, str(colocated.url), "generate",
-                                       {**body, "stream": False})
-        before = await _proxy_counts(http, str(proxy.url))
+        reference, before = await _reference_and_counts(http, fleet, body)
         raw, drained, p_before = b"", None, None
         async with http.stream("POST", f"{proxy.url}{PATHS['generate']}", json=body) as r:
             assert r.status_code == 200
@@ -105,8 +117,7 @@ async def test_a_sigtermed_decode_worker_hands_its_stream_off_without_a_prefill(
         assert drained is not None and drained.popen is not None and p_before is not None
         _whole(raw, reference)
 
-        after = await _proxy_counts(http, str(proxy.url))
-        moved = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        moved = await _moved_since(http, str(proxy.url), before)
         assert moved.get("rooms_reopened_total:handoff") == 1, moved
         assert moved.get("handoffs_total:taken") == 1, moved
         assert not moved.get("rooms_reopened_total:migration"), moved  # no re-prefill
@@ -129,12 +140,10 @@ async def test_a_sigtermed_decode_worker_hands_its_stream_off_without_a_prefill(
 
 async def test_a_hand_off_that_cannot_be_pulled_falls_back_to_a_migration(fleet: Fleet) -> None:
     body = _body()
-    proxy, colocated, p = fleet["proxy"], fleet["colocated"], fleet["p"]
+    proxy, p = fleet["proxy"], fleet["p"]
     decodes = [fleet["d0"], fleet["d1"]]
     async with httpx.AsyncClient(timeout=60) as http:
-        reference = await fetch_answer(http, str(colocated.url), "generate",
-                                       {**body, "stream": False})
-        before = await _proxy_counts(http, str(proxy.url))
+        reference, before = await _reference_and_counts(http, fleet, body)
         raw, drained, other = b"", None, None
         async with http.stream("POST", f"{proxy.url}{PATHS['generate']}", json=body) as r:
             assert r.status_code == 200
@@ -152,8 +161,7 @@ async def test_a_hand_off_that_cannot_be_pulled_falls_back_to_a_migration(fleet:
                     os.kill(other.pid, signal.SIGCONT)
         assert drained is not None and other is not None
         _whole(raw, reference)
-        after = await _proxy_counts(http, str(proxy.url))
-        moved = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        moved = await _moved_since(http, str(proxy.url), before)
         assert moved.get("rooms_reopened_total:handoff") == 1, moved
         assert moved.get("handoffs_total:fell_back") == 1, moved
         assert moved.get("rooms_reopened_total:migration") == 1, moved  # the re-prefill
