@@ -389,3 +389,71 @@ class ReportDisconnect:
 
 
 SessionEffect = ReportRelayFinished | ReportDisconnect
+
+
+# -- a worker's role at runtime (table role_switch, issue 30 §1) ----------------------------------
+
+
+@attrs.frozen(slots=True)
+class WithdrawRecord:
+    """Leave the registry (the role being left is listed there no more)."""
+
+
+@attrs.frozen(slots=True)
+class RefuseLegs:
+    """Answer new legs 503 with Retry-After until ``AcceptLegs``."""
+
+    reason: str
+
+
+@attrs.frozen(slots=True)
+class FailInFlight:
+    """Fail every request the role being left still has, with ``reason``."""
+
+    reason: str
+
+
+@attrs.frozen(slots=True)
+class StopRole:
+    """Stop ``role``'s backend (its serve task) and check it released everything."""
+
+    role: str
+
+
+@attrs.frozen(slots=True)
+class StartRole:
+    """Build ``role``'s backend from the loaded weights and start it, registered under ``epoch``
+    (``restoring``: the old role again, after the new one failed with ``reason``)."""
+
+    role: str
+    epoch: int
+    restoring: bool = False
+    reason: str = ""
+
+
+@attrs.frozen(slots=True)
+class AcceptLegs:
+    """Take legs again: ``role`` under ``epoch`` is current."""
+
+    role: str
+    epoch: int
+
+
+@attrs.frozen(slots=True)
+class RefuseSwitch:
+    """Answer a switch request 409 with ``reason``: another switch is under way."""
+
+    reason: str
+
+
+@attrs.frozen(slots=True)
+class ExitProcess:
+    """End the process with a non-zero status; ``reason`` names both failures."""
+
+    reason: str
+
+
+RoleSwitchEffect = (
+    WithdrawRecord | RefuseLegs | FailInFlight | StopRole | StartRole | AcceptLegs | RefuseSwitch
+    | ExitProcess
+)

@@ -312,3 +312,35 @@ HandoffEvent = (
     TimeAdvanced | HandoffOffered | HandoffPulled | HandoffClaimed | PullSucceeded | PullFailed
     | Aborted
 )
+
+
+# -- a worker's role at runtime (table role_switch, issue 30 §1) ----------------------------------
+
+
+@attrs.frozen(slots=True)
+class SwitchRequested:
+    """Someone asked the worker to serve ``role`` instead ("prefill", "decode" or "null"); what
+    is in flight has ``drain_s`` seconds to finish."""
+
+    role: str
+    drain_s: float
+
+
+@attrs.frozen(slots=True)
+class RoleDrained:
+    """The role being left holds nothing for anyone (no request, room, queue, registration)."""
+
+
+@attrs.frozen(slots=True)
+class RoleStarted:
+    """The role being started serves (built, warmed, registered under its epoch)."""
+
+
+@attrs.frozen(slots=True)
+class RoleStartFailed:
+    """Building or starting the role raised; ``reason`` says what."""
+
+    reason: str
+
+
+RoleSwitchEvent = TimeAdvanced | SwitchRequested | RoleDrained | RoleStarted | RoleStartFailed

@@ -12,6 +12,7 @@ from pd_fsm.core.decode_endpoint import DecodeEndpoint
 from pd_fsm.core.handoff import HandoffLedger
 from pd_fsm.core.prefill_endpoint import PrefillEndpoint
 from pd_fsm.core.registry import BootstrapRegistry
+from pd_fsm.core.role_switch import RoleSwitch
 from pd_fsm.core.router import RoomRouter
 from pd_fsm.core.session import ProxySession
 from pd_fsm.core.tables import StateTable
@@ -27,4 +28,5 @@ def core_machines() -> list[tuple[type, tuple[StateTable, ...]]]:
         (WorkerBreakers, (WorkerBreakers.table,)),
         (ProxySession, (ProxySession.table,)),
         (HandoffLedger, (HandoffLedger.table,)),
+        (RoleSwitch, (RoleSwitch.table,)),
     ]

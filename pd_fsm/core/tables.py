@@ -23,7 +23,7 @@ from pd_fsm.core.kvpoll import KVPoll
 SAME = "@same"  # `to = "@same"`: a self-loop row shared by several `from` states
 
 TABLE_NAMES = ("kv_sender", "kv_receiver", "kv_hold_lease", "instance_lease", "room",
-               "worker_breaker", "proxy_session", "kv_handoff")
+               "worker_breaker", "proxy_session", "kv_handoff", "role_switch")
 
 
 def tables_dir() -> Traversable:
@@ -297,7 +297,8 @@ ROOM = load_table("room")
 WORKER_BREAKER = load_table("worker_breaker")
 PROXY_SESSION = load_table("proxy_session")
 KV_HANDOFF = load_table("kv_handoff")
+ROLE_SWITCH = load_table("role_switch")
 ALL_TABLES: Mapping[str, StateTable] = {
     t.name: t for t in (KV_SENDER, KV_RECEIVER, KV_HOLD_LEASE, INSTANCE_LEASE, ROOM,
-                        WORKER_BREAKER, PROXY_SESSION, KV_HANDOFF)
+                        WORKER_BREAKER, PROXY_SESSION, KV_HANDOFF, ROLE_SWITCH)
 }

@@ -43,6 +43,7 @@ from pd_fsm.core.errors import LocalProtocolError
 from pd_fsm.core.handoff import HandoffLedger
 from pd_fsm.core.messages import MAX_ROOM, Heartbeat, HeartbeatAck
 from pd_fsm.core.registry import BootstrapRegistry
+from pd_fsm.core.role_switch import RoleSwitch
 from pd_fsm.core.router import RoomRouter
 from pd_fsm.core.routing import Prompt, RoutingConfig
 from pd_fsm.core.session import ProxySession
@@ -54,6 +55,7 @@ from pd_fsm.core.tables import (
     KV_RECEIVER,
     KV_SENDER,
     PROXY_SESSION,
+    ROLE_SWITCH,
     WORKER_BREAKER,
     StateTable,
 )
@@ -156,6 +158,8 @@ UNREACHABLE: dict[tuple[str, str, str], str] = {
     **{("kv_handoff", s, "LeaseExpired"): "only an OFFERED hand-off has a lease running"
        for s in ("NONE", "RELEASED", "EXPIRED", "PULLING", "ABANDONED", "TAKEN", "FAILED",
                  "DROPPED")},
+    **{("role_switch", s, "DrainTimedOut"): "only a DRAINING worker has a drain deadline running"
+       for s in ("SERVING", "SWITCHING", "RESTORING", "FAILED")},
     **{
         ("room", s, "DispatchedHandoff"): _DISPATCH
         for s in ("DISPATCHED", "PREFILL_DONE", "RELAYING", "COMPLETED", "FAILED", "CANCELLED",
@@ -1053,6 +1057,78 @@ def _handoff_pair(state: str, trigger: str) -> None:
         assert h.ledger.outcomes[row.target] == 1
 
 
+# --- role_switch: RoleSwitch ---------------------------------------------------------------------
+
+_ROLE_EFFECTS = {"WithdrawRecord": ["WithdrawRecord"], "RefuseLegs": ["RefuseLegs"],
+                 "ArmDrainDeadline": [], "FailInFlight": ["FailInFlight"],
+                 "StopRole": ["StopRole"], "StartRole": ["StartRole"], "CommitRole": [],
+                 "AcceptLegs": ["AcceptLegs"], "RestoreRole": ["StartRole"],
+                 "RefuseSwitch": ["RefuseSwitch"], "ExitProcess": ["ExitProcess"]}
+
+
+class Roles:
+    """A RoleSwitch of a prefill worker that may become a decode one, every step recorded."""
+
+    def __init__(self) -> None:
+        self.rs = RoleSwitch("prefill", ("prefill", "decode"))
+        self.now = 0.0
+        self.seen = Seen()
+        step = self.rs._step
+
+        def recorded(trigger: str, out: list[Any]) -> None:
+            source, n = self.rs.state, len(out)
+            step(trigger, out)
+            self.seen.steps.append(Step(source, trigger, self.rs.state, out[n:]))
+
+        self.rs._step = recorded  # type: ignore[method-assign]
+
+    def fire(self, trigger: str) -> Seen:
+        def go() -> list[Any]:
+            if trigger == "DrainTimedOut":
+                self.now += 1e6  # past any drain deadline
+                return self.rs.handle(ev.TimeAdvanced(), self.now)
+            event: Any = {
+                "SwitchRequested": ev.SwitchRequested("decode", 5.0),
+                "Drained": ev.RoleDrained(),
+                "RoleStarted": ev.RoleStarted(),
+                "RoleStartFailed": ev.RoleStartFailed("boom"),
+            }[trigger]
+            return self.rs.handle(event, self.now)
+
+        return _fire(self.seen, go)
+
+
+def _role_pair(state: str, trigger: str) -> None:
+    table = ROLE_SWITCH
+    r = Roles()
+    for step in _path(table, state):
+        assert r.fire(step).error is None
+    assert r.rs.state == state
+    epoch = r.rs.epoch
+    seen = r.fire(trigger)
+    if ("role_switch", state, trigger) in UNREACHABLE:
+        assert seen.error is None and not seen.steps and not seen.out
+        assert r.rs.state == state
+        return
+    row = table.step(state, trigger)
+    if row is None:  # the worker never feeds it (FAILED exits; a report out of turn): our bug
+        assert isinstance(seen.error, LocalProtocolError) and not seen.steps
+        assert r.rs.state == state
+        return
+    assert seen.error is None and seen.steps
+    first = seen.steps[0]
+    assert (first.source, first.trigger, first.target) == (state, trigger, row.target)
+    assert [type(o).__name__ for o in first.effects] == [
+        k for e in row.effects for k in _ROLE_EFFECTS[e]]
+    assert r.rs.state == row.target
+    # Only a completed switch (CommitRole) moves the epoch, by one.
+    assert r.rs.epoch == epoch + ("CommitRole" in row.effects)
+    if row.target == table.S.DRAINING and state != row.target:
+        assert r.rs.next_deadline() == r.now + 5.0
+    if row.target != table.S.DRAINING:
+        assert r.rs.next_deadline() is None
+
+
 # --- the pairs ----------------------------------------------------------------------------------
 
 DRIVERS: dict[str, Callable[[str, str], None]] = {
@@ -1064,6 +1140,7 @@ DRIVERS: dict[str, Callable[[str, str], None]] = {
     "kv_handoff": _handoff_pair,
     "worker_breaker": _breaker_pair,
     "proxy_session": _session_pair,
+    "role_switch": _role_pair,
 }
 
 ALL_PAIRS = [(t.name, s, trig) for t in ALL_TABLES.values() for s, trig in t.pairs()]

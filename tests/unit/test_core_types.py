@@ -24,6 +24,7 @@ from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.drive import Endpoint
 from pd_fsm.core.handoff import HandoffLedger
+from pd_fsm.core.role_switch import RoleSwitch
 from pd_fsm.core.registry import BootstrapRegistry, RegistryEffect
 from pd_fsm.core.router import RoomRouter
 from pd_fsm.core.session import ProxySession
@@ -94,6 +95,7 @@ def test_each_owner_is_an_endpoint_of_its_own_unions(cache: Path) -> None:
         rg: Endpoint[ev.RegistryEvent[str], RegistryEffect[str]] = reg
         se: Endpoint[ev.SessionEvent, fx.SessionEffect] = ps
         ho: Endpoint[ev.HandoffEvent, fx.HandoffEffect] = HandoffLedger()
+        rs: Endpoint[ev.RoleSwitchEvent, fx.RoleSwitchEffect] = RoleSwitch("null", ("null",))
         # Events are contravariant: an endpoint of P's events serves a driver of fewer.
         narrower: Endpoint[ev.TimeAdvanced, fx.PrefillEffect] = p
     """)
@@ -134,6 +136,7 @@ UNIONS = {
     "RegistryEffect": registry.RegistryEffect,
     "SessionEffect": fx.SessionEffect,
     "HandoffEffect": fx.HandoffEffect,
+    "RoleSwitchEffect": fx.RoleSwitchEffect,
 }
 OWNERS = {
     "prefill_endpoint.py": "PrefillEffect",
@@ -143,6 +146,7 @@ OWNERS = {
     "registry.py": "RegistryEffect",
     "session.py": "SessionEffect",
     "handoff.py": "HandoffEffect",
+    "role_switch.py": "RoleSwitchEffect",
 }
 
 
