@@ -69,6 +69,7 @@ def _add_spec(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 _REGISTRARS: dict[str, str] = {
     "bootstrap": "pd_fsm.io_trio.bootstrap.cli",
     "serve": "pd_fsm.io_trio.worker.cli",
+    "switch-role": "pd_fsm.io_trio.worker.switch_cli",
     "proxy": "pd_fsm.io_trio.proxy.cli",
     "cluster": "pd_fsm.io_trio.cluster.local",
     "bench": "pd_fsm.io_trio.bench_client",

@@ -74,6 +74,9 @@ class InstanceRecord:
     # Ours: P's CURVE public key (z85) when its side channel runs CURVE
     # (pd_fsm.io_trio.side_channel.curve); D dials only a P whose key it trusts.
     curve_public_key: str | None = None
+    # Ours (issue 30 §1): how many times this worker has switched its role at runtime; a router
+    # that addresses a leg to a role of an older epoch gets a 409 naming the current one.
+    role_epoch: int = 0
 
     @property
     def key(self) -> InstanceKey:
@@ -217,6 +220,8 @@ def _check_record(r: InstanceRecord) -> list[str]:
     if r.curve_public_key is not None and not is_z85_key(r.curve_public_key):
         problems.append("curve_public_key must be a 40-character Z85 CURVE key "
                         "@ body.curve_public_key")
+    if r.role_epoch < 0:
+        problems.append(f"role_epoch must be >= 0, got {r.role_epoch} @ body.role_epoch")
     if r.bootstrap_host is not None and not r.bootstrap_host:
         problems.append("bootstrap_host must not be empty @ body.bootstrap_host")
     return problems

@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from pd_fsm.core.role_switch import ROLES
 from pd_fsm.io_trio.api_key import ApiKeyGate
 from pd_fsm.io_trio.http_edge import BodyError, edge_app, read_json, request_failures
 from pd_fsm.io_trio.http_server import connection_failures, serve_app
@@ -41,6 +42,7 @@ from pd_fsm.io_trio.worker.backend import (
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.metrics import WorkerMetrics
 from pd_fsm.io_trio.worker.responses import Accumulator, batch_body, indexed
+from pd_fsm.io_trio.worker.roles import RoleHost
 from pd_fsm.io_trio.worker.schemas import ApiError, Limits, ParsedRequest
 from pd_fsm.io_trio.worker.sse import (
     DONE,
@@ -55,9 +57,15 @@ from pd_fsm.jax_engine.sampling_params import SamplingParams
 from pd_fsm.jax_engine.tokenizer import Tokenizer
 from pd_fsm.schedulers.request import RequestOutput
 
+if TYPE_CHECKING:
+    from pd_fsm.jax_engine.transfer.base import KVTransferEngine
+
 log = logging.getLogger("pd_fsm.io_trio.worker.app")
 
 DEFAULT_MODEL_NAME = "default"
+# A leg may name the role it is addressed to; a worker in another role answers 409 with its own.
+ROLE_HEADER = "x-pd-role"
+EPOCH_HEADER = "x-pd-role-epoch"
 
 # A failed backend ends the process after the HTTP server stopped gracefully, or after this.
 FAILED_ANSWERS_GRACE_S = 5.0
@@ -124,7 +132,7 @@ class ModelMeta:
 
 
 def _error(exc: ApiError) -> JSONResponse:
-    response = JSONResponse(exc.body(), status_code=exc.status)
+    response = JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
     if exc.retry_after is not None:
         response.headers["retry-after"] = str(exc.retry_after)
     if exc.status == 413:
@@ -135,15 +143,20 @@ def _error(exc: ApiError) -> JSONResponse:
 
 class WorkerApp:
     def __init__(
-        self, config: ServeConfig, backend: Backend, *, model: LoadedModel | None = None
+        self, config: ServeConfig, backend: Backend, *, model: LoadedModel | None = None,
+        engine: KVTransferEngine | None = None,
     ) -> None:
+        """``engine``: the transfer engine every PD role of a worker that switches roles runs
+        on (``roles.shared_engine``), or None."""
         self.config = config
-        self.backend = backend
         self.meta: ModelMeta | None = None if model is None else ModelMeta.of(model, config)
-        self.metrics = WorkerMetrics(self._stats, backend.mode, (config.slo_ttft, config.slo_itl))
-        if hasattr(backend, "phase_observer"):  # a PD backend: its per-phase histograms
-            backend.phase_observer = self.metrics.phases.observe
+        self.metrics = WorkerMetrics(self._stats, config.role_list,
+                                     (config.slo_ttft, config.slo_itl))
         self._live: set[str] = set()
+        # The role is state that changes at runtime (issue 30 §1): the host owns the backend.
+        self.roles = RoleHost(config, backend, engine=engine, live=lambda: len(self._live),
+                              configure=self._configure_backend)
+        self.metrics.add_roles(self.roles.snapshot)
         self.draining = False  # SIGTERM: new requests get 503 + Retry-After (drain())
         self.bad_requests = 0
         self.app: Starlette | ApiKeyGate = edge_app(
@@ -162,6 +175,7 @@ class WorkerApp:
                 Route("/metrics", self._metrics, methods=["GET"]),
                 Route("/abort_request", self._abort_request, methods=["POST"]),
                 Route("/handoff_release", self._handoff_release, methods=["POST"]),
+                Route("/switch_role", self._switch_role, methods=["POST"]),
             ],
             exception_handlers={
                 ApiError: self._on_api_error,
@@ -172,6 +186,15 @@ class WorkerApp:
             self.app = ApiKeyGate(self.app, config.api_key)
 
     # ----------------------------------------------------------------- lifecycle
+
+    @property
+    def backend(self) -> Backend:
+        """The backend of the role served now (a switch replaces it: ``roles``)."""
+        return self.roles.backend
+
+    def _configure_backend(self, backend: Backend) -> None:
+        if hasattr(backend, "phase_observer"):  # a PD backend: its per-phase histograms
+            backend.phase_observer = self.metrics.phases.observe
 
     def ready(self) -> bool:
         return self.meta is not None and self.backend.ready()
@@ -229,6 +252,24 @@ class WorkerApp:
             # 503 with Retry-After: a router retries it elsewhere (pd-fsm proxy does, at once).
             raise ApiError(503, "the worker is draining (shutting down): send the request to "
                                 "another worker", retry_after=DRAIN_RETRY_AFTER_S)
+        if self.roles.refusing is not None:  # a role switch: the same answer, its own reason
+            raise ApiError(503, self.roles.refusing, retry_after=DRAIN_RETRY_AFTER_S)
+
+    def _refuse_stale_role(self, request: Request) -> None:
+        """A leg addressed to a role (``X-PD-Role``) this worker no longer has: 409 naming the
+        current role and epoch, also in headers, so the router re-reads the registry. Without
+        the header nothing is checked (sglang-router sends none)."""
+        asked = request.headers.get(ROLE_HEADER)
+        if asked is None:
+            return
+        if asked not in ROLES:
+            raise ApiError(400, f"header {ROLE_HEADER} must be one of {', '.join(ROLES)}, "
+                                f"got {asked!r}")
+        role, epoch = self.roles.role, self.roles.epoch
+        if asked != role:
+            raise ApiError(409, f"this worker serves as {role} (role epoch {epoch}), not as "
+                                f"{asked}: look it up again in the registry",
+                           headers={ROLE_HEADER: role, EPOCH_HEADER: str(epoch)})
 
     async def drain(self) -> None:
         """SIGTERM's graceful part (issue 32 §3): out of the registry first, new requests
@@ -359,6 +400,7 @@ class WorkerApp:
         start = trio.current_time()
         try:
             self._refuse_if_draining()
+            self._refuse_stale_role(request)
             self._require_ready()
             body = await self._read_json(request)
             batch = schemas.split_batch(kind, body)  # type: ignore[arg-type]  # kind: a Kind
@@ -592,6 +634,31 @@ class WorkerApp:
         queued = release is not None and release(uuid_)
         return JSONResponse({"queued": queued})
 
+    async def _switch_role(self, request: Request) -> Response:
+        """Switch the worker's role at runtime (issue 30 §1): 202 at once, the switch runs on
+        (``/server_info``'s ``role_state`` and ``role_epoch`` say when it serves)."""
+        body = await self._read_json(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, 'the body must be a JSON object: {"role": "prefill"|"decode"|'
+                                '"null"}')
+        unknown = sorted(set(body) - {"role"})
+        if unknown:
+            raise ApiError(400, f"unknown field(s) {', '.join(unknown)} @ body: give only role")
+        role = body.get("role")
+        if not isinstance(role, str):
+            raise ApiError(400, f"body.role must be a string, one of {', '.join(ROLES)}")
+        if self.config.nnodes > 1:
+            raise ApiError(400, "an instance spanning processes (--nnodes > 1) cannot switch "
+                                "its role: restart it in the new role")
+        if self.draining:
+            raise ApiError(503, "the worker is draining (shutting down)",
+                           retry_after=DRAIN_RETRY_AFTER_S)
+        answer = self.roles.request(role)
+        if answer.error is not None:
+            raise ApiError(answer.status, answer.error, "conflict" if answer.status == 409
+                           else None)
+        return JSONResponse(answer.body, status_code=answer.status)
+
     async def _abort_request(self, request: Request) -> Response:
         body = await self._read_json(request)
         if not isinstance(body, dict):
@@ -609,6 +676,10 @@ class WorkerApp:
     async def _health(self, request: Request) -> Response:
         if self.draining:  # load balancers stop sending here
             return JSONResponse({"status": "draining"}, status_code=503,
+                                headers={"retry-after": str(DRAIN_RETRY_AFTER_S)})
+        if self.roles.refusing is not None:  # and while the role changes
+            return JSONResponse({"status": "switching_role", "role_state": self.roles.state},
+                                status_code=503,
                                 headers={"retry-after": str(DRAIN_RETRY_AFTER_S)})
         if not self.ready():
             return JSONResponse({"status": "loading"}, status_code=503)
@@ -657,7 +728,9 @@ class WorkerApp:
         info = self._info_common()
         info.update(
             version=_version(),
-            disaggregation_mode=c.disaggregation_mode,
+            # The role now and its epoch, the roles it may take, the switch's state and P's
+            # bootstrap port (its side channel's) while it is P (issue 30 §1).
+            **self.roles.info(),
             disaggregation_transfer_backend=c.disaggregation_transfer_backend,
             disaggregation_bootstrap_host=c.disaggregation_bootstrap_host,
             disaggregation_bootstrap_port=c.disaggregation_bootstrap_port,
@@ -810,7 +883,7 @@ async def serve_worker(
 
     async def run_backend(*, task_status: trio.TaskStatus[None]) -> None:
         try:
-            await worker.backend.serve(task_status=task_status)
+            await worker.roles.run(task_status=task_status)
         except Exception:
             backend_failed.set()
             # Shielded: the HTTP task cancels this nursery once it stopped, and the error

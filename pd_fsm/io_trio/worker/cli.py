@@ -26,7 +26,8 @@ from pd_fsm.io_trio.worker.config import (
 )
 
 if TYPE_CHECKING:
-    from pd_fsm.io_trio.worker.backend import Backend
+    from pd_fsm.io_trio.worker.roles import RoleBackend
+    from pd_fsm.jax_engine.transfer.base import KVTransferEngine
 
 log = logging.getLogger("pd_fsm.io_trio.worker.cli")
 
@@ -36,30 +37,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=main)
 
 
-def _spmd_key(config: ServeConfig) -> bytes | None:
-    from pd_fsm.core.keys import spmd_key
+def make_backend(config: ServeConfig, engine: KVTransferEngine | None = None) -> RoleBackend:
+    """The backend of ``config``'s role (``roles.make_backend``; imported here, not at the top:
+    `pd-fsm --help` reads this module and must not pay for JAX)."""
+    from pd_fsm.io_trio.worker.roles import make_backend as make
 
-    secret = config.cluster_secret()
-    return None if secret is None else spmd_key(secret)
-
-
-def make_backend(config: ServeConfig) -> Backend:
-    spmd = None
-    if config.nnodes > 1:
-        from pd_fsm.io_trio.worker.spmd.leader import SpmdLeader
-
-        spmd = SpmdLeader(config.spmd_addr(), config.nnodes, _spmd_key(config))
-    if config.disaggregation_mode == "null":
-        from pd_fsm.io_trio.worker.colocated import ColocatedBackend
-
-        return ColocatedBackend(
-            config.scheduler_args(), max_queued=config.max_queued, warmup=config.warmup,
-            spmd=spmd,
-        )
-    # Imported here: the PD backends bring the transfer engine and the side channel.
-    from pd_fsm.io_trio.worker.pd_backends import make_pd_backend
-
-    return make_pd_backend(config, spmd)
+    return make(config, engine)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -117,10 +100,14 @@ def main(args: argparse.Namespace) -> int:
         return 1
     if config.node_rank > 0:
         return _follow(config)
-    backend = make_backend(config)
+    from pd_fsm.io_trio.worker.roles import shared_engine
+
+    # One transfer engine for every PD role of a worker that may switch (roles.py says why).
+    engine = shared_engine(config)
+    backend = make_backend(config, engine)
     from pd_fsm.io_trio.worker.app import WorkerApp
 
-    worker = WorkerApp(config, backend)
+    worker = WorkerApp(config, backend, engine=engine)
     return run_service(_run, worker, host=config.host, port=config.port, log=log)
 
 
@@ -130,14 +117,14 @@ def _follow(config: ServeConfig) -> int:
     if config.disaggregation_mode != "null":
         from pd_fsm.io_trio.worker.spmd.pd_replica import run_replica
 
-        return trio.run(run_replica, config, _spmd_key(config))
+        return trio.run(run_replica, config, config.spmd_key())
     from pd_fsm.io_trio.worker.colocated import ColocatedBackend
     from pd_fsm.io_trio.worker.spmd.follower import follow
 
     backend = ColocatedBackend(config.scheduler_args(), warmup=config.warmup)
     scheduler = backend.build_scheduler()
     log.info("rank %d ready: following rank 0 at %s", config.node_rank, config.spmd_addr())
-    return follow(scheduler, config.spmd_addr(), config.node_rank, _spmd_key(config))
+    return follow(scheduler, config.spmd_addr(), config.node_rank, config.spmd_key())
 
 
 async def _run(worker: object) -> None:

@@ -117,6 +117,8 @@ class ColocatedBackend:
         self._jobs_send, self._jobs_recv = trio.open_memory_channel[_Stream](max_queued)
         self._streams: dict[str, _Stream] = {}
         self._aborts: set[str] = set()
+        # Requests aborted by ``fail_in_flight``: their client gets this error, not the abort.
+        self._failing: dict[str, BackendError] = {}
         self._wake = trio.Event()
         # One step at a time; the limiter keeps JAX work off trio's default thread pool.
         self._limiter = trio.CapacityLimiter(1)
@@ -203,6 +205,21 @@ class ColocatedBackend:
         self._aborts.add(rid)
         self._wake.set()
         return True
+
+    def fail_in_flight(self, reason: str) -> int:
+        """A role switch's drain deadline passed (issue 30 §1): abort every live request in the
+        scheduler, as ``/abort_request`` does (its pages freed; under PD its peer told), and
+        answer its client 503 with ``reason``. Returns how many."""
+        live = [rid for rid, stream in self._streams.items() if not stream.done]
+        for rid in live:
+            self._failing[rid] = BackendError(503, reason)
+            self._aborts.add(rid)
+        self._wake.set()
+        return len(live)
+
+    def close_scheduler(self, scheduler: Scheduler) -> None:
+        """Free what a scheduler from ``build_scheduler`` holds besides memory, once it is not
+        served (a role compiled at start and dropped: worker/roles.py). Nothing, colocated."""
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -374,6 +391,10 @@ class ColocatedBackend:
             self.generated_tokens_total += len(out.new_token_ids)
             if stream is None:
                 continue  # the warm-up request, or one already failed
+            failing = self._failing.get(out.rid) if out.finished else None
+            if failing is not None:  # the abort fail_in_flight asked for: its reason instead
+                self._fail(stream, failing)
+                continue
             stream.put(out)
             if out.finished:  # with n > 1: its last sequence
                 assert out.finish_reason is not None
@@ -383,6 +404,9 @@ class ColocatedBackend:
         """A job aborted before the scheduler saw it still gets its final (abort) output, so a
         client that is still waiting is answered like any other aborted request."""
         job = stream.job
+        if job.rid in self._failing:
+            self._fail(stream, self._failing[job.rid])
+            return
         stream.put(
             RequestOutput(
                 rid=job.rid,
@@ -397,7 +421,7 @@ class ColocatedBackend:
         self._finish(stream, "abort")
 
     def _fail(self, stream: _Stream, error: BackendError) -> None:
-        stream.put(error)
+        stream.put(self._failing.pop(stream.job.rid, error))
         self._finish(stream, "error")
 
     def _finish(self, stream: _Stream, outcome: str) -> None:

@@ -46,7 +46,8 @@ class ServeConfig:
     slo_ttft: float = 2.0
     slo_itl: float = 0.1
     # On SIGTERM: out of the registry, new requests refused with 503 and Retry-After, and this
-    # long for the requests in flight to finish before the process stops (issue 32 §3).
+    # long for the requests in flight to finish before the process stops (issue 32 §3); the same
+    # bound for the drain of a role switch (issue 30 §1).
     drain_timeout: float = 30.0
     # A draining decode worker hands its running streams (those the proxy let it: accept_handoff)
     # to another D: their KV is pulled, not prefilled again (issue 32 §2).
@@ -78,6 +79,9 @@ class ServeConfig:
     radix_cache: bool = True
     decode_radix_cache: bool = False
     max_queued: int = 1024  # jobs waiting to enter the scheduler; beyond that: 503
+    # The roles this worker may take at runtime (POST /switch_role, issue 30 §1), each compiled
+    # before ready; empty: only --disaggregation-mode's.
+    roles: tuple[str, ...] = ()
     # -- disaggregation (RFC-2 §7)
     disaggregation_mode: str = "null"
     disaggregation_transfer_backend: str = "jax"
@@ -138,6 +142,16 @@ class ServeConfig:
         return self.advertise_host or self.host
 
     @property
+    def role_list(self) -> tuple[str, ...]:
+        """Every role this worker may serve, the starting one (``disaggregation_mode``) first."""
+        rest = tuple(r for r in self.roles if r != self.disaggregation_mode)
+        return (self.disaggregation_mode, *rest)
+
+    def in_role(self, role: str) -> ServeConfig:
+        """This config for a worker serving ``role`` (a role switch's new backend)."""
+        return attrs.evolve(self, disaggregation_mode=role)
+
+    @property
     def model_name(self) -> str:
         # A checkpoint directory is served under its last path component.
         return self.served_model_name or Path(self.model).name
@@ -156,6 +170,13 @@ class ServeConfig:
         assert self.dist_init_addr is not None
         host, _, port = self.dist_init_addr.rpartition(":")
         return f"{host}:{int(port) + 1}"
+
+    def spmd_key(self) -> bytes | None:
+        """The key of a multi-process instance's command stream (from the cluster secret)."""
+        from pd_fsm.core.keys import spmd_key
+
+        secret = self.cluster_secret()
+        return None if secret is None else spmd_key(secret)
 
     def cluster_secret(self) -> bytes | None:
         """The secret's bytes (stripped), None when no file is configured; raises OSError or

@@ -56,6 +56,19 @@ def _check_kv_checksum(args: argparse.Namespace) -> None:
                          "(READY would carry only rank 0's checksums)")
 
 
+def _check_roles(args: argparse.Namespace) -> None:
+    roles = args.roles or ()
+    if roles and args.disaggregation_mode not in roles:
+        raise ValueError(f"--roles {','.join(roles)} must include --disaggregation-mode's role "
+                         f"({args.disaggregation_mode})")
+    if len(roles) > 1 and args.nnodes > 1:
+        # Every rank would have to switch in step with rank 0 (its replica, its transfer
+        # server, its registration): not built. sglang refuses its role switch with DP
+        # attention and EP alike.
+        raise ValueError("--roles with more than one role is not supported with --nnodes > 1 "
+                         "(an instance spanning processes cannot switch its role)")
+
+
 def _compilation_cache(args: argparse.Namespace) -> bool:
     if args.no_compilation_cache and args.compilation_cache_dir is not None:
         raise ValueError("--compilation-cache-dir and --no-compilation-cache contradict")
@@ -63,7 +76,8 @@ def _compilation_cache(args: argparse.Namespace) -> bool:
 
 
 def _advertise_host(args: argparse.Namespace) -> str | None:
-    if args.disaggregation_mode == "null":
+    # A worker that may become P or D at runtime needs the address peers reach it at too.
+    if all(role == "null" for role in (args.disaggregation_mode, *(args.roles or ()))):
         if args.advertise_interface is not None:
             raise ValueError(
                 "--advertise-interface is for P and D workers (--disaggregation-mode)"
@@ -83,7 +97,7 @@ def _side_channel_curve(args: argparse.Namespace) -> CurveKeys | None:
         raise ValueError("--side-channel-curve-key and --side-channel-curve-peers go together")
     if args.side_channel_curve_key is None:
         return None
-    if args.disaggregation_mode == "null":
+    if all(role == "null" for role in (args.disaggregation_mode, *(args.roles or ()))):
         raise ValueError("--side-channel-curve-key is for P and D workers")
     from pd_fsm.io_trio.side_channel.curve import CurveKeys
 
@@ -106,14 +120,15 @@ SERVE_HOOKS: tuple[Hook, ...] = (
                 "disaggregation_bootstrap_heartbeat_ttl"), _check_heartbeat),
     Hook(None, ("nnodes", "node_rank", "tp_size", "dist_init_addr"), _check_nodes),
     Hook(None, ("disaggregation_kv_checksum", "nnodes"), _check_kv_checksum),
+    Hook(None, ("roles", "disaggregation_mode", "nnodes"), _check_roles),
     Hook("radix_cache", ("disable_radix_cache",), lambda args: not args.disable_radix_cache),
     Hook("compilation_cache", ("no_compilation_cache", "compilation_cache_dir"),
          _compilation_cache),
     Hook("advertise_host", ("host", "advertise_host", "advertise_interface",
-                            "disaggregation_mode", "disaggregation_bootstrap_host"),
+                            "disaggregation_mode", "roles", "disaggregation_bootstrap_host"),
          _advertise_host),
     Hook("side_channel_curve", ("side_channel_curve_key", "side_channel_curve_peers",
-                                "disaggregation_mode"), _side_channel_curve),
+                                "disaggregation_mode", "roles"), _side_channel_curve),
     Hook("chat_template", ("chat_template",), _chat_template),
     Hook("tls", tuple(flag.dest for flag in tls_flags()), tls_from_args),
     Hook("api_key", tuple(flag.dest for flag in api_key_flags()), api_key_from_args),

@@ -45,6 +45,19 @@ def model_arg(value: str) -> str:
     )
 
 
+def roles_arg(value: str) -> tuple[str, ...]:
+    """``--roles prefill,decode``: distinct worker roles, comma-separated."""
+    roles = tuple(r.strip() for r in value.split(","))
+    bad = [r for r in roles if r not in DISAGGREGATION_MODES]
+    if bad or not roles:
+        raise argparse.ArgumentTypeError(
+            f"unknown role(s) {', '.join(map(repr, bad))} in {value!r} (expected a comma-"
+            f"separated list of {', '.join(DISAGGREGATION_MODES)})")
+    if len(set(roles)) != len(roles):
+        raise argparse.ArgumentTypeError(f"a role is named twice in {value!r}")
+    return roles
+
+
 def _cpu_list(name: str, value: Any) -> None:
     parse_cpus(value)  # a bad list fails here, naming itself
 
@@ -220,6 +233,15 @@ _PROCESS = (
 _DISAGGREGATION = (
     Flag("--disaggregation-mode", "null: a colocated worker; prefill or decode: the P or D side",
          choices=DISAGGREGATION_MODES, rfc2=True, sglang="--disaggregation-mode"),
+    Flag("--roles", metavar="LIST", type=roles_arg, shown_default="`--disaggregation-mode`'s",
+         help=("the roles this worker may switch to at runtime (POST /switch_role), e.g. "
+               "prefill,decode: each one's shapes are compiled before ready; must include "
+               "--disaggregation-mode's"), doc=(
+             "the roles (`null`, `prefill`, `decode`, comma-separated) this worker may switch to "
+             "at runtime without a restart (`POST /switch_role`, `pd-fsm switch-role`; see "
+             "\"Role switch\"): the weights stay loaded, and every listed role's shapes are "
+             "compiled before the worker says ready, so a switch compiles nothing. Must include "
+             "`--disaggregation-mode`'s role. Refused with `--nnodes` > 1")),
     Flag("--disaggregation-transfer-backend", "the only backend: jax.experimental.transfer",
          choices=TRANSFER_BACKENDS, rfc2=True, sglang="--disaggregation-transfer-backend"),
     Flag("--disaggregation-bootstrap-host", "the bootstrap server's (the registry's) host",

@@ -10,9 +10,10 @@ of a PD request that its role carries out (``phases.py``).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import attrs
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -73,9 +74,46 @@ class StatsCollector(Collector):
                 yield GaugeMetricFamily(name, doc, value=n)
 
 
+@attrs.frozen
+class RoleSnapshot:
+    """A worker's role as /metrics shows it (issue 30 §1; worker/roles.py makes it)."""
+
+    role: str
+    epoch: int
+    roles: tuple[str, ...]
+    switches: Mapping[tuple[str, str, str], int]  # (from, to, outcome) -> count
+
+
+class RoleCollector(Collector):
+    """``role_switches_total{from,to,outcome}``, ``role_epoch`` and the current role as
+    ``role{role}`` (1 for the role served, 0 for the others it may take)."""
+
+    def __init__(self, snapshot: Callable[[], RoleSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        switches = CounterMetricFamily(f"{PREFIX}_role_switches",
+                                       "role switches by the roles left and taken and outcome",
+                                       labels=["from", "to", "outcome"])
+        for (source, target, outcome), n in sorted(snap.switches.items()):
+            switches.add_metric([source, target, outcome], n)
+        yield switches
+        yield GaugeMetricFamily(f"{PREFIX}_role_epoch",
+                                "completed role switches of this worker (0 at start)",
+                                value=snap.epoch)
+        role = GaugeMetricFamily(f"{PREFIX}_role", "1 for the role this worker serves now",
+                                 labels=["role"])
+        for r in snap.roles:
+            role.add_metric([r], float(r == snap.role))
+        yield role
+
+
 class WorkerMetrics:
-    def __init__(self, stats: Callable[[], dict[str, Any]], role: str = "null",
+    def __init__(self, stats: Callable[[], dict[str, Any]],
+                 roles: str | tuple[str, ...] = "null",
                  slo: tuple[float, float] = (2.0, 0.1)) -> None:
+        """``roles``: the role served, or every role the worker may take (their phases)."""
         self.slo_ttft, self.slo_itl = slo
         self.registry = CollectorRegistry(auto_describe=False)
         self.requests = Counter(
@@ -117,8 +155,12 @@ class WorkerMetrics:
         )
         for met in ("true", "false"):
             self.slo.labels(met)  # both series exist from the start: rates need no guesswork
-        self.phases = PhaseHistograms(self.registry, role)
+        self.phases = PhaseHistograms(self.registry, *((roles,) if isinstance(roles, str)
+                                                       else roles))
         self.registry.register(StatsCollector(stats, f"{PREFIX}_backend"))
+
+    def add_roles(self, snapshot: Callable[[], RoleSnapshot]) -> None:
+        self.registry.register(RoleCollector(snapshot))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

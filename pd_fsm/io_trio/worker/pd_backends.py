@@ -60,6 +60,7 @@ from pd_fsm.io_trio.worker.spmd.frames import (
     TickStarted,
 )
 from pd_fsm.io_trio.worker.spmd.tick_inputs import TickInputs, shared_key
+from pd_fsm.jax_engine.transfer.base import KVTransferEngine
 from pd_fsm.jax_engine.transfer.thread_priority import DataPlanePriority
 from pd_fsm.schedulers.args import same_named
 from pd_fsm.schedulers.disaggregation import (
@@ -89,14 +90,17 @@ SPMD_IDLE_TICK_S = 5.0
 
 
 def make_pd_backend(
-    config: ServeConfig, spmd: SpmdLeader | None = None, pairing: PeerPairing | None = None
+    config: ServeConfig, spmd: SpmdLeader | None = None, pairing: PeerPairing | None = None,
+    engine: KVTransferEngine | None = None,
 ) -> PDBackend:
     """The role's backend; ``spmd``: rank 0 of an instance spanning processes; ``pairing``: a
-    D rank > 0's way to its P rank (its backend only builds the replica)."""
+    D rank > 0's way to its P rank (its backend only builds the replica); ``engine``: the
+    process's transfer engine, shared by the roles a worker switches between (worker/roles.py),
+    or None for one of the backend's own."""
     if config.disaggregation_mode == "prefill":
-        return PrefillBackend(config, spmd)
+        return PrefillBackend(config, spmd, engine=engine)
     if config.disaggregation_mode == "decode":
-        return DecodeBackend(config, spmd, pairing)
+        return DecodeBackend(config, spmd, pairing, engine=engine)
     raise ValueError(f"no PD backend for mode {config.disaggregation_mode!r}")
 
 
@@ -147,12 +151,19 @@ class PDBackend(ColocatedBackend, ABC):
 
     scheduler: PrefillScheduler | DecodeScheduler | None
 
-    def __init__(self, config: ServeConfig, spmd: SpmdLeader | None = None) -> None:
+    def __init__(self, config: ServeConfig, spmd: SpmdLeader | None = None, *,
+                 engine: KVTransferEngine | None = None) -> None:
         super().__init__(
             config.scheduler_args(), max_queued=config.max_queued, warmup=config.warmup,
             spmd=spmd,
         )
         self.config = config
+        # A shared engine outlives this backend (a role switch starts the next role on it: JAX
+        # has no call that stops a transfer server), so closing the backend only releases what
+        # it registered there.
+        self._engine = engine
+        # Registered with the backend's record (issue 30 §1): the worker's switches so far.
+        self.role_epoch = 0
         # An instance spanning processes: every rank's clock and random numbers (tick_inputs),
         # the ticks sent so far, rank 0's state after the last one, and (D) the other ranks'
         # finished pulls: room -> rank -> "" or why it failed.
@@ -323,7 +334,17 @@ class PDBackend(ColocatedBackend, ABC):
         ``accepted``: when the worker took it. A rank > 0 admits rank 0's legs with it too."""
 
     def _close(self, sched: Any) -> None:
-        sched.engine.close()
+        self._close_engine(sched)
+
+    def close_scheduler(self, scheduler: Scheduler) -> None:
+        self._close(scheduler)
+
+    def _close_engine(self, sched: Any) -> None:
+        if self._engine is None:
+            sched.engine.close()
+            return
+        for uuid in list(sched.engine.registrations()):
+            sched.engine.release(uuid, "the worker's role is switching")
 
     # -- shared machinery ---
 
@@ -371,6 +392,7 @@ class PDBackend(ColocatedBackend, ABC):
                        "processes": c.nnodes, "kv_checksum": c.disaggregation_kv_checksum},
             heartbeat_ttl=c.disaggregation_bootstrap_heartbeat_ttl,
             curve_public_key=self._curve.public.decode() if self._curve is not None else None,
+            role_epoch=self.role_epoch,
         )
 
     def _check_peer(self, record: InstanceRecord) -> str | None:
@@ -558,15 +580,16 @@ class PDBackend(ColocatedBackend, ABC):
 class PrefillBackend(PDBackend):
     """P: answers its leg once the room's KV is handed off to D (READY sent)."""
 
-    def __init__(self, config: ServeConfig, spmd: SpmdLeader | None = None) -> None:
-        super().__init__(config, spmd)
+    def __init__(self, config: ServeConfig, spmd: SpmdLeader | None = None, *,
+                 engine: KVTransferEngine | None = None) -> None:
+        super().__init__(config, spmd, engine=engine)
         self.side: PrefillSideChannel | None = None
 
     def _new_scheduler(self) -> PrefillScheduler:
         ti = self.tick_inputs
         if ti is None:
-            return PrefillScheduler(self.pd_args)
-        return PrefillScheduler(self.pd_args, clock=ti.clock, rng=ti.rng)
+            return PrefillScheduler(self.pd_args, engine=self._engine)
+        return PrefillScheduler(self.pd_args, engine=self._engine, clock=ti.clock, rng=ti.rng)
 
     async def _start_io(self, nursery: trio.Nursery, sched: Any) -> InstanceRecord:
         bind = f"{self.config.host}:{self.config.disaggregation_side_channel_port}"
@@ -597,8 +620,9 @@ class DecodeBackend(PDBackend):
     """D: preallocates, pulls the KV from P, then streams the generation."""
 
     def __init__(self, config: ServeConfig, spmd: SpmdLeader | None = None,
-                 pairing: PeerPairing | None = None) -> None:
-        super().__init__(config, spmd)
+                 pairing: PeerPairing | None = None, *,
+                 engine: KVTransferEngine | None = None) -> None:
+        super().__init__(config, spmd, engine=engine)
         self._pairing = pairing
         self.side: DecodeSideChannel | None = None
         # P address -> (last heartbeat seq, rooms) as of the last tick: what to keep sending
@@ -681,9 +705,11 @@ class DecodeBackend(PDBackend):
     def _new_scheduler(self) -> DecodeScheduler:
         ti = self.tick_inputs
         if ti is None:
-            return DecodeScheduler(self.pd_args, on_pull_result=self._wake_from_thread)
+            return DecodeScheduler(self.pd_args, engine=self._engine,
+                                   on_pull_result=self._wake_from_thread)
         return DecodeScheduler(
-            self.pd_args, clock=ti.clock, on_pull_result=self._wake_from_thread,
+            self.pd_args, engine=self._engine, clock=ti.clock,
+            on_pull_result=self._wake_from_thread,
             # One incarnation for every rank (the replicas' cores check P's answers with it).
             incarnation=ti.rng.getrandbits(63) | 1, pairing=self._pairing,
         )
@@ -830,4 +856,4 @@ class DecodeBackend(PDBackend):
 
     def _close(self, sched: Any) -> None:
         sched.close()
-        sched.engine.close()
+        self._close_engine(sched)

@@ -130,12 +130,13 @@ def role_phases(role: str) -> tuple[Phase, ...]:
 
 
 class PhaseHistograms:
-    """The histograms of one role's phases in ``registry`` (none for a colocated worker)."""
+    """The histograms of the phases of ``role`` and of ``more`` roles in ``registry`` (none for a
+    colocated worker): a worker that may switch roles has those of every role it may take."""
 
-    def __init__(self, registry: CollectorRegistry, role: str) -> None:
+    def __init__(self, registry: CollectorRegistry, role: str, *more: str) -> None:
         self._hist = {
             p.key: Histogram(p.name, p.doc, buckets=p.buckets, registry=registry)
-            for p in role_phases(role)
+            for r in dict.fromkeys((role, *more)) for p in role_phases(r)
         }
 
     def observe(self, key: str, value: float) -> None:

@@ -142,6 +142,7 @@ class ApiError(Exception):
     TYPES = {
         400: "invalid_request_error",
         404: "not_found_error",
+        409: "conflict",
         413: "request_too_large",
         499: "client_closed_request",
         500: "internal_server_error",
@@ -151,12 +152,13 @@ class ApiError(Exception):
     }
 
     def __init__(self, status: int, message: str, type_: str | None = None, *,
-                 retry_after: int | None = None) -> None:
+                 retry_after: int | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_ or self.TYPES.get(status, "error")
         self.retry_after = retry_after  # seconds, sent as Retry-After (a 503 while draining)
+        self.headers = headers or {}  # more response headers (a stale role's 409: the current)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "code": self.status}}
