@@ -64,8 +64,8 @@ log = logging.getLogger("pd_fsm.io_trio.worker.app")
 
 DEFAULT_MODEL_NAME = "default"
 # A leg may name the role it is addressed to; a worker in another role answers 409 with its own.
-ROLE_HEADER = "x-pd-role"
-EPOCH_HEADER = "x-pd-role-epoch"
+ROLE_HEADER = "X-PD-Role"
+EPOCH_HEADER = "X-PD-Role-Epoch"
 
 # A failed backend ends the process after the HTTP server stopped gracefully, or after this.
 FAILED_ANSWERS_GRACE_S = 5.0

@@ -84,7 +84,11 @@ class LastSwitch:
     """The last completed switch's figures (``/server_info``; the report of issue 30 §1)."""
 
     seconds: float  # from the request to serving in the new role
-    compiles: int  # executables compiled or loaded meanwhile: 0 when --roles did its work
+    # From the old role's stop to serving in the new one (building, warming, registering), and
+    # the executables compiled or loaded meanwhile: 0 when --roles did its work at start (the
+    # drain before it may compile what the old role's last requests needed).
+    start_seconds: float
+    compiles: int
     failed_in_flight: int  # requests the drain deadline failed
 
 
@@ -148,7 +152,8 @@ class RoleHost:
         self._exit: str | None = None
         self._failed_in_flight = 0
         self._switch_started = 0.0
-        self._compiles_at_request = 0
+        self._stopped_at = 0.0
+        self._compiles_at_stop = 0
         self.last_switch: LastSwitch | None = None
         self.started = False
         # P's side-channel port once bound: a later P role binds it again.
@@ -231,6 +236,13 @@ class RoleHost:
         if port is not None:
             self._side_port = port
 
+    async def _until_ready(self) -> None:
+        """A PD role serves once the registry acknowledged its record (``ready()``), as at
+        start: routers find it there under its new epoch. No deadline of its own, as at start:
+        a registry that never answers leaves the worker unready (and /health 503) either way."""
+        while not self.backend.ready():
+            await trio.sleep(DRAIN_POLL_S)
+
     async def _stop(self) -> None:
         """Stop the current backend: its serve task cancelled (it closes its scheduler)."""
         assert self._serving is not None
@@ -255,10 +267,7 @@ class RoleHost:
             return SwitchAnswer(200, {"role": role, "role_epoch": self.epoch, "switched": False})
         source, self._refused = self.role, None
         if self.machine.serving:
-            from pd_fsm.jax_engine.tiered import total_compiles
-
             self._switch_started = trio.current_time()
-            self._compiles_at_request = sum(total_compiles())
             self._failed_in_flight = 0
         self._feed(ev.SwitchRequested(role, self.config.drain_timeout))
         if self._refused is not None:
@@ -297,12 +306,14 @@ class RoleHost:
     def _accepted(self, effect: fx.AcceptLegs) -> None:
         from pd_fsm.jax_engine.tiered import total_compiles
 
+        now = trio.current_time()
         self.last_switch = LastSwitch(
-            trio.current_time() - self._switch_started,
-            sum(total_compiles()) - self._compiles_at_request, self._failed_in_flight)
-        log.info("serving as %s (role epoch %d) %.2f s after the request; %d executables "
-                 "compiled or loaded meanwhile", effect.role, effect.epoch,
-                 self.last_switch.seconds, self.last_switch.compiles)
+            now - self._switch_started, now - self._stopped_at,
+            sum(total_compiles()) - self._compiles_at_stop, self._failed_in_flight)
+        log.info("serving as %s (role epoch %d) %.2f s after the request, %.2f s after the "
+                 "old role stopped; %d executables compiled or loaded since it stopped",
+                 effect.role, effect.epoch, self.last_switch.seconds,
+                 self.last_switch.start_seconds, self.last_switch.compiles)
 
     def _in_flight(self) -> bool:
         return bool(self._live() or in_flight(self.backend.stats()))
@@ -327,9 +338,14 @@ class RoleHost:
                         while self._in_flight():
                             await trio.sleep(DRAIN_POLL_S)
                 await self._stop()
+                from pd_fsm.jax_engine.tiered import total_compiles
+
+                self._stopped_at, self._compiles_at_stop = (trio.current_time(),
+                                                            sum(total_compiles()))
                 continue
             try:
                 await self._start(self._make(effect.role, effect.epoch))
+                await self._until_ready()
             except Exception as exc:  # a failed build is a row of the table, not a crash
                 log.exception("starting role %s failed", effect.role)
                 self._feed(ev.RoleStartFailed(f"role {effect.role}: {exc!r}"))

@@ -1,0 +1,242 @@
+"""A worker switches its role at runtime (issue 30 §1), in real processes on the tiny model: a
+bootstrap server, worker ``a`` (prefill), ``b`` (decode), both ``--roles prefill,decode``, and
+``c`` (decode, ``--roles decode,null``, a 1 s ``--drain-timeout``). This module is the router:
+it posts both legs of each PD request itself (failure_support.leg).
+
+Checked: ``/switch_role``'s answers; a switch waits for the leg in flight (new legs 503 with
+Retry-After, a second switch 409, out of the registry) and ends with nothing held; past the drain
+deadline the leg fails naming the switch; a 1P1D flip serves the same request the other way
+round with the same tokens, compiling nothing at switch time; a leg addressed to a stale role
+gets 409 with the current role and epoch in its headers; after every switch, pages, rooms,
+queues and registrations are zero on both sides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+import trio
+
+from pd_fsm.io_trio.worker.switch_cli import switch_role
+from tests.integration.failure_support import (
+    SLACK,
+    Fleet,
+    Proc,
+    both_legs,
+    error_message,
+    leg,
+    new_room,
+    prompt,
+    stats,
+    wait_clean,
+    wait_until,
+)
+
+ROLES = ["--roles", "prefill,decode", "--drain-timeout", "20"]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    f = Fleet(tmp_path_factory.mktemp("role_switch"))
+    f.bootstrap()
+    f.prefill("a", extra=ROLES)
+    f.decode("b", extra=ROLES)
+    f.decode("c", extra=["--roles", "decode,null", "--drain-timeout", "1"])
+    f.start()
+    yield f
+    f.close()
+
+
+async def info(http: httpx.AsyncClient, proc: Proc) -> dict[str, Any]:
+    r = await http.get(f"{proc.url}/server_info")
+    r.raise_for_status()
+    return dict(r.json())
+
+
+async def serving(http: httpx.AsyncClient, proc: Proc, role: str, epoch: int,
+                  timeout: float = 30.0) -> dict[str, Any]:
+    """/server_info once ``proc`` serves as ``role`` under ``epoch``."""
+    async def check() -> dict[str, Any] | None:
+        i = await info(http, proc)
+        ok = (i["role_state"], i["disaggregation_mode"], i["role_epoch"]) == (
+            "SERVING", role, epoch)
+        return i if ok else None
+
+    got, _ = await wait_until(check, timeout, f"{proc.name} serving as {role} (epoch {epoch})")
+    return got
+
+
+async def switch(http: httpx.AsyncClient, proc: Proc, role: str) -> dict[str, Any]:
+    """Ask ``proc`` to become ``role``: the 202, checked."""
+    before = await info(http, proc)
+    r = await http.post(f"{proc.url}/switch_role", json={"role": role})
+    assert r.status_code == 202, r.text
+    body = r.json()
+    assert body == {"from": before["disaggregation_mode"], "to": role,
+                    "role_epoch": before["role_epoch"] + 1}
+    return dict(body)
+
+
+async def registered(http: httpx.AsyncClient, fleet: Fleet) -> dict[str, tuple[str, int]]:
+    """scheduler address -> (role, role_epoch) of every instance the registry lists."""
+    r = await http.get(f"{fleet.boot_url}/list")
+    r.raise_for_status()
+    return {i["scheduler_addr"]: (i["role"], i["role_epoch"]) for i in r.json()["instances"]}
+
+
+async def d_room_open(http: httpx.AsyncClient, d: Proc) -> bool | None:
+    s = await stats(http, d)
+    return True if sum(s.get("kvpoll", {}).values()) else None
+
+
+async def test_switch_role_answers(fleet: Fleet) -> None:
+    c = fleet["c"]
+    async with httpx.AsyncClient(timeout=30) as http:
+        i = await info(http, c)
+        assert (i["disaggregation_mode"], i["role_epoch"], i["roles"], i["role_state"]) == (
+            "decode", 0, ["decode", "null"], "SERVING")
+        for body, names in (([1], "JSON object"), ({"role": 1}, "body.role"),
+                            ({"role": "decode", "now": True}, "now"),
+                            ({"role": "colocated"}, "must be one of null, prefill, decode"),
+                            ({"role": "prefill"}, "allowed roles are decode, null")):
+            r = await http.post(f"{c.url}/switch_role", json=body)
+            assert r.status_code == 400 and names in error_message(r), (body, r.text)
+        r = await http.post(f"{c.url}/switch_role", content=b'{"role": "decode", "role": "null"}')
+        assert r.status_code == 400, r.text  # strict JSON: a key given twice
+        r = await http.post(f"{c.url}/switch_role", json={"role": "decode"})
+        assert r.status_code == 200 and r.json() == {"role": "decode", "role_epoch": 0,
+                                                     "switched": False}
+        # A leg addressed to another role: 409 naming the current one, in headers too.
+        for endpoint, body in (("/generate", {"text": "hi"}),
+                               ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                               ("/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": "hi"}]})):
+            r = await http.post(f"{c.url}{endpoint}", json=body, headers={"X-PD-Role": "prefill"})
+            assert r.status_code == 409, r.text
+            assert (r.headers["x-pd-role"], r.headers["x-pd-role-epoch"]) == ("decode", "0")
+            assert "serves as decode (role epoch 0)" in error_message(r)
+        r = await http.post(f"{c.url}/generate", json={"text": "hi"}, headers={"X-PD-Role": "P"})
+        assert r.status_code == 400 and "header X-PD-Role must be one of" in error_message(r)
+        # The right role, or no header (sglang-router sends none): served (D prefills a leg
+        # without bootstrap fields itself).
+        for headers in ({"X-PD-Role": "decode"}, {}):
+            r = await http.post(f"{c.url}/generate", headers=headers, json={
+                "text": "hi", "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+            assert r.status_code == 200, r.text
+
+
+async def test_a_switch_lets_the_leg_in_flight_finish_and_refuses_new_ones(fleet: Fleet) -> None:
+    a, b = fleet["a"], fleet["b"]
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=60.0)) as http:
+        assert (await registered(http, fleet))[str(b.url)] == ("decode", 0)
+        body = leg(new_room(), prompt(12), 6, a)
+        got: dict[str, httpx.Response] = {}
+
+        async def d_leg() -> None:
+            got["d"] = await http.post(f"{b.url}/generate", json=body)
+
+        async with trio.open_nursery() as nursery:
+            # D's leg alone: its room waits for P's READY, which waits for P's leg (below).
+            nursery.start_soon(d_leg)
+            await wait_until(lambda: d_room_open(http, b), SLACK, "b's room open")
+            await switch(http, b, "prefill")
+            i = await info(http, b)
+            assert i["role_state"] == "DRAINING" and i["disaggregation_mode"] == "decode"
+            r = await http.post(f"{b.url}/switch_role", json={"role": "decode"})
+            assert r.status_code == 409 and "under way" in error_message(r), r.text
+            r = await http.post(f"{b.url}/generate", json={"text": "hi"},
+                                headers={"X-PD-Role": "decode"})
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert "switching its role from decode to prefill" in error_message(r)
+            health = await http.get(f"{b.url}/health")
+            assert health.status_code == 503 and health.json()["status"] == "switching_role"
+
+            async def withdrawn() -> bool | None:
+                return True if str(b.url) not in await registered(http, fleet) else None
+
+            await wait_until(withdrawn, SLACK, "b's record withdrawn")
+            r = await http.post(f"{a.url}/generate", json=body)  # P's leg: the room goes on
+            assert r.status_code == 200, r.text
+        assert got["d"].status_code == 200, got["d"].text
+        assert len(got["d"].json()["output_ids"]) == 6
+        i = await serving(http, b, "prefill", 1)
+        assert i["prefill_bootstrap_port"] is not None
+        assert i["last_role_switch"]["failed_in_flight"] == 0
+        assert (await registered(http, fleet))[str(b.url)] == ("prefill", 1)
+        await wait_clean(http, a, b, timeout=SLACK)
+        # Back, for the tests below, as an operator does: pd-fsm switch-role waits until it serves.
+        code, said = await switch_role(str(b.url), "decode", None, 30.0)
+        assert code == 0 and "serves as decode (role epoch 2) after" in said, said
+        await serving(http, b, "decode", 2)
+        await wait_clean(http, a, b, timeout=SLACK)
+
+
+async def test_past_the_drain_deadline_the_leg_fails_naming_the_switch(fleet: Fleet) -> None:
+    a, c = fleet["a"], fleet["c"]
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=60.0)) as http:
+        body = leg(new_room(), prompt(12, seed=1), 6, a)
+        got: dict[str, httpx.Response] = {}
+
+        async def d_leg() -> None:
+            got["d"] = await http.post(f"{c.url}/generate", json=body)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(d_leg)  # P's leg never comes: only the deadline ends it
+            await wait_until(lambda: d_room_open(http, c), SLACK, "c's room open")
+            await switch(http, c, "null")
+        assert got["d"].status_code == 503, got["d"].text
+        message = error_message(got["d"])
+        assert "switched its role from decode to null" in message
+        assert "drain timeout (1 s)" in message
+        i = await serving(http, c, "null", 1)
+        assert i["last_role_switch"]["failed_in_flight"] == 1
+        assert i["prefill_bootstrap_port"] is None
+        assert str(c.url) not in await registered(http, fleet)  # a colocated worker is in none
+        # P heard D's ABORT: its room is gone too, and c serves as a colocated worker.
+        await wait_clean(http, a, c, timeout=SLACK)
+        r = await http.post(f"{c.url}/generate", json={
+            "input_ids": prompt(8), "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 3, r.text
+        await wait_clean(http, c, timeout=SLACK)
+
+
+async def test_a_1p1d_flip_serves_the_same_request_the_other_way_round(fleet: Fleet) -> None:
+    a, b = fleet["a"], fleet["b"]
+    ids = prompt(20, seed=2)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=60.0)) as http:
+        p_r, d_r = await both_legs(http, a, b, leg(new_room(), ids, 8, a))
+        assert p_r.status_code == 200 and d_r.status_code == 200, (p_r.text, d_r.text)
+        before = d_r.json()["output_ids"]
+        epochs = {p.name: (await info(http, p))["role_epoch"] for p in (a, b)}
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(switch, http, a, "decode")
+            nursery.start_soon(switch, http, b, "prefill")
+        a_info = await serving(http, a, "decode", epochs["a"] + 1)
+        b_info = await serving(http, b, "prefill", epochs["b"] + 1)
+        for i in (a_info, b_info):  # every role was compiled at start
+            assert i["last_role_switch"]["compiles"] == 0, i["last_role_switch"]
+        await wait_clean(http, a, b, timeout=SLACK)
+        listed = await registered(http, fleet)
+        assert listed[str(a.url)] == ("decode", epochs["a"] + 1)
+        assert listed[str(b.url)] == ("prefill", epochs["b"] + 1)
+        # b as P: known by the bootstrap port its /server_info names.
+        b_as_p = attrs.evolve(b, bootstrap_port=b_info["prefill_bootstrap_port"])
+        p_r, d_r = await both_legs(http, b_as_p, a, leg(new_room(), ids, 8, b_as_p))
+        assert p_r.status_code == 200 and d_r.status_code == 200, (p_r.text, d_r.text)
+        assert d_r.json()["output_ids"] == before  # the same weights, the same greedy answer
+        assert d_r.json()["meta_info"]["cached_tokens"] == 0  # pulled from b, not prefilled
+        # A router that still thinks a is P gets a 409 naming what a is now.
+        r = await http.post(f"{a.url}/generate", json={"text": "hi"},
+                            headers={"X-PD-Role": "prefill"})
+        assert r.status_code == 409, r.text
+        assert r.headers["x-pd-role"] == "decode"
+        assert r.headers["x-pd-role-epoch"] == str(epochs["a"] + 1)
+        await wait_clean(http, a, b, timeout=SLACK)
+        metrics = (await http.get(f"{a.url}/metrics")).text
+        assert 'pd_fsm_worker_role{role="decode"} 1.0' in metrics
+        assert ('pd_fsm_worker_role_switches_total{from="prefill",outcome="switched",'
+                'to="decode"} 1.0') in metrics
