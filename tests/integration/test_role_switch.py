@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import socket
+
 import attrs
 import httpx
 import pytest
@@ -23,11 +25,13 @@ import trio
 
 from pd_fsm.io_trio.worker.switch_cli import switch_role
 from tests.integration.failure_support import (
+    HOST,
     SLACK,
     Fleet,
     Proc,
     both_legs,
     error_message,
+    free_port,
     leg,
     new_room,
     prompt,
@@ -37,6 +41,8 @@ from tests.integration.failure_support import (
 )
 
 ROLES = ["--roles", "prefill,decode", "--drain-timeout", "20"]
+# d's side-channel port, for its prefill role: the test holds it, so that role cannot start.
+D_SIDE_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +52,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     f.prefill("a", extra=ROLES)
     f.decode("b", extra=ROLES)
     f.decode("c", extra=["--roles", "decode,null", "--drain-timeout", "1"])
+    f.decode("d", extra=["--roles", "decode,prefill",
+                         "--disaggregation-side-channel-port", str(D_SIDE_PORT)])
     f.start()
     yield f
     f.close()
@@ -202,6 +210,37 @@ async def test_past_the_drain_deadline_the_leg_fails_naming_the_switch(fleet: Fl
             "input_ids": prompt(8), "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
         assert r.status_code == 200 and len(r.json()["output_ids"]) == 3, r.text
         await wait_clean(http, c, timeout=SLACK)
+
+
+async def test_a_role_that_cannot_start_gives_way_to_the_old_one(fleet: Fleet) -> None:
+    d = fleet["d"]
+    async with httpx.AsyncClient(timeout=30) as http:
+        with socket.socket() as holder:  # P's side channel cannot bind its port
+            holder.bind((HOST, D_SIDE_PORT))
+            holder.listen()
+            await switch(http, d, "prefill")
+
+            async def over() -> dict[str, Any] | None:
+                i = await info(http, d)
+                return i if i["last_role_switch"] is not None else None
+
+            i, _ = await wait_until(over, SLACK, "d serving again")
+        assert (i["role_state"], i["disaggregation_mode"], i["role_epoch"]) == (
+            "SERVING", "decode", 0)
+        assert i["last_role_switch"]["outcome"] == "restored"
+        assert (await registered(http, fleet))[str(d.url)] == ("decode", 0)
+        metrics = (await http.get(f"{d.url}/metrics")).text
+        assert ('pd_fsm_worker_role_switches_total{from="decode",outcome="restored",'
+                'to="prefill"} 1.0') in metrics
+        # It serves as D (a plain request: D prefills it itself), and holds nothing.
+        r = await http.post(f"{d.url}/generate", json={
+            "input_ids": prompt(8), "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+        assert r.status_code == 200, r.text
+        await wait_clean(http, d, timeout=SLACK)
+        # The port free again, the same request succeeds.
+        await switch(http, d, "prefill")
+        await serving(http, d, "prefill", 1)
+        await wait_clean(http, d, timeout=SLACK)
 
 
 async def test_a_1p1d_flip_serves_the_same_request_the_other_way_round(fleet: Fleet) -> None:

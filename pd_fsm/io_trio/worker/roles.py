@@ -81,8 +81,9 @@ class SwitchAnswer:
 
 @attrs.frozen
 class LastSwitch:
-    """The last completed switch's figures (``/server_info``; the report of issue 30 §1)."""
+    """The last switch's figures once the worker served again (``/server_info``)."""
 
+    outcome: str  # "switched", or "restored": the new role failed to start, the old one serves
     seconds: float  # from the request to serving in the new role
     # From the old role's stop to serving in the new one (building, warming, registering), and
     # the executables compiled or loaded meanwhile: 0 when --roles did its work at start (the
@@ -308,6 +309,7 @@ class RoleHost:
 
         now = trio.current_time()
         self.last_switch = LastSwitch(
+            "switched" if effect.role == self.machine.target else "restored",
             now - self._switch_started, now - self._stopped_at,
             sum(total_compiles()) - self._compiles_at_stop, self._failed_in_flight)
         log.info("serving as %s (role epoch %d) %.2f s after the request, %.2f s after the "
