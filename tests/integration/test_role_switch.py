@@ -13,10 +13,9 @@ queues and registrations are zero on both sides.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from typing import Any
-
-import socket
 
 import attrs
 import httpx
