@@ -374,8 +374,15 @@ class WorkerApp:
         )
         return parsed, job
 
-    async def _outputs(self, job: GenerateJob) -> AsyncGenerator[RequestOutput, None]:
-        """The backend's outputs, with the request counted as live while they flow."""
+    async def _outputs(self, job: GenerateJob, epoch: int | None = None
+                       ) -> AsyncGenerator[RequestOutput, None]:
+        """The backend's outputs, with the request counted as live while they flow. ``epoch``:
+        the role epoch the request was checked against when it arrived; a switch that began
+        while it was read (a role switch's drain counts only live requests) answers it 503
+        rather than serve it in a role it was not addressed to."""
+        if self.roles.refusing is not None or epoch not in (None, self.roles.epoch):
+            raise BackendError(503, "the worker switched its role while this request was read: "
+                                    "send it again (to another worker)")
         self._live.add(job.rid)
         try:
             async with aclosing(self.backend.generate(job)) as outputs:
@@ -398,6 +405,7 @@ class WorkerApp:
     async def _serve(self, request: Request, kind: str) -> Any:
         endpoint = request.url.path
         start = trio.current_time()
+        epoch = self.roles.epoch
         try:
             self._refuse_if_draining()
             self._refuse_stale_role(request)
@@ -415,12 +423,12 @@ class WorkerApp:
             jobs = [(parsed, job)]
         if len(jobs) > 1 or jobs[0][1].sampling.n > 1:
             if jobs[0][0].stream:
-                return self._stream_many(endpoint, jobs, start)
-            return await self._serve_whole(request, endpoint, jobs, start, many=True)
+                return self._stream_many(endpoint, jobs, start, epoch)
+            return await self._serve_whole(request, endpoint, jobs, start, epoch, many=True)
         if not parsed.stream:
-            return await self._serve_whole(request, endpoint, jobs, start, many=False)
+            return await self._serve_whole(request, endpoint, jobs, start, epoch, many=False)
         (acc,) = self._accumulators(parsed, job)
-        outputs = self._outputs(job)
+        outputs = self._outputs(job, epoch)
         timing = _Timing(self.metrics, start)
 
         # Streaming: wait for the first output before answering, so that a request the backend
@@ -486,6 +494,7 @@ class WorkerApp:
         endpoint: str,
         jobs: list[tuple[ParsedRequest, GenerateJob]],
         start: float,
+        epoch: int,
         *,
         many: bool,
     ) -> Response:
@@ -500,7 +509,7 @@ class WorkerApp:
                       scope: trio.CancelScope) -> None:
             timing = _Timing(self.metrics, start)
             try:
-                async with aclosing(self._outputs(job)) as outputs:
+                async with aclosing(self._outputs(job, epoch)) as outputs:
                     async for out in outputs:
                         timing.output(out)
                         accs[out.index].add(out)
@@ -533,7 +542,8 @@ class WorkerApp:
         return JSONResponse(batch_body(kind, bodies, _usage(units)))
 
     def _stream_many(
-        self, endpoint: str, jobs: list[tuple[ParsedRequest, GenerateJob]], start: float
+        self, endpoint: str, jobs: list[tuple[ParsedRequest, GenerateJob]], start: float,
+        epoch: int,
     ) -> SSEResponse:
         """Several answers streamed (a batch of prompts, n > 1): every sequence's chunks as
         they come, each marked with its ``index`` (OpenAI's choices; sglang's top-level
@@ -553,7 +563,7 @@ class WorkerApp:
             timing = _Timing(self.metrics, start)
             async with out:
                 try:
-                    async with aclosing(self._outputs(job)) as outputs:
+                    async with aclosing(self._outputs(job, epoch)) as outputs:
                         async for output in outputs:
                             timing.output(output)
                             for payload in accs[output.index].chunks(output):
