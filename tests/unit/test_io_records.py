@@ -50,6 +50,19 @@ def test_split_host_port_refuses(addr: str) -> None:
         split_host_port(addr)
 
 
+def test_role_epoch_is_an_integer_from_0() -> None:
+    """A worker's role switches so far (issue 30 §1): 0 when absent, strict otherwise."""
+    body = to_json(sample_record())
+    assert body["role_epoch"] == 0
+    del body["role_epoch"]  # a record from before role switches
+    assert parse_record(body).role_epoch == 0
+    assert parse_record({**body, "role_epoch": 7}).role_epoch == 7
+    for bad, said in (("1", "role_epoch"), (True, "role_epoch"), (1.0, "role_epoch"),
+                      (-1, "role_epoch must be >= 0")):
+        with pytest.raises(RecordError, match=said):
+            parse_record({**body, "role_epoch": bad})
+
+
 def test_every_problem_is_reported_at_once() -> None:
     body = to_json(sample_record())
     body.update(role="x", tp_rank=3, tp_size=2, dp_rank=-1, page_size=0, zmq_addr="nope")
