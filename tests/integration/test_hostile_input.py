@@ -274,7 +274,8 @@ def test_fuzz_prefill_and_decode_directly(env: Env, endpoint: str, raw: bytes) -
 
 OTHER_ROUTES = {
     "colocated": [("POST", "/abort_request"), ("POST", "/switch_role"), ("GET", "/health"),
-                  ("GET", "/health_generate"), ("GET", "/server_info"), ("GET", "/get_server_info"), ("GET", "/model_info"),
+                  ("GET", "/health_generate"), ("GET", "/server_info"),
+                  ("GET", "/get_server_info"), ("GET", "/model_info"),
                   ("GET", "/get_model_info"), ("GET", "/v1/models"), ("GET", "/get_load"),
                   ("GET", "/metrics"), ("POST", "/health"), ("GET", "/generate"),
                   ("PUT", "/v1/completions"), ("POST", "/no/such/route")],
