@@ -175,10 +175,16 @@ async def test_a_switch_lets_the_leg_in_flight_finish_and_refuses_new_ones(fleet
         assert i["last_role_switch"]["failed_in_flight"] == 0
         assert (await registered(http, fleet))[str(b.url)] == ("prefill", 1)
         await wait_clean(http, a, b, timeout=SLACK)
-        # Back, for the tests below, as an operator does: pd-fsm switch-role waits until it serves.
+        # Back, as an operator does: pd-fsm switch-role waits until it serves.
         code, said = await switch_role(str(b.url), "decode", None, 30.0)
         assert code == 0 and "serves as decode (role epoch 2) after" in said, said
         await serving(http, b, "decode", 2)
+        # P again: where routers knew it, the same bootstrap port. Then D, for the tests below.
+        port = i["prefill_bootstrap_port"]
+        await switch(http, b, "prefill")
+        assert (await serving(http, b, "prefill", 3))["prefill_bootstrap_port"] == port
+        await switch(http, b, "decode")
+        await serving(http, b, "decode", 4)
         await wait_clean(http, a, b, timeout=SLACK)
 
 

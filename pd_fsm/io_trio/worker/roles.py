@@ -127,6 +127,14 @@ def shared_engine(config: ServeConfig) -> KVTransferEngine | None:
     return JaxTransferKVEngine(config.public_host, reaper_interval_s=None)
 
 
+def _side_port(backend: Backend) -> int | None:
+    """The port a prefill backend's side channel is bound to (None for any other backend)."""
+    address = getattr(getattr(backend, "side", None), "address", None)
+    if backend.mode != "prefill" or address is None:
+        return None
+    return int(str(address).rpartition(":")[2])
+
+
 class RoleHost:
     """The worker's current backend and its role switches (see the module docstring)."""
 
@@ -177,10 +185,7 @@ class RoleHost:
 
     def bootstrap_port(self) -> int | None:
         """P's bootstrap port (its side-channel port, what routers know it by), when P serves."""
-        side = getattr(self.backend, "side", None)
-        if self.role != "prefill" or side is None or getattr(side, "address", None) is None:
-            return None
-        return int(str(side.address).rpartition(":")[2])
+        return _side_port(self.backend) if self.role == "prefill" else None
 
     # -- running ----------------------------------------------------------------------------------
 
@@ -234,9 +239,7 @@ class RoleHost:
 
         await self._nursery.start(serve)
         self.backend, self._serving = backend, (scope, ended)
-        port = self.bootstrap_port()
-        if port is not None:
-            self._side_port = port
+        self._side_port = _side_port(backend) or self._side_port
 
     async def _until_ready(self) -> None:
         """A PD role serves once the registry acknowledged its record (``ready()``), as at
