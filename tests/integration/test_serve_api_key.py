@@ -26,11 +26,12 @@ KEY = "sk-test-9f2c1d"
 NAMES = ("proxy", "prefill-0", "decode-0", "colocated")
 GUARDED = [("POST", "/generate"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
            ("POST", "/abort_request"), ("GET", "/v1/models"), ("GET", "/server_info"),
-           ("GET", "/get_server_info"), ("GET", "/model_info"), ("GET", "/get_load")]
+           ("GET", "/get_server_info"), ("GET", "/model_info"), ("GET", "/get_load"),
+           ("POST", "/switch_role")]
 BODIES = {"/generate": request_body("generate", "hi", 2, stream=False),
           "/v1/completions": request_body("completions", "hi", 2, stream=False),
           "/v1/chat/completions": request_body("chat", "hi", 2, stream=False),
-          "/abort_request": {"rid": "nobody"}}
+          "/abort_request": {"rid": "nobody"}, "/switch_role": {"role": "null"}}
 QUESTION = [{"role": "user", "content": "Tell me about mountain music"}]
 
 
@@ -102,8 +103,8 @@ def test_no_or_wrong_key_refused_everywhere_but_health(cluster: PDCluster) -> No
         for name in NAMES:
             base = cluster.urls[name]
             for method, path in GUARDED:
-                if name == "proxy" and path == "/abort_request":
-                    continue  # the proxy has no such endpoint: it aborts legs itself
+                if name == "proxy" and path in ("/abort_request", "/switch_role"):
+                    continue  # the proxy has no such endpoints: it aborts legs itself
                 for headers in ({}, {"authorization": "Bearer sk-wrong"},
                                 {"authorization": KEY}, {"authorization": f"Basic {KEY}"}):
                     r = http.request(method, base + path, json=BODIES.get(path),
