@@ -100,6 +100,22 @@ async def d_room_open(http: httpx.AsyncClient, d: Proc) -> bool | None:
     return True if sum(s.get("kvpoll", {}).values()) else None
 
 
+async def hold_d_leg(http: httpx.AsyncClient, nursery: trio.Nursery, p: Proc, d: Proc,
+                     seed: int) -> tuple[dict[str, Any], dict[str, httpx.Response]]:
+    """D's leg alone, posted in the background: its room waits for P's READY, which waits for
+    P's leg (posted only if the test does). Returns once D holds the room: the body, and where
+    D's answer lands (key "d")."""
+    body = leg(new_room(), prompt(12, seed=seed), 6, p)
+    got: dict[str, httpx.Response] = {}
+
+    async def d_leg() -> None:
+        got["d"] = await http.post(f"{d.url}/generate", json=body)
+
+    nursery.start_soon(d_leg)
+    await wait_until(lambda: d_room_open(http, d), SLACK, f"{d.name}'s room open")
+    return body, got
+
+
 async def test_switch_role_answers(fleet: Fleet) -> None:
     c = fleet["c"]
     async with httpx.AsyncClient(timeout=30) as http:
@@ -140,16 +156,8 @@ async def test_a_switch_lets_the_leg_in_flight_finish_and_refuses_new_ones(fleet
     a, b = fleet["a"], fleet["b"]
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=60.0)) as http:
         assert (await registered(http, fleet))[str(b.url)] == ("decode", 0)
-        body = leg(new_room(), prompt(12), 6, a)
-        got: dict[str, httpx.Response] = {}
-
-        async def d_leg() -> None:
-            got["d"] = await http.post(f"{b.url}/generate", json=body)
-
         async with trio.open_nursery() as nursery:
-            # D's leg alone: its room waits for P's READY, which waits for P's leg (below).
-            nursery.start_soon(d_leg)
-            await wait_until(lambda: d_room_open(http, b), SLACK, "b's room open")
+            body, got = await hold_d_leg(http, nursery, a, b, seed=0)
             await switch(http, b, "prefill")
             i = await info(http, b)
             assert i["role_state"] == "DRAINING" and i["disaggregation_mode"] == "decode"
@@ -191,15 +199,9 @@ async def test_a_switch_lets_the_leg_in_flight_finish_and_refuses_new_ones(fleet
 async def test_past_the_drain_deadline_the_leg_fails_naming_the_switch(fleet: Fleet) -> None:
     a, c = fleet["a"], fleet["c"]
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=60.0)) as http:
-        body = leg(new_room(), prompt(12, seed=1), 6, a)
-        got: dict[str, httpx.Response] = {}
-
-        async def d_leg() -> None:
-            got["d"] = await http.post(f"{c.url}/generate", json=body)
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(d_leg)  # P's leg never comes: only the deadline ends it
-            await wait_until(lambda: d_room_open(http, c), SLACK, "c's room open")
+            # P's leg never comes: only the deadline ends D's.
+            _, got = await hold_d_leg(http, nursery, a, c, seed=1)
             await switch(http, c, "null")
         assert got["d"].status_code == 503, got["d"].text
         message = error_message(got["d"])
@@ -215,6 +217,45 @@ async def test_past_the_drain_deadline_the_leg_fails_naming_the_switch(fleet: Fl
             "input_ids": prompt(8), "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
         assert r.status_code == 200 and len(r.json()["output_ids"]) == 3, r.text
         await wait_clean(http, c, timeout=SLACK)
+
+
+async def test_a_client_abort_during_the_drain_ends_it_at_once(fleet: Fleet) -> None:
+    a, b = fleet["a"], fleet["b"]
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=60.0)) as http:
+        epoch = (await info(http, b))["role_epoch"]
+        async with trio.open_nursery() as nursery:
+            body, got = await hold_d_leg(http, nursery, a, b, seed=3)
+            await switch(http, b, "prefill")
+            r = await http.post(f"{b.url}/abort_request", json={"rid": body["rid"]})
+            assert r.json() == {"aborted": [body["rid"]]}, r.text
+        assert got["d"].status_code == 499, got["d"].text
+        # Nothing left in flight: the switch goes on at once, not at the 20 s drain deadline.
+        i = await serving(http, b, "prefill", epoch + 1, timeout=SLACK)
+        assert i["last_role_switch"]["failed_in_flight"] == 0
+        assert i["last_role_switch"]["seconds"] < SLACK
+        await wait_clean(http, a, b, timeout=SLACK)  # P heard D's ABORT
+        await switch(http, b, "decode")
+        await serving(http, b, "decode", epoch + 2)
+
+
+async def test_a_prefill_killed_during_the_drain(fleet: Fleet) -> None:
+    a, b = fleet["a"], fleet["b"]
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=60.0)) as http:
+        epoch = (await info(http, b))["role_epoch"]
+        async with trio.open_nursery() as nursery:
+            _, got = await hold_d_leg(http, nursery, a, b, seed=4)
+            await switch(http, b, "prefill")
+            a.kill()  # SIGKILL: P, and the room it held, gone
+        # D finds P lost (2 s peer timeout) and fails the room: the drain is over, the role goes.
+        assert got["d"].status_code == 502, got["d"].text
+        assert "silent" in error_message(got["d"]), got["d"].text
+        i = await serving(http, b, "prefill", epoch + 1, timeout=SLACK)
+        assert i["last_role_switch"]["failed_in_flight"] == 0
+        await wait_clean(http, b, timeout=SLACK)
+        await trio.to_thread.run_sync(fleet.restart, "a")  # same argv: P again, epoch 0
+        await wait_clean(http, a, timeout=SLACK)
+        await switch(http, b, "decode")
+        await serving(http, b, "decode", epoch + 2)
 
 
 async def test_a_role_that_cannot_start_gives_way_to_the_old_one(fleet: Fleet) -> None:
