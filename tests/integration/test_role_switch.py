@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -325,3 +326,27 @@ async def test_a_1p1d_flip_serves_the_same_request_the_other_way_round(fleet: Fl
         assert 'pd_fsm_worker_role{role="decode"} 1.0' in metrics
         assert ('pd_fsm_worker_role_switches_total{from="prefill",outcome="switched",'
                 'to="decode"} 1.0') in metrics
+
+
+def test_when_no_role_can_start_the_worker_exits_non_zero(tmp_path: Path) -> None:
+    """Neither the new role nor the old one can start (the worker's cluster-secret file is gone:
+    both PD roles read it when built): the worker exits non-zero, naming both failures."""
+    f = Fleet(tmp_path, secret=True)
+    secret = tmp_path / "worker.secret"  # the worker's own copy: the registry keeps its file
+    assert f.secret_file is not None
+    secret.write_bytes(f.secret_file.read_bytes())
+    f.bootstrap()
+    e = f.prefill("e", extra=[*ROLES, "--cluster-secret-file", str(secret)])
+    f.start()
+    try:
+        secret.unlink()
+        r = httpx.post(f"{e.url}/switch_role", json={"role": "decode"}, timeout=30)
+        assert r.status_code == 202, r.text
+        assert e.popen is not None
+        code = e.popen.wait(SLACK)
+        assert code != 0
+        log = e.log_path.read_text()
+        assert "switching from prefill to decode failed" in log, e.tail()
+        assert log.count("No such file or directory") >= 2, e.tail()
+    finally:
+        f.close()
