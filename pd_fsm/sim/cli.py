@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 from collections import Counter
+from collections.abc import Mapping
 
 import attrs
 
@@ -38,6 +39,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--kv-checksum", action="store_true",
                    help="P and D run KV checksums (--disaggregation-kv-checksum), and some pulls "
                         "arrive corrupted among the faults")
+    p.add_argument("--role-switches", type=float, default=SimConfig().role_switches,
+                   metavar="P",
+                   help="with faults: the chance (drawn twice a seed) that a worker is asked to "
+                        "switch its role, P to D or D to P (default %(default)s; 0: none)")
     p.add_argument("--prefill", type=int, default=2)
     p.add_argument("--decode", type=int, default=2)
     p.add_argument("--requests", type=int, default=10, help="clients per seed (default 10)")
@@ -79,13 +84,15 @@ def main(args: argparse.Namespace) -> int:
         seeds = _seeds(args.seeds)
         if min(args.prefill, args.decode, args.requests) < 1:
             raise ValueError("--prefill, --decode and --requests must be >= 1")
+        if not 0.0 <= args.role_switches <= 1.0:
+            raise ValueError("--role-switches is a chance: between 0 and 1")
     except ValueError as exc:
         print(f"pd-fsm sim: {exc}", file=sys.stderr)
         return 2
     routing = RoutingConfig(prefill_policy=args.policy, decode_policy=args.policy)
     config = SimConfig(prefill=args.prefill, decode=args.decode, requests=args.requests,
                        faults=args.faults, recompute=args.recompute, plant=args.plant,
-                       kv_checksum=args.kv_checksum,
+                       kv_checksum=args.kv_checksum, role_switches=args.role_switches,
                        routing=routing, schedulers=args.schedulers)
     if args.plant in REAL_ONLY_PLANTS and args.schedulers != "real":
         print(f"pd-fsm sim: --plant {args.plant} needs --schedulers real", file=sys.stderr)
@@ -96,6 +103,8 @@ def main(args: argparse.Namespace) -> int:
             print("\n".join(result.trace))
         print(f"seed {args.seed}: {result.steps} steps, answers {dict(result.answered)}, "
               f"{result.violation or 'every invariant held'}")
+        if result.switches:
+            print(_switches(result.switches, result.races, "switches"))
         return 1 if result.violation else 0
     if args.plants:
         for plant in sorted(PLANTS):
@@ -109,10 +118,14 @@ def main(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     failed = 0
     answers: Counter[str] = Counter()
+    switches: Counter[str] = Counter()
+    raced: Counter[str] = Counter()  # kind -> seeds with a switch that raced it
     steps = 0
     for seed in seeds:
         result = run_seed(seed, config)
         answers.update(result.answered)
+        switches.update(result.switches)
+        raced.update(result.races.keys())
         steps += result.steps
         if result.violation:
             failed += 1
@@ -120,7 +133,16 @@ def main(args: argparse.Namespace) -> int:
     took = time.perf_counter() - start
     print(f"{len(seeds)} seeds, {failed} failing, {len(seeds) / took:.0f} seeds/s "
           f"({steps / len(seeds):.0f} steps a seed); answers {dict(sorted(answers.items()))}")
+    if switches:
+        print(_switches(switches, raced, "seeds"))
     return 1 if failed else 0
+
+
+def _switches(outcomes: Mapping[str, int], raced: Mapping[str, int], per: str) -> str:
+    """Role switches by outcome, and what they raced (counted in switches, or in seeds with a
+    switch that raced it)."""
+    text = f"role switches {dict(sorted(outcomes.items()))}"
+    return text + (f"; raced ({per}) {dict(sorted(raced.items()))}" if raced else "")
 
 
 def _pct(values: list[float], q: float) -> float:

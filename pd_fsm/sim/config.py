@@ -23,6 +23,18 @@ ROOM_TIMEOUT = 40.0
 REGISTRY_TTL = 6.0
 REGISTRY_HEARTBEAT = 2.0
 DRAIN = 90.0  # virtual seconds after the last arrival for everything to settle
+# A role switch (issue 30 §1): its drain deadline (`pd-fsm serve --drain-timeout`) is drawn in
+# this range, short enough that some switches fail what is left and long enough that most drain.
+SWITCH_DRAIN = (0.3, 12.0)
+SHORT_DRAIN = (0.02, 0.5)  # shorter than most rooms: most switches fail what is left
+SWITCH_BUILD = (0.1, 1.5)  # seconds to build a role's backend from the loaded weights and warm it
+SWITCH_START_FAILS = 0.08  # the chance that building a role raises (RoleStartFailed)
+DISCOVERY = 1.0  # the proxy sees a worker leave or join its role's list within this many seconds
+
+
+def bootstrap_addr(name: str) -> str:
+    """The address a P advertises (its bootstrap host:port): routers and D know it by this."""
+    return f"{name}:8998"
 
 PLANTS = {
     "missing-release-on-done": "P keeps a room's pages when D's DONE releases it",
@@ -32,8 +44,14 @@ PLANTS = {
     "kv-pages-reversed": "D scatters a pulled room's pages in reverse order (real schedulers)",
     "unverified-kv": "D decodes from a pull whose KV arrived corrupted (its checksum check "
                      "skipped)",
+    "switch-leaks": "a role switch past its drain deadline answers what is left with its error "
+                    "but stops the old role without releasing those rooms' pages and "
+                    "registrations",
+    "switch-skips-drain": "a role switch's drain waits only for the core's rooms, not for the "
+                          "scheduler's own (D's decoding rooms, its queue, its pages)",
 }
 REAL_ONLY_PLANTS = frozenset({"kv-pages-reversed"})
+SWITCH_PLANTS = frozenset({"switch-leaks", "switch-skips-drain"})
 
 
 class Violation(Exception):
@@ -96,11 +114,27 @@ class SimConfig:
     # "modelled": schedulers, pools and the transfer server are modelled (fast: thousands of
     # seeds); "real": the real PD schedulers on the tiny model run every step (sim/real.py).
     schedulers: str = attrs.field(default="modelled")
+    # With faults: the chance that a seed asks a worker to switch its role (P to D or D to P;
+    # drawn twice, so some seeds switch two), from a random stream of its own (``World``).
+    role_switches: float = 0.25
+    switch_drain: tuple[float, float] = SWITCH_DRAIN  # each switch's drain deadline, drawn in
 
     @property
     def checksums(self) -> bool:
         """Whether the cluster runs KV checksums: the flag, or the planted bug of that path."""
         return self.kv_checksum or self.plant == "unverified-kv"
+
+    @property
+    def switch_chance(self) -> float:
+        """The chance of each switch draw: ``role_switches``, or every draw with a planted bug
+        of the switch's own (it shows only where a switch happens)."""
+        return 1.0 if self.plant in SWITCH_PLANTS else self.role_switches
+
+    @property
+    def drain_range(self) -> tuple[float, float]:
+        """Where each switch's drain deadline is drawn: ``switch_drain``, or shorter than most
+        rooms with the planted leak past the deadline (it shows only when one passes)."""
+        return SHORT_DRAIN if self.plant == "switch-leaks" else self.switch_drain
 
     @schedulers.validator
     def _known(self, _: object, value: str) -> None:
@@ -115,3 +149,7 @@ class SimResult:
     answered: dict[str, int]  # status -> clients
     steps: int
     trace: list[str]
+    # Role switches by outcome (RoleSwitch.OUTCOMES, and the world's own: "unreachable",
+    # "declined", "crashed"), and by what each switch raced (``switch.RACES``) -> switches.
+    switches: dict[str, int] = attrs.field(factory=dict)
+    races: dict[str, int] = attrs.field(factory=dict)

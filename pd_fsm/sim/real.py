@@ -47,8 +47,15 @@ from pd_fsm.schedulers.disaggregation import (
     PrefillScheduler,
 )
 from pd_fsm.schedulers.disaggregation.tick import TickResult, run_tick
-from pd_fsm.sim.config import DECODE, LEASE, PULL_DEADLINE, REGISTRY_HEARTBEAT, Violation
-from pd_fsm.sim.workers import Client, Node, ShorteningPrefill, WorldView
+from pd_fsm.sim.config import (
+    DECODE,
+    LEASE,
+    PULL_DEADLINE,
+    REGISTRY_HEARTBEAT,
+    Violation,
+    bootstrap_addr,
+)
+from pd_fsm.sim.workers import Client, Node, ShorteningPrefill, WorldView, live_rooms
 
 PAGE_SIZE = 4
 MODEL = "tiny"
@@ -198,6 +205,15 @@ class SimPullExecutor(PullExecutor):
     def __init__(self, node: RealDecodeWorker, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.node = node
+        self.pending: dict[int, tuple[PullRequest, float]] = {}  # uuid -> the pull, its start
+
+    def cancel_all(self, reason: str) -> None:
+        """The role stops (a switch past its drain deadline): every pull not yet run reports
+        failed now, as closing the executor ends its jobs, so the pages it would write into
+        are freed by the scheduler's next step."""
+        for _uuid, (req, start) in sorted(self.pending.items()):
+            self._done.put(self._failed(req, start, f"pull cancelled: {reason}"))
+        self.pending.clear()
 
     def submit(self, req: PullRequest) -> None:
         w, node = self.node.world, self.node
@@ -213,12 +229,14 @@ class SimPullExecutor(PullExecutor):
                 node.corrupt_pulls.add(req.uuid)  # arrives, damaged: only a checksum can tell
         if w.plant("unverified-kv"):
             req = attrs.evolve(req, kv_checksums=())  # the planted bug: nothing is verified
+        self.pending[req.uuid] = (req, start)
         w.at(min(took, PULL_DEADLINE), f"{node.name} pull of room {req.room:x}", self._virtual_run,
-             node.gen, req, start)
+             node.gen, req.uuid)
 
-    def _virtual_run(self, gen: int, req: PullRequest, start: float) -> None:
-        if gen != self.node.gen or not self.node.alive:
+    def _virtual_run(self, gen: int, uuid: int) -> None:
+        if gen != self.node.gen or not self.node.alive or uuid not in self.pending:
             return
+        req, start = self.pending.pop(uuid)
         pages = req.page_map()
         if self.node.world.plant("kv-pages-reversed") and isinstance(pages, tuple):
             req = attrs.evolve(req, pages=pages[::-1])  # the planted bug
@@ -241,6 +259,7 @@ class _RealWorker(Node):
         self.inbox: list[tuple[float, Any]] = []
         self.jobs: list[tuple[int, Client, Any]] = []  # (room, client, extra) legs to admit
         self.aborts: list[str] = []
+        self.relaying: set[int] = set()  # D's rooms whose answer streams (leg answered 200)
         self._tick_at = math.inf
 
     @property
@@ -272,7 +291,7 @@ class _RealWorker(Node):
 
     def _restart_books(self) -> None:
         self.gen += 1
-        self.alive, self.wake, self._tick_at = True, math.inf, math.inf
+        self.alive, self.wake, self._tick_at, self.withdrawn = True, math.inf, math.inf, False
         self.legs, self.rid_room, self.jobs, self.inbox, self.aborts = {}, {}, [], [], []
 
     def _tick(self, gen: int, at: float) -> None:
@@ -342,10 +361,44 @@ class _RealWorker(Node):
             self.inbox.append((self.local(), answer))
             self.poke()
 
-    def leftovers(self) -> str:
+    def fail_in_flight(self, reason: str) -> None:
+        """Every request of the role fails as the worker fails it: legs not yet admitted
+        answered, streams mid-relay broken off with ``reason``, every request aborted through
+        the scheduler (``abort``: the core's Aborted while its room lives), pulls cancelled;
+        then the scheduler's own steps release the rest, here and now."""
+        if self.world.plant("switch-leaks"):  # planted bug: the legs answered, nothing freed
+            for room in sorted(self.legs):
+                self._fail_leg(room, reason)
+            self.jobs = []
+            return
+        for room, _client, _extra in self.jobs:
+            self._fail_leg(room, reason)
+        self.jobs = []
+        for room in sorted(self.relaying):  # the proxy hears the stream break off
+            self._fail_leg(room, reason)
+            self.relaying.discard(room)
+        by_rid = dict(self.rid_room)
+        for rid in sorted(by_rid):
+            self.sched.abort(rid, reason)
+        for room in sorted(self.sched.core.rooms):  # P's transfers: no rid names them now
+            if self.sched.core.state_of(room) is not None:
+                self.sched.deliver(ev.Aborted(room, reason))
+        self._cancel_pulls(reason)
+        for _ in range(4):  # the scheduler's steps: aborts, then the cancelled pulls' reports
+            self._tick_at = self.world.now
+            self._tick(self.gen, self._tick_at)
+            if not self.leftovers(switching=True):
+                break
+
+    def _cancel_pulls(self, reason: str) -> None:
+        """D's pull executor ends its jobs (P has none)."""
+
+    def leftovers(self, switching: bool = False) -> str:
         s = self.sched
         stats = s.stats()
-        parts = [f"rooms {sorted(s.core.rooms)}"] if s.core.rooms else []
+        rooms = (live_rooms(s.core, switching) if self.role == "prefill"
+                 else sorted(s.core.rooms))
+        parts = [f"rooms {rooms}"] if rooms else []
         if stats.free_pages + stats.cached_pages != stats.total_pages:
             parts.append(f"pages free {stats.free_pages} (+{stats.cached_pages} cached) of "
                          f"{stats.total_pages}")
@@ -359,9 +412,9 @@ class _RealWorker(Node):
 class RealPrefillWorker(_RealWorker):
     mode = role = "prefill"
 
-    def __init__(self, world: WorldView, index: int) -> None:
-        super().__init__(world, f"p{index}")
-        self.advertised = f"{self.name}:8998"
+    def __init__(self, world: WorldView, name: str) -> None:
+        super().__init__(world, name)
+        self.advertised = bootstrap_addr(name)
         self.side = f"{self.name}:side"
         self.transfer = ""
         self.engine: SimTransferEngine
@@ -386,12 +439,12 @@ class RealPrefillWorker(_RealWorker):
         w.at(REGISTRY_HEARTBEAT, f"{self.name} registry heartbeat", self._heartbeat, self.gen)
 
     def _heartbeat(self, gen: int) -> None:
-        if gen != self.gen or not self.alive:
+        if gen != self.gen or not self.alive or self.withdrawn:
             return
         self.world.registry_heartbeat(self)  # type: ignore[arg-type]
         self.world.at(REGISTRY_HEARTBEAT, f"{self.name} registry heartbeat", self._heartbeat, gen)
 
-    def leg(self, gen: int, room: int, client: Client) -> None:
+    def leg(self, gen: int, room: int, client: Client, bootstrap: str | None = None) -> None:
         if not self.alive:
             self.world.leg_answer(gen, room, "prefill", False, "prefill connection refused",
                                   refused=True)
@@ -425,10 +478,9 @@ class RealPrefillWorker(_RealWorker):
 class RealDecodeWorker(_RealWorker):
     mode = role = "decode"
 
-    def __init__(self, world: WorldView, index: int) -> None:
-        super().__init__(world, f"d{index}")
+    def __init__(self, world: WorldView, name: str) -> None:
+        super().__init__(world, name)
         self.tokens: dict[int, list[int]] = {}  # room -> output so far
-        self.relaying: set[int] = set()
         self.failing_pulls: set[int] = set()  # uuids whose pull the seed made fail
         self.corrupt_pulls: set[int] = set()  # uuids whose pull the seed made arrive damaged
 
@@ -457,11 +509,16 @@ class RealDecodeWorker(_RealWorker):
         if w.plant("no-ready-timeout"):  # the planted bug
             self.sched.core._state_timeout[KV_RECEIVER.S.WAITING_FOR_READY] = math.inf
 
+    def _cancel_pulls(self, reason: str) -> None:
+        executor = self.sched.pull_executor
+        assert isinstance(executor, SimPullExecutor)
+        executor.cancel_all(reason)
+
     def tokens_of(self, room: int) -> int:
         gen_client = self.legs.get(room)
         return min(gen_client[1].tokens, MAX_PROMPT) if gen_client else 0
 
-    def leg(self, gen: int, room: int, client: Client, prefill: Any) -> None:
+    def leg(self, gen: int, room: int, client: Client, bootstrap: str | None) -> None:
         if not self.alive:
             self.world.leg_answer(gen, room, "decode", False, "decode connection refused",
                                   refused=True)
@@ -470,17 +527,17 @@ class RealDecodeWorker(_RealWorker):
             self.world.leg_answer(gen, room, "decode", False, f"room {room:x} is live here")
             return
         self.legs[room] = (gen, client)
-        self.jobs.append((room, client, prefill))
+        self.jobs.append((room, client, bootstrap))
         self.poke()
 
     def _admit(self, leg: tuple[int, Client, Any]) -> None:
-        room, client, prefill = leg
+        room, client, bootstrap = leg
         req = self.sched.make_request(f"room-{room:x}", prompt_ids(client), greedy(client.out))
         self.rid_room[req.rid] = room
-        if prefill is None:  # no bootstrap fields: D prefills it itself
+        if bootstrap is None:  # no bootstrap fields: D prefills it itself
             self.sched.add_request(req)
             return
-        self.sched.add_pd_request(req, prefill.advertised, room, accepted=self.local())
+        self.sched.add_pd_request(req, bootstrap, room, accepted=self.local())
 
     def _outputs(self, result: TickResult[Any]) -> None:
         w = self.world

@@ -19,7 +19,7 @@ from pd_fsm.core.decode_endpoint import DecodeEndpoint
 from pd_fsm.core.drive import Endpoint, Ev, Fx, drive
 from pd_fsm.core.messages import Done
 from pd_fsm.core.prefill_endpoint import PrefillEndpoint
-from pd_fsm.core.tables import KV_RECEIVER
+from pd_fsm.core.tables import KV_RECEIVER, KV_SENDER
 from pd_fsm.sim.config import (
     DECODE,
     LAYOUT,
@@ -30,6 +30,7 @@ from pd_fsm.sim.config import (
     VOCAB,
     SimConfig,
     Violation,
+    bootstrap_addr,
 )
 
 
@@ -125,7 +126,8 @@ class Pool:
 
 
 class Node(ABC):
-    """A worker process: alive or not, its generation (a restart is a new one)."""
+    """A worker process serving one role: alive or not, its generation (a restart is a new one;
+    a role switch a new node under the same name, ``switch.py``)."""
 
     role = ""  # "prefill" or "decode"
 
@@ -134,6 +136,11 @@ class Node(ABC):
         self.alive = False
         self.gen = 0
         self.wake = math.inf
+        self.withdrawn = False  # its registry record withdrawn for a role switch: no heartbeats
+
+    def stop(self) -> None:
+        """A role switch stopped this role's backend (it held nothing: StopRole checked)."""
+        self.alive = False
 
     def local(self) -> float:
         return self.world.now + self.world.skew[self.name]
@@ -166,16 +173,42 @@ class Node(ABC):
         """A side-channel message arrived from ``peer``."""
 
     @abstractmethod
-    def leftovers(self) -> str:
-        """What this worker still holds ("" when idle): rooms, pages, registrations."""
+    def leg(self, gen: int, room: int, client: Client, bootstrap: str | None) -> None:
+        """The proxy's leg of ``room`` arrives (HTTP POST), with its P's bootstrap address
+        (D's leg; None: D prefills it itself; P's own leg carries its own, unused)."""
+
+    @abstractmethod
+    def abort(self, room: int) -> None:
+        """The proxy's /abort_request for ``room``."""
+
+    @abstractmethod
+    def crash(self) -> None:
+        """The process dies: its open legs' connections break."""
+
+    @abstractmethod
+    def leftovers(self, switching: bool = False) -> str:
+        """What this worker still holds ("" when idle): rooms, pages, registrations.
+
+        ``switching``: what a role switch waits for (drain) and must find released (StopRole).
+        A P's room that only waits for our leg — D's early hello (EARLY_PEER) or D's early
+        abort (REFUSED), for a leg a draining P refuses — is not counted: it holds no request,
+        page or registration, and no local event can end it (kv_sender has no Aborted row
+        there; only its lease does). The stopped role drops it; D's side of an EARLY_PEER room
+        ends by D's peer timeout, its heartbeats unanswered (REFUSED: D knows already)."""
+
+    @abstractmethod
+    def fail_in_flight(self, reason: str) -> None:
+        """A role switch's drain deadline passed: fail what is left, as the worker's own abort
+        does (every room aborted, its leg answered with ``reason``, its pages and
+        registrations freed)."""
 
 
 class PrefillWorker(Node):
     role = "prefill"
 
-    def __init__(self, world: WorldView, index: int) -> None:
-        super().__init__(world, f"p{index}")
-        self.advertised = f"{self.name}:8998"
+    def __init__(self, world: WorldView, name: str) -> None:
+        super().__init__(world, name)
+        self.advertised = bootstrap_addr(name)
         self.side = f"{self.name}:side"
         self.core: PrefillEndpoint
         self.pool = Pool(world, self.name, world.config.pages)
@@ -189,7 +222,7 @@ class PrefillWorker(Node):
     def start(self) -> None:
         w = self.world
         self.gen += 1
-        self.alive, self.wake = True, math.inf
+        self.alive, self.wake, self.withdrawn = True, math.inf, False
         self.transfer = f"{self.name}:{17000 + self.gen}"  # a new port per process
         cls = ShorteningPrefill if w.config.plant == "lease-shortens" else PrefillEndpoint
         self.core = cls(LAYOUT, random.Random(w.rng.getrandbits(64)), LEASE,
@@ -208,13 +241,12 @@ class PrefillWorker(Node):
         self.legs = {}
 
     def _heartbeat(self, gen: int) -> None:
-        if gen != self.gen or not self.alive:
+        if gen != self.gen or not self.alive or self.withdrawn:
             return
         self.world.registry_heartbeat(self)
         self.world.at(REGISTRY_HEARTBEAT, f"{self.name} registry heartbeat", self._heartbeat, gen)
 
-    def leg(self, gen: int, room: int, client: Client) -> None:
-        """The proxy's leg arrives (HTTP POST)."""
+    def leg(self, gen: int, room: int, client: Client, bootstrap: str | None = None) -> None:
         if not self.alive:
             self.world.leg_answer(gen, room, "prefill", False, "prefill connection refused",
                                   refused=True)
@@ -254,6 +286,15 @@ class PrefillWorker(Node):
 
     def receive(self, peer: str, message: Any) -> None:
         self.feed(ev.MessageReceived(peer, message))
+
+    def fail_in_flight(self, reason: str) -> None:
+        if self.world.plant("switch-leaks"):  # planted bug: the legs answered, nothing freed
+            for room in sorted(self.legs):
+                self._answer_leg(room, False, reason)
+            return
+        for room in sorted(self.core.rooms):
+            if self.core.state_of(room) is not None:  # an abort may end another room's too
+                self.feed(ev.Aborted(room, reason))
 
     def feed(self, event: ev.PrefillEvent) -> None:
         w = self.world
@@ -304,9 +345,10 @@ class PrefillWorker(Node):
         self.regs[spare] = room
         return (ev.KVChecksummed(room, uuid, (room % (1 << 32),)),)
 
-    def leftovers(self) -> str:
+    def leftovers(self, switching: bool = False) -> str:
         held = self.pool.size - len(self.pool.free)
-        parts = [f"rooms {sorted(self.core.rooms)}"] if self.core.rooms else []
+        rooms = live_rooms(self.core, switching)
+        parts = [f"rooms {rooms}"] if rooms else []
         parts += [f"{held} pages never freed"] if held else []
         parts += [f"{len(self.regs)} registrations"] if self.regs else []
         return ", ".join(parts)
@@ -315,6 +357,16 @@ class PrefillWorker(Node):
         gen_client = self.legs.pop(room, None)
         if gen_client is not None:
             self.world.leg_answer(gen_client[0], room, "prefill", ok, reason)
+
+
+# P's rooms that only wait for P's own leg (Node.leftovers).
+_BEFORE_OUR_LEG = frozenset({KV_SENDER.S.EARLY_PEER, KV_SENDER.S.REFUSED})
+
+
+def live_rooms(core: PrefillEndpoint, switching: bool) -> list[int]:
+    """P's rooms (``switching``: but those that only wait for P's leg; ``Node.leftovers``)."""
+    return sorted(r for r in core.rooms
+                  if not switching or core.state_of(r) not in _BEFORE_OUR_LEG)
 
 
 class ShorteningPrefill(PrefillEndpoint):
@@ -328,8 +380,8 @@ class ShorteningPrefill(PrefillEndpoint):
 class DecodeWorker(Node):
     role = "decode"
 
-    def __init__(self, world: WorldView, index: int) -> None:
-        super().__init__(world, f"d{index}")
+    def __init__(self, world: WorldView, name: str) -> None:
+        super().__init__(world, name)
         self.core: DecodeEndpoint
         self.pool = Pool(world, self.name, world.config.pages)
         self.held: dict[int, list[int]] = {}  # room -> pages
@@ -344,7 +396,7 @@ class DecodeWorker(Node):
     def start(self) -> None:
         w = self.world
         self.gen += 1
-        self.alive, self.wake = True, math.inf
+        self.alive, self.wake, self.withdrawn = True, math.inf, False
         self.core = DecodeEndpoint(self.name, LAYOUT, DECODE, incarnation=w.rng.getrandbits(62) | 1,
                                    kv_checksum=w.config.checksums)
         if w.plant("no-ready-timeout"):
@@ -360,7 +412,7 @@ class DecodeWorker(Node):
                                   lost=True)
         self.legs = {}
 
-    def leg(self, gen: int, room: int, client: Client, prefill: PrefillWorker | None) -> None:
+    def leg(self, gen: int, room: int, client: Client, bootstrap: str | None) -> None:
         if not self.alive:
             self.world.leg_answer(gen, room, "decode", False, "decode connection refused",
                                   refused=True)
@@ -369,11 +421,11 @@ class DecodeWorker(Node):
             self.world.leg_answer(gen, room, "decode", False, f"room {room:x} is live here")
             return
         self.legs[room] = (gen, client)
-        if prefill is None:  # no bootstrap fields: D prefills it itself
+        if bootstrap is None:  # no bootstrap fields: D prefills it itself
             self._prefill_here(room, client)
             return
         n = self.world.prompt_pages(client)
-        self.feed(ev.DecodeRequestAccepted(room, prefill.advertised, n))
+        self.feed(ev.DecodeRequestAccepted(room, bootstrap, n))
 
     def _prefill_here(self, room: int, client: Client) -> None:
         pages = self.pool.take(self.world.pages_for(client))
@@ -411,7 +463,7 @@ class DecodeWorker(Node):
         self.world.relayed(router_gen, room, client, tokens)
         self._allocate_waiting()
 
-    def leftovers(self) -> str:
+    def leftovers(self, switching: bool = False) -> str:
         held = self.pool.size - len(self.pool.free)
         parts = [f"rooms {sorted(self.core.rooms)}"] if self.core.rooms else []
         parts += [f"{held} pages never freed"] if held else []
@@ -439,6 +491,29 @@ class DecodeWorker(Node):
 
     def receive(self, peer: str, message: Any) -> None:
         self.feed(ev.MessageReceived(peer, message))
+
+    def fail_in_flight(self, reason: str) -> None:
+        if self.world.plant("switch-leaks"):  # planted bug: the legs answered, nothing freed
+            for room in sorted(self.legs):
+                self._fail_leg(room, reason)
+            return
+        for room in sorted(self.core.rooms):
+            if self.core.state_of(room) is not None:
+                self.feed(ev.Aborted(room, reason))
+        # The pull executor closes with the role: each pull still running reports failed now,
+        # which frees the pages it was writing (a CANCELLING room's row).
+        for room in sorted(self.pulls):
+            del self.pulls[room]
+            if self.core.state_of(room) is not None:
+                self.feed(ev.PullFailed(room, f"pull cancelled: {reason}"))
+        # What the scheduler decodes (or prefills itself): its own abort. A stream mid-relay
+        # breaks off with the reason (the proxy may migrate it), one not started fails.
+        for room in sorted(self.legs):
+            self._fail_leg(room, reason)
+            self.relaying.discard(room)
+            pages = self.held.pop(room, None)
+            if pages is not None:
+                self.pool.give(pages, f"room {room:x} failed by a role switch")
 
     def resolved(self, gen: int, answer: Any) -> None:
         if gen == self.gen and self.alive:

@@ -14,14 +14,18 @@ D for a while.
 
 Faults drawn from the seed: crash and restart of a P, a D, the registry or the proxy; a
 partition; slow, failing and hung steps; clock skew between hosts (each host reads the global
-clock plus its offset).
+clock plus its offset); a worker's role switched at runtime, P to D or D to P, with a client of
+that worker disconnecting during the drain half the time (``switch.py``: each worker is a
+process whose ``RoleSwitch`` runs through the core's driver; the switch draws have a random
+stream of their own, so a seed that draws none runs as it did before switches existed).
 
 Invariants, checked after every step (``Violation`` names the first broken one): every page and
 every registration is freed exactly once; a client is answered at most once, and a 200 carries
 the right tokens; KVPoll only moves forward; P's lease is never shortened; no room outlives its
-deadline (the router's room timeout, P's lease, D's state timeouts). After the last arrival the
-world drains: every client has exactly one answer, and every worker is back to no room, no page
-and no registration.
+deadline (the router's room timeout, P's lease, D's state timeouts); a role switch stops the old
+role only once it holds nothing (StopRole). After the last arrival the world drains: every client
+has exactly one answer, every worker is back to no room, no page and no registration, and every
+switch has ended (each worker serves a role).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from pd_fsm.core.routing import Prompt
 from pd_fsm.core.tables import KV_RECEIVER, ROOM
 from pd_fsm.sim.config import (
     DECODE,
+    DISCOVERY,
     DRAIN,
     LAYOUT,
     PAGE_TOKENS,
@@ -59,7 +64,9 @@ from pd_fsm.sim.config import (
     SimConfig,
     SimResult,
     Violation,
+    bootstrap_addr,
 )
+from pd_fsm.sim.switch import Process, Processes
 from pd_fsm.sim.workers import Client, DecodeWorker, Node, PrefillWorker
 
 
@@ -77,22 +84,22 @@ class World:
         self._queue: list[tuple[float, int, str, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = itertools.count()
         c = self.config
-        if c.schedulers == "real":
-            # Imported here, not at the top: real.py brings JAX and the schedulers, which a
-            # modelled run (the default, thousands of seeds) has no use for.
-            from pd_fsm.sim.real import RealDecodeWorker, RealPrefillWorker
-
-            self.prefills: list[Any] = [RealPrefillWorker(self, i) for i in range(c.prefill)]
-            self.decodes: list[Any] = [RealDecodeWorker(self, i) for i in range(c.decode)]
-        else:
-            self.prefills = [PrefillWorker(self, i) for i in range(c.prefill)]
-            self.decodes = [DecodeWorker(self, i) for i in range(c.decode)]
-        hosts = [n.name for n in (*self.prefills, *self.decodes)] + ["registry", "proxy"]
+        nodes = [*(self._node("prefill", f"p{i}") for i in range(c.prefill)),
+                 *(self._node("decode", f"d{i}") for i in range(c.decode))]
+        # The worker processes by name (switch.py): each serves one role at a time; a role
+        # switch replaces its node. ``prefills`` and ``decodes`` are the nodes serving each now.
+        self.workers = Processes(self, nodes)
+        self.procs: dict[str, Process] = self.workers.procs
+        self.prefills: list[Any] = []
+        self.decodes: list[Any] = []
+        self._relist()
+        hosts = [n.name for n in nodes] + ["registry", "proxy"]
         self.skew = {h: self.rng.uniform(-c.skew, c.skew) for h in hosts}
         self.registry: BootstrapRegistry[tuple[str, str]] = BootstrapRegistry(
             RegistryConfig(ttl=REGISTRY_TTL))
         self.registry_up = True
         self.router_gen = 0
+        self._shown = self._listed()  # the worker lists the proxy routes to now
         self.router = self._new_router()
         self.rooms: dict[tuple[int, int], tuple[Client, float]] = {}  # (gen, room) -> client
         self._errors: dict[int, str] = {}  # room -> the router's ReplyError reason
@@ -147,6 +154,7 @@ class World:
             self.steps += 1
             self.trace_line(what)
             fn(*args)
+            self.workers.check_drains()
             self._check()
         self.now = end
         self._check_drained()
@@ -156,8 +164,8 @@ class World:
         window = c.arrival_window
         for node in (*self.prefills, *self.decodes):
             if rng.random() < 0.25:
-                self.at(rng.uniform(0, window), f"{node.name} crashes", self._crash, node,
-                        rng.uniform(0.5, 8.0))
+                self.at(rng.uniform(0, window), f"{node.name} crashes", self.workers.crash,
+                        node.name, rng.uniform(0.5, 8.0))
         if rng.random() < 0.2:
             self.at(rng.uniform(0, window), "registry crashes", self._crash_registry,
                     rng.uniform(0.5, 8.0))
@@ -165,16 +173,19 @@ class World:
             self.at(rng.uniform(0, window), "proxy crashes", self._crash_proxy)
         if rng.random() < 0.3 and self.prefills and self.decodes:
             pair = frozenset((rng.choice(self.prefills).name, rng.choice(self.decodes).name))
-            self.at(rng.uniform(0, window), f"partition {sorted(pair)}", self.cut.add, pair)
+            self.at(rng.uniform(0, window), f"partition {sorted(pair)}", self._partition, pair)
             self.at(window + rng.uniform(1.0, 20.0), f"heal {sorted(pair)}", self.cut.discard,
                     pair)
+        if c.switch_chance > 0:
+            self.workers.draw(window)  # last: their own random stream (switch.py)
 
-    def _crash(self, node: PrefillWorker | DecodeWorker, down: float) -> None:
-        node.crash()
-        self.at(down, f"{node.name} restarts", node.start)
+    def _partition(self, pair: frozenset[str]) -> None:
+        self.cut.add(pair)
+        self.workers.raced("partition")
 
     def _crash_registry(self, down: float) -> None:
         self.registry_up = False
+        self.workers.raced("registry restart")
 
         def restart() -> None:  # an empty registry: workers register again on their next beat
             self.registry = BootstrapRegistry(RegistryConfig(ttl=REGISTRY_TTL))
@@ -184,6 +195,7 @@ class World:
 
     def _crash_proxy(self) -> None:
         """Every client of the old proxy loses its connection; a fresh proxy takes new ones."""
+        self.workers.raced("proxy restart")
         for (gen, _), (client, _) in sorted(self.rooms.items(), key=lambda kv: kv[0]):
             if gen == self.router_gen and client.answer is None:
                 self._answer(client, 502, "proxy connection reset")
@@ -192,8 +204,8 @@ class World:
         self.router = self._new_router()
 
     def _new_router(self) -> RoomRouter:
-        return RoomRouter([p.name for p in self.prefills], [d.name for d in self.decodes],
-                          random.Random(self.rng.getrandbits(64)),
+        self._shown = self._listed()
+        return RoomRouter(*self._shown, random.Random(self.rng.getrandbits(64)),
                           RouterConfig(room_timeout=ROOM_TIMEOUT,
                                        decode_recomputes=self.config.recompute),
                           self.config.routing)
@@ -234,18 +246,19 @@ class World:
                 case fx.DispatchRoom() | fx.DispatchLocal():
                     assert client is not None
                     self.rooms[(gen, e.room)] = (client, self.now)
-                    d = self._decode(e.decode)
-                    p = self._prefill(e.prefill) if isinstance(e, fx.DispatchRoom) else None
+                    p = e.prefill if isinstance(e, fx.DispatchRoom) else None
                     if p is not None:
                         self.at(self.rng.uniform(0.001, 0.003), f"P leg of room {e.room:x}",
-                                p.leg, gen, e.room, client)
-                    self.at(self.rng.uniform(0.001, 0.003), f"D leg of room {e.room:x}", d.leg,
-                            gen, e.room, client, p)
+                                self._post_leg, "prefill", p, gen, e.room, client,
+                                bootstrap_addr(p))
+                    self.at(self.rng.uniform(0.001, 0.003), f"D leg of room {e.room:x}",
+                            self._post_leg, "decode", e.decode, gen, e.room, client,
+                            None if p is None else bootstrap_addr(p))
                 case fx.RelayDecode() | fx.BreakerChanged():
                     pass  # the relay ends with the decode worker's answer (relayed)
                 case fx.AbortLeg():
-                    node = self._prefill(e.url) if e.leg == "prefill" else self._decode(e.url)
-                    self.at(0.002, f"abort {e.leg} leg of room {e.room:x}", node.abort, e.room)
+                    self.at(0.002, f"abort {e.leg} leg of room {e.room:x}", self._abort_leg,
+                            e.leg, e.url, e.room)
                 case fx.ShedRequest():
                     assert client is not None
                     self._answer(client, 429, f"every {e.role} worker is full")
@@ -258,8 +271,8 @@ class World:
                     got, _ = self.rooms[(gen, e.room)]
                     self.reopened["redirect"] += 1
                     self.at(self.rng.uniform(0.001, 0.003), f"D leg of room {e.room:x} again",
-                            self._decode(e.decode).leg, gen, e.room, got,
-                            self._prefill(e.prefill))
+                            self._post_leg, "decode", e.decode, gen, e.room, got,
+                            bootstrap_addr(e.prefill))
                 case fx.ReopenRoom():
                     # The request goes on in a new room: its client is not answered now. A
                     # model answer is whole, so a migrated room relays all of it again.
@@ -329,14 +342,94 @@ class World:
         client.answer = (status, body)
         self.trace_line(f"client {client.id} answered {status}")
 
+    def _post_leg(self, leg: str, name: str, gen: int, room: int, client: Client,
+                  bootstrap: str | None) -> None:
+        """The proxy's ``leg`` reaches worker ``name`` (HTTP POST): a process that is down
+        refuses the connection, one switching its role answers 503 (RefuseLegs), one that
+        serves the other role now answers 409 (a stale role); else its node takes the leg."""
+        proc = self.procs[name]
+        node = proc.node
+        if proc.switch is None:
+            self.leg_answer(gen, room, leg, False, f"{leg} connection refused", refused=True)
+        elif proc.refusing:
+            self.leg_answer(gen, room, leg, False, f"503 {proc.refusing}", refused=True)
+        elif node.role != leg:
+            self.leg_answer(gen, room, leg, False,
+                            f"409 {name} serves {node.role} now (role epoch "
+                            f"{proc.switch.epoch}), not {leg}", refused=True)
+        else:
+            node.leg(gen, room, client, bootstrap)
+
+    def _abort_leg(self, leg: str, name: str, room: int) -> None:
+        """The proxy's /abort_request reaches ``name``: its node aborts the room if it has it."""
+        proc = self.procs[name]
+        if proc.node.role == leg:
+            if proc.races is not None:
+                proc.races.add("abort")
+            proc.node.abort(room)
+
+    def disconnect_a_client_of(self, name: str, rng: random.Random) -> bool:
+        """A client whose room has a leg on ``name`` goes away (the switch's fault, switch.py):
+        the proxy's ClientDisconnected aborts the room's legs; the client wants no answer
+        (counted as 499). False if ``name`` has no such room now."""
+        mine = [(room, client) for (gen, room), (client, _) in sorted(self.rooms.items())
+                if gen == self.router_gen and client.answer is None
+                and room in self.router.rooms
+                and name in (self.router.rooms[room].prefill, self.router.rooms[room].decode)]
+        if not mine:
+            return False
+        room, client = rng.choice(mine)
+        self._answer(client, 499, "client disconnected")
+        del self.rooms[(self.router_gen, room)]
+        self._route(ev.ClientDisconnected(room))
+        return True
+
     # -- workers' world -----------------------------------------------------------------------
 
     # Workers are modelled (workers.py) or run the real schedulers (real.py): the same calls.
-    def _prefill(self, name: str) -> Any:
-        return next(p for p in self.prefills if p.name == name)
+    def _node(self, role: str, name: str) -> Node:
+        if self.config.schedulers == "real":
+            # Imported here, not at the top: real.py brings JAX and the schedulers, which a
+            # modelled run (the default, thousands of seeds) has no use for.
+            from pd_fsm.sim.real import RealDecodeWorker, RealPrefillWorker
 
-    def _decode(self, name: str) -> Any:
-        return next(d for d in self.decodes if d.name == name)
+            return (RealPrefillWorker if role == "prefill" else RealDecodeWorker)(self, name)
+        return (PrefillWorker if role == "prefill" else DecodeWorker)(self, name)
+
+    def replace_node(self, proc: Process, role: str) -> None:
+        """``proc`` serves ``role`` with a fresh node (not started), its generations going on
+        from the old one's (the books key rooms by name and generation)."""
+        node = self._node(role, proc.name)
+        node.gen = proc.node.gen
+        proc.node = node
+        self._relist()
+
+    def _relist(self) -> None:
+        nodes = [proc.node for proc in self.procs.values()]
+        self.prefills = [n for n in nodes if n.role == "prefill"]
+        self.decodes = [n for n in nodes if n.role == "decode"]
+
+    def _listed(self) -> tuple[list[str], list[str]]:
+        """The workers as a discovering proxy would list them: by the role each advertises."""
+        procs = self.procs.values()
+        return ([p.name for p in procs if p.listed == "prefill"],
+                [p.name for p in procs if p.listed == "decode"])
+
+    def show_workers(self) -> None:
+        """A worker left or joined a role: the proxy sees it within one discovery interval."""
+        self.at(self.workers.rng.uniform(0.05, DISCOVERY), "proxy discovers its workers",
+                self._discover, self.router_gen)
+
+    def _discover(self, gen: int) -> None:
+        listed = self._listed()
+        if gen == self.router_gen and listed != self._shown:
+            self._shown = listed
+            self.router.set_workers(*listed)
+
+    def deregister(self, node: Node) -> None:
+        if node.role == "prefill" and self.registry_up:
+            self.registry.handle(ev.InstanceDeregistered(self._key(node)),
+                                 self.now + self.skew["registry"])
 
     def prompt_pages(self, client: Client) -> int:
         return max(1, math.ceil(client.tokens / PAGE_TOKENS))
@@ -383,8 +476,12 @@ class World:
 
     def _deliver(self, src: str, dst: str, frame: bytes) -> None:
         host = dst.split(":")[0]
-        node = next((n for n in (*self.prefills, *self.decodes) if n.name == host), None)
-        if node is None or not node.alive or not self.reachable(src, dst):
+        proc = self.procs.get(host)
+        node = None if proc is None else proc.node
+        # P listens at "name:side", D at its name: a frame for the role the worker left finds
+        # that role's side channel closed (a switch stopped it).
+        if node is None or not node.alive or not self.reachable(src, dst) or (
+                (dst != host) != (node.role == "prefill")):
             return
         try:
             message = decode(frame, SECRET)
@@ -412,7 +509,7 @@ class World:
             self.register(p)
 
     @staticmethod
-    def _key(p: PrefillWorker) -> tuple[str, str, int, int, int, int]:
+    def _key(p: Node) -> tuple[str, str, int, int, int, int]:
         return ("prefill", p.name, 0, 0, 0, 0)
 
     def resolve(self, d: DecodeWorker, bootstrap_addr: str) -> None:
@@ -497,6 +594,7 @@ class World:
                 raise Violation(f"{node.name} not idle after the drain: {left}")
         if any(gen == self.router_gen for gen, _ in self.rooms) or self.router.rooms:
             raise Violation(f"proxy rooms live after the drain: {len(self.router.rooms)}")
+        self.workers.check_settled()
 
     def answered(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -514,7 +612,8 @@ def run_seed(seed: int, config: SimConfig | None = None, trace: bool = False) ->
         world.run()
     except Violation as exc:
         violation = f"t={world.now:.3f}: {exc}"
-    return SimResult(seed, violation, world.answered(), world.steps, world.trace)
+    return SimResult(seed, violation, world.answered(), world.steps, world.trace,
+                     world.workers.summary(), dict(sorted(world.workers.races.items())))
 
 
 @attrs.frozen

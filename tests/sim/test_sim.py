@@ -59,7 +59,10 @@ def test_with_recompute_only_a_decode_or_proxy_death_fails_a_client(kv_checksum:
                 reasons[str(client.answer[1])] += 1
     allowed = {"decode connection refused", "decode connection reset",
                "proxy connection reset", "relay broke off"}
-    assert reasons and set(reasons) <= allowed, reasons
+    # A decode worker's role switch past its drain deadline fails what it still decodes (a
+    # decode's loss, as its death is); a client that went away wants no answer (its 499).
+    switched = {r for r in reasons if r.startswith("the worker switched its role from decode")}
+    assert reasons and set(reasons) - switched <= allowed | {"client disconnected"}, reasons
 
 
 def test_with_kv_checksums_corrupted_pulls_are_pulled_again_or_fail_cleanly(

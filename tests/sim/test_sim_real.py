@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 
 from pd_fsm.sim import PLANTS, SimConfig, run_seed
+from pd_fsm.sim.config import SHORT_DRAIN
 
 REAL = SimConfig(schedulers="real", requests=6)
 SEEDS = 40
@@ -66,3 +67,17 @@ def test_each_planted_bug_in_the_real_schedulers_is_caught(plant: str) -> None:
 def test_a_seed_replays_bit_for_bit() -> None:
     a, b = run_seed(5, REAL, trace=True), run_seed(5, REAL, trace=True)
     assert a.trace == b.trace and len(a.trace) > 100 and a.answered == b.answered
+
+
+def test_role_switches_past_their_drain_deadline_free_everything() -> None:
+    """Issue 30 §1 with the real schedulers: a switch whose drain deadline passes aborts what
+    the old role holds through the scheduler and the core, cancels its pulls, and StopRole finds
+    every page, room and registration released (the seeds are ones whose switches time out)."""
+    config = SimConfig(schedulers="real", requests=6, role_switches=1.0,
+                       switch_drain=SHORT_DRAIN)
+    outcomes: Counter[str] = Counter()
+    for seed in (0, 12, 17):
+        r = run_seed(seed, config)
+        assert r.violation is None, (seed, r.violation)
+        outcomes.update(r.switches)
+    assert outcomes["switched_after_drain_timeout"] >= 2 and outcomes["switched"] >= 1, outcomes
