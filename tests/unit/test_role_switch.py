@@ -93,3 +93,18 @@ def test_requests_the_worker_answers_itself() -> None:
         RoleSwitch("null", ("prefill", "decode"))
     with pytest.raises(ValueError, match="unknown role"):
         RoleSwitch("prefill", ("prefill", "colocated"))
+
+
+def test_drained_fed_after_the_deadline_passed_keeps_the_timeouts_effects() -> None:
+    """The deadline passed but its timer had not fired when the drain check fed Drained: the
+    timeout's row runs first (its effects are returned), and the stale Drained changes nothing."""
+    from pd_fsm.core import effects as fx
+    from pd_fsm.core import events as ev
+    from pd_fsm.core.role_switch import RoleSwitch
+
+    rs = RoleSwitch("prefill", ("prefill", "decode"))
+    rs.handle(ev.SwitchRequested("decode", 1.0), 0.0)
+    out = rs.handle(ev.RoleDrained(), 1.5)
+    assert [type(e) for e in out] == [fx.FailInFlight, fx.StopRole, fx.StartRole]
+    assert rs.state == "SWITCHING" and rs.drain_timed_out
+    assert rs.handle(ev.RoleStarted(), 2.0)[-1] == fx.AcceptLegs("decode", 1)
