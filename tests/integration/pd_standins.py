@@ -55,6 +55,11 @@ class Received:
 class StandIn:
     def __init__(self, role: str) -> None:
         self.role = role
+        # A worker that can switch roles reports its epoch and state in /server_info and
+        # answers a leg whose X-PD-Role names another role 409 (issue 30 §1); None: it reports
+        # neither and checks nothing, as an sglang worker.
+        self.role_epoch: int | None = None
+        self.role_state = "SERVING"
         self.script = Script()
         self.received: list[Received] = []
         self.aborts: list[str] = []
@@ -79,9 +84,13 @@ class StandIn:
         if path in ("/health", "/health_generate"):
             return JSONResponse({"status": "ok"})
         if path in ("/server_info", "/get_server_info"):
-            return JSONResponse({"model_path": local_model_path(),
-                                 "tokenizer_path": local_model_path(),
-                                 "disaggregation_mode": self.role, "page_size": 16})
+            info: dict[str, Any] = {"model_path": local_model_path(),
+                                    "tokenizer_path": local_model_path(),
+                                    "disaggregation_mode": self.role, "page_size": 16}
+            if self.role_epoch is not None:
+                info.update(role_epoch=self.role_epoch, role_state=self.role_state,
+                            disaggregation_bootstrap_port=8998)
+            return JSONResponse(info)
         if path in ("/model_info", "/get_model_info"):
             return JSONResponse({"model_path": local_model_path(), "is_generation": True})
         if path == "/get_load":
@@ -103,6 +112,13 @@ class StandIn:
         body = json.loads(raw)
         self.received.append(Received(request.url.path, body, dict(request.headers),
                                       trio.current_time()))
+        leg_role = request.headers.get("x-pd-role")
+        if self.role_epoch is not None and leg_role not in (None, self.role):
+            return JSONResponse(
+                {"error": {"message": f"this worker is {self.role} (role epoch "
+                                      f"{self.role_epoch}), not {leg_role}", "code": 409}},
+                status_code=409,
+                headers={"x-pd-role": self.role, "x-pd-role-epoch": str(self.role_epoch)})
         self.arrived.set()
         return _Answer(self, request.url.path, body)
 
