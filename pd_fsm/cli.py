@@ -70,6 +70,7 @@ _REGISTRARS: dict[str, str] = {
     "bootstrap": "pd_fsm.io_trio.bootstrap.cli",
     "serve": "pd_fsm.io_trio.worker.cli",
     "proxy": "pd_fsm.io_trio.proxy.cli",
+    "planner": "pd_fsm.io_trio.planner.cli",
     "cluster": "pd_fsm.io_trio.cluster.local",
     "bench": "pd_fsm.io_trio.bench_client",
     "sim": "pd_fsm.sim.cli",

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pd_fsm.core.router import RoomRouter
+from pd_fsm.io_trio.bootstrap.listing import list_role, worker_url
 from pd_fsm.io_trio.proxy.answers import error_body
 from pd_fsm.io_trio.strict_json import loads as strict_loads
 
@@ -205,26 +206,19 @@ class Workers:
             await trio.sleep(self.refresh_interval)
 
     async def _list(self, role: str) -> list[dict[str, Any]]:
-        r = await self._client().get(f"{self.bootstrap_url}/list", params={"role": role})
-        r.raise_for_status()
-        answer = strict_loads(r.content, what="the registry's answer")
-        records = answer["instances"] if isinstance(answer, dict) else None
-        if not isinstance(records, list):
-            raise ValueError("the registry's answer has no list of instances")
-        # An instance spanning processes registers every P rank's transfer server; routers
-        # send requests to its entry, rank 0 (the others serve no HTTP).
-        return [rec for rec in records if isinstance(rec, dict) and rec.get("tp_rank", 0) == 0]
+        assert self.bootstrap_url is not None
+        return await list_role(self._client(), self.bootstrap_url, role)
 
     def _set_workers(self, prefill: list[dict[str, Any]], decode: list[dict[str, Any]]) -> None:
         targets: dict[str, PrefillTarget] = {}
         for rec in prefill:
-            url = _worker_url(rec)
+            url = worker_url(rec)
             if url is None or url in targets:
                 continue
             host, port = _advertised(rec)
             targets[url] = PrefillTarget(url, host, port)
         self._route_to(dict(sorted(targets.items())),
-                       sorted({u for u in map(_worker_url, decode) if u is not None}))
+                       sorted({u for u in map(worker_url, decode) if u is not None}))
 
     def _route_to(self, targets: dict[str, PrefillTarget], decode_urls: list[str]) -> None:
         if targets != self.targets or decode_urls != self.decode_urls:
@@ -309,13 +303,6 @@ def _probed_role(r: httpx.Response) -> ProbedRole | None:
     port = info.get("disaggregation_side_channel_port")
     return ProbedRole(role, epoch, info.get("role_state", "SERVING") == "SERVING",
                       port if type(port) is int else None)
-
-
-def _worker_url(rec: dict[str, Any]) -> str | None:
-    addr = rec.get("scheduler_addr")
-    if not isinstance(addr, str) or not addr:
-        return None
-    return (addr if "://" in addr else f"http://{addr}").rstrip("/")
 
 
 def _advertised(rec: dict[str, Any]) -> tuple[str, int | None]:
