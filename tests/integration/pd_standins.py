@@ -92,7 +92,7 @@ class StandIn:
                                     "disaggregation_mode": self.role, "page_size": 16}
             if self.role_epoch is not None:
                 info.update(role_epoch=self.role_epoch, role_state=self.role_state,
-                            disaggregation_side_channel_port=8998)
+                            prefill_bootstrap_port=8998)
             return JSONResponse(info)
         if path in ("/model_info", "/get_model_info"):
             return JSONResponse({"model_path": local_model_path(), "is_generation": True})

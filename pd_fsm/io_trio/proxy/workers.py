@@ -298,9 +298,9 @@ def _probed_role(r: httpx.Response) -> ProbedRole | None:
     role, epoch = info.get("disaggregation_mode"), info.get("role_epoch")
     if role not in ("prefill", "decode", "null") or type(epoch) is not int:
         return None
-    # P's side-channel port, as bound (routers inject it as bootstrap_port; the config's
+    # P's side-channel port while it is P (routers inject it as bootstrap_port; the config's
     # disaggregation_bootstrap_port is the registry's).
-    port = info.get("disaggregation_side_channel_port")
+    port = info.get("prefill_bootstrap_port")
     return ProbedRole(role, epoch, info.get("role_state", "SERVING") == "SERVING",
                       port if type(port) is int else None)
 
