@@ -71,6 +71,7 @@ _REGISTRARS: dict[str, str] = {
     "serve": "pd_fsm.io_trio.worker.cli",
     "switch-role": "pd_fsm.io_trio.worker.switch_cli",
     "proxy": "pd_fsm.io_trio.proxy.cli",
+    "planner": "pd_fsm.io_trio.planner.cli",
     "cluster": "pd_fsm.io_trio.cluster.local",
     "bench": "pd_fsm.io_trio.bench_client",
     "sim": "pd_fsm.sim.cli",

@@ -55,6 +55,13 @@ class Received:
 class StandIn:
     def __init__(self, role: str) -> None:
         self.role = role
+        # A worker that can switch roles reports its epoch and state in /server_info and
+        # answers a leg whose X-PD-Role names another role 409 (issue 30 §1); None: it reports
+        # neither and checks nothing, as an sglang worker.
+        self.role_epoch: int | None = None
+        self.role_state = "SERVING"
+        self.metrics = ""  # what /metrics answers (a real WorkerMetrics' text, for the planner)
+        self.switches: list[Any] = []  # /switch_role bodies; each switches at once
         self.script = Script()
         self.received: list[Received] = []
         self.aborts: list[str] = []
@@ -64,8 +71,9 @@ class StandIn:
         self.gets: list[str] = []
         routes = [Route(p, self._generate, methods=["POST"])
                   for p in ("/generate", "/v1/completions", "/v1/chat/completions")]
-        routes += [Route("/abort_request", self._abort, methods=["POST"])]
-        for path in ("/health", "/server_info", "/get_server_info", "/model_info",
+        routes += [Route("/abort_request", self._abort, methods=["POST"]),
+                   Route("/switch_role", self._switch_role, methods=["POST"])]
+        for path in ("/health", "/server_info", "/get_server_info", "/model_info", "/metrics",
                      "/get_model_info", "/get_load", "/v1/models", "/health_generate"):
             routes.append(Route(path, self._get, methods=["GET"]))
         self.app = Starlette(routes=routes)
@@ -79,14 +87,30 @@ class StandIn:
         if path in ("/health", "/health_generate"):
             return JSONResponse({"status": "ok"})
         if path in ("/server_info", "/get_server_info"):
-            return JSONResponse({"model_path": local_model_path(),
-                                 "tokenizer_path": local_model_path(),
-                                 "disaggregation_mode": self.role, "page_size": 16})
+            info: dict[str, Any] = {"model_path": local_model_path(),
+                                    "tokenizer_path": local_model_path(),
+                                    "disaggregation_mode": self.role, "page_size": 16}
+            if self.role_epoch is not None:
+                info.update(role_epoch=self.role_epoch, role_state=self.role_state,
+                            prefill_bootstrap_port=8998)
+            return JSONResponse(info)
         if path in ("/model_info", "/get_model_info"):
             return JSONResponse({"model_path": local_model_path(), "is_generation": True})
+        if path == "/metrics":
+            return Response(self.metrics, media_type="text/plain; version=0.0.4")
         if path == "/get_load":
             return JSONResponse([{"num_tokens": 0, "num_reqs": 0}])
         return JSONResponse({"object": "list", "data": [{"id": "standin", "object": "model"}]})
+
+    async def _switch_role(self, request: Request) -> Response:
+        body = json.loads(await request.body())
+        self.switches.append(body)
+        if self.role_epoch is None:
+            return JSONResponse({"error": {"message": "not found"}}, status_code=404)
+        was, self.role = self.role, body["role"]
+        self.role_epoch += 1
+        return JSONResponse({"from": was, "to": self.role, "role_epoch": self.role_epoch},
+                            status_code=202)
 
     async def _abort(self, request: Request) -> Response:
         body = json.loads(await request.body())
@@ -103,6 +127,13 @@ class StandIn:
         body = json.loads(raw)
         self.received.append(Received(request.url.path, body, dict(request.headers),
                                       trio.current_time()))
+        leg_role = request.headers.get("x-pd-role")
+        if self.role_epoch is not None and leg_role not in (None, self.role):
+            return JSONResponse(
+                {"error": {"message": f"this worker is {self.role} (role epoch "
+                                      f"{self.role_epoch}), not {leg_role}", "code": 409}},
+                status_code=409,
+                headers={"x-pd-role": self.role, "x-pd-role-epoch": str(self.role_epoch)})
         self.arrived.set()
         return _Answer(self, request.url.path, body)
 

@@ -203,7 +203,8 @@ async def test_health_models_metrics_and_bad_input(cluster: dict[str, Any]) -> N
         assert "pd_fsm_proxy_prefill_leg_seconds_bucket" in metrics
         assert (await http.get("/workers")).json() == {
             "prefill": cluster["p_urls"], "decode": cluster["d_urls"],
-            "breakers": {u: "CLOSED" for u in sorted([*cluster["p_urls"], *cluster["d_urls"]])}}
+            "breakers": {u: "CLOSED" for u in sorted([*cluster["p_urls"], *cluster["d_urls"]])},
+            "roles": {}}  # the stand-ins report no switchable role
     # Nothing reached the workers for the bad bodies.
     assert sum(len(p.generations()) for p in cluster["p"]) == 1
 

@@ -72,3 +72,29 @@ def test_worker_command_lines_are_ones_serve_accepts() -> None:
                 "127.0.0.1", "--disaggregation-bootstrap-port", "8998",
                 "--disaggregation-side-channel-port", "0"]
     assert config_from_args(build_parser(ray_argv).parse_args(ray_argv)).max_running == 2
+
+
+def test_the_planner_observes_every_pd_worker_and_each_can_take_both_roles() -> None:
+    args = build_parser().parse_args([
+        "cluster", "--model", "tiny", "--prefill", "1", "--decode", "2", "--planner",
+        "--planner-args", "--interval 2 --ttft-slo 1.5"])
+    children = {c.name: c for c in plan(args)}
+    planner = children["planner"].argv
+    assert planner[3] == "planner"
+    assert [planner[i + 1] for i, a in enumerate(planner) if a == "--worker"] == [
+        children[n].url for n in ("prefill-0", "decode-0", "decode-1")]
+    assert _flag(planner, "--interval") == "2" and _flag(planner, "--ttft-slo") == "1.5"
+    build_parser(planner[3:]).parse_args(planner[3:])  # one `pd-fsm planner` accepts
+    sides = set()
+    for name in ("prefill-0", "decode-0", "decode-1"):
+        argv = children[name].argv
+        assert _flag(argv, "--roles") == "prefill,decode"
+        sides.add(_flag(argv, "--disaggregation-side-channel-port"))
+        config = config_from_args(build_parser(argv[3:]).parse_args(argv[3:]))
+        assert set(config.roles) == {"prefill", "decode"}
+    assert len(sides) == 3 and None not in sides  # a port of its own for each as a P
+    ports = [c.url for c in children.values() if c.url]
+    assert len(set(ports)) == len(ports)
+    without = {c.name for c in plan(build_parser().parse_args(
+        ["cluster", "--model", "tiny"]))}
+    assert "planner" not in without

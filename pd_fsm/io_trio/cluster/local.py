@@ -89,12 +89,16 @@ def plan(args: argparse.Namespace, tls: TLS = NO_TLS) -> list[Child]:
     """The children to start, in start order (the proxy last); with ``tls``, every one serves
     HTTPS with its certificate and verifies the others against its CA."""
     n_p, n_d = args.prefill, args.decode
-    ports = free_ports(2 + 2 * n_p + n_d + 1, launcher=True)
+    planner = getattr(args, "planner", False)
+    # With the planner every D may become a P: it needs a side-channel port of its own too.
+    ports = free_ports(3 + 2 * n_p + n_d + (n_d + 1 if planner else 0), launcher=True)
     boot_port, proxy_port = ports[0], ports[1]
     p_ports = ports[2 : 2 + n_p]
     side_ports = ports[2 + n_p : 2 + 2 * n_p]
     d_ports = ports[2 + 2 * n_p : 2 + 2 * n_p + n_d]
-    colo_port = ports[-1]
+    colo_port = ports[2 + 2 * n_p + n_d]
+    d_side_ports = ports[3 + 2 * n_p + n_d : 3 + 2 * n_p + 2 * n_d] if planner else []
+    planner_port = ports[-1]
     quiet = ["--log-level", args.log_level]
     scheme = tls.scheme
     worker = ["--host", HOST, *worker_flags(args), *tls.argv()]
@@ -131,10 +135,19 @@ def plan(args: argparse.Namespace, tls: TLS = NO_TLS) -> list[Child]:
                                       extra=f"rank {rank} of {name}"))
         return children[-nnodes]
 
+    def switchable(d_index: int | None = None) -> list[str]:
+        """With the planner: every PD worker compiles both roles (``--roles``), and a D gets
+        the side-channel port it serves on as a P."""
+        if not planner:
+            return []
+        side = [] if d_index is None else ["--disaggregation-side-channel-port",
+                                           str(d_side_ports[d_index])]
+        return ["--roles", "prefill,decode", *side]
+
     prefills = [
         instance(f"prefill-{i}", "prefill",
                  _cli("serve", *worker, *pinned("prefill"), "--port", str(port),
-                      "--disaggregation-mode", "prefill", *pd,
+                      "--disaggregation-mode", "prefill", *pd, *switchable(),
                       "--disaggregation-side-channel-port", str(side)),
                  f"{scheme}://{HOST}:{port}", f"bootstrap port {side}")
         for i, (port, side) in enumerate(zip(p_ports, side_ports, strict=True))
@@ -142,7 +155,7 @@ def plan(args: argparse.Namespace, tls: TLS = NO_TLS) -> list[Child]:
     decodes = [
         instance(f"decode-{i}", "decode",
                  _cli("serve", *worker, *pinned("decode"), "--port", str(port),
-                      "--disaggregation-mode", "decode", *pd),
+                      "--disaggregation-mode", "decode", *pd, *switchable(i)),
                  f"{scheme}://{HOST}:{port}")
         for i, port in enumerate(d_ports)
     ]
@@ -162,6 +175,15 @@ def plan(args: argparse.Namespace, tls: TLS = NO_TLS) -> list[Child]:
             proxy_args += ["--decode", str(child.url)]
         children.append(Child("proxy", _cli(*proxy_args), f"{scheme}://{HOST}:{proxy_port}",
                               f"{n_p} prefill, {n_d} decode"))
+    if planner and n_p and n_d:
+        planner_args = ["planner", "--host", HOST, "--port", str(planner_port), *quiet,
+                        *tls.argv(), *shlex.split(args.planner_args or "")]
+        if keyed:
+            planner_args += ["--worker-api-key-file", str(args.api_key_file)]
+        for child in (*prefills, *decodes):
+            planner_args += ["--worker", str(child.url)]
+        children.append(Child("planner", _cli(*planner_args), f"{scheme}://{HOST}:{planner_port}",
+                              "switches roles: GET /decisions"))
     return children
 
 
@@ -380,6 +402,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--proxy-args", default="",
                    help="more `pd-fsm proxy` flags, as one quoted string (e.g. "
                         "'--prefill-policy cache_aware --local-prefill-tokens 32')")
+    p.add_argument("--planner", action="store_true",
+                   help="every PD worker compiles both roles (`pd-fsm serve --roles "
+                        "prefill,decode`) and `pd-fsm planner` switches them to meet its "
+                        "targets (the proxy follows by probing their roles)")
+    p.add_argument("--planner-args", default="",
+                   help="more `pd-fsm planner` flags, as one quoted string (e.g. '--ttft-slo 2 "
+                        "--itl-slo 0.1 --interval 5')")
     p.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds for every child to answer /health (default 600)")
     p.add_argument("--ask", metavar="PROMPT", default=None,
@@ -435,6 +464,10 @@ def main(args: argparse.Namespace) -> int:
     if args.ray is not None and (args.prometheus or args.prometheus_targets is not None):
         print("pd-fsm cluster: --prometheus and --prometheus-targets are for the local runner "
               "(not --ray)", file=sys.stderr)
+        return 2
+    if args.planner and (args.ray is not None or not args.prefill):
+        print("pd-fsm cluster: --planner is for PD workers on the local runner (not --ray, "
+              "which cannot start or stop actors for it yet)", file=sys.stderr)
         return 2
     if args.ray is not None:
         return ray_cluster.main(args, worker_flags(args), ["--log-level", args.log_level])

@@ -34,6 +34,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="discover workers from this bootstrap server's /list instead")
     p.add_argument("--refresh-interval", type=float, default=5.0,
                    help="seconds between /list refreshes (default 5)")
+    p.add_argument("--role-probe-interval", type=float, default=2.0,
+                   help="static lists: seconds between probes of each worker's /server_info for "
+                        "its current role (a worker switched with /switch_role is routed as its "
+                        "new role within one interval, or at once after a 409; default 2; 0: "
+                        "never, the command line's roles stand)")
     p.add_argument("--room-timeout", type=float, default=RouterConfig().room_timeout,
                    help="every room ends by this many seconds (default 600)")
     p.add_argument("--decode-recomputes", action="store_true",
@@ -169,6 +174,8 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("give --prefill and --decode workers, or --bootstrap-url")
         if args.refresh_interval <= 0 or args.room_timeout <= 0:
             raise ValueError("--refresh-interval and --room-timeout must be positive")
+        if args.role_probe_interval < 0:
+            raise ValueError("--role-probe-interval must be 0 (off) or positive")
         api_key = api_key_from_args(args)
         worker_api_key = api_key_from_args(args, "worker-")
         tls = tls_from_args(args)
@@ -182,7 +189,8 @@ def main(args: argparse.Namespace) -> int:
                   load_interval=args.load_interval, decode_recomputes=args.decode_recomputes,
                   retry_limit=args.retry_limit, migration_limit=args.migration_limit,
                   breaker_threshold=args.breaker_threshold,
-                  breaker_cooldown=args.breaker_cooldown)
+                  breaker_cooldown=args.breaker_cooldown,
+                  role_probe_interval=args.role_probe_interval)
     return run_service(_run, proxy, args.host, args.port, host=args.host, port=args.port, log=log)
 
 

@@ -39,11 +39,16 @@ from pd_fsm.io_trio.proxy.answers import (
 )
 from pd_fsm.io_trio.proxy.logprob_merge import SseRewriter, merge
 from pd_fsm.io_trio.proxy.migration import Progress
+from pd_fsm.io_trio.proxy.workers import ROLE_HEADER
 from pd_fsm.io_trio.worker.phases import PhaseHistograms
 from pd_fsm.io_trio.worker.sse import Receive, Send
 
 log = logging.getLogger("pd_fsm.io_trio.proxy.server")  # one logger for the proxy
 SSE_DONE = b"data: [DONE]\n\n"  # the last event of an sglang / OpenAI stream
+# A worker that did not take the leg: draining (503 + Retry-After), or in another role than the
+# leg's X-PD-Role since a role switch (409). Nothing of the room is there: it goes elsewhere.
+STALE_ROLE = 409
+REFUSED = (503, STALE_ROLE)
 
 
 @attrs.define(eq=False)
@@ -152,6 +157,10 @@ class RoomHost(Protocol):
         """``s`` is over here: the proxy forgets it."""
         ...
 
+    def stale_role(self, url: str) -> None:
+        """A leg to ``url`` got 409: the worker is in another role now (issue 30 §1)."""
+        ...
+
 
 class RoomResponse:
     """The ASGI response of one request: its rooms' legs, the client's disconnect, one answer."""
@@ -255,12 +264,15 @@ class RoomResponse:
                 s.p_scope.deadline = posted + self.host.room_timeout
                 # A leg whose body the relay needs is asked for one JSON answer.
                 leg = {**s.body, "stream": False} if q.prompt_logprobs else s.body
-                async with self.host.client.stream("POST", s.prefill + q.path, json=leg,
-                                                   headers=q.headers) as resp:
+                async with self.host.client.stream(
+                        "POST", s.prefill + q.path, json=leg,
+                        headers={**q.headers, ROLE_HEADER: "prefill"}) as resp:
                     raw = await resp.aread()  # drains an SSE leg too
                     status = resp.status_code
                     ok = 200 <= status < 300
                     body = None if ok and leg.get("stream") is True else json_or_text(raw)
+                    if status == STALE_ROLE:
+                        self.host.stale_role(s.prefill)
                     if ok:
                         self.host.phases.observe("proxy_prefill_leg",
                                                  trio.current_time() - posted)
@@ -279,7 +291,7 @@ class RoomResponse:
         else:
             failure = (status, body if body is not None else error_body(status, "prefill failed"))
             self.host.feed(ev.LegResponded(s.room, "prefill", False, reason(body, status),
-                                           refused or status == 503, status >= 500, lost),
+                                           refused or status in REFUSED, status >= 500, lost),
                            failure)
 
     # ------------------------------------------------------------------ D's leg
@@ -301,17 +313,21 @@ class RoomResponse:
         try:
             with s.d_scope:
                 s.d_posted = trio.current_time()
-                async with self.host.client.stream("POST", s.decode + q.path, json=s.body,
-                                                   headers=q.headers) as resp:
+                async with self.host.client.stream(
+                        "POST", s.decode + q.path, json=s.body,
+                        headers={**q.headers, ROLE_HEADER: "decode"}) as resp:
                     if not 200 <= resp.status_code < 300:
                         body = json_or_text(await resp.aread())
+                        if resp.status_code == STALE_ROLE:
+                            self.host.stale_role(s.decode)
                         if s.ticket is not None:  # why a hand-off falls back to a re-prefill
                             log.info("room %d: hand-off leg refused by %s (%d): %s", s.room,
                                      s.decode, resp.status_code, reason(body, resp.status_code))
                         self.host.feed(
                             ev.LegResponded(s.room, "decode", False,
                                             reason(body, resp.status_code),
-                                            resp.status_code == 503, resp.status_code >= 500),
+                                            resp.status_code in REFUSED,
+                                            resp.status_code >= 500),
                             (resp.status_code, body),
                         )
                         return

@@ -122,6 +122,7 @@ class Proxy:
         migration_limit: int = RouterConfig().migration_limit,
         breaker_threshold: int = RouterConfig().breaker_threshold,
         breaker_cooldown: float = RouterConfig().breaker_cooldown,
+        role_probe_interval: float = 2.0,
     ) -> None:
         self.tls = tls  # serves HTTPS if it has a certificate; verifies workers against its CA
         self.router = RoomRouter(
@@ -138,7 +139,7 @@ class Proxy:
             self.router, lambda: self.client, prefill, decode,
             headers=bearer(worker_api_key) if worker_api_key else {},
             bootstrap_url=bootstrap_url, refresh_interval=refresh_interval,
-            load_interval=load_interval)
+            load_interval=load_interval, role_probe_interval=role_probe_interval)
         # Exceptions contained to one room (http_edge's count has the requests' own).
         self.contained = {"prefill_leg": 0, "room": 0}
         # Rooms reopened for their request (ReopenRoom), by cause: "retry", "migration",
@@ -180,6 +181,8 @@ class Proxy:
                 nursery.start_soon(self._timer)
                 if self.workers.bootstrap_url is not None:
                     await nursery.start(self.workers.discover)
+                elif self.workers.probes_roles:
+                    await nursery.start(self.workers.probe_roles)
                 if self.router.planner.wants_loads:
                     nursery.start_soon(self.workers.poll_loads)
                 task_status.started()
@@ -196,6 +199,10 @@ class Proxy:
             "aborts_sent_total": dict(self.aborts_sent),
             "prefill_workers": len(self.workers.targets),
             "decode_workers": len(self.workers.decode_urls),
+            # Static lists: /server_info probes of the workers' roles, and workers routed as
+            # another role than before (a role switch seen, issue 30 §1).
+            "role_probes_total": dict(self.workers.role_probes),
+            "role_changes_total": self.workers.role_changes,
             # "prefill:cache_hit", "decode:round_robin", "local:short_prompt", ...
             "route_decisions_total": dict(self.router.planner.decisions),
             "shed_total": dict(self.router.shed),  # answered 429, by the full role
@@ -445,6 +452,9 @@ class Proxy:
 
     def room_over(self, s: Room) -> None:
         self._rooms.pop(s.room, None)
+
+    def stale_role(self, url: str) -> None:
+        self.workers.stale_role(url)
 
     def contain(self, where: str, s: Room, exc: Exception) -> Failure:
         """An exception in one room's work: counted, logged, and the room failed in the router

@@ -2,9 +2,13 @@
 
 They come from the command line or, refreshed every ``refresh_interval``, from the bootstrap
 server's ``GET /list?role=prefill|decode``; for the load-aware policies each one's ``/get_load``
-is polled every ``load_interval``. The proxy's routes about them are here too: ``/health`` (a
-prefill and a decode worker answer theirs), ``/workers`` (who is routed to, and each breaker) and
-the pass-through of the model-info paths.
+is polled every ``load_interval``. A worker's role can change at runtime (``POST /switch_role``,
+issue 30 §1): with a registry, its record is withdrawn and comes back under the new role; with
+static lists, each worker's ``/server_info`` is probed every ``role_probe_interval`` and the
+worker is routed by the role it reports (a worker that reports none, such as an sglang worker,
+keeps the role it was given on the command line). The proxy's routes about them are here too:
+``/health`` (a prefill and a decode worker answer theirs), ``/workers`` (who is routed to, each
+breaker, each probed role) and the pass-through of the model-info paths.
 """
 
 from __future__ import annotations
@@ -21,13 +25,26 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pd_fsm.core.router import RoomRouter
+from pd_fsm.io_trio.bootstrap.listing import list_role, worker_url
 from pd_fsm.io_trio.proxy.answers import error_body
 from pd_fsm.io_trio.strict_json import loads as strict_loads
 
 log = logging.getLogger("pd_fsm.io_trio.proxy.server")  # the proxy's log, as before the split
 
+ROLE_HEADER = "X-PD-Role"  # sent on every leg: a worker in another role answers 409
 HEALTH_PROBE_S = 2.0  # a worker that does not answer its /health within this is not healthy
 LOAD_PROBE_S = 2.0  # a worker whose /get_load takes longer keeps no polled load this round
+ROLE_PROBE_S = 2.0  # a worker whose /server_info takes longer keeps its last known role
+
+
+@attrs.frozen
+class ProbedRole:
+    """What a worker's ``/server_info`` said of its role at the last probe."""
+
+    role: str  # "prefill" | "decode" | "null"
+    epoch: int
+    serving: bool  # False while it drains or switches: routed as neither role
+    bootstrap_port: int | None
 
 
 @attrs.frozen
@@ -55,6 +72,7 @@ class Workers:
         bootstrap_url: str | None,
         refresh_interval: float,
         load_interval: float,
+        role_probe_interval: float = 2.0,
     ) -> None:
         self._router = router
         self._client = client  # the proxy's (made when it runs)
@@ -66,6 +84,18 @@ class Workers:
         self.bootstrap_url = bootstrap_url.rstrip("/") if bootstrap_url else None
         self.refresh_interval = refresh_interval
         self.load_interval = load_interval
+        # Static lists: each URL's role as given on the command line (and P's bootstrap port),
+        # and as its last /server_info said (issue 30 §1), which wins when it says one.
+        self._configured: dict[str, tuple[str, int | None]] = {
+            p.url: ("prefill", p.bootstrap_port) for p in prefill}
+        for d in self.decode_urls:  # in the command line's order: round robin follows it
+            self._configured.setdefault(d, ("decode", None))
+        self.role_probe_interval = role_probe_interval
+        self.probed: dict[str, ProbedRole] = {}
+        self.role_probes = {"ok": 0, "failed": 0}
+        # Workers routed as another role than before, or newly as none or as one.
+        self.role_changes = 0
+        self._reprobe = trio.Event()
         self.load_polls = {"ok": 0, "failed": 0}  # /get_load calls (load-aware routing)
         self._polls_failing: set[str] = set()  # workers whose last poll failed (logged once)
 
@@ -98,6 +128,65 @@ class Workers:
                 self._polls_failing.add(url)
                 log.warning("load poll of %s failed: %r", url, exc)
 
+    # ------------------------------------------------------------------ roles (static lists)
+
+    @property
+    def probes_roles(self) -> bool:
+        return self.bootstrap_url is None and self.role_probe_interval > 0
+
+    def stale_role(self, url: str) -> None:
+        """A leg to ``url`` got 409 (it is in another role now): probe the roles at once."""
+        log.info("%s answered in another role: probing the workers' roles now", url)
+        self._reprobe.set()
+
+    async def probe_roles(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                          ) -> None:
+        """Every ``role_probe_interval`` (or at once after a 409), each configured worker's
+        role from its ``/server_info``; the routed lists follow. ``started()`` after the first
+        round, so that a proxy starting beside a switched worker routes it right at once."""
+        while True:
+            async with trio.open_nursery() as nursery:
+                for url in self._configured:
+                    nursery.start_soon(self._probe_role, url)
+            self._route_by_role()
+            task_status.started()
+            task_status = trio.TASK_STATUS_IGNORED
+            with trio.move_on_after(self.role_probe_interval):
+                await self._reprobe.wait()
+            self._reprobe = trio.Event()
+
+    async def _probe_role(self, url: str) -> None:
+        try:
+            with trio.fail_after(ROLE_PROBE_S):
+                r = await self._client().get(f"{url}/server_info", headers=self.headers)
+        except (httpx.HTTPError, trio.TooSlowError):
+            # Unreachable: its last known role stands (the circuit breaker keeps a dead
+            # worker out; a restarted one is probed again next round).
+            self.role_probes["failed"] += 1
+            return
+        self.role_probes["ok"] += 1
+        probed = _probed_role(r)
+        if probed is None:
+            self.probed.pop(url, None)  # it reports no switchable role: the configured one
+        else:
+            self.probed[url] = probed
+
+    def _route_by_role(self) -> None:
+        targets: dict[str, PrefillTarget] = {}
+        decode: list[str] = []
+        for url, (role, port) in self._configured.items():
+            probed = self.probed.get(url)
+            if probed is not None:
+                if not probed.serving:
+                    continue  # draining or switching: neither role's any more
+                role = probed.role
+                port = probed.bootstrap_port if probed.bootstrap_port is not None else port
+            if role == "prefill":
+                targets[url] = PrefillTarget.from_url(url, port)
+            elif role == "decode":
+                decode.append(url)
+        self._route_to(targets, decode)
+
     # ------------------------------------------------------------------ discovery
 
     async def discover(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -117,28 +206,30 @@ class Workers:
             await trio.sleep(self.refresh_interval)
 
     async def _list(self, role: str) -> list[dict[str, Any]]:
-        r = await self._client().get(f"{self.bootstrap_url}/list", params={"role": role})
-        r.raise_for_status()
-        answer = strict_loads(r.content, what="the registry's answer")
-        records = answer["instances"] if isinstance(answer, dict) else None
-        if not isinstance(records, list):
-            raise ValueError("the registry's answer has no list of instances")
-        # An instance spanning processes registers every P rank's transfer server; routers
-        # send requests to its entry, rank 0 (the others serve no HTTP).
-        return [rec for rec in records if isinstance(rec, dict) and rec.get("tp_rank", 0) == 0]
+        assert self.bootstrap_url is not None
+        return await list_role(self._client(), self.bootstrap_url, role)
 
     def _set_workers(self, prefill: list[dict[str, Any]], decode: list[dict[str, Any]]) -> None:
         targets: dict[str, PrefillTarget] = {}
         for rec in prefill:
-            url = _worker_url(rec)
+            url = worker_url(rec)
             if url is None or url in targets:
                 continue
             host, port = _advertised(rec)
             targets[url] = PrefillTarget(url, host, port)
-        decode_urls = sorted({u for u in map(_worker_url, decode) if u is not None})
-        if sorted(targets) != sorted(self.targets) or decode_urls != self.decode_urls:
-            log.info("workers: prefill %s, decode %s", sorted(targets), decode_urls)
-        self.targets = dict(sorted(targets.items()))
+        self._route_to(dict(sorted(targets.items())),
+                       sorted({u for u in map(worker_url, decode) if u is not None}))
+
+    def _route_to(self, targets: dict[str, PrefillTarget], decode_urls: list[str]) -> None:
+        if targets != self.targets or decode_urls != self.decode_urls:
+            before = {**{u: "prefill" for u in self.targets}, **{u: "decode" for u in
+                                                                 self.decode_urls}}
+            after = {**{u: "prefill" for u in targets}, **{u: "decode" for u in decode_urls}}
+            self.role_changes += sum(before.get(u) != after.get(u) for u in {*before, *after})
+            epochs = {u: p.epoch for u, p in self.probed.items()}
+            log.info("workers: prefill %s, decode %s%s", sorted(targets), decode_urls,
+                     f" (role epochs {epochs})" if epochs else "")
+        self.targets = targets
         self.decode_urls = decode_urls
         self._router.set_workers(list(self.targets), decode_urls)
 
@@ -178,7 +269,8 @@ class Workers:
         """The workers routed to now, by role (their HTTP URLs), and each one's circuit breaker
         (CLOSED, OPEN, HALF_OPEN, PROBING)."""
         return JSONResponse({"prefill": list(self.targets), "decode": list(self.decode_urls),
-                             "breakers": self._router.breakers.states()})
+                             "breakers": self._router.breakers.states(),
+                             "roles": {u: attrs.asdict(p) for u, p in self.probed.items()}})
 
     async def info(self, request: Request) -> Response:
         """Pass-through to the first decode worker (then prefill)."""
@@ -192,11 +284,25 @@ class Workers:
         return JSONResponse(error_body(503, "no worker reachable"), status_code=503)
 
 
-def _worker_url(rec: dict[str, Any]) -> str | None:
-    addr = rec.get("scheduler_addr")
-    if not isinstance(addr, str) or not addr:
+def _probed_role(r: httpx.Response) -> ProbedRole | None:
+    """A worker's role from its ``/server_info`` answer; None when it reports no switchable
+    role (no ``role_epoch``: an sglang worker, or one that cannot switch)."""
+    if r.status_code != 200:
         return None
-    return (addr if "://" in addr else f"http://{addr}").rstrip("/")
+    try:
+        info = strict_loads(r.content, what="a worker's /server_info")
+    except ValueError:
+        return None
+    if not isinstance(info, dict):
+        return None
+    role, epoch = info.get("disaggregation_mode"), info.get("role_epoch")
+    if role not in ("prefill", "decode", "null") or type(epoch) is not int:
+        return None
+    # P's side-channel port while it is P (routers inject it as bootstrap_port; the config's
+    # disaggregation_bootstrap_port is the registry's).
+    port = info.get("prefill_bootstrap_port")
+    return ProbedRole(role, epoch, info.get("role_state", "SERVING") == "SERVING",
+                      port if type(port) is int else None)
 
 
 def _advertised(rec: dict[str, Any]) -> tuple[str, int | None]:

@@ -1,0 +1,90 @@
+"""`pd-fsm planner`: the SLA planner as a process (issue 30 §2; the policy is
+``pd_fsm.core.planner``, the scraping and acting ``service.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import sys
+
+import trio
+
+from pd_fsm.core.planner import Planner, PlannerConfig
+from pd_fsm.io_trio.api_key import add_api_key_arguments, api_key_from_args, bearer
+from pd_fsm.io_trio.cli_common import STOP_GRACE_S, run_service, stop_on_signal
+from pd_fsm.io_trio.planner.service import PlannerService, serve_planner
+from pd_fsm.io_trio.tls import add_tls_arguments, tls_from_args
+
+log = logging.getLogger("pd_fsm.io_trio.planner.cli")
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    d = PlannerConfig()
+    p = sub.add_parser("planner", help="switch workers between prefill and decode to meet "
+                                       "TTFT and ITL targets")
+    p.add_argument("--bootstrap-url", default=None,
+                   help="observe the workers the bootstrap server lists")
+    p.add_argument("--worker", action="append", default=[], metavar="URL",
+                   help="observe this worker (repeat; instead of --bootstrap-url)")
+    p.add_argument("--ttft-slo", type=float, default=d.ttft_slo, help="seconds (default 2)")
+    p.add_argument("--itl-slo", type=float, default=d.itl_slo, help="seconds (default 0.1)")
+    p.add_argument("--interval", type=float, default=5.0,
+                   help="seconds between observations (default 5)")
+    p.add_argument("--patience", type=int, default=d.patience,
+                   help=f"observations a pressure must hold before it is acted on (default "
+                        f"{d.patience})")
+    p.add_argument("--cooldown", type=float, default=d.cooldown,
+                   help=f"seconds after a decision before the next (default {d.cooldown:g})")
+    p.add_argument("--min-prefill", type=int, default=d.min_prefill)
+    p.add_argument("--min-decode", type=int, default=d.min_decode)
+    p.add_argument("--max-step", type=int, default=d.max_step,
+                   help="switches decided at once, at most (default 1; 0: no bound)")
+    p.add_argument("--dry-run", action="store_true", help="decide and log, never switch")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="its /metrics and /decisions")
+    p.add_argument("--log-level", default="INFO")
+    add_tls_arguments(p)
+    add_api_key_arguments(p, "worker-", who="the planner sends to every worker; workers expect")
+    p.set_defaults(func=main)
+
+
+def service_from_args(args: argparse.Namespace) -> PlannerService:
+    """Raises ValueError naming a bad value."""
+    for url in args.worker:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--worker URL must start with http:// or https://, got {url!r}")
+    if args.interval <= 0:
+        raise ValueError("--interval must be positive")
+    config = PlannerConfig(ttft_slo=args.ttft_slo, itl_slo=args.itl_slo,
+                           patience=args.patience, cooldown=args.cooldown,
+                           min_prefill=args.min_prefill, min_decode=args.min_decode,
+                           max_step=args.max_step)
+    key = api_key_from_args(args, "worker-")
+    return PlannerService(Planner(config), workers=args.worker,
+                          bootstrap_url=args.bootstrap_url, interval=args.interval,
+                          headers=bearer(key) if key else {}, tls=tls_from_args(args),
+                          dry_run=args.dry_run)
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(),
+                        format="pd-fsm planner: %(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        service = service_from_args(args)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    return run_service(_run, service, args.host, args.port, host=args.host, port=args.port,
+                       log=log)
+
+
+async def _run(service: PlannerService, host: str, port: int) -> None:
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stop_on_signal, stop, log)
+        url = await nursery.start(functools.partial(serve_planner, shutdown_trigger=stop.wait),
+                                  service, host, port)
+        print(f"pd-fsm planner: listening on {url}", flush=True)
+        await stop.wait()
+        nursery.cancel_scope.deadline = trio.current_time() + STOP_GRACE_S

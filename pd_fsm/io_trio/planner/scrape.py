@@ -1,0 +1,122 @@
+"""A worker as the planner sees it: its role from ``/server_info``, its queues, KV use and
+latency histograms from ``/metrics`` (the names ``worker/metrics.py`` exports).
+
+Latencies are p90s over the window between two scrapes: the difference of the cumulative
+histograms, so a worker's history before the last decision does not weigh on the next one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import attrs
+from prometheus_client.parser import text_string_to_metric_families
+
+from pd_fsm.core.planner import WorkerSnapshot
+from pd_fsm.io_trio.worker.metrics import PREFIX
+
+TTFT = f"{PREFIX}_time_to_first_token_seconds"
+ITL = f"{PREFIX}_inter_token_latency_seconds"
+BACKEND = f"{PREFIX}_backend_"
+# Requests not prefilled yet (P), or whose KV has not arrived yet (D): pd_queues' keys.
+D_WAITING_QUEUES = ("recv_queue", "alloc_queue", "pulls_inflight")
+
+
+@attrs.frozen
+class Histogram:
+    """Cumulative bucket counts by upper bound (the last bound is +inf)."""
+
+    bounds: tuple[float, ...] = ()
+    counts: tuple[float, ...] = ()
+
+    @property
+    def total(self) -> float:
+        return self.counts[-1] if self.counts else 0.0
+
+    def since(self, earlier: Histogram | None) -> Histogram:
+        """What was observed after ``earlier`` (a worker restarted meanwhile: all of it)."""
+        if earlier is None or earlier.bounds != self.bounds or earlier.total > self.total:
+            return self
+        return Histogram(self.bounds, tuple(a - b for a, b in
+                                            zip(self.counts, earlier.counts, strict=True)))
+
+    def quantile(self, q: float) -> float:
+        """The q-quantile, linear within its bucket; NaN with nothing observed. One past the
+        last finite bound reads as that bound (a lower bound of the truth)."""
+        if self.total <= 0:
+            return math.nan
+        rank = q * self.total
+        low, below = 0.0, 0.0
+        for bound, count in zip(self.bounds, self.counts, strict=True):
+            if count >= rank:
+                if math.isinf(bound):
+                    return low
+                inside = count - below
+                return low + (bound - low) * ((rank - below) / inside if inside else 1.0)
+            low, below = bound, count
+        return low
+
+
+@attrs.frozen
+class Scrape:
+    """One scrape of one worker."""
+
+    role: str  # "prefill" | "decode" | "null"
+    serving: bool  # False while it drains for a role switch, or switches
+    ttft: Histogram
+    itl: Histogram
+    gauges: Mapping[str, float]  # pd_fsm_worker_backend_* by name (labelled: "name{key}")
+
+    def snapshot(self, worker: str, earlier: Scrape | None) -> WorkerSnapshot | None:
+        """The planner's view over the window since ``earlier``; None for a colocated worker
+        (the planner moves workers between P and D only)."""
+        if self.role not in ("prefill", "decode"):
+            return None
+        g = self.gauges
+        if self.role == "prefill":
+            waiting = g.get("queued", 0.0) + g.get("waiting", 0.0)
+        else:
+            waiting = sum(g.get(f"pd_queues{{{k}}}", 0.0) for k in D_WAITING_QUEUES)
+        total = g.get("total_pages", 0.0)
+        used = (total - g.get("free_pages", total)) / total if total > 0 else 0.0
+        return WorkerSnapshot(
+            worker=worker,
+            role="prefill" if self.role == "prefill" else "decode",
+            waiting=int(waiting),
+            running=int(g.get("running", 0.0)),
+            ttft_p90=self.ttft.since(None if earlier is None else earlier.ttft).quantile(0.9),
+            itl_p90=self.itl.since(None if earlier is None else earlier.itl).quantile(0.9),
+            kv_usage=max(0.0, min(1.0, used)),
+            switching=not self.serving,
+        )
+
+
+def parse(info: Mapping[str, object], metrics: str) -> Scrape:
+    """A scrape from a worker's ``/server_info`` (parsed) and ``/metrics`` (text). Raises
+    ValueError for text that is not Prometheus' exposition format."""
+    buckets: dict[str, list[tuple[float, float]]] = {TTFT: [], ITL: []}
+    gauges: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name.endswith("_bucket") and sample.name[: -len("_bucket")] in buckets:
+                le = float(sample.labels["le"])
+                buckets[sample.name[: -len("_bucket")]].append((le, float(sample.value)))
+            elif sample.name.startswith(BACKEND):
+                key = sample.name[len(BACKEND):]
+                if "key" in sample.labels:
+                    key = f"{key}{{{sample.labels['key']}}}"
+                gauges[key] = float(sample.value)
+    role = info.get("disaggregation_mode")
+    return Scrape(
+        role=role if isinstance(role, str) else "null",
+        serving=info.get("role_state", "SERVING") == "SERVING",
+        ttft=_histogram(buckets[TTFT]),
+        itl=_histogram(buckets[ITL]),
+        gauges=gauges,
+    )
+
+
+def _histogram(pairs: list[tuple[float, float]]) -> Histogram:
+    pairs.sort()
+    return Histogram(tuple(b for b, _ in pairs), tuple(c for _, c in pairs))

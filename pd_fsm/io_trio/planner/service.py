@@ -1,0 +1,201 @@
+"""The planner as a service (issue 30 §2): every ``interval`` it scrapes each worker's
+``/server_info`` and ``/metrics``, hands the snapshots to the core's sans-IO ``Planner`` and acts
+on what it decides — a role switch is ``POST /switch_role`` on that worker. Asking for one more
+worker, or giving one back, needs a launcher this process does not have: such a decision is
+logged and counted ``not_actionable`` (``pd-fsm cluster --ray`` would be where actors start).
+
+One nursery: the HTTP server (``/metrics``, ``/health``, ``/decisions``) and the loop. Every wait
+has a deadline: a scrape ``SCRAPE_S``, a switch request ``SWITCH_S``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+from typing import Any
+
+import httpx
+import trio
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from pd_fsm.core.planner import Decision, Planner, ScaleDown, ScaleUp, SwitchRole, WorkerSnapshot
+from pd_fsm.io_trio.bootstrap.listing import list_role, worker_url
+from pd_fsm.io_trio.http_edge import edge_app
+from pd_fsm.io_trio.http_server import http_client, serve_app
+from pd_fsm.io_trio.planner.scrape import Scrape, parse
+from pd_fsm.io_trio.strict_json import loads as strict_loads
+from pd_fsm.io_trio.tls import NO_TLS, TLS
+
+log = logging.getLogger("pd_fsm.io_trio.planner")
+
+SCRAPE_S = 2.0  # a worker that does not answer within this is left out of this observation
+SWITCH_S = 5.0  # /switch_role answers at once (202) and switches in the background
+RECENT = 100  # decisions kept for /decisions
+
+
+class PlannerService:
+    def __init__(self, planner: Planner, *, workers: list[str], bootstrap_url: str | None,
+                 interval: float, headers: dict[str, str] | None = None, tls: TLS = NO_TLS,
+                 dry_run: bool = False) -> None:
+        if not workers and bootstrap_url is None:
+            raise ValueError("give --worker URLs or --bootstrap-url")
+        self.planner = planner
+        self.static = [w.rstrip("/") for w in workers]
+        self.bootstrap_url = bootstrap_url.rstrip("/") if bootstrap_url else None
+        self.interval = interval
+        self.headers = headers or {}
+        self.tls = tls
+        self.dry_run = dry_run  # decide and log, never act
+        self._last: dict[str, Scrape] = {}
+        self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.decisions = Counter(
+            "pd_fsm_planner_decisions", "decisions by kind, target role, the cluster's pressure "
+            "class that led to it, and what acting on it gave", ["kind", "to", "pressure",
+                                                                 "outcome"],
+            registry=self.registry)
+        self.observations = Counter("pd_fsm_planner_observations", "observations by the "
+                                    "pressure class the planner saw", ["pressure"],
+                                    registry=self.registry)
+        self.scrapes = Counter("pd_fsm_planner_scrapes", "worker scrapes by outcome",
+                               ["outcome"], registry=self.registry)
+        self.pressure = Gauge("pd_fsm_planner_pressure", "each side's pressure (1.0: at its "
+                              "target)", ["side"], registry=self.registry)
+        self.workers = Gauge("pd_fsm_planner_workers", "workers by role as last scraped",
+                             ["role"], registry=self.registry)
+        self._client: httpx.AsyncClient | None = None
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        async with http_client(timeout=SCRAPE_S, tls=self.tls) as client:
+            self._client = client
+            task_status.started()
+            while True:
+                await self.observe_once(trio.current_time())
+                await trio.sleep(self.interval)
+
+    async def observe_once(self, now: float) -> list[Decision]:
+        urls = await self._worker_urls()
+        scrapes: dict[str, Scrape] = {}
+        async with trio.open_nursery() as nursery:
+            for url in urls:
+                nursery.start_soon(self._scrape, url, scrapes)
+        snapshots: list[WorkerSnapshot] = []
+        for url, scrape in sorted(scrapes.items()):
+            snap = scrape.snapshot(url, self._last.get(url))
+            if snap is not None:
+                snapshots.append(snap)
+        self._last = scrapes
+        for role in ("prefill", "decode"):
+            self.workers.labels(role).set(sum(s.role == role and not s.switching
+                                              for s in snapshots))
+        p_load, d_load = self.planner.pressures(snapshots)
+        self.pressure.labels("prefill").set(p_load)
+        self.pressure.labels("decode").set(d_load)
+        pressure = self.planner.classify(snapshots)
+        self.observations.labels(pressure).inc()
+        decisions = self.planner.observe(snapshots, now)
+        for decision in decisions:
+            outcome = await self._act(decision)
+            to = decision.to if isinstance(decision, SwitchRole) else (
+                decision.role if isinstance(decision, ScaleUp) else "")
+            self.decisions.labels(type(decision).__name__, to, pressure, outcome).inc()
+            entry = {"at": now, "kind": type(decision).__name__, "to": to,
+                     "worker": getattr(decision, "worker", ""), "reason": decision.reason,
+                     "pressure": pressure, "outcome": outcome}
+            self.recent.append(entry)
+            log.warning("planner: %s", json.dumps(entry))
+        return decisions
+
+    async def _worker_urls(self) -> list[str]:
+        if self.bootstrap_url is None:
+            return self.static
+        urls: set[str] = set()
+        for role in ("prefill", "decode"):
+            try:
+                records = await list_role(self._http(), self.bootstrap_url, role)
+            except (httpx.HTTPError, ValueError) as exc:
+                log.warning("bootstrap %s: listing failed: %r", self.bootstrap_url, exc)
+                continue
+            urls.update(u for u in map(worker_url, records) if u is not None)
+        # A worker that is switching is in no list: the last ones seen stay observed.
+        return sorted(urls | set(self._last))
+
+    async def _scrape(self, url: str, out: dict[str, Scrape]) -> None:
+        try:
+            with trio.fail_after(SCRAPE_S):
+                info = await self._http().get(f"{url}/server_info", headers=self.headers)
+                metrics = await self._http().get(f"{url}/metrics", headers=self.headers)
+            info.raise_for_status()
+            metrics.raise_for_status()
+            parsed = strict_loads(info.content, what=f"{url}/server_info")
+            if not isinstance(parsed, dict):
+                raise ValueError("/server_info is not an object")
+            out[url] = parse(parsed, metrics.text)
+            self.scrapes.labels("ok").inc()
+        except (httpx.HTTPError, trio.TooSlowError, ValueError) as exc:
+            self.scrapes.labels("failed").inc()
+            log.info("scrape of %s failed: %r", url, exc)
+
+    async def _act(self, decision: Decision) -> str:
+        if self.dry_run:
+            return "dry_run"
+        if isinstance(decision, ScaleUp | ScaleDown):
+            return "not_actionable"  # no launcher here: see the module's docstring
+        try:
+            with trio.fail_after(SWITCH_S):
+                r = await self._http().post(f"{decision.worker}/switch_role",
+                                            json={"role": decision.to}, headers=self.headers)
+        except (httpx.HTTPError, trio.TooSlowError) as exc:
+            log.warning("switch of %s to %s failed: %r", decision.worker, decision.to, exc)
+            return "failed"
+        if r.status_code == 202:
+            return "switching"
+        if r.status_code == 200:
+            return "already"
+        log.warning("switch of %s to %s refused (%d): %s", decision.worker, decision.to,
+                    r.status_code, r.text[:300])
+        return "refused"
+
+    def _http(self) -> httpx.AsyncClient:
+        assert self._client is not None, "PlannerService.run is not running"
+        return self._client
+
+    # ------------------------------------------------------------------ HTTP
+
+    def app(self) -> Any:
+        async def metrics(request: Request) -> Response:
+            return Response(generate_latest(self.registry),
+                            media_type="text/plain; version=0.0.4")
+
+        async def health(request: Request) -> Response:
+            return JSONResponse({"status": "ok"})
+
+        async def decisions(request: Request) -> Response:
+            return JSONResponse({"decisions": list(self.recent)})
+
+        return edge_app([Route("/metrics", metrics, methods=["GET"]),
+                         Route("/health", health, methods=["GET"]),
+                         Route("/decisions", decisions, methods=["GET"])])
+
+
+async def serve_planner(service: PlannerService, host: str = "127.0.0.1", port: int = 0, *,
+                        shutdown_trigger: Any = None,
+                        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+    """The loop and its HTTP server in one nursery; ``started()`` with the base URL."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+
+        async def http(*, task_status: trio.TaskStatus[list[str]]) -> None:
+            await serve_app(service.app(), host, port, tls=service.tls,
+                            shutdown_trigger=shutdown_trigger, task_status=task_status)
+            nursery.cancel_scope.cancel()
+
+        binds: list[str] = await nursery.start(http)
+        task_status.started(binds[0])

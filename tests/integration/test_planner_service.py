@@ -1,0 +1,79 @@
+"""`pd-fsm planner`'s service against workers over HTTP (issue 30 §2): it scrapes each one's
+/server_info and /metrics, and acts on the core planner's decisions with POST /switch_role.
+
+The workers are recording stand-ins (``pd_standins``) whose /metrics is the text of a real
+``WorkerMetrics`` with the queues a test sets; the real switch is in ``test_role_switch.py``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import trio
+
+from pd_fsm.core.planner import Planner, PlannerConfig
+from pd_fsm.io_trio.planner.service import PlannerService, serve_planner
+from pd_fsm.io_trio.worker.metrics import WorkerMetrics
+from tests.integration.pd_standins import StandIn, serve_standin
+
+
+def _metrics(stats: dict[str, Any]) -> str:
+    return WorkerMetrics(lambda: stats).render().decode()
+
+
+async def _worker(nursery: trio.Nursery, role: str, stats: dict[str, Any]) -> tuple[str, StandIn]:
+    url, standin = await serve_standin(nursery, role)
+    standin.role_epoch = 0
+    standin.metrics = _metrics(stats)
+    return url, standin
+
+
+IDLE = {"queued": 0, "waiting": 0, "running": 0, "free_pages": 40, "total_pages": 40}
+
+
+async def test_a_prefill_bound_cluster_gets_a_decode_worker_switched_to_prefill(
+    nursery: trio.Nursery,
+) -> None:
+    p_url, p = await _worker(nursery, "prefill", {**IDLE, "queued": 10})  # 2.5x its queue bound
+    d0_url, d0 = await _worker(nursery, "decode", {**IDLE, "running": 2})
+    d1_url, d1 = await _worker(nursery, "decode", IDLE)
+    service = PlannerService(Planner(PlannerConfig(patience=2, cooldown=3600)),
+                             workers=[p_url, d0_url, d1_url], bootstrap_url=None, interval=0.05)
+    url: str = await nursery.start(serve_planner, service)
+    with trio.fail_after(10):
+        while not (d0.switches or d1.switches):
+            await trio.sleep(0.02)
+    await trio.sleep(0.3)  # several more observations: the cooldown holds
+    assert d1.switches == [{"role": "prefill"}] and not d0.switches  # the idler D moved
+    assert not p.switches and d1.role == "prefill"
+    async with httpx.AsyncClient(timeout=10) as http:
+        decisions = (await http.get(f"{url}/decisions")).json()["decisions"]
+        metrics = (await http.get(f"{url}/metrics")).text
+    assert [(d["kind"], d["worker"], d["to"], d["outcome"]) for d in decisions] == [
+        ("SwitchRole", d1_url, "prefill", "switching")]
+    assert "prefill pressure 2.50" in decisions[0]["reason"]
+    assert ('pd_fsm_planner_decisions_total{kind="SwitchRole",outcome="switching",'
+            'pressure="prefill_bound",to="prefill"} 1.0') in metrics
+
+
+async def test_unreachable_workers_and_dry_runs_act_on_nothing(nursery: trio.Nursery) -> None:
+    """A worker that does not answer is left out of the observation (counted); a dry run
+    decides and logs, and switches nobody."""
+    p_url, p = await _worker(nursery, "prefill", {**IDLE, "queued": 10})
+    d0_url, d0 = await _worker(nursery, "decode", IDLE)
+    d1_url, d1 = await _worker(nursery, "decode", IDLE)
+    gone = "http://127.0.0.1:9"  # discard port: refused at once
+    service = PlannerService(Planner(PlannerConfig(patience=1, cooldown=3600)),
+                             workers=[p_url, d0_url, d1_url, gone], bootstrap_url=None,
+                             interval=0.05, dry_run=True)
+    async with trio.open_nursery() as inner:
+        await inner.start(serve_planner, service)
+        with trio.fail_after(10):
+            while not service.recent:
+                await trio.sleep(0.02)
+        inner.cancel_scope.cancel()
+    assert [d["outcome"] for d in service.recent] == ["dry_run"]
+    assert not (p.switches or d0.switches or d1.switches)
+    failed = service.registry.get_sample_value("pd_fsm_planner_scrapes_total",
+                                               {"outcome": "failed"})
+    assert failed is not None and failed >= 1

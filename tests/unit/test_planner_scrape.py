@@ -1,0 +1,80 @@
+"""The planner service's reading of a worker: real ``WorkerMetrics`` text in, the core
+planner's ``WorkerSnapshot`` out (``pd_fsm/io_trio/planner/scrape.py``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from pd_fsm.io_trio.planner.scrape import Histogram, parse
+from pd_fsm.io_trio.worker.metrics import WorkerMetrics
+
+
+def _text(stats: dict[str, Any], ttft: list[float] = (), itl: list[float] = ()) -> tuple[
+        WorkerMetrics, str]:
+    m = WorkerMetrics(lambda: stats)
+    for v in ttft:
+        m.ttft.observe(v)
+    for v in itl:
+        m.itl.observe(v)
+    return m, m.render().decode()
+
+
+def test_quantile_interpolates_within_a_bucket_and_is_nan_when_empty() -> None:
+    h = Histogram((0.1, 0.2, math.inf), (0.0, 10.0, 10.0))
+    assert h.quantile(0.9) == pytest.approx(0.19)
+    assert h.quantile(0.5) == pytest.approx(0.15)
+    assert math.isnan(Histogram((1.0, math.inf), (0.0, 0.0)).quantile(0.9))
+    # Past the last finite bound: that bound, a lower bound of the truth.
+    assert Histogram((1.0, math.inf), (0.0, 4.0)).quantile(0.9) == 1.0
+
+
+def test_since_is_the_window_and_a_restart_starts_it_again() -> None:
+    early = Histogram((0.1, math.inf), (5.0, 5.0))
+    late = Histogram((0.1, math.inf), (5.0, 9.0))
+    assert late.since(early) == Histogram((0.1, math.inf), (0.0, 4.0))
+    restarted = Histogram((0.1, math.inf), (1.0, 1.0))  # counts went down: a new process
+    assert restarted.since(late) == restarted
+
+
+def test_a_prefill_workers_snapshot_from_its_metrics() -> None:
+    stats = {"queued": 3, "waiting": 2, "running": 0, "free_pages": 30, "total_pages": 40,
+             "pd_queues": {"send_queue": 1, "held_rooms": 4}}
+    _, text = _text(stats, ttft=[0.3] * 9 + [4.0])
+    scrape = parse({"disaggregation_mode": "prefill", "role_state": "SERVING"}, text)
+    snap = scrape.snapshot("http://p", None)
+    assert snap is not None
+    assert (snap.role, snap.waiting, snap.running, snap.switching) == ("prefill", 5, 0, False)
+    assert snap.kv_usage == pytest.approx(0.25)
+    assert 0.25 <= snap.ttft_p90 <= 0.5  # the 9th of 10 is in the (0.25, 0.5] bucket
+    assert math.isnan(snap.itl_p90)
+
+
+def test_a_decode_workers_window_and_its_switching_state() -> None:
+    stats: dict[str, Any] = {"running": 3, "free_pages": 0, "total_pages": 10,
+                             "pd_queues": {"recv_queue": 1, "alloc_queue": 2,
+                                           "pulls_inflight": 1, "held_rooms": 7}}
+    m, first = _text(stats, itl=[0.5] * 10)
+    before = parse({"disaggregation_mode": "decode"}, first)
+    for _ in range(10):
+        m.itl.observe(0.02)  # the window after the first scrape is fast
+    after = parse({"disaggregation_mode": "decode", "role_state": "DRAINING"},
+                  m.render().decode())
+    snap = after.snapshot("http://d", before)
+    assert snap is not None
+    assert (snap.waiting, snap.running, snap.kv_usage, snap.switching) == (4, 3, 1.0, True)
+    assert snap.itl_p90 <= 0.02  # only the window's
+    whole = after.snapshot("http://d", None)
+    assert whole is not None and whole.itl_p90 > 0.3  # everything since start
+
+
+def test_a_colocated_worker_is_not_the_planners() -> None:
+    _, text = _text({"running": 1})
+    assert parse({"disaggregation_mode": "null"}, text).snapshot("http://c", None) is None
+
+
+def test_text_that_is_not_prometheus_is_refused() -> None:
+    with pytest.raises(ValueError):
+        parse({"disaggregation_mode": "decode"}, "this is { not metrics\n")
