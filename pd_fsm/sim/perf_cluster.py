@@ -68,7 +68,10 @@ class ClusterConfig:
     planner: PlannerConfig | None = None
     interval: float = 5.0  # seconds between the planner's observations
     window: float = 20.0  # the latencies it sees: requests served in the last this many s
-    switch_s: float = 2.0  # a drained worker serves in its new role this much later
+    # A drained worker serves in its new role this much later. Measured on real workers: 0.64-0.79
+    # s for an idle SmolLM2 (README "Role switch"); 2.0 keeps bench/RESULTS_planner_sim.md
+    # reproducible and allows for a loaded machine.
+    switch_s: float = 2.0
 
 
 @attrs.define

@@ -233,6 +233,14 @@ class Fleet:
             argv += ["--decode", str(d.url)]
         return self._add(name, argv, f"http://{HOST}:{port}")
 
+    def planner(self, name: str, workers: list[Proc], extra: list[str] | None = None) -> Proc:
+        """``pd-fsm planner`` observing ``workers`` (and switching their roles)."""
+        port = free_port()
+        argv = cli("planner", "--host", HOST, "--port", str(port), *(extra or []))
+        for w in workers:
+            argv += ["--worker", str(w.url)]
+        return self._add(name, argv, f"http://{HOST}:{port}")
+
     def sglang_router(self, name: str, prefill: Proc, decode: Proc) -> Proc:
         """The real sglang-router (PyPI) in PD mode over one P and one D; it has no /health of
         ours to wait on: ready once it relays a request (``wait_relays``)."""

@@ -1,6 +1,6 @@
 """The dashboard and the Prometheus rules against a real Prometheus scraping a real cluster.
 
-`pd-fsm cluster --prefill 1 --decode 1 --colocated --model tiny --prometheus` starts Debian's
+`pd-fsm cluster --prefill 1 --decode 2 --colocated --model tiny --prometheus --planner` starts Debian's
 Prometheus beside the cluster with the shipped configuration (``deploy/prometheus``: file-based
 service discovery, recording and alert rules). After some traffic (greedy requests through the
 proxy and to the colocated worker, streamed and not, and a bad one), every query of every panel
@@ -31,9 +31,14 @@ pytestmark = pytest.mark.slow
 
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
-CLUSTER_ARGS = ["--prefill", "1", "--decode", "1", "--colocated", "--model", "tiny",
+CLUSTER_ARGS = ["--prefill", "1", "--decode", "2", "--colocated", "--model", "tiny",
                 "--page-size", "4", "--num-pages", "512", "--max-running", "16",
-                "--context-length", "256", "--startup-timeout", "240", "--prometheus"]
+                "--context-length", "256", "--startup-timeout", "240", "--prometheus",
+                # Switchable workers and a planner whose TTFT target the traffic cannot meet:
+                # its decision to move one of the two Ds to P (a dry run: nothing switches)
+                # gives the roles row its series.
+                "--planner", "--planner-args",
+                "--dry-run --ttft-slo 0.0001 --patience 1 --interval 1"]
 DEPLOY = observability.deploy_dir()
 WINDOW = "1m"  # what the test puts for Grafana's $__rate_interval
 

@@ -323,7 +323,7 @@ async def test_a_1p1d_flip_serves_the_same_request_the_other_way_round(fleet: Fl
         assert r.headers["x-pd-role-epoch"] == str(epochs["a"] + 1)
         await wait_clean(http, a, b, timeout=SLACK)
         metrics = (await http.get(f"{a.url}/metrics")).text
-        assert 'pd_fsm_worker_role{role="decode"} 1.0' in metrics
+        assert 'pd_fsm_worker_role{key="decode"} 1.0' in metrics
         assert ('pd_fsm_worker_role_switches_total{from="prefill",outcome="switched",'
                 'to="decode"} 1.0') in metrics
 

@@ -175,6 +175,25 @@ def rows() -> tuple[Row, ...]:
             ), description="registry writes refused (bad bodies, bad signatures); requests whose "
                            "handler raised (answered 500); side-channel frames dropped"),
         )),
+        Row("Roles and the planner", (
+            Panel("Worker roles (1: served) and role epochs", (
+                Target("pd_fsm_worker_role == 1", "{{name}} {{key}}"),
+                Target("pd_fsm_worker_role_epoch", "{{name}} epoch"),
+            ), description="a worker's role changes at runtime (POST /switch_role); its epoch "
+                           "counts completed switches"),
+            Panel("Role switches and planner decisions", (
+                Target(f"sum by (name, outcome) (increase(pd_fsm_worker_role_switches_total"
+                       f"[{RATE}]))", "{{name}} switch {{outcome}}"),
+                Target(f"sum by (kind, to, outcome) (increase(pd_fsm_planner_decisions_total"
+                       f"[{RATE}]))", "planner {{kind}} {{to}} {{outcome}}"),
+            ), description="a switchable worker's series start at 0; planner decisions carry "
+                           "their reasons in its log and GET /decisions"),
+            Panel("Planner: pressure per side and workers per role", (
+                Target("pd_fsm_planner_pressure", "{{side}} pressure"),
+                Target("pd_fsm_planner_workers", "{{side}} workers"),
+            ), description="pressure 1.0 is at the target (TTFT for P, ITL or KV for D); "
+                           "`pd-fsm cluster --planner` runs the planner"),
+        )),
         Row("Restarts", (
             Panel("Up, restarts and peer incarnations", (
                 Target('up{job="pd_fsm"}', "{{name}} up"),

@@ -65,8 +65,9 @@ class PlannerService:
                                ["outcome"], registry=self.registry)
         self.pressure = Gauge("pd_fsm_planner_pressure", "each side's pressure (1.0: at its "
                               "target)", ["side"], registry=self.registry)
-        self.workers = Gauge("pd_fsm_planner_workers", "workers by role as last scraped",
-                             ["role"], registry=self.registry)
+        # Labelled "side", not "role": Prometheus targets carry a role label of their own.
+        self.workers = Gauge("pd_fsm_planner_workers", "workers serving each role as last "
+                             "scraped", ["side"], registry=self.registry)
         self._client: httpx.AsyncClient | None = None
 
     # ------------------------------------------------------------------ the loop

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pd_fsm.core.role_switch import OUTCOMES
 from pd_fsm.io_trio.worker.phases import PhaseHistograms
 
 PREFIX = "pd_fsm_worker"
@@ -86,7 +87,7 @@ class RoleSnapshot:
 
 class RoleCollector(Collector):
     """``role_switches_total{from,to,outcome}``, ``role_epoch`` and the current role as
-    ``role{role}`` (1 for the role served, 0 for the others it may take)."""
+    ``role{key}`` (1 for the role served, 0 for the others it may take)."""
 
     def __init__(self, snapshot: Callable[[], RoleSnapshot]) -> None:
         self._snapshot = snapshot
@@ -96,14 +97,19 @@ class RoleCollector(Collector):
         switches = CounterMetricFamily(f"{PREFIX}_role_switches",
                                        "role switches by the roles left and taken and outcome",
                                        labels=["from", "to", "outcome"])
-        for (source, target, outcome), n in sorted(snap.switches.items()):
+        # Every switch this worker may make, by every outcome, from 0: a rate over a series
+        # that appears only at its first switch would miss that switch.
+        counts = {(a, b, o): 0 for a in snap.roles for b in snap.roles if a != b
+                  for o in OUTCOMES}
+        counts.update(snap.switches)
+        for (source, target, outcome), n in sorted(counts.items()):
             switches.add_metric([source, target, outcome], n)
         yield switches
         yield GaugeMetricFamily(f"{PREFIX}_role_epoch",
                                 "completed role switches of this worker (0 at start)",
                                 value=snap.epoch)
         role = GaugeMetricFamily(f"{PREFIX}_role", "1 for the role this worker serves now",
-                                 labels=["role"])
+                                 labels=["key"])  # not "role": the scrape target has one
         for r in snap.roles:
             role.add_metric([r], float(r == snap.role))
         yield role
