@@ -1,11 +1,11 @@
 """The dashboard and the Prometheus rules against a real Prometheus scraping a real cluster.
 
-`pd-fsm cluster --prefill 1 --decode 2 --colocated --model tiny --prometheus --planner` starts Debian's
-Prometheus beside the cluster with the shipped configuration (``deploy/prometheus``: file-based
-service discovery, recording and alert rules). After some traffic (greedy requests through the
-proxy and to the colocated worker, streamed and not, and a bad one), every query of every panel
-of ``deploy/grafana/pd_fsm.json`` is evaluated through Prometheus' HTTP API and must return
-series — a panel naming a metric that no longer exists fails here — and every recording and
+`pd-fsm cluster --prefill 1 --decode 2 --colocated --model tiny --prometheus --planner` starts
+Debian's Prometheus beside the cluster with the shipped configuration (``deploy/prometheus``:
+file-based service discovery, recording and alert rules). After some traffic (greedy requests
+through the proxy and to the colocated worker, streamed and not, and a bad one), every query of
+every panel of ``deploy/grafana/pd_fsm.json`` is evaluated through Prometheus' HTTP API and must
+return series — a panel naming a metric that no longer exists fails here — and every recording and
 alert rule's expression must parse and evaluate; Prometheus must have loaded every rule, none
 failing. ``promtool check config`` and ``promtool check rules`` pass on the shipped files.
 
