@@ -6,6 +6,10 @@ itself stays in the root namespace and can reach neither, so HTTP calls to the n
 through ``NsClient``: a small child process inside one namespace that runs the requests it is sent
 (several at once, each with its own timeout) and answers with status, body and elapsed time.
 
+``Hosts.shape`` puts a token bucket (``tc``'s ``tbf``) on both ends of the veth pair, so the link is
+as slow as a real one (1 or 10 Gbit/s); ``raw_socket_seconds`` times a plain TCP stream across it,
+the baseline a KV pull on the same link is compared with (issue 31 §2).
+
 Only the namespaces' own addresses are contacted.
 """
 
@@ -30,6 +34,33 @@ import attrs
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+
+
+def _tc(ns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    tc = shutil.which("tc") or "/usr/sbin/tc"  # /usr/sbin is not on every root PATH
+    return subprocess.run(["ip", "netns", "exec", ns, tc, *args], capture_output=True, text=True,
+                          check=check, timeout=30)
+
+
+class ShapingUnavailable(RuntimeError):
+    """``tc`` is missing, or the kernel refused the qdisc: the message is the skip reason."""
+
+
+def tbf_burst_bytes(rate_bps: float) -> int:
+    """The token bucket's depth for ``rate_bps`` (bits/s).
+
+    One millisecond of the rate, and never under 64 KiB: veth hands the qdisc GSO super-packets
+    of up to 64 KiB, and a bucket shallower than a packet makes tbf split every one (or drop it),
+    which slows the link below its rate; deeper than ~1 ms and the first bytes of every pull go
+    out at memory speed, which flatters short transfers (the bucket is what a NIC's line rate
+    does not have). At 1 Gbit/s that is 125 kB (1 ms), at 10 Gbit/s 1.25 MB (1 ms)."""
+    return max(64 * 1024, int(rate_bps / 8 / 1000))
+
+
+# How long a packet may wait in the bucket's queue before tbf drops it (tc's ``latency``):
+# enough for a TCP window in flight at these rates (25 ms is 3 MB at 1 Gbit/s), so the sender is
+# paced by the bucket rather than by drops and retransmissions.
+TBF_LATENCY = "25ms"
 
 
 def namespaces_unavailable() -> str | None:
@@ -108,6 +139,54 @@ class Hosts:
         for ns in (self.a, self.b):
             _ip("-n", ns, "neigh", "flush", "all", check=False)
 
+    def shape(self, rate_bps: float | None) -> None:
+        """Limit both directions of the link to ``rate_bps`` bits/s with a ``tbf`` on each veth
+        end (a root qdisc shapes what leaves its interface: A's end carries the KV from P to D,
+        B's the requests and heartbeats back); ``None`` removes both (the veth's own speed).
+        Raises :class:`ShapingUnavailable` with ``tc``'s own words where it cannot be done."""
+        if shutil.which("tc") is None and not Path("/usr/sbin/tc").exists():
+            raise ShapingUnavailable("the `tc` tool (iproute2) is not installed")
+        for ns, dev in ((self.a, self.if_a), (self.b, self.if_b)):
+            if rate_bps is None:
+                _tc(ns, "qdisc", "del", "dev", dev, "root", check=False)  # none there: fine
+                continue
+            done = _tc(ns, "qdisc", "replace", "dev", dev, "root", "tbf",
+                       "rate", f"{int(rate_bps)}bit", "burst", str(tbf_burst_bytes(rate_bps)),
+                       "latency", TBF_LATENCY, check=False)
+            if done.returncode != 0:
+                raise ShapingUnavailable(f"`tc qdisc replace ... tbf` failed on {dev}: "
+                                         f"{(done.stderr or done.stdout).strip()}")
+
+    def netem_missing(self) -> str | None:
+        """Why added latency (``netem``) cannot be had on this kernel, or None: tried on B's end
+        and removed at once."""
+        done = _tc(self.b, "qdisc", "add", "dev", self.if_b, "root", "netem", "delay", "1ms",
+                   check=False)
+        if done.returncode != 0:
+            return f"`tc qdisc add ... netem` failed: {(done.stderr or done.stdout).strip()}"
+        _tc(self.b, "qdisc", "del", "dev", self.if_b, "root", check=False)
+        return None
+
+    def raw_socket_seconds(self, nbytes: int, timeout: float = 120) -> float:
+        """Seconds a plain TCP stream takes to carry ``nbytes`` from A to B (the direction of
+        the KV): a receiver in B times from its first byte in to its last."""
+        recv = subprocess.Popen(self.exec(self.b, [sys.executable, "-c", _RAW_RECEIVER,
+                                                   self.ip_b, str(nbytes)]),
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            assert recv.stdout is not None
+            port = recv.stdout.readline().strip()
+            if not port.isdigit():
+                raise RuntimeError(f"the raw-socket receiver did not start: {port!r}")
+            subprocess.run(self.exec(self.a, [sys.executable, "-c", _RAW_SENDER, self.ip_b, port,
+                                              str(nbytes)]), check=True, timeout=timeout)
+            out, _ = recv.communicate(timeout=timeout)
+            return float(out)
+        finally:
+            if recv.poll() is None:
+                recv.kill()
+                recv.wait()
+
     def pids(self, ns: str) -> list[int]:
         out = _ip("netns", "pids", ns, check=False).stdout.split()
         return [int(p) for p in out if p.isdigit()]
@@ -127,6 +206,34 @@ class Hosts:
             shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
 
 
+_RAW_RECEIVER = r"""
+import socket, sys, time
+host, n = sys.argv[1], int(sys.argv[2])
+srv = socket.create_server((host, 0))
+print(srv.getsockname()[1], flush=True)
+conn, _ = srv.accept()
+buf = memoryview(bytearray(1 << 20))
+first = got = conn.recv_into(buf)
+t = time.perf_counter()  # from the first bytes in: the connection's set-up is not the link's
+while got < n:
+    k = conn.recv_into(buf)
+    if not k:
+        raise SystemExit(f"sender closed after {got} of {n} bytes")
+    got += k
+# The seconds for all n bytes at the rate the bytes after the first read came in.
+print((time.perf_counter() - t) * n / max(1, n - first), flush=True)
+"""
+
+_RAW_SENDER = r"""
+import socket, sys
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+chunk = bytes(1 << 20)
+with socket.create_connection((host, port), timeout=60) as s:
+    left = n
+    while left:
+        left -= s.send(memoryview(chunk)[: min(left, len(chunk))])
+"""
+
 _CLIENT = r"""
 import concurrent.futures, json, ssl, sys, time
 import httpx
@@ -135,11 +242,18 @@ def one(req):
     t0 = time.monotonic()
     ca = req.get("ca")  # verify HTTPS against this CA file
     verify = ssl.create_default_context(cafile=ca) if ca else True
+    first = None  # a streamed answer: seconds to its first event (time to first token)
     try:
         with httpx.Client(timeout=req.get("timeout", 30), verify=verify) as http:
-            r = http.request(req["method"], req["url"], json=req.get("json"),
-                             content=req.get("content"))
-        return {"status": r.status_code, "body": r.text, "elapsed": time.monotonic() - t0}
+            with http.stream(req["method"], req["url"], json=req.get("json"),
+                             content=req.get("content")) as r:
+                parts = []
+                for chunk in r.iter_text():
+                    if first is None and "data: {" in chunk:
+                        first = time.monotonic() - t0
+                    parts.append(chunk)
+        return {"status": r.status_code, "body": "".join(parts), "first": first,
+                "elapsed": time.monotonic() - t0}
     except (httpx.HTTPError, ssl.SSLError) as exc:
         return {"status": None, "body": f"{type(exc).__name__}: {exc}",
                 "elapsed": time.monotonic() - t0}
@@ -260,6 +374,21 @@ class NsClient:
                              "ca": ca and str(ca)}])[0]
         assert answer["status"] == 200, f"{method} {url}: {answer}"
         return json.loads(answer["body"])
+
+    def metric_sums(self, url: str, names: dict[str, str]) -> dict[str, float]:
+        """``url``'s ``/metrics`` samples named by ``names``' values (a histogram's ``_sum`` or
+        ``_count``, a counter), summed over labels, under ``names``' keys (0 where absent)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        answer = self.get(f"{url}/metrics", timeout=10)
+        assert answer["status"] == 200, answer
+        wanted = {v: k for k, v in names.items()}
+        out = dict.fromkeys(names, 0.0)
+        for family in text_string_to_metric_families(answer["body"]):
+            for sample in family.samples:
+                if sample.name in wanted:
+                    out[wanted[sample.name]] += sample.value
+        return out
 
     def wait_ok(self, urls: list[str], timeout: float = 240, logs: Sequence[Path] = (),
                 ca: Path | None = None) -> None:
