@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -40,7 +40,8 @@ PROMPT = "Tell me about the river city"
 MAX_TOKENS = 150
 # A drain short enough that an unclaimed ticket expires within the fallback test, and a pull
 # deadline that ends the pull from the drained (gone) D soon after.
-DRAIN = ["--drain-handoff", "--drain-timeout", "2", "--disaggregation-pull-deadline", "3"]
+DRAIN = ["--drain-handoff", "--drain-timeout", "2", "--disaggregation-pull-deadline", "3",
+         "--roles", "decode,prefill"]  # and a role switch hands off too
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +100,32 @@ async def _moved_since(http: httpx.AsyncClient, url: str, before: dict[str, floa
     return {k: after.get(k, 0) - before.get(k, 0) for k in after}
 
 
+async def _taken_without_a_prefill(http: httpx.AsyncClient, fleet: Fleet,
+                                   before: dict[str, float], p_before: dict[str, Any]) -> None:
+    """The proxy counted one hand-off, taken, and no migration; P prefilled nothing more."""
+    moved = await _moved_since(http, str(fleet["proxy"].url), before)
+    assert moved.get("rooms_reopened_total:handoff") == 1, moved
+    assert moved.get("handoffs_total:taken") == 1, moved
+    assert not moved.get("rooms_reopened_total:migration"), moved  # no re-prefill
+    p_after = await stats(http, fleet["p"])
+    assert p_after["prompt_tokens_total"] == p_before["prompt_tokens_total"]
+    assert p_after["requests_total"] == p_before["requests_total"]
+
+
+async def _stream_acting_midway(http: httpx.AsyncClient, proxy: Any, body: dict[str, Any],
+                                act: Callable[[], Awaitable[None]]) -> bytes:
+    """The client's whole stream through the proxy; ``act`` runs once, six events in."""
+    raw, acted = b"", False
+    async with http.stream("POST", f"{proxy.url}{PATHS['generate']}", json=body) as r:
+        assert r.status_code == 200
+        async for chunk in r.aiter_raw():
+            raw += chunk
+            if not acted and raw.count(b"data: ") >= 6:
+                acted = True
+                await act()
+    return raw
+
+
 async def test_a_sigtermed_decode_worker_hands_its_stream_off_without_a_prefill(
         fleet: Fleet) -> None:
     body = _body()
@@ -106,24 +133,18 @@ async def test_a_sigtermed_decode_worker_hands_its_stream_off_without_a_prefill(
     decodes = [fleet["d0"], fleet["d1"]]
     async with httpx.AsyncClient(timeout=60) as http:
         reference, before = await _reference_and_counts(http, fleet, body)
-        raw, drained, p_before = b"", None, None
-        async with http.stream("POST", f"{proxy.url}{PATHS['generate']}", json=body) as r:
-            assert r.status_code == 200
-            async for chunk in r.aiter_raw():
-                raw += chunk
-                if drained is None and raw.count(b"data: ") >= 6:
-                    p_before = await stats(http, p)
-                    drained = await signal_streaming_decode(http, decodes, signal.SIGTERM)
+        drained, p_before = None, None
+
+        async def sigterm() -> None:
+            nonlocal drained, p_before
+            p_before = await stats(http, p)
+            drained = await signal_streaming_decode(http, decodes, signal.SIGTERM)
+
+        raw = await _stream_acting_midway(http, proxy, body, sigterm)
         assert drained is not None and drained.popen is not None and p_before is not None
         _whole(raw, reference)
 
-        moved = await _moved_since(http, str(proxy.url), before)
-        assert moved.get("rooms_reopened_total:handoff") == 1, moved
-        assert moved.get("handoffs_total:taken") == 1, moved
-        assert not moved.get("rooms_reopened_total:migration"), moved  # no re-prefill
-        p_after = await stats(http, p)
-        assert p_after["prompt_tokens_total"] == p_before["prompt_tokens_total"]
-        assert p_after["requests_total"] == p_before["requests_total"]
+        await _taken_without_a_prefill(http, fleet, before, p_before)
 
         assert await trio.to_thread.run_sync(drained.popen.wait, 30) == 0
         log = drained.log_path.read_text()
@@ -144,21 +165,21 @@ async def test_a_hand_off_that_cannot_be_pulled_falls_back_to_a_migration(fleet:
     decodes = [fleet["d0"], fleet["d1"]]
     async with httpx.AsyncClient(timeout=60) as http:
         reference, before = await _reference_and_counts(http, fleet, body)
-        raw, drained, other = b"", None, None
-        async with http.stream("POST", f"{proxy.url}{PATHS['generate']}", json=body) as r:
-            assert r.status_code == 200
-            async for chunk in r.aiter_raw():
-                raw += chunk
-                if drained is None and raw.count(b"data: ") >= 6:
-                    # The one that streams holds a request; the other is frozen, so the
-                    # hand-off leg waits in its socket until the drained D is gone.
-                    running = [(await stats(http, d))["running"] for d in decodes]
-                    drained, other = decodes if running[0] else decodes[::-1]
-                    other.pause()
-                    os.kill(drained.pid, signal.SIGTERM)
-                    assert drained.popen is not None
-                    assert await trio.to_thread.run_sync(drained.popen.wait, 30) == 0
-                    os.kill(other.pid, signal.SIGCONT)
+        drained, other = None, None
+
+        async def sigterm_with_the_other_frozen() -> None:
+            nonlocal drained, other
+            # The one that streams holds a request; the other is frozen, so the hand-off leg
+            # waits in its socket until the drained D is gone.
+            running = [(await stats(http, d))["running"] for d in decodes]
+            drained, other = decodes if running[0] else decodes[::-1]
+            other.pause()
+            os.kill(drained.pid, signal.SIGTERM)
+            assert drained.popen is not None
+            assert await trio.to_thread.run_sync(drained.popen.wait, 30) == 0
+            os.kill(other.pid, signal.SIGCONT)
+
+        raw = await _stream_acting_midway(http, proxy, body, sigterm_with_the_other_frozen)
         assert drained is not None and other is not None
         _whole(raw, reference)
         moved = await _moved_since(http, str(proxy.url), before)
@@ -168,4 +189,45 @@ async def test_a_hand_off_that_cannot_be_pulled_falls_back_to_a_migration(fleet:
         assert "not claimed within its lease" in drained.log_path.read_text()
         assert (await stats(http, other))["handoffs_total"]["take_failed"] == 1
         fleet.restart(drained.name)
+        await wait_clean(http, p, *decodes, timeout=SLACK * 2)
+
+
+async def test_a_decode_worker_switching_role_hands_its_stream_off(fleet: Fleet) -> None:
+    """Issue 32 §2's other trigger: the streaming D is asked to become a P (both Ds run
+    ``--roles decode,prefill``). It hands the stream off as on SIGTERM — the other D pulls the
+    KV, no re-prefill — and serves as P once the hand-off is released; then it switches back."""
+    body = _body()
+    proxy, p = fleet["proxy"], fleet["p"]
+    decodes = [fleet["d0"], fleet["d1"]]
+    async with httpx.AsyncClient(timeout=60) as http:
+        reference, before = await _reference_and_counts(http, fleet, body)
+        switched, p_before = None, None
+
+        async def switch_to_prefill() -> None:
+            nonlocal switched, p_before
+            p_before = await stats(http, p)
+            running = [(await stats(http, d))["running"] for d in decodes]
+            switched = decodes[0] if running[0] else decodes[1]
+            answer = await http.post(f"{switched.url}/switch_role", json={"role": "prefill"})
+            assert answer.status_code == 202, answer.text
+
+        raw = await _stream_acting_midway(http, proxy, body, switch_to_prefill)
+        assert switched is not None and p_before is not None
+        _whole(raw, reference)
+        await _taken_without_a_prefill(http, fleet, before, p_before)
+
+        async def role_of(proc: Any) -> tuple[str, int, str]:
+            i = (await http.get(f"{proc.url}/server_info")).json()
+            return i["disaggregation_mode"], i["role_epoch"], i["role_state"]
+
+        with trio.fail_after(SLACK * 2):
+            while await role_of(switched) != ("prefill", 1, "SERVING"):
+                await trio.sleep(0.1)
+        info = (await http.get(f"{switched.url}/server_info")).json()
+        assert info["last_role_switch"]["outcome"] == "switched"  # not past the deadline
+        back = await http.post(f"{switched.url}/switch_role", json={"role": "decode"})
+        assert back.status_code == 202, back.text
+        with trio.fail_after(SLACK * 2):
+            while await role_of(switched) != ("decode", 2, "SERVING"):
+                await trio.sleep(0.1)
         await wait_clean(http, p, *decodes, timeout=SLACK * 2)

@@ -38,6 +38,7 @@ from pd_fsm.io_trio.worker.backend import (
     GenerateJob,
     HandedOff,
     in_flight,
+    start_hand_off,
 )
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.metrics import WorkerMetrics
@@ -73,8 +74,6 @@ DRAIN_RETRY_AFTER_S = 1  # a draining worker's Retry-After: another worker can t
 DRAIN_POLL_S = 0.05  # how often a draining worker looks whether its work is over
 # A hand-off's lease ends this long before the drain timeout (so it is released before the
 # process stops), and lasts at least the minimum.
-HANDOFF_LEASE_MARGIN_S = 0.5
-HANDOFF_LEASE_MIN_S = 0.5
 # Above this size, tokenization moves off the event loop (JSON: http_edge.THREAD_JSON_BYTES).
 THREAD_TOKENIZE_CHARS = 8 * 1024
 
@@ -279,11 +278,9 @@ class WorkerApp:
         started = time.monotonic()
         await self.backend.withdraw()
         log.info("draining: %d requests in flight", len(self._live))
-        hand_off = getattr(self.backend, "hand_off", None)
-        if self.config.drain_handoff and hand_off is not None:
-            # Registrations must be claimed or released before the timeout stops the process.
-            left = self.config.drain_timeout - (time.monotonic() - started)
-            hand_off(max(HANDOFF_LEASE_MIN_S, left - HANDOFF_LEASE_MARGIN_S))
+        if self.config.drain_handoff:
+            start_hand_off(self.backend,
+                           self.config.drain_timeout - (time.monotonic() - started))
         while self._live or in_flight(self.backend.stats()):
             await trio.sleep(DRAIN_POLL_S)
         log.info("drained: nothing in flight")

@@ -108,3 +108,20 @@ def in_flight(stats: dict[str, Any]) -> list[str]:
     if stats.get("transfer_registrations"):
         out.append(f"transfer registrations {stats['transfer_registrations']}")
     return out
+
+
+# A hand-off's registration must be claimed or released before the drain's deadline stops the
+# role (SIGTERM: the process; a role switch: the backend): its lease ends this much earlier.
+HANDOFF_LEASE_MARGIN_S = 0.5
+HANDOFF_LEASE_MIN_S = 0.5
+
+
+def start_hand_off(backend: Backend, left_s: float) -> bool:
+    """Draining with ``--drain-handoff`` (issue 32 §2): a decode backend hands each running
+    stream it may to another D, its KV leased until just before the drain's deadline, ``left_s``
+    from now. False for a backend that hands nothing off (P, colocated)."""
+    hand_off = getattr(backend, "hand_off", None)
+    if hand_off is None:
+        return False
+    hand_off(max(HANDOFF_LEASE_MIN_S, left_s - HANDOFF_LEASE_MARGIN_S))
+    return True

@@ -93,7 +93,8 @@ _HTTP = (
         "requests in flight finish for at most this long before stopping (default "
         "%(default)g)")),
     Flag("--drain-handoff", shown_default="off", help=(
-        "decode: on SIGTERM, hand each running stream the proxy may continue elsewhere to "
+        "decode: on SIGTERM or a role switch, hand each running stream the proxy may "
+        "continue elsewhere to "
         "another decode worker: its KV is registered for that worker to pull (within "
         "--drain-timeout) instead of being prefilled again")),
     Flag("--log-level", "DEBUG, INFO, WARNING, ...", sglang="--log-level"),

@@ -34,7 +34,7 @@ from pd_fsm.core import events as ev
 from pd_fsm.core.drive import drive
 from pd_fsm.core.role_switch import RoleSwitch
 from pd_fsm.core.tables import ROLE_SWITCH
-from pd_fsm.io_trio.worker.backend import Backend, in_flight
+from pd_fsm.io_trio.worker.backend import Backend, in_flight, start_hand_off
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.metrics import RoleSnapshot
 
@@ -333,6 +333,10 @@ class RoleHost:
         if self._withdraw:
             self._withdraw = False
             await self.backend.withdraw()
+        if self.config.drain_handoff and start_hand_off(self.backend, self.config.drain_timeout):
+            # A D leaving its role hands its streams to other Ds, as on SIGTERM: the drain
+            # costs a pull each instead of waiting for every stream to finish.
+            log.info("switch: handing running streams off to other decode workers")
         while self.machine.state == ROLE_SWITCH.S.DRAINING:
             deadline = self.machine.next_deadline()
             if not self._in_flight():
