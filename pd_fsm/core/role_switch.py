@@ -21,6 +21,10 @@ from pd_fsm.core.tables import ROLE_SWITCH
 
 # The worker roles, as `pd-fsm serve --disaggregation-mode` names them.
 ROLES = ("null", "prefill", "decode")
+# How a leg names the role it is addressed to, and how a worker in another role answers it
+# (409 with its own role and epoch): HTTP headers the proxy and the workers share.
+ROLE_HEADER = "X-PD-Role"
+EPOCH_HEADER = "X-PD-Role-Epoch"
 
 _T = ROLE_SWITCH.T
 _S = ROLE_SWITCH.S

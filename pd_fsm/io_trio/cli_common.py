@@ -1,7 +1,9 @@
-"""What every service command (`bootstrap`, `proxy`, `serve`) does around its trio program."""
+"""What every service command (`bootstrap`, `proxy`, `serve`, `planner`) does around its trio
+program."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -38,3 +40,20 @@ async def stop_on_signal(
             if scope is not None:
                 scope.deadline = min(scope.deadline, trio.current_time() + STOP_GRACE_S)
             return
+
+
+async def serve_until_signal(
+    name: str, serve: Callable[..., Awaitable[None]], service: object, host: str, port: int,
+    log: logging.Logger,
+) -> None:
+    """Run ``serve(service, host, port, shutdown_trigger=..., task_status=...)`` until SIGTERM
+    or SIGINT, printing its URL on one machine-readable line (launchers read the port from it);
+    then the grace period for what is still running."""
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stop_on_signal, stop, log)
+        url = await nursery.start(functools.partial(serve, shutdown_trigger=stop.wait),
+                                  service, host, port)
+        print(f"pd-fsm {name}: listening on {url}", flush=True)
+        await stop.wait()
+        nursery.cancel_scope.deadline = trio.current_time() + STOP_GRACE_S

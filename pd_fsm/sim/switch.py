@@ -203,14 +203,9 @@ class Processes:
                 self._draining.discard(name)
             elif proc.node.alive and not self._holds(proc.node):
                 self._draining.discard(name)
-                deadline = rs.next_deadline()
-                if deadline is not None and self.world.now + self.world.skew[name] >= deadline:
-                    # The deadline is due and its wake not yet run: RoleSwitch.handle would fire
-                    # DrainTimedOut first, then find no SWITCHING row for Drained (it raises,
-                    # with the timeout's effects lost): let the deadline decide alone.
-                    self._feed(proc, ev.TimeAdvanced())
-                else:
-                    self._feed(proc, ev.RoleDrained())
+                # With the deadline due and its wake not yet run, the machine fires DrainTimedOut
+                # first and the Drained is then a no-op row (table role_switch).
+                self._feed(proc, ev.RoleDrained())
 
     def _holds(self, node: Node) -> str:
         left = node.leftovers(switching=True)

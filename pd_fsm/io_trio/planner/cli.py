@@ -4,15 +4,12 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import sys
 
-import trio
-
 from pd_fsm.core.planner import Planner, PlannerConfig
 from pd_fsm.io_trio.api_key import add_api_key_arguments, api_key_from_args, bearer
-from pd_fsm.io_trio.cli_common import STOP_GRACE_S, run_service, stop_on_signal
+from pd_fsm.io_trio.cli_common import run_service, serve_until_signal
 from pd_fsm.io_trio.planner.service import PlannerService, serve_planner
 from pd_fsm.io_trio.tls import add_tls_arguments, tls_from_args
 
@@ -75,16 +72,6 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return 2
-    return run_service(_run, service, args.host, args.port, host=args.host, port=args.port,
-                       log=log)
+    return run_service(serve_until_signal, "planner", serve_planner, service, args.host,
+                       args.port, log, host=args.host, port=args.port, log=log)
 
-
-async def _run(service: PlannerService, host: str, port: int) -> None:
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(stop_on_signal, stop, log)
-        url = await nursery.start(functools.partial(serve_planner, shutdown_trigger=stop.wait),
-                                  service, host, port)
-        print(f"pd-fsm planner: listening on {url}", flush=True)
-        await stop.wait()
-        nursery.cancel_scope.deadline = trio.current_time() + STOP_GRACE_S

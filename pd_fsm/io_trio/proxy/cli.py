@@ -7,16 +7,13 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import sys
-
-import trio
 
 from pd_fsm.core.config import RouterConfig
 from pd_fsm.core.routing import POLICIES, RoutingConfig
 from pd_fsm.io_trio.api_key import add_api_key_arguments, api_key_from_args
-from pd_fsm.io_trio.cli_common import STOP_GRACE_S, run_service, stop_on_signal
+from pd_fsm.io_trio.cli_common import run_service, serve_until_signal
 from pd_fsm.io_trio.proxy.server import PrefillTarget, Proxy, serve_proxy
 from pd_fsm.io_trio.tls import add_tls_arguments, tls_from_args
 
@@ -191,15 +188,6 @@ def main(args: argparse.Namespace) -> int:
                   breaker_threshold=args.breaker_threshold,
                   breaker_cooldown=args.breaker_cooldown,
                   role_probe_interval=args.role_probe_interval)
-    return run_service(_run, proxy, args.host, args.port, host=args.host, port=args.port, log=log)
+    return run_service(serve_until_signal, "proxy", serve_proxy, proxy, args.host, args.port,
+                       log, host=args.host, port=args.port, log=log)
 
-
-async def _run(proxy: Proxy, host: str, port: int) -> None:
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(stop_on_signal, stop, log)
-        url = await nursery.start(functools.partial(serve_proxy, shutdown_trigger=stop.wait),
-                                  proxy, host, port)
-        print(f"pd-fsm proxy: listening on {url}", flush=True)
-        await stop.wait()
-        nursery.cancel_scope.deadline = trio.current_time() + STOP_GRACE_S

@@ -27,6 +27,7 @@ import trio
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.drive import drive
+from pd_fsm.core.role_switch import ROLE_HEADER
 from pd_fsm.core.session import ProxySession
 from pd_fsm.io_trio.proxy.answers import (
     Failure,
@@ -39,7 +40,6 @@ from pd_fsm.io_trio.proxy.answers import (
 )
 from pd_fsm.io_trio.proxy.logprob_merge import SseRewriter, merge
 from pd_fsm.io_trio.proxy.migration import Progress
-from pd_fsm.io_trio.proxy.workers import ROLE_HEADER
 from pd_fsm.io_trio.worker.phases import PhaseHistograms
 from pd_fsm.io_trio.worker.sse import Receive, Send
 

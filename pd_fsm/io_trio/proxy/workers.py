@@ -31,7 +31,6 @@ from pd_fsm.io_trio.strict_json import loads as strict_loads
 
 log = logging.getLogger("pd_fsm.io_trio.proxy.server")  # the proxy's log, as before the split
 
-ROLE_HEADER = "X-PD-Role"  # sent on every leg: a worker in another role answers 409
 HEALTH_PROBE_S = 2.0  # a worker that does not answer its /health within this is not healthy
 LOAD_PROBE_S = 2.0  # a worker whose /get_load takes longer keeps no polled load this round
 ROLE_PROBE_S = 2.0  # a worker whose /server_info takes longer keeps its last known role

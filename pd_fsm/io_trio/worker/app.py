@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pd_fsm.core.role_switch import ROLES
+from pd_fsm.core.role_switch import EPOCH_HEADER, ROLE_HEADER, ROLES
 from pd_fsm.io_trio.api_key import ApiKeyGate
 from pd_fsm.io_trio.http_edge import BodyError, edge_app, read_json, request_failures
 from pd_fsm.io_trio.http_server import connection_failures, serve_app
@@ -64,9 +64,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("pd_fsm.io_trio.worker.app")
 
 DEFAULT_MODEL_NAME = "default"
-# A leg may name the role it is addressed to; a worker in another role answers 409 with its own.
-ROLE_HEADER = "X-PD-Role"
-EPOCH_HEADER = "X-PD-Role-Epoch"
 
 # A failed backend ends the process after the HTTP server stopped gracefully, or after this.
 FAILED_ANSWERS_GRACE_S = 5.0
