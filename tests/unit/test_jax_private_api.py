@@ -55,7 +55,9 @@ def test_the_check_reads_the_class_of_our_connections() -> None:
     deadline = time.monotonic() + 10
     while not pending.is_ready() and time.monotonic() < deadline:
         time.sleep(0.01)
-    with pytest.raises(Exception, match="InjectFailure"):
+    # The poisoned connection fails the pull with the injected failure, or (seen once in a
+    # full-suite run: JAX's two sides race) with the socket the poison closed.
+    with pytest.raises(Exception, match=r"InjectFailure|Connection closed"):
         jax.block_until_ready(pending)
 
 
