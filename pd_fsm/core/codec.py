@@ -49,6 +49,7 @@ from pd_fsm.core.messages import (
     MAX_TOP_LOGPROBS,
     MAX_UUID,
     WIRE_NAMES,
+    KVPart,
     Message,
     Ready,
     TokenLogprob,
@@ -59,9 +60,11 @@ MAGIC = b"PF"
 # 2: signed frames carry sent_ms and a nonce; 3: incarnations, READY.transfer_addr;
 # 4: READY.first_top (a peer of version 3 would refuse the field by name; the version says why);
 # 5: READY.kv_shards (P's KV as one array per kv-head shard: tensor parallelism, issue 15);
-# 6: READY.kv_checksums and READY.repull_uuid (KV checked on arrival, issue 31 §3). A peer of
-# another version is refused by its version number before anything else is read.
-VERSION = 6
+# 6: READY.kv_checksums and READY.repull_uuid (KV checked on arrival, issue 31 §3); 7: KV_PART
+# (KV streamed in parts while P prefills, issue 31 §1: a peer of version 6 would take it for an
+# unknown message type and fail the room; the version refuses the peer before any room). A peer
+# of another version is refused by its version number before anything else is read.
+VERSION = 7
 FLAG_SIGNED = 0x01
 MAC_SIZE = 32
 HEADER_SIZE = 4
@@ -74,6 +77,7 @@ _INT_RANGES: dict[str, tuple[int, int]] = {
     "uuid": (0, MAX_UUID),
     "n_pages": (0, MAX_PAGES + 1),
     "skip_pages": (0, MAX_PAGES + 1),
+    "first_page": (0, MAX_PAGES),
     "first_token": (0, MAX_TOKEN),
     "incarnation": (0, MAX_UUID),
     "seq": (0, MAX_UUID),
@@ -161,10 +165,13 @@ _converter.register_unstructure_hook_func(
     lambda t: t == tuple[TokenLogprob, ...], lambda v: [[t.token, t.logprob] for t in v]
 )
 _converter.register_unstructure_hook(tuple, list)
-_converter.register_structure_hook(
-    Ready,
-    make_dict_structure_fn(Ready, _converter, kv_checksums=override(struct_hook=_checksum_list)),
-)
+for _with_checksums in (Ready, KVPart):
+    _converter.register_structure_hook(
+        _with_checksums,
+        make_dict_structure_fn(
+            _with_checksums, _converter, kv_checksums=override(struct_hook=_checksum_list)
+        ),
+    )
 
 
 def _check_ranges(message: Message) -> None:

@@ -20,6 +20,7 @@ from pd_fsm.core.messages import (
     Done,
     Heartbeat,
     HeartbeatAck,
+    KVPart,
     Ready,
     RecvInit,
     TokenLogprob,
@@ -39,14 +40,17 @@ _HOST_PORT = re.compile(r"[A-Za-z0-9.\-]{1,253}:[0-9]{1,5}|\[[0-9A-Fa-f:.]{2,45}
 class _ReceiverRoom:
     __slots__ = (
         "bootstrap_addr",
+        "deferred",
         "first_logprob",
         "first_token",
         "first_top",
         "hello_seq",
         "incarnation",
+        "incoming",
         "kv_checksums",
         "kv_shards",
         "n_pages",
+        "part",
         "peer",
         "repull_uuid",
         "room",
@@ -75,6 +79,11 @@ class _ReceiverRoom:
         # the spare registration a re-pull takes after a mismatch (0: none).
         self.kv_checksums: tuple[int, ...] = ()
         self.repull_uuid = 0
+        # Streamed KV: the part being pulled (its pages follow ``skip``), P's message being
+        # stepped, and those P sent while a part was in flight (handled when it reports).
+        self.part: KVPart | None = None
+        self.incoming: KVPart | Ready | None = None
+        self.deferred: list[KVPart | Ready] = []
 
 
 class _Peer:
@@ -270,8 +279,13 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
 
     def _on_pull_succeeded(self, e: ev.PullSucceeded, now: float, out: list[_Fx]) -> None:
         r = self._live_local(e.room, _T.PullSucceeded)
-        if r is not None:
-            self._go(r, _T.PullSucceeded, now, out)
+        if r is None:
+            return
+        self._go(r, _T.PullSucceeded, now, out)
+        # A part landed (STREAMING -> WAITING_FOR_READY): what P sent meanwhile, in order,
+        # until one of them starts the next pull (or fails the room).
+        while r.deferred and r.state == _S.WAITING_FOR_READY and r.room in self.rooms:
+            self._on_room_message(r, self.peers.get(r.peer or ""), r.deferred.pop(0), now, out)
 
     def _on_pull_failed(self, e: ev.PullFailed, now: float, out: list[_Fx]) -> None:
         r = self._live_local(e.room, _T.PullFailed)
@@ -282,7 +296,7 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
         self, e: ev.ChecksumMismatched, now: float, out: list[_Fx]
     ) -> None:
         r = self._live_local(e.room, _T.ChecksumMismatched)
-        if r is not None and not r.kv_checksums:
+        if r is not None and not (r.kv_checksums or (r.part is not None and r.part.kv_checksums)):
             raise LocalProtocolError(
                 f"ChecksumMismatched for room {e.room}, whose pull had no checksums to verify"
             )
@@ -340,51 +354,85 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
         if r.peer != e.peer:
             self.stats.foreign_peer += 1
             return
-        if isinstance(m, Ready):
-            problem = self._check_ready(r, m)
-            if problem:
-                self._violated(r, now, out, problem)
-                return
-            if peer is not None:
-                self._note_incarnation(peer, m.incarnation, now, out)
-                if m.transfer_addr:
-                    peer.transfer_addr = m.transfer_addr
-            if r.state == _S.WAITING_FOR_READY:
+        self._on_room_message(r, peer, m, now, out)
+
+    def _on_room_message(
+        self, r: _ReceiverRoom, peer: _Peer | None, m: KVPart | Ready | Abort, now: float,
+        out: list[_Fx],
+    ) -> None:
+        """P's message for the room ``r`` (from the room's P): checked, then stepped. What
+        can be judged alone is judged on arrival; where its pages start, only when it is
+        handled (a part in flight may end where they do: STREAMING defers the message)."""
+        if isinstance(m, Abort):
+            self._remote(r, _T.AbortReceived, now, out, f"prefill aborted the room: {m.reason}")
+            return
+        trigger = _T.PartReceived if isinstance(m, KVPart) else _T.ReadyReceived
+        problem = self._check_offer(m)
+        if not problem and r.state != _S.STREAMING:
+            problem = self._check_pages(r, m)
+        if problem:
+            self._violated(r, now, out, problem)
+            return
+        if r.state == _S.STREAMING:
+            r.incoming = m  # DeferMessage keeps it
+            self._remote(r, trigger, now, out, "")
+            return
+        if peer is not None:
+            self._note_incarnation(peer, m.incarnation, now, out)
+            if m.transfer_addr:
+                peer.transfer_addr = m.transfer_addr
+        if r.state == _S.WAITING_FOR_READY:
+            # Where this pull comes from (a P restarted after it lost the room with it).
+            r.incarnation = m.incarnation
+            r.transfer_addr = m.transfer_addr
+            r.kv_shards = m.kv_shards
+            if isinstance(m, KVPart):
+                r.part = m
+            else:
                 r.uuid = m.uuid
                 r.first_token = m.first_token
                 r.first_logprob = m.first_logprob
                 r.first_top = m.first_top
-                r.incarnation = m.incarnation
-                r.transfer_addr = m.transfer_addr
-                r.kv_shards = m.kv_shards
-                if self.kv_checksum:  # else READY's are not ours to verify (see _check_ready)
+                if self.kv_checksum:  # else READY's are not ours to verify (_check_offer)
                     r.kv_checksums, r.repull_uuid = m.kv_checksums, m.repull_uuid
-            self._remote(r, _T.ReadyReceived, now, out, "")
-        else:  # Abort
-            self._remote(r, _T.AbortReceived, now, out, f"prefill aborted the room: {m.reason}")
+        self._remote(r, trigger, now, out, "")
 
-    def _check_ready(self, r: _ReceiverRoom, m: Ready) -> str:
+    def _check_offer(self, m: KVPart | Ready) -> str:
+        """What is wrong with P's offer of KV (a part or READY) whatever the room's state."""
+        name = "KV_PART" if isinstance(m, KVPart) else "READY"
         if m.layout_hash != self.layout_hash:
             return f"KV layout mismatch (P {m.layout_hash}, D {self.layout_hash}); refusing to pull"
         if m.kv_shards not in self.pullable_kv_shards:
             return (f"P registered its KV as {m.kv_shards} kv-head shards; this D regroups "
                     f"only {sorted(self.pullable_kv_shards)}; refusing to pull")
-        if m.n_pages != r.n_pages - r.skip:
-            return (f"P offers {m.n_pages} pages, we wait for {r.n_pages - r.skip}; refusing "
-                    "to pull")
         if m.transfer_addr and not _HOST_PORT.fullmatch(m.transfer_addr):
-            return f"READY names an unusable transfer address {m.transfer_addr[:80]!r}"
+            return f"{name} names an unusable transfer address {m.transfer_addr[:80]!r}"
         if self.kv_checksum:
             # A D that verifies never takes unverifiable KV for verified: P without checksums is
             # refused (the adapter refuses such a P earlier, from its registry record, naming
-            # the flag). A D that does not verify ignores READY's checksums: P's cost, no harm.
-            if not m.kv_checksums or m.repull_uuid in (0, m.uuid):
-                return ("READY carries no KV checksums (or no spare registration), and this D "
+            # the flag). A D that does not verify ignores the checksums: P's cost, no harm. A
+            # part has no spare: a corrupted one is not pulled again.
+            spare_missing = isinstance(m, Ready) and m.repull_uuid in (0, m.uuid)
+            if not m.kv_checksums or spare_missing:
+                return (f"{name} carries no KV checksums (or no spare registration), and this D "
                         "verifies every pull: P and D must both run KV checksums; refusing to "
                         "pull")
             if len(m.kv_checksums) % m.kv_shards:
-                return (f"READY carries {len(m.kv_checksums)} KV checksums for {m.kv_shards} "
+                return (f"{name} carries {len(m.kv_checksums)} KV checksums for {m.kv_shards} "
                         "shards per pool; refusing to pull")
+        return ""
+
+    def _check_pages(self, r: _ReceiverRoom, m: KVPart | Ready) -> str:
+        """Whether P's offer starts where the room's pages end (our prefix cache's, then the
+        parts pulled) and, for a part, leaves the last page to READY."""
+        if isinstance(m, Ready):
+            if m.n_pages != r.n_pages - r.skip:
+                return (f"P offers {m.n_pages} pages, we wait for {r.n_pages - r.skip}; "
+                        "refusing to pull")
+        elif m.first_page != r.skip or not 0 < m.n_pages < r.n_pages - r.skip:
+            return (f"P offers pages {m.first_page}..{m.first_page + m.n_pages} as a part; we "
+                    f"hold {r.skip} of {r.n_pages} and the last comes with READY; refusing to "
+                    "pull")
         return ""
 
     def _on_ack(self, peer: _Peer, m: HeartbeatAck, now: float, out: list[_Fx]) -> None:
@@ -533,6 +581,23 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
 
     def _fx_StartPull(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
         out.append(self._pull(r, r.uuid))
+
+    def _fx_StartPartPull(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
+        assert r.peer is not None and r.part is not None
+        transfer_addr = r.transfer_addr or self.peers[r.peer].transfer_addr
+        sums = r.part.kv_checksums if self.kv_checksum else ()
+        out.append(fx.StartPull(r.room, r.peer, transfer_addr, r.part.uuid, r.part.n_pages,
+                                r.part.first_page, r.part.kv_shards, sums, part=True))
+
+    def _fx_DeferMessage(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
+        assert r.incoming is not None
+        r.deferred.append(r.incoming)
+        r.incoming = None
+
+    def _fx_KeepPart(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
+        assert r.part is not None
+        r.skip = r.part.first_page + r.part.n_pages
+        r.part = None
 
     def _fx_StartRepull(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
         # The same pull, of the spare registration: the first one was consumed by the pull

@@ -84,13 +84,28 @@ class NarrowKV:
 
 
 @attrs.frozen(slots=True)
+class RegisterPart:
+    """Streamed KV: gather the prompt's pages ``first_page`` .. ``first_page + n_pages`` (written
+    by the chunks prefilled so far) and register them under ``uuid`` until ``ReleaseKV``. A
+    part has no spare registration: a corrupted part is not pulled again (the room fails, or D
+    recomputes it by its policy)."""
+
+    room: int
+    uuid: int
+    first_page: int
+    n_pages: int
+    checksum: bool = False  # KV checksums on: answer KVChecksummed with the part's sums
+
+
+@attrs.frozen(slots=True)
 class ReleaseKV:
-    """Unregister ``uuid`` (None: never registered) and ``spare_uuid`` (KV checksums on) and
-    free the room's pages. Once per room."""
+    """Unregister ``uuid`` (None: never registered), ``spare_uuid`` (KV checksums on) and every
+    part's registration (``parts``: streamed KV) and free the room's pages. Once per room."""
 
     room: int
     uuid: int | None
     spare_uuid: int | None = None
+    parts: tuple[int, ...] = ()
 
 
 @attrs.frozen(slots=True)
@@ -144,7 +159,9 @@ class StartPull:
     """Pull ``n_pages`` into the room's pages after its first ``skip_pages`` (held already).
     ``kv_checksums``: READY's, to verify the pulled arrays against before any is scattered
     (empty: verify nothing); ``repull``: this is the room's second pull, of READY's spare
-    registration, after the first one's checksums did not match."""
+    registration, after the first one's checksums did not match; ``part``: a part P announced
+    while it prefills the rest (KV_PART), not READY's pull: the room does not join the batch
+    when it lands."""
 
     room: int
     peer: str
@@ -155,6 +172,7 @@ class StartPull:
     kv_shards: int = 1  # arrays per pool P registered (READY's kv_shards)
     kv_checksums: tuple[int, ...] = ()
     repull: bool = False
+    part: bool = False
 
 
 @attrs.frozen(slots=True)
@@ -198,8 +216,8 @@ class RejectRequest:
 # What each endpoint's ``handle`` returns: closed unions (an embedder's dispatch can be checked
 # for exhaustiveness with ``assert_never``).
 PrefillEffect = (
-    SendMessage | RegisterKV | NarrowKV | ReleaseKV | CompleteRequest | FailRequest | RejectRequest
-    | AckWhileBusy
+    SendMessage | RegisterKV | RegisterPart | NarrowKV | ReleaseKV | CompleteRequest | FailRequest
+    | RejectRequest | AckWhileBusy
 )
 DecodeEffect = (
     SendMessage | ForgetPeer | ForgetTransfer | ResolvePeer | AllocateBlocks | CancelAllocation

@@ -60,6 +60,16 @@ class PrefillFinished:
 
 
 @attrs.frozen(slots=True)
+class PartPrefilled:
+    """P, streaming KV: a chunk of the room's prefill ran (not the last), so the prompt's KV is
+    written through its first ``pages`` whole pages. The endpoint registers and announces what
+    D lacks of them (a part) when D is bound."""
+
+    room: int
+    pages: int
+
+
+@attrs.frozen(slots=True)
 class PrefillFailed:
     room: int
     reason: str
@@ -143,8 +153,8 @@ class Aborted:
 # What each endpoint's ``handle`` takes: a closed union, so an embedder's wrong event is a type
 # error (at run time, still a LocalProtocolError).
 PrefillEvent = (
-    TimeAdvanced | MessageReceived | PrefillRequestAccepted | PrefillFinished | PrefillFailed
-    | KVChecksummed | Aborted | StepStarted | StepEnded
+    TimeAdvanced | MessageReceived | PrefillRequestAccepted | PrefillFinished | PartPrefilled
+    | PrefillFailed | KVChecksummed | Aborted | StepStarted | StepEnded
 )
 @attrs.frozen(slots=True)
 class LegRefused:

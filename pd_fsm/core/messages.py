@@ -70,6 +70,24 @@ class Ready:
 
 
 @attrs.frozen(slots=True)
+class KVPart:
+    """P → D, while P still prefills the rest of the prompt (streamed KV, issue 31 §1): the
+    prompt's pages ``first_page`` .. ``first_page + n_pages`` are registered under ``uuid``;
+    pull them. Parts come in page order, each starting where the last ended; READY follows
+    with the pages no part carried (its ``n_pages`` counts only those) and the first token."""
+
+    room: int
+    uuid: int
+    first_page: int
+    n_pages: int
+    layout_hash: str
+    incarnation: int = 0  # P's, and where to pull from, as in READY
+    transfer_addr: str = ""
+    kv_shards: int = 1
+    kv_checksums: tuple[int, ...] = ()  # as READY's, of this part's arrays (checksums on)
+
+
+@attrs.frozen(slots=True)
 class Done:
     """D → P: the pull ended (``ok``) or failed (``reason``)."""
 
@@ -110,11 +128,12 @@ class Abort:
     reason: str
 
 
-Message = RecvInit | Ready | Done | Heartbeat | HeartbeatAck | Abort
+Message = RecvInit | KVPart | Ready | Done | Heartbeat | HeartbeatAck | Abort
 
 # Wire names (also what statistics and logs call them).
 WIRE_NAMES: dict[type, str] = {
     RecvInit: "RECV_INIT",
+    KVPart: "KV_PART",
     Ready: "READY",
     Done: "DONE",
     Heartbeat: "HB",

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import random
 
+import attrs
+
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.config import LeaseConfig
@@ -20,6 +22,7 @@ from pd_fsm.core.messages import (
     Done,
     Heartbeat,
     HeartbeatAck,
+    KVPart,
     Ready,
     RecvInit,
     TokenLogprob,
@@ -49,10 +52,14 @@ class _SenderRoom:
         "kv_checksums",
         "lease",
         "n_pages",
+        "part_end",
+        "part_held",
+        "parts",
         "peer",
         "ready_held",
         "refusal",
         "room",
+        "sent",
         "spare_uuid",
         "state",
         "uuid",
@@ -71,6 +78,12 @@ class _SenderRoom:
         self.n_pages = -1  # ours, known at PrefillFinished
         self.d_pages = -1  # D's claim, from RECV_INIT
         self.d_skip = 0  # leading pages D holds already (RECV_INIT): not registered
+        # Streamed KV: the pages D has or is pulling (D's own, then the parts sent), the end of
+        # the part being registered, and every part's registration (released with the room).
+        self.sent = 0
+        self.part_end = 0
+        self.parts: list[int] = []
+        self.part_held: KVPart | None = None  # KV checksums on: the part waits for its sums
         self.d_incarnation = 0  # of the D process whose RECV_INIT bound the room (0: not said)
         self.has_request = False
         self.refusal = ""  # D's reason, for a room D aborted before our leg arrived (REFUSED)
@@ -126,6 +139,8 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
                 self._on_request(event, now, out)
             case ev.PrefillFinished():
                 self._on_prefill_finished(event, now, out)
+            case ev.PartPrefilled():
+                self._on_part_prefilled(event, now, out)
             case ev.PrefillFailed():
                 self._on_prefill_failed(event, now, out)
             case ev.KVChecksummed():
@@ -180,6 +195,17 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
             return
         self._step(r, _T.PrefillFinished, now, out, Cause(_T.PrefillFinished, _NO_REASON))
 
+    def _on_part_prefilled(self, e: ev.PartPrefilled, now: float, out: list[_Fx]) -> None:
+        r = self._live_local(e.room, _T.PartPrefilled)
+        if r is None:
+            return
+        # The last prompt page always goes with READY (it carries the first token's row).
+        end = e.pages if r.d_pages < 0 else min(e.pages, r.d_pages - 1)
+        if end <= r.sent:
+            return  # no whole page written past what D holds or was sent: no part yet
+        r.part_end = end
+        self._step(r, _T.PartPrefilled, now, out, Cause(_T.PartPrefilled, _NO_REASON))
+
     def _on_prefill_failed(self, e: ev.PrefillFailed, now: float, out: list[_Fx]) -> None:
         r = self._live_local(e.room, _T.PrefillFailed)
         if r is not None:
@@ -189,6 +215,10 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
         if not self.kv_checksum:
             raise LocalProtocolError("KVChecksummed, but this endpoint runs no KV checksums")
         r = self.rooms.get(e.room)
+        if r is not None and r.part_held is not None and r.part_held.uuid == e.uuid:
+            part, r.part_held = r.part_held, None
+            out.append(fx.SendMessage(part_peer(r), attrs.evolve(part, kv_checksums=e.checksums)))
+            return
         if r is None or r.uuid != e.uuid:
             self.stats.late += 1  # the room ended, or NarrowKV replaced that registration
             return
@@ -279,6 +309,8 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
                                         "last prompt page always comes from P")
             return
         r.d_pages, r.d_skip = m.n_pages, m.skip_pages
+        if not r.parts:  # a hello repeated mid-stream must not move what was sent
+            r.sent = m.skip_pages
         trigger = _T.PartialRecvInitReceived if m.skip_pages else _T.RecvInitReceived
         self._remote(r, trigger, now, out, "")
 
@@ -401,13 +433,30 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
 
     def _fx_RegisterKV(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
         uuid = self._new_registration(r)
-        out.append(fx.RegisterKV(r.room, uuid, r.d_skip, r.spare_uuid))
+        out.append(fx.RegisterKV(r.room, uuid, r.sent, r.spare_uuid))
 
     def _fx_NarrowKV(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
         old, old_spare = r.uuid, r.spare_uuid
         assert old is not None  # PREFILLED_NO_PEER: registered at PrefillFinished
         uuid = self._new_registration(r)
         out.append(fx.NarrowKV(r.room, uuid, r.d_skip, old, r.spare_uuid, old_spare))
+
+    def _fx_RegisterPart(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
+        uuid = self._rng.getrandbits(64)
+        r.parts.append(uuid)
+        out.append(fx.RegisterPart(r.room, uuid, r.sent, r.part_end - r.sent, self.kv_checksum))
+
+    def _fx_SendPart(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
+        assert r.peer is not None and r.parts  # RegisterPart ran first, in the same row
+        part = KVPart(r.room, r.parts[-1], r.sent, r.part_end - r.sent, self.layout_hash,
+                      self.incarnation, self.transfer_addr, self.kv_shards)
+        r.sent = r.part_end
+        if self.kv_checksum:
+            # As READY: the part goes once the embedder has summed what it registered
+            # (KVChecksummed for the part's uuid, fed back in this same driver step).
+            r.part_held = part
+            return
+        out.append(fx.SendMessage(r.peer, part))
 
     def _new_registration(self, r: _SenderRoom) -> int:
         # Fresh random uuids, not the room id: unguessable and never reused for another room.
@@ -429,7 +478,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
     def _ready(self, r: _SenderRoom) -> fx.SendMessage:
         assert r.peer is not None and r.uuid is not None
         ready = Ready(
-            r.room, r.uuid, r.first_token, r.n_pages - r.d_skip, self.layout_hash,
+            r.room, r.uuid, r.first_token, r.n_pages - r.sent, self.layout_hash,
             r.first_logprob,
             self.incarnation, self.transfer_addr, r.first_top, self.kv_shards,
             r.kv_checksums or (), r.spare_uuid or 0,
@@ -441,13 +490,18 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
             out.append(fx.SendMessage(r.peer, Abort(r.room, cause.reason)))
 
     def _fx_ReleaseKV(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
-        out.append(fx.ReleaseKV(r.room, r.uuid, r.spare_uuid))
+        out.append(fx.ReleaseKV(r.room, r.uuid, r.spare_uuid, tuple(r.parts)))
 
     def _fx_CompleteRequest(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
         out.append(fx.CompleteRequest(r.room))
 
     def _fx_FailRequest(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
         out.append(fx.FailRequest(r.room, cause.reason, cause.status))
+
+
+def part_peer(r: _SenderRoom) -> str:
+    assert r.peer is not None  # a part is registered only for a bound D
+    return r.peer
 
 
 # A step caused by our own event, which carries no reason of its own: what a client would read.

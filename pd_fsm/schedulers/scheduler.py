@@ -494,6 +494,9 @@ class Scheduler:
         t_max = 0
         for req in self.prefilling:
             remaining = len(req.input_ids) - req.prefilled
+            cap = self._chunk_cap(req)
+            if cap is not None:
+                remaining = min(remaining, cap)
             if not rows:
                 n = min(remaining, budget)
             else:
@@ -535,6 +538,8 @@ class Scheduler:
             row.req.prefilled += row.length
             done = row.req.prefilled == len(row.req.input_ids)
             completed.append(row.req if done else None)
+            if not done:
+                self._on_prefill_chunk(row.req)
         if not any(completed):
             return
         self._on_logits("prefill", completed, logits)
@@ -543,6 +548,15 @@ class Scheduler:
         for done_req, token, logprob, top in zip(completed, sampled, logprobs, tops, strict=True):
             if done_req is not None:
                 self._on_prefill_done(done_req, int(token), float(logprob), top)
+
+    def _chunk_cap(self, req: Req) -> int | None:
+        """The most tokens of ``req`` one prefill forward may take (None: the batch's budget
+        alone). Hook: P caps a room whose KV it streams."""
+        return None
+
+    def _on_prefill_chunk(self, req: Req) -> None:
+        """A chunk of ``req``'s prompt was prefilled, not the last one. Hook: P streams the
+        chunk's KV to D."""
 
     def _record_prompt_logprobs(self, batch: PrefillBatch, logits: jax.Array) -> None:
         """Append, for each row that asks, the log-prob of every prompt token this chunk

@@ -24,6 +24,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     which.add_argument("--seed", type=int, default=None,
                        help="run one seed (with --trace: print every step, bit for bit)")
     p.add_argument("--trace", action="store_true", help="with --seed: print its steps")
+    p.add_argument("--stream-tokens", type=int, default=0, metavar="N",
+                   help="P streams each room's KV in parts of N prompt tokens while it "
+                        "prefills (--disaggregation-stream-tokens; 0: after the prefill)")
     p.add_argument("--plant", choices=sorted(PLANTS), default=None,
                    help="run with a known bug planted (the invariants must catch it)")
     p.add_argument("--plants", action="store_true",
@@ -86,6 +89,8 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("--prefill, --decode and --requests must be >= 1")
         if not 0.0 <= args.role_switches <= 1.0:
             raise ValueError("--role-switches is a chance: between 0 and 1")
+        if args.stream_tokens < 0:
+            raise ValueError("--stream-tokens must be >= 0")
     except ValueError as exc:
         print(f"pd-fsm sim: {exc}", file=sys.stderr)
         return 2
@@ -93,7 +98,8 @@ def main(args: argparse.Namespace) -> int:
     config = SimConfig(prefill=args.prefill, decode=args.decode, requests=args.requests,
                        faults=args.faults, recompute=args.recompute, plant=args.plant,
                        kv_checksum=args.kv_checksum, role_switches=args.role_switches,
-                       routing=routing, schedulers=args.schedulers)
+                       routing=routing, schedulers=args.schedulers,
+                       stream_tokens=args.stream_tokens)
     if args.plant in REAL_ONLY_PLANTS and args.schedulers != "real":
         print(f"pd-fsm sim: --plant {args.plant} needs --schedulers real", file=sys.stderr)
         return 2

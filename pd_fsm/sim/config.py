@@ -49,7 +49,10 @@ PLANTS = {
                     "registrations",
     "switch-skips-drain": "a role switch's drain waits only for the core's rooms, not for the "
                           "scheduler's own (D's decoding rooms, its queue, its pages)",
+    "part-leak": "P streams the KV in parts but releases only READY's registration when the "
+                 "room ends, not the parts'",
 }
+STREAM_PLANTS = frozenset({"part-leak"})
 REAL_ONLY_PLANTS = frozenset({"kv-pages-reversed"})
 SWITCH_PLANTS = frozenset({"switch-leaks", "switch-skips-drain"})
 
@@ -105,6 +108,9 @@ class SimConfig:
     # KV checksums on every P and D (--disaggregation-kv-checksum), and among the faults some
     # pulls whose bytes arrive corrupted (which only the checksums can see).
     kv_checksum: bool = False
+    # P streams a room's KV in parts of this many prompt tokens while it prefills
+    # (--disaggregation-stream-tokens; 0: the whole KV after the prefill).
+    stream_tokens: int = 0
     plant: str | None = None
     routing: RoutingConfig = attrs.field(factory=RoutingConfig)
     pages: int = 48  # per worker
@@ -123,6 +129,12 @@ class SimConfig:
     def checksums(self) -> bool:
         """Whether the cluster runs KV checksums: the flag, or the planted bug of that path."""
         return self.kv_checksum or self.plant == "unverified-kv"
+
+    @property
+    def stream(self) -> int:
+        """P's part size in tokens: ``stream_tokens``, or a small one with a planted bug of
+        streaming's own (it shows only where parts are sent)."""
+        return self.stream_tokens or (16 if self.plant in STREAM_PLANTS else 0)
 
     @property
     def switch_chance(self) -> float:

@@ -64,7 +64,8 @@ MAX_PROMPT = 40  # tokens: short prompts keep a seed's real forwards quick
 POOL_PAGES = 96  # per worker, the null page included
 
 
-def _args(mode: str, name: str, recompute: bool, kv_checksum: bool) -> DisaggregationArgs:
+def _args(mode: str, name: str, recompute: bool, kv_checksum: bool, stream_tokens: int = 0
+          ) -> DisaggregationArgs:
     return DisaggregationArgs(
         model=MODEL, num_pages=POOL_PAGES, page_size=PAGE_SIZE, max_running=8,
         max_batched_tokens=256, context_length=128, disaggregation_mode=mode,
@@ -73,7 +74,7 @@ def _args(mode: str, name: str, recompute: bool, kv_checksum: bool) -> Disaggreg
         resolve_timeout=DECODE.resolve_timeout, queue_timeout=DECODE.queue_timeout,
         ready_timeout=DECODE.ready_timeout, transfer_timeout=DECODE.transfer_timeout,
         pull_deadline=PULL_DEADLINE, failure_policy="recompute" if recompute else "fail",
-        radix_cache=mode == "prefill", kv_checksum=kv_checksum,
+        radix_cache=mode == "prefill", kv_checksum=kv_checksum, stream_tokens=stream_tokens,
     )
 
 
@@ -427,8 +428,13 @@ class RealPrefillWorker(_RealWorker):
         self._restart_books()
         self.transfer = f"{self.name}:{17000 + self.gen}"  # a new port per process
         self.engine = SimTransferEngine(w, self, self.transfer)
-        cls = _LeakyPrefill if w.plant("missing-release-on-done") else PrefillScheduler
-        self.sched = cls(_args("prefill", self.name, w.config.recompute, w.config.checksums),
+        cls: type[PrefillScheduler] = PrefillScheduler
+        if w.plant("missing-release-on-done"):
+            cls = _LeakyPrefill
+        elif w.plant("part-leak"):
+            cls = _PartLeakingPrefill
+        self.sched = cls(_args("prefill", self.name, w.config.recompute, w.config.checksums,
+                               w.config.stream),
                          engine=self.engine, clock=self.local,
                          rng=random.Random(w.rng.getrandbits(64)))
         if w.plant("lease-shortens"):  # the planted bug: the same endpoint, shortening leases
@@ -583,6 +589,15 @@ class _LeakyPrefill(PrefillScheduler):
             self.send_queue.pop(room, None)
             return
         super()._release_kv(room, uuid)
+
+
+class _PartLeakingPrefill(PrefillScheduler):
+    """Planted bug: a room's streamed parts stay registered when the room ends."""
+
+    def _carry_out(self, e: fx.PrefillEffect) -> None:
+        if isinstance(e, fx.ReleaseKV) and e.parts:
+            e = attrs.evolve(e, parts=())  # the leak
+        super()._carry_out(e)
 
 
 class _FailingPulls(SimTransferEngine):

@@ -24,6 +24,7 @@ from pd_fsm.sim.config import (
     DECODE,
     LAYOUT,
     LEASE,
+    PAGE_TOKENS,
     PULL_DEADLINE,
     RECOMPUTABLE,
     REGISTRY_HEARTBEAT,
@@ -269,9 +270,20 @@ class PrefillWorker(Node):
             if client.group in self.cached_groups:
                 uncached -= client.prefix
             self.cached_groups.add(client.group)
-        self.busy_until = max(w.now, self.busy_until) + w.config.cost.prefill(uncached)
+        start = max(w.now, self.busy_until)
+        self.busy_until = start + w.config.cost.prefill(uncached)
         w.at(self.busy_until - w.now, f"{self.name} prefill of room {room:x}", self._prefilled,
              self.gen, room)
+        stream = w.config.stream
+        for done in range(stream, client.tokens, stream) if stream else ():
+            # Chunk by chunk: the KV is written through ``done`` tokens this far into the run.
+            at = start + w.config.cost.prefill(done * uncached // client.tokens)
+            w.at(at - w.now, f"{self.name} part of room {room:x}", self._part_prefilled,
+                 self.gen, room, done // PAGE_TOKENS)
+
+    def _part_prefilled(self, gen: int, room: int, pages: int) -> None:
+        if gen == self.gen and self.alive and self.core.state_of(room) is not None:
+            self.feed(ev.PartPrefilled(room, pages))
 
     def _prefilled(self, gen: int, room: int) -> None:
         if gen != self.gen or not self.alive or self.core.state_of(room) is None:
@@ -310,13 +322,18 @@ class PrefillWorker(Node):
                 w.send(self.side, e.peer, e.message)
             case fx.RegisterKV():
                 return self._register(e.room, e.uuid, e.spare_uuid)
+            case fx.RegisterPart():
+                self.regs[e.uuid] = e.room
+                return (ev.KVChecksummed(e.room, e.uuid, (e.room % (1 << 32),)),) if (
+                    e.checksum) else ()
             case fx.NarrowKV():
                 self.regs.pop(e.replaces, None)
                 if e.replaces_spare is not None:
                     self.regs.pop(e.replaces_spare, None)
                 return self._register(e.room, e.uuid, e.spare_uuid)
             case fx.ReleaseKV():
-                for uuid in (e.uuid, e.spare_uuid):
+                parts = () if w.plant("part-leak") else e.parts  # planted: the parts stay
+                for uuid in (e.uuid, e.spare_uuid, *parts):
                     if uuid is not None and self.regs.pop(uuid, None) is None:
                         raise Violation(f"{self.name}: registration {uuid} released twice")
                 pages = self.held.pop(e.room, None)
@@ -608,6 +625,7 @@ class DecodeWorker(Node):
         self.pulls[e.room] = pull
         gen_client = self.legs.get(e.room)
         tokens = gen_client[1].tokens if gen_client is not None else 0
+        tokens = min(tokens, e.n_pages * PAGE_TOKENS)  # a part, or what no part carried
         took = w.config.cost.pull(tokens) + w.rng.uniform(0.001, 0.005)
         fails = corrupted = False
         if w.config.faults:

@@ -110,7 +110,7 @@ class World:
         # Invariant books.
         self._polls: dict[tuple[str, int, int], KVPoll] = {}
         self._leases: dict[tuple[str, int, int], float] = {}
-        self._d_states: dict[tuple[str, int, int], tuple[str, float]] = {}
+        self._d_states: dict[tuple[str, int, int], tuple[str, float, float | None]] = {}
         for node in (*self.prefills, *self.decodes):
             node.start()
 
@@ -564,8 +564,11 @@ class World:
         assert state is not None
         key = (d.name, d.gen, room)
         seen = self._d_states.get(key)
-        if seen is None or seen[0] != state:
-            self._d_states[key] = (state, now)
+        # A re-armed deadline is a state entered again within one event (STREAMING -> a part
+        # lands -> WAITING_FOR_READY -> the next part -> STREAMING): measured from then.
+        deadline = d.core.room_deadline(room)
+        if seen is None or seen[0] != state or seen[2] != deadline:
+            self._d_states[key] = (state, now, deadline)
             return
         timeout = KV_RECEIVER.timeouts.get(state)
         if timeout is None:

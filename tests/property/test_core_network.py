@@ -140,6 +140,8 @@ class PDNetwork(RuleBasedStateMachine):
         # P's simulated scheduler and transfer server
         self.p_pages: dict[int, int] = {}  # room -> pages held
         self.d_skip: dict[int, int] = {}  # room -> leading pages D's prefix cache held
+        self.p_streamed: dict[int, int] = {}  # room -> where P's last part ended
+        self.d_parts_ending: int | None = None  # of the pull _pop_pull popped, if a part
         self.p_reg_skip: dict[int, int] = {}  # uuid -> leading pages its registration left out
         self.p_registered: dict[int, int] = {}  # uuid -> room
         self.p_released: set[int] = set()  # rooms whose KV P released (ever, this incarnation)
@@ -151,6 +153,8 @@ class PDNetwork(RuleBasedStateMachine):
         self.d_pages: list[dict[int, int]] = []
         self.d_waiting_alloc: list[dict[int, int]] = []
         self.d_pulls: list[dict[int, int]] = []  # room -> uuid
+        self.d_parts: list[dict[int, int]] = []  # room -> where the part being pulled ends
+        self.d_have: dict[int, int] = {}  # room -> leading pages D holds (cache, then parts)
         self.d_pull_deadline: list[dict[int, float]] = []  # room -> when the executor reports
         self.d_resolving: list[set[str]] = []
         self.d_success: list[set[int]] = []
@@ -203,9 +207,20 @@ class PDNetwork(RuleBasedStateMachine):
             elif isinstance(e, fx.RegisterKV):
                 assert e.room in self.p_pages, "registered KV of a room without pages"
                 # Before D's RECV_INIT the whole prompt (narrowed when it comes), after it only
-                # what D lacks (its prefix cache holds the rest).
-                assert e.skip_pages in (0, self.d_skip.get(e.room, 0)), "P sends the wrong pages"
+                # what D lacks (its prefix cache holds the rest, and the parts streamed).
+                assert e.skip_pages in (0, self.d_skip.get(e.room, 0), self.p_streamed.get(
+                    e.room, -1)), "P sends the wrong pages"
                 fed_back.append(self._register(e.room, e.uuid, e.spare_uuid, e.skip_pages))
+            elif isinstance(e, fx.RegisterPart):
+                assert e.room in self.p_pages and e.room in self.p_pending_prefill, (
+                    "a part registered for a room not prefilling")
+                assert e.first_page == self.p_streamed.get(e.room, self.d_skip.get(e.room, 0))
+                assert e.n_pages > 0 and e.first_page + e.n_pages < self.p_pages[e.room]
+                self.p_streamed[e.room] = e.first_page + e.n_pages
+                self.p_registered[e.uuid] = e.room
+                self.p_reg_skip[e.uuid] = e.first_page
+                assert e.checksum, "checksums on: the part's too"
+                fed_back.append(ev.KVChecksummed(e.room, e.uuid, (e.room,)))
             elif isinstance(e, fx.NarrowKV):
                 assert self.p_registered.pop(e.replaces, None) == e.room, "narrowed a stranger"
                 assert e.replaces_spare is not None
@@ -217,7 +232,7 @@ class PDNetwork(RuleBasedStateMachine):
                 assert e.room in self.p_pages, f"room {e.room}: release of pages never held"
                 del self.p_pages[e.room]
                 self.p_released.add(e.room)
-                for uuid in (e.uuid, e.spare_uuid):
+                for uuid in (e.uuid, e.spare_uuid, *e.parts):
                     if uuid is not None:
                         self.p_registered.pop(uuid, None)
                 self.p_pending_prefill.discard(e.room)
@@ -242,10 +257,15 @@ class PDNetwork(RuleBasedStateMachine):
                 assert self.d_waiting_alloc[i].pop(e.room, None) is not None
             elif isinstance(e, fx.StartPull):
                 assert e.room in self.d_pages[i]
-                assert e.kv_checksums == (e.room,), "D must verify the pull against READY's"
-                assert (e.skip_pages, e.skip_pages + e.n_pages) == (
-                    self.d_skip.get(e.room, 0), self.d_pages[i][e.room]
-                ), "the pull must fill exactly the pages after the cached ones"
+                assert e.kv_checksums == (e.room,), "D must verify the pull against P's sums"
+                have = self.d_have.get(e.room, self.d_skip.get(e.room, 0))
+                end = e.skip_pages + e.n_pages
+                assert e.skip_pages == have, "a pull must start where D's pages end"
+                # A part leaves the last page to READY's pull, which fills the prompt.
+                assert end < self.d_pages[i][e.room] if e.part else end == self.d_pages[i][
+                    e.room], "the pull must fill exactly the pages after the held ones"
+                if e.part:
+                    self.d_parts[i][e.room] = end
                 # ... from a registration of exactly those pages (P's, when it still holds it).
                 assert self.p_reg_skip.get(e.uuid, e.skip_pages) == e.skip_pages
                 self.d_pulls[i][e.room] = e.uuid
@@ -287,6 +307,7 @@ class PDNetwork(RuleBasedStateMachine):
             self.d_pages.append({})
             self.d_waiting_alloc.append({})
             self.d_pulls.append({})
+            self.d_parts.append({})
             self.d_pull_deadline.append({})
             self.d_resolving.append(set())
             self.d_success.append(set())
@@ -388,6 +409,16 @@ class PDNetwork(RuleBasedStateMachine):
         else:
             self._p_handle(ev.PrefillFailed(room, "forward failed"))
 
+    @precondition(lambda self: bool(self.p_pending_prefill))
+    @rule(data=st.data())
+    def p_part(self, data: st.DataObject) -> None:
+        """A chunk of a room's prefill ran: its KV is written through some whole pages (a part
+        streams when D is bound and the pages are past what it has)."""
+        room = data.draw(st.sampled_from(sorted(self.p_pending_prefill)))
+        if self.p.state_of(room) is not None:
+            pages = self.p_pages[room]
+            self._p_handle(ev.PartPrefilled(room, data.draw(st.integers(1, max(1, pages - 1)))))
+
     @precondition(lambda self: any(self.d_resolving))
     @rule(data=st.data(), ok=_MOSTLY_OK)
     def d_resolve(self, data: st.DataObject, ok: bool) -> None:
@@ -417,6 +448,7 @@ class PDNetwork(RuleBasedStateMachine):
         # One-shot registration, as jax.experimental.transfer: a pull consumes it.
         if network_ok and self.p_registered.get(uuid) == room:
             del self.p_registered[uuid]
+            self._part_landed(i, room)
             self._d_handle(i, ev.PullSucceeded(room))
         else:
             self._d_handle(i, ev.PullFailed(room, "connection closed"))
@@ -466,6 +498,9 @@ class PDNetwork(RuleBasedStateMachine):
                     self.d_pages[i][room] = self.d_waiting_alloc[i].pop(room)
                     self._d_handle(i, ev.BlocksAllocated(room))
         for room in sorted(self.p_pending_prefill):
+            # Odd rooms prefill in chunks: all but the last page first.
+            if room % 2 and room in self.p_pending_prefill and self.p.state_of(room) is not None:
+                self._p_handle(ev.PartPrefilled(room, self.p_pages[room] - 1))
             if room in self.p_pending_prefill and self.p.state_of(room) is not None:
                 self.p_pending_prefill.discard(room)
                 self._p_handle(ev.PrefillFinished(room, self.first_token[room], self.p_pages[room]))
@@ -478,11 +513,18 @@ class PDNetwork(RuleBasedStateMachine):
                 ok = self.p_registered.get(uuid) == room
                 if ok:  # one-shot registration, as jax.experimental.transfer: a pull consumes it
                     del self.p_registered[uuid]
+                    self._part_landed(i, room)
                 self._d_handle(i, ev.PullSucceeded(room) if ok else ev.PullFailed(room, "gone"))
 
     def _pop_pull(self, i: int, room: int) -> int:
         del self.d_pull_deadline[i][room]
+        self.d_parts_ending = self.d_parts[i].pop(room, None)
         return self.d_pulls[i].pop(room)
+
+    def _part_landed(self, i: int, room: int) -> None:
+        """The pull just popped succeeded: a part's pages are D's now."""
+        if self.d_parts_ending is not None:
+            self.d_have[room] = self.d_parts_ending
 
     @precondition(lambda self: bool(self.net))
     @rule(
@@ -662,8 +704,8 @@ class PDNetwork(RuleBasedStateMachine):
             live_with_pages = {
                 r
                 for r in d.rooms
-                if d.state_of(r) in ("WAITING_FOR_READY", "TRANSFERRING", "REPULLING",
-                                     "CANCELLING")
+                if d.state_of(r) in ("WAITING_FOR_READY", "STREAMING", "TRANSFERRING",
+                                     "REPULLING", "CANCELLING")
             }
             assert set(self.d_pages[i]) == live_with_pages
 

@@ -50,9 +50,12 @@ def test_kv_checksums_keep_every_invariant(receiver_rows: Counter[tuple[str, str
     assert receiver_rows[("REPULLING", "PullSucceeded")] > 0
 
 
-def test_without_faults_every_answer_is_the_colocated_one() -> None:
-    config = SimConfig(schedulers="real", requests=6, faults=False)
-    for seed in range(6):
+@pytest.mark.parametrize("stream_tokens", [0, 8])
+def test_without_faults_every_answer_is_the_colocated_one(stream_tokens: int) -> None:
+    """Also with P streaming the KV in parts of 8 tokens (2 pages: up to 5 parts a prompt),
+    gathered and scattered by the real schedulers (issue 31 §1)."""
+    config = SimConfig(schedulers="real", requests=6, faults=False, stream_tokens=stream_tokens)
+    for seed in range(6 if not stream_tokens else 3):
         r = run_seed(seed, config)
         assert r.violation is None and r.answered == {"200": 6}, (seed, r)
 

@@ -15,7 +15,7 @@ from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.config import DecodeConfig, LeaseConfig
 from pd_fsm.core.decode_endpoint import DecodeEndpoint
-from pd_fsm.core.messages import Abort, Done, Heartbeat, HeartbeatAck, Ready, RecvInit
+from pd_fsm.core.messages import Abort, Done, Heartbeat, HeartbeatAck, KVPart, Ready, RecvInit
 from pd_fsm.core.prefill_endpoint import PrefillEndpoint
 from pd_fsm.core.tables import StateTable
 
@@ -74,6 +74,8 @@ class PrefillHarness:
             "RecvInitReceived": [msg(RecvInit(ROOM, D_ID, PAGES, LAYOUT))],
             "PartialRecvInitReceived": [msg(RecvInit(ROOM, D_ID, PAGES, LAYOUT, skip_pages=1))],
             "PrefillFinished": [ev.PrefillFinished(ROOM, 7, PAGES)],
+            # One more whole page written than was sent (the last page goes with READY).
+            "PartPrefilled": [ev.PartPrefilled(ROOM, min(self._sent() + 1, PAGES - 1))],
             "PrefillFailed": [ev.PrefillFailed(ROOM, "forward failed")],
             "DoneReceived": [msg(Done(ROOM, True))],
             "DoneFailedReceived": [msg(Done(ROOM, False, "pull failed"))],
@@ -82,6 +84,10 @@ class PrefillHarness:
             # A RECV_INIT with the wrong layout is impossible in every state.
             "ProtocolViolated": [msg(RecvInit(ROOM, D_ID, PAGES, "other-layout"))],
         }[trigger]
+
+    def _sent(self) -> int:
+        room = self.ep.rooms.get(ROOM)
+        return 0 if room is None else room.sent
 
     def fire(self, trigger: str) -> list[Any]:
         if trigger == "LeaseExpired":
@@ -119,8 +125,11 @@ class DecodeHarness:
             "PeerResolved": [ev.PeerResolved(BOOT, P_ADDR, "tcp://p0-transfer", LAYOUT)],
             "PeerUnresolved": [ev.PeerResolutionFailed(BOOT, "no such prefill")],
             "BlocksAllocated": [ev.BlocksAllocated(ROOM)],
-            "ReadyReceived": [msg(Ready(ROOM, 99, 7, PAGES, LAYOUT, kv_checksums=CHECKSUMS,
-                                        repull_uuid=SPARE))],
+            "ReadyReceived": [msg(Ready(ROOM, 99, 7, PAGES - self._held(), LAYOUT,
+                                        kv_checksums=CHECKSUMS, repull_uuid=SPARE))],
+            # The next page, as a part (P still prefilling): it starts where D's pages end.
+            "PartReceived": [msg(KVPart(ROOM, 97, self._held(), 1, LAYOUT,
+                                        kv_checksums=CHECKSUMS))],
             "AbortReceived": [msg(Abort(ROOM, "p gave up"))],
             "PullSucceeded": [ev.PullSucceeded(ROOM)],
             "PullFailed": [ev.PullFailed(ROOM, "connection closed")],
@@ -128,6 +137,11 @@ class DecodeHarness:
             "Aborted": [ev.Aborted(ROOM, "client gone")],
             "ProtocolViolated": [msg(Ready(ROOM, 99, 7, PAGES, "other-layout"))],
         }[trigger]
+
+    def _held(self) -> int:
+        """The room's pages D holds (its prefix cache's, then the parts pulled)."""
+        room = self.ep.rooms.get(ROOM)
+        return 0 if room is None else room.skip
 
     def fire(self, trigger: str) -> list[Any]:
         if trigger == "TimedOut":
@@ -172,11 +186,12 @@ def external_kinds(effects: list[Any]) -> list[str]:
             elif kind == "HeartbeatAck" or kind == "Heartbeat":
                 continue
             else:
-                names.append(
-                    {"Ready": "SendReady", "Abort": "SendAbort", "RecvInit": "SendRecvInit"}[kind]
-                )
+                names.append({"Ready": "SendReady", "Abort": "SendAbort",
+                              "RecvInit": "SendRecvInit", "KVPart": "SendPart"}[kind])
         elif isinstance(e, fx.StartPull) and e.repull:
             names.append("StartRepull")
+        elif isinstance(e, fx.StartPull) and e.part:
+            names.append("StartPartPull")
         elif not isinstance(e, fx.ForgetPeer):  # about a peer, not the room's row
             names.append(type(e).__name__)
     return names

@@ -89,8 +89,8 @@ UNREACHABLE: dict[tuple[str, str, str], str] = {
     ("kv_receiver", "FAILED", "TimedOut"): _NO_TIMER,
     **{
         ("kv_receiver", s, t): _LOOKUP
-        for s in ("NEW", "ALLOCATING", "WAITING_FOR_READY", "TRANSFERRING", "REPULLING",
-                  "CANCELLING", "SUCCEEDED", "FAILED")
+        for s in ("NEW", "ALLOCATING", "WAITING_FOR_READY", "STREAMING", "TRANSFERRING",
+                  "REPULLING", "CANCELLING", "SUCCEEDED", "FAILED")
         for t in ("PeerResolved", "PeerUnresolved")
     },
     ("kv_receiver", "NEW", "PeerLost"): _NOT_IN_HB,
@@ -270,11 +270,11 @@ def _counters(obj: Any) -> dict[str, int]:
 
 # --- kv_sender and kv_hold_lease: PrefillEndpoint ------------------------------------------------
 
-SENDER_EXTERNAL = {"RegisterKV", "NarrowKV", "SendReady", "SendAbort", "ReleaseKV",
-                   "CompleteRequest", "FailRequest"}
+SENDER_EXTERNAL = {"RegisterKV", "RegisterPart", "SendPart", "NarrowKV", "SendReady",
+                   "SendAbort", "ReleaseKV", "CompleteRequest", "FailRequest"}
 RECEIVER_EXTERNAL = {"ResolvePeer", "AllocateBlocks", "CancelAllocation", "SendRecvInit",
-                     "StartPull", "StartRepull", "SendDone", "SendDoneFailed", "SendAbort",
-                     "ReleaseBlocks", "CompleteTransfer", "FailRequest"}
+                     "StartPull", "StartPartPull", "StartRepull", "SendDone", "SendDoneFailed",
+                     "SendAbort", "ReleaseBlocks", "CompleteTransfer", "FailRequest"}
 
 
 class Prefill:

@@ -55,6 +55,8 @@ def test_a_correct_embedding_checks(cache: Path) -> None:
             match e:
                 case fx.SendMessage() | fx.RegisterKV() | fx.NarrowKV() | fx.ReleaseKV():
                     pass
+                case fx.RegisterPart():
+                    pass
                 case fx.CompleteRequest() | fx.FailRequest() | fx.RejectRequest():
                     pass
                 case fx.AckWhileBusy():

@@ -92,9 +92,11 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
         self.alloc_queue: deque[int] = deque()  # rooms waiting for pages, FIFO
         self._held_pages: dict[int, list[int]] = {}  # failed rooms whose pull is still running
         self.pull_executor = self._create_pull_executor(args, on_pull_result)
-        # pulls_corrupted: the KV arrived but failed READY's checksums (not scattered).
+        # pulls_corrupted: the KV arrived but failed READY's checksums (not scattered);
+        # parts_pulled: of pulls_ok, the parts P streamed while it prefilled (issue 31 §1).
         self.transfer_stats = {"pulls_ok": 0, "pulls_failed": 0, "pulls_corrupted": 0,
-                               "bytes": 0, "seconds": 0.0}
+                               "parts_pulled": 0, "bytes": 0, "seconds": 0.0}
+        self._part_pulls: set[int] = set()  # rooms whose pull in flight is a part
         self.recomputed = 0
         # Live hand-off (issue 32 §2): each one's lifecycle is the core's (table kv_handoff),
         # keyed by the offer's uuid here as the draining D, or by the pull's room (negative:
@@ -316,6 +318,8 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
 
     def _handle_recv_complete(self, result: PullResult) -> None:
         stats = self.transfer_stats
+        part = result.room in self._part_pulls  # one pull at a time per room: this one's
+        self._part_pulls.discard(result.room)
         if result.ok:
             stats["pulls_ok"] += 1
             stats["bytes"] += result.bytes
@@ -328,8 +332,12 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
             if result.transfer_seconds > 0:
                 self._phase_sample("kv_transfer_gbps", result.bytes / result.transfer_seconds / 1e9)
             stamps = self._stamps.get(result.room)
-            if stamps is not None and "pull" in stamps:  # the pull thread's end, on our clock
-                stamps["pulled"] = stamps["pull"] + result.seconds
+            if stamps is not None and "pull" in stamps and not part:
+                # The pull thread's end, on our clock (after parts: this last pull's own start).
+                start = stamps.get("last_pull", stamps["pull"])
+                stamps["pulled"] = start + result.seconds
+            if part:
+                stats["parts_pulled"] += 1
             self.deliver(ev.PullSucceeded(result.room))
         elif result.checksum_mismatch:
             stats["pulls_corrupted"] += 1
@@ -355,6 +363,10 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
             stamps = self._stamps.get(e.room)
             if e.repull and stamps is not None:  # the pull that counts starts now
                 stamps["pull"] = self.clock()
+            if e.part:
+                self._part_pulls.add(e.room)
+            elif stamps is not None and "pull" in stamps:
+                stamps["last_pull"] = self.clock()  # READY's pull, after parts
             req = self.req_of[e.room]
             assert req.pages is not None
             self.pull_executor.submit(

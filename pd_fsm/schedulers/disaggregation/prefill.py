@@ -61,6 +61,10 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
             kv_checksum=args.kv_checksum,
         )
         self.send_queue = self._create_send_queue()
+        # Streamed KV: chunk a room's prefill in parts of this many tokens (whole pages; 0: the
+        # whole prompt goes with READY, after the prefill).
+        page = args.page_size
+        self.stream_tokens = args.stream_tokens // page * page
         self._held_pages: dict[int, list[int]] = {}  # room -> pages, after the leg answered
         self._step_started: float | None = None  # self.clock() when the current step began
         self.transfer_stats = {
@@ -105,6 +109,24 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
     def _forks(self, req: Req) -> bool:
         return req.rid not in self.room_of  # D forks a room's sequences, not P
 
+    # -- streamed KV (issue 31 §1) ------------------------------------------------------------
+
+    def _chunk_cap(self, req: Req) -> int | None:
+        """A room's prompt is prefilled in chunks of ``stream_tokens`` when streaming: each
+        chunk's pages can be on their way to D while the next one runs."""
+        if self.stream_tokens and req.rid in self.room_of:
+            return self.stream_tokens
+        return None
+
+    def _on_prefill_chunk(self, req: Req) -> None:
+        room = self.room_of.get(req.rid)
+        if room is None or not self.stream_tokens or req.state is ReqState.FINISHED:
+            return
+        # As PrefillFinished, as of the step's start (leases are judged after the heartbeats
+        # that arrived during the forward).
+        now = self.clock() if self._step_started is None else self._step_started
+        self._drive(ev.PartPrefilled(room, req.prefilled // self.args.page_size), now)
+
     def _on_prefill_done(
         self, req: Req, first_token: int, first_logprob: float, first_top: TopLogprobs = ()
     ) -> None:
@@ -144,6 +166,9 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
         match e:
             case fx.RegisterKV():
                 self._register_kv(e.room, e.uuid, e.skip_pages, e.spare_uuid)
+            case fx.RegisterPart():
+                self._register_kv(e.room, e.uuid, e.first_page, None,
+                                  e.first_page + e.n_pages, e.checksum)
             case fx.NarrowKV():  # only what D lacks goes: the whole prompt's is let go
                 for old in (e.replaces, e.replaces_spare):
                     if old is not None:
@@ -162,6 +187,8 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
             case fx.ReleaseKV():
                 if e.spare_uuid is not None:  # usually never pulled: D's pull needed no second go
                     self._release_registration(e.spare_uuid, "room over")
+                for part in e.parts:
+                    self._release_registration(part, "room over")
                 self._release_kv(e.room, e.uuid)
             case fx.FailRequest():
                 failed = self.req_of.get(e.room)
@@ -174,20 +201,24 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
                 assert_never(e)
 
     def _register_kv(
-        self, room: int, uuid: int, skip_pages: int = 0, spare_uuid: int | None = None
+        self, room: int, uuid: int, skip_pages: int = 0, spare_uuid: int | None = None,
+        end: int | None = None, checksum: bool = False,
     ) -> None:
-        """Gather and register the prompt's pages after the ``skip_pages`` D holds already;
-        with KV checksums (``spare_uuid``), checksum them and register them under the spare
-        too (for D's one re-pull: a registration is pulled once), then tell the core."""
+        """Gather and register the prompt's pages after the ``skip_pages`` D holds already (up
+        to ``end``: a part, default the prompt's end); with KV checksums (``spare_uuid``, or
+        ``checksum`` for a part, which has no spare), checksum them and register them under
+        the spare too (for D's one re-pull: a registration is pulled once), then tell the
+        core."""
         req = self.req_of[room]
         assert req.pages is not None
+        checksum = checksum or spare_uuid is not None
         try:
             start = self.clock()
-            pages = req.pages[skip_pages : self.prompt_pages(req)]
+            pages = req.pages[skip_pages : self.prompt_pages(req) if end is None else end]
             arrays = gather_room(self.kv_holder, self.kv_args, pages)
             # The checksums wait for the gather to run (its dispatch alone is what the phase
             # measures without them): "kv_gather" then lasts until the bytes are summed.
-            sums = kv_checksums(arrays) if spare_uuid is not None else ()
+            sums = kv_checksums(arrays) if checksum else ()
             gathered = self.clock()
             for registration in (uuid, spare_uuid):
                 if registration is not None:
@@ -196,7 +227,7 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
         except Exception as exc:  # the room fails cleanly; the worker keeps serving
             self._deferred.append(ev.PrefillFailed(room, f"KV registration failed: {exc}"))
             return
-        if spare_uuid is not None:  # READY waits for these (the core holds it until then)
+        if checksum:  # READY (or the part) waits for these (the core holds it until then)
             self._deferred.append(ev.KVChecksummed(room, uuid, sums))
         self._phase_sample("kv_gather", gathered - start)
         self._phase_sample("kv_register", self.clock() - gathered)
