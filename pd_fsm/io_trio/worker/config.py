@@ -93,6 +93,9 @@ class ServeConfig:
     # P: checksum each registered KV array (READY carries them, and a spare registration); D:
     # verify every pull, re-pull once on a mismatch. P and D must both have it or neither.
     disaggregation_kv_checksum: bool = False
+    # P: stream a room's KV to D in parts of this many prompt tokens while prefilling (issue 31
+    # §1); 0: the whole KV after the prefill, as before.
+    disaggregation_stream_tokens: int = 256
     disaggregation_queue_timeout: float = _DECODE.queue_timeout
     # P's side channel port (0: any free port); also the port routers know P by by default.
     disaggregation_side_channel_port: int = 0

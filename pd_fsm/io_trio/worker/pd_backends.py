@@ -143,6 +143,9 @@ def disaggregation_args(config: ServeConfig) -> DisaggregationArgs:
         "transfer_host": config.public_host,
         "heartbeat_interval": config.disaggregation_bootstrap_heartbeat_interval,
         "pull_thread_nice": config.transfer_nice,
+        # A P spanning processes registers through rank 0 after a forward all ranks ran; its
+        # chunks are not streamed (the whole KV goes with READY, as before streaming).
+        "stream_tokens": 0 if config.nnodes > 1 else config.disaggregation_stream_tokens,
     })
 
 

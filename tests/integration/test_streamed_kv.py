@@ -1,0 +1,104 @@
+"""Streamed KV with real processes (issue 31 §1): a P with `--disaggregation-stream-tokens`
+prefills a room's prompt in chunks and sends D each chunk's pages as a part (KV_PART) while it
+computes the next; D pulls the parts, then READY's rest, and the answer equals the colocated
+worker's. With `--disaggregation-kv-checksum` on both sides every part is verified too.
+Afterwards both sides hold nothing (pages, rooms, registrations: the parts' included).
+
+Real processes: bootstrap, two Ps and two Ds (one pair with KV checksums), a colocated worker;
+the tiny model (4-token pages), ``failure_support``'s short windows. Which rows a part's
+failures take (P dying after part k, a part's pull failing or corrupted, aborts between parts)
+is proven in the core's exhaustive and property tests and the simulator's seeds."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from tests.integration.failure_support import (
+    SLACK,
+    Fleet,
+    Proc,
+    greedy,
+    leg,
+    new_room,
+    prompt,
+    stats,
+    wait_clean,
+)
+
+pytestmark = pytest.mark.slow
+
+STREAM = ["--disaggregation-stream-tokens", "8"]  # 2 pages of the tiny model's 4 tokens
+CHECKSUM = ["--disaggregation-kv-checksum"]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    f = Fleet(tmp_path_factory.mktemp("streamed_kv"))
+    f.bootstrap()
+    f.prefill("ps", extra=STREAM)
+    f.decode("d0")
+    f.prefill("pk", extra=[*STREAM, *CHECKSUM])
+    f.decode("dk", extra=CHECKSUM)
+    f.colocated("c")
+    f.start()
+    yield f
+    f.close()
+
+
+async def _d_first(http: httpx.AsyncClient, p: Proc, d: Proc, body: dict[str, Any]
+                   ) -> tuple[httpx.Response, httpx.Response]:
+    """Both legs, D's first: P takes its leg only once D's hello has reached it (P holds the
+    room, EARLY_PEER), so that D is bound before P's first chunk. The tiny model prefills a
+    prompt in milliseconds, faster than D resolves P and says hello; a real prompt's prefill
+    takes far longer than that (the order the router uses, both at once, then streams too)."""
+    out: dict[str, httpx.Response] = {}
+
+    async def post(name: str, proc: Proc) -> None:
+        out[name] = await http.post(f"{proc.url}/generate", json=body)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(post, "d", d)
+        with trio.fail_after(SLACK):
+            while not any((await stats(http, p)).get("kvpoll", {}).values()):
+                await trio.sleep(0.02)
+        nursery.start_soon(post, "p", p)
+    return out["p"], out["d"]
+
+
+async def _streamed(http: httpx.AsyncClient, fleet: Fleet, p: Proc, d: Proc, tokens: int,
+                    parts: int) -> None:
+    ids = prompt(tokens, seed=tokens)
+    expected = await greedy(http, fleet["c"], ids, 6)
+    before = (await stats(http, d))["transfer"]
+    p_r, d_r = await _d_first(http, p, d, leg(new_room(), ids, 6, p))
+    assert p_r.status_code == 200 and d_r.status_code == 200, (p_r.text, d_r.text)
+    assert d_r.json()["output_ids"] == expected
+    after = (await stats(http, d))["transfer"]
+    # Every part, then READY's rest: one pull each, none failed or corrupted.
+    assert after["parts_pulled"] - before["parts_pulled"] == parts
+    assert after["pulls_ok"] - before["pulls_ok"] == parts + 1
+    assert after["pulls_failed"] == before["pulls_failed"]
+    assert after["pulls_corrupted"] == before["pulls_corrupted"] == 0
+    await wait_clean(http, p, d, timeout=SLACK)
+
+
+@pytest.mark.parametrize(("tokens", "parts"), [
+    (19, 2),  # 5 pages: chunks of 8 tokens write pages 0-1 and 2-3; READY brings page 4
+    (7, 0),  # shorter than a part: one chunk, everything with READY
+    (33, 4),  # 9 pages: four parts of 2 pages; READY brings page 8 (a chunk of 1 token)
+])
+async def test_a_streamed_room_equals_colocated_and_leaves_nothing(
+    fleet: Fleet, tokens: int, parts: int
+) -> None:
+    async with httpx.AsyncClient(timeout=60) as http:
+        await _streamed(http, fleet, fleet["ps"], fleet["d0"], tokens, parts)
+
+
+async def test_streamed_parts_are_checksummed_and_verified(fleet: Fleet) -> None:
+    async with httpx.AsyncClient(timeout=60) as http:
+        await _streamed(http, fleet, fleet["pk"], fleet["dk"], 19, 2)
