@@ -56,7 +56,8 @@ D_SUMS = {"pull_s": "pd_fsm_worker_kv_pull_seconds_sum",
           "pull_gbps": "pd_fsm_worker_kv_transfer_gigabytes_per_second_sum",
           "bytes": "pd_fsm_worker_kv_transfer_bytes_sum",
           "pulls": "pd_fsm_worker_kv_pull_seconds_count",
-          "scatter_s": "pd_fsm_worker_kv_scatter_seconds_sum"}
+          "scatter_s": "pd_fsm_worker_kv_scatter_seconds_sum",
+          "tail_s": "pd_fsm_worker_kv_tail_seconds_sum"}
 
 
 def loadavg() -> str:
@@ -94,27 +95,34 @@ def _start(fleet: NsFleet, args: argparse.Namespace) -> dict[str, str]:
              "--max-batched-tokens", str(args.chunk), "--warmup", "minimal",
              "--log-level", "WARNING"]
     pd = ["--disaggregation-bootstrap-host", a, "--disaggregation-bootstrap-port", str(BOOT)]
-    urls = {"boot": f"http://{a}:{BOOT}", "p": f"http://{a}:{P_PORT}",
-            COLOC: f"http://{a}:{COLOC_PORT}", "d": f"http://{b}:{D_PORT}",
-            "proxy": f"http://{b}:{PROXY_PORT}"}
+    urls = {"boot": f"http://{a}:{BOOT}", COLOC: f"http://{a}:{COLOC_PORT}",
+            "d": f"http://{b}:{D_PORT}"}
     fleet.start("bootstrap", hosts.a, cli("bootstrap", "--host", a, "--port", str(BOOT)))
     # Every prompt is new, but the caches are off anyway: a hit would hide the prefill.
     # P's KV hold lease is long: with the production windows (30 s, +20 s a heartbeat) a
     # 2,048-token SmolLM2 room expired on P under load 5 (a prefill of 20+ s here) before D's
     # pull, which measures the loaded machine, not the link.
     lease = ["--disaggregation-lease-initial", "600", "--disaggregation-lease-extension", "600"]
-    fleet.start("prefill", hosts.a, cli(
-        "serve", *model, "--disaggregation-mode", "prefill", "--host", a, "--port", str(P_PORT),
-        "--disaggregation-side-channel-port", str(P_SIDE), "--disable-radix-cache", *lease, *pd))
+    # One P per --stream-tokens setting (0: the KV after the whole prefill), each behind a proxy
+    # of its own with static lists; one D takes them all.
+    for i, stream in enumerate(args.stream_tokens):
+        urls[f"p{i}"] = f"http://{a}:{P_PORT + 10 * i}"
+        fleet.start(f"prefill{i}", hosts.a, cli(
+            "serve", *model, "--disaggregation-mode", "prefill", "--host", a,
+            "--port", str(P_PORT + 10 * i), "--disaggregation-side-channel-port",
+            str(P_SIDE + i), "--disable-radix-cache", "--disaggregation-stream-tokens",
+            str(stream), *lease, *pd))
     fleet.start(COLOC, hosts.a, cli("serve", *model, "--host", a, "--port", str(COLOC_PORT),
                                     "--disable-radix-cache"))
     fleet.start("decode", hosts.b, cli("serve", *model, "--disaggregation-mode", "decode",
                                        "--host", b, "--port", str(D_PORT), *pd))
-    fleet.wait_ok([f"{urls[k]}/health" for k in ("boot", "p", COLOC, "d")])
-    fleet.start("proxy", hosts.b, cli("proxy", "--host", b, "--port", str(PROXY_PORT),
-                                      "--bootstrap-url", urls["boot"], "--refresh-interval", "1",
-                                      "--log-level", "WARNING"))
-    fleet.wait_ok([f"{urls['proxy']}/health"])
+    fleet.wait_ok([f"{u}/health" for k, u in urls.items() if k not in ("proxy", "p")])
+    for i in range(len(args.stream_tokens)):
+        urls[f"proxy{i}"] = f"http://{b}:{PROXY_PORT + i}"
+        fleet.start(f"proxy{i}", hosts.b, cli(
+            "proxy", "--host", b, "--port", str(PROXY_PORT + i), "--prefill", urls[f"p{i}"],
+            str(P_SIDE + i), "--decode", urls["d"], "--log-level", "WARNING"))
+    fleet.wait_ok([f"{urls[f'proxy{i}']}/health" for i in range(len(args.stream_tokens))])
     return urls
 
 
@@ -150,23 +158,24 @@ def measure(fleet: NsFleet, urls: dict[str, str], args: argparse.Namespace
     for size in args.sizes:
         hosts.shape(None)
         # Unmeasured: each target's first request of this size compiles its shapes.
-        for target in (COLOC, "proxy"):
+        proxies = [f"proxy{i}" for i in range(len(args.stream_tokens))]
+        for target in (COLOC, *proxies):
             _ttft(fleet, urls[target], args, size, seed := seed + 1)
+        runs = [(COLOC, -1)] + [(link, i) for link in links for i in range(len(proxies))]
         for rep in range(args.repeats):
-            order = [COLOC, *links]
-            order = order[rep % len(order):] + order[: rep % len(order)]
-            for link in order:
+            order = runs[rep % len(runs):] + runs[: rep % len(runs)]
+            for link, i in order:
                 hosts.shape(None if link == COLOC else _link_bps(link))
                 before = fleet.client.metric_sums(urls["d"], D_SUMS)
-                ttft = _ttft(fleet, urls[COLOC if link == COLOC else "proxy"], args, size,
+                ttft = _ttft(fleet, urls[COLOC if link == COLOC else proxies[i]], args, size,
                              seed := seed + 1)
                 after = fleet.client.metric_sums(urls["d"], D_SUMS)
                 row = {"ttft": ttft, **{k: after[k] - before[k] for k in D_SUMS}}
-                if link != COLOC and row["pulls"] != 1:
-                    raise RuntimeError(f"expected one pull for one PD request, saw {row}")
-                samples.setdefault((size, link), []).append(row)
-                print(f"  size {size} rep {rep} {link:>9}: TTFT {ttft * 1e3:8.1f} ms"
-                      + (f", pull {row['pull_s'] * 1e3:.1f} ms of {row['bytes'] / 1e6:.1f} MB"
+                key = link if link == COLOC else _key(link, args.stream_tokens[i])
+                samples.setdefault((size, key), []).append(row)
+                print(f"  size {size} rep {rep} {key:>18}: TTFT {ttft * 1e3:8.1f} ms"
+                      + (f", {row['pulls']:.0f} pulls {row['pull_s'] * 1e3:.1f} ms of "
+                         f"{row['bytes'] / 1e6:.1f} MB, tail {row['tail_s'] * 1e3:.1f} ms"
                          if link != COLOC else "") + f"  [load {loadavg()}]", flush=True)
         # Each size's rows as soon as they are whole: a later size that fails keeps them.
         print(render(summarise({"raw": raw, "samples": samples}, args, [size])), flush=True)
@@ -174,24 +183,36 @@ def measure(fleet: NsFleet, urls: dict[str, str], args: argparse.Namespace
     return {"raw": raw, "samples": samples}
 
 
+def _key(link: str, stream: int) -> str:
+    return f"{link} stream {stream}" if stream else link
+
+
 def summarise(measured: dict[str, Any], args: argparse.Namespace, sizes: list[int]
               ) -> list[dict[str, Any]]:
     raw, samples = measured["raw"], measured["samples"]
     rows = []
+    streams = getattr(args, "stream_tokens", [0])
     for size in sizes:
         coloc = [s["ttft"] for s in samples[(size, COLOC)]]
-        for link in (str(x) for x in args.links):
-            runs = samples[(size, link)]
+        for link, stream in ((str(x), st) for x in args.links for st in streams):
+            runs = samples[(size, _key(link, stream))]
             pd = [s["ttft"] for s in runs]
             kv_bytes = statistics.median(s["bytes"] for s in runs)
             bps = _link_bps(link) or raw[link] * 8  # unshaped: the veth's own measured rate
             transfer = kv_bytes * 8 / bps
             diff = statistics.median(pd) - statistics.median(coloc)
             hidden = 1 - diff / transfer
-            pull_gbps = statistics.median(s["pull_gbps"] for s in runs)
+            # A sum over the request's pulls (its parts, then READY's): their mean rate.
+            pull_gbps = statistics.median(s["pull_gbps"] / max(s["pulls"], 1) for s in runs)
             pull_s = statistics.median(s["pull_s"] for s in runs)
+            tail = [s.get("tail_s", float("nan")) for s in runs]
             rows.append({
-                "model": args.model, "size": size, "link": link,
+                "model": args.model, "size": size, "link": link, "stream": stream,
+                "pulls": statistics.median(s["pulls"] for s in runs),
+                # D's own clock: READY received -> the room in the decode batch, i.e. what of
+                # the transfer P's prefill did not hide; against the link's transfer time.
+                "tail_s_p50": statistics.median(tail),
+                "hidden_by_tail": min(1.0, max(0.0, 1 - statistics.median(tail) / transfer)),
                 "ttft_pd_p50": statistics.median(pd), "ttft_pd_p99": _quantile(pd, 0.99),
                 "ttft_coloc_p50": statistics.median(coloc),
                 "ttft_coloc_p99": _quantile(coloc, 0.99),
@@ -223,11 +244,13 @@ def _reread(path: Path) -> list[dict[str, Any]]:
 
 
 def render(rows: list[dict[str, Any]]) -> str:
-    head = ("| model | context | link | KV MB | transfer at link rate ms | TTFT PD p50 / p99 ms "
+    head = ("| model | context | link | streamed in parts of | pulls | KV MB "
+            "| transfer at link rate ms | TTFT PD p50 / p99 ms "
             "| TTFT colocated p50 / p99 ms | PD - colocated p50 ms | hidden (TTFT) "
-            "| hidden (pull) | pull ms p50 "
+            "| D's tail ms p50 | hidden (D's tail) | pull ms p50 "
             "| pull GB/s | raw socket GB/s | pull / raw |")
-    lines = [head, "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+                   "---:|---:|"]
     for r in rows:
         link = r["link"] if r["link"] == UNSHAPED else f"{r['link']} Gbit/s"
         hidden = f"{r['hidden'] * 100:.0f} %"
@@ -239,11 +262,14 @@ def render(rows: list[dict[str, Any]]) -> str:
         elif r["hidden"] != r["hidden_raw"]:
             hidden += f" ({r['hidden_raw'] * 100:+.0f} % unclipped)"
         lines.append(
-            f"| {r['model']} | {r['size']} | {link} | {r['kv_bytes'] / 1e6:.1f} "
+            f"| {r['model']} | {r['size']} | {link} "
+            f"| {str(r.get('stream', 0)) + ' tokens' if r.get('stream') else 'off'} "
+            f"| {r.get('pulls', 1):.0f} | {r['kv_bytes'] / 1e6:.1f} "
             f"| {r['transfer_s'] * 1e3:.0f} | {r['ttft_pd_p50'] * 1e3:.0f} / "
             f"{r['ttft_pd_p99'] * 1e3:.0f} | {r['ttft_coloc_p50'] * 1e3:.0f} / "
             f"{r['ttft_coloc_p99'] * 1e3:.0f} | {r['diff_p50'] * 1e3:+.0f} | {hidden} "
-            f"| {r['hidden_by_pull'] * 100:.0f} % "
+            f"| {r.get('tail_s_p50', float('nan')) * 1e3:.0f} "
+            f"| {r.get('hidden_by_tail', float('nan')) * 100:.0f} % "
             f"| {r['pull_s_p50'] * 1e3:.0f} | {r['pull_gbps']:.3f} | {r['raw_gbps']:.3f} "
             f"| {r['pull_over_raw']:.2f} |")
     return "\n".join(lines)
@@ -260,6 +286,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=2)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=1024, help="--max-batched-tokens")
+    ap.add_argument("--stream-tokens", type=int, nargs="+", default=[0, 256],
+                    help="P's --disaggregation-stream-tokens: one P (and proxy) per value, "
+                         "measured side by side (0: the whole KV after the prefill)")
     ap.add_argument("--raw-mib", type=int, default=64, help="bytes of the raw-socket stream")
     ap.add_argument("--json", type=Path, help="also write the rows and every sample here")
     ap.add_argument("--render", type=Path, metavar="JSON",

@@ -41,6 +41,10 @@ Decode worker (D):
   would mean a scatter left behind (issue 13 §2: "never waits longer than one step").
 - ``decode_pull_report``: scatter dispatched -> the scheduler loop took the result and the
   request joined the decode batch with P's first token.
+- ``kv_tail``: P's READY received -> the request joined the decode batch: what of the transfer
+  is not hidden behind P's prefill. Without streamed KV that is the whole pull, scatter and
+  report; with it (``--disaggregation-stream-tokens``), the part still in flight at READY and
+  READY's rest (issue 31 §1).
 - ``kv_transfer_bytes`` / ``kv_transfer_gbps``: bytes of one successful pull, and those bytes
   over the pull's own time (``start_pull`` -> ready, without the wait for a thread), in GB/s.
 
@@ -109,6 +113,9 @@ PHASES: tuple[Phase, ...] = (
        "D: loop iterations ended between the KV's arrival and its scatter (1 = the step in "
        "flight)", "", STEPS_BUCKETS),
     _w("decode_pull_report", "decode", "D: scatter dispatched -> request in the decode batch"),
+    _w("kv_tail", "decode",
+       "D: READY received -> request in the decode batch (the transfer not hidden behind P's "
+       "prefill)"),
     Phase("kv_transfer_bytes", "decode", "pd_fsm_worker_kv_transfer_bytes",
           "D: bytes of one successful pull", BYTES_BUCKETS),
     Phase("kv_transfer_gbps", "decode", "pd_fsm_worker_kv_transfer_gigabytes_per_second",

@@ -15,13 +15,14 @@ import logging
 import random
 from collections import deque
 from collections.abc import Callable, Collection, Mapping
-from typing import Protocol, assert_never
+from typing import Any, Protocol, assert_never
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.decode_endpoint import DecodeEndpoint
 from pd_fsm.core.drive import drive
 from pd_fsm.core.handoff import HandoffLedger
+from pd_fsm.core.messages import Ready
 from pd_fsm.core.tables import KV_HANDOFF as _HANDOFF
 from pd_fsm.jax_engine.kv_checksum import kv_checksums
 from pd_fsm.jax_engine.model import LoadedModel
@@ -142,6 +143,13 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
         self._admit_pd(req, event, accepted)
         if self.core.state_of(room) is not None:
             self.recv_queue[room] = req
+
+    def deliver(self, event: Any, now: float | None = None) -> None:
+        if isinstance(event, ev.MessageReceived) and isinstance(event.message, Ready):
+            stamps = self._stamps.get(event.message.room)
+            if stamps is not None:  # kv_tail starts here: what of the transfer P did not hide
+                stamps.setdefault("ready", self.clock() if now is None else now)
+        super().deliver(event, now)
 
     def _event_loop_decode_disagg(self) -> list[RequestOutput]:
         """One iteration of D's loop: collect finished pulls, let time act on the core (heart-
@@ -387,6 +395,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
                 self.engine.drop_connection(addr, "prefill restarted")
         elif isinstance(e, fx.CompleteTransfer):
             self._lap(e.room, "decode_pull_report", "pulled", "entered")
+            self._lap(e.room, "kv_tail", "ready", "joined")
             req = self.recv_queue.pop(e.room)
             self.room_of.pop(req.rid, None)
             first_top = tuple((t.token, t.logprob) for t in e.first_top)
