@@ -92,7 +92,8 @@ _HTTP = (
         "on SIGTERM: leave the registry, answer new requests 503 with Retry-After, and let the "
         "requests in flight finish for at most this long before stopping (default "
         "%(default)g)")),
-    Flag("--drain-handoff", type=bool, exclusive="drain_handoff", shown_default="on", help=(
+    Flag("--drain-handoff", type=bool, dest="drain_handoff_stated", exclusive="drain_handoff",
+         shown_default="on", help=(
         "decode (the default): on SIGTERM or a role switch, hand each running stream the proxy "
         "may continue elsewhere to another decode worker, which pulls its KV (within "
         "--drain-timeout) instead of prefilling it again; only if the registry lists another "
