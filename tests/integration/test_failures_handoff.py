@@ -1,5 +1,6 @@
 """Live KV hand-off when a decode worker drains (issue 32 §2): real `pd-fsm` processes (tiny
-model) behind our proxy, 1 P and 2 D started with `--drain-handoff`.
+model) behind our proxy, 1 P and 2 D with hand-off on (the default: each D sees the other in the
+registry, and the proxy routes both).
 
 The D that streams a long greedy answer gets SIGTERM mid-stream: it registers the stream's KV
 and ends its leg with a hand-off ticket; the proxy posts the request to the other D alone, which
@@ -40,7 +41,8 @@ PROMPT = "Tell me about the river city"
 MAX_TOKENS = 150
 # A drain short enough that an unclaimed ticket expires within the fallback test, and a pull
 # deadline that ends the pull from the drained (gone) D soon after.
-DRAIN = ["--drain-handoff", "--drain-timeout", "2", "--disaggregation-pull-deadline", "3",
+# Hand-off itself is the default (--drain-handoff): with the other D registered, it happens.
+DRAIN = ["--drain-timeout", "2", "--disaggregation-pull-deadline", "3",
          "--roles", "decode,prefill"]  # and a role switch hands off too
 
 
@@ -148,6 +150,7 @@ async def test_a_sigtermed_decode_worker_hands_its_stream_off_without_a_prefill(
 
         assert await trio.to_thread.run_sync(drained.popen.wait, 30) == 0
         log = drained.log_path.read_text()
+        assert "draining: handing running streams off to other decode workers" in log
         assert "handed off" in log and "drained: nothing in flight" in log
         # Released on the proxy's word (the KV was pulled), not by its lease's timer.
         assert "not claimed within its lease" not in log

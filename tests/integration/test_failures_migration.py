@@ -7,8 +7,9 @@ proxy, 1 P and 2 D.
   chat, greedy and seeded sampling.
 - A decode worker that is down (its port refuses connections) while the proxy still lists it:
   every request is retried on the other one and answered.
-- A decode worker SIGTERMed while it streams drains: it leaves the registry, the stream it
-  serves finishes there (no migration, no re-prefill) and it exits 0.
+- A decode worker SIGTERMed while it streams, with no other decode worker registered, drains:
+  it leaves the registry, the stream it serves finishes there (no hand-off, no migration, no
+  re-prefill: default flags) and it exits 0.
 Afterwards every worker holds nothing (pages, rooms, queues, transfer registrations).
 """
 
@@ -28,6 +29,7 @@ from tests.integration.failure_support import (
     Proc,
     signal_streaming_decode,
     wait_clean,
+    wait_healthy,
 )
 from tests.integration.serve_support import PATHS, fetch_answer, request_body, sse_events
 
@@ -62,7 +64,8 @@ async def _stream_and_signal(http: httpx.AsyncClient, fleet: Fleet, endpoint: st
         async for chunk in r.aiter_raw():
             raw += chunk
             if victim is None and raw.count(b"data: ") >= 6:
-                victim = await signal_streaming_decode(http, [fleet["d0"], fleet["d1"]], how)
+                live = [d for d in (fleet["d0"], fleet["d1"]) if d.alive()]
+                victim = await signal_streaming_decode(http, live, how)
     assert victim is not None, "the stream ended before its 6th event"
     return raw, victim
 
@@ -156,23 +159,41 @@ async def test_a_decode_worker_that_is_down_costs_a_retry_not_an_error(fleet: Fl
         fleet.restart(down.name)
 
 
-async def test_a_decode_worker_sigtermed_mid_stream_finishes_it_and_exits_0(fleet: Fleet) -> None:
+async def test_a_lone_decode_worker_sigtermed_mid_stream_finishes_it_and_exits_0(
+        fleet: Fleet) -> None:
+    """Default flags (hand-off on): with no other decode worker registered, the draining D does
+    not hand its stream off (drain_gate.py): the stream finishes there, whole."""
     body = request_body("generate", PROMPT, MAX_TOKENS, stream=True)
     body["sampling_params"]["ignore_eos"] = True
-    proxy, colocated = fleet["proxy"], fleet["colocated"]
+    proxy, colocated, d0, d1 = fleet["proxy"], fleet["colocated"], fleet["d0"], fleet["d1"]
+    assert d0.popen is not None and d1.popen is not None
     async with httpx.AsyncClient(timeout=60) as http:
         reference = await fetch_answer(http, str(colocated.url), "generate",
                                        {**body, "stream": False})
-        before = await _proxy_stats(http, proxy)
-        raw, drained = await _stream_and_signal(http, fleet, "generate", body, signal.SIGTERM)
-        assert drained.popen is not None
-        events = sse_events(raw.decode())
-        assert events[-1] == "[DONE]", raw[-500:]
-        assert events[-2]["text"] == reference.text  # finished on the draining worker
-        assert await _proxy_stats(http, proxy) == before  # no retry, no migration
-        assert await trio.to_thread.run_sync(drained.popen.wait, 30) == 0
-        r = await http.get(f"{fleet.boot_url}/list", params={"role": "decode"})
-        listed = {rec.get("scheduler_addr") for rec in r.json()["instances"]}
-        assert not any(str(addr).endswith(str(drained.url).rsplit(":", 1)[1]) for addr in listed)
-        fleet.restart(drained.name)
-        await wait_clean(http, fleet["p"], fleet["d0"], fleet["d1"], timeout=SLACK * 2)
+        try:
+            # d1 drains with nothing in flight, leaves the registry and exits: d0 is alone.
+            d1.popen.send_signal(signal.SIGTERM)
+            assert await trio.to_thread.run_sync(d1.popen.wait, 30) == 0
+            before = await _proxy_stats(http, proxy)
+            raw, drained = await _stream_and_signal(http, fleet, "generate", body,
+                                                    signal.SIGTERM)
+            assert drained is d0
+            events = sse_events(raw.decode())
+            assert events[-1] == "[DONE]", raw[-500:]
+            assert events[-2]["text"] == reference.text  # finished on the draining worker
+            after = await _proxy_stats(http, proxy)
+            for cause in ("handoff", "migration"):  # (d1 being down may cost a redirect)
+                assert after.get(cause, 0) == before.get(cause, 0), (before, after)
+            assert await trio.to_thread.run_sync(d0.popen.wait, 30) == 0
+            log = d0.log_path.read_text().rsplit("==== start:", 1)[-1]  # this run's
+            assert "running streams finish here, not handed off: no other decode worker" in log
+            assert "handed off (KV" not in log
+            r = await http.get(f"{fleet.boot_url}/list", params={"role": "decode"})
+            assert r.json()["instances"] == []
+        finally:
+            for d in (d0, d1):
+                if d.alive():
+                    d.kill()
+                d.start()
+            wait_healthy([d0, d1], 120)
+        await wait_clean(http, fleet["p"], d0, d1, timeout=SLACK * 2)

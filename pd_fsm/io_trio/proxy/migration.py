@@ -8,8 +8,9 @@ asked for them too. The next room's body carries ``resume: {output_ids, text}``:
 prefills the prompt plus those tokens and streams only what follows, so the client's stream goes
 on with no token repeated or missing (``schedulers.request.Resume``).
 
-A draining D (``pd-fsm serve --drain-handoff``) may instead end a stream it was allowed to
-(``accept_handoff``) with a hand-off ticket (issue 32 §2): the KV it registered for the stream.
+A draining D (``pd-fsm serve``'s default ``--drain-handoff``) may instead end a stream it was
+allowed to (``accept_handoff``: asked only while the proxy routes another D) with a hand-off
+ticket (issue 32 §2): the KV it registered for the stream.
 The proxy keeps the ticket, never relays the event, and posts the next room to another D alone
 with ``resume`` and ``handoff``: that D pulls the KV, no prefill runs.
 """
@@ -62,13 +63,15 @@ class Progress:
     # pulls the KV it names. Cleared when a room is opened without it.
     ticket: dict[str, Any] | None = None
 
-    def leg_body(self, body: dict[str, Any]) -> dict[str, Any]:
+    def leg_body(self, body: dict[str, Any], *, handoff: bool = True) -> dict[str, Any]:
         """The body a decode leg gets: with ``return_token_ids`` on OpenAI streams (so the ids
-        can be followed) and, after a break, ``resume`` with what the client has."""
+        can be followed) and, after a break, ``resume`` with what the client has. ``handoff``:
+        whether the proxy routes another decode worker that could take the stream from this
+        leg's D."""
         out = dict(body)
         if self.stream and self.path in _OPENAI:
             out["return_token_ids"] = True
-        if self.stream:
+        if self.stream and handoff:
             # A draining D may end this stream with a hand-off ticket (not relayed) rather than
             # finish it: another D goes on from its KV.
             out["accept_handoff"] = True

@@ -394,7 +394,10 @@ class Proxy:
         if s.room < 0:
             self._dispatching.pop(q.request_id, None)
             return self._no_worker or Refusal(503, "no workers available", "no_workers")
-        body = q.progress.leg_body(q.client_body) if q.progress is not None else q.client_body
+        # A D that drains hands this stream off only if we route another D to continue it on.
+        body = (q.progress.leg_body(q.client_body, handoff=any(
+                    d != s.decode for d in self.workers.decode_urls))
+                if q.progress is not None else q.client_body)
         rid = body.get("rid")
         s.rid = rid if isinstance(rid, str) and rid else f"pdfsm-{s.room:016x}"
         if attempts.retries or attempts.migrations:  # a name of its own on every worker

@@ -38,9 +38,9 @@ from pd_fsm.io_trio.worker.backend import (
     GenerateJob,
     HandedOff,
     in_flight,
-    start_hand_off,
 )
 from pd_fsm.io_trio.worker.config import ServeConfig
+from pd_fsm.io_trio.worker.drain_gate import DrainDecision, drain_streams
 from pd_fsm.io_trio.worker.metrics import WorkerMetrics
 from pd_fsm.io_trio.worker.responses import Accumulator, batch_body, indexed
 from pd_fsm.io_trio.worker.roles import RoleHost
@@ -69,8 +69,6 @@ DEFAULT_MODEL_NAME = "default"
 FAILED_ANSWERS_GRACE_S = 5.0
 DRAIN_RETRY_AFTER_S = 1  # a draining worker's Retry-After: another worker can take it now
 DRAIN_POLL_S = 0.05  # how often a draining worker looks whether its work is over
-# A hand-off's lease ends this long before the drain timeout (so it is released before the
-# process stops), and lasts at least the minimum.
 # Above this size, tokenization moves off the event loop (JSON: http_edge.THREAD_JSON_BYTES).
 THREAD_TOKENIZE_CHARS = 8 * 1024
 
@@ -151,7 +149,7 @@ class WorkerApp:
         self._live: set[str] = set()
         # The role is state that changes at runtime (issue 30 §1): the host owns the backend.
         self.roles = RoleHost(config, backend, engine=engine, live=lambda: len(self._live),
-                              configure=self._configure_backend)
+                              configure=self._configure_backend, drained=self._count_drain)
         self.metrics.add_roles(self.roles.snapshot)
         self.draining = False  # SIGTERM: new requests get 503 + Retry-After (drain())
         self.bad_requests = 0
@@ -191,6 +189,9 @@ class WorkerApp:
     def _configure_backend(self, backend: Backend) -> None:
         if hasattr(backend, "phase_observer"):  # a PD backend: its per-phase histograms
             backend.phase_observer = self.metrics.phases.observe
+
+    def _count_drain(self, decision: DrainDecision) -> None:
+        self.metrics.drains.labels(decision.outcome, decision.reason).inc()
 
     def ready(self) -> bool:
         return self.meta is not None and self.backend.ready()
@@ -275,9 +276,7 @@ class WorkerApp:
         started = time.monotonic()
         await self.backend.withdraw()
         log.info("draining: %d requests in flight", len(self._live))
-        if self.config.drain_handoff:
-            start_hand_off(self.backend,
-                           self.config.drain_timeout - (time.monotonic() - started))
+        self._count_drain(await drain_streams(self.backend, self.config, started, "draining"))
         while self._live or in_flight(self.backend.stats()):
             await trio.sleep(DRAIN_POLL_S)
         log.info("drained: nothing in flight")

@@ -117,9 +117,10 @@ HANDOFF_LEASE_MIN_S = 0.5
 
 
 def start_hand_off(backend: Backend, left_s: float) -> bool:
-    """Draining with ``--drain-handoff`` (issue 32 §2): a decode backend hands each running
-    stream it may to another D, its KV leased until just before the drain's deadline, ``left_s``
-    from now. False for a backend that hands nothing off (P, colocated)."""
+    """Draining, once ``drain_gate`` found another D to take them (issue 32 §2): a decode
+    backend hands each running stream it may to another D, its KV leased until just before the
+    drain's deadline, ``left_s`` from now. False for a backend that hands nothing off (P,
+    colocated)."""
     hand_off = getattr(backend, "hand_off", None)
     if hand_off is None:
         return False

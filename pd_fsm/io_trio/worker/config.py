@@ -50,8 +50,9 @@ class ServeConfig:
     # bound for the drain of a role switch (issue 30 §1).
     drain_timeout: float = 30.0
     # A draining decode worker hands its running streams (those the proxy let it: accept_handoff)
-    # to another D: their KV is pulled, not prefilled again (issue 32 §2).
-    drain_handoff: bool = False
+    # to another D when the registry lists one (drain_gate.py): their KV is pulled, not
+    # prefilled again (issue 32 §2). --no-drain-handoff: they finish in place.
+    drain_handoff: bool = True
     served_model_name: str | None = None  # default: the model's name ("smollm2", "tiny")
     # --chat-template FILE's text (read and compiled at start): replaces the model's template.
     chat_template: str | None = attrs.field(default=None, repr=False)

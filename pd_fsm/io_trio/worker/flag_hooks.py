@@ -122,6 +122,10 @@ SERVE_HOOKS: tuple[Hook, ...] = (
     Hook(None, ("disaggregation_kv_checksum", "nnodes"), _check_kv_checksum),
     Hook(None, ("roles", "disaggregation_mode", "nnodes"), _check_roles),
     Hook("radix_cache", ("disable_radix_cache",), lambda args: not args.disable_radix_cache),
+    # --drain-handoff states the default (a switch cannot turn a field off: not the field's
+    # dest); the two exclude each other (argparse).
+    Hook("drain_handoff", ("drain_handoff_stated", "no_drain_handoff"),
+         lambda args: not args.no_drain_handoff),
     Hook("compilation_cache", ("no_compilation_cache", "compilation_cache_dir"),
          _compilation_cache),
     Hook("advertise_host", ("host", "advertise_host", "advertise_interface",

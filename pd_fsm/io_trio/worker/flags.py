@@ -92,11 +92,30 @@ _HTTP = (
         "on SIGTERM: leave the registry, answer new requests 503 with Retry-After, and let the "
         "requests in flight finish for at most this long before stopping (default "
         "%(default)g)")),
-    Flag("--drain-handoff", shown_default="off", help=(
-        "decode: on SIGTERM or a role switch, hand each running stream the proxy may "
-        "continue elsewhere to "
-        "another decode worker: its KV is registered for that worker to pull (within "
-        "--drain-timeout) instead of being prefilled again")),
+    Flag("--drain-handoff", type=bool, dest="drain_handoff_stated", exclusive="drain_handoff",
+         shown_default="on", help=(
+        "decode (the default): on SIGTERM or a role switch, hand each running stream the proxy "
+        "may continue elsewhere to another decode worker, which pulls its KV (within "
+        "--drain-timeout) instead of prefilling it again; only if the registry lists another "
+        "decode worker of this KV layout then (a D knows its peers from the registry alone; "
+        "a proxy with static lists asks for a hand-off only while it routes another D): "
+        "otherwise, or if the registry does not answer, the streams finish in place"), doc=(
+        "decode: on SIGTERM or a role switch, hand each running stream the proxy may continue "
+        "elsewhere (`accept_handoff`) to another decode worker: its KV is registered for that "
+        "worker to pull (within `--drain-timeout`) instead of being prefilled again (see "
+        "\"Live hand-off\"). On by default, and gated: the worker hands off only if, when it "
+        "starts to drain, the registry lists another decode worker (another instance, one "
+        "process, the same KV layout), and the proxy asks for it only on legs for which it "
+        "routes another decode worker; otherwise (a lone D, a registry that does not answer "
+        "within a quarter of `--drain-timeout`, 2 s at most) the streams finish in place, as "
+        "with `--no-drain-handoff`. A D knows its peers only from the registry: behind a "
+        "proxy with static lists it cannot tell which of them the proxy routes, which is why "
+        "both sides must see one. Each drain's decision: "
+        "`pd_fsm_worker_drains_total{outcome=\"handed_off\"|\"finished_in_place\",reason}` "
+        "and the log")),
+    Flag("--no-drain-handoff", type=bool, exclusive="drain_handoff", help=(
+        "decode: never hand streams off on a drain; they finish in place within "
+        "--drain-timeout")),
     Flag("--log-level", "DEBUG, INFO, WARNING, ...", sglang="--log-level"),
 )
 

@@ -27,6 +27,12 @@ _BAD = re.compile(r"[^a-zA-Z0-9_]")
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 2.5, 5, 10, 30, 60, 120, 300)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1,
                2.5, 5, 10)
+# A drain's decision (drain_gate.py), by outcome and reason: /metrics shows each from 0.
+DRAIN_OUTCOMES: dict[str, tuple[str, ...]] = {
+    "handed_off": ("other_decode_registered",),
+    "finished_in_place": ("disabled", "not_decode", "spans_processes", "no_other_decode",
+                          "registry_unreadable"),
+}
 
 
 def _name(key: str) -> str:
@@ -161,6 +167,16 @@ class WorkerMetrics:
         )
         for met in ("true", "false"):
             self.slo.labels(met)  # both series exist from the start: rates need no guesswork
+        self.drains = Counter(
+            f"{PREFIX}_drains",
+            "drains (SIGTERM, role switches) by whether running streams were handed off to "
+            "another decode worker, and why not",
+            ["outcome", "reason"],
+            registry=self.registry,
+        )
+        for outcome, reasons in DRAIN_OUTCOMES.items():
+            for reason in reasons:
+                self.drains.labels(outcome, reason)
         self.phases = PhaseHistograms(self.registry, *((roles,) if isinstance(roles, str)
                                                        else roles))
         self.registry.register(StatsCollector(stats, f"{PREFIX}_backend"))

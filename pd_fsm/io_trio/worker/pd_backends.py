@@ -750,6 +750,13 @@ class DecodeBackend(PDBackend):
         self._handoff_until = time.monotonic() + lease_s
         self._wake.set()
 
+    async def handoff_peers(self) -> tuple[InstanceRecord, list[InstanceRecord]]:
+        """For the drain's gate (``drain_gate.py``): our record and the registry's decode
+        records. Raises BootstrapError."""
+        if self.bootstrap is None or self.bootstrap.record is None:
+            raise BootstrapError("not registered yet")
+        return self.bootstrap.record, await self.bootstrap.list("decode")
+
     def release_handoff(self, uuid: int) -> bool:
         """Another D pulled hand-off ``uuid`` (the proxy says so): released on the next tick."""
         self._releases.append(uuid)

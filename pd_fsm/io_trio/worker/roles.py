@@ -34,8 +34,9 @@ from pd_fsm.core import events as ev
 from pd_fsm.core.drive import drive
 from pd_fsm.core.role_switch import RoleSwitch
 from pd_fsm.core.tables import ROLE_SWITCH
-from pd_fsm.io_trio.worker.backend import Backend, in_flight, start_hand_off
+from pd_fsm.io_trio.worker.backend import Backend, in_flight
 from pd_fsm.io_trio.worker.config import ServeConfig
+from pd_fsm.io_trio.worker.drain_gate import DrainDecision, drain_streams
 from pd_fsm.io_trio.worker.metrics import RoleSnapshot
 
 if TYPE_CHECKING:
@@ -142,15 +143,18 @@ class RoleHost:
         self, config: ServeConfig, backend: Backend, *, engine: KVTransferEngine | None = None,
         live: Callable[[], int] = lambda: 0,
         configure: Callable[[Backend], None] = lambda backend: None,
+        drained: Callable[[DrainDecision], None] = lambda decision: None,
     ) -> None:
         """``live``: requests the HTTP layer has in flight; ``configure``: what the worker sets
-        on each backend it serves with (its phase histograms)."""
+        on each backend it serves with (its phase histograms); ``drained``: told each switch's
+        drain decision (hand off or not: its /metrics counter)."""
         self.config = config
         self.backend = backend
         self.machine = RoleSwitch(config.disaggregation_mode, config.role_list)
         self._engine = engine
         self._live = live
         self._configure = configure
+        self._drained = drained
         configure(backend)
         self._nursery: trio.Nursery | None = None
         self._serving: tuple[trio.CancelScope, trio.Event] | None = None
@@ -162,6 +166,7 @@ class RoleHost:
         self._exit: str | None = None
         self._failed_in_flight = 0
         self._switch_started = 0.0
+        self._drain_started = 0.0  # time.monotonic() of the request that began the drain
         self._stopped_at = 0.0
         self._compiles_at_stop = 0
         self.last_switch: LastSwitch | None = None
@@ -278,6 +283,7 @@ class RoleHost:
         source, self._refused = self.role, None
         if self.machine.serving:
             self._switch_started = trio.current_time()
+            self._drain_started = time.monotonic()
             self._failed_in_flight = 0
         self._feed(ev.SwitchRequested(role, self.config.drain_timeout))
         if self._refused is not None:
@@ -333,10 +339,11 @@ class RoleHost:
         if self._withdraw:
             self._withdraw = False
             await self.backend.withdraw()
-        if self.config.drain_handoff and start_hand_off(self.backend, self.config.drain_timeout):
-            # A D leaving its role hands its streams to other Ds, as on SIGTERM: the drain
-            # costs a pull each instead of waiting for every stream to finish.
-            log.info("switch: handing running streams off to other decode workers")
+        # A D leaving its role hands its streams to other Ds, as on SIGTERM, when another can
+        # take them (drain_gate.py): the drain then costs a pull each instead of waiting for
+        # every stream to finish.
+        self._drained(await drain_streams(self.backend, self.config, self._drain_started,
+                                          "switch"))
         while self.machine.state == ROLE_SWITCH.S.DRAINING:
             deadline = self.machine.next_deadline()
             if not self._in_flight():
