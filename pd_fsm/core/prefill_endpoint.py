@@ -63,6 +63,7 @@ class _SenderRoom:
         "spare_uuid",
         "state",
         "uuid",
+        "written",
     )
 
     def __init__(self, room: int) -> None:
@@ -83,6 +84,7 @@ class _SenderRoom:
         self.sent = 0
         self.part_end = 0
         self.parts: list[int] = []
+        self.written = 0  # whole prompt pages our chunks wrote so far (PartPrefilled)
         self.part_held: KVPart | None = None  # KV checksums on: the part waits for its sums
         self.d_incarnation = 0  # of the D process whose RECV_INIT bound the room (0: not said)
         self.has_request = False
@@ -199,6 +201,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
         r = self._live_local(e.room, _T.PartPrefilled)
         if r is None:
             return
+        r.written = max(r.written, e.pages)
         # The last prompt page always goes with READY (it carries the first token's row).
         end = e.pages if r.d_pages < 0 else min(e.pages, r.d_pages - 1)
         if end <= r.sent:
@@ -313,6 +316,10 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
             r.sent = m.skip_pages
         trigger = _T.PartialRecvInitReceived if m.skip_pages else _T.RecvInitReceived
         self._remote(r, trigger, now, out, "")
+        if r.room in self.rooms and r.written > r.sent and self._has_row(r, _T.PartPrefilled):
+            # D's hello came after some of our chunks ran (it waited for a forward): what
+            # they wrote goes to D now, not with the next chunk.
+            self._on_part_prefilled(ev.PartPrefilled(r.room, r.written), now, out)
 
     def _on_done(self, peer: str, m: Done, now: float, out: list[_Fx]) -> None:
         r = self._room_for(peer, m.room)

@@ -337,6 +337,26 @@ async def both_legs(http: httpx.AsyncClient, p: Proc, d: Proc, body: dict[str, A
     return out["p"], out["d"]
 
 
+async def d_leg_first(http: httpx.AsyncClient, p: Proc, d: Proc, body: dict[str, Any]
+                   ) -> tuple[httpx.Response, httpx.Response]:
+    """Both legs, D's first: P takes its leg only once D's hello has reached it (P holds a
+    room in EARLY_PEER: none other may be there), so that D is bound before P's first chunk.
+    The tiny model prefills a prompt in milliseconds, faster than D resolves P and says hello;
+    a real prompt's prefill takes far longer (the router's order, both at once, streams too)."""
+    out: dict[str, httpx.Response] = {}
+
+    async def post(name: str, proc: Proc) -> None:
+        out[name] = await http.post(f"{proc.url}/generate", json=body)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(post, "d", d)
+        with trio.fail_after(SLACK):
+            while not (await stats(http, p)).get("kvpoll", {}).get("state_EARLY_PEER"):
+                await trio.sleep(0.02)
+        nursery.start_soon(post, "p", p)
+    return out["p"], out["d"]
+
+
 async def refused_by_name(http: httpx.AsyncClient, p: Proc, d: Proc, input_ids: list[int]
                           ) -> str:
     """D refuses a PD request for a P it must not use (its registry record says why): D's leg is

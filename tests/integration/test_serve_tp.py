@@ -16,6 +16,7 @@ import trio
 from tests.integration.failure_support import (
     HOST,
     Fleet,
+    d_leg_first,
     greedy,
     leg,
     new_room,
@@ -44,7 +45,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     fleet.bootstrap()
     for name, tp in TP.items():
         role = fleet.prefill if name.startswith("p") else fleet.decode
-        role(name, extra=["--tp", str(tp)])
+        # P streams its KV in parts of 8 tokens (2 pages): each part is registered per shard
+        # and regrouped by D as READY's rest is (issue 31 §1).
+        stream = ["--disaggregation-stream-tokens", "8"] if name.startswith("p") else []
+        role(name, extra=["--tp", str(tp), *stream])
     fleet.colocated()
     try:
         fleet.start()
@@ -58,23 +62,22 @@ async def test_pd_between_tp_sizes_equals_colocated(fleet: Fleet, p: str, d: str
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=120.0)) as http:
         before = (await stats(http, fleet[d]))["transfer"]
         for seed, n in enumerate(LENGTHS):
-            ids = prompt(n, seed)
+            # A prompt of its own per pair: a P's prefix cache would hold one it prefilled for
+            # another pair, and prefill only its last page (no chunks, so no parts).
+            ids = prompt(n, seed + 10 * PAIRS.index((p, d)))
             want = await greedy(http, fleet["colocated"], ids, NEW_TOKENS)
-            body = leg(new_room(), ids, NEW_TOKENS, fleet[p])
-            answers: dict[str, httpx.Response] = {}
-
-            async def post(name: str, body: dict[str, object] = body,
-                           answers: dict[str, httpx.Response] = answers) -> None:
-                answers[name] = await http.post(f"{fleet[name].url}/generate", json=body)
-
-            async with trio.open_nursery() as nursery:
-                for name in (p, d):
-                    nursery.start_soon(post, name)
+            # D's leg first, P's once D's hello reached P: the parts stream (the tiny model's
+            # prefill is faster than D's hello otherwise).
+            p_r, d_r = await d_leg_first(http, fleet[p], fleet[d],
+                                         leg(new_room(), ids, NEW_TOKENS, fleet[p]))
+            answers = {p: p_r, d: d_r}
             assert answers[p].status_code == 200, answers[p].text
             assert answers[d].status_code == 200, answers[d].text
             assert answers[d].json()["output_ids"] == want, (p, d, n)
         after = (await stats(http, fleet[d]))["transfer"]
-        assert after["pulls_ok"] - before["pulls_ok"] == len(LENGTHS)
+        # Parts: none for 5 tokens (one chunk), 2 for 23 (chunks 8, 8, 7), 7 for 61; then READY's.
+        assert after["parts_pulled"] - before["parts_pulled"] == 0 + 2 + 7
+        assert after["pulls_ok"] - before["pulls_ok"] == len(LENGTHS) + 9
         await wait_clean(http, fleet[p], fleet[d], timeout=30)
 
 

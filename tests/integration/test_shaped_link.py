@@ -105,8 +105,10 @@ def test_a_request_across_the_shaped_link_equals_colocated(shaped: tuple[NsFleet
     pd_ids, coloc_ids = (json.loads(a["body"])["output_ids"] for a in answers)
     assert pd_ids == coloc_ids and len(pd_ids) == 8, (pd_ids, coloc_ids)
 
-    # D pulled the room's KV once, across this link: no faster than the bucket allows.
+    # D pulled the room's KV across this link, no faster than the bucket allows: in parts while
+    # P prefilled (the default --disaggregation-stream-tokens 256: a part per chunk of the 2,000
+    # tokens that P ran after D's hello), then READY's rest.
     pulled = {k: after[k] - before[k] for k in D_SUMS}
-    assert pulled["pulls"] == 1, pulled
+    assert 2 <= pulled["pulls"] <= 8, pulled
     assert pulled["bytes"] >= 512 * (PROMPT - 16), pulled  # the prompt's KV, whole pages
     assert pulled["bytes"] / pulled["pull_s"] <= _bound_Bps(pulled["pull_s"]), pulled

@@ -12,16 +12,15 @@ is proven in the core's exhaustive and property tests and the simulator's seeds.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
-import trio
 
 from tests.integration.failure_support import (
     SLACK,
     Fleet,
     Proc,
+    d_leg_first,
     greedy,
     leg,
     new_room,
@@ -50,32 +49,12 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     f.close()
 
 
-async def _d_first(http: httpx.AsyncClient, p: Proc, d: Proc, body: dict[str, Any]
-                   ) -> tuple[httpx.Response, httpx.Response]:
-    """Both legs, D's first: P takes its leg only once D's hello has reached it (P holds the
-    room, EARLY_PEER), so that D is bound before P's first chunk. The tiny model prefills a
-    prompt in milliseconds, faster than D resolves P and says hello; a real prompt's prefill
-    takes far longer than that (the order the router uses, both at once, then streams too)."""
-    out: dict[str, httpx.Response] = {}
-
-    async def post(name: str, proc: Proc) -> None:
-        out[name] = await http.post(f"{proc.url}/generate", json=body)
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(post, "d", d)
-        with trio.fail_after(SLACK):
-            while not any((await stats(http, p)).get("kvpoll", {}).values()):
-                await trio.sleep(0.02)
-        nursery.start_soon(post, "p", p)
-    return out["p"], out["d"]
-
-
 async def _streamed(http: httpx.AsyncClient, fleet: Fleet, p: Proc, d: Proc, tokens: int,
                     parts: int) -> None:
     ids = prompt(tokens, seed=tokens)
     expected = await greedy(http, fleet["c"], ids, 6)
     before = (await stats(http, d))["transfer"]
-    p_r, d_r = await _d_first(http, p, d, leg(new_room(), ids, 6, p))
+    p_r, d_r = await d_leg_first(http, p, d, leg(new_room(), ids, 6, p))
     assert p_r.status_code == 200 and d_r.status_code == 200, (p_r.text, d_r.text)
     assert d_r.json()["output_ids"] == expected
     after = (await stats(http, d))["transfer"]

@@ -20,6 +20,7 @@ from pd_fsm.core.messages import (
     Done,
     Heartbeat,
     HeartbeatAck,
+    KVPart,
     Message,
     Ready,
     RecvInit,
@@ -50,6 +51,12 @@ messages: st.SearchStrategy[Message] = st.one_of(
         st.integers(1, MAX_KV_SHARDS),
         st.lists(st.integers(0, KV_CHECKSUM_LIMIT - 1), max_size=64).map(tuple),
         st.integers(0, MAX_UUID - 1),
+    ),
+    st.builds(
+        KVPart, rooms, st.integers(0, MAX_UUID - 1), st.integers(0, (1 << 20) - 1),
+        st.integers(0, 1 << 20), text, st.integers(0, MAX_UUID - 1), text,
+        st.integers(1, MAX_KV_SHARDS),
+        st.lists(st.integers(0, KV_CHECKSUM_LIMIT - 1), max_size=64).map(tuple),
     ),
     st.builds(Done, rooms, st.booleans(), text),
     st.builds(Heartbeat, st.integers(0, MAX_UUID - 1), st.lists(rooms, max_size=50).map(tuple)),
@@ -112,6 +119,9 @@ def test_wrong_or_missing_signature_refused(message: Message) -> None:
 _READY = {"room": 1, "uuid": 1, "first_token": 1, "n_pages": 1, "layout_hash": "h"}
 
 
+_PART = {"room": 1, "uuid": 2, "first_page": 0, "n_pages": 2, "layout_hash": "h"}
+
+
 def _raw(payload: object, version: int = codec.VERSION) -> bytes:
     return codec.MAGIC + bytes((version, 0)) + msgpack.packb(payload)
 
@@ -144,6 +154,12 @@ def _raw(payload: object, version: int = codec.VERSION) -> bytes:
         (_raw({"t": "READY", "b": _READY | {"kv_checksums": [0] * (MAX_KV_CHECKSUMS + 1)}}),
          "not msgpack"),  # longer than any list this side reads
         (_raw({"t": "READY", "b": _READY | {"repull_uuid": -1}}), "outside"),
+        (_raw({"t": "KV_PART", "b": _PART | {"first_page": -1}}), "first_page=-1 outside"),
+        (_raw({"t": "KV_PART", "b": _PART | {"first_page": 1 << 20}}), "outside"),
+        (_raw({"t": "KV_PART", "b": _PART | {"n_pages": "2"}}), "expected int"),
+        (_raw({"t": "KV_PART", "b": _PART | {"kv_checksums": [-1]}}), "bad checksum -1"),
+        (_raw({"t": "KV_PART", "b": _PART | {"first_token": 1}}), "Extra fields"),
+        (_raw({"t": "KV_PART", "b": _PART}, version=6), "unsupported version 6"),
         (_raw({"t": "HB", "b": {"seq": 1, "rooms": list(range(5000))}}), "not msgpack"),
         (codec.MAGIC + bytes((codec.VERSION, 0)) + b"\xc1", "not msgpack"),
         (codec.MAGIC + bytes((codec.VERSION, 0)) + b"x" * (codec.MAX_FRAME + 1), "exceeds"),
@@ -176,16 +192,17 @@ def test_ready_top_logprobs_checked(top: object, problem: str) -> None:
 def test_a_peer_of_the_previous_version_is_refused_by_version_both_ways(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Version 6 added READY's kv_checksums and repull_uuid. A version-5 peer's frame is refused
-    here by its version number, before its fields are read, and ours by a version-5 peer: each
-    side names both versions (never a READY silently read without the checksums)."""
+    """Version 7 added KV_PART (streamed KV, issue 31 §1). A version-6 peer's frame is refused
+    here by its version number, before its fields are read, and ours by a version-6 peer: each
+    side names both versions (a version-6 D never takes a KV_PART for an unknown message that
+    fails the room; it refuses the P before any room)."""
     ready = Ready(1, 2, 3, 4, "h", kv_checksums=(5, 6), repull_uuid=7)
     old = _raw({"t": "READY", "b": _READY}, version=codec.VERSION - 1)
     with pytest.raises(RemoteProtocolError, match=f"unsupported version {codec.VERSION - 1} "
                        rf"\(this side speaks {codec.VERSION}\)"):
         codec.decode(old)
     ours = codec.encode(ready, SECRET)
-    monkeypatch.setattr(codec, "VERSION", codec.VERSION - 1)  # this process now speaks 5
+    monkeypatch.setattr(codec, "VERSION", codec.VERSION - 1)  # this process now speaks 6
     with pytest.raises(RemoteProtocolError, match=f"unsupported version {codec.VERSION + 1} "
                        rf"\(this side speaks {codec.VERSION}\)"):
         codec.decode(ours, SECRET)
