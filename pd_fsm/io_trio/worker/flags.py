@@ -353,8 +353,9 @@ _DISAGGREGATION = (
         "part's pull failing or arriving corrupted (with `--disaggregation-kv-checksum` parts "
         "are checksummed too; a part has no spare, so a corrupted one fails the room or, under "
         "`recompute`, D prefills it) and aborts between parts each have a row. D needs no "
-        "flag. Counted: `…_transfer{key=\"parts_pulled\"}` on D. Cost and what it hides: "
-        "\"Performance\"")),
+        "flag. Counted: `…_transfer{key=\"parts_pulled\"}` on D, and D's `kv_tail` phase (READY "
+        "received -> the request decoding: the transfer not hidden). Off on a P with `--nnodes "
+        "> 1` (the whole KV goes with READY). Cost and what it hides: \"Performance\"")),
     Flag("--transfer-nice", metavar="N", check=within(-20, 0, show_value=True), help=(
         "P/D: nice value (-20..0) for the KV transfer threads, ahead of compute; needs "
         "CAP_SYS_NICE (else logged and left); 0: leave them (default %(default)s)"), doc=(
