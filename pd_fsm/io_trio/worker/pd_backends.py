@@ -193,6 +193,8 @@ class PDBackend(ColocatedBackend, ABC):
         # published by the tick's thread at its start, emptied at its end; the loop's tasks
         # read the reference (a tuple of frozen effects) and carry it out.
         self._while_busy_effects: tuple[fx.BusyEffect, ...] = ()
+        # The loop's way out for what a tick's inbox made the core say, before its step.
+        self._send_early: Callable[[list[fx.IOEffect]], None] | None = None
         self.busy_liveness_total = 0
         # Where each tick's phase samples go (the worker app sets its histograms' observe).
         self.phase_observer: Callable[[str, float], None] | None = None
@@ -428,6 +430,17 @@ class PDBackend(ColocatedBackend, ABC):
         def start_resolve(bootstrap_addr: str) -> None:
             nursery.start_soon(self._resolve, bootstrap_addr)
 
+        def send_early(effects: list[fx.IOEffect]) -> None:
+            """From the tick's thread, before its step: out on the loop now (run_tick)."""
+            def send() -> None:
+                for effect in effects:
+                    carry_out_io(effect, self._side(), start_resolve)
+
+            with contextlib.suppress(trio.RunFinishedError):  # the worker is shutting down
+                trio.from_thread.run_sync(send, trio_token=self._token)
+
+        self._send_early = send_early
+
         while True:
             self._wake = trio.Event()
             inbox: list[tuple[float, Any]] = []
@@ -505,7 +518,8 @@ class PDBackend(ColocatedBackend, ABC):
             may_abort = _always  # decided above, for every rank alike
         result = run_tick(sched, inbox, jobs, aborts, rid=lambda s: s.job.rid,
                           admit=lambda s: self.admit_job(sched, s.job, s.accepted),
-                          on_admitted=admitted, on_busy=busy, may_abort=may_abort)
+                          on_admitted=admitted, on_busy=busy, may_abort=may_abort,
+                          before_step=self._send_early)
         if self._spmd is not None:
             self._fingerprint = fingerprint(sched)
         self._publish_stats(sched)

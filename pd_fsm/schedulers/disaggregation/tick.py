@@ -49,11 +49,15 @@ def run_tick(
     on_admitted: Callable[[L], None] = lambda leg: None,
     on_busy: Callable[[tuple[fx.BusyEffect, ...]], None] = lambda effects: None,
     may_abort: Callable[[str], bool] = lambda rid: True,
+    before_step: Callable[[list[fx.IOEffect]], None] | None = None,
 ) -> TickResult[L]:
     """One iteration (see the module docstring). ``inbox``: ``(arrived, event)`` pairs on the
     scheduler's clock; ``admit(leg)`` hands a leg to the scheduler (raises ``ValueError`` or
     ``DuplicateRoomError`` to refuse it); ``aborts``: rids to abort (consumed; one of a leg
-    admitted earlier only if ``may_abort`` says so)."""
+    admitted earlier only if ``may_abort`` says so). ``before_step``: if given, what delivering
+    the inbox made the core say goes to it before the step runs, not with the step's: a KV part
+    P owes a D whose hello came during the last step then travels while this step computes
+    (streamed KV), instead of after it."""
     on_busy(tuple(sched.step_started()))
     try:
         for arrived, event in inbox:
@@ -77,6 +81,10 @@ def run_tick(
         for r in aborts:
             if may_abort(r):
                 sched.abort(r, "aborted by request")
+        if before_step is not None:
+            early = sched.take_outbox()
+            if early:
+                before_step(early)
         outputs = sched.step()
         failures = {}
         for out in outputs:
