@@ -282,10 +282,15 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
         if r is None:
             return
         self._go(r, _T.PullSucceeded, now, out)
-        # A part landed (STREAMING -> WAITING_FOR_READY): what P sent meanwhile, in order,
-        # until one of them starts the next pull (or fails the room).
-        while r.deferred and r.state == _S.WAITING_FOR_READY and r.room in self.rooms:
-            self._on_room_message(r, self.peers.get(r.peer or ""), r.deferred.pop(0), now, out)
+        # A part landed (STREAMING -> WAITING_FOR_READY): what P sent meanwhile, in page
+        # order, until one of them starts the next pull (or fails the room); one that starts
+        # further on stays kept.
+        while r.state == _S.WAITING_FOR_READY and r.room in self.rooms:
+            nxt = next((m for m in r.deferred if _starts(r, m) == r.skip), None)
+            if nxt is None:
+                return
+            r.deferred.remove(nxt)
+            self._on_room_message(r, self.peers.get(r.peer or ""), nxt, now, out)
 
     def _on_pull_failed(self, e: ev.PullFailed, now: float, out: list[_Fx]) -> None:
         r = self._live_local(e.room, _T.PullFailed)
@@ -368,12 +373,23 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
             return
         trigger = _T.PartReceived if isinstance(m, KVPart) else _T.ReadyReceived
         problem = self._check_offer(m)
-        if not problem and r.state != _S.STREAMING:
+        # Where the next offer must start: after our pages, and after the part in flight.
+        expected = r.skip if r.part is None else r.part.first_page + r.part.n_pages
+        start = _starts(r, m)
+        if not problem and start < expected:
+            problem = (f"P offers pages from {start}, we hold or pull up to {expected}; "
+                       "refusing to pull")
+        if not problem and start == expected and r.state != _S.STREAMING:
             problem = self._check_pages(r, m)
         if problem:
             self._violated(r, now, out, problem)
             return
-        if r.state == _S.STREAMING:
+        if start > expected:
+            trigger = _T.OfferAheadReceived
+        if trigger == _T.OfferAheadReceived or r.state == _S.STREAMING:
+            if m in r.deferred:  # P's duplicate of a message already kept
+                self.stats.duplicates += 1
+                return
             r.incoming = m  # DeferMessage keeps it
             self._remote(r, trigger, now, out, "")
             return
@@ -637,6 +653,12 @@ class DecodeEndpoint(RoomMachines[_ReceiverRoom, fx.DecodeEffect]):
 
     def _fx_CountLate(self, r: _ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
         self.stats.late += 1
+
+
+def _starts(r: _ReceiverRoom, m: KVPart | Ready) -> int:
+    """The first prompt page P's offer carries (READY: the pages after its ``n_pages`` from the
+    prompt's end)."""
+    return m.first_page if isinstance(m, KVPart) else r.n_pages - m.n_pages
 
 
 def _is_seconds(value: object) -> bool:

@@ -130,6 +130,9 @@ class DecodeHarness:
             # The next page, as a part (P still prefilling): it starts where D's pages end.
             "PartReceived": [msg(KVPart(ROOM, 97, self._held(), 1, LAYOUT,
                                         kv_checksums=CHECKSUMS))],
+            # A part that overtook the one before it (a page further on).
+            "OfferAheadReceived": [msg(KVPart(ROOM, 96, self._held() + 1, 1, LAYOUT,
+                                              kv_checksums=CHECKSUMS))],
             "AbortReceived": [msg(Abort(ROOM, "p gave up"))],
             "PullSucceeded": [ev.PullSucceeded(ROOM)],
             "PullFailed": [ev.PullFailed(ROOM, "connection closed")],
@@ -139,9 +142,12 @@ class DecodeHarness:
         }[trigger]
 
     def _held(self) -> int:
-        """The room's pages D holds (its prefix cache's, then the parts pulled)."""
+        """Where P's next offer must start: after the room's pages D holds (its prefix cache's,
+        then the parts pulled) and the part it is pulling."""
         room = self.ep.rooms.get(ROOM)
-        return 0 if room is None else room.skip
+        if room is None:
+            return 0
+        return room.skip if room.part is None else room.part.first_page + room.part.n_pages
 
     def fire(self, trigger: str) -> list[Any]:
         if trigger == "TimedOut":
