@@ -7,7 +7,8 @@ the loop; every touch of the scheduler happens in ``_tick``, on one worker threa
 scheduler and core need no locks and blocking JAX work never runs on the event loop:
 
     side-channel messages (stamped with their arrival time), lookup answers, new jobs, aborts
-        -> _tick (thread): deliver, admit, abort, step, collect outputs and the outbox
+        -> _tick (thread): deliver, admit, abort (what those made the core say goes out
+           now, before the step: a KV part owed to a hello), step, collect outputs and outbox
         -> outbox: SendMessage -> side channel, ResolvePeer -> bootstrap lookup (a task)
         -> outputs -> the requests' streams (a PD failure becomes BackendError(status))
         -> phase samples (taken in the tick's thread) -> ``phase_observer`` (the histograms)
