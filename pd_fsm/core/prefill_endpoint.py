@@ -220,7 +220,8 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
         r = self.rooms.get(e.room)
         if r is not None and r.part_held is not None and r.part_held.uuid == e.uuid:
             part, r.part_held = r.part_held, None
-            out.append(fx.SendMessage(part_peer(r), attrs.evolve(part, kv_checksums=e.checksums)))
+            assert r.peer is not None  # a part is registered only for a bound D
+            out.append(fx.SendMessage(r.peer, attrs.evolve(part, kv_checksums=e.checksums)))
             return
         if r is None or r.uuid != e.uuid:
             self.stats.late += 1  # the room ended, or NarrowKV replaced that registration
@@ -504,11 +505,6 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
 
     def _fx_FailRequest(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
         out.append(fx.FailRequest(r.room, cause.reason, cause.status))
-
-
-def part_peer(r: _SenderRoom) -> str:
-    assert r.peer is not None  # a part is registered only for a bound D
-    return r.peer
 
 
 # A step caused by our own event, which carries no reason of its own: what a client would read.
