@@ -121,14 +121,18 @@ async def test_a_one_process_decode_is_refused_by_name(fleet: Fleet) -> None:
 
 async def test_a_killed_prefill_rank_fails_its_instance_loudly_and_decode_cleanly(
         fleet: Fleet) -> None:
-    """Last (it breaks P): P's rank 1 gone, P's rank 0 answers its leg with a 500 naming it and
-    exits; D answers its leg with a 502 once P is silent, and holds nothing afterwards, on
-    either of its ranks (rank 1 would leave on any difference from rank 0)."""
+    """Last (it breaks P): P's rank 1 gone, P's rank 0 answers its leg with an error naming it
+    and exits; D answers its leg with a 502 once P is silent, and holds nothing afterwards, on
+    either of its ranks (rank 1 would leave on any difference from rank 0).
+
+    P's error is a 500 when the leg was in flight as the tick failed, and a 503 when an idle
+    tick (every SPMD_IDLE_TICK_S) found rank 1 gone before the leg arrived: a race this test
+    does not control. Either way the answer names the cause, never a bare "shutting down"."""
     p, d = fleet["p-rank0"], fleet["d-rank0"]
     fleet["p-rank1"].kill()
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=120.0)) as http:
         answers = await _pd(http, p, d, prompt(7, 3))
-        assert answers[p.name].status_code == 500, answers[p.name].text
+        assert answers[p.name].status_code in (500, 503), answers[p.name].text
         assert "rank 1 is gone" in answers[p.name].text
         assert answers[d.name].status_code == 502, answers[d.name].text
         await wait_clean(http, d, timeout=60)

@@ -15,7 +15,7 @@ from pd_fsm.io_trio.worker.backend import BackendError, GenerateJob
 from pd_fsm.io_trio.worker.colocated import ColocatedBackend
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.jax_engine.sampling_params import SamplingParams
-from pd_fsm.schedulers import FinishReason, Scheduler, SchedulerArgs
+from pd_fsm.schedulers import FinishReason, RequestOutput, Scheduler, SchedulerArgs
 
 ARGS = SchedulerArgs(model="tiny", num_pages=96, page_size=4, max_running=4,
                      max_batched_tokens=256, context_length=512)
@@ -136,3 +136,42 @@ async def test_http_before_ready_is_503() -> None:
         assert r.status_code == 503
         info = (await http.get("/server_info")).json()
         assert info["ready"] is False and info["disaggregation_mode"] == "null"
+
+
+class _BreakingScheduler(Scheduler):
+    """A scheduler whose step raises once ``broken`` (what a rank gone, or a bug, looks like
+    from the backend's loop)."""
+
+    broken = False
+
+    def step(self) -> list[RequestOutput]:
+        if self.broken:
+            raise RuntimeError("rank 1 is gone: simulated")
+        return super().step()
+
+
+async def test_a_failed_step_names_its_cause_in_flight_and_after() -> None:
+    """The request in flight when a step fails gets a 500 naming the cause; one that arrives
+    while the process is on its way out gets a 503 naming it too, not "still loading"."""
+    sched = _BreakingScheduler(ARGS)
+    b = ColocatedBackend(ARGS, scheduler=sched, warmup="minimal")
+
+    async def serve(*, task_status: trio.TaskStatus[None]) -> None:
+        with pytest.raises(RuntimeError, match="rank 1 is gone"):
+            await b.serve(task_status=task_status)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve)
+        sched.broken = True
+        with pytest.raises(BackendError) as in_flight:
+            async with aclosing(b.generate(_job("a", (1, 2, 3)))) as outs:
+                async for _ in outs:
+                    pass
+        with pytest.raises(BackendError) as after:
+            async with aclosing(b.generate(_job("b", (4, 5)))) as outs:
+                async for _ in outs:
+                    pass
+    assert in_flight.value.status == 500 and "rank 1 is gone" in in_flight.value.reason
+    assert after.value.status == 503 and "the worker is exiting" in after.value.reason
+    assert "rank 1 is gone" in after.value.reason
+    assert not b.ready() and not b._streams and b.outcomes["error"] == 1

@@ -114,6 +114,9 @@ class ColocatedBackend:
         self._cache_at_ready: dict[str, int] = {}
         self._stream_capacity = stream_capacity
         self._ready = False
+        # Why a scheduler step failed, once one did: the process is on its way out, and a
+        # request arriving meanwhile is told that reason, not "loading" or "shutting down".
+        self._failure: str | None = None
         self._jobs_send, self._jobs_recv = trio.open_memory_channel[_Stream](max_queued)
         self._streams: dict[str, _Stream] = {}
         self._aborts: set[str] = set()
@@ -154,14 +157,14 @@ class ColocatedBackend:
         try:
             await self._loop(self.scheduler)
         finally:
-            self._ready = False
-            for stream in list(self._streams.values()):
-                self._fail(stream, BackendError(503, "worker shutting down"))
+            self._stopped()
             if self._spmd is not None:
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(self._spmd.stop, limiter=self._limiter)
 
     async def generate(self, job: GenerateJob) -> AsyncGenerator[RequestOutput, None]:
+        if self._failure is not None:
+            raise BackendError(503, f"the worker is exiting: {self._failure}")
         if not self._ready:
             raise BackendError(503, "the model is still loading")
         if job.rid in self._streams:
@@ -328,10 +331,7 @@ class ColocatedBackend:
                         self._step, scheduler, commands, limiter=self._limiter
                     )
                 except Exception as exc:
-                    # The scheduler's state is unknown now: fail everyone, let the process die
-                    # (serve_worker first lets the HTTP server send those answers).
-                    for stream in list(self._streams.values()):
-                        self._fail(stream, BackendError(500, f"scheduler step failed: {exc!r}"))
+                    self._step_failed(exc)
                     raise
                 self.steps_total += 1
                 self.step_seconds_total += trio.current_time() - start
@@ -419,6 +419,24 @@ class ColocatedBackend:
             )
         )
         self._finish(stream, "abort")
+
+    def _step_failed(self, exc: Exception) -> None:
+        """The scheduler's state is unknown now: stop taking requests, fail everyone in flight
+        with the reason (a 500), and let the process die (serve_worker first lets the HTTP
+        server send those answers)."""
+        self._ready = False
+        self._failure = f"scheduler step failed: {exc!r}"
+        for stream in list(self._streams.values()):
+            self._fail(stream, BackendError(500, self._failure))
+
+    def _stopped(self) -> None:
+        """The loop ended (a failure, or the worker stopping): no more requests, and the ones
+        still held (those that arrived after a failure, too) get a 503 naming why."""
+        self._ready = False
+        reason = ("worker shutting down" if self._failure is None
+                  else f"the worker is exiting: {self._failure}")
+        for stream in list(self._streams.values()):
+            self._fail(stream, BackendError(503, reason))
 
     def _fail(self, stream: _Stream, error: BackendError) -> None:
         stream.put(self._failing.pop(stream.job.rid, error))

@@ -277,9 +277,7 @@ class PDBackend(ColocatedBackend, ABC):
                 log.info("%s backend ready: %s", self.mode, record)
                 await self._pd_loop(sched, nursery)
         finally:
-            self._ready = False
-            for stream in list(self._streams.values()):
-                self._fail(stream, BackendError(503, "worker shutting down"))
+            self._stopped()
             with trio.CancelScope(shield=True):
                 if self._spmd is not None:
                     await trio.to_thread.run_sync(self._spmd.stop, limiter=self._limiter)
@@ -465,8 +463,7 @@ class PDBackend(ColocatedBackend, ABC):
                     self._tick, sched, inbox, jobs, aborts, limiter=self._limiter
                 )
             except Exception as exc:
-                for stream in list(self._streams.values()):
-                    self._fail(stream, BackendError(500, f"scheduler step failed: {exc!r}"))
+                self._step_failed(exc)
                 raise
             finally:
                 self.busy_since = None
