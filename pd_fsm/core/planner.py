@@ -22,6 +22,29 @@ The rule, after Dynamo's SLA planner and DistServe: TTFT is P's to keep, ITL is 
 - Cooldown: after a decision nothing is decided for ``cooldown`` seconds (a switched worker's
   queues and histograms need that long to show its effect), and the run of observations starts
   again.
+
+With ``colocate`` the planner may also make a worker colocated (role ``"null"``: it serves
+whole requests, prefill and decode in one loop) and split colocated workers back into P and D,
+because disaggregation is a bet that only pays when prefills delaying decode steps cost more
+than the capacity a fixed split leaves idle (DistServe). A colocated worker's TTFT counts on the
+prefill side and its inter-token gap on the decode side.
+
+- Orphans: P with no D to pair with (or D with no P) serve nothing; when no worker is switching,
+  every one of them becomes colocated at once (no patience: there is nothing to wait for).
+- Merge: the P/D part under pressure (its own class ``prefill_bound``, ``decode_bound`` or
+  ``both``) whose less pressed side is not idle (a move alone cannot fix it) gives pairs, its
+  least loaded P and D, to the colocated side — as many as bring its pressure back to
+  ``headroom``; the P/D part keeps its ratio, and what is left of a side once the other's last
+  worker went becomes colocated next (an orphan).
+- Split: the colocated workers missing their inter-token target while their TTFT is within its
+  own (``decode_bound`` among them: decode steps wait behind prefills) give one worker to the
+  P/D side under more pressure, or, with no P/D part yet, two workers: one P, one D.
+- Colocated is the safe side (it leaves no capacity idle), P/D the bet: each mode's pressure
+  (its worse side's, 1.0 at the target) is remembered when the planner leaves it, for
+  ``recall`` seconds; a merge needs P/D to do worse than colocated did, a split needs colocated
+  to do ``imbalance`` times worse than P/D did and no split in the last ``recall`` seconds — so
+  two overloaded modes do not trade places every cooldown, and a split that did not pay is
+  undone at once.
 """
 
 from __future__ import annotations
@@ -32,7 +55,7 @@ from typing import Literal
 
 import attrs
 
-Role = Literal["prefill", "decode"]
+Role = Literal["prefill", "decode", "null"]  # "null": colocated (RFC-2's disaggregation mode)
 Pressure = Literal["prefill_bound", "decode_bound", "both", "idle", "balanced"]
 
 
@@ -43,8 +66,8 @@ class WorkerSnapshot:
 
     worker: str
     role: Role
-    waiting: int = 0  # requests queued: not prefilled yet (P), KV not arrived yet (D)
-    running: int = 0  # rows decoding (D)
+    waiting: int = 0  # requests queued: not prefilled yet (P, null), KV not arrived yet (D)
+    running: int = 0  # rows decoding (D, null)
     ttft_p90: float = math.nan
     itl_p90: float = math.nan
     kv_usage: float = 0.0
@@ -69,6 +92,9 @@ class PlannerConfig:
     # Switches decided at once, at most (0: as many as the pressures ask). 1 by default: in the
     # modelled 64-worker run (bench/RESULTS_planner_sim.md) the proportional step overshot.
     max_step: int = 1
+    # May make workers colocated ("null") and split them back (see the module's docstring).
+    colocate: bool = False
+    recall: float = attrs.field(default=120.0, validator=attrs.validators.ge(0.0))
 
 
 @attrs.frozen
@@ -98,18 +124,26 @@ def _worst(values: Sequence[float]) -> float:
     return max(known, default=0.0)
 
 
+Mode = Literal["pd", "colocated"]
+_BOUND: tuple[Pressure, ...] = ("prefill_bound", "decode_bound", "both")
+
+
 class Planner:
     def __init__(self, config: PlannerConfig) -> None:
         self.config = config
         self._run: tuple[Pressure, int] = ("balanced", 0)
         self._quiet_until = -math.inf
+        # A mode's pressure when the planner last left it, and when (colocate only).
+        self._left: dict[Mode, tuple[float, float]] = {}
+        self._split_at = -math.inf
         self.decisions: list[tuple[float, Decision]] = []  # every decision, for /metrics and logs
 
     def pressures(self, snapshots: Sequence[WorkerSnapshot]) -> tuple[float, float]:
-        """(prefill side, decode side): 1.0 is at the target."""
+        """(prefill side, decode side): 1.0 is at the target. A colocated worker is on both."""
         c = self.config
-        p = [s for s in snapshots if s.role == "prefill" and not s.switching]
-        d = [s for s in snapshots if s.role == "decode" and not s.switching]
+        live = [s for s in snapshots if not s.switching]
+        p = [s for s in live if s.role in ("prefill", "null")]
+        d = [s for s in live if s.role in ("decode", "null")]
         p_load = max(_worst([s.ttft_p90 / c.ttft_slo for s in p]),
                      _worst([s.waiting / c.queue_per_prefill for s in p]))
         d_load = max(_worst([s.itl_p90 / c.itl_slo for s in d]),
@@ -134,12 +168,16 @@ class Planner:
         once when the pressure asks for them, else at most one)."""
         if now < self._quiet_until:  # the last decision's effect is not in the figures yet
             return []
-        pressure = self.classify(snapshots)
-        kind, count = self._run
-        self._run = (pressure, count + 1 if kind == pressure else 1)
-        if self._run[1] < self.config.patience:
-            return []
-        decisions = self._decide(pressure, snapshots)
+        if not self.config.colocate:  # colocated workers are not the planner's to move
+            snapshots = [s for s in snapshots if s.role != "null"]
+        decisions = self._orphans(snapshots) if self.config.colocate else []
+        if not decisions:
+            pressure = self.classify(snapshots)
+            kind, count = self._run
+            self._run = (pressure, count + 1 if kind == pressure else 1)
+            if self._run[1] < self.config.patience:
+                return []
+            decisions = self._decide(pressure, snapshots, now)
         if not decisions:
             return []
         self.decisions.extend((now, d) for d in decisions)
@@ -147,9 +185,89 @@ class Planner:
         self._run = ("balanced", 0)
         return decisions
 
-    def _decide(self, pressure: Pressure, snapshots: Sequence[WorkerSnapshot]
+    # -- colocate -----------------------------------------------------------------------------
+
+    def _orphans(self, snapshots: Sequence[WorkerSnapshot]) -> list[Decision]:
+        """P with no D (or D with no P), when nothing is mid-switch: all colocated."""
+        if any(s.switching for s in snapshots):
+            return []
+        count = {r: sum(s.role == r for s in snapshots) for r in ("prefill", "decode")}
+        if bool(count["prefill"]) == bool(count["decode"]):
+            return []
+        lone = "prefill" if count["prefill"] else "decode"
+        other = "decode" if lone == "prefill" else "prefill"
+        return [SwitchRole(s.worker, "null", f"no {other} worker to pair with: colocated")
+                for s in snapshots if s.role == lone]
+
+    def _recalled(self, mode: Mode, now: float) -> float | None:
+        left = self._left.get(mode)
+        return None if left is None or now - left[1] > self.config.recall else left[0]
+
+    def _colocate(self, pressure: Pressure, snapshots: Sequence[WorkerSnapshot], now: float
+                  ) -> list[Decision] | None:
+        """A merge or a split (see the module's docstring); None: neither applies, and the
+        P/D part is balanced by moves as without ``colocate``."""
+        c = self.config
+        live = [s for s in snapshots if not s.switching]
+        pd = [s for s in live if s.role != "null"]
+        colo = [s for s in live if s.role == "null"]
+        if pd and pressure in _BOUND:
+            p_load, d_load = self.pressures(pd)
+            pd_class = self.classify(pd)
+            donor: Role = "decode" if p_load >= d_load else "prefill"
+            donor_load = d_load if donor == "decode" else p_load
+            held = self._recalled("colocated", now)
+            if (pd_class in _BOUND and donor_load >= c.idle_below
+                    and (held is None or max(p_load, d_load) > held)):
+                self._left["pd"] = (max(p_load, d_load), now)
+                was = "" if held is None else f", colocated did {held:.2f}"
+                why = (f"P/D prefill pressure {p_load:.2f}, decode pressure {d_load:.2f}: "
+                       f"{pd_class}, {donor} side not idle{was}: colocated")
+                # Pairs, the least loaded of each side: the P/D part keeps its ratio, and the
+                # colocated workers take their share of both sides' work. As many as bring the
+                # P/D part's pressure back to headroom, not capped by max_step: overshooting
+                # toward colocated leaves no capacity idle.
+                pairs = min(sum(s.role == "prefill" for s in pd),
+                            sum(s.role == "decode" for s in pd))
+                k = max(1, math.ceil(pairs * (1.0 - c.headroom / max(p_load, d_load))))
+                return [SwitchRole(s.worker, "null", why) for r in ("prefill", "decode")
+                        for s in sorted((s for s in pd if s.role == r), key=_load)[:k]]
+        if colo and pressure in _BOUND:
+            p_load, d_load = self.pressures(colo)
+            held = self._recalled("pd", now)
+            if (self.classify(colo) == "decode_bound" and now - self._split_at >= c.recall
+                    and (held is None or max(p_load, d_load) > c.imbalance * held)):
+                why = (f"colocated prefill pressure {p_load:.2f}, decode pressure {d_load:.2f}: "
+                       f"decode steps wait behind prefills"
+                       + ("" if held is None else f", P/D did {held:.2f}"))
+                order = sorted(colo, key=_load)
+                if any(s.role == "prefill" for s in pd) and any(s.role == "decode" for s in pd):
+                    pd_p, pd_d = self.pressures(pd)
+                    to: Role = "prefill" if pd_p > pd_d else "decode"
+                    self._left["colocated"] = (max(p_load, d_load), now)
+                    self._split_at = now
+                    return [SwitchRole(order[0].worker, to, f"{why}: to {to}")]
+                if len(order) >= 2:
+                    self._left["colocated"] = (max(p_load, d_load), now)
+                    self._split_at = now
+                    return [SwitchRole(order[0].worker, "decode", f"{why}: split into P/D"),
+                            SwitchRole(order[1].worker, "prefill", f"{why}: split into P/D")]
+        return None
+
+    # -- P and D ------------------------------------------------------------------------------
+
+    def _decide(self, pressure: Pressure, snapshots: Sequence[WorkerSnapshot], now: float
                 ) -> list[Decision]:
         c = self.config
+        if c.colocate:
+            merged_or_split = self._colocate(pressure, snapshots, now)
+            if merged_or_split is not None:
+                return merged_or_split
+            # What is left to balance is the P/D part: its own pressures decide the moves.
+            snapshots = [s for s in snapshots if s.role != "null"]
+            if not snapshots:
+                return []
+            pressure = self.classify(snapshots)
         live = [s for s in snapshots if not s.switching]
         count = {r: sum(s.role == r for s in live) for r in ("prefill", "decode")}
         grow = c.max_workers > 0 and len(snapshots) < c.max_workers

@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                              "planner under a workload that shifts (with --profile)")
     c.add_argument("--workers", type=int, default=0, metavar="N",
                    help="N workers, each on --cores-per-worker cores: every static P:D split "
-                        "in steps of N/4, N colocated workers, and the planner from N/2:N/2")
+                        "in steps of N/4, N colocated workers, and the planner from N/2:N/2 "
+                        "(moving workers between P and D only, and also making them colocated)")
     c.add_argument("--cores-per-worker", type=int, default=1)
     c.add_argument("--phases", default="long:60,short:60,long:60,short:60", metavar="KIND:S,..",
                    help="the workload's phases: long (prompts --long-prompt, answers "
@@ -131,12 +132,14 @@ def cluster_main(args: argparse.Namespace) -> int:
                                                        cores=args.cores_per_worker)
                for p in range(step, n, step)}
     configs[f"colocated x{n}"] = ClusterConfig(colocated=n, cores=args.cores_per_worker)
-    planner = PlannerConfig(ttft_slo=args.ttft_target, itl_slo=args.tpot_targets[0],
-                            cooldown=args.planner_cooldown, patience=args.planner_patience,
-                            max_step=args.planner_max_step)
-    configs[f"adaptive (from {n // 2}P:{n - n // 2}D)"] = ClusterConfig(
-        prefill=n // 2, decode=n - n // 2, cores=args.cores_per_worker, planner=planner,
-        interval=args.planner_interval)
+    for colocate in (False, True):
+        planner = PlannerConfig(ttft_slo=args.ttft_target, itl_slo=args.tpot_targets[0],
+                                cooldown=args.planner_cooldown, patience=args.planner_patience,
+                                max_step=args.planner_max_step, colocate=colocate)
+        name = "adaptive P/D and colocated" if colocate else "adaptive P/D"
+        configs[f"{name} (from {n // 2}P:{n - n // 2}D)"] = ClusterConfig(
+            prefill=n // 2, decode=n - n // 2, cores=args.cores_per_worker, planner=planner,
+            interval=args.planner_interval)
     bounds, t = [], 0.0
     for ph in phases:
         bounds.append((t, t + ph.seconds))

@@ -3,12 +3,14 @@
 (``pd_fsm/core/planner.py``) switching roles as the workload shifts.
 
 Event-driven (a worker's step ends ``alone_s`` after it starts: no worker shares cores here):
-arrivals go to the P (or colocated worker) with the fewest requests queued, a prefilled room to
-the accepting D with the fewest rows; every ``interval`` the planner observes each worker (its
-queue, rows, KV use, and the p90 TTFT / inter-token gap of the requests it served in the last
-``window``) and its decisions are carried out: a switching worker takes no new work, finishes
-what it has, and serves in the new role ``switch_s`` later (the weights stay loaded and every
-role's shapes are compiled before ready, issue 30 §1 — so a switch costs a drain, not a start).
+arrivals go to the P or colocated worker with the fewest requests queued (a P only while some D
+takes rooms), a prefilled room to the accepting D with the fewest rows; every ``interval`` the
+planner observes each worker (its queue, rows, KV use, and the p90 TTFT / inter-token gap of the
+requests it served in the last ``window``) and its decisions are carried out: a switching worker
+takes no new work, finishes what it has, and serves in the new role ``switch_s`` later (the
+weights stay loaded and every role's shapes are compiled before ready, issue 30 §1 — so a switch
+costs a drain, not a start). A worker the planner makes colocated ("null") takes arrivals beside
+the P; the last D of a drain waits until no P can still send it a room.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def shifting(phases: Sequence[Phase], seed: int = 0) -> list[Request]:
 class ClusterConfig:
     prefill: int = 0
     decode: int = 0
-    colocated: int = 0  # > 0: every worker colocated (no P, no D)
+    colocated: int = 0  # colocated workers, besides the P and D ones
     cores: int = 1  # per worker
     planner: PlannerConfig | None = None
     interval: float = 5.0  # seconds between the planner's observations
@@ -78,7 +80,7 @@ class ClusterConfig:
 class ClusterRun:
     requests: list[Request]
     decisions: list[tuple[float, Decision]]
-    roles: list[tuple[float, int, int]]  # (time, P count, D count) after every change
+    roles: list[tuple[float, int, int, int]]  # (time, P, D, colocated) after every change
 
 
 def _p90(values: list[float]) -> float:
@@ -91,11 +93,11 @@ def _p90(values: list[float]) -> float:
 class _Cluster:
     def __init__(self, profile: Profile, config: ClusterConfig, requests: list[Request]) -> None:
         self.profile, self.config = profile, config
-        roles = (["colocated"] * config.colocated if config.colocated else
-                 ["prefill"] * config.prefill + ["decode"] * config.decode)
+        roles = (["colocated"] * config.colocated + ["prefill"] * config.prefill
+                 + ["decode"] * config.decode)
         self.workers = [Worker(role, profile, config.cores, name=f"w{i}")
                         for i, role in enumerate(roles)]
-        self.switching: dict[str, Role] = {}  # worker -> its next role, while it drains
+        self.switching: dict[str, str] = {}  # worker -> its next role, while it drains
         self._armed: set[str] = set()  # drained: serving in the new role after switch_s
         self.busy: set[str] = set()
         self.events: list[tuple[float, int, str, Callable[[], None]]] = []
@@ -103,7 +105,7 @@ class _Cluster:
         self.now = 0.0
         self.requests = requests
         self.planner = Planner(config.planner) if config.planner else None
-        self.roles: list[tuple[float, int, int]] = []
+        self.roles: list[tuple[float, int, int, int]] = []
         self._note_roles()
         for r in requests:
             self.at(r.arrival, "arrive", functools.partial(self.arrive, r))
@@ -117,7 +119,8 @@ class _Cluster:
         return [w for w in self.workers if w.role == role and w.name not in self.switching]
 
     def _note_roles(self) -> None:
-        self.roles.append((self.now, len(self._role("prefill")), len(self._role("decode"))))
+        self.roles.append((self.now, len(self._role("prefill")), len(self._role("decode")),
+                           len(self._role("colocated"))))
 
     def run(self) -> None:
         last = max((r.arrival for r in self.requests), default=0.0) + 600.0
@@ -131,8 +134,8 @@ class _Cluster:
     # -- work ---------------------------------------------------------------------------------
 
     def arrive(self, r: Request) -> None:
-        entry = self._role("colocated") or self._role("prefill")
-        if not entry:  # every P mid-switch: the request waits for one
+        entry = self._role("colocated") + (self._role("prefill") if self._role("decode") else [])
+        if not entry:  # every entry mid-switch: the request waits for one
             self.at(self.now + 0.1, "arrive", lambda: self.arrive(r))
             return
         w = min(entry, key=lambda w: (len(w.waiting) + (w.name in self.busy), w.name))
@@ -151,7 +154,9 @@ class _Cluster:
             return
         job = w.next_job(self.now)
         if job is None:
-            self._maybe_switch(w)
+            # The last D of a drain may have waited for this worker's rooms: look at them all.
+            for name in list(self.switching):
+                self._maybe_switch(self._named(name))
             return
         self.busy.add(w.name)
 
@@ -164,8 +169,17 @@ class _Cluster:
 
     # -- roles --------------------------------------------------------------------------------
 
+    def _named(self, name: str) -> Worker:
+        return next(w for w in self.workers if w.name == name)
+
     def _empty(self, w: Worker) -> bool:
-        return not (w.waiting or w.running or w.arriving or w.name in self.busy)
+        if w.waiting or w.running or w.arriving or w.name in self.busy:
+            return False
+        if w.role == "decode" and not self._role("decode"):
+            # The last D drains only once no P can still send it a room.
+            return not any(p.waiting or p.name in self.busy for p in self.workers
+                           if p.role == "prefill")
+        return True
 
     def _maybe_switch(self, w: Worker) -> None:
         to = self.switching.get(w.name)
@@ -190,11 +204,11 @@ class _Cluster:
 
     def carry_out(self, d: Decision) -> None:
         if isinstance(d, SwitchRole):
-            w = next(w for w in self.workers if w.name == d.worker)
-            self.switching[w.name] = d.to
+            w = self._named(d.worker)
+            self.switching[w.name] = "colocated" if d.to == "null" else d.to
             self._note_roles()
-            # Its queued requests go back to the others of its role (it takes no more).
-            if w.role == "prefill":
+            # Its queued requests go back to the other entries (it takes no more).
+            if w.role in ("prefill", "colocated"):
                 queued, w.waiting = list(w.waiting), type(w.waiting)()
                 for r in queued:
                     self.arrive(r)
@@ -206,9 +220,8 @@ class _Cluster:
         since = self.now - self.config.window
         out = []
         for w in self.workers:
-            if w.role == "colocated":
-                continue
-            role: Role = "prefill" if w.role == "prefill" else "decode"
+            role: Role = ("null" if w.role == "colocated" else
+                          "prefill" if w.role == "prefill" else "decode")
             ttft = [r.ttft for r in self.requests if r.prefill_by == w.name and r.token_times
                     and not math.isnan(r.token_times[0]) and r.token_times[0] >= since]
             gaps = [b - a for r in self.requests if r.decode_by == w.name

@@ -132,7 +132,7 @@ def test_cluster_model_static_splits_and_the_planner() -> None:
         planner=PlannerConfig(patience=2, cooldown=5.0)), reqs)
     assert planned.decisions and all(isinstance(d, SwitchRole) and d.to == "prefill"
                                      for _, d in planned.decisions)
-    assert planned.roles[-1][1:] == (3, 1)  # it stops at min_decode 1
+    assert planned.roles[-1][1:] == (3, 1, 0)  # it stops at min_decode 1
     assert goodput(planned.requests, 0, 60, 2.0, 0.1) > goodput(few_p.requests, 0, 60, 2.0, 0.1)
     # Every request is served to its last token, in every cluster.
     for run in (few_p, many_p, planned):
@@ -156,3 +156,25 @@ def test_sim_cli_prints_every_placement_and_cluster(tmp_path: Path,
     out = capsys.readouterr().out
     for name in ("static 1P:3D", "static 2P:2D", "static 3P:1D", "colocated x4", "adaptive"):
         assert f"| {name}" in out
+
+
+def test_cluster_model_the_planner_makes_workers_colocated_and_back() -> None:
+    from pd_fsm.core.planner import PlannerConfig, SwitchRole
+    from pd_fsm.sim.perf_cluster import ClusterConfig, Phase, goodput, run_cluster, shifting
+
+    # Short prompts, long answers at a rate the 2:2 split's one-core D cannot decode in time:
+    # the planner with colocate merges the P/D part into colocated workers (pairs, then the
+    # orphans), and gets more goodput than the static split it started from.
+    reqs = shifting([Phase(60.0, 8.0, (16, 48), (48, 96))], seed=3)
+    static = run_cluster(PROFILE, ClusterConfig(prefill=2, decode=2), reqs)
+    planned = run_cluster(PROFILE, ClusterConfig(
+        prefill=2, decode=2, interval=2.0, switch_s=1.0,
+        planner=PlannerConfig(ttft_slo=2.0, itl_slo=0.05, patience=2, cooldown=5.0,
+                              colocate=True)), reqs)
+    assert planned.decisions and all(isinstance(d, SwitchRole) for _, d in planned.decisions)
+    assert any(d.to == "null" for _, d in planned.decisions)  # type: ignore[union-attr]
+    assert planned.roles[-1][3] > 0  # colocated workers at the end
+    assert goodput(planned.requests, 0, 60, 2.0, 0.05) > goodput(static.requests, 0, 60, 2.0,
+                                                                  0.05)
+    for run in (static, planned):
+        assert all(len(r.token_times) == r.out for r in run.requests)

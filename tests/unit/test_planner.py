@@ -109,3 +109,62 @@ def test_config_is_checked() -> None:
         PlannerConfig(patience=0)
     with pytest.raises(ValueError):
         PlannerConfig(cooldown=-1.0)
+
+
+# -- colocate: merges, splits, orphans ---------------------------------------------------------
+
+def colocated(ttft: float, itl: float, n: int = 2) -> list[WorkerSnapshot]:
+    return [WorkerSnapshot(f"c{i}", "null", waiting=i, ttft_p90=ttft, itl_p90=itl)
+            for i in range(n)]
+
+
+def test_without_colocate_colocated_workers_are_left_alone() -> None:
+    planner = Planner(PlannerConfig(patience=1, cooldown=0.0))
+    assert planner.observe(colocated(0.5, 0.5), 0.0) == []  # not its to move
+    # Nor do they weigh on the P/D part's pressures.
+    assert planner.observe([*cluster(1.0, 0.05), *colocated(9.0, 9.0)], 1.0) == []
+
+
+def test_orphans_become_colocated_at_once_unless_something_is_switching() -> None:
+    planner = Planner(PlannerConfig(patience=5, cooldown=0.0, colocate=True))
+    lone_p = [*cluster(1.0, 0.05, n_p=2, n_d=0), *colocated(0.5, 0.05)]
+    moves = planner.observe(lone_p, 0.0)  # no patience: nothing to wait for
+    assert sorted((m.worker, m.to) for m in moves) == [("p0", "null"), ("p1", "null")]
+    assert all("no decode worker" in m.reason for m in moves)
+    mid_split = [*lone_p, WorkerSnapshot("c9", "null", switching=True)]
+    assert Planner(PlannerConfig(patience=5, colocate=True)).observe(mid_split, 0.0) == []
+
+
+def test_a_pressed_pd_part_gives_pairs_to_colocated_as_many_as_its_pressure_asks() -> None:
+    planner = Planner(PlannerConfig(patience=1, cooldown=0.0, colocate=True, headroom=0.8))
+    # P at 2x its target, D at 0.5 (not idle): 4 pairs x (1 - 0.8 / 2) = 2.4 -> 3 pairs.
+    moves = planner.observe(cluster(4.0, 0.05, n_p=4, n_d=4), 0.0)
+    assert all(isinstance(m, SwitchRole) and m.to == "null" for m in moves)
+    assert sorted(m.worker for m in moves) == ["d0", "d1", "d2", "p0", "p1", "p2"]
+    assert "colocated" in moves[0].reason  # type: ignore[union-attr]
+    # The donor side idle: a move fixes it, as without colocate.
+    (move,) = Planner(PlannerConfig(patience=1, colocate=True)).observe(
+        cluster(4.0, 0.01, n_p=2, n_d=4), 0.0)
+    assert isinstance(move, SwitchRole) and move.to == "prefill"
+
+
+def test_colocated_missing_itl_with_ttft_to_spare_splits_once_per_recall() -> None:
+    planner = Planner(PlannerConfig(patience=1, cooldown=0.0, colocate=True, recall=60.0))
+    slow_steps = colocated(0.5, 0.3, n=4)  # TTFT 0.25 of its target, ITL 3x
+    moves = planner.observe(slow_steps, 0.0)
+    assert sorted((m.worker, m.to) for m in moves) == [("c0", "decode"), ("c1", "prefill")]
+    assert "decode steps wait behind prefills" in moves[0].reason  # type: ignore[union-attr]
+    mixed = [*cluster(1.0, 0.15, n_p=1, n_d=1), *colocated(0.5, 0.3, n=2)]
+    assert planner.observe(mixed, 30.0) == []  # not within recall of the last split
+    # P/D did worse than colocated (3.0) did: back at once, a pair.
+    back = planner.observe([*cluster(1.0, 0.35, n_p=1, n_d=1), *colocated(0.5, 0.3, n=2)], 31.0)
+    assert sorted((m.worker, m.to) for m in back) == [("d0", "null"), ("p0", "null")]
+    assert "colocated did 3.00" in back[0].reason  # type: ignore[union-attr]
+    # Past recall, colocated must do imbalance (1.5) x worse than P/D did (3.5) to split again.
+    assert planner.observe(colocated(0.5, 0.5, n=4), 80.0) == []  # 5.0 < 1.5 x 3.5
+    again = planner.observe(colocated(0.5, 0.6, n=4), 81.0)  # 6.0 > 5.25
+    assert [m.to for m in again] == ["decode", "prefill"]
+    # A calm P/D part beside them gains the least loaded one, on its more pressed side.
+    calm = [*cluster(1.0, 0.06, n_p=1, n_d=1), *colocated(0.5, 0.3, n=2)]
+    (to_d,) = Planner(PlannerConfig(patience=1, colocate=True)).observe(calm, 0.0)
+    assert (to_d.worker, to_d.to) == ("c0", "decode")  # type: ignore[union-attr]

@@ -18,8 +18,8 @@ log = logging.getLogger("pd_fsm.io_trio.planner.cli")
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     d = PlannerConfig()
-    p = sub.add_parser("planner", help="switch workers between prefill and decode to meet "
-                                       "TTFT and ITL targets")
+    p = sub.add_parser("planner", help="switch workers between prefill and decode (and, with "
+                                       "--colocate, colocated) to meet TTFT and ITL targets")
     p.add_argument("--bootstrap-url", default=None,
                    help="observe the workers the bootstrap server lists")
     p.add_argument("--worker", action="append", default=[], metavar="URL",
@@ -37,6 +37,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--min-decode", type=int, default=d.min_decode)
     p.add_argument("--max-step", type=int, default=d.max_step,
                    help="switches decided at once, at most (default 1; 0: no bound)")
+    p.add_argument("--colocate", action="store_true",
+                   help="also make workers colocated (role null) when the P/D part is under "
+                        "pressure, and split colocated workers into P and D when their ITL "
+                        "misses with TTFT to spare (workers need --roles prefill,decode,null)")
+    p.add_argument("--recall", type=float, default=d.recall,
+                   help=f"with --colocate: seconds a mode's pressure is remembered after "
+                        f"leaving it, and between two splits (default {d.recall:g})")
     p.add_argument("--dry-run", action="store_true", help="decide and log, never switch")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="its /metrics and /decisions")
@@ -56,7 +63,8 @@ def service_from_args(args: argparse.Namespace) -> PlannerService:
     config = PlannerConfig(ttft_slo=args.ttft_slo, itl_slo=args.itl_slo,
                            patience=args.patience, cooldown=args.cooldown,
                            min_prefill=args.min_prefill, min_decode=args.min_decode,
-                           max_step=args.max_step)
+                           max_step=args.max_step, colocate=args.colocate,
+                           recall=args.recall)
     key = api_key_from_args(args, "worker-")
     return PlannerService(Planner(config), workers=args.worker,
                           bootstrap_url=args.bootstrap_url, interval=args.interval,
