@@ -60,14 +60,14 @@ def _n_against_separate(sched: Scheduler, prompt: list[int], n: int, tokens: int
                 reqs = [Req(f"s{r}-{i}", prompt, SamplingParams(
                     temperature=1.0, max_new_tokens=tokens, ignore_eos=True, seed=r + i))
                     for i in range(n)]
-            total = sched.allocator.total
+            total = sched.page_budget.allocator.total
             peak = 0
             t0 = time.perf_counter()
             for req in reqs:
                 sched.add_request(req)
             while sched.has_work():
                 sched.step()
-                peak = max(peak, total - sched.allocator.num_free)
+                peak = max(peak, total - sched.page_budget.allocator.num_free)
             out[name].append(1000 * (time.perf_counter() - t0))
             out[f"{name}_pages"].append(peak)
     return out

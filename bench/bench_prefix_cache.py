@@ -88,9 +88,10 @@ def main() -> None:
         print(f"  TTFT p50 with the cache: {speedup:.2f}x better")
         plots.latency_cdf(f"prefix_cache_{kind}", f"Prefix cache, {kind} prompts one at a time",
                           {f"cache {name}": ttft[name] for name in ("off", "on")}, "TTFT")
-    assert cached.cache is not None
-    print(f"\ncache: {cached.cache.hits} pages handed out, {cached.cache.pages} cached, "
-          f"{cached.cache.evicted} evicted")
+    cache = cached.page_budget.cache
+    assert cache is not None
+    print(f"\ncache: {cache.hits} pages handed out, {cache.pages} cached, "
+          f"{cache.evicted} evicted")
 
 
 if __name__ == "__main__":

@@ -9,14 +9,16 @@ Life of a request: ``add_request`` -> WAITING -> (pages for the whole sequence r
 PREFILLING -> (prompt in the pool, possibly over several chunked steps; first token sampled)
 RUNNING -> FINISHED. Pages are reserved up front for ``prompt + max_new_tokens`` tokens so a
 running request never needs pages mid-decode (no preemption); they are released exactly once, in
-``_finish``.
+``_finish``. The pages themselves, the prefix cache and what a request needs of them are the
+``PageBudget``'s (``self.page_budget``, page_budget.py): the scheduler asks it, it holds no queue.
 
 Extension points for the PD mixins (RFC-2 §5.4) are the underscore methods below; the P mixin
-overrides ``_on_prefill_done`` (hand the KV to the transfer instead of decoding) and
-``_release_pages``; the D mixin registers a request (``_register``, so ``abort`` finds it),
-reserves its pages with ``reserve_pages``, scatters the transferred KV into the prompt's pages,
-and enters it into the decode batch with ``add_prefilled_request``, skipping the prefill forward.
-Mixins that keep requests in queues of their own extend ``_detach`` (and ``has_work``).
+overrides ``_on_prefill_done`` (hand the KV to the transfer instead of decoding) and tells the
+page budget that a room's forks are D's (``page_budget.forks_here``); the D mixin registers a
+request (``_register``, so ``abort`` finds it), reserves its pages with ``reserve_pages``,
+scatters the transferred KV into the prompt's pages, and enters it into the decode batch with
+``add_prefilled_request``, skipping the prefill forward. Mixins that keep requests in queues of
+their own extend ``_detach`` (and ``has_work``).
 
 The pool arrays live in a ``KVCacheHolder`` (``self.kv_holder``, pool ``"main_kv"``); every
 forward reads and replaces them through ``_with_kv`` under the holder's lock, so a pull thread's
@@ -42,7 +44,7 @@ from pd_fsm.jax_engine.executables import EXECUTABLES
 from pd_fsm.jax_engine.gather_scatter import as_struct
 from pd_fsm.jax_engine.grammar import GrammarError, bitmask_words, compiler_for
 from pd_fsm.jax_engine.kv_holder import KVCacheHolder
-from pd_fsm.jax_engine.kv_pool import PageAllocator, allocate_kv_pool, copy_pages
+from pd_fsm.jax_engine.kv_pool import allocate_kv_pool, copy_pages
 from pd_fsm.jax_engine.model import (
     KV,
     LoadedModel,
@@ -70,7 +72,7 @@ from pd_fsm.jax_engine.tensor_parallel import (
 )
 from pd_fsm.jax_engine.tokenizer import IncrementalDetokenizer
 from pd_fsm.schedulers.args import SchedulerArgs
-from pd_fsm.schedulers.radix_cache import RadixCache
+from pd_fsm.schedulers.page_budget import PageBudget
 from pd_fsm.schedulers.request import (
     FinishReason,
     LogprobSpec,
@@ -149,12 +151,13 @@ class Scheduler:
         self.eos_token_ids = self.model.eos_token_ids
         self.pool_config = self.config.kv_pool_config(args.num_pages, args.page_size,
                                                       args.kv_dtype)
-        self.allocator = PageAllocator(args.num_pages)
-        self.cache = RadixCache(self.allocator, args.page_size) if args.radix_cache else None
-        self.cache_hit_tokens = 0  # counted once per request that got its pages
-        self.kv_holder = self._create_kv_holder()
         limit = args.context_length or self.config.max_position
         self.context_length = min(limit, self.config.max_position)
+        # The pages: allocator, prefix cache, what each request needs (a P worker says whose
+        # forks are not its own: page_budget.forks_here).
+        self.page_budget = PageBudget(self.pool_config, args.num_pages, self.context_length,
+                                      radix_cache=args.radix_cache)
+        self.kv_holder = self._create_kv_holder()
         # Every forward's page table has this width (the longest sequence admitted, in whole
         # context chunks), so the compiled shapes are the batch buckets alone.
         longest = min(self.pool_config.pages_for(self.context_length), args.num_pages - 1)
@@ -212,7 +215,7 @@ class Scheduler:
         ``req.pages`` (e.g. transferred from a prefill worker) and its first token is sampled."""
         if req.rid not in self.reqs:
             self._register(req)
-        if req.pages is None or len(req.pages) < self._pages_needed(req):
+        if req.pages is None or len(req.pages) < self.page_budget.pages_needed(req):
             raise ValueError(f"request {req.rid} entered decode without its pages reserved")
         self._detach(req)
         req.prefilled = len(req.input_ids)
@@ -229,7 +232,7 @@ class Scheduler:
 
     def reserve_pages(self, req: Req) -> bool:
         """Reserve ``req``'s pages now (a decode worker does so before the KV transfer)."""
-        return self._allocate_pages(req)
+        return self.page_budget.reserve(req)
 
     def abort(self, rid: str, message: str = "aborted") -> bool:
         """Finish a live request (every sequence of it) with an abort reason and free its
@@ -273,16 +276,17 @@ class Scheduler:
         raise RuntimeError(f"scheduler still busy after {max_steps} steps")
 
     def stats(self) -> SchedulerStats:
+        pages = self.page_budget
         return SchedulerStats(
-            free_pages=self.allocator.num_free,
-            cached_pages=0 if self.cache is None else self.cache.evictable(),
-            total_pages=self.allocator.total,
+            free_pages=pages.allocator.num_free,
+            cached_pages=pages.cached_pages,
+            total_pages=pages.allocator.total,
             waiting=len(self.waiting),
             prefilling=len(self.prefilling),
             running=len(self.running),
             forward_shapes=len(self.forward_shapes),
-            cache_hit_tokens=self.cache_hit_tokens,
-            cache_evicted_pages=0 if self.cache is None else self.cache.evicted,
+            cache_hit_tokens=pages.cache_hit_tokens,
+            cache_evicted_pages=pages.evicted_pages,
         )
 
     # ----------------------------------------------------------------- compiled shapes
@@ -341,76 +345,6 @@ class Scheduler:
             result, pools[MAIN_KV] = fn(pools[MAIN_KV])
         return result
 
-    def _pages_needed(self, req: Req) -> int:
-        """The sequence's pages, and with sampling n > 1 each fork's own (reserved with the
-        request, so a fork never waits for pages; ``_fork`` hands them out)."""
-        return self._sequence_pages(req) + (req.sampling.n - 1) * self._fork_pages(req)
-
-    def _sequence_pages(self, req: Req) -> int:
-        tokens = min(len(req.input_ids) + req.sampling.max_new_tokens, self.context_length)
-        return self.pool_config.pages_for(tokens)
-
-    def _fork_pages(self, req: Req) -> int:
-        """A fork's own pages: from the page holding the prompt's last token (the fork rewrites
-        that position) to the end of its sequence; those before it are shared."""
-        if not self._forks(req):
-            return 0
-        return self._sequence_pages(req) - (len(req.input_ids) - 1) // self.args.page_size
-
-    def _forks(self, req: Req) -> bool:
-        """Whether this scheduler runs ``req``'s n sequences itself (a P worker hands its rooms
-        to D, which forks them)."""
-        return True
-
-    def _allocate_pages(self, req: Req) -> bool:
-        """The request's pages: with the prefix cache, those of its prompt's longest cached
-        prefix (shared; at least its last token is left to prefill, for its logits) and new
-        ones for the rest, evicting cached pages nobody uses when too few are free.
-
-        PD rooms too (issue 16 §2-§3). P prefills only the uncached suffix and gathers the
-        whole prompt's pages; D's cached pages are the room's, pinned by it, and P sends only
-        the rest. Shared pages are counted per holder, so a room's DONE, abort or lease expiry
-        gives up its share only, and P's registration holds a gathered copy that no eviction
-        can touch."""
-        if req.pages is not None:
-            return True
-        cached: list[int] = []
-        if self.cache is not None:
-            # Prompt log-probs from position p need the logits of p - 1: computed, not cached.
-            limit = len(req.input_ids) - 1
-            if req.logprobs.prompt:
-                limit = min(limit, max(req.logprobs.prompt_from - 1, 0))
-            cached = self.cache.match(req.input_ids[:limit])
-        wanted = self._pages_needed(req) - len(cached)
-        pages = self.allocator.allocate(wanted)
-        if pages is None and self.cache is not None:
-            self.cache.evict(wanted - self.allocator.num_free)
-            pages = self.allocator.allocate(wanted)
-        if pages is None:
-            if cached:
-                self.allocator.free(cached)  # our shares back: the pages stay in the cache
-            return False
-        req.pages = cached + pages
-        req.prefilled = req.cached_tokens = len(cached) * self.args.page_size
-        self.cache_hit_tokens += req.cached_tokens
-        return True
-
-    def _release_pages(self, req: Req) -> None:
-        # Clearing req.pages first makes a second call a no-op: pages go back exactly once.
-        pages, req.pages = req.pages, None
-        if pages and self.cache is not None:
-            self.cache.insert(self._tokens_with_kv(req), pages)
-        if pages:
-            self.allocator.free(pages)
-
-    @staticmethod
-    def _tokens_with_kv(req: Req) -> list[int]:
-        """The tokens whose KV is in the request's pages: the prompt as far as it was
-        prefilled, then every output token but the last (fed by a step that never ran)."""
-        if req.prefilled < len(req.input_ids):
-            return req.input_ids[: req.prefilled]
-        return req.input_ids + req.output_ids[:-1]
-
     # ----------------------------------------------------------------- hooks: admission
 
     def _register(self, req: Req) -> None:
@@ -425,11 +359,7 @@ class Scheduler:
                 f"prompt of {len(req.input_ids)} tokens does not fit the context length "
                 f"{self.context_length}"
             )
-        if self._pages_needed(req) > self.allocator.total:
-            raise ValueError(
-                f"request needs {self._pages_needed(req)} pages, the pool has "
-                f"{self.allocator.total}"
-            )
+        self.page_budget.check_fits(req)
         req.state = ReqState.WAITING
         req.seed = (
             req.sampling.seed if req.sampling.seed is not None else self._seed_rng.getrandbits(32)
@@ -477,7 +407,7 @@ class Scheduler:
         # request is not starved by a stream of small ones.
         while self.waiting and self._num_admitted() < self.args.max_running:
             req = self.waiting[0]
-            if not self._allocate_pages(req):
+            if not self.page_budget.reserve(req):
                 return
             self.waiting.popleft()
             req.state = ReqState.PREFILLING
@@ -643,19 +573,14 @@ class Scheduler:
         n = req.sampling.n
         if n == 1 or req.family:
             return []
+        split = self.page_budget.fork(req)
         assert req.pages is not None
-        own = self._sequence_pages(req)
-        cut = (len(req.input_ids) - 1) // self.args.page_size  # the prompt's last page
-        shared, reserve = req.pages[:cut], req.pages[own:]
-        req.pages = req.pages[:own]
-        each = own - cut
-        self.allocator.share(shared, n - 1)
         forks: list[Req] = []
-        for i in range(1, n):
+        for i, pages in enumerate(split.forks, start=1):
             fork = Req(req.rid, req.input_ids, req.sampling, req.metadata,
                        attrs.evolve(req.logprobs, prompt_from=-1))
             fork.index, fork.parent = i, req
-            fork.pages = shared + reserve[(i - 1) * each : i * each]
+            fork.pages = pages
             fork.prefilled = len(req.input_ids)
             fork.state = ReqState.RUNNING
             fork.seed = (req.seed + i) & 0xFFFFFFFFFFFFFFFF
@@ -663,8 +588,8 @@ class Scheduler:
                                                       req.sampling.skip_special_tokens)
             fork.matcher = None if req.matcher is None else req.matcher.fork()
             forks.append(fork)
-        src = np.full(n - 1, req.pages[cut], np.int32)
-        dst = np.array([f.pages[cut] for f in forks], np.int32)  # type: ignore[index]
+        src = np.full(n - 1, req.pages[split.copied], np.int32)
+        dst = np.array([pages[split.copied] for pages in split.forks], np.int32)
 
         def run(kv: KV) -> tuple[None, KV]:
             return None, EXECUTABLES.call(copy_pages, {}, kv, jnp.asarray(src), jnp.asarray(dst))
@@ -823,7 +748,7 @@ class Scheduler:
         if all(seq.finished for seq in req.root.family or [req]):
             self.reqs.pop(req.rid, None)  # the request is over when its last sequence is
         self._detach(req)
-        self._release_pages(req)
+        self.page_budget.release(req)
         self._dirty[req] = None
 
     def _detach(self, req: Req) -> None:

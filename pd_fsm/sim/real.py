@@ -507,7 +507,7 @@ class RealDecodeWorker(_RealWorker):
                 held = self._held_pages.get(getattr(e, "room", -1))
                 super()._carry_out(e)
                 if isinstance(e, fx.ReleaseBlocks) and held and w.plant("double-free"):
-                    self.allocator.free(held)  # the planted bug: a failed room's pages again
+                    self.page_budget.free(held)  # the planted bug: a failed room's pages again
 
         self.sched = _Decode(_args("decode", self.name, w.config.recompute, w.config.checksums),
                              engine=engine, clock=self.local,

@@ -96,7 +96,7 @@ def test_lease_still_expires_when_no_heartbeat_came(tiny: LoadedModel) -> None:
         pair.p.deliver(ev.TimeAdvanced())
         assert pair.p.core.state_of(52) is None
         assert not pair.p.engine.registrations()
-        assert pair.p.allocator.num_free == pair.p.allocator.total
+        assert pair.p.page_budget.allocator.num_free == pair.p.page_budget.allocator.total
     finally:
         pair.close()
 
@@ -112,7 +112,7 @@ def test_local_abort_on_p_answers_499_not_500(tiny: LoadedModel) -> None:
         assert pair.p.abort("mine", "aborted by request")
         assert pair.p.pop_failure("mine") == (499, "aborted by request")
         assert not pair.p.engine.registrations()
-        assert pair.p.allocator.num_free == pair.p.allocator.total
+        assert pair.p.page_budget.allocator.num_free == pair.p.page_budget.allocator.total
     finally:
         pair.close()
 
@@ -179,8 +179,8 @@ def test_lease_expiry_gives_up_shared_pages_once(tiny: LoadedModel) -> None:
         pair.p.add_pd_request(Req("first", IDS, GREEDY), 70)
         pair.run(lambda: collect(pair.d_outputs).get("first", {}).get("reason") is not None
                  and pair.books_balanced())
-        assert pair.p.cache is not None
-        cached = pair.p.cache.pages
+        assert pair.p.page_budget.cache is not None
+        cached = pair.p.page_budget.cache.pages
         assert cached > 0
         pair.p.add_pd_request(Req("orphan", IDS, GREEDY), 71)  # no D leg ever comes
         pair.p.step()
@@ -190,7 +190,7 @@ def test_lease_expiry_gives_up_shared_pages_once(tiny: LoadedModel) -> None:
         assert pair.p.core.state_of(71) is None and not pair.p.engine.registrations()
         stats = pair.p.stats()
         assert stats.free_pages + stats.cached_pages == stats.total_pages
-        assert pair.p.cache.pages == cached
+        assert pair.p.page_budget.cache.pages == cached
         pair.d.add_pd_request(Req("again", IDS, GREEDY), BOOT, 72)
         pair.p.add_pd_request(Req("again", IDS, GREEDY), 72)
         pair.run(lambda: collect(pair.d_outputs).get("again", {}).get("reason") is not None

@@ -112,7 +112,8 @@ def test_every_pull_corrupted_fails_the_room_naming_the_mismatch(tiny: LoadedMod
         assert "KV corrupted in flight (and on the re-pull): KV checksum mismatch: array 0 " \
                "(main_kv, shard 0) sums to" in reason, reason
         assert _counts(pair) == (2, 1, 2, 0) and pair.d.engine.pulls == 2
-        assert pair.d.allocator.num_free == pair.d.allocator.total and not pair.d._held_pages
+        d_pages = pair.d.page_budget.allocator
+        assert d_pages.num_free == d_pages.total and not pair.d._held_pages
         assert not pair.p.engine.registrations() and not pair.p._held_pages
     finally:
         pair.close()

@@ -273,7 +273,7 @@ def test_unresolvable_prefill_fails_fast_and_frees_everything(tiny: LoadedModel)
         assert out["x"]["reason"].kind == "abort"
         status, reason = pair.d.pop_failure("x")
         assert status == 502 and "cannot resolve prefill" in reason
-        assert pair.d.allocator.num_free == pair.d.allocator.total
+        assert pair.d.page_budget.allocator.num_free == pair.d.page_budget.allocator.total
     finally:
         pair.close()
 
@@ -315,7 +315,7 @@ def test_silent_prefill_fails_the_room_within_the_window(tiny: LoadedModel) -> N
         assert out["a"]["reason"].kind == "abort"
         status, reason = pair.d.pop_failure("a")
         assert status == 502 and "silent" in reason
-        assert pair.d.allocator.num_free == pair.d.allocator.total
+        assert pair.d.page_budget.allocator.num_free == pair.d.page_budget.allocator.total
     finally:
         pair.close()
 
@@ -356,7 +356,7 @@ def test_room_failing_during_prefill_forward_is_skipped(tiny: LoadedModel) -> No
         reasons = {o.rid: o.finish_reason for o in outputs if o.finished}
         assert reasons["a"].kind == reasons["b"].kind == "abort"
         assert "lease expired" in pair.p.pop_failure("a")[1]
-        assert pair.p.allocator.num_free == pair.p.allocator.total
+        assert pair.p.page_budget.allocator.num_free == pair.p.page_budget.allocator.total
         assert not pair.p.engine.registrations() and not pair.p.send_queue
     finally:
         pair.close()
@@ -428,7 +428,7 @@ def test_prefill_prefix_cache_pd_equals_colocated_and_books_balance(tiny: Loaded
         pair.p.step()
         assert pair.p.abort("x")
         pair.run(pair.books_balanced)
-        assert pair.p.cache is not None and pair.p.cache.pages >= 5
+        assert pair.p.page_budget.cache is not None and pair.p.page_budget.cache.pages >= 5
     finally:
         pair.close()
 
@@ -465,6 +465,6 @@ def test_decode_prefix_cache_pulls_only_the_delta(
         cfg = tiny.config
         page_bytes = cfg.num_layers * PAGE * 2 * cfg.num_kv_heads * cfg.head_dim * 4
         assert pulled[1] == pulled[2] == 2 * page_bytes < pulled[0] / 4, pulled
-        assert pair.d.cache is not None and pair.d.cache.hits >= 14
+        assert pair.d.page_budget.cache is not None and pair.d.page_budget.cache.hits >= 14
     finally:
         pair.close()

@@ -120,7 +120,7 @@ def test_shared_prefixes_prefill_only_their_suffix(tiny: LoadedModel) -> None:
     assert _run(cached, [Req("big", long_prompt, big)])["big"][1] == 0
     stats = cached.stats()
     assert stats.free_pages + stats.cached_pages == stats.total_pages
-    assert cached.cache is not None and cached.cache.evicted > 0
+    assert cached.page_budget.cache is not None and cached.page_budget.cache.evicted > 0
 
 
 def test_prompt_logprobs_are_computed_not_cached(tiny: LoadedModel) -> None:

@@ -143,7 +143,7 @@ def test_n_sequences_abort_frees_every_page(tiny: LoadedModel) -> None:
         sched.step()
     assert sched.stats().running == 4
     shared = (len(PROMPT) - 1) // 4
-    assert sched.allocator.holders(sched.reqs["a"].pages[0]) == 4
+    assert sched.page_budget.allocator.holders(sched.reqs["a"].pages[0]) == 4
     assert sched.abort("a")
     finals = [o for o in sched.drain_outputs() if o.finish_reason is not None]
     assert {o.index for o in finals} == {0, 1, 2, 3} and sum(o.finished for o in finals) == 1

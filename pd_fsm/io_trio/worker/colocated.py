@@ -153,7 +153,7 @@ class ColocatedBackend:
         self._ready = True
         task_status.started()
         log.info("colocated backend ready (%d pages of %d tokens)",
-                 self.scheduler.allocator.total, self.args.page_size)
+                 self.scheduler.page_budget.allocator.total, self.args.page_size)
         try:
             await self._loop(self.scheduler)
         finally:

@@ -72,7 +72,8 @@ class DisaggregationCommon(Scheduler, ABC):
     def warm_kv_copies(self) -> int:
         """Compile this role's KV copy for every page bucket a prompt can need (see
         ``room_kv.warm_room_copies``); returns how many executables that compiled."""
-        longest = min(self.pool_config.pages_for(self.context_length), self.allocator.total)
+        longest = min(self.pool_config.pages_for(self.context_length),
+                      self.page_budget.allocator.total)
         return warm_room_copies(self.kv_holder, self.kv_args, longest, self.KV_COPY)
 
     # -- the I/O layer's side ---------------------------------------------------------------------

@@ -210,7 +210,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
             req.finish_reason = FinishReason("abort", message="handed off")
             self.reqs.pop(req.rid, None)
             self._detach(req)
-            self._release_pages(req)
+            self.page_budget.release(req)
             self._dirty.pop(req, None)
         return out
 
@@ -268,7 +268,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
                     self._dirty.pop(req, None)
             case fx.FailHandoff():
                 req = self._handoffs_in.pop(e.room)[0]
-                self._release_pages(req)
+                self.page_budget.release(req)
                 self._fail_request(req, 502, f"hand-off pull failed: {e.reason}")
             case fx.FinishAborted():
                 req = self._handoffs_in[e.room][0]
@@ -279,7 +279,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
                 self._handoffs_in.pop(e.room)
                 held = self._held_pages.pop(e.room, None)
                 if held:
-                    self.allocator.free(held)
+                    self.page_budget.free(held)
             case _:
                 assert_never(e)
         return ()
@@ -406,7 +406,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
                 req = self.req_of[e.room]
                 pages, req.pages = req.pages, None
             if pages:
-                self.allocator.free(pages)
+                self.page_budget.free(pages)
         elif isinstance(e, fx.FailRequest):
             self.recv_queue.pop(e.room, None)
             req = self.req_of[e.room]

@@ -53,6 +53,8 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
         self._init_common(
             engine or JaxTransferKVEngine(args.transfer_host, reaper_interval_s=None), clock
         )
+        # D forks a room's sequences, not P: no pages for them here.
+        self.page_budget.forks_here = lambda req: req.rid not in self.room_of
         self.core = PrefillEndpoint(
             # The OS's CSPRNG by default: transfer uuids are the data plane's only guard
             # (README "Security model"); tests pass a seeded Random.
@@ -105,9 +107,6 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
                 self._lap(room, "prefill_queue", "accepted", "admitted")
 
     # -- the hand-off -----------------------------------------------------------------------------
-
-    def _forks(self, req: Req) -> bool:
-        return req.rid not in self.room_of  # D forks a room's sequences, not P
 
     # -- streamed KV (issue 31 §1) ------------------------------------------------------------
 
@@ -179,8 +178,7 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
                 # The leg is answered now; its pages stay held (apart from the request) until
                 # ReleaseKV, which comes on DONE, abort or lease expiry.
                 assert req.pages is not None
-                if self.cache is not None:  # the prompt's whole pages, for the rooms after it
-                    self.cache.insert(req.input_ids, req.pages)
+                self.page_budget.cache_prompt(req)  # the rooms after it share its pages
                 self._held_pages[e.room], req.pages = req.pages, None
                 self.room_of.pop(req.rid, None)
                 self._finish(req, FinishReason("length"))
@@ -248,7 +246,7 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
             pages, req.pages = req.pages, None  # a leg still queued or prefilling
             self._detach(req)
         if pages:
-            self.allocator.free(pages)
+            self.page_budget.free(pages)
 
 
 class PrefillScheduler(SchedulerDisaggregationPrefillMixin, Scheduler):

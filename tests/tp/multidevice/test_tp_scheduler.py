@@ -45,7 +45,7 @@ def _first_logits(sched: Scheduler, prompt: str) -> np.ndarray:
     t = 1 << (len(ids) - 1).bit_length()
     tokens = np.zeros((1, t), np.int32)
     tokens[0, : len(ids)] = ids
-    pages = sched.allocator.allocate(sched.pool_config.pages_for(len(ids)))
+    pages = sched.page_budget.allocator.allocate(sched.pool_config.pages_for(len(ids)))
     assert pages is not None
     table = np.zeros((1, sched.table_width), np.int32)
     table[0, : len(pages)] = pages
@@ -55,7 +55,7 @@ def _first_logits(sched: Scheduler, prompt: str) -> np.ndarray:
                       jnp.asarray([len(ids)], jnp.int32), jnp.asarray(table), config=sched.config)
 
     logits = sched._with_kv(run)
-    sched.allocator.free(pages)
+    sched.page_budget.allocator.free(pages)
     return np.asarray(logits)[0]
 
 
@@ -76,7 +76,7 @@ def test_tp_matches_tp1() -> None:
             layer = pools[MAIN_KV][0]
         assert isinstance(layer.sharding, NamedSharding)
         assert layer.sharding.spec[POOL_KV_AXIS] == "tp" and len(layer.sharding.device_set) == tp
-        assert sched.stats().free_pages == sched.allocator.total
+        assert sched.stats().free_pages == sched.page_budget.allocator.total
 
 
 def test_tp_refused_with_reason() -> None:
