@@ -11,6 +11,9 @@ RUNNING -> FINISHED. Pages are reserved up front for ``prompt + max_new_tokens``
 running request never needs pages mid-decode (no preemption); they are released exactly once, in
 ``_finish``. The pages themselves, the prefix cache and what a request needs of them are the
 ``PageBudget``'s (``self.page_budget``, page_budget.py): the scheduler asks it, it holds no queue.
+What a sampled token becomes (text, stop strings, the length limit) and the outputs not drained
+yet are the ``OutputProcessor``'s (``self.outputs``, output_processor.py): it says why a request
+ends, and ``_finish`` ends it.
 
 Extension points for the PD mixins (RFC-2 §5.4) are the underscore methods below; the P mixin
 overrides ``_on_prefill_done`` (hand the KV to the transfer instead of decoding) and tells the
@@ -42,7 +45,7 @@ import numpy as np
 from pd_fsm.jax_engine.buckets import bucket
 from pd_fsm.jax_engine.executables import EXECUTABLES
 from pd_fsm.jax_engine.gather_scatter import as_struct
-from pd_fsm.jax_engine.grammar import GrammarError, bitmask_words, compiler_for
+from pd_fsm.jax_engine.grammar import bitmask_words, compiler_for
 from pd_fsm.jax_engine.kv_holder import KVCacheHolder
 from pd_fsm.jax_engine.kv_pool import allocate_kv_pool, copy_pages
 from pd_fsm.jax_engine.model import (
@@ -70,13 +73,12 @@ from pd_fsm.jax_engine.tensor_parallel import (
     pool_sharding,
     sharded_params,
 )
-from pd_fsm.jax_engine.tokenizer import IncrementalDetokenizer
 from pd_fsm.schedulers.args import SchedulerArgs
+from pd_fsm.schedulers.output_processor import OutputProcessor
 from pd_fsm.schedulers.page_budget import PageBudget
 from pd_fsm.schedulers.request import (
     FinishReason,
     LogprobSpec,
-    PromptLogprobs,
     Req,
     ReqState,
     RequestOutput,
@@ -168,9 +170,8 @@ class Scheduler:
         self.prefilling: list[Req] = []
         self.running: list[Req] = []
         self.forward_shapes: set[tuple[int | str, ...]] = set()
-        # Requests with unreported progress, in order (an ordered set keyed by identity, not rid: a
-        # rejected duplicate must not hide the live request of the same rid).
-        self._dirty: dict[Req, None] = {}
+        # The sampled tokens' text, stop conditions and the outputs not drained yet.
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.context_length)
         self._seed_rng = random.Random(args.random_seed)
         # Requests and aborts handed over from other threads; deque append/popleft are atomic.
         self._inbox: deque[Req | tuple[str, str]] = deque()
@@ -257,14 +258,11 @@ class Scheduler:
         return self.drain_outputs()
 
     def drain_outputs(self) -> list[RequestOutput]:
-        outputs = [self._make_output(req) for req in self._dirty]
-        self._dirty.clear()
-        if any(out.index for out in outputs) or any(r.family for r in self.reqs.values()):
-            outputs = _mark_more(outputs, self.reqs)
-        return outputs
+        return self.outputs.drain(self.reqs)
 
     def has_work(self) -> bool:
-        return bool(self._inbox or self.waiting or self.prefilling or self.running or self._dirty)
+        return bool(self._inbox or self.waiting or self.prefilling or self.running
+                    or self.outputs.pending)
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> list[RequestOutput]:
         """Step until nothing is left to do; all outputs in order (tests, benchmarks)."""
@@ -364,27 +362,14 @@ class Scheduler:
         req.seed = (
             req.sampling.seed if req.sampling.seed is not None else self._seed_rng.getrandbits(32)
         )
-        req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.sampling.skip_special_tokens)
+        req.detokenizer = self.outputs.detokenizer(req.sampling)
         if req.sampling.constraint is not None:  # GrammarError (a ValueError) if it is bad
             compiler = compiler_for(self.tokenizer, self.config.vocab_size)
             compiler.check(req.sampling.constraint)
             req.matcher = compiler.matcher(req.sampling.constraint)
         if req.resumed:
-            self._replay(req)
+            self.outputs.replay(req)
         self.reqs[req.rid] = req
-
-    def _replay(self, req: Req) -> None:
-        """A resumed request's earlier tokens, as if generated here: their text (so a stop
-        string spanning the break is found, and text the client has not seen yet is sent) and
-        its grammar's place (a GrammarError if they break it)."""
-        detok = req.detokenizer
-        assert detok is not None
-        done = req.history
-        req.text = "".join(detok.push(t) for t in done)
-        req.text_sent = min(req.text_sent, len(req.text))
-        if req.matcher is not None:
-            for token in done:
-                req.matcher.consume(token)
 
     def _process_inbox(self) -> None:
         while self._inbox:
@@ -397,7 +382,7 @@ class Scheduler:
             except ValueError as exc:
                 item.finish_reason = FinishReason("abort", message=str(exc))
                 item.state = ReqState.FINISHED
-                self._dirty[item] = None
+                self.outputs.mark(item)
 
     def _num_admitted(self) -> int:
         return len(self.prefilling) + len(self.running)
@@ -584,8 +569,7 @@ class Scheduler:
             fork.prefilled = len(req.input_ids)
             fork.state = ReqState.RUNNING
             fork.seed = (req.seed + i) & 0xFFFFFFFFFFFFFFFF
-            fork.detokenizer = IncrementalDetokenizer(self.tokenizer,
-                                                      req.sampling.skip_special_tokens)
+            fork.detokenizer = self.outputs.detokenizer(req.sampling)
             fork.matcher = None if req.matcher is None else req.matcher.fork()
             forks.append(fork)
         src = np.full(n - 1, req.pages[split.copied], np.int32)
@@ -691,54 +675,9 @@ class Scheduler:
     def _append_token(
         self, req: Req, token: int, logprob: float, top: TopLogprobs = ()
     ) -> None:
-        req.output_ids.append(token)
-        req.output_logprobs.append(logprob)
-        if req.logprobs.top:
-            req.output_top.append(top)
-        if req.matcher is not None:
-            try:
-                req.matcher.consume(token)  # on D, P's first token too
-            except GrammarError as exc:
-                self._finish(req, FinishReason("abort", message=str(exc)))
-                return
-        self._dirty[req] = None
-        sp = req.sampling
-        detok = req.detokenizer
-        assert detok is not None
-        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
-            # The stop token's own text is not part of the output.
-            req.text += detok.flush()
-            self._finish(req, FinishReason("stop", matched=token))
-            return
-        scanned = len(req.text)
-        req.text += detok.push(token)
-        if sp.stop and self._trim_stop_string(req, scanned):
-            return
-        if len(req.output_ids) >= sp.max_new_tokens or req.seq_len >= self.context_length:
-            req.text += detok.flush()
-            if sp.stop and self._trim_stop_string(req, scanned):
-                return
-            self._finish(req, FinishReason("length"))
-        elif req.matcher is not None and req.matcher.done:
-            # The grammar is complete (its end was sampled, EOS ignored or not): nothing more
-            # may follow.
-            req.text += detok.flush()
-            self._finish(req, FinishReason("stop"))
-
-    def _trim_stop_string(self, req: Req, scanned: int) -> bool:
-        """Finish ``req`` if a stop string appears in its text (only text beyond ``scanned`` can
-        complete one); the text is cut where the earliest stop string begins."""
-        longest = max(len(s) for s in req.sampling.stop)
-        from_pos = max(0, scanned - longest + 1)
-        hits = [
-            (idx, s) for s in req.sampling.stop if (idx := req.text.find(s, from_pos)) >= 0
-        ]
-        if not hits:
-            return False
-        idx, matched = min(hits)
-        req.text = req.text[:idx]
-        self._finish(req, FinishReason("stop", matched=matched))
-        return True
+        reason = self.outputs.append_token(req, token, logprob, top)
+        if reason is not None:
+            self._finish(req, reason)
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         if req.state is ReqState.FINISHED:
@@ -749,7 +688,7 @@ class Scheduler:
             self.reqs.pop(req.rid, None)  # the request is over when its last sequence is
         self._detach(req)
         self.page_budget.release(req)
-        self._dirty[req] = None
+        self.outputs.mark(req)
 
     def _detach(self, req: Req) -> None:
         """Remove ``req`` from every queue it may be in (mixins extend this with their own)."""
@@ -758,53 +697,3 @@ class Scheduler:
                 queue.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
-
-    # ----------------------------------------------------------------- outputs
-
-    def _make_output(self, req: Req) -> RequestOutput:
-        if req.finished:
-            end = len(req.text)
-        else:
-            # Hold back text that could still turn out to be the start of a stop string.
-            hold = max((len(s) for s in req.sampling.stop), default=1) - 1
-            end = max(len(req.text) - hold, req.text_sent)
-        delta = req.text[req.text_sent : end]
-        new_ids = tuple(req.output_ids[req.tokens_sent :])
-        new_lps = tuple(req.output_logprobs[req.tokens_sent :])
-        new_tops = tuple(req.output_top[req.tokens_sent :])
-        prompt = None
-        if req.prompt_logprobs_ready and not req.prompt_logprobs_sent:
-            req.prompt_logprobs_sent = True
-            start = req.logprobs.prompt_from
-            prompt = PromptLogprobs(start, tuple(req.prompt_logprobs), tuple(req.prompt_top))
-        req.text_sent, req.tokens_sent = end, len(req.output_ids)
-        return RequestOutput(
-            rid=req.rid,
-            new_token_ids=new_ids,
-            new_logprobs=new_lps,
-            text_delta=delta,
-            finish_reason=req.finish_reason,
-            prompt_tokens=len(req.input_ids) - req.resumed,
-            completion_tokens=req.position,
-            cached_tokens=req.cached_tokens,
-            new_top_logprobs=new_tops,
-            prompt_logprobs=prompt,
-            index=req.index,
-        )
-
-
-
-def _mark_more(outputs: list[RequestOutput], live: dict[str, Req]) -> list[RequestOutput]:
-    """Sampling n > 1: a sequence's final output says ``more`` unless it ends the request (the
-    last final output of a request no longer live), so a consumer waits for all n."""
-    out = list(outputs)
-    ended: set[str] = set()
-    for i in range(len(out) - 1, -1, -1):
-        o = out[i]
-        if o.finish_reason is None:
-            continue
-        if o.rid in live or o.rid in ended:
-            out[i] = attrs.evolve(o, more=True)
-        else:
-            ended.add(o.rid)
-    return out

@@ -211,7 +211,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
             self.reqs.pop(req.rid, None)
             self._detach(req)
             self.page_budget.release(req)
-            self._dirty.pop(req, None)
+            self.outputs.forget(req)
         return out
 
     def release_handoff(self, uuid: int) -> bool:
@@ -265,7 +265,7 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon):
                 req.tokens_sent = len(req.output_ids)
                 req.text_sent = max(req.text_sent, min(text_sent, len(req.text)))
                 if not req.finished:  # nothing new yet: its next step's output is the first
-                    self._dirty.pop(req, None)
+                    self.outputs.forget(req)
             case fx.FailHandoff():
                 req = self._handoffs_in.pop(e.room)[0]
                 self.page_budget.release(req)
