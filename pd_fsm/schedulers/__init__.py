@@ -10,9 +10,9 @@ from pd_fsm.schedulers.disaggregation.prefill import (
     SchedulerDisaggregationPrefillMixin,
 )
 from pd_fsm.schedulers.factory import make_scheduler
+from pd_fsm.schedulers.model_runner import MAIN_KV
 from pd_fsm.schedulers.request import FinishReason, Req, ReqState, RequestOutput
 from pd_fsm.schedulers.scheduler import (
-    MAIN_KV,
     DecodeBatch,
     PrefillBatch,
     PrefillRow,

@@ -23,9 +23,10 @@ scatters the transferred KV into the prompt's pages, and enters it into the deco
 ``add_prefilled_request``, skipping the prefill forward. Mixins that keep requests in queues of
 their own extend ``_detach`` (and ``has_work``).
 
-The pool arrays live in a ``KVCacheHolder`` (``self.kv_holder``, pool ``"main_kv"``); every
-forward reads and replaces them through ``_with_kv`` under the holder's lock, so a pull thread's
-scatter (``holder.swap``) is ordered with forward steps (DESIGN §6).
+The weights on this instance's devices, the pool arrays (``self.kv_holder``), the forwards,
+sampling and warm-up's compiles are the ``ModelRunner``'s (``self.runner``, model_runner.py):
+the scheduler builds each batch's padded arrays (``_run_prefill``, ``_run_decode``) and the
+runner runs them, under the holder's lock (DESIGN §6).
 """
 
 from __future__ import annotations
@@ -33,47 +34,21 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from collections.abc import Sequence
 
 import attrs
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pd_fsm.jax_engine.buckets import bucket
 from pd_fsm.jax_engine.executables import EXECUTABLES
-from pd_fsm.jax_engine.gather_scatter import as_struct
-from pd_fsm.jax_engine.grammar import bitmask_words, compiler_for
-from pd_fsm.jax_engine.kv_holder import KVCacheHolder
-from pd_fsm.jax_engine.kv_pool import allocate_kv_pool, copy_pages
-from pd_fsm.jax_engine.model import (
-    KV,
-    LoadedModel,
-    compile_forward,
-    decode,
-    extend,
-    load_model,
-    table_width,
-)
-from pd_fsm.jax_engine.pool_spec import PoolType
-from pd_fsm.jax_engine.sampling import (
-    Adjustment,
-    compile_samplers,
-    last_logits,
-    prompt_logprobs,
-    sample,
-    top_logprobs,
-)
+from pd_fsm.jax_engine.grammar import compiler_for
+from pd_fsm.jax_engine.model import LoadedModel, load_model, table_width
+from pd_fsm.jax_engine.sampling import last_logits, prompt_logprobs
 from pd_fsm.jax_engine.sampling_params import SamplingParams, TopLogprobs
-from pd_fsm.jax_engine.tensor_parallel import (
-    check_tp,
-    logits_sharding,
-    pool_sharding,
-    sharded_params,
-)
+from pd_fsm.jax_engine.tensor_parallel import check_tp
 from pd_fsm.schedulers.args import SchedulerArgs
+from pd_fsm.schedulers.model_runner import ModelRunner
 from pd_fsm.schedulers.output_processor import OutputProcessor
 from pd_fsm.schedulers.page_budget import PageBudget
 from pd_fsm.schedulers.request import (
@@ -85,15 +60,8 @@ from pd_fsm.schedulers.request import (
     Resume,
 )
 
-R = TypeVar("R")
-
-# Threads compiling the forward shapes at warm-up.
-WARMUP_THREADS = 2
-
 # Smallest padded prompt length: tiny prompts share one compiled shape.
 MIN_PREFILL_BUCKET = 8
-
-MAIN_KV = PoolType.MAIN_KV.value
 
 
 @attrs.frozen
@@ -146,9 +114,6 @@ class Scheduler:
         )
         self.config = self.model.config
         check_tp(self.config, args.tp_size, len(jax.devices()))
-        # The weights on this instance's devices (the loaded model itself is shared and stays
-        # where it was loaded: sharded copies are made once per tp size).
-        self.params = sharded_params(self.model, args.tp_size)
         self.tokenizer = self.model.tokenizer
         self.eos_token_ids = self.model.eos_token_ids
         self.pool_config = self.config.kv_pool_config(args.num_pages, args.page_size,
@@ -159,17 +124,19 @@ class Scheduler:
         # forks are not its own: page_budget.forks_here).
         self.page_budget = PageBudget(self.pool_config, args.num_pages, self.context_length,
                                       radix_cache=args.radix_cache)
-        self.kv_holder = self._create_kv_holder()
         # Every forward's page table has this width (the longest sequence admitted, in whole
         # context chunks), so the compiled shapes are the batch buckets alone.
         longest = min(self.pool_config.pages_for(self.context_length), args.num_pages - 1)
         self.table_width = table_width(longest, args.page_size)
+        # The weights on this instance's devices, the pool, the forwards and sampling.
+        self.runner = ModelRunner(self.model, self.pool_config, self.table_width, args.tp_size)
+        self.kv_holder = self.runner.kv_holder  # the PD roles gather and scatter rooms' KV in it
 
         self.reqs: dict[str, Req] = {}  # every live (unfinished) request
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []
         self.running: list[Req] = []
-        self.forward_shapes: set[tuple[int | str, ...]] = set()
+        self.forward_shapes = self.runner.forward_shapes  # every padded shape run so far
         # The sampled tokens' text, stop conditions and the outputs not drained yet.
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.context_length)
         self._seed_rng = random.Random(args.random_seed)
@@ -313,35 +280,9 @@ class Scheduler:
         start = time.perf_counter()
         before = EXECUTABLES.stats().built
         plan = self.shape_plan()
-        with self.kv_holder.locked() as pools:
-            kv = [as_struct(a) for a in pools[MAIN_KV]]  # shapes only: nothing runs here
-        params, config, width = self.params, self.config, self.table_width
-
-        def shape(rows_tokens: tuple[int, int]) -> None:
-            rows, tokens = rows_tokens
-            compile_forward(params, kv, rows, tokens, width, config=config)
-
-        # Two threads: XLA compiles without the GIL, so a start uses two cores.
-        with ThreadPoolExecutor(WARMUP_THREADS, thread_name_prefix="warm-up") as pool:
-            list(pool.map(shape, plan))
-        for rows in sorted({r for r, _ in plan}):
-            compile_samplers(rows, self.config.vocab_size, logits_sharding(self.args.tp_size))
+        self.runner.compile(plan)
         compiled = EXECUTABLES.stats().built - before
         return WarmupReport(tuple(plan), compiled, time.perf_counter() - start)
-
-    # ----------------------------------------------------------------- hooks: pool and pages
-
-    def _create_kv_holder(self) -> KVCacheHolder:
-        return KVCacheHolder(
-            {MAIN_KV: allocate_kv_pool(self.pool_config, pool_sharding(self.args.tp_size))}
-        )
-
-    def _with_kv(self, fn: Callable[[KV], tuple[R, KV]]) -> R:
-        """Run ``fn(main_kv) -> (result, new_main_kv)`` under the holder's lock; ``fn`` may donate
-        the arrays it is given. The only place the scheduler touches the pool arrays."""
-        with self.kv_holder.locked() as pools:
-            result, pools[MAIN_KV] = fn(pools[MAIN_KV])
-        return result
 
     # ----------------------------------------------------------------- hooks: admission
 
@@ -443,7 +384,8 @@ class Scheduler:
         # Prompt log-probs need every position's logits: only batches with a row that asks for
         # them pay for the wider head (and its compile, on first use of each chunk shape).
         every_position = any(row.req.logprobs.prompt for row in batch.rows)
-        logits = self._forward_extend(tokens, start, num_new, table, all_logits=every_position)
+        logits = self.runner.forward_extend(tokens, start, num_new, table,
+                                            all_logits=every_position)
         if every_position:
             self._record_prompt_logprobs(batch, logits)
             logits = last_logits(logits, num_new)
@@ -458,8 +400,8 @@ class Scheduler:
         if not any(completed):
             return
         self._on_logits("prefill", completed, logits)
-        sampled, logprobs = self._sample(logits, completed)
-        tops = self._top_logprobs(logits, completed)
+        sampled, logprobs = self.runner.sample(logits, completed)
+        tops = self.runner.top_logprobs(logits, completed)
         for done_req, token, logprob, top in zip(completed, sampled, logprobs, tops, strict=True):
             if done_req is not None:
                 self._on_prefill_done(done_req, int(token), float(logprob), top)
@@ -503,32 +445,6 @@ class Scheduler:
                                                     strict=True)))
             if row.start + row.length == len(req.input_ids):
                 req.prompt_logprobs_ready = True
-
-    def _forward_extend(
-        self,
-        tokens: np.ndarray,
-        start: np.ndarray,
-        num_new: np.ndarray,
-        table: np.ndarray,
-        *,
-        all_logits: bool = False,
-    ) -> jax.Array:
-        self.forward_shapes.add(("extend-all" if all_logits else "extend", *tokens.shape))
-        params, config = self.params, self.config
-
-        def run(kv: KV) -> tuple[jax.Array, KV]:
-            return extend(
-                params,
-                kv,
-                jnp.asarray(tokens),
-                jnp.asarray(start),
-                jnp.asarray(num_new),
-                jnp.asarray(table),
-                config=config,
-                all_logits=all_logits,
-            )
-
-        return self._with_kv(run)
 
     def _on_prefill_done(
         self, req: Req, first_token: int, first_logprob: float, first_top: TopLogprobs = ()
@@ -574,11 +490,7 @@ class Scheduler:
             forks.append(fork)
         src = np.full(n - 1, req.pages[split.copied], np.int32)
         dst = np.array([pages[split.copied] for pages in split.forks], np.int32)
-
-        def run(kv: KV) -> tuple[None, KV]:
-            return None, EXECUTABLES.call(copy_pages, {}, kv, jnp.asarray(src), jnp.asarray(dst))
-
-        self._with_kv(run)
+        self.runner.copy_pages(src, dst)
         req.family = [req, *forks]
         return forks
 
@@ -601,76 +513,20 @@ class Scheduler:
             used = self.pool_config.pages_for(req.seq_len)
             table[i, :used] = req.pages[:used]
         lengths = np.where(np.arange(batch.b_pad) < len(batch.reqs), positions + 1, 0)
-        logits = self._forward_decode(tokens, positions, table, lengths.astype(np.int32))
+        logits = self.runner.forward_decode(tokens, positions, table,
+                                            lengths.astype(np.int32))
         rows: list[Req | None] = list(batch.reqs)
         self._on_logits("decode", rows, logits)
-        sampled, logprobs = self._sample(logits, rows)
-        tops = self._top_logprobs(logits, rows)
+        sampled, logprobs = self.runner.sample(logits, rows)
+        tops = self.runner.top_logprobs(logits, rows)
         for req, token, logprob, top in zip(batch.reqs, sampled, logprobs, tops, strict=True):
             self._append_token(req, int(token), float(logprob), top)
-
-    def _forward_decode(
-        self, tokens: np.ndarray, positions: np.ndarray, table: np.ndarray, lengths: np.ndarray
-    ) -> jax.Array:
-        self.forward_shapes.add(("decode", len(tokens)))
-        params, config = self.params, self.config
-
-        def run(kv: KV) -> tuple[jax.Array, KV]:
-            return decode(
-                params,
-                kv,
-                jnp.asarray(tokens),
-                jnp.asarray(positions),
-                jnp.asarray(table),
-                jnp.asarray(lengths),
-                config=config,
-            )
-
-        return self._with_kv(run)
 
     # ----------------------------------------------------------------- hooks: tokens and finish
 
     def _on_logits(self, phase: str, reqs: Sequence[Req | None], logits: jax.Array) -> None:
         """Called with each forward's logits ``[B_pad, V]`` before sampling (row ``i`` belongs to
         ``reqs[i]``; None rows are padding or unfinished chunks). No-op; for checks and tests."""
-
-    def _sample(
-        self, logits: jax.Array, reqs: Sequence[Req | None]
-    ) -> tuple[np.ndarray, np.ndarray]:
-        return sample(
-            logits,
-            [None if r is None else r.sampling for r in reqs],
-            [0 if r is None else r.seed for r in reqs],
-            [0 if r is None else r.position for r in reqs],
-            [None if r is None or not r.sampling.penalized else self._adjustment(r) for r in reqs],
-            self._bitmask(logits.shape[0], reqs),
-        )
-
-    def _bitmask(self, rows: int, reqs: Sequence[Req | None]) -> np.ndarray | None:
-        """The tokens each row's grammar allows next (None: no row has one)."""
-        if not any(r is not None and r.matcher is not None for r in reqs):
-            return None
-        bitmask = np.full((rows, bitmask_words(self.config.vocab_size)), -1, np.int32)
-        for i, r in enumerate(reqs):
-            if r is not None and r.matcher is not None:
-                r.matcher.fill(bitmask, i)
-        return bitmask
-
-    def _top_logprobs(self, logits: jax.Array, reqs: Sequence[Req | None]) -> list[TopLogprobs]:
-        """Each row's top alternatives under the raw distribution, as its request asks."""
-        return top_logprobs(logits, [0 if r is None else r.logprobs.top for r in reqs])
-
-    def _adjustment(self, req: Req) -> Adjustment:
-        """The penalties' history (this request's output so far: on D, P's first token too) and,
-        below ``min_new_tokens``, the tokens that would end it."""
-        sp = req.sampling
-        banned: frozenset[int] = frozenset()
-        if len(req.output_ids) < sp.min_new_tokens:
-            ends = set(sp.stop_token_ids)
-            if not sp.ignore_eos:
-                ends |= self.eos_token_ids
-            banned = frozenset(ends)
-        return Adjustment(req.history, banned)
 
     def _append_token(
         self, req: Req, token: int, logprob: float, top: TopLogprobs = ()

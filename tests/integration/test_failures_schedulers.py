@@ -51,14 +51,14 @@ def test_heartbeat_received_during_a_long_forward_keeps_the_lease(tiny: LoadedMo
         pair.pump()  # D resolved P, reserved pages, said hello: the lease runs from t=0
         assert pair.p.core.state_of(51) == "EARLY_PEER"
         pair.p.add_pd_request(Req("r", IDS, GREEDY), 51)
-        real_forward = pair.p._forward_extend
+        real_forward = pair.p.runner.forward_extend
 
         def slow_forward(*a: Any, **kw: Any) -> Any:
             out = real_forward(*a, **kw)
             now[0] = 10.0  # the forward "took" 10 s
             return out
 
-        pair.p._forward_extend = slow_forward  # type: ignore[method-assign]
+        pair.p.runner.forward_extend = slow_forward  # type: ignore[method-assign]
         pair.p_outputs += pair.p.step()
         # The worker's next tick: the inbox first, each message at its arrival time, then time.
         pair.p.deliver(ev.MessageReceived(pair.d_id, Heartbeat(1, (51,))), now=4.0)
@@ -84,14 +84,14 @@ def test_lease_still_expires_when_no_heartbeat_came(tiny: LoadedModel) -> None:
         pair.d.add_pd_request(Req("r", IDS, GREEDY), BOOT, 52)
         pair.pump()
         pair.p.add_pd_request(Req("r", IDS, GREEDY), 52)
-        real_forward = pair.p._forward_extend
+        real_forward = pair.p.runner.forward_extend
 
         def slow_forward(*a: Any, **kw: Any) -> Any:
             out = real_forward(*a, **kw)
             now[0] = 10.0
             return out
 
-        pair.p._forward_extend = slow_forward  # type: ignore[method-assign]
+        pair.p.runner.forward_extend = slow_forward  # type: ignore[method-assign]
         pair.p.step()
         pair.p.deliver(ev.TimeAdvanced())
         assert pair.p.core.state_of(52) is None

@@ -343,7 +343,7 @@ def test_room_failing_during_prefill_forward_is_skipped(tiny: LoadedModel) -> No
         ids = _prompts()[6]
         pair.p.add_pd_request(Req("a", ids, GREEDY), 21)
         pair.p.add_pd_request(Req("b", ids, GREEDY), 22)
-        real_forward = pair.p._forward_extend
+        real_forward = pair.p.runner.forward_extend
 
         def slow_forward(*a: Any, **kw: Any) -> Any:
             out = real_forward(*a, **kw)
@@ -351,7 +351,7 @@ def test_room_failing_during_prefill_forward_is_skipped(tiny: LoadedModel) -> No
             pair.p.deliver(ev.TimeAdvanced())
             return out
 
-        pair.p._forward_extend = slow_forward  # type: ignore[method-assign]
+        pair.p.runner.forward_extend = slow_forward  # type: ignore[method-assign]
         outputs = pair.p.step()
         reasons = {o.rid: o.finish_reason for o in outputs if o.finished}
         assert reasons["a"].kind == reasons["b"].kind == "abort"

@@ -244,7 +244,7 @@ def test_prefilled_request_enters_decode_without_prefill_forward(tiny: LoadedMod
     n = d.pool_config.pages_for(len(prompt))
     with p.kv_holder.locked() as src_pools:
         src_kv = src_pools[MAIN_KV]
-        d._with_kv(
+        d.runner.with_kv(
             lambda kv: (
                 None,
                 [

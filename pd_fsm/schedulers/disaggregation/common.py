@@ -25,8 +25,9 @@ from pd_fsm.jax_engine.pool_spec import KVArgs, PoolTransferSpec
 from pd_fsm.jax_engine.room_kv import warm_room_copies
 from pd_fsm.jax_engine.transfer.base import KVTransferEngine
 from pd_fsm.schedulers.disaggregation.args import DisaggregationArgs
+from pd_fsm.schedulers.model_runner import MAIN_KV
 from pd_fsm.schedulers.request import FinishReason, Req
-from pd_fsm.schedulers.scheduler import MAIN_KV, Scheduler
+from pd_fsm.schedulers.scheduler import Scheduler
 
 # Phase samples kept until the worker takes them (a scheduler driven without a worker drops the
 # oldest).

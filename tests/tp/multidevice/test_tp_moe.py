@@ -43,7 +43,7 @@ def test_moe_at_tp2_and_tp4_equals_tp1_and_transformers() -> None:
     for tp in (2, 4):
         sched, got = _run(tp)
         assert got == expected, tp
-        layer = sched.params["layers"][0]
+        layer = sched.runner.params["layers"][0]
         assert tuple(layer["e_gate"].sharding.spec) == (None, None, "tp")
         assert tuple(layer["e_down"].sharding.spec) == (None, "tp", None)
         assert layer["router"].sharding.is_fully_replicated

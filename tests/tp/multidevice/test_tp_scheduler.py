@@ -15,7 +15,7 @@ from pd_fsm.jax_engine.model import extend
 from pd_fsm.jax_engine.sampling_params import SamplingParams
 from pd_fsm.jax_engine.tensor_parallel import POOL_KV_AXIS, TensorParallelError, check_tp
 from pd_fsm.schedulers import Scheduler, SchedulerArgs
-from pd_fsm.schedulers.scheduler import MAIN_KV
+from pd_fsm.schedulers.model_runner import MAIN_KV
 
 PROMPTS = ["The quick brown fox", "tensor parallel", "a" * 40, "KV heads split four ways!"]
 # f32 logits of O(10): tp splits the reductions of the output and down projections into tp
@@ -51,10 +51,10 @@ def _first_logits(sched: Scheduler, prompt: str) -> np.ndarray:
     table[0, : len(pages)] = pages
 
     def run(kv: list[jax.Array]) -> tuple[jax.Array, list[jax.Array]]:
-        return extend(sched.params, kv, jnp.asarray(tokens), jnp.zeros(1, jnp.int32),
+        return extend(sched.runner.params, kv, jnp.asarray(tokens), jnp.zeros(1, jnp.int32),
                       jnp.asarray([len(ids)], jnp.int32), jnp.asarray(table), config=sched.config)
 
-    logits = sched._with_kv(run)
+    logits = sched.runner.with_kv(run)
     sched.page_budget.allocator.free(pages)
     return np.asarray(logits)[0]
 

@@ -1,0 +1,185 @@
+"""The model on this instance's devices and the KV pool it runs over (issue 29 §1, "plan apart from
+run"): the forwards, sampling, the copy-on-write of a fork's page, and warm-up's compiles.
+
+The scheduler decides what runs (which rows, which pages, padded to which shape) and hands this the
+arrays; this runs them and answers with logits, sampled tokens and log-probs. It keeps no request
+and no queue.
+
+The pool arrays live in a ``KVCacheHolder`` (``kv_holder``, pool ``"main_kv"``); every forward
+reads and replaces them through ``with_kv`` under the holder's lock, so a pull thread's scatter
+(``holder.swap``) is ordered with forward steps (DESIGN §6).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pd_fsm.jax_engine.executables import EXECUTABLES
+from pd_fsm.jax_engine.gather_scatter import as_struct
+from pd_fsm.jax_engine.grammar import bitmask_words
+from pd_fsm.jax_engine.kv_holder import KVCacheHolder
+from pd_fsm.jax_engine.kv_pool import KVPoolConfig, allocate_kv_pool, copy_pages
+from pd_fsm.jax_engine.model import KV, LoadedModel, compile_forward, decode, extend
+from pd_fsm.jax_engine.pool_spec import PoolType
+from pd_fsm.jax_engine.sampling import Adjustment, compile_samplers, sample, top_logprobs
+from pd_fsm.jax_engine.sampling_params import TopLogprobs
+from pd_fsm.jax_engine.tensor_parallel import logits_sharding, pool_sharding, sharded_params
+from pd_fsm.schedulers.request import Req
+
+R = TypeVar("R")
+
+# Threads compiling the forward shapes at warm-up.
+WARMUP_THREADS = 2
+
+MAIN_KV = PoolType.MAIN_KV.value
+
+# A forward shape as recorded: ("extend" | "extend-all", rows, tokens) or ("decode", rows).
+ForwardShape = tuple[int | str, ...]
+
+
+class ModelRunner:
+    """Runs forwards over the pool and samples their logits; records each padded shape it ran."""
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        pool_config: KVPoolConfig,
+        table_width: int,
+        tp_size: int,
+    ) -> None:
+        self.config = model.config
+        # The weights on this instance's devices (the loaded model itself is shared and stays
+        # where it was loaded: sharded copies are made once per tp size).
+        self.params = sharded_params(model, tp_size)
+        self.eos_token_ids = model.eos_token_ids
+        self.tp_size = tp_size
+        # Every forward's page table has this width, so the compiled shapes are the batch
+        # buckets alone.
+        self.table_width = table_width
+        self.kv_holder = KVCacheHolder(
+            {MAIN_KV: allocate_kv_pool(pool_config, pool_sharding(tp_size))}
+        )
+        self.forward_shapes: set[ForwardShape] = set()  # each compiles once
+
+    # ----------------------------------------------------------------- the pool
+
+    def with_kv(self, fn: Callable[[KV], tuple[R, KV]]) -> R:
+        """Run ``fn(main_kv) -> (result, new_main_kv)`` under the holder's lock; ``fn`` may donate
+        the arrays it is given. Forwards and page copies go through here; the PD roles' gathers
+        and a pull thread's scatter take the same lock (``kv_holder``)."""
+        with self.kv_holder.locked() as pools:
+            result, pools[MAIN_KV] = fn(pools[MAIN_KV])
+        return result
+
+    def copy_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy the KV of pages ``src[i]`` into pages ``dst[i]`` (a fork's own copy of the page
+        holding the prompt's last token)."""
+
+        def run(kv: KV) -> tuple[None, KV]:
+            return None, EXECUTABLES.call(copy_pages, {}, kv, jnp.asarray(src), jnp.asarray(dst))
+
+        self.with_kv(run)
+
+    # ----------------------------------------------------------------- forwards
+
+    def forward_extend(
+        self,
+        tokens: np.ndarray,
+        start: np.ndarray,
+        num_new: np.ndarray,
+        table: np.ndarray,
+        *,
+        all_logits: bool = False,
+    ) -> jax.Array:
+        """A prefill forward of ``tokens`` ``[rows, t]`` (row ``i``: ``num_new[i]`` tokens from
+        position ``start[i]``, into the pages of ``table[i]``); the last position's logits of
+        each row, or every position's with ``all_logits``."""
+        self.forward_shapes.add(("extend-all" if all_logits else "extend", *tokens.shape))
+        params, config = self.params, self.config
+
+        def run(kv: KV) -> tuple[jax.Array, KV]:
+            return extend(params, kv, jnp.asarray(tokens), jnp.asarray(start),
+                          jnp.asarray(num_new), jnp.asarray(table), config=config,
+                          all_logits=all_logits)
+
+        return self.with_kv(run)
+
+    def forward_decode(
+        self, tokens: np.ndarray, positions: np.ndarray, table: np.ndarray, lengths: np.ndarray
+    ) -> jax.Array:
+        """A decode forward: one token per row at ``positions``; each row's logits."""
+        self.forward_shapes.add(("decode", len(tokens)))
+        params, config = self.params, self.config
+
+        def run(kv: KV) -> tuple[jax.Array, KV]:
+            return decode(params, kv, jnp.asarray(tokens), jnp.asarray(positions),
+                          jnp.asarray(table), jnp.asarray(lengths), config=config)
+
+        return self.with_kv(run)
+
+    # ----------------------------------------------------------------- sampling
+
+    def sample(
+        self, logits: jax.Array, reqs: Sequence[Req | None]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's next token and its log-prob, as its request's sampling says (None rows:
+        padding or unfinished chunks)."""
+        return sample(
+            logits,
+            [None if r is None else r.sampling for r in reqs],
+            [0 if r is None else r.seed for r in reqs],
+            [0 if r is None else r.position for r in reqs],
+            [None if r is None or not r.sampling.penalized else self._adjustment(r) for r in reqs],
+            self._bitmask(logits.shape[0], reqs),
+        )
+
+    def top_logprobs(self, logits: jax.Array, reqs: Sequence[Req | None]) -> list[TopLogprobs]:
+        """Each row's top alternatives under the raw distribution, as its request asks."""
+        return top_logprobs(logits, [0 if r is None else r.logprobs.top for r in reqs])
+
+    def _bitmask(self, rows: int, reqs: Sequence[Req | None]) -> np.ndarray | None:
+        """The tokens each row's grammar allows next (None: no row has one)."""
+        if not any(r is not None and r.matcher is not None for r in reqs):
+            return None
+        bitmask = np.full((rows, bitmask_words(self.config.vocab_size)), -1, np.int32)
+        for i, r in enumerate(reqs):
+            if r is not None and r.matcher is not None:
+                r.matcher.fill(bitmask, i)
+        return bitmask
+
+    def _adjustment(self, req: Req) -> Adjustment:
+        """The penalties' history (this request's output so far: on D, P's first token too) and,
+        below ``min_new_tokens``, the tokens that would end it."""
+        sp = req.sampling
+        banned: frozenset[int] = frozenset()
+        if len(req.output_ids) < sp.min_new_tokens:
+            ends = set(sp.stop_token_ids)
+            if not sp.ignore_eos:
+                ends |= self.eos_token_ids
+            banned = frozenset(ends)
+        return Adjustment(req.history, banned)
+
+    # ----------------------------------------------------------------- warm-up
+
+    def compile(self, plan: Sequence[tuple[int, int]]) -> None:
+        """Compile, without running anything, the forward of every shape ``(rows, tokens)`` of
+        ``plan`` and the samplers of every row count in it."""
+        with self.kv_holder.locked() as pools:
+            kv = [as_struct(a) for a in pools[MAIN_KV]]  # shapes only: nothing runs here
+        params, config, width = self.params, self.config, self.table_width
+
+        def shape(rows_tokens: tuple[int, int]) -> None:
+            rows, tokens = rows_tokens
+            compile_forward(params, kv, rows, tokens, width, config=config)
+
+        # Two threads: XLA compiles without the GIL, so a start uses two cores.
+        with ThreadPoolExecutor(WARMUP_THREADS, thread_name_prefix="warm-up") as pool:
+            list(pool.map(shape, plan))
+        for rows in sorted({r for r, _ in plan}):
+            compile_samplers(rows, self.config.vocab_size, logits_sharding(self.tp_size))
