@@ -55,15 +55,22 @@ class OutputProcessor:
             for token in done:
                 req.matcher.consume(token)
 
+    @staticmethod
+    def record_token(req: Req, token: int, logprob: float, top: TopLogprobs = ()) -> None:
+        """Append a sampled token and its log-probs to ``req``'s output, and nothing else: no
+        text, no stop check, no output (P records a room's first token so: it goes to D with
+        READY, and D decodes on from it)."""
+        req.output_ids.append(token)
+        req.output_logprobs.append(logprob)
+        if req.logprobs.top:
+            req.output_top.append(top)
+
     def append_token(
         self, req: Req, token: int, logprob: float, top: TopLogprobs = ()
     ) -> FinishReason | None:
         """Append a sampled token to ``req``; why ``req`` ends with it (the caller finishes it),
         or None while it goes on."""
-        req.output_ids.append(token)
-        req.output_logprobs.append(logprob)
-        if req.logprobs.top:
-            req.output_top.append(top)
+        self.record_token(req, token, logprob, top)
         if req.matcher is not None:
             try:
                 req.matcher.consume(token)  # on D, P's first token too

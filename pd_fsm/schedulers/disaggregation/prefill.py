@@ -144,10 +144,7 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
         self._lap(room, "prefill_forward", "admitted", "prefilled")
         self.prefilling.remove(req)
         self.send_queue[room] = req
-        req.output_ids.append(first_token)
-        req.output_logprobs.append(first_logprob)
-        if req.logprobs.top:
-            req.output_top.append(first_top)
+        self.outputs.record_token(req, first_token, first_logprob, first_top)
         finished = ev.PrefillFinished(
             room, first_token, self.prompt_pages(req), first_logprob,
             tuple(TokenLogprob(t, lp) for t, lp in first_top),
