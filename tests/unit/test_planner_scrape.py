@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pd_fsm.io_trio.planner.scrape import PLANNED_ROLES, Histogram, parse
+from pd_fsm.io_trio.planner.scrape import Histogram, parse
 from pd_fsm.io_trio.worker.metrics import WorkerMetrics
 
 
@@ -78,16 +78,15 @@ def test_a_colocated_workers_snapshot_has_both_latencies_of_its_own() -> None:
     _, text = _text(stats, ttft=[0.3] * 10, itl=[0.02] * 10)
     scrape = parse({"disaggregation_mode": "null", "role_state": "SERVING"}, text)
     assert scrape.role == "null"
-    snap = scrape.snapshot("http://c", None, planned=("prefill", "decode", "null"))
+    snap = scrape.snapshot("http://c", None)
     assert snap is not None
     assert (snap.worker, snap.role, snap.waiting, snap.running, snap.switching) == (
         "http://c", "null", 3, 4, False)
     assert snap.kv_usage == pytest.approx(0.75)
     assert 0.25 <= snap.ttft_p90 <= 0.5 and 0.01 <= snap.itl_p90 <= 0.025
-    # What the service hands the planner: the snapshot once the core's Role names "null",
-    # nothing before (the planner then sees P and D only).
-    handed = scrape.snapshot("http://c", None)
-    assert handed == (snap if "null" in PLANNED_ROLES else None)
+    # A role the core planner does not know is left out.
+    other = parse({"disaggregation_mode": "encode", "role_state": "SERVING"}, text)
+    assert other.snapshot("http://e", None) is None
 
 
 def test_text_that_is_not_prometheus_is_refused() -> None:

@@ -5,15 +5,14 @@ Latencies are p90s over the window between two scrapes: the difference of the cu
 histograms, so a worker's history before the last decision does not weigh on the next one.
 
 A colocated worker (role ``null``, issue 30) serves whole requests: its TTFT and ITL both come
-from its own histograms, its waiting requests are those not prefilled yet, as P's. It becomes a
-``WorkerSnapshot`` once the core planner's ``Role`` names ``"null"`` (read from the type itself,
-``PLANNED_ROLES``); until then the planner does not see it, as before.
+from its own histograms, its waiting requests are those not prefilled yet, as P's. (A planner
+without ``--colocate`` leaves such workers out of its pressures: ``core/planner.py``.)
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from typing import cast, get_args
 
 import attrs
@@ -76,11 +75,10 @@ class Scrape:
     itl: Histogram
     gauges: Mapping[str, float]  # pd_fsm_worker_backend_* by name (labelled: "name{key}")
 
-    def snapshot(self, worker: str, earlier: Scrape | None,
-                 planned: Collection[str] = PLANNED_ROLES) -> WorkerSnapshot | None:
+    def snapshot(self, worker: str, earlier: Scrape | None) -> WorkerSnapshot | None:
         """The planner's view over the window since ``earlier``; None for a role the core
-        planner does not take (``planned``: ``Role``'s values)."""
-        if self.role not in planned:
+        planner does not know (``Role``'s values)."""
+        if self.role not in PLANNED_ROLES:
             return None
         g = self.gauges
         if self.role == "decode":
@@ -91,8 +89,7 @@ class Scrape:
         used = (total - g.get("free_pages", total)) / total if total > 0 else 0.0
         return WorkerSnapshot(
             worker=worker,
-            # Checked above against ``planned``: Role's values (a test may name a role more).
-            role=cast(Role, self.role),
+            role=cast(Role, self.role),  # checked above against Role's values
             waiting=int(waiting),
             running=int(g.get("running", 0.0)),
             ttft_p90=self.ttft.since(None if earlier is None else earlier.ttft).quantile(0.9),

@@ -36,8 +36,7 @@ log = logging.getLogger("pd_fsm.io_trio.planner")
 SCRAPE_S = 2.0  # a worker that does not answer within this is left out of this observation
 SWITCH_S = 5.0  # /switch_role answers at once (202) and switches in the background
 RECENT = 100  # decisions kept for /decisions
-# pd_fsm_planner_workers' sides: "null" counts the colocated workers the planner sees (none
-# until the core planner's Role has "null": scrape.PLANNED_ROLES).
+# pd_fsm_planner_workers' sides: "null" counts the colocated workers the planner sees.
 WORKER_SIDES = ("prefill", "decode", "null")
 
 
