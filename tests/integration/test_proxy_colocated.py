@@ -104,7 +104,7 @@ async def test_a_worker_switched_to_null_gets_whole_requests_and_back(fleet: Fle
     assert "pd_queues" not in served  # a colocated backend: no PD queues
     # The planner's view of b while it was null: a colocated worker's own TTFT and ITL.
     assert scrape.role == "null" and scrape.ttft.total >= N_COLOCATED and scrape.itl.total > 0
-    snap = scrape.snapshot(b.url, None, planned=("prefill", "decode", "null"))
+    snap = scrape.snapshot(b.url, None)
     assert snap is not None and (snap.role, snap.waiting, snap.running) == ("null", 0, 0)
     assert _routed(proxy_metrics) == {"pd": 1.0, "decode_alone": 0.0,
                                       "colocated": float(N_COLOCATED), "handoff": 0.0}
