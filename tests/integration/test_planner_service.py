@@ -6,6 +6,7 @@ The workers are recording stand-ins (``pd_standins``) whose /metrics is the text
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -100,4 +101,5 @@ async def test_with_colocate_a_lone_prefill_worker_is_made_colocated(
     assert [(d["kind"], d["worker"], d["to"]) for d in decisions] == [
         ("SwitchRole", p_url, "null")]
     assert "no decode worker to pair with" in decisions[0]["reason"]
+    assert abs(decisions[0]["wall"] - time.time()) < 60  # Unix time, for other processes' logs
     assert 'to="null"} 1.0' in metrics

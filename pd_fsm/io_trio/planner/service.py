@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import time
 from typing import Any
 
 import httpx
@@ -110,7 +111,9 @@ class PlannerService:
             to = decision.to if isinstance(decision, SwitchRole) else (
                 decision.role if isinstance(decision, ScaleUp) else "")
             self.decisions.labels(type(decision).__name__, to, pressure, outcome).inc()
-            entry = {"at": now, "kind": type(decision).__name__, "to": to,
+            # "at": this process's clock (what cooldowns count in); "wall": for lining decisions
+            # up with other processes' logs and a benchmark's phases.
+            entry = {"at": now, "wall": time.time(), "kind": type(decision).__name__, "to": to,
                      "worker": getattr(decision, "worker", ""), "reason": decision.reason,
                      "pressure": pressure, "outcome": outcome}
             self.recent.append(entry)
