@@ -45,10 +45,20 @@ PINNED = "PD pinned (P core 0, D core 1)"
 SHARED = "PD shared (cores 0-1, equal priority)"
 
 
-def placements(args: argparse.Namespace) -> dict[str, tuple[list[str], str, dict[str, Any]]]:
+Spec = tuple[list[str], str, dict[str, Any]]
+
+
+def nice_placement(p: int, d: int) -> tuple[str, Spec]:
+    """P and D on every core, P at nice ``p`` and D at nice ``d``: its name and spec."""
+    return (f"PD shared, nice P {p:+d} / D {d:+d}",
+            (["--prefill-nice", str(p), "--decode-nice", str(d)], "proxy",
+             {"shared": True, "nice_p": p, "nice_d": d}))
+
+
+def placements(args: argparse.Namespace) -> dict[str, Spec]:
     """name -> (the cluster's flags, which of its URLs to measure, the placement as the
     performance model takes it: pd_fsm.sim.perf.Placement's fields)."""
-    out: dict[str, tuple[list[str], str, dict[str, Any]]] = {
+    out: dict[str, Spec] = {
         COLOCATED: (["--prefill", "0", "--decode", "0", "--colocated"], "colocated",
                     {"colocated": True}),
         PINNED: (["--prefill-cpus", "0", "--decode-cpus", "1"], "proxy", {}),
@@ -56,9 +66,8 @@ def placements(args: argparse.Namespace) -> dict[str, tuple[list[str], str, dict
     }
     for pair in args.nice_pairs:
         p, d = (int(x) for x in pair.split(","))
-        out[f"PD shared, nice P {p:+d} / D {d:+d}"] = (
-            ["--prefill-nice", str(p), "--decode-nice", str(d)], "proxy",
-            {"shared": True, "nice_p": p, "nice_d": d})
+        name, spec = nice_placement(p, d)
+        out[name] = spec
     return out
 
 

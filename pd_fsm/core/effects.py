@@ -259,12 +259,16 @@ class RelayDecode:
 
 @attrs.frozen(slots=True)
 class DispatchLocal:
-    """Post the request to D alone, without bootstrap fields: D prefills it (issue 16 §4)."""
+    """Post the request to D alone, without bootstrap fields: D prefills it (issue 16 §4); or
+    to a colocated worker, which serves it whole (issue 30)."""
 
     room: int
     request_id: str
     decode: str
-    reason: str  # "short_prompt" | "prefill_busy" | "handoff" (D pulls a handed-off stream)
+    # "short_prompt" | "prefill_busy" | "handoff" (D pulls a handed-off stream); for a colocated
+    # worker "fewer_in_flight" | "no_prefill" | "no_decode"
+    reason: str
+    role: str = "decode"  # the leg's X-PD-Role: "decode", or "null" for a colocated worker
 
 
 @attrs.frozen(slots=True)
@@ -318,7 +322,7 @@ class ShedRequest:
     request 429 with Retry-After now; no room is drawn."""
 
     request_id: str
-    role: str
+    role: str  # "prefill" | "decode" | "colocated" (only colocated workers, every one full)
     retry_after: float
 
 

@@ -141,7 +141,8 @@ class Planner:
     def pressures(self, snapshots: Sequence[WorkerSnapshot]) -> tuple[float, float]:
         """(prefill side, decode side): 1.0 is at the target. A colocated worker is on both."""
         c = self.config
-        live = [s for s in snapshots if not s.switching]
+        # Without colocate, colocated workers are not the planner's: they weigh on nothing.
+        live = [s for s in snapshots if not s.switching and (c.colocate or s.role != "null")]
         p = [s for s in live if s.role in ("prefill", "null")]
         d = [s for s in live if s.role in ("decode", "null")]
         p_load = max(_worst([s.ttft_p90 / c.ttft_slo for s in p]),

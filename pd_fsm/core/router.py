@@ -2,8 +2,10 @@
 
 Rooms are drawn uniform in [0, 2^63) from an injected RNG (never a live one twice); P and D are
 chosen by the routing policies (``routing.RoutePlanner``: round-robin by default), or D alone
-when conditional disaggregation says D should prefill the room itself. A room keeps its workers
-to its end (a retried leg lands where its pages are).
+when conditional disaggregation says D should prefill the room itself, or a colocated worker
+(role ``null``, issue 30) that serves the whole request: such a room is a D-alone room (table
+rows ``DispatchedLocal``, ``LOCAL``, ``LOCAL_RELAYING``) whose one leg is addressed as "null". A
+room keeps its workers to its end (a retried leg lands where its pages are).
 
 A request may outlive its room (issue 32): a leg refused before any byte of its answer ends the
 room RETRIED, a stream whose decode worker broke off ends it MIGRATED, and one a draining decode
@@ -35,8 +37,9 @@ from pd_fsm.core.timers import DeadlineHeap
 # The table's names as attributes (tables.Names): never spelled as strings here.
 _T = ROOM.T
 _S = ROOM.S
-# A leg's response as a room trigger: (is it P's leg, did it succeed).
+ROUTED_PATHS = ("pd", "decode_alone", "colocated", "handoff")  # RoomRouter.routed's keys
 SHED_RETRY_AFTER_S = 1.0  # a shed request's Retry-After: about one request's time to drain
+# A leg's response as a room trigger: (is it P's leg, did it succeed).
 _LEG_TRIGGERS = {
     (True, True): _T.PrefillResponded,
     (True, False): _T.PrefillFailed,
@@ -57,6 +60,7 @@ class _Room:
     state: str = ROOM.initial
     reason: str = ""
     route: str = ""  # why D prefills it alone (a local room)
+    role: str = "decode"  # the role its answering leg is addressed as ("null": colocated)
     backoff: float = 0.0  # the delay of the retry this room ends with (RETRIED)
     failed: str = ""  # the worker whose failure retries or migrates the request
     redirects: int = 0  # decode legs re-posted to another D in this room (DecodeRefused)
@@ -72,29 +76,37 @@ class RoomRouter:
         rng: random.Random,
         config: RouterConfig | None = None,
         routing: RoutingConfig | None = None,
+        colocated: list[str] | None = None,
     ) -> None:
         self.config = config or RouterConfig()
         self._rng = rng
         self.planner = RoutePlanner(routing or RoutingConfig(), rng)
         self._prefill: list[str] = []
         self._decode: list[str] = []
+        self._colocated: list[str] = []  # workers in role "null": whole requests
         self._live: Counter[str] = Counter()  # live rooms per worker (the planner's load)
         self.breakers = WorkerBreakers(self.config.breaker_threshold,
                                        self.config.breaker_cooldown)
-        self.set_workers(prefill, decode)
+        self.set_workers(prefill, decode, colocated or [])
         self.rooms: dict[int, _Room] = {}
         self._timers: DeadlineHeap[int] = DeadlineHeap()
         self.outcomes: dict[str, int] = {s: 0 for s in ROOM.terminal}
         self.dropped = 0  # responses for rooms already over, or that the table does not expect
         self.shed: Counter[str] = Counter()  # requests answered 429, by the role that was full
+        # Rooms drawn, by the path their request takes: "pd" (a P and a D), "decode_alone"
+        # (conditional disaggregation), "colocated", "handoff" (a D pulls a handed-off stream).
+        self.routed: Counter[str] = Counter(dict.fromkeys(ROUTED_PATHS, 0))
         self._fx = bind_effects(self, self.table)
 
-    def set_workers(self, prefill: list[str], decode: list[str]) -> None:
-        """Replace the worker lists (static flags or the bootstrap server's /list)."""
+    def set_workers(self, prefill: list[str], decode: list[str],
+                    colocated: list[str] | None = None) -> None:
+        """Replace the worker lists (static flags, probed roles or the bootstrap server's
+        /list); ``colocated``: the workers in role "null" (none when not given)."""
         self._prefill = list(prefill)
         self._decode = list(decode)
+        self._colocated = list(colocated or [])
         self.planner.keep(self._prefill, self._decode)
-        self.breakers.keep([*self._prefill, *self._decode])
+        self.breakers.keep([*self._prefill, *self._decode, *self._colocated])
 
     # -- entry point --------------------------------------------------------------------------
 
@@ -196,17 +208,31 @@ class RoomRouter:
         others = [d for d in self.breakers.routable(self._decode) if d not in avoid]
         return min(others, key=lambda d: self._live[d], default=None)
 
+    def _pools(self, e: ev.RoomRequested) -> tuple[list[str], list[str], list[str]]:
+        """The P, D and colocated workers this room may go to: around the workers that failed
+        its request. With a P and a D left, or else a colocated worker, those; with neither,
+        as before colocated workers existed: a role left with none keeps all of its workers,
+        and the colocated workers all stay candidates. A hand-off room goes to a D only (it
+        pulls KV a colocated worker cannot)."""
+        avoid = set(e.attempts.avoid)
+        prefill = [p for p in self._prefill if p not in avoid]
+        decode = [d for d in self._decode if d not in avoid]
+        if e.handoff:
+            return prefill or self._prefill, decode or self._decode, []
+        colocated = [c for c in self._colocated if c not in avoid]
+        if (prefill and decode) or colocated:  # without P or D: a colocated worker's
+            return prefill, decode, colocated
+        return prefill or self._prefill, decode or self._decode, self._colocated
+
     def _dispatch(self, e: ev.RoomRequested, now: float, out: list[fx.RouterEffect]) -> None:
-        if (not self._prefill and not e.handoff) or not self._decode:
-            missing = "prefill" if not self._prefill and not e.handoff else "decode"
+        prefill, decode, colocated = self._pools(e)
+        if not colocated and ((not prefill and not e.handoff) or not decode):
+            missing = "prefill" if not prefill and not e.handoff else "decode"
             out.append(fx.NoWorkers(e.request_id, missing))
             return
-        avoid = set(e.attempts.avoid)
-        # Around the workers that failed this request, unless that leaves none of a role.
-        prefill = [p for p in self._prefill if p not in avoid] or self._prefill
-        decode = [d for d in self._decode if d not in avoid] or self._decode
         prefill, decode = self.breakers.routable(prefill), self.breakers.routable(decode)
-        full = self.planner.overloaded(prefill, decode, self._live)
+        colocated = self.breakers.routable(colocated)
+        full = self.planner.overloaded(prefill, decode, self._live, colocated)
         if full is not None:
             self.shed[full] += 1
             out.append(fx.ShedRequest(e.request_id, full, SHED_RETRY_AFTER_S))
@@ -218,7 +244,9 @@ class RoomRouter:
             least = min(decode, key=lambda d: self._live[d])
             route = Route(None, least, "handoff", "handoff")
         else:
-            route = self.planner.plan(prefill, decode, e.prompt, self._live)
+            route = self.planner.plan(prefill, decode, e.prompt, self._live, colocated)
+        self.routed["handoff" if e.handoff else "pd" if route.prefill
+                    else "colocated" if route.role == "null" else "decode_alone"] += 1
         for worker in (route.prefill, route.decode):
             if worker:
                 self.breakers.dispatched(worker)
@@ -226,7 +254,7 @@ class RoomRouter:
         if e.attempts.deadline is not None:
             deadline = min(deadline, e.attempts.deadline)
         r = _Room(room, e.request_id, route.prefill or "", route.decode, deadline, e.attempts,
-                  e.migratable, route=route.prefill_reason)
+                  e.migratable, route=route.prefill_reason, role=route.role)
         self.rooms[room] = r
         self._live.update(w for w in (r.prefill, r.decode) if w)
         self._timers.set(room, deadline)
@@ -254,7 +282,7 @@ class RoomRouter:
         out.append(fx.DispatchRoom(r.room, r.request_id, r.prefill, r.decode))
 
     def _fx_PostDecodeAlone(self, r: _Room, out: list[fx.RouterEffect]) -> None:
-        out.append(fx.DispatchLocal(r.room, r.request_id, r.decode, r.route))
+        out.append(fx.DispatchLocal(r.room, r.request_id, r.decode, r.route, r.role))
 
     def _fx_PostHandoffLeg(self, r: _Room, out: list[fx.RouterEffect]) -> None:
         out.append(fx.DispatchLocal(r.room, r.request_id, r.decode, r.route))

@@ -23,6 +23,12 @@ worker keeps at most ``index_blocks`` digests, least recently routed first out (
 touched deepest block first, so a prefix outlives its continuations). It is approximate: it
 records what was routed, not what the worker still caches.
 
+Colocated workers (role ``null``, issue 30): a worker that serves whole requests is a pool of
+its own. A room goes to the colocated worker with the fewest requests (the same load as above),
+ties taken in turn, when that is fewer than the D the decode policy chose has (a PD room holds
+its D for its whole answer, as a colocated one holds its worker; P's part is short), or when the
+prompt has no P or no D to go to. Colocated workers keep no prefix index.
+
 Conditional disaggregation: D prefills a room alone (no P leg, no transfer) when the prompt's
 uncached part is at most ``local_prefill_tokens`` — uncached on the chosen D by its index when
 the decode policy is ``cache_aware``, else the whole prompt — or when every P's load is at least
@@ -97,10 +103,13 @@ class Attempts:
 
 @attrs.frozen(slots=True)
 class Route:
-    prefill: str | None  # None: D prefills the room alone
-    decode: str
+    prefill: str | None  # None: D (or a colocated worker) prefills the room alone
+    decode: str  # the worker whose answer the client gets
     prefill_reason: str  # e.g. "cache_hit"; for a local room why D prefills alone
     decode_reason: str
+    # The role the answering worker is addressed as (its leg's X-PD-Role): "decode", or "null"
+    # for a colocated worker serving the whole request.
+    role: str = "decode"
 
 
 def block_chain(text: str) -> list[bytes]:
@@ -176,22 +185,34 @@ class RoutePlanner:
         self._index["decode"].keep(decode)
 
     def overloaded(self, prefill: Sequence[str], decode: Sequence[str],
-                   live: Mapping[str, int]) -> str | None:
+                   live: Mapping[str, int], colocated: Sequence[str] = ()) -> str | None:
         """The role every one of whose workers is at ``max_queue`` (shed the request), if
-        any."""
+        any. A colocated worker under the bound takes the request whatever P and D have
+        (``plan`` sends it there: its load is below the chosen D's); with colocated workers
+        only, "colocated" when every one is full."""
         bound = self.config.max_queue
         if not bound:
             return None
+        if colocated:
+            if any(self._load(w, live) < bound for w in colocated):
+                return None
+            if not (prefill and decode):
+                return "colocated"
         for role, workers in (("decode", decode), ("prefill", prefill)):
             if all(self._load(w, live) >= bound for w in workers):
                 return role
         return None
 
     def plan(self, prefill: Sequence[str], decode: Sequence[str], prompt: Prompt,
-             live: Mapping[str, int]) -> Route:
-        """Choose D, then whether D prefills alone, then P. Both lists are non-empty."""
+             live: Mapping[str, int], colocated: Sequence[str] = ()) -> Route:
+        """Choose D, then whether a colocated worker takes the room, then whether D prefills
+        alone, then P. Both P and D lists are non-empty, or ``colocated`` is."""
+        if colocated and not (prefill and decode):
+            return self._colocated(colocated, live, "no_prefill" if not prefill else "no_decode")
         chain = block_chain(prompt.text) if self._indexed() else []
         d, d_reason, d_matched = self._choose("decode", decode, prompt, chain, live)
+        if colocated and min(self._load(w, live) for w in colocated) < self._load(d, live):
+            return self._colocated(colocated, live, "fewer_in_flight")
         local = self._local_reason(prefill, d, prompt, d_matched, live)
         if local is not None:
             self._record("decode", d, d_reason, chain)
@@ -203,6 +224,16 @@ class RoutePlanner:
         return Route(p, d, p_reason, d_reason)
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _colocated(self, workers: Sequence[str], live: Mapping[str, int], reason: str) -> Route:
+        """The least loaded colocated worker, ties taken in turn (idle workers share the
+        rooms rather than the first one getting every one)."""
+        start = self._turn["colocated"] % len(workers)
+        turned = [*workers[start:], *workers[:start]]
+        worker = min(turned, key=lambda w: self._load(w, live))
+        self._turn["colocated"] = start + 1
+        self.decisions[f"colocated:{reason}"] += 1
+        return Route(None, worker, reason, "colocated", role="null")
 
     def _indexed(self) -> bool:
         return "cache_aware" in (self.config.prefill_policy, self.config.decode_policy)

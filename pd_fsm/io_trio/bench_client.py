@@ -52,6 +52,7 @@ DATASETS = {"short": (8, 32), "long": (200, 400)}
 class Prompt:
     text: str
     words: int
+    max_tokens: int | None = None  # this prompt's answer length; None: the load's max_tokens
 
 
 SHARED = ("shared-prefix", "multi-turn")  # datasets whose prompts share prefixes
@@ -230,7 +231,12 @@ class Summary:
         return out
 
 
-async def run_load(url: str, args: argparse.Namespace, prompts: list[Prompt]) -> Summary:
+async def run_load(url: str, args: argparse.Namespace, prompts: list[Prompt],
+                   arrivals: Sequence[float] | None = None) -> Summary:
+    """Every prompt, streamed, at Poisson arrivals of ``args.request_rate`` (all at once when
+    infinite) or, with ``arrivals``, prompt i sent ``arrivals[i]`` seconds after the start: a
+    schedule drawn beforehand (a workload whose phases shift), kept to whatever the server does.
+    """
     rng = random.Random(args.seed + 1)  # arrivals: the same schedule for both servers
     results: list[Result] = [Result() for _ in prompts]
     capacity: int = args.max_concurrency or len(prompts) or 1  # --max-concurrency: an int
@@ -243,13 +249,16 @@ async def run_load(url: str, args: argparse.Namespace, prompts: list[Prompt]) ->
 
         async def send(i: int, prompt: Prompt) -> None:
             async with limiter:
-                body = _body(args.endpoint, prompt, args.max_tokens, args.model)
+                body = _body(args.endpoint, prompt, prompt.max_tokens or args.max_tokens,
+                             args.model)
                 results[i] = await one_request(http, url.rstrip("/"), args.endpoint, body)
 
         async with trio.open_nursery() as nursery:
             for i, prompt in enumerate(prompts):
+                if arrivals is not None:
+                    await trio.sleep_until(start + arrivals[i])
                 nursery.start_soon(send, i, prompt)
-                if math.isfinite(args.request_rate):
+                if arrivals is None and math.isfinite(args.request_rate):
                     await trio.sleep(rng.expovariate(args.request_rate))
         return Summary(results, trio.current_time() - start)
 

@@ -6,6 +6,7 @@ The workers are recording stand-ins (``pd_standins``) whose /metrics is the text
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -77,3 +78,28 @@ async def test_unreachable_workers_and_dry_runs_act_on_nothing(nursery: trio.Nur
     failed = service.registry.get_sample_value("pd_fsm_planner_scrapes_total",
                                                {"outcome": "failed"})
     assert failed is not None and failed >= 1
+
+
+async def test_with_colocate_a_lone_prefill_worker_is_made_colocated(
+    nursery: trio.Nursery,
+) -> None:
+    """--colocate: a P whose only D became colocated serves nothing (an orphan); the service
+    posts its switch to null at the first observation, and counts it."""
+    p_url, p = await _worker(nursery, "prefill", IDLE)
+    c_url, c = await _worker(nursery, "null", {**IDLE, "running": 1})
+    service = PlannerService(
+        Planner(PlannerConfig(patience=5, cooldown=3600, colocate=True)),
+        workers=[p_url, c_url], bootstrap_url=None, interval=0.05)
+    url: str = await nursery.start(serve_planner, service)
+    with trio.fail_after(10):
+        while not p.switches:
+            await trio.sleep(0.02)
+    assert p.switches == [{"role": "null"}] and not c.switches and p.role == "null"
+    async with httpx.AsyncClient(timeout=10) as http:
+        decisions = (await http.get(f"{url}/decisions")).json()["decisions"]
+        metrics = (await http.get(f"{url}/metrics")).text
+    assert [(d["kind"], d["worker"], d["to"]) for d in decisions] == [
+        ("SwitchRole", p_url, "null")]
+    assert "no decode worker to pair with" in decisions[0]["reason"]
+    assert abs(decisions[0]["wall"] - time.time()) < 60  # Unix time, for other processes' logs
+    assert 'to="null"} 1.0' in metrics

@@ -104,3 +104,41 @@ async def test_workers_that_report_no_role_keep_the_command_lines(nursery: trio.
         assert (await http.post(f"{url}/generate", json={"text": "hi"})).status_code == 200
     assert proxy.stats()["role_probes_total"]["ok"] >= 2 and not proxy.workers.probed
     assert len(d.generations()) == 1
+
+
+async def test_a_colocated_worker_gets_whole_requests_and_a_stale_one_is_retried(
+    nursery: trio.Nursery,
+) -> None:
+    """``--colocated``: with a P and no D the proxy sends each request whole to the colocated
+    worker (no bootstrap fields, X-PD-Role null) and is healthy; once that worker switched to
+    decode behind the proxy's back, its leg gets 409, the proxy probes at once and the
+    request's next room is a PD one on it."""
+    p_url, p = await _switchable(nursery, "prefill")
+    c_url, c = await _switchable(nursery, "null")
+    proxy = Proxy([PrefillTarget.from_url(p_url, 8998)], [], colocated=[c_url],
+                  rng=random.Random(1), role_probe_interval=3600, retry_limit=4)
+    url: str = await nursery.start(serve_proxy, proxy, "127.0.0.1", 0)
+    async with httpx.AsyncClient(timeout=10) as http:
+        health = await http.get(f"{url}/health")
+        assert health.status_code == 200, health.text
+        assert health.json()["colocated"] == {"healthy": 1, "configured": 1}
+        for _ in range(2):
+            r = await http.post(f"{url}/generate", json={"text": "hi"})
+            assert r.status_code == 200 and r.json()["served_by"] == "null", r.text
+        assert not p.generations()
+        for g in c.generations():
+            assert g.headers["x-pd-role"] == "null" and g.body["rid"]
+            assert not {"bootstrap_host", "bootstrap_port", "bootstrap_room"} & set(g.body)
+        c.role, c.role_epoch = "decode", 1  # switched behind the proxy's back
+        r = await http.post(f"{url}/generate", json={"text": "hi"})
+        assert r.status_code == 200 and r.json()["served_by"] == "decode", r.text
+        workers = (await http.get(f"{url}/workers")).json()
+    assert (workers["prefill"], workers["decode"], workers["colocated"]) == ([p_url], [c_url], [])
+    legs = [g.headers["x-pd-role"] for g in c.generations()]
+    assert legs[:3] == ["null"] * 3 and legs[-1] == "decode"  # 2 served, 1 refused 409, PD
+    assert {g.headers["x-pd-role"] for g in p.generations()} == {"prefill"}
+    stats = proxy.stats()
+    assert stats["rooms_routed_total"]["colocated"] == len(legs) - 1
+    assert stats["rooms_routed_total"]["pd"] == 1 == len(p.generations())
+    assert stats["rooms_reopened_total"]["retry"] == len(legs) - 3
+    assert stats["rooms_total"]["COMPLETED"] == 3 and not stats["rooms_total"]["FAILED"]

@@ -23,8 +23,7 @@ import trio
 from tests.integration.failure_support import (
     SLACK,
     Fleet,
-    greedy,
-    prompt,
+    proxied_and_greedy,
     wait_clean,
     wait_until,
 )
@@ -49,14 +48,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     f.close()
 
 
-async def _ask(http: httpx.AsyncClient, fleet: Fleet, seed: int) -> tuple[list[int], list[int]]:
-    ids = prompt(10, seed=seed)
-    r = await http.post(f"{fleet['proxy'].url}/generate", json={
-        "input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}})
-    assert r.status_code == 200, r.text
-    return list(r.json()["output_ids"]), await greedy(http, fleet["colocated"], ids, 6)
-
-
 async def test_the_planner_switches_a_decode_worker_to_prefill_and_nothing_is_lost(
     fleet: Fleet,
 ) -> None:
@@ -74,7 +65,7 @@ async def test_the_planner_switches_a_decode_worker_to_prefill_and_nothing_is_lo
             async def traffic() -> None:  # through the whole switch
                 seed = 0
                 while not stop.is_set():
-                    answers.append(await _ask(http, fleet, seed))
+                    answers.append(await proxied_and_greedy(http, fleet, seed))
                     seed += 1
 
             nursery.start_soon(traffic)

@@ -187,6 +187,7 @@ async def test_health_models_metrics_and_bad_input(cluster: dict[str, Any]) -> N
         assert (await http.get("/health")).json() == {
             "status": "ok", "prefill": {"healthy": 2, "configured": 2},
             "decode": {"healthy": 2, "configured": 2},
+            "colocated": {"healthy": 0, "configured": 0},
         }
         models = (await http.get("/v1/models")).json()
         assert models["data"][0]["id"] == "standin"
@@ -202,7 +203,7 @@ async def test_health_models_metrics_and_bad_input(cluster: dict[str, Any]) -> N
         assert "pd_fsm_proxy_decode_first_byte_seconds_count 1.0" in metrics
         assert "pd_fsm_proxy_prefill_leg_seconds_bucket" in metrics
         assert (await http.get("/workers")).json() == {
-            "prefill": cluster["p_urls"], "decode": cluster["d_urls"],
+            "prefill": cluster["p_urls"], "decode": cluster["d_urls"], "colocated": [],
             "breakers": {u: "CLOSED" for u in sorted([*cluster["p_urls"], *cluster["d_urls"]])},
             "roles": {}}  # the stand-ins report no switchable role
     # Nothing reached the workers for the bad bodies.
@@ -319,3 +320,34 @@ async def test_discovery_from_bootstrap_server(nursery: trio.Nursery) -> None:
     assert (body["bootstrap_host"], body["bootstrap_port"]) == ("127.0.0.1", 7100)
     assert d.generations()[0].body["bootstrap_room"] == body["bootstrap_room"]
     assert Counter(proxy.stats()["rooms_total"])["COMPLETED"] == 1
+
+
+async def test_discovery_with_static_colocated_workers(nursery: trio.Nursery) -> None:
+    """The registry lists no null worker: with --bootstrap-url the --colocated ones are routed
+    whole requests, except one the registry lists under another role (a switched worker)."""
+    boot_url: str = await nursery.start(serve_bootstrap, BootstrapServer(), "127.0.0.1", 0)
+    p_url, p = await serve_standin(nursery, "prefill")
+    c_url, c = await serve_standin(nursery, "null")
+    w_url, w = await serve_standin(nursery, "decode")  # given as colocated, registered as D
+    async with httpx.AsyncClient(base_url=boot_url, timeout=10) as http:
+        rec = sample_record(instance_id="p0", scheduler_addr=p_url, zmq_addr="127.0.0.1:7100")
+        assert (await http.put("/route", json=to_json(rec))).status_code == 200
+    proxy = Proxy([], [], bootstrap_url=boot_url, refresh_interval=0.1,
+                  colocated=[c_url, w_url])
+    url: str = await nursery.start(serve_proxy, proxy, "127.0.0.1", 0)
+    async with httpx.AsyncClient(timeout=10) as http:
+        for _ in range(2):  # no D registered: each goes whole to a colocated worker, in turn
+            r = await http.post(f"{url}/generate", json=GEN)
+            assert r.status_code == 200, r.text
+        assert [g.headers["x-pd-role"] for g in (*c.generations(), *w.generations())] == [
+            "null", "null"]
+        rec = sample_record(role="decode", instance_id="w0", scheduler_addr=w_url,
+                            zmq_addr="127.0.0.1:7200")
+        assert (await http.put(f"{boot_url}/route", json=to_json(rec))).status_code == 200
+        with trio.fail_after(10):
+            while (await http.get(f"{url}/workers")).json()["decode"] != [w_url]:
+                await trio.sleep(0.05)
+        workers = (await http.get(f"{url}/workers")).json()
+    assert (workers["prefill"], workers["colocated"]) == ([p_url], [c_url])
+    assert not p.generations()
+    assert proxy.stats()["rooms_routed_total"]["colocated"] == 2

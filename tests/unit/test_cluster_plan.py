@@ -74,7 +74,7 @@ def test_worker_command_lines_are_ones_serve_accepts() -> None:
     assert config_from_args(build_parser(ray_argv).parse_args(ray_argv)).max_running == 2
 
 
-def test_the_planner_observes_every_pd_worker_and_each_can_take_both_roles() -> None:
+def test_the_planner_observes_every_pd_worker_and_each_can_take_every_role() -> None:
     args = build_parser().parse_args([
         "cluster", "--model", "tiny", "--prefill", "1", "--decode", "2", "--planner",
         "--planner-args", "--interval 2 --ttft-slo 1.5"])
@@ -88,10 +88,10 @@ def test_the_planner_observes_every_pd_worker_and_each_can_take_both_roles() -> 
     sides = set()
     for name in ("prefill-0", "decode-0", "decode-1"):
         argv = children[name].argv
-        assert _flag(argv, "--roles") == "prefill,decode"
+        assert _flag(argv, "--roles") == "prefill,decode,null"
         sides.add(_flag(argv, "--disaggregation-side-channel-port"))
         config = config_from_args(build_parser(argv[3:]).parse_args(argv[3:]))
-        assert set(config.roles) == {"prefill", "decode"}
+        assert set(config.roles) == {"prefill", "decode", "null"}
     assert len(sides) == 3 and None not in sides  # a port of its own for each as a P
     ports = [c.url for c in children.values() if c.url]
     assert len(set(ports)) == len(ports)

@@ -70,9 +70,23 @@ def test_a_decode_workers_window_and_its_switching_state() -> None:
     assert whole is not None and whole.itl_p90 > 0.3  # everything since start
 
 
-def test_a_colocated_worker_is_not_the_planners() -> None:
-    _, text = _text({"running": 1})
-    assert parse({"disaggregation_mode": "null"}, text).snapshot("http://c", None) is None
+def test_a_colocated_workers_snapshot_has_both_latencies_of_its_own() -> None:
+    """A null worker serves whole requests: TTFT and ITL from its own histograms, waiting as
+    P's (queued or not prefilled yet), its rows running, its KV use."""
+    stats = {"queued": 1, "waiting": 2, "prefilling": 1, "running": 4, "free_pages": 10,
+             "total_pages": 40}
+    _, text = _text(stats, ttft=[0.3] * 10, itl=[0.02] * 10)
+    scrape = parse({"disaggregation_mode": "null", "role_state": "SERVING"}, text)
+    assert scrape.role == "null"
+    snap = scrape.snapshot("http://c", None)
+    assert snap is not None
+    assert (snap.worker, snap.role, snap.waiting, snap.running, snap.switching) == (
+        "http://c", "null", 3, 4, False)
+    assert snap.kv_usage == pytest.approx(0.75)
+    assert 0.25 <= snap.ttft_p90 <= 0.5 and 0.01 <= snap.itl_p90 <= 0.025
+    # A role the core planner does not know is left out.
+    other = parse({"disaggregation_mode": "encode", "role_state": "SERVING"}, text)
+    assert other.snapshot("http://e", None) is None
 
 
 def test_text_that_is_not_prometheus_is_refused() -> None:

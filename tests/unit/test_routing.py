@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
+from pd_fsm.core.config import RouterConfig
 from pd_fsm.core.router import RoomRouter
 from pd_fsm.core.routing import (
     BLOCK_CHARS,
@@ -189,3 +190,98 @@ def test_a_busy_decode_worker_never_prefills_locally() -> None:
     assert isinstance(busy, fx.DispatchRoom)
     assert router.planner.decisions["local_refused:decode_busy"] == 1
     assert router.planner.wants_loads
+
+
+# --- colocated workers (role "null", issue 30) ------------------------------------------------
+
+
+def _colocated_router(prefill: list[str], decode: list[str], colocated: list[str],
+                      max_queue: int = 0, **config: object) -> RoomRouter:
+    return RoomRouter(prefill, decode, random.Random(7),
+                      RouterConfig(**config),  # type: ignore[arg-type]
+                      RoutingConfig(max_queue=max_queue), colocated=colocated)
+
+
+def _ask(router: RoomRouter, **kw: object) -> fx.RouterEffect:
+    (effect,) = router.handle(
+        ev.RoomRequested(f"r{len(router.rooms)}", **kw), 0.0)  # type: ignore[arg-type]
+    return effect
+
+
+def test_a_colocated_worker_takes_a_room_when_it_has_fewer_in_flight_than_the_chosen_d() -> None:
+    router = _colocated_router(["p0"], ["d0"], ["c0"])
+    first = _ask(router)
+    assert isinstance(first, fx.DispatchRoom)  # equal loads (none): the PD pair
+    second = _ask(router)  # d0 has a room, c0 none
+    assert isinstance(second, fx.DispatchLocal)
+    assert (second.decode, second.role, second.reason) == ("c0", "null", "fewer_in_flight")
+    assert router.poll(second.room) == "LOCAL"  # a D-alone room, addressed as null
+    third = _ask(router)  # one each: the PD pair again
+    assert isinstance(third, fx.DispatchRoom) and third.decode == "d0"
+    _finish(router, first.room)
+    fourth = _ask(router)  # d0 has one (third), c0 one (second): PD
+    assert isinstance(fourth, fx.DispatchRoom)
+    router.planner.set_loads({"c0": 5})  # c0's polled load counts as a D's does
+    assert isinstance(_ask(router), fx.DispatchRoom)
+    assert router.routed == {"pd": 4, "decode_alone": 0, "colocated": 1, "handoff": 0}
+    assert router.planner.decisions["colocated:fewer_in_flight"] == 1
+
+
+def test_with_no_prefill_or_no_decode_worker_rooms_go_to_colocated_ones_in_turn() -> None:
+    router = _colocated_router([], [], ["c0", "c1"])
+    rooms = [_ask(router) for _ in range(2)]
+    assert [(r.decode, r.reason) for r in rooms] == [  # type: ignore[union-attr]
+        ("c0", "no_prefill"), ("c1", "no_prefill")]
+    for r in rooms:
+        router.handle(ev.LegResponded(r.room, "decode", True), 0.0)  # type: ignore[union-attr]
+        router.handle(ev.RelayFinished(r.room), 0.0)  # type: ignore[union-attr]
+    assert router.outcomes["COMPLETED"] == 2 and not router.rooms
+    # Idle again: the turn goes on (ties are shared, not all the first worker's).
+    assert _ask(router).decode == "c0"  # type: ignore[union-attr]
+    only_p = _colocated_router(["p0"], [], ["c0"])
+    room = _ask(only_p)
+    assert isinstance(room, fx.DispatchLocal) and room.reason == "no_decode"
+    # No colocated worker: as before, no room.
+    assert _ask(_colocated_router(["p0"], [], [])) == fx.NoWorkers("r0", "decode")
+
+
+def test_a_colocated_leg_fails_as_a_d_alone_leg_does() -> None:
+    """Refused before its answer: retried around it (on the PD pair though c0 is idler);
+    broken off mid-stream: migrated; the client leaving: only its leg aborted."""
+    router = _colocated_router(["p0"], ["d0"], ["c0"], retry_limit=1, migration_limit=1)
+    _ask(router)  # d0 busy, so the next room is c0's
+    local = _ask(router, migratable=True)
+    assert isinstance(local, fx.DispatchLocal) and local.decode == "c0"
+    out = router.handle(ev.LegResponded(local.room, "decode", False, "HTTP 409", refused=True),
+                        0.1)
+    assert [type(e).__name__ for e in out] == ["ReopenRoom"]  # no P leg to abort
+    reopen = out[0]
+    assert isinstance(reopen, fx.ReopenRoom) and reopen.attempts.avoid == ("c0",)
+    retried = _ask(router, attempts=reopen.attempts)
+    assert isinstance(retried, fx.DispatchRoom) and retried.decode == "d0"
+    broken = _ask(router, migratable=True)  # d0 has two, c0 none
+    assert isinstance(broken, fx.DispatchLocal) and broken.decode == "c0"
+    router.handle(ev.LegResponded(broken.room, "decode", True), 0.2)
+    out = router.handle(ev.LegResponded(broken.room, "decode", False, "reset", lost=True), 0.3)
+    assert [type(e).__name__ for e in out] == ["ReopenRoom"]
+    assert isinstance(out[0], fx.ReopenRoom) and out[0].cause == "migration"
+    gone = _ask(router)
+    assert isinstance(gone, fx.DispatchLocal) and gone.decode == "c0"
+    assert router.handle(ev.ClientDisconnected(gone.room), 0.4) == [
+        fx.AbortLeg(gone.room, "decode", "c0")]
+    assert router.outcomes["RETRIED"] == 1 and router.outcomes["MIGRATED"] == 1
+
+
+def test_shedding_counts_a_colocated_worker_under_the_bound() -> None:
+    router = _colocated_router(["p0"], ["d0"], ["c0"], max_queue=2)
+    router.planner.set_loads({"p0": 2, "d0": 2, "c0": 1})
+    room = _ask(router)  # P and D full, c0 has room: it takes it
+    assert isinstance(room, fx.DispatchLocal) and room.decode == "c0"
+    router.planner.set_loads({"p0": 2, "d0": 2, "c0": 2})
+    shed = _ask(router)  # c0 full too: the full role named as without colocated workers
+    assert isinstance(shed, fx.ShedRequest) and shed.role == "decode"
+    alone = _colocated_router([], [], ["c0"], max_queue=1)
+    assert isinstance(_ask(alone), fx.DispatchLocal)
+    shed = _ask(alone)  # its one live room: at the bound
+    assert isinstance(shed, fx.ShedRequest) and shed.role == "colocated"
+    assert alone.shed == {"colocated": 1}

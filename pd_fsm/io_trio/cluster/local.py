@@ -85,6 +85,10 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
     return worker
 
 
+# `pd-fsm cluster --planner`: the roles every PD worker compiles at start and may switch to.
+PLANNER_ROLES = "prefill,decode,null"
+
+
 def plan(args: argparse.Namespace, tls: TLS = NO_TLS) -> list[Child]:
     """The children to start, in start order (the proxy last); with ``tls``, every one serves
     HTTPS with its certificate and verifies the others against its CA."""
@@ -136,13 +140,14 @@ def plan(args: argparse.Namespace, tls: TLS = NO_TLS) -> list[Child]:
         return children[-nnodes]
 
     def switchable(d_index: int | None = None) -> list[str]:
-        """With the planner: every PD worker compiles both roles (``--roles``), and a D gets
-        the side-channel port it serves on as a P."""
+        """With the planner: every PD worker compiles both roles and colocated (``--roles``:
+        the planner may switch it to null, and the proxy's role probes route it whole requests
+        then), and a D gets the side-channel port it serves on as a P."""
         if not planner:
             return []
         side = [] if d_index is None else ["--disaggregation-side-channel-port",
                                            str(d_side_ports[d_index])]
-        return ["--roles", "prefill,decode", *side]
+        return ["--roles", PLANNER_ROLES, *side]
 
     prefills = [
         instance(f"prefill-{i}", "prefill",
@@ -403,9 +408,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="more `pd-fsm proxy` flags, as one quoted string (e.g. "
                         "'--prefill-policy cache_aware --local-prefill-tokens 32')")
     p.add_argument("--planner", action="store_true",
-                   help="every PD worker compiles both roles (`pd-fsm serve --roles "
-                        "prefill,decode`) and `pd-fsm planner` switches them to meet its "
-                        "targets (the proxy follows by probing their roles)")
+                   help="every PD worker compiles both roles and colocated (`pd-fsm serve "
+                        f"--roles {PLANNER_ROLES}`) and `pd-fsm planner` switches them to meet "
+                        "its targets (the proxy follows by probing their roles; a worker in "
+                        "role null gets whole requests)")
     p.add_argument("--planner-args", default="",
                    help="more `pd-fsm planner` flags, as one quoted string (e.g. '--ttft-slo 2 "
                         "--itl-slo 0.1 --interval 5')")

@@ -3,17 +3,22 @@ latency histograms from ``/metrics`` (the names ``worker/metrics.py`` exports).
 
 Latencies are p90s over the window between two scrapes: the difference of the cumulative
 histograms, so a worker's history before the last decision does not weigh on the next one.
+
+A colocated worker (role ``null``, issue 30) serves whole requests: its TTFT and ITL both come
+from its own histograms, its waiting requests are those not prefilled yet, as P's. (A planner
+without ``--colocate`` leaves such workers out of its pressures: ``core/planner.py``.)
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import cast, get_args
 
 import attrs
 from prometheus_client.parser import text_string_to_metric_families
 
-from pd_fsm.core.planner import WorkerSnapshot
+from pd_fsm.core.planner import Role, WorkerSnapshot
 from pd_fsm.io_trio.worker.metrics import PREFIX
 
 TTFT = f"{PREFIX}_time_to_first_token_seconds"
@@ -21,6 +26,8 @@ ITL = f"{PREFIX}_inter_token_latency_seconds"
 BACKEND = f"{PREFIX}_backend_"
 # Requests not prefilled yet (P), or whose KV has not arrived yet (D): pd_queues' keys.
 D_WAITING_QUEUES = ("recv_queue", "alloc_queue", "pulls_inflight")
+# The roles the core planner takes snapshots of (``Role``'s values).
+PLANNED_ROLES: tuple[str, ...] = get_args(Role)
 
 
 @attrs.frozen
@@ -69,20 +76,20 @@ class Scrape:
     gauges: Mapping[str, float]  # pd_fsm_worker_backend_* by name (labelled: "name{key}")
 
     def snapshot(self, worker: str, earlier: Scrape | None) -> WorkerSnapshot | None:
-        """The planner's view over the window since ``earlier``; None for a colocated worker
-        (the planner moves workers between P and D only)."""
-        if self.role not in ("prefill", "decode"):
+        """The planner's view over the window since ``earlier``; None for a role the core
+        planner does not know (``Role``'s values)."""
+        if self.role not in PLANNED_ROLES:
             return None
         g = self.gauges
-        if self.role == "prefill":
-            waiting = g.get("queued", 0.0) + g.get("waiting", 0.0)
-        else:
+        if self.role == "decode":
             waiting = sum(g.get(f"pd_queues{{{k}}}", 0.0) for k in D_WAITING_QUEUES)
+        else:  # P, or a colocated worker: requests queued or not prefilled yet
+            waiting = g.get("queued", 0.0) + g.get("waiting", 0.0)
         total = g.get("total_pages", 0.0)
         used = (total - g.get("free_pages", total)) / total if total > 0 else 0.0
         return WorkerSnapshot(
             worker=worker,
-            role="prefill" if self.role == "prefill" else "decode",
+            role=cast(Role, self.role),  # checked above against Role's values
             waiting=int(waiting),
             running=int(g.get("running", 0.0)),
             ttft_p90=self.ttft.since(None if earlier is None else earlier.ttft).quantile(0.9),

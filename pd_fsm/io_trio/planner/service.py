@@ -1,6 +1,7 @@
 """The planner as a service (issue 30 §2): every ``interval`` it scrapes each worker's
 ``/server_info`` and ``/metrics``, hands the snapshots to the core's sans-IO ``Planner`` and acts
-on what it decides — a role switch is ``POST /switch_role`` on that worker. Asking for one more
+on what it decides — a role switch is ``POST /switch_role`` on that worker, to whatever role the
+core names (``"null"``, colocated, too once its ``Role`` has it). Asking for one more
 worker, or giving one back, needs a launcher this process does not have: such a decision is
 logged and counted ``not_actionable`` (``pd-fsm cluster --ray`` would be where actors start).
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import time
 from typing import Any
 
 import httpx
@@ -35,6 +37,8 @@ log = logging.getLogger("pd_fsm.io_trio.planner")
 SCRAPE_S = 2.0  # a worker that does not answer within this is left out of this observation
 SWITCH_S = 5.0  # /switch_role answers at once (202) and switches in the background
 RECENT = 100  # decisions kept for /decisions
+# pd_fsm_planner_workers' sides: "null" counts the colocated workers the planner sees.
+WORKER_SIDES = ("prefill", "decode", "null")
 
 
 class PlannerService:
@@ -93,7 +97,7 @@ class PlannerService:
             if snap is not None:
                 snapshots.append(snap)
         self._last = scrapes
-        for role in ("prefill", "decode"):
+        for role in WORKER_SIDES:
             self.workers.labels(role).set(sum(s.role == role and not s.switching
                                               for s in snapshots))
         p_load, d_load = self.planner.pressures(snapshots)
@@ -107,7 +111,9 @@ class PlannerService:
             to = decision.to if isinstance(decision, SwitchRole) else (
                 decision.role if isinstance(decision, ScaleUp) else "")
             self.decisions.labels(type(decision).__name__, to, pressure, outcome).inc()
-            entry = {"at": now, "kind": type(decision).__name__, "to": to,
+            # "at": this process's clock (what cooldowns count in); "wall": for lining decisions
+            # up with other processes' logs and a benchmark's phases.
+            entry = {"at": now, "wall": time.time(), "kind": type(decision).__name__, "to": to,
                      "worker": getattr(decision, "worker", ""), "reason": decision.reason,
                      "pressure": pressure, "outcome": outcome}
             self.recent.append(entry)

@@ -2,6 +2,8 @@
 
 ``--prefill URL [BOOTSTRAP_PORT]`` and ``--decode URL`` repeat, as in sglang-router; or
 ``--bootstrap-url`` discovers the workers from the bootstrap server's ``/list``.
+``--colocated URL`` repeats too: a worker in role ``null`` that serves whole requests (the
+registry lists no such worker, so these are given statically either way).
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="a prefill worker and the bootstrap port it is known by (or 'none')")
     p.add_argument("--decode", action="append", default=[], metavar="URL",
                    help="a decode worker")
+    p.add_argument("--colocated", action="append", default=[], metavar="URL",
+                   help="a colocated worker (role null: serves whole requests); it gets a request "
+                        "when it has fewer in flight than the chosen decode worker, or when there "
+                        "is no prefill or no decode worker. The registry lists none: with "
+                        "--bootstrap-url give them here")
     p.add_argument("--bootstrap-url", default=None,
                    help="discover workers from this bootstrap server's /list instead")
     p.add_argument("--refresh-interval", type=float, default=5.0,
@@ -164,11 +171,15 @@ def main(args: argparse.Namespace) -> int:
     )
     try:
         prefill = parse_prefill(args.prefill)
-        for url in args.decode:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"--decode URL must start with http:// or https://, got {url!r}")
-        if args.bootstrap_url is None and (not prefill or not args.decode):
-            raise ValueError("give --prefill and --decode workers, or --bootstrap-url")
+        for flag in ("decode", "colocated"):
+            for url in getattr(args, flag):
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(f"--{flag} URL must start with http:// or https://, got "
+                                     f"{url!r}")
+        if args.bootstrap_url is None and not args.colocated and (
+                not prefill or not args.decode):
+            raise ValueError("give --prefill and --decode workers, or --colocated workers, or "
+                             "--bootstrap-url")
         if args.refresh_interval <= 0 or args.room_timeout <= 0:
             raise ValueError("--refresh-interval and --room-timeout must be positive")
         if args.role_probe_interval < 0:
@@ -187,7 +198,7 @@ def main(args: argparse.Namespace) -> int:
                   retry_limit=args.retry_limit, migration_limit=args.migration_limit,
                   breaker_threshold=args.breaker_threshold,
                   breaker_cooldown=args.breaker_cooldown,
-                  role_probe_interval=args.role_probe_interval)
+                  role_probe_interval=args.role_probe_interval, colocated=args.colocated)
     return run_service(serve_until_signal, "proxy", serve_proxy, proxy, args.host, args.port,
                        log, host=args.host, port=args.port, log=log)
 

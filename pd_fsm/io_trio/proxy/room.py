@@ -90,7 +90,8 @@ class Room:
     request: ClientRequest
     room: int = -1
     prefill: str = ""  # "" when D prefills the room alone (DispatchLocal)
-    decode: str = ""
+    decode: str = ""  # the worker whose answer the client gets: a D, or a colocated worker
+    decode_role: str = "decode"  # that leg's X-PD-Role: "null" for a colocated worker
     rid: str = ""
     body: dict[str, Any] = attrs.field(factory=dict)  # the legs' body
     outcome: Outcome | None = None  # set once, with ``decided``
@@ -315,7 +316,7 @@ class RoomResponse:
                 s.d_posted = trio.current_time()
                 async with self.host.client.stream(
                         "POST", s.decode + q.path, json=s.body,
-                        headers={**q.headers, ROLE_HEADER: "decode"}) as resp:
+                        headers={**q.headers, ROLE_HEADER: s.decode_role}) as resp:
                     if not 200 <= resp.status_code < 300:
                         body = json_or_text(await resp.aread())
                         if resp.status_code == STALE_ROLE:

@@ -8,7 +8,9 @@ out or the client leaves); this adapter only carries out its effects and feeds i
 * ``DispatchRoom`` -> post the same body to P and D concurrently (one pooled httpx client), with
   ``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room`` injected (and ``rid`` when the
   client gave none, so the legs can be aborted by name);
-* ``DispatchLocal`` -> post the body to D alone, without bootstrap fields: D prefills it;
+* ``DispatchLocal`` -> post the body to D alone, without bootstrap fields: D prefills it; or, the
+  same way, to a colocated worker (role "null", ``--colocated`` or probed), which serves the
+  whole request (its leg's X-PD-Role says "null");
 * ``RelayDecode`` -> the client gets D's status and body, SSE relayed chunk by chunk as it
   arrives; prompt log-probs, which only P computes, are put into D's answer from P's
   (``logprob_merge``: P's leg then goes unstreamed, and D's is relayed once P's is in). The room
@@ -123,7 +125,9 @@ class Proxy:
         breaker_threshold: int = RouterConfig().breaker_threshold,
         breaker_cooldown: float = RouterConfig().breaker_cooldown,
         role_probe_interval: float = 2.0,
+        colocated: list[str] | None = None,
     ) -> None:
+        colocated = [c.rstrip("/") for c in colocated or []]
         self.tls = tls  # serves HTTPS if it has a certificate; verifies workers against its CA
         self.router = RoomRouter(
             [p.url for p in prefill],
@@ -134,12 +138,14 @@ class Proxy:
                          breaker_threshold=breaker_threshold,
                          breaker_cooldown=breaker_cooldown),
             routing,
+            colocated,
         )
         self.workers = Workers(
             self.router, lambda: self.client, prefill, decode,
             headers=bearer(worker_api_key) if worker_api_key else {},
             bootstrap_url=bootstrap_url, refresh_interval=refresh_interval,
-            load_interval=load_interval, role_probe_interval=role_probe_interval)
+            load_interval=load_interval, role_probe_interval=role_probe_interval,
+            colocated=colocated)
         # Exceptions contained to one room (http_edge's count has the requests' own).
         self.contained = {"prefill_leg": 0, "room": 0}
         # Rooms reopened for their request (ReopenRoom), by cause: "retry", "migration",
@@ -199,6 +205,10 @@ class Proxy:
             "aborts_sent_total": dict(self.aborts_sent),
             "prefill_workers": len(self.workers.targets),
             "decode_workers": len(self.workers.decode_urls),
+            "colocated_workers": len(self.workers.colocated_urls),
+            # Rooms by the path their request took: "pd", "decode_alone", "colocated",
+            # "handoff" (a retried or migrated request's every room counts).
+            "rooms_routed_total": dict(self.router.routed),
             # Static lists: /server_info probes of the workers' roles, and workers routed as
             # another role than before (a role switch seen, issue 30 §1).
             "role_probes_total": dict(self.workers.role_probes),
@@ -238,6 +248,8 @@ class Proxy:
                 started = self._dispatching.pop(effect.request_id)
                 started.room, started.decode = effect.room, effect.decode
                 started.prefill = effect.prefill if isinstance(effect, fx.DispatchRoom) else ""
+                if isinstance(effect, fx.DispatchLocal):
+                    started.decode_role = effect.role
                 self._rooms[effect.room] = started
                 self._timer_wake.set()
             case fx.BreakerChanged():
@@ -394,15 +406,18 @@ class Proxy:
         if s.room < 0:
             self._dispatching.pop(q.request_id, None)
             return self._no_worker or Refusal(503, "no workers available", "no_workers")
-        # A D that drains hands this stream off only if we route another D to continue it on.
-        body = (q.progress.leg_body(q.client_body, handoff=any(
+        # A D that drains hands this stream off only if we route another D to continue it on;
+        # a colocated worker cannot hand one off (nothing of it is registered for a pull).
+        body = (q.progress.leg_body(q.client_body, handoff=s.decode_role == "decode" and any(
                     d != s.decode for d in self.workers.decode_urls))
                 if q.progress is not None else q.client_body)
         rid = body.get("rid")
         s.rid = rid if isinstance(rid, str) and rid else f"pdfsm-{s.room:016x}"
         if attempts.retries or attempts.migrations:  # a name of its own on every worker
             s.rid = f"{s.rid}.{attempts.retries + attempts.migrations}"
-        if not s.prefill:  # D prefills it: a plain request, D computes its prompt log-probs too
+        # D alone or a colocated worker prefills it: a plain request; it computes its prompt
+        # log-probs too.
+        if not s.prefill:
             s.body = {k: v for k, v in body.items() if k not in BOOTSTRAP_FIELDS}
             s.body["rid"] = s.rid
             if s.ticket is not None:  # D pulls the KV the draining D registered

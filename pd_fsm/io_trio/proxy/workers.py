@@ -6,7 +6,11 @@ is polled every ``load_interval``. A worker's role can change at runtime (``POST
 issue 30 §1): with a registry, its record is withdrawn and comes back under the new role; with
 static lists, each worker's ``/server_info`` is probed every ``role_probe_interval`` and the
 worker is routed by the role it reports (a worker that reports none, such as an sglang worker,
-keeps the role it was given on the command line). The proxy's routes about them are here too:
+keeps the role it was given on the command line). A worker in role ``null`` (``--colocated``, or
+probed as such) is a colocated target: the router sends it whole requests. The bootstrap
+registry lists P and D only (a worker switched to null leaves it): with ``--bootstrap-url`` the
+colocated workers are the ``--colocated`` ones that the registry does not list under another
+role. The proxy's routes about them are here too:
 ``/health`` (a prefill and a decode worker answer theirs), ``/workers`` (who is routed to, each
 breaker, each probed role) and the pass-through of the model-info paths.
 """
@@ -72,11 +76,15 @@ class Workers:
         refresh_interval: float,
         load_interval: float,
         role_probe_interval: float = 2.0,
+        colocated: list[str] | None = None,
     ) -> None:
         self._router = router
         self._client = client  # the proxy's (made when it runs)
         self.targets = {p.url: p for p in prefill}
         self.decode_urls = [d.rstrip("/") for d in decode]
+        # Workers serving whole requests (role "null"); with a registry, the static ones.
+        self.static_colocated = [c.rstrip("/") for c in colocated or []]
+        self.colocated_urls = list(self.static_colocated)
         # Sent to workers on every call (legs, aborts, info). Without it a leg carries the
         # client's own Authorization header, as sglang-router forwards it.
         self.headers = headers
@@ -89,6 +97,8 @@ class Workers:
             p.url: ("prefill", p.bootstrap_port) for p in prefill}
         for d in self.decode_urls:  # in the command line's order: round robin follows it
             self._configured.setdefault(d, ("decode", None))
+        for c in self.colocated_urls:
+            self._configured.setdefault(c, ("null", None))
         self.role_probe_interval = role_probe_interval
         self.probed: dict[str, ProbedRole] = {}
         self.role_probes = {"ok": 0, "failed": 0}
@@ -106,7 +116,7 @@ class Workers:
         while True:
             loads: dict[str, int] = {}
             async with trio.open_nursery() as nursery:
-                for url in {*self.targets, *self.decode_urls}:
+                for url in {*self.targets, *self.decode_urls, *self.colocated_urls}:
                     nursery.start_soon(self._probe_load, url, loads)
             self._router.planner.set_loads(loads)
             await trio.sleep(self.load_interval)
@@ -173,6 +183,7 @@ class Workers:
     def _route_by_role(self) -> None:
         targets: dict[str, PrefillTarget] = {}
         decode: list[str] = []
+        colocated: list[str] = []
         for url, (role, port) in self._configured.items():
             probed = self.probed.get(url)
             if probed is not None:
@@ -184,7 +195,9 @@ class Workers:
                 targets[url] = PrefillTarget.from_url(url, port)
             elif role == "decode":
                 decode.append(url)
-        self._route_to(targets, decode)
+            elif role == "null":
+                colocated.append(url)
+        self._route_to(targets, decode, colocated)
 
     # ------------------------------------------------------------------ discovery
 
@@ -216,30 +229,36 @@ class Workers:
                 continue
             host, port = _advertised(rec)
             targets[url] = PrefillTarget(url, host, port)
-        self._route_to(dict(sorted(targets.items())),
-                       sorted({u for u in map(worker_url, decode) if u is not None}))
+        decode_urls = sorted({u for u in map(worker_url, decode) if u is not None})
+        # A --colocated worker the registry lists (it was switched to P or D) is routed as that.
+        colocated = [c for c in self.static_colocated if c not in targets and c not in decode_urls]
+        self._route_to(dict(sorted(targets.items())), decode_urls, colocated)
 
-    def _route_to(self, targets: dict[str, PrefillTarget], decode_urls: list[str]) -> None:
-        if targets != self.targets or decode_urls != self.decode_urls:
-            before = {**{u: "prefill" for u in self.targets}, **{u: "decode" for u in
-                                                                 self.decode_urls}}
-            after = {**{u: "prefill" for u in targets}, **{u: "decode" for u in decode_urls}}
+    def _route_to(self, targets: dict[str, PrefillTarget], decode_urls: list[str],
+                  colocated: list[str]) -> None:
+        if (targets != self.targets or decode_urls != self.decode_urls
+                or colocated != self.colocated_urls):
+            before = _roles_of(self.targets, self.decode_urls, self.colocated_urls)
+            after = _roles_of(targets, decode_urls, colocated)
             self.role_changes += sum(before.get(u) != after.get(u) for u in {*before, *after})
             epochs = {u: p.epoch for u, p in self.probed.items()}
-            log.info("workers: prefill %s, decode %s%s", sorted(targets), decode_urls,
-                     f" (role epochs {epochs})" if epochs else "")
+            log.info("workers: prefill %s, decode %s, colocated %s%s", sorted(targets),
+                     decode_urls, colocated, f" (role epochs {epochs})" if epochs else "")
         self.targets = targets
         self.decode_urls = decode_urls
-        self._router.set_workers(list(self.targets), decode_urls)
+        self.colocated_urls = colocated
+        self._router.set_workers(list(self.targets), decode_urls, colocated)
 
     # ------------------------------------------------------------------ routes
 
     async def health(self, request: Request) -> Response:
-        """200 only while at least one prefill and one decode worker answer their own /health
-        (probed now, concurrently, within HEALTH_PROBE_S): routers and load balancers poll this
-        to decide whether to send traffic, and a proxy with a dead side can only fail it."""
-        sides = {"prefill": list(self.targets), "decode": list(self.decode_urls)}
-        healthy: dict[str, int] = {"prefill": 0, "decode": 0}
+        """200 only while at least one prefill and one decode worker, or one colocated worker,
+        answer their own /health (probed now, concurrently, within HEALTH_PROBE_S): routers
+        and load balancers poll this to decide whether to send traffic, and a proxy that can
+        serve no request can only fail it."""
+        sides = {"prefill": list(self.targets), "decode": list(self.decode_urls),
+                 "colocated": list(self.colocated_urls)}
+        healthy: dict[str, int] = {side: 0 for side in sides}
 
         async def probe(side: str, url: str) -> None:
             try:
@@ -254,7 +273,8 @@ class Workers:
             for side, urls in sides.items():
                 for url in urls:
                     nursery.start_soon(probe, side, url)
-        missing = [side for side in sides if healthy[side] == 0]
+        missing = ([] if healthy["colocated"] else
+                   [side for side in ("prefill", "decode") if healthy[side] == 0])
         body: dict[str, Any] = {
             "status": "ok" if not missing else f"no healthy {' or '.join(missing)} worker",
             **{side: {"healthy": healthy[side], "configured": len(urls)}
@@ -265,15 +285,16 @@ class Workers:
         return JSONResponse(body, status_code=503 if missing else 200)
 
     async def listing(self, request: Request) -> Response:
-        """The workers routed to now, by role (their HTTP URLs), and each one's circuit breaker
-        (CLOSED, OPEN, HALF_OPEN, PROBING)."""
+        """The workers routed to now, by role (their HTTP URLs; colocated: role "null"), and
+        each one's circuit breaker (CLOSED, OPEN, HALF_OPEN, PROBING)."""
         return JSONResponse({"prefill": list(self.targets), "decode": list(self.decode_urls),
+                             "colocated": list(self.colocated_urls),
                              "breakers": self._router.breakers.states(),
                              "roles": {u: attrs.asdict(p) for u, p in self.probed.items()}})
 
     async def info(self, request: Request) -> Response:
-        """Pass-through to the first decode worker (then prefill)."""
-        for base in [*self.decode_urls, *self.targets]:
+        """Pass-through to the first decode worker (then prefill, then colocated)."""
+        for base in [*self.decode_urls, *self.targets, *self.colocated_urls]:
             try:
                 r = await self._client().get(base + request.url.path, headers=self.headers)
             except httpx.HTTPError:
@@ -302,6 +323,12 @@ def _probed_role(r: httpx.Response) -> ProbedRole | None:
     port = info.get("prefill_bootstrap_port")
     return ProbedRole(role, epoch, info.get("role_state", "SERVING") == "SERVING",
                       port if type(port) is int else None)
+
+
+def _roles_of(targets: dict[str, PrefillTarget], decode: list[str], colocated: list[str]
+              ) -> dict[str, str]:
+    return {**{u: "null" for u in colocated}, **{u: "decode" for u in decode},
+            **{u: "prefill" for u in targets}}
 
 
 def _advertised(rec: dict[str, Any]) -> tuple[str, int | None]:

@@ -1,0 +1,61 @@
+"""bench/bench_adaptive.py's pure parts: the shifting schedule every placement gets, the
+unmeasured prompts, and the tables' goodput per phase and ratios to the best static placement."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import bench_adaptive as ba  # bench/, not a package: found by the path above
+
+from pd_fsm.io_trio.bench_client import Result
+
+
+def _args(**over: object) -> argparse.Namespace:
+    base = {"phases": "ABA", "phase_seconds": 30.0, "rate": 1.0, "a_prompt": (400, 800),
+            "a_out": (8, 8), "b_prompt": (16, 64), "b_out": (64, 128), "seed": 3,
+            "slo_ttft": 2.0, "slo_tpot": 0.1, "tight_tpot": 0.05}
+    return argparse.Namespace(**{**base, **over})
+
+
+def test_schedule_shifts_between_the_kinds_by_arrival_time() -> None:
+    s = ba.make_schedule(_args())
+    assert s == ba.make_schedule(_args())  # every placement gets the same one
+    assert s.arrivals == sorted(s.arrivals) and s.arrivals[-1] < 90.0
+    for a, k, p in zip(s.arrivals, s.phase_of, s.prompts, strict=True):
+        assert k == int(a // 30.0)
+        lo, hi = (400, 800) if s.kinds[k] == "A" else (16, 64)
+        assert lo <= p.words <= hi and len(p.text.split()) == p.words
+        assert p.max_tokens == 8 if s.kinds[k] == "A" else 64 <= (p.max_tokens or 0) <= 128
+    assert sorted(i for k in range(3) for i in s.in_phase(k)) == list(range(len(s.prompts)))
+
+
+def test_warm_prompts_take_each_kind() -> None:
+    s = ba.make_schedule(_args())
+    warm = ba.warm_prompts(s, 2)
+    assert [p.max_tokens == 8 for p in warm] == [True, True, False, False]
+
+
+def _met(n: int, of: int) -> list[Result]:
+    """``of`` requests of which the first ``n`` met TTFT <= 2 s and TPOT <= 100 ms."""
+    return [Result(ok=True, ttft=0.5 if i < n else 5.0, itl=[0.02, 0.04]) for i in range(of)]
+
+
+def test_report_goodput_per_phase_and_ratios_to_the_best_static() -> None:
+    sched = ba.Schedule("AB", 10.0, [1.0, 2.0, 11.0, 12.0], [0, 0, 1, 1],
+                        ba.make_schedule(_args()).prompts[:4])
+    runs = {"static X": [_met(2, 2)[:2] + _met(0, 2)],   # all of A, none of B
+            "static Y": [_met(0, 2) + _met(1, 2)],       # none of A, one of B
+            ba.ADAPTIVE: [_met(2, 2) + _met(2, 2)]}      # everything
+    lines, out = ba.report("t", runs, sched, _args(phases="AB"))
+    assert [f[ba.ADAPTIVE]["goodput"] for f in out["phases"]] == [0.2, 0.2]
+    assert out["phases"][1]["static Y"]["goodput"] == 0.1
+    assert out["overall"]["static X"]["goodput"] == pytest.approx(0.1)  # 2 met in 20 s
+    text = "\n".join(lines)
+    assert "per phase: 1.00, 2.00 (>= the best static in every phase)" in text
+    assert "whole run: 2.00x the best static placement" in text
