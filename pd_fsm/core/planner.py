@@ -38,7 +38,12 @@ prefill side and its inter-token gap on the decode side.
   worker went becomes colocated next (an orphan).
 - Split: the colocated workers missing their inter-token target while their TTFT is within its
   own (``decode_bound`` among them: decode steps wait behind prefills) give one worker to the
-  P/D side under more pressure, or, with no P/D part yet, two workers: one P, one D.
+  P/D side under more pressure, or, with no P/D part yet, two workers (one P, one D) when a
+  third stays colocated to serve while they drain.
+- Never every serving worker at once: a decision that would drain them all keeps its first
+  ones (a merge lists the donor side first; the other side then follows as orphans). So two
+  workers merge one at a time and never split back: a split would leave nobody serving whole
+  requests while they drain.
 - Colocated is the safe side (it leaves no capacity idle), P/D the bet: each mode's pressure
   (its worse side's, 1.0 at the target) is remembered when the planner leaves it, for
   ``recall`` seconds; a merge needs P/D to do worse than colocated did, a split needs colocated
@@ -179,6 +184,11 @@ class Planner:
             if self._run[1] < self.config.patience:
                 return []
             decisions = self._decide(pressure, snapshots, now)
+        # Never every serving worker draining at once: the cluster would serve nothing for a
+        # drain's length (measured: a 1P1D merge and split failed requests at the drain deadline).
+        serving = sum(not s.switching for s in snapshots)
+        if serving and len(decisions) >= serving:
+            decisions = decisions[:serving - 1]
         if not decisions:
             return []
         self.decisions.extend((now, d) for d in decisions)
@@ -231,7 +241,10 @@ class Planner:
                 pairs = min(sum(s.role == "prefill" for s in pd),
                             sum(s.role == "decode" for s in pd))
                 k = max(1, math.ceil(pairs * (1.0 - c.headroom / max(p_load, d_load))))
-                return [SwitchRole(s.worker, "null", why) for r in ("prefill", "decode")
+                # The donor side first: where every worker would switch at once, observe()
+                # keeps the first ones, and the other side follows as orphans.
+                return [SwitchRole(s.worker, "null", why)
+                        for r in (donor, "prefill" if donor == "decode" else "decode")
                         for s in sorted((s for s in pd if s.role == r), key=_load)[:k]]
         if colo and pressure in _BOUND:
             p_load, d_load = self.pressures(colo)
@@ -248,7 +261,7 @@ class Planner:
                     self._left["colocated"] = (max(p_load, d_load), now)
                     self._split_at = now
                     return [SwitchRole(order[0].worker, to, f"{why}: to {to}")]
-                if len(order) >= 2:
+                if len(order) >= 3:  # one stays colocated: someone serves while the pair drains
                     self._left["colocated"] = (max(p_load, d_load), now)
                     self._split_at = now
                     return [SwitchRole(order[0].worker, "decode", f"{why}: split into P/D"),

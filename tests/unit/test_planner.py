@@ -168,3 +168,19 @@ def test_colocated_missing_itl_with_ttft_to_spare_splits_once_per_recall() -> No
     calm = [*cluster(1.0, 0.06, n_p=1, n_d=1), *colocated(0.5, 0.3, n=2)]
     (to_d,) = Planner(PlannerConfig(patience=1, colocate=True)).observe(calm, 0.0)
     assert (to_d.worker, to_d.to) == ("c0", "decode")  # type: ignore[union-attr]
+
+
+def test_two_workers_merge_one_at_a_time_and_never_split_back() -> None:
+    """Never every serving worker draining at once (measured: a 1P1D merge and split drained the
+    whole cluster, and requests failed at the drain deadline)."""
+    planner = Planner(PlannerConfig(patience=1, cooldown=0.0, colocate=True))
+    (first,) = planner.observe(cluster(1.0, 0.4, n_p=1, n_d=1), 0.0)  # decode-bound, P not idle
+    assert (first.worker, first.to) == ("p0", "null")  # type: ignore[union-attr]
+    mid = [WorkerSnapshot("p0", "null", switching=True), *cluster(0.5, 0.4, n_p=0, n_d=1)]
+    assert planner.observe(mid, 1.0) == []  # the lone D waits while p0 drains
+    merged = [WorkerSnapshot("p0", "null"), *cluster(0.5, 0.4, n_p=0, n_d=1)]
+    (then,) = planner.observe(merged, 2.0)  # now an orphan
+    assert (then.worker, then.to) == ("d0", "null")  # type: ignore[union-attr]
+    assert planner.observe(colocated(0.5, 0.6, n=2), 300.0) == []  # no split of the last two
+    only_ds = cluster(0.5, 0.05, n_p=0, n_d=2)  # orphans serving nothing: all but one now
+    assert len(planner.observe(only_ds, 301.0)) == 1
