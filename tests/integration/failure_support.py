@@ -283,11 +283,9 @@ class Fleet:
 
 # ----------------------------------------------------------------------------- requests
 
-async def signal_streaming_decode(http: httpx.AsyncClient, decodes: list[Proc],
-                                  how: signal.Signals = signal.SIGKILL) -> Proc:
-    """Freeze every D, find the one holding a request (thawing each alone for its /get_load),
-    signal it (SIGKILL; a SIGTERM waits for the thaw) and let the others go on: the signal
-    lands mid-stream, whatever the speeds."""
+async def freeze_streaming_decode(http: httpx.AsyncClient, decodes: list[Proc]) -> Proc:
+    """Freeze every D and find the one holding a request (thawing each alone for its
+    /get_load); every D is left frozen, so what the caller does next lands mid-stream."""
     for d in decodes:
         os.kill(d.pid, signal.SIGSTOP)
     victim = None
@@ -299,6 +297,14 @@ async def signal_streaming_decode(http: httpx.AsyncClient, decodes: list[Proc],
         if busy and victim is None:
             victim = d
     assert victim is not None, "no decode worker holds the streaming request"
+    return victim
+
+
+async def signal_streaming_decode(http: httpx.AsyncClient, decodes: list[Proc],
+                                  how: signal.Signals = signal.SIGKILL) -> Proc:
+    """Signal the D holding a request (SIGKILL; a SIGTERM waits for the thaw) while every D is
+    frozen, then let the others go on: the signal lands mid-stream, whatever the speeds."""
+    victim = await freeze_streaming_decode(http, decodes)
     if how == signal.SIGKILL:
         victim.kill()
     else:

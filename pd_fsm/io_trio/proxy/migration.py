@@ -17,6 +17,7 @@ with ``resume`` and ``handoff``: that D pulls the KV, no prefill runs.
 
 from __future__ import annotations
 
+import json
 from typing import Any, TypeGuard
 
 import attrs
@@ -62,6 +63,10 @@ class Progress:
     # A draining D ended the stream with this hand-off ticket (issue 32 §2): the next room's D
     # pulls the KV it names. Cleared when a room is opened without it.
     ticket: dict[str, Any] | None = None
+    # A worker failure D reported in-band, (status, message): a 5xx error event (a drain's
+    # deadline, a failed step). Neither it nor the rest of D's stream reaches the client: the
+    # request migrates as after a break (issue 32 §1).
+    failed: tuple[int, str] | None = None
 
     def leg_body(self, body: dict[str, Any], *, handoff: bool = True) -> dict[str, Any]:
         """The body a decode leg gets: with ``return_token_ids`` on OpenAI streams (so the ids
@@ -89,14 +94,18 @@ class Progress:
         if isinstance(nxt, int) and (not self.output_ids or self.output_ids[-1] != nxt):
             self.output_ids.append(nxt)
 
-    def take_handoff(self, raw: bytes) -> bool:
-        """One SSE event's bytes: True (and the ticket kept) for D's hand-off event, which the
-        client never sees (``SseRewriter``'s ``drop``)."""
+    def withhold(self, raw: bytes) -> bool:
+        """One SSE event's bytes: True for the events the client never sees (``SseRewriter``'s
+        ``drop``): D's hand-off event (its ticket kept), and a worker failure's error event and
+        everything after it (kept in ``failed``)."""
+        if self.failed is not None:
+            return True
         ticket = handoff_ticket(raw)
-        if ticket is None:
-            return False
-        self.ticket = ticket
-        return True
+        if ticket is not None:
+            self.ticket = ticket
+            return True
+        self.failed = worker_failure(raw)
+        return self.failed is not None
 
     def observe(self, event: Any) -> bool:
         """One relayed SSE event (edited in place: ids the client did not ask for are taken
@@ -128,3 +137,22 @@ class Progress:
             if choice.get("finish_reason") is not None:
                 self.finished = True
         return False
+
+
+def worker_failure(raw: bytes) -> tuple[int, str] | None:
+    """(status, message) of an OpenAI stream's error event that reports a worker failure (a
+    5xx: the worker's drain deadline, a failed step), else None. A 4xx is about the request and
+    is relayed; /generate streams carry no status in their last event, and are relayed too."""
+    if not raw.startswith(b"data: {"):
+        return None
+    try:
+        event = json.loads(raw[len(b"data: "):])
+    except ValueError:
+        return None
+    error = event.get("error") if isinstance(event, dict) else None
+    if not isinstance(error, dict):
+        return None
+    code, message = error.get("code"), error.get("message")
+    if type(code) is not int or not 500 <= code <= 599:
+        return None
+    return code, message if isinstance(message, str) else "worker failure"

@@ -415,7 +415,7 @@ class RoomResponse:
                                    once=q.path != "/generate")
         elif q.progress is not None:
             rewriter = SseRewriter(q.progress.observe, once=False,
-                                   drop=q.progress.take_handoff)
+                                   drop=q.progress.withhold)
         async for chunk in resp.aiter_raw():
             if first and chunk:
                 first = False
@@ -426,6 +426,15 @@ class RoomResponse:
             tail = (tail + chunk)[-len(SSE_DONE):]
             self.tell(s, ev.DoneRelayed() if tail == SSE_DONE else ev.ChunkRelayed())
         rest = rewriter.flush() if rewriter is not None else b""
+        if q.progress is not None and q.progress.failed is not None:
+            # D failed the stream in-band (a 5xx event, not relayed): as if it broke off, the
+            # request migrates to a new room, or the client gets D's error.
+            status, message = q.progress.failed
+            q.progress.failed = None
+            self.host.feed(ev.LegResponded(s.room, "decode", False, message, lost=True))
+            if s.reopen is None:
+                await self._relay_error(s, send, status, f"decode worker {s.decode}: {message}")
+            return
         if q.progress is not None and q.progress.ticket is not None:
             # D is draining and handed the stream off: it goes on in the next room, under the
             # headers already sent (or, if the router will not, ends in an error chunk).
