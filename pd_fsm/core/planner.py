@@ -255,17 +255,18 @@ class Planner:
                        f"decode steps wait behind prefills"
                        + ("" if held is None else f", P/D did {held:.2f}"))
                 order = sorted(colo, key=_load)
+                split: list[Decision] = []
                 if any(s.role == "prefill" for s in pd) and any(s.role == "decode" for s in pd):
                     pd_p, pd_d = self.pressures(pd)
                     to: Role = "prefill" if pd_p > pd_d else "decode"
+                    split = [SwitchRole(order[0].worker, to, f"{why}: to {to}")]
+                elif len(order) >= 3:  # one stays colocated: someone serves while the pair drains
+                    split = [SwitchRole(order[0].worker, "decode", f"{why}: split into P/D"),
+                             SwitchRole(order[1].worker, "prefill", f"{why}: split into P/D")]
+                if split:
                     self._left["colocated"] = (max(p_load, d_load), now)
                     self._split_at = now
-                    return [SwitchRole(order[0].worker, to, f"{why}: to {to}")]
-                if len(order) >= 3:  # one stays colocated: someone serves while the pair drains
-                    self._left["colocated"] = (max(p_load, d_load), now)
-                    self._split_at = now
-                    return [SwitchRole(order[0].worker, "decode", f"{why}: split into P/D"),
-                            SwitchRole(order[1].worker, "prefill", f"{why}: split into P/D")]
+                    return split
         return None
 
     # -- P and D ------------------------------------------------------------------------------
