@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from typing import assert_never
 
 import attrs
 
@@ -46,6 +47,29 @@ _LEG_TRIGGERS = {
     (False, True): _T.DecodeResponded,
     (False, False): _T.DecodeFailed,
 }
+
+
+def _least_loaded(workers: list[str], live: Counter[str]) -> str | None:
+    """The worker of ``workers`` with the fewest live rooms; None if there is none."""
+    return min(workers, key=lambda w: live[w], default=None)
+
+
+def _pools(e: ev.RoomRequested, all_prefill: list[str], all_decode: list[str],
+           all_colocated: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """The P, D and colocated workers a room may go to: around the workers that failed its
+    request. With a P and a D left, or else a colocated worker, those; with neither, as before
+    colocated workers existed: a role left with none keeps all of its workers, and the colocated
+    workers all stay candidates. A hand-off room goes to a D only (it pulls KV a colocated
+    worker cannot)."""
+    avoid = set(e.attempts.avoid)
+    prefill = [p for p in all_prefill if p not in avoid]
+    decode = [d for d in all_decode if d not in avoid]
+    if e.handoff:
+        return prefill or all_prefill, decode or all_decode, []
+    colocated = [c for c in all_colocated if c not in avoid]
+    if (prefill and decode) or colocated:  # without P or D: a colocated worker's
+        return prefill, decode, colocated
+    return prefill or all_prefill, decode or all_decode, all_colocated
 
 
 @attrs.define(slots=True)
@@ -115,32 +139,20 @@ class RoomRouter:
         self.breakers.advance(now, out)
         for room in self._timers.pop_due(now):
             self._step(self.rooms[room], _T.TimedOut, out, "room deadline passed")
-        if isinstance(event, ev.RoomRequested):
-            self._dispatch(event, now, out)
-        elif isinstance(event, ev.LegResponded):
-            r = self.rooms.get(event.room)
-            trigger = _LEG_TRIGGERS[event.leg == "prefill", event.ok]
-            if r is not None:
-                self._judge_worker(r, event, now, out)
-            if r is not None and not event.ok:
-                trigger = self._failure_trigger(r, event, now, trigger)
-            if trigger == _T.PrefillFailed and self.config.decode_recomputes:
-                trigger = _T.PrefillFailedRecoverable
-            if r is None or self.table.step(r.state, trigger) is None:
-                self.dropped += 1
-            else:
-                self._step(r, trigger, out, event.reason)
-        elif isinstance(event, ev.ClientDisconnected | ev.RelayFinished):
-            r = self.rooms.get(event.room)
-            trigger = _T.ClientDisconnected if isinstance(
-                event, ev.ClientDisconnected) else _T.RelayFinished
-            if r is None or self.table.step(r.state, trigger) is None:
-                self.dropped += 1  # e.g. the client left after its room had already failed
-            else:
-                gone = isinstance(event, ev.ClientDisconnected)
-                self._step(r, trigger, out, "client disconnected" if gone else "")
-        elif not isinstance(event, ev.TimeAdvanced):
-            raise LocalProtocolError(f"RoomRouter cannot handle {type(event).__name__}")
+        match event:
+            case ev.RoomRequested():
+                self._dispatch(event, now, out)
+            case ev.LegResponded():
+                self._leg_responded(event, now, out)
+            case ev.ClientDisconnected():
+                # e.g. the client left after its room had already failed: dropped
+                self._fire(event.room, _T.ClientDisconnected, out, "client disconnected")
+            case ev.RelayFinished():
+                self._fire(event.room, _T.RelayFinished, out, "")
+            case ev.TimeAdvanced():
+                pass  # the deadlines above are all it brings
+            case _:
+                assert_never(event)
         return out
 
     def next_deadline(self) -> float | None:
@@ -154,16 +166,31 @@ class RoomRouter:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _judge_worker(self, r: _Room, e: ev.LegResponded, now: float,
-                      out: list[fx.RouterEffect]) -> None:
-        """A leg's outcome for its worker's breaker: a refusal, a lost connection, or D
-        breaking off mid-relay is the worker's fault; other failures (a 4xx, D failing because
-        P did) are not."""
-        worker = r.prefill if e.leg == "prefill" else r.decode
-        broke = e.leg == "decode" and r.state in (_S.RELAYING, _S.LOCAL_RELAYING)
-        if e.handoff:  # a draining D handing its stream off does what it should
-            return
-        self.breakers.outcome(worker, e.ok, not e.ok and (e.refused or e.lost or broke), now, out)
+    def _leg_responded(self, e: ev.LegResponded, now: float,
+                       out: list[fx.RouterEffect]) -> None:
+        r = self.rooms.get(e.room)
+        trigger = _LEG_TRIGGERS[e.leg == "prefill", e.ok]
+        if r is not None and not e.handoff:  # a draining D handing its stream off does right
+            # A refusal, a lost connection, or D breaking off mid-relay is the worker's fault;
+            # other failures (a 4xx, D failing because P did) are not.
+            worker = r.prefill if e.leg == "prefill" else r.decode
+            broke = e.leg == "decode" and r.state in (_S.RELAYING, _S.LOCAL_RELAYING)
+            self.breakers.outcome(worker, e.ok, not e.ok and (e.refused or e.lost or broke),
+                                  now, out)
+        if r is not None and not e.ok:
+            trigger = self._failure_trigger(r, e, now, trigger)
+        if trigger == _T.PrefillFailed and self.config.decode_recomputes:
+            trigger = _T.PrefillFailedRecoverable
+        self._fire(e.room, trigger, out, e.reason)
+
+    def _fire(self, room: int, trigger: str, out: list[fx.RouterEffect], reason: str) -> None:
+        """``trigger`` for a room from outside (a leg, the client): dropped, and counted, when
+        the room is over or its state has no row for it."""
+        r = self.rooms.get(room)
+        if r is None or self.table.step(r.state, trigger) is None:
+            self.dropped += 1
+        else:
+            self._step(r, trigger, out, reason)
 
     def _failure_trigger(self, r: _Room, e: ev.LegResponded, now: float, trigger: str) -> str:
         """A failed leg's trigger: a retry or a migration while the request has one left."""
@@ -186,7 +213,11 @@ class RoomRouter:
                 return _T.DecodeBroke
             return trigger
         if e.leg == "decode" and e.refused and r.state in (_S.DISPATCHED, _S.PREFILL_DONE):
-            other = self._other_decode(r)
+            # The D with the fewest live rooms, other than the room's and those that failed
+            # its request, takes over its decode leg.
+            avoid = {r.decode, *r.attempts.avoid}
+            other = _least_loaded([d for d in self.breakers.routable(self._decode)
+                                   if d not in avoid], self._live)
             if other is not None and r.redirects < cfg.retry_limit:
                 r.failed = other  # the D its leg goes to next (RedirectDecodeLeg)
                 return _T.DecodeRefused
@@ -201,31 +232,8 @@ class RoomRouter:
         r.backoff, r.failed = backoff, worker
         return _T.PrefillRetryable if e.leg == "prefill" else _T.DecodeRetryable
 
-    def _other_decode(self, r: _Room) -> str | None:
-        """A D other than the room's (and than those that failed its request) to take over its
-        decode leg: the one with the fewest live rooms here; None if there is none."""
-        avoid = {r.decode, *r.attempts.avoid}
-        others = [d for d in self.breakers.routable(self._decode) if d not in avoid]
-        return min(others, key=lambda d: self._live[d], default=None)
-
-    def _pools(self, e: ev.RoomRequested) -> tuple[list[str], list[str], list[str]]:
-        """The P, D and colocated workers this room may go to: around the workers that failed
-        its request. With a P and a D left, or else a colocated worker, those; with neither,
-        as before colocated workers existed: a role left with none keeps all of its workers,
-        and the colocated workers all stay candidates. A hand-off room goes to a D only (it
-        pulls KV a colocated worker cannot)."""
-        avoid = set(e.attempts.avoid)
-        prefill = [p for p in self._prefill if p not in avoid]
-        decode = [d for d in self._decode if d not in avoid]
-        if e.handoff:
-            return prefill or self._prefill, decode or self._decode, []
-        colocated = [c for c in self._colocated if c not in avoid]
-        if (prefill and decode) or colocated:  # without P or D: a colocated worker's
-            return prefill, decode, colocated
-        return prefill or self._prefill, decode or self._decode, self._colocated
-
     def _dispatch(self, e: ev.RoomRequested, now: float, out: list[fx.RouterEffect]) -> None:
-        prefill, decode, colocated = self._pools(e)
+        prefill, decode, colocated = _pools(e, self._prefill, self._decode, self._colocated)
         if not colocated and ((not prefill and not e.handoff) or not decode):
             missing = "prefill" if not prefill and not e.handoff else "decode"
             out.append(fx.NoWorkers(e.request_id, missing))
@@ -241,7 +249,8 @@ class RoomRouter:
         while room in self.rooms:
             room = self._rng.randrange(MAX_ROOM)
         if e.handoff:  # D alone: the least loaded (the draining D is avoided)
-            least = min(decode, key=lambda d: self._live[d])
+            least = _least_loaded(decode, self._live)
+            assert least is not None  # NoWorkers above; routable keeps all when none is
             route = Route(None, least, "handoff", "handoff")
         else:
             route = self.planner.plan(prefill, decode, e.prompt, self._live, colocated)
