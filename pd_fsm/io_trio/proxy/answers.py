@@ -4,28 +4,28 @@ in a stream already begun) and refusals (no worker, every worker full)."""
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import attrs
 
 from pd_fsm.io_trio.worker.sse import Send
 
-# An HTTP status and the JSON body to answer with (Any: a JSON value, as error_body builds it).
-Failure = tuple[int, Any]
+# An HTTP status and the JSON value to answer with (a worker's, or one error_body builds).
+Failure = tuple[int, object]
+ErrorBody = dict[str, dict[str, str | int]]  # {"error": {"message", "type", "code"}}
 
 
-def error_body(status: int, message: str, type_: str = "proxy_error") -> dict[str, Any]:
+def error_body(status: int, message: str, type_: str = "proxy_error") -> ErrorBody:
     return {"error": {"message": message, "type": type_, "code": status}}
 
 
-def json_or_text(raw: bytes) -> Any:
+def json_or_text(raw: bytes) -> object:
     try:
         return json.loads(raw)
     except ValueError:
         return error_body(502, raw.decode("utf-8", "replace")[:2000])
 
 
-def reason(body: Any, status: int) -> str:
+def reason(body: object, status: int) -> str:
     if isinstance(body, dict):
         err = body.get("error")
         if isinstance(err, dict) and isinstance(err.get("message"), str):
@@ -44,11 +44,11 @@ class Refusal:
     type: str
     retry_after: float | None = None
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> ErrorBody:
         return error_body(self.status, self.reason, self.type)
 
 
-async def send_json(send: Send, status: int, body: Any) -> None:
+async def send_json(send: Send, status: int, body: object) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": json.dumps(body).encode(),

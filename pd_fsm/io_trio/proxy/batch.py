@@ -18,28 +18,29 @@ A client that leaves abandons every room.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import trio
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
 
 from pd_fsm.io_trio.proxy.logprob_merge import split_events
+from pd_fsm.io_trio.proxy.room import RoomResponse
 from pd_fsm.io_trio.worker.responses import batch_body, indexed, summed_usage
 from pd_fsm.io_trio.worker.schemas import Kind
-from pd_fsm.io_trio.worker.sse import DONE, SSE_HEADERS, Receive, Send, event
+from pd_fsm.io_trio.worker.sse import DONE, SSE_HEADERS, event
 
-_DISCONNECT = {"type": "http.disconnect"}
+_DISCONNECT: Message = {"type": "http.disconnect"}
 
 
 class RoomOpener(Protocol):
     """What a batch needs of the proxy (``server.Proxy``, which builds the batch: naming it here
-    would close an import circle)."""
+    would close an import circle; ``tests/unit/test_layering.py`` forbids one)."""
 
-    def open_room(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
+    def open_room(self, path: str, body: Mapping[str, object],
+                  headers: dict[str, str]) -> RoomResponse | Response:
         """One prompt's room: its ASGI response, or the error to answer with (no worker)."""
-        ...
-
-    def is_room(self, response: Any) -> bool:
-        """Is ``response`` (from ``open_room``) a room, not an error?"""
         ...
 
 
@@ -50,13 +51,13 @@ class _Capture:
         self.status = 0
         self.body = b""
 
-    async def send(self, message: dict[str, Any]) -> None:
+    async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.status = message["status"]
         elif message["type"] == "http.response.body":
             self.body += message.get("body", b"")
 
-    def json(self) -> Any:
+    def json(self) -> Any:  # Any: a worker's JSON answer, as responses.batch_body takes it
         try:
             return json.loads(self.body)
         except ValueError:
@@ -67,7 +68,7 @@ class _Capture:
 class BatchResponse:
     """The ASGI response of a batch of prompts (see the module's docstring)."""
 
-    def __init__(self, proxy: RoomOpener, path: str, items: list[dict[str, Any]],
+    def __init__(self, proxy: RoomOpener, path: str, items: Sequence[Mapping[str, object]],
                  headers: dict[str, str], *, stream: bool) -> None:
         self.proxy = proxy
         self.path = path
@@ -77,7 +78,7 @@ class BatchResponse:
         self.abandon = trio.Event()  # the client left, or (unstreamed) one room failed
         self.client_gone = False
 
-    async def _room_receive(self) -> dict[str, Any]:
+    async def _room_receive(self) -> Message:
         await self.abandon.wait()
         return _DISCONNECT
 
@@ -87,15 +88,15 @@ class BatchResponse:
         self.client_gone = True
         self.abandon.set()
 
-    async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
-        rooms = [self.proxy.open_room(self.path, item, self.headers) for item in self.items]
-        refused = [r for r in rooms if not self.proxy.is_room(r)]
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        opened = [self.proxy.open_room(self.path, item, self.headers) for item in self.items]
+        rooms = [r for r in opened if isinstance(r, RoomResponse)]
+        refused = [r for r in opened if not isinstance(r, RoomResponse)]
         if refused:  # no worker: the rooms opened already are abandoned at once
             self.abandon.set()
             async with trio.open_nursery() as nursery:
                 for room in rooms:
-                    if self.proxy.is_room(room):
-                        nursery.start_soon(room, scope, self._room_receive, _Capture().send)
+                    nursery.start_soon(room, scope, self._room_receive, _Capture().send)
             await refused[0](scope, receive, send)
             return
         if self.stream:
@@ -103,10 +104,11 @@ class BatchResponse:
         else:
             await self._whole(scope, receive, send, rooms)
 
-    async def _whole(self, scope: Any, receive: Receive, send: Send, rooms: list[Any]) -> None:
+    async def _whole(self, scope: Scope, receive: Receive, send: Send,
+                     rooms: list[RoomResponse]) -> None:
         captures = [_Capture() for _ in rooms]
 
-        async def run(room: Any, capture: _Capture) -> None:
+        async def run(room: RoomResponse, capture: _Capture) -> None:
             await room(scope, self._room_receive, capture.send)
             if capture.status != 200:
                 self.abandon.set()  # the batch fails: the other rooms are aborted
@@ -130,17 +132,19 @@ class BatchResponse:
         await send({"type": "http.response.body", "body": json.dumps(body).encode(),
                     "more_body": False})
 
-    async def _streamed(self, scope: Any, receive: Receive, send: Send, rooms: list[Any]) -> None:
+    async def _streamed(self, scope: Scope, receive: Receive, send: Send,
+                        rooms: list[RoomResponse]) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        # dict[str, Any]: a JSON object, as worker.responses (summed_usage, indexed) types it.
         usages: list[dict[str, Any]] = []
         last_usage_chunk: list[dict[str, Any]] = []
         send_ch, recv_ch = trio.open_memory_channel[bytes](64)
 
-        async def run(index: int, room: Any, out: trio.MemorySendChannel[bytes]) -> None:
+        async def run(index: int, room: RoomResponse, out: trio.MemorySendChannel[bytes]) -> None:
             capture = _Capture()
             pending = b""
 
-            async def forward(message: dict[str, Any]) -> None:
+            async def forward(message: Message) -> None:
                 nonlocal pending
                 if message["type"] == "http.response.start" or capture.status != 200:
                     await capture.send(message)  # a failed room's body: its error, kept whole
@@ -183,7 +187,7 @@ class BatchResponse:
         await send({"type": "http.response.body", "body": tail + DONE, "more_body": False})
 
 
-def _payload(raw: bytes) -> dict[str, Any] | None:
+def _payload(raw: bytes) -> dict[str, Any] | None:  # Any: as worker.responses.indexed takes it
     data = raw.strip().removeprefix(b"data: ")
     if data == b"[DONE]":
         return None

@@ -16,7 +16,8 @@ from pd_fsm.core.config import RouterConfig
 from pd_fsm.core.routing import POLICIES, RoutingConfig
 from pd_fsm.io_trio.api_key import add_api_key_arguments, api_key_from_args
 from pd_fsm.io_trio.cli_common import run_service, serve_until_signal
-from pd_fsm.io_trio.proxy.server import PrefillTarget, Proxy, serve_proxy
+from pd_fsm.io_trio.proxy.server import Proxy, serve_proxy
+from pd_fsm.io_trio.proxy.workers import PrefillTarget
 from pd_fsm.io_trio.tls import add_tls_arguments, tls_from_args
 
 log = logging.getLogger("pd_fsm.io_trio.proxy.cli")

@@ -17,8 +17,7 @@ Which requests need it is decided from the client's body alone (:func:`wants_pro
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
 
 _INPUT_KEYS = ("input_token_logprobs", "input_top_logprobs")
 _COMPLETION_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
@@ -26,7 +25,7 @@ _EVENT_END = b"\n\n"
 _DATA = b"data: "
 
 
-def wants_prompt_logprobs(path: str, body: dict[str, Any]) -> bool:
+def wants_prompt_logprobs(path: str, body: Mapping[str, object]) -> bool:
     """Whether the client asked for the prompt's log-probs (which only P computes)."""
     if path == "/generate":
         start = body.get("logprob_start_len")
@@ -36,20 +35,20 @@ def wants_prompt_logprobs(path: str, body: dict[str, Any]) -> bool:
     return False
 
 
-def _field(obj: Any, key: str) -> dict[str, Any] | None:
+def _field(obj: object, key: str) -> dict[str, object] | None:
     """``obj[key]`` when both are JSON objects."""
     value = obj.get(key) if isinstance(obj, dict) else None
     return value if isinstance(value, dict) else None
 
 
-def _first_choice_logprobs(body: Any) -> dict[str, Any] | None:
+def _first_choice_logprobs(body: object) -> dict[str, object] | None:
     choices = body.get("choices") if isinstance(body, dict) else None
     if not isinstance(choices, list) or not choices:
         return None
     return _field(choices[0], "logprobs")
 
 
-def merge(path: str, p_body: Any, d_body: Any) -> bool:
+def merge(path: str, p_body: object, d_body: object) -> bool:
     """Put P's prompt positions into ``d_body`` (one whole answer or one stream event), in place;
     True when it did (a completions stream takes them once)."""
     if path == "/generate":
@@ -92,7 +91,7 @@ class SseRewriter:
     event in place and says whether it is done: later events pass untouched) until it is done.
     Bytes are held only up to the end of the event they belong to."""
 
-    def __init__(self, rewrite: Callable[[Any], bool], *, once: bool,
+    def __init__(self, rewrite: Callable[[object], bool], *, once: bool,
                  drop: Callable[[bytes], bool] | None = None) -> None:
         self._rewrite = rewrite
         self._drop = drop  # events it returns True for are read by it and not passed on

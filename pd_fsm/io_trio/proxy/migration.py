@@ -18,7 +18,8 @@ with ``resume`` and ``handoff``: that D pulls the KV, no prefill runs.
 from __future__ import annotations
 
 import json
-from typing import Any, TypeGuard
+from collections.abc import Mapping
+from typing import TypeGuard
 
 import attrs
 
@@ -28,7 +29,7 @@ from pd_fsm.io_trio.worker.sse import handoff_ticket
 _OPENAI = ("/v1/completions", "/v1/chat/completions")
 
 
-def migratable(path: str, body: dict[str, Any]) -> bool:
+def migratable(path: str, body: Mapping[str, object]) -> bool:
     """Whether an answer to ``body`` can be continued exactly by another worker: one sequence,
     no log-probs (a new worker could not report the earlier tokens'), no echo, not a batch."""
     if path == "/generate":
@@ -45,7 +46,7 @@ def migratable(path: str, body: dict[str, Any]) -> bool:
     return not wants_prompt_logprobs(path, body)
 
 
-def _flat_ids(v: Any) -> TypeGuard[list[int]]:
+def _flat_ids(v: object) -> TypeGuard[list[int]]:
     return isinstance(v, list) and all(isinstance(t, int) for t in v)
 
 
@@ -62,13 +63,14 @@ class Progress:
     finished: bool = False
     # A draining D ended the stream with this hand-off ticket (issue 32 §2): the next room's D
     # pulls the KV it names. Cleared when a room is opened without it.
-    ticket: dict[str, Any] | None = None
+    ticket: dict[str, object] | None = None
     # A worker failure D reported in-band, (status, message): a 5xx error event (a drain's
     # deadline, a failed step). Neither it nor the rest of D's stream reaches the client: the
     # request migrates as after a break (issue 32 §1).
     failed: tuple[int, str] | None = None
 
-    def leg_body(self, body: dict[str, Any], *, handoff: bool = True) -> dict[str, Any]:
+    def leg_body(self, body: Mapping[str, object], *, handoff: bool = True
+                 ) -> dict[str, object]:
         """The body a decode leg gets: with ``return_token_ids`` on OpenAI streams (so the ids
         can be followed) and, after a break, ``resume`` with what the client has. ``handoff``:
         whether the proxy routes another decode worker that could take the stream from this
@@ -84,7 +86,7 @@ class Progress:
             out["resume"] = {"output_ids": list(self.output_ids), "text": self.text}
         return out
 
-    def adopt_next_token(self, ticket: dict[str, Any]) -> None:
+    def adopt_next_token(self, ticket: Mapping[str, object]) -> None:
         """Defensive: should the client not have the ticket's ``next_token`` (the draining D's
         newest token, whose event the worker sends before the ticket), count it as generated,
         its text not yet sent, so that the next D streams it too. A ticket covering positions
@@ -107,7 +109,7 @@ class Progress:
         self.failed = worker_failure(raw)
         return self.failed is not None
 
-    def observe(self, event: Any) -> bool:
+    def observe(self, event: object) -> bool:
         """One relayed SSE event (edited in place: ids the client did not ask for are taken
         out). Returns False: every event is read (``SseRewriter`` contract)."""
         if not isinstance(event, dict):

@@ -14,7 +14,7 @@ worker, and an empty prompt is never sent to D alone).
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Mapping
 
 from pd_fsm.core.routing import Prompt
 
@@ -47,7 +47,7 @@ def _content(content: object) -> str:
     return ""
 
 
-def prompt_of(path: str, body: dict[str, Any]) -> Prompt:
+def prompt_of(path: str, body: Mapping[str, object]) -> Prompt:
     if path == "/generate":
         ids = body.get("input_ids")
         return _text(ids if ids is not None else body.get("text"))

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, assert_never
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Protocol, assert_never
 
 import attrs
 import httpx
 import trio
+from starlette.types import Scope
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
@@ -57,7 +58,7 @@ class ClientRequest:
 
     request_id: str
     path: str
-    client_body: dict[str, Any]  # the body as the client sent it
+    client_body: Mapping[str, object]  # the JSON object the client sent
     headers: dict[str, str]
     # What the client asked for: fixed by its body, not states of the request.
     stream: bool
@@ -75,7 +76,7 @@ class Reply:
     """``ReplyError``: the room failed; the status and JSON body the client gets."""
 
     status: int
-    body: Any
+    body: object  # a JSON value
 
 
 # How the router ended a room for the client: relay D's answer, answer an error, or go on in a
@@ -93,19 +94,19 @@ class Room:
     decode: str = ""  # the worker whose answer the client gets: a D, or a colocated worker
     decode_role: str = "decode"  # that leg's X-PD-Role: "null" for a colocated worker
     rid: str = ""
-    body: dict[str, Any] = attrs.field(factory=dict)  # the legs' body
+    body: dict[str, object] = attrs.field(factory=dict)  # the legs' JSON body
     outcome: Outcome | None = None  # set once, with ``decided``
     decided: trio.Event = attrs.field(factory=trio.Event)
     relay_done: trio.Event = attrs.field(factory=trio.Event)
     p_done: trio.Event = attrs.field(factory=trio.Event)
-    p_body: Any = None
+    p_body: object = None  # P's answer, a JSON value (read by logprob_merge)
     d_posted: float = 0.0  # trio time D's leg was posted
     p_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     # D's leg; RedirectDecode arms a new one, and the leg is posted again in it.
     d_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     # A hand-off room (issue 32 §2): the ticket its D pulls from, and the draining D that
     # offers it (told to release it once pulled, or once the pull failed).
-    ticket: dict[str, Any] | None = None
+    ticket: dict[str, object] | None = None
     handoff_from: str = ""
 
     @property
@@ -170,7 +171,7 @@ class RoomResponse:
         self.host = host
         self.s = room
 
-    async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         host = self.host
         try:
             async with trio.open_nursery() as nursery:
@@ -222,7 +223,7 @@ class RoomResponse:
         self.host.room_over(s)
         return s.reopen is not None
 
-    async def _answer_error(self, send: Send, status: int, body: Any) -> None:
+    async def _answer_error(self, send: Send, status: int, body: object) -> None:
         """The request's error: a JSON answer, or an error chunk in a stream already begun (a
         room after a migration)."""
         s = self.s
@@ -449,7 +450,7 @@ class RoomResponse:
     def _first_byte(self, s: Room) -> None:
         self.host.phases.observe("proxy_decode_first_byte", trio.current_time() - s.d_posted)
 
-    async def _prefill_body(self, s: Room) -> Any:
+    async def _prefill_body(self, s: Room) -> object:
         """P's answer, once its leg is over (None if it never came within the room's time)."""
         with trio.move_on_at(s.p_scope.deadline):
             await s.p_done.wait()

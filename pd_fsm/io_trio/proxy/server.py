@@ -37,7 +37,7 @@ import logging
 import math
 import random
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, assert_never
 from urllib.parse import urlsplit
 
@@ -71,7 +71,8 @@ from pd_fsm.io_trio.proxy.logprob_merge import wants_prompt_logprobs
 from pd_fsm.io_trio.proxy.migration import Progress, migratable
 from pd_fsm.io_trio.proxy.prompt_key import prompt_of
 from pd_fsm.io_trio.proxy.room import ClientRequest, Reply, Room, RoomResponse
-from pd_fsm.io_trio.proxy.workers import PrefillTarget, Workers
+from pd_fsm.io_trio.proxy.workers import PrefillTarget as PrefillTarget  # callers' name for it
+from pd_fsm.io_trio.proxy.workers import Workers
 from pd_fsm.io_trio.tls import NO_TLS, TLS
 from pd_fsm.io_trio.worker.metrics import StatsCollector
 from pd_fsm.io_trio.worker.phases import PhaseHistograms
@@ -129,31 +130,23 @@ class Proxy:
     ) -> None:
         colocated = [c.rstrip("/") for c in colocated or []]
         self.tls = tls  # serves HTTPS if it has a certificate; verifies workers against its CA
-        self.router = RoomRouter(
-            [p.url for p in prefill],
-            [d.rstrip("/") for d in decode],
-            rng or random.Random(),
-            RouterConfig(room_timeout=room_timeout, decode_recomputes=decode_recomputes,
-                         retry_limit=retry_limit, migration_limit=migration_limit,
-                         breaker_threshold=breaker_threshold,
-                         breaker_cooldown=breaker_cooldown),
-            routing,
-            colocated,
-        )
+        config = RouterConfig(room_timeout=room_timeout, decode_recomputes=decode_recomputes,
+                              retry_limit=retry_limit, migration_limit=migration_limit,
+                              breaker_threshold=breaker_threshold,
+                              breaker_cooldown=breaker_cooldown)
+        self.router = RoomRouter([p.url for p in prefill], [d.rstrip("/") for d in decode],
+                                 rng or random.Random(), config, routing, colocated)
         self.workers = Workers(
             self.router, lambda: self.client, prefill, decode,
             headers=bearer(worker_api_key) if worker_api_key else {},
             bootstrap_url=bootstrap_url, refresh_interval=refresh_interval,
             load_interval=load_interval, role_probe_interval=role_probe_interval,
             colocated=colocated)
-        # Exceptions contained to one room (http_edge's count has the requests' own).
+        # What the proxy counts beyond the router (stats() says what each is).
         self.contained = {"prefill_leg": 0, "room": 0}
-        # Rooms reopened for their request (ReopenRoom), by cause: "retry", "migration",
-        # "handoff"; and decode legs redirected within their room.
         self.reopened = {"retry": 0, "migration": 0, "redirect": 0, "handoff": 0}
-        # Hand-off rooms by outcome: the new D pulled the KV and streams on ("taken"), or not,
-        # and the request migrated by re-prefill ("fell_back") or failed ("failed").
         self.handoffs = {"taken": 0, "fell_back": 0, "failed": 0}
+        self.aborts_sent = {"prefill": 0, "decode": 0}
         self.room_timeout = room_timeout
         self._client = client
         self._own_client = client is None
@@ -162,11 +155,10 @@ class Proxy:
         self._no_worker: Refusal | None = None
         self._nursery: trio.Nursery | None = None
         self._timer_wake = trio.Event()
-        self.aborts_sent: dict[str, int] = {"prefill": 0, "decode": 0}
         self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(StatsCollector(self.stats, "pd_fsm_proxy"))
         self.requests = Counter("pd_fsm_proxy_http_requests", "client requests by path and status",
                                 ["path", "status"], registry=self.registry)
-        self.registry.register(StatsCollector(self.stats, "pd_fsm_proxy"))
         self.phases = PhaseHistograms(self.registry, "proxy")
         self.app = _app(self, api_key)
 
@@ -197,7 +189,7 @@ class Proxy:
                 with trio.CancelScope(shield=True):
                     await self._client.aclose()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         return {
             "rooms_total": dict(self.router.outcomes),
             "rooms_live": len(self.router.rooms),
@@ -217,8 +209,13 @@ class Proxy:
             "route_decisions_total": dict(self.router.planner.decisions),
             "shed_total": dict(self.router.shed),  # answered 429, by the full role
             "load_polls_total": dict(self.workers.load_polls),
+            # Exceptions contained to one room (http_edge's count has the requests' own).
             "contained_failures_total": dict(self.contained),
+            # Rooms reopened for their request (ReopenRoom), by cause: "retry", "migration",
+            # "handoff"; and decode legs redirected within their room ("redirect").
             "rooms_reopened_total": dict(self.reopened),
+            # Hand-off rooms by outcome: the new D pulled the KV and streams on ("taken"), or
+            # not, and the request migrated by re-prefill ("fell_back") or failed ("failed").
             "handoffs_total": dict(self.handoffs),
             # Per worker: 0 closed, 1 half-open or probing, 2 open (table worker_breaker).
             "breaker_state": {w: _BREAKER_LEVEL[st]
@@ -275,15 +272,12 @@ class Proxy:
         effect: fx.RelayDecode | fx.ReplyError | fx.RedirectDecode | fx.ReopenRoom | fx.AbortLeg,
         failure: Failure | None,
     ) -> None:
-        if s.ticket is not None and isinstance(effect, fx.RelayDecode | fx.ReplyError
-                                               | fx.ReopenRoom):
-            self._handoff_over(s, "taken" if isinstance(effect, fx.RelayDecode)
-                               else "failed" if isinstance(effect, fx.ReplyError)
-                               else "fell_back")
         match effect:
             case fx.RelayDecode():
+                self._handoff_over(s, "taken")
                 s.decide(effect)
             case fx.ReplyError():
+                self._handoff_over(s, "failed")
                 s.decide(Reply(*(failure or (504, error_body(504, effect.reason, "timeout")))))
             case fx.RedirectDecode():
                 self.reopened["redirect"] += 1
@@ -293,6 +287,7 @@ class Proxy:
                 # abort from here on reaches it; the decode leg posts again in it.
                 s.decode, s.d_scope = effect.decode, trio.CancelScope()
             case fx.ReopenRoom():
+                self._handoff_over(s, "fell_back")
                 self.reopened[effect.cause] += 1
                 log.info("room %d: %s of request %s (%s) after %.3f s", effect.room, effect.cause,
                          s.request.request_id,
@@ -300,38 +295,29 @@ class Proxy:
                 s.decide(effect)
             case fx.AbortLeg():
                 (s.p_scope if effect.leg == "prefill" else s.d_scope).cancel()
-                assert self._nursery is not None
-                self._nursery.start_soon(self._post_abort, effect.leg, effect.url, s.rid)
+                self.aborts_sent[effect.leg] += 1
+                self._tell_worker(effect.url, "/abort_request", {"rid": s.rid},
+                                  f"abort of {effect.leg} leg {s.rid}")
             case _:
                 assert_never(effect)
 
     def _handoff_over(self, s: Room, outcome: str) -> None:
-        """A hand-off room's leg answered: the KV was pulled (its 2xx comes after the pull) or
-        will not be. Either way the draining D may drop the registration now."""
-        assert s.ticket is not None
+        """If ``s`` is a hand-off room, its leg answered: the KV was pulled (its 2xx comes after
+        the pull) or will not be. Either way the draining D may drop the registration now."""
+        if s.ticket is None:
+            return
         self.handoffs[outcome] += 1
         log.info("room %d: hand-off from %s %s", s.room, s.handoff_from, outcome)
+        # If this post fails, its lease releases it (within the draining D's --drain-timeout).
         uuid_, s.ticket = s.ticket.get("uuid"), None
-        assert self._nursery is not None
-        self._nursery.start_soon(self._post_release, s.handoff_from, uuid_)
+        self._tell_worker(s.handoff_from, "/handoff_release", {"uuid": uuid_}, "hand-off release")
 
-    async def _post_release(self, url: str, uuid_: Any) -> None:
-        try:
-            with trio.fail_after(ABORT_TIMEOUT):
-                await self.client.post(f"{url}/handoff_release", json={"uuid": uuid_},
-                                       headers=self.workers.headers)
-        except (httpx.HTTPError, trio.TooSlowError) as exc:
-            # Its lease releases it (within the draining D's --drain-timeout).
-            log.warning("hand-off release at %s failed: %r", url, exc)
-
-    async def _post_abort(self, leg: str, url: str, rid: str) -> None:
-        self.aborts_sent[leg] += 1
-        try:
-            with trio.fail_after(ABORT_TIMEOUT):
-                await self.client.post(f"{url}/abort_request", json={"rid": rid},
-                                       headers=self.workers.headers)
-        except (httpx.HTTPError, trio.TooSlowError) as exc:
-            log.warning("abort of %s leg %s at %s failed: %r", leg, rid, url, exc)
+    def _tell_worker(self, url: str, path: str, body: dict[str, object], what: str) -> None:
+        """POST ``body`` to a worker in the proxy's nursery, within ABORT_TIMEOUT: best effort,
+        a failure is logged (the worker's own deadlines end what it was told to)."""
+        assert self._nursery is not None, "Proxy.run is not running"
+        self._nursery.start_soon(_post_quietly, self.client, url, path, body,
+                                 self.workers.headers, what)
 
     async def _timer(self) -> None:
         while True:
@@ -344,7 +330,7 @@ class Proxy:
 
     # ------------------------------------------------------------------ HTTP
 
-    async def generation(self, request: Request) -> Any:
+    async def generation(self, request: Request) -> Response | RoomResponse | BatchResponse:
         path = request.url.path
         try:
             body = await read_json(request, MAX_BODY)  # strict JSON: what the legs can carry
@@ -370,7 +356,8 @@ class Proxy:
             return BatchResponse(self, path, items, headers, stream=body.get("stream") is True)
         return self.open_room(path, body, headers)
 
-    def open_room(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
+    def open_room(self, path: str, body: Mapping[str, object],
+                  headers: dict[str, str]) -> RoomResponse | Response:
         """A room for one prompt: its ASGI response (a :class:`RoomResponse`), or the error to
         answer with (no worker)."""
         stream = body.get("stream") is True
@@ -435,11 +422,7 @@ class Proxy:
         }
         return None
 
-    @staticmethod
-    def is_room(response: Any) -> bool:
-        return isinstance(response, RoomResponse)
-
-    def _reply_now(self, path: str, status: int, body: Any) -> Response:
+    def _reply_now(self, path: str, status: int, body: object) -> Response:
         self.count(path, str(status))
         return JSONResponse(body, status_code=status)
 
@@ -481,16 +464,24 @@ class Proxy:
         # The prefill leg's traceback is logged here; a room's by the edge that answers it.
         log.error("room %d: contained a failure of its %s: %r", s.room, where, exc,
                   exc_info=exc if where == "prefill_leg" else None)
-        failure = (500, error_body(500, f"proxy: {where} failed: {describe(exc)}",
-                                   "internal_server_error"))
+        message = f"proxy: {where} failed: {describe(exc)}"
+        failure = (500, error_body(500, message, "internal_server_error"))
         leg = "prefill" if where == "prefill_leg" else "decode"
         if s.room in self.router.rooms:
             try:
-                self.feed(ev.LegResponded(s.room, leg, False, failure[1]["error"]["message"]),
-                          failure)
+                self.feed(ev.LegResponded(s.room, leg, False, message), failure)
             except Exception:  # the router itself failed: the deadline still ends the room
                 log.exception("room %d: could not fail the room", s.room)
         return failure
+
+
+async def _post_quietly(client: httpx.AsyncClient, url: str, path: str, body: dict[str, object],
+                        headers: dict[str, str], what: str) -> None:
+    try:
+        with trio.fail_after(ABORT_TIMEOUT):
+            await client.post(f"{url}{path}", json=body, headers=headers)
+    except (httpx.HTTPError, trio.TooSlowError) as exc:
+        log.warning("%s at %s failed: %r", what, url, exc)
 
 
 def _app(proxy: Proxy, api_key: str | None) -> Starlette | ApiKeyGate:
@@ -517,8 +508,9 @@ async def _on_http_exception(request: Request, exc: Exception) -> Response:
                         status_code=exc.status_code)
 
 
-def _batch(path: str, body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """A batched request's bodies, one per prompt (``schemas.split_batch``)."""
+def _batch(path: str, body: Mapping[str, object]) -> list[dict[str, Any]] | None:
+    """A batched request's bodies, one per prompt (``schemas.split_batch``, whose type for a JSON
+    object, dict[str, Any], this keeps)."""
     kind = {"/generate": "generate", "/v1/completions": "completion"}.get(path)
     return None if kind is None else split_batch(kind, body)  # type: ignore[arg-type]
 
@@ -528,7 +520,7 @@ async def serve_proxy(
     host: str = "127.0.0.1",
     port: int = 0,
     *,
-    shutdown_trigger: Callable[[], Any] | None = None,
+    shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the proxy's tasks and its HTTP server; ``started()`` with the base URL."""

@@ -217,6 +217,8 @@ class Workers:
                 started = True
             await trio.sleep(self.refresh_interval)
 
+    # dict[str, Any] here and below: a bootstrap registry record, as bootstrap.listing types
+    # one (a JSON object read by key).
     async def _list(self, role: str) -> list[dict[str, Any]]:
         assert self.bootstrap_url is not None
         return await list_role(self._client(), self.bootstrap_url, role)
@@ -275,7 +277,7 @@ class Workers:
                     nursery.start_soon(probe, side, url)
         missing = ([] if healthy["colocated"] else
                    [side for side in ("prefill", "decode") if healthy[side] == 0])
-        body: dict[str, Any] = {
+        body: dict[str, object] = {
             "status": "ok" if not missing else f"no healthy {' or '.join(missing)} worker",
             **{side: {"healthy": healthy[side], "configured": len(urls)}
                for side, urls in sides.items()},
