@@ -6,6 +6,13 @@ answer), a stream begun (an error goes in-band, a migration keeps the headers), 
 up to D's ``[DONE]``, the whole answer — or the client has left. The proxy feeds what it sent
 (``ev.SessionEvent``) through ``drive`` and carries out what the rows say: report the room's
 relay finished, or its client gone, to the router.
+
+Why a table of its own rather than flags derived from the room table's state: a room ends
+(RETRIED, MIGRATED, HANDED_OFF) while the client's answer goes on in the next room, and the
+room table cannot say what the client already has of it (a status line, D's ``[DONE]``) — two
+rooms of one request would have to agree on it. The old ``_Session`` kept that as booleans
+(headers_sent, sse_done, relay_finished, client_gone); here they are this table's states, run by
+the one driver and checked pair by pair in ``tests/unit/test_core_exhaustive.py``.
 """
 
 from __future__ import annotations
