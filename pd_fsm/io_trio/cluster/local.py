@@ -212,7 +212,8 @@ def plan(args: argparse.Namespace, tls: TLS = NO_TLS) -> list[Child]:
         planner_args = ["planner", "--host", HOST, "--port", str(planner_port), *quiet,
                         *tls.argv(), *shlex.split(args.planner_args or "")]
         if keyed:
-            planner_args += ["--worker-api-key-file", str(args.api_key_file)]
+            planner_args += ["--api-key-file", str(args.api_key_file),
+                             "--worker-api-key-file", str(args.api_key_file)]
         for child in (*prefills, *decodes):
             planner_args += ["--worker", str(child.url)]
         children.append(Child("planner", _cli(*planner_args), f"{scheme}://{HOST}:{planner_port}",
