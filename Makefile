@@ -41,8 +41,9 @@ flags-table: setup
 
 # The whole suite, in two phases, each listing its slowest tests: first the tests that start no
 # server and make no namespace (CPU only; tests/tp's one test is a child pytest on forced host
-# devices) on $(TEST_WORKERS) pytest-xdist workers, then everything else under tests/ (real
-# processes, ports, network namespaces, timing windows) one test at a time. Both phases always
+# devices) on $(TEST_WORKERS) pytest-xdist workers (work stealing: an idle worker takes queued
+# tests from a busy one, so a long one does not leave the other idle at the end), then everything
+# else under tests/ (real processes, ports, network namespaces, timing windows) one at a time. Both phases always
 # run; the target fails if either did. `python -m pytest` alone still runs the whole suite serially.
 TEST_WORKERS   ?= 2
 PARALLEL_TESTS := tests/tp tests/unit tests/sim tests/property
@@ -50,8 +51,8 @@ PARALLEL_TESTS := tests/tp tests/unit tests/sim tests/property
 test: setup lint prometheus
 	$(VENV)/bin/pd-fsm spec check
 	rc=0; \
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25 $(PARALLEL_TESTS) || rc=$$?; \
-	$(PY) -m pytest -q --durations=25 tests $(addprefix --ignore=,$(PARALLEL_TESTS)) || rc=$$?; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=50 $(PARALLEL_TESTS) || rc=$$?; \
+	$(PY) -m pytest -q --durations=50 tests $(addprefix --ignore=,$(PARALLEL_TESTS)) || rc=$$?; \
 	exit $$rc
 
 # The main job: 1P1D SmolLM2 + a colocated worker behind our proxy, one chat prompt through the

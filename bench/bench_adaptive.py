@@ -332,6 +332,10 @@ async def measure(targets: dict[str, Target], sched: Schedule, args: argparse.Na
         began = time.monotonic()
         await run_load(target.url, warm, warm_prompts(sched, args.warm_per_kind))
         print(f"warmed {name} in {time.monotonic() - began:.0f} s", flush=True)
+        if target.planner is not None:
+            async with httpx.AsyncClient(timeout=10) as http:
+                (await http.post(f"{target.planner}/resume")).raise_for_status()
+            print(f"resumed {name}'s planner", flush=True)
     load = _load_args(args, args.model)
     load.max_concurrency = None
     names = list(targets)
@@ -421,7 +425,9 @@ def chosen_placements(args: argparse.Namespace) -> dict[str, tuple[list[str], st
     p, d = (int(x) for x in args.nice.split(","))
     nice_name, (nice_flags, _, _) = nice_placement(p, d)
     n_p, n_d = (int(x) for x in args.adaptive_workers.split(","))
-    planner_args = (f"--ttft-slo {args.slo_ttft:g} --itl-slo {args.slo_tpot:g} "
+    # Paused until the warm-up is over (measure() resumes it): the warm-up's burst of every
+    # shape is not the workload, and in run 2 it had merged both workers before measuring began.
+    planner_args = (f"--ttft-slo {args.slo_ttft:g} --itl-slo {args.slo_tpot:g} --paused "
                     f"{args.planner_args}")
     out = {COLOCATED: (static[COLOCATED][0], static[COLOCATED][1]),
            PINNED: (static[PINNED][0], static[PINNED][1]),

@@ -62,7 +62,8 @@ def placements(args: argparse.Namespace) -> dict[str, Spec]:
         COLOCATED: (["--prefill", "0", "--decode", "0", "--colocated"], "colocated",
                     {"colocated": True}),
         PINNED: (["--prefill-cpus", "0", "--decode-cpus", "1"], "proxy", {}),
-        SHARED: ([], "proxy", {"shared": True}),
+        # Equal priority stated: the cluster's default on shared cores is D above P.
+        SHARED: (["--prefill-nice", "0", "--decode-nice", "0"], "proxy", {"shared": True}),
     }
     for pair in args.nice_pairs:
         p, d = (int(x) for x in pair.split(","))

@@ -240,7 +240,9 @@ class RoomRouter:
             return
         prefill, decode = self.breakers.routable(prefill), self.breakers.routable(decode)
         colocated = self.breakers.routable(colocated)
-        full = self.planner.overloaded(prefill, decode, self._live, colocated)
+        # A hand-off room needs a D only: P's queues (or having no P at all) never shed it.
+        full = self.planner.overloaded([] if e.handoff else prefill, decode, self._live,
+                                       colocated)
         if full is not None:
             self.shed[full] += 1
             out.append(fx.ShedRequest(e.request_id, full, SHED_RETRY_AFTER_S))

@@ -199,7 +199,8 @@ class RoutePlanner:
             if not (prefill and decode):
                 return "colocated"
         for role, workers in (("decode", decode), ("prefill", prefill)):
-            if all(self._load(w, live) >= bound for w in workers):
+            # A role with no worker listed is not full (a hand-off room lists no P).
+            if workers and all(self._load(w, live) >= bound for w in workers):
                 return role
         return None
 

@@ -103,3 +103,34 @@ async def test_with_colocate_a_lone_prefill_worker_is_made_colocated(
     assert "no decode worker to pair with" in decisions[0]["reason"]
     assert abs(decisions[0]["wall"] - time.time()) < 60  # Unix time, for other processes' logs
     assert 'to="null"} 1.0' in metrics
+
+
+async def test_a_paused_planner_decides_nothing_until_resumed(nursery: trio.Nursery) -> None:
+    """--paused: the planner observes nothing while a prefill-bound cluster waits (a warm-up's
+    load must not move roles); POST /resume, with the planner's key, and it acts."""
+    p_url, p = await _worker(nursery, "prefill", {**IDLE, "queued": 10})
+    d0_url, d0 = await _worker(nursery, "decode", {**IDLE, "running": 2})
+    d1_url, d1 = await _worker(nursery, "decode", IDLE)
+    service = PlannerService(Planner(PlannerConfig(patience=1, cooldown=3600)),
+                             workers=[p_url, d0_url, d1_url], bootstrap_url=None,
+                             interval=0.05, paused=True, api_key="k")
+    url: str = await nursery.start(serve_planner, service)
+    await trio.sleep(0.5)  # ten intervals
+    assert not (p.switches or d0.switches or d1.switches) and not service.recent
+    async with httpx.AsyncClient(timeout=10) as http:
+        metrics = (await http.get(f"{url}/metrics")).text  # open without the key
+        assert "pd_fsm_planner_paused 1.0" in metrics
+        assert "pd_fsm_planner_observations_total{" not in metrics  # none observed
+        for path in ("/resume", "/pause", "/decisions"):
+            assert (await http.post(f"{url}{path}")).status_code in (401, 405), path
+        assert (await http.get(f"{url}/decisions")).status_code == 401
+        key = {"Authorization": "Bearer k"}
+        r = await http.post(f"{url}/resume", headers=key)
+        assert r.status_code == 200 and r.json() == {"paused": False}
+        with trio.fail_after(10):
+            while not d1.switches:
+                await trio.sleep(0.02)
+        assert d1.switches == [{"role": "prefill"}]
+        r = await http.post(f"{url}/pause", headers=key)
+        assert r.json() == {"paused": True} and service.paused
+        assert "pd_fsm_planner_paused 1.0" in (await http.get(f"{url}/metrics")).text

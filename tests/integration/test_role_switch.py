@@ -13,6 +13,8 @@ queues and registrations are zero on both sides.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,12 +53,23 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     f.bootstrap()
     f.prefill("a", extra=ROLES)
     f.decode("b", extra=ROLES)
-    f.decode("c", extra=["--roles", "decode,null", "--drain-timeout", "1"])
+    # Its priority follows its role (positive values: no privilege needed).
+    f.decode("c", extra=["--roles", "decode,null", "--drain-timeout", "1",
+                         "--role-nice", "decode=2,null=5"])
     f.decode("d", extra=["--roles", "decode,prefill",
                          "--disaggregation-side-channel-port", str(D_SIDE_PORT)])
     f.start()
     yield f
     f.close()
+
+
+def thread_nices(pid: int) -> set[int]:
+    """The nice values of every thread of process ``pid`` (Linux keeps one per thread)."""
+    nices = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended since the listing
+            nices.add(os.getpriority(os.PRIO_PROCESS, int(tid)))
+    return nices
 
 
 async def info(http: httpx.AsyncClient, proc: Proc) -> dict[str, Any]:
@@ -123,6 +136,7 @@ async def test_switch_role_answers(fleet: Fleet) -> None:
         i = await info(http, c)
         assert (i["disaggregation_mode"], i["role_epoch"], i["roles"], i["role_state"]) == (
             "decode", 0, ["decode", "null"], "SERVING")
+        assert i["nice"] == 2 and 2 in thread_nices(c.popen.pid)  # started at decode's
         for body, names in (([1], "JSON object"), ({"role": 1}, "body.role"),
                             ({"role": "decode", "now": True}, "now"),
                             ({"role": "colocated"}, "must be one of null, prefill, decode"),
@@ -210,6 +224,11 @@ async def test_past_the_drain_deadline_the_leg_fails_naming_the_switch(fleet: Fl
         assert "drain timeout (1 s)" in message
         i = await serving(http, c, "null", 1)
         assert i["last_role_switch"]["failed_in_flight"] == 1
+        # The null role's priority: every thread that was at decode's moved; none is left there
+        # (the transfer threads keep --transfer-nice where this process may raise them).
+        assert i["nice"] == 5
+        threads = thread_nices(c.popen.pid)
+        assert 5 in threads and 2 not in threads, threads
         assert i["prefill_bootstrap_port"] is None
         assert str(c.url) not in await registered(http, fleet)  # a colocated worker is in none
         # P heard D's ABORT: its room is gone too, and c serves as a colocated worker.

@@ -1,5 +1,7 @@
-"""`--cpus`: core lists parse strictly, pinning really restricts the process (checked in a child
-process, so the test runner keeps its cores), and the cluster runner passes each role's list."""
+"""`--cpus` and `--nice`: core lists and per-role priorities parse strictly, pinning and renicing
+really act on the process (checked in a child process, so the test runner keeps its cores and
+priority), and the cluster runner passes each role's values (D above P by default on shared
+cores)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ import sys
 import pytest
 
 from pd_fsm.cli import build_parser
-from pd_fsm.io_trio.cluster.cpu_placement import parse_cpus
+from pd_fsm.io_trio.cluster.cpu_placement import may_take_nice, parse_cpus, parse_role_nice
 from pd_fsm.io_trio.cluster.local import plan
+from pd_fsm.io_trio.worker.config import config_from_args
 
 
 @pytest.mark.parametrize(("spec", "cpus"), [
@@ -86,3 +89,95 @@ def test_cluster_gives_each_role_its_priority() -> None:
     assert (nice("prefill-0"), nice("decode-0"), nice("colocated")) == ("10", "-5", None)
     serve = build_parser(argv["decode-0"][3:]).parse_args(argv["decode-0"][3:])
     assert serve.nice == -5
+
+
+@pytest.mark.parametrize(("spec", "nices"), [
+    ("prefill=10,decode=-5", {"prefill": 10, "decode": -5}), (" null = 0 ", {"null": 0}),
+])
+def test_parse_role_nice(spec: str, nices: dict[str, int]) -> None:
+    assert parse_role_nice(spec) == nices
+
+
+@pytest.mark.parametrize(("spec", "names"), [
+    ("prefill", "not ROLE=N"), ("colocated=1", "not ROLE=N"), ("prefill=x", "not an integer"),
+    ("decode=1,decode=2", "decode is named twice"), ("null=20", "not in -20..19"),
+])
+def test_parse_role_nice_refuses(spec: str, names: str) -> None:
+    with pytest.raises(ValueError, match=names):
+        parse_role_nice(spec)
+
+
+def test_renice_moves_the_threads_at_the_old_value_only() -> None:
+    # In a child (the runner keeps its priorities): the main thread and a worker thread at the
+    # role's value move; a thread given its own value (as the transfer threads are) keeps it.
+    code = """
+import os, threading
+from pd_fsm.io_trio.cluster.cpu_placement import renice_threads, set_nice
+set_nice(3)
+go, done, seen = threading.Event(), threading.Event(), {}
+def worker(name, own):
+    tid = threading.get_native_id()
+    if own is not None:
+        os.setpriority(os.PRIO_PROCESS, tid, own)
+    go.wait()
+    seen[name] = os.getpriority(os.PRIO_PROCESS, tid)
+threads = [threading.Thread(target=worker, args=a) for a in (("pool", None), ("transfer", 12))]
+for t in threads: t.start()
+import time; time.sleep(0.2)
+moved = renice_threads(3, 7)
+go.set()
+for t in threads: t.join()
+later = []
+def mine(): later.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+t = threading.Thread(target=mine)
+t.start(); t.join()
+print(moved, seen["pool"], seen["transfer"], os.getpriority(os.PRIO_PROCESS, 0), later[0])
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    # Two moved (main, pool); the transfer thread kept 12; a thread started later inherits 7.
+    assert out.stdout.split() == ["2", "7", "12", "7", "7"]
+
+
+def _serve_nices(extra: list[str]) -> list[str]:
+    args = build_parser().parse_args(["cluster", "--model", "tiny", "--colocated", *extra])
+    argv = {child.name: child.argv for child in plan(args)}
+
+    def nice(name: str) -> str:
+        a = argv[name]
+        return a[a.index("--nice") + 1] if "--nice" in a else "-"
+
+    return [nice("prefill-0"), nice("decode-0"), nice("colocated")]
+
+
+def test_p_and_d_sharing_cores_default_to_d_above_p() -> None:
+    # Root (CI) may lower D's priority; elsewhere D stays at 0 and P still steps back.
+    d = "-5" if may_take_nice(-5) else "0"
+    assert _serve_nices([]) == ["10", d, "-"]
+    # Pinned apart, nothing is shared: no default; a given value always wins.
+    assert _serve_nices(["--prefill-cpus", "0", "--decode-cpus", "1"]) == ["-", "-", "-"]
+    assert _serve_nices(["--prefill-nice", "0", "--decode-nice", "0"]) == ["0", "0", "-"]
+
+
+def test_with_the_planner_each_worker_carries_every_role_s_priority() -> None:
+    args = build_parser().parse_args(["cluster", "--model", "tiny", "--planner",
+                                      "--prefill-nice", "10", "--decode-nice", "-5",
+                                      "--colocated-nice", "1"])
+    argv = {child.name: child.argv for child in plan(args)}
+    for name, start in (("prefill-0", "10"), ("decode-0", "-5")):
+        a = argv[name]
+        assert a[a.index("--role-nice") + 1] == "prefill=10,decode=-5,null=1", a
+        serve = build_parser(a[3:]).parse_args(a[3:])
+        config = config_from_args(serve)
+        assert str(config.nice_of(config.disaggregation_mode)) == start
+        assert config.nice_of("null") == 1
+
+
+@pytest.mark.parametrize(("extra", "names"), [
+    (["--role-nice", "null=1"], "--role-nice names null, not among the worker's roles"),
+    (["--roles", "decode,prefill", "--nice", "3", "--role-nice", "decode=4"],
+     "--nice 3 contradicts --role-nice decode=4"),
+])
+def test_serve_refuses_a_role_nice_that_cannot_hold(extra: list[str], names: str) -> None:
+    argv = ["serve", "--model", "tiny", "--disaggregation-mode", "decode", *extra]
+    with pytest.raises(ValueError, match=names):
+        config_from_args(build_parser(argv).parse_args(argv))

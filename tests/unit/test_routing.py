@@ -285,3 +285,17 @@ def test_shedding_counts_a_colocated_worker_under_the_bound() -> None:
     shed = _ask(alone)  # its one live room: at the bound
     assert isinstance(shed, fx.ShedRequest) and shed.role == "colocated"
     assert alone.shed == {"colocated": 1}
+
+
+def test_a_handoff_room_is_never_shed_for_prefill() -> None:
+    # A draining D's stream needs another D only: full P queues, or no P at all, shed nothing.
+    for prefill, loads in ((["p0"], {"p0": 2, "d0": 0}), ([], {"d0": 0})):
+        router = _colocated_router(prefill, ["d0"], [], max_queue=2)
+        router.planner.set_loads(loads)
+        room = _ask(router, prompt=Prompt("hi", 1), migratable=True, handoff=True)
+        assert not isinstance(room, fx.ShedRequest), (prefill, room)
+        assert not any(router.shed.values())
+    router = _colocated_router(["p0"], ["d0"], [], max_queue=2)
+    router.planner.set_loads({"p0": 0, "d0": 2})
+    shed = _ask(router, prompt=Prompt("hi", 1), migratable=True, handoff=True)
+    assert isinstance(shed, fx.ShedRequest) and shed.role == "decode"  # D full: shed as before

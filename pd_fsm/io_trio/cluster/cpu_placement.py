@@ -11,11 +11,18 @@ Priority: P and D may share the same cores with D above P (issue 30 §3), so tha
 takes a core from a running prefill instead of waiting for it. Linux's nice is per thread and a
 thread starts with its creator's, so the main thread's value, set before XLA starts its pools,
 is the whole process's.
+
+A role carries its priority (``--role-nice``): a worker that switches role at runtime moves every
+thread still at the old role's value to the new role's, so a D that becomes P steps back behind
+the Ds it shares cores with (the adaptive bench's second run lost to a merged worker that kept its
+start-up priority; bench/RESULTS_adaptive.md).
 """
 
 from __future__ import annotations
 
 import os
+
+ROLE_NICE_ROLES = ("null", "prefill", "decode")  # the worker roles (flags.DISAGGREGATION_MODES)
 
 
 def parse_cpus(spec: str) -> frozenset[int]:
@@ -60,3 +67,55 @@ def set_nice(nice: int) -> int:
         raise ValueError(f"--nice {nice}: not allowed here (a negative value needs "
                          "CAP_SYS_NICE or an RLIMIT_NICE that allows it)") from None
     return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def parse_role_nice(spec: str) -> dict[str, int]:
+    """``"prefill=10,decode=-5,null=0"`` -> {role: nice}; ValueError names what is wrong."""
+    out: dict[str, int] = {}
+    for part in spec.split(","):
+        role, eq, value = (x.strip() for x in part.partition("="))
+        if not eq or role not in ROLE_NICE_ROLES:
+            raise ValueError(f"--role-nice {spec!r}: {part.strip()!r} is not ROLE=N with ROLE "
+                             f"one of {', '.join(ROLE_NICE_ROLES)}")
+        if role in out:
+            raise ValueError(f"--role-nice {spec!r}: {role} is named twice")
+        try:
+            out[role] = int(value)
+        except ValueError:
+            raise ValueError(f"--role-nice {spec!r}: {value!r} is not an integer") from None
+        if not -20 <= out[role] <= 19:
+            raise ValueError(f"--role-nice {spec!r}: {role}={out[role]} is not in -20..19")
+    return out
+
+
+def renice_threads(old: int, new: int) -> int:
+    """Move every thread of this process now at nice ``old`` to ``new`` (a role switch, with
+    ``--role-nice``); returns how many moved. Linux's nice is per thread: XLA's pools, trio's
+    worker threads and the main thread (whose value threads started later inherit) each move.
+    A thread at another value keeps it: the KV transfer threads (``--transfer-nice``) are placed
+    relative to compute on purpose. A value this process may not take is a ValueError."""
+    moved = 0
+    for entry in os.listdir("/proc/self/task"):
+        tid = int(entry)
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) != old:
+                continue
+            os.setpriority(os.PRIO_PROCESS, tid, new)
+        except ProcessLookupError:  # the thread ended since the listing
+            continue
+        except PermissionError:
+            raise ValueError(f"--role-nice: nice {new} not allowed here (a lower value needs "
+                             "CAP_SYS_NICE or an RLIMIT_NICE that allows it)") from None
+        moved += 1
+    return moved
+
+
+def may_take_nice(nice: int) -> bool:
+    """Whether this process may set ``nice``: raising it is always allowed; lowering it needs
+    root (CAP_SYS_NICE) or an RLIMIT_NICE whose ceiling, 20 - limit (setrlimit(2)), reaches it."""
+    if nice >= os.getpriority(os.PRIO_PROCESS, 0) or os.geteuid() == 0:
+        return True
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    return soft == resource.RLIM_INFINITY or 20 - soft <= nice

@@ -31,6 +31,7 @@ import trio
 from pd_fsm.io_trio.api_key import bearer
 from pd_fsm.io_trio.cluster import observability, ray_cluster
 from pd_fsm.io_trio.cluster.ask import ask
+from pd_fsm.io_trio.cluster.cpu_placement import may_take_nice
 from pd_fsm.io_trio.http_server import http_client
 from pd_fsm.io_trio.ports import free_port_pair, free_ports
 from pd_fsm.io_trio.tls import NO_TLS, TLS, throwaway_ca
@@ -88,6 +89,27 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
 # `pd-fsm cluster --planner`: the roles every PD worker compiles at start and may switch to.
 PLANNER_ROLES = "prefill,decode,null"
 
+# P and D on the same cores (the local runner's default: no --prefill-cpus/--decode-cpus): D
+# above P, so a decode step takes a core from a prefill instead of waiting behind it. What won
+# every run on this 2-core machine so far, against colocated, pinned PD and PD at equal priority
+# (bench/RESULTS_placement.md: 1.7-2.0x colocated's goodput, small samples; RESULTS_adaptive.md:
+# the best placement in both adaptive runs). Where this process may not lower a priority, D
+# stays at 0 and P still steps back.
+SHARED_CORES_NICE = {"prefill": 10, "decode": -5}
+
+
+def role_nices(args: argparse.Namespace) -> dict[str, int | None]:
+    """Each role's CPU priority: ``--ROLE-nice``, else, for P and D sharing cores, D above P
+    (``SHARED_CORES_NICE``); None leaves the worker at its launcher's."""
+    nices: dict[str, int | None] = {role: getattr(args, f"{role}_nice", None)
+                                    for role in ("prefill", "decode", "colocated")}
+    shared = (args.prefill and args.decode and args.prefill_cpus is None
+              and args.decode_cpus is None)
+    for role, nice in SHARED_CORES_NICE.items():
+        if shared and nices[role] is None:
+            nices[role] = nice if may_take_nice(nice) else max(nice, 0)
+    return nices
+
 
 def plan(args: argparse.Namespace, tls: TLS = NO_TLS) -> list[Child]:
     """The children to start, in start order (the proxy last); with ``tls``, every one serves
@@ -115,10 +137,12 @@ def plan(args: argparse.Namespace, tls: TLS = NO_TLS) -> list[Child]:
         children.append(Child("bootstrap", _cli("bootstrap", "--host", HOST, "--port",
                                                 str(boot_port), *quiet, *serving.argv()),
                               f"{scheme}://{HOST}:{boot_port}"))
+    nices = role_nices(args)
+
     def pinned(role: str) -> list[str]:
         """The role's own flags: its cores, its CPU priority and its tensor-parallel size."""
         cpus, tp = getattr(args, f"{role}_cpus"), getattr(args, f"{role}_tp", None)
-        nice = getattr(args, f"{role}_nice", None)
+        nice = nices[role]
         flags = [] if cpus is None else ["--cpus", cpus]
         flags += [] if nice is None else ["--nice", str(nice)]
         return flags + ([] if tp is None else ["--tp", str(tp)])
@@ -147,7 +171,11 @@ def plan(args: argparse.Namespace, tls: TLS = NO_TLS) -> list[Child]:
             return []
         side = [] if d_index is None else ["--disaggregation-side-channel-port",
                                            str(d_side_ports[d_index])]
-        return ["--roles", PLANNER_ROLES, *side]
+        # The priority follows the role (`serve --role-nice`): a merged (null) worker takes
+        # colocated's, a D that becomes P steps back.
+        role_nice = ",".join(f"{role}={nices[name] or 0}" for role, name in
+                             (("prefill", "prefill"), ("decode", "decode"), ("null", "colocated")))
+        return ["--roles", PLANNER_ROLES, "--role-nice", role_nice, *side]
 
     prefills = [
         instance(f"prefill-{i}", "prefill",
@@ -184,7 +212,8 @@ def plan(args: argparse.Namespace, tls: TLS = NO_TLS) -> list[Child]:
         planner_args = ["planner", "--host", HOST, "--port", str(planner_port), *quiet,
                         *tls.argv(), *shlex.split(args.planner_args or "")]
         if keyed:
-            planner_args += ["--worker-api-key-file", str(args.api_key_file)]
+            planner_args += ["--api-key-file", str(args.api_key_file),
+                             "--worker-api-key-file", str(args.api_key_file)]
         for child in (*prefills, *decodes):
             planner_args += ["--worker", str(child.url)]
         children.append(Child("planner", _cli(*planner_args), f"{scheme}://{HOST}:{planner_port}",
@@ -390,7 +419,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        help=f"pin every {role} worker to these cores (`pd-fsm serve --cpus`)")
         p.add_argument(f"--{role}-nice", type=int, default=None, metavar="N",
                        help=f"CPU priority of every {role} worker (`pd-fsm serve --nice`, "
-                            "-20..19, lower first)")
+                            "-20..19, lower first; P and D sharing cores default to "
+                            f"{SHARED_CORES_NICE['prefill']} and {SHARED_CORES_NICE['decode']}: "
+                            "D above P)")
         p.add_argument(f"--{role}-tp", type=int, default=None, metavar="N",
                        help=f"every {role} worker tensor-parallel over N devices (`pd-fsm serve "
                             "--tp`); P and D may differ: D regroups P's KV shards")

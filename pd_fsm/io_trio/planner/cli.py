@@ -45,11 +45,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help=f"with --colocate: seconds a mode's pressure is remembered after "
                         f"leaving it, and between two splits (default {d.recall:g})")
     p.add_argument("--dry-run", action="store_true", help="decide and log, never switch")
+    p.add_argument("--paused", action="store_true",
+                   help="start paused: observe and decide nothing until POST /resume (e.g. "
+                        "while the workers warm up); POST /pause pauses it again")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="its /metrics and /decisions")
     p.add_argument("--log-level", default="INFO")
     add_tls_arguments(p)
-    add_api_key_arguments(p, "worker-", who="the planner sends to every worker; workers expect")
+    add_api_key_arguments(p, who="callers of /decisions, /pause and /resume")
+    add_api_key_arguments(p, "worker-", who="the planner, to every worker,")
     p.set_defaults(func=main)
 
 
@@ -69,7 +73,8 @@ def service_from_args(args: argparse.Namespace) -> PlannerService:
     return PlannerService(Planner(config), workers=args.worker,
                           bootstrap_url=args.bootstrap_url, interval=args.interval,
                           headers=bearer(key) if key else {}, tls=tls_from_args(args),
-                          dry_run=args.dry_run)
+                          dry_run=args.dry_run, paused=args.paused,
+                          api_key=api_key_from_args(args))
 
 
 def main(args: argparse.Namespace) -> int:

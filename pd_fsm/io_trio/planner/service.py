@@ -5,8 +5,15 @@ core names (``"null"``, colocated, too once its ``Role`` has it). Asking for one
 worker, or giving one back, needs a launcher this process does not have: such a decision is
 logged and counted ``not_actionable`` (``pd-fsm cluster --ray`` would be where actors start).
 
-One nursery: the HTTP server (``/metrics``, ``/health``, ``/decisions``) and the loop. Every wait
-has a deadline: a scrape ``SCRAPE_S``, a switch request ``SWITCH_S``.
+One nursery: the HTTP server (``/metrics``, ``/health``, ``/decisions``, ``POST /pause`` and
+``POST /resume``) and the loop. Every wait has a deadline: a scrape ``SCRAPE_S``, a switch
+request ``SWITCH_S``.
+
+Paused (``--paused`` at start, or ``POST /pause``), the planner scrapes, observes and decides
+nothing: an operator holds the split while working on the cluster, or a benchmark warms every
+shape up without the warm-up's load moving roles. ``POST /resume`` starts it from a policy with
+no memory (patience counts, remembered pressures, cooldowns): what it saw before the pause is
+not the load it will act on.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pd_fsm.core.planner import Decision, Planner, ScaleDown, ScaleUp, SwitchRole, WorkerSnapshot
+from pd_fsm.io_trio.api_key import ApiKeyGate
 from pd_fsm.io_trio.bootstrap.listing import list_role, worker_url
 from pd_fsm.io_trio.http_edge import edge_app
 from pd_fsm.io_trio.http_server import http_client, serve_app
@@ -44,7 +52,10 @@ WORKER_SIDES = ("prefill", "decode", "null")
 class PlannerService:
     def __init__(self, planner: Planner, *, workers: list[str], bootstrap_url: str | None,
                  interval: float, headers: dict[str, str] | None = None, tls: TLS = NO_TLS,
-                 dry_run: bool = False) -> None:
+                 dry_run: bool = False, paused: bool = False, api_key: str | None = None
+                 ) -> None:
+        """``api_key``: what callers of this planner's own endpoints must send (all but
+        /health and /metrics); ``headers``: what it sends to the workers."""
         if not workers and bootstrap_url is None:
             raise ValueError("give --worker URLs or --bootstrap-url")
         self.planner = planner
@@ -54,6 +65,8 @@ class PlannerService:
         self.headers = headers or {}
         self.tls = tls
         self.dry_run = dry_run  # decide and log, never act
+        self.paused = paused  # observe nothing, decide nothing (POST /pause, /resume)
+        self.api_key = api_key
         self._last: dict[str, Scrape] = {}
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT)
         self.registry = CollectorRegistry(auto_describe=False)
@@ -72,6 +85,10 @@ class PlannerService:
         # Labelled "side", not "role": Prometheus targets carry a role label of their own.
         self.workers = Gauge("pd_fsm_planner_workers", "workers serving each role as last "
                              "scraped", ["side"], registry=self.registry)
+        self.paused_gauge = Gauge("pd_fsm_planner_paused", "1 while the planner is paused "
+                                  "(POST /pause): it observes and decides nothing",
+                                  registry=self.registry)
+        self.paused_gauge.set(int(paused))
         self._client: httpx.AsyncClient | None = None
 
     # ------------------------------------------------------------------ the loop
@@ -82,8 +99,24 @@ class PlannerService:
             self._client = client
             task_status.started()
             while True:
-                await self.observe_once(trio.current_time())
+                if not self.paused:
+                    await self.observe_once(trio.current_time())
                 await trio.sleep(self.interval)
+
+    def pause(self) -> None:
+        if not self.paused:
+            log.warning("planner: paused (it decides nothing until POST /resume)")
+        self.paused = True
+        self.paused_gauge.set(1)
+
+    def resume(self) -> None:
+        """Observe again, from a policy with no memory of what it saw before the pause."""
+        if self.paused:
+            self.planner = Planner(self.planner.config)
+            self._last = {}
+            log.warning("planner: resumed")
+        self.paused = False
+        self.paused_gauge.set(0)
 
     async def observe_once(self, now: float) -> list[Decision]:
         urls = await self._worker_urls()
@@ -187,9 +220,21 @@ class PlannerService:
         async def decisions(request: Request) -> Response:
             return JSONResponse({"decisions": list(self.recent)})
 
-        return edge_app([Route("/metrics", metrics, methods=["GET"]),
-                         Route("/health", health, methods=["GET"]),
-                         Route("/decisions", decisions, methods=["GET"])])
+        async def pause(request: Request) -> Response:
+            self.pause()
+            return JSONResponse({"paused": True})
+
+        async def resume(request: Request) -> Response:
+            self.resume()
+            return JSONResponse({"paused": False})
+
+        app = edge_app([Route("/metrics", metrics, methods=["GET"]),
+                        Route("/health", health, methods=["GET"]),
+                        Route("/decisions", decisions, methods=["GET"]),
+                        Route("/pause", pause, methods=["POST"]),
+                        Route("/resume", resume, methods=["POST"])])
+        # /pause and /resume change what the cluster does: with a key, only its holders may.
+        return app if self.api_key is None else ApiKeyGate(app, self.api_key)
 
 
 async def serve_planner(service: PlannerService, host: str = "127.0.0.1", port: int = 0, *,

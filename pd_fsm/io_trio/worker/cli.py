@@ -68,9 +68,10 @@ def main(args: argparse.Namespace) -> int:
             # Before anything starts JAX: XLA sizes its thread pools from the affinity.
             pinned = pin_to(parse_cpus(config.cpus))
             log.info("pinned to cores %s", ",".join(map(str, sorted(pinned))))
-        if config.nice != 0:
+        nice = config.nice_of(config.disaggregation_mode)
+        if nice != 0:
             # Before anything starts a thread: each inherits its creator's nice (Linux).
-            log.info("nice %d", set_nice(config.nice))
+            log.info("nice %d", set_nice(nice))
         if config.tp_size > 1:
             # Read when JAX first starts a backend, which nothing has done yet. Only the host
             # (CPU) platform reads it: on an accelerator the devices are the chips.

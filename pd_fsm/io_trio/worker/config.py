@@ -127,6 +127,9 @@ class ServeConfig:
     # CPU priority of every thread of the worker (-20..19), set before JAX starts: with P and D
     # on the same cores, D above P (cpu_placement.set_nice).
     nice: int = 0
+    # Each role's nice value ((role, nice) pairs), for a worker whose role switches at runtime:
+    # the priority follows the role (cpu_placement.renice_threads); a role left out keeps `nice`.
+    role_nice: tuple[tuple[str, int], ...] = ()
     # P/D: nice value for the transfer server's socket threads (-20..0; 0 leaves them), so a
     # pull is not queued behind compute (pd_fsm.jax_engine.transfer.thread_priority).
     transfer_nice: int = -10
@@ -139,6 +142,10 @@ class ServeConfig:
     # default directory.
     compilation_cache: bool = True
     compilation_cache_dir: Path | None = None
+
+    def nice_of(self, role: str) -> int:
+        """The CPU priority of this worker in ``role`` (``--role-nice``, else ``--nice``)."""
+        return dict(self.role_nice).get(role, self.nice)
 
     @property
     def public_host(self) -> str:

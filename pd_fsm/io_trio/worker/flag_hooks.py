@@ -69,6 +69,19 @@ def _check_roles(args: argparse.Namespace) -> None:
                          "(an instance spanning processes cannot switch its role)")
 
 
+def _check_role_nice(args: argparse.Namespace) -> None:
+    role_nice = dict(args.role_nice or ())
+    roles = args.roles or (args.disaggregation_mode,)
+    stray = sorted(set(role_nice) - set(roles))
+    if stray:
+        raise ValueError(f"--role-nice names {', '.join(stray)}, not among the worker's roles "
+                         f"({','.join(roles)})")
+    start = role_nice.get(args.disaggregation_mode)
+    if start is not None and args.nice not in (0, start):
+        raise ValueError(f"--nice {args.nice} contradicts --role-nice "
+                         f"{args.disaggregation_mode}={start}")
+
+
 def _compilation_cache(args: argparse.Namespace) -> bool:
     if args.no_compilation_cache and args.compilation_cache_dir is not None:
         raise ValueError("--compilation-cache-dir and --no-compilation-cache contradict")
@@ -121,6 +134,7 @@ SERVE_HOOKS: tuple[Hook, ...] = (
     Hook(None, ("nnodes", "node_rank", "tp_size", "dist_init_addr"), _check_nodes),
     Hook(None, ("disaggregation_kv_checksum", "nnodes"), _check_kv_checksum),
     Hook(None, ("roles", "disaggregation_mode", "nnodes"), _check_roles),
+    Hook(None, ("role_nice", "roles", "disaggregation_mode", "nice"), _check_role_nice),
     Hook("radix_cache", ("disable_radix_cache",), lambda args: not args.disable_radix_cache),
     # --drain-handoff states the default (a switch cannot turn a field off: not the field's
     # dest); the two exclude each other (argparse).

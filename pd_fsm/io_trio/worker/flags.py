@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pd_fsm.io_trio.api_key import api_key_flags
-from pd_fsm.io_trio.cluster.cpu_placement import parse_cpus
+from pd_fsm.io_trio.cluster.cpu_placement import parse_cpus, parse_role_nice
 from pd_fsm.io_trio.flag_spec import Flag, above, at_least, positive, within
 from pd_fsm.io_trio.tls import tls_flags
 
@@ -56,6 +56,14 @@ def roles_arg(value: str) -> tuple[str, ...]:
     if len(set(roles)) != len(roles):
         raise argparse.ArgumentTypeError(f"a role is named twice in {value!r}")
     return roles
+
+
+def role_nice_arg(value: str) -> tuple[tuple[str, int], ...]:
+    """``--role-nice prefill=10,decode=-5``: each role's nice value, as (role, nice) pairs."""
+    try:
+        return tuple(parse_role_nice(value).items())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _cpu_list(name: str, value: Any) -> None:
@@ -243,6 +251,14 @@ _PROCESS = (
         "JAX starts its pools. P and D sharing cores: D above P, so a decode step takes a core "
         "from a prefill instead of waiting (`pd-fsm cluster --prefill-nice / --decode-nice`). "
         "A value the process may not take stops it at start, naming the flag")),
+    Flag("--role-nice", metavar="ROLE=N,...", type=role_nice_arg,
+         shown_default="`--nice` for every role",
+         help=("each role's CPU priority, e.g. prefill=10,decode=-5,null=0: the worker starts at "
+               "its role's and moves to the new role's on a switch (POST /switch_role)"), doc=(
+             "each role's CPU priority (`prefill=10,decode=-5,null=0`; roles from `--roles`): "
+             "the worker starts at `--disaggregation-mode`'s and, on a role switch, moves every "
+             "thread still at the old role's value to the new role's (the KV transfer threads "
+             "keep `--transfer-nice`). `pd-fsm cluster --planner` passes its per-role values")),
     Flag("--host-heap", choices=HOST_HEAP_POLICIES, help=(
         "hugepages: large host buffers on huge pages (faster pulls on CPU); default: glibc's"),
         doc=("hugepages: the worker re-executes itself once with "

@@ -34,6 +34,7 @@ from pd_fsm.core import events as ev
 from pd_fsm.core.drive import drive
 from pd_fsm.core.role_switch import RoleSwitch
 from pd_fsm.core.tables import ROLE_SWITCH
+from pd_fsm.io_trio.cluster.cpu_placement import renice_threads
 from pd_fsm.io_trio.worker.backend import Backend, in_flight
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.drain_gate import DrainDecision, drain_streams
@@ -173,6 +174,7 @@ class RoleHost:
         self.started = False
         # P's side-channel port once bound: a later P role binds it again.
         self._side_port = config.disaggregation_side_channel_port
+        self._nice = config.nice_of(config.disaggregation_mode)  # set at start (cli.py)
 
     # -- what the HTTP layer reads ----------------------------------------------------------------
 
@@ -245,6 +247,15 @@ class RoleHost:
         await self._nursery.start(serve)
         self.backend, self._serving = backend, (scope, ended)
         self._side_port = _side_port(backend) or self._side_port
+
+    def _take_priority(self, role: str) -> None:
+        """``role``'s CPU priority (``--role-nice``), before its backend starts: a D above P on
+        shared cores that becomes P steps back behind the Ds it shares them with."""
+        new = self.config.nice_of(role)
+        if new != self._nice:
+            moved = renice_threads(self._nice, new)
+            log.info("nice %d -> %d for role %s (%d threads)", self._nice, new, role, moved)
+            self._nice = new
 
     async def _until_ready(self) -> None:
         """A PD role serves once the registry acknowledged its record (``ready()``), as at
@@ -366,6 +377,7 @@ class RoleHost:
                                                             sum(total_compiles()))
                 continue
             try:
+                self._take_priority(effect.role)
                 await self._start(self._make(effect.role, effect.epoch))
                 await self._until_ready()
             except Exception as exc:  # a failed build is a row of the table, not a crash
@@ -389,6 +401,7 @@ class RoleHost:
             "role_epoch": self.epoch,
             "roles": list(self.machine.roles),
             "role_state": self.state,
+            "nice": self._nice,
             "prefill_bootstrap_port": self.bootstrap_port(),
             "last_role_switch": None if last is None else attrs.asdict(last),
         }
