@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -389,7 +390,7 @@ def _run_on_cluster(args: argparse.Namespace, cluster_args: list[str], measure: 
     then ``trio.run(measure, urls, args)``; the cluster stops whatever happens."""
     cluster = PDCluster.start([
         "--model", args.model, "--prefill", "1", "--decode", "1", "--num-pages", "256",
-        "--startup-timeout", "1200", *cluster_args,
+        "--startup-timeout", "1200", *cluster_args, *shlex.split(args.cluster_args),
         # A cold start compiles for minutes on these cores: long windows for the first rooms.
         "--worker-args", "--disaggregation-peer-timeout 120 --disaggregation-lease-initial 120"
         + (f" --transfer-nice {args.transfer_nice}" if args.transfer_nice is not None else "")
@@ -425,6 +426,10 @@ def main() -> int:
                    required=True)
     p.add_argument("--worker-args", default="",
                    help="parts on a cluster: more flags for every worker (one string)")
+    p.add_argument("--cluster-args", default="",
+                   help="parts tax, pulls, goodput: more `pd-fsm cluster` flags (one string; "
+                        "e.g. '--prefill-nice 0 --decode-nice 0' for equal priority, which "
+                        "older commits ran by default)")
     p.add_argument("--transfer-nice", type=int, default=None,
                    help="parts on a cluster: the workers' --transfer-nice (default: theirs)")
     p.add_argument("--concurrencies", type=int, nargs="+", default=[6, 16],
