@@ -37,6 +37,7 @@ from pd_fsm.io_trio.worker.backend import (
     BackendError,
     GenerateJob,
     HandedOff,
+    RoleBackend,
     in_flight,
 )
 from pd_fsm.io_trio.worker.config import ServeConfig
@@ -187,7 +188,7 @@ class WorkerApp:
         return self.roles.backend
 
     def _configure_backend(self, backend: Backend) -> None:
-        if hasattr(backend, "phase_observer"):  # a PD backend: its per-phase histograms
+        if isinstance(backend, RoleBackend):  # a PD backend observes its per-phase histograms
             backend.phase_observer = self.metrics.phases.observe
 
     def _count_drain(self, decision: DrainDecision) -> None:
@@ -633,8 +634,8 @@ class WorkerApp:
         uuid_ = body.get("uuid") if isinstance(body, dict) else None
         if isinstance(uuid_, bool) or not isinstance(uuid_, int):
             raise ApiError(400, "give uuid (an integer): the hand-off ticket's")
-        release = getattr(self.backend, "release_handoff", None)
-        queued = release is not None and release(uuid_)
+        backend = self.backend
+        queued = isinstance(backend, RoleBackend) and backend.release_handoff(uuid_)
         return JSONResponse({"queued": queued})
 
     async def _switch_role(self, request: Request) -> Response:

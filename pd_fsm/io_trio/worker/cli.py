@@ -26,7 +26,7 @@ from pd_fsm.io_trio.worker.config import (
 )
 
 if TYPE_CHECKING:
-    from pd_fsm.io_trio.worker.roles import RoleBackend
+    from pd_fsm.io_trio.worker.backend import RoleBackend
     from pd_fsm.jax_engine.transfer.base import KVTransferEngine
 
 log = logging.getLogger("pd_fsm.io_trio.worker.cli")
