@@ -150,6 +150,62 @@ def instance_record(config: ServeConfig, pd_args: DisaggregationArgs,
     )
 
 
+def warm_kv_copies(startup: Startup, scheduler: PrefillScheduler | DecodeScheduler) -> None:
+    """What a PD role compiles besides the forward: its KV copies."""
+    n = startup.timed("kv_copy_compile", scheduler.warm_kv_copies)
+    log.info("compiled the KV %s for %d page buckets", scheduler.KV_COPY, n)
+
+
+def close_pd_scheduler(role: PDRole[S], sched: S, engine: KVTransferEngine | None) -> None:
+    """Free what ``sched`` holds besides memory: the role's part, then its transfer engine, or
+    (``engine``: the process's, shared by the roles of a switching worker) what it registered
+    there."""
+    role.close(sched)
+    if engine is None:
+        sched.engine.close()
+        return
+    for uuid in list(sched.engine.registrations()):
+        sched.engine.release(uuid, "the worker's role is switching")
+
+
+def pd_snapshot(sched: PrefillScheduler | DecodeScheduler) -> tuple[Stats, dict[str, float]]:
+    """The core's counts and the transfer counters, copied in the tick's thread."""
+    return sched.pd_stats(), dict(sched.transfer_stats)
+
+
+def fan_out_pd(streams: StreamTable, outputs: list[RequestOutput],
+               failures: dict[str, tuple[int, str]], mode: str) -> None:
+    """A tick's outputs to their streams; a request the PD protocol failed gets its error."""
+    plain = []
+    for out in outputs:
+        failure = failures.get(out.rid)
+        stream = streams.live.get(out.rid)
+        if failure is None or stream is None:
+            plain.append(out)
+            continue
+        streams.generated_tokens_total += len(out.new_token_ids)
+        status, reason = failure
+        # Operators see every failed room with its reason (counters alone say how many).
+        log.info("%s request %s failed (%d): %s", mode, out.rid, status, reason)
+        streams.fail(stream, BackendError(status, reason))
+    streams.fan_out(plain)
+
+
+async def keep_registered(client: BootstrapClient, scope: trio.CancelScope, *,
+                          task_status: trio.TaskStatus[None]) -> None:
+    """The registry record's heartbeats, until ``scope`` is cancelled (``withdraw``) or the
+    end: its cancellation deregisters us (BootstrapClient.run)."""
+    with scope:
+        await client.run(task_status=task_status)
+
+
+async def raise_data_plane(data_plane: DataPlanePriority) -> None:
+    # The transfer server starts a thread pair per connection: look again now and then.
+    while data_plane.refused is None and data_plane.nice != 0:
+        data_plane.apply()
+        await trio.sleep(DATA_PLANE_SCAN_S)
+
+
 class PDBackend(Generic[S]):
     """The PD loop, the inbox, the bootstrap client; ``role`` supplies what P and D differ in."""
 
@@ -164,8 +220,8 @@ class PDBackend(Generic[S]):
         self.outcomes = self.streams.outcomes  # requests by outcome (the table's counts)
         self.link = PDLink(self.streams.wake)
         self._secret = config.cluster_secret()
-        self.role: PDRole[S] = role(RoleParts(config, self.pd_args, self.link, self.streams, self._secret,
-                                   spans_processes=spmd is not None))
+        self.role: PDRole[S] = role(RoleParts(config, self.pd_args, self.link, self.streams,
+                                              self._secret, spans_processes=spmd is not None))
         self.health = Health()
         self.startup = Startup(config.warmup)
         self.scheduler: S | None = None
@@ -241,7 +297,7 @@ class PDBackend(Generic[S]):
 
     def precompile(self) -> None:
         """Build and warm the role's scheduler, then close it (worker/roles.py)."""
-        self._close(self.build_scheduler())
+        close_pd_scheduler(self.role, self.build_scheduler(), self._engine)
 
     def side_port(self) -> int | None:
         return self.role.side_port()
@@ -272,7 +328,8 @@ class PDBackend(Generic[S]):
             self.build_scheduler, limiter=self._limiter, abandon_on_cancel=True
         )
         self.scheduler = sched
-        self._publish_stats(sched)  # no tick runs yet: the first snapshot, before any request
+        # No tick runs yet: the first snapshot, before any request.
+        self._pd_snapshot = pd_snapshot(sched)
         try:
             async with trio.open_nursery() as nursery:
                 await self._start(nursery, sched)
@@ -283,7 +340,8 @@ class PDBackend(Generic[S]):
             with trio.CancelScope(shield=True):
                 if self._spmd is not None:
                     await trio.to_thread.run_sync(self._spmd.stop, limiter=self._limiter)
-                await trio.to_thread.run_sync(self._close, sched, limiter=self._limiter)
+                await trio.to_thread.run_sync(close_pd_scheduler, self.role, sched, self._engine,
+                                              limiter=self._limiter)
 
     async def _start(self, nursery: trio.Nursery, sched: S) -> None:
         """Open the side channel, register (after the other ranks joined), then ready."""
@@ -296,7 +354,7 @@ class PDBackend(Generic[S]):
                                           limiter=self._limiter)
             await trio.to_thread.run_sync(
                 self._spmd.announce, json.dumps(to_json(record)), limiter=self._limiter)
-        nursery.start_soon(self._raise_data_plane)
+        nursery.start_soon(raise_data_plane, self.data_plane)
         self.link.bootstrap = BootstrapClient(
             bootstrap_url(self.config),
             record,
@@ -306,23 +364,9 @@ class PDBackend(Generic[S]):
             stale_after=self.config.disaggregation_bootstrap_heartbeat_ttl,
             tls=self.config.tls,
         )
-        await nursery.start(self._registration_task, self.link.bootstrap)
+        await nursery.start(keep_registered, self.link.bootstrap, self._registration)
         self.health.ready = True
         log.info("%s backend ready: %s", self.mode, record)
-
-    async def _registration_task(
-        self, client: BootstrapClient, *, task_status: trio.TaskStatus[None]
-    ) -> None:
-        """The registry record's heartbeats, until ``withdraw`` (or the end): its cancellation
-        deregisters us (BootstrapClient.run)."""
-        with self._registration:
-            await client.run(task_status=task_status)
-
-    async def _raise_data_plane(self) -> None:
-        # The transfer server starts a thread pair per connection: look again now and then.
-        while self.data_plane.refused is None and self.data_plane.nice != 0:
-            self.data_plane.apply()
-            await trio.sleep(DATA_PLANE_SCAN_S)
 
     def build_scheduler(self) -> S:
         """Build and warm the role's scheduler (runs in a worker thread; every rank of an
@@ -331,26 +375,23 @@ class PDBackend(Generic[S]):
         if self.tick_inputs is None and self.config.nnodes > 1:
             self.tick_inputs = TickInputs(shared_key())
         tick_inputs = self.tick_inputs
+
+        def warm_role(sched: S) -> None:
+            warm_kv_copies(self.startup, sched)
+
         return self.startup.build(lambda: self.role.new_scheduler(self._engine, tick_inputs),
-                                  self._warm_role)
-
-    def _warm_role(self, scheduler: S) -> None:
-        n = self.startup.timed("kv_copy_compile", scheduler.warm_kv_copies)
-        log.info("compiled the KV %s for %d page buckets", scheduler.KV_COPY, n)
-
-    def _close(self, sched: S) -> None:
-        self.role.close(sched)
-        if self._engine is None:
-            sched.engine.close()
-            return
-        for uuid in list(sched.engine.registrations()):
-            sched.engine.release(uuid, "the worker's role is switching")
+                                  warm_role)
 
     # -- the loop ---
 
     async def _pd_loop(self, sched: S, nursery: trio.Nursery) -> None:
+        def check(record: InstanceRecord) -> str | None:
+            return self.role.check_peer(record, self.scheduler)
+
         def start_resolve(bootstrap_addr: str) -> None:
-            nursery.start_soon(self._resolve, bootstrap_addr)
+            # Inside the core's own resolve deadline, so this clearer answer arrives first.
+            nursery.start_soon(self.link.resolve, bootstrap_addr, check,
+                               self.pd_args.resolve_timeout * 0.9, self.mode)
 
         def send_early(effects: list[fx.IOEffect]) -> None:
             self.link.send_from_thread(effects, start_resolve)
@@ -367,7 +408,7 @@ class PDBackend(Generic[S]):
                 self.streams.fail(stream, BackendError(status, reason))
             for stream in result.unstarted:
                 self.streams.abort_unstarted(stream)
-            self._fan_out(result.outputs, result.failures)
+            fan_out_pd(self.streams, result.outputs, result.failures, self.mode)
             self.role.after_tick(nursery)
             if result.forward_work:
                 continue
@@ -434,36 +475,9 @@ class PDBackend(Generic[S]):
         if self._ranks is not None:
             self._ranks.fingerprint = fingerprint(sched)
         self.role.after_run_tick(sched)
-        self._publish_stats(sched)
+        # Copies for the HTTP task (see ``stats``), taken in the tick's thread.
+        self._pd_snapshot = pd_snapshot(sched)
         return result
-
-    def _publish_stats(self, sched: S) -> None:
-        """In the tick's thread, after the tick: copies for the HTTP task (see ``stats``)."""
-        self._pd_snapshot = (sched.pd_stats(), dict(sched.transfer_stats))
-
-    def _fan_out(
-        self, outputs: list[RequestOutput], failures: dict[str, tuple[int, str]]
-    ) -> None:
-        plain = []
-        for out in outputs:
-            failure = failures.get(out.rid)
-            stream = self.streams.live.get(out.rid)
-            if failure is None or stream is None:
-                plain.append(out)
-                continue
-            self.streams.generated_tokens_total += len(out.new_token_ids)
-            status, reason = failure
-            # Operators see every failed room with its reason (counters alone say how many).
-            log.info("%s request %s failed (%d): %s", self.mode, out.rid, status, reason)
-            self.streams.fail(stream, BackendError(status, reason))
-        self.streams.fan_out(plain)
-
-    async def _resolve(self, bootstrap_addr: str) -> None:
-        # Inside the core's own resolve deadline, so this clearer answer arrives first.
-        await self.link.resolve(
-            bootstrap_addr, lambda record: self.role.check_peer(record, self.scheduler),
-            self.pd_args.resolve_timeout * 0.9, self.mode)
-
 
 class PrefillBackend(PDBackend[PrefillScheduler]):
     """P: answers its leg once the room's KV is handed off to D (READY sent). Only a named
