@@ -308,6 +308,22 @@ def _max_tokens(value: int | None, default: int, what: str, limits: Limits) -> i
     return value
 
 
+def _penalties(d: JsonObject, path: str) -> dict[str, float]:
+    """The three penalties, checked (in this order) and defaulted: none applies."""
+    penalties = {}
+    for key, low, high in (("frequency_penalty", -2.0, 2.0), ("presence_penalty", -2.0, 2.0)):
+        value = _float(d, key, path)
+        if value is not None and not low <= value <= high:
+            raise ApiError(400, f"{_where(path, key)} must be in [{low}, {high}], got {value}")
+        penalties[key] = value or 0.0
+    repetition = _float(d, "repetition_penalty", path)
+    if repetition is not None and not 0.0 < repetition <= 2.0:
+        raise ApiError(400, f"{_where(path, 'repetition_penalty')} must be in (0, 2], "
+                            f"got {repetition}")
+    penalties["repetition_penalty"] = 1.0 if repetition is None else repetition
+    return penalties
+
+
 def _sampling(
     d: JsonObject,
     path: str,
@@ -332,16 +348,7 @@ def _sampling(
     if seed is not None and not 0 <= seed < 2**63:
         raise ApiError(400, f"{_where(path, 'seed')} must be in [0, 2^63), got {seed}")
     stop_ids = d.get("stop_token_ids")
-    penalties = {}
-    for key, low, high in (("frequency_penalty", -2.0, 2.0), ("presence_penalty", -2.0, 2.0)):
-        value = _float(d, key, path)
-        if value is not None and not low <= value <= high:
-            raise ApiError(400, f"{_where(path, key)} must be in [{low}, {high}], got {value}")
-        penalties[key] = value or 0.0
-    repetition = _float(d, "repetition_penalty", path)
-    if repetition is not None and not 0.0 < repetition <= 2.0:
-        raise ApiError(400, f"{_where(path, 'repetition_penalty')} must be in (0, 2], "
-                            f"got {repetition}")
+    penalties = _penalties(d, path)
     n = _int(d, "n", path)
     if n is not None and not 1 <= n <= MAX_N:
         raise ApiError(400, f"{_where(path, 'n')} must be in [1, {MAX_N}], got {n}")
@@ -355,7 +362,7 @@ def _sampling(
         max_new_tokens=max_new,
         frequency_penalty=penalties["frequency_penalty"],
         presence_penalty=penalties["presence_penalty"],
-        repetition_penalty=1.0 if repetition is None else repetition,
+        repetition_penalty=penalties["repetition_penalty"],
         min_new_tokens=min_new,
         temperature=default_temperature if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
