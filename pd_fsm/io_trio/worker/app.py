@@ -60,7 +60,8 @@ class WorkerApp:
         live: set[str] = set()
         # The role is state that changes at runtime (issue 30 §1): the host owns the backend.
         roles = RoleHost(config, backend, engine=engine, live=lambda: len(live),
-                         configure=self._configure_backend, drained=self._count_drain)
+                         configure=lambda b: _observe_phases(b, metrics),
+                         drained=lambda decision: _count_drain(metrics, decision))
         self.state = WorkerState(config, metrics, roles, live,
                                  None if model is None else ModelMeta.of(model, config))
         metrics.add_roles(roles.snapshot)
@@ -120,13 +121,6 @@ class WorkerApp:
 
     # ----------------------------------------------------------------- lifecycle
 
-    def _configure_backend(self, backend: Backend) -> None:
-        if isinstance(backend, RoleBackend):  # a PD backend observes its per-phase histograms
-            backend.phase_observer = self.state.metrics.phases.observe
-
-    def _count_drain(self, decision: DrainDecision) -> None:
-        self.state.metrics.drains.labels(decision.outcome, decision.reason).inc()
-
     async def load(self) -> None:
         """Load (and memoise) the model off the event loop; the backend reuses the weights."""
         if self.state.meta is None:
@@ -154,10 +148,21 @@ class WorkerApp:
         started = time.monotonic()
         await self.backend.withdraw()
         log.info("draining: %d requests in flight", len(self.state.live))
-        self._count_drain(await drain_streams(self.backend, self.config, started, "draining"))
+        _count_drain(self.metrics,
+                     await drain_streams(self.backend, self.config, started, "draining"))
         while self.state.live or in_flight(self.backend.stats()):
             await trio.sleep(DRAIN_POLL_S)
         log.info("drained: nothing in flight")
+
+
+def _observe_phases(backend: Backend, metrics: WorkerMetrics) -> None:
+    """What the worker sets on each backend it serves with."""
+    if isinstance(backend, RoleBackend):  # a PD backend observes its per-phase histograms
+        backend.phase_observer = metrics.phases.observe
+
+
+def _count_drain(metrics: WorkerMetrics, decision: DrainDecision) -> None:
+    metrics.drains.labels(decision.outcome, decision.reason).inc()
 
 
 async def _on_api_error(request: Request, exc: Exception) -> Response:
