@@ -24,7 +24,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 import trio
@@ -38,6 +38,7 @@ from pd_fsm.io_trio.worker.backend import Backend, RoleBackend, in_flight
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.drain_gate import DrainDecision, drain_streams
 from pd_fsm.io_trio.worker.metrics import RoleSnapshot
+from pd_fsm.io_trio.worker.schemas import JsonObject
 
 if TYPE_CHECKING:
     from pd_fsm.io_trio.worker.spmd.leader import SpmdLeader
@@ -61,7 +62,7 @@ class SwitchAnswer:
     message in ``error``)."""
 
     status: int
-    body: dict[str, Any]
+    body: JsonObject
     error: str | None = None
 
 
@@ -363,7 +364,7 @@ class RoleHost:
         return RoleSnapshot(self.role, self.epoch, self.machine.roles,
                             dict(self.machine.outcomes))
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> JsonObject:
         last = self.last_switch
         return {
             "disaggregation_mode": self.role,
