@@ -402,7 +402,7 @@ async def test_abort_request(worker: tuple[str, Any], nursery: trio.Nursery) -> 
             for rid in ("a1", "a2", "a3"):
                 n.start_soon(post, rid, http)
             with trio.fail_after(10):
-                while len(w._live) < 3:
+                while len(w.state.live) < 3:
                     await trio.sleep(0.02)
             r = await http.post("/abort_request", json={"rid": "a1"})
             assert r.json() == {"aborted": ["a1"]}

@@ -62,7 +62,7 @@ async def test_slow_consumer_blocks_nobody_and_loses_nothing(backend: ColocatedB
         assert slow == _reference(slow_prompt)
     stats = backend.stats()
     assert stats["free_pages"] == stats["total_pages"]
-    assert backend.outcomes["length"] == 2 and not backend._streams
+    assert backend.outcomes["length"] == 2 and not backend.streams.live
 
 
 async def test_leaving_early_aborts_and_frees_pages(backend: ColocatedBackend) -> None:
@@ -70,7 +70,7 @@ async def test_leaving_early_aborts_and_frees_pages(backend: ColocatedBackend) -
         async for _ in outs:
             break
     with trio.fail_after(10):
-        while backend._streams:
+        while backend.streams.live:
             await trio.sleep(0.01)
     stats = backend.stats()
     assert stats["free_pages"] == stats["total_pages"] and stats["running"] == 0
@@ -100,13 +100,13 @@ async def test_refused_requests(backend: ColocatedBackend) -> None:
             async for _ in outs:
                 pass
     assert info.value.status == 400 and "pages" in info.value.reason
-    assert backend.outcomes["error"] == 1 and not backend._streams
+    assert backend.outcomes["error"] == 1 and not backend.streams.live
 
 
 async def test_queue_limit_is_503(nursery: trio.Nursery) -> None:
     # No loop runs: the first job sits in the channel (capacity 1), the second is refused.
     b = ColocatedBackend(ARGS, max_queued=1, warmup="minimal")
-    b._ready = True
+    b.health.ready = True
     g1 = b.generate(_job("q1", (1, 2)))
 
     async def wait_first() -> None:
@@ -174,4 +174,4 @@ async def test_a_failed_step_names_its_cause_in_flight_and_after() -> None:
     assert in_flight.value.status == 500 and "rank 1 is gone" in in_flight.value.reason
     assert after.value.status == 503 and "the worker is exiting" in after.value.reason
     assert "rank 1 is gone" in after.value.reason
-    assert not b.ready() and not b._streams and b.outcomes["error"] == 1
+    assert not b.ready() and not b.streams.live and b.outcomes["error"] == 1

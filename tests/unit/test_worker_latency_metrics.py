@@ -7,7 +7,7 @@ import pytest
 import trio
 import trio.testing
 
-from pd_fsm.io_trio.worker.app import _Timing
+from pd_fsm.io_trio.worker.generation import Timing as _Timing
 from pd_fsm.io_trio.worker.metrics import WorkerMetrics
 from pd_fsm.schedulers.request import FinishReason, RequestOutput
 

@@ -8,16 +8,25 @@ scheduler and runs it from one trio task (`serve`), moving blocking JAX work to 
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator, Callable
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import trio
 
+from pd_fsm.io_trio.bootstrap.records import InstanceRecord
 from pd_fsm.jax_engine.sampling_params import SamplingParams
 from pd_fsm.schedulers.disaggregation.handoff import HandoffTicket
 from pd_fsm.schedulers.request import NO_LOGPROBS, LogprobSpec, Req, RequestOutput, Resume
 from pd_fsm.schedulers.scheduler import Scheduler
+
+# Where a PD backend's per-tick phase samples go: (phase key, seconds); the worker app sets its
+# histograms' observe.
+PhaseObserver = Callable[[str, float], None]
+
+# A backend's gauges and counters by name (``stats()``): numbers, and dicts of them by state or
+# queue, read by /metrics, /get_load and /server_info. Any: the values are as varied as JSON's.
+Stats = dict[str, Any]
 
 
 @attrs.frozen
@@ -89,7 +98,7 @@ class Backend(Protocol):
         """True once the model is loaded and compiled and (PD) the worker is registered."""
         ...
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> Stats:
         """Gauges and counters for /metrics and /get_load: free/total pages, queue lengths,
         KVPoll state counts, transfer bytes/seconds, requests by outcome."""
         ...
@@ -100,7 +109,53 @@ class Backend(Protocol):
         ...
 
 
-def in_flight(stats: dict[str, Any]) -> list[str]:
+@runtime_checkable
+class HandsOff(Protocol):
+    """A backend that may hand its running streams to another decode worker while it drains
+    (issue 32 §2): the PD backends (a prefill one by its ``mode`` never does)."""
+
+    mode: str
+
+    async def handoff_peers(self) -> tuple[InstanceRecord, list[InstanceRecord]]:
+        """Our registry record and the registry's decode records (``drain_gate.py``). Raises
+        BootstrapError."""
+        ...
+
+    def hand_off(self, lease_s: float) -> None:
+        """From the next tick on, hand each running stream that allows it to another D (its KV
+        registered for ``lease_s`` at most)."""
+        ...
+
+
+@runtime_checkable
+class RoleBackend(Backend, Protocol):
+    """What the worker needs of a backend it built (``roles.make_backend``), beyond the HTTP
+    layer's ``Backend``: every real backend has it all; a test's stand-in may have less, so
+    the app and the role host look for it with ``isinstance``."""
+
+    role_epoch: int  # registered with a PD backend's record (issue 30 §1): the switches so far
+    phase_observer: PhaseObserver | None
+
+    def precompile(self) -> None:
+        """Build and warm the role's scheduler as ``serve`` would, then drop it: its shapes stay
+        compiled for a later switch to this role (in a worker thread)."""
+        ...
+
+    def fail_in_flight(self, reason: str) -> int:
+        """Abort every live request, its client answered 503 with ``reason``; how many."""
+        ...
+
+    def side_port(self) -> int | None:
+        """The port P's side channel is bound to (what routers know it by); None otherwise."""
+        ...
+
+    def release_handoff(self, uuid: int) -> bool:
+        """Another D pulled hand-off ``uuid``: release it on the next tick (False: not ours to
+        release, a backend that hands nothing off)."""
+        ...
+
+
+def in_flight(stats: Stats) -> list[str]:
     """What a backend's ``stats()`` says it still holds for requests (rooms, queues, transfer
     registrations): empty once a draining worker may stop without failing anyone's request."""
     out = [f"rooms {k}={v}" for k, v in stats.get("kvpoll", {}).items() if v]
@@ -119,10 +174,8 @@ HANDOFF_LEASE_MIN_S = 0.5
 def start_hand_off(backend: Backend, left_s: float) -> bool:
     """Draining, once ``drain_gate`` found another D to take them (issue 32 §2): a decode
     backend hands each running stream it may to another D, its KV leased until just before the
-    drain's deadline, ``left_s`` from now. False for a backend that hands nothing off (P,
-    colocated)."""
-    hand_off = getattr(backend, "hand_off", None)
-    if hand_off is None:
+    drain's deadline, ``left_s`` from now. False for a backend that hands nothing off."""
+    if not isinstance(backend, HandsOff):
         return False
-    hand_off(max(HANDOFF_LEASE_MIN_S, left_s - HANDOFF_LEASE_MARGIN_S))
+    backend.hand_off(max(HANDOFF_LEASE_MIN_S, left_s - HANDOFF_LEASE_MARGIN_S))
     return True

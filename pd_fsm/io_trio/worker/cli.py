@@ -26,7 +26,7 @@ from pd_fsm.io_trio.worker.config import (
 )
 
 if TYPE_CHECKING:
-    from pd_fsm.io_trio.worker.roles import RoleBackend
+    from pd_fsm.io_trio.worker.backend import RoleBackend
     from pd_fsm.jax_engine.transfer.base import KVTransferEngine
 
 log = logging.getLogger("pd_fsm.io_trio.worker.cli")
@@ -54,45 +54,7 @@ def main(args: argparse.Namespace) -> int:
     )
     try:
         config = config_from_args(args)
-        check_environment(os.environ)
-        config.cluster_secret()  # fail now, not at the first registration
-        if config.host_heap == "hugepages":
-            # glibc reads the tunable at start-up only: this re-executes the process once (same
-            # PID). `pd-fsm serve` has done so already, before its imports (pd_fsm/cli.py); here
-            # it is a no-op then, and covers a caller that enters this function directly.
-            from pd_fsm.jax_engine.host_memory import hugepages_in_force, reexec_with_hugepages
-
-            reexec_with_hugepages()
-            log.info("host heap: huge pages %s", "on" if hugepages_in_force() else "unavailable")
-        if config.cpus is not None:
-            # Before anything starts JAX: XLA sizes its thread pools from the affinity.
-            pinned = pin_to(parse_cpus(config.cpus))
-            log.info("pinned to cores %s", ",".join(map(str, sorted(pinned))))
-        nice = config.nice_of(config.disaggregation_mode)
-        if nice != 0:
-            # Before anything starts a thread: each inherits its creator's nice (Linux).
-            log.info("nice %d", set_nice(nice))
-        if config.tp_size > 1:
-            # Read when JAX first starts a backend, which nothing has done yet. Only the host
-            # (CPU) platform reads it: on an accelerator the devices are the chips.
-            force_host_devices(os.environ, config.tp_size // config.nnodes)
-        if config.nnodes > 1:
-            from pd_fsm.jax_engine import distributed
-
-            log.info("rank %d of %d: joining the instance at %s", config.node_rank,
-                     config.nnodes, config.dist_init_addr)
-            assert config.dist_init_addr is not None
-            distributed.initialize(config.dist_init_addr, config.nnodes, config.node_rank)
-            if config.compilation_cache:
-                # Not tried with executables spanning processes: every rank compiles.
-                log.info("compilation cache: off (a multi-process instance)")
-        elif config.compilation_cache:
-            from pd_fsm.jax_engine import compilation_cache
-
-            where = compilation_cache.enable(
-                config.compilation_cache_dir or compilation_cache.default_dir()
-            )
-            log.info("compilation cache: %s", where)
+        _prepare_process(config)
     except (ValueError, OSError) as exc:
         log.error("%s", exc)
         return 2
@@ -110,6 +72,51 @@ def main(args: argparse.Namespace) -> int:
 
     worker = WorkerApp(config, backend, engine=engine)
     return run_service(_run, worker, host=config.host, port=config.port, log=log)
+
+
+def _prepare_process(config: ServeConfig) -> None:
+    """Before the worker starts anything: the environment checked, the heap, cores, nice,
+    devices, the instance joined and the compilation cache set up (raises ValueError, OSError,
+    or RuntimeError when the other ranks did not join in time)."""
+    check_environment(os.environ)
+    config.cluster_secret()  # fail now, not at the first registration
+    if config.host_heap == "hugepages":
+        # glibc reads the tunable at start-up only: this re-executes the process once (same
+        # PID). `pd-fsm serve` has done so already, before its imports (pd_fsm/cli.py); here
+        # it is a no-op then, and covers a caller that enters `main` directly.
+        from pd_fsm.jax_engine.host_memory import hugepages_in_force, reexec_with_hugepages
+
+        reexec_with_hugepages()
+        log.info("host heap: huge pages %s", "on" if hugepages_in_force() else "unavailable")
+    if config.cpus is not None:
+        # Before anything starts JAX: XLA sizes its thread pools from the affinity.
+        pinned = pin_to(parse_cpus(config.cpus))
+        log.info("pinned to cores %s", ",".join(map(str, sorted(pinned))))
+    nice = config.nice_of(config.disaggregation_mode)
+    if nice != 0:
+        # Before anything starts a thread: each inherits its creator's nice (Linux).
+        log.info("nice %d", set_nice(nice))
+    if config.tp_size > 1:
+        # Read when JAX first starts a backend, which nothing has done yet. Only the host
+        # (CPU) platform reads it: on an accelerator the devices are the chips.
+        force_host_devices(os.environ, config.tp_size // config.nnodes)
+    if config.nnodes > 1:
+        from pd_fsm.jax_engine import distributed
+
+        log.info("rank %d of %d: joining the instance at %s", config.node_rank,
+                 config.nnodes, config.dist_init_addr)
+        assert config.dist_init_addr is not None
+        distributed.initialize(config.dist_init_addr, config.nnodes, config.node_rank)
+        if config.compilation_cache:
+            # Not tried with executables spanning processes: every rank compiles.
+            log.info("compilation cache: off (a multi-process instance)")
+    elif config.compilation_cache:
+        from pd_fsm.jax_engine import compilation_cache
+
+        where = compilation_cache.enable(
+            config.compilation_cache_dir or compilation_cache.default_dir()
+        )
+        log.info("compilation cache: %s", where)
 
 
 def _follow(config: ServeConfig) -> int:

@@ -27,7 +27,7 @@ import trio
 
 from pd_fsm.io_trio.bootstrap.client import BootstrapError
 from pd_fsm.io_trio.bootstrap.records import InstanceRecord
-from pd_fsm.io_trio.worker.backend import Backend, start_hand_off
+from pd_fsm.io_trio.worker.backend import Backend, HandsOff, start_hand_off
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.metrics import DRAIN_OUTCOMES
 
@@ -67,14 +67,13 @@ async def decide(backend: Backend, config: ServeConfig, timeout: float) -> Drain
     """The gate (see the module docstring); reads the registry for at most ``timeout``."""
     if not config.drain_handoff:
         return _in_place("disabled", "--no-drain-handoff")
-    peers = getattr(backend, "handoff_peers", None)
-    if backend.mode != "decode" or peers is None:
+    if backend.mode != "decode" or not isinstance(backend, HandsOff):
         return _in_place("not_decode", f"a {backend.mode} worker hands nothing off")
     if config.nnodes > 1:
         return _in_place("spans_processes", "an instance spanning processes hands nothing off")
     try:
         with trio.fail_after(timeout):
-            own, records = await peers()
+            own, records = await backend.handoff_peers()
     except (BootstrapError, trio.TooSlowError) as exc:
         return _in_place("registry_unreadable",
                          f"the registry's decode workers could not be read: {exc or 'too slow'}")

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 import attrs
 
-from pd_fsm.io_trio.worker.schemas import Kind
+from pd_fsm.io_trio.worker.schemas import JsonBody, JsonObject, Kind
 from pd_fsm.io_trio.worker.tools import Tools, call_id
 from pd_fsm.jax_engine.sampling_params import TopLogprobs
 from pd_fsm.schedulers.request import (
@@ -33,6 +32,34 @@ class _Entry:
     token: int
     logprob: float | None
     top: TopLogprobs | None
+
+
+class TokenTexts:
+    """One token id's text, decoded alone (special tokens spelled out), once per id."""
+
+    def __init__(self, token_text: Callable[[int], str]) -> None:
+        self._token_text = token_text
+        self._texts: dict[int, str] = {}
+
+    def of(self, token: int) -> str:
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self._token_text(token)
+        return text
+
+
+@attrs.frozen
+class _Triples:
+    """sglang's (logprob, token_id, text) triples; text only with return_text_in_logprobs."""
+
+    texts: TokenTexts
+    with_text: bool
+
+    def triple(self, logprob: float | None, token: int) -> list[JsonBody]:
+        return [logprob, token, self.texts.of(token) if self.with_text else None]
+
+    def top_triples(self, top: TopLogprobs | None) -> list[list[JsonBody]] | None:
+        return None if top is None else [self.triple(lp, t) for t, lp in top]
 
 
 class Accumulator:
@@ -73,32 +100,34 @@ class Accumulator:
         self.cached_tokens = 0  # of the prompt's, served from the prefix cache
         self.finish: FinishReason | None = None
         self._role_sent = False
-        self._token_text = token_text  # one token id -> its text, for the OpenAI logprobs
+        self._texts = TokenTexts(token_text)
+        self._sglang = _Triples(self._texts, text_in_logprobs)
         self._prompt_ids = tuple(prompt_ids)
         self._echo = echo  # completions' echo: the prompt's text, sent before the output's
         self._echo_sent = False
-        self._text_in_logprobs = text_in_logprobs
         self._tools = tools  # chat: the answer may be a tool call (tools.py)
         self._call_id = call_id(rid, index)
         self._content_sent = 0  # chat with tools: the text streamed as content so far
         self._logprobs_sent = 0  # output tokens whose logprobs a stream chunk carried already
-        self._texts: dict[int, str] = {}
         # Completions' text_offset: output tokens start after the echoed prompt's tokens.
         self._base_offset = (
-            sum(len(self._text_of(t)) for t in self._prompt_ids)
+            sum(len(self._texts.of(t)) for t in self._prompt_ids)
             if echo is not None and return_logprob else 0
         )
         self._offsets: list[int] = [self._base_offset]
         self._token_ids = token_ids  # OpenAI choices carry their token ids (return_token_ids)
         self._ids_sent = 0  # output tokens whose ids a stream chunk carried already
         if resume:
-            # A resumed answer (request migration): the client has the earlier tokens' stream
-            # (their text up to ``resume_text``), its role chunk and its echo; usage counts
-            # them as this answer's output.
-            self.output_ids = list(resume)
-            self.text = resume_text
-            self._ids_sent = len(resume)
-            self._role_sent = self._echo_sent = True
+            self._resume(resume, resume_text)
+
+    def _resume(self, resume: tuple[int, ...], text: str) -> None:
+        """A resumed answer (request migration): the client has the earlier tokens' stream
+        (their text up to ``text``), its role chunk and its echo; usage counts them as this
+        answer's output."""
+        self.output_ids = list(resume)
+        self.text = text
+        self._ids_sent = len(resume)
+        self._role_sent = self._echo_sent = True
 
     @property
     def completion_tokens(self) -> int:
@@ -116,18 +145,12 @@ class Accumulator:
         if out.finish_reason is not None:
             self.finish = out.finish_reason
 
-    def _text_of(self, token: int) -> str:
-        text = self._texts.get(token)
-        if text is None:
-            text = self._texts[token] = self._token_text(token)
-        return text
-
     def _output_entries(self, start: int, end: int) -> list[_Entry]:
         tops: Sequence[TopLogprobs | None] = (
             self.tops[start:end] if self.spec.top else [None] * (end - start)
         )
         return [
-            _Entry(self._text_of(t), t, lp, top)
+            _Entry(self._texts.of(t), t, lp, top)
             for t, lp, top in zip(self.output_ids[start:end], self.logprobs[start:end], tops,
                                   strict=True)
         ]
@@ -139,21 +162,14 @@ class Accumulator:
         ids = self._prompt_ids[part.start : part.start + len(part.logprobs)]
         tops: Sequence[TopLogprobs | None] = part.top if self.spec.top else [None] * len(ids)
         return [
-            _Entry(self._text_of(t), t, lp, top)
+            _Entry(self._texts.of(t), t, lp, top)
             for t, lp, top in zip(ids, part.logprobs, tops, strict=True)
         ]
 
     # ------------------------------------------------------------------ sglang /generate
 
-    def _triple(self, logprob: float | None, token: int) -> list[Any]:
-        # sglang's (logprob, token_id, text) triples; text only with return_text_in_logprobs.
-        return [logprob, token, self._text_of(token) if self._text_in_logprobs else None]
-
-    def _top_triples(self, top: TopLogprobs | None) -> list[list[Any]] | None:
-        return None if top is None else [self._triple(lp, t) for t, lp in top]
-
-    def _meta(self, finish: FinishReason | None) -> dict[str, Any]:
-        meta: dict[str, Any] = {
+    def _meta(self, finish: FinishReason | None) -> JsonObject:
+        meta: JsonObject = {
             "id": self.rid,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
@@ -162,20 +178,21 @@ class Accumulator:
         }
         if self.return_logprob:
             entries = self._output_entries(0, self.completion_tokens)
-            meta["output_token_logprobs"] = [self._triple(e.logprob, e.token) for e in entries]
+            triple = self._sglang.triple
+            meta["output_token_logprobs"] = [triple(e.logprob, e.token) for e in entries]
             if self.spec.top:
-                meta["output_top_logprobs"] = [self._top_triples(e.top) for e in entries]
+                meta["output_top_logprobs"] = [self._sglang.top_triples(e.top) for e in entries]
             # Only the worker that prefilled has them. Under PD, D's lists are empty and a
             # router prepends P's (sglang-router does, for input_token_logprobs only when D's
             # answer has the key).
             if self.spec.prompt:
                 prompt = self._prompt_entries()
-                meta["input_token_logprobs"] = [self._triple(e.logprob, e.token) for e in prompt]
+                meta["input_token_logprobs"] = [triple(e.logprob, e.token) for e in prompt]
                 if self.spec.top:
-                    meta["input_top_logprobs"] = [self._top_triples(e.top) for e in prompt]
+                    meta["input_top_logprobs"] = [self._sglang.top_triples(e.top) for e in prompt]
         return meta
 
-    def generate_body(self) -> dict[str, Any]:
+    def generate_body(self) -> JsonObject:
         return {"text": self.text, "output_ids": list(self.output_ids),
                 "meta_info": self._meta(self.finish)}
 
@@ -184,7 +201,7 @@ class Accumulator:
     def _id(self) -> str:
         return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.rid
 
-    def usage(self) -> dict[str, Any]:
+    def usage(self) -> JsonObject:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
@@ -192,7 +209,7 @@ class Accumulator:
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
-    def _openai_logprobs(self, start: int, end: int, *, prompt: bool) -> dict[str, Any] | None:
+    def _openai_logprobs(self, start: int, end: int, *, prompt: bool) -> JsonObject | None:
         """OpenAI's logprobs object for output tokens ``start:end`` (None unless asked), after
         the prompt's positions when ``prompt`` (completions' echo, where this worker has them).
         A token's text is its id decoded alone (a token that ends inside a UTF-8 character
@@ -203,7 +220,7 @@ class Accumulator:
         if self.kind == "chat":
             return {"content": [
                 {**_chat_entry(e.text, e.logprob),
-                 "top_logprobs": [_chat_entry(self._text_of(t), lp) for t, lp in e.top or ()]}
+                 "top_logprobs": [_chat_entry(self._texts.of(t), lp) for t, lp in e.top or ()]}
                 for e in out
             ]}
         for e in self._output_entries(len(self._offsets) - 1, end):  # offsets once per token
@@ -218,7 +235,7 @@ class Accumulator:
             "tokens": [e.text for e in entries],
             "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": None if not self.spec.top else [
-                None if e.top is None else {self._text_of(t): lp for t, lp in e.top}
+                None if e.top is None else {self._texts.of(t): lp for t, lp in e.top}
                 for e in entries
             ],
             "text_offset": offsets,
@@ -229,20 +246,20 @@ class Accumulator:
             return "tool_calls"
         return None if self.finish is None else _OPENAI_FINISH[self.finish.kind]
 
-    def _tool_calls(self) -> list[dict[str, Any]] | None:
+    def _tool_calls(self) -> list[JsonObject] | None:
         """The answer's tool calls, once it is complete and is one."""
         if self._tools is None or self.finish is None or self.finish.kind != "stop":
             return None
         return self._tools.calls_in(self.text, self._call_id)
 
-    def openai_body(self) -> dict[str, Any]:
+    def openai_body(self) -> JsonObject:
         logprobs = self._openai_logprobs(0, self.completion_tokens, prompt=True)
         if self.kind == "chat":
             calls = self._tool_calls()
-            message: dict[str, Any] = {"role": "assistant", "content": self.text}
+            message: JsonObject = {"role": "assistant", "content": self.text}
             if calls is not None:
                 message = {"role": "assistant", "content": None, "tool_calls": calls}
-            choice: dict[str, Any] = {
+            choice: JsonObject = {
                 "index": 0,
                 "message": message,
                 "logprobs": logprobs,
@@ -262,8 +279,8 @@ class Accumulator:
 
     def _openai_chunk(
         self, delta_text: str, finish: str | None,
-        tool_calls: list[dict[str, Any]] | None = None,
-    ) -> dict[str, Any]:
+        tool_calls: list[JsonObject] | None = None,
+    ) -> JsonObject:
         # A chunk carries the logprobs of the tokens since the previous chunk (text held back
         # for a possible stop string comes later; its tokens' logprobs ride with it).
         logprobs = None
@@ -276,14 +293,14 @@ class Accumulator:
             self._echo_sent = True
             delta_text = (self._echo or "") + delta_text
         if self.kind == "chat":
-            delta: dict[str, Any] = {"content": delta_text}
+            delta: JsonObject = {"content": delta_text}
             if tool_calls is not None:
                 delta = {"content": None,
                          "tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]}
             if not self._role_sent:
                 delta["role"] = "assistant"
                 self._role_sent = True
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs,
+            choice: JsonObject = {"index": 0, "delta": delta, "logprobs": logprobs,
                                       "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
@@ -298,7 +315,7 @@ class Accumulator:
 
     # ------------------------------------------------------------------ streaming
 
-    def chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
+    def chunks(self, out: RequestOutput) -> list[JsonObject]:
         """Fold ``out`` in and return the SSE events it produces (possibly none)."""
         self.add(out)
         if self.kind == "generate":
@@ -306,7 +323,7 @@ class Accumulator:
             return [self.generate_body()]
         if self._tools is not None:
             return self._tool_chunks(out)
-        events: list[dict[str, Any]] = []
+        events: list[JsonObject] = []
         first_echo = self._echo is not None and not self._echo_sent
         if out.text_delta or (self.kind == "chat" and not self._role_sent) or first_echo:
             events.append(self._openai_chunk(out.text_delta, None))
@@ -316,13 +333,13 @@ class Accumulator:
                 events.append(self.usage_chunk(self.usage()))
         return events
 
-    def _tool_chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
+    def _tool_chunks(self, out: RequestOutput) -> list[JsonObject]:
         """Chat with tools, streamed: text that may still turn out to be a call is held back
         (all of it with ``required`` or a named tool; with ``auto``, text starting with ``<``);
         a call goes out whole, in one ``tool_calls`` delta, when the answer is complete."""
         assert self._tools is not None
         may_be_call = self._tools.mode != "auto" or self.text[:1] in ("", "<")
-        events: list[dict[str, Any]] = []
+        events: list[JsonObject] = []
         if out.finish_reason is None and may_be_call:
             if not self._role_sent:
                 events.append(self._openai_chunk("", None))
@@ -340,7 +357,7 @@ class Accumulator:
                 events.append(self.usage_chunk(self.usage()))
         return events
 
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, usage: dict[str, int]) -> JsonObject:
         """The stream's last chunk with ``stream_options.include_usage``: no choices, ``usage``
         (a batch's is the sum of its requests')."""
         chunk = self._openai_chunk("", None)
@@ -348,7 +365,7 @@ class Accumulator:
         chunk["usage"] = usage
         return chunk
 
-    def error_chunk(self, status: int, message: str) -> dict[str, Any]:
+    def error_chunk(self, status: int, message: str) -> JsonObject:
         """The last event of a stream that failed after it started."""
         self.finish = FinishReason("abort", message=message)
         if self.kind == "generate":
@@ -358,7 +375,7 @@ class Accumulator:
         return chunk
 
 
-def _chat_entry(text: str, logprob: float | None) -> dict[str, Any]:
+def _chat_entry(text: str, logprob: float | None) -> JsonObject:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
@@ -374,9 +391,9 @@ def _cumulative(texts: Iterable[str]) -> list[int]:
 # ------------------------------------------------------------------ batches of prompts
 
 
-def summed_usage(usages: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def summed_usage(usages: Sequence[JsonObject]) -> JsonObject:
     """A batch's usage: its requests' added up (``prompt_tokens_details`` too)."""
-    out: dict[str, Any] = {}
+    out: JsonObject = {}
     for key, first in usages[0].items():
         if isinstance(first, dict):
             out[key] = summed_usage([u.get(key) or {} for u in usages])
@@ -385,8 +402,8 @@ def summed_usage(usages: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def batch_body(kind: Kind, bodies: Sequence[dict[str, Any]],
-               usage: dict[str, Any] | None = None) -> Any:
+def batch_body(kind: Kind, bodies: Sequence[JsonObject],
+               usage: JsonObject | None = None) -> list[JsonObject] | JsonObject:
     """Several answers as one, in order (a batch's prompts, a prompt's n sequences): sglang's
     list of results, or one OpenAI answer whose ``choices`` carry their ``index``, with
     ``usage`` (default: the answers' own added up)."""
@@ -399,7 +416,7 @@ def batch_body(kind: Kind, bodies: Sequence[dict[str, Any]],
     return out
 
 
-def indexed(payload: dict[str, Any], index: int) -> dict[str, Any]:
+def indexed(payload: JsonObject, index: int) -> JsonObject:
     """A batch's stream event, marked with its prompt's place: OpenAI's choices' ``index``,
     sglang's top-level ``index``."""
     choices = payload.get("choices")

@@ -24,7 +24,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 import attrs
 import trio
@@ -35,10 +35,11 @@ from pd_fsm.core.drive import drive
 from pd_fsm.core.role_switch import RoleSwitch
 from pd_fsm.core.tables import ROLE_SWITCH
 from pd_fsm.io_trio.cluster.cpu_placement import renice_threads
-from pd_fsm.io_trio.worker.backend import Backend, in_flight
+from pd_fsm.io_trio.worker.backend import Backend, RoleBackend, in_flight
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.drain_gate import DrainDecision, drain_streams
 from pd_fsm.io_trio.worker.metrics import RoleSnapshot
+from pd_fsm.io_trio.worker.schemas import JsonObject
 
 if TYPE_CHECKING:
     from pd_fsm.io_trio.worker.spmd.leader import SpmdLeader
@@ -52,22 +53,6 @@ DRAIN_POLL_S = 0.05  # how often a draining role looks whether its work is over
 STOP_AFTER_FAIL_S = 5.0
 
 
-class RoleBackend(Backend, Protocol):
-    """What the host needs of a backend it built, beyond the HTTP layer's ``Backend``."""
-
-    def build_scheduler(self) -> Any:
-        """The role's scheduler, built and warmed as ``serve`` would (in a worker thread)."""
-        ...
-
-    def close_scheduler(self, scheduler: Any) -> None:
-        """Free what such a scheduler holds besides memory (PD: pulls, registrations)."""
-        ...
-
-    def fail_in_flight(self, reason: str) -> int:
-        """Abort every live request, its client answered 503 with ``reason``; how many."""
-        ...
-
-
 class RoleSwitchFailed(RuntimeError):
     """Neither the new role nor the old one could start: the worker cannot serve."""
 
@@ -78,7 +63,7 @@ class SwitchAnswer:
     message in ``error``)."""
 
     status: int
-    body: dict[str, Any]
+    body: JsonObject
     error: str | None = None
 
 
@@ -131,10 +116,9 @@ def shared_engine(config: ServeConfig) -> KVTransferEngine | None:
 
 def _side_port(backend: Backend) -> int | None:
     """The port a prefill backend's side channel is bound to (None for any other backend)."""
-    address = getattr(getattr(backend, "side", None), "address", None)
-    if backend.mode != "prefill" or address is None:
+    if backend.mode != "prefill" or not isinstance(backend, RoleBackend):
         return None
-    return int(str(address).rpartition(":")[2])
+    return backend.side_port()
 
 
 class RoleHost:
@@ -215,9 +199,7 @@ class RoleHost:
 
         before, start = sum(total_compiles()), time.perf_counter()
         backend = self._make(role, 0)
-        scheduler = await trio.to_thread.run_sync(backend.build_scheduler,
-                                                  abandon_on_cancel=True)
-        await trio.to_thread.run_sync(backend.close_scheduler, scheduler)
+        await trio.to_thread.run_sync(backend.precompile, abandon_on_cancel=True)
         log.info("role %s compiled for a later switch: %d executables in %.1f s", role,
                  sum(total_compiles()) - before, time.perf_counter() - start)
 
@@ -226,8 +208,7 @@ class RoleHost:
         if role == "prefill" and self._side_port:
             config = attrs.evolve(config, disaggregation_side_channel_port=self._side_port)
         backend = make_backend(config, self._engine)
-        if hasattr(backend, "role_epoch"):
-            backend.role_epoch = epoch
+        backend.role_epoch = epoch
         return backend
 
     async def _start(self, backend: Backend) -> None:
@@ -315,8 +296,9 @@ class RoleHost:
                 self.refusing = effect.reason
             case fx.FailInFlight():
                 # Any backend the host built has it; one a test handed in may not.
-                fail: Callable[[str], int] = getattr(self.backend, "fail_in_flight", lambda _: 0)
-                n = fail(effect.reason)
+                backend = self.backend
+                n = (backend.fail_in_flight(effect.reason) if isinstance(backend, RoleBackend)
+                     else 0)
                 self._failed_in_flight += n
                 log.warning("switch: the drain deadline passed: %d request(s) failed", n)
             case fx.StopRole() | fx.StartRole():
@@ -394,7 +376,7 @@ class RoleHost:
         return RoleSnapshot(self.role, self.epoch, self.machine.roles,
                             dict(self.machine.outcomes))
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> JsonObject:
         last = self.last_switch
         return {
             "disaggregation_mode": self.role,

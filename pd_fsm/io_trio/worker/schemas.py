@@ -31,6 +31,13 @@ from pd_fsm.jax_engine.tokenizer import ChatMessage
 from pd_fsm.schedulers.disaggregation.handoff import HandoffTicket
 from pd_fsm.schedulers.request import NO_LOGPROBS, LogprobSpec, Resume
 
+# A request body, or a part of one, as strict_json parsed it and before this module checked it.
+# Any rather than strict_json.JsonValue: checking it key by key (isinstance, with a 400 naming
+# the field) is this module's whole job, and a union would only add casts after each check.
+JsonBody = Any
+JsonObject = dict[str, Any]  # a JSON object (a request body, or an answer being built)
+
+
 Kind = Literal["generate", "completion", "chat"]
 
 # Defaults for the number of new tokens when the client names none.
@@ -59,11 +66,11 @@ _OPENAI_SAMPLING = frozenset({"temperature", "top_p", "top_k", "seed", "stop", "
 @attrs.frozen
 class _Fields:
     read: frozenset[str]
-    neutral: dict[str, tuple[Any, ...]]
+    neutral: dict[str, tuple[JsonBody, ...]]
     no_effect: frozenset[str]
 
 
-_OPENAI_NEUTRAL: dict[str, tuple[Any, ...]] = {
+_OPENAI_NEUTRAL: dict[str, tuple[JsonBody, ...]] = {
     "best_of": (1,),
     "suffix": ("",),
     "logit_bias": ({},),
@@ -160,7 +167,7 @@ class ApiError(Exception):
         self.retry_after = retry_after  # seconds, sent as Retry-After (a 503 while draining)
         self.headers = headers or {}  # more response headers (a stale role's 409: the current)
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> JsonObject:
         return {"error": {"message": self.message, "type": self.type, "code": self.status}}
 
 
@@ -229,7 +236,7 @@ def _where(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def _int(d: dict[str, Any], key: str, path: str = "") -> int | None:
+def _int(d: JsonObject, key: str, path: str = "") -> int | None:
     v = d.get(key)
     if v is None:
         return None
@@ -238,7 +245,7 @@ def _int(d: dict[str, Any], key: str, path: str = "") -> int | None:
     return v
 
 
-def _float(d: dict[str, Any], key: str, path: str = "") -> float | None:
+def _float(d: JsonObject, key: str, path: str = "") -> float | None:
     v = d.get(key)
     if v is None:
         return None
@@ -247,7 +254,7 @@ def _float(d: dict[str, Any], key: str, path: str = "") -> float | None:
     return float(v)
 
 
-def _bool(d: dict[str, Any], key: str, path: str = "") -> bool | None:
+def _bool(d: JsonObject, key: str, path: str = "") -> bool | None:
     v = d.get(key)
     if v is None:
         return None
@@ -256,7 +263,7 @@ def _bool(d: dict[str, Any], key: str, path: str = "") -> bool | None:
     return v
 
 
-def _str(d: dict[str, Any], key: str, path: str = "") -> str | None:
+def _str(d: JsonObject, key: str, path: str = "") -> str | None:
     v = d.get(key)
     if v is None:
         return None
@@ -265,7 +272,7 @@ def _str(d: dict[str, Any], key: str, path: str = "") -> str | None:
     return v
 
 
-def _stop(d: dict[str, Any], key: str, path: str = "") -> tuple[str, ...]:
+def _stop(d: JsonObject, key: str, path: str = "") -> tuple[str, ...]:
     v = d.get(key)
     if v is None:
         return ()
@@ -277,7 +284,7 @@ def _stop(d: dict[str, Any], key: str, path: str = "") -> tuple[str, ...]:
     return tuple(items)
 
 
-def _token_ids(v: Any, what: str, limits: Limits) -> tuple[int, ...]:
+def _token_ids(v: JsonBody, what: str, limits: Limits) -> tuple[int, ...]:
     if not isinstance(v, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) for t in v
     ):
@@ -301,8 +308,24 @@ def _max_tokens(value: int | None, default: int, what: str, limits: Limits) -> i
     return value
 
 
+def _penalties(d: JsonObject, path: str) -> dict[str, float]:
+    """The three penalties, checked (in this order) and defaulted: none applies."""
+    penalties = {}
+    for key, low, high in (("frequency_penalty", -2.0, 2.0), ("presence_penalty", -2.0, 2.0)):
+        value = _float(d, key, path)
+        if value is not None and not low <= value <= high:
+            raise ApiError(400, f"{_where(path, key)} must be in [{low}, {high}], got {value}")
+        penalties[key] = value or 0.0
+    repetition = _float(d, "repetition_penalty", path)
+    if repetition is not None and not 0.0 < repetition <= 2.0:
+        raise ApiError(400, f"{_where(path, 'repetition_penalty')} must be in (0, 2], "
+                            f"got {repetition}")
+    penalties["repetition_penalty"] = 1.0 if repetition is None else repetition
+    return penalties
+
+
 def _sampling(
-    d: dict[str, Any],
+    d: JsonObject,
     path: str,
     limits: Limits,
     *,
@@ -325,16 +348,7 @@ def _sampling(
     if seed is not None and not 0 <= seed < 2**63:
         raise ApiError(400, f"{_where(path, 'seed')} must be in [0, 2^63), got {seed}")
     stop_ids = d.get("stop_token_ids")
-    penalties = {}
-    for key, low, high in (("frequency_penalty", -2.0, 2.0), ("presence_penalty", -2.0, 2.0)):
-        value = _float(d, key, path)
-        if value is not None and not low <= value <= high:
-            raise ApiError(400, f"{_where(path, key)} must be in [{low}, {high}], got {value}")
-        penalties[key] = value or 0.0
-    repetition = _float(d, "repetition_penalty", path)
-    if repetition is not None and not 0.0 < repetition <= 2.0:
-        raise ApiError(400, f"{_where(path, 'repetition_penalty')} must be in (0, 2], "
-                            f"got {repetition}")
+    penalties = _penalties(d, path)
     n = _int(d, "n", path)
     if n is not None and not 1 <= n <= MAX_N:
         raise ApiError(400, f"{_where(path, 'n')} must be in [1, {MAX_N}], got {n}")
@@ -348,7 +362,7 @@ def _sampling(
         max_new_tokens=max_new,
         frequency_penalty=penalties["frequency_penalty"],
         presence_penalty=penalties["presence_penalty"],
-        repetition_penalty=1.0 if repetition is None else repetition,
+        repetition_penalty=penalties["repetition_penalty"],
         min_new_tokens=min_new,
         temperature=default_temperature if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
@@ -365,7 +379,7 @@ def _sampling(
     )
 
 
-def _constraint(d: dict[str, Any], path: str) -> Constraint | None:
+def _constraint(d: JsonObject, path: str) -> Constraint | None:
     """Structured output: sglang's ``regex`` / ``json_schema`` (JSON text) / ``ebnf``, or
     OpenAI's ``response_format`` (``json_object``, ``json_schema``); at most one."""
     found: list[Constraint] = []
@@ -384,14 +398,14 @@ def _constraint(d: dict[str, Any], path: str) -> Constraint | None:
     return found[0] if found else None
 
 
-def _json_text(source: str, what: str) -> Any:
+def _json_text(source: str, what: str) -> JsonBody:
     try:
         return strict_json.loads(source, what=what)
     except ValueError as exc:
         raise ApiError(400, f"{what} must be a JSON schema as JSON text: {exc}") from None
 
 
-def _response_format(fmt: Any) -> list[Constraint]:
+def _response_format(fmt: JsonBody) -> list[Constraint]:
     if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
         raise ApiError(400, "response_format must be an object with a type")
     kind = fmt["type"]
@@ -411,14 +425,14 @@ def _response_format(fmt: Any) -> list[Constraint]:
                         "'json_object' or 'json_schema')")
 
 
-def _top_count(d: dict[str, Any], key: str) -> int:
+def _top_count(d: JsonObject, key: str) -> int:
     n = _int(d, key) or 0
     if not 0 <= n <= TOP_LOGPROBS_COMPUTED:
         raise ApiError(400, f"{key} must be in [0, {TOP_LOGPROBS_COMPUTED}], got {n}")
     return n
 
 
-def _check_fields(d: dict[str, Any], fields: _Fields, path: str = "") -> None:
+def _check_fields(d: JsonObject, fields: _Fields, path: str = "") -> None:
     """Every field of ``d`` is one the endpoint reads, one it does not implement at a value that
     asks for nothing, or one without effect; otherwise a 400 naming it."""
     for key, value in d.items():
@@ -434,13 +448,13 @@ def _check_fields(d: dict[str, Any], fields: _Fields, path: str = "") -> None:
             raise ApiError(400, f"{_where(path, key)}={value!r} is not supported (only {neutral})")
 
 
-def _object(body: Any) -> dict[str, Any]:
+def _object(body: JsonBody) -> JsonObject:
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     return body
 
 
-def _rid(body: dict[str, Any]) -> str | None:
+def _rid(body: JsonObject) -> str | None:
     rid = body.get("rid")
     if rid is None:
         return None
@@ -450,7 +464,7 @@ def _rid(body: dict[str, Any]) -> str | None:
     return rid
 
 
-def parse_bootstrap(body: dict[str, Any]) -> BootstrapInfo | None:
+def parse_bootstrap(body: JsonObject) -> BootstrapInfo | None:
     """The three top-level fields a PD router injects; None when none is present."""
     host, port, room = (body.get(k) for k in ("bootstrap_host", "bootstrap_port",
                                               "bootstrap_room"))
@@ -467,7 +481,7 @@ def parse_bootstrap(body: dict[str, Any]) -> BootstrapInfo | None:
     return BootstrapInfo(host=host, port=port, room=room)
 
 
-def _resume(body: dict[str, Any], limits: Limits) -> tuple[Resume | None, str]:
+def _resume(body: JsonObject, limits: Limits) -> tuple[Resume | None, str]:
     """``resume``: the tokens a failed worker generated and the text of them the client has."""
     v = body.get("resume")
     if v is None:
@@ -488,7 +502,7 @@ _TICKET = {"transfer_addr": str, "uuid": int, "kv_tokens": int, "next_token": in
            "layout_hash": str, "kv_shards": int, "kv_checksums": list}
 
 
-def _handoff(body: dict[str, Any]) -> HandoffTicket | None:
+def _handoff(body: JsonObject) -> HandoffTicket | None:
     """``handoff``: where a draining decode worker offers this stream's KV (its ticket)."""
     v = body.get("handoff")
     if v is None:
@@ -513,7 +527,7 @@ def _handoff(body: dict[str, Any]) -> HandoffTicket | None:
                          v["layout_hash"], v["kv_shards"], tuple(sums))
 
 
-def _common(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
+def _common(body: JsonObject, limits: Limits) -> JsonObject:
     return {
         "stream": bool(_bool(body, "stream")),
         "rid": _rid(body),
@@ -528,14 +542,14 @@ def _common(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- batches
 
 
-def _is_ids(v: Any) -> bool:
+def _is_ids(v: JsonBody) -> bool:
     return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
 
 _BOOTSTRAP = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
-def _bootstrap_lists(body: dict[str, Any]) -> int | None:
+def _bootstrap_lists(body: JsonObject) -> int | None:
     """sglang-router's PD form of a batch or of n > 1: the three bootstrap fields as lists of
     one value per sequence (prompt-major); their length, or None when they are not lists."""
     values = [body.get(k) for k in _BOOTSTRAP]
@@ -548,18 +562,18 @@ def _bootstrap_lists(body: dict[str, Any]) -> int | None:
     return lengths.pop()
 
 
-def _sequences(kind: Kind, body: dict[str, Any]) -> int:
+def _sequences(kind: Kind, body: JsonObject) -> int:
     """The n of a body, before it is parsed (1 when absent or not a number)."""
     where = body.get("sampling_params") if kind == "generate" else body
     n = where.get("n") if isinstance(where, dict) else None
     return n if type(n) is int and n > 0 else 1
 
 
-def _bootstrap_at(body: dict[str, Any], index: int) -> dict[str, Any]:
+def _bootstrap_at(body: JsonObject, index: int) -> JsonObject:
     return {k: body[k][index] for k in _BOOTSTRAP}
 
 
-def single_bootstrap(kind: Kind, body: Any) -> Any:
+def single_bootstrap(kind: Kind, body: JsonBody) -> JsonBody:
     """A single prompt's body with sglang-router's bootstrap lists (n > 1: one room per
     sequence) reduced to the first sequence's: the request is one room here (D forks the
     sequences), and P and D both take the first."""
@@ -574,7 +588,7 @@ def single_bootstrap(kind: Kind, body: Any) -> Any:
     return {**body, **_bootstrap_at(body, 0)}
 
 
-def split_batch(kind: Kind, body: Any) -> list[dict[str, Any]] | None:
+def split_batch(kind: Kind, body: JsonBody) -> list[JsonObject] | None:
     """A batched request as one body per prompt, or None for a single one: completions'
     ``prompt`` as a list of strings or of token-id lists (two or more), ``/generate``'s ``text``
     as a list of strings or ``input_ids`` as a list of lists. ``rid`` is then a list with one
@@ -623,7 +637,7 @@ def split_batch(kind: Kind, body: Any) -> list[dict[str, Any]] | None:
 # ----------------------------------------------------------------------------- endpoints
 
 
-def parse_generate(body: Any, limits: Limits) -> ParsedRequest:
+def parse_generate(body: JsonBody, limits: Limits) -> ParsedRequest:
     body = _object(body)
     _check_fields(body, _TOP_LEVEL["generate"])
     text, ids = body.get("text"), body.get("input_ids")
@@ -657,7 +671,7 @@ def parse_generate(body: Any, limits: Limits) -> ParsedRequest:
     )
 
 
-def _generate_logprobs(body: dict[str, Any]) -> dict[str, Any]:
+def _generate_logprobs(body: JsonObject) -> JsonObject:
     """sglang's fields: ``return_logprob`` turns log-probs on; then ``top_logprobs_num``
     alternatives per position and, from prompt position ``logprob_start_len`` on (-1: none),
     the prompt tokens' too. Without ``return_logprob`` the other two ask for nothing."""
@@ -671,7 +685,7 @@ def _generate_logprobs(body: dict[str, Any]) -> dict[str, Any]:
     return {"return_logprob": True, "logprobs": spec}
 
 
-def _completion_logprobs(body: dict[str, Any]) -> dict[str, Any]:
+def _completion_logprobs(body: JsonObject) -> JsonObject:
     """``logprobs: N`` on /v1/completions: the sampled tokens' own log-probs and the N most likely
     alternatives at each position; with ``echo``, the prompt's tokens' too (from position 0)."""
     echo = bool(_bool(body, "echo"))
@@ -682,7 +696,7 @@ def _completion_logprobs(body: dict[str, Any]) -> dict[str, Any]:
     return {"echo": echo, "return_logprob": True, "logprobs": spec}
 
 
-def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:
+def _chat_logprobs(body: JsonObject) -> JsonObject:
     """``logprobs: true`` and ``top_logprobs: N`` (which OpenAI allows only with logprobs)."""
     top = _top_count(body, "top_logprobs")
     if not _bool(body, "logprobs"):
@@ -692,7 +706,7 @@ def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:
     return {"return_logprob": True, "logprobs": LogprobSpec(top=top)}
 
 
-def _openai_common(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
+def _openai_common(body: JsonObject, limits: Limits) -> JsonObject:
     model = _str(body, "model")
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
@@ -701,7 +715,7 @@ def _openai_common(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
     return {"model": model, "include_usage": include_usage, **_common(body, limits)}
 
 
-def _best_of(body: dict[str, Any], sampling: SamplingParams) -> dict[str, Any]:
+def _best_of(body: JsonObject, sampling: SamplingParams) -> JsonObject:
     """Completions' ``best_of``: sample that many sequences, answer the ``n`` most likely
     (not streamable, as OpenAI's)."""
     best_of = _int(body, "best_of")
@@ -714,7 +728,7 @@ def _best_of(body: dict[str, Any], sampling: SamplingParams) -> dict[str, Any]:
     return {"sampling": attrs.evolve(sampling, n=best_of), "best_n": sampling.n}
 
 
-def parse_completion(body: Any, limits: Limits) -> ParsedRequest:
+def parse_completion(body: JsonBody, limits: Limits) -> ParsedRequest:
     body = _object(body)
     _check_fields(body, _TOP_LEVEL["completion"])
     prompt = body.get("prompt")
@@ -751,7 +765,7 @@ def parse_completion(body: Any, limits: Limits) -> ParsedRequest:
 _ROLES = ("system", "user", "assistant", "tool")
 
 
-def _content(v: Any, where: str) -> str:
+def _content(v: JsonBody, where: str) -> str:
     if isinstance(v, str):
         return v
     if isinstance(v, list):
@@ -767,7 +781,7 @@ def _content(v: Any, where: str) -> str:
     raise ApiError(400, f"{where} must be a string or a list of text parts")
 
 
-def _message(m: Any, i: int) -> ChatMessage:
+def _message(m: JsonBody, i: int) -> ChatMessage:
     """One chat message: text content; an assistant's earlier tool calls; a tool's answer."""
     if not isinstance(m, dict):
         raise ApiError(400, f"messages[{i}] must be an object")
@@ -786,7 +800,7 @@ def _message(m: Any, i: int) -> ChatMessage:
     return ChatMessage(role, text, tuple(calls or ()), call_id if role == "tool" else None)
 
 
-def parse_chat(body: Any, limits: Limits) -> ParsedRequest:
+def parse_chat(body: JsonBody, limits: Limits) -> ParsedRequest:
     body = _object(body)
     _check_fields(body, _TOP_LEVEL["chat"])
     messages = body.get("messages")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Generic
 
 import attrs
 import trio
@@ -37,9 +37,11 @@ from pd_fsm.io_trio.bootstrap.records import (
     split_host_port,
 )
 from pd_fsm.io_trio.worker.config import ServeConfig
-from pd_fsm.io_trio.worker.pd_backends import PDBackend, fingerprint, job_of, make_pd_backend
+from pd_fsm.io_trio.worker.pd_backends import PDBackend, PrefillBackend, make_pd_backend
+from pd_fsm.io_trio.worker.pd_role import S
 from pd_fsm.io_trio.worker.spmd.follower import Divergence, follow
 from pd_fsm.io_trio.worker.spmd.frames import Announced, Frame, PullReported, TickStarted
+from pd_fsm.io_trio.worker.spmd.pd_ticks import fingerprint, job_of
 from pd_fsm.jax_engine.transfer.base import PullError
 from pd_fsm.schedulers.disaggregation import DecodeScheduler
 from pd_fsm.schedulers.disaggregation.tick import run_tick
@@ -107,19 +109,18 @@ class RankPairing:
         return self._known.pop(transfer_addr, None)
 
 
-class PDReplica:
+class PDReplica(Generic[S]):
     """Rank 0's frames applied to this rank's PD scheduler (``follower.Replica``)."""
 
-    def __init__(self, backend: PDBackend, sched: Any, rank: int,
+    def __init__(self, backend: PDBackend[S], sched: S, rank: int,
                  announced: Callable[[InstanceRecord], None] | None = None) -> None:
         """``announced(record)``: called with rank 0's registry record (P: register ours)."""
-        self._backend = backend
-        self._sched = sched
+        self._backend: PDBackend[S] = backend
+        self._sched: S = sched
         self._rank = rank
         self._announced = announced
         self._fingerprint = ""
         self._reported: set[int] = set()  # rooms whose finished pull rank 0 was told of
-        self._decode = isinstance(sched, DecodeScheduler)
 
     def apply(self, frame: Frame) -> None:
         if isinstance(frame, Announced):
@@ -139,32 +140,36 @@ class PDReplica:
         inputs = self._backend.tick_inputs
         assert inputs is not None  # a replica's backend is built with them
         inputs.start(frame.tick, frame.now)
-        if self._decode:
+        if isinstance(sched, DecodeScheduler):
             gate = {p.room: p.failure for p in frame.pulls}
             missing = set(gate) - self._reported
             if missing:
                 raise Divergence(f"rank 0 collects pulls {sorted(missing)} this rank never had")
             self._reported -= set(gate)
             sched.set_pull_gate(gate)
+        backend = self._backend
         run_tick(
             sched, [(a.arrived, a.event) for a in frame.arrivals], list(frame.legs),
             list(frame.aborts), rid=lambda leg: leg.rid,
-            admit=lambda leg: self._backend.admit_job(sched, job_of(leg), leg.accepted),
+            admit=lambda leg: backend.admit_job(sched, job_of(leg), leg.accepted),
         )
         self._fingerprint = fingerprint(sched)
 
     def reports(self) -> list[PullReported]:
-        if not self._decode:
+        sched = self._sched
+        if not isinstance(sched, DecodeScheduler):
             return []
         out = []
-        for room, why in self._sched.pull_executor.ready().items():
+        for room, why in sched.pull_executor.ready().items():
             if room not in self._reported:
                 self._reported.add(room)
                 out.append(PullReported(self._rank, room, not why, why))
         return out
 
     def waiting(self) -> bool:
-        return self._decode and self._sched.pull_executor.inflight > len(self._reported)
+        sched = self._sched
+        return (isinstance(sched, DecodeScheduler)
+                and sched.pull_executor.inflight > len(self._reported))
 
 
 async def run_replica(config: ServeConfig, key: bytes | None) -> int:
@@ -180,7 +185,16 @@ async def run_replica(config: ServeConfig, key: bytes | None) -> int:
     token = trio.lowlevel.current_trio_token()
     pairing = RankPairing(client, c, token) if c.disaggregation_mode == "decode" else None
     backend = make_pd_backend(c, pairing=pairing)
-    sched: Any = await trio.to_thread.run_sync(backend.build_scheduler)
+    # Dispatched by role: the replica is typed by its scheduler's.
+    if isinstance(backend, PrefillBackend):
+        return await _follow(c, key, client, token, backend)
+    return await _follow(c, key, client, token, backend)
+
+
+async def _follow(config: ServeConfig, key: bytes | None, client: BootstrapClient,
+                  token: trio.lowlevel.TrioToken, backend: PDBackend[S]) -> int:
+    c = config
+    sched = await trio.to_thread.run_sync(backend.build_scheduler)
     try:
         async with client, trio.open_nursery() as nursery:
 
