@@ -44,7 +44,7 @@ def _measure(args: argparse.Namespace) -> Profile:
     import jax
     import jax.numpy as jnp
 
-    from pd_fsm.jax_engine.sampling_params import SamplingParams
+    from pd_fsm.jax_engine.sampling.params import SamplingParams
     from pd_fsm.jax_engine.transfer import JaxTransferKVEngine
     from pd_fsm.schedulers.args import SchedulerArgs
     from pd_fsm.schedulers.scheduler import Scheduler

@@ -52,11 +52,11 @@ from pd_fsm.io_trio.worker.sse import (
     handoff_event,
     until_disconnect,
 )
-from pd_fsm.jax_engine.grammar import Constraint, GrammarError, compiler_for
 from pd_fsm.jax_engine.model.registry import LoadedModel, load_model
-from pd_fsm.jax_engine.sampling_params import SamplingParams
-from pd_fsm.jax_engine.tokenizer import Tokenizer
+from pd_fsm.jax_engine.sampling.grammar import Constraint, GrammarError, compiler_for
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers.request import RequestOutput
+from pd_fsm.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from pd_fsm.jax_engine.transfer.base import KVTransferEngine

@@ -22,9 +22,9 @@ import trio
 from pd_fsm.io_trio.worker.backend import BackendError, GenerateJob, request_of
 from pd_fsm.io_trio.worker.flags import WARMUP_MODES
 from pd_fsm.io_trio.worker.spmd.frames import Command, RequestAborted, RequestAdded
-from pd_fsm.jax_engine import compilation_cache
-from pd_fsm.jax_engine.sampling_params import SamplingParams
-from pd_fsm.jax_engine.tiered import total_compiles
+from pd_fsm.jax_engine.compilation import cache as compilation_cache
+from pd_fsm.jax_engine.kv.tiered import total_compiles
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers.args import SchedulerArgs
 from pd_fsm.schedulers.factory import make_scheduler
 from pd_fsm.schedulers.request import FinishReason, RequestOutput

@@ -12,7 +12,7 @@ import attrs
 
 from pd_fsm.io_trio.worker.schemas import Kind
 from pd_fsm.io_trio.worker.tools import Tools, call_id
-from pd_fsm.jax_engine.sampling_params import TopLogprobs
+from pd_fsm.jax_engine.sampling.params import TopLogprobs
 from pd_fsm.schedulers.request import (
     NO_LOGPROBS,
     FinishReason,

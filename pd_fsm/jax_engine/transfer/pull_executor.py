@@ -16,7 +16,7 @@ scatter p99 ~470 ms against a 177 ms step, and pulls queued for a free thread be
 
 With READY's checksums (``PullRequest.kv_checksums``, ``--disaggregation-kv-checksum``) the pull
 thread checks every pulled array against P's checksum of what it registered before the KV is
-queued for its scatter (:mod:`~pd_fsm.jax_engine.kv_checksum`): KV corrupted in flight is
+queued for its scatter (:mod:`~pd_fsm.jax_engine.kv.checksum`): KV corrupted in flight is
 reported (``PullResult.checksum_mismatch``) and never written into the room's pages, which stay as
 they were, so the room can be pulled again into them.
 
@@ -24,7 +24,7 @@ Nothing waits without a deadline: the layout hash is compared before anything is
 and readiness wait are bounded by the engine (which polls ``is_ready()`` against the deadline and,
 on a timeout or failure, retires the peer's connection so the next pull connects afresh); the
 scatter waits for the holder's lock at most ``SCATTER_LOCK_S``. The scatter goes through
-:class:`~pd_fsm.jax_engine.kv_holder.KVCacheHolder`, so it never races a forward step (DESIGN §6).
+:class:`~pd_fsm.jax_engine.kv.holder.KVCacheHolder`, so it never races a forward step (DESIGN §6).
 """
 
 from __future__ import annotations
@@ -40,12 +40,12 @@ from typing import Any
 import attrs
 import jax
 
-from pd_fsm.jax_engine.gather_scatter import ScatterMethod, validate_pages
-from pd_fsm.jax_engine.kv_checksum import kv_checksum
-from pd_fsm.jax_engine.kv_holder import KVCacheHolder
-from pd_fsm.jax_engine.pool_spec import KVArgs
-from pd_fsm.jax_engine.room_kv import RoomPages, pages_by_pool, scatter_rooms
-from pd_fsm.jax_engine.tensor_parallel import (
+from pd_fsm.jax_engine.kv.checksum import kv_checksum
+from pd_fsm.jax_engine.kv.gather_scatter import ScatterMethod, validate_pages
+from pd_fsm.jax_engine.kv.holder import KVCacheHolder
+from pd_fsm.jax_engine.kv.pool_spec import KVArgs
+from pd_fsm.jax_engine.kv.room import RoomPages, pages_by_pool, scatter_rooms
+from pd_fsm.jax_engine.parallel.tensor_parallel import (
     TensorParallelError,
     packed_sharding,
     process_shards,
