@@ -123,7 +123,7 @@ def token_check(sched: Schedule, model: str) -> str:
         # The tokenizer alone, from the GGUF's metadata (load_smollm2 would also put the
         # weights on the device, in this process).
         from pd_fsm.jax_engine.model.gguf_loader import _read_tokenizer, find_smollm2_gguf
-        from pd_fsm.jax_engine.tokenizer import HFTokenizer
+        from pd_fsm.text.tokenizer import HFTokenizer
 
         spec = _read_tokenizer(gguf.GGUFReader(str(find_smollm2_gguf())))
         tok = HFTokenizer(spec.tokenizer_json, spec.eos_token_id,

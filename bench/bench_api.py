@@ -18,8 +18,8 @@ import statistics
 import time
 from collections.abc import Callable
 
-from pd_fsm.jax_engine.grammar import Constraint
-from pd_fsm.jax_engine.sampling_params import SamplingParams
+from pd_fsm.jax_engine.sampling.grammar import Constraint
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import Req, Scheduler, SchedulerArgs
 from pd_fsm.schedulers.request import LogprobSpec
 

@@ -86,7 +86,7 @@ def gemv_rows(repeats: int) -> list[tuple[str, float]]:
 
 
 def decode_row(repeats: int) -> tuple[str, float, float]:
-    from pd_fsm.jax_engine.kv_pool import allocate_kv_pool
+    from pd_fsm.jax_engine.kv.pool import allocate_kv_pool
     from pd_fsm.jax_engine.model import forward
     from pd_fsm.jax_engine.model.registry import load_model
 

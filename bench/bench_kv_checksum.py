@@ -8,7 +8,7 @@ at 1, 4, 16 and 64 MiB, in one run. The issue's goal: both checksums within 5 % 
 A P and a D process (spawned; host heap on huge pages, as ``pd-fsm serve`` starts a worker), each
 with a ``JaxTransferKVEngine``. For each size and repetition: P makes a fresh float32 array (a
 gather's output stands in: just written, so as warm in the caches as one), times its checksum
-(``pd_fsm.jax_engine.kv_checksum``, the code P runs) and registers it; D times the pull (request
+(``pd_fsm.jax_engine.kv.checksum``, the code P runs) and registers it; D times the pull (request
 to every byte ready) and then the checksum of what it pulled (the code D's pull thread runs).
 D also times XLA:CPU's jitted form of the same checksum (what an accelerator would run; on bytes
 the numpy form has just read, so a lower bound), to show why the CPU path is numpy; and a plain
@@ -44,7 +44,7 @@ def _p_main(pipe: Connection) -> None:
     import jax
     import jax.numpy as jnp
 
-    from pd_fsm.jax_engine.kv_checksum import kv_checksum
+    from pd_fsm.jax_engine.kv.checksum import kv_checksum
     from pd_fsm.jax_engine.transfer import JaxTransferKVEngine
 
     engine = JaxTransferKVEngine("127.0.0.1", reaper_interval_s=None)
@@ -70,7 +70,7 @@ def _d_main(pipe: Connection, p_addr: str) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from pd_fsm.jax_engine.kv_checksum import kv_checksum
+    from pd_fsm.jax_engine.kv.checksum import kv_checksum
     from pd_fsm.jax_engine.transfer import JaxTransferKVEngine
 
     engine = JaxTransferKVEngine("127.0.0.1", reaper_interval_s=None)
@@ -121,7 +121,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9, help="per size, after one warm-up (9)")
     args = ap.parse_args()
 
-    from pd_fsm.jax_engine.host_memory import hugepage_env
+    from pd_fsm.jax_engine.kv.host_memory import hugepage_env
 
     saved = dict(os.environ)
     os.environ.update(hugepage_env(os.environ) or {})  # as pd-fsm serve starts its workers

@@ -21,10 +21,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pd_fsm.jax_engine.model import LoadedModel, load_model
-from pd_fsm.jax_engine.sampling_params import SamplingParams
-from pd_fsm.jax_engine.tokenizer import ChatMessage
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import Req, Scheduler, SchedulerArgs
 from pd_fsm.schedulers.disaggregation import DisaggregationArgs
+from pd_fsm.text.tokenizer import ChatMessage
 from tests.support.pd_pair import BOOT, PDPair
 
 DTYPES = ("float32", "bfloat16")

@@ -42,9 +42,9 @@ from pd_fsm.io_trio.bench_client import common_prefix
 from pd_fsm.jax_engine.model import LoadedModel, decode, load_model, new_kv_pool, prefill
 from pd_fsm.jax_engine.model.gguf_loader import find_smollm2_gguf
 from pd_fsm.jax_engine.model.weight_cache import cache_dir, source_key
-from pd_fsm.jax_engine.sampling_params import SamplingParams
-from pd_fsm.jax_engine.tokenizer import ChatMessage
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import Scheduler, SchedulerArgs
+from pd_fsm.text.tokenizer import ChatMessage
 
 PROMPT = "Write a short story about a robot who learns to paint, in three paragraphs."
 

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pd_fsm.jax_engine.sampling_params import SamplingParams  # noqa: E402
+from pd_fsm.jax_engine.sampling.params import SamplingParams  # noqa: E402
 from pd_fsm.schedulers import Req, Scheduler, SchedulerArgs  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"

@@ -24,9 +24,9 @@ import plots  # bench/, beside this script
 from pd_fsm.core import codec
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
-from pd_fsm.jax_engine import tiered
+from pd_fsm.jax_engine.kv import tiered
 from pd_fsm.jax_engine.model import load_model
-from pd_fsm.jax_engine.sampling_params import SamplingParams
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers.disaggregation import DecodeScheduler, DisaggregationArgs, PrefillScheduler
 from pd_fsm.schedulers.request import Req
 

@@ -15,7 +15,7 @@ import time
 
 import plots  # bench/, beside this script
 
-from pd_fsm.jax_engine.sampling_params import SamplingParams
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import Req, Scheduler, SchedulerArgs
 
 SYSTEM = ("<|im_start|>system\nYou are a museum guide in Paris. You answer visitors' questions "

@@ -41,9 +41,9 @@ def _child(role: str, tp: int, pages: int, conn: Connection) -> None:
     import jax
     import numpy as np
 
-    from pd_fsm.jax_engine import tiered
-    from pd_fsm.jax_engine.kv_pool import KVPoolConfig, allocate_kv_pool
-    from pd_fsm.jax_engine.tensor_parallel import (
+    from pd_fsm.jax_engine.kv import tiered
+    from pd_fsm.jax_engine.kv.pool import KVPoolConfig, allocate_kv_pool
+    from pd_fsm.jax_engine.parallel.tensor_parallel import (
         packed_sharding,
         pool_sharding,
         regroup,

@@ -9,7 +9,7 @@ Transfers run between pairs of processes (multiprocessing, spawn), each set up t
 
 * ``engine``: a P and a D process configured as ``pd-fsm serve`` configures a worker (host heap
   policy ``hugepages``: started with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``,
-  pd_fsm.jax_engine.host_memory), each with a ``JaxTransferKVEngine``. The same two processes
+  pd_fsm.jax_engine.kv.host_memory), each with a ``JaxTransferKVEngine``. The same two processes
   also host a transfer server with the library's default settings, so that ``default, huge pages``
   shows what the heap policy alone gives the library.
 * ``library default``: a P and a D process left as a user of the library gets them (glibc's default
@@ -61,7 +61,7 @@ def _raw_server(sock: socket.socket, payload: bytes) -> None:
 
 
 def _check_heap(hugepages: bool) -> None:
-    from pd_fsm.jax_engine.host_memory import hugepages_in_force
+    from pd_fsm.jax_engine.kv.host_memory import hugepages_in_force
 
     if hugepages_in_force() != hugepages:
         raise SystemExit(f"process heap is not as configured (huge pages wanted: {hugepages})")
@@ -162,7 +162,7 @@ class _Pair:
     """A P and a D process, both with or without huge pages for the host heap."""
 
     def __init__(self, hugepages: bool, sizes_mib: list[int]) -> None:
-        from pd_fsm.jax_engine.host_memory import hugepage_env
+        from pd_fsm.jax_engine.kv.host_memory import hugepage_env
 
         # Spawned children start from this environment; glibc reads GLIBC_TUNABLES at start-up.
         saved = dict(os.environ)
@@ -228,7 +228,7 @@ def bench_gather_scatter(quick: bool) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from pd_fsm.jax_engine.gather_scatter import insert_kv_chunks, select_from_kv_caches
+    from pd_fsm.jax_engine.kv.gather_scatter import insert_kv_chunks, select_from_kv_caches
 
     layers, num_pages, page = (4, 256, (16, 8, 128)) if quick else (8, 1024, (16, 8, 128))
     n = 48 if quick else 200
@@ -350,7 +350,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.host_heap == "hugepages":
-        from pd_fsm.jax_engine.host_memory import reexec_with_hugepages
+        from pd_fsm.jax_engine.kv.host_memory import reexec_with_hugepages
 
         reexec_with_hugepages()
     import jax

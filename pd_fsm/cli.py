@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if argv[:1] == ["serve"] and _host_heap(argv) == "hugepages":
             # Before importing anything heavy: the huge-page tunable needs a re-executed process
             # (``host_memory``), and every import before it is paid twice (~1-2 s of a start).
-            from pd_fsm.jax_engine.host_memory import reexec_with_hugepages
+            from pd_fsm.jax_engine.kv.host_memory import reexec_with_hugepages
 
             reexec_with_hugepages()
     argv = list(argv)

@@ -222,6 +222,19 @@ def decode(
     """
     if guard is not None and not secret:
         raise ValueError("a replay guard needs a secret: unsigned frames carry no time")
+    frame, signed = _checked_header(frame)
+    if secret:
+        payload = _verified_payload(frame, signed, secret, guard, now)
+    else:
+        if signed:
+            raise RemoteProtocolError("signed frame but no cluster secret configured here")
+        payload = frame[HEADER_SIZE:]
+    return _message(_unpacked(payload))
+
+
+def _checked_header(frame: object) -> tuple[bytes, bool]:
+    """The frame as bytes, once its size, magic, version and flags are right; and whether it
+    says it is signed."""
     if not isinstance(frame, bytes | bytearray | memoryview):
         raise RemoteProtocolError(f"frame is {type(frame).__name__}, not bytes")
     frame = bytes(frame)
@@ -231,25 +244,30 @@ def decode(
         raise RemoteProtocolError("not a pd_fsm frame (bad magic)")
     if frame[2] != VERSION:
         raise RemoteProtocolError(f"unsupported version {frame[2]} (this side speaks {VERSION})")
-    signed = bool(frame[3] & FLAG_SIGNED)
     if frame[3] & ~FLAG_SIGNED:
         raise RemoteProtocolError(f"unknown flags 0x{frame[3]:02x}")
-    if secret:
-        if not signed:
-            raise RemoteProtocolError("unsigned frame; this side requires a signature")
-        if len(frame) < HEADER_SIZE + _FRESHNESS.size + MAC_SIZE:
-            raise RemoteProtocolError("signed frame too short for its time, nonce and MAC")
-        data, mac = frame[:-MAC_SIZE], frame[-MAC_SIZE:]
-        if not hmac.compare_digest(mac, _mac(secret, data)):
-            raise RemoteProtocolError("bad signature")
-        if guard is not None:
-            sent_ms, _nonce = _FRESHNESS.unpack_from(data, HEADER_SIZE)
-            guard.admit(sent_ms / 1000, mac, now)
-        payload = data[HEADER_SIZE + _FRESHNESS.size :]
-    else:
-        if signed:
-            raise RemoteProtocolError("signed frame but no cluster secret configured here")
-        payload = frame[HEADER_SIZE:]
+    return frame, bool(frame[3] & FLAG_SIGNED)
+
+
+def _verified_payload(frame: bytes, signed: bool, secret: bytes, guard: ReplayGuard | None,
+                      now: float) -> bytes:
+    """A signed frame's payload, once its MAC is right (and, with a ``guard``, its time is
+    within the window and its MAC not seen before)."""
+    if not signed:
+        raise RemoteProtocolError("unsigned frame; this side requires a signature")
+    if len(frame) < HEADER_SIZE + _FRESHNESS.size + MAC_SIZE:
+        raise RemoteProtocolError("signed frame too short for its time, nonce and MAC")
+    data, mac = frame[:-MAC_SIZE], frame[-MAC_SIZE:]
+    if not hmac.compare_digest(mac, _mac(secret, data)):
+        raise RemoteProtocolError("bad signature")
+    if guard is not None:
+        sent_ms, _nonce = _FRESHNESS.unpack_from(data, HEADER_SIZE)
+        guard.admit(sent_ms / 1000, mac, now)
+    return data[HEADER_SIZE + _FRESHNESS.size :]
+
+
+def _unpacked(payload: bytes) -> dict[str, object]:
+    """The payload's ``{"t": wire name, "b": body}`` map, read with every msgpack limit."""
     try:
         obj = msgpack.unpackb(
             payload,
@@ -265,16 +283,22 @@ def decode(
         raise RemoteProtocolError(f"payload is not msgpack: {exc.__class__.__name__}") from None
     if type(obj) is not dict or set(obj) != {"t", "b"}:
         raise RemoteProtocolError("payload must be a map with keys 't' and 'b'")
-    cls = BY_WIRE_NAME.get(obj["t"]) if type(obj["t"]) is str else None
+    return obj
+
+
+def _message(obj: dict[str, object]) -> Message:
+    """The message a payload map names, its fields structured and range-checked."""
+    name, body = obj["t"], obj["b"]
+    cls = BY_WIRE_NAME.get(name) if type(name) is str else None
     if cls is None:
-        raise RemoteProtocolError(f"unknown message type {obj['t']!r:.40}")
-    if type(obj["b"]) is not dict:
+        raise RemoteProtocolError(f"unknown message type {name!r:.40}")
+    if type(body) is not dict:
         raise RemoteProtocolError("message body must be a map")
     try:
-        message: Message = _converter.structure(obj["b"], cls)
+        message: Message = _converter.structure(body, cls)
         _check_ranges(message)
     except Exception as exc:  # cattrs wraps field errors in ClassValidationError groups
-        raise RemoteProtocolError(f"bad {obj['t']} message: {_describe(exc)}") from None
+        raise RemoteProtocolError(f"bad {name} message: {_describe(exc)}") from None
     return message
 
 

@@ -13,7 +13,7 @@ MAX_ROOMS_PER_HEARTBEAT = 4096
 MAX_TOP_LOGPROBS = 20  # alternatives per position: OpenAI's top_logprobs maximum
 MAX_KV_SHARDS = 1024  # arrays per pool in one registration (P's tensor-parallel size)
 MAX_KV_CHECKSUMS = 4096  # arrays in one registration (pools x shards), each with its checksum
-KV_CHECKSUM_LIMIT = 1 << 32  # a checksum is a 32-bit word (pd_fsm.jax_engine.kv_checksum)
+KV_CHECKSUM_LIMIT = 1 << 32  # a checksum is a 32-bit word (pd_fsm.jax_engine.kv.checksum)
 
 
 @attrs.frozen(slots=True)

@@ -132,9 +132,41 @@ def _as_list(value: Any) -> list[str]:
 
 def parse_table(data: Mapping[str, Any], name: str) -> tuple[StateTable, list[str]]:
     """Build a table from parsed TOML plus the list of problems ``check`` finds in it."""
-    problems: list[str] = []
     states_raw: Mapping[str, Mapping[str, str]] = data.get("states", {})
     states = {s: info.get("doc", "") for s, info in states_raw.items()}
+    poll_of, problems = _poll_values(states_raw)
+    triggers_raw: Mapping[str, Mapping[str, Any]] = data.get("triggers", {})
+    triggers = {t: info.get("doc", "") for t, info in triggers_raw.items()}
+    status_of, status_problems = _statuses(triggers_raw)
+    timeouts, timeout_problems = _timeouts(data.get("timeouts", {}), states)
+    effects: dict[str, str] = dict(data.get("effects", {}))
+    rows, transitions, row_problems = _rows(data.get("rows", []), states, triggers, effects)
+    table = StateTable(
+        name=data.get("name", name),
+        doc=data.get("doc", ""),
+        initial=data.get("initial", ""),
+        terminal=frozenset(data.get("terminal", [])),
+        states=states,
+        poll_of=poll_of,
+        triggers=triggers,
+        remote_triggers=frozenset(
+            t for t, info in triggers_raw.items() if info.get("remote", False)
+        ),
+        effects=effects,
+        rows=tuple(rows),
+        transitions=transitions,
+        status_of=status_of,
+        timeouts=timeouts,
+    )
+    problems += status_problems + timeout_problems + row_problems + check_table(table)
+    return table, problems
+
+
+def _poll_values(
+    states_raw: Mapping[str, Mapping[str, str]],
+) -> tuple[dict[str, KVPoll], list[str]]:
+    """Each state's KVPoll value (all states have one, or none does), and the problems."""
+    problems: list[str] = []
     poll_of: dict[str, KVPoll] = {}
     for s, info in states_raw.items():
         if "poll" in info:
@@ -142,11 +174,14 @@ def parse_table(data: Mapping[str, Any], name: str) -> tuple[StateTable, list[st
                 poll_of[s] = KVPoll[info["poll"]]
             except KeyError:
                 problems.append(f"state {s}: unknown KVPoll value {info['poll']!r}")
-    if poll_of and set(poll_of) != set(states):
-        problems.append(f"states without a poll value: {sorted(set(states) - set(poll_of))}")
-    triggers_raw: Mapping[str, Mapping[str, Any]] = data.get("triggers", {})
-    triggers = {t: info.get("doc", "") for t, info in triggers_raw.items()}
-    remote = frozenset(t for t, info in triggers_raw.items() if info.get("remote", False))
+    if poll_of and set(poll_of) != set(states_raw):
+        problems.append(f"states without a poll value: {sorted(set(states_raw) - set(poll_of))}")
+    return poll_of, problems
+
+
+def _statuses(triggers_raw: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, int], list[str]]:
+    """The HTTP status a room failing on each trigger answers with, and the problems."""
+    problems: list[str] = []
     status_of: dict[str, int] = {}
     for t, info in triggers_raw.items():
         if "status" in info:
@@ -155,8 +190,15 @@ def parse_table(data: Mapping[str, Any], name: str) -> tuple[StateTable, list[st
                 problems.append(f"trigger {t}: status must be an HTTP error code, got {code!r}")
             else:
                 status_of[t] = code
+    return status_of, problems
+
+
+def _timeouts(raw: Mapping[str, Mapping[str, Any]],
+              states: Mapping[str, str]) -> tuple[dict[str, StateTimeout], list[str]]:
+    """Each waiting state's deadline (``[timeouts]``), and the problems."""
+    problems: list[str] = []
     timeouts: dict[str, StateTimeout] = {}
-    for s, info in data.get("timeouts", {}).items():
+    for s, info in raw.items():
         if s not in states:
             problems.append(f"timeout for unknown state {s!r}")
             continue
@@ -167,13 +209,19 @@ def parse_table(data: Mapping[str, Any], name: str) -> tuple[StateTable, list[st
             problems.append(f"timeout of {s}: needs window, status and a reason template ({exc})")
             continue
         timeouts[s] = timeout
-    effects: dict[str, str] = dict(data.get("effects", {}))
-    initial = data.get("initial", "")
-    terminal = frozenset(data.get("terminal", []))
+    return timeouts, problems
 
+
+def _rows(
+    raw_rows: list[Mapping[str, Any]], states: Mapping[str, str], triggers: Mapping[str, str],
+    effects: Mapping[str, str],
+) -> tuple[list[Row], dict[tuple[str, str], Transition], list[str]]:
+    """The rows, one per (state, trigger) a TOML row names (``from`` and ``on`` may be lists),
+    the transitions they make, and the problems."""
+    problems: list[str] = []
     rows: list[Row] = []
     transitions: dict[tuple[str, str], Transition] = {}
-    for i, raw in enumerate(data.get("rows", [])):
+    for i, raw in enumerate(raw_rows):
         where = f"row {i + 1}"
         missing = [k for k in ("from", "on", "to", "why") if k not in raw]
         if missing:
@@ -195,24 +243,7 @@ def parse_table(data: Mapping[str, Any], name: str) -> tuple[StateTable, list[st
                     problems.append(f"{where}: duplicate row for ({source}, {trigger})")
                 transitions[(source, trigger)] = Transition(row.target, row.effects, row.reason)
                 rows.append(row)
-
-    table = StateTable(
-        name=data.get("name", name),
-        doc=data.get("doc", ""),
-        initial=initial,
-        terminal=terminal,
-        states=states,
-        poll_of=poll_of,
-        triggers=triggers,
-        remote_triggers=remote,
-        effects=effects,
-        rows=tuple(rows),
-        transitions=transitions,
-        status_of=status_of,
-        timeouts=timeouts,
-    )
-    problems.extend(check_table(table))
-    return table, problems
+    return rows, transitions, problems
 
 
 def check_table(table: StateTable) -> list[str]:

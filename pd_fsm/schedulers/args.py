@@ -46,7 +46,7 @@ class SchedulerArgs:
     # the rest. Requests this scheduler prefills and decodes itself (not PD rooms, yet).
     radix_cache: bool = False
     # Devices this instance's model and KV pool are sharded over (tensor parallelism,
-    # jax_engine/tensor_parallel.py): the first ``tp_size`` devices of the process.
+    # jax_engine/parallel/tensor_parallel.py): the first ``tp_size`` devices of the process.
     tp_size: int = attrs.field(default=1, validator=_positive)
 
 

@@ -20,16 +20,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pd_fsm.jax_engine.executables import EXECUTABLES
-from pd_fsm.jax_engine.gather_scatter import as_struct
-from pd_fsm.jax_engine.grammar import bitmask_words
-from pd_fsm.jax_engine.kv_holder import KVCacheHolder
-from pd_fsm.jax_engine.kv_pool import KVPoolConfig, allocate_kv_pool, copy_pages
+from pd_fsm.jax_engine.compilation.executables import EXECUTABLES
+from pd_fsm.jax_engine.kv.gather_scatter import as_struct
+from pd_fsm.jax_engine.kv.holder import KVCacheHolder
+from pd_fsm.jax_engine.kv.pool import KVPoolConfig, allocate_kv_pool, copy_pages
+from pd_fsm.jax_engine.kv.pool_spec import PoolType
 from pd_fsm.jax_engine.model import KV, LoadedModel, compile_forward, decode, extend
-from pd_fsm.jax_engine.pool_spec import PoolType
-from pd_fsm.jax_engine.sampling import Adjustment, compile_samplers, sample, top_logprobs
-from pd_fsm.jax_engine.sampling_params import TopLogprobs
-from pd_fsm.jax_engine.tensor_parallel import logits_sharding, pool_sharding, sharded_params
+from pd_fsm.jax_engine.parallel.tensor_parallel import (
+    logits_sharding,
+    pool_sharding,
+    sharded_params,
+)
+from pd_fsm.jax_engine.sampling.grammar import bitmask_words
+from pd_fsm.jax_engine.sampling.params import TopLogprobs
+from pd_fsm.jax_engine.sampling.sampler import Adjustment, compile_samplers, sample, top_logprobs
 from pd_fsm.schedulers.request import Req
 
 R = TypeVar("R")

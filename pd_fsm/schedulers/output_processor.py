@@ -17,10 +17,10 @@ from collections.abc import Mapping
 
 import attrs
 
-from pd_fsm.jax_engine.grammar import GrammarError
-from pd_fsm.jax_engine.sampling_params import SamplingParams, TopLogprobs
-from pd_fsm.jax_engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from pd_fsm.jax_engine.sampling.grammar import GrammarError
+from pd_fsm.jax_engine.sampling.params import SamplingParams, TopLogprobs
 from pd_fsm.schedulers.request import FinishReason, PromptLogprobs, Req, RequestOutput
+from pd_fsm.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class OutputProcessor:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 
 import attrs
 
-from pd_fsm.jax_engine.kv_pool import KVPoolConfig, PageAllocator
+from pd_fsm.jax_engine.kv.pool import KVPoolConfig, PageAllocator
 from pd_fsm.schedulers.radix_cache import RadixCache
 from pd_fsm.schedulers.request import Req
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 
 import attrs
 
-from pd_fsm.jax_engine.kv_pool import PageAllocator
+from pd_fsm.jax_engine.kv.pool import PageAllocator
 
 
 @attrs.define(eq=False)

@@ -8,9 +8,9 @@ from typing import Any, Literal
 
 import attrs
 
-from pd_fsm.jax_engine.grammar import Matcher
-from pd_fsm.jax_engine.sampling_params import TOP_LOGPROBS_COMPUTED, SamplingParams, TopLogprobs
-from pd_fsm.jax_engine.tokenizer import IncrementalDetokenizer
+from pd_fsm.jax_engine.sampling.grammar import Matcher
+from pd_fsm.jax_engine.sampling.params import TOP_LOGPROBS_COMPUTED, SamplingParams, TopLogprobs
+from pd_fsm.text.tokenizer import IncrementalDetokenizer
 
 
 class ReqState(enum.Enum):

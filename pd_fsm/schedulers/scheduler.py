@@ -40,13 +40,13 @@ import attrs
 import jax
 import numpy as np
 
-from pd_fsm.jax_engine.buckets import bucket
-from pd_fsm.jax_engine.executables import EXECUTABLES
-from pd_fsm.jax_engine.grammar import compiler_for
+from pd_fsm.jax_engine.compilation.buckets import bucket
+from pd_fsm.jax_engine.compilation.executables import EXECUTABLES
 from pd_fsm.jax_engine.model import LoadedModel, load_model, table_width
-from pd_fsm.jax_engine.sampling import last_logits, prompt_logprobs
-from pd_fsm.jax_engine.sampling_params import SamplingParams, TopLogprobs
-from pd_fsm.jax_engine.tensor_parallel import check_tp
+from pd_fsm.jax_engine.parallel.tensor_parallel import check_tp
+from pd_fsm.jax_engine.sampling.grammar import compiler_for
+from pd_fsm.jax_engine.sampling.params import SamplingParams, TopLogprobs
+from pd_fsm.jax_engine.sampling.sampler import last_logits, prompt_logprobs
 from pd_fsm.schedulers.args import SchedulerArgs
 from pd_fsm.schedulers.model_runner import ModelRunner
 from pd_fsm.schedulers.output_processor import OutputProcessor

@@ -84,13 +84,7 @@ def main(args: argparse.Namespace) -> int:
     if args.workload:
         return _workload(args)
     try:
-        seeds = _seeds(args.seeds)
-        if min(args.prefill, args.decode, args.requests) < 1:
-            raise ValueError("--prefill, --decode and --requests must be >= 1")
-        if not 0.0 <= args.role_switches <= 1.0:
-            raise ValueError("--role-switches is a chance: between 0 and 1")
-        if args.stream_tokens < 0:
-            raise ValueError("--stream-tokens must be >= 0")
+        seeds = _checked_seeds(args)
     except ValueError as exc:
         print(f"pd-fsm sim: {exc}", file=sys.stderr)
         return 2
@@ -104,23 +98,50 @@ def main(args: argparse.Namespace) -> int:
         print(f"pd-fsm sim: --plant {args.plant} needs --schedulers real", file=sys.stderr)
         return 2
     if args.seed is not None:
-        result = run_seed(args.seed, config, trace=args.trace)
-        if args.trace:
-            print("\n".join(result.trace))
-        print(f"seed {args.seed}: {result.steps} steps, answers {dict(result.answered)}, "
-              f"{result.violation or 'every invariant held'}")
-        if result.switches:
-            print(_switches(result.switches, result.races, "switches"))
-        return 1 if result.violation else 0
+        return _one_seed(args.seed, config, args.trace)
     if args.plants:
-        for plant in sorted(PLANTS):
-            if plant in REAL_ONLY_PLANTS and args.schedulers != "real":
-                continue
-            planted = attrs.evolve(config, plant=plant)
-            first = next((s for s in seeds if run_seed(s, planted).violation), None)
-            found = f"first caught by seed {first}" if first is not None else "NOT caught"
-            print(f"{plant:<26} {found}  ({PLANTS[plant]})", flush=True)
-        return 0
+        return _every_plant(seeds, config, args.schedulers)
+    return _many_seeds(seeds, config)
+
+
+def _checked_seeds(args: argparse.Namespace) -> range:
+    """``--seeds``, once every numeric flag is in range (ValueError naming the flag if not)."""
+    seeds = _seeds(args.seeds)
+    if min(args.prefill, args.decode, args.requests) < 1:
+        raise ValueError("--prefill, --decode and --requests must be >= 1")
+    if not 0.0 <= args.role_switches <= 1.0:
+        raise ValueError("--role-switches is a chance: between 0 and 1")
+    if args.stream_tokens < 0:
+        raise ValueError("--stream-tokens must be >= 0")
+    return seeds
+
+
+def _one_seed(seed: int, config: SimConfig, trace: bool) -> int:
+    """``--seed``: its outcome (with ``--trace``, every step first)."""
+    result = run_seed(seed, config, trace=trace)
+    if trace:
+        print("\n".join(result.trace))
+    print(f"seed {seed}: {result.steps} steps, answers {dict(result.answered)}, "
+          f"{result.violation or 'every invariant held'}")
+    if result.switches:
+        print(_switches(result.switches, result.races, "switches"))
+    return 1 if result.violation else 0
+
+
+def _every_plant(seeds: range, config: SimConfig, schedulers: str) -> int:
+    """``--plants``: the first seed that caught each planted bug."""
+    for plant in sorted(PLANTS):
+        if plant in REAL_ONLY_PLANTS and schedulers != "real":
+            continue
+        planted = attrs.evolve(config, plant=plant)
+        first = next((s for s in seeds if run_seed(s, planted).violation), None)
+        found = f"first caught by seed {first}" if first is not None else "NOT caught"
+        print(f"{plant:<26} {found}  ({PLANTS[plant]})", flush=True)
+    return 0
+
+
+def _many_seeds(seeds: range, config: SimConfig) -> int:
+    """``--seeds``: every failing seed, then the totals."""
     start = time.perf_counter()
     failed = 0
     answers: Counter[str] = Counter()

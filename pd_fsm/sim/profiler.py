@@ -23,11 +23,17 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pd_fsm.io_trio.cluster.cpu_placement import parse_cpus, pin_to
 from pd_fsm.sim.perf_profile import CoreProfile, Profile
+
+if TYPE_CHECKING:  # imported where used: main pins the cores before JAX starts
+    import jax
+
+    from pd_fsm.jax_engine.transfer import JaxTransferKVEngine
 
 PREFILL_TOKENS = (16, 64, 128, 256, 512, 1024)
 DECODE_ROWS = (1, 2, 4, 8)
@@ -41,34 +47,65 @@ def _median(fn: Callable[[], float], repeats: int) -> float:
 
 
 def _measure(args: argparse.Namespace) -> Profile:
-    import jax
     import jax.numpy as jnp
 
-    from pd_fsm.jax_engine.sampling_params import SamplingParams
-    from pd_fsm.jax_engine.transfer import JaxTransferKVEngine
-    from pd_fsm.schedulers.args import SchedulerArgs
-    from pd_fsm.schedulers.scheduler import Scheduler
+    timer = _EngineTimer(args)
+    rows = [(n, _median(functools.partial(timer.prefill, n), args.repeats))
+            for n in args.prefill_tokens]
+    print(f"prefill: {rows}", flush=True)
+    steps = [(b, c, _median(functools.partial(timer.decode, b, c), args.repeats))
+             for c in args.decode_contexts for b in args.decode_rows]
+    print(f"decode: {steps}", flush=True)
+    copies, pulls = _kv_moves(args)
+    print(f"copy: {copies}\npull: {pulls}", flush=True)
+    sched, cfg = timer.sched, timer.sched.config
+    kv_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(
+        sched.pool_config.storage_dtype).itemsize
+    return Profile(model=args.model, kv_bytes_per_token=int(kv_bytes),
+                   page_size=sched.args.page_size, max_batched_tokens=args.max_batched_tokens,
+                   max_running=args.max_running, by_cores=(CoreProfile(
+                       cores=len(os.sched_getaffinity(0)), prefill=tuple(rows),
+                       decode=tuple(steps), copy=tuple(copies), pull=tuple(pulls)),))
 
-    sched = Scheduler(SchedulerArgs(model=args.model, num_pages=args.num_pages,
-                                    max_running=max(args.decode_rows),
-                                    max_batched_tokens=args.max_batched_tokens))
-    cfg = sched.config
-    rid = iter(range(1 << 30))
 
-    def prompt(n: int) -> list[int]:
-        return [(7 * i + 3) % (cfg.vocab_size - 1) + 1 for i in range(n)]
+class _EngineTimer:
+    """The colocated scheduler (the same forwards P and D run), timed through its public API.
+    JAX and the engine are imported here, not at the top: ``main`` pins the cores first."""
 
-    def prefill(n: int) -> float:
-        sched.add_request(sched.make_request(f"p{next(rid)}", prompt(n), SamplingParams(
-            max_new_tokens=1, temperature=0.0, ignore_eos=True)))
+    def __init__(self, args: argparse.Namespace) -> None:
+        from pd_fsm.schedulers.args import SchedulerArgs
+        from pd_fsm.schedulers.scheduler import Scheduler
+
+        self.sched = Scheduler(SchedulerArgs(model=args.model, num_pages=args.num_pages,
+                                             max_running=max(args.decode_rows),
+                                             max_batched_tokens=args.max_batched_tokens))
+        self._rid = iter(range(1 << 30))
+
+    def _prompt(self, n: int) -> list[int]:
+        vocab = self.sched.config.vocab_size
+        return [(7 * i + 3) % (vocab - 1) + 1 for i in range(n)]
+
+    def prefill(self, n: int) -> float:
+        """Seconds to prefill one prompt of ``n`` tokens (a request of one output token)."""
+        from pd_fsm.jax_engine.sampling.params import SamplingParams
+
+        sched = self.sched
+        sched.add_request(sched.make_request(f"p{next(self._rid)}", self._prompt(n),
+                                             SamplingParams(max_new_tokens=1, temperature=0.0,
+                                                            ignore_eos=True)))
         start = time.perf_counter()
         sched.run_until_idle()
         return time.perf_counter() - start
 
-    def decode(rows: int, context: int) -> float:
+    def decode(self, rows: int, context: int) -> float:
+        """The median seconds of a decode step of ``rows`` rows at ``context`` tokens each."""
+        from pd_fsm.jax_engine.sampling.params import SamplingParams
+
+        sched = self.sched
         for _ in range(rows):
-            sched.add_request(sched.make_request(f"d{next(rid)}", prompt(context), SamplingParams(
-                max_new_tokens=64, temperature=0.0, ignore_eos=True)))
+            sched.add_request(sched.make_request(f"d{next(self._rid)}", self._prompt(context),
+                                                 SamplingParams(max_new_tokens=64, temperature=0.0,
+                                                                ignore_eos=True)))
         while sched.waiting or sched.prefilling or len(sched.running) < rows:
             sched.step()
         laps = []
@@ -81,49 +118,49 @@ def _measure(args: argparse.Namespace) -> Profile:
         sched.drain_outputs()
         return statistics.median(laps)
 
-    rows = [(n, _median(functools.partial(prefill, n), args.repeats)) for n in args.prefill_tokens]
-    print(f"prefill: {rows}", flush=True)
-    steps = [(b, c, _median(functools.partial(decode, b, c), args.repeats))
-             for c in args.decode_contexts for b in args.decode_rows]
-    print(f"decode: {steps}", flush=True)
+
+def _kv_moves(args: argparse.Namespace) -> tuple[list[tuple[int, float]],
+                                                  list[tuple[int, float]]]:
+    """(bytes, seconds) of a device copy of each KV-sized buffer (what gather and scatter move),
+    and of a pull of it over loopback."""
+    import jax.numpy as jnp
+
+    from pd_fsm.jax_engine.transfer import JaxTransferKVEngine
 
     engine = JaxTransferKVEngine("127.0.0.1", reaper_interval_s=None)
     copies, pulls = [], []
-    uuid = iter(range(1, 1 << 30))
+    uuids = iter(range(1, 1 << 30))
     try:
         for mib in args.copy_mib:
             n = mib << 20
             x = jnp.ones((n // 4,), jnp.float32)
             x.block_until_ready()
-
-            def copy(x: jax.Array = x) -> float:
-                start = time.perf_counter()
-                (x + 0).block_until_ready()
-                return time.perf_counter() - start
-
-            def pull(x: jax.Array = x) -> float:
-                u = next(uuid)
-                engine.register(u, [x], lease_s=60)
-                start = time.perf_counter()
-                spec = jax.ShapeDtypeStruct(  # type: ignore[no-untyped-call]  # jax's own
-                    x.shape, x.dtype, sharding=engine.sharding)
-                engine.start_pull(engine.address, u, [spec], deadline_s=60).wait()
-                took = time.perf_counter() - start
-                engine.release(u, "profiled")
-                return took
-
-            copies.append((n, _median(copy, args.repeats)))
-            pulls.append((n, _median(pull, args.repeats)))
+            copies.append((n, _median(functools.partial(_copy_seconds, x), args.repeats)))
+            pulls.append((n, _median(functools.partial(_pull_seconds, engine, x, uuids),
+                                     args.repeats)))
     finally:
         engine.close()
-    print(f"copy: {copies}\npull: {pulls}", flush=True)
-    kv_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(
-        sched.pool_config.storage_dtype).itemsize
-    return Profile(model=args.model, kv_bytes_per_token=int(kv_bytes),
-                   page_size=sched.args.page_size, max_batched_tokens=args.max_batched_tokens,
-                   max_running=args.max_running, by_cores=(CoreProfile(
-                       cores=len(os.sched_getaffinity(0)), prefill=tuple(rows),
-                       decode=tuple(steps), copy=tuple(copies), pull=tuple(pulls)),))
+    return copies, pulls
+
+
+def _copy_seconds(x: jax.Array) -> float:
+    start = time.perf_counter()
+    (x + 0).block_until_ready()
+    return time.perf_counter() - start
+
+
+def _pull_seconds(engine: JaxTransferKVEngine, x: jax.Array, uuids: Iterator[int]) -> float:
+    import jax
+
+    uuid = next(uuids)
+    engine.register(uuid, [x], lease_s=60)
+    start = time.perf_counter()
+    spec = jax.ShapeDtypeStruct(  # type: ignore[no-untyped-call]  # jax's own
+        x.shape, x.dtype, sharding=engine.sharding)
+    engine.start_pull(engine.address, uuid, [spec], deadline_s=60).wait()
+    took = time.perf_counter() - start
+    engine.release(uuid, "profiled")
+    return took
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -32,14 +32,14 @@ import numpy as np
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.tables import KV_RECEIVER
-from pd_fsm.jax_engine.pull_executor import PullExecutor, PullRequest
-from pd_fsm.jax_engine.sampling_params import SamplingParams
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.jax_engine.transfer.base import (
     KVTransferEngine,
     PendingPull,
     PullError,
     ReleaseResult,
 )
+from pd_fsm.jax_engine.transfer.pull_executor import PullExecutor, PullRequest
 from pd_fsm.schedulers import Scheduler, SchedulerArgs
 from pd_fsm.schedulers.disaggregation import (
     DecodeScheduler,

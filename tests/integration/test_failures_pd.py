@@ -36,7 +36,7 @@ from pd_fsm.core.keys import registry_key, side_channel_key
 from pd_fsm.core.messages import Abort, Done
 from pd_fsm.core.request_auth import sign_request
 from pd_fsm.io_trio.side_channel.channel import frame_now
-from pd_fsm.jax_engine import host_memory
+from pd_fsm.jax_engine.kv import host_memory
 from tests.integration.failure_support import (
     HEARTBEAT,
     HOST,

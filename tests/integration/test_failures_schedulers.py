@@ -10,7 +10,7 @@ import pytest
 from pd_fsm.core import events as ev
 from pd_fsm.core.messages import Heartbeat
 from pd_fsm.jax_engine.model import LoadedModel, load_model
-from pd_fsm.jax_engine.sampling_params import SamplingParams
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import Req, Scheduler, SchedulerArgs
 from pd_fsm.schedulers.disaggregation import DisaggregationArgs
 from tests.support.pd_pair import BOOT, PDPair, collect
@@ -127,11 +127,11 @@ def test_queued_pull_reports_within_its_deadline_from_submit() -> None:
 
     import jax.numpy as jnp
 
-    from pd_fsm.jax_engine.kv_holder import KVCacheHolder
-    from pd_fsm.jax_engine.kv_pool import KVPoolConfig
-    from pd_fsm.jax_engine.pool_spec import KVArgs, PoolTransferSpec
-    from pd_fsm.jax_engine.pull_executor import PullExecutor, PullRequest
+    from pd_fsm.jax_engine.kv.holder import KVCacheHolder
+    from pd_fsm.jax_engine.kv.pool import KVPoolConfig
+    from pd_fsm.jax_engine.kv.pool_spec import KVArgs, PoolTransferSpec
     from pd_fsm.jax_engine.transfer.base import PendingPull, PullTimeout
+    from pd_fsm.jax_engine.transfer.pull_executor import PullExecutor, PullRequest
     from tests.support.fake_engine import FakeEngine
 
     cfg = KVPoolConfig(num_layers=1, num_pages=8, page_size=2, num_kv_heads=1, head_dim=4)

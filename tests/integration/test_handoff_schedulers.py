@@ -15,7 +15,7 @@ import pytest
 
 from pd_fsm.core.tables import KV_HANDOFF
 from pd_fsm.jax_engine.model import LoadedModel, load_model
-from pd_fsm.jax_engine.sampling_params import SamplingParams
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import Req, Scheduler, SchedulerArgs
 from pd_fsm.schedulers.disaggregation import DecodeScheduler, DisaggregationArgs
 from pd_fsm.schedulers.disaggregation.handoff import HandoffTicket

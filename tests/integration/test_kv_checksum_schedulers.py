@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from pd_fsm.jax_engine.model import LoadedModel, load_model
-from pd_fsm.jax_engine.sampling_params import SamplingParams
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import Req, Scheduler, SchedulerArgs
 from pd_fsm.schedulers.disaggregation import DisaggregationArgs
 from tests.support.corrupting_engine import CorruptingDecode

@@ -14,8 +14,7 @@ import pytest
 
 from pd_fsm.core import events as ev
 from pd_fsm.jax_engine.model import LoadedModel, load_model
-from pd_fsm.jax_engine.sampling_params import SamplingParams
-from pd_fsm.jax_engine.tokenizer import ChatMessage
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import Req, Scheduler, SchedulerArgs
 from pd_fsm.schedulers.disaggregation import (
     DecodeScheduler,
@@ -23,6 +22,7 @@ from pd_fsm.schedulers.disaggregation import (
     DuplicateRoomError,
     PrefillScheduler,
 )
+from pd_fsm.text.tokenizer import ChatMessage
 from tests.support.pd_pair import BOOT, PDPair, collect
 
 PAGE = 4
@@ -129,7 +129,7 @@ def test_pd_equals_colocated(model_name: str, kv_dtype: str | None) -> None:
         _args("decode", model=model_name, kv_dtype=kv_dtype),
         decode_cls=RecordingDecode,
     )
-    # bf16 KV is kept as its bits (uint16: XLA:CPU updates those in place, kv_pool.py).
+    # bf16 KV is kept as its bits (uint16: XLA:CPU updates those in place, kv/pool.py).
     storage = {"bfloat16": "uint16"}.get(kv_dtype or "float32", "float32")
     dtypes = set()
     for sched in (colo, pair.p, pair.d):

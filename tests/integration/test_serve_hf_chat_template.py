@@ -17,9 +17,9 @@ import openai
 import pytest
 
 from pd_fsm.io_trio.ports import free_ports
-from pd_fsm.jax_engine.chat_template import CHATML_TEMPLATE
 from pd_fsm.jax_engine.model import TINY
 from pd_fsm.jax_engine.model.params import random_params_np
+from pd_fsm.text.chat_template import CHATML_TEMPLATE
 from tests.integration.serve_support import Proc, cli, wait_http_ok
 from tests.unit.test_chat_template import LLAMA3
 from tests.unit.test_model_hf_loader import _byte_level_tokenizer_json, _export

@@ -29,7 +29,7 @@ from tests.integration.failure_support import (
 
 pytestmark = pytest.mark.slow
 
-HEARTBEAT_TIMEOUT = 30  # pd_fsm.jax_engine.distributed.initialize's default
+HEARTBEAT_TIMEOUT = 30  # pd_fsm.jax_engine.parallel.distributed.initialize's default
 EXIT_SLACK = 60  # on top of it: 2 cores shared with the rest of the suite
 
 

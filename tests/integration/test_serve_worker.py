@@ -10,9 +10,9 @@ import pytest
 import trio
 
 from pd_fsm.jax_engine.model import load_model
-from pd_fsm.jax_engine.sampling_params import SamplingParams
-from pd_fsm.jax_engine.tokenizer import ChatMessage
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import Scheduler
+from pd_fsm.text.tokenizer import ChatMessage
 from tests.integration.serve_support import TINY, sse_events, start_worker, wait_idle
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}

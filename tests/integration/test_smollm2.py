@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pd_fsm.jax_engine.model import LoadedModel, load_model
-from pd_fsm.jax_engine.sampling_params import SamplingParams
-from pd_fsm.jax_engine.tokenizer import ChatMessage
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import Scheduler, SchedulerArgs
+from pd_fsm.text.tokenizer import ChatMessage
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ def test_tokenizer_splits_digits_and_keeps_special_tokens(smollm2: LoadedModel) 
 
 
 def test_streamed_text_reassembles_multibyte_characters(smollm2: LoadedModel) -> None:
-    from pd_fsm.jax_engine.tokenizer import IncrementalDetokenizer
+    from pd_fsm.text.tokenizer import IncrementalDetokenizer
 
     tok = smollm2.tokenizer
     text = "naïve 世界 🙂👍🏽 ok"

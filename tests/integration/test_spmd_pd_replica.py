@@ -25,7 +25,7 @@ from pd_fsm.io_trio.worker.spmd.frames import (
 )
 from pd_fsm.io_trio.worker.spmd.pd_replica import PDReplica
 from pd_fsm.io_trio.worker.spmd.tick_inputs import TickInputs
-from pd_fsm.jax_engine.sampling_params import SamplingParams
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers.request import LogprobSpec
 from tests.integration.serve_support import TINY
 

@@ -1,7 +1,8 @@
 """A registration D never pulls is released by P's lease reaper, and the memory really returns:
 measured as the serving process's VmRSS (/proc/PID/status), which stays up if the release does not
 happen (the transfer server keeps never-pulled buffers alive; shared/JAX_TRANSFER.md). Both with
-glibc's default heap and as workers run by default (huge pages, pd_fsm.jax_engine.host_memory)."""
+glibc's default heap and as workers run by default (huge pages,
+pd_fsm.jax_engine.kv.host_memory)."""
 
 from __future__ import annotations
 

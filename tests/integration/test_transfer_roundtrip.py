@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from pd_fsm.jax_engine.kv_holder import KVCacheHolder
-from pd_fsm.jax_engine.pull_executor import PullExecutor, PullRequest
+from pd_fsm.jax_engine.kv.holder import KVCacheHolder
 from pd_fsm.jax_engine.transfer import JaxTransferKVEngine
+from pd_fsm.jax_engine.transfer.pull_executor import PullExecutor, PullRequest
 from tests.integration._procs import pools
 from tests.integration._procs.client import PServer
 

@@ -73,9 +73,10 @@ DCFG = DecodeConfig(
     transfer_timeout=30.0,
 )
 _ORDER = {KVPoll.Bootstrapping: 1, KVPoll.WaitingForInput: 2, KVPoll.Transferring: 3}
-# The pull executor's contract (pd_fsm.jax_engine.pull_executor): every pull reports by this long
-# after its submit, strictly within the core's transfer_timeout (DisaggregationArgs checks it). The
-# core's CANCELLING backstop relies on it; a simulated pull still pending at its deadline fails.
+# The pull executor's contract (pd_fsm.jax_engine.transfer.pull_executor): every pull reports by
+# this long after its submit, strictly within the core's transfer_timeout (DisaggregationArgs
+# checks it). The core's CANCELLING backstop relies on it; a simulated pull still pending at its
+# deadline fails.
 PULL_DEADLINE = 20.0
 assert DCFG.transfer_timeout > PULL_DEADLINE
 

@@ -10,7 +10,7 @@ from pd_fsm.core import codec
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.jax_engine.model import LoadedModel
-from pd_fsm.jax_engine.sampling_params import SamplingParams
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers.disaggregation import DecodeScheduler, DisaggregationArgs, PrefillScheduler
 from pd_fsm.schedulers.request import Req, RequestOutput
 

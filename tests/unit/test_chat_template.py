@@ -18,10 +18,10 @@ from pd_fsm.cli import build_parser
 from pd_fsm.io_trio.worker.app import ModelMeta, WorkerApp
 from pd_fsm.io_trio.worker.backend import GenerateJob
 from pd_fsm.io_trio.worker.config import ServeConfig, config_from_args
-from pd_fsm.jax_engine.chat_template import ChatTemplate, ChatTemplateError
 from pd_fsm.jax_engine.model import LoadedModel, load_model
-from pd_fsm.jax_engine.tokenizer import CharTokenizer, ChatMessage, HFTokenizer
 from pd_fsm.schedulers.request import RequestOutput
+from pd_fsm.text.chat_template import ChatTemplate, ChatTemplateError
+from pd_fsm.text.tokenizer import CharTokenizer, ChatMessage, HFTokenizer
 
 # Llama-3-8B-Instruct's template, as in its tokenizer_config.json.
 LLAMA3 = (

@@ -70,3 +70,24 @@ def test_core_source_has_no_io_imports() -> None:
                 names = [node.module.split(".")[0]]
             bad = FORBIDDEN_STDLIB.intersection(names)
             assert not bad, f"{path.name} imports {bad}"
+
+
+# Modules above the core that must not load JAX either: the text layer (handling text needs no
+# accelerator stack), what the HTTP layer checks requests with, and host_memory, which the worker
+# imports to re-execute itself before JAX is imported (issue 29 §6; each folder's __init__ is
+# kept empty so that importing these loads nothing else of their folder).
+JAX_FREE = (
+    "pd_fsm.text",
+    "pd_fsm.text.tokenizer",
+    "pd_fsm.text.chat_template",
+    "pd_fsm.jax_engine.sampling.params",
+    "pd_fsm.jax_engine.sampling.grammar",
+    "pd_fsm.jax_engine.kv.host_memory",
+    "pd_fsm.jax_engine.kv.counters",
+    "pd_fsm.jax_engine.compilation.buckets",
+)
+
+
+def test_text_and_the_jax_free_engine_modules_do_not_load_jax() -> None:
+    loaded = _modules_loaded_by("; ".join(f"import {m}" for m in JAX_FREE))
+    assert not {"jax", "jaxlib"} & loaded, f"one of {JAX_FREE} loads JAX"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pd_fsm.jax_engine.distributed import collectives_address_problem
+from pd_fsm.jax_engine.parallel.distributed import collectives_address_problem
 
 
 @pytest.mark.parametrize(("coordinator", "resolved", "problem"), [

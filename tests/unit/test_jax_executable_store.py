@@ -15,11 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pd_fsm.jax_engine.executable_store import ExecutableStore, key_text
-from pd_fsm.jax_engine.executables import Executables
-from pd_fsm.jax_engine.grammar import bitmask_words
+from pd_fsm.jax_engine.compilation.executable_store import ExecutableStore, key_text
+from pd_fsm.jax_engine.compilation.executables import Executables
 from pd_fsm.jax_engine.model.weight_cache import load_params, save_params
-from pd_fsm.jax_engine.sampling import _greedy
+from pd_fsm.jax_engine.sampling.grammar import bitmask_words
+from pd_fsm.jax_engine.sampling.sampler import _greedy
 
 
 def _table(directory: Path) -> Executables:
@@ -93,9 +93,9 @@ _JAX_CACHE_RUN = textwrap.dedent("""
     jax.config.update("jax_compilation_cache_dir", sys.argv[1])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    from pd_fsm.jax_engine.executable_store import ExecutableStore
-    from pd_fsm.jax_engine.executables import Executables
-    from pd_fsm.jax_engine.sampling import _greedy
+    from pd_fsm.jax_engine.compilation.executable_store import ExecutableStore
+    from pd_fsm.jax_engine.compilation.executables import Executables
+    from pd_fsm.jax_engine.sampling.sampler import _greedy
     table = Executables()
     table.use_store(ExecutableStore(Path(sys.argv[2])))
     table.call(_greedy, {}, jnp.ones((2, 30), jnp.float32), jnp.full((2, 1), -1, jnp.int32))

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pd_fsm.jax_engine.gather_scatter import (
+from pd_fsm.jax_engine.kv.gather_scatter import (
     TRACE_COUNTS,
     contiguous_runs,
     insert_kv_chunks,

@@ -13,11 +13,11 @@ import sys
 
 import pytest
 
-from pd_fsm.jax_engine import host_memory
+from pd_fsm.jax_engine.kv import host_memory
 
 _PROBE = """
 import ctypes, resource
-from pd_fsm.jax_engine.host_memory import hugepages_in_force
+from pd_fsm.jax_engine.kv.host_memory import hugepages_in_force
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 n = 64 << 20

@@ -1,4 +1,4 @@
-"""The KV checksum (``pd_fsm.jax_engine.kv_checksum``): its definition computed by hand, the host
+"""The KV checksum (``pd_fsm.jax_engine.kv.checksum``): its definition computed by hand, the host
 and the on-device ways agree on every dtype and size, and the corruptions it exists for change
 it."""
 
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pd_fsm.jax_engine.kv_checksum import ROW_WORDS, host_checksum, kv_checksum
+from pd_fsm.jax_engine.kv.checksum import ROW_WORDS, host_checksum, kv_checksum
 
 
 def _by_hand(buffer: np.ndarray) -> int:

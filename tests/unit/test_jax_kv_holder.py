@@ -3,7 +3,7 @@ import threading
 import jax.numpy as jnp
 import pytest
 
-from pd_fsm.jax_engine.kv_holder import KVCacheHolder
+from pd_fsm.jax_engine.kv.holder import KVCacheHolder
 
 
 def test_locked_read_replace_and_swap() -> None:

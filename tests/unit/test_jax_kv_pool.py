@@ -1,6 +1,6 @@
 import pytest
 
-from pd_fsm.jax_engine.kv_pool import (
+from pd_fsm.jax_engine.kv.pool import (
     NULL_PAGE,
     KVPoolConfig,
     PageAllocator,

@@ -2,7 +2,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pd_fsm.jax_engine.gather_scatter import insert_kv_chunks, select_from_kv_caches
+from pd_fsm.jax_engine.kv.gather_scatter import insert_kv_chunks, select_from_kv_caches
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -1,7 +1,7 @@
 import pytest
 
-from pd_fsm.jax_engine.kv_pool import KVPoolConfig
-from pd_fsm.jax_engine.pool_spec import (
+from pd_fsm.jax_engine.kv.pool import KVPoolConfig
+from pd_fsm.jax_engine.kv.pool_spec import (
     KVArgs,
     LayoutMismatchError,
     PoolTransferSpec,

@@ -9,14 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pd_fsm.jax_engine.kv_checksum import kv_checksums
-from pd_fsm.jax_engine.kv_holder import KVCacheHolder
-from pd_fsm.jax_engine.kv_pool import KVPoolConfig
-from pd_fsm.jax_engine.pool_spec import KVArgs, PoolTransferSpec
-from pd_fsm.jax_engine.pull_executor import PullExecutor, PullRequest, PullResult
-from pd_fsm.jax_engine.room_kv import gather_room
+from pd_fsm.jax_engine.kv.checksum import kv_checksums
+from pd_fsm.jax_engine.kv.holder import KVCacheHolder
+from pd_fsm.jax_engine.kv.pool import KVPoolConfig
+from pd_fsm.jax_engine.kv.pool_spec import KVArgs, PoolTransferSpec
+from pd_fsm.jax_engine.kv.room import gather_room
 from pd_fsm.jax_engine.transfer import JaxTransferKVEngine
 from pd_fsm.jax_engine.transfer.base import PendingPull
+from pd_fsm.jax_engine.transfer.pull_executor import PullExecutor, PullRequest, PullResult
 from tests.support.fake_engine import FakeEngine
 
 CFG = KVPoolConfig(num_layers=2, num_pages=16, page_size=2, num_kv_heads=1, head_dim=4)

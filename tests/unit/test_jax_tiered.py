@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pd_fsm.jax_engine import tiered
-from pd_fsm.jax_engine.gather_scatter import page_buckets_upto
-from pd_fsm.jax_engine.kv_holder import KVCacheHolder
-from pd_fsm.jax_engine.kv_pool import KVPoolConfig
-from pd_fsm.jax_engine.pool_spec import KVArgs, PoolTransferSpec
-from pd_fsm.jax_engine.room_kv import gather_room, scatter_room, warm_room_copies
+from pd_fsm.jax_engine.kv import tiered
+from pd_fsm.jax_engine.kv.gather_scatter import page_buckets_upto
+from pd_fsm.jax_engine.kv.holder import KVCacheHolder
+from pd_fsm.jax_engine.kv.pool import KVPoolConfig
+from pd_fsm.jax_engine.kv.pool_spec import KVArgs, PoolTransferSpec
+from pd_fsm.jax_engine.kv.room import gather_room, scatter_room, warm_room_copies
 
 # A pool shape no other test uses, so the executable cache starts cold for it.
 CFG = KVPoolConfig(num_layers=3, num_pages=37, page_size=4, num_kv_heads=1, head_dim=8)
@@ -82,9 +82,9 @@ def test_a_warm_up_loads_the_run_tier_the_compilation_cache_holds(
 ) -> None:
     """A second start: the run-based kernels a first start compiled (in the background, into
     the compilation cache) are loaded by the warm-up, so nothing compiles in the background."""
-    from pd_fsm.jax_engine.executable_store import ExecutableStore
-    from pd_fsm.jax_engine.executables import EXECUTABLES
-    from pd_fsm.jax_engine.gather_scatter import as_struct
+    from pd_fsm.jax_engine.compilation.executable_store import ExecutableStore
+    from pd_fsm.jax_engine.compilation.executables import EXECUTABLES
+    from pd_fsm.jax_engine.kv.gather_scatter import as_struct
 
     cfg = KVPoolConfig(num_layers=2, num_pages=11, page_size=2, num_kv_heads=1, head_dim=4)
     pool = [as_struct(jnp.zeros(cfg.layer_shape, jnp.float32)) for _ in range(cfg.num_layers)]

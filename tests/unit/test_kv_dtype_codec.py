@@ -1,4 +1,4 @@
-"""bf16 KV kept as its bits (``kv_pool.KVPoolConfig.storage_dtype``): ``kv_encode`` rounds as
+"""bf16 KV kept as its bits (``kv.pool.KVPoolConfig.storage_dtype``): ``kv_encode`` rounds as
 JAX's own f32 -> bf16 cast does, bit for bit, and ``kv_decode`` gives back that bf16 value."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pd_fsm.jax_engine.kv_pool import KVPoolConfig
+from pd_fsm.jax_engine.kv.pool import KVPoolConfig
 from pd_fsm.jax_engine.model.forward import kv_decode, kv_encode
 
 

@@ -31,38 +31,47 @@ LAYERS: dict[str, frozenset[str]] = {
     # The sans-IO core: table-driven state machines, the bottom everything else builds on; no
     # JAX, no sockets, no clock (DESIGN §2; test_core_purity checks its third-party imports).
     "pd_fsm.core": frozenset({"pd_fsm.core"}),
-    # The JAX data plane: the model, the KV pool, the transfer engines. Below the schedulers that
-    # drive it and the processes that serve it. Today it imports nothing of pd_fsm outside itself;
-    # the core, at the bottom, is allowed.
-    "pd_fsm.jax_engine": frozenset({"pd_fsm.jax_engine", "pd_fsm.core"}),
+    # Text in and out of the model: tokenizers, detokenising, chat templates. No JAX, nothing of
+    # pd_fsm: a bottom layer beside the core, so that handling text never needs the accelerator
+    # stack (the engine's model loader, the schedulers and the HTTP layer all use it).
+    "pd_fsm.text": frozenset({"pd_fsm.text"}),
+    # The JAX data plane, a folder per concern (model, kv, compilation, parallel, sampling,
+    # transfer). Below the schedulers that drive it and the processes that serve it. It imports
+    # text (a model's tokenizer, a grammar's vocabulary) and nothing else of pd_fsm; the core, at
+    # the bottom, is allowed. The folders are concerns, not layers: model, kv and parallel use
+    # each other (the model writes the paged pool, the pool is sharded for tensor parallelism,
+    # which shards the model), so only the module graph below them must be free of circles.
+    "pd_fsm.jax_engine": frozenset({"pd_fsm.jax_engine", "pd_fsm.text", "pd_fsm.core"}),
     # The schedulers: batches on the JAX engine, and the PD ones drive the core's endpoints. No
     # HTTP, no processes: io_trio runs them.
-    "pd_fsm.schedulers": frozenset({"pd_fsm.schedulers", "pd_fsm.jax_engine", "pd_fsm.core"}),
+    "pd_fsm.schedulers": frozenset(
+        {"pd_fsm.schedulers", "pd_fsm.jax_engine", "pd_fsm.text", "pd_fsm.core"}
+    ),
     # The simulator runs the real cores with everything else modelled, so it needs no JAX (a
     # modelled run is thousands of seeds) ...
     "pd_fsm.sim": frozenset({"pd_fsm.sim", "pd_fsm.sim.real", "pd_fsm.core"}),
     # ... except real.py, whose workers are the real PD schedulers on the tiny model
     # (``pd-fsm sim --schedulers real``; world.py imports it only for that).
     "pd_fsm.sim.real": frozenset(
-        {"pd_fsm.sim.real", "pd_fsm.sim", "pd_fsm.core", "pd_fsm.jax_engine", "pd_fsm.schedulers"}
+        {"pd_fsm.sim.real", "pd_fsm.sim", "pd_fsm.core", "pd_fsm.jax_engine", "pd_fsm.text",
+         "pd_fsm.schedulers"}
     ),
     # ... and profiler.py (`pd-fsm profile`), which measures the real engine for the performance
     # model (perf.py) and pins itself to cores as a worker does.
     "pd_fsm.sim.profiler": frozenset(
-        {"pd_fsm.sim.profiler", "pd_fsm.sim", "pd_fsm.core", "pd_fsm.jax_engine",
+        {"pd_fsm.sim.profiler", "pd_fsm.sim", "pd_fsm.core", "pd_fsm.jax_engine", "pd_fsm.text",
          "pd_fsm.schedulers", "pd_fsm.io_trio"}
     ),
     # The processes: trio adapters around the core, the workers around the schedulers, the
     # proxy, the bootstrap server, the cluster runners. Not the simulator.
     "pd_fsm.io_trio": frozenset(
-        {"pd_fsm.io_trio", "pd_fsm.schedulers", "pd_fsm.jax_engine", "pd_fsm.core"}
+        {"pd_fsm.io_trio", "pd_fsm.schedulers", "pd_fsm.jax_engine", "pd_fsm.text", "pd_fsm.core"}
     ),
     # The `pd-fsm` command, the top: it may import every layer, and no layer imports it (it is
     # only ever run, ``python -m pd_fsm.cli`` in the cluster runners).
     "pd_fsm.cli": frozenset(
         {"pd_fsm.cli", "pd_fsm.io_trio", "pd_fsm.sim", "pd_fsm.sim.real", "pd_fsm.sim.profiler",
-         "pd_fsm.schedulers",
-         "pd_fsm.jax_engine", "pd_fsm.core"}
+         "pd_fsm.schedulers", "pd_fsm.jax_engine", "pd_fsm.text", "pd_fsm.core"}
     ),
     # The package's own __init__ (empty): it imports nothing.
     "pd_fsm": frozenset({"pd_fsm"}),

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pd_fsm.jax_engine.buckets import bucket
+from pd_fsm.jax_engine.compilation.buckets import bucket
 from pd_fsm.jax_engine.model import TINY, ModelConfig, decode, extend, new_kv_pool, prefill
 from pd_fsm.jax_engine.model.params import random_params_np, to_device
 

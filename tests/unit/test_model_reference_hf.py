@@ -21,7 +21,7 @@ import pytest
 
 from pd_fsm.jax_engine.model import load_model, new_kv_pool, prefill, table_width
 from pd_fsm.jax_engine.model.hf_loader import SUPPORTED_MODEL_TYPES
-from pd_fsm.jax_engine.sampling_params import SamplingParams
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import Req, Scheduler, SchedulerArgs
 from pd_fsm.schedulers.disaggregation import DisaggregationArgs
 from tests.support.pd_pair import PDPair, collect, serve_through

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pd_fsm.jax_engine.sampling import sample
-from pd_fsm.jax_engine.sampling_params import SamplingParams
+from pd_fsm.jax_engine.sampling.params import SamplingParams
+from pd_fsm.jax_engine.sampling.sampler import sample
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def _raw_logprob(row: np.ndarray, token: int) -> float:
 
 
 def test_penalties_and_bans_change_the_choice_not_the_reported_logprob() -> None:
-    from pd_fsm.jax_engine.sampling import Adjustment
+    from pd_fsm.jax_engine.sampling.sampler import Adjustment
 
     row = np.array([0.0, 1.0, 3.0, 2.5, -1.0, 2.9], np.float32)
     logits = jnp.asarray(np.stack([row, row, row, row]))
@@ -85,7 +85,7 @@ def test_penalties_and_bans_change_the_choice_not_the_reported_logprob() -> None
 
 
 def test_a_negative_logit_is_multiplied_by_the_repetition_penalty() -> None:
-    from pd_fsm.jax_engine.sampling import Adjustment, adjust_logits
+    from pd_fsm.jax_engine.sampling.sampler import Adjustment, adjust_logits
 
     row = np.array([-1.0, 2.0, 0.5], np.float32)
     adjust_logits(row, SamplingParams(repetition_penalty=2.0, presence_penalty=0.1),
@@ -100,7 +100,7 @@ def test_sampling_params_are_a_value_type_without_jax() -> None:
     import subprocess
     import sys
 
-    code = ("import sys; from pd_fsm.jax_engine.sampling_params import SamplingParams; "
+    code = ("import sys; from pd_fsm.jax_engine.sampling.params import SamplingParams; "
             "SamplingParams(n=2); print('jax' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

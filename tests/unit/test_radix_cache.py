@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pd_fsm.jax_engine.kv_pool import PageAllocator
+from pd_fsm.jax_engine.kv.pool import PageAllocator
 from pd_fsm.jax_engine.model import LoadedModel, load_model
-from pd_fsm.jax_engine.sampling_params import SamplingParams
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import Req, RequestOutput, Scheduler, SchedulerArgs
 from pd_fsm.schedulers.radix_cache import RadixCache
 

@@ -9,10 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pd_fsm.jax_engine.executables import EXECUTABLES
+from pd_fsm.jax_engine.compilation.executables import EXECUTABLES
 from pd_fsm.jax_engine.model import LoadedModel, load_model
-from pd_fsm.jax_engine.sampling_params import SamplingParams
-from pd_fsm.jax_engine.tokenizer import CharTokenizer
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import (
     MAIN_KV,
     FinishReason,
@@ -22,6 +21,7 @@ from pd_fsm.schedulers import (
     SchedulerArgs,
     make_scheduler,
 )
+from pd_fsm.text.tokenizer import CharTokenizer
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 

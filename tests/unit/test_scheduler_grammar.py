@@ -9,9 +9,9 @@ import re
 import jsonschema
 import pytest
 
-from pd_fsm.jax_engine.grammar import Constraint, GrammarError, compiler_for
 from pd_fsm.jax_engine.model import LoadedModel, load_model
-from pd_fsm.jax_engine.sampling_params import SamplingParams
+from pd_fsm.jax_engine.sampling.grammar import Constraint, GrammarError, compiler_for
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import Req, RequestOutput, Scheduler, SchedulerArgs
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "tag"],

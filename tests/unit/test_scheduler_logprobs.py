@@ -9,7 +9,7 @@ import pytest
 
 from pd_fsm.jax_engine.model import TINY, LoadedModel, load_model
 from pd_fsm.jax_engine.model.params import random_params_np
-from pd_fsm.jax_engine.sampling_params import SamplingParams
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import Req, RequestOutput, Scheduler, SchedulerArgs
 from pd_fsm.schedulers.request import LogprobSpec, PromptLogprobs
 from tests.unit.test_model_reference import reference_logits

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pd_fsm.jax_engine.model import LoadedModel, load_model
-from pd_fsm.jax_engine.sampling_params import SamplingParams
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import FinishReason, RequestOutput, Scheduler, SchedulerArgs
 from pd_fsm.schedulers.request import Resume
 
@@ -100,7 +100,7 @@ def test_resume_is_refused_when_it_leaves_nothing_to_generate(tiny: LoadedModel)
 
 
 def test_a_resumed_request_keeps_its_grammar_place(tiny: LoadedModel) -> None:
-    from pd_fsm.jax_engine.grammar import Constraint
+    from pd_fsm.jax_engine.sampling.grammar import Constraint
 
     sp = attrs.evolve(SEEDED, max_new_tokens=40, ignore_eos=False,
                       constraint=Constraint("regex", "[a-c]{6,12}x"))

@@ -14,7 +14,7 @@ from pd_fsm.io_trio.worker.app import WorkerApp
 from pd_fsm.io_trio.worker.backend import BackendError, GenerateJob
 from pd_fsm.io_trio.worker.colocated import ColocatedBackend
 from pd_fsm.io_trio.worker.config import ServeConfig
-from pd_fsm.jax_engine.sampling_params import SamplingParams
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import FinishReason, RequestOutput, Scheduler, SchedulerArgs
 
 ARGS = SchedulerArgs(model="tiny", num_pages=96, page_size=4, max_running=4,

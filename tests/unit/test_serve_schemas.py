@@ -19,7 +19,7 @@ from pd_fsm.io_trio.worker.schemas import (
     single_bootstrap,
     split_batch,
 )
-from pd_fsm.jax_engine.grammar import Constraint
+from pd_fsm.jax_engine.sampling.grammar import Constraint
 from pd_fsm.schedulers.request import LogprobSpec
 
 LIMITS = Limits(context_length=256, vocab_size=1000)

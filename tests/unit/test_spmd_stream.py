@@ -39,8 +39,8 @@ from pd_fsm.io_trio.worker.spmd.frames import (
     encode,
 )
 from pd_fsm.io_trio.worker.spmd.leader import SpmdError, SpmdLeader, SpmdStats
-from pd_fsm.jax_engine.grammar import Constraint
-from pd_fsm.jax_engine.sampling_params import SamplingParams
+from pd_fsm.jax_engine.sampling.grammar import Constraint
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers.args import SchedulerArgs
 from pd_fsm.schedulers.request import LogprobSpec
 from pd_fsm.schedulers.scheduler import Scheduler

@@ -111,114 +111,152 @@ def role_nices(args: argparse.Namespace) -> dict[str, int | None]:
     return nices
 
 
+@attrs.frozen
+class _Ports:
+    """The free ports one cluster's children serve on, picked at once."""
+
+    bootstrap: int
+    proxy: int
+    prefill: list[int]
+    side: list[int]  # each P's side channel
+    decode: list[int]
+    colocated: int
+    decode_side: list[int]  # with the planner: each D's side channel, for when it is a P
+    planner: int
+
+    @classmethod
+    def pick(cls, n_p: int, n_d: int, planner: bool) -> _Ports:
+        # With the planner every D may become a P: it needs a side-channel port of its own too.
+        ports = free_ports(3 + 2 * n_p + n_d + (n_d + 1 if planner else 0), launcher=True)
+        return cls(
+            bootstrap=ports[0], proxy=ports[1], prefill=ports[2 : 2 + n_p],
+            side=ports[2 + n_p : 2 + 2 * n_p], decode=ports[2 + 2 * n_p : 2 + 2 * n_p + n_d],
+            colocated=ports[2 + 2 * n_p + n_d],
+            decode_side=ports[3 + 2 * n_p + n_d : 3 + 2 * n_p + 2 * n_d] if planner else [],
+            planner=ports[-1],
+        )
+
+
 def plan(args: argparse.Namespace, tls: TLS = NO_TLS) -> list[Child]:
     """The children to start, in start order (the proxy last); with ``tls``, every one serves
     HTTPS with its certificate and verifies the others against its CA."""
     n_p, n_d = args.prefill, args.decode
     planner = getattr(args, "planner", False)
-    # With the planner every D may become a P: it needs a side-channel port of its own too.
-    ports = free_ports(3 + 2 * n_p + n_d + (n_d + 1 if planner else 0), launcher=True)
-    boot_port, proxy_port = ports[0], ports[1]
-    p_ports = ports[2 : 2 + n_p]
-    side_ports = ports[2 + n_p : 2 + 2 * n_p]
-    d_ports = ports[2 + 2 * n_p : 2 + 2 * n_p + n_d]
-    colo_port = ports[2 + 2 * n_p + n_d]
-    d_side_ports = ports[3 + 2 * n_p + n_d : 3 + 2 * n_p + 2 * n_d] if planner else []
-    planner_port = ports[-1]
-    quiet = ["--log-level", args.log_level]
+    ports = _Ports.pick(n_p, n_d, planner)
     scheme = tls.scheme
     worker = ["--host", HOST, *worker_flags(args), *tls.argv()]
-    keyed = [] if args.api_key_file is None else ["--api-key-file", str(args.api_key_file)]
     pd = ["--disaggregation-bootstrap-host", HOST,
-          "--disaggregation-bootstrap-port", str(boot_port)]
+          "--disaggregation-bootstrap-port", str(ports.bootstrap)]
     children: list[Child] = []
     if n_p or n_d:
-        serving = TLS(tls.certfile, tls.keyfile)  # the bootstrap server calls nobody
-        children.append(Child("bootstrap", _cli("bootstrap", "--host", HOST, "--port",
-                                                str(boot_port), *quiet, *serving.argv()),
-                              f"{scheme}://{HOST}:{boot_port}"))
-    nices = role_nices(args)
-
-    def pinned(role: str) -> list[str]:
-        """The role's own flags: its cores, its CPU priority and its tensor-parallel size."""
-        cpus, tp = getattr(args, f"{role}_cpus"), getattr(args, f"{role}_tp", None)
-        nice = nices[role]
-        flags = [] if cpus is None else ["--cpus", cpus]
-        flags += [] if nice is None else ["--nice", str(nice)]
-        return flags + ([] if tp is None else ["--tp", str(tp)])
-
-    def instance(name: str, role: str, argv: list[str], url: str, extra: str = "") -> Child:
-        """One instance: a child, or with ``--ROLE-nnodes N`` N children of one instance (rank
-        0 serves HTTP; the others have no URL, and one that dies stops the cluster too)."""
-        nnodes = getattr(args, f"{role}_nnodes", 1) or 1
-        if nnodes == 1:
-            children.append(Child(name, argv, url, extra))
-            return children[-1]
-        addr = f"{HOST}:{free_port_pair(launcher=True)}"
-        for rank in range(nnodes):
-            ranked = [*argv, "--nnodes", str(nnodes), "--node-rank", str(rank),
-                      "--dist-init-addr", addr]
-            children.append(Child(name, ranked, url, extra) if rank == 0 else
-                                Child(f"{name}-rank{rank}", ranked,
-                                      extra=f"rank {rank} of {name}"))
-        return children[-nnodes]
-
-    def switchable(d_index: int | None = None) -> list[str]:
-        """With the planner: every PD worker compiles both roles and colocated (``--roles``:
-        the planner may switch it to null, and the proxy's role probes route it whole requests
-        then), and a D gets the side-channel port it serves on as a P."""
-        if not planner:
-            return []
-        side = [] if d_index is None else ["--disaggregation-side-channel-port",
-                                           str(d_side_ports[d_index])]
-        # The priority follows the role (`serve --role-nice`): a merged (null) worker takes
-        # colocated's, a D that becomes P steps back.
-        role_nice = ",".join(f"{role}={nices[name] or 0}" for role, name in
-                             (("prefill", "prefill"), ("decode", "decode"), ("null", "colocated")))
-        return ["--roles", PLANNER_ROLES, "--role-nice", role_nice, *side]
-
-    prefills = [
-        instance(f"prefill-{i}", "prefill",
-                 _cli("serve", *worker, *pinned("prefill"), "--port", str(port),
-                      "--disaggregation-mode", "prefill", *pd, *switchable(),
-                      "--disaggregation-side-channel-port", str(side)),
-                 f"{scheme}://{HOST}:{port}", f"bootstrap port {side}")
-        for i, (port, side) in enumerate(zip(p_ports, side_ports, strict=True))
-    ]
-    decodes = [
-        instance(f"decode-{i}", "decode",
-                 _cli("serve", *worker, *pinned("decode"), "--port", str(port),
-                      "--disaggregation-mode", "decode", *pd, *switchable(i)),
-                 f"{scheme}://{HOST}:{port}")
-        for i, port in enumerate(d_ports)
-    ]
+        children.append(_bootstrap_child(args, tls, ports.bootstrap))
+    prefills: list[Child] = []
+    for i, (port, side) in enumerate(zip(ports.prefill, ports.side, strict=True)):
+        prefills.append(_add_instance(children, args, f"prefill-{i}", "prefill", _cli(
+            "serve", *worker, *_role_flags(args, "prefill"), "--port", str(port),
+            "--disaggregation-mode", "prefill", *pd, *_switchable(args, planner),
+            "--disaggregation-side-channel-port", str(side),
+        ), f"{scheme}://{HOST}:{port}", f"bootstrap port {side}"))
+    decodes: list[Child] = []
+    for i, port in enumerate(ports.decode):
+        d_side = ports.decode_side[i] if planner else None
+        decodes.append(_add_instance(children, args, f"decode-{i}", "decode", _cli(
+            "serve", *worker, *_role_flags(args, "decode"), "--port", str(port),
+            "--disaggregation-mode", "decode", *pd, *_switchable(args, planner, d_side),
+        ), f"{scheme}://{HOST}:{port}"))
     if args.colocated:
-        instance("colocated", "colocated",
-                 _cli("serve", *worker, *pinned("colocated"), "--port", str(colo_port),
-                      "--disaggregation-mode", "null"),
-                 f"{scheme}://{HOST}:{colo_port}")
+        _add_instance(children, args, "colocated", "colocated", _cli(
+            "serve", *worker, *_role_flags(args, "colocated"), "--port", str(ports.colocated),
+            "--disaggregation-mode", "null",
+        ), f"{scheme}://{HOST}:{ports.colocated}")
     if n_p and n_d:
-        proxy_args = ["proxy", "--host", HOST, "--port", str(proxy_port), *keyed, *quiet,
-                      *tls.argv(), *shlex.split(args.proxy_args or "")]
-        if keyed:
-            proxy_args += ["--worker-api-key-file", str(args.api_key_file)]
-        for child, side in zip(prefills, side_ports, strict=True):
-            proxy_args += ["--prefill", str(child.url), str(side)]
-        for child in decodes:
-            proxy_args += ["--decode", str(child.url)]
-        children.append(Child("proxy", _cli(*proxy_args), f"{scheme}://{HOST}:{proxy_port}",
-                              f"{n_p} prefill, {n_d} decode"))
+        children.append(_proxy_child(args, tls, ports, prefills, decodes))
     if planner and n_p and n_d:
-        planner_args = ["planner", "--host", HOST, "--port", str(planner_port), *quiet,
-                        *tls.argv(), *shlex.split(args.planner_args or "")]
-        if keyed:
-            planner_args += ["--api-key-file", str(args.api_key_file),
-                             "--worker-api-key-file", str(args.api_key_file)]
-        for child in (*prefills, *decodes):
-            planner_args += ["--worker", str(child.url)]
-        children.append(Child("planner", _cli(*planner_args), f"{scheme}://{HOST}:{planner_port}",
-                              "switches roles: GET /decisions"))
+        children.append(_planner_child(args, tls, ports.planner, [*prefills, *decodes]))
     return children
+
+
+def _quiet(args: argparse.Namespace) -> list[str]:
+    return ["--log-level", args.log_level]
+
+
+def _worker_key(args: argparse.Namespace) -> list[str]:
+    """The flag that gives a caller of the workers their key file (none without one)."""
+    return [] if args.api_key_file is None else ["--worker-api-key-file", str(args.api_key_file)]
+
+
+def _bootstrap_child(args: argparse.Namespace, tls: TLS, port: int) -> Child:
+    serving = TLS(tls.certfile, tls.keyfile)  # the bootstrap server calls nobody
+    return Child("bootstrap", _cli("bootstrap", "--host", HOST, "--port", str(port),
+                                   *_quiet(args), *serving.argv()),
+                 f"{tls.scheme}://{HOST}:{port}")
+
+
+def _role_flags(args: argparse.Namespace, role: str) -> list[str]:
+    """The role's own flags: its cores, its CPU priority and its tensor-parallel size."""
+    cpus, tp = getattr(args, f"{role}_cpus"), getattr(args, f"{role}_tp", None)
+    nice = role_nices(args)[role]
+    flags = [] if cpus is None else ["--cpus", cpus]
+    flags += [] if nice is None else ["--nice", str(nice)]
+    return flags + ([] if tp is None else ["--tp", str(tp)])
+
+
+def _switchable(args: argparse.Namespace, planner: bool,
+                d_side_port: int | None = None) -> list[str]:
+    """With the planner: every PD worker compiles both roles and colocated (``--roles``: the
+    planner may switch it to null, and the proxy's role probes route it whole requests then),
+    carries every role's priority, and a D gets the side-channel port it serves on as a P."""
+    if not planner:
+        return []
+    side = [] if d_side_port is None else ["--disaggregation-side-channel-port", str(d_side_port)]
+    # The priority follows the role (`serve --role-nice`): a merged (null) worker takes
+    # colocated's, a D that becomes P steps back.
+    nices = role_nices(args)
+    role_nice = ",".join(f"{role}={nices[name] or 0}" for role, name in
+                         (("prefill", "prefill"), ("decode", "decode"), ("null", "colocated")))
+    return ["--roles", PLANNER_ROLES, "--role-nice", role_nice, *side]
+
+
+def _add_instance(children: list[Child], args: argparse.Namespace, name: str, role: str,
+                  argv: list[str], url: str, extra: str = "") -> Child:
+    """One instance added to ``children``: a child, or with ``--ROLE-nnodes N`` N children of
+    one instance (rank 0 serves HTTP, and is returned; the others have no URL, and one that dies
+    stops the cluster too)."""
+    nnodes = getattr(args, f"{role}_nnodes", 1) or 1
+    if nnodes == 1:
+        children.append(Child(name, argv, url, extra))
+        return children[-1]
+    addr = f"{HOST}:{free_port_pair(launcher=True)}"
+    for rank in range(nnodes):
+        ranked = [*argv, "--nnodes", str(nnodes), "--node-rank", str(rank),
+                  "--dist-init-addr", addr]
+        children.append(Child(name, ranked, url, extra) if rank == 0 else
+                        Child(f"{name}-rank{rank}", ranked, extra=f"rank {rank} of {name}"))
+    return children[-nnodes]
+
+
+def _proxy_child(args: argparse.Namespace, tls: TLS, ports: _Ports, prefills: list[Child],
+                 decodes: list[Child]) -> Child:
+    keyed = [] if args.api_key_file is None else ["--api-key-file", str(args.api_key_file)]
+    proxy_args = ["proxy", "--host", HOST, "--port", str(ports.proxy), *keyed, *_quiet(args),
+                  *tls.argv(), *shlex.split(args.proxy_args or ""), *_worker_key(args)]
+    for child, side in zip(prefills, ports.side, strict=True):
+        proxy_args += ["--prefill", str(child.url), str(side)]
+    for child in decodes:
+        proxy_args += ["--decode", str(child.url)]
+    return Child("proxy", _cli(*proxy_args), f"{tls.scheme}://{HOST}:{ports.proxy}",
+                 f"{len(prefills)} prefill, {len(decodes)} decode")
+
+
+def _planner_child(args: argparse.Namespace, tls: TLS, port: int, workers: list[Child]) -> Child:
+    planner_args = ["planner", "--host", HOST, "--port", str(port), *_quiet(args), *tls.argv(),
+                    *shlex.split(args.planner_args or ""), *_worker_key(args)]
+    if args.api_key_file is not None:  # its own /decisions, /pause and /resume
+        planner_args += ["--api-key-file", str(args.api_key_file)]
+    for child in workers:
+        planner_args += ["--worker", str(child.url)]
+    return Child("planner", _cli(*planner_args), f"{tls.scheme}://{HOST}:{port}",
+                 "switches roles: GET /decisions")
 
 
 class Cluster:
@@ -406,6 +444,15 @@ def prometheus_child(urls: dict[str, str], tls: TLS) -> Child:
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("cluster", help="start bootstrap + prefill + decode + proxy locally")
+    _add_worker_arguments(p)
+    _add_service_arguments(p)
+    _add_ray_arguments(p)
+    p.set_defaults(func=main)
+
+
+def _add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    """How many workers of each role, their model and pool, and each role's cores, priority,
+    tensor-parallel size and processes."""
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     p.add_argument("--colocated", action="store_true", help="also start a colocated worker")
@@ -429,6 +476,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        help=f"every {role} instance over N processes (`pd-fsm serve --nnodes`; "
                             f"--{role}-tp a multiple of N); multi-process P and D pair rank for "
                             "rank, so both need the same N and tp")
+
+
+def _add_service_arguments(p: argparse.ArgumentParser) -> None:
+    """What every child gets (log level, key, more flags), the planner, and what the runner does
+    once the cluster is up (--ask, Prometheus, TLS)."""
     p.add_argument("--log-level", default="WARNING",
                    help="of every child process (default WARNING; INFO shows each heartbeat)")
     p.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
@@ -461,6 +513,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "process (labels role and name), e.g. into deploy/prometheus/targets/")
     p.add_argument("--tls", action="store_true",
                    help="HTTPS everywhere, with a throwaway CA made for this run (openssl)")
+
+
+def _add_ray_arguments(p: argparse.ArgumentParser) -> None:
     ray = p.add_argument_group("on Ray (pd_fsm[ray]): every service a Ray actor on a chosen node")
     ray.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
                      help="place the services on the Ray cluster at ADDRESS (default: auto, "
@@ -474,7 +529,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                          help=f"the {role} service's node: an IP or resource:NAME")
     ray.add_argument("--ray-max-restarts", type=int, default=3, metavar="N",
                      help="Ray restarts a service whose process died, at most N times (default 3)")
-    p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:

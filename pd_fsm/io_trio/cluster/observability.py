@@ -77,133 +77,161 @@ def _phases(prefix: str, phases: Sequence[str], q: float) -> tuple[Target, ...]:
 
 def rows() -> tuple[Row, ...]:
     """The dashboard, top to bottom."""
-    return (
-        Row("Requests", (
-            Panel("Client requests/s by path and status (proxy)", (Target(
-                f"sum by (path, status) (rate(pd_fsm_proxy_http_requests_total[{RATE}]))",
-                "{{path}} {{status}}"),), "reqps"),
-            Panel("Worker requests/s by role and outcome", (Target(
-                f"sum by (role, outcome) (rate(pd_fsm_worker_http_requests_total[{RATE}]))",
-                "{{role}} {{outcome}}"),), "reqps"),
-            Panel("Time to first token", _quantiles(
-                "pd_fsm_worker_time_to_first_token_seconds", "{{role}}", "role", SERVING), "s",
-                description="HTTP arrival to first token, on the worker that answers the client "
-                            "(D under PD, where it includes P's leg; the colocated worker)"),
-            Panel("Inter-token latency", _quantiles(
-                "pd_fsm_worker_inter_token_latency_seconds", "{{role}}", "role", SERVING), "s"),
-            Panel("Goodput: requests/s within the SLO", (
-                Target(f'sum by (role) (rate(pd_fsm_worker_requests_slo_total{{met="true", '
-                       f'{SERVING}}}[{RATE}]))', "{{role}} within SLO"),
-                Target(f"sum by (role) (rate(pd_fsm_worker_requests_slo_total{{{SERVING}}}"
-                       f"[{RATE}]))", "{{role}} finished"),
-            ), "reqps", description="finished requests whose TTFT and mean inter-token latency "
-                                    "met the worker's --slo-ttft and --slo-itl (DistServe's "
-                                    "goodput; defaults 2 s and 100 ms)"),
-            Panel("Errors", (
-                Target(f'sum by (role, outcome) (rate(pd_fsm_worker_http_requests_total'
-                       f'{{outcome!="ok"}}[{RATE}]))', "{{role}} {{outcome}}"),
-                Target(f'sum by (key) (rate(pd_fsm_proxy_rooms_total{{key!="COMPLETED"}}'
-                       f"[{RATE}]))", "proxy rooms {{key}}"),
-            ), "reqps"),
+    return (_requests(), _pd_phases(), _data_plane(), _capacity(), _control_plane(),
+            _roles_and_planner(), _restarts())
+
+
+def _requests() -> Row:
+    """What clients get: request rates, TTFT, inter-token latency, goodput, errors."""
+    return Row("Requests", (
+        Panel("Client requests/s by path and status (proxy)", (Target(
+            f"sum by (path, status) (rate(pd_fsm_proxy_http_requests_total[{RATE}]))",
+            "{{path}} {{status}}"),), "reqps"),
+        Panel("Worker requests/s by role and outcome", (Target(
+            f"sum by (role, outcome) (rate(pd_fsm_worker_http_requests_total[{RATE}]))",
+            "{{role}} {{outcome}}"),), "reqps"),
+        Panel("Time to first token", _quantiles(
+            "pd_fsm_worker_time_to_first_token_seconds", "{{role}}", "role", SERVING), "s",
+            description="HTTP arrival to first token, on the worker that answers the client "
+                        "(D under PD, where it includes P's leg; the colocated worker)"),
+        Panel("Inter-token latency", _quantiles(
+            "pd_fsm_worker_inter_token_latency_seconds", "{{role}}", "role", SERVING), "s"),
+        Panel("Goodput: requests/s within the SLO", (
+            Target(f'sum by (role) (rate(pd_fsm_worker_requests_slo_total{{met="true", '
+                   f'{SERVING}}}[{RATE}]))', "{{role}} within SLO"),
+            Target(f"sum by (role) (rate(pd_fsm_worker_requests_slo_total{{{SERVING}}}"
+                   f"[{RATE}]))", "{{role}} finished"),
+        ), "reqps", description="finished requests whose TTFT and mean inter-token latency "
+                                "met the worker's --slo-ttft and --slo-itl (DistServe's "
+                                "goodput; defaults 2 s and 100 ms)"),
+        Panel("Errors", (
+            Target(f'sum by (role, outcome) (rate(pd_fsm_worker_http_requests_total'
+                   f'{{outcome!="ok"}}[{RATE}]))', "{{role}} {{outcome}}"),
+            Target(f'sum by (key) (rate(pd_fsm_proxy_rooms_total{{key!="COMPLETED"}}'
+                   f"[{RATE}]))", "proxy rooms {{key}}"),
+        ), "reqps"),
+    ))
+
+
+def _pd_phases() -> Row:
+    """Where a PD request's time goes, phase by phase, on P, on D and in the proxy."""
+    return Row("PD phases", (
+        Panel("Prefill worker phases p50", _phases("pd_fsm_worker", P_PHASES, 0.5), "s",
+              stacked=True),
+        Panel("Prefill worker phases p99", _phases("pd_fsm_worker", P_PHASES, 0.99), "s",
+              stacked=True),
+        Panel("Decode worker phases p50", _phases("pd_fsm_worker", D_PHASES, 0.5), "s",
+              stacked=True),
+        Panel("Decode worker phases p99", _phases("pd_fsm_worker", D_PHASES, 0.99), "s",
+              stacked=True),
+        Panel("Proxy legs", tuple(t for p in PROXY_PHASES for t in _quantiles(
+            f"pd_fsm_proxy_{p}_seconds", p)), "s"),
+    ))
+
+
+def _data_plane() -> Row:
+    """The KV transfer: bytes per pull, its rate, pulls in flight and their results."""
+    return Row("Data plane", (
+        Panel("KV bytes per pull", _quantiles("pd_fsm_worker_kv_transfer_bytes", "bytes"),
+              "bytes"),
+        Panel("Pull rate (GB/s)", _quantiles(
+            "pd_fsm_worker_kv_transfer_gigabytes_per_second", "GB/s"), "short"),
+        Panel("Pulls in flight and KV bytes/s", (
+            Target('sum by (name) (pd_fsm_worker_backend_pd_queues{key="pulls_inflight"})',
+                   "{{name}} in flight"),
+            Target(f'sum by (name) (rate(pd_fsm_worker_backend_transfer{{key="bytes"}}'
+                   f"[{RATE}]))", "{{name}} bytes/s"),
         )),
-        Row("PD phases", (
-            Panel("Prefill worker phases p50", _phases("pd_fsm_worker", P_PHASES, 0.5), "s",
-                  stacked=True),
-            Panel("Prefill worker phases p99", _phases("pd_fsm_worker", P_PHASES, 0.99), "s",
-                  stacked=True),
-            Panel("Decode worker phases p50", _phases("pd_fsm_worker", D_PHASES, 0.5), "s",
-                  stacked=True),
-            Panel("Decode worker phases p99", _phases("pd_fsm_worker", D_PHASES, 0.99), "s",
-                  stacked=True),
-            Panel("Proxy legs", tuple(t for p in PROXY_PHASES for t in _quantiles(
-                f"pd_fsm_proxy_{p}_seconds", p)), "s"),
+        Panel("Pulls/s by result and P's transfer registrations", (
+            Target(f'sum by (name, key) (rate(pd_fsm_worker_backend_transfer'
+                   f'{{key=~"pulls_ok|pulls_failed"}}[{RATE}]))', "{{name}} {{key}}"),
+            Target('sum by (name) (pd_fsm_worker_backend_transfer_registrations'
+                   '{role="prefill"})', "{{name}} registrations held"),
         )),
-        Row("Data plane", (
-            Panel("KV bytes per pull", _quantiles("pd_fsm_worker_kv_transfer_bytes", "bytes"),
-                  "bytes"),
-            Panel("Pull rate (GB/s)", _quantiles(
-                "pd_fsm_worker_kv_transfer_gigabytes_per_second", "GB/s"), "short"),
-            Panel("Pulls in flight and KV bytes/s", (
-                Target('sum by (name) (pd_fsm_worker_backend_pd_queues{key="pulls_inflight"})',
-                       "{{name}} in flight"),
-                Target(f'sum by (name) (rate(pd_fsm_worker_backend_transfer{{key="bytes"}}'
-                       f"[{RATE}]))", "{{name}} bytes/s"),
-            )),
-            Panel("Pulls/s by result and P's transfer registrations", (
-                Target(f'sum by (name, key) (rate(pd_fsm_worker_backend_transfer'
-                       f'{{key=~"pulls_ok|pulls_failed"}}[{RATE}]))', "{{name}} {{key}}"),
-                Target('sum by (name) (pd_fsm_worker_backend_transfer_registrations'
-                       '{role="prefill"})', "{{name}} registrations held"),
-            )),
+    ))
+
+
+def _capacity() -> Row:
+    """KV pages, queues and running requests per worker."""
+    return Row("Capacity", (
+        Panel("KV pages per worker", (
+            Target("sum by (name) (pd_fsm_worker_backend_free_pages)", "{{name}} free"),
+            Target("sum by (name) (pd_fsm_worker_backend_cached_pages)", "{{name}} cached"),
+            Target("sum by (name) (pd_fsm_worker_backend_total_pages)", "{{name}} total"),
         )),
-        Row("Capacity", (
-            Panel("KV pages per worker", (
-                Target("sum by (name) (pd_fsm_worker_backend_free_pages)", "{{name}} free"),
-                Target("sum by (name) (pd_fsm_worker_backend_cached_pages)", "{{name}} cached"),
-                Target("sum by (name) (pd_fsm_worker_backend_total_pages)", "{{name}} total"),
-            )),
-            Panel("Queues and running requests", (
-                Target("sum by (name) (pd_fsm_worker_backend_waiting)", "{{name}} waiting"),
-                Target("sum by (name) (pd_fsm_worker_backend_running)", "{{name}} running"),
-                Target('sum by (name, key) (pd_fsm_worker_backend_pd_queues'
-                       '{key=~"alloc_queue|recv_queue|held_rooms"})', "{{name}} {{key}}"),
-                Target("sum(pd_fsm_proxy_rooms_live)", "proxy rooms live"),
-            )),
+        Panel("Queues and running requests", (
+            Target("sum by (name) (pd_fsm_worker_backend_waiting)", "{{name}} waiting"),
+            Target("sum by (name) (pd_fsm_worker_backend_running)", "{{name}} running"),
+            Target('sum by (name, key) (pd_fsm_worker_backend_pd_queues'
+                   '{key=~"alloc_queue|recv_queue|held_rooms"})', "{{name}} {{key}}"),
+            Target("sum(pd_fsm_proxy_rooms_live)", "proxy rooms live"),
         )),
-        Row("Control plane", (
-            Panel("Registry: instances by role", (Target(
-                "sum by (key) (pd_fsm_bootstrap_instances_by_role)", "{{key}}"),)),
-            Panel("Registry heartbeats/s and failures", (
-                Target(f"sum by (name) (rate(pd_fsm_worker_backend_bootstrap_heartbeats_total"
-                       f"[{RATE}]))", "{{name}} heartbeats"),
-                Target(f"sum by (name) (increase(pd_fsm_worker_backend_bootstrap_heartbeat"
-                       f"_failures_total[{RATE}]))", "{{name}} failed"),
-                Target(f"sum by (key) (rate(pd_fsm_bootstrap_writes_total[{RATE}]))",
-                       "registry {{key}}"),
-            )),
-            Panel("Route decisions/s by reason (proxy)", (Target(
-                f"sum by (key) (rate(pd_fsm_proxy_route_decisions_total[{RATE}]))", "{{key}}"),),
-                "reqps"),
-            Panel("Refused and contained", (
-                Target(f"sum by (role) (increase(pd_fsm_bootstrap_bad_requests_total[{RATE}]))"
-                       " or sum by (role) (increase(pd_fsm_worker_backend_request_failures"
-                       f"_total[{RATE}])) or sum by (role) (increase(pd_fsm_proxy_request"
-                       f"_failures_total[{RATE}]))", "{{role}}"),
-                Target(f'sum by (key) (increase(pd_fsm_worker_backend_side_channel'
-                       f'{{key=~"malformed|replayed|stale|oversized|wrong_parts"}}[{RATE}]))',
-                       "side channel {{key}}"),
-            ), description="registry writes refused (bad bodies, bad signatures); requests whose "
-                           "handler raised (answered 500); side-channel frames dropped"),
+    ))
+
+
+def _control_plane() -> Row:
+    """The registry, routing decisions, and what was refused or contained."""
+    return Row("Control plane", (
+        Panel("Registry: instances by role", (Target(
+            "sum by (key) (pd_fsm_bootstrap_instances_by_role)", "{{key}}"),)),
+        Panel("Registry heartbeats/s and failures", (
+            Target(f"sum by (name) (rate(pd_fsm_worker_backend_bootstrap_heartbeats_total"
+                   f"[{RATE}]))", "{{name}} heartbeats"),
+            Target(f"sum by (name) (increase(pd_fsm_worker_backend_bootstrap_heartbeat"
+                   f"_failures_total[{RATE}]))", "{{name}} failed"),
+            Target(f"sum by (key) (rate(pd_fsm_bootstrap_writes_total[{RATE}]))",
+                   "registry {{key}}"),
         )),
-        Row("Roles and the planner", (
-            Panel("Worker roles (1: served) and role epochs", (
-                Target("pd_fsm_worker_role == 1", "{{name}} {{key}}"),
-                Target("pd_fsm_worker_role_epoch", "{{name}} epoch"),
-            ), description="a worker's role changes at runtime (POST /switch_role); its epoch "
-                           "counts completed switches"),
-            Panel("Role switches and planner decisions", (
-                Target(f"sum by (name, outcome) (increase(pd_fsm_worker_role_switches_total"
-                       f"[{RATE}]))", "{{name}} switch {{outcome}}"),
-                Target(f"sum by (kind, to, outcome) (increase(pd_fsm_planner_decisions_total"
-                       f"[{RATE}]))", "planner {{kind}} {{to}} {{outcome}}"),
-            ), description="a switchable worker's series start at 0; planner decisions carry "
-                           "their reasons in its log and GET /decisions"),
-            Panel("Planner: pressure per side and workers per role", (
-                Target("pd_fsm_planner_pressure", "{{side}} pressure"),
-                Target("pd_fsm_planner_workers", "{{side}} workers"),
-            ), description="pressure 1.0 is at the target (TTFT for P, ITL or KV for D); "
-                           "`pd-fsm cluster --planner` runs the planner"),
-        )),
-        Row("Restarts", (
-            Panel("Up, restarts and peer incarnations", (
-                Target('up{job="pd_fsm"}', "{{name}} up"),
-                Target("resets(pd_fsm_worker_backend_steps_total[1h])", "{{name}} restarts (1h)"),
-                Target('pd_fsm_worker_backend_pd_events{key="peer_restarts"}',
-                       "{{name}} peer restarts seen"),
-            ), description="a restarted worker's counters start again (resets); D counts each "
-                           "new incarnation of a P it pulls from"),
-        )),
-    )
+        Panel("Route decisions/s by reason (proxy)", (Target(
+            f"sum by (key) (rate(pd_fsm_proxy_route_decisions_total[{RATE}]))", "{{key}}"),),
+            "reqps"),
+        Panel("Refused and contained", (
+            Target(f"sum by (role) (increase(pd_fsm_bootstrap_bad_requests_total[{RATE}]))"
+                   " or sum by (role) (increase(pd_fsm_worker_backend_request_failures"
+                   f"_total[{RATE}])) or sum by (role) (increase(pd_fsm_proxy_request"
+                   f"_failures_total[{RATE}]))", "{{role}}"),
+            Target(f'sum by (key) (increase(pd_fsm_worker_backend_side_channel'
+                   f'{{key=~"malformed|replayed|stale|oversized|wrong_parts"}}[{RATE}]))',
+                   "side channel {{key}}"),
+        ), description="registry writes refused (bad bodies, bad signatures); requests whose "
+                       "handler raised (answered 500); side-channel frames dropped"),
+    ))
+
+
+def _roles_and_planner() -> Row:
+    """Each worker's role and epoch, role switches and the planner's view."""
+    return Row("Roles and the planner", (
+        Panel("Worker roles (1: served) and role epochs", (
+            Target("pd_fsm_worker_role == 1", "{{name}} {{key}}"),
+            Target("pd_fsm_worker_role_epoch", "{{name}} epoch"),
+        ), description="a worker's role changes at runtime (POST /switch_role); its epoch "
+                       "counts completed switches"),
+        Panel("Role switches and planner decisions", (
+            Target(f"sum by (name, outcome) (increase(pd_fsm_worker_role_switches_total"
+                   f"[{RATE}]))", "{{name}} switch {{outcome}}"),
+            Target(f"sum by (kind, to, outcome) (increase(pd_fsm_planner_decisions_total"
+                   f"[{RATE}]))", "planner {{kind}} {{to}} {{outcome}}"),
+        ), description="a switchable worker's series start at 0; planner decisions carry "
+                       "their reasons in its log and GET /decisions"),
+        Panel("Planner: pressure per side and workers per role", (
+            Target("pd_fsm_planner_pressure", "{{side}} pressure"),
+            Target("pd_fsm_planner_workers", "{{side}} workers"),
+        ), description="pressure 1.0 is at the target (TTFT for P, ITL or KV for D); "
+                       "`pd-fsm cluster --planner` runs the planner"),
+    ))
+
+
+def _restarts() -> Row:
+    """Processes up, restarted, and the restarts of peers D saw."""
+    return Row("Restarts", (
+        Panel("Up, restarts and peer incarnations", (
+            Target('up{job="pd_fsm"}', "{{name}} up"),
+            Target("resets(pd_fsm_worker_backend_steps_total[1h])", "{{name}} restarts (1h)"),
+            Target('pd_fsm_worker_backend_pd_events{key="peer_restarts"}',
+                   "{{name}} peer restarts seen"),
+        ), description="a restarted worker's counters start again (resets); D counts each "
+                       "new incarnation of a P it pulls from"),
+    ))
 
 
 def panel_exprs() -> Iterator[tuple[str, str]]:

@@ -21,7 +21,7 @@ from pd_fsm.io_trio.worker.backend import BackendError, GenerateJob, RoleBackend
 from pd_fsm.io_trio.worker.generation import GenerationRoutes
 from pd_fsm.io_trio.worker.schemas import ApiError, JsonObject
 from pd_fsm.io_trio.worker.sse import until_disconnect
-from pd_fsm.jax_engine.sampling_params import SamplingParams
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 
 
 class AdminRoutes:

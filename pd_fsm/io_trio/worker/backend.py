@@ -15,7 +15,7 @@ import attrs
 import trio
 
 from pd_fsm.io_trio.bootstrap.records import InstanceRecord
-from pd_fsm.jax_engine.sampling_params import SamplingParams
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers.disaggregation.handoff import HandoffTicket
 from pd_fsm.schedulers.request import NO_LOGPROBS, LogprobSpec, Req, RequestOutput, Resume
 from pd_fsm.schedulers.scheduler import Scheduler

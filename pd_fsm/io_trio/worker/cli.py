@@ -84,7 +84,7 @@ def _prepare_process(config: ServeConfig) -> None:
         # glibc reads the tunable at start-up only: this re-executes the process once (same
         # PID). `pd-fsm serve` has done so already, before its imports (pd_fsm/cli.py); here
         # it is a no-op then, and covers a caller that enters `main` directly.
-        from pd_fsm.jax_engine.host_memory import hugepages_in_force, reexec_with_hugepages
+        from pd_fsm.jax_engine.kv.host_memory import hugepages_in_force, reexec_with_hugepages
 
         reexec_with_hugepages()
         log.info("host heap: huge pages %s", "on" if hugepages_in_force() else "unavailable")
@@ -101,8 +101,7 @@ def _prepare_process(config: ServeConfig) -> None:
         # (CPU) platform reads it: on an accelerator the devices are the chips.
         force_host_devices(os.environ, config.tp_size // config.nnodes)
     if config.nnodes > 1:
-        from pd_fsm.jax_engine import distributed
-
+        from pd_fsm.jax_engine.parallel import distributed
         log.info("rank %d of %d: joining the instance at %s", config.node_rank,
                  config.nnodes, config.dist_init_addr)
         assert config.dist_init_addr is not None
@@ -111,8 +110,7 @@ def _prepare_process(config: ServeConfig) -> None:
             # Not tried with executables spanning processes: every rank compiles.
             log.info("compilation cache: off (a multi-process instance)")
     elif config.compilation_cache:
-        from pd_fsm.jax_engine import compilation_cache
-
+        from pd_fsm.jax_engine.compilation import cache as compilation_cache
         where = compilation_cache.enable(
             config.compilation_cache_dir or compilation_cache.default_dir()
         )

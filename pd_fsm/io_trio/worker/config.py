@@ -120,7 +120,7 @@ class ServeConfig:
     # the public keys it trusts, loaded (and checked) once from the two flags' files at start.
     side_channel_curve: CurveKeys | None = attrs.field(default=None, repr=False)
     log_level: str = "INFO"
-    # "hugepages": large host buffers on transparent huge pages (pd_fsm.jax_engine.host_memory)
+    # "hugepages": large host buffers on transparent huge pages (pd_fsm.jax_engine.kv.host_memory)
     host_heap: str = "hugepages"
     # Cores this worker may run on ("0", "0-1", "0,2"): set before JAX starts (cpu_placement.py).
     cpus: str | None = None
@@ -138,7 +138,7 @@ class ServeConfig:
     # Before ready: "full" compiles every shape the scheduler can run (no request waits for a
     # compile); "minimal" runs one short request (quicker start; requests compile new shapes).
     warmup: str = "full"
-    # JAX's persistent compilation cache (pd_fsm.jax_engine.compilation_cache); None: its
+    # JAX's persistent compilation cache (pd_fsm.jax_engine.compilation.cache); None: its
     # default directory.
     compilation_cache: bool = True
     compilation_cache_dir: Path | None = None

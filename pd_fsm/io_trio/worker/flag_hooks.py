@@ -123,7 +123,7 @@ def _chat_template(args: argparse.Namespace) -> str | None:
     if args.chat_template is None:
         return None
     # Imported here: jinja2 is not needed for `pd-fsm --help`.
-    from pd_fsm.jax_engine.chat_template import read_chat_template
+    from pd_fsm.text.chat_template import read_chat_template
 
     return read_chat_template(args.chat_template)
 

@@ -31,7 +31,7 @@ DTYPES = ("float32", "bfloat16")
 FAILURE_POLICIES = ("fail", "recompute")
 
 TRANSFER_BACKENDS = ("jax",)
-HOST_HEAP_POLICIES = ("hugepages", "default")  # pd_fsm.jax_engine.host_memory
+HOST_HEAP_POLICIES = ("hugepages", "default")  # pd_fsm.jax_engine.kv.host_memory
 WARMUP_MODES = ("full", "minimal")
 
 
@@ -157,10 +157,10 @@ _MODEL = (
         "JAX's persistent compilation cache (default: ~/.cache/pd_fsm/xla, or "
         "$PD_FSM_CACHE_DIR/xla)"),
         shown_default="`~/.cache/pd_fsm/xla` (`$PD_FSM_CACHE_DIR/xla`)", doc=(
-        "the compilation cache (`pd_fsm/jax_engine/executable_store.py`): a second start of the "
-        "same configuration loads its executables from disk without tracing or lowering them; "
-        "keyed by the code, JAX and the machine, so a stale entry is never used; safe to share "
-        "between workers")),
+        "the compilation cache (`pd_fsm/jax_engine/compilation/executable_store.py`): a second "
+        "start of the same configuration loads its executables from disk without tracing or "
+        "lowering them; keyed by the code, JAX and the machine, so a stale entry is never used; "
+        "safe to share between workers")),
     Flag("--no-compilation-cache", "compile everything afresh at every start", type=bool),
 )
 
@@ -263,7 +263,7 @@ _PROCESS = (
         "hugepages: large host buffers on huge pages (faster pulls on CPU); default: glibc's"),
         doc=("hugepages: the worker re-executes itself once with "
              "`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, so large host buffers (pulled KV on CPU) "
-             "fault per 2 MiB, not per 4 KiB (`pd_fsm/jax_engine/host_memory.py`)")),
+             "fault per 2 MiB, not per 4 KiB (`pd_fsm/jax_engine/kv/host_memory.py`)")),
 )
 
 _DISAGGREGATION = (
@@ -338,7 +338,7 @@ _DISAGGREGATION = (
         "pulling once more on a mismatch (then the failure policy applies); P and D must both "
         "have it (a D refuses a P that differs, by name); not with --nnodes > 1"), doc=(
         "KV checked on arrival. P checksums each array it registers for a room, after its "
-        "gather (`pd_fsm/jax_engine/kv_checksum.py`: 32-bit words summed per 64 KiB row, rows "
+        "gather (`pd_fsm/jax_engine/kv/checksum.py`: 32-bit words summed per 64 KiB row, rows "
         "weighted 2r+1, mod 2^32 — any flipped bit or misplaced row changes it; numpy on the "
         "CPU buffer, jitted on an accelerator), registers the arrays twice, and READY carries "
         "the checksums and the spare registration. D's pull thread checks every pulled array "

@@ -23,9 +23,9 @@ from pd_fsm.io_trio.worker.metrics import WorkerMetrics
 from pd_fsm.io_trio.worker.responses import Accumulator, batch_body, indexed
 from pd_fsm.io_trio.worker.schemas import ApiError, JsonBody, JsonObject, Limits, ParsedRequest
 from pd_fsm.io_trio.worker.sse import DONE, SSEResponse, event, handoff_event, until_disconnect
-from pd_fsm.jax_engine.grammar import Constraint, GrammarError, compiler_for
-from pd_fsm.jax_engine.tokenizer import Tokenizer
+from pd_fsm.jax_engine.sampling.grammar import Constraint, GrammarError, compiler_for
 from pd_fsm.schedulers.request import RequestOutput
+from pd_fsm.text.tokenizer import Tokenizer
 
 DEFAULT_MODEL_NAME = "default"
 # Above this size, tokenization moves off the event loop (JSON: http_edge.THREAD_JSON_BYTES).

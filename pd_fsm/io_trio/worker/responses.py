@@ -11,7 +11,7 @@ import attrs
 
 from pd_fsm.io_trio.worker.schemas import JsonBody, JsonObject, Kind
 from pd_fsm.io_trio.worker.tools import Tools, call_id
-from pd_fsm.jax_engine.sampling_params import TopLogprobs
+from pd_fsm.jax_engine.sampling.params import TopLogprobs
 from pd_fsm.schedulers.request import (
     NO_LOGPROBS,
     FinishReason,

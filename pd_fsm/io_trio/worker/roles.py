@@ -11,7 +11,8 @@ epoch. A new role that fails to start gives way to the old one; if that fails to
 
 Nothing compiles at switch time: at start, before the worker says ready, the host builds and
 warms a scheduler of every other role in ``--roles`` once and drops it; their executables stay in
-the process's tables (``jax_engine/executables.py``), so the switch's build only looks them up.
+the process's tables (``jax_engine/compilation/executables.py``), so the switch's build only
+looks them up.
 The KV transfer server is the process's for good (JAX has no call that stops one): every PD role
 of a switching worker runs on the one engine, which a stopped role leaves with nothing
 registered. P's side-channel port is kept too: a worker that is P again is where routers knew it.
@@ -195,7 +196,7 @@ class RoleHost:
 
     async def _compile(self, role: str) -> None:
         """Build and warm ``role``'s scheduler once, then drop it: its shapes stay compiled."""
-        from pd_fsm.jax_engine.tiered import total_compiles
+        from pd_fsm.jax_engine.kv.tiered import total_compiles
 
         before, start = sum(total_compiles()), time.perf_counter()
         backend = self._make(role, 0)
@@ -313,7 +314,7 @@ class RoleHost:
         return []
 
     def _accepted(self, effect: fx.AcceptLegs) -> None:
-        from pd_fsm.jax_engine.tiered import total_compiles
+        from pd_fsm.jax_engine.kv.tiered import total_compiles
 
         now = trio.current_time()
         self.last_switch = LastSwitch(
@@ -353,7 +354,7 @@ class RoleHost:
                         while self._in_flight():
                             await trio.sleep(DRAIN_POLL_S)
                 await self._stop()
-                from pd_fsm.jax_engine.tiered import total_compiles
+                from pd_fsm.jax_engine.kv.tiered import total_compiles
 
                 self._stopped_at, self._compiles_at_stop = (trio.current_time(),
                                                             sum(total_compiles()))

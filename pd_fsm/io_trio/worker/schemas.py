@@ -25,11 +25,11 @@ from pd_fsm.core.messages import KV_CHECKSUM_LIMIT, MAX_KV_CHECKSUMS, MAX_ROOM
 from pd_fsm.io_trio import strict_json
 from pd_fsm.io_trio.worker.backend import BootstrapInfo
 from pd_fsm.io_trio.worker.tools import ToolError, Tools, parse_tools
-from pd_fsm.jax_engine.grammar import Constraint
-from pd_fsm.jax_engine.sampling_params import MAX_N, TOP_LOGPROBS_COMPUTED, SamplingParams
-from pd_fsm.jax_engine.tokenizer import ChatMessage
+from pd_fsm.jax_engine.sampling.grammar import Constraint
+from pd_fsm.jax_engine.sampling.params import MAX_N, TOP_LOGPROBS_COMPUTED, SamplingParams
 from pd_fsm.schedulers.disaggregation.handoff import HandoffTicket
 from pd_fsm.schedulers.request import NO_LOGPROBS, LogprobSpec, Resume
+from pd_fsm.text.tokenizer import ChatMessage
 
 # A request body, or a part of one, as strict_json parsed it and before this module checked it.
 # Any rather than strict_json.JsonValue: checking it key by key (isinstance, with a 400 naming

@@ -14,9 +14,9 @@ from typing import TypeVar
 
 from pd_fsm.io_trio.worker.backend import Stats
 from pd_fsm.io_trio.worker.flags import WARMUP_MODES
-from pd_fsm.jax_engine import compilation_cache
-from pd_fsm.jax_engine.sampling_params import SamplingParams
-from pd_fsm.jax_engine.tiered import total_compiles
+from pd_fsm.jax_engine.compilation import cache as compilation_cache
+from pd_fsm.jax_engine.kv.tiered import total_compiles
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers.scheduler import Scheduler
 
 log = logging.getLogger("pd_fsm.io_trio.worker.startup")

@@ -2,7 +2,7 @@
 
 The tools go to the chat template (``tools``), so a template that supports them shows them to
 the model in its own format. What the model may answer is then fixed by a grammar
-(``pd_fsm/jax_engine/grammar.py``), whatever the model, so a call always parses and names a
+(``pd_fsm/jax_engine/sampling/grammar.py``), whatever the model, so a call always parses and names a
 tool with arguments that match its ``parameters`` schema:
 
 * ``tool_choice: "required"`` or a named function: the answer is one JSON call object,
@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import attrs
 
-from pd_fsm.jax_engine.grammar import Constraint
+from pd_fsm.jax_engine.sampling.grammar import Constraint
 
 MAX_TOOLS = 64
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from pd_fsm.jax_engine.kv_pool import KVPoolConfig
+from pd_fsm.jax_engine.kv.pool import KVPoolConfig
 
 
 @attrs.frozen(cache_hash=True)  # a static jit argument: hashed on every model call

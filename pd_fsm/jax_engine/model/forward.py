@@ -22,7 +22,7 @@ projection is ``x @ w``)::
                  "w_down": [I, H], optional "bq"/"bk"/"bv" biases (Qwen2)}, ...]}
 
 Rotary embeddings use the rotate-half (HF) convention; loaders convert other layouts to it.
-The KV pool layout is the one in ``kv_pool.py``: per layer ``(pages, page_size, 2*Nkv, D)`` with
+The KV pool layout is the one in ``kv/pool.py``: per layer ``(pages, page_size, 2*Nkv, D)`` with
 K of kv-head ``h`` at ``2h`` and V at ``2h+1``. The kv list is donated: use the returned one.
 """
 
@@ -35,8 +35,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pd_fsm.jax_engine.executables import EXECUTABLES
-from pd_fsm.jax_engine.kv_pool import NULL_PAGE
+from pd_fsm.jax_engine.compilation.executables import EXECUTABLES
+from pd_fsm.jax_engine.kv.pool import NULL_PAGE
 from pd_fsm.jax_engine.model.config import ModelConfig
 
 Params = dict[str, Any]

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pd_fsm.jax_engine.kv_pool import KVPoolConfig, allocate_kv_pool
+from pd_fsm.jax_engine.kv.pool import KVPoolConfig, allocate_kv_pool
 from pd_fsm.jax_engine.model.config import ModelConfig
 from pd_fsm.jax_engine.model.forward import KV, Params
 
@@ -61,5 +61,5 @@ def random_params(config: ModelConfig, seed: int = 0) -> Params:
 
 
 def new_kv_pool(pool: KVPoolConfig) -> KV:
-    """Zeroed pool arrays, one per layer, in the ``kv_pool.py`` layout."""
+    """Zeroed pool arrays, one per layer, in the ``kv/pool.py`` layout."""
     return allocate_kv_pool(pool)

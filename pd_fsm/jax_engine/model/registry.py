@@ -12,7 +12,7 @@ import attrs
 from pd_fsm.jax_engine.model.config import TINY, ModelConfig
 from pd_fsm.jax_engine.model.forward import Params
 from pd_fsm.jax_engine.model.params import random_params_np, to_device
-from pd_fsm.jax_engine.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
+from pd_fsm.text.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 
 MODEL_NAMES = ("smollm2", "tiny")
 

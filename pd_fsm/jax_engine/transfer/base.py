@@ -10,8 +10,9 @@
   pd_fsm's schedulers turn the reaper off (``reaper_interval_s=None``) so that exactly one owner,
   the core's table, decides when a registration goes.
 * KVReceiver -> the receiver half, used per room on D through
-  :class:`pd_fsm.jax_engine.pull_executor.PullExecutor`: :meth:`~KVTransferEngine.start_pull`
-  returns a :class:`PendingPull` whose :meth:`~PendingPull.wait` is bounded by a deadline.
+  :class:`pd_fsm.jax_engine.transfer.pull_executor.PullExecutor`:
+  :meth:`~KVTransferEngine.start_pull` returns a :class:`PendingPull` whose
+  :meth:`~PendingPull.wait` is bounded by a deadline.
 
 Nothing here knows about rooms' protocol states; the scheduler maps outcomes to core events.
 """

@@ -9,7 +9,7 @@ Settings, each chosen by measurement against the library's defaults (two process
 * ``transfer_size`` 512 KiB instead of 256 MiB: the chunks pipeline through the sender's and the
   receiver's staging buffers (8 x 512 KiB stay in cache) instead of one chunk covering the whole
   array. 256 MiB, one process pair (with page faults on D taken out of the picture by keeping
-  freed memory, see :mod:`pd_fsm.jax_engine.host_memory`): 512 KiB 3.0 GB/s, 1 MiB 2.5-2.7,
+  freed memory, see :mod:`pd_fsm.jax_engine.kv.host_memory`): 512 KiB 3.0 GB/s, 1 MiB 2.5-2.7,
   4 MiB 2.3-2.5, 256 KiB 2.2, the library default 1.4; 512 KiB was also ahead or level at 1, 16
   and 64 MiB.
 * ``use_raw_buffers=True``: the sender reads the registered buffers through raw aliases instead of

@@ -21,8 +21,8 @@ from typing import Any
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.drive import drive
-from pd_fsm.jax_engine.pool_spec import KVArgs, PoolTransferSpec
-from pd_fsm.jax_engine.room_kv import warm_room_copies
+from pd_fsm.jax_engine.kv.pool_spec import KVArgs, PoolTransferSpec
+from pd_fsm.jax_engine.kv.room import warm_room_copies
 from pd_fsm.jax_engine.transfer.base import KVTransferEngine
 from pd_fsm.schedulers.disaggregation.args import DisaggregationArgs
 from pd_fsm.schedulers.model_runner import MAIN_KV

@@ -24,13 +24,13 @@ from pd_fsm.core.drive import drive
 from pd_fsm.core.handoff import HandoffLedger
 from pd_fsm.core.messages import Ready
 from pd_fsm.core.tables import KV_HANDOFF as _HANDOFF
-from pd_fsm.jax_engine.kv_checksum import kv_checksums
+from pd_fsm.jax_engine.kv.checksum import kv_checksums
+from pd_fsm.jax_engine.kv.room import gather_room
 from pd_fsm.jax_engine.model import LoadedModel
-from pd_fsm.jax_engine.pull_executor import PullExecutor, PullRequest, PullResult
-from pd_fsm.jax_engine.room_kv import gather_room
-from pd_fsm.jax_engine.tensor_parallel import kv_shard_counts
+from pd_fsm.jax_engine.parallel.tensor_parallel import kv_shard_counts
 from pd_fsm.jax_engine.transfer.base import KVTransferEngine, new_uuid
 from pd_fsm.jax_engine.transfer.jax_transfer import JaxTransferKVEngine
+from pd_fsm.jax_engine.transfer.pull_executor import PullExecutor, PullRequest, PullResult
 from pd_fsm.schedulers.disaggregation.args import DisaggregationArgs
 from pd_fsm.schedulers.disaggregation.common import DisaggregationCommon
 from pd_fsm.schedulers.disaggregation.handoff import HandoffTicket

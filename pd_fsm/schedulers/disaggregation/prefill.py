@@ -17,10 +17,10 @@ from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.messages import TokenLogprob
 from pd_fsm.core.prefill_endpoint import PrefillEndpoint
-from pd_fsm.jax_engine.kv_checksum import kv_checksums
+from pd_fsm.jax_engine.kv.checksum import kv_checksums
+from pd_fsm.jax_engine.kv.room import gather_room
 from pd_fsm.jax_engine.model import LoadedModel
-from pd_fsm.jax_engine.room_kv import gather_room
-from pd_fsm.jax_engine.sampling_params import TopLogprobs
+from pd_fsm.jax_engine.sampling.params import TopLogprobs
 from pd_fsm.jax_engine.transfer.base import KVTransferEngine
 from pd_fsm.jax_engine.transfer.jax_transfer import JaxTransferKVEngine
 from pd_fsm.schedulers.disaggregation.args import DisaggregationArgs

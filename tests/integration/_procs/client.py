@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from pd_fsm.jax_engine.host_memory import hugepage_env
+from pd_fsm.jax_engine.kv.host_memory import hugepage_env
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -13,8 +13,8 @@ import attrs
 import jax
 import jax.numpy as jnp
 
-from pd_fsm.jax_engine.kv_holder import KVCacheHolder
-from pd_fsm.jax_engine.room_kv import gather_room
+from pd_fsm.jax_engine.kv.holder import KVCacheHolder
+from pd_fsm.jax_engine.kv.room import gather_room
 from pd_fsm.jax_engine.transfer import JaxTransferKVEngine, ReleaseResult
 from tests.integration._procs import pools
 

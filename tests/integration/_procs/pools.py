@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from pd_fsm.jax_engine.kv_pool import KVPoolConfig
-from pd_fsm.jax_engine.pool_spec import KVArgs, PoolTransferSpec, PoolType
+from pd_fsm.jax_engine.kv.pool import KVPoolConfig
+from pd_fsm.jax_engine.kv.pool_spec import KVArgs, PoolTransferSpec, PoolType
 
 # Two pools with different dtypes and shapes: the main KV and a draft-model KV.
 POOLS: dict[str, dict[str, Any]] = {

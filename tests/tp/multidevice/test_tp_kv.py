@@ -13,14 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pd_fsm.jax_engine import tiered
-from pd_fsm.jax_engine.gather_scatter import insert_kv_chunks, select_from_kv_caches
-from pd_fsm.jax_engine.kv_checksum import kv_checksums
-from pd_fsm.jax_engine.kv_holder import KVCacheHolder
-from pd_fsm.jax_engine.kv_pool import KVPoolConfig, allocate_kv_pool
-from pd_fsm.jax_engine.pool_spec import KVArgs, PoolTransferSpec
-from pd_fsm.jax_engine.pull_executor import PullExecutor, PullRequest
-from pd_fsm.jax_engine.tensor_parallel import (
+from pd_fsm.jax_engine.kv import tiered
+from pd_fsm.jax_engine.kv.checksum import kv_checksums
+from pd_fsm.jax_engine.kv.gather_scatter import insert_kv_chunks, select_from_kv_caches
+from pd_fsm.jax_engine.kv.holder import KVCacheHolder
+from pd_fsm.jax_engine.kv.pool import KVPoolConfig, allocate_kv_pool
+from pd_fsm.jax_engine.kv.pool_spec import KVArgs, PoolTransferSpec
+from pd_fsm.jax_engine.parallel.tensor_parallel import (
     PACKED_KV_AXIS,
     packed_sharding,
     pool_sharding,
@@ -29,6 +28,7 @@ from pd_fsm.jax_engine.tensor_parallel import (
     split_shards,
 )
 from pd_fsm.jax_engine.transfer.jax_transfer import JaxTransferKVEngine
+from pd_fsm.jax_engine.transfer.pull_executor import PullExecutor, PullRequest
 
 CFG = KVPoolConfig(num_layers=2, num_pages=24, page_size=4, num_kv_heads=4, head_dim=8)
 PAGES = [5, 6, 7, 12, 3, 20]
@@ -152,7 +152,7 @@ def test_checksums_are_checked_per_shard_between_tp_sizes(p: int, d: int) -> Non
 
 
 def test_shard_structs_refuse_uneven_split() -> None:
-    from pd_fsm.jax_engine.tensor_parallel import TensorParallelError
+    from pd_fsm.jax_engine.parallel.tensor_parallel import TensorParallelError
 
     with pytest.raises(TensorParallelError, match="do not split into 3 shards"):
         shard_structs((2, 8, 4, 8, 8), jnp.dtype("float32"), 3, pool_sharding(1))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pd_fsm.jax_engine.model import load_model
-from pd_fsm.jax_engine.sampling_params import SamplingParams
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import Req, Scheduler, SchedulerArgs
 from pd_fsm.schedulers.disaggregation import DisaggregationArgs
 from tests.support.pd_pair import PDPair, serve_through

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from pd_fsm.jax_engine.executables import EXECUTABLES
+from pd_fsm.jax_engine.compilation.executables import EXECUTABLES
 from pd_fsm.jax_engine.model import extend
-from pd_fsm.jax_engine.sampling_params import SamplingParams
-from pd_fsm.jax_engine.tensor_parallel import POOL_KV_AXIS, TensorParallelError, check_tp
+from pd_fsm.jax_engine.parallel.tensor_parallel import POOL_KV_AXIS, TensorParallelError, check_tp
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import Scheduler, SchedulerArgs
 from pd_fsm.schedulers.model_runner import MAIN_KV
 

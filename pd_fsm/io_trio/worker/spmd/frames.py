@@ -36,7 +36,7 @@ import msgpack
 from pd_fsm.core import codec
 from pd_fsm.core import events as ev
 from pd_fsm.core.errors import RemoteProtocolError
-from pd_fsm.jax_engine.sampling_params import SamplingParams
+from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers.request import LogprobSpec
 
 MAGIC = b"PS"

@@ -25,8 +25,8 @@ def default_dir() -> Path:
 
 def enable(directory: Path) -> Path:
     """Turn the cache on for this process (before the first compile); returns the directory."""
-    from pd_fsm.jax_engine.executable_store import ExecutableStore
-    from pd_fsm.jax_engine.executables import EXECUTABLES
+    from pd_fsm.jax_engine.compilation.executable_store import ExecutableStore
+    from pd_fsm.jax_engine.compilation.executables import EXECUTABLES
 
     EXECUTABLES.use_store(ExecutableStore(directory))
     return directory
@@ -35,7 +35,7 @@ def enable(directory: Path) -> Path:
 def counts() -> dict[str, int]:
     """Executables loaded from the cache (hits) and compiled because it had none (misses) in this
     process so far, with the store's other counters (a snapshot)."""
-    from pd_fsm.jax_engine.executables import EXECUTABLES
+    from pd_fsm.jax_engine.compilation.executables import EXECUTABLES
 
     store = EXECUTABLES.store_counts()
     return {"hits": store["loads"], "misses": store["misses"], "writes": store["writes"],

@@ -1,5 +1,5 @@
 """What a request asks of the sampler: ``SamplingParams`` and the log-prob limits, value types
-the HTTP layer builds and checks without importing JAX (``sampling`` runs them)."""
+the HTTP layer builds and checks without importing JAX (``sampler`` runs them)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 
-from pd_fsm.jax_engine.grammar import Constraint
+from pd_fsm.jax_engine.sampling.grammar import Constraint
 
 # Alternatives per position (OpenAI's top_logprobs maximum). Always this many are computed, and
 # each row keeps its own first k: one compiled shape per batch bucket, whatever k a request asks.

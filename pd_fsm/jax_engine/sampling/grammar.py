@@ -4,7 +4,7 @@ The grammar engine is llguidance (the one vLLM and sglang use): a request's cons
 schema, a regular expression or an EBNF/GBNF grammar) becomes a matcher per sequence, which
 before each step fills the sequence's row of a token bitmask (``[rows, ceil(V / 32)]`` int32,
 bit ``t`` of word ``t // 32`` set when token ``t`` is allowed) and after it consumes the sampled
-token. The sampler applies the bitmask under jit (``sampling.py``); rows without a constraint
+token. The sampler applies the bitmask under jit (``sampler.py``); rows without a constraint
 are all ones.
 
 Measured on this machine (2 cores), SmolLM2's 49,152-token vocabulary, a two-field JSON schema:
@@ -30,7 +30,7 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
-from pd_fsm.jax_engine.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
+from pd_fsm.text.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 
 ConstraintKind = Literal["json_schema", "regex", "ebnf", "lark"]
 _COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

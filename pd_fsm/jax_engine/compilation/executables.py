@@ -8,7 +8,7 @@ its static arguments and the shapes and dtypes of the others, compiles it on a m
 ``compile`` fills an entry from ``jax.ShapeDtypeStruct`` s without running anything. A warm-up can
 therefore compile every shape a scheduler will use before ``/health`` says ready, and
 ``stats()`` says whether any request paid for one since. With a store (``use_store``, set by
-``compilation_cache.enable``), a miss first looks on disk, where the table keeps every executable
+``cache.enable``), a miss first looks on disk, where the table keeps every executable
 it compiles: a second start loads them without tracing or lowering (``executable_store``).
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 import jax
 
-from pd_fsm.jax_engine.executable_store import ExecutableStore, fresh_compile, key_text
+from pd_fsm.jax_engine.compilation.executable_store import ExecutableStore, fresh_compile, key_text
 
 
 @attrs.frozen

@@ -16,7 +16,7 @@ scatter p99 ~470 ms against a 177 ms step, and pulls queued for a free thread be
 
 With READY's checksums (``PullRequest.kv_checksums``, ``--disaggregation-kv-checksum``) the pull
 thread checks every pulled array against P's checksum of what it registered before the KV is
-queued for its scatter (:mod:`~pd_fsm.jax_engine.kv_checksum`): KV corrupted in flight is
+queued for its scatter (:mod:`~pd_fsm.jax_engine.kv.checksum`): KV corrupted in flight is
 reported (``PullResult.checksum_mismatch``) and never written into the room's pages, which stay as
 they were, so the room can be pulled again into them.
 
@@ -24,7 +24,7 @@ Nothing waits without a deadline: the layout hash is compared before anything is
 and readiness wait are bounded by the engine (which polls ``is_ready()`` against the deadline and,
 on a timeout or failure, retires the peer's connection so the next pull connects afresh); the
 scatter waits for the holder's lock at most ``SCATTER_LOCK_S``. The scatter goes through
-:class:`~pd_fsm.jax_engine.kv_holder.KVCacheHolder`, so it never races a forward step (DESIGN §6).
+:class:`~pd_fsm.jax_engine.kv.holder.KVCacheHolder`, so it never races a forward step (DESIGN §6).
 """
 
 from __future__ import annotations
@@ -40,12 +40,12 @@ from typing import Any
 import attrs
 import jax
 
-from pd_fsm.jax_engine.gather_scatter import ScatterMethod, validate_pages
-from pd_fsm.jax_engine.kv_checksum import kv_checksum
-from pd_fsm.jax_engine.kv_holder import KVCacheHolder
-from pd_fsm.jax_engine.pool_spec import KVArgs
-from pd_fsm.jax_engine.room_kv import RoomPages, pages_by_pool, scatter_rooms
-from pd_fsm.jax_engine.tensor_parallel import (
+from pd_fsm.jax_engine.kv.checksum import kv_checksum
+from pd_fsm.jax_engine.kv.gather_scatter import ScatterMethod, validate_pages
+from pd_fsm.jax_engine.kv.holder import KVCacheHolder
+from pd_fsm.jax_engine.kv.pool_spec import KVArgs
+from pd_fsm.jax_engine.kv.room import RoomPages, pages_by_pool, scatter_rooms
+from pd_fsm.jax_engine.parallel.tensor_parallel import (
     TensorParallelError,
     packed_sharding,
     process_shards,
@@ -113,6 +113,15 @@ class PullResult:
     scatter_iterations: int = -1
     # The KV arrived but failed P's checksums (``reason`` says which array): nothing scattered.
     checksum_mismatch: bool = False
+
+
+class _NotPulled(Exception):
+    """A step of a pull job that cannot go on: ``reason`` is the failed PullResult's."""
+
+    def __init__(self, reason: str, checksum_mismatch: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.checksum_mismatch = checksum_mismatch
 
 
 @attrs.frozen
@@ -309,32 +318,57 @@ class PullExecutor:
                           checksum_mismatch=checksum_mismatch)
 
     def _pull(self, req: PullRequest, start: float) -> PullResult | _Pulled:
+        """One job, on a pull thread: check, pull, verify and regroup; or why not."""
+        try:
+            pages, deadline_s = self._checked(req, start)
+            mine, specs, peer = self._what_to_pull(req, pages)
+            nbytes = sum(p.packed_nbytes(len(pages[p.name])) for p in self._kv_args.pools)
+            pulled, started, arrived = self._transfer(req, start, peer, specs, deadline_s)
+            if req.kv_checksums:
+                # Here, on the pull thread, before anything reaches the scatter: corrupted KV
+                # is never written into the room's pages.
+                wrong = self._checksum_mismatch(req.kv_checksums, pulled, mine, req.kv_shards)
+                if wrong:
+                    raise _NotPulled(wrong, checksum_mismatch=True)
+        except _NotPulled as no:
+            return self._failed(req, start, no.reason, no.checksum_mismatch)
+        # Ready to scatter (verified, when checked): the pull phase ends here.
+        ready, ready_iteration = self._clock(), self._iterations()
+        return _Pulled(
+            req, start, ready, ready_iteration, arrived - started,
+            self._regrouped(pulled, len(mine), req.kv_shards), pages, nbytes,
+        )
+
+    def _checked(self, req: PullRequest, start: float) -> tuple[dict[str, tuple[int, ...]], float]:
+        """The room's pages by pool and the pull's deadline, once the request can be pulled:
+        the same layout as P's, pages in range, time left and a checksum per array."""
         if req.remote_layout_hash != self._kv_args.layout_hash:
-            return self._failed(req, start, (
-                f"layout mismatch: local {self._kv_args.layout_hash}, "
-                f"peer {req.remote_layout_hash}; not pulled"
-            ))
+            raise _NotPulled(f"layout mismatch: local {self._kv_args.layout_hash}, "
+                             f"peer {req.remote_layout_hash}; not pulled")
         pages = pages_by_pool(self._kv_args, req.page_map())
         try:
             for name, ids in pages.items():
                 validate_pages(ids, self._num_pages[name])
         except ValueError as e:
-            return self._failed(req, start, f"bad destination pages: {e}; not pulled")
+            raise _NotPulled(f"bad destination pages: {e}; not pulled") from None
         deadline_s = self._deadline_s if req.deadline_s is None else req.deadline_s
         left = deadline_s - (self._clock() - start)
         # A pull left with a sliver of its deadline (queued behind hung ones) cannot finish: do
         # not start it (and do not open a connection) only to time it out.
         if left <= min(_MIN_PULL_S, deadline_s / 10):
-            return self._failed(
-                req, start, f"not started within the {deadline_s:g}s deadline (queued); not pulled"
-            )
-        shards = req.kv_shards
-        registered = len(self._kv_args.pools) * shards
+            raise _NotPulled(
+                f"not started within the {deadline_s:g}s deadline (queued); not pulled")
+        registered = len(self._kv_args.pools) * req.kv_shards
         if req.kv_checksums and len(req.kv_checksums) != registered:
-            return self._failed(req, start, (
-                f"READY carries {len(req.kv_checksums)} KV checksums for {registered} registered "
-                "arrays; not pulled"
-            ))
+            raise _NotPulled(f"READY carries {len(req.kv_checksums)} KV checksums for "
+                             f"{registered} registered arrays; not pulled")
+        return pages, deadline_s
+
+    def _what_to_pull(
+        self, req: PullRequest, pages: Mapping[str, Sequence[int]]
+    ) -> tuple[list[int], list[jax.ShapeDtypeStruct], str]:
+        """Which of P's shards this process pulls, their shapes, and the P rank to pull from."""
+        shards = req.kv_shards
         try:
             # All of P's shards, or in an instance spanning processes those on our devices
             # (what the P rank we pair with registered).
@@ -350,38 +384,33 @@ class PullExecutor:
             ]
             peer = req.peer if self._peer_for is None else self._peer_for(req.peer)
         except TensorParallelError as e:
-            return self._failed(req, start, f"cannot regroup P's KV: {e}; not pulled")
+            raise _NotPulled(f"cannot regroup P's KV: {e}; not pulled") from None
         except PullError as e:
-            return self._failed(req, start, f"no P rank to pair with: {e}; not pulled")
-        nbytes = sum(p.packed_nbytes(len(pages[p.name])) for p in self._kv_args.pools)
+            raise _NotPulled(f"no P rank to pair with: {e}; not pulled") from None
+        return mine, specs, peer
+
+    def _transfer(self, req: PullRequest, start: float, peer: str,
+                  specs: list[jax.ShapeDtypeStruct],
+                  deadline_s: float) -> tuple[list[jax.Array], float, float]:
+        """The pulled arrays, when the pull started and when it arrived."""
         left = deadline_s - (self._clock() - start)  # the pairing lookup may have taken some
         try:
             started = self._clock()
             pending = self._engine.start_pull(peer, req.uuid, specs, left)
             pending.wait()
         except PullTimeout as e:
-            return self._failed(req, start, f"timeout after {deadline_s:g}s: {e}")
+            raise _NotPulled(f"timeout after {deadline_s:g}s: {e}") from None
         except PullError as e:
-            return self._failed(req, start, str(e))
+            raise _NotPulled(str(e)) from None
         arrived = self._clock()
-        pulled = list(pending.arrays)
-        if req.kv_checksums:
-            # Here, on the pull thread, before anything reaches the scatter: corrupted KV is
-            # never written into the room's pages.
-            wrong = self._checksum_mismatch(req.kv_checksums, pulled, mine, shards)
-            if wrong:
-                return self._failed(req, start, wrong, checksum_mismatch=True)
-        # Ready to scatter (verified, when checked): the pull phase ends here.
-        ready, ready_iteration = self._clock(), self._iterations()
-        # P's shards onto our own devices: dispatched here, on the pull thread (no copy at all
-        # when P's tp equals ours).
-        n = len(mine)
-        arrays = tuple(
+        return list(pending.arrays), started, arrived
+
+    def _regrouped(self, pulled: list[jax.Array], n: int, shards: int) -> tuple[jax.Array, ...]:
+        """P's shards onto our own devices, ``n`` pulled arrays per pool: dispatched here, on
+        the pull thread (no copy at all when P's tp equals ours)."""
+        return tuple(
             regroup(pulled[i * n : (i + 1) * n], self._sharding[p.name], shards)
             for i, p in enumerate(self._kv_args.pools)
-        )
-        return _Pulled(
-            req, start, ready, ready_iteration, arrived - started, arrays, pages, nbytes,
         )
 
     def _checksum_mismatch(

@@ -38,7 +38,7 @@ from typing import Any
 import jax
 from jax.experimental import serialize_executable
 
-log = logging.getLogger("pd_fsm.jax_engine.executable_store")
+log = logging.getLogger("pd_fsm.jax_engine.compilation.executable_store")
 
 FORMAT = 1  # bump when the file layout changes
 _PACKAGE = "pd_fsm.jax_engine"
@@ -68,7 +68,7 @@ def fresh_compile() -> Iterator[_FreshCompile]:
     persistent cache instead. Such an executable must not be stored: measured with jax 0.10.2 on
     CPU, serialising an executable that JAX itself deserialised gives a file whose executable
     fails when run ("NOT_FOUND: Function iota_add_fusion not found"). pd_fsm therefore leaves
-    JAX's cache off (``compilation_cache``); this guards against one a user turned on."""
+    JAX's cache off (``cache``); this guards against one a user turned on."""
     _compile_state.fresh = True
     yield _compile_state
 
@@ -79,7 +79,7 @@ def fingerprint() -> str:
     import jaxlib
 
     h = hashlib.sha256()
-    root = Path(__file__).parent
+    root = Path(__file__).parents[1]  # all of pd_fsm/jax_engine, not only this folder
     for path in sorted(root.rglob("*.py")):
         h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     devices = jax.devices()

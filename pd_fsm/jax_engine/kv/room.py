@@ -10,8 +10,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jax
 
-from pd_fsm.jax_engine import tiered
-from pd_fsm.jax_engine.gather_scatter import (
+from pd_fsm.jax_engine.kv import tiered
+from pd_fsm.jax_engine.kv.gather_scatter import (
     ScatterMethod,
     as_struct,
     check_packed,
@@ -19,9 +19,9 @@ from pd_fsm.jax_engine.gather_scatter import (
     page_buckets_upto,
     validate_pages,
 )
-from pd_fsm.jax_engine.kv_holder import KVCacheHolder
-from pd_fsm.jax_engine.pool_spec import KVArgs
-from pd_fsm.jax_engine.tensor_parallel import split_shards
+from pd_fsm.jax_engine.kv.holder import KVCacheHolder
+from pd_fsm.jax_engine.kv.pool_spec import KVArgs
+from pd_fsm.jax_engine.parallel.tensor_parallel import split_shards
 
 RoomPages = Mapping[str, Sequence[int]] | Sequence[int]
 

@@ -1,6 +1,6 @@
 """Pallas TPU DMA kernel for the packed -> paged scatter (``multi_layer_copy``).
 
-Same contract as :func:`pd_fsm.jax_engine.gather_scatter.multi_layer_copy`: for every layer ``l``
+Same contract as :func:`pd_fsm.jax_engine.kv.gather_scatter.multi_layer_copy`: for every layer ``l``
 and run ``(s, d, m)`` of the run table, ``kv_caches[l][d:d+m] = packed[l, s:s+m]``, the pool
 arrays aliased to the outputs (donated, written in place).
 
@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pd_fsm.jax_engine.counters import TRACE_COUNTS
+from pd_fsm.jax_engine.kv.counters import TRACE_COUNTS
 
 
 def _kernel(

@@ -11,7 +11,7 @@ import copy
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, Self
 
-from pd_fsm.jax_engine.chat_template import (
+from pd_fsm.text.chat_template import (
     CHATML_TEMPLATE,
     NO_TEMPLATE_MESSAGE,
     ChatMessage,

@@ -1,5 +1,5 @@
 """The batched, jitted token sampler, and the log-probs a request can ask for (the parameters,
-a value type without JAX, are in ``sampling_params``).
+a value type without JAX, are in ``params``).
 
 Every row samples from its own key ``fold_in(PRNGKey(seed), step)`` where ``step`` is the index of
 the token being generated, so a seeded request draws the same tokens whatever else shares its batch.
@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pd_fsm.jax_engine.executables import EXECUTABLES
-from pd_fsm.jax_engine.grammar import bitmask_words
-from pd_fsm.jax_engine.sampling_params import TOP_LOGPROBS_COMPUTED, SamplingParams, TopLogprobs
+from pd_fsm.jax_engine.compilation.executables import EXECUTABLES
+from pd_fsm.jax_engine.sampling.grammar import bitmask_words
+from pd_fsm.jax_engine.sampling.params import TOP_LOGPROBS_COMPUTED, SamplingParams, TopLogprobs
 
 
 def _allowed(logits: jax.Array, bitmask: jax.Array) -> jax.Array:

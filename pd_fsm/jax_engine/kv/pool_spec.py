@@ -24,8 +24,8 @@ import attrs
 import jax
 import numpy as np
 
-from pd_fsm.jax_engine.gather_scatter import page_bucket
-from pd_fsm.jax_engine.kv_pool import KVPoolConfig
+from pd_fsm.jax_engine.kv.gather_scatter import page_bucket
+from pd_fsm.jax_engine.kv.pool import KVPoolConfig
 
 # Bump when the packing in gather_scatter changes (layer stacking, page_bucket rule) or how a
 # packed array is cut for the wire (v2: one array per kv-head shard, READY names how many; the

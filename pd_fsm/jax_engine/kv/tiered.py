@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pd_fsm.jax_engine.counters import SharedCounter
-from pd_fsm.jax_engine.executables import EXECUTABLES as FORWARD_EXECUTABLES
-from pd_fsm.jax_engine.gather_scatter import (
+from pd_fsm.jax_engine.compilation.executables import EXECUTABLES as FORWARD_EXECUTABLES
+from pd_fsm.jax_engine.kv.counters import SharedCounter
+from pd_fsm.jax_engine.kv.gather_scatter import (
     _gather_into,
     _packed_zeros,
     as_struct,
@@ -38,10 +38,10 @@ from pd_fsm.jax_engine.gather_scatter import (
     page_bucket,
     scatter_runs,
 )
-from pd_fsm.jax_engine.kv_pool import NULL_PAGE
-from pd_fsm.jax_engine.tensor_parallel import packed_sharding
+from pd_fsm.jax_engine.kv.pool import NULL_PAGE
+from pd_fsm.jax_engine.parallel.tensor_parallel import packed_sharding
 
-log = logging.getLogger("pd_fsm.jax_engine.tiered")
+log = logging.getLogger("pd_fsm.jax_engine.kv.tiered")
 
 # Which tier served each call ("gather_quick", "gather_runs", "scatter_quick", "scatter_runs").
 TIER_COUNTS = SharedCounter()

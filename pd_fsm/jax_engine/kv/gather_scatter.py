@@ -23,7 +23,7 @@ output is fresh memory: allocating and first touching 100+ MiB costs ~50 ms of p
 (a numpy ``take`` into a fresh array pays the same), which an accelerator does not.
 
 Donation. The scatter donates the destination pool arrays and returns new ones; callers must swap
-them in under :class:`pd_fsm.jax_engine.kv_holder.KVCacheHolder` (DESIGN §6 ordering hazard).
+them in under :class:`pd_fsm.jax_engine.kv.holder.KVCacheHolder` (DESIGN §6 ordering hazard).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pd_fsm.jax_engine.counters import TRACE_COUNTS
-from pd_fsm.jax_engine.kv_pool import NULL_PAGE
-from pd_fsm.jax_engine.tensor_parallel import packed_sharding
+from pd_fsm.jax_engine.kv.counters import TRACE_COUNTS
+from pd_fsm.jax_engine.kv.pool import NULL_PAGE
+from pd_fsm.jax_engine.parallel.tensor_parallel import packed_sharding
 
 ScatterMethod = Literal["xla", "pallas"]
 
@@ -234,7 +234,7 @@ def insert_kv_chunks(
     if method == "xla":
         return multi_layer_copy(list(kv_caches), packed, table, n_runs)
     if method == "pallas":
-        from pd_fsm.jax_engine.pallas_copy import multi_layer_copy_pallas_per_shard
+        from pd_fsm.jax_engine.kv.pallas_copy import multi_layer_copy_pallas_per_shard
 
         if interpret is None:
             interpret = jax.default_backend() != "tpu"
