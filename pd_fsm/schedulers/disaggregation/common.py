@@ -35,9 +35,14 @@ class DuplicateRoomError(ValueError):
 class PDCore(Protocol[Ev_contra, Fx]):
     """What a role needs of its core endpoint (``PrefillEndpoint``, ``DecodeEndpoint``)."""
 
-    rooms: Mapping[int, object]
-    stats: EndpointStats
-    state_counts: Counter[str]
+    @property
+    def rooms(self) -> Mapping[int, object]: ...  # read only: each endpoint's own room type
+
+    @property
+    def stats(self) -> EndpointStats: ...
+
+    @property
+    def state_counts(self) -> Counter[str]: ...
 
     def handle(self, event: Ev_contra, now: float) -> list[Fx]: ...
 
