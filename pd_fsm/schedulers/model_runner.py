@@ -34,6 +34,7 @@ from pd_fsm.jax_engine.parallel.tensor_parallel import (
 from pd_fsm.jax_engine.sampling.grammar import bitmask_words
 from pd_fsm.jax_engine.sampling.params import TopLogprobs
 from pd_fsm.jax_engine.sampling.sampler import Adjustment, compile_samplers, sample, top_logprobs
+from pd_fsm.schedulers.plan import DecodeBatch, PrefillBatch
 from pd_fsm.schedulers.request import Req
 
 R = TypeVar("R")
@@ -66,6 +67,7 @@ class ModelRunner:
         # Every forward's page table has this width, so the compiled shapes are the batch
         # buckets alone.
         self.table_width = table_width
+        self.pool_config = pool_config
         self.kv_holder = KVCacheHolder(
             {MAIN_KV: allocate_kv_pool(pool_config, pool_sharding(tp_size))}
         )
@@ -89,6 +91,40 @@ class ModelRunner:
             return None, EXECUTABLES.call(copy_pages, {}, kv, jnp.asarray(src), jnp.asarray(dst))
 
         self.with_kv(run)
+
+    # ----------------------------------------------------------------- plans
+
+    def run_prefill(self, batch: PrefillBatch) -> jax.Array:
+        """Run a planned prefill forward: each row's chunk into its request's pages. Logits of
+        each row's last position, or of every position when a row asks for prompt log-probs
+        (only those batches pay for the wider head, and its compile on first use)."""
+        tokens = np.zeros((batch.n_pad, batch.t_pad), np.int32)
+        start = np.zeros(batch.n_pad, np.int32)
+        num_new = batch.num_new()
+        table = np.zeros((batch.n_pad, self.table_width), np.int32)
+        for i, row in enumerate(batch.rows):
+            req = row.req
+            assert req.pages is not None
+            tokens[i, : row.length] = req.input_ids[row.start : row.start + row.length]
+            start[i] = row.start
+            used = self.pool_config.pages_for(row.start + row.length)
+            table[i, :used] = req.pages[:used]
+        every_position = any(row.req.logprobs.prompt for row in batch.rows)
+        return self.forward_extend(tokens, start, num_new, table, all_logits=every_position)
+
+    def run_decode(self, batch: DecodeBatch) -> jax.Array:
+        """Run a planned decode forward: each sequence's last sampled token; its logits."""
+        tokens = np.zeros(batch.b_pad, np.int32)
+        positions = np.zeros(batch.b_pad, np.int32)
+        table = np.zeros((batch.b_pad, self.table_width), np.int32)
+        for i, req in enumerate(batch.reqs):
+            assert req.pages is not None
+            tokens[i] = req.last_token
+            positions[i] = req.seq_len - 1  # the last sampled token is fed now
+            used = self.pool_config.pages_for(req.seq_len)
+            table[i, :used] = req.pages[:used]
+        lengths = np.where(np.arange(batch.b_pad) < len(batch.reqs), positions + 1, 0)
+        return self.forward_decode(tokens, positions, table, lengths.astype(np.int32))
 
     # ----------------------------------------------------------------- forwards
 

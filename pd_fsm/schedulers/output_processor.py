@@ -16,9 +16,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import attrs
+import jax
+import numpy as np
 
 from pd_fsm.jax_engine.sampling.grammar import GrammarError
 from pd_fsm.jax_engine.sampling.params import SamplingParams, TopLogprobs
+from pd_fsm.jax_engine.sampling.sampler import prompt_logprobs
+from pd_fsm.schedulers.plan import PrefillBatch
 from pd_fsm.schedulers.request import FinishReason, PromptLogprobs, Req, RequestOutput
 from pd_fsm.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -114,6 +118,39 @@ class OutputProcessor:
         idx, matched = min(hits)
         req.text = req.text[:idx]
         return FinishReason("stop", matched=matched)
+
+    @staticmethod
+    def record_prompt_logprobs(batch: PrefillBatch, logits: jax.Array) -> None:
+        """Append, for each row of ``batch`` that asks, the log-prob of every prompt token this
+        chunk predicts (position ``p`` predicts token ``p + 1``) from ``logprobs.prompt_from``
+        on; ``logits``: every position's, as the runner's prefill returns them then."""
+        next_ids = np.zeros((batch.n_pad, batch.t_pad), np.int32)
+        for i, row in enumerate(batch.rows):
+            ids = row.req.input_ids[row.start + 1 : row.start + row.length + 1]
+            next_ids[i, : len(ids)] = ids
+        top = any(row.req.logprobs.top for row in batch.rows if row.req.logprobs.prompt)
+        chosen, top_ids, top_values = prompt_logprobs(logits, next_ids, top)
+        for i, row in enumerate(batch.rows):
+            req, spec = row.req, row.req.logprobs
+            if not spec.prompt:
+                continue
+            if row.start == 0 and spec.prompt_from == 0:
+                req.prompt_logprobs.append(None)  # nothing predicts the first token
+                if spec.top:
+                    req.prompt_top.append(None)
+            for j in range(row.length):
+                position = row.start + j + 1
+                if position >= len(req.input_ids):
+                    break  # the last position predicts the first output token
+                if position < spec.prompt_from:
+                    continue
+                req.prompt_logprobs.append(float(chosen[i, j]))
+                if spec.top:
+                    req.prompt_top.append(tuple(zip(top_ids[i, j, : spec.top].tolist(),
+                                                    top_values[i, j, : spec.top].tolist(),
+                                                    strict=True)))
+            if row.start + row.length == len(req.input_ids):
+                req.prompt_logprobs_ready = True
 
     # ----------------------------------------------------------------- outputs
 

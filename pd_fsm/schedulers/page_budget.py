@@ -37,8 +37,7 @@ class PageBudget:
     """The allocator, the radix cache and what a request's pages come to.
 
     ``forks_here(req)``: whether this worker runs ``req``'s n sequences itself, and so reserves
-    pages for its forks (a prefill worker hands a room's sequences to D, which forks them there;
-    it sets this once, at construction)."""
+    pages for its forks (a prefill worker hands a room's sequences to D, which forks them there)."""
 
     def __init__(
         self,
@@ -47,6 +46,7 @@ class PageBudget:
         context_length: int,
         *,
         radix_cache: bool,
+        forks_here: Callable[[Req], bool] = _forks_here,
     ) -> None:
         self.pool_config = pool_config
         self.page_size = pool_config.page_size
@@ -54,7 +54,7 @@ class PageBudget:
         self.allocator = PageAllocator(num_pages)
         self.cache = RadixCache(self.allocator, self.page_size) if radix_cache else None
         self.cache_hit_tokens = 0  # counted once per request that got its pages
-        self.forks_here: Callable[[Req], bool] = _forks_here
+        self.forks_here = forks_here
 
     # ----------------------------------------------------------------- what a request needs
 

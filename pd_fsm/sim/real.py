@@ -22,7 +22,7 @@ import abc
 import functools
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, assert_never
 
 import attrs
@@ -42,8 +42,10 @@ from pd_fsm.jax_engine.transfer.base import (
 from pd_fsm.jax_engine.transfer.pull_executor import PullExecutor, PullRequest
 from pd_fsm.schedulers import Scheduler, SchedulerArgs
 from pd_fsm.schedulers.disaggregation import (
+    DecodeRole,
     DecodeScheduler,
     DisaggregationArgs,
+    PrefillRole,
     PrefillScheduler,
 )
 from pd_fsm.schedulers.disaggregation.tick import TickResult, run_tick
@@ -406,7 +408,7 @@ class _RealWorker(Node):
         held = {u: n for u, n in s.engine.registrations().items() if n}
         parts += [f"registrations {sorted(held)}"] if held else []
         parts += [f"legs {sorted(self.legs)}"] if self.legs else []
-        parts += ["scheduler busy"] if Scheduler.has_work(s) else []
+        parts += ["scheduler busy"] if s.has_forward_work() else []
         return ", ".join(parts)
 
 
@@ -428,17 +430,18 @@ class RealPrefillWorker(_RealWorker):
         self._restart_books()
         self.transfer = f"{self.name}:{17000 + self.gen}"  # a new port per process
         self.engine = SimTransferEngine(w, self, self.transfer)
-        cls: type[PrefillScheduler] = PrefillScheduler
+        role: type[PrefillRole] = PrefillRole
         if w.plant("missing-release-on-done"):
-            cls = _LeakyPrefill
+            role = _LeakyPrefill
         elif w.plant("part-leak"):
-            cls = _PartLeakingPrefill
-        self.sched = cls(_args("prefill", self.name, w.config.recompute, w.config.checksums,
-                               w.config.stream),
-                         engine=self.engine, clock=self.local,
-                         rng=random.Random(w.rng.getrandbits(64)))
+            role = _PartLeakingPrefill
+        self.sched = PrefillScheduler(
+            _args("prefill", self.name, w.config.recompute, w.config.checksums,
+                  w.config.stream),
+            engine=self.engine, clock=self.local, rng=random.Random(w.rng.getrandbits(64)),
+            role=role)
         if w.plant("lease-shortens"):  # the planted bug: the same endpoint, shortening leases
-            self.sched.core = ShorteningPrefill(
+            self.sched.role.link.core = ShorteningPrefill(
                 self.sched.layout_hash, random.Random(w.rng.getrandbits(64)), LEASE,
                 transfer_addr=self.engine.address, kv_checksum=w.config.checksums)
         w.register(self)  # type: ignore[arg-type]
@@ -497,21 +500,26 @@ class RealDecodeWorker(_RealWorker):
         engine = _FailingPulls(w, self, f"{self.name}:transfer")
         node = self
 
-        class _Decode(DecodeScheduler):
-            def _create_pull_executor(self, args: DisaggregationArgs, on: Any) -> PullExecutor:
-                return SimPullExecutor(node, self.engine, self.kv_holder, self.kv_args,
-                                       deadline_s=args.pull_deadline, on_result=on,
+        double_free = w.plant("double-free")
+
+        class _Decode(DecodeRole):
+            def new_pull_executor(self, on_result: Callable[[int], None] | None
+                                  ) -> PullExecutor:
+                return SimPullExecutor(node, self.engine, self.sched.kv_holder, self.kv_args,
+                                       deadline_s=self.args.pull_deadline, on_result=on_result,
                                        clock=node.local)
 
-            def _carry_out(self, e: Any) -> None:
-                held = self._held_pages.get(getattr(e, "room", -1))
-                super()._carry_out(e)
-                if isinstance(e, fx.ReleaseBlocks) and held and w.plant("double-free"):
-                    self.page_budget.free(held)  # the planted bug: a failed room's pages again
+            def carry_out(self, e: fx.DecodeEffect) -> int | None:
+                held = self.held_pages.get(getattr(e, "room", -1))
+                room = super().carry_out(e)
+                if isinstance(e, fx.ReleaseBlocks) and held and double_free:
+                    self.sched.page_budget.free(held)  # the planted bug: a failed room's pages
+                return room
 
-        self.sched = _Decode(_args("decode", self.name, w.config.recompute, w.config.checksums),
-                             engine=engine, clock=self.local,
-                             on_pull_result=lambda room: node.poke())
+        self.sched = DecodeScheduler(
+            _args("decode", self.name, w.config.recompute, w.config.checksums),
+            engine=engine, clock=self.local, on_pull_result=lambda room: node.poke(),
+            role=_Decode)
         if w.plant("no-ready-timeout"):  # the planted bug
             self.sched.core._state_timeout[KV_RECEIVER.S.WAITING_FOR_READY] = math.inf
 
@@ -577,27 +585,27 @@ class RealDecodeWorker(_RealWorker):
                      tuple(self.tokens.pop(room)))
 
 
-class _LeakyPrefill(PrefillScheduler):
+class _LeakyPrefill(PrefillRole):
     """Planted bug: the pages of a room whose leg was answered are not freed when the room ends
     (D's DONE, an abort, the lease)."""
 
-    def _release_kv(self, room: int, uuid: int | None) -> None:
-        if room in self._held_pages:
+    def release_kv(self, room: int, uuid: int | None) -> None:
+        if room in self.held_pages:
             if uuid is not None:
-                self._release_registration(uuid, "room over")
-            del self._held_pages[room]  # the leak
+                self.release_registration(uuid, "room over")
+            del self.held_pages[room]  # the leak
             self.send_queue.pop(room, None)
             return
-        super()._release_kv(room, uuid)
+        super().release_kv(room, uuid)
 
 
-class _PartLeakingPrefill(PrefillScheduler):
+class _PartLeakingPrefill(PrefillRole):
     """Planted bug: a room's streamed parts stay registered when the room ends."""
 
-    def _carry_out(self, e: fx.PrefillEffect) -> None:
+    def carry_out(self, e: fx.PrefillEffect) -> int | None:
         if isinstance(e, fx.ReleaseKV) and e.parts:
             e = attrs.evolve(e, parts=())  # the leak
-        super()._carry_out(e)
+        return super().carry_out(e)
 
 
 class _FailingPulls(SimTransferEngine):

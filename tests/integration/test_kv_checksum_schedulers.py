@@ -113,8 +113,8 @@ def test_every_pull_corrupted_fails_the_room_naming_the_mismatch(tiny: LoadedMod
                "(main_kv, shard 0) sums to" in reason, reason
         assert _counts(pair) == (2, 1, 2, 0) and pair.d.engine.pulls == 2
         d_pages = pair.d.page_budget.allocator
-        assert d_pages.num_free == d_pages.total and not pair.d._held_pages
-        assert not pair.p.engine.registrations() and not pair.p._held_pages
+        assert d_pages.num_free == d_pages.total and not pair.d.held_pages
+        assert not pair.p.engine.registrations() and not pair.p.held_pages
     finally:
         pair.close()
 

@@ -258,7 +258,7 @@ def test_every_phase_is_sampled_once_per_room_on_its_side(tiny: LoadedModel) -> 
             # start of the loop's next iteration.
             assert all(v in (0, 1) for k, v in samples if k == "kv_scatter_steps"), samples
             assert sched.take_phase_samples() == []
-            assert not sched._stamps
+            assert not sched.role.link.phases.stamps
     finally:
         pair.close()
 

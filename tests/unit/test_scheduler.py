@@ -21,6 +21,7 @@ from pd_fsm.schedulers import (
     SchedulerArgs,
     make_scheduler,
 )
+from pd_fsm.schedulers.role import ColocatedRole
 from pd_fsm.text.tokenizer import CharTokenizer
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
@@ -221,25 +222,30 @@ def test_prefilled_request_enters_decode_without_prefill_forward(tiny: LoadedMod
     prompt = _prompt(11, 13)
     ref = _run(Scheduler(_args(), model=tiny), [Req("a", prompt, GREEDY)])["a"]
 
-    class PrefillOnly(Scheduler):
-        handed_off: list[tuple[Req, int, float]]
+    class PrefillOnly(ColocatedRole):
+        """A role that keeps each prefilled request (and its pages) instead of decoding it."""
 
-        def _on_prefill_done(
-            self, req: Req, first_token: int, first_logprob: float, first_top: object = ()
-        ) -> None:
-            self.prefilling.remove(req)
+        def __init__(self, sched: Scheduler) -> None:
+            self.sched = sched
+            self.handed_off: list[tuple[Req, int, float]] = []
+
+        def take_prefilled(
+            self, req: Req, first_token: int, first_logprob: float, first_top: object
+        ) -> bool:
+            self.sched.prefilling.remove(req)
             self.handed_off.append((req, first_token, first_logprob))
+            return True
 
-    p = PrefillOnly(_args(), model=tiny)
-    p.handed_off = []
+    p = Scheduler(_args(), model=tiny, role=PrefillOnly)
+    assert isinstance(p.role, PrefillOnly)
     p.add_request(Req("a", prompt, GREEDY))
     p.step()
-    (src, tok, lp), = p.handed_off
+    (src, tok, lp), = p.role.handed_off
     assert src.pages is not None
 
     d = Scheduler(_args(num_pages=64), model=tiny)
     dst = Req("a", prompt, GREEDY)
-    d._register(dst)
+    d.register(dst)
     assert d.reserve_pages(dst) and dst.pages is not None
     n = d.pool_config.pages_for(len(prompt))
     with p.kv_holder.locked() as src_pools:

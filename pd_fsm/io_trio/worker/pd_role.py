@@ -206,6 +206,5 @@ class PrefillRole:
 
 def held_rooms(sched: PDScheduler) -> int:
     """Rooms whose pages the scheduler still holds once their leg answered (P: until D pulled
-    them; D: failed rooms whose pull still runs). The schedulers keep no public count of them
-    yet: ``_held_pages`` read here, the one place, until they do."""
-    return len(sched._held_pages)
+    them; D: failed rooms whose pull still runs)."""
+    return len(sched.held_pages)

@@ -1,6 +1,6 @@
 """Where a PD request's time to first token goes: one histogram per phase, on the side doing it.
 
-The schedulers stamp each room as it passes a boundary (``DisaggregationCommon._lap``, on the
+The schedulers stamp each room as it passes a boundary (``PhaseRecorder.lap``, on the
 scheduler's clock, ``time.monotonic`` in a worker) and queue ``(phase key, value)`` samples; the
 PD backend takes them at the end of each tick (same thread) and observes them here on the trio
 loop. D's pull thread reports its timings inside the :class:`PullResult` it publishes, so no

@@ -1,21 +1,26 @@
-"""Prefill and decode schedulers, built from mixins over the colocated Scheduler (RFC-2 §5.4)."""
+"""Prefill and decode schedulers (RFC-2 §5.4): the colocated Scheduler holding a prefill or decode
+role object (``PrefillRole``, ``DecodeRole``), with the role's API on top (the §5.4 mixins)."""
 
 from pd_fsm.schedulers.disaggregation.args import FAILURE_POLICIES, DisaggregationArgs
 from pd_fsm.schedulers.disaggregation.common import DuplicateRoomError
 from pd_fsm.schedulers.disaggregation.decode import (
+    DecodeRole,
     DecodeScheduler,
     SchedulerDisaggregationDecodeMixin,
 )
 from pd_fsm.schedulers.disaggregation.prefill import (
+    PrefillRole,
     PrefillScheduler,
     SchedulerDisaggregationPrefillMixin,
 )
 
 __all__ = [
     "FAILURE_POLICIES",
+    "DecodeRole",
     "DecodeScheduler",
     "DisaggregationArgs",
     "DuplicateRoomError",
+    "PrefillRole",
     "PrefillScheduler",
     "SchedulerDisaggregationDecodeMixin",
     "SchedulerDisaggregationPrefillMixin",

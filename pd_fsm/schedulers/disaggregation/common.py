@@ -1,55 +1,93 @@
-"""What the prefill and decode mixins share: the core endpoint, the clock, the transfer engine,
-and the outbox of effects that only the I/O layer can carry out.
+"""What the prefill and decode roles share: the link to their core endpoint (``PDLink``): the
+clock, the outbox of effects only the I/O layer can carry out, the rooms' requests and failures,
+and the one driver step every event goes through.
 
 Threading: a PD scheduler is driven by one thread at a time (the worker serialises ``step`` and
-``deliver`` calls), so its core endpoint needs no lock. The core never reads a clock: the mixin
-reads ``self.clock`` (``time.monotonic`` unless injected) and passes ``now`` in.
-
-Phases: each room carries stamps (``self.clock`` times) of the boundaries it passed; ``_lap``
-turns two stamps into a ``(phase key, seconds)`` sample, queued for the worker to take with
-``take_phase_samples`` after the step (pd_fsm/io_trio/worker/phases.py names every phase).
+``deliver`` calls), so its core endpoint needs no lock. The core never reads a clock: the link
+reads ``clock`` (``time.monotonic`` unless injected) and passes ``now`` in.
 """
 
 from __future__ import annotations
 
-import time
-from abc import ABC, abstractmethod
-from collections import deque
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping
+from typing import Generic, Protocol, TypeVar
 
 from pd_fsm.core import effects as fx
-from pd_fsm.core import events as ev
 from pd_fsm.core.drive import drive
+from pd_fsm.core.stats import EndpointStats
 from pd_fsm.jax_engine.kv.pool_spec import KVArgs, PoolTransferSpec
 from pd_fsm.jax_engine.kv.room import warm_room_copies
-from pd_fsm.jax_engine.transfer.base import KVTransferEngine
-from pd_fsm.schedulers.disaggregation.args import DisaggregationArgs
+from pd_fsm.schedulers.disaggregation.phases import PhaseRecorder
 from pd_fsm.schedulers.model_runner import MAIN_KV
 from pd_fsm.schedulers.request import FinishReason, Req
 from pd_fsm.schedulers.scheduler import Scheduler
 
-# Phase samples kept until the worker takes them (a scheduler driven without a worker drops the
-# oldest).
-PHASE_SAMPLES_MAX = 4096
+Ev = TypeVar("Ev")  # the role's event union (ev.PrefillEvent, ev.DecodeEvent)
+Fx = TypeVar("Fx")  # the role's effect union (fx.PrefillEffect, fx.DecodeEffect)
+Ev_contra = TypeVar("Ev_contra", contravariant=True)
 
 
 class DuplicateRoomError(ValueError):
     """A request reused a ``bootstrap_room`` that is live here (the first one is unaffected)."""
 
 
-class DisaggregationCommon(Scheduler, ABC):
-    args: DisaggregationArgs  # P's and D's constructors take these (Scheduler stores them)
-    clock: Callable[[], float]
-    engine: KVTransferEngine
-    kv_args: KVArgs
-    core: Any
+class PDCore(Protocol[Ev_contra, Fx]):
+    """What a role needs of its core endpoint (``PrefillEndpoint``, ``DecodeEndpoint``)."""
 
-    def _init_common(self, engine: KVTransferEngine, clock: Callable[[], float] | None) -> None:
-        self.clock = clock or time.monotonic
-        self.engine = engine
-        self.kv_args = KVArgs([PoolTransferSpec.from_config(MAIN_KV, self.pool_config)],
-                              kv_shards=self.args.tp_size)
+    @property
+    def rooms(self) -> Mapping[int, object]: ...  # read only: each endpoint's own room type
+
+    @property
+    def stats(self) -> EndpointStats: ...
+
+    @property
+    def state_counts(self) -> Counter[str]: ...
+
+    def handle(self, event: Ev_contra, now: float) -> list[Fx]: ...
+
+    def next_deadline(self) -> float | None: ...
+
+    def state_of(self, room: int) -> str | None: ...
+
+
+def kv_args_of(sched: Scheduler) -> KVArgs:
+    """The layout of the scheduler's pool as the transfer sees it (its hash is the layout hash
+    P and D compare)."""
+    return KVArgs([PoolTransferSpec.from_config(MAIN_KV, sched.pool_config)],
+                  kv_shards=sched.args.tp_size)
+
+
+def warm_kv_copies(sched: Scheduler, kv_args: KVArgs, side: str) -> int:
+    """Compile a role's side of a room's KV copy (``"gather"``: P, ``"scatter"``: D) for every
+    page bucket a prompt can need (see ``kv.room.warm_room_copies``); how many compiled."""
+    longest = min(sched.pool_config.pages_for(sched.context_length),
+                  sched.page_budget.allocator.total)
+    return warm_room_copies(sched.kv_holder, kv_args, longest, side)
+
+
+class PDLink(Generic[Ev, Fx]):
+    """A role's core endpoint and what feeding it takes.
+
+    ``carry_out(effect)``: the role carries out one effect of the core (routing the I/O layer's
+    to ``send``, a busy answer to ``busy``) and says which room it was about (None: none, or an
+    effect that is not the role's work). ``after_effects()``: run after each event's effects
+    (D: the page queue)."""
+
+    def __init__(
+        self,
+        sched: Scheduler,
+        core: PDCore[Ev, Fx],
+        clock: Callable[[], float],
+        carry_out: Callable[[Fx], int | None],
+        after_effects: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.sched = sched
+        self.core = core
+        self.clock = clock
+        self.phases = PhaseRecorder(clock)
+        self._carry_out = carry_out
+        self._after_effects = after_effects
         self.outbox: list[fx.IOEffect] = []
         self.room_of: dict[str, int] = {}  # rid -> bootstrap_room
         self.req_of: dict[int, Req] = {}  # bootstrap_room -> request, while the room holds it
@@ -57,54 +95,36 @@ class DisaggregationCommon(Scheduler, ABC):
         self.failures: dict[str, tuple[int, str]] = {}
         # Events an effect produced for the core itself (e.g. a failed registration); fed back
         # after the current batch of effects, never re-entrantly.
-        self._deferred: deque[Any] = deque()
+        self._deferred: deque[Ev] = deque()
         self._touched: set[int] = set()  # rooms an effect of the current event was about
-        # bootstrap_room -> boundary name -> self.clock() time, while the room is live here.
-        self._stamps: dict[int, dict[str, float]] = {}
-        self._phase_samples: deque[tuple[str, float]] = deque(maxlen=PHASE_SAMPLES_MAX)
-
-    @property
-    def layout_hash(self) -> str:
-        return self.kv_args.layout_hash
-
-    # Which side of a room's KV copy this role runs: P gathers, D scatters.
-    KV_COPY: str
-
-    def warm_kv_copies(self) -> int:
-        """Compile this role's KV copy for every page bucket a prompt can need (see
-        ``room_kv.warm_room_copies``); returns how many executables that compiled."""
-        longest = min(self.pool_config.pages_for(self.context_length),
-                      self.page_budget.allocator.total)
-        return warm_room_copies(self.kv_holder, self.kv_args, longest, self.KV_COPY)
+        self._busy: list[fx.BusyEffect] | None = None  # collected while a step starts
 
     # -- the I/O layer's side ---------------------------------------------------------------------
 
-    def deliver(self, event: Any, now: float | None = None) -> None:
-        """Feed an event from the I/O layer (a side-channel message, a lookup answer, a local
-        abort, or just the passing of time) into the core and carry out what it says.
+    def deliver(self, event: Ev, now: float | None = None) -> None:
+        """Feed an event (a side-channel message, a lookup answer, a local abort, or just the
+        passing of time) into the core at ``now`` (default: now) and carry out what it says."""
+        self.drive(event, self.clock() if now is None else now)
 
-        ``now`` is when the event happened on ``self.clock`` (default: now). A message that
-        arrived while a forward step ran should be delivered with its arrival time, so that a
-        heartbeat received in time extends a lease before the lease's expiry is judged."""
-        self._drive(event, self.clock() if now is None else now)
+    def step_started(self, event: Ev) -> list[fx.BusyEffect]:
+        """Feed ``event`` (the role's ``StepStarted``): the busy effects it says go back to the
+        I/O side; its other effects (a lease come due) are carried out as usual."""
+        self._busy = []
+        try:
+            self.drive(event, self.clock())
+            return self._busy
+        finally:
+            self._busy = None
 
-    def step_started(self) -> list[fx.BusyEffect]:
-        """Tell the core a step starts (``ev.StepStarted``): what the I/O side must do until
-        :meth:`step_ended` to keep peers from taking this busy worker for a dead one. Other
-        effects of the event (a lease come due) are carried out as usual."""
-        busy: list[fx.BusyEffect] = []
+    def busy(self, effect: fx.BusyEffect) -> None:
+        """The role's ``carry_out`` got a busy effect: it is for ``step_started``'s caller."""
+        if self._busy is None:
+            raise TypeError(f"{effect!r} outside a step start")
+        self._busy.append(effect)
 
-        def dispatch(e: fx.PrefillEffect | fx.DecodeEffect) -> Iterable[Any]:
-            if isinstance(e, fx.BusyEffect):
-                busy.append(e)
-                return ()
-            return self._dispatch(e)
-
-        self._drive(ev.StepStarted(), self.clock(), dispatch=dispatch)
-        return busy
-
-    def step_ended(self) -> None:
-        self.deliver(ev.StepEnded())
+    def send(self, effect: fx.IOEffect) -> None:
+        """The role's ``carry_out`` got an effect only the I/O layer can carry out."""
+        self.outbox.append(effect)
 
     def take_outbox(self) -> list[fx.IOEffect]:
         """Effects only the I/O layer can carry out (SendMessage, ResolvePeer), in order."""
@@ -112,128 +132,85 @@ class DisaggregationCommon(Scheduler, ABC):
         return out
 
     def next_deadline(self) -> float | None:
-        """When (on ``self.clock``) the core next needs ``deliver(TimeAdvanced())``."""
-        deadline: float | None = self.core.next_deadline()
-        return deadline
+        """When (on ``clock``) the core next needs ``deliver(TimeAdvanced())``."""
+        return self.core.next_deadline()
 
-    def _drive(
-        self,
-        event: Any,
-        now: float,
-        *,
-        handle: Callable[[Any, float], list[Any]] | None = None,
-        dispatch: Callable[[Any], Iterable[Any]] | None = None,
+    def drive(
+        self, event: Ev, now: float, handle: Callable[[Ev, float], list[Fx]] | None = None
     ) -> None:
         """Feed ``event`` through the one driver step (``pd_fsm.core.drive``): effects carried
         out in order, the events they yield fed back at ``now``."""
-        drive(handle or self.core.handle, event, now, dispatch or self._dispatch,
+        drive(handle or self.core.handle, event, now, self._dispatch,
               after_effects=self._after_batch)
 
-    def _dispatch(self, e: fx.PrefillEffect | fx.DecodeEffect) -> Iterable[Any]:
-        """One effect: the I/O layer's go to the outbox, the rest are carried out here; the
-        events that yields at once (deferred by the effect's code) come back."""
-        if isinstance(e, fx.IOEffect):  # side-channel sends, bootstrap lookups
-            self.outbox.append(e)
-            return ()
-        self._carry_out(e)
-        room = getattr(e, "room", None)  # ForgetTransfer is about a peer
+    def defer(self, event: Ev) -> None:
+        """An event carrying out an effect produced, for the core: fed after this effect."""
+        self._deferred.append(event)
+
+    def _dispatch(self, effect: Fx) -> Iterable[Ev]:
+        room = self._carry_out(effect)
         if room is not None:
             self._touched.add(room)
         return self._take_deferred()
 
-    def _after_batch(self) -> Iterable[Any]:
+    def _after_batch(self) -> Iterable[Ev]:
         """After one event's effects: forget rooms that are over on our side, run the role's
         hook (D: the page queue), and return the events that produced."""
         for room in self._touched:
             if self.core.state_of(room) is None:
                 self.req_of.pop(room, None)
-                self._stamps.pop(room, None)
+                self.phases.stamps.pop(room, None)
         self._touched.clear()
         self._after_effects()
         return self._take_deferred()
 
-    def _take_deferred(self) -> list[Any]:
+    def _take_deferred(self) -> list[Ev]:
         out = list(self._deferred)
         self._deferred.clear()
         return out
 
-    @abstractmethod
-    def _carry_out(self, effect: Any) -> None:  # Any: each role takes its own effect union
-        """Carry out one scheduler-side effect of the core (pages, transfer, requests)."""
+    # -- requests ---------------------------------------------------------------------------------
 
-    def _after_effects(self) -> None:
-        """Hook run after each batch of effects (D: try the page queue)."""
-
-    def _admit_pd(self, req: Req, event: Any, accepted: float | None = None) -> None:
-        """Register ``req`` and open its room in the core, or raise and keep nothing.
-        ``accepted``: when the worker took the leg (``self.clock`` time; default now)."""
-        self._register(req)  # ValueError for a request that can never be served
+    def admit(self, req: Req, event: Ev, room: int, accepted: float | None = None) -> None:
+        """Register ``req`` and open its ``room`` with ``event`` in the core, or raise and keep
+        nothing. ``accepted``: when the worker took the leg (``clock`` time; default now)."""
+        self.sched.register(req)  # ValueError for a request that can never be served
         now = self.clock()
 
-        def admit(e: Any, at: float) -> list[Any]:
-            effects: list[Any] = self.core.handle(e, at)  # Any: core is either role's endpoint
+        def admit(e: Ev, at: float) -> list[Fx]:
+            effects = self.core.handle(e, at)
             if e is not event:
                 return effects
             rejected = [x for x in effects if isinstance(x, fx.RejectRequest)]
             if rejected:  # nothing carried out: the live room of that number is unaffected
-                del self.reqs[req.rid]
+                del self.sched.reqs[req.rid]
                 raise DuplicateRoomError(rejected[0].reason)
-            self.room_of[req.rid] = event.room
-            self.req_of[event.room] = req
-            self._stamps[event.room] = {"accepted": now if accepted is None
+            self.room_of[req.rid] = room
+            self.req_of[room] = req
+            self.phases.stamps[room] = {"accepted": now if accepted is None
                                         else min(accepted, now)}
             return effects
 
-        self._drive(event, now, handle=admit)
+        self.drive(event, now, handle=admit)
 
-    def abort(self, rid: str, message: str = "aborted") -> bool:
-        """A local abort: while the room is live the core decides what to release and whom to
-        tell; afterwards (decoding on D) it is an ordinary abort."""
+    def live_room(self, rid: str) -> int | None:
+        """The room of ``rid`` while the core holds it."""
         room = self.room_of.get(rid)
-        if room is not None and self.core.state_of(room) is not None:
-            self.deliver(ev.Aborted(room, message))
-            return True
-        return super().abort(rid, message)
+        return room if room is not None and self.core.state_of(room) is not None else None
 
-    def pd_stats(self) -> dict[str, Any]:
-        """KVPoll state counts and the endpoint's counters, for /metrics."""
-        states = {f"state_{s}": n for s, n in self.core.state_counts.items() if n}
-        return {**states, **self.core.stats.as_dict(), "rooms_live": len(self.core.rooms)}
-
-    # -- shared helpers ---------------------------------------------------------------------------
-
-    def _fail_request(self, req: Req, status: int, reason: str) -> None:
+    def fail_request(self, req: Req, status: int, reason: str) -> None:
         """Tell the caller the request failed; pages are not touched here (the core releases
         them with their own effect, possibly later)."""
         self.failures[req.rid] = (status, reason)
         self.room_of.pop(req.rid, None)
-        self._finish(req, FinishReason("abort", message=reason))
+        self.sched.finish(req, FinishReason("abort", message=reason))
 
-    def pop_failure(self, rid: str) -> tuple[int, str] | None:
-        return self.failures.pop(rid, None)
-
-    # -- phases -----------------------------------------------------------------------------------
-
-    def take_phase_samples(self) -> list[tuple[str, float]]:
-        """``(phase key, value)`` samples since the last call (the worker observes them)."""
-        out = list(self._phase_samples)
-        self._phase_samples.clear()
-        return out
-
-    def _phase_sample(self, phase: str, value: float) -> None:
-        self._phase_samples.append((phase, value))
-
-    def _lap(self, room: int, phase: str, since: str, mark: str) -> None:
-        """Stamp ``room`` with ``mark`` now and record ``phase`` = now - its ``since`` stamp;
-        once per room (a room already stamped ``mark`` is left as it is)."""
-        stamps = self._stamps.get(room)
-        if stamps is None or mark in stamps:
-            return
-        now = stamps[mark] = self.clock()
-        start = stamps.get(since)
-        if start is not None:
-            self._phase_sample(phase, max(0.0, now - start))
+    def pd_stats(self) -> dict[str, int]:
+        """KVPoll state counts and the endpoint's counters, for /metrics."""
+        core = self.core
+        states = {f"state_{s}": n for s, n in core.state_counts.items() if n}
+        return {**states, **core.stats.as_dict(), "rooms_live": len(core.rooms)}
 
     def prompt_pages(self, req: Req) -> int:
         """Pages holding the prompt's KV: what crosses from P to D."""
-        return self.pool_config.pages_for(len(req.input_ids))
+        return self.sched.pool_config.pages_for(len(req.input_ids))

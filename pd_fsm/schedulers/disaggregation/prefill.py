@@ -1,4 +1,5 @@
-"""The prefill side (RFC-2 §5.4): ``SchedulerDisaggregationPrefillMixin`` and ``PrefillScheduler``.
+"""The prefill side (RFC-2 §5.4): ``PrefillRole``, ``SchedulerDisaggregationPrefillMixin`` and
+``PrefillScheduler``.
 
 P runs the prefill forward as the colocated scheduler does, samples the first token, then hands
 the room to its core endpoint instead of decoding: the pages are gathered into packed arrays and
@@ -10,8 +11,9 @@ registration from the transfer server.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
-from typing import Any, assert_never
+from typing import assert_never
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
@@ -23,9 +25,11 @@ from pd_fsm.jax_engine.model import LoadedModel
 from pd_fsm.jax_engine.sampling.params import TopLogprobs
 from pd_fsm.jax_engine.transfer.base import KVTransferEngine
 from pd_fsm.jax_engine.transfer.jax_transfer import JaxTransferKVEngine
+from pd_fsm.schedulers.disaggregation.api import DisaggregationCommon
 from pd_fsm.schedulers.disaggregation.args import DisaggregationArgs
-from pd_fsm.schedulers.disaggregation.common import DisaggregationCommon
+from pd_fsm.schedulers.disaggregation.common import PDLink, kv_args_of
 from pd_fsm.schedulers.request import FinishReason, Req, ReqState
+from pd_fsm.schedulers.role import ColocatedRole
 from pd_fsm.schedulers.scheduler import Scheduler
 
 # The core's lease is the one that counts; the engine's own reaper is off. This is only what the
@@ -33,42 +37,43 @@ from pd_fsm.schedulers.scheduler import Scheduler
 _ENGINE_LEASE_S = 24 * 3600.0
 
 
-class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
-    KV_COPY = "gather"
-    core: PrefillEndpoint
+class PrefillRole(ColocatedRole):
+    """P's part of a scheduler: its rooms' legs prefilled, their KV held for D.
 
-    def shape_plan(self) -> list[tuple[int, int]]:
-        """P decodes only plain requests (a health check, a client that skipped the router):
-        every prefill shape, and decode one row at a time. A batch of several plain requests
-        compiles on first use (``compiles_after_ready_total`` counts it)."""
-        return [(n, t) for n, t in super().shape_plan() if t > 1 or n == 1]
+    A plain request (a health check, a client that skipped the router) is served as on a
+    colocated worker: the hooks it inherits from ``ColocatedRole`` do nothing."""
 
-    def _init_prefill(
+    kv_copy = "gather"
+
+    def __init__(
         self,
+        sched: Scheduler,
         args: DisaggregationArgs,
-        engine: KVTransferEngine | None,
-        clock: Callable[[], float] | None,
-        rng: random.Random | None,
+        engine: KVTransferEngine | None = None,
+        clock: Callable[[], float] | None = None,
+        rng: random.Random | None = None,
     ) -> None:
-        self._init_common(
-            engine or JaxTransferKVEngine(args.transfer_host, reaper_interval_s=None), clock
-        )
-        # D forks a room's sequences, not P: no pages for them here.
-        self.page_budget.forks_here = lambda req: req.rid not in self.room_of
-        self.core = PrefillEndpoint(
+        self.sched = sched
+        self.args = args
+        self.clock = clock or time.monotonic
+        self.engine = engine or JaxTransferKVEngine(args.transfer_host, reaper_interval_s=None)
+        self.kv_args = kv_args_of(sched)
+        core = PrefillEndpoint(
             # The OS's CSPRNG by default: transfer uuids are the data plane's only guard
             # (README "Security model"); tests pass a seeded Random.
-            self.layout_hash, rng or random.SystemRandom(), args.lease_config(),
+            self.kv_args.layout_hash, rng or random.SystemRandom(), args.lease_config(),
             transfer_addr=self.engine.address, kv_shards=self.kv_args.kv_shards,
             kv_checksum=args.kv_checksum,
         )
-        self.send_queue = self._create_send_queue()
+        self.link: PDLink[ev.PrefillEvent, fx.PrefillEffect] = PDLink(
+            sched, core, self.clock, self.carry_out)
+        self.send_queue: dict[int, Req] = {}  # prefilled rooms waiting for D's hello or DONE
         # Streamed KV: chunk a room's prefill in parts of this many tokens (whole pages; 0: the
         # whole prompt goes with READY, after the prefill).
         page = args.page_size
         self.stream_tokens = args.stream_tokens // page * page
-        self._held_pages: dict[int, list[int]] = {}  # room -> pages, after the leg answered
-        self._step_started: float | None = None  # self.clock() when the current step began
+        self.held_pages: dict[int, list[int]] = {}  # room -> pages, after the leg answered
+        self._step_started: float | None = None  # clock() when the current step began
         self.transfer_stats = {
             "registered": 0,
             "released": 0,
@@ -76,77 +81,57 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
             "registered_bytes": 0,
         }
 
-    def _create_send_queue(self) -> dict[int, Req]:
-        """Rooms whose prefill is done, waiting for D's hello or D's DONE."""
-        return {}
+    # -- the scheduler's hooks (schedulers/role.py) ---------------------------------------------
 
-    # -- requests ---------------------------------------------------------------------------------
+    def keeps_shape(self, rows: int, tokens: int) -> bool:
+        """P decodes only plain requests: every prefill shape, and decode one row at a time. A
+        batch of several plain requests compiles on first use (``compiles_after_ready_total``
+        counts it)."""
+        return tokens > 1 or rows == 1
 
-    def add_pd_request(self, req: Req, room: int, accepted: float | None = None) -> None:
-        """Queue the P leg of ``room``; raises ValueError (bad request) or DuplicateRoomError.
-        ``accepted``: when the worker took the leg, on ``self.clock`` (default: now)."""
-        self._admit_pd(req, ev.PrefillRequestAccepted(room), accepted)
-        if req.state is not ReqState.FINISHED:  # failed at once: D refused the room first
-            self.waiting.append(req)
+    def forks_here(self, req: Req) -> bool:
+        return req.rid not in self.link.room_of  # D forks a room's sequences: no pages here
 
-    def _event_loop_prefill_disagg(self) -> Any:
-        """One iteration of P's loop: time-driven core work (lease expiry), then a step."""
+    def before_step(self) -> None:
+        """Time-driven core work (lease expiry) before the step."""
         self._step_started = self.clock()
-        self.deliver(ev.TimeAdvanced(), now=self._step_started)
-        return super().step()
+        self.link.deliver(ev.TimeAdvanced(), now=self._step_started)
 
-    def step(self) -> Any:
-        return self._event_loop_prefill_disagg()
+    def on_admitted(self, req: Req) -> None:
+        room = self.link.room_of.get(req.rid)
+        if room is not None:
+            self.link.phases.lap(room, "prefill_queue", "accepted", "admitted")
 
-    def _admit_waiting(self) -> None:
-        before = len(self.prefilling)
-        super()._admit_waiting()
-        for req in self.prefilling[before:]:  # admitted just now (appended in FIFO order)
-            room = self.room_of.get(req.rid)
-            if room is not None:
-                self._lap(room, "prefill_queue", "accepted", "admitted")
-
-    # -- the hand-off -----------------------------------------------------------------------------
-
-    # -- streamed KV (issue 31 §1) ------------------------------------------------------------
-
-    def _chunk_cap(self, req: Req) -> int | None:
+    def chunk_cap(self, req: Req) -> int | None:
         """A room's prompt is prefilled in chunks of ``stream_tokens`` when streaming: each
         chunk's pages can be on their way to D while the next one runs."""
-        if self.stream_tokens and req.rid in self.room_of:
+        if self.stream_tokens and req.rid in self.link.room_of:
             return self.stream_tokens
         return None
 
-    def _on_prefill_chunk(self, req: Req) -> None:
-        room = self.room_of.get(req.rid)
+    def on_prefill_chunk(self, req: Req) -> None:
+        room = self.link.room_of.get(req.rid)
         if room is None or not self.stream_tokens or req.state is ReqState.FINISHED:
             return
         # As PrefillFinished, as of the step's start (leases are judged after the heartbeats
         # that arrived during the forward).
         now = self.clock() if self._step_started is None else self._step_started
-        self._drive(ev.PartPrefilled(room, req.prefilled // self.args.page_size), now)
+        self.link.drive(ev.PartPrefilled(room, req.prefilled // self.args.page_size), now)
 
-    def _on_prefill_done(
-        self, req: Req, first_token: int, first_logprob: float, first_top: TopLogprobs = ()
-    ) -> None:
+    def take_prefilled(
+        self, req: Req, first_token: int, first_logprob: float, first_top: TopLogprobs
+    ) -> bool:
         if req.state is ReqState.FINISHED:
-            return  # its room failed (lease, abort) while this batch's forward ran
-        room = self.room_of.get(req.rid)
+            return True  # its room failed (lease, abort) while this batch's forward ran
+        room = self.link.room_of.get(req.rid)
         if room is None:  # a plain request on a P worker: decode it here
-            super()._on_prefill_done(req, first_token, first_logprob, first_top)
-            return
-        self._handle_completed_prefill(req, room, first_token, first_logprob, first_top)
-
-    def _handle_completed_prefill(
-        self, req: Req, room: int, first_token: int, first_logprob: float,
-        first_top: TopLogprobs = (),
-    ) -> None:
-        self._lap(room, "prefill_forward", "admitted", "prefilled")
-        self.prefilling.remove(req)
+            return False
+        self.link.phases.lap(room, "prefill_forward", "admitted", "prefilled")
+        self.sched.prefilling.remove(req)
         self.send_queue[room] = req
-        self.outputs.record_token(req, first_token, first_logprob, first_top)
+        self.sched.outputs.record_token(req, first_token, first_logprob, first_top)
         finished = ev.PrefillFinished(
-            room, first_token, self.prompt_pages(req), first_logprob,
+            room, first_token, self.link.prompt_pages(req), first_logprob,
             tuple(TokenLogprob(t, lp) for t, lp in first_top),
         )
         # As of the step's start, not now: D's heartbeats that arrived during a long forward (a
@@ -154,12 +139,47 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
         # end of the forward would expire rooms whose D is alive. Leases are judged at the next
         # TimeAdvanced, after those heartbeats were delivered with their arrival times.
         now = self.clock() if self._step_started is None else self._step_started
-        self._drive(finished, now)
+        self.link.drive(finished, now)
+        return True
+
+    def abort(self, rid: str, message: str) -> bool:
+        """A local abort of a live room: the core decides what to release and whom to tell."""
+        room = self.link.live_room(rid)
+        if room is None:
+            return False
+        self.link.deliver(ev.Aborted(room, message))
+        return True
+
+    # -- the worker's side ------------------------------------------------------------------------
+
+    def add_pd_request(self, req: Req, room: int, accepted: float | None = None) -> None:
+        """Queue the P leg of ``room``; raises ValueError (bad request) or DuplicateRoomError."""
+        self.link.admit(req, ev.PrefillRequestAccepted(room), room, accepted)
+        if req.state is not ReqState.FINISHED:  # failed at once: D refused the room first
+            self.sched.waiting.append(req)
+
+    def step_started(self) -> list[fx.BusyEffect]:
+        return self.link.step_started(ev.StepStarted())
+
+    def step_ended(self) -> None:
+        self.link.deliver(ev.StepEnded())
+
+    def next_deadline(self) -> float | None:
+        return self.link.next_deadline()
 
     # -- the core's effects -----------------------------------------------------------------------
 
-    def _carry_out(self, e: fx.PrefillEffect) -> None:
+    def carry_out(self, e: fx.PrefillEffect) -> int | None:
+        """One effect of the core; the room it was about (None: the I/O layer's)."""
         match e:
+            case fx.SendMessage():
+                self.link.send(e)
+                return None
+            case fx.AckWhileBusy():
+                self.link.busy(e)
+                return None
+            case fx.RejectRequest():  # the link's admit takes these before they get here
+                raise TypeError(f"prefill scheduler cannot carry out {e!r}")
             case fx.RegisterKV():
                 self._register_kv(e.room, e.uuid, e.skip_pages, e.spare_uuid)
             case fx.RegisterPart():
@@ -168,32 +188,30 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
             case fx.NarrowKV():  # only what D lacks goes: the whole prompt's is let go
                 for old in (e.replaces, e.replaces_spare):
                     if old is not None:
-                        self._release_registration(old, "narrowed to the pages D lacks")
+                        self.release_registration(old, "narrowed to the pages D lacks")
                 self._register_kv(e.room, e.uuid, e.skip_pages, e.spare_uuid)
             case fx.CompleteRequest():
-                req = self.req_of[e.room]
+                req = self.link.req_of[e.room]
                 # The leg is answered now; its pages stay held (apart from the request) until
                 # ReleaseKV, which comes on DONE, abort or lease expiry.
                 assert req.pages is not None
-                self.page_budget.cache_prompt(req)  # the rooms after it share its pages
-                self._held_pages[e.room], req.pages = req.pages, None
-                self.room_of.pop(req.rid, None)
-                self._finish(req, FinishReason("length"))
+                self.sched.page_budget.cache_prompt(req)  # the rooms after it share its pages
+                self.held_pages[e.room], req.pages = req.pages, None
+                self.link.room_of.pop(req.rid, None)
+                self.sched.finish(req, FinishReason("length"))
             case fx.ReleaseKV():
                 if e.spare_uuid is not None:  # usually never pulled: D's pull needed no second go
-                    self._release_registration(e.spare_uuid, "room over")
+                    self.release_registration(e.spare_uuid, "room over")
                 for part in e.parts:
-                    self._release_registration(part, "room over")
-                self._release_kv(e.room, e.uuid)
+                    self.release_registration(part, "room over")
+                self.release_kv(e.room, e.uuid)
             case fx.FailRequest():
-                failed = self.req_of.get(e.room)
+                failed = self.link.req_of.get(e.room)
                 if failed is not None:
-                    self._fail_request(failed, e.status, e.reason)
-            case fx.SendMessage() | fx.RejectRequest() | fx.AckWhileBusy():
-                # Not ours: the outbox (_dispatch), _admit_pd and step_started take these.
-                raise TypeError(f"prefill scheduler cannot carry out {e!r}")
+                    self.link.fail_request(failed, e.status, e.reason)
             case _:
                 assert_never(e)
+        return e.room
 
     def _register_kv(
         self, room: int, uuid: int, skip_pages: int = 0, spare_uuid: int | None = None,
@@ -204,13 +222,14 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
         ``checksum`` for a part, which has no spare), checksum them and register them under
         the spare too (for D's one re-pull: a registration is pulled once), then tell the
         core."""
-        req = self.req_of[room]
+        req = self.link.req_of[room]
         assert req.pages is not None
         checksum = checksum or spare_uuid is not None
+        phases = self.link.phases
         try:
             start = self.clock()
-            pages = req.pages[skip_pages : self.prompt_pages(req) if end is None else end]
-            arrays = gather_room(self.kv_holder, self.kv_args, pages)
+            pages = req.pages[skip_pages : self.link.prompt_pages(req) if end is None else end]
+            arrays = gather_room(self.sched.kv_holder, self.kv_args, pages)
             # The checksums wait for the gather to run (its dispatch alone is what the phase
             # measures without them): "kv_gather" then lasts until the bytes are summed.
             sums = kv_checksums(arrays) if checksum else ()
@@ -220,33 +239,57 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon):
                     self.engine.register(registration, arrays, _ENGINE_LEASE_S)
                     self.transfer_stats["registered"] += 1
         except Exception as exc:  # the room fails cleanly; the worker keeps serving
-            self._deferred.append(ev.PrefillFailed(room, f"KV registration failed: {exc}"))
+            self.link.defer(ev.PrefillFailed(room, f"KV registration failed: {exc}"))
             return
         if checksum:  # READY (or the part) waits for these (the core holds it until then)
-            self._deferred.append(ev.KVChecksummed(room, uuid, sums))
-        self._phase_sample("kv_gather", gathered - start)
-        self._phase_sample("kv_register", self.clock() - gathered)
+            self.link.defer(ev.KVChecksummed(room, uuid, sums))
+        phases.sample("kv_gather", gathered - start)
+        phases.sample("kv_register", self.clock() - gathered)
         self.transfer_stats["registered_bytes"] += sum(int(a.nbytes) for a in arrays)
 
-    def _release_registration(self, uuid: int, why: str) -> None:
+    def release_registration(self, uuid: int, why: str) -> None:
+        """Drop one registration from the transfer server."""
         result = self.engine.release(uuid, why)
         self.transfer_stats["released"] += 1
         if result.released and not result.verified:
             self.transfer_stats["release_unverified"] += 1
 
-    def _release_kv(self, room: int, uuid: int | None) -> None:
+    def release_kv(self, room: int, uuid: int | None) -> None:
+        """The room is over: its registration and its pages go back."""
         if uuid is not None:
-            self._release_registration(uuid, "room over")
-        pages = self._held_pages.pop(room, None)
-        req = self.send_queue.pop(room, None) or self.req_of.get(room)
+            self.release_registration(uuid, "room over")
+        pages = self.held_pages.pop(room, None)
+        req = self.send_queue.pop(room, None) or self.link.req_of.get(room)
         if pages is None and req is not None:
             pages, req.pages = req.pages, None  # a leg still queued or prefilling
-            self._detach(req)
+            self.sched.queues.remove(req)
         if pages:
-            self.page_budget.free(pages)
+            self.sched.page_budget.free(pages)
 
 
-class PrefillScheduler(SchedulerDisaggregationPrefillMixin, Scheduler):
+class SchedulerDisaggregationPrefillMixin(DisaggregationCommon[PrefillRole]):
+    """RFC-2 §5.4's prefill mixin: P's API over its role (``self.role``)."""
+
+    @property
+    def core(self) -> PrefillEndpoint:
+        core = self.role.link.core
+        assert isinstance(core, PrefillEndpoint)
+        return core
+
+    def deliver(self, event: ev.PrefillEvent, now: float | None = None) -> None:
+        """Feed an event from the I/O layer into the core at ``now`` (when it happened on the
+        role's clock; default now). A message that arrived while a forward step ran should be
+        delivered with its arrival time, so that a heartbeat received in time extends a lease
+        before the lease's expiry is judged."""
+        self.role.link.deliver(event, now)
+
+    def add_pd_request(self, req: Req, room: int, accepted: float | None = None) -> None:
+        """Queue the P leg of ``room``; raises ValueError (bad request) or DuplicateRoomError.
+        ``accepted``: when the worker took the leg, on the role's clock (default: now)."""
+        self.role.add_pd_request(req, room, accepted)
+
+
+class PrefillScheduler(SchedulerDisaggregationPrefillMixin):
     def __init__(
         self,
         args: DisaggregationArgs,
@@ -255,6 +298,14 @@ class PrefillScheduler(SchedulerDisaggregationPrefillMixin, Scheduler):
         engine: KVTransferEngine | None = None,
         clock: Callable[[], float] | None = None,
         rng: random.Random | None = None,
+        role: type[PrefillRole] = PrefillRole,
     ) -> None:
-        super().__init__(args, model=model)
-        self._init_prefill(args, engine, clock, rng)
+        """``role``: the role's class (the simulator plants bugs in a subclass of it)."""
+        super().__init__(args, model=model,
+                         role=lambda sched: role(sched, args, engine, clock, rng))
+        pd = self.role
+        # The role's books under the names the worker and tests read (the same objects).
+        self.clock, self.room_of, self.req_of = pd.clock, pd.link.room_of, pd.link.req_of
+        self.failures, self.send_queue = pd.link.failures, pd.send_queue
+        self.transfer_stats, self.stream_tokens = pd.transfer_stats, pd.stream_tokens
+        self.held_pages = pd.held_pages

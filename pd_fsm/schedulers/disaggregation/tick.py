@@ -19,9 +19,10 @@ from typing import Any, Generic, TypeVar
 import attrs
 
 from pd_fsm.core import effects as fx
-from pd_fsm.schedulers.disaggregation.common import DisaggregationCommon, DuplicateRoomError
+from pd_fsm.schedulers.disaggregation.common import DuplicateRoomError
+from pd_fsm.schedulers.disaggregation.decode import DecodeScheduler
+from pd_fsm.schedulers.disaggregation.prefill import PrefillScheduler
 from pd_fsm.schedulers.request import RequestOutput
-from pd_fsm.schedulers.scheduler import Scheduler
 
 L = TypeVar("L")  # a leg, as the embedder tracks it (an HTTP stream, a simulated client)
 
@@ -38,8 +39,43 @@ class TickResult(Generic[L]):
     phases: list[tuple[str, float]]  # (phase key, value) samples of this tick
 
 
+@attrs.frozen
+class _Admission(Generic[L]):
+    refused: list[tuple[L, int, str]]
+    unstarted: list[L]
+
+
+def _admit_legs(
+    legs: Sequence[L],
+    aborts: list[str],
+    rid: Callable[[L], str],
+    admit: Callable[[L], None],
+    on_admitted: Callable[[L], None],
+) -> _Admission[L]:
+    """Admit each leg unless it was aborted first (its rid leaves ``aborts``); a refusal is 409
+    for a live room's number, 400 otherwise."""
+    out: _Admission[L] = _Admission([], [])
+    for leg in legs:
+        if rid(leg) in aborts:
+            aborts.remove(rid(leg))
+            out.unstarted.append(leg)
+            continue
+        try:
+            admit(leg)
+        except DuplicateRoomError as exc:
+            out.refused.append((leg, 409, str(exc)))
+            continue
+        except ValueError as exc:
+            out.refused.append((leg, 400, str(exc)))
+            continue
+        on_admitted(leg)
+    return out
+
+
 def run_tick(
-    sched: DisaggregationCommon,
+    sched: PrefillScheduler | DecodeScheduler,
+    # Any: P's inbox holds PrefillEvents, D's DecodeEvents; the worker keeps one list type
+    # for either role, and the scheduler's own ``deliver`` is typed by its role.
     inbox: Sequence[tuple[float, Any]],
     legs: Sequence[L],
     aborts: list[str],
@@ -62,22 +98,7 @@ def run_tick(
     try:
         for arrived, event in inbox:
             sched.deliver(event, now=arrived)
-        refused: list[tuple[L, int, str]] = []
-        unstarted: list[L] = []
-        for leg in legs:
-            if rid(leg) in aborts:
-                aborts.remove(rid(leg))
-                unstarted.append(leg)
-                continue
-            try:
-                admit(leg)
-            except DuplicateRoomError as exc:
-                refused.append((leg, 409, str(exc)))
-                continue
-            except ValueError as exc:
-                refused.append((leg, 400, str(exc)))
-                continue
-            on_admitted(leg)
+        admission = _admit_legs(legs, aborts, rid, admit, on_admitted)
         for r in aborts:
             if may_abort(r):
                 sched.abort(r, "aborted by request")
@@ -93,8 +114,8 @@ def run_tick(
                 if failure is not None:
                     failures[out.rid] = failure
         return TickResult(
-            outputs, failures, refused, unstarted, sched.take_outbox(),
-            Scheduler.has_work(sched), sched.next_deadline(), sched.take_phase_samples(),
+            outputs, failures, admission.refused, admission.unstarted, sched.take_outbox(),
+            sched.has_forward_work(), sched.next_deadline(), sched.take_phase_samples(),
         )
     finally:
         sched.step_ended()
