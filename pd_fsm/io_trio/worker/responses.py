@@ -117,17 +117,23 @@ class Accumulator:
         self._offsets: list[int] = [self._base_offset]
         self._token_ids = token_ids  # OpenAI choices carry their token ids (return_token_ids)
         self._ids_sent = 0  # output tokens whose ids a stream chunk carried already
+        # Output tokens before this one have no log-probs here: a resumed answer's (the client
+        # has them from the worker that generated them).
+        self._logprobs_from = 0
         if resume:
             self._resume(resume, resume_text)
 
     def _resume(self, resume: tuple[int, ...], text: str) -> None:
         """A resumed answer (request migration): the client has the earlier tokens' stream
-        (their text up to ``text``), its role chunk and its echo; usage counts them as this
-        answer's output."""
+        (their text up to ``text``), its role chunk, its echo and their log-probs; usage
+        counts them as this answer's output, and completions' ``text_offset`` counts their
+        tokens' text as an uninterrupted answer's does."""
         self.output_ids = list(resume)
         self.text = text
-        self._ids_sent = len(resume)
+        self._ids_sent = self._logprobs_sent = self._logprobs_from = len(resume)
         self._role_sent = self._echo_sent = True
+        for t in resume:
+            self._offsets.append(self._offsets[-1] + len(self._texts.of(t)))
 
     @property
     def completion_tokens(self) -> int:
@@ -146,12 +152,15 @@ class Accumulator:
             self.finish = out.finish_reason
 
     def _output_entries(self, start: int, end: int) -> list[_Entry]:
+        """Output tokens ``start:end``, which have log-probs here (``start`` is at least
+        ``_logprobs_from``: callers clamp it, so that their other lists stay aligned)."""
+        lo, hi = start - self._logprobs_from, end - self._logprobs_from
         tops: Sequence[TopLogprobs | None] = (
-            self.tops[start:end] if self.spec.top else [None] * (end - start)
+            self.tops[lo:hi] if self.spec.top else [None] * (end - start)
         )
         return [
             _Entry(self._texts.of(t), t, lp, top)
-            for t, lp, top in zip(self.output_ids[start:end], self.logprobs[start:end], tops,
+            for t, lp, top in zip(self.output_ids[start:end], self.logprobs[lo:hi], tops,
                                   strict=True)
         ]
 
@@ -177,7 +186,9 @@ class Accumulator:
             "finish_reason": None if finish is None else finish.to_json(self.completion_tokens),
         }
         if self.return_logprob:
-            entries = self._output_entries(0, self.completion_tokens)
+            # A resumed answer's lists start at its first generated token: the proxy that
+            # migrated the stream puts the client's earlier entries in front.
+            entries = self._output_entries(self._logprobs_from, self.completion_tokens)
             triple = self._sglang.triple
             meta["output_token_logprobs"] = [triple(e.logprob, e.token) for e in entries]
             if self.spec.top:
@@ -216,6 +227,7 @@ class Accumulator:
         decodes to U+FFFD)."""
         if not self.return_logprob:
             return None
+        start = max(start, self._logprobs_from)
         out = self._output_entries(start, end)
         if self.kind == "chat":
             return {"content": [
@@ -283,9 +295,13 @@ class Accumulator:
     ) -> JsonObject:
         # A chunk carries the logprobs of the tokens since the previous chunk (text held back
         # for a possible stop string comes later; its tokens' logprobs ride with it).
+        # Log-probs ride with the token ids too (return_token_ids: a proxy follows the stream by
+        # them): a chat role chunk ahead of its first token's text then carries that token's,
+        # and a stream resumed from the ids the client has owes it no earlier token's.
         logprobs = None
         echo = self._echo is not None and not self._echo_sent
-        if self.return_logprob and (delta_text or finish is not None or echo):
+        ids_due = self._token_ids and self._ids_sent < len(self.output_ids)
+        if self.return_logprob and (delta_text or finish is not None or echo or ids_due):
             logprobs = self._openai_logprobs(self._logprobs_sent, self.completion_tokens,
                                              prompt=echo)
             self._logprobs_sent = self.completion_tokens
