@@ -173,19 +173,27 @@ class Progress:
 
 
 def worker_failure(raw: bytes) -> tuple[int, str] | None:
-    """(status, message) of an OpenAI stream's error event that reports a worker failure (a
-    5xx: the worker's drain deadline, a failed step), else None. A 4xx is about the request and
-    is relayed; /generate streams carry no status in their last event, and are relayed too."""
+    """(status, message) of a stream's error event that reports a worker failure (a 5xx: the
+    worker's drain deadline, a failed step), else None: an OpenAI chunk's ``error`` with its
+    ``code``, or a /generate event whose ``meta_info.finish_reason`` is an abort with its
+    ``status_code`` (sglang's FINISH_ABORT). A 4xx is about the request, and an abort without a
+    status (the request's own: a client's abort, a grammar broken) is no failure: relayed."""
     if not raw.startswith(b"data: {"):
         return None
     try:
         event = json.loads(raw[len(b"data: "):])
     except ValueError:
         return None
-    error = event.get("error") if isinstance(event, dict) else None
-    if not isinstance(error, dict):
+    if not isinstance(event, dict):
         return None
-    code, message = error.get("code"), error.get("message")
+    error, meta = event.get("error"), event.get("meta_info")
+    if isinstance(error, dict):
+        code, message = error.get("code"), error.get("message")
+    elif isinstance(meta, dict) and isinstance(finish := meta.get("finish_reason"), dict) \
+            and finish.get("type") == "abort":
+        code, message = finish.get("status_code"), finish.get("message")
+    else:
+        return None
     if type(code) is not int or not 500 <= code <= 599:
         return None
     return code, message if isinstance(message, str) else "worker failure"

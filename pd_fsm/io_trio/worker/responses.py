@@ -177,13 +177,18 @@ class Accumulator:
 
     # ------------------------------------------------------------------ sglang /generate
 
-    def _meta(self, finish: FinishReason | None) -> JsonObject:
+    def _meta(self, finish: FinishReason | None, status: int | None = None) -> JsonObject:
+        finish_json = None if finish is None else finish.to_json(self.completion_tokens)
+        if finish_json is not None and status is not None:
+            # sglang's FINISH_ABORT carries the failure's status: a proxy tells a worker's
+            # failure (5xx: it migrates the stream) from a refused request (4xx) by it.
+            finish_json["status_code"] = status
         meta: JsonObject = {
             "id": self.rid,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
-            "finish_reason": None if finish is None else finish.to_json(self.completion_tokens),
+            "finish_reason": finish_json,
         }
         if self.return_logprob:
             # A resumed answer's lists start at its first generated token: the proxy that
@@ -203,9 +208,9 @@ class Accumulator:
                     meta["input_top_logprobs"] = [self._sglang.top_triples(e.top) for e in prompt]
         return meta
 
-    def generate_body(self) -> JsonObject:
+    def generate_body(self, status: int | None = None) -> JsonObject:
         return {"text": self.text, "output_ids": list(self.output_ids),
-                "meta_info": self._meta(self.finish)}
+                "meta_info": self._meta(self.finish, status)}
 
     # ------------------------------------------------------------------ OpenAI
 
@@ -385,7 +390,7 @@ class Accumulator:
         """The last event of a stream that failed after it started."""
         self.finish = FinishReason("abort", message=message)
         if self.kind == "generate":
-            return self.generate_body()
+            return self.generate_body(status)
         chunk = self._openai_chunk("", "abort")
         chunk["error"] = {"message": message, "type": "stream_error", "code": status}
         return chunk
