@@ -104,6 +104,22 @@ def _fold(endpoint: str, events: list[Any]) -> tuple[str, int | None, list[Any]]
     return text, usage, chunks
 
 
+async def _migrated_stream(http: httpx.AsyncClient, fleet: Fleet, endpoint: str,
+                           body: dict[str, Any]) -> tuple[str, int | None, list[Any], Proc]:
+    """Stream ``body`` through the proxy, SIGKILLing the D that serves it after the 6th event:
+    (text, completion tokens, chunks) of the stream, whole (one ``[DONE]``, no error chunk) and
+    migrated once, and the D killed."""
+    before = await _proxy_stats(http, fleet["proxy"])
+    raw, killed = await _stream_and_signal(http, fleet, endpoint, body, signal.SIGKILL)
+    events = sse_events(raw.decode())
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1, raw[-800:]
+    text, usage, chunks = _fold(endpoint, events)
+    assert not any("error" in c for c in chunks), raw[-800:]
+    after = await _proxy_stats(http, fleet["proxy"])
+    assert after.get("migration", 0) == before.get("migration", 0) + 1
+    return text, usage, chunks, killed
+
+
 @pytest.mark.parametrize(("endpoint", "sampling"), [
     ("generate", "greedy"), ("completions", "greedy"), ("chat", "seeded"),
 ])
@@ -115,16 +131,10 @@ async def test_a_stream_survives_its_decode_worker_dying(
     params["ignore_eos"] = True  # every answer MAX_TOKENS long
     if sampling == "seeded":
         params.update(temperature=1.0, top_k=40, seed=1234)
-    proxy, colocated = fleet["proxy"], fleet["colocated"]
     async with httpx.AsyncClient(timeout=60) as http:
-        reference = await fetch_answer(http, str(colocated.url), endpoint,
+        reference = await fetch_answer(http, str(fleet["colocated"].url), endpoint,
                                        {**body, "stream": False})
-        before = await _proxy_stats(http, proxy)
-        raw, killed = await _stream_and_signal(http, fleet, endpoint, body, signal.SIGKILL)
-        events = sse_events(raw.decode())
-        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1, raw[-800:]
-        text, usage, chunks = _fold(endpoint, events)
-        assert not any("error" in c for c in chunks), raw[-800:]
+        text, usage, chunks, killed = await _migrated_stream(http, fleet, endpoint, body)
         assert text == reference.text  # no token repeated or missing
         assert usage == reference.completion_tokens == MAX_TOKENS  # each token counted once
         if endpoint != "generate":
@@ -133,8 +143,6 @@ async def test_a_stream_survives_its_decode_worker_dying(
         if endpoint == "chat":
             roles = [ch["delta"].get("role") for c in chunks for ch in c.get("choices") or []]
             assert roles.count("assistant") == 1  # one role chunk, as an uninterrupted stream
-        after = await _proxy_stats(http, proxy)
-        assert after.get("migration", 0) == before.get("migration", 0) + 1
         fleet.restart(killed.name)
         await wait_clean(http, fleet["p"], fleet["d0"], fleet["d1"], timeout=SLACK * 2)
 
@@ -176,20 +184,12 @@ def _floats_apart(value: Any, floats: list[float]) -> Any:
 async def test_log_probs_continue_across_a_migration(fleet: Fleet, endpoint: str) -> None:
     body = request_body(endpoint, PROMPT, MAX_TOKENS, stream=True, **LOGPROBS[endpoint])
     (body["sampling_params"] if endpoint == "generate" else body)["ignore_eos"] = True
-    proxy = fleet["proxy"]
     async with httpx.AsyncClient(timeout=60) as http:
-        r = await http.post(f"{proxy.url}{PATHS[endpoint]}", json=body)  # uninterrupted
+        r = await http.post(f"{fleet['proxy'].url}{PATHS[endpoint]}", json=body)  # uninterrupted
         assert r.status_code == 200, r.text[:500]
         text, _, whole = _fold(endpoint, sse_events(r.text))
-        before = await _proxy_stats(http, proxy)
-        raw, killed = await _stream_and_signal(http, fleet, endpoint, body, signal.SIGKILL)
-        events = sse_events(raw.decode())
-        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1, raw[-800:]
-        got_text, usage, chunks = _fold(endpoint, events)
-        assert not any("error" in c for c in chunks), raw[-800:]
+        got_text, usage, chunks, killed = await _migrated_stream(http, fleet, endpoint, body)
         assert (got_text, usage) == (text, MAX_TOKENS)
-        after = await _proxy_stats(http, proxy)
-        assert after.get("migration", 0) == before.get("migration", 0) + 1
         want_floats: list[float] = []
         got_floats: list[float] = []
         want = _floats_apart(_client_logprobs(endpoint, whole), want_floats)
