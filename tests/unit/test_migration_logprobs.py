@@ -91,13 +91,25 @@ def _client_logprobs(kind: Kind, events: list[dict[str, Any]]) -> dict[str, list
     return out
 
 
+@pytest.mark.parametrize("handoff", [False, True], ids=["migration", "handoff"])
 @pytest.mark.parametrize("kind", ["generate", "completion", "chat"])
 @pytest.mark.parametrize("outputs_before_break", [1, 2, 4, 5, 8, 11])
-def test_log_probs_continue_across_a_migration(kind: Kind, outputs_before_break: int) -> None:
+def test_log_probs_continue_across_a_migration(kind: Kind, outputs_before_break: int,
+                                               handoff: bool) -> None:
+    """A migration resumes from the ids the client has (a held-back token is generated
+    again); a hand-off from every token the draining D generated: before its ticket, it sends
+    the ids (and log-probs) of the tokens whose text it held back."""
     outs = _outputs()
     whole = _relay(Progress(PATHS[kind], stream=True), _acc(kind), outs)
     p = Progress(PATHS[kind], stream=True)
-    first = _relay(p, _acc(kind), outs[:outputs_before_break])
+    acc = _acc(kind)
+    first = _relay(p, acc, outs[:outputs_before_break])
+    if handoff:
+        for event in acc.unsent_ids_chunks():
+            p.observe(event)
+            first.append(event)
+        p.adopt_next_token({"next_token": TOKENS[outputs_before_break - 1]})
+        assert p.output_ids == TOKENS[:outputs_before_break]  # nothing adopted unsent
     done = len(p.output_ids)
     assert done <= outputs_before_break  # a held-back token's id may not have gone out
     if not done:  # nothing went out yet (completions: the first token's text was held back)

@@ -378,6 +378,17 @@ class Accumulator:
                 events.append(self.usage_chunk(self.usage()))
         return events
 
+    def unsent_ids_chunks(self) -> list[JsonObject]:
+        """An OpenAI stream that ends early with a hand-off ticket: a chunk with the ids (and
+        log-probs) of the tokens whose text is held back, so that the proxy following the ids
+        has every token the ticket covers, and the client their log-probs (the next D reports
+        only what it generates; their text it sends). None for /generate (each event carries
+        every id) or without ``return_token_ids``."""
+        if self.kind == "generate" or not self._token_ids or self._ids_sent == len(
+                self.output_ids):
+            return []
+        return [self._openai_chunk("", None)]
+
     def usage_chunk(self, usage: dict[str, int]) -> JsonObject:
         """The stream's last chunk with ``stream_options.include_usage``: no choices, ``usage``
         (a batch's is the sum of its requests')."""
