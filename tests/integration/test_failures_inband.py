@@ -3,11 +3,13 @@ processes (tiny model) behind our proxy, 1 P and 2 D, each D able to switch to c
 drain deadline far shorter than the stream (``--drain-timeout 0.01``, hand-off off).
 
 The D serving a stream is switched to null mid-stream: past its drain deadline it fails the
-request with an in-band 503 event ("the worker switched its role ..."). The proxy does not relay
-that event: the request migrates (the prompt plus the tokens the client has, in a new room) and
-the client's stream ends equal to the colocated answer, with no error chunk, usage counting each
-token once. This is what the adaptive benchmark's planner-driven switches lost requests to
-(bench/RESULTS_adaptive.md). Afterwards every worker holds nothing.
+request with an in-band 503 event ("the worker switched its role ..."): an OpenAI chunk's
+``error.code``, a /generate event's ``meta_info.finish_reason.status_code`` (sglang's
+FINISH_ABORT). The proxy does not relay that event: the request migrates (the prompt plus the
+tokens the client has, in a new room) and the client's stream ends equal to the colocated answer,
+with no error chunk, usage counting each token once. This is what the adaptive benchmark's
+planner-driven switches lost requests to (bench/RESULTS_adaptive.md). Afterwards every worker
+holds nothing, and the switched D is switched back for the next case.
 """
 
 from __future__ import annotations
@@ -60,12 +62,24 @@ async def _migrations(http: httpx.AsyncClient, proxy: Proc) -> float:
     return 0.0
 
 
-async def test_a_stream_its_decode_worker_fails_in_band_migrates(fleet: Fleet) -> None:
-    body: dict[str, Any] = request_body("completions", PROMPT, MAX_TOKENS, stream=True)
-    body["ignore_eos"] = True
+def _fold(endpoint: str, chunks: list[dict[str, Any]]) -> tuple[str, list[int]]:
+    """A stream's text and the completion tokens its usage (each usage chunk) counts."""
+    if endpoint == "generate":  # cumulative events
+        meta = chunks[-1]["meta_info"]
+        assert meta["finish_reason"]["type"] == "length", meta
+        return chunks[-1]["text"], [meta["completion_tokens"]]
+    text = "".join(ch.get("text") or "" for c in chunks for ch in c.get("choices") or [])
+    return text, [c["usage"]["completion_tokens"] for c in chunks if c.get("usage")]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "generate"])
+async def test_a_stream_its_decode_worker_fails_in_band_migrates(fleet: Fleet,
+                                                                 endpoint: str) -> None:
+    body: dict[str, Any] = request_body(endpoint, PROMPT, MAX_TOKENS, stream=True)
+    (body["sampling_params"] if endpoint == "generate" else body)["ignore_eos"] = True
     proxy, decodes = fleet["proxy"], [fleet["d0"], fleet["d1"]]
     async with httpx.AsyncClient(timeout=60) as http:
-        reference = await fetch_answer(http, str(fleet["colocated"].url), "completions",
+        reference = await fetch_answer(http, str(fleet["colocated"].url), endpoint,
                                        {**body, "stream": False})
         before = await _migrations(http, proxy)
         raw, victim = b"", None
@@ -75,7 +89,7 @@ async def test_a_stream_its_decode_worker_fails_in_band_migrates(fleet: Fleet) -
             switched["r"] = await http.post(f"{v.url}/switch_role", json={"role": "null"})
 
         async with trio.open_nursery() as nursery, http.stream(
-                "POST", f"{proxy.url}{PATHS['completions']}", json=body) as r:
+                "POST", f"{proxy.url}{PATHS[endpoint]}", json=body) as r:
             assert r.status_code == 200
             async for chunk in r.aiter_raw():
                 raw += chunk
@@ -93,8 +107,7 @@ async def test_a_stream_its_decode_worker_fails_in_band_migrates(fleet: Fleet) -
         assert events[-1] == "[DONE]" and events.count("[DONE]") == 1, raw[-800:]
         chunks = [e for e in events if isinstance(e, dict)]
         assert not any("error" in c for c in chunks), raw[-800:]
-        text = "".join(ch.get("text") or "" for c in chunks for ch in c.get("choices") or [])
-        usage = [c["usage"]["completion_tokens"] for c in chunks if c.get("usage")]
+        text, usage = _fold(endpoint, chunks)
         assert text == reference.text  # no token repeated or missing
         assert usage == [MAX_TOKENS]  # each token counted once
         assert await _migrations(http, proxy) == before + 1
@@ -107,3 +120,17 @@ async def test_a_stream_its_decode_worker_fails_in_band_migrates(fleet: Fleet) -
         # The stream was failed by the drain's deadline, not finished in place.
         assert info["last_role_switch"]["failed_in_flight"] == 1, info["last_role_switch"]
         await wait_clean(http, fleet["p"], *decodes, timeout=SLACK * 2)
+        # The next case starts with both Ds decoding, routed so by the proxy: it has probed
+        # the victim since it serves as decode again (its role epoch one more).
+        back = await http.post(f"{victim.url}/switch_role", json={"role": "decode"})
+        assert back.status_code == 202, back.text
+        epoch = info["role_epoch"] + 1
+
+        async def routed_again() -> bool | None:
+            workers = (await http.get(f"{proxy.url}/workers")).json()
+            seen = workers["roles"].get(str(victim.url)) or {}
+            ok = seen.get("epoch") == epoch and seen.get("serving") and {
+                str(d.url) for d in decodes} <= set(workers["decode"])
+            return True if ok else None
+
+        await wait_until(routed_again, SLACK, f"{victim.name} routed as decode again")

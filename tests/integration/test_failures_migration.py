@@ -5,6 +5,8 @@ proxy, 1 P and 2 D.
   prompt plus the tokens the client has, on the other D) and ends equal to the colocated
   answer, token for token, with usage counting each token once; for /generate, completions and
   chat, greedy and seeded sampling.
+- The same with output log-probs asked for: the client's log-probs (values within 1e-5, their
+  tokens, alternatives and completions' text offsets exactly) equal an uninterrupted stream's.
 - A decode worker that is down (its port refuses connections) while the proxy still lists it:
   every request is retried on the other one and answered.
 - A decode worker SIGTERMed while it streams, with no other decode worker registered, drains:
@@ -37,6 +39,11 @@ pytestmark = pytest.mark.slow
 
 PROMPT = "Tell me about the river city"
 MAX_TOKENS = 150  # long enough that the break lands mid-stream; the chat prompt fits too
+LOGPROBS: dict[str, dict[str, Any]] = {
+    "generate": {"return_logprob": True, "top_logprobs_num": 2},
+    "completions": {"logprobs": 2},
+    "chat": {"logprobs": True, "top_logprobs": 2},
+}
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +104,22 @@ def _fold(endpoint: str, events: list[Any]) -> tuple[str, int | None, list[Any]]
     return text, usage, chunks
 
 
+async def _migrated_stream(http: httpx.AsyncClient, fleet: Fleet, endpoint: str,
+                           body: dict[str, Any]) -> tuple[str, int | None, list[Any], Proc]:
+    """Stream ``body`` through the proxy, SIGKILLing the D that serves it after the 6th event:
+    (text, completion tokens, chunks) of the stream, whole (one ``[DONE]``, no error chunk) and
+    migrated once, and the D killed."""
+    before = await _proxy_stats(http, fleet["proxy"])
+    raw, killed = await _stream_and_signal(http, fleet, endpoint, body, signal.SIGKILL)
+    events = sse_events(raw.decode())
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1, raw[-800:]
+    text, usage, chunks = _fold(endpoint, events)
+    assert not any("error" in c for c in chunks), raw[-800:]
+    after = await _proxy_stats(http, fleet["proxy"])
+    assert after.get("migration", 0) == before.get("migration", 0) + 1
+    return text, usage, chunks, killed
+
+
 @pytest.mark.parametrize(("endpoint", "sampling"), [
     ("generate", "greedy"), ("completions", "greedy"), ("chat", "seeded"),
 ])
@@ -108,16 +131,10 @@ async def test_a_stream_survives_its_decode_worker_dying(
     params["ignore_eos"] = True  # every answer MAX_TOKENS long
     if sampling == "seeded":
         params.update(temperature=1.0, top_k=40, seed=1234)
-    proxy, colocated = fleet["proxy"], fleet["colocated"]
     async with httpx.AsyncClient(timeout=60) as http:
-        reference = await fetch_answer(http, str(colocated.url), endpoint,
+        reference = await fetch_answer(http, str(fleet["colocated"].url), endpoint,
                                        {**body, "stream": False})
-        before = await _proxy_stats(http, proxy)
-        raw, killed = await _stream_and_signal(http, fleet, endpoint, body, signal.SIGKILL)
-        events = sse_events(raw.decode())
-        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1, raw[-800:]
-        text, usage, chunks = _fold(endpoint, events)
-        assert not any("error" in c for c in chunks), raw[-800:]
+        text, usage, chunks, killed = await _migrated_stream(http, fleet, endpoint, body)
         assert text == reference.text  # no token repeated or missing
         assert usage == reference.completion_tokens == MAX_TOKENS  # each token counted once
         if endpoint != "generate":
@@ -126,8 +143,60 @@ async def test_a_stream_survives_its_decode_worker_dying(
         if endpoint == "chat":
             roles = [ch["delta"].get("role") for c in chunks for ch in c.get("choices") or []]
             assert roles.count("assistant") == 1  # one role chunk, as an uninterrupted stream
-        after = await _proxy_stats(http, proxy)
-        assert after.get("migration", 0) == before.get("migration", 0) + 1
+        fleet.restart(killed.name)
+        await wait_clean(http, fleet["p"], fleet["d0"], fleet["d1"], timeout=SLACK * 2)
+
+
+def _client_logprobs(endpoint: str, chunks: list[Any]) -> list[Any]:
+    """The log-probs a client folds out of a stream: /generate's last event's (cumulative)
+    lists; OpenAI chunks' entries laid end to end."""
+    if endpoint == "generate":
+        meta = chunks[-1]["meta_info"]
+        return [meta["output_token_logprobs"], meta["output_top_logprobs"]]
+    out: list[Any] = []
+    for c in chunks:
+        for choice in c.get("choices") or []:
+            lps = choice.get("logprobs")
+            if lps is None:
+                continue
+            if endpoint == "chat":
+                out.extend(lps["content"])
+            else:
+                out.extend(zip(lps["tokens"], lps["token_logprobs"], lps["top_logprobs"],
+                               lps["text_offset"], strict=True))
+    return out
+
+
+def _floats_apart(value: Any, floats: list[float]) -> Any:
+    """``value`` with each float replaced by a mark and appended to ``floats``: what must be
+    equal exactly (tokens, ids, offsets, the shape) apart from what within a tolerance."""
+    if isinstance(value, float):
+        floats.append(value)
+        return "<float>"
+    if isinstance(value, list | tuple):
+        return [_floats_apart(v, floats) for v in value]
+    if isinstance(value, dict):
+        return {k: _floats_apart(v, floats) for k, v in value.items()}
+    return value
+
+
+@pytest.mark.parametrize("endpoint", ["generate", "completions", "chat"])
+async def test_log_probs_continue_across_a_migration(fleet: Fleet, endpoint: str) -> None:
+    body = request_body(endpoint, PROMPT, MAX_TOKENS, stream=True, **LOGPROBS[endpoint])
+    (body["sampling_params"] if endpoint == "generate" else body)["ignore_eos"] = True
+    async with httpx.AsyncClient(timeout=60) as http:
+        r = await http.post(f"{fleet['proxy'].url}{PATHS[endpoint]}", json=body)  # uninterrupted
+        assert r.status_code == 200, r.text[:500]
+        text, _, whole = _fold(endpoint, sse_events(r.text))
+        got_text, usage, chunks, killed = await _migrated_stream(http, fleet, endpoint, body)
+        assert (got_text, usage) == (text, MAX_TOKENS)
+        want_floats: list[float] = []
+        got_floats: list[float] = []
+        want = _floats_apart(_client_logprobs(endpoint, whole), want_floats)
+        got = _floats_apart(_client_logprobs(endpoint, chunks), got_floats)
+        assert len(want) == (2 if endpoint == "generate" else MAX_TOKENS)
+        assert got == want  # tokens, ids, alternatives, offsets: exactly
+        assert got_floats == pytest.approx(want_floats, abs=1e-5)
         fleet.restart(killed.name)
         await wait_clean(http, fleet["p"], fleet["d0"], fleet["d1"], timeout=SLACK * 2)
 

@@ -1,12 +1,14 @@
 """What the proxy keeps of a streamed answer for the next room (proxy/migration.py Progress),
 here: a hand-off ticket whose newest token the client never got, and a worker failure D
-reported in-band."""
+reported in-band (OpenAI's error chunk, /generate's abort with its status)."""
 
 from __future__ import annotations
 
 import json
 
 from pd_fsm.io_trio.proxy.migration import Progress, worker_failure
+from pd_fsm.io_trio.worker.responses import Accumulator
+from pd_fsm.schedulers.request import RequestOutput
 
 
 def test_a_ticket_s_unsent_token_joins_resume_and_a_sent_one_does_not() -> None:
@@ -43,3 +45,31 @@ def test_a_worker_failure_reported_in_band_is_withheld_with_the_rest_of_the_stre
         assert not q.withhold(_event(relayed)) and q.failed is None
     assert worker_failure(b"data: {not json") is None
     assert worker_failure(_event({"error": {"code": 502}})) == (502, "worker failure")
+
+
+def test_a_generate_stream_s_abort_with_a_5xx_status_is_a_worker_failure() -> None:
+    """sglang's FINISH_ABORT carries ``status_code``: the worker's error event for a started
+    /generate stream (``Accumulator.error_chunk``) does, with every other field of the event, and
+    a 5xx there migrates the stream as an OpenAI chunk's ``error.code`` does."""
+    acc = Accumulator("generate", "r", "tiny", token_text=str)
+    acc.chunks(RequestOutput("r", (5,), (-0.5,), "a", None, prompt_tokens=3,
+                             completion_tokens=1))
+    event = acc.error_chunk(503, "the worker switched its role")
+    assert event["text"] == "a" and event["output_ids"] == [5]
+    meta = event["meta_info"]
+    assert isinstance(meta, dict) and meta["completion_tokens"] == 1
+    assert meta["finish_reason"] == {"type": "abort", "message": "the worker switched its role",
+                                     "status_code": 503}
+    p = Progress("/generate", stream=True)
+    assert not p.withhold(_event(acc.generate_body()))  # (a stream's events carry no status)
+    assert p.withhold(_event(event)) and p.failed == (503, "the worker switched its role")
+    assert p.withhold(b"data: [DONE]\n\n") and not p.finished
+    for relayed in ({"type": "abort", "message": "aborted by request"},  # the request's own
+                    {"type": "abort", "message": "bad", "status_code": 400},
+                    {"type": "abort", "status_code": "503"},
+                    {"type": "length", "status_code": 503}):
+        q = Progress("/generate", stream=True)
+        raw = _event({"text": "", "output_ids": [], "meta_info": {"finish_reason": relayed}})
+        assert not q.withhold(raw) and q.failed is None
+    assert worker_failure(_event({"meta_info": {"finish_reason": {
+        "type": "abort", "status_code": 500}}})) == (500, "worker failure")

@@ -10,7 +10,7 @@ import pytest
 from pd_fsm.jax_engine.model import LoadedModel, load_model
 from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import FinishReason, RequestOutput, Scheduler, SchedulerArgs
-from pd_fsm.schedulers.request import Resume
+from pd_fsm.schedulers.request import LogprobSpec, Resume
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=14, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=42, max_new_tokens=14,
@@ -33,9 +33,10 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 def _run(tiny: LoadedModel, prompt: list[int], sp: SamplingParams,
-         resume: Resume | None = None) -> tuple[list[RequestOutput], Scheduler]:
+         resume: Resume | None = None, logprobs: LogprobSpec | None = None
+         ) -> tuple[list[RequestOutput], Scheduler]:
     sched = _sched(tiny)
-    sched.add_request(sched.make_request("r", prompt, sp, resume=resume))
+    sched.add_request(sched.make_request("r", prompt, sp, logprobs=logprobs, resume=resume))
     outputs = sched.run_until_idle()
     stats = sched.stats()
     assert stats.free_pages == stats.total_pages  # nothing held after the request
@@ -66,6 +67,27 @@ def test_a_resumed_request_continues_the_uninterrupted_one(
     # Usage counts the prompt once and every output token once, wherever it was generated.
     assert (last.prompt_tokens, last.completion_tokens) == (len(prompt), len(ids))
     assert last.finish_reason == FinishReason("length")
+
+
+@pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_resumed_request_s_log_probs_are_the_uninterrupted_one_s_from_the_break(
+    tiny: LoadedModel, sp: SamplingParams
+) -> None:
+    """It computes those of the tokens it generates (and none of the resumed ones, which are
+    part of its prefill): equal to the uninterrupted run's, alternatives included."""
+    prompt, cut, spec = _prompt(6, 9), 5, LogprobSpec(top=3)
+    whole, _ = _run(tiny, prompt, sp, logprobs=spec)
+    ids = _ids(whole)
+    rest, _ = _run(tiny, prompt, sp, Resume(tuple(ids[:cut]), text_sent=cut), spec)
+    assert _ids(rest) == ids[cut:]
+    assert all(o.prompt_logprobs is None for o in rest)
+    lps = [lp for o in whole for lp in o.new_logprobs][cut:]
+    assert [lp for o in rest for lp in o.new_logprobs] == pytest.approx(lps, abs=1e-5)
+    tops = [t for o in whole for t in o.new_top_logprobs][cut:]
+    got = [t for o in rest for t in o.new_top_logprobs]
+    assert [[tok for tok, _ in t] for t in got] == [[tok for tok, _ in t] for t in tops]
+    assert [lp for t in got for _, lp in t] == pytest.approx(
+        [lp for t in tops for _, lp in t], abs=1e-5)
 
 
 def test_text_the_client_has_not_seen_yet_is_sent_by_the_new_worker(tiny: LoadedModel) -> None:

@@ -8,6 +8,13 @@ asked for them too. The next room's body carries ``resume: {output_ids, text}``:
 prefills the prompt plus those tokens and streams only what follows, so the client's stream goes
 on with no token repeated or missing (``schedulers.request.Resume``).
 
+Output log-probs continue too: the new worker computes those of the tokens it generates, and
+counts completions' ``text_offset`` from the start of the answer (the resumed tokens' text
+included). OpenAI chunks carry their own tokens' entries, so nothing is missing; a ``/generate``
+event's lists are cumulative, and the proxy puts the entries the client has of the resumed
+tokens in front of the new worker's. Prompt log-probs and ``echo`` are not migratable: the
+prefill that computed them is not run again.
+
 A draining D (``pd-fsm serve``'s default ``--drain-handoff``) may instead end a stream it was
 allowed to (``accept_handoff``: asked only while the proxy routes another D) with a hand-off
 ticket (issue 32 §2): the KV it registered for the stream.
@@ -27,23 +34,27 @@ from pd_fsm.io_trio.proxy.logprob_merge import wants_prompt_logprobs
 from pd_fsm.io_trio.worker.sse import handoff_ticket
 
 _OPENAI = ("/v1/completions", "/v1/chat/completions")
+# /generate's cumulative lists of the output tokens' log-probs, one entry a token: a resumed
+# worker's start at the first token it generated (worker/responses.py).
+_GENERATE_LOGPROBS = ("output_token_logprobs", "output_top_logprobs")
 
 
 def migratable(path: str, body: Mapping[str, object]) -> bool:
     """Whether an answer to ``body`` can be continued exactly by another worker: one sequence,
-    no log-probs (a new worker could not report the earlier tokens'), no echo, not a batch."""
+    no echo, no prompt log-probs (the prefill that computed them is not run again), not a
+    batch. The output tokens' log-probs continue: the new worker reports its own tokens'."""
+    if wants_prompt_logprobs(path, body):
+        return False
     if path == "/generate":
         sp = body.get("sampling_params")
         n = sp.get("n", 1) if isinstance(sp, dict) else 1
         single = isinstance(body.get("text"), str) or _flat_ids(body.get("input_ids"))
-        return bool(single) and n in (1, None) and not body.get("return_logprob")
+        return bool(single) and n in (1, None)
     if path not in _OPENAI:
         return False
     if body.get("n") not in (1, None) or body.get("best_of") not in (1, None):
         return False
-    if body.get("logprobs") or body.get("top_logprobs") or body.get("echo"):
-        return False
-    return not wants_prompt_logprobs(path, body)
+    return not body.get("echo")
 
 
 def _flat_ids(v: object) -> TypeGuard[list[int]]:
@@ -60,6 +71,9 @@ class Progress:
     client_wants_ids: bool = False  # the client asked for return_token_ids itself
     output_ids: list[int] = attrs.field(factory=list)
     text: str = ""
+    # /generate: the client's latest cumulative log-prob lists (``_GENERATE_LOGPROBS``), whose
+    # entries for the resumed tokens go in front of a later room's.
+    logprobs: dict[str, list[object]] = attrs.field(factory=dict)
     finished: bool = False
     # A draining D ended the stream with this hand-off ticket (issue 32 §2): the next room's D
     # pulls the KV it names. Cleared when a room is opened without it.
@@ -116,9 +130,11 @@ class Progress:
             return False
         if self.path == "/generate":
             ids, text = event.get("output_ids"), event.get("text")
+            meta = event.get("meta_info")
             if _flat_ids(ids) and isinstance(text, str):
                 self.output_ids, self.text = list(ids), text
-            meta = event.get("meta_info")
+                if isinstance(meta, dict):
+                    self._continue_logprobs(meta, len(ids))
             if isinstance(meta, dict) and meta.get("finish_reason") is not None:
                 self.finished = True
             return False
@@ -140,21 +156,44 @@ class Progress:
                 self.finished = True
         return False
 
+    def _continue_logprobs(self, meta: dict[str, object], tokens: int) -> None:
+        """A /generate event's log-prob lists, as the client gets them: a resumed worker's
+        lack the entries of the tokens it resumed (of ``tokens``, the event's output ids), which
+        the client has; those go in front, so that each event's lists cover its output, as an
+        uninterrupted stream's do."""
+        for key in _GENERATE_LOGPROBS:
+            theirs = meta.get(key)
+            if not isinstance(theirs, list):
+                continue
+            ours = self.logprobs.get(key, [])
+            missing = tokens - len(theirs)
+            if 0 < missing <= len(ours):
+                theirs = meta[key] = ours[:missing] + theirs
+            self.logprobs[key] = theirs
+
 
 def worker_failure(raw: bytes) -> tuple[int, str] | None:
-    """(status, message) of an OpenAI stream's error event that reports a worker failure (a
-    5xx: the worker's drain deadline, a failed step), else None. A 4xx is about the request and
-    is relayed; /generate streams carry no status in their last event, and are relayed too."""
+    """(status, message) of a stream's error event that reports a worker failure (a 5xx: the
+    worker's drain deadline, a failed step), else None: an OpenAI chunk's ``error`` with its
+    ``code``, or a /generate event whose ``meta_info.finish_reason`` is an abort with its
+    ``status_code`` (sglang's FINISH_ABORT). A 4xx is about the request, and an abort without a
+    status (the request's own: a client's abort, a grammar broken) is no failure: relayed."""
     if not raw.startswith(b"data: {"):
         return None
     try:
         event = json.loads(raw[len(b"data: "):])
     except ValueError:
         return None
-    error = event.get("error") if isinstance(event, dict) else None
-    if not isinstance(error, dict):
+    if not isinstance(event, dict):
         return None
-    code, message = error.get("code"), error.get("message")
+    error, meta = event.get("error"), event.get("meta_info")
+    if isinstance(error, dict):
+        code, message = error.get("code"), error.get("message")
+    elif isinstance(meta, dict) and isinstance(finish := meta.get("finish_reason"), dict) \
+            and finish.get("type") == "abort":
+        code, message = finish.get("status_code"), finish.get("message")
+    else:
+        return None
     if type(code) is not int or not 500 <= code <= 599:
         return None
     return code, message if isinstance(message, str) else "worker failure"

@@ -369,6 +369,8 @@ class GenerationRoutes:
                 # For the proxy, which asked for it (accept_handoff) and does not relay it: the
                 # stream goes on on another D. No [DONE]: this answer is not whole.
                 self._state.metrics.requests.labels(endpoint, "handed_off").inc()
+                for payload in acc.unsent_ids_chunks():
+                    yield event(payload)
                 yield handoff_event(handed.ticket)
                 return
             except BackendError as exc:

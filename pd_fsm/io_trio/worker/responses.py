@@ -117,17 +117,23 @@ class Accumulator:
         self._offsets: list[int] = [self._base_offset]
         self._token_ids = token_ids  # OpenAI choices carry their token ids (return_token_ids)
         self._ids_sent = 0  # output tokens whose ids a stream chunk carried already
+        # Output tokens before this one have no log-probs here: a resumed answer's (the client
+        # has them from the worker that generated them).
+        self._logprobs_from = 0
         if resume:
             self._resume(resume, resume_text)
 
     def _resume(self, resume: tuple[int, ...], text: str) -> None:
         """A resumed answer (request migration): the client has the earlier tokens' stream
-        (their text up to ``text``), its role chunk and its echo; usage counts them as this
-        answer's output."""
+        (their text up to ``text``), its role chunk, its echo and their log-probs; usage
+        counts them as this answer's output, and completions' ``text_offset`` counts their
+        tokens' text as an uninterrupted answer's does."""
         self.output_ids = list(resume)
         self.text = text
-        self._ids_sent = len(resume)
+        self._ids_sent = self._logprobs_sent = self._logprobs_from = len(resume)
         self._role_sent = self._echo_sent = True
+        for t in resume:
+            self._offsets.append(self._offsets[-1] + len(self._texts.of(t)))
 
     @property
     def completion_tokens(self) -> int:
@@ -146,12 +152,15 @@ class Accumulator:
             self.finish = out.finish_reason
 
     def _output_entries(self, start: int, end: int) -> list[_Entry]:
+        """Output tokens ``start:end``, which have log-probs here (``start`` is at least
+        ``_logprobs_from``: callers clamp it, so that their other lists stay aligned)."""
+        lo, hi = start - self._logprobs_from, end - self._logprobs_from
         tops: Sequence[TopLogprobs | None] = (
-            self.tops[start:end] if self.spec.top else [None] * (end - start)
+            self.tops[lo:hi] if self.spec.top else [None] * (end - start)
         )
         return [
             _Entry(self._texts.of(t), t, lp, top)
-            for t, lp, top in zip(self.output_ids[start:end], self.logprobs[start:end], tops,
+            for t, lp, top in zip(self.output_ids[start:end], self.logprobs[lo:hi], tops,
                                   strict=True)
         ]
 
@@ -168,16 +177,23 @@ class Accumulator:
 
     # ------------------------------------------------------------------ sglang /generate
 
-    def _meta(self, finish: FinishReason | None) -> JsonObject:
+    def _meta(self, finish: FinishReason | None, status: int | None = None) -> JsonObject:
+        finish_json = None if finish is None else finish.to_json(self.completion_tokens)
+        if finish_json is not None and status is not None:
+            # sglang's FINISH_ABORT carries the failure's status: a proxy tells a worker's
+            # failure (5xx: it migrates the stream) from a refused request (4xx) by it.
+            finish_json["status_code"] = status
         meta: JsonObject = {
             "id": self.rid,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
-            "finish_reason": None if finish is None else finish.to_json(self.completion_tokens),
+            "finish_reason": finish_json,
         }
         if self.return_logprob:
-            entries = self._output_entries(0, self.completion_tokens)
+            # A resumed answer's lists start at its first generated token: the proxy that
+            # migrated the stream puts the client's earlier entries in front.
+            entries = self._output_entries(self._logprobs_from, self.completion_tokens)
             triple = self._sglang.triple
             meta["output_token_logprobs"] = [triple(e.logprob, e.token) for e in entries]
             if self.spec.top:
@@ -192,9 +208,9 @@ class Accumulator:
                     meta["input_top_logprobs"] = [self._sglang.top_triples(e.top) for e in prompt]
         return meta
 
-    def generate_body(self) -> JsonObject:
+    def generate_body(self, status: int | None = None) -> JsonObject:
         return {"text": self.text, "output_ids": list(self.output_ids),
-                "meta_info": self._meta(self.finish)}
+                "meta_info": self._meta(self.finish, status)}
 
     # ------------------------------------------------------------------ OpenAI
 
@@ -216,6 +232,7 @@ class Accumulator:
         decodes to U+FFFD)."""
         if not self.return_logprob:
             return None
+        start = max(start, self._logprobs_from)
         out = self._output_entries(start, end)
         if self.kind == "chat":
             return {"content": [
@@ -283,9 +300,13 @@ class Accumulator:
     ) -> JsonObject:
         # A chunk carries the logprobs of the tokens since the previous chunk (text held back
         # for a possible stop string comes later; its tokens' logprobs ride with it).
+        # Log-probs ride with the token ids too (return_token_ids: a proxy follows the stream by
+        # them): a chat role chunk ahead of its first token's text then carries that token's,
+        # and a stream resumed from the ids the client has owes it no earlier token's.
         logprobs = None
         echo = self._echo is not None and not self._echo_sent
-        if self.return_logprob and (delta_text or finish is not None or echo):
+        ids_due = self._token_ids and self._ids_sent < len(self.output_ids)
+        if self.return_logprob and (delta_text or finish is not None or echo or ids_due):
             logprobs = self._openai_logprobs(self._logprobs_sent, self.completion_tokens,
                                              prompt=echo)
             self._logprobs_sent = self.completion_tokens
@@ -357,6 +378,17 @@ class Accumulator:
                 events.append(self.usage_chunk(self.usage()))
         return events
 
+    def unsent_ids_chunks(self) -> list[JsonObject]:
+        """An OpenAI stream that ends early with a hand-off ticket: a chunk with the ids (and
+        log-probs) of the tokens whose text is held back, so that the proxy following the ids
+        has every token the ticket covers, and the client their log-probs (the next D reports
+        only what it generates; their text it sends). None for /generate (each event carries
+        every id) or without ``return_token_ids``."""
+        if self.kind == "generate" or not self._token_ids or self._ids_sent == len(
+                self.output_ids):
+            return []
+        return [self._openai_chunk("", None)]
+
     def usage_chunk(self, usage: dict[str, int]) -> JsonObject:
         """The stream's last chunk with ``stream_options.include_usage``: no choices, ``usage``
         (a batch's is the sum of its requests')."""
@@ -369,7 +401,7 @@ class Accumulator:
         """The last event of a stream that failed after it started."""
         self.finish = FinishReason("abort", message=message)
         if self.kind == "generate":
-            return self.generate_body()
+            return self.generate_body(status)
         chunk = self._openai_chunk("", "abort")
         chunk["error"] = {"message": message, "type": "stream_error", "code": status}
         return chunk

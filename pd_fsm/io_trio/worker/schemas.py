@@ -213,8 +213,10 @@ class ParsedRequest:
             raise ApiError(400, "handoff needs resume (the tokens the ticket's KV covers)")
         if self.resume is None:
             return
-        # What a resumed answer could not continue exactly is refused by name.
-        for name, used in (("n > 1", self.n > 1), ("logprobs", self.return_logprob),
+        # What a resumed answer could not continue exactly is refused by name. Its output
+        # tokens' log-probs it reports from its first generated token on (the client has the
+        # earlier ones); the prompt's would need the prefill that a failed worker ran.
+        for name, used in (("n > 1", self.n > 1), ("prompt log-probs", self.logprobs.prompt),
                            ("echo", self.echo)):
             if used:
                 raise ApiError(400, f"resume cannot be combined with {name}")
