@@ -27,7 +27,7 @@ prometheus:
 
 lint: setup
 	$(VENV)/bin/ruff check pd_fsm tests bench
-	$(VENV)/bin/mypy --strict pd_fsm/core pd_fsm/sim
+	$(VENV)/bin/mypy --strict pd_fsm/core pd_fsm/sim pd_fsm/schedulers pd_fsm/io_trio
 	$(VENV)/bin/mypy pd_fsm
 
 spec: setup

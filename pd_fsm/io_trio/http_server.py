@@ -76,9 +76,11 @@ class _ClosingSafeTCPServer(TCPServer):
 
 
 def install_probe_safe_server() -> None:
-    # hypercorn.trio.run builds its per-connection servers from this module global.
-    if hypercorn_run.TCPServer is TCPServer:
-        hypercorn_run.TCPServer = _ClosingSafeTCPServer  # type: ignore[misc]
+    # hypercorn.trio.run builds its per-connection servers from this module global. It imports
+    # TCPServer without re-exporting it, so the global is reached through the module's dict.
+    names = vars(hypercorn_run)
+    if names.get("TCPServer") is TCPServer:
+        names["TCPServer"] = _ClosingSafeTCPServer
 
 
 def hypercorn_config(

@@ -81,7 +81,8 @@ class ServiceActor:
         import ray
 
         self.name = name
-        self.host: str = ray.util.get_node_ip_address()
+        # Ray's own functions carry no annotations: each call here is no-untyped-call.
+        self.host: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         state_dir = Path(tempfile.gettempdir()) / "pd_fsm_ray" / cluster_id
         state_dir.mkdir(parents=True, exist_ok=True)
         self._state_file = state_dir / f"{name}.json"
@@ -220,8 +221,8 @@ class RayCluster:
         self.cluster_id = uuid.uuid4().hex[:12]
         self.services: list[Service] = []
         self.stop_requested = False
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        here = ray.util.get_node_ip_address()
+        nodes = [n for n in ray.nodes() if n.get("Alive")]  # type: ignore[no-untyped-call]
+        here = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         self.node_specs = {
             role: [s for s in (getattr(args, f"{role}_nodes") or here).split(",") if s]
             for role in ("prefill", "decode", "bootstrap", "proxy", "colocated")
