@@ -28,11 +28,12 @@ def _spec_check(args: argparse.Namespace) -> int:
         from pd_fsm.core.dispatch import handler_problems
         from pd_fsm.core.machines import core_machines
 
-        for owner, tables in core_machines():
-            problems = handler_problems(owner, tables)
+        for owner, parts, tables in core_machines():
+            problems = handler_problems(owner, tables, parts)
             names = "+".join(t.name for t in tables)
+            through = f" (with {', '.join(p.__name__ for p in parts)})" if parts else ""
             print(f"{owner.__name__} runs {names}: "
-                  f"{'every effect has its handler' if not problems else 'mismatch'}")
+                  f"{'every effect has its handler' if not problems else 'mismatch'}{through}")
             for p in problems:
                 print(f"  - {p}")
             bad += len(problems)

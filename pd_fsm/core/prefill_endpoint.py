@@ -3,30 +3,27 @@
 One entry point, ``handle(event, now) -> list[effect]``. Due lease expiries fire first, then the
 event. Messages from D are validated here (layout hash, page count, which D owns the room); a
 message the tables have no row for fails that room through ``ProtocolViolated`` and the endpoint
-keeps serving.
+keeps serving. What the endpoint keeps is split by concern into the parts it holds: each room's
+KV hold lease (``prefill_lease.Leases``, table kv_hold_lease), the KV registered for D and the
+READY and KV_PART that offer it (``prefill_kv.Registrations``), and what the rows say to D and
+answer our leg (``prefill_outbox``).
 """
 
 from __future__ import annotations
 
 import random
-
-import attrs
+from typing import ClassVar
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.config import LeaseConfig
 from pd_fsm.core.errors import LocalProtocolError
 from pd_fsm.core.kvpoll import KVPoll
-from pd_fsm.core.messages import (
-    Abort,
-    Done,
-    Heartbeat,
-    HeartbeatAck,
-    KVPart,
-    Ready,
-    RecvInit,
-    TokenLogprob,
-)
+from pd_fsm.core.messages import Abort, Done, Heartbeat, HeartbeatAck, RecvInit
+from pd_fsm.core.prefill_kv import Offering, Registrations
+from pd_fsm.core.prefill_lease import Leases
+from pd_fsm.core.prefill_outbox import SenderOutbox
+from pd_fsm.core.prefill_room import SenderRoom
 from pd_fsm.core.rooms import Cause, RoomMachines
 from pd_fsm.core.tables import KV_HOLD_LEASE, KV_SENDER
 
@@ -39,67 +36,12 @@ _Fx = fx.PrefillEffect
 _LEASE = KV_HOLD_LEASE.transitions
 
 
-class _SenderRoom:
-    __slots__ = (
-        "d_incarnation",
-        "d_pages",
-        "d_skip",
-        "expires_at",
-        "first_logprob",
-        "first_token",
-        "first_top",
-        "has_request",
-        "kv_checksums",
-        "lease",
-        "n_pages",
-        "part_end",
-        "part_held",
-        "parts",
-        "peer",
-        "ready_held",
-        "refusal",
-        "room",
-        "sent",
-        "spare_uuid",
-        "state",
-        "uuid",
-        "written",
-    )
-
-    def __init__(self, room: int) -> None:
-        self.room = room
-        self.state = KV_SENDER.initial
-        self.lease = KV_HOLD_LEASE.initial
-        self.expires_at = 0.0
-        self.peer: str | None = None
-        self.uuid: int | None = None
-        self.first_token = -1
-        self.first_logprob = 0.0
-        self.first_top: tuple[TokenLogprob, ...] = ()
-        self.n_pages = -1  # ours, known at PrefillFinished
-        self.d_pages = -1  # D's claim, from RECV_INIT
-        self.d_skip = 0  # leading pages D holds already (RECV_INIT): not registered
-        # Streamed KV: the pages D has or is pulling (D's own, then the parts sent), the end of
-        # the part being registered, and every part's registration (released with the room).
-        self.sent = 0
-        self.part_end = 0
-        self.parts: list[int] = []
-        self.written = 0  # whole prompt pages our chunks wrote so far (PartPrefilled)
-        self.part_held: KVPart | None = None  # KV checksums on: the part waits for its sums
-        self.d_incarnation = 0  # of the D process whose RECV_INIT bound the room (0: not said)
-        self.has_request = False
-        self.refusal = ""  # D's reason, for a room D aborted before our leg arrived (REFUSED)
-        # KV checksums on: the spare registration (D's re-pull), the checksums of the current
-        # registration (None until KVChecksummed), and whether a row's READY waits for them.
-        self.spare_uuid: int | None = None
-        self.kv_checksums: tuple[int, ...] | None = None
-        self.ready_held = False
-
-
-class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
-    extra_tables = (KV_HOLD_LEASE,)
+class PrefillEndpoint(RoomMachines[SenderRoom, fx.PrefillEffect]):
     table = KV_SENDER
     peer_role = "D"
+    effect_parts = (Registrations, SenderOutbox)
+    # Who runs each room's kv_hold_lease (the simulator plants a bug through it).
+    leases_type: ClassVar[type[Leases]] = Leases
 
     def __init__(
         self,
@@ -114,7 +56,6 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
         self.config = config or LeaseConfig()
         super().__init__(self.config.recently_finished)
         self.layout_hash = layout_hash
-        self._rng = rng
         # Changes on every process start; D reads a change as "P restarted, its rooms are gone".
         self.incarnation = rng.getrandbits(63) if incarnation is None else incarnation
         # Named in every READY: D pulls from here, not from a route it cached before we restarted.
@@ -125,6 +66,11 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
         # gather: KVChecksummed) and a spare registration of it, for D's one re-pull.
         self.kv_checksum = kv_checksum
         self._d_incarnations: dict[str, int] = {}  # D identity -> its current process
+        self.leases = self.leases_type(self.config, self._room_timers, self._on_lease_expired)
+        offering = Offering(layout_hash, self.incarnation, transfer_addr, kv_shards)
+        self.registrations = Registrations(offering, rng, kv_checksum, self.stats)
+        self.outbox = SenderOutbox()
+        self._bind_effects(self.registrations, self.outbox)
 
     # -- entry point --------------------------------------------------------------------------
 
@@ -133,7 +79,8 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
         out: list[fx.PrefillEffect] = []
         self.stats.events += 1
         if self._room_timers.maybe_due(now):
-            self._expire_leases(now, out)
+            for room in self._room_timers.pop_due(now):
+                self.leases.step(self.rooms[room], _LT.Expired, now, out)
         match event:
             case ev.MessageReceived():
                 self._on_message(event, now, out)
@@ -146,7 +93,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
             case ev.PrefillFailed():
                 self._on_prefill_failed(event, now, out)
             case ev.KVChecksummed():
-                self._on_kv_checksummed(event, now, out)
+                self.registrations.on_checksummed(self.rooms.get(event.room), event, out)
             case ev.Aborted():
                 self._on_aborted(event, now, out)
             case ev.StepStarted():
@@ -171,7 +118,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
             out.append(fx.RejectRequest(e.room, f"bootstrap_room {e.room} is already live here"))
             return
         if r is None:
-            r = _SenderRoom(e.room)
+            r = SenderRoom(e.room)
             self._admit(r)
         r.has_request = True
         # REFUSED (D aborted the room first): the row fails our leg at once, with D's reason:
@@ -214,23 +161,6 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
         if r is not None:
             self._step(r, _T.PrefillFailed, now, out, Cause(_T.PrefillFailed, e.reason))
 
-    def _on_kv_checksummed(self, e: ev.KVChecksummed, now: float, out: list[_Fx]) -> None:
-        if not self.kv_checksum:
-            raise LocalProtocolError("KVChecksummed, but this endpoint runs no KV checksums")
-        r = self.rooms.get(e.room)
-        if r is not None and r.part_held is not None and r.part_held.uuid == e.uuid:
-            part, r.part_held = r.part_held, None
-            assert r.peer is not None  # a part is registered only for a bound D
-            out.append(fx.SendMessage(r.peer, attrs.evolve(part, kv_checksums=e.checksums)))
-            return
-        if r is None or r.uuid != e.uuid:
-            self.stats.late += 1  # the room ended, or NarrowKV replaced that registration
-            return
-        r.kv_checksums = e.checksums
-        if r.ready_held:
-            r.ready_held = False
-            out.append(self._ready(r))
-
     def _on_aborted(self, e: ev.Aborted, now: float, out: list[_Fx]) -> None:
         r = self.rooms.get(e.room)
         if r is None:
@@ -242,7 +172,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
         else:
             self.stats.late += 1
 
-    def _live_local(self, room: int, what: str) -> _SenderRoom | None:
+    def _live_local(self, room: int, what: str) -> SenderRoom | None:
         r = self.rooms.get(room)
         if r is None:
             if room in self._finished:
@@ -268,7 +198,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
             case _:
                 self.stats.unexpected += 1  # READY / HB_ACK: only D receives those
 
-    def _room_for(self, peer: str, room: int) -> _SenderRoom | None:
+    def _room_for(self, peer: str, room: int) -> SenderRoom | None:
         """The live room, if ``peer`` may speak for it; counts the reason otherwise."""
         r = self.rooms.get(room)
         if r is None:
@@ -289,7 +219,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
                 self.stats.late += 1
                 out.append(fx.SendMessage(peer, Abort(m.room, "room already finished on P")))
                 return
-            r = _SenderRoom(m.room)
+            r = SenderRoom(m.room)
             self._admit(r)
         elif r.peer is not None and r.peer != peer:
             self.stats.foreign_peer += 1
@@ -343,7 +273,7 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
             # Before our own leg: D refused its leg (a null bootstrap_port) or gave up on it.
             # Remember the room (REFUSED, for a lease window) so our leg fails when it arrives
             # instead of waiting a whole lease for a RECV_INIT that will never come.
-            fresh = _SenderRoom(m.room)
+            fresh = SenderRoom(m.room)
             fresh.refusal = m.reason or "aborted"
             self._admit(fresh)
             self._remote(fresh, _T.AbortReceived, now, out, f"D aborted: {m.reason}")
@@ -389,122 +319,25 @@ class PrefillEndpoint(RoomMachines[_SenderRoom, fx.PrefillEffect]):
                 self.stats.foreign_peer += 1
                 continue
             if (r.lease, _LT.HeartbeatReceived) in _LEASE:  # a heartbeat extends a held lease
-                self._lease_step(r, _LT.HeartbeatReceived, now, out)
+                self.leases.step(r, _LT.HeartbeatReceived, now, out)
         ack = HeartbeatAck(self.incarnation, m.seq, tuple(failed), tuple(unknown))
         out.append(fx.SendMessage(peer, ack))
 
     # -- the lease ----------------------------------------------------------------------------
 
-    def _lease_step(self, r: _SenderRoom, trigger: str, now: float, out: list[_Fx]) -> None:
-        """Step the room's kv_hold_lease machine and run its row's effects."""
-        tr = _LEASE.get((r.lease, trigger))
-        if tr is None:
-            raise LocalProtocolError(
-                f"kv_hold_lease: room {r.room} in {r.lease} has no row for {trigger}"
-            )
-        r.lease = tr.target
-        for name in tr.effects:
-            self._fx[name](r, now, out, Cause(trigger))
-
-    def _expire_leases(self, now: float, out: list[_Fx]) -> None:
-        for room in self._room_timers.pop_due(now):
-            self._lease_step(self.rooms[room], _LT.Expired, now, out)
-
-    # -- effects of kv_hold_lease ---------------------------------------------------------------
-
-    def _fx_SetExpiry(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
-        r.expires_at = now + self.config.initial
-        self._room_timers.set(r.room, r.expires_at)
-
-    def _fx_ExtendExpiry(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
-        expiry = now + self.config.extension  # never shorter: max(old, now + extension)
-        if expiry > r.expires_at:
-            r.expires_at = expiry
-            self._room_timers.set(r.room, expiry)
-
-    def _fx_ExpireRoom(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
+    def _on_lease_expired(self, r: SenderRoom, now: float, out: list[_Fx], why: str) -> None:
+        """kv_hold_lease's ExpireRoom: the room fails (its KV is freed without D)."""
         self.stats.lease_expired += 1
-        why = f"KV hold lease expired at {r.expires_at:.3f}: no heartbeat from D"
         self._step(r, _T.LeaseExpired, now, out, Cause(_T.LeaseExpired, why))
 
-    # -- effects (names from the tables) ------------------------------------------------------
+    # -- effects (names from the tables; the others are the parts') ----------------------------
 
-    def _fx_GrantLease(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
-        self._lease_step(r, _LT.Granted, now, out)  # SetExpiry
+    def _fx_GrantLease(self, r: SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
+        self.leases.step(r, _LT.Granted, now, out)  # SetExpiry
 
-    def _fx_ReleaseLease(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
-        self._lease_step(r, _LT.Released, now, out)
+    def _fx_ReleaseLease(self, r: SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
+        self.leases.step(r, _LT.Released, now, out)
         self._room_timers.cancel(r.room)
-
-    def _fx_BindPeer(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
-        pass  # r.peer was set when the RECV_INIT was checked (before any abort could need it)
-
-    def _fx_RegisterKV(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
-        uuid = self._new_registration(r)
-        out.append(fx.RegisterKV(r.room, uuid, r.sent, r.spare_uuid))
-
-    def _fx_NarrowKV(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
-        old, old_spare = r.uuid, r.spare_uuid
-        assert old is not None  # PREFILLED_NO_PEER: registered at PrefillFinished
-        uuid = self._new_registration(r)
-        out.append(fx.NarrowKV(r.room, uuid, r.d_skip, old, r.spare_uuid, old_spare))
-
-    def _fx_RegisterPart(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
-        uuid = self._rng.getrandbits(64)
-        r.parts.append(uuid)
-        out.append(fx.RegisterPart(r.room, uuid, r.sent, r.part_end - r.sent, self.kv_checksum))
-
-    def _fx_SendPart(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
-        assert r.peer is not None and r.parts  # RegisterPart ran first, in the same row
-        part = KVPart(r.room, r.parts[-1], r.sent, r.part_end - r.sent, self.layout_hash,
-                      self.incarnation, self.transfer_addr, self.kv_shards)
-        r.sent = r.part_end
-        if self.kv_checksum:
-            # As READY: the part goes once the embedder has summed what it registered
-            # (KVChecksummed for the part's uuid, fed back in this same driver step).
-            r.part_held = part
-            return
-        out.append(fx.SendMessage(r.peer, part))
-
-    def _new_registration(self, r: _SenderRoom) -> int:
-        # Fresh random uuids, not the room id: unguessable and never reused for another room.
-        # (The spare is drawn only with checksums on, so without them the draws are as before.)
-        r.uuid = uuid = self._rng.getrandbits(64)
-        r.spare_uuid = self._rng.getrandbits(64) if self.kv_checksum else None
-        r.kv_checksums = None  # the new registration's come with KVChecksummed
-        return uuid
-
-    def _fx_SendReady(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
-        if self.kv_checksum and r.kv_checksums is None:
-            # Registered in this same step (RegisterKV / NarrowKV just ran): READY goes as soon
-            # as the embedder has the checksums of what it registered (KVChecksummed, fed back
-            # before the step's messages leave), never without them.
-            r.ready_held = True
-            return
-        out.append(self._ready(r))
-
-    def _ready(self, r: _SenderRoom) -> fx.SendMessage:
-        assert r.peer is not None and r.uuid is not None
-        ready = Ready(
-            r.room, r.uuid, r.first_token, r.n_pages - r.sent, self.layout_hash,
-            r.first_logprob,
-            self.incarnation, self.transfer_addr, r.first_top, self.kv_shards,
-            r.kv_checksums or (), r.spare_uuid or 0,
-        )
-        return fx.SendMessage(r.peer, ready)
-
-    def _fx_SendAbort(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
-        if r.peer is not None:
-            out.append(fx.SendMessage(r.peer, Abort(r.room, cause.reason)))
-
-    def _fx_ReleaseKV(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
-        out.append(fx.ReleaseKV(r.room, r.uuid, r.spare_uuid, tuple(r.parts)))
-
-    def _fx_CompleteRequest(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
-        out.append(fx.CompleteRequest(r.room))
-
-    def _fx_FailRequest(self, r: _SenderRoom, now: float, out: list[_Fx], cause: Cause) -> None:
-        out.append(fx.FailRequest(r.room, cause.reason, cause.status))
 
 
 # A step caused by our own event, which carries no reason of its own: what a client would read.

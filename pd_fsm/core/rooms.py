@@ -1,16 +1,18 @@
 """What P's and D's endpoints share: rooms stepped through a compiled table.
 
-A subclass supplies the table and one ``_fx_<Effect>`` method per effect name in it (checked at
-construction, so a table effect without code fails at start-up, not mid-request). Finished rooms
-leave the live dict at once (bytes per live room stay small) and are remembered, bounded, in
-``_finished`` so late messages are told apart from unknown ones and ``poll()`` still answers.
+A subclass supplies the table and one ``_fx_<Effect>`` method per effect name in it, its own or
+one of its parts' (``effect_parts``: the objects it is split into by concern), bound when it is
+built (``_bind_effects``), so a table effect without code fails at start-up, not mid-request.
+Finished rooms leave the live dict at once (bytes per live room stay small) and are remembered,
+bounded, in ``_finished`` so late messages are told apart from unknown ones and ``poll()`` still
+answers.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from typing import Generic, Protocol, TypeVar
+from typing import ClassVar, Generic, Protocol, TypeVar
 
 import attrs
 
@@ -43,8 +45,9 @@ class Cause:
 
 class RoomMachines(Generic[R, E]):
     table: StateTable
-    # Tables whose effects this endpoint also runs (P: kv_hold_lease, stepped per room too).
-    extra_tables: tuple[StateTable, ...] = ()
+    # The classes of the parts that run some of the table's effects (one handler per effect,
+    # among the endpoint and its parts); ``pd-fsm spec check`` reads them here.
+    effect_parts: ClassVar[tuple[type, ...]] = ()
 
     def __init__(self, finished_capacity: int) -> None:
         self.rooms: dict[int, R] = {}
@@ -53,12 +56,18 @@ class RoomMachines(Generic[R, E]):
         self._finished: OrderedDict[int, KVPoll] = OrderedDict()
         self._finished_capacity = finished_capacity
         self._room_timers: DeadlineHeap[int] = DeadlineHeap()
-        # One handler per effect of our tables, and no handler without one (TypeError).
-        self._fx: dict[str, Callable[[R, float, list[E], Cause], None]] = bind_effects(
-            self, self.table, *self.extra_tables
-        )
+        self._fx: dict[str, Callable[[R, float, list[E], Cause], None]] = {}
         self._terminal = self.table.terminal
         self._transitions = self.table.transitions
+
+    def _bind_effects(self, *parts: object) -> None:
+        """One handler per effect of our table, ours or one of ``parts``' (those of
+        ``effect_parts``, built by the subclass once the rooms exist), and no handler without
+        one (TypeError)."""
+        kinds = self.effect_parts
+        if len(parts) != len(kinds) or not all(map(isinstance, parts, kinds)):
+            raise TypeError(f"{type(self).__name__}: parts {parts} are not {kinds}")
+        self._fx = bind_effects(self, self.table, parts=parts)
 
     # -- queries ------------------------------------------------------------------------------
 

@@ -19,6 +19,9 @@ from pd_fsm.core.decode_endpoint import DecodeEndpoint
 from pd_fsm.core.drive import Endpoint, Ev, Fx, drive
 from pd_fsm.core.messages import Done
 from pd_fsm.core.prefill_endpoint import PrefillEndpoint
+from pd_fsm.core.prefill_lease import Leases
+from pd_fsm.core.prefill_room import SenderRoom
+from pd_fsm.core.rooms import Cause
 from pd_fsm.core.tables import KV_RECEIVER, KV_SENDER
 from pd_fsm.sim.config import (
     DECODE,
@@ -386,12 +389,18 @@ def live_rooms(core: PrefillEndpoint, switching: bool) -> list[int]:
                   if not switching or core.state_of(r) not in _BEFORE_OUR_LEG)
 
 
-class ShorteningPrefill(PrefillEndpoint):
+class ShorteningLeases(Leases):
     """Planted bug: a heartbeat moves the lease to now + half the extension, shorter or not."""
 
-    def _fx_ExtendExpiry(self, r: Any, now: float, out: list[Any], cause: Any) -> None:
-        r.expires_at = now + self.config.extension / 2
-        self._room_timers.set(r.room, r.expires_at)
+    def _fx_ExtendExpiry(self, r: SenderRoom, now: float, out: list[fx.PrefillEffect],
+                         cause: Cause) -> None:
+        self.set_expiry(r, now + self.config.extension / 2)
+
+
+class ShorteningPrefill(PrefillEndpoint):
+    """The real endpoint, with the planted bug in its leases."""
+
+    leases_type = ShorteningLeases
 
 
 class DecodeWorker(Node):

@@ -57,6 +57,7 @@ from pd_fsm.core.errors import RemoteProtocolError
 from pd_fsm.core.kvpoll import KVPoll
 from pd_fsm.core.messages import Heartbeat, Ready
 from pd_fsm.core.prefill_endpoint import PrefillEndpoint
+from pd_fsm.core.prefill_lease import Leases
 from pd_fsm.core.tables import KV_HOLD_LEASE, KV_RECEIVER, KV_SENDER
 
 LAYOUT = "L1"
@@ -104,18 +105,24 @@ def _saw(table: str, source: str, trigger: str, target_state: str) -> None:
         _example["mismatched"] += 1
 
 
+class _Leases(Leases):
+    """The real leases, recording the kv_hold_lease steps they take."""
+
+    def step(self, r: Any, trigger: str, now: float, out: list[Any]) -> None:
+        source = r.lease
+        super().step(r, trigger, now, out)
+        _saw("kv_hold_lease", source, trigger, r.lease)
+
+
 class _Prefill(PrefillEndpoint):
     """The real endpoint, recording the kv_sender and kv_hold_lease steps it takes."""
+
+    leases_type = _Leases
 
     def _step(self, r: Any, trigger: str, now: float, out: list[Any], ctx: Any) -> None:
         source = r.state
         super()._step(r, trigger, now, out, ctx)
         _saw("kv_sender", source, trigger, r.state)
-
-    def _lease_step(self, r: Any, trigger: str, now: float, out: list[Any]) -> None:
-        source = r.lease
-        super()._lease_step(r, trigger, now, out)
-        _saw("kv_hold_lease", source, trigger, r.lease)
 
 
 class _Decode(DecodeEndpoint):

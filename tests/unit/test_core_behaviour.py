@@ -237,7 +237,7 @@ def test_a_restarted_prefill_fails_only_what_its_previous_process_held() -> None
     assert d.state_of(1) == "ALLOCATING" and d.state_of(3) == "WAITING_FOR_READY"
     assert d.state_of(4) == "CANCELLING"  # its pull may still write: pages held until it reports
     assert d.stats.peer_restarts == 1 and d.peers["p"].incarnation == 222
-    assert "h:1" in d._resolved  # P is back where it was: the route stays
+    assert "h:1" in d.tracker.resolved  # P is back where it was: the route stays
 
 
 def test_ready_from_a_new_incarnation_pulls_from_where_it_says() -> None:

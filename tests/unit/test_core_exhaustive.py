@@ -285,7 +285,7 @@ class Prefill:
         self.ep = self.h.ep
         self.seen = Seen()
         self._inner_lease: list[tuple[str, str, str]] | None = None
-        step, lease_step = self.ep._step, self.ep._lease_step
+        step, lease_step = self.ep._step, self.ep.leases.step
 
         def recorded_step(r: Any, trigger: str, now: float, out: list[Any], ctx: Any) -> None:
             source, n, outer = r.state, len(out), self._inner_lease
@@ -308,7 +308,7 @@ class Prefill:
                     self._inner_lease.append((source, trigger, r.lease))
 
         self.ep._step = recorded_step  # type: ignore[method-assign]
-        self.ep._lease_step = recorded_lease_step  # type: ignore[method-assign]
+        self.ep.leases.step = recorded_lease_step  # type: ignore[method-assign]
 
     @property
     def state(self) -> str | None:
@@ -653,7 +653,7 @@ def _lease_pair(state: str, trigger: str) -> None:
     if row is None:  # the guard refuses the pair had the code ever fed it
         stand_in = attrs.make_class("StandIn", ["room", "lease"])(-1, state)
         with pytest.raises(LocalProtocolError):
-            type(p.ep)._lease_step(p.ep, stand_in, trigger, p.h.now, [])
+            type(p.ep.leases).step(p.ep.leases, stand_in, trigger, p.h.now, [])
 
 
 # --- instance_lease: BootstrapRegistry ----------------------------------------------------------

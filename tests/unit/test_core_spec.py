@@ -157,8 +157,9 @@ def test_spec_check_matches_every_effect_with_its_handler(
 ) -> None:
     assert main(["spec", "check"]) == 0
     out = capsys.readouterr().out
-    for owner in ("PrefillEndpoint runs kv_sender+kv_hold_lease", "DecodeEndpoint runs kv_receiver",
-                  "BootstrapRegistry runs instance_lease", "RoomRouter runs room"):
+    for owner in ("PrefillEndpoint runs kv_sender", "Leases runs kv_hold_lease",
+                  "DecodeEndpoint runs kv_receiver", "BootstrapRegistry runs instance_lease",
+                  "RoomRouter runs room"):
         assert f"{owner}: every effect has its handler" in out, out
 
 
@@ -178,6 +179,27 @@ def test_an_effect_without_a_handler_or_a_handler_without_an_effect_is_refused()
     assert any("effect 'ReplyError' of room has no _fx_ReplyError" in p for p in problems)
     with pytest.raises(TypeError, match="_fx_Teleport"):
         bind_effects(object.__new__(Forgetful), ROOM)
+
+
+def test_an_effect_runs_through_exactly_one_of_the_owner_and_its_parts() -> None:
+    from pd_fsm.core.decode_endpoint import DecodeEndpoint
+    from pd_fsm.core.decode_outbox import ReceiverOutbox
+    from pd_fsm.core.decode_peers import PeerTracker
+    from pd_fsm.core.decode_pulls import Pulls
+    from pd_fsm.core.dispatch import handler_problems
+
+    tables = (DecodeEndpoint.table,)
+    assert handler_problems(DecodeEndpoint, tables, DecodeEndpoint.effect_parts) == []
+
+    class Twice(ReceiverOutbox):
+        def _fx_StartPull(self) -> None:  # Pulls runs StartPull already
+            pass
+
+    problems = handler_problems(DecodeEndpoint, tables, (PeerTracker, Pulls, Twice))
+    assert problems == ["DecodeEndpoint: effect 'StartPull' of kv_receiver has a _fx_StartPull "
+                        "method in Pulls and in Twice"], problems
+    missing = handler_problems(DecodeEndpoint, tables, (PeerTracker, ReceiverOutbox))
+    assert any("effect 'StartPull' of kv_receiver has no _fx_StartPull" in p for p in missing)
 
 
 def test_tables_are_package_data_and_spec_links_there() -> None:
