@@ -182,7 +182,7 @@ class SimTransferEngine(KVTransferEngine):
         source = self.world.transfer_server(peer)
         engine = getattr(source, "engine", None)
         if (source is None or not isinstance(engine, SimTransferEngine)
-                or not self.world.reachable(self.node.name, source.name)):
+                or not self.world.network.reachable(self.node.name, source.name)):
             return _Pending(peer, uuid, [], f"connection to {peer} refused")
         arrays = engine.regs.get(uuid)
         if arrays is None:
@@ -288,8 +288,8 @@ class _RealWorker(Node):
         self.alive = False
         self._tick_at = math.inf
         for room, (gen, _) in sorted(self.legs.items()):
-            self.world.leg_answer(gen, room, self.mode, False, f"{self.mode} connection reset",
-                                  lost=True)
+            self.world.proxy.leg_answer(gen, room, self.mode, False,
+                                        f"{self.mode} connection reset", lost=True)
         self.legs, self.rid_room, self.jobs, self.inbox, self.aborts = {}, {}, [], [], []
 
     def _restart_books(self) -> None:
@@ -330,9 +330,9 @@ class _RealWorker(Node):
         for e in result.outbox:
             match e:
                 case fx.SendMessage():
-                    w.send(self._side_name(), e.peer, e.message)
+                    w.network.send(self._side_name(), e.peer, e.message)
                 case fx.ResolvePeer():
-                    w.resolve(self, e.bootstrap_addr)  # type: ignore[arg-type]
+                    w.registry.resolve(self, e.bootstrap_addr)  # type: ignore[arg-type]
                 case fx.ForgetPeer():
                     pass  # the modelled side channel keeps nothing per peer
                 case _:
@@ -352,7 +352,7 @@ class _RealWorker(Node):
         gen_client = self.legs.pop(room, None)
         self.rid_room.pop(f"room-{room:x}", None)
         if gen_client is not None:
-            self.world.leg_answer(gen_client[0], room, self.mode, False, reason)
+            self.world.proxy.leg_answer(gen_client[0], room, self.mode, False, reason)
 
     def abort(self, room: int) -> None:
         if self.alive and room in self.legs:
@@ -444,19 +444,19 @@ class RealPrefillWorker(_RealWorker):
             self.sched.role.link.core = ShorteningPrefill(
                 self.sched.layout_hash, random.Random(w.rng.getrandbits(64)), LEASE,
                 transfer_addr=self.engine.address, kv_checksum=w.config.checksums)
-        w.register(self)  # type: ignore[arg-type]
+        w.registry.register(self)  # type: ignore[arg-type]
         w.at(REGISTRY_HEARTBEAT, f"{self.name} registry heartbeat", self._heartbeat, self.gen)
 
     def _heartbeat(self, gen: int) -> None:
         if gen != self.gen or not self.alive or self.withdrawn:
             return
-        self.world.registry_heartbeat(self)  # type: ignore[arg-type]
+        self.world.registry.heartbeat(self)  # type: ignore[arg-type]
         self.world.at(REGISTRY_HEARTBEAT, f"{self.name} registry heartbeat", self._heartbeat, gen)
 
     def leg(self, gen: int, room: int, client: Client, bootstrap: str | None = None) -> None:
         if not self.alive:
-            self.world.leg_answer(gen, room, "prefill", False, "prefill connection refused",
-                                  refused=True)
+            self.world.proxy.leg_answer(gen, room, "prefill", False, "prefill connection refused",
+                                        refused=True)
             return
         self.legs[room] = (gen, client)
         self.jobs.append((room, client, None))
@@ -481,7 +481,7 @@ class RealPrefillWorker(_RealWorker):
             failure = result.failures.get(out.rid)
             ok = failure is None and out.finish_reason.kind != "abort"
             reason = "" if ok else (failure[1] if failure else out.finish_reason.kind)
-            self.world.leg_answer(gen_client[0], room, "prefill", ok, reason)
+            self.world.proxy.leg_answer(gen_client[0], room, "prefill", ok, reason)
 
 
 class RealDecodeWorker(_RealWorker):
@@ -534,11 +534,11 @@ class RealDecodeWorker(_RealWorker):
 
     def leg(self, gen: int, room: int, client: Client, bootstrap: str | None) -> None:
         if not self.alive:
-            self.world.leg_answer(gen, room, "decode", False, "decode connection refused",
-                                  refused=True)
+            self.world.proxy.leg_answer(gen, room, "decode", False, "decode connection refused",
+                                        refused=True)
             return
         if room in self.legs:
-            self.world.leg_answer(gen, room, "decode", False, f"room {room:x} is live here")
+            self.world.proxy.leg_answer(gen, room, "decode", False, f"room {room:x} is live here")
             return
         self.legs[room] = (gen, client)
         self.jobs.append((room, client, bootstrap))
@@ -576,12 +576,12 @@ class RealDecodeWorker(_RealWorker):
             if got and room not in self.relaying:
                 self.relaying.add(room)
                 client.first_at = w.now
-                w.leg_answer(gen, room, "decode", True, "")
+                w.proxy.leg_answer(gen, room, "decode", True, "")
             if out.finish_reason is not None:
                 self.rid_room.pop(out.rid, None)
                 self.legs.pop(room)
                 self.relaying.discard(room)
-                w.at(0.001, f"{self.name} relays room {room:x}", w.relayed, gen, room, client,
+                w.at(0.001, f"{self.name} relays room {room:x}", w.proxy.relayed, gen, room, client,
                      tuple(self.tokens.pop(room)))
 
 

@@ -64,16 +64,8 @@ class SwitchWorld(WorldView, Protocol):
     """What the processes need of the world beyond a worker's view (``world.World``)."""
 
     seed: int
-    cut: set[frozenset[str]]
-    registry_up: bool
 
     def replace_node(self, proc: Process, role: str) -> None: ...
-
-    def show_workers(self) -> None: ...
-
-    def deregister(self, node: Node) -> None: ...
-
-    def disconnect_a_client_of(self, name: str, rng: random.Random) -> bool: ...
 
 
 @attrs.define(eq=False)
@@ -148,7 +140,7 @@ class Processes:
         self.raced(f"{proc.home} restart")
         if proc.listed != proc.home:
             proc.listed = proc.home
-            self.world.show_workers()
+            self.world.proxy.show_workers(self.rng)
 
     def raced(self, kind: str, name: str | None = None) -> None:
         """``kind`` happened: every switch under way (or only ``name``'s) raced it."""
@@ -162,7 +154,7 @@ class Processes:
             proc.races = None
 
     def _disconnect(self, name: str) -> None:
-        if self.world.disconnect_a_client_of(name, self.rng):
+        if self.world.proxy.disconnect_a_client_of(name, self.rng):
             self.raced("client disconnect", name)
 
     # -- the switch -----------------------------------------------------------------------------
@@ -184,9 +176,9 @@ class Processes:
             w.trace_line(f"  {name}: the last {rs.role} worker listed, the switch is declined")
             return
         proc.races = set()
-        if w.cut:
+        if w.network.cut:
             proc.races.add("partition")
-        if not w.registry_up:
+        if not w.registry.up:
             proc.races.add("registry restart")
         for p in self.procs.values():
             if p.switch is None:
@@ -251,9 +243,9 @@ class Processes:
         match e:
             case fx.WithdrawRecord():
                 node.withdrawn = True
-                w.deregister(node)
+                w.registry.deregister(node)
                 proc.listed = None
-                w.show_workers()
+                w.proxy.show_workers(self.rng)
             case fx.RefuseLegs():
                 proc.refusing = e.reason
                 self._draining.add(proc.name)
@@ -278,7 +270,7 @@ class Processes:
                     raise Violation(f"{proc.name}: AcceptLegs as {e.role}, but its node is "
                                     f"{node.role} ({'up' if node.alive else 'down'})")
                 proc.refusing, proc.listed = "", e.role
-                w.show_workers()
+                w.proxy.show_workers(self.rng)
                 self._close(proc)
             case fx.RefuseSwitch():
                 w.trace_line(f"  {proc.name}: 409 {e.reason}")

@@ -17,7 +17,7 @@ from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.decode_endpoint import DecodeEndpoint
 from pd_fsm.core.drive import Endpoint, Ev, Fx, drive
-from pd_fsm.core.messages import Done
+from pd_fsm.core.messages import Done, Message
 from pd_fsm.core.prefill_endpoint import PrefillEndpoint
 from pd_fsm.core.prefill_lease import Leases
 from pd_fsm.core.prefill_room import SenderRoom
@@ -53,6 +53,14 @@ class Client:
     # The colocated model's answer, when real schedulers compute the answers (sim/real.py).
     reference: tuple[int, ...] | None = None
 
+    def prompt_pages(self) -> int:
+        """The pages of its prompt's KV (what P holds)."""
+        return max(1, math.ceil(self.tokens / PAGE_TOKENS))
+
+    def pages(self) -> int:
+        """The pages of its prompt and its whole answer (what D holds)."""
+        return max(1, math.ceil((self.tokens + self.out) / PAGE_TOKENS))
+
     def first_token(self) -> int:
         return (self.id * 7919 + len(self.text)) % VOCAB
 
@@ -65,11 +73,9 @@ class Client:
         return (f, *((f * 31 + k * (self.id + 1)) % VOCAB for k in range(1, self.out)))
 
 
-class WorldView(Protocol):
-    """The world as a worker sees it (``world.World`` is the one there is): its clock, random
-    generator and config, and what a worker asks of the proxy, the registry, the side channel and
-    the network. Spelled out here, not imported, because the world imports the workers to build
-    them: the workers naming ``World`` would close an import circle."""
+class Clock(Protocol):
+    """What every part of the simulated cluster runs on (``world.World`` is the one there is):
+    the virtual clock and its queue, the seeded random generator, the config, the trace."""
 
     config: SimConfig
     rng: random.Random
@@ -84,28 +90,64 @@ class WorldView(Protocol):
 
     def plant(self, name: str) -> bool: ...
 
-    def handle(self, node: Node, core: Endpoint[Ev, Fx], event: Ev, now: float) -> list[Fx]: ...
+
+class ProxyView(Protocol):
+    """The proxy as a worker (legs) and a role switch (discovery, a client of it going away)
+    reach it (``proxy.Proxy``)."""
 
     def leg_answer(self, gen: int, room: int, leg: str, ok: bool, reason: str,
                    refused: bool = False, lost: bool = False) -> None: ...
 
     def relayed(self, gen: int, room: int, client: Client, tokens: tuple[int, ...]) -> None: ...
 
-    def prompt_pages(self, client: Client) -> int: ...
+    def show_workers(self, rng: random.Random) -> None: ...
 
-    def pages_for(self, client: Client) -> int: ...
+    def disconnect_a_client_of(self, name: str, rng: random.Random) -> bool: ...
 
-    def reachable(self, a: str, b: str) -> bool: ...
 
-    def send(self, src: str, dst: str, message: Any) -> None: ...
+class RegistryView(Protocol):
+    """The bootstrap server as the workers (their records) and the role switches (whether it is
+    up; a record withdrawn) reach it (``registry.Registry``)."""
 
-    def transfer_server(self, addr: str) -> PrefillWorker | None: ...
+    up: bool
 
     def register(self, p: PrefillWorker) -> None: ...
 
-    def registry_heartbeat(self, p: PrefillWorker) -> None: ...
+    def heartbeat(self, p: PrefillWorker) -> None: ...
+
+    def deregister(self, node: Node) -> None: ...
 
     def resolve(self, d: DecodeWorker, bootstrap_addr: str) -> None: ...
+
+
+class NetworkView(Protocol):
+    """The network between the hosts (``network.Network``): the side channel the workers send on,
+    and the partitions in force (a role switch notes that it raced one)."""
+
+    cut: set[frozenset[str]]  # host pairs partitioned now
+
+    def reachable(self, a: str, b: str) -> bool: ...
+
+    def send(self, src: str, dst: str, message: Message) -> None: ...
+
+
+class WorldView(Clock, Protocol):
+    """The world as a worker sees it: the clock, the proxy, the registry, the network, its core's
+    driver and the transfer servers. Spelled out here, not imported, because the world imports
+    the workers to build them: the workers naming ``World`` would close an import circle."""
+
+    @property
+    def proxy(self) -> ProxyView: ...
+
+    @property
+    def registry(self) -> RegistryView: ...
+
+    @property
+    def network(self) -> NetworkView: ...
+
+    def handle(self, node: Node, core: Endpoint[Ev, Fx], event: Ev, now: float) -> list[Fx]: ...
+
+    def transfer_server(self, addr: str) -> PrefillWorker | None: ...
 
 
 class Pool:
@@ -234,32 +276,32 @@ class PrefillWorker(Node):
         self.pool = Pool(w, self.name, w.config.pages)
         self.held, self.regs, self.legs = {}, {}, {}
         self.busy_until, self.cached_groups = 0.0, set()
-        w.register(self)
+        w.registry.register(self)
         w.at(REGISTRY_HEARTBEAT, f"{self.name} registry heartbeat", self._heartbeat, self.gen)
 
     def crash(self) -> None:
         self.alive = False
         for room, (gen, _) in sorted(self.legs.items()):
-            self.world.leg_answer(gen, room, "prefill", False, "prefill connection reset",
-                                  lost=True)
+            self.world.proxy.leg_answer(gen, room, "prefill", False, "prefill connection reset",
+                                        lost=True)
         self.legs = {}
 
     def _heartbeat(self, gen: int) -> None:
         if gen != self.gen or not self.alive or self.withdrawn:
             return
-        self.world.registry_heartbeat(self)
+        self.world.registry.heartbeat(self)
         self.world.at(REGISTRY_HEARTBEAT, f"{self.name} registry heartbeat", self._heartbeat, gen)
 
     def leg(self, gen: int, room: int, client: Client, bootstrap: str | None = None) -> None:
         if not self.alive:
-            self.world.leg_answer(gen, room, "prefill", False, "prefill connection refused",
-                                  refused=True)
+            self.world.proxy.leg_answer(gen, room, "prefill", False, "prefill connection refused",
+                                        refused=True)
             return
         self.legs[room] = (gen, client)
         self.feed(ev.PrefillRequestAccepted(room))
         if self.core.state_of(room) is None or room in self.held:
             return  # refused (the leg was answered), or a duplicate of a live room
-        pages = self.pool.take(self.world.prompt_pages(client))  # P holds the prompt's KV only
+        pages = self.pool.take(client.prompt_pages())  # P holds the prompt's KV only
         if pages is None:
             self.feed(ev.PrefillFailed(room, "no free pages"))
             return
@@ -322,7 +364,7 @@ class PrefillWorker(Node):
         w = self.world
         match e:
             case fx.SendMessage():
-                w.send(self.side, e.peer, e.message)
+                w.network.send(self.side, e.peer, e.message)
             case fx.RegisterKV():
                 return self._register(e.room, e.uuid, e.spare_uuid)
             case fx.RegisterPart():
@@ -376,7 +418,7 @@ class PrefillWorker(Node):
     def _answer_leg(self, room: int, ok: bool, reason: str) -> None:
         gen_client = self.legs.pop(room, None)
         if gen_client is not None:
-            self.world.leg_answer(gen_client[0], room, "prefill", ok, reason)
+            self.world.proxy.leg_answer(gen_client[0], room, "prefill", ok, reason)
 
 
 # P's rooms that only wait for P's own leg (Node.leftovers).
@@ -434,27 +476,27 @@ class DecodeWorker(Node):
     def crash(self) -> None:
         self.alive = False
         for room, (gen, _) in sorted(self.legs.items()):
-            self.world.leg_answer(gen, room, "decode", False, "decode connection reset",
-                                  lost=True)
+            self.world.proxy.leg_answer(gen, room, "decode", False, "decode connection reset",
+                                        lost=True)
         self.legs = {}
 
     def leg(self, gen: int, room: int, client: Client, bootstrap: str | None) -> None:
         if not self.alive:
-            self.world.leg_answer(gen, room, "decode", False, "decode connection refused",
-                                  refused=True)
+            self.world.proxy.leg_answer(gen, room, "decode", False, "decode connection refused",
+                                        refused=True)
             return
         if room in self.legs:
-            self.world.leg_answer(gen, room, "decode", False, f"room {room:x} is live here")
+            self.world.proxy.leg_answer(gen, room, "decode", False, f"room {room:x} is live here")
             return
         self.legs[room] = (gen, client)
         if bootstrap is None:  # no bootstrap fields: D prefills it itself
             self._prefill_here(room, client)
             return
-        n = self.world.prompt_pages(client)
+        n = client.prompt_pages()
         self.feed(ev.DecodeRequestAccepted(room, bootstrap, n))
 
     def _prefill_here(self, room: int, client: Client) -> None:
-        pages = self.pool.take(self.world.pages_for(client))
+        pages = self.pool.take(client.pages())
         if pages is None:
             self._fail_leg(room, "no free pages for a local prefill")
             return
@@ -470,7 +512,7 @@ class DecodeWorker(Node):
         router_gen, client = self.legs[room]
         self.relaying.add(room)
         client.first_at = self.world.now
-        self.world.leg_answer(router_gen, room, "decode", True, "")
+        self.world.proxy.leg_answer(router_gen, room, "decode", True, "")
         # The batch it decodes in, as it joins: the simple model of a continuous batch.
         cost = (client.out - 1) * self.world.config.cost.step(len(self.relaying))
         cost = max(cost, 0.002)  # the body's end never reaches the proxy before its headers
@@ -486,7 +528,7 @@ class DecodeWorker(Node):
         router_gen, client = self.legs.pop(room)
         self.relaying.discard(room)
         self.pool.give(self.held.pop(room), f"room {room:x} finished decoding")
-        self.world.relayed(router_gen, room, client, tokens)
+        self.world.proxy.relayed(router_gen, room, client, tokens)
         self._allocate_waiting()
 
     def leftovers(self, switching: bool = False) -> str:
@@ -500,7 +542,7 @@ class DecodeWorker(Node):
     def _fail_leg(self, room: int, reason: str) -> None:
         gen_client = self.legs.pop(room, None)
         if gen_client is not None:
-            self.world.leg_answer(gen_client[0], room, "decode", False, reason)
+            self.world.proxy.leg_answer(gen_client[0], room, "decode", False, reason)
 
     def abort(self, room: int) -> None:
         if not self.alive:
@@ -554,9 +596,9 @@ class DecodeWorker(Node):
         w = self.world
         match e:
             case fx.SendMessage():
-                w.send(self.name, e.peer, e.message)
+                w.network.send(self.name, e.peer, e.message)
             case fx.ResolvePeer():
-                w.resolve(self, e.bootstrap_addr)
+                w.registry.resolve(self, e.bootstrap_addr)
             case fx.ForgetPeer() | fx.ForgetTransfer() | fx.RepeatWhileBusy():
                 pass
             case fx.AllocateBlocks():
@@ -615,7 +657,7 @@ class DecodeWorker(Node):
         while self.waiting:
             room = self.waiting[0]
             gen_client = self.legs.get(room)
-            n = self.world.pages_for(gen_client[1]) if gen_client else 1
+            n = gen_client[1].pages() if gen_client else 1
             pages = self.pool.take(n)
             if pages is None:
                 break
@@ -659,7 +701,7 @@ class DecodeWorker(Node):
             reason = f"pull not finished within its {PULL_DEADLINE:g} s deadline"
         elif fails:
             reason = "injected transfer failure"
-        elif source is None or uuid not in source.regs or not self.world.reachable(
+        elif source is None or uuid not in source.regs or not self.world.network.reachable(
                 self.name, source.name):
             reason = f"nothing registered as {uuid} at {addr}"
         elif corrupted and not self.world.plant("unverified-kv"):

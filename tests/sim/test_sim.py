@@ -129,7 +129,7 @@ def test_retries_and_migrations_happen_and_keep_every_invariant() -> None:
     for seed in range(200):
         world = World(seed, SimConfig())
         world.run()  # raises Violation on any broken invariant
-        reopened.update(world.reopened)
+        reopened.update(world.proxy.reopened)
         answers.update(str(c.answer[0]) for c in world.clients if c.answer is not None)
     assert reopened["retry"] > 0 and reopened["migration"] > 0, reopened
     assert answers["200"] > 0
