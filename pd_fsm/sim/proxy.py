@@ -233,13 +233,14 @@ class Proxy:
 
     # -- invariants ---------------------------------------------------------------------------
 
-    def check(self) -> None:
-        """No room of the proxy lives past the router's room timeout."""
+    def check(self, drained: bool = False) -> None:
+        """No room of the proxy lives past the router's room timeout; once ``drained``, none
+        lives at all."""
+        if drained:
+            if any(gen == self.gen for gen, _ in self.rooms) or self.router.rooms:
+                raise Violation(f"proxy rooms live after the drain: {len(self.router.rooms)}")
+            return
         now = self.world.now
         for (gen, room), (_, since) in self.rooms.items():
             if gen == self.gen and now - since > ROOM_TIMEOUT + TOLERANCE:
                 raise Violation(f"proxy: room {room:x} live {now - since:.1f} s")
-
-    def check_drained(self) -> None:
-        if any(gen == self.gen for gen, _ in self.rooms) or self.router.rooms:
-            raise Violation(f"proxy rooms live after the drain: {len(self.router.rooms)}")

@@ -238,7 +238,7 @@ class World:
             left = node.leftovers() if node.alive else None
             if left:
                 raise Violation(f"{node.name} not idle after the drain: {left}")
-        self.proxy.check_drained()
+        self.proxy.check(drained=True)
         self.workers.check_settled()
 
     def answered(self) -> dict[str, int]:
