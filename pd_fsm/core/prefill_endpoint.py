@@ -225,7 +225,11 @@ class PrefillEndpoint(RoomMachines[SenderRoom, fx.PrefillEffect]):
             self.stats.foreign_peer += 1
             return
         self._note_d_incarnation(peer, m.incarnation, now, out)
-        if r.peer is None:
+        # The first hello sets the room's terms; D's retries of it change nothing (the table's
+        # CountDuplicate rows): a retry saying other pages must neither move what is sent nor
+        # start a stream (found by tests/property/test_core_reference.py).
+        first = r.peer is None
+        if first:
             r.peer = peer  # BindPeer reads it; set first so SendAbort below reaches this D
             r.d_incarnation = m.incarnation
         if m.layout_hash != self.layout_hash:
@@ -242,12 +246,12 @@ class PrefillEndpoint(RoomMachines[SenderRoom, fx.PrefillEffect]):
             self._violated(r, now, out, f"D holds {m.skip_pages} of {m.n_pages} pages: the "
                                         "last prompt page always comes from P")
             return
-        r.d_pages, r.d_skip = m.n_pages, m.skip_pages
-        if not r.parts:  # a hello repeated mid-stream must not move what was sent
-            r.sent = m.skip_pages
+        if first:
+            r.d_pages, r.d_skip, r.sent = m.n_pages, m.skip_pages, m.skip_pages
         trigger = _T.PartialRecvInitReceived if m.skip_pages else _T.RecvInitReceived
         self._remote(r, trigger, now, out, "")
-        if r.room in self.rooms and r.written > r.sent and self._has_row(r, _T.PartPrefilled):
+        if (first and r.room in self.rooms and r.written > r.sent
+                and self._has_row(r, _T.PartPrefilled)):
             # D's hello came after some of our chunks ran (it waited for a forward): what
             # they wrote goes to D now, not with the next chunk.
             self._on_part_prefilled(ev.PartPrefilled(r.room, r.written), now, out)
