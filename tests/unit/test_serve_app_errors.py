@@ -84,8 +84,10 @@ async def test_error_mid_stream_ends_with_abort_chunk() -> None:
         assert r.status_code == 200
         events = sse_events(r.text)
         assert events[-1] == "[DONE]"
+        # sglang's abort shape, its status too: a proxy migrates a stream on a 5xx one.
         assert events[-2]["meta_info"]["finish_reason"] == {"type": "abort",
-                                                            "message": "transfer failed"}
+                                                            "message": "transfer failed",
+                                                            "status_code": 502}
         assert events[-2]["text"] == "ABC"
         r = await http.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "hi"}], "stream": True, **BOOT})
