@@ -90,11 +90,11 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
 PLANNER_ROLES = "prefill,decode,null"
 
 # P and D on the same cores (the local runner's default: no --prefill-cpus/--decode-cpus): D
-# above P, so a decode step takes a core from a prefill instead of waiting behind it. What won
-# every run on this 2-core machine so far, against colocated, pinned PD and PD at equal priority
-# (bench/RESULTS_placement.md: 1.7-2.0x colocated's goodput, small samples; RESULTS_adaptive.md:
-# the best placement in both adaptive runs). Where this process may not lower a priority, D
-# stays at 0 and P still steps back.
+# above P, so a decode step takes a core from a prefill instead of waiting behind it. The best
+# PD placement in every run on this 2-core machine so far, ahead of colocated at 0.5 req/s
+# (bench/RESULTS_placement.md: 1.7-2.0x colocated's goodput, small samples; colocated had the
+# lowest ITL at 1 req/s) and in both adaptive runs (RESULTS_adaptive.md). Where this process may
+# not lower a priority, D stays at 0 and P still steps back.
 SHARED_CORES_NICE = {"prefill": 10, "decode": -5}
 
 
