@@ -305,3 +305,49 @@ def test_submit_and_request_abort_apply_at_the_next_step(tiny: LoadedModel) -> N
     outs = _collect(sched.run_until_idle())
     assert outs["a"]["reason"] == FinishReason("abort", message="bye")
     assert sched.stats().free_pages == sched.stats().total_pages
+
+
+def test_first_token_goes_out_before_the_steps_decode_forward(tiny: LoadedModel) -> None:
+    """``step(early)``: a prompt's first token leaves before the decode forward of its own step
+    (the one that makes its second token and the running requests' next ones), and the outputs
+    are the same tokens as without ``early``, only sooner."""
+    late, soon = Scheduler(_args(), model=tiny), Scheduler(_args(), model=tiny)
+    calls: list[tuple[list[RequestOutput], int]] = []
+
+    def early(outs: list[RequestOutput]) -> None:
+        # How many tokens "a" had when the early outputs left: its next one is not made yet.
+        calls.append((outs, len(soon.reqs["a"].output_ids)))
+
+    got: list[RequestOutput] = []
+    want: list[RequestOutput] = []
+    for sched in (late, soon):
+        sched.add_request(Req("a", _prompt(1, 8), GREEDY))
+    got += soon.step(early)  # "a" alone: its first token early, its second in the result
+    want += late.step()
+    first, tokens_then = calls[0]
+    assert [(o.rid, o.new_token_ids) for o in first] == [("a", (soon.reqs["a"].output_ids[0],))]
+    assert tokens_then == 1 and [o.rid for o in got] == ["a"]
+    for sched in (late, soon):
+        sched.add_request(Req("b", _prompt(2, 8), GREEDY))
+    got += soon.step(early)  # "b" prefills while "a" decodes
+    want += late.step()
+    assert [o.rid for o in calls[1][0]] == ["b"] and len(calls[1][0][0].new_token_ids) == 1
+    assert calls[1][1] == 2  # "a" still at two tokens: the decode forward had not run
+    while late.has_work():
+        want += late.step()
+    while soon.has_work():
+        got += soon.step(early)
+    early_outs = [o for outs, _ in calls for o in outs]
+    assert _collect(early_outs + got) == _collect(want)
+    # Every step after the first two had no new prompt: nothing else went early.
+    assert len(calls) == 2
+
+
+def test_no_early_outputs_without_a_decode_forward(tiny: LoadedModel) -> None:
+    """A step with no decode forward to wait for returns its outputs as before."""
+    sched = Scheduler(_args(), model=tiny)
+    one = attrs.evolve(GREEDY, max_new_tokens=1)  # finished by its prefill: nothing to decode
+    sched.add_request(Req("a", _prompt(1, 8), one))
+    calls: list[list[RequestOutput]] = []
+    outs = sched.step(calls.append)
+    assert calls == [] and [o.rid for o in outs] == ["a"] and outs[0].finished

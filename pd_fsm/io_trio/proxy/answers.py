@@ -57,6 +57,9 @@ async def send_json(send: Send, status: int, body: object) -> None:
 
 async def send_stream_error(send: Send, message: str, status: int = 502) -> None:
     chunk = {"error": {"message": message, "type": "stream_error", "code": status},
-             "meta_info": {"finish_reason": {"type": "abort", "message": message}}}
+             # sglang's /generate shape, as the worker's own abort event has it
+             # (worker/responses.py): a client reads the status in-band.
+             "meta_info": {"finish_reason": {"type": "abort", "message": message,
+                                             "status_code": status}}}
     data = b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n"
     await send({"type": "http.response.body", "body": data, "more_body": False})

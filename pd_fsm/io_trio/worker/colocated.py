@@ -9,6 +9,7 @@ backends (pd_backends.py) share with it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
@@ -242,7 +243,13 @@ class ColocatedBackend:
     def _step(self, scheduler: Scheduler, commands: tuple[Command, ...]) -> list[RequestOutput]:
         if self._spmd is not None:
             self._spmd.step_started(commands)
-        return scheduler.step()
+        return scheduler.step(self._first_tokens)
+
+    def _first_tokens(self, outputs: list[RequestOutput]) -> None:
+        """From the step's thread, before its decode forward: a prompt's first token goes to its
+        client now rather than one inter-token interval later (``Scheduler.step``'s ``early``)."""
+        with contextlib.suppress(trio.RunFinishedError):  # the worker is shutting down
+            trio.from_thread.run_sync(self.streams.fan_out, outputs)
 
     def _intake(self, scheduler: Scheduler) -> None:
         streams = self.streams

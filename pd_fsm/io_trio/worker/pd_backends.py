@@ -468,10 +468,15 @@ class PDBackend(Generic[S]):
             if gate is not None:
                 self.role.set_pull_gate(sched, gate)
             may_abort = _always  # decided above, for every rank alike
+        def first_tokens(outputs: list[RequestOutput],
+                         failures: dict[str, tuple[int, str]]) -> None:
+            # D's first token, pulled with the KV, reaches its client before the decode forward.
+            self.link.on_loop(lambda: fan_out_pd(streams, outputs, failures, self.mode))
+
         result = run_tick(sched, inbox, jobs, aborts, rid=lambda s: s.job.rid,
                           admit=lambda s: self.role.admit_job(sched, s.job, s.accepted),
                           on_admitted=admitted, on_busy=busy, may_abort=may_abort,
-                          before_step=self._send_early)
+                          before_step=self._send_early, early_outputs=first_tokens)
         if self._ranks is not None:
             self._ranks.fingerprint = fingerprint(sched)
         self.role.after_run_tick(sched)

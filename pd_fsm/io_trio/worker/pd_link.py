@@ -87,10 +87,14 @@ class PDLink:
             except trio.WouldBlock:
                 return inbox
 
-    def wake_from_thread(self, _: object = None) -> None:
+    def on_loop(self, fn: Callable[[], None]) -> None:
+        """From another thread (the tick's, a pull's): run ``fn`` on the trio loop now."""
         if self._token is not None:
             with contextlib.suppress(trio.RunFinishedError):  # the worker is shutting down
-                trio.from_thread.run_sync(self._wake, trio_token=self._token)
+                trio.from_thread.run_sync(fn, trio_token=self._token)
+
+    def wake_from_thread(self, _: object = None) -> None:
+        self.on_loop(self._wake)
 
     def carry_out(self, effects: list[fx.IOEffect],
                   start_resolve: Callable[[str], None]) -> None:
@@ -100,9 +104,7 @@ class PDLink:
     def send_from_thread(self, effects: list[fx.IOEffect],
                          start_resolve: Callable[[str], None]) -> None:
         """From the tick's thread, before its step: out on the loop now (run_tick)."""
-        with contextlib.suppress(trio.RunFinishedError):  # the worker is shutting down
-            trio.from_thread.run_sync(self.carry_out, effects, start_resolve,
-                                      trio_token=self._token)
+        self.on_loop(lambda: self.carry_out(effects, start_resolve))
 
     async def keepalive(self, interval: float) -> None:
         """Carry out the core's ``RepeatWhileBusy`` while a tick outlasts its interval (a first

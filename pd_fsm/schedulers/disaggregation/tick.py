@@ -86,6 +86,8 @@ def run_tick(
     on_busy: Callable[[tuple[fx.BusyEffect, ...]], None] = lambda effects: None,
     may_abort: Callable[[str], bool] = lambda rid: True,
     before_step: Callable[[list[fx.IOEffect]], None] | None = None,
+    early_outputs: Callable[[list[RequestOutput], dict[str, tuple[int, str]]], None]
+    | None = None,
 ) -> TickResult[L]:
     """One iteration (see the module docstring). ``inbox``: ``(arrived, event)`` pairs on the
     scheduler's clock; ``admit(leg)`` hands a leg to the scheduler (raises ``ValueError`` or
@@ -93,7 +95,9 @@ def run_tick(
     admitted earlier only if ``may_abort`` says so). ``before_step``: if given, what delivering
     the inbox made the core say goes to it before the step runs, not with the step's: a KV part
     P owes a D whose hello came during the last step then travels while this step computes
-    (streamed KV), instead of after it."""
+    (streamed KV), instead of after it. ``early_outputs``: if given, outputs ready before the
+    step's decode forward (a first token D just pulled) go to it then, with their failures, and
+    not in the result (``Scheduler.step``'s ``early``)."""
     on_busy(tuple(sched.step_started()))
     try:
         for arrived, event in inbox:
@@ -103,20 +107,29 @@ def run_tick(
             if may_abort(r):
                 sched.abort(r, "aborted by request")
         if before_step is not None:
-            early = sched.take_outbox()
-            if early:
-                before_step(early)
-        outputs = sched.step()
-        failures = {}
-        for out in outputs:
-            if out.finish_reason is not None and out.finish_reason.kind == "abort":
-                failure = sched.pop_failure(out.rid)
-                if failure is not None:
-                    failures[out.rid] = failure
+            said = sched.take_outbox()
+            if said:
+                before_step(said)
+        first = None if early_outputs is None else (
+            lambda outs: early_outputs(outs, _failures(sched, outs)))
+        outputs = sched.step(first)
         return TickResult(
-            outputs, failures, admission.refused, admission.unstarted, sched.take_outbox(),
-            sched.has_forward_work(), sched.next_deadline(), sched.take_phase_samples(),
+            outputs, _failures(sched, outputs), admission.refused, admission.unstarted,
+            sched.take_outbox(), sched.has_forward_work(), sched.next_deadline(),
+            sched.take_phase_samples(),
         )
     finally:
         sched.step_ended()
         on_busy(())
+
+
+def _failures(sched: PrefillScheduler | DecodeScheduler,
+              outputs: list[RequestOutput]) -> dict[str, tuple[int, str]]:
+    """The PD failures behind ``outputs``' aborts: rid -> (HTTP status, reason)."""
+    failures = {}
+    for out in outputs:
+        if out.finish_reason is not None and out.finish_reason.kind == "abort":
+            failure = sched.pop_failure(out.rid)
+            if failure is not None:
+                failures[out.rid] = failure
+    return failures
