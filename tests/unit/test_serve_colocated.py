@@ -3,6 +3,7 @@ and the HTTP layer's answers before the backend is ready."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import aclosing
 
 import httpx
@@ -144,10 +145,12 @@ class _BreakingScheduler(Scheduler):
 
     broken = False
 
-    def step(self) -> list[RequestOutput]:
+    def step(
+        self, early: Callable[[list[RequestOutput]], None] | None = None
+    ) -> list[RequestOutput]:
         if self.broken:
             raise RuntimeError("rank 1 is gone: simulated")
-        return super().step()
+        return super().step(early)
 
 
 async def test_a_failed_step_names_its_cause_in_flight_and_after() -> None:
