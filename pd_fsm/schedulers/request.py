@@ -12,7 +12,6 @@ from pd_fsm.jax_engine.sampling.grammar import Matcher
 from pd_fsm.jax_engine.sampling.params import TOP_LOGPROBS_COMPUTED, SamplingParams, TopLogprobs
 from pd_fsm.text.tokenizer import IncrementalDetokenizer
 
-
 # A request's sampling seed is in [0, SEED_LIMIT) (the HTTP schemas refuse others).
 SEED_LIMIT = 2**63
 

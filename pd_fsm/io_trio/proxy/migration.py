@@ -8,6 +8,14 @@ asked for them too. The next room's body carries ``resume: {output_ids, text}``:
 prefills the prompt plus those tokens and streams only what follows, so the client's stream goes
 on with no token repeated or missing (``schedulers.request.Resume``).
 
+An n > 1 answer's sequences are followed each by its ``index`` (:class:`Choice`). After a break
+the unfinished ones go on each as a request of its own — n = 1, the seed the worker drew that
+sequence with (``schedulers.request.fork_seed``), ``resume`` from its tokens — whose streams the
+proxy relays as one, each event under its sequence's index (``merged_stream``), with one usage
+chunk (the prompt once, every sequence's tokens once) and one ``[DONE]``. Why not one room for
+them all: ``Progress.sequences``. Each such request migrates on its own after that, with the
+request's migrations so far counted against ``--migration-limit``.
+
 Output log-probs continue too: the new worker computes those of the tokens it generates, and
 counts completions' ``text_offset`` from the start of the answer (the resumed tokens' text
 included). OpenAI chunks carry their own tokens' entries, so nothing is missing; a ``/generate``
@@ -136,7 +144,7 @@ class Progress:
     @property
     def output_ids(self) -> list[int]:
         """A single sequence's tokens so far (n = 1: what ``resume`` carries)."""
-        return self.choice().output_ids
+        return self.choices[0].output_ids if 0 in self.choices else []
 
     @property
     def finished(self) -> bool:
@@ -215,7 +223,7 @@ class Progress:
         other than the prompt and these tokens is refused by that D, and the request
         re-prefills."""
         nxt = ticket.get("next_token")
-        ids = self.output_ids
+        ids = self.choice().output_ids
         if isinstance(nxt, int) and (not ids or ids[-1] != nxt):
             ids.append(nxt)
 

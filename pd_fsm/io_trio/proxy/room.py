@@ -218,7 +218,8 @@ class RoomResponse:
         def carry_out(effect: fx.SessionEffect) -> tuple[()]:
             match effect:
                 case fx.ReportRelayFinished():
-                    self.host.feed(ev.RelayFinished(s.room))
+                    if not self.apart:  # (apart: the room is over; each sequence's reports)
+                        self.host.feed(ev.RelayFinished(s.room))
                 case fx.ReportDisconnect():
                     if not s.request.part:
                         self.host.count(s.request.path, "disconnected")
@@ -295,7 +296,6 @@ class RoomResponse:
             return  # every sequence's room saw it leave: its legs are aborted
         usages = [part.usage for part in merged if part.usage is not None]
         tail = event(q.progress.usage_chunk(usages[-1])) if usages else b""
-        # (Its room is over: the router counts the RelayFinished this reports as dropped.)
         self.tell(self.s, ev.AnswerRelayed())
         await send({"type": "http.response.body", "body": tail + SSE_DONE, "more_body": False})
 
