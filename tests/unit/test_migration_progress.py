@@ -1,6 +1,7 @@
 """What the proxy keeps of a streamed answer for the next room (proxy/migration.py Progress),
 here: a hand-off ticket whose newest token the client never got, and a worker failure D
-reported in-band (OpenAI's error chunk, /generate's abort with its status)."""
+reported in-band (OpenAI's error chunk, /generate's abort with its status); and how one
+sequence continued alone after a break reaches the client (``merged_stream.Part``)."""
 
 from __future__ import annotations
 
