@@ -41,6 +41,9 @@ pytestmark = pytest.mark.slow
 
 PROMPT = "Tell me about the river city"
 MAX_TOKENS = 150  # long enough that the break lands mid-stream; the chat prompt fits too
+# n = 2 within the workers' 64 pages of 4 tokens: the chat prompt (78 tokens) with both
+# sequences, and after the break each sequence in a room of its own on the one D left, at once.
+N_MAX_TOKENS = 40
 LOGPROBS: dict[str, dict[str, Any]] = {
     "generate": {"return_logprob": True, "top_logprobs_num": 2},
     "completions": {"logprobs": 2},
@@ -138,10 +141,11 @@ async def _migrated_stream(http: httpx.AsyncClient, fleet: Fleet, endpoint: str,
     return seqs, usage, chunks, killed
 
 
-def _body(endpoint: str, sampling: str, **extra: Any) -> dict[str, Any]:
-    """A streamed request whose every sequence is MAX_TOKENS long: greedy, or sampled with a
-    seed; ``extra`` goes where the endpoint keeps its sampling parameters."""
-    body = request_body(endpoint, PROMPT, MAX_TOKENS, stream=True)
+def _body(endpoint: str, sampling: str, max_tokens: int = MAX_TOKENS, **extra: Any
+          ) -> dict[str, Any]:
+    """A streamed request whose every sequence is ``max_tokens`` long: greedy, or sampled with
+    a seed; ``extra`` goes where the endpoint keeps its sampling parameters."""
+    body = request_body(endpoint, PROMPT, max_tokens, stream=True)
     params = body["sampling_params"] if endpoint == "generate" else body
     params.update(ignore_eos=True, **extra)
     if sampling == "seeded":
@@ -173,7 +177,7 @@ async def test_an_n_2_stream_survives_its_decode_worker_dying(
     """Each sequence goes on in a request of its own (n = 1, the seed the worker drew that
     sequence with, resumed from its tokens), relayed under its index: the client's stream
     equals an uninterrupted one's, sequence by sequence, finish reasons and usage included."""
-    body = _body(endpoint, sampling, n=2)
+    body = _body(endpoint, sampling, N_MAX_TOKENS, n=2)
     async with httpx.AsyncClient(timeout=60) as http:
         r = await http.post(f"{fleet['colocated'].url}{PATHS[endpoint]}", json=body)
         assert r.status_code == 200, r.text[:500]
@@ -183,7 +187,7 @@ async def test_an_n_2_stream_survives_its_decode_worker_dying(
             assert want[0] != want[1]
         seqs, usage, _, killed = await _migrated_stream(http, fleet, endpoint, body)
         assert seqs == want  # each sequence's text and finish reason
-        assert usage == want_usage == 2 * MAX_TOKENS  # each token counted once
+        assert usage == want_usage == 2 * N_MAX_TOKENS  # each token counted once
         fleet.restart(killed.name)
         await wait_clean(http, fleet["p"], fleet["d0"], fleet["d1"], timeout=SLACK * 2)
 
