@@ -15,7 +15,7 @@ import numpy as np
 from pd_fsm.schedulers.model_runner import ModelRunner
 from pd_fsm.schedulers.output_processor import OutputProcessor
 from pd_fsm.schedulers.page_budget import PageBudget
-from pd_fsm.schedulers.request import Req, ReqState
+from pd_fsm.schedulers.request import Req, ReqState, fork_seed
 
 
 def fork_sequences(
@@ -36,7 +36,7 @@ def fork_sequences(
         fork.pages = own
         fork.prefilled = len(req.input_ids)
         fork.state = ReqState.RUNNING
-        fork.seed = (req.seed + i) & 0xFFFFFFFFFFFFFFFF
+        fork.seed = fork_seed(req.seed, i)
         fork.detokenizer = outputs.detokenizer(req.sampling)
         fork.matcher = None if req.matcher is None else req.matcher.fork()
         forks.append(fork)

@@ -12,6 +12,18 @@ from pd_fsm.jax_engine.sampling.grammar import Matcher
 from pd_fsm.jax_engine.sampling.params import TOP_LOGPROBS_COMPUTED, SamplingParams, TopLogprobs
 from pd_fsm.text.tokenizer import IncrementalDetokenizer
 
+# A request's sampling seed is in [0, SEED_LIMIT) (the HTTP schemas refuse others).
+SEED_LIMIT = 2**63
+
+
+def fork_seed(seed: int, index: int) -> int:
+    """The seed sequence ``index`` of an n > 1 request samples with, its request's being
+    ``seed`` (sequence 0's own). The sampler keys each token by (seed, position), so a request
+    of its own with this seed and n = 1 draws what that sequence drew: a proxy continues one
+    sequence of a broken stream that way (request migration, issue 32 §1). Modulo SEED_LIMIT, so
+    that it is a request's seed too; the sampler reads the low 32 bits, which that keeps."""
+    return (seed + index) % SEED_LIMIT
+
 
 class ReqState(enum.Enum):
     WAITING = "waiting"  # queued, no pages yet

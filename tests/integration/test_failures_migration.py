@@ -4,7 +4,9 @@ proxy, 1 P and 2 D.
 - A decode worker SIGKILLed while it streams: the client's stream goes on in a new room (the
   prompt plus the tokens the client has, on the other D) and ends equal to the colocated
   answer, token for token, with usage counting each token once; for /generate, completions and
-  chat, greedy and seeded sampling.
+  chat, greedy and seeded sampling. An n = 2 stream (chat greedy, /generate seeded) goes on as
+  its two sequences, each in a room of its own, and ends equal to the colocated stream,
+  sequence by sequence.
 - The same with output log-probs asked for: the client's log-probs (values within 1e-5, their
   tokens, alternatives and completions' text offsets exactly) equal an uninterrupted stream's.
 - A decode worker that is down (its port refuses connections) while the proxy still lists it:
@@ -39,6 +41,9 @@ pytestmark = pytest.mark.slow
 
 PROMPT = "Tell me about the river city"
 MAX_TOKENS = 150  # long enough that the break lands mid-stream; the chat prompt fits too
+# n = 2 within the workers' 64 pages of 4 tokens: the chat prompt (78 tokens) with both
+# sequences, and after the break each sequence in a room of its own on the one D left, at once.
+N_MAX_TOKENS = 40
 LOGPROBS: dict[str, dict[str, Any]] = {
     "generate": {"return_logprob": True, "top_logprobs_num": 2},
     "completions": {"logprobs": 2},
@@ -88,36 +93,64 @@ async def _proxy_stats(http: httpx.AsyncClient, proxy: Proc) -> dict[str, Any]:
     return out
 
 
-def _fold(endpoint: str, events: list[Any]) -> tuple[str, int | None, list[Any]]:
-    """(text, completion tokens, chunks) of a streamed answer."""
+def _fold(endpoint: str, events: list[Any]
+          ) -> tuple[dict[int, tuple[str, Any]], int | None, list[Any]]:
+    """(text and finish reason by sequence index, completion tokens, chunks) of a streamed
+    answer; /generate's tokens: each sequence's last event's, added up."""
     chunks = [e for e in events if isinstance(e, dict)]
+    seqs: dict[int, tuple[str, Any]] = {}
     if endpoint == "generate":
-        last = chunks[-1]
-        return last["text"], last["meta_info"]["completion_tokens"], chunks
-    text, usage = "", None
+        tokens: dict[int, int] = {}
+        for c in chunks:  # cumulative: each sequence's last event has all of it
+            meta, index = c["meta_info"], c.get("index", 0)
+            seqs[index] = (c["text"], meta["finish_reason"])
+            tokens[index] = meta["completion_tokens"]
+        return seqs, sum(tokens.values()), chunks
+    usage = None
     for c in chunks:
         for choice in c.get("choices") or []:
             piece = choice["delta"].get("content") if endpoint == "chat" else choice.get("text")
-            text += piece or ""
+            text, finish = seqs.get(choice["index"], ("", None))
+            seqs[choice["index"]] = (text + (piece or ""), choice["finish_reason"] or finish)
         if c.get("usage"):
             usage = c["usage"]["completion_tokens"]
-    return text, usage, chunks
+    return seqs, usage, chunks
 
 
 async def _migrated_stream(http: httpx.AsyncClient, fleet: Fleet, endpoint: str,
-                           body: dict[str, Any]) -> tuple[str, int | None, list[Any], Proc]:
+                           body: dict[str, Any]
+                           ) -> tuple[dict[int, tuple[str, Any]], int | None, list[Any], Proc]:
     """Stream ``body`` through the proxy, SIGKILLing the D that serves it after the 6th event:
-    (text, completion tokens, chunks) of the stream, whole (one ``[DONE]``, no error chunk) and
-    migrated once, and the D killed."""
+    ``_fold`` of the stream, whole (one ``[DONE]``, no error chunk) and migrated once, and the
+    D killed."""
     before = await _proxy_stats(http, fleet["proxy"])
     raw, killed = await _stream_and_signal(http, fleet, endpoint, body, signal.SIGKILL)
     events = sse_events(raw.decode())
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1, raw[-800:]
-    text, usage, chunks = _fold(endpoint, events)
+    seqs, usage, chunks = _fold(endpoint, events)
     assert not any("error" in c for c in chunks), raw[-800:]
     after = await _proxy_stats(http, fleet["proxy"])
     assert after.get("migration", 0) == before.get("migration", 0) + 1
-    return text, usage, chunks, killed
+    if endpoint != "generate":
+        # The proxy asked D for token ids to follow the stream; the client did not.
+        assert not any("token_ids" in ch for c in chunks for ch in c.get("choices") or [])
+    if endpoint == "chat":  # one role chunk a sequence, as in an uninterrupted stream
+        roles = [ch["index"] for c in chunks for ch in c.get("choices") or []
+                 if ch["delta"].get("role") == "assistant"]
+        assert sorted(roles) == sorted(seqs), roles
+    return seqs, usage, chunks, killed
+
+
+def _body(endpoint: str, sampling: str, max_tokens: int = MAX_TOKENS, **extra: Any
+          ) -> dict[str, Any]:
+    """A streamed request whose every sequence is ``max_tokens`` long: greedy, or sampled with
+    a seed; ``extra`` goes where the endpoint keeps its sampling parameters."""
+    body = request_body(endpoint, PROMPT, max_tokens, stream=True)
+    params = body["sampling_params"] if endpoint == "generate" else body
+    params.update(ignore_eos=True, **extra)
+    if sampling == "seeded":
+        params.update(temperature=1.0, top_k=40, seed=1234)
+    return body
 
 
 @pytest.mark.parametrize(("endpoint", "sampling"), [
@@ -126,23 +159,35 @@ async def _migrated_stream(http: httpx.AsyncClient, fleet: Fleet, endpoint: str,
 async def test_a_stream_survives_its_decode_worker_dying(
     fleet: Fleet, endpoint: str, sampling: str
 ) -> None:
-    body = request_body(endpoint, PROMPT, MAX_TOKENS, stream=True)
-    params = body["sampling_params"] if endpoint == "generate" else body
-    params["ignore_eos"] = True  # every answer MAX_TOKENS long
-    if sampling == "seeded":
-        params.update(temperature=1.0, top_k=40, seed=1234)
+    body = _body(endpoint, sampling)
     async with httpx.AsyncClient(timeout=60) as http:
         reference = await fetch_answer(http, str(fleet["colocated"].url), endpoint,
                                        {**body, "stream": False})
-        text, usage, chunks, killed = await _migrated_stream(http, fleet, endpoint, body)
-        assert text == reference.text  # no token repeated or missing
+        seqs, usage, _, killed = await _migrated_stream(http, fleet, endpoint, body)
+        assert seqs[0][0] == reference.text and len(seqs) == 1  # no token repeated or missing
         assert usage == reference.completion_tokens == MAX_TOKENS  # each token counted once
-        if endpoint != "generate":
-            # The proxy asked D for token ids to follow the stream; the client did not.
-            assert not any("token_ids" in ch for c in chunks for ch in c.get("choices") or [])
-        if endpoint == "chat":
-            roles = [ch["delta"].get("role") for c in chunks for ch in c.get("choices") or []]
-            assert roles.count("assistant") == 1  # one role chunk, as an uninterrupted stream
+        fleet.restart(killed.name)
+        await wait_clean(http, fleet["p"], fleet["d0"], fleet["d1"], timeout=SLACK * 2)
+
+
+@pytest.mark.parametrize(("endpoint", "sampling"), [("chat", "greedy"), ("generate", "seeded")])
+async def test_an_n_2_stream_survives_its_decode_worker_dying(
+    fleet: Fleet, endpoint: str, sampling: str
+) -> None:
+    """Each sequence goes on in a request of its own (n = 1, the seed the worker drew that
+    sequence with, resumed from its tokens), relayed under its index: the client's stream
+    equals an uninterrupted one's, sequence by sequence, finish reasons and usage included."""
+    body = _body(endpoint, sampling, N_MAX_TOKENS, n=2)
+    async with httpx.AsyncClient(timeout=60) as http:
+        r = await http.post(f"{fleet['colocated'].url}{PATHS[endpoint]}", json=body)
+        assert r.status_code == 200, r.text[:500]
+        want, want_usage, _ = _fold(endpoint, sse_events(r.text))  # uninterrupted
+        assert sorted(want) == [0, 1]
+        if sampling == "seeded":  # each sequence drawn with a seed of its own
+            assert want[0] != want[1]
+        seqs, usage, _, killed = await _migrated_stream(http, fleet, endpoint, body)
+        assert seqs == want  # each sequence's text and finish reason
+        assert usage == want_usage == 2 * N_MAX_TOKENS  # each token counted once
         fleet.restart(killed.name)
         await wait_clean(http, fleet["p"], fleet["d0"], fleet["d1"], timeout=SLACK * 2)
 
@@ -187,9 +232,9 @@ async def test_log_probs_continue_across_a_migration(fleet: Fleet, endpoint: str
     async with httpx.AsyncClient(timeout=60) as http:
         r = await http.post(f"{fleet['proxy'].url}{PATHS[endpoint]}", json=body)  # uninterrupted
         assert r.status_code == 200, r.text[:500]
-        text, _, whole = _fold(endpoint, sse_events(r.text))
-        got_text, usage, chunks, killed = await _migrated_stream(http, fleet, endpoint, body)
-        assert (got_text, usage) == (text, MAX_TOKENS)
+        seqs, _, whole = _fold(endpoint, sse_events(r.text))
+        got, usage, chunks, killed = await _migrated_stream(http, fleet, endpoint, body)
+        assert (got, usage) == (seqs, MAX_TOKENS)
         want_floats: list[float] = []
         got_floats: list[float] = []
         want = _floats_apart(_client_logprobs(endpoint, whole), want_floats)

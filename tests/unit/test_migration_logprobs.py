@@ -6,14 +6,17 @@ answer's, for completions, chat and sglang's /generate, wherever the break falls
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import attrs
 import pytest
 
+from pd_fsm.io_trio.proxy.merged_stream import Part
 from pd_fsm.io_trio.proxy.migration import Progress, migratable
-from pd_fsm.io_trio.worker.responses import Accumulator
+from pd_fsm.io_trio.worker.responses import Accumulator, indexed
 from pd_fsm.io_trio.worker.schemas import ApiError, Kind, Limits, parse_completion, parse_generate
-from pd_fsm.schedulers.request import FinishReason, LogprobSpec, RequestOutput
+from pd_fsm.schedulers.request import FinishReason, LogprobSpec, RequestOutput, fork_seed
 
 PATHS: dict[Kind, str] = {"generate": "/generate", "completion": "/v1/completions",
                           "chat": "/v1/chat/completions"}
@@ -28,24 +31,26 @@ def _texts(t: int) -> str:
     return f"<{t}>"
 
 
-def _outputs() -> list[RequestOutput]:
-    """One output a token; the last finishes the answer."""
+def _outputs(tokens: list[int] = TOKENS, index: int = 0) -> list[RequestOutput]:
+    """One output a token; the last finishes the answer (sequence ``index`` of it)."""
     outs, pending = [], ""
-    for i, t in enumerate(TOKENS):
+    for i, t in enumerate(tokens):
         pending += _texts(t)
-        last = i == len(TOKENS) - 1
+        last = i == len(tokens) - 1
         delta, pending = ("", pending) if i in HELD and not last else (pending, "")
         outs.append(RequestOutput(
             "r", (t,), (-0.125 * (i + 1),), delta,
             FinishReason("length") if last else None, prompt_tokens=5,
-            completion_tokens=i + 1, new_top_logprobs=(((t, -0.125 * (i + 1)), (t + 100, -4.0)),)))
+            completion_tokens=i + 1, new_top_logprobs=(((t, -0.125 * (i + 1)), (t + 100, -4.0)),),
+            index=index))
     return outs
 
 
-def _acc(kind: Kind, resume: tuple[int, ...] = (), text: str = "") -> Accumulator:
+def _acc(kind: Kind, resume: tuple[int, ...] = (), text: str = "", *,
+         include_usage: bool = True) -> Accumulator:
     return Accumulator(kind, "r", "tiny", return_logprob=True, logprobs=LogprobSpec(top=2),
-                       include_usage=True, token_text=_texts, resume=resume, resume_text=text,
-                       token_ids=kind != "generate")
+                       include_usage=include_usage, token_text=_texts, resume=resume,
+                       resume_text=text, token_ids=kind != "generate")
 
 
 def _relay(p: Progress, acc: Accumulator, outs: list[RequestOutput]) -> list[dict[str, Any]]:
@@ -60,15 +65,12 @@ def _relay(p: Progress, acc: Accumulator, outs: list[RequestOutput]) -> list[dic
 
 def _resumed_outputs(outs: list[RequestOutput], done: int, text_sent: str
                      ) -> list[RequestOutput]:
-    """What a worker resumed after ``done`` tokens reports: the rest, its first output with the
-    text the client did not get yet (replayed from the resumed tokens)."""
+    """What a worker resumed after ``done`` tokens reports, as a request of its own (index 0):
+    the rest, its first output with the text the client did not get yet (replayed from the
+    resumed tokens)."""
     full = "".join(o.text_delta for o in outs[:done])
-    rest = [*outs[done:]]
-    first = rest[0]
-    rest[0] = RequestOutput(first.rid, first.new_token_ids, first.new_logprobs,
-                            full[len(text_sent):] + first.text_delta, first.finish_reason,
-                            first.prompt_tokens, first.completion_tokens,
-                            new_top_logprobs=first.new_top_logprobs)
+    rest = [attrs.evolve(o, index=0) for o in outs[done:]]
+    rest[0] = attrs.evolve(rest[0], text_delta=full[len(text_sent):] + rest[0].text_delta)
     return rest
 
 
@@ -166,4 +168,134 @@ def test_which_answers_migrate() -> None:
     assert not migratable("/v1/completions", {"prompt": "hi", "echo": True})
     assert migratable("/v1/chat/completions", {"messages": [], "logprobs": True,
                                                "top_logprobs": 2})
-    assert not migratable("/v1/chat/completions", {"messages": [], "n": 2})
+    assert migratable("/v1/chat/completions", {"messages": [], "n": 2})  # by sequence
+    assert migratable("/generate", {"text": "hi", "sampling_params": {"n": 3}})
+    assert not migratable("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3})
+    assert not migratable("/v1/completions", {"prompt": "hi", "n": "2"})
+
+
+# Sequences of an n = 3 answer: different lengths, so that one finishes before the others.
+SEQUENCES = [TOKENS, [t + 40 for t in TOKENS[:7]], [t + 80 for t in TOKENS[:10]]]
+
+
+def _interleaved() -> list[RequestOutput]:
+    """The outputs of an n = 3 request as its worker reports them: one of each sequence's in
+    turn, while it has any."""
+    each = [_outputs(tokens, i) for i, tokens in enumerate(SEQUENCES)]
+    return [o for step in range(len(TOKENS)) for outs in each for o in outs[step:step + 1]]
+
+
+def _n_stream(kind: Kind, outs: list[RequestOutput], p: Progress) -> list[dict[str, Any]]:
+    """A worker's n > 1 stream of ``outs`` (``GenerationRoutes._stream_many``: each event with
+    its sequence's index, one usage chunk at the end when whole), read by the proxy."""
+    accs = [_acc(kind, include_usage=False) for _ in SEQUENCES]
+    events = []
+    for out in outs:
+        for payload in accs[out.index].chunks(out):
+            event = indexed(payload, out.index)
+            p.observe(event)
+            events.append(event)
+    if kind != "generate" and len(outs) == len(_interleaved()):
+        completion = sum(a.completion_tokens for a in accs)
+        events.append(accs[0].usage_chunk({
+            "prompt_tokens": 5, "completion_tokens": completion, "total_tokens": 5 + completion,
+            "prompt_tokens_details": {"cached_tokens": 0}}))
+    return events
+
+
+def _by_sequence(kind: Kind, events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """What a client folds out of an n > 1 stream, by index: text, finish reasons, log-probs,
+    role chunks (chat); /generate's last event of each index."""
+    out: dict[int, dict[str, Any]] = {}
+    for event in events:
+        if kind == "generate":
+            meta = event["meta_info"]
+            out[event["index"]] = {"text": event["text"], "ids": event["output_ids"],
+                                   "finish": meta["finish_reason"],
+                                   "tokens": meta["completion_tokens"],
+                                   "logprobs": [meta["output_token_logprobs"],
+                                                meta["output_top_logprobs"]]}
+            continue
+        for choice in event["choices"]:
+            seq = out.setdefault(choice["index"], {"text": "", "finish": [], "roles": 0,
+                                                   "logprobs": []})
+            delta = choice.get("delta") or {}
+            seq["text"] += (delta.get("content") if kind == "chat" else choice["text"]) or ""
+            seq["roles"] += delta.get("role") == "assistant"
+            if choice["finish_reason"] is not None:
+                seq["finish"].append(choice["finish_reason"])
+            lps = choice["logprobs"]
+            if lps is not None:
+                seq["logprobs"].append(lps["content"] if kind == "chat" else
+                                       [lps[k] for k in ("tokens", "token_logprobs",
+                                                         "top_logprobs", "text_offset")])
+            assert "token_ids" not in choice  # the proxy asked for them, the client did not
+    for seq in out.values():  # OpenAI: entries laid end to end, however the chunks split them
+        if seq.get("logprobs") and kind == "chat":
+            seq["logprobs"] = [e for lps in seq["logprobs"] for e in lps]
+        elif seq.get("logprobs"):
+            seq["logprobs"] = [[v for lps in seq["logprobs"] for v in lps[k]] for k in range(4)]
+    return out
+
+
+def _continued(kind: Kind, body: dict[str, Any], one: Progress, index: int
+               ) -> tuple[list[dict[str, Any]], Part]:
+    """Sequence ``index`` continued as a request of its own: its worker's stream (resumed from
+    what the client has of the sequence), read by its own Progress, relayed re-indexed: the
+    events the client gets, and the relay's part."""
+    part = Part(index)
+    leg = one.leg_body(body)
+    resume = leg.get("resume")
+    done = len(resume["output_ids"]) if isinstance(resume, dict) else 0
+    text = resume["text"] if isinstance(resume, dict) else ""
+    acc = _acc(kind, tuple(SEQUENCES[index][:done]), text)
+    outs = _outputs(SEQUENCES[index], index)
+    events = []
+    for out in _resumed_outputs(outs, done, text):
+        for payload in acc.chunks(out):
+            one.observe(payload)
+            sse = b"data: " + json.dumps(payload).encode() + b"\n\n"
+            events += part.feed({"type": "http.response.body", "body": sse, "more_body": True})
+    part.feed({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+    return [json.loads(e.removeprefix(b"data: ")) for e in events], part
+
+
+@pytest.mark.parametrize("kind", ["generate", "completion", "chat"])
+@pytest.mark.parametrize("outputs_before_break", [1, 2, 4, 14, 22, 25, 27])
+def test_an_n_3_stream_goes_on_as_its_unfinished_sequences(
+        kind: Kind, outputs_before_break: int) -> None:
+    """The proxy keeps each sequence's progress; after a break each unfinished one goes on as a
+    request of its own (n = 1, its fork's seed, resumed from its tokens), relayed with its
+    index. The client gets every sequence's text, log-probs and finish reason once, as from an
+    uninterrupted stream, and usage counting each token once."""
+    path = PATHS[kind]
+    outs = _interleaved()
+    whole = _n_stream(kind, outs, Progress(path, stream=True, n=3))
+    p = Progress(path, stream=True, n=3)
+    first = _n_stream(kind, outs[:outputs_before_break], p)
+    assert not p.finished
+    if not first:  # nothing went out yet: the next room takes the request as it came
+        assert kind == "completion" and not p.apart and "resume" not in p.leg_body({})
+        return
+    assert p.apart
+    body: dict[str, Any] = ({"text": "hi", "sampling_params": {"n": 3, "seed": 7}, "rid": "x"}
+                            if kind == "generate" else {"prompt": "hi", "n": 3, "seed": 7})
+    sequences = p.sequences(body)
+    finished_before = {o.index for o in outs[:outputs_before_break]
+                       if o.finish_reason is not None}
+    assert [i for i, _, _ in sequences] == [i for i in range(3) if i not in finished_before]
+    parts, rest = [], []
+    for index, one_body, one in sequences:
+        where = one_body["sampling_params"] if kind == "generate" else one_body
+        assert (where["n"], where["seed"]) == (1, fork_seed(7, index))
+        assert one_body.get("rid") == (f"x.n{index}" if kind == "generate" else None)
+        events, part = _continued(kind, body, one, index)
+        parts.append(part)
+        rest += events
+    if kind != "generate":
+        usage = [part.usage for part in parts if part.usage is not None]
+        rest.append(p.usage_chunk(usage[-1]))
+        assert rest[-1]["usage"] == whole[-1]["usage"]  # each token counted once
+    assert p.finished
+    assert _by_sequence(kind, first + rest) == _by_sequence(kind, whole)
+    assert {i: c.output_ids for i, c in p.choices.items()} == dict(enumerate(SEQUENCES))

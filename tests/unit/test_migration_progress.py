@@ -1,11 +1,13 @@
 """What the proxy keeps of a streamed answer for the next room (proxy/migration.py Progress),
 here: a hand-off ticket whose newest token the client never got, and a worker failure D
-reported in-band (OpenAI's error chunk, /generate's abort with its status)."""
+reported in-band (OpenAI's error chunk, /generate's abort with its status); and how one
+sequence continued alone after a break reaches the client (``merged_stream.Part``)."""
 
 from __future__ import annotations
 
 import json
 
+from pd_fsm.io_trio.proxy.merged_stream import Part
 from pd_fsm.io_trio.proxy.migration import Progress, worker_failure
 from pd_fsm.io_trio.worker.responses import Accumulator
 from pd_fsm.schedulers.request import RequestOutput
@@ -73,3 +75,27 @@ def test_a_generate_stream_s_abort_with_a_5xx_status_is_a_worker_failure() -> No
         assert not q.withhold(raw) and q.failed is None
     assert worker_failure(_event({"meta_info": {"finish_reason": {
         "type": "abort", "status_code": 500}}})) == (500, "worker failure")
+
+
+def test_a_part_of_a_merged_stream_is_relayed_under_its_index() -> None:
+    """One part of a merged stream (``merged_stream.Part``: a batch's prompt, an n > 1 answer's
+    sequence continued alone): its events under its index however the bytes are split, its
+    [DONE] and usage chunk held back; a part that answered an error status: its error, once."""
+    part = Part(2)
+    chunk = _event({"choices": [{"index": 0, "text": "a", "finish_reason": None}]})
+    usage = _event({"choices": [], "usage": {"completion_tokens": 3}})
+    body = chunk + _event({"text": "ab", "output_ids": [1, 2]}) + usage + b"data: [DONE]\n\n"
+    out = []
+    for lo, hi in ((0, 7), (7, len(chunk) + 3), (len(chunk) + 3, len(body))):
+        out += part.feed({"type": "http.response.body", "body": body[lo:hi]})
+    assert [json.loads(e.removeprefix(b"data: ")) for e in out] == [
+        {"choices": [{"index": 2, "text": "a", "finish_reason": None}]},
+        {"text": "ab", "output_ids": [1, 2], "index": 2}]
+    assert part.usage == {"choices": [], "usage": {"completion_tokens": 3}}
+    assert part.end() == []
+    failed = Part(1)
+    failed.feed({"type": "http.response.start", "status": 503, "headers": []})
+    assert failed.feed({"type": "http.response.body",
+                        "body": b'{"error": {"message": "no workers", "code": 503}}'}) == []
+    assert [json.loads(e.removeprefix(b"data: ")) for e in failed.end()] == [
+        {"error": {"message": "no workers", "code": 503}, "index": 1}]

@@ -10,7 +10,7 @@ import pytest
 from pd_fsm.jax_engine.model import LoadedModel, load_model
 from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import FinishReason, RequestOutput, Scheduler, SchedulerArgs
-from pd_fsm.schedulers.request import LogprobSpec, Resume
+from pd_fsm.schedulers.request import LogprobSpec, Resume, fork_seed
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=14, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=42, max_new_tokens=14,
@@ -67,6 +67,28 @@ def test_a_resumed_request_continues_the_uninterrupted_one(
     # Usage counts the prompt once and every output token once, wherever it was generated.
     assert (last.prompt_tokens, last.completion_tokens) == (len(prompt), len(ids))
     assert last.finish_reason == FinishReason("length")
+
+
+@pytest.mark.parametrize("sp", [GREEDY, SEEDED, PENALIZED], ids=["greedy", "seeded", "penalized"])
+@pytest.mark.parametrize("cut", [0, 1, 6])
+def test_one_sequence_of_n_continues_alone_with_its_fork_seed(
+    tiny: LoadedModel, sp: SamplingParams, cut: int
+) -> None:
+    """A proxy continues each unfinished sequence of a broken n > 1 stream as a request of its
+    own (n = 1, seed ``fork_seed``, resume from its tokens): it goes on as the sequence would
+    have, wherever it broke off (``cut`` 0: it had sent nothing yet)."""
+    prompt = _prompt(7, 8)
+    whole, _ = _run(tiny, prompt, attrs.evolve(sp, n=3))
+    for index in range(3):
+        seq = [o for o in whole if o.index == index]
+        ids, text = _ids(seq), _text(seq)
+        assert len(ids) == sp.max_new_tokens
+        alone = attrs.evolve(sp, seed=None if sp.seed is None else fork_seed(sp.seed, index))
+        rest, _ = _run(tiny, prompt, alone, Resume(tuple(ids[:cut]), text_sent=cut)
+                       if cut else None)
+        assert (_ids(rest), _text(rest)) == (ids[cut:], text[cut:]), index
+    if sp.seed is not None:  # the sequences differ: each was drawn with a seed of its own
+        assert len({tuple(_ids([o for o in whole if o.index == i])) for i in range(3)}) == 3
 
 
 @pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])

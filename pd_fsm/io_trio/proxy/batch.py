@@ -25,9 +25,9 @@ import trio
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from pd_fsm.io_trio.proxy.logprob_merge import split_events
+from pd_fsm.io_trio.proxy.merged_stream import merge_streams
 from pd_fsm.io_trio.proxy.room import RoomResponse
-from pd_fsm.io_trio.worker.responses import batch_body, indexed, summed_usage
+from pd_fsm.io_trio.worker.responses import batch_body, summed_usage
 from pd_fsm.io_trio.worker.schemas import Kind
 from pd_fsm.io_trio.worker.sse import DONE, SSE_HEADERS, event
 
@@ -135,64 +135,19 @@ class BatchResponse:
     async def _streamed(self, scope: Scope, receive: Receive, send: Send,
                         rooms: list[RoomResponse]) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-        # dict[str, Any]: a JSON object, as worker.responses (summed_usage, indexed) types it.
-        usages: list[dict[str, Any]] = []
-        last_usage_chunk: list[dict[str, Any]] = []
-        send_ch, recv_ch = trio.open_memory_channel[bytes](64)
 
-        async def run(index: int, room: RoomResponse, out: trio.MemorySendChannel[bytes]) -> None:
-            capture = _Capture()
-            pending = b""
-
-            async def forward(message: Message) -> None:
-                nonlocal pending
-                if message["type"] == "http.response.start" or capture.status != 200:
-                    await capture.send(message)  # a failed room's body: its error, kept whole
-                if capture.status != 200 or message["type"] != "http.response.body":
-                    return
-                pending += message.get("body", b"")
-                events, pending = split_events(pending)
-                for raw in events:
-                    payload = _payload(raw)
-                    if payload is None:
-                        continue  # [DONE]: one for the batch, at the end
-                    if payload.get("choices") == [] and isinstance(payload.get("usage"), dict):
-                        usages.append(payload["usage"])  # one usage chunk for the batch
-                        last_usage_chunk[:] = [payload]
-                        continue
-                    await out.send(event(indexed(payload, index)))
-
-            async with out:
-                await room(scope, self._room_receive, forward)
-                if capture.status not in (0, 200):
-                    body = capture.json()
-                    await out.send(event({**body, "index": index}))
+        async def out(chunk: bytes) -> None:
+            if not self.client_gone:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_client, receive)
-            async with send_ch:
-                for index, room in enumerate(rooms):
-                    nursery.start_soon(run, index, room, send_ch.clone())
-            async with recv_ch:
-                async for chunk in recv_ch:
-                    if not self.client_gone:
-                        await send({"type": "http.response.body", "body": chunk,
-                                    "more_body": True})
+            parts = await merge_streams(list(enumerate(rooms)), scope, self._room_receive, out)
             nursery.cancel_scope.cancel()
         if self.client_gone:
             return  # the client left: nothing more to send
+        usages = [p.usage for p in parts if p.usage is not None]
         tail = b""
-        if last_usage_chunk:
-            tail = event({**last_usage_chunk[0], "usage": summed_usage(usages)})
+        if usages:  # one usage chunk for the batch, summed
+            tail = event({**usages[-1], "usage": summed_usage([u["usage"] for u in usages])})
         await send({"type": "http.response.body", "body": tail + DONE, "more_body": False})
-
-
-def _payload(raw: bytes) -> dict[str, Any] | None:  # Any: as worker.responses.indexed takes it
-    data = raw.strip().removeprefix(b"data: ")
-    if data == b"[DONE]":
-        return None
-    try:
-        obj = json.loads(data)
-    except ValueError:
-        return None
-    return obj if isinstance(obj, dict) else None

@@ -23,7 +23,7 @@ from typing import Protocol, assert_never
 import attrs
 import httpx
 import trio
-from starlette.types import Scope
+from starlette.types import ASGIApp, Message, Scope
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
@@ -40,9 +40,10 @@ from pd_fsm.io_trio.proxy.answers import (
     send_stream_error,
 )
 from pd_fsm.io_trio.proxy.logprob_merge import SseRewriter, merge
+from pd_fsm.io_trio.proxy.merged_stream import merge_streams
 from pd_fsm.io_trio.proxy.migration import Progress
 from pd_fsm.io_trio.worker.phases import PhaseHistograms
-from pd_fsm.io_trio.worker.sse import Receive, Send
+from pd_fsm.io_trio.worker.sse import Receive, Send, event
 
 log = logging.getLogger("pd_fsm.io_trio.proxy.server")  # one logger for the proxy
 SSE_DONE = b"data: [DONE]\n\n"  # the last event of an sglang / OpenAI stream
@@ -69,6 +70,19 @@ class ClientRequest:
     prompt_logprobs: bool = False
     progress: Progress | None = None  # what the client has of a migratable answer
     client: ProxySession = attrs.field(factory=ProxySession)  # table proxy_session
+    # One sequence of an n > 1 answer, continued in a request of its own after a migration
+    # (``sequence``): the client's request is counted as the one it came from.
+    part: bool = False
+
+    def sequence(self, index: int, body: Mapping[str, object], progress: Progress
+                 ) -> ClientRequest:
+        """Sequence ``index`` of this n > 1 request as a request of its own (``body`` and
+        ``progress`` from ``Progress.sequences``): it goes on under the client's headers."""
+        q = ClientRequest(f"{self.request_id}.n{index}", self.path, body, self.headers,
+                          self.stream, self.return_logprob, migratable=True, progress=progress,
+                          part=True)
+        q.client.handle(ev.HeadersSent(), trio.current_time())  # its errors go in-band
+        return q
 
 
 @attrs.frozen
@@ -151,8 +165,9 @@ class RoomHost(Protocol):
         """Run ``fn(s)`` in the proxy's own nursery (P's leg: nobody waits for its drain)."""
         ...
 
-    async def reopen(self, s: Room) -> Room | Refusal:
-        """The request's next room after ``s`` ended RETRIED or MIGRATED, or why none."""
+    async def reopen(self, s: Room) -> Room | Refusal | list[tuple[int, Room | Refusal]]:
+        """The request's next room after ``s`` ended RETRIED or MIGRATED, or why none; or, an
+        n > 1 answer's (``Progress.apart``), each unfinished sequence's room by its index."""
         ...
 
     def room_over(self, s: Room) -> None:
@@ -170,6 +185,8 @@ class RoomResponse:
     def __init__(self, host: RoomHost, room: Room) -> None:
         self.host = host
         self.s = room
+        self.left = trio.Event()  # the client left (its sequences' rooms learn it from this)
+        self.apart = False  # the answer goes on as its sequences, each in a request of its own
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         host = self.host
@@ -180,6 +197,10 @@ class RoomResponse:
                     nxt = await host.reopen(self.s)
                     if isinstance(nxt, Refusal):
                         await self._answer_error(send, nxt.status, nxt.body())
+                        break
+                    if isinstance(nxt, list):
+                        self.apart = True
+                        await self._sequences(scope, send, nxt)
                         break
                     self.s = nxt
                 nursery.cancel_scope.cancel()
@@ -197,9 +218,11 @@ class RoomResponse:
         def carry_out(effect: fx.SessionEffect) -> tuple[()]:
             match effect:
                 case fx.ReportRelayFinished():
-                    self.host.feed(ev.RelayFinished(s.room))
+                    if not self.apart:  # (apart: the room is over; each sequence's reports)
+                        self.host.feed(ev.RelayFinished(s.room))
                 case fx.ReportDisconnect():
-                    self.host.count(s.request.path, "disconnected")
+                    if not s.request.part:
+                        self.host.count(s.request.path, "disconnected")
                     self.host.feed(ev.ClientDisconnected(s.room))
                 case _:
                     assert_never(effect)
@@ -242,9 +265,39 @@ class RoomResponse:
             message = await receive()
             if message["type"] == "http.disconnect":
                 self.tell(self.s, ev.ClientLeft())
-                if self.s.request.client.gone:  # not the end of a whole answer
+                self.left.set()
+                # Not the end of a whole answer. Sequences apart each abort their own legs.
+                if self.s.request.client.gone and not self.apart:
                     scope.cancel()
                 return
+
+    async def _sequences(self, scope: Scope, send: Send,
+                         parts: list[tuple[int, Room | Refusal]]) -> None:
+        """After a migration, an n > 1 answer's unfinished sequences, each in a request of its
+        own (``Progress.sequences`` says why): their streams relayed as one under the client's
+        headers (``merged_stream``), then one usage chunk and one ``[DONE]``."""
+        q = self.s.request
+        assert q.progress is not None
+
+        async def left() -> Message:
+            await self.left.wait()
+            return {"type": "http.disconnect"}
+
+        async def out(chunk: bytes) -> None:
+            if not q.client.gone:
+                self.tell(self.s, ev.ChunkRelayed())
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+        apps: list[tuple[int, ASGIApp]] = [
+            (index, RoomResponse(self.host, r) if isinstance(r, Room) else _refused(r))
+            for index, r in parts]
+        merged = await merge_streams(apps, scope, left, out)
+        if q.client.gone:
+            return  # every sequence's room saw it leave: its legs are aborted
+        usages = [part.usage for part in merged if part.usage is not None]
+        tail = event(q.progress.usage_chunk(usages[-1])) if usages else b""
+        self.tell(self.s, ev.AnswerRelayed())
+        await send({"type": "http.response.body", "body": tail + SSE_DONE, "more_body": False})
 
     # ------------------------------------------------------------------ P's leg
 
@@ -386,7 +439,8 @@ class RoomResponse:
         q = s.request
         headers = [(b"content-type", resp.headers.get("content-type", "application/json")
                     .encode())]
-        self.host.count(q.path, str(resp.status_code))
+        if not q.client.headers_sent:  # a migrated request was counted by its first room
+            self.host.count(q.path, str(resp.status_code))
         if q.stream and resp.headers.get("content-type", "").startswith("text/event-stream"):
             headers.append((b"cache-control", b"no-cache"))
             await self._relay_stream(s, resp, send, headers)
@@ -464,3 +518,13 @@ class RoomResponse:
         except ValueError:
             return raw
         return json.dumps(d_body).encode() if merge(s.request.path, p_body, d_body) else raw
+
+
+def _refused(refusal: Refusal) -> ASGIApp:
+    """A sequence's room that could not be opened (no worker): its error in-band, as its one
+    event."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await send_stream_error(send, refusal.reason, refusal.status)
+
+    return app

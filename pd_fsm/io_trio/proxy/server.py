@@ -68,7 +68,7 @@ from pd_fsm.io_trio.http_server import http_client, serve_app
 from pd_fsm.io_trio.proxy.answers import Failure, Refusal, error_body
 from pd_fsm.io_trio.proxy.batch import BatchResponse
 from pd_fsm.io_trio.proxy.logprob_merge import wants_prompt_logprobs
-from pd_fsm.io_trio.proxy.migration import Progress, migratable
+from pd_fsm.io_trio.proxy.migration import Progress, migratable, sequences_asked
 from pd_fsm.io_trio.proxy.prompt_key import prompt_of
 from pd_fsm.io_trio.proxy.room import ClientRequest, Reply, Room, RoomResponse
 from pd_fsm.io_trio.proxy.workers import PrefillTarget as PrefillTarget  # callers' name for it
@@ -372,7 +372,8 @@ class Proxy:
             prompt_logprobs=wants_prompt_logprobs(path, body),
         )
         if q.migratable:
-            q.progress = Progress(path, stream, body.get("return_token_ids") is True)
+            q.progress = Progress(path, stream, body.get("return_token_ids") is True,
+                                  sequences_asked(path, body))
         s = Room(q)
         refusal = self._dispatch(s, Attempts())
         if refusal is not None:
@@ -428,14 +429,23 @@ class Proxy:
 
     # ------------------------------------------------------------------ for rooms (RoomHost)
 
-    async def reopen(self, s: Room) -> Room | Refusal:
+    async def reopen(self, s: Room) -> Room | Refusal | list[tuple[int, Room | Refusal]]:
         """The request's next room after ``s`` ended RETRIED, MIGRATED or HANDED_OFF (after
-        the retry's backoff), or why no worker could take it."""
+        the retry's backoff), or why no worker could take it; an n > 1 answer the client has
+        some of goes on as its unfinished sequences, each in a room of its own (by index)."""
         reopen = s.reopen
         assert reopen is not None
         await trio.sleep(reopen.delay)
-        nxt = Room(s.request)
         progress = s.request.progress
+        if progress is not None and progress.apart:
+            # Each with the request's attempts so far: --migration-limit bounds how many times
+            # any of its sequences moves, as it bounds a single one's.
+            parts: list[tuple[int, Room | Refusal]] = []
+            for index, body, own in progress.sequences(s.request.client_body):
+                one = Room(s.request.sequence(index, body, own))
+                parts.append((index, self._dispatch(one, reopen.attempts) or one))
+            return parts
+        nxt = Room(s.request)
         if progress is not None:
             if reopen.cause == "handoff" and progress.ticket is not None:
                 nxt.ticket, nxt.handoff_from = progress.ticket, s.decode

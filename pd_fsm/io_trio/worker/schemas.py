@@ -28,7 +28,7 @@ from pd_fsm.io_trio.worker.tools import ToolError, Tools, parse_tools
 from pd_fsm.jax_engine.sampling.grammar import Constraint
 from pd_fsm.jax_engine.sampling.params import MAX_N, TOP_LOGPROBS_COMPUTED, SamplingParams
 from pd_fsm.schedulers.disaggregation.handoff import HandoffTicket
-from pd_fsm.schedulers.request import NO_LOGPROBS, LogprobSpec, Resume
+from pd_fsm.schedulers.request import NO_LOGPROBS, SEED_LIMIT, LogprobSpec, Resume
 from pd_fsm.text.tokenizer import ChatMessage
 
 # A request body, or a part of one, as strict_json parsed it and before this module checked it.
@@ -347,7 +347,7 @@ def _sampling(
     seed = _int(d, "seed", path)
     if seed is None:
         seed = _int(d, "sampling_seed", path)
-    if seed is not None and not 0 <= seed < 2**63:
+    if seed is not None and not 0 <= seed < SEED_LIMIT:
         raise ApiError(400, f"{_where(path, 'seed')} must be in [0, 2^63), got {seed}")
     stop_ids = d.get("stop_token_ids")
     penalties = _penalties(d, path)
