@@ -29,6 +29,14 @@ SWITCH_DRAIN = (0.3, 12.0)
 SHORT_DRAIN = (0.02, 0.5)  # shorter than most rooms: most switches fail what is left
 SWITCH_BUILD = (0.1, 1.5)  # seconds to build a role's backend from the loaded weights and warm it
 SWITCH_START_FAILS = 0.08  # the chance that building a role raises (RoleStartFailed)
+# Live KV hand-off (issue 32 §2): a draining D's offers are leased until this long before its drain
+# deadline (`HANDOFF_LEASE_MARGIN_S`, scaled as the drains are); with less than the minimum lease
+# left its streams finish in place. A seeded share of hand-off pulls fails, as PD pulls do, and
+# a drain that hands streams off is cut from another D for a while by this chance.
+HANDOFF_MARGIN = 0.2
+HANDOFF_MIN_LEASE = 0.1
+HANDOFF_PULL_FAILS = 0.05
+HANDOFF_PARTITION = 0.2
 DISCOVERY = 1.0  # the proxy sees a worker leave or join its role's list within this many seconds
 
 
@@ -165,3 +173,7 @@ class SimResult:
     # "declined", "crashed"), and by what each switch raced (``switch.RACES``) -> switches.
     switches: dict[str, int] = attrs.field(factory=dict)
     races: dict[str, int] = attrs.field(factory=dict)
+    # Live KV hand-offs (handoff.py) by outcome: streams handed off; their hand-off rooms taken
+    # (the KV pulled, the stream went on), fallen back to a migration, or failed; the draining
+    # D's registrations released (pulled) or expired (or closed with the role).
+    handoffs: dict[str, int] = attrs.field(factory=dict)

@@ -47,8 +47,15 @@ from pd_fsm.core import events as ev
 from pd_fsm.core.drive import drive
 from pd_fsm.core.role_switch import RoleSwitch
 from pd_fsm.core.tables import ROLE_SWITCH
-from pd_fsm.sim.config import SWITCH_BUILD, SWITCH_START_FAILS, Violation
-from pd_fsm.sim.workers import Node, WorldView
+from pd_fsm.sim.config import (
+    HANDOFF_MARGIN,
+    HANDOFF_MIN_LEASE,
+    HANDOFF_PARTITION,
+    SWITCH_BUILD,
+    SWITCH_START_FAILS,
+    Violation,
+)
+from pd_fsm.sim.workers import DecodeWorker, Node, WorldView
 
 ROLES = ("prefill", "decode")  # the roles a simulated worker compiled at start (--roles)
 # What a switch can race, counted per switch that raced it (SimResult.races): a P or a D crashing
@@ -249,6 +256,7 @@ class Processes:
             case fx.RefuseLegs():
                 proc.refusing = e.reason
                 self._draining.add(proc.name)
+                self._hand_off(proc)
             case fx.FailInFlight():
                 node.fail_in_flight(e.reason)
             case fx.StopRole():
@@ -283,6 +291,29 @@ class Processes:
             case _:
                 assert_never(e)
         return ()
+
+    def _hand_off(self, proc: Process) -> None:
+        """A D draining hands its running streams off (issue 32 §2; ``handoff.py``) when another
+        D is listed (the worker's drain gate: another decode worker registered), its offers
+        leased until ``HANDOFF_MARGIN`` before the drain deadline; with too little time left
+        they finish here. A drain that handed streams off is cut, by a seeded chance, from
+        another D for a while: the pulls that cross it fail and fall back to a re-prefill."""
+        w, node, rs = self.world, proc.node, proc.switch
+        others = sorted(p.name for p in self.procs.values()
+                        if p is not proc and p.listed == "decode")
+        deadline = rs.next_deadline() if rs is not None else None
+        if not isinstance(node, DecodeWorker) or not others or deadline is None:
+            return
+        lease = deadline - (w.now + w.skew[proc.name]) - HANDOFF_MARGIN
+        if lease < HANDOFF_MIN_LEASE or not node.desk.hand_off(lease):
+            return
+        if w.config.faults and self.rng.random() < HANDOFF_PARTITION:
+            pair = frozenset((proc.name, self.rng.choice(others)))
+            if pair in w.network.cut:
+                return  # cut already (a partition drawn with the seed's faults heals it)
+            w.trace_line(f"  partition {sorted(pair)} during the hand-off")
+            w.network.cut.add(pair)
+            w.at(self.rng.uniform(0.5, 5.0), f"heal {sorted(pair)}", w.network.cut.discard, pair)
 
     def _built(self, proc: Process, life: int, role: str) -> None:
         """The role's backend is built (or building it raised, by the seed's draw)."""

@@ -34,6 +34,7 @@ import heapq
 import itertools
 import math
 import random
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -83,6 +84,7 @@ class World:
         self.proxy = Proxy(self, self.procs)
         self.network = Network(self, self.procs, self._serial)
         self.clients: list[Client] = []
+        self.handoffs: Counter[str] = Counter()  # live KV hand-offs by outcome (handoff.py)
         self.invariants = Invariants()
         for node in (*self.prefills, *self.decodes):
             node.start()
@@ -224,6 +226,12 @@ class World:
         p = next((p for p in self.prefills if p.transfer == addr), None)
         return p if p is not None and p.alive else None
 
+    def handoff_source(self, name: str, gen: int) -> DecodeWorker | None:
+        """The draining D a hand-off ticket names, if that process (of that generation, in
+        that role) is up."""
+        node = self.procs[name].node
+        return node if isinstance(node, DecodeWorker) and node.alive and node.gen == gen else None
+
     # -- invariants ---------------------------------------------------------------------------
 
     def _check(self) -> None:
@@ -258,7 +266,8 @@ def run_seed(seed: int, config: SimConfig | None = None, trace: bool = False) ->
     except Violation as exc:
         violation = f"t={world.now:.3f}: {exc}"
     return SimResult(seed, violation, world.answered(), world.steps, world.trace,
-                     world.workers.summary(), dict(sorted(world.workers.races.items())))
+                     world.workers.summary(), dict(sorted(world.workers.races.items())),
+                     dict(sorted(world.handoffs.items())))
 
 
 @attrs.frozen
