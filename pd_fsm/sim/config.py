@@ -31,11 +31,14 @@ SWITCH_BUILD = (0.1, 1.5)  # seconds to build a role's backend from the loaded w
 SWITCH_START_FAILS = 0.08  # the chance that building a role raises (RoleStartFailed)
 # Live KV hand-off (issue 32 §2): a draining D's offers are leased until this long before its drain
 # deadline (`HANDOFF_LEASE_MARGIN_S`, scaled as the drains are); with less than the minimum lease
-# left its streams finish in place. A seeded share of hand-off pulls fails, as PD pulls do, and
-# a drain that hands streams off is cut from another D for a while by this chance.
+# left its streams finish in place. With faults, a seeded share of hand-off pulls is slow (past
+# most leases) or fails, as PD pulls are, and a drain that hands streams off may crash during
+# their pulls, or be cut from another D for a while, by these chances.
 HANDOFF_MARGIN = 0.2
 HANDOFF_MIN_LEASE = 0.1
+HANDOFF_PULL_SLOW = 0.04
 HANDOFF_PULL_FAILS = 0.05
+HANDOFF_CRASH = 0.2
 HANDOFF_PARTITION = 0.2
 DISCOVERY = 1.0  # the proxy sees a worker leave or join its role's list within this many seconds
 

@@ -40,7 +40,7 @@ from pd_fsm.core import events as ev
 from pd_fsm.core.drive import drive
 from pd_fsm.core.handoff import HandoffLedger
 from pd_fsm.core.tables import KV_HANDOFF
-from pd_fsm.sim.config import HANDOFF_PULL_FAILS, PULL_DEADLINE, Violation
+from pd_fsm.sim.config import HANDOFF_PULL_FAILS, HANDOFF_PULL_SLOW, PULL_DEADLINE, Violation
 
 if TYPE_CHECKING:  # the workers build their desk: importing them here would close a circle
     from pd_fsm.sim.workers import Client, DecodeWorker
@@ -193,9 +193,12 @@ class Desk:
         ticket, client = self.taking[room], node.legs[room][1]
         pull = self._pulls[room] = next(self._pull_ids)
         took = w.config.cost.pull(client.tokens + len(ticket.tokens)) + w.rng.uniform(0.001, 0.005)
-        fails = w.config.faults and w.rng.random() < HANDOFF_PULL_FAILS
+        r = w.rng.random() if w.config.faults else 1.0
+        if r < HANDOFF_PULL_SLOW:
+            took = w.rng.uniform(1.0, 2 * PULL_DEADLINE)  # slow: past most leases, or its deadline
+        fails = HANDOFF_PULL_SLOW <= r < HANDOFF_PULL_SLOW + HANDOFF_PULL_FAILS
         w.at(min(took, PULL_DEADLINE), f"{node.name} hand-off pull of room {room:x}",
-             self._pulled, node.gen, room, pull, fails)
+             self._pulled, node.gen, room, pull, fails or took >= PULL_DEADLINE)
 
     def _pulled(self, gen: int, room: int, pull: int, fails: bool) -> None:
         node = self.node
@@ -205,14 +208,21 @@ class Desk:
         ticket = self.taking[room]
         source = node.world.handoff_source(ticket.source, ticket.gen)
         if fails:
-            self.feed(ev.PullFailed(pull_key(room), "injected transfer failure"))
-        elif (source is None or source.desk.offers.get(ticket.uuid) != ticket.tokens
-              or not node.world.network.reachable(node.name, ticket.source)):
-            self.feed(ev.PullFailed(pull_key(room), f"nothing registered as {ticket.uuid} at "
-                                                    f"{ticket.source} (drained, expired, down or "
-                                                    "unreachable)"))
+            why = "injected, or past the pull deadline"
+        elif source is None:
+            # The draining D crashed or restarted, or its role stopped: once its leases ended
+            # (or its drain deadline passed), nothing held it.
+            why = "source gone"
+        elif source.desk.offers.get(ticket.uuid) != ticket.tokens:
+            why = "lease over"
+        elif not node.world.network.reachable(node.name, ticket.source):
+            why = "partitioned"
         else:
             self.feed(ev.PullSucceeded(pull_key(room)))
+            return
+        node.world.handoffs[f"pull {why}"] += 1
+        self.feed(ev.PullFailed(pull_key(room), f"hand-off pull of {ticket.uuid} from "
+                                                f"{ticket.source}: {why}"))
 
     def _enter_decode(self, room: int) -> None:
         """The pulled KV is in the pages: the stream goes on from its next token."""

@@ -48,6 +48,7 @@ from pd_fsm.core.drive import drive
 from pd_fsm.core.role_switch import RoleSwitch
 from pd_fsm.core.tables import ROLE_SWITCH
 from pd_fsm.sim.config import (
+    HANDOFF_CRASH,
     HANDOFF_MARGIN,
     HANDOFF_MIN_LEASE,
     HANDOFF_PARTITION,
@@ -296,8 +297,9 @@ class Processes:
         """A D draining hands its running streams off (issue 32 §2; ``handoff.py``) when another
         D is listed (the worker's drain gate: another decode worker registered), its offers
         leased until ``HANDOFF_MARGIN`` before the drain deadline; with too little time left
-        they finish here. A drain that handed streams off is cut, by a seeded chance, from
-        another D for a while: the pulls that cross it fail and fall back to a re-prefill."""
+        they finish here. With faults, a drain that handed streams off may crash while they are
+        pulled, or be cut from another D for a while (seeded chances): those pulls fail and
+        fall back to a re-prefill."""
         w, node, rs = self.world, proc.node, proc.switch
         others = sorted(p.name for p in self.procs.values()
                         if p is not proc and p.listed == "decode")
@@ -305,12 +307,14 @@ class Processes:
         if not isinstance(node, DecodeWorker) or not others or deadline is None:
             return
         lease = deadline - (w.now + w.skew[proc.name]) - HANDOFF_MARGIN
-        if lease < HANDOFF_MIN_LEASE or not node.desk.hand_off(lease):
+        if lease < HANDOFF_MIN_LEASE or not node.desk.hand_off(lease) or not w.config.faults:
             return
-        if w.config.faults and self.rng.random() < HANDOFF_PARTITION:
-            pair = frozenset((proc.name, self.rng.choice(others)))
-            if pair in w.network.cut:
-                return  # cut already (a partition drawn with the seed's faults heals it)
+        if self.rng.random() < HANDOFF_CRASH:
+            w.at(self.rng.uniform(0.0, 0.03), f"{proc.name} crashes during its hand-offs",
+                 self.crash, proc.name, self.rng.uniform(0.5, 8.0))
+        pair = frozenset((proc.name, self.rng.choice(others)))
+        if self.rng.random() < HANDOFF_PARTITION and pair not in w.network.cut:
+            # (A pair cut already is the seed's own partition, which heals it.)
             w.trace_line(f"  partition {sorted(pair)} during the hand-off")
             w.network.cut.add(pair)
             w.at(self.rng.uniform(0.5, 5.0), f"heal {sorted(pair)}", w.network.cut.discard, pair)
