@@ -180,9 +180,10 @@ def _switches(outcomes: Mapping[str, int], raced: Mapping[str, int], per: str) -
 
 def _handoffs(counts: Mapping[str, int]) -> str:
     """Live KV hand-offs (handoff.py): streams a draining D handed off; their next rooms taken
-    (pulled, went on), fallen back to a re-prefill, or failed; registrations released or
-    expired; hand-off pulls that failed, by cause."""
-    keys = ("handed_off", "taken", "fell_back", "failed", "released", "expired")
+    (pulled, went on), fallen back to a re-prefill, or failed; registrations released, expired
+    or closed with a role stopped past its drain deadline; hand-off pulls that failed, by
+    cause."""
+    keys = ("handed_off", "taken", "fell_back", "failed", "released", "expired", "closed")
     pulls = {k[5:]: n for k, n in sorted(counts.items()) if k.startswith("pull ")}
     return ("hand-offs " + ", ".join(f"{k.replace('_', ' ')} {counts.get(k, 0)}" for k in keys)
             + f"; pulls failed {pulls}")

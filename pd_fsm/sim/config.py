@@ -178,5 +178,6 @@ class SimResult:
     races: dict[str, int] = attrs.field(factory=dict)
     # Live KV hand-offs (handoff.py) by outcome: streams handed off; their hand-off rooms taken
     # (the KV pulled, the stream went on), fallen back to a migration, or failed; the draining
-    # D's registrations released (pulled) or expired (or closed with the role).
+    # D's registrations released (by the proxy's word), expired (their lease), or closed with a
+    # role stopped past its drain deadline; hand-off pulls failed, by cause ("pull ...").
     handoffs: dict[str, int] = attrs.field(factory=dict)

@@ -46,6 +46,9 @@ if TYPE_CHECKING:  # the workers build their desk: importing them here would clo
     from pd_fsm.sim.workers import Client, DecodeWorker
 
 
+_CLOSED = "the transfer server closed with the role"
+
+
 def pull_key(room: int) -> int:
     """The ledger's key of the pull into ``room``: negative, never an offer's uuid."""
     return -(room + 1)
@@ -171,7 +174,10 @@ class Desk:
             raise Violation(f"{self.node.name}: hand-off registration {uuid} released twice "
                             f"({reason})")
         del self.offers[uuid]
-        self.node.world.handoffs["expired" if "lease" in reason else "released"] += 1
+        # By the ledger's reason (core/handoff.py): its lease's end, or the proxy's word; or
+        # the transfer server closing with the role (``close``).
+        key = "expired" if "lease" in reason else "closed" if reason == _CLOSED else "released"
+        self.node.world.handoffs[key] += 1
 
     # -- taking -----------------------------------------------------------------------------------
 
@@ -287,7 +293,7 @@ class Desk:
             del self._pulls[room]
             self.feed(ev.PullFailed(pull_key(room), f"pull cancelled: {reason}"))
         for uuid in sorted(self.offers):
-            self.release_offer(uuid, "the transfer server closed with the role")
+            self.release_offer(uuid, _CLOSED)
         self.streams.clear()
         self.until = None
 
