@@ -125,6 +125,8 @@ def _one_seed(seed: int, config: SimConfig, trace: bool) -> int:
           f"{result.violation or 'every invariant held'}")
     if result.switches:
         print(_switches(result.switches, result.races, "switches"))
+    if result.handoffs:
+        print(_handoffs(result.handoffs))
     return 1 if result.violation else 0
 
 
@@ -147,11 +149,13 @@ def _many_seeds(seeds: range, config: SimConfig) -> int:
     answers: Counter[str] = Counter()
     switches: Counter[str] = Counter()
     raced: Counter[str] = Counter()  # kind -> seeds with a switch that raced it
+    handoffs: Counter[str] = Counter()
     steps = 0
     for seed in seeds:
         result = run_seed(seed, config)
         answers.update(result.answered)
         switches.update(result.switches)
+        handoffs.update(result.handoffs)
         raced.update(result.races.keys())
         steps += result.steps
         if result.violation:
@@ -162,6 +166,8 @@ def _many_seeds(seeds: range, config: SimConfig) -> int:
           f"({steps / len(seeds):.0f} steps a seed); answers {dict(sorted(answers.items()))}")
     if switches:
         print(_switches(switches, raced, "seeds"))
+    if handoffs:
+        print(_handoffs(handoffs))
     return 1 if failed else 0
 
 
@@ -170,6 +176,17 @@ def _switches(outcomes: Mapping[str, int], raced: Mapping[str, int], per: str) -
     switch that raced it)."""
     text = f"role switches {dict(sorted(outcomes.items()))}"
     return text + (f"; raced ({per}) {dict(sorted(raced.items()))}" if raced else "")
+
+
+def _handoffs(counts: Mapping[str, int]) -> str:
+    """Live KV hand-offs (handoff.py): streams a draining D handed off; their next rooms taken
+    (pulled, went on), fallen back to a re-prefill, or failed; registrations released, expired
+    or closed with a role stopped past its drain deadline; hand-off pulls that failed, by
+    cause."""
+    keys = ("handed_off", "taken", "fell_back", "failed", "released", "expired", "closed")
+    pulls = {k[5:]: n for k, n in sorted(counts.items()) if k.startswith("pull ")}
+    return ("hand-offs " + ", ".join(f"{k.replace('_', ' ')} {counts.get(k, 0)}" for k in keys)
+            + f"; pulls failed {pulls}")
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -29,6 +29,17 @@ SWITCH_DRAIN = (0.3, 12.0)
 SHORT_DRAIN = (0.02, 0.5)  # shorter than most rooms: most switches fail what is left
 SWITCH_BUILD = (0.1, 1.5)  # seconds to build a role's backend from the loaded weights and warm it
 SWITCH_START_FAILS = 0.08  # the chance that building a role raises (RoleStartFailed)
+# Live KV hand-off (issue 32 §2): a draining D's offers are leased until this long before its drain
+# deadline (`HANDOFF_LEASE_MARGIN_S`, scaled as the drains are); with less than the minimum lease
+# left its streams finish in place. With faults, a seeded share of hand-off pulls is slow (past
+# most leases) or fails, as PD pulls are, and a drain that hands streams off may crash during
+# their pulls, or be cut from another D for a while, by these chances.
+HANDOFF_MARGIN = 0.2
+HANDOFF_MIN_LEASE = 0.1
+HANDOFF_PULL_SLOW = 0.04
+HANDOFF_PULL_FAILS = 0.05
+HANDOFF_CRASH = 0.2
+HANDOFF_PARTITION = 0.2
 DISCOVERY = 1.0  # the proxy sees a worker leave or join its role's list within this many seconds
 
 
@@ -165,3 +176,8 @@ class SimResult:
     # "declined", "crashed"), and by what each switch raced (``switch.RACES``) -> switches.
     switches: dict[str, int] = attrs.field(factory=dict)
     races: dict[str, int] = attrs.field(factory=dict)
+    # Live KV hand-offs (handoff.py) by outcome: streams handed off; their hand-off rooms taken
+    # (the KV pulled, the stream went on), fallen back to a migration, or failed; the draining
+    # D's registrations released (by the proxy's word), expired (their lease), or closed with a
+    # role stopped past its drain deadline; hand-off pulls failed, by cause ("pull ...").
+    handoffs: dict[str, int] = attrs.field(factory=dict)

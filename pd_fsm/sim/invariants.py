@@ -1,6 +1,8 @@
 """The workers' invariants (``pd_fsm.sim``), checked after every step against books kept across
 steps: KVPoll only moves forward; P's lease is never shortened and no room lives past it; no D
-room stays in a waiting state past that state's deadline (kv_receiver's [timeouts])."""
+room stays in a waiting state past that state's deadline (kv_receiver's [timeouts]); a modelled
+D's hand-off books agree (``handoff.Desk.check``: its transfer server registers exactly the
+offers its ledger holds, each pull it runs holds pages, no offer outlives its lease)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pd_fsm.core.kvpoll import KVPoll
 from pd_fsm.core.prefill_endpoint import PrefillEndpoint
 from pd_fsm.core.tables import KV_RECEIVER
 from pd_fsm.sim.config import DECODE, TOLERANCE, Violation
+from pd_fsm.sim.workers import DecodeWorker
 
 Key = tuple[str, int, int]  # (worker, its generation, room)
 
@@ -30,6 +33,8 @@ class Invariants:
             if not node.alive:
                 continue
             now = node.local()
+            if isinstance(node, DecodeWorker):
+                node.desk.check(now, TOLERANCE)
             for room in list(node.core.rooms):
                 key = (node.name, node.gen, room)
                 self._monotonic(key, node.core.poll(room))

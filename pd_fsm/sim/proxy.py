@@ -7,6 +7,7 @@ fresh proxy, a new generation, takes the new ones)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 from typing import assert_never
 
 from pd_fsm.core import effects as fx
@@ -17,8 +18,9 @@ from pd_fsm.core.router import RoomRouter
 from pd_fsm.core.routing import Prompt
 from pd_fsm.core.tables import ROOM
 from pd_fsm.sim.config import DISCOVERY, ROOM_TIMEOUT, TOLERANCE, Violation, bootstrap_addr
+from pd_fsm.sim.handoff import Ticket
 from pd_fsm.sim.switch import Process
-from pd_fsm.sim.workers import Client, Clock
+from pd_fsm.sim.workers import Client, Clock, DecodeWorker
 
 
 class Proxy:
@@ -33,6 +35,7 @@ class Proxy:
         self._errors: dict[int, str] = {}  # room -> the router's ReplyError reason
         # ReopenRoom effects by cause, and decode legs redirected within their room.
         self.reopened = {"retry": 0, "migration": 0, "redirect": 0, "handoff": 0}
+        self.tickets = Tickets(world, procs)
 
     def crash(self) -> None:
         """Every client of the old proxy loses its connection; a fresh proxy takes new ones."""
@@ -40,6 +43,7 @@ class Proxy:
             if gen == self.gen and client.answer is None:
                 self.answer(client, 502, "proxy connection reset")
         self.rooms = {k: v for k, v in self.rooms.items() if k[0] != self.gen}
+        self.tickets.forget(self.gen)  # their draining Ds' leases release them
         self.gen += 1
         self.router = self._new_router()
 
@@ -58,6 +62,7 @@ class Proxy:
                                      migratable=True), client)
 
     def _route(self, event: ev.RouterEvent, client: Client | None = None) -> None:
+        """``event`` to the router, its effects carried out, its next deadline scheduled."""
         w, gen = self.world, self.gen
         try:
             effects = self.router.handle(event, w.now + w.skew["proxy"])
@@ -72,10 +77,14 @@ class Proxy:
                 got, _ = self.rooms.pop(key)
                 if got.answer is None:
                     self.answer(got, 502, self._errors.pop(key[1], "relay broke off"))
-        self._schedule()
+        self.tickets.prune(gen, self.router.rooms)
+        deadline = self.router.next_deadline()
+        if deadline is not None:
+            w.at_time(deadline - w.skew["proxy"] + 1e-6, "proxy timers", self._wake, self.gen)
 
     def _carry_out(self, gen: int, e: fx.RouterEffect, client: Client | None) -> None:
         w = self.world
+        self.tickets.answered(gen, e)  # a hand-off room's leg answered: its registration may go
         match e:
             case fx.DispatchRoom() | fx.DispatchLocal():
                 assert client is not None
@@ -86,7 +95,7 @@ class Proxy:
                          self._post_leg, "prefill", p, gen, e.room, client, bootstrap_addr(p))
                 w.at(w.rng.uniform(0.001, 0.003), f"D leg of room {e.room:x}", self._post_leg,
                      "decode", e.decode, gen, e.room, client,
-                     None if p is None else bootstrap_addr(p))
+                     None if p is None else bootstrap_addr(p), self.tickets.dispatched(gen, e))
             case fx.RelayDecode() | fx.BreakerChanged():
                 pass  # the relay ends with the decode worker's answer (relayed)
             case fx.AbortLeg():
@@ -111,6 +120,7 @@ class Proxy:
                 # answer is whole, so a migrated room relays all of it again.
                 got, _ = self.rooms.pop((gen, e.room))
                 self.reopened[e.cause] += 1
+                got.sent = self.tickets.reopened(gen, e)
                 w.at(max(e.delay, 0.001), f"reopen {e.cause} of room {e.room:x}", self._reopen,
                      gen, e, got)
             case _:
@@ -122,28 +132,33 @@ class Proxy:
             self.answer(client, 502, "proxy connection reset")
             return
         prompt = Prompt(client.text, client.tokens)
-        self._route(ev.RoomRequested(e.request_id, prompt, e.attempts, migratable=True), client)
-
-    def _schedule(self) -> None:
-        deadline = self.router.next_deadline()
-        if deadline is not None:
-            w = self.world
-            w.at_time(deadline - w.skew["proxy"] + 1e-6, "proxy timers", self._wake, self.gen)
+        self._route(ev.RoomRequested(e.request_id, prompt, e.attempts, migratable=True,
+                                     handoff=e.cause == "handoff"), client)
 
     def _wake(self, gen: int) -> None:
         if gen == self.gen:
             self._route(ev.TimeAdvanced())
 
     def relayed(self, gen: int, room: int, client: Client, tokens: tuple[int, ...]) -> None:
-        """D's whole answer reached the proxy, which relays it."""
+        """D's whole answer reached the proxy, which relays it (after what the client has from
+        the D that handed the stream off, if one did)."""
+        self.tickets.check_answer(gen, room)
         if gen != self.gen or (gen, room) not in self.rooms:
             return
         if self.router.poll(room) not in (ROOM.S.RELAYING, ROOM.S.LOCAL_RELAYING):
             return  # the room already failed (its client got that error)
         del self.rooms[(gen, room)]
         client.done_at = self.world.now
-        self.answer(client, 200, tokens)
+        self.answer(client, 200, client.sent + tokens)
         self._route(ev.RelayFinished(room))
+
+    def handed_off(self, gen: int, room: int, ticket: Ticket) -> None:
+        """A draining D ended ``room``'s stream with ``ticket`` (not relayed): the proxy keeps
+        it, and the router reopens the request on another D alone (ReopenRoom, cause handoff),
+        or fails it."""
+        self.tickets.handed(gen, room, ticket)
+        self.world.at(0.001, f"decode leg of room {room:x} hands off", self._leg_answered, gen,
+                      room, "decode", False, "handed off", False, False, True)
 
     def answer(self, client: Client, status: int, body: tuple[int, ...] | str) -> None:
         """``client`` gets its answer: once, and a 200 with the right tokens."""
@@ -174,10 +189,12 @@ class Proxy:
     # -- legs ---------------------------------------------------------------------------------
 
     def _post_leg(self, leg: str, name: str, gen: int, room: int, client: Client,
-                  bootstrap: str | None) -> None:
+                  bootstrap: str | None, ticket: Ticket | None = None) -> None:
         """The proxy's ``leg`` reaches worker ``name`` (HTTP POST): a process that is down
         refuses the connection, one switching its role answers 503 (RefuseLegs), one that
-        serves the other role now answers 409 (a stale role); else its node takes the leg."""
+        serves the other role now answers 409 (a stale role); else its node takes the leg. A
+        modelled D's leg may end in a hand-off if another D is routed now (``accept_handoff``),
+        and a hand-off room's carries the ticket."""
         proc = self.procs[name]
         node = proc.node
         if proc.switch is None:
@@ -188,7 +205,11 @@ class Proxy:
             self.leg_answer(gen, room, leg, False,
                             f"409 {name} serves {node.role} now (role epoch "
                             f"{proc.switch.epoch}), not {leg}", refused=True)
+        elif isinstance(node, DecodeWorker):
+            node.leg(gen, room, client, bootstrap, any(d != name for d in self._shown[1]),
+                     ticket)
         else:
+            assert ticket is None, "a hand-off leg reached a worker that pulls no hand-off"
             node.leg(gen, room, client, bootstrap)
 
     def leg_answer(self, gen: int, room: int, leg: str, ok: bool, reason: str,
@@ -199,9 +220,11 @@ class Proxy:
                       self._leg_answered, gen, room, leg, ok, reason, refused, lost)
 
     def _leg_answered(self, gen: int, room: int, leg: str, ok: bool, reason: str,
-                      refused: bool, lost: bool) -> None:
+                      refused: bool, lost: bool, handoff: bool = False) -> None:
+        if leg == "decode" and not handoff:
+            self.tickets.check_answer(gen, room)
         if gen == self.gen:
-            self._route(ev.LegResponded(room, leg, ok, reason, refused, refused, lost))
+            self._route(ev.LegResponded(room, leg, ok, reason, refused, refused, lost, handoff))
 
     def _abort_leg(self, leg: str, name: str, room: int) -> None:
         """The proxy's /abort_request reaches ``name``: its node aborts the room if it has it."""
@@ -244,3 +267,77 @@ class Proxy:
         for (gen, room), (_, since) in self.rooms.items():
             if gen == self.gen and now - since > ROOM_TIMEOUT + TOLERANCE:
                 raise Violation(f"proxy: room {room:x} live {now - since:.1f} s")
+
+
+class Tickets:
+    """The proxy's hand-off tickets (issue 32 §2; ``io_trio/proxy``: ``Progress.ticket`` and
+    ``Room.ticket``): a ticket a draining D ended a stream with is kept, never relayed, and
+    goes with the request's next room (ReopenRoom, cause handoff) to the D that pulls it. When
+    that room's leg answers (its 2xx comes after the pull), fails, or falls back to a
+    migration, the draining D is told it may release the registration (/handoff_release); a
+    room that ends otherwise (its client left, the proxy restarted) leaves it to the lease."""
+
+    def __init__(self, world: Clock, procs: dict[str, Process]) -> None:
+        self.world, self.procs = world, procs
+        self._handed: dict[tuple[int, int], Ticket] = {}  # (gen, room) its D handed off
+        self._pending: dict[str, Ticket] = {}  # request id -> ticket, until its next room
+        self._posted: dict[tuple[int, int], Ticket] = {}  # (gen, hand-off room) -> its ticket
+        self._ended: set[tuple[int, int]] = set()  # rooms whose D handed their stream off
+
+    def handed(self, gen: int, room: int, ticket: Ticket) -> None:
+        self.world.handoffs["handed_off"] += 1
+        self._handed[(gen, room)] = ticket
+        self._ended.add((gen, room))
+
+    def reopened(self, gen: int, e: fx.ReopenRoom) -> tuple[int, ...]:
+        """What the client has when its request goes on in a new room: a handed-off stream's
+        tokens so far; otherwise none (a model answer is whole, so a migrated or retried room
+        relays all of it again)."""
+        ticket = self._handed.pop((gen, e.room), None)
+        if e.cause != "handoff" or ticket is None:
+            return ()
+        self._pending[e.request_id] = ticket
+        return ticket.tokens
+
+    def dispatched(self, gen: int, e: fx.DispatchRoom | fx.DispatchLocal) -> Ticket | None:
+        """The ticket a new room's D leg carries (a hand-off room's), if any."""
+        if not isinstance(e, fx.DispatchLocal) or e.reason != "handoff":
+            return None
+        ticket = self._pending.pop(e.request_id)
+        self._posted[(gen, e.room)] = ticket
+        return ticket
+
+    def answered(self, gen: int, e: fx.RouterEffect) -> None:
+        """A hand-off room's leg answered: the KV was pulled (RelayDecode), or will not be (its
+        fallback to a re-prefill, or its error): the draining D may drop the registration."""
+        outcomes = {fx.RelayDecode: "taken", fx.ReopenRoom: "fell_back", fx.ReplyError: "failed"}
+        outcome = outcomes.get(type(e))
+        ticket = self._posted.pop((gen, getattr(e, "room", -1)), None) if outcome else None
+        if outcome is None or ticket is None:
+            return
+        self.world.handoffs[outcome] += 1
+        self.world.at(0.002, f"hand-off release {ticket.uuid} to {ticket.source}", self._release,
+                      ticket)
+
+    def _release(self, ticket: Ticket) -> None:
+        node = self.procs[ticket.source].node
+        if isinstance(node, DecodeWorker) and node.alive and node.gen == ticket.gen:
+            node.desk.release(ticket.uuid)
+
+    def prune(self, gen: int, live: Collection[int]) -> None:
+        """Rooms that ended without their leg answering (cancelled, timed out unanswered)."""
+        for key in [k for k in self._posted if k[0] == gen and k[1] not in live]:
+            del self._posted[key]
+        for key in [k for k in self._handed if k[0] == gen and k[1] not in live]:
+            del self._handed[key]
+
+    def forget(self, gen: int) -> None:
+        """The proxy restarted: its tickets went with it."""
+        self._posted = {k: t for k, t in self._posted.items() if k[0] != gen}
+        self._handed = {k: t for k, t in self._handed.items() if k[0] != gen}
+        self._pending.clear()
+
+    def check_answer(self, gen: int, room: int) -> None:
+        """A stream its D handed off gets no answer from that D: neither tokens nor a failure."""
+        if (gen, room) in self._ended:
+            raise Violation(f"proxy: room {room:x} was handed off, then its D answered it")

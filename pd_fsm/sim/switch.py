@@ -11,7 +11,8 @@ endpoint is. :class:`Processes` carries out its effects in the world:
 - WithdrawRecord: the record leaves the registry (a P's; its heartbeats stop), and the proxy drops
   the worker from its role's list within one discovery interval (``DISCOVERY``);
 - RefuseLegs: a leg that reaches it gets a draining worker's 503 (refused, retryable), so the
-  proxy routes around it;
+  proxy routes around it; a modelled D hands its running streams off to another D when one is
+  listed (``handoff.py``, issue 32 §2);
 - RoleDrained is fed once the node holds nothing: no room, page, registration, leg or queue
   (``Node.leftovers``);
 - FailInFlight (the drain deadline, on the virtual clock): what is left fails as the worker
@@ -47,8 +48,16 @@ from pd_fsm.core import events as ev
 from pd_fsm.core.drive import drive
 from pd_fsm.core.role_switch import RoleSwitch
 from pd_fsm.core.tables import ROLE_SWITCH
-from pd_fsm.sim.config import SWITCH_BUILD, SWITCH_START_FAILS, Violation
-from pd_fsm.sim.workers import Node, WorldView
+from pd_fsm.sim.config import (
+    HANDOFF_CRASH,
+    HANDOFF_MARGIN,
+    HANDOFF_MIN_LEASE,
+    HANDOFF_PARTITION,
+    SWITCH_BUILD,
+    SWITCH_START_FAILS,
+    Violation,
+)
+from pd_fsm.sim.workers import DecodeWorker, Node, WorldView
 
 ROLES = ("prefill", "decode")  # the roles a simulated worker compiled at start (--roles)
 # What a switch can race, counted per switch that raced it (SimResult.races): a P or a D crashing
@@ -249,6 +258,7 @@ class Processes:
             case fx.RefuseLegs():
                 proc.refusing = e.reason
                 self._draining.add(proc.name)
+                self._hand_off(proc)
             case fx.FailInFlight():
                 node.fail_in_flight(e.reason)
             case fx.StopRole():
@@ -283,6 +293,32 @@ class Processes:
             case _:
                 assert_never(e)
         return ()
+
+    def _hand_off(self, proc: Process) -> None:
+        """A D draining hands its running streams off (issue 32 §2; ``handoff.py``) when another
+        D is listed (the worker's drain gate: another decode worker registered), its offers
+        leased until ``HANDOFF_MARGIN`` before the drain deadline; with too little time left
+        they finish here. With faults, a drain that handed streams off may crash while they are
+        pulled, or be cut from another D for a while (seeded chances): those pulls fail and
+        fall back to a re-prefill."""
+        w, node, rs = self.world, proc.node, proc.switch
+        others = sorted(p.name for p in self.procs.values()
+                        if p is not proc and p.listed == "decode")
+        deadline = rs.next_deadline() if rs is not None else None
+        if not isinstance(node, DecodeWorker) or not others or deadline is None:
+            return
+        lease = deadline - (w.now + w.skew[proc.name]) - HANDOFF_MARGIN
+        if lease < HANDOFF_MIN_LEASE or not node.desk.hand_off(lease) or not w.config.faults:
+            return
+        if self.rng.random() < HANDOFF_CRASH:
+            w.at(self.rng.uniform(0.0, 0.03), f"{proc.name} crashes during its hand-offs",
+                 self.crash, proc.name, self.rng.uniform(0.5, 8.0))
+        pair = frozenset((proc.name, self.rng.choice(others)))
+        if self.rng.random() < HANDOFF_PARTITION and pair not in w.network.cut:
+            # (A pair cut already is the seed's own partition, which heals it.)
+            w.trace_line(f"  partition {sorted(pair)} during the hand-off")
+            w.network.cut.add(pair)
+            w.at(self.rng.uniform(0.5, 5.0), f"heal {sorted(pair)}", w.network.cut.discard, pair)
 
     def _built(self, proc: Process, life: int, role: str) -> None:
         """The role's backend is built (or building it raised, by the seed's draw)."""

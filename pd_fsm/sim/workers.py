@@ -8,6 +8,7 @@ import itertools
 import math
 import random
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, Protocol, assert_never
 
@@ -36,6 +37,7 @@ from pd_fsm.sim.config import (
     Violation,
     bootstrap_addr,
 )
+from pd_fsm.sim.handoff import Desk, Stream, Ticket
 
 
 @attrs.define(eq=False)
@@ -52,6 +54,9 @@ class Client:
     done_at: float = math.nan
     # The colocated model's answer, when real schedulers compute the answers (sim/real.py).
     reference: tuple[int, ...] | None = None
+    # What it has from a D that handed its stream off (the ticket's tokens; sim/handoff.py): the
+    # next D's answer goes on from there.
+    sent: tuple[int, ...] = ()
 
     def prompt_pages(self) -> int:
         """The pages of its prompt's KV (what P holds)."""
@@ -81,6 +86,7 @@ class Clock(Protocol):
     rng: random.Random
     now: float
     skew: dict[str, float]  # host -> its clock's offset
+    handoffs: Counter[str]  # hand-offs by what became of them (the summary line's figures)
 
     def at(self, delay: float, what: str, fn: Callable[..., None], *args: Any) -> None: ...
 
@@ -99,6 +105,8 @@ class ProxyView(Protocol):
                    refused: bool = False, lost: bool = False) -> None: ...
 
     def relayed(self, gen: int, room: int, client: Client, tokens: tuple[int, ...]) -> None: ...
+
+    def handed_off(self, gen: int, room: int, ticket: Ticket) -> None: ...
 
     def show_workers(self, rng: random.Random) -> None: ...
 
@@ -133,8 +141,9 @@ class NetworkView(Protocol):
 
 class WorldView(Clock, Protocol):
     """The world as a worker sees it: the clock, the proxy, the registry, the network, its core's
-    driver and the transfer servers. Spelled out here, not imported, because the world imports
-    the workers to build them: the workers naming ``World`` would close an import circle."""
+    driver, the transfer servers (P's, and a draining D's hand-offs). Spelled out here, not
+    imported, because the world imports the workers to build them: the workers naming ``World``
+    would close an import circle."""
 
     @property
     def proxy(self) -> ProxyView: ...
@@ -148,6 +157,8 @@ class WorldView(Clock, Protocol):
     def handle(self, node: Node, core: Endpoint[Ev, Fx], event: Ev, now: float) -> list[Fx]: ...
 
     def transfer_server(self, addr: str) -> PrefillWorker | None: ...
+
+    def handoff_source(self, name: str, gen: int) -> DecodeWorker | None: ...
 
 
 class Pool:
@@ -460,6 +471,7 @@ class DecodeWorker(Node):
         self.relaying: set[int] = set()  # rooms whose answer goes out (D's leg answered 200)
         self.pull_failed: set[int] = set()  # rooms whose pull failed (the double-free plant)
         self.bad_kv: set[int] = set()  # rooms decoding from corrupted KV (the unverified plant)
+        self.desk = Desk(self)  # its streams and live hand-offs (handoff.py)
 
     def start(self) -> None:
         w = self.world
@@ -472,6 +484,7 @@ class DecodeWorker(Node):
         self.pool = Pool(w, self.name, w.config.pages)
         self.held, self.legs, self.waiting, self.pulls, self.relaying = {}, {}, [], {}, set()
         self.pull_failed, self.bad_kv = set(), set()
+        self.desk = Desk(self)
 
     def crash(self) -> None:
         self.alive = False
@@ -480,13 +493,21 @@ class DecodeWorker(Node):
                                         lost=True)
         self.legs = {}
 
-    def leg(self, gen: int, room: int, client: Client, bootstrap: str | None) -> None:
+    def leg(self, gen: int, room: int, client: Client, bootstrap: str | None,
+            accept_handoff: bool = False, ticket: Ticket | None = None) -> None:
+        """``accept_handoff``: the stream may end with a hand-off ticket should this D drain;
+        ``ticket``: a hand-off's, whose KV this D pulls instead of a prefill (handoff.py)."""
         if not self.alive:
             self.world.proxy.leg_answer(gen, room, "decode", False, "decode connection refused",
                                         refused=True)
             return
         if room in self.legs:
             self.world.proxy.leg_answer(gen, room, "decode", False, f"room {room:x} is live here")
+            return
+        if accept_handoff:
+            self.desk.accepting.add(room)
+        if ticket is not None:
+            self.desk.take(gen, room, client, ticket)
             return
         self.legs[room] = (gen, client)
         if bootstrap is None:  # no bootstrap fields: D prefills it itself
@@ -498,7 +519,7 @@ class DecodeWorker(Node):
     def _prefill_here(self, room: int, client: Client) -> None:
         pages = self.pool.take(client.pages())
         if pages is None:
-            self._fail_leg(room, "no free pages for a local prefill")
+            self.fail_leg(room, "no free pages for a local prefill")
             return
         self.held[room] = pages
         self.bad_kv.discard(room)  # a recompute: this KV is our own
@@ -510,26 +531,15 @@ class DecodeWorker(Node):
         if gen != self.gen or room not in self.legs:
             return
         router_gen, client = self.legs[room]
-        self.relaying.add(room)
         client.first_at = self.world.now
         self.world.proxy.leg_answer(router_gen, room, "decode", True, "")
-        # The batch it decodes in, as it joins: the simple model of a continuous batch.
-        cost = (client.out - 1) * self.world.config.cost.step(len(self.relaying))
-        cost = max(cost, 0.002)  # the body's end never reaches the proxy before its headers
+        # The batch it decodes in, as it joins: the simple model of a continuous batch. The body's
+        # end never reaches the proxy before its headers (Desk.stream_out: 2 ms at least).
+        step = self.world.config.cost.step(len(self.relaying) + 1)
         tokens = client.expected(first)
         if room in self.bad_kv:  # D continues from KV that is not P's: its tokens are not either
             tokens = (tokens[0], *((t + 1) % VOCAB for t in tokens[1:]))
-        self.world.at(cost, f"{self.name} decode of room {room:x}", self._decoded, self.gen, room,
-                      tokens)
-
-    def _decoded(self, gen: int, room: int, tokens: tuple[int, ...]) -> None:
-        if gen != self.gen or room not in self.legs:
-            return
-        router_gen, client = self.legs.pop(room)
-        self.relaying.discard(room)
-        self.pool.give(self.held.pop(room), f"room {room:x} finished decoding")
-        self.world.proxy.relayed(router_gen, room, client, tokens)
-        self._allocate_waiting()
+        self.desk.stream_out(room, Stream(router_gen, client, (), tokens, self.world.now, step, 1))
 
     def leftovers(self, switching: bool = False) -> str:
         held = self.pool.size - len(self.pool.free)
@@ -537,25 +547,26 @@ class DecodeWorker(Node):
         parts += [f"{held} pages never freed"] if held else []
         parts += [f"legs {sorted(self.legs)}"] if self.legs else []
         parts += [f"waiting {self.waiting}"] if self.waiting else []
-        return ", ".join(parts)
+        return ", ".join(parts + self.desk.leftovers())
 
-    def _fail_leg(self, room: int, reason: str) -> None:
+    def fail_leg(self, room: int, reason: str) -> None:
         gen_client = self.legs.pop(room, None)
         if gen_client is not None:
             self.world.proxy.leg_answer(gen_client[0], room, "decode", False, reason)
 
     def abort(self, room: int) -> None:
-        if not self.alive:
+        if not self.alive or self.desk.abort(room):
             return
         if self.core.state_of(room) is not None:
             self.feed(ev.Aborted(room, "aborted by the proxy"))
         elif room in self.legs:  # decoding (or a local prefill): the scheduler's own abort
             self.legs.pop(room)
             self.relaying.discard(room)
+            self.desk.streams.pop(room, None)
             pages = self.held.pop(room, None)
             if pages is not None:
                 self.pool.give(pages, f"abort of room {room:x}")
-            self._allocate_waiting()
+            self.allocate_waiting()
 
     def receive(self, peer: str, message: Any) -> None:
         self.feed(ev.MessageReceived(peer, message))
@@ -563,8 +574,9 @@ class DecodeWorker(Node):
     def fail_in_flight(self, reason: str) -> None:
         if self.world.plant("switch-leaks"):  # planted bug: the legs answered, nothing freed
             for room in sorted(self.legs):
-                self._fail_leg(room, reason)
+                self.fail_leg(room, reason)
             return
+        self.desk.close(reason)
         for room in sorted(self.core.rooms):
             if self.core.state_of(room) is not None:
                 self.feed(ev.Aborted(room, reason))
@@ -577,7 +589,7 @@ class DecodeWorker(Node):
         # What the scheduler decodes (or prefills itself): its own abort. A stream mid-relay
         # breaks off with the reason (the proxy may migrate it), one not started fails.
         for room in sorted(self.legs):
-            self._fail_leg(room, reason)
+            self.fail_leg(room, reason)
             self.relaying.discard(room)
             pages = self.held.pop(room, None)
             if pages is not None:
@@ -591,6 +603,8 @@ class DecodeWorker(Node):
         drive(functools.partial(self.world.handle, self, self.core), event, self.local(),
               self._carry_out)
         self.schedule_wake(self.core.next_deadline())
+        if isinstance(event, ev.TimeAdvanced) and self.alive:
+            self.desk.feed(event)  # its offers' leases (the wake is the node's one timer)
 
     def _carry_out(self, e: fx.DecodeEffect) -> list[ev.DecodeEvent]:
         w = self.world
@@ -603,7 +617,7 @@ class DecodeWorker(Node):
                 pass
             case fx.AllocateBlocks():
                 self.waiting.append(e.room)
-                return self._allocate_waiting(feed=False)
+                return self.allocate_waiting(feed=False)
             case fx.CancelAllocation():
                 if e.room in self.waiting:
                     self.waiting.remove(e.room)
@@ -618,7 +632,7 @@ class DecodeWorker(Node):
                 self.pool.give(pages, f"ReleaseBlocks of room {e.room:x}")
                 if w.plant("double-free") and e.room in self.pull_failed:
                     self.pool.give(pages, f"ReleaseBlocks of room {e.room:x} (planted)")
-                return self._allocate_waiting(feed=False)
+                return self.allocate_waiting(feed=False)
             case fx.CompleteTransfer():
                 gen_client = self.legs.get(e.room)
                 if gen_client is not None:
@@ -627,7 +641,7 @@ class DecodeWorker(Node):
             case fx.FailRequest():
                 self._failed(e)
             case fx.RejectRequest():
-                self._fail_leg(e.room, e.reason)
+                self.fail_leg(e.room, e.reason)
             case _:
                 assert_never(e)
         return []
@@ -641,7 +655,7 @@ class DecodeWorker(Node):
             self.world.at(0.001, f"{self.name} recompute of room {e.room:x}",
                           self._recompute, self.gen, e.room)
             return
-        self._fail_leg(e.room, e.reason)
+        self.fail_leg(e.room, e.reason)
 
     def _recompute(self, gen: int, room: int) -> None:
         if gen != self.gen or room not in self.legs or room in self.held:
@@ -652,7 +666,7 @@ class DecodeWorker(Node):
             return
         self._prefill_here(room, self.legs[room][1])
 
-    def _allocate_waiting(self, feed: bool = True) -> list[Any]:
+    def allocate_waiting(self, feed: bool = True) -> list[Any]:
         out: list[Any] = []
         while self.waiting:
             room = self.waiting[0]

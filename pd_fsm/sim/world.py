@@ -17,13 +17,17 @@ partition; slow, failing and hung steps; clock skew between hosts (each host rea
 clock plus its offset); a worker's role switched at runtime, P to D or D to P, with a client of
 that worker disconnecting during the drain half the time (``switch.py``: each worker is a
 process whose ``RoleSwitch`` runs through the core's driver; the switch draws have a random
-stream of their own, so a seed that draws none runs as it did before switches existed).
+stream of their own, so a seed that draws none runs as it did before switches existed); a
+draining D handing its running streams off to another D, which pulls their KV and goes on
+(``handoff.py``), racing all of these, with faults of its own (pulls slow or failing, the
+draining D crashing or cut off during the pulls).
 
 Invariants, checked after every step (``Violation`` names the first broken one): every page and
 every registration is freed exactly once; a client is answered at most once, and a 200 carries
 the right tokens; KVPoll only moves forward; P's lease is never shortened; no room outlives its
 deadline (the router's room timeout, P's lease, D's state timeouts); a role switch stops the old
-role only once it holds nothing (StopRole). After the last arrival the world drains: every client
+role only once it holds nothing (StopRole); a D's hand-off books agree and a stream handed off
+gets no answer from its old D. After the last arrival the world drains: every client
 has exactly one answer, every worker is back to no room, no page and no registration, and every
 switch has ended (each worker serves a role).
 """
@@ -34,6 +38,7 @@ import heapq
 import itertools
 import math
 import random
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -83,6 +88,7 @@ class World:
         self.proxy = Proxy(self, self.procs)
         self.network = Network(self, self.procs, self._serial)
         self.clients: list[Client] = []
+        self.handoffs: Counter[str] = Counter()  # live KV hand-offs by outcome (handoff.py)
         self.invariants = Invariants()
         for node in (*self.prefills, *self.decodes):
             node.start()
@@ -224,6 +230,12 @@ class World:
         p = next((p for p in self.prefills if p.transfer == addr), None)
         return p if p is not None and p.alive else None
 
+    def handoff_source(self, name: str, gen: int) -> DecodeWorker | None:
+        """The draining D a hand-off ticket names, if that process (of that generation, in
+        that role) is up."""
+        node = self.procs[name].node
+        return node if isinstance(node, DecodeWorker) and node.alive and node.gen == gen else None
+
     # -- invariants ---------------------------------------------------------------------------
 
     def _check(self) -> None:
@@ -258,7 +270,8 @@ def run_seed(seed: int, config: SimConfig | None = None, trace: bool = False) ->
     except Violation as exc:
         violation = f"t={world.now:.3f}: {exc}"
     return SimResult(seed, violation, world.answered(), world.steps, world.trace,
-                     world.workers.summary(), dict(sorted(world.workers.races.items())))
+                     world.workers.summary(), dict(sorted(world.workers.races.items())),
+                     dict(sorted(world.handoffs.items())))
 
 
 @attrs.frozen
