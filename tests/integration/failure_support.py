@@ -461,6 +461,15 @@ async def proxied_and_greedy(http: httpx.AsyncClient, fleet: Fleet, seed: int
     return list(r.json()["output_ids"]), await greedy(http, fleet["colocated"], ids, 6)
 
 
+async def prefill_record(http: httpx.AsyncClient, fleet: Fleet, p: Proc) -> dict[str, Any]:
+    """``p``'s record in ``fleet``'s registry, found by its side-channel address (a fleet may
+    list other prefill workers too)."""
+    listed = (await http.get(f"{fleet.boot_url}/list", params={"role": "prefill"})).json()
+    mine = [r for r in listed["instances"] if r["zmq_addr"] == f"{HOST}:{p.bootstrap_port}"]
+    assert len(mine) == 1, (p.name, listed)
+    return dict(mine[0])
+
+
 def error_message(r: httpx.Response) -> str:
     """The message of a JSON error body (asserts the body is one)."""
     body = r.json()
