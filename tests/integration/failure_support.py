@@ -65,6 +65,11 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "pd_fsm.cli", *args]
 
 
+# The order ``stop_all`` stops processes in: routers, workers, bootstrap server.
+ROUTER_TIER, WORKER_TIER, REGISTRY_TIER = 0, 1, 2
+STOP_TIERS = (ROUTER_TIER, WORKER_TIER, REGISTRY_TIER)
+
+
 @attrs.define(eq=False)
 class Proc:
     """One child process, restartable with exactly the same argv."""
@@ -77,6 +82,7 @@ class Proc:
     bootstrap_port: int | None = None  # P: the port routers and D know it by (side channel)
     popen: subprocess.Popen[bytes] | None = None
     pids: list[int] = attrs.field(factory=list)  # every pid this Proc has had, in order
+    tier: int = WORKER_TIER  # when ``stop_all`` stops it (STOP_TIERS)
 
     def start(self) -> None:
         with self.log_path.open("ab") as log:
@@ -111,12 +117,22 @@ class Proc:
         self.popen.wait(30)
 
     def stop(self, grace: float = 10.0) -> None:
+        self.terminate()
+        self.reap(grace)
+
+    def terminate(self) -> None:
+        """SIGTERM (after a SIGCONT: a paused child cannot act on SIGTERM), if alive."""
         if self.popen is None or self.popen.poll() is not None:
             return
-        self.popen.send_signal(signal.SIGCONT)  # a paused child cannot act on SIGTERM
+        self.popen.send_signal(signal.SIGCONT)
         self.popen.terminate()
+
+    def reap(self, grace: float) -> None:
+        """Wait up to ``grace`` seconds for it to exit, then SIGKILL it."""
+        if self.popen is None:
+            return
         try:
-            self.popen.wait(grace)
+            self.popen.wait(max(grace, 0.0))
         except subprocess.TimeoutExpired:
             self.popen.kill()
             self.popen.wait(30)
@@ -129,6 +145,21 @@ class Proc:
         # Registry heartbeats (two a second per worker) would drown everything else.
         lines = [line for line in lines if "/heartbeat" not in line]
         return "\n".join(f"[{self.name}] {line}" for line in lines[-n:])
+
+
+def stop_all(procs: Iterable[Proc], grace: float = 10.0) -> None:
+    """Stop ``procs`` in tiers, as `pd-fsm cluster` stops its children (cluster/local.py): the
+    routers first (no new rooms), then the workers, the bootstrap server last (the workers
+    deregister from a registry still there); a tier at once, each given ``grace`` seconds. One
+    at a time, a module's teardown paid every process's exit in turn."""
+    procs = list(procs)
+    for tier in STOP_TIERS:
+        level = [p for p in procs if p.tier == tier]
+        for p in level:
+            p.terminate()
+        deadline = time.monotonic() + grace
+        for p in level:
+            p.reap(deadline - time.monotonic())
 
 
 def wait_healthy(procs: Iterable[Proc], timeout: float = 240.0) -> None:
@@ -193,7 +224,7 @@ class Fleet:
     def bootstrap(self, name: str = "bootstrap") -> Proc:
         argv = cli("bootstrap", "--host", HOST, "--port", str(self.boot_port),
                    "--ttl", str(self.ttl), *self._secret_args("--secret-file"))
-        return self._add(name, argv, self.boot_url)
+        return self._add(name, argv, self.boot_url, tier=REGISTRY_TIER)
 
     def _worker(self, name: str, mode: str, num_pages: int, extra: list[str]) -> tuple[
             list[str], str]:
@@ -231,7 +262,7 @@ class Fleet:
             argv += ["--prefill", str(p.url), str(p.bootstrap_port)]
         for d in decode:
             argv += ["--decode", str(d.url)]
-        return self._add(name, argv, f"http://{HOST}:{port}")
+        return self._add(name, argv, f"http://{HOST}:{port}", tier=ROUTER_TIER)
 
     def planner(self, name: str, workers: list[Proc], extra: list[str] | None = None) -> Proc:
         """``pd-fsm planner`` observing ``workers`` (and switching their roles)."""
@@ -239,7 +270,7 @@ class Fleet:
         argv = cli("planner", "--host", HOST, "--port", str(port), *(extra or []))
         for w in workers:
             argv += ["--worker", str(w.url)]
-        return self._add(name, argv, f"http://{HOST}:{port}")
+        return self._add(name, argv, f"http://{HOST}:{port}", tier=ROUTER_TIER)
 
     def sglang_router(self, name: str, prefill: Proc, decode: Proc) -> Proc:
         """The real sglang-router (PyPI) in PD mode over one P and one D; it has no /health of
@@ -250,7 +281,7 @@ class Fleet:
                 "--decode", str(decode.url), "--host", HOST, "--port", str(port),
                 "--policy", "round_robin", "--prometheus-host", HOST,
                 "--prometheus-port", str(metrics)]
-        proc = self._add(name, argv, None)
+        proc = self._add(name, argv, None, tier=ROUTER_TIER)
         proc.base = f"http://{HOST}:{port}"
         return proc
 
@@ -274,8 +305,7 @@ class Fleet:
         wait_healthy([proc], timeout)
 
     def close(self) -> None:
-        for p in self.procs.values():
-            p.stop()
+        stop_all(self.procs.values())
 
     def tails(self) -> str:
         return "\n".join(p.tail(25) for p in self.procs.values())
@@ -429,6 +459,15 @@ async def proxied_and_greedy(http: httpx.AsyncClient, fleet: Fleet, seed: int
         "input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}})
     assert r.status_code == 200, r.text
     return list(r.json()["output_ids"]), await greedy(http, fleet["colocated"], ids, 6)
+
+
+async def prefill_record(http: httpx.AsyncClient, fleet: Fleet, p: Proc) -> dict[str, Any]:
+    """``p``'s record in ``fleet``'s registry, found by its side-channel address (a fleet may
+    list other prefill workers too)."""
+    listed = (await http.get(f"{fleet.boot_url}/list", params={"role": "prefill"})).json()
+    mine = [r for r in listed["instances"] if r["zmq_addr"] == f"{HOST}:{p.bootstrap_port}"]
+    assert len(mine) == 1, (p.name, listed)
+    return dict(mine[0])
 
 
 def error_message(r: httpx.Response) -> str:

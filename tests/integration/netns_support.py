@@ -27,9 +27,12 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
+
+if TYPE_CHECKING:  # for the annotation only: NsFleet imports failure_support when made
+    from tests.integration.failure_support import Proc
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -414,9 +417,9 @@ class NsFleet:
     namespaces. For the module fixtures of the multi-host tests."""
 
     def __init__(self, logs: Path, client_ns: str = "b") -> None:
-        from tests.integration.failure_support import Proc
+        from tests.integration import failure_support
 
-        self._proc_class = Proc
+        self._support = failure_support  # its Proc and stop_all
         self.hosts = Hosts.make()
         self.logs = logs
         self.procs: dict[str, Proc] = {}
@@ -427,7 +430,9 @@ class NsFleet:
             raise
 
     def start(self, name: str, ns: str, argv: list[str]) -> None:
-        proc = self._proc_class(name, self.hosts.exec(ns, argv), self.logs / f"{name}.log")
+        fs = self._support
+        tier = {"bootstrap": fs.REGISTRY_TIER, "proxy": fs.ROUTER_TIER}.get(name, fs.WORKER_TIER)
+        proc = fs.Proc(name, self.hosts.exec(ns, argv), self.logs / f"{name}.log", tier=tier)
         self.procs[name] = proc
         proc.start()
 
@@ -438,7 +443,6 @@ class NsFleet:
         return "\n".join(p.tail(n) for p in self.procs.values())
 
     def close(self) -> None:
-        for proc in self.procs.values():
-            proc.stop()
+        self._support.stop_all(self.procs.values())
         self.client.close()
         self.hosts.remove()

@@ -4,14 +4,13 @@ computes the next; D pulls the parts, then READY's rest, and the answer equals t
 worker's. With `--disaggregation-kv-checksum` on both sides every part is verified too.
 Afterwards both sides hold nothing (pages, rooms, registrations: the parts' included).
 
-Real processes: bootstrap, two Ps and two Ds (one pair with KV checksums), a colocated worker;
-the tiny model (4-token pages), ``failure_support``'s short windows. Which rows a part's
+Real processes: a streaming P (``ps``) and a plain D (``d0``), a streaming P and a D with KV
+checksums (``psk``, ``dk``), a colocated worker (``c``), in the fleet this package's modules
+share (conftest.py); the tiny model (4-token pages). Which rows a part's
 failures take (P dying after part k, a part's pull failing or corrupted, aborts between parts)
 is proven in the core's exhaustive and property tests and the simulator's seeds."""
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -30,24 +29,6 @@ from tests.integration.failure_support import (
 )
 
 pytestmark = pytest.mark.slow
-
-STREAM = ["--disaggregation-stream-tokens", "8"]  # 2 pages of the tiny model's 4 tokens
-CHECKSUM = ["--disaggregation-kv-checksum"]
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    f = Fleet(tmp_path_factory.mktemp("streamed_kv"))
-    f.bootstrap()
-    f.prefill("ps", extra=STREAM)
-    f.decode("d0")
-    f.prefill("pk", extra=[*STREAM, *CHECKSUM])
-    f.decode("dk", extra=CHECKSUM)
-    f.colocated("c")
-    f.start()
-    yield f
-    f.close()
-
 
 async def _streamed(http: httpx.AsyncClient, fleet: Fleet, p: Proc, d: Proc, tokens: int,
                     parts: int) -> None:
@@ -80,4 +61,4 @@ async def test_a_streamed_room_equals_colocated_and_leaves_nothing(
 
 async def test_streamed_parts_are_checksummed_and_verified(fleet: Fleet) -> None:
     async with httpx.AsyncClient(timeout=60) as http:
-        await _streamed(http, fleet, fleet["pk"], fleet["dk"], 19, 2)
+        await _streamed(http, fleet, fleet["psk"], fleet["dk"], 19, 2)

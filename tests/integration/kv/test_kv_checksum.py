@@ -4,12 +4,10 @@ serve a PD request as the colocated worker does, every pull verified (the counte
 ways, and nothing is pulled. (Corrupted pulls, their re-pull and the failure policies are driven
 at the scheduler level: ``test_kv_checksum_schedulers.py``.)
 
-Real processes: bootstrap, a P and a D with the flag, a P and a D without, a colocated worker;
-the tiny model, ``failure_support``'s short windows."""
+Real processes: a P and a D with the flag (``pk``, ``dk``), a P and a D without (``p0``,
+``d0``), a colocated worker (``c``), in the fleet this package's modules share (conftest.py)."""
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -21,6 +19,7 @@ from tests.integration.failure_support import (
     greedy,
     leg,
     new_room,
+    prefill_record,
     prompt,
     refused_by_name,
     stats,
@@ -28,22 +27,6 @@ from tests.integration.failure_support import (
 )
 
 pytestmark = pytest.mark.slow
-
-CHECKSUM = ["--disaggregation-kv-checksum"]
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    f = Fleet(tmp_path_factory.mktemp("kv_checksum"))
-    f.bootstrap()
-    f.prefill("pk", extra=CHECKSUM)
-    f.decode("dk", extra=CHECKSUM)
-    f.prefill("p0")
-    f.decode("d0")
-    f.colocated("c")
-    f.start()
-    yield f
-    f.close()
 
 
 def _metric(text: str, name: str) -> float:
@@ -67,9 +50,9 @@ async def test_a_checksummed_pd_request_is_verified_and_equals_colocated(fleet: 
         for name in ("kv_checksum_mismatches_total", "kv_checksum_repulls_total"):
             assert _metric(metrics, f"pd_fsm_worker_backend_{name}") == 0.0, name
         # P says in the registry that its READY carries checksums (D checks it, see below).
-        listed = (await http.get(f"{fleet.boot_url}/list", params={"role": "prefill"})).json()
-        flags = sorted(r["mesh_meta"]["kv_checksum"] for r in listed["instances"])
-        assert flags == [False, True], listed  # pk's and p0's
+        for name, flag in (("pk", True), ("p0", False)):
+            record = await prefill_record(http, fleet, fleet[name])
+            assert record["mesh_meta"]["kv_checksum"] is flag, (name, record)
         await wait_clean(http, fleet["pk"], fleet["dk"], timeout=SLACK)
 
 
