@@ -74,7 +74,7 @@ def test_with_recompute_only_a_decode_or_proxy_death_fails_a_client(kv_checksum:
     # decode's loss, as its death is); a client that went away wants no answer (its 499). A
     # stream a draining D handed off to a D that had died (the proxy and the drain's gate still
     # list it) falls back to a migration that finds only the draining D, whose 503 it ends with:
-    # a decode's death too (sim/handoff.py).
+    # a decode's death too (sim/workers.py).
     switched = {r for r in reasons if r.startswith(("the worker switched its role from decode",
                                                     "503 the worker is switching its role from "
                                                     "decode"))}

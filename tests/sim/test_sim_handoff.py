@@ -1,7 +1,8 @@
 """Issue 32 §2 in the simulation: a draining D (a role switch leaving decode) hands its running
 streams off to another D, which pulls their KV and goes on, racing the seed's faults
-(``pd_fsm/sim/handoff.py``). Every registration is released exactly once, every pull that fails
-falls back to a re-prefill, and each handed-off client that gets a 200 has every token once."""
+(``pd_fsm/sim/workers.py``, its hand-off part). Every registration is released exactly once,
+every pull that fails falls back to a re-prefill, and each handed-off client that gets a 200
+has every token once."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import pytest
 
 from pd_fsm.cli import main as cli_main
 from pd_fsm.sim import SimConfig, run_seed
-from pd_fsm.sim.handoff import Desk
 from pd_fsm.sim.proxy import Tickets
+from pd_fsm.sim.workers import Desk
 from pd_fsm.sim.world import World
 
 # Thirty clients in five seconds and a switch request or two a seed: streams are running when a D
