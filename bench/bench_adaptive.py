@@ -19,14 +19,15 @@ left idle while another is measured; bench_placement.py's):
     PD pinned          P on core 0, D on core 1                       (--prefill-cpus 0 ...)
     PD shared, nice    P and D on both cores, P at nice P, D at nice D (--nice P,D; 10,-5)
     adaptive           ``pd-fsm cluster --planner`` with the same nice values: PD workers that
-                       switch roles at runtime and the planner switching them (--planner-args;
-                       --adaptive-workers P,D, default 1,1)
+                       switch roles at runtime and the planner switching them, and moving P's
+                       priority first (the cluster passes ``--prefill-nices``, 19 through P's
+                       and D's values; --planner-args; --adaptive-workers P,D, default 1,1)
 
 Every placement gets the same schedule (arrival times, prompts, answer lengths), one placement
 after another; the order rotates from repeat to repeat. Each placement first gets a few prompts
 of each kind unmeasured (every shape's first use). The adaptive cluster runs throughout: what the
 planner learnt in one phase (and one repeat) carries into the next. While it is measured, each
-worker's ``/server_info`` (role, role state) and the planner's ``/decisions`` and ``/metrics``
+worker's ``/server_info`` (role, role state, nice) and the planner's ``/decisions`` and ``/metrics``
 (observations by pressure class) are read every ``--poll-s``: the roles it passed through and
 the decisions are printed with their times (a decision's time: when it was first seen).
 
@@ -151,7 +152,7 @@ def token_check(sched: Schedule, model: str) -> str:
 @attrs.define
 class Watch:
     """What the adaptive cluster did while it was measured, read every ``poll_s``: each worker's
-    role and role state (``/server_info``), the planner's decisions (``/decisions``, stamped when
+    role, role state and CPU priority (``/server_info``), the planner's decisions (``/decisions``, stamped when
     first seen: within ``poll_s`` of when it was made) and its observations by pressure class
     (``pd_fsm_planner_observations_total``). Times are seconds from the run's start."""
 
@@ -168,7 +169,8 @@ class Watch:
         for url in self.workers:
             try:
                 info = (await http.get(f"{url}/server_info")).json()
-                role = f"{info.get('disaggregation_mode')} ({info.get('role_state', '?')})"
+                role = (f"{info.get('disaggregation_mode')} ({info.get('role_state', '?')}) "
+                        f"nice {info.get('nice', '?')}")
             except (httpx.HTTPError, ValueError) as exc:
                 role = f"unreadable ({type(exc).__name__})"
             if self._role.get(url) != role:

@@ -23,6 +23,16 @@ The rule, after Dynamo's SLA planner and DistServe: TTFT is P's to keep, ITL is 
   queues and histograms need that long to show its effect), and the run of observations starts
   again.
 
+Priorities before roles (``prefill_nices``, issue 30 §3): where P and D share cores with D above
+P, a P's CPU priority is a lever that needs no drain and acts at once. ``prefill_bound`` (or
+``both`` with the prefill side ``imbalance`` times worse) gives every P the next higher
+priority of ``prefill_nices`` (a lower nice), ``decode_bound`` the next lower one; only a P
+already at the end of the steps leaves the decision to the role moves below. A priority change
+quiets the planner for ``nice_cooldown`` seconds, not ``cooldown``: nothing drains, only the
+window's histograms need to show the effect. (Measured on this 2-core machine, a fixed P at
+nice +10 beside D at -5 starved P in a long-prompt phase — TTFT p50 4.2 s with ITL p50 62 ms —
+while the short-prompt phases wanted P further back: bench/RESULTS_adaptive.md.)
+
 With ``colocate`` the planner may also make a worker colocated (role ``"null"``: it serves
 whole requests, prefill and decode in one loop) and split colocated workers back into P and D,
 because disaggregation is a bet that only pays when prefills delaying decode steps cost more
@@ -54,6 +64,7 @@ prefill side and its inter-token gap on the decode side.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Literal
@@ -77,6 +88,14 @@ class WorkerSnapshot:
     itl_p90: float = math.nan
     kv_usage: float = 0.0
     switching: bool = False  # draining for a role switch: neither side's any more
+    nice: int | None = None  # its compute threads' CPU priority now (None: not known)
+
+
+def _nice_steps(_config: object, _field: object, nices: tuple[int, ...]) -> None:
+    if any(not -20 <= n <= 19 for n in nices):
+        raise ValueError(f"prefill_nices {nices}: each must be in -20..19")
+    if any(a <= b for a, b in itertools.pairwise(nices)):
+        raise ValueError(f"prefill_nices {nices}: least priority first (strictly decreasing)")
 
 
 @attrs.frozen
@@ -100,6 +119,10 @@ class PlannerConfig:
     # May make workers colocated ("null") and split them back (see the module's docstring).
     colocate: bool = False
     recall: float = attrs.field(default=120.0, validator=attrs.validators.ge(0.0))
+    # The CPU priorities (nice values) the planner may give prefill workers sharing cores with
+    # decode workers, least priority first, e.g. (19, 10, 5, 0, -5); empty: it leaves them.
+    prefill_nices: tuple[int, ...] = attrs.field(default=(), validator=_nice_steps)
+    nice_cooldown: float = attrs.field(default=10.0, validator=attrs.validators.ge(0.0))
 
 
 @attrs.frozen
@@ -121,7 +144,16 @@ class ScaleDown:
     reason: str
 
 
-Decision = SwitchRole | ScaleUp | ScaleDown
+@attrs.frozen
+class SetNice:
+    """Give a worker's compute threads the CPU priority ``nice`` (``POST /set_nice``)."""
+
+    worker: str
+    nice: int
+    reason: str
+
+
+Decision = SwitchRole | ScaleUp | ScaleDown | SetNice
 
 
 def _worst(values: Sequence[float]) -> float:
@@ -186,13 +218,15 @@ class Planner:
             decisions = self._decide(pressure, snapshots, now)
         # Never every serving worker draining at once: the cluster would serve nothing for a
         # drain's length (measured: a 1P1D merge and split failed requests at the drain deadline).
+        # (A priority change drains nothing.)
         serving = sum(not s.switching for s in snapshots)
-        if serving and len(decisions) >= serving:
+        renice = all(isinstance(d, SetNice) for d in decisions)
+        if serving and len(decisions) >= serving and not renice:
             decisions = decisions[:serving - 1]
         if not decisions:
             return []
         self.decisions.extend((now, d) for d in decisions)
-        self._quiet_until = now + self.config.cooldown
+        self._quiet_until = now + (self.config.nice_cooldown if renice else self.config.cooldown)
         self._run = ("balanced", 0)
         return decisions
 
@@ -274,6 +308,9 @@ class Planner:
     def _decide(self, pressure: Pressure, snapshots: Sequence[WorkerSnapshot], now: float
                 ) -> list[Decision]:
         c = self.config
+        reniced = self._renice(pressure, snapshots) if c.prefill_nices else []
+        if reniced:
+            return reniced
         if c.colocate:
             merged_or_split = self._colocate(pressure, snapshots, now)
             if merged_or_split is not None:
@@ -324,6 +361,30 @@ class Planner:
             idlest = min((s for s in live if s.role == side), key=_load)
             return [ScaleDown(idlest.worker, f"{why}: every side under {c.idle_below:g}")]
         return []
+
+
+    def _renice(self, pressure: Pressure, snapshots: Sequence[WorkerSnapshot]
+                ) -> list[Decision]:
+        """Every P one step of ``prefill_nices`` toward the starved side (see the module's
+        docstring); [] when no P can move, and the role moves decide."""
+        c = self.config
+        p_load, d_load = self.pressures(snapshots)
+        if pressure == "both" and max(p_load, d_load) >= c.imbalance * min(p_load, d_load):
+            pressure = "prefill_bound" if p_load >= d_load else "decode_bound"
+        if pressure not in ("prefill_bound", "decode_bound"):
+            return []
+        up = pressure == "prefill_bound"
+        why = (f"prefill pressure {p_load:.2f}, decode pressure {d_load:.2f}: {pressure}: "
+               f"P's priority {'up' if up else 'down'}")
+        out: list[Decision] = []
+        for s in snapshots:
+            if s.role != "prefill" or s.switching or s.nice is None:
+                continue
+            steps = [n for n in c.prefill_nices if (n < s.nice if up else n > s.nice)]
+            if steps:
+                to = steps[0] if up else steps[-1]  # the nearest step
+                out.append(SetNice(s.worker, to, f"{why}: nice {s.nice} -> {to}"))
+        return out
 
 
 def _load(s: WorkerSnapshot) -> tuple[int, str]:

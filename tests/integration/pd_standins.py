@@ -62,6 +62,8 @@ class StandIn:
         self.role_state = "SERVING"
         self.metrics = ""  # what /metrics answers (a real WorkerMetrics' text, for the planner)
         self.switches: list[Any] = []  # /switch_role bodies; each switches at once
+        self.nice: int | None = None  # reported in /server_info when set; /set_nice sets it
+        self.nices: list[Any] = []  # /set_nice bodies
         self.script = Script()
         self.received: list[Received] = []
         self.aborts: list[str] = []
@@ -72,7 +74,8 @@ class StandIn:
         routes = [Route(p, self._generate, methods=["POST"])
                   for p in ("/generate", "/v1/completions", "/v1/chat/completions")]
         routes += [Route("/abort_request", self._abort, methods=["POST"]),
-                   Route("/switch_role", self._switch_role, methods=["POST"])]
+                   Route("/switch_role", self._switch_role, methods=["POST"]),
+                   Route("/set_nice", self._set_nice, methods=["POST"])]
         for path in ("/health", "/server_info", "/get_server_info", "/model_info", "/metrics",
                      "/get_model_info", "/get_load", "/v1/models", "/health_generate"):
             routes.append(Route(path, self._get, methods=["GET"]))
@@ -93,6 +96,8 @@ class StandIn:
             if self.role_epoch is not None:
                 info.update(role_epoch=self.role_epoch, role_state=self.role_state,
                             prefill_bootstrap_port=8998)
+            if self.nice is not None:
+                info.update(nice=self.nice)
             return JSONResponse(info)
         if path in ("/model_info", "/get_model_info"):
             return JSONResponse({"model_path": local_model_path(), "is_generation": True})
@@ -111,6 +116,12 @@ class StandIn:
         self.role_epoch += 1
         return JSONResponse({"from": was, "to": self.role, "role_epoch": self.role_epoch},
                             status_code=202)
+
+    async def _set_nice(self, request: Request) -> Response:
+        body = json.loads(await request.body())
+        self.nices.append(body)
+        self.nice = body["nice"]
+        return JSONResponse({"nice": self.nice, "threads": 1})
 
     async def _abort(self, request: Request) -> Response:
         body = json.loads(await request.body())

@@ -134,3 +134,33 @@ async def test_a_paused_planner_decides_nothing_until_resumed(nursery: trio.Nurs
         r = await http.post(f"{url}/pause", headers=key)
         assert r.json() == {"paused": True} and service.paused
         assert "pd_fsm_planner_paused 1.0" in (await http.get(f"{url}/metrics")).text
+
+
+async def test_a_starved_prefill_worker_on_shared_cores_gets_a_higher_priority_first(
+    nursery: trio.Nursery,
+) -> None:
+    """With --prefill-nices the planner's first lever is P's priority (POST /set_nice), before
+    any role moves, and it reads the priority now from /server_info."""
+    p_url, p = await _worker(nursery, "prefill", {**IDLE, "queued": 10})
+    d0_url, d0 = await _worker(nursery, "decode", IDLE)
+    d1_url, d1 = await _worker(nursery, "decode", IDLE)
+    p.nice, d0.nice, d1.nice = 10, -5, -5
+    config = PlannerConfig(patience=2, cooldown=3600, nice_cooldown=3600,
+                           prefill_nices=(19, 10, 5, 0, -5))
+    service = PlannerService(Planner(config), workers=[p_url, d0_url, d1_url],
+                             bootstrap_url=None, interval=0.05)
+    url: str = await nursery.start(serve_planner, service)
+    with trio.fail_after(10):
+        while not p.nices:
+            await trio.sleep(0.02)
+    await trio.sleep(0.3)  # several more observations: the cooldown holds
+    assert p.nices == [{"nice": 5}] and p.nice == 5
+    assert not (d0.switches or d1.switches or d0.nices or d1.nices)  # no role moved
+    async with httpx.AsyncClient(timeout=10) as http:
+        decisions = (await http.get(f"{url}/decisions")).json()["decisions"]
+        metrics = (await http.get(f"{url}/metrics")).text
+    assert [(d["kind"], d["worker"], d["to"], d["outcome"]) for d in decisions] == [
+        ("SetNice", p_url, "5", "set")]
+    assert "P's priority up: nice 10 -> 5" in decisions[0]["reason"]
+    assert ('pd_fsm_planner_decisions_total{kind="SetNice",outcome="set",'
+            'pressure="prefill_bound",to="5"} 1.0') in metrics

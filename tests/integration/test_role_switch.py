@@ -167,6 +167,32 @@ async def test_switch_role_answers(fleet: Fleet) -> None:
             assert r.status_code == 200, r.text
 
 
+async def test_set_nice_moves_the_compute_threads_and_refuses_what_it_cannot_do(
+    fleet: Fleet,
+) -> None:
+    """The planner's priority lever (issue 30 §3): POST /set_nice moves every thread at the
+    compute priority, leaves the transfer threads at theirs, and refuses bad values by name."""
+    c = fleet["c"]
+    async with httpx.AsyncClient(timeout=30) as http:
+        before = thread_nices(c.popen.pid)
+        assert (await info(http, c))["nice"] == 2 and 7 not in before
+        r = await http.post(f"{c.url}/set_nice", json={"nice": 7})
+        assert r.status_code == 200 and r.json()["nice"] == 7 and r.json()["threads"] > 0, r.text
+        after = thread_nices(c.popen.pid)
+        assert 7 in after and 2 not in after  # every compute thread moved
+        assert after - {7} == before - {2}  # the others (transfer threads) kept theirs
+        assert (await info(http, c))["nice"] == 7
+        for body, names in (([7], "JSON object"), ({"nice": True}, "body.nice"),
+                            ({"nice": 20}, "-20..19"), ({"nice": "5"}, "body.nice"),
+                            ({"nice": 5, "role": "decode"}, "unknown field(s) role"),
+                            ({"nice": -10}, "KV transfer threads'")):
+            r = await http.post(f"{c.url}/set_nice", json=body)
+            assert r.status_code == 400 and names in error_message(r), (body, r.text)
+        assert thread_nices(c.popen.pid) == after  # a refusal moved nothing
+        r = await http.post(f"{c.url}/set_nice", json={"nice": 2})  # back for the next tests
+        assert r.status_code == 200 and thread_nices(c.popen.pid) == before
+
+
 async def test_a_switch_lets_the_leg_in_flight_finish_and_refuses_new_ones(fleet: Fleet) -> None:
     a, b = fleet["a"], fleet["b"]
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=60.0)) as http:

@@ -13,7 +13,7 @@ import pytest
 
 from pd_fsm.cli import build_parser
 from pd_fsm.io_trio.cluster.cpu_placement import may_take_nice, parse_cpus, parse_role_nice
-from pd_fsm.io_trio.cluster.local import plan
+from pd_fsm.io_trio.cluster.local import plan, prefill_nice_steps
 from pd_fsm.io_trio.worker.config import config_from_args
 
 
@@ -170,6 +170,27 @@ def test_with_the_planner_each_worker_carries_every_role_s_priority() -> None:
         config = config_from_args(serve)
         assert str(config.nice_of(config.disaggregation_mode)) == start
         assert config.nice_of("null") == 1
+
+
+def test_the_planner_gets_prefill_priority_steps_where_p_and_d_share_cores_by_priority() -> None:
+    assert prefill_nice_steps({"prefill": 10, "decode": -5}) == (19, 10, 5, 0, -5)
+    assert prefill_nice_steps({"prefill": 10, "decode": 0}) == (19, 10, 5, 0)
+    assert prefill_nice_steps({"prefill": 0, "decode": 0}) == ()  # not placed by priority
+    assert prefill_nice_steps({"prefill": None, "decode": -5}) == ()
+
+    def planner_argv(extra: list[str]) -> list[str]:
+        args = build_parser().parse_args(["cluster", "--model", "tiny", "--planner", *extra])
+        (planner,) = [c.argv for c in plan(args) if c.name == "planner"]
+        return planner
+
+    a = planner_argv(["--prefill-nice", "10", "--decode-nice", "-5"])
+    assert a[a.index("--prefill-nices") + 1] == "19,10,5,0,-5"
+    # Pinned apart: no lever. --planner-args comes later and wins ("": off).
+    assert "--prefill-nices" not in planner_argv(["--prefill-cpus", "0", "--decode-cpus", "1"])
+    a = planner_argv(["--prefill-nice", "10", "--decode-nice", "-5",
+                      "--planner-args", "--prefill-nices ''"])
+    parsed = build_parser().parse_args(a[a.index("planner"):])
+    assert parsed.prefill_nices == ()
 
 
 @pytest.mark.parametrize(("extra", "names"), [

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 
 from pd_fsm.core.planner import (
@@ -12,6 +13,7 @@ from pd_fsm.core.planner import (
     PlannerConfig,
     ScaleDown,
     ScaleUp,
+    SetNice,
     SwitchRole,
     WorkerSnapshot,
 )
@@ -109,6 +111,10 @@ def test_config_is_checked() -> None:
         PlannerConfig(patience=0)
     with pytest.raises(ValueError):
         PlannerConfig(cooldown=-1.0)
+    with pytest.raises(ValueError, match="strictly decreasing"):
+        PlannerConfig(prefill_nices=(0, 10))
+    with pytest.raises(ValueError, match=r"-20\.\.19"):
+        PlannerConfig(prefill_nices=(20, 10))
 
 
 # -- colocate: merges, splits, orphans ---------------------------------------------------------
@@ -184,3 +190,72 @@ def test_two_workers_merge_one_at_a_time_and_never_split_back() -> None:
     assert planner.observe(colocated(0.5, 0.6, n=2), 300.0) == []  # no split of the last two
     only_ds = cluster(0.5, 0.05, n_p=0, n_d=2)  # orphans serving nothing: all but one now
     assert len(planner.observe(only_ds, 301.0)) == 1
+
+
+# -- priorities before roles (prefill_nices) ---------------------------------------------------
+
+STEPS = (19, 10, 5, 0, -5)
+
+
+def shared(p_ttft: float, d_itl: float, p_nice: int | None, n_p: int = 1, n_d: int = 1,
+           **extra: bool) -> list[WorkerSnapshot]:
+    """P at ``p_nice`` and D at -5 on shared cores."""
+    ps = [WorkerSnapshot(f"p{i}", "prefill", ttft_p90=p_ttft, nice=p_nice, **extra)  # type: ignore[arg-type]
+          for i in range(n_p)]
+    return ps + [WorkerSnapshot(f"d{i}", "decode", itl_p90=d_itl, nice=-5) for i in range(n_d)]
+
+
+def test_a_starved_prefill_side_gets_the_next_higher_priority_before_any_role_moves() -> None:
+    planner = Planner(PlannerConfig(patience=2, cooldown=30.0, nice_cooldown=5.0,
+                                    prefill_nices=STEPS))
+    hot = shared(3.0, 0.05, 10, n_d=3)  # with three Ds, a role move was possible too
+    assert planner.observe(hot, 0.0) == []  # patience as for any decision
+    (decision,) = planner.observe(hot, 1.0)
+    assert decision == SetNice("p0", 5, decision.reason)
+    assert "prefill_bound: P's priority up: nice 10 -> 5" in decision.reason
+    # A priority change quiets the planner for nice_cooldown, not cooldown.
+    assert planner.observe(hot, 5.0) == [] and planner.observe(hot, 6.5) == []
+    assert planner.observe(hot, 7.0) == [SetNice("p0", 5, planner.decisions[-1][1].reason)]
+    # At the last step the role moves decide again (a D moved over to P).
+    top = shared(3.0, 0.05, -5, n_d=3)
+    assert planner.observe(top, 20.0) == []
+    (move,) = planner.observe(top, 21.0)
+    assert isinstance(move, SwitchRole) and move.to == "prefill"
+
+
+def test_a_decode_bound_cluster_moves_every_prefill_worker_one_step_back() -> None:
+    planner = Planner(PlannerConfig(patience=1, cooldown=0.0, nice_cooldown=0.0,
+                                    prefill_nices=STEPS))
+    assert [(d.worker, d.nice) for d in planner.observe(shared(0.5, 0.2, 0, n_p=2), 0.0)
+            if isinstance(d, SetNice)] == [("p0", 5), ("p1", 5)]
+    # A value between the steps moves to the nearest step beyond it.
+    assert [d.nice for d in planner.observe(shared(0.5, 0.2, 7), 1.0)
+            if isinstance(d, SetNice)] == [10]
+    # At the lowest priority already: nothing left to give (one P, one D: no role move).
+    assert planner.observe(shared(0.5, 0.2, 19), 2.0) == []
+
+
+def test_priorities_follow_the_worse_side_only_when_it_is_much_worse() -> None:
+    planner = Planner(PlannerConfig(patience=1, cooldown=0.0, nice_cooldown=0.0,
+                                    prefill_nices=STEPS))
+    assert planner.observe(shared(2.2, 0.11, 10), 0.0) == []  # both over, neither 1.5x worse
+    (decision,) = planner.observe(shared(5.0, 0.11, 10), 1.0)
+    assert isinstance(decision, SetNice) and decision.nice == 5
+    (decision,) = planner.observe(shared(1.8, 0.3, 10), 2.0)
+    assert isinstance(decision, SetNice) and decision.nice == 19
+
+
+def test_balanced_idle_unknown_or_switching_prefill_workers_keep_their_priority() -> None:
+    planner = Planner(PlannerConfig(patience=1, cooldown=0.0, nice_cooldown=0.0,
+                                    prefill_nices=STEPS))
+    assert planner.observe(shared(1.0, 0.05, 10), 0.0) == []  # balanced
+    assert planner.observe(shared(0.1, 0.01, 10), 1.0) == []  # idle
+    assert planner.observe(shared(3.0, 0.05, None), 2.0) == []  # its nice not known
+    p0, d0 = shared(3.0, 0.05, 10)
+    moving = [attrs.evolve(p0, switching=True), attrs.evolve(p0, worker="p1"), d0]
+    assert [(d.worker, d.nice) for d in planner.observe(moving, 3.0)
+            if isinstance(d, SetNice)] == [("p1", 5)]
+    # Without prefill_nices, the same pressure leaves priorities alone.
+    plain = Planner(PlannerConfig(patience=1, cooldown=0.0))
+    assert not any(isinstance(d, SetNice) for d in plain.observe(shared(3.0, 0.05, 10, n_d=3),
+                                                                  0.0))

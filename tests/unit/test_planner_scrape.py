@@ -43,10 +43,12 @@ def test_a_prefill_workers_snapshot_from_its_metrics() -> None:
     stats = {"queued": 3, "waiting": 2, "running": 0, "free_pages": 30, "total_pages": 40,
              "pd_queues": {"send_queue": 1, "held_rooms": 4}}
     _, text = _text(stats, ttft=[0.3] * 9 + [4.0])
-    scrape = parse({"disaggregation_mode": "prefill", "role_state": "SERVING"}, text)
+    scrape = parse({"disaggregation_mode": "prefill", "role_state": "SERVING", "nice": 10}, text)
     snap = scrape.snapshot("http://p", None)
     assert snap is not None
     assert (snap.role, snap.waiting, snap.running, snap.switching) == ("prefill", 5, 0, False)
+    assert snap.nice == 10  # the planner's priority lever starts from it
+    assert parse({"disaggregation_mode": "prefill", "nice": True}, text).nice is None
     assert snap.kv_usage == pytest.approx(0.25)
     assert 0.25 <= snap.ttft_p90 <= 0.5  # the 9th of 10 is in the (0.25, 0.5] bucket
     assert math.isnan(snap.itl_p90)

@@ -20,7 +20,10 @@ start-up priority; bench/RESULTS_adaptive.md).
 
 from __future__ import annotations
 
+import logging
 import os
+
+log = logging.getLogger("pd_fsm.io_trio.cluster.cpu_placement")
 
 ROLE_NICE_ROLES = ("null", "prefill", "decode")  # the worker roles (flags.DISAGGREGATION_MODES)
 
@@ -119,3 +122,25 @@ def may_take_nice(nice: int) -> bool:
 
     soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
     return soft == resource.RLIM_INFINITY or 20 - soft <= nice
+
+
+class ComputePriority:
+    """A worker's compute priority, owned by its event loop: the nice value its compute threads
+    are at (``/server_info``'s ``nice``), moved by a role switch (``--role-nice``) or by
+    ``POST /set_nice`` (the planner's lever on shared cores, issue 30 §3)."""
+
+    def __init__(self, nice: int) -> None:
+        self.nice = nice  # set at start (worker/cli.py), before any thread
+
+    def move_to(self, nice: int, why: str) -> int:
+        """Every thread at the compute priority now to ``nice``; returns how many moved. A
+        value this process may not take is a PermissionError, checked first: nothing moves."""
+        if nice == self.nice:
+            return 0
+        if not may_take_nice(nice):
+            raise PermissionError(f"nice {nice}: not allowed here (a lower value needs "
+                                  "CAP_SYS_NICE or an RLIMIT_NICE that allows it)")
+        moved = renice_threads(self.nice, nice)
+        log.info("nice %d -> %d for %s (%d threads)", self.nice, nice, why, moved)
+        self.nice = nice
+        return moved

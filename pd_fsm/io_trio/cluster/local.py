@@ -248,9 +248,23 @@ def _proxy_child(args: argparse.Namespace, tls: TLS, ports: _Ports, prefills: li
                  f"{len(prefills)} prefill, {len(decodes)} decode")
 
 
+def prefill_nice_steps(nices: dict[str, int | None]) -> tuple[int, ...]:
+    """With P above D's nice (P and D sharing cores, D first): the priorities the planner may
+    give P (``planner --prefill-nices``), least first — 19, P's own, then every 5 down to D's
+    (10/-5: 19,10,5,0,-5). Empty when the two are not placed by priority."""
+    p, d = nices["prefill"], nices["decode"]
+    if p is None or d is None or p <= d:
+        return ()
+    return tuple(sorted({19, p, d, *range(p, d, -5)}, reverse=True))
+
+
 def _planner_child(args: argparse.Namespace, tls: TLS, port: int, workers: list[Child]) -> Child:
+    # The priority lever by default where P and D share cores by priority; --planner-args
+    # comes after, so its own --prefill-nices wins ("" turns the lever off).
+    steps = prefill_nice_steps(role_nices(args))
+    lever = ["--prefill-nices", ",".join(map(str, steps))] if steps else []
     planner_args = ["planner", "--host", HOST, "--port", str(port), *_quiet(args), *tls.argv(),
-                    *shlex.split(args.planner_args or ""), *_worker_key(args)]
+                    *lever, *shlex.split(args.planner_args or ""), *_worker_key(args)]
     if args.api_key_file is not None:  # its own /decisions, /pause and /resume
         planner_args += ["--api-key-file", str(args.api_key_file)]
     for child in workers:

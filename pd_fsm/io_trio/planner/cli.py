@@ -44,6 +44,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--recall", type=float, default=d.recall,
                    help=f"with --colocate: seconds a mode's pressure is remembered after "
                         f"leaving it, and between two splits (default {d.recall:g})")
+    p.add_argument("--prefill-nices", type=_nices, default=d.prefill_nices, metavar="N,N,...",
+                   help="where P and D share cores: the CPU priorities (nice values) the "
+                        "planner may give prefill workers, least priority first (e.g. "
+                        "19,10,5,0,-5); a pressed prefill side gets the next higher one, a "
+                        "pressed decode side the next lower one, before any role moves "
+                        "(POST /set_nice). Default: none (\"\": priorities left alone)")
+    p.add_argument("--nice-cooldown", type=float, default=d.nice_cooldown,
+                   help=f"seconds after a priority change before the next decision (default "
+                        f"{d.nice_cooldown:g}: nothing drains)")
     p.add_argument("--dry-run", action="store_true", help="decide and log, never switch")
     p.add_argument("--paused", action="store_true",
                    help="start paused: observe and decide nothing until POST /resume (e.g. "
@@ -57,6 +66,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=main)
 
 
+def _nices(value: str) -> tuple[int, ...]:
+    """``--prefill-nices 19,10,5`` (``""``: none, priorities left alone)."""
+    if not value.strip():
+        return ()
+    try:
+        return tuple(int(x) for x in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not integers separated by commas"
+                                         ) from None
+
+
 def service_from_args(args: argparse.Namespace) -> PlannerService:
     """Raises ValueError naming a bad value."""
     for url in args.worker:
@@ -68,7 +88,8 @@ def service_from_args(args: argparse.Namespace) -> PlannerService:
                            patience=args.patience, cooldown=args.cooldown,
                            min_prefill=args.min_prefill, min_decode=args.min_decode,
                            max_step=args.max_step, colocate=args.colocate,
-                           recall=args.recall)
+                           recall=args.recall, prefill_nices=args.prefill_nices,
+                           nice_cooldown=args.nice_cooldown)
     key = api_key_from_args(args, "worker-")
     return PlannerService(Planner(config), workers=args.worker,
                           bootstrap_url=args.bootstrap_url, interval=args.interval,

@@ -74,6 +74,7 @@ class Scrape:
     ttft: Histogram
     itl: Histogram
     gauges: Mapping[str, float]  # pd_fsm_worker_backend_* by name (labelled: "name{key}")
+    nice: int | None = None  # its compute threads' CPU priority (/server_info's "nice")
 
     def snapshot(self, worker: str, earlier: Scrape | None) -> WorkerSnapshot | None:
         """The planner's view over the window since ``earlier``; None for a role the core
@@ -96,6 +97,7 @@ class Scrape:
             itl_p90=self.itl.since(None if earlier is None else earlier.itl).quantile(0.9),
             kv_usage=max(0.0, min(1.0, used)),
             switching=not self.serving,
+            nice=self.nice,
         )
 
 
@@ -114,13 +116,14 @@ def parse(info: Mapping[str, object], metrics: str) -> Scrape:
                 if "key" in sample.labels:
                     key = f"{key}{{{sample.labels['key']}}}"
                 gauges[key] = float(sample.value)
-    role = info.get("disaggregation_mode")
+    role, nice = info.get("disaggregation_mode"), info.get("nice")
     return Scrape(
         role=role if isinstance(role, str) else "null",
         serving=info.get("role_state", "SERVING") == "SERVING",
         ttft=_histogram(buckets[TTFT]),
         itl=_histogram(buckets[ITL]),
         gauges=gauges,
+        nice=nice if isinstance(nice, int) and not isinstance(nice, bool) else None,
     )
 
 

@@ -1,7 +1,8 @@
 """The planner as a service (issue 30 §2): every ``interval`` it scrapes each worker's
 ``/server_info`` and ``/metrics``, hands the snapshots to the core's sans-IO ``Planner`` and acts
 on what it decides — a role switch is ``POST /switch_role`` on that worker, to whatever role the
-core names (``"null"``, colocated, too once its ``Role`` has it). Asking for one more
+core names (``"null"``, colocated, too once its ``Role`` has it); a priority change
+(``--prefill-nices``) is ``POST /set_nice``. Asking for one more
 worker, or giving one back, needs a launcher this process does not have: such a decision is
 logged and counted ``not_actionable`` (``pd-fsm cluster --ray`` would be where actors start).
 
@@ -31,7 +32,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pd_fsm.core.planner import Decision, Planner, ScaleDown, ScaleUp, SwitchRole, WorkerSnapshot
+from pd_fsm.core.planner import (
+    Decision,
+    Planner,
+    ScaleDown,
+    ScaleUp,
+    SetNice,
+    SwitchRole,
+    WorkerSnapshot,
+)
 from pd_fsm.io_trio.api_key import ApiKeyGate
 from pd_fsm.io_trio.bootstrap.listing import list_role, worker_url
 from pd_fsm.io_trio.http_edge import edge_app
@@ -141,8 +150,7 @@ class PlannerService:
         decisions = self.planner.observe(snapshots, now)
         for decision in decisions:
             outcome = await self._act(decision)
-            to = decision.to if isinstance(decision, SwitchRole) else (
-                decision.role if isinstance(decision, ScaleUp) else "")
+            to = _target(decision)
             self.decisions.labels(type(decision).__name__, to, pressure, outcome).inc()
             # "at": this process's clock (what cooldowns count in); "wall": for lining decisions
             # up with other processes' logs and a benchmark's phases.
@@ -188,19 +196,24 @@ class PlannerService:
             return "dry_run"
         if isinstance(decision, ScaleUp | ScaleDown):
             return "not_actionable"  # no launcher here: see the module's docstring
+        body: dict[str, object]
+        if isinstance(decision, SetNice):
+            what, path, body = f"nice {decision.nice}", "set_nice", {"nice": decision.nice}
+        else:
+            what, path, body = f"role {decision.to}", "switch_role", {"role": decision.to}
         try:
             with trio.fail_after(SWITCH_S):
-                r = await self._http().post(f"{decision.worker}/switch_role",
-                                            json={"role": decision.to}, headers=self.headers)
+                r = await self._http().post(f"{decision.worker}/{path}", json=body,
+                                            headers=self.headers)
         except (httpx.HTTPError, trio.TooSlowError) as exc:
-            log.warning("switch of %s to %s failed: %r", decision.worker, decision.to, exc)
+            log.warning("%s of %s failed: %r", what, decision.worker, exc)
             return "failed"
         if r.status_code == 202:
             return "switching"
         if r.status_code == 200:
-            return "already"
-        log.warning("switch of %s to %s refused (%d): %s", decision.worker, decision.to,
-                    r.status_code, r.text[:300])
+            return "set" if isinstance(decision, SetNice) else "already"
+        log.warning("%s of %s refused (%d): %s", what, decision.worker, r.status_code,
+                    r.text[:300])
         return "refused"
 
     def _http(self) -> httpx.AsyncClient:
@@ -235,6 +248,15 @@ class PlannerService:
                         Route("/resume", resume, methods=["POST"])])
         # /pause and /resume change what the cluster does: with a key, only its holders may.
         return app if self.api_key is None else ApiKeyGate(app, self.api_key)
+
+
+def _target(decision: Decision) -> str:
+    """What a decision moves the worker to, as the decisions counter's ``to`` label."""
+    if isinstance(decision, SwitchRole):
+        return decision.to
+    if isinstance(decision, ScaleUp):
+        return decision.role
+    return str(decision.nice) if isinstance(decision, SetNice) else ""
 
 
 async def serve_planner(service: PlannerService, host: str = "127.0.0.1", port: int = 0, *,

@@ -1,5 +1,5 @@
 """The worker's control and information endpoints: health, server and model info, load,
-metrics, aborts, hand-off releases, role switches (``AdminRoutes``)."""
+metrics, aborts, hand-off releases, role switches, CPU priorities (``AdminRoutes``)."""
 
 from __future__ import annotations
 
@@ -68,6 +68,32 @@ class AdminRoutes:
             raise ApiError(answer.status, answer.error, "conflict" if answer.status == 409
                            else None)
         return JSONResponse(answer.body, status_code=answer.status)
+
+    async def set_nice(self, request: Request) -> Response:
+        """The compute threads' CPU priority at runtime (issue 30 §3: the planner's lever where
+        P and D share cores): ``{"nice": N}``, -20..19, until the next role switch."""
+        body = await self._state.read_json(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, 'the body must be a JSON object: {"nice": N}')
+        unknown = sorted(set(body) - {"nice"})
+        if unknown:
+            raise ApiError(400, f"unknown field(s) {', '.join(unknown)} @ body: give only nice")
+        nice = body.get("nice")
+        if isinstance(nice, bool) or not isinstance(nice, int) or not -20 <= nice <= 19:
+            raise ApiError(400, "body.nice must be an integer in -20..19")
+        c = self._state.config
+        if c.nnodes > 1:
+            raise ApiError(400, "an instance spanning processes (--nnodes > 1) cannot change "
+                                "its priority at runtime: each rank is a process of its own")
+        if c.transfer_nice and nice == c.transfer_nice:
+            # renice_threads moves threads by their value: the two would become one group.
+            raise ApiError(400, f"nice {nice} is the KV transfer threads' (--transfer-nice): "
+                                "give another value")
+        try:
+            moved = self._state.roles.priority.move_to(nice, "POST /set_nice")
+        except PermissionError as exc:
+            raise ApiError(403, str(exc)) from None
+        return JSONResponse({"nice": nice, "threads": moved})
 
     async def abort_request(self, request: Request) -> Response:
         body = await self._state.read_json(request)

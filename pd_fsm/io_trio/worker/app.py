@@ -84,6 +84,7 @@ class WorkerApp:
                 Route("/abort_request", admin.abort_request, methods=["POST"]),
                 Route("/handoff_release", admin.handoff_release, methods=["POST"]),
                 Route("/switch_role", admin.switch_role, methods=["POST"]),
+                Route("/set_nice", admin.set_nice, methods=["POST"]),
             ],
             exception_handlers={
                 ApiError: _on_api_error,

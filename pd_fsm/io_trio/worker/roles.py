@@ -35,7 +35,7 @@ from pd_fsm.core import events as ev
 from pd_fsm.core.drive import drive
 from pd_fsm.core.role_switch import RoleSwitch
 from pd_fsm.core.tables import ROLE_SWITCH
-from pd_fsm.io_trio.cluster.cpu_placement import renice_threads
+from pd_fsm.io_trio.cluster.cpu_placement import ComputePriority
 from pd_fsm.io_trio.worker.backend import Backend, RoleBackend, in_flight
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.drain_gate import DrainDecision, drain_streams
@@ -159,7 +159,8 @@ class RoleHost:
         self.started = False
         # P's side-channel port once bound: a later P role binds it again.
         self._side_port = config.disaggregation_side_channel_port
-        self._nice = config.nice_of(config.disaggregation_mode)  # set at start (cli.py)
+        # Its compute threads' priority: a role's (``--role-nice``) or POST /set_nice's.
+        self.priority = ComputePriority(config.nice_of(config.disaggregation_mode))
 
     # -- what the HTTP layer reads ----------------------------------------------------------------
 
@@ -229,15 +230,6 @@ class RoleHost:
         await self._nursery.start(serve)
         self.backend, self._serving = backend, (scope, ended)
         self._side_port = _side_port(backend) or self._side_port
-
-    def _take_priority(self, role: str) -> None:
-        """``role``'s CPU priority (``--role-nice``), before its backend starts: a D above P on
-        shared cores that becomes P steps back behind the Ds it shares them with."""
-        new = self.config.nice_of(role)
-        if new != self._nice:
-            moved = renice_threads(self._nice, new)
-            log.info("nice %d -> %d for role %s (%d threads)", self._nice, new, role, moved)
-            self._nice = new
 
     async def _until_ready(self) -> None:
         """A PD role serves once the registry acknowledged its record (``ready()``), as at
@@ -360,7 +352,9 @@ class RoleHost:
                                                             sum(total_compiles()))
                 continue
             try:
-                self._take_priority(effect.role)
+                # Before its backend starts: a D above P on shared cores that becomes P steps
+                # back behind the Ds it shares them with.
+                self.priority.move_to(self.config.nice_of(effect.role), f"role {effect.role}")
                 await self._start(self._make(effect.role, effect.epoch))
                 await self._until_ready()
             except Exception as exc:  # a failed build is a row of the table, not a crash
@@ -384,7 +378,7 @@ class RoleHost:
             "role_epoch": self.epoch,
             "roles": list(self.machine.roles),
             "role_state": self.state,
-            "nice": self._nice,
+            "nice": self.priority.nice,
             "prefill_bootstrap_port": self.bootstrap_port(),
             "last_role_switch": None if last is None else attrs.asdict(last),
         }

@@ -148,6 +148,7 @@ class ApiError(Exception):
 
     TYPES = {
         400: "invalid_request_error",
+        403: "permission_error",
         404: "not_found_error",
         409: "conflict",
         413: "request_too_large",
