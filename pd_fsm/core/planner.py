@@ -7,7 +7,8 @@ workers, ``pd_fsm/sim/perf_cluster.py``) and acts on them.
 The rule, after Dynamo's SLA planner and DistServe: TTFT is P's to keep, ITL is D's.
 
 - Each observation classifies the cluster: ``prefill_bound`` when the prefill side's pressure
-  (the worst P's TTFT p90 over the target, or its queue over ``queue_per_prefill``) is above
+  (the worst P's TTFT p90 or oldest wait so far over the target, or its queue over
+  ``queue_per_prefill``) is above
   ``headroom`` while the decode side's (the worst D's ITL p90 over the target, or its KV use over
   ``kv_high``) is not; ``decode_bound`` the other way; ``both`` and ``idle`` (every pressure
   under ``idle_below``); else ``balanced``.
@@ -25,13 +26,16 @@ The rule, after Dynamo's SLA planner and DistServe: TTFT is P's to keep, ITL is 
 
 Priorities before roles (``prefill_nices``, issue 30 §3): where P and D share cores with D above
 P, a P's CPU priority is a lever that needs no drain and acts at once. ``prefill_bound`` (or
-``both`` with the prefill side ``imbalance`` times worse) gives every P the next higher
-priority of ``prefill_nices`` (a lower nice), ``decode_bound`` the next lower one; only a P
-already at the end of the steps leaves the decision to the role moves below. A priority change
-quiets the planner for ``nice_cooldown`` seconds, not ``cooldown``: nothing drains, only the
-window's histograms need to show the effect. (Measured on this 2-core machine, a fixed P at
-nice +10 beside D at -5 starved P in a long-prompt phase — TTFT p50 4.2 s with ITL p50 62 ms —
-while the short-prompt phases wanted P further back: bench/RESULTS_adaptive.md.)
+``both`` with the prefill side ``imbalance`` times worse) moves every P up the steps of
+``prefill_nices`` (to a lower nice), ``decode_bound`` down them: one step, and one more for each
+doubling of the starved side's pressure past ``headroom`` unless the other side is over its
+target too (a P starved 14x its target moved one step per cooldown in a first try: too slow for
+a phase of a minute). Only a P already at the end of the steps leaves the decision to the role
+moves below. A priority change quiets the planner for ``nice_cooldown`` seconds, not
+``cooldown``: nothing drains, only the window's histograms need to show the effect. (Measured on
+this 2-core machine with P fixed at nice +10 beside D at -5: in a long-prompt phase TTFT p50
+4.2 s with ITL p50 62 ms, P starved; in a short-prompt phase ITL p50 111 ms, over its target:
+bench/RESULTS_adaptive.md, run 2.)
 
 With ``colocate`` the planner may also make a worker colocated (role ``"null"``: it serves
 whole requests, prefill and decode in one loop) and split colocated workers back into P and D,
@@ -89,6 +93,9 @@ class WorkerSnapshot:
     kv_usage: float = 0.0
     switching: bool = False  # draining for a role switch: neither side's any more
     nice: int | None = None  # its compute threads' CPU priority now (None: not known)
+    # P, colocated: how long its oldest request has waited for a first answer, so far: a
+    # backlog shows here before any TTFT does (a TTFT is observed only once the wait ended).
+    oldest_wait: float = 0.0
 
 
 def _nice_steps(_config: object, _field: object, nices: tuple[int, ...]) -> None:
@@ -183,6 +190,7 @@ class Planner:
         p = [s for s in live if s.role in ("prefill", "null")]
         d = [s for s in live if s.role in ("decode", "null")]
         p_load = max(_worst([s.ttft_p90 / c.ttft_slo for s in p]),
+                     _worst([s.oldest_wait / c.ttft_slo for s in p]),
                      _worst([s.waiting / c.queue_per_prefill for s in p]))
         d_load = max(_worst([s.itl_p90 / c.itl_slo for s in d]),
                      _worst([s.kv_usage / c.kv_high for s in d]))
@@ -369,20 +377,26 @@ class Planner:
         docstring); [] when no P can move, and the role moves decide."""
         c = self.config
         p_load, d_load = self.pressures(snapshots)
-        if pressure == "both" and max(p_load, d_load) >= c.imbalance * min(p_load, d_load):
+        both = pressure == "both"
+        if both and max(p_load, d_load) >= c.imbalance * min(p_load, d_load):
             pressure = "prefill_bound" if p_load >= d_load else "decode_bound"
         if pressure not in ("prefill_bound", "decode_bound"):
             return []
         up = pressure == "prefill_bound"
+        starved = p_load if up else d_load
+        # One step when the other side is over its target too: it pays for every step.
+        k = 1 if both else max(1, math.ceil(math.log2(starved / c.headroom)))
         why = (f"prefill pressure {p_load:.2f}, decode pressure {d_load:.2f}: {pressure}: "
                f"P's priority {'up' if up else 'down'}")
         out: list[Decision] = []
         for s in snapshots:
             if s.role != "prefill" or s.switching or s.nice is None:
                 continue
-            steps = [n for n in c.prefill_nices if (n < s.nice if up else n > s.nice)]
+            # Nearest first: up the steps toward the last, down them toward the first.
+            steps = ([n for n in c.prefill_nices if n < s.nice] if up
+                     else [n for n in reversed(c.prefill_nices) if n > s.nice])
             if steps:
-                to = steps[0] if up else steps[-1]  # the nearest step
+                to = steps[min(k, len(steps)) - 1]
                 out.append(SetNice(s.worker, to, f"{why}: nice {s.nice} -> {to}"))
         return out
 

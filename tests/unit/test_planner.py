@@ -39,6 +39,11 @@ def test_classes() -> None:
     assert planner.classify(cluster(math.nan, math.nan, kv_usage=0.95)) == "decode_bound"
     busy = [WorkerSnapshot("p0", "prefill", waiting=9), WorkerSnapshot("d0", "decode")]
     assert planner.classify(busy) == "prefill_bound"
+    # A request waiting past the TTFT target, before any TTFT was observed: prefill-bound.
+    stuck = [WorkerSnapshot("p0", "prefill", waiting=1, oldest_wait=2.5),
+             WorkerSnapshot("d0", "decode")]
+    assert planner.classify(stuck) == "prefill_bound"
+    assert planner.pressures(stuck)[0] == pytest.approx(1.25)
 
 
 def test_hysteresis_then_a_switch_of_the_least_loaded_donor() -> None:
@@ -226,20 +231,28 @@ def test_a_starved_prefill_side_gets_the_next_higher_priority_before_any_role_mo
 def test_a_decode_bound_cluster_moves_every_prefill_worker_one_step_back() -> None:
     planner = Planner(PlannerConfig(patience=1, cooldown=0.0, nice_cooldown=0.0,
                                     prefill_nices=STEPS))
-    assert [(d.worker, d.nice) for d in planner.observe(shared(0.5, 0.2, 0, n_p=2), 0.0)
+    assert [(d.worker, d.nice) for d in planner.observe(shared(0.5, 0.12, 0, n_p=2), 0.0)
             if isinstance(d, SetNice)] == [("p0", 5), ("p1", 5)]
     # A value between the steps moves to the nearest step beyond it.
-    assert [d.nice for d in planner.observe(shared(0.5, 0.2, 7), 1.0)
+    assert [d.nice for d in planner.observe(shared(0.5, 0.12, 7), 1.0)
             if isinstance(d, SetNice)] == [10]
+    # One more step per doubling of the pressure past headroom: 2.0 / 0.8 -> two, 7.5 / 0.8
+    # -> four (as far as the steps go).
+    assert [d.nice for d in planner.observe(shared(0.5, 0.2, 0), 2.0)
+            if isinstance(d, SetNice)] == [10]
+    assert [d.nice for d in planner.observe(shared(0.5, 0.75, -5), 3.0)
+            if isinstance(d, SetNice)] == [19]
+    up = planner.observe(shared(15.0, 0.05, 10), 4.0)  # 7.5 / 0.8: three steps up, two left
+    assert [d.nice for d in up if isinstance(d, SetNice)] == [-5]
     # At the lowest priority already: nothing left to give (one P, one D: no role move).
-    assert planner.observe(shared(0.5, 0.2, 19), 2.0) == []
+    assert planner.observe(shared(0.5, 0.2, 19), 5.0) == []
 
 
 def test_priorities_follow_the_worse_side_only_when_it_is_much_worse() -> None:
     planner = Planner(PlannerConfig(patience=1, cooldown=0.0, nice_cooldown=0.0,
                                     prefill_nices=STEPS))
     assert planner.observe(shared(2.2, 0.11, 10), 0.0) == []  # both over, neither 1.5x worse
-    (decision,) = planner.observe(shared(5.0, 0.11, 10), 1.0)
+    (decision,) = planner.observe(shared(3.5, 0.11, 10), 1.0)
     assert isinstance(decision, SetNice) and decision.nice == 5
     (decision,) = planner.observe(shared(1.8, 0.3, 10), 2.0)
     assert isinstance(decision, SetNice) and decision.nice == 19

@@ -48,6 +48,7 @@ def test_a_prefill_workers_snapshot_from_its_metrics() -> None:
     assert snap is not None
     assert (snap.role, snap.waiting, snap.running, snap.switching) == ("prefill", 5, 0, False)
     assert snap.nice == 10  # the planner's priority lever starts from it
+    assert snap.oldest_wait == 0.0  # nothing waits in these stats
     assert parse({"disaggregation_mode": "prefill", "nice": True}, text).nice is None
     assert snap.kv_usage == pytest.approx(0.25)
     assert 0.25 <= snap.ttft_p90 <= 0.5  # the 9th of 10 is in the (0.25, 0.5] bucket
@@ -94,3 +95,14 @@ def test_a_colocated_workers_snapshot_has_both_latencies_of_its_own() -> None:
 def test_text_that_is_not_prometheus_is_refused() -> None:
     with pytest.raises(ValueError):
         parse({"disaggregation_mode": "decode"}, "this is { not metrics\n")
+
+
+def test_a_prefill_backlog_is_read_from_the_oldest_unanswered_request_d_s_is_not() -> None:
+    stats = {"queued": 0, "waiting": 1, "oldest_unanswered_seconds": 3.5}
+    _, text = _text(stats)
+    p = parse({"disaggregation_mode": "prefill"}, text).snapshot("http://p", None)
+    colo = parse({"disaggregation_mode": "null"}, text).snapshot("http://c", None)
+    d = parse({"disaggregation_mode": "decode"}, text).snapshot("http://d", None)
+    assert p is not None and colo is not None and d is not None
+    assert (p.oldest_wait, colo.oldest_wait) == (3.5, 3.5)
+    assert d.oldest_wait == 0.0  # D's requests wait for P and the transfer, not for D

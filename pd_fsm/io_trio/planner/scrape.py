@@ -2,7 +2,9 @@
 latency histograms from ``/metrics`` (the names ``worker/metrics.py`` exports).
 
 Latencies are p90s over the window between two scrapes: the difference of the cumulative
-histograms, so a worker's history before the last decision does not weigh on the next one.
+histograms, so a worker's history before the last decision does not weigh on the next one. A P's
+(or colocated worker's) oldest request still waiting for its first answer
+(``oldest_unanswered_seconds``) is read as it is now: a backlog shows there before any TTFT does.
 
 A colocated worker (role ``null``, issue 30) serves whole requests: its TTFT and ITL both come
 from its own histograms, its waiting requests are those not prefilled yet, as P's. (A planner
@@ -88,6 +90,8 @@ class Scrape:
             waiting = g.get("queued", 0.0) + g.get("waiting", 0.0)
         total = g.get("total_pages", 0.0)
         used = (total - g.get("free_pages", total)) / total if total > 0 else 0.0
+        # D's requests wait for P's prefill and the transfer: not D's own backlog.
+        oldest = 0.0 if self.role == "decode" else g.get("oldest_unanswered_seconds", 0.0)
         return WorkerSnapshot(
             worker=worker,
             role=cast(Role, self.role),  # checked above against Role's values
@@ -98,6 +102,7 @@ class Scrape:
             kv_usage=max(0.0, min(1.0, used)),
             switching=not self.serving,
             nice=self.nice,
+            oldest_wait=oldest,
         )
 
 

@@ -94,6 +94,7 @@ def common_stats(streams: StreamTable, health: Health, startup: Startup, page_si
         "steps_total": health.steps_total,
         "step_seconds_total": health.step_seconds_total,
         "queued": streams.queued(),
+        "oldest_unanswered_seconds": streams.oldest_unanswered(),
         "live_requests": len(streams.live),
         # A multi-process instance (spmd/): ranks, joined, frames sent and dropped.
         **({} if spmd is None else {"spmd": attrs.asdict(spmd.stats)}),

@@ -36,8 +36,10 @@ class Stream:
     abort_requested: bool = False  # /abort_request named it (reported once)
     # time.monotonic() when the backend took the job: where a PD leg's first phase starts.
     accepted: float = attrs.field(factory=time.monotonic)
+    answered: bool = False  # its first item (output, finish or error) was put
 
     def put(self, item: Item) -> None:
+        self.answered = True
         # Order: everything in the channel precedes everything in the overflow.
         if not self.overflow:
             try:
@@ -145,6 +147,14 @@ class StreamTable:
 
     def queued(self) -> int:
         return self._jobs_recv.statistics().current_buffer_used
+
+    def oldest_unanswered(self) -> float:
+        """Seconds the oldest live request has waited for its first item (0.0: none waits).
+        The planner's leading sign of a prefill backlog: a TTFT histogram shows a wait only
+        once it ended (measured: a P starved for 30 s showed no TTFT at all meanwhile)."""
+        now = time.monotonic()
+        return max((now - s.accepted for s in self.live.values() if not s.answered),
+                   default=0.0)
 
     # -- the loop's side ---
 
