@@ -152,9 +152,10 @@ def token_check(sched: Schedule, model: str) -> str:
 @attrs.define
 class Watch:
     """What the adaptive cluster did while it was measured, read every ``poll_s``: each worker's
-    role, role state and CPU priority (``/server_info``), the planner's decisions (``/decisions``, stamped when
-    first seen: within ``poll_s`` of when it was made) and its observations by pressure class
-    (``pd_fsm_planner_observations_total``). Times are seconds from the run's start."""
+    role, role state and CPU priority (``/server_info``), the planner's decisions
+    (``/decisions``, stamped when first seen: within ``poll_s`` of when it was made) and its
+    observations by pressure class (``pd_fsm_planner_observations_total``). Times are seconds
+    from the run's start."""
 
     workers: list[str]
     planner: str
@@ -417,8 +418,18 @@ def save(record: dict[str, Any], sched: Schedule, args: argparse.Namespace) -> N
     settings = {k: v for k, v in vars(args).items() if k != "json"}
     schedule = [{"arrival": a, "phase": k, "prompt": q.words, "out": q.max_tokens}
                 for a, k, q in zip(sched.arrivals, sched.phase_of, sched.prompts, strict=True)]
-    out = {"command": args.command, "settings": settings, "schedule": schedule, **record}
+    out = {"command": args.command, "settings": settings, "schedule": schedule,
+           "placements": static_fields(args), **record}
     args.json.write_text(json.dumps(out, indent=1, default=str) + "\n")
+
+
+def static_fields(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The static placements as the performance model takes them (pd_fsm.sim.perf.Placement's
+    fields): ``bench_perf_model.py --measured`` predicts this run's figures from them."""
+    static = placements(argparse.Namespace(nice_pairs=[]))
+    p, d = (int(x) for x in args.nice.split(","))
+    nice_name, (_, _, nice_fields) = nice_placement(p, d)
+    return {COLOCATED: static[COLOCATED][2], PINNED: static[PINNED][2], nice_name: nice_fields}
 
 
 def chosen_placements(args: argparse.Namespace) -> dict[str, tuple[list[str], str]]:
