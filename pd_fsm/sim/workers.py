@@ -59,6 +59,8 @@ class Client:
     # What it has from a D that handed its stream off (the ticket's tokens; sim/workers.py): the
     # next D's answer goes on from there.
     sent: tuple[int, ...] = ()
+    # Whether a D ever handed its stream off (``sent`` empties again if it migrates after).
+    handed_off: bool = False
 
     def prompt_pages(self) -> int:
         """The pages of its prompt's KV (what P holds)."""
