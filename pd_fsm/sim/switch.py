@@ -12,7 +12,8 @@ endpoint is. :class:`Processes` carries out its effects in the world:
   the worker from its role's list within one discovery interval (``DISCOVERY``);
 - RefuseLegs: a leg that reaches it gets a draining worker's 503 (refused, retryable), so the
   proxy routes around it; a modelled D hands its running streams off to another D when one is
-  listed (``handoff.py``, issue 32 §2);
+  listed and answers its ``/health`` (up, not draining, reachable; ``workers.py``'s hand-off
+  part, issue 32 §2);
 - RoleDrained is fed once the node holds nothing: no room, page, registration, leg or queue
   (``Node.leftovers``);
 - FailInFlight (the drain deadline, on the virtual clock): what is left fails as the worker
