@@ -182,11 +182,15 @@ def _handoffs(counts: Mapping[str, int]) -> str:
     """Live KV hand-offs (handoff.py): streams a draining D handed off; their next rooms taken
     (pulled, went on), fallen back to a re-prefill, or failed; registrations released, expired
     or closed with a role stopped past its drain deadline; hand-off pulls that failed, by
-    cause."""
-    keys = ("handed_off", "taken", "fell_back", "failed", "released", "expired", "closed")
+    cause; the clients handed off, by the status they got in the end; drains whose gate found
+    the listed Ds down (their streams finished in place)."""
+    keys = ("handed_off", "taken", "fell_back", "failed", "released", "expired", "closed",
+            "in_place_no_healthy_decode")
     pulls = {k[5:]: n for k, n in sorted(counts.items()) if k.startswith("pull ")}
+    clients = {k[7:]: n for k, n in sorted(counts.items()) if k.startswith("client ")}
     return ("hand-offs " + ", ".join(f"{k.replace('_', ' ')} {counts.get(k, 0)}" for k in keys)
-            + f"; pulls failed {pulls}")
+            + f"; pulls failed {pulls}; clients handed off {sum(clients.values())}, "
+              f"answered {clients}")
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -120,6 +120,7 @@ class Proxy:
                 got, _ = self.rooms.pop((gen, e.room))
                 self.reopened[e.cause] += 1
                 got.sent = self.tickets.reopened(gen, e)
+                got.handed_off = got.handed_off or bool(got.sent)
                 w.at(max(e.delay, 0.001), f"reopen {e.cause} of room {e.room:x}", self._reopen,
                      gen, e, got)
             case _:

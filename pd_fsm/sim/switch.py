@@ -12,7 +12,8 @@ endpoint is. :class:`Processes` carries out its effects in the world:
   the worker from its role's list within one discovery interval (``DISCOVERY``);
 - RefuseLegs: a leg that reaches it gets a draining worker's 503 (refused, retryable), so the
   proxy routes around it; a modelled D hands its running streams off to another D when one is
-  listed (``handoff.py``, issue 32 §2);
+  listed and answers its ``/health`` (up, not draining, reachable; ``workers.py``'s hand-off
+  part, issue 32 §2);
 - RoleDrained is fed once the node holds nothing: no room, page, registration, leg or queue
   (``Node.leftovers``);
 - FailInFlight (the drain deadline, on the virtual clock): what is left fails as the worker
@@ -294,18 +295,31 @@ class Processes:
                 assert_never(e)
         return ()
 
+    def _healthy(self, proc: Process, other: Process) -> bool:
+        """Whether ``other``'s ``/health`` answers ``proc`` 200 (the drain gate's probe): up,
+        a D, not draining, and reachable. A crashed process stays listed (its record lives
+        until its TTL) but answers nothing."""
+        return (other.switch is not None and other.node.alive and other.node.role == "decode"
+                and not other.refusing and self.world.network.reachable(proc.name, other.name))
+
     def _hand_off(self, proc: Process) -> None:
         """A D draining hands its running streams off (issue 32 §2; ``handoff.py``) when another
-        D is listed (the worker's drain gate: another decode worker registered), its offers
-        leased until ``HANDOFF_MARGIN`` before the drain deadline; with too little time left
-        they finish here. With faults, a drain that handed streams off may crash while they are
-        pulled, or be cut from another D for a while (seeded chances): those pulls fail and
-        fall back to a re-prefill."""
+        D is listed and answers its ``/health`` (the worker's drain gate: another decode worker
+        registered and healthy), its offers leased until ``HANDOFF_MARGIN`` before the drain
+        deadline; with too little time left, or with every listed D down, they finish here.
+        With faults, a drain that handed streams off may crash while they are pulled, or be cut
+        from another D for a while (seeded chances): those pulls fail and fall back to a
+        re-prefill."""
         w, node, rs = self.world, proc.node, proc.switch
-        others = sorted(p.name for p in self.procs.values()
-                        if p is not proc and p.listed == "decode")
+        listed = [p for p in self.procs.values() if p is not proc and p.listed == "decode"]
+        others = sorted(p.name for p in listed if self._healthy(proc, p))
         deadline = rs.next_deadline() if rs is not None else None
-        if not isinstance(node, DecodeWorker) or not others or deadline is None:
+        if not isinstance(node, DecodeWorker) or deadline is None:
+            return
+        if listed and not others:
+            w.handoffs["in_place_no_healthy_decode"] += 1
+            w.trace_line(f"  {proc.name}: no listed D answers /health, streams finish here")
+        if not others:
             return
         lease = deadline - (w.now + w.skew[proc.name]) - HANDOFF_MARGIN
         if lease < HANDOFF_MIN_LEASE or not node.desk.hand_off(lease) or not w.config.faults:

@@ -59,6 +59,8 @@ class Client:
     # What it has from a D that handed its stream off (the ticket's tokens; sim/workers.py): the
     # next D's answer goes on from there.
     sent: tuple[int, ...] = ()
+    # Whether a D ever handed its stream off (``sent`` empties again if it migrates after).
+    handed_off: bool = False
 
     def prompt_pages(self) -> int:
         """The pages of its prompt's KV (what P holds)."""
@@ -743,11 +745,12 @@ class DecodeWorker(Node):
 # kv_handoff), fed through the core's one driver.
 #
 # Giving (a draining D, ``Desk.hand_off``, started by a role switch leaving decode when another D is
-# listed, ``switch.py``): each stream it relays whose leg allowed it (``accept_handoff``: the proxy
-# routed another D when it posted the leg) and that has a token left to decode is registered on the
-# D's transfer server (``offers``: the tokens whose KV it holds, the last one the next input),
-# offered for the lease (``HandoffOffered``), its pages go back at once (the gathered KV is a buffer
-# of its own) and its leg ends with a hand-off ticket (``ProxyView.handed_off``), not an answer.
+# listed and answers its /health, ``switch.py``): each stream it relays whose leg allowed it
+# (``accept_handoff``: the proxy routed another D when it posted the leg) and that has a token left
+# to decode is registered on the D's transfer server (``offers``: the tokens whose KV it holds, the
+# last one the next input), offered for the lease (``HandoffOffered``), its pages go back at once
+# (the gathered KV is a buffer of its own) and its leg ends with a hand-off ticket
+# (``ProxyView.handed_off``), not an answer.
 # Streams that join the batch while the window is open are handed off after their first step. The
 # registration is released exactly once: when the proxy says the taking D answered
 # (``HandoffPulled``), when its lease ends (``LeaseExpired``), or with the process (a crash, or the

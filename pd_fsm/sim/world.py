@@ -253,6 +253,12 @@ class World:
         self.proxy.check(drained=True)
         self.workers.check_settled()
 
+    def handed_off_answers(self) -> dict[str, int]:
+        """What the clients a draining D handed off got: ``client <status>`` each (issue 32:
+        a hand-off must not lose a stream that finishing in place would have served)."""
+        return dict(Counter(f"client {c.answer[0] if c.answer is not None else 'none'}"
+                            for c in self.clients if c.handed_off))
+
     def answered(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for c in self.clients:
@@ -271,7 +277,7 @@ def run_seed(seed: int, config: SimConfig | None = None, trace: bool = False) ->
         violation = f"t={world.now:.3f}: {exc}"
     return SimResult(seed, violation, world.answered(), world.steps, world.trace,
                      world.workers.summary(), dict(sorted(world.workers.races.items())),
-                     dict(sorted(world.handoffs.items())))
+                     dict(sorted({**world.handoffs, **world.handed_off_answers()}.items())))
 
 
 @attrs.frozen

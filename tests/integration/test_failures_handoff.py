@@ -9,10 +9,11 @@ proxy counted a hand-off, not a migration; P prefilled nothing more (no re-prefi
 D released its registration (the proxy told it the KV was pulled) and exited 0; afterwards every
 live worker holds nothing (pages, rooms, queues, transfer registrations).
 
-The fallback: the other D is frozen while the draining one hands off, so the ticket's lease
-(the drain timeout less 0.5 s) ends and the drained D exits before the pull; thawed, the other D's
-pull fails, and the proxy migrates the stream by re-prefill: it still completes, equal to the
-colocated answer, counted as a hand-off that fell back.
+The fallback: the proxy is frozen while the draining D hands off (the other D is up, so the
+drain's gate, which probes its /health, lets the hand-off go), so the ticket waits in the proxy's
+socket while its lease (the drain timeout less 0.5 s) ends and the drained D exits; thawed, the
+proxy posts the ticket to the other D, whose pull fails, and migrates the stream by re-prefill:
+it still completes, equal to the colocated answer, counted as a hand-off that fell back.
 """
 
 from __future__ import annotations
@@ -170,19 +171,20 @@ async def test_a_hand_off_that_cannot_be_pulled_falls_back_to_a_migration(fleet:
         reference, before = await _reference_and_counts(http, fleet, body)
         drained, other = None, None
 
-        async def sigterm_with_the_other_frozen() -> None:
+        async def sigterm_with_the_proxy_frozen() -> None:
             nonlocal drained, other
-            # The one that streams holds a request; the other is frozen, so the hand-off leg
-            # waits in its socket until the drained D is gone.
+            # The one that streams holds a request; the proxy is frozen, so the ticket waits in
+            # its socket until the drained D is gone. (Freezing the other D instead no longer
+            # works: the drain's gate finds it not answering /health and hands nothing off.)
             running = [(await stats(http, d))["running"] for d in decodes]
             drained, other = decodes if running[0] else decodes[::-1]
-            other.pause()
+            proxy.pause()
             os.kill(drained.pid, signal.SIGTERM)
             assert drained.popen is not None
             assert await trio.to_thread.run_sync(drained.popen.wait, 30) == 0
-            os.kill(other.pid, signal.SIGCONT)
+            proxy.resume()
 
-        raw = await _stream_acting_midway(http, proxy, body, sigterm_with_the_other_frozen)
+        raw = await _stream_acting_midway(http, proxy, body, sigterm_with_the_proxy_frozen)
         assert drained is not None and other is not None
         _whole(raw, reference)
         moved = await _moved_since(http, str(proxy.url), before)

@@ -124,3 +124,33 @@ def test_the_command_reports_hand_offs(capsys: pytest.CaptureFixture[str]) -> No
     assert cli_main(["sim", "--seeds", "0:20", "--role-switches", "1", "--requests", "30"]) == 0
     out = capsys.readouterr().out
     assert "20 seeds, 0 failing" in out and "hand-offs handed off " in out, out
+
+
+def test_a_drain_whose_listed_decode_workers_are_down_finishes_in_place(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 32's gap: a crashed D stays listed (its registry record lives until its TTL), and a
+    drain that handed its streams off to it lost them (the hand-off room failed on the dead D,
+    and the fallback found no D but the draining one). The drain's gate probes each listed D's
+    /health: a drain hands off only while one of them is up; else its streams finish in place.
+    ``Desk.hand_off`` is wrapped (it still runs) to see the processes as it starts."""
+    starts: list[tuple[str, int, int]] = []  # (D, other Ds listed, of them up)
+    hand_off = Desk.hand_off
+
+    def seen(self: Desk, lease_s: float) -> int:
+        world = self.node.world
+        assert isinstance(world, World)
+        procs = world.workers.procs
+        listed = [p for p in procs.values() if p.name != self.node.name and p.listed == "decode"]
+        up = [p for p in listed if p.switch is not None and p.node.alive]
+        starts.append((self.node.name, len(listed), len(up)))
+        return hand_off(self, lease_s)
+
+    monkeypatch.setattr(Desk, "hand_off", seen)
+    counts: Counter[str] = Counter()
+    for seed in range(SEEDS):
+        r = run_seed(seed, BUSY)
+        assert r.violation is None, (seed, r.violation)
+        counts.update(r.handoffs)
+    assert starts and all(up >= 1 for _, _, up in starts), starts
+    # The race happens in these seeds: drains that found every listed D down kept their streams.
+    assert counts["in_place_no_healthy_decode"] >= 1, counts

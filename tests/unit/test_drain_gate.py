@@ -1,5 +1,7 @@
 """The drain's hand-off gate (worker/drain_gate.py): a draining decode worker hands its streams off
-only when the registry lists another decode worker that could take them; each decision is
+only when the registry lists another decode worker that could take them and that answers its
+/health 200 (real HTTP servers here: one healthy, one draining, one port with nobody behind
+it); each decision is
 counted in /metrics by outcome and reason. And the flags: on by default, ``--no-drain-handoff``
 turns it off. And the proxy's side: it asks a leg's D for a hand-off only while it routes
 another D."""
@@ -7,15 +9,23 @@ another D."""
 from __future__ import annotations
 
 import argparse
+import socket
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
 import pytest
 import trio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from pd_fsm.io_trio.bootstrap.client import BootstrapError
 from pd_fsm.io_trio.bootstrap.records import InstanceRecord
+from pd_fsm.io_trio.http_server import serve_app
 from pd_fsm.io_trio.proxy.migration import Progress
 from pd_fsm.io_trio.worker import drain_gate
 from pd_fsm.io_trio.worker.config import ServeConfig, add_serve_arguments, config_from_args
@@ -56,6 +66,28 @@ class FakeDecode:
         self.leases.append(lease_s)
 
 
+@asynccontextmanager
+async def health_server(status: int) -> AsyncIterator[str]:
+    """A real HTTP server whose /health answers ``status`` (200: serving; 503: draining, as a
+    worker's does); yields its URL."""
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok" if status == 200 else "draining"},
+                            status_code=status)
+
+    async with trio.open_nursery() as nursery:
+        [url] = await nursery.start(serve_app, Starlette(routes=[Route("/health", health)]),
+                                    "127.0.0.1", 0)
+        yield url
+        nursery.cancel_scope.cancel()
+
+
+def closed_url() -> str:
+    """A URL nobody listens on: a worker SIGKILLed, whose registry record lives on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
 def test_only_another_instance_of_our_layout_in_one_process_can_take_a_hand_off() -> None:
     ok = record("d1")
     records = [
@@ -91,16 +123,51 @@ async def test_a_decode_worker_without_a_taker_finishes_its_streams_in_place(
     assert trio.current_time() - started <= drain_gate.GATE_TIMEOUT_S
 
 
-async def test_a_decode_worker_with_another_registered_hands_off_within_the_drain() -> None:
-    backend = FakeDecode([OWN, record("d1")])
-    config = ServeConfig(drain_timeout=10.0)
-    started = time.monotonic()
-    decision = await drain_gate.drain_streams(backend, config, started, "switch")  # type: ignore[arg-type]
-    assert (decision.outcome, decision.reason) == ("handed_off", "other_decode_registered")
-    assert "d1 http://d1:8000" in decision.detail
+async def test_a_decode_worker_with_another_healthy_one_hands_off_within_the_drain() -> None:
+    async with health_server(200) as up, health_server(503) as draining:
+        dead = closed_url()
+        backend = FakeDecode([OWN, record("d1", scheduler_addr=dead),
+                              record("d2", scheduler_addr=draining),
+                              record("d3", scheduler_addr=up)])
+        config = ServeConfig(drain_timeout=10.0)
+        started = time.monotonic()
+        decision = await drain_gate.drain_streams(backend, config, started, "switch")  # type: ignore[arg-type]
+    assert (decision.outcome, decision.reason) == ("handed_off", "other_decode_healthy")
+    assert f"1 other decode worker(s) registered and healthy: d3 {up}" in decision.detail
+    assert f"d1 {dead}: ConnectError" in decision.detail
+    assert f"d2 {draining}: HTTP 503" in decision.detail
     # The lease ends half a second before the drain's deadline.
     [lease] = backend.leases
     assert 9.0 < lease <= 9.5
+
+
+async def test_a_decode_worker_whose_listed_takers_are_down_or_draining_finishes_in_place(
+        ) -> None:
+    """A registry record outlives a crashed worker (until its lease expires): handing off to it
+    would lose the streams. Only a taker whose /health answers 200 counts."""
+    async with health_server(503) as draining:
+        dead = closed_url()
+        backend = FakeDecode([OWN, record("d1", scheduler_addr=dead),
+                              record("d2", scheduler_addr=draining)])
+        decision = await drain_gate.drain_streams(
+            backend, ServeConfig(drain_timeout=10.0), time.monotonic(), "draining")  # type: ignore[arg-type]
+    assert (decision.outcome, decision.reason) == ("finished_in_place", "no_healthy_decode")
+    assert decision.detail == (f"2 other decode worker(s) registered, none answered /health "
+                               f"200: d1 {dead}: ConnectError; d2 {draining}: HTTP 503")
+    assert backend.leases == []
+
+
+async def test_a_taker_that_does_not_answer_in_time_does_not_count() -> None:
+    """A taker that accepts the connection but never answers (a hung process): the gate's one
+    deadline ends the probe (before httpx's own 10 s timeout would: "no answer in time")."""
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen()
+        url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        decision = await drain_gate.decide(
+            FakeDecode([record("d1", scheduler_addr=url)]), ServeConfig(), 0.5)  # type: ignore[arg-type]
+    assert (decision.outcome, decision.reason) == ("finished_in_place", "no_healthy_decode")
+    assert f"d1 {url}: no answer in time" in decision.detail
 
 
 async def test_a_worker_of_another_role_is_not_asked() -> None:

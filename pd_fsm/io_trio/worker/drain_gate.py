@@ -13,6 +13,14 @@ therefore asks for a hand-off (``accept_handoff``) only on a leg for which it li
 decode worker itself: the stream is handed off only when both sides see somewhere to send it.
 A registry that cannot be read in time counts as no peer: the streams finish in place.
 
+A registry record outlives its process: a decode worker that crashed stays listed until its
+lease expires. Handing off to it loses the streams (the proxy's hand-off room fails on it, and
+its fallback, a re-prefill, may find no decode worker but the draining one, which refuses new
+legs). So each listed taker's ``/health`` is probed, concurrently and within the gate's one
+deadline (the registry read and the probes together), and only a taker answering 200 counts: a
+crashed, unreachable, loading or draining one does not. Listed takers none of which answered
+finish the streams in place (reason ``no_healthy_decode``).
+
 Each drain's decision is logged and counted (``pd_fsm_worker_drains_total{outcome,reason}``).
 """
 
@@ -23,10 +31,13 @@ import time
 from collections.abc import Sequence
 
 import attrs
+import httpx
 import trio
 
 from pd_fsm.io_trio.bootstrap.client import BootstrapError
 from pd_fsm.io_trio.bootstrap.records import InstanceRecord
+from pd_fsm.io_trio.http_server import http_client
+from pd_fsm.io_trio.tls import TLS
 from pd_fsm.io_trio.worker.backend import Backend, HandsOff, start_hand_off
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.metrics import DRAIN_OUTCOMES
@@ -63,16 +74,45 @@ def _in_place(reason: str, detail: str) -> DrainDecision:
     return DrainDecision(FINISHED_IN_PLACE, reason, detail)
 
 
+async def healthy(found: Sequence[InstanceRecord], tls: TLS, deadline: float
+                  ) -> tuple[list[InstanceRecord], list[str]]:
+    """Those of ``found`` whose ``/health`` answered 200 by ``deadline`` (``trio`` time; probed
+    concurrently), and what each of the others answered, for the log."""
+    ok: list[InstanceRecord] = []
+    answers: dict[str, str] = {}
+
+    async def probe(client: httpx.AsyncClient, r: InstanceRecord) -> None:
+        try:
+            answer = await client.get(f"{r.scheduler_addr}/health")
+        except httpx.HTTPError as exc:
+            answers[r.instance_id] = type(exc).__name__
+            return
+        answers[r.instance_id] = f"HTTP {answer.status_code}"
+        if answer.status_code == 200:
+            ok.append(r)
+
+    async with http_client(tls=tls) as client, trio.open_nursery() as nursery:
+        nursery.cancel_scope.deadline = deadline
+        for r in found:
+            if r.scheduler_addr:  # (a record without a URL cannot be probed, nor routed to)
+                nursery.start_soon(probe, client, r)
+    return ok, [f"{r.instance_id} {r.scheduler_addr}: "
+                f"{answers.get(r.instance_id, 'no answer in time')}"
+                for r in found if r not in ok]
+
+
 async def decide(backend: Backend, config: ServeConfig, timeout: float) -> DrainDecision:
-    """The gate (see the module docstring); reads the registry for at most ``timeout``."""
+    """The gate (see the module docstring); reads the registry and probes the takers for at
+    most ``timeout`` in all."""
     if not config.drain_handoff:
         return _in_place("disabled", "--no-drain-handoff")
     if backend.mode != "decode" or not isinstance(backend, HandsOff):
         return _in_place("not_decode", f"a {backend.mode} worker hands nothing off")
     if config.nnodes > 1:
         return _in_place("spans_processes", "an instance spanning processes hands nothing off")
+    deadline = trio.current_time() + timeout
     try:
-        with trio.fail_after(timeout):
+        with trio.fail_at(deadline):
             own, records = await backend.handoff_peers()
     except (BootstrapError, trio.TooSlowError) as exc:
         return _in_place("registry_unreadable",
@@ -81,9 +121,15 @@ async def decide(backend: Backend, config: ServeConfig, timeout: float) -> Drain
     if not found:
         return _in_place("no_other_decode", "no other decode worker (of this KV layout) is "
                                             "registered")
-    names = ", ".join(f"{r.instance_id} {r.scheduler_addr}" for r in found)
-    return DrainDecision(HANDED_OFF, "other_decode_registered",
-                         f"{len(found)} other decode worker(s) registered: {names}")
+    alive, failed = await healthy(found, config.tls, deadline)
+    if not alive:
+        return _in_place("no_healthy_decode",
+                         f"{len(found)} other decode worker(s) registered, none answered "
+                         f"/health 200: {'; '.join(failed)}")
+    names = ", ".join(f"{r.instance_id} {r.scheduler_addr}" for r in alive)
+    return DrainDecision(HANDED_OFF, "other_decode_healthy",
+                         f"{len(alive)} other decode worker(s) registered and healthy: {names}"
+                         + (f" (not: {'; '.join(failed)})" if failed else ""))
 
 
 async def drain_streams(backend: Backend, config: ServeConfig, started: float,

@@ -29,9 +29,9 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0
                2.5, 5, 10)
 # A drain's decision (drain_gate.py), by outcome and reason: /metrics shows each from 0.
 DRAIN_OUTCOMES: dict[str, tuple[str, ...]] = {
-    "handed_off": ("other_decode_registered",),
+    "handed_off": ("other_decode_healthy",),
     "finished_in_place": ("disabled", "not_decode", "spans_processes", "no_other_decode",
-                          "registry_unreadable"),
+                          "no_healthy_decode", "registry_unreadable"),
 }
 
 
