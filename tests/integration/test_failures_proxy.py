@@ -221,15 +221,15 @@ async def test_an_n_2_stream_split_by_a_break(nursery: trio.Nursery, leave: bool
     url: str = await nursery.start(serve_proxy, proxy, "127.0.0.1", 0)
     body = {"text": "hi", "stream": True, "sampling_params": {"n": 2, "max_new_tokens": 3}}
     events: list[Any] = []
-    async with httpx.AsyncClient(timeout=10) as http:
-        async with http.stream("POST", f"{url}/generate", json=body) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    data = line.removeprefix("data: ")
-                    events.append(data if data == "[DONE]" else json.loads(data))
-                if leave and len(events) == 4:  # both sequences' first events after the break
-                    break
+    async with (httpx.AsyncClient(timeout=10) as http,
+                http.stream("POST", f"{url}/generate", json=body) as r):
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                data = line.removeprefix("data: ")
+                events.append(data if data == "[DONE]" else json.loads(data))
+            if leave and len(events) == 4:  # both sequences' first events after the break
+                break
     with trio.fail_after(5):  # the rooms end, and the aborts posted (leave) arrive
         while proxy.stats()["rooms_live"] or len(d_aborts) < 2 * leave:
             await trio.sleep(0.01)
