@@ -29,8 +29,8 @@ class Endpoint(Protocol[Ev_contra, Fx]):
     of its closed effect union, and when it next needs ``TimeAdvanced``. ``PrefillEndpoint`` is
     an ``Endpoint[ev.PrefillEvent, fx.PrefillEffect]``, ``DecodeEndpoint`` an
     ``Endpoint[ev.DecodeEvent, fx.DecodeEffect]``, ``RoomRouter`` an
-    ``Endpoint[ev.RouterEvent, fx.RouterEffect]``, ``ProxySession`` an
-    ``Endpoint[ev.SessionEvent, fx.SessionEffect]`` and ``BootstrapRegistry[R]`` an
+    ``Endpoint[ev.RouterEvent, fx.RouterEffect]``, ``ProxySession`` and ``SequenceSession``
+    each an ``Endpoint[ev.SessionEvent, fx.SessionEffect]`` and ``BootstrapRegistry[R]`` an
     ``Endpoint[ev.RegistryEvent[R], RegistryEffect[R]]`` (checked in tests/unit/test_core_types.py).
     """
 

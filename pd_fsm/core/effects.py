@@ -410,7 +410,19 @@ class ReportDisconnect:
     request's current room."""
 
 
-SessionEffect = ReportRelayFinished | ReportDisconnect
+@attrs.frozen(slots=True)
+class AbortSequences:
+    """A split answer's client left: count the request as disconnected, once, and tell each of
+    its sequences' requests (each then aborts its own room's legs: ``ReportSequenceLeft``)."""
+
+
+@attrs.frozen(slots=True)
+class ReportSequenceLeft:
+    """Feed ``ClientDisconnected`` to the router for a sequence's current room; not counted (the
+    answer's ``AbortSequences`` counted the request's disconnect)."""
+
+
+SessionEffect = ReportRelayFinished | ReportDisconnect | AbortSequences | ReportSequenceLeft
 
 
 # -- a worker's role at runtime (table role_switch, issue 30 §1) ----------------------------------

@@ -284,10 +284,26 @@ class ClientLeft:
     """The server reported the client's connection ended (after a whole answer: its end)."""
 
 
+@attrs.frozen(slots=True)
+class AnswerSplit:
+    """After a break, the answer went on as its unfinished sequences (their indices, one or
+    more), each in a request of its own (table proxy_sequence)."""
+
+    sequences: tuple[int, ...]
+
+
+@attrs.frozen(slots=True)
+class SequenceEnded:
+    """Sequence ``index`` of a split answer ended: finished, or failed with its error event."""
+
+    index: int
+
+
 RegistryEvent = TimeAdvanced | InstanceRegistered[Rec] | InstanceHeartbeat | InstanceDeregistered
 RouterEvent = TimeAdvanced | RoomRequested | LegResponded | ClientDisconnected | RelayFinished
 SessionEvent = (
     HeadersSent | ChunkRelayed | DoneRelayed | AnswerRelayed | ErrorAnswered | ClientLeft
+    | AnswerSplit | SequenceEnded
 )
 
 

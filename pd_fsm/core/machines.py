@@ -16,7 +16,7 @@ from pd_fsm.core.prefill_lease import Leases
 from pd_fsm.core.registry import BootstrapRegistry
 from pd_fsm.core.role_switch import RoleSwitch
 from pd_fsm.core.router import RoomRouter
-from pd_fsm.core.session import ProxySession
+from pd_fsm.core.session import ProxySession, SequenceSession
 from pd_fsm.core.tables import StateTable
 
 
@@ -30,6 +30,7 @@ def core_machines() -> list[tuple[type, tuple[type, ...], tuple[StateTable, ...]
         (RoomRouter, (), (RoomRouter.table,)),
         (WorkerBreakers, (), (WorkerBreakers.table,)),
         (ProxySession, (), (ProxySession.table,)),
+        (SequenceSession, (), (SequenceSession.table,)),
         (HandoffLedger, (), (HandoffLedger.table,)),
         (RoleSwitch, (), (RoleSwitch.table,)),
     ]

@@ -23,7 +23,7 @@ from pd_fsm.core.kvpoll import KVPoll
 SAME = "@same"  # `to = "@same"`: a self-loop row shared by several `from` states
 
 TABLE_NAMES = ("kv_sender", "kv_receiver", "kv_hold_lease", "instance_lease", "room",
-               "worker_breaker", "proxy_session", "kv_handoff", "role_switch")
+               "worker_breaker", "proxy_session", "proxy_sequence", "kv_handoff", "role_switch")
 
 
 def tables_dir() -> Traversable:
@@ -327,9 +327,10 @@ INSTANCE_LEASE = load_table("instance_lease")
 ROOM = load_table("room")
 WORKER_BREAKER = load_table("worker_breaker")
 PROXY_SESSION = load_table("proxy_session")
+PROXY_SEQUENCE = load_table("proxy_sequence")
 KV_HANDOFF = load_table("kv_handoff")
 ROLE_SWITCH = load_table("role_switch")
 ALL_TABLES: Mapping[str, StateTable] = {
     t.name: t for t in (KV_SENDER, KV_RECEIVER, KV_HOLD_LEASE, INSTANCE_LEASE, ROOM,
-                        WORKER_BREAKER, PROXY_SESSION, KV_HANDOFF, ROLE_SWITCH)
+                        WORKER_BREAKER, PROXY_SESSION, PROXY_SEQUENCE, KV_HANDOFF, ROLE_SWITCH)
 }

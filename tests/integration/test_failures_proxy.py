@@ -4,6 +4,10 @@ chunked body and then drops the connection without the body's end, as a SIGKILLe
 Found by the soak (test_failures_soak.py): D killed right after its ``data: [DONE]`` event but
 before the chunked terminator made the proxy append an error chunk and a second ``[DONE]``
 after the client's complete stream (invalid SSE: events after ``[DONE]``).
+
+An n = 2 stream that such a D breaks off goes on as its two sequences, each a request of its own
+(tables proxy_session's SPLIT and proxy_sequence): to the end, or with the client leaving
+mid-split (one disconnect counted, each sequence's room cancelled).
 """
 
 from __future__ import annotations
@@ -144,3 +148,104 @@ async def test_requests_over_every_workers_queue_bound_get_429_at_once(
         r = await http.post(f"{url}/generate", json={"text": "c"})  # room again: served
         assert r.status_code == 200
     assert len(d.generations()) == 2  # the shed request never reached a worker
+
+
+def _event(e: dict[str, Any]) -> bytes:
+    return _chunk(b"data: " + json.dumps(e).encode() + b"\n\n")
+
+
+async def _splitting_decode(nursery: trio.Nursery, finish: bool) -> tuple[list[str], list[int]]:
+    """Two D addresses of one raw-socket D. Its first stream (the n = 2 request) sends an event
+    of each sequence and drops the connection as a SIGKILLed worker does; each later one (a
+    sequence going on alone, n = 1) sends one event and then, with ``finish``, its finish event
+    and the body's end, else holds the connection open. Returns the addresses and a list with
+    one entry per ``/abort_request`` it got."""
+    streams: list[int] = []
+    aborts: list[int] = []
+
+    async def handle(stream: trio.SocketStream) -> None:
+        async with stream:
+            request_line = await _read_request(stream)
+            if b"/generate" not in request_line:  # an abort, or the proxy's role probe
+                aborted = b"/abort_request" in request_line
+                aborts.extend([1] if aborted else [])
+                body = b'{"aborted": []}' if aborted else b'{}'
+                status = b"200 OK" if aborted else b"404 Not Found"
+                await stream.send_all(b"HTTP/1.1 " + status + b"\r\ncontent-type: "
+                                      b"application/json\r\nconnection: close\r\n"
+                                      b"content-length: " + str(len(body)).encode()
+                                      + b"\r\n\r\n" + body)
+                return
+            streams.append(1)
+            out = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                   b"transfer-encoding: chunked\r\n\r\n")
+            if len(streams) == 1:
+                for i in (0, 1):
+                    out += _event({"text": "a", "output_ids": [1], "index": i})
+                await stream.send_all(out)
+                await trio.sleep(0.05)
+                return  # no chunked terminator: the break
+            out += _event({"text": "ab", "output_ids": [1, 2]})
+            if finish:
+                out += _event({"text": "abc", "output_ids": [1, 2, 3],
+                               "meta_info": {"finish_reason": {"type": "length"}}})
+                out += _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+            await stream.send_all(out)
+            if not finish:
+                await trio.sleep_forever()  # until the proxy aborts it (or the test ends)
+
+    urls = []
+    for _ in range(2):
+        listeners = await nursery.start(functools.partial(trio.serve_tcp, handle, 0,
+                                                          host="127.0.0.1"))
+        urls.append(f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}")
+    return urls, aborts
+
+
+def _requests(proxy: Proxy, status: str) -> float:
+    value = proxy.registry.get_sample_value("pd_fsm_proxy_http_requests_total",
+                                            {"path": "/generate", "status": status})
+    return value or 0.0
+
+
+@pytest.mark.parametrize("leave", [False, True], ids=["to-the-end", "client-leaves"])
+async def test_an_n_2_stream_split_by_a_break(nursery: trio.Nursery, leave: bool) -> None:
+    """D breaks off an n = 2 stream: each sequence goes on in a request of its own (the answer's
+    session SPLIT, each sequence's a proxy_sequence). To the end: the client gets each
+    sequence's events under its index and one [DONE] once both ended, each sequence's room
+    COMPLETED. A client that leaves mid-split is counted once as disconnected, and each
+    sequence's room is cancelled with its D leg aborted."""
+    p_url, _ = await serve_standin(nursery, "prefill")
+    d_urls, d_aborts = await _splitting_decode(nursery, finish=not leave)
+    proxy = Proxy([PrefillTarget.from_url(p_url, 8998)], d_urls, rng=random.Random(1))
+    url: str = await nursery.start(serve_proxy, proxy, "127.0.0.1", 0)
+    body = {"text": "hi", "stream": True, "sampling_params": {"n": 2, "max_new_tokens": 3}}
+    events: list[Any] = []
+    async with (httpx.AsyncClient(timeout=10) as http,
+                http.stream("POST", f"{url}/generate", json=body) as r):
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                data = line.removeprefix("data: ")
+                events.append(data if data == "[DONE]" else json.loads(data))
+            if leave and len(events) == 4:  # both sequences' first events after the break
+                break
+    with trio.fail_after(5):  # the rooms end, and the aborts posted (leave) arrive
+        while proxy.stats()["rooms_live"] or len(d_aborts) < 2 * leave:
+            await trio.sleep(0.01)
+    outcomes = proxy.stats()["rooms_total"]
+    assert isinstance(outcomes, dict)
+    assert sorted(e["index"] for e in events[:4]) == [0, 0, 1, 1]
+    assert outcomes["MIGRATED"] == 1
+    if leave:
+        assert outcomes["CANCELLED"] == 2 and len(d_aborts) == 2
+        # P: the broken room's leg (MIGRATED) and each sequence room's; D: each sequence's.
+        assert proxy.stats()["aborts_sent_total"] == {"prefill": 3, "decode": 2}
+        assert _requests(proxy, "disconnected") == 1
+    else:
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1 and len(events) == 7
+        assert {e["index"] for e in events[4:6]} == {0, 1}
+        assert all(e["meta_info"]["finish_reason"] == {"type": "length"} for e in events[4:6])
+        assert outcomes["COMPLETED"] == 2 and not d_aborts
+        assert _requests(proxy, "disconnected") == 0
+    assert _requests(proxy, "200") == 1

@@ -4,9 +4,10 @@ The pairs are generated from the compiled tables (``ALL_TABLES``: every table, e
 trigger), and each is driven through the code that executes that table: kv_sender and
 kv_hold_lease through PrefillEndpoint, kv_receiver through DecodeEndpoint, instance_lease through
 BootstrapRegistry, room through RoomRouter, worker_breaker through WorkerBreakers, proxy_session
-through ProxySession. The room (lease, key) is brought into ``state`` along
-a path of the table's own rows, the event(s) that make ``trigger`` are fed in, and what the code
-did is recorded (every step it took, with that step's effects; an error; its counters). Then:
+through ProxySession, proxy_sequence through SequenceSession. The room (lease, key) is brought
+into ``state`` along a path of the table's own rows, the event(s) that make ``trigger`` are fed
+in, and what the code did is recorded (every step it took, with that step's effects; an error;
+its counters). Then:
 
 * every step taken must be a row, with that row's effects in order (checked for all steps);
 * a pair with a row must take it;
@@ -46,7 +47,7 @@ from pd_fsm.core.registry import BootstrapRegistry
 from pd_fsm.core.role_switch import RoleSwitch
 from pd_fsm.core.router import RoomRouter
 from pd_fsm.core.routing import Prompt, RoutingConfig
-from pd_fsm.core.session import ProxySession
+from pd_fsm.core.session import ProxySession, SequenceSession
 from pd_fsm.core.tables import (
     ALL_TABLES,
     INSTANCE_LEASE,
@@ -54,6 +55,7 @@ from pd_fsm.core.tables import (
     KV_HOLD_LEASE,
     KV_RECEIVER,
     KV_SENDER,
+    PROXY_SEQUENCE,
     PROXY_SESSION,
     ROLE_SWITCH,
     WORKER_BREAKER,
@@ -199,11 +201,13 @@ DEAD_ROWS = {
 KNOWN_BUGS: dict[tuple[str, str, str], str] = {
 }
 
-def _path(table: StateTable, target: str) -> list[str]:
-    """Shortest trigger path from the initial state to ``target`` over the table's rows, leaving
-    out ProtocolViolated and the dead rows (no input takes them)."""
-    prev: dict[str, tuple[str, str] | None] = {table.initial: None}
-    frontier = [table.initial]
+def _path(table: StateTable, target: str, start: str | None = None) -> list[str]:
+    """Shortest trigger path from ``start`` (the initial state by default) to ``target`` over
+    the table's rows, leaving out ProtocolViolated and the dead rows (no input takes them);
+    KeyError when there is none."""
+    first = table.initial if start is None else start
+    prev: dict[str, tuple[str, str] | None] = {first: None}
+    frontier = [first]
     while frontier and target not in prev:
         nxt = []
         for state in frontier:
@@ -477,7 +481,7 @@ def _no_row(table: StateTable, state: str, trigger: str, live: bool, bound: bool
     if name == "room":
         return Expect("counted", "a response or client event the room does not expect (or for "
                       "a room not live): dropped and counted", "dropped")
-    if name == "proxy_session":
+    if name in ("proxy_session", "proxy_sequence"):
         return Expect("local_error", "the proxy fed what it sent in an order the table forbids")
     if name == "instance_lease" and terminal:
         return Expect("forgotten", "a key in a terminal state is forgotten: it is NONE again")
@@ -937,7 +941,7 @@ def _breaker_pair(state: str, trigger: str) -> None:
     assert after == (None if row.target in table.terminal else row.target)
 
 
-# --- proxy_session: ProxySession -----------------------------------------------------------------
+# --- proxy_session: ProxySession; proxy_sequence: SequenceSession --------------------------------
 
 _SESSION_EVENTS: dict[str, Callable[[], ev.SessionEvent]] = {
     "HeadersSent": ev.HeadersSent, "ChunkRelayed": ev.ChunkRelayed,
@@ -945,35 +949,83 @@ _SESSION_EVENTS: dict[str, Callable[[], ev.SessionEvent]] = {
     "ErrorAnswered": ev.ErrorAnswered, "ClientLeft": ev.ClientLeft,
 }
 _SESSION_EFFECTS = {"ReportRelayFinished": "ReportRelayFinished",
-                    "ReportDisconnect": "ReportDisconnect"}
+                    "ReportDisconnect": "ReportDisconnect", "AbortSequences": "AbortSequences",
+                    "ReportSequenceLeft": "ReportSequenceLeft"}
+_ST = PROXY_SESSION.T
+_SEQUENCE_ENDS = (_ST.SequenceEnded, _ST.LastSequenceEnded)  # both made by ev.SequenceEnded
+SPLIT_INTO = (0, 2, 5)  # a split answer's unfinished sequences, by index
 
 
-def _session_fire(s: ProxySession, trigger: str) -> Seen:
-    seen = Seen()
-    source = s.state
+class Session:
+    """A ProxySession or a SequenceSession driven by trigger names. A split answer's sequences
+    still running are kept here (the session's own set is private): ``ev.SequenceEnded`` is the
+    trigger SequenceEnded while another runs, LastSequenceEnded for the last."""
 
-    def go() -> list[Any]:
-        out = s.handle(_SESSION_EVENTS[trigger](), 0.0)
-        seen.steps.append(Step(source, trigger, s.state, list(out)))
-        return out
+    def __init__(self, s: ProxySession | SequenceSession) -> None:
+        self.s = s
+        self.running: list[int] = []
 
-    return _fire(seen, go)
+    def event(self, trigger: str) -> tuple[ev.SessionEvent, str]:
+        """The event that makes ``trigger``, and the trigger it makes."""
+        if trigger == _ST.AnswerSplit:
+            return ev.AnswerSplit(SPLIT_INTO), trigger
+        if trigger in _SEQUENCE_ENDS:
+            took = _ST.SequenceEnded if len(self.running) > 1 else _ST.LastSequenceEnded
+            return ev.SequenceEnded(self.running[0] if self.running else 0), took
+        return _SESSION_EVENTS[trigger](), trigger
+
+    def fire(self, trigger: str) -> Seen:
+        seen = Seen()
+        source = self.s.state
+        event, took = self.event(trigger)
+
+        def go() -> list[Any]:
+            out = self.s.handle(event, 0.0)
+            seen.steps.append(Step(source, took, self.s.state, list(out)))
+            if isinstance(event, ev.AnswerSplit):
+                self.running = list(event.sequences)
+            elif isinstance(event, ev.SequenceEnded):
+                self.running.remove(event.index)
+            return out
+
+        return _fire(seen, go)
+
+    def reach(self, table: StateTable, state: str, trigger: str) -> None:
+        """Into ``state`` along the table's rows; for a sequence's end, through SPLIT where
+        that leads there, so that the sequences it ends run (the shortest path to GONE does
+        not split the answer)."""
+        path = _path(table, state)
+        if trigger in _SEQUENCE_ENDS:
+            try:
+                split = PROXY_SESSION.S.SPLIT
+                path = _path(table, split) + _path(table, state, start=split)
+            except KeyError:
+                pass  # not reachable from SPLIT: no sequence can end there
+        for step in path:
+            if step == _ST.LastSequenceEnded:
+                self.end_all_but_one()
+            assert self.fire(step).error is None, (state, step)
+        assert self.s.state == state
+        if trigger == _ST.LastSequenceEnded:
+            self.end_all_but_one()
+
+    def end_all_but_one(self) -> None:
+        while len(self.running) > 1:
+            assert self.fire(_ST.SequenceEnded).error is None
 
 
-def _session_pair(state: str, trigger: str) -> None:
-    table = PROXY_SESSION
-    s = ProxySession()
-    for step in _path(table, state):
-        assert _session_fire(s, step).error is None
-    assert s.state == state
+def _session_pair(table: StateTable, make: Callable[[], ProxySession | SequenceSession],
+                  state: str, trigger: str) -> None:
+    h = Session(make())
+    h.reach(table, state, trigger)
     exp = _expect(table, state, trigger, True, False)
-    seen = _session_fire(s, trigger)
+    seen = h.fire(trigger)
     for st in seen.steps:
         row = table.step(st.source, st.trigger)
         assert row is not None and row.target == st.target, (st.source, st.trigger)
         assert [type(o).__name__ for o in st.effects] == [_SESSION_EFFECTS[e]
                                                          for e in row.effects]
-    _check_pair_outcome(table, state, trigger, exp, seen, {}, {}, s.state, state)
+    _check_pair_outcome(table, state, trigger, exp, seen, {}, {}, h.s.state, state)
 
 
 _HANDOFF_T = KV_HANDOFF.T
@@ -1139,7 +1191,8 @@ DRIVERS: dict[str, Callable[[str, str], None]] = {
     "room": _room_pair_router,
     "kv_handoff": _handoff_pair,
     "worker_breaker": _breaker_pair,
-    "proxy_session": _session_pair,
+    "proxy_session": lambda s, t: _session_pair(PROXY_SESSION, ProxySession, s, t),
+    "proxy_sequence": lambda s, t: _session_pair(PROXY_SEQUENCE, SequenceSession, s, t),
     "role_switch": _role_pair,
 }
 

@@ -27,7 +27,7 @@ from pd_fsm.core.handoff import HandoffLedger
 from pd_fsm.core.role_switch import RoleSwitch
 from pd_fsm.core.registry import BootstrapRegistry, RegistryEffect
 from pd_fsm.core.router import RoomRouter
-from pd_fsm.core.session import ProxySession
+from pd_fsm.core.session import ProxySession, SequenceSession
 p = PrefillEndpoint("layout", rng=random.Random(1))
 d = DecodeEndpoint(identity="d0", layout_hash="layout")
 r = RoomRouter(["p0"], ["d0"], rng=random.Random(1))
@@ -96,6 +96,7 @@ def test_each_owner_is_an_endpoint_of_its_own_unions(cache: Path) -> None:
         re: Endpoint[ev.RouterEvent, fx.RouterEffect] = r
         rg: Endpoint[ev.RegistryEvent[str], RegistryEffect[str]] = reg
         se: Endpoint[ev.SessionEvent, fx.SessionEffect] = ps
+        sq: Endpoint[ev.SessionEvent, fx.SessionEffect] = SequenceSession()
         ho: Endpoint[ev.HandoffEvent, fx.HandoffEffect] = HandoffLedger()
         rs: Endpoint[ev.RoleSwitchEvent, fx.RoleSwitchEffect] = RoleSwitch("null", ("null",))
         # Events are contravariant: an endpoint of P's events serves a driver of fewer.

@@ -8,7 +8,9 @@ neither is a flag of its own:
   (``Room.outcome``: ``RelayDecode``, a :class:`Reply` for ``ReplyError``, or ``ReopenRoom``);
   a redirected decode leg is a new ``Room.d_scope`` (``RedirectDecode``);
 * what the client has of its answer spans the rooms: the core's ``ProxySession`` (table
-  proxy_session), fed what was sent through the core's ``drive`` (:meth:`RoomResponse.tell`).
+  proxy_session), fed what was sent through the core's ``drive`` (:meth:`RoomResponse.tell`);
+  an n > 1 stream that broke goes on as its sequences (its session SPLIT), each a request of its
+  own whose client side is a ``SequenceSession`` (table proxy_sequence).
 
 :class:`RoomResponse` is the ASGI response; it needs of the proxy only :class:`RoomHost`.
 """
@@ -23,13 +25,14 @@ from typing import Protocol, assert_never
 import attrs
 import httpx
 import trio
+from starlette import types as asgi
 from starlette.types import ASGIApp, Message, Scope
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.drive import drive
 from pd_fsm.core.role_switch import ROLE_HEADER
-from pd_fsm.core.session import ProxySession
+from pd_fsm.core.session import ProxySession, SequenceSession
 from pd_fsm.io_trio.proxy.answers import (
     Failure,
     Refusal,
@@ -69,20 +72,18 @@ class ClientRequest:
     # alone (D computes them itself), later rooms included, as before the session had a table.
     prompt_logprobs: bool = False
     progress: Progress | None = None  # what the client has of a migratable answer
-    client: ProxySession = attrs.field(factory=ProxySession)  # table proxy_session
-    # One sequence of an n > 1 answer, continued in a request of its own after a migration
-    # (``sequence``): the client's request is counted as the one it came from.
-    part: bool = False
+    # What the client has of it: the answer's (table proxy_session), or, for one sequence of a
+    # split answer (``sequence``), that sequence's (table proxy_sequence).
+    client: ProxySession | SequenceSession = attrs.field(factory=ProxySession)
 
     def sequence(self, index: int, body: Mapping[str, object], progress: Progress
                  ) -> ClientRequest:
         """Sequence ``index`` of this n > 1 request as a request of its own (``body`` and
-        ``progress`` from ``Progress.sequences``): it goes on under the client's headers."""
-        q = ClientRequest(f"{self.request_id}.n{index}", self.path, body, self.headers,
-                          self.stream, self.return_logprob, migratable=True, progress=progress,
-                          part=True)
-        q.client.handle(ev.HeadersSent(), trio.current_time())  # its errors go in-band
-        return q
+        ``progress`` from ``Progress.sequences``): it goes on under the client's headers, so
+        its errors go in-band, and the client's request, not it, is counted."""
+        return ClientRequest(f"{self.request_id}.n{index}", self.path, body, self.headers,
+                             self.stream, self.return_logprob, migratable=True,
+                             progress=progress, client=SequenceSession())
 
 
 @attrs.frozen
@@ -186,20 +187,22 @@ class RoomResponse:
         self.host = host
         self.s = room
         self.left = trio.Event()  # the client left (its sequences' rooms learn it from this)
-        self.apart = False  # the answer goes on as its sequences, each in a request of its own
+        # The response's own tasks, cancelled when the client leaves (unless the answer is
+        # split: then each sequence's request aborts its own room, and the merge ends).
+        self._tasks: trio.CancelScope | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         host = self.host
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._watch_client, receive, nursery.cancel_scope)
+                self._tasks = nursery.cancel_scope
+                nursery.start_soon(self._watch_client, receive)
                 while await self._room(send):  # a retry or a migration: the next room
                     nxt = await host.reopen(self.s)
                     if isinstance(nxt, Refusal):
                         await self._answer_error(send, nxt.status, nxt.body())
                         break
                     if isinstance(nxt, list):
-                        self.apart = True
                         await self._sequences(scope, send, nxt)
                         break
                     self.s = nxt
@@ -218,17 +221,26 @@ class RoomResponse:
         def carry_out(effect: fx.SessionEffect) -> tuple[()]:
             match effect:
                 case fx.ReportRelayFinished():
-                    if not self.apart:  # (apart: the room is over; each sequence's reports)
-                        self.host.feed(ev.RelayFinished(s.room))
+                    self.host.feed(ev.RelayFinished(s.room))
                 case fx.ReportDisconnect():
-                    if not s.request.part:
-                        self.host.count(s.request.path, "disconnected")
-                    self.host.feed(ev.ClientDisconnected(s.room))
+                    self.host.count(s.request.path, "disconnected")
+                    self._abort(s)
+                case fx.AbortSequences():
+                    self.host.count(s.request.path, "disconnected")
+                    self.left.set()  # each sequence's request: ClientLeft, its room aborted
+                case fx.ReportSequenceLeft():
+                    self._abort(s)
                 case _:
                     assert_never(effect)
             return ()
 
         drive(s.request.client.handle, event, trio.current_time(), carry_out)
+
+    def _abort(self, s: Room) -> None:
+        """The client left: the router aborts ``s``'s legs, and this response's tasks end."""
+        self.host.feed(ev.ClientDisconnected(s.room))
+        if self._tasks is not None:
+            self._tasks.cancel()
 
     async def _room(self, send: Send) -> bool:
         """Run the current room to its end: True when the request goes on in a new room."""
@@ -260,24 +272,24 @@ class RoomResponse:
         self.host.count(s.request.path, str(status))
         await send_json(send, status, body)
 
-    async def _watch_client(self, receive: Receive, scope: trio.CancelScope) -> None:
+    async def _watch_client(self, receive: Receive) -> None:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
+                # What it means (the end of a whole answer, or a client leaving a room, or a
+                # split answer's sequences) is the session's row.
                 self.tell(self.s, ev.ClientLeft())
-                self.left.set()
-                # Not the end of a whole answer. Sequences apart each abort their own legs.
-                if self.s.request.client.gone and not self.apart:
-                    scope.cancel()
                 return
 
     async def _sequences(self, scope: Scope, send: Send,
                          parts: list[tuple[int, Room | Refusal]]) -> None:
         """After a migration, an n > 1 answer's unfinished sequences, each in a request of its
         own (``Progress.sequences`` says why): their streams relayed as one under the client's
-        headers (``merged_stream``), then one usage chunk and one ``[DONE]``."""
+        headers (``merged_stream``), then one usage chunk and one ``[DONE]``. The answer's
+        session waits in SPLIT for each sequence's end (finished, or failed with its error)."""
         q = self.s.request
         assert q.progress is not None
+        self.tell(self.s, ev.AnswerSplit(tuple(index for index, _ in parts)))
 
         async def left() -> Message:
             await self.left.wait()
@@ -288,15 +300,23 @@ class RoomResponse:
                 self.tell(self.s, ev.ChunkRelayed())
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
+        def ended(index: int, app: ASGIApp) -> ASGIApp:
+            async def sequence(scope: Scope, receive: asgi.Receive, send: asgi.Send) -> None:
+                await app(scope, receive, send)
+                self.tell(self.s, ev.SequenceEnded(index))
+
+            return sequence
+
         apps: list[tuple[int, ASGIApp]] = [
-            (index, RoomResponse(self.host, r) if isinstance(r, Room) else _refused(r))
+            (index, ended(index, RoomResponse(self.host, r) if isinstance(r, Room)
+                          else _refused(r)))
             for index, r in parts]
         merged = await merge_streams(apps, scope, left, out)
         if q.client.gone:
             return  # every sequence's room saw it leave: its legs are aborted
         usages = [part.usage for part in merged if part.usage is not None]
         tail = event(q.progress.usage_chunk(usages[-1])) if usages else b""
-        self.tell(self.s, ev.AnswerRelayed())
+        self.tell(self.s, ev.AnswerRelayed())  # SPLIT_ENDED: the table demands every end
         await send({"type": "http.response.body", "body": tail + SSE_DONE, "more_body": False})
 
     # ------------------------------------------------------------------ P's leg
@@ -411,11 +431,8 @@ class RoomResponse:
                 q.progress is not None and q.progress.finished and q.stream)):
             # D broke off after its last event (killed before the chunked body's end): the
             # client has the whole stream, and an error chunk after [DONE] would corrupt it; or
-            # after its finish event, before [DONE]: nothing is left to generate, and the
-            # client's stream is ended as D would have ended it.
-            end = b"" if q.client.stream_whole else SSE_DONE
-            self.tell(s, ev.AnswerRelayed())
-            await send({"type": "http.response.body", "body": end, "more_body": False})
+            # after its finish event, before [DONE].
+            await self._end_whole(s, send)
         elif s.relaying:
             # D broke off mid-relay: the request migrates to a new room (ReopenRoom), or the
             # room fails (P's leg is aborted) and the client is told, in-band when the headers
@@ -423,6 +440,13 @@ class RoomResponse:
             self.host.feed(ev.LegResponded(s.room, "decode", False, repr(exc), lost=True))
             if s.reopen is None:
                 await self._relay_error(s, send, 502, f"decode worker broke off: {exc!r}")
+
+    async def _end_whole(self, s: Room, send: Send) -> None:
+        """D broke off (or failed in-band) with nothing left to generate: the client's stream
+        is ended as D would have ended it (no [DONE] twice, no error event after it)."""
+        end = b"" if s.request.client.stream_whole else SSE_DONE
+        self.tell(s, ev.AnswerRelayed())
+        await send({"type": "http.response.body", "body": end, "more_body": False})
 
     async def _relay_error(self, s: Room, send: Send, status: int, message: str) -> None:
         if s.request.client.gone:
@@ -486,6 +510,9 @@ class RoomResponse:
             # request migrates to a new room, or the client gets D's error.
             status, message = q.progress.failed
             q.progress.failed = None
+            if q.progress.finished:  # after every finish event: as if it broke off there
+                await self._end_whole(s, send)
+                return
             self.host.feed(ev.LegResponded(s.room, "decode", False, message, lost=True))
             if s.reopen is None:
                 await self._relay_error(s, send, status, f"decode worker {s.decode}: {message}")
