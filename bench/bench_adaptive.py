@@ -18,6 +18,8 @@ left idle while another is measured; bench_placement.py's):
     colocated          one worker on both cores                       (--colocated)
     PD pinned          P on core 0, D on core 1                       (--prefill-cpus 0 ...)
     PD shared, nice    P and D on both cores, P at nice P, D at nice D (--nice P,D; 10,-5)
+    control            (--control) the adaptive cluster with its planner in ``--dry-run``: the
+                       same processes, flags and scrapes, no action
     adaptive           ``pd-fsm cluster --planner`` with the same nice values: PD workers that
                        switch roles at runtime and the planner switching them, and moving P's
                        priority first (the cluster passes ``--prefill-nices``, 19 through P's
@@ -71,6 +73,10 @@ from pd_fsm.sim.perf_cluster import Phase, shifting
 from tests.integration.serve_support import PDCluster
 
 ADAPTIVE = "adaptive (--planner)"
+# The same cluster whose planner only decides (--dry-run): what the adaptive cluster measures
+# without acting, so a gap between the two is the planner's and not the cluster's own
+# (--control; RESULTS_adaptive.md run 4 saw a gap before the first decision).
+CONTROL = "adaptive cluster, planner --dry-run (control)"
 WORKER_PREFIXES = ("prefill-", "decode-", "colocated")
 
 
@@ -292,7 +298,7 @@ def report(label: str, runs: dict[str, list[list[Result]]], sched: Schedule,
            args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
     """Per-phase and whole-run tables over ``runs`` (placement -> one result list per repeat,
     merged: a phase's seconds times the repeats), and the goal's comparison."""
-    static = [n for n in runs if n != ADAPTIVE]
+    static = [n for n in runs if n not in (ADAPTIVE, CONTROL)]
     reps = len(next(iter(runs.values())))
     lines: list[str] = [f"\n### {label}"]
     out: dict[str, Any] = {"phases": [], "overall": {}}
@@ -447,6 +453,9 @@ def chosen_placements(args: argparse.Namespace) -> dict[str, tuple[list[str], st
            nice_name: (nice_flags, "proxy"),
            ADAPTIVE: (["--planner", "--prefill", str(n_p), "--decode", str(n_d), *nice_flags,
                        "--planner-args", planner_args], "proxy")}
+    if args.control:
+        out[CONTROL] = (["--planner", "--prefill", str(n_p), "--decode", str(n_d), *nice_flags,
+                         "--planner-args", f"{planner_args} --dry-run"], "proxy")
     if args.only:
         out = {k: v for k, v in out.items() if any(s in k for s in args.only)}
     return out
@@ -475,6 +484,9 @@ def main() -> int:
     p.add_argument("--planner-args", default="--interval 2 --patience 2 --cooldown 15",
                    help="more `pd-fsm planner` flags (its SLO targets are --slo-ttft and "
                         "--slo-tpot)")
+    p.add_argument("--control", action="store_true",
+                   help="also measure the adaptive cluster with its planner in --dry-run "
+                        "(decides, never acts): the control for the planner's own effect")
     p.add_argument("--num-pages", type=int, default=512, help="KV pages of every worker")
     p.add_argument("--only", nargs="*", default=None, metavar="NAME",
                    help="placements to run (substrings of their names)")
