@@ -29,7 +29,8 @@ pytestmark = pytest.mark.slow
 CLIENTS = 3
 # One worker down at a time (never every worker of a role); few, to fit the suite's budget.
 FAULTS = {signal.SIGKILL: 2, signal.SIGTERM: 2}
-WORKERS = ("p0", "p1", "d0", "d1")
+PREFILLS, DECODES = ("p0", "p1"), ("d0", "d1")
+WORKERS = PREFILLS + DECODES
 
 
 @pytest.fixture(scope="module")
@@ -98,10 +99,15 @@ async def test_every_stream_completes_while_workers_die_and_come_back(
             ok = events[-1:] == ["[DONE]"] and not any("error" in c for c in chunks)
             results.append((got, expected, "" if ok else r.text[-400:]))
 
+    # Each kind of worker at least once: a free draw from WORKERS picked only Ds for both seeds.
+    victims = [rng.choice(PREFILLS), rng.choice(DECODES)]
+    victims += [rng.choice(WORKERS) for _ in range(FAULTS[how] - len(victims))]
+    rng.shuffle(victims)
+
     async def chaos() -> None:
-        for _ in range(FAULTS[how]):
+        for name in victims:
             await trio.sleep(rng.uniform(1.5, 3.0))  # under load for a while
-            victim = fleet[rng.choice(WORKERS)]
+            victim = fleet[name]
             if how == signal.SIGKILL:
                 await trio.to_thread.run_sync(victim.kill)
             else:  # drains: the requests it has finish there, then it exits
@@ -128,5 +134,5 @@ async def test_every_stream_completes_while_workers_die_and_come_back(
             # moves the leg to the other D in the same room (redirect), a drained P's 503
             # retries before any prefill was done.
             assert after["migration"] == before["migration"], after - before
-        print(f"{how.name}: {len(results)} streams, reopened {dict(after - before)}")
+        print(f"{how.name}: {victims}, {len(results)} streams, reopened {dict(after - before)}")
         await wait_clean(http, *(fleet[w] for w in WORKERS), timeout=SLACK * 4)
