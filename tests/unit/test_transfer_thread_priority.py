@@ -94,13 +94,17 @@ def test_raise_this_thread_touches_only_the_calling_thread() -> None:
     seen: dict[str, object] = {}
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
+    # Below both this thread's value and 0 (0 means "leave it"; a run under `nice -n 5` starts
+    # at 5, where 5 below would be 0).
+    target = max(-20, min(mine, 0) - 5)
+
     def pull_thread() -> None:
-        seen["applied"] = raise_this_thread(mine - 5 if mine > -15 else -20)
+        seen["applied"] = raise_this_thread(target)
         seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     t = threading.Thread(target=pull_thread)
     t.start()
     t.join()
-    assert seen == {"applied": True, "nice": mine - 5 if mine > -15 else -20}
+    assert seen == {"applied": True, "nice": target}
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # untouched
     assert raise_this_thread(0) is False
