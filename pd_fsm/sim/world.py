@@ -49,9 +49,11 @@ from pd_fsm.core.errors import LocalProtocolError
 from pd_fsm.sim.config import DRAIN, PLANTS, SimConfig, SimResult, Violation
 from pd_fsm.sim.invariants import Invariants
 from pd_fsm.sim.network import Network
+from pd_fsm.sim.process import Process
 from pd_fsm.sim.proxy import Proxy
 from pd_fsm.sim.registry import Registry
-from pd_fsm.sim.switch import Process, Processes
+from pd_fsm.sim.sigterm import Stops
+from pd_fsm.sim.switch import Processes
 from pd_fsm.sim.workers import Client, DecodeWorker, Node, PrefillWorker
 
 
@@ -90,6 +92,7 @@ class World:
         self.clients: list[Client] = []
         self.handoffs: Counter[str] = Counter()  # live KV hand-offs by outcome (handoff.py)
         self.invariants = Invariants()
+        self.stops = Stops(self, self.workers)  # SIGTERMs (sigterm.py)
         for node in (*self.prefills, *self.decodes):
             node.start()
 
@@ -134,6 +137,7 @@ class World:
             self.trace_line(what)
             fn(*args)
             self.workers.check_drains()
+            self.stops.check()
             self._check()
         self.now = end
         self._check_drained()
@@ -158,7 +162,9 @@ class World:
             self.at(window + rng.uniform(1.0, 20.0), f"heal {sorted(pair)}",
                     self.network.cut.discard, pair)
         if c.switch_chance > 0:
-            self.workers.draw(window)  # last: their own random stream (switch.py)
+            self.workers.draw(window)  # their own random stream (switch.py)
+        if c.sigterms > 0:
+            self.stops.draw(window)  # theirs too (sigterm.py)
 
     def _raced(self, kind: str, fault: Callable[..., None], *args: Any) -> None:
         """A fault that every role switch under way races (switch.py): ``kind`` happens."""
@@ -277,7 +283,8 @@ def run_seed(seed: int, config: SimConfig | None = None, trace: bool = False) ->
         violation = f"t={world.now:.3f}: {exc}"
     return SimResult(seed, violation, world.answered(), world.steps, world.trace,
                      world.workers.summary(), dict(sorted(world.workers.races.items())),
-                     dict(sorted({**world.handoffs, **world.handed_off_answers()}.items())))
+                     dict(sorted({**world.handoffs, **world.handed_off_answers()}.items())),
+                     world.stops.summary())
 
 
 @attrs.frozen
