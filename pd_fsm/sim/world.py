@@ -19,17 +19,19 @@ that worker disconnecting during the drain half the time (``switch.py``: each wo
 process whose ``RoleSwitch`` runs through the core's driver; the switch draws have a random
 stream of their own, so a seed that draws none runs as it did before switches existed); a
 draining D handing its running streams off to another D, which pulls their KV and goes on
-(``handoff.py``), racing all of these, with faults of its own (pulls slow or failing, the
-draining D crashing or cut off during the pulls).
+(``workers.py``'s hand-off part), racing all of these, with faults of its own (pulls slow or
+failing, the draining D crashing or cut off during the pulls); a worker's SIGTERM
+(``sigterm.py``: it drains, a D handing its streams off through the same gate, then exits and
+restarts), from a random stream of its own too.
 
 Invariants, checked after every step (``Violation`` names the first broken one): every page and
 every registration is freed exactly once; a client is answered at most once, and a 200 carries
 the right tokens; KVPoll only moves forward; P's lease is never shortened; no room outlives its
 deadline (the router's room timeout, P's lease, D's state timeouts); a role switch stops the old
-role only once it holds nothing (StopRole); a D's hand-off books agree and a stream handed off
-gets no answer from its old D. After the last arrival the world drains: every client
-has exactly one answer, every worker is back to no room, no page and no registration, and every
-switch has ended (each worker serves a role).
+role only once it holds nothing (StopRole), and a SIGTERMed worker exits only holding nothing;
+a D's hand-off books agree and a stream handed off gets no answer from its old D. After the
+last arrival the world drains: every client has exactly one answer, every worker is back to no
+room, no page and no registration, and every switch has ended (each worker serves a role).
 """
 
 from __future__ import annotations
