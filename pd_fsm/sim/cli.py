@@ -46,6 +46,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    metavar="P",
                    help="with faults: the chance (drawn twice a seed) that a worker is asked to "
                         "switch its role, P to D or D to P (default %(default)s; 0: none)")
+    p.add_argument("--sigterms", type=float, default=SimConfig().sigterms, metavar="P",
+                   help="with faults: the chance (drawn twice a seed) that a worker gets "
+                        "SIGTERM: it drains (a D hands its streams off), exits and restarts "
+                        "(default %(default)s; 0: none)")
     p.add_argument("--prefill", type=int, default=2)
     p.add_argument("--decode", type=int, default=2)
     p.add_argument("--requests", type=int, default=10, help="clients per seed (default 10)")
@@ -92,6 +96,7 @@ def main(args: argparse.Namespace) -> int:
     config = SimConfig(prefill=args.prefill, decode=args.decode, requests=args.requests,
                        faults=args.faults, recompute=args.recompute, plant=args.plant,
                        kv_checksum=args.kv_checksum, role_switches=args.role_switches,
+                       sigterms=args.sigterms,
                        routing=routing, schedulers=args.schedulers,
                        stream_tokens=args.stream_tokens)
     if args.plant in REAL_ONLY_PLANTS and args.schedulers != "real":
@@ -111,6 +116,8 @@ def _checked_seeds(args: argparse.Namespace) -> range:
         raise ValueError("--prefill, --decode and --requests must be >= 1")
     if not 0.0 <= args.role_switches <= 1.0:
         raise ValueError("--role-switches is a chance: between 0 and 1")
+    if not 0.0 <= args.sigterms <= 1.0:
+        raise ValueError("--sigterms is a chance: between 0 and 1")
     if args.stream_tokens < 0:
         raise ValueError("--stream-tokens must be >= 0")
     return seeds
@@ -125,6 +132,8 @@ def _one_seed(seed: int, config: SimConfig, trace: bool) -> int:
           f"{result.violation or 'every invariant held'}")
     if result.switches:
         print(_switches(result.switches, result.races, "switches"))
+    if result.sigterms:
+        print(f"SIGTERMs {result.sigterms}")
     if result.handoffs:
         print(_handoffs(result.handoffs))
     return 1 if result.violation else 0
@@ -150,12 +159,14 @@ def _many_seeds(seeds: range, config: SimConfig) -> int:
     switches: Counter[str] = Counter()
     raced: Counter[str] = Counter()  # kind -> seeds with a switch that raced it
     handoffs: Counter[str] = Counter()
+    sigterms: Counter[str] = Counter()
     steps = 0
     for seed in seeds:
         result = run_seed(seed, config)
         answers.update(result.answered)
         switches.update(result.switches)
         handoffs.update(result.handoffs)
+        sigterms.update(result.sigterms)
         raced.update(result.races.keys())
         steps += result.steps
         if result.violation:
@@ -166,6 +177,8 @@ def _many_seeds(seeds: range, config: SimConfig) -> int:
           f"({steps / len(seeds):.0f} steps a seed); answers {dict(sorted(answers.items()))}")
     if switches:
         print(_switches(switches, raced, "seeds"))
+    if sigterms:
+        print(f"SIGTERMs {dict(sorted(sigterms.items()))}")
     if handoffs:
         print(_handoffs(handoffs))
     return 1 if failed else 0

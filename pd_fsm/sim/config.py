@@ -135,6 +135,11 @@ class SimConfig:
     # drawn twice, so some seeds switch two), from a random stream of its own (``World``).
     role_switches: float = 0.25
     switch_drain: tuple[float, float] = SWITCH_DRAIN  # each switch's drain deadline, drawn in
+    # With faults: the chance that a seed sends a worker SIGTERM (drained, then it exits and
+    # restarts; drawn twice, so some seeds send two), from a random stream of its own
+    # (``sigterm.py``), each with a drain deadline (``--drain-timeout``) drawn in ``sigterm_drain``.
+    sigterms: float = 0.25
+    sigterm_drain: tuple[float, float] = SWITCH_DRAIN
 
     @property
     def checksums(self) -> bool:
@@ -181,3 +186,5 @@ class SimResult:
     # D's registrations released (by the proxy's word), expired (their lease), or closed with a
     # role stopped past its drain deadline; hand-off pulls failed, by cause ("pull ...").
     handoffs: dict[str, int] = attrs.field(factory=dict)
+    # SIGTERMs by outcome (``sigterm.Stops``).
+    sigterms: dict[str, int] = attrs.field(factory=dict)

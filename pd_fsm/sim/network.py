@@ -10,7 +10,7 @@ from pd_fsm.core.codec import decode, encode
 from pd_fsm.core.errors import RemoteProtocolError
 from pd_fsm.core.messages import Message
 from pd_fsm.sim.config import SECRET
-from pd_fsm.sim.switch import Process
+from pd_fsm.sim.process import Process
 from pd_fsm.sim.workers import Clock
 
 

@@ -18,7 +18,7 @@ from pd_fsm.core.router import RoomRouter
 from pd_fsm.core.routing import Prompt
 from pd_fsm.core.tables import ROOM
 from pd_fsm.sim.config import DISCOVERY, ROOM_TIMEOUT, TOLERANCE, Violation, bootstrap_addr
-from pd_fsm.sim.switch import Process
+from pd_fsm.sim.process import Process
 from pd_fsm.sim.workers import Client, Clock, DecodeWorker, Ticket
 
 

@@ -26,7 +26,9 @@ endpoint is. :class:`Processes` carries out its effects in the world:
 - AcceptLegs: back in the proxy's list for its role.
 
 A leg for a role the worker no longer serves gets the 409 of a stale role (refused). A crash
-during a switch loses the switch with the process. The switch draws (which worker, when, its
+during a switch loses the switch with the process, and so does a SIGTERM (``abandon``: the
+process drains to exit, ``sigterm.py``); a switch requested of a worker draining for SIGTERM
+gets its 503. The switch draws (which worker, when, its
 drain deadline, the build delays and failures, the client that disconnects) come from a random
 stream of their own: a seed that draws no switch runs exactly as it did before switches existed.
 
@@ -42,32 +44,25 @@ import random
 from collections import Counter
 from typing import Protocol, assert_never
 
-import attrs
-
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.drive import drive
 from pd_fsm.core.role_switch import RoleSwitch
 from pd_fsm.core.tables import ROLE_SWITCH
-from pd_fsm.sim.config import (
-    HANDOFF_CRASH,
-    HANDOFF_MARGIN,
-    HANDOFF_MIN_LEASE,
-    HANDOFF_PARTITION,
-    SWITCH_BUILD,
-    SWITCH_START_FAILS,
-    Violation,
-)
-from pd_fsm.sim.workers import DecodeWorker, Node, WorldView
+from pd_fsm.sim import gate
+from pd_fsm.sim.config import SWITCH_BUILD, SWITCH_START_FAILS, Violation
+from pd_fsm.sim.process import Process
+from pd_fsm.sim.workers import Node, WorldView
 
 ROLES = ("prefill", "decode")  # the roles a simulated worker compiled at start (--roles)
 # What a switch can race, counted per switch that raced it (SimResult.races): a P or a D crashing
 # or restarting (the switching worker itself included), a P-D partition in force, an
 # /abort_request reaching the switching worker (a client abort or the proxy's abort of the other
 # leg), a client of the switching worker disconnecting, the registry or the proxy restarting,
-# and the switching worker itself crashing mid-switch.
+# the switching worker itself crashing mid-switch, and a SIGTERM to any worker (the switching
+# one included: its switch then ends with the process, sigterm.py).
 RACES = ("prefill restart", "decode restart", "partition", "abort", "client disconnect",
-         "registry restart", "proxy restart", "own crash")
+         "registry restart", "proxy restart", "own crash", "sigterm")
 
 
 class SwitchWorld(WorldView, Protocol):
@@ -76,19 +71,6 @@ class SwitchWorld(WorldView, Protocol):
     seed: int
 
     def replace_node(self, proc: Process, role: str) -> None: ...
-
-
-@attrs.define(eq=False)
-class Process:
-    name: str
-    home: str  # the role its command line names
-    node: Node
-    switch: RoleSwitch | None  # None while the process is down
-    listed: str | None  # the role routers list it under (None: its record is withdrawn)
-    refusing: str = ""  # RefuseLegs's reason, until AcceptLegs
-    life: int = 0  # bumped at every crash, restart and build: a stale callback sees it
-    races: set[str] | None = None  # during a switch: what it raced so far
-    wake_at: float = -1.0  # the drain deadline's wake already scheduled
 
 
 class Processes:
@@ -136,6 +118,7 @@ class Processes:
         # The proxy keeps listing it as it was (it cannot tell a crash from a slow worker) until
         # it comes back, in its home role (``restart``).
         proc.switch, proc.refusing, proc.life = None, "", proc.life + 1
+        proc.stopping = False  # a SIGTERM drain under way ends with the process
         proc.node.crash()
         self.world.at(down, f"{name} restarts", self.restart, name)
 
@@ -177,6 +160,10 @@ class Processes:
             self.outcomes["unreachable"] += 1  # the process is down: the POST is refused
             w.trace_line(f"  {name}: down, the switch request is refused")
             return
+        if proc.stopping:  # draining for SIGTERM (admin_routes.py): 503, it is leaving
+            self.outcomes["refused_stopping"] += 1
+            w.trace_line(f"  {name}: 503 draining (shutting down), the switch is refused")
+            return
         if not rs.serving:  # a switch is under way: the worker answers 409 (RefuseSwitch)
             self._feed(proc, ev.SwitchRequested(rs.source, drain_s))
             return
@@ -195,6 +182,18 @@ class Processes:
                 proc.races.add(f"{p.node.role} restart")
         self._feed(proc, ev.SwitchRequested("decode" if rs.role == "prefill" else "prefill",
                                             drain_s))
+
+    def abandon(self, proc: Process) -> None:
+        """``proc`` got SIGTERM during its switch (``sigterm.py``): the switch ends with the
+        process, as with a crash; its drain deadline's wake and its role's build are dropped (a
+        new ``life``), and nothing feeds its machine again. The SIGTERM drain takes over the
+        node as it is (draining, stopped or building)."""
+        if proc.switch is None or proc.switch.serving:
+            return
+        self.outcomes["sigtermed"] += 1
+        self._draining.discard(proc.name)
+        proc.life += 1
+        self._close(proc)
 
     def check_drains(self) -> None:
         """After every step: a draining worker whose node holds nothing any more is drained."""
@@ -259,7 +258,8 @@ class Processes:
             case fx.RefuseLegs():
                 proc.refusing = e.reason
                 self._draining.add(proc.name)
-                self._hand_off(proc)
+                deadline = None if proc.switch is None else proc.switch.next_deadline()
+                gate.hand_off(w, self.procs.values(), proc, deadline, self.rng, self.crash)
             case fx.FailInFlight():
                 node.fail_in_flight(e.reason)
             case fx.StopRole():
@@ -294,45 +294,6 @@ class Processes:
             case _:
                 assert_never(e)
         return ()
-
-    def _healthy(self, proc: Process, other: Process) -> bool:
-        """Whether ``other``'s ``/health`` answers ``proc`` 200 (the drain gate's probe): up,
-        a D, not draining, and reachable. A crashed process stays listed (its record lives
-        until its TTL) but answers nothing."""
-        return (other.switch is not None and other.node.alive and other.node.role == "decode"
-                and not other.refusing and self.world.network.reachable(proc.name, other.name))
-
-    def _hand_off(self, proc: Process) -> None:
-        """A D draining hands its running streams off (issue 32 §2; ``handoff.py``) when another
-        D is listed and answers its ``/health`` (the worker's drain gate: another decode worker
-        registered and healthy), its offers leased until ``HANDOFF_MARGIN`` before the drain
-        deadline; with too little time left, or with every listed D down, they finish here.
-        With faults, a drain that handed streams off may crash while they are pulled, or be cut
-        from another D for a while (seeded chances): those pulls fail and fall back to a
-        re-prefill."""
-        w, node, rs = self.world, proc.node, proc.switch
-        listed = [p for p in self.procs.values() if p is not proc and p.listed == "decode"]
-        others = sorted(p.name for p in listed if self._healthy(proc, p))
-        deadline = rs.next_deadline() if rs is not None else None
-        if not isinstance(node, DecodeWorker) or deadline is None:
-            return
-        if listed and not others:
-            w.handoffs["in_place_no_healthy_decode"] += 1
-            w.trace_line(f"  {proc.name}: no listed D answers /health, streams finish here")
-        if not others:
-            return
-        lease = deadline - (w.now + w.skew[proc.name]) - HANDOFF_MARGIN
-        if lease < HANDOFF_MIN_LEASE or not node.desk.hand_off(lease) or not w.config.faults:
-            return
-        if self.rng.random() < HANDOFF_CRASH:
-            w.at(self.rng.uniform(0.0, 0.03), f"{proc.name} crashes during its hand-offs",
-                 self.crash, proc.name, self.rng.uniform(0.5, 8.0))
-        pair = frozenset((proc.name, self.rng.choice(others)))
-        if self.rng.random() < HANDOFF_PARTITION and pair not in w.network.cut:
-            # (A pair cut already is the seed's own partition, which heals it.)
-            w.trace_line(f"  partition {sorted(pair)} during the hand-off")
-            w.network.cut.add(pair)
-            w.at(self.rng.uniform(0.5, 5.0), f"heal {sorted(pair)}", w.network.cut.discard, pair)
 
     def _built(self, proc: Process, life: int, role: str) -> None:
         """The role's backend is built (or building it raised, by the seed's draw)."""

@@ -744,12 +744,12 @@ class DecodeWorker(Node):
 # :class:`Desk` whose lifecycle of every hand-off is the core's ``HandoffLedger`` (table
 # kv_handoff), fed through the core's one driver.
 #
-# Giving (a draining D, ``Desk.hand_off``, started by a role switch leaving decode when another D is
-# listed and answers its /health, ``switch.py``): each stream it relays whose leg allowed it
-# (``accept_handoff``: the proxy routed another D when it posted the leg) and that has a token left
-# to decode is registered on the D's transfer server (``offers``: the tokens whose KV it holds, the
-# last one the next input), offered for the lease (``HandoffOffered``), its pages go back at once
-# (the gathered KV is a buffer of its own) and its leg ends with a hand-off ticket
+# Giving (a draining D, ``Desk.hand_off``, started by a role switch leaving decode or a SIGTERM
+# when another D is listed and answers its /health, ``gate.py``): each stream it relays whose leg
+# allowed it (``accept_handoff``: the proxy routed another D when it posted the leg) and that has
+# a token left to decode is registered on the D's transfer server (``offers``: the tokens whose KV
+# it holds, the last one the next input), offered for the lease (``HandoffOffered``), its pages go
+# back at once (the gathered KV is a buffer of its own) and its leg ends with a hand-off ticket
 # (``ProxyView.handed_off``), not an answer.
 # Streams that join the batch while the window is open are handed off after their first step. The
 # registration is released exactly once: when the proxy says the taking D answered

@@ -19,17 +19,19 @@ that worker disconnecting during the drain half the time (``switch.py``: each wo
 process whose ``RoleSwitch`` runs through the core's driver; the switch draws have a random
 stream of their own, so a seed that draws none runs as it did before switches existed); a
 draining D handing its running streams off to another D, which pulls their KV and goes on
-(``handoff.py``), racing all of these, with faults of its own (pulls slow or failing, the
-draining D crashing or cut off during the pulls).
+(``workers.py``'s hand-off part), racing all of these, with faults of its own (pulls slow or
+failing, the draining D crashing or cut off during the pulls); a worker's SIGTERM
+(``sigterm.py``: it drains, a D handing its streams off through the same gate, then exits and
+restarts), from a random stream of its own too.
 
 Invariants, checked after every step (``Violation`` names the first broken one): every page and
 every registration is freed exactly once; a client is answered at most once, and a 200 carries
 the right tokens; KVPoll only moves forward; P's lease is never shortened; no room outlives its
 deadline (the router's room timeout, P's lease, D's state timeouts); a role switch stops the old
-role only once it holds nothing (StopRole); a D's hand-off books agree and a stream handed off
-gets no answer from its old D. After the last arrival the world drains: every client
-has exactly one answer, every worker is back to no room, no page and no registration, and every
-switch has ended (each worker serves a role).
+role only once it holds nothing (StopRole), and a SIGTERMed worker exits only holding nothing;
+a D's hand-off books agree and a stream handed off gets no answer from its old D. After the
+last arrival the world drains: every client has exactly one answer, every worker is back to no
+room, no page and no registration, and every switch has ended (each worker serves a role).
 """
 
 from __future__ import annotations
@@ -49,9 +51,11 @@ from pd_fsm.core.errors import LocalProtocolError
 from pd_fsm.sim.config import DRAIN, PLANTS, SimConfig, SimResult, Violation
 from pd_fsm.sim.invariants import Invariants
 from pd_fsm.sim.network import Network
+from pd_fsm.sim.process import Process
 from pd_fsm.sim.proxy import Proxy
 from pd_fsm.sim.registry import Registry
-from pd_fsm.sim.switch import Process, Processes
+from pd_fsm.sim.sigterm import Stops
+from pd_fsm.sim.switch import Processes
 from pd_fsm.sim.workers import Client, DecodeWorker, Node, PrefillWorker
 
 
@@ -90,6 +94,7 @@ class World:
         self.clients: list[Client] = []
         self.handoffs: Counter[str] = Counter()  # live KV hand-offs by outcome (handoff.py)
         self.invariants = Invariants()
+        self.stops = Stops(self, self.workers)  # SIGTERMs (sigterm.py)
         for node in (*self.prefills, *self.decodes):
             node.start()
 
@@ -134,6 +139,7 @@ class World:
             self.trace_line(what)
             fn(*args)
             self.workers.check_drains()
+            self.stops.check()
             self._check()
         self.now = end
         self._check_drained()
@@ -158,7 +164,9 @@ class World:
             self.at(window + rng.uniform(1.0, 20.0), f"heal {sorted(pair)}",
                     self.network.cut.discard, pair)
         if c.switch_chance > 0:
-            self.workers.draw(window)  # last: their own random stream (switch.py)
+            self.workers.draw(window)  # their own random stream (switch.py)
+        if c.sigterms > 0:
+            self.stops.draw(window)  # theirs too (sigterm.py)
 
     def _raced(self, kind: str, fault: Callable[..., None], *args: Any) -> None:
         """A fault that every role switch under way races (switch.py): ``kind`` happens."""
@@ -277,7 +285,8 @@ def run_seed(seed: int, config: SimConfig | None = None, trace: bool = False) ->
         violation = f"t={world.now:.3f}: {exc}"
     return SimResult(seed, violation, world.answered(), world.steps, world.trace,
                      world.workers.summary(), dict(sorted(world.workers.races.items())),
-                     dict(sorted({**world.handoffs, **world.handed_off_answers()}.items())))
+                     dict(sorted({**world.handoffs, **world.handed_off_answers()}.items())),
+                     world.stops.summary())
 
 
 @attrs.frozen

@@ -75,10 +75,16 @@ def test_with_recompute_only_a_decode_or_proxy_death_fails_a_client(kv_checksum:
     # stream a draining D handed off to a D that had died (the proxy and the drain's gate still
     # list it) falls back to a migration that finds only the draining D, whose 503 it ends with:
     # a decode's death too (sim/workers.py).
+    # The same for a D's SIGTERM drain past its deadline. And SIGTERMs can take every worker of
+    # a role out of the proxy's lists for a while (an operator's stop, not a fault D could
+    # recompute): the proxy answers 503 at once (NoWorkers).
     switched = {r for r in reasons if r.startswith(("the worker switched its role from decode",
                                                     "503 the worker is switching its role from "
-                                                    "decode"))}
-    assert reasons and set(reasons) - switched <= allowed | {"client disconnected"}, reasons
+                                                    "decode", "the decode worker shut down",
+                                                    "503 the decode worker is draining"))}
+    stopped = {"no prefill workers available", "no decode workers available"}
+    assert reasons and set(reasons) - switched <= allowed | stopped | {"client disconnected"}, (
+        reasons)
 
 
 def test_with_kv_checksums_corrupted_pulls_are_pulled_again_or_fail_cleanly(
@@ -88,7 +94,9 @@ def test_with_kv_checksums_corrupted_pulls_are_pulled_again_or_fail_cleanly(
     invariant holds (a 200 carries the right tokens: no room decodes from the bad KV), and the
     seeds take kv_receiver's new rows: a re-pull that succeeds, one corrupted again, one cut
     short by P's loss."""
-    config = SimConfig(kv_checksum=True)
+    # Without SIGTERMs: REPULLING's PeerLost is rare, and the seeds that reach it are among those
+    # a SIGTERM draw would change (test_sim_sigterm.py covers SIGTERMs with every fault).
+    config = SimConfig(kv_checksum=True, sigterms=0.0)
     failing = [r for r in (run_seed(s, config) for s in range(500)) if r.violation]
     assert not failing, [(r.seed, r.violation) for r in failing[:5]]
     new_rows = {("TRANSFERRING", "ChecksumMismatched"), ("REPULLING", "PullSucceeded"),

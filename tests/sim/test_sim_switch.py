@@ -31,9 +31,12 @@ def test_switches_racing_every_fault_lose_nothing() -> None:
     # switched: drained and switched; after_drain_timeout: what was left failed at the deadline;
     # restored: the new role failed to start, the old one serves again; failed: both failed (the
     # process exits and restarts); refused: a second request during a switch (409); crashed: the
-    # process died mid-switch; unreachable: it was down; declined: the last of its role.
-    assert set(outcomes) == {"switched", "switched_after_drain_timeout", "restored", "failed",
-                             "refused", "crashed", "unreachable", "declined"}, outcomes
+    # process died mid-switch; unreachable: it was down; declined: the last of its role;
+    # sigtermed: the process got SIGTERM mid-switch (the switch ends with it); refused_stopping:
+    # asked of a worker draining for SIGTERM (503; rare, so not required here).
+    assert set(outcomes) - {"refused_stopping"} == {
+        "switched", "switched_after_drain_timeout", "restored", "failed", "refused", "crashed",
+        "unreachable", "declined", "sigtermed"}, outcomes
     assert outcomes["switched"] > SEEDS, outcomes
     assert set(raced) == set(RACES), raced
     assert min(raced.values()) >= 3, raced
