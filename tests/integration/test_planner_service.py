@@ -34,6 +34,16 @@ async def _worker(nursery: trio.Nursery, role: str, stats: dict[str, Any]) -> tu
 IDLE = {"queued": 0, "waiting": 0, "running": 0, "free_pages": 40, "total_pages": 40}
 
 
+async def _until_it_decides(service: PlannerService) -> None:
+    """Run the planner until its first decision, then stop it."""
+    async with trio.open_nursery() as inner:
+        await inner.start(serve_planner, service)
+        with trio.fail_after(10):
+            while not service.recent:
+                await trio.sleep(0.02)
+        inner.cancel_scope.cancel()
+
+
 async def test_a_prefill_bound_cluster_gets_a_decode_worker_switched_to_prefill(
     nursery: trio.Nursery,
 ) -> None:
@@ -69,12 +79,7 @@ async def test_unreachable_workers_and_dry_runs_act_on_nothing(nursery: trio.Nur
     service = PlannerService(Planner(PlannerConfig(patience=1, cooldown=3600)),
                              workers=[p_url, d0_url, d1_url, gone], bootstrap_url=None,
                              interval=0.05, dry_run=True)
-    async with trio.open_nursery() as inner:
-        await inner.start(serve_planner, service)
-        with trio.fail_after(10):
-            while not service.recent:
-                await trio.sleep(0.02)
-        inner.cancel_scope.cancel()
+    await _until_it_decides(service)
     assert [d["outcome"] for d in service.recent] == ["dry_run"]
     assert not (p.switches or d0.switches or d1.switches)
     failed = service.registry.get_sample_value("pd_fsm_planner_scrapes_total",
@@ -192,12 +197,7 @@ async def test_scale_decisions_go_to_the_launcher_whose_workers_the_planner_obse
     for launcher_of in (launcher_url, None):
         service = PlannerService(Planner(config), workers=[] if launcher_of else [p_url, d_url],
                                  bootstrap_url=None, interval=0.05, launcher_url=launcher_of)
-        async with trio.open_nursery() as inner:
-            await inner.start(serve_planner, service)
-            with trio.fail_after(10):
-                while not service.recent:
-                    await trio.sleep(0.02)
-            inner.cancel_scope.cancel()
+        await _until_it_decides(service)
         (decision,) = service.recent
         assert (decision["kind"], decision["to"]) == ("ScaleUp", "prefill"), decision
         outcomes.append(decision["outcome"])
