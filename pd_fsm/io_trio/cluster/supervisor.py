@@ -120,8 +120,8 @@ class Cluster:
     async def spawn(self, child: Child) -> None:
         """Start one more child (the launcher's); it is stopped with the others at the end."""
         assert self._nursery is not None, "Cluster.run is not running"
+        await self._start(child, self._nursery)  # raises OSError if it cannot start at all
         self.children.append(child)
-        await self._start(child, self._nursery)
 
     async def retire(self, child: Child, grace: float) -> tuple[int, bool]:
         """Stop ``child`` for good (SIGTERM: a worker drains and exits 0), killing it past
