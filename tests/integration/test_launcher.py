@@ -30,7 +30,7 @@ from tests.integration.serve_support import PDCluster, sse_events
 pytestmark = pytest.mark.slow
 
 ARGS = ["--prefill", "1", "--decode", "1", "--colocated", "--model", "tiny", "--page-size", "4",
-        "--num-pages", "64", "--max-running", "8", "--context-length", "256",
+        "--num-pages", "256", "--max-running", "8", "--context-length", "256",
         "--startup-timeout", "120", "--planner", "--max-workers", "3",
         "--worker-args", "--drain-timeout 20", "--proxy-args", "--role-probe-interval 0.3",
         "--planner-args", "--ttft-slo 0.0001 --itl-slo 100 --interval 0.5 --patience 1 "
