@@ -7,6 +7,7 @@ real workers is `tests/integration/test_launcher.py`."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import httpx
@@ -137,6 +138,41 @@ async def test_with_a_key_only_its_holders_may_scale(nursery: trio.Nursery) -> N
         r = await http.post(f"{url}/scale_up", json={"role": "prefill"},
                             headers={"authorization": "Bearer sekrit"})
         assert r.status_code == 409, r.text  # past the key: the bound (2 of 2) refuses it
+
+
+async def test_a_worker_that_never_serves_is_stopped_and_the_request_told_why() -> None:
+    """Real child processes that are no workers: one exits at once, one never answers. Each
+    scale-up is answered with the reason (502 with the child's last lines, 504 at the start
+    deadline), the child is stopped and forgotten, and the cluster runs on (neither exit is
+    fatal)."""
+    argv = {"prefill": [sys.executable, "-c", "print('no model here'); raise SystemExit(3)"],
+            "decode": [sys.executable, "-c", "import time; time.sleep(60)"]}
+
+    def new_worker(role: str, name: str) -> Child:
+        (port,) = free_ports(1)
+        return Child(name, argv[role], f"http://127.0.0.1:{port}", role=role)
+
+    cluster = Cluster([], startup_timeout=10)
+    launcher = Launcher(cluster, new_worker, max_workers=3, proxy_url="http://127.0.0.1:9",
+                        headers={}, host="127.0.0.1", port=0, start_timeout=1.5,
+                        stop_timeout=5)
+    cluster.services.append(launcher)
+    got: dict[str, httpx.Response] = {}
+
+    async def scale_ups(c: Cluster) -> int:
+        async with httpx.AsyncClient(timeout=30) as http:
+            for role in ("prefill", "decode"):
+                got[role] = await http.post(f"{launcher.url}/scale_up", json={"role": role})
+            got["workers"] = await http.get(f"{launcher.url}/workers")
+        return 0
+
+    assert await cluster.run(scale_ups) == 0 and cluster.failure is None
+    assert got["prefill"].status_code == 502, got["prefill"].text
+    assert "prefill-0" in _message(got["prefill"])
+    assert "exited with status 3 before it was healthy: no model here" in _message(got["prefill"])
+    assert got["decode"].status_code == 504, got["decode"].text
+    assert "not healthy within 1.5 s" in _message(got["decode"])
+    assert got["workers"].json()["workers"] == [] and cluster.children == []
 
 
 # ----------------------------------------------------------------------------- the proxy's side
