@@ -104,7 +104,9 @@ class Launcher:
         self._started = {role: sum(c.role == role for c in cluster.children if c.url)
                          for role in SCALE_ROLES}
         self._ready = False
-        self._removing = trio.Lock()  # one removal at a time: each judges what the last left
+        # One removal at a time: each judges the roles the last one left. Waiting for it is
+        # bounded by the holder's own deadlines (roles, proxy, the stop).
+        self._removing = trio.Lock()
         self._nursery: trio.Nursery | None = None
         self._client: httpx.AsyncClient | None = None
 
