@@ -35,7 +35,7 @@ ARGS = ["--prefill", "1", "--decode", "1", "--colocated", "--model", "tiny", "--
         "--worker-args", "--drain-timeout 20", "--proxy-args", "--role-probe-interval 0.3",
         "--planner-args", "--ttft-slo 0.0001 --itl-slo 100 --interval 0.5 --patience 1 "
                           "--cooldown 2 --prefill-nices ''"]
-STREAM_TOKENS = 120
+STREAM_TOKENS = 200
 
 
 @attrs.frozen
@@ -137,23 +137,23 @@ async def test_a_streaming_decode_worker_drains_and_stops_with_nothing_lost(
         streams: list[bytes] = []
         answers: list[tuple[list[int], list[int]]] = []
         async with trio.open_nursery() as nursery:
-            async def stream() -> None:
+            async def stream(started: trio.Event) -> None:
                 async with http.stream("POST", f"{urls['proxy']}/generate",
                                        json=_body(99, STREAM_TOKENS, stream=True)) as s:
                     assert s.status_code == 200
-                    streams.append(b"".join([c async for c in s.aiter_raw()]))
+                    chunks: list[bytes] = []
+                    async for chunk in s.aiter_raw():
+                        chunks.append(chunk)
+                        started.set()
+                    streams.append(b"".join(chunks))
 
-            for _ in range(4):  # round robin: both Ds stream
-                nursery.start_soon(stream)
-            decodes = [w for w in await _serving(http, launcher) if w.name.startswith("decode")]
-
-            async def streaming() -> Worker | None:
-                for w in decodes:
-                    if (await stats(http, w)).get("running"):
-                        return w
-                return None
-
-            victim, _ = await wait_until(streaming, 30, "a decode worker streaming")
+            begun = [trio.Event() for _ in range(4)]
+            for started in begun:  # round robin: two streams on each D
+                nursery.start_soon(stream, started)
+            with trio.fail_after(30):
+                for started in begun:
+                    await started.wait()
+            (victim,) = [w for w in await _serving(http, launcher) if w.name == "decode-0"]
 
             async def traffic() -> None:  # new requests while it drains: none may reach it
                 for seed in range(200, 206):
