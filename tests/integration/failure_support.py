@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import attrs
 import httpx
@@ -481,7 +481,17 @@ def error_message(r: httpx.Response) -> str:
 
 # ----------------------------------------------------------------------------- state checks
 
-async def stats(http: httpx.AsyncClient, proc: Proc) -> dict[str, Any]:
+class Reachable(Protocol):
+    """A worker the checks read over HTTP: a ``Proc``, or one that ``pd-fsm cluster`` started."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def url(self) -> str | None: ...
+
+
+async def stats(http: httpx.AsyncClient, proc: Reachable) -> dict[str, Any]:
     """The backend's stats() as /server_info reports them."""
     r = await http.get(f"{proc.url}/server_info")
     r.raise_for_status()
@@ -531,7 +541,7 @@ def leftovers(s: dict[str, Any]) -> list[str]:
     return out
 
 
-async def wait_clean(http: httpx.AsyncClient, *procs: Proc, timeout: float) -> float:
+async def wait_clean(http: httpx.AsyncClient, *procs: Reachable, timeout: float) -> float:
     """Wait until every worker in ``procs`` holds nothing (all pages free, no room, no queue,
     no transfer registration); seconds waited. Fails naming what is still held."""
     start = trio.current_time()

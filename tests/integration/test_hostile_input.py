@@ -50,7 +50,9 @@ HOST = "127.0.0.1"
 # The shapes test_serve_pd.py compiles: a warm compilation cache serves both.
 CLUSTER_ARGS = ["--prefill", "1", "--decode", "1", "--colocated", "--model", "tiny",
                 "--page-size", "4", "--num-pages", "512", "--max-running", "16",
-                "--context-length", "256", "--startup-timeout", "240"]
+                "--context-length", "256", "--startup-timeout", "240",
+                # The launcher serves too; at its bound (two of two) it starts nothing.
+                "--max-workers", "2"]
 EXAMPLES = int(os.environ.get("PD_FSM_FUZZ_EXAMPLES", "40"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get(
     "PD_FSM_FUZZ_RANDOM"), suppress_health_check=list(HealthCheck), database=None)
@@ -209,7 +211,7 @@ def _check_answer(r: httpx.Response, what: str) -> None:
 
 def _check_alive(env: Env, http: httpx.Client) -> None:
     assert env.cluster.proc.alive(), env.cluster.proc.tail()
-    for name in ("prefill-0", "decode-0", "colocated", "proxy", "bootstrap"):
+    for name in ("prefill-0", "decode-0", "colocated", "proxy", "bootstrap", "launcher"):
         r = http.get(f"{env.url(name)}/health")
         assert r.status_code == 200, (name, r.text[:300], env.cluster.proc.tail())
 
@@ -282,7 +284,9 @@ OTHER_ROUTES = {
     "proxy": [("GET", "/health"), ("GET", "/metrics"), ("GET", "/workers"),
               ("GET", "/v1/models"), ("GET", "/model_info"), ("GET", "/server_info"),
               ("GET", "/get_model_info"), ("GET", "/get_server_info"), ("DELETE", "/generate"),
-              ("POST", "/abort_request")],
+              ("POST", "/abort_request"), ("POST", "/workers/add"), ("POST", "/workers/remove")],
+    "launcher": [("POST", "/scale_up"), ("POST", "/scale_down"), ("GET", "/workers"),
+                 ("GET", "/health"), ("DELETE", "/scale_up")],
 }
 _queries = st.lists(st.tuples(st.sampled_from(["rid", "role", "x", "", "host", "port"]),
                               st.binary(max_size=20)), max_size=3).map(

@@ -13,6 +13,8 @@ import httpx
 import trio
 
 from pd_fsm.core.planner import Planner, PlannerConfig
+from pd_fsm.io_trio.cluster.launcher import Launcher
+from pd_fsm.io_trio.cluster.supervisor import Child, Cluster
 from pd_fsm.io_trio.planner.service import PlannerService, serve_planner
 from pd_fsm.io_trio.worker.metrics import WorkerMetrics
 from tests.integration.pd_standins import StandIn, serve_standin
@@ -30,6 +32,16 @@ async def _worker(nursery: trio.Nursery, role: str, stats: dict[str, Any]) -> tu
 
 
 IDLE = {"queued": 0, "waiting": 0, "running": 0, "free_pages": 40, "total_pages": 40}
+
+
+async def _until_it_decides(service: PlannerService) -> None:
+    """Run the planner until its first decision, then stop it."""
+    async with trio.open_nursery() as inner:
+        await inner.start(serve_planner, service)
+        with trio.fail_after(10):
+            while not service.recent:
+                await trio.sleep(0.02)
+        inner.cancel_scope.cancel()
 
 
 async def test_a_prefill_bound_cluster_gets_a_decode_worker_switched_to_prefill(
@@ -67,12 +79,7 @@ async def test_unreachable_workers_and_dry_runs_act_on_nothing(nursery: trio.Nur
     service = PlannerService(Planner(PlannerConfig(patience=1, cooldown=3600)),
                              workers=[p_url, d0_url, d1_url, gone], bootstrap_url=None,
                              interval=0.05, dry_run=True)
-    async with trio.open_nursery() as inner:
-        await inner.start(serve_planner, service)
-        with trio.fail_after(10):
-            while not service.recent:
-                await trio.sleep(0.02)
-        inner.cancel_scope.cancel()
+    await _until_it_decides(service)
     assert [d["outcome"] for d in service.recent] == ["dry_run"]
     assert not (p.switches or d0.switches or d1.switches)
     failed = service.registry.get_sample_value("pd_fsm_planner_scrapes_total",
@@ -165,3 +172,37 @@ async def test_a_starved_prefill_worker_on_shared_cores_gets_a_higher_priority_f
     assert "P's priority up: nice 10 -> 0" in decisions[0]["reason"]
     assert ('pd_fsm_planner_decisions_total{kind="SetNice",outcome="set",'
             'pressure="prefill_bound",to="0"} 1.0') in metrics
+
+
+async def test_scale_decisions_go_to_the_launcher_whose_workers_the_planner_observes(
+    nursery: trio.Nursery,
+) -> None:
+    """With --launcher-url the planner observes the workers the launcher lists and posts its
+    ScaleUp there: a launcher at its bound refuses it (409), counted ``refused``. Without a
+    launcher the same decision is ``not_actionable``. (Launching for real:
+    test_launcher.py.)"""
+    p_url, p = await _worker(nursery, "prefill", {**IDLE, "queued": 10})
+    d_url, d = await _worker(nursery, "decode", IDLE)
+    cluster = Cluster([Child("prefill-0", ["-"], p_url, role="prefill"),
+                       Child("decode-0", ["-"], d_url, role="decode")], startup_timeout=10)
+
+    def no_new_worker(role: str, name: str) -> Child:
+        raise AssertionError("a launcher at its bound starts nothing")
+
+    launcher = Launcher(cluster, no_new_worker, max_workers=2, proxy_url="http://127.0.0.1:9",
+                        headers={}, host="127.0.0.1", port=0, start_timeout=5, stop_timeout=5)
+    launcher_url: str = await nursery.start(launcher.serve)
+    launcher.ready()
+    config = PlannerConfig(patience=1, cooldown=3600, max_workers=3)
+    outcomes = []
+    for launcher_of in (launcher_url, None):
+        service = PlannerService(Planner(config), workers=[] if launcher_of else [p_url, d_url],
+                                 bootstrap_url=None, interval=0.05, launcher_url=launcher_of)
+        await _until_it_decides(service)
+        (decision,) = service.recent
+        assert (decision["kind"], decision["to"]) == ("ScaleUp", "prefill"), decision
+        outcomes.append(decision["outcome"])
+        assert service.registry.get_sample_value("pd_fsm_planner_workers",
+                                                 {"side": "prefill"}) == 1.0
+    assert outcomes == ["refused", "not_actionable"]
+    assert not (p.switches or d.switches)

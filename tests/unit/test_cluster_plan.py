@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from pd_fsm.cli import build_parser
-from pd_fsm.io_trio.cluster.local import main, plan, worker_flags
+from pd_fsm.io_trio.cluster.local import drain_timeout, launched_worker, main, plan, worker_flags
+from pd_fsm.io_trio.tls import NO_TLS
 from pd_fsm.io_trio.worker.config import config_from_args
 
 
@@ -98,3 +99,49 @@ def test_the_planner_observes_every_pd_worker_and_each_can_take_every_role() -> 
     without = {c.name for c in plan(build_parser().parse_args(
         ["cluster", "--model", "tiny"]))}
     assert "planner" not in without
+
+
+def test_with_max_workers_the_planner_scales_through_the_launcher_and_added_workers_match() -> None:
+    args = build_parser().parse_args([
+        "cluster", "--model", "tiny", "--prefill", "1", "--decode", "1", "--planner",
+        "--max-workers", "3", "--startup-timeout", "100", "--worker-args", "--drain-timeout 5"])
+    children = {c.name: c for c in plan(args)}
+    planner = children["planner"].argv
+    assert "--worker" not in planner  # the launcher's list is every PD worker, added ones too
+    assert _flag(planner, "--max-workers") == "3"
+    assert _flag(planner, "--launcher-timeout") == "130"  # the start deadline and a margin
+    assert (_flag(planner, "--launcher-url") or "").startswith("http://127.0.0.1:")
+    build_parser(planner[3:]).parse_args(planner[3:])
+    assert drain_timeout(args) == 5.0
+    for role in ("prefill", "decode"):
+        sibling = children[f"{role}-0"]
+        added = launched_worker(args, NO_TLS, role, f"{role}-1", 8998)
+        assert (added.role, sibling.role) == (role, role)
+        config = config_from_args(build_parser(added.argv[3:]).parse_args(added.argv[3:]))
+        assert (config.disaggregation_mode, set(config.roles)) == (
+            role, {"prefill", "decode", "null"})
+        # The same flags as its sibling's, but the ports: its own HTTP and side-channel port.
+        ports = ("--port", "--disaggregation-side-channel-port", "--disaggregation-bootstrap-port")
+        assert _without(added.argv, ports) == _without(sibling.argv, ports)
+        assert added.side_port is not None and added.url != sibling.url
+        assert _flag(added.argv, "--disaggregation-side-channel-port") == str(added.side_port)
+
+
+def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    skip = {i + 1 for i, a in enumerate(argv) if a in flags}
+    return [a for i, a in enumerate(argv) if i not in skip and a not in flags]
+
+
+@pytest.mark.parametrize(("flags", "reason"), [
+    (["--max-workers", "1"], "--max-workers 1 is below the 2 prefill and decode workers"),
+    (["--max-workers", "-1"], "--max-workers must be >= 0"),
+    (["--max-workers", "3", "--prefill-tp", "2", "--prefill-nnodes", "2", "--decode-tp", "2",
+      "--decode-nnodes", "2"], "not with --prefill/--decode-nnodes"),
+    (["--max-workers", "3", "--prefill", "0", "--decode", "0", "--colocated"],
+     "--max-workers is for PD workers"),
+])
+def test_impossible_launchers_are_refused(flags: list[str], reason: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    args = build_parser().parse_args(["cluster", "--model", "tiny", *flags])
+    assert main(args) == 2
+    assert reason in capsys.readouterr().err

@@ -1,68 +1,44 @@
 """`pd-fsm cluster`: bootstrap + N prefill + M decode workers + proxy (+ a colocated worker to
 compare with) as child processes of one trio program.
 
-Free ports are picked here and handed to the children. Every child's output is forwarded with a
-``[name]`` prefix (the last lines are kept for the error report). The runner waits for every
-``/health`` under one deadline, printing progress while models load, then prints the URLs. Ctrl-C
-or SIGTERM stops every child (SIGTERM, then SIGKILL after a grace period); a child that dies on
-its own stops the cluster with exit status 1 and that child's last log lines.
+Free ports are picked here and handed to the children; this module plans them and reads the
+flags. ``supervisor.py`` runs them: every child's output forwarded with a ``[name]`` prefix,
+every ``/health`` waited for under one deadline, the URLs printed; Ctrl-C or SIGTERM stops every
+child; a child that dies on its own stops the cluster with exit status 1 and that child's last
+log lines. With ``--max-workers N`` the runner also serves a launcher (``launcher.py``) that adds
+and removes PD workers with the flags their siblings got.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
-import collections
 import logging
-import os
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import attrs
-import httpx
 import trio
 
 from pd_fsm.io_trio.api_key import bearer
 from pd_fsm.io_trio.cluster import observability, ray_cluster
 from pd_fsm.io_trio.cluster.ask import ask
 from pd_fsm.io_trio.cluster.cpu_placement import may_take_nice
-from pd_fsm.io_trio.http_server import http_client
+from pd_fsm.io_trio.cluster.launcher import Launcher
+from pd_fsm.io_trio.cluster.supervisor import STOP_GRACE, Child, Cluster
 from pd_fsm.io_trio.ports import free_port_pair, free_ports
 from pd_fsm.io_trio.tls import NO_TLS, TLS, throwaway_ca
+from pd_fsm.io_trio.worker.config import ServeConfig
 
 log = logging.getLogger("pd_fsm.io_trio.cluster.local")
 
-TAIL_LINES = 40
-STOP_GRACE = 10.0
-PROGRESS_EVERY = 5.0
 HOST = "127.0.0.1"
-
-
-class ClusterFailed(Exception):
-    def __init__(self, message: str, child: Child | None = None) -> None:
-        super().__init__(message)
-        self.child = child
-
-
-@attrs.define(eq=False)
-class Child:
-    name: str
-    argv: list[str]
-    url: str | None = None  # has /health when set
-    extra: str = ""  # shown next to the URL
-    proc: trio.Process | None = None
-    tail: collections.deque[str] = attrs.field(
-        factory=lambda: collections.deque(maxlen=TAIL_LINES)
-    )
-    healthy: bool = False
-    status: str = "starting"
-    health_path: str = "/health"  # Prometheus answers on /-/ready
+# The planner waits this much longer for the launcher than the launcher waits for a worker (its
+# health, or its drain): the launcher then stops a worker that failed, within STOP_GRACE.
+LAUNCHER_MARGIN_S = STOP_GRACE + 20.0
 
 
 def _cli(*args: str) -> list[str]:
@@ -123,57 +99,79 @@ class _Ports:
     colocated: int
     decode_side: list[int]  # with the planner: each D's side channel, for when it is a P
     planner: int
+    launcher: int  # the runner's own control endpoint (--max-workers)
 
     @classmethod
     def pick(cls, n_p: int, n_d: int, planner: bool) -> _Ports:
         # With the planner every D may become a P: it needs a side-channel port of its own too.
-        ports = free_ports(3 + 2 * n_p + n_d + (n_d + 1 if planner else 0), launcher=True)
+        ports = free_ports(4 + 2 * n_p + n_d + (n_d + 1 if planner else 0), launcher=True)
         return cls(
             bootstrap=ports[0], proxy=ports[1], prefill=ports[2 : 2 + n_p],
             side=ports[2 + n_p : 2 + 2 * n_p], decode=ports[2 + 2 * n_p : 2 + 2 * n_p + n_d],
             colocated=ports[2 + 2 * n_p + n_d],
             decode_side=ports[3 + 2 * n_p + n_d : 3 + 2 * n_p + 2 * n_d] if planner else [],
-            planner=ports[-1],
+            planner=ports[-2], launcher=ports[-1],
         )
 
 
-def plan(args: argparse.Namespace, tls: TLS = NO_TLS) -> list[Child]:
+def plan(args: argparse.Namespace, tls: TLS = NO_TLS, ports: _Ports | None = None
+         ) -> list[Child]:
     """The children to start, in start order (the proxy last); with ``tls``, every one serves
-    HTTPS with its certificate and verifies the others against its CA."""
+    HTTPS with its certificate and verifies the others against its CA. ``ports``: picked here
+    unless given (the launcher serves on one of them)."""
     n_p, n_d = args.prefill, args.decode
     planner = getattr(args, "planner", False)
-    ports = _Ports.pick(n_p, n_d, planner)
+    ports = ports or _Ports.pick(n_p, n_d, planner)
     scheme = tls.scheme
-    worker = ["--host", HOST, *worker_flags(args), *tls.argv()]
-    pd = ["--disaggregation-bootstrap-host", HOST,
-          "--disaggregation-bootstrap-port", str(ports.bootstrap)]
     children: list[Child] = []
     if n_p or n_d:
         children.append(_bootstrap_child(args, tls, ports.bootstrap))
     prefills: list[Child] = []
     for i, (port, side) in enumerate(zip(ports.prefill, ports.side, strict=True)):
-        prefills.append(_add_instance(children, args, f"prefill-{i}", "prefill", _cli(
-            "serve", *worker, *_role_flags(args, "prefill"), "--port", str(port),
-            "--disaggregation-mode", "prefill", *pd, *_switchable(args, planner),
-            "--disaggregation-side-channel-port", str(side),
-        ), f"{scheme}://{HOST}:{port}", f"bootstrap port {side}"))
+        prefills.append(_add_instance(children, args, f"prefill-{i}", "prefill", _pd_argv(
+            args, tls, "prefill", port, side, ports.bootstrap,
+        ), f"{scheme}://{HOST}:{port}", side))
     decodes: list[Child] = []
     for i, port in enumerate(ports.decode):
         d_side = ports.decode_side[i] if planner else None
-        decodes.append(_add_instance(children, args, f"decode-{i}", "decode", _cli(
-            "serve", *worker, *_role_flags(args, "decode"), "--port", str(port),
-            "--disaggregation-mode", "decode", *pd, *_switchable(args, planner, d_side),
-        ), f"{scheme}://{HOST}:{port}"))
+        decodes.append(_add_instance(children, args, f"decode-{i}", "decode", _pd_argv(
+            args, tls, "decode", port, d_side, ports.bootstrap,
+        ), f"{scheme}://{HOST}:{port}", d_side))
     if args.colocated:
         _add_instance(children, args, "colocated", "colocated", _cli(
-            "serve", *worker, *_role_flags(args, "colocated"), "--port", str(ports.colocated),
+            "serve", "--host", HOST, *worker_flags(args), *tls.argv(),
+            *_role_flags(args, "colocated"), "--port", str(ports.colocated),
             "--disaggregation-mode", "null",
         ), f"{scheme}://{HOST}:{ports.colocated}")
     if n_p and n_d:
         children.append(_proxy_child(args, tls, ports, prefills, decodes))
     if planner and n_p and n_d:
-        children.append(_planner_child(args, tls, ports.planner, [*prefills, *decodes]))
+        children.append(_planner_child(args, tls, ports, [*prefills, *decodes]))
     return children
+
+
+def _pd_argv(args: argparse.Namespace, tls: TLS, role: str, port: int, side: int | None,
+             bootstrap_port: int) -> list[str]:
+    """A P or D worker's command line (one the cluster starts, or one the launcher adds)."""
+    side_flag = [] if side is None else ["--disaggregation-side-channel-port", str(side)]
+    return _cli("serve", "--host", HOST, *worker_flags(args), *tls.argv(),
+                *_role_flags(args, role), "--port", str(port), "--disaggregation-mode", role,
+                "--disaggregation-bootstrap-host", HOST,
+                "--disaggregation-bootstrap-port", str(bootstrap_port),
+                *_switchable(args, getattr(args, "planner", False)), *side_flag)
+
+
+def launched_worker(args: argparse.Namespace, tls: TLS, role: str, name: str,
+                    bootstrap_port: int) -> Child:
+    """One more P or D worker for the launcher (``POST /scale_up``): the flags its siblings got,
+    on ports picked now (a side channel for a P, and for a D that may become one)."""
+    planner = getattr(args, "planner", False)
+    port, side = free_ports(2, launcher=True)
+    side_port = side if role == "prefill" or planner else None
+    url = f"{tls.scheme}://{HOST}:{port}"
+    return Child(name, _pd_argv(args, tls, role, port, side_port, bootstrap_port), url,
+                 "" if side_port is None else f"bootstrap port {side_port}", role=role,
+                 side_port=side_port)
 
 
 def _quiet(args: argparse.Namespace) -> list[str]:
@@ -201,36 +199,38 @@ def _role_flags(args: argparse.Namespace, role: str) -> list[str]:
     return flags + ([] if tp is None else ["--tp", str(tp)])
 
 
-def _switchable(args: argparse.Namespace, planner: bool,
-                d_side_port: int | None = None) -> list[str]:
+def _switchable(args: argparse.Namespace, planner: bool) -> list[str]:
     """With the planner: every PD worker compiles both roles and colocated (``--roles``: the
-    planner may switch it to null, and the proxy's role probes route it whole requests then),
-    carries every role's priority, and a D gets the side-channel port it serves on as a P."""
+    planner may switch it to null, and the proxy's role probes route it whole requests then)
+    and carries every role's priority (a D also gets a side-channel port of its own: it serves
+    on it as a P)."""
     if not planner:
         return []
-    side = [] if d_side_port is None else ["--disaggregation-side-channel-port", str(d_side_port)]
     # The priority follows the role (`serve --role-nice`): a merged (null) worker takes
     # colocated's, a D that becomes P steps back.
     nices = role_nices(args)
     role_nice = ",".join(f"{role}={nices[name] or 0}" for role, name in
                          (("prefill", "prefill"), ("decode", "decode"), ("null", "colocated")))
-    return ["--roles", PLANNER_ROLES, "--role-nice", role_nice, *side]
+    return ["--roles", PLANNER_ROLES, "--role-nice", role_nice]
 
 
 def _add_instance(children: list[Child], args: argparse.Namespace, name: str, role: str,
-                  argv: list[str], url: str, extra: str = "") -> Child:
+                  argv: list[str], url: str, side_port: int | None = None) -> Child:
     """One instance added to ``children``: a child, or with ``--ROLE-nnodes N`` N children of
     one instance (rank 0 serves HTTP, and is returned; the others have no URL, and one that dies
-    stops the cluster too)."""
+    stops the cluster too). A P shows its side-channel port: its bootstrap port."""
     nnodes = getattr(args, f"{role}_nnodes", 1) or 1
+    extra = f"bootstrap port {side_port}" if role == "prefill" else ""
+    pd_role = role if role in ("prefill", "decode") else None
     if nnodes == 1:
-        children.append(Child(name, argv, url, extra))
+        children.append(Child(name, argv, url, extra, role=pd_role, side_port=side_port))
         return children[-1]
     addr = f"{HOST}:{free_port_pair(launcher=True)}"
     for rank in range(nnodes):
         ranked = [*argv, "--nnodes", str(nnodes), "--node-rank", str(rank),
                   "--dist-init-addr", addr]
-        children.append(Child(name, ranked, url, extra) if rank == 0 else
+        children.append(Child(name, ranked, url, extra, role=pd_role, side_port=side_port)
+                        if rank == 0 else
                         Child(f"{name}-rank{rank}", ranked, extra=f"rank {rank} of {name}"))
     return children[-nnodes]
 
@@ -258,181 +258,31 @@ def prefill_nice_steps(nices: dict[str, int | None]) -> tuple[int, ...]:
     return tuple(sorted({19, p, d, *range(p, d, -5)}, reverse=True))
 
 
-def _planner_child(args: argparse.Namespace, tls: TLS, port: int, workers: list[Child]) -> Child:
+def _planner_child(args: argparse.Namespace, tls: TLS, ports: _Ports, workers: list[Child]
+                   ) -> Child:
     # The priority lever by default where P and D share cores by priority; --planner-args
     # comes after, so its own --prefill-nices wins ("" turns the lever off).
     steps = prefill_nice_steps(role_nices(args))
     lever = ["--prefill-nices", ",".join(map(str, steps))] if steps else []
-    planner_args = ["planner", "--host", HOST, "--port", str(port), *_quiet(args), *tls.argv(),
-                    *lever, *shlex.split(args.planner_args or ""), *_worker_key(args)]
+    max_workers = getattr(args, "max_workers", 0)
+    if max_workers:
+        # The launcher lists every PD worker, those it adds too: the planner observes its list.
+        # It answers a scale-up once the worker is healthy (within --startup-timeout), a
+        # scale-down once the worker has drained and exited.
+        longest = max(args.startup_timeout, drain_timeout(args) + STOP_GRACE)
+        observed = ["--launcher-url", f"{tls.scheme}://{HOST}:{ports.launcher}",
+                    "--max-workers", str(max_workers),
+                    "--launcher-timeout", f"{longest + LAUNCHER_MARGIN_S:g}"]
+    else:
+        observed = [arg for child in workers for arg in ("--worker", str(child.url))]
+    planner_args = ["planner", "--host", HOST, "--port", str(ports.planner), *_quiet(args),
+                    *tls.argv(), *lever, *observed, *shlex.split(args.planner_args or ""),
+                    *_worker_key(args)]
     if args.api_key_file is not None:  # its own /decisions, /pause and /resume
         planner_args += ["--api-key-file", str(args.api_key_file)]
-    for child in workers:
-        planner_args += ["--worker", str(child.url)]
-    return Child("planner", _cli(*planner_args), f"{tls.scheme}://{HOST}:{port}",
-                 "switches roles: GET /decisions")
-
-
-class Cluster:
-    def __init__(self, children: list[Child], *, startup_timeout: float,
-                 tls: TLS = NO_TLS) -> None:
-        self.children = children
-        self.tls = tls
-        self.startup_timeout = startup_timeout
-        self.stopping = False
-        self.failure: ClusterFailed | None = None
-
-    def by_name(self, name: str) -> Child | None:
-        return next((c for c in self.children if c.name == name), None)
-
-    async def run(self, ready_action: Any = None) -> int:
-        """Start everything, wait until healthy, then run ``ready_action()`` (returns an exit
-        status) or wait for a signal; always stops every child before returning."""
-        result = 0
-        try:
-            async with trio.open_nursery() as nursery:
-                for child in self.children:
-                    await self._start(child, nursery)
-                nursery.start_soon(self._signals, nursery.cancel_scope)
-                await self._wait_healthy()
-                self._print_ready()
-                if ready_action is not None:
-                    result = await ready_action(self)
-                    nursery.cancel_scope.cancel()
-                else:
-                    await trio.sleep_forever()
-        except ClusterFailed as exc:
-            self.failure = exc
-        finally:
-            self.stopping = True
-            with trio.CancelScope(shield=True):
-                await self._stop_all()
-        if self.failure is not None:
-            self._report(self.failure)
-            return 1
-        return result
-
-    async def _start(self, child: Child, nursery: trio.Nursery) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        child.proc = await trio.lowlevel.open_process(
-            child.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-            stdin=subprocess.DEVNULL,
-        )
-        nursery.start_soon(self._forward, child)
-        nursery.start_soon(self._watch, child, nursery.cancel_scope)
-
-    async def _forward(self, child: Child) -> None:
-        assert child.proc is not None and child.proc.stdout is not None
-        pending = b""
-        async for chunk in child.proc.stdout:
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            for raw in lines:
-                self._line(child, raw.decode("utf-8", "replace"))
-        if pending:
-            self._line(child, pending.decode("utf-8", "replace"))
-
-    def _line(self, child: Child, line: str) -> None:
-        child.tail.append(line)
-        print(f"[{child.name}] {line}", flush=True)
-
-    async def _watch(self, child: Child, scope: trio.CancelScope) -> None:
-        assert child.proc is not None
-        code = await child.proc.wait()
-        child.status = f"exited {code}"
-        if not self.stopping and self.failure is None:
-            await trio.sleep(0.2)  # let the forwarder print the child's last lines
-            self.failure = ClusterFailed(f"{child.name} exited with status {code}", child)
-            scope.cancel()
-
-    async def _signals(self, scope: trio.CancelScope) -> None:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for signum in signals:
-                print(f"pd-fsm cluster: {signal.Signals(signum).name}, stopping", flush=True)
-                self.stopping = True
-                scope.cancel()
-                return
-
-    async def _wait_healthy(self) -> None:
-        start = trio.current_time()
-        last_progress = start
-        async with http_client(timeout=2.0, tls=self.tls) as http:
-            with trio.move_on_after(self.startup_timeout) as timeout:
-                while not all(c.healthy for c in self.children if c.url):
-                    for child in self.children:
-                        if child.url and not child.healthy:
-                            await self._probe(http, child)
-                            if child.healthy:  # model loaded and warmed up (or no model)
-                                print(f"pd-fsm cluster: {child.name} up after "
-                                      f"{trio.current_time() - start:.1f} s", flush=True)
-                    now = trio.current_time()
-                    if now - last_progress >= PROGRESS_EVERY:
-                        last_progress = now
-                        waiting = ", ".join(f"{c.name} ({c.status})" for c in self.children
-                                            if c.url and not c.healthy)
-                        print(f"pd-fsm cluster: {now - start:.0f} s, waiting for {waiting}",
-                              flush=True)
-                    await trio.sleep(0.5)
-            if timeout.cancelled_caught:
-                slow = next(c for c in self.children if c.url and not c.healthy)
-                raise ClusterFailed(
-                    f"{slow.name} not healthy after {self.startup_timeout:.0f} s", slow
-                )
-        self.ready_after = trio.current_time() - start
-
-    async def _probe(self, http: httpx.AsyncClient, child: Child) -> None:
-        try:
-            r = await http.get(f"{child.url}{child.health_path}")
-        except httpx.HTTPError:
-            child.status = "not listening yet"
-            return
-        if r.status_code == 200:
-            child.healthy = True
-            child.status = "healthy"
-        else:
-            try:
-                child.status = str(r.json().get("status", r.status_code))
-            except (ValueError, AttributeError):
-                child.status = f"HTTP {r.status_code}"
-
-    def _print_ready(self) -> None:
-        print(f"pd-fsm cluster: ready in {self.ready_after:.1f} s", flush=True)
-        for child in self.children:
-            extra = f"  ({child.extra})" if child.extra else ""
-            print(f"  {child.name:<12} {child.url or '-'}{extra}", flush=True)
-
-    async def _stop_all(self) -> None:
-        # In tiers: the proxy first (no new rooms), then the workers, the bootstrap server last,
-        # so that workers deregister from a registry that is still there.
-        def tier(child: Child) -> int:
-            return {"proxy": 0, "prometheus": 0, "bootstrap": 2}.get(child.name, 1)
-
-        for level in (0, 1, 2):
-            await self._stop([c for c in self.children if tier(c) == level])
-
-    async def _stop(self, children: list[Child]) -> None:
-        live = [c for c in children if c.proc and c.proc.returncode is None]
-        for child in live:
-            assert child.proc is not None
-            child.proc.send_signal(signal.SIGTERM)
-        with trio.move_on_after(STOP_GRACE):
-            for child in live:
-                assert child.proc is not None
-                await child.proc.wait()
-        for child in live:
-            assert child.proc is not None
-            if child.proc.returncode is None:
-                print(f"pd-fsm cluster: {child.name} ignored SIGTERM, killing", flush=True)
-                child.proc.kill()
-                await child.proc.wait()
-
-    def _report(self, failure: ClusterFailed) -> None:
-        print(f"pd-fsm cluster: FAILED: {failure}", file=sys.stderr, flush=True)
-        if failure.child is not None:
-            print(f"--- last lines of {failure.child.name} ---", file=sys.stderr)
-            for line in failure.child.tail:
-                print(f"  {line}", file=sys.stderr)
-            sys.stderr.flush()
+    what = "switches roles and scales" if max_workers else "switches roles"
+    return Child("planner", _cli(*planner_args), f"{tls.scheme}://{HOST}:{ports.planner}",
+                 f"{what}: GET /decisions")
 
 
 def prometheus_child(urls: dict[str, str], tls: TLS) -> Child:
@@ -509,6 +359,11 @@ def _add_service_arguments(p: argparse.ArgumentParser) -> None:
                         f"--roles {PLANNER_ROLES}`) and `pd-fsm planner` switches them to meet "
                         "its targets (the proxy follows by probing their roles; a worker in "
                         "role null gets whole requests)")
+    p.add_argument("--max-workers", type=int, default=0, metavar="N",
+                   help="serve a launcher (POST /scale_up, /scale_down; its URL is printed) "
+                        "that starts and stops PD workers, at most N in all; with --planner the "
+                        "planner scales through it (`planner --launcher-url --max-workers N`). "
+                        "Default 0: no launcher, a fixed set of workers")
     p.add_argument("--planner-args", default="",
                    help="more `pd-fsm planner` flags, as one quoted string (e.g. '--ttft-slo 2 "
                         "--itl-slo 0.1 --interval 5')")
@@ -545,34 +400,70 @@ def _add_ray_arguments(p: argparse.ArgumentParser) -> None:
                      help="Ray restarts a service whose process died, at most N times (default 3)")
 
 
-def main(args: argparse.Namespace) -> int:
+def _refusal(args: argparse.Namespace) -> str | None:
+    """What makes the flags impossible, or None."""
     if args.prefill < 0 or args.decode < 0:
-        print("pd-fsm cluster: --prefill and --decode must be >= 0", file=sys.stderr)
-        return 2
+        return "--prefill and --decode must be >= 0"
     if (args.prefill == 0) != (args.decode == 0):
-        print("pd-fsm cluster: PD needs both prefill and decode workers (or neither)",
-              file=sys.stderr)
-        return 2
+        return "PD needs both prefill and decode workers (or neither)"
     if not (args.prefill or args.colocated):
-        print("pd-fsm cluster: nothing to start", file=sys.stderr)
-        return 2
+        return "nothing to start"
     for role in ("prefill", "decode", "colocated"):
         nnodes, tp = getattr(args, f"{role}_nnodes"), getattr(args, f"{role}_tp") or 1
         if nnodes < 1 or tp % nnodes:
-            print(f"pd-fsm cluster: --{role}-nnodes {nnodes} must be >= 1 and divide "
-                  f"--{role}-tp {tp}", file=sys.stderr)
-            return 2
+            return f"--{role}-nnodes {nnodes} must be >= 1 and divide --{role}-tp {tp}"
     if args.ray is not None and max(args.prefill_nnodes, args.decode_nnodes,
                                     args.colocated_nnodes) > 1:
-        print("pd-fsm cluster: --ROLE-nnodes is for the local runner (not --ray)", file=sys.stderr)
-        return 2
+        return "--ROLE-nnodes is for the local runner (not --ray)"
     if args.ray is not None and (args.prometheus or args.prometheus_targets is not None):
-        print("pd-fsm cluster: --prometheus and --prometheus-targets are for the local runner "
-              "(not --ray)", file=sys.stderr)
-        return 2
+        return "--prometheus and --prometheus-targets are for the local runner (not --ray)"
     if args.planner and (args.ray is not None or not args.prefill):
-        print("pd-fsm cluster: --planner is for PD workers on the local runner (not --ray, "
-              "which cannot start or stop actors for it yet)", file=sys.stderr)
+        return ("--planner is for PD workers on the local runner (not --ray, which cannot "
+                "start or stop actors for it yet)")
+    return _max_workers_refusal(args)
+
+
+def _max_workers_refusal(args: argparse.Namespace) -> str | None:
+    if not args.max_workers:
+        return None
+    if args.max_workers < 0:
+        return "--max-workers must be >= 0 (0: no launcher)"
+    if args.ray is not None or not args.prefill:
+        return "--max-workers is for PD workers on the local runner (not --ray)"
+    if max(args.prefill_nnodes, args.decode_nnodes) > 1:
+        return "--max-workers launches one-process workers: not with --prefill/--decode-nnodes"
+    if args.max_workers < args.prefill + args.decode:
+        return (f"--max-workers {args.max_workers} is below the {args.prefill + args.decode} "
+                "prefill and decode workers the cluster starts with")
+    return None
+
+
+def drain_timeout(args: argparse.Namespace) -> float:
+    """The workers' ``--drain-timeout`` (from ``--worker-args``, else serve's default): how long
+    a worker the launcher stops may take to drain."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--drain-timeout", type=float, default=ServeConfig().drain_timeout)
+    known, _ = parser.parse_known_args(shlex.split(args.worker_args or ""))
+    return float(known.drain_timeout)
+
+
+def _launcher(args: argparse.Namespace, tls: TLS, ports: _Ports, cluster: Cluster) -> Launcher:
+    key = None if args.api_key_file is None else args.api_key_file.read_text().strip()
+
+    def new_worker(role: str, name: str) -> Child:
+        return launched_worker(args, tls, role, name, ports.bootstrap)
+
+    return Launcher(cluster, new_worker, max_workers=args.max_workers,
+                    proxy_url=f"{tls.scheme}://{HOST}:{ports.proxy}",
+                    headers=bearer(key) if key else {}, host=HOST, port=ports.launcher,
+                    start_timeout=args.startup_timeout,
+                    stop_timeout=drain_timeout(args) + STOP_GRACE, tls=tls, api_key=key)
+
+
+def main(args: argparse.Namespace) -> int:
+    refusal = _refusal(args)
+    if refusal is not None:
+        print(f"pd-fsm cluster: {refusal}", file=sys.stderr)
         return 2
     if args.ray is not None:
         return ray_cluster.main(args, worker_flags(args), ["--log-level", args.log_level])
@@ -583,7 +474,8 @@ def main(args: argparse.Namespace) -> int:
         atexit.register(shutil.rmtree, tls_dir, ignore_errors=True)
         tls = throwaway_ca(tls_dir, [HOST, "localhost"])
         print(f"pd-fsm cluster: TLS on, throwaway CA {tls.ca_file} (curl --cacert it)", flush=True)
-    children = plan(args, tls)
+    ports = _Ports.pick(args.prefill, args.decode, args.planner)
+    children = plan(args, tls, ports)
     urls = {c.name: c.url for c in children if c.url}
     if args.prometheus_targets is not None:  # for a Prometheus of the operator's own
         observability.write_targets(args.prometheus_targets, urls)
@@ -594,6 +486,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"pd-fsm cluster: --prometheus: {exc}", file=sys.stderr)
             return 2
     cluster = Cluster(children, startup_timeout=args.startup_timeout, tls=tls)
+    if args.max_workers:
+        cluster.services.append(_launcher(args, tls, ports, cluster))
     action = None
     if args.ask is not None:
         prompt, max_tokens = args.ask, args.max_tokens

@@ -10,7 +10,7 @@ import sys
 from pd_fsm.core.planner import Planner, PlannerConfig
 from pd_fsm.io_trio.api_key import add_api_key_arguments, api_key_from_args, bearer
 from pd_fsm.io_trio.cli_common import run_service, serve_until_signal
-from pd_fsm.io_trio.planner.service import PlannerService, serve_planner
+from pd_fsm.io_trio.planner.service import LAUNCHER_S, PlannerService, serve_planner
 from pd_fsm.io_trio.tls import add_tls_arguments, tls_from_args
 
 log = logging.getLogger("pd_fsm.io_trio.planner.cli")
@@ -24,6 +24,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="observe the workers the bootstrap server lists")
     p.add_argument("--worker", action="append", default=[], metavar="URL",
                    help="observe this worker (repeat; instead of --bootstrap-url)")
+    p.add_argument("--launcher-url", default=None, metavar="URL",
+                   help="act on scale decisions through this launcher (`pd-fsm cluster "
+                        "--max-workers`: POST /scale_up, /scale_down) and observe the workers "
+                        "it lists; without one they are logged and counted not_actionable")
+    p.add_argument("--launcher-timeout", type=float, default=LAUNCHER_S, metavar="SECONDS",
+                   help=f"how long a scale may take (a new worker's start; default "
+                        f"{LAUNCHER_S:g})")
+    p.add_argument("--max-workers", type=int, default=d.max_workers, metavar="N",
+                   help="ask for workers while fewer than N, give idle ones back (with a "
+                        "launcher; default 0: only switch roles)")
+    p.add_argument("--min-workers", type=int, default=d.min_workers, metavar="N",
+                   help=f"never give a worker back below N (default {d.min_workers})")
     p.add_argument("--ttft-slo", type=float, default=d.ttft_slo, help="seconds (default 2)")
     p.add_argument("--itl-slo", type=float, default=d.itl_slo, help="seconds (default 0.1)")
     p.add_argument("--interval", type=float, default=5.0,
@@ -62,7 +74,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--log-level", default="INFO")
     add_tls_arguments(p)
     add_api_key_arguments(p, who="callers of /decisions, /pause and /resume")
-    add_api_key_arguments(p, "worker-", who="the planner, to every worker,")
+    add_api_key_arguments(p, "worker-", who="the planner, to every worker and the launcher,")
     p.set_defaults(func=main)
 
 
@@ -82,20 +94,28 @@ def service_from_args(args: argparse.Namespace) -> PlannerService:
     for url in args.worker:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"--worker URL must start with http:// or https://, got {url!r}")
-    if args.interval <= 0:
-        raise ValueError("--interval must be positive")
+    if args.launcher_url is not None and not args.launcher_url.startswith(("http://",
+                                                                            "https://")):
+        raise ValueError(f"--launcher-url must start with http:// or https://, got "
+                         f"{args.launcher_url!r}")
+    if args.interval <= 0 or args.launcher_timeout <= 0:
+        raise ValueError("--interval and --launcher-timeout must be positive")
+    if args.max_workers < 0:
+        raise ValueError("--max-workers must be >= 0 (0: the planner only switches roles)")
     config = PlannerConfig(ttft_slo=args.ttft_slo, itl_slo=args.itl_slo,
                            patience=args.patience, cooldown=args.cooldown,
                            min_prefill=args.min_prefill, min_decode=args.min_decode,
                            max_step=args.max_step, colocate=args.colocate,
                            recall=args.recall, prefill_nices=args.prefill_nices,
-                           nice_cooldown=args.nice_cooldown)
+                           nice_cooldown=args.nice_cooldown, max_workers=args.max_workers,
+                           min_workers=args.min_workers)
     key = api_key_from_args(args, "worker-")
     return PlannerService(Planner(config), workers=args.worker,
                           bootstrap_url=args.bootstrap_url, interval=args.interval,
                           headers=bearer(key) if key else {}, tls=tls_from_args(args),
                           dry_run=args.dry_run, paused=args.paused,
-                          api_key=api_key_from_args(args))
+                          api_key=api_key_from_args(args), launcher_url=args.launcher_url,
+                          launcher_timeout=args.launcher_timeout)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -2,13 +2,19 @@
 ``/server_info`` and ``/metrics``, hands the snapshots to the core's sans-IO ``Planner`` and acts
 on what it decides — a role switch is ``POST /switch_role`` on that worker, to whatever role the
 core names (``"null"``, colocated, too once its ``Role`` has it); a priority change
-(``--prefill-nices``) is ``POST /set_nice``. Asking for one more
-worker, or giving one back, needs a launcher this process does not have: such a decision is
-logged and counted ``not_actionable`` (``pd-fsm cluster --ray`` would be where actors start).
+(``--prefill-nices``) is ``POST /set_nice``. Asking for one more worker, or giving one back, goes
+to a launcher (``--launcher-url``: ``pd-fsm cluster --max-workers``' control endpoint) as
+``POST /scale_up {"role"}`` or ``POST /scale_down {"worker"}``, which answer once the worker
+serves or has drained and exited (outcome ``launched`` or ``stopped``; a 4xx is ``refused``,
+anything else ``failed``); the workers it observes are then the launcher's ``GET /workers``
+(those serving), with any ``--worker`` and the registry's. Without a launcher such a decision is
+logged and counted ``not_actionable``.
 
 One nursery: the HTTP server (``/metrics``, ``/health``, ``/decisions``, ``POST /pause`` and
 ``POST /resume``) and the loop. Every wait has a deadline: a scrape ``SCRAPE_S``, a switch
-request ``SWITCH_S``.
+request ``SWITCH_S``, the launcher ``launcher_timeout`` (a scale-up waits for a worker's start).
+While it waits for the launcher the planner observes nothing: the cluster is changing, as after
+any decision's cooldown.
 
 Paused (``--paused`` at start, or ``POST /pause``), the planner scrapes, observes and decides
 nothing: an operator holds the split while working on the cluster, or a benchmark warms every
@@ -53,6 +59,9 @@ log = logging.getLogger("pd_fsm.io_trio.planner")
 
 SCRAPE_S = 2.0  # a worker that does not answer within this is left out of this observation
 SWITCH_S = 5.0  # /switch_role answers at once (202) and switches in the background
+# The launcher answers a scale-up once the worker serves: a model load and warm-up (the cluster
+# passes its own bound plus a margin; 600 s is `pd-fsm cluster --startup-timeout`'s default).
+LAUNCHER_S = 630.0
 RECENT = 100  # decisions kept for /decisions
 # pd_fsm_planner_workers' sides: "null" counts the colocated workers the planner sees.
 WORKER_SIDES = ("prefill", "decode", "null")
@@ -61,15 +70,19 @@ WORKER_SIDES = ("prefill", "decode", "null")
 class PlannerService:
     def __init__(self, planner: Planner, *, workers: list[str], bootstrap_url: str | None,
                  interval: float, headers: dict[str, str] | None = None, tls: TLS = NO_TLS,
-                 dry_run: bool = False, paused: bool = False, api_key: str | None = None
+                 dry_run: bool = False, paused: bool = False, api_key: str | None = None,
+                 launcher_url: str | None = None, launcher_timeout: float = LAUNCHER_S
                  ) -> None:
         """``api_key``: what callers of this planner's own endpoints must send (all but
-        /health and /metrics); ``headers``: what it sends to the workers."""
-        if not workers and bootstrap_url is None:
-            raise ValueError("give --worker URLs or --bootstrap-url")
+        /health and /metrics); ``headers``: what it sends to the workers and the launcher."""
+        if not workers and bootstrap_url is None and launcher_url is None:
+            raise ValueError("give --worker URLs, --bootstrap-url or --launcher-url")
         self.planner = planner
         self.static = [w.rstrip("/") for w in workers]
         self.bootstrap_url = bootstrap_url.rstrip("/") if bootstrap_url else None
+        self.launcher_url = launcher_url.rstrip("/") if launcher_url else None
+        self.launcher_timeout = launcher_timeout
+        self._launched: list[str] = []  # the launcher's serving workers, as last listed
         self.interval = interval
         self.headers = headers or {}
         self.tls = tls
@@ -162,9 +175,11 @@ class PlannerService:
         return decisions
 
     async def _worker_urls(self) -> list[str]:
+        urls = set(self.static)
+        if self.launcher_url is not None:
+            urls.update(await self._launcher_workers())
         if self.bootstrap_url is None:
-            return self.static
-        urls: set[str] = set()
+            return sorted(urls)
         for role in ("prefill", "decode"):
             try:
                 records = await list_role(self._http(), self.bootstrap_url, role)
@@ -174,6 +189,24 @@ class PlannerService:
             urls.update(u for u in map(worker_url, records) if u is not None)
         # A worker that is switching is in no list: the last ones seen stay observed.
         return sorted(urls | set(self._last))
+
+    async def _launcher_workers(self) -> list[str]:
+        """The launcher's serving workers (``GET /workers``); those of its last answer when it
+        does not answer (its workers did not go with it)."""
+        assert self.launcher_url is not None
+        try:
+            with trio.fail_after(SCRAPE_S):
+                r = await self._http().get(f"{self.launcher_url}/workers", headers=self.headers)
+            r.raise_for_status()
+            listed = strict_loads(r.content, what=f"{self.launcher_url}/workers")
+            rows = listed.get("workers") if isinstance(listed, dict) else None
+            if not isinstance(rows, list):
+                raise ValueError('no "workers" list')
+            self._launched = [str(w["url"]) for w in rows
+                              if isinstance(w, dict) and w.get("state") == "serving"]
+        except (httpx.HTTPError, trio.TooSlowError, ValueError, KeyError) as exc:
+            log.warning("launcher %s: listing failed: %r", self.launcher_url, exc)
+        return self._launched
 
     async def _scrape(self, url: str, out: dict[str, Scrape]) -> None:
         try:
@@ -195,7 +228,7 @@ class PlannerService:
         if self.dry_run:
             return "dry_run"
         if isinstance(decision, ScaleUp | ScaleDown):
-            return "not_actionable"  # no launcher here: see the module's docstring
+            return await self._scale(decision)
         body: dict[str, object]
         if isinstance(decision, SetNice):
             what, path, body = f"nice {decision.nice}", "set_nice", {"nice": decision.nice}
@@ -215,6 +248,28 @@ class PlannerService:
         log.warning("%s of %s refused (%d): %s", what, decision.worker, r.status_code,
                     r.text[:300])
         return "refused"
+
+    async def _scale(self, decision: ScaleUp | ScaleDown) -> str:
+        """A scale through the launcher: ``launched`` / ``stopped`` once it answered 200."""
+        if self.launcher_url is None:
+            return "not_actionable"  # no launcher: see the module's docstring
+        body: dict[str, str]
+        if isinstance(decision, ScaleUp):
+            path, body, done = "scale_up", {"role": decision.role}, "launched"
+        else:
+            path, body, done = "scale_down", {"worker": decision.worker}, "stopped"
+        try:
+            with trio.fail_after(self.launcher_timeout):
+                r = await self._http().post(f"{self.launcher_url}/{path}", json=body,
+                                            headers=self.headers, timeout=self.launcher_timeout)
+        except (httpx.HTTPError, trio.TooSlowError) as exc:
+            log.warning("%s %s at %s failed: %r", path, body, self.launcher_url, exc)
+            return "failed"
+        if r.status_code == 200:
+            log.warning("%s %s: %s", path, body, r.text[:300])
+            return done
+        log.warning("%s %s refused (%d): %s", path, body, r.status_code, r.text[:300])
+        return "refused" if 400 <= r.status_code < 500 else "failed"
 
     def _http(self) -> httpx.AsyncClient:
         assert self._client is not None, "PlannerService.run is not running"

@@ -507,6 +507,10 @@ def _app(proxy: Proxy, api_key: str | None) -> Starlette | ApiKeyGate:
         Route("/health", w.health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/workers", w.listing, methods=["GET"]),
+        # A launcher's workers (`pd-fsm cluster --max-workers`): behind the key, like every
+        # route but /health and /metrics.
+        Route("/workers/add", w.add, methods=["POST"]),
+        Route("/workers/remove", w.remove, methods=["POST"]),
     ]
     app = edge_app(routes, exception_handlers={HTTPException: _on_http_exception})
     return app if api_key is None else ApiKeyGate(app, api_key)

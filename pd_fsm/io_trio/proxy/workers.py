@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response
 
 from pd_fsm.core.router import RoomRouter
 from pd_fsm.io_trio.bootstrap.listing import list_role, worker_url
+from pd_fsm.io_trio.http_edge import BodyError, read_json
 from pd_fsm.io_trio.proxy.answers import error_body
 from pd_fsm.io_trio.strict_json import loads as strict_loads
 
@@ -38,6 +39,7 @@ log = logging.getLogger("pd_fsm.io_trio.proxy.server")  # the proxy's log, as be
 HEALTH_PROBE_S = 2.0  # a worker that does not answer its /health within this is not healthy
 LOAD_PROBE_S = 2.0  # a worker whose /get_load takes longer keeps no polled load this round
 ROLE_PROBE_S = 2.0  # a worker whose /server_info takes longer keeps its last known role
+CHANGE_BODY_MAX = 4096  # /workers/add and /workers/remove: a URL, a role, a port
 
 
 @attrs.frozen
@@ -181,6 +183,8 @@ class Workers:
             self.probed[url] = probed
 
     def _route_by_role(self) -> None:
+        for gone in set(self.probed) - set(self._configured):  # probed as it was removed
+            del self.probed[gone]
         targets: dict[str, PrefillTarget] = {}
         decode: list[str] = []
         colocated: list[str] = []
@@ -198,6 +202,43 @@ class Workers:
             elif role == "null":
                 colocated.append(url)
         self._route_to(targets, decode, colocated)
+
+    # ------------------------------------------------------------------ added, removed
+
+    async def add(self, request: Request) -> Response:
+        """``POST /workers/add {"url", "role": "prefill"|"decode"|"null", "bootstrap_port"}``:
+        route one more worker (a launcher started it), at once as ``role`` and then as its role
+        probes say; 200 (``added`` false: it was routed already, now as ``role``)."""
+        body = await _worker_change(request, {"url", "role", "bootstrap_port"}, self.bootstrap_url)
+        if isinstance(body, Response):
+            return body
+        url, role, port = body["url"], body.get("role"), body.get("bootstrap_port")
+        if role not in ("prefill", "decode", "null"):
+            return _refuse(400, f'body.role must be "prefill", "decode" or "null", got {role!r}')
+        if port is not None and (type(port) is not int or not 0 < port < 65536):
+            return _refuse(400, "body.bootstrap_port must be a port number (1-65535) or null: "
+                                "P's side-channel port")
+        added = url not in self._configured
+        self._configured[url] = (role, port)
+        self._route_by_role()
+        self._reprobe.set()  # its own /server_info next, not an interval from now
+        log.warning("workers: %s %s as %s", "added" if added else "re-added", url, role)
+        return JSONResponse({"url": url, "role": role, "added": added})
+
+    async def remove(self, request: Request) -> Response:
+        """``POST /workers/remove {"url"}``: no new leg goes to it once this answered 200 (its
+        rooms in flight go on: it drains). 404 for a worker this proxy does not route."""
+        body = await _worker_change(request, {"url"}, self.bootstrap_url)
+        if isinstance(body, Response):
+            return body
+        url = body["url"]
+        if url not in self._configured:
+            return _refuse(404, f"body.url: {url} is not a worker this proxy routes")
+        del self._configured[url]
+        self.probed.pop(url, None)
+        self._route_by_role()
+        log.warning("workers: removed %s", url)
+        return JSONResponse({"url": url, "removed": True})
 
     # ------------------------------------------------------------------ discovery
 
@@ -304,6 +345,34 @@ class Workers:
             return Response(r.content, status_code=r.status_code,
                             media_type=r.headers.get("content-type"))
         return JSONResponse(error_body(503, "no worker reachable"), status_code=503)
+
+
+async def _worker_change(request: Request, fields: set[str], bootstrap_url: str | None
+                         ) -> dict[str, Any] | Response:
+    """The body of ``/workers/add`` or ``/workers/remove`` (``fields`` allowed, ``url``
+    required, its trailing slash dropped), or the 4xx answer naming what is wrong."""
+    if bootstrap_url is not None:
+        return _refuse(409, f"this proxy routes the workers the registry lists "
+                            f"(--bootstrap-url {bootstrap_url}): add or remove them there")
+    try:
+        body = await read_json(request, CHANGE_BODY_MAX)
+    except BodyError as exc:
+        return _refuse(exc.status, exc.message)
+    if not isinstance(body, dict):
+        return _refuse(400, 'the body must be a JSON object: {"url": "http://HOST:PORT", ...}')
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        return _refuse(400, f"unknown field(s) {', '.join(unknown)} @ body: give "
+                            f"{', '.join(sorted(fields))}")
+    url = body.get("url")
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        return _refuse(400, "body.url must be a worker's URL: http://HOST:PORT or https://...")
+    return {**body, "url": url.rstrip("/")}
+
+
+def _refuse(status: int, message: str) -> Response:
+    return JSONResponse(error_body(status, message, "invalid_request_error" if status == 400
+                                   else "proxy_error"), status_code=status)
 
 
 def _probed_role(r: httpx.Response) -> ProbedRole | None:
