@@ -113,11 +113,16 @@ def make_schedule(args: argparse.Namespace) -> Schedule:
         [Prompt(_words(rng, r.prompt), r.prompt, r.out) for r in requests])
 
 
-def warm_prompts(sched: Schedule, per_kind: int) -> list[Prompt]:
-    """The first ``per_kind`` prompts of each kind (A and B shapes), for the unmeasured pass."""
+def warm_prompts(sched: Schedule, per_kind: int, seed: int) -> list[Prompt]:
+    """For the unmeasured pass: prompts of the first ``per_kind`` lengths of each kind (A and B
+    shapes), of other words. Runs 1-4 warmed with the measured prompts themselves, so the prefix
+    caches held most of phases 1 and 2's prompts before they were measured
+    (RESULTS_adaptive.md)."""
+    rng = random.Random(f"warm-{seed}")
     out: list[Prompt] = []
     for kind in sorted(set(sched.kinds)):
-        out += [p for p, k in zip(sched.prompts, sched.phase_of, strict=True)
+        out += [Prompt(_words(rng, p.words), p.words, p.max_tokens)
+                for p, k in zip(sched.prompts, sched.phase_of, strict=True)
                 if sched.kinds[k] == kind][:per_kind]
     return out
 
@@ -269,7 +274,9 @@ def figures(results: list[Result], seconds: float, args: argparse.Namespace) -> 
             "itl_p50_ms": r["ITL p50 ms"], "itl_p99_ms": r["ITL p99 ms"]}
 
 
-def _ratio(x: float, best: float) -> str:
+def _ratio(x: float, best: float | None) -> str:
+    if best is None:  # no static placement measured (--only, --control)
+        return "-"
     if best > 0:
         return f"{x / best:.2f}x"
     return "inf" if x > 0 else "-"
@@ -277,8 +284,8 @@ def _ratio(x: float, best: float) -> str:
 
 def table(title: str, figs: dict[str, dict[str, float]], static: list[str],
           args: argparse.Namespace) -> list[str]:
-    best = max((figs[n]["goodput"] for n in static), default=0.0)
-    best_tight = max((figs[n]["goodput_tight"] for n in static), default=0.0)
+    best = max((figs[n]["goodput"] for n in static), default=None)
+    best_tight = max((figs[n]["goodput_tight"] for n in static), default=None)
     lines = [f"\n#### {title}\n",
              f"| placement | TTFT p50 / p99 ms | ITL p50 / p99 ms | goodput req/s (met/sent) at "
              f"TTFT <= {args.slo_ttft:g} s, TPOT <= {args.slo_tpot * 1000:g} ms | vs best static "
@@ -339,7 +346,7 @@ async def measure(targets: dict[str, Target], sched: Schedule, args: argparse.Na
     warm = _load_args(args, args.model)
     for name, target in targets.items():  # unmeasured: every shape's first use
         began = time.monotonic()
-        await run_load(target.url, warm, warm_prompts(sched, args.warm_per_kind))
+        await run_load(target.url, warm, warm_prompts(sched, args.warm_per_kind, args.seed))
         print(f"warmed {name} in {time.monotonic() - began:.0f} s", flush=True)
         if target.planner is not None:
             async with httpx.AsyncClient(timeout=10) as http:
