@@ -35,10 +35,17 @@ def test_schedule_shifts_between_the_kinds_by_arrival_time() -> None:
     assert sorted(i for k in range(3) for i in s.in_phase(k)) == list(range(len(s.prompts)))
 
 
-def test_warm_prompts_take_each_kind() -> None:
+def test_warm_prompts_take_each_kind_of_the_same_lengths_and_other_words() -> None:
     s = ba.make_schedule(_args())
-    warm = ba.warm_prompts(s, 2)
+    warm = ba.warm_prompts(s, 2, seed=0)
     assert [p.max_tokens == 8 for p in warm] == [True, True, False, False]
+    firsts = [next(p for p, k in zip(s.prompts, s.phase_of, strict=True) if s.kinds[k] == kind)
+              for kind in "AB"]
+    assert [warm[0].words, warm[2].words] == [p.words for p in firsts]
+    assert all(len(w.text.split()) == w.words for w in warm)
+    # Not the measured texts: a prefix cache warmed with them would serve the measured ones.
+    assert not {w.text for w in warm} & {p.text for p in s.prompts}
+    assert warm == ba.warm_prompts(s, 2, seed=0)  # the same for every placement
 
 
 def _met(n: int, of: int) -> list[Result]:
@@ -58,4 +65,8 @@ def test_report_goodput_per_phase_and_ratios_to_the_best_static() -> None:
     assert out["overall"]["static X"]["goodput"] == pytest.approx(0.1)  # 2 met in 20 s
     text = "\n".join(lines)
     assert "per phase: 1.00, 2.00 (>= the best static in every phase)" in text
+    # The control (the adaptive cluster, its planner in --dry-run) is not a static placement.
+    runs[ba.CONTROL] = [_met(2, 2) + _met(2, 2)]
+    lines, _ = ba.report("t", runs, sched, _args(phases="AB"))
+    assert "per phase: 1.00, 2.00 (>= the best static in every phase)" in "\n".join(lines)
     assert "whole run: 2.00x the best static placement" in text
