@@ -44,16 +44,20 @@ class AdminRoutes:
         queued = isinstance(backend, RoleBackend) and backend.release_handoff(uuid_)
         return JSONResponse({"queued": queued})
 
+    async def _one_field(self, request: Request, field: str, shape: str) -> dict[str, object]:
+        """A control endpoint's body: a JSON object of ``field`` alone (400 naming what is not)."""
+        body = await self._state.read_json(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, f"the body must be a JSON object: {shape}")
+        unknown = sorted(set(body) - {field})
+        if unknown:
+            raise ApiError(400, f"unknown field(s) {', '.join(unknown)} @ body: give only {field}")
+        return body
+
     async def switch_role(self, request: Request) -> Response:
         """Switch the worker's role at runtime (issue 30 §1): 202 at once, the switch runs on
         (``/server_info``'s ``role_state`` and ``role_epoch`` say when it serves)."""
-        body = await self._state.read_json(request)
-        if not isinstance(body, dict):
-            raise ApiError(400, 'the body must be a JSON object: {"role": "prefill"|"decode"|'
-                                '"null"}')
-        unknown = sorted(set(body) - {"role"})
-        if unknown:
-            raise ApiError(400, f"unknown field(s) {', '.join(unknown)} @ body: give only role")
+        body = await self._one_field(request, "role", '{"role": "prefill"|"decode"|"null"}')
         role = body.get("role")
         if not isinstance(role, str):
             raise ApiError(400, f"body.role must be a string, one of {', '.join(ROLES)}")
@@ -72,12 +76,7 @@ class AdminRoutes:
     async def set_nice(self, request: Request) -> Response:
         """The compute threads' CPU priority at runtime (issue 30 §3: the planner's lever where
         P and D share cores): ``{"nice": N}``, -20..19, until the next role switch."""
-        body = await self._state.read_json(request)
-        if not isinstance(body, dict):
-            raise ApiError(400, 'the body must be a JSON object: {"nice": N}')
-        unknown = sorted(set(body) - {"nice"})
-        if unknown:
-            raise ApiError(400, f"unknown field(s) {', '.join(unknown)} @ body: give only nice")
+        body = await self._one_field(request, "nice", '{"nice": N}')
         nice = body.get("nice")
         if isinstance(nice, bool) or not isinstance(nice, int) or not -20 <= nice <= 19:
             raise ApiError(400, "body.nice must be an integer in -20..19")
