@@ -21,7 +21,7 @@ import httpx
 import pytest
 import trio
 
-from tests.integration.failure_support import SLACK, Fleet, wait_clean
+from tests.integration.failure_support import SLACK, Fleet, freeze_streaming_decode, wait_clean
 from tests.integration.serve_support import PATHS, fetch_answer, request_body, sse_events
 
 pytestmark = pytest.mark.slow
@@ -84,13 +84,27 @@ async def test_two_decode_workers_draining_at_once_lose_no_stream(fleet: Fleet) 
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client, 0)
-            await started[0].wait()  # the second goes to the less loaded D: the other one
-            nursery.start_soon(client, 1)
-            await started[1].wait()
-            # Both Ds hold a stream; frozen, then thawed together, both switch in one instant.
-            assert [await _load(http, str(d.url)) for d in decodes] == [1, 1]
+            with trio.fail_after(SLACK * 2):
+                await started[0].wait()
+            # The first stream's D stays frozen while the second starts (round robin sends it
+            # to the other D): a fast machine could otherwise finish the first stream before the
+            # second has begun (seen once in CI: loads [0, 1]).
+            first = await freeze_streaming_decode(http, decodes)
             for d in decodes:
+                if d is not first:
+                    os.kill(d.pid, signal.SIGCONT)
+            nursery.start_soon(client, 1)
+            with trio.fail_after(SLACK * 2):
+                await started[1].wait()
+            # Both frozen: each D, thawed alone, holds one stream; then thawed together, both
+            # switch in one instant.
+            second = await freeze_streaming_decode(http, [d for d in decodes if d is not first])
+            loads = []
+            for d in (first, second):
+                os.kill(d.pid, signal.SIGCONT)
+                loads.append(await _load(http, str(d.url)))
                 os.kill(d.pid, signal.SIGSTOP)
+            assert loads == [1, 1], loads
             for d in decodes:
                 os.kill(d.pid, signal.SIGCONT)
             async with trio.open_nursery() as both:
