@@ -27,11 +27,10 @@ from pd_fsm.io_trio.api_key import bearer
 from pd_fsm.io_trio.cluster import observability, ray_cluster
 from pd_fsm.io_trio.cluster.ask import ask
 from pd_fsm.io_trio.cluster.cpu_placement import may_take_nice
-from pd_fsm.io_trio.cluster.launcher import Launcher
+from pd_fsm.io_trio.cluster.launcher import Launcher, ProcessBackend, drain_timeout
 from pd_fsm.io_trio.cluster.supervisor import STOP_GRACE, Child, Cluster
 from pd_fsm.io_trio.ports import free_port_pair, free_ports
 from pd_fsm.io_trio.tls import NO_TLS, TLS, throwaway_ca
-from pd_fsm.io_trio.worker.config import ServeConfig
 
 log = logging.getLogger("pd_fsm.io_trio.cluster.local")
 
@@ -438,22 +437,13 @@ def _max_workers_refusal(args: argparse.Namespace) -> str | None:
     return None
 
 
-def drain_timeout(args: argparse.Namespace) -> float:
-    """The workers' ``--drain-timeout`` (from ``--worker-args``, else serve's default): how long
-    a worker the launcher stops may take to drain."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--drain-timeout", type=float, default=ServeConfig().drain_timeout)
-    known, _ = parser.parse_known_args(shlex.split(args.worker_args or ""))
-    return float(known.drain_timeout)
-
-
 def _launcher(args: argparse.Namespace, tls: TLS, ports: _Ports, cluster: Cluster) -> Launcher:
     key = None if args.api_key_file is None else args.api_key_file.read_text().strip()
 
     def new_worker(role: str, name: str) -> Child:
         return launched_worker(args, tls, role, name, ports.bootstrap)
 
-    return Launcher(cluster, new_worker, max_workers=args.max_workers,
+    return Launcher(ProcessBackend(cluster, new_worker), max_workers=args.max_workers,
                     proxy_url=f"{tls.scheme}://{HOST}:{ports.proxy}",
                     headers=bearer(key) if key else {}, host=HOST, port=ports.launcher,
                     start_timeout=args.startup_timeout,
