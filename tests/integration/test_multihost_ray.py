@@ -8,6 +8,11 @@ server, the proxy and a colocated worker go to the driver's node (A). Then:
 - answers through the proxy equal the colocated worker's;
 - the P actor is SIGKILLed: its service process dies with it, Ray restarts the actor, the new one
   starts P again on the same URL, P re-registers, and the next requests are answered correctly;
+- the launcher (``--max-workers 3``, issue 30 §2): the last D cannot be scaled down (409); a
+  scale-up of a decode worker starts a D actor on host B (its role's node), answered once the
+  proxy routes it, and it serves requests, answered as colocated does; a further scale-up is
+  over the bound (409); its scale-down takes it out of the proxy and stops its actor: it exits 0
+  and no process of it is left on B, and the answers stay equal;
 - SIGINT to the launcher stops everything in tiers: no pd-fsm process is left on either host.
 """
 
@@ -37,6 +42,7 @@ pytest.importorskip("ray", reason="Ray is the test extra's (pip install -e .[tes
 
 RAY = str(Path(sys.executable).with_name("ray"))
 RAY_PORT = 6379
+_LAUNCHER = re.compile(r"^\s+launcher\s+(http://\S+)")
 _ROW = re.compile(r"^\s+(\S+)\s+(http://\S+).*\[node (\S+), actor pid (\d+), process pid (\d+)\]")
 
 
@@ -86,7 +92,7 @@ def _wait_line(proc: Proc, needle: str, timeout: float, after: int = 0) -> int:
         time.sleep(0.2)
 
 
-def _answers(client: NsClient, base: str, n: int = 3) -> list[str]:
+def _answers(client: NsClient, base: str, n: int = 4) -> list[str]:
     reqs = [{"method": "POST", "url": f"{base}/generate", "timeout": 60,
              "json": {"text": f"Ray test prompt {i}", "stream": i % 2 == 1,
                       "sampling_params": {"max_new_tokens": 8, "temperature": 0}}}
@@ -110,9 +116,10 @@ def _running(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _pd_fsm_pids(hosts: Hosts) -> list[str]:
+def _pd_fsm_pids(hosts: Hosts, *namespaces: str) -> list[str]:
+    """Every running pd-fsm process in these namespaces (default: both hosts)."""
     found = []
-    for ns in (hosts.a, hosts.b):
+    for ns in namespaces or (hosts.a, hosts.b):
         for pid in hosts.pids(ns):
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -123,12 +130,55 @@ def _pd_fsm_pids(hosts: Hosts) -> list[str]:
     return found
 
 
+def _requests_on(client: NsClient, worker: str) -> int:
+    """How many requests ``worker`` has taken (its ``/server_info`` stats)."""
+    info = client.json("GET", f"{worker}/server_info")
+    return sum(info["internal_states"][0].get("requests_total", {}).values())
+
+
+def _scale_a_decode_worker(hosts: Hosts, client: NsClient, launcher: Proc, proxy: str,
+                           reference: list[str]) -> None:
+    """The launcher's scale-up and scale-down of a D actor on host B, and two refusals."""
+    (base,) = [m.group(1) for line in launcher.lines if (m := _LAUNCHER.match(line))]
+    listed = client.json("GET", f"{base}/workers")
+    assert listed["max_workers"] == 3, listed
+    rows = {w["name"]: w for w in listed["workers"]}
+    assert {n: w["state"] for n, w in rows.items()} == {"prefill-0": "serving",
+                                                        "decode-0": "serving"}, listed
+    last = client.call([{"method": "POST", "url": f"{base}/scale_down", "timeout": 30,
+                         "json": {"worker": rows["decode-0"]["url"]}}])[0]
+    assert last["status"] == 409 and "the last decode worker serving" in last["body"], last
+    on_b = set(_pd_fsm_pids(hosts, hosts.b))
+
+    up = client.json("POST", f"{base}/scale_up", {"role": "decode"}, timeout=240)
+    added = up["worker"]
+    assert (up["name"], up["role"]) == ("decode-1", "decode"), up
+    assert added.startswith(f"http://{hosts.ip_b}:"), up  # its role's node: B
+    assert len(set(_pd_fsm_pids(hosts, hosts.b)) - on_b) == 1, on_b  # its process, on B
+    assert added in client.json("GET", f"{proxy}/workers")["decode"]
+    over = client.call([{"method": "POST", "url": f"{base}/scale_up", "timeout": 30,
+                         "json": {"role": "prefill"}}])[0]
+    assert over["status"] == 409 and "--max-workers 3" in over["body"], over
+    assert _answers(client, proxy) == reference  # round robin over both Ds
+    assert _requests_on(client, added) >= 1, "the added D served no request"
+
+    down = client.json("POST", f"{base}/scale_down", {"worker": added}, timeout=120)
+    assert (down["name"], down["exit_status"], down["killed"]) == ("decode-1", 0, False), down
+    assert added not in client.json("GET", f"{proxy}/workers")["decode"]
+    assert added not in [w["url"] for w in client.json("GET", f"{base}/workers")["workers"]]
+    deadline = time.monotonic() + 10  # its process exited; gone once its actor reaped it
+    while (left := set(_pd_fsm_pids(hosts, hosts.b))) != on_b:
+        assert time.monotonic() < deadline, (on_b, left)
+        time.sleep(0.1)
+    assert _answers(client, proxy) == reference
+
+
 def test_ray_launch_restart_and_stop(ray_hosts: Hosts) -> None:
     hosts = ray_hosts
     argv = cli("cluster", "--ray", f"{hosts.ip_a}:{RAY_PORT}", "--model", "tiny",
                "--page-size", "4", "--context-length", "256", "--colocated",
                "--prefill-nodes", hosts.ip_a, "--decode-nodes", "resource:hostB",
-               "--ray-max-restarts", "2", "--startup-timeout", "300",
+               "--ray-max-restarts", "2", "--startup-timeout", "300", "--max-workers", "3",
                "--worker-args", "--disaggregation-bootstrap-heartbeat-interval 1 "
                "--disaggregation-bootstrap-heartbeat-ttl 3")
     launcher = Proc.start("cluster", hosts.exec(hosts.a, argv))
@@ -167,6 +217,7 @@ def test_ray_launch_restart_and_stop(ray_hosts: Hosts) -> None:
                 time.sleep(1)
         assert after == reference
         assert _answers(client, proxy) == reference  # and it stays so
+        _scale_a_decode_worker(hosts, client, launcher, proxy, reference)
 
         launcher.popen.send_signal(signal.SIGINT)
         assert launcher.popen.wait(60) == 0, launcher.tail(80)

@@ -170,7 +170,8 @@ class Launcher:
         self.extra = f"POST /scale_up, /scale_down; GET /workers (--max-workers {max_workers})"
         self._backend = backend
         self.max_workers = max_workers
-        self._proxy_url = proxy_url.rstrip("/")
+        # Public: the Ray runner learns its proxy's URL once the proxy is placed (``ready``).
+        self.proxy_url = proxy_url.rstrip("/")
         self._headers = headers
         self._host, self._port = host, port
         self.start_timeout, self.stop_timeout = start_timeout, stop_timeout
@@ -384,7 +385,7 @@ class Launcher:
         """``POST /workers/{what}`` on the proxy; None once it answered 200, else (502, why)."""
         try:
             with trio.fail_after(PROXY_S):
-                r = await self._http().post(f"{self._proxy_url}/workers/{what}", json=body,
+                r = await self._http().post(f"{self.proxy_url}/workers/{what}", json=body,
                                             headers=self._headers)
         except (httpx.HTTPError, trio.TooSlowError) as exc:
             return 502, f"the proxy's /workers/{what} failed: {describe(exc)}"
