@@ -116,8 +116,7 @@ class ProcessBackend:
         if code is None:
             return None
         await trio.sleep(0.2)  # let the forwarder take its last lines
-        return f"exited with status {code} before it was healthy: " \
-               f"{' | '.join(list(child.tail)[-5:])}"
+        return exited_before_healthy(code, list(child.tail)[-5:])
 
     def serving(self, child: Child) -> None:
         child.fatal = True
@@ -126,6 +125,11 @@ class ProcessBackend:
         if child.proc is None:  # it never started
             return None, False
         return await self.cluster.retire(child, grace)
+
+
+def exited_before_healthy(code: int, tail: list[str]) -> str:
+    """A scale-up's 502: how the worker's process ended, and its last lines."""
+    return f"exited with status {code} before it was healthy: {' | '.join(tail)}"
 
 
 def drain_timeout(args: argparse.Namespace) -> float:

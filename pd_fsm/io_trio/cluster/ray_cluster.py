@@ -80,11 +80,13 @@ class ServiceActor:
     """One pd-fsm service process on this node (used as a Ray actor; see the module docstring).
 
     ``argv`` may contain ``{host}`` (this node's Ray address) and ``{port0}``, ``{port1}``, ...:
-    ``n_ports`` ports free on this node, chosen once and kept across restarts.
+    ``n_ports`` ports free on this node, chosen once and kept across restarts. ``armed``: the
+    process's exit takes the actor down (so that Ray restarts it); a worker the launcher starts
+    is armed once it serves (``arm``), until then its exit is the scale-up's answer (``info``).
     """
 
     def __init__(self, name: str, cluster_id: str, argv: list[str], n_ports: int,
-                 health_port: int | None) -> None:
+                 health_port: int | None, armed: bool = True) -> None:
         import ray
 
         self.name = name
@@ -107,11 +109,9 @@ class ServiceActor:
                 time.sleep(0.05)
         self.ports: list[int] = state.get("ports") or free_ports(n_ports, self.host, launcher=True)
         self.restarts: int = int(state.get("restarts", -1)) + 1
-        # Why the previous incarnation's process ended (its status and last lines), for a
-        # launcher whose worker dies before it serves.
-        self.last_exit: str | None = None
-        with contextlib.suppress(OSError):
-            self.last_exit = self._state_file.with_suffix(".last").read_text()
+        # Ray restarts an actor with its first arguments: one restarted was armed.
+        self._armed = armed or self.restarts > 0
+        self._exited = False
         self.health_port = None if health_port is None else self.ports[health_port]
         fields = {"host": self.host, **{f"port{i}": p for i, p in enumerate(self.ports)}}
         self.argv = [a.format(**fields) for a in argv]
@@ -126,7 +126,8 @@ class ServiceActor:
         )
         self._state_file.write_text(json.dumps(
             {"ports": self.ports, "pid": self.proc.pid, "restarts": self.restarts}))
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _read(self) -> None:
@@ -137,20 +138,41 @@ class ServiceActor:
                 self._lines.append((self._seq, raw.decode("utf-8", "replace").rstrip("\n")))
 
     def _watch(self) -> None:
-        code = self.proc.wait()
-        if not self._stopping:
-            # The service died on its own: take the actor down so that Ray restarts it. Its
-            # last lines stay beside the state file for an operator (the driver may have
-            # missed them).
-            with contextlib.suppress(OSError):
-                tail = "\n".join(line for _, line in list(self._lines)[-40:])
-                self._state_file.with_suffix(".last").write_text(f"exit {code}\n{tail}")
-            os._exit(1)
+        self.proc.wait()
+        with self._lock:  # exactly one of this and arm() sees both the exit and the arming
+            self._exited = True
+            die = self._armed and not self._stopping
+        if die:
+            self._die()
+
+    def arm(self) -> None:
+        """From now on the process's exit takes the actor down (Ray restarts it)."""
+        with self._lock:
+            self._armed = True
+            die = self._exited and not self._stopping
+        if die:
+            self._die()
+
+    def _die(self) -> None:
+        # The service died on its own: take the actor down so that Ray restarts it. Its last
+        # lines stay beside the state file for an operator (the driver may have missed them).
+        self._reader.join(1.0)
+        with contextlib.suppress(OSError):
+            tail = "\n".join(line for _, line in list(self._lines)[-40:])
+            self._state_file.with_suffix(".last").write_text(f"exit {self.proc.returncode}\n"
+                                                             f"{tail}")
+        os._exit(1)
 
     def info(self) -> dict[str, Any]:
+        """Where it serves; and, once its (unarmed) process exited, its status and last lines."""
+        code = self.proc.poll()
+        if code is not None:
+            self._reader.join(1.0)  # its last lines read
+        with self._lock:
+            tail = [line for _, line in list(self._lines)[-5:]] if code is not None else []
         return {"name": self.name, "host": self.host, "ports": self.ports,
                 "pid": self.proc.pid, "actor_pid": os.getpid(), "restarts": self.restarts,
-                "last_exit": self.last_exit}
+                "exit": code, "tail": tail}
 
     def lines(self, since: int) -> tuple[int, list[str]]:
         """Output lines after sequence number ``since``, and the newest sequence number."""
@@ -260,7 +282,7 @@ class RayCluster:
         self.actor_class = ray.remote(ServiceActor)
 
     def _spawn(self, name: str, role: str, tier: int, argv: list[str], n_ports: int,
-               health_port: int | None, extra: str = "") -> Service:
+               health_port: int | None, extra: str = "", armed: bool = True) -> Service:
         places = self.placements[role]
         index = self.placed.get(role, 0)
         if role in self.placed:
@@ -269,7 +291,7 @@ class RayCluster:
             name=f"pd-fsm-{self.cluster_id}-{name}", num_cpus=0,
             resources=places[index % len(places)],
             max_restarts=self.args.ray_max_restarts, max_task_retries=0,
-        ).remote(name, self.cluster_id, argv, n_ports, health_port)
+        ).remote(name, self.cluster_id, argv, n_ports, health_port, armed)
         service = Service(name, tier, handle, extra=extra,
                           role=role if role in self.placed else None)
         with self.lock:
@@ -283,7 +305,8 @@ class RayCluster:
                 "--disaggregation-mode", role, *self.bootstrap_flags]
         if role == "prefill":
             argv += ["--disaggregation-side-channel-port", "{port1}"]
-        service = self._spawn(name, role, 1, argv, 2 if role == "prefill" else 1, 0)
+        service = self._spawn(name, role, 1, argv, 2 if role == "prefill" else 1, 0,
+                              armed=watched)
         service.watched = watched
         return service
 
@@ -408,19 +431,23 @@ class RayCluster:
         self.retire(service, 1.0)  # nobody's else: it must not start later
         raise failure
 
-    def exit_reason(self, s: Service) -> str | None:
-        """Why a worker the launcher starts will not serve: its process exited (Ray restarted
-        its actor, or is restarting it); None while it runs (or its actor does not answer yet)."""
+    def exit_of(self, s: Service) -> tuple[int, list[str]] | None:
+        """A worker the launcher starts (unarmed): its process's exit status and last lines once
+        it exited, None while it runs (or its actor does not answer yet). Raises
+        ``RayLaunchError`` when its actor died."""
         try:
             info = self.ray.get(s.handle.info.remote(), timeout=10)
         except self.ray.exceptions.GetTimeoutError:
             return None
-        except self.ray.exceptions.RayActorError:
-            return "its process exited before it was healthy (its actor is down)"
-        if int(info["restarts"]) == s.restarts:
-            return None
-        last = " | ".join(str(info.get("last_exit") or "").splitlines()[-6:])
-        return f"its process exited before it was healthy (Ray restarted its actor): {last}"
+        except self.ray.exceptions.RayActorError as exc:
+            raise RayLaunchError(f"its actor died before it was healthy: "
+                                 f"{type(exc).__name__}") from None
+        return None if info["exit"] is None else (int(info["exit"]), list(info["tail"]))
+
+    def arm(self, s: Service) -> None:
+        """The launcher's worker serves: its death is the cluster's now, as its siblings'."""
+        s.watched = True
+        s.handle.arm.remote()  # not waited for: the actor's to do, at once
 
     def retire(self, s: Service, grace: float) -> tuple[int | None, bool]:
         """Stop one service for good: its process (SIGTERM, SIGKILL past ``grace``), its last

@@ -7,8 +7,9 @@ whose workers are Ray actors (``ActorBackend``).
   on its node and runs ``pd-fsm serve`` with its siblings' flags. The answer comes once the
   worker answers ``/health`` and the proxy routes it (``POST /workers/add``). An actor not placed
   and started within ``--startup-timeout`` is 504, a worker not healthy within it 504, one whose
-  process exits first (Ray restarts the actor: the launcher sees the restart) 502 with its last
-  lines; either way the actor is stopped and killed without restart.
+  process exits first 502 with its last lines (until it serves, its actor is not armed: the
+  process's exit does not take it down, it answers how the process ended); either way the actor
+  is stopped and killed without restart.
 - ``POST /scale_down {"worker"}`` takes the worker out of the proxy, then has its actor SIGTERM
   the process (it drains), SIGKILL it past its ``--drain-timeout`` and a grace, and the actor is
   killed without restart (``RayCluster.retire``).
@@ -43,7 +44,12 @@ from typing import TypeVar
 import attrs
 import trio
 
-from pd_fsm.io_trio.cluster.launcher import Launcher, Stopped, drain_timeout
+from pd_fsm.io_trio.cluster.launcher import (
+    Launcher,
+    Stopped,
+    drain_timeout,
+    exited_before_healthy,
+)
 from pd_fsm.io_trio.cluster.ray_cluster import RayCluster, RayLaunchError, Service
 from pd_fsm.io_trio.cluster.supervisor import STOP_GRACE, Child
 from pd_fsm.io_trio.http_edge import describe
@@ -87,10 +93,14 @@ class ActorBackend:
         return None
 
     async def exited(self, child: Child) -> str | None:
-        return await self._call(self.cluster.exit_reason, self.services[child.name])
+        try:
+            ended = await self._call(self.cluster.exit_of, self.services[child.name])
+        except RayLaunchError as exc:
+            return str(exc)
+        return None if ended is None else exited_before_healthy(*ended)
 
     def serving(self, child: Child) -> None:
-        self.services[child.name].watched = True
+        self.cluster.arm(self.services[child.name])
 
     async def stop(self, child: Child, grace: float) -> Stopped:
         s = self.services.pop(child.name, None)
