@@ -16,6 +16,21 @@ def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
         raise ValueError(f"{attribute.name} must be > 0, got {value}")
 
 
+# One prefill forward's padded tokens when not given, by JAX backend. On CPU a forward's cost
+# grows much faster than its tokens past a few hundred: SmolLM2 prefills a 788-token prompt in
+# 2.9-3.1 s in chunks of 256, 4.6 s of 512, 7.9-8.7 s in one padded forward of 1,024 (and 3.3 s
+# in chunks of 128); a 2,000-token one in 7.4-9.1 s against 19-20 s (2 vCPUs, 2026-12-03,
+# README "Performance"). Accelerators keep the earlier 1,024 (not measured here).
+PREFILL_BUDGETS = {"cpu": 256}
+PREFILL_BUDGET_ELSE = 1024
+
+
+def prefill_budget(requested: int | None, backend: str) -> int:
+    """``requested`` (--max-batched-tokens), or the default for JAX ``backend``."""
+    return requested if requested is not None else PREFILL_BUDGETS.get(backend,
+                                                                       PREFILL_BUDGET_ELSE)
+
+
 def _mode(_: object, attribute: attrs.Attribute[str], value: str) -> None:
     if value not in DISAGGREGATION_MODES:
         raise ValueError(f"{attribute.name} must be one of {DISAGGREGATION_MODES}, got {value!r}")
@@ -35,8 +50,9 @@ class SchedulerArgs:
     page_size: int = attrs.field(default=16, validator=_positive)
     max_running: int = attrs.field(default=8, validator=_positive)  # admitted requests, at most
     # Padded tokens (rows x bucketed length) one prefill forward may process; longer prompts are
-    # prefilled in chunks of at most this many tokens.
-    max_batched_tokens: int = attrs.field(default=1024, validator=_positive)
+    # prefilled in chunks of at most this many tokens. None: the backend's (prefill_budget).
+    max_batched_tokens: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_positive))
     # Longest sequence (prompt + output); None: the model's own context length.
     context_length: int | None = None
     # Seeds requests that did not bring their own, so a whole run is reproducible.

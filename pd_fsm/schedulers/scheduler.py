@@ -34,7 +34,7 @@ from pd_fsm.jax_engine.parallel.tensor_parallel import check_tp
 from pd_fsm.jax_engine.sampling.grammar import compiler_for
 from pd_fsm.jax_engine.sampling.params import SamplingParams, TopLogprobs
 from pd_fsm.jax_engine.sampling.sampler import last_logits
-from pd_fsm.schedulers.args import SchedulerArgs
+from pd_fsm.schedulers.args import SchedulerArgs, prefill_budget
 from pd_fsm.schedulers.forks import fork_sequences
 from pd_fsm.schedulers.model_runner import ModelRunner
 from pd_fsm.schedulers.output_processor import OutputProcessor
@@ -103,7 +103,10 @@ class Scheduler:
         model: LoadedModel | None = None,
         role: Callable[[Scheduler], SchedulerRole] | None = None,
     ) -> None:
-        self.args = args
+        # --max-batched-tokens resolved (None: this backend's default), as every reader of the
+        # arguments sees it.
+        self.max_batched_tokens = prefill_budget(args.max_batched_tokens, jax.default_backend())
+        self.args = args = attrs.evolve(args, max_batched_tokens=self.max_batched_tokens)
         self.model = model if model is not None else load_model(
             args.model, args.dtype, args.model_seed
         )
@@ -233,7 +236,7 @@ class Scheduler:
                 self.outputs.mark(item)
         for req in self.queues.admit(self.page_budget, self.args.max_running):
             self.role.on_admitted(req)
-        prefill = plan_prefill(self.prefilling, self.args.max_batched_tokens,
+        prefill = plan_prefill(self.prefilling, self.max_batched_tokens,
                                self.role.chunk_cap)
         if prefill is not None:
             self._prefill(prefill)
@@ -287,7 +290,7 @@ class Scheduler:
         (``plan.shape_plan``), less those its role never runs. The page table's width is fixed
         (``table_width``), so nothing else varies."""
         a = self.args
-        plan = shape_plan(a.max_running, a.max_batched_tokens, self.context_length)
+        plan = shape_plan(a.max_running, self.max_batched_tokens, self.context_length)
         return [(n, t) for n, t in plan if self.role.keeps_shape(n, t)]
 
     def warm_up(self) -> WarmupReport:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import attrs
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from pd_fsm.schedulers import (
     SchedulerArgs,
     make_scheduler,
 )
+from pd_fsm.schedulers.args import prefill_budget
 from pd_fsm.schedulers.role import ColocatedRole
 from pd_fsm.text.tokenizer import CharTokenizer
 
@@ -351,3 +353,20 @@ def test_no_early_outputs_without_a_decode_forward(tiny: LoadedModel) -> None:
     calls: list[list[RequestOutput]] = []
     outs = sched.step(calls.append)
     assert calls == [] and [o.rid for o in outs] == ["a"] and outs[0].finished
+
+
+def test_the_prefill_budget_defaults_by_backend_and_a_given_one_stays(tiny: LoadedModel) -> None:
+    # Not given: the backend's (256 on CPU, where a forward's cost grows much faster than its
+    # tokens); every reader of the arguments sees the resolved value.
+    sched = Scheduler(_args(max_batched_tokens=None), model=tiny)
+    expected = prefill_budget(None, jax.default_backend())
+    assert sched.max_batched_tokens == sched.args.max_batched_tokens == expected
+    if jax.default_backend() == "cpu":
+        assert expected == 256
+    assert prefill_budget(None, "gpu") == 1024 and prefill_budget(64, "cpu") == 64
+    assert Scheduler(_args(max_batched_tokens=64), model=tiny).max_batched_tokens == 64
+    # A 300-token prompt on CPU is two forwards (256 + 44), not one padded to 512.
+    sched.add_request(Req("long", _prompt(3, 300), SamplingParams(max_new_tokens=1)))
+    sched.run_until_idle()
+    prefills = [shape[1:] for shape in sched.forward_shapes if shape[0].startswith("extend")]
+    assert prefills and max(n * t for n, t in prefills) <= expected

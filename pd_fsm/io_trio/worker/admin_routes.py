@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Callable
 from contextlib import aclosing
 
+import jax
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -22,6 +23,7 @@ from pd_fsm.io_trio.worker.generation import GenerationRoutes
 from pd_fsm.io_trio.worker.schemas import ApiError, JsonObject
 from pd_fsm.io_trio.worker.sse import until_disconnect
 from pd_fsm.jax_engine.sampling.params import SamplingParams
+from pd_fsm.schedulers.args import prefill_budget
 
 
 class AdminRoutes:
@@ -173,7 +175,7 @@ class AdminRoutes:
             page_size=c.page_size,
             max_total_num_tokens=(c.num_pages - 1) * c.page_size,
             max_running_requests=c.max_running,
-            chunked_prefill_size=c.max_batched_tokens,
+            chunked_prefill_size=prefill_budget(c.max_batched_tokens, jax.default_backend()),
             context_length=self._state.meta.context_length if self._state.meta else None,
             dtype=c.dtype,
             host=c.host,

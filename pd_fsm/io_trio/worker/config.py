@@ -64,7 +64,7 @@ class ServeConfig:
     num_pages: int = 1024
     page_size: int = 16
     max_running: int = 8
-    max_batched_tokens: int = 1024
+    max_batched_tokens: int | None = None  # None: the backend's (schedulers/args.py)
     context_length: int | None = None
     random_seed: int = 0
     # Devices the model and KV pool are sharded over (tensor parallelism; on CPU the worker
