@@ -94,6 +94,20 @@ class _Room:
     refused: tuple[str, ...] = ()  # the Ds that refused this room's decode leg (redirected)
 
 
+def _handoff_taker(r: _Room, decode: list[str], breakers: WorkerBreakers, live: Counter[str]
+                   ) -> str | None:
+    """The D a hand-off room's refused leg goes to next, or None. A D that never took the leg
+    (down, draining, in another role) is no reason to re-prefill: the draining D still registers
+    the KV (until it is told to release it, or its lease ends), so another D pulls it: the least
+    loaded of those the room has not tried, first those the request does not avoid (routable
+    ones, then ones whose breaker is open), then those it does (as a re-prefill would go to them
+    once no other D is left), never the draining D."""
+    used = r.attempts
+    left = [d for d in decode if d not in (r.decode, *r.refused, used.handed_off_by)]
+    fresh = [d for d in left if d not in used.avoid]
+    return _least_loaded(breakers.routable(fresh) or left, live)
+
+
 class RoomRouter:
     table = ROOM
 
@@ -201,13 +215,8 @@ class RoomRouter:
         cfg, used = self.config, r.attempts
         worker = r.prefill if e.leg == "prefill" else r.decode
         if e.leg == "decode" and r.state == _S.HANDOFF:
-            # A D that never took the leg (down, draining, in another role) is no reason to
-            # re-prefill: the draining D still registers the KV (until it is told to release
-            # it, or its lease ends), so another D pulls it, the least loaded of those the room
-            # has not tried (one whose breaker is open too, before a re-prefill would go there).
-            avoid = {r.decode, *r.refused, *used.avoid}
-            other = _least_loaded(self.breakers.routable(
-                [d for d in self._decode if d not in avoid]), self._live) if e.refused else None
+            other = (_handoff_taker(r, self._decode, self.breakers, self._live) if e.refused
+                     else None)
             if other is not None:
                 r.failed = other  # the D its leg goes to next (RedirectDecodeLeg)
                 return _T.DecodeRefused
@@ -339,7 +348,8 @@ class RoomRouter:
         used = r.attempts
         if r.state == _S.HANDED_OFF:
             cause, delay = "handoff", 0.0
-            attempts = attrs.evolve(used, handoffs=used.handoffs + 1, deadline=None)
+            attempts = attrs.evolve(used, handoffs=used.handoffs + 1, deadline=None,
+                                    handed_off_by=r.failed)
         elif r.state == _S.MIGRATED:
             cause, delay = "migration", 0.0
             # A migrated stream starts a fresh deadline: it may have run long by now.

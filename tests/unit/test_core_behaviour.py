@@ -630,6 +630,7 @@ def test_a_draining_decode_worker_hands_its_stream_off_and_a_failed_hand_off_mig
     reopen = _reopen(out)
     assert (reopen.cause, reopen.delay, reopen.attempts.handoffs) == ("handoff", 0.0, 1)
     assert reopen.attempts.migrations == 0 and reopen.attempts.avoid == (room.decode,)
+    assert reopen.attempts.handed_off_by == room.decode  # its hand-off legs never go there
     assert router.outcomes["HANDED_OFF"] == 1
     # The hand-off room: D alone (the other one), no P leg.
     (leg,) = router.handle(ev.RoomRequested("r", attempts=reopen.attempts, migratable=True,
@@ -663,7 +664,7 @@ def test_a_refused_hand_off_leg_goes_to_another_decode_worker_with_its_ticket() 
 
     router = RoomRouter(["p0"], ["d0", "d1", "d2", "d3"], random.Random(7),
                         RouterConfig(migration_limit=1, breaker_threshold=0))
-    spent = Attempts(migrations=1, handoffs=1, avoid=("d0",))  # no migration left
+    spent = Attempts(migrations=1, handoffs=1, avoid=("d0",), handed_off_by="d0")  # none left
     (leg,) = router.handle(ev.RoomRequested("r", attempts=spent, migratable=True,
                                             handoff=True), 0.0)
     assert isinstance(leg, fx.DispatchLocal) and leg.decode == "d1"  # ties: the list's order
@@ -677,23 +678,25 @@ def test_a_refused_hand_off_leg_goes_to_another_decode_worker_with_its_ticket() 
     assert router.outcomes["MIGRATED"] == 0
 
     # Every other D refuses in turn (a draining one's 503, a stale role's 409 alike), never one
-    # twice; then, a migration left, the request falls back to a re-prefill avoiding them all.
-    (leg,) = router.handle(ev.RoomRequested("q", attempts=Attempts(handoffs=1, avoid=("d0",)),
-                                            migratable=True, handoff=True), 1.0)
+    # twice, d3 last (it failed the request before), never the draining d0; then, a migration
+    # left, the request falls back to a re-prefill avoiding them all.
+    handed = Attempts(handoffs=1, avoid=("d3", "d0"), handed_off_by="d0")
+    (leg,) = router.handle(ev.RoomRequested("q", attempts=handed, migratable=True, handoff=True),
+                           1.0)
     refusers = [leg.decode]
     for _ in range(2):
         (redirect,) = router.handle(ev.LegResponded(leg.room, "decode", False, "503 draining",
                                                     refused=True), 1.1)
         assert isinstance(redirect, fx.RedirectDecode) and redirect.decode not in refusers
         refusers.append(redirect.decode)
-    assert sorted(refusers) == ["d1", "d2", "d3"]
+    assert refusers in (["d1", "d2", "d3"], ["d2", "d1", "d3"])
     out = router.handle(ev.LegResponded(leg.room, "decode", False, "refused", refused=True),
                         1.2)
     reopen = _reopen(out)
     assert reopen.cause == "migration" and set(reopen.attempts.avoid) == {"d0", *refusers}
     # A pull that failed (not a refusal: the D took the leg) falls back at once, as before.
-    (leg,) = router.handle(ev.RoomRequested("s", attempts=Attempts(handoffs=1, avoid=("d0",)),
-                                            migratable=True, handoff=True), 2.0)
+    (leg,) = router.handle(ev.RoomRequested("s", attempts=handed, migratable=True, handoff=True),
+                           2.0)
     out = router.handle(ev.LegResponded(leg.room, "decode", False, "pull failed", False, True),
                         2.1)
     assert _reopen(out).cause == "migration"
@@ -709,8 +712,9 @@ def test_a_refused_hand_off_leg_tries_a_decode_worker_whose_breaker_is_open_befo
                         RouterConfig(breaker_threshold=1, breaker_cooldown=60.0))
     router.breakers.outcome("d1", False, True, 0.0, [])  # one fault: open
     assert router.breakers.state("d1") == "OPEN"
-    (leg,) = router.handle(ev.RoomRequested("r", attempts=Attempts(handoffs=1, avoid=("d0",)),
-                                            migratable=True, handoff=True), 1.0)
+    handed = Attempts(handoffs=1, avoid=("d0",), handed_off_by="d0")
+    (leg,) = router.handle(ev.RoomRequested("r", attempts=handed, migratable=True, handoff=True),
+                           1.0)
     assert leg.decode == "d2"  # the routable one
     out = router.handle(ev.LegResponded(leg.room, "decode", False, "refused", refused=True), 1.1)
     assert [e for e in out if isinstance(e, fx.RedirectDecode)] == [
