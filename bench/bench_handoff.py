@@ -18,8 +18,8 @@ D is restarted between streams. Asserts nothing but that every stream is whole; 
 shared, so compare the two columns of one run.
 
 Run: ``.venv/bin/python bench/bench_handoff.py [--model tiny] [--lengths 512 2048 4000]``
-(the tiny model's positions end at 4,096; ``--model smollm2`` reaches 8,192 but prefills slowly
-on CPU).
+(both models' positions end at 8,192; the default lengths are those of ``RESULTS_handoff.md``'s
+runs, made when the tiny model's ended at 4,096; ``--model smollm2`` prefills slowly on CPU).
 """
 
 from __future__ import annotations

@@ -17,11 +17,12 @@ same link. Prints tables; asserts nothing. Needs root (namespaces, ``tc``).
 
     .venv/bin/python bench/bench_shaped_link.py                         # SmolLM2, 512 and 2,048
     .venv/bin/python bench/bench_shaped_link.py --sizes 512 --repeats 5 --json out.json
-    .venv/bin/python bench/bench_shaped_link.py --model tiny --sizes 512 2048 4000
+    .venv/bin/python bench/bench_shaped_link.py --model tiny --sizes 512 2048 8192
 
-A size is the whole context (prompt + ``--max-tokens``), as in ``bench_handoff.py``: SmolLM2's
-positions end at 8,192, so ``--sizes 8192`` is a prompt of 8,190 tokens (it took ~250 s per
-prefill on this 2-core machine, so it is not in the default run); the tiny model's end at 4,096.
+A size is the whole context (prompt + ``--max-tokens``), as in ``bench_handoff.py``: both models'
+positions end at 8,192, so ``--sizes 8192`` is a prompt of 8,190 tokens (a SmolLM2 one took ~250
+s per prefill on this 2-core machine, so it is not in the default run; the tiny model's KV is 512
+bytes a token, 4 MB at 8,192).
 """
 
 from __future__ import annotations

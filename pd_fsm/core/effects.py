@@ -386,8 +386,17 @@ class FreeHeldPages:
     room: int
 
 
+@attrs.frozen(slots=True)
+class FinishUnplaced:
+    """Finish waiting hand-off ``room``'s aborted request: it holds no pages."""
+
+    room: int
+    reason: str
+
+
 HandoffEffect = (
     ReleaseOffer | StartHandoffPull | EnterDecode | FailHandoff | FinishAborted | FreeHeldPages
+    | FinishUnplaced
 )
 
 RouterEffect = (

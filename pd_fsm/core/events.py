@@ -332,11 +332,27 @@ class HandoffClaimed:
     room: int
 
 
+@attrs.frozen(slots=True)
+class HandoffQueued:
+    """The taking D accepted a ticket while no pages were free; ``room``: its pull's number. It
+    waits for pages for ``wait_s`` at most."""
+
+    room: int
+    wait_s: float
+
+
+@attrs.frozen(slots=True)
+class HandoffPagesReserved:
+    """Pages came free for waiting hand-off ``room`` and were reserved."""
+
+    room: int
+
+
 # A hand-off's pull reports as any pull does (PullSucceeded / PullFailed, by its room); a local
 # abort of its request is Aborted.
 HandoffEvent = (
-    TimeAdvanced | HandoffOffered | HandoffPulled | HandoffClaimed | PullSucceeded | PullFailed
-    | Aborted
+    TimeAdvanced | HandoffOffered | HandoffPulled | HandoffClaimed | HandoffQueued
+    | HandoffPagesReserved | PullSucceeded | PullFailed | Aborted
 )
 
 

@@ -5,8 +5,11 @@ sequence's KV under its registration's uuid (``HandoffOffered``) until the proxy
 answered (``HandoffPulled``) or the offer's lease ends, and releases the registration exactly once
 either way. The taking D pulls under its pull's room number (``HandoffClaimed``, negative: never a
 PD room's) until the pull reports; a request aborted meanwhile keeps its pages until then, so no
-page is freed under a pull that could still write it. Sans-IO like every owner in the core: it is
-fed events with ``now`` and answers with effects for the scheduler to carry out.
+page is freed under a pull that could still write it. A taking D with no free pages queues the
+claim (``HandoffQueued``) until pages are reserved for it (``HandoffPagesReserved``) or its wait
+ends (half the offer's lease: the rest is the pull's), since a failed hand-off costs a
+re-prefill. Sans-IO like every owner in the core: it is fed events with ``now`` and answers with
+effects for the scheduler to carry out.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ class _Handoff:
     key: int  # the offer's uuid, or the pull's room
     state: str = KV_HANDOFF.initial
     reason: str = ""  # why it failed, was released or aborted
-    expires_at: float = 0.0  # an offer's lease end
+    expires_at: float = 0.0  # an offer's lease end, or a queued claim's end of wait
 
 
 class HandoffLedger:
@@ -47,12 +50,20 @@ class HandoffLedger:
     def handle(self, event: ev.HandoffEvent, now: float) -> list[fx.HandoffEffect]:
         out: list[fx.HandoffEffect] = []
         for key in self._timers.pop_due(now):
-            self._step(self.handoffs[key], _T.LeaseExpired, out, "hand-off lease expired")
+            h = self.handoffs[key]
+            if h.state == KV_HANDOFF.S.WAITING_FOR_PAGES:
+                self._step(h, _T.PageWaitEnded, out, "no free KV pages for the hand-off in time")
+            else:
+                self._step(h, _T.LeaseExpired, out, "hand-off lease expired")
         match event:
             case ev.HandoffOffered():
                 self._new(_Handoff(event.uuid, expires_at=now + event.lease_s), _T.Offered, out)
             case ev.HandoffClaimed():
                 self._new(_Handoff(event.room), _T.Claimed, out)
+            case ev.HandoffQueued():
+                self._new(_Handoff(event.room, expires_at=now + event.wait_s), _T.Queued, out)
+            case ev.HandoffPagesReserved():
+                self._report(event.room, _T.PagesReserved, out, "")
             case ev.HandoffPulled():
                 self._report(event.uuid, _T.Pulled, out, "pulled by another decode worker")
             case ev.PullSucceeded() | ev.PullFailed():
@@ -109,7 +120,11 @@ class HandoffLedger:
     def _fx_ReleaseOffer(self, h: _Handoff, out: list[fx.HandoffEffect]) -> None:
         out.append(fx.ReleaseOffer(h.key, h.reason))
 
+    def _fx_ArmPageWait(self, h: _Handoff, out: list[fx.HandoffEffect]) -> None:
+        self._timers.set(h.key, h.expires_at)
+
     def _fx_StartHandoffPull(self, h: _Handoff, out: list[fx.HandoffEffect]) -> None:
+        self._timers.cancel(h.key)  # a queued claim's wait is over (none runs for a claim)
         out.append(fx.StartHandoffPull(h.key))
 
     def _fx_EnterDecode(self, h: _Handoff, out: list[fx.HandoffEffect]) -> None:
@@ -123,3 +138,6 @@ class HandoffLedger:
 
     def _fx_FreeHeldPages(self, h: _Handoff, out: list[fx.HandoffEffect]) -> None:
         out.append(fx.FreeHeldPages(h.key))
+
+    def _fx_FinishUnplaced(self, h: _Handoff, out: list[fx.HandoffEffect]) -> None:
+        out.append(fx.FinishUnplaced(h.key, h.reason))

@@ -196,9 +196,9 @@ def _handoffs(counts: Mapping[str, int]) -> str:
     (pulled, went on), fallen back to a re-prefill, or failed; registrations released, expired
     or closed with a role stopped past its drain deadline; hand-off pulls that failed, by
     cause; the clients handed off, by the status they got in the end; drains whose gate found
-    the listed Ds down (their streams finished in place)."""
+    the listed Ds down (their streams finished in place); claims that waited for pages."""
     keys = ("handed_off", "taken", "fell_back", "failed", "released", "expired", "closed",
-            "in_place_no_healthy_decode")
+            "in_place_no_healthy_decode", "waited_for_pages")
     pulls = {k[5:]: n for k, n in sorted(counts.items()) if k.startswith("pull ")}
     clients = {k[7:]: n for k, n in sorted(counts.items()) if k.startswith("client ")}
     return ("hand-offs " + ", ".join(f"{k.replace('_', ' ')} {counts.get(k, 0)}" for k in keys)

@@ -18,8 +18,19 @@ What is modelled, after the real scheduler (``schedulers/scheduler.py``) and PD 
   cores it can use), and a step on ``c`` cores runs at the speed the one- and all-core profiles
   give, linearly between them.
 
-Not modelled: the proxy and HTTP (a few ms), page-table chunking of prompts longer than one
-batch, the radix cache, XLA's serial fractions beyond what the two profiles capture.
+- Streamed KV: P prefills a room's prompt in chunks of ``stream_tokens`` (256 by default, as
+  ``pd-fsm serve``), several rooms' chunks in one padded batch, and D pulls only the last
+  chunk's KV after the prefill. A colocated worker prefills each prompt whole. (Before this was
+  modelled, a 788-token prompt was costed as one 1,024-token forward — 5.3 s on two cores
+  against two chunks' 1.1 s and the 2.0 s measured — and PD shared was predicted at -65 % of
+  its measured goodput; see bench/RESULTS_adaptive.md.)
+- A step keeps busy only the cores it can use: its speed-up from one core to all of the
+  worker's (a two-core decode step at batch 1 runs ~1.1x a one-core one); what it leaves goes
+  to the other workers on those cores by nice weight.
+
+Not modelled: the proxy and HTTP (a few ms), a chunk's attention over the chunks before it
+(the profile's prefill has no context), the radix cache, XLA's serial fractions beyond what
+the two profiles capture.
 Time advances in fixed ticks (``TICK``): a request's timings are exact to a tick.
 """
 
@@ -61,6 +72,10 @@ class Placement:
     shared: bool = False  # PD: P and D both on every core (else P and D on cores/2 each)
     nice_p: int = 0
     nice_d: int = 0
+    # P prefills a room's prompt in chunks of this many tokens and streams each chunk's KV to D
+    # while it computes the next (`pd-fsm serve --disaggregation-stream-tokens`, default 256);
+    # 0: the whole prompt in one forward, its KV pulled after it.
+    stream_tokens: int = 256
 
 
 @attrs.define(eq=False)
@@ -70,6 +85,7 @@ class Request:
     out: int
     token_times: list[float] = attrs.field(factory=list)
     kv_ready: float = math.inf  # PD: when its KV is on D (pulled), scatter still to do
+    prefilled: int = 0  # prompt tokens prefilled so far (P streams in chunks)
     prefill_by: str = ""  # the workers that served it (the planner's per-worker latencies)
     decode_by: str = ""
 
@@ -91,7 +107,8 @@ class _Job:
     alone_s: float  # its time with the worker's whole share of cores
     slow_s: float  # its time on one core
     left: float = 1.0
-    prefilled: list[Request] = attrs.field(factory=list)
+    chunks: list[tuple[Request, int]] = attrs.field(factory=list)  # prompt tokens per row
+    prefilled: list[Request] = attrs.field(factory=list)  # rows whose prompt this step ends
     decoded: list[Request] = attrs.field(factory=list)
     scattered: list[Request] = attrs.field(factory=list)
 
@@ -102,8 +119,9 @@ class Worker:
     ``perf_cluster.py``)."""
 
     def __init__(self, role: str, profile: Profile, cores: int, nice: int = 0,
-                 name: str = "") -> None:
+                 name: str = "", stream_tokens: int = 0) -> None:
         self.role, self.profile, self.cores, self.nice = role, profile, cores, nice
+        self.stream_tokens = stream_tokens  # as a P (chunks); other roles prefill whole prompts
         self.name = name or role
         self.fast: CoreProfile = profile.on(cores)
         self.slow: CoreProfile = profile.on(1)
@@ -112,6 +130,14 @@ class Worker:
         self.running: list[Request] = []
         self.pages_free = PAGES
         self.job: _Job | None = None
+
+    def tail_tokens(self, r: Request) -> int:
+        """The prompt tokens whose KV is still to pull when P's prefill of ``r`` ends: the last
+        chunk's when P streams (the earlier parts were pulled while it computed the next one,
+        which the profile's rates allow: a 256-token part's pull is a few ms against a chunk's
+        hundreds), else the whole prompt's."""
+        cap = self.stream_tokens
+        return r.prompt - (r.prompt - 1) // cap * cap if cap else r.prompt
 
     def pages_for(self, r: Request) -> int:
         return -(-(r.prompt + r.out) // self.profile.page_size)
@@ -135,26 +161,34 @@ class Worker:
                 alone, slow = alone + a, slow + s
                 job.scattered.append(r)
         else:
-            rows: list[Request] = []
+            # As the real plan_prefill: rows FIFO, each taking what is left of its prompt (a P
+            # that streams: at most one chunk), while the padded batch fits the budget.
+            cap = self.stream_tokens if self.role == "prefill" else 0
             longest = 0
-            while self.waiting and len(self.running) + len(rows) < self.profile.max_running:
-                r = self.waiting[0]
-                t_pad = bucket(max(longest, r.prompt), 16)
-                if rows and bucket(len(rows) + 1) * t_pad > self.profile.max_batched_tokens:
+            for r in self.waiting:
+                if len(self.running) + len(job.chunks) >= self.profile.max_running:
                     break
-                if self.pages_for(r) > self.pages_free:
+                n = r.prompt - r.prefilled if not cap else min(r.prompt - r.prefilled, cap)
+                t_pad = bucket(max(longest, n), 16)
+                if job.chunks and bucket(len(job.chunks) + 1) * t_pad > \
+                        self.profile.max_batched_tokens:
                     break
-                self.pages_free -= self.pages_for(r)
-                rows.append(self.waiting.popleft())
-                longest = max(longest, r.prompt)
-            if rows:
-                padded = bucket(len(rows)) * bucket(longest, 16)
+                if r.prefilled == 0:  # pages for prompt + output, reserved at admission
+                    if self.pages_for(r) > self.pages_free:
+                        break
+                    self.pages_free -= self.pages_for(r)
+                job.chunks.append((r, n))
+                longest = max(longest, n)
+            if job.chunks:
+                padded = bucket(len(job.chunks)) * bucket(longest, 16)
                 a, s = self._cost("prefill_s", padded)
                 alone, slow = alone + a, slow + s
-                job.prefilled = rows
-            if rows and self.role == "prefill":  # P gathers each room's KV for its pull
-                for r in rows:
-                    a, s = self._cost("copy_s", r.prompt * kv)
+                job.prefilled = [r for r, n in job.chunks if r.prefilled + n == r.prompt]
+                for r in job.prefilled:  # out of the queue (one with chunks to go stays first)
+                    self.waiting.remove(r)
+            if self.role == "prefill":  # P gathers each chunk's KV for its pull
+                for _, n in job.chunks:
+                    a, s = self._cost("copy_s", n * kv)
                     alone, slow = alone + a, slow + s
         decoding = list(self.running) + (job.prefilled if self.role == "colocated" else [])
         decoding += job.scattered
@@ -163,7 +197,7 @@ class Worker:
             a, s = self._cost("decode_s", len(decoding), context)
             alone, slow = alone + a, slow + s
             job.decoded = decoding
-        if not (job.prefilled or job.decoded):
+        if not (job.chunks or job.decoded):
             return None
         job.alone_s, job.slow_s = alone, slow
         return job
@@ -172,6 +206,8 @@ class Worker:
                ) -> list[Request]:
         """Apply a finished step at ``now``; returns the requests it sent to a D (P) or
         finished (colocated, D)."""
+        for r, n in job.chunks:
+            r.prefilled += n
         if self.role == "prefill":
             kv = self.profile.kv_bytes_per_token
             for r in job.prefilled:
@@ -181,7 +217,9 @@ class Worker:
                 assert pick_decode is not None
                 d = pick_decode(r)  # it may set kv_ready itself, to wake D then
                 if not math.isfinite(r.kv_ready):
-                    r.kv_ready = now + d.fast.pull_s(r.prompt * kv)
+                    # Streamed: the earlier chunks' parts were pulled while P computed the
+                    # next; the last chunk's pages are what READY leaves to pull.
+                    r.kv_ready = now + d.fast.pull_s(self.tail_tokens(r) * kv)
                 r.decode_by = d.name
                 d.arriving.append(r)
             return list(job.prefilled)
@@ -208,20 +246,50 @@ class Worker:
 PAGES = 255  # usable pages per worker (the benches' --num-pages 256, less the null page)
 
 
+def _demand(w: Worker) -> float:
+    """The cores ``w``'s step keeps busy: its speed-up from one core to all of its cores (a
+    step that runs 1.2x faster on two cores than on one leaves most of the second idle)."""
+    job = w.job
+    assert job is not None
+    if job.slow_s <= 0 or job.alone_s <= 0:
+        return float(w.cores)
+    return min(float(w.cores), max(1.0, job.slow_s / job.alone_s))
+
+
+def _shares(busy: Sequence[Worker], cores: int) -> dict[Worker, float]:
+    """CFS over shared cores: cores in proportion to nice weight, none beyond what a step keeps
+    busy; what one leaves goes to the others by weight (water-filling)."""
+    out: dict[Worker, float] = {}
+    left, free = list(busy), float(cores)
+    while left:
+        total = sum(nice_weight(w.nice) for w in left)
+        capped = [w for w in left if _demand(w) <= free * nice_weight(w.nice) / total]
+        if not capped:
+            for w in left:
+                out[w] = free * nice_weight(w.nice) / total
+            break
+        for w in capped:
+            out[w] = _demand(w)
+            free -= out[w]
+            left.remove(w)
+    return out
+
+
 def _speeds(busy: Sequence[Worker], shared: bool, cores: int) -> dict[Worker, float]:
     """Each busy worker's progress per second on its current step."""
     out: dict[Worker, float] = {}
-    total = sum(nice_weight(w.nice) for w in busy)
+    shares = _shares(busy, cores) if shared else {}
     for w in busy:
         job = w.job
         assert job is not None
-        c = min(w.cores, cores * nice_weight(w.nice) / total) if shared else w.cores
-        if c >= w.cores or job.slow_s <= 0:
+        c = shares.get(w, float(w.cores))
+        need = _demand(w)
+        if c >= need or job.slow_s <= 0:
             out[w] = 1.0 / max(job.alone_s, 1e-9)
             continue
-        # Between one core's speed and all of the worker's cores', linearly in cores.
+        # Between one core's speed and the step's full speed, linearly in cores.
         one, full = 1.0 / max(job.slow_s, 1e-9), 1.0 / max(job.alone_s, 1e-9)
-        out[w] = c * one if c <= 1 else one + (full - one) * (c - 1) / max(w.cores - 1, 1)
+        out[w] = c * one if c <= 1 else one + (full - one) * (c - 1) / max(need - 1, 1e-9)
     return out
 
 
@@ -235,7 +303,8 @@ def simulate(profile: Profile, placement: Placement, requests: Sequence[Request]
         p = d = None
     else:
         half = placement.cores if placement.shared else max(placement.cores // 2, 1)
-        p = Worker("prefill", profile, half, placement.nice_p)
+        p = Worker("prefill", profile, half, placement.nice_p,
+                   stream_tokens=placement.stream_tokens)
         d = Worker("decode", profile, half, placement.nice_d)
         workers = [p, d]
     entry = workers[0]

@@ -74,6 +74,7 @@ class ClusterConfig:
     # s for an idle SmolLM2 (README "Role switch"); 2.0 keeps bench/RESULTS_planner_sim.md
     # reproducible and allows for a loaded machine.
     switch_s: float = 2.0
+    stream_tokens: int = 256  # a P prefills in chunks of this many, streaming each (perf.py)
 
 
 @attrs.define
@@ -95,7 +96,8 @@ class _Cluster:
         self.profile, self.config = profile, config
         roles = (["colocated"] * config.colocated + ["prefill"] * config.prefill
                  + ["decode"] * config.decode)
-        self.workers = [Worker(role, profile, config.cores, name=f"w{i}")
+        self.workers = [Worker(role, profile, config.cores, name=f"w{i}",
+                               stream_tokens=config.stream_tokens)
                         for i, role in enumerate(roles)]
         self.switching: dict[str, str] = {}  # worker -> its next role, while it drains
         self._armed: set[str] = set()  # drained: serving in the new role after switch_s
@@ -145,7 +147,8 @@ class _Cluster:
     def pick_decode(self, r: Request) -> Worker:
         ds = self._role("decode") or [w for w in self.workers if w.role == "decode"]
         d = min(ds, key=lambda w: (len(w.running) + len(w.arriving), w.name))
-        r.kv_ready = self.now + d.fast.pull_s(r.prompt * self.profile.kv_bytes_per_token)
+        p = self._named(r.prefill_by)
+        r.kv_ready = self.now + d.fast.pull_s(p.tail_tokens(r) * self.profile.kv_bytes_per_token)
         self.at(r.kv_ready, "kv", lambda: self.kick(d))  # D scatters it at its next step
         return d
 
@@ -207,9 +210,12 @@ class _Cluster:
             w = self._named(d.worker)
             self.switching[w.name] = "colocated" if d.to == "null" else d.to
             self._note_roles()
-            # Its queued requests go back to the other entries (it takes no more).
+            # Its queued requests go back to the other entries (it takes no more); one it has
+            # begun to prefill (a chunk) it finishes, as the real drain does.
             if w.role in ("prefill", "colocated"):
-                queued, w.waiting = list(w.waiting), type(w.waiting)()
+                begun = [r for r in w.waiting if r.prefilled]
+                queued = [r for r in w.waiting if not r.prefilled]
+                w.waiting = type(w.waiting)(begun)
                 for r in queued:
                     self.arrive(r)
             self._maybe_switch(w)

@@ -158,9 +158,13 @@ class Proxy:
         """A draining D ended ``room``'s stream with ``ticket`` (not relayed): the proxy keeps
         it, and the router reopens the request on another D alone (ReopenRoom, cause handoff),
         or fails it."""
-        self.tickets.handed(gen, room, ticket)
-        self.world.at(0.001, f"decode leg of room {room:x} hands off", self._leg_answered, gen,
-                      room, "decode", False, "handed off", False, False, True)
+        def heard() -> None:
+            # In the leg's order: a stream's start the D sent just before it handed the stream
+            # off (both 1 ms away) is no answer after the hand-off.
+            self.tickets.handed(gen, room, ticket)
+            self._leg_answered(gen, room, "decode", False, "handed off", False, False, True)
+
+        self.world.at(0.001, f"decode leg of room {room:x} hands off", heard)
 
     def answer(self, client: Client, status: int, body: tuple[int, ...] | str) -> None:
         """``client`` gets its answer: once, and a 200 with the right tokens."""

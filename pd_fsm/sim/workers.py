@@ -672,6 +672,8 @@ class DecodeWorker(Node):
 
     def allocate_waiting(self, feed: bool = True) -> list[Any]:
         out: list[Any] = []
+        if not self.desk.place_waiting():
+            return out  # a hand-off's stream is mid-answer: its pages come first
         while self.waiting:
             room = self.waiting[0]
             gen_client = self.legs.get(room)
@@ -785,6 +787,7 @@ class Ticket:
     source: str  # the draining D's name
     gen: int  # its process's generation: a restart, or a new role, registers none of its offers
     tokens: tuple[int, ...]  # what the client has: the KV covers all but the last (the next input)
+    lease_s: float = 0.0  # the offer's lease when made: a full taker waits half of it for pages
 
 
 @attrs.define(eq=False)
@@ -816,6 +819,7 @@ class Desk:
         self.streams: dict[int, Stream] = {}  # room -> the stream it relays
         self.accepting: set[int] = set()  # rooms whose leg allowed a hand-off
         self.taking: dict[int, Ticket] = {}  # room -> the ticket its pull reads
+        self.page_wait: list[int] = []  # rooms whose claim waits for pages, first come first
         self.until: float | None = None  # local time the hand-off window closes (draining)
         self._uuids = itertools.count(1)
         self._pulls: dict[int, int] = {}  # room -> pull id in flight
@@ -879,7 +883,8 @@ class Desk:
         router_gen, _ = node.legs.pop(room)
         node.relaying.discard(room)
         node.pool.give(node.held.pop(room), f"room {room:x} handed off")
-        w.proxy.handed_off(router_gen, room, Ticket(uuid, node.name, node.gen, self.offers[uuid]))
+        w.proxy.handed_off(router_gen, room, Ticket(uuid, node.name, node.gen, self.offers[uuid],
+                                                    until - now))
         node.allocate_waiting()
         return True
 
@@ -901,16 +906,35 @@ class Desk:
     # -- taking -----------------------------------------------------------------------------------
 
     def take(self, gen: int, room: int, client: Client, ticket: Ticket) -> None:
-        """A leg with ``ticket``: reserve the whole sequence's pages and pull the KV."""
+        """A leg with ``ticket``: reserve the whole sequence's pages and pull the KV; with none
+        free (or claims already waiting), wait for them, ahead of the rooms' page queue."""
         node = self.node
         node.legs[room] = (gen, client)
-        pages = node.pool.take(client.pages())
+        self.taking[room] = ticket
+        pages = None if self.page_wait else node.pool.take(client.pages())
         if pages is None:
-            node.fail_leg(room, "no free pages for a hand-off")
+            self.page_wait.append(room)
+            node.world.handoffs["waited_for_pages"] += 1
+            self.feed(ev.HandoffQueued(pull_key(room), ticket.lease_s / 2))
             return
         node.held[room] = pages
-        self.taking[room] = ticket
         self.feed(ev.HandoffClaimed(pull_key(room)))
+
+    def place_waiting(self) -> bool:
+        """Pages for the claims waiting for them, first come first; True when none waits."""
+        node = self.node
+        while self.page_wait:
+            room = self.page_wait[0]
+            if self.ledger.state_of(pull_key(room)) != KV_HANDOFF.S.WAITING_FOR_PAGES:
+                self.page_wait.pop(0)  # its wait ended, or it was aborted
+                continue
+            pages = node.pool.take(node.legs[room][1].pages())
+            if pages is None:
+                return False
+            self.page_wait.pop(0)
+            node.held[room] = pages
+            self.feed(ev.HandoffPagesReserved(pull_key(room)))
+        return True
 
     def _pull(self, key: int) -> None:
         node, w = self.node, self.node.world
@@ -965,8 +989,10 @@ class Desk:
         self.stream_out(room, Stream(router_gen, client, pulled, rest, w.now, step, 0))
 
     def abort(self, room: int) -> bool:
-        """The proxy's abort of a room whose pull runs: finished, its pages kept for the pull."""
-        if self.ledger.state_of(pull_key(room)) != KV_HANDOFF.S.PULLING:
+        """The proxy's abort of a room whose claim waits for pages (finished: it holds none) or
+        whose pull runs (finished, its pages kept for the pull)."""
+        if self.ledger.state_of(pull_key(room)) not in (KV_HANDOFF.S.WAITING_FOR_PAGES,
+                                                        KV_HANDOFF.S.PULLING):
             return False
         self.feed(ev.Aborted(pull_key(room), "aborted by the proxy"))
         return True
@@ -991,7 +1017,9 @@ class Desk:
             case fx.FailHandoff():
                 room = room_of(e.room)
                 del self.taking[room]
-                node.pool.give(node.held.pop(room), f"hand-off pull of room {room:x} failed")
+                held = node.held.pop(room, None)  # none: it waited for pages past its time
+                if held is not None:
+                    node.pool.give(held, f"hand-off pull of room {room:x} failed")
                 node.fail_leg(room, f"hand-off failed: {e.reason}")
                 node.allocate_waiting()
             case fx.FinishAborted():
@@ -1001,6 +1029,9 @@ class Desk:
                 del self.taking[room]
                 node.pool.give(node.held.pop(room), f"aborted hand-off pull of room {room:x}")
                 node.allocate_waiting()
+            case fx.FinishUnplaced():
+                del self.taking[room_of(e.room)]
+                node.legs.pop(room_of(e.room), None)  # nobody waits; it held no pages
             case _:
                 assert_never(e)
         return ()
@@ -1011,6 +1042,13 @@ class Desk:
         for room in sorted(self._pulls):
             del self._pulls[room]
             self.feed(ev.PullFailed(pull_key(room), f"pull cancelled: {reason}"))
+        for room in list(self.page_wait):  # their legs fail with the rest (fail_in_flight)
+            if self.ledger.state_of(pull_key(room)) == KV_HANDOFF.S.WAITING_FOR_PAGES:
+                leg = self.node.legs.get(room)
+                self.feed(ev.Aborted(pull_key(room), f"closed: {reason}"))
+                if leg is not None:
+                    self.node.legs[room] = leg
+        self.page_wait.clear()
         for uuid in sorted(self.offers):
             self.release_offer(uuid, _CLOSED)
         self.streams.clear()
@@ -1027,7 +1065,8 @@ class Desk:
         if offered != set(self.offers):
             raise Violation(f"{self.node.name}: hand-off registrations {sorted(self.offers)}, "
                             f"but the ledger offers {sorted(offered)}")
-        pulling = {room_of(k) for k in ledger.handoffs if k < 0}
+        pulling = {room_of(k) for k in ledger.handoffs
+                   if k < 0 and ledger.state_of(k) != KV_HANDOFF.S.WAITING_FOR_PAGES}
         if not pulling <= set(self.node.held):
             raise Violation(f"{self.node.name}: hand-off pulls {sorted(pulling)} hold no pages")
         deadline = ledger.next_deadline()

@@ -80,6 +80,26 @@ def namespaces_unavailable() -> str | None:
     return None
 
 
+CLONE_NEWNET = 0x40000000  # <sched.h>: setns(2)'s network-namespace type
+
+
+def enter_namespace(ns: str) -> None:
+    """Move the calling process into network namespace ``ns`` (as ``ip netns exec`` does, without
+    its /sys remount): for a child spawned by ``multiprocessing`` that keeps its pipe to the
+    parent (a pipe is no network). Call it first, before any thread starts: ``setns`` moves the
+    calling thread only, and threads made afterwards inherit its namespace."""
+    import ctypes
+
+    fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {ns}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
 @attrs.define
 class Hosts:
     """Namespaces ``a`` and ``b`` (10.77.0.1 and 10.77.0.2) on veth ends ``if_a`` / ``if_b``."""

@@ -3,7 +3,9 @@ transfer servers: D1 decodes a request part way, hands it off (gathers and regis
 releases its pages), D2 pulls that KV and goes on. The tokens equal an uninterrupted run; no
 prefill runs on D2; every page and registration is released on both sides, the registration
 exactly once (on D2's report, or at its lease's expiry when nobody pulls it); a request aborted
-while its pull runs keeps its pages until the pull reports (table kv_handoff)."""
+while its pull runs keeps its pages until the pull reports; a D2 with no free pages waits for
+them — and pulls once a sequence frees them, or fails the request once half the offer's lease
+has passed, or finishes it on an abort — holding nothing afterwards (table kv_handoff)."""
 
 from __future__ import annotations
 
@@ -103,7 +105,7 @@ def test_a_handed_off_sequence_continues_exactly_without_a_prefill(
 
     assert d1.release_handoff(ticket.uuid) and not d1.release_handoff(ticket.uuid)
     assert d1.handoff_stats == {"given": 1, "released": 1, "expired": 0, "taken": 0,
-                                "take_failed": 0}
+                                "take_failed": 0, "waited_for_pages": 0, "withdrawn": 0}
     assert _idle(d1) and _idle(d2)
 
 
@@ -155,3 +157,80 @@ def test_an_abort_during_the_pull_frees_the_pages_only_once_the_pull_reports(
         d2.step()
         time.sleep(0.01)
     assert d2.handoffs.outcomes[KV_HANDOFF.S.DROPPED] == 1 and _idle(d1)
+
+
+FILLER = SamplingParams(temperature=0.0, max_new_tokens=200, ignore_eos=True)
+
+
+def _fill(d: DecodeScheduler) -> None:
+    """A plain request on ``d`` whose pages (prompt + 200 tokens out, reserved at admission)
+    leave fewer free than the hand-off needs."""
+    d.add_request(Req("filler", [(7 * i) % 250 + 1 for i in range(40)], FILLER))
+    d.step()
+    assert d.stats().free_pages < 9  # the hand-off's 11 + 24 tokens take 9 pages of 4
+
+
+def _waiting_claim(d1: DecodeScheduler, d2: DecodeScheduler, lease_s: float
+                   ) -> tuple[list[int], HandoffTicket]:
+    seen, ticket = _decode_then_hand_off(d1, 7, lease_s=lease_s)
+    _fill(d2)
+    req = d2.make_request("r", IDS, GREEDY, resume=Resume(tuple(seen[:-1])))
+    d2.add_handoff_request(req, ticket, text_sent=0)  # accepted: no refusal
+    d2.step()
+    assert d2.handoff_stats["waited_for_pages"] == 1
+    assert [d2.handoffs.state_of(k) for k in d2.handoffs.handoffs] == ["WAITING_FOR_PAGES"]
+    return seen, ticket
+
+
+def test_a_hand_off_with_no_free_pages_waits_and_goes_on_when_they_free(
+        tiny: LoadedModel, pair: tuple[DecodeScheduler, DecodeScheduler]) -> None:
+    d1, d2 = pair
+    seen, ticket = _waiting_claim(d1, d2, lease_s=60.0)
+    assert d2.abort("filler", "make room")  # its pages free: the claim takes them and pulls
+    out: list[RequestOutput] = []
+    deadline = time.monotonic() + 120
+    while not any(o.rid == "r" and o.finished for o in out):
+        assert time.monotonic() < deadline
+        out += d2.step()
+        time.sleep(0.002)  # let the pull threads run
+    got = collect(out)["r"]
+    assert seen + got["ids"] == _uninterrupted(tiny) and got["reason"].kind == "length"
+    assert d2.handoff_stats["taken"] == 1 and d2.handoff_stats["take_failed"] == 0
+    d1.release_handoff(ticket.uuid)
+    assert _idle(d1) and _idle(d2)
+
+
+def test_a_hand_off_that_waits_past_half_its_lease_fails_and_holds_nothing(
+        pair: tuple[DecodeScheduler, DecodeScheduler]) -> None:
+    d1, d2 = pair
+    _, ticket = _waiting_claim(d1, d2, lease_s=0.6)  # waits 0.3 s
+    assert d2.next_deadline() is not None
+    deadline = time.monotonic() + 30
+    while d2.pop_failure("r") is None:
+        assert time.monotonic() < deadline
+        d2.step()
+        time.sleep(0.01)
+    assert d2.handoff_stats["take_failed"] == 1 and d2.handoff_stats["taken"] == 0
+    d2.abort("filler", "done")
+    d2.step()
+    assert _idle(d2)
+    deadline = time.monotonic() + 30
+    while not _idle(d1):  # its lease (0.6 s) releases the offer nobody pulled
+        assert time.monotonic() < deadline
+        d1.step()
+        time.sleep(0.01)
+    assert d1.handoff_stats["expired"] == 1 and not d1.release_handoff(ticket.uuid)
+
+
+def test_an_abort_while_waiting_for_pages_finishes_the_request_at_once(
+        pair: tuple[DecodeScheduler, DecodeScheduler]) -> None:
+    d1, d2 = pair
+    _, ticket = _waiting_claim(d1, d2, lease_s=60.0)
+    assert d2.abort("r", "client left")
+    out = collect(d2.step())["r"]
+    assert out["reason"].kind == "abort"
+    assert d2.handoffs.outcomes[KV_HANDOFF.S.WITHDRAWN] == 1 and not d2.handoffs.handoffs
+    d2.abort("filler", "done")
+    d2.step()
+    d1.release_handoff(ticket.uuid)
+    assert _idle(d1) and _idle(d2)

@@ -13,7 +13,7 @@ import httpx
 import trio
 
 from pd_fsm.core.planner import Planner, PlannerConfig
-from pd_fsm.io_trio.cluster.launcher import Launcher
+from pd_fsm.io_trio.cluster.launcher import Launcher, ProcessBackend
 from pd_fsm.io_trio.cluster.supervisor import Child, Cluster
 from pd_fsm.io_trio.planner.service import PlannerService, serve_planner
 from pd_fsm.io_trio.worker.metrics import WorkerMetrics
@@ -189,8 +189,9 @@ async def test_scale_decisions_go_to_the_launcher_whose_workers_the_planner_obse
     def no_new_worker(role: str, name: str) -> Child:
         raise AssertionError("a launcher at its bound starts nothing")
 
-    launcher = Launcher(cluster, no_new_worker, max_workers=2, proxy_url="http://127.0.0.1:9",
-                        headers={}, host="127.0.0.1", port=0, start_timeout=5, stop_timeout=5)
+    launcher = Launcher(ProcessBackend(cluster, no_new_worker), max_workers=2,
+                        proxy_url="http://127.0.0.1:9", headers={}, host="127.0.0.1", port=0,
+                        start_timeout=5, stop_timeout=5)
     launcher_url: str = await nursery.start(launcher.serve)
     launcher.ready()
     config = PlannerConfig(patience=1, cooldown=3600, max_workers=3)

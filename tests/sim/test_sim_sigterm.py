@@ -185,3 +185,20 @@ def test_the_command_reports_sigterms(capsys: pytest.CaptureFixture[str]) -> Non
     assert cli_main(["sim", "--seeds", "0:10", "--sigterms", "0", "--role-switches", "0"]) == 0
     assert "SIGTERMs" not in capsys.readouterr().out
     assert cli_main(["sim", "--seeds", "0:5", "--sigterms", "2"]) == 2
+
+
+def test_a_full_decode_worker_takes_hand_offs_once_its_pages_free() -> None:
+    """Few pages a worker: the D taking the SIGTERMed D's streams is often full. Its claims
+    wait for pages (ahead of new rooms) instead of refusing: every stream handed off is taken
+    (pulled, not re-prefilled) and its client gets the whole answer; the books balance after."""
+    waited = 0
+    for seed in range(12):
+        world = World(seed, SimConfig(requests=30, arrival_window=5.0, faults=False, pages=24))
+        sigterm_when(world, "d0", 8.0, streaming(2))
+        h = world.handoffs
+        assert h["taken"] == h["handed_off"] == h["released"], (seed, h)
+        assert world.proxy.reopened["migration"] == 0, (seed, world.proxy.reopened)
+        assert all(c.answer is not None and c.answer[0] == 200
+                   for c in world.clients if c.handed_off), seed
+        waited += h["waited_for_pages"]
+    assert waited > 0  # the wait was taken: the seeds reach WAITING_FOR_PAGES

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from pd_fsm.cli import build_parser
-from pd_fsm.io_trio.cluster.local import drain_timeout, launched_worker, main, plan, worker_flags
+from pd_fsm.io_trio.cluster.launcher import drain_timeout
+from pd_fsm.io_trio.cluster.local import launched_worker, main, plan, worker_flags
 from pd_fsm.io_trio.tls import NO_TLS
 from pd_fsm.io_trio.worker.config import config_from_args
 

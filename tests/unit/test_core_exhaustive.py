@@ -158,8 +158,12 @@ UNREACHABLE: dict[tuple[str, str, str], str] = {
     ("room", "MIGRATED", "TimedOut"): _NO_TIMER,
     ("room", "HANDED_OFF", "TimedOut"): _NO_TIMER,
     **{("kv_handoff", s, "LeaseExpired"): "only an OFFERED hand-off has a lease running"
-       for s in ("NONE", "RELEASED", "EXPIRED", "PULLING", "ABANDONED", "TAKEN", "FAILED",
-                 "DROPPED")},
+       for s in ("NONE", "RELEASED", "EXPIRED", "WAITING_FOR_PAGES", "PULLING", "ABANDONED",
+                 "TAKEN", "FAILED", "DROPPED", "WITHDRAWN")},
+    **{("kv_handoff", s, "PageWaitEnded"): (
+        "only a claim WAITING_FOR_PAGES has a wait running (PagesReserved cancels it)")
+       for s in ("NONE", "OFFERED", "RELEASED", "EXPIRED", "PULLING", "ABANDONED", "TAKEN",
+                 "FAILED", "DROPPED", "WITHDRAWN")},
     **{("role_switch", s, "DrainTimedOut"): "only a DRAINING worker has a drain deadline running"
        for s in ("SERVING", "SWITCHING", "RESTORING", "FAILED")},
     **{
@@ -1036,8 +1040,10 @@ _HANDOFF_T = KV_HANDOFF.T
 _HANDOFF_EFFECTS = {"ArmLease": [], "ReleaseOffer": ["ReleaseOffer"],
                     "StartHandoffPull": ["StartHandoffPull"], "EnterDecode": ["EnterDecode"],
                     "FailHandoff": ["FailHandoff"], "FinishAborted": ["FinishAborted"],
-                    "FreeHeldPages": ["FreeHeldPages"]}
+                    "FreeHeldPages": ["FreeHeldPages"], "ArmPageWait": [],
+                    "FinishUnplaced": ["FinishUnplaced"]}
 HANDOFF_KEY = 7
+_HANDOFF_TIMERS = {_HANDOFF_T.LeaseExpired, _HANDOFF_T.PageWaitEnded}  # fired by time alone
 
 
 class Handoffs:
@@ -1057,13 +1063,15 @@ class Handoffs:
 
     def fire(self, trigger: str) -> Seen:
         def go() -> list[Any]:
-            if trigger == "LeaseExpired":
+            if trigger in ("LeaseExpired", "PageWaitEnded"):
                 self.now += 1e6
                 return self.ledger.handle(ev.TimeAdvanced(), self.now)
             event: Any = {
                 "Offered": ev.HandoffOffered(HANDOFF_KEY, 1.0),
                 "Pulled": ev.HandoffPulled(HANDOFF_KEY),
                 "Claimed": ev.HandoffClaimed(HANDOFF_KEY),
+                "Queued": ev.HandoffQueued(HANDOFF_KEY, 1.0),
+                "PagesReserved": ev.HandoffPagesReserved(HANDOFF_KEY),
                 "PullSucceeded": ev.PullSucceeded(HANDOFF_KEY),
                 "PullFailed": ev.PullFailed(HANDOFF_KEY, "boom"),
                 "Aborted": ev.Aborted(HANDOFF_KEY, "gone"),
@@ -1084,11 +1092,15 @@ def _handoff_pair(state: str, trigger: str) -> None:
     late = h.ledger.late
     seen = h.fire(trigger)
     if ("kv_handoff", state, trigger) in UNREACHABLE:
-        assert not seen.took(state, trigger) and seen.error is None and not seen.out
+        assert not seen.took(state, trigger) and seen.error is None
+        if trigger in _HANDOFF_TIMERS:  # time ran out for the timer this state does run
+            assert {s_.trigger for s_ in seen.steps} <= _HANDOFF_TIMERS - {trigger}
+            return
+        assert not seen.out
         assert h.ledger.state_of(HANDOFF_KEY) == (state if live else None)
         return
     row = table.step(state, trigger) if live or state == table.initial else None
-    if row is None and trigger in (_HANDOFF_T.Offered, _HANDOFF_T.Claimed):
+    if row is None and trigger in (_HANDOFF_T.Offered, _HANDOFF_T.Claimed, _HANDOFF_T.Queued):
         if live:  # uuids and pull rooms are drawn fresh: a repeat is our own bug
             assert isinstance(seen.error, LocalProtocolError)
         else:  # a finished key drawn again is a new hand-off

@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from pd_fsm.cli import build_parser
-from pd_fsm.io_trio.cluster.launcher import Launcher
+from pd_fsm.io_trio.cluster.launcher import Launcher, ProcessBackend
 from pd_fsm.io_trio.cluster.local import launched_worker
 from pd_fsm.io_trio.cluster.supervisor import Child, Cluster
 from pd_fsm.io_trio.ports import free_ports
@@ -41,7 +41,7 @@ async def _serve(nursery: trio.Nursery, *, max_workers: int = 2, api_key: str | 
         return launched_worker(args, NO_TLS, role, name, 8998)
 
     (proxy_port,) = free_ports(1)
-    launcher = Launcher(cluster, new_worker, max_workers=max_workers,
+    launcher = Launcher(ProcessBackend(cluster, new_worker), max_workers=max_workers,
                         proxy_url=f"http://127.0.0.1:{proxy_port}", headers={},
                         host="127.0.0.1", port=0, start_timeout=5, stop_timeout=5,
                         api_key=api_key)
@@ -153,9 +153,9 @@ async def test_a_worker_that_never_serves_is_stopped_and_the_request_told_why() 
         return Child(name, argv[role], f"http://127.0.0.1:{port}", role=role)
 
     cluster = Cluster([], startup_timeout=10)
-    launcher = Launcher(cluster, new_worker, max_workers=3, proxy_url="http://127.0.0.1:9",
-                        headers={}, host="127.0.0.1", port=0, start_timeout=1.5,
-                        stop_timeout=5)
+    launcher = Launcher(ProcessBackend(cluster, new_worker), max_workers=3,
+                        proxy_url="http://127.0.0.1:9", headers={}, host="127.0.0.1", port=0,
+                        start_timeout=1.5, stop_timeout=5)
     cluster.services.append(launcher)
     got: dict[str, httpx.Response] = {}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import attrs
 import pytest
 
 from pd_fsm.sim.perf import Placement, Request, nice_weight, outcome, poisson, simulate
@@ -44,10 +45,35 @@ def test_one_request_alone_takes_what_the_profile_says() -> None:
 
 
 def test_pd_adds_the_pull_and_runs_each_side_on_its_own_core() -> None:
-    (r,) = simulate(PROFILE, PINNED, [Request(0.0, 512, 3)])
+    (r,) = simulate(PROFILE, attrs.evolve(PINNED, stream_tokens=0), [Request(0.0, 512, 3)])
     kv = 512 * 1024 / (1 << 30)  # gather, pull, scatter of 512 tokens' KV: 1 s a GiB each
     assert r.ttft == pytest.approx(0.512 + 3 * kv + 0.020, abs=0.004)  # one core's prefill
     assert r.tpot == pytest.approx(0.020 / 2, abs=0.002)  # P's token + D's first leave together
+
+
+def test_a_streaming_p_prefills_in_chunks_and_d_pulls_only_the_last() -> None:
+    # 1 MiB of KV a token: a gather, pull or scatter of 512 tokens' KV takes 0.5 s (1 s a GiB).
+    heavy = attrs.evolve(PROFILE, kv_bytes_per_token=1 << 20)
+    (whole,) = simulate(heavy, attrs.evolve(PINNED, stream_tokens=0), [Request(0.0, 512, 3)])
+    # prefill 512 tokens (1 ms each), gather, pull and scatter them, then D's first step.
+    assert whole.ttft == pytest.approx(0.512 + 3 * 0.5 + 0.020, abs=0.005)
+    (streamed,) = simulate(heavy, attrs.evolve(PINNED, stream_tokens=256),
+                           [Request(0.0, 512, 3)])
+    # Two chunks, each prefilled and gathered; the first part's pull overlapped the second
+    # chunk: only the last 256 tokens are pulled after the prefill.
+    assert streamed.ttft == pytest.approx(0.512 + 0.5 + 0.25 + 0.5 + 0.020, abs=0.005)
+
+
+def test_a_step_keeps_busy_only_the_cores_it_can_use() -> None:
+    # D's decode step runs no faster on two cores than on one: it keeps one busy, and P, far
+    # below it in priority, still has the other for its prefill (one core's speed, 2 x 256 ms).
+    flat = attrs.evolve(TWO, decode=ONE.decode)
+    profile = attrs.evolve(PROFILE, by_cores=(ONE, flat))
+    decoding, prompt = simulate(profile, PRIORITY, [Request(0.0, 64, 200),
+                                                    Request(0.3, 512, 2)])
+    gathers = 3 * 512 * 1024 / (1 << 30) / 2  # on one core; the pull is of the last chunk
+    assert prompt.ttft == pytest.approx(0.512 + gathers, abs=0.06)  # + D's next step
+    assert max(_gaps(decoding)) < 0.030  # D keeps its core: steps of 20-25 ms
 
 
 def test_priorities_let_d_take_the_cores_from_p() -> None:

@@ -216,8 +216,11 @@ def test_a_hand_off_ticket_is_read_with_its_tokens_and_refused_by_name_when_malf
             "resume": {"output_ids": [5, 7], "text": "ab"}, "handoff": TICKET,
             "accept_handoff": True}
     parsed = parse_generate(body, LIMITS)
-    assert parsed.handoff is not None and parsed.handoff.to_json() == TICKET
+    # A ticket without lease_s (an older draining worker's) reads as "lease not said".
+    assert parsed.handoff is not None and parsed.handoff.to_json() == {**TICKET, "lease_s": 0.0}
     assert parsed.accept_handoff and parsed.resume is not None
+    leased = parse_generate({**body, "handoff": {**TICKET, "lease_s": 12.5}}, LIMITS).handoff
+    assert leased is not None and leased.lease_s == 12.5
     assert not parse_generate(GENERATE, LIMITS).accept_handoff
     bad: list[tuple[dict[str, Any], str]] = [
         ({k: v for k, v in body.items() if k != "resume"}, "handoff needs resume"),
@@ -226,6 +229,8 @@ def test_a_hand_off_ticket_is_read_with_its_tokens_and_refused_by_name_when_malf
         ({**body, "handoff": {**TICKET, "extra": 1}}, "handoff.extra is not a field"),
         ({**body, "handoff": {**TICKET, "kv_checksums": [-1]}}, "32-bit words"),
         ({**body, "handoff": {**TICKET, "kv_tokens": 0}}, "out of range"),
+        *[({**body, "handoff": {**TICKET, "lease_s": v}}, "handoff.lease_s must be seconds")
+          for v in (-1, True, "5", 1e9)],
         ({**body, "accept_handoff": 1}, "accept_handoff must be true or false"),
     ]
     for b, why in bad:

@@ -1,8 +1,8 @@
 """`pd-fsm cluster --ask PROMPT`: one chat prompt through the proxy and to the colocated worker,
 both answers printed side by side.
 
-Its own module because both runners ask it (``local`` and ``ray_cluster``), and ``local`` starts
-``ray_cluster``: kept in either, it would close an import circle.
+Its own module because both runners ask it (``local`` and ``ray_driver``), and ``local`` starts
+``ray_driver``: kept in either, it would close an import circle.
 """
 
 from __future__ import annotations

@@ -1,9 +1,15 @@
-"""The local runner's launcher (issue 30 §2): with ``pd-fsm cluster --max-workers N`` the runner
-serves a small control endpoint through which the planner (``pd-fsm planner --launcher-url``) or
-an operator adds and removes PD worker processes.
+"""The runners' launcher (issue 30 §2): with ``pd-fsm cluster --max-workers N`` the runner (local
+or ``--ray``) serves a small control endpoint through which the planner (``pd-fsm planner
+--launcher-url``) or an operator adds and removes PD workers.
+
+What a worker is belongs to a ``WorkerBackend``: here ``ProcessBackend``, a child process of the
+local runner (``supervisor.Cluster``); on Ray ``ray_launcher.ActorBackend``, a worker actor placed
+like its role's siblings. The endpoint, its answers and refusals, the proxy calls and the role
+checks are this module's, the same on both runners.
 
 - ``POST /scale_up {"role": "prefill"|"decode"}`` starts one more worker of that role with the
-  flags its siblings got (``local.launched_worker``), on ports picked then, while the runner has
+  flags its siblings got (``local.launched_worker``; on Ray an actor that picks its ports on its
+  node), while the runner has
   fewer than ``max_workers`` PD workers (409 naming the bound otherwise). It answers **once the
   worker is healthy and the proxy routes it** (200 with its URL), not at once with a 202: the
   caller learns whether it got a worker (a worker that is not healthy within the start deadline,
@@ -13,7 +19,8 @@ an operator adds and removes PD worker processes.
   decides nothing meanwhile, which is what it should do while the cluster changes (as it holds
   off while a switched worker drains).
 - ``POST /scale_down {"worker": URL}`` removes one of the workers this runner started: first from
-  the proxy (``POST /workers/remove``: no new leg reaches it once that answered), then SIGTERM —
+  the proxy (``POST /workers/remove``: no new leg reaches it once that answered), then SIGTERM to
+  its process (on Ray through its actor, which is then killed without restart) —
   the worker drains (its rooms and streams finish, a D hands its streams to another D) and exits
   0 — killed only past its ``--drain-timeout`` and a grace. Refused (409) while it starts, stops
   or switches roles, and when it is the last worker serving its role (roles as each worker's
@@ -29,9 +36,11 @@ healthy both answer 503 with Retry-After. Every wait has a deadline: the worker'
 
 from __future__ import annotations
 
+import argparse
 import logging
+import shlex
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import httpx
@@ -46,6 +55,7 @@ from pd_fsm.io_trio.http_edge import BodyError, describe, edge_app, read_json
 from pd_fsm.io_trio.http_server import http_client, serve_app
 from pd_fsm.io_trio.strict_json import loads as strict_loads
 from pd_fsm.io_trio.tls import NO_TLS, TLS
+from pd_fsm.io_trio.worker.config import ServeConfig
 
 log = logging.getLogger("pd_fsm.io_trio.cluster.launcher")
 
@@ -57,6 +67,78 @@ SCALE_ROLES = ("prefill", "decode")
 Answer = tuple[int, dict[str, Any]]
 # A role and a name to the child that would serve it, ports picked, not started yet.
 NewWorker = Callable[[str, str], Child]
+Stopped = tuple[int | None, bool]  # its exit status (None: not known) and whether it was killed
+
+
+class WorkerBackend(Protocol):
+    """What a PD worker is to the launcher: how it is made, started, watched and stopped. A
+    worker is a ``Child`` either way (its name, role, URL once started, side-channel port)."""
+
+    def present(self) -> list[Child]:
+        """The PD workers the cluster started with (read again when it is ready)."""
+
+    def new(self, role: str, name: str) -> Child:
+        """One more worker of ``role``, not started yet."""
+
+    async def start(self, child: Child) -> tuple[int, str] | None:
+        """Start it (its ``url`` is set once this returned None); else (status, why)."""
+
+    async def exited(self, child: Child) -> str | None:
+        """Why a starting worker will not serve (it exited: how, its last lines), or None."""
+
+    def serving(self, child: Child) -> None:
+        """It serves: from now on its death is the cluster's, as its siblings'."""
+
+    async def stop(self, child: Child, grace: float) -> Stopped:
+        """Stop it for good (SIGTERM: a worker drains), killed past ``grace`` seconds."""
+
+
+@attrs.define
+class ProcessBackend:
+    """The local runner's workers: child processes of its ``Cluster``."""
+
+    cluster: Cluster
+    new_worker: NewWorker
+
+    def present(self) -> list[Child]:
+        return [c for c in self.cluster.children if c.role and c.url]
+
+    def new(self, role: str, name: str) -> Child:
+        return self.new_worker(role, name)
+
+    async def start(self, child: Child) -> tuple[int, str] | None:
+        child.fatal = False  # until it serves, its exit is the scale-up's answer
+        await self.cluster.spawn(child)  # raises OSError if it cannot start at all
+        return None
+
+    async def exited(self, child: Child) -> str | None:
+        code = None if child.proc is None else child.proc.returncode
+        if code is None:
+            return None
+        await trio.sleep(0.2)  # let the forwarder take its last lines
+        return exited_before_healthy(code, list(child.tail)[-5:])
+
+    def serving(self, child: Child) -> None:
+        child.fatal = True
+
+    async def stop(self, child: Child, grace: float) -> Stopped:
+        if child.proc is None:  # it never started
+            return None, False
+        return await self.cluster.retire(child, grace)
+
+
+def exited_before_healthy(code: int, tail: list[str]) -> str:
+    """A scale-up's 502: how the worker's process ended, and its last lines."""
+    return f"exited with status {code} before it was healthy: {' | '.join(tail)}"
+
+
+def drain_timeout(args: argparse.Namespace) -> float:
+    """The workers' ``--drain-timeout`` (from ``--worker-args``, else serve's default): how long
+    a worker the launcher stops may take to drain."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--drain-timeout", type=float, default=ServeConfig().drain_timeout)
+    known, _ = parser.parse_known_args(shlex.split(args.worker_args or ""))
+    return float(known.drain_timeout)
 
 
 def _error(status: int, message: str) -> dict[str, Any]:
@@ -77,11 +159,12 @@ class Managed:
 
 
 class Launcher:
-    """The control endpoint; a ``ClusterService`` of the runner's ``Cluster``."""
+    """The control endpoint; a ``ClusterService`` of the local runner's ``Cluster``, a thread of
+    the Ray driver's (``ray_launcher``)."""
 
     name = "launcher"
 
-    def __init__(self, cluster: Cluster, new_worker: NewWorker, *, max_workers: int,
+    def __init__(self, backend: WorkerBackend, *, max_workers: int,
                  proxy_url: str, headers: dict[str, str], host: str, port: int,
                  start_timeout: float, stop_timeout: float, tls: TLS = NO_TLS,
                  api_key: str | None = None) -> None:
@@ -89,20 +172,19 @@ class Launcher:
         callers must send (all but /health)."""
         self.url: str | None = None
         self.extra = f"POST /scale_up, /scale_down; GET /workers (--max-workers {max_workers})"
-        self._cluster = cluster
-        self._new_worker = new_worker
+        self._backend = backend
         self.max_workers = max_workers
-        self._proxy_url = proxy_url.rstrip("/")
+        # Public: the Ray runner learns its proxy's URL once the proxy is placed (``ready``).
+        self.proxy_url = proxy_url.rstrip("/")
         self._headers = headers
         self._host, self._port = host, port
         self.start_timeout, self.stop_timeout = start_timeout, stop_timeout
         self._tls = tls
         self._api_key = api_key
-        self.workers = {str(c.url): Managed(c) for c in cluster.children if c.role and c.url}
-        # Names go on counting: a worker added after prefill-0 and prefill-1 is prefill-2,
-        # also once prefill-1 is gone (its log lines keep their meaning).
-        self._started = {role: sum(c.role == role for c in cluster.children if c.url)
-                         for role in SCALE_ROLES}
+        # By name (unique: names go on counting): a Ray worker has a URL only once started.
+        self.workers: dict[str, Managed] = {}
+        self._started = dict.fromkeys(SCALE_ROLES, 0)
+        self._adopt()
         self._ready = False
         # One removal at a time: each judges the roles the last one left. Waiting for it is
         # bounded by the holder's own deadlines (roles, proxy, the stop).
@@ -125,7 +207,18 @@ class Launcher:
             binds: list[str] = await nursery.start(http)
             task_status.started(binds[0])
 
+    def _adopt(self) -> None:
+        """The workers the cluster started with, those not known yet (on Ray: known once it is
+        up). Names go on counting from them: a worker added after prefill-0 and prefill-1 is
+        prefill-2, also once prefill-1 is gone (its log lines keep their meaning)."""
+        for child in self._backend.present():
+            self.workers.setdefault(child.name, Managed(child))
+        for role in SCALE_ROLES:
+            present = sum(m.child.role == role for m in self.workers.values())
+            self._started[role] = max(self._started[role], present)
+
     def ready(self) -> None:
+        self._adopt()
         for managed in self.workers.values():
             managed.state = "serving"
         self._ready = True
@@ -163,18 +256,18 @@ class Launcher:
                                              f"{self.max_workers}): none started")))
         name = f"{role}-{self._started[role]}"
         self._started[role] += 1
-        managed = Managed(self._new_worker(role, name))
+        managed = Managed(self._backend.new(role, name))
         # Counted against the bound from now: two scale-ups at once cannot both pass it.
-        self.workers[str(managed.child.url)] = managed
+        self.workers[name] = managed
         return _answer(await self._to_the_end(lambda: self._launch(managed)))
 
     async def _launch(self, managed: Managed) -> Answer:
         child = managed.child
-        child.fatal = False  # until it serves, its exit is this request's answer
         start = trio.current_time()
         try:
-            await self._cluster.spawn(child)
-            failure = await self._wait_healthy(child)
+            failure = await self._backend.start(child)
+            if failure is None:
+                failure = await self._wait_healthy(child)
             if failure is None:
                 failure = await self._tell_proxy("add", {
                     "url": child.url, "role": child.role, "bootstrap_port": child.side_port})
@@ -186,7 +279,7 @@ class Launcher:
             status, why = failure
             log.warning("scale_up: %s: %s", child.name, why)
             return status, _error(status, f"{child.name} ({child.url}): {why}")
-        child.fatal = True  # serving: from now on its death is the cluster's, as its siblings'
+        self._backend.serving(child)
         managed.state = "serving"
         ready_s = trio.current_time() - start
         print(f"pd-fsm cluster: launched {child.name} {child.url} ({child.role}) in "
@@ -195,14 +288,11 @@ class Launcher:
                      "bootstrap_port": child.side_port, "ready_s": round(ready_s, 3)}
 
     async def _wait_healthy(self, child: Child) -> tuple[int, str] | None:
-        assert child.proc is not None
         with trio.move_on_after(self.start_timeout):
             while True:
-                code = child.proc.returncode
-                if code is not None:
-                    await trio.sleep(0.2)  # let the forwarder take its last lines
-                    tail = " | ".join(list(child.tail)[-5:])
-                    return 502, f"exited with status {code} before it was healthy: {tail}"
+                why = await self._backend.exited(child)
+                if why is not None:
+                    return 502, why
                 await probe(self._http(), child)
                 if child.healthy:
                     return None
@@ -212,10 +302,9 @@ class Launcher:
 
     async def _drop(self, managed: Managed) -> None:
         """A worker that will not serve: out of the list, its process stopped."""
-        self.workers.pop(str(managed.child.url), None)
+        self.workers.pop(managed.child.name, None)
         with trio.CancelScope(shield=True):
-            if managed.child.proc is not None:
-                await self._cluster.retire(managed.child, STOP_GRACE)
+            await self._backend.stop(managed.child, STOP_GRACE)
 
     # ------------------------------------------------------------------ scale down
 
@@ -228,7 +317,8 @@ class Launcher:
             return _answer((400, _error(400, "body.worker must be a string: a worker's URL")))
         if not self._ready:
             return _not_ready()
-        managed = self.workers.get(url.rstrip("/"))
+        managed = next((m for m in self.workers.values() if m.child.url == url.rstrip("/")),
+                       None)
         if managed is None:
             return _answer((404, _error(404, f"body.worker: {url} is not a worker this runner "
                                              "started (GET /workers lists them)")))
@@ -249,8 +339,8 @@ class Launcher:
                 managed.state = "serving"
                 return failure[0], _error(failure[0], f"{failure[1]}: {url} not stopped")
             start = trio.current_time()
-            code, killed = await self._cluster.retire(child, self.stop_timeout)
-            self.workers.pop(url, None)
+            code, killed = await self._backend.stop(child, self.stop_timeout)
+            self.workers.pop(child.name, None)
         stopped_s = trio.current_time() - start
         print(f"pd-fsm cluster: stopped {child.name} {url}: exit status {code}"
               f"{' (killed)' if killed else ''} after {stopped_s:.1f} s", flush=True)
@@ -299,7 +389,7 @@ class Launcher:
         """``POST /workers/{what}`` on the proxy; None once it answered 200, else (502, why)."""
         try:
             with trio.fail_after(PROXY_S):
-                r = await self._http().post(f"{self._proxy_url}/workers/{what}", json=body,
+                r = await self._http().post(f"{self.proxy_url}/workers/{what}", json=body,
                                             headers=self._headers)
         except (httpx.HTTPError, trio.TooSlowError) as exc:
             return 502, f"the proxy's /workers/{what} failed: {describe(exc)}"

@@ -6,7 +6,8 @@ flags. ``supervisor.py`` runs them: every child's output forwarded with a ``[nam
 every ``/health`` waited for under one deadline, the URLs printed; Ctrl-C or SIGTERM stops every
 child; a child that dies on its own stops the cluster with exit status 1 and that child's last
 log lines. With ``--max-workers N`` the runner also serves a launcher (``launcher.py``) that adds
-and removes PD workers with the flags their siblings got.
+and removes PD workers with the flags their siblings got. ``--ray`` hands everything to the Ray
+runner (``ray_driver.py``), which serves the same launcher over worker actors.
 """
 
 from __future__ import annotations
@@ -24,14 +25,13 @@ import attrs
 import trio
 
 from pd_fsm.io_trio.api_key import bearer
-from pd_fsm.io_trio.cluster import observability, ray_cluster
+from pd_fsm.io_trio.cluster import observability, ray_driver
 from pd_fsm.io_trio.cluster.ask import ask
 from pd_fsm.io_trio.cluster.cpu_placement import may_take_nice
-from pd_fsm.io_trio.cluster.launcher import Launcher
+from pd_fsm.io_trio.cluster.launcher import Launcher, ProcessBackend, drain_timeout
 from pd_fsm.io_trio.cluster.supervisor import STOP_GRACE, Child, Cluster
 from pd_fsm.io_trio.ports import free_port_pair, free_ports
 from pd_fsm.io_trio.tls import NO_TLS, TLS, throwaway_ca
-from pd_fsm.io_trio.worker.config import ServeConfig
 
 log = logging.getLogger("pd_fsm.io_trio.cluster.local")
 
@@ -361,7 +361,8 @@ def _add_service_arguments(p: argparse.ArgumentParser) -> None:
                         "role null gets whole requests)")
     p.add_argument("--max-workers", type=int, default=0, metavar="N",
                    help="serve a launcher (POST /scale_up, /scale_down; its URL is printed) "
-                        "that starts and stops PD workers, at most N in all; with --planner the "
+                        "that starts and stops PD workers (with --ray: worker actors), at most "
+                        "N in all; with --planner the "
                         "planner scales through it (`planner --launcher-url --max-workers N`). "
                         "Default 0: no launcher, a fixed set of workers")
     p.add_argument("--planner-args", default="",
@@ -418,8 +419,8 @@ def _refusal(args: argparse.Namespace) -> str | None:
     if args.ray is not None and (args.prometheus or args.prometheus_targets is not None):
         return "--prometheus and --prometheus-targets are for the local runner (not --ray)"
     if args.planner and (args.ray is not None or not args.prefill):
-        return ("--planner is for PD workers on the local runner (not --ray, which cannot "
-                "start or stop actors for it yet)")
+        return ("--planner is for PD workers on the local runner (not --ray: there, run "
+                "`pd-fsm planner --launcher-url` against `--ray --max-workers`' launcher)")
     return _max_workers_refusal(args)
 
 
@@ -428,8 +429,8 @@ def _max_workers_refusal(args: argparse.Namespace) -> str | None:
         return None
     if args.max_workers < 0:
         return "--max-workers must be >= 0 (0: no launcher)"
-    if args.ray is not None or not args.prefill:
-        return "--max-workers is for PD workers on the local runner (not --ray)"
+    if not args.prefill:
+        return "--max-workers is for PD workers (give --prefill and --decode)"
     if max(args.prefill_nnodes, args.decode_nnodes) > 1:
         return "--max-workers launches one-process workers: not with --prefill/--decode-nnodes"
     if args.max_workers < args.prefill + args.decode:
@@ -438,22 +439,13 @@ def _max_workers_refusal(args: argparse.Namespace) -> str | None:
     return None
 
 
-def drain_timeout(args: argparse.Namespace) -> float:
-    """The workers' ``--drain-timeout`` (from ``--worker-args``, else serve's default): how long
-    a worker the launcher stops may take to drain."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--drain-timeout", type=float, default=ServeConfig().drain_timeout)
-    known, _ = parser.parse_known_args(shlex.split(args.worker_args or ""))
-    return float(known.drain_timeout)
-
-
 def _launcher(args: argparse.Namespace, tls: TLS, ports: _Ports, cluster: Cluster) -> Launcher:
     key = None if args.api_key_file is None else args.api_key_file.read_text().strip()
 
     def new_worker(role: str, name: str) -> Child:
         return launched_worker(args, tls, role, name, ports.bootstrap)
 
-    return Launcher(cluster, new_worker, max_workers=args.max_workers,
+    return Launcher(ProcessBackend(cluster, new_worker), max_workers=args.max_workers,
                     proxy_url=f"{tls.scheme}://{HOST}:{ports.proxy}",
                     headers=bearer(key) if key else {}, host=HOST, port=ports.launcher,
                     start_timeout=args.startup_timeout,
@@ -466,7 +458,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"pd-fsm cluster: {refusal}", file=sys.stderr)
         return 2
     if args.ray is not None:
-        return ray_cluster.main(args, worker_flags(args), ["--log-level", args.log_level])
+        return ray_driver.main(args, worker_flags(args), ["--log-level", args.log_level])
     tls = NO_TLS
     if args.tls:
         # A throwaway CA for this run, in a directory that goes with it (key readable by us only).

@@ -12,14 +12,20 @@ Restarts: a service whose process exits takes its actor down with it, and Ray re
 (``--ray-max-restarts``). The restarted actor finds its state file on the node (ports, old pid),
 kills what is left of the old process, and starts the service again **on the same ports**, so
 routers holding its URL keep working and the worker re-registers with the bootstrap server. The
-proxy finds workers through the registry (``--bootstrap-url``), so a restarted worker is routed to
-again as soon as it is listed.
+proxy is given the P and D workers' URLs (as the local runner's is), so a restarted worker is
+routed to again once it answers (its circuit breaker closes); and the launcher adds and removes
+workers at it (``POST /workers/add|remove``), which a proxy reading the registry refuses.
+
+Scaling (``--max-workers N``): ``ray_launcher`` serves the local runner's launcher, whose workers
+are actors this class adds (``add_worker``: placed like their siblings, watched once they serve)
+and stops (``retire``: the process drains, the actor is killed without restart).
 
 Logs: the driver pulls each actor's new output lines and prints them as ``[name] line``. Stop
 (Ctrl-C or SIGTERM): in tiers, proxy first, then the workers, the bootstrap server last; each
 actor stops its process (SIGTERM, then SIGKILL after a grace period) and is killed without
 restart. The actors belong to the driver, so if the driver dies Ray kills them, and each service
-process dies with its actor (``PR_SET_PDEATHSIG``).
+process dies with its actor (``PR_SET_PDEATHSIG``). The driver itself is ``ray_driver``: this
+module is what every actor process imports, so it imports neither trio nor the launcher.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,11 +80,13 @@ class ServiceActor:
     """One pd-fsm service process on this node (used as a Ray actor; see the module docstring).
 
     ``argv`` may contain ``{host}`` (this node's Ray address) and ``{port0}``, ``{port1}``, ...:
-    ``n_ports`` ports free on this node, chosen once and kept across restarts.
+    ``n_ports`` ports free on this node, chosen once and kept across restarts. ``armed``: the
+    process's exit takes the actor down (so that Ray restarts it); a worker the launcher starts
+    is armed once it serves (``arm``), until then its exit is the scale-up's answer (``info``).
     """
 
     def __init__(self, name: str, cluster_id: str, argv: list[str], n_ports: int,
-                 health_port: int | None) -> None:
+                 health_port: int | None, armed: bool = True) -> None:
         import ray
 
         self.name = name
@@ -100,6 +109,9 @@ class ServiceActor:
                 time.sleep(0.05)
         self.ports: list[int] = state.get("ports") or free_ports(n_ports, self.host, launcher=True)
         self.restarts: int = int(state.get("restarts", -1)) + 1
+        # Ray restarts an actor with its first arguments: one restarted was armed.
+        self._armed = armed or self.restarts > 0
+        self._exited = False
         self.health_port = None if health_port is None else self.ports[health_port]
         fields = {"host": self.host, **{f"port{i}": p for i, p in enumerate(self.ports)}}
         self.argv = [a.format(**fields) for a in argv]
@@ -114,7 +126,8 @@ class ServiceActor:
         )
         self._state_file.write_text(json.dumps(
             {"ports": self.ports, "pid": self.proc.pid, "restarts": self.restarts}))
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _read(self) -> None:
@@ -125,19 +138,41 @@ class ServiceActor:
                 self._lines.append((self._seq, raw.decode("utf-8", "replace").rstrip("\n")))
 
     def _watch(self) -> None:
-        code = self.proc.wait()
-        if not self._stopping:
-            # The service died on its own: take the actor down so that Ray restarts it. Its
-            # last lines stay beside the state file for an operator (the driver may have
-            # missed them).
-            with contextlib.suppress(OSError):
-                tail = "\n".join(line for _, line in list(self._lines)[-40:])
-                self._state_file.with_suffix(".last").write_text(f"exit {code}\n{tail}")
-            os._exit(1)
+        self.proc.wait()
+        with self._lock:  # exactly one of this and arm() sees both the exit and the arming
+            self._exited = True
+            die = self._armed and not self._stopping
+        if die:
+            self._die()
+
+    def arm(self) -> None:
+        """From now on the process's exit takes the actor down (Ray restarts it)."""
+        with self._lock:
+            self._armed = True
+            die = self._exited and not self._stopping
+        if die:
+            self._die()
+
+    def _die(self) -> None:
+        # The service died on its own: take the actor down so that Ray restarts it. Its last
+        # lines stay beside the state file for an operator (the driver may have missed them).
+        self._reader.join(1.0)
+        with contextlib.suppress(OSError):
+            tail = "\n".join(line for _, line in list(self._lines)[-40:])
+            self._state_file.with_suffix(".last").write_text(f"exit {self.proc.returncode}\n"
+                                                             f"{tail}")
+        os._exit(1)
 
     def info(self) -> dict[str, Any]:
+        """Where it serves; and, once its (unarmed) process exited, its status and last lines."""
+        code = self.proc.poll()
+        if code is not None:
+            self._reader.join(1.0)  # its last lines read
+        with self._lock:
+            tail = [line for _, line in list(self._lines)[-5:]] if code is not None else []
         return {"name": self.name, "host": self.host, "ports": self.ports,
-                "pid": self.proc.pid, "actor_pid": os.getpid(), "restarts": self.restarts}
+                "pid": self.proc.pid, "actor_pid": os.getpid(), "restarts": self.restarts,
+                "exit": code, "tail": tail}
 
     def lines(self, since: int) -> tuple[int, list[str]]:
         """Output lines after sequence number ``since``, and the newest sequence number."""
@@ -157,9 +192,11 @@ class ServiceActor:
         except (OSError, ValueError):
             return None
 
-    def stop(self, grace: float = STOP_GRACE) -> int | None:
-        """Stop the service for good (no restart follows): SIGTERM, then SIGKILL."""
+    def stop(self, grace: float = STOP_GRACE) -> tuple[int | None, bool]:
+        """Stop the service for good (no restart follows): SIGTERM (a worker drains), then
+        SIGKILL past ``grace`` seconds; its exit status and whether it was killed."""
         self._stopping = True
+        killed = False
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -167,12 +204,13 @@ class ServiceActor:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+                killed = True
         for leftover in (self._state_file, self._state_file.with_suffix(".last")):
             with contextlib.suppress(OSError):
                 leftover.unlink()
         with contextlib.suppress(OSError):
             self._state_file.parent.rmdir()  # the last service of this cluster on this node
-        return self.proc.returncode
+        return self.proc.returncode, killed
 
 
 @attrs.define(eq=False)
@@ -187,6 +225,10 @@ class Service:
     down_since: float | None = None
     url_port: int = 0
     extra: str = ""
+    role: str | None = None  # a P or D worker: "prefill" | "decode"
+    # Its death is the cluster's (Ray restarts it; down for good stops the cluster). Not while
+    # the launcher starts or stops it: its failure is then that request's answer.
+    watched: bool = True
 
     @property
     def url(self) -> str:
@@ -194,7 +236,9 @@ class Service:
 
 
 class RayLaunchError(Exception):
-    pass
+    def __init__(self, message: str, status: int = 502) -> None:
+        super().__init__(message)
+        self.status = status  # the launcher's answer when a worker it starts fails so
 
 
 def _placement(spec: str, nodes: list[dict[str, Any]]) -> dict[str, float]:
@@ -220,32 +264,61 @@ class RayCluster:
         self.quiet = quiet
         self.cluster_id = uuid.uuid4().hex[:12]
         self.services: list[Service] = []
+        # The launcher's thread adds and removes services while the driver's monitors them:
+        # the list and each service's log position change under this lock.
+        self.lock = threading.RLock()
         self.stop_requested = False
         nodes = [n for n in ray.nodes() if n.get("Alive")]  # type: ignore[no-untyped-call]
-        here = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        self.here: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         self.node_specs = {
-            role: [s for s in (getattr(args, f"{role}_nodes") or here).split(",") if s]
+            role: [s for s in (getattr(args, f"{role}_nodes") or self.here).split(",") if s]
             for role in ("prefill", "decode", "bootstrap", "proxy", "colocated")
         }
         self.placements = {role: [_placement(s, nodes) for s in specs]
                            for role, specs in self.node_specs.items()}
+        # Worker i of a role (in start order, the launcher's too) goes to the role's i-th node.
+        self.placed = {"prefill": 0, "decode": 0}
+        self.bootstrap_flags: list[str] = []  # a P or D's, once the bootstrap server is up
         self.actor_class = ray.remote(ServiceActor)
 
-    def _spawn(self, name: str, role: str, index: int, tier: int, argv: list[str], n_ports: int,
-               health_port: int | None, extra: str = "") -> Service:
+    def _spawn(self, name: str, role: str, tier: int, argv: list[str], n_ports: int,
+               health_port: int | None, extra: str = "", armed: bool = True) -> Service:
         places = self.placements[role]
+        index = self.placed.get(role, 0)
+        if role in self.placed:
+            self.placed[role] += 1
         handle = self.actor_class.options(
             name=f"pd-fsm-{self.cluster_id}-{name}", num_cpus=0,
             resources=places[index % len(places)],
             max_restarts=self.args.ray_max_restarts, max_task_retries=0,
-        ).remote(name, self.cluster_id, argv, n_ports, health_port)
-        service = Service(name, tier, handle, extra=extra)
-        self.services.append(service)
+        ).remote(name, self.cluster_id, argv, n_ports, health_port, armed)
+        service = Service(name, tier, handle, extra=extra,
+                          role=role if role in self.placed else None)
+        with self.lock:
+            self.services.append(service)
         return service
 
-    def _info(self, service: Service) -> None:
-        service.info = self.ray.get(service.handle.info.remote(), timeout=60)
+    def _worker(self, role: str, name: str, *, watched: bool = True) -> Service:
+        """A P or D worker actor (the cluster's, or one the launcher adds): `pd-fsm serve` with
+        the flags every worker gets; a P serves its side channel on its second port."""
+        argv = ["serve", *self.worker_argv, "--host", "{host}", "--port", "{port0}",
+                "--disaggregation-mode", role, *self.bootstrap_flags]
+        if role == "prefill":
+            argv += ["--disaggregation-side-channel-port", "{port1}"]
+        service = self._spawn(name, role, 1, argv, 2 if role == "prefill" else 1, 0,
+                              armed=watched)
+        service.watched = watched
+        return service
+
+    def _info(self, service: Service, timeout: float = 60.0) -> None:
+        service.info = self.ray.get(service.handle.info.remote(), timeout=timeout)
         service.restarts = int(service.info["restarts"])
+        if service.role == "prefill":
+            service.extra = f"bootstrap port {service.info['ports'][1]}"
+
+    def snapshot(self) -> list[Service]:
+        with self.lock:
+            return list(self.services)
 
     def _wait_healthy(self, services: list[Service], deadline: float, start: float) -> None:
         last_progress = time.monotonic()
@@ -276,100 +349,169 @@ class RayCluster:
             return None
         return status
 
-    def _pump(self) -> None:
-        """Print every service's new output lines, ``[name] line``."""
-        for s in self.services:
-            try:
-                seq, lines = self.ray.get(s.handle.lines.remote(s.seq), timeout=10)
-            except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
-                continue
-            if seq < s.seq:  # a restarted actor counts from zero again
-                s.seq = 0
-                continue
-            s.seq = seq
-            for line in lines:
-                print(f"[{s.name}] {line}", flush=True)
+    def _pump(self, services: list[Service] | None = None) -> None:
+        """Print every service's (or these services') new output lines, ``[name] line``."""
+        with self.lock:
+            for s in self.snapshot() if services is None else services:
+                try:
+                    seq, lines = self.ray.get(s.handle.lines.remote(s.seq), timeout=10)
+                except (self.ray.exceptions.RayActorError,
+                        self.ray.exceptions.GetTimeoutError):
+                    continue
+                if seq < s.seq:  # a restarted actor counts from zero again
+                    s.seq = 0
+                    continue
+                s.seq = seq
+                for line in lines:
+                    print(f"[{s.name}] {line}", flush=True)
 
     def start(self) -> None:
         a = self.args
         start = time.monotonic()
         deadline = start + a.startup_timeout
-        boot = self._spawn("bootstrap", "bootstrap", 0, 2,
+        boot = self._spawn("bootstrap", "bootstrap", 2,
                            ["bootstrap", "--host", "{host}", "--port", "{port0}", *self.quiet],
                            1, 0)
         self._info(boot)
         self._wait_healthy([boot], deadline, start)
-        boot_host, boot_port = boot.info["host"], boot.info["ports"][0]
-        pd = ["--disaggregation-bootstrap-host", boot_host,
-              "--disaggregation-bootstrap-port", str(boot_port)]
-        serve = ["serve", *self.worker_argv, "--host", "{host}", "--port", "{port0}"]
-        workers = []
-        for i in range(a.prefill):
-            workers.append(self._spawn(
-                f"prefill-{i}", "prefill", i, 1,
-                [*serve, "--disaggregation-mode", "prefill", *pd,
-                 "--disaggregation-side-channel-port", "{port1}"], 2, 0))
-        for i in range(a.decode):
-            workers.append(self._spawn(f"decode-{i}", "decode", i, 1,
-                                       [*serve, "--disaggregation-mode", "decode", *pd], 1, 0))
+        self.bootstrap_flags = ["--disaggregation-bootstrap-host", boot.info["host"],
+                                "--disaggregation-bootstrap-port", str(boot.info["ports"][0])]
+        workers = [self._worker(role, f"{role}-{i}") for role, n in
+                   (("prefill", a.prefill), ("decode", a.decode)) for i in range(n)]
         if a.colocated:
-            workers.append(self._spawn("colocated", "colocated", 0, 1,
-                                       [*serve, "--disaggregation-mode", "null"], 1, 0))
+            workers.append(self._spawn(
+                "colocated", "colocated", 1, ["serve", *self.worker_argv, "--host", "{host}",
+                                              "--port", "{port0}", "--disaggregation-mode",
+                                              "null"], 1, 0))
         for w in workers:
             self._info(w)
-            if w.name.startswith("prefill"):
-                w.extra = f"bootstrap port {w.info['ports'][1]}"
         self._wait_healthy(workers, deadline, start)
         if a.prefill:
-            proxy_argv = ["proxy", "--host", "{host}", "--port", "{port0}", "--bootstrap-url",
-                          f"http://{boot_host}:{boot_port}", "--refresh-interval", "1",
-                          *self.quiet, *shlex.split(a.proxy_args or "")]
-            proxy = self._spawn("proxy", "proxy", 0, 0, proxy_argv, 1, 0,
-                                extra=f"{a.prefill} prefill, {a.decode} decode")
-            self._info(proxy)
-            self._wait_healthy([proxy], deadline, start)
+            self._wait_healthy([self._proxy(workers)], deadline, start)
         print(f"pd-fsm cluster: ready in {time.monotonic() - start:.1f} s (Ray, cluster "
               f"{self.cluster_id})", flush=True)
-        for s in self.services:
+        for s in self.snapshot():
             extra = f"  ({s.extra})" if s.extra else ""
             print(f"  {s.name:<12} {s.url}{extra}  [node {s.info['host']}, actor pid "
                   f"{s.info['actor_pid']}, process pid {s.info['pid']}]", flush=True)
 
-    def urls(self) -> dict[str, str]:
-        return {s.name: s.url for s in self.services}
+    def _proxy(self, workers: list[Service]) -> Service:
+        """The proxy, given the P and D workers' URLs (as the local runner's): they keep them
+        across restarts, and the launcher adds and removes workers at it (``POST
+        /workers/add|remove``), which a proxy reading the registry refuses."""
+        listed = []
+        for w in workers:
+            if w.role == "prefill":
+                listed += ["--prefill", w.url, str(w.info["ports"][1])]
+            elif w.role == "decode":
+                listed += ["--decode", w.url]
+        proxy_argv = ["proxy", "--host", "{host}", "--port", "{port0}", *listed, *self.quiet,
+                      *shlex.split(self.args.proxy_args or "")]
+        proxy = self._spawn("proxy", "proxy", 0, proxy_argv, 1, 0,
+                            extra=f"{self.args.prefill} prefill, {self.args.decode} decode")
+        self._info(proxy)
+        return proxy
 
-    def monitor(self) -> None:
+    # ------------------------------------------------------------------ the launcher's
+
+    def add_worker(self, role: str, name: str, timeout: float) -> Service:
+        """One more P or D actor, placed like its siblings, its ports picked on its node; not
+        watched until the launcher says it serves. Raises ``RayLaunchError`` (504: not placed
+        and started within ``timeout``; 502: its actor died)."""
+        service = self._worker(role, name, watched=False)
+        try:
+            self._info(service, timeout)
+        except self.ray.exceptions.GetTimeoutError:
+            failure = RayLaunchError(f"its actor was not placed and started within {timeout:g} "
+                                     "s (no live node of its role with room?): stopped", 504)
+        except self.ray.exceptions.RayActorError as exc:
+            failure = RayLaunchError(f"its actor died as it started: {exc}")
+        else:
+            return service
+        self.retire(service, 1.0)  # nobody's else: it must not start later
+        raise failure
+
+    def exit_of(self, s: Service) -> tuple[int, list[str]] | None:
+        """A worker the launcher starts (unarmed): its process's exit status and last lines once
+        it exited, None while it runs (or its actor does not answer yet). Raises
+        ``RayLaunchError`` when its actor died."""
+        try:
+            info = self.ray.get(s.handle.info.remote(), timeout=10)
+        except self.ray.exceptions.GetTimeoutError:
+            return None
+        except self.ray.exceptions.RayActorError as exc:
+            raise RayLaunchError(f"its actor died before it was healthy: "
+                                 f"{type(exc).__name__}") from None
+        return None if info["exit"] is None else (int(info["exit"]), list(info["tail"]))
+
+    def arm(self, s: Service) -> None:
+        """The launcher's worker serves: its death is the cluster's now, as its siblings'."""
+        s.watched = True
+        s.handle.arm.remote()  # not waited for: the actor's to do, at once
+
+    def retire(self, s: Service, grace: float) -> tuple[int | None, bool]:
+        """Stop one service for good: its process (SIGTERM, SIGKILL past ``grace``), its last
+        lines printed, then its actor killed without restart; its exit status (None: its
+        actor did not say) and whether it was killed."""
+        s.watched = False
+        try:
+            code, killed = self.ray.get(s.handle.stop.remote(grace), timeout=grace + STOP_GRACE)
+        except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
+            code, killed = None, True
+        with self.lock:
+            self._pump([s])
+            if s in self.services:
+                self.services.remove(s)
+        with contextlib.suppress(Exception):
+            self.ray.kill(s.handle, no_restart=True)
+        return code, bool(killed)
+
+    # ------------------------------------------------------------------ running
+
+    def urls(self) -> dict[str, str]:
+        return {s.name: s.url for s in self.snapshot()}
+
+    def monitor(self, failed: Callable[[], str | None] = lambda: None) -> None:
         """Until a stop is requested: print logs, report deaths and Ray's restarts; raise when a
-        service is down for good (restarts used up)."""
+        service is down for good (restarts used up), or ``failed()`` says why the cluster
+        cannot go on (the launcher's thread ended)."""
         while not self.stop_requested:
             self._pump()
-            for s in self.services:
-                try:
-                    info = self.ray.get(s.handle.info.remote(), timeout=10)
-                except (self.ray.exceptions.RayActorError,
-                        self.ray.exceptions.GetTimeoutError):
-                    now = time.monotonic()
-                    if s.down_since is None:
-                        s.down_since = now
-                        print(f"pd-fsm cluster: {s.name} is down; Ray restarts it "
-                              f"(at most {self.args.ray_max_restarts} times)", flush=True)
-                    elif now - s.down_since > self.args.startup_timeout:
-                        raise RayLaunchError(
-                            f"{s.name} down for {now - s.down_since:.0f} s: Ray did not restart "
-                            "it (restarts used up, or its node is gone)") from None
-                    continue
-                if int(info["restarts"]) != s.restarts:
-                    s.info, s.restarts, s.seq, s.down_since = info, int(info["restarts"]), 0, None
-                    print(f"pd-fsm cluster: {s.name} restarted by Ray (restart {s.restarts}) on "
-                          f"{info['host']}, same URL {s.url}, actor pid {info['actor_pid']}, "
-                          f"process pid {info['pid']}", flush=True)
+            why = failed()
+            if why is not None:
+                raise RayLaunchError(why)
+            for s in self.snapshot():
+                if s.watched:
+                    self._check(s)
             time.sleep(POLL)
+
+    def _check(self, s: Service) -> None:
+        try:
+            info = self.ray.get(s.handle.info.remote(), timeout=10)
+        except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
+            now = time.monotonic()
+            if not s.watched:  # the launcher took it meanwhile
+                return
+            if s.down_since is None:
+                s.down_since = now
+                print(f"pd-fsm cluster: {s.name} is down; Ray restarts it "
+                      f"(at most {self.args.ray_max_restarts} times)", flush=True)
+            elif now - s.down_since > self.args.startup_timeout:
+                raise RayLaunchError(
+                    f"{s.name} down for {now - s.down_since:.0f} s: Ray did not restart "
+                    "it (restarts used up, or its node is gone)") from None
+            return
+        if int(info["restarts"]) != s.restarts:
+            s.info, s.restarts, s.seq, s.down_since = info, int(info["restarts"]), 0, None
+            print(f"pd-fsm cluster: {s.name} restarted by Ray (restart {s.restarts}) on "
+                  f"{info['host']}, same URL {s.url}, actor pid {info['actor_pid']}, "
+                  f"process pid {info['pid']}", flush=True)
 
     def stop(self) -> None:
         """In tiers: proxy, workers, bootstrap; each actor stops its process, then is killed
         without restart."""
         for tier in (0, 1, 2):
-            group = [s for s in self.services if s.tier == tier]
+            group = [s for s in self.snapshot() if s.tier == tier]
             refs = [(s, s.handle.stop.remote()) for s in group]
             for s, ref in refs:
                 with contextlib.suppress(Exception):
@@ -377,60 +519,3 @@ class RayCluster:
                 with contextlib.suppress(Exception):
                     self.ray.kill(s.handle, no_restart=True)
         self._pump()
-
-
-def main(args: argparse.Namespace, worker_argv: list[str], quiet: list[str]) -> int:
-    """Run the cluster on Ray until Ctrl-C / SIGTERM (or ``--ask`` is answered)."""
-    try:
-        import ray
-    except ImportError:
-        print("pd-fsm cluster: --ray needs Ray: pip install 'pd_fsm[ray]'", file=sys.stderr)
-        return 2
-    if args.tls:
-        print("pd-fsm cluster: --tls is not supported with --ray yet (each node needs its own "
-              "certificate)", file=sys.stderr)
-        return 2
-    if args.api_key_file is not None:
-        # The key file would have to exist on every node; refuse rather than start unkeyed.
-        print("pd-fsm cluster: --api-key-file is not supported with --ray yet", file=sys.stderr)
-        return 2
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(address=args.ray, log_to_driver=False, namespace="pd_fsm",
-             configure_logging=False)
-    cluster: RayCluster | None = None
-    status = 0
-
-    def _stop(signum: int, _frame: Any) -> None:
-        print(f"pd-fsm cluster: {signal.Signals(signum).name}, stopping", flush=True)
-        if cluster is not None:
-            cluster.stop_requested = True
-        raise KeyboardInterrupt
-
-    old = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        cluster = RayCluster(args, worker_argv, quiet)
-        cluster.start()
-        if args.ask is not None:
-            # Imported here, not at the top: every Ray actor process imports this module (for
-            # ServiceActor), and only the driver, only with --ask, needs trio and httpx.
-            import trio
-
-            from pd_fsm.io_trio.cluster.ask import ask
-
-            status = trio.run(ask, cluster.urls(), args.ask, args.max_tokens, {})
-        else:
-            cluster.monitor()
-    except KeyboardInterrupt:
-        pass
-    except RayLaunchError as exc:
-        print(f"pd-fsm cluster: FAILED: {exc}", file=sys.stderr, flush=True)
-        status = 1
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-        if cluster is not None:
-            with contextlib.suppress(KeyboardInterrupt):
-                cluster.stop()
-        print("pd-fsm cluster: stopped", flush=True)
-        ray.shutdown()
-    return status

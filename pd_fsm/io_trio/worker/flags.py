@@ -362,19 +362,20 @@ _DISAGGREGATION = (
         "chunks of N tokens (whole pages) and each chunk's pages are registered and announced "
         "to D at once, so D pulls them while the rest is computed; 0: the whole KV after the "
         "prefill (default %(default)s)"), doc=(
-        "Streamed KV (issue 31 §1). P prefills a room's prompt in chunks of N tokens (rounded "
-        "down to whole pages; at most `--max-batched-tokens`) and after each chunk but the "
-        "last registers the pages it wrote and sends D a `KV_PART` (codec version 7: a peer of "
-        "version 6 is refused by name, \"unsupported version\"). D pulls the parts one at a "
-        "time, in order, while P computes the next chunk; READY carries the first token and "
-        "only the pages no part carried (the prompt's last page always). A part's lifecycle is "
-        "in the `kv_sender` / `kv_receiver` tables (`STREAMING`): P dying after part k, a "
-        "part's pull failing or arriving corrupted (with `--disaggregation-kv-checksum` parts "
-        "are checksummed too; a part has no spare, so a corrupted one fails the room or, under "
-        "`recompute`, D prefills it) and aborts between parts each have a row. D needs no "
-        "flag. Counted: `…_transfer{key=\"parts_pulled\"}` on D, and D's `kv_tail` phase (READY "
-        "received -> the request decoding: the transfer not hidden). Off on a P with `--nnodes "
-        "> 1` (the whole KV goes with READY). Cost and what it hides: \"Performance\"")),
+        "Streamed KV (issue 31 §1). P prefills a room's prompt in chunks of N tokens (rounded down "
+        "to whole pages; at most `--max-batched-tokens`) and after each chunk but the last "
+        "registers the pages it wrote and sends D a `KV_PART` (codec version 7: a peer of version "
+        "6 is refused by name, \"unsupported version\"). A prefix-cache hit's pages hold their KV "
+        "before any forward: they go as a part at admission. D pulls the parts one at a time, in "
+        "order, while P computes the next chunk; READY carries the first token and only the pages "
+        "no part carried (the prompt's last page always). A part's lifecycle is in the `kv_sender` "
+        "/ `kv_receiver` tables (`STREAMING`): P dying after part k, a part's pull failing or "
+        "arriving corrupted (with `--disaggregation-kv-checksum` parts are checksummed too; a part "
+        "has no spare, so a corrupted one fails the room or, under `recompute`, D prefills it) and "
+        "aborts between parts each have a row. D needs no flag. Counted: "
+        "`…_transfer{key=\"parts_pulled\"}` on D, and D's `kv_tail` phase (READY received -> the "
+        "request decoding: the transfer not hidden). Off on a P with `--nnodes > 1` (the whole KV "
+        "goes with READY). Cost and what it hides: \"Performance\"")),
     Flag("--transfer-nice", metavar="N", check=within(-20, 0, show_value=True), help=(
         "P/D: nice value (-20..0) for the KV transfer threads, ahead of compute; needs "
         "CAP_SYS_NICE (else logged and left); 0: leave them (default %(default)s)"), doc=(

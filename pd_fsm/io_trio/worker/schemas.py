@@ -501,6 +501,7 @@ def _resume(body: JsonObject, limits: Limits) -> tuple[Resume | None, str]:
     return Resume(ids, len(text)), text
 
 
+MAX_TICKET_LEASE_S = 86400.0  # an offer's lease is a drain's: hours at the very most
 _TICKET = {"transfer_addr": str, "uuid": int, "kv_tokens": int, "next_token": int,
            "layout_hash": str, "kv_shards": int, "kv_checksums": list}
 
@@ -516,9 +517,14 @@ def _handoff(body: JsonObject) -> HandoffTicket | None:
         got = v.get(key)
         if not isinstance(got, kind) or isinstance(got, bool):
             raise ApiError(400, f"handoff.{key} must be a {kind.__name__}, got {got!r}")
-    unknown = sorted(set(v) - set(_TICKET))
+    unknown = sorted(set(v) - set(_TICKET) - {"lease_s"})
     if unknown:
         raise ApiError(400, f"handoff.{unknown[0]} is not a field of a hand-off ticket")
+    lease = v.get("lease_s", 0.0)  # optional: a ticket of an older worker has none
+    if (not isinstance(lease, int | float) or isinstance(lease, bool)
+            or not 0 <= lease <= MAX_TICKET_LEASE_S):
+        raise ApiError(400, f"handoff.lease_s must be seconds in [0, {MAX_TICKET_LEASE_S:g}], "
+                            f"got {lease!r}")
     sums = v["kv_checksums"]
     if len(sums) > MAX_KV_CHECKSUMS or not all(
             isinstance(x, int) and not isinstance(x, bool) and 0 <= x < KV_CHECKSUM_LIMIT
@@ -527,7 +533,7 @@ def _handoff(body: JsonObject) -> HandoffTicket | None:
     if not 0 <= v["uuid"] < 2**63 or v["kv_tokens"] < 1 or v["kv_shards"] < 1:
         raise ApiError(400, "handoff: uuid, kv_tokens or kv_shards out of range")
     return HandoffTicket(v["transfer_addr"], v["uuid"], v["kv_tokens"], v["next_token"],
-                         v["layout_hash"], v["kv_shards"], tuple(sums))
+                         v["layout_hash"], v["kv_shards"], tuple(sums), float(lease))
 
 
 def _common(body: JsonObject, limits: Limits) -> JsonObject:

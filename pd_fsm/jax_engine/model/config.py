@@ -75,7 +75,10 @@ SMOLLM2_135M = ModelConfig(
 
 # Same code path, random weights, small enough that a forward step compiles and runs in well under
 # a second: the configuration the fast tests use. Four kv-heads in groups of two query heads:
-# grouped-query attention, and tensor parallelism at tp 1, 2 and 4.
+# grouped-query attention, and tensor parallelism at tp 1, 2 and 4. Positions end where SmolLM2's
+# do (8,192), so the benches' longest prompts run on it too; no shape grows with them (attention
+# reads the chunks a batch's context has), only the page table's width where a worker is given no
+# --context-length.
 TINY = ModelConfig(
     vocab_size=256,
     hidden_size=64,
@@ -87,5 +90,5 @@ TINY = ModelConfig(
     rope_theta=10000.0,
     rms_eps=1e-5,
     tie_embeddings=False,
-    max_position=4096,
+    max_position=8192,
 )

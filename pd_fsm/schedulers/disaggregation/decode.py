@@ -146,6 +146,9 @@ class DecodeRole(ColocatedRole):
 
     def after_step(self) -> None:
         self.loop_iterations += 1
+        # Sequences that finished in this step freed pages: a hand-off waiting for them starts
+        # its pull now, not at the next event (the loop may go idle after this step).
+        self.handoffs.place_waiting()
 
     def abort(self, rid: str, message: str) -> bool:
         """A hand-off being taken, or a live room: the ledger or the core decide what to
@@ -320,6 +323,8 @@ class DecodeRole(ColocatedRole):
     def _allocate_pages(self) -> None:
         """After each event's effects: FIFO, the head waits for pages; those behind it wait too
         (no starvation of big ones)."""
+        if not self.handoffs.place_waiting():
+            return  # a hand-off's stream is mid-answer: its pages come first
         req_of = self.link.req_of
         while self.alloc_queue:
             room = self.alloc_queue[0]

@@ -3,11 +3,18 @@
 Each hand-off's lifecycle is the core's (table kv_handoff, ``HandoffLedger``), keyed by the
 offer's uuid here as the draining D, or by the pull's room (negative: never a PD room's) as the
 taking D. See handoff.py for what travels.
+
+A taking D with no free pages does not refuse (a refusal costs the client a re-prefill, which
+waits for pages like any room): the claim waits, first in line — ahead of the rooms' page queue,
+since its client is mid-stream — until a finished sequence frees enough (``place_waiting``,
+before every room's allocation) or half the offer's lease has passed (``FailHandoff``: the proxy
+falls back to a re-prefill).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Collection
 from typing import assert_never
 
@@ -28,6 +35,13 @@ from pd_fsm.schedulers.request import FinishReason, Req, ReqState
 from pd_fsm.schedulers.scheduler import Scheduler
 
 log = logging.getLogger("pd_fsm.schedulers.decode")
+
+# How long a claim waits for pages when its ticket does not say the offer's lease (an older
+# draining D's): the drain timeout's default less a margin for the pull.
+PAGE_WAIT_DEFAULT_S = 10.0
+
+
+_ABORTABLE = (_HANDOFF.S.WAITING_FOR_PAGES, _HANDOFF.S.PULLING)
 
 
 class HandoffDesk:
@@ -55,8 +69,10 @@ class HandoffDesk:
         self.ledger = HandoffLedger()
         # What a taken one needs: room -> (request, ticket, text the client has).
         self._taking: dict[int, tuple[Req, HandoffTicket, int]] = {}
+        self._waiting: deque[int] = deque()  # rooms of claims waiting for pages, FIFO
         self._rooms = 0
         self._given = 0
+        self._queued = 0  # claims that had to wait for pages
 
     @property
     def layout_hash(self) -> str:
@@ -90,7 +106,7 @@ class HandoffDesk:
             self.drive(ev.HandoffOffered(uuid, lease_s))
             out.append((req.rid, HandoffTicket(
                 self.engine.address, uuid, kv_tokens, req.output_ids[-1], self.layout_hash,
-                self.kv_args.kv_shards, sums)))
+                self.kv_args.kv_shards, sums, lease_s)))
             # Gone from here: no output (what it produced so far was drained before this call).
             req.state = ReqState.FINISHED
             req.finish_reason = FinishReason("abort", message="handed off")
@@ -120,15 +136,17 @@ class HandoffDesk:
         done = self.ledger.outcomes
         return {"given": self._given, "released": done[_HANDOFF.S.RELEASED],
                 "expired": done[_HANDOFF.S.EXPIRED], "taken": done[_HANDOFF.S.TAKEN],
-                "take_failed": done[_HANDOFF.S.FAILED]}
+                "take_failed": done[_HANDOFF.S.FAILED], "waited_for_pages": self._queued,
+                "withdrawn": done[_HANDOFF.S.WITHDRAWN]}
 
     # -- taking ---------------------------------------------------------------------------------
 
     def take(self, req: Req, ticket: HandoffTicket, text_sent: int) -> None:
         """Take over a sequence another D handed off: ``req`` was made with every output token
         but the last as its resumed tokens (their KV is what the ticket offers); reserve its
-        pages and pull. ``text_sent``: characters of the output the client already has. Raises
-        ValueError for a ticket this worker cannot take (the proxy then re-prefills)."""
+        pages and pull — or, with none free (or claims already waiting), wait for them.
+        ``text_sent``: characters of the output the client already has. Raises ValueError for a
+        ticket this worker cannot take (the proxy then re-prefills)."""
         sched = self.sched
         if ticket.layout_hash != self.layout_hash:
             raise ValueError("hand-off ticket: the KV layout differs from this worker's "
@@ -143,13 +161,31 @@ class HandoffDesk:
             raise ValueError("hand-off ticket: KV checksums on one side only "
                              "(--disaggregation-kv-checksum)")
         sched.register(req)  # ValueError for a request that can never be served
-        if not sched.reserve_pages(req):
-            del sched.reqs[req.rid]
-            raise ValueError("no free KV pages for the hand-off")
         self._rooms -= 1
         room = self._rooms
         self._taking[room] = (req, ticket, text_sent)
-        self.drive(ev.HandoffClaimed(room))
+        if not self._waiting and sched.reserve_pages(req):
+            self.drive(ev.HandoffClaimed(room))
+            return
+        self._waiting.append(room)
+        self._queued += 1
+        wait = ticket.lease_s / 2 if ticket.lease_s > 0 else PAGE_WAIT_DEFAULT_S
+        log.info("request %s: hand-off waits up to %.1f s for free KV pages", req.rid, wait)
+        self.drive(ev.HandoffQueued(room, wait))
+
+    def place_waiting(self) -> bool:
+        """Reserve pages for the claims waiting for them, first come first; True when none is
+        left waiting (the rooms' page queue may go on)."""
+        while self._waiting:
+            room = self._waiting[0]
+            if self.ledger.state_of(room) != _HANDOFF.S.WAITING_FOR_PAGES:
+                self._waiting.popleft()  # its wait ended, or it was aborted
+                continue
+            if not self.sched.reserve_pages(self._taking[room][0]):
+                return False
+            self._waiting.popleft()
+            self.drive(ev.HandoffPagesReserved(room))
+        return True
 
     def takes(self, room: int) -> bool:
         """Whether ``room`` is a hand-off this D is taking (its pull's result is ours)."""
@@ -165,7 +201,7 @@ class HandoffDesk:
     def abort(self, rid: str, message: str) -> bool:
         """Abort a hand-off being taken for ``rid``; False if there is none."""
         for room, (req, _, _) in self._taking.items():
-            if req.rid == rid and self.ledger.state_of(room) == _HANDOFF.S.PULLING:
+            if req.rid == rid and self.ledger.state_of(room) in _ABORTABLE:
                 self.drive(ev.Aborted(room, message))
                 return True
         return False
@@ -212,6 +248,8 @@ class HandoffDesk:
                 held = self.held_pages.pop(e.room, None)
                 if held:
                     sched.page_budget.free(held)
+            case fx.FinishUnplaced():
+                sched.finish(self._taking.pop(e.room)[0], FinishReason("abort", message=e.reason))
             case _:
                 assert_never(e)
         return ()

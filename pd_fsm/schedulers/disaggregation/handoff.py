@@ -26,6 +26,9 @@ class HandoffTicket:
     layout_hash: str  # the pool layout the arrays were packed with
     kv_shards: int = 1  # arrays per pool (the draining D's tp size)
     kv_checksums: tuple[int, ...] = ()  # with --disaggregation-kv-checksum, one per array
+    # The offer's lease when it was made (0: not said, a ticket of an older worker): a taking
+    # D with no free pages waits for some within half of it (the rest is the pull's).
+    lease_s: float = 0.0
 
     def to_json(self) -> dict[str, object]:
         return {**attrs.asdict(self), "kv_checksums": list(self.kv_checksums)}

@@ -99,8 +99,15 @@ class PrefillRole(ColocatedRole):
 
     def on_admitted(self, req: Req) -> None:
         room = self.link.room_of.get(req.rid)
-        if room is not None:
-            self.link.phases.lap(room, "prefill_queue", "accepted", "admitted")
+        if room is None:
+            return
+        self.link.phases.lap(room, "prefill_queue", "accepted", "admitted")
+        if self.stream_tokens and req.prefilled >= self.args.page_size:
+            # A prefix-cache hit: those pages hold their KV already, so they go to D as a part
+            # now, pulled while the rest is prefilled, not with the first chunk's part (or with
+            # READY, when the rest is one chunk).
+            now = self.clock() if self._step_started is None else self._step_started
+            self.link.drive(ev.PartPrefilled(room, req.prefilled // self.args.page_size), now)
 
     def chunk_cap(self, req: Req) -> int | None:
         """A room's prompt is prefilled in chunks of ``stream_tokens`` when streaming: each

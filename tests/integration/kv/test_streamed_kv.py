@@ -30,9 +30,8 @@ from tests.integration.failure_support import (
 
 pytestmark = pytest.mark.slow
 
-async def _streamed(http: httpx.AsyncClient, fleet: Fleet, p: Proc, d: Proc, tokens: int,
+async def _streamed(http: httpx.AsyncClient, fleet: Fleet, p: Proc, d: Proc, ids: list[int],
                     parts: int) -> None:
-    ids = prompt(tokens, seed=tokens)
     expected = await greedy(http, fleet["c"], ids, 6)
     before = (await stats(http, d))["transfer"]
     p_r, d_r = await d_leg_first(http, p, d, leg(new_room(), ids, 6, p))
@@ -56,9 +55,20 @@ async def test_a_streamed_room_equals_colocated_and_leaves_nothing(
     fleet: Fleet, tokens: int, parts: int
 ) -> None:
     async with httpx.AsyncClient(timeout=60) as http:
-        await _streamed(http, fleet, fleet["ps"], fleet["d0"], tokens, parts)
+        await _streamed(http, fleet, fleet["ps"], fleet["d0"], prompt(tokens, seed=tokens), parts)
+
+
+async def test_a_prefix_cache_hit_goes_to_d_as_a_part_at_admission(fleet: Fleet) -> None:
+    # 33 tokens, 9 pages: the first room streams four parts of 2 pages, and P's prefix cache
+    # keeps pages 0-7. The second room with the same prompt hits them: they are written before
+    # any forward, so they go as one part at admission (pulled while P computes token 33), and
+    # READY brings page 8 — not all nine pages with READY after the forward.
+    async with httpx.AsyncClient(timeout=60) as http:
+        ids = prompt(33, seed=331)
+        for parts in (4, 1):
+            await _streamed(http, fleet, fleet["ps"], fleet["d0"], ids, parts)
 
 
 async def test_streamed_parts_are_checksummed_and_verified(fleet: Fleet) -> None:
     async with httpx.AsyncClient(timeout=60) as http:
-        await _streamed(http, fleet, fleet["psk"], fleet["dk"], 19, 2)
+        await _streamed(http, fleet, fleet["psk"], fleet["dk"], prompt(19, seed=19), 2)
