@@ -13,7 +13,10 @@ worker handed off (its KV registered for another D to pull) ends it HANDED_OFF, 
 ``ReopenRoom`` effect that hands the proxy what the request used up (``routing.Attempts``); the
 proxy feeds it back in the request's next ``RoomRequested``, which avoids the workers that failed
 it while others are up. Whether a failure retries or migrates is decided here, from the limits in
-``RouterConfig``.
+``RouterConfig``. A decode leg refused before D took the room (down, draining, another role) is
+first posted again within the room to another D (``RedirectDecode``): a PD room's, while P holds
+the KV (``retry_limit`` times at most), and a hand-off room's, while the draining D registers it
+(each D once; only when no D is left does it fall back to a re-prefill migration).
 """
 
 from __future__ import annotations
@@ -88,6 +91,21 @@ class _Room:
     backoff: float = 0.0  # the delay of the retry this room ends with (RETRIED)
     failed: str = ""  # the worker whose failure retries or migrates the request
     redirects: int = 0  # decode legs re-posted to another D in this room (DecodeRefused)
+    refused: tuple[str, ...] = ()  # the Ds that refused this room's decode leg (redirected)
+
+
+def _handoff_taker(r: _Room, decode: list[str], breakers: WorkerBreakers, live: Counter[str]
+                   ) -> str | None:
+    """The D a hand-off room's refused leg goes to next, or None. A D that never took the leg
+    (down, draining, in another role) is no reason to re-prefill: the draining D still registers
+    the KV (until it is told to release it, or its lease ends), so another D pulls it: the least
+    loaded of those the room has not tried, first those the request does not avoid (routable
+    ones, then ones whose breaker is open), then those it does (as a re-prefill would go to them
+    once no other D is left), never the draining D."""
+    used = r.attempts
+    left = [d for d in decode if d not in (r.decode, *r.refused, used.handed_off_by)]
+    fresh = [d for d in left if d not in used.avoid]
+    return _least_loaded(breakers.routable(fresh) or left, live)
 
 
 class RoomRouter:
@@ -197,6 +215,11 @@ class RoomRouter:
         cfg, used = self.config, r.attempts
         worker = r.prefill if e.leg == "prefill" else r.decode
         if e.leg == "decode" and r.state == _S.HANDOFF:
+            other = (_handoff_taker(r, self._decode, self.breakers, self._live) if e.refused
+                     else None)
+            if other is not None:
+                r.failed = other  # the D its leg goes to next (RedirectDecodeLeg)
+                return _T.DecodeRefused
             # The KV could not be had from the draining D: a migration (a re-prefill) is left.
             if used.migrations < cfg.migration_limit:
                 r.failed = worker
@@ -316,6 +339,7 @@ class RoomRouter:
 
     def _fx_RedirectDecodeLeg(self, r: _Room, out: list[fx.RouterEffect]) -> None:
         self._live.subtract([r.decode])
+        r.refused += (r.decode,)
         r.decode, r.redirects = r.failed, r.redirects + 1
         self._live.update([r.decode])
         out.append(fx.RedirectDecode(r.room, r.prefill, r.decode))
@@ -324,7 +348,8 @@ class RoomRouter:
         used = r.attempts
         if r.state == _S.HANDED_OFF:
             cause, delay = "handoff", 0.0
-            attempts = attrs.evolve(used, handoffs=used.handoffs + 1, deadline=None)
+            attempts = attrs.evolve(used, handoffs=used.handoffs + 1, deadline=None,
+                                    handed_off_by=r.failed)
         elif r.state == _S.MIGRATED:
             cause, delay = "migration", 0.0
             # A migrated stream starts a fresh deadline: it may have run long by now.
@@ -332,5 +357,7 @@ class RoomRouter:
         else:
             cause, delay = "retry", r.backoff
             attempts = attrs.evolve(used, retries=used.retries + 1, deadline=r.deadline)
-        attempts = attrs.evolve(attempts, avoid=(*used.avoid, r.failed))
+        # A hand-off room's Ds that refused it are no better a bet for the re-prefill.
+        refused = r.refused if r.route == "handoff" else ()
+        attempts = attrs.evolve(attempts, avoid=(*used.avoid, *refused, r.failed))
         out.append(fx.ReopenRoom(r.room, r.request_id, cause, delay, attempts))

@@ -99,6 +99,9 @@ class Attempts:
     handoffs: int = 0  # streams a draining D handed off (they use up no migration)
     avoid: tuple[str, ...] = ()  # workers that failed it: routed around while others are up
     deadline: float | None = None  # a retried room keeps its request's first deadline
+    # The D whose drain handed the stream off last: its hand-off room's leg never goes there
+    # (a draining D takes no new leg).
+    handed_off_by: str = ""
 
 
 @attrs.frozen(slots=True)

@@ -109,11 +109,13 @@ class Proxy:
             case fx.ReplyError():
                 self._errors[e.room] = e.reason
             case fx.RedirectDecode():
+                # A PD room's leg goes again to P's KV; a hand-off room's with its ticket.
                 got, _ = self.rooms[(gen, e.room)]
                 self.reopened["redirect"] += 1
                 w.at(w.rng.uniform(0.001, 0.003), f"D leg of room {e.room:x} again",
                      self._post_leg, "decode", e.decode, gen, e.room, got,
-                     bootstrap_addr(e.prefill))
+                     bootstrap_addr(e.prefill) if e.prefill else None,
+                     self.tickets.posted(gen, e.room))
             case fx.ReopenRoom():
                 # The request goes on in a new room: its client is not answered now. A model
                 # answer is whole, so a migrated room relays all of it again.
@@ -310,6 +312,11 @@ class Tickets:
         ticket = self._pending.pop(e.request_id)
         self._posted[(gen, e.room)] = ticket
         return ticket
+
+    def posted(self, gen: int, room: int) -> Ticket | None:
+        """The ticket a hand-off room's leg carries (None for another room): a redirected leg
+        carries it again."""
+        return self._posted.get((gen, room))
 
     def answered(self, gen: int, e: fx.RouterEffect) -> None:
         """A hand-off room's leg answered: the KV was pulled (RelayDecode), or will not be (its

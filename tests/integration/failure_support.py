@@ -498,6 +498,34 @@ async def stats(http: httpx.AsyncClient, proc: Reachable) -> dict[str, Any]:
     return dict(r.json()["internal_states"][0])
 
 
+async def stream_acting_midway(http: httpx.AsyncClient, url: str, body: dict[str, Any],
+                               act: Callable[[], Awaitable[None]]) -> bytes:
+    """The client's whole SSE stream of ``body`` POSTed to ``url`` (a 200); ``act`` runs once,
+    six events in, the stream waiting meanwhile."""
+    raw, acted = b"", False
+    async with http.stream("POST", url, json=body) as r:
+        assert r.status_code == 200
+        async for chunk in r.aiter_raw():
+            raw += chunk
+            if not acted and raw.count(b"data: ") >= 6:
+                acted = True
+                await act()
+    return raw
+
+
+async def proxy_counts(http: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """Our proxy's ``rooms_reopened_total`` and ``handoffs_total``, as "family:key"."""
+    r = await http.get(f"{url}/metrics")
+    r.raise_for_status()
+    out: dict[str, float] = {}
+    for line in r.text.splitlines():
+        for family in ("rooms_reopened_total", "handoffs_total"):
+            if line.startswith(f"pd_fsm_proxy_{family}{{"):
+                key = line.split('key="')[1].split('"')[0]
+                out[f"{family}:{key}"] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def kvpoll(s: dict[str, Any], state: str) -> int:
     return int(s.get("kvpoll", {}).get(f"state_{state}", 0))
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -30,8 +30,10 @@ import trio
 from tests.integration.failure_support import (
     SLACK,
     Fleet,
+    proxy_counts,
     signal_streaming_decode,
     stats,
+    stream_acting_midway,
     wait_clean,
 )
 from tests.integration.serve_support import PATHS, fetch_answer, request_body, sse_events
@@ -60,18 +62,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     f.close()
 
 
-async def _proxy_counts(http: httpx.AsyncClient, url: str) -> dict[str, float]:
-    r = await http.get(f"{url}/metrics")
-    r.raise_for_status()
-    out: dict[str, float] = {}
-    for line in r.text.splitlines():
-        for family in ("rooms_reopened_total", "handoffs_total"):
-            if line.startswith(f"pd_fsm_proxy_{family}{{"):
-                key = line.split('key="')[1].split('"')[0]
-                out[f"{family}:{key}"] = float(line.rsplit(" ", 1)[1])
-    return out
-
-
 def _body() -> dict[str, Any]:
     body = request_body("generate", PROMPT, MAX_TOKENS, stream=True)
     body["sampling_params"]["ignore_eos"] = True
@@ -94,12 +84,12 @@ async def _reference_and_counts(http: httpx.AsyncClient, fleet: Fleet, body: dic
     """The colocated answer to ``body`` and the proxy's counters before the stream."""
     reference = await fetch_answer(http, str(fleet["colocated"].url), "generate",
                                    {**body, "stream": False})
-    return reference, await _proxy_counts(http, str(fleet["proxy"].url))
+    return reference, await proxy_counts(http, str(fleet["proxy"].url))
 
 
 async def _moved_since(http: httpx.AsyncClient, url: str, before: dict[str, float]
                        ) -> dict[str, float]:
-    after = await _proxy_counts(http, url)
+    after = await proxy_counts(http, url)
     return {k: after.get(k, 0) - before.get(k, 0) for k in after}
 
 
@@ -113,20 +103,6 @@ async def _taken_without_a_prefill(http: httpx.AsyncClient, fleet: Fleet,
     p_after = await stats(http, fleet["p"])
     assert p_after["prompt_tokens_total"] == p_before["prompt_tokens_total"]
     assert p_after["requests_total"] == p_before["requests_total"]
-
-
-async def _stream_acting_midway(http: httpx.AsyncClient, proxy: Any, body: dict[str, Any],
-                                act: Callable[[], Awaitable[None]]) -> bytes:
-    """The client's whole stream through the proxy; ``act`` runs once, six events in."""
-    raw, acted = b"", False
-    async with http.stream("POST", f"{proxy.url}{PATHS['generate']}", json=body) as r:
-        assert r.status_code == 200
-        async for chunk in r.aiter_raw():
-            raw += chunk
-            if not acted and raw.count(b"data: ") >= 6:
-                acted = True
-                await act()
-    return raw
 
 
 async def test_a_sigtermed_decode_worker_hands_its_stream_off_without_a_prefill(
@@ -143,7 +119,8 @@ async def test_a_sigtermed_decode_worker_hands_its_stream_off_without_a_prefill(
             p_before = await stats(http, p)
             drained = await signal_streaming_decode(http, decodes, signal.SIGTERM)
 
-        raw = await _stream_acting_midway(http, proxy, body, sigterm)
+        raw = await stream_acting_midway(http, f"{proxy.url}{PATHS['generate']}", body,
+                                         sigterm)
         assert drained is not None and drained.popen is not None and p_before is not None
         _whole(raw, reference)
 
@@ -184,7 +161,8 @@ async def test_a_hand_off_that_cannot_be_pulled_falls_back_to_a_migration(fleet:
             assert await trio.to_thread.run_sync(drained.popen.wait, 30) == 0
             proxy.resume()
 
-        raw = await _stream_acting_midway(http, proxy, body, sigterm_with_the_proxy_frozen)
+        raw = await stream_acting_midway(http, f"{proxy.url}{PATHS['generate']}", body,
+                                         sigterm_with_the_proxy_frozen)
         assert drained is not None and other is not None
         _whole(raw, reference)
         moved = await _moved_since(http, str(proxy.url), before)
@@ -216,7 +194,8 @@ async def test_a_decode_worker_switching_role_hands_its_stream_off(fleet: Fleet)
             answer = await http.post(f"{switched.url}/switch_role", json={"role": "prefill"})
             assert answer.status_code == 202, answer.text
 
-        raw = await _stream_acting_midway(http, proxy, body, switch_to_prefill)
+        raw = await stream_acting_midway(http, f"{proxy.url}{PATHS['generate']}", body,
+                                         switch_to_prefill)
         assert switched is not None and p_before is not None
         _whole(raw, reference)
         await _taken_without_a_prefill(http, fleet, before, p_before)

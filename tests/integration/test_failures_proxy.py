@@ -123,6 +123,45 @@ async def test_a_decode_worker_answering_503_is_retried_on_another(nursery: trio
     assert stats["rooms_total"]["COMPLETED"] == 4 and not stats["rooms_total"]["RETRIED"]
 
 
+class _ConnectTimesOut(httpx.AsyncBaseTransport):
+    """The proxy's transport, but a connection to ``dead`` is never made: a host that answers
+    nothing ends in the connect timeout (``httpx.ConnectTimeout``), not a refusal."""
+
+    def __init__(self, dead: str) -> None:
+        self.dead, self.inner = dead, httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if str(request.url).startswith(self.dead):
+            raise httpx.ConnectTimeout("connect timed out", request=request)
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_decode_worker_that_cannot_be_connected_to_in_time_is_redirected(
+        nursery: trio.Nursery) -> None:
+    """A decode leg whose connection times out never reached D, as a refused one: it goes to
+    the other D in the same room (P's KV claimed there, no prefill redone, no new room). A
+    hand-off room's leg takes the same path (its ticket goes along)."""
+    p_url, p = await serve_standin(nursery, "prefill")
+    d1_url, d1 = await serve_standin(nursery, "decode")
+    dead = "http://127.0.0.1:9"  # never dialled: the transport times it out
+    client = httpx.AsyncClient(transport=_ConnectTimesOut(dead), timeout=10)
+    proxy = Proxy([PrefillTarget.from_url(p_url, 8998)], [dead, d1_url], rng=random.Random(1),
+                  client=client)
+    url: str = await nursery.start(serve_proxy, proxy, "127.0.0.1", 0)
+    async with httpx.AsyncClient(timeout=10) as http:
+        for _ in range(2):  # round robin: one goes to the dead one first
+            r = await http.post(f"{url}/generate", json={"text": "hi"})
+            assert r.status_code == 200, r.text
+    stats = proxy.stats()
+    await client.aclose()
+    assert len(d1.generations()) == 2 and len(p.generations()) == 2 and not p.aborts
+    assert stats["rooms_reopened_total"]["redirect"] == 1
+    assert stats["rooms_total"]["COMPLETED"] == 2 and not stats["rooms_total"]["RETRIED"]
+
+
 async def test_requests_over_every_workers_queue_bound_get_429_at_once(
     nursery: trio.Nursery,
 ) -> None:

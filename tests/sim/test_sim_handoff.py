@@ -12,8 +12,8 @@ import pytest
 
 from pd_fsm.cli import main as cli_main
 from pd_fsm.sim import SimConfig, run_seed
-from pd_fsm.sim.proxy import Tickets
-from pd_fsm.sim.workers import Desk
+from pd_fsm.sim.proxy import Proxy, Tickets
+from pd_fsm.sim.workers import Client, Desk, Ticket
 from pd_fsm.sim.world import World
 
 # Thirty clients in five seconds and a switch request or two a seed: streams are running when a D
@@ -154,3 +154,47 @@ def test_a_drain_whose_listed_decode_workers_are_down_finishes_in_place(
     assert starts and all(up >= 1 for _, _, up in starts), starts
     # The race happens in these seeds: drains that found every listed D down kept their streams.
     assert counts["in_place_no_healthy_decode"] >= 1, counts
+
+
+def test_a_hand_off_room_refused_by_a_dead_decode_worker_goes_to_a_live_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 32's other gap: the proxy picks the hand-off room's D itself (the least loaded),
+    and may pick a listed D that is down while the drain's gate found another up. Refused there,
+    the leg goes within the room, with the same ticket, to another D the proxy routes, never one
+    that refused it; it falls back to a re-prefill only when no such D is left. Three Ds, so
+    that one can be down and another up. ``Proxy._post_leg`` is wrapped (it still runs) to see
+    each hand-off leg and the processes as it is posted."""
+    legs: dict[tuple[int, int, int], list[tuple[str, bool, bool, int]]] = {}
+    post = Proxy._post_leg
+    seed = -1
+
+    def seen(self: Proxy, leg: str, name: str, gen: int, room: int, client: Client,
+             bootstrap: str | None, ticket: Ticket | None = None) -> None:
+        if ticket is not None:
+            procs = self.procs
+
+            def up(n: str) -> bool:
+                p = procs[n]
+                return (p.switch is not None and p.node.alive and p.node.role == "decode"
+                        and not p.refusing)
+
+            others = [d for d in self.router.breakers.routable(self._shown[1])
+                      if d not in (name, ticket.source) and up(d)]
+            legs.setdefault((seed, gen, room), []).append(
+                (name, up(name), bool(others), ticket.uuid))
+        post(self, leg, name, gen, room, client, bootstrap, ticket)
+
+    monkeypatch.setattr(Proxy, "_post_leg", seen)
+    three = SimConfig(decode=3, requests=30, arrival_window=5.0, role_switches=1.0)
+    for seed in range(60):
+        r = run_seed(seed, three)
+        assert r.violation is None, (seed, r.violation)
+    redirected = 0
+    for key, posts in legs.items():
+        assert len({uuid for *_, uuid in posts}) == 1, (key, posts)  # one ticket throughout
+        assert len({name for name, *_ in posts}) == len(posts), (key, posts)  # each D once
+        for (_, alive, another, _), nxt in zip(posts, [*posts[1:], None], strict=True):
+            if not alive and another:  # refused while another routed D was up: posted again
+                assert nxt is not None, (key, posts)
+                redirected += 1
+    assert redirected >= 1, legs

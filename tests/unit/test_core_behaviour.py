@@ -16,6 +16,7 @@ from pd_fsm.core.messages import MAX_ROOM, Abort, Done, Heartbeat, HeartbeatAck,
 from pd_fsm.core.prefill_endpoint import PrefillEndpoint
 from pd_fsm.core.registry import BootstrapRegistry, RegistrationRequired
 from pd_fsm.core.router import RoomRouter
+from pd_fsm.core.routing import Attempts
 from pd_fsm.core.timers import DeadlineHeap
 
 L = "layout"
@@ -573,7 +574,6 @@ def test_a_refused_leg_retries_on_other_workers_with_growing_jittered_backoff() 
 
 def test_retries_stop_at_the_limit_and_at_the_request_deadline() -> None:
     from pd_fsm.core.config import RouterConfig
-    from pd_fsm.core.routing import Attempts
 
     router = RoomRouter(["p0"], ["d0"], random.Random(7), RouterConfig(retry_limit=1))
     spent = Attempts(retries=1)
@@ -630,6 +630,7 @@ def test_a_draining_decode_worker_hands_its_stream_off_and_a_failed_hand_off_mig
     reopen = _reopen(out)
     assert (reopen.cause, reopen.delay, reopen.attempts.handoffs) == ("handoff", 0.0, 1)
     assert reopen.attempts.migrations == 0 and reopen.attempts.avoid == (room.decode,)
+    assert reopen.attempts.handed_off_by == room.decode  # its hand-off legs never go there
     assert router.outcomes["HANDED_OFF"] == 1
     # The hand-off room: D alone (the other one), no P leg.
     (leg,) = router.handle(ev.RoomRequested("r", attempts=reopen.attempts, migratable=True,
@@ -651,6 +652,73 @@ def test_a_draining_decode_worker_hands_its_stream_off_and_a_failed_hand_off_mig
     router.handle(ev.LegResponded(plain.room, "decode", True), 3.5)
     out = router.handle(ev.LegResponded(plain.room, "decode", False, "drain", handoff=True), 4.0)
     assert "ReopenRoom" not in _kinds(out)
+
+
+def test_a_refused_hand_off_leg_goes_to_another_decode_worker_with_its_ticket() -> None:
+    """The proxy picks the hand-off room's D itself (the least loaded), and may pick one that
+    is down while the draining D's gate found another up: a leg refused before that D took it
+    is posted within the room to another D (the draining D still registers the KV), each D
+    once; only when every other D refused does the request fall back to a re-prefill. The
+    request's migrations are not used up by it, and it needs none left."""
+    from pd_fsm.core.config import RouterConfig
+
+    router = RoomRouter(["p0"], ["d0", "d1", "d2", "d3"], random.Random(7),
+                        RouterConfig(migration_limit=1, breaker_threshold=0))
+    spent = Attempts(migrations=1, handoffs=1, avoid=("d0",), handed_off_by="d0")  # none left
+    (leg,) = router.handle(ev.RoomRequested("r", attempts=spent, migratable=True,
+                                            handoff=True), 0.0)
+    assert isinstance(leg, fx.DispatchLocal) and leg.decode == "d1"  # ties: the list's order
+    out = router.handle(ev.LegResponded(leg.room, "decode", False, "connect refused",
+                                        refused=True, retryable=True), 0.1)
+    assert out == [fx.RedirectDecode(leg.room, "", "d2")]
+    assert router.poll(leg.room) == "HANDOFF"
+    # Taken there: relayed as any hand-off room that was taken.
+    assert _kinds(router.handle(ev.LegResponded(leg.room, "decode", True), 0.2)) == [
+        "RelayDecode"]
+    assert router.outcomes["MIGRATED"] == 0
+
+    # Every other D refuses in turn (a draining one's 503, a stale role's 409 alike), never one
+    # twice, d3 last (it failed the request before), never the draining d0; then, a migration
+    # left, the request falls back to a re-prefill avoiding them all.
+    handed = Attempts(handoffs=1, avoid=("d3", "d0"), handed_off_by="d0")
+    (leg,) = router.handle(ev.RoomRequested("q", attempts=handed, migratable=True, handoff=True),
+                           1.0)
+    refusers = [leg.decode]
+    for _ in range(2):
+        (redirect,) = router.handle(ev.LegResponded(leg.room, "decode", False, "503 draining",
+                                                    refused=True), 1.1)
+        assert isinstance(redirect, fx.RedirectDecode) and redirect.decode not in refusers
+        refusers.append(redirect.decode)
+    assert refusers in (["d1", "d2", "d3"], ["d2", "d1", "d3"])
+    out = router.handle(ev.LegResponded(leg.room, "decode", False, "refused", refused=True),
+                        1.2)
+    reopen = _reopen(out)
+    assert reopen.cause == "migration" and set(reopen.attempts.avoid) == {"d0", *refusers}
+    # A pull that failed (not a refusal: the D took the leg) falls back at once, as before.
+    (leg,) = router.handle(ev.RoomRequested("s", attempts=handed, migratable=True, handoff=True),
+                           2.0)
+    out = router.handle(ev.LegResponded(leg.room, "decode", False, "pull failed", False, True),
+                        2.1)
+    assert _reopen(out).cause == "migration"
+
+
+def test_a_refused_hand_off_leg_tries_a_decode_worker_whose_breaker_is_open_before_a_prefill(
+        ) -> None:
+    """The routable Ds are preferred; with none left the hand-off leg still goes to a D whose
+    breaker is open (it may be back: a restart), as a re-prefill would, not to a re-prefill."""
+    from pd_fsm.core.config import RouterConfig
+
+    router = RoomRouter(["p0"], ["d0", "d1", "d2"], random.Random(7),
+                        RouterConfig(breaker_threshold=1, breaker_cooldown=60.0))
+    router.breakers.outcome("d1", False, True, 0.0, [])  # one fault: open
+    assert router.breakers.state("d1") == "OPEN"
+    handed = Attempts(handoffs=1, avoid=("d0",), handed_off_by="d0")
+    (leg,) = router.handle(ev.RoomRequested("r", attempts=handed, migratable=True, handoff=True),
+                           1.0)
+    assert leg.decode == "d2"  # the routable one
+    out = router.handle(ev.LegResponded(leg.room, "decode", False, "refused", refused=True), 1.1)
+    assert [e for e in out if isinstance(e, fx.RedirectDecode)] == [
+        fx.RedirectDecode(leg.room, "", "d1")]
 
 
 def test_a_worker_that_keeps_failing_is_routed_around_then_probed() -> None:

@@ -189,10 +189,11 @@ UNREACHABLE: dict[tuple[str, str, str], str] = {
     },
     **{
         ("room", "HANDOFF", t): (
-            "a failed hand-off leg becomes HandoffFailed (a migration left) or DecodeFailed: it "
-            "is never a retry, a redirect or a break mid-relay"
+            "a failed hand-off leg becomes DecodeRefused (refused, another D left), "
+            "HandoffFailed (a migration left) or DecodeFailed: it is never a retry or a break "
+            "mid-relay"
         )
-        for t in ("DecodeRetryable", "DecodeRefused", "DecodeBroke")
+        for t in ("DecodeRetryable", "DecodeBroke")
     },
 }
 # Rows no input can ever take (they are in UNREACHABLE): harmless, but a row added for an

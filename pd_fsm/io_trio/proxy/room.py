@@ -54,6 +54,9 @@ SSE_DONE = b"data: [DONE]\n\n"  # the last event of an sglang / OpenAI stream
 # leg's X-PD-Role since a role switch (409). Nothing of the room is there: it goes elsewhere.
 STALE_ROLE = 409
 REFUSED = (503, STALE_ROLE)
+# A leg that never reached its worker: the connection refused, or not made within the connect
+# timeout (a host that answers nothing). Nothing of the room is there either.
+NOT_CONNECTED = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
 @attrs.define(eq=False)
@@ -352,7 +355,7 @@ class RoomResponse:
                         self.host.phases.observe("proxy_prefill_leg",
                                                  trio.current_time() - posted)
         except httpx.HTTPError as exc:
-            refused = isinstance(exc, httpx.ConnectError)  # else lost: P may have started
+            refused = isinstance(exc, NOT_CONNECTED)  # else lost: P may have started
             lost = not refused
             status, body = 502, error_body(502, f"prefill worker {s.prefill}: {exc!r}",
                                            "prefill_unreachable")
@@ -424,7 +427,7 @@ class RoomResponse:
             failure = (502, error_body(502, f"decode worker {s.decode}: {exc!r}",
                                        "decode_unreachable"))
             # Unreachable: D never took the room. Lost: it may have (a new room, then).
-            refused = isinstance(exc, httpx.ConnectError)
+            refused = isinstance(exc, NOT_CONNECTED)
             self.host.feed(ev.LegResponded(s.room, "decode", False, repr(exc), refused, True,
                                            lost=not refused), failure)
         elif s.relaying and not q.client.answered and (q.client.stream_whole or (

@@ -281,7 +281,10 @@ class Proxy:
                 s.decide(Reply(*(failure or (504, error_body(504, effect.reason, "timeout")))))
             case fx.RedirectDecode():
                 self.reopened["redirect"] += 1
-                log.info("room %d: decode leg refused by %s, posted to %s", effect.room, s.decode,
+                # A hand-off room's leg keeps its ticket (in its body): the draining D keeps the
+                # registration until the room's leg answers (``_handoff_over``) or its lease.
+                log.info("room %d: %s leg refused by %s, posted to %s", effect.room,
+                         "hand-off" if s.ticket is not None else "decode", s.decode,
                          effect.decode)
                 # A scope of its own for the new leg (the old one is spent), armed now so that an
                 # abort from here on reaches it; the decode leg posts again in it.
