@@ -18,9 +18,9 @@ def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
 
 # One prefill forward's padded tokens when not given, by JAX backend. On CPU a forward's cost
 # grows much faster than its tokens past a few hundred: SmolLM2 prefills a 788-token prompt in
-# 2.9-3.1 s in chunks of 256, 4.6 s of 512, 7.9-8.7 s in one padded forward of 1,024 (and 3.3 s
-# in chunks of 128); a 2,000-token one in 7.4-9.1 s against 19-20 s (2 vCPUs, 2026-12-03,
-# README "Performance"). Accelerators keep the earlier 1,024 (not measured here).
+# 2.0 s in chunks of 256, 2.7 s of 512, 5.0 s in one padded forward of 1,024 (2.1 s in chunks of
+# 128; 2 vCPUs, idle, bench/RESULTS_prefill_chunk.md). Accelerators keep the earlier 1,024 (not
+# measured here).
 PREFILL_BUDGETS = {"cpu": 256}
 PREFILL_BUDGET_ELSE = 1024
 

@@ -179,8 +179,9 @@ _SCHEDULER = (
          doc=(
              "padded tokens one prefill forward may process; longer prompts are prefilled in "
              "chunks of at most this many. Default by JAX backend: 256 on CPU, where a forward's "
-             "cost grows much faster than its tokens (SmolLM2, a 788-token prompt: 3.0 s in "
-             "chunks of 256, 4.6 s of 512, 8.3 s as one forward of 1,024; \"Performance\"), "
+             "cost grows much faster than its tokens (SmolLM2, a 788-token prompt: 2.0 s in "
+             "chunks of 256, 2.7 s of 512, 5.0 s as one forward of 1,024; "
+             "bench/RESULTS_prefill_chunk.md), "
              "1024 on an accelerator (not measured here); `/server_info` "
              "`chunked_prefill_size` says what a worker runs with")),
     Flag("--context-length", "default: the model's", check=above(1), shown_default="the model's",
