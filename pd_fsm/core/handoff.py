@@ -120,8 +120,8 @@ class HandoffLedger:
     def _fx_ReleaseOffer(self, h: _Handoff, out: list[fx.HandoffEffect]) -> None:
         out.append(fx.ReleaseOffer(h.key, h.reason))
 
-    def _fx_ArmPageWait(self, h: _Handoff, out: list[fx.HandoffEffect]) -> None:
-        self._timers.set(h.key, h.expires_at)
+    # An offer's lease and a queued claim's wait are the same timer: the hand-off's expires_at.
+    _fx_ArmPageWait = _fx_ArmLease
 
     def _fx_StartHandoffPull(self, h: _Handoff, out: list[fx.HandoffEffect]) -> None:
         self._timers.cancel(h.key)  # a queued claim's wait is over (none runs for a claim)
