@@ -108,6 +108,21 @@ def _handoff_taker(r: _Room, decode: list[str], breakers: WorkerBreakers, live: 
     return _least_loaded(breakers.routable(fresh) or left, live)
 
 
+def _redirect_taker(r: _Room, decode: list[str], breakers: WorkerBreakers, live: Counter[str]
+                    ) -> str | None:
+    """The D a PD room's refused decode leg goes to next (P holds the KV), or None: the least
+    loaded D other than the room's and those that refused it already, first of those the request
+    did not fail on (routable ones), else of those it did (routable ones first), as ``_pools``
+    keeps a role's workers when none is left: a D that failed the request earlier may serve now
+    (one that restarted, or a taker whose hand-off pull failed because its draining D crashed),
+    and passing it over would fail a request that a live D could serve (issue 32). The D that
+    handed the request's stream off (draining, so lightly loaded) comes last of all."""
+    left = [d for d in decode if d not in (r.decode, *r.refused)]
+    fresh = [d for d in breakers.routable(decode) if d in left and d not in r.attempts.avoid]
+    avoided = [d for d in left if d != r.attempts.handed_off_by] or left
+    return _least_loaded(fresh or breakers.routable(avoided), live)
+
+
 class RoomRouter:
     table = ROOM
 
@@ -236,11 +251,7 @@ class RoomRouter:
                 return _T.DecodeBroke
             return trigger
         if e.leg == "decode" and e.refused and r.state in (_S.DISPATCHED, _S.PREFILL_DONE):
-            # The D with the fewest live rooms, other than the room's and those that failed
-            # its request, takes over its decode leg.
-            avoid = {r.decode, *r.attempts.avoid}
-            other = _least_loaded([d for d in self.breakers.routable(self._decode)
-                                   if d not in avoid], self._live)
+            other = _redirect_taker(r, self._decode, self.breakers, self._live)
             if other is not None and r.redirects < cfg.retry_limit:
                 r.failed = other  # the D its leg goes to next (RedirectDecodeLeg)
                 return _T.DecodeRefused

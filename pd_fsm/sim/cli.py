@@ -195,15 +195,17 @@ def _handoffs(counts: Mapping[str, int]) -> str:
     """Live KV hand-offs (handoff.py): streams a draining D handed off; their next rooms taken
     (pulled, went on), fallen back to a re-prefill, or failed; registrations released, expired
     or closed with a role stopped past its drain deadline; hand-off pulls that failed, by
-    cause; the clients handed off, by the status they got in the end; drains whose gate found
-    the listed Ds down (their streams finished in place); claims that waited for pages."""
+    cause; the clients handed off, by the status they got in the end (other than 200: by cause,
+    ``proxy.why_lost``); drains whose gate found the listed Ds down (their streams finished in
+    place); claims that waited for pages."""
     keys = ("handed_off", "taken", "fell_back", "failed", "released", "expired", "closed",
             "in_place_no_healthy_decode", "waited_for_pages")
     pulls = {k[5:]: n for k, n in sorted(counts.items()) if k.startswith("pull ")}
     clients = {k[7:]: n for k, n in sorted(counts.items()) if k.startswith("client ")}
+    lost = {k[5:]: n for k, n in sorted(counts.items()) if k.startswith("lost ")}
     return ("hand-offs " + ", ".join(f"{k.replace('_', ' ')} {counts.get(k, 0)}" for k in keys)
             + f"; pulls failed {pulls}; clients handed off {sum(clients.values())}, "
-              f"answered {clients}")
+              f"answered {clients}" + (f", not 200 by cause {lost}" if lost else ""))
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -184,7 +184,8 @@ class SimResult:
     # Live KV hand-offs (handoff.py) by outcome: streams handed off; their hand-off rooms taken
     # (the KV pulled, the stream went on), fallen back to a migration, or failed; the draining
     # D's registrations released (by the proxy's word), expired (their lease), or closed with a
-    # role stopped past its drain deadline; hand-off pulls failed, by cause ("pull ...").
+    # role stopped past its drain deadline; hand-off pulls failed, by cause ("pull ..."); the
+    # clients handed off by final status ("client ...") and, other than 200, why ("lost ...").
     handoffs: dict[str, int] = attrs.field(factory=dict)
     # SIGTERMs by outcome (``sigterm.Stops``).
     sigterms: dict[str, int] = attrs.field(factory=dict)

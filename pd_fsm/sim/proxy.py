@@ -174,6 +174,8 @@ class Proxy:
         if status == 200 and body != client.expected():
             raise Violation(f"client {client.id} got {body}, expected {client.expected()}")
         client.answer = (status, body)
+        if client.handed_off and status != 200:
+            client.lost = why_lost(self.procs, self._shown, status, str(body))
         self.world.trace_line(f"client {client.id} answered {status}")
 
     def disconnect_a_client_of(self, name: str, rng: random.Random) -> bool:
@@ -273,6 +275,25 @@ class Proxy:
         for (gen, room), (_, since) in self.rooms.items():
             if gen == self.gen and now - since > ROOM_TIMEOUT + TOLERANCE:
                 raise Violation(f"proxy: room {room:x} live {now - since:.1f} s")
+
+
+def why_lost(procs: dict[str, Process], shown: tuple[list[str], list[str]], status: int,
+             body: str) -> str:
+    """Why a handed-off client got ``status``, not a 200 (issue 32 allows one only when every
+    worker of a role was down or draining at once): the client left, the proxy restarted, none
+    of the Ds (or Ps, for a re-prefill) the proxy routes to now (``shown``: P's, D's) up and
+    taking legs (one that joined the role within the discovery interval is not routed to yet),
+    or each role had one and the request's last leg was refused (its retries and redirects
+    spent) or its last room failed (a re-prefill's PD fault: a failed or partitioned transfer,
+    as any PD request meets it)."""
+    if status == 499 or body == "proxy connection reset":
+        return "client left" if status == 499 else "proxy restart"
+    for role, names in (("decode", shown[1]), ("prefill", shown[0])):
+        if not any(p.switch is not None and p.node.alive and p.node.role == role
+                   and not p.refusing for p in (procs[name] for name in names)):
+            return f"no {role} up"
+    refused = status == 503 or "refused" in body or body[:4] in ("503 ", "409 ")
+    return "both up, refused" if refused else "both up, failed"
 
 
 class Tickets:

@@ -61,6 +61,8 @@ class Client:
     sent: tuple[int, ...] = ()
     # Whether a D ever handed its stream off (``sent`` empties again if it migrates after).
     handed_off: bool = False
+    # A handed-off client's answer other than a 200: why (``Proxy.answer``), e.g. every D down.
+    lost: str = ""
 
     def prompt_pages(self) -> int:
         """The pages of its prompt's KV (what P holds)."""

@@ -198,3 +198,23 @@ def test_a_hand_off_room_refused_by_a_dead_decode_worker_goes_to_a_live_one(
                 assert nxt is not None, (key, posts)
                 redirected += 1
     assert redirected >= 1, legs
+
+
+def test_a_handed_off_client_gets_an_error_only_when_no_worker_of_a_role_is_up() -> None:
+    """Issue 32: each handed-off client that got no 200 is counted by why (``proxy.why_lost``):
+    the client left, the proxy restarted, none of the Ds (or Ps) the proxy routes to was up and
+    taking legs, or each role had one and the request's last room failed on a PD fault (a
+    re-prefill's failed or partitioned transfer, as any PD request meets it). Never a leg
+    refused while a D was up: after a hand-off whose pull failed, the request avoids the
+    draining D and the taker, and a PD room's refused leg was redirected only to a D it did
+    not avoid; with every D avoided the client got the refusal as a 502 while another D served
+    (seed 97; ``router._redirect_taker`` falls back to the avoided Ds)."""
+    counts: Counter[str] = Counter()
+    for seed in range(SEEDS):
+        r = run_seed(seed, BUSY)
+        assert r.violation is None, (seed, r.violation)
+        counts.update({k: n for k, n in r.handoffs.items() if k.startswith("lost ")})
+    whys = {key.split(" ", 2)[2] for key in counts}
+    assert whys <= {"client left", "proxy restart", "no decode up", "no prefill up",
+                    "both up, failed"}, counts
+    assert counts["lost 502 no decode up"] >= 1, counts

@@ -790,3 +790,35 @@ def test_a_decode_leg_refused_before_taking_the_room_moves_to_another_d_in_the_r
     out = alone.handle(ev.LegResponded(room.room, "decode", False, "connect error",
                                        refused=True, retryable=True), 0.1)
     assert _kinds(out) == ["AbortLeg", "ReopenRoom"]
+
+
+def test_a_refused_decode_leg_goes_to_a_d_the_request_failed_on_when_no_other_is_left() -> None:
+    """Issue 32 (sim seed 534, ``--decode 3 --role-switches 1``): a handed-off stream whose
+    hand-off pull failed (its draining D crashed) re-prefills avoiding the taker, a D that then
+    crashes is avoided too, and the retry's D is down: every D is one the request failed on,
+    and its retries are spent. The refused leg goes within the room to one of them (the taker is
+    up), not to the client as a 502; never to a D that refused the room, and to the D that
+    handed the stream off only last."""
+    router = RoomRouter(["p0"], ["d0", "d1", "d2", "d3"], random.Random(7))
+    spent = Attempts(retries=2, migrations=1, handoffs=1, avoid=("d2", "d0", "d1", "d3"),
+                     handed_off_by="d3")
+    (room,) = router.handle(ev.RoomRequested("r", attempts=spent), 0.0)
+    first = room.decode
+    seen = [first]
+    for now in (0.1, 0.2):
+        out = router.handle(ev.LegResponded(room.room, "decode", False, "connect refused",
+                                            refused=True, retryable=True), now)
+        (redirect,) = out
+        assert isinstance(redirect, fx.RedirectDecode) and redirect.prefill == "p0"
+        assert redirect.decode not in seen and redirect.decode != "d3", (seen, redirect)
+        seen.append(redirect.decode)
+    # Its redirects are spent (retry_limit) and so are its retries: the room fails now.
+    out = router.handle(ev.LegResponded(room.room, "decode", False, "connect refused",
+                                        refused=True, retryable=True), 0.3)
+    assert _kinds(out) == ["AbortLeg", "ReplyError"]
+    # A D the request did not fail on still comes first.
+    router = RoomRouter(["p0"], ["d0", "d1", "d2"], random.Random(7))
+    (room,) = router.handle(ev.RoomRequested("r", attempts=Attempts(avoid=("d1",))), 0.0)
+    out = router.handle(ev.LegResponded(room.room, "decode", False, "connect refused",
+                                        refused=True), 0.1)
+    assert out == [fx.RedirectDecode(room.room, "p0", ({"d0", "d2"} - {room.decode}).pop())]
