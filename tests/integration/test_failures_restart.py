@@ -178,7 +178,12 @@ async def test_decode_restarted_p_frees_its_old_rooms_at_once(fleet: Fleet) -> N
         took = await wait_clean(http, p, d, timeout=SLACK)
         p_after = await stats(http, p)
         assert p_after["pd_events"]["peer_restarts"] == p_before["pd_events"]["peer_restarts"] + 1
-        assert p_after["transfer"]["released"] == p_before["transfer"]["released"] + 4
+        # R and the three new rooms at least; a first request refused by the new D before any
+        # byte is retried by the proxy in a new room, whose registration is released too
+        # (seen once in CI: 5). What matters is that every registration came back.
+        released = p_after["transfer"]["released"] - p_before["transfer"]["released"]
+        registered = p_after["transfer"]["registered"] - p_before["transfer"]["registered"]
+        assert released == registered >= 4, p_after["transfer"]
         assert trio.current_time() - restarted < P_LEASE  # freed by the restart rule
         print(f"P idle {took:.2f} s after the restarted D's three requests")
 
