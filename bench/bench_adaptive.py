@@ -439,7 +439,7 @@ def save(record: dict[str, Any], sched: Schedule, args: argparse.Namespace) -> N
 def static_fields(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """The static placements as the performance model takes them (pd_fsm.sim.perf.Placement's
     fields): ``bench_perf_model.py --measured`` predicts this run's figures from them."""
-    static = placements(argparse.Namespace(nice_pairs=[]))
+    static = placements(argparse.Namespace(nice_pairs=[], local_queues=[]))
     p, d = (int(x) for x in args.nice.split(","))
     nice_name, (_, _, nice_fields) = nice_placement(p, d)
     return {COLOCATED: static[COLOCATED][2], PINNED: static[PINNED][2], nice_name: nice_fields}
@@ -447,7 +447,7 @@ def static_fields(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 def chosen_placements(args: argparse.Namespace) -> dict[str, tuple[list[str], str]]:
     """name -> (the cluster's flags, which of its URLs takes the requests)."""
-    static = placements(argparse.Namespace(nice_pairs=[]))
+    static = placements(argparse.Namespace(nice_pairs=[], local_queues=[]))
     p, d = (int(x) for x in args.nice.split(","))
     nice_name, (nice_flags, _, _) = nice_placement(p, d)
     n_p, n_d = (int(x) for x in args.adaptive_workers.split(","))

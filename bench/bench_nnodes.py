@@ -101,7 +101,9 @@ def one_pd(label: str, tp: int, nnodes: int, args: argparse.Namespace,
            ref: list[list[int]] | None) -> dict[str, object]:
     shape = [f"--{role}-{flag}={value}" for role in ("prefill", "decode")
              for flag, value in (("tp", tp), ("nnodes", nnodes))]
+    # Every rank on every core, as RESULTS_nnodes.md was measured.
     cluster = PDCluster.start(["--model", "tiny", "--prefill", "1", "--decode", "1", *shape,
+                               "--pd-cores", "shared",
                                "--worker-args", " ".join(WORKER[2:])], timeout=1800)
     try:
         return _measure(label, cluster.urls["proxy"], cluster.urls["decode-0"], args, ref)

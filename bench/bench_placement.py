@@ -5,15 +5,23 @@ Placements (each a ``pd-fsm cluster`` of its own, all started before the first m
 left idle while another is measured):
 
     colocated          one worker on every core              (--colocated)
-    PD pinned          P on core 0, D on core 1              (--prefill-cpus 0 --decode-cpus 1)
-    PD shared          P and D on every core, equal priority (no flags)
-    PD shared, nice    P and D on every core, P at nice P, D at nice D
-                       (--prefill-nice P --decode-nice D; one placement per --nice-pairs item)
+    PD pinned          P on core 0, D on core 1              (--prefill-cpus 0 --decode-cpus 1;
+                                                             what `--pd-cores split` gives here)
+    PD shared          P and D on every core, equal priority (--pd-cores shared, nice 0 and 0)
+    PD shared, nice    P and D on every core, P at nice P, D at nice D (--pd-cores shared
+                       --prefill-nice P --decode-nice D; one placement per --nice-pairs item)
+    ... local prefill  the last nice pair, and conditional disaggregation by P's queue: D
+                       prefills a prompt itself while P has N or more requests (Dynamo's
+                       max_prefill_queue_size; --proxy-args "--local-prefill-queue N"; one
+                       placement per --local-queues item)
 
-The same prompts arrive as a Poisson process at each ``--rates`` value, at every placement in
-turn; the order rotates from rate to rate (the machine is shared: a neighbour's burst should not
-land on one placement only). Every placement first gets the prompts once, unmeasured (each new
-shape's first use). Goodput (DistServe): requests per second that met both the TTFT target and
+At each ``--rates`` value (and repeat) a fresh set of prompts arrives as a Poisson process, the
+same set at every placement in turn; the order rotates from rate to rate (the machine is shared:
+a neighbour's burst should not land on one placement only). Every placement first gets a set of
+other prompts of the same kinds, unmeasured (each new shape's first use). Runs 1-4 of
+RESULTS_placement.md reused one set for the warm-up and every rate, so after the warm-up every
+prompt was a prefix-cache hit on colocated workers and on P: prefill cost next to nothing there.
+Goodput (DistServe): requests per second that met both the TTFT target and
 the time-per-output-token target (a request's mean inter-token gap); also at a tighter TPOT
 target. Nothing is asserted; ratios to colocated are printed (machines differ in speed).
 
@@ -25,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -46,13 +53,22 @@ SHARED = "PD shared (cores 0-1, equal priority)"
 
 
 Spec = tuple[list[str], str, dict[str, Any]]
+WARM_SEED = 1_000_000  # the warm-up's prompts: a seed no measured set takes
 
 
 def nice_placement(p: int, d: int) -> tuple[str, Spec]:
     """P and D on every core, P at nice ``p`` and D at nice ``d``: its name and spec."""
     return (f"PD shared, nice P {p:+d} / D {d:+d}",
-            (["--prefill-nice", str(p), "--decode-nice", str(d)], "proxy",
+            (["--pd-cores", "shared", "--prefill-nice", str(p), "--decode-nice", str(d)], "proxy",
              {"shared": True, "nice_p": p, "nice_d": d}))
+
+
+def local_placement(p: int, d: int, queue: int) -> tuple[str, Spec]:
+    """``nice_placement(p, d)`` whose D prefills alone while P has ``queue`` or more requests."""
+    name, (flags, which, fields) = nice_placement(p, d)
+    return (f"{name}, local prefill at P queue >= {queue}",
+            ([*flags, "--proxy-args", f"--local-prefill-queue {queue}"], which,
+             {**fields, "local_prefill_queue": queue}))
 
 
 def placements(args: argparse.Namespace) -> dict[str, Spec]:
@@ -63,12 +79,18 @@ def placements(args: argparse.Namespace) -> dict[str, Spec]:
                     {"colocated": True}),
         PINNED: (["--prefill-cpus", "0", "--decode-cpus", "1"], "proxy", {}),
         # Equal priority stated: the cluster's default on shared cores is D above P.
-        SHARED: (["--prefill-nice", "0", "--decode-nice", "0"], "proxy", {"shared": True}),
+        SHARED: (["--pd-cores", "shared", "--prefill-nice", "0", "--decode-nice", "0"], "proxy",
+                 {"shared": True}),
     }
     for pair in args.nice_pairs:
         p, d = (int(x) for x in pair.split(","))
         name, spec = nice_placement(p, d)
         out[name] = spec
+    if args.local_queues:
+        p, d = (int(x) for x in args.nice_pairs[-1].split(","))
+        for queue in args.local_queues:
+            name, spec = local_placement(p, d, queue)
+            out[name] = spec
     return out
 
 
@@ -85,28 +107,37 @@ def row(name: str, s: Summary, args: argparse.Namespace, base: float) -> str:
     r = s.rows()
     _, rps = goodput(s, args.slo_ttft, args.slo_tpot)
     _, tight = goodput(s, args.slo_ttft, args.tight_tpot)
-    ratio = rps / base if base > 0 else math.inf if rps > 0 else math.nan
     return (f"| {name} | {r['TTFT p50 ms']:.0f} / {r['TTFT p99 ms']:.0f} | "
             f"{r['ITL p50 ms']:.0f} / {r['ITL p99 ms']:.0f} | {r['output tokens/s']:.2f} | "
             f"{rps:.3f} ({goodput(s, args.slo_ttft, args.slo_tpot)[0]}/{len(s.results)}) | "
-            f"{ratio:.2f}x | {tight:.3f} |")
+            f"{vs_colocated(rps, base)} | {tight:.3f} |")
+
+
+def vs_colocated(rps: float, base: float) -> str:
+    """``rps`` as a multiple of colocated's ``base``; where colocated met none, says so."""
+    return f"{rps / base:.2f}x" if base > 0 else "- (colocated 0)"
+
 
 
 async def measure(targets: dict[str, str], args: argparse.Namespace) -> None:
     record: dict[str, Any] = {"settings": {k: getattr(args, k) for k in (
         "model", "dataset", "num_prompts", "max_tokens", "seed", "rates", "repeats",
+        "local_queues",
         "slo_ttft", "slo_tpot", "tight_tpot")},
         "placements": {name: args.placement_fields[name] for name in targets},
         "runs": []}
-    prompts = make_prompts(args.dataset, args.num_prompts, args.seed)
     warm = _load_args(args, args.model)
-    for url in targets.values():  # unmeasured: every shape's first use
-        await run_load(url, warm, prompts)
+    warm_prompts = make_prompts(args.dataset, args.num_prompts, WARM_SEED + args.seed)
+    for url in targets.values():  # unmeasured: every shape's first use, other words
+        await run_load(url, warm, warm_prompts)
     names = list(targets)
     totals: dict[str, list[float]] = {name: [0.0, 0.0] for name in names}  # met, seconds
     step = 0
     for repeat in range(args.repeats):
         for rate in args.rates:
+            # New words at every rate: none of them in any placement's prefix cache yet.
+            prompt_seed = args.seed + 1 + step
+            prompts = make_prompts(args.dataset, args.num_prompts, prompt_seed)
             load = _load_args(args, args.model)
             load.request_rate, load.max_concurrency = rate, None
             results: dict[str, Summary] = {}
@@ -125,6 +156,7 @@ async def measure(targets: dict[str, str], args: argparse.Namespace) -> None:
                 r = results[name].rows()
                 record["runs"].append({
                     "placement": name, "rate": rate, "repeat": repeat,
+                    "prompt_seed": prompt_seed,
                     "goodput": goodput(results[name], args.slo_ttft, args.slo_tpot)[1],
                     "goodput_tight": goodput(results[name], args.slo_ttft, args.tight_tpot)[1],
                     "ttft_p50": r["TTFT p50 ms"] / 1000, "itl_p50": r["ITL p50 ms"] / 1000,
@@ -140,7 +172,7 @@ async def measure(targets: dict[str, str], args: argparse.Namespace) -> None:
     for name in names:
         met, secs = totals[name]
         print(f"- {name}: {met / secs:.3f} req/s ({met:.0f} met in {secs:.0f} s), "
-              f"{met / secs / base if base else math.nan:.2f}x colocated", flush=True)
+              f"{vs_colocated(met / secs, base)} vs colocated", flush=True)
 
 
 def main() -> int:
@@ -157,6 +189,9 @@ def main() -> int:
     p.add_argument("--nice-pairs", nargs="*", default=["0,-10", "10,-5"], metavar="P,D",
                    help="one shared placement per P,D pair of nice values (default 0,-10 and "
                         "10,-5: P at 0 keeps its share against the machine's other work)")
+    p.add_argument("--local-queues", type=int, nargs="*", default=[], metavar="N",
+                   help="one placement per N: the last --nice-pairs item with D prefilling "
+                        "alone while P has N or more requests")
     p.add_argument("--only", nargs="*", default=None, metavar="NAME",
                    help="placements to run (substrings of their names; colocated always runs)")
     p.add_argument("--slo-ttft", type=float, default=2.0)

@@ -40,9 +40,11 @@ POLICIES = ("round_robin", "cache_aware", "power_of_two")
 
 
 def _cluster(model: str, worker_args: str) -> PDCluster:
+    # Every worker on every core, as RESULTS_prefix_routing.md was measured.
     return PDCluster.start(["--model", model, "--prefill", "2", "--decode", "2",
-                            "--num-pages", "512", "--startup-timeout", "1500",
-                            f"--worker-args={worker_args}"], timeout=1600)
+                            "--pd-cores", "shared", "--num-pages", "512",
+                            "--startup-timeout", "1500", f"--worker-args={worker_args}"],
+                           timeout=1600)
 
 
 def _proxy(cluster: PDCluster, policy: str) -> tuple[Proc, str]:

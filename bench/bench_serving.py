@@ -148,8 +148,11 @@ def table(title: str, a: Summary, b: Summary, a_name: str, b_name: str) -> str:
 
 
 def part_pd(args: argparse.Namespace) -> None:
+    # Shared cores (D above P), as this part's results were measured before split became the
+    # cluster's default.
     cluster = PDCluster.start(["--model", args.model, "--prefill", "1", "--decode", "1",
-                               "--colocated", "--num-pages", "512", "--startup-timeout", "400",
+                               "--colocated", "--pd-cores", "shared", "--num-pages", "512",
+                               "--startup-timeout", "400",
                                "--worker-args", "--disaggregation-peer-timeout 120 "
                                "--disaggregation-lease-initial 120"], timeout=420)
     router: Proc | None = None
@@ -404,13 +407,13 @@ def _run_on_cluster(args: argparse.Namespace, cluster_args: list[str], measure: 
 
 def part_pulls(args: argparse.Namespace) -> None:
     # 16 concurrent mixed requests hold up to ~430 pages of 16 tokens on D.
-    _run_on_cluster(args, ["--num-pages", "512"],
+    _run_on_cluster(args, ["--num-pages", "512", "--pd-cores", "shared"],
                     lambda urls, a: measure_pulls(urls["proxy"], a))
 
 
 def part_tax(args: argparse.Namespace) -> None:
     # Not pinned: P, D and the colocated worker each get the machine (one runs at a time).
-    _run_on_cluster(args, ["--colocated"],
+    _run_on_cluster(args, ["--colocated", "--pd-cores", "shared"],
                     lambda urls, a: measure_tax(urls["proxy"], urls["colocated"], a))
 
 

@@ -76,6 +76,10 @@ class Placement:
     # while it computes the next (`pd-fsm serve --disaggregation-stream-tokens`, default 256);
     # 0: the whole prompt in one forward, its KV pulled after it.
     stream_tokens: int = 256
+    # Conditional disaggregation by P's queue (`pd-fsm proxy --local-prefill-queue N`): a
+    # request arriving while P holds N or more goes to D, which prefills it itself, as a
+    # colocated worker would; 0: off.
+    local_prefill_queue: int = 0
 
 
 @attrs.define(eq=False)
@@ -147,6 +151,35 @@ class Worker:
         fast = getattr(self.fast, of)(*a)
         return fast, getattr(self.slow, of)(*a)
 
+    def _prefill_rows(self, job: _Job) -> int:
+        """Fill ``job.chunks`` as the real plan_prefill (schedulers/plan.py) does: rows FIFO,
+        each taking what is left of its prompt (a P that streams: at most one chunk); the first
+        row alone is cut to the budget, later ones join while the padded batch stays within it.
+        Returns the longest chunk."""
+        cap = self.stream_tokens if self.role == "prefill" else 0
+        budget = self.profile.max_batched_tokens
+        longest = 0
+        for r in self.waiting:
+            if len(self.running) + len(job.scattered) + len(job.chunks) >= \
+                    self.profile.max_running:
+                break
+            left = r.prompt - r.prefilled if not cap else min(r.prompt - r.prefilled, cap)
+            if not job.chunks:
+                n = min(left, budget)
+            elif bucket(len(job.chunks) + 1) * bucket(max(longest, left), 16) <= budget:
+                n = left
+            elif bucket(len(job.chunks) + 1) * bucket(longest, 16) <= budget:
+                n = min(left, bucket(longest, 16))
+            else:
+                break
+            if r.prefilled == 0:  # pages for prompt + output, reserved at admission
+                if self.pages_for(r) > self.pages_free:
+                    break
+                self.pages_free -= self.pages_for(r)
+            job.chunks.append((r, n))
+            longest = max(longest, n)
+        return longest
+
     def next_job(self, now: float) -> _Job | None:
         """The next step's work, as the real loop would build it now (None: nothing to do)."""
         alone = slow = 0.0
@@ -157,28 +190,12 @@ class Worker:
                 if len(self.running) + len(job.scattered) >= self.profile.max_running:
                     break
                 self.arriving.remove(r)
+                self.pages_free -= self.pages_for(r)
                 a, s = self._cost("copy_s", r.prompt * kv)  # scatter
                 alone, slow = alone + a, slow + s
                 job.scattered.append(r)
-        else:
-            # As the real plan_prefill: rows FIFO, each taking what is left of its prompt (a P
-            # that streams: at most one chunk), while the padded batch fits the budget.
-            cap = self.stream_tokens if self.role == "prefill" else 0
-            longest = 0
-            for r in self.waiting:
-                if len(self.running) + len(job.chunks) >= self.profile.max_running:
-                    break
-                n = r.prompt - r.prefilled if not cap else min(r.prompt - r.prefilled, cap)
-                t_pad = bucket(max(longest, n), 16)
-                if job.chunks and bucket(len(job.chunks) + 1) * t_pad > \
-                        self.profile.max_batched_tokens:
-                    break
-                if r.prefilled == 0:  # pages for prompt + output, reserved at admission
-                    if self.pages_for(r) > self.pages_free:
-                        break
-                    self.pages_free -= self.pages_for(r)
-                job.chunks.append((r, n))
-                longest = max(longest, n)
+        if self.waiting:  # prompts to prefill: P's, colocated's, a D's under local prefill
+            longest = self._prefill_rows(job)
             if job.chunks:
                 padded = bucket(len(job.chunks)) * bucket(longest, 16)
                 a, s = self._cost("prefill_s", padded)
@@ -190,7 +207,7 @@ class Worker:
                 for _, n in job.chunks:
                     a, s = self._cost("copy_s", n * kv)
                     alone, slow = alone + a, slow + s
-        decoding = list(self.running) + (job.prefilled if self.role == "colocated" else [])
+        decoding = list(self.running) + (job.prefilled if self.role != "prefill" else [])
         decoding += job.scattered
         if decoding:
             context = sum(r.prompt + len(r.token_times) for r in decoding) / len(decoding)
@@ -223,18 +240,17 @@ class Worker:
                 r.decode_by = d.name
                 d.arriving.append(r)
             return list(job.prefilled)
-        self.running.extend(job.prefilled if self.role == "colocated" else job.scattered)
+        self.running.extend(job.prefilled + job.scattered)
         for r in job.decoded:
             if r.token_times and math.isnan(r.token_times[0]):
                 r.token_times[0] = now  # P's token, relayed with the step's first on D
                 r.token_times.append(now)
             else:
                 r.token_times.append(now)
-            if self.role == "colocated" and r in job.prefilled:
+            if r in job.prefilled:
                 r.token_times.insert(0, now)  # the prefill's token and the step's together
-        if self.role == "colocated":
-            for r in job.prefilled:
-                r.prefill_by = r.decode_by = self.name
+        for r in job.prefilled:
+            r.prefill_by = r.decode_by = self.name
         done = [r for r in self.running if len(r.token_times) >= r.out]
         for r in done:
             del r.token_times[r.out:]
@@ -313,11 +329,16 @@ def simulate(profile: Profile, placement: Placement, requests: Sequence[Request]
         assert d is not None
         return d
 
+    def p_load() -> int:  # P's requests as the proxy counts them: until P's answer
+        assert p is not None
+        return len(p.waiting) + (len(p.job.prefilled) if p.job else 0)
+
     pending = deque(sorted(requests, key=lambda r: r.arrival))
     now = 0.0
     while now < horizon:
         while pending and pending[0].arrival <= now:
-            entry.waiting.append(pending.popleft())
+            local = placement.local_prefill_queue and p_load() >= placement.local_prefill_queue
+            (d if local and d else entry).waiting.append(pending.popleft())
         for w in workers:
             if w.job is None:
                 w.job = w.next_job(now)

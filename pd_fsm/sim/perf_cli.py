@@ -8,6 +8,8 @@ import random
 import sys
 from pathlib import Path
 
+import attrs
+
 from pd_fsm.sim.perf import Placement, outcome, poisson, simulate
 from pd_fsm.sim.perf_profile import Profile
 
@@ -17,6 +19,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                              "from a `pd-fsm profile` file")
     g.add_argument("--profile", type=Path, default=None, metavar="FILE",
                    help="run the performance model on this profile instead of seeds")
+    g.add_argument("--max-batched-tokens", type=int, default=0, metavar="N",
+                   help="the modelled workers' prefill budget (`pd-fsm serve "
+                        "--max-batched-tokens`) where it is not the profile's (default 0: the "
+                        "profile's; profiles measured before the CPU default became 256 hold "
+                        "1024)")
     g.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 1.0, 1.5],
                    help="Poisson arrival rates (default 0.25 0.5 1 1.5)")
     g.add_argument("--prompts", type=int, default=24, help="requests per rate (default 24)")
@@ -27,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cores", type=int, default=2, help="the machine's cores (default 2)")
     g.add_argument("--nice-pairs", nargs="*", default=["0,-10", "10,-5"], metavar="P,D",
                    help="shared placements with these nice values (default 0,-10 10,-5)")
+    g.add_argument("--local-queues", type=int, nargs="*", default=[], metavar="N",
+                   help="also the last --nice-pairs placement with D prefilling alone while P "
+                        "holds N or more requests (`pd-fsm proxy --local-prefill-queue N`)")
     g.add_argument("--tpot-targets", type=float, nargs="+", default=[0.1, 0.05],
                    help="goodput's TPOT targets (default 0.1 0.05; TTFT: --ttft-target)")
     c = p.add_argument_group("performance model over a cluster: static splits against the SLA "
@@ -54,7 +64,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "ask; default 1)")
 
 
-def placements(cores: int, nice_pairs: list[str]) -> list[Placement]:
+def load_profile(path: Path, max_batched_tokens: int = 0) -> Profile:
+    """``path``'s profile, with the workers' prefill budget in place of its own if given."""
+    profile = Profile.load(path)
+    if max_batched_tokens:
+        profile = attrs.evolve(profile, max_batched_tokens=max_batched_tokens)
+    return profile
+
+
+def placements(cores: int, nice_pairs: list[str], local_queues: list[int]) -> list[Placement]:
     out = [Placement(f"colocated (cores 0-{cores - 1})", colocated=True, cores=cores),
            Placement("PD pinned (P and D on half the cores each)", cores=cores),
            Placement("PD shared (equal priority)", cores=cores, shared=True)]
@@ -62,6 +80,10 @@ def placements(cores: int, nice_pairs: list[str]) -> list[Placement]:
         p, d = (int(x) for x in pair.split(","))
         out.append(Placement(f"PD shared, nice P {p:+d} / D {d:+d}", cores=cores, shared=True,
                              nice_p=p, nice_d=d))
+    if nice_pairs:
+        last = out[-1]
+        out += [attrs.evolve(last, name=f"{last.name}, local prefill at P queue >= {q}",
+                             local_prefill_queue=q) for q in local_queues]
     return out
 
 
@@ -78,9 +100,9 @@ def main(args: argparse.Namespace) -> int:
     if args.workers:
         return cluster_main(args)
     try:
-        profile = Profile.load(args.profile)
+        profile = load_profile(args.profile, args.max_batched_tokens)
         lengths = prompt_lengths(args.prompt_tokens, args.prompts, args.seed or 0)
-        chosen = placements(args.cores, args.nice_pairs)
+        chosen = placements(args.cores, args.nice_pairs, args.local_queues)
     except (OSError, ValueError, KeyError) as exc:
         print(f"pd-fsm sim --profile: {exc}", file=sys.stderr)
         return 2
@@ -111,7 +133,7 @@ def cluster_main(args: argparse.Namespace) -> int:
     from pd_fsm.sim.perf_cluster import ClusterConfig, Phase, goodput, run_cluster, shifting
 
     try:
-        profile = Profile.load(args.profile)
+        profile = load_profile(args.profile, args.max_batched_tokens)
         n = args.workers
         if n < 2:
             raise ValueError("--workers must be >= 2")

@@ -5,6 +5,7 @@ cores)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -13,7 +14,15 @@ import pytest
 
 from pd_fsm.cli import build_parser
 from pd_fsm.io_trio.cluster.cpu_placement import may_take_nice, parse_cpus, parse_role_nice
-from pd_fsm.io_trio.cluster.local import plan, prefill_nice_steps
+from pd_fsm.io_trio.cluster.local import (
+    main,
+    pd_cores,
+    placement_line,
+    plan,
+    prefill_nice_steps,
+    role_cpus,
+    split_cores,
+)
 from pd_fsm.io_trio.worker.config import config_from_args
 
 
@@ -152,10 +161,12 @@ def _serve_nices(extra: list[str]) -> list[str]:
 def test_p_and_d_sharing_cores_default_to_d_above_p() -> None:
     # Root (CI) may lower D's priority; elsewhere D stays at 0 and P still steps back.
     d = "-5" if may_take_nice(-5) else "0"
-    assert _serve_nices([]) == ["10", d, "-"]
+    assert _serve_nices(["--pd-cores", "shared"]) == ["10", d, "-"]
+    assert _serve_nices(["--planner"])[:2] == ["10", d]
     # Pinned apart, nothing is shared: no default; a given value always wins.
     assert _serve_nices(["--prefill-cpus", "0", "--decode-cpus", "1"]) == ["-", "-", "-"]
-    assert _serve_nices(["--prefill-nice", "0", "--decode-nice", "0"]) == ["0", "0", "-"]
+    assert _serve_nices(["--pd-cores", "shared", "--prefill-nice", "0", "--decode-nice", "0"]
+                        ) == ["0", "0", "-"]
 
 
 def test_with_the_planner_each_worker_carries_every_role_s_priority() -> None:
@@ -202,3 +213,54 @@ def test_serve_refuses_a_role_nice_that_cannot_hold(extra: list[str], names: str
     argv = ["serve", "--model", "tiny", "--disaggregation-mode", "decode", *extra]
     with pytest.raises(ValueError, match=names):
         config_from_args(build_parser(argv).parse_args(argv))
+
+
+
+def _cluster(*extra: str) -> argparse.Namespace:
+    return build_parser().parse_args(["cluster", "--model", "tiny", *extra])
+
+
+def test_split_gives_p_the_first_half_of_the_cores_and_d_the_rest() -> None:
+    assert split_cores([0, 1]) == {"prefill": "0", "decode": "1"}
+    assert split_cores([0, 1, 2, 3]) == {"prefill": "0,1", "decode": "2,3"}
+    assert split_cores([2, 5, 7]) == {"prefill": "2,5", "decode": "7"}  # P the larger half
+
+
+@pytest.mark.parametrize(("extra", "cores", "mode"), [
+    ([], [0, 1], "split"),  # the default on a machine of two cores or more ...
+    ([], [0], "shared"),  # ... and shared on one
+    (["--planner"], [0, 1], "shared"),  # roles move between the processes
+    (["--pd-cores", "shared"], [0, 1], "shared"),
+    (["--pd-cores", "split", "--planner"], [0, 1, 2, 3], "split"),
+    (["--prefill-cpus", "0", "--decode-cpus", "1"], [0, 1], ""),  # placed by hand
+    (["--prefill", "0", "--decode", "0", "--colocated"], [0, 1], ""),  # no PD
+])
+def test_how_p_and_d_take_the_cores(extra: list[str], cores: list[int], mode: str) -> None:
+    assert pd_cores(_cluster(*extra), cores) == mode
+
+
+def test_the_default_pins_p_and_d_to_their_halves_without_a_priority() -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip(f"one usable core here ({cores}): the default shares it")
+    want = split_cores(cores)
+    assert role_cpus(_cluster()) == {**want, "colocated": None}
+    assert _serve_nices(["--colocated"]) == ["-", "-", "-"]
+    argv = {child.name: child.argv for child in plan(_cluster("--colocated"))}
+    for name, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        a = argv[name]
+        assert a[a.index("--cpus") + 1] == want[role]
+    assert "--cpus" not in argv["colocated"]
+    line = placement_line(_cluster())
+    assert line.startswith("P on core") and line.endswith(" (--pd-cores split)")
+    assert f" {want['prefill']}, D on core" in line and f" {want['decode']} (" in line
+
+
+@pytest.mark.parametrize(("extra", "names"), [
+    (["--pd-cores", "split", "--prefill-cpus", "0"], "--pd-cores split and --prefill-cpus"),
+    (["--pd-cores", "shared", "--decode-cpus", "1"], "--pd-cores shared and --prefill-cpus"),
+])
+def test_cluster_refuses_two_placements_of_p_and_d(extra: list[str], names: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(_cluster(*extra)) == 2
+    assert names in capsys.readouterr().err

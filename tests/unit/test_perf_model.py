@@ -44,6 +44,24 @@ def test_one_request_alone_takes_what_the_profile_says() -> None:
     assert len(r.token_times) == 4
 
 
+def test_a_prompt_longer_than_the_budget_is_prefilled_in_budget_sized_chunks() -> None:
+    # As plan_prefill: the first row is cut to --max-batched-tokens. A 512-token prompt joins
+    # a colocated worker that decodes another request: at a budget of 256 it takes two
+    # forwards of 256 (128 ms each on two cores), each with a decode step, so the running
+    # request's gaps stay near 140 ms; at 1,024 one forward of 512 holds a gap of 266 ms.
+    def gaps(budget: int) -> list[float]:
+        profile = attrs.evolve(PROFILE, max_batched_tokens=budget)
+        running, prompt = simulate(profile, COLOCATED, [Request(0.0, 64, 40),
+                                                        Request(0.1, 512, 2)])
+        # The prompt's own TTFT barely changes: 256 ms of prefill either way, its first decode,
+        # the running step it waits for (and, chunked, one more decode step).
+        assert prompt.ttft == pytest.approx(0.28, abs=0.015)
+        return _gaps(running)
+
+    assert max(gaps(256)) == pytest.approx(0.128 + 0.011, abs=0.006)
+    assert max(gaps(1024)) == pytest.approx(0.256 + 0.011, abs=0.006)
+
+
 def test_pd_adds_the_pull_and_runs_each_side_on_its_own_core() -> None:
     (r,) = simulate(PROFILE, attrs.evolve(PINNED, stream_tokens=0), [Request(0.0, 512, 3)])
     kv = 512 * 1024 / (1 << 30)  # gather, pull, scatter of 512 tokens' KV: 1 s a GiB each
@@ -84,6 +102,23 @@ def test_priorities_let_d_take_the_cores_from_p() -> None:
     ahead = simulate(PROFILE, PRIORITY, [Request(r.arrival, r.prompt, r.out) for r in load])
     assert max(_gaps(ahead[0])) < max(_gaps(equal[0]))
     assert nice_weight(-5) / nice_weight(10) == pytest.approx(1.25 ** 15)  # CFS: x1.25 a step
+
+
+def test_local_prefill_sends_a_prompt_to_d_while_p_is_busy() -> None:
+    # Conditional disaggregation by P's queue: the second prompt arrives while P (one core)
+    # prefills the first, so D prefills it on its own core (512 ms) and decodes its first row
+    # in the same step (20 ms), as a colocated worker would; without it, it waits behind P.
+    def run(queue: int) -> list[Request]:
+        placement = attrs.evolve(PINNED, stream_tokens=0, local_prefill_queue=queue)
+        return simulate(PROFILE, placement, [Request(0.0, 512, 3), Request(0.1, 512, 3)])
+
+    first, local = run(1)
+    assert (first.prefill_by, first.decode_by) == ("prefill", "decode")
+    assert (local.prefill_by, local.decode_by) == ("decode", "decode")
+    assert local.ttft == pytest.approx(0.512 + 0.020, abs=0.004)
+    assert len(local.token_times) == 3
+    _, queued = run(0)
+    assert queued.prefill_by == "prefill" and queued.ttft > 0.9  # 2 x 512 ms on P, less 0.1
 
 
 def _gaps(r: Request) -> list[float]:
@@ -170,11 +205,13 @@ def test_sim_cli_prints_every_placement_and_cluster(tmp_path: Path,
     from pd_fsm.cli import build_parser
 
     PROFILE.dump(tmp_path / "p.json")
-    argv = ["sim", "--profile", str(tmp_path / "p.json"), "--rates", "1", "--prompts", "6"]
+    argv = ["sim", "--profile", str(tmp_path / "p.json"), "--rates", "1", "--prompts", "6",
+            "--local-queues", "1"]
     args = build_parser(argv).parse_args(argv)
     assert args.func(args) == 0
     out = capsys.readouterr().out
-    assert out.count("| PD shared") == 3 and "| colocated" in out and "| PD pinned" in out
+    assert out.count("| PD shared") == 4 and "| colocated" in out and "| PD pinned" in out
+    assert "| PD shared, nice P +10 / D -5, local prefill at P queue >= 1 |" in out
     argv = ["sim", "--profile", str(tmp_path / "p.json"), "--workers", "4",
             "--phases", "long:10,short:10"]
     args = build_parser(argv).parse_args(argv)

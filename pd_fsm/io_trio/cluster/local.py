@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import logging
+import os
 import shlex
 import shutil
 import sys
@@ -65,13 +66,77 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
 # `pd-fsm cluster --planner`: the roles every PD worker compiles at start and may switch to.
 PLANNER_ROLES = "prefill,decode,null"
 
-# P and D on the same cores (the local runner's default: no --prefill-cpus/--decode-cpus): D
-# above P, so a decode step takes a core from a prefill instead of waiting behind it. The best
-# PD placement in every run on this 2-core machine so far, ahead of colocated at 0.5 req/s
-# (bench/RESULTS_placement.md: 1.7-2.0x colocated's goodput, small samples; colocated had the
-# lowest ITL at 1 req/s) and in both adaptive runs (RESULTS_adaptive.md). Where this process may
-# not lower a priority, D stays at 0 and P still steps back.
+# Where P and D run on one machine (`--pd-cores`). "split", the local runner's default without
+# the planner: P on the first half of the cores this process may use, D on the rest, each
+# worker's XLA pools sized to its half, so a prefill never stalls a decode step. With fresh
+# prompts on this 2-core machine it met the SLO at least as often as colocated at every rate
+# from 0.25 to 1.5 req/s in both runs that measured it (1.23x and 1.56x colocated over a run,
+# 2.19x and 9 vs 0 met at 1 req/s), where P and D sharing the cores with D above P was level
+# with colocated (bench/RESULTS_placement.md runs 6-7; runs 1-4, which favoured sharing,
+# measured prefix-cache hits). "shared": P and D on every core, D above P (SHARED_CORES_NICE),
+# so a decode step takes a core from a prefill instead of waiting behind it; the default with
+# --planner, whose role switches move work between the processes and whose priority lever
+# (`planner --prefill-nices`) needs them on the same cores, and on a machine of one core.
+PD_CORES = ("auto", "split", "shared")
+
+# P and D on the same cores: D above P. Where this process may not lower a priority, D stays at
+# 0 and P still steps back.
 SHARED_CORES_NICE = {"prefill": 10, "decode": -5}
+
+
+def usable_cores() -> list[int]:
+    """The cores this process may run on (its affinity, which its children inherit)."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def split_cores(cores: list[int]) -> dict[str, str]:
+    """`--pd-cores split`: P the first half of ``cores`` (the larger, for an odd count: prefill
+    is the compute-bound side), D the rest, as `pd-fsm serve --cpus` lists."""
+    half = (len(cores) + 1) // 2
+    return {"prefill": ",".join(map(str, cores[:half])),
+            "decode": ",".join(map(str, cores[half:]))}
+
+
+def pd_cores(args: argparse.Namespace, cores: list[int] | None = None) -> str:
+    """How P and D take this machine's cores: "split", "shared", or "" (no PD, or a role's
+    cores given by hand: ``--prefill-cpus``/``--decode-cpus`` place it)."""
+    if not (args.prefill and args.decode):
+        return ""
+    if args.prefill_cpus is not None or args.decode_cpus is not None:
+        return ""
+    mode = getattr(args, "pd_cores", "auto")
+    if mode != "auto":
+        return str(mode)
+    n = len(usable_cores() if cores is None else cores)
+    return "shared" if getattr(args, "planner", False) or n < 2 else "split"
+
+
+def role_cpus(args: argparse.Namespace, cores: list[int] | None = None
+              ) -> dict[str, str | None]:
+    """Each role's ``--cpus``: ``--ROLE-cpus``, else P's and D's halves under "split"; None
+    leaves the worker on every core its launcher has."""
+    cpus: dict[str, str | None] = {role: getattr(args, f"{role}_cpus")
+                                   for role in ("prefill", "decode", "colocated")}
+    if pd_cores(args, cores) == "split":
+        cpus.update(split_cores(usable_cores() if cores is None else cores))
+    return cpus
+
+
+def placement_line(args: argparse.Namespace) -> str:
+    """Where P and D run, for the runner's log ("" without PD)."""
+    cpus, nices = role_cpus(args), role_nices(args)
+
+    def where(role: str) -> str:
+        listed = cpus[role]
+        at = ("every core" if listed is None else
+              f"cores {listed}" if "," in listed or "-" in listed else f"core {listed}")
+        return at if nices[role] is None else f"{at} at nice {nices[role]}"
+
+    if not (args.prefill and args.decode):
+        return ""
+    mode = pd_cores(args)
+    how = f"--pd-cores {mode}" if mode else "--prefill-cpus/--decode-cpus"
+    return f"P on {where('prefill')}, D on {where('decode')} ({how})"
 
 
 def role_nices(args: argparse.Namespace) -> dict[str, int | None]:
@@ -79,8 +144,7 @@ def role_nices(args: argparse.Namespace) -> dict[str, int | None]:
     (``SHARED_CORES_NICE``); None leaves the worker at its launcher's."""
     nices: dict[str, int | None] = {role: getattr(args, f"{role}_nice", None)
                                     for role in ("prefill", "decode", "colocated")}
-    shared = (args.prefill and args.decode and args.prefill_cpus is None
-              and args.decode_cpus is None)
+    shared = pd_cores(args) == "shared"
     for role, nice in SHARED_CORES_NICE.items():
         if shared and nices[role] is None:
             nices[role] = nice if may_take_nice(nice) else max(nice, 0)
@@ -192,7 +256,7 @@ def _bootstrap_child(args: argparse.Namespace, tls: TLS, port: int) -> Child:
 
 def _role_flags(args: argparse.Namespace, role: str) -> list[str]:
     """The role's own flags: its cores, its CPU priority and its tensor-parallel size."""
-    cpus, tp = getattr(args, f"{role}_cpus"), getattr(args, f"{role}_tp", None)
+    cpus, tp = role_cpus(args)[role], getattr(args, f"{role}_tp", None)
     nice = role_nices(args)[role]
     flags = [] if cpus is None else ["--cpus", cpus]
     flags += [] if nice is None else ["--nice", str(nice)]
@@ -325,6 +389,12 @@ def _add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=None)
     p.add_argument("--max-running", type=int, default=None)
     p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--pd-cores", choices=PD_CORES, default="auto",
+                   help="P and D on one machine: split (P the first half of the cores, D the "
+                        "rest), shared (both on every core, D above P: nice "
+                        f"{SHARED_CORES_NICE['prefill']} / {SHARED_CORES_NICE['decode']}); "
+                        "default auto: split, shared with --planner or on one core; "
+                        "--prefill-cpus/--decode-cpus place P and D by hand instead")
     for role in ("prefill", "decode", "colocated"):
         p.add_argument(f"--{role}-cpus", default=None, metavar="LIST",
                        help=f"pin every {role} worker to these cores (`pd-fsm serve --cpus`)")
@@ -413,6 +483,11 @@ def _refusal(args: argparse.Namespace) -> str | None:
         nnodes, tp = getattr(args, f"{role}_nnodes"), getattr(args, f"{role}_tp") or 1
         if nnodes < 1 or tp % nnodes:
             return f"--{role}-nnodes {nnodes} must be >= 1 and divide --{role}-tp {tp}"
+    if args.pd_cores != "auto" and (args.prefill_cpus is not None
+                                    or args.decode_cpus is not None):
+        return f"--pd-cores {args.pd_cores} and --prefill-cpus/--decode-cpus both place P and D"
+    if args.pd_cores == "split" and args.prefill and len(usable_cores()) < 2:
+        return f"--pd-cores split needs 2 or more cores (this process may use {usable_cores()})"
     if args.ray is not None and max(args.prefill_nnodes, args.decode_nnodes,
                                     args.colocated_nnodes) > 1:
         return "--ROLE-nnodes is for the local runner (not --ray)"
@@ -459,6 +534,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if args.ray is not None:
         return ray_driver.main(args, worker_flags(args), ["--log-level", args.log_level])
+    placed = placement_line(args)
+    if placed:
+        print(f"pd-fsm cluster: {placed}", flush=True)
     tls = NO_TLS
     if args.tls:
         # A throwaway CA for this run, in a directory that goes with it (key readable by us only).

@@ -254,7 +254,8 @@ _PROCESS = (
          metavar="LIST", check=_cpu_list, shown_default="all", doc=(
              "pin the worker to these cores (`0`, `0-1`, `0,2`) before JAX starts: XLA sizes "
              "its thread pools from the affinity. `pd-fsm cluster --prefill-cpus / "
-             "--decode-cpus / --colocated-cpus` pass it per role")),
+             "--decode-cpus / --colocated-cpus` pass it per role; by default (`--pd-cores split`) "
+             "it gives P the first half of the cores and D the rest")),
     Flag("--nice", metavar="N", check=within(-20, 19, show_value=True), help=(
         "CPU priority of every worker thread (-20..19, lower first), set before JAX starts; "
         "a negative value needs CAP_SYS_NICE"), doc=(
