@@ -73,7 +73,9 @@ PLANNER_ROLES = "prefill,decode,null"
 # from 0.25 to 1.5 req/s in both runs that measured it (1.23x and 1.56x colocated over a run,
 # 2.19x and 9 vs 0 met at 1 req/s), where P and D sharing the cores with D above P was level
 # with colocated (bench/RESULTS_placement.md runs 6-7; runs 1-4, which favoured sharing,
-# measured prefix-cache hits). "shared": P and D on every core, D above P (SHARED_CORES_NICE),
+# measured prefix-cache hits). It loses where prompts are long: a one-core P took ~2.4 s to
+# prefill 419-788 tokens, past a 2 s TTFT target (0.67x colocated in RESULTS_adaptive.md run 7).
+# "shared": P and D on every core, D above P (SHARED_CORES_NICE),
 # so a decode step takes a core from a prefill instead of waiting behind it; the default with
 # --planner, whose role switches move work between the processes and whose priority lever
 # (`planner --prefill-nices`) needs them on the same cores, and on a machine of one core.
@@ -394,6 +396,7 @@ def _add_worker_arguments(p: argparse.ArgumentParser) -> None:
                         "rest), shared (both on every core, D above P: nice "
                         f"{SHARED_CORES_NICE['prefill']} / {SHARED_CORES_NICE['decode']}); "
                         "default auto: split, shared with --planner or on one core; "
+                        "split halves P's prefill rate: for long prompts prefer shared; "
                         "--prefill-cpus/--decode-cpus place P and D by hand instead")
     for role in ("prefill", "decode", "colocated"):
         p.add_argument(f"--{role}-cpus", default=None, metavar="LIST",
