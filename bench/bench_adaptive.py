@@ -26,8 +26,10 @@ left idle while another is measured; bench_placement.py's):
                        and D's values; --planner-args; --adaptive-workers P,D, default 1,1)
 
 Every placement gets the same schedule (arrival times, prompts, answer lengths), one placement
-after another; the order rotates from repeat to repeat. Each placement first gets a few prompts
-of each kind unmeasured (every shape's first use). The adaptive cluster runs throughout: what the
+after another; the order rotates from repeat to repeat, and each repeat after the first sends
+the same shapes in other words (runs 4-5 of RESULTS_adaptive.md replayed the first pass's texts:
+prefix-cache hits). Each placement first gets a few prompts of each kind unmeasured (every
+shape's first use), of other words too. The adaptive cluster runs throughout: what the
 planner learnt in one phase (and one repeat) carries into the next. While it is measured, each
 worker's ``/server_info`` (role, role state, nice) and the planner's ``/decisions`` and ``/metrics``
 (observations by pressure class) are read every ``--poll-s``: the roles it passed through and
@@ -121,10 +123,14 @@ def warm_prompts(sched: Schedule, per_kind: int, seed: int) -> list[Prompt]:
     rng = random.Random(f"warm-{seed}")
     out: list[Prompt] = []
     for kind in sorted(set(sched.kinds)):
-        out += [Prompt(_words(rng, p.words), p.words, p.max_tokens)
-                for p, k in zip(sched.prompts, sched.phase_of, strict=True)
-                if sched.kinds[k] == kind][:per_kind]
+        out += reworded([p for p, k in zip(sched.prompts, sched.phase_of, strict=True)
+                         if sched.kinds[k] == kind][:per_kind], rng)
     return out
+
+
+def reworded(prompts: list[Prompt], rng: random.Random) -> list[Prompt]:
+    """The same lengths and answer lengths in other words: none of them in a prefix cache."""
+    return [Prompt(_words(rng, p.words), p.words, p.max_tokens) for p in prompts]
 
 
 def token_check(sched: Schedule, model: str) -> str:
@@ -362,6 +368,10 @@ async def measure(targets: dict[str, Target], sched: Schedule, args: argparse.Na
                       args.poll_s)
     async with httpx.AsyncClient(timeout=10) as http:
         for repeat in range(args.repeats):
+            # A later pass gets the same shapes and arrivals in other words: the first pass's
+            # texts sit in every placement's prefix cache by then.
+            prompts = sched.prompts if repeat == 0 else reworded(
+                sched.prompts, random.Random(f"repeat-{repeat}-{args.seed}"))
             for name in names[repeat % len(names):] + names[: repeat % len(names)]:
                 target = targets[name]
                 workers = list(target.workers.values())
@@ -373,11 +383,11 @@ async def measure(targets: dict[str, Target], sched: Schedule, args: argparse.Na
                     t0 = trio.current_time()
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(watch.follow, http, t0)
-                        summary = await run_load(target.url, load, sched.prompts, sched.arrivals)
+                        summary = await run_load(target.url, load, prompts, sched.arrivals)
                         nursery.cancel_scope.cancel()
                     await watch.poll(http, trio.current_time() - t0)
                 else:
-                    summary = await run_load(target.url, load, sched.prompts, sched.arrivals)
+                    summary = await run_load(target.url, load, prompts, sched.arrivals)
                 after = await _compiles_after_ready(http, workers)
                 runs[name].append(summary.results)
                 failed = [r.error for r in summary.results if not r.ok]

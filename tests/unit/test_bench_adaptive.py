@@ -4,6 +4,7 @@ unmeasured prompts, and the tables' goodput per phase and ratios to the best sta
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 from pathlib import Path
 
@@ -46,6 +47,14 @@ def test_warm_prompts_take_each_kind_of_the_same_lengths_and_other_words() -> No
     # Not the measured texts: a prefix cache warmed with them would serve the measured ones.
     assert not {w.text for w in warm} & {p.text for p in s.prompts}
     assert warm == ba.warm_prompts(s, 2, seed=0)  # the same for every placement
+
+
+def test_a_later_repeat_sends_the_same_shapes_in_other_words() -> None:
+    s = ba.make_schedule(_args())
+    again = ba.reworded(s.prompts, random.Random("repeat-1-3"))
+    assert [(p.words, p.max_tokens) for p in again] == [(p.words, p.max_tokens) for p in s.prompts]
+    assert all(len(p.text.split()) == p.words for p in again)
+    assert not {p.text for p in again} & {p.text for p in s.prompts}
 
 
 def _met(n: int, of: int) -> list[Result]:
