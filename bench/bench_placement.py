@@ -86,11 +86,9 @@ def placements(args: argparse.Namespace) -> dict[str, Spec]:
         p, d = (int(x) for x in pair.split(","))
         name, spec = nice_placement(p, d)
         out[name] = spec
-    if args.local_queues:
-        p, d = (int(x) for x in args.nice_pairs[-1].split(","))
-        for queue in args.local_queues:
-            name, spec = local_placement(p, d, queue)
-            out[name] = spec
+    for queue in args.local_queues if args.nice_pairs else []:  # on the last pair's p and d
+        name, spec = local_placement(p, d, queue)
+        out[name] = spec
     return out
 
 
@@ -116,7 +114,6 @@ def row(name: str, s: Summary, args: argparse.Namespace, base: float) -> str:
 def vs_colocated(rps: float, base: float) -> str:
     """``rps`` as a multiple of colocated's ``base``; where colocated met none, says so."""
     return f"{rps / base:.2f}x" if base > 0 else "- (colocated 0)"
-
 
 
 async def measure(targets: dict[str, str], args: argparse.Namespace) -> None:

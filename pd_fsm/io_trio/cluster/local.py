@@ -75,10 +75,10 @@ PLANNER_ROLES = "prefill,decode,null"
 # with colocated (bench/RESULTS_placement.md runs 6-7; runs 1-4, which favoured sharing,
 # measured prefix-cache hits). It loses where prompts are long: a one-core P took ~2.4 s to
 # prefill 419-788 tokens, past a 2 s TTFT target (0.67x colocated in RESULTS_adaptive.md run 7).
-# "shared": P and D on every core, D above P (SHARED_CORES_NICE),
-# so a decode step takes a core from a prefill instead of waiting behind it; the default with
-# --planner, whose role switches move work between the processes and whose priority lever
-# (`planner --prefill-nices`) needs them on the same cores, and on a machine of one core.
+# "shared": P and D on every core, D above P (SHARED_CORES_NICE), so a decode step takes a core
+# from a prefill instead of waiting behind it; the default with --planner, whose role switches
+# move work between the processes and whose priority lever (`planner --prefill-nices`) needs
+# them on the same cores, and on a machine of one core.
 PD_CORES = ("auto", "split", "shared")
 
 # P and D on the same cores: D above P. Where this process may not lower a priority, D stays at
@@ -119,13 +119,16 @@ def role_cpus(args: argparse.Namespace, cores: list[int] | None = None
     leaves the worker on every core its launcher has."""
     cpus: dict[str, str | None] = {role: getattr(args, f"{role}_cpus")
                                    for role in ("prefill", "decode", "colocated")}
+    cores = usable_cores() if cores is None else cores
     if pd_cores(args, cores) == "split":
-        cpus.update(split_cores(usable_cores() if cores is None else cores))
+        cpus.update(split_cores(cores))
     return cpus
 
 
 def placement_line(args: argparse.Namespace) -> str:
     """Where P and D run, for the runner's log ("" without PD)."""
+    if not (args.prefill and args.decode):
+        return ""
     cpus, nices = role_cpus(args), role_nices(args)
 
     def where(role: str) -> str:
@@ -134,8 +137,6 @@ def placement_line(args: argparse.Namespace) -> str:
               f"cores {listed}" if "," in listed or "-" in listed else f"core {listed}")
         return at if nices[role] is None else f"{at} at nice {nices[role]}"
 
-    if not (args.prefill and args.decode):
-        return ""
     mode = pd_cores(args)
     how = f"--pd-cores {mode}" if mode else "--prefill-cpus/--decode-cpus"
     return f"P on {where('prefill')}, D on {where('decode')} ({how})"
@@ -489,8 +490,9 @@ def _refusal(args: argparse.Namespace) -> str | None:
     if args.pd_cores != "auto" and (args.prefill_cpus is not None
                                     or args.decode_cpus is not None):
         return f"--pd-cores {args.pd_cores} and --prefill-cpus/--decode-cpus both place P and D"
-    if args.pd_cores == "split" and args.prefill and len(usable_cores()) < 2:
-        return f"--pd-cores split needs 2 or more cores (this process may use {usable_cores()})"
+    cores = usable_cores()
+    if args.pd_cores == "split" and args.prefill and len(cores) < 2:
+        return f"--pd-cores split needs 2 or more cores (this process may use {cores})"
     if args.ray is not None and max(args.prefill_nnodes, args.decode_nnodes,
                                     args.colocated_nnodes) > 1:
         return "--ROLE-nnodes is for the local runner (not --ray)"
