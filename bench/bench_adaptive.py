@@ -23,7 +23,11 @@ left idle while another is measured; bench_placement.py's):
     adaptive           ``pd-fsm cluster --planner`` with the same nice values: PD workers that
                        switch roles at runtime and the planner switching them, and moving P's
                        priority first (the cluster passes ``--prefill-nices``, 19 through P's
-                       and D's values; --planner-args; --adaptive-workers P,D, default 1,1)
+                       and D's values; --planner-args; --adaptive-workers P,D, default 1,1).
+                       ``--adaptive-cores split`` (the default): P and D start split as PD
+                       pinned's, and the planner moves them between split and shared cores
+                       (``planner --cores``); ``shared``: they start shared and stay so (runs
+                       1-7)
 
 Every placement gets the same schedule (arrival times, prompts, answer lengths), one placement
 after another; the order rotates from repeat to repeat, and each repeat after the first sends
@@ -169,7 +173,7 @@ def token_check(sched: Schedule, model: str) -> str:
 @attrs.define
 class Watch:
     """What the adaptive cluster did while it was measured, read every ``poll_s``: each worker's
-    role, role state and CPU priority (``/server_info``), the planner's decisions
+    role, role state, CPU priority and cores (``/server_info``), the planner's decisions
     (``/decisions``, stamped when first seen: within ``poll_s`` of when it was made) and its
     observations by pressure class (``pd_fsm_planner_observations_total``). Times are seconds
     from the run's start."""
@@ -187,8 +191,9 @@ class Watch:
         for url in self.workers:
             try:
                 info = (await http.get(f"{url}/server_info")).json()
+                cores = ",".join(map(str, info.get("cpus") or [])) or "?"
                 role = (f"{info.get('disaggregation_mode')} ({info.get('role_state', '?')}) "
-                        f"nice {info.get('nice', '?')}")
+                        f"nice {info.get('nice', '?')} cores {cores}")
             except (httpx.HTTPError, ValueError) as exc:
                 role = f"unreadable ({type(exc).__name__})"
             if self._role.get(url) != role:
@@ -461,6 +466,9 @@ def chosen_placements(args: argparse.Namespace) -> dict[str, tuple[list[str], st
     p, d = (int(x) for x in args.nice.split(","))
     nice_name, (nice_flags, _, _) = nice_placement(p, d)
     n_p, n_d = (int(x) for x in args.adaptive_workers.split(","))
+    # Split: the cluster passes the planner --cores (its cores lever) and the same nice values.
+    adaptive_flags = (nice_flags if args.adaptive_cores == "shared" else
+                      ["--pd-cores", "split", *nice_flags[nice_flags.index("--prefill-nice"):]])
     # Paused until the warm-up is over (measure() resumes it): the warm-up's burst of every
     # shape is not the workload, and in run 2 it had merged both workers before measuring began.
     planner_args = (f"--ttft-slo {args.slo_ttft:g} --itl-slo {args.slo_tpot:g} --paused "
@@ -468,10 +476,11 @@ def chosen_placements(args: argparse.Namespace) -> dict[str, tuple[list[str], st
     out = {COLOCATED: (static[COLOCATED][0], static[COLOCATED][1]),
            PINNED: (static[PINNED][0], static[PINNED][1]),
            nice_name: (nice_flags, "proxy"),
-           ADAPTIVE: (["--planner", "--prefill", str(n_p), "--decode", str(n_d), *nice_flags,
-                       "--planner-args", planner_args], "proxy")}
+           ADAPTIVE: (["--planner", "--prefill", str(n_p), "--decode", str(n_d),
+                       *adaptive_flags, "--planner-args", planner_args], "proxy")}
     if args.control:
-        out[CONTROL] = (["--planner", "--prefill", str(n_p), "--decode", str(n_d), *nice_flags,
+        out[CONTROL] = (["--planner", "--prefill", str(n_p), "--decode", str(n_d),
+                         *adaptive_flags,
                          "--planner-args", f"{planner_args} --dry-run"], "proxy")
     if args.only:
         out = {k: v for k, v in out.items() if any(s in k for s in args.only)}
@@ -498,6 +507,9 @@ def main() -> int:
                    help="nice values of P and D in the shared and adaptive placements")
     p.add_argument("--adaptive-workers", default="1,1", metavar="P,D",
                    help="the adaptive cluster's prefill and decode workers at start (1,1)")
+    p.add_argument("--adaptive-cores", choices=("split", "shared"), default="split",
+                   help="how the adaptive cluster's P and D start: split, the planner moving "
+                        "them between split and shared cores (default), or shared throughout")
     p.add_argument("--planner-args", default="--interval 2 --patience 2 --cooldown 15",
                    help="more `pd-fsm planner` flags (its SLO targets are --slo-ttft and "
                         "--slo-tpot)")

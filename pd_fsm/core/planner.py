@@ -37,6 +37,28 @@ this 2-core machine with P fixed at nice +10 beside D at -5: in a long-prompt ph
 4.2 s with ITL p50 62 ms, P starved; in a short-prompt phase ITL p50 111 ms, over its target:
 bench/RESULTS_adaptive.md, run 2.)
 
+Cores before priorities (``cores``, issue 30 §3 and §5): on one host P and D either split the
+cores (P on the first half of ``cores``, D on the rest: neither waits for the other) or share
+them all (D above P by priority: a prefill takes every core D leaves idle). Neither placement
+wins everywhere on this 2-core machine (bench/RESULTS_placement.md, RESULTS_adaptive.md): split
+won on mixed prompts at 0.5-1.5 req/s (D busy most of the time, so a P sharing with it gets
+almost nothing), shared on 419-788-token prompts at 0.15 req/s (one core prefills such a prompt
+in about the 2 s target; D, idle most of the time, leaves P both). So the planner moves P and D
+between the two (``SetCpus``: ``POST /set_cpus``, no drain) by the prefill side's pressure and
+how busy D is (``WorkerSnapshot.busy``: the share of the window its steps ran):
+
+- split, ``prefill_bound`` (or ``both`` with P ``imbalance`` times worse), the busiest D busy
+  under ``share_below``: share every core — P gains what D leaves idle;
+- shared, the prefill side over ``headroom`` while the busiest D is busy over ``split_above``
+  (P gets little of what D holds), or ``decode_bound`` (D's steps wait for P's threads in
+  spite of its priority): split.
+
+The band between the two busy shares is the hysteresis a placement's own effect needs (D on one
+core runs each step slower, so it reads busier split than shared). A worker whose cores do not
+match its role under the placement in force (it switched role, or joined) is moved at once, with
+no patience. A colocated worker (``"null"``) takes every core. While P and D are split, their
+priorities weigh on nothing: the priority lever below waits for a shared placement.
+
 With ``colocate`` the planner may also make a worker colocated (role ``"null"``: it serves
 whole requests, prefill and decode in one loop) and split colocated workers back into P and D,
 because disaggregation is a bet that only pays when prefills delaying decode steps cost more
@@ -96,6 +118,8 @@ class WorkerSnapshot:
     # P, colocated: how long its oldest request has waited for a first answer, so far: a
     # backlog shows here before any TTFT does (a TTFT is observed only once the wait ended).
     oldest_wait: float = 0.0
+    cpus: frozenset[int] | None = None  # the cores its threads may run on now (None: not known)
+    busy: float = 0.0  # the share of the window its scheduler's steps ran (0..1)
 
 
 def _nice_steps(_config: object, _field: object, nices: tuple[int, ...]) -> None:
@@ -130,6 +154,17 @@ class PlannerConfig:
     # decode workers, least priority first, e.g. (19, 10, 5, 0, -5); empty: it leaves them.
     prefill_nices: tuple[int, ...] = attrs.field(default=(), validator=_nice_steps)
     nice_cooldown: float = attrs.field(default=10.0, validator=attrs.validators.ge(0.0))
+    # The cores P and D may split or share on this host (see the module's docstring); fewer
+    # than two: the planner leaves every worker's cores alone.
+    cores: frozenset[int] = frozenset()
+    share_below: float = attrs.field(default=0.4, validator=attrs.validators.ge(0.0))
+    split_above: float = attrs.field(default=0.6, validator=attrs.validators.ge(0.0))
+
+    @split_above.validator
+    def _band(self, _field: object, value: float) -> None:
+        if value < self.share_below:
+            raise ValueError(f"split_above {value} is below share_below {self.share_below}: "
+                             "the band between them is the placement's hysteresis")
 
 
 @attrs.frozen
@@ -160,7 +195,26 @@ class SetNice:
     reason: str
 
 
-Decision = SwitchRole | ScaleUp | ScaleDown | SetNice
+@attrs.frozen
+class SetCpus:
+    """Move a worker's threads to the cores ``cpus`` (``POST /set_cpus``)."""
+
+    worker: str
+    cpus: frozenset[int]
+    reason: str
+
+
+Decision = SwitchRole | ScaleUp | ScaleDown | SetNice | SetCpus
+Placement = Literal["split", "shared"]
+
+
+def split_halves(cores: frozenset[int]) -> dict[Role, frozenset[int]]:
+    """Each role's cores when P and D split ``cores``: P the first half (the larger for an odd
+    count: prefill is the compute-bound side), D the rest; a colocated worker every core."""
+    ordered = sorted(cores)
+    half = (len(ordered) + 1) // 2
+    return {"prefill": frozenset(ordered[:half]), "decode": frozenset(ordered[half:]),
+            "null": cores}
 
 
 def _worst(values: Sequence[float]) -> float:
@@ -178,8 +232,11 @@ class Planner:
         self._run: tuple[Pressure, int] = ("balanced", 0)
         self._quiet_until = -math.inf
         # A mode's pressure when the planner last left it, and when (colocate only).
-        self._left: dict[Mode, tuple[float, float]] = {}
+        self._left: dict[Mode | Placement, tuple[float, float]] = {}
         self._split_at = -math.inf
+        # Where P and D run (``cores``): read from the first observation, then what the
+        # planner decided last; None without the lever or before P and D were seen.
+        self.placement: Placement | None = None
         self.decisions: list[tuple[float, Decision]] = []  # every decision, for /metrics and logs
 
     def pressures(self, snapshots: Sequence[WorkerSnapshot]) -> tuple[float, float]:
@@ -216,7 +273,9 @@ class Planner:
             return []
         if not self.config.colocate:  # colocated workers are not the planner's to move
             snapshots = [s for s in snapshots if s.role != "null"]
-        decisions = self._orphans(snapshots) if self.config.colocate else []
+        decisions = self._misplaced(snapshots) if len(self.config.cores) >= 2 else []
+        if not decisions and self.config.colocate:
+            decisions = self._orphans(snapshots)
         if not decisions:
             pressure = self.classify(snapshots)
             kind, count = self._run
@@ -226,15 +285,15 @@ class Planner:
             decisions = self._decide(pressure, snapshots, now)
         # Never every serving worker draining at once: the cluster would serve nothing for a
         # drain's length (measured: a 1P1D merge and split failed requests at the drain deadline).
-        # (A priority change drains nothing.)
+        # (A priority or a cores change drains nothing.)
         serving = sum(not s.switching for s in snapshots)
-        renice = all(isinstance(d, SetNice) for d in decisions)
-        if serving and len(decisions) >= serving and not renice:
+        calm = all(isinstance(d, SetNice | SetCpus) for d in decisions)
+        if serving and len(decisions) >= serving and not calm:
             decisions = decisions[:serving - 1]
         if not decisions:
             return []
         self.decisions.extend((now, d) for d in decisions)
-        self._quiet_until = now + (self.config.nice_cooldown if renice else self.config.cooldown)
+        self._quiet_until = now + (self.config.nice_cooldown if calm else self.config.cooldown)
         self._run = ("balanced", 0)
         return decisions
 
@@ -252,7 +311,7 @@ class Planner:
         return [SwitchRole(s.worker, "null", f"no {other} worker to pair with: colocated")
                 for s in snapshots if s.role == lone]
 
-    def _recalled(self, mode: Mode, now: float) -> float | None:
+    def _recalled(self, mode: Mode | Placement, now: float) -> float | None:
         left = self._left.get(mode)
         return None if left is None or now - left[1] > self.config.recall else left[0]
 
@@ -311,14 +370,73 @@ class Planner:
                     return split
         return None
 
+    # -- cores --------------------------------------------------------------------------------
+
+    def _cores_of(self, role: Role, placement: Placement) -> frozenset[int]:
+        cores = self.config.cores
+        return split_halves(cores)[role] if placement == "split" else cores
+
+    def _misplaced(self, snapshots: Sequence[WorkerSnapshot]) -> list[Decision]:
+        """Every worker whose cores are not its role's under the placement in force, moved
+        (the first observation with P and D reads the placement from their cores)."""
+        pd = [s for s in snapshots if s.role != "null" and s.cpus is not None]
+        if self.placement is None:
+            if not pd:
+                return []
+            self.placement = ("shared" if all(s.cpus == self.config.cores for s in pd)
+                              else "split")
+        placement = self.placement
+        return [SetCpus(s.worker, want, f"{s.role} worker on cores {_listed(s.cpus)}: "
+                                        f"{placement}, its cores are {_listed(want)}")
+                for s in snapshots
+                if not s.switching and s.cpus is not None
+                and s.cpus != (want := self._cores_of(s.role, placement))]
+
+    def _place(self, pressure: Pressure, snapshots: Sequence[WorkerSnapshot], now: float
+               ) -> list[Decision]:
+        """P and D from split to shared cores or back (see the module's docstring); [] when
+        the placement in force stays."""
+        c = self.config
+        live = [s for s in snapshots if not s.switching]
+        if self.placement is None or not any(s.role == "decode" for s in live):
+            return []
+        p_load, d_load = self.pressures(snapshots)
+        busy = max(s.busy for s in live if s.role == "decode")
+        why = (f"prefill pressure {p_load:.2f}, decode pressure {d_load:.2f}, "
+               f"busiest D {busy:.0%} busy")
+        to: Placement
+        if self.placement == "split":
+            starved = pressure == "prefill_bound" or (
+                pressure == "both" and p_load >= c.imbalance * d_load)
+            if not (starved and busy < c.share_below):
+                return []
+            to, why = "shared", f"{why}: P over its target, D mostly idle: P and D share cores"
+        else:
+            if pressure == "decode_bound":
+                why = f"{why}: D over its target beside P: P and D split the cores"
+            elif p_load > c.headroom and busy > c.split_above:
+                why = f"{why}: P over its target behind a busy D: P and D split the cores"
+            else:
+                return []
+            to = "split"
+        # Back to a placement left lately only when this one does worse than it did.
+        worse = max(p_load, d_load)
+        held = self._recalled(to, now)
+        if held is not None and worse <= held:
+            return []
+        self._left[self.placement] = (worse, now)
+        self.placement = to
+        return [SetCpus(s.worker, want, why) for s in live
+                if s.cpus != (want := self._cores_of(s.role, to))]
+
     # -- P and D ------------------------------------------------------------------------------
 
     def _decide(self, pressure: Pressure, snapshots: Sequence[WorkerSnapshot], now: float
                 ) -> list[Decision]:
         c = self.config
-        reniced = self._renice(pressure, snapshots) if c.prefill_nices else []
-        if reniced:
-            return reniced
+        levers = self._levers(pressure, snapshots, now)
+        if levers:
+            return levers
         if c.colocate:
             merged_or_split = self._colocate(pressure, snapshots, now)
             if merged_or_split is not None:
@@ -371,6 +489,18 @@ class Planner:
         return []
 
 
+    def _levers(self, pressure: Pressure, snapshots: Sequence[WorkerSnapshot], now: float
+                ) -> list[Decision]:
+        """Cores, then priorities: what moves without a drain ([]: the role moves decide)."""
+        c = self.config
+        placed = self._place(pressure, snapshots, now) if len(c.cores) >= 2 else []
+        if placed:
+            return placed
+        # Split, P's priority weighs on nothing (it has cores of its own).
+        if c.prefill_nices and self.placement != "split":
+            return self._renice(pressure, snapshots)
+        return []
+
     def _renice(self, pressure: Pressure, snapshots: Sequence[WorkerSnapshot]
                 ) -> list[Decision]:
         """Every P one step of ``prefill_nices`` toward the starved side (see the module's
@@ -399,6 +529,10 @@ class Planner:
                 to = steps[min(k, len(steps)) - 1]
                 out.append(SetNice(s.worker, to, f"{why}: nice {s.nice} -> {to}"))
         return out
+
+
+def _listed(cpus: frozenset[int] | None) -> str:
+    return "?" if cpus is None else ",".join(map(str, sorted(cpus)))
 
 
 def _load(s: WorkerSnapshot) -> tuple[int, str]:

@@ -64,6 +64,8 @@ class StandIn:
         self.switches: list[Any] = []  # /switch_role bodies; each switches at once
         self.nice: int | None = None  # reported in /server_info when set; /set_nice sets it
         self.nices: list[Any] = []  # /set_nice bodies
+        self.cpus: list[int] | None = None  # reported in /server_info when set; /set_cpus sets it
+        self.cpu_moves: list[Any] = []  # /set_cpus bodies
         self.script = Script()
         self.received: list[Received] = []
         self.aborts: list[str] = []
@@ -75,7 +77,8 @@ class StandIn:
                   for p in ("/generate", "/v1/completions", "/v1/chat/completions")]
         routes += [Route("/abort_request", self._abort, methods=["POST"]),
                    Route("/switch_role", self._switch_role, methods=["POST"]),
-                   Route("/set_nice", self._set_nice, methods=["POST"])]
+                   Route("/set_nice", self._set_nice, methods=["POST"]),
+                   Route("/set_cpus", self._set_cpus, methods=["POST"])]
         for path in ("/health", "/server_info", "/get_server_info", "/model_info", "/metrics",
                      "/get_model_info", "/get_load", "/v1/models", "/health_generate"):
             routes.append(Route(path, self._get, methods=["GET"]))
@@ -98,6 +101,8 @@ class StandIn:
                             prefill_bootstrap_port=8998)
             if self.nice is not None:
                 info.update(nice=self.nice)
+            if self.cpus is not None:
+                info.update(cpus=self.cpus)
             return JSONResponse(info)
         if path in ("/model_info", "/get_model_info"):
             return JSONResponse({"model_path": local_model_path(), "is_generation": True})
@@ -122,6 +127,12 @@ class StandIn:
         self.nices.append(body)
         self.nice = body["nice"]
         return JSONResponse({"nice": self.nice, "threads": 1})
+
+    async def _set_cpus(self, request: Request) -> Response:
+        body = json.loads(await request.body())
+        self.cpu_moves.append(body)
+        self.cpus = sorted(int(c) for c in body["cpus"].split(","))
+        return JSONResponse({"cpus": self.cpus, "threads": 1})
 
     async def _abort(self, request: Request) -> Response:
         body = json.loads(await request.body())

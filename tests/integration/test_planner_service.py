@@ -174,6 +174,37 @@ async def test_a_starved_prefill_worker_on_shared_cores_gets_a_higher_priority_f
             'pressure="prefill_bound",to="0"} 1.0') in metrics
 
 
+async def test_a_starved_split_prefill_beside_an_idle_decode_shares_the_cores(
+    nursery: trio.Nursery,
+) -> None:
+    """With --cores the planner reads each worker's cores from /server_info and, P starved
+    beside a D whose steps ran under share_below of the window, moves both to every core
+    (POST /set_cpus) — before the priority lever, which waits for a shared placement."""
+    p_url, p = await _worker(nursery, "prefill", {**IDLE, "queued": 10})
+    d_url, d = await _worker(nursery, "decode", {**IDLE, "step_seconds_total": 0.0})
+    p.nice, d.nice, p.cpus, d.cpus = 10, -5, [0], [1]
+    config = PlannerConfig(patience=2, cooldown=3600, nice_cooldown=3600,
+                           prefill_nices=(19, 10, 5, 0, -5), cores=frozenset({0, 1}))
+    service = PlannerService(Planner(config), workers=[p_url, d_url], bootstrap_url=None,
+                             interval=0.05)
+    url: str = await nursery.start(serve_planner, service)
+    with trio.fail_after(10):
+        while not (p.cpu_moves and d.cpu_moves):
+            await trio.sleep(0.02)
+    await trio.sleep(0.3)  # several more observations: nice_cooldown holds
+    assert (p.cpu_moves, d.cpu_moves) == ([{"cpus": "0,1"}], [{"cpus": "0,1"}])
+    assert (p.cpus, d.cpus) == ([0, 1], [0, 1]) and not (p.nices or p.switches)
+    async with httpx.AsyncClient(timeout=10) as http:
+        decisions = (await http.get(f"{url}/decisions")).json()["decisions"]
+        metrics = (await http.get(f"{url}/metrics")).text
+    assert [(x["kind"], x["worker"], x["to"], x["outcome"]) for x in decisions] == [
+        ("SetCpus", p_url, "0,1", "set"), ("SetCpus", d_url, "0,1", "set")]
+    assert "busiest D 0% busy: P over its target, D mostly idle" in decisions[0]["reason"]
+    assert ('pd_fsm_planner_decisions_total{kind="SetCpus",outcome="set",'
+            'pressure="prefill_bound",to="0,1"} 2.0') in metrics
+    assert service.planner.placement == "shared"
+
+
 async def test_scale_decisions_go_to_the_launcher_whose_workers_the_planner_observes(
     nursery: trio.Nursery,
 ) -> None:

@@ -25,6 +25,7 @@ import httpx
 import pytest
 import trio
 
+from pd_fsm.io_trio.cluster.cpu_placement import parse_cpus
 from pd_fsm.io_trio.worker.switch_cli import switch_role
 from tests.integration.failure_support import (
     HOST,
@@ -43,6 +44,10 @@ from tests.integration.failure_support import (
 )
 
 ROLES = ["--roles", "prefill,decode", "--drain-timeout", "20"]
+# c's pools sized to every core, its threads pinned to the first once they exist (the planner's
+# cores lever, POST /set_cpus), where this machine lets the test use two cores or more.
+CORES = sorted(os.sched_getaffinity(0))
+C_CORES = ["--cpus", str(CORES[0]), "--cpu-pools", "all"] if len(CORES) >= 2 else []
 # d's side-channel port, for its prefill role: the test holds it, so that role cannot start.
 D_SIDE_PORT = free_port()
 
@@ -55,7 +60,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     f.decode("b", extra=ROLES)
     # Its priority follows its role (positive values: no privilege needed).
     f.decode("c", extra=["--roles", "decode,null", "--drain-timeout", "1",
-                         "--role-nice", "decode=2,null=5"])
+                         "--role-nice", "decode=2,null=5", *C_CORES])
     f.decode("d", extra=["--roles", "decode,prefill",
                          "--disaggregation-side-channel-port", str(D_SIDE_PORT)])
     f.start()
@@ -191,6 +196,48 @@ async def test_set_nice_moves_the_compute_threads_and_refuses_what_it_cannot_do(
         assert thread_nices(c.popen.pid) == after  # a refusal moved nothing
         r = await http.post(f"{c.url}/set_nice", json={"nice": 2})  # back for the next tests
         assert r.status_code == 200 and thread_nices(c.popen.pid) == before
+
+
+def thread_cpus(pid: int) -> set[frozenset[int]]:
+    """The cores each thread of process ``pid`` may run on (the kernel's lists, parsed)."""
+    listed: set[frozenset[int]] = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended since the listing
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+            listed.update(parse_cpus(line.split(":", 1)[1].strip())
+                          for line in status.splitlines()
+                          if line.startswith("Cpus_allowed_list:"))
+    return listed
+
+
+@pytest.mark.skipif(not C_CORES, reason="needs two cores or more to move a worker between them")
+async def test_set_cpus_moves_every_thread_within_the_cores_the_worker_had_at_start(
+    fleet: Fleet,
+) -> None:
+    """The planner's cores lever: a worker started with --cpu-pools all is pinned to --cpus once
+    its pools exist (every thread), POST /set_cpus moves every thread, /server_info reports the
+    cores, and what it cannot do is refused by name, moving nothing."""
+    c, first, every = fleet["c"], str(CORES[0]), ",".join(map(str, CORES))
+    one, all_cores = frozenset(CORES[:1]), frozenset(CORES)
+    async with httpx.AsyncClient(timeout=30) as http:
+        assert thread_cpus(c.popen.pid) == {one}
+        assert (await info(http, c))["cpus"] == [CORES[0]]
+        outside = max(CORES) + 1
+        for body, names in (({"cpus": [0]}, "body.cpus must be a string"),
+                            ({"cpus": "0-"}, "body.cpus: --cpus '0-'"),
+                            ({"cpus": f"{outside}"}, f"cores [{outside}] are not this worker's"),
+                            ({"cpus": first, "nice": 1}, "unknown field(s) nice")):
+            r = await http.post(f"{c.url}/set_cpus", json=body)
+            assert r.status_code == 400 and names in error_message(r), (body, r.text)
+        assert thread_cpus(c.popen.pid) == {one}  # a refusal moved nothing
+        r = await http.post(f"{c.url}/set_cpus", json={"cpus": every})
+        assert r.status_code == 200 and r.json()["cpus"] == CORES and r.json()["threads"] > 0
+        assert thread_cpus(c.popen.pid) == {all_cores} and (await info(http, c))["cpus"] == CORES
+        r = await http.post(f"{c.url}/set_cpus", json={"cpus": first})
+        assert r.status_code == 200 and thread_cpus(c.popen.pid) == {one}
+        # The tests after this one run it on every core, as the other workers.
+        r = await http.post(f"{c.url}/set_cpus", json={"cpus": every})
+        assert r.status_code == 200 and thread_cpus(c.popen.pid) == {all_cores}
 
 
 async def test_a_switch_lets_the_leg_in_flight_finish_and_refuses_new_ones(fleet: Fleet) -> None:

@@ -147,6 +147,40 @@ print(moved, seen["pool"], seen["transfer"], os.getpriority(os.PRIO_PROCESS, 0),
     assert out.stdout.split() == ["2", "7", "12", "7", "7"]
 
 
+def test_a_core_placement_moves_every_thread_within_the_cores_it_had_at_start() -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip(f"one usable core here ({cores}): nothing to move between")
+    # In a child (the runner keeps its cores): a thread started before the move is moved too,
+    # one started after inherits; cores outside those at start are refused, nothing moved.
+    code = f"""
+import os, threading
+from pd_fsm.io_trio.cluster.cpu_placement import CorePlacement
+go, seen = threading.Event(), {{}}
+def pool():
+    go.wait()
+    seen["pool"] = sorted(os.sched_getaffinity(threading.get_native_id()))
+t = threading.Thread(target=pool); t.start()
+at_start = frozenset(os.sched_getaffinity(0))
+placement = CorePlacement(at_start, at_start)
+moved = placement.move_to(frozenset({{{cores[0]}}}), "test")
+try:
+    placement.move_to(frozenset({{{cores[-1] + 1}}}), "test")
+except ValueError as exc:
+    refused = str(exc)
+go.set(); t.join()
+later = []
+t = threading.Thread(target=lambda: later.append(sorted(os.sched_getaffinity(0)))); t.start()
+t.join()
+print(moved, seen["pool"], later[0], sorted(placement.cpus), refused, sep="|")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    moved, pool, later, now, refused = out.stdout.strip().split("|")
+    assert int(moved) >= 2 and pool == later == now == f"[{cores[0]}]"
+    assert refused == (f"cores [{cores[-1] + 1}] are not available to this worker (it may use "
+                       f"{','.join(map(str, cores))})")
+
+
 def _serve_nices(extra: list[str]) -> list[str]:
     args = build_parser().parse_args(["cluster", "--model", "tiny", "--colocated", *extra])
     argv = {child.name: child.argv for child in plan(args)}
@@ -264,3 +298,44 @@ def test_cluster_refuses_two_placements_of_p_and_d(extra: list[str], names: str,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     assert main(_cluster(*extra)) == 2
     assert names in capsys.readouterr().err
+
+
+def test_split_under_the_planner_starts_movable_workers_and_hands_the_planner_the_cores() -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip(f"one usable core here ({cores}): split needs two")
+    want = split_cores(cores)
+    args = _cluster("--planner", "--pd-cores", "split", "--colocated")
+    argv = {child.name: child.argv for child in plan(args)}
+    for name, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        a = argv[name]
+        assert a[a.index("--cpus") + 1] == want[role]
+        assert a[a.index("--cpu-pools") + 1] == "all", a  # POST /set_cpus may widen it
+        config = config_from_args(build_parser(a[3:]).parse_args(a[3:]))
+        assert config.cpu_pools == "all"
+    assert "--cpu-pools" not in argv["colocated"]
+    # D above P as on shared cores, since the planner may make them share; both levers.
+    d = "-5" if may_take_nice(-5) else "0"
+    assert _serve_nices(["--planner", "--pd-cores", "split"])[:2] == ["10", d]
+    planner = argv["planner"]
+    assert planner[planner.index("--cores") + 1] == ",".join(map(str, cores))
+    assert "--prefill-nices" in planner
+    parsed = build_parser().parse_args(planner[planner.index("planner"):])
+    assert parsed.cores == frozenset(cores)
+    # Split without the planner: pools sized to each half, no lever.
+    plain = {child.name: child.argv for child in plan(_cluster("--pd-cores", "split"))}
+    assert "--cpu-pools" not in plain["prefill-0"] and "planner" not in plain
+
+
+def test_the_planner_takes_its_cores_and_refuses_a_band_upside_down() -> None:
+    from pd_fsm.io_trio.planner.cli import service_from_args
+
+    def planner(*extra: str) -> argparse.Namespace:
+        return build_parser().parse_args(["planner", "--worker", "http://w:1", *extra])
+
+    assert service_from_args(planner("--cores", "0-1")).planner.config.cores == {0, 1}
+    assert service_from_args(planner("--cores", "")).planner.config.cores == frozenset()
+    with pytest.raises(ValueError, match="split_above 0.2 is below share_below 0.4"):
+        service_from_args(planner("--cores", "0-1", "--split-above", "0.2"))
+    with pytest.raises(SystemExit):
+        planner("--cores", "1-0")

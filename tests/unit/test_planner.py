@@ -13,9 +13,11 @@ from pd_fsm.core.planner import (
     PlannerConfig,
     ScaleDown,
     ScaleUp,
+    SetCpus,
     SetNice,
     SwitchRole,
     WorkerSnapshot,
+    split_halves,
 )
 
 
@@ -272,3 +274,108 @@ def test_balanced_idle_unknown_or_switching_prefill_workers_keep_their_priority(
     plain = Planner(PlannerConfig(patience=1, cooldown=0.0))
     assert not any(isinstance(d, SetNice) for d in plain.observe(shared(3.0, 0.05, 10, n_d=3),
                                                                   0.0))
+
+
+CORES = frozenset({0, 1})
+P_HALF, D_HALF = frozenset({0}), frozenset({1})
+
+
+def placed(p_ttft: float, d_itl: float, p_cpus: frozenset[int], d_cpus: frozenset[int],
+           busy: float, p_nice: int = 10) -> list[WorkerSnapshot]:
+    """1P1D on ``CORES``, D busy for ``busy`` of the window."""
+    return [WorkerSnapshot("p0", "prefill", ttft_p90=p_ttft, nice=p_nice, cpus=p_cpus),
+            WorkerSnapshot("d0", "decode", itl_p90=d_itl, nice=-5, cpus=d_cpus, busy=busy)]
+
+
+def cores_planner(**extra: object) -> Planner:
+    return Planner(PlannerConfig(patience=2, cooldown=30.0, nice_cooldown=5.0, cores=CORES,
+                                 **extra))  # type: ignore[arg-type]
+
+
+def test_split_halves_give_prefill_the_larger_half() -> None:
+    assert split_halves(frozenset({0, 1})) == {"prefill": P_HALF, "decode": D_HALF,
+                                               "null": CORES}
+    odd = split_halves(frozenset({4, 5, 6}))
+    assert (odd["prefill"], odd["decode"]) == (frozenset({4, 5}), frozenset({6}))
+    with pytest.raises(ValueError, match="split_above 0.3 is below share_below 0.4"):
+        PlannerConfig(split_above=0.3)
+
+
+def test_a_starved_prefill_beside_an_idle_decode_shares_the_cores_then_keeps_them() -> None:
+    planner = cores_planner(prefill_nices=STEPS)
+    hot = placed(3.0, 0.05, P_HALF, D_HALF, busy=0.2)
+    assert planner.observe(hot, 0.0) == [] and planner.placement == "split"  # read, patience
+    decisions = planner.observe(hot, 1.0)
+    assert [(d.worker, d.cpus) for d in decisions if isinstance(d, SetCpus)] == [
+        ("p0", CORES), ("d0", CORES)]
+    assert "busiest D 20% busy: P over its target, D mostly idle" in decisions[0].reason
+    assert planner.placement == "shared"
+    # Drains nothing: nice_cooldown. Shared now, the priority lever acts on P next.
+    assert planner.observe(placed(3.0, 0.05, CORES, CORES, 0.3), 5.0) == []
+    now_shared = placed(3.0, 0.05, CORES, CORES, 0.3)
+    assert planner.observe(now_shared, 6.5) == []
+    (up,) = planner.observe(now_shared, 7.0)
+    assert up == SetNice("p0", 5, up.reason)
+
+
+def test_split_keeps_a_starved_prefill_beside_a_busy_decode_and_ignores_priorities() -> None:
+    planner = cores_planner(prefill_nices=STEPS)
+    busy = placed(3.0, 0.05, P_HALF, D_HALF, busy=0.5)  # inside the band: no move
+    assert all(planner.observe(busy, t) == [] for t in range(6))
+    assert planner.placement == "split"
+
+
+def test_shared_splits_for_a_decode_over_its_target_or_a_prefill_behind_a_busy_decode() -> None:
+    planner = cores_planner()
+    assert planner.observe(placed(0.5, 0.2, CORES, CORES, 0.5), 0.0) == []
+    assert planner.placement == "shared"
+    decisions = planner.observe(placed(0.5, 0.2, CORES, CORES, 0.5), 1.0)
+    assert [(d.worker, d.cpus) for d in decisions] == [("p0", P_HALF), ("d0", D_HALF)]
+    assert "D over its target beside P: P and D split the cores" in decisions[0].reason
+    other = cores_planner()
+    behind = placed(3.0, 0.05, CORES, CORES, busy=0.7)
+    assert other.observe(behind, 0.0) == []
+    decisions = other.observe(behind, 1.0)
+    assert [d.cpus for d in decisions] == [P_HALF, D_HALF]
+    assert "P over its target behind a busy D" in decisions[0].reason
+    # The same starved P beside a D in the band stays shared.
+    third = cores_planner()
+    assert all(third.observe(placed(3.0, 0.05, CORES, CORES, 0.5), t) == [] for t in range(5))
+
+
+def test_a_placement_left_lately_comes_back_only_when_this_one_does_worse() -> None:
+    planner = cores_planner(recall=100.0)
+    hot = placed(3.0, 0.05, P_HALF, D_HALF, busy=0.2)  # prefill pressure 1.5: left split
+    planner.observe(hot, 0.0)
+    assert planner.observe(hot, 1.0) != [] and planner.placement == "shared"
+    mild = placed(2.6, 0.05, CORES, CORES, busy=0.8)  # 1.3: better than split did
+    assert all(planner.observe(mild, t) == [] for t in (10.0, 11.0, 12.0))
+    worse = placed(3.4, 0.05, CORES, CORES, busy=0.8)  # 1.7: worse than split did
+    assert [d.cpus for d in planner.observe(worse, 20.0)] == [P_HALF, D_HALF]
+    # Past recall, nothing is remembered.
+    late = cores_planner(recall=5.0)
+    late.observe(hot, 0.0)
+    late.observe(hot, 1.0)
+    assert late.observe(mild, 10.0) == [] and late.observe(mild, 11.0) != []
+
+
+def test_a_worker_off_its_roles_cores_is_moved_at_once() -> None:
+    planner = cores_planner()
+    p0, d0 = placed(1.0, 0.05, P_HALF, D_HALF, busy=0.1)
+    assert planner.observe([p0, d0], 0.0) == []
+    # d0 became a P (a role switch): it is moved to P's half at once, no patience; one still
+    # switching, or of unknown cores, is left alone.
+    d0_as_p = attrs.evolve(d0, role="prefill")
+    (move,) = planner.observe([p0, d0_as_p, attrs.evolve(d0, worker="d1"),
+                               attrs.evolve(d0, worker="d2", switching=True, cpus=CORES),
+                               attrs.evolve(d0, worker="d3", cpus=None)], 1.0)
+    assert move == SetCpus("d0", P_HALF, move.reason)
+    assert "prefill worker on cores 1: split, its cores are 0" in move.reason
+    # Colocated workers take every core.
+    fresh = cores_planner(colocate=True)
+    null = WorkerSnapshot("c0", "null", cpus=P_HALF)
+    moves = fresh.observe([p0, d0, null], 0.0)
+    assert moves == [SetCpus("c0", CORES, moves[0].reason)]
+    # Without the lever (fewer than two cores), cores are left alone.
+    assert Planner(PlannerConfig(patience=1, cores=frozenset({0}))).observe(
+        [attrs.evolve(p0, ttft_p90=3.0), d0], 0.0) == []

@@ -106,3 +106,25 @@ def test_a_prefill_backlog_is_read_from_the_oldest_unanswered_request_d_s_is_not
     assert p is not None and colo is not None and d is not None
     assert (p.oldest_wait, colo.oldest_wait) == (3.5, 3.5)
     assert d.oldest_wait == 0.0  # D's requests wait for P and the transfer, not for D
+
+
+def test_a_workers_cores_and_the_share_of_the_window_its_steps_ran() -> None:
+    _, first = _text({"step_seconds_total": 1.0})
+    _, second = _text({"step_seconds_total": 2.5})
+    info = {"disaggregation_mode": "decode", "cpus": [1]}
+    before, after = parse(info, first, 10.0), parse(info, second, 12.0)
+    snap = after.snapshot("http://d", before)
+    assert snap is not None and snap.cpus == frozenset({1})
+    assert snap.busy == pytest.approx(0.75)  # 1.5 s of steps in a 2 s window
+    # No earlier scrape, a restart (the total went down) or no steps exported: 0.
+    assert after.busy(None) == 0.0
+    assert parse(info, first, 14.0).busy(after) == 0.0  # restarted: 1.0 s after 2.5 s
+    assert before.busy(after) == 0.0  # out of order
+    _, none = _text({})
+    assert parse(info, none, 14.0).busy(after) == 0.0
+    # A window longer than the steps' clock (a late scrape): at most 1.
+    _, burst = _text({"step_seconds_total": 9.0})
+    assert parse(info, burst, 13.0).busy(after) == 1.0
+    # Cores that are not a list of core ids are not known.
+    for listed in ([], "0-1", [0, True], [-1], None):
+        assert parse({"cpus": listed}, first).cpus is None, listed

@@ -16,6 +16,11 @@ A role carries its priority (``--role-nice``): a worker that switches role at ru
 thread still at the old role's value to the new role's, so a D that becomes P steps back behind
 the Ds it shares cores with (the adaptive bench's second run lost to a merged worker that kept its
 start-up priority; bench/RESULTS_adaptive.md).
+
+Cores at runtime (``POST /set_cpus``, the planner's lever between P and D splitting the cores and
+sharing them): affinity is per thread too, so every thread moves. A worker pinned before JAX
+starts has pools sized to its cores, and widening them later buys no parallelism; one that may
+be widened starts on every core (``--cpu-pools all``) and is pinned once its pools exist.
 """
 
 from __future__ import annotations
@@ -46,15 +51,25 @@ def parse_cpus(spec: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
+def cpu_list(cpus: frozenset[int]) -> str:
+    """The cores as ``--cpus`` and ``POST /set_cpus`` take them: ``"0,1"``."""
+    return ",".join(map(str, sorted(cpus)))
+
+
 def pin_to(cpus: frozenset[int]) -> frozenset[int]:
     """Restrict this process (and threads it starts later) to ``cpus``; returns the set now in
     force. A core this machine does not let us use is a ValueError, not a silent no-op."""
+    check_cpus(cpus)
+    os.sched_setaffinity(0, cpus)
+    return frozenset(os.sched_getaffinity(0))
+
+
+def check_cpus(cpus: frozenset[int]) -> None:
+    """ValueError naming the cores of ``cpus`` this process may not run on."""
     allowed = os.sched_getaffinity(0)
     missing = sorted(cpus - allowed)
     if missing:
         raise ValueError(f"--cpus: cores {missing} are not available here (have {sorted(allowed)})")
-    os.sched_setaffinity(0, cpus)
-    return frozenset(os.sched_getaffinity(0))
 
 
 def set_nice(nice: int) -> int:
@@ -143,4 +158,41 @@ class ComputePriority:
         moved = renice_threads(self.nice, nice)
         log.info("nice %d -> %d for %s (%d threads)", self.nice, nice, why, moved)
         self.nice = nice
+        return moved
+
+
+def pin_threads(cpus: frozenset[int]) -> int:
+    """Move every thread of this process to ``cpus`` (threads started later inherit their
+    creator's affinity); returns how many moved. A core outside this process's cgroup is an
+    OSError from the kernel."""
+    moved = 0
+    for entry in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(entry), cpus)
+        except ProcessLookupError:  # the thread ended since the listing
+            continue
+        moved += 1
+    return moved
+
+
+class CorePlacement:
+    """A worker's cores, owned by its event loop: those its threads run on now
+    (``/server_info``'s ``cpus``), and those it may be moved to — the affinity it had at start,
+    before ``--cpus`` narrowed it."""
+
+    def __init__(self, available: frozenset[int], cpus: frozenset[int]) -> None:
+        self.available = available
+        self.cpus = cpus
+
+    def move_to(self, cpus: frozenset[int], why: str) -> int:
+        """Every thread to ``cpus``; returns how many moved. Cores it may not use are a
+        ValueError naming them, checked first: nothing moves."""
+        missing = sorted(cpus - self.available)
+        if not cpus or missing:
+            raise ValueError(f"cores {missing or '[]'} are not available to this worker (it "
+                             f"may use {cpu_list(self.available)})")
+        moved = pin_threads(cpus)
+        log.info("cores %s -> %s for %s (%d threads)", cpu_list(self.cpus), cpu_list(cpus), why,
+                 moved)
+        self.cpus = cpus
         return moved

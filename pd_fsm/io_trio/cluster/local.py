@@ -25,10 +25,11 @@ from pathlib import Path
 import attrs
 import trio
 
+from pd_fsm.core.planner import split_halves
 from pd_fsm.io_trio.api_key import bearer
 from pd_fsm.io_trio.cluster import observability, ray_driver
 from pd_fsm.io_trio.cluster.ask import ask
-from pd_fsm.io_trio.cluster.cpu_placement import may_take_nice
+from pd_fsm.io_trio.cluster.cpu_placement import cpu_list, may_take_nice
 from pd_fsm.io_trio.cluster.launcher import Launcher, ProcessBackend, drain_timeout
 from pd_fsm.io_trio.cluster.supervisor import STOP_GRACE, Child, Cluster
 from pd_fsm.io_trio.ports import free_port_pair, free_ports
@@ -94,9 +95,8 @@ def usable_cores() -> list[int]:
 def split_cores(cores: list[int]) -> dict[str, str]:
     """`--pd-cores split`: P the first half of ``cores`` (the larger, for an odd count: prefill
     is the compute-bound side), D the rest, as `pd-fsm serve --cpus` lists."""
-    half = (len(cores) + 1) // 2
-    return {"prefill": ",".join(map(str, cores[:half])),
-            "decode": ",".join(map(str, cores[half:]))}
+    halves = split_halves(frozenset(cores))
+    return {role: cpu_list(halves[role]) for role in ("prefill", "decode")}
 
 
 def pd_cores(args: argparse.Namespace, cores: list[int] | None = None) -> str:
@@ -142,12 +142,19 @@ def placement_line(args: argparse.Namespace) -> str:
     return f"P on {where('prefill')}, D on {where('decode')} ({how})"
 
 
+def movable_cores(args: argparse.Namespace) -> bool:
+    """P and D split the cores and the planner may make them share them (``planner --cores``;
+    the workers' pools sized to every core: ``serve --cpu-pools all``)."""
+    return bool(getattr(args, "planner", False)) and pd_cores(args) == "split"
+
+
 def role_nices(args: argparse.Namespace) -> dict[str, int | None]:
     """Each role's CPU priority: ``--ROLE-nice``, else, for P and D sharing cores, D above P
     (``SHARED_CORES_NICE``); None leaves the worker at its launcher's."""
     nices: dict[str, int | None] = {role: getattr(args, f"{role}_nice", None)
                                     for role in ("prefill", "decode", "colocated")}
-    shared = pd_cores(args) == "shared"
+    # Split under the planner, P and D may come to share the cores (`planner --cores`).
+    shared = pd_cores(args) == "shared" or movable_cores(args)
     for role, nice in SHARED_CORES_NICE.items():
         if shared and nices[role] is None:
             nices[role] = nice if may_take_nice(nice) else max(nice, 0)
@@ -262,6 +269,8 @@ def _role_flags(args: argparse.Namespace, role: str) -> list[str]:
     cpus, tp = role_cpus(args)[role], getattr(args, f"{role}_tp", None)
     nice = role_nices(args)[role]
     flags = [] if cpus is None else ["--cpus", cpus]
+    if cpus is not None and role in ("prefill", "decode") and movable_cores(args):
+        flags += ["--cpu-pools", "all"]
     flags += [] if nice is None else ["--nice", str(nice)]
     return flags + ([] if tp is None else ["--tp", str(tp)])
 
@@ -331,6 +340,8 @@ def _planner_child(args: argparse.Namespace, tls: TLS, ports: _Ports, workers: l
     # comes after, so its own --prefill-nices wins ("" turns the lever off).
     steps = prefill_nice_steps(role_nices(args))
     lever = ["--prefill-nices", ",".join(map(str, steps))] if steps else []
+    if movable_cores(args):  # and the cores lever, P and D split at start
+        lever += ["--cores", cpu_list(frozenset(usable_cores()))]
     max_workers = getattr(args, "max_workers", 0)
     if max_workers:
         # The launcher lists every PD worker, those it adds too: the planner observes its list.

@@ -10,6 +10,7 @@ import sys
 from pd_fsm.core.planner import Planner, PlannerConfig
 from pd_fsm.io_trio.api_key import add_api_key_arguments, api_key_from_args, bearer
 from pd_fsm.io_trio.cli_common import run_service, serve_until_signal
+from pd_fsm.io_trio.cluster.cpu_placement import parse_cpus
 from pd_fsm.io_trio.planner.service import LAUNCHER_S, PlannerService, serve_planner
 from pd_fsm.io_trio.tls import add_tls_arguments, tls_from_args
 
@@ -56,15 +57,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--recall", type=float, default=d.recall,
                    help=f"with --colocate: seconds a mode's pressure is remembered after "
                         f"leaving it, and between two splits (default {d.recall:g})")
-    p.add_argument("--prefill-nices", type=_nices, default=d.prefill_nices, metavar="N,N,...",
-                   help="where P and D share cores: the CPU priorities (nice values) the "
-                        "planner may give prefill workers, least priority first (e.g. "
-                        "19,10,5,0,-5); a pressed prefill side gets the next higher one, a "
-                        "pressed decode side the next lower one, before any role moves "
-                        "(POST /set_nice). Default: none (\"\": priorities left alone)")
-    p.add_argument("--nice-cooldown", type=float, default=d.nice_cooldown,
-                   help=f"seconds after a priority change before the next decision (default "
-                        f"{d.nice_cooldown:g}: nothing drains)")
+    _add_lever_arguments(p, d)
     p.add_argument("--dry-run", action="store_true", help="decide and log, never switch")
     p.add_argument("--paused", action="store_true",
                    help="start paused: observe and decide nothing until POST /resume (e.g. "
@@ -78,6 +71,31 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=main)
 
 
+def _add_lever_arguments(p: argparse.ArgumentParser, d: PlannerConfig) -> None:
+    """The levers that need no drain: P's priority and the cores P and D split or share."""
+    p.add_argument("--prefill-nices", type=_nices, default=d.prefill_nices, metavar="N,N,...",
+                   help="where P and D share cores: the CPU priorities (nice values) the "
+                        "planner may give prefill workers, least priority first (e.g. "
+                        "19,10,5,0,-5); a pressed prefill side gets the next higher one, a "
+                        "pressed decode side the next lower one, before any role moves "
+                        "(POST /set_nice). Default: none (\"\": priorities left alone)")
+    p.add_argument("--nice-cooldown", type=float, default=d.nice_cooldown,
+                   help=f"seconds after a priority change before the next decision (default "
+                        f"{d.nice_cooldown:g}: nothing drains)")
+    p.add_argument("--cores", type=_cores, default=d.cores, metavar="LIST",
+                   help="the cores P and D may split (P the first half, D the rest) or share "
+                        "on this host, e.g. 0-1: the planner moves them between the two by the "
+                        "prefill side's pressure and how busy D is (POST /set_cpus; workers "
+                        "need --cpu-pools all). Default: none (cores left alone)")
+    p.add_argument("--share-below", type=float, default=d.share_below, metavar="SHARE",
+                   help=f"with --cores: a split P over its target shares the cores when the "
+                        f"busiest D's steps ran under this share of the time (default "
+                        f"{d.share_below:g})")
+    p.add_argument("--split-above", type=float, default=d.split_above, metavar="SHARE",
+                   help=f"with --cores: a shared P over its target splits the cores when the "
+                        f"busiest D's steps ran over this share (default {d.split_above:g})")
+
+
 def _nices(value: str) -> tuple[int, ...]:
     """``--prefill-nices 19,10,5`` (``""``: none, priorities left alone)."""
     if not value.strip():
@@ -87,6 +105,16 @@ def _nices(value: str) -> tuple[int, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not integers separated by commas"
                                          ) from None
+
+
+def _cores(value: str) -> frozenset[int]:
+    """``--cores 0-1`` (``""``: none, cores left alone)."""
+    if not value.strip():
+        return frozenset()
+    try:
+        return parse_cpus(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("--cpus", "--cores")) from None
 
 
 def service_from_args(args: argparse.Namespace) -> PlannerService:
@@ -108,7 +136,8 @@ def service_from_args(args: argparse.Namespace) -> PlannerService:
                            max_step=args.max_step, colocate=args.colocate,
                            recall=args.recall, prefill_nices=args.prefill_nices,
                            nice_cooldown=args.nice_cooldown, max_workers=args.max_workers,
-                           min_workers=args.min_workers)
+                           min_workers=args.min_workers, cores=args.cores,
+                           share_below=args.share_below, split_above=args.split_above)
     key = api_key_from_args(args, "worker-")
     return PlannerService(Planner(config), workers=args.worker,
                           bootstrap_url=args.bootstrap_url, interval=args.interval,

@@ -77,6 +77,17 @@ class Scrape:
     itl: Histogram
     gauges: Mapping[str, float]  # pd_fsm_worker_backend_* by name (labelled: "name{key}")
     nice: int | None = None  # its compute threads' CPU priority (/server_info's "nice")
+    cpus: frozenset[int] | None = None  # the cores its threads run on (/server_info's "cpus")
+    at: float = 0.0  # when it was scraped (the planner's clock): busy shares need the window
+
+    def busy(self, earlier: Scrape | None) -> float:
+        """The share of the window since ``earlier`` its scheduler's steps ran (0 with no
+        earlier scrape, or a worker that restarted meanwhile)."""
+        key = "step_seconds_total"
+        if earlier is None or self.at <= earlier.at or key not in self.gauges:
+            return 0.0
+        ran = self.gauges[key] - earlier.gauges.get(key, math.inf)
+        return max(0.0, min(1.0, ran / (self.at - earlier.at)))
 
     def snapshot(self, worker: str, earlier: Scrape | None) -> WorkerSnapshot | None:
         """The planner's view over the window since ``earlier``; None for a role the core
@@ -103,12 +114,14 @@ class Scrape:
             switching=not self.serving,
             nice=self.nice,
             oldest_wait=oldest,
+            cpus=self.cpus,
+            busy=self.busy(earlier),
         )
 
 
-def parse(info: Mapping[str, object], metrics: str) -> Scrape:
-    """A scrape from a worker's ``/server_info`` (parsed) and ``/metrics`` (text). Raises
-    ValueError for text that is not Prometheus' exposition format."""
+def parse(info: Mapping[str, object], metrics: str, at: float = 0.0) -> Scrape:
+    """A scrape from a worker's ``/server_info`` (parsed) and ``/metrics`` (text), taken
+    ``at``. Raises ValueError for text that is not Prometheus' exposition format."""
     buckets: dict[str, list[tuple[float, float]]] = {TTFT: [], ITL: []}
     gauges: dict[str, float] = {}
     for family in text_string_to_metric_families(metrics):
@@ -129,7 +142,18 @@ def parse(info: Mapping[str, object], metrics: str) -> Scrape:
         itl=_histogram(buckets[ITL]),
         gauges=gauges,
         nice=nice if isinstance(nice, int) and not isinstance(nice, bool) else None,
+        cpus=_cpus(info.get("cpus")),
+        at=at,
     )
+
+
+def _cpus(listed: object) -> frozenset[int] | None:
+    """/server_info's ``cpus`` (a list of core ids); None for anything else."""
+    if not isinstance(listed, list) or not listed:
+        return None
+    if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in listed):
+        return None
+    return frozenset(listed)
 
 
 def _histogram(pairs: list[tuple[float, float]]) -> Histogram:

@@ -2,13 +2,13 @@
 ``/server_info`` and ``/metrics``, hands the snapshots to the core's sans-IO ``Planner`` and acts
 on what it decides — a role switch is ``POST /switch_role`` on that worker, to whatever role the
 core names (``"null"``, colocated, too once its ``Role`` has it); a priority change
-(``--prefill-nices``) is ``POST /set_nice``. Asking for one more worker, or giving one back, goes
-to a launcher (``--launcher-url``: ``pd-fsm cluster --max-workers``' control endpoint) as
-``POST /scale_up {"role"}`` or ``POST /scale_down {"worker"}``, which answer once the worker
-serves or has drained and exited (outcome ``launched`` or ``stopped``; a 4xx is ``refused``,
-anything else ``failed``); the workers it observes are then the launcher's ``GET /workers``
-(those serving), with any ``--worker`` and the registry's. Without a launcher such a decision is
-logged and counted ``not_actionable``.
+(``--prefill-nices``) is ``POST /set_nice``, a cores move (``--cores``) ``POST /set_cpus``. Asking
+for one more worker, or giving one back, goes to a launcher (``--launcher-url``: ``pd-fsm cluster
+--max-workers``' control endpoint) as ``POST /scale_up {"role"}`` or ``POST /scale_down
+{"worker"}``, which answer once the worker serves or has drained and exited (outcome ``launched``
+or ``stopped``; a 4xx is ``refused``, anything else ``failed``); the workers it observes are then
+the launcher's ``GET /workers`` (those serving), with any ``--worker`` and the registry's. Without
+a launcher such a decision is logged and counted ``not_actionable``.
 
 One nursery: the HTTP server (``/metrics``, ``/health``, ``/decisions``, ``POST /pause`` and
 ``POST /resume``) and the loop. Every wait has a deadline: a scrape ``SCRAPE_S``, a switch
@@ -43,12 +43,14 @@ from pd_fsm.core.planner import (
     Planner,
     ScaleDown,
     ScaleUp,
+    SetCpus,
     SetNice,
     SwitchRole,
     WorkerSnapshot,
 )
 from pd_fsm.io_trio.api_key import ApiKeyGate
 from pd_fsm.io_trio.bootstrap.listing import list_role, worker_url
+from pd_fsm.io_trio.cluster.cpu_placement import cpu_list
 from pd_fsm.io_trio.http_edge import edge_app
 from pd_fsm.io_trio.http_server import http_client, serve_app
 from pd_fsm.io_trio.planner.scrape import Scrape, parse
@@ -218,7 +220,7 @@ class PlannerService:
             parsed = strict_loads(info.content, what=f"{url}/server_info")
             if not isinstance(parsed, dict):
                 raise ValueError("/server_info is not an object")
-            out[url] = parse(parsed, metrics.text)
+            out[url] = parse(parsed, metrics.text, trio.current_time())
             self.scrapes.labels("ok").inc()
         except (httpx.HTTPError, trio.TooSlowError, ValueError) as exc:
             self.scrapes.labels("failed").inc()
@@ -232,6 +234,9 @@ class PlannerService:
         body: dict[str, object]
         if isinstance(decision, SetNice):
             what, path, body = f"nice {decision.nice}", "set_nice", {"nice": decision.nice}
+        elif isinstance(decision, SetCpus):
+            cores = cpu_list(decision.cpus)
+            what, path, body = f"cores {cores}", "set_cpus", {"cpus": cores}
         else:
             what, path, body = f"role {decision.to}", "switch_role", {"role": decision.to}
         try:
@@ -244,7 +249,7 @@ class PlannerService:
         if r.status_code == 202:
             return "switching"
         if r.status_code == 200:
-            return "set" if isinstance(decision, SetNice) else "already"
+            return "set" if isinstance(decision, SetNice | SetCpus) else "already"
         log.warning("%s of %s refused (%d): %s", what, decision.worker, r.status_code,
                     r.text[:300])
         return "refused"
@@ -311,6 +316,8 @@ def _target(decision: Decision) -> str:
         return decision.to
     if isinstance(decision, ScaleUp):
         return decision.role
+    if isinstance(decision, SetCpus):
+        return cpu_list(decision.cpus)
     return str(decision.nice) if isinstance(decision, SetNice) else ""
 
 

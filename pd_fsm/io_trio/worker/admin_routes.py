@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pd_fsm.core.role_switch import ROLES
+from pd_fsm.io_trio.cluster.cpu_placement import cpu_list, parse_cpus
 from pd_fsm.io_trio.worker.app_state import (
     DRAIN_RETRY_AFTER_S,
     WorkerState,
@@ -95,6 +96,33 @@ class AdminRoutes:
         except PermissionError as exc:
             raise ApiError(403, str(exc)) from None
         return JSONResponse({"nice": nice, "threads": moved})
+
+    async def set_cpus(self, request: Request) -> Response:
+        """The cores every thread runs on, at runtime (issue 30: the planner's lever between
+        P and D splitting the cores and sharing them): ``{"cpus": "0-1"}``, as ``--cpus``
+        lists them, within the cores the worker had at start."""
+        body = await self._one_field(request, "cpus", '{"cpus": "0-1"}')
+        spec = body.get("cpus")
+        if not isinstance(spec, str):
+            raise ApiError(400, 'body.cpus must be a string of cores, e.g. "0", "0-1", "0,2"')
+        try:
+            cpus = parse_cpus(spec)
+        except ValueError as exc:
+            raise ApiError(400, f"body.cpus: {exc}") from None
+        c = self._state.config
+        if c.nnodes > 1:
+            raise ApiError(400, "an instance spanning processes (--nnodes > 1) cannot move its "
+                                "cores at runtime: each rank is a process of its own")
+        cores = self._state.roles.cores
+        if not cpus <= cores.available:
+            pools = ("" if c.cpus is None or c.cpu_pools == "all" else
+                     f" (started pinned with --cpus {c.cpus}: its pools are sized to them; "
+                     "start it with --cpu-pools all to move it wider)")
+            raise ApiError(400, f"body.cpus {spec!r}: cores "
+                                f"{sorted(cpus - cores.available)} are not this worker's; it "
+                                f"may use {cpu_list(cores.available)}{pools}")
+        moved = cores.move_to(cpus, "POST /set_cpus")
+        return JSONResponse({"cpus": sorted(cpus), "threads": moved})
 
     async def abort_request(self, request: Request) -> Response:
         body = await self._state.read_json(request)

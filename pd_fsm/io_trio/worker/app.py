@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pd_fsm.io_trio.api_key import ApiKeyGate
+from pd_fsm.io_trio.cluster.cpu_placement import parse_cpus
 from pd_fsm.io_trio.http_edge import edge_app, request_failures
 from pd_fsm.io_trio.http_server import connection_failures, serve_app
 from pd_fsm.io_trio.worker.admin_routes import AdminRoutes
@@ -85,6 +86,7 @@ class WorkerApp:
                 Route("/handoff_release", admin.handoff_release, methods=["POST"]),
                 Route("/switch_role", admin.switch_role, methods=["POST"]),
                 Route("/set_nice", admin.set_nice, methods=["POST"]),
+                Route("/set_cpus", admin.set_cpus, methods=["POST"]),
             ],
             exception_handlers={
                 ApiError: _on_api_error,
@@ -226,6 +228,9 @@ async def serve_worker(
         log.info("worker (%s) listening on %s; loading %s", worker.backend.mode, binds[0],
                  worker.config.model)
         await worker.load()
+        c = worker.config
+        if c.cpus is not None and c.cpu_pools == "all":  # the pools exist now: pin them
+            worker.roles.cores.move_to(parse_cpus(c.cpus), "--cpus once the pools exist")
         await nursery.start(run_backend)
         log.info("worker ready on %s", binds[0])
 

@@ -124,6 +124,10 @@ class ServeConfig:
     host_heap: str = "hugepages"
     # Cores this worker may run on ("0", "0-1", "0,2"): set before JAX starts (cpu_placement.py).
     cpus: str | None = None
+    # "cpus": XLA's pools sized to ``cpus`` (pinned before JAX starts); "all": sized to every
+    # core this process may use, and the threads pinned to ``cpus`` once they exist, so that
+    # POST /set_cpus may widen them again (the planner's cores lever).
+    cpu_pools: str = "cpus"
     # CPU priority of every thread of the worker (-20..19), set before JAX starts: with P and D
     # on the same cores, D above P (cpu_placement.set_nice).
     nice: int = 0

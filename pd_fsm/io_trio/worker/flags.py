@@ -66,6 +66,9 @@ def role_nice_arg(value: str) -> tuple[tuple[str, int], ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+CPU_POOLS = ("cpus", "all")
+
+
 def _cpu_list(name: str, value: Any) -> None:
     parse_cpus(value)  # a bad list fails here, naming itself
 
@@ -256,6 +259,14 @@ _PROCESS = (
              "its thread pools from the affinity. `pd-fsm cluster --prefill-cpus / "
              "--decode-cpus / --colocated-cpus` pass it per role; by default (`--pd-cores split`) "
              "it gives P the first half of the cores and D the rest")),
+    Flag("--cpu-pools", choices=CPU_POOLS, help=(
+        "cpus: XLA's thread pools sized to --cpus; all: sized to every core, the threads pinned "
+        "to --cpus once they exist (POST /set_cpus may widen them)"), doc=(
+        "`cpus` (default): XLA's thread pools are sized to `--cpus`, pinned before JAX starts. "
+        "`all`: sized to every core the process may use, and every thread pinned to `--cpus` "
+        "once the pools exist, so that `POST /set_cpus` (the planner's cores lever, `pd-fsm "
+        "cluster --planner --pd-cores split`) can widen the worker to every core again and "
+        "gain the parallelism back")),
     Flag("--nice", metavar="N", check=within(-20, 19, show_value=True), help=(
         "CPU priority of every worker thread (-20..19, lower first), set before JAX starts; "
         "a negative value needs CAP_SYS_NICE"), doc=(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -35,7 +36,7 @@ from pd_fsm.core import events as ev
 from pd_fsm.core.drive import drive
 from pd_fsm.core.role_switch import RoleSwitch
 from pd_fsm.core.tables import ROLE_SWITCH
-from pd_fsm.io_trio.cluster.cpu_placement import ComputePriority
+from pd_fsm.io_trio.cluster.cpu_placement import ComputePriority, CorePlacement
 from pd_fsm.io_trio.worker.backend import Backend, RoleBackend, in_flight
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.drain_gate import DrainDecision, drain_streams
@@ -161,6 +162,9 @@ class RoleHost:
         self._side_port = config.disaggregation_side_channel_port
         # Its compute threads' priority: a role's (``--role-nice``) or POST /set_nice's.
         self.priority = ComputePriority(config.nice_of(config.disaggregation_mode))
+        # Its threads' cores: POST /set_cpus moves them within those it had at start.
+        at_start = frozenset(os.sched_getaffinity(0))
+        self.cores = CorePlacement(at_start, at_start)
 
     # -- what the HTTP layer reads ----------------------------------------------------------------
 
@@ -379,6 +383,7 @@ class RoleHost:
             "roles": list(self.machine.roles),
             "role_state": self.state,
             "nice": self.priority.nice,
+            "cpus": sorted(self.cores.cpus),
             "prefill_bootstrap_port": self.bootstrap_port(),
             "last_role_switch": None if last is None else attrs.asdict(last),
         }
