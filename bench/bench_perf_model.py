@@ -76,6 +76,8 @@ def main() -> int:
           "predicted s | ITL p50 measured / predicted ms |\n|---|---|---|---|---|---|---|")
     errors = []
     for name, fields in record["placements"].items():
+        if fields is None:  # the adaptive cluster: the model has no planner
+            continue
         placement = Placement(name, **fields)
         for rate in s["rates"]:
             runs = [r for r in record["runs"] if r["placement"] == name and r["rate"] == rate]

@@ -14,6 +14,11 @@ left idle while another is measured):
                        prefills a prompt itself while P has N or more requests (Dynamo's
                        max_prefill_queue_size; --proxy-args "--local-prefill-queue N"; one
                        placement per --local-queues item)
+    PD adaptive        (--adaptive) `pd-fsm cluster --planner --pd-cores split` at the last
+                       nice pair: P and D start split as PD pinned, and the planner moves them
+                       between split and shared cores (and P's priority while shared) by the
+                       SLO targets below; it acts from the warm-up on, and what it learnt at
+                       one rate carries into the next
 
 At each ``--rates`` value (and repeat) a fresh set of prompts arrives as a Poisson process, the
 same set at every placement in turn; the order rotates from rate to rate (the machine is shared:
@@ -38,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -50,9 +56,10 @@ from tests.integration.serve_support import PDCluster
 COLOCATED = "colocated (cores 0-1)"
 PINNED = "PD pinned (P core 0, D core 1)"
 SHARED = "PD shared (cores 0-1, equal priority)"
+ADAPTIVE = "PD adaptive (split at start, planner --cores)"
 
 
-Spec = tuple[list[str], str, dict[str, Any]]
+Spec = tuple[list[str], str, dict[str, Any] | None]
 WARM_SEED = 1_000_000  # the warm-up's prompts: a seed no measured set takes
 
 
@@ -68,7 +75,7 @@ def local_placement(p: int, d: int, queue: int) -> tuple[str, Spec]:
     name, (flags, which, fields) = nice_placement(p, d)
     return (f"{name}, local prefill at P queue >= {queue}",
             ([*flags, "--proxy-args", f"--local-prefill-queue {queue}"], which,
-             {**fields, "local_prefill_queue": queue}))
+             {**(fields or {}), "local_prefill_queue": queue}))
 
 
 def placements(args: argparse.Namespace) -> dict[str, Spec]:
@@ -89,6 +96,13 @@ def placements(args: argparse.Namespace) -> dict[str, Spec]:
     for queue in args.local_queues if args.nice_pairs else []:  # on the last pair's p and d
         name, spec = local_placement(p, d, queue)
         out[name] = spec
+    if getattr(args, "adaptive", False):
+        p, d = (int(x) for x in (args.nice_pairs or ["10,-5"])[-1].split(","))
+        planner = (f"--ttft-slo {args.slo_ttft:g} --itl-slo {args.slo_tpot:g} "
+                   f"{args.planner_args}")
+        # No fields: the performance model does not model the planner (bench_perf_model skips it).
+        out[ADAPTIVE] = (["--planner", "--pd-cores", "split", "--prefill-nice", str(p),
+                          "--decode-nice", str(d), "--planner-args", planner], "proxy", None)
     return out
 
 
@@ -114,6 +128,17 @@ def row(name: str, s: Summary, args: argparse.Namespace, base: float) -> str:
 def vs_colocated(rps: float, base: float) -> str:
     """``rps`` as a multiple of colocated's ``base``; where colocated met none, says so."""
     return f"{rps / base:.2f}x" if base > 0 else "- (colocated 0)"
+
+
+async def decisions(planner: str) -> None:
+    """The adaptive cluster's planner decisions (``GET /decisions``: its last 100)."""
+    async with httpx.AsyncClient(timeout=10) as http:
+        listed = (await http.get(f"{planner}/decisions")).json()["decisions"]
+    print(f"\n### {ADAPTIVE}: planner decisions ({len(listed)})\n", flush=True)
+    for d in listed:
+        print(f"- {time.strftime('%H:%M:%S', time.gmtime(d['wall']))} {d['kind']} "
+              f"to={d['to'] or '-'} worker={d['worker'] or '-'} outcome={d['outcome']}: "
+              f"{d['reason']}", flush=True)
 
 
 async def measure(targets: dict[str, str], args: argparse.Namespace) -> None:
@@ -189,6 +214,11 @@ def main() -> int:
     p.add_argument("--local-queues", type=int, nargs="*", default=[], metavar="N",
                    help="one placement per N: the last --nice-pairs item with D prefilling "
                         "alone while P has N or more requests")
+    p.add_argument("--adaptive", action="store_true",
+                   help="also the adaptive cluster: P and D split at start, the planner moving "
+                        "them between split and shared cores")
+    p.add_argument("--planner-args", default="--interval 2 --patience 2 --cooldown 15",
+                   help="with --adaptive: more `pd-fsm planner` flags")
     p.add_argument("--only", nargs="*", default=None, metavar="NAME",
                    help="placements to run (substrings of their names; colocated always runs)")
     p.add_argument("--slo-ttft", type=float, default=2.0)
@@ -211,6 +241,8 @@ def main() -> int:
             targets[name] = clusters[-1].urls[which]
             print(f"started {name} after {time.monotonic() - began:.0f} s", flush=True)
         trio.run(measure, targets, args)
+        if ADAPTIVE in chosen:
+            trio.run(decisions, clusters[list(chosen).index(ADAPTIVE)].urls["planner"])
     finally:
         for c in clusters:
             c.stop()

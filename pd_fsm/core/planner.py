@@ -54,9 +54,10 @@ how busy D is (``WorkerSnapshot.busy``: the share of the window its steps ran):
   spite of its priority): split.
 
 The band between the two busy shares is the hysteresis a placement's own effect needs (D on one
-core runs each step slower, so it reads busier split than shared). A worker whose cores do not
-match its role under the placement in force (it switched role, or joined) is moved at once, with
-no patience. A colocated worker (``"null"``) takes every core. While P and D are split, their
+core runs each step slower, so it reads busier split than shared). The placement in force is read
+from the workers' cores at every observation (shared when every P and D has every core), and a
+worker whose cores do not match its role under it (it switched role, or joined) is moved at once,
+with no patience. A colocated worker (``"null"``) takes every core. While P and D are split, their
 priorities weigh on nothing: the priority lever below waits for a shared placement.
 
 With ``colocate`` the planner may also make a worker colocated (role ``"null"``: it serves
@@ -234,8 +235,8 @@ class Planner:
         # A mode's pressure when the planner last left it, and when (colocate only).
         self._left: dict[Mode | Placement, tuple[float, float]] = {}
         self._split_at = -math.inf
-        # Where P and D run (``cores``): read from the first observation, then what the
-        # planner decided last; None without the lever or before P and D were seen.
+        # Where P and D run (``cores``), as the last observation showed them (and as a move
+        # decided in it will make them); None without the lever or with no P or D seen.
         self.placement: Placement | None = None
         self.decisions: list[tuple[float, Decision]] = []  # every decision, for /metrics and logs
 
@@ -377,15 +378,17 @@ class Planner:
         return split_halves(cores)[role] if placement == "split" else cores
 
     def _misplaced(self, snapshots: Sequence[WorkerSnapshot]) -> list[Decision]:
-        """Every worker whose cores are not its role's under the placement in force, moved
-        (the first observation with P and D reads the placement from their cores)."""
+        """The placement in force, read from the P and D workers' cores (shared when every
+        one has every core, else split: a move the workers did not all take counts as not
+        made), and every worker whose cores are not its role's under it, moved. Read, not
+        remembered: a move that failed, or was only logged (``--dry-run``), is decided again
+        as any decision is, not repeated at every observation."""
         pd = [s for s in snapshots if s.role != "null" and s.cpus is not None]
-        if self.placement is None:
-            if not pd:
-                return []
-            self.placement = ("shared" if all(s.cpus == self.config.cores for s in pd)
-                              else "split")
+        self.placement = (None if not pd else "shared"
+                          if all(s.cpus == self.config.cores for s in pd) else "split")
         placement = self.placement
+        if placement is None:
+            return []
         return [SetCpus(s.worker, want, f"{s.role} worker on cores {_listed(s.cpus)}: "
                                         f"{placement}, its cores are {_listed(want)}")
                 for s in snapshots

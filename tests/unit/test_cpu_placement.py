@@ -263,7 +263,8 @@ def test_split_gives_p_the_first_half_of_the_cores_and_d_the_rest() -> None:
 @pytest.mark.parametrize(("extra", "cores", "mode"), [
     ([], [0, 1], "split"),  # the default on a machine of two cores or more ...
     ([], [0], "shared"),  # ... and shared on one
-    (["--planner"], [0, 1], "shared"),  # roles move between the processes
+    (["--planner"], [0, 1], "split"),  # the planner may make them share the cores
+    (["--planner", "--max-workers", "3"], [0, 1], "shared"),  # workers come and go
     (["--pd-cores", "shared"], [0, 1], "shared"),
     (["--pd-cores", "split", "--planner"], [0, 1, 2, 3], "split"),
     (["--prefill-cpus", "0", "--decode-cpus", "1"], [0, 1], ""),  # placed by hand
@@ -305,7 +306,7 @@ def test_split_under_the_planner_starts_movable_workers_and_hands_the_planner_th
     if len(cores) < 2:
         pytest.skip(f"one usable core here ({cores}): split needs two")
     want = split_cores(cores)
-    args = _cluster("--planner", "--pd-cores", "split", "--colocated")
+    args = _cluster("--planner", "--colocated")  # split by default with two cores or more
     argv = {child.name: child.argv for child in plan(args)}
     for name, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
         a = argv[name]
@@ -322,9 +323,14 @@ def test_split_under_the_planner_starts_movable_workers_and_hands_the_planner_th
     assert "--prefill-nices" in planner
     parsed = build_parser().parse_args(planner[planner.index("planner"):])
     assert parsed.cores == frozenset(cores)
-    # Split without the planner: pools sized to each half, no lever.
+    assert placement_line(args).endswith(
+        "(--pd-cores split; the planner may make them share every core)")
+    # Split without the planner: pools sized to each half, no lever; nor with --max-workers.
     plain = {child.name: child.argv for child in plan(_cluster("--pd-cores", "split"))}
     assert "--cpu-pools" not in plain["prefill-0"] and "planner" not in plain
+    scaling = {c.name: c.argv for c in plan(_cluster("--planner", "--pd-cores", "split",
+                                                     "--max-workers", "3"))}
+    assert "--cpu-pools" not in scaling["prefill-0"] and "--cores" not in scaling["planner"]
 
 
 def test_the_planner_takes_its_cores_and_refuses_a_band_upside_down() -> None:
@@ -335,7 +341,7 @@ def test_the_planner_takes_its_cores_and_refuses_a_band_upside_down() -> None:
 
     assert service_from_args(planner("--cores", "0-1")).planner.config.cores == {0, 1}
     assert service_from_args(planner("--cores", "")).planner.config.cores == frozenset()
-    with pytest.raises(ValueError, match="split_above 0.2 is below share_below 0.4"):
+    with pytest.raises(ValueError, match=r"split_above 0\.2 is below share_below 0\.4"):
         service_from_args(planner("--cores", "0-1", "--split-above", "0.2"))
     with pytest.raises(SystemExit):
         planner("--cores", "1-0")

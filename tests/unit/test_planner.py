@@ -297,7 +297,7 @@ def test_split_halves_give_prefill_the_larger_half() -> None:
                                                "null": CORES}
     odd = split_halves(frozenset({4, 5, 6}))
     assert (odd["prefill"], odd["decode"]) == (frozenset({4, 5}), frozenset({6}))
-    with pytest.raises(ValueError, match="split_above 0.3 is below share_below 0.4"):
+    with pytest.raises(ValueError, match=r"split_above 0\.3 is below share_below 0\.4"):
         PlannerConfig(split_above=0.3)
 
 
@@ -379,3 +379,19 @@ def test_a_worker_off_its_roles_cores_is_moved_at_once() -> None:
     # Without the lever (fewer than two cores), cores are left alone.
     assert Planner(PlannerConfig(patience=1, cores=frozenset({0}))).observe(
         [attrs.evolve(p0, ttft_p90=3.0), d0], 0.0) == []
+
+
+def test_a_move_the_workers_did_not_take_is_decided_again_not_repeated() -> None:
+    planner = cores_planner()
+    hot = placed(3.0, 0.05, P_HALF, D_HALF, busy=0.2)
+    planner.observe(hot, 0.0)
+    assert len(planner.observe(hot, 1.0)) == 2 and planner.placement == "shared"
+    # Not taken (refused, or a --dry-run planner): the workers are still split. The placement
+    # is read from them, nobody is "misplaced", and after nice_cooldown and patience the same
+    # decision comes again.
+    assert planner.observe(hot, 6.5) == [] and planner.placement == "split"
+    assert [d.cpus for d in planner.observe(hot, 7.0)] == [CORES, CORES]
+    # Half taken (D refused): split still, and P goes back to its half at once.
+    half = placed(3.0, 0.05, CORES, D_HALF, busy=0.2)
+    (back,) = planner.observe(half, 13.0)
+    assert back == SetCpus("p0", P_HALF, back.reason)

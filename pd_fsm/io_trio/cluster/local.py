@@ -67,8 +67,8 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
 # `pd-fsm cluster --planner`: the roles every PD worker compiles at start and may switch to.
 PLANNER_ROLES = "prefill,decode,null"
 
-# Where P and D run on one machine (`--pd-cores`). "split", the local runner's default without
-# the planner: P on the first half of the cores this process may use, D on the rest, each
+# Where P and D run on one machine (`--pd-cores`). "split", the local runner's default: P on
+# the first half of the cores this process may use, D on the rest, each
 # worker's XLA pools sized to its half, so a prefill never stalls a decode step. With fresh
 # prompts on this 2-core machine it met the SLO at least as often as colocated at every rate
 # from 0.25 to 1.5 req/s in both runs that measured it (1.23x and 1.56x colocated over a run,
@@ -76,10 +76,13 @@ PLANNER_ROLES = "prefill,decode,null"
 # with colocated (bench/RESULTS_placement.md runs 6-7; runs 1-4, which favoured sharing,
 # measured prefix-cache hits). It loses where prompts are long: a one-core P took ~2.4 s to
 # prefill 419-788 tokens, past a 2 s TTFT target (0.67x colocated in RESULTS_adaptive.md run 7).
+# So with --planner, P and D start split with pools sized to every core and the planner moves
+# them to shared cores and back (`planner --cores`, movable_cores): in RESULTS_adaptive.md run 8
+# it shared them 13 s into the first long-prompt phase (52 of 53 met, pinned 47, shared 53), and
+# in RESULTS_placement.md run 9 it met 24 of 24 at 2 req/s where shared met 4.
 # "shared": P and D on every core, D above P (SHARED_CORES_NICE), so a decode step takes a core
-# from a prefill instead of waiting behind it; the default with --planner, whose role switches
-# move work between the processes and whose priority lever (`planner --prefill-nices`) needs
-# them on the same cores, and on a machine of one core.
+# from a prefill instead of waiting behind it; the default with --max-workers (workers come and
+# go on the same cores) and on a machine of one core.
 PD_CORES = ("auto", "split", "shared")
 
 # P and D on the same cores: D above P. Where this process may not lower a priority, D stays at
@@ -110,7 +113,7 @@ def pd_cores(args: argparse.Namespace, cores: list[int] | None = None) -> str:
     if mode != "auto":
         return str(mode)
     n = len(usable_cores() if cores is None else cores)
-    return "shared" if getattr(args, "planner", False) or n < 2 else "split"
+    return "shared" if getattr(args, "max_workers", 0) or n < 2 else "split"
 
 
 def role_cpus(args: argparse.Namespace, cores: list[int] | None = None
@@ -139,13 +142,16 @@ def placement_line(args: argparse.Namespace) -> str:
 
     mode = pd_cores(args)
     how = f"--pd-cores {mode}" if mode else "--prefill-cpus/--decode-cpus"
+    if movable_cores(args):
+        how += "; the planner may make them share every core"
     return f"P on {where('prefill')}, D on {where('decode')} ({how})"
 
 
 def movable_cores(args: argparse.Namespace) -> bool:
     """P and D split the cores and the planner may make them share them (``planner --cores``;
     the workers' pools sized to every core: ``serve --cpu-pools all``)."""
-    return bool(getattr(args, "planner", False)) and pd_cores(args) == "split"
+    return (bool(getattr(args, "planner", False)) and not getattr(args, "max_workers", 0)
+            and pd_cores(args) == "split")
 
 
 def role_nices(args: argparse.Namespace) -> dict[str, int | None]:
@@ -407,8 +413,10 @@ def _add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="P and D on one machine: split (P the first half of the cores, D the "
                         "rest), shared (both on every core, D above P: nice "
                         f"{SHARED_CORES_NICE['prefill']} / {SHARED_CORES_NICE['decode']}); "
-                        "default auto: split, shared with --planner or on one core; "
-                        "split halves P's prefill rate: for long prompts prefer shared; "
+                        "default auto: split (with --planner, the planner moves them between "
+                        "split and shared), shared with --max-workers or on one core; "
+                        "split halves P's prefill rate: for long prompts prefer shared or "
+                        "--planner; "
                         "--prefill-cpus/--decode-cpus place P and D by hand instead")
     for role in ("prefill", "decode", "colocated"):
         p.add_argument(f"--{role}-cpus", default=None, metavar="LIST",
