@@ -26,8 +26,8 @@ left idle while another is measured; bench_placement.py's):
                        and D's values; --planner-args; --adaptive-workers P,D, default 1,1).
                        ``--adaptive-cores split`` (the default): P and D start split as PD
                        pinned's, and the planner moves them between split and shared cores
-                       (``planner --cores``); ``shared``: they start shared and stay so (runs
-                       1-7)
+                       (``planner --cores``); ``shared``: they start shared, and the planner
+                       may split them (runs 1-7 started shared and had no cores lever)
 
 Every placement gets the same schedule (arrival times, prompts, answer lengths), one placement
 after another; the order rotates from repeat to repeat, and each repeat after the first sends
@@ -508,8 +508,8 @@ def main() -> int:
     p.add_argument("--adaptive-workers", default="1,1", metavar="P,D",
                    help="the adaptive cluster's prefill and decode workers at start (1,1)")
     p.add_argument("--adaptive-cores", choices=("split", "shared"), default="split",
-                   help="how the adaptive cluster's P and D start: split, the planner moving "
-                        "them between split and shared cores (default), or shared throughout")
+                   help="how the adaptive cluster's P and D start, split (default) or shared; "
+                        "the planner moves them between the two")
     p.add_argument("--planner-args", default="--interval 2 --patience 2 --cooldown 15",
                    help="more `pd-fsm planner` flags (its SLO targets are --slo-ttft and "
                         "--slo-tpot)")

@@ -14,11 +14,12 @@ left idle while another is measured):
                        prefills a prompt itself while P has N or more requests (Dynamo's
                        max_prefill_queue_size; --proxy-args "--local-prefill-queue N"; one
                        placement per --local-queues item)
-    PD adaptive        (--adaptive) `pd-fsm cluster --planner --pd-cores split` at the last
-                       nice pair: P and D start split as PD pinned, and the planner moves them
-                       between split and shared cores (and P's priority while shared) by the
-                       SLO targets below; it acts from the warm-up on, and what it learnt at
-                       one rate carries into the next
+    PD adaptive        (--adaptive [split] [shared]) `pd-fsm cluster --planner --pd-cores
+                       START` at the last nice pair: P and D start split as PD pinned (or
+                       shared as PD shared), and the planner moves them between split and
+                       shared cores (and P's priority while shared) by the SLO targets below;
+                       it acts from the warm-up on, and what it learnt at one rate carries into
+                       the next
 
 At each ``--rates`` value (and repeat) a fresh set of prompts arrives as a Poisson process, the
 same set at every placement in turn; the order rotates from rate to rate (the machine is shared:
@@ -56,7 +57,11 @@ from tests.integration.serve_support import PDCluster
 COLOCATED = "colocated (cores 0-1)"
 PINNED = "PD pinned (P core 0, D core 1)"
 SHARED = "PD shared (cores 0-1, equal priority)"
-ADAPTIVE = "PD adaptive (split at start, planner --cores)"
+def adaptive_name(start: str) -> str:
+    return f"PD adaptive ({start} at start, planner --cores)"
+
+
+ADAPTIVE = adaptive_name("split")
 
 
 Spec = tuple[list[str], str, dict[str, Any] | None]
@@ -96,13 +101,14 @@ def placements(args: argparse.Namespace) -> dict[str, Spec]:
     for queue in args.local_queues if args.nice_pairs else []:  # on the last pair's p and d
         name, spec = local_placement(p, d, queue)
         out[name] = spec
-    if getattr(args, "adaptive", False):
+    for start in getattr(args, "adaptive", None) or []:
         p, d = (int(x) for x in (args.nice_pairs or ["10,-5"])[-1].split(","))
         planner = (f"--ttft-slo {args.slo_ttft:g} --itl-slo {args.slo_tpot:g} "
                    f"{args.planner_args}")
         # No fields: the performance model does not model the planner (bench_perf_model skips it).
-        out[ADAPTIVE] = (["--planner", "--pd-cores", "split", "--prefill-nice", str(p),
-                          "--decode-nice", str(d), "--planner-args", planner], "proxy", None)
+        out[adaptive_name(start)] = (["--planner", "--pd-cores", start, "--prefill-nice", str(p),
+                                      "--decode-nice", str(d), "--planner-args", planner],
+                                     "proxy", None)
     return out
 
 
@@ -130,11 +136,11 @@ def vs_colocated(rps: float, base: float) -> str:
     return f"{rps / base:.2f}x" if base > 0 else "- (colocated 0)"
 
 
-async def decisions(planner: str) -> None:
-    """The adaptive cluster's planner decisions (``GET /decisions``: its last 100)."""
+async def decisions(name: str, planner: str) -> None:
+    """An adaptive cluster's planner decisions (``GET /decisions``: its last 100)."""
     async with httpx.AsyncClient(timeout=10) as http:
         listed = (await http.get(f"{planner}/decisions")).json()["decisions"]
-    print(f"\n### {ADAPTIVE}: planner decisions ({len(listed)})\n", flush=True)
+    print(f"\n### {name}: planner decisions ({len(listed)})\n", flush=True)
     for d in listed:
         print(f"- {time.strftime('%H:%M:%S', time.gmtime(d['wall']))} {d['kind']} "
               f"to={d['to'] or '-'} worker={d['worker'] or '-'} outcome={d['outcome']}: "
@@ -214,9 +220,11 @@ def main() -> int:
     p.add_argument("--local-queues", type=int, nargs="*", default=[], metavar="N",
                    help="one placement per N: the last --nice-pairs item with D prefilling "
                         "alone while P has N or more requests")
-    p.add_argument("--adaptive", action="store_true",
-                   help="also the adaptive cluster: P and D split at start, the planner moving "
-                        "them between split and shared cores")
+    p.add_argument("--adaptive", nargs="*", choices=("split", "shared"), default=None,
+                   metavar="START",
+                   help="also the adaptive cluster, one per START (split, shared; none given: "
+                        "split): P and D start so, the planner moving them between split and "
+                        "shared cores")
     p.add_argument("--planner-args", default="--interval 2 --patience 2 --cooldown 15",
                    help="with --adaptive: more `pd-fsm planner` flags")
     p.add_argument("--only", nargs="*", default=None, metavar="NAME",
@@ -227,6 +235,8 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=None,
                    help="also write every run's figures here (bench_perf_model.py reads it)")
     args = p.parse_args()
+    if args.adaptive == []:
+        args.adaptive = ["split"]
     chosen = placements(args)
     if args.only:
         chosen = {k: v for k, v in chosen.items()
@@ -241,8 +251,9 @@ def main() -> int:
             targets[name] = clusters[-1].urls[which]
             print(f"started {name} after {time.monotonic() - began:.0f} s", flush=True)
         trio.run(measure, targets, args)
-        if ADAPTIVE in chosen:
-            trio.run(decisions, clusters[list(chosen).index(ADAPTIVE)].urls["planner"])
+        for i, name in enumerate(chosen):
+            if "planner" in clusters[i].urls:
+                trio.run(decisions, name, clusters[i].urls["planner"])
     finally:
         for c in clusters:
             c.stop()

@@ -331,6 +331,13 @@ def test_split_under_the_planner_starts_movable_workers_and_hands_the_planner_th
     scaling = {c.name: c.argv for c in plan(_cluster("--planner", "--pd-cores", "split",
                                                      "--max-workers", "3"))}
     assert "--cpu-pools" not in scaling["prefill-0"] and "--cores" not in scaling["planner"]
+    # Shared at start: the workers on every core (their pools sized so), the planner may split.
+    shared = _cluster("--planner", "--pd-cores", "shared")
+    started = {c.name: c.argv for c in plan(shared)}
+    assert "--cpus" not in started["prefill-0"] and "--cpu-pools" not in started["decode-0"]
+    assert started["planner"][started["planner"].index("--cores") + 1] == ",".join(
+        map(str, cores))
+    assert placement_line(shared).endswith("(--pd-cores shared; the planner may split them)")
 
 
 def test_the_planner_takes_its_cores_and_refuses_a_band_upside_down() -> None:

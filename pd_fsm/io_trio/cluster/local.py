@@ -143,15 +143,18 @@ def placement_line(args: argparse.Namespace) -> str:
     mode = pd_cores(args)
     how = f"--pd-cores {mode}" if mode else "--prefill-cpus/--decode-cpus"
     if movable_cores(args):
-        how += "; the planner may make them share every core"
+        how += ("; the planner may make them share every core" if mode == "split" else
+                "; the planner may split them")
     return f"P on {where('prefill')}, D on {where('decode')} ({how})"
 
 
-def movable_cores(args: argparse.Namespace) -> bool:
-    """P and D split the cores and the planner may make them share them (``planner --cores``;
-    the workers' pools sized to every core: ``serve --cpu-pools all``)."""
+def movable_cores(args: argparse.Namespace, cores: list[int] | None = None) -> bool:
+    """The planner may move P and D between split and shared cores (``planner --cores``): with
+    the planner, two cores or more, and no ``--max-workers``. Split at start, their pools are
+    sized to every core (``serve --cpu-pools all``); shared, they are anyway."""
+    cores = usable_cores() if cores is None else cores
     return (bool(getattr(args, "planner", False)) and not getattr(args, "max_workers", 0)
-            and pd_cores(args) == "split")
+            and len(cores) >= 2 and pd_cores(args, cores) in ("split", "shared"))
 
 
 def role_nices(args: argparse.Namespace) -> dict[str, int | None]:
@@ -346,7 +349,7 @@ def _planner_child(args: argparse.Namespace, tls: TLS, ports: _Ports, workers: l
     # comes after, so its own --prefill-nices wins ("" turns the lever off).
     steps = prefill_nice_steps(role_nices(args))
     lever = ["--prefill-nices", ",".join(map(str, steps))] if steps else []
-    if movable_cores(args):  # and the cores lever, P and D split at start
+    if movable_cores(args):  # and the cores lever
         lever += ["--cores", cpu_list(frozenset(usable_cores()))]
     max_workers = getattr(args, "max_workers", 0)
     if max_workers:
