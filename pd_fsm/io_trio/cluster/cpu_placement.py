@@ -184,10 +184,14 @@ class CorePlacement:
         self.available = available
         self.cpus = cpus
 
+    def unavailable(self, cpus: frozenset[int]) -> list[int]:
+        """The cores of ``cpus`` this worker may not be moved to."""
+        return sorted(cpus - self.available)
+
     def move_to(self, cpus: frozenset[int], why: str) -> int:
         """Every thread to ``cpus``; returns how many moved. Cores it may not use are a
         ValueError naming them, checked first: nothing moves."""
-        missing = sorted(cpus - self.available)
+        missing = self.unavailable(cpus)
         if not cpus or missing:
             raise ValueError(f"cores {missing or '[]'} are not available to this worker (it "
                              f"may use {cpu_list(self.available)})")

@@ -84,9 +84,10 @@ class Scrape:
         """The share of the window since ``earlier`` its scheduler's steps ran (0 with no
         earlier scrape, or a worker that restarted meanwhile)."""
         key = "step_seconds_total"
-        if earlier is None or self.at <= earlier.at or key not in self.gauges:
+        if (earlier is None or self.at <= earlier.at or key not in self.gauges
+                or key not in earlier.gauges):
             return 0.0
-        ran = self.gauges[key] - earlier.gauges.get(key, math.inf)
+        ran = self.gauges[key] - earlier.gauges[key]  # negative after a restart: 0 below
         return max(0.0, min(1.0, ran / (self.at - earlier.at)))
 
     def snapshot(self, worker: str, earlier: Scrape | None) -> WorkerSnapshot | None:

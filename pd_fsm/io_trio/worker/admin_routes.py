@@ -114,13 +114,13 @@ class AdminRoutes:
             raise ApiError(400, "an instance spanning processes (--nnodes > 1) cannot move its "
                                 "cores at runtime: each rank is a process of its own")
         cores = self._state.roles.cores
-        if not cpus <= cores.available:
+        missing = cores.unavailable(cpus)
+        if missing:  # refused here, not by move_to: the answer says why the worker is so bound
             pools = ("" if c.cpus is None or c.cpu_pools == "all" else
                      f" (started pinned with --cpus {c.cpus}: its pools are sized to them; "
                      "start it with --cpu-pools all to move it wider)")
-            raise ApiError(400, f"body.cpus {spec!r}: cores "
-                                f"{sorted(cpus - cores.available)} are not this worker's; it "
-                                f"may use {cpu_list(cores.available)}{pools}")
+            raise ApiError(400, f"body.cpus {spec!r}: cores {missing} are not this worker's; "
+                                f"it may use {cpu_list(cores.available)}{pools}")
         moved = cores.move_to(cpus, "POST /set_cpus")
         return JSONResponse({"cpus": sorted(cpus), "threads": moved})
 
