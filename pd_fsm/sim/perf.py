@@ -24,9 +24,11 @@ What is modelled, after the real scheduler (``schedulers/scheduler.py``) and PD 
   modelled, a 788-token prompt was costed as one 1,024-token forward — 5.3 s on two cores
   against two chunks' 1.1 s and the 2.0 s measured — and PD shared was predicted at -65 % of
   its measured goodput; see bench/RESULTS_adaptive.md.)
-- A step keeps busy only the cores it can use: its speed-up from one core to all of the
-  worker's (a two-core decode step at batch 1 runs ~1.1x a one-core one); what it leaves goes
-  to the other workers on those cores by nice weight.
+- A step keeps busy the cores the profile measured it keeping busy (CPU over wall seconds;
+  a two-core decode step at batch 1 keeps 1.4 cores busy while running no faster than on one:
+  XLA's pool threads spin); what it leaves goes to the other workers on those cores by nice
+  weight. With a profile measured before those figures were recorded, a step keeps busy only
+  its speed-up from one core to all of the worker's (~1.1 cores for that step).
 
 Not modelled: the proxy and HTTP (a few ms), a chunk's attention over the chunks before it
 (the profile's prefill has no context), the radix cache, XLA's serial fractions beyond what
@@ -110,11 +112,15 @@ class _Job:
 
     alone_s: float  # its time with the worker's whole share of cores
     slow_s: float  # its time on one core
+    busy_s: float | None = None  # core-seconds it keeps busy alone (None: not profiled)
     left: float = 1.0
     chunks: list[tuple[Request, int]] = attrs.field(factory=list)  # prompt tokens per row
     prefilled: list[Request] = attrs.field(factory=list)  # rows whose prompt this step ends
     decoded: list[Request] = attrs.field(factory=list)
     scattered: list[Request] = attrs.field(factory=list)
+
+
+_BUSY = {"prefill_s": "prefill_busy_cores", "decode_s": "decode_busy_cores"}
 
 
 class Worker:
@@ -146,10 +152,15 @@ class Worker:
     def pages_for(self, r: Request) -> int:
         return -(-(r.prompt + r.out) // self.profile.page_size)
 
-    def _cost(self, of: str, *a: float) -> tuple[float, float]:
-        """(seconds on this worker's cores alone, seconds on one core)."""
+    def _cost(self, job: _Job, of: str, *a: float) -> None:
+        """Add to ``job`` the cost of ``of`` (a CoreProfile method): seconds on this worker's
+        cores alone, on one core, and the core-seconds it keeps busy (a copy: one core)."""
         fast = getattr(self.fast, of)(*a)
-        return fast, getattr(self.slow, of)(*a)
+        job.alone_s += fast
+        job.slow_s += getattr(self.slow, of)(*a)
+        if job.busy_s is not None:
+            busy = getattr(self.fast, _BUSY[of])(*a) if of in _BUSY else 1.0
+            job.busy_s += fast * min(busy, self.cores)
 
     def _prefill_rows(self, job: _Job) -> int:
         """Fill ``job.chunks`` as the real plan_prefill (schedulers/plan.py) does: rows FIFO,
@@ -182,8 +193,7 @@ class Worker:
 
     def next_job(self, now: float) -> _Job | None:
         """The next step's work, as the real loop would build it now (None: nothing to do)."""
-        alone = slow = 0.0
-        job = _Job(0.0, 0.0)
+        job = _Job(0.0, 0.0, 0.0 if self.fast.measured_busy else None)
         kv = self.profile.kv_bytes_per_token
         if self.role == "decode":
             for r in [r for r in self.arriving if r.kv_ready <= now]:
@@ -191,33 +201,26 @@ class Worker:
                     break
                 self.arriving.remove(r)
                 self.pages_free -= self.pages_for(r)
-                a, s = self._cost("copy_s", r.prompt * kv)  # scatter
-                alone, slow = alone + a, slow + s
+                self._cost(job, "copy_s", r.prompt * kv)  # scatter
                 job.scattered.append(r)
         if self.waiting:  # prompts to prefill: P's, colocated's, a D's under local prefill
             longest = self._prefill_rows(job)
             if job.chunks:
                 padded = bucket(len(job.chunks)) * bucket(longest, 16)
-                a, s = self._cost("prefill_s", padded)
-                alone, slow = alone + a, slow + s
+                self._cost(job, "prefill_s", padded)
                 job.prefilled = [r for r, n in job.chunks if r.prefilled + n == r.prompt]
                 for r in job.prefilled:  # out of the queue (one with chunks to go stays first)
                     self.waiting.remove(r)
             if self.role == "prefill":  # P gathers each chunk's KV for its pull
                 for _, n in job.chunks:
-                    a, s = self._cost("copy_s", n * kv)
-                    alone, slow = alone + a, slow + s
+                    self._cost(job, "copy_s", n * kv)
         decoding = list(self.running) + (job.prefilled if self.role != "prefill" else [])
         decoding += job.scattered
         if decoding:
             context = sum(r.prompt + len(r.token_times) for r in decoding) / len(decoding)
-            a, s = self._cost("decode_s", len(decoding), context)
-            alone, slow = alone + a, slow + s
+            self._cost(job, "decode_s", len(decoding), context)
             job.decoded = decoding
-        if not (job.chunks or job.decoded):
-            return None
-        job.alone_s, job.slow_s = alone, slow
-        return job
+        return job if job.chunks or job.decoded else None
 
     def finish(self, job: _Job, now: float, pick_decode: Callable[[Request], Worker] | None
                ) -> list[Request]:
@@ -263,11 +266,16 @@ PAGES = 255  # usable pages per worker (the benches' --num-pages 256, less the n
 
 
 def _demand(w: Worker) -> float:
-    """The cores ``w``'s step keeps busy: its speed-up from one core to all of its cores (a
-    step that runs 1.2x faster on two cores than on one leaves most of the second idle)."""
+    """The cores ``w``'s step keeps busy: as profiled, else its speed-up from one core to all
+    of its cores (a step that runs 1.2x faster on two cores than on one leaves most of the
+    second idle)."""
     job = w.job
     assert job is not None
-    if job.slow_s <= 0 or job.alone_s <= 0:
+    if job.alone_s <= 0:
+        return float(w.cores)
+    if job.busy_s is not None:
+        return min(float(w.cores), max(1.0, job.busy_s / job.alone_s))
+    if job.slow_s <= 0:
         return float(w.cores)
     return min(float(w.cores), max(1.0, job.slow_s / job.alone_s))
 

@@ -6,6 +6,12 @@ no JAX here, so the model runs anywhere.
 A profile holds one ``CoreProfile`` per core count it was measured with (``pd-fsm profile
 --cpus 0`` and ``--cpus 0-1`` merged into one file): a pinned P or D runs on one core, a
 colocated worker on all of them.
+
+Since 2026-12-04 a profile also records how many cores each prefill and decode step kept busy
+(the process's CPU seconds over the step's wall seconds). It is not the step's speed-up: XLA's
+pool threads spin while they wait for work, so a batch-1 decode step on two cores ran no faster
+than on one (27 vs 25 ms) yet kept 1.42 cores busy, and a worker sharing those cores gets only
+what is left. Profiles measured before hold no such figures; the model then takes the speed-up.
 """
 
 from __future__ import annotations
@@ -35,28 +41,47 @@ def interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
     return max(y, 0.0)
 
 
+def _by_rows_then_context(points: Sequence[tuple[int, int, float]], rows: int,
+                          context: float) -> float:
+    """``points`` of (rows, context, value) interpolated over rows at each measured context,
+    then over context."""
+    contexts = sorted({c for _, c, _ in points})
+    by_context = [(float(c), interpolate(
+        [(float(b), v) for b, cc, v in sorted(points) if cc == c], rows)) for c in contexts]
+    return interpolate(by_context, context)
+
+
 @attrs.frozen
 class CoreProfile:
     """Costs on ``cores`` cores, in seconds: a one-row prefill by prompt tokens; a decode step
     by batch rows at two or more context lengths; a device copy (gather / scatter) and a
-    loopback pull by bytes."""
+    loopback pull by bytes. ``prefill_busy`` and ``decode_busy`` are the cores those steps kept
+    busy, by the same keys (empty in profiles measured before they were recorded)."""
 
     cores: int
     prefill: tuple[tuple[int, float], ...]  # (prompt tokens, seconds)
     decode: tuple[tuple[int, int, float], ...]  # (batch rows, context tokens, seconds)
     copy: tuple[tuple[int, float], ...]  # (bytes, seconds)
     pull: tuple[tuple[int, float], ...]  # (bytes, seconds)
+    prefill_busy: tuple[tuple[int, float], ...] = ()  # (prompt tokens, cores busy)
+    decode_busy: tuple[tuple[int, int, float], ...] = ()  # (batch rows, context, cores busy)
+
+    @property
+    def measured_busy(self) -> bool:
+        return bool(self.prefill_busy and self.decode_busy)
 
     def prefill_s(self, tokens: int) -> float:
         return interpolate([(float(t), s) for t, s in self.prefill], tokens)
 
     def decode_s(self, rows: int, context: float) -> float:
         """Interpolated over rows at each measured context, then over context."""
-        contexts = sorted({c for _, c, _ in self.decode})
-        by_context = [(float(c), interpolate(
-            [(float(b), s) for b, cc, s in sorted(self.decode) if cc == c], rows))
-            for c in contexts]
-        return interpolate(by_context, context)
+        return _by_rows_then_context(self.decode, rows, context)
+
+    def prefill_busy_cores(self, tokens: int) -> float:
+        return interpolate([(float(t), c) for t, c in self.prefill_busy], tokens)
+
+    def decode_busy_cores(self, rows: int, context: float) -> float:
+        return _by_rows_then_context(self.decode_busy, rows, context)
 
     def copy_s(self, n_bytes: int) -> float:
         return interpolate([(float(b), s) for b, s in self.copy], n_bytes)
@@ -103,6 +128,8 @@ class Profile:
             decode=tuple((int(b), int(x), float(s)) for b, x, s in c["decode"]),
             copy=tuple((int(b), float(s)) for b, s in c["copy"]),
             pull=tuple((int(b), float(s)) for b, s in c["pull"]),
+            prefill_busy=tuple((int(t), float(n)) for t, n in c.get("prefill_busy", ())),
+            decode_busy=tuple((int(b), int(x), float(n)) for b, x, n in c.get("decode_busy", ())),
         ) for c in raw["by_cores"])
         return cls(model=str(raw["model"]), kv_bytes_per_token=int(raw["kv_bytes_per_token"]),
                    page_size=int(raw["page_size"]),

@@ -6,7 +6,10 @@ cores it is given (``--cpus``, set before JAX starts: XLA sizes its pools from t
 - a prefill of one prompt of each length (the step that prefills a request of one output token);
 - a decode step by batch rows at two context lengths (every row in the decode batch);
 - a device copy of a KV-sized buffer (what gather and scatter move) and a pull of it through
-  ``jax.experimental.transfer`` over loopback, by bytes.
+  ``jax.experimental.transfer`` over loopback, by bytes;
+- for each prefill and decode shape, the cores it kept busy: the process's CPU seconds over the
+  wall seconds (XLA's pool threads spin while they wait, so a step keeps more cores busy than
+  its speed-up says, and a worker sharing those cores gets less).
 
 Each shape runs once unmeasured (its compile), then ``--repeats`` times; the median is kept.
 ``--merge FILE`` adds this run's core count to an existing profile, so one file holds the
@@ -18,6 +21,7 @@ pinned (one core) and the colocated (all cores) costs:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import statistics
@@ -26,6 +30,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import attrs
 
 from pd_fsm.io_trio.cluster.cpu_placement import parse_cpus, pin_to
 from pd_fsm.sim.perf_profile import CoreProfile, Profile
@@ -46,16 +52,45 @@ def _median(fn: Callable[[], float], repeats: int) -> float:
     return statistics.median(fn() for _ in range(repeats))
 
 
+def _timed(fn: Callable[[], Lap], repeats: int) -> tuple[float, float]:
+    """(median wall seconds, cores busy over all the timed runs) of ``fn`` after its compile."""
+    fn()
+    laps = [fn() for _ in range(repeats)]
+    return (statistics.median(lap.wall for lap in laps),
+            sum(lap.cpu for lap in laps) / max(sum(lap.wall for lap in laps), 1e-9))
+
+
+@attrs.frozen
+class Lap:
+    """Wall and CPU seconds (every thread of this process) of one timed run."""
+
+    wall: float
+    cpu: float
+
+
+@contextlib.contextmanager
+def _lap() -> Iterator[list[Lap]]:
+    """Time the block: the one Lap appears in the yielded list when it ends."""
+    out: list[Lap] = []
+    wall, cpu = time.perf_counter(), time.process_time()
+    yield out
+    out.append(Lap(time.perf_counter() - wall, time.process_time() - cpu))
+
+
 def _measure(args: argparse.Namespace) -> Profile:
     import jax.numpy as jnp
 
     timer = _EngineTimer(args)
-    rows = [(n, _median(functools.partial(timer.prefill, n), args.repeats))
-            for n in args.prefill_tokens]
-    print(f"prefill: {rows}", flush=True)
-    steps = [(b, c, _median(functools.partial(timer.decode, b, c), args.repeats))
-             for c in args.decode_contexts for b in args.decode_rows]
-    print(f"decode: {steps}", flush=True)
+    prefills = {n: _timed(functools.partial(timer.prefill, n), args.repeats)
+                for n in args.prefill_tokens}
+    rows = [(n, s) for n, (s, _) in prefills.items()]
+    print(f"prefill: {rows}\nprefill cores busy: "
+          f"{[(n, round(b, 2)) for n, (_, b) in prefills.items()]}", flush=True)
+    decodes = {(b, c): _timed(functools.partial(timer.decode, b, c), args.repeats)
+               for c in args.decode_contexts for b in args.decode_rows}
+    steps = [(b, c, s) for (b, c), (s, _) in decodes.items()]
+    print(f"decode: {steps}\ndecode cores busy: "
+          f"{[(b, c, round(n, 2)) for (b, c), (_, n) in decodes.items()]}", flush=True)
     copies, pulls = _kv_moves(args)
     print(f"copy: {copies}\npull: {pulls}", flush=True)
     sched, cfg = timer.sched, timer.sched.config
@@ -65,7 +100,9 @@ def _measure(args: argparse.Namespace) -> Profile:
                    page_size=sched.args.page_size, max_batched_tokens=args.max_batched_tokens,
                    max_running=args.max_running, by_cores=(CoreProfile(
                        cores=len(os.sched_getaffinity(0)), prefill=tuple(rows),
-                       decode=tuple(steps), copy=tuple(copies), pull=tuple(pulls)),))
+                       decode=tuple(steps), copy=tuple(copies), pull=tuple(pulls),
+                       prefill_busy=tuple((n, b) for n, (_, b) in prefills.items()),
+                       decode_busy=tuple((r, c, b) for (r, c), (_, b) in decodes.items())),))
 
 
 class _EngineTimer:
@@ -85,20 +122,21 @@ class _EngineTimer:
         vocab = self.sched.config.vocab_size
         return [(7 * i + 3) % (vocab - 1) + 1 for i in range(n)]
 
-    def prefill(self, n: int) -> float:
-        """Seconds to prefill one prompt of ``n`` tokens (a request of one output token)."""
+    def prefill(self, n: int) -> Lap:
+        """Prefill one prompt of ``n`` tokens (a request of one output token)."""
         from pd_fsm.jax_engine.sampling.params import SamplingParams
 
         sched = self.sched
         sched.add_request(sched.make_request(f"p{next(self._rid)}", self._prompt(n),
                                              SamplingParams(max_new_tokens=1, temperature=0.0,
                                                             ignore_eos=True)))
-        start = time.perf_counter()
-        sched.run_until_idle()
-        return time.perf_counter() - start
+        with _lap() as lap:
+            sched.run_until_idle()
+        return lap[0]
 
-    def decode(self, rows: int, context: int) -> float:
-        """The median seconds of a decode step of ``rows`` rows at ``context`` tokens each."""
+    def decode(self, rows: int, context: int) -> Lap:
+        """A decode step of ``rows`` rows at ``context`` tokens each: the median step's wall
+        seconds, and the CPU seconds of a step of the eight timed (their mean)."""
         from pd_fsm.jax_engine.sampling.params import SamplingParams
 
         sched = self.sched
@@ -110,13 +148,14 @@ class _EngineTimer:
             sched.step()
         laps = []
         for _ in range(8):
-            start = time.perf_counter()
-            sched.step()
-            laps.append(time.perf_counter() - start)
+            with _lap() as lap:
+                sched.step()
+            laps += lap
         for req in list(sched.running):
             sched.abort(req.rid)
         sched.drain_outputs()
-        return statistics.median(laps)
+        wall = statistics.median(lap.wall for lap in laps)
+        return Lap(wall, wall * sum(lap.cpu for lap in laps) / sum(lap.wall for lap in laps))
 
 
 def _kv_moves(args: argparse.Namespace) -> tuple[list[tuple[int, float]],

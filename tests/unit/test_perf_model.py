@@ -3,6 +3,7 @@ out by hand: the model must reproduce them, and order placements the way the cos
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -94,6 +95,23 @@ def test_a_step_keeps_busy_only_the_cores_it_can_use() -> None:
     assert max(_gaps(decoding)) < 0.030  # D keeps its core: steps of 20-25 ms
 
 
+def test_a_step_keeps_busy_the_cores_the_profile_measured() -> None:
+    # The same flat decode step, but profiled keeping 1.5 cores busy (XLA's threads spin): D,
+    # far above P, takes 1.5 of the two cores while it steps, and P's prefill gets the half
+    # core left instead of a whole one, so its first token comes later. A profile that says
+    # the step keeps one core busy gives the speed-up's answer again.
+    def with_busy(decode_busy: float) -> Request:
+        flat = attrs.evolve(TWO, decode=ONE.decode, prefill_busy=((16, 2.0), (1024, 2.0)),
+                            decode_busy=((1, 64, decode_busy), (8, 64, decode_busy)))
+        profile = attrs.evolve(PROFILE, by_cores=(ONE, flat))
+        return simulate(profile, PRIORITY, [Request(0.0, 64, 200), Request(0.3, 512, 2)])[1]
+
+    gathers = 3 * 512 * 1024 / (1 << 30) / 2
+    assert with_busy(1.0).ttft == pytest.approx(0.512 + gathers, abs=0.06)  # as without
+    assert with_busy(1.5).ttft > 1.5 * with_busy(1.0).ttft
+    assert with_busy(2.0).ttft > with_busy(1.5).ttft
+
+
 def test_priorities_let_d_take_the_cores_from_p() -> None:
     # A long prompt arrives while another request decodes: with equal priority D's steps slow
     # to P's share; with D far above P they keep (almost) their speed.
@@ -143,12 +161,20 @@ def test_more_load_than_capacity_loses_goodput() -> None:
 def test_profile_round_trips_and_merges(tmp_path: Path) -> None:
     one = Profile(model="m", kv_bytes_per_token=8, page_size=16, max_batched_tokens=1024,
                   max_running=8, by_cores=(ONE,))
+    busy = attrs.evolve(TWO, prefill_busy=((16, 1.7),), decode_busy=((1, 64, 1.4),))
     two = Profile(model="m", kv_bytes_per_token=8, page_size=16, max_batched_tokens=1024,
-                  max_running=8, by_cores=(TWO,))
+                  max_running=8, by_cores=(busy,))
     both = one.merged(two)
     both.dump(tmp_path / "p.json")
     back = Profile.load(tmp_path / "p.json")
-    assert back == both and back.on(1) == ONE and back.on(2) == TWO and back.on(16) == TWO
+    assert back == both and back.on(1) == ONE and back.on(2) == busy and back.on(16) == busy
+    assert back.on(2).measured_busy and not back.on(1).measured_busy
+    # A profile written before busy cores were recorded reads as one without them.
+    raw = json.loads((tmp_path / "p.json").read_text())
+    for c in raw["by_cores"]:
+        c.pop("prefill_busy"), c.pop("decode_busy")
+    (tmp_path / "old.json").write_text(json.dumps(raw))
+    assert Profile.load(tmp_path / "old.json").on(2) == TWO
     other = Profile(model="n", kv_bytes_per_token=8, page_size=16, max_batched_tokens=1024,
                     max_running=8, by_cores=(TWO,))
     with pytest.raises(ValueError, match="different models"):
@@ -173,6 +199,11 @@ def test_profile_measures_the_real_engine(tmp_path: Path) -> None:
     assert [t for t, _ in core.prefill] == [16, 64] and all(s > 0 for _, s in core.prefill)
     assert [(b, c) for b, c, _ in core.decode] == [(1, 32), (2, 32)]
     assert all(s > 0 for *_, s in core.decode) and core.pull[0][1] > 0
+    # Cores kept busy: CPU over wall seconds, for every prefill and decode shape.
+    assert [t for t, _ in core.prefill_busy] == [16, 64]
+    assert [(b, c) for b, c, _ in core.decode_busy] == [(1, 32), (2, 32)]
+    assert all(n > 0.1 for _, n in core.prefill_busy)
+    assert all(n > 0.1 for *_, n in core.decode_busy)
     assert profile.kv_bytes_per_token > 0
     (r,) = simulate(profile, COLOCATED, [Request(0.0, 40, 3)])
     assert len(r.token_times) == 3 and r.ttft > 0
