@@ -70,7 +70,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_placement import COLOCATED, PINNED, nice_placement, placements, start  # bench/
+from bench_placement import (  # bench/
+    COLOCATED,
+    PINNED,
+    nice_flags,
+    nice_placement,
+    placements,
+    start,
+)
 from bench_serving import _compiles_after_ready, _load_args, goodput  # bench/
 
 from pd_fsm.io_trio.bench_client import Prompt, Result, Summary, _words, run_load
@@ -82,6 +89,9 @@ ADAPTIVE = "adaptive (--planner)"
 # The same cluster whose planner only decides (--dry-run): what the adaptive cluster measures
 # without acting, so a gap between the two is the planner's and not the cluster's own
 # (--control; RESULTS_adaptive.md run 4 saw a gap before the first decision).
+# The static PD-shared placement: D's pools of one thread, `pd-fsm cluster --pd-cores shared`'s
+# default since RESULTS_placement.md run 12 (runs 1-8 here measured D's pools of two).
+SHARED_D_THREADS = 1
 CONTROL = "adaptive cluster, planner --dry-run (control)"
 WORKER_PREFIXES = ("prefill-", "decode-", "colocated")
 
@@ -456,7 +466,7 @@ def static_fields(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     fields): ``bench_perf_model.py --measured`` predicts this run's figures from them."""
     static = placements(argparse.Namespace(nice_pairs=[], local_queues=[]))
     p, d = (int(x) for x in args.nice.split(","))
-    nice_name, (_, _, nice_fields) = nice_placement(p, d)
+    nice_name, (_, _, nice_fields) = nice_placement(p, d, SHARED_D_THREADS)
     return {COLOCATED: static[COLOCATED][2], PINNED: static[PINNED][2], nice_name: nice_fields}
 
 
@@ -464,18 +474,20 @@ def chosen_placements(args: argparse.Namespace) -> dict[str, tuple[list[str], st
     """name -> (the cluster's flags, which of its URLs takes the requests)."""
     static = placements(argparse.Namespace(nice_pairs=[], local_queues=[]))
     p, d = (int(x) for x in args.nice.split(","))
-    nice_name, (nice_flags, _, _) = nice_placement(p, d)
+    nice_name, (shared_flags, _, _) = nice_placement(p, d, SHARED_D_THREADS)
     n_p, n_d = (int(x) for x in args.adaptive_workers.split(","))
-    # Split: the cluster passes the planner --cores (its cores lever) and the same nice values.
-    adaptive_flags = (nice_flags if args.adaptive_cores == "shared" else
-                      ["--pd-cores", "split", *nice_flags[nice_flags.index("--prefill-nice"):]])
+    # The cluster passes the planner --cores (its cores lever) and the same nice values; its
+    # pools are the cluster's own choice (D's of one thread, P's of every core when split).
+    adaptive_flags = nice_flags(p, d)
+    if args.adaptive_cores == "split":
+        adaptive_flags[adaptive_flags.index("shared")] = "split"
     # Paused until the warm-up is over (measure() resumes it): the warm-up's burst of every
     # shape is not the workload, and in run 2 it had merged both workers before measuring began.
     planner_args = (f"--ttft-slo {args.slo_ttft:g} --itl-slo {args.slo_tpot:g} --paused "
                     f"{args.planner_args}")
     out = {COLOCATED: (static[COLOCATED][0], static[COLOCATED][1]),
            PINNED: (static[PINNED][0], static[PINNED][1]),
-           nice_name: (nice_flags, "proxy"),
+           nice_name: (shared_flags, "proxy"),
            ADAPTIVE: (["--planner", "--prefill", str(n_p), "--decode", str(n_d),
                        *adaptive_flags, "--planner-args", planner_args], "proxy")}
     if args.control:

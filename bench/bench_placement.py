@@ -9,7 +9,13 @@ left idle while another is measured):
                                                              what `--pd-cores split` gives here)
     PD shared          P and D on every core, equal priority (--pd-cores shared, nice 0 and 0)
     PD shared, nice    P and D on every core, P at nice P, D at nice D (--pd-cores shared
-                       --prefill-nice P --decode-nice D; one placement per --nice-pairs item)
+                       --prefill-nice P --decode-nice D; one placement per --nice-pairs item),
+                       D's pools sized to both cores (--decode-cpu-pools all), as in runs 1-12
+    ... D pools of N   the last nice pair, D's XLA pools of N threads on every core
+                       (--decode-cpu-pools N; one placement per --decode-pools item): XLA's
+                       idle pool threads spin, so a two-thread D keeps ~1.5 cores busy
+                       even at batch 1 and P gets the rest. One thread is `pd-fsm cluster
+                       --pd-cores shared`'s default since run 12
     ... local prefill  the last nice pair, and conditional disaggregation by P's queue: D
                        prefills a prompt itself while P has N or more requests (Dynamo's
                        max_prefill_queue_size; --proxy-args "--local-prefill-queue N"; one
@@ -68,11 +74,19 @@ Spec = tuple[list[str], str, dict[str, Any] | None]
 WARM_SEED = 1_000_000  # the warm-up's prompts: a seed no measured set takes
 
 
-def nice_placement(p: int, d: int) -> tuple[str, Spec]:
-    """P and D on every core, P at nice ``p`` and D at nice ``d``: its name and spec."""
-    return (f"PD shared, nice P {p:+d} / D {d:+d}",
-            (["--pd-cores", "shared", "--prefill-nice", str(p), "--decode-nice", str(d)], "proxy",
-             {"shared": True, "nice_p": p, "nice_d": d}))
+def nice_flags(p: int, d: int) -> list[str]:
+    return ["--pd-cores", "shared", "--prefill-nice", str(p), "--decode-nice", str(d)]
+
+
+def nice_placement(p: int, d: int, threads: int = 0) -> tuple[str, Spec]:
+    """P and D on every core, P at nice ``p`` and D at nice ``d``, D's pools sized to every
+    core (as in runs 1-12; the cluster's default since run 12 is one thread) or of ``threads``:
+    its name and spec."""
+    name = f"PD shared, nice P {p:+d} / D {d:+d}"
+    if threads:
+        name += f", D pools of {threads} thread{'s' * (threads > 1)}"
+    return (name, ([*nice_flags(p, d), "--decode-cpu-pools", str(threads or "all")], "proxy",
+                   {"shared": True, "nice_p": p, "nice_d": d, "decode_threads": threads}))
 
 
 def local_placement(p: int, d: int, queue: int) -> tuple[str, Spec]:
@@ -100,6 +114,9 @@ def placements(args: argparse.Namespace) -> dict[str, Spec]:
         out[name] = spec
     for queue in args.local_queues if args.nice_pairs else []:  # on the last pair's p and d
         name, spec = local_placement(p, d, queue)
+        out[name] = spec
+    for threads in args.decode_pools if args.nice_pairs else []:  # the last pair's p and d
+        name, spec = nice_placement(p, d, threads)
         out[name] = spec
     for start in getattr(args, "adaptive", None) or []:
         p, d = (int(x) for x in (args.nice_pairs or ["10,-5"])[-1].split(","))
@@ -150,7 +167,7 @@ async def decisions(name: str, planner: str) -> None:
 async def measure(targets: dict[str, str], args: argparse.Namespace) -> None:
     record: dict[str, Any] = {"settings": {k: getattr(args, k) for k in (
         "model", "dataset", "num_prompts", "max_tokens", "seed", "rates", "repeats",
-        "local_queues",
+        "local_queues", "decode_pools",
         "slo_ttft", "slo_tpot", "tight_tpot")},
         "placements": {name: args.placement_fields[name] for name in targets},
         "runs": []}
@@ -220,6 +237,9 @@ def main() -> int:
     p.add_argument("--local-queues", type=int, nargs="*", default=[], metavar="N",
                    help="one placement per N: the last --nice-pairs item with D prefilling "
                         "alone while P has N or more requests")
+    p.add_argument("--decode-pools", type=int, nargs="*", default=[], metavar="N",
+                   help="PD shared at the last nice pair with D's XLA pools of N threads "
+                        "(pd-fsm cluster --decode-cpu-pools N), one placement each")
     p.add_argument("--adaptive", nargs="*", choices=("split", "shared"), default=None,
                    metavar="START",
                    help="also the adaptive cluster, one per START (split, shared; none given: "

@@ -82,6 +82,9 @@ class Placement:
     # request arriving while P holds N or more goes to D, which prefills it itself, as a
     # colocated worker would; 0: off.
     local_prefill_queue: int = 0
+    # D's XLA pool threads (`pd-fsm serve --cpu-pools N`; 0: its cores): with one on shared
+    # cores, D steps at one core's speed and keeps one busy, leaving P the rest.
+    decode_threads: int = 0
 
 
 @attrs.define(eq=False)
@@ -329,7 +332,8 @@ def simulate(profile: Profile, placement: Placement, requests: Sequence[Request]
         half = placement.cores if placement.shared else max(placement.cores // 2, 1)
         p = Worker("prefill", profile, half, placement.nice_p,
                    stream_tokens=placement.stream_tokens)
-        d = Worker("decode", profile, half, placement.nice_d)
+        d = Worker("decode", profile, min(half, placement.decode_threads or half),
+                   placement.nice_d)
         workers = [p, d]
     entry = workers[0]
 

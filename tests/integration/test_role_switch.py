@@ -44,10 +44,12 @@ from tests.integration.failure_support import (
 )
 
 ROLES = ["--roles", "prefill,decode", "--drain-timeout", "20"]
-# c's pools sized to every core, its threads pinned to the first once they exist (the planner's
-# cores lever, POST /set_cpus), where this machine lets the test use two cores or more.
+# c on the first core with pools of one thread (`--cpu-pools 1`, as `pd-fsm cluster` starts a
+# D beside P on shared cores), movable to every core it had at start (the planner's cores
+# lever, POST /set_cpus), where this machine lets the test use two cores or more. `--cpu-pools
+# all` (the same after load) is what the planner's clusters start (test_observability).
 CORES = sorted(os.sched_getaffinity(0))
-C_CORES = ["--cpus", str(CORES[0]), "--cpu-pools", "all"] if len(CORES) >= 2 else []
+C_CORES = ["--cpus", str(CORES[0]), "--cpu-pools", "1"] if len(CORES) >= 2 else []
 # d's side-channel port, for its prefill role: the test holds it, so that role cannot start.
 D_SIDE_PORT = free_port()
 
@@ -214,9 +216,10 @@ def thread_cpus(pid: int) -> set[frozenset[int]]:
 async def test_set_cpus_moves_every_thread_within_the_cores_the_worker_had_at_start(
     fleet: Fleet,
 ) -> None:
-    """The planner's cores lever: a worker started with --cpu-pools all is pinned to --cpus once
-    its pools exist (every thread), POST /set_cpus moves every thread, /server_info reports the
-    cores, and what it cannot do is refused by name, moving nothing."""
+    """The planner's cores lever: a worker whose pools are not sized to --cpus (here one
+    thread) is on --cpus once its pools exist (every thread), POST /set_cpus moves every thread
+    within the cores it had at start, /server_info reports the cores, and what it cannot do is
+    refused by name, moving nothing."""
     c, first, every = fleet["c"], str(CORES[0]), ",".join(map(str, CORES))
     one, all_cores = frozenset(CORES[:1]), frozenset(CORES)
     async with httpx.AsyncClient(timeout=30) as http:

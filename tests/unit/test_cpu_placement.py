@@ -308,12 +308,14 @@ def test_split_under_the_planner_starts_movable_workers_and_hands_the_planner_th
     want = split_cores(cores)
     args = _cluster("--planner", "--colocated")  # split by default with two cores or more
     argv = {child.name: child.argv for child in plan(args)}
-    for name, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+    # POST /set_cpus may widen either: P's pools sized to every core, D's of one thread (its
+    # idle threads would spin on the core P is given when they share).
+    for name, role, pools in (("prefill-0", "prefill", "all"), ("decode-0", "decode", "1")):
         a = argv[name]
         assert a[a.index("--cpus") + 1] == want[role]
-        assert a[a.index("--cpu-pools") + 1] == "all", a  # POST /set_cpus may widen it
+        assert a[a.index("--cpu-pools") + 1] == pools, a
         config = config_from_args(build_parser(a[3:]).parse_args(a[3:]))
-        assert config.cpu_pools == "all"
+        assert config.cpu_pools == pools
     assert "--cpu-pools" not in argv["colocated"]
     # D above P as on shared cores, since the planner may make them share; both levers.
     d = "-5" if may_take_nice(-5) else "0"
@@ -334,10 +336,38 @@ def test_split_under_the_planner_starts_movable_workers_and_hands_the_planner_th
     # Shared at start: the workers on every core (their pools sized so), the planner may split.
     shared = _cluster("--planner", "--pd-cores", "shared")
     started = {c.name: c.argv for c in plan(shared)}
-    assert "--cpus" not in started["prefill-0"] and "--cpu-pools" not in started["decode-0"]
+    assert "--cpus" not in started["prefill-0"] and "--cpu-pools" not in started["prefill-0"]
+    d_argv = started["decode-0"]
+    assert d_argv[d_argv.index("--cpus") + 1] == ",".join(map(str, cores))
+    assert d_argv[d_argv.index("--cpu-pools") + 1] == "1"
     assert started["planner"][started["planner"].index("--cores") + 1] == ",".join(
         map(str, cores))
     assert placement_line(shared).endswith("(--pd-cores shared; the planner may split them)")
+
+
+def test_a_role_s_pools_of_n_threads_run_on_every_core_or_on_its_own() -> None:
+    # D on one-thread pools beside P on shared cores: --cpus every core (a thread count needs
+    # the cores it runs on), --cpu-pools 1; given its own cores, it keeps them.
+    cores = sorted(os.sched_getaffinity(0))
+    shared = _cluster("--pd-cores", "shared", "--decode-cpu-pools", "1")
+    argv = {child.name: child.argv for child in plan(shared)}
+    d = argv["decode-0"]
+    assert d[d.index("--cpus") + 1] == ",".join(map(str, cores))
+    assert d[d.index("--cpu-pools") + 1] == "1"
+    config = config_from_args(build_parser(d[3:]).parse_args(d[3:]))
+    assert (config.cpu_pools, config.cpus) == ("1", ",".join(map(str, cores)))
+    assert "--cpu-pools" not in argv["prefill-0"] and "--cpus" not in argv["prefill-0"]
+    assert "D on every core (1-thread pools) at nice" in placement_line(shared)
+    # One thread is shared cores' default; D's pools of every core as before, when asked.
+    default = {c.name: c.argv for c in plan(_cluster("--pd-cores", "shared"))}["decode-0"]
+    assert default[default.index("--cpu-pools") + 1] == "1"
+    wide = {c.name: c.argv for c in plan(_cluster("--pd-cores", "shared", "--decode-cpu-pools",
+                                                  "all"))}["decode-0"]
+    assert wide[wide.index("--cpu-pools") + 1] == "all" and "--cpus" not in wide
+    own = {c.name: c.argv for c in plan(_cluster("--prefill-cpus", str(cores[0]), "--decode-cpus",
+                                                 str(cores[-1]), "--decode-cpu-pools", "1"))}
+    d = own["decode-0"]
+    assert d[d.index("--cpus") + 1] == str(cores[-1]) and d[d.index("--cpu-pools") + 1] == "1"
 
 
 def test_the_planner_takes_its_cores_and_refuses_a_band_upside_down() -> None:

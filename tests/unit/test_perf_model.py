@@ -100,16 +100,19 @@ def test_a_step_keeps_busy_the_cores_the_profile_measured() -> None:
     # far above P, takes 1.5 of the two cores while it steps, and P's prefill gets the half
     # core left instead of a whole one, so its first token comes later. A profile that says
     # the step keeps one core busy gives the speed-up's answer again.
-    def with_busy(decode_busy: float) -> Request:
+    def with_busy(decode_busy: float, threads: int = 0) -> Request:
         flat = attrs.evolve(TWO, decode=ONE.decode, prefill_busy=((16, 2.0), (1024, 2.0)),
                             decode_busy=((1, 64, decode_busy), (8, 64, decode_busy)))
         profile = attrs.evolve(PROFILE, by_cores=(ONE, flat))
-        return simulate(profile, PRIORITY, [Request(0.0, 64, 200), Request(0.3, 512, 2)])[1]
+        placement = attrs.evolve(PRIORITY, decode_threads=threads)
+        return simulate(profile, placement, [Request(0.0, 64, 200), Request(0.3, 512, 2)])[1]
 
     gathers = 3 * 512 * 1024 / (1 << 30) / 2
     assert with_busy(1.0).ttft == pytest.approx(0.512 + gathers, abs=0.06)  # as without
     assert with_busy(1.5).ttft > 1.5 * with_busy(1.0).ttft
     assert with_busy(2.0).ttft > with_busy(1.5).ttft
+    # D on pools of one thread (`serve --cpu-pools 1`) steps on one core and keeps one busy.
+    assert with_busy(1.5, threads=1).ttft == pytest.approx(with_busy(1.0).ttft, abs=0.01)
 
 
 def test_priorities_let_d_take_the_cores_from_p() -> None:

@@ -3,6 +3,7 @@ values are refused, and the CLI's light constants match the modules they mirror.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,7 @@ def test_every_flag_reaches_the_config(tmp_path: Path) -> None:
         disaggregation_queue_timeout=42.0, disaggregation_side_channel_port=7002,
         warmup="minimal", compilation_cache_dir=tmp_path / "xla",
         disaggregation_pull_workers=4, transfer_nice=-5, disaggregation_kv_checksum=True,
+        cores_at_start=frozenset(os.sched_getaffinity(0)),
     )
     assert c.cluster_secret() == b"s3cret"
     sa = c.scheduler_args()
@@ -93,6 +95,10 @@ def test_bad_values_refused(flags: list[str]) -> None:
      "--node-rank must be in 0..1"),
     (["--nnodes", "2", "--tp", "2", "--dist-init-addr", "h:1", "--disaggregation-kv-checksum"],
      "--disaggregation-kv-checksum is not supported with --nnodes > 1"),
+    (["--cpu-pools", "some"], "--cpu-pools must be cpus, all or a thread count >= 1"),
+    (["--cpu-pools", "0", "--cpus", "0"], "a thread count >= 1, got '0'"),
+    (["--cpu-pools", "1"], "--cpu-pools 1 needs --cpus"),
+    (["--cpu-pools", "3", "--cpus", "0-1"], "more threads than --cpus 0-1 has cores"),
 ])
 def test_multi_process_flags_refused_by_name(flags: list[str], reason: str) -> None:
     args = build_parser().parse_args(["serve", "--model", "tiny", *flags])
@@ -106,6 +112,12 @@ def test_multi_process_flags_reach_the_config() -> None:
         "--dist-init-addr", "10.0.0.1:7000"]))
     assert (c.tp_size, c.nnodes, c.node_rank, c.dist_init_addr) == (4, 2, 1, "10.0.0.1:7000")
     assert c.spmd_addr() == "10.0.0.1:7001"
+
+
+def test_cpu_pools_of_n_threads_reach_the_config() -> None:
+    c = config_from_args(build_parser().parse_args([
+        "serve", "--model", "tiny", "--cpus", "0", "--cpu-pools", "1"]))
+    assert (c.cpus, c.cpu_pools, c.cores_at_start) == ("0", "1", frozenset(os.sched_getaffinity(0)))
 
 
 def test_warmup_default_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

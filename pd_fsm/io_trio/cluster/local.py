@@ -89,6 +89,11 @@ PD_CORES = ("auto", "split", "shared")
 # 0 and P still steps back.
 SHARED_CORES_NICE = {"prefill": 10, "decode": -5}
 
+# D beside P on the same cores: XLA pools of one thread. Idle pool threads spin, so a D with two
+# kept ~1.5 cores busy even at batch 1 and P behind it got the rest; with one it keeps ~1.1 busy
+# and steps as fast (RESULTS_placement.md run 12: 24 vs 5 of 32 met at 3 req/s, 32 vs 12 at 2).
+SHARED_D_POOLS = "1"
+
 
 def usable_cores() -> list[int]:
     """The cores this process may run on (its affinity, which its children inherit)."""
@@ -132,12 +137,14 @@ def placement_line(args: argparse.Namespace) -> str:
     """Where P and D run, for the runner's log ("" without PD)."""
     if not (args.prefill and args.decode):
         return ""
-    cpus, nices = role_cpus(args), role_nices(args)
+    cpus, nices, pools = role_cpus(args), role_nices(args), role_pools(args)
 
     def where(role: str) -> str:
-        listed = cpus[role]
+        listed, threads = cpus[role], pools[role]
         at = ("every core" if listed is None else
               f"cores {listed}" if "," in listed or "-" in listed else f"core {listed}")
+        if threads is not None and threads.isdigit():
+            at += f" ({threads}-thread pools)"
         return at if nices[role] is None else f"{at} at nice {nices[role]}"
 
     mode = pd_cores(args)
@@ -155,6 +162,20 @@ def movable_cores(args: argparse.Namespace, cores: list[int] | None = None) -> b
     cores = usable_cores() if cores is None else cores
     return (bool(getattr(args, "planner", False)) and not getattr(args, "max_workers", 0)
             and len(cores) >= 2 and pd_cores(args, cores) in ("split", "shared"))
+
+
+def role_pools(args: argparse.Namespace) -> dict[str, str | None]:
+    """Each role's ``serve --cpu-pools``: ``--ROLE-cpu-pools``, else, where P and D share the
+    cores or the planner may make them share, D's pools of one thread (``SHARED_D_POOLS``) and
+    P's sized to every core ("all", when it starts split); None: the worker's default (pools
+    sized to its ``--cpus``)."""
+    pools: dict[str, str | None] = {role: getattr(args, f"{role}_cpu_pools", None)
+                                    for role in ("prefill", "decode", "colocated")}
+    if pd_cores(args) == "shared" or movable_cores(args):
+        pools["decode"] = pools["decode"] or SHARED_D_POOLS
+    if movable_cores(args) and pd_cores(args) == "split":
+        pools["prefill"] = pools["prefill"] or "all"
+    return pools
 
 
 def role_nices(args: argparse.Namespace) -> dict[str, int | None]:
@@ -274,12 +295,14 @@ def _bootstrap_child(args: argparse.Namespace, tls: TLS, port: int) -> Child:
 
 
 def _role_flags(args: argparse.Namespace, role: str) -> list[str]:
-    """The role's own flags: its cores, its CPU priority and its tensor-parallel size."""
+    """The role's own flags: its cores and XLA pools, its CPU priority and its tensor-parallel
+    size."""
     cpus, tp = role_cpus(args)[role], getattr(args, f"{role}_tp", None)
-    nice = role_nices(args)[role]
+    nice, pools = role_nices(args)[role], role_pools(args)[role]
+    if pools is not None and pools.isdigit() and cpus is None:
+        cpus = cpu_list(frozenset(usable_cores()))  # N threads: on every core, as unpinned
     flags = [] if cpus is None else ["--cpus", cpus]
-    if cpus is not None and role in ("prefill", "decode") and movable_cores(args):
-        flags += ["--cpu-pools", "all"]
+    flags += [] if pools is None else ["--cpu-pools", pools]
     flags += [] if nice is None else ["--nice", str(nice)]
     return flags + ([] if tp is None else ["--tp", str(tp)])
 
@@ -429,6 +452,9 @@ def _add_worker_arguments(p: argparse.ArgumentParser) -> None:
                             "-20..19, lower first; P and D sharing cores default to "
                             f"{SHARED_CORES_NICE['prefill']} and {SHARED_CORES_NICE['decode']}: "
                             "D above P)")
+        p.add_argument(f"--{role}-cpu-pools", default=None, metavar="cpus|all|N",
+                       help=f"XLA's thread pools of every {role} worker (`pd-fsm serve "
+                            f"--cpu-pools`; N threads on every core, or on --{role}-cpus)")
         p.add_argument(f"--{role}-tp", type=int, default=None, metavar="N",
                        help=f"every {role} worker tensor-parallel over N devices (`pd-fsm serve "
                             "--tp`); P and D may differ: D regroups P's KV shards")

@@ -229,7 +229,7 @@ async def serve_worker(
                  worker.config.model)
         await worker.load()
         c = worker.config
-        if c.cpus is not None and c.cpu_pools == "all":  # the pools exist now: pin them
+        if c.cpus is not None and c.cpu_pools != "cpus":  # the pools exist now: to --cpus
             worker.roles.cores.move_to(parse_cpus(c.cpus), "--cpus once the pools exist")
         await nursery.start(run_backend)
         log.info("worker ready on %s", binds[0])

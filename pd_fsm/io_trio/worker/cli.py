@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING, NoReturn
 import trio
 
 from pd_fsm.io_trio.cli_common import STOP_GRACE_S, run_service, stop_on_signal
-from pd_fsm.io_trio.cluster.cpu_placement import check_cpus, parse_cpus, pin_to, set_nice
+from pd_fsm.io_trio.cluster.cpu_placement import (
+    check_cpus,
+    cpu_list,
+    parse_cpus,
+    pin_to,
+    pools_cores,
+    set_nice,
+)
 from pd_fsm.io_trio.worker.config import (
     ServeConfig,
     add_serve_arguments,
@@ -109,12 +116,13 @@ def _prepare_process(config: ServeConfig) -> None:
 
         reexec_with_hugepages()
         log.info("host heap: huge pages %s", "on" if hugepages_in_force() else "unavailable")
-    if config.cpus is not None and config.cpu_pools == "cpus":
-        # Before anything starts JAX: XLA sizes its thread pools from the affinity.
-        pinned = pin_to(parse_cpus(config.cpus))
-        log.info("pinned to cores %s", ",".join(map(str, sorted(pinned))))
-    elif config.cpus is not None:  # --cpu-pools all: pinned once the pools exist (app.py)
+    if config.cpus is not None:
+        # Before anything starts JAX: XLA sizes its thread pools from the affinity. With
+        # --cpu-pools all or N the threads go to --cpus once the pools exist (app.py).
         check_cpus(parse_cpus(config.cpus))
+        pools = pools_cores(parse_cpus(config.cpus), config.cpu_pools)
+        if pools is not None:
+            log.info("pinned to cores %s", cpu_list(pin_to(pools)))
     nice = config.nice_of(config.disaggregation_mode)
     if nice != 0:
         # Before anything starts a thread: each inherits its creator's nice (Linux).

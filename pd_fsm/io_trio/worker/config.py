@@ -126,8 +126,13 @@ class ServeConfig:
     cpus: str | None = None
     # "cpus": XLA's pools sized to ``cpus`` (pinned before JAX starts); "all": sized to every
     # core this process may use, and the threads pinned to ``cpus`` once they exist, so that
-    # POST /set_cpus may widen them again (the planner's cores lever).
+    # POST /set_cpus may widen them again (the planner's cores lever); "N": pools of N threads
+    # (pinned to N of ``cpus`` until they exist, then on all of them).
     cpu_pools: str = "cpus"
+    # The cores the process could run on when it was started, before ``cpus`` narrowed them:
+    # where POST /set_cpus may move a worker whose pools are not sized to ``cpus``. None: the
+    # affinity when the worker is built (a config made in code).
+    cores_at_start: frozenset[int] | None = None
     # CPU priority of every thread of the worker (-20..19), set before JAX starts: with P and D
     # on the same cores, D above P (cpu_placement.set_nice).
     nice: int = 0

@@ -10,9 +10,11 @@ The heavier readers (addresses, CURVE keys, Jinja) are imported when their flag 
 from __future__ import annotations
 
 import argparse
+import os
 from typing import TYPE_CHECKING
 
 from pd_fsm.io_trio.api_key import api_key_flags, api_key_from_args
+from pd_fsm.io_trio.cluster.cpu_placement import parse_cpus
 from pd_fsm.io_trio.flag_spec import Hook
 from pd_fsm.io_trio.tls import tls_flags, tls_from_args
 
@@ -82,6 +84,17 @@ def _check_role_nice(args: argparse.Namespace) -> None:
                          f"{args.disaggregation_mode}={start}")
 
 
+def _check_cpu_pools(args: argparse.Namespace) -> None:
+    if not args.cpu_pools.isdigit():
+        return
+    if args.cpus is None:
+        raise ValueError(f"--cpu-pools {args.cpu_pools} needs --cpus: the cores the worker "
+                         "runs on once its pools of that many threads exist")
+    if int(args.cpu_pools) > len(parse_cpus(args.cpus)):
+        raise ValueError(f"--cpu-pools {args.cpu_pools}: more threads than --cpus "
+                         f"{args.cpus} has cores")
+
+
 def _compilation_cache(args: argparse.Namespace) -> bool:
     if args.no_compilation_cache and args.compilation_cache_dir is not None:
         raise ValueError("--compilation-cache-dir and --no-compilation-cache contradict")
@@ -135,6 +148,9 @@ SERVE_HOOKS: tuple[Hook, ...] = (
     Hook(None, ("disaggregation_kv_checksum", "nnodes"), _check_kv_checksum),
     Hook(None, ("roles", "disaggregation_mode", "nnodes"), _check_roles),
     Hook(None, ("role_nice", "roles", "disaggregation_mode", "nice"), _check_role_nice),
+    Hook(None, ("cpu_pools", "cpus"), _check_cpu_pools),
+    # Read when the flags are, before `serve` pins the process (worker/cli.py).
+    Hook("cores_at_start", (), lambda args: frozenset(os.sched_getaffinity(0))),
     Hook("radix_cache", ("disable_radix_cache",), lambda args: not args.disable_radix_cache),
     # --drain-handoff states the default (a switch cannot turn a field off: not the field's
     # dest); the two exclude each other (argparse).

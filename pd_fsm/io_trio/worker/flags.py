@@ -66,11 +66,16 @@ def role_nice_arg(value: str) -> tuple[tuple[str, int], ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-CPU_POOLS = ("cpus", "all")
+CPU_POOLS = ("cpus", "all")  # or a thread count
 
 
 def _cpu_list(name: str, value: Any) -> None:
     parse_cpus(value)  # a bad list fails here, naming itself
+
+
+def _cpu_pools(name: str, value: Any) -> None:
+    if value not in CPU_POOLS and not (value.isdigit() and int(value) >= 1):
+        raise ValueError(f"{name} must be cpus, all or a thread count >= 1, got {value!r}")
 
 
 _HTTP = (
@@ -259,14 +264,19 @@ _PROCESS = (
              "its thread pools from the affinity. `pd-fsm cluster --prefill-cpus / "
              "--decode-cpus / --colocated-cpus` pass it per role; by default (`--pd-cores split`) "
              "it gives P the first half of the cores and D the rest")),
-    Flag("--cpu-pools", choices=CPU_POOLS, help=(
+    Flag("--cpu-pools", metavar="cpus|all|N", check=_cpu_pools, help=(
         "cpus: XLA's thread pools sized to --cpus; all: sized to every core, the threads pinned "
-        "to --cpus once they exist (POST /set_cpus may widen them)"), doc=(
+        "to --cpus once they exist (POST /set_cpus may widen them); N: N threads, the worker "
+        "on every core of --cpus"), doc=(
         "`cpus` (default): XLA's thread pools are sized to `--cpus`, pinned before JAX starts. "
         "`all`: sized to every core the process may use, and every thread pinned to `--cpus` "
         "once the pools exist, so that `POST /set_cpus` (the planner's cores lever, `pd-fsm "
         "cluster --planner --pd-cores split`) can widen the worker to every core again and "
-        "gain the parallelism back")),
+        "gain the parallelism back. `N` (needs `--cpus`): pools of N threads — the worker is "
+        "pinned to N of `--cpus` until they exist, then runs on all of them. XLA's waiting "
+        "threads spin: on two cores a batch-1 SmolLM2 decode step kept 1.4 cores busy and ran "
+        "no faster (27 vs 25 ms); with `1` it kept 1.1 busy at 21 ms, leaving the other core "
+        "to a P sharing them (`pd-fsm cluster --pd-cores shared` gives D `1`)")),
     Flag("--nice", metavar="N", check=within(-20, 19, show_value=True), help=(
         "CPU priority of every worker thread (-20..19, lower first), set before JAX starts; "
         "a negative value needs CAP_SYS_NICE"), doc=(

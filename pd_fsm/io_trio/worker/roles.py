@@ -163,8 +163,11 @@ class RoleHost:
         # Its compute threads' priority: a role's (``--role-nice``) or POST /set_nice's.
         self.priority = ComputePriority(config.nice_of(config.disaggregation_mode))
         # Its threads' cores: POST /set_cpus moves them within those it had at start.
-        at_start = frozenset(os.sched_getaffinity(0))
-        self.cores = CorePlacement(at_start, at_start)
+        # A worker whose pools are sized to --cpus stays within them (widening buys nothing).
+        now = frozenset(os.sched_getaffinity(0))
+        at_start = (now if config.cpus is None or config.cpu_pools == "cpus" else
+                    config.cores_at_start or now)
+        self.cores = CorePlacement(at_start, now)
 
     # -- what the HTTP layer reads ----------------------------------------------------------------
 
