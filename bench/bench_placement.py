@@ -11,7 +11,7 @@ left idle while another is measured):
     PD shared, nice    P and D on every core, P at nice P, D at nice D (--pd-cores shared
                        --prefill-nice P --decode-nice D; one placement per --nice-pairs item),
                        D's pools sized to both cores (--decode-cpu-pools all), as in runs 1-12
-    ... D pools of N   the last nice pair, D's XLA pools of N threads on every core
+    ... D pools of N   each nice pair, D's XLA pools of N threads on every core
                        (--decode-cpu-pools N; one placement per --decode-pools item): XLA's
                        idle pool threads spin, so a two-thread D keeps ~1.5 cores busy
                        even at batch 1 and P gets the rest. One thread is `pd-fsm cluster
@@ -112,11 +112,11 @@ def placements(args: argparse.Namespace) -> dict[str, Spec]:
         p, d = (int(x) for x in pair.split(","))
         name, spec = nice_placement(p, d)
         out[name] = spec
+        for threads in args.decode_pools:
+            name, spec = nice_placement(p, d, threads)
+            out[name] = spec
     for queue in args.local_queues if args.nice_pairs else []:  # on the last pair's p and d
         name, spec = local_placement(p, d, queue)
-        out[name] = spec
-    for threads in args.decode_pools if args.nice_pairs else []:  # the last pair's p and d
-        name, spec = nice_placement(p, d, threads)
         out[name] = spec
     for start in getattr(args, "adaptive", None) or []:
         p, d = (int(x) for x in (args.nice_pairs or ["10,-5"])[-1].split(","))
@@ -238,7 +238,7 @@ def main() -> int:
                    help="one placement per N: the last --nice-pairs item with D prefilling "
                         "alone while P has N or more requests")
     p.add_argument("--decode-pools", type=int, nargs="*", default=[], metavar="N",
-                   help="PD shared at the last nice pair with D's XLA pools of N threads "
+                   help="PD shared at each nice pair with D's XLA pools of N threads "
                         "(pd-fsm cluster --decode-cpu-pools N), one placement each")
     p.add_argument("--adaptive", nargs="*", choices=("split", "shared"), default=None,
                    metavar="START",
