@@ -364,6 +364,10 @@ def test_a_role_s_pools_of_n_threads_run_on_every_core_or_on_its_own() -> None:
     wide = {c.name: c.argv for c in plan(_cluster("--pd-cores", "shared", "--decode-cpu-pools",
                                                   "all"))}["decode-0"]
     assert wide[wide.index("--cpu-pools") + 1] == "all" and "--cpus" not in wide
+    # The planner moving workers between roles (--max-workers): a D may become P, so its pools
+    # stay sized to every core.
+    scaling = {c.name: c.argv for c in plan(_cluster("--planner", "--max-workers", "3"))}
+    assert "--cpu-pools" not in scaling["decode-0"]
     own = {c.name: c.argv for c in plan(_cluster("--prefill-cpus", str(cores[0]), "--decode-cpus",
                                                  str(cores[-1]), "--decode-cpu-pools", "1"))}
     d = own["decode-0"]

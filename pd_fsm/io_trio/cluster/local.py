@@ -168,10 +168,12 @@ def role_pools(args: argparse.Namespace) -> dict[str, str | None]:
     """Each role's ``serve --cpu-pools``: ``--ROLE-cpu-pools``, else, where P and D share the
     cores or the planner may make them share, D's pools of one thread (``SHARED_D_POOLS``) and
     P's sized to every core ("all", when it starts split); None: the worker's default (pools
-    sized to its ``--cpus``)."""
+    sized to its ``--cpus``). Not with the planner and ``--max-workers``: there it moves
+    workers between roles rather than cores, and a D made P would prefill on one thread."""
     pools: dict[str, str | None] = {role: getattr(args, f"{role}_cpu_pools", None)
                                     for role in ("prefill", "decode", "colocated")}
-    if pd_cores(args) == "shared" or movable_cores(args):
+    planner = bool(getattr(args, "planner", False))
+    if movable_cores(args) or (pd_cores(args) == "shared" and not planner):
         pools["decode"] = pools["decode"] or SHARED_D_POOLS
     if movable_cores(args) and pd_cores(args) == "split":
         pools["prefill"] = pools["prefill"] or "all"
