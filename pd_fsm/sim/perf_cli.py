@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -37,6 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--local-queues", type=int, nargs="*", default=[], metavar="N",
                    help="also the last --nice-pairs placement with D prefilling alone while P "
                         "holds N or more requests (`pd-fsm proxy --local-prefill-queue N`)")
+    g.add_argument("--decode-threads", type=int, nargs="*", default=[1], metavar="N",
+                   help="also each --nice-pairs placement with D on XLA pools of N threads "
+                        "(`pd-fsm cluster --decode-cpu-pools N`; default 1, the cluster's D "
+                        "on shared cores)")
     g.add_argument("--tpot-targets", type=float, nargs="+", default=[0.1, 0.05],
                    help="goodput's TPOT targets (default 0.1 0.05; TTFT: --ttft-target)")
     c = p.add_argument_group("performance model over a cluster: static splits against the SLA "
@@ -72,16 +77,20 @@ def load_profile(path: Path, max_batched_tokens: int = 0) -> Profile:
     return profile
 
 
-def placements(cores: int, nice_pairs: list[str], local_queues: list[int]) -> list[Placement]:
+def placements(cores: int, nice_pairs: list[str], local_queues: list[int],
+               decode_threads: Sequence[int] = ()) -> list[Placement]:
     out = [Placement(f"colocated (cores 0-{cores - 1})", colocated=True, cores=cores),
            Placement("PD pinned (P and D on half the cores each)", cores=cores),
            Placement("PD shared (equal priority)", cores=cores, shared=True)]
     for pair in nice_pairs:
         p, d = (int(x) for x in pair.split(","))
-        out.append(Placement(f"PD shared, nice P {p:+d} / D {d:+d}", cores=cores, shared=True,
-                             nice_p=p, nice_d=d))
+        shared = Placement(f"PD shared, nice P {p:+d} / D {d:+d}", cores=cores, shared=True,
+                           nice_p=p, nice_d=d)
+        out.append(shared)
+        out += [attrs.evolve(shared, name=f"{shared.name}, D pools of {n} thread"
+                             f"{'s' * (n > 1)}", decode_threads=n) for n in decode_threads]
     if nice_pairs:
-        last = out[-1]
+        last = next(p for p in reversed(out) if not p.decode_threads)
         out += [attrs.evolve(last, name=f"{last.name}, local prefill at P queue >= {q}",
                              local_prefill_queue=q) for q in local_queues]
     return out
@@ -102,7 +111,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         profile = load_profile(args.profile, args.max_batched_tokens)
         lengths = prompt_lengths(args.prompt_tokens, args.prompts, args.seed or 0)
-        chosen = placements(args.cores, args.nice_pairs, args.local_queues)
+        chosen = placements(args.cores, args.nice_pairs, args.local_queues,
+                            args.decode_threads)
     except (OSError, ValueError, KeyError) as exc:
         print(f"pd-fsm sim --profile: {exc}", file=sys.stderr)
         return 2

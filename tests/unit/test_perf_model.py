@@ -244,8 +244,10 @@ def test_sim_cli_prints_every_placement_and_cluster(tmp_path: Path,
     args = build_parser(argv).parse_args(argv)
     assert args.func(args) == 0
     out = capsys.readouterr().out
-    assert out.count("| PD shared") == 4 and "| colocated" in out and "| PD pinned" in out
+    # Equal priority, the two default nice pairs, each with D on one thread, and local prefill.
+    assert out.count("| PD shared") == 6 and "| colocated" in out and "| PD pinned" in out
     assert "| PD shared, nice P +10 / D -5, local prefill at P queue >= 1 |" in out
+    assert "| PD shared, nice P +10 / D -5, D pools of 1 thread |" in out
     argv = ["sim", "--profile", str(tmp_path / "p.json"), "--workers", "4",
             "--phases", "long:10,short:10"]
     args = build_parser(argv).parse_args(argv)
