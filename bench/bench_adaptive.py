@@ -519,9 +519,10 @@ def main() -> int:
                    help="nice values of P and D in the shared and adaptive placements")
     p.add_argument("--adaptive-workers", default="1,1", metavar="P,D",
                    help="the adaptive cluster's prefill and decode workers at start (1,1)")
-    p.add_argument("--adaptive-cores", choices=("split", "shared"), default="split",
-                   help="how the adaptive cluster's P and D start, split (default) or shared; "
-                        "the planner moves them between the two")
+    p.add_argument("--adaptive-cores", choices=("split", "shared"), default="shared",
+                   help="how the adaptive cluster's P and D start, shared (default, as "
+                        "`pd-fsm cluster --planner`; runs 8-9 started split) or split; the "
+                        "planner moves them between the two")
     p.add_argument("--planner-args", default="--interval 2 --patience 2 --cooldown 15",
                    help="more `pd-fsm planner` flags (its SLO targets are --slo-ttft and "
                         "--slo-tpot)")

@@ -263,7 +263,7 @@ def test_split_gives_p_the_first_half_of_the_cores_and_d_the_rest() -> None:
 @pytest.mark.parametrize(("extra", "cores", "mode"), [
     ([], [0, 1], "split"),  # the default on a machine of two cores or more ...
     ([], [0], "shared"),  # ... and shared on one
-    (["--planner"], [0, 1], "split"),  # the planner may make them share the cores
+    (["--planner"], [0, 1], "shared"),  # the planner may split them
     (["--planner", "--max-workers", "3"], [0, 1], "shared"),  # workers come and go
     (["--pd-cores", "shared"], [0, 1], "shared"),
     (["--pd-cores", "split", "--planner"], [0, 1, 2, 3], "split"),
@@ -306,7 +306,7 @@ def test_split_under_the_planner_starts_movable_workers_and_hands_the_planner_th
     if len(cores) < 2:
         pytest.skip(f"one usable core here ({cores}): split needs two")
     want = split_cores(cores)
-    args = _cluster("--planner", "--colocated")  # split by default with two cores or more
+    args = _cluster("--planner", "--pd-cores", "split", "--colocated")
     argv = {child.name: child.argv for child in plan(args)}
     # POST /set_cpus may widen either: P's pools sized to every core, D's of one thread (its
     # idle threads would spin on the core P is given when they share).

@@ -76,13 +76,14 @@ PLANNER_ROLES = "prefill,decode,null"
 # with colocated (bench/RESULTS_placement.md runs 6-7; runs 1-4, which favoured sharing,
 # measured prefix-cache hits). It loses where prompts are long: a one-core P took ~2.4 s to
 # prefill 419-788 tokens, past a 2 s TTFT target (0.67x colocated in RESULTS_adaptive.md run 7).
-# So with --planner, P and D start split with pools sized to every core and the planner moves
-# them to shared cores and back (`planner --cores`, movable_cores): in RESULTS_adaptive.md run 8
-# it shared them 13 s into the first long-prompt phase (52 of 53 met, pinned 47, shared 53), and
-# in RESULTS_placement.md run 9 it met 24 of 24 at 2 req/s where shared met 4.
-# "shared": P and D on every core, D above P (SHARED_CORES_NICE), so a decode step takes a core
-# from a prefill instead of waiting behind it; the default with --max-workers (workers come and
-# go on the same cores) and on a machine of one core.
+# "shared": P and D on every core, D above P (SHARED_CORES_NICE) and on XLA pools of one thread
+# (SHARED_D_POOLS), so a decode step takes a core from a prefill instead of waiting behind it and
+# leaves P the other; the default with --max-workers (workers come and go on the same cores), on
+# a machine of one core, and with --planner, which may split them (`planner --cores`,
+# movable_cores). With D on one thread it was level with split over RESULTS_placement.md runs
+# 12, 13 and 15 (275 vs 284 met, colocated 227) and ahead at TPOT <= 50 ms; in
+# RESULTS_adaptive.md the planner started split lost its first 8 s of a long-prompt phase before
+# sharing (run 9: 110 of 121 met), started shared it met 117, as PD shared (run 10).
 PD_CORES = ("auto", "split", "shared")
 
 # P and D on the same cores: D above P. Where this process may not lower a priority, D stays at
@@ -118,7 +119,8 @@ def pd_cores(args: argparse.Namespace, cores: list[int] | None = None) -> str:
     if mode != "auto":
         return str(mode)
     n = len(usable_cores() if cores is None else cores)
-    return "shared" if getattr(args, "max_workers", 0) or n < 2 else "split"
+    shared = getattr(args, "max_workers", 0) or getattr(args, "planner", False) or n < 2
+    return "shared" if shared else "split"
 
 
 def role_cpus(args: argparse.Namespace, cores: list[int] | None = None
@@ -441,8 +443,8 @@ def _add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="P and D on one machine: split (P the first half of the cores, D the "
                         "rest), shared (both on every core, D above P: nice "
                         f"{SHARED_CORES_NICE['prefill']} / {SHARED_CORES_NICE['decode']}); "
-                        "default auto: split (with --planner, the planner moves them between "
-                        "split and shared), shared with --max-workers or on one core; "
+                        "default auto: split; shared with --planner (which may split them), "
+                        "with --max-workers or on one core; "
                         "split halves P's prefill rate: for long prompts prefer shared or "
                         "--planner; "
                         "--prefill-cpus/--decode-cpus place P and D by hand instead")
