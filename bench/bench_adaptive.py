@@ -478,9 +478,7 @@ def chosen_placements(args: argparse.Namespace) -> dict[str, tuple[list[str], st
     n_p, n_d = (int(x) for x in args.adaptive_workers.split(","))
     # The cluster passes the planner --cores (its cores lever) and the same nice values; its
     # pools are the cluster's own choice (D's of one thread, P's of every core when split).
-    adaptive_flags = nice_flags(p, d)
-    if args.adaptive_cores == "split":
-        adaptive_flags[adaptive_flags.index("shared")] = "split"
+    adaptive_flags = nice_flags(p, d, args.adaptive_cores)
     # Paused until the warm-up is over (measure() resumes it): the warm-up's burst of every
     # shape is not the workload, and in run 2 it had merged both workers before measuring began.
     planner_args = (f"--ttft-slo {args.slo_ttft:g} --itl-slo {args.slo_tpot:g} --paused "

@@ -74,8 +74,8 @@ Spec = tuple[list[str], str, dict[str, Any] | None]
 WARM_SEED = 1_000_000  # the warm-up's prompts: a seed no measured set takes
 
 
-def nice_flags(p: int, d: int) -> list[str]:
-    return ["--pd-cores", "shared", "--prefill-nice", str(p), "--decode-nice", str(d)]
+def nice_flags(p: int, d: int, cores: str = "shared") -> list[str]:
+    return ["--pd-cores", cores, "--prefill-nice", str(p), "--decode-nice", str(d)]
 
 
 def nice_placement(p: int, d: int, threads: int = 0) -> tuple[str, Spec]:

@@ -21,7 +21,6 @@ pinned (one core) and the colocated (all cores) costs:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import os
 import statistics
@@ -68,13 +67,11 @@ class Lap:
     cpu: float
 
 
-@contextlib.contextmanager
-def _lap() -> Iterator[list[Lap]]:
-    """Time the block: the one Lap appears in the yielded list when it ends."""
-    out: list[Lap] = []
+def _lap(fn: Callable[[], object]) -> Lap:
+    """Run ``fn`` once, timed."""
     wall, cpu = time.perf_counter(), time.process_time()
-    yield out
-    out.append(Lap(time.perf_counter() - wall, time.process_time() - cpu))
+    fn()
+    return Lap(time.perf_counter() - wall, time.process_time() - cpu)
 
 
 def _measure(args: argparse.Namespace) -> Profile:
@@ -130,9 +127,7 @@ class _EngineTimer:
         sched.add_request(sched.make_request(f"p{next(self._rid)}", self._prompt(n),
                                              SamplingParams(max_new_tokens=1, temperature=0.0,
                                                             ignore_eos=True)))
-        with _lap() as lap:
-            sched.run_until_idle()
-        return lap[0]
+        return _lap(sched.run_until_idle)
 
     def decode(self, rows: int, context: int) -> Lap:
         """A decode step of ``rows`` rows at ``context`` tokens each: the median step's wall
@@ -146,11 +141,7 @@ class _EngineTimer:
                                                                 ignore_eos=True)))
         while sched.waiting or sched.prefilling or len(sched.running) < rows:
             sched.step()
-        laps = []
-        for _ in range(8):
-            with _lap() as lap:
-                sched.step()
-            laps += lap
+        laps = [_lap(sched.step) for _ in range(8)]
         for req in list(sched.running):
             sched.abort(req.rid)
         sched.drain_outputs()

@@ -116,7 +116,7 @@ class AdminRoutes:
         cores = self._state.roles.cores
         missing = cores.unavailable(cpus)
         if missing:  # refused here, not by move_to: the answer says why the worker is so bound
-            pools = ("" if c.cpus is None or c.cpu_pools != "cpus" else
+            pools = ("" if c.cpus is None or c.cpus_after_pools else
                      f" (started pinned with --cpus {c.cpus}: its pools are sized to them; "
                      "start it with --cpu-pools all to move it wider)")
             raise ApiError(400, f"body.cpus {spec!r}: cores {missing} are not this worker's; "

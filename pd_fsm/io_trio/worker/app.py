@@ -229,7 +229,8 @@ async def serve_worker(
                  worker.config.model)
         await worker.load()
         c = worker.config
-        if c.cpus is not None and c.cpu_pools != "cpus":  # the pools exist now: to --cpus
+        if c.cpus_after_pools:  # the pools exist now: to --cpus
+            assert c.cpus is not None
             worker.roles.cores.move_to(parse_cpus(c.cpus), "--cpus once the pools exist")
         await nursery.start(run_backend)
         log.info("worker ready on %s", binds[0])

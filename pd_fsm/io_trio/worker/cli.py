@@ -119,8 +119,9 @@ def _prepare_process(config: ServeConfig) -> None:
     if config.cpus is not None:
         # Before anything starts JAX: XLA sizes its thread pools from the affinity. With
         # --cpu-pools all or N the threads go to --cpus once the pools exist (app.py).
-        check_cpus(parse_cpus(config.cpus))
-        pools = pools_cores(parse_cpus(config.cpus), config.cpu_pools)
+        cpus = parse_cpus(config.cpus)
+        check_cpus(cpus)
+        pools = pools_cores(cpus, config.cpu_pools)
         if pools is not None:
             log.info("pinned to cores %s", cpu_list(pin_to(pools)))
     nice = config.nice_of(config.disaggregation_mode)

@@ -152,6 +152,13 @@ class ServeConfig:
     compilation_cache: bool = True
     compilation_cache_dir: Path | None = None
 
+    @property
+    def cpus_after_pools(self) -> bool:
+        """Whether the worker is put on ``cpus`` only once its pools exist (``--cpu-pools all``
+        or N: its pools are not sized to ``cpus``, and POST /set_cpus may move it within the
+        cores it had at start)."""
+        return self.cpus is not None and self.cpu_pools != "cpus"
+
     def nice_of(self, role: str) -> int:
         """The CPU priority of this worker in ``role`` (``--role-nice``, else ``--nice``)."""
         return dict(self.role_nice).get(role, self.nice)

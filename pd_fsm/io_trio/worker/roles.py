@@ -165,8 +165,7 @@ class RoleHost:
         # Its threads' cores: POST /set_cpus moves them within those it had at start.
         # A worker whose pools are sized to --cpus stays within them (widening buys nothing).
         now = frozenset(os.sched_getaffinity(0))
-        at_start = (now if config.cpus is None or config.cpu_pools == "cpus" else
-                    config.cores_at_start or now)
+        at_start = (config.cores_at_start or now) if config.cpus_after_pools else now
         self.cores = CorePlacement(at_start, now)
 
     # -- what the HTTP layer reads ----------------------------------------------------------------
