@@ -313,28 +313,42 @@ class Fleet:
 
 # ----------------------------------------------------------------------------- requests
 
-async def freeze_streaming_decode(http: httpx.AsyncClient, decodes: list[Proc]) -> Proc:
+async def freeze_streaming_decode(http: httpx.AsyncClient, decodes: list[Proc]) -> Proc | None:
     """Freeze every D and find the one holding a request (thawing each alone for its
-    /get_load); every D is left frozen, so what the caller does next lands mid-stream."""
+    /get_load); every D is left frozen, so what the caller does next lands mid-stream. None,
+    with every D thawed again, when none holds one: the stream was decoded to its end before
+    the freeze landed (the tiny model decodes a 150-token stream's last 144 tokens in ~0.13 s;
+    a client descheduled that long on a loaded 2-core machine reads its 6th event after that,
+    seen in CI). ``stream_acting_midway`` then runs the stream again."""
     for d in decodes:
         os.kill(d.pid, signal.SIGSTOP)
     victim = None
-    for d in decodes:
-        os.kill(d.pid, signal.SIGCONT)
-        r = await http.get(f"{d.url}/get_load", timeout=10)
-        busy = sum(int(rank["num_reqs"]) for rank in r.json())
-        os.kill(d.pid, signal.SIGSTOP)
-        if busy and victim is None:
-            victim = d
-    assert victim is not None, "no decode worker holds the streaming request"
+    try:
+        for d in decodes:
+            os.kill(d.pid, signal.SIGCONT)
+            r = await http.get(f"{d.url}/get_load", timeout=10)
+            busy = sum(int(rank["num_reqs"]) for rank in r.json())
+            os.kill(d.pid, signal.SIGSTOP)
+            if busy and victim is None:
+                victim = d
+    except BaseException:  # a D left frozen would fail every later test of the module
+        victim = None
+        raise
+    finally:
+        if victim is None:
+            for d in decodes:
+                os.kill(d.pid, signal.SIGCONT)
     return victim
 
 
 async def signal_streaming_decode(http: httpx.AsyncClient, decodes: list[Proc],
-                                  how: signal.Signals = signal.SIGKILL) -> Proc:
+                                  how: signal.Signals = signal.SIGKILL) -> Proc | None:
     """Signal the D holding a request (SIGKILL; a SIGTERM waits for the thaw) while every D is
-    frozen, then let the others go on: the signal lands mid-stream, whatever the speeds."""
+    frozen, then let the others go on: the signal lands mid-stream, whatever the speeds. None
+    when none held one (``freeze_streaming_decode``): nothing signalled."""
     victim = await freeze_streaming_decode(http, decodes)
+    if victim is None:
+        return None
     if how == signal.SIGKILL:
         victim.kill()
     else:
@@ -499,18 +513,26 @@ async def stats(http: httpx.AsyncClient, proc: Reachable) -> dict[str, Any]:
 
 
 async def stream_acting_midway(http: httpx.AsyncClient, url: str, body: dict[str, Any],
-                               act: Callable[[], Awaitable[None]]) -> bytes:
+                               act: Callable[[], Awaitable[bool]], attempts: int = 5) -> bytes:
     """The client's whole SSE stream of ``body`` POSTed to ``url`` (a 200); ``act`` runs once,
-    six events in, the stream waiting meanwhile."""
-    raw, acted = b"", False
-    async with http.stream("POST", url, json=body) as r:
-        assert r.status_code == 200
-        async for chunk in r.aiter_raw():
-            raw += chunk
-            if not acted and raw.count(b"data: ") >= 6:
-                acted = True
-                await act()
-    return raw
+    six events in, the stream waiting meanwhile. ``act`` answers whether it landed mid-stream;
+    when not (every worker had already decoded the stream to its end:
+    ``freeze_streaming_decode``), the stream is read to its end and POSTed again, ``attempts``
+    times in all."""
+    for _ in range(attempts):
+        raw, acted, landed = b"", False, False
+        async with http.stream("POST", url, json=body) as r:
+            assert r.status_code == 200
+            async for chunk in r.aiter_raw():
+                raw += chunk
+                if not acted and raw.count(b"data: ") >= 6:
+                    acted = True
+                    landed = await act()
+        assert acted, f"the stream ended before its 6th event: {raw[-500:]!r}"
+        if landed:
+            return raw
+    raise AssertionError(f"{attempts} streams of {url} were each decoded to their end before "
+                         "the 6th event reached the client: nothing held one mid-stream")
 
 
 async def proxy_counts(http: httpx.AsyncClient, url: str) -> dict[str, float]:

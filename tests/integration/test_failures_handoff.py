@@ -114,10 +114,11 @@ async def test_a_sigtermed_decode_worker_hands_its_stream_off_without_a_prefill(
         reference, before = await _reference_and_counts(http, fleet, body)
         drained, p_before = None, None
 
-        async def sigterm() -> None:
+        async def sigterm() -> bool:
             nonlocal drained, p_before
             p_before = await stats(http, p)
             drained = await signal_streaming_decode(http, decodes, signal.SIGTERM)
+            return drained is not None
 
         raw = await stream_acting_midway(http, f"{proxy.url}{PATHS['generate']}", body,
                                          sigterm)
@@ -148,18 +149,21 @@ async def test_a_hand_off_that_cannot_be_pulled_falls_back_to_a_migration(fleet:
         reference, before = await _reference_and_counts(http, fleet, body)
         drained, other = None, None
 
-        async def sigterm_with_the_proxy_frozen() -> None:
+        async def sigterm_with_the_proxy_frozen() -> bool:
             nonlocal drained, other
             # The one that streams holds a request; the proxy is frozen, so the ticket waits in
             # its socket until the drained D is gone. (Freezing the other D instead no longer
             # works: the drain's gate finds it not answering /health and hands nothing off.)
             running = [(await stats(http, d))["running"] for d in decodes]
+            if not any(running):  # decoded to its end already (stream_acting_midway)
+                return False
             drained, other = decodes if running[0] else decodes[::-1]
             proxy.pause()
             os.kill(drained.pid, signal.SIGTERM)
             assert drained.popen is not None
             assert await trio.to_thread.run_sync(drained.popen.wait, 30) == 0
             proxy.resume()
+            return True
 
         raw = await stream_acting_midway(http, f"{proxy.url}{PATHS['generate']}", body,
                                          sigterm_with_the_proxy_frozen)
@@ -186,13 +190,16 @@ async def test_a_decode_worker_switching_role_hands_its_stream_off(fleet: Fleet)
         reference, before = await _reference_and_counts(http, fleet, body)
         switched, p_before = None, None
 
-        async def switch_to_prefill() -> None:
+        async def switch_to_prefill() -> bool:
             nonlocal switched, p_before
             p_before = await stats(http, p)
             running = [(await stats(http, d))["running"] for d in decodes]
+            if not any(running):  # decoded to its end already (stream_acting_midway)
+                return False
             switched = decodes[0] if running[0] else decodes[1]
             answer = await http.post(f"{switched.url}/switch_role", json={"role": "prefill"})
             assert answer.status_code == 202, answer.text
+            return True
 
         raw = await stream_acting_midway(http, f"{proxy.url}{PATHS['generate']}", body,
                                          switch_to_prefill)

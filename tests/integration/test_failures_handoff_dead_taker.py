@@ -139,9 +139,11 @@ async def _takers_fail_then_switch(http: httpx.AsyncClient, fleet: Fleet, killed
     dead: list[Proc] = []
     frozen: list[Proc] = []
 
-    async def act() -> None:
+    async def act() -> bool:
         nonlocal streaming, dead, frozen
         streaming = await freeze_streaming_decode(http, decodes)
+        if streaming is None:  # decoded to its end already (stream_acting_midway)
+            return False
         await before()
         others = [d for d in decodes if d is not streaming]
         dead, frozen = others[:killed], others[killed:killed + hung]
@@ -152,6 +154,7 @@ async def _takers_fail_then_switch(http: httpx.AsyncClient, fleet: Fleet, killed
                 os.kill(d.pid, signal.SIGCONT)
         answer = await http.post(f"{streaming.url}/switch_role", json={"role": "prefill"})
         assert answer.status_code == 202, answer.text
+        return True
 
     raw = await stream_acting_midway(http, f"{fleet['proxy'].url}{PATHS['generate']}",
                                      _body(), act)

@@ -28,6 +28,7 @@ from tests.integration.failure_support import (
     Fleet,
     Proc,
     freeze_streaming_decode,
+    stream_acting_midway,
     wait_clean,
     wait_until,
 )
@@ -82,26 +83,29 @@ async def test_a_stream_its_decode_worker_fails_in_band_migrates(fleet: Fleet,
         reference = await fetch_answer(http, str(fleet["colocated"].url), endpoint,
                                        {**body, "stream": False})
         before = await _migrations(http, proxy)
-        raw, victim = b"", None
+        victim: Proc | None = None
         switched: dict[str, httpx.Response] = {}
 
         async def post_switch(v: Proc) -> None:
             switched["r"] = await http.post(f"{v.url}/switch_role", json={"role": "null"})
 
-        async with trio.open_nursery() as nursery, http.stream(
-                "POST", f"{proxy.url}{PATHS[endpoint]}", json=body) as r:
-            assert r.status_code == 200
-            async for chunk in r.aiter_raw():
-                raw += chunk
-                if victim is None and raw.count(b"data: ") >= 6:
-                    victim = await freeze_streaming_decode(http, decodes)
-                    # Posted while the victim is frozen (the kernel queues it), so the drain's
-                    # 10 ms deadline starts with the stream's tokens still to come.
-                    nursery.start_soon(post_switch, victim)
-                    await trio.sleep(0.2)
-                    for d in decodes:
-                        os.kill(d.pid, signal.SIGCONT)
-        assert victim is not None, "the stream ended before its 6th event"
+        async with trio.open_nursery() as nursery:
+            async def freeze_and_switch() -> bool:
+                nonlocal victim
+                victim = await freeze_streaming_decode(http, decodes)
+                if victim is None:  # decoded to its end already (stream_acting_midway)
+                    return False
+                # Posted while the victim is frozen (the kernel queues it), so the drain's
+                # 10 ms deadline starts with the stream's tokens still to come.
+                nursery.start_soon(post_switch, victim)
+                await trio.sleep(0.2)
+                for d in decodes:
+                    os.kill(d.pid, signal.SIGCONT)
+                return True
+
+            raw = await stream_acting_midway(http, f"{proxy.url}{PATHS[endpoint]}", body,
+                                             freeze_and_switch)
+        assert victim is not None
         assert switched["r"].status_code == 202, switched["r"].text
         events = sse_events(raw.decode())
         assert events[-1] == "[DONE]" and events.count("[DONE]") == 1, raw[-800:]

@@ -32,6 +32,7 @@ from tests.integration.failure_support import (
     Fleet,
     Proc,
     signal_streaming_decode,
+    stream_acting_midway,
     wait_clean,
     wait_healthy,
 )
@@ -69,16 +70,17 @@ async def _stream_and_signal(http: httpx.AsyncClient, fleet: Fleet, endpoint: st
                              body: dict[str, Any], how: signal.Signals) -> tuple[bytes, Proc]:
     """Stream ``body`` through the proxy, signalling the D that serves it after the 6th event;
     the whole stream the client got and the D signalled."""
-    raw, victim = b"", None
-    url = f"{fleet['proxy'].url}{PATHS[endpoint]}"
-    async with http.stream("POST", url, json=body) as r:
-        assert r.status_code == 200
-        async for chunk in r.aiter_raw():
-            raw += chunk
-            if victim is None and raw.count(b"data: ") >= 6:
-                live = [d for d in (fleet["d0"], fleet["d1"]) if d.alive()]
-                victim = await signal_streaming_decode(http, live, how)
-    assert victim is not None, "the stream ended before its 6th event"
+    victim: Proc | None = None
+
+    async def signal_it() -> bool:
+        nonlocal victim
+        live = [d for d in (fleet["d0"], fleet["d1"]) if d.alive()]
+        victim = await signal_streaming_decode(http, live, how)
+        return victim is not None
+
+    raw = await stream_acting_midway(http, f"{fleet['proxy'].url}{PATHS[endpoint]}", body,
+                                     signal_it)
+    assert victim is not None
     return raw, victim
 
 

@@ -90,6 +90,7 @@ async def test_two_decode_workers_draining_at_once_lose_no_stream(fleet: Fleet) 
             # to the other D): a fast machine could otherwise finish the first stream before the
             # second has begun (seen once in CI: loads [0, 1]).
             first = await freeze_streaming_decode(http, decodes)
+            assert first is not None, "the first stream was decoded to its end already"
             for d in decodes:
                 if d is not first:
                     os.kill(d.pid, signal.SIGCONT)
@@ -99,6 +100,7 @@ async def test_two_decode_workers_draining_at_once_lose_no_stream(fleet: Fleet) 
             # Both frozen: each D, thawed alone, holds one stream; then thawed together, both
             # switch in one instant.
             second = await freeze_streaming_decode(http, [d for d in decodes if d is not first])
+            assert second is not None, "the second stream was decoded to its end already"
             loads = []
             for d in (first, second):
                 os.kill(d.pid, signal.SIGCONT)
