@@ -568,6 +568,21 @@ async def wait_until(check: Callable[[], Awaitable[T | None]], timeout: float, w
     raise AssertionError(f"not within {timeout:g} s: {what}")
 
 
+async def wait_routed_as_decode(http: httpx.AsyncClient, proxy: Proc, decodes: list[Proc]
+                                ) -> None:
+    """Until our proxy routes every one of ``decodes`` as a decode worker: it learns a restart or
+    a switch back only at its next probe, and a test that starts before that finds a D missing
+    from its list (seen in CI: a hand-off room sent straight to the live D, not the dead one
+    the test lists first)."""
+    urls = {str(d.url) for d in decodes}
+
+    async def routed() -> bool | None:
+        workers = (await http.get(f"{proxy.url}/workers")).json()
+        return True if urls <= set(workers["decode"]) else None
+
+    await wait_until(routed, SLACK * 2, f"the proxy routing {sorted(urls)} as decode")
+
+
 def leftovers(s: dict[str, Any]) -> list[str]:
     """What a worker still holds for requests; empty when it is back to idle."""
     out = []

@@ -44,6 +44,7 @@ from tests.integration.failure_support import (
     stream_acting_midway,
     wait_clean,
     wait_healthy,
+    wait_routed_as_decode,
 )
 from tests.integration.serve_support import PATHS, fetch_answer, request_body, sse_events
 
@@ -99,13 +100,15 @@ async def _switch_back(http: httpx.AsyncClient, proc: Proc) -> None:
     await _serving_as(http, proc, "decode")
 
 
-def _every_decode_up(fleet: Fleet) -> list[Proc]:
-    """The Ds, in the proxy's order; any a test left SIGKILLed started again (same flags)."""
+async def _every_decode_routed(http: httpx.AsyncClient, fleet: Fleet) -> list[Proc]:
+    """The Ds, in the proxy's order, each routed by it as decode; any a test left SIGKILLed
+    started again (same flags)."""
     decodes = [fleet[name] for name in DECODES]
     dead = [d for d in decodes if not d.alive()]
     for proc in dead:
         proc.start()
-    wait_healthy(dead, 120)
+    await trio.to_thread.run_sync(wait_healthy, dead, 120)
+    await wait_routed_as_decode(http, fleet["proxy"], decodes)
     return decodes
 
 
@@ -169,11 +172,12 @@ async def _nothing() -> None:
 async def test_a_drain_whose_listed_takers_are_down_finishes_the_stream_in_place(
         fleet: Fleet) -> None:
     """Every other D listed, none up: one SIGKILLed, one hung (SIGSTOPped)."""
-    proxy, p, decodes = fleet["proxy"], fleet["p"], _every_decode_up(fleet)
+    proxy, p = fleet["proxy"], fleet["p"]
     reopened = 'pd_fsm_proxy_rooms_reopened_total{key="'
     in_place = ('pd_fsm_worker_drains_total{outcome="finished_in_place",'
                 'reason="no_healthy_decode"}')
     async with httpx.AsyncClient(timeout=60) as http:
+        decodes = await _every_decode_routed(http, fleet)
         reference = await fetch_answer(http, str(fleet["colocated"].url), "generate",
                                        {**_body(), "stream": False})
         before = await _counter(http, str(proxy.url), reopened)
@@ -202,8 +206,9 @@ async def test_a_drain_whose_listed_takers_are_down_finishes_the_stream_in_place
 async def test_a_hand_off_refused_by_a_dead_taker_goes_to_a_live_one(fleet: Fleet) -> None:
     """One other D listed and SIGKILLed, one up: the gate hands off, the proxy's hand-off room
     goes to the dead one first (its list's order, the loads equal), then to the live one."""
-    proxy, p, decodes = fleet["proxy"], fleet["p"], _every_decode_up(fleet)
+    proxy, p = fleet["proxy"], fleet["p"]
     async with httpx.AsyncClient(timeout=60) as http:
+        decodes = await _every_decode_routed(http, fleet)
         reference = await fetch_answer(http, str(fleet["colocated"].url), "generate",
                                        {**_body(), "stream": False})
         before = await proxy_counts(http, str(proxy.url))
@@ -238,6 +243,6 @@ async def test_a_hand_off_refused_by_a_dead_taker_goes_to_a_live_one(fleet: Flee
         assert taken["take_failed"] == taken_before[taker.name]["take_failed"]
 
         await _switch_back(http, streaming)
-        # The killed D holds nothing; a later test starts it again (_every_decode_up).
+        # The killed D holds nothing; a later test starts it again (_every_decode_routed).
         await wait_clean(http, p, streaming, taker, timeout=SLACK * 2)
         assert await _counter(http, str(proxy.url), "pd_fsm_proxy_rooms_live") == 0
