@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Sequence
 from typing import assert_never
 
 import attrs
@@ -123,6 +124,13 @@ def _redirect_taker(r: _Room, decode: list[str], breakers: WorkerBreakers, live:
     return _least_loaded(fresh or breakers.routable(avoided), live)
 
 
+def _roles(prefill: Sequence[str], decode: Sequence[str], colocated: Sequence[str]
+           ) -> dict[str, str]:
+    """Each listed worker's role, by the list it is in."""
+    return {**dict.fromkeys(colocated, "null"), **dict.fromkeys(decode, "decode"),
+            **dict.fromkeys(prefill, "prefill")}
+
+
 class RoomRouter:
     table = ROOM
 
@@ -159,11 +167,18 @@ class RoomRouter:
                     colocated: list[str] | None = None) -> None:
         """Replace the worker lists (static flags, probed roles or the bootstrap server's
         /list); ``colocated``: the workers in role "null" (none when not given)."""
+        was = _roles(self._prefill, self._decode, self._colocated)
         self._prefill = list(prefill)
         self._decode = list(decode)
         self._colocated = list(colocated or [])
         self.planner.keep(self._prefill, self._decode)
-        self.breakers.keep([*self._prefill, *self._decode, *self._colocated])
+        # A worker that changed role starts its breaker afresh: the legs it refused while it
+        # drained for the switch were the old role's (503 "switching its role"), and a D that
+        # refused three of them before a probe saw it drain was skipped as P for the cool-down
+        # (seen in CI: every leg of the test's next six went to the other P).
+        now = _roles(self._prefill, self._decode, self._colocated)
+        self.breakers.keep([w for w in now if was.get(w, now[w]) == now[w]])
+        self.breakers.keep(list(now))
 
     # -- entry point --------------------------------------------------------------------------
 

@@ -773,6 +773,23 @@ def test_failures_that_are_not_the_workers_do_not_open_its_breaker() -> None:
     assert router.breakers.states() == {"p0": "CLOSED"}
 
 
+def test_a_worker_that_changed_role_starts_its_breaker_afresh() -> None:
+    """Its faults were the old role's (refused legs while it drained for the switch): as P it
+    is routed at once, not skipped for the cool-down; a worker keeping its role keeps its
+    breaker."""
+    from pd_fsm.core.config import RouterConfig
+
+    router = RoomRouter(["p0"], ["d0", "d1"], random.Random(3),
+                        RouterConfig(breaker_threshold=1, breaker_cooldown=60.0))
+    for d in ("d0", "d1"):
+        router.breakers.outcome(d, False, True, 0.0, [])
+    assert router.breakers.states() == {"p0": "CLOSED", "d0": "OPEN", "d1": "OPEN"}
+    router.set_workers(["p0", "d0"], ["d1"])  # d0 switched to prefill, probed serving
+    assert router.breakers.states() == {"p0": "CLOSED", "d0": "CLOSED", "d1": "OPEN"}
+    turns = [router.handle(ev.RoomRequested(f"r{i}"), 1.0)[0] for i in range(4)]
+    assert {t.prefill for t in turns} == {"p0", "d0"}  # round robin over both P
+
+
 def test_a_decode_leg_refused_before_taking_the_room_moves_to_another_d_in_the_room() -> None:
     """P's prefill is not redone: the other D claims the KV P holds for the same room."""
     router = RoomRouter(["p0"], ["d0", "d1"], random.Random(7))
