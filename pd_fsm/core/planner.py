@@ -50,8 +50,15 @@ how busy D is (``WorkerSnapshot.busy``: the share of the window its steps ran):
 - split, ``prefill_bound`` (or ``both`` with P ``imbalance`` times worse), the busiest D busy
   under ``share_below``: share every core — P gains what D leaves idle;
 - shared, the prefill side over ``headroom`` while the busiest D is busy over ``split_above``
-  (P gets little of what D holds), or ``decode_bound`` (D's steps wait for P's threads in
-  spite of its priority): split.
+  (P gets little of what D holds) and some D's XLA pools have more than one thread, or
+  ``decode_bound`` (D's steps wait for P's threads in spite of its priority): split.
+
+The rule for a P behind a busy D was measured with D's pools of two threads, whose idle threads
+spin: a batch-1 step kept 1.4 of two cores busy, and P sharing them met 6 of 32 where split met
+26 (RESULTS_placement.md run 11). A D of one thread keeps at most about one core busy, so P
+shared with it already has the other; split, P has one core and D's idle share of its own is
+lost. With D on one thread (pd-fsm cluster's D beside P) that split lost 66 vs 77 of a
+short-prompt phase against staying shared (RESULTS_adaptive.md run 12): not taken.
 
 The band between the two busy shares is the hysteresis a placement's own effect needs (D on one
 core runs each step slower, so it reads busier split than shared). The placement in force is read
@@ -121,6 +128,9 @@ class WorkerSnapshot:
     oldest_wait: float = 0.0
     cpus: frozenset[int] | None = None  # the cores its threads may run on now (None: not known)
     busy: float = 0.0  # the share of the window its scheduler's steps ran (0..1)
+    # The threads of its XLA pools (sized when it started; None: not known). One thread keeps
+    # at most about one core busy, however many it may run on: no spinning peers.
+    pool_threads: int | None = None
 
 
 def _nice_steps(_config: object, _field: object, nices: tuple[int, ...]) -> None:
@@ -417,7 +427,8 @@ class Planner:
         else:
             if pressure == "decode_bound":
                 why = f"{why}: D over its target beside P: P and D split the cores"
-            elif p_load > c.headroom and busy > c.split_above:
+            elif p_load > c.headroom and busy > c.split_above and any(
+                    s.pool_threads != 1 for s in live if s.role == "decode"):
                 why = f"{why}: P over its target behind a busy D: P and D split the cores"
             else:
                 return []

@@ -225,6 +225,8 @@ async def test_set_cpus_moves_every_thread_within_the_cores_the_worker_had_at_st
     async with httpx.AsyncClient(timeout=30) as http:
         assert thread_cpus(c.popen.pid) == {one}
         assert (await info(http, c))["cpus"] == [CORES[0]]
+        # Its pools were made on one thread: what the planner reads (core/planner.py).
+        assert (await info(http, c))["cpu_pool_threads"] == 1
         outside = max(CORES) + 1
         for body, names in (({"cpus": [0]}, "body.cpus must be a string"),
                             ({"cpus": "0-"}, "body.cpus: --cpus '0-'"),

@@ -281,10 +281,11 @@ P_HALF, D_HALF = frozenset({0}), frozenset({1})
 
 
 def placed(p_ttft: float, d_itl: float, p_cpus: frozenset[int], d_cpus: frozenset[int],
-           busy: float, p_nice: int = 10) -> list[WorkerSnapshot]:
-    """1P1D on ``CORES``, D busy for ``busy`` of the window."""
+           busy: float, p_nice: int = 10, d_threads: int | None = None) -> list[WorkerSnapshot]:
+    """1P1D on ``CORES``, D busy for ``busy`` of the window (its pools of ``d_threads``)."""
     return [WorkerSnapshot("p0", "prefill", ttft_p90=p_ttft, nice=p_nice, cpus=p_cpus),
-            WorkerSnapshot("d0", "decode", itl_p90=d_itl, nice=-5, cpus=d_cpus, busy=busy)]
+            WorkerSnapshot("d0", "decode", itl_p90=d_itl, nice=-5, cpus=d_cpus, busy=busy,
+                           pool_threads=d_threads)]
 
 
 def cores_planner(**extra: object) -> Planner:
@@ -341,6 +342,24 @@ def test_shared_splits_for_a_decode_over_its_target_or_a_prefill_behind_a_busy_d
     # The same starved P beside a D in the band stays shared.
     third = cores_planner()
     assert all(third.observe(placed(3.0, 0.05, CORES, CORES, 0.5), t) == [] for t in range(5))
+
+
+@pytest.mark.parametrize(("threads", "splits"), [(1, False), (2, True), (None, True)])
+def test_a_prefill_behind_a_busy_one_thread_decode_stays_shared(threads: int | None,
+                                                                splits: bool) -> None:
+    """A D on XLA pools of one thread keeps at most one core busy: P shared with it already
+    has the other, and a split would take D's idle share from it. Two threads (or not known):
+    the rule as measured with spinning pools."""
+    planner = cores_planner()
+    behind = placed(3.0, 0.05, CORES, CORES, busy=0.9, d_threads=threads)
+    decisions = [d for t in range(5) for d in planner.observe(behind, t)
+                 if isinstance(d, SetCpus)]
+    assert bool(decisions) is splits
+    assert planner.placement == ("split" if splits else "shared")
+    # Beside a one-thread D over its own target, P and D still split.
+    if threads == 1:
+        over = placed(0.5, 0.2, CORES, CORES, busy=0.9, d_threads=1)
+        assert [d.cpus for t in (10, 11) for d in planner.observe(over, t)] == [P_HALF, D_HALF]
 
 
 def test_a_placement_left_lately_comes_back_only_when_this_one_does_worse() -> None:

@@ -111,10 +111,10 @@ def test_a_prefill_backlog_is_read_from_the_oldest_unanswered_request_d_s_is_not
 def test_a_workers_cores_and_the_share_of_the_window_its_steps_ran() -> None:
     _, first = _text({"step_seconds_total": 1.0})
     _, second = _text({"step_seconds_total": 2.5})
-    info = {"disaggregation_mode": "decode", "cpus": [1]}
+    info = {"disaggregation_mode": "decode", "cpus": [1], "cpu_pool_threads": 1}
     before, after = parse(info, first, 10.0), parse(info, second, 12.0)
     snap = after.snapshot("http://d", before)
-    assert snap is not None and snap.cpus == frozenset({1})
+    assert snap is not None and snap.cpus == frozenset({1}) and snap.pool_threads == 1
     assert snap.busy == pytest.approx(0.75)  # 1.5 s of steps in a 2 s window
     # No earlier scrape, a restart (the total went down) or no steps exported: 0.
     assert after.busy(None) == 0.0
@@ -128,3 +128,5 @@ def test_a_workers_cores_and_the_share_of_the_window_its_steps_ran() -> None:
     # Cores that are not a list of core ids are not known.
     for listed in ([], "0-1", [0, True], [-1], None):
         assert parse({"cpus": listed}, first).cpus is None, listed
+    for threads in (0, True, "2", 1.5, None):  # nor a pool size that is not a count
+        assert parse({"cpu_pool_threads": threads}, first).pool_threads is None, threads

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import cast, get_args
+from typing import TypeGuard, cast, get_args
 
 import attrs
 from prometheus_client.parser import text_string_to_metric_families
@@ -78,6 +78,7 @@ class Scrape:
     gauges: Mapping[str, float]  # pd_fsm_worker_backend_* by name (labelled: "name{key}")
     nice: int | None = None  # its compute threads' CPU priority (/server_info's "nice")
     cpus: frozenset[int] | None = None  # the cores its threads run on (/server_info's "cpus")
+    pool_threads: int | None = None  # its XLA pools' threads (/server_info's "cpu_pool_threads")
     at: float = 0.0  # when it was scraped (the planner's clock): busy shares need the window
 
     def busy(self, earlier: Scrape | None) -> float:
@@ -117,6 +118,7 @@ class Scrape:
             oldest_wait=oldest,
             cpus=self.cpus,
             busy=self.busy(earlier),
+            pool_threads=self.pool_threads,
         )
 
 
@@ -135,24 +137,31 @@ def parse(info: Mapping[str, object], metrics: str, at: float = 0.0) -> Scrape:
                 if "key" in sample.labels:
                     key = f"{key}{{{sample.labels['key']}}}"
                 gauges[key] = float(sample.value)
-    role, nice = info.get("disaggregation_mode"), info.get("nice")
+    role, nice, threads = (info.get("disaggregation_mode"), info.get("nice"),
+                           info.get("cpu_pool_threads"))
     return Scrape(
         role=role if isinstance(role, str) else "null",
         serving=info.get("role_state", "SERVING") == "SERVING",
         ttft=_histogram(buckets[TTFT]),
         itl=_histogram(buckets[ITL]),
         gauges=gauges,
-        nice=nice if isinstance(nice, int) and not isinstance(nice, bool) else None,
+        nice=nice if _whole(nice) else None,
         cpus=_cpus(info.get("cpus")),
+        pool_threads=threads if _whole(threads) and threads >= 1 else None,
         at=at,
     )
+
+
+def _whole(value: object) -> TypeGuard[int]:
+    """An int from JSON (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _cpus(listed: object) -> frozenset[int] | None:
     """/server_info's ``cpus`` (a list of core ids); None for anything else."""
     if not isinstance(listed, list) or not listed:
         return None
-    if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in listed):
+    if not all(_whole(c) and c >= 0 for c in listed):
         return None
     return frozenset(listed)
 

@@ -167,6 +167,10 @@ class RoleHost:
         now = frozenset(os.sched_getaffinity(0))
         at_start = (config.cores_at_start or now) if config.cpus_after_pools else now
         self.cores = CorePlacement(at_start, now)
+        # XLA sizes its pools by the affinity when the model loads, after this and before
+        # --cpu-pools all|N widens the worker (app.py): the planner splits P from a busy D only
+        # when D's pools spin on more than one thread (core/planner.py).
+        self.pool_threads = len(now)
 
     # -- what the HTTP layer reads ----------------------------------------------------------------
 
@@ -386,6 +390,7 @@ class RoleHost:
             "role_state": self.state,
             "nice": self.priority.nice,
             "cpus": sorted(self.cores.cpus),
+            "cpu_pool_threads": self.pool_threads,
             "prefill_bootstrap_port": self.bootstrap_port(),
             "last_role_switch": None if last is None else attrs.asdict(last),
         }
