@@ -263,6 +263,44 @@ def test_every_phase_is_sampled_once_per_room_on_its_side(tiny: LoadedModel) -> 
         pair.close()
 
 
+def test_decode_batch_stays_within_max_running(tiny: LoadedModel) -> None:
+    """D's rooms take batch slots as its plain requests do: with ``max_running`` 3, ten rooms at
+    once never make a decode batch over 3 (a batch shape the warm-up did not compile); the rest
+    wait in ALLOCATING, heartbeating P, and join as slots free. The answers equal colocated's
+    and every page and registration is released."""
+    prompts = _prompts()
+    colo = Scheduler(SchedulerArgs(model="tiny", num_pages=96, page_size=PAGE, max_running=16,
+                                   max_batched_tokens=256), model=tiny)
+    for i, ids in enumerate(prompts):
+        colo.add_request(Req(f"r{i}", ids, GREEDY))
+    expected = collect(colo.run_until_idle())
+    pair = PDPair(tiny, _args("prefill", lease_initial=600.0, lease_extension=600.0),
+                  _args("decode", max_running=3))
+    seen = {"batch": 0, "slots_taken": 0, "queued": 0}
+
+    def done() -> bool:
+        queues = pair.d.queues
+        seen["batch"] = max(seen["batch"], len(queues.running) + len(queues.prefilling))
+        seen["slots_taken"] = max(seen["slots_taken"], 3 - pair.d.role.slots_free())
+        seen["queued"] = max(seen["queued"], len(pair.d.alloc_queue))
+        out = collect(pair.d_outputs)
+        return (len(out) == len(prompts) and all(v["reason"] for v in out.values())
+                and pair.books_balanced())
+
+    try:
+        for i, ids in enumerate(prompts):
+            pair.d.add_pd_request(Req(f"r{i}", ids, GREEDY), BOOT, 70 + i)
+            pair.p.add_pd_request(Req(f"r{i}", ids, GREEDY), 70 + i)
+        pair.run(done)
+        got = collect(pair.d_outputs)
+        assert {r: v["ids"] for r, v in got.items()} == {r: v["ids"] for r, v in expected.items()}
+        assert seen["batch"] == 3 and seen["slots_taken"] == 3, seen
+        assert seen["queued"] >= len(prompts) - 3, seen
+        assert not pair.d.failures and pair.d.transfer_stats["pulls_ok"] >= len(prompts)
+    finally:
+        pair.close()
+
+
 def test_unresolvable_prefill_fails_fast_and_frees_everything(tiny: LoadedModel) -> None:
     pair = PDPair(tiny, _args("prefill"), _args("decode"))
     pair.resolvable = False

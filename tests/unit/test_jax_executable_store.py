@@ -132,3 +132,31 @@ def test_params_round_trip_memory_mapped(tmp_path: Path) -> None:
     for got, want in zip(loaded["layers"], params["layers"], strict=True):
         np.testing.assert_array_equal(got["q"], want["q"])
     assert [p.name for p in tmp_path.iterdir()] == ["m.params"]  # no temporary left behind
+
+
+def test_a_build_after_ready_is_logged_by_name_and_shape(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Warm-up builds are quiet; once the worker is ready, a compile or a cache load is a
+    request waiting, logged once per executable with the shapes that missed."""
+    caplog.set_level("WARNING", logger="pd_fsm.jax_engine.compilation.executables")
+    logits = jnp.ones((2, 40), jnp.float32)
+    table = _table(tmp_path)
+    table.call(_greedy, {}, logits, _everything(logits))
+    assert not caplog.records
+    table.mark_ready()
+    table.call(_greedy, {}, logits, _everything(logits))  # in the table: nothing built
+    assert not caplog.records
+    wide = jnp.ones((3, 40), jnp.float32)
+    table.call(_greedy, {}, wide, _everything(wide))
+    table.call(_greedy, {}, wide, _everything(wide))
+    [compiled] = [r.getMessage() for r in caplog.records]
+    assert compiled.startswith("compiled after ready (a request waited ")
+    assert "_greedy(float32[3, 40] int32[3, 2])" in compiled
+    caplog.clear()
+    second = _table(tmp_path)  # another process: its store has the shape
+    second.mark_ready()
+    second.call(_greedy, {}, wide, _everything(wide))
+    [loaded] = [r.getMessage() for r in caplog.records]
+    assert loaded.startswith("loaded from the compilation cache after ready")
+    assert "_greedy(float32[3, 40]" in loaded

@@ -15,6 +15,7 @@ from typing import TypeVar
 from pd_fsm.io_trio.worker.backend import Stats
 from pd_fsm.io_trio.worker.flags import WARMUP_MODES
 from pd_fsm.jax_engine.compilation import cache as compilation_cache
+from pd_fsm.jax_engine.compilation.executables import EXECUTABLES
 from pd_fsm.jax_engine.kv.tiered import total_compiles
 from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers.scheduler import Scheduler
@@ -66,6 +67,7 @@ class Startup:
         scheduler.add_request(req)
         self.timed("first_request", scheduler.run_until_idle)
         self._compiles_at_ready = sum(total_compiles())
+        EXECUTABLES.mark_ready()
         self._cache_at_ready = compilation_cache.counts()
         phases = ", ".join(f"{k} {v:.1f} s" for k, v in self.ready_seconds.items())
         log.info("ready after %s", phases)

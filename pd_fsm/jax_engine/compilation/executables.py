@@ -14,6 +14,7 @@ it compiles: a second start loads them without tracing or lowering (``executable
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Hashable, Mapping
@@ -23,6 +24,22 @@ import attrs
 import jax
 
 from pd_fsm.jax_engine.compilation.executable_store import ExecutableStore, fresh_compile, key_text
+
+log = logging.getLogger(__name__)
+
+
+def describe(fn: Any, static: Mapping[str, Hashable], args: tuple[Any, ...]) -> str:
+    """``fn``'s name, static arguments and argument shapes: which executable, in a log line."""
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    shapes = " ".join(
+        f"{x.dtype}{list(x.shape)}" for x in jax.tree_util.tree_leaves(args) if hasattr(x, "shape")
+    )
+    # A model's config is a long repr the shapes already identify: named by its type.
+    statics = "".join(
+        f" {k}={v!r}" if len(repr(v)) <= 40 else f" {k}=<{type(v).__name__}>"
+        for k, v in static.items()
+    )
+    return f"{name}({shapes}){statics}"
 
 
 @attrs.frozen
@@ -78,6 +95,13 @@ class Executables:
         self._loads = 0
         self._load_seconds = 0.0
         self._store: ExecutableStore | None = None
+        # Set when a worker says it is ready: every counted build after that made a request
+        # wait, and is logged by name so an operator can see which shape the warm-up missed.
+        self._ready = False
+
+    def mark_ready(self) -> None:
+        """From now on, log each counted build as one a request waited for."""
+        self._ready = True
 
     def use_store(self, store: ExecutableStore | None) -> None:
         """Load misses from, and save compiles to, ``store`` (None: compile only)."""
@@ -142,17 +166,25 @@ class Executables:
         text, loaded = self._lookup(fn, static, args, count_miss=True)
         if loaded is not None:
             if counted:
+                took = time.perf_counter() - start
                 with self._lock:
-                    self._load_seconds += time.perf_counter() - start
+                    self._load_seconds += took
                     self._loads += 1
+                if self._ready:
+                    log.warning("loaded from the compilation cache after ready (a request "
+                                "waited %.2f s): %s", took, describe(fn, static, args))
             return loaded
         with fresh_compile() as fresh:
             lowered = fn.lower(*args, **static)
             entry = _Entry(lowered.compile(), lowered.out_info)
         if counted:
+            took = time.perf_counter() - start
             with self._lock:
-                self._seconds += time.perf_counter() - start
+                self._seconds += took
                 self._compiles += 1
+            if self._ready:
+                log.warning("compiled after ready (a request waited %.2f s): %s",
+                            took, describe(fn, static, args))
         if self._store is not None and text is not None and fresh.fresh:
             self._store.save(text, entry.executable, entry.out_info)
         return Built(entry, loaded=False)
