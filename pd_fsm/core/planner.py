@@ -51,7 +51,12 @@ how busy D is (``WorkerSnapshot.busy``: the share of the window its steps ran):
   under ``share_below``: share every core — P gains what D leaves idle;
 - shared, the prefill side over ``headroom`` while the busiest D is busy over ``split_above``
   (P gets little of what D holds) and some D's XLA pools have more than one thread, or
-  ``decode_bound`` (D's steps wait for P's threads in spite of its priority): split.
+  ``decode_bound`` with every P at the lowest of ``prefill_nices`` (D's steps wait for P's
+  threads in spite of its priority): split. A P the priority lever had raised is first moved
+  back down its steps: that gives D back its cores' time at once and leaves P what D leaves
+  idle, where a split takes a core from P until D reads idle enough to share again. (Run 14 of
+  bench/RESULTS_adaptive.md: in both short-prompt phases P went down its steps, but D's
+  pressure stayed near 0.97: its one-thread steps were slow on their own; goodput unchanged.)
 
 The rule for a P behind a busy D was measured with D's pools of two threads, whose idle threads
 spin: a batch-1 step kept 1.4 of two cores busy, and P sharing them met 6 of 32 where split met
@@ -425,7 +430,7 @@ class Planner:
                 return []
             to, why = "shared", f"{why}: P over its target, D mostly idle: P and D share cores"
         else:
-            if pressure == "decode_bound":
+            if pressure == "decode_bound" and not self._p_above_floor(live):
                 why = f"{why}: D over its target beside P: P and D split the cores"
             elif p_load > c.headroom and busy > c.split_above and any(
                     s.pool_threads != 1 for s in live if s.role == "decode"):
@@ -442,6 +447,14 @@ class Planner:
         self.placement = to
         return [SetCpus(s.worker, want, why) for s in live
                 if s.cpus != (want := self._cores_of(s.role, to))]
+
+    def _p_above_floor(self, live: Sequence[WorkerSnapshot]) -> bool:
+        """Some P above the lowest of ``prefill_nices``: a D over its target beside it is
+        given its priority back before the cores are split (the priority lever below)."""
+        if not self.config.prefill_nices:
+            return False
+        lowest = self.config.prefill_nices[0]
+        return any(s.role == "prefill" and s.nice is not None and s.nice < lowest for s in live)
 
     # -- P and D ------------------------------------------------------------------------------
 

@@ -414,3 +414,19 @@ def test_a_move_the_workers_did_not_take_is_decided_again_not_repeated() -> None
     half = placed(3.0, 0.05, CORES, D_HALF, busy=0.2)
     (back,) = planner.observe(half, 13.0)
     assert back == SetCpus("p0", P_HALF, back.reason)
+
+
+def test_a_decode_over_its_target_beside_a_raised_prefill_lowers_it_before_splitting() -> None:
+    """Shared, D over its target: a P the priority lever raised goes back down its steps
+    first (D gets its cores' time back at once, P keeps what D leaves idle); only a P at the
+    lowest step leaves the split to the cores lever."""
+    planner = cores_planner(prefill_nices=STEPS)
+    over = placed(0.5, 0.2, CORES, CORES, busy=0.9, p_nice=-5, d_threads=1)
+    assert planner.observe(over, 0.0) == []
+    (down,) = planner.observe(over, 1.0)
+    # D at 2.5x headroom: two steps down.
+    assert down == SetNice("p0", 5, down.reason) and "P's priority down" in down.reason
+    assert planner.placement == "shared"
+    at_floor = placed(0.5, 0.2, CORES, CORES, busy=0.9, p_nice=19, d_threads=1)
+    assert planner.observe(at_floor, 10.0) == []
+    assert [d.cpus for d in planner.observe(at_floor, 11.0)] == [P_HALF, D_HALF]
