@@ -49,7 +49,7 @@ class RequestQueues:
         that does not fit yet blocks those behind it, so a large request is not starved by a
         stream of small ones."""
         admitted: list[Req] = []
-        while self.waiting and len(self.prefilling) + len(self.running) < max_running:
+        while self.waiting and self.admitted < max_running:
             req = self.waiting[0]
             if not budget.reserve(req):
                 break
@@ -66,6 +66,11 @@ class RequestQueues:
                 queue.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
+
+    @property
+    def admitted(self) -> int:
+        """Requests prefilling or running: each holds one of ``max_running``'s batch slots."""
+        return len(self.prefilling) + len(self.running)
 
     @property
     def busy(self) -> bool:

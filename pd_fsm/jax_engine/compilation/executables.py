@@ -166,28 +166,31 @@ class Executables:
         text, loaded = self._lookup(fn, static, args, count_miss=True)
         if loaded is not None:
             if counted:
-                took = time.perf_counter() - start
-                with self._lock:
-                    self._load_seconds += took
-                    self._loads += 1
-                if self._ready:
-                    log.warning("loaded from the compilation cache after ready (a request "
-                                "waited %.2f s): %s", took, describe(fn, static, args))
+                self._count(time.perf_counter() - start, fn, static, args, loaded=True)
             return loaded
         with fresh_compile() as fresh:
             lowered = fn.lower(*args, **static)
             entry = _Entry(lowered.compile(), lowered.out_info)
         if counted:
-            took = time.perf_counter() - start
-            with self._lock:
-                self._seconds += took
-                self._compiles += 1
-            if self._ready:
-                log.warning("compiled after ready (a request waited %.2f s): %s",
-                            took, describe(fn, static, args))
+            self._count(time.perf_counter() - start, fn, static, args, loaded=False)
         if self._store is not None and text is not None and fresh.fresh:
             self._store.save(text, entry.executable, entry.out_info)
         return Built(entry, loaded=False)
+
+    def _count(self, took: float, fn: Any, static: Mapping[str, Hashable],
+               args: tuple[Any, ...], *, loaded: bool) -> None:
+        """Add a build to ``stats()``; after ready, log it as a request's wait."""
+        with self._lock:
+            if loaded:
+                self._load_seconds += took
+                self._loads += 1
+            else:
+                self._seconds += took
+                self._compiles += 1
+        if self._ready:
+            how = "loaded from the compilation cache" if loaded else "compiled"
+            log.warning("%s after ready (a request waited %.2f s): %s",
+                        how, took, describe(fn, static, args))
 
     def call(self, fn: Any, static: Mapping[str, Hashable], *args: Any) -> Any:
         """``fn(*args, **static)`` through the table (``fn`` is a ``jax.jit`` function)."""

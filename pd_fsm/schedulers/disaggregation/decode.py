@@ -146,22 +146,19 @@ class DecodeRole(ColocatedRole):
 
     def after_step(self) -> None:
         self.loop_iterations += 1
-        # Sequences that finished in this step freed pages and batch slots: a hand-off or a
-        # room waiting for them starts its pull now, not at the next event (the loop may go
-        # idle after this step). Rooms are placed through the core, so time is fed to it.
+        # Sequences that finished in this step freed pages: a hand-off waiting for them starts
+        # its pull now, not at the next event (the loop may go idle after this step). A room
+        # waiting for pages or a slot keeps the loop busy (has_work): the next before_step
+        # places it.
         self.handoffs.place_waiting()
-        if self.alloc_queue and self.slots_free() > 0:
-            self.link.deliver(ev.TimeAdvanced())
 
     def slots_free(self) -> int:
         """Batch slots ``--max-running-requests`` leaves for another room: D's requests
         prefilling or running, and rooms whose pages are reserved but that have not joined the
         batch yet (their pull is on its way), each take one, as a request admitted on a
         colocated worker does."""
-        queues = self.sched.queues
         joining = sum(1 for req in self.recv_queue.values() if req.pages is not None)
-        return self.sched.args.max_running - (
-            len(queues.prefilling) + len(queues.running) + joining)
+        return self.sched.args.max_running - self.sched.queues.admitted - joining
 
     def abort(self, rid: str, message: str) -> bool:
         """A hand-off being taken, or a live room: the ledger or the core decide what to
