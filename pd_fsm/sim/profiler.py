@@ -77,7 +77,8 @@ def _lap(fn: Callable[[], object]) -> Lap:
 def _measure(args: argparse.Namespace) -> Profile:
     import jax.numpy as jnp
 
-    timer = _EngineTimer(args)
+    timer = EngineTimer(args.model, num_pages=args.num_pages, max_running=max(args.decode_rows),
+                        max_batched_tokens=args.max_batched_tokens)
     prefills = {n: _timed(functools.partial(timer.prefill, n), args.repeats)
                 for n in args.prefill_tokens}
     rows = [(n, s) for n, (s, _) in prefills.items()]
@@ -102,17 +103,19 @@ def _measure(args: argparse.Namespace) -> Profile:
                        decode_busy=tuple((r, c, b) for (r, c), (_, b) in decodes.items())),))
 
 
-class _EngineTimer:
-    """The colocated scheduler (the same forwards P and D run), timed through its public API.
-    JAX and the engine are imported here, not at the top: ``main`` pins the cores first."""
+class EngineTimer:
+    """The colocated scheduler (the same forwards P and D run), timed through its public API
+    (also by ``bench/bench_tpu.py``). JAX and the engine are imported here, not at the top:
+    ``main`` pins the cores first."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, model: str, *, num_pages: int, max_running: int,
+                 max_batched_tokens: int) -> None:
         from pd_fsm.schedulers.args import SchedulerArgs
         from pd_fsm.schedulers.scheduler import Scheduler
 
-        self.sched = Scheduler(SchedulerArgs(model=args.model, num_pages=args.num_pages,
-                                             max_running=max(args.decode_rows),
-                                             max_batched_tokens=args.max_batched_tokens))
+        self.sched = Scheduler(SchedulerArgs(model=model, num_pages=num_pages,
+                                             max_running=max_running,
+                                             max_batched_tokens=max_batched_tokens))
         self._rid = iter(range(1 << 30))
 
     def _prompt(self, n: int) -> list[int]:

@@ -36,8 +36,9 @@ def test_host_and_device_agree_with_the_definition(shape: tuple[int, ...], dtype
     host = rng.integers(0, 256, size=(int(np.prod(shape)) * np.dtype(dtype).itemsize,),
                         dtype=np.uint8).view(dtype).reshape(shape)
     array = jnp.asarray(host)
-    want = _by_hand(host)
-    assert host_checksum(host) == want
+    assert host_checksum(host) == _by_hand(host)
+    # What the device holds: a TPU canonicalises some float16 bit patterns on the way in.
+    want = _by_hand(np.ascontiguousarray(array))
     assert kv_checksum(array, on_device=False) == want
     assert kv_checksum(array, on_device=True) == want
 

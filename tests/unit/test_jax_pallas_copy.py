@@ -1,3 +1,4 @@
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -5,8 +6,7 @@ import pytest
 from pd_fsm.jax_engine.kv.gather_scatter import insert_kv_chunks, select_from_kv_caches
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_pallas_interpret_scatter_equals_xla(dtype: str) -> None:
+def _xla_and_pallas_agree(dtype: str, *, interpret: bool) -> None:
     rng = np.random.default_rng(7)
     shape = (48, 2, 2, 8)
     src = [jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
@@ -19,10 +19,25 @@ def test_pallas_interpret_scatter_equals_xla(dtype: str) -> None:
     xla = insert_kv_chunks([jnp.asarray(b).astype(dtype) for b in base], packed, dst_pages,
                            method="xla")
     pallas = insert_kv_chunks([jnp.asarray(b).astype(dtype) for b in base], packed, dst_pages,
-                              method="pallas", interpret=True)
+                              method="pallas", interpret=interpret)
     for a, b in zip(xla, pallas, strict=True):
-        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+        # a TPU's arrays come back to numpy strided: copy before viewing the bytes
+        assert np.array_equal(np.ascontiguousarray(a).view(np.uint8),
+                              np.ascontiguousarray(b).view(np.uint8))
     untouched = sorted(set(range(48)) - set(dst_pages))
     got = np.asarray(pallas[0]).astype(np.float32)
     assert np.array_equal(got[untouched],
                           np.asarray(jnp.asarray(base[0]).astype(dtype)).astype(np.float32)[untouched])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pallas_interpret_scatter_equals_xla(dtype: str) -> None:
+    _xla_and_pallas_agree(dtype, interpret=True)
+
+
+@pytest.mark.skipif(jax.default_backend() != "tpu",
+                    reason="needs a TPU: the DMA kernel compiled for the chip (a CPU runs it "
+                           "only in interpret mode, above); bench/bench_tpu.py runs it there")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pallas_compiled_on_a_tpu_equals_xla(dtype: str) -> None:
+    _xla_and_pallas_agree(dtype, interpret=False)

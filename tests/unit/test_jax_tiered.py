@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pd_fsm.jax_engine.kv import tiered
-from pd_fsm.jax_engine.kv.gather_scatter import page_buckets_upto
+from pd_fsm.jax_engine.kv.counters import TRACE_COUNTS
+from pd_fsm.jax_engine.kv.gather_scatter import default_scatter_method, page_buckets_upto
 from pd_fsm.jax_engine.kv.holder import KVCacheHolder
 from pd_fsm.jax_engine.kv.pool import KVPoolConfig
 from pd_fsm.jax_engine.kv.pool_spec import KVArgs, PoolTransferSpec
@@ -39,7 +41,7 @@ def test_quick_then_runs_tier_same_bytes() -> None:
 
     for round_, dst_pages in enumerate(([9, 10, 30, 31, 2], [11, 12, 13, 33, 1])):
         (packed,) = gather_room(src, kv_args, src_pages)
-        scatter_room(dst, kv_args, [packed], dst_pages)
+        scatter_room(dst, kv_args, [packed], dst_pages, method="xla")  # the tiers, on any backend
         for layer in range(CFG.num_layers):
             expected[layer][dst_pages] = src_np[layer][src_pages]
         with dst.locked() as kv:
@@ -75,6 +77,39 @@ def test_warmed_buckets_compile_nothing_when_rooms_move() -> None:
             got = np.asarray(kv["main_kv"][1])[28 - n : 28]
         np.testing.assert_array_equal(got, arrays[1][1 : n + 1])
     assert tiered.KV_COPIES.quick_compiles == before
+
+
+def test_the_pallas_scatter_is_warmed_per_bucket_and_writes_what_the_xla_one_does() -> None:
+    """D's scatter on a TPU (``default_scatter_method``): its warm-up compiles the kernel for
+    every page bucket without writing a page, and then rooms of any size up to the longest are
+    written exactly as the XLA copy writes them, tracing nothing more. (Here the CPU runs the
+    kernel in interpret mode; bench/bench_tpu.py and this test on the device machine ran it
+    compiled on a TPU.)"""
+    cfg = KVPoolConfig(num_layers=2, num_pages=31, page_size=4, num_kv_heads=1, head_dim=8)
+    kv_args = KVArgs([PoolTransferSpec.from_config("main_kv", cfg)])
+    rng = np.random.default_rng(5)
+    src_np = [rng.standard_normal(cfg.layer_shape).astype(np.float32) for _ in range(2)]
+    base = [rng.standard_normal(cfg.layer_shape).astype(np.float32) for _ in range(2)]
+    src = KVCacheHolder({"main_kv": [jnp.asarray(a) for a in src_np]})
+    by_pallas = KVCacheHolder({"main_kv": [jnp.asarray(a) for a in base]})
+    by_xla = KVCacheHolder({"main_kv": [jnp.asarray(a) for a in base]})
+    assert warm_room_copies(by_pallas, kv_args, 12, "scatter", method="pallas") == len(
+        page_buckets_upto(12))
+    with by_pallas.locked() as kv:  # the warm-up wrote nothing
+        for got, want in zip(kv["main_kv"], base, strict=True):
+            np.testing.assert_array_equal(np.asarray(got), want)
+    traced = TRACE_COUNTS["multi_layer_copy_pallas"]
+    for n, first in ((1, 30), (3, 2), (9, 11), (12, 17)):
+        (packed,) = gather_room(src, kv_args, list(range(1, n + 1)))
+        dst_pages = list(range(first, first + n))
+        scatter_room(by_pallas, kv_args, [packed], dst_pages, method="pallas")
+        scatter_room(by_xla, kv_args, [packed], dst_pages, method="xla")
+    with by_pallas.locked() as kv_p, by_xla.locked() as kv_x:
+        for a, b in zip(kv_p["main_kv"], kv_x["main_kv"], strict=True):
+            assert np.array_equal(np.ascontiguousarray(a).view(np.uint8),
+                                  np.ascontiguousarray(b).view(np.uint8))
+    assert TRACE_COUNTS["multi_layer_copy_pallas"] == traced  # nothing compiled after warm-up
+    assert default_scatter_method() == ("pallas" if jax.default_backend() == "tpu" else "xla")
 
 
 def test_a_warm_up_loads_the_run_tier_the_compilation_cache_holds(

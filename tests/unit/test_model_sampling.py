@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +14,12 @@ from pd_fsm.jax_engine.sampling.sampler import sample
 @pytest.fixture(scope="module")
 def logits() -> jnp.ndarray:
     return jnp.asarray(np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32) * 3)
+
+
+def _logprob_atol() -> float:
+    """How close a reported log-prob is to float64's: a TPU's exp and log are less exact than a
+    CPU's (off by up to 5.1e-5 on a v5e, where these tests otherwise pass)."""
+    return 1e-4 if jax.default_backend() == "tpu" else 1e-5
 
 
 def test_truncations_that_leave_one_token_are_greedy(logits: jnp.ndarray) -> None:
@@ -27,7 +34,7 @@ def test_truncations_that_leave_one_token_are_greedy(logits: jnp.ndarray) -> Non
     assert tokens.tolist() == greedy.tolist()
     raw = np.asarray(logits, np.float64)
     ref = raw - np.log(np.exp(raw).sum(-1, keepdims=True))
-    np.testing.assert_allclose(logprobs, ref[np.arange(4), greedy], atol=1e-5)
+    np.testing.assert_allclose(logprobs, ref[np.arange(4), greedy], atol=_logprob_atol())
 
 
 def test_top_k_and_top_p_keep_sampling_inside_the_allowed_set(logits: jnp.ndarray) -> None:
@@ -81,7 +88,7 @@ def test_penalties_and_bans_change_the_choice_not_the_reported_logprob() -> None
     # and 5 banned, 3 again.
     assert tokens.tolist() == [2, 5, 3, 3]
     for token, lp in zip(tokens, logprobs, strict=True):
-        assert lp == pytest.approx(_raw_logprob(row, int(token)), abs=1e-5)
+        assert lp == pytest.approx(_raw_logprob(row, int(token)), abs=_logprob_atol())
 
 
 def test_a_negative_logit_is_multiplied_by_the_repetition_penalty() -> None:

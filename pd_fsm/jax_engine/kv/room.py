@@ -15,9 +15,11 @@ from pd_fsm.jax_engine.kv.gather_scatter import (
     ScatterMethod,
     as_struct,
     check_packed,
+    default_scatter_method,
     insert_kv_chunks,
     page_buckets_upto,
     validate_pages,
+    warm_pallas_scatter,
 )
 from pd_fsm.jax_engine.kv.holder import KVCacheHolder
 from pd_fsm.jax_engine.kv.pool_spec import KVArgs
@@ -57,7 +59,7 @@ def scatter_room(
     arrays: Sequence[jax.Array],
     pages: RoomPages,
     *,
-    method: ScatterMethod = "xla",
+    method: ScatterMethod | None = None,
     lock_timeout_s: float = -1,
 ) -> None:
     """D side: write the pulled arrays into the room's preallocated pages and wait until the pool
@@ -76,7 +78,7 @@ def scatter_rooms(
     kv_args: KVArgs,
     rooms: Sequence[tuple[Sequence[jax.Array], RoomPages]],
     *,
-    method: ScatterMethod = "xla",
+    method: ScatterMethod | None = None,
     lock_timeout_s: float = -1,
 ) -> list[Exception | None]:
     """D side: write several pulled rooms into their preallocated pages with one hold of the
@@ -88,6 +90,7 @@ def scatter_rooms(
     ordered after that whole step, and used to hold the lock, and its pull thread, meanwhile).
     Checks and compiles happen outside the lock; a room that fails them is skipped."""
     errors: list[Exception | None] = [None] * len(rooms)
+    method = method or default_scatter_method()  # this backend's (Pallas on a TPU)
     if method != "xla":
         with holder.locked(timeout=lock_timeout_s) as kv:
             for i, (arrays, pages) in enumerate(rooms):
@@ -137,10 +140,18 @@ def _room_pages(
     return pages_by_pool(kv_args, pages)
 
 
-def warm_room_copies(holder: KVCacheHolder, kv_args: KVArgs, max_pages: int, what: str) -> int:
+def warm_room_copies(holder: KVCacheHolder, kv_args: KVArgs, max_pages: int, what: str,
+                     *, method: ScatterMethod | None = None) -> int:
     """Compile the quick-tier gather (P) or scatter (D) of every page bucket a room of up to
-    ``max_pages`` pages lands in, in every pool; returns how many executables were compiled."""
+    ``max_pages`` pages lands in, in every pool, or D's Pallas scatter where ``method`` (by
+    default this backend's, as D's pulls use it) says so; returns how many were compiled."""
+    buckets = page_buckets_upto(max_pages)
+    if what == "scatter" and (method or default_scatter_method()) == "pallas":
+        with holder.locked() as kv:
+            for spec in kv_args.pools:
+                for bucket in buckets:
+                    kv[spec.name] = warm_pallas_scatter(kv[spec.name], bucket)
+        return len(buckets) * len(kv_args.pools)
     with holder.locked() as kv:
         structs = {spec.name: [as_struct(a) for a in kv[spec.name]] for spec in kv_args.pools}
-    buckets = page_buckets_upto(max_pages)
     return sum(tiered.warm(structs[spec.name], buckets, what) for spec in kv_args.pools)

@@ -41,7 +41,11 @@ import attrs
 import jax
 
 from pd_fsm.jax_engine.kv.checksum import kv_checksum
-from pd_fsm.jax_engine.kv.gather_scatter import ScatterMethod, validate_pages
+from pd_fsm.jax_engine.kv.gather_scatter import (
+    ScatterMethod,
+    default_scatter_method,
+    validate_pages,
+)
 from pd_fsm.jax_engine.kv.holder import KVCacheHolder
 from pd_fsm.jax_engine.kv.pool_spec import KVArgs
 from pd_fsm.jax_engine.kv.room import RoomPages, pages_by_pool, scatter_rooms
@@ -154,7 +158,7 @@ class PullExecutor:
         max_workers: int = 2,
         deadline_s: float = 30.0,
         on_result: Callable[[int], None] | None = None,
-        scatter_method: ScatterMethod = "xla",
+        scatter_method: ScatterMethod | None = None,
         clock: Callable[[], float] = time.monotonic,
         iterations: Callable[[], int] = lambda: -1,
         thread_nice: int = 0,
@@ -172,7 +176,8 @@ class PullExecutor:
         self._kv_args = kv_args
         self._deadline_s = deadline_s
         self._on_result = on_result
-        self._method: ScatterMethod = scatter_method
+        # This backend's by default (Pallas on a TPU), the method D's warm-up compiled.
+        self._method: ScatterMethod = scatter_method or default_scatter_method()
         self._clock = clock
         self._iterations = iterations
         self._peer_for = peer_for
