@@ -34,9 +34,10 @@ def tiny() -> LoadedModel:
 
 
 def _args(name: str, **kw: Any) -> DisaggregationArgs:
-    return DisaggregationArgs(model="tiny", num_pages=64, page_size=4, max_running=8,
-                              max_batched_tokens=256, disaggregation_mode="decode",
-                              instance_id=name, **kw)
+    base: dict[str, Any] = {"model": "tiny", "num_pages": 64, "page_size": 4, "max_running": 8,
+                            "max_batched_tokens": 256, "disaggregation_mode": "decode",
+                            "instance_id": name}
+    return DisaggregationArgs(**{**base, **kw})
 
 
 @pytest.fixture
@@ -234,3 +235,38 @@ def test_an_abort_while_waiting_for_pages_finishes_the_request_at_once(
     d2.step()
     d1.release_handoff(ticket.uuid)
     assert _idle(d1) and _idle(d2)
+
+
+def test_a_hand_off_waits_for_a_batch_slot_as_a_room_does(tiny: LoadedModel) -> None:
+    """A taking D at ``--max-running`` (1 here) with pages to spare: the claim waits for a slot,
+    not past it, and takes the one a finished sequence frees; the batch never holds two."""
+    d1 = DecodeScheduler(_args("d1", pull_deadline=3.0), model=tiny)
+    d2 = DecodeScheduler(_args("d2", pull_deadline=3.0, max_running=1), model=tiny)
+    try:
+        seen, ticket = _decode_then_hand_off(d1, 7, lease_s=60.0)
+        d2.add_request(Req("filler", [5, 6, 7], SamplingParams(
+            temperature=0.0, max_new_tokens=6, ignore_eos=True)))
+        d2.step()
+        assert d2.stats().free_pages > 20  # pages are not what it waits for
+        req = d2.make_request("r", IDS, GREEDY, resume=Resume(tuple(seen[:-1])))
+        d2.add_handoff_request(req, ticket, text_sent=0)
+        assert d2.handoff_stats["waited_for_pages"] == 1
+        out: list[RequestOutput] = []
+        deadline = time.monotonic() + 120
+        while not any(o.rid == "r" and o.finished for o in out):
+            assert time.monotonic() < deadline
+            out += d2.step()
+            assert len(d2.running) <= 1
+            time.sleep(0.002)  # let the pull threads run
+        got = collect(out)
+        assert got["filler"]["reason"].kind == "length"
+        first_r = next(i for i, o in enumerate(out) if o.rid == "r")
+        assert out[first_r - 1].rid == "filler" and out[first_r - 1].finished  # then r's turn
+        assert seen + got["r"]["ids"] == _uninterrupted(tiny)
+        assert d2.handoff_stats["taken"] == 1
+        d1.release_handoff(ticket.uuid)
+        assert _idle(d1) and _idle(d2)
+    finally:
+        for d in (d1, d2):
+            d.close()
+            d.engine.close()

@@ -181,8 +181,8 @@ _SCHEDULER = (
     Flag("--page-size", "tokens per KV page", check=positive, sglang="--page-size"),
     Flag("--max-running", "admitted requests", check=positive,
          sglang="--max-running-requests",
-         doc="requests in the scheduler at once, at most (on D, its rooms too: one waits for "
-             "a slot before its pages are reserved)"),
+         doc="requests in the scheduler at once, at most (on D, its rooms and the hand-offs "
+             "it takes too: one waits for a slot before its pages are reserved)"),
     Flag("--max-batched-tokens", check=positive, shown_default="256 on CPU, else 1024", help=(
              "padded tokens one prefill forward may process; longer prompts are prefilled in "
              "chunks of at most this many (default: 256 on CPU, 1024 on an accelerator)"),

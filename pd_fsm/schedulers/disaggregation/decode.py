@@ -99,7 +99,7 @@ class DecodeRole(ColocatedRole):
         # Live hand-off (issue 32 §2); an aborted one's pages wait in held_pages for its pull.
         self.handoffs = HandoffDesk(sched, self.link, self.engine, self.kv_args,
                                     self.held_pages, lambda: self.pull_executor,
-                                    args.kv_checksum)
+                                    args.kv_checksum, self.slots_free)
         self.pull_executor = self.new_pull_executor(on_pull_result)
         # pulls_corrupted: the KV arrived but failed READY's checksums (not scattered);
         # parts_pulled: of pulls_ok, the parts P streamed while it prefilled (issue 31 §1).
@@ -155,10 +155,11 @@ class DecodeRole(ColocatedRole):
     def slots_free(self) -> int:
         """Batch slots ``--max-running-requests`` leaves for another room: D's requests
         prefilling or running, and rooms whose pages are reserved but that have not joined the
-        batch yet (their pull is on its way), each take one, as a request admitted on a
-        colocated worker does."""
+        batch yet (their pull is on its way), and sequences being taken over (hand-offs
+        pulling), each take one, as a request admitted on a colocated worker does."""
         joining = sum(1 for req in self.recv_queue.values() if req.pages is not None)
-        return self.sched.args.max_running - self.sched.queues.admitted - joining
+        return (self.sched.args.max_running - self.sched.queues.admitted - joining
+                - self.handoffs.joining)
 
     def abort(self, rid: str, message: str) -> bool:
         """A hand-off being taken, or a live room: the ledger or the core decide what to

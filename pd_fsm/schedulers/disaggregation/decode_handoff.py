@@ -4,11 +4,12 @@ Each hand-off's lifecycle is the core's (table kv_handoff, ``HandoffLedger``), k
 offer's uuid here as the draining D, or by the pull's room (negative: never a PD room's) as the
 taking D. See handoff.py for what travels.
 
-A taking D with no free pages does not refuse (a refusal costs the client a re-prefill, which
-waits for pages like any room): the claim waits, first in line — ahead of the rooms' page queue,
-since its client is mid-stream — until a finished sequence frees enough (``place_waiting``,
-before every room's allocation) or half the offer's lease has passed (``FailHandoff``: the proxy
-falls back to a re-prefill).
+A taking D with no free pages or no free batch slot (``--max-running-requests``, counted as for
+a room) does not refuse (a refusal costs the client a re-prefill, which waits for pages like any
+room): the claim waits, first in line — ahead of the rooms' page queue, since its client is
+mid-stream — until a finished sequence frees enough (``place_waiting``, before every room's
+allocation) or half the offer's lease has passed (``FailHandoff``: the proxy falls back to a
+re-prefill).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ _ABORTABLE = (_HANDOFF.S.WAITING_FOR_PAGES, _HANDOFF.S.PULLING)
 class HandoffDesk:
     """``held_pages``: D's pages of failed rooms whose pull may still write them (room -> pages),
     shared with the decode role; ``pulls``: D's pull executor (built after this desk);
-    ``kv_checksum``: whether offers carry KV checksums (tickets must agree)."""
+    ``kv_checksum``: whether offers carry KV checksums (tickets must agree); ``slots_free``:
+    the batch slots D has left (the decode role's count, which includes :attr:`joining`)."""
 
     def __init__(
         self,
@@ -58,6 +60,7 @@ class HandoffDesk:
         held_pages: dict[int, list[int]],
         pulls: Callable[[], PullExecutor],
         kv_checksum: bool,
+        slots_free: Callable[[], int],
     ) -> None:
         self.sched = sched
         self.link = link
@@ -66,6 +69,7 @@ class HandoffDesk:
         self.held_pages = held_pages
         self._pulls = pulls
         self.kv_checksum = kv_checksum
+        self._slots_free = slots_free
         self.ledger = HandoffLedger()
         # What a taken one needs: room -> (request, ticket, text the client has).
         self._taking: dict[int, tuple[Req, HandoffTicket, int]] = {}
@@ -141,6 +145,16 @@ class HandoffDesk:
 
     # -- taking ---------------------------------------------------------------------------------
 
+    @property
+    def joining(self) -> int:
+        """Sequences being taken that hold pages but have not joined the batch yet (pulling):
+        each takes a batch slot, as a room being pulled does."""
+        return sum(1 for req, _, _ in self._taking.values() if req.pages is not None)
+
+    def _place(self, req: Req) -> bool:
+        """A batch slot and pages for ``req``, or neither."""
+        return self._slots_free() > 0 and self.sched.reserve_pages(req)
+
     def take(self, req: Req, ticket: HandoffTicket, text_sent: int) -> None:
         """Take over a sequence another D handed off: ``req`` was made with every output token
         but the last as its resumed tokens (their KV is what the ticket offers); reserve its
@@ -164,24 +178,25 @@ class HandoffDesk:
         self._rooms -= 1
         room = self._rooms
         self._taking[room] = (req, ticket, text_sent)
-        if not self._waiting and sched.reserve_pages(req):
+        if not self._waiting and self._place(req):
             self.drive(ev.HandoffClaimed(room))
             return
         self._waiting.append(room)
         self._queued += 1
         wait = ticket.lease_s / 2 if ticket.lease_s > 0 else PAGE_WAIT_DEFAULT_S
-        log.info("request %s: hand-off waits up to %.1f s for free KV pages", req.rid, wait)
+        log.info("request %s: hand-off waits up to %.1f s for free KV pages and a batch slot",
+                 req.rid, wait)
         self.drive(ev.HandoffQueued(room, wait))
 
     def place_waiting(self) -> bool:
-        """Reserve pages for the claims waiting for them, first come first; True when none is
-        left waiting (the rooms' page queue may go on)."""
+        """Reserve a batch slot and pages for the claims waiting for them, first come first;
+        True when none is left waiting (the rooms' page queue may go on)."""
         while self._waiting:
             room = self._waiting[0]
             if self.ledger.state_of(room) != _HANDOFF.S.WAITING_FOR_PAGES:
                 self._waiting.popleft()  # its wait ended, or it was aborted
                 continue
-            if not self.sched.reserve_pages(self._taking[room][0]):
+            if not self._place(self._taking[room][0]):
                 return False
             self._waiting.popleft()
             self.drive(ev.HandoffPagesReserved(room))
