@@ -226,17 +226,26 @@ def scatter_runs(pages: Sequence[int], bucket: int) -> PageRuns:
     return contiguous_runs(range(len(pages)), pages, bucket)
 
 
+def _pallas_copy(kv_caches: Sequence[jax.Array], packed: jax.Array, runs: PageRuns,
+                 interpret: bool | None) -> list[jax.Array]:
+    """The Pallas scatter of ``runs``; compiled for the chip on a TPU, interpreted elsewhere
+    unless ``interpret`` says otherwise."""
+    from pd_fsm.jax_engine.kv.pallas_copy import multi_layer_copy_pallas_per_shard
+
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    return multi_layer_copy_pallas_per_shard(
+        list(kv_caches), packed, jnp.asarray(runs.table), jnp.int32(runs.n_runs),
+        interpret=interpret)
+
+
 def warm_pallas_scatter(kv_caches: Sequence[jax.Array], bucket: int) -> list[jax.Array]:
     """Compile the Pallas scatter for packed arrays of ``bucket`` pages by running it with no
     runs (nothing is written); returns the pool's new arrays (the old ones are donated)."""
-    from pd_fsm.jax_engine.kv.pallas_copy import multi_layer_copy_pallas_per_shard
-
     first = kv_caches[0]
     packed = _packed_zeros((len(kv_caches), bucket, *first.shape[1:]), first.dtype,
                            packed_sharding(first.sharding))
-    table = jnp.asarray(scatter_runs([], bucket).table)
-    return multi_layer_copy_pallas_per_shard(list(kv_caches), packed, table, jnp.int32(0),
-                                             interpret=jax.default_backend() != "tpu")
+    return _pallas_copy(kv_caches, packed, scatter_runs([], bucket), None)
 
 
 def insert_kv_chunks(
@@ -251,16 +260,9 @@ def insert_kv_chunks(
     new per-layer arrays (the old ones are donated — never use them again)."""
     check_packed(kv_caches, packed, pages)
     runs = scatter_runs(pages, packed.shape[1])
-    table = jnp.asarray(runs.table)
-    n_runs = jnp.int32(runs.n_runs)
     if method == "xla":
-        return multi_layer_copy(list(kv_caches), packed, table, n_runs)
+        return multi_layer_copy(list(kv_caches), packed, jnp.asarray(runs.table),
+                                jnp.int32(runs.n_runs))
     if method == "pallas":
-        from pd_fsm.jax_engine.kv.pallas_copy import multi_layer_copy_pallas_per_shard
-
-        if interpret is None:
-            interpret = jax.default_backend() != "tpu"
-        return multi_layer_copy_pallas_per_shard(
-            list(kv_caches), packed, table, n_runs, interpret=interpret
-        )
+        return _pallas_copy(kv_caches, packed, runs, interpret)
     raise ValueError(f"unknown scatter method {method!r}")

@@ -41,11 +41,7 @@ import attrs
 import jax
 
 from pd_fsm.jax_engine.kv.checksum import kv_checksum
-from pd_fsm.jax_engine.kv.gather_scatter import (
-    ScatterMethod,
-    default_scatter_method,
-    validate_pages,
-)
+from pd_fsm.jax_engine.kv.gather_scatter import ScatterMethod, validate_pages
 from pd_fsm.jax_engine.kv.holder import KVCacheHolder
 from pd_fsm.jax_engine.kv.pool_spec import KVArgs
 from pd_fsm.jax_engine.kv.room import RoomPages, pages_by_pool, scatter_rooms
@@ -176,8 +172,8 @@ class PullExecutor:
         self._kv_args = kv_args
         self._deadline_s = deadline_s
         self._on_result = on_result
-        # This backend's by default (Pallas on a TPU), the method D's warm-up compiled.
-        self._method: ScatterMethod = scatter_method or default_scatter_method()
+        # None: scatter_rooms takes this backend's (Pallas on a TPU), as D's warm-up did.
+        self._method = scatter_method
         self._clock = clock
         self._iterations = iterations
         self._peer_for = peer_for
