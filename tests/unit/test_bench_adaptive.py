@@ -79,3 +79,7 @@ def test_report_goodput_per_phase_and_ratios_to_the_best_static() -> None:
     lines, _ = ba.report("t", runs, sched, _args(phases="AB"))
     assert "per phase: 1.00, 2.00 (>= the best static in every phase)" in "\n".join(lines)
     assert "whole run: 2.00x the best static placement" in text
+    # What bounds the goal: X's A and Y's B summed (3 met) over the best static run's 2 met,
+    # and all 4 sent over those 2.
+    assert ("TPOT <= 100 ms: the best static placement of each phase, summed, met 3 of 4 "
+            "(1.50x the best static placement's 2); every request met would be 2.00x") in text
