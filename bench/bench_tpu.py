@@ -23,6 +23,9 @@ What it measures, each on the accelerator and on the CPU:
   (``pd_fsm/jax_engine/kv/pallas_copy.py``) compiled for the chip, which the CPU only runs in
   interpret mode. The two are compared bit for bit on fragmented pages, then timed (median of
   ``--repeats``, after a compile run) for 1 to 256 scattered pages.
+- **P's KV gather** (the paged pool -> one packed array, for every room P sends), the same
+  pool: XLA ``take`` (P's quick tier), the XLA run loop (its run-based tier) and, on the TPU,
+  the Pallas DMA kernel; compared bit for bit on fragmented pages, then timed likewise.
 - **The engine** (the colocated scheduler that P and D both run, through its public API, as
   ``pd-fsm profile`` times it): a prefill of one prompt of 128 / 512 / 1024 tokens, a decode step
   of 1 / 8 / 32 rows at 512 tokens of context.
@@ -69,7 +72,7 @@ def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(laps)
 
 
-def _scatter(repeats: int) -> dict[str, Any]:
+def _scatter(repeats: int, dtypes: list[str]) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -82,7 +85,7 @@ def _scatter(repeats: int) -> dict[str, Any]:
     layer_shape = (POOL_PAGES, 16, 2 * cfg.num_kv_heads, cfg.head_dim)
     rng = np.random.default_rng(11)
     out: dict[str, Any] = {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in dtypes:
         def pool(seed: int, dtype: str = dtype) -> list[jax.Array]:
             key = jax.random.PRNGKey(seed)
             return [jax.random.normal(k, layer_shape, jnp.float32).astype(dtype)
@@ -114,6 +117,51 @@ def _scatter(repeats: int) -> dict[str, Any]:
                 row["seconds"][f"{m}/{n}"] = _median_seconds(once, repeats)
         out[dtype] = row
         print(f"scatter {dtype}: equal={row['equal']} "
+              f"{ {k: round(v * 1e3, 3) for k, v in row['seconds'].items()} } ms", flush=True)
+    return out
+
+
+def _gather(repeats: int, dtypes: list[str]) -> dict[str, Any]:
+    """P's gather (the paged pool -> one packed array, what P does for every room it sends) by
+    the three ways there are: XLA ``take`` (the quick tier P runs while a bucket's run-based
+    kernel compiles, ``kv/tiered.py``), the XLA run loop (that run-based tier), and on a TPU
+    the Pallas DMA kernel; equal bit for bit on 200 fragmented pages, then timed."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pd_fsm.jax_engine.kv.gather_scatter import page_bucket, select_from_kv_caches
+    from pd_fsm.jax_engine.model.config import SMOLLM2_135M as cfg
+
+    on_tpu = jax.default_backend() == "tpu"
+    take = jax.jit(lambda kv, ids: jnp.stack([jnp.take(c, ids, axis=0) for c in kv]))
+
+    def by(method: str, kv: list[jax.Array], pages: list[int]) -> jax.Array:
+        if method == "take":
+            ids = np.zeros(page_bucket(len(pages)), np.int32)  # padding: the null page
+            ids[:len(pages)] = pages
+            return take(kv, jnp.asarray(ids))  # type: ignore[no-any-return]
+        return select_from_kv_caches(kv, pages, method=method)  # type: ignore[arg-type]
+
+    methods = ["take", "xla", "pallas"] if on_tpu else ["take", "xla"]
+    layer_shape = (POOL_PAGES, 16, 2 * cfg.num_kv_heads, cfg.head_dim)
+    rng = np.random.default_rng(12)
+    out: dict[str, Any] = {}
+    for dtype in dtypes:
+        key = jax.random.PRNGKey(4)
+        pool = [jax.random.normal(k, layer_shape, jnp.float32).astype(dtype)
+                for k in jax.random.split(key, cfg.num_layers)]
+        pages = rng.choice(np.arange(1, POOL_PAGES), 200, replace=False).tolist()
+        got = {m: np.asarray(by(m, pool, pages)[:, :200].astype(jnp.float32)) for m in methods}
+        row: dict[str, Any] = {"equal": all(np.array_equal(got["xla"], g) for g in got.values()),
+                               "seconds": {}}
+        for m in methods:
+            for n in SCATTER_PAGES:
+                src = rng.choice(np.arange(1, POOL_PAGES), n, replace=False).tolist()
+                row["seconds"][f"{m}/{n}"] = _median_seconds(
+                    lambda m=m, src=src, pool=pool: by(m, pool, src), repeats)
+        out[dtype] = row
+        print(f"gather {dtype}: equal={row['equal']} "
               f"{ {k: round(v * 1e3, 3) for k, v in row['seconds'].items()} } ms", flush=True)
     return out
 
@@ -156,7 +204,9 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     print(f"backend {jax.default_backend()}: {jax.devices()}", flush=True)
     out: dict[str, Any] = {"backend": jax.default_backend(), "device": dev.device_kind,
                            "jax": jax.__version__}
-    out["scatter"] = _scatter(args.repeats)
+    dtypes = args.dtypes.split(",")
+    out["gather"] = _gather(args.repeats, dtypes)
+    out["scatter"] = _scatter(args.repeats, dtypes)
     if not args.no_engine:
         out["engine"] = _engine(args.model, args.repeats)
     return out
@@ -167,6 +217,7 @@ def _cpu_baseline(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", "--json", str(path),
            "--repeats", str(args.repeats), "--model", args.model]
     cmd += ["--no-engine"] if args.no_engine else []
+    cmd += ["--dtypes", args.cpu_dtypes]
     subprocess.run(cmd, env=env, check=True, timeout=args.child_timeout)
     result: dict[str, Any] = json.loads(path.read_text())
     return result
@@ -183,11 +234,23 @@ def _report(acc: dict[str, Any], cpu: dict[str, Any]) -> None:
     for dtype, row in acc["scatter"].items():
         for n in SCATTER_PAGES:
             pallas = row["seconds"].get(f"pallas/{n}")
-            print(f"| {n} | {dtype} | {cpu['scatter'][dtype]['seconds'][f'xla/{n}'] * 1e3:.3f} "
+            cs = cpu["scatter"].get(dtype, {"seconds": {}})["seconds"].get(f"xla/{n}")
+            print(f"| {n} | {dtype} | {'-' if cs is None else f'{cs * 1e3:.3f}'} "
                   f"| {row['seconds'][f'xla/{n}'] * 1e3:.3f} | "
                   f"{'-' if pallas is None else f'{pallas * 1e3:.3f}'} |")
     for dtype, row in acc["scatter"].items():
         print(f"Pallas = XLA bit for bit ({dtype}, 200 fragmented pages): {row['equal']}")
+    print("\n| P's KV gather, pages | dtype | CPU take ms | CPU XLA runs ms | accelerator take ms "
+          "| accelerator XLA runs ms | accelerator Pallas ms |\n|---|---|---|---|---|---|---|")
+    for dtype, row in acc["gather"].items():
+        cs = cpu["gather"].get(dtype, {"seconds": {}})["seconds"]
+        for n in SCATTER_PAGES:
+            cells = [cs.get(f"take/{n}"), cs.get(f"xla/{n}"), row["seconds"][f"take/{n}"],
+                     row["seconds"][f"xla/{n}"], row["seconds"].get(f"pallas/{n}")]
+            print(f"| {n} | {dtype} | " + " | ".join(
+                "-" if c is None else f"{c * 1e3:.3f}" for c in cells) + " |")
+    for dtype, row in acc["gather"].items():
+        print(f"gathers equal bit for bit ({dtype}, 200 fragmented pages): {row['equal']}")
     if "engine" not in acc:
         return
     a, c = acc["engine"], cpu["engine"]
@@ -212,7 +275,11 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--model", default="smollm2",
                    help="smollm2 | tiny (a quick check of this script)")
-    p.add_argument("--no-engine", action="store_true", help="only the scatter")
+    p.add_argument("--no-engine", action="store_true", help="only the gather and the scatter")
+    p.add_argument("--dtypes", default="float32,bfloat16",
+                   help="KV dtypes of the gather and scatter on the accelerator")
+    p.add_argument("--cpu-dtypes", default="float32,bfloat16",
+                   help="the same on the CPU (a true-bfloat16 copy is ~100x slower there)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child-timeout", type=float, default=400)
     args = p.parse_args()

@@ -12,7 +12,11 @@ import pytest
 
 from pd_fsm.jax_engine.kv import tiered
 from pd_fsm.jax_engine.kv.counters import TRACE_COUNTS
-from pd_fsm.jax_engine.kv.gather_scatter import default_scatter_method, page_buckets_upto
+from pd_fsm.jax_engine.kv.gather_scatter import (
+    default_gather_method,
+    default_scatter_method,
+    page_buckets_upto,
+)
 from pd_fsm.jax_engine.kv.holder import KVCacheHolder
 from pd_fsm.jax_engine.kv.pool import KVPoolConfig
 from pd_fsm.jax_engine.kv.pool_spec import KVArgs, PoolTransferSpec
@@ -40,8 +44,8 @@ def test_quick_then_runs_tier_same_bytes() -> None:
     before = tiered.TIER_COUNTS.snapshot()
 
     for round_, dst_pages in enumerate(([9, 10, 30, 31, 2], [11, 12, 13, 33, 1])):
-        (packed,) = gather_room(src, kv_args, src_pages)
-        scatter_room(dst, kv_args, [packed], dst_pages, method="xla")  # the tiers, on any backend
+        (packed,) = gather_room(src, kv_args, src_pages, method="xla")  # the tiers, on any
+        scatter_room(dst, kv_args, [packed], dst_pages, method="xla")  # backend
         for layer in range(CFG.num_layers):
             expected[layer][dst_pages] = src_np[layer][src_pages]
         with dst.locked() as kv:
@@ -110,6 +114,61 @@ def test_the_pallas_scatter_is_warmed_per_bucket_and_writes_what_the_xla_one_doe
                                   np.ascontiguousarray(b).view(np.uint8))
     assert TRACE_COUNTS["multi_layer_copy_pallas"] == traced  # nothing compiled after warm-up
     assert default_scatter_method() == ("pallas" if jax.default_backend() == "tpu" else "xla")
+
+
+def test_the_pallas_gather_is_warmed_per_bucket_and_packs_what_the_xla_tiers_do() -> None:
+    """P's gather by the Pallas kernel (``method="pallas"``; not the default anywhere: on a
+    TPU ``take`` measured faster): its warm-up compiles the kernel for every page bucket
+    without touching the pool, and then rooms of any size up to the longest are packed exactly
+    as the XLA tiers pack them, tracing nothing more. (Here the CPU runs the kernel in
+    interpret mode; this test and bench/bench_tpu.py ran it compiled on a TPU.)"""
+    cfg = KVPoolConfig(num_layers=2, num_pages=29, page_size=4, num_kv_heads=1, head_dim=8)
+    kv_args = KVArgs([PoolTransferSpec.from_config("main_kv", cfg)])
+    rng = np.random.default_rng(6)
+    src_np = [rng.standard_normal(cfg.layer_shape).astype(np.float32) for _ in range(2)]
+    src = KVCacheHolder({"main_kv": [jnp.asarray(a) for a in src_np]})
+    assert warm_room_copies(src, kv_args, 12, "gather", method="pallas") == len(
+        page_buckets_upto(12))
+    with src.locked() as kv:  # the warm-up wrote nothing
+        for got, want in zip(kv["main_kv"], src_np, strict=True):
+            np.testing.assert_array_equal(np.asarray(got), want)
+    traced = TRACE_COUNTS["multi_layer_gather_pallas"]
+    for pages in ([28], [3, 4, 5], [9, 2, 20, 21, 22, 7, 8, 1, 27], list(range(13, 25))):
+        (by_pallas,) = gather_room(src, kv_args, pages, method="pallas")
+        (by_xla,) = gather_room(src, kv_args, pages, method="xla")
+        n = len(pages)
+        assert np.array_equal(np.asarray(by_pallas)[:, :n], np.asarray(by_xla)[:, :n])
+        want = np.stack([a[pages] for a in src_np])
+        np.testing.assert_array_equal(np.asarray(by_pallas)[:, :n], want)
+    assert TRACE_COUNTS["multi_layer_gather_pallas"] == traced  # nothing compiled after warm-up
+
+
+def test_a_take_gather_stays_on_the_quick_tier() -> None:
+    """P's gather on a TPU (``default_gather_method``: ``take`` measured faster there than the
+    run loop at every size): the warmed quick tier serves every room, nothing is queued for the
+    background compile, and it packs what the tiers pack."""
+    cfg = KVPoolConfig(num_layers=2, num_pages=23, page_size=4, num_kv_heads=1, head_dim=8)
+    kv_args = KVArgs([PoolTransferSpec.from_config("main_kv", cfg)])
+    rng = np.random.default_rng(9)
+    src_np = [rng.standard_normal(cfg.layer_shape).astype(np.float32) for _ in range(2)]
+    src = KVCacheHolder({"main_kv": [jnp.asarray(a) for a in src_np]})
+    warm_room_copies(src, kv_args, 8, "gather", method="take")
+    before, compiles = tiered.TIER_COUNTS.snapshot(), tiered.KV_COPIES.quick_compiles
+    for pages in ([22], [4, 5, 6], [9, 2, 20, 21, 3, 7, 8, 1]):
+        (packed,) = gather_room(src, kv_args, pages, method="take")
+        np.testing.assert_array_equal(np.asarray(packed)[:, :len(pages)],
+                                      np.stack([a[pages] for a in src_np]))
+    assert tiered.TIER_COUNTS["gather_quick"] == before["gather_quick"] + 3
+    assert tiered.TIER_COUNTS["gather_runs"] == before["gather_runs"]
+    assert tiered.KV_COPIES.quick_compiles == compiles  # every bucket warmed
+    # Nothing was queued: once the background thread is idle, the tiers' gather of a bucket
+    # take served still finds no run-based kernel for it (and queues one now).
+    assert tiered.KV_COPIES.wait_idle(60)
+    gather_room(src, kv_args, [1, 2, 3, 4, 5, 6, 7, 8], method="xla")
+    assert tiered.TIER_COUNTS["gather_runs"] == before["gather_runs"]
+    assert tiered.TIER_COUNTS["gather_quick"] == before["gather_quick"] + 4
+    assert tiered.KV_COPIES.wait_idle(120)
+    assert default_gather_method() == ("take" if jax.default_backend() == "tpu" else "xla")
 
 
 def test_a_warm_up_loads_the_run_tier_the_compilation_cache_holds(

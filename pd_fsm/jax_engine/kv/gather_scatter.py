@@ -42,6 +42,9 @@ from pd_fsm.jax_engine.kv.pool import NULL_PAGE
 from pd_fsm.jax_engine.parallel.tensor_parallel import packed_sharding
 
 ScatterMethod = Literal["xla", "pallas"]
+# P's: "xla" the tiers (take, then the run loop once compiled), "take" the quick tier alone,
+# "pallas" the DMA kernel.
+GatherMethod = Literal["xla", "take", "pallas"]
 
 
 def default_scatter_method() -> ScatterMethod:
@@ -51,6 +54,17 @@ def default_scatter_method() -> ScatterMethod:
     XLA run loop, whose every run rewrites a whole layer there (bf16: 6.1 against 124 ms; 64
     pages 6.6 against 18 ms; 1-8 pages alike), the two equal bit for bit."""
     return "pallas" if jax.default_backend() == "tpu" else "xla"
+
+
+def default_gather_method() -> GatherMethod:
+    """P's gather of a room it sends, on this backend: XLA ``take`` alone on a TPU, the XLA
+    tiers (``kv/tiered.py``: ``take`` until the run loop has compiled, then the run loop)
+    elsewhere. Measured on one TPU v5e at SmolLM2's pool (bench/bench_tpu.py, float32): 1 / 8 /
+    64 / 256 pages by ``take`` 1.4 / 2.5 / 2.9 / 4.4 ms, by the run loop 3.8 / 4.2 / 6.6 / 21.6
+    ms, by the Pallas DMA kernel 4.5 / 4.7 / 5.3 / 8.2 ms (bfloat16 alike), all three equal bit
+    for bit; on the same host's CPU the run loop is the faster (256 pages: 149 against 278 ms
+    by ``take``), which is why the tiers move to it there."""
+    return "take" if jax.default_backend() == "tpu" else "xla"
 
 
 def page_bucket(n: int) -> int:
@@ -171,9 +185,13 @@ def _gather_into(
     return packed
 
 
-def select_from_kv_caches(kv_caches: Sequence[jax.Array], pages: Sequence[int]) -> jax.Array:
+def select_from_kv_caches(kv_caches: Sequence[jax.Array], pages: Sequence[int], *,
+                          method: ScatterMethod = "xla", interpret: bool | None = None
+                          ) -> jax.Array:
     """Gather ``pages`` of every layer into one packed array
-    ``(num_layers, page_bucket(len(pages)), *page_shape)``; rows past ``len(pages)`` are zeros."""
+    ``(num_layers, page_bucket(len(pages)), *page_shape)``; rows past ``len(pages)`` are zeros.
+    ``method`` "pallas": the DMA kernel (compiled on a TPU, interpreted elsewhere unless
+    ``interpret`` says otherwise)."""
     validate_pages(pages, kv_caches[0].shape[0])
     bucket = page_bucket(len(pages))
     runs = contiguous_runs(pages, range(len(pages)), bucket)
@@ -181,7 +199,31 @@ def select_from_kv_caches(kv_caches: Sequence[jax.Array], pages: Sequence[int]) 
     out = _packed_zeros(
         (len(kv_caches), bucket, *first.shape[1:]), first.dtype, packed_sharding(first.sharding)
     )
-    return _gather_into(out, list(kv_caches), jnp.asarray(runs.table), jnp.int32(runs.n_runs))
+    table, n_runs = jnp.asarray(runs.table), jnp.int32(runs.n_runs)
+    if method == "xla":
+        return _gather_into(out, list(kv_caches), table, n_runs)
+    if method == "pallas":
+        return _pallas_gather(kv_caches, out, runs, interpret)
+    raise ValueError(f"unknown gather method {method!r}")
+
+
+def _pallas_gather(kv_caches: Sequence[jax.Array], out: jax.Array, runs: PageRuns,
+                   interpret: bool | None) -> jax.Array:
+    """The Pallas gather of ``runs`` into ``out`` (donated)."""
+    from pd_fsm.jax_engine.kv.pallas_copy import multi_layer_gather_pallas_per_shard
+
+    return multi_layer_gather_pallas_per_shard(
+        out, list(kv_caches), jnp.asarray(runs.table), jnp.int32(runs.n_runs),
+        interpret=_interpret(interpret))
+
+
+def warm_pallas_gather(kv_caches: Sequence[jax.Array], bucket: int) -> None:
+    """Compile the Pallas gather for packed arrays of ``bucket`` pages by running it with no
+    runs (it reads nothing and only writes the packed array it is given)."""
+    first = kv_caches[0]
+    out = _packed_zeros((len(kv_caches), bucket, *first.shape[1:]), first.dtype,
+                        packed_sharding(first.sharding))
+    jax.block_until_ready(_pallas_gather(kv_caches, out, scatter_runs([], bucket), None))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -232,11 +274,14 @@ def _pallas_copy(kv_caches: Sequence[jax.Array], packed: jax.Array, runs: PageRu
     unless ``interpret`` says otherwise."""
     from pd_fsm.jax_engine.kv.pallas_copy import multi_layer_copy_pallas_per_shard
 
-    if interpret is None:
-        interpret = jax.default_backend() != "tpu"
     return multi_layer_copy_pallas_per_shard(
         list(kv_caches), packed, jnp.asarray(runs.table), jnp.int32(runs.n_runs),
-        interpret=interpret)
+        interpret=_interpret(interpret))
+
+
+def _interpret(interpret: bool | None) -> bool:
+    """Pallas in interpret mode unless told: compiled only on a TPU."""
+    return jax.default_backend() != "tpu" if interpret is None else interpret
 
 
 def warm_pallas_scatter(kv_caches: Sequence[jax.Array], bucket: int) -> list[jax.Array]:

@@ -12,13 +12,17 @@ import jax
 
 from pd_fsm.jax_engine.kv import tiered
 from pd_fsm.jax_engine.kv.gather_scatter import (
+    GatherMethod,
     ScatterMethod,
     as_struct,
     check_packed,
+    default_gather_method,
     default_scatter_method,
     insert_kv_chunks,
     page_buckets_upto,
+    select_from_kv_caches,
     validate_pages,
+    warm_pallas_gather,
     warm_pallas_scatter,
 )
 from pd_fsm.jax_engine.kv.holder import KVCacheHolder
@@ -38,17 +42,22 @@ def pages_by_pool(kv_args: KVArgs, pages: RoomPages) -> dict[str, tuple[int, ...
     return {p.name: flat for p in kv_args.pools}
 
 
-def gather_room(holder: KVCacheHolder, kv_args: KVArgs, pages: RoomPages) -> list[jax.Array]:
+def gather_room(holder: KVCacheHolder, kv_args: KVArgs, pages: RoomPages, *,
+                method: GatherMethod | None = None) -> list[jax.Array]:
     """P side: the arrays to register, ``kv_args.kv_shards`` per pool (one single-device array
     per kv-head shard; ``tensor_parallel.split_shards``), pools in wire order. Only the dispatch
     happens under the lock; the gathered arrays are new buffers, so later steps may donate the
-    pool freely."""
+    pool freely. ``method``: by default this backend's (``take`` alone on a TPU, the XLA tiers
+    elsewhere: ``default_gather_method``)."""
     by_pool = pages_by_pool(kv_args, pages)
+    method = method or default_gather_method()
     with holder.locked() as kv:
         out = []
         for p in kv_args.pools:
             validate_pages(by_pool[p.name], kv[p.name][0].shape[0])
-            packed = tiered.gather(kv[p.name], by_pool[p.name])
+            packed = (select_from_kv_caches(kv[p.name], by_pool[p.name], method="pallas")
+                      if method == "pallas" else
+                      tiered.gather(kv[p.name], by_pool[p.name], run_tier=method == "xla"))
             out.extend(split_shards(packed, kv_args.kv_shards))
         return out
 
@@ -141,11 +150,18 @@ def _room_pages(
 
 
 def warm_room_copies(holder: KVCacheHolder, kv_args: KVArgs, max_pages: int, what: str,
-                     *, method: ScatterMethod | None = None) -> int:
+                     *, method: GatherMethod | None = None) -> int:
     """Compile the quick-tier gather (P) or scatter (D) of every page bucket a room of up to
-    ``max_pages`` pages lands in, in every pool, or D's Pallas scatter where ``method`` (by
-    default this backend's, as D's pulls use it) says so; returns how many were compiled."""
+    ``max_pages`` pages lands in, in every pool, or the Pallas kernel where ``method`` (by
+    default this backend's, as P's gathers and D's pulls use it) says so; returns how many
+    were compiled."""
     buckets = page_buckets_upto(max_pages)
+    if what == "gather" and (method or default_gather_method()) == "pallas":
+        with holder.locked() as kv:
+            for spec in kv_args.pools:
+                for bucket in buckets:
+                    warm_pallas_gather(kv[spec.name], bucket)
+        return len(buckets) * len(kv_args.pools)
     if what == "scatter" and (method or default_scatter_method()) == "pallas":
         with holder.locked() as kv:
             for spec in kv_args.pools:

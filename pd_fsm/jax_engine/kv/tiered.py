@@ -244,16 +244,19 @@ def warm(pool: Sequence[jax.ShapeDtypeStruct], buckets: Sequence[int], what: str
     return KV_COPIES.quick_compiles - before
 
 
-def gather(kv: Sequence[jax.Array], pages: Sequence[int]) -> jax.Array:
+def gather(kv: Sequence[jax.Array], pages: Sequence[int], *, run_tier: bool = True
+           ) -> jax.Array:
     """``select_from_kv_caches`` semantics for rows ``0..len(pages)-1``; call under the lock
-    (it only dispatches). Rows past ``len(pages)`` are padding (their content is unspecified)."""
+    (it only dispatches). Rows past ``len(pages)`` are padding (their content is unspecified).
+    ``run_tier`` False: the quick tier always, the run-based one never compiled (on a TPU ``take``
+    is the faster: ``gather_scatter.default_gather_method``)."""
     kv = list(kv)
     bucket = page_bucket(len(pages))
     pool = [as_struct(a) for a in kv]
     first = kv[0]
     out_shape = (len(kv), bucket, *first.shape[1:])
     runs_key = _key(pool, bucket, "gather_runs")
-    exe = KV_COPIES.get(runs_key)
+    exe = KV_COPIES.get(runs_key) if run_tier else None
     if exe is not None:
         TIER_COUNTS.bump("gather_runs")
         runs = contiguous_runs(pages, range(len(pages)), bucket)
@@ -264,7 +267,8 @@ def gather(kv: Sequence[jax.Array], pages: Sequence[int]) -> jax.Array:
         fn, args = _runs_build(pool, bucket, "gather")
         return _build(fn, *args, counted=False)
 
-    KV_COPIES.later(runs_key, build_runs)
+    if run_tier:
+        KV_COPIES.later(runs_key, build_runs)
     ids = np.full(bucket, NULL_PAGE, np.int32)
     ids[: len(pages)] = pages
     quick = _quick_gather(pool, bucket)

@@ -43,14 +43,16 @@ def _pool(tp: int, seed: int) -> tuple[list[jax.Array], np.ndarray]:
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_gather_both_tiers_on_sharded_pool(tp: int) -> None:
+def test_gather_every_way_on_sharded_pool(tp: int) -> None:
     kv, values = _pool(tp, 0)
     want = values[:, PAGES]
     quick = tiered.gather(kv, PAGES)
     assert tiered.KV_COPIES.wait_idle(120)
     runs = tiered.gather(kv, PAGES)
     direct = select_from_kv_caches(kv, PAGES)
-    for got in (quick, runs, direct):
+    quick_only = tiered.gather(kv, PAGES, run_tier=False)  # P's take on a TPU
+    pallas = select_from_kv_caches(kv, PAGES, method="pallas")  # per shard, interpreted here
+    for got in (quick, runs, direct, quick_only, pallas):
         np.testing.assert_array_equal(np.asarray(got)[:, : len(PAGES)], want)
         assert got.sharding.is_equivalent_to(packed_sharding(kv[0].sharding), got.ndim)
 
