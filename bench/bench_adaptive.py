@@ -522,9 +522,8 @@ def chosen_placements(args: argparse.Namespace) -> dict[str, tuple[list[str], st
     return out
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2", help="smollm2 | tiny (plumbing only)")
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The shifting workload's flags (bench_ceiling.py models the same one)."""
     p.add_argument("--phases", default="ABAB", help="A and B phases in order (default ABAB)")
     p.add_argument("--phase-seconds", type=float, default=60.0)
     p.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals per second")
@@ -537,9 +536,15 @@ def main() -> int:
     p.add_argument("--b-out", type=_range, default=(64, 128), metavar="LO-HI",
                    help="phase B's output tokens (default 64-128)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=1, help="passes of every placement")
     p.add_argument("--nice", default="10,-5", metavar="P,D",
                    help="nice values of P and D in the shared and adaptive placements")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help="smollm2 | tiny (plumbing only)")
+    add_workload_args(p)
+    p.add_argument("--repeats", type=int, default=1, help="passes of every placement")
     p.add_argument("--adaptive-workers", default="1,1", metavar="P,D",
                    help="the adaptive cluster's prefill and decode workers at start (1,1)")
     p.add_argument("--adaptive-cores", choices=("split", "shared"), default="shared",
