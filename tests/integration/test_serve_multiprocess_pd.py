@@ -126,8 +126,9 @@ async def test_a_killed_prefill_rank_fails_its_instance_loudly_and_decode_cleanl
     either of its ranks (rank 1 would leave on any difference from rank 0).
 
     P's error is a 500 when the leg was in flight as the tick failed, and a 503 when an idle
-    tick (every SPMD_IDLE_TICK_S) found rank 1 gone before the leg arrived: a race this test
-    does not control. Either way the answer names the cause, never a bare "shutting down"."""
+    tick (every SPMD_IDLE_TICK_S) found rank 1 gone before the leg arrived (also once that
+    failure's deregistration made P unready): a race this test does not control. Either way
+    the answer names the cause, never a bare "shutting down" or "not registered"."""
     p, d = fleet["p-rank0"], fleet["d-rank0"]
     fleet["p-rank1"].kill()
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=120.0)) as http:

@@ -13,6 +13,8 @@ import trio
 from pd_fsm.io_trio.worker.app import WorkerApp
 from pd_fsm.io_trio.worker.backend import BackendError, BootstrapInfo, GenerateJob
 from pd_fsm.io_trio.worker.config import ServeConfig
+from pd_fsm.io_trio.worker.health import Health
+from pd_fsm.io_trio.worker.streams import StreamTable
 from pd_fsm.jax_engine.model import load_model
 from pd_fsm.schedulers.request import FinishReason, RequestOutput
 from tests.integration.serve_support import sse_events
@@ -27,6 +29,7 @@ class ScriptedBackend:
         self.tokens = tokens
         self.fail_with = fail_with
         self.jobs: list[GenerateJob] = []
+        self.health = Health(ready=True)
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -46,7 +49,7 @@ class ScriptedBackend:
         return False
 
     def ready(self) -> bool:
-        return True
+        return self.health.ready
 
     def stats(self) -> dict[str, Any]:
         return {"kvpoll": {"Bootstrapping": 1, "Transferring": 2}, "transfer_bytes_total": 7}
@@ -104,3 +107,18 @@ async def test_error_mid_stream_ends_with_abort_chunk() -> None:
         assert (await http.get("/health")).status_code == 200
         hg = await http.get("/health_generate")
         assert hg.status_code == 200 and hg.json()["generated"] is False
+
+
+async def test_a_failed_worker_names_its_failure_not_readiness() -> None:
+    """A request arriving after the scheduler failed (its deregistration makes the worker
+    unready too) is told the failure, not "not registered": a CI flake once showed the latter
+    where a rank of P's instance was gone."""
+    backend = ScriptedBackend(1, None)
+    async with _client(backend) as http:
+        assert (await http.post("/generate", json={"text": "hi", **BOOT})).status_code == 200
+        backend.health.step_failed(RuntimeError("rank 1 is gone"), StreamTable(max_queued=1))
+        r = await http.post("/generate", json={"text": "hi", **BOOT})
+        assert r.status_code == 503
+        assert r.json()["error"]["message"] == (
+            "the worker is exiting: scheduler step failed: RuntimeError('rank 1 is gone')")
+    assert len(backend.jobs) == 1

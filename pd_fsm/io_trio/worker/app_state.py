@@ -136,6 +136,10 @@ class WorkerState:
         if self.meta is None:
             raise ApiError(503, "the worker is not ready (model loading)")
         if not self.backend.ready():
+            if (exiting := self.backend.health.exiting()) is not None:
+                # Its scheduler failed (a rank of its instance is gone, say): the cause, not
+                # "not registered", which the failure's own deregistration would also say.
+                raise ApiError(503, exiting)
             # A PD worker is ready only while the registry acknowledges it (a partition from
             # the bootstrap server makes it unready too).
             raise ApiError(503, "the worker is not ready (warming up, or not registered with "

@@ -77,8 +77,20 @@ class HandedOff(BackendError):
         self.ticket = ticket
 
 
+class BackendHealth(Protocol):
+    """What the HTTP layer reads of a backend's health (``health.Health``)."""
+
+    def exiting(self) -> str | None:
+        """Why the worker is on its way out (its scheduler failed; a rank of its instance is
+        gone), once it is: what a request arriving meanwhile is told. None otherwise."""
+        ...
+
+
 class Backend(Protocol):
     mode: str  # "null" | "prefill" | "decode"
+
+    @property
+    def health(self) -> BackendHealth: ...
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the scheduler loop until cancelled; ``started()`` once requests can be accepted."""

@@ -3,8 +3,8 @@
 The loop takes new jobs and aborts from its ``StreamTable`` (streams.py), runs
 ``scheduler.step`` in a worker thread while there is work, and fans each step's outputs out to
 the requests' streams. The scheduler is touched only from this loop (it is not thread-safe) or,
-during a step, from the one worker thread. ``Health`` and ``common_stats`` are what the PD
-backends (pd_backends.py) share with it.
+during a step, from the one worker thread. ``Health`` (health.py) and ``common_stats`` are
+what the PD backends (pd_backends.py) share with it.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pd_fsm.io_trio.worker.backend import (
     Stats,
     request_of,
 )
+from pd_fsm.io_trio.worker.health import Health
 from pd_fsm.io_trio.worker.spmd.frames import Command, RequestAborted, RequestAdded
 from pd_fsm.io_trio.worker.startup import Startup
 from pd_fsm.io_trio.worker.streams import STREAM_CAPACITY, StreamTable
@@ -42,46 +43,6 @@ log = logging.getLogger("pd_fsm.io_trio.worker.colocated")
 SPMD_PING_S = 5.0
 SPMD_JOIN_TIMEOUT_S = 120.0
 ABORTED_BY_REQUEST = "aborted by request"
-
-
-@attrs.define
-class Health:
-    """Whether a backend takes requests, and why not once its scheduler failed; its steps."""
-
-    ready: bool = False
-    # Why a scheduler step failed, once one did: the process is on its way out, and a request
-    # arriving meanwhile is told that reason, not "loading" or "shutting down".
-    failure: str | None = None
-    steps_total: int = 0
-    step_seconds_total: float = 0.0
-
-    def refusal(self) -> BackendError | None:
-        """Why a new request is refused now (None: it is taken)."""
-        if self.failure is not None:
-            return BackendError(503, f"the worker is exiting: {self.failure}")
-        if not self.ready:
-            return BackendError(503, "the model is still loading")
-        return None
-
-    def step_failed(self, exc: Exception, streams: StreamTable) -> None:
-        """The scheduler's state is unknown now: stop taking requests, fail everyone in flight
-        with the reason (a 500), and let the process die (serve_worker first lets the HTTP
-        server send those answers)."""
-        self.ready = False
-        self.failure = f"scheduler step failed: {exc!r}"
-        streams.fail_all(BackendError(500, self.failure))
-
-    def stopped(self, streams: StreamTable) -> None:
-        """The loop ended (a failure, or the worker stopping): no more requests, and the ones
-        still held (those that arrived after a failure, too) get a 503 naming why."""
-        self.ready = False
-        reason = ("worker shutting down" if self.failure is None
-                  else f"the worker is exiting: {self.failure}")
-        streams.fail_all(BackendError(503, reason))
-
-    def stepped(self, seconds: float) -> None:
-        self.steps_total += 1
-        self.step_seconds_total += seconds
 
 
 def common_stats(streams: StreamTable, health: Health, startup: Startup, page_size: int,

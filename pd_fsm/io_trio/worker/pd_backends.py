@@ -39,9 +39,10 @@ from pd_fsm.io_trio.worker.backend import (
     PhaseObserver,
     Stats,
 )
-from pd_fsm.io_trio.worker.colocated import SPMD_JOIN_TIMEOUT_S, Health, common_stats
+from pd_fsm.io_trio.worker.colocated import SPMD_JOIN_TIMEOUT_S, common_stats
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.decode_role import DecodeRole
+from pd_fsm.io_trio.worker.health import Health
 from pd_fsm.io_trio.worker.pd_link import Arrived, PDLink
 from pd_fsm.io_trio.worker.pd_role import PDRole, PrefillRole, RoleParts, S
 from pd_fsm.io_trio.worker.spmd.pd_ticks import RankTicks, fingerprint, job_of, leg_of
