@@ -93,6 +93,20 @@ prefill side and its inter-token gap on the decode side.
   ones (a merge lists the donor side first; the other side then follows as orphans). So two
   workers merge one at a time and never split back: a split would leave nobody serving whole
   requests while they drain.
+- A narrow D (its XLA pools of fewer threads than a P's: ``WorkerSnapshot.pool_threads``) over
+  its ITL target with every lever spent (P at the lowest of ``prefill_nices``) is slow on its
+  own: neither a priority nor a core gives it a thread, and a move has no worker to give. Then
+  the widest P becomes colocated alone (its P side need not be busy: a move cannot fix this),
+  and the D stays in its role as a standby beside it (not an orphan to merge: colocated on its
+  one thread it would take half the requests at half the speed, the lost runs 1-2 of
+  bench/RESULTS_adaptive.md). The cluster then decodes on the wide worker's threads, as
+  colocated does. Back: the colocated worker over its ITL target (decode steps behind
+  prefills; its TTFT over its own target as well, or not), with the recall rule below, becomes
+  P again beside the standby, which is still warm: one drain, where a split of two colocated
+  workers needs a third to serve meanwhile. Meanwhile the cores lever leaves them alone: it
+  places P beside D, and there is no P.
+  (Run 15 of bench/RESULTS_adaptive.md: a one-thread D's own steps over the 100 ms target in
+  every short-prompt phase, where colocated on both cores' threads met it.)
 - Colocated is the safe side (it leaves no capacity idle), P/D the bet: each mode's pressure
   (its worse side's, 1.0 at the target) is remembered when the planner leaves it, for
   ``recall`` seconds; a merge needs P/D to do worse than colocated did, a split needs colocated
@@ -316,7 +330,8 @@ class Planner:
     # -- colocate -----------------------------------------------------------------------------
 
     def _orphans(self, snapshots: Sequence[WorkerSnapshot]) -> list[Decision]:
-        """P with no D (or D with no P), when nothing is mid-switch: all colocated."""
+        """P with no D (or D with no P), when nothing is mid-switch: all colocated, but a D
+        narrower than a colocated worker, which stays a standby (module docstring)."""
         if any(s.switching for s in snapshots):
             return []
         count = {r: sum(s.role == r for s in snapshots) for r in ("prefill", "decode")}
@@ -324,8 +339,10 @@ class Planner:
             return []
         lone = "prefill" if count["prefill"] else "decode"
         other = "decode" if lone == "prefill" else "prefill"
+        wide = _widest([s for s in snapshots if s.role == "null"])
         return [SwitchRole(s.worker, "null", f"no {other} worker to pair with: colocated")
-                for s in snapshots if s.role == lone]
+                for s in snapshots if s.role == lone
+                and not (lone == "decode" and _narrower(s, wide))]
 
     def _recalled(self, mode: Mode | Placement, now: float) -> float | None:
         left = self._left.get(mode)
@@ -335,56 +352,89 @@ class Planner:
                   ) -> list[Decision] | None:
         """A merge or a split (see the module's docstring); None: neither applies, and the
         P/D part is balanced by moves as without ``colocate``."""
-        c = self.config
+        if pressure not in _BOUND:
+            return None
         live = [s for s in snapshots if not s.switching]
         pd = [s for s in live if s.role != "null"]
         colo = [s for s in live if s.role == "null"]
-        if pd and pressure in _BOUND:
-            p_load, d_load = self.pressures(pd)
-            pd_class = self.classify(pd)
-            donor: Role = "decode" if p_load >= d_load else "prefill"
-            donor_load = d_load if donor == "decode" else p_load
-            held = self._recalled("colocated", now)
-            if (pd_class in _BOUND and donor_load >= c.idle_below
-                    and (held is None or max(p_load, d_load) > held)):
-                self._left["pd"] = (max(p_load, d_load), now)
-                was = "" if held is None else f", colocated did {held:.2f}"
-                why = (f"P/D prefill pressure {p_load:.2f}, decode pressure {d_load:.2f}: "
-                       f"{pd_class}, {donor} side not idle{was}: colocated")
-                # Pairs, the least loaded of each side: the P/D part keeps its ratio, and the
-                # colocated workers take their share of both sides' work. As many as bring the
-                # P/D part's pressure back to headroom, not capped by max_step: overshooting
-                # toward colocated leaves no capacity idle.
-                pairs = min(sum(s.role == "prefill" for s in pd),
-                            sum(s.role == "decode" for s in pd))
-                k = max(1, math.ceil(pairs * (1.0 - c.headroom / max(p_load, d_load))))
-                # The donor side first: where every worker would switch at once, observe()
-                # keeps the first ones, and the other side follows as orphans.
-                return [SwitchRole(s.worker, "null", why)
-                        for r in (donor, "prefill" if donor == "decode" else "decode")
-                        for s in sorted((s for s in pd if s.role == r), key=_load)[:k]]
-        if colo and pressure in _BOUND:
-            p_load, d_load = self.pressures(colo)
-            held = self._recalled("pd", now)
-            if (self.classify(colo) == "decode_bound" and now - self._split_at >= c.recall
-                    and (held is None or max(p_load, d_load) > c.imbalance * held)):
-                why = (f"colocated prefill pressure {p_load:.2f}, decode pressure {d_load:.2f}: "
-                       f"decode steps wait behind prefills"
-                       + ("" if held is None else f", P/D did {held:.2f}"))
-                order = sorted(colo, key=_load)
-                split: list[Decision] = []
-                if any(s.role == "prefill" for s in pd) and any(s.role == "decode" for s in pd):
-                    pd_p, pd_d = self.pressures(pd)
-                    to: Role = "prefill" if pd_p > pd_d else "decode"
-                    split = [SwitchRole(order[0].worker, to, f"{why}: to {to}")]
-                elif len(order) >= 3:  # one stays colocated: someone serves while the pair drains
-                    split = [SwitchRole(order[0].worker, "decode", f"{why}: split into P/D"),
-                             SwitchRole(order[1].worker, "prefill", f"{why}: split into P/D")]
-                if split:
-                    self._left["colocated"] = (max(p_load, d_load), now)
-                    self._split_at = now
-                    return split
-        return None
+        merged = self._merge(pd, now) if pd else None
+        if merged is None and colo:
+            merged = self._split(pd, colo, now)
+        return merged
+
+    def _merge(self, pd: Sequence[WorkerSnapshot], now: float) -> list[Decision] | None:
+        """The P/D part (``pd``, none switching) gives workers to the colocated side."""
+        c = self.config
+        p_load, d_load = self.pressures(pd)
+        pd_class = self.classify(pd)
+        held = self._recalled("colocated", now)
+        was = "" if held is None else f", colocated did {held:.2f}"
+        wide = _widest([s for s in pd if s.role == "prefill"])
+        narrow = self._narrow_decode(pd)
+        if (pd_class == "decode_bound" and narrow and wide is not None
+                and not self._p_above_floor(pd) and (held is None or d_load > held)):
+            self._left["pd"] = (max(p_load, d_load), now)
+            return [SwitchRole(wide.worker, "null", (
+                f"P/D decode pressure {d_load:.2f}: decode_bound on D's XLA pools of "
+                f"{narrow} thread(s), P's of {wide.pool_threads}{was}: the widest P "
+                "colocated, D a standby"))]
+        donor: Role = "decode" if p_load >= d_load else "prefill"
+        donor_load = d_load if donor == "decode" else p_load
+        if not (pd_class in _BOUND and donor_load >= c.idle_below
+                and (held is None or max(p_load, d_load) > held)):
+            return None
+        self._left["pd"] = (max(p_load, d_load), now)
+        why = (f"P/D prefill pressure {p_load:.2f}, decode pressure {d_load:.2f}: "
+               f"{pd_class}, {donor} side not idle{was}: colocated")
+        # Pairs, the least loaded of each side: the P/D part keeps its ratio, and the
+        # colocated workers take their share of both sides' work. As many as bring the
+        # P/D part's pressure back to headroom, not capped by max_step: overshooting
+        # toward colocated leaves no capacity idle.
+        pairs = min(sum(s.role == "prefill" for s in pd),
+                    sum(s.role == "decode" for s in pd))
+        k = max(1, math.ceil(pairs * (1.0 - c.headroom / max(p_load, d_load))))
+        # The donor side first: where every worker would switch at once, observe()
+        # keeps the first ones, and the other side follows as orphans.
+        return [SwitchRole(s.worker, "null", why)
+                for r in (donor, "prefill" if donor == "decode" else "decode")
+                for s in sorted((s for s in pd if s.role == r), key=_load)[:k]]
+
+    def _split(self, pd: Sequence[WorkerSnapshot], colo: Sequence[WorkerSnapshot], now: float
+               ) -> list[Decision] | None:
+        """The colocated workers (``colo``, none switching) give workers to the P/D part."""
+        c = self.config
+        p_load, d_load = self.pressures(colo)
+        held = self._recalled("pd", now)
+        wide = _widest(colo)
+        # A standby D beside them, no P: its colocated peer's prefills delay decode steps
+        # (its TTFT over its own target too, or not) and one switch makes P/D again.
+        standby = wide is not None and not any(s.role == "prefill" for s in pd) and any(
+            s.role == "decode" and _narrower(s, wide) for s in pd)
+        behind = self.classify(colo) == "decode_bound" or (
+            standby and self.classify(colo) == "both")
+        if not (behind and now - self._split_at >= c.recall
+                and (held is None or max(p_load, d_load) > c.imbalance * held)):
+            return None
+        why = (f"colocated prefill pressure {p_load:.2f}, decode pressure {d_load:.2f}: "
+               f"decode steps wait behind prefills"
+               + ("" if held is None else f", P/D did {held:.2f}"))
+        order = sorted(colo, key=_load)
+        split: list[Decision]
+        if standby:
+            assert wide is not None
+            split = [SwitchRole(wide.worker, "prefill", f"{why}: P beside the standby D")]
+        elif any(s.role == "prefill" for s in pd) and any(s.role == "decode" for s in pd):
+            pd_p, pd_d = self.pressures(pd)
+            to: Role = "prefill" if pd_p > pd_d else "decode"
+            split = [SwitchRole(order[0].worker, to, f"{why}: to {to}")]
+        elif len(order) >= 3:  # one stays colocated: someone serves while the pair drains
+            split = [SwitchRole(order[0].worker, "decode", f"{why}: split into P/D"),
+                     SwitchRole(order[1].worker, "prefill", f"{why}: split into P/D")]
+        else:
+            return None
+        self._left["colocated"] = (max(p_load, d_load), now)
+        self._split_at = now
+        return split
 
     # -- cores --------------------------------------------------------------------------------
 
@@ -416,7 +466,10 @@ class Planner:
         the placement in force stays."""
         c = self.config
         live = [s for s in snapshots if not s.switching]
-        if self.placement is None or not any(s.role == "decode" for s in live):
+        # The placement is P's beside D: with either missing (a standby D beside a colocated
+        # worker, say) there is nothing to place.
+        if self.placement is None or not all(any(s.role == r for s in live)
+                                             for r in ("prefill", "decode")):
             return []
         p_load, d_load = self.pressures(snapshots)
         busy = max(s.busy for s in live if s.role == "decode")
@@ -430,7 +483,9 @@ class Planner:
                 return []
             to, why = "shared", f"{why}: P over its target, D mostly idle: P and D share cores"
         else:
-            if pressure == "decode_bound" and not self._p_above_floor(live):
+            if (pressure == "decode_bound" and not self._p_above_floor(live)
+                    and not (c.colocate and self._narrow_decode(live))):
+                # (A narrow D gains no thread from a split: colocate merges it instead.)
                 why = f"{why}: D over its target beside P: P and D split the cores"
             elif p_load > c.headroom and busy > c.split_above and any(
                     s.pool_threads != 1 for s in live if s.role == "decode"):
@@ -447,6 +502,16 @@ class Planner:
         self.placement = to
         return [SetCpus(s.worker, want, why) for s in live
                 if s.cpus != (want := self._cores_of(s.role, to))]
+
+    @staticmethod
+    def _narrow_decode(live: Sequence[WorkerSnapshot]) -> int:
+        """The threads of every D's XLA pools where all of them are narrower than some P's
+        (the narrow D of the module's docstring); 0 otherwise, or where any is not known."""
+        wide = _widest([s for s in live if s.role == "prefill"])
+        ds = [s for s in live if s.role == "decode"]
+        if not ds or not all(_narrower(s, wide) for s in ds):
+            return 0
+        return max(s.pool_threads or 0 for s in ds)
 
     def _p_above_floor(self, live: Sequence[WorkerSnapshot]) -> bool:
         """Some P above the lowest of ``prefill_nices``: a D over its target beside it is
@@ -560,6 +625,17 @@ class Planner:
 
 def _listed(cpus: frozenset[int] | None) -> str:
     return "?" if cpus is None else ",".join(map(str, sorted(cpus)))
+
+
+def _widest(workers: Sequence[WorkerSnapshot]) -> WorkerSnapshot | None:
+    """The worker with the most XLA pool threads (known), the least loaded of those tied."""
+    known = [s for s in workers if s.pool_threads is not None]
+    return min(known, key=lambda s: (-(s.pool_threads or 0), _load(s)), default=None)
+
+
+def _narrower(s: WorkerSnapshot, than: WorkerSnapshot | None) -> bool:
+    return (than is not None and s.pool_threads is not None and than.pool_threads is not None
+            and s.pool_threads < than.pool_threads)
 
 
 def _load(s: WorkerSnapshot) -> tuple[int, str]:

@@ -53,7 +53,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--colocate", action="store_true",
                    help="also make workers colocated (role null) when the P/D part is under "
                         "pressure, and split colocated workers into P and D when their ITL "
-                        "misses with TTFT to spare (workers need --roles prefill,decode,null)")
+                        "misses with TTFT to spare; a D of fewer XLA pool threads than P, "
+                        "over its ITL target, makes P colocated and stays a standby beside it "
+                        "(workers need --roles prefill,decode,null)")
     p.add_argument("--recall", type=float, default=d.recall,
                    help=f"with --colocate: seconds a mode's pressure is remembered after "
                         f"leaving it, and between two splits (default {d.recall:g})")
