@@ -94,19 +94,20 @@ prefill side and its inter-token gap on the decode side.
   workers merge one at a time and never split back: a split would leave nobody serving whole
   requests while they drain.
 - A narrow D (its XLA pools of fewer threads than a P's: ``WorkerSnapshot.pool_threads``) over
-  its ITL target with every lever spent (P at the lowest of ``prefill_nices``) is slow on its
-  own: neither a priority nor a core gives it a thread, and a move has no worker to give. Then
-  the widest P becomes colocated alone (its P side need not be busy: a move cannot fix this),
-  and the D stays in its role as a standby beside it (not an orphan to merge: colocated on its
-  one thread it would take half the requests at half the speed, the lost runs 1-2 of
-  bench/RESULTS_adaptive.md). The cluster then decodes on the wide worker's threads, as
-  colocated does. Back: the colocated worker over its ITL target (decode steps behind
-  prefills; its TTFT over its own target as well, or not), with the recall rule below, becomes
-  P again beside the standby, which is still warm: one drain, where a split of two colocated
-  workers needs a third to serve meanwhile. Meanwhile the cores lever leaves them alone: it
-  places P beside D, and there is no P.
-  (Run 15 of bench/RESULTS_adaptive.md: a one-thread D's own steps over the 100 ms target in
-  every short-prompt phase, where colocated on both cores' threads met it.)
+  its ITL target is slow on its own: neither a priority nor a core gives it a thread (runs 14
+  and 15 of bench/RESULTS_adaptive.md lowered P's priority to its floor for nothing), and a
+  move has no worker to give. So, before those levers, the widest P becomes colocated alone
+  (its P side need not be busy: a move cannot fix this), and the D stays in its role as a
+  standby beside it (not an orphan to merge: colocated on its one thread it would take half
+  the requests at half the speed, as in runs 1-2 and 16). A P/D part with a narrow D merges no
+  other way (the merge below made the narrow D colocated first in run 16, then its P as an
+  orphan: two colocated workers that never split back). The cluster then decodes on the wide
+  worker's threads, as colocated does; the cores lever has no P to place meanwhile. Back: the
+  colocated worker over its ITL target (decode steps behind prefills; its TTFT over its own
+  target as well, or not), with the recall rule below, becomes P again beside the standby,
+  which is still warm: one drain, where a split of two colocated workers needs a third to
+  serve meanwhile. (Run 15 of bench/RESULTS_adaptive.md: a one-thread D's own steps over the
+  100 ms target in every short-prompt phase, where colocated on both cores' threads met it.)
 - Colocated is the safe side (it leaves no capacity idle), P/D the bet: each mode's pressure
   (its worse side's, 1.0 at the target) is remembered when the planner leaves it, for
   ``recall`` seconds; a merge needs P/D to do worse than colocated did, a split needs colocated
@@ -369,15 +370,8 @@ class Planner:
         pd_class = self.classify(pd)
         held = self._recalled("colocated", now)
         was = "" if held is None else f", colocated did {held:.2f}"
-        wide = _widest([s for s in pd if s.role == "prefill"])
-        narrow = self._narrow_decode(pd)
-        if (pd_class == "decode_bound" and narrow and wide is not None
-                and not self._p_above_floor(pd) and (held is None or d_load > held)):
-            self._left["pd"] = (max(p_load, d_load), now)
-            return [SwitchRole(wide.worker, "null", (
-                f"P/D decode pressure {d_load:.2f}: decode_bound on D's XLA pools of "
-                f"{narrow} thread(s), P's of {wide.pool_threads}{was}: the widest P "
-                "colocated, D a standby"))]
+        if self._narrow_decode(pd):  # only _wide_merge's way (the module's docstring)
+            return None
         donor: Role = "decode" if p_load >= d_load else "prefill"
         donor_load = d_load if donor == "decode" else p_load
         if not (pd_class in _BOUND and donor_load >= c.idle_below
@@ -398,6 +392,25 @@ class Planner:
         return [SwitchRole(s.worker, "null", why)
                 for r in (donor, "prefill" if donor == "decode" else "decode")
                 for s in sorted((s for s in pd if s.role == r), key=_load)[:k]]
+
+    def _wide_merge(self, pressure: Pressure, snapshots: Sequence[WorkerSnapshot], now: float
+                    ) -> list[Decision]:
+        """A narrow D over its target: the widest P colocated, D a standby (the module's
+        docstring); [] when that does not apply."""
+        pd = [s for s in snapshots if not s.switching and s.role != "null"]
+        if pressure != "decode_bound" or self.classify(pd) != "decode_bound":
+            return []
+        p_load, d_load = self.pressures(pd)
+        held = self._recalled("colocated", now)
+        wide = _widest([s for s in pd if s.role == "prefill"])
+        narrow = self._narrow_decode(pd)
+        if not narrow or wide is None or (held is not None and d_load <= held):
+            return []
+        self._left["pd"] = (max(p_load, d_load), now)
+        was = "" if held is None else f", colocated did {held:.2f}"
+        return [SwitchRole(wide.worker, "null", (
+            f"P/D decode pressure {d_load:.2f}: decode_bound on D's XLA pools of {narrow} "
+            f"thread(s), P's of {wide.pool_threads}{was}: the widest P colocated, D a standby"))]
 
     def _split(self, pd: Sequence[WorkerSnapshot], colo: Sequence[WorkerSnapshot], now: float
                ) -> list[Decision] | None:
@@ -526,6 +539,10 @@ class Planner:
     def _decide(self, pressure: Pressure, snapshots: Sequence[WorkerSnapshot], now: float
                 ) -> list[Decision]:
         c = self.config
+        # Before the levers: a narrow D's own steps are slow, whatever P's priority or cores.
+        wide = self._wide_merge(pressure, snapshots, now) if c.colocate else []
+        if wide:
+            return wide
         levers = self._levers(pressure, snapshots, now)
         if levers:
             return levers
