@@ -103,11 +103,12 @@ prefill side and its inter-token gap on the decode side.
   other way (the merge below made the narrow D colocated first in run 16, then its P as an
   orphan: two colocated workers that never split back). The cluster then decodes on the wide
   worker's threads, as colocated does; the cores lever has no P to place meanwhile. Back: the
-  colocated worker over its ITL target (decode steps behind prefills; its TTFT over its own
-  target as well, or not), with the recall rule below, becomes P again beside the standby,
-  which is still warm: one drain, where a split of two colocated workers needs a third to
-  serve meanwhile. (Run 15 of bench/RESULTS_adaptive.md: a one-thread D's own steps over the
-  100 ms target in every short-prompt phase, where colocated on both cores' threads met it.)
+  colocated worker over both its targets (decode steps behind heavy prefills; over its ITL
+  target alone its own steps are slow, and the narrow D would be slower), with the recall rule
+  below, becomes P again beside the standby, which is still warm: one drain, where a split of
+  two colocated workers needs a third to serve meanwhile. (Run 15 of bench/RESULTS_adaptive.md:
+  a one-thread D's own steps over the 100 ms target in every short-prompt phase, where
+  colocated on both cores' threads met it.)
 - Colocated is the safe side (it leaves no capacity idle), P/D the bet: each mode's pressure
   (its worse side's, 1.0 at the target) is remembered when the planner leaves it, for
   ``recall`` seconds; a merge needs P/D to do worse than colocated did, a split needs colocated
@@ -419,12 +420,13 @@ class Planner:
         p_load, d_load = self.pressures(colo)
         held = self._recalled("pd", now)
         wide = _widest(colo)
-        # A standby D beside them, no P: its colocated peer's prefills delay decode steps
-        # (its TTFT over its own target too, or not) and one switch makes P/D again.
+        # A standby D beside them, no P: P/D again (one switch) only where colocated's
+        # prefills are heavy too, so its decode steps wait behind them. Its decode pressure
+        # alone is its own steps' speed, which the narrow D would not better (run 17 of
+        # bench/RESULTS_adaptive.md split back on it in a short-prompt phase, and lost).
         standby = wide is not None and not any(s.role == "prefill" for s in pd) and any(
             s.role == "decode" and _narrower(s, wide) for s in pd)
-        behind = self.classify(colo) == "decode_bound" or (
-            standby and self.classify(colo) == "both")
+        behind = self.classify(colo) == ("both" if standby else "decode_bound")
         if not (behind and now - self._split_at >= c.recall
                 and (held is None or max(p_load, d_load) > c.imbalance * held)):
             return None

@@ -463,6 +463,10 @@ def test_a_narrow_decode_over_its_target_makes_the_wide_prefill_colocated_then_p
               WorkerSnapshot("d0", "decode", cpus=both, pool_threads=1)]
     # The lone D is no orphan to merge, and the cores lever has no P to place beside it.
     assert planner.observe(merged, 2.0) == []
+    # Colocated over its ITL target with light prefills: its own steps, which the narrow D
+    # would not better: it stays (run 17 split back on this, and lost).
+    slow = [attrs.evolve(merged[0], itl_p90=0.3), merged[1]]
+    assert planner.observe(slow, 2.5) == []
     # Colocated's decode steps behind its long prefills, its TTFT over too: P again.
     merged[0] = attrs.evolve(merged[0], ttft_p90=3.0, itl_p90=0.4)
     (back,) = planner.observe(merged, 3.0)
