@@ -283,8 +283,9 @@ class RoomRouter:
 
     def _dispatch(self, e: ev.RoomRequested, now: float, out: list[fx.RouterEffect]) -> None:
         prefill, decode, colocated = _pools(e, self._prefill, self._decode, self._colocated)
-        if not colocated and ((not prefill and not e.handoff) or not decode):
-            missing = "prefill" if not prefill and not e.handoff else "decode"
+        alone = self.planner.config.local_prefill_without_prefill  # D prefills with no P
+        if not colocated and ((not prefill and not e.handoff and not alone) or not decode):
+            missing = "prefill" if not prefill and not e.handoff and not alone else "decode"
             out.append(fx.NoWorkers(e.request_id, missing))
             return
         prefill, decode = self.breakers.routable(prefill), self.breakers.routable(decode)

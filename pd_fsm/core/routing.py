@@ -34,9 +34,11 @@ uncached part is at most ``local_prefill_tokens`` — uncached on the chosen D b
 the decode policy is ``cache_aware``, else the whole prompt — or when every P's load is at least
 ``local_prefill_queue``, or (Dynamo's cached-to-raw threshold) when the chosen D's index holds
 at least ``local_prefill_cached_ratio`` of the prompt, so what is left to compute is small next
-to what would move. Each is off at 0. The decode-busy guard: no local prefill at all while the
-chosen D has ``local_prefill_decode_guard`` or more requests (D's own decode batch would wait
-behind the prefill); off at 0.
+to what would move. Each is off at 0. With ``local_prefill_without_prefill`` D also prefills
+alone while no P is listed at all (the planner's colocated worker draining to become P again
+beside a standby D: bench/RESULTS_adaptive.md run 17 answered 503 there). The decode-busy
+guard: no local prefill at all while the chosen D has ``local_prefill_decode_guard`` or more
+requests (D's own decode batch would wait behind the prefill); off at 0.
 """
 
 from __future__ import annotations
@@ -73,6 +75,10 @@ class RoutingConfig:
     local_prefill_cached_ratio: float = attrs.field(default=0.0, validator=[
         _GE0, attrs.validators.le(1.0)])
     local_prefill_decode_guard: int = attrs.field(default=0, validator=_GE0_INT)
+    # No P routable (every P draining for a role switch, say, or gone) and no colocated
+    # worker: D prefills alone instead of the room's 503 (the decode-busy guard aside: the
+    # other answer is a refusal). Off by default; ``pd-fsm cluster --planner`` turns it on.
+    local_prefill_without_prefill: bool = False
     # Load shedding (issue 32 §3): when every routable worker of a role has at least this many
     # requests (the proxy's own live rooms, or its last polled /get_load if higher), a new
     # request is answered 429 with Retry-After at once instead of queueing; 0: never.
@@ -210,13 +216,18 @@ class RoutePlanner:
     def plan(self, prefill: Sequence[str], decode: Sequence[str], prompt: Prompt,
              live: Mapping[str, int], colocated: Sequence[str] = ()) -> Route:
         """Choose D, then whether a colocated worker takes the room, then whether D prefills
-        alone, then P. Both P and D lists are non-empty, or ``colocated`` is."""
+        alone, then P. Both P and D lists are non-empty, or ``colocated`` is, or D's is with
+        ``local_prefill_without_prefill``."""
         if colocated and not (prefill and decode):
             return self._colocated(colocated, live, "no_prefill" if not prefill else "no_decode")
         chain = block_chain(prompt.text) if self._indexed() else []
         d, d_reason, d_matched = self._choose("decode", decode, prompt, chain, live)
         if colocated and min(self._load(w, live) for w in colocated) < self._load(d, live):
             return self._colocated(colocated, live, "fewer_in_flight")
+        if not prefill:  # only with local_prefill_without_prefill (the router's NoWorkers)
+            self._record("decode", d, d_reason, chain)
+            self.decisions["local:no_prefill"] += 1
+            return Route(None, d, "no_prefill", d_reason)
         local = self._local_reason(prefill, d, prompt, d_matched, live)
         if local is not None:
             self._record("decode", d, d_reason, chain)

@@ -97,9 +97,14 @@ def test_the_planner_observes_every_pd_worker_and_each_can_take_every_role() -> 
     assert len(sides) == 3 and None not in sides  # a port of its own for each as a P
     ports = [c.url for c in children.values() if c.url]
     assert len(set(ports)) == len(ports)
-    without = {c.name for c in plan(build_parser().parse_args(
+    # A switch may leave no P listed for a drain's length: D prefills alone meanwhile.
+    proxy = children["proxy"].argv
+    assert "--local-prefill-without-prefill" in proxy
+    build_parser(proxy[3:]).parse_args(proxy[3:])
+    without = {c.name: c for c in plan(build_parser().parse_args(
         ["cluster", "--model", "tiny"]))}
     assert "planner" not in without
+    assert "--local-prefill-without-prefill" not in without["proxy"].argv
 
 
 def test_with_max_workers_the_planner_scales_through_the_launcher_and_added_workers_match() -> None:

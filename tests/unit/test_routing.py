@@ -299,3 +299,25 @@ def test_a_handoff_room_is_never_shed_for_prefill() -> None:
     router.planner.set_loads({"p0": 0, "d0": 2})
     shed = _ask(router, prompt=Prompt("hi", 1), migratable=True, handoff=True)
     assert isinstance(shed, fx.ShedRequest) and shed.role == "decode"  # D full: shed as before
+
+
+def test_without_prefill_d_prefills_alone_only_when_asked() -> None:
+    """``local_prefill_without_prefill``: no P listed (a colocated worker draining to become P
+    beside a standby D) and no colocated worker: D alone, not a 503. Off: NoWorkers as ever;
+    a colocated worker listed still takes the room first."""
+    assert _ask(RoomRouter([], ["d0"], random.Random(1))) == fx.NoWorkers("r0", "prefill")
+    router = RoomRouter([], ["d0", "d1"], random.Random(1),
+                        routing=RoutingConfig(local_prefill_without_prefill=True))
+    rooms = [_ask(router) for _ in range(2)]
+    assert all(isinstance(r, fx.DispatchLocal) and r.reason == "no_prefill" for r in rooms)
+    assert sorted(r.decode for r in rooms) == ["d0", "d1"]  # type: ignore[union-attr]
+    assert router.routed["decode_alone"] == 2
+    assert router.planner.decisions["local:no_prefill"] == 2
+    with_colocated = RoomRouter([], ["d0"], random.Random(1), colocated=["c0"],
+                                routing=RoutingConfig(local_prefill_without_prefill=True))
+    room = _ask(with_colocated)
+    assert room.decode == "c0" and room.reason == "no_prefill"  # type: ignore[union-attr]
+    # No D either: still no room.
+    none = RoomRouter([], [], random.Random(1),
+                      routing=RoutingConfig(local_prefill_without_prefill=True))
+    assert _ask(none) == fx.NoWorkers("r0", "decode")

@@ -350,8 +350,11 @@ def _add_instance(children: list[Child], args: argparse.Namespace, name: str, ro
 def _proxy_child(args: argparse.Namespace, tls: TLS, ports: _Ports, prefills: list[Child],
                  decodes: list[Child]) -> Child:
     keyed = [] if args.api_key_file is None else ["--api-key-file", str(args.api_key_file)]
+    # With the planner a role switch may leave no P listed for a drain's length (its
+    # colocated worker becoming P again beside a standby D): D prefills alone meanwhile.
+    alone = ["--local-prefill-without-prefill"] if args.planner else []
     proxy_args = ["proxy", "--host", HOST, "--port", str(ports.proxy), *keyed, *_quiet(args),
-                  *tls.argv(), *shlex.split(args.proxy_args or ""), *_worker_key(args)]
+                  *tls.argv(), *alone, *shlex.split(args.proxy_args or ""), *_worker_key(args)]
     for child, side in zip(prefills, ports.side, strict=True):
         proxy_args += ["--prefill", str(child.url), str(side)]
     for child in decodes:

@@ -106,6 +106,10 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--local-prefill-decode-guard", type=int, default=0, metavar="N",
                    help="decode-busy guard: no local prefill on a D that has N or more "
                         "requests, whatever the rules above say (default 0: off)")
+    g.add_argument("--local-prefill-without-prefill", action="store_true",
+                   help="D prefills alone while no prefill worker is listed (all draining for "
+                        "a role switch, or gone) instead of answering 503 (default: off; "
+                        "`pd-fsm cluster --planner` turns it on)")
     g.add_argument("--max-queue-per-worker", type=int, default=0, metavar="N",
                    help="shed load: when every worker of a role has at least N requests (the "
                         "proxy's own, or its last polled /get_load), answer 429 with "
@@ -128,6 +132,7 @@ def routing_from_args(args: argparse.Namespace) -> RoutingConfig:
             local_prefill_queue=args.local_prefill_queue,
             local_prefill_cached_ratio=args.local_prefill_cached_ratio,
             local_prefill_decode_guard=args.local_prefill_decode_guard,
+            local_prefill_without_prefill=args.local_prefill_without_prefill,
             max_queue=args.max_queue_per_worker,
         )
     except ValueError as exc:
