@@ -464,12 +464,12 @@ async def greedy(http: httpx.AsyncClient, colocated: Proc, input_ids: list[int],
     return list(r.json()["output_ids"])
 
 
-async def proxied_and_greedy(http: httpx.AsyncClient, fleet: Fleet, seed: int
-                             ) -> tuple[list[int], list[int]]:
-    """One greedy prompt through ``fleet``'s proxy and to its colocated reference: the two
-    answers' token ids (the proxy's answered 200)."""
+async def proxied_and_greedy(http: httpx.AsyncClient, fleet: Fleet, seed: int,
+                             proxy: str = "proxy") -> tuple[list[int], list[int]]:
+    """One greedy prompt through ``fleet``'s proxy (``proxy`` names it) and to its colocated
+    reference: the two answers' token ids (the proxy's answered 200)."""
     ids = prompt(10, seed=seed)
-    r = await http.post(f"{fleet['proxy'].url}/generate", json={
+    r = await http.post(f"{fleet[proxy].url}/generate", json={
         "input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}})
     assert r.status_code == 200, r.text
     return list(r.json()["output_ids"]), await greedy(http, fleet["colocated"], ids, 6)

@@ -7,7 +7,8 @@ reference, and ``pd-fsm proxy`` given static lists (it follows roles by probing
 it every request whole (a D-alone room whose leg is addressed as null). Requests through the
 proxy answer 200 with the colocated reference's greedy tokens; ``b``'s own stats count them as
 its colocated backend's, the planner's scrape reads ``b`` as a null worker, the proxy counts the
-rooms by path; ``b`` switched back to decode is a D again; every worker ends holding nothing."""
+rooms by path; ``b`` switched back to decode is a D again; every worker ends holding nothing.
+A second proxy lists no P: with ``--local-prefill-without-prefill`` ``b`` answers alone."""
 
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     b = f.decode("b", extra=["--roles", "decode,null", "--drain-timeout", "5"])
     f.colocated()
     f.proxy("proxy", [a], [b], extra=["--role-probe-interval", str(PROBE_S)])
+    # No P listed at all, as while the planner's colocated worker drains to become P again
+    # beside a standby D: this proxy lets D prefill alone (pd-fsm cluster --planner's does).
+    f.proxy("alone", [], [b], extra=["--local-prefill-without-prefill"])
     f.start()
     yield f
     f.close()
@@ -111,3 +115,22 @@ async def test_a_worker_switched_to_null_gets_whole_requests_and_back(fleet: Fle
     assert after_back["pd"] == 2.0 and after_back["colocated"] == N_COLOCATED
     assert re.search(r'^pd_fsm_proxy_route_decisions_total\{key="colocated:no_decode"\} '
                      rf'{N_COLOCATED}\.0$', proxy_metrics, re.M), proxy_metrics
+
+
+async def test_with_no_prefill_listed_d_answers_alone(fleet: Fleet) -> None:
+    """``--local-prefill-without-prefill``: no P listed and no colocated worker, the proxy opens
+    a D-alone room (D prefills itself) instead of a 503, and D answers as the colocated
+    reference does (after the test above ``b`` is a D again)."""
+    b = fleet["b"]
+    async with httpx.AsyncClient(timeout=60) as http:
+        before = (await stats(http, b))["local_prefills_total"]
+        answers = [await proxied_and_greedy(http, fleet, seed, proxy="alone")
+                   for seed in (7, 8)]
+        after = (await stats(http, b))["local_prefills_total"]
+        metrics = (await http.get(f"{fleet['alone'].url}/metrics")).text
+        await wait_clean(http, b, fleet["colocated"], timeout=SLACK)
+    assert all(got == want for got, want in answers), answers
+    assert after == before + 2
+    assert _routed(metrics)["decode_alone"] == 2.0
+    assert re.search(r'^pd_fsm_proxy_route_decisions_total\{key="local:no_prefill"\} 2\.0$',
+                     metrics, re.M), metrics

@@ -183,8 +183,9 @@ def main(args: argparse.Namespace) -> int:
                     raise ValueError(f"--{flag} URL must start with http:// or https://, got "
                                      f"{url!r}")
         if args.bootstrap_url is None and not args.colocated and (
-                not prefill or not args.decode):
-            raise ValueError("give --prefill and --decode workers, or --colocated workers, or "
+                not (prefill or args.local_prefill_without_prefill) or not args.decode):
+            raise ValueError("give --prefill and --decode workers (or --decode workers alone "
+                             "with --local-prefill-without-prefill), or --colocated workers, or "
                              "--bootstrap-url")
         if args.refresh_interval <= 0 or args.room_timeout <= 0:
             raise ValueError("--refresh-interval and --room-timeout must be positive")

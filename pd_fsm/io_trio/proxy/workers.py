@@ -295,8 +295,9 @@ class Workers:
     # ------------------------------------------------------------------ routes
 
     async def health(self, request: Request) -> Response:
-        """200 only while at least one prefill and one decode worker, or one colocated worker,
-        answer their own /health (probed now, concurrently, within HEALTH_PROBE_S): routers
+        """200 only while at least one prefill and one decode worker (a decode worker alone
+        with ``--local-prefill-without-prefill``), or one colocated worker, answer their own
+        /health (probed now, concurrently, within HEALTH_PROBE_S): routers
         and load balancers poll this to decide whether to send traffic, and a proxy that can
         serve no request can only fail it."""
         sides = {"prefill": list(self.targets), "decode": list(self.decode_urls),
@@ -316,8 +317,11 @@ class Workers:
             for side, urls in sides.items():
                 for url in urls:
                     nursery.start_soon(probe, side, url)
+        # D alone serves every request where the router lets it (no P listed): P is optional.
+        needed = (("decode",) if self._router.planner.config.local_prefill_without_prefill
+                  else ("prefill", "decode"))
         missing = ([] if healthy["colocated"] else
-                   [side for side in ("prefill", "decode") if healthy[side] == 0])
+                   [side for side in needed if healthy[side] == 0])
         body: dict[str, object] = {
             "status": "ok" if not missing else f"no healthy {' or '.join(missing)} worker",
             **{side: {"healthy": healthy[side], "configured": len(urls)}
