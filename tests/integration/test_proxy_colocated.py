@@ -121,13 +121,19 @@ async def test_with_no_prefill_listed_d_answers_alone(fleet: Fleet) -> None:
     """``--local-prefill-without-prefill``: no P listed and no colocated worker, the proxy opens
     a D-alone room (D prefills itself) instead of a 503, and D answers as the colocated
     reference does (after the test above ``b`` is a D again)."""
-    b = fleet["b"]
+    b, alone = fleet["b"], fleet["alone"].url
     async with httpx.AsyncClient(timeout=60) as http:
+        # It probes roles too: it routes b as a D again only once it saw b serve as one.
+        async def routes_b() -> bool | None:
+            w = (await http.get(f"{alone}/workers")).json()
+            return True if (w["prefill"], w["decode"]) == ([], [b.url]) else None
+
+        await wait_until(routes_b, SLACK, "the D-alone proxy routing b as a D")
         before = (await stats(http, b))["local_prefills_total"]
         answers = [await proxied_and_greedy(http, fleet, seed, proxy="alone")
                    for seed in (7, 8)]
         after = (await stats(http, b))["local_prefills_total"]
-        metrics = (await http.get(f"{fleet['alone'].url}/metrics")).text
+        metrics = (await http.get(f"{alone}/metrics")).text
         await wait_clean(http, b, fleet["colocated"], timeout=SLACK)
     assert all(got == want for got, want in answers), answers
     assert after == before + 2
