@@ -59,12 +59,13 @@ def _least_loaded(workers: list[str], live: Counter[str]) -> str | None:
 
 
 def _pools(e: ev.RoomRequested, all_prefill: list[str], all_decode: list[str],
-           all_colocated: list[str]) -> tuple[list[str], list[str], list[str]]:
+           all_colocated: list[str], alone: bool) -> tuple[list[str], list[str], list[str]]:
     """The P, D and colocated workers a room may go to: around the workers that failed its
-    request. With a P and a D left, or else a colocated worker, those; with neither, as before
-    colocated workers existed: a role left with none keeps all of its workers, and the colocated
-    workers all stay candidates. A hand-off room goes to a D only (it pulls KV a colocated
-    worker cannot)."""
+    request. With a P and a D left, or else a colocated worker, those; else, with ``alone``
+    (``local_prefill_without_prefill``), a D left prefills the room alone; with neither, as
+    before colocated workers existed: a role left with none keeps all of its workers, and the
+    colocated workers all stay candidates. A hand-off room goes to a D only (it pulls KV a
+    colocated worker cannot)."""
     avoid = set(e.attempts.avoid)
     prefill = [p for p in all_prefill if p not in avoid]
     decode = [d for d in all_decode if d not in avoid]
@@ -73,6 +74,11 @@ def _pools(e: ev.RoomRequested, all_prefill: list[str], all_decode: list[str],
     colocated = [c for c in all_colocated if c not in avoid]
     if (prefill and decode) or colocated:  # without P or D: a colocated worker's
         return prefill, decode, colocated
+    if alone and decode:
+        # Not back to the worker that refused: a colocated worker starting its switch to P
+        # beside a standby D refused every retry of two requests until the proxy's next role
+        # probe (bench/RESULTS_adaptive.md run 19), where the standby could have taken them.
+        return [], decode, []
     return prefill or all_prefill, decode or all_decode, all_colocated
 
 
@@ -282,8 +288,9 @@ class RoomRouter:
         return _T.PrefillRetryable if e.leg == "prefill" else _T.DecodeRetryable
 
     def _dispatch(self, e: ev.RoomRequested, now: float, out: list[fx.RouterEffect]) -> None:
-        prefill, decode, colocated = _pools(e, self._prefill, self._decode, self._colocated)
         alone = self.planner.config.local_prefill_without_prefill  # D prefills with no P
+        prefill, decode, colocated = _pools(e, self._prefill, self._decode, self._colocated,
+                                            alone)
         if not colocated and ((not prefill and not e.handoff and not alone) or not decode):
             missing = "prefill" if not prefill and not e.handoff and not alone else "decode"
             out.append(fx.NoWorkers(e.request_id, missing))

@@ -150,6 +150,11 @@ class StandIn:
         self.received.append(Received(request.url.path, body, dict(request.headers),
                                       trio.current_time()))
         leg_role = request.headers.get("x-pd-role")
+        if self.role_epoch is not None and self.role_state != "SERVING":
+            # Draining for a switch, as a pd-fsm worker: no new leg, come back later.
+            return JSONResponse(
+                {"error": {"message": f"the worker is switching its role from {self.role}",
+                           "code": 503}}, status_code=503, headers={"retry-after": "1"})
         if self.role_epoch is not None and leg_role not in (None, self.role):
             return JSONResponse(
                 {"error": {"message": f"this worker is {self.role} (role epoch "

@@ -11,6 +11,7 @@ import random
 import httpx
 import trio
 
+from pd_fsm.core.routing import RoutingConfig
 from pd_fsm.io_trio.proxy.server import PrefillTarget, Proxy, serve_proxy
 from tests.integration.pd_standins import StandIn, serve_standin
 
@@ -89,6 +90,34 @@ async def test_a_leg_to_a_stale_role_gets_409_goes_elsewhere_and_reprobes(
     assert legs[0] == "decode" and set(legs[1:]) <= {"prefill"}  # 409, then routed as P
     assert len(d1.generations()) == 2 and len(p.generations()) + len(legs[1:]) == 2
     assert proxy.stats()["rooms_reopened_total"]["redirect"] == 1
+
+
+async def test_a_colocated_worker_starting_its_switch_refuses_and_the_standby_d_answers(
+    nursery: trio.Nursery,
+) -> None:
+    """Run 19 of bench/RESULTS_adaptive.md, by hand: the colocated worker begins its switch to
+    P beside a standby D before the proxy's next probe. Its 503 sends the retry to the D alone
+    (``local_prefill_without_prefill``: the only colocated worker refused it), not back to it
+    until the retries run out, and makes the proxy probe the roles at once."""
+    c_url, c = await _switchable(nursery, "null")
+    d_url, d = await _switchable(nursery, "decode")
+    proxy = Proxy([], [d_url], colocated=[c_url], rng=random.Random(1),
+                  routing=RoutingConfig(local_prefill_without_prefill=True),
+                  role_probe_interval=3600)
+    url: str = await nursery.start(serve_proxy, proxy, "127.0.0.1", 0)
+    c.role_state = "DRAINING"  # behind the proxy's back: its next probe is an hour away
+    async with httpx.AsyncClient(timeout=10) as http:
+        r = await http.post(f"{url}/generate", json={"text": "hi"})
+        assert r.status_code == 200, r.text
+        assert r.json()["served_by"] == "decode"
+        await _until_routed(http, url, {"prefill": [], "decode": [d_url]})
+        workers = (await http.get(f"{url}/workers")).json()
+    assert [g.headers["x-pd-role"] for g in c.generations()] == ["null"]  # the one refusal
+    assert [g.headers["x-pd-role"] for g in d.generations()] == ["decode"]
+    assert workers["colocated"] == [] and workers["roles"][c_url]["serving"] is False
+    stats = proxy.stats()
+    assert stats["rooms_reopened_total"]["retry"] == 1
+    assert stats["rooms_total"]["COMPLETED"] == 1 and not stats["rooms_total"]["FAILED"]
 
 
 async def test_workers_that_report_no_role_keep_the_command_lines(nursery: trio.Nursery) -> None:

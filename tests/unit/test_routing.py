@@ -15,6 +15,7 @@ from pd_fsm.core.config import RouterConfig
 from pd_fsm.core.router import RoomRouter
 from pd_fsm.core.routing import (
     BLOCK_CHARS,
+    Attempts,
     PrefixIndex,
     Prompt,
     RoutingConfig,
@@ -321,3 +322,27 @@ def test_without_prefill_d_prefills_alone_only_when_asked() -> None:
     none = RoomRouter([], [], random.Random(1),
                       routing=RoutingConfig(local_prefill_without_prefill=True))
     assert _ask(none) == fx.NoWorkers("r0", "decode")
+
+
+def test_a_retry_around_a_refusing_colocated_worker_goes_to_a_standby_d_alone() -> None:
+    """The colocated worker starts its switch to P beside a standby D and refuses a room (503):
+    the retry, avoiding it, goes to the D alone where ``local_prefill_without_prefill`` allows
+    it (run 19 of bench/RESULTS_adaptive.md answered 503 to two requests that went back to the
+    switching worker on every retry); without the flag, back to the only colocated worker as
+    ever. A P that refused is routed around the same way."""
+    retry = Attempts(retries=1, avoid=("c0",))
+    flagged = RoomRouter([], ["d0"], random.Random(1), colocated=["c0"],
+                         routing=RoutingConfig(local_prefill_without_prefill=True))
+    room = _ask(flagged, attempts=retry)
+    assert isinstance(room, fx.DispatchLocal)
+    assert (room.decode, room.role, room.reason) == ("d0", "decode", "no_prefill")
+    plain = RoomRouter([], ["d0"], random.Random(1), colocated=["c0"])
+    room = _ask(plain, attempts=retry)
+    assert isinstance(room, fx.DispatchLocal) and room.decode == "c0" and room.role == "null"
+    around_p = RoomRouter(["p0"], ["d0"], random.Random(1),
+                          routing=RoutingConfig(local_prefill_without_prefill=True))
+    room = _ask(around_p, attempts=Attempts(retries=1, avoid=("p0",)))
+    assert isinstance(room, fx.DispatchLocal) and room.decode == "d0"
+    room = _ask(RoomRouter(["p0"], ["d0"], random.Random(1)),
+                attempts=Attempts(retries=1, avoid=("p0",)))
+    assert isinstance(room, fx.DispatchRoom) and room.prefill == "p0"  # the flag off: as ever

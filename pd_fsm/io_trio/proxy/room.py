@@ -178,8 +178,9 @@ class RoomHost(Protocol):
         """``s`` is over here: the proxy forgets it."""
         ...
 
-    def stale_role(self, url: str) -> None:
-        """A leg to ``url`` got 409: the worker is in another role now (issue 30 §1)."""
+    def leg_refused(self, url: str, status: int) -> None:
+        """A leg to ``url`` got 409 (the worker is in another role now, issue 30 §1) or 503
+        (draining, perhaps for a role switch)."""
         ...
 
 
@@ -349,8 +350,8 @@ class RoomResponse:
                     status = resp.status_code
                     ok = 200 <= status < 300
                     body = None if ok and leg.get("stream") is True else json_or_text(raw)
-                    if status == STALE_ROLE:
-                        self.host.stale_role(s.prefill)
+                    if status in REFUSED:
+                        self.host.leg_refused(s.prefill, status)
                     if ok:
                         self.host.phases.observe("proxy_prefill_leg",
                                                  trio.current_time() - posted)
@@ -396,8 +397,8 @@ class RoomResponse:
                         headers={**q.headers, ROLE_HEADER: s.decode_role}) as resp:
                     if not 200 <= resp.status_code < 300:
                         body = json_or_text(await resp.aread())
-                        if resp.status_code == STALE_ROLE:
-                            self.host.stale_role(s.decode)
+                        if resp.status_code in REFUSED:
+                            self.host.leg_refused(s.decode, resp.status_code)
                         if s.ticket is not None:  # why a hand-off falls back to a re-prefill
                             log.info("room %d: hand-off leg refused by %s (%d): %s", s.room,
                                      s.decode, resp.status_code, reason(body, resp.status_code))

@@ -467,8 +467,8 @@ class Proxy:
     def room_over(self, s: Room) -> None:
         self._rooms.pop(s.room, None)
 
-    def stale_role(self, url: str) -> None:
-        self.workers.stale_role(url)
+    def leg_refused(self, url: str, status: int) -> None:
+        self.workers.leg_refused(url, status)
 
     def contain(self, where: str, s: Room, exc: Exception) -> Failure:
         """An exception in one room's work: counted, logged, and the room failed in the router

@@ -145,9 +145,11 @@ class Workers:
     def probes_roles(self) -> bool:
         return self.bootstrap_url is None and self.role_probe_interval > 0
 
-    def stale_role(self, url: str) -> None:
-        """A leg to ``url`` got 409 (it is in another role now): probe the roles at once."""
-        log.info("%s answered in another role: probing the workers' roles now", url)
+    def leg_refused(self, url: str, status: int) -> None:
+        """A leg to ``url`` got 409 (it is in another role now) or 503 (draining: for a
+        role switch, the proxy learns it a probe interval early): probe the roles at once."""
+        if not self._reprobe.is_set():  # once per probe round, not once per refused leg
+            log.info("%s refused a leg (%d): probing the workers' roles now", url, status)
         self._reprobe.set()
 
     async def probe_roles(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
