@@ -67,6 +67,14 @@ class ClusterConfig:
     decode: int = 0
     colocated: int = 0  # colocated workers, besides the P and D ones
     cores: int = 1  # per worker
+    # D's cores, where narrower than ``cores`` (0: ``cores``): the threads of its XLA pools,
+    # sized when it starts and kept across a switch, as ``pd-fsm cluster`` gives its D one
+    # thread beside a P of two. The planner reads them (``WorkerSnapshot.pool_threads``).
+    decode_cores: int = 0
+    # A request with no P (or none with a D to send to) and no colocated worker to take it goes
+    # to a D, which prefills it alone (``pd-fsm proxy --local-prefill-without-prefill``, on
+    # under ``pd-fsm cluster --planner``); off: it waits until an entry serves again.
+    alone: bool = False
     planner: PlannerConfig | None = None
     interval: float = 5.0  # seconds between the planner's observations
     window: float = 20.0  # the latencies it sees: requests served in the last this many s
@@ -82,6 +90,8 @@ class ClusterRun:
     requests: list[Request]
     decisions: list[tuple[float, Decision]]
     roles: list[tuple[float, int, int, int]]  # (time, P, D, colocated) after every change
+    alone: int = 0  # requests a D prefilled alone (``alone``): no entry was serving
+    deferred: int = 0  # arrivals that found no entry and waited (every 0.1 s) for one
 
 
 def _p90(values: list[float]) -> float:
@@ -96,9 +106,11 @@ class _Cluster:
         self.profile, self.config = profile, config
         roles = (["colocated"] * config.colocated + ["prefill"] * config.prefill
                  + ["decode"] * config.decode)
-        self.workers = [Worker(role, profile, config.cores, name=f"w{i}",
-                               stream_tokens=config.stream_tokens)
+        narrow = config.decode_cores or config.cores
+        self.workers = [Worker(role, profile, narrow if role == "decode" else config.cores,
+                               name=f"w{i}", stream_tokens=config.stream_tokens)
                         for i, role in enumerate(roles)]
+        self.alone = self.deferred = 0
         self.switching: dict[str, str] = {}  # worker -> its next role, while it drains
         self._armed: set[str] = set()  # drained: serving in the new role after switch_s
         self.busy: set[str] = set()
@@ -137,7 +149,11 @@ class _Cluster:
 
     def arrive(self, r: Request) -> None:
         entry = self._role("colocated") + (self._role("prefill") if self._role("decode") else [])
-        if not entry:  # every entry mid-switch: the request waits for one
+        if not entry and self.config.alone and self._role("decode"):
+            entry = self._role("decode")  # D prefills it alone
+            self.alone += 1
+        elif not entry:  # every entry mid-switch: the request waits for one
+            self.deferred += 1
             self.at(self.now + 0.1, "arrive", lambda: self.arrive(r))
             return
         w = min(entry, key=lambda w: (len(w.waiting) + (w.name in self.busy), w.name))
@@ -236,7 +252,7 @@ class _Cluster:
             out.append(WorkerSnapshot(
                 w.name, role, waiting=len(w.waiting) + len(w.arriving), running=len(w.running),
                 ttft_p90=_p90(ttft), itl_p90=_p90(gaps), kv_usage=used / PAGES,
-                switching=w.name in self.switching))
+                switching=w.name in self.switching, pool_threads=w.cores))
         return out
 
 
@@ -245,7 +261,8 @@ def run_cluster(profile: Profile, config: ClusterConfig, requests: Sequence[Requ
     reqs = [Request(r.arrival, r.prompt, r.out) for r in requests]
     c = _Cluster(profile, config, reqs)
     c.run()
-    return ClusterRun(reqs, [] if c.planner is None else list(c.planner.decisions), c.roles)
+    return ClusterRun(reqs, [] if c.planner is None else list(c.planner.decisions), c.roles,
+                      c.alone, c.deferred)
 
 
 def goodput(reqs: Sequence[Request], start: float, end: float, ttft_s: float,
