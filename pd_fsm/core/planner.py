@@ -97,7 +97,9 @@ prefill side and its inter-token gap on the decode side.
   its ITL target is slow on its own: neither a priority nor a core gives it a thread (runs 14
   and 15 of bench/RESULTS_adaptive.md lowered P's priority to its floor for nothing), and a
   move has no worker to give. So, before those levers, the widest P becomes colocated alone
-  (its P side need not be busy: a move cannot fix this), and the D stays in its role as a
+  (its P side need not be busy: a move cannot fix this; it may be over its target too where
+  that is only the TTFTs of the window, with nothing waiting on P now — the first seconds of a
+  short-prompt phase after long prompts, 15 s of run 19's), and the D stays in its role as a
   standby beside it (not an orphan to merge: colocated on its one thread it would take half
   the requests at half the speed, as in runs 1-2 and 16). A P/D part with a narrow D merges no
   other way (the merge below made the narrow D colocated first in run 16, then its P as an
@@ -278,12 +280,17 @@ class Planner:
         live = [s for s in snapshots if not s.switching and (c.colocate or s.role != "null")]
         p = [s for s in live if s.role in ("prefill", "null")]
         d = [s for s in live if s.role in ("decode", "null")]
-        p_load = max(_worst([s.ttft_p90 / c.ttft_slo for s in p]),
-                     _worst([s.oldest_wait / c.ttft_slo for s in p]),
-                     _worst([s.waiting / c.queue_per_prefill for s in p]))
+        p_load = max(_worst([s.ttft_p90 / c.ttft_slo for s in p]), self._backlog(p))
         d_load = max(_worst([s.itl_p90 / c.itl_slo for s in d]),
                      _worst([s.kv_usage / c.kv_high for s in d]))
         return p_load, d_load
+
+    def _backlog(self, prefill: Sequence[WorkerSnapshot]) -> float:
+        """The prefill side's pressure now: its oldest wait so far and its queue, not the TTFTs
+        of requests already answered (those a window of the past holds)."""
+        c = self.config
+        return max(_worst([s.oldest_wait / c.ttft_slo for s in prefill]),
+                   _worst([s.waiting / c.queue_per_prefill for s in prefill]))
 
     def classify(self, snapshots: Sequence[WorkerSnapshot]) -> Pressure:
         c = self.config
@@ -399,7 +406,11 @@ class Planner:
         """A narrow D over its target: the widest P colocated, D a standby (the module's
         docstring); [] when that does not apply."""
         pd = [s for s in snapshots if not s.switching and s.role != "null"]
-        if pressure != "decode_bound" or self.classify(pd) != "decode_bound":
+        # Both sides over, with P holding no backlog now: P's side is the TTFTs of a phase
+        # gone by (run 19's second phase served 15 s of short prompts on the narrow D so).
+        backlog = self._backlog([s for s in pd if s.role == "prefill"])
+        if not (pressure == self.classify(pd) == "decode_bound"
+                or (pressure == self.classify(pd) == "both" and backlog <= self.config.headroom)):
             return []
         p_load, d_load = self.pressures(pd)
         held = self._recalled("colocated", now)

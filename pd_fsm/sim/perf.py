@@ -96,6 +96,9 @@ class Request:
     kv_ready: float = math.inf  # PD: when its KV is on D (pulled), scatter still to do
     prefilled: int = 0  # prompt tokens prefilled so far (P streams in chunks)
     prefill_by: str = ""  # the workers that served it (the planner's per-worker latencies)
+    # When the worker that prefilled it gave its first token: a P at its prefill's end (the
+    # real P's TTFT histogram observes that, not D's relay), else with the first decode.
+    answered: float = math.nan
     decode_by: str = ""
 
     @property
@@ -235,7 +238,7 @@ class Worker:
             kv = self.profile.kv_bytes_per_token
             for r in job.prefilled:
                 r.token_times.append(math.nan)  # the first token rides with the KV to D
-                r.prefill_by = self.name
+                r.prefill_by, r.answered = self.name, now
                 self.pages_free += self.pages_for(r)  # released when D has pulled: close enough
                 assert pick_decode is not None
                 d = pick_decode(r)  # it may set kv_ready itself, to wake D then
@@ -257,6 +260,7 @@ class Worker:
                 r.token_times.insert(0, now)  # the prefill's token and the step's together
         for r in job.prefilled:
             r.prefill_by = r.decode_by = self.name
+            r.answered = now
         done = [r for r in self.running if len(r.token_times) >= r.out]
         for r in done:
             del r.token_times[r.out:]

@@ -8,11 +8,15 @@ import random
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 
 from pd_fsm.sim.perf import Placement, outcome, poisson, simulate
 from pd_fsm.sim.perf_profile import Profile
+
+if TYPE_CHECKING:
+    from pd_fsm.sim.perf_cluster import ClusterConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "in steps of N/4, N colocated workers, and the planner from N/2:N/2 "
                         "(moving workers between P and D only, and also making them colocated)")
     c.add_argument("--cores-per-worker", type=int, default=1)
+    c.add_argument("--decode-cores-per-worker", type=int, default=0, metavar="N",
+                   help="each D on fewer cores (XLA pools of N threads, kept across a role "
+                        "switch: pd-fsm cluster's D has one beside a P of two); 0: "
+                        "--cores-per-worker")
     c.add_argument("--phases", default="long:60,short:60,long:60,short:60", metavar="KIND:S,..",
                    help="the workload's phases: long (prompts --long-prompt, answers "
                         "--long-prompt-out) or short (--short-prompt, --short-prompt-out), "
@@ -137,16 +145,43 @@ def _range(spec: str) -> tuple[int, int]:
     return int(lo), int(hi or lo)
 
 
+def _cluster_configs(args: argparse.Namespace, n: int) -> dict[str, ClusterConfig]:
+    """Every static P:D split in steps of n/4, n colocated workers, and the planner from
+    n/2 : n/2, without and with colocate."""
+    from pd_fsm.core.planner import PlannerConfig
+    from pd_fsm.sim.perf_cluster import ClusterConfig
+
+    step = max(n // 4, 1)
+    narrow = args.decode_cores_per_worker
+    configs = {f"static {p}P:{n - p}D": ClusterConfig(prefill=p, decode=n - p,
+                                                       cores=args.cores_per_worker,
+                                                       decode_cores=narrow)
+               for p in range(step, n, step)}
+    configs[f"colocated x{n}"] = ClusterConfig(colocated=n, cores=args.cores_per_worker)
+    for colocate in (False, True):
+        planner = PlannerConfig(ttft_slo=args.ttft_target, itl_slo=args.tpot_targets[0],
+                                cooldown=args.planner_cooldown, patience=args.planner_patience,
+                                max_step=args.planner_max_step, colocate=colocate)
+        name = "adaptive P/D and colocated" if colocate else "adaptive P/D"
+        # D prefills alone while no entry serves, as pd-fsm cluster --planner's proxy does.
+        configs[f"{name} (from {n // 2}P:{n - n // 2}D)"] = ClusterConfig(
+            prefill=n // 2, decode=n - n // 2, cores=args.cores_per_worker, planner=planner,
+            interval=args.planner_interval, decode_cores=narrow, alone=True)
+    return configs
+
+
 def cluster_main(args: argparse.Namespace) -> int:
     """Every static split, colocated, and the planner, over one shifting workload."""
-    from pd_fsm.core.planner import PlannerConfig
-    from pd_fsm.sim.perf_cluster import ClusterConfig, Phase, goodput, run_cluster, shifting
+    from pd_fsm.sim.perf_cluster import Phase, goodput, run_cluster, shifting
 
     try:
         profile = load_profile(args.profile, args.max_batched_tokens)
         n = args.workers
         if n < 2:
             raise ValueError("--workers must be >= 2")
+        if not 0 <= args.decode_cores_per_worker <= args.cores_per_worker:
+            raise ValueError(f"--decode-cores-per-worker {args.decode_cores_per_worker}: "
+                             f"0..--cores-per-worker ({args.cores_per_worker})")
         rate = args.rate_per_worker * n
         kinds = {"long": (_range(args.long_prompt), _range(args.long_prompt_out)),
                  "short": (_range(args.short_prompt), _range(args.short_prompt_out))}
@@ -159,24 +194,14 @@ def cluster_main(args: argparse.Namespace) -> int:
         print(f"pd-fsm sim --workers: {exc}", file=sys.stderr)
         return 2
     requests = shifting(phases, seed=args.seed or 0)
-    step = max(n // 4, 1)
-    configs = {f"static {p}P:{n - p}D": ClusterConfig(prefill=p, decode=n - p,
-                                                       cores=args.cores_per_worker)
-               for p in range(step, n, step)}
-    configs[f"colocated x{n}"] = ClusterConfig(colocated=n, cores=args.cores_per_worker)
-    for colocate in (False, True):
-        planner = PlannerConfig(ttft_slo=args.ttft_target, itl_slo=args.tpot_targets[0],
-                                cooldown=args.planner_cooldown, patience=args.planner_patience,
-                                max_step=args.planner_max_step, colocate=colocate)
-        name = "adaptive P/D and colocated" if colocate else "adaptive P/D"
-        configs[f"{name} (from {n // 2}P:{n - n // 2}D)"] = ClusterConfig(
-            prefill=n // 2, decode=n - n // 2, cores=args.cores_per_worker, planner=planner,
-            interval=args.planner_interval)
+    configs = _cluster_configs(args, n)
+    narrow = args.decode_cores_per_worker
     bounds, t = [], 0.0
     for ph in phases:
         bounds.append((t, t + ph.seconds))
         t += ph.seconds
-    print(f"{profile.model}, {n} workers x {args.cores_per_worker} core(s), {len(requests)} "
+    each = f"{args.cores_per_worker} core(s)" + (f", D {narrow}" if narrow else "")
+    print(f"{profile.model}, {n} workers x {each}, {len(requests)} "
           f"requests at {rate:g} req/s, phases {args.phases}; goodput at TTFT <= "
           f"{args.ttft_target:g} s and TPOT <= {args.tpot_targets[0] * 1000:g} ms (predicted)\n")
     names = [f"{k} {b[0]:.0f}-{b[1]:.0f} s" for k, b in zip(

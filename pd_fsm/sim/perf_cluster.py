@@ -244,8 +244,10 @@ class _Cluster:
         for w in self.workers:
             role: Role = ("null" if w.role == "colocated" else
                           "prefill" if w.role == "prefill" else "decode")
-            ttft = [r.ttft for r in self.requests if r.prefill_by == w.name and r.token_times
-                    and not math.isnan(r.token_times[0]) and r.token_times[0] >= since]
+            # As the worker's own histogram: a P's TTFT ends at its prefill, not at D's relay
+            # (a D backlogged behind its pulls read as P's pressure here before 2026-12-06).
+            ttft = [r.answered - r.arrival for r in self.requests
+                    if r.prefill_by == w.name and r.answered >= since]
             gaps = [b - a for r in self.requests if r.decode_by == w.name
                     for a, b in itertools.pairwise(r.token_times[1:]) if b >= since]
             used = sum(w.pages_for(r) for r in w.running)

@@ -277,3 +277,37 @@ def test_cluster_model_the_planner_makes_workers_colocated_and_back() -> None:
                                                                   0.05)
     for run in (static, planned):
         assert all(len(r.token_times) == r.out for r in run.requests)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_cluster_model_a_narrow_decode_makes_the_wide_prefill_colocated(seed: int) -> None:
+    """``pd-fsm cluster``'s shape: P on XLA pools of two threads, D of one (``decode_cores``).
+    Short prompts with long answers, then long prompts, then short again, at rates the
+    one-core D cannot decode in time: the planner with colocate makes the wide P colocated and
+    keeps the D as a standby (never switched), takes P back beside it when colocated falls
+    behind, and the proxy's D serves alone while no entry is (``alone``: nothing waits for
+    one). Over every seed the short-prompt phases get several times the static split's
+    goodput, and every request is served to its last token."""
+    from pd_fsm.core.planner import PlannerConfig, SwitchRole
+    from pd_fsm.sim.perf_cluster import ClusterConfig, Phase, goodput, run_cluster, shifting
+
+    short, long = ((16, 48), (48, 96)), ((900, 1000), (2, 4))
+    reqs = shifting([Phase(40.0, 3.0, *short), Phase(40.0, 1.5, *long),
+                     Phase(40.0, 3.0, *short)], seed=seed)
+    shape = {"prefill": 1, "decode": 1, "cores": 2, "decode_cores": 1}
+    static = run_cluster(PROFILE, ClusterConfig(**shape), reqs)  # type: ignore[arg-type]
+    planned = run_cluster(PROFILE, ClusterConfig(
+        **shape, alone=True, interval=2.0, switch_s=1.0,  # type: ignore[arg-type]
+        planner=PlannerConfig(ttft_slo=2.0, itl_slo=0.05, patience=2, cooldown=5.0,
+                              colocate=True, recall=10.0)), reqs)
+    switches = [d for _, d in planned.decisions if isinstance(d, SwitchRole)]
+    assert switches and switches[0].worker == "w0" and switches[0].to == "null"
+    assert "standby" in switches[0].reason
+    assert all(d.worker == "w0" for d in switches)  # the D (w1) never switched
+    assert all(d == 1 for _, _, d, _ in planned.roles)
+    assert planned.deferred == 0  # while P drained to colocated or back, D served alone
+    for a, b in ((0.0, 40.0), (80.0, 120.0)):
+        assert goodput(planned.requests, a, b, 2.0, 0.05) > \
+            3 * goodput(static.requests, a, b, 2.0, 0.05)
+    for run in (static, planned):
+        assert all(len(r.token_times) == r.out for r in run.requests)

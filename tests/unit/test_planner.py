@@ -441,15 +441,21 @@ def test_a_narrow_decode_over_its_target_makes_the_wide_prefill_colocated_then_p
                            prefill_nices=(19, 10, -5), cores=frozenset({0, 1}))
     both = frozenset({0, 1})
 
-    def pd(d_threads: int, ttft: float, itl: float) -> list[WorkerSnapshot]:
+    def pd(d_threads: int, ttft: float, itl: float, waiting: int = 0) -> list[WorkerSnapshot]:
         return [WorkerSnapshot("p0", "prefill", ttft_p90=ttft, nice=-5, cpus=both,
-                               pool_threads=2),
+                               pool_threads=2, waiting=waiting),
                 WorkerSnapshot("d0", "decode", itl_p90=itl, running=4, cpus=both, busy=0.9,
                                pool_threads=d_threads)]
 
     planner = Planner(config)
-    # Both sides over (the end of a long-prompt phase): no merge of the narrow D (nor its P).
-    assert not any(isinstance(m, SwitchRole) for m in planner.observe(pd(1, 2.5, 0.1), 0.0))
+    # Both sides over, P with a backlog now (a long-prompt phase): no merge of the narrow D
+    # (nor its P).
+    assert not any(isinstance(m, SwitchRole)
+                   for m in planner.observe(pd(1, 2.5, 0.1, waiting=4), 0.0))
+    # Both over, but P's side is the TTFTs of requests answered, nothing waiting now (the first
+    # seconds of a short-prompt phase after a long-prompt one): the wide merge.
+    (early,) = Planner(config).observe(pd(1, 2.5, 0.1), 0.0)
+    assert isinstance(early, SwitchRole) and (early.worker, early.to) == ("p0", "null")
     (merge,) = planner.observe(pd(1, 0.2, 0.15), 1.0)  # P at nice -5: no priority step first
     assert isinstance(merge, SwitchRole) and (merge.worker, merge.to) == ("p0", "null")
     assert "D's XLA pools of 1 thread(s), P's of 2" in merge.reason
