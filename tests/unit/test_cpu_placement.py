@@ -16,6 +16,7 @@ from pd_fsm.cli import build_parser
 from pd_fsm.io_trio.cluster.cpu_placement import may_take_nice, parse_cpus, parse_role_nice
 from pd_fsm.io_trio.cluster.local import (
     main,
+    narrow_decode,
     pd_cores,
     placement_line,
     plan,
@@ -236,6 +237,29 @@ def test_the_planner_gets_prefill_priority_steps_where_p_and_d_share_cores_by_pr
                       "--planner-args", "--prefill-nices ''"])
     parsed = build_parser().parse_args(a[a.index("planner"):])
     assert parsed.prefill_nices == ()
+
+
+def test_the_planner_may_make_p_colocated_where_the_clusters_d_is_the_narrower() -> None:
+    """Under the planner D beside P runs on XLA pools of one thread: its own steps can be over
+    the ITL target whatever P's priority or cores, and the lever that helps is P colocated
+    beside a standby D (``planner --colocate``). Not where D is as wide as P, nor with
+    ``--max-workers``; ``--planner-args=--no-colocate`` turns it off."""
+    cores = sorted(os.sched_getaffinity(0))
+
+    def planner_argv(*extra: str) -> list[str]:
+        args = _cluster("--planner", *extra)
+        (planner,) = [c.argv for c in plan(args) if c.name == "planner"]
+        return planner[planner.index("planner"):]
+
+    if len(cores) >= 2:
+        assert narrow_decode(_cluster("--planner"))
+        assert build_parser().parse_args(planner_argv()).colocate
+        assert build_parser().parse_args(planner_argv("--pd-cores", "split")).colocate
+        off = planner_argv("--planner-args=--no-colocate")
+        assert not build_parser().parse_args(off).colocate
+    wide = planner_argv("--decode-cpu-pools", "all")
+    assert "--colocate" not in wide and not build_parser().parse_args(wide).colocate
+    assert "--colocate" not in planner_argv("--max-workers", "3")
 
 
 @pytest.mark.parametrize(("extra", "names"), [

@@ -29,7 +29,7 @@ from pd_fsm.core.planner import split_halves
 from pd_fsm.io_trio.api_key import bearer
 from pd_fsm.io_trio.cluster import observability, ray_driver
 from pd_fsm.io_trio.cluster.ask import ask
-from pd_fsm.io_trio.cluster.cpu_placement import cpu_list, may_take_nice
+from pd_fsm.io_trio.cluster.cpu_placement import cpu_list, may_take_nice, parse_cpus
 from pd_fsm.io_trio.cluster.launcher import Launcher, ProcessBackend, drain_timeout
 from pd_fsm.io_trio.cluster.supervisor import STOP_GRACE, Child, Cluster
 from pd_fsm.io_trio.ports import free_port_pair, free_ports
@@ -180,6 +180,22 @@ def role_pools(args: argparse.Namespace) -> dict[str, str | None]:
     if movable_cores(args) and pd_cores(args) == "split":
         pools["prefill"] = pools["prefill"] or "all"
     return pools
+
+
+def narrow_decode(args: argparse.Namespace) -> bool:
+    """D's XLA pools have fewer threads than P's (``role_pools``: D's of one thread beside P
+    under the planner by default; a pool count, else as many threads as the worker's cores)."""
+    pools, cpus = role_pools(args), role_cpus(args)
+
+    def threads(role: str) -> int:
+        count, listed = pools[role], cpus[role]
+        if count is not None and count.isdigit():
+            return int(count)
+        if count == "all" or listed is None:
+            return len(usable_cores())
+        return len(parse_cpus(listed))
+
+    return threads("decode") < threads("prefill")
 
 
 def role_nices(args: argparse.Namespace) -> dict[str, int | None]:
@@ -381,6 +397,12 @@ def _planner_child(args: argparse.Namespace, tls: TLS, ports: _Ports, workers: l
     lever = ["--prefill-nices", ",".join(map(str, steps))] if steps else []
     if movable_cores(args):  # and the cores lever
         lever += ["--cores", cpu_list(frozenset(usable_cores()))]
+    if narrow_decode(args):
+        # D's own steps are slow on its one thread: the planner's one lever that gives decode
+        # more threads makes P colocated beside a standby D (bench/RESULTS_adaptive.md: run
+        # 15 without it met 35 of 121 to colocated's 73; runs 18-20 with it 68 / 58 / 56 to
+        # the best static placement's 67 / 63 / 58). --planner-args=--no-colocate: off.
+        lever += ["--colocate"]
     max_workers = getattr(args, "max_workers", 0)
     if max_workers:
         # The launcher lists every PD worker, those it adds too: the planner observes its list.

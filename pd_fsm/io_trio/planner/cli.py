@@ -50,12 +50,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--min-decode", type=int, default=d.min_decode)
     p.add_argument("--max-step", type=int, default=d.max_step,
                    help="switches decided at once, at most (default 1; 0: no bound)")
-    p.add_argument("--colocate", action="store_true",
+    p.add_argument("--colocate", action=argparse.BooleanOptionalAction, default=False,
                    help="also make workers colocated (role null) when the P/D part is under "
                         "pressure, and split colocated workers into P and D when their ITL "
                         "misses with TTFT to spare; a D of fewer XLA pool threads than P, "
                         "over its ITL target, makes P colocated and stays a standby beside it "
-                        "(workers need --roles prefill,decode,null)")
+                        "(workers need --roles prefill,decode,null; pd-fsm cluster --planner "
+                        "passes it where its D is the narrower)")
     p.add_argument("--recall", type=float, default=d.recall,
                    help=f"with --colocate: seconds a mode's pressure is remembered after "
                         f"leaving it, and between two splits (default {d.recall:g})")
