@@ -55,6 +55,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--requests", type=int, default=10, help="clients per seed (default 10)")
     p.add_argument("--policy", choices=POLICIES, default="round_robin",
                    help="the proxy's routing policy, both legs (default round_robin)")
+    p.add_argument("--local-prefill-without-prefill", action="store_true",
+                   help="the proxy's D prefills a room alone while no P is listed (`pd-fsm "
+                        "proxy --local-prefill-without-prefill`), as under pd-fsm cluster "
+                        "--planner")
     w = p.add_argument_group("workload mode: try P:D ratios and routing policies on the "
                              "cost model (no faults)")
     w.add_argument("--workload", action="store_true",
@@ -92,7 +96,8 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pd-fsm sim: {exc}", file=sys.stderr)
         return 2
-    routing = RoutingConfig(prefill_policy=args.policy, decode_policy=args.policy)
+    routing = RoutingConfig(prefill_policy=args.policy, decode_policy=args.policy,
+                            local_prefill_without_prefill=args.local_prefill_without_prefill)
     config = SimConfig(prefill=args.prefill, decode=args.decode, requests=args.requests,
                        faults=args.faults, recompute=args.recompute, plant=args.plant,
                        kv_checksum=args.kv_checksum, role_switches=args.role_switches,
