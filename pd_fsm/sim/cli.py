@@ -59,6 +59,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="the proxy's D prefills a room alone while no P is listed (`pd-fsm "
                         "proxy --local-prefill-without-prefill`), as under pd-fsm cluster "
                         "--planner")
+    _add_workload_arguments(p)
+    perf_cli.add_arguments(p)
+    p.set_defaults(func=main)
+
+
+def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload mode: try P:D ratios and routing policies on the "
                              "cost model (no faults)")
     w.add_argument("--workload", action="store_true",
@@ -75,8 +81,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="routing policies to compare (default all)")
     w.add_argument("--ttft-target", type=float, default=2.0, help="goodput: TTFT (s, 2)")
     w.add_argument("--tpot-target", type=float, default=0.2, help="goodput: TPOT (s, 0.2)")
-    perf_cli.add_arguments(p)
-    p.set_defaults(func=main)
 
 
 def _seeds(text: str) -> range:
