@@ -408,9 +408,10 @@ class Planner:
         pd = [s for s in snapshots if not s.switching and s.role != "null"]
         # Both sides over, with P holding no backlog now: P's side is the TTFTs of a phase
         # gone by (run 19's second phase served 15 s of short prompts on the narrow D so).
+        own = self.classify(pd)
         backlog = self._backlog([s for s in pd if s.role == "prefill"])
-        if not (pressure == self.classify(pd) == "decode_bound"
-                or (pressure == self.classify(pd) == "both" and backlog <= self.config.headroom)):
+        if pressure != own or not (own == "decode_bound" or (
+                own == "both" and backlog <= self.config.headroom)):
             return []
         p_load, d_load = self.pressures(pd)
         held = self._recalled("colocated", now)
