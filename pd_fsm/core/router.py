@@ -291,9 +291,10 @@ class RoomRouter:
         alone = self.planner.config.local_prefill_without_prefill  # D prefills with no P
         prefill, decode, colocated = _pools(e, self._prefill, self._decode, self._colocated,
                                             alone)
-        if not colocated and ((not prefill and not e.handoff and not alone) or not decode):
-            missing = "prefill" if not prefill and not e.handoff and not alone else "decode"
-            out.append(fx.NoWorkers(e.request_id, missing))
+        # A room needs a P, but a hand-off room (D pulls the KV) or D prefilling alone.
+        no_prefill = not prefill and not e.handoff and not alone
+        if not colocated and (no_prefill or not decode):
+            out.append(fx.NoWorkers(e.request_id, "prefill" if no_prefill else "decode"))
             return
         prefill, decode = self.breakers.routable(prefill), self.breakers.routable(decode)
         colocated = self.breakers.routable(colocated)
