@@ -81,10 +81,13 @@ prefill side and its inter-token gap on the decode side.
 - Orphans: P with no D to pair with (or D with no P) serve nothing; when no worker is switching,
   every one of them becomes colocated at once (no patience: there is nothing to wait for).
 - Merge: the P/D part under pressure (its own class ``prefill_bound``, ``decode_bound`` or
-  ``both``) whose less pressed side is not idle (a move alone cannot fix it) gives pairs, its
-  least loaded P and D, to the colocated side — as many as bring its pressure back to
-  ``headroom``; the P/D part keeps its ratio, and what is left of a side once the other's last
-  worker went becomes colocated next (an orphan).
+  ``both``) gives pairs, its least loaded P and D, to the colocated side — as many as bring its
+  pressure back to ``headroom``; the P/D part keeps its ratio, and what is left of a side once
+  the other's last worker went becomes colocated next (an orphan). Also where its less pressed
+  side is idle: a move would fix that phase, but it bets that the phase lasts, one switch per
+  cooldown, and leaves the cluster short of the donor's role when the workload turns back (the
+  modelled 16-worker cluster moved Ps to D through a short-prompt phase and met 0.92x
+  colocated's goodput over six seeds; merging instead, 0.94x: bench/RESULTS_planner_sim.md).
 - Split: the colocated workers missing their inter-token target while their TTFT is within its
   own (``decode_bound`` among them: decode steps wait behind prefills) give one worker to the
   P/D side under more pressure, or, with no P/D part yet, two workers (one P, one D) when a
@@ -378,22 +381,23 @@ class Planner:
         pd_class = self.classify(pd)
         held = self._recalled("colocated", now)
         was = "" if held is None else f", colocated did {held:.2f}"
-        if self._narrow_decode(pd):  # only _wide_merge's way (the module's docstring)
+        pairs = min(sum(s.role == "prefill" for s in pd), sum(s.role == "decode" for s in pd))
+        # Only _wide_merge's way with a narrow D; none with a side missing (a standby D beside
+        # colocated workers, or orphans: _orphans' to decide).
+        if self._narrow_decode(pd) or not pairs:
             return None
         donor: Role = "decode" if p_load >= d_load else "prefill"
-        donor_load = d_load if donor == "decode" else p_load
-        if not (pd_class in _BOUND and donor_load >= c.idle_below
-                and (held is None or max(p_load, d_load) > held)):
+        # An idle donor side merges too: a move would fix this phase, but it is a bet that the
+        # phase lasts, made one switch per cooldown (bench/RESULTS_planner_sim.md).
+        if not (pd_class in _BOUND and (held is None or max(p_load, d_load) > held)):
             return None
         self._left["pd"] = (max(p_load, d_load), now)
         why = (f"P/D prefill pressure {p_load:.2f}, decode pressure {d_load:.2f}: "
-               f"{pd_class}, {donor} side not idle{was}: colocated")
+               f"{pd_class}{was}: colocated")
         # Pairs, the least loaded of each side: the P/D part keeps its ratio, and the
         # colocated workers take their share of both sides' work. As many as bring the
         # P/D part's pressure back to headroom, not capped by max_step: overshooting
         # toward colocated leaves no capacity idle.
-        pairs = min(sum(s.role == "prefill" for s in pd),
-                    sum(s.role == "decode" for s in pd))
         k = max(1, math.ceil(pairs * (1.0 - c.headroom / max(p_load, d_load))))
         # The donor side first: where every worker would switch at once, observe()
         # keeps the first ones, and the other side follows as orphans.

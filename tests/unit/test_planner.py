@@ -155,9 +155,13 @@ def test_a_pressed_pd_part_gives_pairs_to_colocated_as_many_as_its_pressure_asks
     assert all(isinstance(m, SwitchRole) and m.to == "null" for m in moves)
     assert sorted(m.worker for m in moves) == ["d0", "d1", "d2", "p0", "p1", "p2"]
     assert "colocated" in moves[0].reason  # type: ignore[union-attr]
-    # The donor side idle: a move fixes it, as without colocate.
-    (move,) = Planner(PlannerConfig(patience=1, colocate=True)).observe(
+    # The donor side idle merges too (a move is a bet that the phase lasts): 2 pairs x
+    # (1 - 0.8 / 2) = 1.2 -> 2, the donor side first. Without colocate, a move.
+    merged = Planner(PlannerConfig(patience=1, colocate=True)).observe(
         cluster(4.0, 0.01, n_p=2, n_d=4), 0.0)
+    assert [(m.worker, m.to) for m in merged] == [  # type: ignore[union-attr]
+        ("d0", "null"), ("d1", "null"), ("p0", "null"), ("p1", "null")]
+    (move,) = Planner(PlannerConfig(patience=1)).observe(cluster(4.0, 0.01, n_p=2, n_d=4), 0.0)
     assert isinstance(move, SwitchRole) and move.to == "prefill"
 
 
