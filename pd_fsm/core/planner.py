@@ -108,9 +108,10 @@ prefill side and its inter-token gap on the decode side.
   other way (the merge below made the narrow D colocated first in run 16, then its P as an
   orphan: two colocated workers that never split back). The cluster then decodes on the wide
   worker's threads, as colocated does; the cores lever has no P to place meanwhile. Back: the
-  colocated worker over both its targets (decode steps behind heavy prefills; over its ITL
-  target alone its own steps are slow, and the narrow D would be slower), with the recall rule
-  below, becomes P again beside the standby, which is still warm: one drain, where a split of
+  colocated worker over both its targets, its decode side the worse (decode steps behind heavy
+  prefills; over its ITL target alone its own steps are slow, and the narrow D would be slower;
+  its TTFT the worse, requests queue for a batch slot), with the recall rule below, becomes P
+  again beside the standby, which is still warm: one drain, where a split of
   two colocated workers needs a third to serve meanwhile. (Run 15 of bench/RESULTS_adaptive.md:
   a one-thread D's own steps over the 100 ms target in every short-prompt phase, where
   colocated on both cores' threads met it.)
@@ -442,7 +443,14 @@ class Planner:
         # bench/RESULTS_adaptive.md split back on it in a short-prompt phase, and lost).
         standby = wide is not None and not any(s.role == "prefill" for s in pd) and any(
             s.role == "decode" and _narrower(s, wide) for s in pd)
-        behind = self.classify(colo) == ("both" if standby else "decode_bound")
+        # Beside a standby, over both targets with the decode side the worse: heavy prefills
+        # stall every decode step by a prefill chunk, so the inter-token p90 grows several
+        # times more than the TTFT (1.6-8.5x the prefill pressure at the long-prompt phases'
+        # splits of runs 18-24 of bench/RESULTS_adaptive.md). A TTFT the worse is a queue for
+        # a batch slot at a short-prompt phase's peak, which P beside the narrow D makes worse
+        # (run 24 split so three times: 1 of 40 met in a phase colocated met 33 of).
+        behind = (self.classify(colo) == "both" and d_load > p_load if standby
+                  else self.classify(colo) == "decode_bound")
         if not (behind and now - self._split_at >= c.recall
                 and (held is None or max(p_load, d_load) > c.imbalance * held)):
             return None

@@ -477,6 +477,10 @@ def test_a_narrow_decode_over_its_target_makes_the_wide_prefill_colocated_then_p
     # would not better: it stays (run 17 split back on this, and lost).
     slow = [attrs.evolve(merged[0], itl_p90=0.3), merged[1]]
     assert planner.observe(slow, 2.5) == []
+    # Over both, its TTFT the worse: requests queue for a batch slot at a short-prompt
+    # phase's peak (run 24 of bench/RESULTS_adaptive.md split back on this, and lost).
+    queued = [attrs.evolve(merged[0], ttft_p90=5.0, itl_p90=0.15), merged[1]]
+    assert planner.observe(queued, 2.7) == []
     # Colocated's decode steps behind its long prefills, its TTFT over too: P again.
     merged[0] = attrs.evolve(merged[0], ttft_p90=3.0, itl_p90=0.4)
     (back,) = planner.observe(merged, 3.0)
