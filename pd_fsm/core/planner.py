@@ -158,6 +158,9 @@ class WorkerSnapshot:
     # The threads of its XLA pools (sized when it started; None: not known). One thread keeps
     # at most about one core busy, however many it may run on: no spinning peers.
     pool_threads: int | None = None
+    # P, colocated: the mean prompt (tokens) of the requests it took in the window (NaN: none).
+    # Its prefill work, which latencies alone cannot tell from a full batch's.
+    prompt_tokens: float = math.nan
 
 
 def _nice_steps(_config: object, _field: object, nices: tuple[int, ...]) -> None:
@@ -197,6 +200,9 @@ class PlannerConfig:
     cores: frozenset[int] = frozenset()
     share_below: float = attrs.field(default=0.4, validator=attrs.validators.ge(0.0))
     split_above: float = attrs.field(default=0.6, validator=attrs.validators.ge(0.0))
+    # A colocated worker's prompts this long on average stall its decode steps (one prefill
+    # chunk at the CPU default, --max-batched-tokens 256): the split back beside a standby D.
+    heavy_prompt: float = attrs.field(default=256.0, validator=attrs.validators.ge(0.0))
 
     @split_above.validator
     def _band(self, _field: object, value: float) -> None:
@@ -443,19 +449,23 @@ class Planner:
         # bench/RESULTS_adaptive.md split back on it in a short-prompt phase, and lost).
         standby = wide is not None and not any(s.role == "prefill" for s in pd) and any(
             s.role == "decode" and _narrower(s, wide) for s in pd)
-        # Beside a standby, over both targets with the decode side the worse: heavy prefills
-        # stall every decode step by a prefill chunk, so the inter-token p90 grows several
-        # times more than the TTFT (1.6-8.5x the prefill pressure at the long-prompt phases'
-        # splits of runs 18-24 of bench/RESULTS_adaptive.md). A TTFT the worse is a queue for
-        # a batch slot at a short-prompt phase's peak, which P beside the narrow D makes worse
-        # (run 24 split so three times: 1 of 40 met in a phase colocated met 33 of).
-        behind = (self.classify(colo) == "both" and d_load > p_load if standby
-                  else self.classify(colo) == "decode_bound")
+        # Beside a standby, over both targets with the decode side the worse and heavy prompts
+        # answered in the window: prefills stall every decode step by a chunk, so the
+        # inter-token p90 grows more than the TTFT (1.6-8.5x the prefill pressure at the
+        # long-prompt phases' splits of runs 18-24 of bench/RESULTS_adaptive.md). Over both at
+        # a short-prompt phase's peak is the colocated worker's own full batch, which P beside
+        # the narrow D makes worse: run 24 split so with the TTFT the worse (three times, 1 of
+        # 40 met in a phase colocated met 33 of), run 25 with the decode side the worse (1.97
+        # vs 0.93): the latencies cannot tell, the prompts can.
+        heavy = [s.prompt_tokens for s in colo if s.prompt_tokens >= c.heavy_prompt]
+        behind = (self.classify(colo) == "both" and d_load > p_load and bool(heavy)
+                  if standby else self.classify(colo) == "decode_bound")
         if not (behind and now - self._split_at >= c.recall
                 and (held is None or max(p_load, d_load) > c.imbalance * held)):
             return None
         why = (f"colocated prefill pressure {p_load:.2f}, decode pressure {d_load:.2f}: "
                f"decode steps wait behind prefills"
+               + (f" of {max(heavy):.0f}-token prompts" if standby else "")
                + ("" if held is None else f", P/D did {held:.2f}"))
         order = sorted(colo, key=_load)
         split: list[Decision]

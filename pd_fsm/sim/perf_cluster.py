@@ -251,10 +251,13 @@ class _Cluster:
             gaps = [b - a for r in self.requests if r.decode_by == w.name
                     for a, b in itertools.pairwise(r.token_times[1:]) if b >= since]
             used = sum(w.pages_for(r) for r in w.running)
+            prompts = [r.prompt for r in self.requests  # (the model's: prefilled in it)
+                       if r.prefill_by == w.name and r.answered >= since]
             out.append(WorkerSnapshot(
                 w.name, role, waiting=len(w.waiting) + len(w.arriving), running=len(w.running),
                 ttft_p90=_p90(ttft), itl_p90=_p90(gaps), kv_usage=used / PAGES,
-                switching=w.name in self.switching, pool_threads=w.cores))
+                switching=w.name in self.switching, pool_threads=w.cores,
+                prompt_tokens=sum(prompts) / len(prompts) if prompts else math.nan))
         return out
 
 

@@ -481,8 +481,14 @@ def test_a_narrow_decode_over_its_target_makes_the_wide_prefill_colocated_then_p
     # phase's peak (run 24 of bench/RESULTS_adaptive.md split back on this, and lost).
     queued = [attrs.evolve(merged[0], ttft_p90=5.0, itl_p90=0.15), merged[1]]
     assert planner.observe(queued, 2.7) == []
+    # Over both, its decode side the worse, but short prompts taken (or none): its own full
+    # batch at a short-prompt phase's peak (run 25 split back on this, and lost).
+    for prompts in (40.0, math.nan):
+        full = [attrs.evolve(merged[0], ttft_p90=3.0, itl_p90=0.4, prompt_tokens=prompts),
+                merged[1]]
+        assert planner.observe(full, 2.8) == []
     # Colocated's decode steps behind its long prefills, its TTFT over too: P again.
-    merged[0] = attrs.evolve(merged[0], ttft_p90=3.0, itl_p90=0.4)
+    merged[0] = attrs.evolve(merged[0], ttft_p90=3.0, itl_p90=0.4, prompt_tokens=600.0)
     (back,) = planner.observe(merged, 3.0)
     assert isinstance(back, SwitchRole) and (back.worker, back.to) == ("p0", "prefill")
     assert "P beside the standby D" in back.reason and "P/D did 1.50" in back.reason

@@ -130,3 +130,21 @@ def test_a_workers_cores_and_the_share_of_the_window_its_steps_ran() -> None:
         assert parse({"cpus": listed}, first).cpus is None, listed
     for threads in (0, True, "2", 1.5, None):  # nor a pool size that is not a count
         assert parse({"cpu_pool_threads": threads}, first).pool_threads is None, threads
+
+
+def test_the_mean_prompt_of_the_requests_a_worker_took_in_the_window() -> None:
+    """What tells a colocated worker's heavy prefills from its own full batch (run 25 of
+    bench/RESULTS_adaptive.md): prompt tokens over the prompts admitted since the last scrape."""
+    info = {"disaggregation_mode": "null"}
+    _, first = _text({"prompt_tokens_total": 1000, "prompts_total": 4})
+    _, second = _text({"prompt_tokens_total": 2200, "prompts_total": 6})
+    before, after = parse(info, first, 10.0), parse(info, second, 12.0)
+    snap = after.snapshot("http://c", before)
+    assert snap is not None and snap.prompt_tokens == pytest.approx(600.0)
+    # None admitted in the window, no earlier scrape, a restart, or a worker without them: NaN.
+    assert math.isnan(after.prompt_mean(after))
+    assert math.isnan(after.prompt_mean(None))
+    _, restarted = _text({"prompt_tokens_total": 10, "prompts_total": 1})
+    assert math.isnan(parse(info, restarted, 14.0).prompt_mean(after))
+    _, none = _text({})
+    assert math.isnan(parse(info, none, 14.0).prompt_mean(after))

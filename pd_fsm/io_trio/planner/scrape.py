@@ -91,6 +91,15 @@ class Scrape:
         ran = self.gauges[key] - earlier.gauges[key]  # negative after a restart: 0 below
         return max(0.0, min(1.0, ran / (self.at - earlier.at)))
 
+    def prompt_mean(self, earlier: Scrape | None) -> float:
+        """The mean prompt (tokens) of the requests its scheduler admitted in the window since
+        ``earlier``; NaN with none admitted, no earlier scrape, or a restart meanwhile."""
+        keys = ("prompt_tokens_total", "prompts_total")
+        if earlier is None or not all(k in self.gauges and k in earlier.gauges for k in keys):
+            return math.nan
+        tokens, prompts = (self.gauges[k] - earlier.gauges[k] for k in keys)
+        return tokens / prompts if prompts > 0 and tokens >= 0 else math.nan
+
     def snapshot(self, worker: str, earlier: Scrape | None) -> WorkerSnapshot | None:
         """The planner's view over the window since ``earlier``; None for a role the core
         planner does not know (``Role``'s values)."""
@@ -119,6 +128,7 @@ class Scrape:
             cpus=self.cpus,
             busy=self.busy(earlier),
             pool_threads=self.pool_threads,
+            prompt_tokens=self.prompt_mean(earlier),
         )
 
 

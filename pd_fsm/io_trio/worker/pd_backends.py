@@ -457,6 +457,7 @@ class PDBackend(Generic[S]):
         def admitted(stream: Stream) -> None:
             stream.in_scheduler = True
             streams.prompt_tokens_total += len(stream.job.input_ids)
+            streams.prompts_total += 1
 
         def busy(effects: tuple[fx.BusyEffect, ...]) -> None:
             self.link.while_busy = effects

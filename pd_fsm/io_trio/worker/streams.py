@@ -77,6 +77,7 @@ class StreamTable:
         self.outcomes: dict[str, int] = {"stop": 0, "length": 0, "abort": 0, "error": 0,
                                          "handed_off": 0}
         self.prompt_tokens_total = 0
+        self.prompts_total = 0  # requests admitted to the scheduler: prompt_tokens_total's count
         self.generated_tokens_total = 0
 
     # -- the HTTP side ---
