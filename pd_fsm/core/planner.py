@@ -108,9 +108,10 @@ prefill side and its inter-token gap on the decode side.
   other way (the merge below made the narrow D colocated first in run 16, then its P as an
   orphan: two colocated workers that never split back). The cluster then decodes on the wide
   worker's threads, as colocated does; the cores lever has no P to place meanwhile. Back: the
-  colocated worker over both its targets, its decode side the worse (decode steps behind heavy
-  prefills; over its ITL target alone its own steps are slow, and the narrow D would be slower;
-  its TTFT the worse, requests queue for a batch slot), with the recall rule below, becomes P
+  colocated worker over both its targets, its decode side the worse, with prompts of
+  ``heavy_prompt`` tokens on average taken in the window (decode steps behind heavy prefills;
+  over its ITL target alone its own steps are slow, and the narrow D would be slower; over both
+  with short prompts, its own full batch at a peak), with the recall rule below, becomes P
   again beside the standby, which is still warm: one drain, where a split of
   two colocated workers needs a third to serve meanwhile. (Run 15 of bench/RESULTS_adaptive.md:
   a one-thread D's own steps over the 100 ms target in every short-prompt phase, where

@@ -97,6 +97,11 @@ def _add_lever_arguments(p: argparse.ArgumentParser, d: PlannerConfig) -> None:
     p.add_argument("--split-above", type=float, default=d.split_above, metavar="SHARE",
                    help=f"with --cores: a shared P over its target splits the cores when the "
                         f"busiest D's steps ran over this share (default {d.split_above:g})")
+    p.add_argument("--heavy-prompt", type=float, default=d.heavy_prompt, metavar="TOKENS",
+                   help=f"with --colocate: a colocated worker beside a standby D becomes P "
+                        f"again only where the prompts it took in the window average this many "
+                        f"tokens (its prefills stall its decode steps; default "
+                        f"{d.heavy_prompt:g}, one prefill chunk at the CPU default)")
 
 
 def _nices(value: str) -> tuple[int, ...]:
@@ -140,7 +145,8 @@ def service_from_args(args: argparse.Namespace) -> PlannerService:
                            recall=args.recall, prefill_nices=args.prefill_nices,
                            nice_cooldown=args.nice_cooldown, max_workers=args.max_workers,
                            min_workers=args.min_workers, cores=args.cores,
-                           share_below=args.share_below, split_above=args.split_above)
+                           share_below=args.share_below, split_above=args.split_above,
+                           heavy_prompt=args.heavy_prompt)
     key = api_key_from_args(args, "worker-")
     return PlannerService(Planner(config), workers=args.worker,
                           bootstrap_url=args.bootstrap_url, interval=args.interval,
