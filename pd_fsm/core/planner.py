@@ -451,7 +451,7 @@ class Planner:
         standby = wide is not None and not any(s.role == "prefill" for s in pd) and any(
             s.role == "decode" and _narrower(s, wide) for s in pd)
         # Beside a standby, over both targets with the decode side the worse and heavy prompts
-        # answered in the window: prefills stall every decode step by a chunk, so the
+        # taken in the window: prefills stall every decode step by a chunk, so the
         # inter-token p90 grows more than the TTFT (1.6-8.5x the prefill pressure at the
         # long-prompt phases' splits of runs 18-24 of bench/RESULTS_adaptive.md). Over both at
         # a short-prompt phase's peak is the colocated worker's own full batch, which P beside
