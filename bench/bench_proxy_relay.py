@@ -40,11 +40,28 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def round_arguments(description: str) -> argparse.ArgumentParser:
+    """The rounds of short-prompt load this bench and bench_idle_neighbour.py send."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--num-prompts", type=int, default=24)
+    p.add_argument("--concurrency", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def short_load(args: argparse.Namespace) -> argparse.Namespace:
+    """run_load's settings for those rounds: closed loop, ``--concurrency`` streams."""
+    return argparse.Namespace(endpoint="completions", max_tokens=args.max_tokens, model=None,
+                              request_rate=math.inf, max_concurrency=args.concurrency,
+                              timeout=600.0, seed=args.seed)
+
+
 async def measure(targets: dict[str, str], proxy_pid: int, args: argparse.Namespace
                   ) -> tuple[dict[str, Summary], float]:
-    load = argparse.Namespace(endpoint="completions", max_tokens=args.max_tokens,
-                              model=None, request_rate=math.inf,
-                              max_concurrency=args.concurrency, timeout=600.0, seed=args.seed)
+    load = short_load(args)
     warm = make_prompts("short", args.concurrency, args.seed)
     for url in targets.values():  # unmeasured: every batch shape this load will use
         await run_load(url, load, warm)
@@ -64,14 +81,7 @@ async def measure(targets: dict[str, str], proxy_pid: int, args: argparse.Namesp
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--num-prompts", type=int, default=24)
-    p.add_argument("--concurrency", type=int, default=6)
-    p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    args = round_arguments(__doc__.split("\n\n")[0]).parse_args()
     procs: list[Proc] = []
     try:
         w_port, proxy_port = free_ports(2)
