@@ -24,20 +24,24 @@ left idle while another is measured; bench_placement.py's):
                        switch roles at runtime and the planner switching them, and moving P's
                        priority first (the cluster passes ``--prefill-nices``, 19 through P's
                        and D's values; --planner-args; --adaptive-workers P,D, default 1,1).
-                       ``--adaptive-cores split`` (the default): P and D start split as PD
-                       pinned's, and the planner moves them between split and shared cores
-                       (``planner --cores``); ``shared``: they start shared, and the planner
-                       may split them (runs 1-7 started shared and had no cores lever)
+                       ``--adaptive-cores shared`` (the default, as ``pd-fsm cluster
+                       --planner``): they start shared, and the planner may split them;
+                       ``split``: P and D start split as PD pinned's, and the planner moves
+                       them between split and shared cores (``planner --cores``; runs 8-9;
+                       runs 1-7 started shared and had no cores lever)
 
 Every placement gets the same schedule (arrival times, prompts, answer lengths), one placement
 after another; the order rotates from repeat to repeat, and each repeat after the first sends
 the same shapes in other words (runs 4-5 of RESULTS_adaptive.md replayed the first pass's texts:
 prefix-cache hits). Each placement first gets a few prompts of each kind unmeasured (every
 shape's first use), of other words too. The adaptive cluster runs throughout: what the
-planner learnt in one phase (and one repeat) carries into the next. While it is measured, each
-worker's ``/server_info`` (role, role state, nice) and the planner's ``/decisions`` and ``/metrics``
-(observations by pressure class) are read every ``--poll-s``: the roles it passed through and
-the decisions are printed with their times (a decision's time: when it was first seen).
+planner learnt in one phase (and one repeat) carries into the next. While a placement is
+measured, each of its workers' ``/server_info`` (role, role state, nice) and its planner's
+``/decisions`` and ``/metrics`` (observations by pressure class) are read every ``--poll-s``:
+the roles a planner's cluster passed through and the decisions are printed with their times (a
+decision's time: when it was first seen). Every placement's workers are read alike: the reads
+cost a worker about 1.6 % of its mean inter-token gap at 1 s (bench_merged_worker.py; runs 1-28
+read only the adaptive cluster's).
 
 Goodput (DistServe): requests that met both TTFT <= --slo-ttft and TPOT (a request's mean gap
 between output tokens) <= --slo-tpot, per second of arrivals: a phase's requests (those that
@@ -185,14 +189,14 @@ def token_check(sched: Schedule, model: str) -> str:
 
 @attrs.define
 class Watch:
-    """What the adaptive cluster did while it was measured, read every ``poll_s``: each worker's
-    role, role state, CPU priority and cores (``/server_info``), the planner's decisions
+    """What a placement did while it was measured, read every ``poll_s``: each worker's
+    role, role state, CPU priority and cores (``/server_info``), and with a planner its decisions
     (``/decisions``, stamped when first seen: within ``poll_s`` of when it was made) and its
     observations by pressure class (``pd_fsm_planner_observations_total``). Times are seconds
     from the run's start."""
 
     workers: list[str]
-    planner: str
+    planner: str | None  # None: a static placement's (its workers' roles only)
     poll_s: float
     roles: list[tuple[float, str, str]] = attrs.field(factory=list)  # (t, worker, role)
     decisions: list[tuple[float | None, dict[str, Any]]] = attrs.field(factory=list)
@@ -212,6 +216,8 @@ class Watch:
             if self._role.get(url) != role:
                 self._role[url] = role
                 self.roles.append((t, url, role))
+        if self.planner is None:
+            return
         try:
             listed = (await http.get(f"{self.planner}/decisions")).json()["decisions"]
             for entry in listed:
@@ -402,10 +408,10 @@ async def measure(targets: dict[str, Target], sched: Schedule, args: argparse.Na
     load.max_concurrency = None
     names = list(targets)
     runs: dict[str, list[list[Result]]] = {name: [] for name in names}
-    watch: Watch | None = None
-    if ADAPTIVE in targets and targets[ADAPTIVE].planner is not None:
-        watch = Watch(list(targets[ADAPTIVE].workers.values()), targets[ADAPTIVE].planner or "",
-                      args.poll_s)
+    # Every placement is watched alike while it is measured: the polls cost its workers CPU
+    # (bench_merged_worker.py: the watch on a merged worker, 1.6 % of its mean inter-token gap).
+    watches = {name: Watch(list(t.workers.values()), t.planner, args.poll_s)
+               for name, t in targets.items()}
     async with httpx.AsyncClient(timeout=10) as http:
         for repeat in range(args.repeats):
             # A later pass gets the same shapes and arrivals in other words: the first pass's
@@ -417,17 +423,15 @@ async def measure(targets: dict[str, Target], sched: Schedule, args: argparse.Na
                 workers = list(target.workers.values())
                 compiles = await _compiles_after_ready(http, workers)
                 began = time.monotonic()
-                if name == ADAPTIVE and watch is not None:
-                    watch.start_run()
-                    await watch.poll(http, 0.0, before=True)
-                    t0 = trio.current_time()
-                    async with trio.open_nursery() as nursery:
-                        nursery.start_soon(watch.follow, http, t0)
-                        summary = await run_load(target.url, load, prompts, sched.arrivals)
-                        nursery.cancel_scope.cancel()
-                    await watch.poll(http, trio.current_time() - t0)
-                else:
+                watch = watches[name]
+                watch.start_run()
+                await watch.poll(http, 0.0, before=True)
+                t0 = trio.current_time()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(watch.follow, http, t0)
                     summary = await run_load(target.url, load, prompts, sched.arrivals)
+                    nursery.cancel_scope.cancel()
+                await watch.poll(http, trio.current_time() - t0)
                 after = await _compiles_after_ready(http, workers)
                 runs[name].append(summary.results)
                 failed = [r.error for r in summary.results if not r.ok]
@@ -442,7 +446,7 @@ async def measure(targets: dict[str, Target], sched: Schedule, args: argparse.Na
                 if any(v for v in compiled.values() if not math.isnan(v)):
                     print(f"  compiled during the run (requests that waited): {compiled}",
                           flush=True)
-                if name == ADAPTIVE and watch is not None:
+                if watch.planner is not None:
                     names_of = {u: k for k, u in target.workers.items()}
                     print("\n".join(watch.report(sched, names_of)), flush=True)
                     entry |= {"roles": watch.roles, "decisions": watch.decisions,
@@ -566,7 +570,8 @@ def main() -> int:
                    help="unmeasured prompts of each kind per placement first (default 8)")
     p.add_argument("--concurrency", type=int, default=8, help="the unmeasured pass (8)")
     p.add_argument("--poll-s", type=float, default=1.0,
-                   help="how often the adaptive cluster's roles and decisions are read")
+                   help="how often every placement's roles (and a planner's decisions) are "
+                        "read while it is measured")
     p.add_argument("--endpoint", default="completions")
     p.add_argument("--max-tokens", type=int, default=32, help="unused: each prompt has its own")
     p.add_argument("--slo-ttft", type=float, default=2.0)

@@ -102,11 +102,14 @@ prefill side and its inter-token gap on the decode side.
   move has no worker to give. So, before those levers, the widest P becomes colocated alone
   (its P side need not be busy: a move cannot fix this; it may be over its target too where
   that is only the TTFTs of the window, with nothing waiting on P now — the first seconds of a
-  short-prompt phase after long prompts, 15 s of run 19's), and the D stays in its role as a
-  standby beside it (not an orphan to merge: colocated on its one thread it would take half
-  the requests at half the speed, as in runs 1-2 and 16). A P/D part with a narrow D merges no
-  other way (the merge below made the narrow D colocated first in run 16, then its P as an
-  orphan: two colocated workers that never split back). The cluster then decodes on the wide
+  short-prompt phase after long prompts, 15 s of run 19's) — or before D misses at all, where
+  P takes light prompts (under ``heavy_prompt`` on average in the window) while D decodes
+  (its pressure over ``idle_below``) and nothing waits on P: a short-prompt phase has begun, and
+  waiting for the miss cost 7-23 s of each such phase (runs 23 and 26) — and the D stays in its
+  role as a standby beside it (not an orphan to merge: colocated on its one thread it would
+  take half the requests at half the speed, as in runs 1-2 and 16). A P/D part with a narrow
+  D merges no other way (the merge below made the narrow D colocated first in run 16, then its
+  P as an orphan: two colocated workers that never split back). The cluster then decodes on the wide
   worker's threads, as colocated does; the cores lever has no P to place meanwhile. Back: the
   colocated worker over both its targets, its decode side the worse, with prompts of
   ``heavy_prompt`` tokens on average taken in the window (decode steps behind heavy prefills;
@@ -417,25 +420,40 @@ class Planner:
                     ) -> list[Decision]:
         """A narrow D over its target: the widest P colocated, D a standby (the module's
         docstring); [] when that does not apply."""
+        c = self.config
         pd = [s for s in snapshots if not s.switching and s.role != "null"]
+        prefills = [s for s in pd if s.role == "prefill"]
+        own = self.classify(pd)
+        backlog = self._backlog(prefills)
+        p_load, d_load = self.pressures(pd)
+        # Light prompts taken by P while D decodes: a short-prompt phase has begun, and the
+        # narrow D's batch will grow past its target; merged now, the colocated worker takes
+        # the phase from its start. Waiting for D's inter-token p90 to pass the target cost
+        # 7-23 s of each such phase (runs 23 and 26 of bench/RESULTS_adaptive.md), and the
+        # batch built meanwhile did not drain at a load near colocated's capacity (run 26:
+        # 8-11 streams against colocated's 5-8, each token 4-12 % slower through the phase).
+        taken = [s.prompt_tokens for s in prefills if not math.isnan(s.prompt_tokens)]
+        light = bool(taken) and max(taken) < c.heavy_prompt and d_load > c.idle_below
         # Both sides over, with P holding no backlog now: P's side is the TTFTs of a phase
         # gone by (run 19's second phase served 15 s of short prompts on the narrow D so).
-        own = self.classify(pd)
-        backlog = self._backlog([s for s in pd if s.role == "prefill"])
         if pressure != own or not (own == "decode_bound" or (
-                own == "both" and backlog <= self.config.headroom)):
+                (own == "both" or light) and backlog <= c.headroom)):
             return []
-        p_load, d_load = self.pressures(pd)
-        held = self._recalled("colocated", now)
-        wide = _widest([s for s in pd if s.role == "prefill"])
+        # Colocated's remembered pressure was under the heavy prompts it split back on: it
+        # says nothing of light ones.
+        held = None if light else self._recalled("colocated", now)
+        wide = _widest(prefills)
         narrow = self._narrow_decode(pd)
         if not narrow or wide is None or (held is not None and d_load <= held):
             return []
         self._left["pd"] = (max(p_load, d_load), now)
         was = "" if held is None else f", colocated did {held:.2f}"
+        why = (f"decode_bound on D's XLA pools of {narrow} thread(s)" if not light else
+               f"P took prompts of {max(taken):.0f} tokens at most, D's of {narrow} thread(s) "
+               f"decoding")
         return [SwitchRole(wide.worker, "null", (
-            f"P/D decode pressure {d_load:.2f}: decode_bound on D's XLA pools of {narrow} "
-            f"thread(s), P's of {wide.pool_threads}{was}: the widest P colocated, D a standby"))]
+            f"P/D decode pressure {d_load:.2f}: {why}, P's of {wide.pool_threads}{was}: the "
+            f"widest P colocated, D a standby"))]
 
     def _split(self, pd: Sequence[WorkerSnapshot], colo: Sequence[WorkerSnapshot], now: float
                ) -> list[Decision] | None:

@@ -496,3 +496,34 @@ def test_a_narrow_decode_over_its_target_makes_the_wide_prefill_colocated_then_p
     wide_d = [merged[0], attrs.evolve(merged[1], pool_threads=2)]
     (orphan,) = Planner(config).observe(wide_d, 0.0)
     assert isinstance(orphan, SwitchRole) and (orphan.worker, orphan.to) == ("d0", "null")
+
+
+def test_light_prompts_beside_a_busy_narrow_decode_merge_before_it_misses() -> None:
+    """A short-prompt phase's start: P takes light prompts while the one-thread D decodes,
+    still under its target. The wide merge does not wait for D's inter-token p90 to pass it
+    (7-23 s of each such phase in runs 23 and 26 of bench/RESULTS_adaptive.md, and the batch
+    built meanwhile never drained); nor for colocated's pressure remembered from the heavy
+    prompts it split back on. Heavy prompts, none taken, an idle D or a backlog on P: none."""
+    config = PlannerConfig(patience=1, cooldown=0.0, colocate=True, recall=30.0)
+
+    def pd(prompts: float, itl: float, waiting: int = 0) -> list[WorkerSnapshot]:
+        return [WorkerSnapshot("p0", "prefill", ttft_p90=0.3, pool_threads=2, waiting=waiting,
+                               prompt_tokens=prompts),
+                WorkerSnapshot("d0", "decode", itl_p90=itl, running=2, pool_threads=1)]
+
+    for prompts, itl, waiting in ((600.0, 0.06, 0), (math.nan, 0.06, 0), (40.0, math.nan, 0),
+                                  (40.0, 0.06, 8)):
+        assert Planner(config).observe(pd(prompts, itl, waiting), 0.0) == []
+    planner = Planner(config)
+    (merge,) = planner.observe(pd(40.0, 0.06), 0.0)
+    assert isinstance(merge, SwitchRole) and (merge.worker, merge.to) == ("p0", "null")
+    assert "P took prompts of 40 tokens at most" in merge.reason
+    # Back to P beside the standby on heavy prompts (colocated over both, 4.00 remembered)...
+    behind = [WorkerSnapshot("p0", "null", ttft_p90=3.0, itl_p90=0.4, pool_threads=2,
+                             prompt_tokens=600.0),
+              WorkerSnapshot("d0", "decode", pool_threads=1)]
+    (back,) = planner.observe(behind, 1.0)
+    assert isinstance(back, SwitchRole) and back.to == "prefill"
+    # ...and light prompts again: merged at D's 0.60, not only past colocated's 4.00.
+    (again,) = planner.observe(pd(40.0, 0.06), 2.0)
+    assert isinstance(again, SwitchRole) and again.to == "null" and "did" not in again.reason
