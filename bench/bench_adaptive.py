@@ -40,8 +40,8 @@ measured, each of its workers' ``/server_info`` (role, role state, nice) and its
 ``/decisions`` and ``/metrics`` (observations by pressure class) are read every ``--poll-s``:
 the roles a planner's cluster passed through and the decisions are printed with their times (a
 decision's time: when it was first seen). Every placement's workers are read alike: the reads
-cost a worker about 1.6 % of its mean inter-token gap at 1 s (bench_merged_worker.py; runs 1-28
-read only the adaptive cluster's).
+cost a worker 1.5-2 % of its mean inter-token gap at 1 s (bench_merged_worker.py, runs 27-29 of
+RESULTS_adaptive.md; runs 1-26 read only the adaptive cluster's).
 
 Goodput (DistServe): requests that met both TTFT <= --slo-ttft and TPOT (a request's mean gap
 between output tokens) <= --slo-tpot, per second of arrivals: a phase's requests (those that
@@ -409,7 +409,7 @@ async def measure(targets: dict[str, Target], sched: Schedule, args: argparse.Na
     names = list(targets)
     runs: dict[str, list[list[Result]]] = {name: [] for name in names}
     # Every placement is watched alike while it is measured: the polls cost its workers CPU
-    # (bench_merged_worker.py: the watch on a merged worker, 1.6 % of its mean inter-token gap).
+    # (bench_merged_worker.py: the watch on a merged worker, 1.5-2 % of its mean inter-token gap).
     watches = {name: Watch(list(t.workers.values()), t.planner, args.poll_s)
                for name, t in targets.items()}
     async with httpx.AsyncClient(timeout=10) as http:

@@ -101,7 +101,9 @@ def _add_lever_arguments(p: argparse.ArgumentParser, d: PlannerConfig) -> None:
                    help=f"with --colocate: a colocated worker beside a standby D becomes P "
                         f"again only where the prompts it took in the window average this many "
                         f"tokens (its prefills stall its decode steps; default "
-                        f"{d.heavy_prompt:g}, one prefill chunk at the CPU default)")
+                        f"{d.heavy_prompt:g}, one prefill chunk at the CPU default); a P "
+                        f"beside a narrow D taking shorter ones while D decodes becomes "
+                        f"colocated before D misses its target")
 
 
 def _nices(value: str) -> tuple[int, ...]:
