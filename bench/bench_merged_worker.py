@@ -45,6 +45,7 @@ from bench_placement import COLOCATED, start  # bench/
 from bench_proxy_relay import cpu_seconds, round_arguments, short_load  # bench/
 
 from pd_fsm.io_trio.bench_client import Summary, make_prompts, render, run_load
+from pd_fsm.io_trio.worker.switch_cli import switch_role
 from tests.integration.serve_support import PDCluster
 
 STATIC, MERGED, PLANNED, WATCHED = ("static colocated", "merged", "merged, planner",
@@ -52,15 +53,13 @@ STATIC, MERGED, PLANNED, WATCHED = ("static colocated", "merged", "merged, plann
 SWITCH_S = 300.0  # a drain of nothing and a switch: seconds, not minutes
 
 
-async def merge(http: httpx.AsyncClient, prefill: str) -> None:
-    """P to colocated, as the planner's wide merge does; back when ``/server_info`` says so."""
-    (await http.post(f"{prefill}/switch_role", json={"role": "null"})).raise_for_status()
-    with trio.fail_after(SWITCH_S):
-        while True:
-            info = (await http.get(f"{prefill}/server_info")).json()
-            if info.get("disaggregation_mode") == "null" and info.get("role_state") == "SERVING":
-                return
-            await trio.sleep(0.5)
+async def merge(prefill: str) -> None:
+    """P to colocated, as the planner's wide merge does (``pd-fsm switch-role``'s way: back
+    once ``/server_info`` says it serves so)."""
+    status, said = await switch_role(prefill, "null", None, SWITCH_S)
+    print(said, flush=True)
+    if status:
+        raise RuntimeError(said)
 
 
 def processes(cluster: PDCluster, prefix: str = "") -> dict[str, int]:
@@ -110,7 +109,7 @@ async def measure(static: str, clusters: list[PDCluster], args: argparse.Namespa
     cpu: dict[str, dict[str, float]] = {name: dict.fromkeys(cpu_now(pids), 0.0)
                                         for name in targets}
     async with httpx.AsyncClient(timeout=10) as http:
-        await merge(http, prefill)
+        await merge(prefill)
         warm = make_prompts("short", args.concurrency, args.seed)
         for url in (static, proxy):  # unmeasured: every batch shape; the proxy sees the merge
             await run_load(url, load, warm)
