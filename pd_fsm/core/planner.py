@@ -104,8 +104,10 @@ prefill side and its inter-token gap on the decode side.
   that is only the TTFTs of the window, with nothing waiting on P now — the first seconds of a
   short-prompt phase after long prompts, 15 s of run 19's) — or before D misses at all, where
   P takes light prompts (under ``heavy_prompt`` on average in the window) while D decodes
-  (its pressure over ``idle_below``) and nothing waits on P: a short-prompt phase has begun, and
-  waiting for the miss cost 7-23 s of each such phase (runs 23 and 26) — and the D stays in its
+  (its pressure over ``idle_below``): a short-prompt phase has begun, and waiting for the miss
+  cost 7-23 s of each such phase (runs 23 and 26); what P still holds of the last phase's long
+  prompts drains on it meanwhile, the new short prompts going to D alone (waiting for that
+  backlog to clear cost 11.7 s of run 32's last phase) — and the D stays in its
   role as a standby beside it (not an orphan to merge: colocated on its one thread it would
   take half the requests at half the speed, as in runs 1-2 and 16). A P/D part with a narrow
   D merges no other way (the merge below made the narrow D colocated first in run 16, then its
@@ -432,12 +434,17 @@ class Planner:
         # 7-23 s of each such phase (runs 23 and 26 of bench/RESULTS_adaptive.md), and the
         # batch built meanwhile did not drain at a load near colocated's capacity (run 26:
         # 8-11 streams against colocated's 5-8, each token 4-12 % slower through the phase).
+        # A backlog of the last phase's long prompts on P does not hold it back: they drain on
+        # P as they would have anyway, while the short prompts arriving meanwhile go to the
+        # standby D alone instead of queueing behind them. Waiting for that backlog to clear
+        # let D's batch build first (run 32's last phase: the merge 11.7 s in, on D's miss,
+        # P's prefill pressure 4.75; 5 of 40 met against colocated's 38).
         taken = [s.prompt_tokens for s in prefills if not math.isnan(s.prompt_tokens)]
         light = bool(taken) and max(taken) < c.heavy_prompt and d_load > c.idle_below
         # Both sides over, with P holding no backlog now: P's side is the TTFTs of a phase
         # gone by (run 19's second phase served 15 s of short prompts on the narrow D so).
-        if pressure != own or not (own == "decode_bound" or (
-                (own == "both" or light) and backlog <= c.headroom)):
+        if pressure != own or not (own == "decode_bound" or light or (
+                own == "both" and backlog <= c.headroom)):
             return []
         # Colocated's remembered pressure was under the heavy prompts it split back on: it
         # says nothing of light ones.
@@ -448,9 +455,10 @@ class Planner:
             return []
         self._left["pd"] = (max(p_load, d_load), now)
         was = "" if held is None else f", colocated did {held:.2f}"
+        queued = sum(s.waiting for s in prefills)
         why = (f"decode_bound on D's XLA pools of {narrow} thread(s)" if not light else
                f"P took prompts of {max(taken):.0f} tokens at most, D's of {narrow} thread(s) "
-               f"decoding")
+               f"decoding" + (f", P's {queued} queued drain on it" if queued else ""))
         return [SwitchRole(wide.worker, "null", (
             f"P/D decode pressure {d_load:.2f}: {why}, P's of {wide.pool_threads}{was}: the "
             f"widest P colocated, D a standby"))]

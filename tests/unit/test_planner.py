@@ -503,21 +503,27 @@ def test_light_prompts_beside_a_busy_narrow_decode_merge_before_it_misses() -> N
     still under its target. The wide merge does not wait for D's inter-token p90 to pass it
     (7-23 s of each such phase in runs 23 and 26 of bench/RESULTS_adaptive.md, and the batch
     built meanwhile never drained); nor for colocated's pressure remembered from the heavy
-    prompts it split back on. Heavy prompts, none taken, an idle D or a backlog on P: none."""
+    prompts it split back on; nor for P's backlog of the last phase's long prompts to clear
+    (run 32: 11.7 s of its last phase): they drain on P. Heavy prompts, none taken or an idle
+    D: none."""
     config = PlannerConfig(patience=1, cooldown=0.0, colocate=True, recall=30.0)
 
     def pd(prompts: float, itl: float, waiting: int = 0) -> list[WorkerSnapshot]:
         return [WorkerSnapshot("p0", "prefill", ttft_p90=0.3, pool_threads=2, waiting=waiting,
-                               prompt_tokens=prompts),
+                               oldest_wait=2.0 * waiting, prompt_tokens=prompts),
                 WorkerSnapshot("d0", "decode", itl_p90=itl, running=2, pool_threads=1)]
 
     for prompts, itl, waiting in ((600.0, 0.06, 0), (math.nan, 0.06, 0), (40.0, math.nan, 0),
-                                  (40.0, 0.06, 8)):
+                                  (600.0, 0.06, 8)):
         assert Planner(config).observe(pd(prompts, itl, waiting), 0.0) == []
+    # P still holds 8 long prompts (prefill pressure 8.0): merged all the same.
+    (queued,) = Planner(config).observe(pd(40.0, 0.06, 8), 0.0)
+    assert isinstance(queued, SwitchRole) and (queued.worker, queued.to) == ("p0", "null")
+    assert "P's 8 queued drain on it" in queued.reason
     planner = Planner(config)
     (merge,) = planner.observe(pd(40.0, 0.06), 0.0)
     assert isinstance(merge, SwitchRole) and (merge.worker, merge.to) == ("p0", "null")
-    assert "P took prompts of 40 tokens at most" in merge.reason
+    assert "P took prompts of 40 tokens at most" in merge.reason and "queued" not in merge.reason
     # Back to P beside the standby on heavy prompts (colocated over both, 4.00 remembered)...
     behind = [WorkerSnapshot("p0", "null", ttft_p90=3.0, itl_p90=0.4, pool_threads=2,
                              prompt_tokens=600.0),
