@@ -107,7 +107,10 @@ prefill side and its inter-token gap on the decode side.
   (its pressure over ``idle_below``): a short-prompt phase has begun, and waiting for the miss
   cost 7-23 s of each such phase (runs 23 and 26); what P still holds of the last phase's long
   prompts drains on it meanwhile, the new short prompts going to D alone (waiting for that
-  backlog to clear cost 11.7 s of run 32's last phase) — and the D stays in its
+  backlog to clear cost 11.7 s of run 32's last phase); never while P takes heavy prompts (a
+  long-prompt phase goes on, where P/D is the mode the way back below chooses: a D over its
+  target there is slowed by P's prefills on the cores they share, which the priority lever
+  answers) — and the D stays in its
   role as a standby beside it (not an orphan to merge: colocated on its one thread it would
   take half the requests at half the speed, as in runs 1-2 and 16). A P/D part with a narrow
   D merges no other way (the merge below made the narrow D colocated first in run 16, then its
@@ -441,9 +444,15 @@ class Planner:
         # P's prefill pressure 4.75; 5 of 40 met against colocated's 38).
         taken = [s.prompt_tokens for s in prefills if not math.isnan(s.prompt_tokens)]
         light = bool(taken) and max(taken) < c.heavy_prompt and d_load > c.idle_below
+        # Heavy prompts taken by P: a long-prompt phase goes on, where P/D is the mode the
+        # split back chooses, and a D over its target beside them is slowed by P's prefills
+        # on the cores they share, which the priority lever answers (run 32's second pass
+        # merged so 55 s into a long-prompt phase, P raised to D's priority, D's pressure
+        # 0.97, and split back 84 s later).
+        heavy = any(t >= c.heavy_prompt for t in taken)
         # Both sides over, with P holding no backlog now: P's side is the TTFTs of a phase
         # gone by (run 19's second phase served 15 s of short prompts on the narrow D so).
-        if pressure != own or not (own == "decode_bound" or light or (
+        if pressure != own or heavy or not (own == "decode_bound" or light or (
                 own == "both" and backlog <= c.headroom)):
             return []
         # Colocated's remembered pressure was under the heavy prompts it split back on: it
@@ -456,7 +465,7 @@ class Planner:
         self._left["pd"] = (max(p_load, d_load), now)
         was = "" if held is None else f", colocated did {held:.2f}"
         queued = sum(s.waiting for s in prefills)
-        why = (f"decode_bound on D's XLA pools of {narrow} thread(s)" if not light else
+        why = (f"{own} on D's XLA pools of {narrow} thread(s)" if not light else
                f"P took prompts of {max(taken):.0f} tokens at most, D's of {narrow} thread(s) "
                f"decoding" + (f", P's {queued} queued drain on it" if queued else ""))
         return [SwitchRole(wide.worker, "null", (

@@ -467,6 +467,15 @@ def test_a_narrow_decode_over_its_target_makes_the_wide_prefill_colocated_then_p
     # A D as wide as P: the priority lever as before (its P side idle, no merge).
     (lower,) = Planner(config).observe(pd(2, 0.2, 0.15), 0.0)
     assert isinstance(lower, SetNice) and lower.nice == 10
+    # P taking heavy prompts (a long-prompt phase goes on): D over its target, alone or with
+    # P over its own, is P's prefills on the shared cores: P's priority down, no merge (run 32).
+    def heavy(ttft: float) -> list[WorkerSnapshot]:
+        p, d = pd(1, ttft, 0.15)
+        return [attrs.evolve(p, prompt_tokens=600.0), d]
+
+    (down,) = Planner(config).observe(heavy(0.2), 0.0)
+    assert isinstance(down, SetNice) and down.nice == 10
+    assert not any(isinstance(m, SwitchRole) for m in Planner(config).observe(heavy(2.5), 0.0))
 
     merged = [WorkerSnapshot("p0", "null", ttft_p90=0.3, itl_p90=0.09, cpus=both,
                              pool_threads=2),
