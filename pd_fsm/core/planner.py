@@ -103,7 +103,8 @@ prefill side and its inter-token gap on the decode side.
   (its P side need not be busy: a move cannot fix this; it may be over its target too where
   that is only the TTFTs of the window, with nothing waiting on P now — the first seconds of a
   short-prompt phase after long prompts, 15 s of run 19's) — or before D misses at all, where
-  P takes light prompts (under ``heavy_prompt`` on average in the window) while D decodes
+  P takes light prompts (under ``heavy_prompt`` on average in the last window it took any,
+  within ``recall``) while D decodes
   (its pressure over ``idle_below``): a short-prompt phase has begun, and waiting for the miss
   cost 7-23 s of each such phase (runs 23 and 26); what P still holds of the last phase's long
   prompts drains on it meanwhile, the new short prompts going to D alone (waiting for that
@@ -287,6 +288,10 @@ class Planner:
         # A mode's pressure when the planner last left it, and when (colocate only).
         self._left: dict[Mode | Placement, tuple[float, float]] = {}
         self._split_at = -math.inf
+        # The mean prompt of the last window in which each worker took any, and when: at 0.5
+        # req/s a window of 2 s often takes none, and the wide merge on light prompts then
+        # waited for the next one (run 33: 7-10 s into a short-prompt phase, not 2-4).
+        self._prompts: dict[str, tuple[float, float]] = {}
         # Where P and D run (``cores``), as the last observation showed them (and as a move
         # decided in it will make them); None without the lever or with no P or D seen.
         self.placement: Placement | None = None
@@ -327,6 +332,8 @@ class Planner:
     def observe(self, snapshots: Sequence[WorkerSnapshot], now: float) -> list[Decision]:
         """One observation of every worker; the decisions to act on now (several switches at
         once when the pressure asks for them, else at most one)."""
+        self._prompts.update((s.worker, (s.prompt_tokens, now)) for s in snapshots
+                             if not math.isnan(s.prompt_tokens))
         if now < self._quiet_until:  # the last decision's effect is not in the figures yet
             return []
         if not self.config.colocate:  # colocated workers are not the planner's to move
@@ -371,6 +378,12 @@ class Planner:
         return [SwitchRole(s.worker, "null", f"no {other} worker to pair with: colocated")
                 for s in snapshots if s.role == lone
                 and not (lone == "decode" and _narrower(s, wide))]
+
+    def _last_prompts(self, s: WorkerSnapshot, now: float) -> float:
+        """The mean prompt (tokens) of the last window in which ``s`` took any, within
+        ``recall`` seconds; NaN: none."""
+        last = self._prompts.get(s.worker)
+        return math.nan if last is None or now - last[1] > self.config.recall else last[0]
 
     def _recalled(self, mode: Mode | Placement, now: float) -> float | None:
         left = self._left.get(mode)
@@ -442,7 +455,7 @@ class Planner:
         # standby D alone instead of queueing behind them. Waiting for that backlog to clear
         # let D's batch build first (run 32's last phase: the merge 11.7 s in, on D's miss,
         # P's prefill pressure 4.75; 5 of 40 met against colocated's 38).
-        taken = [s.prompt_tokens for s in prefills if not math.isnan(s.prompt_tokens)]
+        taken = [t for s in prefills if not math.isnan(t := self._last_prompts(s, now))]
         light = bool(taken) and max(taken) < c.heavy_prompt and d_load > c.idle_below
         # Heavy prompts taken by P: a long-prompt phase goes on, where P/D is the mode the
         # split back chooses, and a D over its target beside them is slowed by P's prefills

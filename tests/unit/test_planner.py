@@ -529,6 +529,16 @@ def test_light_prompts_beside_a_busy_narrow_decode_merge_before_it_misses() -> N
     (queued,) = Planner(config).observe(pd(40.0, 0.06, 8), 0.0)
     assert isinstance(queued, SwitchRole) and (queued.worker, queued.to) == ("p0", "null")
     assert "P's 8 queued drain on it" in queued.reason
+    # Light prompts one window, none the next: the last prompts P took are still light (run
+    # 33 merged only at the next prompt, 7-10 s into the phase)...
+    patient = Planner(attrs.evolve(config, patience=2))
+    assert patient.observe(pd(40.0, 0.06), 0.0) == []
+    (later,) = patient.observe(pd(math.nan, 0.06), 2.0)
+    assert isinstance(later, SwitchRole) and later.to == "null"
+    # ...within recall: light prompts beside an idle D, then D busy 31 s later with none taken.
+    stale = Planner(config)
+    assert stale.observe(pd(40.0, math.nan), 0.0) == []
+    assert stale.observe(pd(math.nan, 0.06), 31.0) == []
     planner = Planner(config)
     (merge,) = planner.observe(pd(40.0, 0.06), 0.0)
     assert isinstance(merge, SwitchRole) and (merge.worker, merge.to) == ("p0", "null")
