@@ -104,7 +104,7 @@ prefill side and its inter-token gap on the decode side.
   that is only the TTFTs of the window, with nothing waiting on P now — the first seconds of a
   short-prompt phase after long prompts, 15 s of run 19's) — or before D misses at all, where
   P takes light prompts (under ``heavy_prompt`` on average in the last window it took any,
-  within ``recall``) while D decodes
+  within ``recall``) while D decodes (or P holds a backlog, D idle behind it)
   (its pressure over ``idle_below``): a short-prompt phase has begun, and waiting for the miss
   cost 7-23 s of each such phase (runs 23 and 26); what P still holds of the last phase's long
   prompts drains on it meanwhile, the new short prompts going to D alone (waiting for that
@@ -455,8 +455,11 @@ class Planner:
         # standby D alone instead of queueing behind them. Waiting for that backlog to clear
         # let D's batch build first (run 32's last phase: the merge 11.7 s in, on D's miss,
         # P's prefill pressure 4.75; 5 of 40 met against colocated's 38).
+        # (D decoding, or P's backlog holding the light prompts: D idle behind it, run 34's
+        # last phase merged only once they reached D, 9-12 s in.)
         taken = [t for s in prefills if not math.isnan(t := self._last_prompts(s, now))]
-        light = bool(taken) and max(taken) < c.heavy_prompt and d_load > c.idle_below
+        light = bool(taken) and max(taken) < c.heavy_prompt and (
+            d_load > c.idle_below or backlog > c.headroom)
         # Heavy prompts taken by P: a long-prompt phase goes on, where P/D is the mode the
         # split back chooses, and a D over its target beside them is slowed by P's prefills
         # on the cores they share, which the priority lever answers (run 32's second pass
@@ -480,7 +483,8 @@ class Planner:
         queued = sum(s.waiting for s in prefills)
         why = (f"{own} on D's XLA pools of {narrow} thread(s)" if not light else
                f"P took prompts of {max(taken):.0f} tokens at most, D's of {narrow} thread(s) "
-               f"decoding" + (f", P's {queued} queued drain on it" if queued else ""))
+               + ("decoding" if d_load > c.idle_below else "idle behind P")
+               + (f", P's {queued} queued drain on it" if queued else ""))
         return [SwitchRole(wide.worker, "null", (
             f"P/D decode pressure {d_load:.2f}: {why}, P's of {wide.pool_threads}{was}: the "
             f"widest P colocated, D a standby"))]

@@ -525,10 +525,12 @@ def test_light_prompts_beside_a_busy_narrow_decode_merge_before_it_misses() -> N
     for prompts, itl, waiting in ((600.0, 0.06, 0), (math.nan, 0.06, 0), (40.0, math.nan, 0),
                                   (600.0, 0.06, 8)):
         assert Planner(config).observe(pd(prompts, itl, waiting), 0.0) == []
-    # P still holds 8 long prompts (prefill pressure 8.0): merged all the same.
-    (queued,) = Planner(config).observe(pd(40.0, 0.06, 8), 0.0)
-    assert isinstance(queued, SwitchRole) and (queued.worker, queued.to) == ("p0", "null")
-    assert "P's 8 queued drain on it" in queued.reason
+    # P still holds 8 long prompts (prefill pressure 8.0): merged all the same, also with D
+    # idle behind that backlog (run 34).
+    for itl in (0.06, math.nan):
+        (queued,) = Planner(config).observe(pd(40.0, itl, 8), 0.0)
+        assert isinstance(queued, SwitchRole) and (queued.worker, queued.to) == ("p0", "null")
+        assert "P's 8 queued drain on it" in queued.reason
     # Light prompts one window, none the next: the last prompts P took are still light (run
     # 33 merged only at the next prompt, 7-10 s into the phase)...
     patient = Planner(attrs.evolve(config, patience=2))
