@@ -12,7 +12,8 @@ The rule, after Dynamo's SLA planner and DistServe: TTFT is P's to keep, ITL is 
   ``headroom`` while the decode side's (the worst D's ITL p90 over the target, or its KV use over
   ``kv_high``) is not; ``decode_bound`` the other way; ``both`` and ``idle`` (every pressure
   under ``idle_below``); else ``balanced``.
-- Hysteresis: a class must hold for ``patience`` observations in a row before it is acted on.
+- Hysteresis: a class must hold for ``patience`` observations in a row before it is acted on
+  (the wide merge on light prompts below: those prompts, whatever the class).
 - Acting: ``prefill_bound`` or ``decode_bound`` asks for a worker of the starved role when the
   cluster may grow (``max_workers``), else moves the least loaded worker of the other role over
   (never below ``min_prefill`` / ``min_decode``, never one already switching); ``both`` grows
@@ -284,6 +285,7 @@ class Planner:
     def __init__(self, config: PlannerConfig) -> None:
         self.config = config
         self._run: tuple[Pressure, int] = ("balanced", 0)
+        self._light_run = 0  # observations in a row with light prompts (``_light``)
         self._quiet_until = -math.inf
         # A mode's pressure when the planner last left it, and when (colocate only).
         self._left: dict[Mode | Placement, tuple[float, float]] = {}
@@ -345,9 +347,17 @@ class Planner:
             pressure = self.classify(snapshots)
             kind, count = self._run
             self._run = (pressure, count + 1 if kind == pressure else 1)
-            if self._run[1] < self.config.patience:
+            # The light prompts that start a short-prompt phase hold their own run: the class
+            # flips between prefill_bound, both and decode_bound as the last phase's backlog
+            # drains, and waiting for one class to hold put run 35's merges 10 s into the phase.
+            light = self.config.colocate and self._light(snapshots, now)
+            self._light_run = self._light_run + 1 if light else 0
+            if self._run[1] >= self.config.patience:
+                decisions = self._decide(pressure, snapshots, now)
+            elif self._light_run >= self.config.patience:
+                decisions = self._wide_merge(pressure, snapshots, now)
+            else:
                 return []
-            decisions = self._decide(pressure, snapshots, now)
         # Never every serving worker draining at once: the cluster would serve nothing for a
         # drain's length (measured: a 1P1D merge and split failed requests at the drain deadline).
         # (A priority or a cores change drains nothing.)
@@ -359,7 +369,7 @@ class Planner:
             return []
         self.decisions.extend((now, d) for d in decisions)
         self._quiet_until = now + (self.config.nice_cooldown if calm else self.config.cooldown)
-        self._run = ("balanced", 0)
+        self._run, self._light_run = ("balanced", 0), 0
         return decisions
 
     # -- colocate -----------------------------------------------------------------------------
@@ -434,6 +444,20 @@ class Planner:
                 for r in (donor, "prefill" if donor == "decode" else "decode")
                 for s in sorted((s for s in pd if s.role == r), key=_load)[:k]]
 
+    def _taken(self, prefills: Sequence[WorkerSnapshot], now: float) -> list[float]:
+        """The mean prompt each of ``prefills`` took last (``_last_prompts``), where known."""
+        return [t for s in prefills if not math.isnan(t := self._last_prompts(s, now))]
+
+    def _light(self, snapshots: Sequence[WorkerSnapshot], now: float) -> bool:
+        """The P/D part's P took light prompts last, while its D decodes or P holds a backlog:
+        the wide merge's sign of a short-prompt phase (see ``_wide_merge``)."""
+        c = self.config
+        pd = [s for s in snapshots if not s.switching and s.role != "null"]
+        prefills = [s for s in pd if s.role == "prefill"]
+        taken = self._taken(prefills, now)
+        return bool(taken) and max(taken) < c.heavy_prompt and (
+            self.pressures(pd)[1] > c.idle_below or self._backlog(prefills) > c.headroom)
+
     def _wide_merge(self, pressure: Pressure, snapshots: Sequence[WorkerSnapshot], now: float
                     ) -> list[Decision]:
         """A narrow D over its target: the widest P colocated, D a standby (the module's
@@ -457,9 +481,8 @@ class Planner:
         # P's prefill pressure 4.75; 5 of 40 met against colocated's 38).
         # (D decoding, or P's backlog holding the light prompts: D idle behind it, run 34's
         # last phase merged only once they reached D, 9-12 s in.)
-        taken = [t for s in prefills if not math.isnan(t := self._last_prompts(s, now))]
-        light = bool(taken) and max(taken) < c.heavy_prompt and (
-            d_load > c.idle_below or backlog > c.headroom)
+        taken = self._taken(prefills, now)
+        light = self._light(pd, now)
         # Heavy prompts taken by P: a long-prompt phase goes on, where P/D is the mode the
         # split back chooses, and a D over its target beside them is slowed by P's prefills
         # on the cores they share, which the priority lever answers (run 32's second pass

@@ -537,6 +537,12 @@ def test_light_prompts_beside_a_busy_narrow_decode_merge_before_it_misses() -> N
     assert patient.observe(pd(40.0, 0.06), 0.0) == []
     (later,) = patient.observe(pd(math.nan, 0.06), 2.0)
     assert isinstance(later, SwitchRole) and later.to == "null"
+    # Light prompts in a row are their own run: the class flips (P's backlog, then D's miss)
+    # as the last phase's long prompts drain (run 35 merged only once one class held).
+    flips = Planner(attrs.evolve(config, patience=2))
+    assert flips.observe(pd(40.0, math.nan, 8), 0.0) == []
+    (flipped,) = flips.observe(pd(40.0, 0.15), 2.0)
+    assert isinstance(flipped, SwitchRole) and flipped.to == "null"
     # ...within recall: light prompts beside an idle D, then D busy 31 s later with none taken.
     stale = Planner(config)
     assert stale.observe(pd(40.0, math.nan), 0.0) == []
