@@ -560,3 +560,29 @@ def test_light_prompts_beside_a_busy_narrow_decode_merge_before_it_misses() -> N
     # ...and light prompts again: merged at D's 0.60, not only past colocated's 4.00.
     (again,) = planner.observe(pd(40.0, 0.06), 2.0)
     assert isinstance(again, SwitchRole) and again.to == "null" and "did" not in again.reason
+
+
+def test_a_standby_decode_steps_below_the_colocated_worker_and_back_beside_p() -> None:
+    """With ``standby_nice``, the wide merge also moves the narrow D below the colocated
+    worker (run 35: its two streams at nice -5 on one core slowed the colocated worker's
+    batch past the target for the rest of the phase), and the split back gives it its own
+    priority again. A merge and a priority change drain one worker: nothing is cut."""
+    config = PlannerConfig(patience=1, cooldown=0.0, colocate=True, recall=30.0,
+                           standby_nice=10)
+    planner = Planner(config)
+    pd = [WorkerSnapshot("p0", "prefill", ttft_p90=0.3, pool_threads=2, prompt_tokens=40.0),
+          WorkerSnapshot("d0", "decode", itl_p90=0.06, running=2, pool_threads=1, nice=-5)]
+    merge, below = planner.observe(pd, 0.0)
+    assert isinstance(merge, SwitchRole) and merge.to == "null"
+    assert below == SetNice("d0", 10, below.reason) and "below it" in below.reason
+    behind = [WorkerSnapshot("p0", "null", ttft_p90=3.0, itl_p90=0.4, pool_threads=2,
+                             prompt_tokens=600.0),
+              WorkerSnapshot("d0", "decode", pool_threads=1, nice=10)]
+    back, own = planner.observe(behind, 1.0)
+    assert isinstance(back, SwitchRole) and back.to == "prefill"
+    assert own == SetNice("d0", -5, own.reason)
+    # Without it, or a D whose priority is not known, the merge alone.
+    for cfg, nice in ((attrs.evolve(config, standby_nice=None), -5), (config, None)):
+        d = attrs.evolve(pd[1], nice=nice)
+        (alone,) = Planner(cfg).observe([pd[0], d], 0.0)
+        assert isinstance(alone, SwitchRole)
