@@ -12,8 +12,7 @@ The rule, after Dynamo's SLA planner and DistServe: TTFT is P's to keep, ITL is 
   ``headroom`` while the decode side's (the worst D's ITL p90 over the target, or its KV use over
   ``kv_high``) is not; ``decode_bound`` the other way; ``both`` and ``idle`` (every pressure
   under ``idle_below``); else ``balanced``.
-- Hysteresis: a class must hold for ``patience`` observations in a row before it is acted on
-  (the wide merge on light prompts below: those prompts, whatever the class).
+- Hysteresis: a class must hold for ``patience`` observations in a row before it is acted on.
 - Acting: ``prefill_bound`` or ``decode_bound`` asks for a worker of the starved role when the
   cluster may grow (``max_workers``), else moves the least loaded worker of the other role over
   (never below ``min_prefill`` / ``min_decode``, never one already switching); ``both`` grows
@@ -105,7 +104,7 @@ prefill side and its inter-token gap on the decode side.
   that is only the TTFTs of the window, with nothing waiting on P now — the first seconds of a
   short-prompt phase after long prompts, 15 s of run 19's) — or before D misses at all, where
   P takes light prompts (under ``heavy_prompt`` on average in the last window it took any,
-  within ``recall``) while D decodes (or P holds a backlog, D idle behind it)
+  within ``recall``) while D decodes
   (its pressure over ``idle_below``): a short-prompt phase has begun, and waiting for the miss
   cost 7-23 s of each such phase (runs 23 and 26); what P still holds of the last phase's long
   prompts drains on it meanwhile, the new short prompts going to D alone (waiting for that
@@ -114,10 +113,7 @@ prefill side and its inter-token gap on the decode side.
   target there is slowed by P's prefills on the cores they share, which the priority lever
   answers) — and the D stays in its
   role as a standby beside it (not an orphan to merge: colocated on its one thread it would
-  take half the requests at half the speed, as in runs 1-2 and 16), with ``standby_nice`` at
-  that priority (below the colocated worker: at D's own, the two streams it still held took a
-  core from the colocated worker's batch and put it past its target for the rest of run 35's
-  last phase, 9 of 40 met), given back its own when P is beside it again. A P/D part with a narrow
+  take half the requests at half the speed, as in runs 1-2 and 16). A P/D part with a narrow
   D merges no other way (the merge below made the narrow D colocated first in run 16, then its
   P as an orphan: two colocated workers that never split back). The cluster then decodes on the wide
   worker's threads, as colocated does; the cores lever has no P to place meanwhile. Back: the
@@ -217,11 +213,6 @@ class PlannerConfig:
     # A colocated worker's prompts this long on average stall its decode steps (one prefill
     # chunk at the CPU default, --max-batched-tokens 256): the split back beside a standby D.
     heavy_prompt: float = attrs.field(default=256.0, validator=attrs.validators.ge(0.0))
-    # The CPU priority (nice) a standby D takes while the colocated worker beside it serves,
-    # given back when P is beside it again; None: its priority left alone (see the module's
-    # docstring).
-    standby_nice: int | None = attrs.field(default=None, validator=attrs.validators.optional(
-        [attrs.validators.ge(-20), attrs.validators.le(19)]))
 
     @split_above.validator
     def _band(self, _field: object, value: float) -> None:
@@ -285,50 +276,6 @@ def _worst(values: Sequence[float]) -> float:
     return max(known, default=0.0)
 
 
-class _LastPrompts:
-    """The mean prompt of the last window in which each worker took any, and when."""
-
-    def __init__(self, within: float) -> None:
-        self._within = within  # seconds a mean is still the worker's last
-        self._last: dict[str, tuple[float, float]] = {}
-
-    def saw(self, snapshots: Sequence[WorkerSnapshot], now: float) -> None:
-        self._last.update((s.worker, (s.prompt_tokens, now)) for s in snapshots
-                          if not math.isnan(s.prompt_tokens))
-
-    def taken(self, workers: Sequence[WorkerSnapshot], now: float) -> list[float]:
-        """The mean prompt each of ``workers`` took last, within ``within`` seconds, where
-        known."""
-        last = [self._last.get(s.worker) for s in workers]
-        return [mean for mean, at in filter(None, last) if now - at <= self._within]
-
-
-class _Standby:
-    """A standby D's priority beside the colocated worker (``standby_nice``): each D's own
-    remembered for the way back."""
-
-    def __init__(self, nice: int | None) -> None:
-        self._nice = nice
-        self._own: dict[str, int] = {}
-
-    def down(self, pd: Sequence[WorkerSnapshot]) -> list[Decision]:
-        """Every D of ``pd`` to the standby's priority; [] without one."""
-        to = self._nice
-        out: list[Decision] = []
-        for s in pd:
-            if to is not None and s.role == "decode" and s.nice is not None and s.nice != to:
-                self._own[s.worker] = s.nice
-                out.append(SetNice(s.worker, to, f"a standby beside the colocated worker: "
-                                                 f"nice {s.nice} -> {to}, below it"))
-        return out
-
-    def up(self, pd: Sequence[WorkerSnapshot]) -> list[Decision]:
-        """Every standby D of ``pd`` given back the priority ``down`` took from it."""
-        return [SetNice(s.worker, own, f"P beside it again: nice {s.nice} -> {own}")
-                for s in pd if s.role == "decode"
-                and (own := self._own.pop(s.worker, None)) is not None]
-
-
 Mode = Literal["pd", "colocated"]
 _BOUND: tuple[Pressure, ...] = ("prefill_bound", "decode_bound", "both")
 
@@ -337,15 +284,14 @@ class Planner:
     def __init__(self, config: PlannerConfig) -> None:
         self.config = config
         self._run: tuple[Pressure, int] = ("balanced", 0)
-        self._light_run = 0  # observations in a row with light prompts (``_light``)
         self._quiet_until = -math.inf
         # A mode's pressure when the planner last left it, and when (colocate only).
         self._left: dict[Mode | Placement, tuple[float, float]] = {}
         self._split_at = -math.inf
-        self._standby = _Standby(config.standby_nice)
-        # At 0.5 req/s a window of 2 s often takes no prompt, and the wide merge on light
-        # prompts then waited for the next one (run 33: 7-10 s into a short-prompt phase).
-        self._prompts = _LastPrompts(config.recall)
+        # The mean prompt of the last window in which each worker took any, and when: at 0.5
+        # req/s a window of 2 s often takes none, and the wide merge on light prompts then
+        # waited for the next one (run 33: 7-10 s into a short-prompt phase, not 2-4).
+        self._prompts: dict[str, tuple[float, float]] = {}
         # Where P and D run (``cores``), as the last observation showed them (and as a move
         # decided in it will make them); None without the lever or with no P or D seen.
         self.placement: Placement | None = None
@@ -386,7 +332,8 @@ class Planner:
     def observe(self, snapshots: Sequence[WorkerSnapshot], now: float) -> list[Decision]:
         """One observation of every worker; the decisions to act on now (several switches at
         once when the pressure asks for them, else at most one)."""
-        self._prompts.saw(snapshots, now)
+        self._prompts.update((s.worker, (s.prompt_tokens, now)) for s in snapshots
+                             if not math.isnan(s.prompt_tokens))
         if now < self._quiet_until:  # the last decision's effect is not in the figures yet
             return []
         if not self.config.colocate:  # colocated workers are not the planner's to move
@@ -398,30 +345,21 @@ class Planner:
             pressure = self.classify(snapshots)
             kind, count = self._run
             self._run = (pressure, count + 1 if kind == pressure else 1)
-            # The light prompts that start a short-prompt phase hold their own run: the class
-            # flips between prefill_bound, both and decode_bound as the last phase's backlog
-            # drains, and waiting for one class to hold put run 35's merges 10 s into the phase.
-            light = self.config.colocate and self._light(snapshots, now)
-            self._light_run = self._light_run + 1 if light else 0
-            if self._run[1] >= self.config.patience:
-                decisions = self._decide(pressure, snapshots, now)
-            elif self._light_run >= self.config.patience:
-                decisions = self._wide_merge(pressure, snapshots, now)
-            else:
+            if self._run[1] < self.config.patience:
                 return []
+            decisions = self._decide(pressure, snapshots, now)
         # Never every serving worker draining at once: the cluster would serve nothing for a
         # drain's length (measured: a 1P1D merge and split failed requests at the drain deadline).
         # (A priority or a cores change drains nothing.)
         serving = sum(not s.switching for s in snapshots)
         calm = all(isinstance(d, SetNice | SetCpus) for d in decisions)
-        drains: list[Decision] = [d for d in decisions if isinstance(d, SwitchRole)]
-        if serving and len(drains) >= serving:
-            decisions = drains[:serving - 1]
+        if serving and len(decisions) >= serving and not calm:
+            decisions = decisions[:serving - 1]
         if not decisions:
             return []
         self.decisions.extend((now, d) for d in decisions)
         self._quiet_until = now + (self.config.nice_cooldown if calm else self.config.cooldown)
-        self._run, self._light_run = ("balanced", 0), 0
+        self._run = ("balanced", 0)
         return decisions
 
     # -- colocate -----------------------------------------------------------------------------
@@ -440,6 +378,12 @@ class Planner:
         return [SwitchRole(s.worker, "null", f"no {other} worker to pair with: colocated")
                 for s in snapshots if s.role == lone
                 and not (lone == "decode" and _narrower(s, wide))]
+
+    def _last_prompts(self, s: WorkerSnapshot, now: float) -> float:
+        """The mean prompt (tokens) of the last window in which ``s`` took any, within
+        ``recall`` seconds; NaN: none."""
+        last = self._prompts.get(s.worker)
+        return math.nan if last is None or now - last[1] > self.config.recall else last[0]
 
     def _recalled(self, mode: Mode | Placement, now: float) -> float | None:
         left = self._left.get(mode)
@@ -490,16 +434,6 @@ class Planner:
                 for r in (donor, "prefill" if donor == "decode" else "decode")
                 for s in sorted((s for s in pd if s.role == r), key=_load)[:k]]
 
-    def _light(self, snapshots: Sequence[WorkerSnapshot], now: float) -> bool:
-        """The P/D part's P took light prompts last, while its D decodes or P holds a backlog:
-        the wide merge's sign of a short-prompt phase (see ``_wide_merge``)."""
-        c = self.config
-        pd = [s for s in snapshots if not s.switching and s.role != "null"]
-        prefills = [s for s in pd if s.role == "prefill"]
-        taken = self._prompts.taken(prefills, now)
-        return bool(taken) and max(taken) < c.heavy_prompt and (
-            self.pressures(pd)[1] > c.idle_below or self._backlog(prefills) > c.headroom)
-
     def _wide_merge(self, pressure: Pressure, snapshots: Sequence[WorkerSnapshot], now: float
                     ) -> list[Decision]:
         """A narrow D over its target: the widest P colocated, D a standby (the module's
@@ -521,10 +455,8 @@ class Planner:
         # standby D alone instead of queueing behind them. Waiting for that backlog to clear
         # let D's batch build first (run 32's last phase: the merge 11.7 s in, on D's miss,
         # P's prefill pressure 4.75; 5 of 40 met against colocated's 38).
-        # (D decoding, or P's backlog holding the light prompts: D idle behind it, run 34's
-        # last phase merged only once they reached D, 9-12 s in.)
-        taken = self._prompts.taken(prefills, now)
-        light = self._light(pd, now)
+        taken = [t for s in prefills if not math.isnan(t := self._last_prompts(s, now))]
+        light = bool(taken) and max(taken) < c.heavy_prompt and d_load > c.idle_below
         # Heavy prompts taken by P: a long-prompt phase goes on, where P/D is the mode the
         # split back chooses, and a D over its target beside them is slowed by P's prefills
         # on the cores they share, which the priority lever answers (run 32's second pass
@@ -548,11 +480,10 @@ class Planner:
         queued = sum(s.waiting for s in prefills)
         why = (f"{own} on D's XLA pools of {narrow} thread(s)" if not light else
                f"P took prompts of {max(taken):.0f} tokens at most, D's of {narrow} thread(s) "
-               + ("decoding" if d_load > c.idle_below else "idle behind P")
-               + (f", P's {queued} queued drain on it" if queued else ""))
+               f"decoding" + (f", P's {queued} queued drain on it" if queued else ""))
         return [SwitchRole(wide.worker, "null", (
             f"P/D decode pressure {d_load:.2f}: {why}, P's of {wide.pool_threads}{was}: the "
-            f"widest P colocated, D a standby")), *self._standby.down(pd)]
+            f"widest P colocated, D a standby"))]
 
     def _split(self, pd: Sequence[WorkerSnapshot], colo: Sequence[WorkerSnapshot], now: float
                ) -> list[Decision] | None:
@@ -589,8 +520,7 @@ class Planner:
         split: list[Decision]
         if standby:
             assert wide is not None
-            split = [SwitchRole(wide.worker, "prefill", f"{why}: P beside the standby D"),
-                     *self._standby.up(pd)]
+            split = [SwitchRole(wide.worker, "prefill", f"{why}: P beside the standby D")]
         elif any(s.role == "prefill" for s in pd) and any(s.role == "decode" for s in pd):
             pd_p, pd_d = self.pressures(pd)
             to: Role = "prefill" if pd_p > pd_d else "decode"

@@ -13,12 +13,7 @@ import sys
 import pytest
 
 from pd_fsm.cli import build_parser
-from pd_fsm.io_trio.cluster.cpu_placement import (
-    may_lower_to,
-    may_take_nice,
-    parse_cpus,
-    parse_role_nice,
-)
+from pd_fsm.io_trio.cluster.cpu_placement import may_take_nice, parse_cpus, parse_role_nice
 from pd_fsm.io_trio.cluster.local import (
     main,
     narrow_decode,
@@ -260,11 +255,6 @@ def test_the_planner_may_make_p_colocated_where_the_clusters_d_is_the_narrower()
         assert narrow_decode(_cluster("--planner"))
         assert build_parser().parse_args(planner_argv()).colocate
         assert build_parser().parse_args(planner_argv("--pd-cores", "split")).colocate
-        # The standby D steps down to P's priority while the colocated worker serves, where
-        # its own can be given back.
-        nices = planner_argv("--prefill-nice", "10", "--decode-nice", "-5")
-        standby = build_parser().parse_args(nices).standby_nice
-        assert standby == (10 if may_lower_to(-5) else None)
         off = planner_argv("--planner-args=--no-colocate")
         assert not build_parser().parse_args(off).colocate
     wide = planner_argv("--decode-cpu-pools", "all")

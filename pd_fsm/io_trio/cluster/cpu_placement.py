@@ -145,13 +145,7 @@ def renice_threads(old: int, new: int) -> int:
 def may_take_nice(nice: int) -> bool:
     """Whether this process may set ``nice``: raising it is always allowed; lowering it needs
     root (CAP_SYS_NICE) or an RLIMIT_NICE whose ceiling, 20 - limit (setrlimit(2)), reaches it."""
-    return nice >= os.getpriority(os.PRIO_PROCESS, 0) or may_lower_to(nice)
-
-
-def may_lower_to(nice: int) -> bool:
-    """Whether a thread of this process's user may lower its nice value to ``nice`` from a
-    higher one (a priority given back): root, or an RLIMIT_NICE whose ceiling reaches it."""
-    if os.geteuid() == 0:
+    if nice >= os.getpriority(os.PRIO_PROCESS, 0) or os.geteuid() == 0:
         return True
     import resource
 

@@ -29,12 +29,7 @@ from pd_fsm.core.planner import split_halves
 from pd_fsm.io_trio.api_key import bearer
 from pd_fsm.io_trio.cluster import observability, ray_driver
 from pd_fsm.io_trio.cluster.ask import ask
-from pd_fsm.io_trio.cluster.cpu_placement import (
-    cpu_list,
-    may_lower_to,
-    may_take_nice,
-    parse_cpus,
-)
+from pd_fsm.io_trio.cluster.cpu_placement import cpu_list, may_take_nice, parse_cpus
 from pd_fsm.io_trio.cluster.launcher import Launcher, ProcessBackend, drain_timeout
 from pd_fsm.io_trio.cluster.supervisor import STOP_GRACE, Child, Cluster
 from pd_fsm.io_trio.ports import free_port_pair, free_ports
@@ -408,13 +403,6 @@ def _planner_child(args: argparse.Namespace, tls: TLS, ports: _Ports, workers: l
         # 15 without it met 35 of 121 to colocated's 73; runs 18-20 with it 68 / 58 / 56 to
         # the best static placement's 67 / 63 / 58). --planner-args=--no-colocate: off.
         lever += ["--colocate"]
-        # The standby D beside the colocated worker steps down to P's priority meanwhile: at
-        # D's own, the streams it still held slowed the colocated worker's batch past the
-        # target through the rest of a short-prompt phase (run 35 of RESULTS_adaptive.md).
-        # Only where D's own can be given back (a nice lowered again needs the right to).
-        standby, own = role_nices(args)["prefill"], role_nices(args)["decode"]
-        if standby is not None and own is not None and standby > own and may_lower_to(own):
-            lever += ["--standby-nice", str(standby)]
     max_workers = getattr(args, "max_workers", 0)
     if max_workers:
         # The launcher lists every PD worker, those it adds too: the planner observes its list.

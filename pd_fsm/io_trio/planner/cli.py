@@ -104,11 +104,6 @@ def _add_lever_arguments(p: argparse.ArgumentParser, d: PlannerConfig) -> None:
                         f"{d.heavy_prompt:g}, one prefill chunk at the CPU default); a P "
                         f"beside a narrow D taking shorter ones while D decodes becomes "
                         f"colocated before D misses its target")
-    p.add_argument("--standby-nice", type=int, default=d.standby_nice, metavar="N",
-                   help="with --colocate: the CPU priority (nice) a standby D takes while the "
-                        "colocated worker beside it serves, so that the streams it still "
-                        "holds do not slow that worker's batch; given back when P is beside it "
-                        "again (POST /set_nice). Default: none (its priority left alone)")
 
 
 def _nices(value: str) -> tuple[int, ...]:
@@ -153,7 +148,7 @@ def service_from_args(args: argparse.Namespace) -> PlannerService:
                            nice_cooldown=args.nice_cooldown, max_workers=args.max_workers,
                            min_workers=args.min_workers, cores=args.cores,
                            share_below=args.share_below, split_above=args.split_above,
-                           heavy_prompt=args.heavy_prompt, standby_nice=args.standby_nice)
+                           heavy_prompt=args.heavy_prompt)
     key = api_key_from_args(args, "worker-")
     return PlannerService(Planner(config), workers=args.worker,
                           bootstrap_url=args.bootstrap_url, interval=args.interval,
