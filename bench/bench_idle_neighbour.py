@@ -11,7 +11,12 @@ stopped (SIGSTOP: not scheduled at all) and running idle (SIGCONT), the order ro
 round, fresh prompts each round.
 
     .venv/bin/python bench/bench_idle_neighbour.py [--rounds 4 --num-prompts 24
-        --concurrency 6 --max-tokens 96]
+        --concurrency 6 --max-tokens 96] [--busy-nice N]
+
+With ``--busy-nice N`` the neighbour is not a decode worker but one thread that never sleeps, at
+nice N: a standby D decoding the streams P handed it before a merge, as a load on one core
+(runs 34-37 of RESULTS_adaptive.md: the new colocated worker ran 15-40 % slower a token for
+10-20 s beside it, at D's nice -5 and at 10 alike). It runs stopped (SIGSTOP) and spinning.
 """
 
 from __future__ import annotations
@@ -34,16 +39,26 @@ from tests.integration.serve_support import Proc, cli, wait_http_ok
 
 HOST = "127.0.0.1"
 STATES = {"D stopped": signal.SIGSTOP, "D idle beside it": signal.SIGCONT}
+SPINNING = "a busy thread beside it"
+
+
+def states(args: argparse.Namespace) -> dict[str, signal.Signals]:
+    """The two states' names, each with the signal that puts the neighbour in it."""
+    if args.busy_nice is None:
+        return STATES
+    return {"neighbour stopped": signal.SIGSTOP,
+            f"{SPINNING} at nice {args.busy_nice}": signal.SIGCONT}
 
 
 async def measure(url: str, d_pid: int, args: argparse.Namespace) -> dict[str, Summary]:
     load = short_load(args)
     await run_load(url, load, make_prompts("short", args.concurrency, args.seed))  # warm-up
-    names = list(STATES)
+    signals = states(args)
+    names = list(signals)
     runs: dict[str, list[Summary]] = {name: [] for name in names}
     for r in range(args.rounds):
         for i, name in enumerate(names[r % 2:] + names[:r % 2]):
-            os.kill(d_pid, STATES[name])
+            os.kill(d_pid, signals[name])
             await trio.sleep(1.0)  # let a resumed D settle back to idle
             prompts = make_prompts("short", args.num_prompts, args.seed + 1 + 2 * r + i)
             runs[name].append(await run_load(url, load, prompts))
@@ -53,7 +68,13 @@ async def measure(url: str, d_pid: int, args: argparse.Namespace) -> dict[str, S
 
 
 def main() -> int:
-    args = round_arguments(__doc__.split("\n\n")[0]).parse_args()
+    parser = round_arguments(__doc__.split("\n\n")[0])
+    parser.add_argument("--busy-nice", type=int, default=None, metavar="N",
+                        help="the neighbour: one thread that never sleeps, at nice N (-20..19; "
+                             "below 0 needs root), instead of an idle decode worker")
+    args = parser.parse_args()
+    if args.busy_nice is not None and not -20 <= args.busy_nice <= 19:
+        parser.error(f"--busy-nice {args.busy_nice}: must be in -20..19")
     procs: list[Proc] = []
     try:
         c_port, d_port, b_port = free_ports(3)
@@ -66,15 +87,20 @@ def main() -> int:
             "serve", "--model", args.model, "--host", HOST, "--port", str(c_port),
             "--disaggregation-mode", "null"))
         procs.append(colocated)
-        decode = Proc.start("decode", cli(
-            "serve", "--model", args.model, "--host", HOST, "--port", str(d_port),
-            "--disaggregation-mode", "decode", "--cpus", f"0-{(os.cpu_count() or 1) - 1}",
-            "--cpu-pools", "1", "--nice", "-5", "--disaggregation-bootstrap-host", HOST,
-            "--disaggregation-bootstrap-port", str(b_port)))
+        if args.busy_nice is None:
+            decode = Proc.start("decode", cli(
+                "serve", "--model", args.model, "--host", HOST, "--port", str(d_port),
+                "--disaggregation-mode", "decode", "--cpus", f"0-{(os.cpu_count() or 1) - 1}",
+                "--cpu-pools", "1", "--nice", "-5", "--disaggregation-bootstrap-host", HOST,
+                "--disaggregation-bootstrap-port", str(b_port)))
+        else:  # (nice execs the interpreter: the pid signalled is the spinning one)
+            decode = Proc.start("busy", ["nice", "-n", str(args.busy_nice), sys.executable,
+                                         "-c", "while True: pass"])
         procs.append(decode)
         url = f"http://{HOST}:{c_port}"
         wait_http_ok(f"{url}/health", colocated, timeout=600)
-        wait_http_ok(f"http://{HOST}:{d_port}/health", decode, timeout=600)
+        if args.busy_nice is None:
+            wait_http_ok(f"http://{HOST}:{d_port}/health", decode, timeout=600)
         results = trio.run(measure, url, decode.popen.pid, args)
     finally:
         for proc in reversed(procs):
@@ -83,11 +109,12 @@ def main() -> int:
             proc.stop()
     print(f"{args.model}, one colocated worker on every core ({os.cpu_count()} here), short "
           f"prompts, {args.num_prompts} requests x {args.rounds} rounds per state, concurrency "
-          f"{args.concurrency}, {args.max_tokens} tokens out; beside it a decode worker "
-          f"(--cpu-pools 1 --nice -5, no P)\n")
-    a, b = STATES
+          f"{args.concurrency}, {args.max_tokens} tokens out; beside it "
+          + ("a decode worker (--cpu-pools 1 --nice -5, no P)\n" if args.busy_nice is None else
+             f"one thread that never sleeps (nice {args.busy_nice})\n"))
+    a, b = states(args)
     print(render(results[b], results[a], b, a))
-    for name in STATES:
+    for name in states(args):
         gaps = [g for r in results[name].results if r.ok for g in r.itl]
         print(f"{name}: mean inter-token gap {sum(gaps) / len(gaps) * 1000:.1f} ms over "
               f"{len(gaps)} gaps" if gaps else f"{name}: no gaps")
