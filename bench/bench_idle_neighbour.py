@@ -39,7 +39,6 @@ from tests.integration.serve_support import Proc, cli, wait_http_ok
 
 HOST = "127.0.0.1"
 STATES = {"D stopped": signal.SIGSTOP, "D idle beside it": signal.SIGCONT}
-SPINNING = "a busy thread beside it"
 
 
 def states(args: argparse.Namespace) -> dict[str, signal.Signals]:
@@ -47,7 +46,7 @@ def states(args: argparse.Namespace) -> dict[str, signal.Signals]:
     if args.busy_nice is None:
         return STATES
     return {"neighbour stopped": signal.SIGSTOP,
-            f"{SPINNING} at nice {args.busy_nice}": signal.SIGCONT}
+            f"a busy thread beside it at nice {args.busy_nice}": signal.SIGCONT}
 
 
 async def measure(url: str, d_pid: int, args: argparse.Namespace) -> dict[str, Summary]:

@@ -382,12 +382,11 @@ class Planner:
     def _last_prompts(self, s: WorkerSnapshot, now: float) -> float:
         """The mean prompt (tokens) of the last window in which ``s`` took any, within
         ``recall`` seconds; NaN: none."""
-        last = self._prompts.get(s.worker)
-        return math.nan if last is None or now - last[1] > self.config.recall else last[0]
+        last = _kept(self._prompts.get(s.worker), now, self.config.recall)
+        return math.nan if last is None else last
 
     def _recalled(self, mode: Mode | Placement, now: float) -> float | None:
-        left = self._left.get(mode)
-        return None if left is None or now - left[1] > self.config.recall else left[0]
+        return _kept(self._left.get(mode), now, self.config.recall)
 
     def _colocate(self, pressure: Pressure, snapshots: Sequence[WorkerSnapshot], now: float
                   ) -> list[Decision] | None:
@@ -723,6 +722,11 @@ class Planner:
                 to = steps[min(k, len(steps)) - 1]
                 out.append(SetNice(s.worker, to, f"{why}: nice {s.nice} -> {to}"))
         return out
+
+
+def _kept(kept: tuple[float, float] | None, now: float, within: float) -> float | None:
+    """A (value, when) kept no more than ``within`` seconds before ``now``: its value."""
+    return None if kept is None or now - kept[1] > within else kept[0]
 
 
 def _listed(cpus: frozenset[int] | None) -> str:
