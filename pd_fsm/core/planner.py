@@ -213,6 +213,10 @@ class PlannerConfig:
     # A colocated worker's prompts this long on average stall its decode steps (one prefill
     # chunk at the CPU default, --max-batched-tokens 256): the split back beside a standby D.
     heavy_prompt: float = attrs.field(default=256.0, validator=attrs.validators.ge(0.0))
+    # Where the standby D shares its cores with the colocated worker it merged into: once the
+    # merge is done, the standby gives its running streams of at most ``heavy_prompt`` tokens
+    # so far to the colocated worker (``MoveStreams``; see the module's docstring).
+    move_standby: bool = False
 
     @split_above.validator
     def _band(self, _field: object, value: float) -> None:
@@ -258,7 +262,18 @@ class SetCpus:
     reason: str
 
 
-Decision = SwitchRole | ScaleUp | ScaleDown | SetNice | SetCpus
+@attrs.frozen
+class MoveStreams:
+    """Give a worker's running streams of at most ``max_context`` tokens so far (prompt and
+    output) to other workers (``POST /move_streams``): each is prefilled again where the proxy
+    routes it, and goes on there."""
+
+    worker: str
+    max_context: int
+    reason: str
+
+
+Decision = SwitchRole | ScaleUp | ScaleDown | SetNice | SetCpus | MoveStreams
 Placement = Literal["split", "shared"]
 
 
@@ -292,6 +307,9 @@ class Planner:
         # req/s a window of 2 s often takes none, and the wide merge on light prompts then
         # waited for the next one (run 33: 7-10 s into a short-prompt phase, not 2-4).
         self._prompts: dict[str, tuple[float, float]] = {}
+        # A wide merge under way with ``move_standby``: the worker made colocated, and the
+        # standby Ds beside it whose streams move to it once it serves (``_standby_moves``).
+        self._merging: tuple[str, tuple[str, ...]] | None = None
         # Where P and D run (``cores``), as the last observation showed them (and as a move
         # decided in it will make them); None without the lever or with no P or D seen.
         self.placement: Placement | None = None
@@ -334,8 +352,11 @@ class Planner:
         once when the pressure asks for them, else at most one)."""
         self._prompts.update((s.worker, (s.prompt_tokens, now)) for s in snapshots
                              if not math.isnan(s.prompt_tokens))
+        # Not held by the merge's cooldown: the switch it waits for is that decision's effect.
+        moves, self._merging = _standby_moves(self._merging, snapshots, self.config)
+        self.decisions.extend((now, d) for d in moves)
         if now < self._quiet_until:  # the last decision's effect is not in the figures yet
-            return []
+            return moves
         if not self.config.colocate:  # colocated workers are not the planner's to move
             snapshots = [s for s in snapshots if s.role != "null"]
         decisions = self._misplaced(snapshots) if len(self.config.cores) >= 2 else []
@@ -346,7 +367,7 @@ class Planner:
             kind, count = self._run
             self._run = (pressure, count + 1 if kind == pressure else 1)
             if self._run[1] < self.config.patience:
-                return []
+                return moves
             decisions = self._decide(pressure, snapshots, now)
         # Never every serving worker draining at once: the cluster would serve nothing for a
         # drain's length (measured: a 1P1D merge and split failed requests at the drain deadline).
@@ -356,11 +377,11 @@ class Planner:
         if serving and len(decisions) >= serving and not calm:
             decisions = decisions[:serving - 1]
         if not decisions:
-            return []
+            return moves
         self.decisions.extend((now, d) for d in decisions)
         self._quiet_until = now + (self.config.nice_cooldown if calm else self.config.cooldown)
         self._run = ("balanced", 0)
-        return decisions
+        return moves + decisions
 
     # -- colocate -----------------------------------------------------------------------------
 
@@ -475,6 +496,8 @@ class Planner:
         if not narrow or wide is None or (held is not None and d_load <= held):
             return []
         self._left["pd"] = (max(p_load, d_load), now)
+        if c.move_standby:
+            self._merging = (wide.worker, tuple(s.worker for s in pd if s.role == "decode"))
         was = "" if held is None else f", colocated did {held:.2f}"
         queued = sum(s.waiting for s in prefills)
         why = (f"{own} on D's XLA pools of {narrow} thread(s)" if not light else
@@ -727,6 +750,30 @@ class Planner:
 def _kept(kept: tuple[float, float] | None, now: float, within: float) -> float | None:
     """A (value, when) kept no more than ``within`` seconds before ``now``: its value."""
     return None if kept is None or now - kept[1] > within else kept[0]
+
+
+def _standby_moves(merging: tuple[str, tuple[str, ...]] | None,
+                   snapshots: Sequence[WorkerSnapshot], c: PlannerConfig
+                   ) -> tuple[list[Decision], tuple[str, tuple[str, ...]] | None]:
+    """A wide merge's standby Ds give their streams to the colocated worker once it serves
+    (the module's docstring): the moves to make now, and the merge still to wait for (None:
+    done, or the switch ended otherwise)."""
+    if merging is None:
+        return [], None
+    wide, standbys = merging
+    by_name = {s.worker: s for s in snapshots}
+    merged = by_name.get(wide)
+    if merged is None or merged.switching:  # not scraped this time, or still draining
+        return [], merging
+    if merged.role != "null":  # the switch failed or was undone: nothing to move to
+        return [], None
+    moves: list[Decision] = [
+        MoveStreams(s.worker, int(c.heavy_prompt), (
+            f"standby D decoding {s.running} stream(s) on the cores of the colocated worker "
+            f"it merged into: those of at most {c.heavy_prompt:.0f} tokens so far move to it"))
+        for name in standbys if (s := by_name.get(name)) is not None
+        and s.role == "decode" and not s.switching and s.running > 0]
+    return moves, None
 
 
 def _listed(cpus: frozenset[int] | None) -> str:

@@ -10,6 +10,7 @@ import json
 from pd_fsm.io_trio.proxy.merged_stream import Part
 from pd_fsm.io_trio.proxy.migration import Progress, worker_failure
 from pd_fsm.io_trio.worker.responses import Accumulator
+from pd_fsm.io_trio.worker.sse import moved_event, moved_reason
 from pd_fsm.schedulers.request import RequestOutput
 
 
@@ -47,6 +48,21 @@ def test_a_worker_failure_reported_in_band_is_withheld_with_the_rest_of_the_stre
         assert not q.withhold(_event(relayed)) and q.failed is None
     assert worker_failure(b"data: {not json") is None
     assert worker_failure(_event({"error": {"code": 502}})) == (502, "worker failure")
+
+
+def test_a_stream_the_worker_gave_up_is_withheld_and_every_stream_lets_it_move() -> None:
+    """``POST /move_streams``: D ends a stream with a move event, which the proxy keeps (its
+    reason) and never relays; it asks every streamed leg it can continue for that leave
+    (``accept_move``), a plain answer's not."""
+    p = Progress("/generate", stream=True)
+    assert p.leg_body({"text": "hi", "stream": True})["accept_move"] is True
+    assert "accept_move" not in Progress("/generate", stream=False).leg_body({"text": "hi"})
+    assert not p.withhold(_event({"output_ids": [3], "text": "a", "meta_info": {}}))
+    assert p.withhold(moved_event("moved by POST /move_streams"))
+    assert p.moved == "moved by POST /move_streams" and p.failed is None and p.ticket is None
+    assert moved_reason(b"event: pd_fsm.moved\ndata: {not json\n\n") is None
+    assert moved_reason(b"event: pd_fsm.moved\ndata: {}\n\n") == "moved"
+    assert moved_reason(_event({"reason": "x"})) is None  # a data-only event is output
 
 
 def test_a_generate_stream_s_abort_with_a_5xx_status_is_a_worker_failure() -> None:

@@ -9,8 +9,10 @@ import attrs
 import pytest
 
 from pd_fsm.core.planner import (
+    MoveStreams,
     Planner,
     PlannerConfig,
+    Role,
     ScaleDown,
     ScaleUp,
     SetCpus,
@@ -552,3 +554,44 @@ def test_light_prompts_beside_a_busy_narrow_decode_merge_before_it_misses() -> N
     # ...and light prompts again: merged at D's 0.60, not only past colocated's 4.00.
     (again,) = planner.observe(pd(40.0, 0.06), 2.0)
     assert isinstance(again, SwitchRole) and again.to == "null" and "did" not in again.reason
+
+
+def test_the_standby_gives_its_streams_to_the_colocated_worker_once_it_serves() -> None:
+    """``move_standby``: after a wide merge, once the worker made colocated serves (not while
+    it drains, nor during the merge's cooldown), the standby D's running streams of at most
+    ``heavy_prompt`` tokens so far move to it — once (run 34 and 37 of bench/RESULTS_adaptive.md:
+    the colocated worker decoded 15-40 % slower a token while the standby beside it on the same
+    cores still decoded the streams P had handed it). Without it, or with nothing running on
+    the standby, or a switch that ended otherwise: no move."""
+    config = PlannerConfig(patience=1, cooldown=30.0, colocate=True, recall=30.0,
+                           move_standby=True)
+    pd = [WorkerSnapshot("p0", "prefill", ttft_p90=0.3, pool_threads=2, prompt_tokens=40.0),
+          WorkerSnapshot("d0", "decode", itl_p90=0.06, running=3, pool_threads=1)]
+
+    def after(p_role: Role, switching: bool, running: int = 3) -> list[WorkerSnapshot]:
+        return [attrs.evolve(pd[0], role=p_role, switching=switching),
+                attrs.evolve(pd[1], running=running)]
+
+    planner = Planner(config)
+    (merge,) = planner.observe(pd, 0.0)
+    assert isinstance(merge, SwitchRole) and merge.to == "null"
+    assert planner.observe(after("prefill", True), 2.0) == []  # P drains its queue first
+    assert planner.observe(after("null", False)[1:], 3.0) == []  # P's scrape failed: waits
+    (move,) = planner.observe(after("null", False), 4.0)  # within the cooldown
+    assert move == MoveStreams("d0", 256, move.reason)
+    assert "standby D decoding 3 stream(s)" in move.reason
+    assert planner.decisions[-1] == (4.0, move)
+    assert planner.observe(after("null", False), 6.0) == []  # once
+    # Off (the default), or nothing on the standby: none.
+    off = Planner(attrs.evolve(config, move_standby=False))
+    off.observe(pd, 0.0)
+    assert off.observe(after("null", False), 4.0) == []
+    idle = Planner(config)
+    idle.observe(pd, 0.0)
+    assert idle.observe(after("null", False, running=0), 4.0) == []
+    assert idle.observe(after("null", False), 6.0) == []
+    # The switch refused or undone (P serves as P again): nothing to move to, and no later move.
+    undone = Planner(config)
+    undone.observe(pd, 0.0)
+    assert undone.observe(after("prefill", False), 4.0) == []
+    assert undone.observe(after("null", False), 6.0) == []

@@ -402,7 +402,7 @@ def _planner_child(args: argparse.Namespace, tls: TLS, ports: _Ports, workers: l
         # more threads makes P colocated beside a standby D (bench/RESULTS_adaptive.md: run
         # 15 without it met 35 of 121 to colocated's 73; runs 18-20 with it 68 / 58 / 56 to
         # the best static placement's 67 / 63 / 58). --planner-args=--no-colocate: off.
-        lever += ["--colocate"]
+        lever += ["--colocate", "--move-standby"]
     max_workers = getattr(args, "max_workers", 0)
     if max_workers:
         # The launcher lists every PD worker, those it adds too: the planner observes its list.

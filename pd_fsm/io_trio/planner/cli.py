@@ -104,6 +104,13 @@ def _add_lever_arguments(p: argparse.ArgumentParser, d: PlannerConfig) -> None:
                         f"{d.heavy_prompt:g}, one prefill chunk at the CPU default); a P "
                         f"beside a narrow D taking shorter ones while D decodes becomes "
                         f"colocated before D misses its target")
+    p.add_argument("--move-standby", action=argparse.BooleanOptionalAction,
+                   default=d.move_standby,
+                   help="with --colocate, where the standby D shares its cores with the "
+                        "worker made colocated beside it: once that worker serves, the standby "
+                        "gives it its running streams of at most --heavy-prompt tokens so far "
+                        "(POST /move_streams; the proxy prefills each again there). pd-fsm "
+                        "cluster --planner passes it with --colocate")
 
 
 def _nices(value: str) -> tuple[int, ...]:
@@ -148,7 +155,7 @@ def service_from_args(args: argparse.Namespace) -> PlannerService:
                            nice_cooldown=args.nice_cooldown, max_workers=args.max_workers,
                            min_workers=args.min_workers, cores=args.cores,
                            share_below=args.share_below, split_above=args.split_above,
-                           heavy_prompt=args.heavy_prompt)
+                           heavy_prompt=args.heavy_prompt, move_standby=args.move_standby)
     key = api_key_from_args(args, "worker-")
     return PlannerService(Planner(config), workers=args.worker,
                           bootstrap_url=args.bootstrap_url, interval=args.interval,

@@ -40,6 +40,7 @@ from starlette.routing import Route
 
 from pd_fsm.core.planner import (
     Decision,
+    MoveStreams,
     Planner,
     ScaleDown,
     ScaleUp,
@@ -237,6 +238,9 @@ class PlannerService:
         elif isinstance(decision, SetCpus):
             cores = cpu_list(decision.cpus)
             what, path, body = f"cores {cores}", "set_cpus", {"cpus": cores}
+        elif isinstance(decision, MoveStreams):
+            what, path = "streams", "move_streams"
+            body = {"max_context": decision.max_context}
         else:
             what, path, body = f"role {decision.to}", "switch_role", {"role": decision.to}
         try:
@@ -248,6 +252,10 @@ class PlannerService:
             return "failed"
         if r.status_code == 202:
             return "switching"
+        if r.status_code == 200 and isinstance(decision, MoveStreams):
+            # The count is the worker's answer (a label value per count would grow without end).
+            log.warning("%s of %s: %s", what, decision.worker, r.text[:100])
+            return "moved"
         if r.status_code == 200:
             return "set" if isinstance(decision, SetNice | SetCpus) else "already"
         log.warning("%s of %s refused (%d): %s", what, decision.worker, r.status_code,
@@ -318,6 +326,8 @@ def _target(decision: Decision) -> str:
         return decision.role
     if isinstance(decision, SetCpus):
         return cpu_list(decision.cpus)
+    if isinstance(decision, MoveStreams):
+        return f"<= {decision.max_context} tokens"
     return str(decision.nice) if isinstance(decision, SetNice) else ""
 
 

@@ -28,6 +28,11 @@ allowed to (``accept_handoff``: asked only while the proxy routes another D) wit
 ticket (issue 32 §2): the KV it registered for the stream.
 The proxy keeps the ticket, never relays the event, and posts the next room to another D alone
 with ``resume`` and ``handoff``: that D pulls the KV, no prefill runs.
+
+A worker told to give its streams up (``POST /move_streams``: the planner's standby D after a
+merge, issue 30) ends each one the proxy let it (``accept_move``, asked on every stream it can
+continue) with a move event: a hand-off with no KV. The next room, routed around that worker,
+prefills the prompt and the tokens so far (``resume``) wherever the router sends it.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from typing import Any, TypeGuard
 import attrs
 
 from pd_fsm.io_trio.proxy.logprob_merge import wants_prompt_logprobs
-from pd_fsm.io_trio.worker.sse import handoff_ticket
+from pd_fsm.io_trio.worker.sse import handoff_ticket, moved_reason
 from pd_fsm.schedulers.request import fork_seed
 
 _OPENAI = ("/v1/completions", "/v1/chat/completions")
@@ -135,6 +140,9 @@ class Progress:
     # deadline, a failed step). Neither it nor the rest of D's stream reaches the client: the
     # request migrates as after a break (issue 32 §1).
     failed: tuple[int, str] | None = None
+    # D gave the stream up (``POST /move_streams``: a standby D after the planner's merge) with
+    # this reason: the next room re-prefills it elsewhere, as a hand-off without KV.
+    moved: str | None = None
 
     def choice(self, index: int = 0) -> Choice:
         if index not in self.choices:
@@ -170,6 +178,10 @@ class Progress:
             # A draining D may end this stream with a hand-off ticket (not relayed) rather than
             # finish it: another D goes on from its KV.
             out["accept_handoff"] = True
+        if self.stream:
+            # D may end this stream with a move event (not relayed): the next room prefills
+            # the prompt and the tokens so far on another worker and goes on.
+            out["accept_move"] = True
         done = self.choices.get(0)
         if self.n == 1 and done is not None and done.output_ids:
             out["resume"] = {"output_ids": list(done.output_ids), "text": done.text}
@@ -229,13 +241,17 @@ class Progress:
 
     def withhold(self, raw: bytes) -> bool:
         """One SSE event's bytes: True for the events the client never sees (``SseRewriter``'s
-        ``drop``): D's hand-off event (its ticket kept), and a worker failure's error event and
-        everything after it (kept in ``failed``)."""
+        ``drop``): D's hand-off event (its ticket kept), its move event (its reason kept), and
+        a worker failure's error event and everything after it (kept in ``failed``)."""
         if self.failed is not None:
             return True
         ticket = handoff_ticket(raw)
         if ticket is not None:
             self.ticket = ticket
+            return True
+        moved = moved_reason(raw)
+        if moved is not None:
+            self.moved = moved
             return True
         self.failed = worker_failure(raw)
         return self.failed is not None

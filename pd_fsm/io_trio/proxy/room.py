@@ -521,13 +521,18 @@ class RoomResponse:
             if s.reopen is None:
                 await self._relay_error(s, send, status, f"decode worker {s.decode}: {message}")
             return
-        if q.progress is not None and q.progress.ticket is not None:
-            # D is draining and handed the stream off: it goes on in the next room, under the
-            # headers already sent (or, if the router will not, ends in an error chunk).
-            self.host.feed(ev.LegResponded(s.room, "decode", False, "handed off", handoff=True))
+        if q.progress is not None and (q.progress.ticket is not None or q.progress.moved):
+            # D is draining and handed the stream off (or gave it up: a move): it goes on in
+            # the next room, under the headers already sent (or, if the router will not, ends
+            # in an error chunk).
+            moved = q.progress.moved
+            self.host.feed(ev.LegResponded(s.room, "decode", False, moved or "handed off",
+                                           handoff=True))
             if s.reopen is None:
-                q.progress.ticket = None
-                await self._relay_error(s, send, 502, "decode worker drained mid-stream")
+                q.progress.ticket = q.progress.moved = None
+                await self._relay_error(s, send, 502, f"decode worker {s.decode} "
+                                        + ("gave the stream up" if moved else
+                                           "drained mid-stream"))
             return
         self.tell(s, ev.AnswerRelayed())
         await send({"type": "http.response.body", "body": rest, "more_body": False})

@@ -146,6 +146,7 @@ class Proxy:
         self.contained = {"prefill_leg": 0, "room": 0}
         self.reopened = {"retry": 0, "migration": 0, "redirect": 0, "handoff": 0}
         self.handoffs = {"taken": 0, "fell_back": 0, "failed": 0}
+        self.moved = 0  # streams a worker gave up (/move_streams), continued in a new room
         self.aborts_sent = {"prefill": 0, "decode": 0}
         self.room_timeout = room_timeout
         self._client = client
@@ -217,6 +218,9 @@ class Proxy:
             # Hand-off rooms by outcome: the new D pulled the KV and streams on ("taken"), or
             # not, and the request migrated by re-prefill ("fell_back") or failed ("failed").
             "handoffs_total": dict(self.handoffs),
+            # Streams a worker gave up (POST /move_streams): each re-prefilled elsewhere, a
+            # "handoff" room reopened (no KV pulled: not among handoffs_total).
+            "streams_moved_total": self.moved,
             # Per worker: 0 closed, 1 half-open or probing, 2 open (table worker_breaker).
             "breaker_state": {w: _BREAKER_LEVEL[st]
                               for w, st in self.router.breakers.states().items()},
@@ -453,7 +457,11 @@ class Proxy:
             if reopen.cause == "handoff" and progress.ticket is not None:
                 nxt.ticket, nxt.handoff_from = progress.ticket, s.decode
                 progress.adopt_next_token(progress.ticket)
-            progress.ticket = None  # one room uses it
+            elif progress.moved:  # a hand-off with no KV (/move_streams): re-prefilled
+                self.moved += 1
+                log.info("room %d: %s gave the stream of request %s up (%s)", s.room, s.decode,
+                         s.request.request_id, progress.moved)
+            progress.ticket = progress.moved = None  # one room uses it
         refusal = self._dispatch(nxt, reopen.attempts)
         return nxt if refusal is None else refusal
 

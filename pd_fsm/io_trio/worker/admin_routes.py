@@ -23,6 +23,7 @@ from pd_fsm.io_trio.worker.backend import BackendError, GenerateJob, RoleBackend
 from pd_fsm.io_trio.worker.generation import GenerationRoutes
 from pd_fsm.io_trio.worker.schemas import ApiError, JsonObject
 from pd_fsm.io_trio.worker.sse import until_disconnect
+from pd_fsm.io_trio.worker.streams import HoldsStreams
 from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers.args import prefill_budget
 
@@ -123,6 +124,22 @@ class AdminRoutes:
                                 f"it may use {cpu_list(cores.available)}{pools}")
         moved = cores.move_to(cpus, "POST /set_cpus")
         return JSONResponse({"cpus": sorted(cpus), "threads": moved})
+
+    async def move_streams(self, request: Request) -> Response:
+        """Give the running streams the proxy lets move (``accept_move``) to other workers
+        (issue 30: the planner's standby decode worker after a merge, whose streams would
+        otherwise slow the colocated worker beside it on the same cores): ``{"max_context":
+        N}``, only streams of at most N tokens so far (prompt and output), each of which the
+        next worker prefills again. Each ends with a move event the proxy continues."""
+        body = await self._one_field(request, "max_context", '{"max_context": N}')
+        limit = body.get("max_context")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ApiError(400, "body.max_context must be a positive integer (tokens)")
+        backend = self._state.backend
+        if backend.mode == "prefill" or not isinstance(backend, HoldsStreams):
+            raise ApiError(400, f"a {backend.mode} worker holds no streams to move")
+        moved = backend.streams.move(limit, "moved by POST /move_streams")
+        return JSONResponse({"moved": moved})
 
     async def abort_request(self, request: Request) -> Response:
         body = await self._state.read_json(request)

@@ -84,6 +84,7 @@ class WorkerApp:
                 Route("/metrics", admin.metrics, methods=["GET"]),
                 Route("/abort_request", admin.abort_request, methods=["POST"]),
                 Route("/handoff_release", admin.handoff_release, methods=["POST"]),
+                Route("/move_streams", admin.move_streams, methods=["POST"]),
                 Route("/switch_role", admin.switch_role, methods=["POST"]),
                 Route("/set_nice", admin.set_nice, methods=["POST"]),
                 Route("/set_cpus", admin.set_cpus, methods=["POST"]),

@@ -51,6 +51,9 @@ class GenerateJob:
     # pulls it instead of prefilling), and whether this stream may end with a ticket of ours.
     handoff: HandoffTicket | None = None
     accept_handoff: bool = False
+    # Whether this stream may end with a move event (``Moved``): the proxy continues it on
+    # another worker, which prefills the prompt and the tokens so far (no KV moves).
+    accept_move: bool = False
 
 
 def request_of(scheduler: Scheduler, job: GenerateJob) -> Req:
@@ -75,6 +78,15 @@ class HandedOff(BackendError):
     def __init__(self, ticket: HandoffTicket) -> None:
         super().__init__(200, "handed off to another decode worker")
         self.ticket = ticket
+
+
+class Moved(BackendError):
+    """Not a failure: the planner asked this worker to give its running streams to another
+    (``POST /move_streams``: a standby decode worker beside the colocated one it merged into).
+    The stream ends with a move event for the proxy, which re-prefills it elsewhere."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(200, reason)
 
 
 class BackendHealth(Protocol):

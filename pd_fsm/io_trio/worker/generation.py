@@ -18,11 +18,18 @@ from starlette.responses import JSONResponse, Response
 
 from pd_fsm.io_trio.worker import schemas
 from pd_fsm.io_trio.worker.app_state import ModelMeta, WorkerState
-from pd_fsm.io_trio.worker.backend import BackendError, GenerateJob, HandedOff
+from pd_fsm.io_trio.worker.backend import BackendError, GenerateJob, HandedOff, Moved
 from pd_fsm.io_trio.worker.metrics import WorkerMetrics
 from pd_fsm.io_trio.worker.responses import Accumulator, batch_body, indexed
 from pd_fsm.io_trio.worker.schemas import ApiError, JsonBody, JsonObject, Limits, ParsedRequest
-from pd_fsm.io_trio.worker.sse import DONE, SSEResponse, event, handoff_event, until_disconnect
+from pd_fsm.io_trio.worker.sse import (
+    DONE,
+    SSEResponse,
+    event,
+    handoff_event,
+    moved_event,
+    until_disconnect,
+)
 from pd_fsm.jax_engine.sampling.grammar import Constraint, GrammarError, compiler_for
 from pd_fsm.schedulers.request import RequestOutput
 from pd_fsm.text.tokenizer import Tokenizer
@@ -120,6 +127,7 @@ class JobMaker:
             handoff=parsed.handoff,
             # Only a single stream can end with a ticket the proxy continues elsewhere.
             accept_handoff=parsed.accept_handoff and parsed.stream and parsed.n == 1,
+            accept_move=parsed.accept_move and parsed.stream and parsed.n == 1,
         )
         return parsed, job
 
@@ -365,6 +373,14 @@ class GenerationRoutes:
                     timing.output(out)
                     for payload in acc.chunks(out):
                         yield event(payload)
+            except Moved as moved:
+                # For the proxy, which allowed it (accept_move) and does not relay it: it
+                # prefills the prompt and these tokens on another worker. No [DONE] either.
+                self._state.metrics.requests.labels(endpoint, "moved").inc()
+                for payload in acc.unsent_ids_chunks():
+                    yield event(payload)
+                yield moved_event(moved.reason)
+                return
             except HandedOff as handed:
                 # For the proxy, which asked for it (accept_handoff) and does not relay it: the
                 # stream goes on on another D. No [DONE]: this answer is not whole.

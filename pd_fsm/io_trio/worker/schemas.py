@@ -56,7 +56,8 @@ MAX_BATCH = 64  # prompts in one batched request
 #   nothing;
 # - no effect: cannot change the tokens or the response's shape.
 _COMMON_READ = frozenset({"stream", "rid", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-                          "resume", "return_token_ids", "handoff", "accept_handoff"})
+                          "resume", "return_token_ids", "handoff", "accept_handoff",
+                          "accept_move"})
 _OPENAI_SAMPLING = frozenset({"temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
                               "ignore_eos", "skip_special_tokens", "frequency_penalty",
                               "presence_penalty", "repetition_penalty", "min_tokens", "n",
@@ -208,6 +209,8 @@ class ParsedRequest:
     # (the proxy posts it with ``resume``), and the proxy's leave to end a stream with a ticket.
     handoff: HandoffTicket | None = None
     accept_handoff: bool = False
+    # The proxy's leave to end a stream with a move event (``POST /move_streams``).
+    accept_move: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.handoff is not None and self.resume is None:
@@ -545,6 +548,7 @@ def _common(body: JsonObject, limits: Limits) -> JsonObject:
         "return_token_ids": bool(_bool(body, "return_token_ids")),
         "handoff": _handoff(body),
         "accept_handoff": bool(_bool(body, "accept_handoff")),
+        "accept_move": bool(_bool(body, "accept_move")),
     }
 
 

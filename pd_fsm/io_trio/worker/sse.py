@@ -53,6 +53,28 @@ def handoff_ticket(raw: bytes) -> dict[str, Any] | None:
     return ticket if isinstance(ticket, dict) else None
 
 
+# A stream the worker gave up to another (``POST /move_streams``, a stream the proxy let it move:
+# accept_move) ends with this event instead of [DONE]: the proxy prefills the prompt and the
+# tokens so far on another worker and goes on there. Not ``data:``-only, for the same reason.
+MOVED_EVENT = b"event: pd_fsm.moved\n"
+
+
+def moved_event(reason: str) -> bytes:
+    return MOVED_EVENT + event({"reason": reason})
+
+
+def moved_reason(raw: bytes) -> str | None:
+    """The reason of a move event (one SSE event's bytes), else None."""
+    if not raw.startswith(MOVED_EVENT + b"data: "):
+        return None
+    try:
+        body = json.loads(raw[len(MOVED_EVENT) + len(b"data: "):])
+    except ValueError:
+        return None
+    reason = body.get("reason") if isinstance(body, dict) else None
+    return reason if isinstance(reason, str) else "moved"
+
+
 async def _watch(receive: Receive, scope: trio.CancelScope, gone: list[bool]) -> None:
     while True:
         message = await receive()

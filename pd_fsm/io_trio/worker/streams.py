@@ -12,11 +12,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
+from typing import Protocol, runtime_checkable
 
 import attrs
 import trio
 
-from pd_fsm.io_trio.worker.backend import BackendError, GenerateJob
+from pd_fsm.io_trio.worker.backend import BackendError, GenerateJob, Moved
 from pd_fsm.schedulers.request import FinishReason, RequestOutput
 
 STREAM_CAPACITY = 64  # outputs buffered in a request's channel before its overflow deque
@@ -37,6 +38,7 @@ class Stream:
     # time.monotonic() when the backend took the job: where a PD leg's first phase starts.
     accepted: float = attrs.field(factory=time.monotonic)
     answered: bool = False  # its first item (output, finish or error) was put
+    generated: int = 0  # output tokens put so far (every sequence's)
 
     def put(self, item: Item) -> None:
         self.answered = True
@@ -75,7 +77,7 @@ class StreamTable:
         self._failing: dict[str, BackendError] = {}
         self.woken = trio.Event()  # set when a job, an abort or anything else wants the loop
         self.outcomes: dict[str, int] = {"stop": 0, "length": 0, "abort": 0, "error": 0,
-                                         "handed_off": 0}
+                                         "handed_off": 0, "moved": 0}
         self.prompt_tokens_total = 0
         self.prompts_total = 0  # requests admitted to the scheduler: prompt_tokens_total's count
         self.generated_tokens_total = 0
@@ -146,6 +148,21 @@ class StreamTable:
         self.wake()
         return len(live)
 
+    def move(self, max_context: int, reason: str) -> int:
+        """Give up every running stream that allows it (``accept_move``) and whose prompt and
+        output so far are at most ``max_context`` tokens: each is aborted here, its client
+        answered with a move event (``Moved``) that the proxy continues elsewhere with a
+        prefill of that many tokens. How many."""
+        chosen = [rid for rid, s in self.live.items()
+                  if s.job.accept_move and s.in_scheduler and not s.done
+                  and rid not in self._failing
+                  and len(s.job.input_ids) + s.generated <= max_context]
+        for rid in chosen:
+            self._failing[rid] = Moved(reason)
+            self._aborts.add(rid)
+        self.wake()
+        return len(chosen)
+
     def queued(self) -> int:
         return self._jobs_recv.statistics().current_buffer_used
 
@@ -193,6 +210,7 @@ class StreamTable:
             self.generated_tokens_total += len(out.new_token_ids)
             if stream is None:
                 continue  # the warm-up request, or one already failed
+            stream.generated += len(out.new_token_ids)
             failing = self._failing.get(out.rid) if out.finished else None
             if failing is not None:  # the abort fail_in_flight asked for: its reason instead
                 self.fail(stream, failing)
@@ -227,8 +245,9 @@ class StreamTable:
             self.fail(stream, error)
 
     def fail(self, stream: Stream, error: BackendError) -> None:
-        stream.put(self._failing.pop(stream.job.rid, error))
-        self.finish(stream, "error")
+        error = self._failing.pop(stream.job.rid, error)
+        stream.put(error)
+        self.finish(stream, "moved" if isinstance(error, Moved) else "error")
 
     def finish(self, stream: Stream, outcome: str) -> None:
         # Exactly once per request: the stream leaves the table here and nowhere else.
@@ -239,3 +258,12 @@ class StreamTable:
         # The send side stays open: the last item may still sit in the overflow deque, and the
         # consumer stops by itself at the final output or error.
         self.live.pop(stream.job.rid, None)
+
+
+@runtime_checkable
+class HoldsStreams(Protocol):
+    """A backend whose live requests are a ``StreamTable`` (every real one: colocated, P, D)."""
+
+    mode: str
+    streams: StreamTable
+
