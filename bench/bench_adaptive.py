@@ -29,6 +29,8 @@ left idle while another is measured; bench_placement.py's):
                        ``split``: P and D start split as PD pinned's, and the planner moves
                        them between split and shared cores (``planner --cores``; runs 8-9;
                        runs 1-7 started shared and had no cores lever)
+    variant            (--variant-args ARGS) the adaptive cluster again, its planner given ARGS
+                       too (e.g. ``--no-move-standby``): a rule's A/B within one run
 
 Every placement gets the same schedule (arrival times, prompts, answer lengths), one placement
 after another; the order rotates from repeat to repeat, and each repeat after the first sends
@@ -100,6 +102,10 @@ ADAPTIVE = "adaptive (--planner)"
 # default since RESULTS_placement.md run 12 (runs 1-8 here measured D's pools of two).
 SHARED_D_THREADS = 1
 CONTROL = "adaptive cluster, planner --dry-run (control)"
+# The same cluster with more planner flags (--variant-args): an A/B of a planner rule measured
+# in the same run, interleaved with the others (runs 38-39 of RESULTS_adaptive.md, one after the
+# other, saw colocated alone meet 45 and 72 of 137 on one schedule).
+VARIANT = "adaptive, variant (--variant-args)"
 WORKER_PREFIXES = ("prefill-", "decode-", "colocated")
 
 
@@ -355,7 +361,7 @@ def report(label: str, runs: dict[str, list[list[Result]]], sched: Schedule,
            args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
     """Per-phase and whole-run tables over ``runs`` (placement -> one result list per repeat,
     merged: a phase's seconds times the repeats), and the goal's comparison."""
-    static = [n for n in runs if n not in (ADAPTIVE, CONTROL)]
+    static = [n for n in runs if n not in (ADAPTIVE, CONTROL, VARIANT)]
     reps = len(next(iter(runs.values())))
     lines: list[str] = [f"\n### {label}"]
     out: dict[str, Any] = {"phases": [], "overall": {}}
@@ -521,6 +527,10 @@ def chosen_placements(args: argparse.Namespace) -> dict[str, tuple[list[str], st
         out[CONTROL] = (["--planner", "--prefill", str(n_p), "--decode", str(n_d),
                          *adaptive_flags,
                          "--planner-args", f"{planner_args} --dry-run"], "proxy")
+    if args.variant_args:
+        out[VARIANT] = (["--planner", "--prefill", str(n_p), "--decode", str(n_d),
+                         *adaptive_flags,
+                         "--planner-args", f"{planner_args} {args.variant_args}"], "proxy")
     if args.only:
         out = {k: v for k, v in out.items() if any(s in k for s in args.only)}
     return out
@@ -561,6 +571,9 @@ def main() -> int:
     p.add_argument("--control", action="store_true",
                    help="also measure the adaptive cluster with its planner in --dry-run "
                         "(decides, never acts): the control for the planner's own effect")
+    p.add_argument("--variant-args", default="", metavar="ARGS",
+                   help="also measure the adaptive cluster with these planner flags after "
+                        "--planner-args (e.g. --no-move-standby): a rule's A/B in one run")
     p.add_argument("--num-pages", type=int, default=512, help="KV pages of every worker")
     p.add_argument("--only", nargs="*", default=None, metavar="NAME",
                    help="placements to run (substrings of their names)")

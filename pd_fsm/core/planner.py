@@ -116,7 +116,15 @@ prefill side and its inter-token gap on the decode side.
   take half the requests at half the speed, as in runs 1-2 and 16). A P/D part with a narrow
   D merges no other way (the merge below made the narrow D colocated first in run 16, then its
   P as an orphan: two colocated workers that never split back). The cluster then decodes on the wide
-  worker's threads, as colocated does; the cores lever has no P to place meanwhile. Back: the
+  worker's threads, as colocated does; the cores lever has no P to place meanwhile. With
+  ``move_standby`` (the standby on the colocated worker's cores: ``pd-fsm cluster`` passes it),
+  once that worker serves, the standby gives it its running streams of at most
+  ``heavy_prompt`` tokens so far (``MoveStreams``, once per merge, not held by the cooldown):
+  the proxy prefills each again there. Left on the standby, they cost the colocated worker
+  15-40 % a token for 10-20 s (runs 34 and 37 of bench/RESULTS_adaptive.md: 0 of 9 met there
+  in every pass); one busy thread beside it costs 22 % at nice 10 (``bench_idle_neighbour.py
+  --busy-nice``), so no priority answers it. Longer streams stay: prefilling them again
+  would stall the colocated worker's steps more than their decode beside it. Back: the
   colocated worker over both its targets, its decode side the worse, with prompts of
   ``heavy_prompt`` tokens on average taken in the window (decode steps behind heavy prefills;
   over its ITL target alone its own steps are slow, and the narrow D would be slower; over both

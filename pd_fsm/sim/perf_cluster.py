@@ -26,6 +26,7 @@ import attrs
 
 from pd_fsm.core.planner import (
     Decision,
+    MoveStreams,
     Planner,
     PlannerConfig,
     Role,
@@ -237,6 +238,10 @@ class _Cluster:
             self._maybe_switch(w)
         elif isinstance(d, ScaleUp | ScaleDown):
             pass  # a fixed pool of workers here: the planner runs with max_workers 0
+        elif isinstance(d, MoveStreams):
+            # Never decided here (move_standby off): no worker shares cores in this model, so
+            # a standby's streams slow nobody, and a move would only cost their prefills.
+            pass
 
     def snapshots(self) -> list[WorkerSnapshot]:
         since = self.now - self.config.window

@@ -19,7 +19,10 @@ from typing import Any
 
 import httpx
 import pytest
+import trio
 
+from pd_fsm.core.planner import MoveStreams, Planner, PlannerConfig
+from pd_fsm.io_trio.planner.service import PlannerService
 from tests.integration.failure_support import (
     SLACK,
     Fleet,
@@ -27,6 +30,7 @@ from tests.integration.failure_support import (
     stats,
     stream_acting_midway,
     wait_clean,
+    wait_until,
 )
 from tests.integration.serve_support import PATHS, fetch_answer, request_body, sse_events
 
@@ -69,15 +73,23 @@ async def test_a_moved_stream_goes_on_on_the_colocated_worker_whole(fleet: Fleet
         reference = await fetch_answer(http, str(c.url), "generate", {**body, "stream": False})
         before = await proxy_counts(http, str(proxy))
         c_before = sum((await stats(http, c))["requests_total"].values())
-        moved: list[int] = []
+
+        # The planner's own adapter carries the move out (paused: it decides nothing itself).
+        planner = PlannerService(Planner(PlannerConfig()), workers=[str(d.url)],
+                                 bootstrap_url=None, interval=60.0, paused=True)
+
+        async def moved_on_d() -> bool | None:
+            return True if (await stats(http, d))["requests_total"]["moved"] == 1 else None
 
         async def move() -> bool:
-            r = await http.post(f"{d.url}/move_streams", json={"max_context": 4096})
-            assert r.status_code == 200, r.text
-            moved.append(r.json()["moved"])
-            return moved[-1] == 1
+            # Six events in, the stream runs on d: the move ends it there at d's next tick.
+            assert await planner.act(MoveStreams(str(d.url), 4096, "the test's")) == "moved"
+            return (await wait_until(moved_on_d, SLACK, "d counting the stream moved"))[0]
 
-        raw = await stream_acting_midway(http, f"{proxy}{PATHS['generate']}", body, move)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(planner.run)
+            raw = await stream_acting_midway(http, f"{proxy}{PATHS['generate']}", body, move)
+            nursery.cancel_scope.cancel()
         after = await proxy_counts(http, str(proxy))
         d_stats, c_stats = await stats(http, d), await stats(http, c)
         streams_moved = await _streams(http, str(proxy))

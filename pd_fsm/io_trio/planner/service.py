@@ -165,7 +165,7 @@ class PlannerService:
         self.observations.labels(pressure).inc()
         decisions = self.planner.observe(snapshots, now)
         for decision in decisions:
-            outcome = await self._act(decision)
+            outcome = await self.act(decision)
             to = _target(decision)
             self.decisions.labels(type(decision).__name__, to, pressure, outcome).inc()
             # "at": this process's clock (what cooldowns count in); "wall": for lining decisions
@@ -227,7 +227,9 @@ class PlannerService:
             self.scrapes.labels("failed").inc()
             log.info("scrape of %s failed: %r", url, exc)
 
-    async def _act(self, decision: Decision) -> str:
+    async def act(self, decision: Decision) -> str:
+        """Carry ``decision`` out on its worker (or the launcher): what came of it, the
+        decisions counter's ``outcome`` ("switching", "set", "moved", "refused", ...)."""
         if self.dry_run:
             return "dry_run"
         if isinstance(decision, ScaleUp | ScaleDown):
