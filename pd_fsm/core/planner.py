@@ -117,14 +117,16 @@ prefill side and its inter-token gap on the decode side.
   D merges no other way (the merge below made the narrow D colocated first in run 16, then its
   P as an orphan: two colocated workers that never split back). The cluster then decodes on the wide
   worker's threads, as colocated does; the cores lever has no P to place meanwhile. With
-  ``move_standby`` (the standby on the colocated worker's cores: ``pd-fsm cluster`` passes it),
-  once that worker serves, the standby gives it its running streams of at most
-  ``heavy_prompt`` tokens so far (``MoveStreams``, once per merge, not held by the cooldown):
-  the proxy prefills each again there. Left on the standby, they cost the colocated worker
-  15-40 % a token for 10-20 s (runs 34 and 37 of bench/RESULTS_adaptive.md: 0 of 9 met there
-  in every pass); one busy thread beside it costs 22 % at nice 10 (``bench_idle_neighbour.py
-  --busy-nice``), so no priority answers it. Longer streams stay: prefilling them again
-  would stall the colocated worker's steps more than their decode beside it. Back: the
+  ``move_standby`` (off by default), once that worker serves, the standby gives it its running
+  streams of at most ``heavy_prompt`` tokens so far (``MoveStreams``, once per merge, not held
+  by the cooldown): the proxy prefills each again there. Left on the standby, they cost the
+  colocated worker 15-40 % a token for 10-20 s (runs 34 and 37 of bench/RESULTS_adaptive.md:
+  0 of 9 met there in every pass; one busy thread beside it costs 22 % at nice 10, so no
+  priority answers it) — but moved, their prefills (4-8 streams of 100-200 tokens, in 256-token
+  chunks between the decode steps) cost it more on this 2-core CPU: run 40, interleaved with
+  the same cluster without it, met 112 vs 133 of 274, the short-prompt phases 46 vs 50 and
+  35 vs 51. A move that needs no prefill (the colocated worker pulling the standby's KV, as a
+  D takes a hand-off) is not built. Back: the
   colocated worker over both its targets, its decode side the worse, with prompts of
   ``heavy_prompt`` tokens on average taken in the window (decode steps behind heavy prefills;
   over its ITL target alone its own steps are slow, and the narrow D would be slower; over both

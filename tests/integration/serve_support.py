@@ -226,6 +226,14 @@ def _generate_answer(body: dict[str, Any]) -> Answer:
                   meta["completion_tokens"])
 
 
+def full_length_stream(prompt: str, max_tokens: int) -> dict[str, Any]:
+    """A greedy /generate stream that runs to ``max_tokens`` (``ignore_eos``): long enough to
+    act on mid-stream."""
+    body = request_body("generate", prompt, max_tokens, stream=True)
+    body["sampling_params"]["ignore_eos"] = True
+    return body
+
+
 async def fetch_answer(http: httpx.AsyncClient, base: str, endpoint: str,
                        body: dict[str, Any]) -> Answer:
     """POST ``body`` and fold the (possibly streamed) response into an Answer; any HTTP error

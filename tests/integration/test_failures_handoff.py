@@ -36,7 +36,12 @@ from tests.integration.failure_support import (
     stream_acting_midway,
     wait_clean,
 )
-from tests.integration.serve_support import PATHS, fetch_answer, request_body, sse_events
+from tests.integration.serve_support import (
+    PATHS,
+    fetch_answer,
+    full_length_stream,
+    sse_events,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -60,12 +65,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     f.start()
     yield f
     f.close()
-
-
-def _body() -> dict[str, Any]:
-    body = request_body("generate", PROMPT, MAX_TOKENS, stream=True)
-    body["sampling_params"]["ignore_eos"] = True
-    return body
 
 
 def _whole(raw: bytes, reference: Any) -> None:
@@ -107,7 +106,7 @@ async def _taken_without_a_prefill(http: httpx.AsyncClient, fleet: Fleet,
 
 async def test_a_sigtermed_decode_worker_hands_its_stream_off_without_a_prefill(
         fleet: Fleet) -> None:
-    body = _body()
+    body = full_length_stream(PROMPT, MAX_TOKENS)
     proxy, p = fleet["proxy"], fleet["p"]
     decodes = [fleet["d0"], fleet["d1"]]
     async with httpx.AsyncClient(timeout=60) as http:
@@ -142,7 +141,7 @@ async def test_a_sigtermed_decode_worker_hands_its_stream_off_without_a_prefill(
 
 
 async def test_a_hand_off_that_cannot_be_pulled_falls_back_to_a_migration(fleet: Fleet) -> None:
-    body = _body()
+    body = full_length_stream(PROMPT, MAX_TOKENS)
     proxy, p = fleet["proxy"], fleet["p"]
     decodes = [fleet["d0"], fleet["d1"]]
     async with httpx.AsyncClient(timeout=60) as http:
@@ -183,7 +182,7 @@ async def test_a_decode_worker_switching_role_hands_its_stream_off(fleet: Fleet)
     """Issue 32 §2's other trigger: the streaming D is asked to become a P (both Ds run
     ``--roles decode,prefill``). It hands the stream off as on SIGTERM — the other D pulls the
     KV, no re-prefill — and serves as P once the hand-off is released; then it switches back."""
-    body = _body()
+    body = full_length_stream(PROMPT, MAX_TOKENS)
     proxy, p = fleet["proxy"], fleet["p"]
     decodes = [fleet["d0"], fleet["d1"]]
     async with httpx.AsyncClient(timeout=60) as http:

@@ -46,7 +46,12 @@ from tests.integration.failure_support import (
     wait_healthy,
     wait_routed_as_decode,
 )
-from tests.integration.serve_support import PATHS, fetch_answer, request_body, sse_events
+from tests.integration.serve_support import (
+    PATHS,
+    fetch_answer,
+    full_length_stream,
+    sse_events,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -112,12 +117,6 @@ async def _every_decode_routed(http: httpx.AsyncClient, fleet: Fleet) -> list[Pr
     return decodes
 
 
-def _body() -> dict[str, Any]:
-    body = request_body("generate", PROMPT, MAX_TOKENS, stream=True)
-    body["sampling_params"]["ignore_eos"] = True
-    return body
-
-
 def _whole(raw: bytes, reference: Any) -> None:
     """The client's stream equals the colocated answer: one [DONE], no error event."""
     events = sse_events(raw.decode())
@@ -160,7 +159,7 @@ async def _takers_fail_then_switch(http: httpx.AsyncClient, fleet: Fleet, killed
         return True
 
     raw = await stream_acting_midway(http, f"{fleet['proxy'].url}{PATHS['generate']}",
-                                     _body(), act)
+                                     full_length_stream(PROMPT, MAX_TOKENS), act)
     assert streaming is not None and (len(dead), len(frozen)) == (killed, hung)
     return raw, streaming, dead, frozen
 
@@ -179,7 +178,7 @@ async def test_a_drain_whose_listed_takers_are_down_finishes_the_stream_in_place
     async with httpx.AsyncClient(timeout=60) as http:
         decodes = await _every_decode_routed(http, fleet)
         reference = await fetch_answer(http, str(fleet["colocated"].url), "generate",
-                                       {**_body(), "stream": False})
+                                       {**full_length_stream(PROMPT, MAX_TOKENS), "stream": False})
         before = await _counter(http, str(proxy.url), reopened)
         in_place_before = {d.name: await _counter(http, str(d.url), in_place) for d in decodes}
 
@@ -210,7 +209,7 @@ async def test_a_hand_off_refused_by_a_dead_taker_goes_to_a_live_one(fleet: Flee
     async with httpx.AsyncClient(timeout=60) as http:
         decodes = await _every_decode_routed(http, fleet)
         reference = await fetch_answer(http, str(fleet["colocated"].url), "generate",
-                                       {**_body(), "stream": False})
+                                       {**full_length_stream(PROMPT, MAX_TOKENS), "stream": False})
         before = await proxy_counts(http, str(proxy.url))
         taken_before = {d.name: (await stats(http, d))["handoffs_total"] for d in decodes}
         p_before: dict[str, Any] = {}

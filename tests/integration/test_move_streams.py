@@ -15,7 +15,6 @@ that names the field."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
@@ -32,7 +31,12 @@ from tests.integration.failure_support import (
     wait_clean,
     wait_until,
 )
-from tests.integration.serve_support import PATHS, fetch_answer, request_body, sse_events
+from tests.integration.serve_support import (
+    PATHS,
+    fetch_answer,
+    full_length_stream,
+    sse_events,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -53,12 +57,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     f.close()
 
 
-def _body() -> dict[str, Any]:
-    body = request_body("generate", PROMPT, MAX_TOKENS, stream=True)
-    body["sampling_params"]["ignore_eos"] = True
-    return body
-
-
 async def _streams(http: httpx.AsyncClient, url: str) -> float:
     r = await http.get(f"{url}/metrics")
     line = next(x for x in r.text.splitlines()
@@ -67,7 +65,7 @@ async def _streams(http: httpx.AsyncClient, url: str) -> float:
 
 
 async def test_a_moved_stream_goes_on_on_the_colocated_worker_whole(fleet: Fleet) -> None:
-    body = _body()
+    body = full_length_stream(PROMPT, MAX_TOKENS)
     proxy, d, c = fleet["proxy"].url, fleet["d"], fleet["colocated"]
     async with httpx.AsyncClient(timeout=60) as http:
         reference = await fetch_answer(http, str(c.url), "generate", {**body, "stream": False})
@@ -114,7 +112,7 @@ async def test_a_moved_stream_goes_on_on_the_colocated_worker_whole(fleet: Fleet
 async def test_streams_without_leave_or_too_long_stay_and_bad_bodies_are_refused(
         fleet: Fleet) -> None:
     p, d = fleet["p"], fleet["d"]
-    body = _body()
+    body = full_length_stream(PROMPT, MAX_TOKENS)
     async with httpx.AsyncClient(timeout=60) as http:
         answers: list[int] = []
 

@@ -41,17 +41,20 @@ def _output(rid: str, tokens: int, finish: FinishReason | None = None) -> Reques
 def test_move_gives_up_the_running_streams_that_allow_it_and_are_short_enough() -> None:
     """Each chosen stream is aborted here; its scheduler's final (abort) output reaches its
     client as ``Moved``, counted as "moved", not as an error. Streams without the proxy's
-    leave (``accept_move``), not yet in the scheduler, or longer than ``max_context`` (prompt
-    and output so far) stay."""
+    leave (``accept_move``), not yet in the scheduler or answered, or longer than
+    ``max_context`` (prompt and output so far) stay."""
     table = StreamTable(max_queued=4)
     receivers = {}
     for rid, accept, started in (("a", True, True), ("long", True, True),
-                                 ("plain", False, True), ("queued", True, False)):
+                                 ("plain", False, True), ("queued", True, False),
+                                 ("unanswered", True, True)):
         send, receivers[rid] = trio.open_memory_channel[Item](8)
         job = GenerateJob(rid=rid, input_ids=(1, 2), sampling=SamplingParams(max_new_tokens=9),
                           accept_move=accept)
         table.live[rid] = Stream(job, send, in_scheduler=started)
-    table.fan_out([_output("a", 3), _output("long", 6)])
+    # "unanswered": in the scheduler, no output yet (its HTTP answer has not begun).
+    table.fan_out([_output("a", 3), _output("long", 6), _output("plain", 1),
+                   _output("queued", 1)])
     assert table.move(5, "moved by the test") == 1  # a: 2 + 3 tokens; long: 2 + 6
     assert table.take_aborts() == ["a"]
     assert table.move(5, "again") == 0  # already being moved

@@ -402,7 +402,9 @@ def _planner_child(args: argparse.Namespace, tls: TLS, ports: _Ports, workers: l
         # more threads makes P colocated beside a standby D (bench/RESULTS_adaptive.md: run
         # 15 without it met 35 of 121 to colocated's 73; runs 18-20 with it 68 / 58 / 56 to
         # the best static placement's 67 / 63 / 58). --planner-args=--no-colocate: off.
-        lever += ["--colocate", "--move-standby"]
+        # Not --move-standby: the standby's streams prefilled again on the colocated worker
+        # stalled its steps more than their decode beside it did (run 40: 112 vs 133 of 274).
+        lever += ["--colocate"]
     max_workers = getattr(args, "max_workers", 0)
     if max_workers:
         # The launcher lists every PD worker, those it adds too: the planner observes its list.

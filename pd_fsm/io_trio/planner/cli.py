@@ -109,8 +109,10 @@ def _add_lever_arguments(p: argparse.ArgumentParser, d: PlannerConfig) -> None:
                    help="with --colocate, where the standby D shares its cores with the "
                         "worker made colocated beside it: once that worker serves, the standby "
                         "gives it its running streams of at most --heavy-prompt tokens so far "
-                        "(POST /move_streams; the proxy prefills each again there). pd-fsm "
-                        "cluster --planner passes it with --colocate")
+                        "(POST /move_streams; the proxy prefills each again there). Off by "
+                        "default: on this 2-core CPU those prefills stalled the colocated "
+                        "worker more than the standby's decode beside it did "
+                        "(bench/RESULTS_adaptive.md run 40: 112 vs 133 of 274 met)")
 
 
 def _nices(value: str) -> tuple[int, ...]:

@@ -83,10 +83,12 @@ class HandedOff(BackendError):
 class Moved(BackendError):
     """Not a failure: the planner asked this worker to give its running streams to another
     (``POST /move_streams``: a standby decode worker beside the colocated one it merged into).
-    The stream ends with a move event for the proxy, which re-prefills it elsewhere."""
+    The stream ends with a move event for the proxy, which re-prefills it elsewhere. Only an
+    answered stream is moved; were one raised before the first output, its 503 would send the
+    request to another worker as a refused leg."""
 
     def __init__(self, reason: str) -> None:
-        super().__init__(200, reason)
+        super().__init__(503, reason)
 
 
 class BackendHealth(Protocol):

@@ -373,21 +373,17 @@ class GenerationRoutes:
                     timing.output(out)
                     for payload in acc.chunks(out):
                         yield event(payload)
-            except Moved as moved:
-                # For the proxy, which allowed it (accept_move) and does not relay it: it
-                # prefills the prompt and these tokens on another worker. No [DONE] either.
-                self._state.metrics.requests.labels(endpoint, "moved").inc()
+            except (HandedOff, Moved) as ended:
+                # For the proxy, which asked for it (accept_handoff, accept_move) and does not
+                # relay it: the stream goes on on another worker, from the KV of a hand-off or
+                # by a prefill of these tokens. No [DONE]: this answer is not whole.
+                moved = isinstance(ended, Moved)
+                self._state.metrics.requests.labels(
+                    endpoint, "moved" if moved else "handed_off").inc()
                 for payload in acc.unsent_ids_chunks():
                     yield event(payload)
-                yield moved_event(moved.reason)
-                return
-            except HandedOff as handed:
-                # For the proxy, which asked for it (accept_handoff) and does not relay it: the
-                # stream goes on on another D. No [DONE]: this answer is not whole.
-                self._state.metrics.requests.labels(endpoint, "handed_off").inc()
-                for payload in acc.unsent_ids_chunks():
-                    yield event(payload)
-                yield handoff_event(handed.ticket)
+                yield (handoff_event(ended.ticket) if isinstance(ended, HandedOff)
+                       else moved_event(ended.reason))
                 return
             except BackendError as exc:
                 # Headers are out: say so in a final chunk (sglang: finish_reason abort).

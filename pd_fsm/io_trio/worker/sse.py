@@ -44,13 +44,19 @@ def handoff_event(ticket: HandoffTicket) -> bytes:
 
 def handoff_ticket(raw: bytes) -> dict[str, Any] | None:
     """The ticket of a hand-off event (one SSE event's bytes), else None."""
-    if not raw.startswith(HANDOFF_EVENT + b"data: "):
+    return _named(raw, HANDOFF_EVENT)
+
+
+def _named(raw: bytes, name: bytes) -> dict[str, Any] | None:
+    """The JSON object of one SSE event's bytes that start with the event line ``name``, else
+    None (another event, or no object after it)."""
+    if not raw.startswith(name + b"data: "):
         return None
     try:
-        ticket = json.loads(raw[len(HANDOFF_EVENT) + len(b"data: "):])
+        body = json.loads(raw[len(name) + len(b"data: "):])
     except ValueError:
         return None
-    return ticket if isinstance(ticket, dict) else None
+    return body if isinstance(body, dict) else None
 
 
 # A stream the worker gave up to another (``POST /move_streams``, a stream the proxy let it move:
@@ -65,13 +71,9 @@ def moved_event(reason: str) -> bytes:
 
 def moved_reason(raw: bytes) -> str | None:
     """The reason of a move event (one SSE event's bytes), else None."""
-    if not raw.startswith(MOVED_EVENT + b"data: "):
+    if not raw.startswith(MOVED_EVENT):
         return None
-    try:
-        body = json.loads(raw[len(MOVED_EVENT) + len(b"data: "):])
-    except ValueError:
-        return None
-    reason = body.get("reason") if isinstance(body, dict) else None
+    reason = (_named(raw, MOVED_EVENT) or {}).get("reason")
     return reason if isinstance(reason, str) else "moved"
 
 
