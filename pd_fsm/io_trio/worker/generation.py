@@ -377,13 +377,14 @@ class GenerationRoutes:
                 # For the proxy, which asked for it (accept_handoff, accept_move) and does not
                 # relay it: the stream goes on on another worker, from the KV of a hand-off or
                 # by a prefill of these tokens. No [DONE]: this answer is not whole.
-                moved = isinstance(ended, Moved)
-                self._state.metrics.requests.labels(
-                    endpoint, "moved" if moved else "handed_off").inc()
+                if isinstance(ended, HandedOff):
+                    outcome, last = "handed_off", handoff_event(ended.ticket)
+                else:
+                    outcome, last = "moved", moved_event(ended.reason)
+                self._state.metrics.requests.labels(endpoint, outcome).inc()
                 for payload in acc.unsent_ids_chunks():
                     yield event(payload)
-                yield (handoff_event(ended.ticket) if isinstance(ended, HandedOff)
-                       else moved_event(ended.reason))
+                yield last
                 return
             except BackendError as exc:
                 # Headers are out: say so in a final chunk (sglang: finish_reason abort).
