@@ -32,7 +32,9 @@ doubling of the starved side's pressure past ``headroom`` unless the other side 
 target too (a P starved 14x its target moved one step per cooldown in a first try: too slow for
 a phase of a minute). Only a P already at the end of the steps leaves the decision to the role
 moves below. A priority change quiets the planner for ``nice_cooldown`` seconds, not
-``cooldown``: nothing drains, only the window's histograms need to show the effect. (Measured on
+``cooldown``: nothing drains, only the window's histograms need to show the effect (so the wide
+merge on light prompts below, which reads the prompts P takes, is not held by it:
+``merge_in_nice_cooldown``). (Measured on
 this 2-core machine with P fixed at nice +10 beside D at -5: in a long-prompt phase TTFT p50
 4.2 s with ITL p50 62 ms, P starved; in a short-prompt phase ITL p50 111 ms, over its target:
 bench/RESULTS_adaptive.md, run 2.)
@@ -108,7 +110,12 @@ prefill side and its inter-token gap on the decode side.
   (its pressure over ``idle_below``): a short-prompt phase has begun, and waiting for the miss
   cost 7-23 s of each such phase (runs 23 and 26); what P still holds of the last phase's long
   prompts drains on it meanwhile, the new short prompts going to D alone (waiting for that
-  backlog to clear cost 11.7 s of run 32's last phase); never while P takes heavy prompts (a
+  backlog to clear cost 11.7 s of run 32's last phase), nor for the quiet of a priority or
+  cores change (it counts its ``patience`` through that quiet: the priority lever raised P
+  12-18 s before every last-phase merge of runs 34, 37 and 39: five came 9.4-11.7 s into the
+  phase and met 23-29 of 40, the one whose quiet had ended 4.9 s in and met 34 — colocated
+  30-39);
+  never while P takes heavy prompts (a
   long-prompt phase goes on, where P/D is the mode the way back below chooses: a D over its
   target there is slowed by P's prefills on the cores they share, which the priority lever
   answers) — and the D stays in its
@@ -227,6 +234,10 @@ class PlannerConfig:
     # merge is done, the standby gives its running streams of at most ``heavy_prompt`` tokens
     # so far to the colocated worker (``MoveStreams``; see the module's docstring).
     move_standby: bool = False
+    # The wide merge on light prompts is not held by a priority or cores change's quiet
+    # (``nice_cooldown``): its evidence is the prompts P takes, not the window's latencies
+    # that quiet waits on (see the module's docstring).
+    merge_in_nice_cooldown: bool = True
 
     @split_above.validator
     def _band(self, _field: object, value: float) -> None:
@@ -310,6 +321,9 @@ class Planner:
         self.config = config
         self._run: tuple[Pressure, int] = ("balanced", 0)
         self._quiet_until = -math.inf
+        self._quiet_calm = False  # the quiet is a priority or cores change's (nice_cooldown)
+        # Observations in a row, within such a quiet, that the light-prompt merge held.
+        self._light_run = 0
         # A mode's pressure when the planner last left it, and when (colocate only).
         self._left: dict[Mode | Placement, tuple[float, float]] = {}
         self._split_at = -math.inf
@@ -365,18 +379,27 @@ class Planner:
         # Not held by the merge's cooldown: the switch it waits for is that decision's effect.
         moves, self._merging = _standby_moves(self._merging, snapshots, self.config)
         self.decisions.extend((now, d) for d in moves)
-        if now < self._quiet_until:  # the last decision's effect is not in the figures yet
-            return moves
-        if not self.config.colocate:  # colocated workers are not the planner's to move
+        c = self.config
+        if not c.colocate:  # colocated workers are not the planner's to move
             snapshots = [s for s in snapshots if s.role != "null"]
-        decisions = self._misplaced(snapshots) if len(self.config.cores) >= 2 else []
-        if not decisions and self.config.colocate:
+        decisions: list[Decision] = []
+        if now < self._quiet_until:  # the last decision's effect is not in the figures yet
+            if not (self._quiet_calm and c.colocate and c.merge_in_nice_cooldown):
+                return moves
+            light = self._wide_merge(self.classify(snapshots), snapshots, now, light_only=True)
+            self._light_run = self._light_run + 1 if light else 0
+            if self._light_run < c.patience:
+                return moves
+            decisions = light
+        if not decisions and len(c.cores) >= 2:
+            decisions = self._misplaced(snapshots)
+        if not decisions and c.colocate:
             decisions = self._orphans(snapshots)
         if not decisions:
             pressure = self.classify(snapshots)
             kind, count = self._run
             self._run = (pressure, count + 1 if kind == pressure else 1)
-            if self._run[1] < self.config.patience:
+            if self._run[1] < c.patience:
                 return moves
             decisions = self._decide(pressure, snapshots, now)
         # Never every serving worker draining at once: the cluster would serve nothing for a
@@ -389,8 +412,9 @@ class Planner:
         if not decisions:
             return moves
         self.decisions.extend((now, d) for d in decisions)
-        self._quiet_until = now + (self.config.nice_cooldown if calm else self.config.cooldown)
-        self._run = ("balanced", 0)
+        self._quiet_until = now + (c.nice_cooldown if calm else c.cooldown)
+        self._quiet_calm = calm
+        self._run, self._light_run = ("balanced", 0), 0
         return moves + decisions
 
     # -- colocate -----------------------------------------------------------------------------
@@ -443,7 +467,7 @@ class Planner:
         pairs = min(sum(s.role == "prefill" for s in pd), sum(s.role == "decode" for s in pd))
         # Only _wide_merge's way with a narrow D; none with a side missing (a standby D beside
         # colocated workers, or orphans: _orphans' to decide).
-        if self._narrow_decode(pd) or not pairs:
+        if _narrow_decode(pd) or not pairs:
             return None
         donor: Role = "decode" if p_load >= d_load else "prefill"
         # An idle donor side merges too: a move would fix this phase, but it is a bet that the
@@ -464,10 +488,10 @@ class Planner:
                 for r in (donor, "prefill" if donor == "decode" else "decode")
                 for s in sorted((s for s in pd if s.role == r), key=_load)[:k]]
 
-    def _wide_merge(self, pressure: Pressure, snapshots: Sequence[WorkerSnapshot], now: float
-                    ) -> list[Decision]:
+    def _wide_merge(self, pressure: Pressure, snapshots: Sequence[WorkerSnapshot], now: float,
+                    *, light_only: bool = False) -> list[Decision]:
         """A narrow D over its target: the widest P colocated, D a standby (the module's
-        docstring); [] when that does not apply."""
+        docstring); [] when that does not apply (``light_only``: unless on light prompts)."""
         c = self.config
         pd = [s for s in snapshots if not s.switching and s.role != "null"]
         prefills = [s for s in pd if s.role == "prefill"]
@@ -493,6 +517,8 @@ class Planner:
         # merged so 55 s into a long-prompt phase, P raised to D's priority, D's pressure
         # 0.97, and split back 84 s later).
         heavy = any(t >= c.heavy_prompt for t in taken)
+        if light_only and not light:
+            return []
         # Both sides over, with P holding no backlog now: P's side is the TTFTs of a phase
         # gone by (run 19's second phase served 15 s of short prompts on the narrow D so).
         if pressure != own or heavy or not (own == "decode_bound" or light or (
@@ -502,7 +528,7 @@ class Planner:
         # says nothing of light ones.
         held = None if light else self._recalled("colocated", now)
         wide = _widest(prefills)
-        narrow = self._narrow_decode(pd)
+        narrow = _narrow_decode(pd)
         if not narrow or wide is None or (held is not None and d_load <= held):
             return []
         self._left["pd"] = (max(p_load, d_load), now)
@@ -614,7 +640,7 @@ class Planner:
             to, why = "shared", f"{why}: P over its target, D mostly idle: P and D share cores"
         else:
             if (pressure == "decode_bound" and not self._p_above_floor(live)
-                    and not (c.colocate and self._narrow_decode(live))):
+                    and not (c.colocate and _narrow_decode(live))):
                 # (A narrow D gains no thread from a split: colocate merges it instead.)
                 why = f"{why}: D over its target beside P: P and D split the cores"
             elif p_load > c.headroom and busy > c.split_above and any(
@@ -632,16 +658,6 @@ class Planner:
         self.placement = to
         return [SetCpus(s.worker, want, why) for s in live
                 if s.cpus != (want := self._cores_of(s.role, to))]
-
-    @staticmethod
-    def _narrow_decode(live: Sequence[WorkerSnapshot]) -> int:
-        """The threads of every D's XLA pools where all of them are narrower than some P's
-        (the narrow D of the module's docstring); 0 otherwise, or where any is not known."""
-        wide = _widest([s for s in live if s.role == "prefill"])
-        ds = [s for s in live if s.role == "decode"]
-        if not ds or not all(_narrower(s, wide) for s in ds):
-            return 0
-        return max(s.pool_threads or 0 for s in ds)
 
     def _p_above_floor(self, live: Sequence[WorkerSnapshot]) -> bool:
         """Some P above the lowest of ``prefill_nices``: a D over its target beside it is
@@ -784,6 +800,16 @@ def _standby_moves(merging: tuple[str, tuple[str, ...]] | None,
         for name in standbys if (s := by_name.get(name)) is not None
         and s.role == "decode" and not s.switching and s.running > 0]
     return moves, None
+
+
+def _narrow_decode(live: Sequence[WorkerSnapshot]) -> int:
+    """The threads of every D's XLA pools where all of them are narrower than some P's (the
+    narrow D of the module's docstring); 0 otherwise, or where any is not known."""
+    wide = _widest([s for s in live if s.role == "prefill"])
+    ds = [s for s in live if s.role == "decode"]
+    if not ds or not all(_narrower(s, wide) for s in ds):
+        return 0
+    return max(s.pool_threads or 0 for s in ds)
 
 
 def _listed(cpus: frozenset[int] | None) -> str:

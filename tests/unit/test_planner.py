@@ -556,6 +556,50 @@ def test_light_prompts_beside_a_busy_narrow_decode_merge_before_it_misses() -> N
     assert isinstance(again, SwitchRole) and again.to == "null" and "did" not in again.reason
 
 
+def test_light_prompts_merge_through_a_priority_changes_quiet() -> None:
+    """The priority lever raised P 12-18 s before every last-phase merge of runs 34, 37 and 39
+    (bench/RESULTS_adaptive.md); held by its quiet, those merges came 9.4-11.7 s into the
+    short-prompt phase. The merge on light prompts reads the prompts P takes, not the latencies
+    that quiet waits for: it counts its patience through it. Not a merge on D's latencies, not
+    within a role switch's cooldown, not with ``merge_in_nice_cooldown`` off."""
+    config = PlannerConfig(patience=2, cooldown=30.0, nice_cooldown=10.0, colocate=True,
+                           recall=30.0, prefill_nices=(10, 0, -5))
+
+    def pd(prompts: float, itl: float = 0.06) -> list[WorkerSnapshot]:
+        return [WorkerSnapshot("p0", "prefill", ttft_p90=3.0, pool_threads=2, nice=10,
+                               prompt_tokens=prompts),
+                WorkerSnapshot("d0", "decode", itl_p90=itl, running=2, pool_threads=1)]
+
+    def raised(planner: Planner) -> None:
+        assert planner.observe(pd(600.0), 0.0) == []
+        (up,) = planner.observe(pd(600.0), 1.0)  # P starved on long prompts: priority up
+        assert isinstance(up, SetNice) and up.nice == 0
+
+    planner = Planner(config)
+    raised(planner)
+    assert planner.observe(pd(40.0), 2.0) == []  # patience: one observation so far
+    (merge,) = planner.observe(pd(40.0), 3.0)  # within the quiet (until 11.0)
+    assert isinstance(merge, SwitchRole) and (merge.worker, merge.to) == ("p0", "null")
+    assert "P took prompts of 40 tokens at most" in merge.reason
+    assert planner.observe(pd(40.0), 5.0) == []  # the merge's own cooldown holds everything
+    # In a row: a window of heavy prompts between two light ones starts the count again.
+    broken = Planner(config)
+    raised(broken)
+    assert broken.observe(pd(40.0), 2.0) == [] and broken.observe(pd(600.0), 3.0) == []
+    assert broken.observe(pd(40.0), 4.0) == []
+    assert len(broken.observe(pd(40.0), 5.0)) == 1
+    # D over its target on long prompts: that is what the quiet waits on.
+    slow = Planner(config)
+    raised(slow)
+    assert slow.observe(pd(600.0, itl=0.3), 2.0) == [] and slow.observe(pd(600.0, 0.3), 3.0) == []
+    # Off: the quiet holds the merge as before, which comes once it ended (and patience).
+    held = Planner(attrs.evolve(config, merge_in_nice_cooldown=False))
+    raised(held)
+    assert [held.observe(pd(40.0), t) for t in (2.0, 3.0, 11.0)] == [[], [], []]
+    (late,) = held.observe(pd(40.0), 12.0)
+    assert isinstance(late, SwitchRole) and late.to == "null"
+
+
 def test_the_standby_gives_its_streams_to_the_colocated_worker_once_it_serves() -> None:
     """``move_standby``: after a wide merge, once the worker made colocated serves (not while
     it drains, nor during the merge's cooldown), the standby D's running streams of at most

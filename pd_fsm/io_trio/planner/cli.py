@@ -113,6 +113,12 @@ def _add_lever_arguments(p: argparse.ArgumentParser, d: PlannerConfig) -> None:
                         "default: on this 2-core CPU those prefills stalled the colocated "
                         "worker more than the standby's decode beside it did "
                         "(bench/RESULTS_adaptive.md run 40: 112 vs 133 of 274 met)")
+    p.add_argument("--merge-in-nice-cooldown", action=argparse.BooleanOptionalAction,
+                   default=d.merge_in_nice_cooldown,
+                   help="with --colocate: the merge of a P beside a narrow D on light prompts "
+                        "(see --heavy-prompt) is not held by --nice-cooldown, the quiet after "
+                        "a priority or cores change: it reads the prompts P takes, not the "
+                        "latencies that quiet waits for (default on)")
 
 
 def _nices(value: str) -> tuple[int, ...]:
@@ -157,7 +163,8 @@ def service_from_args(args: argparse.Namespace) -> PlannerService:
                            nice_cooldown=args.nice_cooldown, max_workers=args.max_workers,
                            min_workers=args.min_workers, cores=args.cores,
                            share_below=args.share_below, split_above=args.split_above,
-                           heavy_prompt=args.heavy_prompt, move_standby=args.move_standby)
+                           heavy_prompt=args.heavy_prompt, move_standby=args.move_standby,
+                           merge_in_nice_cooldown=args.merge_in_nice_cooldown)
     key = api_key_from_args(args, "worker-")
     return PlannerService(Planner(config), workers=args.worker,
                           bootstrap_url=args.bootstrap_url, interval=args.interval,
