@@ -92,8 +92,8 @@ def _one_layer(x: jax.Array, layer: Params, positions: jax.Array, dtype: Any,
     q = (h @ layer["wq"]).reshape(1, t, nh, d)
     k = (h @ layer["wk"]).reshape(1, t, nkv, d)
     v = (h @ layer["wv"]).reshape(1, t, nkv, d)
-    q = rope(q, positions, config.rope_theta)[0]
-    k = kv_encode(rope(k, positions, config.rope_theta), dtype)[0]
+    q = rope(q, positions, config)[0]
+    k = kv_encode(rope(k, positions, config), dtype)[0]
     v = kv_encode(v, dtype)[0]
     entry = jnp.stack([k, v], axis=2).reshape(t, 2 * nkv, d)
     qf = q.reshape(t, nkv, g, d).astype(jnp.float32) * d**-0.5

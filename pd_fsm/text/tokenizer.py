@@ -132,13 +132,13 @@ class HFTokenizer:
 
 
 class CharTokenizer:
-    """Id ``i`` <-> ``chr(i)`` for ``i < vocab_size <= 256``; ``eos`` decodes to nothing."""
+    """Id ``i`` <-> ``chr(i)`` for ``i < 256``; ``eos`` decodes to nothing. A vocabulary past
+    256 (a dummy model's, ``model/dummy.py``) encodes text as Latin-1 all the same and decodes
+    its other ids as their code points (U+FFFD where that is no character)."""
 
     def __init__(
         self, vocab_size: int = 256, eos_token_id: int = 0, chat_template: str = CHATML_TEMPLATE
     ) -> None:
-        if vocab_size > 256:
-            raise ValueError("CharTokenizer covers Latin-1 only (vocab_size <= 256)")
         self._vocab = vocab_size
         self._eos = frozenset({eos_token_id})
         # ChatML through the same Jinja path as real checkpoints, so the tiny model tests it.
@@ -159,7 +159,8 @@ class CharTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(
-            chr(i) for i in ids if not (skip_special_tokens and i in self._eos)
+            chr(i) if i < 0xD800 else "\ufffd" for i in ids
+            if not (skip_special_tokens and i in self._eos)
         )
 
     def apply_chat_template(

@@ -142,5 +142,34 @@ def test_unsupported_checkpoints_fail_clearly(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match="model_type"):
         config_from_hf({"model_type": "gpt2"})
-    with pytest.raises(ValueError, match="rope_scaling"):
-        config_from_hf({"model_type": "llama", "rope_scaling": {"rope_type": "llama3"}})
+    with pytest.raises(ValueError, match="rotary scaling"):
+        config_from_hf({"model_type": "llama", "rope_scaling": {"rope_type": "yarn"}})
+
+
+def test_llama3_rotary_scaling_divides_the_low_frequencies_only() -> None:
+    """Llama 3.2's scaling (factor 32, bands at 8192 / 1 and 8192 / 4 tokens of wavelength):
+    the fast rotations stay, the slow ones are divided by the factor, the band between lies
+    between the two."""
+    import math
+
+    import numpy as np
+
+    from pd_fsm.jax_engine.model.hf_loader import config_from_hf
+
+    raw = {"model_type": "llama", "vocab_size": 8, "hidden_size": 128, "intermediate_size": 8,
+           "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+           "rope_theta": 500000.0,
+           "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    cfg = config_from_hf(raw)
+    assert cfg.rope_scaling == (32.0, 1.0, 4.0, 8192)
+    plain = 1.0 / (500000.0 ** (np.arange(0, 64, 2) / 64))
+    scaled = np.asarray(cfg.rope_frequencies(), np.float64)
+    wavelen = 2 * math.pi / plain
+    fast, slow = wavelen < 8192 / 4, wavelen > 8192
+    np.testing.assert_allclose(scaled[fast], plain[fast], rtol=1e-6)
+    np.testing.assert_allclose(scaled[slow], plain[slow] / 32, rtol=1e-6)
+    mid = ~fast & ~slow
+    assert mid.any()
+    assert np.all(scaled[mid] <= plain[mid] * (1 + 1e-6))
+    assert np.all(scaled[mid] >= plain[mid] / 32 * (1 - 1e-6))

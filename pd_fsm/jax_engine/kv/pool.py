@@ -2,11 +2,15 @@
 
 Layout (one array per layer), close to sgl-jax / tpu-inference:
 
-    kv[layer].shape == (num_pages, page_size, 2 * num_kv_heads, head_dim)
+    kv[layer].shape == (num_pages, page_size, 2 * num_kv_heads, head_dim)    # heads (the CPU's)
+    kv[layer].shape == (num_pages, page_size, 2 * num_kv_heads * head_dim)    # lanes (a TPU's)
 
-K and V are interleaved along axis 2: K of kv-head ``h`` at ``2*h``, V at ``2*h + 1``. Page-major
-order makes a request's KV a gather along axis 0 and keeps every page one contiguous block, which
-is what the transfer path moves.
+K and V are interleaved: K of kv-head ``h`` at ``2*h``, V at ``2*h + 1`` (in the lanes layout,
+lanes ``[2hD, 2hD + D)`` and the ``D`` after). The two layouts hold the same bytes in the same
+order; they differ where an array's minor axes are tiled, as on a TPU (16 x 128 for bf16), where
+only the lanes layout keeps a page dense for any head count and for head_dim 64. Page-major order
+makes a request's KV a gather along axis 0 and keeps every page one contiguous block, which is
+what the transfer path moves.
 
 Page 0 is reserved as the *null page*: padded token positions (prompt lengths rounded up to a
 bucket, padded batch rows, padded page lists) write there and read from there, so jitted code
@@ -33,6 +37,9 @@ class KVPoolConfig:
     num_kv_heads: int
     head_dim: int
     dtype: str = "float32"  # what the KV is: float32 or bfloat16
+    lanes: bool = False  # the lanes layout (above); False: the heads layout
+    # bf16 KV kept as its bits in uint16 (``storage_dtype``); a TPU keeps bf16 itself.
+    bf16_bits: bool = True
 
     @property
     def storage_dtype(self) -> str:
@@ -41,14 +48,16 @@ class KVPoolConfig:
         place for uint16, measured here), which made a bf16 pool's decode step 4.6x and its
         scatter 30x slower; integer updates stay in place. ``forward.kv_encode`` /
         ``kv_decode`` convert at the two ends (round to nearest even, and a shift)."""
-        return "uint16" if self.dtype == "bfloat16" else self.dtype
+        return "uint16" if self.dtype == "bfloat16" and self.bf16_bits else self.dtype
 
     @property
-    def page_shape(self) -> tuple[int, int, int]:
+    def page_shape(self) -> tuple[int, ...]:
+        if self.lanes:
+            return (self.page_size, 2 * self.num_kv_heads * self.head_dim)
         return (self.page_size, 2 * self.num_kv_heads, self.head_dim)
 
     @property
-    def layer_shape(self) -> tuple[int, int, int, int]:
+    def layer_shape(self) -> tuple[int, ...]:
         return (self.num_pages, *self.page_shape)
 
     @property

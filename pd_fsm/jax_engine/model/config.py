@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from pd_fsm.jax_engine.kv.pool import KVPoolConfig
 
@@ -32,12 +37,33 @@ class ModelConfig:
     # A tuple whatever it is read from: the weight cache's JSON gives a list, which would make
     # the config unhashable (it is a static jit argument).
     sparse_layers: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    # Llama 3's rotary scaling ("rope_type": "llama3"): factor, low_freq_factor,
+    # high_freq_factor, original_max_position_embeddings. None: the plain rotation.
+    rope_scaling: tuple[float, float, float, int] | None = attrs.field(
+        default=None, converter=lambda v: None if v is None else tuple(v))
 
     def __attrs_post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads (grouped-query)")
         if self.head_dim % 2:
             raise ValueError("head_dim must be even (rotary embedding rotates pairs)")
+
+    def rope_frequencies(self) -> jax.Array:
+        """The rotation's ``head_dim / 2`` inverse frequencies (f32). With Llama 3's scaling,
+        as transformers applies it: wavelengths longer than the original context over the
+        low-frequency factor divided by ``factor``, those shorter than it over the high one
+        kept, the band between interpolated."""
+        d = self.head_dim
+        if self.rope_scaling is None:
+            return 1.0 / (self.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+        inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+        factor, low, high, original = self.rope_scaling
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > original / low, inv / factor, inv)
+        smooth = (original / wavelen - low) / (high - low)
+        mid = (wavelen >= original / high) & (wavelen <= original / low)
+        return jnp.asarray(np.where(mid, (1 - smooth) * scaled / factor + smooth * scaled,
+                                    scaled), jnp.float32)
 
     @property
     def group_size(self) -> int:

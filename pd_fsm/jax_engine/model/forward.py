@@ -70,11 +70,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return normed.astype(x.dtype) * weight
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotate-half rotary embedding. ``x``: ``[B, T, heads, D]``, ``positions``: ``[B, T]``."""
+def rope(x: jax.Array, positions: jax.Array, config: ModelConfig) -> jax.Array:
+    """Rotate-half rotary embedding at ``config``'s frequencies. ``x``: ``[B, T, heads, D]``,
+    ``positions``: ``[B, T]``."""
     d = x.shape[-1]
     half = d // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    inv_freq = config.rope_frequencies()
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, half]
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]
@@ -84,7 +85,7 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def _project(h: jax.Array, layer: Params, w: str, b: str) -> jax.Array:
+def project(h: jax.Array, layer: Params, w: str, b: str) -> jax.Array:
     y = h @ layer[w]
     return y + layer[b] if b in layer else y
 
@@ -217,15 +218,15 @@ def _layer(
     batch, t = positions.shape
     nh, nkv, d, g = config.num_heads, config.num_kv_heads, config.head_dim, config.group_size
     h = rms_norm(x, layer["attn_norm"], config.rms_eps)
-    q = _project(h, layer, "wq", "bq").reshape(batch, t, nh, d)
-    k = _project(h, layer, "wk", "bk").reshape(batch, t, nkv, d)
-    v = _project(h, layer, "wv", "bv").reshape(batch, t, nkv, d)
+    q = project(h, layer, "wq", "bq").reshape(batch, t, nh, d)
+    k = project(h, layer, "wk", "bk").reshape(batch, t, nkv, d)
+    v = project(h, layer, "wv", "bv").reshape(batch, t, nkv, d)
     if "q_norm" in layer:  # Qwen3: each head's q and k normalised before the rotation
         q = rms_norm(q, layer["q_norm"], config.rms_eps)
         k = rms_norm(k, layer["k_norm"], config.rms_eps)
-    q = rope(q, positions, config.rope_theta)
+    q = rope(q, positions, config)
     # As the pool keeps them, so that a token attends to itself as later tokens will.
-    k = kv_encode(rope(k, positions, config.rope_theta), pool.dtype)
+    k = kv_encode(rope(k, positions, config), pool.dtype)
     v = kv_encode(v, pool.dtype)
     entry = jnp.stack([k, v], axis=3).reshape(batch * t, 2 * nkv, d)
 
@@ -234,11 +235,11 @@ def _layer(
 
     h = rms_norm(x, layer["mlp_norm"], config.rms_eps)
     if "router" in layer:
-        return x + _experts(h, layer, config), entry
+        return x + experts(h, layer, config), entry
     return x + (jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])) @ layer["w_down"], entry
 
 
-def _experts(h: jax.Array, layer: Params, config: ModelConfig) -> jax.Array:
+def experts(h: jax.Array, layer: Params, config: ModelConfig) -> jax.Array:
     """A mixture-of-experts MLP (Qwen3-MoE): the router's softmax (in f32) over the experts,
     each token's ``experts_per_token`` best, weighted. Every expert runs on every token and the
     others get weight 0: exact, and E times the MLP's work — right for the small models this

@@ -61,12 +61,16 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r}; known: {SUPPORTED_MODEL_TYPES}")
-    if cfg.get("rope_scaling"):
-        raise ValueError(f"rope_scaling {cfg['rope_scaling']!r} is not implemented")
-    # transformers 5 writes the rotation's settings as rope_parameters (4.x: rope_theta).
-    rope = cfg.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"rope_parameters {rope!r}: only the default rotation is implemented")
+    # transformers 5 writes the rotation's settings as rope_parameters (4.x: rope_theta and
+    # rope_scaling).
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise ValueError(f"rotary scaling {rope!r}: only the default rotation and Llama 3's "
+                         "are implemented")
+    scaling = None if kind == "default" else (
+        float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+        int(rope["original_max_position_embeddings"]))
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     return ModelConfig(
@@ -78,6 +82,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads),
         rope_theta=float(theta),
+        rope_scaling=scaling,
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position=_context(cfg),

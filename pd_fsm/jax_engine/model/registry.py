@@ -15,6 +15,8 @@ from pd_fsm.jax_engine.model.params import random_params_np, to_device
 from pd_fsm.text.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 
 MODEL_NAMES = ("smollm2", "tiny")
+# How weights are loaded: from the model's files, or random at its shape (``dummy.py``).
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @attrs.frozen(eq=False)
@@ -101,19 +103,49 @@ def _hf_chat_template(path: Path, tok_cfg: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def load_dummy(name: str, dtype: str, seed: int = 0) -> LoadedModel:
+    """Random weights at ``name``'s shape (a shape in ``configs/``, SmolLM2's, or a checkpoint
+    directory's ``config.json``), a byte tokenizer."""
+    from pd_fsm.jax_engine.model.config import SMOLLM2_135M
+    from pd_fsm.jax_engine.model.dummy import dummy_params, shape_config
+
+    if name in ("smollm2", "tiny"):
+        config = SMOLLM2_135M if name == "smollm2" else TINY
+        eos = 0
+    else:
+        config, raw = shape_config(name)
+        eos_id = raw.get("eos_token_id", 0)
+        eos = int(eos_id[0] if isinstance(eos_id, list) else eos_id)
+    config = attrs.evolve(config, dtype=dtype)
+    return LoadedModel(f"{name} (dummy weights)", config, dummy_params(config, dtype, seed),
+                       CharTokenizer(config.vocab_size, eos_token_id=eos))
+
+
 @functools.cache
-def load_model(name: str, dtype: str = "float32", seed: int = 0) -> LoadedModel:
+def load_model(name: str, dtype: str = "float32", seed: int = 0,
+               load_format: str = "auto") -> LoadedModel:
     """The named model, memoised: schedulers in one process share one copy of the weights.
 
     ``name`` is ``"smollm2"``, ``"tiny"`` (random weights from ``seed``) or the path of a local HF
-    Llama / Qwen2 checkpoint directory.
+    Llama / Qwen2 checkpoint directory; with ``load_format="dummy"`` also a shape of
+    ``configs/`` (``dummy.SHAPE_NAMES``), with random weights at its shape.
     """
+    if load_format == "dummy":
+        return load_dummy(name, dtype, seed)
+    if load_format != "auto":
+        raise ValueError(f"unknown load format {load_format!r}; known: {', '.join(LOAD_FORMATS)}")
     if name == "smollm2":
         return load_smollm2(dtype)
     if name == "tiny":
         return load_tiny(seed, dtype)
     if Path(name).is_dir():
         return load_hf(name, dtype)
+    from pd_fsm.jax_engine.model.dummy import SHAPE_NAMES
+
+    if name in SHAPE_NAMES:
+        raise ValueError(f"model {name!r} is a shape without weights here: pass "
+                         "--load-format dummy for random weights at its shape")
     raise ValueError(
         f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)} or an HF checkpoint directory"
+        f" (with --load-format dummy also {', '.join(SHAPE_NAMES)})"
     )

@@ -30,15 +30,19 @@ def _allowed(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     return jnp.where(allowed == 1, logits, -jnp.inf)
 
 
-@jax.jit
-def _greedy(logits: jax.Array, bitmask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    tokens = jnp.argmax(_allowed(logits, bitmask), axis=-1).astype(jnp.int32)
+def greedy_tokens(logits: jax.Array, bitmask: jax.Array | None
+                  ) -> tuple[jax.Array, jax.Array]:
+    """Each row's most likely token (among those its bitmask allows) and its raw log-prob."""
+    allowed = logits if bitmask is None else _allowed(logits, bitmask)
+    tokens = jnp.argmax(allowed, axis=-1).astype(jnp.int32)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
 
-@jax.jit
-def _sample(
+_greedy = jax.jit(greedy_tokens)
+
+
+def sample_tokens(
     logits: jax.Array,
     temperature: jax.Array,
     top_k: jax.Array,
@@ -50,7 +54,7 @@ def _sample(
     vocab = logits.shape[-1]
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     allowed = _allowed(logits, bitmask)
-    greedy_tokens = jnp.argmax(allowed, axis=-1).astype(jnp.int32)
+    argmax_tokens = jnp.argmax(allowed, axis=-1).astype(jnp.int32)
 
     is_greedy = temperature <= 0.0
     scaled = allowed / jnp.where(is_greedy, 1.0, temperature)[:, None]
@@ -66,8 +70,11 @@ def _sample(
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(seeds, steps)
     picked = jax.vmap(jax.random.categorical)(keys, masked)
     sampled = jnp.take_along_axis(order, picked[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    tokens = jnp.where(is_greedy, greedy_tokens, sampled)
+    tokens = jnp.where(is_greedy, argmax_tokens, sampled)
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+
+
+_sample = jax.jit(sample_tokens)
 
 
 @attrs.frozen

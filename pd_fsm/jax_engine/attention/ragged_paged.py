@@ -1,0 +1,304 @@
+"""Ragged paged attention: a Pallas TPU kernel of pd_fsm's own, for one layer of a step.
+
+A step's new tokens are the concatenation of its sequences' (``q_lens[s]`` tokens of sequence
+``s``; a decode row feeds one, a prefill chunk many). Sequence ``s`` attends over ``kv_lens[s]``
+tokens of context — its cached ones and its new ones, whose K/V the step has already written
+into the pool — read from the pages ``page_table[s]`` lists, causally: its ``k``-th new token sits
+at position ``kv_lens[s] - q_lens[s] + k`` and sees keys at positions up to its own.
+
+The pool is the lanes layout (``KVPoolConfig.lanes``): per layer ``(pages, page_size,
+2 * Nkv * D)``, each token's K of kv-head ``h`` at lanes ``[2hD, 2hD + D)`` and its V right after.
+Those are the same bytes as the heads layout ``(pages, page_size, 2 * Nkv, D)``; on a TPU, where an
+array's two minor axes are tiled (16 x 128 for bf16), only this one keeps a page dense in HBM for
+any head count and for head_dim 64 (the heads layout pads ``2 * Nkv`` to 16 rows and ``D`` to 128
+lanes per token).
+
+How the kernel runs: the queries are cut into blocks of ``block_q`` tokens of one sequence each
+(a *work item*), laid out kv-head-major so that a kv-head's block is a plain ``[G * block_q, W]``
+matrix (G query heads per kv-head). The grid walks the items in order; each item loops over its
+sequence's pages ``block_pages`` at a time, DMA'd from HBM into one of two VMEM buffers while the
+other is computed on (the next item's first block is fetched during the current item's last), and
+keeps an online softmax per kv-head. Only pages holding context are fetched. With ``D`` a multiple
+of 128, K and V are lane-aligned slices of a page; with ``D == 64`` a kv-head's ``[K | V]`` is one
+128-lane slot, so the query is padded with 64 zero lanes (``q . [K | V] == q . K``) and the output
+is the slot's upper half (``p @ [K | V] == [p @ K | p @ V]``): twice the matrix work of an
+aligned head, none of the unaligned lane slicing Mosaic cannot do.
+
+JAX ships a ragged paged attention kernel too (``jax.experimental.pallas.ops.tpu.
+ragged_paged_attention``, the heads layout); it refuses head counts that do not tile (SmolLM2's 3
+kv-heads) and head_dim 64, and it does not run in Pallas's TPU interpret mode, which is how the
+CPU suite runs this one.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+# Finite, so that a row whose block holds no visible key keeps a finite running maximum (the
+# first block of every row holds position 0, which every query sees).
+_MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
+_LANES = 128
+
+
+def slot_width(head_dim: int) -> int:
+    """The lanes one kv-head's query block and output take in the kernel (``W``)."""
+    if head_dim % _LANES == 0:
+        return head_dim
+    if 2 * head_dim == _LANES:
+        return _LANES
+    raise ValueError(f"head_dim {head_dim}: the kernel takes multiples of 128, or 64")
+
+
+def rows_multiple(dtype: Any) -> int:
+    """The sublane multiple a VMEM block's second-minor axis needs in ``dtype``."""
+    return 8 * (4 // jnp.dtype(dtype).itemsize)
+
+
+def decode_block_q(group: int, dtype: Any) -> int:
+    """The smallest power-of-two query block (at least 8) whose ``G * block_q`` rows tile."""
+    block_q = 8
+    while (block_q * group) % rows_multiple(dtype):
+        block_q *= 2
+    return block_q
+
+
+def max_items(tokens: int, seqs: int, block_q: int) -> int:
+    """How many work items ``tokens`` new tokens over ``seqs`` sequences can need at most."""
+    return -(-tokens // block_q) + seqs
+
+
+def _items(q_lens: jax.Array, n_items: int, block_q: int
+           ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Each work item's sequence and first query (within the sequence's new tokens), the number
+    of real items, and each sequence's first item."""
+    blocks = (q_lens + block_q - 1) // block_q
+    end = jnp.cumsum(blocks)
+    start = end - blocks
+    item = jnp.arange(n_items, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(end, item, side="right"), q_lens.shape[0] - 1)
+    q0 = (item - start[seq]) * block_q
+    return seq.astype(jnp.int32), q0.astype(jnp.int32), end[-1:].astype(jnp.int32), start
+
+
+def _kernel(
+    # scalar prefetch (SMEM)
+    item_seq_ref: Any, item_q0_ref: Any, q_lens_ref: Any, kv_lens_ref: Any, table_ref: Any,
+    n_items_ref: Any,
+    # inputs
+    q_ref: Any,  # VMEM [Nkv, G * BQ, W]: this item's queries, row g * BQ + t
+    pool_ref: Any,  # HBM [pages, page_size, 2 * Nkv * D]
+    # output
+    o_ref: Any,  # VMEM [Nkv, G * BQ, W]
+    # scratch
+    buf_ref: Any,  # VMEM [2, BP, page_size, 2 * Nkv * D]
+    sem_ref: Any,  # DMA semaphores [2]
+    slot_ref: Any,  # SMEM [1]: the buffer the current item's first block is fetched into
+    m_ref: Any, l_ref: Any,  # VMEM [Nkv, G * BQ, 128] f32: running max and denominator
+    acc_ref: Any,  # VMEM [Nkv, G * BQ, W] f32
+    *,
+    nkv: int, head_dim: int, block_q: int, block_pages: int, pages_per_seq: int, scale: float,
+) -> None:
+    page_size = buf_ref.shape[2]
+    rows = q_ref.shape[1]
+    width = q_ref.shape[2]
+    paired = width != head_dim
+    block_tokens = block_pages * page_size
+    i = pl.program_id(0)
+    n_items = n_items_ref[0]
+
+    def span(item: Any) -> tuple[Any, Any, Any, Any, Any]:
+        """An item's sequence, first query, the sequence's new and context lengths, and the
+        keys its queries see (positions below the block's last query's, and its own)."""
+        seq = item_seq_ref[item]
+        q0 = item_q0_ref[item]
+        q_len = q_lens_ref[seq]
+        kv_len = kv_lens_ref[seq]
+        return seq, q0, q_len, kv_len, kv_len - q_len + jnp.minimum(q0 + block_q, q_len)
+
+    def pages(kv_end: Any) -> Any:
+        return (kv_end + page_size - 1) // page_size
+
+    def copies(seq: Any, n_pages: Any, block: Any, slot: Any) -> list[tuple[Any, Any]]:
+        out = []
+        for p in range(block_pages):
+            j = block * block_pages + p
+            page = table_ref[seq * pages_per_seq + jnp.minimum(j, pages_per_seq - 1)]
+            copy = pltpu.make_async_copy(pool_ref.at[page], buf_ref.at[slot, p], sem_ref.at[slot])
+            out.append((j < n_pages, copy))
+        return out
+
+    def start(seq: Any, n_pages: Any, block: Any, slot: Any) -> None:
+        for needed, copy in copies(seq, n_pages, block, slot):
+            pl.when(needed)(copy.start)
+
+    def wait(seq: Any, n_pages: Any, block: Any, slot: Any) -> None:
+        for needed, copy in copies(seq, n_pages, block, slot):
+            pl.when(needed)(copy.wait)
+
+    @pl.when(jnp.logical_and(i == 0, n_items > 0))
+    def _first_fetch() -> None:
+        seq, _, _, _, kv_end = span(0)
+        slot_ref[0] = 0
+        start(seq, pages(kv_end), 0, 0)
+
+    @pl.when(i < n_items)
+    def _item() -> None:
+        seq, q0, q_len, kv_len, kv_end = span(i)
+        n_pages = pages(kv_end)
+        n_blocks = (n_pages + block_pages - 1) // block_pages
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        # Row g * BQ + t of the item's block holds its query t. Masks are built at full shape:
+        # Mosaic lays out [n, 1] columns poorly.
+        t = jax.lax.broadcasted_iota(jnp.int32, (rows, block_tokens), 0) & (block_q - 1)
+        q_pos = kv_len - q_len + q0 + t
+        key = jax.lax.broadcasted_iota(jnp.int32, (rows, block_tokens), 1)
+        held_key = jax.lax.broadcasted_iota(jnp.int32, (block_tokens, width), 0)
+
+        def body(block: Any, slot: Any) -> Any:
+            nxt = 1 - slot
+
+            @pl.when(block + 1 < n_blocks)
+            def _prefetch_own() -> None:
+                start(seq, n_pages, block + 1, nxt)
+
+            @pl.when(jnp.logical_and(block + 1 == n_blocks, i + 1 < n_items))
+            def _prefetch_next_item() -> None:
+                next_seq, _, _, _, next_end = span(i + 1)
+                start(next_seq, pages(next_end), 0, nxt)
+
+            wait(seq, n_pages, block, slot)
+            first = block * block_tokens
+            k_pos = first + key
+            visible = jnp.logical_and(k_pos <= q_pos, k_pos < kv_len)  # [rows, keys]
+            # Pages no query of the item sees are not fetched: their slots hold stale or
+            # never-written VMEM, which must not reach the sums (0 * NaN is NaN).
+            held = first + held_key < kv_end
+            for h in range(nkv):
+                lane = 2 * h * head_dim
+                if paired:
+                    kv = buf_ref[slot, :, :, pl.ds(lane, width)].reshape(block_tokens, width)
+                    k = v = kv
+                else:
+                    k = buf_ref[slot, :, :, pl.ds(lane, width)].reshape(block_tokens, width)
+                    v = buf_ref[slot, :, :, pl.ds(lane + head_dim, width)].reshape(
+                        block_tokens, width)
+                v = jnp.where(held, v, jnp.zeros_like(v))
+                q = q_ref[h].astype(k.dtype)
+                s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                        preferred_element_type=jnp.float32) * scale
+                s = jnp.where(visible, s, _MASK)
+                m_cur = jnp.max(s, axis=1, keepdims=True)
+                p = jnp.exp(s - m_cur)
+                l_cur = jnp.broadcast_to(jnp.sum(p, axis=1, keepdims=True), (rows, _LANES))
+                m_cur = jnp.broadcast_to(m_cur, (rows, _LANES))
+                pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+                m_prev = m_ref[h]
+                m_next = jnp.maximum(m_prev, m_cur)
+                alpha = jnp.exp(m_prev - m_next)
+                beta = jnp.exp(m_cur - m_next)
+                l_ref[h] = alpha * l_ref[h] + beta * l_cur
+                m_ref[h] = m_next
+                acc_ref[h] = _lanes(alpha, width) * acc_ref[h] + _lanes(beta, width) * pv
+            return nxt
+
+        slot_ref[0] = jax.lax.fori_loop(0, n_blocks, body, slot_ref[0])
+        for h in range(nkv):
+            o_ref[h] = (acc_ref[h] / _lanes(l_ref[h], width)).astype(o_ref.dtype)
+
+
+def _lanes(x: Any, width: int) -> Any:
+    """A ``[rows, 128]`` lane-replicated column as ``[rows, width]``."""
+    if width == _LANES:
+        return x
+    return jnp.concatenate([x] * (width // _LANES), axis=1)
+
+
+def _kv_heads(pool: jax.Array, head_dim: int) -> int:
+    return pool.shape[2] // (2 * head_dim)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("block_q", "block_pages", "interpret", "vmem_limit_bytes"))
+def ragged_paged_attention(
+    q: jax.Array,
+    pool: jax.Array,
+    q_lens: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    *,
+    block_q: int,
+    block_pages: int,
+    interpret: bool = False,
+    vmem_limit_bytes: int = 64 * 1024 * 1024,
+) -> jax.Array:
+    """Attention of ``q [T, Nh, D]`` (the step's new tokens, sequence after sequence; tokens past
+    ``sum(q_lens)`` are padding) over the pool, as the module docstring says; ``[T, Nh, D]`` in
+    ``q``'s dtype. ``q_lens``, ``kv_lens``: ``[S]`` (padding sequences have ``q_lens == 0``);
+    ``page_table``: ``[S, P]``. ``block_q`` must be a power of two whose ``G * block_q`` rows tile
+    (``decode_block_q``); ``block_pages`` pages are fetched at a time."""
+    tokens, nh, head_dim = q.shape
+    nkv = _kv_heads(pool, head_dim)
+    group = nh // nkv
+    seqs, pages_per_seq = page_table.shape
+    width = slot_width(head_dim)
+    if block_q & (block_q - 1) or (group * block_q) % rows_multiple(q.dtype):
+        raise ValueError(f"block_q {block_q} does not tile {group} query heads per kv-head")
+    n_items = max_items(tokens, seqs, block_q)
+    item_seq, item_q0, n_real, seq_first_item = _items(q_lens, n_items, block_q)
+
+    # Padded row r (item r // BQ, query t = r % BQ) takes the query of token cu[seq] + q0 + t.
+    cu = jnp.cumsum(q_lens) - q_lens
+    r = jnp.arange(n_items * block_q, dtype=jnp.int32)
+    src = cu[item_seq[r // block_q]] + item_q0[r // block_q] + (r & (block_q - 1))
+    q_w = q if width == head_dim else jnp.pad(q, ((0, 0), (0, 0), (0, width - head_dim)))
+    q_pad = q_w[jnp.clip(src, 0, tokens - 1)]
+    q_items = (q_pad.reshape(n_items, block_q, nkv, group, width)
+               .transpose(2, 0, 3, 1, 4).reshape(nkv, n_items * group * block_q, width))
+
+    rows = group * block_q
+    block = pl.BlockSpec((nkv, rows, width), lambda i, *_: (0, i, 0))
+    kernel = functools.partial(
+        _kernel, nkv=nkv, head_dim=head_dim, block_q=block_q, block_pages=block_pages,
+        pages_per_seq=pages_per_seq, scale=head_dim**-0.5)
+    page_size = pool.shape[1]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=6,
+        grid=(n_items,),
+        in_specs=[block, pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=block,
+        scratch_shapes=[
+            pltpu.VMEM((2, block_pages, page_size, pool.shape[2]), pool.dtype),
+            pltpu.SemaphoreType.DMA((2,)),
+            pltpu.SMEM((1,), jnp.int32),
+            pltpu.VMEM((nkv, rows, _LANES), jnp.float32),
+            pltpu.VMEM((nkv, rows, _LANES), jnp.float32),
+            pltpu.VMEM((nkv, rows, width), jnp.float32),
+        ],
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(q_items.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",), vmem_limit_bytes=vmem_limit_bytes),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="pd_fsm_ragged_paged_attention",
+    )(item_seq, item_q0, q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
+      page_table.reshape(-1).astype(jnp.int32), n_real, q_items, pool)
+
+    # Back to token order: token k of sequence s sits at row (first item of s) * BQ + k.
+    out_rows = (out.reshape(nkv, n_items, group, block_q, width)
+                .transpose(1, 3, 0, 2, 4).reshape(n_items * block_q, nh, width))
+    token = jnp.arange(tokens, dtype=jnp.int32)
+    ends = jnp.cumsum(q_lens)
+    seq = jnp.minimum(jnp.searchsorted(ends, token, side="right"), seqs - 1)
+    row = seq_first_item[seq] * block_q + token - cu[seq]
+    return out_rows[jnp.clip(row, 0, n_items * block_q - 1), :, width - head_dim:]

@@ -1,0 +1,157 @@
+"""One step as one jitted program: a ragged batch's forward, the KV write, the head and the
+sampling, the pool donated and updated in place; what comes back is the sampled tokens.
+
+A step feeds ``q_lens[s]`` new tokens of each sequence ``s`` (a decode row one, a prefill chunk
+many), concatenated in ``tokens``; sequence ``s`` has ``kv_lens[s]`` tokens of context once they
+are in (so its new tokens sit at positions ``kv_lens[s] - q_lens[s] ...``) in the pages
+``page_table[s]`` lists. Each layer writes its new K/V into the pool (the lanes layout,
+``KVPoolConfig.lanes``) and then attends with the ragged paged attention kernel, which reads
+them back from there. The head runs on each sequence's last new token only.
+
+This is the accelerator's step (``step/backend.py``): on a TPU every jitted call and host round
+trip costs far more than the work of a small step (about 9 ms a step for the chain of ~34 calls
+``model/forward.py`` runs), so everything a step does is one program. The layers are unrolled in
+it: the pool is one array per layer, which a scan over stacked layers could not carry without
+copying it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, Literal
+
+import attrs
+import jax
+import jax.numpy as jnp
+
+from pd_fsm.jax_engine.attention.ragged_paged import decode_block_q, ragged_paged_attention
+from pd_fsm.jax_engine.attention.reference import (
+    ragged_attention_reference,
+    token_sequences,
+)
+from pd_fsm.jax_engine.kv.pool import NULL_PAGE
+from pd_fsm.jax_engine.model.config import ModelConfig
+from pd_fsm.jax_engine.model.forward import KV, Params, experts, project, rms_norm, rope
+from pd_fsm.jax_engine.sampling.sampler import greedy_tokens, sample_tokens
+
+# What a step returns: the sampled tokens and their log-probs ("greedy": argmax; "sample":
+# temperature, top-k, top-p, seeds and a grammar bitmask per row), or the last tokens' logits
+# ("logits": for what is still chosen on the host — penalties, top log-probs).
+Sampler = Literal["greedy", "sample", "logits"]
+# How attention runs: the Pallas kernel compiled for the chip, the same kernel in Pallas's TPU
+# interpret mode (CPU tests), or the XLA reference.
+Attention = Literal["pallas", "interpret", "reference"]
+
+PREFILL_BLOCK_Q = 128
+# Pages each kernel iteration fetches: 512 tokens a block at page size 16.
+BLOCK_TOKENS = 512
+
+
+@attrs.frozen
+class StepShape:
+    """The static part of a step: what one compiled program takes."""
+
+    tokens: int  # new tokens, padded
+    seqs: int  # sequences, padded
+    sampler: Sampler = "greedy"
+
+    @property
+    def decode_only(self) -> bool:
+        return self.tokens == self.seqs
+
+
+@attrs.frozen
+class StepOptions:
+    """How a step program is built for a model on a backend (static for jit)."""
+
+    config: ModelConfig
+    attention: Attention = "pallas"
+    block_q: int = 0  # 0: decode_block_q for one-token rows, PREFILL_BLOCK_Q otherwise
+    block_pages: int = 0  # 0: BLOCK_TOKENS' worth of pages
+
+
+def attention_fn(options: StepOptions, shape_tokens: int, shape_seqs: int, page_size: int,
+                 dtype: Any) -> Callable[..., jax.Array]:
+    """The attention a program of this shape calls, its block sizes fixed."""
+    if options.attention == "reference":
+        return ragged_attention_reference
+    group = options.config.group_size
+    block_q = options.block_q or (
+        decode_block_q(group, dtype) if shape_tokens == shape_seqs
+        else max(PREFILL_BLOCK_Q, decode_block_q(group, dtype)))
+    block_pages = options.block_pages or max(1, BLOCK_TOKENS // page_size)
+    return functools.partial(ragged_paged_attention, block_q=block_q, block_pages=block_pages,
+                             interpret=options.attention == "interpret")
+
+
+def _layer(x: jax.Array, layer: Params, pool: jax.Array, positions: jax.Array,
+           write_page: jax.Array, write_off: jax.Array, attend: Callable[[jax.Array, jax.Array],
+                                                                         jax.Array],
+           config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    tokens = x.shape[0]
+    nh, nkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+    h = rms_norm(x, layer["attn_norm"], config.rms_eps)
+    q = project(h, layer, "wq", "bq").reshape(1, tokens, nh, d)
+    k = project(h, layer, "wk", "bk").reshape(1, tokens, nkv, d)
+    v = project(h, layer, "wv", "bv").reshape(tokens, nkv, d)
+    if "q_norm" in layer:
+        q = rms_norm(q, layer["q_norm"], config.rms_eps)
+        k = rms_norm(k, layer["k_norm"], config.rms_eps)
+    q = rope(q, positions[None], config)[0]
+    k = rope(k, positions[None], config)[0]
+    entry = jnp.stack([k, v], axis=2).reshape(tokens, -1).astype(pool.dtype)
+    pool = pool.at[write_page, write_off].set(entry)
+    attn = attend(q, pool)
+    x = x + attn.reshape(tokens, nh * d).astype(x.dtype) @ layer["wo"]
+    h = rms_norm(x, layer["mlp_norm"], config.rms_eps)
+    if "router" in layer:
+        return x + experts(h, layer, config), pool
+    return x + (jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])) @ layer["w_down"], pool
+
+
+@functools.partial(jax.jit, static_argnames=("options", "sampler"), donate_argnames=("kv",))
+def step(
+    params: Params,
+    kv: KV,
+    tokens: jax.Array,
+    q_lens: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    sampling: dict[str, jax.Array],
+    *,
+    options: StepOptions,
+    sampler: Sampler,
+) -> tuple[tuple[jax.Array, ...], KV]:
+    """One step (module docstring). ``sampling``: for "sample", the rows' ``temperature``,
+    ``top_k``, ``top_p``, ``seeds``, ``steps`` and ``bitmask``; else empty. Returns
+    ``(tokens [S], logprobs [S])`` or ``(logits [S, V],)``, and the pool."""
+    config = options.config
+    n_tokens, n_seqs = tokens.shape[0], q_lens.shape[0]
+    page_size = kv[0].shape[1]
+    seq, k = token_sequences(q_lens, n_tokens)
+    real = jnp.arange(n_tokens) < jnp.sum(q_lens)
+    positions = jnp.where(real, kv_lens[seq] - q_lens[seq] + k, 0)
+    slot = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
+    write_page = jnp.where(real, page_table[seq, slot], NULL_PAGE)
+    write_off = jnp.where(real, positions % page_size, 0)
+    attention = attention_fn(options, n_tokens, n_seqs, page_size, kv[0].dtype)
+
+    def attend(q: jax.Array, pool: jax.Array) -> jax.Array:
+        return attention(q, pool, q_lens, kv_lens, page_table)
+
+    x = params["embed"][tokens]
+    new_kv = []
+    for layer, pool in zip(params["layers"], kv, strict=True):
+        x, pool = _layer(x, layer, pool, positions, write_page, write_off, attend, config)
+        new_kv.append(pool)
+    last = jnp.clip(jnp.cumsum(q_lens) - 1, 0, n_tokens - 1)
+    h = rms_norm(x[last], params["final_norm"], config.rms_eps)
+    head = params["embed"].T if config.tie_embeddings else params["lm_head"]
+    logits = (h @ head).astype(jnp.float32)
+    if sampler == "logits":
+        return (logits,), new_kv
+    if sampler == "greedy":
+        return greedy_tokens(logits, None), new_kv
+    return sample_tokens(logits, sampling["temperature"], sampling["top_k"], sampling["top_p"],
+                         sampling["seeds"], sampling["steps"], sampling["bitmask"]), new_kv
