@@ -53,6 +53,7 @@ from pd_fsm.jax_engine.kv.pool import allocate_kv_pool
 from pd_fsm.jax_engine.model import forward
 from pd_fsm.jax_engine.model.config import SMOLLM2_135M, ModelConfig
 from pd_fsm.jax_engine.model.dummy import dummy_params, param_bytes, shape_config
+from pd_fsm.jax_engine.model.params import fuse_projections
 from pd_fsm.jax_engine.sampling.sampler import _greedy
 from pd_fsm.jax_engine.step.program import StepOptions, step
 
@@ -113,23 +114,83 @@ class Fused:
     arrays built and uploaded per step, the sampled tokens read back."""
 
     def __init__(self, config: ModelConfig, params: dict[str, Any], pages: int,
-                 attention: str) -> None:
-        self.config, self.params = config, params
+                 options: StepOptions) -> None:
+        self.config, self.params, self.options = config, params, options
         pool = config.kv_pool_config(pages, PAGE)
         self.pool_config = attrs.evolve(pool, lanes=True, bf16_bits=False)
         self.kv = allocate_kv_pool(self.pool_config)
-        self.options = StepOptions(config, attention=attention)  # type: ignore[arg-type]
-        self.host_seconds: list[float] = []
+        # Per run: uploading the arrays, dispatching the program, waiting for the tokens.
+        self.laps: list[tuple[float, float, float]] = []
 
     def run(self, tokens: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray,
             table: np.ndarray) -> np.ndarray:
         start = time.perf_counter()
         args = (jnp.asarray(tokens), jnp.asarray(q_lens), jnp.asarray(kv_lens),
                 jnp.asarray(table))
+        uploaded = time.perf_counter()
         (sampled, _), self.kv = step(self.params, self.kv, *args, {}, options=self.options,
                                      sampler="greedy")
-        self.host_seconds.append(time.perf_counter() - start)
-        return np.asarray(sampled)
+        dispatched = time.perf_counter()
+        out = np.asarray(sampled)
+        self.laps.append((uploaded - start, dispatched - uploaded,
+                          time.perf_counter() - dispatched))
+        return out
+
+    def overlapped(self, tokens: np.ndarray, kv_lens: np.ndarray, table: np.ndarray,
+                   steps: int) -> float:
+        """Seconds a decode step takes when step N+1 is dispatched before step N's tokens are
+        read (its input is step N's sampled tokens, still on the device), as an overlapping
+        scheduler runs: the host's work hides behind the device's."""
+        q = jnp.ones(len(tokens), jnp.int32)
+        lens, pages = jnp.asarray(kv_lens), jnp.asarray(table)
+        current = jnp.asarray(tokens)
+        previous = None
+        start = time.perf_counter()
+        for _ in range(steps):
+            (current, _), self.kv = step(self.params, self.kv, current, q, lens, pages, {},
+                                         options=self.options, sampler="greedy")
+            if previous is not None:
+                np.asarray(previous)
+            previous = current
+        np.asarray(previous)
+        return (time.perf_counter() - start) / steps
+
+
+def profile(label: str, run: Callable[[], Any], out_dir: Path | None, steps: int = 5) -> None:
+    """Trace ``steps`` runs and emit the device's time per operation (the top ones), what the
+    host spent in dispatch, and each step's span on the device."""
+    import gzip
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run()
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            for _ in range(steps):
+                run()
+        traces = list(Path(tmp).rglob("perfetto_trace.json.gz"))
+        if not traces:
+            emit(profile=label, error="no perfetto trace written")
+            return
+        raw = traces[0].read_bytes()
+        if out_dir is not None:
+            (out_dir / f"trace_{label}.json.gz").write_bytes(raw)
+    doc = json.loads(gzip.decompress(raw))
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    names = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    per: dict[tuple[str, str], list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e:
+            where = names.get(e["pid"], str(e["pid"]))
+            per.setdefault((where, e["name"]), []).append(float(e["dur"]))
+    device = {k: v for k, v in per.items() if "TPU" in k[0] or "/device" in k[0]}
+    top = sorted(device.items(), key=lambda kv: -sum(kv[1]))[:30]
+    emit(profile=label, steps=steps, processes=sorted(set(names.values())),
+         device_us_per_step=sum(sum(v) for v in device.values()) / steps,
+         top_device=[(k[0][-12:], k[1][:80], len(v) // steps, round(sum(v) / steps, 1))
+                     for k, v in top],
+         host=[(k[1][:60], len(v) // steps, round(sum(v) / steps, 1)) for k, v in
+               sorted(per.items(), key=lambda kv: -sum(kv[1])) if k not in device][:15])
 
 
 def page_table(rows: int, ctx: int, pages: int, rng: np.random.Generator) -> np.ndarray:
@@ -158,7 +219,8 @@ def bench_shape(name: str, args: argparse.Namespace) -> None:
          kv_heads=config.num_kv_heads, head_dim=config.head_dim)
     attention = "interpret" if jax.default_backend() == "cpu" and args.interpret else (
         "reference" if jax.default_backend() == "cpu" else "pallas")
-    fused = Fused(config, params, pages, attention)
+    options = StepOptions(config, attention=attention)  # type: ignore[arg-type]
+    fused = Fused(config, params, pages, options)
     rng = np.random.default_rng(0)
     width = -(-max(args.contexts) // PAGE)
 
@@ -170,15 +232,25 @@ def bench_shape(name: str, args: argparse.Namespace) -> None:
             q_lens = np.ones(rows, np.int32)
             kv_lens = np.full(rows, ctx, np.int32)
             try:
-                fused.host_seconds.clear()
+                fused.laps.clear()
                 first, med = timed(lambda t=table, k=kv_lens, q=q_lens, x=tokens:
                                    fused.run(x, q, k, t), args.repeats)
-                host = statistics.median(fused.host_seconds[2:])
+                upload, dispatch, wait = (statistics.median(lap[i] for lap in fused.laps[2:])
+                                          for i in range(3))
                 floor = (weights + rows * ctx * kv_token_bytes(config, itemsize)) / (
                     args.hbm_gbps * 1e9)
+                overlap = fused.overlapped(tokens, kv_lens, table, max(args.repeats, 10))
                 emit(shape=name, path="fused", step="decode", rows=rows, ctx=ctx,
                      ms=med * 1e3, first_s=first, floor_ms=floor * 1e3,
-                     of_floor=floor / med, host_ms=host * 1e3)
+                     of_floor=floor / med, upload_ms=upload * 1e3, dispatch_ms=dispatch * 1e3,
+                     wait_ms=wait * 1e3, overlapped_ms=overlap * 1e3,
+                     overlapped_of_floor=floor / overlap)
+                if (rows, ctx) in args.profile_at:
+                    profile(f"{name}-decode-{rows}x{ctx}", lambda t=table, k=kv_lens, q=q_lens,
+                            x=tokens: fused.run(x, q, k, t), args.trace_dir)
+                for variant in args.variants if (rows, ctx) in args.variants_at else ():
+                    bench_variant(name, config, params, fused, variant, rows, ctx, tokens,
+                                  kv_lens, table, floor, args)
             except Exception as exc:
                 emit(shape=name, path="fused", step="decode", rows=rows, ctx=ctx,
                      error=f"{type(exc).__name__}: {exc}"[:2000])
@@ -188,12 +260,16 @@ def bench_shape(name: str, args: argparse.Namespace) -> None:
         table[0, : -(-n // PAGE)] = np.arange(1, 1 + -(-n // PAGE))
         tokens = rng.integers(1, config.vocab_size, n).astype(np.int32)
         try:
-            first, med = timed(lambda t=table, x=tokens, m=n: fused.run(
-                x, np.array([m], np.int32), np.array([m], np.int32), t), args.repeats)
+            def prefill(t: np.ndarray = table, x: np.ndarray = tokens, m: int = n) -> Any:
+                return fused.run(x, np.array([m], np.int32), np.array([m], np.int32), t)
+
+            first, med = timed(prefill, args.repeats)
             flops = prefill_flops(config, params, n)
             emit(shape=name, path="fused", step="prefill", tokens=n, ms=med * 1e3,
                  first_s=first, mfu=flops / med / (args.peak_tflops * 1e12),
                  tokens_per_s=n / med)
+            if n in args.profile_prefill:
+                profile(f"{name}-prefill-{n}", prefill, args.trace_dir)
         except Exception as exc:
             emit(shape=name, path="fused", step="prefill", tokens=n,
                  error=f"{type(exc).__name__}: {exc}"[:2000])
@@ -217,6 +293,35 @@ def bench_shape(name: str, args: argparse.Namespace) -> None:
 
     if name in args.chain_shapes:
         bench_chain(name, config, params, weights, args, rng)
+
+
+def bench_variant(name: str, config: ModelConfig, params: dict[str, Any], base: Fused,
+                  variant: str, rows: int, ctx: int, tokens: np.ndarray, kv_lens: np.ndarray,
+                  table: np.ndarray, floor: float, args: argparse.Namespace) -> None:
+    """The same decode step built another way, on the base's pool: ``unroll_dma`` (the
+    kernel's page DMAs unrolled), ``fused_proj`` (q/k/v and gate/up as one product each),
+    ``block_pages=N``."""
+    options, weights = base.options, params
+    if variant == "unroll_dma":
+        options = attrs.evolve(options, unroll_dma=True)
+    elif variant == "fused_proj":
+        weights = fuse_projections(params)
+    elif variant.startswith("block_pages="):
+        options = attrs.evolve(options, block_pages=int(variant.split("=")[1]))
+    run = Fused.__new__(Fused)
+    run.config, run.params, run.options, run.kv, run.laps = config, weights, options, base.kv, []
+    q_lens = np.ones(rows, np.int32)
+    try:
+        first, med = timed(lambda: run.run(tokens, q_lens, kv_lens, table), args.repeats)
+        emit(shape=name, path="fused", variant=variant, step="decode", rows=rows, ctx=ctx,
+             ms=med * 1e3, first_s=first, of_floor=floor / med)
+    except Exception as exc:
+        emit(shape=name, path="fused", variant=variant, step="decode", rows=rows, ctx=ctx,
+             error=f"{type(exc).__name__}: {exc}"[:2000])
+    finally:
+        base.kv = run.kv
+        if weights is not params:
+            del weights
 
 
 def bench_chain(name: str, config: ModelConfig, params: dict[str, Any], weights: int,
@@ -251,6 +356,108 @@ def bench_chain(name: str, config: ModelConfig, params: dict[str, Any], weights:
                  first_s=first, floor_ms=floor * 1e3, of_floor=floor / med)
         except Exception as exc:
             emit(shape=name, path="chain", step="decode", rows=rows, error=str(exc)[:2000])
+
+
+def bench_scheduler(name: str, args: argparse.Namespace) -> None:
+    """``Scheduler.step`` end to end: a closed loop of ``--loop-requests`` requests of
+    ``--loop-in`` random tokens in and ``--loop-out`` out (greedy, EOS ignored), all admitted at
+    once. The loop runs twice with the same lengths; the second is timed (the first compiles
+    each shape it meets). Floor: its decode steps' reads and its prefills' FLOPs at the chip's
+    rates, on the schedule it ran."""
+    from pd_fsm.jax_engine.sampling.params import SamplingParams
+    from pd_fsm.schedulers.args import SchedulerArgs
+    from pd_fsm.schedulers.scheduler import Scheduler
+
+    n, t_in, t_out = args.loop_requests, args.loop_in, args.loop_out
+    context = t_in + t_out + PAGE
+    dtype = "float32" if args.cpu_f32 else "bfloat16"
+    sched = Scheduler(SchedulerArgs(
+        model=name, load_format="dummy", dtype=dtype, num_pages=1 + n * -(-context // PAGE),
+        page_size=PAGE, max_running=n, max_batched_tokens=t_in, context_length=context))
+    rng = np.random.default_rng(2)
+    config = sched.config
+    itemsize = jnp.dtype(dtype).itemsize
+
+    def loop(tag: str) -> tuple[float, int, int]:
+        for i in range(n):
+            ids = rng.integers(1, config.vocab_size, t_in).tolist()
+            sched.add_request(sched.make_request(f"{tag}{i}", ids, SamplingParams(
+                max_new_tokens=t_out, ignore_eos=True, temperature=0.0)))
+        start = time.perf_counter()
+        steps = tokens = 0
+        while sched.has_work():
+            tokens += sum(len(o.new_token_ids) for o in sched.step())
+            steps += 1
+        return time.perf_counter() - start, steps, tokens
+
+    try:
+        first, _, _ = loop("warm")
+        seconds, steps, tokens = loop("run")
+        weights = decode_weight_bytes(sched.runner.params, config)
+        # Decode steps read the weights once each and every running row's context; a row's
+        # context grows from t_in to t_in + t_out.
+        kv = n * sum(t_in + k for k in range(t_out)) * kv_token_bytes(config, itemsize)
+        floor = ((weights * t_out + kv) / (args.hbm_gbps * 1e9)
+                 + n * prefill_flops(config, sched.runner.params, t_in)
+                 / (args.peak_tflops * 1e12))
+        emit(shape=name, path="scheduler", requests=n, tokens_in=t_in, tokens_out=t_out,
+             seconds=seconds, first_pass_s=first, steps=steps, output_tokens=tokens,
+             output_tokens_per_s=tokens / seconds, floor_s=floor, of_floor=floor / seconds,
+             forward_shapes=len(sched.forward_shapes))
+    except Exception:
+        emit(shape=name, path="scheduler", error=traceback.format_exc()[-3000:])
+
+
+GREEDY_PROMPTS = (
+    "Write a short story about a robot who learns to paint, in three paragraphs.",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three prime numbers greater than 100.",
+)
+
+
+def greedy_tokens(tokens: int) -> dict[str, list[int]]:
+    """SmolLM2's greedy answers (f32 weights and KV, matmuls at full precision, EOS ignored)
+    to the chat prompts, through the scheduler on this backend."""
+    from pd_fsm.jax_engine.sampling.params import SamplingParams
+    from pd_fsm.schedulers.args import SchedulerArgs
+    from pd_fsm.schedulers.scheduler import Scheduler
+    from pd_fsm.text.chat_template import ChatMessage
+
+    with jax.default_matmul_precision("highest"):
+        sched = Scheduler(SchedulerArgs(model="smollm2", dtype="float32", num_pages=256,
+                                        max_running=8, context_length=512))
+        tok = sched.tokenizer
+        for i, prompt in enumerate(GREEDY_PROMPTS):
+            ids = tok.encode(tok.apply_chat_template([ChatMessage("user", prompt)]))
+            sched.add_request(sched.make_request(str(i), ids, SamplingParams(
+                max_new_tokens=tokens, ignore_eos=True, temperature=0.0)))
+        out: dict[str, list[int]] = {str(i): [] for i in range(len(GREEDY_PROMPTS))}
+        for o in sched.run_until_idle():
+            out[o.rid].extend(o.new_token_ids)
+    return out
+
+
+def greedy_check(args: argparse.Namespace) -> None:
+    """The greedy answers here against a CPU's (a child process with ``JAX_PLATFORMS=cpu``):
+    equal, or where they first differ."""
+    import os
+    import subprocess
+
+    mine = greedy_tokens(args.greedy_tokens)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    child = subprocess.run(
+        [sys.executable, __file__, "--greedy-child", str(args.greedy_tokens)], env=env,
+        capture_output=True, text=True, timeout=900, check=True)
+    cpu = json.loads(child.stdout.strip().splitlines()[-1])
+    for rid, ids in mine.items():
+        other = cpu[rid]
+        first = next((i for i, (a, b) in enumerate(zip(ids, other, strict=False)) if a != b),
+                     None)
+        emit(check="greedy", prompt=GREEDY_PROMPTS[int(rid)], backend=jax.default_backend(),
+             tokens=len(ids), equal=ids == other, first_difference=first,
+             here=ids[:8], cpu=other[:8])
 
 
 def kernel_check(args: argparse.Namespace) -> None:
@@ -311,7 +518,24 @@ def main() -> None:
     parser.add_argument("--interpret", action="store_true",
                         help="on a CPU, the kernel in interpret mode (slow) instead of XLA")
     parser.add_argument("--cpu-f32", action="store_true", help="f32 weights and KV")
+    parser.add_argument("--variants", default="",
+                        help="comma list: unroll_dma, fused_proj, block_pages=N")
+    parser.add_argument("--variants-at", default="1x512,64x512", help="ROWSxCTX,...")
+    parser.add_argument("--profile-at", default="", help="ROWSxCTX,... decode steps to trace")
+    parser.add_argument("--profile-prefill", default="", help="prompt lengths to trace")
+    parser.add_argument("--trace-dir", type=Path, help="keep the raw traces here")
+    parser.add_argument("--scheduler", default="", help="shapes to run the closed loop on")
+    parser.add_argument("--loop-requests", type=int, default=64)
+    parser.add_argument("--loop-in", type=int, default=1024)
+    parser.add_argument("--loop-out", type=int, default=256)
+    parser.add_argument("--greedy-check", action="store_true",
+                        help="SmolLM2's greedy answers here against a CPU child's")
+    parser.add_argument("--greedy-tokens", type=int, default=64)
+    parser.add_argument("--greedy-child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.greedy_child:
+        print(json.dumps(greedy_tokens(args.greedy_child)), flush=True)
+        return
     if args.quick:
         args.shapes, args.chain_shapes = "smollm2", "smollm2"
         args.rows, args.contexts, args.prefills, args.repeats = "1,8", "64", "32", 2
@@ -320,16 +544,27 @@ def main() -> None:
     args.rows = [int(r) for r in args.rows.split(",")]
     args.contexts = [int(c) for c in args.contexts.split(",")]
     args.prefills = [int(p) for p in args.prefills.split(",")]
+    args.variants = [v for v in args.variants.split(",") if v]
+
+    def pairs(text: str) -> set[tuple[int, int]]:
+        return {(int(a), int(b)) for a, b in (p.split("x") for p in text.split(",") if p)}
+
+    args.variants_at, args.profile_at = pairs(args.variants_at), pairs(args.profile_at)
+    args.profile_prefill = {int(p) for p in args.profile_prefill.split(",") if p}
     emit(backend=jax.default_backend(), devices=[str(d) for d in jax.devices()],
          jax=jax.__version__)
     try:
         if args.kernel_check:
             kernel_check(args)
+        if args.greedy_check:
+            greedy_check(args)
         for name in args.shapes:
             try:
                 bench_shape(name, args)
             except Exception as exc:
                 emit(shape=name, error=traceback.format_exc()[-3000:], kind=type(exc).__name__)
+        for name in (s for s in args.scheduler.split(",") if s):
+            bench_scheduler(name, args)
     finally:
         if args.json:
             args.json.write_text(json.dumps(RESULTS, indent=1))

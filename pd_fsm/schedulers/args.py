@@ -7,6 +7,8 @@ from typing import Any
 import attrs
 from attrs import AttrsInstance
 
+from pd_fsm.jax_engine import backend
+
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 KV_DTYPES = ("float32", "bfloat16")
 
@@ -16,19 +18,10 @@ def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
         raise ValueError(f"{attribute.name} must be > 0, got {value}")
 
 
-# One prefill forward's padded tokens when not given, by JAX backend. On CPU a forward's cost
-# grows much faster than its tokens past a few hundred: SmolLM2 prefills a 788-token prompt in
-# 2.0 s in chunks of 256, 2.7 s of 512, 5.0 s in one padded forward of 1,024 (2.1 s in chunks of
-# 128; 2 vCPUs, idle, bench/RESULTS_prefill_chunk.md). Accelerators keep the earlier 1,024 (not
-# measured here).
-PREFILL_BUDGETS = {"cpu": 256}
-PREFILL_BUDGET_ELSE = 1024
-
-
-def prefill_budget(requested: int | None, backend: str) -> int:
-    """``requested`` (--max-batched-tokens), or the default for JAX ``backend``."""
-    return requested if requested is not None else PREFILL_BUDGETS.get(backend,
-                                                                       PREFILL_BUDGET_ELSE)
+def prefill_budget(requested: int | None) -> int:
+    """``requested`` (--max-batched-tokens), or this backend's default
+    (``jax_engine.backend``: 256 tokens on a CPU, 1,024 on an accelerator)."""
+    return requested if requested is not None else backend.current().prefill_tokens
 
 
 def _mode(_: object, attribute: attrs.Attribute[str], value: str) -> None:
@@ -39,7 +32,9 @@ def _mode(_: object, attribute: attrs.Attribute[str], value: str) -> None:
 # kw_only so that the PD work can subclass and add fields (with or without defaults).
 @attrs.frozen(kw_only=True)
 class SchedulerArgs:
-    model: str = "smollm2"  # "smollm2" | "tiny"
+    model: str = "smollm2"  # "smollm2" | "tiny" | a checkpoint directory | a shape (dummy)
+    # "auto": the model's weights; "dummy": random weights at its shape (model/dummy.py).
+    load_format: str = "auto"
     dtype: str = "float32"
     # The KV pool's dtype (pool, gather, transfer, scatter); None: ``dtype``. Attention
     # accumulates in f32 either way.

@@ -5,6 +5,12 @@ The scheduler decides what runs (which rows, which pages, padded to which shape)
 arrays; this runs them and answers with logits, sampled tokens and log-probs. It keeps no request
 and no queue.
 
+How a step runs is the backend's choice (``jax_engine.backend``), made here and nowhere above: on
+an accelerator one jitted program (``step/program.py``) runs the forward over a lanes-layout pool,
+samples on the device and returns the tokens; on a CPU the chain of jitted calls
+(``model/forward.py``) returns logits and the sampler runs after it. A step whose rows need the
+logits themselves (penalties, top log-probs, prompt log-probs) takes the chain on every backend.
+
 The pool arrays live in a ``KVCacheHolder`` (``kv_holder``, pool ``"main_kv"``); every forward
 reads and replaces them through ``with_kv`` under the holder's lock, so a pull thread's scatter
 (``holder.swap``) is ordered with forward steps (DESIGN §6).
@@ -16,10 +22,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pd_fsm.jax_engine.backend import Backend
 from pd_fsm.jax_engine.compilation.executables import EXECUTABLES
 from pd_fsm.jax_engine.kv.gather_scatter import as_struct
 from pd_fsm.jax_engine.kv.holder import KVCacheHolder
@@ -33,7 +41,14 @@ from pd_fsm.jax_engine.parallel.tensor_parallel import (
 )
 from pd_fsm.jax_engine.sampling.grammar import bitmask_words
 from pd_fsm.jax_engine.sampling.params import TopLogprobs
-from pd_fsm.jax_engine.sampling.sampler import Adjustment, compile_samplers, sample, top_logprobs
+from pd_fsm.jax_engine.sampling.sampler import (
+    Adjustment,
+    compile_samplers,
+    last_logits,
+    sample,
+    top_logprobs,
+)
+from pd_fsm.jax_engine.step.program import Sampler, StepOptions, compile_step, step
 from pd_fsm.schedulers.plan import DecodeBatch, PrefillBatch
 from pd_fsm.schedulers.request import Req
 
@@ -44,8 +59,23 @@ WARMUP_THREADS = 2
 
 MAIN_KV = PoolType.MAIN_KV.value
 
-# A forward shape as recorded: ("extend" | "extend-all", rows, tokens) or ("decode", rows).
+# A forward shape as recorded: ("extend" | "extend-all", rows, tokens) or ("decode", rows), or
+# a fused step's ("step", tokens, sequences).
 ForwardShape = tuple[int | str, ...]
+
+
+@attrs.frozen(eq=False)
+class StepResult:
+    """What a step gives back for its rows: each row's sampled token and its raw log-prob,
+    top alternatives where asked; where the chain ran, the logits they were sampled from
+    (None after a fused step, which returns tokens only), and for a prefill with prompt
+    log-probs every position's."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    tops: list[TopLogprobs]
+    logits: jax.Array | None = None
+    every_position: jax.Array | None = None
 
 
 class ModelRunner:
@@ -57,7 +87,9 @@ class ModelRunner:
         pool_config: KVPoolConfig,
         table_width: int,
         tp_size: int,
+        backend: Backend,
     ) -> None:
+        self.backend = backend
         self.config = model.config
         # The weights on this instance's devices (the loaded model itself is shared and stays
         # where it was loaded: sharded copies are made once per tp size).
@@ -72,6 +104,7 @@ class ModelRunner:
             {MAIN_KV: allocate_kv_pool(pool_config, pool_sharding(tp_size))}
         )
         self.forward_shapes: set[ForwardShape] = set()  # each compiles once
+        self.step_options = StepOptions(self.config, attention=backend.attention)
 
     # ----------------------------------------------------------------- the pool
 
@@ -91,6 +124,106 @@ class ModelRunner:
             return None, EXECUTABLES.call(copy_pages, {}, kv, jnp.asarray(src), jnp.asarray(dst))
 
         self.with_kv(run)
+
+    # ----------------------------------------------------------------- steps
+
+    def prefill_step(self, batch: PrefillBatch, completed: Sequence[Req | None]) -> StepResult:
+        """Run a planned prefill and sample each completed row's first token (``completed[i]``:
+        row ``i``'s request if this chunk ends its prompt, else None). With prompt log-probs
+        asked, ``logits`` holds every position's."""
+        if self.backend.fused_step and not any(
+                row.req.logprobs.prompt for row in batch.rows) and self._fusable(completed):
+            tokens = np.zeros(batch.n_pad * batch.t_pad, np.int32)
+            q_lens = np.zeros(batch.n_pad, np.int32)
+            kv_lens = np.zeros(batch.n_pad, np.int32)
+            table = np.zeros((batch.n_pad, self.table_width), np.int32)
+            at = 0
+            for i, row in enumerate(batch.rows):
+                req = row.req
+                assert req.pages is not None
+                tokens[at : at + row.length] = req.input_ids[row.start : row.start + row.length]
+                at += row.length
+                q_lens[i], kv_lens[i] = row.length, row.start + row.length
+                used = self.pool_config.pages_for(row.start + row.length)
+                table[i, :used] = req.pages[:used]
+            return self._fused(tokens, q_lens, kv_lens, table, completed)
+        logits = self.run_prefill(batch)
+        if not any(row.req.logprobs.prompt for row in batch.rows):
+            return self._sampled(logits, completed)
+        return self._sampled(last_logits(logits, batch.num_new()), completed, logits)
+
+    def decode_step(self, batch: DecodeBatch) -> StepResult:
+        """Run a planned decode step: each running sequence's next token."""
+        rows: list[Req | None] = list(batch.reqs)
+        if self.backend.fused_step and self._fusable(rows):
+            n = len(batch.reqs)
+            tokens = np.zeros(batch.b_pad, np.int32)
+            q_lens = np.zeros(batch.b_pad, np.int32)
+            kv_lens = np.zeros(batch.b_pad, np.int32)
+            table = np.zeros((batch.b_pad, self.table_width), np.int32)
+            for i, req in enumerate(batch.reqs):
+                assert req.pages is not None
+                tokens[i] = req.last_token
+                kv_lens[i] = req.seq_len
+                used = self.pool_config.pages_for(req.seq_len)
+                table[i, :used] = req.pages[:used]
+            q_lens[:n] = 1
+            return self._fused(tokens, q_lens, kv_lens, table, rows)
+        return self._sampled(self.run_decode(batch), rows)
+
+    def _fusable(self, rows: Sequence[Req | None]) -> bool:
+        """Whether the fused step can choose these rows' tokens: not where a row's choice needs
+        its logits on the host (penalties, ``min_new_tokens``' bans) or asks for top
+        alternatives."""
+        return not any(r is not None and (r.sampling.penalized or r.logprobs.top
+                                          or len(r.output_ids) < r.sampling.min_new_tokens)
+                       for r in rows)
+
+    def _fused(self, tokens: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray,
+               table: np.ndarray, rows: Sequence[Req | None]) -> StepResult:
+        sampler, sampling = self._sampling(rows, len(q_lens))
+        self.forward_shapes.add(("step", len(tokens), len(q_lens)))
+        params, options = self.params, self.step_options
+        args = (jnp.asarray(tokens), jnp.asarray(q_lens), jnp.asarray(kv_lens),
+                jnp.asarray(table), {k: jnp.asarray(v) for k, v in sampling.items()})
+
+        def run(kv: KV) -> tuple[tuple[jax.Array, ...], KV]:
+            result: tuple[tuple[jax.Array, ...], KV] = EXECUTABLES.call(
+                step, {"options": options, "sampler": sampler}, params, kv, *args)
+            return result
+
+        sampled, logprobs = self.with_kv(run)
+        n = len(rows)
+        return StepResult(np.asarray(sampled)[:n], np.asarray(logprobs)[:n], [()] * n)
+
+    def _sampling(self, rows: Sequence[Req | None], b_pad: int
+                  ) -> tuple[Sampler, dict[str, np.ndarray]]:
+        """The fused step's sampler for these rows, and its per-row arrays (padded to
+        ``b_pad``)."""
+        bitmask = self._bitmask(b_pad, rows)
+        if bitmask is None and all(r is None or r.sampling.greedy for r in rows):
+            return "greedy", {}
+        temperature = np.zeros(b_pad, np.float32)
+        top_k = np.zeros(b_pad, np.int32)
+        top_p = np.ones(b_pad, np.float32)
+        seeds = np.zeros(b_pad, np.uint32)
+        steps = np.zeros(b_pad, np.int32)
+        for i, r in enumerate(rows):
+            if r is None or r.sampling.greedy:
+                continue
+            sp = r.sampling
+            temperature[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, sp.top_p
+            seeds[i], steps[i] = r.seed & 0xFFFFFFFF, r.position
+        if bitmask is None:
+            bitmask = np.full((b_pad, bitmask_words(self.config.vocab_size)), -1, np.int32)
+        return "sample", {"temperature": temperature, "top_k": top_k, "top_p": top_p,
+                          "seeds": seeds, "steps": steps, "bitmask": bitmask}
+
+    def _sampled(self, logits: jax.Array, rows: Sequence[Req | None],
+                 every_position: jax.Array | None = None) -> StepResult:
+        tokens, logprobs = self.sample(logits, rows)
+        return StepResult(tokens, logprobs, self.top_logprobs(logits, rows), logits,
+                          every_position)
 
     # ----------------------------------------------------------------- plans
 
@@ -216,10 +349,15 @@ class ModelRunner:
 
         def shape(rows_tokens: tuple[int, int]) -> None:
             rows, tokens = rows_tokens
-            compile_forward(params, kv, rows, tokens, width, config=config)
+            if self.backend.fused_step:
+                compile_step(params, kv, rows * tokens, rows, width, self.step_options)
+            else:
+                compile_forward(params, kv, rows, tokens, width, config=config)
 
         # Two threads: XLA compiles without the GIL, so a start uses two cores.
         with ThreadPoolExecutor(WARMUP_THREADS, thread_name_prefix="warm-up") as pool:
             list(pool.map(shape, plan))
+        if self.backend.fused_step:
+            return
         for rows in sorted({r for r, _ in plan}):
             compile_samplers(rows, self.config.vocab_size, logits_sharding(self.tp_size))

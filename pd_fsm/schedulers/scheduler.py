@@ -28,12 +28,12 @@ from collections.abc import Callable, Sequence
 import attrs
 import jax
 
+from pd_fsm.jax_engine import backend
 from pd_fsm.jax_engine.compilation.executables import EXECUTABLES
 from pd_fsm.jax_engine.model import LoadedModel, load_model, table_width
 from pd_fsm.jax_engine.parallel.tensor_parallel import check_tp
 from pd_fsm.jax_engine.sampling.grammar import compiler_for
 from pd_fsm.jax_engine.sampling.params import SamplingParams, TopLogprobs
-from pd_fsm.jax_engine.sampling.sampler import last_logits
 from pd_fsm.schedulers.args import SchedulerArgs, prefill_budget
 from pd_fsm.schedulers.forks import fork_sequences
 from pd_fsm.schedulers.model_runner import ModelRunner
@@ -103,19 +103,22 @@ class Scheduler:
         model: LoadedModel | None = None,
         role: Callable[[Scheduler], SchedulerRole] | None = None,
     ) -> None:
+        # How steps run on this backend and this many devices (jax_engine/backend.py).
+        self.backend = backend.current().for_tp(args.tp_size)
         # --max-batched-tokens resolved (None: this backend's default), as every reader of the
         # arguments sees it.
-        self.max_batched_tokens = prefill_budget(args.max_batched_tokens, jax.default_backend())
+        self.max_batched_tokens = prefill_budget(args.max_batched_tokens)
         self.args = args = attrs.evolve(args, max_batched_tokens=self.max_batched_tokens)
         self.model = model if model is not None else load_model(
-            args.model, args.dtype, args.model_seed
+            args.model, args.dtype, args.model_seed, args.load_format
         )
         self.config = self.model.config
         check_tp(self.config, args.tp_size, len(jax.devices()))
         self.tokenizer = self.model.tokenizer
         self.eos_token_ids = self.model.eos_token_ids
-        self.pool_config = self.config.kv_pool_config(args.num_pages, args.page_size,
-                                                      args.kv_dtype)
+        self.pool_config = attrs.evolve(
+            self.config.kv_pool_config(args.num_pages, args.page_size, args.kv_dtype),
+            lanes=self.backend.kv_lanes, bf16_bits=self.backend.bf16_bits)
         limit = args.context_length or self.config.max_position
         self.context_length = min(limit, self.config.max_position)
         # The pages: allocator, prefix cache, what each request needs (the role says whose
@@ -128,7 +131,8 @@ class Scheduler:
         longest = min(self.pool_config.pages_for(self.context_length), args.num_pages - 1)
         self.table_width = table_width(longest, args.page_size)
         # The weights on this instance's devices, the pool, the forwards and sampling.
-        self.runner = ModelRunner(self.model, self.pool_config, self.table_width, args.tp_size)
+        self.runner = ModelRunner(self.model, self.pool_config, self.table_width, args.tp_size,
+                                  self.backend)
         self.kv_holder = self.runner.kv_holder  # the PD roles gather and scatter rooms' KV in it
         self.queues = RequestQueues()
         # The queues under their own names (the same objects: never rebound).
@@ -365,23 +369,21 @@ class Scheduler:
     def _prefill(self, batch: PrefillBatch) -> None:
         """Run ``batch`` and apply it: prompt log-probs, each chunk's progress, and for each
         completed prompt its first token (decoded here unless the role takes the request)."""
-        logits = self.runner.run_prefill(batch)
-        if any(row.req.logprobs.prompt for row in batch.rows):  # every position's logits
-            self.outputs.record_prompt_logprobs(batch, logits)
-            logits = last_logits(logits, batch.num_new())
-        completed: list[Req | None] = []
-        for row in batch.rows:
+        completed: list[Req | None] = [
+            row.req if row.start + row.length == len(row.req.input_ids) else None
+            for row in batch.rows]
+        result = self.runner.prefill_step(batch, completed)
+        if result.every_position is not None:
+            self.outputs.record_prompt_logprobs(batch, result.every_position)
+        for row, req in zip(batch.rows, completed, strict=True):
             row.req.prefilled += row.length
-            done = row.req.prefilled == len(row.req.input_ids)
-            completed.append(row.req if done else None)
-            if not done:
+            if req is None:
                 self.role.on_prefill_chunk(row.req)
         if not any(completed):
             return
-        self._on_logits("prefill", completed, logits)
-        sampled, logprobs = self.runner.sample(logits, completed)
-        tops = self.runner.top_logprobs(logits, completed)
-        for req, token, logprob, top in zip(completed, sampled, logprobs, tops, strict=True):
+        self._on_logits("prefill", completed, result.logits)
+        for req, token, logprob, top in zip(completed, result.tokens, result.logprobs,
+                                            result.tops, strict=True):
             if req is None or self.role.take_prefilled(req, int(token), float(logprob), top):
                 continue
             self.prefilling.remove(req)
@@ -389,14 +391,14 @@ class Scheduler:
 
     def _decode(self, batch: DecodeBatch) -> None:
         """Run ``batch`` and append each sequence's sampled token."""
-        logits = self.runner.run_decode(batch)
-        rows: list[Req | None] = list(batch.reqs)
-        self._on_logits("decode", rows, logits)
-        sampled, logprobs = self.runner.sample(logits, rows)
-        tops = self.runner.top_logprobs(logits, rows)
-        for req, token, logprob, top in zip(batch.reqs, sampled, logprobs, tops, strict=True):
+        result = self.runner.decode_step(batch)
+        self._on_logits("decode", list(batch.reqs), result.logits)
+        for req, token, logprob, top in zip(batch.reqs, result.tokens, result.logprobs,
+                                            result.tops, strict=True):
             self.finish(req, self.outputs.append_token(req, int(token), float(logprob), top))
 
-    def _on_logits(self, phase: str, reqs: Sequence[Req | None], logits: jax.Array) -> None:
+    def _on_logits(self, phase: str, reqs: Sequence[Req | None], logits: jax.Array | None
+                   ) -> None:
         """Called with each forward's logits ``[B_pad, V]`` before sampling (row ``i`` belongs to
-        ``reqs[i]``; None rows are padding or unfinished chunks). No-op; for checks and tests."""
+        ``reqs[i]``; None rows are padding or unfinished chunks), None after a fused step (which
+        returns tokens only). No-op; for checks and tests."""

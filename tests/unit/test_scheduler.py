@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pd_fsm.jax_engine.backend import for_platform
 from pd_fsm.jax_engine.compilation.executables import EXECUTABLES
 from pd_fsm.jax_engine.model import LoadedModel, load_model
 from pd_fsm.jax_engine.sampling.params import SamplingParams
@@ -359,11 +360,11 @@ def test_the_prefill_budget_defaults_by_backend_and_a_given_one_stays(tiny: Load
     # Not given: the backend's (256 on CPU, where a forward's cost grows much faster than its
     # tokens); every reader of the arguments sees the resolved value.
     sched = Scheduler(_args(max_batched_tokens=None), model=tiny)
-    expected = prefill_budget(None, jax.default_backend())
+    expected = prefill_budget(None)
     assert sched.max_batched_tokens == sched.args.max_batched_tokens == expected
     if jax.default_backend() == "cpu":
         assert expected == 256
-    assert prefill_budget(None, "gpu") == 1024 and prefill_budget(64, "cpu") == 64
+    assert for_platform("gpu").prefill_tokens == 1024 and prefill_budget(64) == 64
     assert Scheduler(_args(max_batched_tokens=64), model=tiny).max_batched_tokens == 64
     # A 300-token prompt on CPU is two forwards (256 + 44), not one padded to 512.
     sched.add_request(Req("long", _prompt(3, 300), SamplingParams(max_new_tokens=1)))

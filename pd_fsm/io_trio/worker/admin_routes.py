@@ -7,7 +7,6 @@ import uuid
 from collections.abc import Callable
 from contextlib import aclosing
 
-import jax
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -220,7 +219,7 @@ class AdminRoutes:
             page_size=c.page_size,
             max_total_num_tokens=(c.num_pages - 1) * c.page_size,
             max_running_requests=c.max_running,
-            chunked_prefill_size=prefill_budget(c.max_batched_tokens, jax.default_backend()),
+            chunked_prefill_size=prefill_budget(c.max_batched_tokens),
             context_length=self._state.meta.context_length if self._state.meta else None,
             dtype=c.dtype,
             host=c.host,

@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import attrs
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -103,6 +104,7 @@ def _kernel(
     acc_ref: Any,  # VMEM [Nkv, G * BQ, W] f32
     *,
     nkv: int, head_dim: int, block_q: int, block_pages: int, pages_per_seq: int, scale: float,
+    unroll_dma: bool,
 ) -> None:
     page_size = buf_ref.shape[2]
     rows = q_ref.shape[1]
@@ -124,22 +126,30 @@ def _kernel(
     def pages(kv_end: Any) -> Any:
         return (kv_end + page_size - 1) // page_size
 
-    def copies(seq: Any, n_pages: Any, block: Any, slot: Any) -> list[tuple[Any, Any]]:
-        out = []
-        for p in range(block_pages):
-            j = block * block_pages + p
-            page = table_ref[seq * pages_per_seq + jnp.minimum(j, pages_per_seq - 1)]
-            copy = pltpu.make_async_copy(pool_ref.at[page], buf_ref.at[slot, p], sem_ref.at[slot])
-            out.append((j < n_pages, copy))
-        return out
+    def copy(seq: Any, block: Any, p: Any, slot: Any) -> Any:
+        j = block * block_pages + p
+        page = table_ref[seq * pages_per_seq + jnp.minimum(j, pages_per_seq - 1)]
+        return pltpu.make_async_copy(pool_ref.at[page], buf_ref.at[slot, p], sem_ref.at[slot])
+
+    def each_page(seq: Any, n_pages: Any, block: Any, slot: Any, act: str) -> None:
+        """Start (or wait for) the DMA of every page of the block that holds context."""
+        count = jnp.minimum(block_pages, n_pages - block * block_pages)
+        if unroll_dma:
+            for p in range(block_pages):
+                pl.when(p < count)(getattr(copy(seq, block, p, slot), act))
+            return
+
+        def body(p: Any, carry: Any) -> Any:
+            getattr(copy(seq, block, p, slot), act)()
+            return carry
+
+        jax.lax.fori_loop(0, count, body, 0)
 
     def start(seq: Any, n_pages: Any, block: Any, slot: Any) -> None:
-        for needed, copy in copies(seq, n_pages, block, slot):
-            pl.when(needed)(copy.start)
+        each_page(seq, n_pages, block, slot, "start")
 
     def wait(seq: Any, n_pages: Any, block: Any, slot: Any) -> None:
-        for needed, copy in copies(seq, n_pages, block, slot):
-            pl.when(needed)(copy.wait)
+        each_page(seq, n_pages, block, slot, "wait")
 
     @pl.when(jnp.logical_and(i == 0, n_items > 0))
     def _first_fetch() -> None:
@@ -225,49 +235,76 @@ def _kv_heads(pool: jax.Array, head_dim: int) -> int:
     return pool.shape[2] // (2 * head_dim)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("block_q", "block_pages", "interpret", "vmem_limit_bytes"))
-def ragged_paged_attention(
+@attrs.frozen
+class ItemPlan:
+    """Where a step's queries go in the kernel and come back from: the same for every layer of
+    a step, so computed once (``plan_items``)."""
+
+    block_q: int
+    item_seq: jax.Array  # [I] each work item's sequence
+    item_q0: jax.Array  # [I] its first query, among the sequence's new tokens
+    n_real: jax.Array  # [1] work items in use
+    src: jax.Array  # [I * BQ] the token whose query each padded row takes
+    row: jax.Array  # [T] the padded row each token's output comes back from
+    real: jax.Array  # [T] whether a token is a step's (not padding)
+
+
+def plan_items(q_lens: jax.Array, tokens: int, block_q: int) -> ItemPlan:
+    """The work items for ``tokens`` new tokens split ``q_lens`` (``[S]``) among sequences."""
+    seqs = q_lens.shape[0]
+    n_items = max_items(tokens, seqs, block_q)
+    item_seq, item_q0, n_real, seq_first_item = _items(q_lens, n_items, block_q)
+    # Padded row r (item r // BQ, query t = r % BQ) takes the query of token cu[seq] + q0 + t.
+    cu = jnp.cumsum(q_lens) - q_lens
+    r = jnp.arange(n_items * block_q, dtype=jnp.int32)
+    src = cu[item_seq[r // block_q]] + item_q0[r // block_q] + (r & (block_q - 1))
+    # Token k of sequence s comes back from row (first item of s) * BQ + k.
+    token = jnp.arange(tokens, dtype=jnp.int32)
+    ends = jnp.cumsum(q_lens)
+    seq = jnp.minimum(jnp.searchsorted(ends, token, side="right"), seqs - 1)
+    row = seq_first_item[seq] * block_q + token - cu[seq]
+    return ItemPlan(block_q, item_seq, item_q0, n_real, jnp.clip(src, 0, tokens - 1),
+                    jnp.clip(row, 0, n_items * block_q - 1), token < ends[-1])
+
+
+jax.tree_util.register_dataclass(
+    ItemPlan, data_fields=["item_seq", "item_q0", "n_real", "src", "row", "real"],
+    meta_fields=["block_q"])
+
+
+def attend(
     q: jax.Array,
     pool: jax.Array,
     q_lens: jax.Array,
     kv_lens: jax.Array,
     page_table: jax.Array,
+    plan: ItemPlan,
     *,
-    block_q: int,
     block_pages: int,
     interpret: bool = False,
+    unroll_dma: bool = False,
     vmem_limit_bytes: int = 64 * 1024 * 1024,
 ) -> jax.Array:
-    """Attention of ``q [T, Nh, D]`` (the step's new tokens, sequence after sequence; tokens past
-    ``sum(q_lens)`` are padding) over the pool, as the module docstring says; ``[T, Nh, D]`` in
-    ``q``'s dtype. ``q_lens``, ``kv_lens``: ``[S]`` (padding sequences have ``q_lens == 0``);
-    ``page_table``: ``[S, P]``. ``block_q`` must be a power of two whose ``G * block_q`` rows tile
-    (``decode_block_q``); ``block_pages`` pages are fetched at a time."""
-    tokens, nh, head_dim = q.shape
+    """Attention of ``q [T, Nh, D]`` over the pool through ``plan`` (``plan_items`` of the same
+    ``q_lens``); see ``ragged_paged_attention``."""
+    _, nh, head_dim = q.shape
+    block_q = plan.block_q
     nkv = _kv_heads(pool, head_dim)
     group = nh // nkv
-    seqs, pages_per_seq = page_table.shape
+    pages_per_seq = page_table.shape[1]
     width = slot_width(head_dim)
     if block_q & (block_q - 1) or (group * block_q) % rows_multiple(q.dtype):
         raise ValueError(f"block_q {block_q} does not tile {group} query heads per kv-head")
-    n_items = max_items(tokens, seqs, block_q)
-    item_seq, item_q0, n_real, seq_first_item = _items(q_lens, n_items, block_q)
-
-    # Padded row r (item r // BQ, query t = r % BQ) takes the query of token cu[seq] + q0 + t.
-    cu = jnp.cumsum(q_lens) - q_lens
-    r = jnp.arange(n_items * block_q, dtype=jnp.int32)
-    src = cu[item_seq[r // block_q]] + item_q0[r // block_q] + (r & (block_q - 1))
+    n_items = plan.item_seq.shape[0]
     q_w = q if width == head_dim else jnp.pad(q, ((0, 0), (0, 0), (0, width - head_dim)))
-    q_pad = q_w[jnp.clip(src, 0, tokens - 1)]
-    q_items = (q_pad.reshape(n_items, block_q, nkv, group, width)
+    q_items = (q_w[plan.src].reshape(n_items, block_q, nkv, group, width)
                .transpose(2, 0, 3, 1, 4).reshape(nkv, n_items * group * block_q, width))
 
     rows = group * block_q
     block = pl.BlockSpec((nkv, rows, width), lambda i, *_: (0, i, 0))
     kernel = functools.partial(
         _kernel, nkv=nkv, head_dim=head_dim, block_q=block_q, block_pages=block_pages,
-        pages_per_seq=pages_per_seq, scale=head_dim**-0.5)
+        pages_per_seq=pages_per_seq, scale=head_dim**-0.5, unroll_dma=unroll_dma)
     page_size = pool.shape[1]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
@@ -291,14 +328,39 @@ def ragged_paged_attention(
             dimension_semantics=("arbitrary",), vmem_limit_bytes=vmem_limit_bytes),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="pd_fsm_ragged_paged_attention",
-    )(item_seq, item_q0, q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
-      page_table.reshape(-1).astype(jnp.int32), n_real, q_items, pool)
+    )(plan.item_seq, plan.item_q0, q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
+      page_table.reshape(-1).astype(jnp.int32), plan.n_real, q_items, pool)
 
-    # Back to token order: token k of sequence s sits at row (first item of s) * BQ + k.
     out_rows = (out.reshape(nkv, n_items, group, block_q, width)
                 .transpose(1, 3, 0, 2, 4).reshape(n_items * block_q, nh, width))
-    token = jnp.arange(tokens, dtype=jnp.int32)
-    ends = jnp.cumsum(q_lens)
-    seq = jnp.minimum(jnp.searchsorted(ends, token, side="right"), seqs - 1)
-    row = seq_first_item[seq] * block_q + token - cu[seq]
-    return out_rows[jnp.clip(row, 0, n_items * block_q - 1), :, width - head_dim:]
+    out = out_rows[plan.row, :, width - head_dim:]
+    # A padding token is in no item: its row is never written. Zeros, not whatever is there:
+    # its K/V goes to the null page, which must stay finite for the paths that read it masked.
+    return jnp.where(plan.real[:, None, None], out, jnp.zeros_like(out))
+
+
+@functools.partial(jax.jit, static_argnames=("block_q", "block_pages", "interpret",
+                                             "unroll_dma", "vmem_limit_bytes"))
+def ragged_paged_attention(
+    q: jax.Array,
+    pool: jax.Array,
+    q_lens: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    *,
+    block_q: int,
+    block_pages: int,
+    interpret: bool = False,
+    unroll_dma: bool = False,
+    vmem_limit_bytes: int = 64 * 1024 * 1024,
+) -> jax.Array:
+    """Attention of ``q [T, Nh, D]`` (the step's new tokens, sequence after sequence; tokens past
+    ``sum(q_lens)`` are padding) over the pool, as the module docstring says; ``[T, Nh, D]`` in
+    ``q``'s dtype. ``q_lens``, ``kv_lens``: ``[S]`` (padding sequences have ``q_lens == 0``);
+    ``page_table``: ``[S, P]``. ``block_q`` must be a power of two whose ``G * block_q`` rows tile
+    (``decode_block_q``); ``block_pages`` pages are fetched at a time (their DMAs issued from a
+    loop, or unrolled with ``unroll_dma``)."""
+    plan = plan_items(q_lens, q.shape[0], block_q)
+    return attend(q, pool, q_lens, kv_lens, page_table, plan, block_pages=block_pages,
+                  interpret=interpret, unroll_dma=unroll_dma,
+                  vmem_limit_bytes=vmem_limit_bytes)

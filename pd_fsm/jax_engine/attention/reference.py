@@ -33,7 +33,10 @@ def ragged_attention_reference(
     scores = jnp.einsum("tkgd,tskd->tkgs", qg, keys[..., 0, :])
     key_pos = jnp.arange(pages * page_size, dtype=jnp.int32)
     visible = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] < kv_lens[seq][:, None])
-    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+    # Masked by where, at a finite value: unseen slots (the null page among them, where
+    # padding writes) may hold anything, NaN included, and a padding token sees nothing.
+    scores = jnp.where(visible[:, None, None, :], scores, -1e30)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("tkgs,tskd->tkgd", probs, keys[..., 1, :])
+    values = jnp.where(visible[:, :, None, None], keys[..., 1, :], 0.0)
+    out = jnp.einsum("tkgs,tskd->tkgd", probs, values)
     return out.reshape(tokens, nh, d).astype(q.dtype)

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pd_fsm.jax_engine import backend
 from pd_fsm.jax_engine.kv.counters import TRACE_COUNTS
 from pd_fsm.jax_engine.kv.pool import NULL_PAGE
 from pd_fsm.jax_engine.parallel.tensor_parallel import packed_sharding
@@ -53,7 +54,7 @@ def default_scatter_method() -> ScatterMethod:
     SmolLM2's pool (bench/bench_tpu.py): 256 scattered pages in 8.5 ms against 310 ms for the
     XLA run loop, whose every run rewrites a whole layer there (bf16: 6.1 against 124 ms; 64
     pages 6.6 against 18 ms; 1-8 pages alike), the two equal bit for bit."""
-    return "pallas" if jax.default_backend() == "tpu" else "xla"
+    return backend.current().scatter_method
 
 
 def default_gather_method() -> GatherMethod:
@@ -281,7 +282,7 @@ def _pallas_copy(kv_caches: Sequence[jax.Array], packed: jax.Array, runs: PageRu
 
 def _interpret(interpret: bool | None) -> bool:
     """Pallas in interpret mode unless told: compiled only on a TPU."""
-    return jax.default_backend() != "tpu" if interpret is None else interpret
+    return backend.current().pallas_interpret if interpret is None else interpret
 
 
 def warm_pallas_scatter(kv_caches: Sequence[jax.Array], bucket: int) -> list[jax.Array]:

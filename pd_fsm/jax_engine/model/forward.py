@@ -22,8 +22,10 @@ projection is ``x @ w``)::
                  "w_down": [I, H], optional "bq"/"bk"/"bv" biases (Qwen2)}, ...]}
 
 Rotary embeddings use the rotate-half (HF) convention; loaders convert other layouts to it.
-The KV pool layout is the one in ``kv/pool.py``: per layer ``(pages, page_size, 2*Nkv, D)`` with
-K of kv-head ``h`` at ``2h`` and V at ``2h+1``. The kv list is donated: use the returned one.
+The KV pool layout is one of ``kv/pool.py``'s: per layer ``(pages, page_size, 2*Nkv, D)`` with
+K of kv-head ``h`` at ``2h`` and V at ``2h+1``, or the same bytes as ``(pages, page_size,
+2*Nkv*D)`` (a TPU's, which normally runs ``step/program.py`` instead of this chain). The kv list
+is donated: use the returned one.
 """
 
 from __future__ import annotations
@@ -88,6 +90,27 @@ def rope(x: jax.Array, positions: jax.Array, config: ModelConfig) -> jax.Array:
 def project(h: jax.Array, layer: Params, w: str, b: str) -> jax.Array:
     y = h @ layer[w]
     return y + layer[b] if b in layer else y
+
+
+def qkv(h: jax.Array, layer: Params, config: ModelConfig
+        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The layer's q, k and v projections of ``h [..., H]`` (``[..., Nh*D]``, ``[..., Nkv*D]``
+    twice): three products, or one where the weights are fused (``fuse_projections``)."""
+    if "wqkv" not in layer:
+        return (project(h, layer, "wq", "bq"), project(h, layer, "wk", "bk"),
+                project(h, layer, "wv", "bv"))
+    y = project(h, layer, "wqkv", "bqkv")
+    nq, nkv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return y[..., :nq], y[..., nq : nq + nkv], y[..., nq + nkv :]
+
+
+def mlp(h: jax.Array, layer: Params) -> jax.Array:
+    """The dense MLP, ``silu(h W_gate) * (h W_up)`` then down (gate and up one product where
+    fused)."""
+    if "w_gu" not in layer:
+        return (jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])) @ layer["w_down"]
+    gate, up = jnp.split(h @ layer["w_gu"], 2, axis=-1)
+    return (jax.nn.silu(gate) * up) @ layer["w_down"]
 
 
 # Cached context is read in chunks of this many tokens (rounded to whole pages): attention cost
@@ -218,9 +241,10 @@ def _layer(
     batch, t = positions.shape
     nh, nkv, d, g = config.num_heads, config.num_kv_heads, config.head_dim, config.group_size
     h = rms_norm(x, layer["attn_norm"], config.rms_eps)
-    q = project(h, layer, "wq", "bq").reshape(batch, t, nh, d)
-    k = project(h, layer, "wk", "bk").reshape(batch, t, nkv, d)
-    v = project(h, layer, "wv", "bv").reshape(batch, t, nkv, d)
+    q, k, v = qkv(h, layer, config)
+    q = q.reshape(batch, t, nh, d)
+    k = k.reshape(batch, t, nkv, d)
+    v = v.reshape(batch, t, nkv, d)
     if "q_norm" in layer:  # Qwen3: each head's q and k normalised before the rotation
         q = rms_norm(q, layer["q_norm"], config.rms_eps)
         k = rms_norm(k, layer["k_norm"], config.rms_eps)
@@ -236,7 +260,7 @@ def _layer(
     h = rms_norm(x, layer["mlp_norm"], config.rms_eps)
     if "router" in layer:
         return x + experts(h, layer, config), entry
-    return x + (jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])) @ layer["w_down"], entry
+    return x + mlp(h, layer), entry
 
 
 def experts(h: jax.Array, layer: Params, config: ModelConfig) -> jax.Array:
@@ -319,8 +343,10 @@ def _forward(
 
 @functools.partial(jax.jit, donate_argnames=("kv",))
 def write_kv(kv: KV, entries: list[jax.Array], pages: jax.Array, offsets: jax.Array) -> KV:
-    """Write ``entries[layer][i]`` at ``(pages[i], offsets[i])`` of every layer, in place."""
-    return [pool.at[pages, offsets].set(entry) for pool, entry in zip(kv, entries, strict=True)]
+    """Write ``entries[layer][i]`` at ``(pages[i], offsets[i])`` of every layer, in place (in
+    either pool layout: an entry is a token's ``2 * Nkv * D`` values)."""
+    return [pool.at[pages, offsets].set(entry.reshape(entry.shape[0], *pool.shape[2:]))
+            for pool, entry in zip(kv, entries, strict=True)]
 
 
 def extend(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,6 +56,29 @@ def random_params_np(config: ModelConfig, seed: int = 0) -> dict[str, object]:
 def to_device(params_np: dict[str, object], dtype: str) -> Params:
     """Numpy pytree -> device arrays of ``dtype``."""
     return jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params_np)
+
+
+def fuse_projections(params: Params) -> Params:
+    """The same weights with each layer's q, k and v projections as one ``wqkv`` (and
+    ``bqkv``) and its gate and up as one ``w_gu``: one product each instead of three and two.
+    Works on numpy or device arrays; the separate arrays are not kept."""
+    def fused(layer: dict[str, Any]) -> dict[str, Any]:
+        out = dict(layer)
+        if "wq" in out:
+            out["wqkv"] = _concat([out.pop(k) for k in ("wq", "wk", "wv")], 1)
+        if "bq" in out:
+            out["bqkv"] = _concat([out.pop(k) for k in ("bq", "bk", "bv")], 0)
+        if "w_gate" in out:
+            out["w_gu"] = _concat([out.pop("w_gate"), out.pop("w_up")], 1)
+        return out
+
+    return {**params, "layers": [fused(layer) for layer in params["layers"]]}
+
+
+def _concat(arrays: list[Any], axis: int) -> Any:
+    if isinstance(arrays[0], np.ndarray):
+        return np.concatenate(arrays, axis=axis)
+    return jnp.concatenate(arrays, axis=axis)
 
 
 def random_params(config: ModelConfig, seed: int = 0) -> Params:

@@ -25,23 +25,23 @@ import attrs
 import jax
 import jax.numpy as jnp
 
-from pd_fsm.jax_engine.attention.ragged_paged import decode_block_q, ragged_paged_attention
+from pd_fsm.jax_engine.attention.ragged_paged import attend, decode_block_q, plan_items
 from pd_fsm.jax_engine.attention.reference import (
     ragged_attention_reference,
     token_sequences,
 )
+from pd_fsm.jax_engine.backend import Attention
+from pd_fsm.jax_engine.compilation.executables import EXECUTABLES
 from pd_fsm.jax_engine.kv.pool import NULL_PAGE
 from pd_fsm.jax_engine.model.config import ModelConfig
-from pd_fsm.jax_engine.model.forward import KV, Params, experts, project, rms_norm, rope
+from pd_fsm.jax_engine.model.forward import KV, Params, experts, mlp, qkv, rms_norm, rope
+from pd_fsm.jax_engine.sampling.grammar import bitmask_words
 from pd_fsm.jax_engine.sampling.sampler import greedy_tokens, sample_tokens
 
 # What a step returns: the sampled tokens and their log-probs ("greedy": argmax; "sample":
 # temperature, top-k, top-p, seeds and a grammar bitmask per row), or the last tokens' logits
 # ("logits": for what is still chosen on the host — penalties, top log-probs).
 Sampler = Literal["greedy", "sample", "logits"]
-# How attention runs: the Pallas kernel compiled for the chip, the same kernel in Pallas's TPU
-# interpret mode (CPU tests), or the XLA reference.
-Attention = Literal["pallas", "interpret", "reference"]
 
 PREFILL_BLOCK_Q = 128
 # Pages each kernel iteration fetches: 512 tokens a block at page size 16.
@@ -69,20 +69,34 @@ class StepOptions:
     attention: Attention = "pallas"
     block_q: int = 0  # 0: decode_block_q for one-token rows, PREFILL_BLOCK_Q otherwise
     block_pages: int = 0  # 0: BLOCK_TOKENS' worth of pages
+    unroll_dma: bool = False  # the kernel's page DMAs unrolled rather than in a loop
 
 
-def attention_fn(options: StepOptions, shape_tokens: int, shape_seqs: int, page_size: int,
-                 dtype: Any) -> Callable[..., jax.Array]:
-    """The attention a program of this shape calls, its block sizes fixed."""
+def attention_fn(options: StepOptions, q_lens: jax.Array, tokens: int, page_size: int,
+                 dtype: Any) -> Callable[[jax.Array, jax.Array, jax.Array, jax.Array],
+                                         jax.Array]:
+    """The step's attention ``(q, pool, kv_lens, page_table) -> out``, its work items planned
+    once for every layer."""
     if options.attention == "reference":
-        return ragged_attention_reference
+        return functools.partial(_reference, q_lens=q_lens)
     group = options.config.group_size
     block_q = options.block_q or (
-        decode_block_q(group, dtype) if shape_tokens == shape_seqs
+        decode_block_q(group, dtype) if tokens == q_lens.shape[0]
         else max(PREFILL_BLOCK_Q, decode_block_q(group, dtype)))
+    plan = plan_items(q_lens, tokens, block_q)
     block_pages = options.block_pages or max(1, BLOCK_TOKENS // page_size)
-    return functools.partial(ragged_paged_attention, block_q=block_q, block_pages=block_pages,
-                             interpret=options.attention == "interpret")
+
+    def run(q: jax.Array, pool: jax.Array, kv_lens: jax.Array, table: jax.Array) -> jax.Array:
+        return attend(q, pool, q_lens, kv_lens, table, plan, block_pages=block_pages,
+                      interpret=options.attention == "interpret",
+                      unroll_dma=options.unroll_dma)
+
+    return run
+
+
+def _reference(q: jax.Array, pool: jax.Array, kv_lens: jax.Array, table: jax.Array, *,
+               q_lens: jax.Array) -> jax.Array:
+    return ragged_attention_reference(q, pool, q_lens, kv_lens, table)
 
 
 def _layer(x: jax.Array, layer: Params, pool: jax.Array, positions: jax.Array,
@@ -92,9 +106,10 @@ def _layer(x: jax.Array, layer: Params, pool: jax.Array, positions: jax.Array,
     tokens = x.shape[0]
     nh, nkv, d = config.num_heads, config.num_kv_heads, config.head_dim
     h = rms_norm(x, layer["attn_norm"], config.rms_eps)
-    q = project(h, layer, "wq", "bq").reshape(1, tokens, nh, d)
-    k = project(h, layer, "wk", "bk").reshape(1, tokens, nkv, d)
-    v = project(h, layer, "wv", "bv").reshape(tokens, nkv, d)
+    q, k, v = qkv(h, layer, config)
+    q = q.reshape(1, tokens, nh, d)
+    k = k.reshape(1, tokens, nkv, d)
+    v = v.reshape(tokens, nkv, d)
     if "q_norm" in layer:
         q = rms_norm(q, layer["q_norm"], config.rms_eps)
         k = rms_norm(k, layer["k_norm"], config.rms_eps)
@@ -107,7 +122,7 @@ def _layer(x: jax.Array, layer: Params, pool: jax.Array, positions: jax.Array,
     h = rms_norm(x, layer["mlp_norm"], config.rms_eps)
     if "router" in layer:
         return x + experts(h, layer, config), pool
-    return x + (jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])) @ layer["w_down"], pool
+    return x + mlp(h, layer), pool
 
 
 @functools.partial(jax.jit, static_argnames=("options", "sampler"), donate_argnames=("kv",))
@@ -127,7 +142,7 @@ def step(
     ``top_k``, ``top_p``, ``seeds``, ``steps`` and ``bitmask``; else empty. Returns
     ``(tokens [S], logprobs [S])`` or ``(logits [S, V],)``, and the pool."""
     config = options.config
-    n_tokens, n_seqs = tokens.shape[0], q_lens.shape[0]
+    n_tokens = tokens.shape[0]
     page_size = kv[0].shape[1]
     seq, k = token_sequences(q_lens, n_tokens)
     real = jnp.arange(n_tokens) < jnp.sum(q_lens)
@@ -135,15 +150,15 @@ def step(
     slot = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
     write_page = jnp.where(real, page_table[seq, slot], NULL_PAGE)
     write_off = jnp.where(real, positions % page_size, 0)
-    attention = attention_fn(options, n_tokens, n_seqs, page_size, kv[0].dtype)
+    attention = attention_fn(options, q_lens, n_tokens, page_size, kv[0].dtype)
 
-    def attend(q: jax.Array, pool: jax.Array) -> jax.Array:
-        return attention(q, pool, q_lens, kv_lens, page_table)
+    def attend_layer(q: jax.Array, pool: jax.Array) -> jax.Array:
+        return attention(q, pool, kv_lens, page_table)
 
     x = params["embed"][tokens]
     new_kv = []
     for layer, pool in zip(params["layers"], kv, strict=True):
-        x, pool = _layer(x, layer, pool, positions, write_page, write_off, attend, config)
+        x, pool = _layer(x, layer, pool, positions, write_page, write_off, attend_layer, config)
         new_kv.append(pool)
     last = jnp.clip(jnp.cumsum(q_lens) - 1, 0, n_tokens - 1)
     h = rms_norm(x[last], params["final_norm"], config.rms_eps)
@@ -155,3 +170,21 @@ def step(
         return greedy_tokens(logits, None), new_kv
     return sample_tokens(logits, sampling["temperature"], sampling["top_k"], sampling["top_p"],
                          sampling["seeds"], sampling["steps"], sampling["bitmask"]), new_kv
+
+
+def compile_step(params: Params, kv: list[jax.ShapeDtypeStruct], tokens: int, seqs: int,
+                 width: int, options: StepOptions) -> None:
+    """Compile into ``EXECUTABLES``, without running, the step for ``tokens`` new tokens of
+    ``seqs`` sequences over a ``width``-page table, with each sampler that samples on the
+    device."""
+
+    def i32(*shape: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+    args = (params, kv, i32(tokens), i32(seqs), i32(seqs), i32(seqs, width))
+    f32 = jax.ShapeDtypeStruct((seqs,), jnp.float32)
+    sampling = {"temperature": f32, "top_k": i32(seqs), "top_p": f32,
+                "seeds": jax.ShapeDtypeStruct((seqs,), jnp.uint32), "steps": i32(seqs),
+                "bitmask": i32(seqs, bitmask_words(options.config.vocab_size))}
+    EXECUTABLES.compile(step, {"options": options, "sampler": "greedy"}, *args, {})
+    EXECUTABLES.compile(step, {"options": options, "sampler": "sample"}, *args, sampling)

