@@ -1,0 +1,203 @@
+"""The accelerator's step on a CPU: pd_fsm's ragged paged attention kernel (Pallas interpret
+mode) against its XLA reference, the fused step against the chain of jitted calls, and the
+scheduler on the accelerator's backend choices against the CPU's.
+
+On a TPU the kernel tests compile the kernel for the chip instead (``interpret`` follows the
+backend) and run there; ``bench/bench_engine.py``'s kernel check does the same at the served
+shapes."""
+
+from __future__ import annotations
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pd_fsm.jax_engine import backend
+from pd_fsm.jax_engine.attention.ragged_paged import decode_block_q, ragged_paged_attention
+from pd_fsm.jax_engine.attention.reference import ragged_attention_reference
+from pd_fsm.jax_engine.compilation.executables import EXECUTABLES
+from pd_fsm.jax_engine.kv.pool import allocate_kv_pool
+from pd_fsm.jax_engine.model import TINY, LoadedModel, decode, extend
+from pd_fsm.jax_engine.model.params import fuse_projections, random_params
+from pd_fsm.jax_engine.sampling.params import SamplingParams
+from pd_fsm.jax_engine.step.program import StepOptions, step
+from pd_fsm.schedulers import Scheduler, SchedulerArgs
+from pd_fsm.text.tokenizer import CharTokenizer
+
+INTERPRET = jax.default_backend() != "tpu"
+PAGE = 16
+
+
+def _case(nh: int, nkv: int, d: int, dtype: str, q_lens: list[int], kv_lens: list[int],
+          seqs: int, tokens: int, seed: int = 0) -> tuple[jax.Array, ...]:
+    """A pool of random pages, each sequence's pages drawn at random, random queries."""
+    rng = np.random.default_rng(seed)
+    pages = 48
+    pool = jnp.asarray(rng.standard_normal((pages, PAGE, 2 * nkv * d)), dtype)
+    q_l = np.zeros(seqs, np.int32)
+    kv_l = np.zeros(seqs, np.int32)
+    q_l[: len(q_lens)], kv_l[: len(kv_lens)] = q_lens, kv_lens
+    table = np.zeros((seqs, 8), np.int32)
+    free = list(rng.permutation(np.arange(1, pages)))
+    for s, n in enumerate(kv_lens):
+        for j in range(-(-n // PAGE)):
+            table[s, j] = free.pop()
+    q = jnp.asarray(rng.standard_normal((tokens, nh, d)), dtype)
+    return q, pool, jnp.asarray(q_l), jnp.asarray(kv_l), jnp.asarray(table)
+
+
+# heads, kv-heads, head_dim, dtype, q_lens, kv_lens, padded sequences, padded tokens
+CASES = [
+    # decode rows: one of a single token, several pages, a page boundary; a padding sequence
+    (4, 2, 128, "float32", [1, 1, 1], [1, 100, 33], 4, 4),
+    # a prompt over several work items and blocks, a chunk after cached context, a decode row
+    (4, 2, 128, "float32", [20, 8, 1], [20, 50, 40], 3, 32),
+    # head_dim 64 (a kv-head's K and V in one 128-lane slot), 3 query heads per kv-head (the
+    # count JAX's kernel refuses: SmolLM2's), bf16
+    (9, 3, 64, "bfloat16", [17, 1, 5], [17, 70, 128], 4, 28),
+    (8, 8, 64, "float32", [1, 12], [9, 60], 2, 16),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"h{c[0]}-kv{c[1]}-d{c[2]}-{c[3]}")
+@pytest.mark.parametrize("unroll_dma", [False, True])
+def test_the_kernel_equals_the_reference(case: tuple, unroll_dma: bool) -> None:  # type: ignore[type-arg]
+    nh, nkv, d, dtype, q_lens, kv_lens, seqs, tokens = case
+    q, pool, q_l, kv_l, table = _case(nh, nkv, d, dtype, q_lens, kv_lens, seqs, tokens)
+    block_q = decode_block_q(nh // nkv, dtype)
+    got = ragged_paged_attention(q, pool, q_l, kv_l, table, block_q=block_q, block_pages=2,
+                                 interpret=INTERPRET, unroll_dma=unroll_dma)
+    with jax.default_matmul_precision("highest"):
+        ref = ragged_attention_reference(q, pool, q_l, kv_l, table)
+    n = sum(q_lens)
+    tolerance = 2e-2 if dtype == "bfloat16" else 1e-5  # bf16: p is rounded before p @ V
+    np.testing.assert_allclose(np.asarray(got[:n], np.float32), np.asarray(ref[:n], np.float32),
+                               atol=tolerance, rtol=tolerance)
+    # Padding tokens come back as zeros: their K/V lands in the null page, which every path that
+    # reads it masked needs finite.
+    assert not np.any(np.asarray(got[n:], np.float32))
+
+
+def test_a_larger_query_block_gives_the_same_answer() -> None:
+    q, pool, q_l, kv_l, table = _case(4, 2, 128, "float32", [20, 8, 1], [20, 50, 40], 3, 32)
+    small = ragged_paged_attention(q, pool, q_l, kv_l, table, block_q=8, block_pages=1,
+                                   interpret=INTERPRET)
+    large = ragged_paged_attention(q, pool, q_l, kv_l, table, block_q=16, block_pages=3,
+                                   interpret=INTERPRET)
+    np.testing.assert_allclose(np.asarray(small[:29]), np.asarray(large[:29]), atol=1e-5)
+
+
+def test_a_block_size_that_does_not_tile_is_refused() -> None:
+    q, pool, q_l, kv_l, table = _case(9, 3, 64, "bfloat16", [1], [5], 1, 1)
+    with pytest.raises(ValueError, match="does not tile"):
+        ragged_paged_attention(q, pool, q_l, kv_l, table, block_q=8, block_pages=1,
+                               interpret=INTERPRET)
+
+
+def _model(head_dim: int = 64) -> LoadedModel:
+    config = attrs.evolve(TINY, head_dim=head_dim, num_heads=4, num_kv_heads=2)
+    return LoadedModel(f"tiny-d{head_dim}", config, random_params(config, 0),
+                       CharTokenizer(256, eos_token_id=0))
+
+
+@pytest.mark.parametrize("attention", ["reference", "interpret"])
+def test_the_fused_step_gives_the_chains_logits(attention: str) -> None:
+    """Two prompts prefilled in one ragged step, then two decode steps: the last tokens'
+    logits equal the chain's (model/forward.py), the KV written where the chain writes it."""
+    model = _model()
+    config, params = model.config, model.params
+    pool = config.kv_pool_config(24, PAGE)
+    chain_kv = allocate_kv_pool(pool)
+    fused_kv = allocate_kv_pool(attrs.evolve(pool, lanes=True, bf16_bits=False))
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, 256, 5), rng.integers(1, 256, 19)]
+    table = np.zeros((2, 4), np.int32)
+    table[0, :1], table[1, :2] = [3], [7, 1]
+    tokens = np.zeros((2, 32), np.int32)
+    tokens[0, :5], tokens[1, :19] = prompts
+    options = StepOptions(config, attention=attention)  # type: ignore[arg-type]
+
+    want, chain_kv = extend(params, chain_kv, jnp.asarray(tokens), jnp.zeros(2, jnp.int32),
+                            jnp.asarray([5, 19], jnp.int32), jnp.asarray(table), config=config)
+    ragged = np.zeros(32, np.int32)
+    ragged[:5], ragged[5:24] = prompts
+    lens = jnp.asarray([5, 19], jnp.int32)
+    (got,), fused_kv = step(params, fused_kv, jnp.asarray(ragged), lens, lens,
+                            jnp.asarray(table), {}, options=options, sampler="logits")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
+    for position, fed in ((5, [11, 12]), (6, [13, 14])):
+        start = jnp.asarray([position, position + 14], jnp.int32)
+        want, chain_kv = decode(params, chain_kv, jnp.asarray(fed, jnp.int32), start,
+                                jnp.asarray(table), start + 1, config=config)
+        (got,), fused_kv = step(params, fused_kv, jnp.asarray(fed, jnp.int32),
+                                jnp.ones(2, jnp.int32), start + 1, jnp.asarray(table), {},
+                                options=options, sampler="logits")
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
+    used = [3, 7, 1]  # the null page aside: padding writes there, each path its own values
+    for a, b in zip(chain_kv, fused_kv, strict=True):
+        np.testing.assert_allclose(np.asarray(a).reshape(b.shape)[used], np.asarray(b)[used],
+                                   atol=1e-5)
+    (sampled, logprobs), _ = step(params, fused_kv, jnp.asarray([1, 2], jnp.int32),
+                                  jnp.ones(2, jnp.int32), jnp.asarray([8, 22], jnp.int32),
+                                  jnp.asarray(table), {}, options=options, sampler="greedy")
+    assert sampled.shape == logprobs.shape == (2,) and np.all(np.asarray(logprobs) <= 0)
+
+
+def test_fused_projections_give_the_same_step() -> None:
+    model = _model(head_dim=128)
+    config = model.config
+    options = StepOptions(config, attention="reference")
+    pool = attrs.evolve(config.kv_pool_config(8, PAGE), lanes=True, bf16_bits=False)
+    args = (jnp.arange(1, 9, dtype=jnp.int32), jnp.asarray([8], jnp.int32),
+            jnp.asarray([8], jnp.int32), jnp.asarray([[2]], jnp.int32), {})
+    (a,), _ = step(model.params, allocate_kv_pool(pool), *args, options=options,
+                   sampler="logits")
+    fused = fuse_projections(model.params)
+    assert "wqkv" in fused["layers"][0] and "wq" not in fused["layers"][0]
+    (b,), _ = step(fused, allocate_kv_pool(pool), *args, options=options, sampler="logits")
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+PROMPTS = ["hello world, this is a test of the fused step", "short", "x" * 40,
+           "another prompt here"]
+
+
+def _generate(sched: Scheduler, penalized: bool = False) -> dict[str, list[int]]:
+    for i, prompt in enumerate(PROMPTS):
+        sp = SamplingParams(max_new_tokens=10, temperature=0.0 if i % 2 == 0 else 0.8, seed=7,
+                            repetition_penalty=1.3 if penalized and i == 1 else 1.0)
+        sched.add_request(sched.make_request(f"r{i}", prompt, sp))
+    out: dict[str, list[int]] = {}
+    for o in sched.run_until_idle():
+        out.setdefault(o.rid, []).extend(o.new_token_ids)
+    return out
+
+
+def test_the_scheduler_on_the_accelerators_choices_answers_as_on_the_cpus() -> None:
+    """The same requests (greedy and seeded sampling, prompts chunked by a 32-token budget)
+    through the scheduler twice: the chain over the heads pool, and the accelerator's fused step
+    over a lanes pool (attention by the XLA reference, so that this stays quick). Equal tokens;
+    after its warm-up the fused scheduler compiles nothing; a penalized request (whose choice
+    needs the logits on the host) takes the chain on the same pool and still answers alike."""
+    model = _model()
+    args = SchedulerArgs(model="tiny", num_pages=64, page_size=PAGE, max_running=4,
+                         max_batched_tokens=32, context_length=128)
+    chain = _generate(Scheduler(args, model=model))
+    chain_penalized = _generate(Scheduler(args, model=model), penalized=True)
+    with backend.using(backend.accelerator_on_cpu("reference")):
+        sched = Scheduler(args, model=model)
+        assert sched.pool_config.lanes and sched.runner.backend.fused_step
+        sched.warm_up()
+        built = EXECUTABLES.stats().built
+        assert _generate(sched) == chain
+        assert EXECUTABLES.stats().built == built
+        assert all(shape[0] == "step" for shape in sched.forward_shapes)
+        assert _generate(Scheduler(args, model=model), penalized=True) == chain_penalized
+
+
+def test_tensor_parallel_instances_keep_the_chain() -> None:
+    accel = backend.accelerator_on_cpu()
+    assert accel.for_tp(1).fused_step and accel.for_tp(1).kv_lanes
+    assert not accel.for_tp(2).fused_step and not accel.for_tp(2).kv_lanes
