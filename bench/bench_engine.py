@@ -145,6 +145,13 @@ class Fused:
         lens, pages = jnp.asarray(kv_lens), jnp.asarray(table)
         current = jnp.asarray(tokens)
         previous = None
+        # Warm: a device-resident input is placed otherwise than an uploaded one, and the
+        # program compiles again for it.
+        (warm, _), self.kv = step(self.params, self.kv, current, q, lens, pages, {},
+                                  options=self.options, sampler="greedy")
+        (warm, _), self.kv = step(self.params, self.kv, warm, q, lens, pages, {},
+                                  options=self.options, sampler="greedy")
+        np.asarray(warm)
         start = time.perf_counter()
         for _ in range(steps):
             (current, _), self.kv = step(self.params, self.kv, current, q, lens, pages, {},

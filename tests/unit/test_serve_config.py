@@ -16,11 +16,13 @@ from pd_fsm.io_trio.worker.config import ServeConfig, config_from_args
 
 
 def test_constants_mirror_their_sources() -> None:
-    from pd_fsm.jax_engine.model.registry import MODEL_NAMES
+    from pd_fsm.jax_engine.model.dummy import SHAPE_NAMES
+    from pd_fsm.jax_engine.model.registry import LOAD_FORMATS, MODEL_NAMES
     from pd_fsm.schedulers.args import DISAGGREGATION_MODES, KV_DTYPES
     from pd_fsm.schedulers.disaggregation.args import FAILURE_POLICIES
 
     assert cfg.MODEL_NAMES == MODEL_NAMES
+    assert cfg.LOAD_FORMATS == LOAD_FORMATS and cfg.SHAPE_NAMES == SHAPE_NAMES
     assert cfg.DISAGGREGATION_MODES == DISAGGREGATION_MODES
     assert cfg.FAILURE_POLICIES == FAILURE_POLICIES
     assert cfg.DTYPES == KV_DTYPES
@@ -42,11 +44,12 @@ def test_every_flag_reaches_the_config(tmp_path: Path) -> None:
         "--warmup", "minimal", "--compilation-cache-dir", str(tmp_path / "xla"),
         "--disaggregation-pull-workers", "4", "--transfer-nice", "-5",
         "--advertise-host", "10.0.0.2", "--disaggregation-kv-checksum",
+        "--load-format", "dummy",
     ])
     c = config_from_args(args)
     assert c == ServeConfig(
         host="127.0.0.1", port=31000, advertise_host="10.0.0.2", model="tiny",
-        served_model_name="m",
+        load_format="dummy", served_model_name="m",
         disaggregation_mode="decode", num_pages=300, page_size=8, max_running=3,
         max_batched_tokens=512, context_length=900,
         disaggregation_bootstrap_host="10.0.0.1", disaggregation_bootstrap_port=9001,
@@ -60,8 +63,8 @@ def test_every_flag_reaches_the_config(tmp_path: Path) -> None:
     )
     assert c.cluster_secret() == b"s3cret"
     sa = c.scheduler_args()
-    assert (sa.num_pages, sa.page_size, sa.context_length, sa.disaggregation_mode) == (
-        300, 8, 900, "decode")
+    assert (sa.num_pages, sa.page_size, sa.context_length, sa.disaggregation_mode,
+            sa.load_format) == (300, 8, 900, "decode", "dummy")
     from pd_fsm.io_trio.worker.pd_backends import disaggregation_args
 
     da = disaggregation_args(c)

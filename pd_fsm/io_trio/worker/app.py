@@ -130,7 +130,8 @@ class WorkerApp:
         if self.state.meta is None:
             c = self.config
             model = await trio.to_thread.run_sync(
-                load_model, c.model, c.dtype, c.model_seed, abandon_on_cancel=True
+                load_model, c.model, c.dtype, c.model_seed, c.load_format,
+                abandon_on_cancel=True
             )
             self.state.meta = ModelMeta.of(model, c)
 

@@ -58,6 +58,7 @@ class ServeConfig:
     chat_template: str | None = attrs.field(default=None, repr=False)
     # -- scheduler (SchedulerArgs)
     model: str = "smollm2"
+    load_format: str = "auto"  # "dummy": random weights at the model's shape
     dtype: str = "float32"
     kv_dtype: str | None = None  # the KV cache's (--kv-dtype); None: ``dtype``
     model_seed: int = 0

@@ -26,6 +26,10 @@ from pd_fsm.io_trio.tls import tls_flags
 # pd_fsm.schedulers.disaggregation.args.FAILURE_POLICIES (a test keeps them equal): importing
 # those pulls in JAX, and `pd-fsm --help` / `pd-fsm spec` must not pay for that.
 MODEL_NAMES = ("smollm2", "tiny")
+# pd_fsm.jax_engine.model.registry.LOAD_FORMATS, and the shapes of jax_engine/model/configs/
+# (dummy.SHAPE_NAMES), served with --load-format dummy.
+LOAD_FORMATS = ("auto", "dummy")
+SHAPE_NAMES = ("llama-3.2-1b", "llama-3.2-3b", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 DTYPES = ("float32", "bfloat16")
 FAILURE_POLICIES = ("fail", "recompute")
@@ -36,12 +40,13 @@ WARMUP_MODES = ("full", "minimal")
 
 
 def model_arg(value: str) -> str:
-    """``--model``: a known name or a checkpoint directory (argparse turns the error into its
-    usage message)."""
-    if value in MODEL_NAMES or Path(value).is_dir():
+    """``--model``: a known name, a published shape (random weights: ``--load-format dummy``)
+    or a checkpoint directory (argparse turns the error into its usage message)."""
+    if value in MODEL_NAMES or value in SHAPE_NAMES or Path(value).is_dir():
         return value
     raise argparse.ArgumentTypeError(
-        f"unknown model {value!r} (expected {', '.join(MODEL_NAMES)} or a checkpoint directory)"
+        f"unknown model {value!r} (expected {', '.join(MODEL_NAMES)}, a checkpoint directory, "
+        f"or with --load-format dummy {', '.join(SHAPE_NAMES)})"
     )
 
 
@@ -155,6 +160,12 @@ _MODEL = (
                "agree (a D refuses a P of another --kv-dtype by name)"),
          doc=("the KV cache's dtype: pool, gather, transfer and scatter (see \"KV dtype\"). P "
               "and D must have the same `--kv-dtype`")),
+    Flag("--load-format", "auto = the model's weights; dummy = random weights at its shape",
+         choices=LOAD_FORMATS, sglang="--load-format", doc=(
+        "`auto`: the model's own weights; `dummy`: random weights at its shape (vLLM's and "
+        "sglang's name), for measuring a model without its checkpoint: `--model` may then also "
+        "be a published shape (" + ", ".join(f"`{n}`" for n in SHAPE_NAMES) + "), or a "
+        "checkpoint directory of which only `config.json` is read")),
     Flag("--model-seed", "tiny model weights", doc="seed of the random `tiny` model's weights"),
     Flag("--warmup", choices=WARMUP_MODES, env="PD_FSM_WARMUP", help=(
         "before ready: full = compile every shape the scheduler can run (default, or "

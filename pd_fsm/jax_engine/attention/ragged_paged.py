@@ -87,6 +87,137 @@ def _items(q_lens: jax.Array, n_items: int, block_q: int
     return seq.astype(jnp.int32), q0.astype(jnp.int32), end[-1:].astype(jnp.int32), start
 
 
+@attrs.frozen
+class _Shape:
+    """The kernel's static shape: what one compiled kernel is built for."""
+
+    nkv: int
+    head_dim: int
+    block_q: int
+    block_pages: int
+    pages_per_seq: int
+    scale: float
+    unroll_dma: bool
+
+
+class _Refs:
+    """One kernel invocation's refs, and what it does with them: where an item's keys are,
+    the DMAs that bring its pages into VMEM, and the online softmax over a block of them."""
+
+    def __init__(self, shape: _Shape, item_seq: Any, item_q0: Any, q_lens: Any, kv_lens: Any,
+                 table: Any, q: Any, pool: Any, buf: Any, sem: Any, m: Any, denom: Any,
+                 acc: Any) -> None:
+        self.shape = shape
+        self.item_seq, self.item_q0, self.q_lens, self.kv_lens = item_seq, item_q0, q_lens, kv_lens
+        self.table, self.q, self.pool, self.buf, self.sem = table, q, pool, buf, sem
+        self.m, self.denom, self.acc = m, denom, acc
+        self.page_size = buf.shape[2]
+        self.rows, self.width = q.shape[1], q.shape[2]
+        self.block_tokens = shape.block_pages * self.page_size
+
+    def span(self, item: Any) -> tuple[Any, Any, Any, Any, Any]:
+        """An item's sequence, first query, the sequence's new and context lengths, and the
+        keys its queries see (positions below the block's last query's, and its own)."""
+        seq = self.item_seq[item]
+        q0 = self.item_q0[item]
+        q_len = self.q_lens[seq]
+        kv_len = self.kv_lens[seq]
+        return seq, q0, q_len, kv_len, kv_len - q_len + jnp.minimum(q0 + self.shape.block_q,
+                                                                    q_len)
+
+    def pages(self, kv_end: Any) -> Any:
+        return (kv_end + self.page_size - 1) // self.page_size
+
+    def _copy(self, seq: Any, block: Any, p: Any, slot: Any) -> Any:
+        shape = self.shape
+        j = block * shape.block_pages + p
+        page = self.table[seq * shape.pages_per_seq + jnp.minimum(j, shape.pages_per_seq - 1)]
+        return pltpu.make_async_copy(self.pool.at[page], self.buf.at[slot, p],
+                                     self.sem.at[slot])
+
+    def each_page(self, seq: Any, n_pages: Any, block: Any, slot: Any, act: str) -> None:
+        """Start (or wait for) the DMA of every page of the block that holds context."""
+        block_pages = self.shape.block_pages
+        count = jnp.minimum(block_pages, n_pages - block * block_pages)
+        if self.shape.unroll_dma:
+            for p in range(block_pages):
+                pl.when(p < count)(getattr(self._copy(seq, block, p, slot), act))
+            return
+
+        def body(p: Any, carry: Any) -> Any:
+            getattr(self._copy(seq, block, p, slot), act)()
+            return carry
+
+        jax.lax.fori_loop(0, count, body, 0)
+
+    def item(self, i: Any, n_items: Any, slot: Any) -> Any:
+        """Fold work item ``i``'s keys, block by block, the next block's DMAs started before
+        the current one is waited for (the next item's first during this one's last). Its first
+        block is in (or on its way to) buffer ``slot``; returns the buffer the next item's
+        first block goes to."""
+        shape = self.shape
+        seq, q0, q_len, kv_len, kv_end = self.span(i)
+        n_pages = self.pages(kv_end)
+        n_blocks = (n_pages + shape.block_pages - 1) // shape.block_pages
+        # Row g * BQ + t of the item's block holds its query t. Masks are built at full shape:
+        # Mosaic lays out [n, 1] columns poorly.
+        grid = (self.rows, self.block_tokens)
+        q_pos = kv_len - q_len + q0 + (
+            jax.lax.broadcasted_iota(jnp.int32, grid, 0) & (shape.block_q - 1))
+        key = jax.lax.broadcasted_iota(jnp.int32, grid, 1)
+        held_key = jax.lax.broadcasted_iota(jnp.int32, (self.block_tokens, self.width), 0)
+
+        def body(block: Any, slot: Any) -> Any:
+            nxt = 1 - slot
+
+            @pl.when(block + 1 < n_blocks)
+            def _prefetch_own() -> None:
+                self.each_page(seq, n_pages, block + 1, nxt, "start")
+
+            @pl.when(jnp.logical_and(block + 1 == n_blocks, i + 1 < n_items))
+            def _prefetch_next_item() -> None:
+                next_seq, _, _, _, next_end = self.span(i + 1)
+                self.each_page(next_seq, self.pages(next_end), 0, nxt, "start")
+
+            self.each_page(seq, n_pages, block, slot, "wait")
+            first = block * self.block_tokens
+            k_pos = first + key
+            self.fold(slot, jnp.logical_and(k_pos <= q_pos, k_pos < kv_len),
+                      first + held_key < kv_end)
+            return nxt
+
+        return jax.lax.fori_loop(0, n_blocks, body, slot)
+
+    def fold(self, slot: Any, visible: Any, held: Any) -> None:
+        """Fold the block of keys in buffer ``slot`` into every kv-head's running softmax:
+        ``visible [rows, keys]`` says which each query sees, ``held [keys, W]`` which hold
+        fetched context (the rest is stale or never-written VMEM, kept out of the sums: 0 * NaN
+        is NaN)."""
+        shape, width, rows, tokens = self.shape, self.width, self.rows, self.block_tokens
+        for h in range(shape.nkv):
+            lane = 2 * h * shape.head_dim
+            k = self.buf[slot, :, :, pl.ds(lane, width)].reshape(tokens, width)
+            v = k if width != shape.head_dim else self.buf[
+                slot, :, :, pl.ds(lane + shape.head_dim, width)].reshape(tokens, width)
+            v = jnp.where(held, v, jnp.zeros_like(v))
+            q = self.q[h].astype(k.dtype)
+            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32) * shape.scale
+            s = jnp.where(visible, s, _MASK)
+            m_cur = jnp.max(s, axis=1, keepdims=True)
+            p = jnp.exp(s - m_cur)
+            l_cur = jnp.broadcast_to(jnp.sum(p, axis=1, keepdims=True), (rows, _LANES))
+            m_cur = jnp.broadcast_to(m_cur, (rows, _LANES))
+            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            m_prev = self.m[h]
+            m_next = jnp.maximum(m_prev, m_cur)
+            alpha = jnp.exp(m_prev - m_next)
+            beta = jnp.exp(m_cur - m_next)
+            self.denom[h] = alpha * self.denom[h] + beta * l_cur
+            self.m[h] = m_next
+            self.acc[h] = _lanes(alpha, width) * self.acc[h] + _lanes(beta, width) * pv
+
+
 def _kernel(
     # scalar prefetch (SMEM)
     item_seq_ref: Any, item_q0_ref: Any, q_lens_ref: Any, kv_lens_ref: Any, table_ref: Any,
@@ -103,125 +234,27 @@ def _kernel(
     m_ref: Any, l_ref: Any,  # VMEM [Nkv, G * BQ, 128] f32: running max and denominator
     acc_ref: Any,  # VMEM [Nkv, G * BQ, W] f32
     *,
-    nkv: int, head_dim: int, block_q: int, block_pages: int, pages_per_seq: int, scale: float,
-    unroll_dma: bool,
+    shape: _Shape,
 ) -> None:
-    page_size = buf_ref.shape[2]
-    rows = q_ref.shape[1]
-    width = q_ref.shape[2]
-    paired = width != head_dim
-    block_tokens = block_pages * page_size
+    r = _Refs(shape, item_seq_ref, item_q0_ref, q_lens_ref, kv_lens_ref, table_ref, q_ref,
+              pool_ref, buf_ref, sem_ref, m_ref, l_ref, acc_ref)
     i = pl.program_id(0)
     n_items = n_items_ref[0]
 
-    def span(item: Any) -> tuple[Any, Any, Any, Any, Any]:
-        """An item's sequence, first query, the sequence's new and context lengths, and the
-        keys its queries see (positions below the block's last query's, and its own)."""
-        seq = item_seq_ref[item]
-        q0 = item_q0_ref[item]
-        q_len = q_lens_ref[seq]
-        kv_len = kv_lens_ref[seq]
-        return seq, q0, q_len, kv_len, kv_len - q_len + jnp.minimum(q0 + block_q, q_len)
-
-    def pages(kv_end: Any) -> Any:
-        return (kv_end + page_size - 1) // page_size
-
-    def copy(seq: Any, block: Any, p: Any, slot: Any) -> Any:
-        j = block * block_pages + p
-        page = table_ref[seq * pages_per_seq + jnp.minimum(j, pages_per_seq - 1)]
-        return pltpu.make_async_copy(pool_ref.at[page], buf_ref.at[slot, p], sem_ref.at[slot])
-
-    def each_page(seq: Any, n_pages: Any, block: Any, slot: Any, act: str) -> None:
-        """Start (or wait for) the DMA of every page of the block that holds context."""
-        count = jnp.minimum(block_pages, n_pages - block * block_pages)
-        if unroll_dma:
-            for p in range(block_pages):
-                pl.when(p < count)(getattr(copy(seq, block, p, slot), act))
-            return
-
-        def body(p: Any, carry: Any) -> Any:
-            getattr(copy(seq, block, p, slot), act)()
-            return carry
-
-        jax.lax.fori_loop(0, count, body, 0)
-
-    def start(seq: Any, n_pages: Any, block: Any, slot: Any) -> None:
-        each_page(seq, n_pages, block, slot, "start")
-
-    def wait(seq: Any, n_pages: Any, block: Any, slot: Any) -> None:
-        each_page(seq, n_pages, block, slot, "wait")
-
     @pl.when(jnp.logical_and(i == 0, n_items > 0))
     def _first_fetch() -> None:
-        seq, _, _, _, kv_end = span(0)
+        seq, _, _, _, kv_end = r.span(0)
         slot_ref[0] = 0
-        start(seq, pages(kv_end), 0, 0)
+        r.each_page(seq, r.pages(kv_end), 0, 0, "start")
 
     @pl.when(i < n_items)
     def _item() -> None:
-        seq, q0, q_len, kv_len, kv_end = span(i)
-        n_pages = pages(kv_end)
-        n_blocks = (n_pages + block_pages - 1) // block_pages
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-        # Row g * BQ + t of the item's block holds its query t. Masks are built at full shape:
-        # Mosaic lays out [n, 1] columns poorly.
-        t = jax.lax.broadcasted_iota(jnp.int32, (rows, block_tokens), 0) & (block_q - 1)
-        q_pos = kv_len - q_len + q0 + t
-        key = jax.lax.broadcasted_iota(jnp.int32, (rows, block_tokens), 1)
-        held_key = jax.lax.broadcasted_iota(jnp.int32, (block_tokens, width), 0)
-
-        def body(block: Any, slot: Any) -> Any:
-            nxt = 1 - slot
-
-            @pl.when(block + 1 < n_blocks)
-            def _prefetch_own() -> None:
-                start(seq, n_pages, block + 1, nxt)
-
-            @pl.when(jnp.logical_and(block + 1 == n_blocks, i + 1 < n_items))
-            def _prefetch_next_item() -> None:
-                next_seq, _, _, _, next_end = span(i + 1)
-                start(next_seq, pages(next_end), 0, nxt)
-
-            wait(seq, n_pages, block, slot)
-            first = block * block_tokens
-            k_pos = first + key
-            visible = jnp.logical_and(k_pos <= q_pos, k_pos < kv_len)  # [rows, keys]
-            # Pages no query of the item sees are not fetched: their slots hold stale or
-            # never-written VMEM, which must not reach the sums (0 * NaN is NaN).
-            held = first + held_key < kv_end
-            for h in range(nkv):
-                lane = 2 * h * head_dim
-                if paired:
-                    kv = buf_ref[slot, :, :, pl.ds(lane, width)].reshape(block_tokens, width)
-                    k = v = kv
-                else:
-                    k = buf_ref[slot, :, :, pl.ds(lane, width)].reshape(block_tokens, width)
-                    v = buf_ref[slot, :, :, pl.ds(lane + head_dim, width)].reshape(
-                        block_tokens, width)
-                v = jnp.where(held, v, jnp.zeros_like(v))
-                q = q_ref[h].astype(k.dtype)
-                s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                        preferred_element_type=jnp.float32) * scale
-                s = jnp.where(visible, s, _MASK)
-                m_cur = jnp.max(s, axis=1, keepdims=True)
-                p = jnp.exp(s - m_cur)
-                l_cur = jnp.broadcast_to(jnp.sum(p, axis=1, keepdims=True), (rows, _LANES))
-                m_cur = jnp.broadcast_to(m_cur, (rows, _LANES))
-                pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-                m_prev = m_ref[h]
-                m_next = jnp.maximum(m_prev, m_cur)
-                alpha = jnp.exp(m_prev - m_next)
-                beta = jnp.exp(m_cur - m_next)
-                l_ref[h] = alpha * l_ref[h] + beta * l_cur
-                m_ref[h] = m_next
-                acc_ref[h] = _lanes(alpha, width) * acc_ref[h] + _lanes(beta, width) * pv
-            return nxt
-
-        slot_ref[0] = jax.lax.fori_loop(0, n_blocks, body, slot_ref[0])
-        for h in range(nkv):
-            o_ref[h] = (acc_ref[h] / _lanes(l_ref[h], width)).astype(o_ref.dtype)
+        slot_ref[0] = r.item(i, n_items, slot_ref[0])
+        for h in range(shape.nkv):
+            o_ref[h] = (acc_ref[h] / _lanes(l_ref[h], r.width)).astype(o_ref.dtype)
 
 
 def _lanes(x: Any, width: int) -> Any:
@@ -272,6 +305,41 @@ jax.tree_util.register_dataclass(
     meta_fields=["block_q"])
 
 
+def _call(shape: _Shape, q_items: jax.Array, pool: jax.Array, plan: ItemPlan,
+          q_lens: jax.Array, kv_lens: jax.Array, page_table: jax.Array, interpret: bool,
+          vmem_limit_bytes: int) -> jax.Array:
+    """The ``pallas_call``: a grid step per work item, the queries' blocks in VMEM, the pool in
+    HBM, two VMEM buffers of ``block_pages`` pages and the softmax's running state."""
+    rows, width = q_items.shape[1] // plan.item_seq.shape[0], q_items.shape[2]
+    block = pl.BlockSpec((shape.nkv, rows, width), lambda i, *_: (0, i, 0))
+    page_size = pool.shape[1]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=6,
+        grid=(plan.item_seq.shape[0],),
+        in_specs=[block, pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=block,
+        scratch_shapes=[
+            pltpu.VMEM((2, shape.block_pages, page_size, pool.shape[2]), pool.dtype),
+            pltpu.SemaphoreType.DMA((2,)),
+            pltpu.SMEM((1,), jnp.int32),
+            pltpu.VMEM((shape.nkv, rows, _LANES), jnp.float32),
+            pltpu.VMEM((shape.nkv, rows, _LANES), jnp.float32),
+            pltpu.VMEM((shape.nkv, rows, width), jnp.float32),
+        ],
+    )
+    out: jax.Array = pl.pallas_call(
+        functools.partial(_kernel, shape=shape),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(q_items.shape, q_items.dtype),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",), vmem_limit_bytes=vmem_limit_bytes),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="pd_fsm_ragged_paged_attention",
+    )(plan.item_seq, plan.item_q0, q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
+      page_table.reshape(-1).astype(jnp.int32), plan.n_real, q_items, pool)
+    return out
+
+
 def attend(
     q: jax.Array,
     pool: jax.Array,
@@ -300,37 +368,10 @@ def attend(
     q_items = (q_w[plan.src].reshape(n_items, block_q, nkv, group, width)
                .transpose(2, 0, 3, 1, 4).reshape(nkv, n_items * group * block_q, width))
 
-    rows = group * block_q
-    block = pl.BlockSpec((nkv, rows, width), lambda i, *_: (0, i, 0))
-    kernel = functools.partial(
-        _kernel, nkv=nkv, head_dim=head_dim, block_q=block_q, block_pages=block_pages,
-        pages_per_seq=pages_per_seq, scale=head_dim**-0.5, unroll_dma=unroll_dma)
-    page_size = pool.shape[1]
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=6,
-        grid=(n_items,),
-        in_specs=[block, pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=block,
-        scratch_shapes=[
-            pltpu.VMEM((2, block_pages, page_size, pool.shape[2]), pool.dtype),
-            pltpu.SemaphoreType.DMA((2,)),
-            pltpu.SMEM((1,), jnp.int32),
-            pltpu.VMEM((nkv, rows, _LANES), jnp.float32),
-            pltpu.VMEM((nkv, rows, _LANES), jnp.float32),
-            pltpu.VMEM((nkv, rows, width), jnp.float32),
-        ],
-    )
-    out = pl.pallas_call(
-        kernel,
-        grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct(q_items.shape, q.dtype),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary",), vmem_limit_bytes=vmem_limit_bytes),
-        interpret=pltpu.InterpretParams() if interpret else False,
-        name="pd_fsm_ragged_paged_attention",
-    )(plan.item_seq, plan.item_q0, q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
-      page_table.reshape(-1).astype(jnp.int32), plan.n_real, q_items, pool)
-
+    shape = _Shape(nkv, head_dim, block_q, block_pages, pages_per_seq, head_dim**-0.5,
+                   unroll_dma)
+    out = _call(shape, q_items, pool, plan, q_lens, kv_lens, page_table, interpret,
+                vmem_limit_bytes)
     out_rows = (out.reshape(nkv, n_items, group, block_q, width)
                 .transpose(1, 3, 0, 2, 4).reshape(n_items * block_q, nh, width))
     out = out_rows[plan.row, :, width - head_dim:]

@@ -144,6 +144,29 @@ def sample(
     return tokens, logprobs
 
 
+# The per-row arrays ``sample_tokens`` takes before the bitmask, in its order.
+SAMPLING_ARRAYS = ("temperature", "top_k", "top_p", "seeds", "steps")
+
+
+def sampling_arrays(params: Sequence[SamplingParams | None], seeds: Sequence[int],
+                    steps: Sequence[int], b_pad: int) -> dict[str, np.ndarray]:
+    """``sample_tokens``' per-row arrays for these rows, padded to ``b_pad`` (greedy and None
+    rows: temperature 0)."""
+    temperature = np.zeros(b_pad, np.float32)
+    top_k = np.zeros(b_pad, np.int32)
+    top_p = np.ones(b_pad, np.float32)
+    seed_arr = np.zeros(b_pad, np.uint32)
+    step_arr = np.zeros(b_pad, np.int32)
+    for i, p in enumerate(params):
+        if p is None or p.greedy:
+            continue
+        temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
+        seed_arr[i] = seeds[i] & 0xFFFFFFFF
+        step_arr[i] = steps[i]
+    return dict(zip(SAMPLING_ARRAYS, (temperature, top_k, top_p, seed_arr, step_arr),
+                    strict=True))
+
+
 def _choose(
     logits: jax.Array,
     params: Sequence[SamplingParams | None],
@@ -156,28 +179,9 @@ def _choose(
     if all(p is None or p.greedy for p in params):
         tokens, logprobs = EXECUTABLES.call(_greedy, {}, logits, bitmask)
     else:
-        temperature = np.zeros(b_pad, np.float32)
-        top_k = np.zeros(b_pad, np.int32)
-        top_p = np.ones(b_pad, np.float32)
-        seed_arr = np.zeros(b_pad, np.uint32)
-        step_arr = np.zeros(b_pad, np.int32)
-        for i, p in enumerate(params):
-            if p is None or p.greedy:
-                continue
-            temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
-            seed_arr[i] = seeds[i] & 0xFFFFFFFF
-            step_arr[i] = steps[i]
+        rows = sampling_arrays(params, seeds, steps, b_pad)
         tokens, logprobs = EXECUTABLES.call(
-            _sample,
-            {},
-            logits,
-            jnp.asarray(temperature),
-            jnp.asarray(top_k),
-            jnp.asarray(top_p),
-            jnp.asarray(seed_arr),
-            jnp.asarray(step_arr),
-            bitmask,
-        )
+            _sample, {}, logits, *(jnp.asarray(rows[k]) for k in SAMPLING_ARRAYS), bitmask)
     return np.asarray(tokens)[:n], np.asarray(logprobs)[:n]
 
 
