@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pd_fsm.jax_engine.backend import Backend
+from pd_fsm.jax_engine.compilation.buckets import bucket
 from pd_fsm.jax_engine.compilation.executables import EXECUTABLES
 from pd_fsm.jax_engine.kv.gather_scatter import as_struct
 from pd_fsm.jax_engine.kv.holder import KVCacheHolder
@@ -49,7 +50,14 @@ from pd_fsm.jax_engine.sampling.sampler import (
     sampling_arrays,
     top_logprobs,
 )
-from pd_fsm.jax_engine.step.program import Sampler, StepOptions, compile_step, step
+from pd_fsm.jax_engine.step.program import (
+    Sampler,
+    StepOptions,
+    compile_step,
+    pack,
+    packed_step,
+    step_statics,
+)
 from pd_fsm.schedulers.plan import DecodeBatch, PrefillBatch
 from pd_fsm.schedulers.request import Req
 
@@ -60,9 +68,23 @@ WARMUP_THREADS = 2
 
 MAIN_KV = PoolType.MAIN_KV.value
 
+# What a fused step's executable returns: its sampled tokens and log-probs, the tokens a next
+# step can carry, and the pool.
+StepOutput = tuple[tuple[jax.Array, ...], jax.Array, KV]
+
 # A forward shape as recorded: ("extend" | "extend-all", rows, tokens) or ("decode", rows), or
 # a fused step's ("step", tokens, sequences).
 ForwardShape = tuple[int | str, ...]
+
+
+@attrs.frozen(eq=False)
+class Launched:
+    """A decode step dispatched and not yet read: its rows, and what it sampled for them (on
+    the device until ``ModelRunner.collect``)."""
+
+    reqs: tuple[Req, ...]
+    tokens: jax.Array
+    logprobs: jax.Array
 
 
 @attrs.frozen(eq=False)
@@ -89,6 +111,7 @@ class ModelRunner:
         table_width: int,
         tp_size: int,
         backend: Backend,
+        max_rows: int = 1,
     ) -> None:
         self.backend = backend
         self.config = model.config
@@ -106,6 +129,12 @@ class ModelRunner:
         )
         self.forward_shapes: set[ForwardShape] = set()  # each compiles once
         self.step_options = StepOptions(self.config, attention=backend.attention)
+        # The fused step's executables by (tokens, sequences, sampler): a step calls its own
+        # without the table's lookup, whose key walks every argument.
+        self._steps: dict[tuple[int, int, str], Callable[..., StepOutput]] = {}
+        # The tokens the last fused decode step sampled, on the device (a row's at its row):
+        # what a step dispatched before they are read takes as its input.
+        self._carried = jnp.zeros(bucket(max_rows), jnp.int32)
 
     # ----------------------------------------------------------------- the pool
 
@@ -157,10 +186,43 @@ class ModelRunner:
         """Run a planned decode step: each running sequence's next token."""
         rows: list[Req | None] = list(batch.reqs)
         if self.backend.fused_step and self._fusable(rows):
-            tokens, kv_lens, table = self._decode_rows(batch)
-            q_lens = (kv_lens > 0).astype(np.int32)  # one new token a sequence
-            return self._fused(tokens, q_lens, kv_lens, table, rows)
+            return self.collect(self.decode_launch(batch, None))
         return self._sampled(self.run_decode(batch), rows)
+
+    def can_overlap(self, reqs: Sequence[Req]) -> bool:
+        """Whether a decode step of these rows may be dispatched before the previous step's
+        tokens are read (``decode_launch``): on a backend that overlaps steps, where no row's
+        choice depends on the host's state after its last token (a grammar's next mask, the
+        logits the chain needs)."""
+        return (self.backend.fused_step and self.backend.overlap_steps
+                and self._fusable(list(reqs)) and not any(r.matcher is not None for r in reqs))
+
+    def decode_launch(self, batch: DecodeBatch, previous: Launched | None) -> Launched:
+        """Dispatch a fused decode step and return without reading it. A row that was in
+        ``previous`` (dispatched, not yet read) is fed the token that step sampled for it,
+        still on the device, one position on from what the host knows of it."""
+        rows: list[Req | None] = list(batch.reqs)
+        tokens, kv_lens, table = self._decode_rows(batch)
+        carry = np.full(batch.b_pad, -1, np.int32)
+        if previous is not None:
+            was = {id(req): j for j, req in enumerate(previous.reqs)}
+            for i, req in enumerate(batch.reqs):
+                j = was.get(id(req))
+                if j is not None:
+                    carry[i] = j
+                    kv_lens[i] += 1
+                    used = min(self.pool_config.pages_for(req.seq_len + 1), len(req.pages or ()))
+                    table[i, :used] = (req.pages or [])[:used]
+        q_lens = (kv_lens > 0).astype(np.int32)  # one new token a sequence
+        sampled, logprobs = self._dispatch(tokens, carry, q_lens, kv_lens, table, rows,
+                                           ahead=carry >= 0, decode=True)
+        return Launched(batch.reqs, sampled, logprobs)
+
+    def collect(self, launched: Launched) -> StepResult:
+        """Read a dispatched decode step's tokens (waiting for it)."""
+        n = len(launched.reqs)
+        return StepResult(np.asarray(launched.tokens)[:n], np.asarray(launched.logprobs)[:n],
+                          [()] * n)
 
     def _fusable(self, rows: Sequence[Req | None]) -> bool:
         """Whether the fused step can choose these rows' tokens: not where a row's choice needs
@@ -172,31 +234,53 @@ class ModelRunner:
 
     def _fused(self, tokens: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray,
                table: np.ndarray, rows: Sequence[Req | None]) -> StepResult:
-        sampler, sampling = self._sampling(rows, len(q_lens))
-        self.forward_shapes.add(("step", len(tokens), len(q_lens)))
-        params, options = self.params, self.step_options
-        args = (jnp.asarray(tokens), jnp.asarray(q_lens), jnp.asarray(kv_lens),
-                jnp.asarray(table), {k: jnp.asarray(v) for k, v in sampling.items()})
-
-        def run(kv: KV) -> tuple[tuple[jax.Array, ...], KV]:
-            result: tuple[tuple[jax.Array, ...], KV] = EXECUTABLES.call(
-                step, {"options": options, "sampler": sampler}, params, kv, *args)
-            return result
-
-        sampled, logprobs = self.with_kv(run)
+        """A fused prefill step, read at once."""
+        none = np.full(len(tokens), -1, np.int32)
+        sampled, logprobs = self._dispatch(tokens, none, q_lens, kv_lens, table, rows,
+                                           ahead=np.zeros(len(q_lens), bool), decode=False)
         n = len(rows)
         return StepResult(np.asarray(sampled)[:n], np.asarray(logprobs)[:n], [()] * n)
 
-    def _sampling(self, rows: Sequence[Req | None], b_pad: int
+    def _dispatch(self, tokens: np.ndarray, carry: np.ndarray, q_lens: np.ndarray,
+                  kv_lens: np.ndarray, table: np.ndarray, rows: Sequence[Req | None], *,
+                  ahead: np.ndarray, decode: bool) -> tuple[jax.Array, jax.Array]:
+        """Upload a step's arrays (one array, and the sampler's) and dispatch it; its sampled
+        tokens and log-probs, on the device. ``ahead``: rows one token past what the host
+        knows (their sampling key's step too). A decode step's tokens become what the next one
+        can carry; a prefill's are read at once and carried nowhere."""
+        sampler, sampling = self._sampling(rows, len(q_lens), ahead)
+        self.forward_shapes.add(("step", len(tokens), len(q_lens)))
+        batch = jnp.asarray(pack(tokens, carry, q_lens, kv_lens, table))
+        device_sampling = {k: jnp.asarray(v) for k, v in sampling.items()}
+        key = (len(tokens), len(q_lens), sampler)
+        carried = self._carried
+
+        def run(kv: KV) -> tuple[tuple[tuple[jax.Array, ...], jax.Array], KV]:
+            exe = self._steps.get(key)
+            if exe is None:
+                exe = self._steps[key] = EXECUTABLES.executable(
+                    packed_step, step_statics(self.step_options, sampler, len(q_lens),
+                                              self.table_width),
+                    self.params, kv, batch, carried, device_sampling)
+            out, carry_out, kv = exe(self.params, kv, batch, carried, device_sampling)
+            return (out, carry_out), kv
+
+        (sampled, logprobs), carried = self.with_kv(run)
+        if decode:
+            self._carried = carried
+        return sampled, logprobs
+
+    def _sampling(self, rows: Sequence[Req | None], b_pad: int, ahead: np.ndarray
                   ) -> tuple[Sampler, dict[str, np.ndarray]]:
         """The fused step's sampler for these rows, and its per-row arrays (padded to
         ``b_pad``)."""
         bitmask = self._bitmask(b_pad, rows)
         if bitmask is None and all(r is None or r.sampling.greedy for r in rows):
             return "greedy", {}
-        arrays = sampling_arrays([None if r is None else r.sampling for r in rows],
-                                 [0 if r is None else r.seed for r in rows],
-                                 [0 if r is None else r.position for r in rows], b_pad)
+        arrays = sampling_arrays(
+            [None if r is None else r.sampling for r in rows],
+            [0 if r is None else r.seed for r in rows],
+            [0 if r is None else r.position + int(ahead[i]) for i, r in enumerate(rows)], b_pad)
         if bitmask is None:
             bitmask = np.full((b_pad, bitmask_words(self.config.vocab_size)), -1, np.int32)
         return "sample", {**arrays, "bitmask": bitmask}
@@ -338,7 +422,8 @@ class ModelRunner:
         def shape(rows_tokens: tuple[int, int]) -> None:
             rows, tokens = rows_tokens
             if self.backend.fused_step:
-                compile_step(params, kv, rows * tokens, rows, width, self.step_options)
+                compile_step(params, kv, rows * tokens, rows, width, len(self._carried),
+                             self.step_options)
             else:
                 compile_forward(params, kv, rows, tokens, width, config=config)
 

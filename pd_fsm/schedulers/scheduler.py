@@ -36,7 +36,7 @@ from pd_fsm.jax_engine.sampling.grammar import compiler_for
 from pd_fsm.jax_engine.sampling.params import SamplingParams, TopLogprobs
 from pd_fsm.schedulers.args import SchedulerArgs, prefill_budget
 from pd_fsm.schedulers.forks import fork_sequences
-from pd_fsm.schedulers.model_runner import ModelRunner
+from pd_fsm.schedulers.model_runner import Launched, ModelRunner, StepResult
 from pd_fsm.schedulers.output_processor import OutputProcessor
 from pd_fsm.schedulers.page_budget import PageBudget
 from pd_fsm.schedulers.plan import (
@@ -132,7 +132,7 @@ class Scheduler:
         self.table_width = table_width(longest, args.page_size)
         # The weights on this instance's devices, the pool, the forwards and sampling.
         self.runner = ModelRunner(self.model, self.pool_config, self.table_width, args.tp_size,
-                                  self.backend)
+                                  self.backend, args.max_running)
         self.kv_holder = self.runner.kv_holder  # the PD roles gather and scatter rooms' KV in it
         self.queues = RequestQueues()
         # The queues under their own names (the same objects: never rebound).
@@ -142,6 +142,9 @@ class Scheduler:
         # The sampled tokens' text, stop conditions and the outputs not drained yet.
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.context_length)
         self._seed_rng = random.Random(args.random_seed)
+        # A decode step dispatched and not yet read (the backend overlaps steps): read, and its
+        # tokens applied, once the next step is on its way.
+        self._inflight: Launched | None = None
         self.role: SchedulerRole = ColocatedRole() if role is None else role(self)
 
     # ----------------------------------------------------------------- public API
@@ -249,6 +252,8 @@ class Scheduler:
             if early is not None and self.outputs.pending:
                 early(self.drain_outputs())
             self._decode(decode)
+        else:
+            self.collect_inflight()
         outputs = self.drain_outputs()
         self.role.after_step()
         return outputs
@@ -259,7 +264,7 @@ class Scheduler:
     def has_forward_work(self) -> bool:
         """Whether a step would run a forward or return an output (the role's own work, e.g.
         D's transfers in flight, aside)."""
-        return self.queues.busy or self.outputs.pending
+        return self.queues.busy or self.outputs.pending or self._inflight is not None
 
     def has_work(self) -> bool:
         return self.has_forward_work() or self.role.has_work()
@@ -390,11 +395,36 @@ class Scheduler:
             self._enter_running(req, int(token), float(logprob), top)
 
     def _decode(self, batch: DecodeBatch) -> None:
-        """Run ``batch`` and append each sequence's sampled token."""
+        """Run ``batch`` and append each sequence's sampled token. Where the backend overlaps
+        steps, the step is dispatched first and the one before it (still in flight) read and
+        applied while it runs: a sequence's token then reaches its output one step later, and
+        a sequence that finished in the step read has one more token computed, then dropped."""
+        if self.runner.can_overlap(batch.reqs):
+            launched = self.runner.decode_launch(batch, self._inflight)
+            self.collect_inflight()
+            self._inflight = launched
+            return
+        if self._inflight is not None:
+            self.collect_inflight()
+            replanned = plan_decode(self.running)  # some rows may have finished in it
+            if replanned is None:
+                return
+            batch = replanned
         result = self.runner.decode_step(batch)
         self._on_logits("decode", list(batch.reqs), result.logits)
-        for req, token, logprob, top in zip(batch.reqs, result.tokens, result.logprobs,
-                                            result.tops, strict=True):
+        self._append(batch.reqs, result)
+
+    def collect_inflight(self) -> None:
+        """Read the decode step in flight, if any, and apply its tokens."""
+        launched, self._inflight = self._inflight, None
+        if launched is not None:
+            self._append(launched.reqs, self.runner.collect(launched))
+
+    def _append(self, reqs: Sequence[Req], result: StepResult) -> None:
+        for req, token, logprob, top in zip(reqs, result.tokens, result.logprobs, result.tops,
+                                            strict=True):
+            if req.state is not ReqState.RUNNING:
+                continue  # finished (or aborted, or handed off) while its step was in flight
             self.finish(req, self.outputs.append_token(req, int(token), float(logprob), top))
 
     def _on_logits(self, phase: str, reqs: Sequence[Req | None], logits: jax.Array | None

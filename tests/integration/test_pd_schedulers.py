@@ -506,3 +506,35 @@ def test_decode_prefix_cache_pulls_only_the_delta(
         assert pair.d.page_budget.cache is not None and pair.d.page_budget.cache.hits >= 14
     finally:
         pair.close()
+
+
+def test_pd_on_the_accelerators_choices_equals_the_colocated_chain(tiny: LoadedModel) -> None:
+    """P and D on the accelerator's backend choices (the fused step over a lanes pool, bf16 kept
+    as bf16, D's decode steps overlapped; attention by the XLA reference on this CPU), with real
+    transfers of lanes-layout pages: D's greedy tokens equal the colocated chain's, and every
+    page and registration is back on both sides."""
+    from pd_fsm.jax_engine import backend
+
+    prompts = _prompts()
+    colo = Scheduler(SchedulerArgs(model="tiny", num_pages=96, page_size=PAGE, max_running=16,
+                                   max_batched_tokens=256), model=tiny)
+    for i, ids in enumerate(prompts):
+        colo.add_request(Req(f"r{i}", ids, GREEDY))
+    expected = collect(colo.run_until_idle())
+    with backend.using(backend.accelerator_on_cpu("reference")):
+        pair = PDPair(tiny, _args("prefill", lease_initial=600.0, lease_extension=600.0),
+                      _args("decode"))
+        try:
+            assert pair.p.pool_config.lanes and pair.d.pool_config.lanes
+            for i, ids in enumerate(prompts):
+                pair.d.add_pd_request(Req(f"r{i}", ids, GREEDY), BOOT, 1000 + i)
+                pair.p.add_pd_request(Req(f"r{i}", ids, GREEDY), 1000 + i)
+            pair.run(lambda: len(collect(pair.d_outputs)) == len(prompts)
+                     and all(v["reason"] for v in collect(pair.d_outputs).values())
+                     and pair.books_balanced())
+            got = collect(pair.d_outputs)
+            assert {rid: v["ids"] for rid, v in got.items()} == {
+                rid: v["ids"] for rid, v in expected.items()}
+            assert pair.books_balanced()
+        finally:
+            pair.close()

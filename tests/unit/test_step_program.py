@@ -176,17 +176,21 @@ def _generate(sched: Scheduler, penalized: bool = False) -> dict[str, list[int]]
 
 
 def test_the_scheduler_on_the_accelerators_choices_answers_as_on_the_cpus() -> None:
-    """The same requests (greedy and seeded sampling, prompts chunked by a 32-token budget)
-    through the scheduler twice: the chain over the heads pool, and the accelerator's fused step
-    over a lanes pool (attention by the XLA reference, so that this stays quick). Equal tokens;
-    after its warm-up the fused scheduler compiles nothing; a penalized request (whose choice
-    needs the logits on the host) takes the chain on the same pool and still answers alike."""
+    """The same requests (greedy and seeded sampling, prompts chunked by a 32-token budget,
+    some ending at EOS before their limit) through the scheduler three ways: the chain over the
+    heads pool; the accelerator's fused step over a lanes pool, each decode step dispatched
+    before the previous one's tokens are read (the default there); and the fused step one step
+    at a time. Attention by the XLA reference, so that this stays quick. Equal tokens; after its
+    warm-up the fused scheduler compiles nothing; a penalized request (whose choice needs the
+    logits on the host) takes the chain on the same pool and still answers alike."""
     model = _model()
     args = SchedulerArgs(model="tiny", num_pages=64, page_size=PAGE, max_running=4,
                          max_batched_tokens=32, context_length=128)
     chain = _generate(Scheduler(args, model=model))
     chain_penalized = _generate(Scheduler(args, model=model), penalized=True)
-    with backend.using(backend.accelerator_on_cpu("reference")):
+    accelerator = backend.accelerator_on_cpu("reference")
+    assert accelerator.overlap_steps
+    with backend.using(accelerator):
         sched = Scheduler(args, model=model)
         assert sched.pool_config.lanes and sched.runner.backend.fused_step
         sched.warm_up()
@@ -195,6 +199,36 @@ def test_the_scheduler_on_the_accelerators_choices_answers_as_on_the_cpus() -> N
         assert EXECUTABLES.stats().built == built
         assert all(shape[0] == "step" for shape in sched.forward_shapes)
         assert _generate(Scheduler(args, model=model), penalized=True) == chain_penalized
+    with backend.using(attrs.evolve(accelerator, overlap_steps=False)):
+        assert _generate(Scheduler(args, model=model)) == chain
+
+
+def test_an_overlapped_step_drops_what_it_computed_for_a_finished_request() -> None:
+    """With steps overlapped, a request aborted (or finished) while its step is in flight gets
+    no token from it, its pages go back once, and the others run on unchanged."""
+    model = _model()
+    args = SchedulerArgs(model="tiny", num_pages=32, page_size=PAGE, max_running=4,
+                         context_length=128)
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    with backend.using(backend.accelerator_on_cpu("reference")):
+        alone = Scheduler(args, model=model)
+        alone.add_request(alone.make_request("b", "second prompt", greedy))
+        want = [t for o in alone.run_until_idle() for t in o.new_token_ids]
+        sched = Scheduler(args, model=model)
+        for rid, prompt in (("a", "first prompt"), ("b", "second prompt")):
+            sched.add_request(sched.make_request(rid, prompt, greedy))
+        got: dict[str, list[int]] = {"a": [], "b": []}
+        for _ in range(4):
+            for o in sched.step():
+                got[o.rid].extend(o.new_token_ids)
+        assert sched._inflight is not None  # a decode step is on its way
+        sched.abort("a")
+        for o in sched.run_until_idle():
+            got[o.rid].extend(o.new_token_ids)
+        assert got["b"] == want
+        assert len(got["a"]) < 8
+        stats = sched.stats()
+        assert stats.free_pages + stats.cached_pages == stats.total_pages
 
 
 def test_tensor_parallel_instances_keep_the_chain() -> None:

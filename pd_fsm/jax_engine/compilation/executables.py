@@ -192,6 +192,12 @@ class Executables:
             log.warning("%s after ready (a request waited %.2f s): %s",
                         how, took, describe(fn, static, args))
 
+    def executable(self, fn: Any, static: Mapping[str, Hashable], *args: Any) -> Any:
+        """The compiled ``fn`` for these arguments, built (and counted) on a miss: a caller
+        that calls one shape often keeps it and skips the lookup, whose key walks every
+        argument (a fused step's ~340 arrays)."""
+        return self._get(fn, static, args).executable
+
     def call(self, fn: Any, static: Mapping[str, Hashable], *args: Any) -> Any:
         """``fn(*args, **static)`` through the table (``fn`` is a ``jax.jit`` function)."""
         return self._get(fn, static, args).executable(*args)
