@@ -8,11 +8,11 @@ are in (so its new tokens sit at positions ``kv_lens[s] - q_lens[s] ...``) in th
 ``KVPoolConfig.lanes``) and then attends with the ragged paged attention kernel, which reads
 them back from there. The head runs on each sequence's last new token only.
 
-This is the accelerator's step (``step/backend.py``): on a TPU every jitted call and host round
-trip costs far more than the work of a small step (about 9 ms a step for the chain of ~34 calls
-``model/forward.py`` runs), so everything a step does is one program. The layers are unrolled in
-it: the pool is one array per layer, which a scan over stacked layers could not carry without
-copying it.
+This is the accelerator's step (``jax_engine/backend.py`` chooses it): on a TPU every jitted
+call and host round trip costs far more than the work of a small step (about 9 ms a step for
+the chain of ~34 calls ``model/forward.py`` runs), so everything a step does is one program.
+The layers are unrolled in it: the pool is one array per layer, which a scan over stacked
+layers could not carry without copying it.
 """
 
 from __future__ import annotations
@@ -41,25 +41,13 @@ from pd_fsm.jax_engine.sampling.sampler import greedy_tokens, sample_tokens
 
 # What a step returns: the sampled tokens and their log-probs ("greedy": argmax; "sample":
 # temperature, top-k, top-p, seeds and a grammar bitmask per row), or the last tokens' logits
-# ("logits": for what is still chosen on the host — penalties, top log-probs).
+# ("logits": what the tests and the benches compare; the runner sends rows whose choice needs
+# the logits on the host to the chain instead).
 Sampler = Literal["greedy", "sample", "logits"]
 
 PREFILL_BLOCK_Q = 128
 # Pages each kernel iteration fetches: 512 tokens a block at page size 16.
 BLOCK_TOKENS = 512
-
-
-@attrs.frozen
-class StepShape:
-    """The static part of a step: what one compiled program takes."""
-
-    tokens: int  # new tokens, padded
-    seqs: int  # sequences, padded
-    sampler: Sampler = "greedy"
-
-    @property
-    def decode_only(self) -> bool:
-        return self.tokens == self.seqs
 
 
 @attrs.frozen
