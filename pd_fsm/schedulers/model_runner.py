@@ -40,18 +40,12 @@ from pd_fsm.jax_engine.parallel.tensor_parallel import (
     pool_sharding,
     sharded_params,
 )
-from pd_fsm.jax_engine.sampling.grammar import bitmask_words
 from pd_fsm.jax_engine.sampling.params import TopLogprobs
 from pd_fsm.jax_engine.sampling.sampler import (
-    Adjustment,
     compile_samplers,
     last_logits,
-    sample,
-    sampling_arrays,
-    top_logprobs,
 )
 from pd_fsm.jax_engine.step.program import (
-    Sampler,
     StepOptions,
     compile_step,
     pack,
@@ -60,6 +54,7 @@ from pd_fsm.jax_engine.step.program import (
 )
 from pd_fsm.schedulers.plan import DecodeBatch, PrefillBatch
 from pd_fsm.schedulers.request import Req
+from pd_fsm.schedulers.row_sampling import RowSampling
 
 R = TypeVar("R")
 
@@ -119,6 +114,7 @@ class ModelRunner:
         # where it was loaded: sharded copies are made once per tp size).
         self.params = sharded_params(model, tp_size)
         self.eos_token_ids = model.eos_token_ids
+        self.rows = RowSampling(self.config.vocab_size, model.eos_token_ids)
         self.tp_size = tp_size
         # Every forward's page table has this width, so the compiled shapes are the batch
         # buckets alone.
@@ -161,8 +157,8 @@ class ModelRunner:
         """Run a planned prefill and sample each completed row's first token (``completed[i]``:
         row ``i``'s request if this chunk ends its prompt, else None). With prompt log-probs
         asked, ``logits`` holds every position's."""
-        if self.backend.fused_step and not any(
-                row.req.logprobs.prompt for row in batch.rows) and self._fusable(completed):
+        if (self.backend.fused_step and self.rows.on_device_alone(completed)
+                and not any(row.req.logprobs.prompt for row in batch.rows)):
             tokens = np.zeros(batch.n_pad * batch.t_pad, np.int32)
             q_lens = np.zeros(batch.n_pad, np.int32)
             kv_lens = np.zeros(batch.n_pad, np.int32)
@@ -185,7 +181,7 @@ class ModelRunner:
     def decode_step(self, batch: DecodeBatch) -> StepResult:
         """Run a planned decode step: each running sequence's next token."""
         rows: list[Req | None] = list(batch.reqs)
-        if self.backend.fused_step and self._fusable(rows):
+        if self.backend.fused_step and self.rows.on_device_alone(rows):
             return self.collect(self.decode_launch(batch, None))
         return self._sampled(self.run_decode(batch), rows)
 
@@ -195,7 +191,8 @@ class ModelRunner:
         choice depends on the host's state after its last token (a grammar's next mask, the
         logits the chain needs)."""
         return (self.backend.fused_step and self.backend.overlap_steps
-                and self._fusable(list(reqs)) and not any(r.matcher is not None for r in reqs))
+                and self.rows.on_device_alone(list(reqs))
+                and not any(r.matcher is not None for r in reqs))
 
     def decode_launch(self, batch: DecodeBatch, previous: Launched | None) -> Launched:
         """Dispatch a fused decode step and return without reading it. A row that was in
@@ -224,14 +221,6 @@ class ModelRunner:
         return StepResult(np.asarray(launched.tokens)[:n], np.asarray(launched.logprobs)[:n],
                           [()] * n)
 
-    def _fusable(self, rows: Sequence[Req | None]) -> bool:
-        """Whether the fused step can choose these rows' tokens: not where a row's choice needs
-        its logits on the host (penalties, ``min_new_tokens``' bans) or asks for top
-        alternatives."""
-        return not any(r is not None and (r.sampling.penalized or r.logprobs.top
-                                          or len(r.output_ids) < r.sampling.min_new_tokens)
-                       for r in rows)
-
     def _fused(self, tokens: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray,
                table: np.ndarray, rows: Sequence[Req | None]) -> StepResult:
         """A fused prefill step, read at once."""
@@ -248,7 +237,7 @@ class ModelRunner:
         tokens and log-probs, on the device. ``ahead``: rows one token past what the host
         knows (their sampling key's step too). A decode step's tokens become what the next one
         can carry; a prefill's are read at once and carried nowhere."""
-        sampler, sampling = self._sampling(rows, len(q_lens), ahead)
+        sampler, sampling = self.rows.on_device(rows, len(q_lens), ahead)
         self.forward_shapes.add(("step", len(tokens), len(q_lens)))
         batch = jnp.asarray(pack(tokens, carry, q_lens, kv_lens, table))
         device_sampling = {k: jnp.asarray(v) for k, v in sampling.items()}
@@ -270,25 +259,10 @@ class ModelRunner:
             self._carried = carried
         return sampled, logprobs
 
-    def _sampling(self, rows: Sequence[Req | None], b_pad: int, ahead: np.ndarray
-                  ) -> tuple[Sampler, dict[str, np.ndarray]]:
-        """The fused step's sampler for these rows, and its per-row arrays (padded to
-        ``b_pad``)."""
-        bitmask = self._bitmask(b_pad, rows)
-        if bitmask is None and all(r is None or r.sampling.greedy for r in rows):
-            return "greedy", {}
-        arrays = sampling_arrays(
-            [None if r is None else r.sampling for r in rows],
-            [0 if r is None else r.seed for r in rows],
-            [0 if r is None else r.position + int(ahead[i]) for i, r in enumerate(rows)], b_pad)
-        if bitmask is None:
-            bitmask = np.full((b_pad, bitmask_words(self.config.vocab_size)), -1, np.int32)
-        return "sample", {**arrays, "bitmask": bitmask}
-
     def _sampled(self, logits: jax.Array, rows: Sequence[Req | None],
                  every_position: jax.Array | None = None) -> StepResult:
-        tokens, logprobs = self.sample(logits, rows)
-        return StepResult(tokens, logprobs, self.top_logprobs(logits, rows), logits,
+        tokens, logprobs = self.rows.sample(logits, rows)
+        return StepResult(tokens, logprobs, self.rows.top_logprobs(logits, rows), logits,
                           every_position)
 
     # ----------------------------------------------------------------- plans
@@ -367,48 +341,6 @@ class ModelRunner:
                           jnp.asarray(table), jnp.asarray(lengths), config=config)
 
         return self.with_kv(run)
-
-    # ----------------------------------------------------------------- sampling
-
-    def sample(
-        self, logits: jax.Array, reqs: Sequence[Req | None]
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Each row's next token and its log-prob, as its request's sampling says (None rows:
-        padding or unfinished chunks)."""
-        return sample(
-            logits,
-            [None if r is None else r.sampling for r in reqs],
-            [0 if r is None else r.seed for r in reqs],
-            [0 if r is None else r.position for r in reqs],
-            [None if r is None or not r.sampling.penalized else self._adjustment(r) for r in reqs],
-            self._bitmask(logits.shape[0], reqs),
-        )
-
-    def top_logprobs(self, logits: jax.Array, reqs: Sequence[Req | None]) -> list[TopLogprobs]:
-        """Each row's top alternatives under the raw distribution, as its request asks."""
-        return top_logprobs(logits, [0 if r is None else r.logprobs.top for r in reqs])
-
-    def _bitmask(self, rows: int, reqs: Sequence[Req | None]) -> np.ndarray | None:
-        """The tokens each row's grammar allows next (None: no row has one)."""
-        if not any(r is not None and r.matcher is not None for r in reqs):
-            return None
-        bitmask = np.full((rows, bitmask_words(self.config.vocab_size)), -1, np.int32)
-        for i, r in enumerate(reqs):
-            if r is not None and r.matcher is not None:
-                r.matcher.fill(bitmask, i)
-        return bitmask
-
-    def _adjustment(self, req: Req) -> Adjustment:
-        """The penalties' history (this request's output so far: on D, P's first token too) and,
-        below ``min_new_tokens``, the tokens that would end it."""
-        sp = req.sampling
-        banned: frozenset[int] = frozenset()
-        if len(req.output_ids) < sp.min_new_tokens:
-            ends = set(sp.stop_token_ids)
-            if not sp.ignore_eos:
-                ends |= self.eos_token_ids
-            banned = frozenset(ends)
-        return Adjustment(req.history, banned)
 
     # ----------------------------------------------------------------- warm-up
 

@@ -248,12 +248,9 @@ class Scheduler:
         if prefill is not None:
             self._prefill(prefill)
         decode = plan_decode(self.running)
-        if decode is not None:
-            if early is not None and self.outputs.pending:
-                early(self.drain_outputs())
-            self._decode(decode)
-        else:
-            self.collect_inflight()
+        if decode is not None and early is not None and self.outputs.pending:
+            early(self.drain_outputs())
+        self._decode(decode)
         outputs = self.drain_outputs()
         self.role.after_step()
         return outputs
@@ -394,38 +391,33 @@ class Scheduler:
             self.prefilling.remove(req)
             self._enter_running(req, int(token), float(logprob), top)
 
-    def _decode(self, batch: DecodeBatch) -> None:
-        """Run ``batch`` and append each sequence's sampled token. Where the backend overlaps
-        steps, the step is dispatched first and the one before it (still in flight) read and
-        applied while it runs: a sequence's token then reaches its output one step later, and
-        a sequence that finished in the step read has one more token computed, then dropped."""
-        if self.runner.can_overlap(batch.reqs):
-            launched = self.runner.decode_launch(batch, self._inflight)
-            self.collect_inflight()
-            self._inflight = launched
+    def _decode(self, batch: DecodeBatch | None) -> None:
+        """Run ``batch`` (None: none) and append each sequence's sampled token. Where the
+        backend overlaps steps, the step is dispatched first and the one before it (still in
+        flight) read and applied while it runs: a sequence's token then reaches its output one
+        step later, and a sequence that finished in the step read has one more token computed,
+        then dropped."""
+
+        def append(reqs: Sequence[Req], result: StepResult) -> None:
+            for req, token, logprob, top in zip(reqs, result.tokens, result.logprobs,
+                                                result.tops, strict=True):
+                if req.state is not ReqState.RUNNING:
+                    continue  # finished (aborted, handed off) while its step was in flight
+                self.finish(req, self.outputs.append_token(req, int(token), float(logprob),
+                                                           top))
+
+        previous, self._inflight = self._inflight, None
+        if batch is not None and self.runner.can_overlap(batch.reqs):
+            self._inflight = self.runner.decode_launch(batch, previous)
+        if previous is not None:
+            append(previous.reqs, self.runner.collect(previous))
+            if self._inflight is None:
+                batch = plan_decode(self.running)  # some rows may have finished in it
+        if batch is None or self._inflight is not None:
             return
-        if self._inflight is not None:
-            self.collect_inflight()
-            replanned = plan_decode(self.running)  # some rows may have finished in it
-            if replanned is None:
-                return
-            batch = replanned
         result = self.runner.decode_step(batch)
         self._on_logits("decode", list(batch.reqs), result.logits)
-        self._append(batch.reqs, result)
-
-    def collect_inflight(self) -> None:
-        """Read the decode step in flight, if any, and apply its tokens."""
-        launched, self._inflight = self._inflight, None
-        if launched is not None:
-            self._append(launched.reqs, self.runner.collect(launched))
-
-    def _append(self, reqs: Sequence[Req], result: StepResult) -> None:
-        for req, token, logprob, top in zip(reqs, result.tokens, result.logprobs, result.tops,
-                                            strict=True):
-            if req.state is not ReqState.RUNNING:
-                continue  # finished (or aborted, or handed off) while its step was in flight
-            self.finish(req, self.outputs.append_token(req, int(token), float(logprob), top))
+        append(batch.reqs, result)
 
     def _on_logits(self, phase: str, reqs: Sequence[Req | None], logits: jax.Array | None
                    ) -> None:

@@ -39,7 +39,9 @@ def greedy_tokens(logits: jax.Array, bitmask: jax.Array | None
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
 
-_greedy = jax.jit(greedy_tokens)
+@jax.jit
+def _greedy(logits: jax.Array, bitmask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return greedy_tokens(logits, bitmask)
 
 
 def sample_tokens(
@@ -74,7 +76,11 @@ def sample_tokens(
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
 
-_sample = jax.jit(sample_tokens)
+@jax.jit
+def _sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+            seeds: jax.Array, steps: jax.Array, bitmask: jax.Array
+            ) -> tuple[jax.Array, jax.Array]:
+    return sample_tokens(logits, temperature, top_k, top_p, seeds, steps, bitmask)
 
 
 @attrs.frozen
