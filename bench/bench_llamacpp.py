@@ -41,7 +41,8 @@ import numpy as np
 from pd_fsm.io_trio.bench_client import common_prefix
 from pd_fsm.jax_engine.model import LoadedModel, decode, load_model, new_kv_pool, prefill
 from pd_fsm.jax_engine.model.gguf_loader import find_smollm2_gguf
-from pd_fsm.jax_engine.model.weight_cache import cache_dir, source_key
+from pd_fsm.jax_engine.model.weight_cache import source_key
+from pd_fsm.jax_engine.paths import cache_dir
 from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import Scheduler, SchedulerArgs
 from pd_fsm.text.tokenizer import ChatMessage

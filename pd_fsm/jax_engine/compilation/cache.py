@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pd_fsm.jax_engine.model.weight_cache import cache_dir
+from pd_fsm.jax_engine.paths import cache_dir
 
 
 def default_dir() -> Path:

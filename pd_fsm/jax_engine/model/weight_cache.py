@@ -21,12 +21,7 @@ from typing import Any
 
 import numpy as np
 
-
-def cache_dir() -> Path:
-    root = os.environ.get("PD_FSM_CACHE_DIR") or os.path.join(Path.home(), ".cache", "pd_fsm")
-    path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+from pd_fsm.jax_engine.paths import cache_dir
 
 
 def source_key(source: Path) -> str:

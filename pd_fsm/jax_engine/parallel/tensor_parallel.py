@@ -27,14 +27,31 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pd_fsm.jax_engine.model.config import ModelConfig
-from pd_fsm.jax_engine.model.registry import LoadedModel
+
+class ModelShape(Protocol):
+    """What tensor parallelism reads of a model's config (``model.config.ModelConfig``):
+    structural, so that this folder does not import the model's (which imports the pool's,
+    which imports this)."""
+
+    @property
+    def num_kv_heads(self) -> int: ...
+
+    @property
+    def intermediate_size(self) -> int: ...
+
+
+class WithParams(Protocol):
+    """A loaded model (``model.registry.LoadedModel``), as far as sharding it goes."""
+
+    @property
+    def params(self) -> Any: ...
 
 AXIS = "tp"
 # The axis of the per-layer pool ``(pages, page_size, 2*Nkv, D)`` that tp splits, and of the
@@ -55,7 +72,7 @@ class TensorParallelError(ValueError):
     """A tp size this model or this machine cannot run."""
 
 
-def check_tp(config: ModelConfig, tp: int, devices: int) -> None:
+def check_tp(config: ModelShape, tp: int, devices: int) -> None:
     """Refuse a tp size that would not split every sharded axis evenly or needs more devices than
     the process has (on CPU, ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` makes N)."""
     if tp < 1:
@@ -144,11 +161,12 @@ def shard_params(params: dict[str, object], tp: int) -> dict[str, object]:
 _SHARDED: dict[tuple[int, int], dict[str, object]] = {}
 
 
-def sharded_params(model: LoadedModel, tp: int) -> dict[str, object]:
+def sharded_params(model: WithParams, tp: int) -> dict[str, object]:
     """``model``'s weights on the tp mesh, placed once per (model, tp) in this process: schedulers
     sharing a model share its sharded copy too."""
     if tp == 1:
-        return model.params
+        params: dict[str, object] = model.params
+        return params
     key = (id(model), tp)
     if key not in _SHARDED:
         _SHARDED[key] = shard_params(model.params, tp)
