@@ -6,8 +6,12 @@ proxy and the bootstrap server read a request: a body over the server's bound is
 while it arrives: chunked uploads declare no length), a client that leaves mid-body a 499, and
 anything that is not strict JSON within :class:`JsonLimits` a 400 (413 for an oversized
 container) naming the field — all as :class:`BodyError`, which each server turns into its own
-error shape. A body over ``THREAD_JSON_BYTES`` is parsed in a thread, so one 8 MB request does
-not stall every other stream on the event loop.
+error shape. An oversized body is read to its end and dropped before the 413 goes out, up to
+``DISCARD_BYTES`` past the bound and for ``DISCARD_S`` at most: a client that writes its whole
+body before it reads (Python's urllib) otherwise met a connection closed under its upload, a
+broken pipe, and never saw the 413 (measured with a 64 MB body). Past either bound the answer
+goes out at once and the connection closes, as before. A body over ``THREAD_JSON_BYTES`` is
+parsed in a thread, so one 8 MB request does not stall every other stream on the event loop.
 
 **Containment.** :func:`edge_app` builds every server's Starlette app with :class:`Contained`
 inside it, and ``serve_app`` wraps whatever it serves in one more: an exception that escapes a
@@ -37,6 +41,9 @@ from pd_fsm.io_trio.strict_json import DEFAULT_LIMITS, JsonError, JsonLimits, Js
 log = logging.getLogger("pd_fsm.io_trio.http_edge")
 
 THREAD_JSON_BYTES = 256 * 1024  # parse bigger bodies off the event loop
+# An oversized body is read on and dropped for at most this much more, this long, before its 413.
+DISCARD_BYTES = 128 * 1024 * 1024
+DISCARD_S = 10.0
 _failures = 0  # requests whose handler raised (trio's thread only: no lock needed)
 
 
@@ -50,22 +57,34 @@ class BodyError(Exception):
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, at most ``limit`` bytes; :class:`BodyError` 413 past it, 499 when the
-    client leaves while sending it."""
+    """The whole body, at most ``limit`` bytes; :class:`BodyError` 413 past it (once the rest is
+    read and dropped, within ``DISCARD_BYTES`` and ``DISCARD_S``), 499 when the client leaves
+    while sending it."""
+    too_big = BodyError(413, f"request body over {limit} bytes")
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyError(413, f"request body over {limit} bytes")
+    over = declared is not None and declared.isdigit() and int(declared) > limit
+    if over and int(declared or 0) > limit + DISCARD_BYTES:
+        raise too_big
     chunks: list[bytes] = []
     size = 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise BodyError(413, f"request body over {limit} bytes")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        # Normal under load: one line and a 499 outcome, never a traceback.
-        raise BodyError(499, f"client left after {size} bytes of its body") from None
+    with trio.CancelScope() as discarding:
+        if over:
+            discarding.deadline = trio.current_time() + DISCARD_S
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit and not over:
+                    over = True
+                    discarding.deadline = trio.current_time() + DISCARD_S
+                if not over:
+                    chunks.append(chunk)
+                elif size > limit + DISCARD_BYTES:
+                    break
+        except ClientDisconnect:
+            if not over:  # normal under load: one line and a 499 outcome, never a traceback
+                raise BodyError(499, f"client left after {size} bytes of its body") from None
+    if over:
+        raise too_big
     return b"".join(chunks)
 
 

@@ -15,6 +15,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +168,26 @@ async def test_body_over_limit_is_413(url: str) -> None:
 
         r = await http.put("/route", content=chunks())
         assert r.status_code == 413
+        await _ok_still(http)
+
+
+async def test_a_client_that_sends_its_whole_body_first_reads_the_413(url: str) -> None:
+    """Python's urllib writes the whole body before it reads the answer: with a 64 MB body,
+    the server must read (and drop) it before answering, else the client meets a connection
+    closed under its upload (a broken pipe) and never sees the 413."""
+
+    def put() -> tuple[int, bytes]:
+        request = urllib.request.Request(f"{url}/route", data=b" " * (64 << 20), method="PUT",
+                                         headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    status, body = await trio.to_thread.run_sync(put)
+    assert status == 413 and b"over 4096 bytes" in body, (status, body[:200])
+    async with httpx.AsyncClient(base_url=url) as http:
         await _ok_still(http)
 
 
