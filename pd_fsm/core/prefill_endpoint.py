@@ -159,7 +159,7 @@ class PrefillEndpoint(RoomMachines[SenderRoom, fx.PrefillEffect]):
     def _on_prefill_failed(self, e: ev.PrefillFailed, now: float, out: list[_Fx]) -> None:
         r = self._live_local(e.room, _T.PrefillFailed)
         if r is not None:
-            self._step(r, _T.PrefillFailed, now, out, Cause(_T.PrefillFailed, e.reason))
+            self._step(r, _T.PrefillFailed, now, out, self._cause(_T.PrefillFailed, e.reason))
 
     def _on_aborted(self, e: ev.Aborted, now: float, out: list[_Fx]) -> None:
         r = self.rooms.get(e.room)
@@ -332,7 +332,8 @@ class PrefillEndpoint(RoomMachines[SenderRoom, fx.PrefillEffect]):
     def _on_lease_expired(self, r: SenderRoom, now: float, out: list[_Fx], why: str) -> None:
         """kv_hold_lease's ExpireRoom: the room fails (its KV is freed without D)."""
         self.stats.lease_expired += 1
-        self._step(r, _T.LeaseExpired, now, out, Cause(_T.LeaseExpired, why))
+        # The status the table gives the trigger (504: a timeout waiting for D).
+        self._step(r, _T.LeaseExpired, now, out, self._cause(_T.LeaseExpired, why))
 
     # -- effects (names from the tables; the others are the parts') ----------------------------
 

@@ -295,6 +295,22 @@ def error_message_of(out: Outcome) -> str:
     return str(body["error"]["message"])
 
 
+async def test_a_p_leg_whose_d_never_comes_is_a_504_after_the_lease(fleet: Fleet) -> None:
+    """P's leg for a room no D ever claims: P prefills and holds the KV for its lease, then
+    fails the leg as a timeout waiting for its peer (504, gateway_timeout: what a router's
+    retry logic reads as one), naming the lease; nothing is left held."""
+    p1 = fleet["p1"]
+    async with client() as http:
+        await wait_clean(http, p1, timeout=SLACK)
+        start = trio.current_time()
+        r = await http.post(f"{p1.url}/generate", json=leg(new_room(), prompt(9, seed=9), 4, p1))
+        assert r.status_code == 504, r.text
+        error = r.json()["error"]
+        assert error["type"] == "gateway_timeout" and "lease expired" in error["message"], error
+        assert trio.current_time() - start <= LEASE_INITIAL + SLACK
+        await wait_clean(http, p1, timeout=SLACK)
+
+
 # ----------------------------------------------------------------------------- bootstrap restart
 
 

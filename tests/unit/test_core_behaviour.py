@@ -70,6 +70,7 @@ def test_lease_initial_then_extended_to_max_never_shorter() -> None:
     out = p.handle(ev.TimeAdvanced(), 45.0)
     assert _kinds(out) == ["ReleaseKV", "FailRequest"]
     assert "lease expired" in out[1].reason
+    assert out[1].status == 504  # a timeout waiting for D: the gateway's, not our error
     assert p.poll(1) == KVPoll.Failed
 
 
