@@ -57,6 +57,9 @@ class ReceiverOutbox:
     ) -> None:
         out.append(fx.CancelAllocation(r.room))
 
+    def _fx_CancelPull(self, r: ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
+        out.append(fx.CancelPull(r.room))
+
     def _fx_ReleaseBlocks(self, r: ReceiverRoom, now: float, out: list[_Fx], why: Cause) -> None:
         out.append(fx.ReleaseBlocks(r.room))
 

@@ -200,10 +200,15 @@ class PeerTracker:
         for addr in [a for a, p in self.resolved.items() if p == peer.addr]:
             del self.resolved[addr]  # look P up again next time: it may have moved
         peer.incarnation = None
+        transfer_addrs = {peer.transfer_addr}
         for room in sorted(peer.rooms):
             r = self._rooms.get(room)
             if r is not None:
+                transfer_addrs.add(r.transfer_addr)
                 self._go(r, _T.PeerLost, now, out, reason)
+        # Its rooms' pulls are cancelled; those still waiting on a dead transfer server (one
+        # on a fresh connection waits to its deadline) end now, and free their pull threads.
+        out.extend(fx.ForgetTransfer(a) for a in sorted(transfer_addrs) if a)
         self._forget_if_idle(peer.addr, out)
 
     def _forget_if_idle(self, addr: str, out: list[_Fx]) -> None:

@@ -127,9 +127,11 @@ class ForgetPeer:
 
 @attrs.frozen(slots=True)
 class ForgetTransfer:
-    """P restarted: drop the cached transfer connection to where its previous process served
-    (a connection to a dead transfer server fails every later pull on it, even when the new
-    process listens on the same address)."""
+    """P died (lost, or restarted): drop every transfer connection to where that process served,
+    failing the pulls still waiting on them now (a pull on a fresh connection to a dead transfer
+    server waits until its deadline otherwise), and connect afresh next time (a connection to a
+    dead transfer server fails every later pull on it, even when a new process listens on the
+    same address)."""
 
     transfer_addr: str
 
@@ -173,6 +175,16 @@ class StartPull:
     kv_checksums: tuple[int, ...] = ()
     repull: bool = False
     part: bool = False
+
+
+@attrs.frozen(slots=True)
+class CancelPull:
+    """The room failed while its pull is in flight: from now on the pull executor never
+    scatters its KV into the room's pages (checked under the pool's lock), nor starts its pull
+    if it has not started; the pull still reports (without KV: a late result is dropped and
+    counted). The room's pages are released right after this."""
+
+    room: int
 
 
 @attrs.frozen(slots=True)
@@ -221,7 +233,7 @@ PrefillEffect = (
 )
 DecodeEffect = (
     SendMessage | ForgetPeer | ForgetTransfer | ResolvePeer | AllocateBlocks | CancelAllocation
-    | StartPull | ReleaseBlocks | CompleteTransfer | FailRequest | RejectRequest
+    | StartPull | CancelPull | ReleaseBlocks | CompleteTransfer | FailRequest | RejectRequest
     | RepeatWhileBusy
 )
 # The endpoints' effects only the I/O layer carries out (side channel, bootstrap lookup); the

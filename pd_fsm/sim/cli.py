@@ -12,7 +12,15 @@ import attrs
 
 from pd_fsm.core.routing import POLICIES, RoutingConfig
 from pd_fsm.sim import perf_cli
-from pd_fsm.sim.config import PLANTS, REAL_ONLY_PLANTS, SimConfig, Violation, Workload
+from pd_fsm.sim.config import (
+    PLANTS,
+    REAL_ONLY_PLANTS,
+    SCENARIO_PLANTS,
+    SimConfig,
+    Violation,
+    Workload,
+)
+from pd_fsm.sim.scenarios import SCENARIOS, scenario_config
 from pd_fsm.sim.world import run_seed, run_workload
 
 
@@ -29,6 +37,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "prefills (--disaggregation-stream-tokens; 0: after the prefill)")
     p.add_argument("--plant", choices=sorted(PLANTS), default=None,
                    help="run with a known bug planted (the invariants must catch it)")
+    p.add_argument("--scenario", choices=sorted(SCENARIOS), default=None,
+                   help="stage a named fault on purpose, with a check of its own "
+                        "(pd_fsm/sim/scenarios.py): " + "; ".join(
+                            f"{k}: {v}" for k, v in sorted(SCENARIOS.items())))
     p.add_argument("--plants", action="store_true",
                    help="run every planted bug over the seeds; print the first seed that caught "
                         "each")
@@ -111,6 +123,8 @@ def main(args: argparse.Namespace) -> int:
     if args.plant in REAL_ONLY_PLANTS and args.schedulers != "real":
         print(f"pd-fsm sim: --plant {args.plant} needs --schedulers real", file=sys.stderr)
         return 2
+    if args.scenario is not None:
+        config = scenario_config(args.scenario, config)
     if args.seed is not None:
         return _one_seed(args.seed, config, args.trace)
     if args.plants:
@@ -145,6 +159,8 @@ def _one_seed(seed: int, config: SimConfig, trace: bool) -> int:
         print(f"SIGTERMs {result.sigterms}")
     if result.handoffs:
         print(_handoffs(result.handoffs))
+    if result.scenario:
+        print(f"scenario {result.scenario}")
     return 1 if result.violation else 0
 
 
@@ -154,6 +170,8 @@ def _every_plant(seeds: range, config: SimConfig, schedulers: str) -> int:
         if plant in REAL_ONLY_PLANTS and schedulers != "real":
             continue
         planted = attrs.evolve(config, plant=plant)
+        if plant in SCENARIO_PLANTS:  # only its scenario stages the fault it lets through
+            planted = scenario_config(SCENARIO_PLANTS[plant], planted)
         first = next((s for s in seeds if run_seed(s, planted).violation), None)
         found = f"first caught by seed {first}" if first is not None else "NOT caught"
         print(f"{plant:<26} {found}  ({PLANTS[plant]})", flush=True)
@@ -169,6 +187,7 @@ def _many_seeds(seeds: range, config: SimConfig) -> int:
     raced: Counter[str] = Counter()  # kind -> seeds with a switch that raced it
     handoffs: Counter[str] = Counter()
     sigterms: Counter[str] = Counter()
+    scenario: Counter[str] = Counter()
     steps = 0
     for seed in seeds:
         result = run_seed(seed, config)
@@ -176,6 +195,7 @@ def _many_seeds(seeds: range, config: SimConfig) -> int:
         switches.update(result.switches)
         handoffs.update(result.handoffs)
         sigterms.update(result.sigterms)
+        scenario.update(result.scenario)
         raced.update(result.races.keys())
         steps += result.steps
         if result.violation:
@@ -190,6 +210,8 @@ def _many_seeds(seeds: range, config: SimConfig) -> int:
         print(f"SIGTERMs {dict(sorted(sigterms.items()))}")
     if handoffs:
         print(_handoffs(handoffs))
+    if config.scenario is not None:
+        print(f"scenario {config.scenario}: {dict(sorted(scenario.items()))} (seeds)")
     return 1 if failed else 0
 
 

@@ -62,9 +62,16 @@ PLANTS = {
                           "scheduler's own (D's decoding rooms, its queue, its pages)",
     "part-leak": "P streams the KV in parts but releases only READY's registration when the "
                  "room ends, not the parts'",
+    "release-without-cancel": "D frees the pages of a room that failed mid-pull without "
+                              "cancelling its pull, whose KV may then land in them",
+    "held-until-pull-reports": "D as it was: a room that failed mid-pull keeps its pages until "
+                               "the pull reports, and a lost P's transfer connections are not "
+                               "dropped, so P's death holds them until the pulls' deadline",
 }
 STREAM_PLANTS = frozenset({"part-leak"})
 REAL_ONLY_PLANTS = frozenset({"kv-pages-reversed"})
+# Planted bugs only a named scenario (scenarios.py) stages the fault for: plant -> scenario.
+SCENARIO_PLANTS = {"held-until-pull-reports": "p-dies-mid-pull"}
 SWITCH_PLANTS = frozenset({"switch-leaks", "switch-skips-drain"})
 
 
@@ -128,6 +135,12 @@ class SimConfig:
     skew: float = 2.0  # each host's clock is off by up to this many seconds
     cost: CostModel = attrs.field(factory=CostModel)
     workload: Workload | None = None  # Poisson arrivals instead of ``requests`` spread uniformly
+    # A pull from a P that died hangs until its deadline, as from a dead host (no reset ends
+    # the connection), unless D drops the connection first (the core's ForgetTransfer, on P's
+    # loss). Off: it fails when it would have arrived, as on a live host (the port refused).
+    hung_pulls: bool = True
+    # A named scenario (scenarios.py): a fault staged on purpose, checked on top of the rest.
+    scenario: str | None = None
     # "modelled": schedulers, pools and the transfer server are modelled (fast: thousands of
     # seeds); "real": the real PD schedulers on the tiny model run every step (sim/real.py).
     schedulers: str = attrs.field(default="modelled")
@@ -189,3 +202,5 @@ class SimResult:
     handoffs: dict[str, int] = attrs.field(factory=dict)
     # SIGTERMs by outcome (``sigterm.Stops``).
     sigterms: dict[str, int] = attrs.field(factory=dict)
+    # A named scenario's outcomes (``scenarios.py``): staged, and its check passed.
+    scenario: dict[str, int] = attrs.field(factory=dict)

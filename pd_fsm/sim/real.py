@@ -39,7 +39,7 @@ from pd_fsm.jax_engine.transfer.base import (
     PullError,
     ReleaseResult,
 )
-from pd_fsm.jax_engine.transfer.pull_executor import PullExecutor, PullRequest
+from pd_fsm.jax_engine.transfer.pull_executor import PullExecutor, PullRequest, PullResult
 from pd_fsm.schedulers import Scheduler, SchedulerArgs
 from pd_fsm.schedulers.disaggregation import (
     DecodeRole,
@@ -208,19 +208,20 @@ class SimPullExecutor(PullExecutor):
     def __init__(self, node: RealDecodeWorker, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.node = node
-        self.pending: dict[int, tuple[PullRequest, float]] = {}  # uuid -> the pull, its start
+        # uuid -> the pull, its ticket, its start
+        self.pending: dict[int, tuple[PullRequest, int, float]] = {}
 
     def cancel_all(self, reason: str) -> None:
         """The role stops (a switch past its drain deadline): every pull not yet run reports
         failed now, as closing the executor ends its jobs, so the pages it would write into
         are freed by the scheduler's next step."""
-        for _uuid, (req, start) in sorted(self.pending.items()):
-            self._done.put(self._failed(req, start, f"pull cancelled: {reason}"))
+        for _uuid, (req, ticket, start) in sorted(self.pending.items()):
+            self._done.put((ticket, self._failed(req, start, f"pull cancelled: {reason}")))
         self.pending.clear()
 
     def submit(self, req: PullRequest) -> None:
         w, node = self.node.world, self.node
-        start = self._accept()
+        ticket, start = self._accept(req.room)
         took = w.config.cost.pull(node.tokens_of(req.room)) + w.rng.uniform(0.001, 0.005)
         if w.config.faults:
             r = w.rng.random()
@@ -232,18 +233,50 @@ class SimPullExecutor(PullExecutor):
                 node.corrupt_pulls.add(req.uuid)  # arrives, damaged: only a checksum can tell
         if w.plant("unverified-kv"):
             req = attrs.evolve(req, kv_checksums=())  # the planted bug: nothing is verified
-        self.pending[req.uuid] = (req, start)
+        self.pending[req.uuid] = (req, ticket, start)
         w.at(min(took, PULL_DEADLINE), f"{node.name} pull of room {req.room:x}", self._virtual_run,
              node.gen, req.uuid)
 
-    def _virtual_run(self, gen: int, uuid: int) -> None:
-        if gen != self.node.gen or not self.node.alive or uuid not in self.pending:
+    def drop(self, peer: str) -> None:
+        """The engine dropped its connections to ``peer``: every pull on them ends now."""
+        for uuid, (req, _, _) in sorted(self.pending.items()):
+            if req.peer == peer:
+                self.node.world.at(0.0, f"{self.node.name} pull of room {req.room:x} dropped",
+                                   self._virtual_run, self.node.gen, uuid,
+                                   f"the connection to {peer} was dropped (P lost)")
+
+    def writes_into(self, room: int) -> bool:
+        """Whether a job of ``room`` is in flight and not cancelled (its KV may still land)."""
+        with self._lock:
+            return any(r == room and t not in self._cancelled for t, r in self._jobs.items())
+
+    def pulling_from(self, peer: str) -> list[int]:
+        return sorted(req.room for req, _, _ in self.pending.values() if req.peer == peer)
+
+    def _virtual_run(self, gen: int, uuid: int, ended: str = "") -> None:
+        """The pull runs now, or ends: ``ended`` says why (its connection dropped, or its
+        deadline passed while its P was dead)."""
+        node = self.node
+        if gen != node.gen or not node.alive or uuid not in self.pending:
             return
-        req, start = self.pending.pop(uuid)
+        req, ticket, start = self.pending[uuid]
+        if not ended and node.world.config.hung_pulls and (
+                node.world.transfer_server(req.peer) is None):
+            # P died: from a dead host nothing resets the connection, so the pull hangs until
+            # its deadline (or until D drops the connection: drop).
+            node.world.at(max(0.0, start + self._deadline_s - node.local()),
+                          f"{node.name} pull of room {req.room:x} hung", self._virtual_run,
+                          gen, uuid, f"timeout after {self._deadline_s:g}s")
+            return
+        del self.pending[uuid]
+        if ended:
+            self._done.put((ticket, self._failed(req, start, ended)))
+            node.poke()
+            return
         pages = req.page_map()
         if self.node.world.plant("kv-pages-reversed") and isinstance(pages, tuple):
             req = attrs.evolve(req, pages=pages[::-1])  # the planted bug
-        self._run(req, start)
+        self._run(ticket, req, start)
 
 
 # ------------------------------------------------------------------------------ workers
@@ -501,6 +534,10 @@ class RealDecodeWorker(_RealWorker):
         node = self
 
         double_free = w.plant("double-free")
+        ignores_cancel = w.plant("release-without-cancel") or w.plant("held-until-pull-reports")
+        held_until_report = w.plant("held-until-pull-reports")
+        deferred: set[int] = set()  # the planted held-until-pull-reports: rooms waiting
+        pull_failed: set[int] = set()  # rooms whose pull failed (the double-free plant)
 
         class _Decode(DecodeRole):
             def new_pull_executor(self, on_result: Callable[[int], None] | None
@@ -510,11 +547,33 @@ class RealDecodeWorker(_RealWorker):
                                        clock=node.local)
 
             def carry_out(self, e: fx.DecodeEffect) -> int | None:
-                held = self.held_pages.get(getattr(e, "room", -1))
+                if isinstance(e, fx.CancelPull) and ignores_cancel:
+                    return e.room  # the planted bug
+                if isinstance(e, fx.ReleaseBlocks):
+                    executor = self.pull_executor
+                    assert isinstance(executor, SimPullExecutor)
+                    if held_until_report and executor.writes_into(e.room):
+                        deferred.add(e.room)  # the planted bug: freed when it reports
+                        return e.room
+                    if executor.writes_into(e.room):
+                        raise Violation(f"{node.name}: room {e.room:x}'s pages freed while its "
+                                        "pull, not cancelled, may still write them")
+                req = self.link.req_of.get(getattr(e, "room", -1))
+                held = self.held_pages.get(getattr(e, "room", -1)) or (
+                    req.pages if req is not None else None)
                 room = super().carry_out(e)
-                if isinstance(e, fx.ReleaseBlocks) and held and double_free:
+                if (isinstance(e, fx.ReleaseBlocks) and held and double_free
+                        and e.room in pull_failed):
                     self.sched.page_budget.free(held)  # the planted bug: a failed room's pages
                 return room
+
+            def _pulled(self, result: PullResult) -> None:
+                if not result.ok:
+                    pull_failed.add(result.room)
+                super()._pulled(result)
+                if result.room in deferred:
+                    deferred.discard(result.room)
+                    super().carry_out(fx.ReleaseBlocks(result.room))
 
         self.sched = DecodeScheduler(
             _args("decode", self.name, w.config.recompute, w.config.checksums),
@@ -527,6 +586,17 @@ class RealDecodeWorker(_RealWorker):
         executor = self.sched.pull_executor
         assert isinstance(executor, SimPullExecutor)
         executor.cancel_all(reason)
+
+    def pulling_from(self, transfer_addr: str) -> list[int]:
+        """The rooms whose pull from ``transfer_addr`` is in flight (scenarios.py)."""
+        executor = self.sched.pull_executor
+        assert isinstance(executor, SimPullExecutor)
+        return executor.pulling_from(transfer_addr)
+
+    def holds_pages(self, room: int) -> bool:
+        s = self.sched
+        req = s.req_of.get(room)
+        return room in s.held_pages or (req is not None and req.pages is not None)
 
     def tokens_of(self, room: int) -> int:
         gen_client = self.legs.get(room)
@@ -625,3 +695,11 @@ class _FailingPulls(SimTransferEngine):
             first, *rest = pending.arrays
             pending.arrays = [corrupted(first, garbage=True), *rest]
         return pending
+
+    def drop_connection(self, peer: str, reason: str) -> None:
+        node = self.node
+        assert isinstance(node, RealDecodeWorker)
+        if not self.world.plant("held-until-pull-reports"):  # the old D dropped nothing
+            executor = node.sched.pull_executor
+            assert isinstance(executor, SimPullExecutor)
+            executor.drop(peer)

@@ -472,8 +472,9 @@ class DecodeWorker(Node):
         self.held: dict[int, list[int]] = {}  # room -> pages
         self.legs: dict[int, tuple[int, Client]] = {}  # room -> (router gen, client)
         self.waiting: list[int] = []  # rooms waiting for pages, FIFO
-        self.pulls: dict[int, int] = {}  # room -> pull id in flight
-        self._pull_ids = itertools.count(1)
+        self.puller = PullRunner(self)  # its pull executor
+        # Rooms whose pages wait for their pull's report (the planted bug held-until-pull-reports)
+        self.release_on_report: set[int] = set()
         self.relaying: set[int] = set()  # rooms whose answer goes out (D's leg answered 200)
         self.pull_failed: set[int] = set()  # rooms whose pull failed (the double-free plant)
         self.bad_kv: set[int] = set()  # rooms decoding from corrupted KV (the unverified plant)
@@ -488,7 +489,8 @@ class DecodeWorker(Node):
         if w.plant("no-ready-timeout"):
             self.core._state_timeout[KV_RECEIVER.S.WAITING_FOR_READY] = math.inf  # planted bug
         self.pool = Pool(w, self.name, w.config.pages)
-        self.held, self.legs, self.waiting, self.pulls, self.relaying = {}, {}, [], {}, set()
+        self.held, self.legs, self.waiting, self.relaying = {}, {}, [], set()
+        self.puller, self.release_on_report = PullRunner(self), set()
         self.pull_failed, self.bad_kv = set(), set()
         self.desk = Desk(self)
 
@@ -586,10 +588,10 @@ class DecodeWorker(Node):
         for room in sorted(self.core.rooms):
             if self.core.state_of(room) is not None:
                 self.feed(ev.Aborted(room, reason))
-        # The pull executor closes with the role: each pull still running reports failed now,
-        # which frees the pages it was writing (a CANCELLING room's row).
-        for room in sorted(self.pulls):
-            del self.pulls[room]
+        # The pull executor closes with the role: each pull still running reports failed now
+        # (its room, aborted above, is CANCELLING: its pages went back with the abort).
+        pulls, self.puller.in_flight = self.puller.in_flight, {}
+        for room in sorted(pulls):
             if self.core.state_of(room) is not None:
                 self.feed(ev.PullFailed(room, f"pull cancelled: {reason}"))
         # What the scheduler decodes (or prefills itself): its own abort. A stream mid-relay
@@ -619,8 +621,11 @@ class DecodeWorker(Node):
                 w.network.send(self.name, e.peer, e.message)
             case fx.ResolvePeer():
                 w.registry.resolve(self, e.bootstrap_addr)
-            case fx.ForgetPeer() | fx.ForgetTransfer() | fx.RepeatWhileBusy():
+            case fx.ForgetPeer() | fx.RepeatWhileBusy():
                 pass
+            case fx.ForgetTransfer():
+                if not w.plant("held-until-pull-reports"):  # the old D dropped nothing
+                    self.puller.drop(e.transfer_addr)
             case fx.AllocateBlocks():
                 self.waiting.append(e.room)
                 return self.allocate_waiting(feed=False)
@@ -632,8 +637,19 @@ class DecodeWorker(Node):
                     # fed yet, and will find the room over): the pages go back now.
                     self.pool.give(self.held.pop(e.room), f"cancelled allocation of {e.room:x}")
             case fx.StartPull():
-                self._pull(e)
+                gen_client = self.legs.get(e.room)
+                self.puller.start(e, gen_client[1].tokens if gen_client is not None else 0)
+            case fx.CancelPull():
+                if not (w.plant("release-without-cancel") or w.plant("held-until-pull-reports")):
+                    self.puller.cancel(e.room)
             case fx.ReleaseBlocks():
+                pull = self.puller.in_flight.get(e.room)
+                if w.plant("held-until-pull-reports") and pull is not None:
+                    self.release_on_report.add(e.room)  # the planted bug: the old CANCELLING
+                    return []
+                if pull is not None and not pull.cancelled:
+                    raise Violation(f"{self.name}: room {e.room:x}'s pages freed while its "
+                                    "pull, not cancelled, may still write them")
                 pages = self.held.pop(e.room)
                 self.pool.give(pages, f"ReleaseBlocks of room {e.room:x}")
                 if w.plant("double-free") and e.room in self.pull_failed:
@@ -692,50 +708,129 @@ class DecodeWorker(Node):
             return []
         return out
 
-    def _pull(self, e: fx.StartPull) -> None:
-        w = self.world
-        pull = next(self._pull_ids)
-        self.pulls[e.room] = pull
-        gen_client = self.legs.get(e.room)
-        tokens = gen_client[1].tokens if gen_client is not None else 0
+    def pulling_from(self, transfer_addr: str) -> list[int]:
+        """The rooms whose pull from ``transfer_addr`` is in flight (scenarios.py)."""
+        return self.puller.pulling_from(transfer_addr)
+
+    def holds_pages(self, room: int) -> bool:
+        return room in self.held
+
+    def pull_ended(self, room: int, outcome: str, reason: str = "") -> None:
+        """The pull executor's report of ``room``'s pull (``PullRunner``): ``landed``,
+        ``landed corrupted`` (the unverified-kv plant), ``corrupted``, ``failed`` or
+        ``cancelled`` (its KV, if any, dropped)."""
+        if room in self.release_on_report:  # the planted bug: the pages go back only now
+            self.release_on_report.discard(room)
+            self.pool.give(self.held.pop(room), f"room {room:x}'s pull reported")
+            self.feed(ev.PullFailed(room, "the room failed while its pull ran"))
+            self.allocate_waiting()
+        elif outcome == "cancelled":
+            self.feed(ev.PullFailed(room, reason))
+        elif outcome == "corrupted":
+            self.feed(ev.ChecksumMismatched(room, "array 0 differs from P's checksum"))
+        elif outcome.startswith("landed"):
+            if outcome == "landed corrupted":
+                self.bad_kv.add(room)  # the planted bug: the check that would catch it skipped
+            if room not in self.held:
+                raise Violation(f"{self.name}: room {room:x}'s pull wrote its KV into pages "
+                                "the room had freed (another room's, or free)")
+            self.feed(ev.PullSucceeded(room))
+        else:
+            self.pull_failed.add(room)
+            self.feed(ev.PullFailed(room, reason))
+
+
+@attrs.define(eq=False)
+class _Pull:
+    id: int
+    uuid: int
+    addr: str  # P's transfer address
+    deadline: float  # on the world's clock
+    cancelled: bool = False
+
+
+class PullRunner:
+    """A modelled D's pull executor: each pull takes its cost on the model, or is slow, fails or
+    arrives corrupted as the seed draws. A pull from a P that died hangs until its deadline, as
+    from a dead host (``SimConfig.hung_pulls``), unless D drops the connection first (``drop``:
+    the core's ForgetTransfer). A cancelled pull (CancelPull) drops what it brings and reports
+    failed. Each pull reports once, to its worker's ``pull_ended``."""
+
+    def __init__(self, node: DecodeWorker) -> None:
+        self.node = node
+        self.in_flight: dict[int, _Pull] = {}  # room -> its pull
+        self._ids = itertools.count(1)
+
+    def start(self, e: fx.StartPull, tokens: int) -> None:
+        node, w = self.node, self.node.world
+        pull = _Pull(next(self._ids), e.uuid, e.transfer_addr, w.now + PULL_DEADLINE)
+        self.in_flight[e.room] = pull
         tokens = min(tokens, e.n_pages * PAGE_TOKENS)  # a part, or what no part carried
         took = w.config.cost.pull(tokens) + w.rng.uniform(0.001, 0.005)
-        fails = corrupted = False
+        fault = ""
         if w.config.faults:
             r = w.rng.random()
             if r < 0.04:
                 took = w.rng.uniform(1.0, 2 * PULL_DEADLINE)  # slow: maybe past its deadline
             elif r < 0.07:
-                fails = True
+                fault = "failed"
             elif r < 0.13 and w.config.checksums:
-                corrupted = True  # the bytes arrive, damaged: only the checksums can tell
-        took = min(took, PULL_DEADLINE)
-        w.at(took, f"{self.name} pull of room {e.room:x}", self._pulled, self.gen, e.room, pull,
-             e.uuid, e.transfer_addr, fails, took >= PULL_DEADLINE, corrupted)
+                fault = "corrupted"  # the bytes arrive, damaged: only the checksums can tell
+        if took >= PULL_DEADLINE:
+            took, fault = PULL_DEADLINE, "late"
+        w.at(took, f"{node.name} pull of room {e.room:x}", self._ended, node.gen, e.room,
+             pull.id, fault)
 
-    def _pulled(self, gen: int, room: int, pull: int, uuid: int, addr: str, fails: bool,
-                late: bool, corrupted: bool) -> None:
-        if gen != self.gen or self.pulls.get(room) != pull:
+    def cancel(self, room: int) -> None:
+        # No pull: it reported just now, and the room failed on a deadline due before its
+        # report was handled (its KV, if any, was in the room's pages first).
+        pull = self.in_flight.get(room)
+        if pull is not None:
+            pull.cancelled = True
+
+    def drop(self, addr: str) -> None:
+        """D drops its connections to ``addr``: every pull on them ends now."""
+        node = self.node
+        for room, pull in sorted(self.in_flight.items()):
+            if pull.addr == addr:
+                node.world.at(0.0, f"{node.name} pull of room {room:x} dropped", self._ended,
+                              node.gen, room, pull.id, "dropped")
+
+    def pulling_from(self, addr: str) -> list[int]:
+        return sorted(room for room, pull in self.in_flight.items() if pull.addr == addr)
+
+    def _ended(self, gen: int, room: int, pull_id: int, fault: str) -> None:
+        """``fault``: "" (none drawn), late, failed, corrupted, dropped."""
+        node, w = self.node, self.node.world
+        pull = self.in_flight.get(room)
+        if gen != node.gen or not node.alive or pull is None or pull.id != pull_id:
             return
-        del self.pulls[room]
-        source = self.world.transfer_server(addr)
-        if late:
-            reason = f"pull not finished within its {PULL_DEADLINE:g} s deadline"
-        elif fails:
-            reason = "injected transfer failure"
-        elif source is None or uuid not in source.regs or not self.world.network.reachable(
-                self.name, source.name):
-            reason = f"nothing registered as {uuid} at {addr}"
-        elif corrupted and not self.world.plant("unverified-kv"):
-            self.feed(ev.ChecksumMismatched(room, "array 0 differs from P's checksum"))
+        source = w.transfer_server(pull.addr)
+        if source is None and w.config.hung_pulls and fault in ("", "corrupted"):
+            # P died: from a dead host, nothing resets the connection; the pull hangs until
+            # its deadline (or until D drops the connection: drop).
+            w.at_time(pull.deadline, f"{node.name} pull of room {room:x} hung", self._ended,
+                      gen, room, pull_id, "late")
             return
+        del self.in_flight[room]
+        if pull.cancelled:  # the executor drops what it brought, scatters nothing
+            node.pull_ended(room, "cancelled", "cancelled: the room failed while it ran")
+        elif fault == "dropped":
+            node.pull_ended(room, "failed",
+                            f"the connection to {pull.addr} was dropped (P lost)")
+        elif fault == "late":
+            node.pull_ended(room, "failed",
+                            f"pull not finished within its {PULL_DEADLINE:g} s deadline")
+        elif fault == "failed":
+            node.pull_ended(room, "failed", "injected transfer failure")
+        elif (source is None or pull.uuid not in source.regs
+              or not w.network.reachable(node.name, source.name)):
+            node.pull_ended(room, "failed", f"nothing registered as {pull.uuid} at {pull.addr}")
+        elif fault == "corrupted":
+            node.pull_ended(room, "landed corrupted" if w.plant("unverified-kv")
+                            else "corrupted")
         else:
-            if corrupted:
-                self.bad_kv.add(room)  # the planted bug: the check that would catch it skipped
-            self.feed(ev.PullSucceeded(room))
-            return
-        self.pull_failed.add(room)
-        self.feed(ev.PullFailed(room, reason))
+            node.pull_ended(room, "landed")
 
 # -- live KV hand-off between the decode workers -------------------------------------------------
 # (Here, beside the workers, not in a module of its own: the desk drives its worker and the

@@ -54,6 +54,7 @@ from pd_fsm.sim.network import Network
 from pd_fsm.sim.process import Process
 from pd_fsm.sim.proxy import Proxy
 from pd_fsm.sim.registry import Registry
+from pd_fsm.sim.scenarios import make as make_scenario
 from pd_fsm.sim.sigterm import Stops
 from pd_fsm.sim.switch import Processes
 from pd_fsm.sim.workers import Client, DecodeWorker, Node, PrefillWorker
@@ -95,6 +96,8 @@ class World:
         self.handoffs: Counter[str] = Counter()  # live KV hand-offs by outcome (handoff.py)
         self.invariants = Invariants()
         self.stops = Stops(self, self.workers)  # SIGTERMs (sigterm.py)
+        self.scenario = (None if c.scenario is None
+                         else make_scenario(c.scenario, self, self.workers))
         for node in (*self.prefills, *self.decodes):
             node.start()
 
@@ -140,6 +143,8 @@ class World:
             fn(*args)
             self.workers.check_drains()
             self.stops.check()
+            if self.scenario is not None:
+                self.scenario.check()
             self._check()
         self.now = end
         self._check_drained()
@@ -290,7 +295,8 @@ def run_seed(seed: int, config: SimConfig | None = None, trace: bool = False) ->
     return SimResult(seed, violation, world.answered(), world.steps, world.trace,
                      world.workers.summary(), dict(sorted(world.workers.races.items())),
                      dict(sorted({**world.handoffs, **world.handed_off_answers()}.items())),
-                     world.stops.summary())
+                     world.stops.summary(),
+                     {} if world.scenario is None else dict(world.scenario.outcomes))
 
 
 @attrs.frozen

@@ -27,6 +27,7 @@ import httpx
 import trio
 
 from pd_fsm.io_trio.ports import free_port, free_port_pair  # noqa: F401 (the tests' helpers)
+from tests.integration._procs.client import stop
 
 HOST = "127.0.0.1"
 # Generous on purpose: 2 cores are shared with other test processes; a deadline, not a benchmark.
@@ -103,8 +104,9 @@ class Proc:
         return self.popen is not None and self.popen.poll() is None
 
     def pause(self) -> None:
-        """SIGSTOP: freezes the process at a known stage (its sockets stay open)."""
-        os.kill(self.pid, signal.SIGSTOP)
+        """SIGSTOP: freezes the process at a known stage (its sockets stay open); returns once
+        it is stopped."""
+        stop(self.pid)
 
     def resume(self) -> None:
         os.kill(self.pid, signal.SIGCONT)

@@ -1,9 +1,13 @@
-"""Failure paths between real processes: P killed mid-pull, a uuid never registered, a layout
+"""Failure paths between real processes: P killed mid-pull, a P that is gone before a pull
+connects, a P that hangs mid-pull (its connection dropped), a uuid never registered, a layout
 mismatch. Every wait has a deadline; the assertions on time are generous bounds on "failed by the
-deadline", never performance thresholds."""
+deadline" (or "before it": a pull's own deadline far past the bound), never performance
+thresholds."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 
@@ -14,11 +18,13 @@ from pd_fsm.jax_engine.kv.holder import KVCacheHolder
 from pd_fsm.jax_engine.transfer import JaxTransferKVEngine
 from pd_fsm.jax_engine.transfer.pull_executor import PullExecutor, PullRequest, PullResult
 from tests.integration._procs import pools
-from tests.integration._procs.client import PServer
+from tests.integration._procs.client import PServer, stop
 
 NAMES = ["main_kv"]
 DEADLINE = 3.0
 SLACK = 5.0
+LONG = 60.0  # a pull deadline the tests below must never wait for
+assert DEADLINE + SLACK < LONG
 
 
 class DSide:
@@ -96,5 +102,50 @@ def test_never_registered_and_layout_mismatch(d: DSide) -> None:
         d.executor.submit(PullRequest(4, 4444, p.address, [9, 10], p.layout_hash))
         r = d.result()
         assert r.ok, r.reason
+    finally:
+        p.close()
+
+
+def test_a_pull_to_a_p_that_is_gone_fails_at_once_not_at_its_deadline(d: DSide) -> None:
+    """P is SIGKILLed before D ever connects to it: the new connection's probe is refused
+    (nothing listens there), so the pull fails at once, naming it, instead of waiting on the
+    library's connect until its deadline."""
+    p = PServer(4, NAMES)
+    address = p.address
+    p.kill()
+    start = time.monotonic()
+    d.executor.submit(PullRequest(5, 5151, address, [5, 6], p.layout_hash, deadline_s=LONG))
+    r = d.result()
+    assert not r.ok and "nothing listens" in r.reason, r.reason
+    assert time.monotonic() - start <= DEADLINE + SLACK
+
+
+def test_dropping_the_connection_ends_a_pull_blocked_on_a_hung_p(d: DSide) -> None:
+    """P hangs (SIGSTOP) while D's pull from it is on the wire: the pull would wait until its
+    deadline. ``drop_connection`` (the core's ForgetTransfer, once P is lost) poisons the
+    connection with the pull on it: the pull fails now. P, resumed, serves a new pull on a
+    fresh connection."""
+    p = PServer(5, NAMES)
+    try:
+        d.pull_ok(p, 6161, p_seed=5)  # a connection to P, cached
+        p.call(op="register", uuid=6262, pages=[3, 4], lease_s=60)
+        stop(p.pid)
+        try:
+            d.executor.submit(PullRequest(6, 6262, p.address, [5, 6], p.layout_hash,
+                                          deadline_s=LONG))
+            give_up = time.monotonic() + SLACK
+            while d.engine._conns[p.address].inflight == 0:  # the pull is on the wire
+                assert time.monotonic() < give_up, "the pull never started"
+                time.sleep(0.01)
+            time.sleep(0.2)
+            assert d.executor.get(timeout=0) is None  # blocked, as on a dead host
+            dropped = time.monotonic()
+            d.engine.drop_connection(p.address, "test: P lost")
+            r = d.result()
+            assert not r.ok, r
+            assert time.monotonic() - dropped <= SLACK
+        finally:
+            os.kill(p.pid, signal.SIGCONT)
+        d.pull_ok(p, 6363, p_seed=5)
     finally:
         p.close()

@@ -161,6 +161,10 @@ class PDNetwork(RuleBasedStateMachine):
         self.d_pages: list[dict[int, int]] = []
         self.d_waiting_alloc: list[dict[int, int]] = []
         self.d_pulls: list[dict[int, int]] = []  # room -> uuid
+        # Rooms whose pull in flight was cancelled (CancelPull): its KV is dropped, never
+        # written, and it reports failed; the room's pages may go before it reports.
+        self.d_cancelled: list[set[int]] = []
+        self.d_pull_cancelled = False  # whether the pull _pop_pull popped was cancelled
         self.d_parts: list[dict[int, int]] = []  # room -> where the part being pulled ends
         self.d_have: dict[int, int] = {}  # room -> leading pages D holds (cache, then parts)
         self.d_pull_deadline: list[dict[int, float]] = []  # room -> when the executor reports
@@ -278,9 +282,15 @@ class PDNetwork(RuleBasedStateMachine):
                 assert self.p_reg_skip.get(e.uuid, e.skip_pages) == e.skip_pages
                 self.d_pulls[i][e.room] = e.uuid
                 self.d_pull_deadline[i][e.room] = self.now + PULL_DEADLINE
+            elif isinstance(e, fx.CancelPull):
+                # No pull in flight: it is reporting right now, and a deadline due before the
+                # report failed the room first (what it brought is in the pages already).
+                if e.room in self.d_pulls[i]:
+                    self.d_cancelled[i].add(e.room)
             elif isinstance(e, fx.ReleaseBlocks):
                 assert e.room in self.d_pages[i], f"room {e.room}: D released pages twice"
-                assert e.room not in self.d_pulls[i], "pages freed while a pull may write them"
+                assert e.room not in self.d_pulls[i] or e.room in self.d_cancelled[i], (
+                    "pages freed while a pull may write them")
                 del self.d_pages[i][e.room]
             elif isinstance(e, fx.CompleteTransfer):
                 assert e.room not in self.d_pulls[i]
@@ -297,7 +307,11 @@ class PDNetwork(RuleBasedStateMachine):
                     d.rooms[r].peer != e.peer or d.state_of(r) == "CANCELLING" for r in d.rooms
                 ), "forgot a needed P"
             elif isinstance(e, fx.ForgetTransfer):
-                pass  # P restarted: a connection to its dead transfer server (no room state)
+                # P died (lost, or restarted): D drops its connections to P's transfer server
+                # ("t", every pull's), which fails each pull still on them now, not at its
+                # deadline.
+                for room, t in self.d_pull_deadline[i].items():
+                    self.d_pull_deadline[i][room] = min(t, self.now)
             else:
                 raise AssertionError(f"unexpected D effect {e}")
 
@@ -315,6 +329,7 @@ class PDNetwork(RuleBasedStateMachine):
             self.d_pages.append({})
             self.d_waiting_alloc.append({})
             self.d_pulls.append({})
+            self.d_cancelled.append(set())
             self.d_parts.append({})
             self.d_pull_deadline.append({})
             self.d_resolving.append(set())
@@ -456,6 +471,8 @@ class PDNetwork(RuleBasedStateMachine):
         # One-shot registration, as jax.experimental.transfer: a pull consumes it.
         if network_ok and self.p_registered.get(uuid) == room:
             del self.p_registered[uuid]
+            if self._dropped(i, room):
+                return
             self._part_landed(i, room)
             self._d_handle(i, ev.PullSucceeded(room))
         else:
@@ -473,6 +490,8 @@ class PDNetwork(RuleBasedStateMachine):
         uuid = self._pop_pull(i, room)
         if self.p_registered.get(uuid) == room:
             del self.p_registered[uuid]
+            if self._dropped(i, room):
+                return
             self._d_handle(i, ev.ChecksumMismatched(room, "array 0 differs"))
         else:
             self._d_handle(i, ev.PullFailed(room, "nothing registered"))
@@ -521,13 +540,24 @@ class PDNetwork(RuleBasedStateMachine):
                 ok = self.p_registered.get(uuid) == room
                 if ok:  # one-shot registration, as jax.experimental.transfer: a pull consumes it
                     del self.p_registered[uuid]
+                    if self._dropped(i, room):
+                        continue
                     self._part_landed(i, room)
                 self._d_handle(i, ev.PullSucceeded(room) if ok else ev.PullFailed(room, "gone"))
 
     def _pop_pull(self, i: int, room: int) -> int:
         del self.d_pull_deadline[i][room]
         self.d_parts_ending = self.d_parts[i].pop(room, None)
+        self.d_pull_cancelled = room in self.d_cancelled[i]
+        self.d_cancelled[i].discard(room)
         return self.d_pulls[i].pop(room)
+
+    def _dropped(self, i: int, room: int) -> bool:
+        """The pull just popped brought KV: if it was cancelled, the executor drops it (the
+        room's pages may be another room's by now) and reports the pull failed."""
+        if self.d_pull_cancelled:
+            self._d_handle(i, ev.PullFailed(room, "cancelled: KV dropped, not scattered"))
+        return self.d_pull_cancelled
 
     def _part_landed(self, i: int, room: int) -> None:
         """The pull just popped succeeded: a part's pages are D's now."""
@@ -605,7 +635,8 @@ class PDNetwork(RuleBasedStateMachine):
     @rule(data=st.data(), on_p=st.booleans())
     def abort_mid_pull(self, data: st.DataObject, on_p: bool) -> None:
         """The client goes away (on D, or on P whose ABORT then reaches D) while D's pull of
-        the room is in flight: D must keep the pages (CANCELLING) until the pull reports."""
+        the room is in flight: D cancels the pull and frees the pages at once (CANCELLING);
+        the pull, whatever it brings, then writes nothing and reports."""
         i = data.draw(st.sampled_from([i for i, p in enumerate(self.d_pulls) if p]))
         room = data.draw(st.sampled_from(sorted(self.d_pulls[i])))
         if on_p:
@@ -657,6 +688,7 @@ class PDNetwork(RuleBasedStateMachine):
         self.d_pages[i].clear()
         self.d_waiting_alloc[i].clear()
         self.d_pulls[i].clear()
+        self.d_cancelled[i].clear()
         self.d_pull_deadline[i].clear()
         self.d_resolving[i].clear()
         self.net = [m for m in self.net if m[1] != self._d_name(i)]
@@ -708,12 +740,13 @@ class PDNetwork(RuleBasedStateMachine):
     def accounting_consistent(self) -> None:
         assert set(self.p_registered.values()) <= set(self.p_pages)
         for i, d in enumerate(self.ds):
-            assert set(self.d_pulls[i]) <= set(self.d_pages[i])
+            assert set(self.d_pulls[i]) - self.d_cancelled[i] <= set(self.d_pages[i])
+            # A CANCELLING room's pages went back when it failed (its pull was cancelled).
             live_with_pages = {
                 r
                 for r in d.rooms
                 if d.state_of(r) in ("WAITING_FOR_READY", "STREAMING", "TRANSFERRING",
-                                     "REPULLING", "CANCELLING")
+                                     "REPULLING")
             }
             assert set(self.d_pages[i]) == live_with_pages
 

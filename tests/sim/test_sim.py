@@ -10,7 +10,8 @@ import pytest
 
 from pd_fsm.cli import main as cli_main
 from pd_fsm.sim import PLANTS, SimConfig, World, run_seed
-from pd_fsm.sim.config import REAL_ONLY_PLANTS, Workload
+from pd_fsm.sim.config import REAL_ONLY_PLANTS, SCENARIO_PLANTS, Workload
+from pd_fsm.sim.scenarios import PAGES_BACK_S, scenario_config
 from pd_fsm.sim.world import run_workload
 
 SEEDS = 2000  # issue 12 §5: at least 2,000 seeds in CI
@@ -37,8 +38,30 @@ def test_streamed_kv_with_faults_keeps_every_invariant() -> None:
 
 @pytest.mark.parametrize("plant", sorted(set(PLANTS) - REAL_ONLY_PLANTS))
 def test_each_planted_bug_is_caught(plant: str) -> None:
-    caught = next((s for s in range(50) if run_seed(s, SimConfig(plant=plant)).violation), None)
+    config = SimConfig(plant=plant)
+    if plant in SCENARIO_PLANTS:  # only its scenario stages the fault the bug lets through
+        config = scenario_config(SCENARIO_PLANTS[plant], config)
+    caught = next((s for s in range(50) if run_seed(s, config).violation), None)
     assert caught is not None, f"{plant} not caught in 50 seeds"
+
+
+def test_p_dies_mid_pull_d_gets_its_pages_back_within_the_peer_timeout() -> None:
+    """The named scenario (scenarios.py): P SIGKILLed while D pulls two rooms or more from it,
+    those pulls hanging until their deadline as from a dead host. In every seed the kill is
+    staged and D's pages of those rooms are back within the peer timeout (plus heartbeats and
+    the tolerance: PAGES_BACK_S), before the pull deadline; then the seed drains as any does.
+    The planted old behaviour (pages held until the pull reports) fails it in every seed."""
+    assert PAGES_BACK_S < 8.0  # the simulated pull deadline: the check tells the two apart
+    results = [run_seed(s, scenario_config("p-dies-mid-pull")) for s in range(200)]
+    failing = [(r.seed, r.violation) for r in results if r.violation]
+    assert not failing, failing[:3]
+    outcomes: Counter[str] = Counter()
+    for r in results:
+        outcomes.update(r.scenario)
+    assert outcomes == {"staged": 200, "pages_back": 200}
+    planted = scenario_config("p-dies-mid-pull", SimConfig(plant="held-until-pull-reports"))
+    assert all("still hold their pages" in str(run_seed(s, planted).violation)
+               for s in range(5))
 
 
 def test_a_seed_replays_bit_for_bit() -> None:

@@ -12,7 +12,8 @@ from collections import Counter
 import pytest
 
 from pd_fsm.sim import PLANTS, SimConfig, run_seed
-from pd_fsm.sim.config import SHORT_DRAIN
+from pd_fsm.sim.config import SCENARIO_PLANTS, SHORT_DRAIN
+from pd_fsm.sim.scenarios import scenario_config
 
 REAL = SimConfig(schedulers="real", requests=6)
 SEEDS = 40
@@ -63,8 +64,21 @@ def test_without_faults_every_answer_is_the_colocated_one(stream_tokens: int) ->
 @pytest.mark.parametrize("plant", sorted(PLANTS))
 def test_each_planted_bug_in_the_real_schedulers_is_caught(plant: str) -> None:
     config = SimConfig(schedulers="real", requests=6, plant=plant)
+    if plant in SCENARIO_PLANTS:  # only its scenario stages the fault the bug lets through
+        config = scenario_config(SCENARIO_PLANTS[plant], config)
     caught = next((s for s in range(40) if run_seed(s, config).violation), None)
     assert caught is not None, f"{plant} not caught in 40 seeds"
+
+
+def test_p_dies_mid_pull_with_the_real_pull_executor() -> None:
+    """The named scenario with the real schedulers: the core's CancelPull reaches the real
+    PullExecutor (its cancel under the pool's lock) and ReleaseBlocks the real page budget,
+    while the pulls from the dead P hang; every page of those rooms is back within the peer
+    timeout, and every page, registration and room is accounted after the drain."""
+    config = scenario_config("p-dies-mid-pull", SimConfig(schedulers="real"))
+    results = [run_seed(s, config) for s in range(3)]
+    assert not [r for r in results if r.violation], [(r.seed, r.violation) for r in results]
+    assert all(r.scenario == {"staged": 1, "pages_back": 1} for r in results), results
 
 
 def test_a_seed_replays_bit_for_bit() -> None:

@@ -198,7 +198,7 @@ def external_kinds(effects: list[Any]) -> list[str]:
             names.append("StartRepull")
         elif isinstance(e, fx.StartPull) and e.part:
             names.append("StartPartPull")
-        elif not isinstance(e, fx.ForgetPeer):  # about a peer, not the room's row
+        elif not isinstance(e, fx.ForgetPeer | fx.ForgetTransfer):  # a peer's, not a row's
             names.append(type(e).__name__)
     return names
 

@@ -337,15 +337,39 @@ def test_queue_timeout_is_503_and_ready_timeout_504() -> None:
     assert "ReleaseBlocks" in _kinds(out)
 
 
-def test_abort_mid_pull_keeps_pages_until_the_pull_reports() -> None:
+def test_abort_mid_pull_cancels_the_pull_and_frees_the_pages_at_once() -> None:
     d = _d()
     d.handle(ev.DecodeRequestAccepted(1, "h:1", 1), 0.0)
     d.handle(ev.PeerResolved("h:1", "p", "t", L), 0.0)
     d.handle(ev.BlocksAllocated(1), 0.0)
     d.handle(ev.MessageReceived("p", Ready(1, 5, 7, 1, L)), 0.0)
     out = d.handle(ev.Aborted(1, "client gone"), 1.0)
-    assert "ReleaseBlocks" not in _kinds(out) and d.poll(1) == KVPoll.Failed
-    assert _kinds(d.handle(ev.PullSucceeded(1), 2.0)) == ["ReleaseBlocks"]
+    # The pull is cancelled before the pages go: its KV can never be scattered into them.
+    assert _kinds(out) == ["SendMessage", "CancelPull", "ReleaseBlocks", "FailRequest"]
+    assert d.state_of(1) == "CANCELLING" and d.poll(1) == KVPoll.Failed
+    assert d.handle(ev.PullSucceeded(1), 2.0) == [] and d.state_of(1) is None
+    assert d.handle(ev.PullFailed(1, "late"), 3.0) == [] and d.stats.late == 1
+
+
+def test_a_lost_prefill_frees_the_pages_of_its_rooms_mid_pull_and_drops_its_transfer() -> None:
+    """P falls silent while two rooms pull from it: both fail with their pages freed at once
+    (not when their pulls give up, which from a dead P can take the whole pull deadline), and
+    D drops its connections to P's transfer server, which ends the pulls waiting on it."""
+    d = _d_with_rooms({1: "TRANSFERRING", 2: "TRANSFERRING", 3: "WAITING_FOR_READY"})
+    out: list[fx.DecodeEffect] = []
+    now = 1.0
+    while d.state_of(1) == "TRANSFERRING" and now < 120.0:
+        now += 1.0
+        out += d.handle(ev.TimeAdvanced(), now)
+    assert d.state_of(1) == "CANCELLING"  # after the peer timeout (100 s), plus heartbeats
+    cancelled = [o.room for o in out if isinstance(o, fx.CancelPull)]
+    released = [o.room for o in out if isinstance(o, fx.ReleaseBlocks)]
+    assert cancelled == [1, 2] and sorted(released) == [1, 2, 3]
+    assert {d.state_of(r) for r in (1, 2)} == {"CANCELLING"} and d.state_of(3) is None
+    assert [o for o in out if isinstance(o, fx.ForgetTransfer)] == [fx.ForgetTransfer("h:7001")]
+    for room in (1, 2):
+        assert d.handle(ev.PullFailed(room, "connection poisoned"), now) == []
+    assert not d.rooms
 
 
 # --- the registry ---

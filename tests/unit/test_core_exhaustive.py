@@ -283,7 +283,8 @@ SENDER_EXTERNAL = {"RegisterKV", "RegisterPart", "SendPart", "NarrowKV", "SendRe
                    "SendAbort", "ReleaseKV", "CompleteRequest", "FailRequest"}
 RECEIVER_EXTERNAL = {"ResolvePeer", "AllocateBlocks", "CancelAllocation", "SendRecvInit",
                      "StartPull", "StartPartPull", "StartRepull", "SendDone", "SendDoneFailed",
-                     "SendAbort", "ReleaseBlocks", "CompleteTransfer", "FailRequest"}
+                     "SendAbort", "CancelPull", "ReleaseBlocks", "CompleteTransfer",
+                     "FailRequest"}
 
 
 class Prefill:

@@ -29,6 +29,24 @@ def _pool(seed: int) -> list[jax.Array]:
             for _ in range(CFG.num_layers)]
 
 
+def _p_and_d(p_seed: int, d_seed: int) -> tuple[JaxTransferKVEngine, JaxTransferKVEngine,
+                                                KVCacheHolder, KVCacheHolder, list[np.ndarray]]:
+    """P's and D's transfer engines and pools (one process), and D's pool as it starts."""
+    d_holder = KVCacheHolder({"main_kv": _pool(d_seed)})
+    with d_holder.locked() as kv:
+        before = [np.asarray(a).copy() for a in kv["main_kv"]]
+    return (JaxTransferKVEngine(reaper_interval_s=None), JaxTransferKVEngine(
+        reaper_interval_s=None), KVCacheHolder({"main_kv": _pool(p_seed)}), d_holder, before)
+
+
+def _executor(engine: JaxTransferKVEngine, holder: KVCacheHolder
+              ) -> tuple[PullExecutor, threading.Semaphore]:
+    """An executor on ``engine``, and a semaphore released as each job finishes."""
+    arrived = threading.Semaphore(0)
+    return PullExecutor(engine, holder, ARGS, deadline_s=10,
+                        on_result=lambda room: arrived.release()), arrived
+
+
 def _no_pull(deadline_s: float) -> PendingPull:
     raise AssertionError("must not pull")
 
@@ -84,15 +102,8 @@ def test_a_pull_that_fails_its_checksums_is_reported_and_never_scattered() -> No
     pull thread; KV that differs is reported as a mismatch naming the array and leaves D's pages
     as they were, KV that matches is scattered; a count that does not describe the registration
     is refused before any pull."""
-    p_engine = JaxTransferKVEngine(reaper_interval_s=None)
-    d_engine = JaxTransferKVEngine(reaper_interval_s=None)
-    p_holder = KVCacheHolder({"main_kv": _pool(5)})
-    d_holder = KVCacheHolder({"main_kv": _pool(6)})
-    with d_holder.locked() as kv:
-        before = [np.asarray(a).copy() for a in kv["main_kv"]]
-    arrived = threading.Semaphore(0)
-    ex = PullExecutor(d_engine, d_holder, ARGS, deadline_s=10,
-                      on_result=lambda room: arrived.release())
+    p_engine, d_engine, p_holder, d_holder, before = _p_and_d(5, 6)
+    ex, arrived = _executor(d_engine, d_holder)
     arrays = gather_room(p_holder, ARGS, [5, 6])
     (good,) = kv_checksums(arrays)
     for uuid in (10, 11):  # two registrations of the same arrays: P's with its spare
@@ -148,15 +159,8 @@ def test_a_gate_collects_only_its_rooms_and_fails_what_another_rank_lost() -> No
     """An instance spanning processes (``DecodeScheduler.set_pull_gate``): finished pulls wait
     (``ready``) until the gate names them; a room another rank failed is failed here too with
     that rank's reason, its pulled KV dropped, not scattered."""
-    p_engine = JaxTransferKVEngine(reaper_interval_s=None)
-    d_engine = JaxTransferKVEngine(reaper_interval_s=None)
-    p_holder = KVCacheHolder({"main_kv": _pool(3)})
-    d_holder = KVCacheHolder({"main_kv": _pool(4)})
-    with d_holder.locked() as kv:
-        untouched = [np.asarray(a) for a in kv["main_kv"]]
-    arrived = threading.Semaphore(0)
-    ex = PullExecutor(d_engine, d_holder, ARGS, deadline_s=10,
-                      on_result=lambda room: arrived.release())
+    p_engine, d_engine, p_holder, d_holder, untouched = _p_and_d(3, 4)
+    ex, arrived = _executor(d_engine, d_holder)
     for uuid, room, d_pages in ((8, 80, [1, 2]), (9, 90, [3, 4])):
         p_engine.register(uuid, gather_room(p_holder, ARGS, [5, 6]), lease_s=30)
         ex.submit(PullRequest(room, uuid, p_engine.address, d_pages, ARGS.layout_hash))
@@ -179,3 +183,79 @@ def test_a_gate_collects_only_its_rooms_and_fails_what_another_rank_lost() -> No
         p_engine.release(uuid, "done")
     p_engine.close()
     d_engine.close()
+
+
+def test_a_cancelled_rooms_kv_is_dropped_not_scattered() -> None:
+    """``cancel``: the room failed while its pull ran, and its pages may be another room's
+    now. KV that had arrived is dropped (reported ``cancelled`` and ``dropped``, the pages as
+    they were); a pull of another room collected with it is scattered as usual."""
+    p_engine, d_engine, p_holder, d_holder, before = _p_and_d(7, 8)
+    ex, arrived = _executor(d_engine, d_holder)
+    for uuid, room, d_pages in ((12, 120, [1, 2]), (13, 130, [3, 4])):
+        p_engine.register(uuid, gather_room(p_holder, ARGS, [5, 6]), lease_s=30)
+        ex.submit(PullRequest(room, uuid, p_engine.address, d_pages, ARGS.layout_hash))
+    assert arrived.acquire(timeout=15) and arrived.acquire(timeout=15)
+    assert ex.cancel(120) == 1 and ex.cancel(999) == 0
+    assert ex.inflight == 2 and ex.cancelled_inflight == 1
+    results = {r.room: r for r in ex.poll()}
+    gone, kept = results[120], results[130]
+    assert (gone.ok, gone.cancelled, gone.dropped, gone.bytes) == (False, True, True, 0)
+    assert "dropped, not scattered" in gone.reason
+    assert kept.ok and not kept.cancelled
+    assert ex.inflight == ex.cancelled_inflight == 0
+    with p_holder.locked() as kv:
+        src = [np.asarray(a) for a in kv["main_kv"]]
+    with d_holder.locked() as kv:
+        got = [np.asarray(a) for a in kv["main_kv"]]
+    for layer in range(CFG.num_layers):
+        assert np.array_equal(got[layer][[1, 2]], before[layer][[1, 2]])  # 120's dropped
+        assert np.array_equal(got[layer][[3, 4]], src[layer][[5, 6]])  # 130 scattered
+    ex.close()
+    for uuid in (12, 13):
+        p_engine.release(uuid, "done")
+    p_engine.close()
+    d_engine.close()
+
+
+class _Hung(PendingPull):
+    """A pull blocked until ``release`` is set (a dead P's), failing then."""
+
+    def __init__(self, release: threading.Event, deadline_s: float) -> None:
+        self.peer, self.uuid, self.arrays = "peer", 0, []
+        self._release, self._deadline_s = release, deadline_s
+
+    def wait(self) -> None:
+        from pd_fsm.jax_engine.transfer.base import PullError
+
+        if not self._release.wait(self._deadline_s):
+            raise PullError("timeout")
+        raise PullError("connection poisoned")
+
+
+def test_a_cancelled_job_still_queued_never_pulls() -> None:
+    """One pull thread, blocked on a hung pull; the room queued behind it is cancelled (its
+    P died too): when the thread frees up, the job reports cancelled without pulling (no
+    connection opened to a P that is gone). The hung one, cancelled as well, reports when
+    its pull ends (here: when the test lets it fail, as a dropped connection does)."""
+    release = threading.Event()
+    started = threading.Event()
+
+    def hung(deadline_s: float) -> PendingPull:
+        started.set()
+        return _Hung(release, deadline_s)
+
+    engine = FakeEngine(hung)
+    ex = PullExecutor(engine, KVCacheHolder({"main_kv": _pool(9)}), ARGS, max_workers=1,
+                      deadline_s=30)
+    ex.submit(PullRequest(1, 5, "peer", [1, 2], ARGS.layout_hash))
+    assert started.wait(15)
+    ex.submit(PullRequest(2, 6, "peer", [3, 4], ARGS.layout_hash))
+    assert ex.cancel(2) == 1 and ex.cancel(1) == 1
+    release.set()
+    results = {r.room: r for r in (ex.get(15), ex.get(15))}  # type: ignore[union-attr]
+    ex.close()
+    assert engine.pulls == 1
+    assert results[2].cancelled and "cancelled before it started" in results[2].reason
+    assert results[1].cancelled and not results[1].dropped
+    assert "connection poisoned" in results[1].reason
+    assert ex.inflight == 0

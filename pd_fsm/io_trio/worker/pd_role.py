@@ -206,5 +206,5 @@ class PrefillRole:
 
 def held_rooms(sched: PDScheduler) -> int:
     """Rooms whose pages the scheduler still holds once their leg answered (P: until D pulled
-    them; D: failed rooms whose pull still runs)."""
+    them; D: aborted hand-offs whose pull still runs)."""
     return len(sched.held_pages)

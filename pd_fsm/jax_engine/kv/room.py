@@ -32,6 +32,10 @@ from pd_fsm.jax_engine.parallel.tensor_parallel import split_shards
 RoomPages = Mapping[str, Sequence[int]] | Sequence[int]
 
 
+class ScatterSkipped(Exception):
+    """``scatter_rooms`` wrote nothing for this room: ``keep`` said no under the lock."""
+
+
 def pages_by_pool(kv_args: KVArgs, pages: RoomPages) -> dict[str, tuple[int, ...]]:
     if isinstance(pages, Mapping):
         missing = [p.name for p in kv_args.pools if p.name not in pages]
@@ -89,9 +93,13 @@ def scatter_rooms(
     *,
     method: ScatterMethod | None = None,
     lock_timeout_s: float = -1,
+    keep: Callable[[int], bool] = lambda i: True,
 ) -> list[Exception | None]:
     """D side: write several pulled rooms into their preallocated pages with one hold of the
     lock, dispatching the copies without waiting for them; one error (or None) per room.
+    ``keep(i)`` is asked under the lock, just before room ``i``'s copies: False skips it
+    (its error is a :class:`ScatterSkipped`), so whoever decides it under the same lock knows
+    that no copy of it starts afterwards.
 
     Call it on the thread that dispatches the forward steps, between two steps: the next step's
     forward then runs on the pool the copies return, so JAX orders it after them, and no copy
@@ -103,6 +111,9 @@ def scatter_rooms(
     if method != "xla":
         with holder.locked(timeout=lock_timeout_s) as kv:
             for i, (arrays, pages) in enumerate(rooms):
+                if not keep(i):
+                    errors[i] = ScatterSkipped()
+                    continue
                 try:
                     by_pool = _room_pages(kv_args, arrays, pages)
                     for spec, packed in zip(kv_args.pools, arrays, strict=True):
@@ -114,7 +125,34 @@ def scatter_rooms(
         return errors
     with holder.locked(timeout=lock_timeout_s) as kv:
         structs = {spec.name: [as_struct(a) for a in kv[spec.name]] for spec in kv_args.pools}
-    plans: list[tuple[int, list[tuple[str, Callable[[list[jax.Array]], list[jax.Array]]]]]] = []
+    plans = _scatter_plans(kv_args, structs, rooms, errors)
+    if not plans:
+        return errors
+    with holder.locked(timeout=lock_timeout_s) as kv:
+        for i, room_plans in plans:
+            if not keep(i):
+                errors[i] = ScatterSkipped()
+                continue
+            try:
+                for name, run in room_plans:
+                    kv[name] = run(list(kv[name]))
+            except Exception as exc:
+                errors[i] = exc
+    return errors
+
+
+_Plan = Callable[[list[jax.Array]], list[jax.Array]]
+
+
+def _scatter_plans(
+    kv_args: KVArgs,
+    structs: Mapping[str, list[jax.ShapeDtypeStruct]],
+    rooms: Sequence[tuple[Sequence[jax.Array], RoomPages]],
+    errors: list[Exception | None],
+) -> list[tuple[int, list[tuple[str, _Plan]]]]:
+    """Each room's copies (the XLA tiers), planned outside the lock against the pools' shapes:
+    (room index, [(pool, copy)]); a room whose input does not fit gets its error instead."""
+    plans = []
     for i, (arrays, pages) in enumerate(rooms):
         try:
             by_pool = _room_pages(kv_args, arrays, pages)
@@ -128,16 +166,7 @@ def scatter_rooms(
             plans.append((i, room_plans))
         except Exception as exc:
             errors[i] = exc
-    if not plans:
-        return errors
-    with holder.locked(timeout=lock_timeout_s) as kv:
-        for i, room_plans in plans:
-            try:
-                for name, run in room_plans:
-                    kv[name] = run(list(kv[name]))
-            except Exception as exc:
-                errors[i] = exc
-    return errors
+    return plans
 
 
 def _room_pages(

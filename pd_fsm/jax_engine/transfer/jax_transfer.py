@@ -29,6 +29,17 @@ outstanding on that connection fail at once ("RECOVERABLE InjectFailure") instea
 — a pull to a dead port, or for a uuid never registered, otherwise waits forever, even with the
 library's timeout, which the serving side only checks when its table is touched.
 
+A peer that dies (bench/RESULTS_dead_peer.md, jax 0.10.2, CPU, P SIGKILLed): a pull on a
+connection that was open when P died fails at once ("Connection closed", within ~30 ms of the
+kill, mid-transfer or waiting for a registration), but a pull on a *fresh* connection to the dead
+port waits until its deadline: the library's connect does not report the refusal. Hence two
+things here. A new connection is first probed with a plain TCP connect to the peer's address
+(~0.05 ms when P listens): a refusal (nothing listens: P's process is gone) fails the pull at once
+instead of the deadline; a probe without an answer in ``_PROBE_S`` leaves it to the library. And
+:meth:`JaxTransferKVEngine.drop_connection` (the core's ForgetTransfer: P lost or restarted)
+poisons every connection to the peer at once, those with pulls in flight too: a pull blocked on a
+dead or hung P then returns within a few ms instead of at its deadline, and frees its pull thread.
+
 Deadlines. ``pull()`` returns at once and errors surface at ``is_ready()`` /
 ``block_until_ready()``; ``block_until_ready`` can hang (for a uuid never registered, or a dead
 port). So :meth:`_JaxPendingPull.wait` polls ``is_ready()`` against our own monotonic deadline,
@@ -62,6 +73,7 @@ from __future__ import annotations
 import datetime
 import logging
 import math
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -91,6 +103,7 @@ DEFAULT_TRANSPORT_STREAMS = 2
 _POLL_MIN_S = 50e-6
 _SPIN_S = 2e-3  # poll without sleeping for the first 2 ms of a wait
 _POLL_MAX_S = 2e-3
+_PROBE_S = 0.5  # the longest a new connection's probe waits for the peer to answer
 
 
 def _library_timeout(seconds: float) -> datetime.datetime:
@@ -113,6 +126,20 @@ class _Registration:
     uuid: int
     nbytes: int
     expires_at: float
+
+
+def refused(peer: str, timeout: float) -> str:
+    """Why nothing can be listening at ``peer`` ("host:port"): its refusal of a TCP connection;
+    "" when something answered, nothing answered within ``timeout``, or the address does not
+    parse (the library's connect decides those)."""
+    host, _, port = peer.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return ""
+    except ConnectionRefusedError as exc:
+        return str(exc)
+    except (OSError, ValueError):
+        return ""
 
 
 def _wait_ready(
@@ -141,6 +168,15 @@ def _wait_ready(
             time.sleep(0)  # a small pull is done within a millisecond: yield, do not nap
             continue
         time.sleep(min(max((now - start) / 20, _POLL_MIN_S), _POLL_MAX_S, deadline - now))
+
+
+def _poison(c: _Conn) -> None:
+    """Poison ``c`` (its pulls fail at once). Without the private name (a JAX that dropped it:
+    jax_private.MISSING, logged at import) pulls on it end by their own deadlines instead."""
+    try:
+        jax_private.poison(c.conn)
+    except AttributeError as exc:
+        log.warning("connection to %s not poisoned: %s", c.peer, exc)
 
 
 class _JaxPendingPull(PendingPull):
@@ -210,6 +246,9 @@ class JaxTransferKVEngine(KVTransferEngine):
         self._lock = threading.Lock()  # guards _conns, _regs and _Conn counters
         self._release_lock = threading.Lock()  # one release at a time: shares the self-connection
         self._conns: dict[str, _Conn] = {}
+        # Retired connections with pulls still on them (poisoned when the last one ends, or at
+        # once by drop_connection).
+        self._retired: list[_Conn] = []
         self._regs: dict[int, _Registration] = {}
         self._self_conn: _Conn | None = None
         self._closed = threading.Event()
@@ -332,7 +371,7 @@ class JaxTransferKVEngine(KVTransferEngine):
         if not 0 <= uuid < UUID_LIMIT:
             raise ValueError(f"uuid {uuid} does not fit uint64")
         deadline = self._clock() + deadline_s
-        conn = self._connection(peer)
+        conn = self._connection(peer, min(_PROBE_S, deadline_s))
         try:
             arrays = conn.conn.pull(uuid, list(specs), timeout=_library_timeout(deadline_s))
         except Exception as e:
@@ -340,7 +379,14 @@ class JaxTransferKVEngine(KVTransferEngine):
             raise PullError(f"pull of uuid {uuid} from {peer} refused: {e}") from e
         return _JaxPendingPull(self, conn, uuid, list(arrays), deadline)
 
-    def _connection(self, peer: str) -> _Conn:
+    def _connection(self, peer: str, probe_s: float) -> _Conn:
+        """The cached connection to ``peer``, or a new one once a probe found it listening."""
+        with self._lock:
+            known = peer in self._conns
+        if not known:
+            why = refused(peer, probe_s)
+            if why:
+                raise PullError(f"nothing listens at {peer} (P's transfer server is gone): {why}")
         with self._lock:
             if self._closed.is_set():
                 raise RuntimeError("engine closed")
@@ -363,28 +409,39 @@ class JaxTransferKVEngine(KVTransferEngine):
         its last pull is over, so that pulls we abandoned fail instead of hanging forever."""
         with self._lock:
             c.inflight -= 1
-            if failed:
-                c.retired = True
-                if self._conns.get(c.peer) is c:
-                    del self._conns[c.peer]
+            if failed and not c.retired:
+                self._retire(c)
             poison = c.retired and c.inflight == 0 and not c.poisoned
             if poison:
                 c.poisoned = True
+                self._retired.remove(c)
         if poison:
-            jax_private.poison(c.conn)
+            _poison(c)
+
+    def _retire(self, c: _Conn) -> None:
+        """No new pull goes on ``c`` (under ``_lock``)."""
+        c.retired = True
+        if self._conns.get(c.peer) is c:
+            del self._conns[c.peer]
+        self._retired.append(c)
 
     def drop_connection(self, peer: str, reason: str) -> None:
+        """Every connection to ``peer`` poisoned now, those with pulls in flight too: each such
+        pull fails at once (a pull blocked on a dead or hung P would wait until its deadline),
+        and the next pull connects afresh."""
         with self._lock:
-            c = self._conns.pop(peer, None)
-            if c is None:
-                return
-            c.retired = True
-            poison = c.inflight == 0 and not c.poisoned
-            if poison:
+            c = self._conns.get(peer)
+            if c is not None:
+                self._retire(c)
+            dropped = [c for c in self._retired if c.peer == peer]
+            for c in dropped:
                 c.poisoned = True
-        log.info("dropped connection to %s: %s", peer, reason)
-        if poison:
-            jax_private.poison(c.conn)
+                self._retired.remove(c)
+        if dropped:
+            log.info("dropped %d connection(s) to %s (%d pull(s) on them): %s", len(dropped),
+                     peer, sum(c.inflight for c in dropped), reason)
+        for c in dropped:
+            _poison(c)
 
     def close(self) -> None:
         self._closed.set()
@@ -393,6 +450,6 @@ class JaxTransferKVEngine(KVTransferEngine):
         for u in list(self.registrations()):
             self.release(u, "engine closed")
         with self._lock:
-            peers = list(self._conns)
-        for p in peers:
+            peers = {*self._conns, *(c.peer for c in self._retired)}
+        for p in sorted(peers):
             self.drop_connection(p, "engine closed")

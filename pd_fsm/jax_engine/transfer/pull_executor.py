@@ -25,10 +25,21 @@ and readiness wait are bounded by the engine (which polls ``is_ready()`` against
 on a timeout or failure, retires the peer's connection so the next pull connects afresh); the
 scatter waits for the holder's lock at most ``SCATTER_LOCK_S``. The scatter goes through
 :class:`~pd_fsm.jax_engine.kv.holder.KVCacheHolder`, so it never races a forward step (DESIGN §6).
+
+A room that fails while its pull is in flight (P lost, the client gone) gets its pages back at
+once: :meth:`PullExecutor.cancel` marks the room's jobs under the holder's lock, and the scatter
+asks for that mark under the same lock just before it copies, so once ``cancel`` has returned no
+copy into the room's pages can start (one under way has been dispatched first, and JAX orders a
+later owner's writes after it). The pulled arrays are a buffer of the job's own until then, so
+the pages are free to go. A cancelled job not started yet never starts (no connection is opened
+to a P that is gone); one under way runs to its own end, bounded by its deadline, or sooner when
+the engine drops the dead P's connection; either way it reports once, ``cancelled``, with
+nothing scattered (KV that arrived is ``dropped``).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -44,7 +55,7 @@ from pd_fsm.jax_engine.kv.checksum import kv_checksum
 from pd_fsm.jax_engine.kv.gather_scatter import ScatterMethod, validate_pages
 from pd_fsm.jax_engine.kv.holder import KVCacheHolder
 from pd_fsm.jax_engine.kv.pool_spec import KVArgs
-from pd_fsm.jax_engine.kv.room import RoomPages, pages_by_pool, scatter_rooms
+from pd_fsm.jax_engine.kv.room import RoomPages, ScatterSkipped, pages_by_pool, scatter_rooms
 from pd_fsm.jax_engine.parallel.tensor_parallel import (
     TensorParallelError,
     packed_sharding,
@@ -113,6 +124,11 @@ class PullResult:
     scatter_iterations: int = -1
     # The KV arrived but failed P's checksums (``reason`` says which array): nothing scattered.
     checksum_mismatch: bool = False
+    # The room failed while this job was in flight (PullExecutor.cancel): nothing was
+    # scattered; ``reason`` says what became of the pull, and ``dropped`` whether its KV had
+    # arrived, and was thrown away.
+    cancelled: bool = False
+    dropped: bool = False
 
 
 class _NotPulled(Exception):
@@ -138,7 +154,12 @@ class _Pulled:
     nbytes: int
 
 
-def _room(item: PullResult | _Pulled) -> int:
+# A finished job: its ticket, and a result (a refusal or a failed pull) or KV still to scatter.
+_Done = tuple[int, PullResult | _Pulled]
+
+
+def _room(done: _Done) -> int:
+    item = done[1]
     return item.req.room if isinstance(item, _Pulled) else item.room
 
 
@@ -178,16 +199,19 @@ class PullExecutor:
         self._iterations = iterations
         self._peer_for = peer_for
         # Finished jobs taken off ``_done`` by ready() and not yet collected (forward thread).
-        self._held: list[PullResult | _Pulled] = []
-        # Finished jobs: a result (a refusal or a failed pull), or pulled KV still to scatter.
-        self._done: queue.SimpleQueue[PullResult | _Pulled] = queue.SimpleQueue()
+        self._held: list[_Done] = []
+        self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
         self._pool = ThreadPoolExecutor(
             max_workers=max_workers, thread_name_prefix="kv-pull",
             initializer=raise_this_thread, initargs=(thread_nice,),
         )
         self._closed = False
         self._lock = threading.Lock()
-        self._inflight = 0
+        self._tickets = itertools.count()
+        self._jobs: dict[int, int] = {}  # ticket -> room: every job from submit to collection
+        # Tickets of cancelled jobs not collected yet; added to with the holder's lock held
+        # too, so the scatter's check under that lock sees every cancel that returned.
+        self._cancelled: set[int] = set()
         with holder.locked() as kv:
             # Pulled arrays land where the pool lives.
             self._sharding = {
@@ -197,22 +221,42 @@ class PullExecutor:
 
     @property
     def inflight(self) -> int:
+        """Jobs submitted and not collected yet (cancelled ones included)."""
         with self._lock:
-            return self._inflight
+            return len(self._jobs)
+
+    @property
+    def cancelled_inflight(self) -> int:
+        """Of ``inflight``, the jobs of rooms that failed meanwhile (``cancel``)."""
+        with self._lock:
+            return len(self._cancelled)
 
     def submit(self, req: PullRequest) -> None:
-        self._pool.submit(self._run, req, self._accept())
+        ticket, start = self._accept(req.room)
+        self._pool.submit(self._run, ticket, req, start)
 
-    def _accept(self) -> float:
-        """Count a job in; when its deadline starts. It runs from here, not from when a worker
-        thread takes the job: the core frees the pages by its own backstop (transfer_timeout >
-        pull_deadline) counted from the submit, so a job queued behind hung pulls must not
-        write into them later."""
+    def _accept(self, room: int) -> tuple[int, float]:
+        """Count a job in: its ticket, and when its deadline starts. It runs from here, not from
+        when a worker thread takes the job, so that a job queued behind slow pulls still ends
+        within the core's transfer backstop (transfer_timeout > pull_deadline)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("pull executor closed")
-            self._inflight += 1
-        return self._clock()
+            ticket = next(self._tickets)
+            self._jobs[ticket] = room
+        return ticket, self._clock()
+
+    def cancel(self, room: int) -> int:
+        """``room`` failed while its pull is in flight: from now on none of its jobs' KV is
+        scattered, nor is a job of it not started yet started; each still reports once, with
+        ``cancelled`` set. Takes the holder's lock (at most ``SCATTER_LOCK_S``: TimeoutError),
+        so that a scatter under way has been dispatched when this returns, and none starts
+        after. How many jobs of the room were in flight."""
+        with self._holder.locked(timeout=SCATTER_LOCK_S), self._lock:
+            tickets = [t for t, r in self._jobs.items() if r == room]
+            self._cancelled.update(tickets)
+        return len(tickets)
+
 
     def _take_done(self) -> None:
         while True:
@@ -225,7 +269,7 @@ class PullExecutor:
         """Rooms whose job has finished and waits to be collected: "" if its KV arrived, else
         why it failed (non-blocking; the forward thread's, like :meth:`poll`)."""
         self._take_done()
-        return {_room(i): "" if isinstance(i, _Pulled) else i.reason for i in self._held}
+        return {_room(d): "" if isinstance(d[1], _Pulled) else d[1].reason for d in self._held}
 
     def poll(self, only: Mapping[int, str] | None = None) -> list[PullResult]:
         """Every job finished so far (non-blocking), pulled KV scattered first. Call between two
@@ -241,9 +285,9 @@ class PullExecutor:
             return self._finish(items)
         items = [i for i in self._held if _room(i) in only]
         self._held = [i for i in self._held if _room(i) not in only]
-        for n, item in enumerate(items):
+        for n, (ticket, item) in enumerate(items):
             if isinstance(item, _Pulled) and only[item.req.room]:
-                items[n] = self._failed(item.req, item.start, only[item.req.room])
+                items[n] = ticket, self._failed(item.req, item.start, only[item.req.room])
         return self._finish(items)
 
     def get(self, timeout: float) -> PullResult | None:
@@ -257,26 +301,41 @@ class PullExecutor:
             return None
         return self._finish([item])[0]
 
-    def _finish(self, items: list[PullResult | _Pulled]) -> list[PullResult]:
-        pulled = [item for item in items if isinstance(item, _Pulled)]
+    def _finish(self, items: list[_Done]) -> list[PullResult]:
+        pulled = [(t, item) for t, item in items if isinstance(item, _Pulled)]
         found: list[Exception | None] = []
         if pulled:
+            # Asked under the holder's lock, as cancel() marks: a cancelled room's KV is
+            # dropped here, never copied into pages that may be another room's by now.
+            cancelled = self._cancelled
             try:
                 found = scatter_rooms(
-                    self._holder, self._kv_args, [(p.arrays, p.pages) for p in pulled],
+                    self._holder, self._kv_args, [(p.arrays, p.pages) for _, p in pulled],
                     method=self._method, lock_timeout_s=SCATTER_LOCK_S,
+                    keep=lambda i: pulled[i][0] not in cancelled,
                 )
             except TimeoutError as exc:
                 found = [exc] * len(pulled)
         errors = iter(found)  # one per pulled item, in the order of ``items``
         scattered = self._clock()
         iteration = self._iterations()
+        with self._lock:
+            late = {t for t, _ in items if t in self._cancelled}
+            for t, _ in items:
+                self._jobs.pop(t, None)
+                self._cancelled.discard(t)
         results = []
-        for item in items:
+        for ticket, item in items:
             if isinstance(item, PullResult):
-                results.append(item)
+                results.append(attrs.evolve(item, cancelled=True) if ticket in late else item)
                 continue
             error = next(errors)
+            if isinstance(error, ScatterSkipped):
+                results.append(attrs.evolve(
+                    self._failed(item.req, item.start, "cancelled: the room failed while its KV "
+                                 "was pulled; the KV was dropped, not scattered"),
+                    cancelled=True, dropped=True))
+                continue
             if error is not None:
                 log.warning("scatter for room %d failed: %r", item.req.room, error)
             results.append(PullResult(
@@ -289,9 +348,8 @@ class PullExecutor:
                 scatter_iterations=(
                     iteration - item.ready_iteration if item.ready_iteration >= 0 else -1
                 ),
+                cancelled=ticket in late,
             ))
-        with self._lock:
-            self._inflight -= len(items)
         return results
 
     def close(self, wait: bool = True) -> None:
@@ -299,13 +357,13 @@ class PullExecutor:
             self._closed = True
         self._pool.shutdown(wait=wait, cancel_futures=not wait)
 
-    def _run(self, req: PullRequest, start: float) -> None:
+    def _run(self, ticket: int, req: PullRequest, start: float) -> None:
         try:
-            done = self._pull(req, start)
+            done = self._pull(ticket, req, start)
         except Exception as e:  # a job must always report, whatever broke
             log.exception("pull job for room %d", req.room)
             done = self._failed(req, start, f"internal error: {type(e).__name__}: {e}")
-        self._done.put(done)
+        self._done.put((ticket, done))
         if self._on_result is not None:
             try:
                 self._on_result(req.room)
@@ -318,9 +376,13 @@ class PullExecutor:
         return PullResult(req.room, req.uuid, False, reason, 0, self._clock() - start, req.peer,
                           checksum_mismatch=checksum_mismatch)
 
-    def _pull(self, req: PullRequest, start: float) -> PullResult | _Pulled:
+    def _pull(self, ticket: int, req: PullRequest, start: float) -> PullResult | _Pulled:
         """One job, on a pull thread: check, pull, verify and regroup; or why not."""
         try:
+            with self._lock:
+                cancelled = ticket in self._cancelled
+            if cancelled:  # the room failed while the job was queued
+                raise _NotPulled("cancelled before it started (the room failed); not pulled")
             pages, deadline_s = self._checked(req, start)
             mine, specs, peer = self._what_to_pull(req, pages)
             nbytes = sum(p.packed_nbytes(len(pages[p.name])) for p in self._kv_args.pools)

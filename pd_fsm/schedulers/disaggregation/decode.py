@@ -4,10 +4,11 @@
 D opens the room in its core as soon as the request arrives; the core resolves P (through the
 I/O layer's bootstrap lookup), then asks for pages. Pages are reserved for the whole sequence
 (prompt + max_new_tokens) in FIFO order; while a request waits for them its P lease is kept alive
-by the batched heartbeats. On READY the pull executor pulls, waits for readiness and scatters the
-KV into the reserved pages under the pool lock, off the scheduler thread; the loop only submits,
-polls and moves requests. A transferred request joins the running decode batch with P's first
-token and never runs the prefill forward.
+by the batched heartbeats. On READY the pull executor pulls and waits for readiness off the
+scheduler thread; the loop submits, scatters what arrived between two steps (under the pool
+lock) and moves requests. A transferred request joins the running decode batch with P's first
+token and never runs the prefill forward. A room that fails mid-pull has its pull cancelled
+(never scattered) and its pages freed at once, whatever the pull still takes.
 """
 
 from __future__ import annotations
@@ -95,16 +96,21 @@ class DecodeRole(ColocatedRole):
             sched, core, self.clock, self.carry_out, self._allocate_pages)
         self.recv_queue: dict[int, Req] = {}  # rooms between arrival and the end of their pull
         self.alloc_queue: deque[int] = deque()  # rooms waiting for pages, FIFO
-        self.held_pages: dict[int, list[int]] = {}  # failed rooms whose pull is still running
+        # Pages of rooms that failed before the core freed them: an aborted hand-off's while its
+        # pull runs (a PD room's are freed in the row that fails it).
+        self.held_pages: dict[int, list[int]] = {}
         # Live hand-off (issue 32 §2); an aborted one's pages wait in held_pages for its pull.
         self.handoffs = HandoffDesk(sched, self.link, self.engine, self.kv_args,
                                     self.held_pages, lambda: self.pull_executor,
                                     args.kv_checksum, self.slots_free)
         self.pull_executor = self.new_pull_executor(on_pull_result)
         # pulls_corrupted: the KV arrived but failed READY's checksums (not scattered);
-        # parts_pulled: of pulls_ok, the parts P streamed while it prefilled (issue 31 §1).
+        # parts_pulled: of pulls_ok, the parts P streamed while it prefilled (issue 31 §1);
+        # pulls_cancelled: pulls whose room failed while they ran (reported after its pages
+        # went back), and of those pulls_dropped: their KV arrived and was thrown away.
         self.transfer_stats = {"pulls_ok": 0, "pulls_failed": 0, "pulls_corrupted": 0,
-                               "parts_pulled": 0, "bytes": 0, "seconds": 0.0}
+                               "parts_pulled": 0, "pulls_cancelled": 0, "pulls_dropped": 0,
+                               "bytes": 0, "seconds": 0.0}
         self._part_pulls: set[int] = set()  # rooms whose pull in flight is a part
         self.recomputed = 0
         # Iterations of this loop ended so far. Only the forward thread rebinds it; the pull
@@ -211,7 +217,11 @@ class DecodeRole(ColocatedRole):
         stats, phases = self.transfer_stats, self.link.phases
         part = result.room in self._part_pulls  # one pull at a time per room: this one's
         self._part_pulls.discard(result.room)
-        if result.ok:
+        if result.cancelled:  # its room is over (CANCELLING): nothing was scattered
+            stats["pulls_cancelled"] += 1
+            stats["pulls_dropped"] += result.dropped
+            self.link.deliver(ev.PullFailed(result.room, result.reason))
+        elif result.ok:
             stats["pulls_ok"] += 1
             stats["bytes"] += result.bytes
             stats["seconds"] += result.seconds
@@ -256,7 +266,7 @@ class DecodeRole(ColocatedRole):
                 addr = e.transfer_addr if self._pairing is None else self._pairing.forget(
                     e.transfer_addr)
                 if addr is not None:
-                    self.engine.drop_connection(addr, "prefill restarted")
+                    self.engine.drop_connection(addr, "prefill lost or restarted")
                 return None
             case fx.AllocateBlocks():
                 phases.lap(e.room, "decode_bootstrap", "accepted", "page_request")
@@ -265,6 +275,8 @@ class DecodeRole(ColocatedRole):
                 self.alloc_queue.remove(e.room)
             case fx.StartPull():
                 self._start_pull(e)
+            case fx.CancelPull():
+                self.pull_executor.cancel(e.room)
             case fx.CompleteTransfer():
                 phases.lap(e.room, "decode_pull_report", "pulled", "entered")
                 phases.lap(e.room, "kv_tail", "ready", "joined")
@@ -313,8 +325,8 @@ class DecodeRole(ColocatedRole):
         self.recv_queue.pop(e.room, None)
         req = self.link.req_of[e.room]
         if req.pages is not None:
-            # A pull may still write these pages: the core frees them (ReleaseBlocks) once the
-            # pull has reported.
+            # Not the request's any more (a recompute gets fresh ones): the core frees them
+            # (ReleaseBlocks) in a row of its own.
             self.held_pages[e.room], req.pages = req.pages, None
         if self.args.failure_policy == "recompute" and e.status in RECOMPUTABLE:
             self._recompute(req, e.reason)

@@ -10,12 +10,26 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from pd_fsm.jax_engine.kv.host_memory import hugepage_env
 
 ROOT = Path(__file__).resolve().parents[3]
+
+
+def stop(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and wait until the kernel shows it stopped: the signal is delivered
+    asynchronously, and a process not stopped yet can still answer (a pull finished after its
+    P was "frozen" was seen here)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    # /proc/PID/stat: "pid (comm) state ..."; comm may hold spaces and parentheses.
+    while Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in "tT":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} not stopped within {timeout:g} s")
+        time.sleep(0.001)
 
 
 class PServer:
