@@ -18,10 +18,10 @@ deadline (``--deadline``, default 8 s). Cases:
 
 ``cluster``: the check by hand that found the bug, repeated. One P and one D (production windows
 but ``--peer-timeout``) behind ``pd-fsm proxy``; per run, ``--requests`` requests through the
-proxy, P SIGKILLed once D has a pull in flight (or ``--kill-after`` seconds in, whichever comes
-first), then: when every client had its answer, and when D's pages were all back (free + cached
-= total) with no room, queue or pull left. P is restarted between runs. ``--beside`` runs a
-second such cluster under a steady load the whole time (the contention the bug was found
+proxy, P SIGKILLed once D has ``--min-pulls`` pulls in flight (or ``--kill-after`` seconds in,
+whichever comes first), then: when every client had its answer, and when D's pages were all back
+(free + cached = total) with no room, queue or pull left. P is restarted between runs. ``--beside``
+runs a second such cluster under a steady load the whole time (the contention the bug was found
 under). Asserts nothing; prints one line per run and a summary.
 
 Run: ``.venv/bin/python bench/bench_dead_peer.py pulls [--runs 5]`` and
@@ -266,19 +266,28 @@ async def _runs(fleets: list[Any], args: argparse.Namespace) -> None:
         for other in fleets[1:]:
             outer.start_soon(_load, http, other, args)
         for i in range(args.warmup):  # compiles: every shape the runs will use
-            await http.post(f"{proxy.url}/generate", json=_body(i, args))
+            with trio.fail_after(600):  # a loaded machine's first requests can fail: again
+                while (r := await http.post(f"{proxy.url}/generate",
+                                            json=_body(i, args))).status_code != 200:
+                    print(f"warm-up request {i}: {r.status_code} {r.text[:200]}", flush=True)
+                    await trio.sleep(2)
         for run in range(args.runs):
             with trio.fail_after(600):
                 while not _idle(await _d_state(http, d)):
                     await trio.sleep(0.2)
             statuses: list[int] = []
+            errors: list[str] = []
 
-            async def ask(i: int, statuses: list[int] = statuses) -> None:
+            async def ask(i: int, statuses: list[int] = statuses,
+                          errors: list[str] = errors) -> None:
                 try:
                     r = await http.post(f"{proxy.url}/generate", json=_body(i, args))
                     statuses.append(r.status_code)
-                except httpx.HTTPError:
+                    if r.status_code != 200:
+                        errors.append(r.text[:200])
+                except httpx.HTTPError as exc:
                     statuses.append(0)
+                    errors.append(repr(exc))
 
             async with trio.open_nursery() as nursery:
                 for i in range(args.requests):
@@ -287,7 +296,7 @@ async def _runs(fleets: list[Any], args: argparse.Namespace) -> None:
                 pulls = 0
                 while trio.current_time() - start < args.kill_after:
                     pulls = (await _d_state(http, d))["pd_queues"]["pulls_inflight"]
-                    if pulls:
+                    if pulls >= args.min_pulls:
                         break
                 p.kill()
                 killed = trio.current_time()
@@ -306,8 +315,8 @@ async def _runs(fleets: list[Any], args: argparse.Namespace) -> None:
             codes = {c: statuses.count(c) for c in sorted(set(statuses))}
             print(f"run {run}: killed with {pulls} pull(s) in flight "
                   f"({killed - start:.2f} s in); every client answered {answered_s:.2f} s "
-                  f"after the kill {codes}; D idle, every page back, {back_s:.2f} s after",
-                  flush=True)
+                  f"after the kill {codes}; D idle, every page back, {back_s:.2f} s after"
+                  + (f"; first error: {errors[0]}" if errors else ""), flush=True)
             await trio.to_thread.run_sync(fleet.restart, "p", 600.0)
         outer.cancel_scope.cancel()
     bound = args.peer_timeout + 3.0
@@ -334,6 +343,8 @@ def main() -> int:
     cluster.add_argument("--peer-timeout", type=float, default=6.0)
     cluster.add_argument("--kill-after", type=float, default=2.0,
                          help="kill P this long after the requests at the latest (seconds)")
+    cluster.add_argument("--min-pulls", type=int, default=1,
+                         help="kill P once D has this many pulls in flight (or --kill-after)")
     cluster.add_argument("--warmup", type=int, default=4)
     cluster.add_argument("--beside", action="store_true",
                          help="a second cluster under a steady load beside this one")

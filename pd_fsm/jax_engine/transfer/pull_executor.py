@@ -257,7 +257,6 @@ class PullExecutor:
             self._cancelled.update(tickets)
         return len(tickets)
 
-
     def _take_done(self) -> None:
         while True:
             try:
