@@ -42,21 +42,20 @@ def _save(plt: Any, fig: Any, name: str) -> Path:
 
 def goodput_vs_rate(name: str, title: str, curves: Mapping[str, Sequence[tuple[float, float]]],
                     slo: str) -> Path | None:
-    """Goodput (req/s within the SLO) against the offered rate, one line per configuration, with
-    the offered rate itself as the ceiling."""
+    """Goodput (req/s within the SLO) against the rate the requests really arrived at (a few
+    Poisson arrivals stray from the nominal rate: ``Summary.arrival_rate``), one line per
+    configuration, with that rate itself as the ceiling (every request within the SLO)."""
     plt = _pyplot()
     if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     rates = sorted({r for points in curves.values() for r, _ in points})
-    # Few requests per rate: the realised arrival rate of a Poisson sample strays from the
-    # nominal one, so goodput can sit above this line.
-    ax.plot(rates, rates, ls=":", color="grey", label="nominal offered rate")
+    ax.plot(rates, rates, ls=":", color="grey", label="arrival rate (all within the SLO)")
     for label, points in curves.items():
         xs, ys = zip(*sorted(points), strict=True)
         ax.plot(xs, ys, marker="o", label=label)
-    ax.set(xlabel="offered rate (req/s, Poisson)", ylabel=f"goodput (req/s with {slo})",
-           title=title)
+    ax.set(xlabel="arrival rate (req/s, as the Poisson arrivals came)",
+           ylabel=f"goodput (req/s with {slo})", title=title)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
 
 import pytest
 import trio
@@ -45,6 +46,19 @@ async def test_bench_measures_every_request(nursery: trio.Nursery) -> None:
         assert 0 < rows["TTFT p50 ms"] <= rows["E2E p99 ms"]
     table = render(summary, summary, url, url)
     assert "TTFT p90 ms" in table and "target/compare" in table
+
+
+async def test_poisson_arrivals_are_measured_as_they_came(nursery: trio.Nursery) -> None:
+    """A few Poisson arrivals stray from their nominal rate: the summary keeps the span they
+    came in (the seeded gaps, the last one included), what a goodput plot's x axis is."""
+    url, _ = await start_worker(nursery, num_pages=256)
+    args = argparse.Namespace(endpoint="generate", max_tokens=2, model="tiny", request_rate=20.0,
+                              max_concurrency=None, timeout=60, seed=0)
+    summary = await run_load(url, args, make_prompts("short", 4, seed=0))
+    rng = random.Random(args.seed + 1)  # run_load's schedule
+    gaps = sum(rng.expovariate(args.request_rate) for _ in range(4))
+    assert gaps <= summary.arrivals <= summary.duration
+    assert summary.arrival_rate() == 4 / summary.arrivals
 
 
 async def test_bench_prints_where_the_time_went(nursery: trio.Nursery,
