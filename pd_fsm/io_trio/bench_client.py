@@ -30,6 +30,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from pd_fsm.io_trio.api_key import bearer
+from pd_fsm.io_trio.unix_sockets import display, service_url, unix_mounts
 from pd_fsm.io_trio.worker.phases import PHASE_BY_KEY, PHASES, TTFT_NAME
 
 _WORD_TEXT = (
@@ -252,7 +253,7 @@ async def run_load(url: str, args: argparse.Namespace, prompts: list[Prompt],
     limits = httpx.Limits(max_connections=max(capacity, 1) + 4)
     headers = bearer(args.api_key) if getattr(args, "api_key", None) else {}
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits,
-                                 headers=headers) as http:
+                                 headers=headers, mounts=unix_mounts(limits)) as http:
         start = trio.current_time()
 
         async def send(i: int, prompt: Prompt) -> None:
@@ -527,7 +528,7 @@ async def _main(args: argparse.Namespace) -> int:
         for url in filter(None, (args.url, args.compare)):
             await run_load(url, warm, prompts[:1])
     headers = bearer(args.api_key) if args.api_key else {}
-    async with httpx.AsyncClient(timeout=10, headers=headers) as http:
+    async with httpx.AsyncClient(timeout=10, headers=headers, mounts=unix_mounts()) as http:
         urls = await metrics_urls(http, args.url, args.metrics_url)
         before = await scrape(http, urls)
         totals_before = await scrape_totals(http, urls)
@@ -535,7 +536,8 @@ async def _main(args: argparse.Namespace) -> int:
         after = await scrape(http, urls)
         totals_after = await scrape_totals(http, urls)
     compare = await run_load(args.compare, args, prompts) if args.compare else None
-    print(render(target, compare, args.url, args.compare), flush=True)
+    print(render(target, compare, display(args.url), args.compare and display(args.compare)),
+          flush=True)
     print(phase_table(before, after), flush=True)
     sides = {url: side_of(hists) for url, hists in after.items()}
     completed = sum(r.ok for r in target.results)
@@ -545,7 +547,8 @@ async def _main(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="benchmark a server: TTFT, ITL, E2E, throughput")
-    p.add_argument("--url", required=True, help="server (proxy or worker) base URL")
+    p.add_argument("--url", required=True,
+                   help="server (proxy or worker) base URL, or unix:PATH (its unix socket)")
     p.add_argument("--compare", default=None, help="run the same load against this URL too")
     p.add_argument("--endpoint", choices=tuple(PATHS), default="completions")
     p.add_argument("--dataset", choices=("short", "long", "mixed", *SHARED), default="mixed",
@@ -577,5 +580,12 @@ def main(args: argparse.Namespace) -> int:
         print("pd-fsm bench: --num-prompts, --max-tokens, --request-rate, --num-prefixes must "
               "be > 0 (--prefix-words >= 0)",
               file=sys.stderr)
+        return 2
+    try:  # unix:PATH as http://unix:PATH: (unix_sockets.py), the others as given
+        args.url = service_url(args.url, "--url")
+        args.compare = args.compare and service_url(args.compare, "--compare")
+        args.metrics_url = [service_url(u, "--metrics-url") for u in args.metrics_url]
+    except ValueError as exc:
+        print(f"pd-fsm bench: {exc}", file=sys.stderr)
         return 2
     return trio.run(_main, args)

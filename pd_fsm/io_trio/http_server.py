@@ -29,6 +29,7 @@ hypercorn has closed that connection already, and every other one is served as b
 
 from __future__ import annotations
 
+import functools
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
@@ -37,13 +38,17 @@ from typing import Any, cast
 import httpx
 import trio
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.config import Sockets
 from hypercorn.events import Closed, Event
 from hypercorn.trio import run as hypercorn_run
 from hypercorn.trio import serve as hypercorn_serve
+from hypercorn.trio.run import worker_serve
 from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.utils import wrap_app
 
 from pd_fsm.io_trio.http_edge import contained
 from pd_fsm.io_trio.tls import NO_TLS, TLS
+from pd_fsm.io_trio.unix_sockets import UnixSocket, bind_unix, unix_mounts
 
 SERVER_KEEP_ALIVE_S = 120.0
 CLIENT_KEEPALIVE_EXPIRY_S = 30.0
@@ -84,10 +89,12 @@ def install_probe_safe_server() -> None:
 
 
 def hypercorn_config(
-    host: str, port: int, *, keep_alive: float = SERVER_KEEP_ALIVE_S, tls: TLS = NO_TLS
+    host: str, port: int | None, *, keep_alive: float = SERVER_KEEP_ALIVE_S, tls: TLS = NO_TLS
 ) -> HypercornConfig:
+    """``port`` None: no TCP listener (a server on a unix socket alone: ``serve_app``'s
+    ``uds``)."""
     config = HypercornConfig()
-    config.bind = [f"{host}:{port}"]
+    config.bind = [] if port is None else [f"{host}:{port}"]
     if tls.serving:  # hypercorn then serves HTTPS only, and reports https:// binds
         config.certfile = str(tls.certfile)
         config.keyfile = str(tls.keyfile)
@@ -106,6 +113,7 @@ def http_client(
     max_keepalive: int = 20,
     keepalive_expiry: float = CLIENT_KEEPALIVE_EXPIRY_S,
     tls: TLS = NO_TLS,
+    headers: dict[str, str] | None = None,
 ) -> httpx.AsyncClient:
     """An httpx client that drops idle connections before any pd_fsm server closes them, and
     verifies HTTPS servers against ``tls.ca_file`` when one is given."""
@@ -117,27 +125,53 @@ def http_client(
         keepalive_expiry=keepalive_expiry,
     )
     verify: ssl.SSLContext | bool = tls.client_context() if tls.ca_file is not None else True
-    return httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits, verify=verify)
+    # http://unix:PATH: URLs go over their unix sockets (unix_sockets.py), the rest over TCP.
+    return httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits, verify=verify,
+                             headers=headers, mounts=unix_mounts(limits))
 
 
 async def serve_app(
     app: Any,
     host: str,
-    port: int,
+    port: int | None,
     *,
     config: HypercornConfig | None = None,
     tls: TLS = NO_TLS,
+    uds: UnixSocket | None = None,
     shutdown_trigger: Callable[[], Awaitable[Any]] | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` on ``host:port`` (0: any free port); ``started()`` with the bound URLs.
-    A request whose handler raises is answered 500 and counted, never the server's end
-    (``http_edge.Contained``)."""
+    """Serve ``app`` on ``host:port`` (0: any free port; None: no TCP) and on the unix socket
+    ``uds`` if given; ``started()`` with the bound URLs (TCP first; a unix socket's as
+    ``http://unix:PATH:``). A request whose handler raises is answered 500 and counted, never the
+    server's end (``http_edge.Contained``)."""
     install_probe_safe_server()
+    config = config or hypercorn_config(host, port, tls=tls)
     # Starlette is an ASGI 3 app; hypercorn's annotation is narrower than the protocol.
-    await hypercorn_serve(
-        cast(Any, contained(app)),
-        config or hypercorn_config(host, port, tls=tls),
-        shutdown_trigger=shutdown_trigger,
-        task_status=task_status,
-    )
+    served = cast(Any, contained(app))
+    if uds is None:
+        await hypercorn_serve(served, config, shutdown_trigger=shutdown_trigger,
+                              task_status=task_status)
+        return
+    if tls.serving:
+        raise ValueError("HTTPS is not served on unix sockets: give --uds or the TLS flags")
+    # The sockets are made here, not by hypercorn, which removes whatever socket file is at the
+    # path (a live server's too) and cannot set its mode (unix_sockets.bind_unix does both).
+    tcp = config.create_sockets().insecure_sockets
+    bound = None
+    try:
+        for sock in tcp:
+            sock.listen(config.backlog)
+        bound = await trio.to_thread.run_sync(bind_unix, uds, config.backlog)
+        sockets = Sockets([], [*tcp, bound.sock], [])
+        async with trio.open_nursery() as nursery:
+            binds: list[str] = await nursery.start(functools.partial(
+                worker_serve, wrap_app(served, config.wsgi_max_body_size, None), config,
+                sockets=sockets, shutdown_trigger=shutdown_trigger))
+            task_status.started([*binds[:len(tcp)], uds.url])
+    finally:
+        for sock in tcp:
+            sock.close()
+        if bound is not None:
+            bound.sock.close()
+            bound.remove()

@@ -9,7 +9,7 @@ import pytest
 
 from pd_fsm.cli import build_parser
 from pd_fsm.io_trio.cluster.launcher import drain_timeout
-from pd_fsm.io_trio.cluster.local import launched_worker, main, plan, worker_flags
+from pd_fsm.io_trio.cluster.local import Listen, launched_worker, main, plan, worker_flags
 from pd_fsm.io_trio.tls import NO_TLS
 from pd_fsm.io_trio.worker.config import config_from_args
 
@@ -121,7 +121,7 @@ def test_with_max_workers_the_planner_scales_through_the_launcher_and_added_work
     assert drain_timeout(args) == 5.0
     for role in ("prefill", "decode"):
         sibling = children[f"{role}-0"]
-        added = launched_worker(args, NO_TLS, role, f"{role}-1", 8998)
+        added = launched_worker(args, NO_TLS, role, f"{role}-1", Listen(8998))
         assert (added.role, sibling.role) == (role, role)
         config = config_from_args(build_parser(added.argv[3:]).parse_args(added.argv[3:]))
         assert (config.disaggregation_mode, set(config.roles)) == (

@@ -16,7 +16,7 @@ import trio
 
 from pd_fsm.cli import build_parser
 from pd_fsm.io_trio.cluster.launcher import Launcher, ProcessBackend
-from pd_fsm.io_trio.cluster.local import launched_worker
+from pd_fsm.io_trio.cluster.local import Listen, launched_worker
 from pd_fsm.io_trio.cluster.supervisor import Child, Cluster
 from pd_fsm.io_trio.ports import free_ports
 from pd_fsm.io_trio.proxy.server import Proxy
@@ -38,7 +38,7 @@ async def _serve(nursery: trio.Nursery, *, max_workers: int = 2, api_key: str | 
     args = build_parser().parse_args(["cluster", "--model", "tiny"])
 
     def new_worker(role: str, name: str) -> Child:
-        return launched_worker(args, NO_TLS, role, name, 8998)
+        return launched_worker(args, NO_TLS, role, name, Listen(8998))
 
     (proxy_port,) = free_ports(1)
     launcher = Launcher(ProcessBackend(cluster, new_worker), max_workers=max_workers,

@@ -15,7 +15,8 @@ from pd_fsm.io_trio.worker.switch_cli import switch_role
 
 
 @pytest.mark.parametrize(("argv", "said"), [
-    (["switch-role", "127.0.0.1:30000", "decode"], "URL must start with http://"),
+    (["switch-role", "127.0.0.1:30000", "decode"], "URL must be http://HOST:PORT"),
+    (["switch-role", "unix:/tmp/a:b.sock", "decode"], "may not contain ':'"),
     (["switch-role", "http://h:1", "colocated"], "invalid choice: 'colocated'"),
     (["switch-role", "http://h:1", "decode", "--wait", "-1"], "--wait must be >= 0"),
     (["switch-role", "http://h:1", "decode", "--wait", "nan"], "--wait must be >= 0"),

@@ -76,7 +76,9 @@ def advertised_host(
             f"{which} binds every interface and is no address a peer can dial: say which one "
             "peers reach this process at with --advertise-host IP or --advertise-interface NAME"
         )
-    if registry_host is not None and is_loopback(host) and not is_loopback(registry_host):
+    # A registry on a unix socket ("unix:PATH") is on this host: loopback reaches its peers.
+    if (registry_host is not None and is_loopback(host) and not is_loopback(registry_host)
+            and not registry_host.startswith("unix:")):
         raise AddressError(
             f"this process would advertise {host} to the bootstrap server on {registry_host}, "
             "and a peer on another host would dial itself: bind a reachable --host, or give "

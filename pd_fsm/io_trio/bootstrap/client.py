@@ -41,6 +41,7 @@ from pd_fsm.io_trio.bootstrap.records import (
 )
 from pd_fsm.io_trio.http_server import http_client
 from pd_fsm.io_trio.tls import NO_TLS, TLS
+from pd_fsm.io_trio.unix_sockets import IPC_PREFIX
 
 log = logging.getLogger("pd_fsm.io_trio.bootstrap.client")
 
@@ -308,16 +309,19 @@ class BootstrapClient:
     async def resolve(
         self,
         host: str,
-        port: int,
+        port: int | None,
         role: str = "prefill",
         ranks: dict[str, int] | None = None,
     ) -> list[InstanceRecord]:
-        """Live instances of ``role`` known to routers as ``host:port`` (filtered by ranks,
-        e.g. ``{"tp_rank": 0}``); :class:`ResolveError` if there are none."""
-        params: dict[str, Any] = {"host": host, "port": port, "role": role, **(ranks or {})}
+        """Live instances of ``role`` known to routers as ``host:port`` (``port`` None: ``host``
+        is a side channel's ``ipc://`` endpoint) (filtered by ranks, e.g. ``{"tp_rank": 0}``);
+        :class:`ResolveError` if there are none."""
+        at = {"host": host} if port is None else {"host": host, "port": port}
+        params: dict[str, Any] = {**at, "role": role, **(ranks or {})}
         response = await self._request("GET", "/route", params=params)
         if response.status_code == 404:
-            raise ResolveError(f"no live {role} instance known as {host}:{port}")
+            known = host if port is None else f"{host}:{port}"
+            raise ResolveError(f"no live {role} instance known as {known}")
         if response.status_code != 200:
             raise ResolveError(f"GET /route: HTTP {response.status_code} {_detail(response)}")
         try:
@@ -337,8 +341,9 @@ class BootstrapClient:
 
 
 class BootstrapResolver:
-    """Answers the core's ResolvePeer: the P behind ``bootstrap_addr`` ("host:port") at the
-    ranks this D pairs with. Pass as ``resolver=`` to the decode side's EndpointDriver."""
+    """Answers the core's ResolvePeer: the P behind ``bootstrap_addr`` ("host:port", or
+    "ipc://PATH") at the ranks this D pairs with. Pass as ``resolver=`` to the decode side's
+    EndpointDriver."""
 
     def __init__(
         self,
@@ -353,10 +358,15 @@ class BootstrapResolver:
         self.check = check
 
     async def __call__(self, bootstrap_addr: str) -> ev.PeerResolved | ev.PeerResolutionFailed:
-        try:
-            host, port = split_host_port(bootstrap_addr)
-        except ValueError as exc:
-            return ev.PeerResolutionFailed(bootstrap_addr, str(exc))
+        host: str
+        port: int | None
+        if bootstrap_addr.startswith(IPC_PREFIX):  # P's side channel on a unix socket
+            host, port = bootstrap_addr, None
+        else:
+            try:
+                host, port = split_host_port(bootstrap_addr)
+            except ValueError as exc:
+                return ev.PeerResolutionFailed(bootstrap_addr, str(exc))
         try:
             records = await self.client.resolve(host, port, "prefill", self.ranks)
         except BootstrapError as exc:

@@ -16,8 +16,9 @@ import cattrs
 
 from pd_fsm.core.codec import strict_int
 from pd_fsm.io_trio import strict_json
-from pd_fsm.io_trio.bootstrap.addresses import unreachable_from
+from pd_fsm.io_trio.bootstrap.addresses import is_loopback, unreachable_from
 from pd_fsm.io_trio.side_channel.curve import is_z85_key
+from pd_fsm.io_trio.unix_sockets import IPC_PREFIX, is_unix_url
 
 ROLES = ("prefill", "decode")
 MAX_STR = 256
@@ -54,8 +55,10 @@ class InstanceRecord:
     dp_size: int
     pp_rank: int
     pp_size: int
-    transfer_addr: str  # jax.experimental.transfer server, "host:port"
-    zmq_addr: str  # side channel ROUTER, "host:port" or "tcp://host:port"
+    transfer_addr: str  # jax.experimental.transfer server, "host:port" (TCP only)
+    # side channel ROUTER, "host:port" or "tcp://host:port"; "ipc://PATH" for a worker on its
+    # unix socket alone (docs/unix_sockets.md)
+    zmq_addr: str
     page_size: int
     kv_dtype: str
     # Ours, not the RFC's: a record without it is accepted, and the layout is then only checked
@@ -91,7 +94,12 @@ class InstanceRecord:
 
     @property
     def advertised(self) -> str:
-        """ "host:port" as routers know this instance (the registry's lookup key)."""
+        """ "host:port" as routers know this instance (the registry's lookup key); a side channel
+        on a unix socket is known by its ``ipc://PATH`` endpoint itself."""
+        if self.zmq_addr.startswith(IPC_PREFIX):
+            if self.bootstrap_host and self.bootstrap_port:
+                return f"{self.bootstrap_host}:{self.bootstrap_port}"
+            return self.bootstrap_host or self.zmq_addr
         host, port = split_host_port(self.zmq_addr)
         return f"{self.bootstrap_host or host}:{self.bootstrap_port or port}"
 
@@ -163,20 +171,33 @@ def split_host_port(addr: str) -> tuple[str, int]:
     return host, port
 
 
+def _on_this_host(name: str, value: str) -> bool:
+    """An address on the filesystem: a side channel's ``ipc://``, a unix socket's URL."""
+    return ((name == "zmq_addr" and value.startswith(IPC_PREFIX))
+            or (name == "scheduler_addr" and is_unix_url(value))
+            or (name == "bootstrap_host" and value.startswith(IPC_PREFIX)))
+
+
 def unreachable_fields(r: InstanceRecord, client_host: str | None) -> list[tuple[str, str]]:
     """(field, why) for each address a peer could not dial (pd_fsm.io_trio.bootstrap.addresses): a
-    malformed one, a wildcard, or loopback sent from ``client_host`` on another host."""
+    malformed one, a wildcard, loopback or a unix socket sent from ``client_host`` on another
+    host."""
     out: list[tuple[str, str]] = []
     hosts: list[tuple[str, str]] = []
-    for name in ("transfer_addr", "zmq_addr", "scheduler_addr"):
+    for name in ("transfer_addr", "zmq_addr", "scheduler_addr", "bootstrap_host"):
         value = getattr(r, name)
-        if value is not None:
+        if value is not None and _on_this_host(name, value):
+            if client_host is not None and not is_loopback(client_host):
+                out.append((name, f"names a unix socket ({value}), which only its own host "
+                                  f"reaches, but registered from {client_host}"))
+        elif name == "bootstrap_host":
+            if value:
+                hosts.append((name, value))
+        elif value is not None:
             try:
                 hosts.append((name, split_host_port(value)[0]))
             except ValueError as exc:
                 out.append((name, str(exc)))
-    if r.bootstrap_host:
-        hosts.append(("bootstrap_host", r.bootstrap_host))
     for name, host in hosts:
         why = unreachable_from(host, client_host)
         if why is not None:

@@ -58,6 +58,7 @@ from pd_fsm.io_trio.driver import EndpointDriver
 from pd_fsm.io_trio.http_edge import BodyError, edge_app, parse_json, read_body, request_failures
 from pd_fsm.io_trio.http_server import SERVER_KEEP_ALIVE_S, hypercorn_config, serve_app
 from pd_fsm.io_trio.tls import NO_TLS, TLS
+from pd_fsm.io_trio.unix_sockets import IPC_PREFIX, UnixSocket, display
 from pd_fsm.io_trio.worker.metrics import StatsCollector
 
 log = logging.getLogger("pd_fsm.io_trio.bootstrap.server")
@@ -309,7 +310,10 @@ class BootstrapServer:
             host, port = q.get("host", ""), q.get("port", "")
             if not host:
                 problems.append("host is required with port")
-            if not port.isdigit() or not 0 < int(port) < 65536:
+            # A side channel on a unix socket is known by its ipc:// endpoint alone.
+            elif host.startswith(IPC_PREFIX) and "port" not in q:
+                pass
+            elif not port.isdigit() or not 0 < int(port) < 65536:
                 problems.append(f"port must be an integer in 1..65535, got {port!r}")
         elif "instance_id" not in q:
             problems.append("give either host and port, or instance_id and the four ranks")
@@ -322,7 +326,7 @@ class BootstrapServer:
             return _error(422, "invalid query", problems)
         await self._sync()
         if by_addr:
-            advertised = f"{host}:{int(port)}"
+            advertised = f"{host}:{int(port)}" if port else host
             found = [
                 r
                 for _, r in self.registry.resolve(advertised, role)
@@ -371,18 +375,20 @@ class BootstrapServer:
 async def serve_bootstrap(
     server: BootstrapServer,
     host: str = "127.0.0.1",
-    port: int = 0,
+    port: int | None = 0,
     *,
     shutdown_trigger: Any = None,
     keep_alive: float = SERVER_KEEP_ALIVE_S,
     tls: TLS = NO_TLS,
+    uds: UnixSocket | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the registry driver and hypercorn; ``started()`` with the base URL once listening.
 
-    ``port=0`` picks a free port (tests). ``shutdown_trigger`` (an async callable) stops the
-    HTTP server gracefully when it returns; cancellation stops everything. ``keep_alive`` is
-    the idle-connection timeout (see ``http_server.py``; tests shorten it to race clients).
+    ``port=0`` picks a free port (tests); None: no TCP listener, the unix socket ``uds`` alone.
+    ``shutdown_trigger`` (an async callable) stops the HTTP server gracefully when it returns;
+    cancellation stops everything. ``keep_alive`` is the idle-connection timeout (see
+    ``http_server.py``; tests shorten it to race clients).
     """
     async with trio.open_nursery() as nursery:
         await nursery.start(server.run)
@@ -392,11 +398,11 @@ async def serve_bootstrap(
             hypercorn_config(host, port, keep_alive=keep_alive, tls=tls),
             shutdown_trigger,
             nursery.cancel_scope,
+            uds,
         )
         task_status.started(binds[0])
-        log.info(
-            "bootstrap server listening on %s (ttl %g s)", binds[0], server.registry.config.ttl
-        )
+        log.info("bootstrap server listening on %s (ttl %g s)", " and ".join(map(display, binds)),
+                 server.registry.config.ttl)
 
 
 async def _serve_http(
@@ -404,11 +410,12 @@ async def _serve_http(
     config: HypercornConfig,
     shutdown_trigger: Any,
     scope: trio.CancelScope,
+    uds: UnixSocket | None,
     *,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     await serve_app(
-        server.app, "", 0, config=config, shutdown_trigger=shutdown_trigger,
+        server.app, "", 0, config=config, uds=uds, shutdown_trigger=shutdown_trigger,
         task_status=task_status,
     )
     scope.cancel()  # hypercorn shut down gracefully: the registry's driver has no one to serve

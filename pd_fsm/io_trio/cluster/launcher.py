@@ -55,6 +55,7 @@ from pd_fsm.io_trio.http_edge import BodyError, describe, edge_app, read_json
 from pd_fsm.io_trio.http_server import http_client, serve_app
 from pd_fsm.io_trio.strict_json import loads as strict_loads
 from pd_fsm.io_trio.tls import NO_TLS, TLS
+from pd_fsm.io_trio.unix_sockets import UnixSocket, display, service_url
 from pd_fsm.io_trio.worker.config import ServeConfig
 
 log = logging.getLogger("pd_fsm.io_trio.cluster.launcher")
@@ -141,6 +142,14 @@ def drain_timeout(args: argparse.Namespace) -> float:
     return float(known.drain_timeout)
 
 
+def _as_url(value: str) -> str:
+    """A worker's URL as the runner holds it (``unix:PATH`` as ``http://unix:PATH:``)."""
+    try:
+        return service_url(value, "body.worker")
+    except ValueError:
+        return value.rstrip("/")  # not a URL: it will match no worker (404)
+
+
 def _error(status: int, message: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": "launcher_error", "code": status}}
 
@@ -165,11 +174,12 @@ class Launcher:
     name = "launcher"
 
     def __init__(self, backend: WorkerBackend, *, max_workers: int,
-                 proxy_url: str, headers: dict[str, str], host: str, port: int,
+                 proxy_url: str, headers: dict[str, str], host: str, port: int | None,
                  start_timeout: float, stop_timeout: float, tls: TLS = NO_TLS,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, uds: UnixSocket | None = None) -> None:
         """``headers``: what it sends to the proxy and the workers; ``api_key``: what its own
-        callers must send (all but /health)."""
+        callers must send (all but /health); ``uds``: its unix socket (``port`` None: on it
+        alone)."""
         self.url: str | None = None
         self.extra = f"POST /scale_up, /scale_down; GET /workers (--max-workers {max_workers})"
         self._backend = backend
@@ -177,7 +187,7 @@ class Launcher:
         # Public: the Ray runner learns its proxy's URL once the proxy is placed (``ready``).
         self.proxy_url = proxy_url.rstrip("/")
         self._headers = headers
-        self._host, self._port = host, port
+        self._host, self._port, self._uds = host, port, uds
         self.start_timeout, self.stop_timeout = start_timeout, stop_timeout
         self._tls = tls
         self._api_key = api_key
@@ -201,7 +211,7 @@ class Launcher:
             app = self.app()
 
             async def http(*, task_status: trio.TaskStatus[list[str]]) -> None:
-                await serve_app(app, self._host, self._port, tls=self._tls,
+                await serve_app(app, self._host, self._port, tls=self._tls, uds=self._uds,
                                 task_status=task_status)
 
             binds: list[str] = await nursery.start(http)
@@ -282,7 +292,7 @@ class Launcher:
         self._backend.serving(child)
         managed.state = "serving"
         ready_s = trio.current_time() - start
-        print(f"pd-fsm cluster: launched {child.name} {child.url} ({child.role}) in "
+        print(f"pd-fsm cluster: launched {child.name} {display(str(child.url))} ({child.role}) in "
               f"{ready_s:.1f} s", flush=True)
         return 200, {"worker": child.url, "name": child.name, "role": child.role,
                      "bootstrap_port": child.side_port, "ready_s": round(ready_s, 3)}
@@ -317,8 +327,7 @@ class Launcher:
             return _answer((400, _error(400, "body.worker must be a string: a worker's URL")))
         if not self._ready:
             return _not_ready()
-        managed = next((m for m in self.workers.values() if m.child.url == url.rstrip("/")),
-                       None)
+        managed = next((m for m in self.workers.values() if m.child.url == _as_url(url)), None)
         if managed is None:
             return _answer((404, _error(404, f"body.worker: {url} is not a worker this runner "
                                              "started (GET /workers lists them)")))

@@ -34,6 +34,14 @@ from pd_fsm.io_trio.cluster.launcher import Launcher, ProcessBackend, drain_time
 from pd_fsm.io_trio.cluster.supervisor import STOP_GRACE, Child, Cluster
 from pd_fsm.io_trio.ports import free_port_pair, free_ports
 from pd_fsm.io_trio.tls import NO_TLS, TLS, throwaway_ca
+from pd_fsm.io_trio.unix_sockets import (
+    UnixSocket,
+    check_path,
+    display,
+    side_channel_endpoint,
+    socket_path_of,
+    unix_url,
+)
 
 log = logging.getLogger("pd_fsm.io_trio.cluster.local")
 
@@ -212,30 +220,68 @@ def role_nices(args: argparse.Namespace) -> dict[str, int | None]:
 
 
 @attrs.frozen
-class _Ports:
-    """The free ports one cluster's children serve on, picked at once."""
+class Listen:
+    """Where one child serves: a TCP port on ``HOST``, or a unix socket (``--uds DIR``)."""
 
-    bootstrap: int
-    proxy: int
-    prefill: list[int]
-    side: list[int]  # each P's side channel
-    decode: list[int]
-    colocated: int
-    decode_side: list[int]  # with the planner: each D's side channel, for when it is a P
-    planner: int
-    launcher: int  # the runner's own control endpoint (--max-workers)
+    port: int | None = None
+    uds: Path | None = None
+
+    def flags(self) -> list[str]:
+        return ["--port", str(self.port)] if self.uds is None else ["--uds", str(self.uds)]
+
+    def url(self, tls: TLS) -> str:
+        return f"{tls.scheme}://{HOST}:{self.port}" if self.uds is None else unix_url(str(self.uds))
+
+    def registry_flags(self) -> list[str]:
+        """How a worker reaches the bootstrap server listening here."""
+        if self.uds is not None:
+            return ["--disaggregation-bootstrap-host", f"unix:{self.uds}"]
+        return ["--disaggregation-bootstrap-host", HOST,
+                "--disaggregation-bootstrap-port", str(self.port)]
+
+
+@attrs.frozen
+class _Ports:
+    """Where one cluster's children serve: free ports picked at once, or, with ``--uds DIR``,
+    a unix socket each in DIR (``NAME.sock``; a P's side channel beside it, ``NAME.sock.zmq``)."""
+
+    bootstrap: Listen
+    proxy: Listen
+    prefill: list[Listen]
+    side: list[int | None]  # each P's side-channel port (None: beside its unix socket)
+    decode: list[Listen]
+    colocated: Listen
+    decode_side: list[int | None]  # with the planner: each D's side channel, for when it is a P
+    planner: Listen
+    launcher: Listen  # the runner's own control endpoint (--max-workers)
 
     @classmethod
     def pick(cls, n_p: int, n_d: int, planner: bool) -> _Ports:
         # With the planner every D may become a P: it needs a side-channel port of its own too.
         ports = free_ports(4 + 2 * n_p + n_d + (n_d + 1 if planner else 0), launcher=True)
+        tcp = [Listen(port) for port in ports]
         return cls(
-            bootstrap=ports[0], proxy=ports[1], prefill=ports[2 : 2 + n_p],
-            side=ports[2 + n_p : 2 + 2 * n_p], decode=ports[2 + 2 * n_p : 2 + 2 * n_p + n_d],
-            colocated=ports[2 + 2 * n_p + n_d],
-            decode_side=ports[3 + 2 * n_p + n_d : 3 + 2 * n_p + 2 * n_d] if planner else [],
-            planner=ports[-2], launcher=ports[-1],
+            bootstrap=tcp[0], proxy=tcp[1], prefill=tcp[2 : 2 + n_p],
+            side=[*ports[2 + n_p : 2 + 2 * n_p]], decode=tcp[2 + 2 * n_p : 2 + 2 * n_p + n_d],
+            colocated=tcp[2 + 2 * n_p + n_d],
+            decode_side=[*ports[3 + 2 * n_p + n_d : 3 + 2 * n_p + 2 * n_d]] if planner else [],
+            planner=tcp[-2], launcher=tcp[-1],
         )
+
+    @classmethod
+    def in_dir(cls, folder: Path, n_p: int, n_d: int, planner: bool) -> _Ports:
+        """Every child on a unix socket in ``folder``: no TCP port is picked, nor bound."""
+        return cls(
+            bootstrap=uds_in(folder, "bootstrap"), proxy=uds_in(folder, "proxy"),
+            prefill=[uds_in(folder, f"prefill-{i}") for i in range(n_p)], side=[None] * n_p,
+            decode=[uds_in(folder, f"decode-{i}") for i in range(n_d)],
+            colocated=uds_in(folder, "colocated"), decode_side=[None] * n_d if planner else [],
+            planner=uds_in(folder, "planner"), launcher=uds_in(folder, "launcher"),
+        )
+
+
+def uds_in(folder: Path, name: str) -> Listen:
+    return Listen(uds=folder / f"{name}.sock")
 
 
 def plan(args: argparse.Namespace, tls: TLS = NO_TLS, ports: _Ports | None = None
@@ -246,27 +292,26 @@ def plan(args: argparse.Namespace, tls: TLS = NO_TLS, ports: _Ports | None = Non
     n_p, n_d = args.prefill, args.decode
     planner = getattr(args, "planner", False)
     ports = ports or _Ports.pick(n_p, n_d, planner)
-    scheme = tls.scheme
     children: list[Child] = []
     if n_p or n_d:
         children.append(_bootstrap_child(args, tls, ports.bootstrap))
     prefills: list[Child] = []
-    for i, (port, side) in enumerate(zip(ports.prefill, ports.side, strict=True)):
+    for i, (at, side) in enumerate(zip(ports.prefill, ports.side, strict=True)):
         prefills.append(_add_instance(children, args, f"prefill-{i}", "prefill", _pd_argv(
-            args, tls, "prefill", port, side, ports.bootstrap,
-        ), f"{scheme}://{HOST}:{port}", side))
+            args, tls, "prefill", at, side, ports.bootstrap,
+        ), at.url(tls), side))
     decodes: list[Child] = []
-    for i, port in enumerate(ports.decode):
+    for i, at in enumerate(ports.decode):
         d_side = ports.decode_side[i] if planner else None
         decodes.append(_add_instance(children, args, f"decode-{i}", "decode", _pd_argv(
-            args, tls, "decode", port, d_side, ports.bootstrap,
-        ), f"{scheme}://{HOST}:{port}", d_side))
+            args, tls, "decode", at, d_side, ports.bootstrap,
+        ), at.url(tls), d_side))
     if args.colocated:
         _add_instance(children, args, "colocated", "colocated", _cli(
             "serve", "--host", HOST, *worker_flags(args), *tls.argv(),
-            *_role_flags(args, "colocated"), "--port", str(ports.colocated),
+            *_role_flags(args, "colocated"), *ports.colocated.flags(),
             "--disaggregation-mode", "null",
-        ), f"{scheme}://{HOST}:{ports.colocated}")
+        ), ports.colocated.url(tls))
     if n_p and n_d:
         children.append(_proxy_child(args, tls, ports, prefills, decodes))
     if planner and n_p and n_d:
@@ -274,28 +319,39 @@ def plan(args: argparse.Namespace, tls: TLS = NO_TLS, ports: _Ports | None = Non
     return children
 
 
-def _pd_argv(args: argparse.Namespace, tls: TLS, role: str, port: int, side: int | None,
-             bootstrap_port: int) -> list[str]:
+def _pd_argv(args: argparse.Namespace, tls: TLS, role: str, at: Listen, side: int | None,
+             bootstrap: Listen) -> list[str]:
     """A P or D worker's command line (one the cluster starts, or one the launcher adds)."""
     side_flag = [] if side is None else ["--disaggregation-side-channel-port", str(side)]
     return _cli("serve", "--host", HOST, *worker_flags(args), *tls.argv(),
-                *_role_flags(args, role), "--port", str(port), "--disaggregation-mode", role,
-                "--disaggregation-bootstrap-host", HOST,
-                "--disaggregation-bootstrap-port", str(bootstrap_port),
+                *_role_flags(args, role), *at.flags(), "--disaggregation-mode", role,
+                *bootstrap.registry_flags(),
                 *_switchable(args, getattr(args, "planner", False)), *side_flag)
 
 
 def launched_worker(args: argparse.Namespace, tls: TLS, role: str, name: str,
-                    bootstrap_port: int) -> Child:
+                    bootstrap: Listen) -> Child:
     """One more P or D worker for the launcher (``POST /scale_up``): the flags its siblings got,
-    on ports picked now (a side channel for a P, and for a D that may become one)."""
+    on ports picked now (a side channel for a P, and for a D that may become one), or on a unix
+    socket of its name beside theirs (``--uds DIR``)."""
     planner = getattr(args, "planner", False)
-    port, side = free_ports(2, launcher=True)
-    side_port = side if role == "prefill" or planner else None
-    url = f"{tls.scheme}://{HOST}:{port}"
-    return Child(name, _pd_argv(args, tls, role, port, side_port, bootstrap_port), url,
-                 "" if side_port is None else f"bootstrap port {side_port}", role=role,
-                 side_port=side_port)
+    folder: Path | None = getattr(args, "uds", None)
+    if folder is not None:
+        at, side_port = uds_in(folder, name), None
+    else:
+        port, side = free_ports(2, launcher=True)
+        at, side_port = Listen(port), side if role == "prefill" or planner else None
+    return Child(name, _pd_argv(args, tls, role, at, side_port, bootstrap), at.url(tls),
+                 _side_note(role, at, side_port), role=role, side_port=side_port)
+
+
+def _side_note(role: str, at: Listen, side_port: int | None) -> str:
+    """What the runner shows beside a P: its bootstrap port, or its side channel's socket."""
+    if side_port is not None:
+        return f"bootstrap port {side_port}"
+    if role == "prefill" and at.uds is not None:
+        return f"side channel {side_channel_endpoint(at.uds)}"
+    return ""
 
 
 def _quiet(args: argparse.Namespace) -> list[str]:
@@ -307,11 +363,10 @@ def _worker_key(args: argparse.Namespace) -> list[str]:
     return [] if args.api_key_file is None else ["--worker-api-key-file", str(args.api_key_file)]
 
 
-def _bootstrap_child(args: argparse.Namespace, tls: TLS, port: int) -> Child:
+def _bootstrap_child(args: argparse.Namespace, tls: TLS, at: Listen) -> Child:
     serving = TLS(tls.certfile, tls.keyfile)  # the bootstrap server calls nobody
-    return Child("bootstrap", _cli("bootstrap", "--host", HOST, "--port", str(port),
-                                   *_quiet(args), *serving.argv()),
-                 f"{tls.scheme}://{HOST}:{port}")
+    return Child("bootstrap", _cli("bootstrap", "--host", HOST, *at.flags(),
+                                   *_quiet(args), *serving.argv()), at.url(tls))
 
 
 def _role_flags(args: argparse.Namespace, role: str) -> list[str]:
@@ -348,7 +403,8 @@ def _add_instance(children: list[Child], args: argparse.Namespace, name: str, ro
     one instance (rank 0 serves HTTP, and is returned; the others have no URL, and one that dies
     stops the cluster too). A P shows its side-channel port: its bootstrap port."""
     nnodes = getattr(args, f"{role}_nnodes", 1) or 1
-    extra = f"bootstrap port {side_port}" if role == "prefill" else ""
+    uds = socket_path_of(url)
+    extra = _side_note(role, Listen(uds=None if uds is None else Path(uds)), side_port)
     pd_role = role if role in ("prefill", "decode") else None
     if nnodes == 1:
         children.append(Child(name, argv, url, extra, role=pd_role, side_port=side_port))
@@ -369,13 +425,14 @@ def _proxy_child(args: argparse.Namespace, tls: TLS, ports: _Ports, prefills: li
     # With the planner a role switch may leave no P listed for a drain's length (its
     # colocated worker becoming P again beside a standby D): D prefills alone meanwhile.
     alone = ["--local-prefill-without-prefill"] if args.planner else []
-    proxy_args = ["proxy", "--host", HOST, "--port", str(ports.proxy), *keyed, *_quiet(args),
+    proxy_args = ["proxy", "--host", HOST, *ports.proxy.flags(), *keyed, *_quiet(args),
                   *tls.argv(), *alone, *shlex.split(args.proxy_args or ""), *_worker_key(args)]
-    for child, side in zip(prefills, ports.side, strict=True):
-        proxy_args += ["--prefill", str(child.url), str(side)]
+    for child, at, side in zip(prefills, ports.prefill, ports.side, strict=True):
+        known_by = side_channel_endpoint(at.uds) if at.uds is not None else str(side)
+        proxy_args += ["--prefill", display(str(child.url)), known_by]
     for child in decodes:
-        proxy_args += ["--decode", str(child.url)]
-    return Child("proxy", _cli(*proxy_args), f"{tls.scheme}://{HOST}:{ports.proxy}",
+        proxy_args += ["--decode", display(str(child.url))]
+    return Child("proxy", _cli(*proxy_args), ports.proxy.url(tls),
                  f"{len(prefills)} prefill, {len(decodes)} decode")
 
 
@@ -411,18 +468,18 @@ def _planner_child(args: argparse.Namespace, tls: TLS, ports: _Ports, workers: l
         # It answers a scale-up once the worker is healthy (within --startup-timeout), a
         # scale-down once the worker has drained and exited.
         longest = max(args.startup_timeout, drain_timeout(args) + STOP_GRACE)
-        observed = ["--launcher-url", f"{tls.scheme}://{HOST}:{ports.launcher}",
+        observed = ["--launcher-url", display(ports.launcher.url(tls)),
                     "--max-workers", str(max_workers),
                     "--launcher-timeout", f"{longest + LAUNCHER_MARGIN_S:g}"]
     else:
-        observed = [arg for child in workers for arg in ("--worker", str(child.url))]
-    planner_args = ["planner", "--host", HOST, "--port", str(ports.planner), *_quiet(args),
+        observed = [arg for child in workers for arg in ("--worker", display(str(child.url)))]
+    planner_args = ["planner", "--host", HOST, *ports.planner.flags(), *_quiet(args),
                     *tls.argv(), *lever, *observed, *shlex.split(args.planner_args or ""),
                     *_worker_key(args)]
     if args.api_key_file is not None:  # its own /decisions, /pause and /resume
         planner_args += ["--api-key-file", str(args.api_key_file)]
     what = "switches roles and scales" if max_workers else "switches roles"
-    return Child("planner", _cli(*planner_args), f"{tls.scheme}://{HOST}:{ports.planner}",
+    return Child("planner", _cli(*planner_args), ports.planner.url(tls),
                  f"{what}: GET /decisions")
 
 
@@ -536,6 +593,11 @@ def _add_service_arguments(p: argparse.ArgumentParser) -> None:
                         "process (labels role and name), e.g. into deploy/prometheus/targets/")
     p.add_argument("--tls", action="store_true",
                    help="HTTPS everywhere, with a throwaway CA made for this run (openssl)")
+    p.add_argument("--uds", type=Path, default=None, metavar="DIR",
+                   help="every server on a unix socket in DIR (NAME.sock; created 0700), none "
+                        "on a TCP port: the bootstrap server, the workers, the proxy, the "
+                        "planner and the launcher; P and D still pull KV over TCP on loopback "
+                        "(jax.experimental.transfer has no other transport)")
 
 
 def _add_ray_arguments(p: argparse.ArgumentParser) -> None:
@@ -577,10 +639,33 @@ def _refusal(args: argparse.Namespace) -> str | None:
         return "--ROLE-nnodes is for the local runner (not --ray)"
     if args.ray is not None and (args.prometheus or args.prometheus_targets is not None):
         return "--prometheus and --prometheus-targets are for the local runner (not --ray)"
+    uds_refusal = _uds_refusal(args)
+    if uds_refusal is not None:
+        return uds_refusal
     if args.planner and (args.ray is not None or not args.prefill):
         return ("--planner is for PD workers on the local runner (not --ray: there, run "
                 "`pd-fsm planner --launcher-url` against `--ray --max-workers`' launcher)")
     return _max_workers_refusal(args)
+
+
+def _uds_refusal(args: argparse.Namespace) -> str | None:
+    """What ``--uds DIR`` cannot go with: what only TCP reaches."""
+    if args.uds is None:
+        return None
+    if args.ray is not None:
+        return "--uds is for the local runner (a unix socket is reached from its host only)"
+    if args.tls:
+        return "--uds and --tls: HTTPS is not served on unix sockets"
+    if args.prometheus or args.prometheus_targets is not None:
+        return "--uds and --prometheus(-targets): Prometheus scrapes TCP targets only"
+    if max(args.prefill_nnodes, args.decode_nnodes, args.colocated_nnodes) > 1:
+        return ("--uds and --ROLE-nnodes: the ranks of an instance meet over TCP "
+                "(jax.distributed)")
+    try:
+        check_path(args.uds / "decode-00.sock.zmq", "--uds")  # the longest name it makes
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _max_workers_refusal(args: argparse.Namespace) -> str | None:
@@ -604,9 +689,11 @@ def _launcher(args: argparse.Namespace, tls: TLS, ports: _Ports, cluster: Cluste
     def new_worker(role: str, name: str) -> Child:
         return launched_worker(args, tls, role, name, ports.bootstrap)
 
+    at = ports.launcher
     return Launcher(ProcessBackend(cluster, new_worker), max_workers=args.max_workers,
-                    proxy_url=f"{tls.scheme}://{HOST}:{ports.proxy}",
-                    headers=bearer(key) if key else {}, host=HOST, port=ports.launcher,
+                    proxy_url=ports.proxy.url(tls),
+                    headers=bearer(key) if key else {}, host=HOST, port=at.port,
+                    uds=None if at.uds is None else UnixSocket(at.uds),
                     start_timeout=args.startup_timeout,
                     stop_timeout=drain_timeout(args) + STOP_GRACE, tls=tls, api_key=key)
 
@@ -628,7 +715,16 @@ def main(args: argparse.Namespace) -> int:
         atexit.register(shutil.rmtree, tls_dir, ignore_errors=True)
         tls = throwaway_ca(tls_dir, [HOST, "localhost"])
         print(f"pd-fsm cluster: TLS on, throwaway CA {tls.ca_file} (curl --cacert it)", flush=True)
-    ports = _Ports.pick(args.prefill, args.decode, args.planner)
+    if args.uds is not None:
+        # Only its owner may enter the folder: every socket in it is the cluster's.
+        args.uds.mkdir(mode=0o700, parents=True, exist_ok=True)
+        ports = _Ports.in_dir(args.uds, args.prefill, args.decode, args.planner)
+        print(f"pd-fsm cluster: every server on a unix socket in {args.uds} (the KV pulls go "
+              "over TCP on loopback: jax.experimental.transfer listens on TCP only)"
+              if args.prefill else
+              f"pd-fsm cluster: every server on a unix socket in {args.uds}", flush=True)
+    else:
+        ports = _Ports.pick(args.prefill, args.decode, args.planner)
     children = plan(args, tls, ports)
     urls = {c.name: c.url for c in children if c.url}
     if args.prometheus_targets is not None:  # for a Prometheus of the operator's own

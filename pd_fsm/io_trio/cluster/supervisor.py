@@ -25,6 +25,7 @@ import trio
 
 from pd_fsm.io_trio.http_server import http_client
 from pd_fsm.io_trio.tls import NO_TLS, TLS
+from pd_fsm.io_trio.unix_sockets import display
 
 TAIL_LINES = 40
 STOP_GRACE = 10.0
@@ -207,7 +208,7 @@ class Cluster:
         rows = [(c.name, c.url, c.extra) for c in self.children]
         for name, url, extra in rows + [(s.name, s.url, s.extra) for s in self.services]:
             shown = f"  ({extra})" if extra else ""
-            print(f"  {name:<12} {url or '-'}{shown}", flush=True)
+            print(f"  {name:<12} {display(url) if url else '-'}{shown}", flush=True)
 
     async def _stop_all(self) -> None:
         # In tiers: the proxy first (no new rooms), then the workers, the bootstrap server last,

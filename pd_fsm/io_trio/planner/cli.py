@@ -9,10 +9,17 @@ import sys
 
 from pd_fsm.core.planner import Planner, PlannerConfig
 from pd_fsm.io_trio.api_key import add_api_key_arguments, api_key_from_args, bearer
-from pd_fsm.io_trio.cli_common import run_service, serve_until_signal
+from pd_fsm.io_trio.cli_common import refuse_tls_on_unix, run_service, serve_until_signal
 from pd_fsm.io_trio.cluster.cpu_placement import parse_cpus
+from pd_fsm.io_trio.flag_spec import add_flags
 from pd_fsm.io_trio.planner.service import LAUNCHER_S, PlannerService, serve_planner
 from pd_fsm.io_trio.tls import add_tls_arguments, tls_from_args
+from pd_fsm.io_trio.unix_sockets import (
+    port_from_args,
+    service_url,
+    uds_flags,
+    uds_from_args,
+)
 
 log = logging.getLogger("pd_fsm.io_trio.planner.cli")
 
@@ -22,9 +29,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser("planner", help="switch workers between prefill and decode (and, with "
                                        "--colocate, colocated) to meet TTFT and ITL targets")
     p.add_argument("--bootstrap-url", default=None,
-                   help="observe the workers the bootstrap server lists")
+                   help="observe the workers the bootstrap server lists (a URL or unix:PATH)")
     p.add_argument("--worker", action="append", default=[], metavar="URL",
-                   help="observe this worker (repeat; instead of --bootstrap-url)")
+                   help="observe this worker (repeat; instead of --bootstrap-url; a URL or "
+                        "unix:PATH)")
     p.add_argument("--launcher-url", default=None, metavar="URL",
                    help="act on scale decisions through this launcher (`pd-fsm cluster "
                         "--max-workers`: POST /scale_up, /scale_down) and observe the workers "
@@ -66,7 +74,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="start paused: observe and decide nothing until POST /resume (e.g. "
                         "while the workers warm up); POST /pause pauses it again")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="its /metrics and /decisions")
+    p.add_argument("--port", type=int, default=None,
+                   help="its /metrics and /decisions (default 0: any free port, or none beside "
+                        "--uds)")
+    add_flags(p, uds_flags("the planner's /metrics and /decisions"))
     p.add_argument("--log-level", default="INFO")
     add_tls_arguments(p)
     add_api_key_arguments(p, who="callers of /decisions, /pause and /resume")
@@ -144,13 +155,10 @@ def _cores(value: str) -> frozenset[int]:
 
 def service_from_args(args: argparse.Namespace) -> PlannerService:
     """Raises ValueError naming a bad value."""
-    for url in args.worker:
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"--worker URL must start with http:// or https://, got {url!r}")
-    if args.launcher_url is not None and not args.launcher_url.startswith(("http://",
-                                                                            "https://")):
-        raise ValueError(f"--launcher-url must start with http:// or https://, got "
-                         f"{args.launcher_url!r}")
+    workers = [service_url(url, "--worker URL") for url in args.worker]
+    launcher_url, bootstrap_url = (None if url is None else service_url(url, flag) for flag, url
+                                   in (("--launcher-url", args.launcher_url),
+                                       ("--bootstrap-url", args.bootstrap_url)))
     if args.interval <= 0 or args.launcher_timeout <= 0:
         raise ValueError("--interval and --launcher-timeout must be positive")
     if args.max_workers < 0:
@@ -166,11 +174,11 @@ def service_from_args(args: argparse.Namespace) -> PlannerService:
                            heavy_prompt=args.heavy_prompt, move_standby=args.move_standby,
                            merge_in_nice_cooldown=args.merge_in_nice_cooldown)
     key = api_key_from_args(args, "worker-")
-    return PlannerService(Planner(config), workers=args.worker,
-                          bootstrap_url=args.bootstrap_url, interval=args.interval,
+    return PlannerService(Planner(config), workers=workers,
+                          bootstrap_url=bootstrap_url, interval=args.interval,
                           headers=bearer(key) if key else {}, tls=tls_from_args(args),
                           dry_run=args.dry_run, paused=args.paused,
-                          api_key=api_key_from_args(args), launcher_url=args.launcher_url,
+                          api_key=api_key_from_args(args), launcher_url=launcher_url,
                           launcher_timeout=args.launcher_timeout)
 
 
@@ -179,9 +187,12 @@ def main(args: argparse.Namespace) -> int:
                         format="pd-fsm planner: %(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         service = service_from_args(args)
+        uds = uds_from_args(args)
+        refuse_tls_on_unix(service.tls, uds)
     except ValueError as exc:
         log.error("%s", exc)
         return 2
-    return run_service(serve_until_signal, "planner", serve_planner, service, args.host,
-                       args.port, log, host=args.host, port=args.port, log=log)
+    port = port_from_args(args.port, uds, 0)
+    return run_service(serve_until_signal, "planner", serve_planner, service, args.host, port,
+                       log, uds, host=args.host, port=port, log=log, uds=uds)
 

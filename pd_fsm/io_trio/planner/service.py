@@ -57,6 +57,7 @@ from pd_fsm.io_trio.http_server import http_client, serve_app
 from pd_fsm.io_trio.planner.scrape import Scrape, parse
 from pd_fsm.io_trio.strict_json import loads as strict_loads
 from pd_fsm.io_trio.tls import NO_TLS, TLS
+from pd_fsm.io_trio.unix_sockets import UnixSocket
 
 log = logging.getLogger("pd_fsm.io_trio.planner")
 
@@ -333,15 +334,17 @@ def _target(decision: Decision) -> str:
     return str(decision.nice) if isinstance(decision, SetNice) else ""
 
 
-async def serve_planner(service: PlannerService, host: str = "127.0.0.1", port: int = 0, *,
+async def serve_planner(service: PlannerService, host: str = "127.0.0.1",
+                        port: int | None = 0, *, uds: UnixSocket | None = None,
                         shutdown_trigger: Any = None,
                         task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-    """The loop and its HTTP server in one nursery; ``started()`` with the base URL."""
+    """The loop and its HTTP server (on ``uds`` too, or alone with ``port`` None) in one
+    nursery; ``started()`` with the base URL."""
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
 
         async def http(*, task_status: trio.TaskStatus[list[str]]) -> None:
-            await serve_app(service.app(), host, port, tls=service.tls,
+            await serve_app(service.app(), host, port, tls=service.tls, uds=uds,
                             shutdown_trigger=shutdown_trigger, task_status=task_status)
             nursery.cancel_scope.cancel()
 

@@ -1,6 +1,7 @@
 """`pd-fsm proxy`: the PD proxy as a process (RFC-2 §5.7, DESIGN §8).
 
-``--prefill URL [BOOTSTRAP_PORT]`` and ``--decode URL`` repeat, as in sglang-router; or
+``--prefill URL [BOOTSTRAP_PORT]`` and ``--decode URL`` repeat, as in sglang-router (a URL may be
+``unix:PATH``: docs/unix_sockets.md); or
 ``--bootstrap-url`` discovers the workers from the bootstrap server's ``/list``.
 ``--colocated URL`` repeats too: a worker in role ``null`` that serves whole requests (the
 registry lists no such worker, so these are given statically either way).
@@ -15,19 +16,31 @@ import sys
 from pd_fsm.core.config import RouterConfig
 from pd_fsm.core.routing import POLICIES, RoutingConfig
 from pd_fsm.io_trio.api_key import add_api_key_arguments, api_key_from_args
-from pd_fsm.io_trio.cli_common import run_service, serve_until_signal
+from pd_fsm.io_trio.cli_common import refuse_tls_on_unix, run_service, serve_until_signal
+from pd_fsm.io_trio.flag_spec import add_flags
 from pd_fsm.io_trio.proxy.server import Proxy, serve_proxy
 from pd_fsm.io_trio.proxy.workers import PrefillTarget
 from pd_fsm.io_trio.tls import add_tls_arguments, tls_from_args
+from pd_fsm.io_trio.unix_sockets import (
+    IPC_PREFIX,
+    port_from_args,
+    service_url,
+    uds_flags,
+    uds_from_args,
+)
 
 log = logging.getLogger("pd_fsm.io_trio.proxy.cli")
+
+DEFAULT_PORT = 8000
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("proxy", help="run the PD proxy (posts each request to one P and one D)")
     p.add_argument("--prefill", nargs="+", action="append", default=[],
                    metavar=("URL", "BOOTSTRAP_PORT"),
-                   help="a prefill worker and the bootstrap port it is known by (or 'none')")
+                   help="a prefill worker (http(s)://... or unix:PATH) and the bootstrap port "
+                        "it is known by (or 'none'; or, for a P on a unix socket alone, its "
+                        "side channel's ipc:// endpoint: by default unix:PATH's PATH.zmq)")
     p.add_argument("--decode", action="append", default=[], metavar="URL",
                    help="a decode worker")
     p.add_argument("--colocated", action="append", default=[], metavar="URL",
@@ -68,7 +81,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         f"{rc.breaker_cooldown:g})")
     add_routing_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=None,
+                   help=f"default {DEFAULT_PORT}, or none beside --uds (no TCP listener)")
+    add_flags(p, uds_flags("the proxy"))
     p.add_argument("--log-level", default="INFO")
     add_tls_arguments(p)
     add_api_key_arguments(p)
@@ -157,15 +172,17 @@ def parse_prefill(items: list[list[str]]) -> list[PrefillTarget]:
     for item in items:
         if not 1 <= len(item) <= 2:
             raise ValueError(f"--prefill takes URL [BOOTSTRAP_PORT], got {' '.join(item)}")
-        url = item[0]
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"--prefill URL must start with http:// or https://, got {url!r}")
+        url = service_url(item[0], "--prefill URL")
         port: int | None = None
-        if len(item) == 2 and item[1].lower() not in ("none", "null"):
+        host: str | None = None
+        if len(item) == 2 and item[1].startswith(IPC_PREFIX):  # a P on a unix socket alone
+            host = item[1]
+        elif len(item) == 2 and item[1].lower() not in ("none", "null"):
             if not item[1].isdigit() or not 0 < int(item[1]) < 65536:
-                raise ValueError(f"bootstrap port must be 1..65535 or none, got {item[1]!r}")
+                raise ValueError(f"bootstrap port must be 1..65535, none or an ipc:// "
+                                 f"endpoint, got {item[1]!r}")
             port = int(item[1])
-        targets.append(PrefillTarget.from_url(url, port))
+        targets.append(PrefillTarget.from_url(url, port, host))
     return targets
 
 
@@ -177,11 +194,11 @@ def main(args: argparse.Namespace) -> int:
     )
     try:
         prefill = parse_prefill(args.prefill)
-        for flag in ("decode", "colocated"):
-            for url in getattr(args, flag):
-                if not url.startswith(("http://", "https://")):
-                    raise ValueError(f"--{flag} URL must start with http:// or https://, got "
-                                     f"{url!r}")
+        decode = [service_url(url, "--decode URL") for url in args.decode]
+        colocated = [service_url(url, "--colocated URL") for url in args.colocated]
+        bootstrap_url = (None if args.bootstrap_url is None
+                         else service_url(args.bootstrap_url, "--bootstrap-url"))
+        uds = uds_from_args(args)
         if args.bootstrap_url is None and not args.colocated and (
                 not (prefill or args.local_prefill_without_prefill) or not args.decode):
             raise ValueError("give --prefill and --decode workers (or --decode workers alone "
@@ -194,18 +211,20 @@ def main(args: argparse.Namespace) -> int:
         api_key = api_key_from_args(args)
         worker_api_key = api_key_from_args(args, "worker-")
         tls = tls_from_args(args)
+        refuse_tls_on_unix(tls, uds)
         routing = routing_from_args(args)
     except ValueError as exc:
         log.error("%s", exc)
         return 2
-    proxy = Proxy(prefill, args.decode, bootstrap_url=args.bootstrap_url,
+    proxy = Proxy(prefill, decode, bootstrap_url=bootstrap_url,
                   refresh_interval=args.refresh_interval, room_timeout=args.room_timeout,
                   api_key=api_key, worker_api_key=worker_api_key, tls=tls, routing=routing,
                   load_interval=args.load_interval, decode_recomputes=args.decode_recomputes,
                   retry_limit=args.retry_limit, migration_limit=args.migration_limit,
                   breaker_threshold=args.breaker_threshold,
                   breaker_cooldown=args.breaker_cooldown,
-                  role_probe_interval=args.role_probe_interval, colocated=args.colocated)
-    return run_service(serve_until_signal, "proxy", serve_proxy, proxy, args.host, args.port,
-                       log, host=args.host, port=args.port, log=log)
+                  role_probe_interval=args.role_probe_interval, colocated=colocated)
+    port = port_from_args(args.port, uds, DEFAULT_PORT)
+    return run_service(serve_until_signal, "proxy", serve_proxy, proxy, args.host, port, log,
+                       uds, host=args.host, port=port, log=log, uds=uds)
 

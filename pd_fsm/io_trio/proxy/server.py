@@ -74,6 +74,7 @@ from pd_fsm.io_trio.proxy.room import ClientRequest, Reply, Room, RoomResponse
 from pd_fsm.io_trio.proxy.workers import PrefillTarget as PrefillTarget  # callers' name for it
 from pd_fsm.io_trio.proxy.workers import Workers
 from pd_fsm.io_trio.tls import NO_TLS, TLS
+from pd_fsm.io_trio.unix_sockets import UnixSocket, display
 from pd_fsm.io_trio.worker.metrics import StatsCollector
 from pd_fsm.io_trio.worker.phases import PhaseHistograms
 from pd_fsm.io_trio.worker.schemas import ApiError, split_batch
@@ -543,21 +544,23 @@ def _batch(path: str, body: Mapping[str, object]) -> list[dict[str, Any]] | None
 async def serve_proxy(
     proxy: Proxy,
     host: str = "127.0.0.1",
-    port: int = 0,
+    port: int | None = 0,
     *,
+    uds: UnixSocket | None = None,
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the proxy's tasks and its HTTP server; ``started()`` with the base URL."""
+    """Run the proxy's tasks and its HTTP server (on ``uds`` too, or alone with ``port``
+    None); ``started()`` with the base URL."""
 
     async def http(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
                    ) -> None:
-        await serve_app(proxy.app, host, port, tls=proxy.tls, shutdown_trigger=shutdown_trigger,
-                        task_status=task_status)
+        await serve_app(proxy.app, host, port, tls=proxy.tls, uds=uds,
+                        shutdown_trigger=shutdown_trigger, task_status=task_status)
         nursery.cancel_scope.cancel()
 
     async with trio.open_nursery() as nursery:
         await nursery.start(proxy.run)
         binds: list[str] = await nursery.start(http)
         task_status.started(binds[0])
-        log.info("proxy listening on %s", binds[0])
+        log.info("proxy listening on %s", " and ".join(map(display, binds)))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -33,6 +34,12 @@ from pd_fsm.io_trio.bootstrap.listing import list_role, worker_url
 from pd_fsm.io_trio.http_edge import BodyError, read_json
 from pd_fsm.io_trio.proxy.answers import error_body
 from pd_fsm.io_trio.strict_json import loads as strict_loads
+from pd_fsm.io_trio.unix_sockets import (
+    IPC_PREFIX,
+    service_url,
+    side_channel_endpoint,
+    socket_path_of,
+)
 
 log = logging.getLogger("pd_fsm.io_trio.proxy.server")  # the proxy's log, as before the split
 
@@ -50,19 +57,29 @@ class ProbedRole:
     epoch: int
     serving: bool  # False while it drains or switches: routed as neither role
     bootstrap_port: int | None
+    # P's side channel's ipc:// endpoint when it serves on a unix socket alone (None: TCP).
+    bootstrap_host: str | None = None
 
 
 @attrs.frozen
 class PrefillTarget:
-    """A P worker: its HTTP URL and the (host, port) routers inject as bootstrap_host/port."""
+    """A P worker: its HTTP URL and the (host, port) routers inject as bootstrap_host/port (a
+    P on a unix socket alone: its side channel's ``ipc://`` endpoint, and no port)."""
 
     url: str
     bootstrap_host: str
     bootstrap_port: int | None
 
     @classmethod
-    def from_url(cls, url: str, port: int | None) -> PrefillTarget:
-        return cls(url.rstrip("/"), urlsplit(url).hostname or "127.0.0.1", port)
+    def from_url(cls, url: str, port: int | None, host: str | None = None) -> PrefillTarget:
+        """``host``: what routers know P by, when not its URL's host: an ``ipc://`` endpoint.
+        A P given by its unix socket and no port is known by the side channel a worker on its
+        socket alone binds (``PATH.zmq``); with a port, its side channel is on loopback."""
+        url = url.rstrip("/")
+        path = socket_path_of(url)
+        if host is None and path is not None:
+            host = side_channel_endpoint(Path(path)) if port is None else "127.0.0.1"
+        return cls(url, host or urlsplit(url).hostname or "127.0.0.1", port)
 
 
 class Workers:
@@ -93,14 +110,15 @@ class Workers:
         self.bootstrap_url = bootstrap_url.rstrip("/") if bootstrap_url else None
         self.refresh_interval = refresh_interval
         self.load_interval = load_interval
-        # Static lists: each URL's role as given on the command line (and P's bootstrap port),
-        # and as its last /server_info said (issue 30 §1), which wins when it says one.
-        self._configured: dict[str, tuple[str, int | None]] = {
-            p.url: ("prefill", p.bootstrap_port) for p in prefill}
+        # Static lists: each URL's role as given on the command line (and P's bootstrap port,
+        # and its ipc:// endpoint if given), and as its last /server_info said (issue 30 §1),
+        # which wins when it says one.
+        self._configured: dict[str, tuple[str, int | None, str | None]] = {
+            p.url: ("prefill", p.bootstrap_port, _ipc_host(p.bootstrap_host)) for p in prefill}
         for d in self.decode_urls:  # in the command line's order: round robin follows it
-            self._configured.setdefault(d, ("decode", None))
+            self._configured.setdefault(d, ("decode", None, None))
         for c in self.colocated_urls:
-            self._configured.setdefault(c, ("null", None))
+            self._configured.setdefault(c, ("null", None, None))
         self.role_probe_interval = role_probe_interval
         self.probed: dict[str, ProbedRole] = {}
         self.role_probes = {"ok": 0, "failed": 0}
@@ -190,15 +208,16 @@ class Workers:
         targets: dict[str, PrefillTarget] = {}
         decode: list[str] = []
         colocated: list[str] = []
-        for url, (role, port) in self._configured.items():
+        for url, (role, port, host) in self._configured.items():
             probed = self.probed.get(url)
             if probed is not None:
                 if not probed.serving:
                     continue  # draining or switching: neither role's any more
                 role = probed.role
                 port = probed.bootstrap_port if probed.bootstrap_port is not None else port
+                host = probed.bootstrap_host or host
             if role == "prefill":
-                targets[url] = PrefillTarget.from_url(url, port)
+                targets[url] = PrefillTarget.from_url(url, port, host)
             elif role == "decode":
                 decode.append(url)
             elif role == "null":
@@ -221,7 +240,7 @@ class Workers:
             return _refuse(400, "body.bootstrap_port must be a port number (1-65535) or null: "
                                 "P's side-channel port")
         added = url not in self._configured
-        self._configured[url] = (role, port)
+        self._configured[url] = (role, port, None)
         self._route_by_role()
         self._reprobe.set()  # its own /server_info next, not an interval from now
         log.warning("workers: %s %s as %s", "added" if added else "re-added", url, role)
@@ -339,7 +358,7 @@ class Workers:
         return JSONResponse({"prefill": list(self.targets), "decode": list(self.decode_urls),
                              "colocated": list(self.colocated_urls),
                              "breakers": self._router.breakers.states(),
-                             "roles": {u: attrs.asdict(p) for u, p in self.probed.items()}})
+                             "roles": {u: _role_row(p) for u, p in self.probed.items()}})
 
     async def info(self, request: Request) -> Response:
         """Pass-through to the first decode worker (then prefill, then colocated)."""
@@ -371,9 +390,14 @@ async def _worker_change(request: Request, fields: set[str], bootstrap_url: str 
         return _refuse(400, f"unknown field(s) {', '.join(unknown)} @ body: give "
                             f"{', '.join(sorted(fields))}")
     url = body.get("url")
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        return _refuse(400, "body.url must be a worker's URL: http://HOST:PORT or https://...")
-    return {**body, "url": url.rstrip("/")}
+    try:
+        if not isinstance(url, str):
+            raise ValueError(url)
+        url = service_url(url, "body.url")
+    except ValueError:
+        return _refuse(400, "body.url must be a worker's URL: http://HOST:PORT, https://... or "
+                            "unix:PATH")
+    return {**body, "url": url}
 
 
 def _refuse(status: int, message: str) -> Response:
@@ -397,9 +421,9 @@ def _probed_role(r: httpx.Response) -> ProbedRole | None:
         return None
     # P's side-channel port while it is P (routers inject it as bootstrap_port; the config's
     # disaggregation_bootstrap_port is the registry's).
-    port = info.get("prefill_bootstrap_port")
+    port, host = info.get("prefill_bootstrap_port"), info.get("prefill_bootstrap_host")
     return ProbedRole(role, epoch, info.get("role_state", "SERVING") == "SERVING",
-                      port if type(port) is int else None)
+                      port if type(port) is int else None, _ipc_host(host))
 
 
 def _roles_of(targets: dict[str, PrefillTarget], decode: list[str], colocated: list[str]
@@ -408,8 +432,26 @@ def _roles_of(targets: dict[str, PrefillTarget], decode: list[str], colocated: l
             **{u: "prefill" for u in targets}}
 
 
+def _role_row(probed: ProbedRole) -> dict[str, Any]:
+    """A probed role as ``/workers`` lists it (``bootstrap_host`` only for a P on a unix socket
+    alone)."""
+    row = attrs.asdict(probed)
+    if row["bootstrap_host"] is None:
+        del row["bootstrap_host"]
+    return row
+
+
+def _ipc_host(host: object) -> str | None:
+    """``host`` if it is an ``ipc://`` endpoint (what a P on a unix socket alone is known by)."""
+    return host if isinstance(host, str) and host.startswith(IPC_PREFIX) else None
+
+
 def _advertised(rec: dict[str, Any]) -> tuple[str, int | None]:
-    zmq = str(rec.get("zmq_addr", "")).removeprefix("tcp://")
+    zmq = str(rec.get("zmq_addr", ""))
+    if zmq.startswith(IPC_PREFIX):  # a P on a unix socket alone: known by its endpoint
+        port = rec.get("bootstrap_port")
+        return str(rec.get("bootstrap_host") or zmq), port if type(port) is int else None
+    zmq = zmq.removeprefix("tcp://")
     zhost, _, zport = zmq.rpartition(":")
     host = rec.get("bootstrap_host") or zhost or "127.0.0.1"
     port = rec.get("bootstrap_port") or (int(zport) if zport.isdigit() else None)

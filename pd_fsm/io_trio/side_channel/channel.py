@@ -26,6 +26,7 @@ must agree (NTP).
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -42,6 +43,7 @@ from pd_fsm.core.keys import side_channel_key
 from pd_fsm.core.messages import Message
 from pd_fsm.core.replay import DEFAULT_WINDOW_S, ReplayedFrame, ReplayGuard, StaleFrame
 from pd_fsm.io_trio.side_channel.curve import ZAP_ENDPOINT, CurveKeys, zap_reply
+from pd_fsm.io_trio.unix_sockets import DEFAULT_MODE, file_id, ipc_path, prepare_ipc, remove_if
 
 log = logging.getLogger("pd_fsm.io_trio.side_channel.channel")
 
@@ -287,13 +289,21 @@ class PrefillSideChannel(_Channel):
         secret: bytes | None = None,
         limits: SideChannelLimits | None = None,
         curve: CurveKeys | None = None,
+        ipc_mode: int = DEFAULT_MODE,
     ) -> None:
+        """``bind_addr``: "host:port" (TCP) or an ``ipc://PATH`` endpoint, whose socket file
+        gets ``ipc_mode`` (unix_sockets.py: a live one there is refused, a stale one replaced)."""
         super().__init__(deliver, secret, limits or SideChannelLimits(), curve)
         self.bind_addr = bind_addr
+        self.ipc_mode = ipc_mode
         self.address: str | None = None
         self._pump: _Pump | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        ipc = ipc_path(self.bind_addr)
+        bound: tuple[int, int] | None = None
+        if ipc is not None:  # libzmq would take the path from a live P: refused here instead
+            await trio.to_thread.run_sync(prepare_ipc, self.bind_addr)
         zap = self._zap_socket() if self.curve is not None else None
         sock, monitor = self._open(zmq.ROUTER)
         try:
@@ -305,6 +315,9 @@ class PrefillSideChannel(_Channel):
             if endpoint.endswith(":0"):
                 endpoint = endpoint[:-2] + ":*"
             sock.bind(endpoint)
+            if ipc is not None:
+                os.chmod(ipc, self.ipc_mode)
+                bound = file_id(ipc)
         except BaseException:
             _close(monitor)
             _close(sock)
@@ -326,6 +339,8 @@ class PrefillSideChannel(_Channel):
             if zap is not None:
                 _close(zap)
             self._ctx.destroy(linger=0)
+            if ipc is not None:  # libzmq may leave the file: ours to remove, if still ours
+                remove_if(ipc, bound)
 
     def _zap_socket(self) -> zmq.Socket[Any]:
         """The ZAP handler's socket, bound before the ROUTER so no handshake goes unchecked."""

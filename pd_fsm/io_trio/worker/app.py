@@ -26,6 +26,7 @@ from pd_fsm.io_trio.api_key import ApiKeyGate
 from pd_fsm.io_trio.cluster.cpu_placement import parse_cpus
 from pd_fsm.io_trio.http_edge import edge_app, request_failures
 from pd_fsm.io_trio.http_server import connection_failures, serve_app
+from pd_fsm.io_trio.unix_sockets import display
 from pd_fsm.io_trio.worker.admin_routes import AdminRoutes
 from pd_fsm.io_trio.worker.app_state import ModelMeta, WorkerState
 from pd_fsm.io_trio.worker.backend import Backend, RoleBackend, Stats, in_flight
@@ -193,13 +194,14 @@ def _error(exc: ApiError) -> JSONResponse:
 async def serve_worker(
     worker: WorkerApp,
     host: str = "127.0.0.1",
-    port: int = 0,
+    port: int | None = 0,
     *,
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve HTTP at once (``/health`` answers 503 while loading), then load the model and run
-    the backend; ``started()`` with the base URL as soon as the socket listens. A backend that
+    the backend; ``started()`` with the base URL as soon as the socket listens (also on the
+    config's unix socket, if any; ``port`` None: on it alone). A backend that
     fails (a scheduler step raised; a rank of the instance is gone) ends the process with its
     error, after the HTTP server shut down gracefully: the requests it failed get their 500."""
     backend_failed = trio.Event()
@@ -227,15 +229,15 @@ async def serve_worker(
             _serve_http, worker, host, port, stop_http, nursery.cancel_scope, http_stopped
         )
         task_status.started(binds[0])
-        log.info("worker (%s) listening on %s; loading %s", worker.backend.mode, binds[0],
-                 worker.config.model)
+        log.info("worker (%s) listening on %s; loading %s", worker.backend.mode,
+                 " and ".join(map(display, binds)), worker.config.model)
         await worker.load()
         c = worker.config
         if c.cpus_after_pools:  # the pools exist now: to --cpus
             assert c.cpus is not None
             worker.roles.cores.move_to(parse_cpus(c.cpus), "--cpus once the pools exist")
         await nursery.start(run_backend)
-        log.info("worker ready on %s", binds[0])
+        log.info("worker ready on %s", display(binds[0]))
 
 
 async def _then_cancel(wait: Callable[[], Awaitable[object]], scope: trio.CancelScope) -> None:
@@ -246,14 +248,14 @@ async def _then_cancel(wait: Callable[[], Awaitable[object]], scope: trio.Cancel
 async def _serve_http(
     worker: WorkerApp,
     host: str,
-    port: int,
+    port: int | None,
     shutdown_trigger: Callable[[], Awaitable[object]] | None,
     scope: trio.CancelScope,
     stopped: trio.Event,
     *,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    await serve_app(worker.app, host, port, tls=worker.config.tls,
+    await serve_app(worker.app, host, port, tls=worker.config.tls, uds=worker.config.unix_socket,
                     shutdown_trigger=shutdown_trigger, task_status=task_status)
     stopped.set()
     scope.cancel()  # HTTP shut down gracefully: nobody is left to serve

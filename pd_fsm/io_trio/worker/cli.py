@@ -10,12 +10,13 @@ import argparse
 import functools
 import logging
 import os
+import socket
 import sys
 from typing import TYPE_CHECKING, NoReturn
 
 import trio
 
-from pd_fsm.io_trio.cli_common import STOP_GRACE_S, run_service, stop_on_signal
+from pd_fsm.io_trio.cli_common import STOP_GRACE_S, listened, run_service, stop_on_signal
 from pd_fsm.io_trio.cluster.cpu_placement import (
     check_cpus,
     cpu_list,
@@ -78,7 +79,8 @@ def main(args: argparse.Namespace) -> int:
     from pd_fsm.io_trio.worker.app import WorkerApp
 
     worker = WorkerApp(config, backend, engine=engine)
-    code = run_service(_run, worker, host=config.host, port=config.port, log=log)
+    code = run_service(_run, worker, host=config.host, port=config.port, log=log,
+                       uds=config.unix_socket)
     if config.nnodes > 1:
         return code  # jax.distributed's shutdown (atexit) tells the other ranks
     exit_now(code)
@@ -108,6 +110,8 @@ def _prepare_process(config: ServeConfig) -> None:
     or RuntimeError when the other ranks did not join in time)."""
     check_environment(os.environ)
     config.cluster_secret()  # fail now, not at the first registration
+    if config.port is None and any(role != "null" for role in config.role_list):
+        check_transfer_tcp(config.public_host)
     if config.host_heap == "hugepages":
         # glibc reads the tunable at start-up only: this re-executes the process once (same
         # PID). `pd-fsm serve` has done so already, before its imports (pd_fsm/cli.py); here
@@ -149,6 +153,23 @@ def _prepare_process(config: ServeConfig) -> None:
         log.info("compilation cache: %s", where)
 
 
+def check_transfer_tcp(host: str) -> None:
+    """A P or D moves KV with jax.experimental.transfer, whose server listens on TCP only (there
+    is no unix socket transport): on a machine that refuses TCP sockets, where a worker on its
+    unix socket alone may well be, say so at start, by name, instead of failing in the engine."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, 0, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(address)
+    except OSError as exc:
+        raise ValueError(
+            f"a prefill or decode worker moves KV over jax.experimental.transfer, which listens "
+            f"on TCP only, and this machine refused a TCP socket on {host} "
+            f"({exc.strerror or exc}): on unix sockets alone serve colocated "
+            "(--disaggregation-mode null), or give P and D a machine that allows TCP") from None
+
+
 def _follow(config: ServeConfig) -> int:
     """A rank > 0: its replica of rank 0's scheduler, built and warmed in step with rank 0's,
     then rank 0's commands until it stops (spmd/follower.py; a PD role: spmd/pd_replica.py)."""
@@ -173,9 +194,10 @@ async def _run(worker: object) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stop_on_signal, stop, log)
         serve = functools.partial(serve_worker, shutdown_trigger=drained.wait)
-        url = await nursery.start(serve, worker, worker.config.host, worker.config.port)
+        c = worker.config
+        url = await nursery.start(serve, worker, c.host, c.port)
         # One machine-readable line for launchers (the cluster runner reads the port from it).
-        print(f"pd-fsm serve: listening on {url}", flush=True)
+        print(f"pd-fsm serve: listening on {listened(url, c.port, c.unix_socket)}", flush=True)
         await stop.wait()
         timeout = worker.config.drain_timeout
         with trio.move_on_after(timeout) as waited:

@@ -18,8 +18,15 @@ import attrs
 from pd_fsm.core.config import DecodeConfig, LeaseConfig
 from pd_fsm.io_trio.flag_spec import add_flags, read_flags
 from pd_fsm.io_trio.tls import NO_TLS, TLS
+from pd_fsm.io_trio.unix_sockets import (
+    DEFAULT_MODE,
+    UnixSocket,
+    service_url,
+    side_channel_endpoint,
+    unix_url,
+)
 from pd_fsm.io_trio.worker.flag_hooks import SERVE_HOOKS
-from pd_fsm.io_trio.worker.flags import SERVE_FLAGS
+from pd_fsm.io_trio.worker.flags import DEFAULT_PORT, SERVE_FLAGS
 
 if TYPE_CHECKING:
     from pd_fsm.io_trio.side_channel.curve import CurveKeys
@@ -35,7 +42,13 @@ _DECODE = DecodeConfig()
 class ServeConfig:
     # -- HTTP
     host: str = "127.0.0.1"
-    port: int = 30000
+    # None: no TCP listener (a worker on its unix socket alone, ``uds``).
+    port: int | None = DEFAULT_PORT
+    # A unix socket the worker serves HTTP on too (docs/unix_sockets.md), created with
+    # ``uds_mode``; alone (``port`` None) the worker listens on no TCP port, and as P its side
+    # channel binds ``ipc://<uds>.zmq``.
+    uds: Path | None = None
+    uds_mode: int = DEFAULT_MODE
     # The host peers are told (registry records, instance id); None: ``host``. Resolved and
     # checked at start (pd_fsm.io_trio.bootstrap.addresses): never a wildcard, never loopback to a
     # registry on another host. The transfer data plane binds this address only.
@@ -168,6 +181,36 @@ class ServeConfig:
     def public_host(self) -> str:
         """The address peers reach this worker at (what the registry stores)."""
         return self.advertise_host or self.host
+
+    @property
+    def unix_socket(self) -> UnixSocket | None:
+        return None if self.uds is None else UnixSocket(self.uds, self.uds_mode)
+
+    @property
+    def url(self) -> str:
+        """This worker's base URL as peers reach it: TCP when it listens on TCP, else its unix
+        socket's (``http://unix:PATH:``)."""
+        if self.port is None:
+            assert self.uds is not None, "a worker without a TCP port serves on --uds"
+            return unix_url(str(self.uds))
+        return f"{self.tls.scheme}://{self.public_host}:{self.port}"
+
+    @property
+    def side_channel_ipc(self) -> str | None:
+        """P's side channel endpoint on the filesystem, for a worker on its unix socket alone
+        (None: TCP, ``disaggregation_side_channel_port``)."""
+        return None if self.port is not None or self.uds is None else (
+            side_channel_endpoint(self.uds))
+
+    @property
+    def bootstrap_url(self) -> str:
+        """The bootstrap server's (the registry's) URL: ``--disaggregation-bootstrap-host
+        unix:PATH`` names its unix socket (the port is then unused)."""
+        host = self.disaggregation_bootstrap_host
+        if host.startswith("unix:"):
+            return service_url(host, "--disaggregation-bootstrap-host")
+        # TLS is on for the whole cluster or none of it (pd_fsm.io_trio.tls).
+        return f"{self.tls.scheme}://{host}:{self.disaggregation_bootstrap_port}"
 
     @property
     def role_list(self) -> tuple[str, ...]:

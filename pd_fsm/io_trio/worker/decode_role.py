@@ -5,6 +5,8 @@ streams to another D while it drains (issue 32 §2)."""
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import time
 from collections import deque
 
@@ -14,6 +16,7 @@ from pd_fsm.core import events as ev
 from pd_fsm.io_trio.bootstrap.client import BootstrapError
 from pd_fsm.io_trio.bootstrap.records import InstanceRecord, split_host_port
 from pd_fsm.io_trio.side_channel.channel import DecodeSideChannel
+from pd_fsm.io_trio.unix_sockets import IPC_PREFIX, ipc_path
 from pd_fsm.io_trio.worker.backend import GenerateJob, HandedOff, Stats, request_of
 from pd_fsm.io_trio.worker.pd_link import PDLink
 from pd_fsm.io_trio.worker.pd_role import RoleParts, bootstrap_of, held_rooms
@@ -85,6 +88,25 @@ class RefusalTeller:
                  room, reason, len(peers), host)
 
 
+def unix_only_elsewhere(record: InstanceRecord) -> str | None:
+    """Why D cannot take a P whose side channel is a unix socket that is not on this host, or
+    None. Such a P serves on unix sockets alone: only a D on its host reaches it, and the KV
+    pull goes over TCP regardless (jax.experimental.transfer listens on TCP only)."""
+    path = ipc_path(record.zmq_addr)
+    if path is None:
+        return None
+    try:
+        here = stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        here = False
+    if here:
+        return None
+    return (f"prefill {record.instance_id} is reachable only over a unix socket ({record.zmq_addr}"
+            ") that is not on this host: a P on unix sockets alone serves the D on its own host "
+            f"only (its KV pull goes over TCP to {record.transfer_addr} regardless: "
+            "jax.experimental.transfer listens on TCP only); give that P a TCP --port")
+
+
 class DecodeRole:
     mode = "decode"
 
@@ -128,8 +150,10 @@ class DecodeRole:
         )
         await nursery.start(self._side.run)
         nursery.start_soon(self._link.keepalive, self._pd_args.heartbeat_interval)
-        # D binds no side-channel socket; its record names its HTTP address for routers.
-        return f"{self._config.public_host}:{self._config.port}", None
+        # D binds no side-channel socket; its record names its HTTP address for routers (on a
+        # unix socket alone, the endpoint it would bind as P: an address the registry takes).
+        c = self._config
+        return c.side_channel_ipc or f"{c.public_host}:{c.port}", None
 
     def check_peer(self, record: InstanceRecord, sched: DecodeScheduler | None) -> str | None:
         assert self._side is not None
@@ -139,8 +163,8 @@ class DecodeRole:
             # any page is reserved for the room.
             return (f"prefill {record.instance_id} keeps its KV in {record.kv_dtype}, this "
                     f"decode in {ours}: start P and D with the same --kv-dtype")
-        return self._layout_mismatch(record) or self._side.set_server_key(
-            record.zmq_addr, record.curve_public_key)
+        return (self._layout_mismatch(record) or unix_only_elsewhere(record)
+                or self._side.set_server_key(record.zmq_addr, record.curve_public_key))
 
     def _layout_mismatch(self, record: InstanceRecord) -> str | None:
         c = self._config
@@ -181,6 +205,9 @@ class DecodeRole:
             self.local_prefills_total += 1
             return
         host, port, room = bootstrap_of(self.mode, job)
+        if host.startswith(IPC_PREFIX):  # a P on a unix socket alone: known by its endpoint
+            sched.add_pd_request(request_of(sched, job), host, room, accepted=accepted)
+            return
         port = port or self._config.disaggregation_prefill_port
         if port is None:
             reason = (

@@ -11,12 +11,22 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pd_fsm.io_trio.api_key import api_key_flags, api_key_from_args
+from pd_fsm.io_trio.cli_common import refuse_tls_on_unix
 from pd_fsm.io_trio.cluster.cpu_placement import parse_cpus
 from pd_fsm.io_trio.flag_spec import Hook
-from pd_fsm.io_trio.tls import tls_flags, tls_from_args
+from pd_fsm.io_trio.tls import TLS, tls_flags, tls_from_args
+from pd_fsm.io_trio.unix_sockets import (
+    SIDE_CHANNEL_SUFFIX,
+    UNIX_PREFIX,
+    UnixSocket,
+    check_path,
+    port_from_args,
+)
+from pd_fsm.io_trio.worker.flags import DEFAULT_PORT
 
 if TYPE_CHECKING:
     from pd_fsm.io_trio.side_channel.curve import CurveKeys
@@ -95,6 +105,38 @@ def _check_cpu_pools(args: argparse.Namespace) -> None:
                          f"{args.cpus} has cores")
 
 
+def _pd_roles(args: argparse.Namespace) -> bool:
+    return any(role != "null" for role in (args.disaggregation_mode, *(args.roles or ())))
+
+
+def _port(args: argparse.Namespace) -> int | None:
+    return port_from_args(args.port_given, args.uds, DEFAULT_PORT)
+
+
+def _uds(args: argparse.Namespace) -> Path | None:
+    """``--uds``, checked: a path a socket can have (and its side channel's beside it, for a
+    worker that may be P), and nothing a unix socket cannot carry."""
+    if args.uds is None:
+        return None
+    if args.ssl_certfile is not None:
+        refuse_tls_on_unix(TLS(args.ssl_certfile), UnixSocket(args.uds))
+    if args.nnodes > 1:
+        raise ValueError("--uds is not supported with --nnodes > 1 (the ranks meet over TCP: "
+                         "jax.distributed's coordinator and rank 0's command stream)")
+    path = check_path(args.uds)
+    if _pd_roles(args) and args.port_given is None:
+        check_path(f"{path}{SIDE_CHANNEL_SUFFIX}", "--uds (its side channel's socket)")
+    return path
+
+
+def _bootstrap_host(args: argparse.Namespace) -> str:
+    host: str = args.disaggregation_bootstrap_host
+    if host.startswith(UNIX_PREFIX):  # the registry on a unix socket
+        path = check_path(host[len(UNIX_PREFIX):], "--disaggregation-bootstrap-host")
+        return f"{UNIX_PREFIX}{path}"
+    return host
+
+
 def _compilation_cache(args: argparse.Namespace) -> bool:
     if args.no_compilation_cache and args.compilation_cache_dir is not None:
         raise ValueError("--compilation-cache-dir and --no-compilation-cache contradict")
@@ -156,6 +198,11 @@ SERVE_HOOKS: tuple[Hook, ...] = (
     # dest); the two exclude each other (argparse).
     Hook("drain_handoff", ("drain_handoff_stated", "no_drain_handoff"),
          lambda args: not args.no_drain_handoff),
+    # --port not given: the default, or no TCP listener beside --uds.
+    Hook("port", ("port_given", "uds"), _port),
+    Hook("uds", ("uds", "ssl_certfile", "nnodes", "disaggregation_mode", "roles", "port_given"),
+         _uds),
+    Hook("disaggregation_bootstrap_host", ("disaggregation_bootstrap_host",), _bootstrap_host),
     Hook("compilation_cache", ("no_compilation_cache", "compilation_cache_dir"),
          _compilation_cache),
     Hook("advertise_host", ("host", "advertise_host", "advertise_interface",

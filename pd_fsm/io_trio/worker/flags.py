@@ -20,6 +20,7 @@ from pd_fsm.io_trio.api_key import api_key_flags
 from pd_fsm.io_trio.cluster.cpu_placement import parse_cpus, parse_role_nice
 from pd_fsm.io_trio.flag_spec import Flag, above, at_least, positive, within
 from pd_fsm.io_trio.tls import tls_flags
+from pd_fsm.io_trio.unix_sockets import uds_flags
 
 # The same tuples as pd_fsm.jax_engine.model.registry.MODEL_NAMES,
 # pd_fsm.schedulers.args.DISAGGREGATION_MODES and KV_DTYPES, and
@@ -37,6 +38,7 @@ FAILURE_POLICIES = ("fail", "recompute")
 TRANSFER_BACKENDS = ("jax",)
 HOST_HEAP_POLICIES = ("hugepages", "default")  # pd_fsm.jax_engine.kv.host_memory
 WARMUP_MODES = ("full", "minimal")
+DEFAULT_PORT = 30000  # without --port, and without --uds (then: no TCP listener)
 
 
 def model_arg(value: str) -> str:
@@ -85,7 +87,12 @@ def _cpu_pools(name: str, value: Any) -> None:
 
 _HTTP = (
     Flag("--host", "address to bind (default %(default)s)", sglang="--host"),
-    Flag("--port", "HTTP port (0: any free port)", check=within(0, 65535), sglang="--port"),
+    Flag("--port", f"HTTP port (0: any free port; default {DEFAULT_PORT}, or none beside --uds)",
+         type=int, dest="port_given", metavar="PORT", check=within(0, 65535), sglang="--port",
+         shown_default=f"{DEFAULT_PORT}; none beside `--uds`", doc=(
+             "HTTP port (0: any free port). Not given: 30000, or, beside `--uds`, no TCP "
+             "listener at all")),
+    *uds_flags("the worker"),
     Flag("--advertise-host", metavar="IP", shown_default="`--host`", help=(
         "P/D: the address peers on other hosts reach this worker at (registry records; the KV "
         "transfer server binds it); needed with --host 0.0.0.0 (default: --host)"), doc=(

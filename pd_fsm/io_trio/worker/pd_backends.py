@@ -103,7 +103,7 @@ def disaggregation_args(config: ServeConfig) -> DisaggregationArgs:
         **same_named(config, DisaggregationArgs, prefix="disaggregation_"),
         **attrs.asdict(config.scheduler_args(), recurse=False),
         "instance_id": config.disaggregation_instance_id
-        or f"{config.disaggregation_mode}-{config.public_host}-{config.port}",
+        or _instance_name(config),
         # The data plane has no authentication: it listens on the advertised interface only.
         "transfer_host": config.public_host,
         "heartbeat_interval": config.disaggregation_bootstrap_heartbeat_interval,
@@ -114,10 +114,11 @@ def disaggregation_args(config: ServeConfig) -> DisaggregationArgs:
     })
 
 
-def bootstrap_url(config: ServeConfig) -> str:
+def _instance_name(config: ServeConfig) -> str:
+    """The default instance id: the mode and where the worker listens (TCP, else its socket)."""
     c = config
-    # TLS is on for the whole cluster or none of it (pd_fsm.io_trio.tls).
-    return f"{c.tls.scheme}://{c.disaggregation_bootstrap_host}:{c.disaggregation_bootstrap_port}"
+    where = f"{c.public_host}-{c.port}" if c.port is not None else f"unix-{c.uds}"
+    return f"{c.disaggregation_mode}-{where}"
 
 
 def instance_record(config: ServeConfig, pd_args: DisaggregationArgs,
@@ -139,7 +140,7 @@ def instance_record(config: ServeConfig, pd_args: DisaggregationArgs,
         page_size=c.page_size,
         kv_dtype=sched.pool_config.dtype,
         layout_hash=sched.layout_hash,
-        scheduler_addr=f"{c.tls.scheme}://{c.public_host}:{c.port}",
+        scheduler_addr=c.url,
         bootstrap_port=bootstrap_port,
         # kv_checksum: whether this P's READY carries KV checksums (D refuses a P that
         # disagrees with it, by name, before reserving a page).
@@ -357,7 +358,7 @@ class PDBackend(Generic[S]):
                 self._spmd.announce, json.dumps(to_json(record)), limiter=self._limiter)
         nursery.start_soon(raise_data_plane, self.data_plane)
         self.link.bootstrap = BootstrapClient(
-            bootstrap_url(self.config),
+            self.config.bootstrap_url,
             record,
             secret=self._secret,
             heartbeat_interval=self.config.disaggregation_bootstrap_heartbeat_interval,

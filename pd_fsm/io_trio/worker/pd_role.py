@@ -16,6 +16,7 @@ import trio
 from pd_fsm.io_trio.bootstrap.records import InstanceRecord, split_host_port
 from pd_fsm.io_trio.side_channel.channel import PrefillSideChannel
 from pd_fsm.io_trio.side_channel.curve import CurveKeys
+from pd_fsm.io_trio.unix_sockets import IPC_PREFIX
 from pd_fsm.io_trio.worker.backend import GenerateJob, Stats, request_of
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.pd_link import PDLink
@@ -114,7 +115,7 @@ class PDRole(Protocol[S]):
         ...
 
     def side_port(self) -> int | None:
-        """The port P's side channel is bound to (None for D)."""
+        """The port P's side channel is bound to (None for D, and on a unix socket)."""
         ...
 
 
@@ -151,10 +152,17 @@ class PrefillRole:
 
     async def start_io(self, nursery: trio.Nursery,
                        sched: PrefillScheduler) -> tuple[str, int | None]:
-        bind = f"{self._config.host}:{self._config.disaggregation_side_channel_port}"
+        c = self._config
+        # A worker on its unix socket alone binds its side channel beside it (ipc://PATH.zmq):
+        # routers then know it by that endpoint, and no port.
+        ipc = c.side_channel_ipc
+        bind = ipc or f"{c.host}:{c.disaggregation_side_channel_port}"
         self._side = self._link.side = PrefillSideChannel(
-            bind, self._link.deliver_message, secret=self._secret, curve=self._curve)
+            bind, self._link.deliver_message, secret=self._secret, curve=self._curve,
+            ipc_mode=c.uds_mode)
         address: str = await nursery.start(self._side.run)
+        if ipc is not None:
+            return address, None
         _, port = split_host_port(address)  # the bound host may be 0.0.0.0: advertise ours
         # Routers know P by its side-channel port (DESIGN §5 "Who is P").
         return f"{self._config.public_host}:{port}", port
@@ -201,7 +209,9 @@ class PrefillRole:
 
     def side_port(self) -> int | None:
         address = None if self._side is None else self._side.address
-        return None if address is None else int(address.rpartition(":")[2])
+        if address is None or address.startswith(IPC_PREFIX):
+            return None
+        return int(address.rpartition(":")[2])
 
 
 def held_rooms(sched: PDScheduler) -> int:

@@ -190,6 +190,11 @@ class RoleHost:
         """P's bootstrap port (its side-channel port, what routers know it by), when P serves."""
         return _side_port(self.backend) if self.role == "prefill" else None
 
+    def bootstrap_host(self) -> str | None:
+        """What routers know P by when its side channel is on a unix socket (its ``ipc://``
+        endpoint, with no port), when P serves; None otherwise (its host: the URL's)."""
+        return self.config.side_channel_ipc if self.role == "prefill" else None
+
     # -- running ----------------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -392,5 +397,6 @@ class RoleHost:
             "cpus": sorted(self.cores.cpus),
             "cpu_pool_threads": self.pool_threads,
             "prefill_bootstrap_port": self.bootstrap_port(),
+            "prefill_bootstrap_host": self.bootstrap_host(),
             "last_role_switch": None if last is None else attrs.asdict(last),
         }

@@ -18,6 +18,7 @@ import trio
 
 from pd_fsm.core.tables import ROLE_SWITCH
 from pd_fsm.io_trio.api_key import bearer
+from pd_fsm.io_trio.unix_sockets import display, service_url, unix_mounts
 from pd_fsm.io_trio.worker.flags import DISAGGREGATION_MODES
 
 POLL_S = 0.2
@@ -25,9 +26,10 @@ REQUEST_TIMEOUT_S = 10.0
 
 
 def _url(value: str) -> str:
-    if not value.startswith(("http://", "https://")):
-        raise argparse.ArgumentTypeError(f"URL must start with http:// or https://, got {value!r}")
-    return value.rstrip("/")
+    try:
+        return service_url(value, "URL")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _wait(value: str) -> float:
@@ -40,7 +42,8 @@ def _wait(value: str) -> float:
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("switch-role", help="switch a running worker's role without restarting "
                                            "it (POST /switch_role), and wait until it serves")
-    p.add_argument("url", type=_url, metavar="URL", help="the worker, e.g. http://HOST:30000")
+    p.add_argument("url", type=_url, metavar="URL",
+                   help="the worker, e.g. http://HOST:30000 or unix:PATH")
     p.add_argument("role", choices=DISAGGREGATION_MODES, metavar="ROLE",
                    help=f"the new role: {', '.join(DISAGGREGATION_MODES)}")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
@@ -68,19 +71,21 @@ async def switch_role(url: str, role: str, api_key: str | None, wait: float
                       ) -> tuple[int, str]:
     """(exit status, what to print) of switching the worker at ``url`` to ``role``."""
     headers = bearer(api_key) if api_key else {}
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, headers=headers) as http:
+    shown = display(url)  # unix:PATH as it was typed
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, headers=headers,
+                                 mounts=unix_mounts()) as http:
         try:
             r = await http.post(f"{url}/switch_role", json={"role": role})
         except httpx.HTTPError as exc:
-            return 1, f"switch-role: cannot reach {url}: {exc!r}"
+            return 1, f"switch-role: cannot reach {shown}: {exc!r}"
         if r.status_code == 200:
             body = r.json()
-            return 0, f"{url} already serves as {role} (role epoch {body['role_epoch']})"
+            return 0, f"{shown} already serves as {role} (role epoch {body['role_epoch']})"
         if r.status_code != 202:
-            return 1, f"switch-role: {url} refused ({r.status_code}): {_error(r)}"
+            return 1, f"switch-role: {shown} refused ({r.status_code}): {_error(r)}"
         epoch = int(r.json()["role_epoch"])
         if wait == 0:
-            return 0, f"{url}: switch to {role} accepted (role epoch {epoch} once it serves)"
+            return 0, f"{shown}: switch to {role} accepted (role epoch {epoch} once it serves)"
         return await _until_serving(http, url, role, epoch, wait)
 
 
@@ -88,6 +93,7 @@ async def _until_serving(http: httpx.AsyncClient, url: str, role: str, epoch: in
                          ) -> tuple[int, str]:
     start = trio.current_time()
     last = "no answer yet"
+    shown = display(url)
     with trio.move_on_after(wait):
         while True:
             try:
@@ -98,11 +104,11 @@ async def _until_serving(http: httpx.AsyncClient, url: str, role: str, epoch: in
             if info.get("role_state") == ROLE_SWITCH.S.SERVING:
                 took = trio.current_time() - start
                 if info.get("disaggregation_mode") == role and info.get("role_epoch") == epoch:
-                    return 0, f"{url} serves as {role} (role epoch {epoch}) after {took:.1f} s"
-                return 1, (f"switch-role: the switch to {role} failed: {url} serves as "
+                    return 0, f"{shown} serves as {role} (role epoch {epoch}) after {took:.1f} s"
+                return 1, (f"switch-role: the switch to {role} failed: {shown} serves as "
                            f"{info.get('disaggregation_mode')} again (role epoch "
                            f"{info.get('role_epoch')}); its log says why")
             if info:
                 last = f"role_state {info.get('role_state')}"
             await trio.sleep(POLL_S)
-    return 1, f"switch-role: {url} did not serve as {role} within {wait:g} s (last: {last})"
+    return 1, f"switch-role: {shown} did not serve as {role} within {wait:g} s (last: {last})"

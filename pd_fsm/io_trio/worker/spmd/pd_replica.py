@@ -177,7 +177,7 @@ async def run_replica(config: ServeConfig, key: bytes | None) -> int:
     rank 0 (1). Its trio loop runs the registry client; the replica runs on a thread."""
     c = config
     client = BootstrapClient(
-        f"{c.tls.scheme}://{c.disaggregation_bootstrap_host}:{c.disaggregation_bootstrap_port}",
+        c.bootstrap_url,
         secret=c.cluster_secret(),
         heartbeat_interval=c.disaggregation_bootstrap_heartbeat_interval,
         stale_after=c.disaggregation_bootstrap_heartbeat_ttl, tls=c.tls,
