@@ -17,6 +17,7 @@ import attrs
 import httpx
 import trio
 
+from pd_fsm.io_trio.unix_sockets import service_url
 from pd_fsm.io_trio.worker.app import WorkerApp, serve_worker
 from pd_fsm.io_trio.worker.colocated import ColocatedBackend
 from pd_fsm.io_trio.worker.config import ServeConfig
@@ -125,13 +126,14 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "pd_fsm.cli", *args]
 
 
-_URL_LINE = re.compile(r"^\s+(\S+)\s+(http://\S+)(?:\s+\(bootstrap port (\d+)\))?")
+_URL_LINE = re.compile(r"^\s+(\S+)\s+(http://\S+|unix:\S+)(?:\s+\(bootstrap port (\d+)\))?")
 
 
 @attrs.define
 class PDCluster:
-    """``pd-fsm cluster`` as a process: every child's URL, and P's bootstrap (side-channel)
-    ports, read from the table it prints once everything is healthy."""
+    """``pd-fsm cluster`` as a process: every child's URL (``http://unix:PATH:`` for a unix
+    socket), and P's bootstrap (side-channel) ports, read from the table it prints once
+    everything is healthy."""
 
     proc: Proc
     urls: dict[str, str]
@@ -157,7 +159,7 @@ class PDCluster:
                 m = _URL_LINE.match(line)
                 if m is None:
                     continue
-                urls[m.group(1)] = m.group(2)
+                urls[m.group(1)] = service_url(m.group(2), "a URL")  # unix:PATH as a URL
                 if m.group(3):
                     ports[m.group(1)] = int(m.group(3))
             return cls(proc, urls, ports)

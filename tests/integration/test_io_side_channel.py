@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,24 +27,12 @@ from pd_fsm.io_trio.side_channel.channel import (
     frame_now,
 )
 from pd_fsm.io_trio.side_channel.curve import CurveError, CurveKeys
+from tests.support.io_doubles import Inbox
+from tests.support.io_doubles import until as _until
 
 SECRET = b"cluster-secret-for-the-side-channel-tests"
 KEY = side_channel_key(SECRET)  # what the channels sign with, given SECRET
 GOOD = Heartbeat(seq=1, rooms=(1, 2, 3))
-
-
-class Inbox:
-    def __init__(self) -> None:
-        self.got: list[tuple[str, Message]] = []
-
-    async def deliver(self, peer: str, message: Message) -> None:
-        self.got.append((peer, message))
-
-
-async def _until(probe: Callable[[], Any], timeout: float = 5.0) -> None:
-    with trio.fail_after(timeout):
-        while not probe():
-            await trio.sleep(0.005)
 
 
 @pytest.fixture

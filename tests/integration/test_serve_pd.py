@@ -19,6 +19,7 @@ import os
 import random
 import re
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,7 +37,9 @@ from pd_fsm.io_trio.bench_client import (
     phase_table,
     scrape,
 )
+from pd_fsm.io_trio.http_server import http_client
 from pd_fsm.io_trio.ports import free_ports
+from pd_fsm.io_trio.unix_sockets import unix_url
 from pd_fsm.io_trio.worker.phases import PHASES, TTFT_NAME
 from tests.integration.serve_support import (
     ENDPOINTS,
@@ -778,3 +781,52 @@ async def test_2p2d_32_concurrent_equal_colocated_then_all_idle(env: Env) -> Non
     metrics = httpx.get(f"{proxy}/metrics").text
     assert _metric(metrics, "pd_fsm_proxy_rooms_total", "COMPLETED") >= 32
     assert _metric(metrics, "pd_fsm_proxy_rooms_total", "FAILED") == 0
+
+
+# ----------------------------------------------------------------------------- unix sockets
+
+
+async def test_the_cluster_on_unix_sockets_answers_as_the_tcp_one(env: Env) -> None:
+    """`pd-fsm cluster --uds DIR`: every server on a socket in DIR (the registry too: the
+    workers register over it and D finds P's ipc:// side channel through it); greedy answers
+    through its proxy equal this module's TCP cluster's colocated worker, streamed or not, on
+    every endpoint; `pd-fsm bench` and `switch-role` reach it over its sockets; stopped, it
+    leaves no socket behind."""
+    folder = Path(tempfile.mkdtemp(prefix="pd-uds-"))
+    cluster = PDCluster.start(["--uds", str(folder), "--prefill", "1", "--decode", "1",
+                               "--colocated", *CLUSTER_ARGS[5:]])
+    try:
+        assert set(cluster.urls) == {"bootstrap", "prefill-0", "decode-0", "colocated", "proxy"}
+        for name, url in cluster.urls.items():
+            assert url == unix_url(f"{folder}/{name}.sock"), (name, url)
+        proxy = cluster.urls["proxy"]
+        async with http_client(timeout=120) as http:
+            for endpoint in ENDPOINTS:
+                for stream in (False, True):
+                    body = request_body(endpoint, PROMPTS[endpoint], 12, stream=stream)
+                    over_uds = await fetch_answer(http, proxy, endpoint, body)
+                    assert over_uds == await fetch_answer(http, env.url("colocated"), endpoint,
+                                                          body)
+                    assert over_uds == await fetch_answer(http, cluster.urls["colocated"],
+                                                          endpoint, body)
+            listed = (await http.get(f"{cluster.urls['bootstrap']}/list")).json()["instances"]
+            p = next(r for r in listed if r["role"] == "prefill")
+            assert p["zmq_addr"] == f"ipc://{folder}/prefill-0.sock.zmq"
+            assert p["scheduler_addr"] == cluster.urls["prefill-0"]
+        bench = await trio.run_process(
+            cli("bench", "--url", f"unix:{folder}/proxy.sock", "--num-prompts", "4",
+                "--max-tokens", "4", "--dataset", "short", "--model", "tiny"),
+            capture_stdout=True, capture_stderr=True, check=False)
+        out = bench.stdout.decode()
+        assert bench.returncode == 0, out + bench.stderr.decode()
+        # P's and D's /metrics, found at the proxy's /workers and scraped over their sockets.
+        assert re.search(r"^P\s+prefill_forward\s", out, re.M), out
+        assert re.search(r"^D\s+kv_pull\s", out, re.M), out
+        switch = await trio.run_process(
+            cli("switch-role", f"unix:{folder}/colocated.sock", "null", "--wait", "0"),
+            capture_stdout=True, capture_stderr=True, check=False)
+        assert switch.returncode == 0 and b"already serves as null" in switch.stdout
+    finally:
+        cluster.stop()
+    assert not list(folder.glob("*")), list(folder.glob("*"))
+    folder.rmdir()

@@ -14,7 +14,25 @@ import trio
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
+from pd_fsm.core.messages import Message
 from pd_fsm.io_trio.bootstrap.records import InstanceRecord, parse_record
+
+
+class Inbox:
+    """What a side channel delivered: (peer, message) in arrival order."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[str, Message]] = []
+
+    async def deliver(self, peer: str, message: Message) -> None:
+        self.got.append((peer, message))
+
+
+async def until(probe: Callable[[], Any], timeout: float = 5.0) -> None:
+    """Wait until ``probe()`` is true, at most ``timeout`` seconds (then TooSlowError)."""
+    with trio.fail_after(timeout):
+        while not probe():
+            await trio.sleep(0.005)
 
 
 class RecordingSink:
