@@ -145,6 +145,8 @@ async def serve_app(
     ``uds`` if given; ``started()`` with the bound URLs (TCP first; a unix socket's as
     ``http://unix:PATH:``). A request whose handler raises is answered 500 and counted, never the
     server's end (``http_edge.Contained``)."""
+    if port is None and uds is None:
+        raise ValueError("a server needs a TCP port or a unix socket (--port or --uds)")
     install_probe_safe_server()
     config = config or hypercorn_config(host, port, tls=tls)
     # Starlette is an ASGI 3 app; hypercorn's annotation is narrower than the protocol.

@@ -12,6 +12,7 @@ client leaving mid-stream gets both legs aborted.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -813,6 +814,24 @@ async def test_the_cluster_on_unix_sockets_answers_as_the_tcp_one(env: Env) -> N
             p = next(r for r in listed if r["role"] == "prefill")
             assert p["zmq_addr"] == f"ipc://{folder}/prefill-0.sock.zmq"
             assert p["scheduler_addr"] == cluster.urls["prefill-0"]
+            # A proxy that finds P and D in the registry (over its socket) routes them too.
+            found = Proc.start("proxy-registry", cli(
+                "proxy", "--uds", f"{folder}/found.sock",
+                "--bootstrap-url", f"unix:{folder}/bootstrap.sock"))
+            try:
+                found_url = unix_url(f"{folder}/found.sock")
+                with trio.fail_after(60):
+                    while True:
+                        with contextlib.suppress(httpx.HTTPError):
+                            if (await http.get(f"{found_url}/health")).status_code == 200:
+                                break
+                        assert found.alive(), found.tail()
+                        await trio.sleep(0.2)
+                body = request_body("generate", PROMPTS["generate"], 12, stream=False)
+                assert await fetch_answer(http, found_url, "generate", body) == (
+                    await fetch_answer(http, env.url("colocated"), "generate", body))
+            finally:
+                found.stop()
         bench = await trio.run_process(
             cli("bench", "--url", f"unix:{folder}/proxy.sock", "--num-prompts", "4",
                 "--max-tokens", "4", "--dataset", "short", "--model", "tiny"),

@@ -25,6 +25,7 @@ import pytest
 import trio
 
 from pd_fsm.core.messages import Heartbeat, HeartbeatAck
+from pd_fsm.io_trio.bootstrap.records import to_json
 from pd_fsm.io_trio.bootstrap.server import BootstrapServer, serve_bootstrap
 from pd_fsm.io_trio.http_server import http_client
 from pd_fsm.io_trio.proxy.server import Proxy, serve_proxy
@@ -32,7 +33,7 @@ from pd_fsm.io_trio.side_channel.channel import DecodeSideChannel, PrefillSideCh
 from pd_fsm.io_trio.unix_sockets import UnixSocket, UnixSocketError, unix_url
 from tests.integration.serve_support import Proc, cli, request_body
 from tests.support import no_inet
-from tests.support.io_doubles import Inbox, until
+from tests.support.io_doubles import Inbox, sample_record, until
 
 pytestmark = pytest.mark.slow
 
@@ -310,3 +311,33 @@ async def test_serve_and_bench_over_a_socket_open_no_tcp_socket(folder: Path) ->
     assert prefill.returncode == 2
     assert "jax.experimental.transfer, which listens on TCP only" in prefill.stderr
     assert "refused a TCP socket" in prefill.stderr
+
+
+async def test_a_d_refuses_a_p_reachable_only_over_a_socket_it_cannot_reach(
+        nursery: trio.Nursery, folder: Path) -> None:
+    """A P registered with an ipc:// side channel that is not on D's host (here: no such
+    socket) is refused by D before any page is reserved, saying that the P is reachable only
+    over a unix socket and that the KV would go over TCP anyway."""
+    boot = folder / "boot.sock"
+    boot_url, _ = await _bootstrap(nursery, UnixSocket(boot))
+    d_path = folder / "d.sock"
+    d = Proc.start("decode", cli("serve", "--uds", str(d_path), *TINY,
+                                 "--disaggregation-mode", "decode",
+                                 "--disaggregation-bootstrap-host", f"unix:{boot}"))
+    try:
+        d_url = unix_url(str(d_path))
+        await _until_healthy(d_url, d)
+        elsewhere = f"ipc://{folder}/elsewhere/p.sock.zmq"
+        record = to_json(sample_record(instance_id="p-elsewhere", zmq_addr=elsewhere,
+                                       kv_dtype="float32", transfer_addr="127.0.0.1:7001"))
+        async with http_client(timeout=60) as http:
+            assert (await http.put(f"{boot_url}/route", json=record)).status_code == 200
+            body = {**request_body("generate", "the river city", 4, stream=False),
+                    "bootstrap_host": elsewhere, "bootstrap_port": None, "bootstrap_room": 7}
+            r = await http.post(f"{d_url}/generate", json=body)
+        assert r.status_code == 502, r.text
+        said = r.json()["error"]["message"]
+        assert f"prefill p-elsewhere is reachable only over a unix socket ({elsewhere})" in said
+        assert "jax.experimental.transfer listens on TCP only" in said
+    finally:
+        d.stop()

@@ -16,6 +16,7 @@ from pd_fsm.cli import build_parser
 from pd_fsm.io_trio.bootstrap.records import parse_record, to_json, unreachable_fields
 from pd_fsm.io_trio.cluster import local
 from pd_fsm.io_trio.cluster.local import Listen, launched_worker, main, plan
+from pd_fsm.io_trio.planner.cli import service_from_args
 from pd_fsm.io_trio.proxy.cli import parse_prefill
 from pd_fsm.io_trio.proxy.workers import PrefillTarget
 from pd_fsm.io_trio.tls import NO_TLS
@@ -106,7 +107,8 @@ def test_a_p_on_a_socket_alone_is_indexed_and_found_by_its_endpoint() -> None:
     record = sample_record(zmq_addr=endpoint, scheduler_addr="http://unix:/run/pd/p0.sock:",
                            transfer_addr="10.0.0.7:7001")
     assert parse_record(to_json(record)) == record  # a valid record
-    assert record.advertised == endpoint
+    assert record.advertised == endpoint and record.known_as == (endpoint, None)
+    assert sample_record().known_as == ("127.0.0.1", 7002)  # TCP: host and port, as before
     assert unreachable_fields(record, None) == []
     assert unreachable_fields(record, "127.0.0.1") == []
     # Sent from another host, a socket is nobody's there: refused by field.
@@ -208,3 +210,15 @@ def test_cluster_uds_refuses_a_folder_whose_sockets_would_not_fit(
 
 def test_check_path_makes_it_absolute() -> None:
     assert check_path("w.sock") == Path.cwd() / "w.sock"
+
+
+def test_the_planner_observes_and_acts_through_sockets() -> None:
+    argv = ["planner", "--worker", "unix:/run/pd/p0.sock", "--launcher-url",
+            "unix:/run/pd/launcher.sock", "--bootstrap-url", "unix:/run/pd/bootstrap.sock"]
+    service = service_from_args(build_parser(argv).parse_args(argv))
+    assert service.static == ["http://unix:/run/pd/p0.sock:"]
+    assert service.launcher_url == "http://unix:/run/pd/launcher.sock:"
+    assert service.bootstrap_url == "http://unix:/run/pd/bootstrap.sock:"
+    bad = ["planner", "--worker", "p0:30000"]
+    with pytest.raises(ValueError, match="--worker URL must be http://HOST:PORT"):
+        service_from_args(build_parser(bad).parse_args(bad))

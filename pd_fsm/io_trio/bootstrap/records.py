@@ -103,6 +103,15 @@ class InstanceRecord:
         host, port = split_host_port(self.zmq_addr)
         return f"{self.bootstrap_host or host}:{self.bootstrap_port or port}"
 
+    @property
+    def known_as(self) -> tuple[str, int | None]:
+        """``advertised`` as the (bootstrap_host, bootstrap_port) routers inject: (the
+        ``ipc://`` endpoint, None) for a side channel on a unix socket."""
+        advertised = self.advertised
+        if advertised.startswith(IPC_PREFIX):
+            return advertised, None
+        return split_host_port(advertised)
+
 
 @attrs.frozen(slots=True)
 class KeyBody:

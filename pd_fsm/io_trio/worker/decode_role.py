@@ -14,7 +14,7 @@ import trio
 
 from pd_fsm.core import events as ev
 from pd_fsm.io_trio.bootstrap.client import BootstrapError
-from pd_fsm.io_trio.bootstrap.records import InstanceRecord, split_host_port
+from pd_fsm.io_trio.bootstrap.records import InstanceRecord
 from pd_fsm.io_trio.side_channel.channel import DecodeSideChannel
 from pd_fsm.io_trio.unix_sockets import IPC_PREFIX, ipc_path
 from pd_fsm.io_trio.worker.backend import GenerateJob, HandedOff, Stats, request_of
@@ -79,7 +79,7 @@ class RefusalTeller:
     def _tell(self, records: list[InstanceRecord], host: str, room: int, reason: str) -> None:
         peers = sorted({
             r.zmq_addr for r in records
-            if split_host_port(r.advertised)[0].lower() == host.lower()
+            if r.known_as[0].lower() == host.lower()
         })
         why = f"decode refused the request: {reason} (HTTP 400)"
         self._link.put(ev.LegRefused(room, tuple(peers), why))  # the core sends the ABORTs

@@ -34,7 +34,6 @@ from pd_fsm.io_trio.bootstrap.records import (
     InstanceRecord,
     rank_query,
     record_from_json,
-    split_host_port,
 )
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.pd_backends import PDBackend, PrefillBackend, make_pd_backend
@@ -94,7 +93,7 @@ class RankPairing:
                 raise BootstrapError(f"no prefill registered with transfer address "
                                      f"{transfer_addr}")
             entry = entries[0]
-            host, port = split_host_port(entry.advertised)
+            host, port = entry.known_as
             records = [r for r in await self._client.resolve(host, port, "prefill",
                                                              rank_query(self._tp_rank))
                        if r.instance_id == entry.instance_id]
