@@ -2,7 +2,8 @@
 measures on does: ``python -m tests.support.no_inet CMD ARGS...``.
 
 A seccomp filter (Linux, x86-64 or aarch64) makes every ``socket()`` call for an IPv4 or IPv6
-socket fail with EACCES, in this process and every process it starts; unix sockets (AF_UNIX),
+socket fail with EAFNOSUPPORT (errno 97, what the TPU machine answers), in this process and every
+process it starts; unix sockets (AF_UNIX),
 netlink and the rest are left alone. The filter cannot be lifted once installed
 (``PR_SET_NO_NEW_PRIVS`` too): whatever runs under it opens no internet socket at all, neither
 to listen nor to connect, and one that tries gets the error instead.
@@ -44,7 +45,7 @@ def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
 def install() -> None:
     """Refuse every IPv4 and IPv6 socket() from now on, here and in every child."""
     arch, nr_socket = ARCHES[platform.machine()]
-    deny = SECCOMP_RET_ERRNO | errno.EACCES
+    deny = SECCOMP_RET_ERRNO | errno.EAFNOSUPPORT
     program = b"".join((
         _insn(LD_ABS_W, 0, 0, ARCH_AT),
         _insn(JEQ_K, 0, 6, arch),  # another ABI: allow (not reached by a normal program)
