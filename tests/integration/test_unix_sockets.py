@@ -7,7 +7,6 @@ TCP or UDP socket allowed at all (a seccomp filter, as on the TPU machine)."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
@@ -16,7 +15,7 @@ import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,6 @@ pytestmark = pytest.mark.slow
 
 TINY = ["--model", "tiny", "--num-pages", "64", "--page-size", "4", "--max-running", "4",
         "--context-length", "128", "--warmup", "minimal"]
-CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, PR_CAPBSET_DROP = 1, 2, 24
 NOBODY = 65534
 
 
@@ -138,39 +136,27 @@ async def test_a_successors_socket_is_left_alone(nursery: trio.Nursery, folder: 
     assert await _health(second) == 200
 
 
-def _as_another_user(path: Path) -> Callable[[], None]:
-    """Make ``path`` another user's socket, and return a ``preexec_fn`` under which a child is
-    no longer its owner's equal: root drops the capabilities that ignore file modes (its
-    children keep uid 0, so the files they read stay readable), anyone else cannot chown, so
-    the socket loses its owner's bits instead."""
-    if os.geteuid() != 0:
+def _make_another_users(path: Path) -> None:
+    """Make ``path`` another user's socket for a command run by tests.support.drop_dac: root
+    gives it away (and the command loses the capabilities that ignore file modes); anyone else
+    cannot chown, so the socket loses its owner's bits instead."""
+    if os.geteuid() == 0:
+        os.chown(path, NOBODY, NOBODY)
+    else:
         path.chmod(0)
-
-        def nothing() -> None:
-            return
-
-        return nothing
-    os.chown(path, NOBODY, NOBODY)
-
-    def drop() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        for cap in (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH):
-            if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
-                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
-
-    return drop
 
 
 async def test_another_users_client_is_refused_by_the_sockets_mode(
         nursery: trio.Nursery, folder: Path) -> None:
     path = folder / "boot.sock"
     url, _ = await _bootstrap(nursery, UnixSocket(path))
-    preexec = _as_another_user(path)
+    _make_another_users(path)
 
     async def run(*argv: str) -> tuple[int, str]:
         with trio.fail_after(60):
-            done = await trio.run_process(cli(*argv), preexec_fn=preexec, capture_stdout=True,
-                                          capture_stderr=True, check=False)
+            done = await trio.run_process(
+                [sys.executable, "-m", "tests.support.drop_dac", *cli(*argv)],
+                capture_stdout=True, capture_stderr=True, check=False)
         return done.returncode, done.stderr.decode()
 
     code, said = await run("switch-role", f"unix:{path}", "null", "--wait", "0")
