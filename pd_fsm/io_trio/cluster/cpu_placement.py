@@ -39,20 +39,21 @@ log = logging.getLogger("pd_fsm.io_trio.cluster.cpu_placement")
 ROLE_NICE_ROLES = ("null", "prefill", "decode")  # the worker roles (flags.DISAGGREGATION_MODES)
 
 
-def parse_cpus(spec: str) -> frozenset[int]:
-    """``"0"``, ``"0-3"``, ``"0,2,4-5"`` -> the set of core ids; ValueError names what is wrong."""
+def parse_cpus(spec: str, flag: str = "--cpus") -> frozenset[int]:
+    """``"0"``, ``"0-3"``, ``"0,2,4-5"`` -> the set of ids (cores, or TPU chips: ``flag`` names
+    the flag in the message); ValueError names what is wrong."""
     cpus: set[int] = set()
     for part in spec.split(","):
         part = part.strip()
         if not part:
-            raise ValueError(f"--cpus {spec!r}: empty item")
+            raise ValueError(f"{flag} {spec!r}: empty item")
         lo, dash, hi = part.partition("-")
         try:
             first, last = int(lo), int(hi) if dash else int(lo)
         except ValueError:
-            raise ValueError(f"--cpus {spec!r}: {part!r} is not a core id or a range") from None
+            raise ValueError(f"{flag} {spec!r}: {part!r} is not an id or a range") from None
         if first < 0 or last < first:
-            raise ValueError(f"--cpus {spec!r}: bad range {part!r}")
+            raise ValueError(f"{flag} {spec!r}: bad range {part!r}")
         cpus.update(range(first, last + 1))
     return frozenset(cpus)
 

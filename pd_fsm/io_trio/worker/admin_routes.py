@@ -16,6 +16,7 @@ from pd_fsm.io_trio.worker.app_state import (
     DRAIN_RETRY_AFTER_S,
     WorkerState,
     model_path,
+    placement_info,
     version,
 )
 from pd_fsm.io_trio.worker.backend import BackendError, GenerateJob, RoleBackend, Stats
@@ -226,6 +227,7 @@ class AdminRoutes:
             port=c.port,
             ready=self._state.ready(),
             internal_states=[self._stats()],
+            **placement_info(c, self._state.meta is not None),
         )
         return JSONResponse(info)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from importlib import metadata
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import attrs
 from starlette.requests import Request
 
 from pd_fsm.core.role_switch import EPOCH_HEADER, ROLE_HEADER, ROLES
+from pd_fsm.io_trio.cluster.tpu_placement import no_tpu_report
 from pd_fsm.io_trio.http_edge import BodyError, read_json
 from pd_fsm.io_trio.worker.backend import Backend
 from pd_fsm.io_trio.worker.config import ServeConfig
@@ -48,6 +50,22 @@ def model_path(name: str) -> str:
 
         return str(Path(model_config.__file__).resolve().parent)
     return str(Path(name).resolve())  # an HF checkpoint directory
+
+
+def placement_info(config: ServeConfig, loaded: bool) -> dict[str, object]:
+    """``/server_info``'s ``tpu``: the chips the worker was given (``--tpu-chips``) and the TPU
+    variables as this process has them now; and ``devices``: what JAX sees, once the model is
+    loaded (its backend started then: asking earlier would start it from the event loop)."""
+    tpu = (no_tpu_report(os.environ) if config.tpu is None
+           else config.tpu.report(os.environ))
+    devices = None
+    if loaded:
+        import jax
+
+        devices = [{"id": d.id, "platform": d.platform, "kind": d.device_kind,
+                    "coords": list(getattr(d, "coords", []) or []) or None}
+                   for d in jax.local_devices()]
+    return {"tpu": tpu, "devices": devices}
 
 
 @attrs.frozen(eq=False)

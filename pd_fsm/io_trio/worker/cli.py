@@ -109,6 +109,10 @@ def _prepare_process(config: ServeConfig) -> None:
     devices, the instance joined and the compilation cache set up (raises ValueError, OSError,
     or RuntimeError when the other ranks did not join in time)."""
     check_environment(os.environ)
+    if config.tpu is not None:
+        # libtpu reads them when JAX starts its TPU backend, which nothing has done yet.
+        config.tpu.apply(os.environ)
+        log.info("%s", config.tpu.describe())
     config.cluster_secret()  # fail now, not at the first registration
     if config.port is None and any(role != "null" for role in config.role_list):
         check_transfer_tcp(config.public_host)

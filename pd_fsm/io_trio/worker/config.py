@@ -29,6 +29,7 @@ from pd_fsm.io_trio.worker.flag_hooks import SERVE_HOOKS
 from pd_fsm.io_trio.worker.flags import DEFAULT_PORT, SERVE_FLAGS
 
 if TYPE_CHECKING:
+    from pd_fsm.io_trio.cluster.tpu_placement import TpuPlacement
     from pd_fsm.io_trio.side_channel.curve import CurveKeys
     from pd_fsm.schedulers.args import SchedulerArgs
 
@@ -138,6 +139,9 @@ class ServeConfig:
     host_heap: str = "hugepages"
     # Cores this worker may run on ("0", "0-1", "0,2"): set before JAX starts (cpu_placement.py).
     cpus: str | None = None
+    # The TPU chips it opens (--tpu-chips, checked against its host's layout): libtpu's
+    # variables, set before JAX starts (tpu_placement.py). None: not told (every chip).
+    tpu: TpuPlacement | None = None
     # "cpus": XLA's pools sized to ``cpus`` (pinned before JAX starts); "all": sized to every
     # core this process may use, and the threads pinned to ``cpus`` once they exist, so that
     # POST /set_cpus may widen them again (the planner's cores lever); "N": pools of N threads

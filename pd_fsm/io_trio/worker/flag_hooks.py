@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from pd_fsm.io_trio.api_key import api_key_flags, api_key_from_args
 from pd_fsm.io_trio.cli_common import refuse_tls_on_unix
 from pd_fsm.io_trio.cluster.cpu_placement import parse_cpus
+from pd_fsm.io_trio.cluster.tpu_placement import NO_CHIP, TpuPlacement, find_host, placement
 from pd_fsm.io_trio.flag_spec import Hook
 from pd_fsm.io_trio.tls import TLS, tls_flags, tls_from_args
 from pd_fsm.io_trio.unix_sockets import (
@@ -137,6 +138,33 @@ def _bootstrap_host(args: argparse.Namespace) -> str:
     return host
 
 
+def _tpu(args: argparse.Namespace) -> TpuPlacement | None:
+    """``--tpu-chips`` on this host, checked against its layout, ``--tp`` and ``--nnodes``."""
+    if args.tpu_chips is None:
+        if args.tpu_host is not None or args.tpu_port is not None:
+            raise ValueError("--tpu-host and --tpu-port go with --tpu-chips")
+        return None
+    none = args.tpu_chips.strip() == NO_CHIP
+    tpu = placement(args.tpu_chips, None if none else find_host(args.tpu_host, os.environ),
+                    args.tpu_port)
+    if args.tpu_port is not None and tpu.port is None:
+        raise ValueError(f"--tpu-port: --tpu-chips {args.tpu_chips} is "
+                         f"{'no chip' if none else 'the whole host'}, which needs no port")
+    if tpu.host is None:
+        return tpu
+    if args.nnodes > 1:
+        # Each rank would need the others' chips and ports (one slice of several processes):
+        # not built; a rank takes a whole host.
+        raise ValueError("--tpu-chips is for a one-process worker (with --nnodes > 1 each rank "
+                         "takes a whole host: leave --tpu-chips out)")
+    # One JAX device per chip on every host tpu_placement knows.
+    if args.tp_size != len(tpu.chips):
+        raise ValueError(f"--tp {args.tp_size} does not match --tpu-chips {args.tpu_chips}: "
+                         f"{len(tpu.chips)} chip(s) of a {tpu.host.name}, one device each: give "
+                         f"--tp {len(tpu.chips)}")
+    return tpu
+
+
 def _compilation_cache(args: argparse.Namespace) -> bool:
     if args.no_compilation_cache and args.compilation_cache_dir is not None:
         raise ValueError("--compilation-cache-dir and --no-compilation-cache contradict")
@@ -191,6 +219,7 @@ SERVE_HOOKS: tuple[Hook, ...] = (
     Hook(None, ("roles", "disaggregation_mode", "nnodes"), _check_roles),
     Hook(None, ("role_nice", "roles", "disaggregation_mode", "nice"), _check_role_nice),
     Hook(None, ("cpu_pools", "cpus"), _check_cpu_pools),
+    Hook("tpu", ("tpu_chips", "tpu_host", "tpu_port", "tp_size", "nnodes"), _tpu),
     # Read when the flags are, before `serve` pins the process (worker/cli.py).
     Hook("cores_at_start", (), lambda args: frozenset(os.sched_getaffinity(0))),
     Hook("radix_cache", ("disable_radix_cache",), lambda args: not args.disable_radix_cache),

@@ -317,6 +317,35 @@ _PROCESS = (
         doc=("hugepages: the worker re-executes itself once with "
              "`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, so large host buffers (pulled KV on CPU) "
              "fault per 2 MiB, not per 4 KiB (`pd_fsm/jax_engine/kv/host_memory.py`)")),
+    # TPU chips (cluster/tpu_placement.py): read by a hook into ServeConfig.tpu.
+    Flag("--tpu-chips", metavar="LIST|none", shown_default="not set: libtpu's (every chip)",
+         help=(
+        "the chips of this TPU host the worker opens (e.g. 0-3): sets TPU_VISIBLE_CHIPS, the "
+        "bounds and a libtpu port of its own before JAX starts; 1, 2 or 4 consecutive chips "
+        "aligned to that count, or all; --tp must equal the count. none: no chip "
+        "(JAX_PLATFORMS=cpu)"), doc=(
+        "the chips of this TPU host the worker opens, set before JAX starts (see \"TPU "
+        "hosts\", `docs/tpu_hosts.md`): `TPU_VISIBLE_CHIPS`, `TPU_CHIPS_PER_PROCESS_BOUNDS`, "
+        "`TPU_PROCESS_BOUNDS=1,1,1` and a libtpu port of its own (`TPU_PROCESS_PORT`, "
+        "`TPU_PROCESS_ADDRESSES`; `--tpu-port`), so that P and D share one host. A process "
+        "takes 1, 2 or 4 consecutive chips starting at a multiple of that count (`0`, `2-3`, "
+        "`4-7`), or every chip of the host (then nothing is set: libtpu's own settings); "
+        "anything else, a chip the host lacks, or a `--tp` other than the chip count stops the "
+        "worker at start, naming the valid sets. `none`: no chip at all (`JAX_PLATFORMS=cpu`). "
+        "`/server_info` → `tpu` shows the chips and the variables as the process has them, "
+        "`devices` what JAX sees. `pd-fsm cluster --prefill-chips / --decode-chips` pass it")),
+    Flag("--tpu-host", metavar="TYPE", shown_default="found on the host", help=(
+        "with --tpu-chips: the host's type (v4-8, v5e-1, v5e-4, v5e-8, v6e-1, v6e-4, v6e-8), "
+        "for its chips' layout (default: GKE's TPU_ACCELERATOR_TYPE, else the TPUs on the PCI "
+        "bus)"), doc=(
+        "with `--tpu-chips`: the host's type, which fixes its chips' layout: `v4-8`, `v5e-1`, "
+        "`v5e-4`, `v5e-8`, `v6e-1`, `v6e-4`, `v6e-8` (`v5litepod-N` is `v5e-N`). Not given: "
+        "GKE's `TPU_ACCELERATOR_TYPE`, else Google's TPUs found on the PCI bus; a host where "
+        "neither says stops the worker at start, naming this flag")),
+    Flag("--tpu-port", metavar="PORT", type=int, check=within(1, 65535),
+         shown_default="8476 + the first chip", help=(
+             "with --tpu-chips (a part of the host): libtpu's port for this process "
+             "(TPU_PROCESS_PORT; default 8476 + its first chip)")),
 )
 
 _DISAGGREGATION = (
