@@ -32,6 +32,7 @@ from pd_fsm.io_trio.cluster.ask import ask
 from pd_fsm.io_trio.cluster.cpu_placement import cpu_list, may_take_nice, parse_cpus
 from pd_fsm.io_trio.cluster.launcher import Launcher, ProcessBackend, drain_timeout
 from pd_fsm.io_trio.cluster.supervisor import STOP_GRACE, Child, Cluster
+from pd_fsm.io_trio.cluster.tpu_roles import add_tpu_arguments, chip_plan, tpu_refusal
 from pd_fsm.io_trio.ports import free_port_pair, free_ports
 from pd_fsm.io_trio.tls import NO_TLS, TLS, throwaway_ca
 from pd_fsm.io_trio.unix_sockets import (
@@ -402,6 +403,7 @@ def _add_instance(children: list[Child], args: argparse.Namespace, name: str, ro
     """One instance added to ``children``: a child, or with ``--ROLE-nnodes N`` N children of
     one instance (rank 0 serves HTTP, and is returned; the others have no URL, and one that dies
     stops the cluster too). A P shows its side-channel port: its bootstrap port."""
+    argv = [*argv, *_chip_flags(args, role, name)]
     nnodes = getattr(args, f"{role}_nnodes", 1) or 1
     uds = socket_path_of(url)
     extra = _side_note(role, Listen(uds=None if uds is None else Path(uds)), side_port)
@@ -417,6 +419,12 @@ def _add_instance(children: list[Child], args: argparse.Namespace, name: str, ro
                         if rank == 0 else
                         Child(f"{name}-rank{rank}", ranked, extra=f"rank {rank} of {name}"))
     return children[-nnodes]
+
+
+def _chip_flags(args: argparse.Namespace, role: str, name: str) -> list[str]:
+    """The worker's TPU chips (``tpu_roles``): none on a host with no TPU."""
+    chips = chip_plan(args)
+    return [] if chips is None else chips.flags(args, role, name)
 
 
 def _proxy_child(args: argparse.Namespace, tls: TLS, ports: _Ports, prefills: list[Child],
@@ -509,6 +517,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _add_worker_arguments(p)
     _add_service_arguments(p)
     _add_ray_arguments(p)
+    add_tpu_arguments(p)
     p.set_defaults(func=main)
 
 
@@ -699,7 +708,7 @@ def _launcher(args: argparse.Namespace, tls: TLS, ports: _Ports, cluster: Cluste
 
 
 def main(args: argparse.Namespace) -> int:
-    refusal = _refusal(args)
+    refusal = _refusal(args) or tpu_refusal(args)
     if refusal is not None:
         print(f"pd-fsm cluster: {refusal}", file=sys.stderr)
         return 2
@@ -708,6 +717,8 @@ def main(args: argparse.Namespace) -> int:
     placed = placement_line(args)
     if placed:
         print(f"pd-fsm cluster: {placed}", flush=True)
+    if (chips := chip_plan(args)) is not None:
+        print(f"pd-fsm cluster: {chips.describe()}", flush=True)
     tls = NO_TLS
     if args.tls:
         # A throwaway CA for this run, in a directory that goes with it (key readable by us only).

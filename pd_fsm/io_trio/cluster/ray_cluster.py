@@ -52,6 +52,7 @@ from typing import Any
 
 import attrs
 
+from pd_fsm.io_trio.cluster.tpu_roles import ray_tpu_requests
 from pd_fsm.io_trio.ports import free_ports
 
 MAX_LINES = 5000  # per actor, kept until the driver reads them
@@ -86,7 +87,8 @@ class ServiceActor:
     """
 
     def __init__(self, name: str, cluster_id: str, argv: list[str], n_ports: int,
-                 health_port: int | None, armed: bool = True) -> None:
+                 health_port: int | None, armed: bool = True, tpu: int = 0,
+                 tpu_host: str | None = None) -> None:
         import ray
 
         self.name = name
@@ -113,7 +115,11 @@ class ServiceActor:
         self._armed = armed or self.restarts > 0
         self._exited = False
         self.health_port = None if health_port is None else self.ports[health_port]
-        fields = {"host": self.host, **{f"port{i}": p for i, p in enumerate(self.ports)}}
+        # The TPU chips Ray gave this actor (``tpu`` asked for), checked and libtpu's variables
+        # set here: its process inherits them (and `serve --tpu-chips` sets the same).
+        self.tpu_chips = _take_tpu_chips(tpu_host) if tpu else ""
+        fields = {"host": self.host, "tpu_chips": self.tpu_chips,
+                  **{f"port{i}": p for i, p in enumerate(self.ports)}}
         self.argv = [a.format(**fields) for a in argv]
         self._lines: collections.deque[tuple[int, str]] = collections.deque(maxlen=MAX_LINES)
         self._seq = 0
@@ -172,7 +178,7 @@ class ServiceActor:
             tail = [line for _, line in list(self._lines)[-5:]] if code is not None else []
         return {"name": self.name, "host": self.host, "ports": self.ports,
                 "pid": self.proc.pid, "actor_pid": os.getpid(), "restarts": self.restarts,
-                "exit": code, "tail": tail}
+                "exit": code, "tail": tail, "tpu_chips": self.tpu_chips}
 
     def lines(self, since: int) -> tuple[int, list[str]]:
         """Output lines after sequence number ``since``, and the newest sequence number."""
@@ -211,6 +217,20 @@ class ServiceActor:
         with contextlib.suppress(OSError):
             self._state_file.parent.rmdir()  # the last service of this cluster on this node
         return self.proc.returncode, killed
+
+
+def _take_tpu_chips(tpu_host: str | None) -> str:
+    """The chips Ray assigned this actor (``TPU`` resource), as ``--tpu-chips`` takes them,
+    after setting libtpu's variables for them in this process (``tpu_placement``); ValueError,
+    which fails the actor's creation, when they are no sub-mesh of this node's host."""
+    import ray
+
+    from pd_fsm.io_trio.cluster.tpu_placement import chip_list, find_host, placement
+
+    ids = ray.get_runtime_context().get_accelerator_ids().get("TPU", [])
+    placed = placement(",".join(ids), find_host(tpu_host, os.environ), flag="Ray's TPU chips")
+    placed.apply(os.environ)
+    return chip_list(placed.chips)
 
 
 @attrs.define(eq=False)
@@ -278,6 +298,10 @@ class RayCluster:
                            for role, specs in self.node_specs.items()}
         # Worker i of a role (in start order, the launcher's too) goes to the role's i-th node.
         self.placed = {"prefill": 0, "decode": 0}
+        try:  # the TPU chips each P, D and colocated actor asks for (tpu_roles)
+            self.tpu = ray_tpu_requests(args, self.node_specs, nodes)
+        except ValueError as exc:
+            raise RayLaunchError(str(exc)) from None
         self.bootstrap_flags: list[str] = []  # a P or D's, once the bootstrap server is up
         self.actor_class = ray.remote(ServiceActor)
 
@@ -287,11 +311,17 @@ class RayCluster:
         index = self.placed.get(role, 0)
         if role in self.placed:
             self.placed[role] += 1
+        tpu = self.tpu.get(role, 0)
+        tpu_host = getattr(self.args, "tpu_host", None)
+        if tpu:
+            # Serve opens the chips Ray gave the actor, one device each.
+            argv = [*argv, "--tpu-chips", "{tpu_chips}", "--tp", str(tpu),
+                    *(["--tpu-host", tpu_host] if tpu_host else [])]
         handle = self.actor_class.options(
             name=f"pd-fsm-{self.cluster_id}-{name}", num_cpus=0,
-            resources=places[index % len(places)],
+            resources={**places[index % len(places)], **({"TPU": tpu} if tpu else {})},
             max_restarts=self.args.ray_max_restarts, max_task_retries=0,
-        ).remote(name, self.cluster_id, argv, n_ports, health_port, armed)
+        ).remote(name, self.cluster_id, argv, n_ports, health_port, armed, tpu, tpu_host)
         service = Service(name, tier, handle, extra=extra,
                           role=role if role in self.placed else None)
         with self.lock:
@@ -315,6 +345,9 @@ class RayCluster:
         service.restarts = int(service.info["restarts"])
         if service.role == "prefill":
             service.extra = f"bootstrap port {service.info['ports'][1]}"
+        if service.info.get("tpu_chips"):
+            chips = f"TPU chips {service.info['tpu_chips']}"
+            service.extra = f"{service.extra}, {chips}" if service.extra else chips
 
     def snapshot(self) -> list[Service]:
         with self.lock:
@@ -384,7 +417,11 @@ class RayCluster:
                                               "--port", "{port0}", "--disaggregation-mode",
                                               "null"], 1, 0))
         for w in workers:
-            self._info(w)
+            try:
+                self._info(w)
+            except self.ray.exceptions.RayActorError as exc:
+                # Its constructor raised (the TPU chips Ray gave it fit no sub-mesh, say).
+                raise RayLaunchError(f"{w.name}'s actor failed as it started: {exc}") from None
         self._wait_healthy(workers, deadline, start)
         if a.prefill:
             self._wait_healthy([self._proxy(workers)], deadline, start)

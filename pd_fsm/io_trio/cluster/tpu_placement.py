@@ -280,7 +280,7 @@ def divide(host: TpuHost, chips: frozenset[int], n: int, flag: str) -> list[froz
     size = len(ordered) // n
     parts = [frozenset(ordered[i * size:(i + 1) * size]) for i in range(n)]
     for part in parts:
-        check_block(host, part, f"{flag} (a worker's share)")
+        check_block(host, part, flag if n == 1 else f"{flag} (a worker's share)")
     return parts
 
 
