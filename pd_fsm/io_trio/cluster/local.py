@@ -613,7 +613,8 @@ def _add_ray_arguments(p: argparse.ArgumentParser) -> None:
     ray = p.add_argument_group("on Ray (pd_fsm[ray]): every service a Ray actor on a chosen node")
     ray.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
                      help="place the services on the Ray cluster at ADDRESS (default: auto, "
-                     "the one this machine is part of)")
+                     "the one this machine is part of; local: a Ray of this machine alone, "
+                     "started for this run)")
     for role, what in (("prefill", "P workers"), ("decode", "D workers")):
         ray.add_argument(f"--{role}-nodes", default=None, metavar="LIST",
                          help=f"{what}: comma-separated node IPs or resource:NAME (a Ray custom "
