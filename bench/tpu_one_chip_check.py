@@ -165,7 +165,10 @@ def _plain(record: dict[str, Any], me: list[str]) -> dict[str, Any] | None:
     """A process told nothing, started while the chip is held: what JAX tells it."""
     plain = Proc("plain", [*me, "--child", "plain"])
     found = plain.wait_event(("devices", "refused"), PLAIN_S)
-    plain.stop()
+    code = plain.stop()
+    if found is None and code not in (0, None, -15):
+        # libtpu may end the process itself rather than raise: refused all the same.
+        found = {"event": "refused", "exit": code, "error": " | ".join(plain.other[-5:])}
     emit(record, "plain process (told nothing) while the chip is held", found,
          log=plain.other[-5:])
     return found

@@ -138,33 +138,6 @@ def _bootstrap_host(args: argparse.Namespace) -> str:
     return host
 
 
-def _tpu(args: argparse.Namespace) -> TpuPlacement | None:
-    """``--tpu-chips`` on this host, checked against its layout, ``--tp`` and ``--nnodes``."""
-    if args.tpu_chips is None:
-        if args.tpu_host is not None or args.tpu_port is not None:
-            raise ValueError("--tpu-host and --tpu-port go with --tpu-chips")
-        return None
-    none = args.tpu_chips.strip() == NO_CHIP
-    tpu = placement(args.tpu_chips, None if none else find_host(args.tpu_host, os.environ),
-                    args.tpu_port)
-    if args.tpu_port is not None and tpu.port is None:
-        raise ValueError(f"--tpu-port: --tpu-chips {args.tpu_chips} is "
-                         f"{'no chip' if none else 'the whole host'}, which needs no port")
-    if tpu.host is None:
-        return tpu
-    if args.nnodes > 1:
-        # Each rank would need the others' chips and ports (one slice of several processes):
-        # not built; a rank takes a whole host.
-        raise ValueError("--tpu-chips is for a one-process worker (with --nnodes > 1 each rank "
-                         "takes a whole host: leave --tpu-chips out)")
-    # One JAX device per chip on every host tpu_placement knows.
-    if args.tp_size != len(tpu.chips):
-        raise ValueError(f"--tp {args.tp_size} does not match --tpu-chips {args.tpu_chips}: "
-                         f"{len(tpu.chips)} chip(s) of a {tpu.host.name}, one device each: give "
-                         f"--tp {len(tpu.chips)}")
-    return tpu
-
-
 def _compilation_cache(args: argparse.Namespace) -> bool:
     if args.no_compilation_cache and args.compilation_cache_dir is not None:
         raise ValueError("--compilation-cache-dir and --no-compilation-cache contradict")
@@ -199,6 +172,33 @@ def _side_channel_curve(args: argparse.Namespace) -> CurveKeys | None:
 
     # Raises CurveError (a ValueError) naming the flag.
     return CurveKeys.load(args.side_channel_curve_key, args.side_channel_curve_peers)
+
+
+def _tpu(args: argparse.Namespace) -> TpuPlacement | None:
+    """``--tpu-chips`` on this host, checked against its layout, ``--tp`` and ``--nnodes``."""
+    if args.tpu_chips is None:
+        if args.tpu_host is not None or args.tpu_port is not None:
+            raise ValueError("--tpu-host and --tpu-port go with --tpu-chips")
+        return None
+    none = args.tpu_chips.strip() == NO_CHIP
+    tpu = placement(args.tpu_chips, None if none else find_host(args.tpu_host, os.environ),
+                    args.tpu_port)
+    if args.tpu_port is not None and tpu.port is None:
+        raise ValueError(f"--tpu-port: --tpu-chips {args.tpu_chips} is "
+                         f"{'no chip' if none else 'the whole host'}, which needs no port")
+    if tpu.host is None:
+        return tpu
+    if args.nnodes > 1:
+        # Each rank would need the others' chips and ports (one slice of several processes):
+        # not built; a rank takes a whole host.
+        raise ValueError("--tpu-chips is for a one-process worker (with --nnodes > 1 each rank "
+                         "takes a whole host: leave --tpu-chips out)")
+    # One JAX device per chip on every host tpu_placement knows.
+    if args.tp_size != len(tpu.chips):
+        raise ValueError(f"--tp {args.tp_size} does not match --tpu-chips {args.tpu_chips}: "
+                         f"{len(tpu.chips)} chip(s) of a {tpu.host.name}, one device each: give "
+                         f"--tp {len(tpu.chips)}")
+    return tpu
 
 
 def _chat_template(args: argparse.Namespace) -> str | None:
