@@ -66,7 +66,8 @@ def test_a_role_on_the_cpu_and_a_host_found_on_its_own(tmp_path: Path) -> None:
     assert _flag(none["decode-0"], "--tpu-chips") == "none"
     assert _served(none["decode-0"]).tpu.env() == {"JAX_PLATFORMS": "cpu"}
     assert _flag(none["prefill-0"], "--tp") == "4"
-    found = chip_plan(_args(), {"TPU_ACCELERATOR_TYPE": "v5litepod-4"}, tmp_path)
+    found = chip_plan(_args("--tpu-host", "auto"), {"TPU_ACCELERATOR_TYPE": "v5litepod-4"},
+                      tmp_path)
     assert found is not None and found.workers == {"prefill": [frozenset({0, 1})],
                                                    "decode": [frozenset({2, 3})]}
     assert found.describe() == "TPU chips of this v5e-4 (4 chips, 2x2): prefill 0-1; decode 2-3"

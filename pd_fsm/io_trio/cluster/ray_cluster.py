@@ -313,6 +313,7 @@ class RayCluster:
             self.placed[role] += 1
         tpu = self.tpu.get(role, 0)
         tpu_host = getattr(self.args, "tpu_host", None)
+        tpu_host = None if tpu_host == "auto" else tpu_host
         if tpu:
             # Serve opens the chips Ray gave the actor, one device each.
             argv = [*argv, "--tpu-chips", "{tpu_chips}", "--tp", str(tpu),

@@ -53,9 +53,9 @@ def add_tpu_arguments(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group(
         "TPU chips (docs/tpu_hosts.md): the local runner's one host, or each Ray node's")
     group.add_argument("--tpu-host", default=None, metavar="TYPE",
-                       help=f"the TPU host's type ({', '.join(HOSTS)}); default: found on the "
-                            "host (GKE's TPU_ACCELERATOR_TYPE, else the PCI bus); passed to "
-                            "every worker (`serve --tpu-host`)")
+                       help=f"the TPU host's type ({', '.join(HOSTS)}); default (auto): found "
+                            "on the host (GKE's TPU_ACCELERATOR_TYPE, else the PCI bus); passed "
+                            "to every worker (`serve --tpu-host`)")
     for role in ROLES:
         group.add_argument(f"--{role}-chips", default=None, metavar="LIST|none",
                            help=f"the chips of this host the {role} workers open, shared in "
@@ -106,7 +106,7 @@ def chip_plan(args: argparse.Namespace, environ: Mapping[str, str] = os.environ,
     given. ValueError for a split that does not fit."""
     given = {role: getattr(args, f"{role}_chips", None) for role in ROLES}
     named = getattr(args, "tpu_host", None)
-    host = host_named(named) if named else detect_host(environ, sys_root)
+    host = host_named(named) if named not in (None, "auto") else detect_host(environ, sys_root)
     if host is None:
         if any(v is not None for v in given.values()):
             find_host(None, environ, sys_root)  # raises, naming --tpu-host
