@@ -376,11 +376,18 @@ def bench_scheduler(name: str, args: argparse.Namespace) -> None:
     from pd_fsm.schedulers.scheduler import Scheduler
 
     n, t_in, t_out = args.loop_requests, args.loop_in, args.loop_out
-    context = t_in + t_out + PAGE
+    context = args.loop_context or t_in + t_out + PAGE
     dtype = "float32" if args.cpu_f32 else "bfloat16"
     sched = Scheduler(SchedulerArgs(
-        model=name, load_format="dummy", dtype=dtype, num_pages=1 + n * -(-context // PAGE),
-        page_size=PAGE, max_running=n, max_batched_tokens=t_in, context_length=context))
+        model=name, load_format="dummy", dtype=dtype,
+        num_pages=args.loop_num_pages or 1 + n * -(-context // PAGE), page_size=PAGE,
+        max_running=args.loop_max_running or n, max_batched_tokens=args.loop_batched or t_in,
+        context_length=context))
+    # What a server's start compiles (in parallel), so the loop's first pass meets no compile;
+    # with the server's settings, its start then finds these in the compilation cache.
+    warm = sched.warm_up()
+    emit(shape=name, path="scheduler warm-up", shapes=len(warm.shapes), compiled=warm.executables,
+         seconds=warm.seconds)
     rng = np.random.default_rng(2)
     config = sched.config
     itemsize = jnp.dtype(dtype).itemsize
@@ -532,6 +539,14 @@ def main() -> None:
     parser.add_argument("--profile-prefill", default="", help="prompt lengths to trace")
     parser.add_argument("--trace-dir", type=Path, help="keep the raw traces here")
     parser.add_argument("--scheduler", default="", help="shapes to run the closed loop on")
+    parser.add_argument("--loop-context", type=int, default=0,
+                        help="the loop's context length (0: in + out + a page)")
+    parser.add_argument("--loop-num-pages", type=int, default=0,
+                        help="the loop's pool pages (0: its requests' worth)")
+    parser.add_argument("--loop-max-running", type=int, default=0,
+                        help="the loop's admitted requests (0: --loop-requests)")
+    parser.add_argument("--loop-batched", type=int, default=0,
+                        help="the loop's prefill budget (0: --loop-in)")
     parser.add_argument("--loop-requests", type=int, default=64)
     parser.add_argument("--loop-in", type=int, default=1024)
     parser.add_argument("--loop-out", type=int, default=256)

@@ -224,11 +224,7 @@ def part_overhead(args: argparse.Namespace) -> None:
 
 
 def goodput(s: Summary, ttft_s: float, tpot_s: float) -> tuple[int, float]:
-    """Requests (and requests per second) that met both targets: TTFT, and the mean gap between
-    their output tokens (DistServe's TPOT)."""
-    met = [r for r in s.results
-           if r.ok and r.ttft <= ttft_s and (sum(r.itl) / len(r.itl) if r.itl else 0.0) <= tpot_s]
-    return len(met), len(met) / s.duration if s.duration else math.nan
+    return s.goodput(ttft_s, tpot_s)
 
 
 def _counter(text: str, name: str) -> float:

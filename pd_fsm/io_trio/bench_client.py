@@ -49,11 +49,35 @@ WORDS = tuple(_WORD_TEXT.split())
 DATASETS = {"short": (8, 32), "long": (200, 400)}
 
 
+# The random dataset's token ids: within every vocabulary pd_fsm serves (SmolLM2's 49,152 is
+# the smallest), clear of the low ids where tokenizers keep their special tokens.
+RANDOM_IDS = (1_000, 32_000)
+
+
 @attrs.frozen
 class Prompt:
     text: str
     words: int
     max_tokens: int | None = None  # this prompt's answer length; None: the load's max_tokens
+    ids: tuple[int, ...] | None = None  # token ids sent as they are (the random dataset)
+
+
+def random_prompts(n: int, seed: int, input_len: int, output_len: int,
+                   range_ratio: float = 1.0, ids: tuple[int, int] = RANDOM_IDS) -> list[Prompt]:
+    """sglang's ``--dataset-name random``: ``n`` prompts of token ids drawn uniformly, each of
+    ``input_len`` tokens and asking ``output_len`` (both drawn from ``[ratio * len, len]``), so
+    a load is the same number of tokens on every tokenizer; ids in ``[ids[0], ids[1])``."""
+    rng = random.Random(seed)
+
+    def length(top: int) -> int:
+        return rng.randint(max(1, int(top * range_ratio)), top)
+
+    prompts = []
+    for _ in range(n):
+        k = length(input_len)
+        prompts.append(Prompt("", k, length(output_len),
+                              tuple(rng.randrange(*ids) for _ in range(k))))
+    return prompts
 
 
 SHARED = ("shared-prefix", "multi-turn")  # datasets whose prompts share prefixes
@@ -131,7 +155,8 @@ class Result:
 
 def _body(endpoint: str, prompt: Prompt, max_tokens: int, model: str | None) -> dict[str, Any]:
     if endpoint == "generate":
-        return {"text": prompt.text, "stream": True,
+        given = {"text": prompt.text} if prompt.ids is None else {"input_ids": list(prompt.ids)}
+        return {**given, "stream": True,
                 "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0,
                                     "ignore_eos": True}}
     body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
@@ -141,7 +166,7 @@ def _body(endpoint: str, prompt: Prompt, max_tokens: int, model: str | None) -> 
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt.text}]
     else:
-        body["prompt"] = prompt.text
+        body["prompt"] = prompt.text if prompt.ids is None else list(prompt.ids)
     return body
 
 
@@ -214,6 +239,13 @@ class Summary:
         """Requests per second as they arrived: a sample of a few Poisson arrivals strays far
         from its nominal rate (16 at a seeded 1 req/s came 17 % faster)."""
         return len(self.results) / self.arrivals if self.arrivals > 0 else math.nan
+
+    def goodput(self, ttft_s: float, tpot_s: float) -> tuple[int, float]:
+        """Requests (and requests per second of the run) that met both targets: TTFT, and the
+        mean gap between their output tokens (DistServe's TPOT)."""
+        met = [r for r in self.results if r.ok and r.ttft <= ttft_s
+               and (sum(r.itl) / len(r.itl) if r.itl else 0.0) <= tpot_s]
+        return len(met), len(met) / self.duration if self.duration else math.nan
 
     def _pct(self, values: list[float], q: float) -> float:
         if not values:
@@ -519,9 +551,57 @@ def cache_lines(prompts: Sequence[Prompt], completed: int, sides: dict[str, str]
     return "\n".join(lines)
 
 
+def parse_ids(spec: str) -> tuple[int, int]:
+    """``--random-ids LO-HI``: the token ids drawn, LO to HI exclusive."""
+    lo, _, hi = spec.partition("-")
+    try:
+        ids = int(lo), int(hi)
+    except ValueError:
+        raise ValueError(f"--random-ids {spec!r}: LO-HI (1000-32000)") from None
+    if not 0 <= ids[0] < ids[1]:
+        raise ValueError(f"--random-ids {spec!r}: 0 <= LO < HI")
+    return ids
+
+
+def parse_goodput(specs: Sequence[str]) -> dict[str, float]:
+    """``--goodput ttft:MS tpot:MS`` (vLLM's bench_serving form) as seconds by key."""
+    out: dict[str, float] = {}
+    for spec in specs:
+        key, _, ms = spec.partition(":")
+        if key not in ("ttft", "tpot"):
+            raise ValueError(f"--goodput {spec!r}: the keys are ttft and tpot (ttft:1000)")
+        try:
+            out[key] = float(ms) / 1000
+        except ValueError:
+            raise ValueError(f"--goodput {spec!r}: milliseconds after the colon") from None
+        if not out[key] > 0:
+            raise ValueError(f"--goodput {spec!r}: milliseconds must be > 0")
+    return out
+
+
+def record(args: argparse.Namespace, target: Summary, slo: dict[str, float]) -> dict[str, Any]:
+    """What ``--json`` writes: the load, its figures and its goodput."""
+    met, rps = target.goodput(slo.get("ttft", math.inf), slo.get("tpot", math.inf))
+    load = {k: getattr(args, k) for k in ("url", "endpoint", "dataset", "num_prompts",
+                                            "request_rate", "max_concurrency", "max_tokens",
+                                            "random_input_len", "random_output_len", "seed")}
+    return {"load": {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                     for k, v in load.items()},
+            "figures": {k: (None if math.isnan(v) else v) for k, v in target.rows().items()},
+            "arrival_rate": target.arrival_rate(), "slo_s": slo,
+            "goodput": {"met": met, "requests/s": rps},
+            "errors": sorted({r.error for r in target.results if not r.ok})[:5]}
+
+
 async def _main(args: argparse.Namespace) -> int:
-    prompts = make_prompts(args.dataset, args.num_prompts, args.seed, args.num_prefixes,
-                           args.prefix_words)
+    slo = parse_goodput(args.goodput)
+    if args.dataset == "random":
+        prompts = random_prompts(args.num_prompts, args.seed, args.random_input_len,
+                                 args.random_output_len, args.random_range_ratio,
+                                 parse_ids(args.random_ids))
+    else:
+        prompts = make_prompts(args.dataset, args.num_prompts, args.seed, args.num_prefixes,
+                               args.prefix_words)
     if args.warmup:
         # One request per server first: compiles and caches warm outside the measurement.
         warm = argparse.Namespace(**{**vars(args), "request_rate": math.inf})
@@ -538,6 +618,13 @@ async def _main(args: argparse.Namespace) -> int:
     compare = await run_load(args.compare, args, prompts) if args.compare else None
     print(render(target, compare, display(args.url), args.compare and display(args.compare)),
           flush=True)
+    if slo:
+        met, rps = target.goodput(slo.get("ttft", math.inf), slo.get("tpot", math.inf))
+        print(f"goodput           {rps:>14.2f} requests/s ({met} of {len(target.results)} within "
+              + ", ".join(f"{k} <= {v * 1000:g} ms" for k, v in slo.items()) + ")", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record(args, target, slo), f, indent=1)
     print(phase_table(before, after), flush=True)
     sides = {url: side_of(hists) for url, hists in after.items()}
     completed = sum(r.ok for r in target.results)
@@ -551,9 +638,25 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="server (proxy or worker) base URL, or unix:PATH (its unix socket)")
     p.add_argument("--compare", default=None, help="run the same load against this URL too")
     p.add_argument("--endpoint", choices=tuple(PATHS), default="completions")
-    p.add_argument("--dataset", choices=("short", "long", "mixed", *SHARED), default="mixed",
+    p.add_argument("--dataset", choices=("short", "long", "mixed", *SHARED, "random"),
+                   default="mixed",
                    help="short / long / mixed random prompts; shared-prefix: system prompts "
-                        "and questions; multi-turn: conversations resending their history")
+                        "and questions; multi-turn: conversations resending their history; "
+                        "random: token ids (--random-input-len, --random-output-len)")
+    p.add_argument("--random-input-len", type=int, default=1024,
+                   help="random: prompt tokens (1024)")
+    p.add_argument("--random-output-len", type=int, default=256,
+                   help="random: output tokens asked, EOS ignored (256)")
+    p.add_argument("--random-range-ratio", type=float, default=1.0,
+                   help="random: lengths drawn from [ratio * len, len] (1.0: exactly len)")
+    p.add_argument("--random-ids", default=f"{RANDOM_IDS[0]}-{RANDOM_IDS[1]}", metavar="LO-HI",
+                   help="random: the token ids drawn (%(default)s: within every vocabulary "
+                        "pd_fsm serves)")
+    p.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
+                   help="count the requests within targets: ttft:MS and/or tpot:MS (a "
+                        "request's mean gap between output tokens)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="write the load, its figures and its goodput to PATH")
     p.add_argument("--num-prefixes", type=int, default=4,
                    help="shared-prefix / multi-turn: system prompts or conversations (4)")
     p.add_argument("--prefix-words", type=int, default=300,
@@ -576,12 +679,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def main(args: argparse.Namespace) -> int:
     if (args.num_prompts <= 0 or args.max_tokens <= 0 or args.request_rate <= 0
-            or args.num_prefixes <= 0 or args.prefix_words < 0):
-        print("pd-fsm bench: --num-prompts, --max-tokens, --request-rate, --num-prefixes must "
-              "be > 0 (--prefix-words >= 0)",
+            or args.num_prefixes <= 0 or args.prefix_words < 0 or args.random_input_len <= 0
+            or args.random_output_len <= 0 or not 0 < args.random_range_ratio <= 1):
+        print("pd-fsm bench: --num-prompts, --max-tokens, --request-rate, --num-prefixes, "
+              "--random-input-len, --random-output-len must be > 0 (--prefix-words >= 0, "
+              "--random-range-ratio in (0, 1])",
               file=sys.stderr)
         return 2
+    if args.dataset == "random" and args.endpoint == "chat":
+        print("pd-fsm bench: --dataset random sends token ids: --endpoint generate or "
+              "completions", file=sys.stderr)
+        return 2
     try:  # unix:PATH as http://unix:PATH: (unix_sockets.py), the others as given
+        parse_goodput(args.goodput)
+        parse_ids(args.random_ids)
         args.url = service_url(args.url, "--url")
         args.compare = args.compare and service_url(args.compare, "--compare")
         args.metrics_url = [service_url(u, "--metrics-url") for u in args.metrics_url]

@@ -36,6 +36,9 @@ class Backend:
     scatter_method: Literal["xla", "pallas"]  # D's scatter of a pulled room
     gather_method: Literal["xla", "take", "pallas"]  # P's gather of a room it sends
     prefill_tokens: int  # --max-batched-tokens when not given
+    # The weights' dtype when --dtype is not given: a TPU's native bf16 there; f32 on a CPU,
+    # whose XLA runs bf16 products slowly (bench/RESULTS_model.md).
+    dtype: str = "float32"
     # Decode steps dispatched before the previous one's tokens are read (the fused step only):
     # the host's work for a step hides behind the device's.
     overlap_steps: bool = False
@@ -53,7 +56,8 @@ def for_platform(platform: str) -> Backend:
         # The scatter and gather methods: measured on one v5e (bench/RESULTS_tpu.md).
         return Backend(platform, fused_step=True, attention="pallas", kv_lanes=True,
                        bf16_bits=False, pallas_interpret=False, scatter_method="pallas",
-                       gather_method="take", prefill_tokens=1024, overlap_steps=True)
+                       gather_method="take", prefill_tokens=1024, overlap_steps=True,
+                       dtype="bfloat16")
     # A CPU's forward grows much faster than its tokens past a few hundred: SmolLM2 prefills a
     # 788-token prompt in 2.0 s in chunks of 256, 2.7 s of 512, 5.0 s in one padded forward of
     # 1,024 (2 vCPUs, bench/RESULTS_prefill_chunk.md).

@@ -24,6 +24,11 @@ def prefill_budget(requested: int | None) -> int:
     return requested if requested is not None else backend.current().prefill_tokens
 
 
+def weights_dtype(requested: str | None) -> str:
+    """``requested`` (--dtype), or this backend's default (bf16 on a TPU, f32 on a CPU)."""
+    return requested if requested is not None else backend.current().dtype
+
+
 def _mode(_: object, attribute: attrs.Attribute[str], value: str) -> None:
     if value not in DISAGGREGATION_MODES:
         raise ValueError(f"{attribute.name} must be one of {DISAGGREGATION_MODES}, got {value!r}")
@@ -35,7 +40,7 @@ class SchedulerArgs:
     model: str = "smollm2"  # "smollm2" | "tiny" | a checkpoint directory | a shape (dummy)
     # "auto": the model's weights; "dummy": random weights at its shape (model/dummy.py).
     load_format: str = "auto"
-    dtype: str = "float32"
+    dtype: str | None = None  # the weights'; None: the backend's (weights_dtype)
     # The KV pool's dtype (pool, gather, transfer, scatter); None: ``dtype``. Attention
     # accumulates in f32 either way.
     kv_dtype: str | None = attrs.field(default=None, validator=attrs.validators.optional(

@@ -18,6 +18,7 @@ reads and replaces them through ``with_kv`` under the holder's lock, so a pull t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -59,7 +60,13 @@ from pd_fsm.schedulers.row_sampling import RowSampling
 R = TypeVar("R")
 
 # Threads compiling the forward shapes at warm-up.
-WARMUP_THREADS = 2
+WARMUP_THREADS = 8
+
+
+def warmup_threads() -> int:
+    """Threads that compile a start's shapes: one per core this process may use (two on the
+    CI's machine, up to WARMUP_THREADS on a TPU host's)."""
+    return max(1, min(WARMUP_THREADS, len(os.sched_getaffinity(0))))
 
 MAIN_KV = PoolType.MAIN_KV.value
 
@@ -237,6 +244,8 @@ class ModelRunner:
         tokens and log-probs, on the device. ``ahead``: rows one token past what the host
         knows (their sampling key's step too). A decode step's tokens become what the next one
         can carry; a prefill's are read at once and carried nowhere."""
+        tokens, carry, q_lens, kv_lens, table, ahead = self._step_shape(
+            tokens, carry, q_lens, kv_lens, table, ahead)
         sampler, sampling = self.rows.on_device(rows, len(q_lens), ahead)
         self.forward_shapes.add(("step", len(tokens), len(q_lens)))
         batch = jnp.asarray(pack(tokens, carry, q_lens, kv_lens, table))
@@ -258,6 +267,32 @@ class ModelRunner:
         if decode:
             self._carried = carried
         return sampled, logprobs
+
+    def _step_shape(self, tokens: np.ndarray, carry: np.ndarray, q_lens: np.ndarray,
+                    kv_lens: np.ndarray, table: np.ndarray, ahead: np.ndarray
+                    ) -> tuple[np.ndarray, ...]:
+        """A fused step's arrays at its compiled shape: the new tokens (at the front, where
+        the planner's batch has them) padded to a power of two, the sequences to this runner's
+        row capacity. A step's work is ragged, so the planner's (rows, tokens) padding need not
+        be its shape: one shape per token count serves every batch (a dozen compiles where the
+        planner's shapes would be ~40, each 20-40 s for a 28-layer model on a TPU); the empty
+        sequences cost the head and the sampler a row each."""
+        real = int(q_lens.sum())
+        n_tokens, seqs = bucket(real), max(len(self._carried), len(q_lens))
+
+        def fit(a: np.ndarray, n: int, fill: int | bool = 0) -> np.ndarray:
+            out = np.full((n, *a.shape[1:]), fill, a.dtype)
+            out[: min(n, len(a))] = a[:n]
+            return out
+
+        return (fit(tokens[:real], n_tokens), fit(carry[:real], n_tokens, -1),
+                fit(q_lens, seqs), fit(kv_lens, seqs), fit(table, seqs), fit(ahead, seqs, False))
+
+    def step_shapes(self, plan: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The fused step's ``(tokens, sequences)`` shapes that serve the planner's ``plan``."""
+        top = bucket(max((rows * tokens for rows, tokens in plan), default=1))
+        seqs = max([len(self._carried), *(rows for rows, _ in plan)])
+        return [(1 << i, seqs) for i in range(top.bit_length())]
 
     def _sampled(self, logits: jax.Array, rows: Sequence[Req | None],
                  every_position: jax.Array | None = None) -> StepResult:
@@ -353,15 +388,18 @@ class ModelRunner:
 
         def shape(rows_tokens: tuple[int, int]) -> None:
             rows, tokens = rows_tokens
-            if self.backend.fused_step:
-                compile_step(params, kv, rows * tokens, rows, width, len(self._carried),
-                             self.step_options)
-            else:
-                compile_forward(params, kv, rows, tokens, width, config=config)
+            compile_forward(params, kv, rows, tokens, width, config=config)
 
-        # Two threads: XLA compiles without the GIL, so a start uses two cores.
-        with ThreadPoolExecutor(WARMUP_THREADS, thread_name_prefix="warm-up") as pool:
-            list(pool.map(shape, plan))
+        def step(tokens_seqs: tuple[int, int]) -> None:
+            tokens, seqs = tokens_seqs
+            compile_step(params, kv, tokens, seqs, width, len(self._carried), self.step_options)
+
+        # XLA compiles without the GIL: a thread per core, up to WARMUP_THREADS.
+        with ThreadPoolExecutor(warmup_threads(), thread_name_prefix="warm-up") as pool:
+            if self.backend.fused_step:
+                list(pool.map(step, self.step_shapes(plan)))
+            else:
+                list(pool.map(shape, plan))
         if self.backend.fused_step:
             return
         for rows in sorted({r for r, _ in plan}):

@@ -34,7 +34,7 @@ from pd_fsm.jax_engine.model import LoadedModel, load_model, table_width
 from pd_fsm.jax_engine.parallel.tensor_parallel import check_tp
 from pd_fsm.jax_engine.sampling.grammar import compiler_for
 from pd_fsm.jax_engine.sampling.params import SamplingParams, TopLogprobs
-from pd_fsm.schedulers.args import SchedulerArgs, prefill_budget
+from pd_fsm.schedulers.args import SchedulerArgs, prefill_budget, weights_dtype
 from pd_fsm.schedulers.forks import fork_sequences
 from pd_fsm.schedulers.model_runner import Launched, ModelRunner, StepResult
 from pd_fsm.schedulers.output_processor import OutputProcessor
@@ -108,7 +108,8 @@ class Scheduler:
         # --max-batched-tokens resolved (None: this backend's default), as every reader of the
         # arguments sees it.
         self.max_batched_tokens = prefill_budget(args.max_batched_tokens)
-        self.args = args = attrs.evolve(args, max_batched_tokens=self.max_batched_tokens)
+        self.args = args = attrs.evolve(args, max_batched_tokens=self.max_batched_tokens,
+                                        dtype=weights_dtype(args.dtype))
         self.model = model if model is not None else load_model(
             args.model, args.dtype, args.model_seed, args.load_format
         )

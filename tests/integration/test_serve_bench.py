@@ -4,8 +4,10 @@ measured, a table with the comparison column."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import trio
@@ -15,8 +17,11 @@ from pd_fsm.io_trio.bench_client import (
     _main,
     add_parser,
     cache_lines,
+    main,
     make_prompts,
+    parse_goodput,
     prefix_reuse,
+    random_prompts,
     render,
     run_load,
 )
@@ -46,6 +51,46 @@ async def test_bench_measures_every_request(nursery: trio.Nursery) -> None:
         assert 0 < rows["TTFT p50 ms"] <= rows["E2E p99 ms"]
     table = render(summary, summary, url, url)
     assert "TTFT p90 ms" in table and "target/compare" in table
+
+
+def test_random_prompts_are_token_ids_of_the_lengths_asked() -> None:
+    a = random_prompts(8, seed=1, input_len=40, output_len=6, range_ratio=0.5)
+    assert a == random_prompts(8, seed=1, input_len=40, output_len=6, range_ratio=0.5)
+    assert all(p.ids is not None and 20 <= len(p.ids) == p.words <= 40 for p in a)
+    assert all(p.max_tokens is not None and 3 <= p.max_tokens <= 6 for p in a)
+    exact = random_prompts(4, seed=1, input_len=40, output_len=6)
+    assert {(len(p.ids or ()), p.max_tokens) for p in exact} == {(40, 6)}
+    assert parse_goodput(["ttft:1000", "tpot:50"]) == {"ttft": 1.0, "tpot": 0.05}
+    assert max(max(p.ids or ()) for p in random_prompts(9, 0, 50, 1, ids=(3, 7))) <= 6
+    for bad in ("itl:50", "ttft:x", "ttft:0"):
+        with pytest.raises(ValueError, match="--goodput"):
+            parse_goodput([bad])
+
+
+async def test_random_token_ids_and_goodput_through_the_command(
+        nursery: trio.Nursery, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Token-id prompts of an exact length (sglang's random dataset) reach the worker as ids on
+    both endpoints that take them; every request is counted within a loose target and none
+    within an impossible one; --json keeps the figures."""
+    url, _ = await start_worker(nursery, num_pages=256)
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    for endpoint, tpot in (("generate", "60000"), ("completions", "0.000001")):
+        out_json = tmp_path / f"{endpoint}.json"
+        args = parser.parse_args(["bench", "--url", url, "--num-prompts", "3", "--dataset",
+                                  "random", "--random-input-len", "12", "--random-output-len",
+                                  "3", "--random-ids", "1-256", "--endpoint", endpoint,
+                                  "--model", "tiny",
+                                  "--goodput", "ttft:60000", f"tpot:{tpot}",
+                                  "--json", str(out_json)])
+        assert await _main(args) == 0
+        rec = json.loads(out_json.read_text())
+        assert rec["figures"]["completed"] == 3 and rec["figures"]["failed"] == 0
+        assert rec["goodput"]["met"] == (3 if endpoint == "generate" else 0)
+        assert rec["load"]["random_input_len"] == 12
+    assert "goodput" in capsys.readouterr().out
+    bad = parser.parse_args(["bench", "--url", url, "--dataset", "random", "--endpoint", "chat"])
+    assert main(bad) == 2
 
 
 async def test_poisson_arrivals_are_measured_as_they_came(nursery: trio.Nursery) -> None:

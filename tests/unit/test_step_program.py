@@ -181,8 +181,9 @@ def test_the_scheduler_on_the_accelerators_choices_answers_as_on_the_cpus() -> N
     heads pool; the accelerator's fused step over a lanes pool, each decode step dispatched
     before the previous one's tokens are read (the default there); and the fused step one step
     at a time. Attention by the XLA reference, so that this stays quick. Equal tokens; after its
-    warm-up the fused scheduler compiles nothing; a penalized request (whose choice needs the
-    logits on the host) takes the chain on the same pool and still answers alike."""
+    warm-up (a step shape per token count) the fused scheduler compiles nothing; a penalized
+    request (whose choice needs the logits on the host) takes the chain on the same pool and
+    still answers alike."""
     model = _model()
     args = SchedulerArgs(model="tiny", num_pages=64, page_size=PAGE, max_running=4,
                          max_batched_tokens=32, context_length=128)
@@ -198,6 +199,11 @@ def test_the_scheduler_on_the_accelerators_choices_answers_as_on_the_cpus() -> N
         assert _generate(sched) == chain
         assert EXECUTABLES.stats().built == built
         assert all(shape[0] == "step" for shape in sched.forward_shapes)
+        # One step shape per token count (the sequences at the runner's capacity): fewer than
+        # the planner's (rows, tokens) shapes, and every step ran at one of them.
+        steps = sched.runner.step_shapes(sched.shape_plan())
+        assert len(steps) < len(sched.shape_plan())
+        assert {shape[1:] for shape in sched.forward_shapes} <= set(steps)
         assert _generate(Scheduler(args, model=model), penalized=True) == chain_penalized
     with backend.using(attrs.evolve(accelerator, overlap_steps=False)):
         assert _generate(Scheduler(args, model=model)) == chain

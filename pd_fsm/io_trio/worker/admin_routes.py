@@ -25,7 +25,7 @@ from pd_fsm.io_trio.worker.schemas import ApiError, JsonObject
 from pd_fsm.io_trio.worker.sse import until_disconnect
 from pd_fsm.io_trio.worker.streams import HoldsStreams
 from pd_fsm.jax_engine.sampling.params import SamplingParams
-from pd_fsm.schedulers.args import prefill_budget
+from pd_fsm.schedulers.args import prefill_budget, weights_dtype
 
 
 class AdminRoutes:
@@ -222,7 +222,7 @@ class AdminRoutes:
             max_running_requests=c.max_running,
             chunked_prefill_size=prefill_budget(c.max_batched_tokens),
             context_length=self._state.meta.context_length if self._state.meta else None,
-            dtype=c.dtype,
+            dtype=weights_dtype(c.dtype),
             host=c.host,
             port=c.port,
             ready=self._state.ready(),

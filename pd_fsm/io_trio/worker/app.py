@@ -37,6 +37,7 @@ from pd_fsm.io_trio.worker.metrics import WorkerMetrics
 from pd_fsm.io_trio.worker.roles import RoleHost
 from pd_fsm.io_trio.worker.schemas import ApiError
 from pd_fsm.jax_engine.model.registry import LoadedModel, load_model
+from pd_fsm.schedulers.args import weights_dtype
 
 if TYPE_CHECKING:
     from pd_fsm.jax_engine.transfer.base import KVTransferEngine
@@ -131,7 +132,7 @@ class WorkerApp:
         if self.state.meta is None:
             c = self.config
             model = await trio.to_thread.run_sync(
-                load_model, c.model, c.dtype, c.model_seed, c.load_format,
+                load_model, c.model, weights_dtype(c.dtype), c.model_seed, c.load_format,
                 abandon_on_cancel=True
             )
             self.state.meta = ModelMeta.of(model, c)

@@ -73,7 +73,7 @@ class ServeConfig:
     # -- scheduler (SchedulerArgs)
     model: str = "smollm2"
     load_format: str = "auto"  # "dummy": random weights at the model's shape
-    dtype: str = "float32"
+    dtype: str | None = None  # the weights' (--dtype); None: the backend's (weights_dtype)
     kv_dtype: str | None = None  # the KV cache's (--kv-dtype); None: ``dtype``
     model_seed: int = 0
     num_pages: int = 1024

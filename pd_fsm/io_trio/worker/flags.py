@@ -158,8 +158,9 @@ _MODEL = (
     Flag("--chat-template", "Jinja chat template to use instead of the model's own",
          metavar="FILE", shown_default="the model's", sglang="--chat-template",
          doc="a Jinja chat template instead of the checkpoint's own, read and compiled at start"),
-    Flag("--dtype", "the weights' (bfloat16 runs XLA:CPU's products slowly: see README)",
-         choices=DTYPES, sglang="--dtype",
+    Flag("--dtype", "the weights' (default: bfloat16 on a TPU, float32 on a CPU, whose XLA "
+         "runs bfloat16 products slowly: see README)",
+         choices=DTYPES, sglang="--dtype", shown_default="bfloat16 on a TPU, float32 on a CPU",
          doc="the weights' dtype, and the activations computed from them (see \"KV dtype\")"),
     Flag("--kv-dtype", choices=DTYPES, shown_default="`--dtype`", sglang="--kv-cache-dtype",
          help=("the KV cache's: pool, gather, transfer and scatter (default: --dtype); bfloat16 "

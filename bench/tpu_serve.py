@@ -1,0 +1,213 @@
+"""A colocated worker on the chip under load: ``pd-fsm serve`` on a unix socket (the TPU machine
+refuses every TCP and UDP socket), driven by ``pd-fsm bench`` with Poisson arrivals at several
+rates and then all at once (saturation), with the engine's own closed loop (``bench_engine.py
+--scheduler``: ``Scheduler.step`` in one process, no server) measured first in the same run as
+the ceiling the server is compared with.
+
+    python bench/tpu_serve.py --model qwen3-0.6b --load-format dummy --out DIR \\
+        --loads "chat:1024:256:1,2,4,8:inf" --loads "rag:8192:256:0.5,1:"
+
+A load is ``NAME:IN:OUT:RATES:SATURATION``: IN random token ids in and OUT out (EOS ignored,
+greedy), at each rate in requests/s, then (when SATURATION is ``inf``) all at once. The prompt
+count per rate is what ``--seconds`` of arrivals bring (at least ``--min-prompts``). Goodput:
+TTFT <= ``--ttft-ms`` (2x for prompts of 8,192 tokens or more) and a request's mean ITL <=
+``--tpot-ms``. Every record goes to ``DIR/<model>.json``; each bench's own JSON and the server's
+log beside it. Every wait has a deadline; the server is stopped however the run ends.
+
+Runs here too, on the CPU (``JAX_PLATFORMS=cpu``, ``--model tiny``, small loads): the same
+commands, so what the chip runs was run first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+START_S = 600.0  # a start compiles every step shape: minutes for a 28-layer model on a TPU
+
+
+def emit(record: dict[str, Any], path: Path) -> None:
+    print(json.dumps(record), flush=True)
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pd_fsm.cli", *args]
+
+
+def wait_healthy(sock: Path, proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    with httpx.Client(base_url="http://localhost", timeout=10,
+                      transport=httpx.HTTPTransport(uds=str(sock))) as client:
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if client.get("/health").status_code == 200:
+                    return True
+            except httpx.HTTPError:  # not listening yet
+                pass
+            time.sleep(1)
+    return False
+
+
+def scrape(sock: Path, name: str) -> float:
+    """One counter of the worker's /metrics (nan when absent)."""
+    import httpx
+
+    with httpx.Client(base_url="http://localhost", timeout=10,
+                      transport=httpx.HTTPTransport(uds=str(sock))) as client:
+        for line in client.get("/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return math.nan
+
+
+def engine_ceiling(args: argparse.Namespace, out: Path, records: Path, in_tokens: int,
+                   out_tokens: int, requests: int) -> None:
+    """The closed loop with the server's settings (its compiles then land in the persistent
+    compilation cache the server's start reads)."""
+    log = out / f"{args.model}_engine.log"
+    argv = [sys.executable, str(ROOT / "bench" / "bench_engine.py"), "--no-kernel-check",
+            "--shapes", "", "--scheduler", args.model, "--loop-requests", str(requests),
+            "--loop-in", str(in_tokens), "--loop-out", str(out_tokens),
+            "--loop-context", str(args.context_length), "--loop-num-pages", str(args.num_pages),
+            "--loop-max-running", str(args.max_running), "--loop-batched",
+            str(args.max_batched_tokens), "--json", str(out / f"{args.model}_engine.json")]
+    if args.cpu:
+        argv += ["--cpu-f32"]
+    started = time.monotonic()
+    with log.open("w") as f:
+        done = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, check=False,
+                              timeout=args.engine_timeout)
+    emit({"event": "engine closed loop", "model": args.model, "rc": done.returncode,
+          "seconds": time.monotonic() - started, "requests": requests, "in": in_tokens,
+          "out": out_tokens}, records)
+
+
+def serve(args: argparse.Namespace, sock: Path, log: Path) -> subprocess.Popen[bytes]:
+    argv = cli("serve", "--model", args.model, "--uds", str(sock), "--num-pages",
+               str(args.num_pages), "--page-size", "16", "--max-running", str(args.max_running),
+               "--max-batched-tokens", str(args.max_batched_tokens), "--context-length",
+               str(args.context_length), "--log-level", "WARNING")
+    if args.load_format != "auto":
+        argv += ["--load-format", args.load_format]
+    if not args.cpu:
+        argv += ["--dtype", "bfloat16", "--kv-dtype", "bfloat16"]
+    return subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT,
+                            start_new_session=True)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> int:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            return proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return proc.wait(30)
+    return proc.returncode
+
+
+def one_load(args: argparse.Namespace, sock: Path, out: Path, records: Path, name: str,
+             in_tokens: int, out_tokens: int, rate: float) -> None:
+    n = (args.saturation_prompts if math.isinf(rate)
+         else max(args.min_prompts, round(rate * args.seconds)))
+    ttft_ms = args.ttft_ms * (2 if in_tokens >= 8192 else 1)
+    tag = f"{args.model}_{name}_{'sat' if math.isinf(rate) else rate}"
+    argv = cli("bench", "--url", f"unix:{sock}", "--endpoint", "generate", "--dataset",
+               "random", "--random-input-len", str(in_tokens), "--random-output-len",
+               str(out_tokens), "--random-ids", args.random_ids, "--num-prompts", str(n),
+               "--request-rate", str(rate), "--goodput", f"ttft:{ttft_ms:g}",
+               f"tpot:{args.tpot_ms:g}", "--json", str(out / f"{tag}.json"),
+               "--timeout", str(args.request_timeout))
+    compiles = "pd_fsm_worker_backend_compiles_after_ready_total"
+    before = scrape(sock, compiles)
+    started = time.monotonic()
+    with (out / f"{tag}.log").open("w") as f:
+        # The client keeps off the chip: one program holds it, the server.
+        done = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, check=False,
+                              timeout=args.load_timeout, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    rec: dict[str, Any] = {"event": "load", "model": args.model, "workload": name, "in": in_tokens,
+                           "out": out_tokens, "rate": None if math.isinf(rate) else rate,
+                           "prompts": n, "rc": done.returncode,
+                           "wall_s": time.monotonic() - started,
+                           "compiles_after_ready": scrape(sock, compiles) - before}
+    if (out / f"{tag}.json").exists():
+        rec |= json.loads((out / f"{tag}.json").read_text())
+    emit(rec, records)
+
+
+def parse_load(spec: str) -> tuple[str, int, int, list[float]]:
+    name, tin, tout, rates, sat = spec.split(":")
+    listed = [float(r) for r in rates.split(",") if r]
+    return name, int(tin), int(tout), listed + ([math.inf] if sat == "inf" else [])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--load-format", default="dummy", choices=("auto", "dummy"))
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--loads", action="append", default=[], help="NAME:IN:OUT:RATES:SATURATION")
+    p.add_argument("--num-pages", type=int, default=5200)
+    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--max-batched-tokens", type=int, default=1024)
+    p.add_argument("--context-length", type=int, default=8448)
+    p.add_argument("--seconds", type=float, default=12.0, help="of arrivals per rate")
+    p.add_argument("--min-prompts", type=int, default=12)
+    p.add_argument("--saturation-prompts", type=int, default=128)
+    p.add_argument("--ttft-ms", type=float, default=1000.0)
+    p.add_argument("--tpot-ms", type=float, default=50.0)
+    p.add_argument("--random-ids", default="1000-32000")
+    p.add_argument("--engine-loop", default="1024:256:64", help="IN:OUT:REQUESTS ('' to skip)")
+    p.add_argument("--engine-timeout", type=float, default=300)
+    p.add_argument("--load-timeout", type=float, default=180)
+    p.add_argument("--request-timeout", type=float, default=120)
+    p.add_argument("--cpu", action="store_true", help="a smoke run on a CPU (f32)")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    records = args.out / f"{args.model}.jsonl"
+    if args.engine_loop:
+        tin, tout, n = (int(x) for x in args.engine_loop.split(":"))
+        try:
+            engine_ceiling(args, args.out, records, tin, tout, n)
+        except subprocess.TimeoutExpired:
+            emit({"event": "engine closed loop", "model": args.model, "error": "timed out"},
+                 records)
+    sock = Path(tempfile.mkdtemp(prefix="pdfsm-serve-")) / "worker.sock"
+    started = time.monotonic()
+    proc = serve(args, sock, args.out / f"{args.model}_serve.log")
+    try:
+        if not wait_healthy(sock, proc, START_S):
+            emit({"event": "server not ready", "model": args.model, "rc": proc.poll(),
+                  "seconds": time.monotonic() - started}, records)
+            return 1
+        emit({"event": "server ready", "model": args.model,
+              "seconds": time.monotonic() - started}, records)
+        for spec in args.loads:
+            name, tin, tout, rates = parse_load(spec)
+            for rate in rates:
+                try:
+                    one_load(args, sock, args.out, records, name, tin, tout, rate)
+                except subprocess.TimeoutExpired:
+                    emit({"event": "load", "model": args.model, "workload": name, "rate": rate,
+                          "error": "timed out"}, records)
+    finally:
+        emit({"event": "server stopped", "model": args.model, "rc": stop(proc)}, records)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

