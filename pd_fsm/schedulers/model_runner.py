@@ -63,6 +63,19 @@ R = TypeVar("R")
 WARMUP_THREADS = 8
 
 
+def step_token_sizes(seqs: int, top: int) -> list[int]:
+    """The fused step's token counts for a runner of ``seqs`` rows whose largest step has
+    ``top`` tokens: 8 (a few decode rows), ``seqs`` (a full decode batch), then x4 up to
+    ``top``. Few sizes, as each is a compile of the whole model; a decode step's cost is its
+    reads, whatever its padding, and a prefill's padding is under 4x (none for a full chunk)."""
+    sizes = {min(8, top), min(seqs, top), top}
+    n = seqs * 4
+    while n < top:
+        sizes.add(n)
+        n *= 4
+    return sorted(sizes)
+
+
 def warmup_threads() -> int:
     """Threads that compile a start's shapes: one per core this process may use (two on the
     CI's machine, up to WARMUP_THREADS on a TPU host's)."""
@@ -138,6 +151,8 @@ class ModelRunner:
         # The tokens the last fused decode step sampled, on the device (a row's at its row):
         # what a step dispatched before they are read takes as its input.
         self._carried = jnp.zeros(bucket(max_rows), jnp.int32)
+        self._greedy: dict[int, dict[str, jax.Array]] = {}  # _greedy_rows' by sequences
+        self._token_sizes: list[int] = []  # the fused step's, once step_shapes chose them
 
     # ----------------------------------------------------------------- the pool
 
@@ -249,7 +264,11 @@ class ModelRunner:
         sampler, sampling = self.rows.on_device(rows, len(q_lens), ahead)
         self.forward_shapes.add(("step", len(tokens), len(q_lens)))
         batch = jnp.asarray(pack(tokens, carry, q_lens, kv_lens, table))
-        device_sampling = {k: jnp.asarray(v) for k, v in sampling.items()}
+        if sampler == "greedy":  # the one program's argmax branch: nothing more to upload
+            device_sampling = self._greedy_rows(len(q_lens))
+        else:
+            device_sampling = {k: jnp.asarray(v) for k, v in sampling.items()}
+        sampler = "sample"
         key = (len(tokens), len(q_lens), sampler)
         carried = self._carried
 
@@ -268,17 +287,28 @@ class ModelRunner:
             self._carried = carried
         return sampled, logprobs
 
+    def _greedy_rows(self, seqs: int) -> dict[str, jax.Array]:
+        """The "sample" program's arrays for rows that are all greedy, kept on the device."""
+        arrays = self._greedy.get(seqs)
+        if arrays is None:
+            _, host = self.rows.on_device([], seqs, np.zeros(seqs, bool), draw=True)
+            arrays = self._greedy[seqs] = {k: jnp.asarray(v) for k, v in host.items()}
+        return arrays
+
     def _step_shape(self, tokens: np.ndarray, carry: np.ndarray, q_lens: np.ndarray,
                     kv_lens: np.ndarray, table: np.ndarray, ahead: np.ndarray
                     ) -> tuple[np.ndarray, ...]:
         """A fused step's arrays at its compiled shape: the new tokens (at the front, where
-        the planner's batch has them) padded to a power of two, the sequences to this runner's
-        row capacity. A step's work is ragged, so the planner's (rows, tokens) padding need not
-        be its shape: one shape per token count serves every batch (a dozen compiles where the
-        planner's shapes would be ~40, each 20-40 s for a 28-layer model on a TPU); the empty
-        sequences cost the head and the sampler a row each."""
+        the planner's batch has them) padded to the next of ``step_token_sizes``, the sequences
+        to this runner's row capacity. A step's work is ragged, so the planner's (rows, tokens)
+        padding need not be its shape: four shapes serve every batch of a 64-row runner with a
+        1,024-token budget, where the planner's are 42 (a compile takes 20-40 s for a 28-layer
+        model on a TPU); the empty sequences cost the head and the sampler a row each."""
         real = int(q_lens.sum())
-        n_tokens, seqs = bucket(real), max(len(self._carried), len(q_lens))
+        seqs = max(len(self._carried), len(q_lens))
+        # The warm-up's sizes (without one, as if this step were the largest).
+        sizes = self._token_sizes or step_token_sizes(seqs, bucket(real))
+        n_tokens = next((n for n in sizes if n >= real), bucket(real))
 
         def fit(a: np.ndarray, n: int, fill: int | bool = 0) -> np.ndarray:
             out = np.full((n, *a.shape[1:]), fill, a.dtype)
@@ -292,7 +322,8 @@ class ModelRunner:
         """The fused step's ``(tokens, sequences)`` shapes that serve the planner's ``plan``."""
         top = bucket(max((rows * tokens for rows, tokens in plan), default=1))
         seqs = max([len(self._carried), *(rows for rows, _ in plan)])
-        return [(1 << i, seqs) for i in range(top.bit_length())]
+        self._token_sizes = step_token_sizes(seqs, top)
+        return [(n, seqs) for n in self._token_sizes]
 
     def _sampled(self, logits: jax.Array, rows: Sequence[Req | None],
                  every_position: jax.Array | None = None) -> StepResult:

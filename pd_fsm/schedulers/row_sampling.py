@@ -44,13 +44,13 @@ class RowSampling:
         """Each row's top alternatives under the raw distribution, as its request asks."""
         return top_logprobs(logits, [0 if r is None else r.logprobs.top for r in reqs])
 
-    def on_device(self, rows: Sequence[Req | None], b_pad: int, ahead: np.ndarray
-                  ) -> tuple[Sampler, dict[str, np.ndarray]]:
+    def on_device(self, rows: Sequence[Req | None], b_pad: int, ahead: np.ndarray,
+                  draw: bool = False) -> tuple[Sampler, dict[str, np.ndarray]]:
         """The fused step's sampler for these rows, and its per-row arrays (padded to
         ``b_pad``). ``ahead``: rows one token past what the host knows (their sampling key's
-        step too)."""
+        step too). Rows that are all greedy need no arrays ("greedy"), unless ``draw``."""
         bitmask = self.bitmask(b_pad, rows)
-        if bitmask is None and all(r is None or r.sampling.greedy for r in rows):
+        if not draw and bitmask is None and all(r is None or r.sampling.greedy for r in rows):
             return "greedy", {}
         arrays = sampling_arrays(
             [None if r is None else r.sampling for r in rows],

@@ -59,20 +59,26 @@ def sample_tokens(
     argmax_tokens = jnp.argmax(allowed, axis=-1).astype(jnp.int32)
 
     is_greedy = temperature <= 0.0
-    scaled = allowed / jnp.where(is_greedy, 1.0, temperature)[:, None]
-    order = jnp.argsort(-scaled, axis=-1)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    ranks = jnp.arange(vocab)[None, :]
-    keep = ranks < jnp.where(top_k > 0, top_k, vocab)[:, None]
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-    # A token survives top-p when the mass strictly before it is below top_p: the first always does.
-    keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
-    masked = jnp.where(keep, sorted_logits, -jnp.inf)
 
-    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(seeds, steps)
-    picked = jax.vmap(jax.random.categorical)(keys, masked)
-    sampled = jnp.take_along_axis(order, picked[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    tokens = jnp.where(is_greedy, argmax_tokens, sampled)
+    def drawn() -> jax.Array:
+        scaled = allowed / jnp.where(is_greedy, 1.0, temperature)[:, None]
+        order = jnp.argsort(-scaled, axis=-1)
+        sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+        ranks = jnp.arange(vocab)[None, :]
+        keep = ranks < jnp.where(top_k > 0, top_k, vocab)[:, None]
+        probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+        # A token survives top-p when the mass strictly before it is below top_p: the first
+        # always does.
+        keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
+        masked = jnp.where(keep, sorted_logits, -jnp.inf)
+        keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(seeds, steps)
+        picked = jax.vmap(jax.random.categorical)(keys, masked)
+        sampled = jnp.take_along_axis(order, picked[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        return jnp.where(is_greedy, argmax_tokens, sampled)
+
+    # The sort over the vocabulary only where a row draws: a batch of greedy rows is an argmax,
+    # so that one program serves both (one compile of a step, not one per sampler).
+    tokens = jax.lax.cond(jnp.any(~is_greedy), drawn, lambda: argmax_tokens)
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
 

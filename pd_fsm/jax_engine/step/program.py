@@ -219,11 +219,9 @@ def sampling_structs(seqs: int, vocab: int) -> dict[str, jax.ShapeDtypeStruct]:
 def compile_step(params: Params, kv: list[jax.ShapeDtypeStruct], tokens: int, seqs: int,
                  width: int, carried: int, options: StepOptions) -> None:
     """Compile into ``EXECUTABLES``, without running, the packed step for ``tokens`` new tokens
-    of ``seqs`` sequences over a ``width``-page table (``carried``: ``M``), with each sampler
-    that samples on the device."""
+    of ``seqs`` sequences over a ``width``-page table (``carried``: ``M``), with the "sample"
+    sampler (a batch of greedy rows takes its argmax branch: the runner's one program)."""
     batch = jax.ShapeDtypeStruct((2 * tokens + seqs * (2 + width),), jnp.int32)
     prev = jax.ShapeDtypeStruct((carried,), jnp.int32)
-    for sampler, sampling in (("greedy", {}),
-                              ("sample", sampling_structs(seqs, options.config.vocab_size))):
-        EXECUTABLES.compile(packed_step, step_statics(options, sampler, seqs, width),  # type: ignore[arg-type]
-                            params, kv, batch, prev, sampling)
+    EXECUTABLES.compile(packed_step, step_statics(options, "sample", seqs, width),  # type: ignore[arg-type]
+                        params, kv, batch, prev, sampling_structs(seqs, options.config.vocab_size))
