@@ -169,6 +169,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="the device memory to size the pool in (default: the device's own)")
     p.add_argument("--hbm-reserve-gb", type=float, default=2.0,
                    help="device memory kept from the pool for the step's own buffers")
+    p.add_argument("--budget-s", type=float, default=None, help="the time the measuring may "
+                   "take: grid points and rooms reached after it are skipped (and named), so a "
+                   "run with a deadline still writes what it measured")
     p.add_argument("--backend", default="auto", choices=("auto", "accelerator-on-cpu"),
                    help="accelerator-on-cpu: the accelerator's step and pool on a CPU (tests)")
     out = p.add_mutually_exclusive_group(required=True)

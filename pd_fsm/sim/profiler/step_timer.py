@@ -29,7 +29,7 @@ from pd_fsm.jax_engine.model.dummy import param_bytes
 from pd_fsm.jax_engine.model.registry import load_model
 from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers.args import SchedulerArgs
-from pd_fsm.schedulers.model_runner import Launched
+from pd_fsm.schedulers.model_runner import MAIN_KV, Launched
 from pd_fsm.schedulers.plan import DecodeBatch, plan_prefill
 from pd_fsm.schedulers.request import Req
 from pd_fsm.schedulers.scheduler import Scheduler
@@ -70,9 +70,9 @@ class StepTimer:
         self.skipped: list[str] = []
         self.prefill_grid = [n for n in prefill_grid if self._fits(f"prefill {n}", n, 1)]
         self.decode_grid = [(r, c) for r, c in decode_grid
-                            if self._fits(f"decode {r} x {c}", c, r)]
+                            if self._fits(f"decode {r} x {c}", c + 1, r)]
         pages = max([-(-n // page_size) for n in self.prefill_grid]
-                    + [r * -(-c // page_size) for r, c in self.decode_grid] + [1])
+                    + [r * -(-(c + 1) // page_size) for r, c in self.decode_grid] + [1])
         longest = max([*self.prefill_grid, *(c for _, c in self.decode_grid), page_size])
         self.sched = Scheduler(SchedulerArgs(
             model=model, load_format=load_format, dtype=dtype, kv_dtype=kv_dtype,
@@ -82,6 +82,12 @@ class StepTimer:
             model=loaded)
         self.runner = self.sched.runner
         self._rid = iter(range(1 << 30))
+
+    def close(self) -> None:
+        """Free the pool's device memory now (whatever still refers to its arrays)."""
+        with self.runner.kv_holder.locked() as pools:
+            for layer in pools[MAIN_KV]:
+                layer.delete()
 
     def _fits(self, what: str, tokens: int, rows: int) -> bool:
         need = rows * -(-tokens // self.page_size)
@@ -93,13 +99,15 @@ class StepTimer:
             "pool")
         return False
 
-    def _request(self, tokens: int, first_page: int) -> Req:
+    def _request(self, tokens: int, first_page: int, room: int = 0) -> Req:
         """A request whose prompt of ``tokens`` random ids holds the pages from
-        ``first_page`` on, as if prefilled there."""
+        ``first_page`` on, as if prefilled there, and pages for ``room`` tokens more (a
+        decode step's new token, as the scheduler allocates them before the step)."""
         vocab = self.config.vocab_size
         ids = ((np.arange(tokens) * 7 + next(self._rid)) % (vocab - 1) + 1).tolist()
         req = self.sched.make_request(f"r{next(self._rid)}", ids, GREEDY)
-        req.pages = list(range(first_page, first_page + -(-tokens // self.page_size)))
+        req.pages = list(range(first_page,
+                               first_page + -(-(tokens + room) // self.page_size)))
         return req
 
     def prefill(self, n: int) -> Lap:
@@ -124,8 +132,8 @@ class StepTimer:
         """A decode step of ``rows`` rows at ``context`` tokens each, as served (overlapped
         where the backend overlaps steps: the steady state's time per step over ``steps``),
         and one ``decode_step`` alone (dispatch, wait, tokens read): its median seconds."""
-        per_row = -(-context // self.page_size)
-        reqs = [self._request(context, 1 + i * per_row) for i in range(rows)]
+        per_row = -(-(context + 1) // self.page_size)
+        reqs = [self._request(context, 1 + i * per_row, room=1) for i in range(rows)]
         batch = DecodeBatch(tuple(reqs), bucket(rows))
         runner = self.runner
 
