@@ -12,6 +12,26 @@ Since 2026-12-04 a profile also records how many cores each prefill and decode s
 pool threads spin while they wait for work, so a batch-1 decode step on two cores ran no faster
 than on one (27 vs 25 ms) yet kept 1.42 cores busy, and a worker sharing those cores gets only
 what is left. Profiles measured before hold no such figures; the model then takes the speed-up.
+
+Optional fields, all with defaults, so files written before them load unchanged and a reader
+that predates them skips them (``load`` reads named keys only; ``VERSION`` stays 1):
+
+- ``Profile.platform``: the JAX backend measured on, ``cpu`` or ``tpu`` (``cpu`` where absent:
+  every profile before these fields was measured on a CPU); ``device_kind``: the device as JAX
+  names it (``TPU v5 lite``; ``""`` where unknown); ``step``: the step the engine ran there,
+  ``fused`` (one jitted program: an accelerator) or ``chain`` (the jitted calls: a CPU), ``""``
+  where unknown; ``kv_dtype``: the KV's dtype (``""`` where unknown).
+- ``Profile.prefill_grid`` / ``decode_grid``: the grid asked for (prompt tokens; (rows,
+  context) pairs); a point of the grid absent from ``prefill`` / ``decode`` was not measured,
+  and ``skipped`` says why (one line per point or leg, e.g. the pool it needed did not fit the
+  chip's memory, or the TCP-only loopback pull on a machine that refuses TCP sockets).
+- ``CoreProfile``'s KV legs, each (bytes of one room, seconds), best of N on fresh arrays:
+  ``gather`` (P's gather of a room from the pool, this backend's method), ``d2h`` (the gathered
+  room device -> numpy, the faster of the two ways measured: one array, or one array per layer
+  with ``copy_to_host_async`` on all first), ``d2h_pinned`` (device -> ``pinned_host`` memory), ``h2d`` (numpy -> device),
+  ``scatter`` (D's scatter of a room into the pool, this backend's method). Empty where not
+  measured (every CPU profile before them; ``d2h_pinned`` where the backend has no
+  ``pinned_host`` memory). ``has_leg(name)`` says whether one was measured.
 """
 
 from __future__ import annotations
@@ -24,6 +44,7 @@ from pathlib import Path
 import attrs
 
 VERSION = 1
+LEGS = ("gather", "d2h", "d2h_pinned", "h2d", "scatter")
 
 
 def interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
@@ -65,6 +86,12 @@ class CoreProfile:
     pull: tuple[tuple[int, float], ...]  # (bytes, seconds)
     prefill_busy: tuple[tuple[int, float], ...] = ()  # (prompt tokens, cores busy)
     decode_busy: tuple[tuple[int, int, float], ...] = ()  # (batch rows, context, cores busy)
+    # The KV path's legs by the bytes of one room (module docstring): (bytes, seconds).
+    gather: tuple[tuple[int, float], ...] = ()
+    d2h: tuple[tuple[int, float], ...] = ()
+    d2h_pinned: tuple[tuple[int, float], ...] = ()
+    h2d: tuple[tuple[int, float], ...] = ()
+    scatter: tuple[tuple[int, float], ...] = ()
 
     @property
     def measured_busy(self) -> bool:
@@ -89,6 +116,18 @@ class CoreProfile:
     def pull_s(self, n_bytes: int) -> float:
         return interpolate([(float(b), s) for b, s in self.pull], n_bytes)
 
+    def has_leg(self, name: str) -> bool:
+        """Whether the leg ``name`` (``copy``, ``pull``, or one in ``LEGS``) was measured."""
+        return bool(getattr(self, name))
+
+    def leg_s(self, name: str, n_bytes: int) -> float:
+        """Seconds of the leg ``name`` for ``n_bytes``, interpolated (refuses one not
+        measured: ``has_leg``)."""
+        points = getattr(self, name)
+        if not points:
+            raise ValueError(f"the profile measured no {name} leg")
+        return interpolate([(float(b), s) for b, s in points], n_bytes)
+
 
 @attrs.frozen
 class Profile:
@@ -98,6 +137,13 @@ class Profile:
     max_batched_tokens: int
     max_running: int
     by_cores: tuple[CoreProfile, ...]
+    platform: str = "cpu"
+    device_kind: str = ""
+    step: str = ""  # "fused" or "chain"
+    kv_dtype: str = ""
+    prefill_grid: tuple[int, ...] = ()  # prompt tokens asked for
+    decode_grid: tuple[tuple[int, int], ...] = ()  # (rows, context) asked for
+    skipped: tuple[str, ...] = ()  # what was not measured, and why
 
     def on(self, cores: int) -> CoreProfile:
         """The profile measured with ``cores`` cores (else the nearest measured below it, else
@@ -110,6 +156,9 @@ class Profile:
         """This profile with ``other``'s core counts added (same model and settings)."""
         if (self.model, self.kv_bytes_per_token) != (other.model, other.kv_bytes_per_token):
             raise ValueError(f"profiles of different models: {self.model} / {other.model}")
+        if self.platform != other.platform:
+            raise ValueError(f"profiles of different platforms: {self.platform} / "
+                             f"{other.platform}")
         keep = {c.cores: c for c in self.by_cores} | {c.cores: c for c in other.by_cores}
         return attrs.evolve(self, by_cores=tuple(keep[k] for k in sorted(keep)))
 
@@ -130,8 +179,20 @@ class Profile:
             pull=tuple((int(b), float(s)) for b, s in c["pull"]),
             prefill_busy=tuple((int(t), float(n)) for t, n in c.get("prefill_busy", ())),
             decode_busy=tuple((int(b), int(x), float(n)) for b, x, n in c.get("decode_busy", ())),
+            **{leg: _pairs(c.get(leg, ())) for leg in LEGS},
         ) for c in raw["by_cores"])
         return cls(model=str(raw["model"]), kv_bytes_per_token=int(raw["kv_bytes_per_token"]),
                    page_size=int(raw["page_size"]),
                    max_batched_tokens=int(raw["max_batched_tokens"]),
-                   max_running=int(raw["max_running"]), by_cores=cores)
+                   max_running=int(raw["max_running"]), by_cores=cores,
+                   platform=str(raw.get("platform", "cpu")),
+                   device_kind=str(raw.get("device_kind", "")), step=str(raw.get("step", "")),
+                   kv_dtype=str(raw.get("kv_dtype", "")),
+                   prefill_grid=tuple(int(t) for t in raw.get("prefill_grid", ())),
+                   decode_grid=tuple((int(b), int(x)) for b, x in raw.get("decode_grid", ())),
+                   skipped=tuple(str(line) for line in raw.get("skipped", ())))
+
+
+def _pairs(raw: Sequence[Sequence[float]]) -> tuple[tuple[int, float], ...]:
+    """(bytes, seconds) pairs as JSON holds them."""
+    return tuple((int(b), float(s)) for b, s in raw)

@@ -56,7 +56,7 @@ LAYERS: dict[str, frozenset[str]] = {
         {"pd_fsm.sim.real", "pd_fsm.sim", "pd_fsm.core", "pd_fsm.jax_engine", "pd_fsm.text",
          "pd_fsm.schedulers"}
     ),
-    # ... and profiler.py (`pd-fsm profile`), which measures the real engine for the performance
+    # ... and profiler/ (`pd-fsm profile`), which measures the real engine for the performance
     # model (perf.py) and pins itself to cores as a worker does.
     "pd_fsm.sim.profiler": frozenset(
         {"pd_fsm.sim.profiler", "pd_fsm.sim", "pd_fsm.core", "pd_fsm.jax_engine", "pd_fsm.text",
