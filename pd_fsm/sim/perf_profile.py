@@ -28,7 +28,8 @@ that predates them skips them (``load`` reads named keys only; ``VERSION`` stays
 - ``CoreProfile``'s KV legs, each (bytes of one room, seconds), best of N on fresh arrays:
   ``gather`` (P's gather of a room from the pool, this backend's method), ``d2h`` (the gathered
   room device -> numpy, the faster of the two ways measured: one array, or one array per layer
-  with ``copy_to_host_async`` on all first), ``d2h_pinned`` (device -> ``pinned_host`` memory), ``h2d`` (numpy -> device),
+  with ``copy_to_host_async`` on all first), ``d2h_pinned`` (device -> ``pinned_host`` memory),
+  ``h2d`` (numpy -> device),
   ``scatter`` (D's scatter of a room into the pool, this backend's method). Empty where not
   measured (every CPU profile before them; ``d2h_pinned`` where the backend has no
   ``pinned_host`` memory). ``has_leg(name)`` says whether one was measured.
