@@ -65,10 +65,15 @@ WARMUP_THREADS = 8
 
 def step_token_sizes(seqs: int, top: int) -> list[int]:
     """The fused step's token counts for a runner of ``seqs`` rows whose largest step has
-    ``top`` tokens: 8 (a few decode rows), ``seqs`` (a full decode batch), then x4 up to
-    ``top``. Few sizes, as each is a compile of the whole model; a decode step's cost is its
-    reads, whatever its padding, and a prefill's padding is under 4x (none for a full chunk)."""
+    ``top`` tokens: 8, 64, 512 ... below ``seqs`` (decode rows), ``seqs`` (a full decode
+    batch), then x4 up to ``top``. Few sizes, as each is a compile of the whole model: a decode
+    step's cost is mostly its reads, whatever its padding (under 8x), and a prefill's padding
+    is under 4x (none for a full chunk)."""
     sizes = {min(8, top), min(seqs, top), top}
+    n = 64
+    while n < min(seqs, top):
+        sizes.add(n)
+        n *= 8
     n = seqs * 4
     while n < top:
         sizes.add(n)
