@@ -63,18 +63,19 @@ R = TypeVar("R")
 WARMUP_THREADS = 8
 
 
-def step_token_sizes(seqs: int, top: int) -> list[int]:
-    """The fused step's token counts for a runner of ``seqs`` rows whose largest step has
-    ``top`` tokens: 8, 64, 512 ... below ``seqs`` (decode rows), ``seqs`` (a full decode
-    batch), then x4 up to ``top``. Few sizes, as each is a compile of the whole model: a decode
-    step's cost is mostly its reads, whatever its padding (under 8x), and a prefill's padding
-    is under 4x (none for a full chunk)."""
-    sizes = {min(8, top), min(seqs, top), top}
-    n = 64
-    while n < min(seqs, top):
-        sizes.add(n)
-        n *= 8
-    n = seqs * 4
+def decode_seqs(capacity: int) -> list[int]:
+    """The fused decode step's sequence counts (its tokens as many): 8 rows, and the runner's
+    capacity. A decode step's cost is its reads, whatever the padding of its small matmuls; its
+    attention's grid has a step per sequence, so a few rows do not pay for the capacity's."""
+    return sorted({min(8, capacity), capacity})
+
+
+def prefill_tokens(capacity: int, top: int) -> list[int]:
+    """The fused prefill step's token counts (its sequences the runner's capacity): x4 from 4x
+    the capacity, and ``top``, the largest chunk: a prefill's padding is under 4x (none for a
+    full chunk), and each size is a compile of the whole model."""
+    sizes = {top}
+    n = capacity * 4
     while n < top:
         sizes.add(n)
         n *= 4
@@ -157,7 +158,7 @@ class ModelRunner:
         # what a step dispatched before they are read takes as its input.
         self._carried = jnp.zeros(bucket(max_rows), jnp.int32)
         self._greedy: dict[int, dict[str, jax.Array]] = {}  # _greedy_rows' by sequences
-        self._token_sizes: list[int] = []  # the fused step's, once step_shapes chose them
+        self._prefill_sizes: list[int] = []  # the fused prefill's, once step_shapes chose them
 
     # ----------------------------------------------------------------- the pool
 
@@ -265,7 +266,7 @@ class ModelRunner:
         knows (their sampling key's step too). A decode step's tokens become what the next one
         can carry; a prefill's are read at once and carried nowhere."""
         tokens, carry, q_lens, kv_lens, table, ahead = self._step_shape(
-            tokens, carry, q_lens, kv_lens, table, ahead)
+            tokens, carry, q_lens, kv_lens, table, ahead, decode)
         sampler, sampling = self.rows.on_device(rows, len(q_lens), ahead)
         self.forward_shapes.add(("step", len(tokens), len(q_lens)))
         batch = jnp.asarray(pack(tokens, carry, q_lens, kv_lens, table))
@@ -301,19 +302,24 @@ class ModelRunner:
         return arrays
 
     def _step_shape(self, tokens: np.ndarray, carry: np.ndarray, q_lens: np.ndarray,
-                    kv_lens: np.ndarray, table: np.ndarray, ahead: np.ndarray
+                    kv_lens: np.ndarray, table: np.ndarray, ahead: np.ndarray, decode: bool
                     ) -> tuple[np.ndarray, ...]:
-        """A fused step's arrays at its compiled shape: the new tokens (at the front, where
-        the planner's batch has them) padded to the next of ``step_token_sizes``, the sequences
-        to this runner's row capacity. A step's work is ragged, so the planner's (rows, tokens)
-        padding need not be its shape: four shapes serve every batch of a 64-row runner with a
-        1,024-token budget, where the planner's are 42 (a compile takes 20-40 s for a 28-layer
-        model on a TPU); the empty sequences cost the head and the sampler a row each."""
+        """A fused step's arrays at its compiled shape (``step_shapes``): the new tokens (at
+        the front, where the planner's batch has them) and the sequences padded. A step's work
+        is ragged, so the planner's (rows, tokens) padding need not be its shape: four shapes
+        serve every batch of a 64-row runner with a 1,024-token budget, where the planner's
+        are 42 (a compile takes 20-40 s for a 28-layer model on a TPU). A decode step's tokens
+        are its sequences (the attention's decode blocks); a prefill's are more."""
         real = int(q_lens.sum())
-        seqs = max(len(self._carried), len(q_lens))
-        # The warm-up's sizes (without one, as if this step were the largest).
-        sizes = self._token_sizes or step_token_sizes(seqs, bucket(real))
-        n_tokens = next((n for n in sizes if n >= real), bucket(real))
+        capacity = max(len(self._carried), len(q_lens))
+        if decode:
+            seqs = next(n for n in decode_seqs(capacity) if n >= real)
+            n_tokens = seqs
+        else:
+            seqs = capacity
+            # The warm-up's sizes (without one, as if this step were the largest).
+            sizes = self._prefill_sizes or prefill_tokens(capacity, bucket(real))
+            n_tokens = next((n for n in sizes if n >= real), bucket(real))
 
         def fit(a: np.ndarray, n: int, fill: int | bool = 0) -> np.ndarray:
             out = np.full((n, *a.shape[1:]), fill, a.dtype)
@@ -324,11 +330,15 @@ class ModelRunner:
                 fit(q_lens, seqs), fit(kv_lens, seqs), fit(table, seqs), fit(ahead, seqs, False))
 
     def step_shapes(self, plan: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The fused step's ``(tokens, sequences)`` shapes that serve the planner's ``plan``."""
-        top = bucket(max((rows * tokens for rows, tokens in plan), default=1))
-        seqs = max([len(self._carried), *(rows for rows, _ in plan)])
-        self._token_sizes = step_token_sizes(seqs, top)
-        return [(n, seqs) for n in self._token_sizes]
+        """The fused step's ``(tokens, sequences)`` shapes that serve the planner's ``plan``:
+        the decode steps' where it has decode shapes, the prefills' where it has prefills."""
+        capacity = max([len(self._carried), *(rows for rows, _ in plan)])
+        top = bucket(max((rows * tokens for rows, tokens in plan if tokens > 1), default=1))
+        self._prefill_sizes = prefill_tokens(capacity, top)
+        shapes = [(n, n) for n in decode_seqs(capacity)] if any(t == 1 for _, t in plan) else []
+        if any(t > 1 for _, t in plan):
+            shapes += [(n, capacity) for n in self._prefill_sizes]
+        return sorted(set(shapes))
 
     def _sampled(self, logits: jax.Array, rows: Sequence[Req | None],
                  every_position: jax.Array | None = None) -> StepResult:

@@ -311,7 +311,15 @@ def _call(shape: _Shape, q_items: jax.Array, pool: jax.Array, plan: ItemPlan,
     """The ``pallas_call``: a grid step per work item, the queries' blocks in VMEM, the pool in
     HBM, two VMEM buffers of ``block_pages`` pages and the softmax's running state."""
     rows, width = q_items.shape[1] // plan.item_seq.shape[0], q_items.shape[2]
-    block = pl.BlockSpec((shape.nkv, rows, width), lambda i, *_: (0, i, 0))
+
+    def item_block(i: Any, *prefetched: Any) -> tuple[Any, Any, Any]:
+        # Past the items in use, the last one's block again: the pipeline fetches and writes
+        # back a block only when its index changes, so an unused grid step (a step's padding
+        # sequences) moves nothing; the kernel leaves its output alone there.
+        n_items = prefetched[-1][0]
+        return 0, jnp.maximum(jnp.minimum(i, n_items - 1), 0), 0
+
+    block = pl.BlockSpec((shape.nkv, rows, width), item_block)
     page_size = pool.shape[1]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
