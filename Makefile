@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test lint unit bench-core spec flags-table clean demo prometheus
+.PHONY: setup test lint unit bench bench-core spec flags-table clean demo prometheus
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,7 @@ spec: setup
 	$(VENV)/bin/pd-fsm spec check
 	$(VENV)/bin/pd-fsm spec diagram
 
-# README's table of `pd-fsm serve` flags, rendered from their declarations
+# docs/flags.md's table of `pd-fsm serve` flags, rendered from their declarations
 # (pd_fsm/io_trio/worker/flags.py); tests/unit/test_flags_readme.py fails while it is stale.
 flags-table: setup
 	$(PY) -m pd_fsm.io_trio.worker.flags_readme
@@ -64,6 +64,13 @@ demo: setup
 
 bench-core: setup
 	$(PY) bench/bench_core.py
+
+# The headline figures that fit a 2-core machine in minutes (bench/headline.py: existing benches
+# in their quick forms, one after another), printed as one table; each bench's output and its
+# pictures go to $(BENCH_OUT), never over bench/plots/. The TPU machine's set: bench/README.md.
+BENCH_OUT ?= /tmp/pd_fsm_bench
+bench: setup
+	PD_FSM_PLOTS_DIR=$(BENCH_OUT)/plots $(PY) bench/headline.py --log-dir $(BENCH_OUT)
 
 clean:
 	rm -rf $(VENV)

@@ -4,17 +4,19 @@ figures a bench measured and writes one PNG beside its results (``bench/plots/NA
 ``RESULTS_*.md`` files and the README embed them.
 
 matplotlib is the ``bench`` extra (``pip install -e '.[bench]'``): without it a bench prints its
-tables as before and says that it drew nothing.
+tables as before and says that it drew nothing. ``PD_FSM_PLOTS_DIR`` sends the pictures elsewhere
+(``make bench`` does, so a quick run never draws over the pictures the RESULTS pages show).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-PLOTS = Path(__file__).resolve().parent / "plots"
+PLOTS = Path(os.environ.get("PD_FSM_PLOTS_DIR") or Path(__file__).resolve().parent / "plots")
 
 
 def _pyplot() -> Any:
@@ -36,7 +38,8 @@ def _save(plt: Any, fig: Any, name: str) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    print(f"(plot: {path.relative_to(PLOTS.parent.parent)})", flush=True)
+    shown = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
+    print(f"(plot: {shown})", flush=True)
     return path
 
 

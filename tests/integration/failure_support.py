@@ -33,7 +33,7 @@ HOST = "127.0.0.1"
 # Generous on purpose: 2 cores are shared with other test processes; a deadline, not a benchmark.
 SLACK = 8.0
 
-# The PD windows the failure tests run with (DESIGN §5 defaults in brackets).
+# The PD windows the failure tests run with (docs/design.md's defaults in brackets).
 HEARTBEAT = 0.5  # D -> P heartbeats and registry heartbeats [5 s]
 PEER_TIMEOUT = 2.0  # D: P silent this long, 2 heartbeats unanswered -> lost [15 s]
 LEASE_INITIAL = 3.0  # P: KV held this long before D's first heartbeat [30 s]

@@ -1,4 +1,5 @@
-"""Two hosts on one machine: network namespaces joined by a veth pair (``../shared/MULTIHOST.md``).
+"""Two hosts on one machine: network namespaces joined by a veth pair (docs/design.md, "Facts
+the design rests on").
 
 ``Hosts`` makes namespaces A and B with addresses from 10.77.0.0/24 and removes them (after
 killing whatever still runs in them). Processes go in with ``ip netns exec``. The test process

@@ -8,7 +8,7 @@ new process, fails only the rooms READY'd by the old one, and drops its cached t
 connection to the dead server. A restarted D keeps its identity but names a new incarnation in
 its RECV_INIT and heartbeats; P frees the rooms the old D process had claimed at once.
 
-Production windows (DESIGN §5: heartbeats 5 s, peer timeout 15 s, leases 30/20 s, registry TTL
+Production windows (docs/design.md: heartbeats 5 s, peer timeout 15 s, leases 30/20 s, registry TTL
 15 s), with a cluster secret: what an operator runs, and what the failure was first seen with.
 """
 
@@ -136,7 +136,7 @@ async def test_prefill_killed_with_requests_in_flight(fleet: Fleet) -> None:
         fleet.restart("p")
         await _first_three(http, fleet, str(fleet["proxy"].url), 20)
         # A pull D had started from the killed P can only end at its deadline (a dead transfer
-        # server's pull is not cancellable: README, failure notes), and D holds that room's pages
+        # server's pull is not cancellable: docs/failures.md), and D holds that room's pages
         # until it does (seen once in CI: one room CANCELLING with its pull in flight, 8 s on).
         await wait_clean(http, fleet["p"], fleet["d"],
                          timeout=ServeConfig().disaggregation_pull_deadline + SLACK)

@@ -60,7 +60,7 @@ class Cluster:
                 serve = partial(serve_prefill, secret=SECRET)
                 p: PrefillIO = await nursery.start(serve, self.p_endpoint, self.p_sink)
                 host, port = split_host_port(p.address)
-                # Routers know this P as 127.0.0.1:<its side-channel port> (DESIGN §5 default).
+                # Routers know this P as 127.0.0.1:<its side-channel port> (docs/design.md).
                 self.bootstrap_addr = f"{host}:{port}"
                 record = sample_record(zmq_addr=f"{host}:{port}", layout_hash="L")
                 client = BootstrapClient(url, record, secret=SECRET, heartbeat_interval=0.5)

@@ -6,7 +6,7 @@ heartbeat, pull deadline 4 s, transfer backstop 8 s, registry TTL 3 s). A batch 
 plain requests is sent, the veth link goes down under it, and stays down past every window:
 
 - every client gets exactly one answer (a 200, or an error status / an in-band error chunk) by
-  the README's deadline for a lost P (the transfer backstop plus slack);
+  docs/failures.md's deadline for a lost P (the transfer backstop plus slack);
 - P reclaims every room by lease and releases every transfer registration; D frees its pages;
 - the link comes back up and, without restarting anything, new requests through the proxy are
   answered and equal what they were before the partition (D re-registers when its registry

@@ -310,7 +310,7 @@ def test_sglang_router_carries_output_alternatives_and_input_logprobs(
 ) -> None:
     """Through sglang-router 0.3.2: output log-probs and their alternatives are D's own (the
     first position's from P, in READY), so they equal colocated; of the prompt's, the router
-    prepends P's ``input_token_logprobs`` and not ``input_top_logprobs`` (README: use our
+    prepends P's ``input_token_logprobs`` and not ``input_top_logprobs`` (docs/api.md: use our
     proxy for those)."""
     pd = _generate_logprobs(router, stream=False)
     colo = _generate_logprobs(env.url("colocated"), stream=False)

@@ -1,7 +1,7 @@
 """The size rule of issue 29 ("the house"): no class in ``pd_fsm`` with more than 20 methods
 (defs in its body) and no function over 60 lines, except those named here with the reason —
-the same list as README's "Architecture" section. A class that grows past the bound is a class
-with a second concern; split it (or name it here and in the README, saying why)."""
+the same list as docs/architecture.md. A class that grows past the bound is a class
+with a second concern; split it (or name it here and in docs/architecture.md, saying why)."""
 
 from __future__ import annotations
 

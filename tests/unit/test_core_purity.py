@@ -1,4 +1,5 @@
-"""pd_fsm.core imports only the standard library, attrs, cattrs and msgpack (DESIGN §2)."""
+"""pd_fsm.core imports only the standard library, attrs, cattrs and msgpack (docs/design.md,
+"pd_fsm's own principles")."""
 
 from __future__ import annotations
 

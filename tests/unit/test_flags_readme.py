@@ -1,5 +1,5 @@
-"""README's table of `pd-fsm serve` flags is what their declarations render (issue 29 §5): a flag
-added, renamed or re-defaulted without README following fails here. To fix a failure, run
+"""docs/flags.md's table of `pd-fsm serve` flags is what their declarations render: a flag
+added, renamed or re-defaulted without the page following fails here. To fix a failure, run
 ``python -m pd_fsm.io_trio.worker.flags_readme``."""
 
 from __future__ import annotations
@@ -13,11 +13,14 @@ from pd_fsm.io_trio.worker import flags_readme
 from pd_fsm.io_trio.worker.config import add_serve_arguments
 from pd_fsm.io_trio.worker.flags import SERVE_FLAGS
 
+ROOT = Path(__file__).resolve().parents[2]
 
-def test_readme_table_is_rendered_from_the_declarations() -> None:
-    readme = flags_readme.README.read_text(encoding="utf-8")
-    assert flags_readme.splice(readme, flags_readme.render()) == readme, (
-        "README's serve flags table differs from pd_fsm/io_trio/worker/flags.py: run "
+
+def test_flags_page_table_is_rendered_from_the_declarations() -> None:
+    assert flags_readme.FLAGS_DOC == ROOT / "docs" / "flags.md"
+    page = flags_readme.FLAGS_DOC.read_text(encoding="utf-8")
+    assert flags_readme.splice(page, flags_readme.render()) == page, (
+        "docs/flags.md's serve flags table differs from pd_fsm/io_trio/worker/flags.py: run "
         "`python -m pd_fsm.io_trio.worker.flags_readme`"
     )
 
@@ -47,6 +50,12 @@ def test_check_mode_fails_on_a_stale_table_and_write_mode_fixes_it(tmp_path: Pat
     assert flags_readme.main([str(readme), "--check"]) == 0
 
 
-def test_a_readme_without_the_markers_is_refused() -> None:
+def test_readme_points_at_the_flags_page_and_holds_no_copy_of_the_table() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "docs/flags.md" in readme
+    assert flags_readme.BEGIN not in readme
+
+
+def test_a_page_without_the_markers_is_refused() -> None:
     with pytest.raises(ValueError, match="marker"):
         flags_readme.splice("no table here", flags_readme.render())

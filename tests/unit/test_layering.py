@@ -29,7 +29,7 @@ import pd_fsm
 # (pd_fsm.sim.real) is named wherever it may be imported. Why each row:
 LAYERS: dict[str, frozenset[str]] = {
     # The sans-IO core: table-driven state machines, the bottom everything else builds on; no
-    # JAX, no sockets, no clock (DESIGN §2; test_core_purity checks its third-party imports).
+    # JAX, no sockets, no clock (docs/design.md; test_core_purity checks its third-party imports).
     "pd_fsm.core": frozenset({"pd_fsm.core"}),
     # Text in and out of the model: tokenizers, detokenising, chat templates. No JAX, nothing of
     # pd_fsm: a bottom layer beside the core, so that handling text never needs the accelerator

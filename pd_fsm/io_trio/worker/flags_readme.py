@@ -1,11 +1,11 @@
-"""README's table of `pd-fsm serve` flags, rendered from their declarations (flags.py).
+"""The table of `pd-fsm serve` flags in docs/flags.md, rendered from their declarations (flags.py).
 
-    python -m pd_fsm.io_trio.worker.flags_readme            # rewrite README.md's table
+    python -m pd_fsm.io_trio.worker.flags_readme            # rewrite docs/flags.md's table
     python -m pd_fsm.io_trio.worker.flags_readme --check    # exit 1 while it differs
 
-The table sits between two marker comments in README.md; everything else there is hand-written.
-``tests/unit/test_flags_readme.py`` fails while README's table is not what this renders, so a
-flag cannot be added, renamed or re-defaulted without its documentation following.
+The table sits between two marker comments in docs/flags.md; everything else there is
+hand-written. ``tests/unit/test_flags_readme.py`` fails while the page's table is not what this
+renders, so a flag cannot be added, renamed or re-defaulted without its documentation following.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pd_fsm.io_trio.flag_spec import Flag, config_default
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.flags import SERVE_FLAGS
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+FLAGS_DOC = Path(__file__).resolve().parents[3] / "docs" / "flags.md"
 BEGIN = ("<!-- serve flags: rendered from pd_fsm/io_trio/worker/flags.py by "
          "`python -m pd_fsm.io_trio.worker.flags_readme`; edit the declarations, not this -->")
 END = "<!-- end of serve flags -->"
@@ -79,31 +79,31 @@ def render(flags: Sequence[Flag] = SERVE_FLAGS) -> str:
     return "\n".join((BEGIN, *HEADER, *rows, END))
 
 
-def splice(readme: str, table: str) -> str:
-    """``readme`` with the text from BEGIN to END replaced by ``table``."""
-    start, end = readme.find(BEGIN), readme.find(END)
+def splice(page: str, table: str) -> str:
+    """``page`` with the text from BEGIN to END replaced by ``table``."""
+    start, end = page.find(BEGIN), page.find(END)
     if start < 0 or end < start:
-        raise ValueError("README has no serve flags table (its marker comments are missing)")
-    return readme[:start] + table + readme[end + len(END):]
+        raise ValueError("the page has no serve flags table (its marker comments are missing)")
+    return page[:start] + table + page[end + len(END):]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pd_fsm.io_trio.worker.flags_readme",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("readme", nargs="?", type=Path, default=README)
+    parser.add_argument("page", nargs="?", type=Path, default=FLAGS_DOC)
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if the table differs from the declarations")
     args = parser.parse_args(argv)
-    text = args.readme.read_text(encoding="utf-8")
+    text = args.page.read_text(encoding="utf-8")
     updated = splice(text, render())
     if args.check:
         if updated != text:
-            print(f"{args.readme}: the serve flags table is out of date", file=sys.stderr)
+            print(f"{args.page}: the serve flags table is out of date", file=sys.stderr)
             return 1
         return 0
     if updated != text:
-        args.readme.write_text(updated, encoding="utf-8")
-        print(f"wrote {args.readme}")
+        args.page.write_text(updated, encoding="utf-8")
+        print(f"wrote {args.page}")
     return 0
 
 
