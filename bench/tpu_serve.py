@@ -91,9 +91,12 @@ def engine_ceiling(args: argparse.Namespace, out: Path, records: Path, in_tokens
     with log.open("w") as f:
         done = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, check=False,
                               timeout=args.engine_timeout)
+    # Its records in the one JSONL too: the device tool brings back a few files only.
+    engine_json = out / f"{args.model}_engine.json"
+    engine = json.loads(engine_json.read_text()) if engine_json.exists() else []
     emit({"event": "engine closed loop", "model": args.model, "rc": done.returncode,
           "seconds": time.monotonic() - started, "requests": requests, "in": in_tokens,
-          "out": out_tokens}, records)
+          "out": out_tokens, "records": engine}, records)
 
 
 def serve(args: argparse.Namespace, sock: Path, log: Path) -> subprocess.Popen[bytes]:
