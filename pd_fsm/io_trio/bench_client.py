@@ -50,7 +50,7 @@ DATASETS = {"short": (8, 32), "long": (200, 400)}
 
 
 @attrs.frozen
-class Prompt:
+class BenchPrompt:
     text: str
     words: int
     max_tokens: int | None = None  # this prompt's answer length; None: the load's max_tokens
@@ -64,7 +64,7 @@ def _words(rng: random.Random, k: int) -> str:
 
 
 def make_prompts(dataset: str, n: int, seed: int, groups: int = 4,
-                 prefix_words: int = 300) -> list[Prompt]:
+                 prefix_words: int = 300) -> list[BenchPrompt]:
     """``n`` prompts drawn from a fixed word list: the same for given arguments.
 
     ``shared-prefix``: ``groups`` system prompts of ``prefix_words`` words, prompt i the
@@ -84,14 +84,14 @@ def make_prompts(dataset: str, n: int, seed: int, groups: int = 4,
             else:
                 text = f"{history[g]} Question: {_words(rng, rng.randint(8, 16))}"
                 history[g] = f"{text} Answer: {_words(rng, 16)}"
-            prompts.append(Prompt(text, len(text.split())))
+            prompts.append(BenchPrompt(text, len(text.split())))
         return prompts
     prompts = []
     for i in range(n):
         kind = dataset if dataset != "mixed" else ("short" if i % 2 == 0 else "long")
         lo, hi = DATASETS[kind]
         k = rng.randint(lo, hi)
-        prompts.append(Prompt(_words(rng, k), k))
+        prompts.append(BenchPrompt(_words(rng, k), k))
     return prompts
 
 
@@ -105,7 +105,7 @@ def common_prefix(a: Sequence[object], b: Sequence[object]) -> int:
     return n
 
 
-def prefix_reuse(prompts: Sequence[Prompt]) -> float:
+def prefix_reuse(prompts: Sequence[BenchPrompt]) -> float:
     """The share of the prompts' characters that begin like an earlier prompt (the longest
     common prefix with any earlier one): what a perfect prefix cache could skip."""
     earlier: list[str] = []  # sorted: the longest common prefix is with a neighbour
@@ -129,7 +129,7 @@ class Result:
     output_tokens: int = 0
 
 
-def _body(endpoint: str, prompt: Prompt, max_tokens: int, model: str | None) -> dict[str, Any]:
+def _body(endpoint: str, prompt: BenchPrompt, max_tokens: int, model: str | None) -> dict[str, Any]:
     if endpoint == "generate":
         return {"text": prompt.text, "stream": True,
                 "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0,
@@ -240,7 +240,7 @@ class Summary:
         return out
 
 
-async def run_load(url: str, args: argparse.Namespace, prompts: list[Prompt],
+async def run_load(url: str, args: argparse.Namespace, prompts: list[BenchPrompt],
                    arrivals: Sequence[float] | None = None) -> Summary:
     """Every prompt, streamed, at Poisson arrivals of ``args.request_rate`` (all at once when
     infinite) or, with ``arrivals``, prompt i sent ``arrivals[i]`` seconds after the start: a
@@ -256,7 +256,7 @@ async def run_load(url: str, args: argparse.Namespace, prompts: list[Prompt],
                                  headers=headers, mounts=unix_mounts(limits)) as http:
         start = trio.current_time()
 
-        async def send(i: int, prompt: Prompt) -> None:
+        async def send(i: int, prompt: BenchPrompt) -> None:
             async with limiter:
                 body = _body(args.endpoint, prompt, prompt.max_tokens or args.max_tokens,
                              args.model)
@@ -490,7 +490,7 @@ async def scrape_totals(http: httpx.AsyncClient, urls: Sequence[str]
     return out
 
 
-def cache_lines(prompts: Sequence[Prompt], completed: int, sides: dict[str, str],
+def cache_lines(prompts: Sequence[BenchPrompt], completed: int, sides: dict[str, str],
                 before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
                 ) -> str:
     """Prefix reuse of the prompt set, and what this run's caches, transfers and routing did:

@@ -143,7 +143,7 @@ class Room:
 
 
 class RoomHost(Protocol):
-    """What a room needs of the proxy (``server.Proxy``, which builds it: naming it here would
+    """What a room needs of the proxy (``server.ProxyServer``, which builds it: naming it here would
     close an import circle)."""
 
     phases: PhaseHistograms

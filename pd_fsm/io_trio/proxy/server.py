@@ -105,7 +105,7 @@ def _room_of(item: ev.RouterEvent | fx.RouterEffect) -> int | None:
             assert_never(item)
 
 
-class Proxy:
+class ProxyServer:
     def __init__(
         self,
         prefill: list[PrefillTarget],
@@ -168,7 +168,7 @@ class Proxy:
 
     @property
     def client(self) -> httpx.AsyncClient:
-        assert self._client is not None, "Proxy.run is not running"
+        assert self._client is not None, "ProxyServer.run is not running"
         return self._client
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -323,7 +323,7 @@ class Proxy:
     def _tell_worker(self, url: str, path: str, body: dict[str, object], what: str) -> None:
         """POST ``body`` to a worker in the proxy's nursery, within ABORT_TIMEOUT: best effort,
         a failure is logged (the worker's own deadlines end what it was told to)."""
-        assert self._nursery is not None, "Proxy.run is not running"
+        assert self._nursery is not None, "ProxyServer.run is not running"
         self._nursery.start_soon(_post_quietly, self.client, url, path, body,
                                  self.workers.headers, what)
 
@@ -470,7 +470,7 @@ class Proxy:
         self.requests.labels(path, status).inc()
 
     def start_soon(self, fn: Callable[[Room], Awaitable[None]], s: Room) -> None:
-        assert self._nursery is not None, "Proxy.run is not running"
+        assert self._nursery is not None, "ProxyServer.run is not running"
         self._nursery.start_soon(fn, s)
 
     def room_over(self, s: Room) -> None:
@@ -506,7 +506,7 @@ async def _post_quietly(client: httpx.AsyncClient, url: str, path: str, body: di
         log.warning("%s at %s failed: %r", what, url, exc)
 
 
-def _app(proxy: Proxy, api_key: str | None) -> Starlette | ApiKeyGate:
+def _app(proxy: ProxyServer, api_key: str | None) -> Starlette | ApiKeyGate:
     """The proxy's HTTP routes: generation (a room per prompt), the workers' own, /metrics."""
 
     async def metrics(request: Request) -> Response:
@@ -542,7 +542,7 @@ def _batch(path: str, body: Mapping[str, object]) -> list[dict[str, Any]] | None
 
 
 async def serve_proxy(
-    proxy: Proxy,
+    proxy: ProxyServer,
     host: str = "127.0.0.1",
     port: int | None = 0,
     *,

@@ -1,4 +1,4 @@
-"""The workers the proxy routes to (``proxy.server.Proxy`` holds one :class:`Workers`).
+"""The workers the proxy routes to (``proxy.server.ProxyServer`` holds one :class:`Workers`).
 
 They come from the command line or, refreshed every ``refresh_interval``, from the bootstrap
 server's ``GET /list?role=prefill|decode``; for the load-aware policies each one's ``/get_load``

@@ -100,7 +100,7 @@ class BackendHealth(Protocol):
         ...
 
 
-class Backend(Protocol):
+class ServeBackend(Protocol):
     mode: str  # "null" | "prefill" | "decode"
 
     @property
@@ -154,9 +154,9 @@ class HandsOff(Protocol):
 
 
 @runtime_checkable
-class RoleBackend(Backend, Protocol):
+class RoleBackend(ServeBackend, Protocol):
     """What the worker needs of a backend it built (``roles.make_backend``), beyond the HTTP
-    layer's ``Backend``: every real backend has it all; a test's stand-in may have less, so
+    layer's ``ServeBackend``: every real backend has it all; a test's stand-in may have less, so
     the app and the role host look for it with ``isinstance``."""
 
     role_epoch: int  # registered with a PD backend's record (issue 30 §1): the switches so far
@@ -197,7 +197,7 @@ HANDOFF_LEASE_MARGIN_S = 0.5
 HANDOFF_LEASE_MIN_S = 0.5
 
 
-def start_hand_off(backend: Backend, left_s: float) -> bool:
+def start_hand_off(backend: ServeBackend, left_s: float) -> bool:
     """Draining, once ``drain_gate`` found another D to take them (issue 32 §2): a decode
     backend hands each running stream it may to another D, its KV leased until just before the
     drain's deadline, ``left_s`` from now. False for a backend that hands nothing off."""

@@ -110,7 +110,7 @@ class ColocatedBackend:
         self.role_epoch = 0
         self.phase_observer: PhaseObserver | None = None
 
-    # ----------------------------------------------------------------- Backend protocol
+    # ----------------------------------------------------------------- ServeBackend protocol
 
     def ready(self) -> bool:
         return self.health.ready

@@ -1,10 +1,11 @@
 """The prefill and decode backends of `pd-fsm serve --disaggregation-mode prefill|decode`.
 
-One class, ``PDBackend``, runs the PD loop; what differs between P and D is the role object it
-holds (``pd_role.PDRole``: ``PrefillRole``, ``decode_role.DecodeRole``). The backend owns a PD
-scheduler (which owns its core endpoint) and, through ``PDLink`` (pd_link.py), everything a PD
-worker talks to: the side channel (P binds a ROUTER, D opens a DEALER per P), the bootstrap client
-(P and D register; D also resolves P through it) and the transfer engine (inside the scheduler).
+One class, ``PDBackend``, runs the PD loop; what differs between P and D is the role adapter it
+holds (``pd_adapter.PDAdapter``: ``PrefillAdapter``, ``decode_adapter.DecodeAdapter``). The
+backend owns a PD scheduler (which owns its core endpoint) and, through ``PeerIO``
+(peer_io.py), everything a PD worker talks to: the side channel (P binds a ROUTER, D opens a
+DEALER per P), the bootstrap client (P and D register; D also resolves P through it) and the
+transfer engine (inside the scheduler).
 One trio task runs the loop; every touch of the scheduler happens in ``_tick``, on one worker
 thread at a time, so scheduler and core need no locks and blocking JAX work never runs on the
 event loop:
@@ -41,14 +42,14 @@ from pd_fsm.io_trio.worker.backend import (
 )
 from pd_fsm.io_trio.worker.colocated import SPMD_JOIN_TIMEOUT_S, common_stats
 from pd_fsm.io_trio.worker.config import ServeConfig
-from pd_fsm.io_trio.worker.decode_role import DecodeRole
+from pd_fsm.io_trio.worker.decode_adapter import DecodeAdapter
 from pd_fsm.io_trio.worker.health import Health
-from pd_fsm.io_trio.worker.pd_link import Arrived, PDLink
-from pd_fsm.io_trio.worker.pd_role import PDRole, PrefillRole, RoleParts, S
+from pd_fsm.io_trio.worker.pd_adapter import PDAdapter, PrefillAdapter, RoleParts, S
+from pd_fsm.io_trio.worker.peer_io import Arrived, PeerIO
 from pd_fsm.io_trio.worker.spmd.pd_ticks import RankTicks, fingerprint, job_of, leg_of
 from pd_fsm.io_trio.worker.spmd.tick_inputs import TickInputs, shared_key
 from pd_fsm.io_trio.worker.startup import Startup
-from pd_fsm.io_trio.worker.streams import STREAM_CAPACITY, Stream, StreamTable
+from pd_fsm.io_trio.worker.streams import STREAM_CAPACITY, JobStream, StreamTable
 from pd_fsm.jax_engine.transfer.base import KVTransferEngine
 from pd_fsm.jax_engine.transfer.thread_priority import DataPlanePriority
 from pd_fsm.schedulers.args import same_named
@@ -158,7 +159,7 @@ def warm_kv_copies(startup: Startup, scheduler: PrefillScheduler | DecodeSchedul
     log.info("compiled the KV %s for %d page buckets", scheduler.KV_COPY, n)
 
 
-def close_pd_scheduler(role: PDRole[S], sched: S, engine: KVTransferEngine | None) -> None:
+def close_pd_scheduler(role: PDAdapter[S], sched: S, engine: KVTransferEngine | None) -> None:
     """Free what ``sched`` holds besides memory: the role's part, then its transfer engine, or
     (``engine``: the process's, shared by the roles of a switching worker) what it registered
     there."""
@@ -211,7 +212,7 @@ async def raise_data_plane(data_plane: DataPlanePriority) -> None:
 class PDBackend(Generic[S]):
     """The PD loop, the inbox, the bootstrap client; ``role`` supplies what P and D differ in."""
 
-    def __init__(self, config: ServeConfig, role: Callable[[RoleParts], PDRole[S]],
+    def __init__(self, config: ServeConfig, role: Callable[[RoleParts], PDAdapter[S]],
                  spmd: SpmdLeader | None = None, *,
                  engine: KVTransferEngine | None = None) -> None:
         """``role(parts)``: the role object, given what it may use of this backend."""
@@ -220,9 +221,9 @@ class PDBackend(Generic[S]):
         self.mode = config.disaggregation_mode
         self.streams = StreamTable(config.max_queued, STREAM_CAPACITY)
         self.outcomes = self.streams.outcomes  # requests by outcome (the table's counts)
-        self.link = PDLink(self.streams.wake)
+        self.link = PeerIO(self.streams.wake)
         self._secret = config.cluster_secret()
-        self.role: PDRole[S] = role(RoleParts(config, self.pd_args, self.link, self.streams,
+        self.role: PDAdapter[S] = role(RoleParts(config, self.pd_args, self.link, self.streams,
                                               self._secret, spans_processes=spmd is not None))
         self.health = Health()
         self.startup = Startup(config.warmup)
@@ -249,7 +250,7 @@ class PDBackend(Generic[S]):
         # The loop's way out for what a tick's inbox made the core say, before its step.
         self._send_early: Callable[[list[fx.IOEffect]], None] | None = None
 
-    # -- Backend protocol ---
+    # -- ServeBackend protocol ---
 
     def ready(self) -> bool:
         bootstrap = self.link.bootstrap
@@ -319,7 +320,7 @@ class PDBackend(Generic[S]):
         return bootstrap.record, await bootstrap.list("decode")
 
     def admit_job(self, sched: S, job: GenerateJob, accepted: float) -> None:
-        """Open the request's room (``PDRole.admit_job``; a rank > 0 admits rank 0's legs)."""
+        """Open the request's room (``PDAdapter.admit_job``; a rank > 0 admits rank 0's legs)."""
         self.role.admit_job(sched, job, accepted)
 
     # -- start and stop ---
@@ -417,7 +418,7 @@ class PDBackend(Generic[S]):
             with trio.move_on_at(self._wake_at(sched, result.next_deadline)):
                 await woken.wait()
 
-    async def _run_tick(self, sched: S) -> TickResult[Stream]:
+    async def _run_tick(self, sched: S) -> TickResult[JobStream]:
         """This tick's inputs to the scheduler's thread, and its result back."""
         inbox = self.link.take_inbox()
         jobs = self.streams.take_jobs()
@@ -449,13 +450,13 @@ class PDBackend(Generic[S]):
         return wake_at
 
     def _tick(
-        self, sched: S, inbox: list[Arrived], jobs: list[Stream], aborts: list[str]
-    ) -> TickResult[Stream]:
+        self, sched: S, inbox: list[Arrived], jobs: list[JobStream], aborts: list[str]
+    ) -> TickResult[JobStream]:
         """Everything that touches the scheduler, on one thread at a time (the limiter): the
         one tick the simulator runs too (``schedulers/disaggregation/tick.py``)."""
         streams = self.streams
 
-        def admitted(stream: Stream) -> None:
+        def admitted(stream: JobStream) -> None:
             stream.in_scheduler = True
             streams.prompt_tokens_total += len(stream.job.input_ids)
             streams.prompts_total += 1
@@ -489,18 +490,18 @@ class PDBackend(Generic[S]):
 
 class PrefillBackend(PDBackend[PrefillScheduler]):
     """P: answers its leg once the room's KV is handed off to D (READY sent). Only a named
-    constructor: the role object (``PrefillRole``) is all that differs."""
+    constructor: the role object (``PrefillAdapter``) is all that differs."""
 
     def __init__(self, config: ServeConfig, spmd: SpmdLeader | None = None, *,
                  engine: KVTransferEngine | None = None) -> None:
-        super().__init__(config, PrefillRole, spmd, engine=engine)
+        super().__init__(config, PrefillAdapter, spmd, engine=engine)
 
 
 class DecodeBackend(PDBackend[DecodeScheduler]):
     """D: preallocates, pulls the KV from P, then streams the generation. Only a named
-    constructor: the role object (``DecodeRole``) is all that differs."""
+    constructor: the role object (``DecodeAdapter``) is all that differs."""
 
     def __init__(self, config: ServeConfig, spmd: SpmdLeader | None = None,
                  pairing: PeerPairing | None = None, *,
                  engine: KVTransferEngine | None = None) -> None:
-        super().__init__(config, lambda parts: DecodeRole(parts, pairing), spmd, engine=engine)
+        super().__init__(config, lambda parts: DecodeAdapter(parts, pairing), spmd, engine=engine)

@@ -85,7 +85,7 @@ GBPS_BUCKETS = (
 
 
 @attrs.frozen
-class Phase:
+class PhaseMetric:
     key: str  # what the scheduler (or proxy) reports
     role: str  # "prefill" | "decode" | "proxy": who observes it
     name: str  # the Prometheus metric name
@@ -94,12 +94,12 @@ class Phase:
 
 
 def _w(key: str, role: str, doc: str, suffix: str = "_seconds",
-       buckets: Sequence[float] = PHASE_BUCKETS) -> Phase:
-    return Phase(key, role, f"pd_fsm_worker_{key}{suffix}", doc, buckets)
+       buckets: Sequence[float] = PHASE_BUCKETS) -> PhaseMetric:
+    return PhaseMetric(key, role, f"pd_fsm_worker_{key}{suffix}", doc, buckets)
 
 
 # In the order a PD request meets them (the bench prints them in this order).
-PHASES: tuple[Phase, ...] = (
+PHASES: tuple[PhaseMetric, ...] = (
     _w("decode_bootstrap", "decode", "D: leg accepted -> P's route known, pages requested"),
     _w("decode_page_wait", "decode", "D: pages requested -> reserved (RECV_INIT sent)"),
     _w("prefill_queue", "prefill", "P: leg accepted -> pages reserved, joins the prefill batch"),
@@ -116,15 +116,15 @@ PHASES: tuple[Phase, ...] = (
     _w("kv_tail", "decode",
        "D: READY received -> request in the decode batch (the transfer not hidden behind P's "
        "prefill)"),
-    Phase("kv_transfer_bytes", "decode", "pd_fsm_worker_kv_transfer_bytes",
+    PhaseMetric("kv_transfer_bytes", "decode", "pd_fsm_worker_kv_transfer_bytes",
           "D: bytes of one successful pull", BYTES_BUCKETS),
-    Phase("kv_transfer_gbps", "decode", "pd_fsm_worker_kv_transfer_gigabytes_per_second",
+    PhaseMetric("kv_transfer_gbps", "decode", "pd_fsm_worker_kv_transfer_gigabytes_per_second",
           "D: one pull's bytes / (start_pull -> ready), GB/s", GBPS_BUCKETS),
-    Phase("proxy_decode_first_byte", "proxy", "pd_fsm_proxy_decode_first_byte_seconds",
+    PhaseMetric("proxy_decode_first_byte", "proxy", "pd_fsm_proxy_decode_first_byte_seconds",
           "proxy: D leg posted -> first bytes of D's 2xx answer"),
-    Phase("proxy_prefill_leg", "proxy", "pd_fsm_proxy_prefill_leg_seconds",
+    PhaseMetric("proxy_prefill_leg", "proxy", "pd_fsm_proxy_prefill_leg_seconds",
           "proxy: P leg posted -> P's whole 2xx answer read"),
-    Phase("proxy_decode_leg", "proxy", "pd_fsm_proxy_decode_leg_seconds",
+    PhaseMetric("proxy_decode_leg", "proxy", "pd_fsm_proxy_decode_leg_seconds",
           "proxy: D leg posted -> D's whole 2xx answer relayed"),
 )
 PHASE_BY_KEY = {p.key: p for p in PHASES}
@@ -132,7 +132,7 @@ PHASE_BY_KEY = {p.key: p for p in PHASES}
 TTFT_NAME = "pd_fsm_worker_time_to_first_token_seconds"
 
 
-def role_phases(role: str) -> tuple[Phase, ...]:
+def role_phases(role: str) -> tuple[PhaseMetric, ...]:
     return tuple(p for p in PHASES if p.role == role)
 
 

@@ -36,8 +36,8 @@ from pd_fsm.io_trio.bootstrap.records import (
     record_from_json,
 )
 from pd_fsm.io_trio.worker.config import ServeConfig
+from pd_fsm.io_trio.worker.pd_adapter import S
 from pd_fsm.io_trio.worker.pd_backends import PDBackend, PrefillBackend, make_pd_backend
-from pd_fsm.io_trio.worker.pd_role import S
 from pd_fsm.io_trio.worker.spmd.follower import Divergence, follow
 from pd_fsm.io_trio.worker.spmd.frames import Announced, Frame, PullReported, TickStarted
 from pd_fsm.io_trio.worker.spmd.pd_ticks import fingerprint, job_of

@@ -1,4 +1,4 @@
-"""What a PD role supplies to the PD loop: ``PDRole``, and the prefill role.
+"""What a PD role supplies to the PD loop: ``PDAdapter``, and the prefill role.
 
 The loop (pd_backends.py) is the same for P and D: inbox, jobs, aborts, one tick on the
 scheduler's thread, outputs out. What differs is a role object the backend holds, typed by its
@@ -19,7 +19,7 @@ from pd_fsm.io_trio.side_channel.curve import CurveKeys
 from pd_fsm.io_trio.unix_sockets import IPC_PREFIX
 from pd_fsm.io_trio.worker.backend import GenerateJob, Stats, request_of
 from pd_fsm.io_trio.worker.config import ServeConfig
-from pd_fsm.io_trio.worker.pd_link import PDLink
+from pd_fsm.io_trio.worker.peer_io import PeerIO
 from pd_fsm.io_trio.worker.spmd.tick_inputs import TickInputs
 from pd_fsm.io_trio.worker.streams import StreamTable
 from pd_fsm.jax_engine.transfer.base import KVTransferEngine
@@ -36,7 +36,7 @@ class RoleParts:
 
     config: ServeConfig
     pd_args: DisaggregationArgs
-    link: PDLink  # the side channel (the role opens it), the inbox, the registry client
+    link: PeerIO  # the side channel (the role opens it), the inbox, the registry client
     streams: StreamTable  # the live requests (D ends the ones it handed off)
     # The cluster secret: the side channel and the BootstrapClient each derive their own key
     # from it (pd_fsm.core.keys); neither sends it.
@@ -49,7 +49,7 @@ class RoleParts:
         return self.config.side_channel_curve
 
 
-class PDRole(Protocol[S]):
+class PDAdapter(Protocol[S]):
     mode: str  # "prefill" | "decode"
 
     def new_scheduler(self, engine: KVTransferEngine | None,
@@ -130,7 +130,7 @@ def bootstrap_of(mode: str, job: GenerateJob) -> tuple[str, int | None, int]:
     return boot.host, boot.port, boot.room
 
 
-class PrefillRole:
+class PrefillAdapter:
     """P: answers its leg once the room's KV is handed off to D (READY sent)."""
 
     mode = "prefill"

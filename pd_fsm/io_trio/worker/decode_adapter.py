@@ -1,4 +1,4 @@
-"""The decode role of the PD loop (pd_role.PDRole): preallocates, pulls the KV from P, then
+"""The decode role of the PD loop (pd_adapter.PDAdapter): preallocates, pulls the KV from P, then
 streams the generation; tells P of legs it refused before any room opened; hands its running
 streams to another D while it drains (issue 32 §2)."""
 
@@ -18,8 +18,8 @@ from pd_fsm.io_trio.bootstrap.records import InstanceRecord
 from pd_fsm.io_trio.side_channel.channel import DecodeSideChannel
 from pd_fsm.io_trio.unix_sockets import IPC_PREFIX, ipc_path
 from pd_fsm.io_trio.worker.backend import GenerateJob, HandedOff, Stats, request_of
-from pd_fsm.io_trio.worker.pd_link import PDLink
-from pd_fsm.io_trio.worker.pd_role import RoleParts, bootstrap_of, held_rooms
+from pd_fsm.io_trio.worker.pd_adapter import RoleParts, bootstrap_of, held_rooms
+from pd_fsm.io_trio.worker.peer_io import PeerIO
 from pd_fsm.io_trio.worker.spmd.tick_inputs import TickInputs
 from pd_fsm.jax_engine.transfer.base import KVTransferEngine
 from pd_fsm.schedulers.disaggregation import DecodeScheduler
@@ -37,7 +37,7 @@ class RefusalTeller:
     """PD legs refused before any room opened here (a null ``bootstrap_port``, no default):
     their P leg would wait a whole lease for our RECV_INIT unless told."""
 
-    def __init__(self, link: PDLink, resolve_timeout: float) -> None:
+    def __init__(self, link: PeerIO, resolve_timeout: float) -> None:
         self._link = link
         self._resolve_timeout = resolve_timeout
         # (bootstrap_host, room, reason): appended in the tick's thread, drained on the loop.
@@ -107,7 +107,7 @@ def unix_only_elsewhere(record: InstanceRecord) -> str | None:
             "jax.experimental.transfer listens on TCP only); give that P a TCP --port")
 
 
-class DecodeRole:
+class DecodeAdapter:
     mode = "decode"
 
     def __init__(self, parts: RoleParts, pairing: PeerPairing | None = None) -> None:
