@@ -9,7 +9,7 @@ what compare.
 
 Then where the target's TTFT went: the ``/metrics`` of the target, of the workers a pd-fsm proxy
 names at ``GET /workers``, and of every ``--metrics-url`` are scraped before and after the run;
-the bucket deltas of each phase histogram (``pd_fsm.io_trio.worker.phases``) give its p50/p99
+the bucket deltas of each phase histogram (``pd_fsm.io_trio.phases``) give its p50/p99
 this run, interpolated in the buckets as Prometheus' ``histogram_quantile`` does.
 """
 
@@ -30,8 +30,8 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from pd_fsm.io_trio.api_key import bearer
+from pd_fsm.io_trio.phases import PHASE_BY_KEY, PHASES, TTFT_NAME
 from pd_fsm.io_trio.unix_sockets import display, service_url, unix_mounts
-from pd_fsm.io_trio.worker.phases import PHASE_BY_KEY, PHASES, TTFT_NAME
 
 _WORD_TEXT = (
     "the of and to in is was for on that with as by at from his her they this which be or "

@@ -240,7 +240,7 @@ def test_duplicate_live_room_rejected_first_unaffected(tiny: LoadedModel) -> Non
 def test_every_phase_is_sampled_once_per_room_on_its_side(tiny: LoadedModel) -> None:
     """The phase samples the worker turns into histograms (phases.py): each of a role's phases
     once per room, on that role only, and nothing left stamped once the rooms are over."""
-    from pd_fsm.io_trio.worker.phases import PHASE_BY_KEY, role_phases
+    from pd_fsm.io_trio.phases import PHASE_BY_KEY, role_phases
 
     pair = PDPair(tiny, _args("prefill"), _args("decode"))
     try:

@@ -57,9 +57,9 @@ from pd_fsm.io_trio.bootstrap.records import (
 from pd_fsm.io_trio.driver import EndpointDriver
 from pd_fsm.io_trio.http_edge import BodyError, edge_app, parse_json, read_body, request_failures
 from pd_fsm.io_trio.http_server import SERVER_KEEP_ALIVE_S, hypercorn_config, serve_app
+from pd_fsm.io_trio.stats_metrics import StatsCollector
 from pd_fsm.io_trio.tls import NO_TLS, TLS
 from pd_fsm.io_trio.unix_sockets import IPC_PREFIX, UnixSocket, display
-from pd_fsm.io_trio.worker.metrics import StatsCollector
 
 log = logging.getLogger("pd_fsm.io_trio.bootstrap.server")
 

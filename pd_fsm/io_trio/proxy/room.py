@@ -33,6 +33,7 @@ from pd_fsm.core import events as ev
 from pd_fsm.core.drive import drive
 from pd_fsm.core.role_switch import ROLE_HEADER
 from pd_fsm.core.session import ProxySession, SequenceSession
+from pd_fsm.io_trio.phases import PhaseHistograms
 from pd_fsm.io_trio.proxy.answers import (
     Failure,
     Refusal,
@@ -45,7 +46,6 @@ from pd_fsm.io_trio.proxy.answers import (
 from pd_fsm.io_trio.proxy.logprob_merge import SseRewriter, merge
 from pd_fsm.io_trio.proxy.merged_stream import merge_streams
 from pd_fsm.io_trio.proxy.migration import Progress
-from pd_fsm.io_trio.worker.phases import PhaseHistograms
 from pd_fsm.io_trio.worker.sse import Receive, Send, event
 
 log = logging.getLogger("pd_fsm.io_trio.proxy.server")  # one logger for the proxy

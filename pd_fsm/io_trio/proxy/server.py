@@ -28,7 +28,7 @@ reaches this class only through ``room.RoomHost``: ``feed``, ``count``, ``contai
 the core's ``ProxySession`` (table proxy_session). Workers (``workers.py``) come from the command
 line or, refreshed periodically, from the bootstrap server's ``GET /list?role=prefill|decode``;
 ``GET /workers`` names the current ones (the bench scrapes their ``/metrics``). ``/metrics`` has
-histograms of each leg and of D's first byte (``pd_fsm.io_trio.worker.phases``).
+histograms of each leg and of D's first byte (``pd_fsm.io_trio.phases``).
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ from pd_fsm.io_trio.http_edge import (
     request_failures,
 )
 from pd_fsm.io_trio.http_server import http_client, serve_app
+from pd_fsm.io_trio.phases import PhaseHistograms
 from pd_fsm.io_trio.proxy.answers import Failure, Refusal, error_body
 from pd_fsm.io_trio.proxy.batch import BatchResponse
 from pd_fsm.io_trio.proxy.logprob_merge import wants_prompt_logprobs
@@ -73,10 +74,9 @@ from pd_fsm.io_trio.proxy.prompt_key import prompt_of
 from pd_fsm.io_trio.proxy.room import ClientRequest, Reply, Room, RoomResponse
 from pd_fsm.io_trio.proxy.workers import PrefillTarget as PrefillTarget  # callers' name for it
 from pd_fsm.io_trio.proxy.workers import Workers
+from pd_fsm.io_trio.stats_metrics import StatsCollector
 from pd_fsm.io_trio.tls import NO_TLS, TLS
 from pd_fsm.io_trio.unix_sockets import UnixSocket, display
-from pd_fsm.io_trio.worker.metrics import StatsCollector
-from pd_fsm.io_trio.worker.phases import PhaseHistograms
 from pd_fsm.io_trio.worker.schemas import ApiError, split_batch
 
 log = logging.getLogger("pd_fsm.io_trio.proxy.server")

@@ -29,7 +29,7 @@ from pd_fsm.io_trio.worker.spmd.frames import Command, RequestAborted, RequestAd
 from pd_fsm.io_trio.worker.startup import Startup
 from pd_fsm.io_trio.worker.streams import STREAM_CAPACITY, StreamTable
 from pd_fsm.schedulers.args import SchedulerArgs
-from pd_fsm.schedulers.factory import make_scheduler
+from pd_fsm.schedulers.disaggregation.factory import make_scheduler
 from pd_fsm.schedulers.request import RequestOutput
 from pd_fsm.schedulers.scheduler import Scheduler
 

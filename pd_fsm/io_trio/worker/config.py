@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from pd_fsm.core.config import DecodeConfig, LeaseConfig
+from pd_fsm.io_trio.cli_common import DRAIN_TIMEOUT_S
 from pd_fsm.io_trio.flag_spec import add_flags, read_flags
 from pd_fsm.io_trio.tls import NO_TLS, TLS
 from pd_fsm.io_trio.unix_sockets import (
@@ -60,9 +61,9 @@ class ServeConfig:
     slo_ttft: float = 2.0
     slo_itl: float = 0.1
     # On SIGTERM: out of the registry, new requests refused with 503 and Retry-After, and this
-    # long for the requests in flight to finish before the process stops (issue 32 §3); the same
-    # bound for the drain of a role switch (issue 30 §1).
-    drain_timeout: float = 30.0
+    # long for the requests in flight to finish before the process stops; the same bound for
+    # the drain of a role switch.
+    drain_timeout: float = DRAIN_TIMEOUT_S
     # A draining decode worker hands its running streams (those the proxy let it: accept_handoff)
     # to another D when the registry lists one (drain_gate.py): their KV is pulled, not
     # prefilled again (issue 32 §2). --no-drain-handoff: they finish in place.
