@@ -188,10 +188,10 @@ class DecodeAdapter:
 
     def queue_stats(self, sched: DecodeScheduler) -> dict[str, int]:
         return {
-            "recv_queue": len(sched.recv_queue),
-            "alloc_queue": len(sched.alloc_queue),
+            "recv_queue": len(sched.role.recv_queue),
+            "alloc_queue": len(sched.role.alloc_queue),
             "held_rooms": held_rooms(sched),
-            "pulls_inflight": sched.pull_executor.inflight,
+            "pulls_inflight": sched.role.pull_executor.inflight,
         }
 
     def admit_job(self, sched: DecodeScheduler, job: GenerateJob, accepted: float) -> None:
@@ -206,7 +206,7 @@ class DecodeAdapter:
             return
         host, port, room = bootstrap_of(self.mode, job)
         if host.startswith(IPC_PREFIX):  # a P on a unix socket alone: known by its endpoint
-            sched.add_pd_request(request_of(sched, job), host, room, accepted=accepted)
+            sched.role.add_pd_request(request_of(sched, job), host, room, accepted=accepted)
             return
         port = port or self._config.disaggregation_prefill_port
         if port is None:
@@ -215,7 +215,8 @@ class DecodeAdapter:
             )
             self.refusals.refused(host, room, reason)  # told after our 400 is out
             raise ValueError(reason)
-        sched.add_pd_request(request_of(sched, job), f"{host}:{port}", room, accepted=accepted)
+        sched.role.add_pd_request(request_of(sched, job), f"{host}:{port}", room,
+                                 accepted=accepted)
 
     def _admit_handoff(self, sched: DecodeScheduler, job: GenerateJob,
                        ticket: HandoffTicket) -> None:
@@ -228,7 +229,7 @@ class DecodeAdapter:
         # The KV covers the prompt and every token but the last, which the next step feeds.
         req = sched.make_request(job.rid, list(job.input_ids), job.sampling,
                                  logprobs=job.logprobs, resume=Resume(done[:-1]))
-        sched.add_handoff_request(req, ticket, job.resume.text_sent)
+        sched.role.handoffs.take(req, ticket, job.resume.text_sent)
 
     # -- live hand-off (issue 32 §2) ---
 
@@ -249,14 +250,14 @@ class DecodeAdapter:
 
     def after_run_tick(self, sched: DecodeScheduler) -> None:
         while self._releases:
-            sched.release_handoff(self._releases.popleft())
+            sched.role.handoffs.release(self._releases.popleft())
         until = self._handoff_until
         if until is not None and until - time.monotonic() > 0:
             # The streams' earlier outputs are in the tick's result: they go out before the
             # tickets.
             allowed = {s.job.rid for s in list(self._streams.live.values())
                        if s.job.accept_handoff and s.in_scheduler and not s.done}
-            self._handed += sched.hand_off(allowed, until - time.monotonic())
+            self._handed += sched.role.handoffs.hand_off(allowed, until - time.monotonic())
 
     def after_tick(self, nursery: trio.Nursery) -> None:
         self.refusals.start(nursery)
@@ -273,27 +274,24 @@ class DecodeAdapter:
     # -- an instance spanning processes (spmd/pd_ticks.py) ---
 
     def pulls_ready(self, sched: DecodeScheduler) -> dict[int, str] | None:
-        return sched.pull_executor.ready()
+        return sched.role.pull_executor.ready()
 
     def set_pull_gate(self, sched: DecodeScheduler, gate: dict[int, str]) -> None:
-        sched.set_pull_gate(gate)
+        sched.role.set_pull_gate(gate)
 
     def pulls_under_way(self, sched: DecodeScheduler) -> bool:
-        return bool(sched.pull_executor.inflight)
-
-    def close(self, sched: DecodeScheduler) -> None:
-        sched.close()
+        return bool(sched.role.pull_executor.inflight)
 
     def stats(self, sched: DecodeScheduler | None, pd_stats: Stats) -> Stats:
         out: Stats = {}
         if sched is not None:
-            out["recomputed_total"] = sched.recomputed
+            out["recomputed_total"] = sched.role.recomputed
             # Pulls whose KV failed READY's checksums (corrupted in flight) and the second
             # pulls they caused (also under pd_events, without the _total).
             out["kv_checksum_mismatches_total"] = pd_stats.get("kv_checksum_mismatches", 0)
             out["kv_checksum_repulls_total"] = pd_stats.get("kv_checksum_repulls", 0)
             # given / released / expired by this worker, taken (pulled) / take_failed here.
-            out["handoffs_total"] = dict(sched.handoff_stats)
+            out["handoffs_total"] = dict(sched.role.handoffs.stats)
         out["refused_rooms_told_total"] = self.refusals.told_total
         out["local_prefills_total"] = self.local_prefills_total
         return out

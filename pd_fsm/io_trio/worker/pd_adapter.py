@@ -98,10 +98,6 @@ class PDAdapter(Protocol[S]):
     def pulls_under_way(self, sched: S) -> bool:
         ...
 
-    def close(self, sched: S) -> None:
-        """What the role closes of a scheduler it no longer serves, before its engine."""
-        ...
-
     def stats(self, sched: S | None, pd_stats: Stats) -> Stats:
         """The role's own figures for ``stats()`` (``pd_stats``: the core's last counts)."""
         ...
@@ -172,13 +168,13 @@ class PrefillAdapter:
 
     def queue_stats(self, sched: PrefillScheduler) -> dict[str, int]:
         return {
-            "send_queue": len(sched.send_queue),
+            "send_queue": len(sched.role.send_queue),
             "held_rooms": held_rooms(sched),
         }
 
     def admit_job(self, sched: PrefillScheduler, job: GenerateJob, accepted: float) -> None:
         _, _, room = bootstrap_of(self.mode, job)
-        sched.add_pd_request(request_of(sched, job), room, accepted=accepted)
+        sched.role.add_pd_request(request_of(sched, job), room, accepted=accepted)
 
     def after_run_tick(self, sched: PrefillScheduler) -> None:
         """Nothing: P hands nothing off."""
@@ -194,9 +190,6 @@ class PrefillAdapter:
 
     def pulls_under_way(self, sched: PrefillScheduler) -> bool:
         return False
-
-    def close(self, sched: PrefillScheduler) -> None:
-        """Nothing besides the engine (the backend's)."""
 
     def stats(self, sched: PrefillScheduler | None, pd_stats: Stats) -> Stats:
         return {}
@@ -217,4 +210,4 @@ class PrefillAdapter:
 def held_rooms(sched: PDScheduler) -> int:
     """Rooms whose pages the scheduler still holds once their leg answered (P: until D pulled
     them; D: aborted hand-offs whose pull still runs)."""
-    return len(sched.held_pages)
+    return len(sched.role.held_pages)

@@ -58,6 +58,7 @@ from pd_fsm.schedulers.disaggregation import (
     DisaggregationArgs,
     PrefillScheduler,
 )
+from pd_fsm.schedulers.disaggregation.common import warm_kv_copies
 from pd_fsm.schedulers.disaggregation.decode import PeerPairing
 from pd_fsm.schedulers.disaggregation.tick import TickResult, run_tick
 from pd_fsm.schedulers.request import RequestOutput
@@ -136,11 +137,11 @@ def instance_record(config: ServeConfig, pd_args: DisaggregationArgs,
         # look theirs up by the full rank tuple (RFC-2 §6.2).
         tp_rank=0, tp_size=c.tp_size, cp_rank=0, cp_size=1, dp_rank=0, dp_size=1,
         pp_rank=0, pp_size=1,
-        transfer_addr=sched.engine.address,
+        transfer_addr=sched.role.engine.address,
         zmq_addr=zmq_addr,
         page_size=c.page_size,
         kv_dtype=sched.pool_config.dtype,
-        layout_hash=sched.layout_hash,
+        layout_hash=sched.role.kv_args.layout_hash,
         scheduler_addr=c.url,
         bootstrap_port=bootstrap_port,
         # kv_checksum: whether this P's READY carries KV checksums (D refuses a P that
@@ -153,27 +154,30 @@ def instance_record(config: ServeConfig, pd_args: DisaggregationArgs,
     )
 
 
-def warm_kv_copies(startup: Startup, scheduler: PrefillScheduler | DecodeScheduler) -> None:
+def compile_kv_copies(startup: Startup, scheduler: PrefillScheduler | DecodeScheduler) -> None:
     """What a PD role compiles besides the forward: its KV copies."""
-    n = startup.timed("kv_copy_compile", scheduler.warm_kv_copies)
-    log.info("compiled the KV %s for %d page buckets", scheduler.KV_COPY, n)
+    role = scheduler.role
+    n = startup.timed(
+        "kv_copy_compile", lambda: warm_kv_copies(scheduler, role.kv_args, role.kv_copy))
+    log.info("compiled the KV %s for %d page buckets", role.kv_copy, n)
 
 
-def close_pd_scheduler(role: PDAdapter[S], sched: S, engine: KVTransferEngine | None) -> None:
+def close_pd_scheduler(sched: PrefillScheduler | DecodeScheduler,
+                       engine: KVTransferEngine | None) -> None:
     """Free what ``sched`` holds besides memory: the role's part, then its transfer engine, or
     (``engine``: the process's, shared by the roles of a switching worker) what it registered
     there."""
-    role.close(sched)
+    sched.role.close()
     if engine is None:
-        sched.engine.close()
+        sched.role.engine.close()
         return
-    for uuid in list(sched.engine.registrations()):
-        sched.engine.release(uuid, "the worker's role is switching")
+    for uuid in list(sched.role.engine.registrations()):
+        sched.role.engine.release(uuid, "the worker's role is switching")
 
 
 def pd_snapshot(sched: PrefillScheduler | DecodeScheduler) -> tuple[Stats, dict[str, float]]:
     """The core's counts and the transfer counters, copied in the tick's thread."""
-    return sched.pd_stats(), dict(sched.transfer_stats)
+    return sched.role.link.pd_stats(), dict(sched.role.transfer_stats)
 
 
 def fan_out_pd(streams: StreamTable, outputs: list[RequestOutput],
@@ -282,7 +286,7 @@ class PDBackend(Generic[S]):
             out["transfer"] = dict(transfer)
             # KV this process offers on its transfer server right now (P): each registration
             # pins the room's packed KV until released, so 0 once every room is over.
-            out["transfer_registrations"] = len(sched.engine.registrations())
+            out["transfer_registrations"] = len(sched.role.engine.registrations())
             out["pd_queues"] = self.role.queue_stats(sched)
         if self.link.side is not None:
             # Refused frames (bad or missing signature: "malformed") must be visible to operators.
@@ -300,7 +304,7 @@ class PDBackend(Generic[S]):
 
     def precompile(self) -> None:
         """Build and warm the role's scheduler, then close it (worker/roles.py)."""
-        close_pd_scheduler(self.role, self.build_scheduler(), self._engine)
+        close_pd_scheduler(self.build_scheduler(), self._engine)
 
     def side_port(self) -> int | None:
         return self.role.side_port()
@@ -343,7 +347,7 @@ class PDBackend(Generic[S]):
             with trio.CancelScope(shield=True):
                 if self._spmd is not None:
                     await trio.to_thread.run_sync(self._spmd.stop, limiter=self._limiter)
-                await trio.to_thread.run_sync(close_pd_scheduler, self.role, sched, self._engine,
+                await trio.to_thread.run_sync(close_pd_scheduler, sched, self._engine,
                                               limiter=self._limiter)
 
     async def _start(self, nursery: trio.Nursery, sched: S) -> None:
@@ -380,7 +384,7 @@ class PDBackend(Generic[S]):
         tick_inputs = self.tick_inputs
 
         def warm_role(sched: S) -> None:
-            warm_kv_copies(self.startup, sched)
+            compile_kv_copies(self.startup, sched)
 
         return self.startup.build(lambda: self.role.new_scheduler(self._engine, tick_inputs),
                                   warm_role)

@@ -21,11 +21,11 @@ if TYPE_CHECKING:
 def fingerprint(sched: PrefillScheduler | DecodeScheduler) -> str:
     """What two replicas of one PD scheduler must agree on after every tick (cheap to take)."""
     s = sched.stats()
-    states = sorted((k, v) for k, v in sched.pd_stats().items() if k.startswith("state_"))
+    states = sorted((k, v) for k, v in sched.role.link.pd_stats().items() if k.startswith("state_"))
     # The transfer registrations too: a rank > 0 whose KV offers leak (it has no HTTP to show
     # them) leaves the instance at the next tick.
     return repr((states, s.free_pages, s.waiting, s.prefilling, s.running, s.cached_pages,
-                 len(sched.engine.registrations())))
+                 len(sched.role.engine.registrations())))
 
 
 def job_of(leg: LegAdded) -> GenerateJob:
