@@ -1,4 +1,4 @@
-"""The SLA planner's policy (issue 30 §2): from snapshots of every worker, decide which worker
+"""The SLA planner's policy: from snapshots of every worker, decide which worker
 changes role, and when to ask for one more worker or give one back — each decision with its
 reason. Sans-IO like the rest of the core: ``Planner.observe(snapshots, now)`` returns
 decisions; an adapter gathers the snapshots (the workers' /metrics, or the performance model's
@@ -24,7 +24,7 @@ The rule, after Dynamo's SLA planner and DistServe: TTFT is P's to keep, ITL is 
   queues and histograms need that long to show its effect), and the run of observations starts
   again.
 
-Priorities before roles (``prefill_nices``, issue 30 §3): where P and D share cores with D above
+Priorities before roles (``prefill_nices``): where P and D share cores with D above
 P, a P's CPU priority is a lever that needs no drain and acts at once. ``prefill_bound`` (or
 ``both`` with the prefill side ``imbalance`` times worse) moves every P up the steps of
 ``prefill_nices`` (to a lower nice), ``decode_bound`` down them: one step, and one more for each
@@ -39,7 +39,7 @@ this 2-core machine with P fixed at nice +10 beside D at -5: in a long-prompt ph
 4.2 s with ITL p50 62 ms, P starved; in a short-prompt phase ITL p50 111 ms, over its target:
 bench/RESULTS_adaptive.md, run 2.)
 
-Cores before priorities (``cores``, issue 30 §3 and §5): on one host P and D either split the
+Cores before priorities (``cores``): on one host P and D either split the
 cores (P on the first half of ``cores``, D on the rest: neither waits for the other) or share
 them all (D above P by priority: a prefill takes every core D leaves idle). Neither placement
 wins everywhere on this 2-core machine (bench/RESULTS_placement.md, RESULTS_adaptive.md): split

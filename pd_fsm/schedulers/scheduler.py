@@ -5,7 +5,7 @@ Synchronous and single-threaded: a caller (the HTTP worker's thread, a test, a b
 they produced. One thread drives it; only ``submit`` and ``request_abort`` may be called from other
 threads (they queue work that the next ``step()`` applies).
 
-Plan apart from run (issue 29 §1): the queues (``self.queues``, queues.py) say which requests are
+Plan apart from run: the queues (``self.queues``, queues.py) say which requests are
 waiting, prefilling and running; each step plans a prefill batch and a decode batch as plain data
 (plan.py), the ``ModelRunner`` (``self.runner``) runs each plan under the KV holder's lock (DESIGN
 §6) and samples, and the scheduler applies what came back: the ``OutputProcessor``

@@ -11,8 +11,8 @@ With a cluster secret, writes must be signed with the registry key derived from 
 (:mod:`pd_fsm.core.request_auth`): a request with a bad or missing signature, one sent again
 (replayed), one sent outside the replay window, or one sent before this server started (a replay
 across a restart; instances' clocks must agree with ours, NTP) is answered 401 with the reason and
-counted in ``bad_requests_total``. So is any ``Authorization`` header: the old scheme sent the
-cluster secret itself as a bearer token. Reads are open.
+counted in ``bad_requests_total``. So is any ``Authorization`` header: a client that sends the
+cluster secret itself as a bearer token is refused, not trusted. Reads are open.
 """
 
 from __future__ import annotations

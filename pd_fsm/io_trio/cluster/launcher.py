@@ -1,4 +1,4 @@
-"""The runners' launcher (issue 30 §2): with ``pd-fsm cluster --max-workers N`` the runner (local
+"""The runners' launcher: with ``pd-fsm cluster --max-workers N`` the runner (local
 or ``--ray``) serves a small control endpoint through which the planner (``pd-fsm planner
 --launcher-url``) or an operator adds and removes PD workers.
 

@@ -72,7 +72,7 @@ class ClientRequest:
     return_logprob: bool
     migratable: bool  # a new room can continue its answer exactly (migration.migratable)
     # P's answer has positions D's lacks (logprob_merge). Cleared for good once a room is D's
-    # alone (D computes them itself), later rooms included, as before the session had a table.
+    # alone (D computes them itself), later rooms included.
     prompt_logprobs: bool = False
     progress: Progress | None = None  # what the client has of a migratable answer
     # What the client has of it: the answer's (table proxy_session), or, for one sequence of a
@@ -122,7 +122,7 @@ class Room:
     p_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     # D's leg; RedirectDecode arms a new one, and the leg is posted again in it.
     d_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
-    # A hand-off room (issue 32 §2): the ticket its D pulls from, and the draining D that
+    # A hand-off room: the ticket its D pulls from, and the draining D that
     # offers it (told to release it once pulled, or once the pull failed).
     ticket: dict[str, object] | None = None
     handoff_from: str = ""
@@ -179,7 +179,7 @@ class RoomHost(Protocol):
         ...
 
     def leg_refused(self, url: str, status: int) -> None:
-        """A leg to ``url`` got 409 (the worker is in another role now, issue 30 §1) or 503
+        """A leg to ``url`` got 409 (the worker is in another role now) or 503
         (draining, perhaps for a role switch)."""
         ...
 

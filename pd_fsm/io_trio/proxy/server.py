@@ -204,7 +204,7 @@ class ProxyServer:
             # "handoff" (a retried or migrated request's every room counts).
             "rooms_routed_total": dict(self.router.routed),
             # Static lists: /server_info probes of the workers' roles, and workers routed as
-            # another role than before (a role switch seen, issue 30 §1).
+            # another role than before (a role switch seen).
             "role_probes_total": dict(self.workers.role_probes),
             "role_changes_total": self.workers.role_changes,
             # "prefill:cache_hit", "decode:round_robin", "local:short_prompt", ...

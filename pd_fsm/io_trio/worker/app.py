@@ -60,7 +60,7 @@ class WorkerApp:
         self.config = config
         metrics = WorkerMetrics(self._stats, config.role_list, (config.slo_ttft, config.slo_itl))
         live: set[str] = set()
-        # The role is state that changes at runtime (issue 30 §1): the host owns the backend.
+        # The role is state that changes at runtime: the host owns the backend.
         roles = RoleHost(config, backend, engine=engine, live=lambda: len(live),
                          configure=lambda b: _observe_phases(b, metrics),
                          drained=lambda decision: _count_drain(metrics, decision))
@@ -147,7 +147,7 @@ class WorkerApp:
         return stats
 
     async def drain(self) -> None:
-        """SIGTERM's graceful part (issue 32 §3): out of the registry first, new requests
+        """SIGTERM's graceful part: out of the registry first, new requests
         refused, then wait until the requests in flight are over (the caller's deadline bounds
         it: ``--drain-timeout``)."""
         self.state.draining = True

@@ -151,7 +151,7 @@ class ColocatedBackend:
         return self.streams.abort(rid)
 
     def fail_in_flight(self, reason: str) -> int:
-        """A role switch's drain deadline passed (issue 30 §1): abort every live request in the
+        """A role switch's drain deadline passed: abort every live request in the
         scheduler, as ``/abort_request`` does (its pages freed), and answer its client 503 with
         ``reason``. Returns how many."""
         return self.streams.fail_in_flight(reason)

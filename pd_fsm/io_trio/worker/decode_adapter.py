@@ -1,6 +1,6 @@
 """The decode role of the PD loop (pd_adapter.PDAdapter): preallocates, pulls the KV from P, then
 streams the generation; tells P of legs it refused before any room opened; hands its running
-streams to another D while it drains (issue 32 §2)."""
+streams to another D while it drains."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ class DecodeAdapter:
         self._side: DecodeSideChannel | None = None
         self.refusals = RefusalTeller(parts.link, parts.pd_args.resolve_timeout)
         self.local_prefills_total = 0  # requests without bootstrap fields, prefilled here
-        # Live hand-off (issue 32 §2). While draining with --drain-handoff: until when (time.
+        # Live hand-off. While draining with --drain-handoff: until when (time.
         # monotonic) running streams are handed off; tickets a tick made, for the loop to end
         # their streams with; hand-offs whose KV was pulled, to release on the next tick.
         self._handoff_until: float | None = None
@@ -231,7 +231,7 @@ class DecodeAdapter:
                                  logprobs=job.logprobs, resume=Resume(done[:-1]))
         sched.role.handoffs.take(req, ticket, job.resume.text_sent)
 
-    # -- live hand-off (issue 32 §2) ---
+    # -- live hand-off ---
 
     def hand_off(self, lease_s: float) -> None:
         """Draining: from the next tick on, hand each running stream that allows it to another

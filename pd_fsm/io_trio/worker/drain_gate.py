@@ -1,4 +1,4 @@
-"""Whether a draining worker hands its running streams off (issue 32 §2), decided when it starts
+"""Whether a draining worker hands its running streams off, decided when it starts
 to drain (SIGTERM, or a role switch leaving decode).
 
 A hand-off only helps when another decode worker can take the stream: without one, the proxy's

@@ -36,7 +36,7 @@ DRAIN_OUTCOMES: dict[str, tuple[str, ...]] = {
 
 @attrs.frozen
 class RoleSnapshot:
-    """A worker's role as /metrics shows it (issue 30 §1; worker/roles.py makes it)."""
+    """A worker's role as /metrics shows it (worker/roles.py makes it)."""
 
     role: str
     epoch: int

@@ -111,7 +111,7 @@ def disaggregation_args(config: ServeConfig) -> DisaggregationArgs:
         "heartbeat_interval": config.disaggregation_bootstrap_heartbeat_interval,
         "pull_thread_nice": config.transfer_nice,
         # A P spanning processes registers through rank 0 after a forward all ranks ran; its
-        # chunks are not streamed (the whole KV goes with READY, as before streaming).
+        # chunks are not streamed (the whole KV goes with READY).
         "stream_tokens": 0 if config.nnodes > 1 else config.disaggregation_stream_tokens,
     })
 
@@ -243,7 +243,7 @@ class PDBackend(Generic[S]):
         self._engine = engine
         # One tick at a time; the limiter keeps JAX work off trio's default thread pool.
         self._limiter = trio.CapacityLimiter(1)
-        self.role_epoch = 0  # registered with the backend's record (issue 30 §1)
+        self.role_epoch = 0  # registered with the backend's record
         # Where each tick's phase samples go (the worker app sets its histograms' observe).
         self.phase_observer: PhaseObserver | None = None
         self.data_plane = DataPlanePriority(config.transfer_nice)
@@ -267,7 +267,7 @@ class PDBackend(Generic[S]):
         return self.streams.abort(rid)
 
     def fail_in_flight(self, reason: str) -> int:
-        """A role switch's drain deadline passed (issue 30 §1): abort every live request in the
+        """A role switch's drain deadline passed: abort every live request in the
         scheduler, as ``/abort_request`` does (its pages freed; its peer told), and answer its
         client 503 with ``reason``. Returns how many."""
         return self.streams.fail_in_flight(reason)

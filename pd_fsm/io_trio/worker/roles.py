@@ -1,4 +1,4 @@
-"""A worker's role as state that changes at runtime (issue 30 §1): ``RoleHost``.
+"""A worker's role as state that changes at runtime: ``RoleHost``.
 
 The host owns the backend the worker serves with and the core's ``RoleSwitch`` (table
 role_switch), and carries out what the machine says, through the one driver step: leave the

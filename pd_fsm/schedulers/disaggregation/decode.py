@@ -97,13 +97,13 @@ class DecodeRole(ColocatedRole):
         # Pages of rooms that failed before the core freed them: an aborted hand-off's while its
         # pull runs (a PD room's are freed in the row that fails it).
         self.held_pages: dict[int, list[int]] = {}
-        # Live hand-off (issue 32 §2); an aborted one's pages wait in held_pages for its pull.
+        # Live hand-off; an aborted one's pages wait in held_pages for its pull.
         self.handoffs = HandoffDesk(sched, self.link, self.engine, self.kv_args,
                                     self.held_pages, lambda: self.pull_executor,
                                     args.kv_checksum, self.slots_free)
         self.pull_executor = self.new_pull_executor(on_pull_result)
         # pulls_corrupted: the KV arrived but failed READY's checksums (not scattered);
-        # parts_pulled: of pulls_ok, the parts P streamed while it prefilled (issue 31 §1);
+        # parts_pulled: of pulls_ok, the parts P streamed while it prefilled;
         # pulls_cancelled: pulls whose room failed while they ran (reported after its pages
         # went back), and of those pulls_dropped: their KV arrived and was thrown away.
         self.transfer_stats = {"pulls_ok": 0, "pulls_failed": 0, "pulls_corrupted": 0,
@@ -364,7 +364,7 @@ class DecodeRole(ColocatedRole):
             self.alloc_queue.popleft()
             self.link.phases.lap(room, "decode_page_wait", "page_request", "pages")
             # The prompt's leading pages our prefix cache held (shared, pinned by the room)
-            # are not pulled: P registers only the rest (issue 16 §3).
+            # are not pulled: P registers only the rest.
             cached = req_of[room].cached_tokens // self.args.page_size
             self.link.defer(ev.BlocksAllocated(room, cached))
 

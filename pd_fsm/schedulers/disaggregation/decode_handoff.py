@@ -1,4 +1,4 @@
-"""D's live hand-offs (issue 32 §2): the sequences it gives away and the ones it takes over.
+"""D's live hand-offs: the sequences it gives away and the ones it takes over.
 
 Each hand-off's lifecycle is the core's (table kv_handoff, ``HandoffLedger``), keyed by the
 offer's uuid here as the draining D, or by the pull's room (negative: never a PD room's) as the
