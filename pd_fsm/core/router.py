@@ -77,7 +77,7 @@ def _pools(e: ev.RoomRequested, all_prefill: list[str], all_decode: list[str],
     if alone and decode:
         # Not back to the worker that refused: a colocated worker starting its switch to P
         # beside a standby D refused every retry of two requests until the proxy's next role
-        # probe (bench/RESULTS_adaptive.md run 19), where the standby could have taken them.
+        # probe, where the standby could have taken them.
         return [], decode, []
     return prefill or all_prefill, decode or all_decode, all_colocated
 

@@ -36,7 +36,7 @@ the decode policy is ``cache_aware``, else the whole prompt — or when every P'
 at least ``local_prefill_cached_ratio`` of the prompt, so what is left to compute is small next
 to what would move. Each is off at 0. With ``local_prefill_without_prefill`` D also prefills
 alone while no P is listed at all (the planner's colocated worker draining to become P again
-beside a standby D: bench/RESULTS_adaptive.md run 17 answered 503 there). The decode-busy
+beside a standby D, where every request would otherwise be answered 503). The decode-busy
 guard: no local prefill at all while the chosen D has ``local_prefill_decode_guard`` or more
 requests (D's own decode batch would wait behind the prefill); off at 0.
 """

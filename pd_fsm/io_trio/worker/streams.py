@@ -153,8 +153,8 @@ class StreamTable:
         output so far are at most ``max_context`` tokens: each is aborted here, its client
         answered with a move event (``Moved``) that the proxy continues elsewhere with a
         prefill of that many tokens. Only streams already answered: before its first output
-        the HTTP layer has no stream to end with the event yet (run 40 of
-        bench/RESULTS_adaptive.md moved one so, and its client got no output). How many."""
+        the HTTP layer has no stream to end with the event yet (moved then, its client would get
+        no output at all). How many."""
         chosen = [rid for rid, s in self.live.items()
                   if s.job.accept_move and s.in_scheduler and s.answered and not s.done
                   and rid not in self._failing
