@@ -359,7 +359,7 @@ class DecodeRole(ColocatedRole):
         req_of = self.link.req_of
         while self.alloc_queue:
             room = self.alloc_queue[0]
-            if self.slots_free() <= 0 or not self.sched.reserve_pages(req_of[room]):
+            if self.slots_free() <= 0 or not self.sched.page_budget.reserve(req_of[room]):
                 return
             self.alloc_queue.popleft()
             self.link.phases.lap(room, "decode_page_wait", "page_request", "pages")

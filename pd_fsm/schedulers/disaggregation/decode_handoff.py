@@ -153,7 +153,7 @@ class HandoffDesk:
 
     def _place(self, req: Req) -> bool:
         """A batch slot and pages for ``req``, or neither."""
-        return self._slots_free() > 0 and self.sched.reserve_pages(req)
+        return self._slots_free() > 0 and self.sched.page_budget.reserve(req)
 
     def take(self, req: Req, ticket: HandoffTicket, text_sent: int) -> None:
         """Take over a sequence another D handed off: ``req`` was made with every output token
