@@ -1,5 +1,6 @@
-"""The decode role of the PD loop (pd_adapter.PDAdapter): preallocates, pulls the KV from P, then
-streams the generation; tells P of legs it refused before any room opened; hands its running
+"""The decode side of the PD loop (pd_adapter.PDAdapter): the I/O around D's scheduler role,
+which preallocates, pulls the KV from P and decodes; this opens the side channel, admits each
+job into the role, tells P of legs it refused before any room opened, and hands its running
 streams to another D while it drains."""
 
 from __future__ import annotations

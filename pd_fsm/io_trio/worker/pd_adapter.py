@@ -1,7 +1,10 @@
-"""What a PD role supplies to the PD loop: ``PDAdapter``, and the prefill role.
+"""What a PD worker's adapter supplies to the PD loop: ``PDAdapter``, and the prefill one.
+
+Two layers: the scheduler's role (``sched.role``: schedulers/disaggregation) owns the core link
+and plans; the adapter does the I/O around it and calls it directly.
 
 The loop (pd_backends.py) is the same for P and D: inbox, jobs, aborts, one tick on the
-scheduler's thread, outputs out. What differs is a role object the backend holds, typed by its
+scheduler's thread, outputs out. What differs is an adapter the backend holds, typed by its
 scheduler (``S``): how the scheduler is made, which side channel it opens, how a job opens a room,
 what the role adds after a tick (D: hand-offs, telling P of refused legs), what it counts.
 """

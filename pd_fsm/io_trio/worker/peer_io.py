@@ -1,6 +1,6 @@
 """A PD worker's I/O around its scheduler: ``PeerIO``.
 
-What the PD loop (pd_backends.py) and its role (pd_roles.py) share with the world outside the
+What the PD loop (pd_backends.py) and its adapter (pd_adapter.py) share with the world outside the
 scheduler: the side channel (its role opens it), the inbox of what arrived on it and of lookup
 answers, the registry client, and what the core said to answer while a tick keeps the scheduler
 busy (``AckWhileBusy``, ``RepeatWhileBusy``). Touched from the trio loop, except where a method
