@@ -1,5 +1,5 @@
 """The import graph of ``pd_fsm``, read from every module's source: no import circles, and each
-layer imports only what the table below allows (issue 29 §6, "folders that show the concerns").
+layer imports only what the table below allows ("folders that show the concerns").
 
 Every ``import`` statement counts, wherever it is: at the top, inside a function, under ``if
 TYPE_CHECKING``. A function-level import still makes the module depend on the other one (it only
