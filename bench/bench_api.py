@@ -22,6 +22,7 @@ from pd_fsm.jax_engine.sampling.grammar import Constraint
 from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import Req, Scheduler, SchedulerArgs
 from pd_fsm.schedulers.request import LogprobSpec
+from pd_fsm.schedulers.warm_up import warm_up
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "facts"],
           "properties": {"city": {"type": "string", "maxLength": 40},
@@ -83,7 +84,7 @@ def main() -> None:
     sched = Scheduler(SchedulerArgs(model="smollm2", num_pages=512, page_size=16,
                                     max_running=8, max_batched_tokens=512))
     t0 = time.perf_counter()
-    sched.warm_up()
+    warm_up(sched)
     print(f"smollm2, warmed up in {time.perf_counter() - t0:.1f} s")
     prompt = sched.tokenizer.encode(PROMPT)
     constraint = Constraint("json_schema", json.dumps(SCHEMA))

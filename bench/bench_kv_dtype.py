@@ -92,14 +92,14 @@ def _pulls(model: LoadedModel, kv: str, ids: list[int], rooms: int) -> tuple[flo
     try:
         times: list[float] = []
         for room in range(rooms + 1):
-            before = dict(pair.d.transfer_stats)
-            pair.d.add_pd_request(Req(f"d{room}", ids, sampling), BOOT, room)
-            pair.p.add_pd_request(Req(f"d{room}", ids, sampling), room)
-            pair.run(lambda b=before: pair.d.transfer_stats["pulls_ok"] > b["pulls_ok"]
+            before = dict(pair.d.role.transfer_stats)
+            pair.d.role.add_pd_request(Req(f"d{room}", ids, sampling), BOOT, room)
+            pair.p.role.add_pd_request(Req(f"d{room}", ids, sampling), room)
+            pair.run(lambda b=before: pair.d.role.transfer_stats["pulls_ok"] > b["pulls_ok"]
                      and pair.books_balanced())
             if room:  # the first compiles this page bucket's transfer
-                times.append(pair.d.transfer_stats["seconds"] - before["seconds"])
-                nbytes = pair.d.transfer_stats["bytes"] - before["bytes"]
+                times.append(pair.d.role.transfer_stats["seconds"] - before["seconds"])
+                nbytes = pair.d.role.transfer_stats["bytes"] - before["bytes"]
         return statistics.median(times), nbytes
     finally:
         pair.close()

@@ -63,8 +63,8 @@ class PrefillThread:
             item = self.inbox.get()
             if item is None:
                 return
-            self.p.deliver(item)
-            for e in self.p.take_outbox():
+            self.p.role.deliver(item)
+            for e in self.p.role.link.take_outbox():
                 self.outbox.put(e)
 
 
@@ -92,10 +92,10 @@ def main() -> None:
                    for i in range(n_arrivals)]
     one = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
     for i, ids in enumerate(arrival_ids):  # P prefills and registers every arrival up front
-        p.add_pd_request(Req(f"a{i}", ids, one), 10_000 + i)
+        p.role.add_pd_request(Req(f"a{i}", ids, one), 10_000 + i)
     while p.waiting or p.prefilling:
         p.step()
-    assert len(p.send_queue) == n_arrivals
+    assert len(p.role.send_queue) == n_arrivals
     p_thread = PrefillThread(p)
 
     long = SamplingParams(temperature=0.0, max_new_tokens=2 * args.steps + 40, ignore_eos=True)
@@ -107,10 +107,10 @@ def main() -> None:
         d.step()  # warm: every decode shape compiled
 
     def route_d_outbox() -> None:
-        for e in d.take_outbox():
+        for e in d.role.link.take_outbox():
             if isinstance(e, fx.ResolvePeer):
-                d.deliver(ev.PeerResolved(e.bootstrap_addr, P_ADDR, p.engine.address,
-                                          p.layout_hash))
+                d.role.deliver(ev.PeerResolved(e.bootstrap_addr, P_ADDR, p.role.engine.address,
+                                          p.role.kv_args.layout_hash))
             else:
                 msg = codec.decode(codec.encode(e.message))
                 p_thread.inbox.put(ev.MessageReceived(d.args.instance_id, msg))
@@ -119,7 +119,7 @@ def main() -> None:
                 e = p_thread.outbox.get_nowait()
             except queue.Empty:
                 return
-            d.deliver(ev.MessageReceived(P_ADDR, codec.decode(codec.encode(e.message))))
+            d.role.deliver(ev.MessageReceived(P_ADDR, codec.decode(codec.encode(e.message))))
 
     def phase(arrivals: bool) -> list[float]:
         itl: list[float] = []
@@ -127,7 +127,7 @@ def main() -> None:
         last = time.perf_counter()
         for step in range(args.steps):
             if arrivals and step % args.arrive_every == 0 and nxt < n_arrivals:
-                d.add_pd_request(Req(f"a{nxt}", arrival_ids[nxt], one), BOOT, 10_000 + nxt)
+                d.role.add_pd_request(Req(f"a{nxt}", arrival_ids[nxt], one), BOOT, 10_000 + nxt)
                 nxt += 1
             route_d_outbox()
             d.step()
@@ -139,8 +139,8 @@ def main() -> None:
 
     # Warm the arrival path once (the pull's scatter compiles per page bucket, off the pool lock
     # but still on this machine's two cores), then measure.
-    d.add_pd_request(Req("warm", arrival_ids[-1], one), BOOT, 10_000 + n_arrivals - 1)
-    while d.recv_queue or d.pull_executor.inflight:
+    d.role.add_pd_request(Req("warm", arrival_ids[-1], one), BOOT, 10_000 + n_arrivals - 1)
+    while d.role.recv_queue or d.role.pull_executor.inflight:
         route_d_outbox()
         d.step()
     n_arrivals -= 1
@@ -148,12 +148,12 @@ def main() -> None:
     quiet = phase(arrivals=False)
     busy = phase(arrivals=True)
     deadline = time.time() + 60
-    while (d.recv_queue or d.pull_executor.inflight) and time.time() < deadline:
+    while (d.role.recv_queue or d.role.pull_executor.inflight) and time.time() < deadline:
         route_d_outbox()
         d.step()
         time.sleep(0.01)
-    ok = d.transfer_stats["pulls_ok"] - 1  # the warm-up arrival is not part of the phase
-    mb = d.transfer_stats["bytes"] / 2**20
+    ok = d.role.transfer_stats["pulls_ok"] - 1  # the warm-up arrival is not part of the phase
+    mb = d.role.transfer_stats["bytes"] / 2**20
 
     print(f"decode batch 8, SmolLM2, {args.steps} steps per phase; arrivals: "
           f"{args.prompt_tokens}-token prompts every {args.arrive_every} steps")
@@ -164,14 +164,14 @@ def main() -> None:
     print(f"p99 ratio (arriving / baseline): {percentile(busy, 0.99) / percentile(quiet, 0.99):.2f}"
           f"   p50 ratio: {percentile(busy, 0.5) / percentile(quiet, 0.5):.2f}")
     print(f"pulls completed in the arriving phase: {ok} of {nxt_total(args, n_arrivals)}, "
-          f"{mb:.1f} MiB pulled in all, pull failures {d.transfer_stats['pulls_failed']}")
+          f"{mb:.1f} MiB pulled in all, pull failures {d.role.transfer_stats['pulls_failed']}")
     plots.latency_cdf("pd_itl_kv_arriving",
                       "D's decode steps (batch 8, SmolLM2): KV arriving vs none",
                       {"no KV arriving (baseline)": [x / 1000 for x in quiet],
                        "KV arriving concurrently": [x / 1000 for x in busy]},
                       "time between decode steps")
     p_thread.inbox.put(None)
-    d.close()
+    d.role.close()
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import plots  # bench/, beside this script
 
 from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import Req, Scheduler, SchedulerArgs
+from pd_fsm.schedulers.warm_up import warm_up
 
 SYSTEM = ("<|im_start|>system\nYou are a museum guide in Paris. You answer visitors' questions "
           "about the collections, the opening hours, the tickets, the cafés and the gardens, "
@@ -62,8 +63,8 @@ def main() -> None:
 
     plain, cached = scheduler(False), scheduler(True)
     t0 = time.perf_counter()
-    plain.warm_up()
-    cached.warm_up()
+    warm_up(plain)
+    warm_up(cached)
     print(f"smollm2, both schedulers warmed up in {time.perf_counter() - t0:.1f} s")
     sp = SamplingParams(temperature=0.0, max_new_tokens=args.tokens)
     for kind in ("system", "multi-turn"):

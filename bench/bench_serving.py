@@ -74,8 +74,8 @@ from pd_fsm.io_trio.bench_client import (
     run_load,
     scrape,
 )
+from pd_fsm.io_trio.phases import PHASE_BY_KEY
 from pd_fsm.io_trio.ports import free_ports
-from pd_fsm.io_trio.worker.phases import PHASE_BY_KEY
 from tests.integration.serve_support import PDCluster, Proc, cli, wait_http_ok
 
 HOST = "127.0.0.1"

@@ -1,4 +1,4 @@
-"""WorkerBreakers: the proxy's circuit breaker per worker (table worker_breaker, issue 32 §3).
+"""WorkerBreakers: the proxy's circuit breaker per worker (table worker_breaker).
 
 The RoomRouter owns one and feeds it every leg's outcome: a worker fault (a leg refused before
 any byte, or broken off mid-relay) counts against the worker, a 2xx resets the count, and the

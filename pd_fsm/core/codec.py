@@ -59,9 +59,9 @@ from pd_fsm.core.replay import ReplayGuard
 MAGIC = b"PF"
 # 2: signed frames carry sent_ms and a nonce; 3: incarnations, READY.transfer_addr;
 # 4: READY.first_top (a peer of version 3 would refuse the field by name; the version says why);
-# 5: READY.kv_shards (P's KV as one array per kv-head shard: tensor parallelism, issue 15);
-# 6: READY.kv_checksums and READY.repull_uuid (KV checked on arrival, issue 31 §3); 7: KV_PART
-# (KV streamed in parts while P prefills, issue 31 §1: a peer of version 6 would take it for an
+# 5: READY.kv_shards (P's KV as one array per kv-head shard: tensor parallelism);
+# 6: READY.kv_checksums and READY.repull_uuid (KV checked on arrival); 7: KV_PART
+# (KV streamed in parts while P prefills: a peer of version 6 would take it for an
 # unknown message type and fail the room; the version refuses the peer before any room). A peer
 # of another version is refused by its version number before anything else is read.
 VERSION = 7

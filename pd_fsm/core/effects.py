@@ -271,8 +271,8 @@ class RelayDecode:
 
 @attrs.frozen(slots=True)
 class DispatchLocal:
-    """Post the request to D alone, without bootstrap fields: D prefills it (issue 16 §4); or
-    to a colocated worker, which serves it whole (issue 30)."""
+    """Post the request to D alone, without bootstrap fields: D prefills it; or
+    to a colocated worker, which serves it whole."""
 
     room: int
     request_id: str
@@ -350,7 +350,7 @@ class NoWorkers:
         return f"no {self.role} workers available"
 
 
-# -- live KV hand-off between decode workers (table kv_handoff, issue 32 §2) ---------------------
+# -- live KV hand-off between decode workers (table kv_handoff) ---------------------
 
 
 @attrs.frozen(slots=True)
@@ -446,7 +446,7 @@ class ReportSequenceLeft:
 SessionEffect = ReportRelayFinished | ReportDisconnect | AbortSequences | ReportSequenceLeft
 
 
-# -- a worker's role at runtime (table role_switch, issue 30 §1) ----------------------------------
+# -- a worker's role at runtime (table role_switch) ----------------------------------
 
 
 @attrs.frozen(slots=True)

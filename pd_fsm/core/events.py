@@ -234,7 +234,7 @@ class LegResponded:
     # The connection to the worker was lost before its answer ended: the worker's fault (with
     # a refusal, what its circuit breaker counts).
     lost: bool = False
-    # D ended its stream mid-relay with a hand-off ticket (it is draining, issue 32 §2): not a
+    # D ended its stream mid-relay with a hand-off ticket (it is draining): not a
     # fault of D's; the request goes on on another D, which pulls the KV D registered.
     handoff: bool = False
 
@@ -307,7 +307,7 @@ SessionEvent = (
 )
 
 
-# -- live KV hand-off between decode workers (table kv_handoff, issue 32 §2) ---------------------
+# -- live KV hand-off between decode workers (table kv_handoff) ---------------------
 
 
 @attrs.frozen(slots=True)
@@ -356,7 +356,7 @@ HandoffEvent = (
 )
 
 
-# -- a worker's role at runtime (table role_switch, issue 30 §1) ----------------------------------
+# -- a worker's role at runtime (table role_switch) ----------------------------------
 
 
 @attrs.frozen(slots=True)

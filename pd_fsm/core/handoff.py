@@ -1,4 +1,4 @@
-"""HandoffLedger: the live KV hand-offs of one decode worker (table kv_handoff, issue 32 §2).
+"""HandoffLedger: the live KV hand-offs of one decode worker (table kv_handoff).
 
 Both sides of a hand-off live here, each under its own key. The draining D offers a running
 sequence's KV under its registration's uuid (``HandoffOffered``) until the proxy says the taking D

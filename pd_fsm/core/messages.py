@@ -36,7 +36,7 @@ class RecvInit:
     # its previous process claimed are gone" and frees their KV at once, not at lease expiry.
     incarnation: int = 0
     # Leading pages of the prompt (of ``n_pages``) D already holds from its prefix cache: P
-    # registers only the rest (delta-only transfer, issue 16 §3).
+    # registers only the rest (delta-only transfer).
     skip_pages: int = 0
 
 
@@ -71,7 +71,7 @@ class Ready:
 
 @attrs.frozen(slots=True)
 class KVPart:
-    """P → D, while P still prefills the rest of the prompt (streamed KV, issue 31 §1): the
+    """P → D, while P still prefills the rest of the prompt (streamed KV): the
     prompt's pages ``first_page`` .. ``first_page + n_pages`` are registered under ``uuid``;
     pull them. Parts come in page order, each starting where the last ended; READY follows
     with the pages no part carried (its ``n_pages`` counts only those) and the first token."""

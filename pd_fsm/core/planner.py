@@ -1,4 +1,4 @@
-"""The SLA planner's policy (issue 30 §2): from snapshots of every worker, decide which worker
+"""The SLA planner's policy: from snapshots of every worker, decide which worker
 changes role, and when to ask for one more worker or give one back — each decision with its
 reason. Sans-IO like the rest of the core: ``Planner.observe(snapshots, now)`` returns
 decisions; an adapter gathers the snapshots (the workers' /metrics, or the performance model's
@@ -24,28 +24,28 @@ The rule, after Dynamo's SLA planner and DistServe: TTFT is P's to keep, ITL is 
   queues and histograms need that long to show its effect), and the run of observations starts
   again.
 
-Priorities before roles (``prefill_nices``, issue 30 §3): where P and D share cores with D above
+Priorities before roles (``prefill_nices``): where P and D share cores with D above
 P, a P's CPU priority is a lever that needs no drain and acts at once. ``prefill_bound`` (or
 ``both`` with the prefill side ``imbalance`` times worse) moves every P up the steps of
 ``prefill_nices`` (to a lower nice), ``decode_bound`` down them: one step, and one more for each
 doubling of the starved side's pressure past ``headroom`` unless the other side is over its
-target too (a P starved 14x its target moved one step per cooldown in a first try: too slow for
-a phase of a minute). Only a P already at the end of the steps leaves the decision to the role
+target too (one step per cooldown is too slow for a P starved many times its target in a phase
+of a minute). Only a P already at the end of the steps leaves the decision to the role
 moves below. A priority change quiets the planner for ``nice_cooldown`` seconds, not
 ``cooldown``: nothing drains, only the window's histograms need to show the effect (so the wide
 merge on light prompts below, which reads the prompts P takes, is not held by it:
-``merge_in_nice_cooldown``). (Measured on
-this 2-core machine with P fixed at nice +10 beside D at -5: in a long-prompt phase TTFT p50
-4.2 s with ITL p50 62 ms, P starved; in a short-prompt phase ITL p50 111 ms, over its target:
-bench/RESULTS_adaptive.md, run 2.)
+``merge_in_nice_cooldown``). A lever, not a fixed priority, because no one priority suits
+every phase: a P fixed at nice +10 beside D at -5 starves in a long-prompt phase (TTFT p50
+4.2 s on a 2-core machine) and leaves D over its ITL target in a short-prompt one
+(bench/RESULTS_adaptive.md).
 
-Cores before priorities (``cores``, issue 30 §3 and §5): on one host P and D either split the
+Cores before priorities (``cores``): on one host P and D either split the
 cores (P on the first half of ``cores``, D on the rest: neither waits for the other) or share
 them all (D above P by priority: a prefill takes every core D leaves idle). Neither placement
-wins everywhere on this 2-core machine (bench/RESULTS_placement.md, RESULTS_adaptive.md): split
-won on mixed prompts at 0.5-1.5 req/s (D busy most of the time, so a P sharing with it gets
-almost nothing), shared on 419-788-token prompts at 0.15 req/s (one core prefills such a prompt
-in about the 2 s target; D, idle most of the time, leaves P both). So the planner moves P and D
+wins everywhere (bench/RESULTS_placement.md, RESULTS_adaptive.md): split wins on mixed prompts
+under steady load (D busy most of the time, so a P sharing with it gets almost nothing), shared
+on long prompts at a low rate (one core prefills such a prompt in about the TTFT target; D,
+idle most of the time, leaves P both). So the planner moves P and D
 between the two (``SetCpus``: ``POST /set_cpus``, no drain) by the prefill side's pressure and
 how busy D is (``WorkerSnapshot.busy``: the share of the window its steps ran):
 
@@ -56,16 +56,14 @@ how busy D is (``WorkerSnapshot.busy``: the share of the window its steps ran):
   ``decode_bound`` with every P at the lowest of ``prefill_nices`` (D's steps wait for P's
   threads in spite of its priority): split. A P the priority lever had raised is first moved
   back down its steps: that gives D back its cores' time at once and leaves P what D leaves
-  idle, where a split takes a core from P until D reads idle enough to share again. (Run 14 of
-  bench/RESULTS_adaptive.md: in both short-prompt phases P went down its steps, but D's
-  pressure stayed near 0.97: its one-thread steps were slow on their own; goodput unchanged.)
+  idle, where a split takes a core from P until D reads idle enough to share again.
 
-The rule for a P behind a busy D was measured with D's pools of two threads, whose idle threads
-spin: a batch-1 step kept 1.4 of two cores busy, and P sharing them met 6 of 32 where split met
-26 (RESULTS_placement.md run 11). A D of one thread keeps at most about one core busy, so P
-shared with it already has the other; split, P has one core and D's idle share of its own is
-lost. With D on one thread (pd-fsm cluster's D beside P) that split lost 66 vs 77 of a
-short-prompt phase against staying shared (RESULTS_adaptive.md run 12): not taken.
+The rule for a P behind a busy D holds where D's pools have two threads, whose idle threads
+spin: a batch-1 step keeps 1.4 of two cores busy, and a P sharing them meets a fraction of the
+SLOs it meets split (bench/RESULTS_placement.md). A D of one thread keeps at most about one
+core busy, so P shared with it already has the other; split, P has one core and D's idle share
+of its own is lost: so that split is not taken for a D of one thread (pd-fsm cluster's D beside
+P).
 
 The band between the two busy shares is the hysteresis a placement's own effect needs (D on one
 core runs each step slower, so it reads busier split than shared). The placement in force is read
@@ -99,49 +97,41 @@ prefill side and its inter-token gap on the decode side.
   workers merge one at a time and never split back: a split would leave nobody serving whole
   requests while they drain.
 - A narrow D (its XLA pools of fewer threads than a P's: ``WorkerSnapshot.pool_threads``) over
-  its ITL target is slow on its own: neither a priority nor a core gives it a thread (runs 14
-  and 15 of bench/RESULTS_adaptive.md lowered P's priority to its floor for nothing), and a
-  move has no worker to give. So, before those levers, the widest P becomes colocated alone
+  its ITL target is slow on its own: neither a priority nor a core gives it a thread (lowering
+  P's priority to its floor gains it nothing), and a move has no worker to give. So, before
+  those levers, the widest P becomes colocated alone
   (its P side need not be busy: a move cannot fix this; it may be over its target too where
   that is only the TTFTs of the window, with nothing waiting on P now — the first seconds of a
-  short-prompt phase after long prompts, 15 s of run 19's) — or before D misses at all, where
+  short-prompt phase after long prompts) — or before D misses at all, where
   P takes light prompts (under ``heavy_prompt`` on average in the last window it took any,
   within ``recall``) while D decodes
   (its pressure over ``idle_below``): a short-prompt phase has begun, and waiting for the miss
-  cost 7-23 s of each such phase (runs 23 and 26); what P still holds of the last phase's long
-  prompts drains on it meanwhile, the new short prompts going to D alone (waiting for that
-  backlog to clear cost 11.7 s of run 32's last phase), nor for the quiet of a priority or
-  cores change (it counts its ``patience`` through that quiet: the priority lever raised P
-  12-18 s before every last-phase merge of runs 34, 37 and 39: five came 9.4-11.7 s into the
-  phase and met 23-29 of 40, the one whose quiet had ended 4.9 s in and met 34 — colocated
-  30-39);
+  costs seconds of each such phase; it does not wait for what P still holds of the last phase's
+  long prompts (that drains on it meanwhile, the new short prompts going to D alone), nor for
+  the quiet of a priority or cores change (it counts its ``patience`` through that quiet: a
+  merge held by it comes late into the phase and meets fewer SLOs, bench/RESULTS_adaptive.md);
   never while P takes heavy prompts (a
   long-prompt phase goes on, where P/D is the mode the way back below chooses: a D over its
   target there is slowed by P's prefills on the cores they share, which the priority lever
   answers) — and the D stays in its
   role as a standby beside it (not an orphan to merge: colocated on its one thread it would
-  take half the requests at half the speed, as in runs 1-2 and 16). A P/D part with a narrow
-  D merges no other way (the merge below made the narrow D colocated first in run 16, then its
-  P as an orphan: two colocated workers that never split back). The cluster then decodes on the wide
+  take half the requests at half the speed). A P/D part with a narrow D merges no other way
+  (the merge below would make the narrow D colocated first, then its P as an orphan: two
+  colocated workers that never split back). The cluster then decodes on the wide
   worker's threads, as colocated does; the cores lever has no P to place meanwhile. With
   ``move_standby`` (off by default), once that worker serves, the standby gives it its running
   streams of at most ``heavy_prompt`` tokens so far (``MoveStreams``, once per merge, not held
   by the cooldown): the proxy prefills each again there. Left on the standby, they cost the
-  colocated worker 15-40 % a token for 10-20 s (runs 34 and 37 of bench/RESULTS_adaptive.md:
-  0 of 9 met there in every pass; one busy thread beside it costs 22 % at nice 10, so no
-  priority answers it) — but moved, their prefills (4-8 streams of 100-200 tokens, in 256-token
-  chunks between the decode steps) cost it more on this 2-core CPU: run 40, interleaved with
-  the same cluster without it, met 112 vs 133 of 274, the short-prompt phases 46 vs 50 and
-  35 vs 51. A move that needs no prefill (the colocated worker pulling the standby's KV, as a
-  D takes a hand-off) is not built. Back: the
+  colocated worker 15-40 % a token for 10-20 s (no priority answers it) — but moved, their
+  prefills cost it more on a 2-core CPU, which is why it is off by default
+  (bench/RESULTS_adaptive.md). A move that needs no prefill (the colocated worker pulling the
+  standby's KV, as a D takes a hand-off) is not built. Back: the
   colocated worker over both its targets, its decode side the worse, with prompts of
   ``heavy_prompt`` tokens on average taken in the window (decode steps behind heavy prefills;
   over its ITL target alone its own steps are slow, and the narrow D would be slower; over both
   with short prompts, its own full batch at a peak), with the recall rule below, becomes P
   again beside the standby, which is still warm: one drain, where a split of
-  two colocated workers needs a third to serve meanwhile. (Run 15 of bench/RESULTS_adaptive.md:
-  a one-thread D's own steps over the 100 ms target in every short-prompt phase, where
-  colocated on both cores' threads met it.)
+  two colocated workers needs a third to serve meanwhile.
 - Colocated is the safe side (it leaves no capacity idle), P/D the bet: each mode's pressure
   (its worse side's, 1.0 at the target) is remembered when the planner leaves it, for
   ``recall`` seconds; a merge needs P/D to do worse than colocated did, a split needs colocated
@@ -328,8 +318,8 @@ class Planner:
         self._left: dict[Mode | Placement, tuple[float, float]] = {}
         self._split_at = -math.inf
         # The mean prompt of the last window in which each worker took any, and when: at 0.5
-        # req/s a window of 2 s often takes none, and the wide merge on light prompts then
-        # waited for the next one (run 33: 7-10 s into a short-prompt phase, not 2-4).
+        # req/s a window of 2 s often takes none, and the wide merge on light prompts would
+        # wait for the next one, seconds later into a short-prompt phase.
         self._prompts: dict[str, tuple[float, float]] = {}
         # A wide merge under way with ``move_standby``: the worker made colocated, and the
         # standby Ds beside it whose streams move to it once it serves (``_standby_moves``).
@@ -500,27 +490,24 @@ class Planner:
         p_load, d_load = self.pressures(pd)
         # Light prompts taken by P while D decodes: a short-prompt phase has begun, and the
         # narrow D's batch will grow past its target; merged now, the colocated worker takes
-        # the phase from its start. Waiting for D's inter-token p90 to pass the target cost
-        # 7-23 s of each such phase (runs 23 and 26 of bench/RESULTS_adaptive.md), and the
-        # batch built meanwhile did not drain at a load near colocated's capacity (run 26:
-        # 8-11 streams against colocated's 5-8, each token 4-12 % slower through the phase).
+        # the phase from its start. Waiting for D's inter-token p90 to pass the target costs
+        # seconds of each such phase (bench/RESULTS_adaptive.md), and the batch built
+        # meanwhile does not drain at a load near colocated's capacity.
         # A backlog of the last phase's long prompts on P does not hold it back: they drain on
         # P as they would have anyway, while the short prompts arriving meanwhile go to the
         # standby D alone instead of queueing behind them. Waiting for that backlog to clear
-        # let D's batch build first (run 32's last phase: the merge 11.7 s in, on D's miss,
-        # P's prefill pressure 4.75; 5 of 40 met against colocated's 38).
+        # would let D's batch build first.
         taken = [t for s in prefills if not math.isnan(t := self._last_prompts(s, now))]
         light = bool(taken) and max(taken) < c.heavy_prompt and d_load > c.idle_below
         # Heavy prompts taken by P: a long-prompt phase goes on, where P/D is the mode the
         # split back chooses, and a D over its target beside them is slowed by P's prefills
-        # on the cores they share, which the priority lever answers (run 32's second pass
-        # merged so 55 s into a long-prompt phase, P raised to D's priority, D's pressure
-        # 0.97, and split back 84 s later).
+        # on the cores they share, which the priority lever answers (merged there, the
+        # cluster splits back again within the phase).
         heavy = any(t >= c.heavy_prompt for t in taken)
         if light_only and not light:
             return []
         # Both sides over, with P holding no backlog now: P's side is the TTFTs of a phase
-        # gone by (run 19's second phase served 15 s of short prompts on the narrow D so).
+        # gone by, while the narrow D serves the new phase's short prompts.
         if pressure != own or heavy or not (own == "decode_bound" or light or (
                 own == "both" and backlog <= c.headroom)):
             return []
@@ -552,18 +539,15 @@ class Planner:
         wide = _widest(colo)
         # A standby D beside them, no P: P/D again (one switch) only where colocated's
         # prefills are heavy too, so its decode steps wait behind them. Its decode pressure
-        # alone is its own steps' speed, which the narrow D would not better (run 17 of
-        # bench/RESULTS_adaptive.md split back on it in a short-prompt phase, and lost).
+        # alone is its own steps' speed, which the narrow D would not better.
         standby = wide is not None and not any(s.role == "prefill" for s in pd) and any(
             s.role == "decode" and _narrower(s, wide) for s in pd)
         # Beside a standby, over both targets with the decode side the worse and heavy prompts
         # taken in the window: prefills stall every decode step by a chunk, so the
-        # inter-token p90 grows more than the TTFT (1.6-8.5x the prefill pressure at the
-        # long-prompt phases' splits of runs 18-24 of bench/RESULTS_adaptive.md). Over both at
-        # a short-prompt phase's peak is the colocated worker's own full batch, which P beside
-        # the narrow D makes worse: run 24 split so with the TTFT the worse (three times, 1 of
-        # 40 met in a phase colocated met 33 of), run 25 with the decode side the worse (1.97
-        # vs 0.93): the latencies cannot tell, the prompts can.
+        # inter-token p90 grows more than the TTFT. Over both at a short-prompt phase's peak
+        # is the colocated worker's own full batch, which P beside the narrow D makes worse,
+        # whichever side is the worse: the latencies cannot tell the two apart, the prompts
+        # can (bench/RESULTS_adaptive.md).
         heavy = [s.prompt_tokens for s in colo if s.prompt_tokens >= c.heavy_prompt]
         behind = (self.classify(colo) == "both" and d_load > p_load and bool(heavy)
                   if standby else self.classify(colo) == "decode_bound")

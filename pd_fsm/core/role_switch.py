@@ -1,4 +1,4 @@
-"""RoleSwitch: a worker's role at runtime (table role_switch, issue 30 §1).
+"""RoleSwitch: a worker's role at runtime (table role_switch).
 
 One per worker process. It knows the role the worker serves, that role's epoch (0 at start, one
 more per completed switch), the roles the worker compiled at start (``--roles``), and, during a

@@ -3,11 +3,11 @@
 Rooms are drawn uniform in [0, 2^63) from an injected RNG (never a live one twice); P and D are
 chosen by the routing policies (``routing.RoutePlanner``: round-robin by default), or D alone
 when conditional disaggregation says D should prefill the room itself, or a colocated worker
-(role ``null``, issue 30) that serves the whole request: such a room is a D-alone room (table
+(role ``null``) that serves the whole request: such a room is a D-alone room (table
 rows ``DispatchedLocal``, ``LOCAL``, ``LOCAL_RELAYING``) whose one leg is addressed as "null". A
 room keeps its workers to its end (a retried leg lands where its pages are).
 
-A request may outlive its room (issue 32): a leg refused before any byte of its answer ends the
+A request may outlive its room: a leg refused before any byte of its answer ends the
 room RETRIED, a stream whose decode worker broke off ends it MIGRATED, and one a draining decode
 worker handed off (its KV registered for another D to pull) ends it HANDED_OFF, each with a
 ``ReopenRoom`` effect that hands the proxy what the request used up (``routing.Attempts``); the
@@ -77,7 +77,7 @@ def _pools(e: ev.RoomRequested, all_prefill: list[str], all_decode: list[str],
     if alone and decode:
         # Not back to the worker that refused: a colocated worker starting its switch to P
         # beside a standby D refused every retry of two requests until the proxy's next role
-        # probe (bench/RESULTS_adaptive.md run 19), where the standby could have taken them.
+        # probe, where the standby could have taken them.
         return [], decode, []
     return prefill or all_prefill, decode or all_decode, all_colocated
 
@@ -122,7 +122,7 @@ def _redirect_taker(r: _Room, decode: list[str], breakers: WorkerBreakers, live:
     did not fail on (routable ones), else of those it did (routable ones first), as ``_pools``
     keeps a role's workers when none is left: a D that failed the request earlier may serve now
     (one that restarted, or a taker whose hand-off pull failed because its draining D crashed),
-    and passing it over would fail a request that a live D could serve (issue 32). The D that
+    and passing it over would fail a request that a live D could serve. The D that
     handed the request's stream off (draining, so lightly loaded) comes last of all."""
     left = [d for d in decode if d not in (r.decode, *r.refused)]
     fresh = [d for d in breakers.routable(decode) if d in left and d not in r.attempts.avoid]

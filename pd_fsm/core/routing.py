@@ -1,4 +1,4 @@
-"""Where the proxy sends a room (issue 16 §4): which P, which D, and whether D prefills it alone.
+"""Where the proxy sends a room: which P, which D, and whether D prefills it alone.
 
 Pure: the router hands in the workers, the prompt, its own count of live rooms per worker and the
 loads last polled from the workers' ``/get_load``; a :class:`Route` comes out with the reason of
@@ -23,7 +23,7 @@ worker keeps at most ``index_blocks`` digests, least recently routed first out (
 touched deepest block first, so a prefix outlives its continuations). It is approximate: it
 records what was routed, not what the worker still caches.
 
-Colocated workers (role ``null``, issue 30): a worker that serves whole requests is a pool of
+Colocated workers (role ``null``): a worker that serves whole requests is a pool of
 its own. A room goes to the colocated worker with the fewest requests (the same load as above),
 ties taken in turn, when that is fewer than the D the decode policy chose has (a PD room holds
 its D for its whole answer, as a colocated one holds its worker; P's part is short), or when the
@@ -36,7 +36,7 @@ the decode policy is ``cache_aware``, else the whole prompt — or when every P'
 at least ``local_prefill_cached_ratio`` of the prompt, so what is left to compute is small next
 to what would move. Each is off at 0. With ``local_prefill_without_prefill`` D also prefills
 alone while no P is listed at all (the planner's colocated worker draining to become P again
-beside a standby D: bench/RESULTS_adaptive.md run 17 answered 503 there). The decode-busy
+beside a standby D, where every request would otherwise be answered 503). The decode-busy
 guard: no local prefill at all while the chosen D has ``local_prefill_decode_guard`` or more
 requests (D's own decode batch would wait behind the prefill); off at 0.
 """
@@ -79,7 +79,7 @@ class RoutingConfig:
     # worker: D prefills alone instead of the room's 503 (the decode-busy guard aside: the
     # other answer is a refusal). Off by default; ``pd-fsm cluster --planner`` turns it on.
     local_prefill_without_prefill: bool = False
-    # Load shedding (issue 32 §3): when every routable worker of a role has at least this many
+    # Load shedding: when every routable worker of a role has at least this many
     # requests (the proxy's own live rooms, or its last polled /get_load if higher), a new
     # request is answered 429 with Retry-After at once instead of queueing; 0: never.
     max_queue: int = attrs.field(default=0, validator=_GE0_INT)

@@ -1,4 +1,4 @@
-"""ProxySession: the client's side of one proxy request (table proxy_session, issue 29 §4).
+"""ProxySession: the client's side of one proxy request (table proxy_session).
 
 A request lives in one room at a time (table room, ``RoomRouter``); a retry or a migration opens
 the next. What the client has of its answer spans those rooms: nothing yet (an error is a JSON

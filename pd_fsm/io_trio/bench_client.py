@@ -9,7 +9,7 @@ what compare.
 
 Then where the target's TTFT went: the ``/metrics`` of the target, of the workers a pd-fsm proxy
 names at ``GET /workers``, and of every ``--metrics-url`` are scraped before and after the run;
-the bucket deltas of each phase histogram (``pd_fsm.io_trio.worker.phases``) give its p50/p99
+the bucket deltas of each phase histogram (``pd_fsm.io_trio.phases``) give its p50/p99
 this run, interpolated in the buckets as Prometheus' ``histogram_quantile`` does.
 """
 
@@ -30,8 +30,8 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from pd_fsm.io_trio.api_key import bearer
+from pd_fsm.io_trio.phases import PHASE_BY_KEY, PHASES, TTFT_NAME
 from pd_fsm.io_trio.unix_sockets import display, service_url, unix_mounts
-from pd_fsm.io_trio.worker.phases import PHASE_BY_KEY, PHASES, TTFT_NAME
 
 _WORD_TEXT = (
     "the of and to in is was for on that with as by at from his her they this which be or "
@@ -55,7 +55,7 @@ RANDOM_IDS = (1_000, 32_000)
 
 
 @attrs.frozen
-class Prompt:
+class BenchPrompt:
     text: str
     words: int
     max_tokens: int | None = None  # this prompt's answer length; None: the load's max_tokens
@@ -88,7 +88,7 @@ def _words(rng: random.Random, k: int) -> str:
 
 
 def make_prompts(dataset: str, n: int, seed: int, groups: int = 4,
-                 prefix_words: int = 300) -> list[Prompt]:
+                 prefix_words: int = 300) -> list[BenchPrompt]:
     """``n`` prompts drawn from a fixed word list: the same for given arguments.
 
     ``shared-prefix``: ``groups`` system prompts of ``prefix_words`` words, prompt i the
@@ -108,14 +108,14 @@ def make_prompts(dataset: str, n: int, seed: int, groups: int = 4,
             else:
                 text = f"{history[g]} Question: {_words(rng, rng.randint(8, 16))}"
                 history[g] = f"{text} Answer: {_words(rng, 16)}"
-            prompts.append(Prompt(text, len(text.split())))
+            prompts.append(BenchPrompt(text, len(text.split())))
         return prompts
     prompts = []
     for i in range(n):
         kind = dataset if dataset != "mixed" else ("short" if i % 2 == 0 else "long")
         lo, hi = DATASETS[kind]
         k = rng.randint(lo, hi)
-        prompts.append(Prompt(_words(rng, k), k))
+        prompts.append(BenchPrompt(_words(rng, k), k))
     return prompts
 
 
@@ -129,7 +129,7 @@ def common_prefix(a: Sequence[object], b: Sequence[object]) -> int:
     return n
 
 
-def prefix_reuse(prompts: Sequence[Prompt]) -> float:
+def prefix_reuse(prompts: Sequence[BenchPrompt]) -> float:
     """The share of the prompts' characters that begin like an earlier prompt (the longest
     common prefix with any earlier one): what a perfect prefix cache could skip."""
     earlier: list[str] = []  # sorted: the longest common prefix is with a neighbour
@@ -153,7 +153,7 @@ class Result:
     output_tokens: int = 0
 
 
-def _body(endpoint: str, prompt: Prompt, max_tokens: int, model: str | None) -> dict[str, Any]:
+def _body(endpoint: str, prompt: BenchPrompt, max_tokens: int, model: str | None) -> dict[str, Any]:
     if endpoint == "generate":
         given = {"text": prompt.text} if prompt.ids is None else {"input_ids": list(prompt.ids)}
         return {**given, "stream": True,
@@ -272,7 +272,7 @@ class Summary:
         return out
 
 
-async def run_load(url: str, args: argparse.Namespace, prompts: list[Prompt],
+async def run_load(url: str, args: argparse.Namespace, prompts: list[BenchPrompt],
                    arrivals: Sequence[float] | None = None) -> Summary:
     """Every prompt, streamed, at Poisson arrivals of ``args.request_rate`` (all at once when
     infinite) or, with ``arrivals``, prompt i sent ``arrivals[i]`` seconds after the start: a
@@ -288,7 +288,7 @@ async def run_load(url: str, args: argparse.Namespace, prompts: list[Prompt],
                                  headers=headers, mounts=unix_mounts(limits)) as http:
         start = trio.current_time()
 
-        async def send(i: int, prompt: Prompt) -> None:
+        async def send(i: int, prompt: BenchPrompt) -> None:
             async with limiter:
                 body = _body(args.endpoint, prompt, prompt.max_tokens or args.max_tokens,
                              args.model)
@@ -522,7 +522,7 @@ async def scrape_totals(http: httpx.AsyncClient, urls: Sequence[str]
     return out
 
 
-def cache_lines(prompts: Sequence[Prompt], completed: int, sides: dict[str, str],
+def cache_lines(prompts: Sequence[BenchPrompt], completed: int, sides: dict[str, str],
                 before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
                 ) -> str:
     """Prefix reuse of the prompt set, and what this run's caches, transfers and routing did:

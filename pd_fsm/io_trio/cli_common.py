@@ -14,6 +14,10 @@ import trio
 from pd_fsm.io_trio.tls import TLS
 from pd_fsm.io_trio.unix_sockets import UnixSocket, display
 
+# How long a worker told to stop may take to finish its requests (serve's --drain-timeout
+# default); the cluster launcher waits as long for a worker it stops.
+DRAIN_TIMEOUT_S = 30.0
+
 STOP_GRACE_S = 5.0  # after SIGTERM: how long work still running may take before it is cancelled
 
 

@@ -1,4 +1,4 @@
-"""Command-line flags as data (issue 29 §5): each ``Flag`` is declared once — its names, how its
+"""Command-line flags as data: each ``Flag`` is declared once — its names, how its
 value is parsed and checked, its help and README text, and its counterpart in RFC-2 §7 or in
 sglang's server arguments — and everything else is derived from the records: the argparse
 arguments (``add_flags``), the reading of parsed arguments into a config object's fields

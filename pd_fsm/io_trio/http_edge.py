@@ -10,7 +10,7 @@ error shape. An oversized body is read to its end and dropped before the 413 goe
 ``DISCARD_BYTES`` past the bound and for ``DISCARD_S`` at most: a client that writes its whole
 body before it reads (Python's urllib) otherwise met a connection closed under its upload, a
 broken pipe, and never saw the 413 (measured with a 64 MB body). Past either bound the answer
-goes out at once and the connection closes, as before. A body over ``THREAD_JSON_BYTES`` is
+goes out at once and the connection closes. A body over ``THREAD_JSON_BYTES`` is
 parsed in a thread, so one 8 MB request does not stall every other stream on the event loop.
 
 **Containment.** :func:`edge_app` builds every server's Starlette app with :class:`Contained`

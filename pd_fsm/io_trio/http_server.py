@@ -3,7 +3,7 @@ factory for the httpx clients, and the keep-alive contract between the two.
 
 **Keep-alive.** A pooled connection that the server closes for idleness at the moment a client
 reuses it fails that request ("Server disconnected without sending a response", or a reset).
-Measured under load (issue 18): hypercorn's default keep-alive is 5 s, httpx keeps idle
+Measured under load: hypercorn's default keep-alive is 5 s, httpx keeps idle
 connections 5 s, and workers heartbeat the registry every 5 s, so the two timers raced and 12
 heartbeats failed in 5 minutes. The rule now: every pd_fsm server keeps an idle connection
 ``SERVER_KEEP_ALIVE_S`` (120 s), clearly longer than any client of ours keeps one idle
@@ -19,12 +19,12 @@ Hypercorn 0.18's trio TCPServer then races its connection close (``send_eof``) a
 killed a worker). The subclass below treats that error like the ``BrokenResourceError`` hypercorn
 already handles: the connection is closing anyway, the data has nowhere to go.
 
-**One connection never takes the server down.** The same probes met another hypercorn 0.18 bug
-in a CI run: an HTTP/2 event for a stream its h2 protocol had already dropped (``KeyError: 1``
-in ``H2Protocol._handle_events``), which also escaped ``serve_listeners`` and ended a prefill
-worker in the middle of a test module. Whatever a connection's handler raises is now logged and
-counted (:func:`connection_failures`, ``http_connection_failures_total`` in a worker's stats);
-hypercorn has closed that connection already, and every other one is served as before.
+**One connection never takes the server down.** The same probes meet another hypercorn 0.18 bug:
+an HTTP/2 event for a stream its h2 protocol had already dropped (``KeyError: 1`` in
+``H2Protocol._handle_events``) escapes ``serve_listeners`` too and would end the worker.
+Whatever a connection's handler raises is logged and counted (:func:`connection_failures`,
+``http_connection_failures_total`` in a worker's stats); hypercorn has closed that connection
+already, and every other one is served on.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ surrogate in a ``str``. None of them can be written back out: httpx refuses NaN 
 re-encodes a body for its legs, and UTF-8 refuses a lone surrogate when a tokenizer, a log line
 or a JSON response meets it. Depth is the other hole: the C decoder recurses once per level and
 a body nested 100,000 deep ends in ``RecursionError``. Before this module each of those was a
-500 on a worker and a dead proxy process (issue 34).
+500 on a worker and a dead proxy process.
 
 :func:`loads` refuses all of them with :class:`JsonError` — a ``ValueError`` carrying the HTTP
 status to answer with (400, or 413 for a container over the size bound) and a message naming the

@@ -10,7 +10,7 @@ is nginx's spelling of the same, ``http://unix:PATH:``: an ``http://`` URL that 
 as to any other (``http://unix:/run/p0.sock:/health``), so it stays one string through every
 worker list, registry record, breaker and log line that holds URLs. :func:`unix_mounts` gives an
 httpx client a transport for the host ``unix``: a request there goes over the socket its path
-names; every other URL goes over TCP as before. A socket path must be absolute once resolved, may
+names; every other URL goes over TCP. A socket path must be absolute once resolved, may
 not contain ``:`` (it ends the path in the URL) and must fit ``sockaddr_un`` (107 bytes).
 
 **Listening** (:func:`bind_unix`). The socket file is bound, given its mode (``--uds-mode``,

@@ -5,11 +5,11 @@ from pd_fsm.schedulers.disaggregation.decode import (
     DecodeScheduler,
     SchedulerDisaggregationDecodeMixin,
 )
+from pd_fsm.schedulers.disaggregation.factory import make_scheduler
 from pd_fsm.schedulers.disaggregation.prefill import (
     PrefillScheduler,
     SchedulerDisaggregationPrefillMixin,
 )
-from pd_fsm.schedulers.factory import make_scheduler
 from pd_fsm.schedulers.model_runner import MAIN_KV
 from pd_fsm.schedulers.request import FinishReason, Req, ReqState, RequestOutput
 from pd_fsm.schedulers.scheduler import (

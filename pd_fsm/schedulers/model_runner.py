@@ -1,5 +1,5 @@
-"""The model on this instance's devices and the KV pool it runs over (issue 29 §1, "plan apart from
-run"): the forwards, sampling, the copy-on-write of a fork's page, and warm-up's compiles.
+"""The model on this instance's devices and the KV pool it runs over ("plan apart from run"): the
+forwards, sampling, the copy-on-write of a fork's page, and warm-up's compiles.
 
 The scheduler decides what runs (which rows, which pages, padded to which shape) and hands this the
 arrays; this runs them and answers with logits, sampled tokens and log-probs. It keeps no request

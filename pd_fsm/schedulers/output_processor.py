@@ -1,5 +1,5 @@
 """What a request's sampled tokens become: its text, why it stops, and the outputs a caller drains
-(issue 29 §1, "plan apart from run").
+("plan apart from run").
 
 The scheduler hands each sampled token to ``append_token``, which appends it (and its log-probs),
 moves the request's grammar on, detokenizes, looks for stop tokens and stop strings and the length

@@ -1,5 +1,5 @@
 """The KV pool's pages as a scheduler spends them: the allocator, the prefix cache, and the page
-arithmetic of a request (issue 29 §1, "plan apart from run").
+arithmetic of a request ("plan apart from run").
 
 A scheduler decides which requests run; this decides whether their pages exist. Pages are
 reserved for ``prompt + max_new_tokens`` tokens (and each fork's own, with sampling n > 1) when a
@@ -90,7 +90,7 @@ class PageBudget:
         ones for the rest, evicting cached pages nobody uses when too few are free. False (and
         nothing held) when they are not there yet.
 
-        PD rooms too (issue 16 §2-§3). P prefills only the uncached suffix and gathers the
+        PD rooms too. P prefills only the uncached suffix and gathers the
         whole prompt's pages; D's cached pages are the room's, pinned by it, and P sends only
         the rest. Shared pages are counted per holder, so a room's DONE, abort or lease expiry
         gives up its share only, and P's registration holds a gathered copy that no eviction

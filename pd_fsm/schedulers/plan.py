@@ -1,4 +1,4 @@
-"""What one step runs, decided apart from running it (issue 29 §1; the shape of vLLM v1's
+"""What one step runs, decided apart from running it (the shape of vLLM v1's
 scheduler, which only decides and returns a plan): plain, frozen data, and the pure functions that
 build it from the scheduler's queues.
 

@@ -1,4 +1,4 @@
-"""A prefix cache of KV pages: a token-id tree over whole pages (RFC-2 stage D2, issue 16 §1).
+"""A prefix cache of KV pages: a token-id tree over whole pages (RFC-2 stage D2).
 
 Each node below the root is one full page of a sequence's KV, keyed by that page's token ids;
 the path from the root spells the tokens before it, so a node's page holds the KV of exactly

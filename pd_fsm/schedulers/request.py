@@ -20,7 +20,7 @@ def fork_seed(seed: int, index: int) -> int:
     """The seed sequence ``index`` of an n > 1 request samples with, its request's being
     ``seed`` (sequence 0's own). The sampler keys each token by (seed, position), so a request
     of its own with this seed and n = 1 draws what that sequence drew: a proxy continues one
-    sequence of a broken stream that way (request migration, issue 32 §1). Modulo SEED_LIMIT, so
+    sequence of a broken stream that way (request migration). Modulo SEED_LIMIT, so
     that it is a request's seed too; the sampler reads the low 32 bits, which that keeps."""
     return (seed + index) % SEED_LIMIT
 

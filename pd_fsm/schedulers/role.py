@@ -1,5 +1,5 @@
 """A scheduler's role: what a prefill or decode worker adds to the colocated scheduler, as an
-object the scheduler holds and calls at named points (issue 29 §2), not a subclass overriding its
+object the scheduler holds and calls at named points, not a subclass overriding its
 private methods.
 
 ``SchedulerRole`` lists those points; ``ColocatedRole`` is the role of a worker that runs its

@@ -5,7 +5,7 @@ Synchronous and single-threaded: a caller (the HTTP worker's thread, a test, a b
 they produced. One thread drives it; only ``submit`` and ``request_abort`` may be called from other
 threads (they queue work that the next ``step()`` applies).
 
-Plan apart from run (issue 29 §1): the queues (``self.queues``, queues.py) say which requests are
+Plan apart from run: the queues (``self.queues``, queues.py) say which requests are
 waiting, prefilling and running; each step plans a prefill batch and a decode batch as plain data
 (plan.py), the ``ModelRunner`` (``self.runner``) runs each plan under the KV holder's lock (DESIGN
 §6) and samples, and the scheduler applies what came back: the ``OutputProcessor``
@@ -22,14 +22,12 @@ forward). The colocated role adds nothing.
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable, Sequence
 
 import attrs
 import jax
 
 from pd_fsm.jax_engine import backend
-from pd_fsm.jax_engine.compilation.executables import EXECUTABLES
 from pd_fsm.jax_engine.model import LoadedModel, load_model, table_width
 from pd_fsm.jax_engine.parallel.tensor_parallel import check_tp
 from pd_fsm.jax_engine.sampling.grammar import compiler_for
@@ -46,7 +44,6 @@ from pd_fsm.schedulers.plan import (
     PrefillRow,
     plan_decode,
     plan_prefill,
-    shape_plan,
 )
 from pd_fsm.schedulers.queues import RequestQueues
 from pd_fsm.schedulers.request import (
@@ -66,17 +63,7 @@ __all__ = [
     "PrefillRow",
     "Scheduler",
     "SchedulerStats",
-    "WarmupReport",
 ]
-
-
-@attrs.frozen
-class WarmupReport:
-    """What a warm-up compiled: forward shapes ``(rows, tokens)`` and executables, and how long."""
-
-    shapes: tuple[tuple[int, int], ...]
-    executables: int
-    seconds: float
 
 
 @attrs.frozen
@@ -203,10 +190,6 @@ class Scheduler:
         """Thread-safe ``abort``: applied at the start of the next ``step()``."""
         self.queues.put((rid, message))
 
-    def reserve_pages(self, req: Req) -> bool:
-        """Reserve ``req``'s pages now (a decode worker does so before the KV transfer)."""
-        return self.page_budget.reserve(req)
-
     def abort(self, rid: str, message: str = "aborted") -> bool:
         """Finish a live request (every sequence of it) with an abort reason and free its
         pages; False if unknown. What the role holds (a live PD room) it aborts itself."""
@@ -291,25 +274,6 @@ class Scheduler:
         )
 
     # ----------------------------------------------------------------- compiled shapes
-
-    def shape_plan(self) -> list[tuple[int, int]]:
-        """Every padded forward shape ``(rows, tokens)`` this scheduler can run, from its knobs
-        (``plan.shape_plan``), less those its role never runs. The page table's width is fixed
-        (``table_width``), so nothing else varies."""
-        a = self.args
-        plan = shape_plan(a.max_running, self.max_batched_tokens, self.context_length)
-        return [(n, t) for n, t in plan if self.role.keeps_shape(n, t)]
-
-    def warm_up(self) -> WarmupReport:
-        """Compile, without running a step, every executable ``shape_plan`` needs (the forward's
-        and the samplers'), so no request after this waits for a compile. Idempotent: shapes
-        already compiled in this process cost a lookup."""
-        start = time.perf_counter()
-        before = EXECUTABLES.stats().built
-        plan = self.shape_plan()
-        self.runner.compile(plan)
-        compiled = EXECUTABLES.stats().built - before
-        return WarmupReport(tuple(plan), compiled, time.perf_counter() - start)
 
     # ----------------------------------------------------------------- a request's life
 

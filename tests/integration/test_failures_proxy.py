@@ -21,7 +21,7 @@ import httpx
 import pytest
 import trio
 
-from pd_fsm.io_trio.proxy.server import PrefillTarget, Proxy, serve_proxy
+from pd_fsm.io_trio.proxy.server import PrefillTarget, ProxyServer, serve_proxy
 from tests.integration.pd_standins import serve_standin
 from tests.integration.serve_support import sse_events
 
@@ -87,7 +87,7 @@ async def test_decode_dying_mid_stream(nursery: trio.Nursery, with_done: bool) -
     the stream as D would have)."""
     p_url, _ = await serve_standin(nursery, "prefill")
     d_url = await _dying_decode(nursery, with_done)
-    proxy = Proxy([PrefillTarget.from_url(p_url, 8998)], [d_url], rng=random.Random(1))
+    proxy = ProxyServer([PrefillTarget.from_url(p_url, 8998)], [d_url], rng=random.Random(1))
     url: str = await nursery.start(serve_proxy, proxy, "127.0.0.1", 0)
     body: dict[str, Any] = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 2}}
     async with httpx.AsyncClient(timeout=10) as http:
@@ -108,7 +108,8 @@ async def test_a_decode_worker_answering_503_is_retried_on_another(nursery: trio
     d0_url, d0 = await serve_standin(nursery, "decode")
     d1_url, d1 = await serve_standin(nursery, "decode")
     d0.script.status = 503
-    proxy = Proxy([PrefillTarget.from_url(p_url, 8998)], [d0_url, d1_url], rng=random.Random(1))
+    proxy = ProxyServer([PrefillTarget.from_url(p_url, 8998)], [d0_url, d1_url],
+                        rng=random.Random(1))
     url: str = await nursery.start(serve_proxy, proxy, "127.0.0.1", 0)
     async with httpx.AsyncClient(timeout=10) as http:
         for _ in range(4):  # round robin: some go to d0 first
@@ -148,7 +149,7 @@ async def test_a_decode_worker_that_cannot_be_connected_to_in_time_is_redirected
     d1_url, d1 = await serve_standin(nursery, "decode")
     dead = "http://127.0.0.1:9"  # never dialled: the transport times it out
     client = httpx.AsyncClient(transport=_ConnectTimesOut(dead), timeout=10)
-    proxy = Proxy([PrefillTarget.from_url(p_url, 8998)], [dead, d1_url], rng=random.Random(1),
+    proxy = ProxyServer([PrefillTarget.from_url(p_url, 8998)], [dead, d1_url], rng=random.Random(1),
                   client=client)
     url: str = await nursery.start(serve_proxy, proxy, "127.0.0.1", 0)
     async with httpx.AsyncClient(timeout=10) as http:
@@ -171,7 +172,7 @@ async def test_requests_over_every_workers_queue_bound_get_429_at_once(
     d_url, d = await serve_standin(nursery, "decode")
     held = trio.Event()
     d.script.wait_for = held  # D holds its first answer: one request in flight
-    proxy = Proxy([PrefillTarget.from_url(p_url, 8998)], [d_url], rng=random.Random(1),
+    proxy = ProxyServer([PrefillTarget.from_url(p_url, 8998)], [d_url], rng=random.Random(1),
                   routing=RoutingConfig(max_queue=1))
     url: str = await nursery.start(serve_proxy, proxy, "127.0.0.1", 0)
     async with httpx.AsyncClient(timeout=10) as http:
@@ -241,7 +242,7 @@ async def _splitting_decode(nursery: trio.Nursery, finish: bool) -> tuple[list[s
     return urls, aborts
 
 
-def _requests(proxy: Proxy, status: str) -> float:
+def _requests(proxy: ProxyServer, status: str) -> float:
     value = proxy.registry.get_sample_value("pd_fsm_proxy_http_requests_total",
                                             {"path": "/generate", "status": status})
     return value or 0.0
@@ -256,7 +257,7 @@ async def test_an_n_2_stream_split_by_a_break(nursery: trio.Nursery, leave: bool
     sequence's room is cancelled with its D leg aborted."""
     p_url, _ = await serve_standin(nursery, "prefill")
     d_urls, d_aborts = await _splitting_decode(nursery, finish=not leave)
-    proxy = Proxy([PrefillTarget.from_url(p_url, 8998)], d_urls, rng=random.Random(1))
+    proxy = ProxyServer([PrefillTarget.from_url(p_url, 8998)], d_urls, rng=random.Random(1))
     url: str = await nursery.start(serve_proxy, proxy, "127.0.0.1", 0)
     body = {"text": "hi", "stream": True, "sampling_params": {"n": 2, "max_new_tokens": 3}}
     events: list[Any] = []

@@ -47,10 +47,10 @@ def test_heartbeat_received_during_a_long_forward_keeps_the_lease(tiny: LoadedMo
     pair = PDPair(tiny, _args("prefill", lease_initial=5.0, lease_extension=20.0),
                   _args("decode"), clock=lambda: now[0])
     try:
-        pair.d.add_pd_request(Req("r", IDS, GREEDY), BOOT, 51)
+        pair.d.role.add_pd_request(Req("r", IDS, GREEDY), BOOT, 51)
         pair.pump()  # D resolved P, reserved pages, said hello: the lease runs from t=0
         assert pair.p.core.state_of(51) == "EARLY_PEER"
-        pair.p.add_pd_request(Req("r", IDS, GREEDY), 51)
+        pair.p.role.add_pd_request(Req("r", IDS, GREEDY), 51)
         real_forward = pair.p.runner.forward_extend
 
         def slow_forward(*a: Any, **kw: Any) -> Any:
@@ -61,10 +61,10 @@ def test_heartbeat_received_during_a_long_forward_keeps_the_lease(tiny: LoadedMo
         pair.p.runner.forward_extend = slow_forward  # type: ignore[method-assign]
         pair.p_outputs += pair.p.step()
         # The worker's next tick: the inbox first, each message at its arrival time, then time.
-        pair.p.deliver(ev.MessageReceived(pair.d_id, Heartbeat(1, (51,))), now=4.0)
-        pair.p.deliver(ev.TimeAdvanced())
+        pair.p.role.deliver(ev.MessageReceived(pair.d_id, Heartbeat(1, (51,))), now=4.0)
+        pair.p.role.deliver(ev.TimeAdvanced())
         assert pair.p.core.state_of(51) == "TRANSFERRING"
-        assert pair.p.pop_failure("r") is None
+        assert pair.p.role.link.failures.pop("r", None) is None
         pair.run(lambda: "r" in collect(pair.d_outputs)
                  and collect(pair.d_outputs)["r"]["reason"] is not None
                  and pair.books_balanced())
@@ -81,9 +81,9 @@ def test_lease_still_expires_when_no_heartbeat_came(tiny: LoadedModel) -> None:
     pair = PDPair(tiny, _args("prefill", lease_initial=5.0), _args("decode"),
                   clock=lambda: now[0])
     try:
-        pair.d.add_pd_request(Req("r", IDS, GREEDY), BOOT, 52)
+        pair.d.role.add_pd_request(Req("r", IDS, GREEDY), BOOT, 52)
         pair.pump()
-        pair.p.add_pd_request(Req("r", IDS, GREEDY), 52)
+        pair.p.role.add_pd_request(Req("r", IDS, GREEDY), 52)
         real_forward = pair.p.runner.forward_extend
 
         def slow_forward(*a: Any, **kw: Any) -> Any:
@@ -93,9 +93,9 @@ def test_lease_still_expires_when_no_heartbeat_came(tiny: LoadedModel) -> None:
 
         pair.p.runner.forward_extend = slow_forward  # type: ignore[method-assign]
         pair.p.step()
-        pair.p.deliver(ev.TimeAdvanced())
+        pair.p.role.deliver(ev.TimeAdvanced())
         assert pair.p.core.state_of(52) is None
-        assert not pair.p.engine.registrations()
+        assert not pair.p.role.engine.registrations()
         assert pair.p.page_budget.allocator.num_free == pair.p.page_budget.allocator.total
     finally:
         pair.close()
@@ -106,12 +106,12 @@ def test_local_abort_on_p_answers_499_not_500(tiny: LoadedModel) -> None:
     not a 500 "internal server error". D's ABORT of the room stays a 500 on P's leg."""
     pair = PDPair(tiny, _args("prefill"), _args("decode"))
     try:
-        pair.p.add_pd_request(Req("mine", IDS, GREEDY), 53)
+        pair.p.role.add_pd_request(Req("mine", IDS, GREEDY), 53)
         pair.p_outputs += pair.p.step()  # prefilled, KV registered, no D yet
         assert pair.p.core.state_of(53) == "PREFILLED_NO_PEER"
         assert pair.p.abort("mine", "aborted by request")
-        assert pair.p.pop_failure("mine") == (499, "aborted by request")
-        assert not pair.p.engine.registrations()
+        assert pair.p.role.link.failures.pop("mine", None) == (499, "aborted by request")
+        assert not pair.p.role.engine.registrations()
         assert pair.p.page_budget.allocator.num_free == pair.p.page_budget.allocator.total
     finally:
         pair.close()
@@ -175,24 +175,24 @@ def test_lease_expiry_gives_up_shared_pages_once(tiny: LoadedModel) -> None:
     pair = PDPair(tiny, _args("prefill", lease_initial=5.0, radix_cache=True),
                   _args("decode"), clock=lambda: now[0])
     try:
-        pair.d.add_pd_request(Req("first", IDS, GREEDY), BOOT, 70)
-        pair.p.add_pd_request(Req("first", IDS, GREEDY), 70)
+        pair.d.role.add_pd_request(Req("first", IDS, GREEDY), BOOT, 70)
+        pair.p.role.add_pd_request(Req("first", IDS, GREEDY), 70)
         pair.run(lambda: collect(pair.d_outputs).get("first", {}).get("reason") is not None
                  and pair.books_balanced())
         assert pair.p.page_budget.cache is not None
         cached = pair.p.page_budget.cache.pages
         assert cached > 0
-        pair.p.add_pd_request(Req("orphan", IDS, GREEDY), 71)  # no D leg ever comes
+        pair.p.role.add_pd_request(Req("orphan", IDS, GREEDY), 71)  # no D leg ever comes
         pair.p.step()
-        assert pair.p.engine.registrations()
+        assert pair.p.role.engine.registrations()
         now[0] = 10.0
-        pair.p.deliver(ev.TimeAdvanced())
-        assert pair.p.core.state_of(71) is None and not pair.p.engine.registrations()
+        pair.p.role.deliver(ev.TimeAdvanced())
+        assert pair.p.core.state_of(71) is None and not pair.p.role.engine.registrations()
         stats = pair.p.stats()
         assert stats.free_pages + stats.cached_pages == stats.total_pages
         assert pair.p.page_budget.cache.pages == cached
-        pair.d.add_pd_request(Req("again", IDS, GREEDY), BOOT, 72)
-        pair.p.add_pd_request(Req("again", IDS, GREEDY), 72)
+        pair.d.role.add_pd_request(Req("again", IDS, GREEDY), BOOT, 72)
+        pair.p.role.add_pd_request(Req("again", IDS, GREEDY), 72)
         pair.run(lambda: collect(pair.d_outputs).get("again", {}).get("reason") is not None
                  and pair.books_balanced())
         assert collect(pair.d_outputs)["again"]["ids"] == _colocated(tiny)

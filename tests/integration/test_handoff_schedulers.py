@@ -47,8 +47,8 @@ def pair(tiny: LoadedModel) -> Iterator[tuple[DecodeScheduler, DecodeScheduler]]
               for name in ("d1", "d2"))
     yield d1, d2
     for d in (d1, d2):
-        d.close()
-        d.engine.close()
+        d.role.close()
+        d.role.engine.close()
 
 
 def _uninterrupted(tiny: LoadedModel) -> list[int]:
@@ -66,7 +66,7 @@ def _decode_then_hand_off(d1: DecodeScheduler, tokens: int, lease_s: float
     seen: list[int] = []
     while len(seen) < tokens:
         seen += collect(d1.step()).get("r", {"ids": []})["ids"]
-    [(rid, ticket)] = d1.hand_off({"r"}, lease_s)
+    [(rid, ticket)] = d1.role.handoffs.hand_off({"r"}, lease_s)
     assert rid == "r"
     return seen, ticket
 
@@ -83,8 +83,8 @@ def _until_finished(d: DecodeScheduler, timeout: float) -> list[RequestOutput]:
 
 def _idle(d: DecodeScheduler) -> bool:
     s = d.stats()
-    return (s.free_pages + s.cached_pages == s.total_pages and not d.engine.registrations()
-            and not d.reqs and d.pull_executor.inflight == 0)
+    return (s.free_pages + s.cached_pages == s.total_pages and not d.role.engine.registrations()
+            and not d.reqs and d.role.pull_executor.inflight == 0)
 
 
 def test_a_handed_off_sequence_continues_exactly_without_a_prefill(
@@ -92,20 +92,20 @@ def test_a_handed_off_sequence_continues_exactly_without_a_prefill(
     d1, d2 = pair
     seen, ticket = _decode_then_hand_off(d1, 7, lease_s=30.0)
     assert ticket.kv_tokens == len(IDS) + len(seen) - 1
-    assert ticket.next_token == seen[-1] and not d1.reqs and d1.handoffs_outstanding == 1
+    assert ticket.next_token == seen[-1] and not d1.reqs and d1.role.handoffs.outstanding == 1
     assert d1.stats().free_pages == d1.stats().total_pages  # pages back at once
     assert d1.step() == []  # no final output: the stream ends with the ticket
 
     req = d2.make_request("r", IDS, GREEDY, resume=Resume(tuple(seen[:-1])))
-    d2.add_handoff_request(req, ticket, text_sent=0)
+    d2.role.handoffs.take(req, ticket, text_sent=0)
     got = collect(_until_finished(d2, 120))["r"]
     assert seen + got["ids"] == _uninterrupted(tiny)
     assert got["reason"].kind == "length"
     assert {s[0] for s in d2.forward_shapes} == {"decode"}  # no prefill ran on D2
-    assert d2.handoff_stats["taken"] == 1
+    assert d2.role.handoffs.stats["taken"] == 1
 
-    assert d1.release_handoff(ticket.uuid) and not d1.release_handoff(ticket.uuid)
-    assert d1.handoff_stats == {"given": 1, "released": 1, "expired": 0, "taken": 0,
+    assert d1.role.handoffs.release(ticket.uuid) and not d1.role.handoffs.release(ticket.uuid)
+    assert d1.role.handoffs.stats == {"given": 1, "released": 1, "expired": 0, "taken": 0,
                                 "take_failed": 0, "waited_for_pages": 0, "withdrawn": 0}
     assert _idle(d1) and _idle(d2)
 
@@ -114,17 +114,18 @@ def test_an_unclaimed_hand_off_expires_once_and_a_failed_pull_fails_the_request(
         tiny: LoadedModel, pair: tuple[DecodeScheduler, DecodeScheduler]) -> None:
     d1, d2 = pair
     seen, ticket = _decode_then_hand_off(d1, 3, lease_s=0.2)
-    assert d1.next_deadline() is not None
+    assert d1.role.next_deadline() is not None
     time.sleep(0.3)
     d1.step()
-    assert d1.handoff_stats["expired"] == 1 and not d1.engine.registrations()
-    assert not d1.release_handoff(ticket.uuid)  # released exactly once
+    assert d1.role.handoffs.stats["expired"] == 1 and not d1.role.engine.registrations()
+    assert not d1.role.handoffs.release(ticket.uuid)  # released exactly once
     # D2 pulls the expired ticket: the pull fails and so does the request (the proxy then
     # migrates it by re-prefill); its pages go back.
     req = d2.make_request("r", IDS, GREEDY, resume=Resume(tuple(seen[:-1])))
-    d2.add_handoff_request(req, ticket, text_sent=0)
+    d2.role.handoffs.take(req, ticket, text_sent=0)
     _until_finished(d2, 60)
-    assert d2.pop_failure("r") is not None and d2.handoff_stats["take_failed"] == 1
+    assert d2.role.link.failures.pop("r", None) is not None
+    assert d2.role.handoffs.stats["take_failed"] == 1
     assert _idle(d1) and _idle(d2)
 
 
@@ -134,9 +135,9 @@ def test_a_ticket_that_does_not_fit_is_refused_before_any_page(
     seen, ticket = _decode_then_hand_off(d1, 3, lease_s=30.0)
     wrong = d2.make_request("r", IDS, GREEDY, resume=Resume(tuple(seen)))  # one token too many
     with pytest.raises(ValueError, match="covers"):
-        d2.add_handoff_request(wrong, ticket, text_sent=0)
+        d2.role.handoffs.take(wrong, ticket, text_sent=0)
     assert not d2.reqs and _idle(d2)
-    d1.release_handoff(ticket.uuid)
+    d1.role.handoffs.release(ticket.uuid)
     assert _idle(d1)
 
 
@@ -144,9 +145,9 @@ def test_an_abort_during_the_pull_frees_the_pages_only_once_the_pull_reports(
         pair: tuple[DecodeScheduler, DecodeScheduler]) -> None:
     d1, d2 = pair
     seen, ticket = _decode_then_hand_off(d1, 3, lease_s=30.0)
-    d1.release_handoff(ticket.uuid)  # gone before D2 pulls: the pull hangs to its deadline
+    d1.role.handoffs.release(ticket.uuid)  # gone before D2 pulls: the pull hangs to its deadline
     req = d2.make_request("r", IDS, GREEDY, resume=Resume(tuple(seen[:-1])))
-    d2.add_handoff_request(req, ticket, text_sent=0)
+    d2.role.handoffs.take(req, ticket, text_sent=0)
     assert d2.abort("r", "client left")
     (out,) = d2.step()
     assert out.finish_reason is not None and out.finish_reason.kind == "abort"
@@ -157,7 +158,7 @@ def test_an_abort_during_the_pull_frees_the_pages_only_once_the_pull_reports(
         assert time.monotonic() < deadline
         d2.step()
         time.sleep(0.01)
-    assert d2.handoffs.outcomes[KV_HANDOFF.S.DROPPED] == 1 and _idle(d1)
+    assert d2.role.handoffs.ledger.outcomes[KV_HANDOFF.S.DROPPED] == 1 and _idle(d1)
 
 
 FILLER = SamplingParams(temperature=0.0, max_new_tokens=200, ignore_eos=True)
@@ -176,10 +177,11 @@ def _waiting_claim(d1: DecodeScheduler, d2: DecodeScheduler, lease_s: float
     seen, ticket = _decode_then_hand_off(d1, 7, lease_s=lease_s)
     _fill(d2)
     req = d2.make_request("r", IDS, GREEDY, resume=Resume(tuple(seen[:-1])))
-    d2.add_handoff_request(req, ticket, text_sent=0)  # accepted: no refusal
+    d2.role.handoffs.take(req, ticket, text_sent=0)  # accepted: no refusal
     d2.step()
-    assert d2.handoff_stats["waited_for_pages"] == 1
-    assert [d2.handoffs.state_of(k) for k in d2.handoffs.handoffs] == ["WAITING_FOR_PAGES"]
+    assert d2.role.handoffs.stats["waited_for_pages"] == 1
+    ledger = d2.role.handoffs.ledger
+    assert [ledger.state_of(k) for k in ledger.handoffs] == ["WAITING_FOR_PAGES"]
     return seen, ticket
 
 
@@ -196,8 +198,8 @@ def test_a_hand_off_with_no_free_pages_waits_and_goes_on_when_they_free(
         time.sleep(0.002)  # let the pull threads run
     got = collect(out)["r"]
     assert seen + got["ids"] == _uninterrupted(tiny) and got["reason"].kind == "length"
-    assert d2.handoff_stats["taken"] == 1 and d2.handoff_stats["take_failed"] == 0
-    d1.release_handoff(ticket.uuid)
+    assert d2.role.handoffs.stats["taken"] == 1 and d2.role.handoffs.stats["take_failed"] == 0
+    d1.role.handoffs.release(ticket.uuid)
     assert _idle(d1) and _idle(d2)
 
 
@@ -205,13 +207,13 @@ def test_a_hand_off_that_waits_past_half_its_lease_fails_and_holds_nothing(
         pair: tuple[DecodeScheduler, DecodeScheduler]) -> None:
     d1, d2 = pair
     _, ticket = _waiting_claim(d1, d2, lease_s=0.6)  # waits 0.3 s
-    assert d2.next_deadline() is not None
+    assert d2.role.next_deadline() is not None
     deadline = time.monotonic() + 30
-    while d2.pop_failure("r") is None:
+    while d2.role.link.failures.pop("r", None) is None:
         assert time.monotonic() < deadline
         d2.step()
         time.sleep(0.01)
-    assert d2.handoff_stats["take_failed"] == 1 and d2.handoff_stats["taken"] == 0
+    assert d2.role.handoffs.stats["take_failed"] == 1 and d2.role.handoffs.stats["taken"] == 0
     d2.abort("filler", "done")
     d2.step()
     assert _idle(d2)
@@ -220,7 +222,7 @@ def test_a_hand_off_that_waits_past_half_its_lease_fails_and_holds_nothing(
         assert time.monotonic() < deadline
         d1.step()
         time.sleep(0.01)
-    assert d1.handoff_stats["expired"] == 1 and not d1.release_handoff(ticket.uuid)
+    assert d1.role.handoffs.stats["expired"] == 1 and not d1.role.handoffs.release(ticket.uuid)
 
 
 def test_an_abort_while_waiting_for_pages_finishes_the_request_at_once(
@@ -230,10 +232,11 @@ def test_an_abort_while_waiting_for_pages_finishes_the_request_at_once(
     assert d2.abort("r", "client left")
     out = collect(d2.step())["r"]
     assert out["reason"].kind == "abort"
-    assert d2.handoffs.outcomes[KV_HANDOFF.S.WITHDRAWN] == 1 and not d2.handoffs.handoffs
+    ledger = d2.role.handoffs.ledger
+    assert ledger.outcomes[KV_HANDOFF.S.WITHDRAWN] == 1 and not ledger.handoffs
     d2.abort("filler", "done")
     d2.step()
-    d1.release_handoff(ticket.uuid)
+    d1.role.handoffs.release(ticket.uuid)
     assert _idle(d1) and _idle(d2)
 
 
@@ -249,8 +252,8 @@ def test_a_hand_off_waits_for_a_batch_slot_as_a_room_does(tiny: LoadedModel) -> 
         d2.step()
         assert d2.stats().free_pages > 20  # pages are not what it waits for
         req = d2.make_request("r", IDS, GREEDY, resume=Resume(tuple(seen[:-1])))
-        d2.add_handoff_request(req, ticket, text_sent=0)
-        assert d2.handoff_stats["waited_for_pages"] == 1
+        d2.role.handoffs.take(req, ticket, text_sent=0)
+        assert d2.role.handoffs.stats["waited_for_pages"] == 1
         out: list[RequestOutput] = []
         deadline = time.monotonic() + 120
         while not any(o.rid == "r" and o.finished for o in out):
@@ -263,10 +266,10 @@ def test_a_hand_off_waits_for_a_batch_slot_as_a_room_does(tiny: LoadedModel) -> 
         first_r = next(i for i, o in enumerate(out) if o.rid == "r")
         assert out[first_r - 1].rid == "filler" and out[first_r - 1].finished  # then r's turn
         assert seen + got["r"]["ids"] == _uninterrupted(tiny)
-        assert d2.handoff_stats["taken"] == 1
-        d1.release_handoff(ticket.uuid)
+        assert d2.role.handoffs.stats["taken"] == 1
+        d1.role.handoffs.release(ticket.uuid)
         assert _idle(d1) and _idle(d2)
     finally:
         for d in (d1, d2):
-            d.close()
-            d.engine.close()
+            d.role.close()
+            d.role.engine.close()

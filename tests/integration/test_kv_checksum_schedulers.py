@@ -23,7 +23,7 @@ from pd_fsm.jax_engine.model import LoadedModel, load_model
 from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import Req, Scheduler, SchedulerArgs
 from pd_fsm.schedulers.disaggregation import DisaggregationArgs
-from tests.support.corrupting_engine import CorruptingDecode
+from tests.support.corrupting_engine import CorruptingDecode, CorruptingEngine
 from tests.support.pd_pair import BOOT, PDPair, collect
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
@@ -54,15 +54,16 @@ def _pair(tiny: LoadedModel, corrupt: int, *, verify: bool = True, garbage: bool
           **d_kw: Any) -> PDPair:
     pair = PDPair(tiny, _args("prefill", kv_checksum=True),
                   _args("decode", kv_checksum=verify, **d_kw), decode_cls=CorruptingDecode)
-    engine = pair.d.engine
+    engine = pair.d.role.engine
+    assert isinstance(engine, CorruptingEngine)
     engine.corrupt, engine.garbage = corrupt, garbage
     return pair
 
 
 def _serve(pair: PDPair, room: int) -> dict[str, Any]:
     """One request through both legs, run until D answered and both sides hold nothing."""
-    pair.d.add_pd_request(Req("r", IDS, GREEDY), BOOT, room)
-    pair.p.add_pd_request(Req("r", IDS, GREEDY), room)
+    pair.d.role.add_pd_request(Req("r", IDS, GREEDY), BOOT, room)
+    pair.p.role.add_pd_request(Req("r", IDS, GREEDY), room)
     pair.run(lambda: "r" in collect(pair.d_outputs)
              and collect(pair.d_outputs)["r"]["reason"] is not None and pair.books_balanced())
     got: dict[str, Any] = collect(pair.d_outputs)["r"]
@@ -71,7 +72,7 @@ def _serve(pair: PDPair, room: int) -> dict[str, Any]:
 
 def _counts(pair: PDPair) -> tuple[int, int, int, int]:
     """(mismatches, re-pulls) as the core counts them, (corrupted, good) pulls as D saw them."""
-    stats, pulls = pair.d.core.stats, pair.d.transfer_stats
+    stats, pulls = pair.d.core.stats, pair.d.role.transfer_stats
     return (stats.kv_checksum_mismatches, stats.kv_checksum_repulls, pulls["pulls_corrupted"],
             pulls["pulls_ok"])
 
@@ -82,9 +83,10 @@ def test_a_clean_pull_verifies_and_the_answer_is_unchanged(tiny: LoadedModel,
     try:
         got = _serve(pair, ROOM)
         assert got["ids"] == colocated and got["reason"].kind == "length"
-        assert _counts(pair) == (0, 0, 0, 1) and pair.d.engine.pulls == 1
+        assert _counts(pair) == (0, 0, 0, 1) and pair.d.role.engine.pulls == 1
         # P registered the room twice (the spare for a re-pull) and released both.
-        assert pair.p.transfer_stats["registered"] == pair.p.transfer_stats["released"] == 2
+        stats = pair.p.role.transfer_stats
+        assert stats["registered"] == stats["released"] == 2
     finally:
         pair.close()
 
@@ -96,8 +98,8 @@ def test_one_corrupted_pull_is_pulled_again_and_the_answer_is_unchanged(
     try:
         got = _serve(pair, ROOM + 1)
         assert got["ids"] == colocated and got["reason"].kind == "length"
-        assert _counts(pair) == (1, 1, 1, 1) and pair.d.engine.pulls == 2
-        assert pair.d.pop_failure("r") is None and pair.d.recomputed == 0
+        assert _counts(pair) == (1, 1, 1, 1) and pair.d.role.engine.pulls == 2
+        assert pair.d.role.link.failures.pop("r", None) is None and pair.d.role.recomputed == 0
     finally:
         pair.close()
 
@@ -107,14 +109,14 @@ def test_every_pull_corrupted_fails_the_room_naming_the_mismatch(tiny: LoadedMod
     try:
         got = _serve(pair, ROOM + 2)  # returns once every page and registration is back
         assert got["reason"].kind == "abort"
-        status, reason = pair.d.pop_failure("r")
+        status, reason = pair.d.role.link.failures.pop("r", None)
         assert status == 502, reason
         assert "KV corrupted in flight (and on the re-pull): KV checksum mismatch: array 0 " \
                "(main_kv, shard 0) sums to" in reason, reason
-        assert _counts(pair) == (2, 1, 2, 0) and pair.d.engine.pulls == 2
+        assert _counts(pair) == (2, 1, 2, 0) and pair.d.role.engine.pulls == 2
         d_pages = pair.d.page_budget.allocator
-        assert d_pages.num_free == d_pages.total and not pair.d.held_pages
-        assert not pair.p.engine.registrations() and not pair.p.held_pages
+        assert d_pages.num_free == d_pages.total and not pair.d.role.held_pages
+        assert not pair.p.role.engine.registrations() and not pair.p.role.held_pages
     finally:
         pair.close()
 
@@ -126,7 +128,7 @@ def test_every_pull_corrupted_under_recompute_is_prefilled_on_d(
     try:
         got = _serve(pair, ROOM + 3)
         assert got["ids"] == colocated and got["reason"].kind == "length"
-        assert pair.d.recomputed == 1 and pair.d.pop_failure("r") is None
+        assert pair.d.role.recomputed == 1 and pair.d.role.link.failures.pop("r", None) is None
         assert _counts(pair) == (2, 1, 2, 0)
     finally:
         pair.close()

@@ -137,16 +137,16 @@ def test_pd_equals_colocated(model_name: str, kv_dtype: str | None) -> None:
         with sched.kv_holder.locked() as held:
             dtypes |= {str(a.dtype) for name in held.names() for a in held[name]}
     assert dtypes == {storage}
-    assert {p.dtype for p in pair.d.kv_args.pools} == {storage}
+    assert {p.dtype for p in pair.d.role.kv_args.pools} == {storage}
     try:
         for i, ids in enumerate(prompts):
             room = 1000 + i
             # The router posts both legs at once; alternate which arrives first.
             legs = [
-                lambda i=i, ids=ids, room=room: pair.d.add_pd_request(
+                lambda i=i, ids=ids, room=room: pair.d.role.add_pd_request(
                     Req(f"r{i}", ids, GREEDY), BOOT, room
                 ),
-                lambda i=i, ids=ids, room=room: pair.p.add_pd_request(
+                lambda i=i, ids=ids, room=room: pair.p.role.add_pd_request(
                     Req(f"r{i}", ids, GREEDY), room
                 ),
             ]
@@ -161,7 +161,7 @@ def test_pd_equals_colocated(model_name: str, kv_dtype: str | None) -> None:
         )
         got = collect(pair.d_outputs)
         for rid, exp in expected.items():
-            assert got[rid]["ids"] == exp["ids"], (rid, pair.d.failures.get(rid))
+            assert got[rid]["ids"] == exp["ids"], (rid, pair.d.role.link.failures.get(rid))
             assert got[rid]["reason"].kind == "length"
             np.testing.assert_allclose(
                 pair.d.first_logits[rid], colo.first_logits[rid], atol=1e-4, rtol=0
@@ -170,11 +170,11 @@ def test_pd_equals_colocated(model_name: str, kv_dtype: str | None) -> None:
         p_got = collect(pair.p_outputs)
         for rid, exp in expected.items():
             assert p_got[rid]["ids"] == exp["ids"][:1]
-        assert pair.d.transfer_stats["pulls_ok"] == len(prompts)
+        assert pair.d.role.transfer_stats["pulls_ok"] == len(prompts)
         # The bytes pulled are the pools' packed pages at the pools' dtype (bf16: half of f32).
-        assert pair.d.transfer_stats["bytes"] == sum(
+        assert pair.d.role.transfer_stats["bytes"] == sum(
             spec.packed_nbytes(-(-len(ids) // PAGE)) for ids in prompts
-            for spec in pair.d.kv_args.pools)
+            for spec in pair.d.role.kv_args.pools)
         assert pair.books_balanced()
     finally:
         pair.close()
@@ -204,8 +204,8 @@ def test_penalties_and_min_tokens_pd_equals_colocated(tiny: LoadedModel) -> None
     pair = PDPair(tiny, _args("prefill", lease_initial=600.0), _args("decode"))
     try:
         for i, ids in enumerate(prompts):
-            pair.p.add_pd_request(Req(f"r{i}", ids, PENALIZED), 2000 + i)
-            pair.d.add_pd_request(Req(f"r{i}", ids, PENALIZED), BOOT, 2000 + i)
+            pair.p.role.add_pd_request(Req(f"r{i}", ids, PENALIZED), 2000 + i)
+            pair.d.role.add_pd_request(Req(f"r{i}", ids, PENALIZED), BOOT, 2000 + i)
         pair.run(lambda: len(collect(pair.d_outputs)) == len(prompts) and pair.books_balanced())
         got = collect(pair.d_outputs)
         for rid, exp in outputs["penalized"].items():
@@ -218,12 +218,12 @@ def test_duplicate_live_room_rejected_first_unaffected(tiny: LoadedModel) -> Non
     pair = PDPair(tiny, _args("prefill"), _args("decode"))
     try:
         ids = _prompts()[5]
-        pair.p.add_pd_request(Req("a", ids, GREEDY), 7)
-        pair.d.add_pd_request(Req("a", ids, GREEDY), BOOT, 7)
+        pair.p.role.add_pd_request(Req("a", ids, GREEDY), 7)
+        pair.d.role.add_pd_request(Req("a", ids, GREEDY), BOOT, 7)
         with pytest.raises(DuplicateRoomError):
-            pair.p.add_pd_request(Req("b", ids, GREEDY), 7)
+            pair.p.role.add_pd_request(Req("b", ids, GREEDY), 7)
         with pytest.raises(DuplicateRoomError):
-            pair.d.add_pd_request(Req("b", ids, GREEDY), BOOT, 7)
+            pair.d.role.add_pd_request(Req("b", ids, GREEDY), BOOT, 7)
         assert "b" not in pair.p.reqs and "b" not in pair.d.reqs
         pair.run(
             lambda: (
@@ -240,16 +240,16 @@ def test_duplicate_live_room_rejected_first_unaffected(tiny: LoadedModel) -> Non
 def test_every_phase_is_sampled_once_per_room_on_its_side(tiny: LoadedModel) -> None:
     """The phase samples the worker turns into histograms (phases.py): each of a role's phases
     once per room, on that role only, and nothing left stamped once the rooms are over."""
-    from pd_fsm.io_trio.worker.phases import PHASE_BY_KEY, role_phases
+    from pd_fsm.io_trio.phases import PHASE_BY_KEY, role_phases
 
     pair = PDPair(tiny, _args("prefill"), _args("decode"))
     try:
         for room, ids in ((31, _prompts()[4]), (32, _prompts()[9])):
-            pair.d.add_pd_request(Req(f"r{room}", ids, GREEDY), BOOT, room)
-            pair.p.add_pd_request(Req(f"r{room}", ids, GREEDY), room)
+            pair.d.role.add_pd_request(Req(f"r{room}", ids, GREEDY), BOOT, room)
+            pair.p.role.add_pd_request(Req(f"r{room}", ids, GREEDY), room)
         pair.run(lambda: len(collect(pair.d_outputs)) == 2 and pair.books_balanced())
         for sched, role in ((pair.p, "prefill"), (pair.d, "decode")):
-            samples = sched.take_phase_samples()
+            samples = sched.role.link.phases.take()
             keys = sorted(key for key, _ in samples)
             assert keys == sorted(2 * [p.key for p in role_phases(role)])
             assert all(PHASE_BY_KEY[k].role == role for k in keys)
@@ -257,7 +257,7 @@ def test_every_phase_is_sampled_once_per_room_on_its_side(tiny: LoadedModel) -> 
             # A scatter waits for the step in flight at most (issue 13 §2): it happens at the
             # start of the loop's next iteration.
             assert all(v in (0, 1) for k, v in samples if k == "kv_scatter_steps"), samples
-            assert sched.take_phase_samples() == []
+            assert sched.role.link.phases.take() == []
             assert not sched.role.link.phases.stamps
     finally:
         pair.close()
@@ -282,21 +282,22 @@ def test_decode_batch_stays_within_max_running(tiny: LoadedModel) -> None:
         queues = pair.d.queues
         seen["batch"] = max(seen["batch"], len(queues.running) + len(queues.prefilling))
         seen["slots_taken"] = max(seen["slots_taken"], 3 - pair.d.role.slots_free())
-        seen["queued"] = max(seen["queued"], len(pair.d.alloc_queue))
+        seen["queued"] = max(seen["queued"], len(pair.d.role.alloc_queue))
         out = collect(pair.d_outputs)
         return (len(out) == len(prompts) and all(v["reason"] for v in out.values())
                 and pair.books_balanced())
 
     try:
         for i, ids in enumerate(prompts):
-            pair.d.add_pd_request(Req(f"r{i}", ids, GREEDY), BOOT, 70 + i)
-            pair.p.add_pd_request(Req(f"r{i}", ids, GREEDY), 70 + i)
+            pair.d.role.add_pd_request(Req(f"r{i}", ids, GREEDY), BOOT, 70 + i)
+            pair.p.role.add_pd_request(Req(f"r{i}", ids, GREEDY), 70 + i)
         pair.run(done)
         got = collect(pair.d_outputs)
         assert {r: v["ids"] for r, v in got.items()} == {r: v["ids"] for r, v in expected.items()}
         assert seen["batch"] == 3 and seen["slots_taken"] == 3, seen
         assert seen["queued"] >= len(prompts) - 3, seen
-        assert not pair.d.failures and pair.d.transfer_stats["pulls_ok"] >= len(prompts)
+        assert not pair.d.role.link.failures
+        assert pair.d.role.transfer_stats["pulls_ok"] >= len(prompts)
     finally:
         pair.close()
 
@@ -305,11 +306,11 @@ def test_unresolvable_prefill_fails_fast_and_frees_everything(tiny: LoadedModel)
     pair = PDPair(tiny, _args("prefill"), _args("decode"))
     pair.resolvable = False
     try:
-        pair.d.add_pd_request(Req("x", [1, 2, 3], GREEDY), BOOT, 9)
+        pair.d.role.add_pd_request(Req("x", [1, 2, 3], GREEDY), BOOT, 9)
         pair.pump()
         out = collect(pair.d.drain_outputs())
         assert out["x"]["reason"].kind == "abort"
-        status, reason = pair.d.pop_failure("x")
+        status, reason = pair.d.role.link.failures.pop("x", None)
         assert status == 502 and "cannot resolve prefill" in reason
         assert pair.d.page_budget.allocator.num_free == pair.d.page_budget.allocator.total
     finally:
@@ -320,14 +321,14 @@ def test_abort_on_either_side_releases_both(tiny: LoadedModel) -> None:
     pair = PDPair(tiny, _args("prefill"), _args("decode"))
     try:
         ids = _prompts()[8]
-        pair.d.add_pd_request(Req("a", ids, GREEDY), BOOT, 11)
-        pair.p.add_pd_request(Req("a", ids, GREEDY), 11)
+        pair.d.role.add_pd_request(Req("a", ids, GREEDY), BOOT, 11)
+        pair.p.role.add_pd_request(Req("a", ids, GREEDY), 11)
         pair.pump()
         assert pair.d.abort("a", "client gone")
         pair.pump()
         pair.run(lambda: pair.books_balanced())
-        assert pair.d.pop_failure("a")[0] == 499
-        status, reason = pair.p.pop_failure("a")
+        assert pair.d.role.link.failures.pop("a", None)[0] == 499
+        status, reason = pair.p.role.link.failures.pop("a", None)
         assert status == 500 and "client gone" in reason
     finally:
         pair.close()
@@ -342,7 +343,7 @@ def test_silent_prefill_fails_the_room_within_the_window(tiny: LoadedModel) -> N
         clock=lambda: now[0],
     )
     try:
-        pair.d.add_pd_request(Req("a", [5, 6, 7, 8, 9], GREEDY), BOOT, 12)
+        pair.d.role.add_pd_request(Req("a", [5, 6, 7, 8, 9], GREEDY), BOOT, 12)
         pair.pump()
         pair.drop_to_p = True  # P hears nothing more and is never stepped: it is "dead"
         for t in range(1, 5):
@@ -351,7 +352,7 @@ def test_silent_prefill_fails_the_room_within_the_window(tiny: LoadedModel) -> N
             pair.pump()
         out = collect(pair.d_outputs)
         assert out["a"]["reason"].kind == "abort"
-        status, reason = pair.d.pop_failure("a")
+        status, reason = pair.d.role.link.failures.pop("a", None)
         assert status == 502 and "silent" in reason
         assert pair.d.page_budget.allocator.num_free == pair.d.page_budget.allocator.total
     finally:
@@ -365,12 +366,13 @@ def test_make_scheduler_builds_the_pd_schedulers(tiny: LoadedModel) -> None:
     d = make_scheduler(_args("decode"), model=tiny)
     try:
         assert isinstance(p, PrefillScheduler) and isinstance(d, DecodeScheduler)
-        assert p.layout_hash == d.layout_hash or p.pool_config != d.pool_config
+        assert (p.role.kv_args.layout_hash == d.role.kv_args.layout_hash
+                or p.pool_config != d.pool_config)
     finally:
         assert isinstance(d, DecodeScheduler)
-        d.close()
-        p.engine.close()
-        d.engine.close()
+        d.role.close()
+        p.role.engine.close()
+        d.role.engine.close()
 
 
 def test_room_failing_during_prefill_forward_is_skipped(tiny: LoadedModel) -> None:
@@ -379,23 +381,23 @@ def test_room_failing_during_prefill_forward_is_skipped(tiny: LoadedModel) -> No
     pair = PDPair(tiny, _args("prefill", lease_initial=5.0), _args("decode"), clock=lambda: now[0])
     try:
         ids = _prompts()[6]
-        pair.p.add_pd_request(Req("a", ids, GREEDY), 21)
-        pair.p.add_pd_request(Req("b", ids, GREEDY), 22)
+        pair.p.role.add_pd_request(Req("a", ids, GREEDY), 21)
+        pair.p.role.add_pd_request(Req("b", ids, GREEDY), 22)
         real_forward = pair.p.runner.forward_extend
 
         def slow_forward(*a: Any, **kw: Any) -> Any:
             out = real_forward(*a, **kw)
             now[0] = 10.0  # the forward "took" 10 s: both leases are past expiry
-            pair.p.deliver(ev.TimeAdvanced())
+            pair.p.role.deliver(ev.TimeAdvanced())
             return out
 
         pair.p.runner.forward_extend = slow_forward  # type: ignore[method-assign]
         outputs = pair.p.step()
         reasons = {o.rid: o.finish_reason for o in outputs if o.finished}
         assert reasons["a"].kind == reasons["b"].kind == "abort"
-        assert "lease expired" in pair.p.pop_failure("a")[1]
+        assert "lease expired" in pair.p.role.link.failures.pop("a", None)[1]
         assert pair.p.page_budget.allocator.num_free == pair.p.page_budget.allocator.total
-        assert not pair.p.engine.registrations() and not pair.p.send_queue
+        assert not pair.p.role.engine.registrations() and not pair.p.role.send_queue
     finally:
         pair.close()
 
@@ -414,7 +416,7 @@ def test_recompute_policy_answers_correctly_when_prefill_is_gone(tiny: LoadedMod
     pair = PDPair(tiny, _args("prefill"), _args("decode", failure_policy="recompute"))
     pair.resolvable = False  # the bootstrap server knows no such P
     try:
-        pair.d.add_pd_request(Req("r", ids, GREEDY), BOOT, 31)
+        pair.d.role.add_pd_request(Req("r", ids, GREEDY), BOOT, 31)
         pair.run(
             lambda: (
                 "r" in collect(pair.d_outputs)
@@ -424,7 +426,7 @@ def test_recompute_policy_answers_correctly_when_prefill_is_gone(tiny: LoadedMod
         )
         got = collect(pair.d_outputs)["r"]
         assert got["ids"] == expected and got["reason"].kind == "length"
-        assert pair.d.recomputed == 1 and pair.d.pop_failure("r") is None
+        assert pair.d.role.recomputed == 1 and pair.d.role.link.failures.pop("r", None) is None
     finally:
         pair.close()
 
@@ -452,8 +454,8 @@ def test_prefill_prefix_cache_pd_equals_colocated_and_books_balance(tiny: Loaded
     try:
         cached = []
         for i, ids in enumerate(prompts):  # one room after another: each finds the last
-            pair.d.add_pd_request(Req(f"r{i}", ids, GREEDY), BOOT, 500 + i)
-            pair.p.add_pd_request(Req(f"r{i}", ids, GREEDY), 500 + i)
+            pair.d.role.add_pd_request(Req(f"r{i}", ids, GREEDY), BOOT, 500 + i)
+            pair.p.role.add_pd_request(Req(f"r{i}", ids, GREEDY), 500 + i)
             pair.run(lambda i=i: collect(pair.d_outputs).get(f"r{i}", {}).get("reason")
                      is not None and pair.books_balanced())
             cached.append(max(o.cached_tokens for o in pair.p_outputs if o.rid == f"r{i}"))
@@ -462,7 +464,7 @@ def test_prefill_prefix_cache_pd_equals_colocated_and_books_balance(tiny: Loaded
             rid: v["ids"] for rid, v in expected.items()}
         assert cached[0] == 0 and all(c == 20 for c in cached[1:]), cached  # 5 whole pages
         # Abort a room while P holds its (partly shared) pages and waits for D.
-        pair.p.add_pd_request(Req("x", prompts[0], GREEDY), 600)
+        pair.p.role.add_pd_request(Req("x", prompts[0], GREEDY), 600)
         pair.p.step()
         assert pair.p.abort("x")
         pair.run(pair.books_balanced)
@@ -485,17 +487,17 @@ def test_decode_prefix_cache_pulls_only_the_delta(
     try:
         pulled = []
         for i, ids in enumerate(prompts):
-            before = pair.d.transfer_stats["bytes"]
+            before = pair.d.role.transfer_stats["bytes"]
             if p_first:
-                pair.p.add_pd_request(Req(f"r{i}", ids, GREEDY), 800 + i)
+                pair.p.role.add_pd_request(Req(f"r{i}", ids, GREEDY), 800 + i)
                 pair.p_outputs += pair.p.step()  # prefilled, whole prompt registered
                 assert pair.p.core.state_of(800 + i) == "PREFILLED_NO_PEER"
-            pair.d.add_pd_request(Req(f"r{i}", ids, GREEDY), BOOT, 800 + i)
+            pair.d.role.add_pd_request(Req(f"r{i}", ids, GREEDY), BOOT, 800 + i)
             if not p_first:
-                pair.p.add_pd_request(Req(f"r{i}", ids, GREEDY), 800 + i)
+                pair.p.role.add_pd_request(Req(f"r{i}", ids, GREEDY), 800 + i)
             pair.run(lambda i=i: collect(pair.d_outputs).get(f"r{i}", {}).get("reason")
                      is not None and pair.books_balanced())
-            pulled.append(pair.d.transfer_stats["bytes"] - before)
+            pulled.append(pair.d.role.transfer_stats["bytes"] - before)
         got = collect(pair.d_outputs)
         assert {r: v["ids"] for r, v in got.items()} == {r: v["ids"] for r, v in expected.items()}
         # The first room pulls its whole 36-token prompt (9 pages); the later ones share 30
@@ -527,8 +529,8 @@ def test_pd_on_the_accelerators_choices_equals_the_colocated_chain(tiny: LoadedM
         try:
             assert pair.p.pool_config.lanes and pair.d.pool_config.lanes
             for i, ids in enumerate(prompts):
-                pair.d.add_pd_request(Req(f"r{i}", ids, GREEDY), BOOT, 1000 + i)
-                pair.p.add_pd_request(Req(f"r{i}", ids, GREEDY), 1000 + i)
+                pair.d.role.add_pd_request(Req(f"r{i}", ids, GREEDY), BOOT, 1000 + i)
+                pair.p.role.add_pd_request(Req(f"r{i}", ids, GREEDY), 1000 + i)
             pair.run(lambda: len(collect(pair.d_outputs)) == len(prompts)
                      and all(v["reason"] for v in collect(pair.d_outputs).values())
                      and pair.books_balanced())

@@ -12,7 +12,7 @@ import httpx
 import trio
 
 from pd_fsm.core.routing import RoutingConfig
-from pd_fsm.io_trio.proxy.server import PrefillTarget, Proxy, serve_proxy
+from pd_fsm.io_trio.proxy.server import PrefillTarget, ProxyServer, serve_proxy
 from tests.integration.pd_standins import StandIn, serve_standin
 
 
@@ -41,7 +41,7 @@ async def test_static_lists_follow_a_worker_that_switches_role(nursery: trio.Nur
     p_url, p = await _switchable(nursery, "prefill")
     d0_url, d0 = await _switchable(nursery, "decode")
     d1_url, d1 = await _switchable(nursery, "decode")
-    proxy = Proxy([PrefillTarget.from_url(p_url, 8998)], [d0_url, d1_url],
+    proxy = ProxyServer([PrefillTarget.from_url(p_url, 8998)], [d0_url, d1_url],
                   rng=random.Random(1), role_probe_interval=0.05)
     url: str = await nursery.start(serve_proxy, proxy, "127.0.0.1", 0)
     async with httpx.AsyncClient(timeout=10) as http:
@@ -76,7 +76,7 @@ async def test_a_leg_to_a_stale_role_gets_409_goes_elsewhere_and_reprobes(
     p_url, p = await _switchable(nursery, "prefill")
     d0_url, d0 = await _switchable(nursery, "decode")
     d1_url, d1 = await _switchable(nursery, "decode")
-    proxy = Proxy([PrefillTarget.from_url(p_url, 8998)], [d0_url, d1_url],
+    proxy = ProxyServer([PrefillTarget.from_url(p_url, 8998)], [d0_url, d1_url],
                   rng=random.Random(1), role_probe_interval=3600)
     url: str = await nursery.start(serve_proxy, proxy, "127.0.0.1", 0)
     d0.role, d0.role_epoch = "prefill", 1  # switched behind the proxy's back
@@ -101,7 +101,7 @@ async def test_a_colocated_worker_starting_its_switch_refuses_and_the_standby_d_
     until the retries run out, and makes the proxy probe the roles at once."""
     c_url, c = await _switchable(nursery, "null")
     d_url, d = await _switchable(nursery, "decode")
-    proxy = Proxy([], [d_url], colocated=[c_url], rng=random.Random(1),
+    proxy = ProxyServer([], [d_url], colocated=[c_url], rng=random.Random(1),
                   routing=RoutingConfig(local_prefill_without_prefill=True),
                   role_probe_interval=3600)
     url: str = await nursery.start(serve_proxy, proxy, "127.0.0.1", 0)
@@ -125,7 +125,7 @@ async def test_workers_that_report_no_role_keep_the_command_lines(nursery: trio.
     its /server_info's disaggregation_mode says, and sends legs it does not refuse."""
     p_url, _ = await serve_standin(nursery, "prefill")
     d_url, d = await serve_standin(nursery, "prefill")  # says prefill, was given as decode
-    proxy = Proxy([PrefillTarget.from_url(p_url, 8998)], [d_url], role_probe_interval=0.05)
+    proxy = ProxyServer([PrefillTarget.from_url(p_url, 8998)], [d_url], role_probe_interval=0.05)
     url: str = await nursery.start(serve_proxy, proxy, "127.0.0.1", 0)
     async with httpx.AsyncClient(timeout=10) as http:
         await trio.sleep(0.2)  # a few probe rounds
@@ -144,7 +144,7 @@ async def test_a_colocated_worker_gets_whole_requests_and_a_stale_one_is_retried
     request's next room is a PD one on it."""
     p_url, p = await _switchable(nursery, "prefill")
     c_url, c = await _switchable(nursery, "null")
-    proxy = Proxy([PrefillTarget.from_url(p_url, 8998)], [], colocated=[c_url],
+    proxy = ProxyServer([PrefillTarget.from_url(p_url, 8998)], [], colocated=[c_url],
                   rng=random.Random(1), role_probe_interval=3600, retry_limit=4)
     url: str = await nursery.start(serve_proxy, proxy, "127.0.0.1", 0)
     async with httpx.AsyncClient(timeout=10) as http:

@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from pd_fsm.io_trio.bench_client import (
-    Prompt,
+    BenchPrompt,
     _main,
     add_parser,
     cache_lines,
@@ -130,7 +130,7 @@ def test_shared_prefix_datasets_share_what_they_say() -> None:
     turns = make_prompts("multi-turn", 9, seed=1, groups=3, prefix_words=20)
     for i in range(6):  # each turn resends its conversation's previous turn and answer
         assert turns[i + 3].text.startswith(turns[i].text + " Answer: ")
-    assert prefix_reuse([Prompt("abcd", 1), Prompt("abxy", 1)]) == 2 / 8
+    assert prefix_reuse([BenchPrompt("abcd", 1), BenchPrompt("abxy", 1)]) == 2 / 8
     assert prefix_reuse(make_prompts("mixed", 8, seed=0)) < 0.05
     assert prefix_reuse(make_prompts("shared-prefix", 32, seed=0)) > 0.8
 
@@ -143,7 +143,7 @@ def test_cache_lines_report_this_run_per_side() -> None:
              "http://p": {"prompt_tokens": 300.0, "cached_tokens": 150.0},
              "http://x": {"route:prefill:cache_hit": 6.0, "route:prefill:cache_miss": 1.0}}
     sides = {"http://d": "D", "http://p": "P", "http://x": "proxy"}
-    text = cache_lines([Prompt("a", 1)], 4, sides, before, after)
+    text = cache_lines([BenchPrompt("a", 1)], 4, sides, before, after)
     assert "KV bytes pulled per request: 1.000 MB" in text
     assert "P: prompt tokens from its prefix cache 75.0 % (150 of 200)" in text
     assert "routing: prefill:cache_hit 4, prefill:cache_miss 1" in text

@@ -39,9 +39,9 @@ from pd_fsm.io_trio.bench_client import (
     scrape,
 )
 from pd_fsm.io_trio.http_server import http_client
+from pd_fsm.io_trio.phases import PHASES, TTFT_NAME
 from pd_fsm.io_trio.ports import free_ports
 from pd_fsm.io_trio.unix_sockets import unix_url
-from pd_fsm.io_trio.worker.phases import PHASES, TTFT_NAME
 from tests.integration.serve_support import (
     ENDPOINTS,
     PATHS,

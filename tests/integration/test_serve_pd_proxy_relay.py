@@ -10,18 +10,18 @@ from typing import Any
 import httpx
 import trio
 
-from pd_fsm.io_trio.proxy.server import PrefillTarget, Proxy, serve_proxy
+from pd_fsm.io_trio.proxy.server import PrefillTarget, ProxyServer, serve_proxy
 from tests.integration.pd_standins import StandIn, serve_standin
 from tests.integration.serve_support import sse_events
 
 GEN = {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "stream": True}
 
 
-async def _one_pair(nursery: trio.Nursery, **proxy_kw: Any) -> tuple[str, Proxy, StandIn,
+async def _one_pair(nursery: trio.Nursery, **proxy_kw: Any) -> tuple[str, ProxyServer, StandIn,
                                                                        StandIn]:
     p_url, p = await serve_standin(nursery, "prefill")
     d_url, d = await serve_standin(nursery, "decode")
-    proxy = Proxy([PrefillTarget.from_url(p_url, 8998)], [d_url], rng=random.Random(1),
+    proxy = ProxyServer([PrefillTarget.from_url(p_url, 8998)], [d_url], rng=random.Random(1),
                   **proxy_kw)
     url: str = await nursery.start(serve_proxy, proxy, "127.0.0.1", 0)
     return url, proxy, p, d

@@ -19,7 +19,7 @@ from pd_fsm.io_trio.bootstrap.records import to_json
 from pd_fsm.io_trio.bootstrap.server import BootstrapServer, serve_bootstrap
 from pd_fsm.io_trio.http_edge import contained
 from pd_fsm.io_trio.ports import free_ports
-from pd_fsm.io_trio.proxy.server import PrefillTarget, Proxy, serve_proxy
+from pd_fsm.io_trio.proxy.server import PrefillTarget, ProxyServer, serve_proxy
 from tests.integration.pd_standins import StandIn, serve_standin
 from tests.integration.serve_support import sse_events
 from tests.support.io_doubles import sample_record
@@ -33,7 +33,7 @@ async def cluster(nursery: trio.Nursery) -> dict[str, Any]:
     p1_url, p1 = await serve_standin(nursery, "prefill")
     d0_url, d0 = await serve_standin(nursery, "decode")
     d1_url, d1 = await serve_standin(nursery, "decode")
-    proxy = Proxy(
+    proxy = ProxyServer(
         [PrefillTarget.from_url(p0_url, 8998), PrefillTarget.from_url(p1_url, None)],
         [d0_url, d1_url],
         rng=random.Random(7),
@@ -244,7 +244,7 @@ async def test_an_exception_in_a_room_fails_that_room_not_the_proxy(
     legs fail to encode it: the prefill leg in the proxy's own nursery, the decode leg in the
     request's. Each is contained: the room fails (counted), the client gets a JSON 500 naming the
     cause, and the proxy goes on serving."""
-    proxy: Proxy = cluster["proxy"]
+    proxy: ProxyServer = cluster["proxy"]
     response = proxy.open_room("/generate", {**GEN, "temperature": math.nan},
                                {"content-type": "application/json"})
     sent: list[dict[str, Any]] = []
@@ -276,7 +276,7 @@ async def test_an_exception_in_a_room_fails_that_room_not_the_proxy(
 
 
 async def test_no_workers_is_503(nursery: trio.Nursery) -> None:
-    proxy = Proxy([], [])
+    proxy = ProxyServer([], [])
     url: str = await nursery.start(serve_proxy, proxy, "127.0.0.1", 0)
     async with httpx.AsyncClient(base_url=url, timeout=10) as http:
         assert (await http.get("/health")).status_code == 503
@@ -290,7 +290,7 @@ async def test_health_is_503_naming_the_side_with_no_reachable_worker(
     """Configured is not reachable: a proxy whose every decode worker is down says so."""
     p_url, _ = await serve_standin(nursery, "prefill")
     (dead,) = free_ports(1)  # nothing listens there
-    proxy = Proxy([PrefillTarget.from_url(p_url, 7100)], [f"http://127.0.0.1:{dead}"])
+    proxy = ProxyServer([PrefillTarget.from_url(p_url, 7100)], [f"http://127.0.0.1:{dead}"])
     url: str = await nursery.start(serve_proxy, proxy, "127.0.0.1", 0)
     async with httpx.AsyncClient(base_url=url, timeout=10) as http:
         r = await http.get("/health")
@@ -311,7 +311,7 @@ async def test_discovery_from_bootstrap_server(nursery: trio.Nursery) -> None:
                           zmq_addr="127.0.0.1:7200"),
         ):
             assert (await http.put("/route", json=to_json(rec))).status_code == 200
-    proxy = Proxy([], [], bootstrap_url=boot_url, refresh_interval=0.2)
+    proxy = ProxyServer([], [], bootstrap_url=boot_url, refresh_interval=0.2)
     url: str = await nursery.start(serve_proxy, proxy, "127.0.0.1", 0)
     async with httpx.AsyncClient(base_url=url, timeout=10) as http:
         r = await http.post("/generate", json=GEN)
@@ -332,7 +332,7 @@ async def test_discovery_with_static_colocated_workers(nursery: trio.Nursery) ->
     async with httpx.AsyncClient(base_url=boot_url, timeout=10) as http:
         rec = sample_record(instance_id="p0", scheduler_addr=p_url, zmq_addr="127.0.0.1:7100")
         assert (await http.put("/route", json=to_json(rec))).status_code == 200
-    proxy = Proxy([], [], bootstrap_url=boot_url, refresh_interval=0.1,
+    proxy = ProxyServer([], [], bootstrap_url=boot_url, refresh_interval=0.1,
                   colocated=[c_url, w_url])
     url: str = await nursery.start(serve_proxy, proxy, "127.0.0.1", 0)
     async with httpx.AsyncClient(timeout=10) as http:

@@ -20,7 +20,7 @@ from pd_fsm.io_trio.worker.spmd.frames import (
     Arrival,
     LegAdded,
     Pinged,
-    StepStarted,
+    StepOrdered,
     TickStarted,
 )
 from pd_fsm.io_trio.worker.spmd.pd_replica import PDReplica
@@ -88,8 +88,8 @@ def test_a_frame_the_replica_cannot_follow_is_a_divergence(
     replica, sched = replicas[0]
     with pytest.raises(Divergence, match="rank 0's state was not-this"):
         replica.apply(TickStarted(99, 99.0, "not-this"))
-    with pytest.raises(Divergence, match="cannot apply StepStarted"):
-        replica.apply(StepStarted(()))
+    with pytest.raises(Divergence, match="cannot apply StepOrdered"):
+        replica.apply(StepOrdered(()))
     with pytest.raises(Divergence, match="cannot apply Pinged"):
         replica.apply(Pinged())
     assert fingerprint(sched)  # untouched and still readable

@@ -27,7 +27,7 @@ from pd_fsm.core.messages import Heartbeat, HeartbeatAck
 from pd_fsm.io_trio.bootstrap.records import to_json
 from pd_fsm.io_trio.bootstrap.server import BootstrapServer, serve_bootstrap
 from pd_fsm.io_trio.http_server import http_client
-from pd_fsm.io_trio.proxy.server import Proxy, serve_proxy
+from pd_fsm.io_trio.proxy.server import ProxyServer, serve_proxy
 from pd_fsm.io_trio.side_channel.channel import DecodeSideChannel, PrefillSideChannel
 from pd_fsm.io_trio.unix_sockets import UnixSocket, UnixSocketError, unix_url
 from tests.integration.serve_support import Proc, cli, request_body
@@ -204,7 +204,7 @@ async def test_a_worker_gone_is_named_by_its_socket_and_served_again_after_a_res
     try:
         w_url = unix_url(str(w_path))
         await _until_healthy(w_url, worker)
-        proxy = Proxy([], [], colocated=[w_url], breaker_threshold=0,
+        proxy = ProxyServer([], [], colocated=[w_url], breaker_threshold=0,
                       retry_limit=0)
         p_url: str = await nursery.start(lambda task_status: serve_proxy(
             proxy, "127.0.0.1", None, uds=UnixSocket(p_path), task_status=task_status))

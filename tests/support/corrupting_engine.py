@@ -72,9 +72,8 @@ class CorruptingEngine(KVTransferEngine):
 
 
 class CorruptingDecode(DecodeScheduler):
-    """A ``DecodeScheduler`` on a :class:`CorruptingEngine` (``self.engine``)."""
+    """A ``DecodeScheduler`` on a :class:`CorruptingEngine` (``self.role.engine``)."""
 
-    engine: CorruptingEngine
 
     def __init__(self, args: DisaggregationArgs, **kw: Any) -> None:
         engine = CorruptingEngine(JaxTransferKVEngine(args.transfer_host, reaper_interval_s=None))

@@ -40,24 +40,25 @@ class PDPair:
         """Move every pending side-channel message and lookup (through the real codec)."""
         for _ in range(100):
             moved = False
-            for e in self.p.take_outbox():
+            for e in self.p.role.link.take_outbox():
                 moved = True
                 assert isinstance(e, fx.SendMessage) and e.peer == self.d_id
                 msg = codec.decode(codec.encode(e.message, SECRET), SECRET)
-                self.d.deliver(ev.MessageReceived(P_ADDR, msg))
-            for e in self.d.take_outbox():
+                self.d.role.deliver(ev.MessageReceived(P_ADDR, msg))
+            for e in self.d.role.link.take_outbox():
                 moved = True
                 if isinstance(e, fx.ResolvePeer):
                     if self.resolvable:
                         found = ev.PeerResolved(
-                            e.bootstrap_addr, P_ADDR, self.p.engine.address, self.p.layout_hash
+                            e.bootstrap_addr, P_ADDR, self.p.role.engine.address,
+                            self.p.role.kv_args.layout_hash,
                         )
                     else:
                         found = ev.PeerResolutionFailed(e.bootstrap_addr, "no such prefill")
-                    self.d.deliver(found)
+                    self.d.role.deliver(found)
                 elif not self.drop_to_p:
                     msg = codec.decode(codec.encode(e.message, SECRET), SECRET)
-                    self.p.deliver(ev.MessageReceived(self.d_id, msg))
+                    self.p.role.deliver(ev.MessageReceived(self.d_id, msg))
             if not moved:
                 return
 
@@ -78,14 +79,14 @@ class PDPair:
             if until():
                 return
             self.step()
-            if self.d.pull_executor.inflight:
+            if self.d.role.pull_executor.inflight:
                 time.sleep(0.002)  # let the pull threads run
         raise AssertionError(f"PD pair did not finish within {timeout:g} s")
 
     def close(self) -> None:
-        self.d.close()
-        self.p.engine.close()
-        self.d.engine.close()
+        self.d.role.close()
+        self.p.role.engine.close()
+        self.d.role.engine.close()
 
     def books_balanced(self) -> bool:
         """Every page free (or held by a prefix cache alone), no registration, no room."""
@@ -93,7 +94,7 @@ class PDPair:
         return (
             p.free_pages + p.cached_pages == p.total_pages
             and d.free_pages + d.cached_pages == d.total_pages
-            and not self.p.engine.registrations()
+            and not self.p.role.engine.registrations()
             and not self.p.core.rooms
             and not self.d.core.rooms
         )
@@ -117,8 +118,8 @@ def serve_through(pair: PDPair, prompts: list[list[int]], sampling: SamplingPara
     rid (:func:`collect`)."""
     try:
         for i, ids in enumerate(prompts):
-            pair.d.add_pd_request(Req(f"r{i}", ids, sampling), BOOT, first_room + i)
-            pair.p.add_pd_request(Req(f"r{i}", ids, sampling), first_room + i)
+            pair.d.role.add_pd_request(Req(f"r{i}", ids, sampling), BOOT, first_room + i)
+            pair.p.role.add_pd_request(Req(f"r{i}", ids, sampling), first_room + i)
         pair.run(lambda: len(collect(pair.d_outputs)) == len(prompts)
                  and all(v["reason"] for v in collect(pair.d_outputs).values())
                  and pair.books_balanced())

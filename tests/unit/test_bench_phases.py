@@ -15,8 +15,8 @@ from pd_fsm.io_trio.bench_client import (
     phase_table,
     side_of,
 )
+from pd_fsm.io_trio.phases import PHASES, PhaseHistograms, role_phases
 from pd_fsm.io_trio.worker.metrics import WorkerMetrics
-from pd_fsm.io_trio.worker.phases import PHASES, PhaseHistograms, role_phases
 
 INF = math.inf
 

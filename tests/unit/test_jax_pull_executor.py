@@ -156,7 +156,7 @@ def test_lease_extension_and_reap() -> None:
 
 
 def test_a_gate_collects_only_its_rooms_and_fails_what_another_rank_lost() -> None:
-    """An instance spanning processes (``DecodeScheduler.set_pull_gate``): finished pulls wait
+    """An instance spanning processes (``DecodeRole.set_pull_gate``): finished pulls wait
     (``ready``) until the gate names them; a room another rank failed is failed here too with
     that rank's reason, its pulled KV dropped, not scattered."""
     p_engine, d_engine, p_holder, d_holder, untouched = _p_and_d(3, 4)

@@ -19,7 +19,7 @@ from pd_fsm.io_trio.cluster.launcher import Launcher, ProcessBackend
 from pd_fsm.io_trio.cluster.local import Listen, launched_worker
 from pd_fsm.io_trio.cluster.supervisor import Child, Cluster
 from pd_fsm.io_trio.ports import free_ports
-from pd_fsm.io_trio.proxy.server import Proxy
+from pd_fsm.io_trio.proxy.server import ProxyServer
 from pd_fsm.io_trio.proxy.workers import PrefillTarget
 from pd_fsm.io_trio.tls import NO_TLS
 
@@ -181,7 +181,7 @@ P, D, NEW = "http://127.0.0.1:40001", "http://127.0.0.1:40002", "http://127.0.0.
 
 
 def _proxy(**kw: Any) -> httpx.AsyncClient:
-    proxy = Proxy([PrefillTarget.from_url(P, 40101)], [D], **kw)
+    proxy = ProxyServer([PrefillTarget.from_url(P, 40101)], [D], **kw)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=proxy.app), base_url="http://p")
 
 

@@ -1,5 +1,5 @@
 """The import graph of ``pd_fsm``, read from every module's source: no import circles, and each
-layer imports only what the table below allows (issue 29 §6, "folders that show the concerns").
+layer imports only what the table below allows ("folders that show the concerns").
 
 Every ``import`` statement counts, wherever it is: at the top, inside a function, under ``if
 TYPE_CHECKING``. A function-level import still makes the module depend on the other one (it only
@@ -225,6 +225,43 @@ def _shortest_circle(graph: Mapping[str, list[Edge]], group: set[str]) -> list[E
     raise AssertionError(f"no circle through {start} in {sorted(group)}")
 
 
+def folder_of(module: str, known: Mapping[str, Path], layers: Iterable[str] = LAYERS) -> str:
+    """The folder of its layer a module is in: the layer's own (for its top modules), or the
+    folder just below the layer that holds it, subfolders included. A subfolder is part of its
+    folder's concern (``io_trio/worker/spmd`` is the worker spanning processes), so what the
+    two use of each other is the folder's own business, as modules of one folder are."""
+    layer = layer_of(module, layers) or module
+    package = module if known[module].name == "__init__.py" else module.rpartition(".")[0]
+    if package == layer or not package.startswith(layer + "."):
+        return layer
+    return f"{layer}.{package[len(layer) + 1:].split('.')[0]}"
+
+
+def folder_graph(graph: Mapping[str, list[Edge]], root: Path = ROOT,
+                 layers: Iterable[str] = LAYERS) -> dict[str, list[Edge]]:
+    """Folder -> the edges to the other folders of its layer that its modules import (one edge
+    per import statement, named by the module that makes it).
+
+    Not an edge: a package's ``__init__`` importing from inside its own package. That is the
+    folder re-exporting its subfolders' names (``pd_fsm.schedulers`` offers the PD schedulers
+    where engines have always imported them); what the subfolders' modules need of the folder
+    above them does not make the folder above depend on them."""
+    known = _module_files(root)
+    folders: dict[str, list[Edge]] = {}
+    for module, edges in graph.items():
+        source = folder_of(module, known, layers)
+        folders.setdefault(source, [])
+        for edge in edges:
+            target = folder_of(edge.target, known, layers)
+            if target == source or layer_of(module, layers) != layer_of(edge.target, layers):
+                continue
+            if known[module].name == "__init__.py" and edge.target.startswith(module + "."):
+                continue
+            folders[source].append(Edge(source, target, edge.line))
+            folders.setdefault(target, [])
+    return folders
+
+
 def _circle_text(circle: list[Edge]) -> str:
     return " -> ".join([f"{e.source} (line {e.line})" for e in circle] + [circle[0].source])
 
@@ -235,6 +272,17 @@ def _circle_text(circle: list[Edge]) -> str:
 def test_no_import_circles() -> None:
     found = cycles(import_graph())
     assert not found, "import circles in pd_fsm:\n" + "\n".join(_circle_text(c) for c in found)
+
+
+def test_no_import_circles_between_the_folders_of_a_layer() -> None:
+    """A folder is a concern: inside a layer, if one folder's modules import another's, none of
+    the other's may import the first's, through any number of folders (``jax_engine`` once had
+    model -> kv -> parallel -> model: no folder could be read, moved or tested without the
+    others). The layer's top modules count as one folder more. Circles between modules are the
+    test above's."""
+    found = cycles(folder_graph(import_graph()))
+    assert not found, "import circles between folders:\n" + "\n".join(
+        _circle_text(c) for c in found)
 
 
 def test_each_layer_imports_only_what_it_may() -> None:
@@ -276,4 +324,26 @@ def test_the_checks_catch_what_they_guard(tmp_path: Path) -> None:
     layers = {"toy": frozenset({"toy", "toy.low"}), "toy.low": frozenset({"toy.low"})}
     assert forbidden(graph, layers) == [
         "toy.low.a (line 2) imports toy.high: layer toy.low may import only toy.low"
+    ]
+
+
+def test_the_folder_check_catches_a_loop_of_three(tmp_path: Path) -> None:
+    """On a package made up here, one layer: three folders in a loop through modules that form
+    no module circle (what ``jax_engine`` had: model -> kv -> parallel -> model), reported as
+    the folders' circle; the package's ``__init__`` re-exporting a subfolder is no edge."""
+    pkg = tmp_path / "toy"
+    for name in ("model", "kv", "parallel"):
+        (pkg / name).mkdir(parents=True)
+        (pkg / name / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from toy.model.net import Net\n")
+    (pkg / "top.py").write_text("")
+    (pkg / "model" / "net.py").write_text("import toy.top\nfrom toy.kv import pool\n")
+    (pkg / "kv" / "pool.py").write_text("from toy.parallel import shard\n")
+    (pkg / "parallel" / "shard.py").write_text("from toy.model import spec\n")
+    (pkg / "model" / "spec.py").write_text("")
+    graph = import_graph(pkg)
+    assert not cycles(graph)
+    found = cycles(folder_graph(graph, pkg, {"toy": frozenset({"toy"})}))
+    assert [_circle_text(c) for c in found] == [
+        "toy.kv (line 1) -> toy.parallel (line 1) -> toy.model (line 2) -> toy.kv"
     ]

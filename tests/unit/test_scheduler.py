@@ -25,6 +25,7 @@ from pd_fsm.schedulers import (
 )
 from pd_fsm.schedulers.args import prefill_budget
 from pd_fsm.schedulers.role import ColocatedRole
+from pd_fsm.schedulers.warm_up import shapes_of, warm_up
 from pd_fsm.text.tokenizer import CharTokenizer
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
@@ -199,9 +200,9 @@ def test_warm_up_compiles_every_shape_later_requests_use(tiny: LoadedModel) -> N
     token budget), batches of every size, greedy and sampled."""
     rng = np.random.default_rng(0)
     sched = Scheduler(_args(max_running=4, max_batched_tokens=64, page_size=8), model=tiny)
-    report = sched.warm_up()
-    assert set(report.shapes) == set(sched.shape_plan())
-    assert sched.warm_up().executables == 0  # idempotent
+    report = warm_up(sched)
+    assert set(report.shapes) == set(shapes_of(sched))
+    assert warm_up(sched).executables == 0  # idempotent
     before = EXECUTABLES.stats().compiles
     for i in range(40):
         sp = attrs.evolve(
@@ -249,7 +250,7 @@ def test_prefilled_request_enters_decode_without_prefill_forward(tiny: LoadedMod
     d = Scheduler(_args(num_pages=64), model=tiny)
     dst = Req("a", prompt, GREEDY)
     d.register(dst)
-    assert d.reserve_pages(dst) and dst.pages is not None
+    assert d.page_budget.reserve(dst) and dst.pages is not None
     n = d.pool_config.pages_for(len(prompt))
     with p.kv_holder.locked() as src_pools:
         src_kv = src_pools[MAIN_KV]

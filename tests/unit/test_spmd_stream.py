@@ -32,7 +32,7 @@ from pd_fsm.io_trio.worker.spmd.frames import (
     RequestAborted,
     RequestAdded,
     SpmdProtocolError,
-    StepStarted,
+    StepOrdered,
     Stopped,
     TickStarted,
     decode,
@@ -94,7 +94,7 @@ _tick = st.builds(
 )
 _frame = st.one_of(
     st.builds(Hello, rank=st.integers(1, frames.MAX_RANKS - 1)),
-    st.builds(StepStarted, commands=st.lists(_command, max_size=5).map(tuple)),
+    st.builds(StepOrdered, commands=st.lists(_command, max_size=5).map(tuple)),
     st.just(Pinged()), st.just(Stopped()), _tick,
     st.builds(PullReported, rank=st.integers(1, frames.MAX_RANKS - 1),
               room=st.integers(0, 2**62), ok=st.booleans(), reason=_text),
@@ -124,8 +124,8 @@ def _raw(kind: int, payload: object, seq: int = 1) -> bytes:
 
 
 @pytest.mark.parametrize(("data", "key", "reason"), [
-    (encode(StepStarted((ADD,)), 1, None), KEY, "bad MAC"),  # unsigned, a key expected
-    (encode(StepStarted((ADD,)), 1, side_channel_key(b"a cluster secret of enough entropy")),
+    (encode(StepOrdered((ADD,)), 1, None), KEY, "bad MAC"),  # unsigned, a key expected
+    (encode(StepOrdered((ADD,)), 1, side_channel_key(b"a cluster secret of enough entropy")),
      KEY, "bad MAC"),  # the side channel's key never signs a command
     (_raw(1, {"rank": "1"}), None, "expected int @ Hello.rank"),
     (_raw(1, {"rank": True}), None, "expected int @ Hello.rank"),
@@ -183,7 +183,7 @@ def scheduler() -> Scheduler:
 
 def test_a_step_with_nothing_to_do_is_a_divergence(scheduler: Scheduler) -> None:
     with pytest.raises(Divergence, match="nothing to do"):
-        apply_step(scheduler, StepStarted(()))
+        apply_step(scheduler, StepOrdered(()))
 
 
 class _Rank0:
@@ -228,13 +228,13 @@ def test_follower_replays_in_order_and_drops_what_it_cannot_trust(
     try:
         thread, result = _follow_in_thread(scheduler, rank0.port)
         rank0.accept()
-        rank0.send(encode(StepStarted((ADD,)), 1, KEY))
+        rank0.send(encode(StepOrdered((ADD,)), 1, KEY))
         rank0.send(b"garbage")  # dropped
-        rank0.send(encode(StepStarted((ADD,)), 1, KEY))  # a replay of frame 1: dropped
-        rank0.send(encode(StepStarted(()), 2, b"x" * 32))  # forged: dropped
+        rank0.send(encode(StepOrdered((ADD,)), 1, KEY))  # a replay of frame 1: dropped
+        rank0.send(encode(StepOrdered(()), 2, b"x" * 32))  # forged: dropped
         rank0.send(encode(Pinged(), 2, KEY))
         for seq in range(3, steps + 2):
-            rank0.send(encode(StepStarted(()), seq, KEY))
+            rank0.send(encode(StepOrdered(()), seq, KEY))
         rank0.send(encode(Stopped(), steps + 2, KEY))
         thread.join(60)
         assert result == [0]

@@ -24,6 +24,7 @@ from pd_fsm.jax_engine.model.params import fuse_projections, random_params
 from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.jax_engine.step.program import StepOptions, step
 from pd_fsm.schedulers import Scheduler, SchedulerArgs
+from pd_fsm.schedulers.warm_up import warm_up
 from pd_fsm.text.tokenizer import CharTokenizer
 
 INTERPRET = jax.default_backend() != "tpu"
@@ -197,7 +198,7 @@ def test_the_scheduler_on_the_accelerators_choices_answers_as_on_the_cpus() -> N
     with backend.using(accelerator):
         sched = Scheduler(args, model=model)
         assert sched.pool_config.lanes and sched.runner.backend.fused_step
-        sched.warm_up()
+        warm_up(sched)
         built = EXECUTABLES.stats().built
         assert _generate(sched) == chain
         assert EXECUTABLES.stats().built == built

@@ -9,15 +9,15 @@ import time
 import trio
 
 from pd_fsm.io_trio.worker.backend import BackendError, GenerateJob, Moved
-from pd_fsm.io_trio.worker.streams import Item, Stream, StreamTable
+from pd_fsm.io_trio.worker.streams import Item, JobStream, StreamTable
 from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers.request import FinishReason, RequestOutput
 
 
-def _stream(rid: str, age: float) -> Stream:
+def _stream(rid: str, age: float) -> JobStream:
     send, _ = trio.open_memory_channel[Item](4)
     job = GenerateJob(rid=rid, input_ids=(1, 2), sampling=SamplingParams(max_new_tokens=1))
-    return Stream(job, send, accepted=time.monotonic() - age)
+    return JobStream(job, send, accepted=time.monotonic() - age)
 
 
 def test_the_oldest_request_without_a_first_item_is_the_one_counted() -> None:
@@ -51,7 +51,7 @@ def test_move_gives_up_the_running_streams_that_allow_it_and_are_short_enough() 
         send, receivers[rid] = trio.open_memory_channel[Item](8)
         job = GenerateJob(rid=rid, input_ids=(1, 2), sampling=SamplingParams(max_new_tokens=9),
                           accept_move=accept)
-        table.live[rid] = Stream(job, send, in_scheduler=started)
+        table.live[rid] = JobStream(job, send, in_scheduler=started)
     # "unanswered": in the scheduler, no output yet (its HTTP answer has not begun).
     table.fan_out([_output("a", 3), _output("long", 6), _output("plain", 1),
                    _output("queued", 1)])

@@ -30,7 +30,7 @@ from pd_fsm.io_trio.unix_sockets import (
     unix_url,
 )
 from pd_fsm.io_trio.worker.config import add_serve_arguments, config_from_args
-from pd_fsm.io_trio.worker.decode_role import unix_only_elsewhere
+from pd_fsm.io_trio.worker.decode_adapter import unix_only_elsewhere
 from tests.support.io_doubles import sample_record
 
 

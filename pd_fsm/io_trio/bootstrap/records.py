@@ -77,7 +77,7 @@ class InstanceRecord:
     # Ours: P's CURVE public key (z85) when its side channel runs CURVE
     # (pd_fsm.io_trio.side_channel.curve); D dials only a P whose key it trusts.
     curve_public_key: str | None = None
-    # Ours (issue 30 §1): how many times this worker has switched its role at runtime; a router
+    # Ours: how many times this worker has switched its role at runtime; a router
     # that addresses a leg to a role of an older epoch gets a 409 naming the current one.
     role_epoch: int = 0
 

@@ -11,8 +11,8 @@ With a cluster secret, writes must be signed with the registry key derived from 
 (:mod:`pd_fsm.core.request_auth`): a request with a bad or missing signature, one sent again
 (replayed), one sent outside the replay window, or one sent before this server started (a replay
 across a restart; instances' clocks must agree with ours, NTP) is answered 401 with the reason and
-counted in ``bad_requests_total``. So is any ``Authorization`` header: the old scheme sent the
-cluster secret itself as a bearer token. Reads are open.
+counted in ``bad_requests_total``. So is any ``Authorization`` header: a client that sends the
+cluster secret itself as a bearer token is refused, not trusted. Reads are open.
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ from pd_fsm.io_trio.bootstrap.records import (
 from pd_fsm.io_trio.driver import EndpointDriver
 from pd_fsm.io_trio.http_edge import BodyError, edge_app, parse_json, read_body, request_failures
 from pd_fsm.io_trio.http_server import SERVER_KEEP_ALIVE_S, hypercorn_config, serve_app
+from pd_fsm.io_trio.stats_metrics import StatsCollector
 from pd_fsm.io_trio.tls import NO_TLS, TLS
 from pd_fsm.io_trio.unix_sockets import IPC_PREFIX, UnixSocket, display
-from pd_fsm.io_trio.worker.metrics import StatsCollector
 
 log = logging.getLogger("pd_fsm.io_trio.bootstrap.server")
 

@@ -7,7 +7,7 @@ CPU client sizes its thread pools from the schedulable CPUs (``sched_getaffinity
 created, so the affinity must be set before the first JAX call: ``pd-fsm serve`` does it first
 thing, before the huge-page re-exec (affinity survives ``exec``).
 
-Priority: P and D may share the same cores with D above P (issue 30 §3), so that a decode step
+Priority: P and D may share the same cores with D above P, so that a decode step
 takes a core from a running prefill instead of waiting for it. Linux's nice is per thread and a
 thread starts with its creator's, so the main thread's value, set before XLA starts its pools,
 is the whole process's.
@@ -157,7 +157,7 @@ def may_take_nice(nice: int) -> bool:
 class ComputePriority:
     """A worker's compute priority, owned by its event loop: the nice value its compute threads
     are at (``/server_info``'s ``nice``), moved by a role switch (``--role-nice``) or by
-    ``POST /set_nice`` (the planner's lever on shared cores, issue 30 §3)."""
+    ``POST /set_nice`` (the planner's lever on shared cores)."""
 
     def __init__(self, nice: int) -> None:
         self.nice = nice  # set at start (worker/cli.py), before any thread

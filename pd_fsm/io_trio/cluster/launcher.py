@@ -1,4 +1,4 @@
-"""The runners' launcher (issue 30 §2): with ``pd-fsm cluster --max-workers N`` the runner (local
+"""The runners' launcher: with ``pd-fsm cluster --max-workers N`` the runner (local
 or ``--ray``) serves a small control endpoint through which the planner (``pd-fsm planner
 --launcher-url``) or an operator adds and removes PD workers.
 
@@ -50,13 +50,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pd_fsm.io_trio.api_key import ApiKeyGate
+from pd_fsm.io_trio.cli_common import DRAIN_TIMEOUT_S
 from pd_fsm.io_trio.cluster.supervisor import STOP_GRACE, Child, Cluster, probe
 from pd_fsm.io_trio.http_edge import BodyError, describe, edge_app, read_json
 from pd_fsm.io_trio.http_server import http_client, serve_app
 from pd_fsm.io_trio.strict_json import loads as strict_loads
 from pd_fsm.io_trio.tls import NO_TLS, TLS
 from pd_fsm.io_trio.unix_sockets import UnixSocket, display, service_url
-from pd_fsm.io_trio.worker.config import ServeConfig
 
 log = logging.getLogger("pd_fsm.io_trio.cluster.launcher")
 
@@ -137,7 +137,7 @@ def drain_timeout(args: argparse.Namespace) -> float:
     """The workers' ``--drain-timeout`` (from ``--worker-args``, else serve's default): how long
     a worker the launcher stops may take to drain."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--drain-timeout", type=float, default=ServeConfig().drain_timeout)
+    parser.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S)
     known, _ = parser.parse_known_args(shlex.split(args.worker_args or ""))
     return float(known.drain_timeout)
 

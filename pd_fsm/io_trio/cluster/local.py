@@ -79,20 +79,17 @@ PLANNER_ROLES = "prefill,decode,null"
 # Where P and D run on one machine (`--pd-cores`). "split", the local runner's default: P on
 # the first half of the cores this process may use, D on the rest, each
 # worker's XLA pools sized to its half, so a prefill never stalls a decode step. With fresh
-# prompts on this 2-core machine it met the SLO at least as often as colocated at every rate
-# from 0.25 to 1.5 req/s in both runs that measured it (1.23x and 1.56x colocated over a run,
-# 2.19x and 9 vs 0 met at 1 req/s), where P and D sharing the cores with D above P was level
-# with colocated (bench/RESULTS_placement.md runs 6-7; runs 1-4, which favoured sharing,
-# measured prefix-cache hits). It loses where prompts are long: a one-core P took ~2.4 s to
-# prefill 419-788 tokens, past a 2 s TTFT target (0.67x colocated in RESULTS_adaptive.md run 7).
+# prompts on a 2-core machine it met the SLO at least as often as colocated at every rate from
+# 0.25 to 1.5 req/s, where P and D sharing the cores was level with colocated
+# (bench/RESULTS_placement.md). It loses where prompts are long: a one-core P takes ~2.4 s to
+# prefill 419-788 tokens, past a 2 s TTFT target (bench/RESULTS_adaptive.md).
 # "shared": P and D on every core, D above P (SHARED_CORES_NICE) and on XLA pools of one thread
 # (SHARED_D_POOLS), so a decode step takes a core from a prefill instead of waiting behind it and
 # leaves P the other; the default with --max-workers (workers come and go on the same cores), on
 # a machine of one core, and with --planner, which may split them (`planner --cores`,
-# movable_cores). With D on one thread it was level with split over RESULTS_placement.md runs
-# 12, 13 and 15 (275 vs 284 met, colocated 227) and ahead at TPOT <= 50 ms; in
-# RESULTS_adaptive.md the planner started split lost its first 8 s of a long-prompt phase before
-# sharing (run 9: 110 of 121 met), started shared it met 117, as PD shared (run 10).
+# movable_cores). With D on one thread it is level with split and ahead at TPOT <= 50 ms
+# (bench/RESULTS_placement.md); a planner started split loses the first seconds of a
+# long-prompt phase before it shares (bench/RESULTS_adaptive.md).
 PD_CORES = ("auto", "split", "shared")
 
 # P and D on the same cores: D above P. Where this process may not lower a priority, D stays at
@@ -100,8 +97,8 @@ PD_CORES = ("auto", "split", "shared")
 SHARED_CORES_NICE = {"prefill": 10, "decode": -5}
 
 # D beside P on the same cores: XLA pools of one thread. Idle pool threads spin, so a D with two
-# kept ~1.5 cores busy even at batch 1 and P behind it got the rest; with one it keeps ~1.1 busy
-# and steps as fast (RESULTS_placement.md run 12: 24 vs 5 of 32 met at 3 req/s, 32 vs 12 at 2).
+# keeps ~1.5 cores busy even at batch 1 and P behind it gets the rest; with one it keeps ~1.1
+# busy and steps as fast (bench/RESULTS_placement.md).
 SHARED_D_POOLS = "1"
 
 
@@ -464,11 +461,10 @@ def _planner_child(args: argparse.Namespace, tls: TLS, ports: _Ports, workers: l
         lever += ["--cores", cpu_list(frozenset(usable_cores()))]
     if narrow_decode(args):
         # D's own steps are slow on its one thread: the planner's one lever that gives decode
-        # more threads makes P colocated beside a standby D (bench/RESULTS_adaptive.md: run
-        # 15 without it met 35 of 121 to colocated's 73; runs 18-20 with it 68 / 58 / 56 to
-        # the best static placement's 67 / 63 / 58). --planner-args=--no-colocate: off.
-        # Not --move-standby: the standby's streams prefilled again on the colocated worker
-        # stalled its steps more than their decode beside it did (run 40: 112 vs 133 of 274).
+        # more threads makes P colocated beside a standby D (without it, half the SLOs the
+        # best static placement meets: bench/RESULTS_adaptive.md). --planner-args=
+        # --no-colocate: off. Not --move-standby: the standby's streams prefilled again on the
+        # colocated worker stall its steps more than their decode beside it does.
         lever += ["--colocate"]
     max_workers = getattr(args, "max_workers", 0)
     if max_workers:

@@ -54,7 +54,7 @@ class Panel:
 
 
 @attrs.frozen
-class Row:
+class DashboardRow:
     title: str
     panels: tuple[Panel, ...]
 
@@ -75,15 +75,15 @@ def _phases(prefix: str, phases: Sequence[str], q: float) -> tuple[Target, ...]:
     return tuple(Target(_q(q, f"{prefix}_{p}_seconds"), p) for p in phases)
 
 
-def rows() -> tuple[Row, ...]:
+def rows() -> tuple[DashboardRow, ...]:
     """The dashboard, top to bottom."""
     return (_requests(), _pd_phases(), _data_plane(), _capacity(), _control_plane(),
             _roles_and_planner(), _restarts())
 
 
-def _requests() -> Row:
+def _requests() -> DashboardRow:
     """What clients get: request rates, TTFT, inter-token latency, goodput, errors."""
-    return Row("Requests", (
+    return DashboardRow("Requests", (
         Panel("Client requests/s by path and status (proxy)", (Target(
             f"sum by (path, status) (rate(pd_fsm_proxy_http_requests_total[{RATE}]))",
             "{{path}} {{status}}"),), "reqps"),
@@ -113,9 +113,9 @@ def _requests() -> Row:
     ))
 
 
-def _pd_phases() -> Row:
+def _pd_phases() -> DashboardRow:
     """Where a PD request's time goes, phase by phase, on P, on D and in the proxy."""
-    return Row("PD phases", (
+    return DashboardRow("PD phases", (
         Panel("Prefill worker phases p50", _phases("pd_fsm_worker", P_PHASES, 0.5), "s",
               stacked=True),
         Panel("Prefill worker phases p99", _phases("pd_fsm_worker", P_PHASES, 0.99), "s",
@@ -129,9 +129,9 @@ def _pd_phases() -> Row:
     ))
 
 
-def _data_plane() -> Row:
+def _data_plane() -> DashboardRow:
     """The KV transfer: bytes per pull, its rate, pulls in flight and their results."""
-    return Row("Data plane", (
+    return DashboardRow("Data plane", (
         Panel("KV bytes per pull", _quantiles("pd_fsm_worker_kv_transfer_bytes", "bytes"),
               "bytes"),
         Panel("Pull rate (GB/s)", _quantiles(
@@ -151,9 +151,9 @@ def _data_plane() -> Row:
     ))
 
 
-def _capacity() -> Row:
+def _capacity() -> DashboardRow:
     """KV pages, queues and running requests per worker."""
-    return Row("Capacity", (
+    return DashboardRow("Capacity", (
         Panel("KV pages per worker", (
             Target("sum by (name) (pd_fsm_worker_backend_free_pages)", "{{name}} free"),
             Target("sum by (name) (pd_fsm_worker_backend_cached_pages)", "{{name}} cached"),
@@ -169,9 +169,9 @@ def _capacity() -> Row:
     ))
 
 
-def _control_plane() -> Row:
+def _control_plane() -> DashboardRow:
     """The registry, routing decisions, and what was refused or contained."""
-    return Row("Control plane", (
+    return DashboardRow("Control plane", (
         Panel("Registry: instances by role", (Target(
             "sum by (key) (pd_fsm_bootstrap_instances_by_role)", "{{key}}"),)),
         Panel("Registry heartbeats/s and failures", (
@@ -198,9 +198,9 @@ def _control_plane() -> Row:
     ))
 
 
-def _roles_and_planner() -> Row:
+def _roles_and_planner() -> DashboardRow:
     """Each worker's role and epoch, role switches and the planner's view."""
-    return Row("Roles and the planner", (
+    return DashboardRow("Roles and the planner", (
         Panel("Worker roles (1: served) and role epochs", (
             Target("pd_fsm_worker_role == 1", "{{name}} {{key}}"),
             Target("pd_fsm_worker_role_epoch", "{{name}} epoch"),
@@ -221,9 +221,9 @@ def _roles_and_planner() -> Row:
     ))
 
 
-def _restarts() -> Row:
+def _restarts() -> DashboardRow:
     """Processes up, restarted, and the restarts of peers D saw."""
-    return Row("Restarts", (
+    return DashboardRow("Restarts", (
         Panel("Up, restarts and peer incarnations", (
             Target('up{job="pd_fsm"}', "{{name}} up"),
             Target("resets(pd_fsm_worker_backend_steps_total[1h])", "{{name}} restarts (1h)"),

@@ -1,4 +1,4 @@
-"""The launcher on Ray (issue 30 §2): ``pd-fsm cluster --ray [ADDRESS] --max-workers N`` serves the
+"""The launcher on Ray: ``pd-fsm cluster --ray [ADDRESS] --max-workers N`` serves the
 local runner's control endpoint (``launcher.Launcher``: the same paths, answers and refusals),
 whose workers are Ray actors (``ActorBackend``).
 

@@ -1,4 +1,4 @@
-"""`pd-fsm planner`: the SLA planner as a process (issue 30 §2; the policy is
+"""`pd-fsm planner`: the SLA planner as a process (the policy is
 ``pd_fsm.core.planner``, the scraping and acting ``service.py``)."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ histograms, so a worker's history before the last decision does not weigh on the
 (or colocated worker's) oldest request still waiting for its first answer
 (``oldest_unanswered_seconds``) is read as it is now: a backlog shows there before any TTFT does.
 
-A colocated worker (role ``null``, issue 30) serves whole requests: its TTFT and ITL both come
+A colocated worker (role ``null``) serves whole requests: its TTFT and ITL both come
 from its own histograms, its waiting requests are those not prefilled yet, as P's. (A planner
 without ``--colocate`` leaves such workers out of its pressures: ``core/planner.py``.)
 """

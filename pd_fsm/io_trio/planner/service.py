@@ -1,4 +1,4 @@
-"""The planner as a service (issue 30 §2): every ``interval`` it scrapes each worker's
+"""The planner as a service: every ``interval`` it scrapes each worker's
 ``/server_info`` and ``/metrics``, hands the snapshots to the core's sans-IO ``Planner`` and acts
 on what it decides — a role switch is ``POST /switch_role`` on that worker, to whatever role the
 core names (``"null"``, colocated, too once its ``Role`` has it); a priority change

@@ -35,8 +35,8 @@ _DISCONNECT: Message = {"type": "http.disconnect"}
 
 
 class RoomOpener(Protocol):
-    """What a batch needs of the proxy (``server.Proxy``, which builds the batch: naming it here
-    would close an import circle; ``tests/unit/test_layering.py`` forbids one)."""
+    """What a batch needs of the proxy (``server.ProxyServer``, which builds the batch: naming it
+    here would close an import circle; ``tests/unit/test_layering.py`` forbids one)."""
 
     def open_room(self, path: str, body: Mapping[str, object],
                   headers: dict[str, str]) -> RoomResponse | Response:

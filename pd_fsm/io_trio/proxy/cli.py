@@ -18,7 +18,7 @@ from pd_fsm.core.routing import POLICIES, RoutingConfig
 from pd_fsm.io_trio.api_key import add_api_key_arguments, api_key_from_args
 from pd_fsm.io_trio.cli_common import refuse_tls_on_unix, run_service, serve_until_signal
 from pd_fsm.io_trio.flag_spec import add_flags
-from pd_fsm.io_trio.proxy.server import Proxy, serve_proxy
+from pd_fsm.io_trio.proxy.server import ProxyServer, serve_proxy
 from pd_fsm.io_trio.proxy.workers import PrefillTarget
 from pd_fsm.io_trio.tls import add_tls_arguments, tls_from_args
 from pd_fsm.io_trio.unix_sockets import (
@@ -216,7 +216,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return 2
-    proxy = Proxy(prefill, decode, bootstrap_url=bootstrap_url,
+    proxy = ProxyServer(prefill, decode, bootstrap_url=bootstrap_url,
                   refresh_interval=args.refresh_interval, room_timeout=args.room_timeout,
                   api_key=api_key, worker_api_key=worker_api_key, tls=tls, routing=routing,
                   load_interval=args.load_interval, decode_recomputes=args.decode_recomputes,

@@ -1,4 +1,4 @@
-"""Request migration (issue 32 §1): what a client already has of a streamed answer, so that when
+"""Request migration: what a client already has of a streamed answer, so that when
 its decode worker breaks off a new room can go on from there.
 
 The proxy reads each relayed SSE event: sglang's ``/generate`` events carry the cumulative
@@ -25,12 +25,12 @@ prefill that computed them is not run again.
 
 A draining D (``pd-fsm serve``'s default ``--drain-handoff``) may instead end a stream it was
 allowed to (``accept_handoff``: asked only while the proxy routes another D) with a hand-off
-ticket (issue 32 §2): the KV it registered for the stream.
+ticket: the KV it registered for the stream.
 The proxy keeps the ticket, never relays the event, and posts the next room to another D alone
 with ``resume`` and ``handoff``: that D pulls the KV, no prefill runs.
 
 A worker told to give its streams up (``POST /move_streams``: the planner's standby D after a
-merge, issue 30) ends each one the proxy let it (``accept_move``, asked on every stream it can
+merge) ends each one the proxy let it (``accept_move``, asked on every stream it can
 continue) with a move event: a hand-off with no KV. The next room, routed around that worker,
 prefills the prompt and the tokens so far (``resume``) wherever the router sends it.
 """
@@ -133,12 +133,12 @@ class Progress:
     # By index. A sequence continued in a request of its own (``sequences``) is that request's
     # index 0, and the same object as its index's here: what it relays, the client has.
     choices: dict[int, Choice] = attrs.field(factory=dict)
-    # A draining D ended the stream with this hand-off ticket (issue 32 §2): the next room's D
+    # A draining D ended the stream with this hand-off ticket: the next room's D
     # pulls the KV it names. Cleared when a room is opened without it.
     ticket: dict[str, object] | None = None
     # A worker failure D reported in-band, (status, message): a 5xx error event (a drain's
     # deadline, a failed step). Neither it nor the rest of D's stream reaches the client: the
-    # request migrates as after a break (issue 32 §1).
+    # request migrates as after a break.
     failed: tuple[int, str] | None = None
     # D gave the stream up (``POST /move_streams``: a standby D after the planner's merge) with
     # this reason: the next room re-prefills it elsewhere, as a hand-off without KV.

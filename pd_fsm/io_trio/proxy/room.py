@@ -33,6 +33,7 @@ from pd_fsm.core import events as ev
 from pd_fsm.core.drive import drive
 from pd_fsm.core.role_switch import ROLE_HEADER
 from pd_fsm.core.session import ProxySession, SequenceSession
+from pd_fsm.io_trio.phases import PhaseHistograms
 from pd_fsm.io_trio.proxy.answers import (
     Failure,
     Refusal,
@@ -45,7 +46,6 @@ from pd_fsm.io_trio.proxy.answers import (
 from pd_fsm.io_trio.proxy.logprob_merge import SseRewriter, merge
 from pd_fsm.io_trio.proxy.merged_stream import merge_streams
 from pd_fsm.io_trio.proxy.migration import Progress
-from pd_fsm.io_trio.worker.phases import PhaseHistograms
 from pd_fsm.io_trio.worker.sse import Receive, Send, event
 
 log = logging.getLogger("pd_fsm.io_trio.proxy.server")  # one logger for the proxy
@@ -72,7 +72,7 @@ class ClientRequest:
     return_logprob: bool
     migratable: bool  # a new room can continue its answer exactly (migration.migratable)
     # P's answer has positions D's lacks (logprob_merge). Cleared for good once a room is D's
-    # alone (D computes them itself), later rooms included, as before the session had a table.
+    # alone (D computes them itself), later rooms included.
     prompt_logprobs: bool = False
     progress: Progress | None = None  # what the client has of a migratable answer
     # What the client has of it: the answer's (table proxy_session), or, for one sequence of a
@@ -122,7 +122,7 @@ class Room:
     p_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     # D's leg; RedirectDecode arms a new one, and the leg is posted again in it.
     d_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
-    # A hand-off room (issue 32 §2): the ticket its D pulls from, and the draining D that
+    # A hand-off room: the ticket its D pulls from, and the draining D that
     # offers it (told to release it once pulled, or once the pull failed).
     ticket: dict[str, object] | None = None
     handoff_from: str = ""
@@ -143,7 +143,7 @@ class Room:
 
 
 class RoomHost(Protocol):
-    """What a room needs of the proxy (``server.Proxy``, which builds it: naming it here would
+    """What a room needs of the proxy (``server.ProxyServer``, which builds it: naming it here would
     close an import circle)."""
 
     phases: PhaseHistograms
@@ -179,7 +179,7 @@ class RoomHost(Protocol):
         ...
 
     def leg_refused(self, url: str, status: int) -> None:
-        """A leg to ``url`` got 409 (the worker is in another role now, issue 30 §1) or 503
+        """A leg to ``url`` got 409 (the worker is in another role now) or 503
         (draining, perhaps for a role switch)."""
         ...
 

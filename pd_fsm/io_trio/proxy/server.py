@@ -28,7 +28,7 @@ reaches this class only through ``room.RoomHost``: ``feed``, ``count``, ``contai
 the core's ``ProxySession`` (table proxy_session). Workers (``workers.py``) come from the command
 line or, refreshed periodically, from the bootstrap server's ``GET /list?role=prefill|decode``;
 ``GET /workers`` names the current ones (the bench scrapes their ``/metrics``). ``/metrics`` has
-histograms of each leg and of D's first byte (``pd_fsm.io_trio.worker.phases``).
+histograms of each leg and of D's first byte (``pd_fsm.io_trio.phases``).
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ from pd_fsm.io_trio.http_edge import (
     request_failures,
 )
 from pd_fsm.io_trio.http_server import http_client, serve_app
+from pd_fsm.io_trio.phases import PhaseHistograms
 from pd_fsm.io_trio.proxy.answers import Failure, Refusal, error_body
 from pd_fsm.io_trio.proxy.batch import BatchResponse
 from pd_fsm.io_trio.proxy.logprob_merge import wants_prompt_logprobs
@@ -73,10 +74,9 @@ from pd_fsm.io_trio.proxy.prompt_key import prompt_of
 from pd_fsm.io_trio.proxy.room import ClientRequest, Reply, Room, RoomResponse
 from pd_fsm.io_trio.proxy.workers import PrefillTarget as PrefillTarget  # callers' name for it
 from pd_fsm.io_trio.proxy.workers import Workers
+from pd_fsm.io_trio.stats_metrics import StatsCollector
 from pd_fsm.io_trio.tls import NO_TLS, TLS
 from pd_fsm.io_trio.unix_sockets import UnixSocket, display
-from pd_fsm.io_trio.worker.metrics import StatsCollector
-from pd_fsm.io_trio.worker.phases import PhaseHistograms
 from pd_fsm.io_trio.worker.schemas import ApiError, split_batch
 
 log = logging.getLogger("pd_fsm.io_trio.proxy.server")
@@ -105,7 +105,7 @@ def _room_of(item: ev.RouterEvent | fx.RouterEffect) -> int | None:
             assert_never(item)
 
 
-class Proxy:
+class ProxyServer:
     def __init__(
         self,
         prefill: list[PrefillTarget],
@@ -168,7 +168,7 @@ class Proxy:
 
     @property
     def client(self) -> httpx.AsyncClient:
-        assert self._client is not None, "Proxy.run is not running"
+        assert self._client is not None, "ProxyServer.run is not running"
         return self._client
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -204,7 +204,7 @@ class Proxy:
             # "handoff" (a retried or migrated request's every room counts).
             "rooms_routed_total": dict(self.router.routed),
             # Static lists: /server_info probes of the workers' roles, and workers routed as
-            # another role than before (a role switch seen, issue 30 §1).
+            # another role than before (a role switch seen).
             "role_probes_total": dict(self.workers.role_probes),
             "role_changes_total": self.workers.role_changes,
             # "prefill:cache_hit", "decode:round_robin", "local:short_prompt", ...
@@ -323,7 +323,7 @@ class Proxy:
     def _tell_worker(self, url: str, path: str, body: dict[str, object], what: str) -> None:
         """POST ``body`` to a worker in the proxy's nursery, within ABORT_TIMEOUT: best effort,
         a failure is logged (the worker's own deadlines end what it was told to)."""
-        assert self._nursery is not None, "Proxy.run is not running"
+        assert self._nursery is not None, "ProxyServer.run is not running"
         self._nursery.start_soon(_post_quietly, self.client, url, path, body,
                                  self.workers.headers, what)
 
@@ -470,7 +470,7 @@ class Proxy:
         self.requests.labels(path, status).inc()
 
     def start_soon(self, fn: Callable[[Room], Awaitable[None]], s: Room) -> None:
-        assert self._nursery is not None, "Proxy.run is not running"
+        assert self._nursery is not None, "ProxyServer.run is not running"
         self._nursery.start_soon(fn, s)
 
     def room_over(self, s: Room) -> None:
@@ -506,7 +506,7 @@ async def _post_quietly(client: httpx.AsyncClient, url: str, path: str, body: di
         log.warning("%s at %s failed: %r", what, url, exc)
 
 
-def _app(proxy: Proxy, api_key: str | None) -> Starlette | ApiKeyGate:
+def _app(proxy: ProxyServer, api_key: str | None) -> Starlette | ApiKeyGate:
     """The proxy's HTTP routes: generation (a room per prompt), the workers' own, /metrics."""
 
     async def metrics(request: Request) -> Response:
@@ -542,7 +542,7 @@ def _batch(path: str, body: Mapping[str, object]) -> list[dict[str, Any]] | None
 
 
 async def serve_proxy(
-    proxy: Proxy,
+    proxy: ProxyServer,
     host: str = "127.0.0.1",
     port: int | None = 0,
     *,

@@ -1,9 +1,9 @@
-"""The workers the proxy routes to (``proxy.server.Proxy`` holds one :class:`Workers`).
+"""The workers the proxy routes to (``proxy.server.ProxyServer`` holds one :class:`Workers`).
 
 They come from the command line or, refreshed every ``refresh_interval``, from the bootstrap
 server's ``GET /list?role=prefill|decode``; for the load-aware policies each one's ``/get_load``
-is polled every ``load_interval``. A worker's role can change at runtime (``POST /switch_role``,
-issue 30 §1): with a registry, its record is withdrawn and comes back under the new role; with
+is polled every ``load_interval``. A worker's role can change at runtime (``POST
+/switch_role``): with a registry, its record is withdrawn and comes back under the new role; with
 static lists, each worker's ``/server_info`` is probed every ``role_probe_interval`` and the
 worker is routed by the role it reports (a worker that reports none, such as an sglang worker,
 keeps the role it was given on the command line). A worker in role ``null`` (``--colocated``, or
@@ -41,7 +41,7 @@ from pd_fsm.io_trio.unix_sockets import (
     socket_path_of,
 )
 
-log = logging.getLogger("pd_fsm.io_trio.proxy.server")  # the proxy's log, as before the split
+log = logging.getLogger("pd_fsm.io_trio.proxy.server")  # one log for the whole proxy
 
 HEALTH_PROBE_S = 2.0  # a worker that does not answer its /health within this is not healthy
 LOAD_PROBE_S = 2.0  # a worker whose /get_load takes longer keeps no polled load this round
@@ -111,7 +111,7 @@ class Workers:
         self.refresh_interval = refresh_interval
         self.load_interval = load_interval
         # Static lists: each URL's role as given on the command line (and P's bootstrap port,
-        # and its ipc:// endpoint if given), and as its last /server_info said (issue 30 §1),
+        # and its ipc:// endpoint if given), and as its last /server_info said,
         # which wins when it says one.
         self._configured: dict[str, tuple[str, int | None, str | None]] = {
             p.url: ("prefill", p.bootstrap_port, _ipc_host(p.bootstrap_host)) for p in prefill}

@@ -39,7 +39,7 @@ class AdminRoutes:
 
     async def handoff_release(self, request: Request) -> Response:
         """The KV of a stream this worker handed off was pulled (or never will be): drop its
-        registration now rather than at its lease's end (the proxy posts it; issue 32 §2)."""
+        registration now rather than at its lease's end (the proxy posts it)."""
         body = await self._state.read_json(request)
         uuid_ = body.get("uuid") if isinstance(body, dict) else None
         if isinstance(uuid_, bool) or not isinstance(uuid_, int):
@@ -59,7 +59,7 @@ class AdminRoutes:
         return body
 
     async def switch_role(self, request: Request) -> Response:
-        """Switch the worker's role at runtime (issue 30 §1): 202 at once, the switch runs on
+        """Switch the worker's role at runtime: 202 at once, the switch runs on
         (``/server_info``'s ``role_state`` and ``role_epoch`` say when it serves)."""
         body = await self._one_field(request, "role", '{"role": "prefill"|"decode"|"null"}')
         role = body.get("role")
@@ -78,7 +78,7 @@ class AdminRoutes:
         return JSONResponse(answer.body, status_code=answer.status)
 
     async def set_nice(self, request: Request) -> Response:
-        """The compute threads' CPU priority at runtime (issue 30 §3: the planner's lever where
+        """The compute threads' CPU priority at runtime (the planner's lever where
         P and D share cores): ``{"nice": N}``, -20..19, until the next role switch."""
         body = await self._one_field(request, "nice", '{"nice": N}')
         nice = body.get("nice")
@@ -99,7 +99,7 @@ class AdminRoutes:
         return JSONResponse({"nice": nice, "threads": moved})
 
     async def set_cpus(self, request: Request) -> Response:
-        """The cores every thread runs on, at runtime (issue 30: the planner's lever between
+        """The cores every thread runs on, at runtime (the planner's lever between
         P and D splitting the cores and sharing them): ``{"cpus": "0-1"}``, as ``--cpus``
         lists them, within the cores the worker had at start."""
         body = await self._one_field(request, "cpus", '{"cpus": "0-1"}')
@@ -127,7 +127,7 @@ class AdminRoutes:
 
     async def move_streams(self, request: Request) -> Response:
         """Give the running streams the proxy lets move (``accept_move``) to other workers
-        (issue 30: the planner's standby decode worker after a merge, whose streams would
+        (the planner's standby decode worker after a merge, whose streams would
         otherwise slow the colocated worker beside it on the same cores): ``{"max_context":
         N}``, only streams of at most N tokens so far (prompt and output), each of which the
         next worker prefills again. Each ends with a move event the proxy continues."""
@@ -212,7 +212,7 @@ class AdminRoutes:
         info.update(
             version=version(),
             # The role now and its epoch, the roles it may take, the switch's state and P's
-            # bootstrap port (its side channel's) while it is P (issue 30 §1).
+            # bootstrap port (its side channel's) while it is P.
             **self._state.roles.info(),
             disaggregation_transfer_backend=c.disaggregation_transfer_backend,
             disaggregation_bootstrap_host=c.disaggregation_bootstrap_host,

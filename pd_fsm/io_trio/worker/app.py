@@ -1,4 +1,4 @@
-"""The worker's HTTP API (starlette, served by hypercorn's trio worker) over any Backend.
+"""The worker's HTTP API (starlette, served by hypercorn's trio worker) over any ServeBackend.
 
 Mode-independent: the same routes and schemas whether the backend is colocated, prefill or
 decode. The app owns the tokenizer and the chat template (loaded once; the backend's scheduler
@@ -29,7 +29,7 @@ from pd_fsm.io_trio.http_server import connection_failures, serve_app
 from pd_fsm.io_trio.unix_sockets import display
 from pd_fsm.io_trio.worker.admin_routes import AdminRoutes
 from pd_fsm.io_trio.worker.app_state import ModelMeta, WorkerState
-from pd_fsm.io_trio.worker.backend import Backend, RoleBackend, Stats, in_flight
+from pd_fsm.io_trio.worker.backend import RoleBackend, ServeBackend, Stats, in_flight
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.drain_gate import DrainDecision, drain_streams
 from pd_fsm.io_trio.worker.generation import GenerationRoutes
@@ -53,7 +53,7 @@ class WorkerApp:
     """The routes (generation, admin) over the state they share (``app_state.WorkerState``)."""
 
     def __init__(
-        self, config: ServeConfig, backend: Backend, *, model: LoadedModel | None = None,
+        self, config: ServeConfig, backend: ServeBackend, *, model: LoadedModel | None = None,
         engine: KVTransferEngine | None = None,
     ) -> None:
         """``engine``: the transfer engine every PD role of a worker that switches roles runs
@@ -61,7 +61,7 @@ class WorkerApp:
         self.config = config
         metrics = WorkerMetrics(self._stats, config.role_list, (config.slo_ttft, config.slo_itl))
         live: set[str] = set()
-        # The role is state that changes at runtime (issue 30 §1): the host owns the backend.
+        # The role is state that changes at runtime: the host owns the backend.
         roles = RoleHost(config, backend, engine=engine, live=lambda: len(live),
                          configure=lambda b: _observe_phases(b, metrics),
                          drained=lambda decision: _count_drain(metrics, decision))
@@ -110,7 +110,7 @@ class WorkerApp:
         return self.state.roles
 
     @property
-    def backend(self) -> Backend:
+    def backend(self) -> ServeBackend:
         """The backend of the role served now (a switch replaces it: ``roles``)."""
         return self.state.backend
 
@@ -148,7 +148,7 @@ class WorkerApp:
         return stats
 
     async def drain(self) -> None:
-        """SIGTERM's graceful part (issue 32 §3): out of the registry first, new requests
+        """SIGTERM's graceful part: out of the registry first, new requests
         refused, then wait until the requests in flight are over (the caller's deadline bounds
         it: ``--drain-timeout``)."""
         self.state.draining = True
@@ -162,7 +162,7 @@ class WorkerApp:
         log.info("drained: nothing in flight")
 
 
-def _observe_phases(backend: Backend, metrics: WorkerMetrics) -> None:
+def _observe_phases(backend: ServeBackend, metrics: WorkerMetrics) -> None:
     """What the worker sets on each backend it serves with."""
     if isinstance(backend, RoleBackend):  # a PD backend observes its per-phase histograms
         backend.phase_observer = metrics.phases.observe

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from pd_fsm.core.role_switch import EPOCH_HEADER, ROLE_HEADER, ROLES
 from pd_fsm.io_trio.cluster.tpu_placement import no_tpu_report
 from pd_fsm.io_trio.http_edge import BodyError, read_json
-from pd_fsm.io_trio.worker.backend import Backend
+from pd_fsm.io_trio.worker.backend import ServeBackend
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.metrics import WorkerMetrics
 from pd_fsm.io_trio.worker.roles import RoleHost
@@ -104,7 +104,7 @@ class WorkerState:
     bad_requests: int = 0
 
     @property
-    def backend(self) -> Backend:
+    def backend(self) -> ServeBackend:
         """The backend of the role served now (a switch replaces it: ``roles``)."""
         return self.roles.backend
 

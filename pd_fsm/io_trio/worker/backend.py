@@ -47,7 +47,7 @@ class GenerateJob:
     return_logprob: bool = False
     logprobs: LogprobSpec = NO_LOGPROBS
     resume: Resume | None = None  # tokens generated before, on a worker that failed
-    # Live hand-off (issue 32 §2): the KV another D offers for those tokens (a decode worker
+    # Live hand-off: the KV another D offers for those tokens (a decode worker
     # pulls it instead of prefilling), and whether this stream may end with a ticket of ours.
     handoff: HandoffTicket | None = None
     accept_handoff: bool = False
@@ -72,7 +72,7 @@ class BackendError(Exception):
 
 
 class HandedOff(BackendError):
-    """Not a failure: a draining decode worker gave this stream to another (issue 32 §2). The
+    """Not a failure: a draining decode worker gave this stream to another. The
     stream ends with ``ticket`` for the proxy, which continues it on another D."""
 
     def __init__(self, ticket: HandoffTicket) -> None:
@@ -100,7 +100,7 @@ class BackendHealth(Protocol):
         ...
 
 
-class Backend(Protocol):
+class ServeBackend(Protocol):
     mode: str  # "null" | "prefill" | "decode"
 
     @property
@@ -137,8 +137,8 @@ class Backend(Protocol):
 
 @runtime_checkable
 class HandsOff(Protocol):
-    """A backend that may hand its running streams to another decode worker while it drains
-    (issue 32 §2): the PD backends (a prefill one by its ``mode`` never does)."""
+    """A backend that may hand its running streams to another decode worker while it drains:
+    the PD backends (a prefill one by its ``mode`` never does)."""
 
     mode: str
 
@@ -154,12 +154,12 @@ class HandsOff(Protocol):
 
 
 @runtime_checkable
-class RoleBackend(Backend, Protocol):
+class RoleBackend(ServeBackend, Protocol):
     """What the worker needs of a backend it built (``roles.make_backend``), beyond the HTTP
-    layer's ``Backend``: every real backend has it all; a test's stand-in may have less, so
+    layer's ``ServeBackend``: every real backend has it all; a test's stand-in may have less, so
     the app and the role host look for it with ``isinstance``."""
 
-    role_epoch: int  # registered with a PD backend's record (issue 30 §1): the switches so far
+    role_epoch: int  # registered with a PD backend's record: the switches so far
     phase_observer: PhaseObserver | None
 
     def precompile(self) -> None:
@@ -197,8 +197,8 @@ HANDOFF_LEASE_MARGIN_S = 0.5
 HANDOFF_LEASE_MIN_S = 0.5
 
 
-def start_hand_off(backend: Backend, left_s: float) -> bool:
-    """Draining, once ``drain_gate`` found another D to take them (issue 32 §2): a decode
+def start_hand_off(backend: ServeBackend, left_s: float) -> bool:
+    """Draining, once ``drain_gate`` found another D to take them: a decode
     backend hands each running stream it may to another D, its KV leased until just before the
     drain's deadline, ``left_s`` from now. False for a backend that hands nothing off."""
     if not isinstance(backend, HandsOff):

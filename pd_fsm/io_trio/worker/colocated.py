@@ -29,7 +29,7 @@ from pd_fsm.io_trio.worker.spmd.frames import Command, RequestAborted, RequestAd
 from pd_fsm.io_trio.worker.startup import Startup
 from pd_fsm.io_trio.worker.streams import STREAM_CAPACITY, StreamTable
 from pd_fsm.schedulers.args import SchedulerArgs
-from pd_fsm.schedulers.factory import make_scheduler
+from pd_fsm.schedulers.disaggregation.factory import make_scheduler
 from pd_fsm.schedulers.request import RequestOutput
 from pd_fsm.schedulers.scheduler import Scheduler
 
@@ -110,7 +110,7 @@ class ColocatedBackend:
         self.role_epoch = 0
         self.phase_observer: PhaseObserver | None = None
 
-    # ----------------------------------------------------------------- Backend protocol
+    # ----------------------------------------------------------------- ServeBackend protocol
 
     def ready(self) -> bool:
         return self.health.ready
@@ -151,7 +151,7 @@ class ColocatedBackend:
         return self.streams.abort(rid)
 
     def fail_in_flight(self, reason: str) -> int:
-        """A role switch's drain deadline passed (issue 30 §1): abort every live request in the
+        """A role switch's drain deadline passed: abort every live request in the
         scheduler, as ``/abort_request`` does (its pages freed), and answer its client 503 with
         ``reason``. Returns how many."""
         return self.streams.fail_in_flight(reason)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from pd_fsm.core.config import DecodeConfig, LeaseConfig
+from pd_fsm.io_trio.cli_common import DRAIN_TIMEOUT_S
 from pd_fsm.io_trio.flag_spec import add_flags, read_flags
 from pd_fsm.io_trio.tls import NO_TLS, TLS
 from pd_fsm.io_trio.unix_sockets import (
@@ -60,12 +61,12 @@ class ServeConfig:
     slo_ttft: float = 2.0
     slo_itl: float = 0.1
     # On SIGTERM: out of the registry, new requests refused with 503 and Retry-After, and this
-    # long for the requests in flight to finish before the process stops (issue 32 §3); the same
-    # bound for the drain of a role switch (issue 30 §1).
-    drain_timeout: float = 30.0
+    # long for the requests in flight to finish before the process stops; the same bound for
+    # the drain of a role switch.
+    drain_timeout: float = DRAIN_TIMEOUT_S
     # A draining decode worker hands its running streams (those the proxy let it: accept_handoff)
     # to another D when the registry lists one (drain_gate.py): their KV is pulled, not
-    # prefilled again (issue 32 §2). --no-drain-handoff: they finish in place.
+    # prefilled again. --no-drain-handoff: they finish in place.
     drain_handoff: bool = True
     served_model_name: str | None = None  # default: the model's name ("smollm2", "tiny")
     # --chat-template FILE's text (read and compiled at start): replaces the model's template.
@@ -95,7 +96,7 @@ class ServeConfig:
     radix_cache: bool = True
     decode_radix_cache: bool = False
     max_queued: int = 1024  # jobs waiting to enter the scheduler; beyond that: 503
-    # The roles this worker may take at runtime (POST /switch_role, issue 30 §1), each compiled
+    # The roles this worker may take at runtime (POST /switch_role), each compiled
     # before ready; empty: only --disaggregation-mode's.
     roles: tuple[str, ...] = ()
     # -- disaggregation (RFC-2 §7)
@@ -109,8 +110,8 @@ class ServeConfig:
     # P: checksum each registered KV array (READY carries them, and a spare registration); D:
     # verify every pull, re-pull once on a mismatch. P and D must both have it or neither.
     disaggregation_kv_checksum: bool = False
-    # P: stream a room's KV to D in parts of this many prompt tokens while prefilling (issue 31
-    # §1); 0: the whole KV after the prefill, as before.
+    # P: stream a room's KV to D in parts of this many prompt tokens while prefilling, so that
+    # D pulls the first parts while P computes the rest; 0: the whole KV after the prefill.
     disaggregation_stream_tokens: int = 256
     disaggregation_queue_timeout: float = _DECODE.queue_timeout
     # P's side channel port (0: any free port); also the port routers know P by by default.

@@ -1,4 +1,4 @@
-"""Whether a draining worker hands its running streams off (issue 32 §2), decided when it starts
+"""Whether a draining worker hands its running streams off, decided when it starts
 to drain (SIGTERM, or a role switch leaving decode).
 
 A hand-off only helps when another decode worker can take the stream: without one, the proxy's
@@ -38,7 +38,7 @@ from pd_fsm.io_trio.bootstrap.client import BootstrapError
 from pd_fsm.io_trio.bootstrap.records import InstanceRecord
 from pd_fsm.io_trio.http_server import http_client
 from pd_fsm.io_trio.tls import TLS
-from pd_fsm.io_trio.worker.backend import Backend, HandsOff, start_hand_off
+from pd_fsm.io_trio.worker.backend import HandsOff, ServeBackend, start_hand_off
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.metrics import DRAIN_OUTCOMES
 
@@ -101,7 +101,7 @@ async def healthy(found: Sequence[InstanceRecord], tls: TLS, deadline: float
                 for r in found if r not in ok]
 
 
-async def decide(backend: Backend, config: ServeConfig, timeout: float) -> DrainDecision:
+async def decide(backend: ServeBackend, config: ServeConfig, timeout: float) -> DrainDecision:
     """The gate (see the module docstring); reads the registry and probes the takers for at
     most ``timeout`` in all."""
     if not config.drain_handoff:
@@ -132,7 +132,7 @@ async def decide(backend: Backend, config: ServeConfig, timeout: float) -> Drain
                          + (f" (not: {'; '.join(failed)})" if failed else ""))
 
 
-async def drain_streams(backend: Backend, config: ServeConfig, started: float,
+async def drain_streams(backend: ServeBackend, config: ServeConfig, started: float,
                         why: str) -> DrainDecision:
     """At a drain's start (``started``: its ``time.monotonic()``; ``why``: SIGTERM or the
     switch, for the log): decide, log, and start the hand-off when the gate says so, its lease

@@ -1,4 +1,4 @@
-"""Every `pd-fsm serve` flag, declared once (issue 29 §5).
+"""Every `pd-fsm serve` flag, declared once.
 
 The parser (``config.add_serve_arguments``), the reading of parsed flags into a ``ServeConfig``
 (``config.config_from_args``) and README's flag table (``flags_readme``) are derived from

@@ -1,6 +1,6 @@
 """A backend's health: whether it takes requests, why not once its scheduler failed, and its
 steps. Shared by the colocated backend (colocated.py) and the PD ones (pd_backends.py); the
-HTTP layer reads it through ``Backend.health``."""
+HTTP layer reads it through ``ServeBackend.health``."""
 
 from __future__ import annotations
 

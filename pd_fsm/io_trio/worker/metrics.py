@@ -9,7 +9,6 @@ of a PD request that its role carries out (``phases.py``).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -19,10 +18,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pd_fsm.core.role_switch import OUTCOMES
-from pd_fsm.io_trio.worker.phases import PhaseHistograms
+from pd_fsm.io_trio.phases import PhaseHistograms
+from pd_fsm.io_trio.stats_metrics import StatsCollector
 
 PREFIX = "pd_fsm_worker"
-_BAD = re.compile(r"[^a-zA-Z0-9_]")
 # 2 s and 100 ms are bounds: the default SLO's (--slo-ttft, --slo-itl) quantiles are exact there.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 2.5, 5, 10, 30, 60, 120, 300)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1,
@@ -35,55 +34,9 @@ DRAIN_OUTCOMES: dict[str, tuple[str, ...]] = {
 }
 
 
-def _name(key: str) -> str:
-    return _BAD.sub("_", key)
-
-
-def _number(v: Any) -> float | None:
-    if isinstance(v, bool):
-        return float(v)
-    if isinstance(v, int | float):
-        return float(v)
-    return None
-
-
-class StatsCollector(Collector):
-    """Exports a ``stats()`` dict on every scrape."""
-
-    def __init__(self, stats: Callable[[], dict[str, Any]], prefix: str) -> None:
-        self._stats = stats
-        self._prefix = prefix
-
-    def collect(self) -> Iterator[Metric]:
-        for key, value in sorted(self._stats().items()):
-            name = f"{self._prefix}_{_name(key)}"
-            is_counter = key.endswith("_total")
-            base = name[: -len("_total")] if is_counter else name
-            doc = f"backend stats()['{key}']"
-            if isinstance(value, dict):
-                family: Metric = (
-                    CounterMetricFamily(base, doc, labels=["key"])
-                    if is_counter
-                    else GaugeMetricFamily(base, doc, labels=["key"])
-                )
-                for sub, v in sorted(value.items(), key=lambda kv: str(kv[0])):
-                    n = _number(v)
-                    if n is not None:
-                        family.add_metric([str(sub)], n)  # type: ignore[attr-defined]
-                yield family
-                continue
-            n = _number(value)
-            if n is None:
-                continue
-            if is_counter:
-                yield CounterMetricFamily(base, doc, value=n)
-            else:
-                yield GaugeMetricFamily(name, doc, value=n)
-
-
 @attrs.frozen
 class RoleSnapshot:
-    """A worker's role as /metrics shows it (issue 30 §1; worker/roles.py makes it)."""
+    """A worker's role as /metrics shows it (worker/roles.py makes it)."""
 
     role: str
     epoch: int

@@ -1,10 +1,11 @@
 """The prefill and decode backends of `pd-fsm serve --disaggregation-mode prefill|decode`.
 
-One class, ``PDBackend``, runs the PD loop; what differs between P and D is the role object it
-holds (``pd_role.PDRole``: ``PrefillRole``, ``decode_role.DecodeRole``). The backend owns a PD
-scheduler (which owns its core endpoint) and, through ``PDLink`` (pd_link.py), everything a PD
-worker talks to: the side channel (P binds a ROUTER, D opens a DEALER per P), the bootstrap client
-(P and D register; D also resolves P through it) and the transfer engine (inside the scheduler).
+One class, ``PDBackend``, runs the PD loop; what differs between P and D is the role adapter it
+holds (``pd_adapter.PDAdapter``: ``PrefillAdapter``, ``decode_adapter.DecodeAdapter``). The
+backend owns a PD scheduler (which owns its core endpoint) and, through ``PeerIO``
+(peer_io.py), everything a PD worker talks to: the side channel (P binds a ROUTER, D opens a
+DEALER per P), the bootstrap client (P and D register; D also resolves P through it) and the
+transfer engine (inside the scheduler).
 One trio task runs the loop; every touch of the scheduler happens in ``_tick``, on one worker
 thread at a time, so scheduler and core need no locks and blocking JAX work never runs on the
 event loop:
@@ -41,14 +42,14 @@ from pd_fsm.io_trio.worker.backend import (
 )
 from pd_fsm.io_trio.worker.colocated import SPMD_JOIN_TIMEOUT_S, common_stats
 from pd_fsm.io_trio.worker.config import ServeConfig
-from pd_fsm.io_trio.worker.decode_role import DecodeRole
+from pd_fsm.io_trio.worker.decode_adapter import DecodeAdapter
 from pd_fsm.io_trio.worker.health import Health
-from pd_fsm.io_trio.worker.pd_link import Arrived, PDLink
-from pd_fsm.io_trio.worker.pd_role import PDRole, PrefillRole, RoleParts, S
+from pd_fsm.io_trio.worker.pd_adapter import PDAdapter, PrefillAdapter, RoleParts, S
+from pd_fsm.io_trio.worker.peer_io import Arrived, PeerIO
 from pd_fsm.io_trio.worker.spmd.pd_ticks import RankTicks, fingerprint, job_of, leg_of
 from pd_fsm.io_trio.worker.spmd.tick_inputs import TickInputs, shared_key
 from pd_fsm.io_trio.worker.startup import Startup
-from pd_fsm.io_trio.worker.streams import STREAM_CAPACITY, Stream, StreamTable
+from pd_fsm.io_trio.worker.streams import STREAM_CAPACITY, JobStream, StreamTable
 from pd_fsm.jax_engine.transfer.base import KVTransferEngine
 from pd_fsm.jax_engine.transfer.thread_priority import DataPlanePriority
 from pd_fsm.schedulers.args import same_named
@@ -57,6 +58,7 @@ from pd_fsm.schedulers.disaggregation import (
     DisaggregationArgs,
     PrefillScheduler,
 )
+from pd_fsm.schedulers.disaggregation.common import warm_kv_copies
 from pd_fsm.schedulers.disaggregation.decode import PeerPairing
 from pd_fsm.schedulers.disaggregation.tick import TickResult, run_tick
 from pd_fsm.schedulers.request import RequestOutput
@@ -109,7 +111,7 @@ def disaggregation_args(config: ServeConfig) -> DisaggregationArgs:
         "heartbeat_interval": config.disaggregation_bootstrap_heartbeat_interval,
         "pull_thread_nice": config.transfer_nice,
         # A P spanning processes registers through rank 0 after a forward all ranks ran; its
-        # chunks are not streamed (the whole KV goes with READY, as before streaming).
+        # chunks are not streamed (the whole KV goes with READY).
         "stream_tokens": 0 if config.nnodes > 1 else config.disaggregation_stream_tokens,
     })
 
@@ -135,11 +137,11 @@ def instance_record(config: ServeConfig, pd_args: DisaggregationArgs,
         # look theirs up by the full rank tuple (RFC-2 §6.2).
         tp_rank=0, tp_size=c.tp_size, cp_rank=0, cp_size=1, dp_rank=0, dp_size=1,
         pp_rank=0, pp_size=1,
-        transfer_addr=sched.engine.address,
+        transfer_addr=sched.role.engine.address,
         zmq_addr=zmq_addr,
         page_size=c.page_size,
         kv_dtype=sched.pool_config.dtype,
-        layout_hash=sched.layout_hash,
+        layout_hash=sched.role.kv_args.layout_hash,
         scheduler_addr=c.url,
         bootstrap_port=bootstrap_port,
         # kv_checksum: whether this P's READY carries KV checksums (D refuses a P that
@@ -152,27 +154,30 @@ def instance_record(config: ServeConfig, pd_args: DisaggregationArgs,
     )
 
 
-def warm_kv_copies(startup: Startup, scheduler: PrefillScheduler | DecodeScheduler) -> None:
+def compile_kv_copies(startup: Startup, scheduler: PrefillScheduler | DecodeScheduler) -> None:
     """What a PD role compiles besides the forward: its KV copies."""
-    n = startup.timed("kv_copy_compile", scheduler.warm_kv_copies)
-    log.info("compiled the KV %s for %d page buckets", scheduler.KV_COPY, n)
+    role = scheduler.role
+    n = startup.timed(
+        "kv_copy_compile", lambda: warm_kv_copies(scheduler, role.kv_args, role.kv_copy))
+    log.info("compiled the KV %s for %d page buckets", role.kv_copy, n)
 
 
-def close_pd_scheduler(role: PDRole[S], sched: S, engine: KVTransferEngine | None) -> None:
+def close_pd_scheduler(sched: PrefillScheduler | DecodeScheduler,
+                       engine: KVTransferEngine | None) -> None:
     """Free what ``sched`` holds besides memory: the role's part, then its transfer engine, or
     (``engine``: the process's, shared by the roles of a switching worker) what it registered
     there."""
-    role.close(sched)
+    sched.role.close()
     if engine is None:
-        sched.engine.close()
+        sched.role.engine.close()
         return
-    for uuid in list(sched.engine.registrations()):
-        sched.engine.release(uuid, "the worker's role is switching")
+    for uuid in list(sched.role.engine.registrations()):
+        sched.role.engine.release(uuid, "the worker's role is switching")
 
 
 def pd_snapshot(sched: PrefillScheduler | DecodeScheduler) -> tuple[Stats, dict[str, float]]:
     """The core's counts and the transfer counters, copied in the tick's thread."""
-    return sched.pd_stats(), dict(sched.transfer_stats)
+    return sched.role.link.pd_stats(), dict(sched.role.transfer_stats)
 
 
 def fan_out_pd(streams: StreamTable, outputs: list[RequestOutput],
@@ -211,7 +216,7 @@ async def raise_data_plane(data_plane: DataPlanePriority) -> None:
 class PDBackend(Generic[S]):
     """The PD loop, the inbox, the bootstrap client; ``role`` supplies what P and D differ in."""
 
-    def __init__(self, config: ServeConfig, role: Callable[[RoleParts], PDRole[S]],
+    def __init__(self, config: ServeConfig, role: Callable[[RoleParts], PDAdapter[S]],
                  spmd: SpmdLeader | None = None, *,
                  engine: KVTransferEngine | None = None) -> None:
         """``role(parts)``: the role object, given what it may use of this backend."""
@@ -220,9 +225,9 @@ class PDBackend(Generic[S]):
         self.mode = config.disaggregation_mode
         self.streams = StreamTable(config.max_queued, STREAM_CAPACITY)
         self.outcomes = self.streams.outcomes  # requests by outcome (the table's counts)
-        self.link = PDLink(self.streams.wake)
+        self.link = PeerIO(self.streams.wake)
         self._secret = config.cluster_secret()
-        self.role: PDRole[S] = role(RoleParts(config, self.pd_args, self.link, self.streams,
+        self.role: PDAdapter[S] = role(RoleParts(config, self.pd_args, self.link, self.streams,
                                               self._secret, spans_processes=spmd is not None))
         self.health = Health()
         self.startup = Startup(config.warmup)
@@ -238,7 +243,7 @@ class PDBackend(Generic[S]):
         self._engine = engine
         # One tick at a time; the limiter keeps JAX work off trio's default thread pool.
         self._limiter = trio.CapacityLimiter(1)
-        self.role_epoch = 0  # registered with the backend's record (issue 30 §1)
+        self.role_epoch = 0  # registered with the backend's record
         # Where each tick's phase samples go (the worker app sets its histograms' observe).
         self.phase_observer: PhaseObserver | None = None
         self.data_plane = DataPlanePriority(config.transfer_nice)
@@ -249,7 +254,7 @@ class PDBackend(Generic[S]):
         # The loop's way out for what a tick's inbox made the core say, before its step.
         self._send_early: Callable[[list[fx.IOEffect]], None] | None = None
 
-    # -- Backend protocol ---
+    # -- ServeBackend protocol ---
 
     def ready(self) -> bool:
         bootstrap = self.link.bootstrap
@@ -262,7 +267,7 @@ class PDBackend(Generic[S]):
         return self.streams.abort(rid)
 
     def fail_in_flight(self, reason: str) -> int:
-        """A role switch's drain deadline passed (issue 30 §1): abort every live request in the
+        """A role switch's drain deadline passed: abort every live request in the
         scheduler, as ``/abort_request`` does (its pages freed; its peer told), and answer its
         client 503 with ``reason``. Returns how many."""
         return self.streams.fail_in_flight(reason)
@@ -281,7 +286,7 @@ class PDBackend(Generic[S]):
             out["transfer"] = dict(transfer)
             # KV this process offers on its transfer server right now (P): each registration
             # pins the room's packed KV until released, so 0 once every room is over.
-            out["transfer_registrations"] = len(sched.engine.registrations())
+            out["transfer_registrations"] = len(sched.role.engine.registrations())
             out["pd_queues"] = self.role.queue_stats(sched)
         if self.link.side is not None:
             # Refused frames (bad or missing signature: "malformed") must be visible to operators.
@@ -299,7 +304,7 @@ class PDBackend(Generic[S]):
 
     def precompile(self) -> None:
         """Build and warm the role's scheduler, then close it (worker/roles.py)."""
-        close_pd_scheduler(self.role, self.build_scheduler(), self._engine)
+        close_pd_scheduler(self.build_scheduler(), self._engine)
 
     def side_port(self) -> int | None:
         return self.role.side_port()
@@ -319,7 +324,7 @@ class PDBackend(Generic[S]):
         return bootstrap.record, await bootstrap.list("decode")
 
     def admit_job(self, sched: S, job: GenerateJob, accepted: float) -> None:
-        """Open the request's room (``PDRole.admit_job``; a rank > 0 admits rank 0's legs)."""
+        """Open the request's room (``PDAdapter.admit_job``; a rank > 0 admits rank 0's legs)."""
         self.role.admit_job(sched, job, accepted)
 
     # -- start and stop ---
@@ -342,7 +347,7 @@ class PDBackend(Generic[S]):
             with trio.CancelScope(shield=True):
                 if self._spmd is not None:
                     await trio.to_thread.run_sync(self._spmd.stop, limiter=self._limiter)
-                await trio.to_thread.run_sync(close_pd_scheduler, self.role, sched, self._engine,
+                await trio.to_thread.run_sync(close_pd_scheduler, sched, self._engine,
                                               limiter=self._limiter)
 
     async def _start(self, nursery: trio.Nursery, sched: S) -> None:
@@ -379,7 +384,7 @@ class PDBackend(Generic[S]):
         tick_inputs = self.tick_inputs
 
         def warm_role(sched: S) -> None:
-            warm_kv_copies(self.startup, sched)
+            compile_kv_copies(self.startup, sched)
 
         return self.startup.build(lambda: self.role.new_scheduler(self._engine, tick_inputs),
                                   warm_role)
@@ -417,7 +422,7 @@ class PDBackend(Generic[S]):
             with trio.move_on_at(self._wake_at(sched, result.next_deadline)):
                 await woken.wait()
 
-    async def _run_tick(self, sched: S) -> TickResult[Stream]:
+    async def _run_tick(self, sched: S) -> TickResult[JobStream]:
         """This tick's inputs to the scheduler's thread, and its result back."""
         inbox = self.link.take_inbox()
         jobs = self.streams.take_jobs()
@@ -449,13 +454,13 @@ class PDBackend(Generic[S]):
         return wake_at
 
     def _tick(
-        self, sched: S, inbox: list[Arrived], jobs: list[Stream], aborts: list[str]
-    ) -> TickResult[Stream]:
+        self, sched: S, inbox: list[Arrived], jobs: list[JobStream], aborts: list[str]
+    ) -> TickResult[JobStream]:
         """Everything that touches the scheduler, on one thread at a time (the limiter): the
         one tick the simulator runs too (``schedulers/disaggregation/tick.py``)."""
         streams = self.streams
 
-        def admitted(stream: Stream) -> None:
+        def admitted(stream: JobStream) -> None:
             stream.in_scheduler = True
             streams.prompt_tokens_total += len(stream.job.input_ids)
             streams.prompts_total += 1
@@ -489,18 +494,18 @@ class PDBackend(Generic[S]):
 
 class PrefillBackend(PDBackend[PrefillScheduler]):
     """P: answers its leg once the room's KV is handed off to D (READY sent). Only a named
-    constructor: the role object (``PrefillRole``) is all that differs."""
+    constructor: the role object (``PrefillAdapter``) is all that differs."""
 
     def __init__(self, config: ServeConfig, spmd: SpmdLeader | None = None, *,
                  engine: KVTransferEngine | None = None) -> None:
-        super().__init__(config, PrefillRole, spmd, engine=engine)
+        super().__init__(config, PrefillAdapter, spmd, engine=engine)
 
 
 class DecodeBackend(PDBackend[DecodeScheduler]):
     """D: preallocates, pulls the KV from P, then streams the generation. Only a named
-    constructor: the role object (``DecodeRole``) is all that differs."""
+    constructor: the role object (``DecodeAdapter``) is all that differs."""
 
     def __init__(self, config: ServeConfig, spmd: SpmdLeader | None = None,
                  pairing: PeerPairing | None = None, *,
                  engine: KVTransferEngine | None = None) -> None:
-        super().__init__(config, lambda parts: DecodeRole(parts, pairing), spmd, engine=engine)
+        super().__init__(config, lambda parts: DecodeAdapter(parts, pairing), spmd, engine=engine)

@@ -24,7 +24,7 @@ _OPENAI_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 @attrs.frozen
-class _Entry:
+class _TokenEntry:
     """One reported position: its token's text, id and log-prob (None: nothing predicts it),
     and its top alternatives (None: not reported at this position)."""
 
@@ -151,7 +151,7 @@ class Accumulator:
         if out.finish_reason is not None:
             self.finish = out.finish_reason
 
-    def _output_entries(self, start: int, end: int) -> list[_Entry]:
+    def _output_entries(self, start: int, end: int) -> list[_TokenEntry]:
         """Output tokens ``start:end``, which have log-probs here (``start`` is at least
         ``_logprobs_from``: callers clamp it, so that their other lists stay aligned)."""
         lo, hi = start - self._logprobs_from, end - self._logprobs_from
@@ -159,19 +159,19 @@ class Accumulator:
             self.tops[lo:hi] if self.spec.top else [None] * (end - start)
         )
         return [
-            _Entry(self._texts.of(t), t, lp, top)
+            _TokenEntry(self._texts.of(t), t, lp, top)
             for t, lp, top in zip(self.output_ids[start:end], self.logprobs[lo:hi], tops,
                                   strict=True)
         ]
 
-    def _prompt_entries(self) -> list[_Entry]:
+    def _prompt_entries(self) -> list[_TokenEntry]:
         part = self.prompt
         if part is None:
             return []
         ids = self._prompt_ids[part.start : part.start + len(part.logprobs)]
         tops: Sequence[TopLogprobs | None] = part.top if self.spec.top else [None] * len(ids)
         return [
-            _Entry(self._texts.of(t), t, lp, top)
+            _TokenEntry(self._texts.of(t), t, lp, top)
             for t, lp, top in zip(ids, part.logprobs, tops, strict=True)
         ]
 

@@ -1,4 +1,4 @@
-"""A worker's role as state that changes at runtime (issue 30 §1): ``RoleHost``.
+"""A worker's role as state that changes at runtime: ``RoleHost``.
 
 The host owns the backend the worker serves with and the core's ``RoleSwitch`` (table
 role_switch), and carries out what the machine says, through the one driver step: leave the
@@ -37,7 +37,7 @@ from pd_fsm.core.drive import drive
 from pd_fsm.core.role_switch import RoleSwitch
 from pd_fsm.core.tables import ROLE_SWITCH
 from pd_fsm.io_trio.cluster.cpu_placement import ComputePriority, CorePlacement
-from pd_fsm.io_trio.worker.backend import Backend, RoleBackend, in_flight
+from pd_fsm.io_trio.worker.backend import RoleBackend, ServeBackend, in_flight
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.drain_gate import DrainDecision, drain_streams
 from pd_fsm.io_trio.worker.metrics import RoleSnapshot
@@ -116,7 +116,7 @@ def shared_engine(config: ServeConfig) -> KVTransferEngine | None:
     return JaxTransferKVEngine(config.public_host, reaper_interval_s=None)
 
 
-def _side_port(backend: Backend) -> int | None:
+def _side_port(backend: ServeBackend) -> int | None:
     """The port a prefill backend's side channel is bound to (None for any other backend)."""
     if backend.mode != "prefill" or not isinstance(backend, RoleBackend):
         return None
@@ -127,9 +127,9 @@ class RoleHost:
     """The worker's current backend and its role switches (see the module docstring)."""
 
     def __init__(
-        self, config: ServeConfig, backend: Backend, *, engine: KVTransferEngine | None = None,
+        self, config: ServeConfig, backend: ServeBackend, *, engine: KVTransferEngine | None = None,
         live: Callable[[], int] = lambda: 0,
-        configure: Callable[[Backend], None] = lambda backend: None,
+        configure: Callable[[ServeBackend], None] = lambda backend: None,
         drained: Callable[[DrainDecision], None] = lambda decision: None,
     ) -> None:
         """``live``: requests the HTTP layer has in flight; ``configure``: what the worker sets
@@ -228,7 +228,7 @@ class RoleHost:
         backend.role_epoch = epoch
         return backend
 
-    async def _start(self, backend: Backend) -> None:
+    async def _start(self, backend: ServeBackend) -> None:
         """Start ``backend``'s serve task; returns once it serves (raises what its start
         raised)."""
         assert self._nursery is not None

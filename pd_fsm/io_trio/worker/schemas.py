@@ -198,14 +198,14 @@ class ParsedRequest:
     input_ids: tuple[int, ...] | None = None
     messages: tuple[ChatMessage, ...] | None = None
     tools: Tools | None = None  # chat: tools the answer may call (tools.py)
-    # Request migration (issue 32): the tokens it generated on a worker that failed, and how
+    # Request migration: the tokens it generated on a worker that failed, and how
     # much of their text the client has; the answer goes on from there.
     resume: Resume | None = None
     resume_text: str = ""
     # vLLM's return_token_ids: each OpenAI choice (each stream chunk's) carries its token ids,
     # which is what lets a proxy resume a stream elsewhere.
     return_token_ids: bool = False
-    # Live hand-off (issue 32 §2): the KV a draining decode worker registered for this stream
+    # Live hand-off: the KV a draining decode worker registered for this stream
     # (the proxy posts it with ``resume``), and the proxy's leave to end a stream with a ticket.
     handoff: HandoffTicket | None = None
     accept_handoff: bool = False

@@ -32,7 +32,7 @@ def event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-# Live hand-off (issue 32 §2): a draining decode worker ends a stream the proxy let it hand off
+# Live hand-off: a draining decode worker ends a stream the proxy let it hand off
 # (accept_handoff) with this event, which is no ``data:``-only event, so that a client that
 # somehow gets one does not take it for output. The proxy reads it and never relays it.
 HANDOFF_EVENT = b"event: pd_fsm.handoff\n"

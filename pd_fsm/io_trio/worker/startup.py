@@ -19,6 +19,7 @@ from pd_fsm.jax_engine.compilation.executables import EXECUTABLES
 from pd_fsm.jax_engine.kv.tiered import total_compiles
 from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers.scheduler import Scheduler
+from pd_fsm.schedulers.warm_up import warm_up
 
 log = logging.getLogger("pd_fsm.io_trio.worker.startup")
 
@@ -53,10 +54,10 @@ class Startup:
 
     def warm(self, scheduler: S, warm_role: Callable[[S], None] | None = None) -> None:
         """Before ready (in the scheduler's thread): with ``full``, compile every shape the
-        scheduler can run (``Scheduler.warm_up``) and whatever the role adds (``warm_role``);
+        scheduler can run (``schedulers.warm_up``) and whatever the role adds (``warm_role``);
         then one short request through the whole path, which also proves it works."""
         if self._warmup == "full":
-            report = self.timed("forward_compile", scheduler.warm_up)
+            report = self.timed("forward_compile", lambda: warm_up(scheduler))
             log.info("compiled %d executables for %d forward shapes in %.1f s",
                      report.executables, len(report.shapes), report.seconds)
             if warm_role is not None:

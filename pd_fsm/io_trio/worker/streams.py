@@ -26,7 +26,7 @@ Item = RequestOutput | BackendError
 
 
 @attrs.define(eq=False)
-class Stream:
+class JobStream:
     """One live request as the loop sees it."""
 
     job: GenerateJob
@@ -70,8 +70,8 @@ class StreamTable:
 
     def __init__(self, max_queued: int, capacity: int = STREAM_CAPACITY) -> None:
         self._capacity = capacity
-        self._jobs_send, self._jobs_recv = trio.open_memory_channel[Stream](max_queued)
-        self.live: dict[str, Stream] = {}
+        self._jobs_send, self._jobs_recv = trio.open_memory_channel[JobStream](max_queued)
+        self.live: dict[str, JobStream] = {}
         self._aborts: set[str] = set()
         # Requests aborted by ``fail_in_flight``: their client gets this error, not the abort.
         self._failing: dict[str, BackendError] = {}
@@ -95,7 +95,7 @@ class StreamTable:
     async def generate(
         self, job: GenerateJob, refusal: Callable[[], BackendError | None]
     ) -> AsyncGenerator[RequestOutput, None]:
-        """``job``'s outputs (the ``Backend.generate`` contract); ``refusal``: why the backend
+        """``job``'s outputs (the ``ServeBackend.generate`` contract); ``refusal``: why the backend
         takes no request now, asked when the consumer first reads."""
         error = refusal()
         if error is not None:
@@ -103,7 +103,7 @@ class StreamTable:
         if job.rid in self.live:
             raise BackendError(400, f"request id {job.rid!r} is already in use")
         send, recv = trio.open_memory_channel[Item](self._capacity)
-        stream = Stream(job, send)
+        stream = JobStream(job, send)
         try:
             self._jobs_send.send_nowait(stream)
         except trio.WouldBlock:
@@ -153,8 +153,8 @@ class StreamTable:
         output so far are at most ``max_context`` tokens: each is aborted here, its client
         answered with a move event (``Moved``) that the proxy continues elsewhere with a
         prefill of that many tokens. Only streams already answered: before its first output
-        the HTTP layer has no stream to end with the event yet (run 40 of
-        bench/RESULTS_adaptive.md moved one so, and its client got no output). How many."""
+        the HTTP layer has no stream to end with the event yet (moved then, its client would get
+        no output at all). How many."""
         chosen = [rid for rid, s in self.live.items()
                   if s.job.accept_move and s.in_scheduler and s.answered and not s.done
                   and rid not in self._failing
@@ -178,14 +178,14 @@ class StreamTable:
 
     # -- the loop's side ---
 
-    def next_job(self) -> Stream | None:
+    def next_job(self) -> JobStream | None:
         try:
             return self._jobs_recv.receive_nowait()
         except trio.WouldBlock:
             return None
 
-    def take_jobs(self) -> list[Stream]:
-        jobs: list[Stream] = []
+    def take_jobs(self) -> list[JobStream]:
+        jobs: list[JobStream] = []
         while (stream := self.next_job()) is not None:
             jobs.append(stream)
         return jobs
@@ -222,7 +222,7 @@ class StreamTable:
                 assert out.finish_reason is not None
                 self.finish(stream, out.finish_reason.kind)
 
-    def abort_unstarted(self, stream: Stream) -> None:
+    def abort_unstarted(self, stream: JobStream) -> None:
         """A job aborted before the scheduler saw it still gets its final (abort) output, so a
         client that is still waiting is answered like any other aborted request."""
         job = stream.job
@@ -246,12 +246,12 @@ class StreamTable:
         for stream in list(self.live.values()):
             self.fail(stream, error)
 
-    def fail(self, stream: Stream, error: BackendError) -> None:
+    def fail(self, stream: JobStream, error: BackendError) -> None:
         error = self._failing.pop(stream.job.rid, error)
         stream.put(error)
         self.finish(stream, "moved" if isinstance(error, Moved) else "error")
 
-    def finish(self, stream: Stream, outcome: str) -> None:
+    def finish(self, stream: JobStream, outcome: str) -> None:
         # Exactly once per request: the stream leaves the table here and nowhere else.
         if stream.done:
             return

@@ -1,4 +1,4 @@
-"""`pd-fsm switch-role URL ROLE`: switch a running worker's role (issue 30 §1).
+"""`pd-fsm switch-role URL ROLE`: switch a running worker's role.
 
 Posts ``/switch_role`` and, with ``--wait`` (the default), polls ``/server_info`` until the
 worker serves in the new role under the epoch the switch announced: exit 0. A refusal (400,

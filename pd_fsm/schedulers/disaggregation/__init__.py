@@ -1,5 +1,6 @@
 """Prefill and decode schedulers (RFC-2 §5.4): the colocated Scheduler holding a prefill or decode
-role object (``PrefillRole``, ``DecodeRole``), with the role's API on top (the §5.4 mixins)."""
+role (``PrefillRole``, ``DecodeRole``), which owns the core link and is the PD API
+(``sched.role``); the §5.4 mixins and schedulers are the entry that builds one."""
 
 from pd_fsm.schedulers.disaggregation.args import FAILURE_POLICIES, DisaggregationArgs
 from pd_fsm.schedulers.disaggregation.common import DuplicateRoomError

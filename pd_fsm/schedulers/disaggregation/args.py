@@ -45,7 +45,7 @@ class DisaggregationArgs(SchedulerArgs):
     # P: checksum every registered KV array and register it twice (READY names both); D: verify
     # every pull against READY's checksums, pull once more on a mismatch. P and D must agree.
     kv_checksum: bool = False
-    # P: stream a room's KV to D in parts while prefilling (issue 31 §1): the prompt is
+    # P: stream a room's KV to D in parts while prefilling: the prompt is
     # prefilled in chunks of this many tokens (rounded down to whole pages) and each chunk's
     # pages are registered and announced to D at once; 0: the whole KV after the prefill.
     stream_tokens: int = 0

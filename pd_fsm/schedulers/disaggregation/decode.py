@@ -17,13 +17,12 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol, assert_never
 
 from pd_fsm.core import effects as fx
 from pd_fsm.core import events as ev
 from pd_fsm.core.decode_endpoint import DecodeEndpoint
-from pd_fsm.core.handoff import HandoffLedger
 from pd_fsm.core.messages import Ready
 from pd_fsm.jax_engine.model import LoadedModel
 from pd_fsm.jax_engine.parallel.tensor_parallel import kv_shard_counts
@@ -34,7 +33,6 @@ from pd_fsm.schedulers.disaggregation.api import DisaggregationCommon
 from pd_fsm.schedulers.disaggregation.args import DisaggregationArgs
 from pd_fsm.schedulers.disaggregation.common import PDLink, kv_args_of
 from pd_fsm.schedulers.disaggregation.decode_handoff import HandoffDesk
-from pd_fsm.schedulers.disaggregation.handoff import HandoffTicket
 from pd_fsm.schedulers.request import Req, ReqState
 from pd_fsm.schedulers.role import ColocatedRole
 from pd_fsm.schedulers.scheduler import Scheduler
@@ -99,13 +97,13 @@ class DecodeRole(ColocatedRole):
         # Pages of rooms that failed before the core freed them: an aborted hand-off's while its
         # pull runs (a PD room's are freed in the row that fails it).
         self.held_pages: dict[int, list[int]] = {}
-        # Live hand-off (issue 32 §2); an aborted one's pages wait in held_pages for its pull.
+        # Live hand-off; an aborted one's pages wait in held_pages for its pull.
         self.handoffs = HandoffDesk(sched, self.link, self.engine, self.kv_args,
                                     self.held_pages, lambda: self.pull_executor,
                                     args.kv_checksum, self.slots_free)
         self.pull_executor = self.new_pull_executor(on_pull_result)
         # pulls_corrupted: the KV arrived but failed READY's checksums (not scattered);
-        # parts_pulled: of pulls_ok, the parts P streamed while it prefilled (issue 31 §1);
+        # parts_pulled: of pulls_ok, the parts P streamed while it prefilled;
         # pulls_cancelled: pulls whose room failed while they ran (reported after its pages
         # went back), and of those pulls_dropped: their KV arrived and was thrown away.
         self.transfer_stats = {"pulls_ok": 0, "pulls_failed": 0, "pulls_corrupted": 0,
@@ -186,7 +184,9 @@ class DecodeRole(ColocatedRole):
     def add_pd_request(
         self, req: Req, bootstrap_addr: str, room: int, accepted: float | None = None
     ) -> None:
-        """Open the D leg of ``room`` whose P registered as ``bootstrap_addr``."""
+        """Open the D leg of ``room`` whose P registered as ``bootstrap_addr`` ("host:port");
+        raises ValueError (bad request) or DuplicateRoomError. ``accepted``: when the worker
+        took the leg, on the role's clock (default: now)."""
         event = ev.DecodeRequestAccepted(room, bootstrap_addr, self.link.prompt_pages(req))
         self.link.admit(req, event, room, accepted)
         if self.link.core.state_of(room) is not None:
@@ -206,7 +206,14 @@ class DecodeRole(ColocatedRole):
         self.link.deliver(ev.StepEnded())
 
     def set_pull_gate(self, rooms: Mapping[int, str] | None) -> None:
+        """From now on collect only the finished pulls of ``rooms`` (room -> "" or why it failed
+        on another rank: then it fails here too); None: every finished pull. An instance
+        spanning processes sets it before each tick: every rank scatters the same rooms."""
         self._pull_gate = rooms
+
+    def close(self) -> None:
+        """The pull threads end (before the worker closes the engine they pull with)."""
+        self.pull_executor.close(wait=True)
 
     def next_deadline(self) -> float | None:
         own = self.handoffs.ledger.next_deadline()
@@ -322,26 +329,23 @@ class DecodeRole(ColocatedRole):
         )
 
     def _fail_room(self, e: fx.FailRequest) -> None:
+        """The room failed: its request fails, or (the recompute policy, a failure of P's or
+        the transfer's) is prefilled here instead, on fresh pages."""
         self.recv_queue.pop(e.room, None)
         req = self.link.req_of[e.room]
         if req.pages is not None:
             # Not the request's any more (a recompute gets fresh ones): the core frees them
-            # (ReleaseBlocks) in a row of its own.
+            # (ReleaseBlocks) in a row of its own, once no pull can write them.
             self.held_pages[e.room], req.pages = req.pages, None
-        if self.args.failure_policy == "recompute" and e.status in RECOMPUTABLE:
-            self._recompute(req, e.reason)
-        else:
+        if self.args.failure_policy != "recompute" or e.status not in RECOMPUTABLE:
             self.link.fail_request(req, e.status, e.reason)
-
-    def _recompute(self, req: Req, reason: str) -> None:
-        """The KV will not come from P: prefill the request here instead (fresh pages; the old
-        ones are released by the core's own ReleaseBlocks, once no pull can write them)."""
+            return
         self.link.room_of.pop(req.rid, None)
         req.state = ReqState.WAITING
         req.prefilled = 0
         self.sched.waiting.append(req)
         self.recomputed += 1
-        log.info("room of %s failed (%s): recomputing its prefill here", req.rid, reason)
+        log.info("room of %s failed (%s): recomputing its prefill here", req.rid, e.reason)
 
     def _allocate_pages(self) -> None:
         """After each event's effects: FIFO, the head waits for a batch slot and its pages;
@@ -355,18 +359,18 @@ class DecodeRole(ColocatedRole):
         req_of = self.link.req_of
         while self.alloc_queue:
             room = self.alloc_queue[0]
-            if self.slots_free() <= 0 or not self.sched.reserve_pages(req_of[room]):
+            if self.slots_free() <= 0 or not self.sched.page_budget.reserve(req_of[room]):
                 return
             self.alloc_queue.popleft()
             self.link.phases.lap(room, "decode_page_wait", "page_request", "pages")
             # The prompt's leading pages our prefix cache held (shared, pinned by the room)
-            # are not pulled: P registers only the rest (issue 16 §3).
+            # are not pulled: P registers only the rest.
             cached = req_of[room].cached_tokens // self.args.page_size
             self.link.defer(ev.BlocksAllocated(room, cached))
 
 
 class SchedulerDisaggregationDecodeMixin(DisaggregationCommon[DecodeRole]):
-    """RFC-2 §5.4's decode mixin: D's API over its role (``self.role``)."""
+    """RFC-2 §5.4's decode mixin: the colocated scheduler holding D's role (``self.role``)."""
 
     @property
     def core(self) -> DecodeEndpoint:
@@ -375,58 +379,24 @@ class SchedulerDisaggregationDecodeMixin(DisaggregationCommon[DecodeRole]):
         return core
 
     @property
-    def recomputed(self) -> int:
-        return self.role.recomputed
+    def pull_executor(self) -> PullExecutor:
+        return self.role.pull_executor
 
     @property
-    def loop_iterations(self) -> int:
-        return self.role.loop_iterations
+    def req_of(self) -> dict[int, Req]:
+        return self.role.link.req_of
+
+    @property
+    def held_pages(self) -> dict[int, list[int]]:
+        return self.role.held_pages
 
     def deliver(self, event: ev.DecodeEvent, now: float | None = None) -> None:
-        """Feed an event from the I/O layer into the core at ``now`` (when it happened on the
-        role's clock; default now)."""
         self.role.deliver(event, now)
 
     def add_pd_request(
         self, req: Req, bootstrap_addr: str, room: int, accepted: float | None = None
     ) -> None:
-        """Open the D leg of ``room`` whose P registered as ``bootstrap_addr`` ("host:port");
-        raises ValueError (bad request) or DuplicateRoomError. ``accepted``: when the worker
-        took the leg, on the role's clock (default: now)."""
         self.role.add_pd_request(req, bootstrap_addr, room, accepted)
-
-    def set_pull_gate(self, rooms: Mapping[int, str] | None) -> None:
-        """From now on collect only the finished pulls of ``rooms`` (room -> "" or why it failed
-        on another rank: then it fails here too); None: every finished pull. An instance
-        spanning processes sets it before each tick: every rank scatters the same rooms."""
-        self.role.set_pull_gate(rooms)
-
-    def hand_off(self, rids: Collection[str], lease_s: float) -> list[tuple[str, HandoffTicket]]:
-        """Give away the running sequences of ``rids`` (see ``HandoffDesk.hand_off``)."""
-        return self.role.handoffs.hand_off(rids, lease_s)
-
-    def release_handoff(self, uuid: int) -> bool:
-        """Drop hand-off ``uuid``'s registration (see ``HandoffDesk.release``)."""
-        return self.role.handoffs.release(uuid)
-
-    def add_handoff_request(self, req: Req, ticket: HandoffTicket, text_sent: int) -> None:
-        """Take over a sequence another D handed off (see ``HandoffDesk.take``)."""
-        self.role.handoffs.take(req, ticket, text_sent)
-
-    @property
-    def handoffs(self) -> HandoffLedger:
-        return self.role.handoffs.ledger
-
-    @property
-    def handoffs_outstanding(self) -> int:
-        return self.role.handoffs.outstanding
-
-    @property
-    def handoff_stats(self) -> dict[str, int]:
-        return self.role.handoffs.stats
-
-    def close(self) -> None:
-        self.role.pull_executor.close(wait=True)
 
 
 class DecodeScheduler(SchedulerDisaggregationDecodeMixin):
@@ -446,12 +416,6 @@ class DecodeScheduler(SchedulerDisaggregationDecodeMixin):
         subclass of it)."""
         super().__init__(args, model=model, role=lambda sched: role(
             sched, args, engine, clock, on_pull_result, incarnation, pairing))
-        pd = self.role
-        # The role's books under the names the worker and tests read (the same objects).
-        self.clock, self.room_of, self.req_of = pd.clock, pd.link.room_of, pd.link.req_of
-        self.failures, self.transfer_stats = pd.link.failures, pd.transfer_stats
-        self.recv_queue, self.alloc_queue = pd.recv_queue, pd.alloc_queue
-        self.pull_executor, self.held_pages = pd.pull_executor, pd.held_pages
 
 
 __all__ = ["RECOMPUTABLE", "DecodeRole", "DecodeScheduler", "PeerPairing",

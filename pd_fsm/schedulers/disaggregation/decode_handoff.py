@@ -1,4 +1,4 @@
-"""D's live hand-offs (issue 32 §2): the sequences it gives away and the ones it takes over.
+"""D's live hand-offs: the sequences it gives away and the ones it takes over.
 
 Each hand-off's lifecycle is the core's (table kv_handoff, ``HandoffLedger``), keyed by the
 offer's uuid here as the draining D, or by the pull's room (negative: never a PD room's) as the
@@ -153,7 +153,7 @@ class HandoffDesk:
 
     def _place(self, req: Req) -> bool:
         """A batch slot and pages for ``req``, or neither."""
-        return self._slots_free() > 0 and self.sched.reserve_pages(req)
+        return self._slots_free() > 0 and self.sched.page_budget.reserve(req)
 
     def take(self, req: Req, ticket: HandoffTicket, text_sent: int) -> None:
         """Take over a sequence another D handed off: ``req`` was made with every output token

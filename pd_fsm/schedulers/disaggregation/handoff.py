@@ -1,4 +1,4 @@
-"""Live KV hand-off between decode workers (issue 32 §2): what one D gives another so that a
+"""Live KV hand-off between decode workers: what one D gives another so that a
 running stream moves without a prefill.
 
 A draining D gathers a running sequence's pages — the KV of the prompt and of every output token

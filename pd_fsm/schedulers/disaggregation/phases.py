@@ -2,7 +2,7 @@
 
 Each room carries stamps (``clock`` times) of the boundaries it passed; ``lap`` turns two stamps
 into a ``(phase key, seconds)`` sample, queued for the worker to take with ``take`` after the step
-(pd_fsm/io_trio/worker/phases.py names every phase).
+(pd_fsm/io_trio/phases.py names every phase).
 """
 
 from __future__ import annotations

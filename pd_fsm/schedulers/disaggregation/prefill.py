@@ -160,10 +160,14 @@ class PrefillRole(ColocatedRole):
     # -- the worker's side ------------------------------------------------------------------------
 
     def add_pd_request(self, req: Req, room: int, accepted: float | None = None) -> None:
-        """Queue the P leg of ``room``; raises ValueError (bad request) or DuplicateRoomError."""
+        """Queue the P leg of ``room``; raises ValueError (bad request) or DuplicateRoomError.
+        ``accepted``: when the worker took the leg, on the role's clock (default: now)."""
         self.link.admit(req, ev.PrefillRequestAccepted(room), room, accepted)
         if req.state is not ReqState.FINISHED:  # failed at once: D refused the room first
             self.sched.waiting.append(req)
+
+    def deliver(self, event: ev.PrefillEvent, now: float | None = None) -> None:
+        self.link.deliver(event, now)
 
     def step_started(self) -> list[fx.BusyEffect]:
         return self.link.step_started(ev.StepStarted())
@@ -173,6 +177,9 @@ class PrefillRole(ColocatedRole):
 
     def next_deadline(self) -> float | None:
         return self.link.next_deadline()
+
+    def close(self) -> None:
+        """Nothing of P's own: the engine is the worker's to close."""
 
     # -- the core's effects -----------------------------------------------------------------------
 
@@ -275,7 +282,7 @@ class PrefillRole(ColocatedRole):
 
 
 class SchedulerDisaggregationPrefillMixin(DisaggregationCommon[PrefillRole]):
-    """RFC-2 §5.4's prefill mixin: P's API over its role (``self.role``)."""
+    """RFC-2 §5.4's prefill mixin: the colocated scheduler holding P's role (``self.role``)."""
 
     @property
     def core(self) -> PrefillEndpoint:
@@ -283,16 +290,14 @@ class SchedulerDisaggregationPrefillMixin(DisaggregationCommon[PrefillRole]):
         assert isinstance(core, PrefillEndpoint)
         return core
 
+    @property
+    def layout_hash(self) -> str:
+        return self.role.kv_args.layout_hash
+
     def deliver(self, event: ev.PrefillEvent, now: float | None = None) -> None:
-        """Feed an event from the I/O layer into the core at ``now`` (when it happened on the
-        role's clock; default now). A message that arrived while a forward step ran should be
-        delivered with its arrival time, so that a heartbeat received in time extends a lease
-        before the lease's expiry is judged."""
-        self.role.link.deliver(event, now)
+        self.role.deliver(event, now)
 
     def add_pd_request(self, req: Req, room: int, accepted: float | None = None) -> None:
-        """Queue the P leg of ``room``; raises ValueError (bad request) or DuplicateRoomError.
-        ``accepted``: when the worker took the leg, on the role's clock (default: now)."""
         self.role.add_pd_request(req, room, accepted)
 
 
@@ -310,9 +315,3 @@ class PrefillScheduler(SchedulerDisaggregationPrefillMixin):
         """``role``: the role's class (the simulator plants bugs in a subclass of it)."""
         super().__init__(args, model=model,
                          role=lambda sched: role(sched, args, engine, clock, rng))
-        pd = self.role
-        # The role's books under the names the worker and tests read (the same objects).
-        self.clock, self.room_of, self.req_of = pd.clock, pd.link.room_of, pd.link.req_of
-        self.failures, self.send_queue = pd.link.failures, pd.send_queue
-        self.transfer_stats, self.stream_tokens = pd.transfer_stats, pd.stream_tokens
-        self.held_pages = pd.held_pages

@@ -19,7 +19,7 @@ from typing import Any, Generic, TypeVar
 import attrs
 
 from pd_fsm.core import effects as fx
-from pd_fsm.schedulers.disaggregation.common import DuplicateRoomError
+from pd_fsm.schedulers.disaggregation.common import DuplicateRoomError, PDLink
 from pd_fsm.schedulers.disaggregation.decode import DecodeScheduler
 from pd_fsm.schedulers.disaggregation.prefill import PrefillScheduler
 from pd_fsm.schedulers.request import RequestOutput
@@ -75,7 +75,7 @@ def _admit_legs(
 def run_tick(
     sched: PrefillScheduler | DecodeScheduler,
     # Any: P's inbox holds PrefillEvents, D's DecodeEvents; the worker keeps one list type
-    # for either role, and the scheduler's own ``deliver`` is typed by its role.
+    # for either role, and the role's own ``deliver`` is typed by its events.
     inbox: Sequence[tuple[float, Any]],
     legs: Sequence[L],
     aborts: list[str],
@@ -98,38 +98,40 @@ def run_tick(
     (streamed KV), instead of after it. ``early_outputs``: if given, outputs ready before the
     step's decode forward (a first token D just pulled) go to it then, with their failures, and
     not in the result (``Scheduler.step``'s ``early``)."""
-    on_busy(tuple(sched.step_started()))
+    role = sched.role
+    link = role.link
+    on_busy(tuple(role.step_started()))
     try:
         for arrived, event in inbox:
-            sched.deliver(event, now=arrived)
+            role.deliver(event, now=arrived)
         admission = _admit_legs(legs, aborts, rid, admit, on_admitted)
         for r in aborts:
             if may_abort(r):
                 sched.abort(r, "aborted by request")
         if before_step is not None:
-            said = sched.take_outbox()
+            said = link.take_outbox()
             if said:
                 before_step(said)
         first = None if early_outputs is None else (
-            lambda outs: early_outputs(outs, _failures(sched, outs)))
+            lambda outs: early_outputs(outs, _failures(link, outs)))
         outputs = sched.step(first)
         return TickResult(
-            outputs, _failures(sched, outputs), admission.refused, admission.unstarted,
-            sched.take_outbox(), sched.has_forward_work(), sched.next_deadline(),
-            sched.take_phase_samples(),
+            outputs, _failures(link, outputs), admission.refused, admission.unstarted,
+            link.take_outbox(), sched.has_forward_work(), role.next_deadline(),
+            link.phases.take(),
         )
     finally:
-        sched.step_ended()
+        role.step_ended()
         on_busy(())
 
 
-def _failures(sched: PrefillScheduler | DecodeScheduler,
+def _failures(link: PDLink[Any, Any],
               outputs: list[RequestOutput]) -> dict[str, tuple[int, str]]:
     """The PD failures behind ``outputs``' aborts: rid -> (HTTP status, reason)."""
     failures = {}
     for out in outputs:
         if out.finish_reason is not None and out.finish_reason.kind == "abort":
-            failure = sched.pop_failure(out.rid)
+            failure = link.failures.pop(out.rid, None)
             if failure is not None:
                 failures[out.rid] = failure
     return failures

@@ -16,6 +16,7 @@ from pd_fsm.jax_engine.parallel.tensor_parallel import POOL_KV_AXIS, TensorParal
 from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import Scheduler, SchedulerArgs
 from pd_fsm.schedulers.model_runner import MAIN_KV
+from pd_fsm.schedulers.warm_up import warm_up
 
 PROMPTS = ["The quick brown fox", "tensor parallel", "a" * 40, "KV heads split four ways!"]
 # f32 logits of O(10): tp splits the reductions of the output and down projections into tp
@@ -61,12 +62,12 @@ def _first_logits(sched: Scheduler, prompt: str) -> np.ndarray:
 
 def test_tp_matches_tp1() -> None:
     ref = _scheduler(1)
-    ref.warm_up()
+    warm_up(ref)
     want = _generate(ref)
     want_logits = [_first_logits(ref, p) for p in PROMPTS]
     for tp in (2, 4):
         sched = _scheduler(tp)
-        sched.warm_up()
+        warm_up(sched)
         before = EXECUTABLES.stats().built
         assert _generate(sched) == want, f"tp={tp} generated other tokens than tp=1"
         assert EXECUTABLES.stats().built == before, "a step compiled after the warm-up"

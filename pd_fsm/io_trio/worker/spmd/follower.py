@@ -23,7 +23,7 @@ from pd_fsm.io_trio.worker.spmd.frames import (
     PullReported,
     RequestAdded,
     SpmdProtocolError,
-    StepStarted,
+    StepOrdered,
     Stopped,
     decode,
     encode,
@@ -37,7 +37,7 @@ class Divergence(RuntimeError):
     """This replica no longer does what rank 0's scheduler did: it cannot stay in step."""
 
 
-def apply_step(scheduler: Scheduler, frame: StepStarted) -> None:
+def apply_step(scheduler: Scheduler, frame: StepOrdered) -> None:
     """Rank 0's commands, then its step, on this rank's replica."""
     for command in frame.commands:
         if isinstance(command, RequestAdded):
@@ -77,7 +77,7 @@ class StepReplica:
         self.scheduler = scheduler
 
     def apply(self, frame: Frame) -> None:
-        if not isinstance(frame, StepStarted):
+        if not isinstance(frame, StepOrdered):
             raise Divergence(f"a colocated rank cannot apply {type(frame).__name__}")
         apply_step(self.scheduler, frame)
 

@@ -8,7 +8,7 @@ the one that serves HTTP, sends the others exactly those inputs: requests added,
 aborted, and "step now". The replicas then make the same decisions and launch the same sharded
 computations; their outputs are identical and thrown away.
 
-A prefill or decode instance sends :class:`TickStarted` instead of :class:`StepStarted`: the
+A prefill or decode instance sends :class:`TickStarted` instead of :class:`StepOrdered`: the
 whole tick's inputs (rank 0's clock, side-channel and registry arrivals, legs, aborts) and, on
 D, the pulls every rank has finished, which the ranks report back (:class:`PullReported`).
 
@@ -83,7 +83,7 @@ Command = RequestAdded | RequestAborted
 
 
 @attrs.frozen
-class StepStarted:
+class StepOrdered:
     """Apply ``commands`` in order, then run one scheduler step: rank 0 is running it."""
 
     commands: tuple[Command, ...]
@@ -169,8 +169,8 @@ class Announced:
     record: str
 
 
-Frame = Hello | StepStarted | Pinged | Stopped | TickStarted | PullReported | Announced
-_KINDS: dict[int, type[Frame]] = {1: Hello, 2: StepStarted, 3: Pinged, 4: Stopped,
+Frame = Hello | StepOrdered | Pinged | Stopped | TickStarted | PullReported | Announced
+_KINDS: dict[int, type[Frame]] = {1: Hello, 2: StepOrdered, 3: Pinged, 4: Stopped,
                                   5: TickStarted, 6: PullReported, 7: Announced}
 _KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
 
@@ -193,7 +193,7 @@ def _strict(kind: type) -> None:
 for _kind in (int, float, str, bool):
     _strict(_kind)
 _converter.register_unstructure_hook(
-    StepStarted,
+    StepOrdered,
     lambda s: [[type(c).__name__, _converter.unstructure(c)] for c in s.commands],
 )
 
@@ -201,7 +201,7 @@ _converter.register_unstructure_hook(
 _COMMANDS: dict[str, type[Command]] = {c.__name__: c for c in (RequestAdded, RequestAborted)}
 
 
-def _structure_step(raw: Any, _: type) -> StepStarted:
+def _structure_step(raw: Any, _: type) -> StepOrdered:
     if not isinstance(raw, list) or len(raw) > MAX_COMMANDS:
         raise ValueError(f"commands must be a list of at most {MAX_COMMANDS}")
     commands: list[Command] = []
@@ -209,10 +209,10 @@ def _structure_step(raw: Any, _: type) -> StepStarted:
         if not (isinstance(item, list) and len(item) == 2 and item[0] in _COMMANDS):
             raise ValueError(f"not a command: {item!r:.80}")
         commands.append(_converter.structure(item[1], _COMMANDS[item[0]]))
-    return StepStarted(tuple(commands))
+    return StepOrdered(tuple(commands))
 
 
-_converter.register_structure_hook(StepStarted, _structure_step)
+_converter.register_structure_hook(StepOrdered, _structure_step)
 
 _EVENTS: dict[str, type[InboxEvent]] = {
     c.__name__: c for c in (ev.MessageReceived, ev.PeerResolved, ev.PeerResolutionFailed,

@@ -25,7 +25,7 @@ from pd_fsm.io_trio.worker.spmd.frames import (
     Pinged,
     PullReported,
     SpmdProtocolError,
-    StepStarted,
+    StepOrdered,
     Stopped,
     TickStarted,
     decode,
@@ -94,7 +94,7 @@ class SpmdLeader:
 
     def step_started(self, commands: tuple[Command, ...]) -> None:
         """Before rank 0 runs a scheduler step: the others apply ``commands`` and step too."""
-        self._send(StepStarted(commands))
+        self._send(StepOrdered(commands))
 
     def announce(self, record_json: str) -> None:
         """Rank 0's registry record, before its first tick (see ``Announced``)."""

@@ -36,8 +36,8 @@ from pd_fsm.io_trio.bootstrap.records import (
     record_from_json,
 )
 from pd_fsm.io_trio.worker.config import ServeConfig
+from pd_fsm.io_trio.worker.pd_adapter import S
 from pd_fsm.io_trio.worker.pd_backends import PDBackend, PrefillBackend, make_pd_backend
-from pd_fsm.io_trio.worker.pd_role import S
 from pd_fsm.io_trio.worker.spmd.follower import Divergence, follow
 from pd_fsm.io_trio.worker.spmd.frames import Announced, Frame, PullReported, TickStarted
 from pd_fsm.io_trio.worker.spmd.pd_ticks import fingerprint, job_of
@@ -145,7 +145,7 @@ class PDReplica(Generic[S]):
             if missing:
                 raise Divergence(f"rank 0 collects pulls {sorted(missing)} this rank never had")
             self._reported -= set(gate)
-            sched.set_pull_gate(gate)
+            sched.role.set_pull_gate(gate)
         backend = self._backend
         run_tick(
             sched, [(a.arrived, a.event) for a in frame.arrivals], list(frame.legs),
@@ -159,7 +159,7 @@ class PDReplica(Generic[S]):
         if not isinstance(sched, DecodeScheduler):
             return []
         out = []
-        for room, why in sched.pull_executor.ready().items():
+        for room, why in sched.role.pull_executor.ready().items():
             if room not in self._reported:
                 self._reported.add(room)
                 out.append(PullReported(self._rank, room, not why, why))
@@ -168,7 +168,7 @@ class PDReplica(Generic[S]):
     def waiting(self) -> bool:
         sched = self._sched
         return (isinstance(sched, DecodeScheduler)
-                and sched.pull_executor.inflight > len(self._reported))
+                and sched.role.pull_executor.inflight > len(self._reported))
 
 
 async def run_replica(config: ServeConfig, key: bytes | None) -> int:
@@ -201,11 +201,11 @@ async def _follow(config: ServeConfig, key: bytes | None, client: BootstrapClien
                 if c.disaggregation_mode != "prefill":
                     return  # nothing looks a D rank up
                 client.record = attrs.evolve(
-                    entry, tp_rank=first_tp_rank(c), transfer_addr=sched.engine.address,
-                    layout_hash=sched.layout_hash,
+                    entry, tp_rank=first_tp_rank(c), transfer_addr=sched.role.engine.address,
+                    layout_hash=sched.role.kv_args.layout_hash,
                 )
                 log.info("registering rank %d's transfer server %s as tp_rank %d", c.node_rank,
-                         sched.engine.address, first_tp_rank(c))
+                         sched.role.engine.address, first_tp_rank(c))
                 trio.from_thread.run_sync(lambda: nursery.start_soon(client.run),
                                           trio_token=token)
 
@@ -216,6 +216,6 @@ async def _follow(config: ServeConfig, key: bytes | None, client: BootstrapClien
             nursery.cancel_scope.cancel()  # deregisters (BootstrapClient.run's finally)
     finally:
         if isinstance(sched, DecodeScheduler):
-            sched.close()
-        sched.engine.close()
+            sched.role.close()
+        sched.role.engine.close()
     return code

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from pd_fsm.io_trio.worker.backend import BootstrapInfo, GenerateJob
 from pd_fsm.io_trio.worker.spmd.frames import Arrival, InboxEvent, LegAdded, PullAgreed, TickStarted
 from pd_fsm.io_trio.worker.spmd.tick_inputs import TickInputs
-from pd_fsm.io_trio.worker.streams import Stream
+from pd_fsm.io_trio.worker.streams import JobStream
 from pd_fsm.schedulers.disaggregation import DecodeScheduler, PrefillScheduler
 
 if TYPE_CHECKING:
@@ -21,11 +21,11 @@ if TYPE_CHECKING:
 def fingerprint(sched: PrefillScheduler | DecodeScheduler) -> str:
     """What two replicas of one PD scheduler must agree on after every tick (cheap to take)."""
     s = sched.stats()
-    states = sorted((k, v) for k, v in sched.pd_stats().items() if k.startswith("state_"))
+    states = sorted((k, v) for k, v in sched.role.link.pd_stats().items() if k.startswith("state_"))
     # The transfer registrations too: a rank > 0 whose KV offers leak (it has no HTTP to show
     # them) leaves the instance at the next tick.
     return repr((states, s.free_pages, s.waiting, s.prefilling, s.running, s.cached_pages,
-                 len(sched.engine.registrations())))
+                 len(sched.role.engine.registrations())))
 
 
 def job_of(leg: LegAdded) -> GenerateJob:
@@ -52,7 +52,7 @@ class RankTicks:
         self._rank_pulls: dict[int, dict[int, str]] = {}
 
     def tell(
-        self, inputs: TickInputs, inbox: list[tuple[float, InboxEvent]], jobs: list[Stream],
+        self, inputs: TickInputs, inbox: list[tuple[float, InboxEvent]], jobs: list[JobStream],
         aborts: list[str], may_abort: Callable[[str], bool], ready: dict[int, str] | None,
     ) -> tuple[list[str], dict[int, str] | None]:
         """Before a tick (in the tick's thread): send the other ranks this tick's inputs and set

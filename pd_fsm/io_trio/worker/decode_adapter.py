@@ -1,6 +1,7 @@
-"""The decode role of the PD loop (pd_role.PDRole): preallocates, pulls the KV from P, then
-streams the generation; tells P of legs it refused before any room opened; hands its running
-streams to another D while it drains (issue 32 §2)."""
+"""The decode side of the PD loop (pd_adapter.PDAdapter): the I/O around D's scheduler role,
+which preallocates, pulls the KV from P and decodes; this opens the side channel, admits each
+job into the role, tells P of legs it refused before any room opened, and hands its running
+streams to another D while it drains."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from pd_fsm.io_trio.bootstrap.records import InstanceRecord
 from pd_fsm.io_trio.side_channel.channel import DecodeSideChannel
 from pd_fsm.io_trio.unix_sockets import IPC_PREFIX, ipc_path
 from pd_fsm.io_trio.worker.backend import GenerateJob, HandedOff, Stats, request_of
-from pd_fsm.io_trio.worker.pd_link import PDLink
-from pd_fsm.io_trio.worker.pd_role import RoleParts, bootstrap_of, held_rooms
+from pd_fsm.io_trio.worker.pd_adapter import RoleParts, bootstrap_of, held_rooms
+from pd_fsm.io_trio.worker.peer_io import PeerIO
 from pd_fsm.io_trio.worker.spmd.tick_inputs import TickInputs
 from pd_fsm.jax_engine.transfer.base import KVTransferEngine
 from pd_fsm.schedulers.disaggregation import DecodeScheduler
@@ -37,7 +38,7 @@ class RefusalTeller:
     """PD legs refused before any room opened here (a null ``bootstrap_port``, no default):
     their P leg would wait a whole lease for our RECV_INIT unless told."""
 
-    def __init__(self, link: PDLink, resolve_timeout: float) -> None:
+    def __init__(self, link: PeerIO, resolve_timeout: float) -> None:
         self._link = link
         self._resolve_timeout = resolve_timeout
         # (bootstrap_host, room, reason): appended in the tick's thread, drained on the loop.
@@ -107,7 +108,7 @@ def unix_only_elsewhere(record: InstanceRecord) -> str | None:
             "jax.experimental.transfer listens on TCP only); give that P a TCP --port")
 
 
-class DecodeRole:
+class DecodeAdapter:
     mode = "decode"
 
     def __init__(self, parts: RoleParts, pairing: PeerPairing | None = None) -> None:
@@ -124,7 +125,7 @@ class DecodeRole:
         self._side: DecodeSideChannel | None = None
         self.refusals = RefusalTeller(parts.link, parts.pd_args.resolve_timeout)
         self.local_prefills_total = 0  # requests without bootstrap fields, prefilled here
-        # Live hand-off (issue 32 §2). While draining with --drain-handoff: until when (time.
+        # Live hand-off. While draining with --drain-handoff: until when (time.
         # monotonic) running streams are handed off; tickets a tick made, for the loop to end
         # their streams with; hand-offs whose KV was pulled, to release on the next tick.
         self._handoff_until: float | None = None
@@ -188,10 +189,10 @@ class DecodeRole:
 
     def queue_stats(self, sched: DecodeScheduler) -> dict[str, int]:
         return {
-            "recv_queue": len(sched.recv_queue),
-            "alloc_queue": len(sched.alloc_queue),
+            "recv_queue": len(sched.role.recv_queue),
+            "alloc_queue": len(sched.role.alloc_queue),
             "held_rooms": held_rooms(sched),
-            "pulls_inflight": sched.pull_executor.inflight,
+            "pulls_inflight": sched.role.pull_executor.inflight,
         }
 
     def admit_job(self, sched: DecodeScheduler, job: GenerateJob, accepted: float) -> None:
@@ -206,7 +207,7 @@ class DecodeRole:
             return
         host, port, room = bootstrap_of(self.mode, job)
         if host.startswith(IPC_PREFIX):  # a P on a unix socket alone: known by its endpoint
-            sched.add_pd_request(request_of(sched, job), host, room, accepted=accepted)
+            sched.role.add_pd_request(request_of(sched, job), host, room, accepted=accepted)
             return
         port = port or self._config.disaggregation_prefill_port
         if port is None:
@@ -215,7 +216,8 @@ class DecodeRole:
             )
             self.refusals.refused(host, room, reason)  # told after our 400 is out
             raise ValueError(reason)
-        sched.add_pd_request(request_of(sched, job), f"{host}:{port}", room, accepted=accepted)
+        sched.role.add_pd_request(request_of(sched, job), f"{host}:{port}", room,
+                                 accepted=accepted)
 
     def _admit_handoff(self, sched: DecodeScheduler, job: GenerateJob,
                        ticket: HandoffTicket) -> None:
@@ -228,9 +230,9 @@ class DecodeRole:
         # The KV covers the prompt and every token but the last, which the next step feeds.
         req = sched.make_request(job.rid, list(job.input_ids), job.sampling,
                                  logprobs=job.logprobs, resume=Resume(done[:-1]))
-        sched.add_handoff_request(req, ticket, job.resume.text_sent)
+        sched.role.handoffs.take(req, ticket, job.resume.text_sent)
 
-    # -- live hand-off (issue 32 §2) ---
+    # -- live hand-off ---
 
     def hand_off(self, lease_s: float) -> None:
         """Draining: from the next tick on, hand each running stream that allows it to another
@@ -249,14 +251,14 @@ class DecodeRole:
 
     def after_run_tick(self, sched: DecodeScheduler) -> None:
         while self._releases:
-            sched.release_handoff(self._releases.popleft())
+            sched.role.handoffs.release(self._releases.popleft())
         until = self._handoff_until
         if until is not None and until - time.monotonic() > 0:
             # The streams' earlier outputs are in the tick's result: they go out before the
             # tickets.
             allowed = {s.job.rid for s in list(self._streams.live.values())
                        if s.job.accept_handoff and s.in_scheduler and not s.done}
-            self._handed += sched.hand_off(allowed, until - time.monotonic())
+            self._handed += sched.role.handoffs.hand_off(allowed, until - time.monotonic())
 
     def after_tick(self, nursery: trio.Nursery) -> None:
         self.refusals.start(nursery)
@@ -273,27 +275,24 @@ class DecodeRole:
     # -- an instance spanning processes (spmd/pd_ticks.py) ---
 
     def pulls_ready(self, sched: DecodeScheduler) -> dict[int, str] | None:
-        return sched.pull_executor.ready()
+        return sched.role.pull_executor.ready()
 
     def set_pull_gate(self, sched: DecodeScheduler, gate: dict[int, str]) -> None:
-        sched.set_pull_gate(gate)
+        sched.role.set_pull_gate(gate)
 
     def pulls_under_way(self, sched: DecodeScheduler) -> bool:
-        return bool(sched.pull_executor.inflight)
-
-    def close(self, sched: DecodeScheduler) -> None:
-        sched.close()
+        return bool(sched.role.pull_executor.inflight)
 
     def stats(self, sched: DecodeScheduler | None, pd_stats: Stats) -> Stats:
         out: Stats = {}
         if sched is not None:
-            out["recomputed_total"] = sched.recomputed
+            out["recomputed_total"] = sched.role.recomputed
             # Pulls whose KV failed READY's checksums (corrupted in flight) and the second
             # pulls they caused (also under pd_events, without the _total).
             out["kv_checksum_mismatches_total"] = pd_stats.get("kv_checksum_mismatches", 0)
             out["kv_checksum_repulls_total"] = pd_stats.get("kv_checksum_repulls", 0)
             # given / released / expired by this worker, taken (pulled) / take_failed here.
-            out["handoffs_total"] = dict(sched.handoff_stats)
+            out["handoffs_total"] = dict(sched.role.handoffs.stats)
         out["refused_rooms_told_total"] = self.refusals.told_total
         out["local_prefills_total"] = self.local_prefills_total
         return out

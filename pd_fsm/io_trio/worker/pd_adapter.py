@@ -1,7 +1,10 @@
-"""What a PD role supplies to the PD loop: ``PDRole``, and the prefill role.
+"""What a PD worker's adapter supplies to the PD loop: ``PDAdapter``, and the prefill one.
+
+Two layers: the scheduler's role (``sched.role``: schedulers/disaggregation) owns the core link
+and plans; the adapter does the I/O around it and calls it directly.
 
 The loop (pd_backends.py) is the same for P and D: inbox, jobs, aborts, one tick on the
-scheduler's thread, outputs out. What differs is a role object the backend holds, typed by its
+scheduler's thread, outputs out. What differs is an adapter the backend holds, typed by its
 scheduler (``S``): how the scheduler is made, which side channel it opens, how a job opens a room,
 what the role adds after a tick (D: hand-offs, telling P of refused legs), what it counts.
 """
@@ -19,7 +22,7 @@ from pd_fsm.io_trio.side_channel.curve import CurveKeys
 from pd_fsm.io_trio.unix_sockets import IPC_PREFIX
 from pd_fsm.io_trio.worker.backend import GenerateJob, Stats, request_of
 from pd_fsm.io_trio.worker.config import ServeConfig
-from pd_fsm.io_trio.worker.pd_link import PDLink
+from pd_fsm.io_trio.worker.peer_io import PeerIO
 from pd_fsm.io_trio.worker.spmd.tick_inputs import TickInputs
 from pd_fsm.io_trio.worker.streams import StreamTable
 from pd_fsm.jax_engine.transfer.base import KVTransferEngine
@@ -36,7 +39,7 @@ class RoleParts:
 
     config: ServeConfig
     pd_args: DisaggregationArgs
-    link: PDLink  # the side channel (the role opens it), the inbox, the registry client
+    link: PeerIO  # the side channel (the role opens it), the inbox, the registry client
     streams: StreamTable  # the live requests (D ends the ones it handed off)
     # The cluster secret: the side channel and the BootstrapClient each derive their own key
     # from it (pd_fsm.core.keys); neither sends it.
@@ -49,7 +52,7 @@ class RoleParts:
         return self.config.side_channel_curve
 
 
-class PDRole(Protocol[S]):
+class PDAdapter(Protocol[S]):
     mode: str  # "prefill" | "decode"
 
     def new_scheduler(self, engine: KVTransferEngine | None,
@@ -98,10 +101,6 @@ class PDRole(Protocol[S]):
     def pulls_under_way(self, sched: S) -> bool:
         ...
 
-    def close(self, sched: S) -> None:
-        """What the role closes of a scheduler it no longer serves, before its engine."""
-        ...
-
     def stats(self, sched: S | None, pd_stats: Stats) -> Stats:
         """The role's own figures for ``stats()`` (``pd_stats``: the core's last counts)."""
         ...
@@ -130,7 +129,7 @@ def bootstrap_of(mode: str, job: GenerateJob) -> tuple[str, int | None, int]:
     return boot.host, boot.port, boot.room
 
 
-class PrefillRole:
+class PrefillAdapter:
     """P: answers its leg once the room's KV is handed off to D (READY sent)."""
 
     mode = "prefill"
@@ -172,13 +171,13 @@ class PrefillRole:
 
     def queue_stats(self, sched: PrefillScheduler) -> dict[str, int]:
         return {
-            "send_queue": len(sched.send_queue),
+            "send_queue": len(sched.role.send_queue),
             "held_rooms": held_rooms(sched),
         }
 
     def admit_job(self, sched: PrefillScheduler, job: GenerateJob, accepted: float) -> None:
         _, _, room = bootstrap_of(self.mode, job)
-        sched.add_pd_request(request_of(sched, job), room, accepted=accepted)
+        sched.role.add_pd_request(request_of(sched, job), room, accepted=accepted)
 
     def after_run_tick(self, sched: PrefillScheduler) -> None:
         """Nothing: P hands nothing off."""
@@ -194,9 +193,6 @@ class PrefillRole:
 
     def pulls_under_way(self, sched: PrefillScheduler) -> bool:
         return False
-
-    def close(self, sched: PrefillScheduler) -> None:
-        """Nothing besides the engine (the backend's)."""
 
     def stats(self, sched: PrefillScheduler | None, pd_stats: Stats) -> Stats:
         return {}
@@ -217,4 +213,4 @@ class PrefillRole:
 def held_rooms(sched: PDScheduler) -> int:
     """Rooms whose pages the scheduler still holds once their leg answered (P: until D pulled
     them; D: aborted hand-offs whose pull still runs)."""
-    return len(sched.held_pages)
+    return len(sched.role.held_pages)

@@ -38,13 +38,13 @@ Decode worker (D):
   before the next step, which JAX orders after it).
 - ``kv_scatter_steps``: iterations of D's loop that ended between the KV's arrival and its
   scatter: 1 when it waited for the step in flight, 0 when it arrived between two steps; more
-  would mean a scatter left behind (issue 13 §2: "never waits longer than one step").
+  would mean a scatter left behind ("never waits longer than one step").
 - ``decode_pull_report``: scatter dispatched -> the scheduler loop took the result and the
   request joined the decode batch with P's first token.
 - ``kv_tail``: P's READY received -> the request joined the decode batch: what of the transfer
   is not hidden behind P's prefill. Without streamed KV that is the whole pull, scatter and
   report; with it (``--disaggregation-stream-tokens``), the part still in flight at READY and
-  READY's rest (issue 31 §1).
+  READY's rest.
 - ``kv_transfer_bytes`` / ``kv_transfer_gbps``: bytes of one successful pull, and those bytes
   over the pull's own time (``start_pull`` -> ready, without the wait for a thread), in GB/s.
 
@@ -71,7 +71,7 @@ from prometheus_client import CollectorRegistry, Histogram
 
 # 0.5 ms .. 5 min: a phase can be a dispatch (sub-ms) or a first compile (seconds). Finer from
 # 5 ms to 1 s, where pulls, scatters and steps fall: the bench's p99 is interpolated inside one
-# bucket, so a bucket there is the bench's resolution (issue 13 §2 compares p99s within 2x).
+# bucket, so a bucket there is the bench's resolution (the bench compares p99s within 2x).
 PHASE_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06,
     0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60, 120, 300,
@@ -85,7 +85,7 @@ GBPS_BUCKETS = (
 
 
 @attrs.frozen
-class Phase:
+class PhaseMetric:
     key: str  # what the scheduler (or proxy) reports
     role: str  # "prefill" | "decode" | "proxy": who observes it
     name: str  # the Prometheus metric name
@@ -94,12 +94,12 @@ class Phase:
 
 
 def _w(key: str, role: str, doc: str, suffix: str = "_seconds",
-       buckets: Sequence[float] = PHASE_BUCKETS) -> Phase:
-    return Phase(key, role, f"pd_fsm_worker_{key}{suffix}", doc, buckets)
+       buckets: Sequence[float] = PHASE_BUCKETS) -> PhaseMetric:
+    return PhaseMetric(key, role, f"pd_fsm_worker_{key}{suffix}", doc, buckets)
 
 
 # In the order a PD request meets them (the bench prints them in this order).
-PHASES: tuple[Phase, ...] = (
+PHASES: tuple[PhaseMetric, ...] = (
     _w("decode_bootstrap", "decode", "D: leg accepted -> P's route known, pages requested"),
     _w("decode_page_wait", "decode", "D: pages requested -> reserved (RECV_INIT sent)"),
     _w("prefill_queue", "prefill", "P: leg accepted -> pages reserved, joins the prefill batch"),
@@ -116,15 +116,15 @@ PHASES: tuple[Phase, ...] = (
     _w("kv_tail", "decode",
        "D: READY received -> request in the decode batch (the transfer not hidden behind P's "
        "prefill)"),
-    Phase("kv_transfer_bytes", "decode", "pd_fsm_worker_kv_transfer_bytes",
+    PhaseMetric("kv_transfer_bytes", "decode", "pd_fsm_worker_kv_transfer_bytes",
           "D: bytes of one successful pull", BYTES_BUCKETS),
-    Phase("kv_transfer_gbps", "decode", "pd_fsm_worker_kv_transfer_gigabytes_per_second",
+    PhaseMetric("kv_transfer_gbps", "decode", "pd_fsm_worker_kv_transfer_gigabytes_per_second",
           "D: one pull's bytes / (start_pull -> ready), GB/s", GBPS_BUCKETS),
-    Phase("proxy_decode_first_byte", "proxy", "pd_fsm_proxy_decode_first_byte_seconds",
+    PhaseMetric("proxy_decode_first_byte", "proxy", "pd_fsm_proxy_decode_first_byte_seconds",
           "proxy: D leg posted -> first bytes of D's 2xx answer"),
-    Phase("proxy_prefill_leg", "proxy", "pd_fsm_proxy_prefill_leg_seconds",
+    PhaseMetric("proxy_prefill_leg", "proxy", "pd_fsm_proxy_prefill_leg_seconds",
           "proxy: P leg posted -> P's whole 2xx answer read"),
-    Phase("proxy_decode_leg", "proxy", "pd_fsm_proxy_decode_leg_seconds",
+    PhaseMetric("proxy_decode_leg", "proxy", "pd_fsm_proxy_decode_leg_seconds",
           "proxy: D leg posted -> D's whole 2xx answer relayed"),
 )
 PHASE_BY_KEY = {p.key: p for p in PHASES}
@@ -132,7 +132,7 @@ PHASE_BY_KEY = {p.key: p for p in PHASES}
 TTFT_NAME = "pd_fsm_worker_time_to_first_token_seconds"
 
 
-def role_phases(role: str) -> tuple[Phase, ...]:
+def role_phases(role: str) -> tuple[PhaseMetric, ...]:
     return tuple(p for p in PHASES if p.role == role)
 
 

@@ -1,4 +1,7 @@
-"""``make_scheduler(args)``: the scheduler class for a disaggregation mode (RFC-2 §5.4)."""
+"""``make_scheduler(args)``: the scheduler class for a disaggregation mode (RFC-2 §5.4).
+
+It lives beside the PD schedulers, not in the folder above them: that folder's modules are what
+these build on, and a module there naming them would close a loop between the two folders."""
 
 from __future__ import annotations
 
@@ -6,6 +9,9 @@ import attrs
 
 from pd_fsm.jax_engine.model import LoadedModel
 from pd_fsm.schedulers.args import SchedulerArgs
+from pd_fsm.schedulers.disaggregation.args import DisaggregationArgs
+from pd_fsm.schedulers.disaggregation.decode import DecodeScheduler
+from pd_fsm.schedulers.disaggregation.prefill import PrefillScheduler
 from pd_fsm.schedulers.scheduler import Scheduler
 
 
@@ -13,13 +19,6 @@ def make_scheduler(args: SchedulerArgs, *, model: LoadedModel | None = None) -> 
     if args.disaggregation_mode == "null":
         return Scheduler(args, model=model)
     if args.disaggregation_mode in ("prefill", "decode"):
-        # Imported here: the PD schedulers bring the transfer engine, the colocated one does not.
-        from pd_fsm.schedulers.disaggregation import (
-            DecodeScheduler,
-            DisaggregationArgs,
-            PrefillScheduler,
-        )
-
         if not isinstance(args, DisaggregationArgs):
             fields = attrs.asdict(args, recurse=False)
             args = DisaggregationArgs(**fields)

@@ -1,6 +1,6 @@
-"""A PD worker's I/O around its scheduler: ``PDLink``.
+"""A PD worker's I/O around its scheduler: ``PeerIO``.
 
-What the PD loop (pd_backends.py) and its role (pd_roles.py) share with the world outside the
+What the PD loop (pd_backends.py) and its adapter (pd_adapter.py) share with the world outside the
 scheduler: the side channel (its role opens it), the inbox of what arrived on it and of lookup
 answers, the registry client, and what the core said to answer while a tick keeps the scheduler
 busy (``AckWhileBusy``, ``RepeatWhileBusy``). Touched from the trio loop, except where a method
@@ -32,7 +32,7 @@ INBOX_SIZE = 4096  # side-channel messages and lookup answers waiting for the lo
 Arrived = tuple[float, InboxEvent]  # time.monotonic() of the arrival, and what arrived
 
 
-class PDLink:
+class PeerIO:
     def __init__(self, wake: Callable[[], None]) -> None:
         """``wake``: wakes the loop (a message arrived, a pull finished)."""
         self._wake = wake
