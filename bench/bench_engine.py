@@ -374,6 +374,7 @@ def bench_scheduler(name: str, args: argparse.Namespace) -> None:
     from pd_fsm.jax_engine.sampling.params import SamplingParams
     from pd_fsm.schedulers.args import SchedulerArgs
     from pd_fsm.schedulers.scheduler import Scheduler
+    from pd_fsm.schedulers.warm_up import warm_up
 
     n, t_in, t_out = args.loop_requests, args.loop_in, args.loop_out
     context = args.loop_context or t_in + t_out + PAGE
@@ -385,7 +386,7 @@ def bench_scheduler(name: str, args: argparse.Namespace) -> None:
         context_length=context))
     # What a server's start compiles (in parallel), so the loop's first pass meets no compile;
     # with the server's settings, its start then finds these in the compilation cache.
-    warm = sched.warm_up()
+    warm = warm_up(sched)
     emit(shape=name, path="scheduler warm-up", shapes=len(warm.shapes), compiled=warm.executables,
          seconds=warm.seconds)
     rng = np.random.default_rng(2)

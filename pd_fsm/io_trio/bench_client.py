@@ -62,8 +62,8 @@ class BenchPrompt:
     ids: tuple[int, ...] | None = None  # token ids sent as they are (the random dataset)
 
 
-def random_prompts(n: int, seed: int, input_len: int, output_len: int,
-                   range_ratio: float = 1.0, ids: tuple[int, int] = RANDOM_IDS) -> list[Prompt]:
+def random_prompts(n: int, seed: int, input_len: int, output_len: int, range_ratio: float = 1.0,
+                   ids: tuple[int, int] = RANDOM_IDS) -> list[BenchPrompt]:
     """sglang's ``--dataset-name random``: ``n`` prompts of token ids drawn uniformly, each of
     ``input_len`` tokens and asking ``output_len`` (both drawn from ``[ratio * len, len]``), so
     a load is the same number of tokens on every tokenizer; ids in ``[ids[0], ids[1])``."""
@@ -75,7 +75,7 @@ def random_prompts(n: int, seed: int, input_len: int, output_len: int,
     prompts = []
     for _ in range(n):
         k = length(input_len)
-        prompts.append(Prompt("", k, length(output_len),
+        prompts.append(BenchPrompt("", k, length(output_len),
                               tuple(rng.randrange(*ids) for _ in range(k))))
     return prompts
 

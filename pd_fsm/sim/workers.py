@@ -839,7 +839,7 @@ class PullRunner:
 # Live KV hand-off between the simulated decode workers (issue 32 §2, ``pd_fsm.sim``).
 #
 # A modelled D's streams and its hand-offs, both sides, as the real worker runs them
-# (``io_trio/worker/decode_role.py``, ``schedulers/disaggregation/decode_handoff.py``): each D has a
+# (``io_trio/worker/decode_adapter.py``, ``schedulers/disaggregation/decode_handoff.py``): each D has a
 # :class:`Desk` whose lifecycle of every hand-off is the core's ``HandoffLedger`` (table
 # kv_handoff), fed through the core's one driver.
 #

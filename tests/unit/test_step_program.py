@@ -24,7 +24,7 @@ from pd_fsm.jax_engine.model.params import fuse_projections, random_params
 from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.jax_engine.step.program import StepOptions, step
 from pd_fsm.schedulers import Scheduler, SchedulerArgs
-from pd_fsm.schedulers.warm_up import warm_up
+from pd_fsm.schedulers.warm_up import shapes_of, warm_up
 from pd_fsm.text.tokenizer import CharTokenizer
 
 INTERPRET = jax.default_backend() != "tpu"
@@ -205,8 +205,8 @@ def test_the_scheduler_on_the_accelerators_choices_answers_as_on_the_cpus() -> N
         assert all(shape[0] == "step" for shape in sched.forward_shapes)
         # One step shape per token count (the sequences at the runner's capacity): fewer than
         # the planner's (rows, tokens) shapes, and every step ran at one of them.
-        steps = sched.runner.step_shapes(sched.shape_plan())
-        assert len(steps) < len(sched.shape_plan())
+        steps = sched.runner.step_shapes(shapes_of(sched))
+        assert len(steps) < len(shapes_of(sched))
         assert {shape[1:] for shape in sched.forward_shapes} <= set(steps)
         assert _generate(Scheduler(args, model=model), penalized=True) == chain_penalized
     with backend.using(attrs.evolve(accelerator, overlap_steps=False)):

@@ -1,6 +1,6 @@
 """The compilation cache: on by default for workers.
 
-A worker builds ~100 executables before it says ready (``Scheduler.warm_up``, and the PD roles'
+A worker builds ~100 executables before it says ready (``schedulers.warm_up``, and the PD roles'
 KV copies); with this cache a second start of the same configuration loads them from disk instead
 of compiling them. The cache is pd_fsm's executable store (``executable_store``): it keys an
 executable by the function, its static arguments, the argument shapes and a fingerprint of the
