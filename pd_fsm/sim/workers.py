@@ -839,8 +839,8 @@ class PullRunner:
 # Live KV hand-off between the simulated decode workers (issue 32 §2, ``pd_fsm.sim``).
 #
 # A modelled D's streams and its hand-offs, both sides, as the real worker runs them
-# (``io_trio/worker/decode_adapter.py``, ``schedulers/disaggregation/decode_handoff.py``): each D has a
-# :class:`Desk` whose lifecycle of every hand-off is the core's ``HandoffLedger`` (table
+# (``io_trio/worker/decode_adapter.py``, ``schedulers/disaggregation/decode_handoff.py``): each D
+# has a :class:`Desk` whose lifecycle of every hand-off is the core's ``HandoffLedger`` (table
 # kv_handoff), fed through the core's one driver.
 #
 # Giving (a draining D, ``Desk.hand_off``, started by a role switch leaving decode or a SIGTERM

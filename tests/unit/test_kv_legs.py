@@ -15,8 +15,8 @@ import pytest
 from pd_fsm.jax_engine import backend
 from pd_fsm.sim.profiler.kv_legs import (
     BytesDiffer,
+    LegRoom,
     LegSpec,
-    Room,
     model_config,
     room_legs,
     same_bytes,
@@ -53,7 +53,7 @@ def test_every_leg_moves_the_rooms_bytes(accelerator: bool) -> None:
 
 
 def test_the_bytes_check_catches_a_wrong_copy() -> None:
-    room = Room(TINY, 64, kv_dtype="bfloat16")
+    room = LegRoom(TINY, 64, kv_dtype="bfloat16")
     right = LegSpec("d2h", lambda: room.gather("take"), np.asarray, np.asarray)
     assert time_leg(right, room.want, repeats=1) > 0
 

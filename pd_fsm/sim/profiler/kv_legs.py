@@ -140,7 +140,7 @@ def _random_pool(cfg: KVPoolConfig, seed: int) -> list[jax.Array]:
     return [fill(keys[i]) for i in range(cfg.num_layers)]
 
 
-class Room:
+class LegRoom:
     """One room of ``tokens`` tokens in a pool of twice its pages (its own, then the pages D's
     scatter writes), in this backend's layout and storage dtype."""
 
@@ -182,11 +182,11 @@ def _ready(arrays: list[jax.Array]) -> list[jax.Array]:
     return arrays
 
 
-def _gather(room: Room, method: GatherMethod, _: object) -> jax.Array:
+def _gather(room: LegRoom, method: GatherMethod, _: object) -> jax.Array:
     return room.gather(method)
 
 
-def _scatter(room: Room, method: ScatterMethod, packed: jax.Array) -> None:
+def _scatter(room: LegRoom, method: ScatterMethod, packed: jax.Array) -> None:
     scatter_room(room.holder, room.kv_args, [packed], room.dst, method=method)
 
 
@@ -200,7 +200,7 @@ def _sharding(device: jax.Device, kind: str) -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
 
 
-def _specs(room: Room, gathers: Sequence[GatherMethod], scatters: Sequence[ScatterMethod]
+def _specs(room: LegRoom, gathers: Sequence[GatherMethod], scatters: Sequence[ScatterMethod]
            ) -> list[LegSpec]:
     """The legs of ``room`` (module docstring), in the order a room travels."""
     n, dev = room.n, room.device
@@ -258,7 +258,7 @@ def room_legs(config: ModelConfig, tokens: int, *, kv_dtype: str | None, repeats
         gathers = [m for m in GATHER_METHODS if m != "pallas" or not be.pallas_interpret]
     if scatters is None:
         scatters = [m for m in SCATTER_METHODS if m != "pallas" or not be.pallas_interpret]
-    room = Room(config, tokens, kv_dtype=kv_dtype)
+    room = LegRoom(config, tokens, kv_dtype=kv_dtype)
     legs: list[Leg] = []
     for spec in _specs(room, gathers, scatters):
         note = _settle_tier(spec, tier_wait_s) if spec.name in ("gather:xla", "scatter:xla") else ""

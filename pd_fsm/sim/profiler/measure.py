@@ -37,7 +37,7 @@ Steps = tuple[dict[int, tuple[float, float]], dict[tuple[int, int], tuple[float,
               str, list[str]]
 
 
-class Clock:
+class BudgetClock:
     """``--budget-s``: the time the measuring may take; a point reached after it is skipped and
     named, so a run cut short still writes what it measured."""
 
@@ -66,7 +66,7 @@ class Clock:
         return False
 
 
-def _chain_steps(args: argparse.Namespace, clock: Clock) -> Steps:
+def _chain_steps(args: argparse.Namespace, clock: BudgetClock) -> Steps:
     """The scheduler's steps through its public API (a CPU's chain)."""
     timer = EngineTimer(args.model, num_pages=args.num_pages, max_running=max(args.decode_rows),
                         max_batched_tokens=args.max_batched_tokens,
@@ -82,7 +82,7 @@ def _chain_steps(args: argparse.Namespace, clock: Clock) -> Steps:
     return prefills, decodes, int(kv_bytes), cfg.dtype, []
 
 
-def _fused_steps(args: argparse.Namespace, clock: Clock) -> Steps:
+def _fused_steps(args: argparse.Namespace, clock: BudgetClock) -> Steps:
     """``ModelRunner``'s fused steps over a pool sized for the grid (an accelerator)."""
     grid = [(r, c) for c in args.decode_contexts for r in args.decode_rows]
     timer = StepTimer(args.model, load_format=args.load_format, dtype=args.dtype,
@@ -118,7 +118,7 @@ def _fused_steps(args: argparse.Namespace, clock: Clock) -> Steps:
     return result
 
 
-def _legs(args: argparse.Namespace, kv_dtype: str, clock: Clock
+def _legs(args: argparse.Namespace, kv_dtype: str, clock: BudgetClock
           ) -> dict[str, tuple[tuple[int, float], ...]]:
     """The KV legs of each ``--legs-tokens`` room at the model's KV shape (gather and scatter by
     the methods P and D run here; ``bench/bench_kv_legs.py`` times every method), printed, and
@@ -142,7 +142,7 @@ def measure(args: argparse.Namespace, moves: Moves) -> Profile:
     be = backend.current()
     if args.dtype is None:
         args.dtype = "bfloat16" if be.fused_step else "float32"
-    clock = Clock(args.budget_s)
+    clock = BudgetClock(args.budget_s)
     prefills, decodes, kv_bytes, kv_dtype, skipped = (
         _fused_steps if be.fused_step else _chain_steps)(args, clock)
     print(f"prefill: {[(n, s) for n, (s, _) in prefills.items()]}\nprefill cores busy: "
