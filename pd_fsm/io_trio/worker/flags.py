@@ -442,7 +442,7 @@ _DISAGGREGATION = (
         "chunks of N tokens (whole pages) and each chunk's pages are registered and announced "
         "to D at once, so D pulls them while the rest is computed; 0: the whole KV after the "
         "prefill (default %(default)s)"), doc=(
-        "Streamed KV (issue 31 §1). P prefills a room's prompt in chunks of N tokens (rounded down "
+        "Streamed KV. P prefills a room's prompt in chunks of N tokens (rounded down "
         "to whole pages; at most `--max-batched-tokens`) and after each chunk but the last "
         "registers the pages it wrote and sends D a `KV_PART` (codec version 7: a peer of version "
         "6 is refused by name, \"unsupported version\"). A prefix-cache hit's pages hold their KV "

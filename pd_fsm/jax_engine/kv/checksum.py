@@ -1,6 +1,5 @@
 """A checksum of a KV array's bytes: P's of what it registered, D's of what it pulled, so that KV
-corrupted in flight is never scattered into D's pool (issue 31 §3,
-``--disaggregation-kv-checksum``).
+corrupted in flight is never scattered into D's pool (``--disaggregation-kv-checksum``).
 
 The value, whichever way it is computed and on whatever platform: the array's bytes read as
 little-endian 32-bit words (the last one zero-padded), cut into rows of ``ROW_WORDS`` words (64
