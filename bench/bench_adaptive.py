@@ -89,7 +89,7 @@ from bench_placement import (  # bench/
 )
 from bench_serving import _compiles_after_ready, _load_args, goodput  # bench/
 
-from pd_fsm.io_trio.bench_client import Prompt, Result, Summary, _words, run_load
+from pd_fsm.io_trio.bench_client import BenchPrompt, Result, Summary, _words, run_load
 from pd_fsm.sim.perf_cli import _range
 from pd_fsm.sim.perf_cluster import Phase, shifting
 from tests.integration.serve_support import PDCluster
@@ -121,7 +121,7 @@ class Schedule:
     seconds: float
     arrivals: list[float]
     phase_of: list[int]
-    prompts: list[Prompt]
+    prompts: list[BenchPrompt]
 
     @property
     def total_seconds(self) -> float:
@@ -139,25 +139,25 @@ def make_schedule(args: argparse.Namespace) -> Schedule:
     return Schedule(
         args.phases, args.phase_seconds, [r.arrival for r in requests],
         [min(int(r.arrival // args.phase_seconds), len(phases) - 1) for r in requests],
-        [Prompt(_words(rng, r.prompt), r.prompt, r.out) for r in requests])
+        [BenchPrompt(_words(rng, r.prompt), r.prompt, r.out) for r in requests])
 
 
-def warm_prompts(sched: Schedule, per_kind: int, seed: int) -> list[Prompt]:
+def warm_prompts(sched: Schedule, per_kind: int, seed: int) -> list[BenchPrompt]:
     """For the unmeasured pass: prompts of the first ``per_kind`` lengths of each kind (A and B
     shapes), of other words. Runs 1-4 warmed with the measured prompts themselves, so the prefix
     caches held most of phases 1 and 2's prompts before they were measured
     (RESULTS_adaptive.md)."""
     rng = random.Random(f"warm-{seed}")
-    out: list[Prompt] = []
+    out: list[BenchPrompt] = []
     for kind in sorted(set(sched.kinds)):
         out += reworded([p for p, k in zip(sched.prompts, sched.phase_of, strict=True)
                          if sched.kinds[k] == kind][:per_kind], rng)
     return out
 
 
-def reworded(prompts: list[Prompt], rng: random.Random) -> list[Prompt]:
+def reworded(prompts: list[BenchPrompt], rng: random.Random) -> list[BenchPrompt]:
     """The same lengths and answer lengths in other words: none of them in a prefix cache."""
-    return [Prompt(_words(rng, p.words), p.words, p.max_tokens) for p in prompts]
+    return [BenchPrompt(_words(rng, p.words), p.words, p.max_tokens) for p in prompts]
 
 
 def token_check(sched: Schedule, model: str) -> str:
