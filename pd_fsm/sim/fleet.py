@@ -73,6 +73,11 @@ class Req:
     ready: float = math.inf  # PD: when its whole KV is on D
     prefill_end: float = math.nan  # PD: when P's step that ended its prefill did
     decode_to: Instance | None = None
+    # Where its tokens left: the gaps between that instance's steps (``Instance.gaps``) from
+    # the step after its first token's to its last token's.
+    gaps: list[float] | None = None
+    first_step: int = 0
+    last_step: int = 0
 
     @property
     def ttft(self) -> float:
@@ -84,6 +89,16 @@ class Req:
         if math.isnan(self.last):
             return math.inf
         return (self.last - self.first) / (self.out - 1) if self.out > 1 else 0.0
+
+    @property
+    def worst_gap(self) -> float:
+        """Its longest gap between two tokens (a mixed step's prefill shows here, where the
+        mean hides it)."""
+        if math.isnan(self.last):
+            return math.inf
+        if self.gaps is None or self.last_step <= self.first_step:
+            return 0.0
+        return max(self.gaps[self.first_step + 1:self.last_step + 1])
 
 
 class Instance:
@@ -101,6 +116,8 @@ class Instance:
         self.rows: list[tuple[int, int, int, Req]] = []  # heap: (last step, seq, first, req)
         self.seq = itertools.count()
         self.steps = 0  # steps done
+        self.gaps: list[float] = []  # gaps[i]: step i's end less step i-1's
+        self.last_end = 0.0
         self.sum_prompt = 0
         self.sum_start = 0
         self.busy = False
@@ -255,11 +272,13 @@ class Fleet:
         for r in step.admitted:
             w.join(r, w.steps)
         w.steps += 1
+        w.gaps.append(now - w.last_end)
+        w.last_end = now
         for r in step.admitted:
-            r.first = now
+            r.first, r.gaps, r.first_step = now, w.gaps, w.steps - 1
         while w.rows and w.rows[0][0] <= w.steps:
             _, _, start, r = heapq.heappop(w.rows)
-            r.last = now
+            r.last, r.last_step = now, w.steps - 1
             w.held -= r.prompt + r.out
             w.sum_prompt -= r.prompt
             w.sum_start -= start
@@ -273,7 +292,7 @@ class Fleet:
                 elif r.prefilled == r.prompt:
                     self.send(w, r, r.prompt)
             elif r.prefilled == r.prompt:  # colocated: its first token leaves with this step
-                r.first = now
+                r.first, r.gaps, r.first_step = now, w.gaps, w.steps - 1
                 if r.out <= 1:
                     r.last = now
                     w.held -= r.prompt + r.out
@@ -370,10 +389,18 @@ class Slo:
     ttft_long_s: float = 2.0  # for prompts of ``long_prompt`` tokens or more
     long_prompt: int = 8192
     itl_s: float = 0.05
+    # What ``itl_s`` bounds: a request's mean gap (``mean``, DistServe's TPOT) or its longest
+    # (``worst``: every gap within it).
+    itl_measure: str = "mean"
+
+    def ttft_slo(self, r: Req) -> float:
+        return self.ttft_long_s if r.prompt >= self.long_prompt else self.ttft_s
+
+    def itl(self, r: Req) -> float:
+        return r.worst_gap if self.itl_measure == "worst" else r.itl
 
     def met(self, r: Req) -> bool:
-        ttft = self.ttft_long_s if r.prompt >= self.long_prompt else self.ttft_s
-        return r.ttft <= ttft and r.itl <= self.itl_s
+        return r.ttft <= self.ttft_slo(r) and self.itl(r) <= self.itl_s
 
 
 def goodput(reqs: Sequence[Req], slo: Slo, start: float, end: float) -> float:

@@ -76,13 +76,9 @@ def evaluate(s: Settings, config: FleetConfig, rate: float) -> Point:
                          s.max_running or profile.max_running)
     good = goodput(run.requests, s.slo, 0.0, s.workload.seconds)
     met = sum(1 for r in run.requests if s.slo.met(r))
-    ttft = sum(1 for r in run.requests if not s.slo.met(r) and r.ttft > _ttft_slo(s.slo, r))
-    itl = sum(1 for r in run.requests if not s.slo.met(r) and r.ttft <= _ttft_slo(s.slo, r))
+    ttft = sum(1 for r in run.requests if not s.slo.met(r) and r.ttft > s.slo.ttft_slo(r))
+    itl = sum(1 for r in run.requests if not s.slo.met(r) and r.ttft <= s.slo.ttft_slo(r))
     return Point(rate, good, met / max(len(reqs), 1), ttft, itl, run)
-
-
-def _ttft_slo(slo: Slo, r: Req) -> float:
-    return slo.ttft_long_s if r.prompt >= slo.long_prompt else slo.ttft_s
 
 
 def half_miss_rate(s: Settings, colocated: Sequence[FleetConfig], low: float = 0.25,

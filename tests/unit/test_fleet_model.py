@@ -204,3 +204,17 @@ def test_plan_refuses_a_cpu_profile(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, "-m", "pd_fsm.cli", "plan", "--profile", str(path)],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "CPU profile" in run.stderr
+
+
+def test_the_worst_gap_is_the_longest_step_a_request_waited_for_its_next_token() -> None:
+    """A request decoding on a colocated instance when another's prefill joins a step: its
+    mean gap hides that step, its worst gap is it."""
+    reqs = [Req(0.0, 1000, 40), Req(0.05, 3000, 2)]
+    run = simulate_fleet(_costs(), FleetConfig("colo", colocated=1), reqs, 100.0, 4096, 256)
+    first = run.requests[0]
+    step = (0.002 + 1000e-8, 0.3)  # a decode step alone; the mixed one is mostly the prefill
+    assert first.worst_gap > step[1]
+    assert first.worst_gap == pytest.approx(max(run.requests[0].gaps or [0.0]))
+    assert first.itl < first.worst_gap / 5
+    worst = Slo(itl_s=0.05, itl_measure="worst")
+    assert Slo(itl_s=0.05).met(first) and not worst.met(first)
