@@ -112,6 +112,7 @@ class Instance:
         self.held = 0  # KV tokens reserved
         self.on_the_way = 0  # D: tokens of rooms routed here, not yet admitted
         self.waiting: deque[Req] = deque()  # prompts to prefill
+        self.waiting_tokens = 0  # their prompt tokens not yet prefilled
         self.ready: deque[Req] = deque()  # D: rooms whose KV is here
         self.rows: list[tuple[int, int, int, Req]] = []  # heap: (last step, seq, first, req)
         self.seq = itertools.count()
@@ -126,7 +127,7 @@ class Instance:
         self.peak_held = 0
 
     def entry_load(self) -> int:
-        return sum(r.prompt - r.prefilled for r in self.waiting)
+        return self.waiting_tokens
 
     def decode_load(self) -> int:
         return self.held + self.on_the_way
@@ -203,6 +204,7 @@ class Fleet:
     def arrive(self, r: Req) -> None:
         w = min(self.entries, key=lambda i: (i.entry_load(), i.name))
         w.waiting.append(r)
+        w.waiting_tokens += r.prompt
         self.kick(w)
 
     def kick(self, w: Instance) -> None:
@@ -284,6 +286,7 @@ class Fleet:
             w.sum_start -= start
         for r, n in step.chunks:
             r.prefilled += n
+            w.waiting_tokens -= n
             if w.role == "prefill":
                 if r.prefilled == r.prompt:
                     r.prefill_end = now

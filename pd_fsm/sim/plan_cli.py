@@ -170,4 +170,6 @@ def _plot(name: str, title: str, curves: dict[str, list[tuple[float, float]]], s
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     module.goodput_vs_rate(name, title, curves,
-                           f"TTFT <= {slo.ttft_s:g} s, ITL <= {slo.itl_s * 1000:g} ms")
+                           f"TTFT <= {slo.ttft_s:g} s ({slo.ttft_long_s:g} s at "
+                           f"{slo.long_prompt} in), {slo.itl_measure} ITL <= "
+                           f"{slo.itl_s * 1000:g} ms")
