@@ -218,3 +218,31 @@ def test_the_worst_gap_is_the_longest_step_a_request_waited_for_its_next_token()
     assert first.itl < first.worst_gap / 5
     worst = Slo(itl_s=0.05, itl_measure="worst")
     assert Slo(itl_s=0.05).met(first) and not worst.met(first)
+
+
+def _derive_module() -> object:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "derive_tpu_profile.py"
+    spec = importlib.util.spec_from_file_location("derive_tpu_profile", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_derived_profile_is_the_scripts_and_meets_the_figures_it_was_derived_from() -> None:
+    """bench/tpu_v5e_profile_derived.json is what bench/derive_tpu_profile.py writes (no hand
+    edit), and it gives back the chip's measured figures it was derived from
+    (bench/RESULTS_tpu.md): a 1,024-token prefill 14.75 ms, decode steps overlapped 2.11 ms
+    (1 x 2,048) and 4.35 ms (8 x 2,048), 41.98 ms (64 x 2,048); h2d of 117 MB 22.7 ms."""
+    module = _derive_module()
+    path = Path(__file__).resolve().parents[2] / "bench" / "tpu_v5e_profile_derived.json"
+    on_disk = Profile.load(path)
+    assert on_disk == module.profile()  # type: ignore[attr-defined]
+    chip = on_disk.on(1)
+    assert chip.prefill_s(1024) == pytest.approx(14.75e-3, rel=0.01)
+    for rows, measured in ((1, 2.11e-3), (8, 4.35e-3), (64, 41.98e-3)):
+        assert chip.decode_s(rows, 2048) == pytest.approx(measured, rel=0.02)
+    assert chip.leg_s("h2d", 117_440_512) == pytest.approx(22.7e-3)
+    assert "DERIVED" in json.loads(path.read_text())["_derivation"]["what"]
