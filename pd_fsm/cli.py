@@ -77,6 +77,7 @@ _REGISTRARS: dict[str, str] = {
     "bench": "pd_fsm.io_trio.bench_client",
     "sim": "pd_fsm.sim.cli",
     "profile": "pd_fsm.sim.profiler",
+    "plan": "pd_fsm.sim.plan_cli",
 }
 
 

@@ -141,6 +141,11 @@ class SimConfig:
     hung_pulls: bool = True
     # A named scenario (scenarios.py): a fault staged on purpose, checked on top of the rest.
     scenario: str | None = None
+    # The first this many pulls each D starts never report, not even at their own deadline (a
+    # pull executor stuck mid-transfer: sglang #31800's receiver left in Transferring).
+    stuck_pulls: int = 0
+    # The first this many pulls each D starts fail at once (a transfer error from a live P).
+    failed_pulls: int = 0
     # "modelled": schedulers, pools and the transfer server are modelled (fast: thousands of
     # seeds); "real": the real PD schedulers on the tiny model run every step (sim/real.py).
     schedulers: str = attrs.field(default="modelled")

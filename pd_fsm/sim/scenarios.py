@@ -20,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
+from pd_fsm.sim.anchors import ANCHORS, Anchor, anchor_config
 from pd_fsm.sim.config import DECODE, TOLERANCE, CostModel, SimConfig, Violation
 from pd_fsm.sim.switch import Processes
 from pd_fsm.sim.workers import WorldView
@@ -28,6 +29,7 @@ SCENARIOS = {
     "p-dies-mid-pull": "P is SIGKILLed while D pulls two rooms or more from it, and those pulls "
                        "hang until their deadline unless D drops their connection: D's pages "
                        "must be back within the peer timeout, not the pull deadline",
+    **ANCHORS,  # the anchors' reported failures (anchors.py)
 }
 
 PULLS_AT_THE_KILL = 2
@@ -42,6 +44,8 @@ def scenario_config(name: str, base: SimConfig | None = None) -> SimConfig:
     """What ``name`` runs with, over ``base`` (its schedulers, plant and checksums kept)."""
     if name not in SCENARIOS:
         raise ValueError(f"unknown scenario {name!r}: one of {', '.join(SCENARIOS)}")
+    if name in ANCHORS:
+        return anchor_config(name, base or SimConfig())
     return attrs.evolve(base or SimConfig(), prefill=1, decode=1, requests=8,
                         arrival_window=1.0, faults=False, hung_pulls=True, scenario=name,
                         cost=CostModel(pull_bytes_per_second=5e6))
@@ -105,7 +109,9 @@ class PDiesMidPull:
         self.outcomes["pages_back"] += 1
 
 
-def make(name: str, world: ScenarioWorld, processes: Processes) -> PDiesMidPull:
+def make(name: str, world: ScenarioWorld, processes: Processes) -> PDiesMidPull | Anchor:
     if name not in SCENARIOS:
         raise ValueError(f"unknown scenario {name!r}: one of {', '.join(SCENARIOS)}")
+    if name in ANCHORS:
+        return Anchor(name, world)  # type: ignore[arg-type]
     return PDiesMidPull(world, processes)

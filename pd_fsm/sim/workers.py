@@ -719,6 +719,7 @@ class DecodeWorker(Node):
         """The pull executor's report of ``room``'s pull (``PullRunner``): ``landed``,
         ``landed corrupted`` (the unverified-kv plant), ``corrupted``, ``failed`` or
         ``cancelled`` (its KV, if any, dropped)."""
+        self.puller.reports.append((self.world.now, room, outcome))
         if room in self.release_on_report:  # the planted bug: the pages go back only now
             self.release_on_report.discard(room)
             self.pool.give(self.held.pop(room), f"room {room:x}'s pull reported")
@@ -760,11 +761,20 @@ class PullRunner:
         self.node = node
         self.in_flight: dict[int, _Pull] = {}  # room -> its pull
         self._ids = itertools.count(1)
+        config = node.world.config
+        self._stuck_left, self._failing_left = config.stuck_pulls, config.failed_pulls
+        self.stuck: list[tuple[float, int]] = []  # (when, room) of each pull that never reports
+        self.failing: list[int] = []  # the rooms whose pulls were made to fail
+        self.reports: list[tuple[float, int, str]] = []  # (when, room, outcome) of each report
 
     def start(self, e: fx.StartPull, tokens: int) -> None:
         node, w = self.node, self.node.world
         pull = _Pull(next(self._ids), e.uuid, e.transfer_addr, w.now + PULL_DEADLINE)
         self.in_flight[e.room] = pull
+        if self._stuck_left > 0:  # staged (scenarios.py): it never reports
+            self._stuck_left -= 1
+            self.stuck.append((w.now, e.room))
+            return
         tokens = min(tokens, e.n_pages * PAGE_TOKENS)  # a part, or what no part carried
         took = w.config.cost.pull(tokens) + w.rng.uniform(0.001, 0.005)
         fault = ""
@@ -776,6 +786,10 @@ class PullRunner:
                 fault = "failed"
             elif r < 0.13 and w.config.checksums:
                 fault = "corrupted"  # the bytes arrive, damaged: only the checksums can tell
+        if self._failing_left > 0:  # staged (scenarios.py): a transfer error from a live P
+            self._failing_left -= 1
+            self.failing.append(e.room)
+            fault = "failed"
         if took >= PULL_DEADLINE:
             took, fault = PULL_DEADLINE, "late"
         w.at(took, f"{node.name} pull of room {e.room:x}", self._ended, node.gen, e.room,
