@@ -8,7 +8,7 @@ the KV legs of one room (``gather`` on the chip, ``d2h`` chip to host, ``h2d`` h
 chip this project has (one v5e chip):
 
 - **Tensor parallelism** over ``tp`` chips of one host: a step's time on one chip, less a fixed
-  part that does not shrink (``ModelShape.step_fixed_s``: dispatch and the per-layer kernel
+  part that does not shrink (``ChipModel.step_fixed_s``: dispatch and the per-layer kernel
   launches), is divided by ``tp`` (each chip reads ``1/tp`` of the weights and of the KV heads
   and does ``1/tp`` of the FLOPs), plus two all-reduces per layer of the step's activations
   (``tokens x hidden x 2`` bytes) over the host's ICI as a ring: ``latency + 2 (tp-1)/tp x
@@ -56,7 +56,7 @@ HOSTS = {
 
 
 @attrs.frozen
-class ModelShape:
+class ChipModel:
     """What tensor parallelism's cost needs of the model beyond the profile: its layers and
     hidden size (the all-reduces' bytes), its weights' bytes (HBM left for KV). Defaults: the
     Qwen3-0.6B shape the TPU profile runs (bf16)."""
@@ -83,7 +83,7 @@ class Links:
 class ChipCosts:
     """Seconds of each step and KV stage for an instance of ``tp`` chips (module docstring)."""
 
-    def __init__(self, profile: Profile, host: HostKind, shape: ModelShape | None = None,
+    def __init__(self, profile: Profile, host: HostKind, shape: ChipModel | None = None,
                  links: Links | None = None, mixed_extra: float = 0.0) -> None:
         self.profile, self.host = profile, host
         # A mixed step (decode rows and a prefill chunk in one program) costs its two parts
@@ -91,7 +91,7 @@ class ChipCosts:
         # chip (64 rows x 2,048 + a 512-token chunk, 75.2 ms, bench/RESULTS_tpu.md run 1)
         # against its parts (41.98 ms + 7.5 ms) gives 0.52.
         self.mixed_extra = mixed_extra
-        self.shape = shape or ModelShape()
+        self.shape = shape or ChipModel()
         self.links = links or Links()
         if self.links.path not in ("host", "ici"):
             raise ValueError(f"KV path {self.links.path!r}: host or ici")

@@ -63,7 +63,7 @@ class FleetConfig:
 
 
 @attrs.define(eq=False)
-class Req:
+class FleetReq:
     arrival: float
     prompt: int
     out: int
@@ -111,10 +111,10 @@ class Instance:
         self.capacity = costs.kv_capacity_tokens(tp)
         self.held = 0  # KV tokens reserved
         self.on_the_way = 0  # D: tokens of rooms routed here, not yet admitted
-        self.waiting: deque[Req] = deque()  # prompts to prefill
+        self.waiting: deque[FleetReq] = deque()  # prompts to prefill
         self.waiting_tokens = 0  # their prompt tokens not yet prefilled
-        self.ready: deque[Req] = deque()  # D: rooms whose KV is here
-        self.rows: list[tuple[int, int, int, Req]] = []  # heap: (last step, seq, first, req)
+        self.ready: deque[FleetReq] = deque()  # D: rooms whose KV is here
+        self.rows: list[tuple[int, int, int, FleetReq]] = []  # heap: (last step, seq, first, req)
         self.seq = itertools.count()
         self.steps = 0  # steps done
         self.gaps: list[float] = []  # gaps[i]: step i's end less step i-1's
@@ -139,7 +139,7 @@ class Instance:
         self.peak_held = max(self.peak_held, self.held)
         return True
 
-    def join(self, r: Req, start: int) -> None:
+    def join(self, r: FleetReq, start: int) -> None:
         """``r`` decodes from the step after ``start``; it is done ``out - 1`` steps on."""
         heapq.heappush(self.rows, (start + r.out - 1, next(self.seq), start, r))
         self.sum_prompt += r.prompt
@@ -153,13 +153,13 @@ class Instance:
 @attrs.define
 class Step:
     seconds: float
-    chunks: list[tuple[Req, int]] = attrs.field(factory=list)
-    admitted: list[Req] = attrs.field(factory=list)  # D: rooms joining this step
+    chunks: list[tuple[FleetReq, int]] = attrs.field(factory=list)
+    admitted: list[FleetReq] = attrs.field(factory=list)  # D: rooms joining this step
 
 
 @attrs.define
 class FleetRun:
-    requests: list[Req]
+    requests: list[FleetReq]
     busy: dict[str, float]  # role -> busy share of its instances over the run
     stage_busy: tuple[float, float, float]  # busy share of P's KV stages
     kv_peak: dict[str, float]  # role -> peak share of KV held, worst instance
@@ -191,7 +191,7 @@ class Fleet:
     def at(self, t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self.events, (t, next(self.seq), fn))
 
-    def run(self, requests: Sequence[Req], horizon: float) -> None:
+    def run(self, requests: Sequence[FleetReq], horizon: float) -> None:
         for r in requests:
             self.at(r.arrival, functools.partial(self.arrive, r))
         while self.events:
@@ -201,7 +201,7 @@ class Fleet:
             self.now = t
             fn()
 
-    def arrive(self, r: Req) -> None:
+    def arrive(self, r: FleetReq) -> None:
         w = min(self.entries, key=lambda i: (i.entry_load(), i.name))
         w.waiting.append(r)
         w.waiting_tokens += r.prompt
@@ -306,7 +306,7 @@ class Fleet:
                 w.waiting.remove(r)
         self.kick(w)
 
-    def send(self, p: Instance, r: Req, tokens: int) -> None:
+    def send(self, p: Instance, r: FleetReq, tokens: int) -> None:
         """``tokens`` of ``r``'s KV through P's three stages; the room is on D with its last."""
         d = r.decode_to
         assert d is not None
@@ -327,11 +327,11 @@ class Fleet:
             self.at(t, arrived)
 
 
-def simulate_fleet(costs: ChipCosts, config: FleetConfig, requests: Sequence[Req],
+def simulate_fleet(costs: ChipCosts, config: FleetConfig, requests: Sequence[FleetReq],
                    horizon: float, max_batched_tokens: int, max_running: int) -> FleetRun:
     """Run fresh copies of ``requests`` through ``config`` until every one is answered or
     ``horizon``."""
-    reqs = [Req(r.arrival, r.prompt, r.out) for r in requests]
+    reqs = [FleetReq(r.arrival, r.prompt, r.out) for r in requests]
     fleet = Fleet(costs, config, max_batched_tokens, max_running)
     fleet.run(reqs, horizon)
     end = max(fleet.now, 1e-9)
@@ -348,21 +348,21 @@ def simulate_fleet(costs: ChipCosts, config: FleetConfig, requests: Sequence[Req
 
 
 @attrs.frozen
-class Workload:
+class FleetWorkload:
     """Poisson arrivals of fixed prompt and answer lengths, in phases (one for a steady
     workload): (seconds, prompt tokens, output tokens) each."""
 
     name: str
     phases: tuple[tuple[float, int, int], ...]
 
-    def requests(self, rate: float, seed: int) -> list[Req]:
+    def requests(self, rate: float, seed: int) -> list[FleetReq]:
         rng = random.Random(seed)
-        out: list[Req] = []
+        out: list[FleetReq] = []
         start = 0.0
         for seconds, prompt, answer in self.phases:
             t = start + rng.expovariate(rate)
             while t < start + seconds:
-                out.append(Req(t, prompt, answer))
+                out.append(FleetReq(t, prompt, answer))
                 t += rng.expovariate(rate)
             start += seconds
         return out
@@ -375,14 +375,14 @@ class Workload:
 KINDS = {"chat": (1024, 256), "rag": (8192, 256), "reasoning": (256, 2048)}
 
 
-def workload(name: str, seconds: float = 60.0, phase_s: float = 180.0) -> Workload:
+def workload(name: str, seconds: float = 60.0, phase_s: float = 180.0) -> FleetWorkload:
     """``chat``, ``rag``, ``reasoning`` for ``seconds``, or ``shifting``: the three in turn,
     ``phase_s`` each, twice."""
     if name in KINDS:
-        return Workload(name, ((seconds, *KINDS[name]),))
+        return FleetWorkload(name, ((seconds, *KINDS[name]),))
     if name == "shifting":
         cycle = tuple((phase_s, *KINDS[k]) for k in ("chat", "rag", "reasoning"))
-        return Workload(name, cycle * 2)
+        return FleetWorkload(name, cycle * 2)
     raise ValueError(f"unknown workload {name!r}: chat, rag, reasoning or shifting")
 
 
@@ -396,17 +396,17 @@ class Slo:
     # (``worst``: every gap within it).
     itl_measure: str = "mean"
 
-    def ttft_slo(self, r: Req) -> float:
+    def ttft_slo(self, r: FleetReq) -> float:
         return self.ttft_long_s if r.prompt >= self.long_prompt else self.ttft_s
 
-    def itl(self, r: Req) -> float:
+    def itl(self, r: FleetReq) -> float:
         return r.worst_gap if self.itl_measure == "worst" else r.itl
 
-    def met(self, r: Req) -> bool:
+    def met(self, r: FleetReq) -> bool:
         return r.ttft <= self.ttft_slo(r) and self.itl(r) <= self.itl_s
 
 
-def goodput(reqs: Sequence[Req], slo: Slo, start: float, end: float) -> float:
+def goodput(reqs: Sequence[FleetReq], slo: Slo, start: float, end: float) -> float:
     """Requests that arrived in [start, end) and met both SLOs, per second of that span."""
     met = sum(1 for r in reqs if start <= r.arrival < end and slo.met(r))
     return met / (end - start) if end > start else 0.0

@@ -18,7 +18,15 @@ from collections.abc import Iterator, Sequence
 import attrs
 
 from pd_fsm.sim.chip import ChipCosts
-from pd_fsm.sim.fleet import FleetConfig, FleetRun, Req, Slo, Workload, goodput, simulate_fleet
+from pd_fsm.sim.fleet import (
+    FleetConfig,
+    FleetReq,
+    FleetRun,
+    FleetWorkload,
+    Slo,
+    goodput,
+    simulate_fleet,
+)
 
 TPS = (1, 2, 4, 8)
 
@@ -48,7 +56,7 @@ class Settings:
     """What every run of a plan shares."""
 
     costs: ChipCosts
-    workload: Workload
+    workload: FleetWorkload
     slo: Slo
     seed: int = 0
     drain_s: float = 600.0  # after the last arrival, at most this long to finish
@@ -130,7 +138,7 @@ def streamed_hidden(costs: ChipCosts, prompt: int, tp_p: int = 1, tp_d: int = 1,
     for streamed in (False, True):
         config = FleetConfig("one", prefill=1, tp_prefill=tp_p, decode=1, tp_decode=tp_d,
                              streamed=streamed, stream_tokens=stream_tokens)
-        run = simulate_fleet(costs, config, [Req(0.0, prompt, 2)], 600.0,
+        run = simulate_fleet(costs, config, [FleetReq(0.0, prompt, 2)], 600.0,
                              costs.profile.max_batched_tokens, costs.profile.max_running)
         r = run.requests[0]
         exposed.append(r.ready - r.prefill_end)

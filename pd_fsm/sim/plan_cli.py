@@ -11,7 +11,7 @@ from pathlib import Path
 
 import attrs
 
-from pd_fsm.sim.chip import HOSTS, ChipCosts, Links, ModelShape
+from pd_fsm.sim.chip import HOSTS, ChipCosts, ChipModel, Links
 from pd_fsm.sim.fleet import FleetConfig, Slo, workload
 from pd_fsm.sim.perf_profile import Profile
 from pd_fsm.sim.plan import (
@@ -65,9 +65,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "(0; the one mixed step measured on a v5e: 0.52)")
     p.add_argument("--stream-tokens", type=int, default=1024,
                    help="a streamed P's chunk (1,024)")
-    p.add_argument("--layers", type=int, default=ModelShape().layers)
-    p.add_argument("--hidden", type=int, default=ModelShape().hidden)
-    p.add_argument("--weight-bytes", type=float, default=ModelShape().weight_bytes)
+    p.add_argument("--layers", type=int, default=ChipModel().layers)
+    p.add_argument("--hidden", type=int, default=ChipModel().hidden)
+    p.add_argument("--weight-bytes", type=float, default=ChipModel().weight_bytes)
     p.add_argument("--top", type=int, default=4,
                    help="configurations besides colocated drawn against rate (4)")
     p.add_argument("--seed", type=int, default=0)
@@ -87,7 +87,7 @@ def _settings(args: argparse.Namespace) -> tuple[Settings, int]:
     cell = args.cell or min(args.chips, host.chips)
     if args.chips % cell:
         raise ValueError(f"--chips {args.chips} is not a whole number of cells of {cell}")
-    costs = ChipCosts(profile, host, ModelShape(args.layers, args.hidden, args.weight_bytes),
+    costs = ChipCosts(profile, host, ChipModel(args.layers, args.hidden, args.weight_bytes),
                       Links(args.kv_path, args.net_gbps, args.net_latency, args.d2h_leg),
                       args.mixed_extra)
     slo = Slo(args.ttft_slo, args.ttft_slo_long, itl_s=args.itl_slo,

@@ -13,8 +13,8 @@ from pathlib import Path
 import attrs
 import pytest
 
-from pd_fsm.sim.chip import HOSTS, ChipCosts, Links, ModelShape
-from pd_fsm.sim.fleet import FleetConfig, Req, Slo, goodput, simulate_fleet, workload
+from pd_fsm.sim.chip import HOSTS, ChipCosts, ChipModel, Links
+from pd_fsm.sim.fleet import FleetConfig, FleetReq, Slo, goodput, simulate_fleet, workload
 from pd_fsm.sim.perf_profile import CoreProfile, Profile
 from pd_fsm.sim.plan import Settings, configurations, evaluate, streamed_hidden
 
@@ -38,12 +38,12 @@ def _profile() -> Profile:
 
 
 def _costs(**links: object) -> ChipCosts:
-    return ChipCosts(_profile(), HOSTS["v5e-8"], ModelShape(), Links(**links))  # type: ignore[arg-type]
+    return ChipCosts(_profile(), HOSTS["v5e-8"], ChipModel(), Links(**links))  # type: ignore[arg-type]
 
 
-def _one(config: FleetConfig, prompt: int, out: int, costs: ChipCosts | None = None) -> Req:
+def _one(config: FleetConfig, prompt: int, out: int, costs: ChipCosts | None = None) -> FleetReq:
     c = costs or _costs()
-    run = simulate_fleet(c, config, [Req(0.0, prompt, out)], 100.0, 4096, 256)
+    run = simulate_fleet(c, config, [FleetReq(0.0, prompt, out)], 100.0, 4096, 256)
     return run.requests[0]
 
 
@@ -100,7 +100,7 @@ def test_colocated_first_token_is_its_prefill_and_each_next_a_decode_step() -> N
 
 def test_a_mixed_step_costs_its_parts_and_the_extra_share() -> None:
     c = ChipCosts(_profile(), HOSTS["v5e-8"], mixed_extra=0.5)
-    reqs = [Req(0.0, 1000, 50), Req(0.05, 1000, 2)]
+    reqs = [FleetReq(0.0, 1000, 50), FleetReq(0.05, 1000, 2)]
     run = simulate_fleet(c, FleetConfig("colo", colocated=1), reqs, 100.0, 4096, 256)
     first, second = run.requests
     # the second arrives mid-decode: its prefill joins the step after the one running at 0.05
@@ -159,10 +159,10 @@ def test_the_fleet_is_deterministic_per_seed() -> None:
 
 def test_goodput_counts_the_requests_within_both_slos_and_the_long_prompt_ttft() -> None:
     slo = Slo(ttft_s=1.0, ttft_long_s=2.0, long_prompt=8192, itl_s=0.05)
-    ok = Req(0.0, 1024, 3, first=0.9, last=0.9 + 0.08)
-    slow_itl = Req(1.0, 1024, 3, first=1.5, last=1.5 + 0.2)
-    long_ok = Req(2.0, 8192, 3, first=3.8, last=3.88)
-    long_late = Req(3.0, 8192, 3, first=5.1, last=5.2)
+    ok = FleetReq(0.0, 1024, 3, first=0.9, last=0.9 + 0.08)
+    slow_itl = FleetReq(1.0, 1024, 3, first=1.5, last=1.5 + 0.2)
+    long_ok = FleetReq(2.0, 8192, 3, first=3.8, last=3.88)
+    long_late = FleetReq(3.0, 8192, 3, first=5.1, last=5.2)
     assert goodput([ok, slow_itl, long_ok, long_late], slo, 0.0, 4.0) == pytest.approx(0.5)
 
 
@@ -209,7 +209,7 @@ def test_plan_refuses_a_cpu_profile(tmp_path: Path) -> None:
 def test_the_worst_gap_is_the_longest_step_a_request_waited_for_its_next_token() -> None:
     """A request decoding on a colocated instance when another's prefill joins a step: its
     mean gap hides that step, its worst gap is it."""
-    reqs = [Req(0.0, 1000, 40), Req(0.05, 3000, 2)]
+    reqs = [FleetReq(0.0, 1000, 40), FleetReq(0.05, 3000, 2)]
     run = simulate_fleet(_costs(), FleetConfig("colo", colocated=1), reqs, 100.0, 4096, 256)
     first = run.requests[0]
     step = (0.002 + 1000e-8, 0.3)  # a decode step alone; the mixed one is mostly the prefill
