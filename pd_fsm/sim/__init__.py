@@ -1,4 +1,4 @@
-"""`pd-fsm sim`: the whole cluster's core, deterministic (issue 12 §5).
+"""`pd-fsm sim`: the whole cluster's core, deterministic.
 
 The real ``PrefillEndpoint`` / ``DecodeEndpoint`` of every worker, the proxy's ``RoomRouter`` and
 the ``BootstrapRegistry`` run single-threaded on a virtual clock, over an in-memory network that

@@ -23,13 +23,13 @@ ROOM_TIMEOUT = 40.0
 REGISTRY_TTL = 6.0
 REGISTRY_HEARTBEAT = 2.0
 DRAIN = 90.0  # virtual seconds after the last arrival for everything to settle
-# A role switch (issue 30 §1): its drain deadline (`pd-fsm serve --drain-timeout`) is drawn in
+# A role switch: its drain deadline (`pd-fsm serve --drain-timeout`) is drawn in
 # this range, short enough that some switches fail what is left and long enough that most drain.
 SWITCH_DRAIN = (0.3, 12.0)
 SHORT_DRAIN = (0.02, 0.5)  # shorter than most rooms: most switches fail what is left
 SWITCH_BUILD = (0.1, 1.5)  # seconds to build a role's backend from the loaded weights and warm it
 SWITCH_START_FAILS = 0.08  # the chance that building a role raises (RoleStartFailed)
-# Live KV hand-off (issue 32 §2): a draining D's offers are leased until this long before its drain
+# Live KV hand-off: a draining D's offers are leased until this long before its drain
 # deadline (`HANDOFF_LEASE_MARGIN_S`, scaled as the drains are); with less than the minimum lease
 # left its streams finish in place. With faults, a seeded share of hand-off pulls is slow (past
 # most leases) or fails, as PD pulls are, and a drain that hands streams off may crash during

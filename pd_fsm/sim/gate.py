@@ -1,4 +1,4 @@
-"""The drain gate of a simulated decode worker (``io_trio/worker/drain_gate.py``; issue 32 §2):
+"""The drain gate of a simulated decode worker (``io_trio/worker/drain_gate.py``):
 whether a D that starts to drain, for a role switch (``switch.py``) or on SIGTERM
 (``sigterm.py``), hands its running streams off to another D, and the faults a hand-off races.
 Both drains run the one gate, as the real worker's both call ``drain_streams``."""

@@ -1,4 +1,4 @@
-"""The performance model (issue 30 §4): replay a workload over a placement of workers whose
+"""The performance model: replay a workload over a placement of workers whose
 prefills, decode steps and KV moves take the times a profile measured (``perf_profile.py``),
 and predict each request's TTFT and inter-token gaps, hence goodput.
 

@@ -1,4 +1,4 @@
-"""The performance model over a whole cluster (issue 30 §4): N workers, each on its own cores
+"""The performance model over a whole cluster: N workers, each on its own cores
 (as each has its own device in a real cluster), static splits or the SLA planner
 (``pd_fsm/core/planner.py``) switching roles as the workload shifts.
 
@@ -8,7 +8,7 @@ takes rooms), a prefilled room to the accepting D with the fewest rows; every ``
 planner observes each worker (its queue, rows, KV use, and the p90 TTFT / inter-token gap of the
 requests it served in the last ``window``) and its decisions are carried out: a switching worker
 takes no new work, finishes what it has, and serves in the new role ``switch_s`` later (the
-weights stay loaded and every role's shapes are compiled before ready, issue 30 §1 — so a switch
+weights stay loaded and every role's shapes are compiled before ready — so a switch
 costs a drain, not a start). A worker the planner makes colocated ("null") takes arrivals beside
 the P; the last D of a drain waits until no P can still send it a room.
 """

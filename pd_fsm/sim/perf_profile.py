@@ -1,4 +1,4 @@
-"""A performance profile of the real engine (issue 30 §4): what a prefill, a decode step and a
+"""A performance profile of the real engine: what a prefill, a decode step and a
 KV move cost on one machine, as measured by ``pd-fsm profile`` (``pd_fsm/sim/profiler.py``),
 and read back by the performance model (``pd_fsm/sim/perf.py``). Plain data and interpolation:
 no JAX here, so the model runs anywhere.

@@ -279,7 +279,7 @@ class Proxy:
 
 def why_lost(procs: dict[str, Process], shown: tuple[list[str], list[str]], status: int,
              body: str) -> str:
-    """Why a handed-off client got ``status``, not a 200 (issue 32 allows one only when every
+    """Why a handed-off client got ``status``, not a 200 (the hand-off allows one only when every
     worker of a role was down or draining at once): the client left, the proxy restarted, none
     of the Ds (or Ps, for a re-prefill) the proxy routes to now (``shown``: P's, D's) up and
     taking legs (one that joined the role within the discovery interval is not routed to yet),
@@ -297,7 +297,7 @@ def why_lost(procs: dict[str, Process], shown: tuple[list[str], list[str]], stat
 
 
 class Tickets:
-    """The proxy's hand-off tickets (issue 32 §2; ``io_trio/proxy``: ``Progress.ticket`` and
+    """The proxy's hand-off tickets (``io_trio/proxy``: ``Progress.ticket`` and
     ``Room.ticket``): a ticket a draining D ended a stream with is kept, never relayed, and
     goes with the request's next room (ReopenRoom, cause handoff) to the D that pulls it. When
     that room's leg answers (its 2xx comes after the pull), fails, or falls back to a

@@ -1,4 +1,4 @@
-"""SIGTERM in the simulated cluster (issue 32 §3 and §2): a worker's graceful stop.
+"""SIGTERM in the simulated cluster : a worker's graceful stop.
 
 The real worker (``io_trio/worker/cli.py``'s ``_run``, ``WorkerApp.drain``) on SIGTERM leaves the
 registry first, answers new requests 503 with Retry-After (the proxy retries them elsewhere), and,

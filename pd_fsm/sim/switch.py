@@ -1,5 +1,5 @@
 """The simulated cluster's worker processes: crash, restart, and a role switched at runtime
-(issue 30 §1, the core's table role_switch).
+(the core's table role_switch).
 
 Every worker is a :class:`Process`: its name (its address, kept across a switch as a real worker
 keeps its URL: the switch happens inside the process), the role its command line names (``home``:
@@ -13,7 +13,7 @@ endpoint is. :class:`Processes` carries out its effects in the world:
 - RefuseLegs: a leg that reaches it gets a draining worker's 503 (refused, retryable), so the
   proxy routes around it; a modelled D hands its running streams off to another D when one is
   listed and answers its ``/health`` (up, not draining, reachable; ``workers.py``'s hand-off
-  part, issue 32 §2);
+  part);
 - RoleDrained is fed once the node holds nothing: no room, page, registration, leg or queue
   (``Node.leftovers``);
 - FailInFlight (the drain deadline, on the virtual clock): what is left fails as the worker

@@ -850,7 +850,7 @@ class PullRunner:
 # (Here, beside the workers, not in a module of its own: the desk drives its worker and the
 # worker builds its desk, so two modules would import each other.)
 #
-# Live KV hand-off between the simulated decode workers (issue 32 §2, ``pd_fsm.sim``).
+# Live KV hand-off between the simulated decode workers (``pd_fsm.sim``).
 #
 # A modelled D's streams and its hand-offs, both sides, as the real worker runs them
 # (``io_trio/worker/decode_adapter.py``, ``schedulers/disaggregation/decode_handoff.py``): each D

@@ -267,8 +267,8 @@ class World:
         self.workers.check_settled()
 
     def handed_off_answers(self) -> dict[str, int]:
-        """What the clients a draining D handed off got: ``client <status>`` each (issue 32:
-        a hand-off must not lose a stream that finishing in place would have served), and
+        """What the clients a draining D handed off got: ``client <status>`` each (a hand-off
+        must not lose a stream that finishing in place would have served), and
         ``lost <status> <why>`` for each answer other than a 200 (``proxy.why_lost``)."""
         out = Counter(f"client {c.answer[0] if c.answer is not None else 'none'}"
                       for c in self.clients if c.handed_off)
