@@ -300,7 +300,7 @@ class _RealWorker(Node):
 
     @property
     def core(self) -> Any:
-        return self.sched.core
+        return self.sched.role.link.core
 
     def poke(self, delay: float = 0.0005) -> None:
         """Run a tick soon (a message, a leg, a pull result arrived)."""
@@ -356,7 +356,7 @@ class _RealWorker(Node):
             after = self.sched.stats()
             rows = max(after.running, ran_before.running, 1)
             self.poke(self.world.config.cost.step(rows))
-        self.schedule_wake(self.sched.next_deadline())
+        self.schedule_wake(self.sched.role.next_deadline())
 
     def _carry_out(self, result: TickResult[Any]) -> None:
         w = self.world
@@ -416,9 +416,9 @@ class _RealWorker(Node):
         by_rid = dict(self.rid_room)
         for rid in sorted(by_rid):
             self.sched.abort(rid, reason)
-        for room in sorted(self.sched.core.rooms):  # P's transfers: no rid names them now
-            if self.sched.core.state_of(room) is not None:
-                self.sched.deliver(ev.Aborted(room, reason))
+        for room in sorted(self.sched.role.link.core.rooms):  # P's transfers: no rid names them now
+            if self.sched.role.link.core.state_of(room) is not None:
+                self.sched.role.deliver(ev.Aborted(room, reason))
         self._cancel_pulls(reason)
         for _ in range(4):  # the scheduler's steps: aborts, then the cancelled pulls' reports
             self._tick_at = self.world.now
@@ -432,13 +432,13 @@ class _RealWorker(Node):
     def leftovers(self, switching: bool = False) -> str:
         s = self.sched
         stats = s.stats()
-        rooms = (live_rooms(s.core, switching) if self.role == "prefill"
-                 else sorted(s.core.rooms))
+        rooms = (live_rooms(s.role.link.core, switching) if self.role == "prefill"
+                 else sorted(s.role.link.core.rooms))
         parts = [f"rooms {rooms}"] if rooms else []
         if stats.free_pages + stats.cached_pages != stats.total_pages:
             parts.append(f"pages free {stats.free_pages} (+{stats.cached_pages} cached) of "
                          f"{stats.total_pages}")
-        held = {u: n for u, n in s.engine.registrations().items() if n}
+        held = {u: n for u, n in s.role.engine.registrations().items() if n}
         parts += [f"registrations {sorted(held)}"] if held else []
         parts += [f"legs {sorted(self.legs)}"] if self.legs else []
         parts += ["scheduler busy"] if s.has_forward_work() else []
@@ -475,7 +475,7 @@ class RealPrefillWorker(_RealWorker):
             role=role)
         if w.plant("lease-shortens"):  # the planted bug: the same endpoint, shortening leases
             self.sched.role.link.core = ShorteningPrefill(
-                self.sched.layout_hash, random.Random(w.rng.getrandbits(64)), LEASE,
+                self.sched.role.kv_args.layout_hash, random.Random(w.rng.getrandbits(64)), LEASE,
                 transfer_addr=self.engine.address, kv_checksum=w.config.checksums)
         w.registry.register(self)  # type: ignore[arg-type]
         w.at(REGISTRY_HEARTBEAT, f"{self.name} registry heartbeat", self._heartbeat, self.gen)
@@ -498,7 +498,7 @@ class RealPrefillWorker(_RealWorker):
     def _admit(self, leg: tuple[int, Client, Any]) -> None:
         room, client, _ = leg
         req = self.sched.make_request(f"room-{room:x}", prompt_ids(client), greedy(client.out))
-        self.sched.add_pd_request(req, room, accepted=self.local())
+        self.sched.role.add_pd_request(req, room, accepted=self.local())
         self.rid_room[req.rid] = room
 
     def _outputs(self, result: TickResult[Any]) -> None:
@@ -580,23 +580,23 @@ class RealDecodeWorker(_RealWorker):
             engine=engine, clock=self.local, on_pull_result=lambda room: node.poke(),
             role=_Decode)
         if w.plant("no-ready-timeout"):  # the planted bug
-            self.sched.core._state_timeout[KV_RECEIVER.S.WAITING_FOR_READY] = math.inf
+            self.sched.role.link.core._state_timeout[KV_RECEIVER.S.WAITING_FOR_READY] = math.inf
 
     def _cancel_pulls(self, reason: str) -> None:
-        executor = self.sched.pull_executor
+        executor = self.sched.role.pull_executor
         assert isinstance(executor, SimPullExecutor)
         executor.cancel_all(reason)
 
     def pulling_from(self, transfer_addr: str) -> list[int]:
         """The rooms whose pull from ``transfer_addr`` is in flight (scenarios.py)."""
-        executor = self.sched.pull_executor
+        executor = self.sched.role.pull_executor
         assert isinstance(executor, SimPullExecutor)
         return executor.pulling_from(transfer_addr)
 
     def holds_pages(self, room: int) -> bool:
         s = self.sched
-        req = s.req_of.get(room)
-        return room in s.held_pages or (req is not None and req.pages is not None)
+        req = s.role.link.req_of.get(room)
+        return room in s.role.held_pages or (req is not None and req.pages is not None)
 
     def tokens_of(self, room: int) -> int:
         gen_client = self.legs.get(room)
@@ -621,7 +621,7 @@ class RealDecodeWorker(_RealWorker):
         if bootstrap is None:  # no bootstrap fields: D prefills it itself
             self.sched.add_request(req)
             return
-        self.sched.add_pd_request(req, bootstrap, room, accepted=self.local())
+        self.sched.role.add_pd_request(req, bootstrap, room, accepted=self.local())
 
     def _outputs(self, result: TickResult[Any]) -> None:
         w = self.world
@@ -700,6 +700,6 @@ class _FailingPulls(SimTransferEngine):
         node = self.node
         assert isinstance(node, RealDecodeWorker)
         if not self.world.plant("held-until-pull-reports"):  # the old D dropped nothing
-            executor = node.sched.pull_executor
+            executor = node.sched.role.pull_executor
             assert isinstance(executor, SimPullExecutor)
             executor.drop(peer)

@@ -49,7 +49,7 @@ def test_heartbeat_received_during_a_long_forward_keeps_the_lease(tiny: LoadedMo
     try:
         pair.d.role.add_pd_request(Req("r", IDS, GREEDY), BOOT, 51)
         pair.pump()  # D resolved P, reserved pages, said hello: the lease runs from t=0
-        assert pair.p.core.state_of(51) == "EARLY_PEER"
+        assert pair.p.role.link.core.state_of(51) == "EARLY_PEER"
         pair.p.role.add_pd_request(Req("r", IDS, GREEDY), 51)
         real_forward = pair.p.runner.forward_extend
 
@@ -63,7 +63,7 @@ def test_heartbeat_received_during_a_long_forward_keeps_the_lease(tiny: LoadedMo
         # The worker's next tick: the inbox first, each message at its arrival time, then time.
         pair.p.role.deliver(ev.MessageReceived(pair.d_id, Heartbeat(1, (51,))), now=4.0)
         pair.p.role.deliver(ev.TimeAdvanced())
-        assert pair.p.core.state_of(51) == "TRANSFERRING"
+        assert pair.p.role.link.core.state_of(51) == "TRANSFERRING"
         assert pair.p.role.link.failures.pop("r", None) is None
         pair.run(lambda: "r" in collect(pair.d_outputs)
                  and collect(pair.d_outputs)["r"]["reason"] is not None
@@ -94,7 +94,7 @@ def test_lease_still_expires_when_no_heartbeat_came(tiny: LoadedModel) -> None:
         pair.p.runner.forward_extend = slow_forward  # type: ignore[method-assign]
         pair.p.step()
         pair.p.role.deliver(ev.TimeAdvanced())
-        assert pair.p.core.state_of(52) is None
+        assert pair.p.role.link.core.state_of(52) is None
         assert not pair.p.role.engine.registrations()
         assert pair.p.page_budget.allocator.num_free == pair.p.page_budget.allocator.total
     finally:
@@ -108,7 +108,7 @@ def test_local_abort_on_p_answers_499_not_500(tiny: LoadedModel) -> None:
     try:
         pair.p.role.add_pd_request(Req("mine", IDS, GREEDY), 53)
         pair.p_outputs += pair.p.step()  # prefilled, KV registered, no D yet
-        assert pair.p.core.state_of(53) == "PREFILLED_NO_PEER"
+        assert pair.p.role.link.core.state_of(53) == "PREFILLED_NO_PEER"
         assert pair.p.abort("mine", "aborted by request")
         assert pair.p.role.link.failures.pop("mine", None) == (499, "aborted by request")
         assert not pair.p.role.engine.registrations()
@@ -187,7 +187,7 @@ def test_lease_expiry_gives_up_shared_pages_once(tiny: LoadedModel) -> None:
         assert pair.p.role.engine.registrations()
         now[0] = 10.0
         pair.p.role.deliver(ev.TimeAdvanced())
-        assert pair.p.core.state_of(71) is None and not pair.p.role.engine.registrations()
+        assert pair.p.role.link.core.state_of(71) is None and not pair.p.role.engine.registrations()
         stats = pair.p.stats()
         assert stats.free_pages + stats.cached_pages == stats.total_pages
         assert pair.p.page_budget.cache.pages == cached

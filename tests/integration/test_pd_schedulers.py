@@ -491,7 +491,7 @@ def test_decode_prefix_cache_pulls_only_the_delta(
             if p_first:
                 pair.p.role.add_pd_request(Req(f"r{i}", ids, GREEDY), 800 + i)
                 pair.p_outputs += pair.p.step()  # prefilled, whole prompt registered
-                assert pair.p.core.state_of(800 + i) == "PREFILLED_NO_PEER"
+                assert pair.p.role.link.core.state_of(800 + i) == "PREFILLED_NO_PEER"
             pair.d.role.add_pd_request(Req(f"r{i}", ids, GREEDY), BOOT, 800 + i)
             if not p_first:
                 pair.p.role.add_pd_request(Req(f"r{i}", ids, GREEDY), 800 + i)

@@ -46,7 +46,7 @@ def replicas() -> Iterator[list[tuple[PDReplica, object]]]:
         out.append((PDReplica(backend, sched, 1), sched))
     yield out
     for _, sched in out:
-        sched.engine.close()  # type: ignore[attr-defined]
+        sched.role.engine.close()  # type: ignore[attr-defined]
 
 
 def _both(replicas: list[tuple[PDReplica, object]], frame: TickStarted) -> str:
@@ -63,22 +63,22 @@ def test_replicas_fed_the_same_ticks_register_the_same_uuid(
     leg = LegAdded("r", tuple(range(3, 12)), SamplingParams(max_new_tokens=4, temperature=0.0),
                    LogprobSpec(), accepted=0.5, bootstrap_host="127.0.0.1",
                    bootstrap_port=1234, room=ROOM)
-    layout = scheds[0].layout_hash  # type: ignore[attr-defined]
+    layout = scheds[0].role.kv_args.layout_hash  # type: ignore[attr-defined]
     hello = ev.MessageReceived("d-peer", RecvInit(ROOM, "d-peer", 3, layout, incarnation=5))
     state = _both(replicas, TickStarted(1, 1.0, "", legs=(leg,)))
     state = _both(replicas, TickStarted(2, 2.0, state, arrivals=(Arrival(1.5, hello),)))
     tick = 3
-    while not scheds[0].engine.registrations():  # type: ignore[attr-defined]
+    while not scheds[0].role.engine.registrations():  # type: ignore[attr-defined]
         state = _both(replicas, TickStarted(tick, float(tick), state))
         tick += 1
         assert tick < 20, "the room's KV was never registered"
-    uuids = [set(s.engine.registrations()) for s in scheds]  # type: ignore[attr-defined]
+    uuids = [set(s.role.engine.registrations()) for s in scheds]  # type: ignore[attr-defined]
     assert uuids[0] == uuids[1] and len(uuids[0]) == 1
     done = ev.MessageReceived("d-peer", Done(ROOM, True))
     state = _both(replicas, TickStarted(tick, float(tick), state,
                                         arrivals=(Arrival(tick - 0.5, done),)))
     for sched in scheds:
-        assert not sched.engine.registrations()  # type: ignore[attr-defined]
+        assert not sched.role.engine.registrations()  # type: ignore[attr-defined]
         s = sched.stats()  # type: ignore[attr-defined]
         assert s.free_pages + s.cached_pages == s.total_pages
 

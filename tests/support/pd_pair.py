@@ -95,8 +95,8 @@ class PDPair:
             p.free_pages + p.cached_pages == p.total_pages
             and d.free_pages + d.cached_pages == d.total_pages
             and not self.p.role.engine.registrations()
-            and not self.p.core.rooms
-            and not self.d.core.rooms
+            and not self.p.role.link.core.rooms
+            and not self.d.role.link.core.rooms
         )
 
 

@@ -54,17 +54,8 @@ R = TypeVar("R", bound=PDRole)
 
 
 class DisaggregationCommon(Scheduler, Generic[R]):
-    """The colocated scheduler holding a PD role (``self.role``), which is its PD API.
-
-    The few names below, and the mixins' own, are what the simulator's real workers
-    (pd_fsm/sim/real.py) read of the scheduler itself; a worker reads the role."""
+    """The colocated scheduler holding a PD role (``self.role``), which is its PD API: the
+    worker's adapters and the simulator's real workers call the role."""
 
     args: DisaggregationArgs  # P's and D's constructors take these (Scheduler stores them)
     role: R
-
-    @property
-    def engine(self) -> KVTransferEngine:
-        return self.role.engine
-
-    def next_deadline(self) -> float | None:
-        return self.role.next_deadline()

@@ -370,33 +370,8 @@ class DecodeRole(ColocatedRole):
 
 
 class SchedulerDisaggregationDecodeMixin(DisaggregationCommon[DecodeRole]):
-    """RFC-2 §5.4's decode mixin: the colocated scheduler holding D's role (``self.role``)."""
-
-    @property
-    def core(self) -> DecodeEndpoint:
-        core = self.role.link.core
-        assert isinstance(core, DecodeEndpoint)
-        return core
-
-    @property
-    def pull_executor(self) -> PullExecutor:
-        return self.role.pull_executor
-
-    @property
-    def req_of(self) -> dict[int, Req]:
-        return self.role.link.req_of
-
-    @property
-    def held_pages(self) -> dict[int, list[int]]:
-        return self.role.held_pages
-
-    def deliver(self, event: ev.DecodeEvent, now: float | None = None) -> None:
-        self.role.deliver(event, now)
-
-    def add_pd_request(
-        self, req: Req, bootstrap_addr: str, room: int, accepted: float | None = None
-    ) -> None:
-        self.role.add_pd_request(req, bootstrap_addr, room, accepted)
+    """RFC-2 §5.4's decode mixin: the colocated scheduler holding D's role (``self.role``),
+    which is its PD API."""
 
 
 class DecodeScheduler(SchedulerDisaggregationDecodeMixin):

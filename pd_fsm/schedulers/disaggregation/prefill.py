@@ -282,23 +282,8 @@ class PrefillRole(ColocatedRole):
 
 
 class SchedulerDisaggregationPrefillMixin(DisaggregationCommon[PrefillRole]):
-    """RFC-2 §5.4's prefill mixin: the colocated scheduler holding P's role (``self.role``)."""
-
-    @property
-    def core(self) -> PrefillEndpoint:
-        core = self.role.link.core
-        assert isinstance(core, PrefillEndpoint)
-        return core
-
-    @property
-    def layout_hash(self) -> str:
-        return self.role.kv_args.layout_hash
-
-    def deliver(self, event: ev.PrefillEvent, now: float | None = None) -> None:
-        self.role.deliver(event, now)
-
-    def add_pd_request(self, req: Req, room: int, accepted: float | None = None) -> None:
-        self.role.add_pd_request(req, room, accepted)
+    """RFC-2 §5.4's prefill mixin: the colocated scheduler holding P's role (``self.role``),
+    which is its PD API."""
 
 
 class PrefillScheduler(SchedulerDisaggregationPrefillMixin):

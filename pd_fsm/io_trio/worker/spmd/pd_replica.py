@@ -42,7 +42,7 @@ from pd_fsm.io_trio.worker.spmd.follower import Divergence, follow
 from pd_fsm.io_trio.worker.spmd.frames import Announced, Frame, PullReported, TickStarted
 from pd_fsm.io_trio.worker.spmd.pd_ticks import fingerprint, job_of
 from pd_fsm.jax_engine.transfer.base import PullError
-from pd_fsm.schedulers.disaggregation import DecodeScheduler
+from pd_fsm.schedulers.disaggregation.decode import DecodeRole
 from pd_fsm.schedulers.disaggregation.tick import run_tick
 
 log = logging.getLogger("pd_fsm.io_trio.worker.spmd")
@@ -139,13 +139,14 @@ class PDReplica(Generic[S]):
         inputs = self._backend.tick_inputs
         assert inputs is not None  # a replica's backend is built with them
         inputs.start(frame.tick, frame.now)
-        if isinstance(sched, DecodeScheduler):
+        role = sched.role
+        if isinstance(role, DecodeRole):
             gate = {p.room: p.failure for p in frame.pulls}
             missing = set(gate) - self._reported
             if missing:
                 raise Divergence(f"rank 0 collects pulls {sorted(missing)} this rank never had")
             self._reported -= set(gate)
-            sched.role.set_pull_gate(gate)
+            role.set_pull_gate(gate)
         backend = self._backend
         run_tick(
             sched, [(a.arrived, a.event) for a in frame.arrivals], list(frame.legs),
@@ -155,20 +156,19 @@ class PDReplica(Generic[S]):
         self._fingerprint = fingerprint(sched)
 
     def reports(self) -> list[PullReported]:
-        sched = self._sched
-        if not isinstance(sched, DecodeScheduler):
+        role = self._sched.role
+        if not isinstance(role, DecodeRole):
             return []
         out = []
-        for room, why in sched.role.pull_executor.ready().items():
+        for room, why in role.pull_executor.ready().items():
             if room not in self._reported:
                 self._reported.add(room)
                 out.append(PullReported(self._rank, room, not why, why))
         return out
 
     def waiting(self) -> bool:
-        sched = self._sched
-        return (isinstance(sched, DecodeScheduler)
-                and sched.role.pull_executor.inflight > len(self._reported))
+        role = self._sched.role
+        return isinstance(role, DecodeRole) and role.pull_executor.inflight > len(self._reported)
 
 
 async def run_replica(config: ServeConfig, key: bytes | None) -> int:
@@ -215,7 +215,7 @@ async def _follow(config: ServeConfig, key: bytes | None, client: BootstrapClien
                 lambda: follow(replica, c.spmd_addr(), c.node_rank, key))
             nursery.cancel_scope.cancel()  # deregisters (BootstrapClient.run's finally)
     finally:
-        if isinstance(sched, DecodeScheduler):
+        if isinstance(sched.role, DecodeRole):
             sched.role.close()
         sched.role.engine.close()
     return code
