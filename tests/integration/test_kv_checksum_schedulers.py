@@ -72,7 +72,7 @@ def _serve(pair: PDPair, room: int) -> dict[str, Any]:
 
 def _counts(pair: PDPair) -> tuple[int, int, int, int]:
     """(mismatches, re-pulls) as the core counts them, (corrupted, good) pulls as D saw them."""
-    stats, pulls = pair.d.core.stats, pair.d.role.transfer_stats
+    stats, pulls = pair.d.role.link.core.stats, pair.d.role.transfer_stats
     return (stats.kv_checksum_mismatches, stats.kv_checksum_repulls, pulls["pulls_corrupted"],
             pulls["pulls_ok"])
 
