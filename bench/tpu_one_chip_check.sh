@@ -6,10 +6,14 @@
 #   here:     bash bench/tpu_one_chip_check.sh wheels   (what pd_fsm runs on, at .venv's
 #                                                        versions, JAX's own left out, for
 #                                                        CPython 3.11 x86-64, into .whl-tpu/)
-#   there:    bash bench/tpu_one_chip_check.sh          (one call; carry .whl-tpu)
-# With `pd-fsm serve --uds` in the checkout (issue 61) it checks two serving workers on unix
-# sockets; without it, two processes running pd_fsm's scheduler (no HTTP server can listen
-# there). Exit status 0 when the check passes.
+#   there:    bash bench/tpu_serve.sh smollm2           (its last step; or alone, SmolLM2's
+#                                                        GGUF joined: ONE_CHIP_MODEL=smollm2
+#                                                        bash bench/tpu_one_chip_check.sh)
+# On a TPU the model must be one the step's attention kernel takes (head_dim 64 or a multiple of
+# 128): ONE_CHIP_MODEL=smollm2; the default, the tiny model (head_dim 8), is for a CPU.
+# With `pd-fsm serve --uds` in the checkout it checks two serving workers on unix sockets;
+# without it, two processes running pd_fsm's scheduler (no HTTP server can listen there). Exit
+# status 0 when the check passes.
 set -u
 cd "$(dirname "$0")/.."
 case "${1:-run}" in

@@ -31,7 +31,7 @@ case "${1:-}" in
     join_gguf || exit 1
     serve 330 --model smollm2 --load-format auto --context-length 2048 --num-pages 6000 \
       --engine-timeout 150 --seconds 10 --loads "chat:1024:256:2,4,8,16:inf" --min-prompts 8
-    OUT=$run ONE_CHIP_LIMIT=220 bash bench/tpu_one_chip_check.sh run | tail -3 | cut -c 1-600 ;;
+    OUT=$run ONE_CHIP_MODEL=smollm2 ONE_CHIP_LIMIT=300 bash bench/tpu_one_chip_check.sh run | tail -3 | cut -c 1-600 ;;
   qwen17)
     serve 540 --model qwen3-1.7b --loads "chat:1024:256:1,2,4,8:inf" \
       --loads "rag:8192:256:0.5:" --min-prompts 8 ;;
