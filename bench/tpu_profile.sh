@@ -12,7 +12,8 @@
 # loop compiled 7 in 202 s: bench/tpu_runs/2026-12-07/run3_loop.json). The profile's step
 # shapes are a 64-row runner's (model_runner.step_shapes): prefill 256 and 1,024 tokens (longer
 # prompts run as chunks of 1,024: no new shape), decode 8 and 64 sequences (the context is data,
-# not shape): 4 compiles;
+# not shape); one prompt's prefill runs at 8 sequences (before 2026-12-07 10:00 UTC at 64):
+# 4 compiles;
 # its KV legs time only the methods P and D run (XLA take, the Pallas scatter). The legs bench
 # compiles only copies (seconds each); the XLA methods' run loop gets 5 s to compile in the
 # background, else their quick tier is what is timed (the table says which). Each step is cut by

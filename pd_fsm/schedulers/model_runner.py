@@ -63,16 +63,19 @@ R = TypeVar("R")
 WARMUP_THREADS = 8
 
 
-def decode_seqs(capacity: int) -> list[int]:
-    """The fused decode step's sequence counts (its tokens as many): 8 rows, and the runner's
-    capacity. A decode step's cost is its reads, whatever the padding of its small matmuls; its
-    attention's grid has a step per sequence, so a few rows do not pay for the capacity's."""
+def step_seqs(capacity: int) -> list[int]:
+    """The fused step's sequence counts: 8, and the runner's capacity. A decode step's cost is
+    its reads, whatever the padding of its small matmuls; its attention's grid has a step per
+    sequence, so a few rows do not pay for the capacity's. A prefill's attention gathers its
+    queries into a block of up to 128 rows per sequence (a work item): at 64 sequences that is
+    8,192 rows of padding a layer, which made a 1,024-token prefill of one prompt cost 27 ms on
+    a v5e against 16 ms at 8 sequences (bench/RESULTS_tpu.md)."""
     return sorted({min(8, capacity), capacity})
 
 
 def prefill_tokens(capacity: int, top: int) -> list[int]:
-    """The fused prefill step's token counts (its sequences the runner's capacity): x4 from 4x
-    the capacity, and ``top``, the largest chunk: a prefill's padding is under 4x (none for a
+    """The fused prefill step's token counts (each at both of ``step_seqs``): x4 from 4x the
+    capacity, and ``top``, the largest chunk: a prefill's padding is under 4x (none for a
     full chunk), and each size is a compile of the whole model."""
     sizes = {top}
     n = capacity * 4
@@ -306,17 +309,20 @@ class ModelRunner:
                     ) -> tuple[np.ndarray, ...]:
         """A fused step's arrays at its compiled shape (``step_shapes``): the new tokens (at
         the front, where the planner's batch has them) and the sequences padded. A step's work
-        is ragged, so the planner's (rows, tokens) padding need not be its shape: four shapes
+        is ragged, so the planner's (rows, tokens) padding need not be its shape: six shapes
         serve every batch of a 64-row runner with a 1,024-token budget, where the planner's
         are 42 (a compile takes 20-40 s for a 28-layer model on a TPU). A decode step's tokens
-        are its sequences (the attention's decode blocks); a prefill's are more."""
+        are its sequences (the attention's decode blocks); a prefill's are more, its sequences
+        the fewest of ``step_seqs`` that hold its rows."""
         real = int(q_lens.sum())
         capacity = max(len(self._carried), len(q_lens))
         if decode:
-            seqs = next(n for n in decode_seqs(capacity) if n >= real)
+            seqs = next(n for n in step_seqs(capacity) if n >= real)
             n_tokens = seqs
         else:
-            seqs = capacity
+            used = np.flatnonzero(q_lens)
+            rows = int(used[-1]) + 1 if len(used) else 1
+            seqs = next(n for n in step_seqs(capacity) if n >= rows)
             # The warm-up's sizes (without one, as if this step were the largest).
             sizes = self._prefill_sizes or prefill_tokens(capacity, bucket(real))
             n_tokens = next((n for n in sizes if n >= real), bucket(real))
@@ -335,9 +341,10 @@ class ModelRunner:
         capacity = max([len(self._carried), *(rows for rows, _ in plan)])
         top = bucket(max((rows * tokens for rows, tokens in plan if tokens > 1), default=1))
         self._prefill_sizes = prefill_tokens(capacity, top)
-        shapes = [(n, n) for n in decode_seqs(capacity)] if any(t == 1 for _, t in plan) else []
+        seqs = step_seqs(capacity)
+        shapes = [(n, n) for n in seqs] if any(t == 1 for _, t in plan) else []
         if any(t > 1 for _, t in plan):
-            shapes += [(n, capacity) for n in self._prefill_sizes]
+            shapes += [(n, s) for n in self._prefill_sizes for s in seqs]
         return sorted(set(shapes))
 
     def _sampled(self, logits: jax.Array, rows: Sequence[Req | None],

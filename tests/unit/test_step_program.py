@@ -213,6 +213,36 @@ def test_the_scheduler_on_the_accelerators_choices_answers_as_on_the_cpus() -> N
         assert _generate(Scheduler(args, model=model)) == chain
 
 
+def test_a_prefill_of_a_few_prompts_runs_at_eight_sequences_not_the_capacity() -> None:
+    """A 16-row runner's prefill steps: one prompt alone runs at 8 sequences, twelve short
+    prompts batched into one step at the capacity's 16; both shapes compiled by the warm-up,
+    nothing after it, and the tokens the chain's."""
+    model = _model()
+    args = SchedulerArgs(model="tiny", num_pages=96, page_size=PAGE, max_running=16,
+                         max_batched_tokens=256, context_length=64)
+    greedy = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+
+    def run(sched: Scheduler) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for batch in (["a lone prompt"], [f"p{i}" for i in range(12)]):
+            for prompt in batch:
+                sched.add_request(sched.make_request(prompt, prompt, greedy))
+            for o in sched.run_until_idle():
+                out.setdefault(o.rid, []).extend(o.new_token_ids)
+        return out
+
+    chain = run(Scheduler(args, model=model))
+    with backend.using(backend.accelerator_on_cpu("reference")):
+        sched = Scheduler(args, model=model)
+        warm_up(sched)
+        built = EXECUTABLES.stats().built
+        assert run(sched) == chain
+        assert EXECUTABLES.stats().built == built
+        assert sched.runner.step_shapes(shapes_of(sched)) == [
+            (8, 8), (16, 16), (64, 8), (64, 16), (256, 8), (256, 16)]
+        assert {("step", 64, 8), ("step", 64, 16)} <= sched.forward_shapes
+
+
 def test_an_overlapped_step_drops_what_it_computed_for_a_finished_request() -> None:
     """With steps overlapped, a request aborted (or finished) while its step is in flight gets
     no token from it, its pages go back once, and the others run on unchanged."""
