@@ -67,9 +67,10 @@ def step_seqs(capacity: int) -> list[int]:
     """The fused step's sequence counts: 8, and the runner's capacity. A decode step's cost is
     its reads, whatever the padding of its small matmuls; its attention's grid has a step per
     sequence, so a few rows do not pay for the capacity's. A prefill's attention gathers its
-    queries into a block of up to 128 rows per sequence (a work item): at 64 sequences that is
-    8,192 rows of padding a layer, which made a 1,024-token prefill of one prompt cost 27 ms on
-    a v5e against 16 ms at 8 sequences (bench/RESULTS_tpu.md)."""
+    queries into blocks of 128 rows, at least one per sequence: at 64 sequences 8,192 rows a
+    layer where one 1,024-token prompt fills 1,024. On a v5e that prompt's prefill took 27.3 ms
+    at 64 sequences and 15.6 ms at 8 (bench/RESULTS_tpu.md; the padding is the likely cause,
+    not traced)."""
     return sorted({min(8, capacity), capacity})
 
 
