@@ -124,7 +124,10 @@ def stop(proc: subprocess.Popen[bytes]) -> int:
 
 
 def one_load(args: argparse.Namespace, sock: Path, out: Path, records: Path, name: str,
-             in_tokens: int, out_tokens: int, rate: float) -> None:
+             in_tokens: int, out_tokens: int, rate: float, seed: int) -> None:
+    """One load at ``rate`` with prompts of its own (``seed``): a load that repeated an earlier
+    one's prompts would be served from the worker's prefix cache (runs of 2026-12-07 before
+    10:00 UTC: half the prompt tokens at 4 and 8 requests/s)."""
     n = (args.saturation_prompts if math.isinf(rate)
          else max(args.min_prompts, round(rate * args.seconds)))
     ttft_ms = args.ttft_ms * (2 if in_tokens >= 8192 else 1)
@@ -134,9 +137,10 @@ def one_load(args: argparse.Namespace, sock: Path, out: Path, records: Path, nam
                str(out_tokens), "--random-ids", args.random_ids, "--num-prompts", str(n),
                "--request-rate", str(rate), "--goodput", f"ttft:{ttft_ms:g}",
                f"tpot:{args.tpot_ms:g}", "--json", str(out / f"{tag}.json"),
-               "--timeout", str(args.request_timeout))
+               "--timeout", str(args.request_timeout), "--seed", str(seed))
     compiles = "pd_fsm_worker_backend_compiles_after_ready_total"
-    before = scrape(sock, compiles)
+    cached = "pd_fsm_worker_backend_prefix_cache_hit_tokens_total"
+    before, cached_before = scrape(sock, compiles), scrape(sock, cached)
     started = time.monotonic()
     with (out / f"{tag}.log").open("w") as f:
         # The client keeps off the chip: one program holds it, the server.
@@ -146,7 +150,8 @@ def one_load(args: argparse.Namespace, sock: Path, out: Path, records: Path, nam
                            "out": out_tokens, "rate": None if math.isinf(rate) else rate,
                            "prompts": n, "rc": done.returncode,
                            "wall_s": time.monotonic() - started,
-                           "compiles_after_ready": scrape(sock, compiles) - before}
+                           "compiles_after_ready": scrape(sock, compiles) - before,
+                           "prefix_cache_hit_tokens": scrape(sock, cached) - cached_before}
     if (out / f"{tag}.json").exists():
         rec |= json.loads((out / f"{tag}.json").read_text())
     emit(rec, records)
@@ -174,6 +179,8 @@ def main() -> int:
     p.add_argument("--ttft-ms", type=float, default=1000.0)
     p.add_argument("--tpot-ms", type=float, default=50.0)
     p.add_argument("--random-ids", default="1000-32000")
+    p.add_argument("--seed", type=int, default=100, help="the first load's prompt seed (each "
+                   "load the next: no load repeats another's prompts)")
     p.add_argument("--engine-loop", default="1024:256:64", help="IN:OUT:REQUESTS ('' to skip)")
     p.add_argument("--engine-timeout", type=float, default=300)
     p.add_argument("--load-timeout", type=float, default=180)
@@ -199,11 +206,12 @@ def main() -> int:
             return 1
         emit({"event": "server ready", "model": args.model,
               "seconds": time.monotonic() - started}, records)
+        seeds = iter(range(args.seed, args.seed + 1000))
         for spec in args.loads:
             name, tin, tout, rates = parse_load(spec)
             for rate in rates:
                 try:
-                    one_load(args, sock, args.out, records, name, tin, tout, rate)
+                    one_load(args, sock, args.out, records, name, tin, tout, rate, next(seeds))
                 except subprocess.TimeoutExpired:
                     emit({"event": "load", "model": args.model, "workload": name, "rate": rate,
                           "error": "timed out"}, records)

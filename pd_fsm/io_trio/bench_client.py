@@ -593,20 +593,23 @@ def record(args: argparse.Namespace, target: Summary, slo: dict[str, float]) -> 
             "errors": sorted({r.error for r in target.results if not r.ok})[:5]}
 
 
+def dataset(args: argparse.Namespace, n: int, seed: int) -> list[BenchPrompt]:
+    """``n`` prompts of the run's dataset from ``seed``."""
+    if args.dataset == "random":
+        return random_prompts(n, seed, args.random_input_len, args.random_output_len,
+                              args.random_range_ratio, parse_ids(args.random_ids))
+    return make_prompts(args.dataset, n, seed, args.num_prefixes, args.prefix_words)
+
+
 async def _main(args: argparse.Namespace) -> int:
     slo = parse_goodput(args.goodput)
-    if args.dataset == "random":
-        prompts = random_prompts(args.num_prompts, args.seed, args.random_input_len,
-                                 args.random_output_len, args.random_range_ratio,
-                                 parse_ids(args.random_ids))
-    else:
-        prompts = make_prompts(args.dataset, args.num_prompts, args.seed, args.num_prefixes,
-                               args.prefix_words)
+    prompts = dataset(args, args.num_prompts, args.seed)
     if args.warmup:
-        # One request per server first: compiles and caches warm outside the measurement.
+        # One request per server first: compiles and caches warm outside the measurement. Its
+        # prompt is none of the measured ones, which a prefix cache would then serve.
         warm = argparse.Namespace(**{**vars(args), "request_rate": math.inf})
         for url in filter(None, (args.url, args.compare)):
-            await run_load(url, warm, prompts[:1])
+            await run_load(url, warm, dataset(args, 1, args.seed + 7919))
     headers = bearer(args.api_key) if args.api_key else {}
     async with httpx.AsyncClient(timeout=10, headers=headers, mounts=unix_mounts()) as http:
         urls = await metrics_urls(http, args.url, args.metrics_url)
