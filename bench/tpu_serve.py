@@ -7,8 +7,10 @@ the ceiling the server is compared with.
     python bench/tpu_serve.py --model qwen3-0.6b --load-format dummy --out DIR \\
         --loads "chat:1024:256:1,2,4,8:inf" --loads "rag:8192:256:0.5,1:"
 
-A load is ``NAME:IN:OUT:RATES:SATURATION``: IN random token ids in and OUT out (EOS ignored,
-greedy), at each rate in requests/s, then (when SATURATION is ``inf``) all at once. The prompt
+A load is ``NAME:IN:OUT:RATES:SATURATION[:RATIO]``: IN random token ids in and OUT out (EOS
+ignored, greedy), at each rate in requests/s, then (when SATURATION is ``inf``) all at once;
+with RATIO each prompt's lengths are drawn from RATIO x IN .. IN and RATIO x OUT .. OUT (a
+mixed-length set, ``pd-fsm bench --random-range-ratio``). The prompt
 count per rate is what ``--seconds`` of arrivals bring (at least ``--min-prompts``). Goodput:
 TTFT <= ``--ttft-ms`` (2x for prompts of 8,192 tokens or more) and a request's mean ITL <=
 ``--tpot-ms``. Every record goes to ``DIR/<model>.json``; each bench's own JSON and the server's
@@ -30,7 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 START_S = 600.0  # a start compiles every step shape: minutes for a 28-layer model on a TPU
@@ -123,11 +125,20 @@ def stop(proc: subprocess.Popen[bytes]) -> int:
     return proc.returncode
 
 
-def one_load(args: argparse.Namespace, sock: Path, out: Path, records: Path, name: str,
-             in_tokens: int, out_tokens: int, rate: float, seed: int) -> None:
+class Load(NamedTuple):
+    name: str
+    in_tokens: int
+    out_tokens: int
+    rates: list[float]
+    ratio: float
+
+
+def one_load(args: argparse.Namespace, sock: Path, out: Path, records: Path, load: Load,
+             rate: float, seed: int) -> None:
     """One load at ``rate`` with prompts of its own (``seed``): a load that repeated an earlier
     one's prompts would be served from the worker's prefix cache (runs of 2026-12-07 before
     10:00 UTC: half the prompt tokens at 4 and 8 requests/s)."""
+    name, in_tokens, out_tokens = load.name, load.in_tokens, load.out_tokens
     n = (args.saturation_prompts if math.isinf(rate)
          else max(args.min_prompts, round(rate * args.seconds)))
     ttft_ms = args.ttft_ms * (2 if in_tokens >= 8192 else 1)
@@ -137,7 +148,8 @@ def one_load(args: argparse.Namespace, sock: Path, out: Path, records: Path, nam
                str(out_tokens), "--random-ids", args.random_ids, "--num-prompts", str(n),
                "--request-rate", str(rate), "--goodput", f"ttft:{ttft_ms:g}",
                f"tpot:{args.tpot_ms:g}", "--json", str(out / f"{tag}.json"),
-               "--timeout", str(args.request_timeout), "--seed", str(seed))
+               "--timeout", str(args.request_timeout), "--seed", str(seed),
+               "--random-range-ratio", f"{load.ratio:g}")
     compiles = "pd_fsm_worker_backend_compiles_after_ready_total"
     cached = "pd_fsm_worker_backend_prefix_cache_hit_tokens_total"
     before, cached_before = scrape(sock, compiles), scrape(sock, cached)
@@ -147,7 +159,8 @@ def one_load(args: argparse.Namespace, sock: Path, out: Path, records: Path, nam
         done = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, check=False,
                               timeout=args.load_timeout, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     rec: dict[str, Any] = {"event": "load", "model": args.model, "workload": name, "in": in_tokens,
-                           "out": out_tokens, "rate": None if math.isinf(rate) else rate,
+                           "out": out_tokens, "ratio": load.ratio,
+                           "rate": None if math.isinf(rate) else rate,
                            "prompts": n, "rc": done.returncode,
                            "wall_s": time.monotonic() - started,
                            "compiles_after_ready": scrape(sock, compiles) - before,
@@ -157,10 +170,11 @@ def one_load(args: argparse.Namespace, sock: Path, out: Path, records: Path, nam
     emit(rec, records)
 
 
-def parse_load(spec: str) -> tuple[str, int, int, list[float]]:
-    name, tin, tout, rates, sat = spec.split(":")
+def parse_load(spec: str) -> Load:
+    name, tin, tout, rates, sat, *ratio = spec.split(":")
     listed = [float(r) for r in rates.split(",") if r]
-    return name, int(tin), int(tout), listed + ([math.inf] if sat == "inf" else [])
+    return Load(name, int(tin), int(tout), listed + ([math.inf] if sat == "inf" else []),
+                float(ratio[0]) if ratio else 1.0)
 
 
 def main() -> int:
@@ -168,7 +182,8 @@ def main() -> int:
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--load-format", default="dummy", choices=("auto", "dummy"))
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--loads", action="append", default=[], help="NAME:IN:OUT:RATES:SATURATION")
+    p.add_argument("--loads", action="append", default=[],
+                   help="NAME:IN:OUT:RATES:SATURATION[:RATIO]")
     p.add_argument("--num-pages", type=int, default=5200)
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--max-batched-tokens", type=int, default=1024)
@@ -208,12 +223,12 @@ def main() -> int:
               "seconds": time.monotonic() - started}, records)
         seeds = iter(range(args.seed, args.seed + 1000))
         for spec in args.loads:
-            name, tin, tout, rates = parse_load(spec)
-            for rate in rates:
+            load = parse_load(spec)
+            for rate in load.rates:
                 try:
-                    one_load(args, sock, args.out, records, name, tin, tout, rate, next(seeds))
+                    one_load(args, sock, args.out, records, load, rate, next(seeds))
                 except subprocess.TimeoutExpired:
-                    emit({"event": "load", "model": args.model, "workload": name, "rate": rate,
+                    emit({"event": "load", "model": args.model, "workload": load.name, "rate": rate,
                           "error": "timed out"}, records)
     finally:
         emit({"event": "server stopped", "model": args.model, "rc": stop(proc)}, records)

@@ -26,7 +26,8 @@ pack() {  # the call's folder as one file, its JSONL records beside it
 case "${1:-}" in
   qwen)
     serve 540 --model qwen3-0.6b --engine-timeout 240 --seconds 10 --min-prompts 8 \
-      --loads "chat:1024:256:2,4,8,12,16:inf" --loads "rag:8192:256:0.5,1:" ;;
+      --loads "chat:1024:256:2,4,8,12,16:inf" --loads "mixed:2048:512:4,8::0.1" \
+      --loads "rag:8192:256:0.5,1:" ;;
   smollm2)
     join_gguf || exit 1
     serve 330 --model smollm2 --load-format auto --context-length 2048 --num-pages 6000 \
@@ -34,7 +35,7 @@ case "${1:-}" in
     OUT=$run ONE_CHIP_MODEL=smollm2 ONE_CHIP_LIMIT=300 bash bench/tpu_one_chip_check.sh run | tail -3 | cut -c 1-600 ;;
   qwen17)
     serve 540 --model qwen3-1.7b --loads "chat:1024:256:1,2,4,8:inf" \
-      --loads "rag:8192:256:0.5:" --min-prompts 8 ;;
+      --loads "mixed:2048:512:2,4::0.1" --loads "rag:8192:256:0.5:" --min-prompts 8 ;;
   *) echo "usage: $0 qwen|smollm2|qwen17"; exit 2 ;;
 esac
 pack
