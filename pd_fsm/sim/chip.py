@@ -68,6 +68,9 @@ class ChipModel:
     # chip over its HBM floor (1.70 vs 1.53 ms, bench/RESULTS_tpu.md).
     step_fixed_s: float = 0.17e-3
     hbm_usable: float = 0.9  # of each chip's HBM, for weights and KV (the rest: activations)
+    # A pool an instance was given (``--num-pages`` x ``--page-size``), in tokens, in place of
+    # the HBM left after the weights: 0 for the latter.
+    pool_tokens: int = 0
 
 
 @attrs.frozen
@@ -130,6 +133,8 @@ class ChipCosts:
     def kv_capacity_tokens(self, tp: int) -> int:
         """Tokens of KV an instance of ``tp`` chips holds: their HBM less one copy of the
         weights (sharded over them)."""
+        if self.shape.pool_tokens:
+            return self.shape.pool_tokens
         free = tp * self.host.hbm_bytes * self.shape.hbm_usable - self.shape.weight_bytes
         return max(int(free // self.kv_per_token), 0)
 
