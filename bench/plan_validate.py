@@ -170,8 +170,9 @@ def scaled(profile: Profile, term: str, factor: float) -> Profile:
     return attrs.evolve(profile, by_cores=(one,))
 
 
-def costs_for(profile: Profile) -> ChipCosts:
-    return ChipCosts(profile, HOSTS["v5e-8"], ChipModel(pool_tokens=POOL_TOKENS))
+def costs_for(profile: Profile, mixed_extra: float = 0.0) -> ChipCosts:
+    return ChipCosts(profile, HOSTS["v5e-8"], ChipModel(pool_tokens=POOL_TOKENS),
+                     mixed_extra=mixed_extra)
 
 
 # The cost term a figure rests on when it is off: a request's TTFT on its prefill's step(s),
@@ -179,7 +180,8 @@ def costs_for(profile: Profile) -> ChipCosts:
 TERM = {"TTFT": ("prefill", "ttft_p50"), "ITL": ("decode", "itl_p50")}
 
 
-def fit(profile: Profile, load: Load, figure: str, seeds: int, cache: bool = True) -> float:
+def fit(profile: Profile, load: Load, figure: str, seeds: int, cache: bool = True,
+        mixed_extra: float = 0.0) -> float:
     """The factor on ``figure``'s term (``TERM``) that brings its median prediction to the
     measured figure: bisected in log space over 1/4..4 (a figure that rises with its term)."""
     term, key = TERM[figure]
@@ -187,13 +189,14 @@ def fit(profile: Profile, load: Load, figure: str, seeds: int, cache: bool = Tru
     lo, hi = math.log(0.25), math.log(4.0)
     for _ in range(10):
         mid = (lo + hi) / 2
-        got = getattr(predict(costs_for(scaled(profile, term, math.exp(mid))), load, seeds,
-                              cache), key)
+        costs = costs_for(scaled(profile, term, math.exp(mid)), mixed_extra)
+        got = getattr(predict(costs, load, seeds, cache), key)
         lo, hi = (mid, hi) if got < want else (lo, mid)
     return math.exp((lo + hi) / 2)
 
 
-def off(profile: Profile, load: Load, f: Figures, seeds: int, cache: bool = True) -> list[str]:
+def off(profile: Profile, load: Load, f: Figures, seeds: int, cache: bool = True,
+        mixed_extra: float = 0.0) -> list[str]:
     """Each figure outside +-20 % of the measurement, with the factor its term would need."""
     out = []
     for name, predicted, measured in (("TTFT", f.ttft_p50, load.ttft_p50),
@@ -202,8 +205,8 @@ def off(profile: Profile, load: Load, f: Figures, seeds: int, cache: bool = True
         ratio = predicted / measured if measured else math.inf
         if abs(ratio - 1) <= WITHIN:
             continue
-        why = (f": {TERM[name][0]} x {fit(profile, load, name, seeds, cache):.2f} would meet it"
-               if name in TERM else "")
+        factor = fit(profile, load, name, seeds, cache, mixed_extra) if name in TERM else 0
+        why = f": {TERM[name][0]} x {factor:.2f} would meet it" if name in TERM else ""
         out.append(f"{name} {ratio:.2f}x{why}")
     return out
 
@@ -221,6 +224,8 @@ def main() -> None:
     p.add_argument("--runs", type=Path, default=RUNS)
     p.add_argument("--seeds", type=int, default=11)
     p.add_argument("--no-cache", action="store_true")
+    p.add_argument("--mixed-extra", type=float, default=0.0, metavar="SHARE",
+                   help="a mixed step costs its parts and this share more (as pd-fsm plan)")
     p.add_argument("--prefill-from", type=Path, metavar="FILE",
                    help="take the prefill points from another profile (the same prefill "
                         "measured on a runner of another capacity)")
@@ -234,12 +239,13 @@ def main() -> None:
         profile = attrs.evolve(profile, by_cores=(chip,))
     for term, factor in args.scale:
         profile = scaled(profile, term, float(factor))
-    costs, cache = costs_for(profile), not args.no_cache
+    costs, cache = costs_for(profile, args.mixed_extra), not args.no_cache
     print(f"{_rel(args.profile)} against {_rel(args.runs)}/{MODEL}.jsonl: one colocated worker, "
           f"max_running {MAX_RUNNING}, chunk {MAX_BATCHED}, pool {POOL_TOKENS} tokens; "
           f"median of {args.seeds} seeds at each measured arrival rate; replay: the bench's "
           f"own arrival schedule; prefill from {_rel(args.prefill_from) or 'the profile'}; "
-          f"prefix cache {'replayed' if cache else 'left out'}; "
+          f"prefix cache {'replayed' if cache else 'left out'}; mixed step extra "
+          f"{args.mixed_extra:g}; "
           f"ITL: every gap between two streamed tokens, pooled (the bench's kind); where a "
           f"figure is off, the factor on its cost term (TTFT: prefill, ITL: decode) that would "
           f"bring the prediction to the measurement\n")
@@ -248,7 +254,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for load in loads(args.runs):
         f, r = predict(costs, load, args.seeds, cache), replay(costs, load, cache)
-        missed = off(profile, load, f, args.seeds, cache)
+        missed = off(profile, load, f, args.seeds, cache, args.mixed_extra)
         print(f"| {load.workload} {load.prompt}/{load.out} | {load.arrival_rate:.2f} | "
               f"{load.prompts} | {load.cached_tokens} | {f.ttft_p50 * 1e3:.1f} / "
               f"{load.ttft_p50 * 1e3:.1f} ({f.ttft_p50 / load.ttft_p50:.2f}) | "

@@ -81,6 +81,9 @@ class Links:
     net_gbps: float = 5.0  # GB/s of one P instance's transfers over the network
     net_latency_s: float = 200e-6  # per transfer
     d2h_leg: str = "d2h"  # the profile's leg off the chip: "d2h" or "d2h_pinned"
+    # GB/s off the chip in place of the profile's leg (0: the leg): the leg is noisy between
+    # runs on the chip, so a plan can be read at the range measured.
+    d2h_gbps: float = 0.0
 
 
 class ChipCosts:
@@ -162,7 +165,9 @@ class ChipCosts:
         if links.path == "ici":
             wide = min(tp_p, tp_d)
             return 0.0, self.host.ici_latency_s + n / wide / (self.host.ici_gbps * 1e9), 0.0
-        return (self._leg(links.d2h_leg, n / tp_p), links.net_latency_s + n / (
+        off = (n / tp_p / (links.d2h_gbps * 1e9) if links.d2h_gbps
+               else self._leg(links.d2h_leg, n / tp_p))
+        return (off, links.net_latency_s + n / (
             links.net_gbps * 1e9), self._leg("h2d", n / tp_d))
 
     def transfer_s(self, tokens: int, tp_p: int, tp_d: int) -> float:
