@@ -4,6 +4,7 @@
 #   bash bench/plan_runs.sh [PROFILE] [TAG]
 # (default: the DERIVED profile bench/tpu_v5e_profile_derived.json, tag "derived"; give the
 # measured profile and another tag to rerun on it). Each run is niced and takes the CPU lock.
+# ONLY="chat-8 rag-8 ..." runs just those names (the rest takes ~20 runs of 1-3 min of CPU each).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROFILE=${1:-bench/tpu_v5e_profile_derived.json}
@@ -12,6 +13,7 @@ OUT=bench/plan_runs/$TAG
 mkdir -p "$OUT"
 run() {  # NAME ARGS...
   local name=$1; shift
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return 0; fi
   echo "== $name: pd-fsm plan --profile $PROFILE $*" | tee "$OUT/$name.txt"
   flock /tmp/pdfsm-cpu.lock nice -n 5 .venv/bin/pd-fsm plan --profile "$PROFILE" "$@" \
     >> "$OUT/$name.txt" 2>&1

@@ -68,6 +68,9 @@ class ChipModel:
     # chip over its HBM floor (1.70 vs 1.53 ms, bench/RESULTS_tpu.md).
     step_fixed_s: float = 0.17e-3
     hbm_usable: float = 0.9  # of each chip's HBM, for weights and KV (the rest: activations)
+    # A pool an instance was given (``--num-pages`` x ``--page-size``), in tokens, in place of
+    # the HBM left after the weights: 0 for the latter.
+    pool_tokens: int = 0
 
 
 @attrs.frozen
@@ -78,6 +81,9 @@ class Links:
     net_gbps: float = 5.0  # GB/s of one P instance's transfers over the network
     net_latency_s: float = 200e-6  # per transfer
     d2h_leg: str = "d2h"  # the profile's leg off the chip: "d2h" or "d2h_pinned"
+    # GB/s off the chip in place of the profile's leg (0: the leg): the leg is noisy between
+    # runs on the chip, so a plan can be read at the range measured.
+    d2h_gbps: float = 0.0
 
 
 class ChipCosts:
@@ -130,6 +136,8 @@ class ChipCosts:
     def kv_capacity_tokens(self, tp: int) -> int:
         """Tokens of KV an instance of ``tp`` chips holds: their HBM less one copy of the
         weights (sharded over them)."""
+        if self.shape.pool_tokens:
+            return self.shape.pool_tokens
         free = tp * self.host.hbm_bytes * self.shape.hbm_usable - self.shape.weight_bytes
         return max(int(free // self.kv_per_token), 0)
 
@@ -157,7 +165,9 @@ class ChipCosts:
         if links.path == "ici":
             wide = min(tp_p, tp_d)
             return 0.0, self.host.ici_latency_s + n / wide / (self.host.ici_gbps * 1e9), 0.0
-        return (self._leg(links.d2h_leg, n / tp_p), links.net_latency_s + n / (
+        off = (n / tp_p / (links.d2h_gbps * 1e9) if links.d2h_gbps
+               else self._leg(links.d2h_leg, n / tp_p))
+        return (off, links.net_latency_s + n / (
             links.net_gbps * 1e9), self._leg("h2d", n / tp_d))
 
     def transfer_s(self, tokens: int, tp_p: int, tp_d: int) -> float:

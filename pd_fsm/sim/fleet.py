@@ -68,6 +68,9 @@ class FleetReq:
     prompt: int
     out: int
     prefilled: int = 0
+    # Prompt tokens a prefix cache already holds: its prefill starts after them (the fleet
+    # model caches nothing itself; a replay of a measured run sets what the server reported).
+    cached: int = 0
     first: float = math.nan  # when its first token left
     last: float = math.nan  # when its last did
     ready: float = math.inf  # PD: when its whole KV is on D
@@ -204,7 +207,7 @@ class Fleet:
     def arrive(self, r: FleetReq) -> None:
         w = min(self.entries, key=lambda i: (i.entry_load(), i.name))
         w.waiting.append(r)
-        w.waiting_tokens += r.prompt
+        w.waiting_tokens += r.prompt - r.prefilled
         self.kick(w)
 
     def kick(self, w: Instance) -> None:
@@ -225,7 +228,7 @@ class Fleet:
         for r in w.waiting:
             if budget <= 0:
                 break
-            if r.prefilled == 0:
+            if r.prefilled == r.cached:
                 if len(w.rows) + len(step.chunks) >= w.max_running:
                     break
                 if not w.reserve(r.prompt + (r.out if w.role == "colocated" else 0)):
@@ -331,7 +334,8 @@ def simulate_fleet(costs: ChipCosts, config: FleetConfig, requests: Sequence[Fle
                    horizon: float, max_batched_tokens: int, max_running: int) -> FleetRun:
     """Run fresh copies of ``requests`` through ``config`` until every one is answered or
     ``horizon``."""
-    reqs = [FleetReq(r.arrival, r.prompt, r.out) for r in requests]
+    reqs = [FleetReq(r.arrival, r.prompt, r.out, prefilled=r.cached, cached=r.cached)
+            for r in requests]
     fleet = Fleet(costs, config, max_batched_tokens, max_running)
     fleet.run(reqs, horizon)
     end = max(fleet.now, 1e-9)

@@ -58,6 +58,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--kv-path", choices=("host", "ici"), default="host",
                    help="P -> D through the hosts (pd_fsm's path) or chip to chip on ICI")
     p.add_argument("--d2h-leg", choices=("d2h", "d2h_pinned"), default="d2h")
+    p.add_argument("--d2h-gbps", type=float, default=0.0,
+                   help="GB/s of the KV off P's chips in place of the profile's leg (0: the leg)")
     p.add_argument("--ici-gbps", type=float, default=0.0,
                    help="the all-reduce's GB/s a chip (0: the host kind's)")
     p.add_argument("--mixed-extra", type=float, default=0.0, metavar="SHARE",
@@ -88,7 +90,8 @@ def _settings(args: argparse.Namespace) -> tuple[Settings, int]:
     if args.chips % cell:
         raise ValueError(f"--chips {args.chips} is not a whole number of cells of {cell}")
     costs = ChipCosts(profile, host, ChipModel(args.layers, args.hidden, args.weight_bytes),
-                      Links(args.kv_path, args.net_gbps, args.net_latency, args.d2h_leg),
+                      Links(args.kv_path, args.net_gbps, args.net_latency, args.d2h_leg,
+                            args.d2h_gbps),
                       args.mixed_extra)
     slo = Slo(args.ttft_slo, args.ttft_slo_long, itl_s=args.itl_slo,
               itl_measure=args.itl_measure)

@@ -76,6 +76,7 @@ def test_a_room_moves_through_its_three_legs_and_the_link() -> None:
         (n / 4e9, 200e-6 + n / 5e9, n / 2 / 5e9))
     assert _costs(net_gbps=2.5).stages_s(8192, 1, 1)[1] == pytest.approx(200e-6 + n / 2.5e9)
     assert _costs(d2h_leg="d2h_pinned").stages_s(8192, 2, 1)[0] == pytest.approx(n / 2 / 1e9)
+    assert _costs(d2h_gbps=2.0).stages_s(8192, 2, 1)[0] == pytest.approx(n / 2 / 2e9)
     ici = _costs(path="ici").stages_s(8192, 2, 4)
     assert ici == pytest.approx((0.0, 10e-6 + n / 2 / 100e9, 0.0))
 
