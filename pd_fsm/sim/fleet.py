@@ -205,15 +205,25 @@ class Fleet:
             fn()
 
     def arrive(self, r: FleetReq) -> None:
-        w = min(self.entries, key=lambda i: (i.entry_load(), i.name))
+        w = self.entry_for(r)
+        if w is None:
+            return
         w.waiting.append(r)
         w.waiting_tokens += r.prompt - r.prefilled
         self.kick(w)
 
+    def entry_for(self, r: FleetReq) -> Instance | None:
+        """The entry (P or colocated) that takes ``r``: the fewest prompt tokens waiting."""
+        return min(self.entries, key=lambda i: (i.entry_load(), i.name))
+
+    def pick_decode(self, r: FleetReq) -> Instance:
+        """The D ``r``'s room goes to: the fewest tokens held or on the way."""
+        return min(self.decodes, key=lambda i: (i.decode_load(), i.name))
+
     def kick(self, w: Instance) -> None:
         if w.busy:
             return
-        step = self.plan(w)
+        step = self.plan_step(w)
         if step is None:
             return
         w.busy = True
@@ -234,7 +244,7 @@ class Fleet:
                 if not w.reserve(r.prompt + (r.out if w.role == "colocated" else 0)):
                     break
                 if w.role == "prefill":
-                    d = min(self.decodes, key=lambda i: (i.decode_load(), i.name))
+                    d = self.pick_decode(r)
                     d.on_the_way += r.prompt + r.out
                     r.decode_to = d
             n = min(r.prompt - r.prefilled, budget)
@@ -242,7 +252,7 @@ class Fleet:
             step.seconds += self.costs.prefill_s(r.prefilled, n, w.tp)
             budget -= n
 
-    def plan(self, w: Instance) -> Step | None:
+    def plan_step(self, w: Instance) -> Step | None:
         step = Step(0.0)
         if w.role == "decode":
             while w.ready and len(w.rows) + len(step.admitted) < w.max_running:
@@ -359,11 +369,14 @@ class FleetWorkload:
     name: str
     phases: tuple[tuple[float, int, int], ...]
 
-    def requests(self, rate: float, seed: int) -> list[FleetReq]:
+    def requests(self, rate: float | Sequence[float], seed: int) -> list[FleetReq]:
+        """At ``rate`` req/s, or a rate a phase (the list over again past its end)."""
         rng = random.Random(seed)
         out: list[FleetReq] = []
         start = 0.0
-        for seconds, prompt, answer in self.phases:
+        rates = [rate] if isinstance(rate, int | float) else list(rate)
+        for i, (seconds, prompt, answer) in enumerate(self.phases):
+            rate = rates[i % len(rates)]
             t = start + rng.expovariate(rate)
             while t < start + seconds:
                 out.append(FleetReq(t, prompt, answer))

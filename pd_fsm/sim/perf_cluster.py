@@ -95,7 +95,8 @@ class ClusterRun:
     deferred: int = 0  # arrivals that found no entry and waited (every 0.1 s) for one
 
 
-def _p90(values: list[float]) -> float:
+def p90(values: Sequence[float]) -> float:
+    """The 90th percentile (nearest rank); NaN of none."""
     if not values:
         return math.nan
     s = sorted(values)
@@ -260,7 +261,7 @@ class _Cluster:
                        if r.prefill_by == w.name and r.answered >= since]
             out.append(WorkerSnapshot(
                 w.name, role, waiting=len(w.waiting) + len(w.arriving), running=len(w.running),
-                ttft_p90=_p90(ttft), itl_p90=_p90(gaps), kv_usage=used / PAGES,
+                ttft_p90=p90(ttft), itl_p90=p90(gaps), kv_usage=used / PAGES,
                 switching=w.name in self.switching, pool_threads=w.cores,
                 prompt_tokens=sum(prompts) / len(prompts) if prompts else math.nan))
         return out

@@ -24,6 +24,7 @@ from pd_fsm.sim.plan import (
     rate_grid,
     streamed_hidden,
 )
+from pd_fsm.sim.plan_planned import add_planner_args, compare, planning_for, report
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -73,9 +74,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--top", type=int, default=4,
                    help="configurations besides colocated drawn against rate (4)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", default="", metavar="NAME",
-                   help="draw goodput against rate to bench/plots/NAME.png (bench/plots.py; "
-                        "needs the checkout and matplotlib)")
+    add_planner_args(p)
     p.set_defaults(func=main)
 
 
@@ -108,6 +107,8 @@ def main(args: argparse.Namespace) -> int:
     cell = args.chips // replicas
     configs = configurations(cell, args.stream_tokens)
     colocated = [c for c in configs if c.colocated]
+    if args.planner:
+        return _planned(args, s, configs, replicas)
     print(f"{s.costs.profile.model} on {s.costs.profile.device_kind or 'an accelerator'} "
           f"({args.profile}); {args.chips} chips of {args.host} as {replicas} cell(s) of {cell}; "
           f"workload {args.workload}; SLO TTFT <= {s.slo.ttft_s:g} s ({s.slo.ttft_long_s:g} s "
@@ -176,3 +177,29 @@ def _plot(name: str, title: str, curves: dict[str, list[tuple[float, float]]], s
                            f"TTFT <= {slo.ttft_s:g} s ({slo.ttft_long_s:g} s at "
                            f"{slo.long_prompt} in), {slo.itl_measure} ITL <= "
                            f"{slo.itl_s * 1000:g} ms")
+
+
+def _planned(args: argparse.Namespace, s: Settings, configs: list[FleetConfig],
+             replicas: int) -> int:
+    cell = args.chips // replicas
+    rates = args.phase_rates or args.rates[:1]
+    per_cell = ([r / replicas for r in rates] if rates
+                else [half_miss_rate(s, [c for c in configs if c.colocated])])
+    planning = planning_for(s, cell, args.launcher, args.planner_interval,
+                            args.planner_cooldown)
+    try:
+        compared = compare(s, configs, per_cell, planning, args.planner_start)
+    except ValueError as exc:
+        print(f"pd-fsm plan: {exc}", file=sys.stderr)
+        return 2
+    print(f"{s.costs.profile.model} ({args.profile}); {args.chips} chips as {replicas} "
+          f"cell(s) of {cell}; workload {args.workload}, phases of {args.phase_seconds:g} s at "
+          + ", ".join(f"{r * replicas:g}" for r in per_cell) + " req/s; SLO TTFT <= "
+          f"{s.slo.ttft_s:g} s ({s.slo.ttft_long_s:g} s at {s.slo.long_prompt} in), ITL "
+          f"({s.slo.itl_measure}) <= {s.slo.itl_s * 1000:g} ms; planner every "
+          f"{planning.interval:g} s, window {planning.window:g} s, cooldown "
+          f"{planning.planner.cooldown:g} s, switch {planning.switch_s:g} s, launcher "
+          f"{'on' if planning.launcher else 'off'}; seed {args.seed} (predicted)\n")
+    kinds = ("chat", "rag", "reasoning") if args.workload == "shifting" else (args.workload,)
+    print(report(compared, replicas, kinds))
+    return 0
