@@ -84,12 +84,16 @@ def report(c: Compared, replicas: int, kinds: Sequence[str]) -> str:
 
     rows = [("planner (from " + c.start.name + ")", c.planned), ("best static: " + best,
             c.static[best]), ("best per phase (free switches)", oracle)]
+    if c.start.name != best:  # what the planner did beside leaving its start alone
+        rows.insert(1, ("static: " + c.start.name, c.static[c.start.name]))
     head = " | ".join(f"{kinds[i % len(kinds)]} {i + 1}" for i in range(n))
     lines = [f"| goodput req/s | {head} | run |", "|---" * (n + 2) + "|"]
     lines += [f"| {name} | " + " | ".join(f"{x * replicas:.2f}" for x in g)
               + f" | {total(g):.2f} |" for name, g in rows]
-    ratio = [p / b if b else float("inf") for p, b in zip(c.planned, c.static[best],
-                                                           strict=True)]
+    # A phase where the best static configuration met nothing: 1.0 if the planner met
+    # nothing either (neither is below the other).
+    ratio = [p / b if b else (float("inf") if p else 1.0)
+             for p, b in zip(c.planned, c.static[best], strict=True)]
     over = total(c.planned) / max(total(c.static[best]), 1e-9)
     lines.append(f"\nplanner / best static: {over:.2f}x over the run; a phase: "
                  + ", ".join(f"{r:.2f}x" for r in ratio)

@@ -92,3 +92,4 @@ def test_pd_fsm_plan_planner_reports_it_beside_the_best_static(tmp_path: Path) -
         capture_output=True, text=True, check=True).stdout
     assert "| planner (from 1P TP1 : 1D TP1) |" in out and "| best static: " in out
     assert "planner / best static: " in out and "best per phase: " in out
+    assert "| static: 1P TP1 : 1D TP1 |" in out or "| best static: 1P TP1 : 1D TP1 |" in out
