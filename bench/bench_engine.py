@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -192,8 +193,16 @@ def profile(label: str, run: Callable[[], Any], out_dir: Path | None, steps: int
             per.setdefault((where, e["name"]), []).append(float(e["dur"]))
     device = {k: v for k, v in per.items() if "TPU" in k[0] or "/device" in k[0]}
     top = sorted(device.items(), key=lambda kv: -sum(kv[1]))[:30]
+    # The same by kind ("fusion.12" and "fusion.40" are one kind): where a step's time goes.
+    # The step's own span (jit_step...) encloses the rest: it is the step, not a kind.
+    kinds: dict[str, list[float]] = {}
+    for (_, name), durs in device.items():
+        if not name.startswith("jit_"):
+            kinds.setdefault(re.sub(r"\.\d+$", "", name), []).extend(durs)
     emit(profile=label, steps=steps, processes=sorted(set(names.values())),
          device_us_per_step=sum(sum(v) for v in device.values()) / steps,
+         kinds_us_per_step={k: (len(v) // steps, round(sum(v) / steps, 1)) for k, v in
+                            sorted(kinds.items(), key=lambda kv: -sum(kv[1]))[:20]},
          top_device=[(k[0][-12:], k[1][:80], len(v) // steps, round(sum(v) / steps, 1))
                      for k, v in top],
          host=[(k[1][:60], len(v) // steps, round(sum(v) / steps, 1)) for k, v in

@@ -3,6 +3,7 @@
 # there: wheels and SmolLM2's GGUF in parts as bench/tpu_env.sh says.
 #   call 1:  bash bench/tpu_engine.sh shapes     (carry .whl-tpu and .gguf-parts/a)
 #   call 2:  bash bench/tpu_engine.sh greedy     (carry .gguf-parts/b and c; the same warm machine)
+#   or:      bash bench/tpu_engine.sh prefill    (carry .whl-tpu: a prefill's trace by kind)
 # Figures land in $OUT; bench/RESULTS_tpu.md has what they said.
 set -u
 # shellcheck source=bench/tpu_env.sh
@@ -26,5 +27,8 @@ case "${1:-}" in
     run greedy 170 --no-kernel-check --shapes "" --greedy-check --greedy-tokens 64
     run loop 230 --no-kernel-check --shapes "" --scheduler qwen3-0.6b --loop-requests 32 \
       --loop-in 1024 --loop-out 128 ;;
-  *) echo "usage: $0 shapes|greedy"; exit 2 ;;
+  prefill)  # where a prefill's time goes: the trace by kind, 1,024 and 4,096 tokens
+    run prefill 240 --no-kernel-check --shapes qwen3-0.6b,llama-3.2-1b --chain-shapes "" \
+      --rows 1 --contexts 512 --prefills 1024,4096 --no-mixed --profile-prefill 1024,4096 ;;
+  *) echo "usage: $0 shapes|greedy|prefill"; exit 2 ;;
 esac

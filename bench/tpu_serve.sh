@@ -6,6 +6,7 @@
 #   call 2:  bash bench/tpu_profile.sh         (carry .gguf-parts/b)
 #   call 3:  bash bench/tpu_serve.sh smollm2   (carry .gguf-parts/c; then the one-chip check)
 #   later:   bash bench/tpu_serve.sh qwen17    (a fresh machine: carry .whl-tpu)
+#            bash bench/tpu_serve.sh switch    (after qwen on the same machine: its compiles)
 # Each call's records land in $OUT/<call>.tgz (the device tool brings back 8 files at most) and
 # its JSONL beside it; bench/RESULTS_tpu.md has what they said.
 set -u
@@ -16,7 +17,7 @@ run=$OUT/${1:-none}
 mkdir -p "$run"
 serve() {  # serve LIMIT ARGS...: one tpu_serve.py run, cut at LIMIT seconds
   local limit=$1; shift
-  timeout -s INT "$limit" python3 bench/tpu_serve.py --out "$run" "$@" 2>&1 \
+  timeout -s INT "$limit" python3 bench/tpu_serve.py --out "${SERVE_OUT:-$run}" "$@" 2>&1 \
     | grep -v Warning | cut -c 1-400
 }
 pack() {  # the call's folder as one file, its JSONL records beside it
@@ -25,17 +26,21 @@ pack() {  # the call's folder as one file, its JSONL records beside it
 }
 case "${1:-}" in
   qwen)
-    serve 540 --model qwen3-0.6b --engine-timeout 240 --seconds 10 --min-prompts 8 \
+    serve 560 --model qwen3-0.6b --engine-timeout 260 --seconds 10 --min-prompts 8 \
       --loads "chat:1024:256:2,4,8,12,16:inf" --loads "mixed:2048:512:4,8::0.1" \
-      --loads "rag:8192:256:0.5,1:" ;;
+      --loads "rag:8192:256:0.5,1,2:" ;;
   smollm2)
     join_gguf || exit 1
     serve 330 --model smollm2 --load-format auto --context-length 2048 --num-pages 6000 \
       --engine-timeout 150 --seconds 10 --loads "chat:1024:256:2,4,8,16:inf" --min-prompts 8
     OUT=$run ONE_CHIP_MODEL=smollm2 ONE_CHIP_LIMIT=300 bash bench/tpu_one_chip_check.sh run | tail -3 | cut -c 1-600 ;;
   qwen17)
-    serve 540 --model qwen3-1.7b --loads "chat:1024:256:1,2,4,8:inf" \
-      --loads "mixed:2048:512:2,4::0.1" --loads "rag:8192:256:0.5:" --min-prompts 8 ;;
-  *) echo "usage: $0 qwen|smollm2|qwen17"; exit 2 ;;
+    serve 560 --model qwen3-1.7b --engine-timeout 280 --seconds 10 --min-prompts 8 \
+      --loads "chat:1024:256:1,2,4,8:inf" --loads "mixed:2048:512:2,4::0.1" \
+      --loads "rag:8192:256:0.5,1:" ;;
+  switch)  # the saturated load again, the worker's GIL switch interval 1 ms (Python's: 5 ms)
+    SERVE_OUT=$run/switch1ms PD_FSM_GIL_SWITCH_MS=1 serve 200 --model qwen3-0.6b --engine-loop "" \
+      --loads "chat:1024:256::inf" --seed 700 ;;
+  *) echo "usage: $0 qwen|smollm2|qwen17|switch"; exit 2 ;;
 esac
 pack

@@ -116,6 +116,10 @@ def _prepare_process(config: ServeConfig) -> None:
     config.cluster_secret()  # fail now, not at the first registration
     if config.port is None and any(role != "null" for role in config.role_list):
         check_transfer_tcp(config.public_host)
+    # An experiment's knob (bench/tpu_serve.sh switch): how long a thread holding the GIL keeps
+    # it before one waiting (the step thread, back from the device) may take it; Python's: 5 ms.
+    if os.environ.get("PD_FSM_GIL_SWITCH_MS"):
+        sys.setswitchinterval(float(os.environ["PD_FSM_GIL_SWITCH_MS"]) / 1000)
     if config.host_heap == "hugepages":
         # glibc reads the tunable at start-up only: this re-executes the process once (same
         # PID). `pd-fsm serve` has done so already, before its imports (pd_fsm/cli.py); here
