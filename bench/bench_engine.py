@@ -228,8 +228,11 @@ def bench_shape(name: str, args: argparse.Namespace) -> None:
     weights = decode_weight_bytes(params, config)
     page_bytes = kv_token_bytes(config, itemsize) * PAGE
     budget = min(args.pool_gb * 1e9, max(args.hbm_gb * 1e9 - param_bytes(params) - 2e9, 1e8))
-    pages = int(min(budget // page_bytes, 1 + max(args.rows) * max(args.contexts) // PAGE,
-                    1 + max(args.prefills) // PAGE + 64))
+    # Room for the largest decode batch and for the longest prefill (a prefill's table names
+    # pages 1..n/PAGE: a pool smaller than that made the kernel's DMA read past it and the chip
+    # halt, run 7), within the budget.
+    pages = int(min(budget // page_bytes, max(1 + max(args.rows) * max(args.contexts) // PAGE,
+                                              1 + -(-max(args.prefills) // PAGE))))
     emit(shape=name, params=param_bytes(params), pool_pages=pages, kv_bytes_per_token=
          kv_token_bytes(config, itemsize), layers=config.num_layers, heads=config.num_heads,
          kv_heads=config.num_kv_heads, head_dim=config.head_dim)
@@ -272,6 +275,10 @@ def bench_shape(name: str, args: argparse.Namespace) -> None:
                      error=f"{type(exc).__name__}: {exc}"[:2000])
 
     for n in args.prefills:
+        if -(-n // PAGE) >= pages:
+            emit(shape=name, path="fused", step="prefill", tokens=n,
+                 error=f"{n} tokens need more than the pool's {pages} pages")
+            continue
         table = np.zeros((1, -(-max(args.prefills) // PAGE)), np.int32)
         table[0, : -(-n // PAGE)] = np.arange(1, 1 + -(-n // PAGE))
         tokens = rng.integers(1, config.vocab_size, n).astype(np.int32)
