@@ -64,16 +64,39 @@ def wait_healthy(sock: Path, proc: subprocess.Popen[bytes], timeout: float) -> b
     return False
 
 
-def scrape(sock: Path, name: str) -> float:
-    """One counter of the worker's /metrics (nan when absent)."""
+# The worker's counters a load's record takes the difference of: compiles, prefix-cache hits,
+# its own TTFT (request arrival to first output: the client's TTFT less the HTTP edge's and the
+# client's share) and its steps (their count and the thread's seconds in them).
+COUNTERS = {
+    "compiles": "pd_fsm_worker_backend_compiles_after_ready_total",
+    "cached": "pd_fsm_worker_backend_prefix_cache_hit_tokens_total",
+    "ttft_sum": "pd_fsm_worker_time_to_first_token_seconds_sum",
+    "ttft_count": "pd_fsm_worker_time_to_first_token_seconds_count",
+    "steps": "pd_fsm_worker_backend_steps_total",
+    "step_seconds": "pd_fsm_worker_backend_step_seconds_total",
+}
+
+
+def scrape(sock: Path) -> dict[str, float]:
+    """``COUNTERS`` from the worker's /metrics (nan where absent)."""
     import httpx
 
     with httpx.Client(base_url="http://localhost", timeout=10,
                       transport=httpx.HTTPTransport(uds=str(sock))) as client:
-        for line in client.get("/metrics").text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return math.nan
+        lines = client.get("/metrics").text.splitlines()
+    values = {line.split()[0]: line.split()[1] for line in lines
+              if line and not line.startswith("#") and len(line.split()) == 2}
+    return {key: float(values.get(name, "nan")) for key, name in COUNTERS.items()}
+
+
+def server_side(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the worker saw of one load: compiles, prefix-cache hits, its mean TTFT and steps."""
+    d = {key: after[key] - before[key] for key in COUNTERS}
+    return {"compiles_after_ready": d["compiles"], "prefix_cache_hit_tokens": d["cached"],
+            "server_ttft_mean_ms": 1e3 * d["ttft_sum"] / d["ttft_count"] if d["ttft_count"]
+            else math.nan,
+            "steps": d["steps"],
+            "step_mean_ms": 1e3 * d["step_seconds"] / d["steps"] if d["steps"] else math.nan}
 
 
 def engine_ceiling(args: argparse.Namespace, out: Path, records: Path, in_tokens: int,
@@ -150,9 +173,7 @@ def one_load(args: argparse.Namespace, sock: Path, out: Path, records: Path, loa
                f"tpot:{args.tpot_ms:g}", "--json", str(out / f"{tag}.json"),
                "--timeout", str(args.request_timeout), "--seed", str(seed),
                "--random-range-ratio", f"{load.ratio:g}")
-    compiles = "pd_fsm_worker_backend_compiles_after_ready_total"
-    cached = "pd_fsm_worker_backend_prefix_cache_hit_tokens_total"
-    before, cached_before = scrape(sock, compiles), scrape(sock, cached)
+    before = scrape(sock)
     started = time.monotonic()
     with (out / f"{tag}.log").open("w") as f:
         # The client keeps off the chip: one program holds it, the server.
@@ -163,8 +184,7 @@ def one_load(args: argparse.Namespace, sock: Path, out: Path, records: Path, loa
                            "rate": None if math.isinf(rate) else rate,
                            "prompts": n, "rc": done.returncode,
                            "wall_s": time.monotonic() - started,
-                           "compiles_after_ready": scrape(sock, compiles) - before,
-                           "prefix_cache_hit_tokens": scrape(sock, cached) - cached_before}
+                           **server_side(before, scrape(sock))}
     if (out / f"{tag}.json").exists():
         rec |= json.loads((out / f"{tag}.json").read_text())
     emit(rec, records)

@@ -43,4 +43,8 @@ def test_tpu_serve_runs_its_loads_on_a_cpu(tmp_path: Path) -> None:
         # compilation cache loads them on first use, which the counter counts.)
         assert "compiles_after_ready" in load
         assert load["prefix_cache_hit_tokens"] == 0
+        # The worker's side of the load: its own TTFT (under the client's, which adds the HTTP
+        # edge and the client) and its steps, read from its counters.
+        assert 0 < load["server_ttft_mean_ms"] <= load["figures"]["TTFT p99 ms"]
+        assert load["steps"] > 0 and load["step_mean_ms"] > 0
     assert records[-1]["rc"] == 0
