@@ -66,8 +66,11 @@ def wait_healthy(sock: Path, proc: subprocess.Popen[bytes], timeout: float) -> b
 
 # The worker's counters a load's record takes the difference of: compiles, prefix-cache hits,
 # its own TTFT (request arrival to first output: the client's TTFT less the HTTP edge's and the
-# client's share) and its steps (their count and the thread's seconds in them).
+# client's share), of which the wait before the scheduler took the request, and its steps
+# (their count and the thread's seconds in them).
 COUNTERS = {
+    "prompts": "pd_fsm_worker_backend_prompts_total",
+    "intake_wait": "pd_fsm_worker_backend_intake_wait_seconds_total",
     "compiles": "pd_fsm_worker_backend_compiles_after_ready_total",
     "cached": "pd_fsm_worker_backend_prefix_cache_hit_tokens_total",
     "ttft_sum": "pd_fsm_worker_time_to_first_token_seconds_sum",
@@ -94,6 +97,8 @@ def server_side(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     d = {key: after[key] - before[key] for key in COUNTERS}
     return {"compiles_after_ready": d["compiles"], "prefix_cache_hit_tokens": d["cached"],
             "server_ttft_mean_ms": 1e3 * d["ttft_sum"] / d["ttft_count"] if d["ttft_count"]
+            else math.nan,
+            "intake_wait_mean_ms": 1e3 * d["intake_wait"] / d["prompts"] if d["prompts"]
             else math.nan,
             "steps": d["steps"],
             "step_mean_ms": 1e3 * d["step_seconds"] / d["steps"] if d["steps"] else math.nan}

@@ -46,5 +46,6 @@ def test_tpu_serve_runs_its_loads_on_a_cpu(tmp_path: Path) -> None:
         # The worker's side of the load: its own TTFT (under the client's, which adds the HTTP
         # edge and the client) and its steps, read from its counters.
         assert 0 < load["server_ttft_mean_ms"] <= load["figures"]["TTFT p99 ms"]
+        assert 0 <= load["intake_wait_mean_ms"] <= load["server_ttft_mean_ms"]
         assert load["steps"] > 0 and load["step_mean_ms"] > 0
     assert records[-1]["rc"] == 0

@@ -55,6 +55,7 @@ def common_stats(streams: StreamTable, health: Health, startup: Startup, page_si
         "requests_total": dict(streams.outcomes),
         "prompt_tokens_total": streams.prompt_tokens_total,
         "prompts_total": streams.prompts_total,
+        "intake_wait_seconds_total": streams.intake_wait_seconds_total,
         "generated_tokens_total": streams.generated_tokens_total,
         "steps_total": health.steps_total,
         "step_seconds_total": health.step_seconds_total,
@@ -278,9 +279,7 @@ class ColocatedBackend:
             except ValueError as exc:
                 streams.fail(stream, BackendError(400, str(exc)))
                 continue
-            stream.in_scheduler = True
-            streams.prompt_tokens_total += len(job.input_ids)
-            streams.prompts_total += 1
+            streams.admitted(stream)
             if self._spmd is not None:
                 self._spmd_pending.append(
                     RequestAdded(job.rid, tuple(job.input_ids), job.sampling, req.logprobs)

@@ -460,11 +460,6 @@ class PDBackend(Generic[S]):
         one tick the simulator runs too (``schedulers/disaggregation/tick.py``)."""
         streams = self.streams
 
-        def admitted(stream: JobStream) -> None:
-            stream.in_scheduler = True
-            streams.prompt_tokens_total += len(stream.job.input_ids)
-            streams.prompts_total += 1
-
         def busy(effects: tuple[fx.BusyEffect, ...]) -> None:
             self.link.while_busy = effects
 
@@ -483,7 +478,7 @@ class PDBackend(Generic[S]):
 
         result = run_tick(sched, inbox, jobs, aborts, rid=lambda s: s.job.rid,
                           admit=lambda s: self.role.admit_job(sched, s.job, s.accepted),
-                          on_admitted=admitted, on_busy=busy, may_abort=may_abort,
+                          on_admitted=streams.admitted, on_busy=busy, may_abort=may_abort,
                           before_step=self._send_early, early_outputs=first_tokens)
         if self._ranks is not None:
             self._ranks.fingerprint = fingerprint(sched)

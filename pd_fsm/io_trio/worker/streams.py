@@ -80,6 +80,9 @@ class StreamTable:
                                          "handed_off": 0, "moved": 0}
         self.prompt_tokens_total = 0
         self.prompts_total = 0  # requests admitted to the scheduler: prompt_tokens_total's count
+        # Their seconds from arrival to the scheduler (a wait for the step in flight): the part
+        # of a TTFT before any work on it.
+        self.intake_wait_seconds_total = 0.0
         self.generated_tokens_total = 0
 
     # -- the HTTP side ---
@@ -189,6 +192,13 @@ class StreamTable:
         while (stream := self.next_job()) is not None:
             jobs.append(stream)
         return jobs
+
+    def admitted(self, stream: JobStream) -> None:
+        """``stream``'s request is in the scheduler now: counted, with its wait since arrival."""
+        stream.in_scheduler = True
+        self.prompt_tokens_total += len(stream.job.input_ids)
+        self.prompts_total += 1
+        self.intake_wait_seconds_total += time.monotonic() - stream.accepted
 
     def pop_abort(self, rid: str) -> bool:
         """Whether ``rid`` was aborted (forgetting it): a job aborted before it was taken."""
