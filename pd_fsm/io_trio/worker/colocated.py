@@ -10,6 +10,7 @@ what the PD backends (pd_backends.py) share with it.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING
@@ -45,6 +46,10 @@ SPMD_JOIN_TIMEOUT_S = 120.0
 # The longest the step thread steps before it hands back to the loop with nothing waiting (its
 # housekeeping: drain, role switch; a shutdown waits for it).
 STEP_BURST_S = 0.25
+# The longest the step thread waits for the loop to take a prompt's first token (_first_tokens):
+# an idle loop takes it in a fraction of that; a busy one (a full worker) is not waited for
+# longer, so a prefill costs the device at most this.
+FIRST_TOKEN_WAIT_S = 0.001
 ABORTED_BY_REQUEST = "aborted by request"
 
 
@@ -238,8 +243,18 @@ class ColocatedBackend:
 
     def _first_tokens(self, outputs: list[RequestOutput]) -> None:
         """From the step's thread, before its decode forward: a prompt's first token goes to its
-        client now rather than one inter-token interval later (``Scheduler.step``'s ``early``)."""
-        self._to_loop(self.streams.fan_out, outputs)
+        client now rather than one inter-token interval later (``Scheduler.step``'s ``early``).
+        The thread waits (up to ``FIRST_TOKEN_WAIT_S``, the GIL released) for the loop to take
+        them: going straight on into the next step it would hold the GIL the loop needs to send
+        them, for up to Python's switch interval (5 ms) at a time."""
+        taken = threading.Event()
+
+        def hand(outs: list[RequestOutput]) -> None:
+            self.streams.fan_out(outs)
+            taken.set()
+
+        if self._to_loop(hand, outputs):
+            taken.wait(FIRST_TOKEN_WAIT_S)
 
     def _to_loop(self, fn: Callable[..., None], *args: object) -> bool:
         """Run ``fn(*args)`` on the trio thread soon, without waiting; calls run in the order
