@@ -11,10 +11,12 @@ import pytest
 import trio
 import trio.testing
 
+from pd_fsm.io_trio.worker import colocated
 from pd_fsm.io_trio.worker.app import WorkerApp
 from pd_fsm.io_trio.worker.backend import BackendError, GenerateJob
 from pd_fsm.io_trio.worker.colocated import ColocatedBackend
 from pd_fsm.io_trio.worker.config import ServeConfig
+from pd_fsm.io_trio.worker.spmd.frames import Command
 from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers import FinishReason, RequestOutput, Scheduler, SchedulerArgs
 
@@ -178,3 +180,74 @@ async def test_a_failed_step_names_its_cause_in_flight_and_after() -> None:
     assert after.value.status == 503 and "the worker is exiting" in after.value.reason
     assert "rank 1 is gone" in after.value.reason
     assert not b.ready() and not b.streams.live and b.outcomes["error"] == 1
+
+
+class _CountingBackend(ColocatedBackend):
+    """Counts the step thread's calls and the steps they ran."""
+
+    calls = 0
+
+    def _steps(self, scheduler: Scheduler, commands: tuple[Command, ...], woken: trio.Event
+               ) -> tuple[list[RequestOutput], float]:
+        self.calls += 1
+        return super()._steps(scheduler, commands, woken)
+
+
+async def test_the_step_thread_steps_on_while_nothing_waits_for_the_loop(
+        nursery: trio.Nursery) -> None:
+    """One request alone: its steps run in fewer thread calls than steps (each step's outputs
+    handed to the loop from the thread), and its tokens are the scheduler's own."""
+    b = _CountingBackend(ARGS, stream_capacity=CAPACITY, warmup="minimal")
+    await nursery.start(b.serve)
+    steps_before = b.health.steps_total
+    tokens: list[int] = []
+    async with aclosing(b.generate(_job("alone", (3, 4, 5), n=40))) as outs:
+        async for out in outs:
+            tokens.extend(out.new_token_ids)
+    assert tokens == _reference((3, 4, 5), n=40)
+    assert b.calls < b.health.steps_total - steps_before
+
+
+async def test_a_request_arriving_mid_burst_is_taken_at_the_next_step(
+        backend: ColocatedBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long request keeps the thread stepping; a short one arriving meanwhile wakes the loop,
+    which takes it after the step in flight: it ends while the long one still runs (the burst's
+    time bound out of the way: only the wake can end it)."""
+    monkeypatch.setattr(colocated, "STEP_BURST_S", 600.0)
+    long_gen = backend.generate(_job("long", (1, 2, 3), n=300))
+    async with aclosing(long_gen):
+        await long_gen.__anext__()
+        short: list[int] = []
+        async with aclosing(backend.generate(_job("short", (7, 8), n=4))) as outs:
+            async for out in outs:
+                short.extend(out.new_token_ids)
+        assert short == _reference((7, 8), n=4)
+        assert "long" in backend.streams.live and not backend.streams.live["long"].done
+
+
+async def test_a_delivery_that_fails_on_the_loop_fails_the_step() -> None:
+    """An error in handing a step's outputs to the loop (run there, not in the thread) ends
+    the backend as a failed step does: the request in flight gets a 500 naming it."""
+    b = ColocatedBackend(ARGS, warmup="minimal")
+    fan_out = b.streams.fan_out
+    calls = 0
+
+    def failing(outputs: list[RequestOutput]) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("a stream table bug: simulated")
+        fan_out(outputs)
+
+    async def serve(*, task_status: trio.TaskStatus[None]) -> None:
+        with pytest.raises(RuntimeError, match="stream table bug"):
+            await b.serve(task_status=task_status)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve)
+        b.streams.fan_out = failing  # type: ignore[method-assign]
+        with pytest.raises(BackendError) as in_flight:
+            async with aclosing(b.generate(_job("a", (1, 2, 3), n=40))) as outs:
+                async for _ in outs:
+                    pass
+    assert in_flight.value.status == 500 and "stream table bug" in in_flight.value.reason
