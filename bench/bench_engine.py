@@ -381,6 +381,12 @@ def bench_chain(name: str, config: ModelConfig, params: dict[str, Any], weights:
             emit(shape=name, path="chain", step="decode", rows=rows, error=str(exc)[:2000])
 
 
+def _cache_counts() -> dict[str, int]:
+    from pd_fsm.jax_engine.compilation import cache
+
+    return cache.counts()
+
+
 def bench_scheduler(name: str, args: argparse.Namespace) -> None:
     """``Scheduler.step`` end to end: a closed loop of ``--loop-requests`` requests of
     ``--loop-in`` random tokens in and ``--loop-out`` out (greedy, EOS ignored), all admitted at
@@ -401,10 +407,15 @@ def bench_scheduler(name: str, args: argparse.Namespace) -> None:
         max_running=args.loop_max_running or n, max_batched_tokens=args.loop_batched or t_in,
         context_length=context))
     # What a server's start compiles (in parallel), so the loop's first pass meets no compile;
-    # with the server's settings, its start then finds these in the compilation cache.
+    # into the workers' compilation cache, so a server of the same settings started after this
+    # loads them instead of compiling them again (a worker's start on the chip took 140 s).
+    if args.compilation_cache:
+        from pd_fsm.jax_engine.compilation import cache
+
+        cache.enable(cache.default_dir())
     warm = warm_up(sched)
     emit(shape=name, path="scheduler warm-up", shapes=len(warm.shapes), compiled=warm.executables,
-         seconds=warm.seconds)
+         seconds=warm.seconds, cache=_cache_counts() if args.compilation_cache else None)
     rng = np.random.default_rng(2)
     config = sched.config
     itemsize = jnp.dtype(dtype).itemsize
@@ -564,6 +575,8 @@ def main() -> None:
                         help="the loop's admitted requests (0: --loop-requests)")
     parser.add_argument("--loop-batched", type=int, default=0,
                         help="the loop's prefill budget (0: --loop-in)")
+    parser.add_argument("--no-compilation-cache", dest="compilation_cache", action="store_false",
+                        help="the closed loop compiles without the workers' cache")
     parser.add_argument("--loop-requests", type=int, default=64)
     parser.add_argument("--loop-in", type=int, default=1024)
     parser.add_argument("--loop-out", type=int, default=256)

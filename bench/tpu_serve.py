@@ -80,8 +80,15 @@ COUNTERS = {
 }
 
 
-def scrape(sock: Path) -> dict[str, float]:
-    """``COUNTERS`` from the worker's /metrics (nan where absent)."""
+# What the worker's start found in the compilation cache (the closed loop before it filled it).
+AT_READY = {
+    "cache_hits": "pd_fsm_worker_backend_compilation_cache_hits_before_ready",
+    "cache_misses": "pd_fsm_worker_backend_compilation_cache_misses_before_ready",
+}
+
+
+def scrape(sock: Path, names: dict[str, str] = COUNTERS) -> dict[str, float]:
+    """``names`` from the worker's /metrics (nan where absent)."""
     import httpx
 
     with httpx.Client(base_url="http://localhost", timeout=10,
@@ -89,7 +96,7 @@ def scrape(sock: Path) -> dict[str, float]:
         lines = client.get("/metrics").text.splitlines()
     values = {line.split()[0]: line.split()[1] for line in lines
               if line and not line.startswith("#") and len(line.split()) == 2}
-    return {key: float(values.get(name, "nan")) for key, name in COUNTERS.items()}
+    return {key: float(values.get(name, "nan")) for key, name in names.items()}
 
 
 def server_side(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -245,7 +252,7 @@ def main() -> int:
                   "seconds": time.monotonic() - started}, records)
             return 1
         emit({"event": "server ready", "model": args.model,
-              "seconds": time.monotonic() - started}, records)
+              "seconds": time.monotonic() - started, **scrape(sock, AT_READY)}, records)
         seeds = iter(range(args.seed, args.seed + 1000))
         for spec in args.loads:
             load = parse_load(spec)

@@ -23,8 +23,10 @@ def test_tpu_serve_runs_its_loads_on_a_cpu(tmp_path: Path) -> None:
          "--max-batched-tokens", "128", "--context-length", "512", "--engine-loop", "32:4:4",
          "--seconds", "1", "--min-prompts", "3", "--saturation-prompts", "4",
          "--random-ids", "1-250", "--loads", "chat:48:4:3:inf", "--loads", "mixed:64:8:3::0.5"],
-        cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
-        timeout=400, check=False)
+        cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu",
+                       # This run's cache only, and the chip's full warm-up (not the suite's).
+                       "PD_FSM_CACHE_DIR": str(tmp_path / "cache"), "PD_FSM_WARMUP": "full"},
+        capture_output=True, text=True, timeout=400, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     records = [json.loads(line) for line in (out / "tiny.jsonl").read_text().splitlines()]
     events = [r["event"] for r in records]
@@ -33,6 +35,10 @@ def test_tpu_serve_runs_its_loads_on_a_cpu(tmp_path: Path) -> None:
     engine = records[0]
     assert engine["rc"] == 0
     assert any(r.get("output_tokens_per_s", 0) > 0 for r in engine["records"])
+    # The closed loop compiled the server's executables into the workers' cache: the server's
+    # start loads every one of them and compiles none.
+    ready = records[1]
+    assert ready["cache_hits"] > 0 and ready["cache_misses"] == 0
     loads = records[2:5]
     assert [(r["workload"], r["rate"], r["ratio"]) for r in loads] == [
         ("chat", 3.0, 1.0), ("chat", None, 1.0), ("mixed", 3.0, 0.5)]
