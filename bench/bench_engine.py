@@ -20,6 +20,8 @@ KV on an accelerator):
 - **chain**: today's path (``model/forward.py``'s ~34 jitted calls, then the sampler) for the
   smaller shapes, the same rows.
 - **kernel check**: the ragged paged attention kernel against the XLA reference on the backend.
+- **variants** (``--variants``, e.g. ``kv_write=dma``): the fused step built another way, timed
+  on the same pool at the ``--variants-at`` decode points and at every prefill.
 
 Each figure is the median of ``--repeats`` steps after two warm ones; the first call's seconds
 are the compile. Prints JSON lines as it goes (a run cut short still says what it measured).

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pd_fsm.jax_engine.kv.pool import NULL_PAGE, allocate_kv_pool
-from pd_fsm.jax_engine.kv.token_write import max_runs, token_runs
+from pd_fsm.jax_engine.kv.token_write import max_runs, token_runs, write_runs
 from pd_fsm.jax_engine.model import TINY
 from pd_fsm.jax_engine.model.params import random_params
 from pd_fsm.jax_engine.step.program import (
@@ -137,3 +137,15 @@ def test_a_step_writing_by_dma_equals_the_scattering_one() -> None:
         for a, b in zip(kv["dma"], kv["scatter"], strict=True):
             np.testing.assert_array_equal(np.asarray(a)[1:], np.asarray(b)[1:])
             assert np.any(np.asarray(a)[[3, 7, 1]])
+
+
+def test_the_write_lowers_to_a_mosaic_kernel_for_the_chip() -> None:
+    """Lowered for a TPU (Mosaic's Python lowering, which runs on any host; the chip's own
+    compile of it is not run here): a 1,024-token bf16 write of Qwen3-0.6B's lanes."""
+    pool = jax.ShapeDtypeStruct((80, PAGE, 2048), jnp.bfloat16)
+    entry = jax.ShapeDtypeStruct((1024, 2048), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((3, max_runs(1024, 1, PAGE)), jnp.int32)
+    n_runs = jax.ShapeDtypeStruct((), jnp.int32)
+    lowered = write_runs.trace(pool, entry, table, n_runs, interpret=False).lower(
+        lowering_platforms=("tpu",))
+    assert "tpu_custom_call" in lowered.as_text()
