@@ -1,6 +1,6 @@
-"""The step's KV write by DMAs of token runs (kv/token_write.py) against the XLA scatter it may
-replace: the same pool, bit for bit, on ragged steps (in Pallas TPU interpret mode on a CPU),
-and the same step."""
+"""The step's KV write by DMAs of token runs and by whole pages then tokens (kv/token_write.py)
+against the XLA scatter they may replace: the same pool, bit for bit, on ragged steps (the DMAs
+in Pallas TPU interpret mode on a CPU), and the same step."""
 
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_the_dma_write_equals_the_scatter(case: tuple) -> None:  # type: ignore[type-arg]
+@pytest.mark.parametrize("kv_write", ["dma", "pages"])
+def test_the_write_equals_the_scatter(case: tuple, kv_write: KVWrite) -> None:  # type: ignore[type-arg]
     q, kv, seqs, tokens = case
     rng = np.random.default_rng(len(q) * 7 + tokens)
     pages, lanes = 24, 256
@@ -65,12 +66,14 @@ def test_the_dma_write_equals_the_scatter(case: tuple) -> None:  # type: ignore[
         table[s, : -(-n // PAGE)] = [free.pop() for _ in range(-(-n // PAGE))]
     entry = jnp.asarray(rng.standard_normal((tokens, lanes)), jnp.bfloat16)
     scattered = _write("scatter", pool, entry, q_lens, kv_lens, table)
-    by_dma = _write("dma", pool, entry, q_lens, kv_lens, table)
-    # The scatter writes padding tokens into the null page; the DMA write leaves it as it was.
+    written = _write(kv_write, pool, entry, q_lens, kv_lens, table)
+    # Padding tokens (and the pages write's unused rows) land in the null page, which nothing
+    # reads unmasked; the DMA write leaves it as it was.
     keep = np.arange(pages) != NULL_PAGE
-    np.testing.assert_array_equal(by_dma[keep], scattered[keep])
-    np.testing.assert_array_equal(by_dma[NULL_PAGE], np.asarray(pool)[NULL_PAGE])
-    assert not np.array_equal(by_dma, np.asarray(pool))
+    np.testing.assert_array_equal(written[keep], scattered[keep])
+    if kv_write == "dma":
+        np.testing.assert_array_equal(written[NULL_PAGE], np.asarray(pool)[NULL_PAGE])
+    assert not np.array_equal(written, np.asarray(pool))
 
 
 def test_a_page_aligned_prefill_is_a_run_a_page() -> None:
@@ -113,7 +116,34 @@ def test_the_runs_cover_every_real_token_once_within_the_bound() -> None:
                     ) == list(range(int(q.sum())))
 
 
-def test_a_step_writing_by_dma_equals_the_scattering_one() -> None:
+def test_the_pages_write_equals_the_scatter_on_random_steps() -> None:
+    """Random ragged steps of 5 sequences and 208 tokens, as above: the pages write (XLA only,
+    quick on a CPU) leaves the pool the token scatter does, the null page aside."""
+    seqs, tokens, lanes = 5, 208, 128
+    options = {w: StepOptions(TINY, attention=ATTENTION, kv_write=w)
+               for w in ("scatter", "pages")}
+
+    @jax.jit
+    def both(pool: jax.Array, entry: jax.Array, q: jax.Array, kv: jax.Array,
+             pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+        out = [kv_write_fn(options[w], q, kv, pages, tokens, PAGE)[0](pool, entry)
+               for w in ("scatter", "pages")]
+        return out[0], out[1]
+
+    rng = np.random.default_rng(6)
+    pool = jnp.asarray(rng.standard_normal((64, PAGE, lanes)), jnp.float32)
+    entry = jnp.asarray(rng.standard_normal((tokens, lanes)), jnp.float32)
+    for _ in range(20):
+        q = rng.integers(0, 42, seqs) * (rng.random(seqs) < 0.8)
+        start = rng.integers(0, 50, seqs)
+        pages = rng.permutation(np.arange(1, 64))[: seqs * 8].reshape(seqs, 8)
+        a, b = both(pool, entry, jnp.asarray(q, jnp.int32), jnp.asarray(start + q, jnp.int32),
+                    jnp.asarray(pages, jnp.int32))
+        np.testing.assert_array_equal(np.asarray(b)[1:], np.asarray(a)[1:])
+
+
+@pytest.mark.parametrize("kv_write", ["dma", "pages"])
+def test_a_step_writing_so_equals_the_scattering_one(kv_write: KVWrite) -> None:
     """A tiny model's ragged prefill (two prompts, a padded sequence, padding tokens) and then
     a step of a decode row and a chunk starting mid-page: the same logits and pool."""
     config = attrs.evolve(TINY, head_dim=64, num_heads=4, num_kv_heads=2)
@@ -123,18 +153,18 @@ def test_a_step_writing_by_dma_equals_the_scattering_one() -> None:
     rng = np.random.default_rng(2)
     steps = [(rng.integers(1, 256, 32), [5, 19, 0], [5, 19, 0]),
              (rng.integers(1, 256, 16), [1, 12, 0], [6, 31, 0])]
-    kv = {w: allocate_kv_pool(pool_config) for w in ("scatter", "dma")}
+    kv = {w: allocate_kv_pool(pool_config) for w in ("scatter", kv_write)}
     for tokens, q_lens, kv_lens in steps:
         got = {}
-        for w in ("scatter", "dma"):
+        for w in ("scatter", kv_write):
             options = StepOptions(config, attention=ATTENTION, kv_write=w)  # type: ignore[arg-type]
             args = (jnp.asarray(tokens, jnp.int32), jnp.asarray(q_lens, jnp.int32),
                     jnp.asarray(kv_lens, jnp.int32), table, {})
             (logits,), kv[w] = step(params, kv[w], *args, options=options, sampler="logits")
             got[w] = np.asarray(logits)
         # The logits bit for bit: the tokens any sampler draws from them are the same.
-        np.testing.assert_array_equal(got["dma"], got["scatter"])
-        for a, b in zip(kv["dma"], kv["scatter"], strict=True):
+        np.testing.assert_array_equal(got[kv_write], got["scatter"])
+        for a, b in zip(kv[kv_write], kv["scatter"], strict=True):
             np.testing.assert_array_equal(np.asarray(a)[1:], np.asarray(b)[1:])
             assert np.any(np.asarray(a)[[3, 7, 1]])
 
