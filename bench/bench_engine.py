@@ -20,6 +20,9 @@ KV on an accelerator):
 - **chain**: today's path (``model/forward.py``'s ~34 jitted calls, then the sampler) for the
   smaller shapes, the same rows.
 - **kernel check**: the ragged paged attention kernel against the XLA reference on the backend.
+- **variants** (``--variants``, e.g. ``kv_write=dma,kv_write=pages``): the fused step built
+  another way, timed on the same pool at the ``--variants-at`` decode points and at every
+  prefill.
 
 Each figure is the median of ``--repeats`` steps after two warm ones; the first call's seconds
 are the compile. Prints JSON lines as it goes (a run cut short still says what it measured).
@@ -268,34 +271,13 @@ def bench_shape(name: str, args: argparse.Namespace) -> None:
                     profile(f"{name}-decode-{rows}x{ctx}", lambda t=table, k=kv_lens, q=q_lens,
                             x=tokens: fused.run(x, q, k, t), args.trace_dir)
                 for variant in args.variants if (rows, ctx) in args.variants_at else ():
-                    bench_variant(name, config, params, fused, variant, rows, ctx, tokens,
-                                  kv_lens, table, floor, args)
+                    bench_variant(name, params, fused, variant, rows, ctx, tokens, kv_lens,
+                                  table, floor, args)
             except Exception as exc:
                 emit(shape=name, path="fused", step="decode", rows=rows, ctx=ctx,
                      error=f"{type(exc).__name__}: {exc}"[:2000])
 
-    for n in args.prefills:
-        if -(-n // PAGE) >= pages:
-            emit(shape=name, path="fused", step="prefill", tokens=n,
-                 error=f"{n} tokens need more than the pool's {pages} pages")
-            continue
-        table = np.zeros((1, -(-max(args.prefills) // PAGE)), np.int32)
-        table[0, : -(-n // PAGE)] = np.arange(1, 1 + -(-n // PAGE))
-        tokens = rng.integers(1, config.vocab_size, n).astype(np.int32)
-        try:
-            def prefill(t: np.ndarray = table, x: np.ndarray = tokens, m: int = n) -> Any:
-                return fused.run(x, np.array([m], np.int32), np.array([m], np.int32), t)
-
-            first, med = timed(prefill, args.repeats)
-            flops = prefill_flops(config, params, n)
-            emit(shape=name, path="fused", step="prefill", tokens=n, ms=med * 1e3,
-                 first_s=first, mfu=flops / med / (args.peak_tflops * 1e12),
-                 tokens_per_s=n / med)
-            if n in args.profile_prefill:
-                profile(f"{name}-prefill-{n}", prefill, args.trace_dir)
-        except Exception as exc:
-            emit(shape=name, path="fused", step="prefill", tokens=n,
-                 error=f"{type(exc).__name__}: {exc}"[:2000])
+    bench_prefills(name, config, params, fused, pages, args, rng)
 
     if args.mixed:
         rows, ctx, chunk = 64, max(args.contexts), 512
@@ -318,12 +300,12 @@ def bench_shape(name: str, args: argparse.Namespace) -> None:
         bench_chain(name, config, params, weights, args, rng)
 
 
-def bench_variant(name: str, config: ModelConfig, params: dict[str, Any], base: Fused,
-                  variant: str, rows: int, ctx: int, tokens: np.ndarray, kv_lens: np.ndarray,
-                  table: np.ndarray, floor: float, args: argparse.Namespace) -> None:
-    """The same decode step built another way, on the base's pool: ``unroll_dma`` (the
-    kernel's page DMAs unrolled), ``fused_proj`` (q/k/v and gate/up as one product each),
-    ``block_pages=N``."""
+def variant_of(base: Fused, params: dict[str, Any], variant: str) -> Fused:
+    """The base's step built another way, on the base's pool (hand the pool back with
+    ``base.kv = run.kv``): ``unroll_dma`` (the kernel's page DMAs unrolled), ``fused_proj``
+    (q/k/v and gate/up as one product each), ``block_pages=N``, ``kv_write=dma`` or
+    ``kv_write=pages`` (the KV written by DMAs of token runs, or whole pages then tokens:
+    kv/token_write.py)."""
     options, weights = base.options, params
     if variant == "unroll_dma":
         options = attrs.evolve(options, unroll_dma=True)
@@ -331,8 +313,21 @@ def bench_variant(name: str, config: ModelConfig, params: dict[str, Any], base: 
         weights = fuse_projections(params)
     elif variant.startswith("block_pages="):
         options = attrs.evolve(options, block_pages=int(variant.split("=")[1]))
+    elif variant.startswith("kv_write="):
+        options = attrs.evolve(options, kv_write=variant.split("=")[1])
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
     run = Fused.__new__(Fused)
-    run.config, run.params, run.options, run.kv, run.laps = config, weights, options, base.kv, []
+    run.config, run.params, run.options, run.kv, run.laps = (base.config, weights, options,
+                                                             base.kv, [])
+    return run
+
+
+def bench_variant(name: str, params: dict[str, Any], base: Fused, variant: str, rows: int,
+                  ctx: int, tokens: np.ndarray, kv_lens: np.ndarray, table: np.ndarray,
+                  floor: float, args: argparse.Namespace) -> None:
+    """The same decode step built another way (:func:`variant_of`)."""
+    run = variant_of(base, params, variant)
     q_lens = np.ones(rows, np.int32)
     try:
         first, med = timed(lambda: run.run(tokens, q_lens, kv_lens, table), args.repeats)
@@ -343,8 +338,41 @@ def bench_variant(name: str, config: ModelConfig, params: dict[str, Any], base: 
              error=f"{type(exc).__name__}: {exc}"[:2000])
     finally:
         base.kv = run.kv
-        if weights is not params:
-            del weights
+
+
+def bench_prefills(name: str, config: ModelConfig, params: dict[str, Any], fused: Fused,
+                   pages: int, args: argparse.Namespace, rng: np.random.Generator) -> None:
+    """One prompt of each ``--prefills`` length from a page boundary, with the base step and
+    then each ``--variants`` one (MFU beside each time)."""
+    for n in args.prefills:
+        if -(-n // PAGE) >= pages:
+            emit(shape=name, path="fused", step="prefill", tokens=n,
+                 error=f"{n} tokens need more than the pool's {pages} pages")
+            continue
+        table = np.zeros((1, -(-max(args.prefills) // PAGE)), np.int32)
+        table[0, : -(-n // PAGE)] = np.arange(1, 1 + -(-n // PAGE))
+        tokens = rng.integers(1, config.vocab_size, n).astype(np.int32)
+        flops = prefill_flops(config, params, n)
+        for variant in ["", *args.variants]:
+            run = variant_of(fused, params, variant) if variant else fused
+            label = {"variant": variant} if variant else {}
+            try:
+                def prefill(t: np.ndarray = table, x: np.ndarray = tokens, m: int = n,
+                            r: Fused = run) -> Any:
+                    return r.run(x, np.array([m], np.int32), np.array([m], np.int32), t)
+
+                first, med = timed(prefill, args.repeats)
+                emit(shape=name, path="fused", **label, step="prefill", tokens=n,
+                     ms=med * 1e3, first_s=first, mfu=flops / med / (args.peak_tflops * 1e12),
+                     tokens_per_s=n / med)
+                if n in args.profile_prefill:
+                    tag = "-" + variant.replace("=", "-") if variant else ""
+                    profile(f"{name}-prefill-{n}{tag}", prefill, args.trace_dir)
+            except Exception as exc:
+                emit(shape=name, path="fused", **label, step="prefill", tokens=n,
+                     error=f"{type(exc).__name__}: {exc}"[:2000])
+            finally:
+                fused.kv = run.kv
 
 
 def bench_chain(name: str, config: ModelConfig, params: dict[str, Any], weights: int,
@@ -561,8 +589,11 @@ def main() -> None:
                         help="on a CPU, the kernel in interpret mode (slow) instead of XLA")
     parser.add_argument("--cpu-f32", action="store_true", help="f32 weights and KV")
     parser.add_argument("--variants", default="",
-                        help="comma list: unroll_dma, fused_proj, block_pages=N")
-    parser.add_argument("--variants-at", default="1x512,64x512", help="ROWSxCTX,...")
+                        help="comma list: unroll_dma, fused_proj, block_pages=N, kv_write=dma, "
+                        "kv_write=pages "
+                        "(each prefill runs them too)")
+    parser.add_argument("--variants-at", default="1x512,64x512",
+                        help="ROWSxCTX,... decode points the variants run at")
     parser.add_argument("--profile-at", default="", help="ROWSxCTX,... decode steps to trace")
     parser.add_argument("--profile-prefill", default="", help="prompt lengths to trace")
     parser.add_argument("--trace-dir", type=Path, help="keep the raw traces here")

@@ -34,6 +34,12 @@ from pd_fsm.jax_engine.attention.reference import (
 from pd_fsm.jax_engine.backend import Attention
 from pd_fsm.jax_engine.compilation.executables import EXECUTABLES
 from pd_fsm.jax_engine.kv.pool import NULL_PAGE
+from pd_fsm.jax_engine.kv.token_write import (
+    max_runs,
+    token_runs,
+    write_pages_then_tokens,
+    write_runs,
+)
 from pd_fsm.jax_engine.model.config import ModelConfig
 from pd_fsm.jax_engine.model.forward import KV, Params, experts, mlp, qkv, rms_norm, rope
 from pd_fsm.jax_engine.sampling.grammar import bitmask_words
@@ -44,6 +50,7 @@ from pd_fsm.jax_engine.sampling.sampler import greedy_tokens, sample_tokens
 # ("logits": what the tests and the benches compare; the runner sends rows whose choice needs
 # the logits on the host to the chain instead).
 Sampler = Literal["greedy", "sample", "logits"]
+KVWrite = Literal["scatter", "dma", "pages"]
 
 PREFILL_BLOCK_Q = 128
 # Pages each kernel iteration fetches: 512 tokens a block at page size 16.
@@ -59,6 +66,10 @@ class StepOptions:
     block_q: int = 0  # 0: decode_block_q for one-token rows, PREFILL_BLOCK_Q otherwise
     block_pages: int = 0  # 0: BLOCK_TOKENS' worth of pages
     unroll_dma: bool = False  # the kernel's page DMAs unrolled rather than in a loop
+    # The per-layer KV write: an XLA scatter of one row per token; or DMAs of the tokens' runs
+    # inside a page, or whole pages then tokens by XLA (kv/token_write.py; neither yet
+    # measured on the chip).
+    kv_write: KVWrite = "scatter"
 
 
 def attention_fn(options: StepOptions, q_lens: jax.Array, tokens: int, page_size: int,
@@ -88,9 +99,47 @@ def _reference(q: jax.Array, pool: jax.Array, kv_lens: jax.Array, table: jax.Arr
     return ragged_attention_reference(q, pool, q_lens, kv_lens, table)
 
 
-def _layer(x: jax.Array, layer: Params, pool: jax.Array, positions: jax.Array,
-           write_page: jax.Array, write_off: jax.Array, attend: Callable[[jax.Array, jax.Array],
-                                                                         jax.Array],
+# (pool, entry [tokens, lanes]) -> the pool with the step's new K/V in it
+Write = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def token_slots(q_lens: jax.Array, kv_lens: jax.Array, page_table: jax.Array, tokens: int,
+                page_size: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Each new token's position, page and offset in it (padding: 0, the null page, 0), whether
+    it is its sequence's first new token, and whether it is real (not padding)."""
+    seq, k = token_sequences(q_lens, tokens)
+    real = jnp.arange(tokens) < jnp.sum(q_lens)
+    positions = jnp.where(real, kv_lens[seq] - q_lens[seq] + k, 0)
+    slot = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
+    write_page = jnp.where(real, page_table[seq, slot], NULL_PAGE)
+    return positions, write_page, jnp.where(real, positions % page_size, 0), k == 0, real
+
+
+def kv_write_fn(options: StepOptions, q_lens: jax.Array, kv_lens: jax.Array,
+                page_table: jax.Array, tokens: int, page_size: int) -> tuple[Write, jax.Array]:
+    """The step's KV write (planned once for every layer) and each token's position."""
+    positions, write_page, write_off, first, real = token_slots(q_lens, kv_lens, page_table,
+                                                                tokens, page_size)
+    seqs = q_lens.shape[0]
+    if options.kv_write == "scatter" or (options.kv_write == "pages" and tokens == seqs):
+        # Padding tokens write to the null page, which nothing reads unmasked. (A step of as
+        # many tokens as sequences, a decode step, fills few pages if any.)
+        return lambda pool, entry: pool.at[write_page, write_off].set(entry), positions
+    if options.kv_write == "pages":
+        return write_pages_then_tokens(write_page, write_off, first, real, page_size,
+                                       seqs), positions
+    if options.kv_write != "dma":
+        raise ValueError(f"unknown kv_write {options.kv_write!r}")
+    table, n_runs = token_runs(write_page, write_off, first, real, page_size,
+                               max_runs(tokens, seqs, page_size))
+    # Compiled for the chip where the attention kernel is; interpreted on the CPU's paths.
+    interpret = options.attention != "pallas"
+    return lambda pool, entry: write_runs(pool, entry, table, n_runs,
+                                          interpret=interpret), positions
+
+
+def _layer(x: jax.Array, layer: Params, pool: jax.Array, positions: jax.Array, write: Write,
+           attend: Callable[[jax.Array, jax.Array], jax.Array],
            config: ModelConfig) -> tuple[jax.Array, jax.Array]:
     tokens = x.shape[0]
     nh, nkv, d = config.num_heads, config.num_kv_heads, config.head_dim
@@ -105,7 +154,7 @@ def _layer(x: jax.Array, layer: Params, pool: jax.Array, positions: jax.Array,
     q = rope(q, positions[None], config)[0]
     k = rope(k, positions[None], config)[0]
     entry = jnp.stack([k, v], axis=2).reshape(tokens, -1).astype(pool.dtype)
-    pool = pool.at[write_page, write_off].set(entry)
+    pool = write(pool, entry)
     attn = attend(q, pool)
     x = x + attn.reshape(tokens, nh * d).astype(x.dtype) @ layer["wo"]
     h = rms_norm(x, layer["mlp_norm"], config.rms_eps)
@@ -133,12 +182,7 @@ def step(
     config = options.config
     n_tokens = tokens.shape[0]
     page_size = kv[0].shape[1]
-    seq, k = token_sequences(q_lens, n_tokens)
-    real = jnp.arange(n_tokens) < jnp.sum(q_lens)
-    positions = jnp.where(real, kv_lens[seq] - q_lens[seq] + k, 0)
-    slot = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
-    write_page = jnp.where(real, page_table[seq, slot], NULL_PAGE)
-    write_off = jnp.where(real, positions % page_size, 0)
+    write, positions = kv_write_fn(options, q_lens, kv_lens, page_table, n_tokens, page_size)
     attention = attention_fn(options, q_lens, n_tokens, page_size, kv[0].dtype)
 
     def attend_layer(q: jax.Array, pool: jax.Array) -> jax.Array:
@@ -147,7 +191,7 @@ def step(
     x = params["embed"][tokens]
     new_kv = []
     for layer, pool in zip(params["layers"], kv, strict=True):
-        x, pool = _layer(x, layer, pool, positions, write_page, write_off, attend_layer, config)
+        x, pool = _layer(x, layer, pool, positions, write, attend_layer, config)
         new_kv.append(pool)
     last = jnp.clip(jnp.cumsum(q_lens) - 1, 0, n_tokens - 1)
     h = rms_norm(x[last], params["final_norm"], config.rms_eps)
