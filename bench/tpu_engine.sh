@@ -27,8 +27,11 @@ case "${1:-}" in
     run greedy 170 --no-kernel-check --shapes "" --greedy-check --greedy-tokens 64
     run loop 230 --no-kernel-check --shapes "" --scheduler qwen3-0.6b --loop-requests 32 \
       --loop-in 1024 --loop-out 128 ;;
-  prefill)  # where a prefill's time goes: the trace by kind, 1,024 and 4,096 tokens
-    run prefill 240 --no-kernel-check --shapes qwen3-0.6b,llama-3.2-1b --chain-shapes "" \
-      --rows 1 --contexts 512 --prefills 1024,4096 --no-mixed --profile-prefill 1024,4096 ;;
+  prefill)  # where a prefill's time goes (the trace by kind), and the KV write's options
+    # against today's scatter: "pages" (XLA, no kernel) before "dma" (a Pallas kernel never yet
+    # compiled for the chip: a fault there ends the process, so it goes last)
+    run prefill 420 --no-kernel-check --shapes qwen3-0.6b --chain-shapes "" \
+      --rows 1,64 --contexts 512 --prefills 1024,4096 --no-mixed --profile-prefill 1024 \
+      --variants kv_write=pages,kv_write=dma --variants-at 1x512,64x512 ;;
   *) echo "usage: $0 shapes|greedy|prefill"; exit 2 ;;
 esac
