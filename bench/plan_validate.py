@@ -11,9 +11,19 @@ rate and prompt count, several seeds; the median of each figure against the meas
 The figures are the bench's own kinds: TTFT p50 over requests; ITL p50 over every gap between
 two streamed tokens of every request pooled (not a request's mean); goodput as the share of
 requests with TTFT <= the load's bound and a mean gap <= its TPOT bound. The served worker's
-prefix cache held some prompts from the load before (its log's "prompt tokens from its prefix
-cache"): the replay gives that many prompts, first in order, that cache (their prefill starts
-after the cached tokens); `--no-cache` leaves it out.
+prefix cache held some prompts from the load before (the record's `prefix_cache_hit_tokens`,
+or before records carried it its log's "prompt tokens from its prefix cache"): the replay gives
+that many prompts, first in order, that cache (their prefill starts after the cached tokens);
+`--no-cache` leaves it out. A load of mixed lengths (the record's `ratio` < 1: the bench's
+`--random-range-ratio`) draws each prompt's lengths as the bench does, from [ratio x len, len]:
+the replay from the load's own seed (the very lengths it sent), each seed of the median from
+that seed.
+
+`--prefill-from FILE` takes the prefill points from another profile of the same model and chip
+(the rest, decode and the KV legs, stay the profile's): the worker that runs a prefill of few
+rows on a runner of a smaller capacity than its own (since run 7 on the chip, <= 8 rows at 8
+sequences) is priced by that runner's measured prefill; past the longest prompt it measured,
+its last segment's line goes on (`perf_profile.interpolate`). Neither file is rewritten.
 """
 
 from __future__ import annotations
@@ -26,9 +36,11 @@ import re
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 
+from pd_fsm.io_trio.bench_client import random_prompts
 from pd_fsm.sim.chip import HOSTS, ChipCosts, ChipModel
 from pd_fsm.sim.fleet import FleetConfig, FleetReq, Slo, simulate_fleet
 from pd_fsm.sim.perf_profile import CoreProfile, Profile
@@ -59,6 +71,8 @@ class Load:
     ttft_p50: float
     itl_p50: float
     met: float  # share of its requests within both bounds
+    ratio: float = 1.0  # each length drawn from [ratio x len, len] (the bench's range ratio)
+    seed: int = 0  # the bench's --seed: its prompts drawn from it, its arrivals from seed + 1
 
 
 @attrs.frozen
@@ -68,56 +82,73 @@ class Figures:
     met: float
 
 
+def _records(runs: Path, model: str) -> list[dict[str, Any]]:
+    return [rec for line in (runs / f"{model}.jsonl").read_text().splitlines()
+            if (rec := json.loads(line)).get("event") == "load"]
+
+
+def _cached(rec: dict[str, Any], runs: Path, model: str) -> int:
+    """The prompt tokens the load's prompts found in the prefix cache: the record's own count,
+    or (records before it carried one) what the load's log says."""
+    if rec.get("prefix_cache_hit_tokens") is not None:
+        return int(rec["prefix_cache_hit_tokens"])
+    log = runs / f"{model}_{rec['workload']}_{float(rec['rate'])}.log"
+    hit = CACHE.search(log.read_text()) if log.exists() else None
+    return int(hit.group(1)) if hit else 0
+
+
+def _load(rec: dict[str, Any], rate: float, arrival_rate: float, cached: int) -> Load:
+    fig = rec["figures"]
+    return Load(rec["workload"], rec["in"], rec["out"], rec["prompts"], rate, arrival_rate,
+                rec["slo_s"]["ttft"], rec["slo_s"]["tpot"], cached, fig["TTFT p50 ms"] / 1000,
+                fig["ITL p50 ms"] / 1000, rec["goodput"]["met"] / rec["prompts"],
+                float(rec.get("ratio", 1.0)), int(rec.get("load", {}).get("seed", 0)))
+
+
 def loads(runs: Path, model: str = MODEL) -> list[Load]:
     """The Poisson loads of ``runs/<model>.jsonl`` (the all-at-once one has no rate to replay),
-    with the cached prompt tokens from each load's log."""
-    out = []
-    for line in (runs / f"{model}.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if rec.get("event") != "load" or not rec.get("rate"):
-            continue
-        log = runs / f"{model}_{rec['workload']}_{float(rec['rate'])}.log"
-        hit = CACHE.search(log.read_text()) if log.exists() else None
-        fig = rec["figures"]
-        out.append(Load(rec["workload"], rec["in"], rec["out"], rec["prompts"], rec["rate"],
-                        rec["arrival_rate"], rec["slo_s"]["ttft"], rec["slo_s"]["tpot"],
-                        int(hit.group(1)) if hit else 0, fig["TTFT p50 ms"] / 1000,
-                        fig["ITL p50 ms"] / 1000, rec["goodput"]["met"] / rec["prompts"]))
-    return out
+    with the prompt tokens each found in the prefix cache."""
+    return [_load(rec, rec["rate"], rec["arrival_rate"], _cached(rec, runs, model))
+            for rec in _records(runs, model) if rec.get("rate")]
 
 
 def all_at_once(runs: Path, model: str = MODEL) -> tuple[Load, float] | None:
     """The load sent all at once (no rate) and its measured output tokens/s: the worker's
     capacity, where TTFT is queueing and says little of the costs."""
-    for line in (runs / f"{model}.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if rec.get("event") == "load" and rec.get("rate") is None:
-            fig = rec["figures"]
-            load = Load(rec["workload"], rec["in"], rec["out"], rec["prompts"], math.inf,
-                        math.inf, rec["slo_s"]["ttft"], rec["slo_s"]["tpot"], 0,
-                        fig["TTFT p50 ms"] / 1000, fig["ITL p50 ms"] / 1000,
-                        rec["goodput"]["met"] / rec["prompts"])
-            return load, fig["output tokens/s"]
+    for rec in _records(runs, model):
+        if rec.get("rate") is None:
+            return _load(rec, math.inf, math.inf, 0), rec["figures"]["output tokens/s"]
     return None
 
 
 def throughput(costs: ChipCosts, load: Load) -> float:
     """Output tokens/s of ``load``'s prompts all sent at 0: its tokens over the last answer's
     end (the bench's duration: the first send to the last answer)."""
-    run = simulate_fleet(costs, FleetConfig("colocated 1x TP1", colocated=1),
-                         requests(load, [0.0] * load.prompts), 3600.0, MAX_BATCHED,
-                         MAX_RUNNING)
-    return load.prompts * load.out / max(r.last for r in run.requests)
+    reqs = requests(load, [0.0] * load.prompts, draw=load.seed)
+    run = simulate_fleet(costs, FleetConfig("colocated 1x TP1", colocated=1), reqs, 3600.0,
+                         MAX_BATCHED, MAX_RUNNING)
+    return sum(r.out for r in reqs) / max(r.last for r in run.requests)
 
 
-def requests(load: Load, arrivals: Sequence[float], cache: bool = True) -> list[FleetReq]:
-    """The load's prompts at ``arrivals``; the cached tokens as whole prompts less their last
-    page, the first prompts in order (what a prefix cache of 16-token pages keeps of a prompt
-    it saw: every full page but the one holding the last token)."""
+def lengths(load: Load, draw: int) -> list[tuple[int, int]]:
+    """Each prompt's (in, out) tokens: the load's own when it drew none (ratio 1), else drawn
+    from ``draw`` as the bench draws them (bench_client.random_prompts)."""
+    if load.ratio >= 1.0:
+        return [(load.prompt, load.out)] * load.prompts
+    return [(p.words, p.max_tokens or load.out) for p in
+            random_prompts(load.prompts, draw, load.prompt, load.out, load.ratio)]
+
+
+def requests(load: Load, arrivals: Sequence[float], cache: bool = True, draw: int = 0
+             ) -> list[FleetReq]:
+    """The load's prompts at ``arrivals`` (lengths: ``lengths(load, draw)``); the cached tokens
+    as whole prompts less their last page, the first prompts in order (what a prefix cache of
+    16-token pages keeps of a prompt it saw: every full page but the one holding the last
+    token)."""
     per = load.prompt - 16
     hits = min(load.cached_tokens // per, load.prompts) if cache and per > 0 else 0
-    return [FleetReq(t, load.prompt, load.out, cached=per if i < hits else 0)
-            for i, t in enumerate(arrivals)]
+    return [FleetReq(t, n, out, cached=min(per, n - 16) if i < hits else 0)
+            for i, (t, (n, out)) in enumerate(zip(arrivals, lengths(load, draw), strict=False))]
 
 
 def poisson(n: int, rate: float, seed: int) -> list[float]:
@@ -136,10 +167,11 @@ def pct(values: Sequence[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))] if s else math.nan
 
 
-def simulate(costs: ChipCosts, load: Load, arrivals: Sequence[float], cache: bool = True
-             ) -> Figures:
+def simulate(costs: ChipCosts, load: Load, arrivals: Sequence[float], cache: bool = True,
+             draw: int = 0) -> Figures:
     run = simulate_fleet(costs, FleetConfig("colocated 1x TP1", colocated=1),
-                         requests(load, arrivals, cache), 3600.0, MAX_BATCHED, MAX_RUNNING)
+                         requests(load, arrivals, cache, draw), 3600.0, MAX_BATCHED,
+                         MAX_RUNNING)
     slo = Slo(load.ttft_slo, load.ttft_slo, itl_s=load.tpot_slo)
     gaps = [g for r in run.requests if r.gaps is not None
             for g in r.gaps[r.first_step + 1:r.last_step + 1]]
@@ -148,16 +180,19 @@ def simulate(costs: ChipCosts, load: Load, arrivals: Sequence[float], cache: boo
 
 
 def predict(costs: ChipCosts, load: Load, seeds: int, cache: bool = True) -> Figures:
-    """The median of each figure over ``seeds`` Poisson draws at the load's arrival rate."""
-    runs = [simulate(costs, load, poisson(load.prompts, load.arrival_rate, seed), cache)
+    """The median of each figure over ``seeds`` Poisson draws at the load's arrival rate (and,
+    at mixed lengths, a draw of the lengths from each seed)."""
+    runs = [simulate(costs, load, poisson(load.prompts, load.arrival_rate, seed), cache, seed)
             for seed in range(seeds)]
     return Figures(*(statistics.median(getattr(f, k) for f in runs)
                      for k in ("ttft_p50", "itl_p50", "met")))
 
 
 def replay(costs: ChipCosts, load: Load, cache: bool = True) -> Figures:
-    """The bench's own schedule: its gaps drawn from Random(seed 0 + 1) at the nominal rate."""
-    return simulate(costs, load, poisson(load.prompts, load.rate, 1), cache)
+    """The bench's own schedule: its gaps drawn from Random(seed + 1) at the nominal rate, its
+    prompts' lengths from its seed."""
+    return simulate(costs, load, poisson(load.prompts, load.rate, load.seed + 1), cache,
+                    load.seed)
 
 
 def scaled(profile: Profile, term: str, factor: float) -> Profile:
@@ -168,6 +203,28 @@ def scaled(profile: Profile, term: str, factor: float) -> Profile:
     new = tuple((*p[:-1], p[-1] * factor) for p in points)
     one: CoreProfile = attrs.evolve(chip, **{term: new})
     return attrs.evolve(profile, by_cores=(one,))
+
+
+def prefill_from(profile: Profile, other: Profile) -> Profile:
+    """``profile`` with ``other``'s prefill points (the same model and chip's prefill measured
+    on a runner of another capacity); refuses a profile of another model, KV size or chip."""
+    for key in ("model", "kv_bytes_per_token", "platform", "device_kind"):
+        if getattr(profile, key) != getattr(other, key):
+            raise ValueError(f"--prefill-from: {key} {getattr(other, key)!r} is not the "
+                             f"profile's {getattr(profile, key)!r}")
+    chip = attrs.evolve(profile.on(1), prefill=other.on(1).prefill)
+    return attrs.evolve(profile, by_cores=(chip,))
+
+
+def prefill_note(profile: Profile, path: Path | None, other: Profile | None) -> str:
+    """Where the prefill's cost came from, said plainly."""
+    if path is None or other is None:
+        return f"prefill from the profile (its runner of max_running {profile.max_running})"
+    tokens = ", ".join(f"{int(t):,}" for t, _ in other.on(1).prefill)
+    return (f"PREFILL NOT THE PROFILE'S: taken from {_rel(path)}, a runner of max_running "
+            f"{other.max_running} profiled in the same session (prompts of {tokens} tokens; "
+            f"longer on its last segment's line), the rest from the profile (max_running "
+            f"{profile.max_running})")
 
 
 def costs_for(profile: Profile, mixed_extra: float = 0.0) -> ChipCosts:
@@ -211,6 +268,12 @@ def off(profile: Profile, load: Load, f: Figures, seeds: int, cache: bool = True
     return out
 
 
+def label(load: Load) -> str:
+    if load.ratio >= 1.0:
+        return f"{load.workload} {load.prompt}/{load.out}"
+    return f"{load.workload} {load.ratio * 100:.0f} to 100 % of {load.prompt}/{load.out}"
+
+
 def _rel(path: Path | None) -> str:
     if path is None:
         return ""
@@ -233,17 +296,17 @@ def main() -> None:
                    help="plant an error: a cost term (prefill, decode, d2h...) times X")
     args = p.parse_args()
     profile = Profile.load(args.profile)
-    if args.prefill_from:
-        other = Profile.load(args.prefill_from).on(1)
-        chip = attrs.evolve(profile.on(1), prefill=other.prefill)
-        profile = attrs.evolve(profile, by_cores=(chip,))
+    other = Profile.load(args.prefill_from) if args.prefill_from else None
+    note = prefill_note(profile, args.prefill_from, other)
+    if other is not None:
+        profile = prefill_from(profile, other)
     for term, factor in args.scale:
         profile = scaled(profile, term, float(factor))
     costs, cache = costs_for(profile, args.mixed_extra), not args.no_cache
     print(f"{_rel(args.profile)} against {_rel(args.runs)}/{MODEL}.jsonl: one colocated worker, "
           f"max_running {MAX_RUNNING}, chunk {MAX_BATCHED}, pool {POOL_TOKENS} tokens; "
           f"median of {args.seeds} seeds at each measured arrival rate; replay: the bench's "
-          f"own arrival schedule; prefill from {_rel(args.prefill_from) or 'the profile'}; "
+          f"own arrival schedule and prompt lengths; {note}; "
           f"prefix cache {'replayed' if cache else 'left out'}; mixed step extra "
           f"{args.mixed_extra:g}; "
           f"ITL: every gap between two streamed tokens, pooled (the bench's kind); where a "
@@ -255,7 +318,7 @@ def main() -> None:
     for load in loads(args.runs):
         f, r = predict(costs, load, args.seeds, cache), replay(costs, load, cache)
         missed = off(profile, load, f, args.seeds, cache, args.mixed_extra)
-        print(f"| {load.workload} {load.prompt}/{load.out} | {load.arrival_rate:.2f} | "
+        print(f"| {label(load)} | {load.arrival_rate:.2f} | "
               f"{load.prompts} | {load.cached_tokens} | {f.ttft_p50 * 1e3:.1f} / "
               f"{load.ttft_p50 * 1e3:.1f} ({f.ttft_p50 / load.ttft_p50:.2f}) | "
               f"{f.itl_p50 * 1e3:.2f} / {load.itl_p50 * 1e3:.2f} "

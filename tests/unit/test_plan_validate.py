@@ -10,6 +10,7 @@ import importlib.util
 from pathlib import Path
 from types import ModuleType
 
+import attrs
 import pytest
 
 from pd_fsm.sim.perf_profile import Profile
@@ -94,3 +95,36 @@ def test_one_request_alone_waits_its_prefill_and_then_one_row_decode_steps() -> 
     gaps = sorted(chip.decode_s(1, 1024 + k) for k in range(255))
     assert f.itl_p50 == pytest.approx(gaps[127])
     assert f.met == 1.0
+
+
+RUN7 = ROOT / "bench" / "tpu_runs" / "2026-12-07" / "serve3"
+CAP8 = ROOT / "bench" / "tpu_runs" / "2026-12-07" / "profile2" / "profile_cap8.json"
+
+
+def test_run_7_s_records_mixed_lengths_and_cache_count_are_read() -> None:
+    """Run 7's records carry their cache hits (none) and, for mixed lengths, the range ratio
+    and seed: the replayed lengths are the very ones the bench sent (the worker's log counted
+    50,426 prompt tokens for the 4 req/s load; its 916.8 tokens/s over 11.61 s, 10,645 out)."""
+    got = [(x.workload, x.prompts, x.ratio, x.seed, x.cached_tokens) for x in V.loads(RUN7)]
+    assert got[4:7] == [("chat", 160, 1.0, 104, 0), ("mixed", 40, 0.1, 106, 0),
+                        ("mixed", 80, 0.1, 107, 0)]
+    assert len(got) == 10 and {x[4] for x in got} == {0}
+    mixed = V.loads(RUN7)[5]
+    sent = V.requests(mixed, [0.0] * mixed.prompts, draw=mixed.seed)
+    assert sum(r.prompt for r in sent) == 50426 and sum(r.out for r in sent) == 10645
+    assert min(r.prompt for r in sent) >= 204 and max(r.prompt for r in sent) <= 2048
+    other = V.requests(mixed, [0.0] * mixed.prompts, draw=0)
+    assert [r.prompt for r in other] != [r.prompt for r in sent]
+    sat = V.all_at_once(RUN7)
+    assert sat is not None and sat[0].prompts == 128 and round(sat[1]) == 2831
+
+
+def test_the_prefill_from_another_runner_replaces_only_the_prefill() -> None:
+    profile, cap8 = Profile.load(V.PROFILE), Profile.load(CAP8)
+    mixed = V.prefill_from(profile, cap8).on(1)
+    assert mixed.prefill == cap8.on(1).prefill and mixed.decode == profile.on(1).decode
+    assert mixed.prefill_s(1024) == pytest.approx(0.0156, abs=1e-4)
+    note = V.prefill_note(profile, CAP8, cap8)
+    assert "NOT THE PROFILE'S" in note and "max_running 8" in note
+    with pytest.raises(ValueError, match="model"):
+        V.prefill_from(profile, attrs.evolve(cap8, model="qwen3-1.7b"))
