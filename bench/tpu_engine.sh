@@ -5,6 +5,7 @@
 #   call 2:  bash bench/tpu_engine.sh greedy     (carry .gguf-parts/b and c; the same warm machine)
 #   or:      bash bench/tpu_engine.sh prefill    (carry .whl-tpu: a prefill's trace by kind)
 #            bash bench/tpu_engine.sh tests      (the step's and the KV copies' tests on the chip)
+#            bash bench/tpu_engine.sh sizes      (Qwen3-4B, Llama-3.2-3B, SmolLM2's step)
 # Figures land in $OUT; bench/RESULTS_tpu.md has what they said.
 set -u
 # shellcheck source=bench/tpu_env.sh
@@ -34,9 +35,13 @@ case "${1:-}" in
     run prefill 420 --no-kernel-check --shapes qwen3-0.6b --chain-shapes "" \
       --rows 1,64 --contexts 512 --prefills 1024,4096 --no-mixed --profile-prefill 1024 \
       --variants kv_write=pages,kv_write=dma --variants-at 1x512,64x512 ;;
+  sizes)  # the shapes not yet measured (Qwen3-4B, Llama-3.2-3B) and SmolLM2's one-row step,
+    # each decode point one at a time and overlapped
+    run sizes 420 --no-kernel-check --shapes smollm2,qwen3-4b,llama-3.2-3b --chain-shapes "" \
+      --rows 1,64 --contexts 512,2048 --prefills 1024 --no-mixed ;;
   tests)  # the step program's and the KV copies' tests, their chip-only ones compiled there
     timeout -s INT 300 python3 -m pytest -q -p no:cacheprovider tests/unit/test_step_program.py \
       tests/unit/test_token_write.py tests/unit/test_jax_pallas_copy.py > "$OUT/tests.log" 2>&1
     echo "tests: rc=$?"; tail -5 "$OUT/tests.log" | cut -c 1-330 ;;
-  *) echo "usage: $0 shapes|greedy|prefill|tests"; exit 2 ;;
+  *) echo "usage: $0 shapes|greedy|prefill|tests|sizes"; exit 2 ;;
 esac
