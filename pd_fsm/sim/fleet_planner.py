@@ -46,7 +46,7 @@ from pd_fsm.core.planner import (
 )
 from pd_fsm.sim.chip import ChipCosts
 from pd_fsm.sim.fleet import Fleet, FleetConfig, FleetReq, Instance, Step
-from pd_fsm.sim.perf_cluster import p90
+from pd_fsm.sim.perf_cluster import drained, p90
 
 ROLE: dict[Role, str] = {"null": "colocated", "prefill": "prefill", "decode": "decode"}
 SEEN: dict[str, Role] = {v: k for k, v in ROLE.items()}
@@ -155,12 +155,11 @@ class PlannedFleet(Fleet):
                            len(self.live("colocated"))))
 
     def _empty(self, w: Instance) -> bool:
-        if w.busy or w.waiting or w.rows or w.ready or w.held or self.routed.get(w.name):
-            return False
-        if w.role == "decode" and not self.live("decode"):
-            return not any(p.waiting or p.busy or p.held for p in self.instances
-                           if p.role == "prefill")
-        return True
+        return drained(
+            not (w.busy or w.waiting or w.rows or w.ready or w.held or self.routed.get(w.name)),
+            last_decode=w.role == "decode" and not self.live("decode"),
+            prefills_holding=(bool(p.waiting or p.busy or p.held) for p in self.instances
+                              if p.role == "prefill"))
 
     def _maybe_switch(self, w: Instance) -> None:
         to = self.switching.get(w.name)

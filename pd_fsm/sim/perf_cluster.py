@@ -20,7 +20,7 @@ import heapq
 import itertools
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
@@ -38,6 +38,12 @@ from pd_fsm.core.planner import (
 from pd_fsm.sim.perf import PAGES, Request, Worker
 from pd_fsm.sim.perf_profile import Profile
 
+
+def drained(idle: bool, *, last_decode: bool, prefills_holding: Iterable[bool]) -> bool:
+    """Whether a switching worker holds nothing now (a simulated fleet's role-switch drain):
+    ``idle``, and, for the last D (a D switching with no other D serving), no P still holding
+    a request, which could yet send it a room."""
+    return idle and not (last_decode and any(prefills_holding))
 
 @attrs.frozen
 class Phase:
@@ -194,13 +200,10 @@ class _Cluster:
         return next(w for w in self.workers if w.name == name)
 
     def _empty(self, w: Worker) -> bool:
-        if w.waiting or w.running or w.arriving or w.name in self.busy:
-            return False
-        if w.role == "decode" and not self._role("decode"):
-            # The last D drains only once no P can still send it a room.
-            return not any(p.waiting or p.name in self.busy for p in self.workers
-                           if p.role == "prefill")
-        return True
+        return drained(not (w.waiting or w.running or w.arriving or w.name in self.busy),
+                       last_decode=w.role == "decode" and not self._role("decode"),
+                       prefills_holding=(bool(p.waiting) or p.name in self.busy
+                                         for p in self.workers if p.role == "prefill"))
 
     def _maybe_switch(self, w: Worker) -> None:
         to = self.switching.get(w.name)
