@@ -20,7 +20,7 @@ KV on an accelerator):
 - **chain**: today's path (``model/forward.py``'s ~34 jitted calls, then the sampler) for the
   smaller shapes, the same rows.
 - **kernel check**: the ragged paged attention kernel against the XLA reference on the backend.
-- **variants** (``--variants``, e.g. ``kv_write=dma,kv_write=pages``): the fused step built
+- **variants** (``--variants``, e.g. ``kv_write=scatter``): the fused step built
   another way, timed on the same pool at the ``--variants-at`` decode points and at every
   prefill.
 
@@ -303,8 +303,8 @@ def bench_shape(name: str, args: argparse.Namespace) -> None:
 def variant_of(base: Fused, params: dict[str, Any], variant: str) -> Fused:
     """The base's step built another way, on the base's pool (hand the pool back with
     ``base.kv = run.kv``): ``unroll_dma`` (the kernel's page DMAs unrolled), ``fused_proj``
-    (q/k/v and gate/up as one product each), ``block_pages=N``, ``kv_write=dma`` or
-    ``kv_write=pages`` (the KV written by DMAs of token runs, or whole pages then tokens:
+    (q/k/v and gate/up as one product each), ``block_pages=N``, ``kv_write=scatter``
+    (the KV written one row per token rather than whole pages then tokens:
     kv/token_write.py)."""
     options, weights = base.options, params
     if variant == "unroll_dma":
@@ -589,8 +589,7 @@ def main() -> None:
                         help="on a CPU, the kernel in interpret mode (slow) instead of XLA")
     parser.add_argument("--cpu-f32", action="store_true", help="f32 weights and KV")
     parser.add_argument("--variants", default="",
-                        help="comma list: unroll_dma, fused_proj, block_pages=N, kv_write=dma, "
-                        "kv_write=pages "
+                        help="comma list: unroll_dma, fused_proj, block_pages=N, kv_write=scatter "
                         "(each prefill runs them too)")
     parser.add_argument("--variants-at", default="1x512,64x512",
                         help="ROWSxCTX,... decode points the variants run at")

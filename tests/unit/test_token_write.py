@@ -1,6 +1,5 @@
-"""The step's KV write by DMAs of token runs and by whole pages then tokens (kv/token_write.py)
-against the XLA scatter they may replace: the same pool, bit for bit, on ragged steps (the DMAs
-in Pallas TPU interpret mode on a CPU), and the same step."""
+"""The step's KV write as whole pages then tokens (kv/token_write.py) against the XLA scatter of
+one row per token: the same pool, bit for bit, on ragged steps, and the same step."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ import numpy as np
 import pytest
 
 from pd_fsm.jax_engine.kv.pool import NULL_PAGE, allocate_kv_pool
-from pd_fsm.jax_engine.kv.token_write import max_runs, token_runs, write_runs
 from pd_fsm.jax_engine.model import TINY
 from pd_fsm.jax_engine.model.params import random_params
 from pd_fsm.jax_engine.step.program import (
@@ -19,7 +17,6 @@ from pd_fsm.jax_engine.step.program import (
     StepOptions,
     kv_write_fn,
     step,
-    token_slots,
 )
 
 INTERPRET = jax.default_backend() != "tpu"
@@ -52,8 +49,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-@pytest.mark.parametrize("kv_write", ["dma", "pages"])
-def test_the_write_equals_the_scatter(case: tuple, kv_write: KVWrite) -> None:  # type: ignore[type-arg]
+def test_the_write_equals_the_scatter(case: tuple) -> None:  # type: ignore[type-arg]
     q, kv, seqs, tokens = case
     rng = np.random.default_rng(len(q) * 7 + tokens)
     pages, lanes = 24, 256
@@ -66,54 +62,12 @@ def test_the_write_equals_the_scatter(case: tuple, kv_write: KVWrite) -> None:  
         table[s, : -(-n // PAGE)] = [free.pop() for _ in range(-(-n // PAGE))]
     entry = jnp.asarray(rng.standard_normal((tokens, lanes)), jnp.bfloat16)
     scattered = _write("scatter", pool, entry, q_lens, kv_lens, table)
-    written = _write(kv_write, pool, entry, q_lens, kv_lens, table)
+    written = _write("pages", pool, entry, q_lens, kv_lens, table)
     # Padding tokens (and the pages write's unused rows) land in the null page, which nothing
-    # reads unmasked; the DMA write leaves it as it was.
+    # reads unmasked.
     keep = np.arange(pages) != NULL_PAGE
     np.testing.assert_array_equal(written[keep], scattered[keep])
-    if kv_write == "dma":
-        np.testing.assert_array_equal(written[NULL_PAGE], np.asarray(pool)[NULL_PAGE])
     assert not np.array_equal(written, np.asarray(pool))
-
-
-def test_a_page_aligned_prefill_is_a_run_a_page() -> None:
-    t = jnp.arange(1024, dtype=jnp.int32)
-    table, n_runs = token_runs(t // PAGE + 1, t % PAGE, t == 0, t < 1024, PAGE,
-                               max_runs(1024, 1, PAGE))
-    assert int(n_runs) == 64 and table.shape == (3, 66)
-    np.testing.assert_array_equal(np.asarray(table)[:, :64], [np.arange(0, 1024, PAGE),
-                                                              np.arange(1, 65) * PAGE, [16] * 64])
-
-
-def test_the_runs_cover_every_real_token_once_within_the_bound() -> None:
-    """Random ragged steps of 5 sequences and 208 tokens (sequences starting anywhere in a
-    page, padding tokens, padded sequences): the runs, at most ``max_runs``, stay inside a page
-    and name each real token's row once."""
-    seqs, tokens, bound = 5, 208, max_runs(208, 5, PAGE)
-
-    @jax.jit
-    def runs(q: jax.Array, kv: jax.Array, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
-        _, page, off, first, real = token_slots(q, kv, pages, tokens, PAGE)
-        return token_runs(page, off, first, real, PAGE, bound)
-
-    rng = np.random.default_rng(5)
-    for _ in range(40):
-        q = rng.integers(0, 42, seqs) * (rng.random(seqs) < 0.8)
-        start = rng.integers(0, 50, seqs)
-        pages = rng.permutation(np.arange(1, 200))[: seqs * 8].reshape(seqs, 8)
-        positions = np.concatenate([np.arange(a, a + n) for a, n in zip(start, q, strict=True)])
-        seq = np.repeat(np.arange(seqs), q)
-        want = sorted(pages[seq, positions // PAGE] * PAGE + positions % PAGE)
-        table, n_runs = runs(jnp.asarray(q, jnp.int32), jnp.asarray(start + q, jnp.int32),
-                             jnp.asarray(pages, jnp.int32))
-        n = int(n_runs)
-        assert 0 < n <= bound == table.shape[1]
-        s, d, m = np.asarray(table)[:, :n]
-        assert np.all(m >= 1) and np.all(d % PAGE + m <= PAGE)
-        assert sorted(np.concatenate([np.arange(a, a + k) for a, k in zip(d, m, strict=True)])
-                      ) == want
-        assert list(np.concatenate([np.arange(a, a + k) for a, k in zip(s, m, strict=True)])
-                    ) == list(range(int(q.sum())))
 
 
 def test_the_pages_write_equals_the_scatter_on_random_steps() -> None:
@@ -142,10 +96,10 @@ def test_the_pages_write_equals_the_scatter_on_random_steps() -> None:
         np.testing.assert_array_equal(np.asarray(b)[1:], np.asarray(a)[1:])
 
 
-@pytest.mark.parametrize("kv_write", ["dma", "pages"])
-def test_a_step_writing_so_equals_the_scattering_one(kv_write: KVWrite) -> None:
+def test_a_step_writing_so_equals_the_scattering_one() -> None:
     """A tiny model's ragged prefill (two prompts, a padded sequence, padding tokens) and then
     a step of a decode row and a chunk starting mid-page: the same logits and pool."""
+    kv_write = "pages"
     config = attrs.evolve(TINY, head_dim=64, num_heads=4, num_kv_heads=2)
     params = random_params(config, 0)
     pool_config = attrs.evolve(config.kv_pool_config(12, PAGE), lanes=True, bf16_bits=False)
@@ -167,15 +121,3 @@ def test_a_step_writing_so_equals_the_scattering_one(kv_write: KVWrite) -> None:
         for a, b in zip(kv[kv_write], kv["scatter"], strict=True):
             np.testing.assert_array_equal(np.asarray(a)[1:], np.asarray(b)[1:])
             assert np.any(np.asarray(a)[[3, 7, 1]])
-
-
-def test_the_write_lowers_to_a_mosaic_kernel_for_the_chip() -> None:
-    """Lowered for a TPU (Mosaic's Python lowering, which runs on any host; the chip's own
-    compile of it is not run here): a 1,024-token bf16 write of Qwen3-0.6B's lanes."""
-    pool = jax.ShapeDtypeStruct((80, PAGE, 2048), jnp.bfloat16)
-    entry = jax.ShapeDtypeStruct((1024, 2048), jnp.bfloat16)
-    table = jax.ShapeDtypeStruct((3, max_runs(1024, 1, PAGE)), jnp.int32)
-    n_runs = jax.ShapeDtypeStruct((), jnp.int32)
-    lowered = write_runs.trace(pool, entry, table, n_runs, interpret=False).lower(
-        lowering_platforms=("tpu",))
-    assert "tpu_custom_call" in lowered.as_text()
