@@ -67,7 +67,9 @@ def wait_healthy(sock: Path, proc: subprocess.Popen[bytes], timeout: float) -> b
 # The worker's counters a load's record takes the difference of: compiles, prefix-cache hits,
 # its own TTFT (request arrival to first output: the client's TTFT less the HTTP edge's and the
 # client's share), of which the wait before the scheduler took the request, and its steps
-# (their count and the thread's seconds in them).
+# (their count and the thread's seconds in them), and its TTFT's parts (queue: arrival to the
+# prompt's first forward; prefill: that to its first token on the host; delivery: that to the
+# HTTP handler).
 COUNTERS = {
     "prompts": "pd_fsm_worker_backend_prompts_total",
     "intake_wait": "pd_fsm_worker_backend_intake_wait_seconds_total",
@@ -77,6 +79,9 @@ COUNTERS = {
     "ttft_count": "pd_fsm_worker_time_to_first_token_seconds_count",
     "steps": "pd_fsm_worker_backend_steps_total",
     "step_seconds": "pd_fsm_worker_backend_step_seconds_total",
+    **{f"ttft_{part}_{stat}":
+       f'pd_fsm_worker_time_to_first_token_part_seconds_{stat}{{part="{part}"}}'
+       for part in ("queue", "prefill", "delivery") for stat in ("sum", "count")},
 }
 
 
@@ -108,7 +113,10 @@ def server_side(before: dict[str, float], after: dict[str, float]) -> dict[str, 
             "intake_wait_mean_ms": 1e3 * d["intake_wait"] / d["prompts"] if d["prompts"]
             else math.nan,
             "steps": d["steps"],
-            "step_mean_ms": 1e3 * d["step_seconds"] / d["steps"] if d["steps"] else math.nan}
+            "step_mean_ms": 1e3 * d["step_seconds"] / d["steps"] if d["steps"] else math.nan,
+            **{f"ttft_{part}_mean_ms": 1e3 * d[f"ttft_{part}_sum"] / d[f"ttft_{part}_count"]
+               if d[f"ttft_{part}_count"] else math.nan
+               for part in ("queue", "prefill", "delivery")}}
 
 
 def engine_ceiling(args: argparse.Namespace, out: Path, records: Path, in_tokens: int,

@@ -7,6 +7,7 @@
 #   call 3:  bash bench/tpu_serve.sh smollm2   (carry .gguf-parts/c; then the one-chip check)
 #   later:   bash bench/tpu_serve.sh qwen17    (a fresh machine: carry .whl-tpu)
 #            bash bench/tpu_serve.sh switch    (after qwen on the same machine: its compiles)
+#            bash bench/tpu_serve.sh ttft      (a TTFT's parts against the prefill alone)
 # Each call's records land in $OUT/<call>.tgz (the device tool brings back 8 files at most) and
 # its JSONL beside it; bench/RESULTS_tpu.md has what they said.
 set -u
@@ -41,6 +42,14 @@ case "${1:-}" in
   switch)  # the saturated load again, the worker's GIL switch interval 1 ms (Python's: 5 ms)
     SERVE_OUT=$run/switch1ms PD_FSM_GIL_SWITCH_MS=1 serve 200 --model qwen3-0.6b --engine-loop "" \
       --loads "chat:1024:256::inf" --seed 700 ;;
-  *) echo "usage: $0 qwen|smollm2|qwen17|switch"; exit 2 ;;
+  ttft)  # a TTFT's parts at low rates (the worker's queue, prefill, delivery), against the
+    # prefill step alone in the same call; a fresh machine: the server compiles for itself
+    timeout -s INT 150 python3 bench/bench_engine.py --no-kernel-check --shapes qwen3-0.6b \
+      --chain-shapes "" --rows 1 --contexts 512 --prefills 1024 --no-mixed --repeats 10 \
+      --json "$run/prefill_alone.json" > "$run/prefill_alone.log" 2>&1
+    grep '"step": "prefill"' "$run/prefill_alone.log" | cut -c 1-300
+    serve 330 --model qwen3-0.6b --engine-loop "" --seconds 10 --min-prompts 8 \
+      --loads "chat:1024:256:1,2,4:inf" ;;
+  *) echo "usage: $0 qwen|smollm2|qwen17|switch|ttft"; exit 2 ;;
 esac
 pack

@@ -196,6 +196,10 @@ def _make_output(req: Req) -> RequestOutput:
         req.prompt_logprobs_sent = True
         start = req.logprobs.prompt_from
         prompt = PromptLogprobs(start, tuple(req.prompt_logprobs), tuple(req.prompt_top))
+    times = None
+    if not req.tokens_sent and new_ids and req.prefill_started is not None \
+            and req.first_token_at is not None:
+        times = (req.prefill_started, req.first_token_at)
     req.text_sent, req.tokens_sent = end, len(req.output_ids)
     return RequestOutput(
         rid=req.rid,
@@ -209,6 +213,7 @@ def _make_output(req: Req) -> RequestOutput:
         new_top_logprobs=new_tops,
         prompt_logprobs=prompt,
         index=req.index,
+        first_token_times=times,
     )
 
 

@@ -105,6 +105,9 @@ class RequestOutput:
     # are still running when this one finished.
     index: int = 0
     more: bool = False
+    # In the output carrying the first token, where this worker prefilled the request: when its
+    # first forward was run and when that token reached the host (time.monotonic()).
+    first_token_times: tuple[float, float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -141,6 +144,10 @@ class Req:
     # Prompt tokens whose K/V is in the pages (chunked prefill progress).
     prefilled: int = 0
     cached_tokens: int = 0  # of those, from the prefix cache
+    # time.monotonic() when its first forward was run here, and when its first token reached
+    # the host (None where another worker prefilled it): the parts of a TTFT.
+    prefill_started: float | None = None
+    first_token_at: float | None = None
     output_ids: list[int] = attrs.field(factory=list)
     output_logprobs: list[float] = attrs.field(factory=list)
     output_top: list[TopLogprobs] = attrs.field(factory=list)  # only with logprobs.top

@@ -22,6 +22,7 @@ forward). The colocated role adds nothing.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -339,7 +340,15 @@ class Scheduler:
         completed: list[Req | None] = [
             row.req if row.start + row.length == len(row.req.input_ids) else None
             for row in batch.rows]
+        started = time.monotonic()
+        for row in batch.rows:
+            if row.req.prefill_started is None:
+                row.req.prefill_started = started
         result = self.runner.prefill_step(batch, completed)
+        done = time.monotonic()
+        for req in completed:
+            if req is not None:
+                req.first_token_at = done
         if result.every_position is not None:
             self.outputs.record_prompt_logprobs(batch, result.every_position)
         for row, req in zip(batch.rows, completed, strict=True):

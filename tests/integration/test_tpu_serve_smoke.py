@@ -54,4 +54,8 @@ def test_tpu_serve_runs_its_loads_on_a_cpu(tmp_path: Path) -> None:
         assert 0 < load["server_ttft_mean_ms"] <= load["figures"]["TTFT p99 ms"]
         assert 0 <= load["intake_wait_mean_ms"] <= load["server_ttft_mean_ms"]
         assert load["steps"] > 0 and load["step_mean_ms"] > 0
+        # The worker prefilled every request: its TTFT's parts add up to its TTFT.
+        parts = sum(load[f"ttft_{p}_mean_ms"] for p in ("queue", "prefill", "delivery"))
+        assert 0 < load["ttft_prefill_mean_ms"] < parts
+        assert abs(parts - load["server_ttft_mean_ms"]) < 0.05 * load["server_ttft_mean_ms"]
     assert records[-1]["rc"] == 0

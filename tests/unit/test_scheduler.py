@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import attrs
@@ -372,3 +373,23 @@ def test_the_prefill_budget_defaults_by_backend_and_a_given_one_stays(tiny: Load
     sched.run_until_idle()
     prefills = [shape[1:] for shape in sched.forward_shapes if shape[0].startswith("extend")]
     assert prefills and max(n * t for n, t in prefills) <= expected
+
+
+def test_the_first_output_says_when_its_prefill_ran(tiny: LoadedModel) -> None:
+    """A prompt prefilled here (in chunks of 16 tokens) carries, in the output with its first
+    token and in no other, when its first chunk ran and when that token reached the host; a
+    request whose first token came from elsewhere (PD's decode side) carries none."""
+    sched = Scheduler(_args(max_batched_tokens=16), model=tiny)
+    before = time.monotonic()
+    sched.add_request(Req("a", _prompt(3, 40), GREEDY))
+    outputs = sched.run_until_idle()
+    timed = [o for o in outputs if o.first_token_times is not None]
+    assert len(timed) == 1 and timed[0] is next(o for o in outputs if o.new_token_ids)
+    began, first = timed[0].first_token_times  # type: ignore[misc]
+    assert before <= began < first <= time.monotonic()
+    d = Scheduler(_args(), model=tiny)
+    dst = Req("b", _prompt(4, 8), GREEDY)
+    d.register(dst)
+    assert d.page_budget.reserve(dst)
+    d.add_prefilled_request(dst, 5, -0.5)
+    assert all(o.first_token_times is None for o in d.run_until_idle())

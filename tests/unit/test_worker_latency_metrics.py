@@ -3,6 +3,7 @@ requests within the SLO (TTFT and mean inter-token latency), on trio's clock."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -47,3 +48,21 @@ async def test_intervals_and_slo(mock_clock: trio.testing.MockClock) -> None:
     assert _value(m, "pd_fsm_worker_requests_slo_total", met="false") == 3
     assert _value(m, "pd_fsm_worker_requests_slo_total", met="true") == 1
     assert _value(m, "pd_fsm_worker_time_to_first_token_seconds_count") == 3
+
+
+async def test_a_ttft_splits_where_this_worker_prefilled() -> None:
+    """Queue (arrival to the first forward), prefill (to the token on the host) and delivery
+    (to the handler), on the scheduler's clock; an output with no times (a first token from P)
+    adds none."""
+    m = WorkerMetrics(lambda: {}, "decode")
+    timing = _Timing(m, trio.current_time())
+    began, first = timing.arrived + 0.002, timing.arrived + 0.005
+    await trio.sleep(0.01)
+    timing.output(attrs.evolve(_out(1), first_token_times=(began, first)))
+    name = "pd_fsm_worker_time_to_first_token_part_seconds_sum"
+    assert _value(m, name, part="queue") == pytest.approx(0.002)
+    assert _value(m, name, part="prefill") == pytest.approx(0.003)
+    assert 0.005 <= _value(m, name, part="delivery") < 1.0
+    _Timing(m, trio.current_time()).output(_out(1))
+    for part in ("queue", "prefill", "delivery"):
+        assert _value(m, "pd_fsm_worker_time_to_first_token_part_seconds_count", part=part) == 1

@@ -7,6 +7,7 @@ client's disconnect, so a client that goes away aborts its request (and frees it
 from __future__ import annotations
 
 import functools
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
@@ -409,10 +410,15 @@ class Timing:
     interval, end to end, and whether it met the SLO (TTFT and mean inter-token latency)."""
 
     metrics: WorkerMetrics
-    start: float
+    start: float  # trio.current_time() at arrival
     first_at: float | None = None
     last_at: float = 0.0
     tokens: int = 0
+    # The arrival on time.monotonic(), the scheduler's clock (the parts of a TTFT).
+    arrived: float = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.arrived = time.monotonic() - (trio.current_time() - self.start)
 
     def output(self, out: RequestOutput) -> None:
         now = trio.current_time()
@@ -420,6 +426,12 @@ class Timing:
         if n and self.first_at is None:
             self.first_at = self.last_at = now
             self.metrics.ttft.observe(now - self.start)
+            if out.first_token_times is not None:
+                began, first = out.first_token_times
+                parts = self.metrics.ttft_parts
+                parts.labels("queue").observe(max(0.0, began - self.arrived))
+                parts.labels("prefill").observe(first - began)
+                parts.labels("delivery").observe(max(0.0, time.monotonic() - first))
             n -= 1  # the first token has no interval before it
         for _ in range(n):  # tokens that come out together share their interval
             self.metrics.itl.observe((now - self.last_at) / n)

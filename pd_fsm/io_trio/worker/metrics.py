@@ -22,6 +22,7 @@ from pd_fsm.io_trio.phases import PhaseHistograms
 from pd_fsm.io_trio.stats_metrics import StatsCollector
 
 PREFIX = "pd_fsm_worker"
+TTFT_PARTS = ("queue", "prefill", "delivery")
 # 2 s and 100 ms are bounds: the default SLO's (--slo-ttft, --slo-itl) quantiles are exact there.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 2.5, 5, 10, 30, 60, 120, 300)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1,
@@ -99,6 +100,18 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.ttft_parts = Histogram(
+            f"{PREFIX}_time_to_first_token_part_seconds",
+            "the parts of a TTFT where this worker prefilled the request: queue (arrival to its "
+            "first forward, the steps in flight waited for), prefill (its first forward to its "
+            "first token on the host: every chunk, and the device's queue), delivery (the "
+            "token on the host to its HTTP handler)",
+            ["part"],
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        )
+        for part in TTFT_PARTS:
+            self.ttft_parts.labels(part)
         self.e2e = Histogram(
             f"{PREFIX}_e2e_request_latency_seconds",
             "request arrival to last output",
