@@ -43,12 +43,16 @@ case "${1:-}" in
     SERVE_OUT=$run/switch1ms PD_FSM_GIL_SWITCH_MS=1 serve 200 --model qwen3-0.6b --engine-loop "" \
       --loads "chat:1024:256::inf" --seed 700 ;;
   ttft)  # a TTFT's parts at low rates (the worker's queue, prefill, delivery), against the
-    # prefill step alone in the same call; a fresh machine: the server compiles for itself
-    timeout -s INT 150 python3 bench/bench_engine.py --no-kernel-check --shapes qwen3-0.6b \
+    # prefill step alone in the same call (and the kernel's tests at the block sizes the chip
+    # takes); a fresh machine: the server compiles for itself
+    timeout -s INT 120 python3 bench/bench_engine.py --no-kernel-check --shapes qwen3-0.6b \
       --chain-shapes "" --rows 1 --contexts 512 --prefills 1024 --no-mixed --repeats 10 \
       --json "$run/prefill_alone.json" > "$run/prefill_alone.log" 2>&1
     grep '"step": "prefill"' "$run/prefill_alone.log" | cut -c 1-300
-    serve 330 --model qwen3-0.6b --engine-loop "" --seconds 10 --min-prompts 8 \
+    timeout -s INT 90 python3 -m pytest -q -p no:cacheprovider tests/unit/test_step_program.py \
+      -k "kernel or block" > "$run/kernel_tests.log" 2>&1
+    tail -2 "$run/kernel_tests.log" | cut -c 1-300
+    serve 280 --model qwen3-0.6b --engine-loop "" --seconds 10 --min-prompts 8 \
       --loads "chat:1024:256:1,2,4:inf" ;;
   *) echo "usage: $0 qwen|smollm2|qwen17|switch|ttft"; exit 2 ;;
 esac

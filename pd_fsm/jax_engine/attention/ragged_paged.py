@@ -56,6 +56,12 @@ def slot_width(head_dim: int) -> int:
     raise ValueError(f"head_dim {head_dim}: the kernel takes multiples of 128, or 64")
 
 
+# The keys a block of a packed (16-bit) pool holds must be a multiple of this: the block's
+# probabilities are the left operand of p @ V, contracted over the keys. On a v5e blocks of 64
+# keys compiled (bench_engine's kernel check, runs 1-2) and of 32 did not ("Bad lhs type").
+PACKED_BLOCK_KEYS = 64
+
+
 def rows_multiple(dtype: Any) -> int:
     """The sublane multiple a VMEM block's second-minor axis needs in ``dtype``."""
     return 8 * (4 // jnp.dtype(dtype).itemsize)
@@ -371,6 +377,10 @@ def attend(
     width = slot_width(head_dim)
     if block_q & (block_q - 1) or (group * block_q) % rows_multiple(q.dtype):
         raise ValueError(f"block_q {block_q} does not tile {group} query heads per kv-head")
+    keys = block_pages * pool.shape[1]
+    if jnp.dtype(pool.dtype).itemsize < 4 and keys % PACKED_BLOCK_KEYS:
+        raise ValueError(f"a block of {keys} keys in {jnp.dtype(pool.dtype).name}: the chip's "
+                         f"matmul takes a multiple of {PACKED_BLOCK_KEYS}")
     n_items = plan.item_seq.shape[0]
     q_w = q if width == head_dim else jnp.pad(q, ((0, 0), (0, 0), (0, width - head_dim)))
     q_items = (q_w[plan.src].reshape(n_items, block_q, nkv, group, width)
