@@ -56,12 +56,6 @@ def slot_width(head_dim: int) -> int:
     raise ValueError(f"head_dim {head_dim}: the kernel takes multiples of 128, or 64")
 
 
-# The keys a block of a packed (16-bit) pool holds must be a multiple of this: the block's
-# probabilities are the left operand of p @ V, contracted over the keys. On a v5e blocks of 64
-# keys compiled (bench_engine's kernel check, runs 1-2) and of 32 did not ("Bad lhs type").
-PACKED_BLOCK_KEYS = 64
-
-
 def rows_multiple(dtype: Any) -> int:
     """The sublane multiple a VMEM block's second-minor axis needs in ``dtype``."""
     return 8 * (4 // jnp.dtype(dtype).itemsize)
@@ -120,6 +114,11 @@ class _Refs:
         self.page_size = buf.shape[2]
         self.rows, self.width = q.shape[1], q.shape[2]
         self.block_tokens = shape.block_pages * self.page_size
+        # A 16-bit pool's products at the MXU's own precision, whatever the process's default:
+        # under JAX_DEFAULT_MATMUL_PRECISION=highest Mosaic is asked for an fp32 contraction of
+        # bf16 operands and refuses the kernel ("Bad lhs type", seen on a v5e); f32 follows it.
+        self.precision = (jax.lax.Precision.DEFAULT if jnp.dtype(pool.dtype).itemsize < 4
+                          else None)
 
     def span(self, item: Any) -> tuple[Any, Any, Any, Any, Any]:
         """An item's sequence, first query, the sequence's new and context lengths, and the
@@ -207,14 +206,15 @@ class _Refs:
                 slot, :, :, pl.ds(lane + shape.head_dim, width)].reshape(tokens, width)
             v = jnp.where(held, v, jnp.zeros_like(v))
             q = self.q[h].astype(k.dtype)
-            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=self.precision,
                                     preferred_element_type=jnp.float32) * shape.scale
             s = jnp.where(visible, s, _MASK)
             m_cur = jnp.max(s, axis=1, keepdims=True)
             p = jnp.exp(s - m_cur)
             l_cur = jnp.broadcast_to(jnp.sum(p, axis=1, keepdims=True), (rows, _LANES))
             m_cur = jnp.broadcast_to(m_cur, (rows, _LANES))
-            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            pv = jnp.dot(p.astype(v.dtype), v, precision=self.precision,
+                         preferred_element_type=jnp.float32)
             m_prev = self.m[h]
             m_next = jnp.maximum(m_prev, m_cur)
             alpha = jnp.exp(m_prev - m_next)
@@ -377,10 +377,6 @@ def attend(
     width = slot_width(head_dim)
     if block_q & (block_q - 1) or (group * block_q) % rows_multiple(q.dtype):
         raise ValueError(f"block_q {block_q} does not tile {group} query heads per kv-head")
-    keys = block_pages * pool.shape[1]
-    if jnp.dtype(pool.dtype).itemsize < 4 and keys % PACKED_BLOCK_KEYS:
-        raise ValueError(f"a block of {keys} keys in {jnp.dtype(pool.dtype).name}: the chip's "
-                         f"matmul takes a multiple of {PACKED_BLOCK_KEYS}")
     n_items = plan.item_seq.shape[0]
     q_w = q if width == head_dim else jnp.pad(q, ((0, 0), (0, 0), (0, width - head_dim)))
     q_items = (q_w[plan.src].reshape(n_items, block_q, nkv, group, width)
