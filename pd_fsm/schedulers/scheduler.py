@@ -209,12 +209,13 @@ class Scheduler:
         """One scheduling iteration: plan a prefill batch, run it, apply it; the same for a
         decode batch. Returns the outputs produced since the previous call.
 
-        ``early``: if given, and a decode forward is about to run while outputs are pending (a
-        prompt's first token, prefilled here or pulled from P), those go to ``early`` before
-        that forward and not in the returned list. Without it a first token waited for the
-        step's decode forward (a whole inter-token interval, ~50 ms for SmolLM2 on this
-        machine) before its client saw it; sglang likewise streams a prefill batch's tokens
-        before running the next decode batch."""
+        ``early``: if given, and a decode forward is to run while outputs are pending (a
+        prompt's first token, prefilled here or pulled from P), those go to ``early`` and not in
+        the returned list: once that forward is launched where the backend overlaps steps (the
+        device runs it while they go out), before it where it runs whole. Without it a first
+        token waited for the step's decode forward (a whole inter-token interval, ~50 ms for
+        SmolLM2 on this machine) before its client saw it; sglang likewise streams a prefill
+        batch's tokens before running the next decode batch."""
         self.role.before_step()
         for item in self.queues.take_inbox():
             if isinstance(item, tuple):
@@ -233,9 +234,10 @@ class Scheduler:
         if prefill is not None:
             self._prefill(prefill)
         decode = plan_decode(self.running)
+        flush = None
         if decode is not None and early is not None and self.outputs.pending:
-            early(self.drain_outputs())
-        self._decode(decode)
+            flush = lambda: early(self.drain_outputs())  # noqa: E731
+        self._decode(decode, flush)
         outputs = self.drain_outputs()
         self.role.after_step()
         return outputs
@@ -365,12 +367,14 @@ class Scheduler:
             self.prefilling.remove(req)
             self._enter_running(req, int(token), float(logprob), top)
 
-    def _decode(self, batch: DecodeBatch | None) -> None:
+    def _decode(self, batch: DecodeBatch | None, flush: Callable[[], None] | None = None
+                ) -> None:
         """Run ``batch`` (None: none) and append each sequence's sampled token. Where the
         backend overlaps steps, the step is dispatched first and the one before it (still in
         flight) read and applied while it runs: a sequence's token then reaches its output one
         step later, and a sequence that finished in the step read has one more token computed,
-        then dropped."""
+        then dropped. ``flush`` (``step``'s early outputs) runs once the step is dispatched, or
+        before a step run whole."""
 
         def append(reqs: Sequence[Req], result: StepResult) -> None:
             for req, token, logprob, top in zip(reqs, result.tokens, result.logprobs,
@@ -383,6 +387,8 @@ class Scheduler:
         previous, self._inflight = self._inflight, None
         if batch is not None and self.runner.can_overlap(batch.reqs):
             self._inflight = self.runner.decode_launch(batch, previous)
+        if flush is not None:
+            flush()
         if previous is not None:
             append(previous.reqs, self.runner.collect(previous))
             if self._inflight is None:

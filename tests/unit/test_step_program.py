@@ -23,7 +23,7 @@ from pd_fsm.jax_engine.model import TINY, LoadedModel, decode, extend
 from pd_fsm.jax_engine.model.params import fuse_projections, random_params
 from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.jax_engine.step.program import StepOptions, step
-from pd_fsm.schedulers import Scheduler, SchedulerArgs
+from pd_fsm.schedulers import RequestOutput, Scheduler, SchedulerArgs
 from pd_fsm.schedulers.warm_up import shapes_of, warm_up
 from pd_fsm.text.tokenizer import CharTokenizer
 
@@ -269,6 +269,48 @@ def test_an_overlapped_step_drops_what_it_computed_for_a_finished_request() -> N
         assert len(got["a"]) < 8
         stats = sched.stats()
         assert stats.free_pages + stats.cached_pages == stats.total_pages
+
+
+def test_overlapped_first_tokens_leave_once_the_decode_step_is_launched() -> None:
+    """With steps overlapped, ``step(early)`` hands a new prompt's first token out after its
+    step's decode forward is dispatched (the device runs it meanwhile) and before the step in
+    flight is read; the tokens are those of steps run without ``early``."""
+    model = _model()
+    args = SchedulerArgs(model="tiny", num_pages=32, page_size=PAGE, max_running=4,
+                         context_length=128)
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    with backend.using(backend.accelerator_on_cpu("reference")):
+        runs: dict[bool, dict[str, list[int]]] = {}
+        for use_early in (False, True):
+            sched = Scheduler(args, model=model)
+            got: dict[str, list[int]] = {"a": [], "b": []}
+            seen: list[tuple[str, bool, int]] = []
+
+            def early(outs: list[RequestOutput], sched: Scheduler = sched,
+                      got: dict[str, list[int]] = got, seen: list[tuple[str, bool, int]] = seen
+                      ) -> None:
+                for o in outs:
+                    seen.append((o.rid, sched._inflight is not None,
+                                 len(sched.reqs["a"].output_ids)))
+                    got[o.rid].extend(o.new_token_ids)
+
+            sched.add_request(sched.make_request("a", "first prompt", greedy))
+            for _ in range(3):
+                for o in sched.step(early if use_early else None):
+                    got[o.rid].extend(o.new_token_ids)
+            a_before = len(sched.reqs["a"].output_ids)
+            sched.add_request(sched.make_request("b", "second prompt", greedy))
+            for o in sched.step(early if use_early else None):
+                got[o.rid].extend(o.new_token_ids)
+            if use_early:
+                # "b"'s first token left with the decode step launched and "a"'s step in flight
+                # not yet read.
+                assert ("b", True, a_before) in seen
+            for o in sched.run_until_idle():
+                got[o.rid].extend(o.new_token_ids)
+            runs[use_early] = got
+        assert runs[True] == runs[False]
+        assert all(len(tokens) == 6 for tokens in runs[True].values())
 
 
 def test_tensor_parallel_instances_keep_the_chain() -> None:

@@ -96,8 +96,8 @@ def run_tick(
     the inbox made the core say goes to it before the step runs, not with the step's: a KV part
     P owes a D whose hello came during the last step then travels while this step computes
     (streamed KV), instead of after it. ``early_outputs``: if given, outputs ready before the
-    step's decode forward (a first token D just pulled) go to it then, with their failures, and
-    not in the result (``Scheduler.step``'s ``early``)."""
+    step's decode forward (a first token D just pulled) go to it as that forward starts, with
+    their failures, and not in the result (``Scheduler.step``'s ``early``)."""
     role = sched.role
     link = role.link
     on_busy(tuple(role.step_started()))
