@@ -94,6 +94,31 @@ class WorkerMetrics:
         self.completion_tokens = Counter(
             f"{PREFIX}_completion_tokens", "tokens generated", registry=self.registry
         )
+        self._latencies()
+        self.slo = Counter(
+            f"{PREFIX}_requests_slo",
+            "finished requests by whether they met --slo-ttft and --slo-itl (goodput: met=true)",
+            ["met"],
+            registry=self.registry,
+        )
+        for met in ("true", "false"):
+            self.slo.labels(met)  # both series exist from the start: rates need no guesswork
+        self.drains = Counter(
+            f"{PREFIX}_drains",
+            "drains (SIGTERM, role switches) by whether running streams were handed off to "
+            "another decode worker, and why not",
+            ["outcome", "reason"],
+            registry=self.registry,
+        )
+        for outcome, reasons in DRAIN_OUTCOMES.items():
+            for reason in reasons:
+                self.drains.labels(outcome, reason)
+        self.phases = PhaseHistograms(self.registry, *((roles,) if isinstance(roles, str)
+                                                       else roles))
+        self.registry.register(StatsCollector(stats, f"{PREFIX}_backend"))
+
+    def _latencies(self) -> None:
+        """A request's latency histograms: TTFT (and its parts), end to end, inter-token."""
         self.ttft = Histogram(
             f"{PREFIX}_time_to_first_token_seconds",
             "request arrival to first output",
@@ -125,27 +150,6 @@ class WorkerMetrics:
             buckets=ITL_BUCKETS,
             registry=self.registry,
         )
-        self.slo = Counter(
-            f"{PREFIX}_requests_slo",
-            "finished requests by whether they met --slo-ttft and --slo-itl (goodput: met=true)",
-            ["met"],
-            registry=self.registry,
-        )
-        for met in ("true", "false"):
-            self.slo.labels(met)  # both series exist from the start: rates need no guesswork
-        self.drains = Counter(
-            f"{PREFIX}_drains",
-            "drains (SIGTERM, role switches) by whether running streams were handed off to "
-            "another decode worker, and why not",
-            ["outcome", "reason"],
-            registry=self.registry,
-        )
-        for outcome, reasons in DRAIN_OUTCOMES.items():
-            for reason in reasons:
-                self.drains.labels(outcome, reason)
-        self.phases = PhaseHistograms(self.registry, *((roles,) if isinstance(roles, str)
-                                                       else roles))
-        self.registry.register(StatsCollector(stats, f"{PREFIX}_backend"))
 
     def add_roles(self, snapshot: Callable[[], RoleSnapshot]) -> None:
         self.registry.register(RoleCollector(snapshot))
