@@ -31,6 +31,7 @@ import numpy as np
 from pd_fsm.jax_engine.backend import Backend
 from pd_fsm.jax_engine.compilation.buckets import bucket
 from pd_fsm.jax_engine.compilation.executables import EXECUTABLES
+from pd_fsm.jax_engine.compilation.upload import upload
 from pd_fsm.jax_engine.kv.gather_scatter import as_struct
 from pd_fsm.jax_engine.kv.holder import KVCacheHolder
 from pd_fsm.jax_engine.kv.pool import KVPoolConfig, allocate_kv_pool, copy_pages
@@ -179,7 +180,7 @@ class ModelRunner:
         holding the prompt's last token)."""
 
         def run(kv: KV) -> tuple[None, KV]:
-            return None, EXECUTABLES.call(copy_pages, {}, kv, jnp.asarray(src), jnp.asarray(dst))
+            return None, EXECUTABLES.call(copy_pages, {}, kv, upload(src), upload(dst))
 
         self.with_kv(run)
 
@@ -273,11 +274,11 @@ class ModelRunner:
             tokens, carry, q_lens, kv_lens, table, ahead, decode)
         sampler, sampling = self.rows.on_device(rows, len(q_lens), ahead)
         self.forward_shapes.add(("step", len(tokens), len(q_lens)))
-        batch = jnp.asarray(pack(tokens, carry, q_lens, kv_lens, table))
+        batch = upload(pack(tokens, carry, q_lens, kv_lens, table))
         if sampler == "greedy":  # the one program's argmax branch: nothing more to upload
             device_sampling = self._greedy_rows(len(q_lens))
         else:
-            device_sampling = {k: jnp.asarray(v) for k, v in sampling.items()}
+            device_sampling = {k: upload(v) for k, v in sampling.items()}
         sampler = "sample"
         key = (len(tokens), len(q_lens), sampler)
         carried = self._carried
@@ -302,7 +303,7 @@ class ModelRunner:
         arrays = self._greedy.get(seqs)
         if arrays is None:
             _, host = self.rows.on_device([], seqs, np.zeros(seqs, bool), draw=True)
-            arrays = self._greedy[seqs] = {k: jnp.asarray(v) for k, v in host.items()}
+            arrays = self._greedy[seqs] = {k: upload(v) for k, v in host.items()}
         return arrays
 
     def _step_shape(self, tokens: np.ndarray, carry: np.ndarray, q_lens: np.ndarray,
@@ -412,8 +413,8 @@ class ModelRunner:
         params, config = self.params, self.config
 
         def run(kv: KV) -> tuple[jax.Array, KV]:
-            return extend(params, kv, jnp.asarray(tokens), jnp.asarray(start),
-                          jnp.asarray(num_new), jnp.asarray(table), config=config,
+            return extend(params, kv, upload(tokens), upload(start),
+                          upload(num_new), upload(table), config=config,
                           all_logits=all_logits)
 
         return self.with_kv(run)
@@ -426,8 +427,8 @@ class ModelRunner:
         params, config = self.params, self.config
 
         def run(kv: KV) -> tuple[jax.Array, KV]:
-            return decode(params, kv, jnp.asarray(tokens), jnp.asarray(positions),
-                          jnp.asarray(table), jnp.asarray(lengths), config=config)
+            return decode(params, kv, upload(tokens), upload(positions),
+                          upload(table), upload(lengths), config=config)
 
         return self.with_kv(run)
 

@@ -23,7 +23,7 @@ from pd_fsm.jax_engine.model import TINY, LoadedModel, decode, extend
 from pd_fsm.jax_engine.model.params import fuse_projections, random_params
 from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.jax_engine.step.program import StepOptions, step
-from pd_fsm.schedulers import RequestOutput, Scheduler, SchedulerArgs
+from pd_fsm.schedulers import Req, RequestOutput, Scheduler, SchedulerArgs
 from pd_fsm.schedulers.warm_up import shapes_of, warm_up
 from pd_fsm.text.tokenizer import CharTokenizer
 
@@ -311,6 +311,36 @@ def test_overlapped_first_tokens_leave_once_the_decode_step_is_launched() -> Non
             runs[use_early] = got
         assert runs[True] == runs[False]
         assert all(len(tokens) == 6 for tokens in runs[True].values())
+
+
+def test_nothing_compiles_after_the_warm_up_not_even_an_upload() -> None:
+    """After the warm-up, requests of new lengths (prefill and decode steps of every shape they
+    take, greedy and sampled rows) compile nothing: no step, and no small program of JAX's own
+    (``jnp.asarray`` of a host array compiles one per new shape; the runner transfers instead)."""
+    model = _model()
+    args = SchedulerArgs(model="tiny", num_pages=96, page_size=PAGE, max_running=8,
+                         max_batched_tokens=128, context_length=256)
+    compiles: list[str] = []
+
+    def listen(event: str, seconds: float, **_: object) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    with backend.using(backend.accelerator_on_cpu("reference")):
+        sched = Scheduler(args, model=model)
+        warm_up(sched)
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        try:
+            for i, n in enumerate((5, 37, 100)):
+                for j, sampling in enumerate((
+                        SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
+                        SamplingParams(max_new_tokens=4, temperature=0.8, top_p=0.9, seed=i,
+                                       ignore_eos=True))):
+                    sched.add_request(Req(f"r{i}{j}", list(range(1, n + 1)), sampling))
+                sched.run_until_idle()
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == []
 
 
 def test_tensor_parallel_instances_keep_the_chain() -> None:

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pd_fsm.jax_engine import backend
+from pd_fsm.jax_engine.compilation.upload import upload
 from pd_fsm.jax_engine.kv.counters import TRACE_COUNTS
 from pd_fsm.jax_engine.kv.pool import NULL_PAGE
 from pd_fsm.jax_engine.parallel.tensor_parallel import packed_sharding
@@ -200,7 +201,7 @@ def select_from_kv_caches(kv_caches: Sequence[jax.Array], pages: Sequence[int], 
     out = _packed_zeros(
         (len(kv_caches), bucket, *first.shape[1:]), first.dtype, packed_sharding(first.sharding)
     )
-    table, n_runs = jnp.asarray(runs.table), jnp.int32(runs.n_runs)
+    table, n_runs = upload(runs.table), jnp.int32(runs.n_runs)
     if method == "xla":
         return _gather_into(out, list(kv_caches), table, n_runs)
     if method == "pallas":
@@ -214,7 +215,7 @@ def _pallas_gather(kv_caches: Sequence[jax.Array], out: jax.Array, runs: PageRun
     from pd_fsm.jax_engine.kv.pallas_copy import multi_layer_gather_pallas_per_shard
 
     return multi_layer_gather_pallas_per_shard(
-        out, list(kv_caches), jnp.asarray(runs.table), jnp.int32(runs.n_runs),
+        out, list(kv_caches), upload(runs.table), jnp.int32(runs.n_runs),
         interpret=_interpret(interpret))
 
 
@@ -276,7 +277,7 @@ def _pallas_copy(kv_caches: Sequence[jax.Array], packed: jax.Array, runs: PageRu
     from pd_fsm.jax_engine.kv.pallas_copy import multi_layer_copy_pallas_per_shard
 
     return multi_layer_copy_pallas_per_shard(
-        list(kv_caches), packed, jnp.asarray(runs.table), jnp.int32(runs.n_runs),
+        list(kv_caches), packed, upload(runs.table), jnp.int32(runs.n_runs),
         interpret=_interpret(interpret))
 
 
@@ -307,7 +308,7 @@ def insert_kv_chunks(
     check_packed(kv_caches, packed, pages)
     runs = scatter_runs(pages, packed.shape[1])
     if method == "xla":
-        return multi_layer_copy(list(kv_caches), packed, jnp.asarray(runs.table),
+        return multi_layer_copy(list(kv_caches), packed, upload(runs.table),
                                 jnp.int32(runs.n_runs))
     if method == "pallas":
         return _pallas_copy(kv_caches, packed, runs, interpret)

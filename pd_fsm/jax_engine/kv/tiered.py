@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pd_fsm.jax_engine.compilation.executables import EXECUTABLES as FORWARD_EXECUTABLES
+from pd_fsm.jax_engine.compilation.upload import upload
 from pd_fsm.jax_engine.kv.counters import SharedCounter
 from pd_fsm.jax_engine.kv.gather_scatter import (
     _gather_into,
@@ -261,7 +262,7 @@ def gather(kv: Sequence[jax.Array], pages: Sequence[int], *, run_tier: bool = Tr
         TIER_COUNTS.bump("gather_runs")
         runs = contiguous_runs(pages, range(len(pages)), bucket)
         out = _packed_zeros(out_shape, first.dtype, packed_sharding(first.sharding))
-        return exe(out, kv, jnp.asarray(runs.table), jnp.int32(runs.n_runs))  # type: ignore[no-any-return]
+        return exe(out, kv, upload(runs.table), jnp.int32(runs.n_runs))  # type: ignore[no-any-return]
 
     def build_runs() -> jax.stages.Compiled:
         fn, args = _runs_build(pool, bucket, "gather")
@@ -273,7 +274,7 @@ def gather(kv: Sequence[jax.Array], pages: Sequence[int], *, run_tier: bool = Tr
     ids[: len(pages)] = pages
     quick = _quick_gather(pool, bucket)
     TIER_COUNTS.bump("gather_quick")
-    return quick(kv, jnp.asarray(ids))  # type: ignore[no-any-return]
+    return quick(kv, upload(ids))  # type: ignore[no-any-return]
 
 
 def scatter_plan(
@@ -286,7 +287,7 @@ def scatter_plan(
     exe = KV_COPIES.get(runs_key)
     if exe is not None:
         runs = scatter_runs(pages, bucket)
-        table, n_runs = jnp.asarray(runs.table), jnp.int32(runs.n_runs)
+        table, n_runs = upload(runs.table), jnp.int32(runs.n_runs)
 
         def run_runs(kv: list[jax.Array]) -> list[jax.Array]:
             TIER_COUNTS.bump("scatter_runs")
@@ -302,7 +303,7 @@ def scatter_plan(
     quick = _quick_scatter(pool, as_struct(packed))
     ids = np.full(bucket, np.iinfo(np.int32).max, np.int32)  # out of range: dropped
     ids[: len(pages)] = pages
-    ids_dev = jnp.asarray(ids)
+    ids_dev = upload(ids)
 
     def run_quick(kv: list[jax.Array]) -> list[jax.Array]:
         TIER_COUNTS.bump("scatter_quick")

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pd_fsm.jax_engine.compilation.executables import EXECUTABLES
+from pd_fsm.jax_engine.compilation.upload import upload
 from pd_fsm.jax_engine.sampling.grammar import bitmask_words
 from pd_fsm.jax_engine.sampling.params import TOP_LOGPROBS_COMPUTED, SamplingParams, TopLogprobs
 
@@ -145,10 +146,10 @@ def sample(
             sp, adjustment = params[i], adjustments[i]  # type: ignore[index]
             assert sp is not None and adjustment is not None
             adjust_logits(host[i], sp, adjustment)
-        logits = jnp.asarray(host)
+        logits = upload(host)
     if bitmask is None:
         bitmask = np.full((b_pad, bitmask_words(logits.shape[-1])), -1, np.int32)
-    tokens, logprobs = _choose(logits, params, seeds, steps, n, b_pad, jnp.asarray(bitmask))
+    tokens, logprobs = _choose(logits, params, seeds, steps, n, b_pad, upload(bitmask))
     if raw is not None:
         logprobs = logprobs.copy()
         for i in adjusted:
@@ -193,7 +194,7 @@ def _choose(
     else:
         rows = sampling_arrays(params, seeds, steps, b_pad)
         tokens, logprobs = EXECUTABLES.call(
-            _sample, {}, logits, *(jnp.asarray(rows[k]) for k in SAMPLING_ARRAYS), bitmask)
+            _sample, {}, logits, *(upload(rows[k]) for k in SAMPLING_ARRAYS), bitmask)
     return np.asarray(tokens)[:n], np.asarray(logprobs)[:n]
 
 
@@ -237,7 +238,7 @@ def prompt_logprobs(
     """Host arrays of :func:`_prompt_logprobs` (compiled on first use for each chunk shape:
     only prefills that ask for prompt log-probs run it)."""
     chosen, ids, values = EXECUTABLES.call(
-        _prompt_logprobs, {"top": top}, logits, jnp.asarray(next_ids)
+        _prompt_logprobs, {"top": top}, logits, upload(next_ids)
     )
     return np.asarray(chosen), np.asarray(ids), np.asarray(values)
 
@@ -249,7 +250,7 @@ def _last_logits(logits: jax.Array, num_new: jax.Array) -> jax.Array:
 
 
 def last_logits(logits: jax.Array, num_new: np.ndarray) -> jax.Array:
-    return EXECUTABLES.call(_last_logits, {}, logits, jnp.asarray(num_new))
+    return EXECUTABLES.call(_last_logits, {}, logits, upload(num_new))
 
 
 def compile_samplers(
