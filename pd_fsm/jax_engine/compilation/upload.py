@@ -3,7 +3,7 @@
 ``jnp.asarray`` of a numpy array runs a small jitted program (``jit(stage)`` in JAX 0.10),
 compiled once per shape and dtype: a step's packed inputs, a sampler's rows or a page table of a
 size not seen before compiled on its first request, after the warm-up and outside its count
-(~10-30 ms on a CPU, and on the TPU the first request after ready took twice its TTFT).
+(~10-30 ms each on a CPU).
 ``jax.device_put`` is a plain transfer, with the same dtypes (64-bit host values canonicalized
 to 32 bits)."""
 
