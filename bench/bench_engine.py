@@ -53,11 +53,12 @@ from pd_fsm.jax_engine.attention.ragged_paged import (
     ragged_paged_attention,
 )
 from pd_fsm.jax_engine.attention.reference import ragged_attention_reference
+from pd_fsm.jax_engine.compilation.upload import upload
 from pd_fsm.jax_engine.kv.pool import allocate_kv_pool
 from pd_fsm.jax_engine.model import forward
 from pd_fsm.jax_engine.model.config import SMOLLM2_135M, ModelConfig
 from pd_fsm.jax_engine.model.dummy import dummy_params, param_bytes, shape_config
-from pd_fsm.jax_engine.model.params import fuse_projections
+from pd_fsm.jax_engine.model.params import fuse_projections, stack_layers
 from pd_fsm.jax_engine.sampling.sampler import _greedy
 from pd_fsm.jax_engine.step.program import StepOptions, step
 
@@ -129,8 +130,8 @@ class Fused:
     def run(self, tokens: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray,
             table: np.ndarray) -> np.ndarray:
         start = time.perf_counter()
-        args = (jnp.asarray(tokens), jnp.asarray(q_lens), jnp.asarray(kv_lens),
-                jnp.asarray(table))
+        # Transfers, as the runner uploads (jnp.asarray would run a small program for each).
+        args = (upload(tokens), upload(q_lens), upload(kv_lens), upload(table))
         uploaded = time.perf_counter()
         (sampled, _), self.kv = step(self.params, self.kv, *args, {}, options=self.options,
                                      sampler="greedy")
@@ -303,7 +304,8 @@ def bench_shape(name: str, args: argparse.Namespace) -> None:
 def variant_of(base: Fused, params: dict[str, Any], variant: str) -> Fused:
     """The base's step built another way, on the base's pool (hand the pool back with
     ``base.kv = run.kv``): ``unroll_dma`` (the kernel's page DMAs unrolled), ``fused_proj``
-    (q/k/v and gate/up as one product each), ``block_pages=N``, ``kv_write=scatter``
+    (q/k/v and gate/up as one product each), ``stacked`` (the layers' weights stacked: ~11
+    weight arguments a dispatch instead of ~300), ``block_pages=N``, ``kv_write=scatter``
     (the KV written one row per token rather than whole pages then tokens:
     kv/token_write.py)."""
     options, weights = base.options, params
@@ -311,6 +313,8 @@ def variant_of(base: Fused, params: dict[str, Any], variant: str) -> Fused:
         options = attrs.evolve(options, unroll_dma=True)
     elif variant == "fused_proj":
         weights = fuse_projections(params)
+    elif variant == "stacked":
+        weights = stack_layers(params)
     elif variant.startswith("block_pages="):
         options = attrs.evolve(options, block_pages=int(variant.split("=")[1]))
     elif variant.startswith("kv_write="):
@@ -331,8 +335,11 @@ def bench_variant(name: str, params: dict[str, Any], base: Fused, variant: str, 
     q_lens = np.ones(rows, np.int32)
     try:
         first, med = timed(lambda: run.run(tokens, q_lens, kv_lens, table), args.repeats)
+        upload_s, dispatch, wait = (statistics.median(lap[i] for lap in run.laps[2:])
+                                    for i in range(3))
         emit(shape=name, path="fused", variant=variant, step="decode", rows=rows, ctx=ctx,
-             ms=med * 1e3, first_s=first, of_floor=floor / med)
+             ms=med * 1e3, first_s=first, of_floor=floor / med, upload_ms=upload_s * 1e3,
+             dispatch_ms=dispatch * 1e3, wait_ms=wait * 1e3)
     except Exception as exc:
         emit(shape=name, path="fused", variant=variant, step="decode", rows=rows, ctx=ctx,
              error=f"{type(exc).__name__}: {exc}"[:2000])
@@ -589,8 +596,8 @@ def main() -> None:
                         help="on a CPU, the kernel in interpret mode (slow) instead of XLA")
     parser.add_argument("--cpu-f32", action="store_true", help="f32 weights and KV")
     parser.add_argument("--variants", default="",
-                        help="comma list: unroll_dma, fused_proj, block_pages=N, kv_write=scatter "
-                        "(each prefill runs them too)")
+                        help="comma list: unroll_dma, fused_proj, stacked, block_pages=N, "
+                        "kv_write=scatter (each prefill runs them too)")
     parser.add_argument("--variants-at", default="1x512,64x512",
                         help="ROWSxCTX,... decode points the variants run at")
     parser.add_argument("--profile-at", default="", help="ROWSxCTX,... decode steps to trace")

@@ -30,10 +30,11 @@ case "${1:-}" in
     run loop 230 --no-kernel-check --shapes "" --scheduler qwen3-0.6b --loop-requests 32 \
       --loop-in 1024 --loop-out 128 ;;
   prefill)  # where a prefill's time goes (the trace by kind), the KV write as whole pages (the
-    # default) against one scatter row per token
+    # default) against one scatter row per token, and the layers' weights stacked (~50 arguments
+    # a dispatch instead of ~350: the host's share of a step)
     run prefill 420 --no-kernel-check --shapes qwen3-0.6b --chain-shapes "" \
       --rows 1,64 --contexts 512 --prefills 1024,4096 --no-mixed --profile-prefill 1024 \
-      --variants kv_write=scatter --variants-at 1x512,64x512 ;;
+      --variants kv_write=scatter,stacked --variants-at 1x512,64x512 ;;
   sizes)  # the shapes not yet measured (Qwen3-4B, Llama-3.2-3B) and SmolLM2's one-row step,
     # each decode point one at a time and overlapped
     run sizes 420 --no-kernel-check --shapes smollm2,qwen3-4b,llama-3.2-3b --chain-shapes "" \

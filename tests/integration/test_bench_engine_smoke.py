@@ -26,7 +26,7 @@ def test_bench_engine_runs_the_chips_calls_on_a_cpu(tmp_path: Path) -> None:
         [sys.executable, str(ROOT / "bench" / "bench_engine.py"), "--no-kernel-check",
          "--shapes", str(shape), "--chain-shapes", "", "--rows", "1,4", "--contexts", "32",
          "--prefills", "32", "--no-mixed", "--repeats", "2",
-         "--variants", "kv_write=scatter", "--variants-at", "1x32",
+         "--variants", "kv_write=scatter,stacked", "--variants-at", "1x32",
          "--profile-prefill", "32", "--scheduler", str(shape), "--loop-requests", "2",
          "--loop-in", "16", "--loop-out", "4", "--json", str(out)],
         cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu",
@@ -38,12 +38,16 @@ def test_bench_engine_runs_the_chips_calls_on_a_cpu(tmp_path: Path) -> None:
     timed = {(r["step"], r.get("rows", r.get("tokens")), r.get("variant")): r["ms"]
              for r in records if r.get("path") == "fused"}
     assert set(timed) == {("decode", 1, None), ("decode", 4, None), ("prefill", 32, None),
-                          *((step, n, v) for v in ("kv_write=scatter",)
+                          *((step, n, v) for v in ("kv_write=scatter", "stacked")
                             for step, n in (("decode", 1), ("prefill", 32)))}
     assert all(ms > 0 for ms in timed.values())
-    # The prefill traced with each write; a CPU's trace has no device rows to sum by kind.
+    # The prefill traced with each variant; a CPU's trace has no device rows to sum by kind.
     assert {r["profile"] for r in records if "profile" in r} == {
-        f"{shape}-prefill-32", f"{shape}-prefill-32-kv_write-scatter"}
+        f"{shape}-prefill-32", f"{shape}-prefill-32-kv_write-scatter",
+        f"{shape}-prefill-32-stacked"}
+    # Each decode variant says where its host time went, as the base step does.
+    assert all(r["dispatch_ms"] > 0 for r in records
+               if r.get("variant") and r.get("step") == "decode")
     warm = next(r for r in records if r.get("path") == "scheduler warm-up")
     assert warm["cache"]["writes"] == warm["compiled"] > 0
     loop = next(r for r in records if r.get("path") == "scheduler")

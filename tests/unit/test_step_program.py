@@ -20,7 +20,7 @@ from pd_fsm.jax_engine.attention.reference import ragged_attention_reference
 from pd_fsm.jax_engine.compilation.executables import EXECUTABLES
 from pd_fsm.jax_engine.kv.pool import allocate_kv_pool
 from pd_fsm.jax_engine.model import TINY, LoadedModel, decode, extend
-from pd_fsm.jax_engine.model.params import fuse_projections, random_params
+from pd_fsm.jax_engine.model.params import fuse_projections, random_params, stack_layers
 from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.jax_engine.step.program import StepOptions, step
 from pd_fsm.schedulers import Req, RequestOutput, Scheduler, SchedulerArgs
@@ -162,6 +162,31 @@ def test_fused_projections_give_the_same_step() -> None:
     assert "wqkv" in fused["layers"][0] and "wq" not in fused["layers"][0]
     (b,), _ = step(fused, allocate_kv_pool(pool), *args, options=options, sampler="logits")
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_stacked_layers_give_the_same_step() -> None:
+    """The layers' weights stacked (one array per name, ``[L, ...]``): the same logits and
+    pool, from ~11 weight arguments instead of ~11 a layer."""
+    model = _model(head_dim=128)
+    config = model.config
+    options = StepOptions(config, attention="reference")
+    pool = attrs.evolve(config.kv_pool_config(8, PAGE), lanes=True, bf16_bits=False)
+    args = (jnp.arange(1, 9, dtype=jnp.int32), jnp.asarray([8], jnp.int32),
+            jnp.asarray([8], jnp.int32), jnp.asarray([[2]], jnp.int32), {})
+    (a,), kv_a = step(model.params, allocate_kv_pool(pool), *args, options=options,
+                      sampler="logits")
+    stacked = stack_layers(model.params)
+    assert stacked["layers"]["wq"].shape[0] == config.num_layers
+    assert len(jax.tree.leaves(stacked["layers"])) == len(model.params["layers"][0])
+    (b,), kv_b = step(stacked, allocate_kv_pool(pool), *args, options=options,
+                      sampler="logits")
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for x, y in zip(kv_a, kv_b, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    mixed = {**model.params, "layers": [model.params["layers"][0],
+                                        {"router": None, **model.params["layers"][1]}]}
+    with pytest.raises(ValueError, match="cannot be stacked"):
+        stack_layers(mixed)
 
 
 PROMPTS = ["hello world, this is a test of the fused step", "short", "x" * 40,

@@ -37,6 +37,7 @@ from pd_fsm.jax_engine.kv.pool import NULL_PAGE
 from pd_fsm.jax_engine.kv.token_write import write_pages_then_tokens
 from pd_fsm.jax_engine.model.config import ModelConfig
 from pd_fsm.jax_engine.model.forward import KV, Params, experts, mlp, qkv, rms_norm, rope
+from pd_fsm.jax_engine.model.params import layer_views
 from pd_fsm.jax_engine.sampling.grammar import bitmask_words
 from pd_fsm.jax_engine.sampling.sampler import greedy_tokens, sample_tokens
 
@@ -178,7 +179,7 @@ def step(
 
     x = params["embed"][tokens]
     new_kv = []
-    for layer, pool in zip(params["layers"], kv, strict=True):
+    for layer, pool in zip(layer_views(params["layers"]), kv, strict=True):
         x, pool = _layer(x, layer, pool, positions, write, attend_layer, config)
         new_kv.append(pool)
     last = jnp.clip(jnp.cumsum(q_lens) - 1, 0, n_tokens - 1)
