@@ -8,6 +8,8 @@ shapes."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import jax
 import jax.numpy as jnp
@@ -149,40 +151,37 @@ def test_the_fused_step_gives_the_chains_logits(attention: str) -> None:
     assert sampled.shape == logprobs.shape == (2,) and np.all(np.asarray(logprobs) <= 0)
 
 
-def test_fused_projections_give_the_same_step() -> None:
-    model = _model(head_dim=128)
+def _prompt_step(model: LoadedModel, params: dict[str, Any]) -> tuple[np.ndarray, list[Any]]:
+    """One 8-token prompt's step over ``params`` (``model``'s weights in some form): its logits
+    and the pool it wrote."""
     config = model.config
-    options = StepOptions(config, attention="reference")
     pool = attrs.evolve(config.kv_pool_config(8, PAGE), lanes=True, bf16_bits=False)
     args = (jnp.arange(1, 9, dtype=jnp.int32), jnp.asarray([8], jnp.int32),
             jnp.asarray([8], jnp.int32), jnp.asarray([[2]], jnp.int32), {})
-    (a,), _ = step(model.params, allocate_kv_pool(pool), *args, options=options,
-                   sampler="logits")
+    (logits,), kv = step(params, allocate_kv_pool(pool), *args,
+                         options=StepOptions(config, attention="reference"), sampler="logits")
+    return np.asarray(logits), [np.asarray(layer) for layer in kv]
+
+
+def test_fused_projections_give_the_same_step() -> None:
+    model = _model(head_dim=128)
     fused = fuse_projections(model.params)
     assert "wqkv" in fused["layers"][0] and "wq" not in fused["layers"][0]
-    (b,), _ = step(fused, allocate_kv_pool(pool), *args, options=options, sampler="logits")
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    np.testing.assert_allclose(_prompt_step(model, model.params)[0],
+                               _prompt_step(model, fused)[0], atol=1e-5)
 
 
 def test_stacked_layers_give_the_same_step() -> None:
     """The layers' weights stacked (one array per name, ``[L, ...]``): the same logits and
     pool, from ~11 weight arguments instead of ~11 a layer."""
     model = _model(head_dim=128)
-    config = model.config
-    options = StepOptions(config, attention="reference")
-    pool = attrs.evolve(config.kv_pool_config(8, PAGE), lanes=True, bf16_bits=False)
-    args = (jnp.arange(1, 9, dtype=jnp.int32), jnp.asarray([8], jnp.int32),
-            jnp.asarray([8], jnp.int32), jnp.asarray([[2]], jnp.int32), {})
-    (a,), kv_a = step(model.params, allocate_kv_pool(pool), *args, options=options,
-                      sampler="logits")
     stacked = stack_layers(model.params)
-    assert stacked["layers"]["wq"].shape[0] == config.num_layers
+    assert stacked["layers"]["wq"].shape[0] == model.config.num_layers
     assert len(jax.tree.leaves(stacked["layers"])) == len(model.params["layers"][0])
-    (b,), kv_b = step(stacked, allocate_kv_pool(pool), *args, options=options,
-                      sampler="logits")
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    (a, kv_a), (b, kv_b) = _prompt_step(model, model.params), _prompt_step(model, stacked)
+    np.testing.assert_array_equal(a, b)
     for x, y in zip(kv_a, kv_b, strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        np.testing.assert_array_equal(x, y)
     mixed = {**model.params, "layers": [model.params["layers"][0],
                                         {"router": None, **model.params["layers"][1]}]}
     with pytest.raises(ValueError, match="cannot be stacked"):
