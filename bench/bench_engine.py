@@ -141,6 +141,11 @@ class Fused:
                           time.perf_counter() - dispatched))
         return out
 
+    def split(self) -> dict[str, float]:
+        """The median run's upload, dispatch and wait, in ms (the two warm runs left out)."""
+        return {f"{part}_ms": 1e3 * statistics.median(lap[i] for lap in self.laps[2:])
+                for i, part in enumerate(("upload", "dispatch", "wait"))}
+
     def overlapped(self, tokens: np.ndarray, kv_lens: np.ndarray, table: np.ndarray,
                    steps: int) -> float:
         """Seconds a decode step takes when step N+1 is dispatched before step N's tokens are
@@ -258,15 +263,12 @@ def bench_shape(name: str, args: argparse.Namespace) -> None:
                 fused.laps.clear()
                 first, med = timed(lambda t=table, k=kv_lens, q=q_lens, x=tokens:
                                    fused.run(x, q, k, t), args.repeats)
-                upload, dispatch, wait = (statistics.median(lap[i] for lap in fused.laps[2:])
-                                          for i in range(3))
                 floor = (weights + rows * ctx * kv_token_bytes(config, itemsize)) / (
                     args.hbm_gbps * 1e9)
                 overlap = fused.overlapped(tokens, kv_lens, table, max(args.repeats, 10))
                 emit(shape=name, path="fused", step="decode", rows=rows, ctx=ctx,
                      ms=med * 1e3, first_s=first, floor_ms=floor * 1e3,
-                     of_floor=floor / med, upload_ms=upload * 1e3, dispatch_ms=dispatch * 1e3,
-                     wait_ms=wait * 1e3, overlapped_ms=overlap * 1e3,
+                     of_floor=floor / med, **fused.split(), overlapped_ms=overlap * 1e3,
                      overlapped_of_floor=floor / overlap)
                 if (rows, ctx) in args.profile_at:
                     profile(f"{name}-decode-{rows}x{ctx}", lambda t=table, k=kv_lens, q=q_lens,
@@ -335,11 +337,8 @@ def bench_variant(name: str, params: dict[str, Any], base: Fused, variant: str, 
     q_lens = np.ones(rows, np.int32)
     try:
         first, med = timed(lambda: run.run(tokens, q_lens, kv_lens, table), args.repeats)
-        upload_s, dispatch, wait = (statistics.median(lap[i] for lap in run.laps[2:])
-                                    for i in range(3))
         emit(shape=name, path="fused", variant=variant, step="decode", rows=rows, ctx=ctx,
-             ms=med * 1e3, first_s=first, of_floor=floor / med, upload_ms=upload_s * 1e3,
-             dispatch_ms=dispatch * 1e3, wait_ms=wait * 1e3)
+             ms=med * 1e3, first_s=first, of_floor=floor / med, **run.split())
     except Exception as exc:
         emit(shape=name, path="fused", variant=variant, step="decode", rows=rows, ctx=ctx,
              error=f"{type(exc).__name__}: {exc}"[:2000])

@@ -22,7 +22,6 @@ the DMAs and semaphores; the tests check it against the XLA path bit for bit.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -32,49 +31,37 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pd_fsm.jax_engine.kv.counters import TRACE_COUNTS
 
-# A ref's rows ``start:start+size`` of one layer: ``(layer, start, size) -> ref``.
-Rows = Callable[[int, Any, int], Any]
 
+def _copy_runs(table_ref: Any, n_runs: Any, src: Any, dst: Any, sems: Any, *, n_layers: int,
+               n_bits: int) -> None:
+    """For every run ``(s, d, m)`` of the table: every layer's ``dst(layer)[d:d+m] =
+    src(layer)[s:s+m]``, as the power-of-two pieces of ``m``; a run's DMAs of all layers are
+    started before any is waited on."""
 
-def leading_rows(ref_of: Callable[[int], Any]) -> Rows:
-    """Rows along the leading axis of each layer's ref."""
-    return lambda layer, start, size: ref_of(layer).at[pl.ds(start, size)]
-
-
-def copy_runs(table_ref: Any, n_runs: Any, src: Rows, dst: Rows, sems: Any, *, n_layers: int,
-              n_bits: int, wait_each_run: bool = True) -> None:
-    """For every run ``(s, d, m)`` of the table: every layer's ``dst(layer, d, m) =
-    src(layer, s, m)``, as the power-of-two pieces of ``m`` (``m < 2**n_bits``). A run's DMAs
-    of all layers are started before any is waited on; with ``wait_each_run`` off, every run's
-    DMAs are started before any is waited on (the runs must not overlap)."""
-
-    def pieces(r: Any) -> Any:
+    def body(r: Any, carry: int) -> int:
         s = table_ref[0, r]
         d = table_ref[1, r]
         m = table_ref[2, r]
-        for layer in range(n_layers):
-            for k in range(n_bits):
-                size = 1 << k
-                off = m & (size - 1)
-                copy = pltpu.make_async_copy(src(layer, s + off, size),
-                                             dst(layer, d + off, size), sems.at[layer])
-                yield (m >> k) & 1 == 1, copy
 
-    def start(r: Any, carry: int) -> int:
-        for issued, copy in pieces(r):
-            pl.when(issued)(copy.start)
+        def pieces() -> Any:
+            for layer in range(n_layers):
+                for k in range(n_bits):
+                    size = 1 << k
+                    off = m & (size - 1)
+                    copy = pltpu.make_async_copy(
+                        src(layer).at[pl.ds(s + off, size)],
+                        dst(layer).at[pl.ds(d + off, size)],
+                        sems.at[layer],
+                    )
+                    yield k, copy
+
+        for k, copy in pieces():
+            pl.when((m >> k) & 1 == 1)(copy.start)
+        for k, copy in pieces():
+            pl.when((m >> k) & 1 == 1)(copy.wait)
         return carry
 
-    def wait(r: Any, carry: int) -> int:
-        for issued, copy in pieces(r):
-            pl.when(issued)(copy.wait)
-        return carry
-
-    if wait_each_run:
-        jax.lax.fori_loop(0, n_runs, lambda r, c: wait(r, start(r, c)), 0)
-    else:
-        jax.lax.fori_loop(0, n_runs, start, 0)
-        jax.lax.fori_loop(0, n_runs, wait, 0)
+    jax.lax.fori_loop(0, n_runs, body, 0)
 
 
 def _kernel(
@@ -82,9 +69,8 @@ def _kernel(
 ) -> None:
     # refs = n_layers aliased pool inputs (unused: outputs alias them), n_layers outputs, sems
     outs = refs[n_layers : 2 * n_layers]
-    copy_runs(table_ref, n_runs_ref[0], leading_rows(lambda layer: packed_ref.at[layer]),
-              leading_rows(lambda layer: outs[layer]), refs[2 * n_layers], n_layers=n_layers,
-              n_bits=n_bits)
+    _copy_runs(table_ref, n_runs_ref[0], lambda layer: packed_ref.at[layer],
+               lambda layer: outs[layer], refs[2 * n_layers], n_layers=n_layers, n_bits=n_bits)
 
 
 def _gather_kernel(
@@ -94,9 +80,8 @@ def _gather_kernel(
     # the packed output, sems
     pools = refs[:n_layers]
     out = refs[n_layers + 1]
-    copy_runs(table_ref, n_runs_ref[0], leading_rows(lambda layer: pools[layer]),
-              leading_rows(lambda layer: out.at[layer]), refs[n_layers + 2], n_layers=n_layers,
-              n_bits=n_bits)
+    _copy_runs(table_ref, n_runs_ref[0], lambda layer: pools[layer],
+               lambda layer: out.at[layer], refs[n_layers + 2], n_layers=n_layers, n_bits=n_bits)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("interpret",))
@@ -112,7 +97,7 @@ def multi_layer_copy_pallas(
     TRACE_COUNTS.bump("multi_layer_copy_pallas")
     n_layers = len(kv_caches)
     kernel = functools.partial(_kernel, n_layers=n_layers, n_bits=packed.shape[1].bit_length())
-    out: list[jax.Array] = dma_call(
+    out: list[jax.Array] = _dma_call(
         kernel, n_layers, [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in kv_caches],
         # operand order: table, n_runs, packed, caches... -> caches alias outputs 0..n_layers-1
         {3 + i: i for i in range(n_layers)}, interpret,
@@ -120,7 +105,7 @@ def multi_layer_copy_pallas(
     return out
 
 
-def dma_call(kernel: Any, n_layers: int,
+def _dma_call(kernel: Any, n_layers: int,
               out_shape: list[jax.ShapeDtypeStruct] | jax.ShapeDtypeStruct,
               aliases: dict[int, int], interpret: bool) -> Any:
     """``pallas_call`` of a DMA kernel: the run table and its length prefetched as scalars,
@@ -210,7 +195,7 @@ def multi_layer_gather_pallas(
     n_layers = len(kv_caches)
     kernel = functools.partial(_gather_kernel, n_layers=n_layers,
                                n_bits=out.shape[1].bit_length())
-    packed: jax.Array = dma_call(
+    packed: jax.Array = _dma_call(
         kernel, n_layers, jax.ShapeDtypeStruct(out.shape, out.dtype),
         # operand order: table, n_runs, caches..., out -> out aliases the output
         {2 + n_layers: 0}, interpret,

@@ -85,8 +85,7 @@ def stack_layers(params: Params) -> Params:
     names = set(layers[0])
     if any(set(layer) != names for layer in layers):
         raise ValueError("layers with different weights cannot be stacked")
-    stack = np.stack if isinstance(layers[0][next(iter(names))], np.ndarray) else jnp.stack
-    return {**params, "layers": {name: stack([layer[name] for layer in layers])
+    return {**params, "layers": {name: _xp(layers[0][name]).stack([layer[name] for layer in layers])
                                  for name in sorted(names)}}
 
 
@@ -99,10 +98,13 @@ def layer_views(layers: list[dict[str, Any]] | dict[str, Any]) -> list[dict[str,
     return [{name: array[i] for name, array in layers.items()} for i in range(count)]
 
 
+def _xp(array: Any) -> Any:
+    """numpy for a numpy array, jax.numpy for a device one: weights are either."""
+    return np if isinstance(array, np.ndarray) else jnp
+
+
 def _concat(arrays: list[Any], axis: int) -> Any:
-    if isinstance(arrays[0], np.ndarray):
-        return np.concatenate(arrays, axis=axis)
-    return jnp.concatenate(arrays, axis=axis)
+    return _xp(arrays[0]).concatenate(arrays, axis=axis)
 
 
 def random_params(config: ModelConfig, seed: int = 0) -> Params:
