@@ -1,4 +1,4 @@
-"""The premise of a PD instance spanning processes (``spmd/pd_replica.py``): two replicas of a
+"""The premise of a PD instance spanning processes (``pd_replica.py``): two replicas of a
 real prefill scheduler (tiny model, real transfer servers, in one process here), fed the same
 tick frames, take the same decisions: the same pages, the same room states, the same transfer
 uuid registered on each one's own transfer server, the same release. A frame whose fingerprint
@@ -14,6 +14,7 @@ from pd_fsm.core import events as ev
 from pd_fsm.core.messages import Done, RecvInit
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.pd_backends import fingerprint, make_pd_backend
+from pd_fsm.io_trio.worker.pd_replica import PDReplica
 from pd_fsm.io_trio.worker.spmd.follower import Divergence
 from pd_fsm.io_trio.worker.spmd.frames import (
     Announced,
@@ -23,7 +24,6 @@ from pd_fsm.io_trio.worker.spmd.frames import (
     StepOrdered,
     TickStarted,
 )
-from pd_fsm.io_trio.worker.spmd.pd_replica import PDReplica
 from pd_fsm.io_trio.worker.spmd.tick_inputs import TickInputs
 from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.schedulers.request import LogprobSpec

@@ -180,9 +180,9 @@ def check_transfer_tcp(host: str) -> None:
 
 def _follow(config: ServeConfig) -> int:
     """A rank > 0: its replica of rank 0's scheduler, built and warmed in step with rank 0's,
-    then rank 0's commands until it stops (spmd/follower.py; a PD role: spmd/pd_replica.py)."""
+    then rank 0's commands until it stops (spmd/follower.py; a PD role: pd_replica.py)."""
     if config.disaggregation_mode != "null":
-        from pd_fsm.io_trio.worker.spmd.pd_replica import run_replica
+        from pd_fsm.io_trio.worker.pd_replica import run_replica
 
         return trio.run(run_replica, config, config.spmd_key())
     from pd_fsm.io_trio.worker.colocated import ColocatedBackend

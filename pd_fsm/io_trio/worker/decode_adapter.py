@@ -272,7 +272,7 @@ class DecodeAdapter:
             stream.put(HandedOff(ticket))
             self._streams.finish(stream, "handed_off")
 
-    # -- an instance spanning processes (spmd/pd_ticks.py) ---
+    # -- an instance spanning processes (pd_ticks.py) ---
 
     def pulls_ready(self, sched: DecodeScheduler) -> dict[int, str] | None:
         return sched.role.pull_executor.ready()

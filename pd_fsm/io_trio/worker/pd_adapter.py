@@ -91,7 +91,7 @@ class PDAdapter(Protocol[S]):
 
     def pulls_ready(self, sched: S) -> dict[int, str] | None:
         """Rooms whose pull finished on this rank ("" or why it failed); None: the role pulls
-        nothing (P). For an instance spanning processes (spmd/pd_ticks.py)."""
+        nothing (P). For an instance spanning processes (pd_ticks.py)."""
         ...
 
     def set_pull_gate(self, sched: S, gate: dict[int, str]) -> None:

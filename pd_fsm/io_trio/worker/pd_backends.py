@@ -45,8 +45,8 @@ from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.decode_adapter import DecodeAdapter
 from pd_fsm.io_trio.worker.health import Health
 from pd_fsm.io_trio.worker.pd_adapter import PDAdapter, PrefillAdapter, RoleParts, S
+from pd_fsm.io_trio.worker.pd_ticks import RankTicks, fingerprint, job_of, leg_of
 from pd_fsm.io_trio.worker.peer_io import Arrived, PeerIO
-from pd_fsm.io_trio.worker.spmd.pd_ticks import RankTicks, fingerprint, job_of, leg_of
 from pd_fsm.io_trio.worker.spmd.tick_inputs import TickInputs, shared_key
 from pd_fsm.io_trio.worker.startup import Startup
 from pd_fsm.io_trio.worker.streams import STREAM_CAPACITY, JobStream, StreamTable
@@ -133,7 +133,7 @@ def instance_record(config: ServeConfig, pd_args: DisaggregationArgs,
         role=c.disaggregation_mode,
         instance_id=pd_args.instance_id,
         # Rank 0 of the instance; in one spanning processes each P process registers its
-        # own transfer server under its first tp rank (spmd/pd_replica.py), and D's ranks
+        # own transfer server under its first tp rank (pd_replica.py), and D's ranks
         # look theirs up by the full rank tuple (RFC-2 §6.2).
         tp_rank=0, tp_size=c.tp_size, cp_rank=0, cp_size=1, dp_rank=0, dp_size=1,
         pp_rank=0, pp_size=1,

@@ -38,9 +38,9 @@ from pd_fsm.io_trio.bootstrap.records import (
 from pd_fsm.io_trio.worker.config import ServeConfig
 from pd_fsm.io_trio.worker.pd_adapter import S
 from pd_fsm.io_trio.worker.pd_backends import PDBackend, PrefillBackend, make_pd_backend
+from pd_fsm.io_trio.worker.pd_ticks import fingerprint, job_of
 from pd_fsm.io_trio.worker.spmd.follower import Divergence, follow
 from pd_fsm.io_trio.worker.spmd.frames import Announced, Frame, PullReported, TickStarted
-from pd_fsm.io_trio.worker.spmd.pd_ticks import fingerprint, job_of
 from pd_fsm.jax_engine.transfer.base import PullError
 from pd_fsm.schedulers.disaggregation.decode import DecodeRole
 from pd_fsm.schedulers.disaggregation.tick import run_tick
