@@ -5,6 +5,7 @@
 #   call 1:  bash bench/tpu_serve.sh qwen      (carry .whl-tpu and .gguf-parts/a)
 #   call 2:  bash bench/tpu_profile.sh         (carry .gguf-parts/b)
 #   call 3:  bash bench/tpu_serve.sh smollm2   (carry .gguf-parts/c; then the one-chip check)
+#   call 4:  bash bench/tpu_serve.sh smollm2long  (its mixed set and 7,936-token prompts)
 #   later:   bash bench/tpu_serve.sh qwen17    (a fresh machine: carry .whl-tpu)
 #            bash bench/tpu_serve.sh switch    (after qwen on the same machine: its compiles)
 #            bash bench/tpu_serve.sh ttft      (a TTFT's parts against the prefill alone)
@@ -35,6 +36,12 @@ case "${1:-}" in
     serve 330 --model smollm2 --load-format auto --context-length 2048 --num-pages 6000 \
       --engine-timeout 150 --seconds 10 --loads "chat:1024:256:2,4,8,16:inf" --min-prompts 8
     OUT=$run ONE_CHIP_MODEL=smollm2 ONE_CHIP_LIMIT=300 bash bench/tpu_one_chip_check.sh run | tail -3 | cut -c 1-600 ;;
+  smollm2long)  # SmolLM2's mixed set and its longest prompts: 7,936 in + 256 out fill its
+    # 8,192-token context (8,192 in does not fit); the GGUF's parts as for smollm2
+    join_gguf || exit 1
+    serve 560 --model smollm2 --load-format auto --context-length 8192 --num-pages 6000 \
+      --engine-loop "" --seconds 10 --min-prompts 8 --loads "mixed:2048:512:4,8::0.1" \
+      --loads "rag:7936:256:0.5,1:" ;;
   qwen17)
     serve 560 --model qwen3-1.7b --engine-timeout 280 --seconds 10 --min-prompts 8 \
       --loads "chat:1024:256:1,2,4,8:inf" --loads "mixed:2048:512:2,4::0.1" \
@@ -54,6 +61,6 @@ case "${1:-}" in
     tail -2 "$run/kernel_tests.log" | cut -c 1-300
     serve 280 --model qwen3-0.6b --engine-loop "" --seconds 10 --min-prompts 8 \
       --loads "chat:1024:256:1,2,4:inf" ;;
-  *) echo "usage: $0 qwen|smollm2|qwen17|switch|ttft"; exit 2 ;;
+  *) echo "usage: $0 qwen|smollm2|smollm2long|qwen17|switch|ttft"; exit 2 ;;
 esac
 pack
