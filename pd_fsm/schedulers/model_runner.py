@@ -279,24 +279,50 @@ class ModelRunner:
             device_sampling = self._greedy_rows(len(q_lens))
         else:
             device_sampling = {k: upload(v) for k, v in sampling.items()}
-        sampler = "sample"
-        key = (len(tokens), len(q_lens), sampler)
+        sampled, logprobs, carried = self._run_step(len(tokens), len(q_lens), batch,
+                                                    device_sampling)
+        if decode:
+            self._carried = carried
+        return sampled, logprobs
+
+    def _run_step(self, tokens: int, seqs: int, batch: jax.Array,
+                  sampling: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Dispatch the packed step of ``tokens`` new tokens of ``seqs`` sequences on ``batch``
+        (the "sample" program: a batch of greedy rows takes its argmax branch); its sampled
+        tokens, log-probs and the tokens a next step may carry, on the device."""
+        key = (tokens, seqs, "sample")
         carried = self._carried
 
         def run(kv: KV) -> tuple[tuple[tuple[jax.Array, ...], jax.Array], KV]:
             exe = self._steps.get(key)
             if exe is None:
                 exe = self._steps[key] = EXECUTABLES.executable(
-                    packed_step, step_statics(self.step_options, sampler, len(q_lens),
+                    packed_step, step_statics(self.step_options, "sample", seqs,
                                               self.table_width),
-                    self.params, kv, batch, carried, device_sampling)
-            out, carry_out, kv = exe(self.params, kv, batch, carried, device_sampling)
+                    self.params, kv, batch, carried, sampling)
+            out, carry_out, kv = exe(self.params, kv, batch, carried, sampling)
             return (out, carry_out), kv
 
         (sampled, logprobs), carried = self.with_kv(run)
-        if decode:
-            self._carried = carried
-        return sampled, logprobs
+        return sampled, logprobs, carried
+
+    def run_each_step_once(self, plan: Sequence[tuple[int, int]]) -> None:
+        """Run the fused step of each shape serving ``plan`` once (none without a fused step or
+        across processes, whose ranks step together), on padding: every sequence empty, so
+        every token's KV goes to the null page and only the tokens come back. On the chip a
+        worker's first request after ready took ~55 ms against ~27 for the rest (runs 8 and
+        9), the excess in its prefill: whatever a first run costs beyond the compile is paid
+        here instead (tpu-inference's precompile likewise calls each shape on dummy arrays).
+        Waits for each."""
+        if not self.backend.fused_step or jax.process_count() > 1:
+            return
+        width = self.table_width
+        for tokens, seqs in self.step_shapes(plan):
+            empty = np.zeros(seqs, np.int32)
+            batch = upload(pack(np.zeros(tokens, np.int32), np.full(tokens, -1, np.int32),
+                                empty, empty, np.zeros((seqs, width), np.int32)))
+            sampled, _, _ = self._run_step(tokens, seqs, batch, self._greedy_rows(seqs))
+            sampled.block_until_ready()
 
     def _greedy_rows(self, seqs: int) -> dict[str, jax.Array]:
         """The "sample" program's arrays for rows that are all greedy, kept on the device."""

@@ -32,11 +32,13 @@ def shapes_of(sched: Scheduler) -> list[tuple[int, int]]:
 
 
 def warm_up(sched: Scheduler) -> WarmupReport:
-    """Compile, without running a step, every executable :func:`shapes_of` needs (the forward's
-    and the samplers'). Idempotent: shapes already compiled in this process cost a lookup."""
+    """Compile every executable :func:`shapes_of` needs (the forward's and the samplers'), then
+    run each fused step once on padding (``ModelRunner.run_each_step_once``). Idempotent:
+    shapes already compiled in this process cost a lookup."""
     start = time.perf_counter()
     before = EXECUTABLES.stats().built
     plan = shapes_of(sched)
     sched.runner.compile(plan)
+    sched.runner.run_each_step_once(plan)
     compiled = EXECUTABLES.stats().built - before
     return WarmupReport(tuple(plan), compiled, time.perf_counter() - start)

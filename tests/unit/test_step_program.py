@@ -26,6 +26,7 @@ from pd_fsm.jax_engine.model.params import fuse_projections, random_params, stac
 from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.jax_engine.step.program import StepOptions, step
 from pd_fsm.schedulers import Req, RequestOutput, Scheduler, SchedulerArgs
+from pd_fsm.schedulers.model_runner import MAIN_KV
 from pd_fsm.schedulers.warm_up import shapes_of, warm_up
 from pd_fsm.text.tokenizer import CharTokenizer
 
@@ -365,6 +366,34 @@ def test_nothing_compiles_after_the_warm_up_not_even_an_upload() -> None:
         finally:
             jax.monitoring.unregister_event_duration_listener(listen)
     assert compiles == []
+
+
+def test_the_warm_up_runs_each_step_once_and_writes_only_the_null_page() -> None:
+    """``warm_up`` runs every fused step shape once on padding (a first run's cost paid before
+    ready): each shape's executable is then held by the runner, the pool's pages but the null
+    page are as they were (a request's KV among them), and the tokens after it are the same."""
+    model = _model()
+    args = SchedulerArgs(model="tiny", num_pages=64, page_size=PAGE, max_running=4,
+                         max_batched_tokens=64, context_length=128)
+    greedy = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+
+    def pages(sched: Scheduler) -> list[np.ndarray]:
+        with sched.runner.kv_holder.locked() as pools:
+            return [np.asarray(a)[1:].copy() for a in pools[MAIN_KV]]
+
+    with backend.using(backend.accelerator_on_cpu("reference")):
+        sched = Scheduler(args, model=model)
+        sched.add_request(sched.make_request("a", "a prompt of some length", greedy))
+        first = [t for o in sched.run_until_idle() for t in o.new_token_ids]
+        before = pages(sched)
+        report = warm_up(sched)
+        after = pages(sched)
+        shapes = {(t, n, "sample") for t, n in sched.runner.step_shapes(report.shapes)}
+        assert shapes and shapes <= set(sched.runner._steps)
+        assert all(np.array_equal(b, a) for b, a in zip(before, after, strict=True))
+        sched.add_request(sched.make_request("b", "a prompt of some length", greedy))
+        again = [t for o in sched.run_until_idle() for t in o.new_token_ids]
+    assert again == first
 
 
 def test_tensor_parallel_instances_keep_the_chain() -> None:
