@@ -368,10 +368,14 @@ def test_nothing_compiles_after_the_warm_up_not_even_an_upload() -> None:
     assert compiles == []
 
 
-def test_the_warm_up_runs_each_step_once_and_writes_only_the_null_page() -> None:
+@pytest.mark.parametrize("attention", ["reference", "interpret"])
+def test_the_warm_up_runs_each_step_once_and_writes_only_the_null_page(
+    attention: backend.Attention,
+) -> None:
     """``warm_up`` runs every fused step shape once on padding (a first run's cost paid before
     ready): each shape's executable is then held by the runner, the pool's pages but the null
-    page are as they were (a request's KV among them), and the tokens after it are the same."""
+    page are as they were (a request's KV among them), and the tokens after it are the same;
+    with the kernel too (every sequence of those steps empty)."""
     model = _model()
     args = SchedulerArgs(model="tiny", num_pages=64, page_size=PAGE, max_running=4,
                          max_batched_tokens=64, context_length=128)
@@ -381,7 +385,7 @@ def test_the_warm_up_runs_each_step_once_and_writes_only_the_null_page() -> None
         with sched.runner.kv_holder.locked() as pools:
             return [np.asarray(a)[1:].copy() for a in pools[MAIN_KV]]
 
-    with backend.using(backend.accelerator_on_cpu("reference")):
+    with backend.using(backend.accelerator_on_cpu(attention)):
         sched = Scheduler(args, model=model)
         sched.add_request(sched.make_request("a", "a prompt of some length", greedy))
         first = [t for o in sched.run_until_idle() for t in o.new_token_ids]
