@@ -162,7 +162,7 @@ class ModelRunner:
         # The tokens the last fused decode step sampled, on the device (a row's at its row):
         # what a step dispatched before they are read takes as its input.
         self._carried = jnp.zeros(bucket(max_rows), jnp.int32)
-        self._greedy: dict[int, dict[str, jax.Array]] = {}  # _greedy_rows' by sequences
+        self._greedy: dict[int, dict[str, jax.Array]] = {}  # greedy_rows' by sequences
         self._prefill_sizes: list[int] = []  # the fused prefill's, once step_shapes chose them
 
     # ----------------------------------------------------------------- the pool
@@ -205,7 +205,11 @@ class ModelRunner:
                 q_lens[i], kv_lens[i] = row.length, row.start + row.length
                 used = self.pool_config.pages_for(row.start + row.length)
                 table[i, :used] = req.pages[:used]
-            return self._fused(tokens, q_lens, kv_lens, table, completed)
+            sampled, logprobs = self._dispatch(
+                tokens, np.full(len(tokens), -1, np.int32), q_lens, kv_lens, table, completed,
+                ahead=np.zeros(batch.n_pad, bool), decode=False)
+            n = len(completed)  # read at once
+            return StepResult(np.asarray(sampled)[:n], np.asarray(logprobs)[:n], [()] * n)
         logits = self.run_prefill(batch)
         if not any(row.req.logprobs.prompt for row in batch.rows):
             return self._sampled(logits, completed)
@@ -254,15 +258,6 @@ class ModelRunner:
         return StepResult(np.asarray(launched.tokens)[:n], np.asarray(launched.logprobs)[:n],
                           [()] * n)
 
-    def _fused(self, tokens: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray,
-               table: np.ndarray, rows: Sequence[Req | None]) -> StepResult:
-        """A fused prefill step, read at once."""
-        none = np.full(len(tokens), -1, np.int32)
-        sampled, logprobs = self._dispatch(tokens, none, q_lens, kv_lens, table, rows,
-                                           ahead=np.zeros(len(q_lens), bool), decode=False)
-        n = len(rows)
-        return StepResult(np.asarray(sampled)[:n], np.asarray(logprobs)[:n], [()] * n)
-
     def _dispatch(self, tokens: np.ndarray, carry: np.ndarray, q_lens: np.ndarray,
                   kv_lens: np.ndarray, table: np.ndarray, rows: Sequence[Req | None], *,
                   ahead: np.ndarray, decode: bool) -> tuple[jax.Array, jax.Array]:
@@ -276,16 +271,16 @@ class ModelRunner:
         self.forward_shapes.add(("step", len(tokens), len(q_lens)))
         batch = upload(pack(tokens, carry, q_lens, kv_lens, table))
         if sampler == "greedy":  # the one program's argmax branch: nothing more to upload
-            device_sampling = self._greedy_rows(len(q_lens))
+            device_sampling = self.greedy_rows(len(q_lens))
         else:
             device_sampling = {k: upload(v) for k, v in sampling.items()}
-        sampled, logprobs, carried = self._run_step(len(tokens), len(q_lens), batch,
+        sampled, logprobs, carried = self.run_step(len(tokens), len(q_lens), batch,
                                                     device_sampling)
         if decode:
             self._carried = carried
         return sampled, logprobs
 
-    def _run_step(self, tokens: int, seqs: int, batch: jax.Array,
+    def run_step(self, tokens: int, seqs: int, batch: jax.Array,
                   sampling: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Dispatch the packed step of ``tokens`` new tokens of ``seqs`` sequences on ``batch``
         (the "sample" program: a batch of greedy rows takes its argmax branch); its sampled
@@ -306,25 +301,7 @@ class ModelRunner:
         (sampled, logprobs), carried = self.with_kv(run)
         return sampled, logprobs, carried
 
-    def run_each_step_once(self, plan: Sequence[tuple[int, int]]) -> None:
-        """Run the fused step of each shape serving ``plan`` once (none without a fused step or
-        across processes, whose ranks step together), on padding: every sequence empty, so
-        every token's KV goes to the null page and only the tokens come back. On the chip a
-        worker's first request after ready took ~55 ms against ~27 for the rest (runs 8 and
-        9), the excess in its prefill: whatever a first run costs beyond the compile is paid
-        here instead (tpu-inference's precompile likewise calls each shape on dummy arrays).
-        Waits for each."""
-        if not self.backend.fused_step or jax.process_count() > 1:
-            return
-        width = self.table_width
-        for tokens, seqs in self.step_shapes(plan):
-            empty = np.zeros(seqs, np.int32)
-            batch = upload(pack(np.zeros(tokens, np.int32), np.full(tokens, -1, np.int32),
-                                empty, empty, np.zeros((seqs, width), np.int32)))
-            sampled, _, _ = self._run_step(tokens, seqs, batch, self._greedy_rows(seqs))
-            sampled.block_until_ready()
-
-    def _greedy_rows(self, seqs: int) -> dict[str, jax.Array]:
+    def greedy_rows(self, seqs: int) -> dict[str, jax.Array]:
         """The "sample" program's arrays for rows that are all greedy, kept on the device."""
         arrays = self._greedy.get(seqs)
         if arrays is None:
