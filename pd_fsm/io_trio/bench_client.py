@@ -580,7 +580,8 @@ def parse_goodput(specs: Sequence[str]) -> dict[str, float]:
 
 
 def record(args: argparse.Namespace, target: Summary, slo: dict[str, float]) -> dict[str, Any]:
-    """What ``--json`` writes: the load, its figures and its goodput."""
+    """What ``--json`` writes: the load, its figures, its goodput, and each request's TTFT in
+    the order sent (None: failed), so that one slow request shows where a percentile hides it."""
     met, rps = target.goodput(slo.get("ttft", math.inf), slo.get("tpot", math.inf))
     load = {k: getattr(args, k) for k in ("url", "endpoint", "dataset", "num_prompts",
                                             "request_rate", "max_concurrency", "max_tokens",
@@ -590,6 +591,7 @@ def record(args: argparse.Namespace, target: Summary, slo: dict[str, float]) -> 
             "figures": {k: (None if math.isnan(v) else v) for k, v in target.rows().items()},
             "arrival_rate": target.arrival_rate(), "slo_s": slo,
             "goodput": {"met": met, "requests/s": rps},
+            "ttft_ms": [round(r.ttft * 1000, 2) if r.ok else None for r in target.results],
             "errors": sorted({r.error for r in target.results if not r.ok})[:5]}
 
 

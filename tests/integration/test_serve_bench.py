@@ -88,6 +88,9 @@ async def test_random_token_ids_and_goodput_through_the_command(
         assert rec["figures"]["completed"] == 3 and rec["figures"]["failed"] == 0
         assert rec["goodput"]["met"] == (3 if endpoint == "generate" else 0)
         assert rec["load"]["random_input_len"] == 12
+        ttfts = rec["ttft_ms"]  # each request's, in the order sent
+        assert len(ttfts) == 3 and all(t > 0 for t in ttfts)
+        assert max(ttfts) == pytest.approx(rec["figures"]["TTFT p99 ms"], abs=0.01)
     assert "goodput" in capsys.readouterr().out
     bad = parser.parse_args(["bench", "--url", url, "--dataset", "random", "--endpoint", "chat"])
     assert main(bad) == 2
