@@ -661,7 +661,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="count the requests within targets: ttft:MS and/or tpot:MS (a "
                         "request's mean gap between output tokens)")
     p.add_argument("--json", default=None, metavar="PATH",
-                   help="write the load, its figures and its goodput to PATH")
+                   help="write the load, its figures, its goodput and each request's TTFT to PATH")
     p.add_argument("--num-prefixes", type=int, default=4,
                    help="shared-prefix / multi-turn: system prompts or conversations (4)")
     p.add_argument("--prefix-words", type=int, default=300,
