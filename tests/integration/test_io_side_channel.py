@@ -70,7 +70,7 @@ async def test_p_counts_and_drops_bad_frames(nursery: trio.Nursery, ctx: Any) ->
         [frame_now(GOOD, b"wrong")],  # wrongly signed
         [frame_now(GOOD, registry_key(SECRET))],  # this cluster's registry key: not for frames
         [frame_now(GOOD, SECRET)],  # the cluster secret itself is no key either
-        [good[:-1] + b"\x00"],  # MAC tampered with
+        [good[:-1] + bytes([good[-1] ^ 0xFF])],  # MAC tampered with (flipped: never equal)
         [good[:3]],  # truncated
         [b"x" * (MAX_FRAME + 10)],  # over MAX_FRAME, under MAXMSGSIZE
         [b"a", b"b"],  # three parts at the ROUTER
