@@ -59,8 +59,9 @@ from pd_fsm.jax_engine.model import forward
 from pd_fsm.jax_engine.model.config import SMOLLM2_135M, ModelConfig
 from pd_fsm.jax_engine.model.dummy import dummy_params, param_bytes, shape_config
 from pd_fsm.jax_engine.model.params import fuse_projections, stack_layers
-from pd_fsm.jax_engine.sampling.sampler import _greedy
-from pd_fsm.jax_engine.step.program import StepOptions, step
+from pd_fsm.jax_engine.sampling.grammar import bitmask_words
+from pd_fsm.jax_engine.sampling.sampler import _greedy, sampling_arrays
+from pd_fsm.jax_engine.step.program import StepOptions, pack, packed_step
 
 PAGE = 16
 SHAPES = ("smollm2", "qwen3-0.6b", "qwen3-1.7b", "llama-3.2-1b", "qwen3-4b", "llama-3.2-3b")
@@ -115,26 +116,45 @@ def timed(run: Callable[[], Any], repeats: int) -> tuple[float, float]:
 
 
 class Fused:
-    """The fused step over a lanes pool of ``pages`` pages, driven as a server would: numpy
-    arrays built and uploaded per step, the sampled tokens read back."""
+    """The fused step over a lanes pool of ``pages`` pages, driven as the model runner drives
+    it: the runner's program (``packed_step``, the "sample" sampler, every row greedy, the
+    every-token bitmask kept on the device), its arrays built and uploaded as one per step, the
+    sampled tokens read back. ``kv``: a pool to run on instead of a new one."""
 
     def __init__(self, config: ModelConfig, params: dict[str, Any], pages: int,
-                 options: StepOptions) -> None:
+                 options: StepOptions, kv: list[jax.Array] | None = None) -> None:
         self.config, self.params, self.options = config, params, options
         pool = config.kv_pool_config(pages, PAGE)
         self.pool_config = attrs.evolve(pool, lanes=True, bf16_bits=False)
-        self.kv = allocate_kv_pool(self.pool_config)
+        self.kv = allocate_kv_pool(self.pool_config) if kv is None else kv
+        self.carried = jnp.zeros(max(ROWS), jnp.int32)
+        self.allowed: dict[int, jax.Array] = {}
         # Per run: uploading the arrays, dispatching the program, waiting for the tokens.
         self.laps: list[tuple[float, float, float]] = []
+
+    def upload(self, tokens: np.ndarray, carry: np.ndarray, q_lens: np.ndarray,
+               kv_lens: np.ndarray, table: np.ndarray) -> jax.Array:
+        """The step's one array, packed and uploaded, as the runner does."""
+        greedy = sampling_arrays([], [], [], len(q_lens))
+        return upload(pack(tokens, carry, q_lens, kv_lens, table, greedy))
+
+    def dispatch(self, batch: jax.Array, seqs: int, width: int) -> jax.Array:
+        """Dispatch the step on ``batch`` without waiting; its sampled tokens, on the device."""
+        allowed = self.allowed.get(seqs)
+        if allowed is None:
+            allowed = self.allowed[seqs] = upload(
+                np.full((seqs, bitmask_words(self.config.vocab_size)), -1, np.int32))
+        (sampled, _), self.carried, self.kv = packed_step(
+            self.params, self.kv, batch, self.carried, allowed, options=self.options,
+            sampler="sample", seqs=seqs, width=width)
+        return sampled
 
     def run(self, tokens: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray,
             table: np.ndarray) -> np.ndarray:
         start = time.perf_counter()
-        # Transfers, as the runner uploads (jnp.asarray would run a small program for each).
-        args = (upload(tokens), upload(q_lens), upload(kv_lens), upload(table))
+        batch = self.upload(tokens, np.full(len(tokens), -1, np.int32), q_lens, kv_lens, table)
         uploaded = time.perf_counter()
-        (sampled, _), self.kv = step(self.params, self.kv, *args, {}, options=self.options,
-                                     sampler="greedy")
+        sampled = self.dispatch(batch, len(q_lens), table.shape[1])
         dispatched = time.perf_counter()
         out = np.asarray(sampled)
         self.laps.append((uploaded - start, dispatched - uploaded,
@@ -148,26 +168,20 @@ class Fused:
 
     def overlapped(self, tokens: np.ndarray, kv_lens: np.ndarray, table: np.ndarray,
                    steps: int) -> float:
-        """Seconds a decode step takes when step N+1 is dispatched before step N's tokens are
-        read (its input is step N's sampled tokens, still on the device), as an overlapping
-        scheduler runs: the host's work hides behind the device's."""
-        q = jnp.ones(len(tokens), jnp.int32)
-        lens, pages = jnp.asarray(kv_lens), jnp.asarray(table)
-        current = jnp.asarray(tokens)
-        previous = None
-        # Warm: a device-resident input is placed otherwise than an uploaded one, and the
-        # program compiles again for it.
-        (warm, _), self.kv = step(self.params, self.kv, current, q, lens, pages, {},
-                                  options=self.options, sampler="greedy")
-        (warm, _), self.kv = step(self.params, self.kv, warm, q, lens, pages, {},
-                                  options=self.options, sampler="greedy")
-        np.asarray(warm)
+        """Seconds a decode step takes when step N+1 is built, uploaded and dispatched before
+        step N's tokens are read (each row fed the token step N sampled for it, still on the
+        device), as the runner's overlapped loop runs: the host's work hides behind the
+        device's."""
+        rows, width = len(tokens), table.shape[1]
+        q_lens = np.ones(rows, np.int32)
+        carry = np.arange(rows, dtype=np.int32)
+        previous = self.dispatch(self.upload(tokens, carry, q_lens, kv_lens, table), rows, width)
+        np.asarray(previous)
         start = time.perf_counter()
         for _ in range(steps):
-            (current, _), self.kv = step(self.params, self.kv, current, q, lens, pages, {},
-                                         options=self.options, sampler="greedy")
-            if previous is not None:
-                np.asarray(previous)
+            current = self.dispatch(self.upload(tokens, carry, q_lens, kv_lens, table), rows,
+                                    width)
+            np.asarray(previous)
             previous = current
         np.asarray(previous)
         return (time.perf_counter() - start) / steps
@@ -323,10 +337,7 @@ def variant_of(base: Fused, params: dict[str, Any], variant: str) -> Fused:
         options = attrs.evolve(options, kv_write=variant.split("=")[1])
     else:
         raise ValueError(f"unknown variant {variant!r}")
-    run = Fused.__new__(Fused)
-    run.config, run.params, run.options, run.kv, run.laps = (base.config, weights, options,
-                                                             base.kv, [])
-    return run
+    return Fused(base.config, weights, 0, options, kv=base.kv)
 
 
 def bench_variant(name: str, params: dict[str, Any], base: Fused, variant: str, rows: int,

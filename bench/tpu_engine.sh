@@ -31,7 +31,11 @@ case "${1:-}" in
       --loop-in 1024 --loop-out 128 ;;
   prefill)  # where a prefill's time goes (the trace by kind), the KV write as whole pages (the
     # default) against one scatter row per token, and the layers' weights stacked (~50 arguments
-    # a dispatch instead of ~350: the host's share of a step)
+    # a dispatch instead of ~350: the host's share of a step); first a step's inputs as one
+    # transfer against seven (bench_step_inputs.py)
+    timeout -s INT 60 python3 bench/bench_step_inputs.py --json "$OUT/inputs.json" \
+      > "$OUT/inputs.log" 2>&1
+    echo "inputs: rc=$?"; grep '^{' "$OUT/inputs.log"
     run prefill 420 --no-kernel-check --shapes qwen3-0.6b --chain-shapes "" \
       --rows 1,64 --contexts 512 --prefills 1024,4096 --no-mixed --profile-prefill 1024 \
       --variants kv_write=scatter,stacked --variants-at 1x512,64x512 ;;

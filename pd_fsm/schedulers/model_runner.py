@@ -42,6 +42,7 @@ from pd_fsm.jax_engine.parallel.tensor_parallel import (
     pool_sharding,
     sharded_params,
 )
+from pd_fsm.jax_engine.sampling.grammar import bitmask_words
 from pd_fsm.jax_engine.sampling.params import TopLogprobs
 from pd_fsm.jax_engine.sampling.sampler import (
     compile_samplers,
@@ -162,7 +163,7 @@ class ModelRunner:
         # The tokens the last fused decode step sampled, on the device (a row's at its row):
         # what a step dispatched before they are read takes as its input.
         self._carried = jnp.zeros(bucket(max_rows), jnp.int32)
-        self._greedy: dict[int, dict[str, jax.Array]] = {}  # greedy_rows' by sequences
+        self._allowed: dict[int, jax.Array] = {}  # every_token_allowed's, by sequences
         self._prefill_sizes: list[int] = []  # the fused prefill's, once step_shapes chose them
 
     # ----------------------------------------------------------------- the pool
@@ -261,27 +262,24 @@ class ModelRunner:
     def _dispatch(self, tokens: np.ndarray, carry: np.ndarray, q_lens: np.ndarray,
                   kv_lens: np.ndarray, table: np.ndarray, rows: Sequence[Req | None], *,
                   ahead: np.ndarray, decode: bool) -> tuple[jax.Array, jax.Array]:
-        """Upload a step's arrays (one array, and the sampler's) and dispatch it; its sampled
+        """Upload a step's arrays (one array, and a grammar's bitmask) and dispatch it; its sampled
         tokens and log-probs, on the device. ``ahead``: rows one token past what the host
         knows (their sampling key's step too). A decode step's tokens become what the next one
         can carry; a prefill's are read at once and carried nowhere."""
         tokens, carry, q_lens, kv_lens, table, ahead = self._step_shape(
             tokens, carry, q_lens, kv_lens, table, ahead, decode)
-        sampler, sampling = self.rows.on_device(rows, len(q_lens), ahead)
+        sampling, bitmask = self.rows.on_device(rows, len(q_lens), ahead)
         self.forward_shapes.add(("step", len(tokens), len(q_lens)))
-        batch = upload(pack(tokens, carry, q_lens, kv_lens, table))
-        if sampler == "greedy":  # the one program's argmax branch: nothing more to upload
-            device_sampling = self.greedy_rows(len(q_lens))
-        else:
-            device_sampling = {k: upload(v) for k, v in sampling.items()}
-        sampled, logprobs, carried = self.run_step(len(tokens), len(q_lens), batch,
-                                                    device_sampling)
+        batch = upload(pack(tokens, carry, q_lens, kv_lens, table, sampling))
+        # Without a grammar, the bitmask that allows every token, kept on the device.
+        allowed = self.every_token_allowed(len(q_lens)) if bitmask is None else upload(bitmask)
+        sampled, logprobs, carried = self.run_step(len(tokens), len(q_lens), batch, allowed)
         if decode:
             self._carried = carried
         return sampled, logprobs
 
-    def run_step(self, tokens: int, seqs: int, batch: jax.Array,
-                  sampling: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def run_step(self, tokens: int, seqs: int, batch: jax.Array, bitmask: jax.Array
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Dispatch the packed step of ``tokens`` new tokens of ``seqs`` sequences on ``batch``
         (the "sample" program: a batch of greedy rows takes its argmax branch); its sampled
         tokens, log-probs and the tokens a next step may carry, on the device."""
@@ -294,20 +292,20 @@ class ModelRunner:
                 exe = self._steps[key] = EXECUTABLES.executable(
                     packed_step, step_statics(self.step_options, "sample", seqs,
                                               self.table_width),
-                    self.params, kv, batch, carried, sampling)
-            out, carry_out, kv = exe(self.params, kv, batch, carried, sampling)
+                    self.params, kv, batch, carried, bitmask)
+            out, carry_out, kv = exe(self.params, kv, batch, carried, bitmask)
             return (out, carry_out), kv
 
         (sampled, logprobs), carried = self.with_kv(run)
         return sampled, logprobs, carried
 
-    def greedy_rows(self, seqs: int) -> dict[str, jax.Array]:
-        """The "sample" program's arrays for rows that are all greedy, kept on the device."""
-        arrays = self._greedy.get(seqs)
-        if arrays is None:
-            _, host = self.rows.on_device([], seqs, np.zeros(seqs, bool), draw=True)
-            arrays = self._greedy[seqs] = {k: upload(v) for k, v in host.items()}
-        return arrays
+    def every_token_allowed(self, seqs: int) -> jax.Array:
+        """The step's grammar bitmask where no row has a grammar, kept on the device."""
+        allowed = self._allowed.get(seqs)
+        if allowed is None:
+            allowed = self._allowed[seqs] = upload(
+                np.full((seqs, bitmask_words(self.config.vocab_size)), -1, np.int32))
+        return allowed
 
     def _step_shape(self, tokens: np.ndarray, carry: np.ndarray, q_lens: np.ndarray,
                     kv_lens: np.ndarray, table: np.ndarray, ahead: np.ndarray, decode: bool

@@ -17,7 +17,6 @@ from pd_fsm.jax_engine.sampling.sampler import (
     sampling_arrays,
     top_logprobs,
 )
-from pd_fsm.jax_engine.step.program import Sampler
 from pd_fsm.schedulers.request import Req
 
 
@@ -44,21 +43,16 @@ class RowSampling:
         """Each row's top alternatives under the raw distribution, as its request asks."""
         return top_logprobs(logits, [0 if r is None else r.logprobs.top for r in reqs])
 
-    def on_device(self, rows: Sequence[Req | None], b_pad: int, ahead: np.ndarray,
-                  draw: bool = False) -> tuple[Sampler, dict[str, np.ndarray]]:
-        """The fused step's sampler for these rows, and its per-row arrays (padded to
-        ``b_pad``). ``ahead``: rows one token past what the host knows (their sampling key's
-        step too). Rows that are all greedy need no arrays ("greedy"), unless ``draw``."""
-        bitmask = self.bitmask(b_pad, rows)
-        if not draw and bitmask is None and all(r is None or r.sampling.greedy for r in rows):
-            return "greedy", {}
+    def on_device(self, rows: Sequence[Req | None], b_pad: int, ahead: np.ndarray
+                  ) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+        """The fused step's per-row sampling arrays for these rows (padded to ``b_pad``; greedy
+        rows at temperature 0) and their grammar bitmask (None: no row has a grammar).
+        ``ahead``: rows one token past what the host knows (their sampling key's step too)."""
         arrays = sampling_arrays(
             [None if r is None else r.sampling for r in rows],
             [0 if r is None else r.seed for r in rows],
             [0 if r is None else r.position + int(ahead[i]) for i, r in enumerate(rows)], b_pad)
-        if bitmask is None:
-            bitmask = np.full((b_pad, bitmask_words(self.vocab_size)), -1, np.int32)
-        return "sample", {**arrays, "bitmask": bitmask}
+        return arrays, self.bitmask(b_pad, rows)
 
     @staticmethod
     def on_device_alone(rows: Sequence[Req | None]) -> bool:

@@ -1,7 +1,8 @@
 """bench/bench_engine.py as the chip runs it (`bench/tpu_engine.sh prefill`: the fused step's
 decode and prefill timed with today's KV write and each option, a prefill traced by kind, the
 scheduler's closed loop into the workers' compilation cache), here on the CPU with a 2-layer
-model at a shape of its own: CI keeps the chip's engine bench alive."""
+model at a shape of its own, and bench/bench_step_inputs.py beside it: CI keeps the chip's
+engine benches alive."""
 
 from __future__ import annotations
 
@@ -52,3 +53,16 @@ def test_bench_engine_runs_the_chips_calls_on_a_cpu(tmp_path: Path) -> None:
     assert warm["cache"]["writes"] == warm["compiled"] > 0
     loop = next(r for r in records if r.get("path") == "scheduler")
     assert loop["output_tokens_per_s"] > 0 and loop["output_tokens"] == 2 * 4
+
+
+def test_bench_step_inputs_times_both_ways(tmp_path: Path) -> None:
+    out = tmp_path / "inputs.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_step_inputs.py"), "--rows", "1,4",
+         "--vocab", "512", "--repeats", "5", "--json", str(out)],
+        cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
+        timeout=120, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    records = json.loads(out.read_text())
+    assert [r["rows"] for r in records] == [1, 4]
+    assert all(r["apart_us"] > 0 and r["packed_us"] > 0 for r in records)

@@ -9,6 +9,7 @@ import re
 import jsonschema
 import pytest
 
+from pd_fsm.jax_engine import backend
 from pd_fsm.jax_engine.model import LoadedModel, load_model
 from pd_fsm.jax_engine.sampling.grammar import Constraint, GrammarError, compiler_for
 from pd_fsm.jax_engine.sampling.params import SamplingParams
@@ -26,13 +27,16 @@ def tiny() -> LoadedModel:
     return load_model("tiny")
 
 
-def _texts(tiny: LoadedModel, reqs: list[Req]) -> dict[tuple[str, int], str]:
+def _texts(tiny: LoadedModel, reqs: list[Req], fused: bool = False
+           ) -> dict[tuple[str, int], str]:
+    """Each output's text; ``fused``: every step ran as the fused step program."""
     args = SchedulerArgs(model="tiny", num_pages=64, page_size=4, max_running=8,
                          max_batched_tokens=256)
     sched = Scheduler(args, model=tiny)
     for req in reqs:
         sched.add_request(req)
     outputs: list[RequestOutput] = sched.run_until_idle()
+    assert fused == all(shape[0] == "step" for shape in sched.forward_shapes)
     stats = sched.stats()
     assert stats.free_pages == stats.total_pages
     texts: dict[tuple[str, int], str] = {}
@@ -43,6 +47,12 @@ def _texts(tiny: LoadedModel, reqs: list[Req]) -> dict[tuple[str, int], str]:
     return texts
 
 
+def _requests(constraints: dict[str, Constraint], temperature: float, n: int) -> list[Req]:
+    return [Req(name, PROMPT, SamplingParams(temperature=temperature, max_new_tokens=60,
+                                             seed=7, n=n, constraint=c))
+            for name, c in constraints.items()]
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_every_output_matches_its_constraint(tiny: LoadedModel, temperature: float) -> None:
     constraints = {
@@ -50,10 +60,7 @@ def test_every_output_matches_its_constraint(tiny: LoadedModel, temperature: flo
         "json": Constraint("json_schema", json.dumps(SCHEMA)),
         "ebnf": Constraint("ebnf", 'root ::= "yes" | "no" | "maybe"'),
     }
-    reqs = [Req(name, PROMPT, SamplingParams(temperature=temperature, max_new_tokens=60,
-                                             seed=7, n=3, constraint=c))
-            for name, c in constraints.items()]
-    texts = _texts(tiny, reqs)
+    texts = _texts(tiny, _requests(constraints, temperature, n=3))
     assert len(texts) == 9
     for (name, _), text in texts.items():
         if name == "regex":
@@ -74,3 +81,20 @@ def test_a_grammar_the_engine_refuses_is_named(tiny: LoadedModel) -> None:
     with pytest.raises(ValueError, match="regex"):
         sched.add_request(Req("bad", PROMPT, SamplingParams(max_new_tokens=8,
                                                             constraint=Constraint("regex", "("))))
+
+
+def test_the_accelerators_fused_step_keeps_a_grammar_as_the_chain_does(
+        tiny: LoadedModel) -> None:
+    """A constrained row on the accelerator's fused step (attention by the XLA reference, on
+    the CPU) takes its grammar's bitmask as the step's one array beside the packed rows, a
+    sampled and a greedy row sharing a step: the same text as the chain's."""
+    constraints = {"regex": Constraint("regex", "[a-c]{2,4}x"),
+                   "ebnf": Constraint("ebnf", 'root ::= "yes" | "no" | "maybe"')}
+    reqs = [*_requests(constraints, 1.0, n=1),
+            Req("greedy", PROMPT, SamplingParams(temperature=0.0, max_new_tokens=20,
+                                                 constraint=constraints["regex"]))]
+    chain = _texts(tiny, reqs)
+    with backend.using(backend.accelerator_on_cpu("reference")):
+        fused = _texts(tiny, [Req(r.rid, r.input_ids, r.sampling) for r in reqs], fused=True)
+    assert fused == chain
+    assert re.fullmatch("[a-c]{2,4}x", chain["regex", 0]), chain

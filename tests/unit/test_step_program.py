@@ -20,12 +20,13 @@ from pd_fsm.jax_engine import backend
 from pd_fsm.jax_engine.attention.ragged_paged import decode_block_q, ragged_paged_attention
 from pd_fsm.jax_engine.attention.reference import ragged_attention_reference
 from pd_fsm.jax_engine.compilation.executables import EXECUTABLES
+from pd_fsm.jax_engine.compilation.upload import upload
 from pd_fsm.jax_engine.kv.pool import allocate_kv_pool
 from pd_fsm.jax_engine.model import TINY, LoadedModel, decode, extend
 from pd_fsm.jax_engine.model.params import fuse_projections, random_params, stack_layers
 from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.jax_engine.step.program import StepOptions, step
-from pd_fsm.schedulers import Req, RequestOutput, Scheduler, SchedulerArgs
+from pd_fsm.schedulers import Req, RequestOutput, Scheduler, SchedulerArgs, model_runner
 from pd_fsm.schedulers.model_runner import MAIN_KV
 from pd_fsm.schedulers.warm_up import shapes_of, warm_up
 from pd_fsm.text.tokenizer import CharTokenizer
@@ -338,11 +339,20 @@ def test_overlapped_first_tokens_leave_once_the_decode_step_is_launched() -> Non
         assert all(len(tokens) == 6 for tokens in runs[True].values())
 
 
-def test_nothing_compiles_after_the_warm_up_not_even_an_upload() -> None:
+def test_nothing_compiles_after_the_warm_up_and_a_step_uploads_one_array(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """After the warm-up, requests of new lengths (prefill and decode steps of every shape they
     take, greedy and sampled rows) compile nothing: no step, and no small program of JAX's own
-    (``jnp.asarray`` of a host array compiles one per new shape; the runner transfers instead)."""
+    (``jnp.asarray`` of a host array compiles one per new shape; the runner transfers instead).
+    Each step is one host-to-device transfer, its sampled rows' arrays packed with the rest."""
     model = _model()
+    uploads: list[object] = []
+
+    def counted(host: Any) -> jax.Array:
+        uploads.append(host)
+        return upload(host)
+
+    monkeypatch.setattr(model_runner, "upload", counted)
     args = SchedulerArgs(model="tiny", num_pages=96, page_size=PAGE, max_running=8,
                          max_batched_tokens=128, context_length=256)
     compiles: list[str] = []
@@ -354,6 +364,16 @@ def test_nothing_compiles_after_the_warm_up_not_even_an_upload() -> None:
     with backend.using(backend.accelerator_on_cpu("reference")):
         sched = Scheduler(args, model=model)
         warm_up(sched)
+        steps = 0
+        run_step = sched.runner.run_step
+
+        def count_step(*step: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+            nonlocal steps
+            steps += 1
+            return run_step(*step)
+
+        monkeypatch.setattr(sched.runner, "run_step", count_step)
+        uploads.clear()
         jax.monitoring.register_event_duration_secs_listener(listen)
         try:
             for i, n in enumerate((5, 37, 100)):
@@ -366,6 +386,7 @@ def test_nothing_compiles_after_the_warm_up_not_even_an_upload() -> None:
         finally:
             jax.monitoring.unregister_event_duration_listener(listen)
     assert compiles == []
+    assert steps > 0 and len(uploads) == steps
 
 
 @pytest.mark.parametrize("attention", ["reference", "interpret"])

@@ -194,6 +194,18 @@ def step(
                          sampling["seeds"], sampling["steps"], sampling["bitmask"]), new_kv
 
 
+# The per-row sampling arrays in ``packed_step``'s batch, in this order, each ``seqs`` int32
+# words (a float32 or uint32 array's bits as they are).
+PACKED_ROWS = ("temperature", "top_k", "top_p", "seeds", "steps")
+_ROW_DTYPES = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32,
+               "seeds": np.uint32, "steps": np.int32}
+
+
+def packed_length(tokens: int, seqs: int, width: int) -> int:
+    """The length of ``packed_step``'s batch for ``tokens`` new tokens of ``seqs`` sequences."""
+    return 2 * tokens + seqs * (2 + len(PACKED_ROWS) + width)
+
+
 @functools.partial(jax.jit, static_argnames=("options", "sampler", "seqs", "width"),
                    donate_argnames=("kv",))
 def packed_step(
@@ -201,27 +213,35 @@ def packed_step(
     kv: KV,
     batch: jax.Array,
     carried: jax.Array,
-    sampling: dict[str, jax.Array],
+    bitmask: jax.Array,
     *,
     options: StepOptions,
     sampler: Sampler,
     seqs: int,
     width: int,
 ) -> tuple[tuple[jax.Array, ...], jax.Array, KV]:
-    """``step`` with its int32 inputs in one array — the tokens, each token's index into
-    ``carried`` (-1: the token as given), ``q_lens`` and ``kv_lens`` (``seqs`` each), the
-    ``[seqs, width]`` page table — one upload a step instead of four (each a host-to-device
-    transfer of its own, ~0.2 ms on the TPU machine). ``carried`` holds the tokens the previous
-    step sampled (``[M]``, row ``i`` at ``i``), which a step dispatched before they were read
-    takes as its input; returned anew with this step's (its rows first, at most ``M``)."""
-    tokens = (batch.shape[0] - seqs * (2 + width)) // 2
+    """``step`` with every per-step input but the grammar's bitmask in one int32 array — the
+    tokens, each token's index into ``carried`` (-1: the token as given), ``q_lens`` and
+    ``kv_lens``, the rows' sampling (``PACKED_ROWS``; greedy rows temperature 0), the ``[seqs,
+    width]`` page table — one upload a step (each is a host-to-device transfer of its own,
+    ~0.2 ms on the TPU machine: a sampled step took seven with its rows' arrays apart).
+    ``bitmask``: ``[seqs, words]``, all ones where no row has a grammar (the runner keeps that
+    one on the device). ``carried`` holds the tokens the previous step sampled (``[M]``, row
+    ``i`` at ``i``), which a step dispatched before they were read takes as its input;
+    returned anew with this step's (its rows first, at most ``M``)."""
+    tokens = (batch.shape[0] - packed_length(0, seqs, width)) // 2
     carry = batch[tokens : 2 * tokens]
     fed = jnp.where(carry >= 0, carried[jnp.clip(carry, 0, carried.shape[0] - 1)],
                     batch[:tokens])
     at = 2 * tokens
     q_lens = batch[at : at + seqs]
     kv_lens = batch[at + seqs : at + 2 * seqs]
-    table = batch[at + 2 * seqs :].reshape(seqs, width)
+    at += 2 * seqs
+    sampling = {"bitmask": bitmask}
+    for name in PACKED_ROWS:
+        sampling[name] = jax.lax.bitcast_convert_type(batch[at : at + seqs], _ROW_DTYPES[name])
+        at += seqs
+    table = batch[at:].reshape(seqs, width)
     out, kv = step(params, kv, fed, q_lens, kv_lens, table, sampling, options=options,
                    sampler=sampler)
     if sampler != "logits":
@@ -230,9 +250,13 @@ def packed_step(
 
 
 def pack(tokens: np.ndarray, carry: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray,
-         table: np.ndarray) -> np.ndarray:
-    """``packed_step``'s one input array."""
-    return np.concatenate([tokens, carry, q_lens, kv_lens, table.reshape(-1)]).astype(np.int32)
+         table: np.ndarray, rows: dict[str, np.ndarray]) -> np.ndarray:
+    """``packed_step``'s one input array (``rows``: ``PACKED_ROWS``' arrays, ``len(q_lens)``
+    each)."""
+    words = [np.asarray(rows[name]).astype(_ROW_DTYPES[name]).view(np.int32)
+             for name in PACKED_ROWS]
+    return np.concatenate([tokens, carry, q_lens, kv_lens, *words, table.reshape(-1)]
+                          ).astype(np.int32)
 
 
 def step_statics(options: StepOptions, sampler: Sampler, seqs: int, width: int
@@ -240,13 +264,9 @@ def step_statics(options: StepOptions, sampler: Sampler, seqs: int, width: int
     return {"options": options, "sampler": sampler, "seqs": seqs, "width": width}
 
 
-def sampling_structs(seqs: int, vocab: int) -> dict[str, jax.ShapeDtypeStruct]:
-    """The shapes of the "sample" sampler's per-row arrays."""
-    f32 = jax.ShapeDtypeStruct((seqs,), jnp.float32)
-    i32 = jax.ShapeDtypeStruct((seqs,), jnp.int32)
-    return {"temperature": f32, "top_k": i32, "top_p": f32,
-            "seeds": jax.ShapeDtypeStruct((seqs,), jnp.uint32), "steps": i32,
-            "bitmask": jax.ShapeDtypeStruct((seqs, bitmask_words(vocab)), jnp.int32)}
+def bitmask_struct(seqs: int, vocab: int) -> jax.ShapeDtypeStruct:
+    """The shape of ``packed_step``'s bitmask."""
+    return jax.ShapeDtypeStruct((seqs, bitmask_words(vocab)), jnp.int32)
 
 
 def compile_step(params: Params, kv: list[jax.ShapeDtypeStruct], tokens: int, seqs: int,
@@ -254,7 +274,7 @@ def compile_step(params: Params, kv: list[jax.ShapeDtypeStruct], tokens: int, se
     """Compile into ``EXECUTABLES``, without running, the packed step for ``tokens`` new tokens
     of ``seqs`` sequences over a ``width``-page table (``carried``: ``M``), with the "sample"
     sampler (a batch of greedy rows takes its argmax branch: the runner's one program)."""
-    batch = jax.ShapeDtypeStruct((2 * tokens + seqs * (2 + width),), jnp.int32)
+    batch = jax.ShapeDtypeStruct((packed_length(tokens, seqs, width),), jnp.int32)
     prev = jax.ShapeDtypeStruct((carried,), jnp.int32)
     EXECUTABLES.compile(packed_step, step_statics(options, "sample", seqs, width),  # type: ignore[arg-type]
-                        params, kv, batch, prev, sampling_structs(seqs, options.config.vocab_size))
+                        params, kv, batch, prev, bitmask_struct(seqs, options.config.vocab_size))
