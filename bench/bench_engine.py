@@ -60,8 +60,9 @@ from pd_fsm.jax_engine.model.config import SMOLLM2_135M, ModelConfig
 from pd_fsm.jax_engine.model.dummy import dummy_params, param_bytes, shape_config
 from pd_fsm.jax_engine.model.params import fuse_projections, stack_layers
 from pd_fsm.jax_engine.sampling.grammar import bitmask_words
-from pd_fsm.jax_engine.sampling.sampler import _greedy, sampling_arrays
+from pd_fsm.jax_engine.sampling.sampler import _greedy, greedy_arrays
 from pd_fsm.jax_engine.step.program import StepOptions, pack, packed_step
+from pd_fsm.schedulers.penalty_slots import PENALTY_SLOTS
 
 PAGE = 16
 SHAPES = ("smollm2", "qwen3-0.6b", "qwen3-1.7b", "llama-3.2-1b", "qwen3-4b", "llama-3.2-3b")
@@ -128,6 +129,8 @@ class Fused:
         self.pool_config = attrs.evolve(pool, lanes=True, bf16_bits=False)
         self.kv = allocate_kv_pool(self.pool_config) if kv is None else kv
         self.carried = jnp.zeros(max(ROWS), jnp.int32)
+        # The penalty counts the runner keeps (no row penalized here).
+        self.counts = jnp.zeros((PENALTY_SLOTS, config.vocab_size), jnp.int32)
         self.allowed: dict[int, jax.Array] = {}
         # Per run: uploading the arrays, dispatching the program, waiting for the tokens.
         self.laps: list[tuple[float, float, float]] = []
@@ -135,8 +138,7 @@ class Fused:
     def upload(self, tokens: np.ndarray, carry: np.ndarray, q_lens: np.ndarray,
                kv_lens: np.ndarray, table: np.ndarray) -> jax.Array:
         """The step's one array, packed and uploaded, as the runner does."""
-        greedy = sampling_arrays([], [], [], len(q_lens))
-        return upload(pack(tokens, carry, q_lens, kv_lens, table, greedy))
+        return upload(pack(tokens, carry, q_lens, kv_lens, table, greedy_arrays(len(q_lens))))
 
     def dispatch(self, batch: jax.Array, seqs: int, width: int) -> jax.Array:
         """Dispatch the step on ``batch`` without waiting; its sampled tokens, on the device."""
@@ -144,9 +146,9 @@ class Fused:
         if allowed is None:
             allowed = self.allowed[seqs] = upload(
                 np.full((seqs, bitmask_words(self.config.vocab_size)), -1, np.int32))
-        (sampled, _), self.carried, self.kv = packed_step(
-            self.params, self.kv, batch, self.carried, allowed, options=self.options,
-            sampler="sample", seqs=seqs, width=width)
+        (sampled, _), self.carried, self.counts, self.kv = packed_step(
+            self.params, self.kv, batch, self.carried, allowed, self.counts,
+            options=self.options, sampler="sample", seqs=seqs, width=width)
         return sampled
 
     def run(self, tokens: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray,

@@ -30,7 +30,7 @@ import numpy as np
 from pd_fsm.jax_engine.compilation.upload import upload
 from pd_fsm.jax_engine.sampling.grammar import bitmask_words
 from pd_fsm.jax_engine.sampling.params import SamplingParams
-from pd_fsm.jax_engine.sampling.sampler import sampling_arrays
+from pd_fsm.jax_engine.sampling.sampler import penalty_arrays, sampling_arrays
 from pd_fsm.jax_engine.step.program import pack
 
 CONTEXT = 1024
@@ -67,7 +67,8 @@ def measure(rows: int, vocab: int, repeats: int) -> dict[str, object]:
     allowed = upload(np.full((rows, bitmask_words(vocab)), -1, np.int32))
 
     def packed() -> list[jax.Array]:
-        arrays = sampling_arrays(params, seeds, steps, rows)
+        arrays = {**sampling_arrays(params, seeds, steps, rows),
+                  **penalty_arrays(params, [-1] * rows, rows)}
         return [upload(pack(tokens, carry, q_lens, kv_lens, table, arrays)), allowed]
 
     # Alternated, so that drift on a shared machine falls on both.

@@ -55,6 +55,7 @@ from pd_fsm.jax_engine.step.program import (
     packed_step,
     step_statics,
 )
+from pd_fsm.schedulers.penalty_slots import PENALTY_SLOTS, PenaltySlots
 from pd_fsm.schedulers.plan import DecodeBatch, PrefillBatch
 from pd_fsm.schedulers.request import Req
 from pd_fsm.schedulers.row_sampling import RowSampling
@@ -96,8 +97,8 @@ def warmup_threads() -> int:
 MAIN_KV = PoolType.MAIN_KV.value
 
 # What a fused step's executable returns: its sampled tokens and log-probs, the tokens a next
-# step can carry, and the pool.
-StepOutput = tuple[tuple[jax.Array, ...], jax.Array, KV]
+# step can carry, the penalty counts, and the pool.
+StepOutput = tuple[tuple[jax.Array, ...], jax.Array, jax.Array, KV]
 
 # A forward shape as recorded: ("extend" | "extend-all", rows, tokens) or ("decode", rows), or
 # a fused step's ("step", tokens, sequences).
@@ -163,6 +164,9 @@ class ModelRunner:
         # The tokens the last fused decode step sampled, on the device (a row's at its row):
         # what a step dispatched before they are read takes as its input.
         self._carried = jnp.zeros(bucket(max_rows), jnp.int32)
+        if backend.fused_step:  # penalized rows' counts on the device, the step's to keep
+            self.rows.slots = PenaltySlots(min(len(self._carried), PENALTY_SLOTS),
+                                           self.config.vocab_size)
         self._allowed: dict[int, jax.Array] = {}  # every_token_allowed's, by sequences
         self._prefill_sizes: list[int] = []  # the fused prefill's, once step_shapes chose them
 
@@ -285,6 +289,8 @@ class ModelRunner:
         tokens, log-probs and the tokens a next step may carry, on the device."""
         key = (tokens, seqs, "sample")
         carried = self._carried
+        slots = self.rows.slots
+        assert slots is not None, "a fused step's runner keeps penalty counts"
 
         def run(kv: KV) -> tuple[tuple[tuple[jax.Array, ...], jax.Array], KV]:
             exe = self._steps.get(key)
@@ -292,8 +298,9 @@ class ModelRunner:
                 exe = self._steps[key] = EXECUTABLES.executable(
                     packed_step, step_statics(self.step_options, "sample", seqs,
                                               self.table_width),
-                    self.params, kv, batch, carried, bitmask)
-            out, carry_out, kv = exe(self.params, kv, batch, carried, bitmask)
+                    self.params, kv, batch, carried, bitmask, slots.counts)
+            out, carry_out, slots.counts, kv = exe(self.params, kv, batch, carried, bitmask,
+                                                   slots.counts)
             return (out, carry_out), kv
 
         (sampled, logprobs), carried = self.with_kv(run)
@@ -446,13 +453,19 @@ class ModelRunner:
             rows, tokens = rows_tokens
             compile_forward(params, kv, rows, tokens, width, config=config)
 
+        slots = self.rows.slots
+        if slots is not None:
+            slots.compile()
+        n_slots = 0 if slots is None else len(slots.counts)
+
         def step(tokens_seqs: tuple[int, int]) -> None:
             tokens, seqs = tokens_seqs
-            compile_step(params, kv, tokens, seqs, width, len(self._carried), self.step_options)
+            compile_step(params, kv, tokens, seqs, width, len(self._carried), n_slots,
+                         self.step_options)
 
         # XLA compiles without the GIL: a thread per core, up to WARMUP_THREADS.
         with ThreadPoolExecutor(warmup_threads(), thread_name_prefix="warm-up") as pool:
-            if self.backend.fused_step:
+            if slots is not None:
                 list(pool.map(step, self.step_shapes(plan)))
             else:
                 list(pool.map(shape, plan))

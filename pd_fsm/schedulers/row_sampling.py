@@ -10,25 +10,34 @@ import jax
 import numpy as np
 
 from pd_fsm.jax_engine.sampling.grammar import bitmask_words
-from pd_fsm.jax_engine.sampling.params import TopLogprobs
+from pd_fsm.jax_engine.sampling.params import SamplingParams, TopLogprobs
 from pd_fsm.jax_engine.sampling.sampler import (
     Adjustment,
+    penalty_arrays,
     sample,
     sampling_arrays,
     top_logprobs,
 )
+from pd_fsm.schedulers.penalty_slots import PenaltySlots
 from pd_fsm.schedulers.request import Req
 
 
 class RowSampling:
-    def __init__(self, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+    """``slots``: the penalties' counts on the device, where a fused step samples (None: every
+    penalized row's choice is made on the host, after the chain's logits)."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: frozenset[int],
+                 slots: PenaltySlots | None = None) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.slots = slots
 
     def sample(self, logits: jax.Array, reqs: Sequence[Req | None]
                ) -> tuple[np.ndarray, np.ndarray]:
         """Each row's next token and its log-prob, as its request's sampling says (None rows:
         padding or unfinished chunks)."""
+        if self.slots is not None:
+            self.slots.forget(reqs)
         return sample(
             logits,
             [None if r is None else r.sampling for r in reqs],
@@ -46,22 +55,37 @@ class RowSampling:
     def on_device(self, rows: Sequence[Req | None], b_pad: int, ahead: np.ndarray
                   ) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
         """The fused step's per-row sampling arrays for these rows (padded to ``b_pad``; greedy
-        rows at temperature 0) and their grammar bitmask (None: no row has a grammar).
-        ``ahead``: rows one token past what the host knows (their sampling key's step too)."""
+        rows at temperature 0; a penalized row's counts slot, taken here) and their bitmask: a
+        grammar's allowed tokens, and the tokens that would end a row still short of its
+        ``min_new_tokens`` cleared (None: no row has either). ``ahead``: rows one token past
+        what the host knows (their sampling key's step, and their output's length, too)."""
+        params = [None if r is None else r.sampling for r in rows]
         arrays = sampling_arrays(
-            [None if r is None else r.sampling for r in rows],
-            [0 if r is None else r.seed for r in rows],
+            params, [0 if r is None else r.seed for r in rows],
             [0 if r is None else r.position + int(ahead[i]) for i, r in enumerate(rows)], b_pad)
-        return arrays, self.bitmask(b_pad, rows)
+        slots = self.slots.slots_for(rows) if self.slots is not None else []
+        arrays.update(penalty_arrays(params, slots, b_pad))
+        bitmask = self.bitmask(b_pad, rows)
+        for i, r in enumerate(rows):
+            if r is None or len(r.output_ids) + int(ahead[i]) >= r.sampling.min_new_tokens:
+                continue
+            if bitmask is None:
+                bitmask = np.full((b_pad, bitmask_words(self.vocab_size)), -1, np.int32)
+            words = bitmask.view(np.uint32)
+            for token in self.ends(r.sampling):
+                if 0 <= token < self.vocab_size:
+                    words[i, token >> 5] &= np.uint32(~(1 << (token & 31)) & 0xFFFFFFFF)
+        return arrays, bitmask
 
-    @staticmethod
-    def on_device_alone(rows: Sequence[Req | None]) -> bool:
-        """Whether the device can choose these rows' tokens: not where a row's choice needs its
-        logits on the host (penalties, ``min_new_tokens``' bans) or asks for top
-        alternatives."""
-        return not any(r is not None and (r.sampling.penalized or r.logprobs.top
-                                          or len(r.output_ids) < r.sampling.min_new_tokens)
-                       for r in rows)
+    def on_device_alone(self, rows: Sequence[Req | None]) -> bool:
+        """Whether the device can choose these rows' tokens: not where a row asks for top
+        alternatives, or is penalized with no counts slot for it (none free, or no counts on
+        this backend)."""
+        if any(r is not None and r.logprobs.top for r in rows):
+            return False
+        if self.slots is None:
+            return not any(r is not None and r.sampling.penalized for r in rows)
+        return self.slots.fit(rows)
 
     def bitmask(self, rows: int, reqs: Sequence[Req | None]) -> np.ndarray | None:
         """The tokens each row's grammar allows next (None: no row has one)."""
@@ -77,10 +101,10 @@ class RowSampling:
         """The penalties' history (this request's output so far: on D, P's first token too) and,
         below ``min_new_tokens``, the tokens that would end it."""
         sp = req.sampling
-        banned: frozenset[int] = frozenset()
-        if len(req.output_ids) < sp.min_new_tokens:
-            ends = set(sp.stop_token_ids)
-            if not sp.ignore_eos:
-                ends |= self.eos_token_ids
-            banned = frozenset(ends)
-        return Adjustment(req.history, banned)
+        short = len(req.output_ids) < sp.min_new_tokens
+        return Adjustment(req.history, self.ends(sp) if short else frozenset())
+
+    def ends(self, sp: SamplingParams) -> frozenset[int]:
+        """The tokens that would end a request sampled as ``sp``."""
+        return frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos
+                                                else self.eos_token_ids)

@@ -239,6 +239,58 @@ def test_the_scheduler_on_the_accelerators_choices_answers_as_on_the_cpus() -> N
         assert _generate(Scheduler(args, model=model)) == chain
 
 
+PENALTIES = [
+    SamplingParams(max_new_tokens=14, temperature=0.0, repetition_penalty=2.0),
+    SamplingParams(max_new_tokens=14, temperature=0.9, seed=5, frequency_penalty=1.5),
+    SamplingParams(max_new_tokens=14, temperature=0.0, presence_penalty=1.0,
+                   frequency_penalty=-0.5, min_new_tokens=6),
+    SamplingParams(max_new_tokens=14, temperature=0.7, seed=9, repetition_penalty=0.7,
+                   presence_penalty=0.5),
+]
+
+
+def _penalized(sched: Scheduler, samplings: list[SamplingParams]) -> dict[str, list[int]]:
+    for i, sp in enumerate(samplings):
+        sched.add_request(sched.make_request(f"p{i}", PROMPTS[i % len(PROMPTS)], sp))
+    out: dict[str, list[int]] = {}
+    for o in sched.run_until_idle():
+        out.setdefault(o.rid, []).extend(o.new_token_ids)
+    return out
+
+
+def test_penalties_and_bans_on_the_device_answer_as_the_chain() -> None:
+    """Frequency, presence and repetition penalties and ``min_new_tokens``' bans, greedy and
+    seeded, five requests at once through the fused step (each decode step dispatched before
+    the last one's tokens are read, and one step at a time): the chain's tokens, with no chain
+    forward run — the counts live on the device, a slot a request, the ban in the step's
+    bitmask; every slot back once the requests finished. Without the penalties the tokens
+    differ, and the ban holds back a stop token the request would otherwise end on, so this
+    compares something."""
+    model = _model()
+    args = SchedulerArgs(model="tiny", num_pages=96, page_size=PAGE, max_running=8,
+                         max_batched_tokens=64, context_length=128)
+    plain = [attrs.evolve(sp, repetition_penalty=1.0, frequency_penalty=0.0,
+                          presence_penalty=0.0, min_new_tokens=0) for sp in PENALTIES]
+    unbanned = SamplingParams(max_new_tokens=14, temperature=0.0)
+    free = _penalized(Scheduler(args, model=model), [*plain, unbanned])
+    # The last one: told to stop on the token the free run chose second, banned from it until
+    # its ninth.
+    banned = attrs.evolve(unbanned, stop_token_ids=[free["p4"][1]], min_new_tokens=9)
+    samplings = [*PENALTIES, banned]
+    chain = _penalized(Scheduler(args, model=model), samplings)
+    assert [chain[f"p{i}"] != free[f"p{i}"] for i in range(4)].count(True) >= 3
+    assert len(chain["p4"]) >= 9 and chain["p4"][:2] != free["p4"][:2]
+    accelerator = backend.accelerator_on_cpu("reference")
+    for overlap in (True, False):
+        with backend.using(attrs.evolve(accelerator, overlap_steps=overlap)):
+            sched = Scheduler(args, model=model)
+            assert _penalized(sched, samplings) == chain
+            assert all(shape[0] == "step" for shape in sched.forward_shapes)
+            slots = sched.runner.rows.slots
+            assert slots is not None and slots.held() <= len(PENALTIES)
+            assert slots.fit([None] * 8) and len(slots._free) + slots.held() == 8
+
+
 def test_a_prefill_of_a_few_prompts_runs_at_eight_sequences_not_the_capacity() -> None:
     """A 16-row runner's prefill steps: one prompt alone runs at 8 sequences, twelve short
     prompts batched into one step at the capacity's 16; both shapes compiled by the warm-up,
@@ -342,9 +394,11 @@ def test_overlapped_first_tokens_leave_once_the_decode_step_is_launched() -> Non
 def test_nothing_compiles_after_the_warm_up_and_a_step_uploads_one_array(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """After the warm-up, requests of new lengths (prefill and decode steps of every shape they
-    take, greedy and sampled rows) compile nothing: no step, and no small program of JAX's own
-    (``jnp.asarray`` of a host array compiles one per new shape; the runner transfers instead).
-    Each step is one host-to-device transfer, its sampled rows' arrays packed with the rest."""
+    take, greedy, sampled and penalized rows) compile nothing: no step, no seeding of a
+    penalty's counts, and no small program of JAX's own (``jnp.asarray`` of a host array
+    compiles one per new shape; the runner transfers instead). Each step is one host-to-device
+    transfer, its rows' sampling packed with the rest (a penalized request's counts are seeded
+    once, apart; a ban travels in the bitmask, a second transfer only while it lasts)."""
     model = _model()
     uploads: list[object] = []
 
@@ -380,13 +434,17 @@ def test_nothing_compiles_after_the_warm_up_and_a_step_uploads_one_array(
                 for j, sampling in enumerate((
                         SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
                         SamplingParams(max_new_tokens=4, temperature=0.8, top_p=0.9, seed=i,
-                                       ignore_eos=True))):
+                                       ignore_eos=True),
+                        SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True,
+                                       frequency_penalty=0.5, min_new_tokens=2))):
                     sched.add_request(Req(f"r{i}{j}", list(range(1, n + 1)), sampling))
                 sched.run_until_idle()
         finally:
             jax.monitoring.unregister_event_duration_listener(listen)
     assert compiles == []
-    assert steps > 0 and len(uploads) == steps
+    # Bitmasks: the penalized request's first two tokens banned from ending it.
+    bitmasks = [u for u in uploads if getattr(u, "ndim", 1) == 2]
+    assert steps > 0 and len(uploads) - len(bitmasks) == steps and len(bitmasks) <= 2 * 3
 
 
 @pytest.mark.parametrize("attention", ["reference", "interpret"])

@@ -45,6 +45,34 @@ def _greedy(logits: jax.Array, bitmask: jax.Array) -> tuple[jax.Array, jax.Array
     return greedy_tokens(logits, bitmask)
 
 
+def penalized_logits(logits: jax.Array, counts: jax.Array, repetition: jax.Array,
+                     frequency: jax.Array, presence: jax.Array) -> jax.Array:
+    """``adjust_logits``' penalties on the device, every row at once: ``counts[S, V]`` how often
+    each row generated each token (a row of zeros: that row as it is)."""
+    seen = counts > 0
+    rep = repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - jnp.where(
+        seen, frequency[:, None] * counts.astype(jnp.float32) + presence[:, None], 0.0)
+
+
+def penalize_rows(logits: jax.Array, counts: jax.Array, slots: jax.Array,
+                  repetition: jax.Array, frequency: jax.Array, presence: jax.Array
+                  ) -> jax.Array:
+    """The logits each row chooses from: row ``i``'s penalized by its counts, row
+    ``slots[i]`` of ``counts[slots, V]`` (-1: no penalty). A step without a penalized row skips
+    the gather and the arithmetic over the vocabulary."""
+    on = slots >= 0
+
+    def adjusted() -> jax.Array:
+        rows = counts[jnp.clip(slots, 0, counts.shape[0] - 1)]
+        return penalized_logits(logits, jnp.where(on[:, None], rows, 0), repetition,
+                                frequency, presence)
+
+    out: jax.Array = jax.lax.cond(jnp.any(on), adjusted, lambda: logits)
+    return out
+
+
 def sample_tokens(
     logits: jax.Array,
     temperature: jax.Array,
@@ -53,10 +81,13 @@ def sample_tokens(
     seeds: jax.Array,
     steps: jax.Array,
     bitmask: jax.Array,
+    choose_from: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
+    """Each row's token and its raw log-prob. ``choose_from``: the logits the token is chosen
+    from where they are not ``logits`` (penalized); the log-prob is still ``logits``'."""
     vocab = logits.shape[-1]
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    allowed = _allowed(logits, bitmask)
+    allowed = _allowed(logits if choose_from is None else choose_from, bitmask)
     argmax_tokens = jnp.argmax(allowed, axis=-1).astype(jnp.int32)
 
     is_greedy = temperature <= 0.0
@@ -108,7 +139,9 @@ def adjust_logits(row: np.ndarray, sp: SamplingParams, adjustment: Adjustment) -
             seen = row[ids]
             row[ids] = np.where(seen > 0, seen / sp.repetition_penalty,
                                 seen * sp.repetition_penalty)
-        row[ids] -= sp.frequency_penalty * counts + sp.presence_penalty
+        # In float32, as the device's ``penalized_logits`` computes it.
+        row[ids] -= (np.float32(sp.frequency_penalty) * counts.astype(np.float32)
+                     + np.float32(sp.presence_penalty))
     if adjustment.banned:
         row[np.fromiter(adjustment.banned, np.int64)] = -np.inf
 
@@ -159,6 +192,8 @@ def sample(
 
 # The per-row arrays ``sample_tokens`` takes before the bitmask, in its order.
 SAMPLING_ARRAYS = ("temperature", "top_k", "top_p", "seeds", "steps")
+# The per-row arrays of ``penalize_rows`` after the counts.
+PENALTY_ARRAYS = ("penalty_slots", "repetition", "frequency", "presence")
 
 
 def sampling_arrays(params: Sequence[SamplingParams | None], seeds: Sequence[int],
@@ -178,6 +213,29 @@ def sampling_arrays(params: Sequence[SamplingParams | None], seeds: Sequence[int
         step_arr[i] = steps[i]
     return dict(zip(SAMPLING_ARRAYS, (temperature, top_k, top_p, seed_arr, step_arr),
                     strict=True))
+
+
+def penalty_arrays(params: Sequence[SamplingParams | None], slots: Sequence[int],
+                   b_pad: int) -> dict[str, np.ndarray]:
+    """``penalize_rows``' per-row arrays, padded to ``b_pad`` (a row whose slot is -1, or past
+    ``slots``: no penalty)."""
+    slot = np.full(b_pad, -1, np.int32)
+    repetition = np.ones(b_pad, np.float32)
+    frequency = np.zeros(b_pad, np.float32)
+    presence = np.zeros(b_pad, np.float32)
+    for i, (p, s) in enumerate(zip(params, slots, strict=False)):
+        if p is None or s < 0:
+            continue
+        slot[i] = s
+        repetition[i], frequency[i], presence[i] = (p.repetition_penalty, p.frequency_penalty,
+                                                     p.presence_penalty)
+    return dict(zip(PENALTY_ARRAYS, (slot, repetition, frequency, presence), strict=True))
+
+
+def greedy_arrays(b_pad: int) -> dict[str, np.ndarray]:
+    """The per-row arrays (``SAMPLING_ARRAYS`` and ``PENALTY_ARRAYS``) of ``b_pad`` greedy rows
+    without penalties."""
+    return {**sampling_arrays([], [], [], b_pad), **penalty_arrays([], [], b_pad)}
 
 
 def _choose(

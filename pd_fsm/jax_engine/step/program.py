@@ -39,7 +39,13 @@ from pd_fsm.jax_engine.model.config import ModelConfig
 from pd_fsm.jax_engine.model.forward import KV, Params, experts, mlp, qkv, rms_norm, rope
 from pd_fsm.jax_engine.model.params import layer_views
 from pd_fsm.jax_engine.sampling.grammar import bitmask_words
-from pd_fsm.jax_engine.sampling.sampler import greedy_tokens, sample_tokens
+from pd_fsm.jax_engine.sampling.sampler import (
+    PENALTY_ARRAYS,
+    SAMPLING_ARRAYS,
+    greedy_tokens,
+    penalize_rows,
+    sample_tokens,
+)
 
 # What a step returns: the sampled tokens and their log-probs ("greedy": argmax; "sample":
 # temperature, top-k, top-p, seeds and a grammar bitmask per row), or the last tokens' logits
@@ -166,7 +172,8 @@ def step(
     sampler: Sampler,
 ) -> tuple[tuple[jax.Array, ...], KV]:
     """One step (module docstring). ``sampling``: for "sample", the rows' ``temperature``,
-    ``top_k``, ``top_p``, ``seeds``, ``steps`` and ``bitmask``; else empty. Returns
+    ``top_k``, ``top_p``, ``seeds``, ``steps`` and ``bitmask``, and where rows may be penalized
+    ``penalty_counts`` (``[slots, V]``) with ``PENALTY_ARRAYS``; else empty. Returns
     ``(tokens [S], logprobs [S])`` or ``(logits [S, V],)``, and the pool."""
     config = options.config
     n_tokens = tokens.shape[0]
@@ -190,15 +197,21 @@ def step(
         return (logits,), new_kv
     if sampler == "greedy":
         return greedy_tokens(logits, None), new_kv
+    choose = None
+    if "penalty_counts" in sampling:
+        choose = penalize_rows(logits, sampling["penalty_counts"],
+                               *(sampling[name] for name in PENALTY_ARRAYS))
     return sample_tokens(logits, sampling["temperature"], sampling["top_k"], sampling["top_p"],
-                         sampling["seeds"], sampling["steps"], sampling["bitmask"]), new_kv
+                         sampling["seeds"], sampling["steps"], sampling["bitmask"],
+                         choose), new_kv
 
 
 # The per-row sampling arrays in ``packed_step``'s batch, in this order, each ``seqs`` int32
 # words (a float32 or uint32 array's bits as they are).
-PACKED_ROWS = ("temperature", "top_k", "top_p", "seeds", "steps")
+PACKED_ROWS = (*SAMPLING_ARRAYS, *PENALTY_ARRAYS)
 _ROW_DTYPES = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32,
-               "seeds": np.uint32, "steps": np.int32}
+               "seeds": np.uint32, "steps": np.int32, "penalty_slots": np.int32,
+               "repetition": np.float32, "frequency": np.float32, "presence": np.float32}
 
 
 def packed_length(tokens: int, seqs: int, width: int) -> int:
@@ -207,19 +220,20 @@ def packed_length(tokens: int, seqs: int, width: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("options", "sampler", "seqs", "width"),
-                   donate_argnames=("kv",))
+                   donate_argnames=("kv", "counts"))
 def packed_step(
     params: Params,
     kv: KV,
     batch: jax.Array,
     carried: jax.Array,
     bitmask: jax.Array,
+    counts: jax.Array,
     *,
     options: StepOptions,
     sampler: Sampler,
     seqs: int,
     width: int,
-) -> tuple[tuple[jax.Array, ...], jax.Array, KV]:
+) -> tuple[tuple[jax.Array, ...], jax.Array, jax.Array, KV]:
     """``step`` with every per-step input but the grammar's bitmask in one int32 array — the
     tokens, each token's index into ``carried`` (-1: the token as given), ``q_lens`` and
     ``kv_lens``, the rows' sampling (``PACKED_ROWS``; greedy rows temperature 0), the ``[seqs,
@@ -228,7 +242,10 @@ def packed_step(
     ``bitmask``: ``[seqs, words]``, all ones where no row has a grammar (the runner keeps that
     one on the device). ``carried`` holds the tokens the previous step sampled (``[M]``, row
     ``i`` at ``i``), which a step dispatched before they were read takes as its input;
-    returned anew with this step's (its rows first, at most ``M``)."""
+    returned anew with this step's (its rows first, at most ``M``). ``counts``: ``[slots, V]``,
+    how often each penalty slot's request generated each token (``penalty_slots``: a row's
+    slot, -1 for none); returned with each penalized row's new token counted, on the device,
+    so that a step dispatched before the last one's tokens are read penalizes them too."""
     tokens = (batch.shape[0] - packed_length(0, seqs, width)) // 2
     carry = batch[tokens : 2 * tokens]
     fed = jnp.where(carry >= 0, carried[jnp.clip(carry, 0, carried.shape[0] - 1)],
@@ -237,7 +254,7 @@ def packed_step(
     q_lens = batch[at : at + seqs]
     kv_lens = batch[at + seqs : at + 2 * seqs]
     at += 2 * seqs
-    sampling = {"bitmask": bitmask}
+    sampling = {"bitmask": bitmask, "penalty_counts": counts}
     for name in PACKED_ROWS:
         sampling[name] = jax.lax.bitcast_convert_type(batch[at : at + seqs], _ROW_DTYPES[name])
         at += seqs
@@ -246,7 +263,10 @@ def packed_step(
                    sampler=sampler)
     if sampler != "logits":
         carried = carried.at[:seqs].set(out[0][: carried.shape[0]])
-    return out, carried, kv
+        slots = sampling["penalty_slots"]
+        counts = counts.at[jnp.where(slots >= 0, slots, counts.shape[0]), out[0]].add(
+            1, mode="drop")
+    return out, carried, counts, kv
 
 
 def pack(tokens: np.ndarray, carry: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray,
@@ -269,12 +289,33 @@ def bitmask_struct(seqs: int, vocab: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((seqs, bitmask_words(vocab)), jnp.int32)
 
 
+def counts_struct(slots: int, vocab: int) -> jax.ShapeDtypeStruct:
+    """The shape of ``packed_step``'s penalty counts."""
+    return jax.ShapeDtypeStruct((slots, vocab), jnp.int32)
+
+
+@functools.partial(jax.jit, donate_argnames=("counts",))
+def seed_counts(counts: jax.Array, slot: jax.Array, row: jax.Array) -> jax.Array:
+    """``counts`` with row ``slot`` set to ``row`` (a request's generated tokens counted)."""
+    return counts.at[slot].set(row)
+
+
+def compile_seed_counts(slots: int, vocab: int) -> None:
+    """Compile ``seed_counts`` into ``EXECUTABLES`` without running it."""
+    EXECUTABLES.compile(seed_counts, {}, counts_struct(slots, vocab),
+                        jax.ShapeDtypeStruct((), jnp.int32),
+                        jax.ShapeDtypeStruct((vocab,), jnp.int32))
+
+
 def compile_step(params: Params, kv: list[jax.ShapeDtypeStruct], tokens: int, seqs: int,
-                 width: int, carried: int, options: StepOptions) -> None:
+                 width: int, carried: int, slots: int, options: StepOptions) -> None:
     """Compile into ``EXECUTABLES``, without running, the packed step for ``tokens`` new tokens
-    of ``seqs`` sequences over a ``width``-page table (``carried``: ``M``), with the "sample"
-    sampler (a batch of greedy rows takes its argmax branch: the runner's one program)."""
+    of ``seqs`` sequences over a ``width``-page table (``carried``: ``M``; ``slots``: the
+    penalty counts' rows), with the "sample" sampler (a batch of greedy rows takes its argmax
+    branch: the runner's one program)."""
     batch = jax.ShapeDtypeStruct((packed_length(tokens, seqs, width),), jnp.int32)
     prev = jax.ShapeDtypeStruct((carried,), jnp.int32)
+    vocab = options.config.vocab_size
     EXECUTABLES.compile(packed_step, step_statics(options, "sample", seqs, width),  # type: ignore[arg-type]
-                        params, kv, batch, prev, bitmask_struct(seqs, options.config.vocab_size))
+                        params, kv, batch, prev, bitmask_struct(seqs, vocab),
+                        counts_struct(slots, vocab))
