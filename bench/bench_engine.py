@@ -146,7 +146,7 @@ class Fused:
         if allowed is None:
             allowed = self.allowed[seqs] = upload(
                 np.full((seqs, bitmask_words(self.config.vocab_size)), -1, np.int32))
-        (sampled, _), self.carried, self.counts, self.kv = packed_step(
+        (sampled, *_), self.carried, self.counts, self.kv = packed_step(
             self.params, self.kv, batch, self.carried, allowed, self.counts,
             options=self.options, sampler="sample", seqs=seqs, width=width)
         return sampled

@@ -68,7 +68,8 @@ def measure(rows: int, vocab: int, repeats: int) -> dict[str, object]:
 
     def packed() -> list[jax.Array]:
         arrays = {**sampling_arrays(params, seeds, steps, rows),
-                  **penalty_arrays(params, [-1] * rows, rows)}
+                  **penalty_arrays(params, [-1] * rows, rows),
+                  "top_logprobs": np.zeros(rows, np.int32)}
         return [upload(pack(tokens, carry, q_lens, kv_lens, table, arrays)), allowed]
 
     # Alternated, so that drift on a shared machine falls on both.

@@ -47,6 +47,7 @@ from pd_fsm.jax_engine.sampling.params import TopLogprobs
 from pd_fsm.jax_engine.sampling.sampler import (
     compile_samplers,
     last_logits,
+    tops_of,
 )
 from pd_fsm.jax_engine.step.program import (
     StepOptions,
@@ -111,8 +112,8 @@ class Launched:
     the device until ``ModelRunner.collect``)."""
 
     reqs: tuple[Req, ...]
-    tokens: jax.Array
-    logprobs: jax.Array
+    # The step's tokens, their log-probs and each row's top alternatives (ids, log-probs).
+    out: tuple[jax.Array, ...]
 
 
 @attrs.frozen(eq=False)
@@ -127,6 +128,15 @@ class StepResult:
     tops: list[TopLogprobs]
     logits: jax.Array | None = None
     every_position: jax.Array | None = None
+
+
+def read_step(out: tuple[jax.Array, ...], rows: Sequence[Req | None]) -> StepResult:
+    """A fused step's tokens and log-probs for ``rows`` read back (waiting for the step), and
+    the top alternatives a row asked for (read only then)."""
+    n = len(rows)
+    tokens, logprobs, top_ids, top_values = out
+    return StepResult(np.asarray(tokens)[:n], np.asarray(logprobs)[:n],
+                      tops_of(top_ids, top_values, RowSampling.tops_asked(rows)))
 
 
 class ModelRunner:
@@ -210,11 +220,10 @@ class ModelRunner:
                 q_lens[i], kv_lens[i] = row.length, row.start + row.length
                 used = self.pool_config.pages_for(row.start + row.length)
                 table[i, :used] = req.pages[:used]
-            sampled, logprobs = self._dispatch(
+            out = self._dispatch(
                 tokens, np.full(len(tokens), -1, np.int32), q_lens, kv_lens, table, completed,
                 ahead=np.zeros(batch.n_pad, bool), decode=False)
-            n = len(completed)  # read at once
-            return StepResult(np.asarray(sampled)[:n], np.asarray(logprobs)[:n], [()] * n)
+            return read_step(out, completed)  # at once
         logits = self.run_prefill(batch)
         if not any(row.req.logprobs.prompt for row in batch.rows):
             return self._sampled(logits, completed)
@@ -253,21 +262,19 @@ class ModelRunner:
                     used = min(self.pool_config.pages_for(req.seq_len + 1), len(req.pages or ()))
                     table[i, :used] = (req.pages or [])[:used]
         q_lens = (kv_lens > 0).astype(np.int32)  # one new token a sequence
-        sampled, logprobs = self._dispatch(tokens, carry, q_lens, kv_lens, table, rows,
-                                           ahead=carry >= 0, decode=True)
-        return Launched(batch.reqs, sampled, logprobs)
+        return Launched(batch.reqs, self._dispatch(tokens, carry, q_lens, kv_lens, table, rows,
+                                                   ahead=carry >= 0, decode=True))
 
     def collect(self, launched: Launched) -> StepResult:
-        """Read a dispatched decode step's tokens (waiting for it)."""
-        n = len(launched.reqs)
-        return StepResult(np.asarray(launched.tokens)[:n], np.asarray(launched.logprobs)[:n],
-                          [()] * n)
+        """Read a dispatched step's tokens (waiting for it), and its top alternatives where a
+        row asked."""
+        return read_step(launched.out, launched.reqs)
 
     def _dispatch(self, tokens: np.ndarray, carry: np.ndarray, q_lens: np.ndarray,
                   kv_lens: np.ndarray, table: np.ndarray, rows: Sequence[Req | None], *,
-                  ahead: np.ndarray, decode: bool) -> tuple[jax.Array, jax.Array]:
-        """Upload a step's arrays (one array, and a grammar's bitmask) and dispatch it; its sampled
-        tokens and log-probs, on the device. ``ahead``: rows one token past what the host
+                  ahead: np.ndarray, decode: bool) -> tuple[jax.Array, ...]:
+        """Upload a step's arrays (one array, and a grammar's bitmask) and dispatch it; what it
+        returns (``Launched.out``), on the device. ``ahead``: rows one token past what the host
         knows (their sampling key's step too). A decode step's tokens become what the next one
         can carry; a prefill's are read at once and carried nowhere."""
         tokens, carry, q_lens, kv_lens, table, ahead = self._step_shape(
@@ -277,16 +284,17 @@ class ModelRunner:
         batch = upload(pack(tokens, carry, q_lens, kv_lens, table, sampling))
         # Without a grammar, the bitmask that allows every token, kept on the device.
         allowed = self.every_token_allowed(len(q_lens)) if bitmask is None else upload(bitmask)
-        sampled, logprobs, carried = self.run_step(len(tokens), len(q_lens), batch, allowed)
+        out, carried = self.run_step(len(tokens), len(q_lens), batch, allowed)
         if decode:
             self._carried = carried
-        return sampled, logprobs
+        return out
 
     def run_step(self, tokens: int, seqs: int, batch: jax.Array, bitmask: jax.Array
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 ) -> tuple[tuple[jax.Array, ...], jax.Array]:
         """Dispatch the packed step of ``tokens`` new tokens of ``seqs`` sequences on ``batch``
-        (the "sample" program: a batch of greedy rows takes its argmax branch); its sampled
-        tokens, log-probs and the tokens a next step may carry, on the device."""
+        (the "sample" program: a batch of greedy rows takes its argmax branch); what it
+        returns (its tokens, their log-probs, the top alternatives) and the tokens a next step
+        may carry, on the device."""
         key = (tokens, seqs, "sample")
         carried = self._carried
         slots = self.rows.slots
@@ -303,8 +311,7 @@ class ModelRunner:
                                                    slots.counts)
             return (out, carry_out), kv
 
-        (sampled, logprobs), carried = self.with_kv(run)
-        return sampled, logprobs, carried
+        return self.with_kv(run)
 
     def every_token_allowed(self, seqs: int) -> jax.Array:
         """The step's grammar bitmask where no row has a grammar, kept on the device."""

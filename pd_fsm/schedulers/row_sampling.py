@@ -50,7 +50,7 @@ class RowSampling:
     @staticmethod
     def top_logprobs(logits: jax.Array, reqs: Sequence[Req | None]) -> list[TopLogprobs]:
         """Each row's top alternatives under the raw distribution, as its request asks."""
-        return top_logprobs(logits, [0 if r is None else r.logprobs.top for r in reqs])
+        return top_logprobs(logits, RowSampling.tops_asked(reqs))
 
     def on_device(self, rows: Sequence[Req | None], b_pad: int, ahead: np.ndarray
                   ) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
@@ -65,6 +65,8 @@ class RowSampling:
             [0 if r is None else r.position + int(ahead[i]) for i, r in enumerate(rows)], b_pad)
         slots = self.slots.slots_for(rows) if self.slots is not None else []
         arrays.update(penalty_arrays(params, slots, b_pad))
+        arrays["top_logprobs"] = np.zeros(b_pad, np.int32)
+        arrays["top_logprobs"][: len(rows)] = self.tops_asked(rows)
         bitmask = self.bitmask(b_pad, rows)
         for i, r in enumerate(rows):
             if r is None or len(r.output_ids) + int(ahead[i]) >= r.sampling.min_new_tokens:
@@ -78,14 +80,18 @@ class RowSampling:
         return arrays, bitmask
 
     def on_device_alone(self, rows: Sequence[Req | None]) -> bool:
-        """Whether the device can choose these rows' tokens: not where a row asks for top
-        alternatives, or is penalized with no counts slot for it (none free, or no counts on
-        this backend)."""
-        if any(r is not None and r.logprobs.top for r in rows):
-            return False
+        """Whether the device can choose these rows' tokens: not where a row is penalized with
+        no counts slot for it (none free, or no counts on this backend: there top
+        alternatives are the chain's too)."""
         if self.slots is None:
-            return not any(r is not None and r.sampling.penalized for r in rows)
+            return not any(r is not None and (r.sampling.penalized or r.logprobs.top)
+                           for r in rows)
         return self.slots.fit(rows)
+
+    @staticmethod
+    def tops_asked(rows: Sequence[Req | None]) -> list[int]:
+        """How many top alternatives each row asks for."""
+        return [0 if r is None else r.logprobs.top for r in rows]
 
     def bitmask(self, rows: int, reqs: Sequence[Req | None]) -> np.ndarray | None:
         """The tokens each row's grammar allows next (None: no row has one)."""

@@ -66,5 +66,6 @@ def run_each_step_once(runner: ModelRunner, plan: Sequence[tuple[int, int]]) -> 
         greedy = greedy_arrays(seqs)
         batch = upload(pack(np.zeros(tokens, np.int32), np.full(tokens, -1, np.int32),
                             empty, empty, np.zeros((seqs, width), np.int32), greedy))
-        sampled, _, _ = runner.run_step(tokens, seqs, batch, runner.every_token_allowed(seqs))
+        (sampled, *_), _ = runner.run_step(tokens, seqs, batch,
+                                           runner.every_token_allowed(seqs))
         sampled.block_until_ready()

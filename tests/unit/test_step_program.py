@@ -28,6 +28,7 @@ from pd_fsm.jax_engine.sampling.params import SamplingParams
 from pd_fsm.jax_engine.step.program import StepOptions, step
 from pd_fsm.schedulers import Req, RequestOutput, Scheduler, SchedulerArgs, model_runner
 from pd_fsm.schedulers.model_runner import MAIN_KV
+from pd_fsm.schedulers.request import LogprobSpec
 from pd_fsm.schedulers.warm_up import shapes_of, warm_up
 from pd_fsm.text.tokenizer import CharTokenizer
 
@@ -289,6 +290,45 @@ def test_penalties_and_bans_on_the_device_answer_as_the_chain() -> None:
             slots = sched.runner.rows.slots
             assert slots is not None and slots.held() <= len(PENALTIES)
             assert slots.fit([None] * 8) and len(slots._free) + slots.held() == 8
+
+
+def _with_tops(sched: Scheduler) -> dict[str, list[object]]:
+    for i, prompt in enumerate(PROMPTS):
+        sp = SamplingParams(max_new_tokens=6, temperature=0.0 if i % 2 else 0.8, seed=3,
+                            frequency_penalty=0.5 if i == 2 else 0.0)
+        sched.add_request(sched.make_request(f"t{i}", prompt, sp,
+                                             logprobs=LogprobSpec(top=5 if i < 3 else 0)))
+    out: dict[str, list[object]] = {}
+    for o in sched.run_until_idle():
+        out.setdefault(o.rid, []).extend(zip(o.new_token_ids, o.new_logprobs,
+                                             o.new_top_logprobs or [()] * len(o.new_token_ids),
+                                             strict=True))
+    return out
+
+
+def test_top_logprobs_on_the_device_answer_as_the_chain() -> None:
+    """Rows asking for their top alternatives (one penalized, one sampled) beside one that does
+    not, through the fused step overlapped: the chain's tokens, and the same alternatives with
+    the same log-probs (to float rounding: the step's logits are another program's), from no
+    chain forward."""
+    model = _model()
+    args = SchedulerArgs(model="tiny", num_pages=64, page_size=PAGE, max_running=4,
+                         max_batched_tokens=32, context_length=128)
+    chain = _with_tops(Scheduler(args, model=model))
+    with backend.using(backend.accelerator_on_cpu("reference")):
+        sched = Scheduler(args, model=model)
+        fused = _with_tops(sched)
+        assert all(shape[0] == "step" for shape in sched.forward_shapes)
+    assert fused.keys() == chain.keys()
+    for rid, rows in chain.items():
+        assert [t for t, _, _ in fused[rid]] == [t for t, _, _ in rows]
+        np.testing.assert_allclose([lp for _, lp, _ in fused[rid]], [lp for _, lp, _ in rows],
+                                   atol=1e-4)
+        for (_, _, top_f), (_, _, top_c) in zip(fused[rid], rows, strict=True):
+            assert [i for i, _ in top_f] == [i for i, _ in top_c]  # type: ignore[attr-defined]
+            np.testing.assert_allclose([v for _, v in top_f], [v for _, v in top_c],  # type: ignore[attr-defined]
+                                       atol=1e-4)
+    assert all(len(top) == 5 for _, _, top in chain["t0"])  # type: ignore[arg-type]
 
 
 def test_a_prefill_of_a_few_prompts_runs_at_eight_sequences_not_the_capacity() -> None:

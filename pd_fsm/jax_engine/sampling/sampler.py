@@ -233,9 +233,10 @@ def penalty_arrays(params: Sequence[SamplingParams | None], slots: Sequence[int]
 
 
 def greedy_arrays(b_pad: int) -> dict[str, np.ndarray]:
-    """The per-row arrays (``SAMPLING_ARRAYS`` and ``PENALTY_ARRAYS``) of ``b_pad`` greedy rows
-    without penalties."""
-    return {**sampling_arrays([], [], [], b_pad), **penalty_arrays([], [], b_pad)}
+    """The per-row arrays (``SAMPLING_ARRAYS``, ``PENALTY_ARRAYS`` and ``top_logprobs``) of
+    ``b_pad`` greedy rows without penalties or top log-probs."""
+    return {**sampling_arrays([], [], [], b_pad), **penalty_arrays([], [], b_pad),
+            "top_logprobs": np.zeros(b_pad, np.int32)}
 
 
 def _choose(
@@ -267,11 +268,34 @@ def top_logprobs(logits: jax.Array, ks: Sequence[int]) -> list[TopLogprobs]:
     log-probs, most likely first (ties: lower id first); rows with ``k == 0`` get ``()``."""
     if not any(ks):
         return [() for _ in ks]
-    ids, values = (np.asarray(a) for a in EXECUTABLES.call(_top_logprobs, {}, logits))
+    ids, values = EXECUTABLES.call(_top_logprobs, {}, logits)
+    return tops_of(ids, values, ks)
+
+
+def tops_of(ids: jax.Array, values: jax.Array, ks: Sequence[int]) -> list[TopLogprobs]:
+    """Row ``i``'s first ``ks[i]`` of ``TOP_LOGPROBS_COMPUTED`` alternatives (``ids``,
+    ``values``: ``[B_pad, K]``, on the host once read)."""
+    if not any(ks):
+        return [() for _ in ks]
+    host_ids, host_values = np.asarray(ids), np.asarray(values)
     return [
-        tuple(zip(ids[i, :k].tolist(), values[i, :k].tolist(), strict=True))
+        tuple(zip(host_ids[i, :k].tolist(), host_values[i, :k].tolist(), strict=True))
         for i, k in enumerate(ks)
     ]
+
+
+def top_logprobs_where_asked(logits: jax.Array, ks: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``_top_logprobs`` of ``logits[S, V]`` in a step where some row asks (``ks[i] > 0``);
+    zeros, without the pass over the vocabulary, where none does."""
+    rows = logits.shape[0]
+
+    def none() -> tuple[jax.Array, jax.Array]:
+        return (jnp.zeros((rows, TOP_LOGPROBS_COMPUTED), jnp.int32),
+                jnp.zeros((rows, TOP_LOGPROBS_COMPUTED), jnp.float32))
+
+    out: tuple[jax.Array, jax.Array] = jax.lax.cond(
+        jnp.any(ks > 0), lambda: _top_logprobs(logits), none)
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("top",))

@@ -45,6 +45,7 @@ from pd_fsm.jax_engine.sampling.sampler import (
     greedy_tokens,
     penalize_rows,
     sample_tokens,
+    top_logprobs_where_asked,
 )
 
 # What a step returns: the sampled tokens and their log-probs ("greedy": argmax; "sample":
@@ -173,8 +174,11 @@ def step(
 ) -> tuple[tuple[jax.Array, ...], KV]:
     """One step (module docstring). ``sampling``: for "sample", the rows' ``temperature``,
     ``top_k``, ``top_p``, ``seeds``, ``steps`` and ``bitmask``, and where rows may be penalized
-    ``penalty_counts`` (``[slots, V]``) with ``PENALTY_ARRAYS``; else empty. Returns
-    ``(tokens [S], logprobs [S])`` or ``(logits [S, V],)``, and the pool."""
+    ``penalty_counts`` (``[slots, V]``) with ``PENALTY_ARRAYS``, where they may ask for top
+    log-probs ``top_logprobs`` (each row's count); else empty. Returns ``(tokens [S],
+    logprobs [S])`` — with ``top_logprobs``, also each row's ``TOP_LOGPROBS_COMPUTED`` most
+    likely tokens and their raw log-probs (``[S, K]`` each; zeros where no row asks) — or
+    ``(logits [S, V],)``, and the pool."""
     config = options.config
     n_tokens = tokens.shape[0]
     page_size = kv[0].shape[1]
@@ -201,17 +205,21 @@ def step(
     if "penalty_counts" in sampling:
         choose = penalize_rows(logits, sampling["penalty_counts"],
                                *(sampling[name] for name in PENALTY_ARRAYS))
-    return sample_tokens(logits, sampling["temperature"], sampling["top_k"], sampling["top_p"],
-                         sampling["seeds"], sampling["steps"], sampling["bitmask"],
-                         choose), new_kv
+    tokens, logprobs = sample_tokens(logits, sampling["temperature"], sampling["top_k"],
+                                     sampling["top_p"], sampling["seeds"], sampling["steps"],
+                                     sampling["bitmask"], choose)
+    if "top_logprobs" not in sampling:
+        return (tokens, logprobs), new_kv
+    return (tokens, logprobs, *top_logprobs_where_asked(logits, sampling["top_logprobs"])), new_kv
 
 
 # The per-row sampling arrays in ``packed_step``'s batch, in this order, each ``seqs`` int32
 # words (a float32 or uint32 array's bits as they are).
-PACKED_ROWS = (*SAMPLING_ARRAYS, *PENALTY_ARRAYS)
+PACKED_ROWS = (*SAMPLING_ARRAYS, *PENALTY_ARRAYS, "top_logprobs")
 _ROW_DTYPES = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32,
                "seeds": np.uint32, "steps": np.int32, "penalty_slots": np.int32,
-               "repetition": np.float32, "frequency": np.float32, "presence": np.float32}
+               "repetition": np.float32, "frequency": np.float32, "presence": np.float32,
+               "top_logprobs": np.int32}
 
 
 def packed_length(tokens: int, seqs: int, width: int) -> int:
