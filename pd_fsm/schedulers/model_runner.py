@@ -8,8 +8,9 @@ and no queue.
 How a step runs is the backend's choice (``jax_engine.backend``), made here and nowhere above: on
 an accelerator one jitted program (``step/program.py``) runs the forward over a lanes-layout pool,
 samples on the device and returns the tokens; on a CPU the chain of jitted calls
-(``model/forward.py``) returns logits and the sampler runs after it. A step whose rows need the
-logits themselves (penalties, top log-probs, prompt log-probs) takes the chain on every backend.
+(``model/forward.py``) returns logits and the sampler runs after it. A prefill whose rows ask
+for prompt log-probs takes the chain on every backend, and so does a step whose penalized rows
+find no free counts slot (``penalty_slots.py``).
 
 The pool arrays live in a ``KVCacheHolder`` (``kv_holder``, pool ``"main_kv"``); every forward
 reads and replaces them through ``with_kv`` under the holder's lock, so a pull thread's scatter

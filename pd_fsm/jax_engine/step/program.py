@@ -49,9 +49,8 @@ from pd_fsm.jax_engine.sampling.sampler import (
 )
 
 # What a step returns: the sampled tokens and their log-probs ("greedy": argmax; "sample":
-# temperature, top-k, top-p, seeds and a grammar bitmask per row), or the last tokens' logits
-# ("logits": what the tests and the benches compare; the runner sends rows whose choice needs
-# the logits on the host to the chain instead).
+# temperature, top-k, top-p, seeds, a grammar bitmask, penalties and top log-probs per row), or
+# the last tokens' logits ("logits": what the tests and the benches compare).
 Sampler = Literal["greedy", "sample", "logits"]
 KVWrite = Literal["scatter", "pages"]
 
