@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 
@@ -514,23 +515,39 @@ def test_pd_on_the_accelerators_choices_equals_the_colocated_chain(tiny: LoadedM
     """P and D on the accelerator's backend choices (the fused step over a lanes pool, bf16 kept
     as bf16, D's decode steps overlapped; attention by the XLA reference on this CPU), with real
     transfers of lanes-layout pages: D's greedy tokens equal the colocated chain's, and every
-    page and registration is back on both sides."""
+    page and registration is back on both sides. Two requests are penalized, each of which
+    would repeat its first token later: P chose that token, so D must count it (its history
+    seeds the request's counts on D's first step) to answer as the colocated chain."""
     from pd_fsm.jax_engine import backend
 
     prompts = _prompts()
+    penalized = attrs.evolve(GREEDY, frequency_penalty=1.0, repetition_penalty=1.5)
+
+    def sampling(i: int) -> SamplingParams:
+        return penalized if i in (0, 2) else GREEDY
+
     colo = Scheduler(SchedulerArgs(model="tiny", num_pages=96, page_size=PAGE, max_running=16,
                                    max_batched_tokens=256), model=tiny)
     for i, ids in enumerate(prompts):
-        colo.add_request(Req(f"r{i}", ids, GREEDY))
+        colo.add_request(Req(f"r{i}", ids, sampling(i)))
     expected = collect(colo.run_until_idle())
+    plain = Scheduler(SchedulerArgs(model="tiny", num_pages=96, page_size=PAGE, max_running=16,
+                                    max_batched_tokens=256), model=tiny)
+    for i in (0, 2):
+        plain.add_request(Req(f"r{i}", prompts[i], GREEDY))
+    unpenalized = collect(plain.run_until_idle())
+    # Both would repeat their first token (P's) later: penalized, they do not.
+    for r in ("r0", "r2"):
+        ids = unpenalized[r]["ids"]
+        assert ids[0] in ids[1:] and expected[r]["ids"][0] not in expected[r]["ids"][1:]
     with backend.using(backend.accelerator_on_cpu("reference")):
         pair = PDPair(tiny, _args("prefill", lease_initial=600.0, lease_extension=600.0),
                       _args("decode"))
         try:
             assert pair.p.pool_config.lanes and pair.d.pool_config.lanes
             for i, ids in enumerate(prompts):
-                pair.d.role.add_pd_request(Req(f"r{i}", ids, GREEDY), BOOT, 1000 + i)
-                pair.p.role.add_pd_request(Req(f"r{i}", ids, GREEDY), 1000 + i)
+                pair.d.role.add_pd_request(Req(f"r{i}", ids, sampling(i)), BOOT, 1000 + i)
+                pair.p.role.add_pd_request(Req(f"r{i}", ids, sampling(i)), 1000 + i)
             pair.run(lambda: len(collect(pair.d_outputs)) == len(prompts)
                      and all(v["reason"] for v in collect(pair.d_outputs).values())
                      and pair.books_balanced())
@@ -538,5 +555,7 @@ def test_pd_on_the_accelerators_choices_equals_the_colocated_chain(tiny: LoadedM
             assert {rid: v["ids"] for rid, v in got.items()} == {
                 rid: v["ids"] for rid, v in expected.items()}
             assert pair.books_balanced()
+            for side in (pair.p, pair.d):  # every step fused: no row took the chain
+                assert all(shape[0] == "step" for shape in side.runner.forward_shapes)
         finally:
             pair.close()
