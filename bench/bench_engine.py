@@ -15,8 +15,10 @@ KV on an accelerator):
 - **prefill** of one prompt of 128 / 1,024 / 4,096 tokens. Floor: the model's FLOPs over the
   chip's peak (``--peak-tflops``, 197 for a v5e bf16), i.e. the fraction is MFU.
 - **mixed**: 64 decode rows at 512 tokens and a 512-token prefill chunk in one step.
-- **host share**: of a fused decode step, the time the host spends building and uploading the
-  step's arrays and dispatching it (the rest is the device and the read-back).
+- **host share**: of a fused decode step, the time the host spends building the step's one
+  array (``upload_ms``, the name runs before run 10 used: they uploaded four arrays there) and
+  dispatching it (``dispatch_ms``, the array's transfer in the call, as the runner's); the rest
+  is the device and the read-back.
 - **chain**: today's path (``model/forward.py``'s ~34 jitted calls, then the sampler) for the
   smaller shapes, the same rows.
 - **kernel check**: the ragged paged attention kernel against the XLA reference on the backend.
@@ -132,15 +134,17 @@ class Fused:
         # The penalty counts the runner keeps (no row penalized here).
         self.counts = jnp.zeros((PENALTY_SLOTS, config.vocab_size), jnp.int32)
         self.allowed: dict[int, jax.Array] = {}
-        # Per run: uploading the arrays, dispatching the program, waiting for the tokens.
+        # Per run: building the step's array, dispatching the program (the array's transfer in
+        # it), waiting for the tokens.
         self.laps: list[tuple[float, float, float]] = []
 
     def upload(self, tokens: np.ndarray, carry: np.ndarray, q_lens: np.ndarray,
-               kv_lens: np.ndarray, table: np.ndarray) -> jax.Array:
-        """The step's one array, packed and uploaded, as the runner does."""
-        return upload(pack(tokens, carry, q_lens, kv_lens, table, greedy_arrays(len(q_lens))))
+               kv_lens: np.ndarray, table: np.ndarray) -> np.ndarray:
+        """The step's one host array, packed as the runner packs it (the dispatch transfers
+        it, as the runner's call does)."""
+        return pack(tokens, carry, q_lens, kv_lens, table, greedy_arrays(len(q_lens)))
 
-    def dispatch(self, batch: jax.Array, seqs: int, width: int) -> jax.Array:
+    def dispatch(self, batch: np.ndarray, seqs: int, width: int) -> jax.Array:
         """Dispatch the step on ``batch`` without waiting; its sampled tokens, on the device."""
         allowed = self.allowed.get(seqs)
         if allowed is None:

@@ -1,16 +1,18 @@
-"""A fused step's inputs onto the device: one packed array (the runner's way) against the way
-a sampled step went before, in the same run.
+"""A fused step's inputs onto the device: one packed host array handed to the program's call
+(the runner's way) against the way a sampled step went before, in the same run.
 
-- **apart** (the baseline): the step's int32 arrays packed in one upload, then each row's
-  sampling array (temperature, top-k, top-p, seed, step) and an all-ones grammar bitmask
-  (``[rows, ceil(vocab / 32)]`` int32, 1.2 MB at 64 rows over Qwen3's vocabulary) built and
-  uploaded apart: seven transfers a step.
-- **packed**: ``step/program.pack`` with the rows' sampling inside, one transfer; the bitmask
-  where no row has a grammar is kept on the device.
+- **apart** (the baseline): the step's int32 arrays packed in one, each row's sampling array
+  (temperature, top-k, top-p, seed, step) and an all-ones grammar bitmask (``[rows, ceil(vocab
+  / 32)]`` int32, 1.2 MB at 64 rows over Qwen3's vocabulary) built and uploaded apart with
+  ``device_put``, then a program called on the seven.
+- **packed**: ``step/program.pack`` with every row's sampling inside, handed to a program's
+  call as a host array (the call transfers it); the bitmask, where no row has a grammar or a
+  ban, the one kept on the device.
 
-Each figure: the median of ``--repeats`` runs (after 20 warm ones) of building the arrays and
-waiting for them on the device, in microseconds. On a CPU a transfer is a copy; on the TPU
-machine each is a host-to-device transfer of its own (~0.2 ms in run 9).
+The programs only read a word of each input: what is timed is building the inputs and getting
+them to the device (median of ``--repeats`` runs after 20 warm ones, in microseconds, waiting
+for the program). On a CPU a transfer is a copy; on the TPU machine each ``device_put`` was a
+host-to-device transfer of ~0.2 ms in run 9.
 
     python bench/bench_step_inputs.py [--rows 1,8,64] [--vocab 151936] [--json OUT]
 """
@@ -25,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pd_fsm.jax_engine.compilation.upload import upload
@@ -58,19 +61,35 @@ def measure(rows: int, vocab: int, repeats: int) -> dict[str, object]:
     params = [SamplingParams(temperature=0.7, top_p=0.9, seed=7)] * rows
     seeds, steps = [7] * rows, [CONTEXT] * rows
 
-    def apart() -> list[jax.Array]:
-        ints = upload(np.concatenate([tokens, carry, q_lens, kv_lens, table.reshape(-1)]))
-        arrays = sampling_arrays(params, seeds, steps, rows)
-        bitmask = np.full((rows, bitmask_words(vocab)), -1, np.int32)
-        return [ints, *(upload(a) for a in arrays.values()), upload(bitmask)]
+    def taking(*args: object) -> jax.stages.Compiled:
+        """A program that takes these arrays (and reads a word of each): what the step's call
+        does with its inputs, without the step."""
+        fn = jax.jit(lambda *xs: sum(x.reshape(-1)[0].astype(jnp.float32) for x in xs))
+        return fn.lower(*args).compile()
 
     allowed = upload(np.full((rows, bitmask_words(vocab)), -1, np.int32))
+    ints = np.concatenate([tokens, carry, q_lens, kv_lens, table.reshape(-1)])
+    seven = taking(ints, *sampling_arrays(params, seeds, steps, rows).values(), allowed)
 
-    def packed() -> list[jax.Array]:
-        arrays = {**sampling_arrays(params, seeds, steps, rows),
-                  **penalty_arrays(params, [-1] * rows, rows),
-                  "top_logprobs": np.zeros(rows, np.int32)}
-        return [upload(pack(tokens, carry, q_lens, kv_lens, table, arrays)), allowed]
+    def apart() -> jax.Array:
+        arrays = sampling_arrays(params, seeds, steps, rows)
+        bitmask = np.full((rows, bitmask_words(vocab)), -1, np.int32)
+        ints = np.concatenate([tokens, carry, q_lens, kv_lens, table.reshape(-1)])
+        out: jax.Array = seven(upload(ints), *(upload(a) for a in arrays.values()),
+                               upload(bitmask))
+        return out
+
+    def rows_now() -> dict[str, np.ndarray]:
+        return {**sampling_arrays(params, seeds, steps, rows),
+                **penalty_arrays(params, [-1] * rows, rows),
+                "top_logprobs": np.zeros(rows, np.int32)}
+
+    one = taking(pack(tokens, carry, q_lens, kv_lens, table, rows_now()), allowed)
+
+    def packed() -> jax.Array:
+        # The host array to the call as it is: the call transfers it, as the runner's does.
+        out: jax.Array = one(pack(tokens, carry, q_lens, kv_lens, table, rows_now()), allowed)
+        return out
 
     # Alternated, so that drift on a shared machine falls on both.
     base, ours = [], []

@@ -12,7 +12,6 @@ import jax
 import numpy as np
 
 from pd_fsm.jax_engine.compilation.executables import EXECUTABLES
-from pd_fsm.jax_engine.compilation.upload import upload
 from pd_fsm.jax_engine.sampling.sampler import greedy_arrays
 from pd_fsm.jax_engine.step.program import pack
 from pd_fsm.schedulers.model_runner import ModelRunner
@@ -64,8 +63,8 @@ def run_each_step_once(runner: ModelRunner, plan: Sequence[tuple[int, int]]) -> 
     for tokens, seqs in runner.step_shapes(plan):
         empty = np.zeros(seqs, np.int32)
         greedy = greedy_arrays(seqs)
-        batch = upload(pack(np.zeros(tokens, np.int32), np.full(tokens, -1, np.int32),
-                            empty, empty, np.zeros((seqs, width), np.int32), greedy))
+        batch = pack(np.zeros(tokens, np.int32), np.full(tokens, -1, np.int32), empty, empty,
+                     np.zeros((seqs, width), np.int32), greedy)
         (sampled, *_), _ = runner.run_step(tokens, seqs, batch,
                                            runner.every_token_allowed(seqs))
         sampled.block_until_ready()
