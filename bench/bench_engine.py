@@ -61,7 +61,7 @@ from pd_fsm.jax_engine.model import forward
 from pd_fsm.jax_engine.model.config import SMOLLM2_135M, ModelConfig
 from pd_fsm.jax_engine.model.dummy import dummy_params, param_bytes, shape_config
 from pd_fsm.jax_engine.model.params import fuse_projections, stack_layers
-from pd_fsm.jax_engine.sampling.grammar import bitmask_words
+from pd_fsm.jax_engine.sampling.grammar import allow_every_token
 from pd_fsm.jax_engine.sampling.sampler import _greedy, greedy_arrays
 from pd_fsm.jax_engine.step.program import StepOptions, pack, packed_step
 from pd_fsm.schedulers.penalty_slots import PENALTY_SLOTS
@@ -149,7 +149,7 @@ class Fused:
         allowed = self.allowed.get(seqs)
         if allowed is None:
             allowed = self.allowed[seqs] = upload(
-                np.full((seqs, bitmask_words(self.config.vocab_size)), -1, np.int32))
+                allow_every_token(seqs, self.config.vocab_size))
         (sampled, *_), self.carried, self.counts, self.kv = packed_step(
             self.params, self.kv, batch, self.carried, allowed, self.counts,
             options=self.options, sampler="sample", seqs=seqs, width=width)

@@ -31,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pd_fsm.jax_engine.compilation.upload import upload
-from pd_fsm.jax_engine.sampling.grammar import bitmask_words
+from pd_fsm.jax_engine.sampling.grammar import allow_every_token
 from pd_fsm.jax_engine.sampling.params import SamplingParams
-from pd_fsm.jax_engine.sampling.sampler import penalty_arrays, sampling_arrays
+from pd_fsm.jax_engine.sampling.sampler import TOP_LOGPROBS, penalty_arrays, sampling_arrays
 from pd_fsm.jax_engine.step.program import pack
 
 CONTEXT = 1024
@@ -67,13 +67,13 @@ def measure(rows: int, vocab: int, repeats: int) -> dict[str, object]:
         fn = jax.jit(lambda *xs: sum(x.reshape(-1)[0].astype(jnp.float32) for x in xs))
         return fn.lower(*args).compile()
 
-    allowed = upload(np.full((rows, bitmask_words(vocab)), -1, np.int32))
+    allowed = upload(allow_every_token(rows, vocab))
     ints = np.concatenate([tokens, carry, q_lens, kv_lens, table.reshape(-1)])
     seven = taking(ints, *sampling_arrays(params, seeds, steps, rows).values(), allowed)
 
     def apart() -> jax.Array:
         arrays = sampling_arrays(params, seeds, steps, rows)
-        bitmask = np.full((rows, bitmask_words(vocab)), -1, np.int32)
+        bitmask = allow_every_token(rows, vocab)
         ints = np.concatenate([tokens, carry, q_lens, kv_lens, table.reshape(-1)])
         out: jax.Array = seven(upload(ints), *(upload(a) for a in arrays.values()),
                                upload(bitmask))
@@ -82,7 +82,7 @@ def measure(rows: int, vocab: int, repeats: int) -> dict[str, object]:
     def rows_now() -> dict[str, np.ndarray]:
         return {**sampling_arrays(params, seeds, steps, rows),
                 **penalty_arrays(params, [-1] * rows, rows),
-                "top_logprobs": np.zeros(rows, np.int32)}
+                TOP_LOGPROBS: np.zeros(rows, np.int32)}
 
     one = taking(pack(tokens, carry, q_lens, kv_lens, table, rows_now()), allowed)
 

@@ -43,7 +43,7 @@ from pd_fsm.jax_engine.parallel.tensor_parallel import (
     pool_sharding,
     sharded_params,
 )
-from pd_fsm.jax_engine.sampling.grammar import bitmask_words
+from pd_fsm.jax_engine.sampling.grammar import allow_every_token
 from pd_fsm.jax_engine.sampling.params import TopLogprobs
 from pd_fsm.jax_engine.sampling.sampler import (
     compile_samplers,
@@ -321,7 +321,7 @@ class ModelRunner:
         allowed = self._allowed.get(seqs)
         if allowed is None:
             allowed = self._allowed[seqs] = upload(
-                np.full((seqs, bitmask_words(self.config.vocab_size)), -1, np.int32))
+                allow_every_token(seqs, self.config.vocab_size))
         return allowed
 
     def _step_shape(self, tokens: np.ndarray, carry: np.ndarray, q_lens: np.ndarray,
@@ -475,7 +475,7 @@ class ModelRunner:
 
         # XLA compiles without the GIL: a thread per core, up to WARMUP_THREADS.
         with ThreadPoolExecutor(warmup_threads(), thread_name_prefix="warm-up") as pool:
-            if slots is not None:
+            if self.backend.fused_step:
                 list(pool.map(step, self.step_shapes(plan)))
             else:
                 list(pool.map(shape, plan))

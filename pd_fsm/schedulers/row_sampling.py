@@ -9,9 +9,10 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from pd_fsm.jax_engine.sampling.grammar import bitmask_words
+from pd_fsm.jax_engine.sampling.grammar import allow_every_token, forbid
 from pd_fsm.jax_engine.sampling.params import SamplingParams, TopLogprobs
 from pd_fsm.jax_engine.sampling.sampler import (
+    TOP_LOGPROBS,
     Adjustment,
     penalty_arrays,
     sample,
@@ -65,18 +66,15 @@ class RowSampling:
             [0 if r is None else r.position + int(ahead[i]) for i, r in enumerate(rows)], b_pad)
         slots = self.slots.slots_for(rows) if self.slots is not None else []
         arrays.update(penalty_arrays(params, slots, b_pad))
-        arrays["top_logprobs"] = np.zeros(b_pad, np.int32)
-        arrays["top_logprobs"][: len(rows)] = self.tops_asked(rows)
+        arrays[TOP_LOGPROBS] = np.zeros(b_pad, np.int32)
+        arrays[TOP_LOGPROBS][: len(rows)] = self.tops_asked(rows)
         bitmask = self.bitmask(b_pad, rows)
         for i, r in enumerate(rows):
             if r is None or len(r.output_ids) + int(ahead[i]) >= r.sampling.min_new_tokens:
                 continue
             if bitmask is None:
-                bitmask = np.full((b_pad, bitmask_words(self.vocab_size)), -1, np.int32)
-            words = bitmask.view(np.uint32)
-            for token in self.ends(r.sampling):
-                if 0 <= token < self.vocab_size:
-                    words[i, token >> 5] &= np.uint32(~(1 << (token & 31)) & 0xFFFFFFFF)
+                bitmask = allow_every_token(b_pad, self.vocab_size)
+            forbid(bitmask, i, self.ends(r.sampling))
         return arrays, bitmask
 
     def on_device_alone(self, rows: Sequence[Req | None]) -> bool:
@@ -97,7 +95,7 @@ class RowSampling:
         """The tokens each row's grammar allows next (None: no row has one)."""
         if not any(r is not None and r.matcher is not None for r in reqs):
             return None
-        bitmask = np.full((rows, bitmask_words(self.vocab_size)), -1, np.int32)
+        bitmask = allow_every_token(rows, self.vocab_size)
         for i, r in enumerate(reqs):
             if r is not None and r.matcher is not None:
                 r.matcher.fill(bitmask, i)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import threading
 import weakref
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import attrs
@@ -126,6 +127,20 @@ class Matcher:
 
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
+
+
+def allow_every_token(rows: int, vocab_size: int) -> np.ndarray:
+    """A bitmask of ``rows`` rows that allows every token."""
+    return np.full((rows, bitmask_words(vocab_size)), -1, np.int32)
+
+
+def forbid(bitmask: np.ndarray, row: int, tokens: Iterable[int]) -> None:
+    """Clear ``tokens``' bits in ``bitmask[row]``, in place (ids outside the vocabulary's words
+    are skipped)."""
+    words = bitmask.view(np.uint32)
+    for token in tokens:
+        if 0 <= token < 32 * words.shape[1]:
+            words[row, token >> 5] &= np.uint32(~(1 << (token & 31)) & 0xFFFFFFFF)
 
 
 _COMPILERS: weakref.WeakKeyDictionary[Any, GrammarCompiler] = weakref.WeakKeyDictionary()

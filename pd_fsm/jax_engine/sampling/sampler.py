@@ -19,7 +19,7 @@ import numpy as np
 
 from pd_fsm.jax_engine.compilation.executables import EXECUTABLES
 from pd_fsm.jax_engine.compilation.upload import upload
-from pd_fsm.jax_engine.sampling.grammar import bitmask_words
+from pd_fsm.jax_engine.sampling.grammar import allow_every_token, bitmask_words
 from pd_fsm.jax_engine.sampling.params import TOP_LOGPROBS_COMPUTED, SamplingParams, TopLogprobs
 
 
@@ -181,7 +181,7 @@ def sample(
             adjust_logits(host[i], sp, adjustment)
         logits = upload(host)
     if bitmask is None:
-        bitmask = np.full((b_pad, bitmask_words(logits.shape[-1])), -1, np.int32)
+        bitmask = allow_every_token(b_pad, logits.shape[-1])
     tokens, logprobs = _choose(logits, params, seeds, steps, n, b_pad, upload(bitmask))
     if raw is not None:
         logprobs = logprobs.copy()
@@ -194,6 +194,8 @@ def sample(
 SAMPLING_ARRAYS = ("temperature", "top_k", "top_p", "seeds", "steps")
 # The per-row arrays of ``penalize_rows`` after the counts.
 PENALTY_ARRAYS = ("penalty_slots", "repetition", "frequency", "presence")
+# The per-row array of how many top log-probs each row asks for (a fused step's).
+TOP_LOGPROBS = "top_logprobs"
 
 
 def sampling_arrays(params: Sequence[SamplingParams | None], seeds: Sequence[int],
@@ -236,7 +238,7 @@ def greedy_arrays(b_pad: int) -> dict[str, np.ndarray]:
     """The per-row arrays (``SAMPLING_ARRAYS``, ``PENALTY_ARRAYS`` and ``top_logprobs``) of
     ``b_pad`` greedy rows without penalties or top log-probs."""
     return {**sampling_arrays([], [], [], b_pad), **penalty_arrays([], [], b_pad),
-            "top_logprobs": np.zeros(b_pad, np.int32)}
+            TOP_LOGPROBS: np.zeros(b_pad, np.int32)}
 
 
 def _choose(

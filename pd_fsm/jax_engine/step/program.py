@@ -42,6 +42,7 @@ from pd_fsm.jax_engine.sampling.grammar import bitmask_words
 from pd_fsm.jax_engine.sampling.sampler import (
     PENALTY_ARRAYS,
     SAMPLING_ARRAYS,
+    TOP_LOGPROBS,
     greedy_tokens,
     penalize_rows,
     sample_tokens,
@@ -207,18 +208,18 @@ def step(
     tokens, logprobs = sample_tokens(logits, sampling["temperature"], sampling["top_k"],
                                      sampling["top_p"], sampling["seeds"], sampling["steps"],
                                      sampling["bitmask"], choose)
-    if "top_logprobs" not in sampling:
+    if TOP_LOGPROBS not in sampling:
         return (tokens, logprobs), new_kv
-    return (tokens, logprobs, *top_logprobs_where_asked(logits, sampling["top_logprobs"])), new_kv
+    return (tokens, logprobs, *top_logprobs_where_asked(logits, sampling[TOP_LOGPROBS])), new_kv
 
 
 # The per-row sampling arrays in ``packed_step``'s batch, in this order, each ``seqs`` int32
 # words (a float32 or uint32 array's bits as they are).
-PACKED_ROWS = (*SAMPLING_ARRAYS, *PENALTY_ARRAYS, "top_logprobs")
+PACKED_ROWS = (*SAMPLING_ARRAYS, *PENALTY_ARRAYS, TOP_LOGPROBS)
 _ROW_DTYPES = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32,
                "seeds": np.uint32, "steps": np.int32, "penalty_slots": np.int32,
                "repetition": np.float32, "frequency": np.float32, "presence": np.float32,
-               "top_logprobs": np.int32}
+               TOP_LOGPROBS: np.int32}
 
 
 def packed_length(tokens: int, seqs: int, width: int) -> int:
