@@ -1,8 +1,8 @@
 """bench/bench_engine.py as the chip runs it (`bench/tpu_engine.sh prefill`: the fused step's
 decode and prefill timed with today's KV write and each option, a prefill traced by kind, the
 scheduler's closed loop into the workers' compilation cache), here on the CPU with a 2-layer
-model at a shape of its own, and bench/bench_step_inputs.py beside it: CI keeps the chip's
-engine benches alive."""
+model at a shape of its own, and bench/bench_step_inputs.py and bench/bench_launch_host.py
+beside it: CI keeps the chip's engine benches alive."""
 
 from __future__ import annotations
 
@@ -66,3 +66,16 @@ def test_bench_step_inputs_times_both_ways(tmp_path: Path) -> None:
     records = json.loads(out.read_text())
     assert [r["rows"] for r in records] == [1, 4]
     assert all(r["apart_us"] > 0 and r["packed_us"] > 0 for r in records)
+
+
+def test_bench_launch_host_times_a_launch(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_launch_host.py"), "--rows", "1,2",
+         "--launches", "3"],
+        cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu",
+                       "PD_FSM_CACHE_DIR": str(tmp_path / "cache")},
+        capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["rows"] for r in records] == [1, 2]
+    assert all(r["launch_ms_median"] > 0 for r in records)
